@@ -1,0 +1,73 @@
+"""Writing to the Trainer's loggers: scalars to every logger, histograms, text and images to TensorBoard.
+
+Callbacks measure on the device and call these only on a logging step; :func:`log_scalars` moves all
+values of one step to the host in a single transfer. Loggers that cannot take histograms, text or
+images (CSVLogger, ...) are skipped with one notice per kind, never an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import WarningCache
+
+_notices = WarningCache()
+
+
+def log_scalars(trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], step: int) -> dict[str, float]:
+    """Write ``metrics`` to every logger at ``step`` (optimizer steps); returns them as floats.
+
+    Tensors are stacked and copied to the host once: this is the only host sync of a logging step.
+    """
+    tensor_keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
+    values = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
+    if tensor_keys:
+        stacked = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in tensor_keys])  # type: ignore[union-attr]
+        values.update(zip(tensor_keys, stacked.cpu().tolist()))
+    for logger in trainer.loggers:
+        logger.log_metrics(values, step=step)
+    return values
+
+
+def tensorboard_writers(trainer: "pl.Trainer", what: str) -> list:
+    """The ``SummaryWriter`` of each TensorBoardLogger, on global rank zero only.
+
+    When there are loggers but none is a TensorBoardLogger, says once that ``what`` is skipped.
+    """
+    if trainer.global_rank != 0:
+        return []
+    writers = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+    if trainer.loggers and not writers:
+        _notices.info(f"trainvitals: {what} need a TensorBoardLogger; the loggers in use get scalars only.")
+    return writers
+
+
+def log_histogram(trainer: "pl.Trainer", tag: str, values: Tensor, step: int) -> None:
+    """A TensorBoard histogram of ``values`` (any shape, flattened; non-finite entries dropped)."""
+    writers = tensorboard_writers(trainer, "histograms")
+    if not writers:
+        return
+    flat = values.detach().reshape(-1).to(torch.float32).cpu()
+    flat = flat[torch.isfinite(flat)]
+    if flat.numel() == 0:
+        return
+    for w in writers:
+        w.add_histogram(tag, flat, global_step=step)
+
+
+def log_text(trainer: "pl.Trainer", tag: str, markdown: str, step: int) -> None:
+    """A TensorBoard text panel (markdown)."""
+    for w in tensorboard_writers(trainer, "text panels"):
+        w.add_text(tag, markdown, global_step=step)
+
+
+def log_image(trainer: "pl.Trainer", tag: str, image: np.ndarray, step: int) -> None:
+    """A TensorBoard image from an ``(H, W, 3)`` uint8 array."""
+    for w in tensorboard_writers(trainer, "images"):
+        w.add_image(tag, image, global_step=step, dataformats="HWC")

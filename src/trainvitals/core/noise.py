@@ -1,0 +1,200 @@
+"""Gradient noise: ‖G‖², tr(Σ), the simple noise scale B_simple and the noise floor.
+
+Notation (science.md §3): per-example gradient g_i, batch gradient ḡ_B = (1/B) Σ g_i, true gradient
+G = E[g], per-example covariance Σ. McCandlish et al. 2018 ("An Empirical Model of Large-Batch
+Training", App. A.1):
+
+    E‖ḡ_B‖² = ‖G‖² + tr(Σ)/B                                            (Eq. A.1)
+
+so two batch sizes b < B give unbiased estimates of ‖G‖² and tr(Σ) (Eq. A.2). With n equal groups of
+b examples each (micro-batches, DDP ranks, or single examples with b = 1) and B = n·b:
+
+    m = mean_j ‖ḡ_j‖²
+    ‖G‖²_est = (n‖ḡ_B‖² − m) / (n − 1)
+    S_est    = n·b (m − ‖ḡ_B‖²) / (n − 1)   ≈ tr(Σ)
+
+Single-step estimates are noisy (‖G‖²_est is often negative), so they are smoothed with two separate
+bias-corrected EMAs and only the ratio of the EMAs is reported: B_simple = EMA(S)/EMA(‖G‖²) (Eq. 2.9).
+Everything here stays on the device; nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+
+def two_batch_size_estimates(
+    group_sq_norm_mean: Tensor, batch_sq_norm: Tensor, num_groups: int, group_size: int
+) -> tuple[Tensor, Tensor]:
+    """Unbiased ‖G‖² and tr(Σ) from n group gradients and their mean (McCandlish et al. 2018, Eq. A.2).
+
+    Args:
+        group_sq_norm_mean: ``()`` m = mean_j ‖ḡ_j‖² of the n group-mean gradients.
+        batch_sq_norm: ``()`` ‖ḡ_B‖² of the mean over all n·b examples.
+        num_groups: n ≥ 2.
+        group_size: b ≥ 1 examples per group (b = 1: per-example gradients).
+
+    Returns:
+        ``(grad_sq_norm, trace_cov)``: ‖G‖²_est and S_est ≈ tr(Σ), in per-example units. Either can
+        be negative in a single step; do not clamp them before averaging.
+
+    Raises:
+        ValueError: if ``num_groups < 2`` or ``group_size < 1``.
+    """
+    if num_groups < 2:
+        raise ValueError(f"`num_groups` must be >= 2 for a two-batch-size estimate, got {num_groups}")
+    if group_size < 1:
+        raise ValueError(f"`group_size` must be >= 1, got {group_size}")
+    n = float(num_groups)
+    grad_sq_norm = (n * batch_sq_norm - group_sq_norm_mean) / (n - 1)
+    trace_cov = n * group_size * (group_sq_norm_mean - batch_sq_norm) / (n - 1)
+    return grad_sq_norm, trace_cov
+
+
+class BiasCorrectedEMA:
+    """An exponential moving average with Adam-style bias correction, kept on the device.
+
+    ``update(x, valid)`` skips the step where ``valid`` is false (a non-finite or skipped step)
+    without a host sync. ``value`` is ``ema / (1 - beta**t)`` with t the number of valid updates;
+    it is NaN-free: before the first valid update it is 0 and :attr:`count` is 0.
+    """
+
+    def __init__(self, beta: float) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"`beta` must be in [0, 1), got {beta}")
+        self.beta = beta
+        self._ema = torch.zeros((), dtype=torch.float64)
+        self.count = torch.zeros((), dtype=torch.long)
+
+    def update(self, x: Tensor, valid: Tensor | bool = True) -> None:
+        x = x.detach().to(torch.float64)
+        if self._ema.device != x.device:
+            self._ema, self.count = self._ema.to(x.device), self.count.to(x.device)
+        valid_t = torch.as_tensor(valid, device=x.device) & torch.isfinite(x)
+        new = self.beta * self._ema + (1.0 - self.beta) * torch.where(valid_t, x, torch.zeros_like(x))
+        self._ema = torch.where(valid_t, new, self._ema)
+        self.count = self.count + valid_t.long()
+
+    @property
+    def value(self) -> Tensor:
+        correction = 1.0 - torch.pow(torch.full_like(self._ema, self.beta), self.count.to(self._ema.dtype))
+        return torch.where(self.count > 0, self._ema / correction.clamp_min(1e-300), torch.zeros_like(self._ema))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"beta": self.beta, "ema": self._ema.item(), "count": int(self.count.item())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        device = self._ema.device
+        self._ema = torch.tensor(float(state.get("ema", 0.0)), dtype=torch.float64, device=device)
+        self.count = torch.tensor(int(state.get("count", 0)), dtype=torch.long, device=device)
+
+
+class NoiseScaleEMA:
+    """Separate bias-corrected EMAs of ‖G‖²_est and tr(Σ)_est, and what follows from them.
+
+    Feed it one (‖G‖²_est, S_est) pair per optimizer step, from any source (micro-batches, ranks,
+    per-example norms). All outputs are 0-d tensors on the device of the inputs.
+
+    Args:
+        beta: EMA decay per update, in [0, 1).
+    """
+
+    def __init__(self, beta: float = 0.95) -> None:
+        self._grad_sq_norm = BiasCorrectedEMA(beta)
+        self._trace_cov = BiasCorrectedEMA(beta)
+
+    def update(self, grad_sq_norm: Tensor, trace_cov: Tensor, valid: Tensor | bool = True) -> None:
+        ok = torch.as_tensor(valid, device=grad_sq_norm.device) & torch.isfinite(grad_sq_norm) & torch.isfinite(trace_cov)
+        self._grad_sq_norm.update(grad_sq_norm, ok)
+        self._trace_cov.update(trace_cov, ok)
+
+    @property
+    def count(self) -> Tensor:
+        """Number of valid updates so far (``()`` long tensor)."""
+        return self._grad_sq_norm.count
+
+    @property
+    def grad_sq_norm(self) -> Tensor:
+        """EMA of ‖G‖²_est (squared gradient units). Can be ≤ 0 when the signal is lost in noise."""
+        return self._grad_sq_norm.value
+
+    @property
+    def trace_cov(self) -> Tensor:
+        """EMA of tr(Σ)_est, per-example units."""
+        return self._trace_cov.value
+
+    @property
+    def b_simple(self) -> Tensor:
+        """B_simple = tr(Σ)/‖G‖² in examples (McCandlish et al. 2018, Eq. 2.9); ``inf`` when ‖G‖² ≤ 0."""
+        g = self.grad_sq_norm
+        return torch.where(g > 0, self.trace_cov / g.clamp_min(1e-300), torch.full_like(g, float("inf")))
+
+    def noise_floor(self, batch_size: int) -> Tensor:
+        """sqrt(tr(Σ)/B): the norm a batch gradient of B examples keeps when ‖G‖ = 0 (gradient units)."""
+        return torch.sqrt(self.trace_cov.clamp_min(0.0) / batch_size)
+
+    def in_noise_band(self, batch_size: int, margin: float) -> Tensor:
+        """True when ‖G‖² ≤ margin · tr(Σ)/B, i.e. ‖ḡ_B‖ ≤ sqrt(1 + margin) × noise floor (``()`` bool).
+
+        ``margin = 1`` is B ≤ B_simple (Cockpit's NormTest θ ≥ 1). False before the first update.
+        """
+        return (self.count > 0) & (self.trace_cov > 0) & (self.grad_sq_norm <= margin * self.trace_cov / batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"grad_sq_norm": self._grad_sq_norm.state_dict(), "trace_cov": self._trace_cov.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._grad_sq_norm.load_state_dict(state.get("grad_sq_norm", {}))
+        self._trace_cov.load_state_dict(state.get("trace_cov", {}))
+
+
+class MicroBatchSquaredNorms:
+    """Squared norms of each micro-batch's own gradient, seen before it is added into ``.grad``.
+
+    ``p.grad`` only ever holds the running sum of the micro-batches, so the per-micro-batch gradient
+    is read with a tensor hook on each parameter, which autograd calls with the incoming gradient
+    before ``AccumulateGrad`` adds it (and, under DDP, before the all-reduce: it is the rank's local
+    gradient). Each hook adds one fp32 squared norm to a device scalar; nothing is copied or synced.
+
+    Use: :meth:`attach` once; after each backward call :meth:`end_micro_batch`; at the optimizer step
+    :meth:`pop` returns (sum_j ‖g_j‖², n) for the n micro-batches since the last pop. The gradients are
+    whatever backward produced (loss-scaled under AMP, divided by the number of accumulation steps
+    under Lightning): the caller converts units.
+    """
+
+    def __init__(self) -> None:
+        self._handles: list[RemovableHandle] = []
+        self._current: Tensor | None = None
+        self._total: Tensor | None = None
+        self._count = 0
+
+    def attach(self, params: Iterable[torch.nn.Parameter]) -> None:
+        self.detach()
+        self._handles = [p.register_hook(self._hook) for p in params if p.requires_grad]
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook(self, grad: Tensor) -> None:
+        sq = torch.linalg.vector_norm(grad, 2, dtype=torch.float32).to(torch.float64).square()
+        self._current = sq if self._current is None else self._current + sq.to(self._current.device)
+
+    def end_micro_batch(self) -> None:
+        if self._current is None:
+            return
+        self._total = self._current if self._total is None else self._total + self._current
+        self._current = None
+        self._count += 1
+
+    def pop(self) -> tuple[Tensor | None, int]:
+        """(Σ_j ‖g_j‖² over the micro-batches since the last pop, their number); resets."""
+        total, count = self._total, self._count
+        self._current, self._total, self._count = None, None, 0
+        return total, count

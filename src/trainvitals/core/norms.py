@@ -1,0 +1,127 @@
+"""Gradient norms over many tensors, fused and without a host sync.
+
+The per-tensor norms come from one ``torch._foreach_norm`` call per dtype; groups (layers, blocks)
+and the total are then reduced on the device with ``index_add_``/``scatter_reduce_``. Nothing here
+calls ``.item()``: the caller decides when a number goes to the host.
+
+Precision: a float16/bfloat16 gradient squared overflows or underflows, so per-tensor norms are taken
+in ``float32`` (or the gradient's own dtype when wider), and per-tensor norms are combined in
+``float64`` so that a total over many large float32 norms cannot overflow (science.md §2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+GROUPINGS = ("parameter", "module", "block")
+
+
+def validate_norm_type(norm_type: float | int | str) -> float:
+    """Return ``norm_type`` as a float p > 0 (``"inf"`` allowed).
+
+    Raises:
+        ValueError: if ``norm_type`` is not a positive number or ``"inf"``.
+    """
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"`norm_type` must be a positive number or 'inf', got {norm_type!r}") from None
+    if not p > 0:  # also rejects NaN
+        raise ValueError(f"`norm_type` must be a positive number or 'inf', got {norm_type!r}")
+    return p
+
+
+def group_name(param_name: str, grouping: str) -> str:
+    """Map a parameter name (``"encoder.0.weight"``) to the group it is reported under.
+
+    ``parameter`` keeps the name; ``module`` drops the last component (``"encoder.0"``); ``block``
+    keeps the first component (``"encoder"``). A parameter registered on the root module is its own
+    group.
+    """
+    if grouping not in GROUPINGS:
+        raise ValueError(f"`grouping` must be one of {GROUPINGS}, got {grouping!r}")
+    parts = param_name.split(".")
+    if grouping == "parameter" or len(parts) == 1:
+        return param_name
+    if grouping == "module":
+        return ".".join(parts[:-1])
+    return parts[0]
+
+
+def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    """p-norm of each tensor, one fused kernel per dtype.
+
+    Args:
+        tensors: ``P`` tensors of any shapes, on one device.
+        norm_type: p > 0 or ``inf``.
+
+    Returns:
+        A ``float64`` tensor of shape ``(P,)`` on the tensors' device.
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    out: list[Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        # Reduced-precision grads are reduced in fp32; wider ones in their own dtype.
+        acc = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        norms = torch._foreach_norm([tensors[i] for i in idx], norm_type, dtype=acc)
+        for i, n in zip(idx, norms):
+            out[i] = n
+    device = tensors[0].device
+    return torch.stack([n.to(device=device, dtype=torch.float64) for n in out])  # type: ignore[union-attr]
+
+
+def combine_norms(norms: Tensor, norm_type: float = 2.0) -> Tensor:
+    """The p-norm of the concatenation, from the p-norms of the parts (shape ``(P,)`` → ``()``).
+
+    ‖x‖_p = (Σ_i ‖x_i‖_p^p)^(1/p): the p-th root is taken once, on the total.
+    """
+    if norms.numel() == 0:
+        return norms.new_zeros(())
+    return torch.linalg.vector_norm(norms, norm_type)
+
+
+@dataclass(frozen=True)
+class NormGroups:
+    """A fixed assignment of ``P`` tensors to ``G`` named groups, for :func:`grouped_norms`.
+
+    Attributes:
+        names: the ``G`` group names, in first-seen order.
+        index: ``(P,)`` long tensor, the group of each tensor.
+    """
+
+    names: tuple[str, ...]
+    index: Tensor
+
+    @classmethod
+    def from_names(cls, param_names: Sequence[str], grouping: str = "module") -> NormGroups:
+        group_of = [group_name(n, grouping) for n in param_names]
+        names = tuple(dict.fromkeys(group_of))
+        position = {n: i for i, n in enumerate(names)}
+        return cls(names, torch.tensor([position[g] for g in group_of], dtype=torch.long))
+
+
+def grouped_norms(norms: Tensor, groups: NormGroups, norm_type: float = 2.0) -> Tensor:
+    """Group p-norms from per-tensor p-norms, on the device.
+
+    Args:
+        norms: ``(P,)`` per-tensor norms (from :func:`per_tensor_norms`).
+        groups: which group each of the ``P`` tensors belongs to.
+        norm_type: the same p the per-tensor norms were taken with.
+
+    Returns:
+        ``(G,)`` tensor, same dtype as ``norms``; ``total² = Σ group²`` for p = 2.
+    """
+    index = groups.index.to(norms.device)
+    out = norms.new_zeros(len(groups.names))
+    if math.isinf(norm_type):
+        return out.scatter_reduce_(0, index, norms, reduce="amax", include_self=False)
+    return out.index_add_(0, index, norms.pow(norm_type)).pow(1.0 / norm_type)
