@@ -56,6 +56,14 @@ def two_batch_size_estimates(
     return grad_sq_norm, trace_cov
 
 
+def _as_mask(valid: Tensor | bool, x: Tensor) -> Tensor:
+    """``valid & isfinite(x)`` on x's device; a Python bool never becomes a host-to-device copy."""
+    finite = torch.isfinite(x)
+    if isinstance(valid, Tensor):
+        return finite & valid.to(x.device)
+    return finite if valid else torch.zeros_like(finite)
+
+
 class BiasCorrectedEMA:
     """An exponential moving average with Adam-style bias correction, kept on the device.
 
@@ -75,7 +83,7 @@ class BiasCorrectedEMA:
         x = x.detach().to(torch.float64)
         if self._ema.device != x.device:
             self._ema, self.count = self._ema.to(x.device), self.count.to(x.device)
-        valid_t = torch.as_tensor(valid, device=x.device) & torch.isfinite(x)
+        valid_t = _as_mask(valid, x)
         new = self.beta * self._ema + (1.0 - self.beta) * torch.where(valid_t, x, torch.zeros_like(x))
         self._ema = torch.where(valid_t, new, self._ema)
         self.count = self.count + valid_t.long()
@@ -109,7 +117,7 @@ class NoiseScaleEMA:
         self._trace_cov = BiasCorrectedEMA(beta)
 
     def update(self, grad_sq_norm: Tensor, trace_cov: Tensor, valid: Tensor | bool = True) -> None:
-        ok = torch.as_tensor(valid, device=grad_sq_norm.device) & torch.isfinite(grad_sq_norm) & torch.isfinite(trace_cov)
+        ok = _as_mask(valid, grad_sq_norm) & torch.isfinite(trace_cov)
         self._grad_sq_norm.update(grad_sq_norm, ok)
         self._trace_cov.update(trace_cov, ok)
 

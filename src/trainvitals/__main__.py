@@ -1,0 +1,5 @@
+import sys
+
+from trainvitals.cli import main
+
+sys.exit(main())

@@ -1,0 +1,331 @@
+r"""GradNormEarlyStopping: stop when the gradient norm has entered its noise band.
+
+A mini-batch gradient never goes to zero: E‖ḡ_B‖² = ‖G‖² + tr(Σ)/B (McCandlish et al. 2018, Eq. A.1),
+so as the true gradient G vanishes, ‖ḡ_B‖ settles on the noise floor sqrt(tr(Σ)/B) and wanders in a
+band around it. A fixed threshold such as "‖g‖ < 1e-3" ignores that floor (and the loss reduction,
+loss scale and parametrisation that set the norm's size); the noise band does not.
+
+This is its own callback rather than a mode of :class:`GradNormMonitor` because it needs what the
+monitor does not: a noise source (hooks on the parameters, or a BatchVarianceProbe) and the power to
+stop the run. The two can be used together or apart.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, NoiseScaleEMA, two_batch_size_estimates
+from trainvitals.core.norms import combine_norms, per_tensor_norms
+
+MODES = ("noise_band", "threshold", "relative")
+
+# Chosen by benchmarks/stopping_comparison.py on the digits demo (README, "Stopping"): a margin of 1
+# (signal = noise) is reached long before convergence with small batches; 0.2 with a patience of 30
+# optimizer steps stopped close to the best validation accuracy of a long run, with far fewer steps.
+DEFAULT_MARGIN = 0.2
+DEFAULT_PATIENCE = 30
+
+
+class StopReason(Enum):
+    NOT_STOPPED = "not stopped"
+    NOISE_BAND = "gradient norm in its noise band"
+    THRESHOLD = "gradient norm below the threshold"
+    RELATIVE = "gradient norm below a fraction of its early value"
+
+
+class GradNormEarlyStopping(Callback):
+    r"""Stop training when the gradient norm stays in its noise band (or below a threshold).
+
+    Modes:
+
+    - ``"noise_band"`` (default): with smoothed estimates of ‖G‖² and tr(Σ), the run is in the band
+      when ‖G‖² ≤ ``margin`` · tr(Σ)/B, i.e. E‖ḡ_B‖ ≤ sqrt(1 + margin) × noise floor. ``margin = 1``
+      is B ≤ B_simple (the gradient noise scale; Cockpit's norm test θ ≥ 1). The noise comes for free
+      from the micro-batches of gradient accumulation and from DDP ranks (a tensor hook reads each
+      micro-batch's gradient before it is summed into ``.grad``); with neither, a BatchVarianceProbe
+      in the callbacks supplies it. With no source it warns once and never stops.
+    - ``"threshold"``: ‖ḡ‖ < ``threshold`` — the naive rule: the norm has a floor sqrt(tr Σ/B) that
+      may lie above any fixed threshold, and its scale changes with loss reduction (sum vs mean),
+      loss scaling and parametrisation.
+    - ``"relative"``: ‖ḡ‖ < ``fraction`` × its EMA over the first ``reference_steps`` steps.
+
+    The condition must hold for ``patience`` consecutive optimizer steps, not before ``min_steps``;
+    steps with non-finite gradients (including those a GradScaler skips) neither count nor reset.
+    The streak is kept on the device; the host looks at it every ``check_every_n_steps`` optimizer
+    steps (default: the Trainer's ``log_every_n_steps``), so a stop lands at most that many steps
+    after the streak completes. The decision is reduced across ranks
+    (``reduce_boolean_decision``): all ranks stop at the same step.
+
+    Logged at the Trainer's logging cadence (step = optimizer step): ``grad_norm/noise_floor``
+    (sqrt(tr Σ/B), gradient-norm units, beside the monitor's ``grad_norm/total``),
+    ``grad_norm/b_simple`` (examples), ``grad_norm/in_noise_band`` (0/1), ``grad_norm/band_streak``
+    (steps); on stopping, the text panel ``grad_norm/stop_reason``.
+
+    Args:
+        mode: ``"noise_band"``, ``"threshold"`` or ``"relative"``.
+        margin: δ ≥ 0 of the noise band.
+        patience: consecutive in-condition optimizer steps needed, ≥ 1.
+        min_steps: no stop before this many optimizer steps.
+        threshold: absolute norm for ``"threshold"``, > 0.
+        fraction: for ``"relative"``, in (0, 1).
+        reference_steps: steps whose norm EMA is the ``"relative"`` reference, ≥ 1.
+        ema_beta: decay of the EMAs of ‖G‖² and tr(Σ) per optimizer step, in [0, 1).
+        check_every_n_steps: how often the host reads the streak, in optimizer steps (≥ 1 or None).
+        verbose: print the stop reason.
+
+    Raises:
+        ValueError: on an invalid argument, naming it.
+    """
+
+    def __init__(
+        self,
+        mode: str = "noise_band",
+        margin: float = DEFAULT_MARGIN,
+        patience: int = DEFAULT_PATIENCE,
+        min_steps: int = 0,
+        threshold: float = 1e-3,
+        fraction: float = 0.01,
+        reference_steps: int = 50,
+        ema_beta: float = 0.95,
+        check_every_n_steps: int | None = None,
+        verbose: bool = True,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+        if not margin >= 0:
+            raise ValueError(f"`margin` must be >= 0, got {margin}")
+        if patience < 1:
+            raise ValueError(f"`patience` must be >= 1, got {patience}")
+        if min_steps < 0:
+            raise ValueError(f"`min_steps` must be >= 0, got {min_steps}")
+        if not threshold > 0:
+            raise ValueError(f"`threshold` must be > 0, got {threshold}")
+        if not 0 < fraction < 1:
+            raise ValueError(f"`fraction` must be in (0, 1), got {fraction}")
+        if reference_steps < 1:
+            raise ValueError(f"`reference_steps` must be >= 1, got {reference_steps}")
+        if not 0 <= ema_beta < 1:
+            raise ValueError(f"`ema_beta` must be in [0, 1), got {ema_beta}")
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(f"`check_every_n_steps` must be >= 1 or None, got {check_every_n_steps}")
+        self.mode = mode
+        self.margin = margin
+        self.patience = patience
+        self.min_steps = min_steps
+        self.threshold = threshold
+        self.fraction = fraction
+        self.reference_steps = reference_steps
+        self.check_every_n_steps = check_every_n_steps
+        self.verbose = verbose
+
+        self.noise = NoiseScaleEMA(ema_beta)
+        """Smoothed ‖G‖² and tr(Σ) from the free sources (accumulation, ranks); other callbacks read it."""
+        self.effective_batch_size: int | None = None
+        """Examples per optimizer step over all ranks, once seen."""
+        self.steps = 0
+        self.stop_reason = StopReason.NOT_STOPPED
+        self.stopped_step: int | None = None
+
+        self._reference = BiasCorrectedEMA(ema_beta)
+        self._streak = torch.zeros((), dtype=torch.long)
+        self._micro = MicroBatchSquaredNorms()
+        self._source: Any = None  # "hooks", a probe callback, or None
+        self._micro_batch_size: int | None = None
+        self._params: list[torch.nn.Parameter] = []
+        self._pending: tuple[int, Tensor, Tensor] | None = None  # (step, total norm, step valid)
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(mode=self.mode, margin=self.margin, patience=self.patience)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
+        if self.mode != "noise_band":
+            return
+        if not pl_module.automatic_optimization:
+            rank_zero_warn("trainvitals: GradNormEarlyStopping(mode='noise_band') needs automatic optimization; it will not stop this run.")
+            return
+        if trainer.accumulate_grad_batches >= 2 or trainer.world_size >= 2:
+            self._source = "hooks"
+            self._micro.attach(self._params)
+            return
+        self._source = next((cb for cb in trainer.callbacks if cb is not self and isinstance(getattr(cb, "noise", None), NoiseScaleEMA)), None)
+        if self._source is None:
+            rank_zero_warn(
+                "trainvitals: GradNormEarlyStopping(mode='noise_band') has no noise source: it needs "
+                "accumulate_grad_batches >= 2, or >= 2 devices, or a BatchVarianceProbe among the callbacks. "
+                "It will not stop this run."
+            )
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._micro.detach()
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._micro.detach()
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:
+        self._micro_batch_size = extract_batch_size(batch)
+
+    @override
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._micro.end_micro_batch()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return
+        total = combine_norms(per_tensor_norms(grads, 2.0), 2.0)
+        valid = torch.isfinite(total)
+        if self._source == "hooks":
+            self._update_from_micro_batches(trainer, total, valid)
+        self._pending = (trainer.global_step, total, valid)
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        if self._pending is None:
+            return  # an accumulation micro-batch: no optimizer step yet
+        step, total, valid = self._pending
+        self._pending = None
+        if self._source is not None and self._source != "hooks":
+            self.effective_batch_size = getattr(self._source, "effective_batch_size", None)
+        in_condition = self._in_condition(total, valid)
+        counts = valid if self.steps >= self.min_steps else torch.zeros_like(valid)
+        self._streak = self._streak.to(total.device)
+        self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
+        self.steps += 1
+        if step % self._log_every(trainer) == 0:
+            self._log(trainer, step, in_condition)
+        if self.steps % (self.check_every_n_steps or self._log_every(trainer)) == 0:
+            self._check(trainer, step)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "noise": self.noise.state_dict(),
+            "reference": self._reference.state_dict(),
+            "streak": int(self._streak),
+            "steps": self.steps,
+            "stop_reason": self.stop_reason.name,
+            "stopped_step": self.stopped_step,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.noise.load_state_dict(state_dict.get("noise", {}))
+        self._reference.load_state_dict(state_dict.get("reference", {}))
+        self._streak = torch.tensor(int(state_dict.get("streak", 0)))
+        self.steps = int(state_dict.get("steps", 0))
+        self.stop_reason = StopReason[state_dict.get("stop_reason", "NOT_STOPPED")]
+        self.stopped_step = state_dict.get("stopped_step")
+
+    # ------------------------------------------------------------------ helpers
+    def _update_from_micro_batches(self, trainer: "pl.Trainer", total: Tensor, valid: Tensor) -> None:
+        """One (‖G‖², tr Σ) estimate from this step's micro-batch gradients against their mean."""
+        sum_sq, n_local = self._micro.pop()
+        if sum_sq is None or self._micro_batch_size is None:
+            return
+        world = trainer.world_size
+        # The hooks saw the raw backward: each micro-batch loss divided by accumulate_grad_batches (A)
+        # and multiplied by the AMP loss scale s. A micro-batch's mean gradient is therefore seen·A/s.
+        accumulate = trainer.accumulate_grad_batches
+        scale = _loss_scale(trainer)
+        mean_sq = sum_sq.to(total.device) / n_local * (accumulate**2)
+        if scale is not None:
+            mean_sq = mean_sq / scale.to(mean_sq.device).double() ** 2
+        if world > 1:
+            mean_sq = trainer.strategy.reduce(mean_sq, reduce_op="mean")
+        # An epoch's last window can hold fewer than A micro-batches; Lightning still divides by A.
+        batch_sq = total.square() * (accumulate / n_local) ** 2
+        n = n_local * world
+        if n < 2:
+            return
+        grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, self._micro_batch_size)
+        self.noise.update(grad_sq, trace, valid)
+        self.effective_batch_size = n * self._micro_batch_size
+
+    def _in_condition(self, total: Tensor, valid: Tensor) -> Tensor:
+        if self.mode == "threshold":
+            return total < self.threshold
+        if self.mode == "relative":
+            reference = self._reference.value
+            early = self._reference.count < self.reference_steps
+            self._reference.update(total, valid & early)
+            return ~early & (total < self.fraction * reference)
+        if self._source is None or not self.effective_batch_size:
+            return torch.zeros((), dtype=torch.bool, device=total.device)
+        return self._noise().in_noise_band(self.effective_batch_size, self.margin).to(total.device)
+
+    def _noise(self) -> NoiseScaleEMA:
+        return self.noise if self._source in (None, "hooks") else self._source.noise
+
+    def _log_every(self, trainer: "pl.Trainer") -> int:
+        return max(1, trainer.log_every_n_steps)
+
+    def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor) -> None:
+        metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak}
+        if self.mode == "noise_band" and self.effective_batch_size and int(self._noise().count) > 0:
+            noise = self._noise()
+            metrics["grad_norm/noise_floor"] = noise.noise_floor(self.effective_batch_size)
+            metrics["grad_norm/b_simple"] = noise.b_simple
+            metrics["grad_norm/in_noise_band"] = in_condition
+        log_scalars(trainer, metrics, step)
+
+    def _check(self, trainer: "pl.Trainer", step: int) -> None:
+        if self.stop_reason is not StopReason.NOT_STOPPED:
+            return
+        stop = trainer.strategy.reduce_boolean_decision(bool(self._streak >= self.patience), all=False)
+        if not stop:
+            return
+        trainer.should_stop = True
+        self.stopped_step = step
+        self.stop_reason = {"noise_band": StopReason.NOISE_BAND, "threshold": StopReason.THRESHOLD,
+                            "relative": StopReason.RELATIVE}[self.mode]
+        message = self.describe_stop()
+        if self.verbose:
+            rank_zero_info(f"trainvitals: {message}")
+        log_text(trainer, "grad_norm/stop_reason", message, step)
+
+    def describe_stop(self) -> str:
+        """A one-line, human-readable reason for the stop (or that there was none)."""
+        if self.stop_reason is StopReason.NOT_STOPPED:
+            return "GradNormEarlyStopping did not stop the run."
+        detail = {
+            StopReason.NOISE_BAND: f"‖G‖² ≤ {self.margin:g}·tr(Σ)/B",
+            StopReason.THRESHOLD: f"‖g‖ < {self.threshold:g}",
+            StopReason.RELATIVE: f"‖g‖ < {self.fraction:g} × its early value",
+        }[self.stop_reason]
+        return (f"stopped at optimizer step {self.stopped_step}: {self.stop_reason.value} "
+                f"({detail}) for {self.patience} consecutive steps.")
+
+
+def _loss_scale(trainer: "pl.Trainer") -> Tensor | None:
+    """The GradScaler's current scale as a device tensor, or None without a scaler.
+
+    ``GradScaler.get_scale()`` would sync with the host; the scale tensor itself is what
+    ``GradScaler.unscale_`` divides by, read here without a sync.
+    """
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)
+    return scale if scale is not None else torch.tensor(scaler.get_scale())

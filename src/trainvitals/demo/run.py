@@ -1,0 +1,117 @@
+"""``trainvitals demo``: train the digits CNN with trainvitals attached, stop by the noise band, summarise."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+from trainvitals.demo.data import DigitsDataModule
+from trainvitals.demo.model import DigitsCNN
+
+
+@dataclass
+class DemoResult:
+    """What a demo run ends with: optimizer steps, the stop, the last norms and accuracy, the log folder."""
+
+    steps: int
+    epochs: int
+    stop_reason: str
+    grad_norm: float | None
+    noise_floor: float | None
+    val_acc: float | None
+    log_dir: str
+    seconds: float
+
+
+def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
+    """The trainvitals callbacks the demo attaches."""
+    return [
+        GradNormMonitor(histogram_every_n_steps=50),
+        GradNormEarlyStopping(mode="noise_band", min_steps=args.min_steps),
+    ]
+
+
+def run_demo(args: argparse.Namespace) -> DemoResult:
+    """Train, log to ``args.logdir`` with TensorBoard, and return the summary numbers."""
+    pl.seed_everything(args.seed, workers=True, verbose=False)
+    logger = TensorBoardLogger(args.logdir, name="digits", default_hp_metric=False)
+    callbacks = build_callbacks(args)
+    trainer = pl.Trainer(
+        max_epochs=args.max_epochs,
+        accumulate_grad_batches=args.accumulate,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=callbacks,
+        log_every_n_steps=args.log_every_n_steps,
+        enable_checkpointing=False,
+        enable_progress_bar=not args.quiet,
+        enable_model_summary=not args.quiet,
+        deterministic=True,
+    )
+    model = DigitsCNN(lr=args.lr, optimizer=args.optimizer)
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=DigitsDataModule(batch_size=args.batch_size))
+    seconds = time.perf_counter() - start
+    stopper = next(cb for cb in callbacks if isinstance(cb, GradNormEarlyStopping))
+    monitor = next(cb for cb in callbacks if isinstance(cb, GradNormMonitor))
+    metrics = trainer.callback_metrics
+    batch = stopper.effective_batch_size
+    floor = float(stopper.noise.noise_floor(batch)) if batch and int(stopper.noise.count) else None
+    total = monitor.last_total.get(0)
+    return DemoResult(
+        steps=trainer.global_step,
+        epochs=trainer.current_epoch,
+        stop_reason=stopper.describe_stop() if stopper.stopped_step is not None else f"reached max_epochs={args.max_epochs}",
+        grad_norm=float(total) if total is not None else None,
+        noise_floor=floor,
+        val_acc=float(metrics["val/acc"]) if "val/acc" in metrics else None,
+        log_dir=str(Path(logger.log_dir)),
+        seconds=seconds,
+    )
+
+
+def format_summary(result: DemoResult, logdir: str) -> str:
+    def num(x: float | None, fmt: str) -> str:
+        return "n/a" if x is None else format(x, fmt)
+
+    ratio = (f" ({result.grad_norm / result.noise_floor:.2f}× the floor)"
+             if result.grad_norm is not None and result.noise_floor else "")
+    return "\n".join([
+        "trainvitals demo — digits CNN",
+        f"  optimizer steps:   {result.steps} ({result.epochs} epochs, {result.seconds:.0f} s)",
+        f"  why it stopped:    {result.stop_reason}",
+        f"  final grad norm:   {num(result.grad_norm, '.4f')} vs noise floor {num(result.noise_floor, '.4f')}{ratio}",
+        f"  val accuracy:      {num(result.val_acc, '.4f')}",
+        f"  logs:              {result.log_dir}",
+        f"  look at it:        tensorboard --logdir {logdir}",
+    ])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--logdir", default="runs", help="TensorBoard log folder (default: runs/)")
+    parser.add_argument("--max-epochs", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=16, help="examples per micro-batch (DataLoader batch)")
+    parser.add_argument("--accumulate", type=int, default=4, help="accumulate_grad_batches (effective batch = batch-size × accumulate)")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--min-steps", type=int, default=100, help="no stop before this many optimizer steps")
+    parser.add_argument("--log-every-n-steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or model summary")
+
+
+def main(args: argparse.Namespace) -> int:
+    for name in ("max_epochs", "batch_size", "accumulate", "log_every_n_steps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    result = run_demo(args)
+    print(format_summary(result, args.logdir))
+    return 0
