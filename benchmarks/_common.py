@@ -1,0 +1,154 @@
+"""Shared pieces of the benchmarks: a 6M-parameter MLP, a per-step timer, statistics and tables.
+
+Benchmarks are scripts, never timed tests: they print markdown tables and can write JSON. Run them as
+``python benchmarks/<script>.py``; the script's folder is then on ``sys.path`` and ``import _common``
+works. Timings on a shared CPU are noisy: time the variants interleaved in one process, repeat, and
+report medians of per-repetition ratios to the bare run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+# 49 Linear(350 → 350) layers with biases: 49 · (350² + 350) = 6,019,650 parameters in 98 tensors.
+MLP_DEPTH = 49
+MLP_WIDTH = 350
+
+
+class WideMLP(pl.LightningModule):
+    """``depth`` Linear(width → width) layers with ReLU between, MSE to a target; for overhead benchmarks.
+
+    He-normal weights and zero biases keep the activations of order 1 through all layers, so the
+    float32 values never turn denormal (which would make CPU steps many times slower and the ratios
+    meaningless). Logs ``train/loss`` every step like an ordinary module.
+
+    Args:
+        depth: number of Linear layers (2 tensors each).
+        width: features in and out of every layer.
+        lr: learning rate of plain SGD (cheap step: the measured overhead ratio is not flattered by
+            an expensive optimizer).
+    """
+
+    def __init__(self, depth: int = MLP_DEPTH, width: int = MLP_WIDTH, lr: float = 1e-4) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            linear = nn.Linear(width, width)
+            nn.init.kaiming_normal_(linear.weight, nonlinearity="relu")
+            nn.init.zeros_(linear.bias)
+            layers.append(linear)
+            if i < depth - 1:
+                layers.append(nn.ReLU())
+        self.net = nn.Sequential(*layers)
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def random_regression_loader(batches: int, batch_size: int = 64, width: int = MLP_WIDTH, seed: int = 0) -> DataLoader:
+    """``batches`` fixed batches of ``(batch_size, width)`` standard-normal inputs and targets, in order."""
+    g = torch.Generator().manual_seed(seed)
+    n = batches * batch_size
+    data = TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, width, generator=g))
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+class StepTimer(Callback):
+    """Wall time of each training iteration: from one ``on_train_batch_start`` to the next.
+
+    The interval holds everything a step costs: fetching the batch, forward, backward, every
+    callback's hooks, the optimizer step and the logger write that Lightning does after
+    ``on_train_batch_end``. Intervals that cross an epoch boundary (end-of-epoch work, a new
+    DataLoader iterator) and the first ``warmup`` iterations of a fit are not kept. Put it first in
+    the callback list.
+
+    Attributes:
+        seconds: the kept intervals, in seconds, one per training batch.
+    """
+
+    def __init__(self, warmup: int = 10) -> None:
+        if warmup < 0:
+            raise ValueError(f"`warmup` must be >= 0, got {warmup}")
+        self.warmup = warmup
+        self.seconds: list[float] = []
+        self._batches = 0
+        self._last: tuple[int, float] | None = None  # (epoch, perf_counter) of the previous batch start
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", *_: Any) -> None:
+        now = time.perf_counter()
+        epoch = trainer.current_epoch
+        if self._last is not None and self._last[0] == epoch and self._batches > self.warmup:
+            self.seconds.append(now - self._last[1])
+        self._last = (epoch, now)
+        self._batches += 1
+
+
+def interleaved(variants: dict[str, Callable[[], Any]], repetitions: int) -> dict[str, list[Any]]:
+    """Call every variant once per repetition, in the given order (a, b, c, a, b, c, ...).
+
+    Interleaving spreads slow phases of a shared machine over all variants instead of one.
+    Returns each variant's results, one per repetition.
+    """
+    results: dict[str, list[Any]] = {name: [] for name in variants}
+    for _ in range(repetitions):
+        for name, run in variants.items():
+            results[name].append(run())
+    return results
+
+
+def quiet_lightning() -> None:
+    """Silence Lightning's banner lines and the warnings a benchmark run triggers on purpose."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; floats as given (format them before)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_line() -> str:
+    """torch version and CPU threads, for the heading of a results table."""
+    return f"torch {torch.__version__}, lightning {pl.__version__}, CPU, torch threads {torch.get_num_threads()}"
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    """Write ``payload`` to ``path`` (indent 2) when a path is given."""
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2))
+        print(f"\nwrote {path}")

@@ -1,0 +1,192 @@
+"""Training-step overhead of GradNormMonitor against a bare run and Lightning's ``grad_norm`` utility.
+
+Variants, timed interleaved in one process (bare, monitor, reference, bare, monitor, ...), every one
+with the same TensorBoardLogger setup and ``Trainer(log_every_n_steps=1)``:
+
+- ``bare``: the module alone (it logs ``train/loss`` each step);
+- ``monitor``: + ``GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)`` (the norm path);
+- ``reference``: + Lightning's documented recipe, ``pl_module.log_dict(grad_norm(pl_module, 2))`` in
+  ``on_before_optimizer_step``;
+- ``reference_logger`` (opt-in): ``grad_norm`` written straight to the loggers, without ``log_dict``.
+
+Models: (a) a 6M-parameter MLP in 98 tensors on random data, batch 64; (b) the demo CNN on the digits,
+batch 64, no validation. A repetition is one fit per variant; a fit's step time is the median (and the
+mean) of its per-iteration times after ``--warmup`` iterations. The ratio is taken per repetition
+against that repetition's bare fit; the table gives the median over repetitions and the range.
+
+    python benchmarks/bench_grad_norm_monitor.py --repetitions 7 --out grad_norm_monitor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.grads import grad_norm
+
+from _common import (
+    StepTimer,
+    WideMLP,
+    interleaved,
+    machine_line,
+    markdown_table,
+    median,
+    quiet_lightning,
+    random_regression_loader,
+    write_json,
+)
+from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+from trainvitals.demo.data import DigitsDataModule
+from trainvitals.demo.model import DigitsCNN
+
+VARIANTS = ("bare", "monitor", "reference", "reference_logger")
+
+
+class GradNormReference(Callback):
+    """Lightning's recipe: each parameter's gradient norm and the total, logged every optimizer step.
+
+    Args:
+        via_log_dict: log with ``pl_module.log_dict`` (the documented way); otherwise write floats
+            straight to ``trainer.loggers``.
+    """
+
+    def __init__(self, via_log_dict: bool = True) -> None:
+        self.via_log_dict = via_log_dict
+        self.last_total: Tensor | None = None
+
+    @override
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        norms = grad_norm(pl_module, norm_type=2)
+        self.last_total = norms.get("grad_2.0_norm_total")
+        if self.via_log_dict:
+            pl_module.log_dict(norms)
+            return
+        values = {k: float(v) for k, v in norms.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+
+
+def _callback(variant: str) -> Callback | None:
+    if variant == "monitor":
+        return GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    if variant == "reference":
+        return GradNormReference(via_log_dict=True)
+    if variant == "reference_logger":
+        return GradNormReference(via_log_dict=False)
+    return None
+
+
+def timed_fit(
+    variant: str, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any], steps: int, warmup: int,
+    logdir: str, last_totals: dict[str, float],
+) -> dict[str, float]:
+    """One fit of ``warmup + steps`` optimizer steps (plus the epoch-boundary iterations); its step times."""
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer(warmup)
+    extra = _callback(variant)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=warmup + steps + 1,
+        logger=TensorBoardLogger(logdir, name=variant, default_hp_metric=False),
+        callbacks=[timer] + ([extra] if extra is not None else []),
+        log_every_n_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    model = make_model()
+    data = make_data()
+    gc.collect()
+    if isinstance(data, pl.LightningDataModule):
+        trainer.fit(model, datamodule=data)
+    else:
+        trainer.fit(model, train_dataloaders=data)
+    total = getattr(extra, "last_total", None)
+    if isinstance(total, dict):  # GradNormMonitor keeps one total per optimizer
+        total = total.get(0)
+    if total is not None:
+        last_totals[variant] = float(total)
+    return {"median_s": median(timer.seconds), "mean_s": sum(timer.seconds) / len(timer.seconds), "n": len(timer.seconds)}
+
+
+def bench_model(
+    label: str, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """All variants on one model, interleaved; returns the per-repetition results and the summary rows."""
+    last_totals: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as logdir:
+        variants = {
+            v: (lambda v=v: timed_fit(v, make_model, make_data, args.steps[label], args.warmup, logdir, last_totals))
+            for v in args.variants
+        }
+        runs = interleaved(variants, args.repetitions)
+    rows = []
+    for v in args.variants:
+        ratios = {k: [r[k] / b[k] for r, b in zip(runs[v], runs["bare"])] for k in ("median_s", "mean_s")}
+        rows.append({
+            "variant": v,
+            "ms_per_step": 1e3 * median([r["median_s"] for r in runs[v]]),
+            "ratio_median_step": median(ratios["median_s"]),
+            "ratio_median_step_range": (min(ratios["median_s"]), max(ratios["median_s"])),
+            "ratio_mean_step": median(ratios["mean_s"]),
+            "steps_timed": runs[v][0]["n"],
+        })
+    return {"model": label, "runs": runs, "rows": rows, "last_total_norm": last_totals}
+
+
+def format_rows(result: dict[str, Any]) -> str:
+    return markdown_table(
+        ["variant", "ms/step (median)", "ratio to bare", "ratio range", "ratio (mean step)", "steps timed/fit"],
+        [[r["variant"], f"{r['ms_per_step']:.2f}", f"{r['ratio_median_step']:.3f}",
+          f"{r['ratio_median_step_range'][0]:.3f}–{r['ratio_median_step_range'][1]:.3f}",
+          f"{r['ratio_mean_step']:.3f}", r["steps_timed"]] for r in result["rows"]],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repetitions", type=int, default=7, help="fits per variant (>= 5 for the report)")
+    parser.add_argument("--warmup", type=int, default=10, help="iterations of each fit not timed")
+    parser.add_argument("--mlp-steps", type=int, default=60, help="timed steps per MLP fit")
+    parser.add_argument("--cnn-steps", type=int, default=200, help="timed steps per CNN fit")
+    parser.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["bare", "monitor", "reference"])
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    if "bare" not in args.variants:
+        args.variants = ["bare"] + args.variants
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.steps = {"mlp": args.mlp_steps, "cnn": args.cnn_steps}
+    quiet_lightning()
+
+    models = {
+        "mlp": (lambda: WideMLP(), lambda: random_regression_loader(args.warmup + args.mlp_steps + 2)),
+        "cnn": (lambda: DigitsCNN(lr=1e-3), lambda: DigitsDataModule(batch_size=64)),
+    }
+    results = []
+    print(f"# GradNormMonitor overhead ({machine_line()}; {args.repetitions} repetitions, interleaved)")
+    for label in args.models:
+        result = bench_model(label, *models[label], args)
+        results.append(result)
+        print(f"\n## {label}: ratio = per-repetition step time / bare, median over repetitions\n")
+        print(format_rows(result))
+        totals = result["last_total_norm"]
+        if "monitor" in totals and "reference" in totals:
+            rel = abs(totals["monitor"] - totals["reference"]) / max(abs(totals["reference"]), 1e-30)
+            print(f"\nlast-step total norm: monitor {totals['monitor']:.6g}, grad_norm {totals['reference']:.6g} "
+                  f"(relative difference {rel:.1e})")
+    write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup,
+                          "results": results})
+
+
+if __name__ == "__main__":
+    main()

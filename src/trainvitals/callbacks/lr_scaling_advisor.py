@@ -1,0 +1,387 @@
+r"""LRScalingAdvisor: which learning rate fits this run's batch size, measured on the run itself.
+
+A step is lr × gradient, and the right lr depends on how noisy the gradient is. Changing the batch
+(more devices, accumulation, a bigger GPU) while keeping the lr, or scaling it by a rule that does
+not fit the optimizer, is a common silent mistake. The advisor reads the effective batch, each
+param group's lr and optimizer family, and (when a noise-measuring callback runs alongside) the
+gradient noise scale B̂, and says what lr other batch sizes need (science.md §4,
+:mod:`trainvitals.core.lr_scaling`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.seed import isolate_rng
+
+from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.core.lr_scaling import (
+    LRAdvice,
+    advice_table,
+    advise,
+    classify_loss_reduction,
+    effective_batch_size,
+    examples_over_min,
+    loss_reduction_note,
+    lr_ratio,
+    optimizer_family,
+    param_group_labels,
+    rule_for,
+    steps_over_min,
+    validate_batch_sizes,
+    validate_noise_scale,
+)
+from trainvitals.core.noise import NoiseScaleEMA
+
+REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescaled
+
+
+class LRScalingAdvisor(Callback):
+    r"""Report the effective batch, each lr's family and the lr other batch sizes need.
+
+    Reports at fit start (the first training batch), every ``every_n_steps`` optimizer steps and at
+    the end of training. Each report covers:
+
+    - the effective batch = per-device batch × devices × nodes × ``accumulate_grad_batches``
+      (data-parallel replicas as the strategy shards the data: 1 on a single device, all processes
+      under DDP/FSDP/DeepSpeed);
+    - for each optimizer and param group: its lr as scheduled now and its family (SGD-like,
+      Adam-like, or ``unsure`` for a class no rule is known for);
+    - with a noise scale B̂ (examples): S/S_min = 1 + B̂/B, E/E_min = 1 + B/B̂, the balanced batch
+      ≈ B̂, and the suggested lr at ×½, ×2, ×4, ×8 the batch and at ``target_batch_sizes`` by the
+      noise-aware rule η_new/η_old = (1 + B̂/B_old)/(1 + B̂/B_new) (SGD-like; McCandlish et al. 2018,
+      Eq. 2.6) or its square root (Adam-like; Malladi et al. 2022); without B̂, the classic linear
+      and square-root rules, labelled so;
+    - the loss reduction: on the first batch ``training_step`` runs twice more under ``no_grad``,
+      on the batch and on the batch concatenated with itself (random state, buffers restored,
+      ``self.log`` muted). A mean loss stays the same, a sum doubles; a sum gives b× the gradient
+      (b = per-device micro-batch), i.e. b× SGD's lr and ε/b for Adam. Not run under manual
+      optimization or with ``detect_loss_reduction=False``.
+
+    B̂ is ``noise_scale`` if given, else ``noise.b_simple`` of the first callback in the Trainer with
+    a :class:`~trainvitals.core.noise.NoiseScaleEMA` attribute ``noise`` that has a finite positive
+    estimate (GradNormEarlyStopping, BatchVarianceProbe).
+
+    With ``reference=(batch, lr)``, the effective batch and lr the lr was tuned at, a run whose
+    effective batch differs and whose lr is not within 5% of the suggested one gets one warning at
+    fit start with the suggested lr. ``lr`` may be a mapping from group name (as in the metrics) to lr.
+
+    Logged (step = optimizer step, every logger): ``lr_scaling/effective_batch`` (examples); with
+    B̂, ``lr_scaling/b_noise`` (examples), ``lr_scaling/steps_over_min``,
+    ``lr_scaling/examples_over_min``; per param group ``<name>`` (``SGD``, ``Adam/pg2``, named as by
+    ``LearningRateMonitor``), ``lr_scaling/lr/<name>`` and ``lr_scaling/suggested_lr_<key>/<name>``
+    with key ``x0.5``, ``x2``, ``x4``, ``x8`` or ``b<size>`` for a listed size (not for an unsure
+    family). TensorBoard text ``lr_scaling/advice`` at fit start and at the end; the end report is
+    also printed (``verbose``) and kept: :meth:`report`.
+
+    The host reads B̂ and the lrs on reporting steps only; other steps cost one integer comparison.
+
+    Args:
+        every_n_steps: report cadence in optimizer steps, ≥ 1; ``None`` for the Trainer's
+            ``log_every_n_steps``.
+        target_batch_sizes: effective batch sizes (examples) to advise on besides ×½, ×2, ×4, ×8.
+        reference: ``(effective_batch, lr)`` the lr was tuned at; ``lr`` a number or a mapping from
+            group name to number.
+        noise_scale: a known B̂ in examples, used instead of any measured one.
+        batch_size: per-device micro-batch in examples; default: inferred from the first batch.
+        detect_loss_reduction: run the duplicated-batch probe on the first batch.
+        verbose: print the end report.
+
+    Raises:
+        ValueError: naming ``every_n_steps``, ``target_batch_sizes``, ``reference``,
+            ``noise_scale`` or ``batch_size`` when out of range (a non-positive number, a zero
+            target, a malformed reference).
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        target_batch_sizes: Sequence[int] = (),
+        reference: tuple[int, float | Mapping[str, float]] | None = None,
+        noise_scale: float | None = None,
+        batch_size: int | None = None,
+        detect_loss_reduction: bool = True,
+        verbose: bool = True,
+    ) -> None:
+        if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1):
+            raise ValueError(f"`every_n_steps` must be an integer >= 1 or None, got {every_n_steps!r}")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"`batch_size` must be an integer >= 1 or None, got {batch_size!r}")
+        self.every_n_steps = every_n_steps
+        self.target_batch_sizes = validate_batch_sizes("target_batch_sizes", target_batch_sizes)
+        self.reference = None if reference is None else _validate_reference(reference)
+        self.noise_scale = validate_noise_scale(noise_scale)
+        self.batch_size = batch_size
+        self.detect_loss_reduction = detect_loss_reduction
+        self.verbose = verbose
+
+        self.per_device_batch: int | None = None
+        """Examples in one device's micro-batch, once seen."""
+        self.effective_batch: int | None = None
+        """Examples per optimizer step over all replicas and accumulated micro-batches, once seen."""
+        self.loss_reduction: str | None = None
+        """``"mean"``, ``"sum"`` or ``"unsure"`` once probed; ``None`` when not probed."""
+        self.loss_ratio: float | None = None
+        """Loss on the batch twice over / loss on the batch, once probed: 1 for a mean, 2 for a sum."""
+        self.advices: dict[str, LRAdvice | None] = {}
+        """The latest advice per param group name; ``None`` for a group whose lr is 0 now."""
+        self._report = ""
+        self._started = False
+        self._last_step = -1
+        self._reference_problems: list[str] = []
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        self._started = False
+        self._last_step = -1
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        if self._started:
+            return
+        self._started = True
+        self.per_device_batch = self.batch_size or self._infer_batch_size(batch)
+        if self.per_device_batch is None:
+            return
+        if self.detect_loss_reduction and pl_module.automatic_optimization:
+            self._probe_loss_reduction(trainer, pl_module, batch, batch_idx)
+        self._report = self._advise(trainer)
+        log_text(trainer, "lr_scaling/advice", self._report, trainer.global_step)
+        if self._reference_problems:
+            rank_zero_warn(
+                f"trainvitals: the effective batch is {self.effective_batch} but the lr was tuned at batch "
+                f"{self.reference[0]}; " + "; ".join(self._reference_problems) + "."  # type: ignore[index]
+            )
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        step = trainer.global_step
+        if step == self._last_step or self.per_device_batch is None:
+            return
+        self._last_step = step
+        if step % (self.every_n_steps or max(1, trainer.log_every_n_steps)) == 0:
+            self._report = self._advise(trainer)
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.per_device_batch is None:
+            return
+        self._report = self._advise(trainer)
+        log_text(trainer, "lr_scaling/advice", self._report, trainer.global_step)
+        if self.verbose:
+            rank_zero_info(f"trainvitals: LR scaling advice at optimizer step {trainer.global_step}\n{self._report}")
+
+    def report(self) -> str:
+        """The latest report as markdown (the end-of-training table after ``fit``); ``""`` before any.
+
+        Under ``ddp_spawn`` the report lives in the worker processes, not in the launching one.
+        """
+        return self._report
+
+    # ------------------------------------------------------------------ measurement
+    def _infer_batch_size(self, batch: Any) -> int | None:
+        try:
+            return extract_batch_size(batch)
+        except Exception:  # Lightning raises MisconfigurationException or RecursionError here
+            rank_zero_warn("trainvitals: LRScalingAdvisor cannot infer the per-device batch size; pass `batch_size=`. No advice this run.")
+            return None
+
+    def _probe_loss_reduction(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        """Loss on the batch and on the batch twice over, leaving gradients, RNG, buffers and modes as they were.
+
+        Eval mode makes every example's loss its own (dropout off, BatchNorm on running statistics),
+        so the duplicated batch gives exactly the same mean or exactly twice the sum. The calls go
+        through ``trainer.strategy.training_step`` so wrappers (DDP, FSDP) and the precision context
+        apply as in the real step; every rank runs it, so any collective inside matches.
+        """
+        buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
+        modes = [(m, m.training) for m in pl_module.modules()]
+        try:
+            with isolate_rng(), torch.no_grad(), _muted_logging(pl_module):
+                pl_module.eval()
+                single = _loss_of(trainer.strategy.training_step(batch, batch_idx))
+                doubled = _loss_of(trainer.strategy.training_step(_doubled(batch), batch_idx))
+            loss, loss_doubled = torch.stack([single.double(), doubled.double()]).cpu().tolist()
+        except Exception as err:  # user code run speculatively must not break the run
+            rank_zero_warn(f"trainvitals: LRScalingAdvisor could not probe the loss reduction ({type(err).__name__}: {err}); skipping it.")
+            return
+        finally:
+            for module, training in modes:
+                module.train(training)
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+        self.loss_reduction = classify_loss_reduction(loss, loss_doubled)
+        self.loss_ratio = loss_doubled / loss if loss else math.nan
+
+    def _measured_noise_scale(self, trainer: "pl.Trainer") -> tuple[float | None, str]:
+        """(B̂ in examples, where it came from), or (None, "") when there is no usable estimate."""
+        if self.noise_scale is not None:
+            return self.noise_scale, "given"
+        for cb in trainer.callbacks:
+            noise = getattr(cb, "noise", None)
+            if not isinstance(noise, NoiseScaleEMA):
+                continue
+            count, b_simple = torch.stack([noise.count.double(), noise.b_simple.double()]).cpu().tolist()
+            if count > 0 and math.isfinite(b_simple) and b_simple > 0:
+                return b_simple, type(cb).__name__
+        return None, ""
+
+    def _batch_breakdown(self, trainer: "pl.Trainer") -> tuple[int, str]:
+        """(effective batch, how it is made up) for the strategy in use."""
+        sampler_kwargs = trainer.distributed_sampler_kwargs
+        replicas = int(sampler_kwargs["num_replicas"]) if sampler_kwargs else 1
+        nodes = trainer.num_nodes if replicas % trainer.num_nodes == 0 else 1
+        devices = replicas // nodes
+        accumulate = trainer.accumulate_grad_batches
+        assert self.per_device_batch is not None
+        batch = effective_batch_size(self.per_device_batch, devices, nodes, accumulate)
+        how = (f"{self.per_device_batch} (per device) × {devices} (devices) × {nodes} (nodes) × {accumulate} "
+               f"(accumulate_grad_batches), {type(trainer.strategy).__name__}")
+        return batch, how
+
+    def _param_groups(self, trainer: "pl.Trainer") -> list[tuple[str, str, dict[str, Any]]]:
+        """(name, family, param group) for every param group of every optimizer."""
+        optimizers = [getattr(opt, "optimizer", opt) for opt in trainer.optimizers]  # DeepSpeed wraps the optimizer
+        names = param_group_labels(
+            [type(opt).__name__ for opt in optimizers],
+            [[group.get("name") for group in opt.param_groups] for opt in optimizers],
+        )
+        return [
+            (name, optimizer_family(type(opt)), group)
+            for opt, group_names in zip(optimizers, names)
+            for name, group in zip(group_names, opt.param_groups)
+        ]
+
+    # ------------------------------------------------------------------ reporting
+    def _advise(self, trainer: "pl.Trainer") -> str:
+        """Recompute the advice, log its scalars, and return the report text."""
+        batch, how = self._batch_breakdown(trainer)
+        self.effective_batch = batch
+        noise_scale, source = self._measured_noise_scale(trainer)
+        groups = self._param_groups(trainer)
+        metrics: dict[str, float] = {"lr_scaling/effective_batch": float(batch)}
+        lines = [f"**effective batch** {batch} = {how}"]
+        if noise_scale is None:
+            lines.append("**noise scale** not measured (yet): classic rules, linear for SGD-like and square root for Adam-like")
+        else:
+            steps, examples = steps_over_min(batch, noise_scale), examples_over_min(batch, noise_scale)
+            metrics.update({"lr_scaling/b_noise": noise_scale, "lr_scaling/steps_over_min": steps,
+                            "lr_scaling/examples_over_min": examples})
+            lines.append(f"**noise scale** B̂ = {noise_scale:.4g} examples ({source}): balanced batch ≈ {noise_scale:.4g}; "
+                         f"now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}")
+
+        self.advices = {}
+        for name, family, group in groups:
+            lr = float(group["lr"])
+            if not lr > 0:
+                self.advices[name] = None  # e.g. a warmup that starts at 0: nothing to scale yet
+                continue
+            adam = family == "adam"
+            adv = advise(batch, lr, family, noise_scale, self.target_batch_sizes,
+                         betas=_betas(group) if adam else None, eps=_eps(group) if adam else None)
+            self.advices[name] = adv
+            metrics[f"lr_scaling/lr/{name}"] = lr
+            metrics.update({f"lr_scaling/suggested_lr_{s.key}/{name}": s.lr for s in adv.suggestions if s.lr is not None})
+        idle = [name for name, adv in self.advices.items() if adv is None]
+        if idle:
+            lines.append(f"lr is 0 now for {', '.join(idle)}: nothing to scale")
+        lines += self._reduction_lines(groups)
+        lines += self._reference_lines(groups, batch, noise_scale)
+        log_scalars(trainer, metrics, trainer.global_step)
+        table = advice_table({name: adv for name, adv in self.advices.items() if adv is not None})
+        return "\n".join(f"- {line}" for line in lines) + "\n\n" + table
+
+    def _reduction_lines(self, groups: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+        if self.loss_reduction is None or self.per_device_batch is None:
+            return []
+        notes: dict[str, list[str]] = {}
+        for name, family, group in groups:
+            note = loss_reduction_note(self.loss_reduction, family, self.per_device_batch, float(group["lr"]), _eps(group))
+            notes.setdefault(note, []).append(name)
+        head = f"**loss reduction** {self.loss_reduction} (the first batch twice over gives {self.loss_ratio:.3g}× its loss)"
+        return [head] + [f"{', '.join(names)}: {note}" for note, names in notes.items()]
+
+    def _reference_lines(self, groups: list[tuple[str, str, dict[str, Any]]], batch: int, noise_scale: float | None) -> list[str]:
+        """Each group's lr against the one suggested from ``reference``; the mismatches go to
+        ``_reference_problems`` for the fit-start warning."""
+        self._reference_problems = []
+        if self.reference is None:
+            return []
+        ref_batch, ref_lr = self.reference
+        lines = []
+        for name, family, group in groups:
+            tuned_lr = ref_lr.get(name) if isinstance(ref_lr, Mapping) else ref_lr
+            ratio = lr_ratio(ref_batch, batch, family, noise_scale)
+            if tuned_lr is None or ratio is None:
+                continue
+            suggested, lr, rule = tuned_lr * ratio, float(group["lr"]), rule_for(family, noise_scale)
+            lines.append(f"**reference** {name}: tuned at batch {ref_batch} with lr {tuned_lr:.3g}; at batch {batch} "
+                         f"the {rule} rule suggests {suggested:.3g} (lr now {lr:.3g})")
+            if batch != ref_batch and abs(lr / suggested - 1.0) > REFERENCE_TOLERANCE:
+                state = "was not rescaled" if math.isclose(lr, tuned_lr, rel_tol=1e-9) else f"is {lr:.3g}"
+                self._reference_problems.append(f"{name}'s lr {state}: the {rule} rule suggests {suggested:.3g}")
+        return lines
+
+
+def _validate_reference(reference: Any) -> tuple[int, float | dict[str, float]]:
+    message = f"`reference` must be (effective_batch >= 1, lr > 0 or a mapping of group name to lr > 0), got {reference!r}"
+    if not isinstance(reference, Sequence) or len(reference) != 2:
+        raise ValueError(message)
+    batch, lr = reference
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(message)
+    lrs = dict(lr) if isinstance(lr, Mapping) else {"": lr}
+    for value in lrs.values():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(message)
+    return batch, ({k: float(v) for k, v in lrs.items()} if isinstance(lr, Mapping) else float(lr))
+
+
+def _betas(group: Mapping[str, Any]) -> tuple[float, float] | None:
+    betas = group.get("betas")
+    return None if betas is None or len(betas) != 2 else (float(betas[0]), float(betas[1]))
+
+
+def _eps(group: Mapping[str, Any]) -> float | None:
+    eps = group.get("eps")
+    return None if eps is None else float(eps)
+
+
+def _loss_of(output: Any) -> Tensor:
+    """The loss tensor of a ``training_step`` output (a tensor, or a mapping with ``"loss"``)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"training_step returned {type(output).__name__}, not a loss")
+    return loss.detach().reshape(())
+
+
+def _doubled(batch: Any) -> Any:
+    """The batch concatenated with itself along the first dimension (0-d tensors kept)."""
+    return apply_to_collection(batch, Tensor, lambda t: torch.cat([t, t]) if t.dim() > 0 else t)
+
+
+@contextmanager
+def _muted_logging(pl_module: "pl.LightningModule") -> Iterator[None]:
+    """``self.log``/``self.log_dict`` as no-ops, so the probe's extra ``training_step`` calls log nothing."""
+    pl_module.log = lambda *_, **__: None  # type: ignore[method-assign]
+    pl_module.log_dict = lambda *_, **__: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict

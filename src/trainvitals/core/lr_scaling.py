@@ -1,0 +1,437 @@
+"""Batch size and learning rate: which lr fits a new batch size, and what the batch costs.
+
+Pure Python (no torch, no Lightning), so the advice can be had from numbers alone. Notation
+(science.md §4): B the effective batch in examples, η the lr, B̂ the measured gradient noise scale
+(B_simple, McCandlish et al. 2018, Eq. 2.9), r = B_new/B_old.
+
+- Noise-aware rule (McCandlish et al. 2018, Eq. 2.6; the AdaScale gain): the lr that is best at B
+  grows as 1/(1 + B̂/B), so η_new/η_old = (1 + B̂/B_old)/(1 + B̂/B_new) for SGD-like optimizers
+  (with momentum μ it acts on η/(1 − μ), μ kept), and the square root of that for Adam-like ones
+  (Malladi et al. 2022). Below B̂ it is ≈ r (Goyal et al. 2017) or ≈ √r; above B̂ it flattens.
+- Classic rules, when no B̂ is measured: linear (SGD-like) and square root (Adam-like). They are the
+  B̂ → ∞ limits of the noise-aware rule.
+- Steps and examples to reach a given loss: S/S_min = 1 + B̂/B and E/E_min = 1 + B/B̂
+  (McCandlish et al. 2018, §2.3); both are 2 at B = B̂, the batch where time and compute balance.
+
+The rules assume the lr was tuned at the old batch: an lr far below the best one is limited by the
+number of steps, not by noise, and then follows the linear rule whatever B̂ says.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+FAMILIES = ("sgd", "adam", "unsure")
+FAMILY_LABELS = {"sgd": "SGD-like", "adam": "Adam-like", "unsure": "unsure"}
+RULES = ("noise-aware", "linear", "square-root", "none")
+REDUCTIONS = ("mean", "sum", "unsure")
+DEFAULT_MULTIPLES = (0.5, 2.0, 4.0, 8.0)
+WARMUP_LR_RATIO = 2.0  # Goyal et al. 2017 warm up when the lr rises this much or more
+LARGE_ADAM_RATIO = 4.0  # from this batch ratio κ (or 1/κ) on, Adam's β and ε matter as well
+
+# Names along the class hierarchy; a subclass of Adam is Adam-like. Anything else is "unsure".
+_SGD_LIKE = frozenset({"SGD", "FusedSGD"})
+_ADAM_LIKE = frozenset({
+    "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "SparseAdam",
+    "FusedAdam", "DeepSpeedCPUAdam", "Adam8bit", "AdamW8bit", "PagedAdam", "PagedAdamW",
+})
+
+# A duplicated batch leaves a mean loss unchanged and doubles a sum: log2 of the ratio is the
+# exponent k of loss ∝ B^k. Dropout and per-batch statistics blur it, hence the band.
+_REDUCTION_EXPONENT_TOLERANCE = 0.4
+
+
+def _positive(name: str, value: float) -> float:
+    """``value`` as a float, or ValueError naming ``name`` unless it is finite and > 0."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}")
+    return x
+
+
+def _positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}")
+    return value
+
+
+def validate_family(family: str) -> str:
+    """``family`` if it is one of :data:`FAMILIES`, else ValueError naming ``family``."""
+    if family not in FAMILIES:
+        raise ValueError(f"`family` must be one of {FAMILIES}, got {family!r}")
+    return family
+
+
+def validate_noise_scale(noise_scale: float | None) -> float | None:
+    """``None`` or B̂ > 0 as a float (examples); ValueError naming ``noise_scale`` otherwise."""
+    return None if noise_scale is None else _positive("noise_scale", noise_scale)
+
+
+def validate_batch_sizes(name: str, batch_sizes: Sequence[float]) -> tuple[float, ...]:
+    """Each entry finite and > 0; ValueError naming ``name`` otherwise (a zero included)."""
+    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
+        raise ValueError(f"`{name}` must be a sequence of numbers > 0, got {batch_sizes!r}")
+    for b in batch_sizes:
+        _positive(name, b)
+    return tuple(float(b) for b in batch_sizes)
+
+
+def optimizer_family(optimizer_class: type | str) -> str:
+    """``"sgd"``, ``"adam"`` or ``"unsure"`` for an optimizer class (its whole hierarchy) or class name.
+
+    SGD-like: SGD with or without momentum/Nesterov. Adam-like: Adam, AdamW, Adamax, NAdam, RAdam,
+    RMSprop (the optimizers the square-root rule was derived for, Malladi et al. 2022) and their
+    fused / 8-bit versions. Any other (Adagrad, LBFGS, LAMB, LARS, Lion, Adafactor, ...) is
+    ``"unsure"``: no rule is guessed for it.
+    """
+    names = [optimizer_class] if isinstance(optimizer_class, str) else [c.__name__ for c in optimizer_class.__mro__]
+    for name in names:
+        if name in _SGD_LIKE:
+            return "sgd"
+        if name in _ADAM_LIKE:
+            return "adam"
+    return "unsure"
+
+
+def effective_batch_size(
+    per_device_batch: int,
+    devices: int = 1,
+    nodes: int = 1,
+    accumulate_grad_batches: int = 1,
+    splits_batch: bool = False,
+) -> int:
+    """Examples per optimizer step (science.md §4).
+
+    Each data-parallel process (single device, DDP, FSDP, DeepSpeed) loads its own batch:
+    ``per_device_batch × devices × nodes × accumulate_grad_batches``. ``torch.nn.DataParallel``
+    (``splits_batch=True``) splits one loaded batch across the devices of a node, so ``devices``
+    does not multiply: ``per_device_batch`` is then the loader's batch.
+
+    Args:
+        per_device_batch: examples in one micro-batch as the DataLoader yields it, ≥ 1.
+        devices: data-parallel devices per node, ≥ 1.
+        nodes: ≥ 1.
+        accumulate_grad_batches: micro-batches per optimizer step, ≥ 1.
+        splits_batch: True for ``torch.nn.DataParallel``.
+
+    Raises:
+        ValueError: naming the first argument that is not an integer ≥ 1.
+    """
+    _positive_int("per_device_batch", per_device_batch)
+    _positive_int("devices", devices)
+    _positive_int("nodes", nodes)
+    _positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    replicas = nodes if splits_batch else devices * nodes
+    return per_device_batch * replicas * accumulate_grad_batches
+
+
+def rule_for(family: str, noise_scale: float | None) -> str:
+    """The rule :func:`lr_ratio` applies: one of :data:`RULES`."""
+    if validate_family(family) == "unsure":
+        return "none"
+    if noise_scale is not None:
+        return "noise-aware"
+    return "linear" if family == "sgd" else "square-root"
+
+
+def lr_ratio(batch_old: float, batch_new: float, family: str, noise_scale: float | None = None) -> float | None:
+    """η_new/η_old when the effective batch goes from ``batch_old`` to ``batch_new`` examples.
+
+    With B̂ (``noise_scale``, examples) the gain g = (1 + B̂/B_old)/(1 + B̂/B_new) (McCandlish et al.
+    2018, Eq. 2.6): g for SGD-like, √g for Adam-like (Malladi et al. 2022). Without B̂, the classic
+    limits r and √r. ``None`` for an ``"unsure"`` family.
+
+    Raises:
+        ValueError: for a batch or ``noise_scale`` that is not finite and > 0, or an unknown ``family``.
+    """
+    b_old, b_new = _positive("batch_old", batch_old), _positive("batch_new", batch_new)
+    rule = rule_for(family, validate_noise_scale(noise_scale))
+    if rule == "none":
+        return None
+    gain = b_new / b_old if noise_scale is None else (1.0 + noise_scale / b_old) / (1.0 + noise_scale / b_new)
+    return gain if family == "sgd" else math.sqrt(gain)
+
+
+def steps_over_min(batch: float, noise_scale: float) -> float:
+    """S/S_min = 1 + B̂/B: optimizer steps relative to the fewest possible (McCandlish et al. 2018, §2.3)."""
+    return 1.0 + _positive("noise_scale", noise_scale) / _positive("batch", batch)
+
+
+def examples_over_min(batch: float, noise_scale: float) -> float:
+    """E/E_min = 1 + B/B̂: examples processed relative to the fewest possible (McCandlish et al. 2018, §2.3)."""
+    return 1.0 + _positive("batch", batch) / _positive("noise_scale", noise_scale)
+
+
+def adam_square_root_adjustments(
+    kappa: float, betas: tuple[float, float] | None, eps: float | None
+) -> tuple[tuple[float, float] | None, float | None]:
+    """β and ε of the square-root scaling rule for a batch κ times larger (Malladi et al. 2022, §4).
+
+    The rule keeps Adam's SDE: η → √κ η, 1 − β → κ(1 − β), ε → ε/√κ. Returns ``(betas, eps)``
+    (``None`` where not given); a β at or below 0 means κ is beyond the rule's reach.
+    """
+    new_betas = None if betas is None else (1.0 - kappa * (1.0 - betas[0]), 1.0 - kappa * (1.0 - betas[1]))
+    new_eps = None if eps is None else eps / math.sqrt(kappa)
+    return new_betas, new_eps
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """The advice for one target batch size.
+
+    Attributes:
+        key: metric suffix, ``"x2"`` for a multiple of the current batch, ``"b1024"`` for a listed size.
+        label: for tables, ``"×2 (128)"`` or ``"1024"``.
+        batch_size: target effective batch, examples (a multiple may be fractional).
+        lr_ratio: η_new/η_old, ``None`` for an unsure family.
+        lr: suggested lr, ``None`` for an unsure family.
+        steps_over_min, examples_over_min: S/S_min and E/E_min at the target, ``None`` without B̂.
+        notes: warnings and adjustments, in words.
+    """
+
+    key: str
+    label: str
+    batch_size: float
+    lr_ratio: float | None
+    lr: float | None
+    steps_over_min: float | None
+    examples_over_min: float | None
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LRAdvice:
+    """What :func:`advise` says about one lr at one effective batch.
+
+    Attributes:
+        batch_size: current effective batch, examples.
+        lr: current lr.
+        family: one of :data:`FAMILIES`.
+        noise_scale: B̂ in examples, or ``None``.
+        rule: one of :data:`RULES`.
+        steps_over_min, examples_over_min: at the current batch, ``None`` without B̂.
+        balanced_batch: the batch where S/S_min = E/E_min (= B̂), ``None`` without B̂.
+        suggestions: one per target batch, multiples first.
+    """
+
+    batch_size: float
+    lr: float
+    family: str
+    noise_scale: float | None
+    rule: str
+    steps_over_min: float | None
+    examples_over_min: float | None
+    balanced_batch: float | None
+    suggestions: tuple[Suggestion, ...]
+
+
+def _notes(
+    family: str, ratio: float | None, batch: float, noise_scale: float | None,
+    betas: tuple[float, float] | None, eps: float | None,
+) -> tuple[str, ...]:
+    notes = []
+    if noise_scale is not None and batch > noise_scale:
+        notes.append(f"above B̂ ≈ {noise_scale:.4g}: more batch buys little; sweep the lr")
+    if ratio is not None and ratio > WARMUP_LR_RATIO:
+        notes.append(f"the lr rises {ratio:.3g}×: warm it up over the first steps (Goyal et al. 2017)")
+    if family == "adam" and ratio is not None:
+        kappa = ratio * ratio  # the batch ratio the square-root rule would see, the gain under B̂
+        if max(kappa, 1.0 / kappa) >= LARGE_ADAM_RATIO:
+            notes.append(_adam_note(kappa, betas, eps))
+    return tuple(notes)
+
+
+def _adam_note(kappa: float, betas: tuple[float, float] | None, eps: float | None) -> str:
+    new_betas, new_eps = adam_square_root_adjustments(kappa, betas, eps)
+    head = f"square-root rule at κ = {kappa:.3g} (Malladi et al. 2022): "
+    if new_betas is None and new_eps is None:
+        return head + "also set 1 − β → κ(1 − β) and ε → ε/√κ"
+    parts = []
+    if new_betas is not None and betas is not None:
+        if min(new_betas) <= 0.0:
+            return head + f"β would fall to {min(new_betas):.3g} ≤ 0: beyond the rule's reach; sweep the lr and β"
+        parts += [f"β₁ {betas[0]:g} → {new_betas[0]:.4g}", f"β₂ {betas[1]:g} → {new_betas[1]:.4g}"]
+    if new_eps is not None:
+        parts.append(f"ε {eps:.3g} → {new_eps:.3g}")
+    return head + ", ".join(parts)
+
+
+def _target_label(multiple: float, batch: float) -> str:
+    return f"×{multiple:g} ({batch:.4g})"
+
+
+def advise(
+    batch_size: float,
+    lr: float,
+    family: str,
+    noise_scale: float | None = None,
+    target_batch_sizes: Sequence[float] = (),
+    multiples: Sequence[float] = DEFAULT_MULTIPLES,
+    betas: tuple[float, float] | None = None,
+    eps: float | None = None,
+) -> LRAdvice:
+    """The lr to use at other batch sizes, and the efficiency of this one (science.md §4).
+
+    Args:
+        batch_size: current effective batch B, examples per optimizer step (> 0).
+        lr: current lr η (> 0), as scheduled now.
+        family: ``"sgd"``, ``"adam"`` or ``"unsure"`` (see :func:`optimizer_family`).
+        noise_scale: measured B̂ (B_simple) in examples; ``None`` for the classic rules.
+        target_batch_sizes: further effective batches to advise on, examples.
+        multiples: targets as multiples of ``batch_size``; default ×½, ×2, ×4, ×8.
+        betas, eps: the optimizer's (β₁, β₂) and ε, for the Adam-like β/ε adjustments.
+
+    Returns:
+        :class:`LRAdvice` with one :class:`Suggestion` per multiple, then per listed target.
+
+    Raises:
+        ValueError: naming ``batch_size``, ``lr``, ``family``, ``noise_scale``,
+            ``target_batch_sizes``, ``multiples``, ``betas`` or ``eps`` when out of range
+            (non-positive or non-finite numbers, a zero target, an unknown family, β outside [0, 1)).
+    """
+    batch = _positive("batch_size", batch_size)
+    lr = _positive("lr", lr)
+    rule = rule_for(family, validate_noise_scale(noise_scale))
+    targets = validate_batch_sizes("target_batch_sizes", target_batch_sizes)
+    scales = validate_batch_sizes("multiples", multiples)
+    if betas is not None and not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"`betas` must be two numbers in [0, 1), got {betas!r}")
+    if eps is not None and not (math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"`eps` must be a finite number >= 0, got {eps!r}")
+
+    rows = [(f"x{m:g}", _target_label(m, batch * m), batch * m) for m in scales]
+    rows += [(f"b{t:g}", f"{t:g}", t) for t in targets]
+    suggestions = []
+    for key, label, target in rows:
+        ratio = lr_ratio(batch, target, family, noise_scale)
+        suggestions.append(Suggestion(
+            key=key, label=label, batch_size=target, lr_ratio=ratio,
+            lr=None if ratio is None else lr * ratio,
+            steps_over_min=None if noise_scale is None else steps_over_min(target, noise_scale),
+            examples_over_min=None if noise_scale is None else examples_over_min(target, noise_scale),
+            notes=_notes(family, ratio, target, noise_scale, betas, eps),
+        ))
+    return LRAdvice(
+        batch_size=batch, lr=lr, family=family, noise_scale=noise_scale, rule=rule,
+        steps_over_min=None if noise_scale is None else steps_over_min(batch, noise_scale),
+        examples_over_min=None if noise_scale is None else examples_over_min(batch, noise_scale),
+        balanced_batch=noise_scale,
+        suggestions=tuple(suggestions),
+    )
+
+
+def classify_loss_reduction(loss: float, loss_on_doubled_batch: float) -> str:
+    """``"mean"``, ``"sum"`` or ``"unsure"`` from the loss of a batch and of that batch twice over.
+
+    Concatenating a batch with itself leaves a mean-reduced loss unchanged (ratio 1) and doubles a
+    summed one (ratio 2), exactly without dropout. With k = log2(ratio) the exponent of loss ∝ B^k,
+    ``"mean"`` when |k| < 0.4, ``"sum"`` when |k − 1| < 0.4; a zero, non-finite or sign-changing pair,
+    or anything between (a sum plus a batch-independent term), is ``"unsure"``.
+    """
+    if not (math.isfinite(loss) and math.isfinite(loss_on_doubled_batch)) or loss == 0.0:
+        return "unsure"
+    ratio = loss_on_doubled_batch / loss
+    if ratio <= 0.0:
+        return "unsure"
+    k = math.log2(ratio)
+    if abs(k) < _REDUCTION_EXPONENT_TOLERANCE:
+        return "mean"
+    if abs(k - 1.0) < _REDUCTION_EXPONENT_TOLERANCE:
+        return "sum"
+    return "unsure"
+
+
+def loss_reduction_note(reduction: str, family: str, per_device_batch: int, lr: float, eps: float | None = None) -> str:
+    """What a loss reduction means for an optimizer family (science.md §4, "Loss reduction").
+
+    A summed loss has b× the gradient of the mean (b = examples in a device's micro-batch; tokens for
+    a per-token loss). SGD's step is then b × lr; Adam divides the scale out except against ε.
+
+    Raises:
+        ValueError: for a ``reduction`` not in :data:`REDUCTIONS` or an unknown ``family``.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"`reduction` must be one of {REDUCTIONS}, got {reduction!r}")
+    validate_family(family)
+    if reduction == "mean":
+        return "mean-reduced loss: the suggestions apply as they are"
+    if reduction == "unsure":
+        return "loss reduction unclear (neither mean nor sum over the batch): check how the loss scales with the batch"
+    b = per_device_batch
+    if family == "sgd":
+        return (f"summed loss: the gradient is {b}× that of the mean, so SGD steps with an effective lr of "
+                f"{b} × {lr:.3g} = {b * lr:.3g}; the sum already scales the step with the per-device batch, so "
+                "divide a suggested lr by b_new/b_old when the per-device batch changes")
+    if family == "adam":
+        eps_part = f" = {eps / b:.3g}" if eps is not None else ""
+        return (f"summed loss: Adam divides the {b}× gradient scale out, except against ε: the effective ε is "
+                f"ε/{b}{eps_part}; the suggestions apply as they are")
+    return f"summed loss: the gradient is {b}× that of the mean; how this optimizer reacts is unknown"
+
+
+def param_group_labels(class_names: Sequence[str], group_names: Sequence[Sequence[str | None]]) -> list[list[str]]:
+    """Names for each optimizer's param groups, as Lightning's ``LearningRateMonitor`` makes them.
+
+    The class name; ``-1``, ``-2`` for the second, third optimizer of a class; ``/pg1``, ``/pg2``
+    (or the group's ``name``) when an optimizer has several groups, ``/name`` for a named single group.
+    """
+    seen: dict[str, int] = {}
+    labels = []
+    for cls, groups in zip(class_names, group_names):
+        count = seen.get(cls, 0)
+        seen[cls] = count + 1
+        base = cls if count == 0 else f"{cls}-{count}"
+        if len(groups) > 1:
+            labels.append([f"{base}/{g or f'pg{i + 1}'}" for i, g in enumerate(groups)])
+        else:
+            labels.append([f"{base}/{groups[0]}" if groups and groups[0] else base])
+    return labels
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3g}"
+
+
+def advice_table(advices: Mapping[str, LRAdvice]) -> str:
+    """A markdown report of :func:`advise` results keyed by optimizer / param group name.
+
+    One row per group with its family, lr now, rule and the suggested lr at each target; a table of
+    S/S_min and E/E_min per batch when B̂ is known; then the notes. Readable as plain text too.
+    All advices should share the batch and B̂ (they come from one run).
+    """
+    if not advices:
+        return "no optimizer to advise on"
+    first = next(iter(advices.values()))
+    labels = [s.label for s in first.suggestions]
+    lines = [
+        "| optimizer | family | lr now | rule | " + " | ".join(labels) + " |",
+        "|---|---|---|---|" + "---|" * len(labels),
+    ]
+    for name, adv in advices.items():
+        lr_at = {s.label: s.lr for s in adv.suggestions}
+        cells = [_fmt(lr_at.get(label)) for label in labels]
+        lines.append(f"| {name} | {FAMILY_LABELS[adv.family]} | {adv.lr:.3g} | {adv.rule} | " + " | ".join(cells) + " |")
+    if first.noise_scale is not None:
+        lines += [
+            "",
+            "| batch | " + " | ".join([f"{first.batch_size:.4g} (now)"] + labels) + " |",
+            "|---|---|" + "---|" * len(labels),
+            "| steps S/S_min | " + " | ".join(_fmt(x) for x in [first.steps_over_min] + [s.steps_over_min for s in first.suggestions]) + " |",
+            "| examples E/E_min | " + " | ".join(_fmt(x) for x in [first.examples_over_min] + [s.examples_over_min for s in first.suggestions]) + " |",
+        ]
+    by_note: dict[tuple[str, str], list[str]] = {}  # one line per (target, note), naming the groups it is for
+    for name, adv in advices.items():
+        for s in adv.suggestions:
+            for note in s.notes:
+                by_note.setdefault((s.label, note), []).append(name)
+    notes = [f"- {label} [{', '.join(names)}]: {note}" for (label, note), names in by_note.items()]
+    if any(adv.family == "unsure" for adv in advices.values()):
+        notes.append("- unsure: no scaling rule is known for this optimizer class; sweep the lr")
+    if notes:
+        lines += ["", "notes:"] + notes
+    return "\n".join(lines)

@@ -1,0 +1,609 @@
+"""Memory of the computation graph: saved tensors per module, model-state bytes, graphs held across
+steps, and the arithmetic of the remedies (science.md §5).
+
+Categories, all in bytes and all counted by storage, so that views and tied weights count once:
+
+- parameters, gradients and optimizer state (every tensor in ``optimizer.state``);
+- inputs: the tensors of the batch;
+- saved activations: what autograd keeps for backward, seen through
+  ``torch.autograd.graph.saved_tensors_hooks``. Each saved tensor is attributed to the innermost module
+  whose forward is running (module forward pre/post hooks keep the stack), deduplicated by storage
+  (``untyped_storage().data_ptr()``, ``nbytes()``), and left out when its storage belongs to a
+  parameter, a buffer or the batch: ``Linear`` saves ``weight.t()``, a view of a parameter, and the
+  first layer saves the batch, but neither is an activation. This works on any device.
+
+A graph kept alive across steps (``total = total + loss`` with ``retain_graph=True``, a hidden state
+that is never detached) shows as saved tensors that are still referenced after backward and whose
+bytes grow step by step. The recorder keeps only weak references to what it saw, so it never keeps a
+graph alive itself.
+
+Nothing here imports Lightning; nothing here syncs with the device except
+:meth:`SavedTensorRecorder.report` when it times modules on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+ROOT = "(root)"
+"""Label of the root module's own forward (ops not inside any child module)."""
+OUTSIDE = "(outside)"
+"""Label of tensors saved while no module's forward runs (a loss computed in ``training_step``)."""
+
+StorageKey = tuple[str, int]
+"""``(device, data_ptr)`` of an untyped storage: equal for all views of one storage."""
+
+
+def storage_key(tensor: Tensor) -> StorageKey | None:
+    """The storage ``tensor`` is a view of, or ``None`` for tensors without one (sparse, wrapper subclasses)."""
+    try:
+        return str(tensor.device), tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def storage_nbytes(tensor: Tensor) -> int:
+    """Bytes of the whole storage ``tensor`` views: what keeping the view alive keeps alive."""
+    return tensor.untyped_storage().nbytes()
+
+
+def tensors_in(obj: Any) -> Iterator[Tensor]:
+    """Every tensor in ``obj``: a tensor or nested mappings, lists, tuples and dataclass instances."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from tensors_in(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name))
+
+
+def storage_keys(tensors: Iterable[Tensor]) -> set[StorageKey]:
+    """The storages of ``tensors`` (tensors without a storage are skipped)."""
+    return {key for key in map(storage_key, tensors) if key is not None}
+
+
+def unique_storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors``; a storage viewed many times counts once."""
+    sizes: dict[StorageKey, int] = {}
+    for t in tensors:
+        key = storage_key(t)
+        if key is not None and key not in sizes:
+            sizes[key] = storage_nbytes(t)
+    return sum(sizes.values())
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of the model state that does not scale with the batch.
+
+    Attributes:
+        parameters: distinct parameter storages.
+        gradients: distinct ``.grad`` storages (0 before the first backward or after ``zero_grad``).
+        optimizer_state: distinct storages of every tensor in ``optimizer.state``; Adam keeps two
+            moments (2 × parameter bytes) plus a 4-byte ``step`` tensor per parameter, SGD with
+            momentum one buffer (1 ×), plain SGD nothing.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def model_state_bytes(parameters: Iterable[Tensor], optimizers: Sequence[torch.optim.Optimizer] = ()) -> ModelStateBytes:
+    """Parameter, gradient and optimizer-state bytes (see :class:`ModelStateBytes`)."""
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [t for opt in optimizers for per_param in opt.state.values() for t in tensors_in(per_param)]
+    return ModelStateBytes(unique_storage_bytes(params), unique_storage_bytes(grads), unique_storage_bytes(state))
+
+
+@dataclass(frozen=True)
+class SavedStorage:
+    """One storage that autograd saved for backward.
+
+    Attributes:
+        nbytes: bytes of the storage.
+        dtype: dtype of the first saved view.
+        savers: the innermost module running at each save, in order; the first one owns the bytes.
+    """
+
+    nbytes: int
+    dtype: torch.dtype
+    savers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SavedTensorReport:
+    """What one forward saved for backward.
+
+    Attributes:
+        total_bytes: bytes of the distinct saved storages (parameters, buffers, batch excluded).
+        by_module: bytes owned by each module (the first to save a storage), largest first; the
+            values sum to ``total_bytes``. Keys are qualified module names, :data:`ROOT` or
+            :data:`OUTSIDE`.
+        storages: every counted storage, by key.
+        module_inputs: storages of each module's tensor arguments (all calls, excluded storages left
+            out), for :func:`checkpoint_savings`.
+        input_nbytes: bytes of each storage in ``module_inputs``.
+        forward_seconds: wall time of each module's forward, inclusive of its children (empty unless
+            timed).
+        uncounted: saved tensors that have no storage (sparse, wrapper subclasses), not in any total.
+    """
+
+    total_bytes: int
+    by_module: dict[str, int]
+    storages: dict[StorageKey, SavedStorage]
+    module_inputs: dict[str, frozenset[StorageKey]] = field(default_factory=dict)
+    input_nbytes: dict[StorageKey, int] = field(default_factory=dict)
+    forward_seconds: dict[str, float] = field(default_factory=dict)
+    uncounted: int = 0
+
+
+def _unpack(packed: Tensor) -> Tensor:
+    # Module-level on purpose: the graph stores the unpack hook, and a bound method would tie the
+    # recorder's lifetime to every graph it saw.
+    return packed
+
+
+class SavedTensorRecorder:
+    """Context manager that records, per module, what autograd saves for backward while it is active.
+
+    Enter it before the forward and leave it before the backward. Nothing it keeps references a
+    tensor: the graph owns what is saved (a detached alias of each saved tensor), the recorder only
+    weak references, storage keys and sizes.
+
+    Args:
+        module: the model whose modules are hooked; names are ``module.named_modules()`` names.
+        exclude: tensors whose storages are not activations even when saved: the batch. Parameters
+            and buffers of ``module`` are always excluded.
+        time_modules: also measure each module's forward time (``perf_counter`` on the host; CUDA
+            events for a module whose first argument is on CUDA, read in :meth:`report`, which then
+            syncs with the device).
+
+    Raises:
+        RuntimeError: on entering a recorder that is already active.
+    """
+
+    def __init__(self, module: nn.Module, exclude: Iterable[Tensor] = (), time_modules: bool = False) -> None:
+        self.module = module
+        self.time_modules = time_modules
+        self._exclude = storage_keys(tensors_in(list(exclude)))
+        self._exclude |= storage_keys(module.parameters())
+        self._exclude |= storage_keys(module.buffers())
+        self._names = {id(m): (name or ROOT) for name, m in module.named_modules()}
+        self._stack: list[str] = []
+        self._saved: dict[StorageKey, SavedStorage] = {}
+        self._refs: dict[StorageKey, list[weakref.ref]] = {}
+        self._inputs: dict[str, set[StorageKey]] = {}
+        self._input_nbytes: dict[StorageKey, int] = {}
+        self._starts: list[Any] = []
+        self._seconds: dict[str, float] = {}
+        self._events: list[tuple[str, Any, Any]] = []
+        self._uncounted = 0
+        self._handles: list[RemovableHandle] = []
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def __enter__(self) -> SavedTensorRecorder:
+        if self._hooks is not None:
+            raise RuntimeError("this SavedTensorRecorder is already active")
+        for m in self.module.modules():
+            self._handles.append(m.register_forward_pre_hook(self._enter_module, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._leave_module, always_call=True))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop recording (idempotent): pop the saved-tensor hooks and remove the module hooks."""
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @property
+    def active(self) -> bool:
+        return self._hooks is not None
+
+    def _enter_module(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = self._names.get(id(module), type(module).__name__)
+        self._stack.append(name)
+        inputs = self._inputs.setdefault(name, set())
+        first: Tensor | None = None
+        for t in tensors_in((args, kwargs)):
+            first = first if first is not None else t
+            key = storage_key(t)
+            if key is not None and key not in self._exclude:
+                inputs.add(key)
+                self._input_nbytes.setdefault(key, storage_nbytes(t))
+        if not self.time_modules:
+            return
+        if first is not None and first.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._starts.append(start)
+        else:
+            self._starts.append(time.perf_counter())
+
+    def _leave_module(self, module: nn.Module, *_: Any) -> None:
+        name = self._stack.pop()
+        if not self.time_modules:
+            return
+        start = self._starts.pop()
+        if isinstance(start, float):
+            self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((name, start, end))
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        # A detached alias: returning the tensor itself would make a saved output reference its own
+        # grad_fn, a cycle the autograd graph cannot free.
+        packed = tensor.detach()
+        key = storage_key(tensor)
+        if key is None:
+            self._uncounted += 1
+            return packed
+        if key in self._exclude:
+            return packed
+        saver = self._stack[-1] if self._stack else OUTSIDE
+        seen = self._saved.get(key)
+        if seen is None:
+            self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,))
+            self._refs[key] = []
+        else:
+            self._saved[key] = dataclasses.replace(seen, savers=seen.savers + (saver,))
+        self._refs[key].append(weakref.ref(packed))
+        return packed
+
+    def report(self) -> SavedTensorReport:
+        """The totals so far; syncs with the device when CUDA forward times are pending."""
+        by_module: dict[str, int] = {}
+        for saved in self._saved.values():
+            by_module[saved.savers[0]] = by_module.get(saved.savers[0], 0) + saved.nbytes
+        if self._events:
+            self._events[-1][2].synchronize()
+            for name, start, end in self._events:
+                self._seconds[name] = self._seconds.get(name, 0.0) + start.elapsed_time(end) / 1000.0
+            self._events.clear()
+        return SavedTensorReport(
+            total_bytes=sum(s.nbytes for s in self._saved.values()),
+            by_module=dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
+            storages=dict(self._saved),
+            module_inputs={name: frozenset(keys) for name, keys in self._inputs.items()},
+            input_nbytes=dict(self._input_nbytes),
+            forward_seconds=dict(self._seconds),
+            uncounted=self._uncounted,
+        )
+
+    def held(self) -> dict[StorageKey, tuple[int, list[weakref.ref]]]:
+        """Saved storages still referenced by a graph now: key → (bytes, weak references).
+
+        Called after backward, a non-empty result means part of the graph outlived its backward
+        (``retain_graph=True``, or saved tensors of a branch that backward never reached).
+        """
+        return {key: (self._saved[key].nbytes, refs) for key, refs in self._refs.items()
+                if any(r() is not None for r in refs)}
+
+
+def subtree_of(name: str, candidate: str) -> bool:
+    """Whether module ``candidate`` is ``name`` or inside it (qualified names; :data:`ROOT` holds all modules)."""
+    if name == ROOT:
+        return candidate != OUTSIDE
+    return candidate == name or candidate.startswith(name + ".")
+
+
+def checkpoint_savings(report: SavedTensorReport, name: str) -> int:
+    """Bytes that activation checkpointing of module ``name`` would free, from one recorded forward.
+
+    Checkpointing keeps the module's tensor arguments and recomputes everything saved inside it.
+    What stays saved is every storage also saved outside the module, plus the module's inputs; so
+    ``savings = total − bytes(saved outside ∪ inputs)``. A storage saved both inside and outside
+    (the module's output saved again by the next layer) is not freed. Excluded storages (the batch,
+    parameters) never count.
+
+    Raises:
+        KeyError: if ``name`` ran no forward during the recording.
+    """
+    kept = {key for key, s in report.storages.items() if not all(subtree_of(name, saver) for saver in s.savers)}
+    kept |= report.module_inputs[name]
+    nbytes = {**report.input_nbytes, **{key: s.nbytes for key, s in report.storages.items()}}
+    return report.total_bytes - sum(nbytes[key] for key in kept)
+
+
+def transformer_layer_activation_bytes(
+    seq_len: int, batch: int, hidden: int, heads: int, float_bytes: int = 2, mask_bytes: int = 1
+) -> int:
+    """Activation bytes one transformer layer saves for backward (Korthikanti et al. 2022, §4.1, Eq. 1).
+
+    The paper counts, per layer with sequence ``s``, batch ``b``, hidden size ``h``, ``a`` heads: the
+    attention block (QKV input, Q, K, V, softmax output, its dropout mask and output, projection
+    input, dropout mask), the MLP (both linear inputs, the GELU input, dropout mask) and two
+    LayerNorm inputs. With ``p`` bytes per float and ``m`` per dropout-mask element:
+
+        s·b·h·(16p + 2m) + a·s²·b·(2p + m)  bytes
+
+    which is the paper's ``s·b·h·(34 + 5·a·s/h)`` for fp16 (p = 2, m = 1). In fp32 on CUDA use
+    p = 4, m = 1; on CPU, where dropout multiplies by a float mask, m = p. LayerNorm's per-row mean
+    and reciprocal std are left out, as in the paper.
+    """
+    s, b, h, a = seq_len, batch, hidden, heads
+    return s * b * h * (16 * float_bytes + 2 * mask_bytes) + a * s * s * b * (2 * float_bytes + mask_bytes)
+
+
+@dataclass(frozen=True)
+class HeldGraph:
+    """Saved tensors of profiled steps that are still referenced by a graph, at the end of a step.
+
+    Attributes:
+        step: the profiled step (optimizer steps) just finished.
+        held_bytes: distinct bytes still held, from all tracked steps.
+        carried_bytes: the part first saved in an earlier profiled step: a graph that outlived its step.
+        step_bytes: the part first saved in ``step``, still held after its backward.
+        first_step: the earliest tracked step whose saved tensors are still held (``None``: none).
+        growing: ``held_bytes`` exceeds the previous observation's.
+    """
+
+    step: int
+    held_bytes: int
+    carried_bytes: int
+    step_bytes: int
+    first_step: int | None
+    growing: bool
+
+    @property
+    def leaking(self) -> bool:
+        """A graph is kept alive across steps and grows: saved bytes that neither fall back nor stay flat."""
+        return self.carried_bytes > 0 and self.growing
+
+
+class HeldGraphTracker:
+    """Follows, by weak reference, what profiled steps saved and is still held after their backward.
+
+    Args:
+        max_steps: how many profiled steps with held tensors to follow; older ones are dropped.
+
+    Raises:
+        ValueError: if ``max_steps < 1``.
+    """
+
+    def __init__(self, max_steps: int = 256) -> None:
+        if max_steps < 1:
+            raise ValueError(f"`max_steps` must be >= 1, got {max_steps}")
+        self.max_steps = max_steps
+        self._steps: dict[int, dict[StorageKey, tuple[int, list[weakref.ref]]]] = {}
+        self._previous_bytes = 0
+
+    def update(self, step: int, held: dict[StorageKey, tuple[int, list[weakref.ref]]]) -> HeldGraph:
+        """Add ``held`` (from :meth:`SavedTensorRecorder.held`, after backward) and measure what is alive."""
+        if held:
+            self._steps[step] = held
+        alive: dict[StorageKey, tuple[int, int]] = {}
+        for s in sorted(self._steps):
+            live = {key: v for key, v in self._steps[s].items() if any(r() is not None for r in v[1])}
+            if live:
+                self._steps[s] = live
+                for key, (nbytes, _) in live.items():
+                    alive.setdefault(key, (s, nbytes))
+            else:
+                del self._steps[s]
+        while len(self._steps) > self.max_steps:
+            del self._steps[min(self._steps)]
+        held_bytes = sum(nbytes for _, nbytes in alive.values())
+        carried = sum(nbytes for s, nbytes in alive.values() if s < step)
+        observation = HeldGraph(
+            step=step, held_bytes=held_bytes, carried_bytes=carried, step_bytes=held_bytes - carried,
+            first_step=min(self._steps) if self._steps else None, growing=held_bytes > self._previous_bytes,
+        )
+        self._previous_bytes = held_bytes
+        return observation
+
+
+@dataclass(frozen=True)
+class GraphLeakFinding:
+    """A graph kept alive across steps: saved bytes that do not fall back after backward and grow.
+
+    Attributes:
+        step: the profiled step (optimizer steps) it was seen at.
+        held_bytes: saved bytes of profiled steps still held then.
+        bytes_per_step: saved bytes the step kept after its backward.
+        since_step: the earliest profiled step whose saved tensors are still held.
+        holders: module attributes holding a graph (:func:`graph_holders`), may be empty.
+    """
+
+    step: int
+    held_bytes: int
+    bytes_per_step: int
+    since_step: int
+    holders: tuple[str, ...]
+
+    @property
+    def estimated_bytes(self) -> int:
+        """Bytes held if every step since ``since_step`` kept as much as this one (profiled or not)."""
+        return self.bytes_per_step * (self.step - self.since_step + 1)
+
+    @property
+    def message(self) -> str:
+        held_by = (f"held by {', '.join(f'`{h}`' for h in self.holders)}: keep a float (`.item()`) or "
+                   "`.detach()` it" if self.holders else
+                   "no module attribute holds a graph: look for a list or variable outside the model, or "
+                   "`backward(retain_graph=True)`")
+        return (f"a graph is kept alive across steps: {format_bytes(self.bytes_per_step)} of saved tensors per "
+                f"step are still held after backward, held since step {self.since_step} "
+                f"(≈ {format_bytes(self.estimated_bytes)} by step {self.step}); {held_by}")
+
+
+def graph_holders(module: nn.Module, prefix: str = "self") -> list[str]:
+    """Attributes of ``module`` and its submodules that hold a tensor attached to an autograd graph.
+
+    Between steps no attribute should: one that does (``self.running_loss = self.running_loss + loss``)
+    keeps that step's graph alive. Lists, tuples and dicts in attributes are searched too.
+
+    Returns:
+        Names such as ``"self.running_loss"`` or ``"self.encoder.cache"``.
+    """
+    internal = {"_parameters", "_buffers", "_modules"}
+    found = []
+    for name, m in module.named_modules():
+        base = f"{prefix}.{name}" if name else prefix
+        for attr, value in vars(m).items():
+            if attr in internal or isinstance(value, nn.Module):
+                continue
+            if any(t.grad_fn is not None for t in tensors_in(value)):
+                found.append(f"{base}.{attr}")
+    return found
+
+
+def largest_batch(budget_bytes: int, fixed_bytes: int, scaling_bytes: int, batch_size: int) -> int:
+    """The largest batch that fits ``budget_bytes`` when ``scaling_bytes`` grow in proportion to the batch.
+
+    ``floor((budget − fixed) · B / scaling)`` examples, 0 when the fixed part alone does not fit.
+
+    Args:
+        budget_bytes: the memory to fit in.
+        fixed_bytes: bytes that do not depend on the batch (parameters, gradients, optimizer state).
+        scaling_bytes: bytes at batch ``batch_size`` that are proportional to it (activations, inputs).
+        batch_size: the batch the bytes were measured at.
+
+    Raises:
+        ValueError: if ``scaling_bytes`` or ``batch_size`` is not positive.
+    """
+    if scaling_bytes <= 0:
+        raise ValueError(f"`scaling_bytes` must be > 0, got {scaling_bytes}")
+    if batch_size < 1:
+        raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
+    return max(0, (budget_bytes - fixed_bytes) * batch_size // scaling_bytes)
+
+
+def mixed_precision_savings(report: SavedTensorReport) -> int:
+    """Bytes freed if every float32 saved activation were kept in 16 bits: half their bytes.
+
+    An upper bound: autocast keeps some ops in fp32 (softmax, norms, losses) and adds 16-bit copies of
+    the weights it casts.
+    """
+    return sum(s.nbytes // 2 for s in report.storages.values() if s.dtype == torch.float32)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One way to lower memory, with its numbers.
+
+    Attributes:
+        kind: ``"activation checkpointing"``, ``"mixed precision"`` or ``"optimizer state"``.
+        target: the module to checkpoint (qualified name), else ``""``.
+        bytes_freed: predicted bytes freed per step.
+        largest_batch: the largest batch that fits the budget after the remedy (``None``: no budget).
+        extra_compute: extra step time as a fraction of the step (checkpointing: one more forward of
+            the module), ``None`` when not measured or not applicable.
+        note: the cost or condition in words.
+    """
+
+    kind: str
+    target: str
+    bytes_freed: int
+    largest_batch: int | None
+    extra_compute: float | None
+    note: str
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Where the bytes of one profiled step go, and the budget they must fit.
+
+    Attributes:
+        state: parameters, gradients, optimizer state.
+        inputs_bytes: the batch.
+        activations: the saved tensors of the step.
+        batch_size: examples in the batch.
+        temporaries_bytes: peak minus the known categories (CUDA), counted as growing with the batch.
+        budget_bytes: the memory to fit in, ``None`` for no batch advice.
+        step_seconds: wall time of the profiled step, for the cost of checkpointing.
+    """
+
+    state: ModelStateBytes
+    inputs_bytes: int
+    activations: SavedTensorReport
+    batch_size: int
+    temporaries_bytes: int = 0
+    budget_bytes: int | None = None
+    step_seconds: float | None = None
+
+    @property
+    def scaling_bytes(self) -> int:
+        """Bytes proportional to the batch: activations, inputs and (non-negative) temporaries."""
+        return self.activations.total_bytes + self.inputs_bytes + max(0, self.temporaries_bytes)
+
+    def largest_batch(self, fixed_freed: int = 0, scaling_freed: int = 0) -> int | None:
+        """The largest batch under the budget once ``fixed_freed`` / ``scaling_freed`` bytes are freed."""
+        scaling = self.scaling_bytes - scaling_freed
+        if self.budget_bytes is None or scaling <= 0:
+            return None
+        return largest_batch(self.budget_bytes, self.state.total - fixed_freed, scaling, self.batch_size)
+
+
+def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
+    """The remedies, most bytes freed first: checkpointing of the ``top_k`` modules that free the most
+    (:func:`checkpoint_savings`; the root module is left out: it is the whole forward), mixed precision
+    (:func:`mixed_precision_savings`) and the optimizer state (all of it, as with a stateless or
+    sharded optimizer). Remedies that free nothing are left out.
+
+    Raises:
+        ValueError: if ``top_k < 0``.
+    """
+    if top_k < 0:
+        raise ValueError(f"`top_k` must be >= 0, got {top_k}")
+    report = memory.activations
+    candidates = {name: checkpoint_savings(report, name) for name in report.module_inputs if name != ROOT}
+    best = sorted((kv for kv in candidates.items() if kv[1] > 0), key=lambda kv: -kv[1])[:top_k]
+    remedies = []
+    for name, freed in best:
+        seconds = report.forward_seconds.get(name)
+        extra = seconds / memory.step_seconds if seconds is not None and memory.step_seconds else None
+        remedies.append(Remedy("activation checkpointing", name, freed, memory.largest_batch(scaling_freed=freed),
+                               extra, f"recomputes the forward of `{name}` in backward"))
+    halved = mixed_precision_savings(report)
+    if halved > 0:
+        remedies.append(Remedy("mixed precision", "", halved, memory.largest_batch(scaling_freed=halved), None,
+                               "bf16/fp16 autocast; an upper bound: some ops stay in fp32"))
+    state = memory.state
+    if state.optimizer_state > 0:
+        ratio = state.optimizer_state / state.parameters if state.parameters else math.nan
+        remedies.append(Remedy("optimizer state", "", state.optimizer_state,
+                               memory.largest_batch(fixed_freed=state.optimizer_state), None,
+                               f"{ratio:.2f} × parameter bytes (Adam 2×, SGD with momentum 1×, SGD 0); "
+                               "sharding it over N ranks keeps 1/N"))
+    return sorted(remedies, key=lambda r: -r.bytes_freed)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units: ``"1.50 MiB"``; exact below 1 KiB."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    exponent = 0
+    while abs(n) >= 1024 and exponent < len(units) - 1:
+        n /= 1024
+        exponent += 1
+    return f"{n:.0f} B" if exponent == 0 else f"{n:.2f} {units[exponent]}"

@@ -1,0 +1,641 @@
+"""Per-example gradient statistics computed in the same backward pass, without per-example gradients.
+
+Notation as in :mod:`trainvitals.core.noise` and science.md §3: per-example gradient g_i = ∇ℓ_i of
+each example's own (un-averaged) loss, B examples, batch gradient ḡ = (1/B) Σ_i g_i.
+
+For a layer y = W a (+ b), g_i's weight block is Σ_t δ_{i,t} a_{i,t}ᵀ, where a_{i,t} is the layer input
+and δ_{i,t} = ∂L/∂y_{i,t} the output gradient at position t of example i (T = 1 for a plain 2-D input).
+Its squared norm needs no per-example gradient (Goodfellow 2015, "Efficient Per-Example Gradient
+Computations"; the sequence case: Li et al. 2022, "ghost clipping"; Gray et al. 2023–2024 and
+CerebrasResearch/nanoGNS for the gradient noise scale):
+
+    ‖Σ_t δ_t a_tᵀ‖²_F = Σ_{t,s} (a_t·a_s)(δ_t·δ_s) = ⟨A Aᵀ, Δ Δᵀ⟩_F            (the "ghost norm")
+
+which costs O(T²(I + O)) per example against O(T·I·O) for materialising the I×O block; the cheaper
+of the two is used per layer (ghost when 2T² ≤ I·O). Conv1d/Conv2d reduce to the same form after
+``unfold`` (T = output positions, I = C_in·kernel size), Embedding to a segment sum over repeated
+tokens, LayerNorm to (B, D) per-example vectors (as small as one activation row).
+
+Per-coordinate sums of squares Σ_i g_{i,d}² (for the variance of each coordinate) are cheap for 2-D
+Linear inputs, (Δ²)ᵀ(A²); for the other layer types they come from the layer's per-example gradients,
+formed one layer at a time and freed at once.
+
+Layers without an identity fall back to :func:`vmap_per_example_grads`: ``torch.func`` per-example
+vector-Jacobian products of the module's own forward, seeded with the captured output gradients.
+
+Units: the hooks see the gradient of whatever loss was back-propagated (divided by the accumulation
+steps, multiplied by an AMP scale, averaged over the batch or not); :class:`PerExampleGradients` takes
+a per-micro-batch factor that converts them to the example's own loss. :func:`detect_loss_reduction`
+finds whether the batch loss was a mean or a sum over examples.
+
+Everything here stays on the device; nothing syncs with the host. No Lightning import.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.hooks import RemovableHandle
+
+from trainvitals.core.noise import two_batch_size_estimates
+
+PER_EXAMPLE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm)
+GSNR_EPS = 1e-5  # Cockpit's ε in the variance denominator (quantities/early_stopping.py, mean_gsnr.py)
+
+_SCALAR_OPS = frozenset({
+    "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "AddBackward0", "SubBackward0",
+    "NegBackward0", "ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0",
+    "SqueezeBackward0", "SqueezeBackward1", "UnsqueezeBackward0",
+})
+_MEAN_OPS = frozenset({"MeanBackward0", "MeanBackward1"})
+_SUM_OPS = frozenset({"SumBackward0", "SumBackward1"})
+_REDUCTION_CODES = {1: "mean", 2: "sum"}  # at::Reduction, as saved by the loss nodes (NllLoss, MseLoss, ...)
+_MAX_GRAPH_NODES = 64
+
+
+def _accumulation_dtype(t: Tensor) -> torch.dtype:
+    # fp16/bf16 squared norms overflow or underflow (science.md §2); float64 stays float64.
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why ``module``'s parameters have no same-backward per-example identity here; ``None`` if they have."""
+    if not isinstance(module, PER_EXAMPLE_LAYERS):
+        return f"{type(module).__name__} has no per-example identity"
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and module.groups != 1:
+        return "grouped convolution"
+    if isinstance(module, nn.Embedding) and (module.scale_grad_by_freq or module.sparse):
+        return "Embedding with scale_grad_by_freq couples the examples" if module.scale_grad_by_freq else "sparse Embedding"
+    return None
+
+
+def _outer_operands(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> tuple[Tensor, Tensor]:
+    """Linear or convolution as y_t = W a_t: activations ``(B, T, I)`` and output gradients ``(B, T, O)``."""
+    dtype = _accumulation_dtype(grad_output)
+    if isinstance(module, nn.Linear):
+        batch = inputs.shape[0]
+        return (inputs.reshape(batch, -1, inputs.shape[-1]).to(dtype),
+                grad_output.reshape(batch, -1, grad_output.shape[-1]).to(dtype))
+    assert isinstance(module, (nn.Conv1d, nn.Conv2d))
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    x = F.pad(inputs.to(dtype), module._reversed_padding_repeated_twice, mode=mode)
+    kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+    if isinstance(module, nn.Conv1d):
+        x, kernel, dilation, stride = x.unsqueeze(2), (1, *kernel), (1, *dilation), (1, *stride)
+    columns = F.unfold(x, kernel, dilation=dilation, stride=stride)  # (B, C_in·k, T)
+    return columns.transpose(1, 2), grad_output.to(dtype).flatten(2).transpose(1, 2)
+
+
+def _outer_sq_norms(a: Tensor, g: Tensor) -> Tensor:
+    """‖Σ_t g_t a_tᵀ‖²_F per example, ``(B, T, I)``, ``(B, T, O)`` → ``(B,)``; ghost Gram when 2T² ≤ I·O."""
+    t, i, o = a.shape[1], a.shape[2], g.shape[2]
+    if t == 1:
+        return a.square().sum((1, 2)) * g.square().sum((1, 2))
+    if 2 * t * t <= i * o:
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+    return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+
+
+def _layer_norm_grads(module: nn.LayerNorm, inputs: Tensor, grad_output: Tensor) -> dict[str, Tensor]:
+    dtype = _accumulation_dtype(grad_output)
+    shape = tuple(module.normalized_shape)
+    dims = tuple(range(-len(shape), 0))
+    x = inputs.to(dtype)
+    x_hat = (x - x.mean(dims, keepdim=True)) * torch.rsqrt(x.var(dims, unbiased=False, keepdim=True) + module.eps)
+    g = grad_output.to(dtype)
+    batch = g.shape[0]
+    out = {}
+    if module.weight is not None:
+        out["weight"] = (g * x_hat).reshape(batch, -1, *shape).sum(1)
+    if module.bias is not None:
+        out["bias"] = g.reshape(batch, -1, *shape).sum(1)
+    return out
+
+
+def _embedding_rows(module: nn.Embedding, indices: Tensor, grad_output: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows of the per-example Embedding gradients, repeated tokens summed, without a host sync.
+
+    Returns ``(rows, example, token)``: ``rows`` ``(N, D)`` with N = B·T (rows beyond the distinct
+    (example, token) pairs are zero), and the example and token index of each row, ``(N,)``.
+    """
+    batch, vocab = indices.shape[0], module.num_embeddings
+    idx = indices.reshape(batch, -1)
+    g = grad_output.to(_accumulation_dtype(grad_output)).reshape(idx.numel(), -1)
+    if module.padding_idx is not None:
+        g = g * (idx.reshape(-1, 1) != module.padding_idx)
+    key = (torch.arange(batch, device=idx.device).unsqueeze(1) * vocab + idx).reshape(-1)
+    sorted_key, order = key.sort()
+    first = torch.ones_like(sorted_key, dtype=torch.bool)
+    first[1:] = sorted_key[1:] != sorted_key[:-1]
+    segment = first.long().cumsum(0) - 1
+    rows = g.new_zeros(g.shape).index_add_(0, segment, g[order])
+    segment_key = torch.zeros_like(sorted_key).scatter_(0, segment, sorted_key)
+    return rows, segment_key // vocab, segment_key % vocab
+
+
+def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+
+def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """Σ over ``module``'s own trainable parameters of ‖g_i‖², per example, from one backward pass.
+
+    Args:
+        module: a layer for which :func:`unsupported_reason` is ``None``.
+        inputs: its input, batch first: ``(B, *, I)`` (Linear), ``(B, C, *spatial)`` (Conv),
+            ``(B, *)`` indices (Embedding), ``(B, *, *normalized_shape)`` (LayerNorm).
+        grad_output: the gradient of the back-propagated loss w.r.t. its output, batch first.
+
+    Returns:
+        ``(B,)`` in float32 (float64 for float64 inputs), in the units of ``grad_output`` squared.
+    """
+    trainable = _trainable(module)
+    if isinstance(module, nn.Embedding):
+        rows, example, _ = _embedding_rows(module, inputs, grad_output)
+        return rows.new_zeros(inputs.shape[0]).index_add_(0, example, rows.square().sum(1))
+    if isinstance(module, nn.LayerNorm):
+        grads = _layer_norm_grads(module, inputs, grad_output)
+        return sum(grads[n].flatten(1).square().sum(1) for n in trainable)  # type: ignore[return-value]
+    a, g = _outer_operands(module, inputs, grad_output)
+    sq = a.new_zeros(a.shape[0])
+    if "weight" in trainable:
+        sq = sq + _outer_sq_norms(a, g)
+    if "bias" in trainable:
+        sq = sq + g.sum(1).square().sum(1)
+    return sq
+
+
+def per_example_sum_sq(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> dict[str, Tensor]:
+    """Σ_i g_{i,d}² for each of ``module``'s own trainable parameters (shapes of the parameters).
+
+    The inputs as in :func:`per_example_sq_norms`. Linear with 2-D inputs: (Δ²)ᵀ(A²), no per-example
+    tensor; Embedding: a segment sum; Linear with 3-D inputs, convolutions and LayerNorm: the layer's
+    per-example gradients ``(B, *shape)``, formed, squared and summed here (BackPACK's SumGradSquared).
+    """
+    trainable = _trainable(module)
+    if isinstance(module, nn.Embedding):
+        rows, _, token = _embedding_rows(module, inputs, grad_output)
+        return {"weight": rows.new_zeros(module.weight.shape).index_add_(0, token, rows.square())}
+    if isinstance(module, nn.LayerNorm):
+        grads = _layer_norm_grads(module, inputs, grad_output)
+        return {n: grads[n].square().sum(0) for n in trainable}
+    a, g = _outer_operands(module, inputs, grad_output)
+    out = {}
+    if "weight" in trainable:
+        if a.shape[1] == 1:
+            w = g[:, 0].square().t() @ a[:, 0].square()
+        else:
+            w = torch.bmm(g.transpose(1, 2), a).square().sum(0)
+        out["weight"] = w.reshape(module.weight.shape)
+    if "bias" in trainable:
+        out["bias"] = g.sum(1).square().sum(0)
+    return out
+
+
+def vmap_per_example_grads(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_output: Tensor
+) -> dict[str, Tensor]:
+    """Per-example gradients of ``module``'s own trainable parameters by ``torch.func`` (the general fallback).
+
+    Each example's gradient is the vector-Jacobian product of the module's forward on that example
+    alone, ``vmap(vjp)`` over the batch, seeded with that example's output gradient: exact for any
+    layer that treats the examples of a batch independently (not BatchNorm in training mode) and is
+    deterministic (no dropout inside). Costs one more forward and backward of the module and
+    memory of B × its parameter count.
+
+    Args:
+        module: the layer; called as ``module(*args, **kwargs)``.
+        args: its positional inputs; tensors whose first dimension has the batch size B are split
+            into examples, everything else is passed whole.
+        kwargs: keyword inputs, passed whole.
+        grad_output: ``(B, *out_shape)``, the gradient w.r.t. the module's output.
+
+    Returns:
+        ``{local parameter name: (B, *parameter shape)}``.
+    """
+    params = {n: p.detach() for n, p in _trainable(module).items()}
+    batch = grad_output.shape[0]
+    in_dims = tuple(0 if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == batch else None for a in args)
+
+    def one_example(*example_args: Any) -> dict[str, Tensor]:
+        *inputs, grad = example_args
+        batched = tuple(x.unsqueeze(0) if d == 0 else x for x, d in zip(inputs, in_dims))
+        _, pullback = torch.func.vjp(lambda q: torch.func.functional_call(module, q, batched, dict(kwargs)), params)
+        return pullback(grad.unsqueeze(0))[0]
+
+    return torch.func.vmap(one_example, in_dims=(*in_dims, 0))(*args, grad_output)
+
+
+def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) -> str | None:
+    """Whether ``loss`` is a mean (``"mean"``) or a sum (``"sum"``) of the examples' own losses.
+
+    Walks the autograd graph down from ``loss`` through scalar operations (multiplications, divisions,
+    additions, casts) to the first reductions over a tensor whose leading dimension is a multiple of
+    ``batch_size``: ``mean()``, ``sum()``, and the loss functions' ``reduction=`` argument. A ``sum()``
+    divided on the way by a multiple of ``batch_size`` counts as a mean (cross-entropy with probability
+    targets). One division by ``accumulation`` is skipped (Lightning divides the loss by
+    ``accumulate_grad_batches``). Reductions over parameters only (an L2 penalty) are ignored.
+
+    Returns:
+        ``"mean"``, ``"sum"``, or ``None`` when the graph shows neither, or both.
+    """
+    found: set[str] = set()
+    stack: list[tuple[Any, float]] = [(loss.grad_fn, 1.0)]
+    skip_division = accumulation
+    visited = 0
+    while stack:
+        node, divisor = stack.pop()
+        visited += 1
+        if node is None:
+            continue
+        if visited > _MAX_GRAPH_NODES:
+            return None
+        name = type(node).__name__
+        if name in _MEAN_OPS or name in _SUM_OPS:
+            if node._saved_self_sym_sizes and node._saved_self_sym_sizes[0] % batch_size == 0:
+                is_mean = name in _MEAN_OPS or (divisor >= batch_size and divisor % batch_size == 0)
+                found.add("mean" if is_mean else "sum")
+            continue
+        code = getattr(node, "_saved_reduction", None)
+        if code is not None:
+            leading = node._saved_self.shape[0] if node._saved_self.dim() else 0
+            if code in _REDUCTION_CODES and leading % batch_size == 0 and leading > 0:
+                found.add(_REDUCTION_CODES[code])
+            elif code not in _REDUCTION_CODES:
+                return None
+            continue
+        if name not in _SCALAR_OPS:
+            return None
+        if name == "DivBackward1" and isinstance(node._saved_other, (int, float)):
+            other = float(node._saved_other)
+            if skip_division and other == skip_division:
+                skip_division = 0
+            else:
+                divisor *= other
+        stack.extend((nxt, divisor) for nxt, _ in node.next_functions)
+    return found.pop() if len(found) == 1 else None
+
+
+def coordinate_variance(mean_grad: Tensor, sum_sq: Tensor, num_examples: int) -> Tensor:
+    """σ̂_d² = (Σ_i g_{i,d}² − B ḡ_d²)/(B − 1), the unbiased per-coordinate variance (Mahsereci et al. 2017, Eq. 7).
+
+    Args:
+        mean_grad: ḡ, any shape.
+        sum_sq: Σ_i g_{i,d}², the shape of ``mean_grad``.
+        num_examples: B ≥ 2.
+    """
+    return (sum_sq - num_examples * mean_grad.square()) / (num_examples - 1)
+
+
+def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, eps: float = GSNR_EPS) -> Tensor:
+    """Per-coordinate gradient signal-to-noise ratio ḡ_d²/(σ̂_d² + ε) (Liu et al. 2020), the shape of ``mean_grad``.
+
+    σ̂_d² is the unbiased variance of :func:`coordinate_variance` (Cockpit's MeanGSNR uses the biased
+    one); ε = 1e-5 as in Cockpit, in squared per-example gradient units. Average over a layer's
+    coordinates for the layer's GSNR.
+    """
+    return mean_grad.square() / (coordinate_variance(mean_grad, sum_sq, num_examples) + eps)
+
+
+def eb_criterion(
+    mean_grads: Iterable[Tensor], sum_sqs: Iterable[Tensor], num_examples: Iterable[int], eps: float = GSNR_EPS
+) -> Tensor:
+    """The evidence-based stopping criterion 1 − (1/D) Σ_d B ḡ_d²/(σ̂_d² + ε) (Mahsereci et al. 2017, Eq. 7).
+
+    Positive: the batch gradient is indistinguishable from noise, stop. ε as in Cockpit's
+    ``quantities/early_stopping.py``. Parts may come from different numbers of examples B.
+
+    Args:
+        mean_grads, sum_sqs: per parameter, ḡ and Σ_i g_i², matching shapes.
+        num_examples: per parameter, the B its statistics come from.
+
+    Returns:
+        ``()`` float64.
+    """
+    total, count = None, 0
+    for mean_grad, sum_sq, n in zip(mean_grads, sum_sqs, num_examples):
+        part = (n * gradient_snr(mean_grad.double(), sum_sq.double(), n, eps)).sum()
+        total = part if total is None else total + part
+        count += mean_grad.numel()
+    if total is None:
+        raise ValueError("`mean_grads` must not be empty")
+    return 1.0 - total / count
+
+
+def sub_batch_estimates(
+    sq_norm_sum: Tensor, sub_mean_sq_norm: Tensor, num_sub: int, batch_sq_norm: Tensor, batch_size: int
+) -> tuple[Tensor, Tensor]:
+    """‖G‖² and tr(Σ) from per-example gradients of a sub-batch of n examples out of a batch of B.
+
+    S_est = (Σ_i ‖g_i‖² − n‖ḡ_n‖²)/(n − 1), the Bessel-corrected sample variance of the sub-batch
+    (science.md §3, b = 1), and ‖G‖²_est = ‖ḡ_B‖² − S_est/B, unbiased by McCandlish et al. 2018,
+    Eq. A.1. With n = B this is :func:`~trainvitals.core.noise.two_batch_size_estimates` with b = 1.
+
+    Args:
+        sq_norm_sum: ``()`` Σ_i ‖g_i‖² over the n sub-batch examples.
+        sub_mean_sq_norm: ``()`` ‖ḡ_n‖² of their mean.
+        num_sub: n ≥ 2.
+        batch_sq_norm: ``()`` ‖ḡ_B‖² of the whole batch.
+        batch_size: B ≥ n.
+
+    Returns:
+        ``(grad_sq_norm, trace_cov)``, per-example units.
+
+    Raises:
+        ValueError: if ``num_sub < 2`` or ``batch_size < num_sub``.
+    """
+    if num_sub < 2:
+        raise ValueError(f"`num_sub` must be >= 2, got {num_sub}")
+    if batch_size < num_sub:
+        raise ValueError(f"`batch_size` must be >= `num_sub` ({num_sub}), got {batch_size}")
+    trace_cov = (sq_norm_sum - num_sub * sub_mean_sq_norm) / (num_sub - 1)
+    return batch_sq_norm - trace_cov / batch_size, trace_cov
+
+
+def per_example_estimates(sq_norm_sum: Tensor, batch_sq_norm: Tensor, num_examples: int) -> tuple[Tensor, Tensor]:
+    """‖G‖² and tr(Σ) from Σ_i ‖g_i‖² and ‖ḡ‖² of the same B examples (McCandlish et al. 2018, Eq. A.2, b = 1)."""
+    return two_batch_size_estimates(sq_norm_sum / num_examples, batch_sq_norm, num_examples, 1)
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """Which source measures the per-example spread of each trainable parameter.
+
+    Attributes:
+        per_example: modules (by qualified name) whose parameters get per-example norms in backward (1).
+        micro_batch: parameters (qualified names) measured from micro-batches and DDP ranks (2).
+        vmap: modules whose parameters get ``torch.func`` per-example gradients on a sub-batch (3).
+        uncovered: parameters measured by nothing, with the reason.
+        coupled: BatchNorm modules: they couple the examples of a (micro-)batch.
+    """
+
+    per_example: dict[str, nn.Module]
+    micro_batch: dict[str, nn.Parameter]
+    vmap: dict[str, nn.Module]
+    uncovered: dict[str, str]
+    coupled: tuple[str, ...]
+
+    def parameters(self, source: str, model: nn.Module) -> dict[str, nn.Parameter]:
+        """The trainable parameters of ``source`` (``"per_example"`` or ``"vmap"``), by qualified name."""
+        modules = getattr(self, source)
+        return {f"{m}.{n}" if m else n: p for m, mod in modules.items() for n, p in _trainable(mod).items()}
+
+    def describe(self, model: nn.Module) -> str:
+        """One line naming each source, its layers and its share of the trainable parameters."""
+        total = sum(p.numel() for p in model.parameters() if p.requires_grad) or 1
+
+        def share(params: Iterable[nn.Parameter]) -> str:
+            return f"{sum(p.numel() for p in params) / total:.1%} of parameters"
+
+        def kinds(modules: Mapping[str, nn.Module]) -> str:
+            counts = Counter(type(m).__name__ for m in modules.values())
+            return ", ".join(f"{k}×{v}" for k, v in counts.items())
+
+        named = dict(model.named_parameters())
+        parts = []
+        if self.per_example:
+            parts.append(f"per-example norms in backward: {kinds(self.per_example)} "
+                         f"({share(self.parameters('per_example', model).values())})")
+        if self.micro_batch:
+            parts.append(f"micro-batches/ranks: {len(self.micro_batch)} tensors ({share(self.micro_batch.values())})")
+        if self.vmap:
+            parts.append(f"torch.func vmap on a sub-batch: {kinds(self.vmap)} "
+                         f"({share(self.parameters('vmap', model).values())})")
+        if self.uncovered:
+            reasons = sorted(set(self.uncovered.values()))
+            parts.append(f"not measured: {len(self.uncovered)} tensors "
+                         f"({share(named[n] for n in self.uncovered)}; {'; '.join(reasons)})")
+        return "; ".join(parts) if parts else "no trainable parameters"
+
+
+def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = ()) -> SourcePlan:
+    """Assign each trainable parameter to a source: (1) per-example norms, else (2) micro-batches/ranks
+    when there are at least two gradient groups per step, else (3) ``torch.func`` when ``fallback``.
+
+    Args:
+        model: the model; each module's own parameters (``recurse=False``) are assigned together.
+        groups_available: more than one micro-batch or rank per optimizer step.
+        fallback: allow (3).
+        exclude: module names that showed they cannot use (1) or (3) (called twice per forward,
+            parameters used outside their forward); they go to (2) or are not measured.
+    """
+    excluded = set(exclude)
+    owners: Counter[int] = Counter(id(p) for _, m in model.named_modules() for p in _trainable(m).values())
+    per_example, vmap, micro, uncovered = {}, {}, {}, {}
+    coupled = tuple(n for n, m in model.named_modules() if isinstance(m, _BatchNorm))
+    for name, module in model.named_modules():
+        params = _trainable(module)
+        if not params:
+            continue
+        qualified = {f"{name}.{n}" if name else n: p for n, p in params.items()}
+        tied = any(owners[id(p)] > 1 for p in params.values())
+        reason = "tied parameter" if tied else (
+            "excluded after a failed step" if name in excluded else unsupported_reason(module))
+        if reason is None:
+            per_example[name] = module
+        elif groups_available:
+            micro.update(qualified)
+        elif fallback and not tied and name not in excluded and not isinstance(module, _BatchNorm):
+            vmap[name] = module
+        else:
+            why = reason if not isinstance(module, _BatchNorm) else "BatchNorm couples the examples"
+            uncovered.update(dict.fromkeys(qualified, why if fallback else f"{why}, fallback off"))
+    return SourcePlan(per_example, micro, vmap, uncovered, coupled)
+
+
+@dataclass
+class PerExampleStep:
+    """What :class:`PerExampleGradients` gathered over the micro-batches of one optimizer step, in the
+    units of each example's own loss.
+
+    Attributes:
+        num_examples: examples seen (all micro-batches, this process).
+        sq_norm_sum: ``()`` Σ_i ‖g_i‖² over the per-example-norm parameters, or ``None``.
+        sq_norms: the ``(b,)`` ‖g_i‖² of each micro-batch, in order (only when kept).
+        sum_sq: Σ_i g_i² per per-example-norm parameter (qualified name), when requested.
+        num_sub: examples of the ``vmap`` sub-batches.
+        sub_sq_norm_sum: ``()`` Σ_i ‖g_i‖² over the ``vmap`` parameters and the sub-batch examples.
+        sub_grad_sum: Σ_i g_i per ``vmap`` parameter over the sub-batch.
+        sub_sum_sq: Σ_i g_i² per ``vmap`` parameter over the sub-batch.
+        seen: modules whose output gradient arrived.
+        failed: modules that could not be measured this step, with the reason.
+        batch_sizes: examples in each micro-batch.
+    """
+
+    num_examples: int = 0
+    sq_norm_sum: Tensor | None = None
+    sq_norms: list[Tensor] = field(default_factory=list)
+    sum_sq: dict[str, Tensor] = field(default_factory=dict)
+    num_sub: int = 0
+    sub_sq_norm_sum: Tensor | None = None
+    sub_grad_sum: dict[str, Tensor] = field(default_factory=dict)
+    sub_sum_sq: dict[str, Tensor] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
+    into[name] = value if name not in into else into[name] + value
+
+
+class PerExampleGradients:
+    """Module hooks that gather per-example gradient statistics during backward.
+
+    For each module of ``per_example``, a forward hook keeps a reference to the input (autograd saves
+    it anyway) and puts a hook on the output tensor; when the output gradient arrives, the hook adds
+    the per-example squared norms (and, if requested, the per-coordinate sums of squares) into running
+    device tensors and lets the references go. Modules of ``vmap`` keep the first ``sub_batch``
+    examples of their inputs and output gradients until :meth:`end_micro_batch`, which computes their
+    per-example gradients with :func:`vmap_per_example_grads`.
+
+    Use: :meth:`attach`, then per micro-batch forward + backward and :meth:`end_micro_batch` with the
+    factor that converts the back-propagated gradient to the examples' own losses; :meth:`pop` at the
+    optimizer step; :meth:`detach`. A module that runs more than once in a forward, or whose
+    examples do not sit on dimension 0, is reported in :attr:`PerExampleStep.failed`.
+
+    Args:
+        per_example: ``{name: module}`` with :func:`unsupported_reason` ``None``.
+        vmap: ``{name: module}`` for the ``torch.func`` fallback.
+        sub_batch: examples per micro-batch for the fallback, ≥ 2.
+    """
+
+    def __init__(self, per_example: Mapping[str, nn.Module], vmap: Mapping[str, nn.Module], sub_batch: int) -> None:
+        if sub_batch < 2:
+            raise ValueError(f"`sub_batch` must be >= 2, got {sub_batch}")
+        self.per_example, self.vmap, self.sub_batch = dict(per_example), dict(vmap), sub_batch
+        self._handles: list[RemovableHandle] = []
+        self._coordinates = False
+        self._keep_norms = False
+        self._replaying = False
+        self._reset_micro_batch()
+        self._step = PerExampleStep()
+
+    def _reset_micro_batch(self) -> None:
+        self._sq: Tensor | None = None
+        self._sum_sq: dict[str, Tensor] = {}
+        self._pending: list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any], Tensor]] = []
+        self._calls: Counter[str] = Counter()
+        self._batch_size: int | None = None
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self, coordinates: bool = False, keep_norms: bool = False) -> None:
+        """Install the hooks; ``coordinates``: also Σ_i g_i²; ``keep_norms``: keep each ‖g_i‖²."""
+        self.detach()
+        self._coordinates, self._keep_norms = coordinates, keep_norms
+        for name, module in self.per_example.items():
+            self._handles.append(module.register_forward_hook(functools.partial(self._forward, name)))
+        for name, module in self.vmap.items():
+            hook = functools.partial(self._forward_vmap, name)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _check_call(self, name: str, output: Any, batch: int) -> bool:
+        if self._replaying or not isinstance(output, Tensor) or not output.requires_grad:
+            return False
+        self._calls[name] += 1
+        if self._calls[name] > 1:
+            self._step.failed[name] = "runs more than once per forward"
+            return False
+        if self._batch_size is None:
+            self._batch_size = batch
+        if batch != self._batch_size:
+            self._step.failed[name] = f"first dimension {batch} is not the batch ({self._batch_size})"
+            return False
+        return True
+
+    def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        inputs = args[0]
+        if self._check_call(name, output, inputs.shape[0] if inputs.dim() else -1):
+            output.register_hook(functools.partial(self._backward, name, module, inputs))
+
+    def _backward(self, name: str, module: nn.Module, inputs: Tensor, grad_output: Tensor) -> None:
+        if self._calls[name] > 1:
+            return
+        sq = per_example_sq_norms(module, inputs, grad_output)
+        self._sq = sq if self._sq is None else self._sq + sq
+        if self._coordinates:
+            for local, value in per_example_sum_sq(module, inputs, grad_output).items():
+                _add(self._sum_sq, f"{name}.{local}" if name else local, value)
+        self._step.seen.add(name)
+
+    def _forward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      output: Any) -> None:
+        batch = next((a.shape[0] for a in args if isinstance(a, Tensor) and a.dim()), -1)
+        if not self._check_call(name, output, batch):
+            return
+        sub = min(self.sub_batch, batch)
+        kept = tuple(a[:sub] if isinstance(a, Tensor) and a.dim() and a.shape[0] == batch else a for a in args)
+        output.register_hook(functools.partial(self._backward_vmap, name, module, kept, kwargs, sub))
+
+    def _backward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       sub: int, grad_output: Tensor) -> None:
+        if self._calls[name] <= 1:
+            self._pending.append((name, module, args, kwargs, grad_output[:sub]))
+
+    def end_micro_batch(self, unit: Tensor | float) -> None:
+        """Close a micro-batch: run the fallback, convert to own-loss units and add to the step.
+
+        Args:
+            unit: ``()`` tensor or float u with g_i = u × (the back-propagated per-example gradient),
+                e.g. (accumulation steps × batch size for a mean loss) / AMP loss scale.
+        """
+        step = self._step
+        if self._batch_size is not None:
+            step.batch_sizes.append(self._batch_size)
+            step.num_examples += self._batch_size
+        unit_sq = unit * unit
+        if self._sq is not None:
+            sq = self._sq * unit_sq
+            step.sq_norm_sum = sq.sum() if step.sq_norm_sum is None else step.sq_norm_sum + sq.sum()
+            if self._keep_norms:
+                step.sq_norms.append(sq)
+        for name, value in self._sum_sq.items():
+            _add(step.sum_sq, name, value * unit_sq)
+        self._run_vmap(unit)
+        self._reset_micro_batch()
+
+    def _run_vmap(self, unit: Tensor | float) -> None:
+        step, sub = self._step, None
+        self._replaying = True
+        try:
+            for name, module, args, kwargs, grad_output in self._pending:
+                try:
+                    grads = vmap_per_example_grads(module, args, kwargs, grad_output.detach())
+                except Exception as err:  # noqa: BLE001 - any failure of torch.func means: not measurable
+                    step.failed[name] = f"torch.func failed: {type(err).__name__}: {err}"
+                    continue
+                step.seen.add(name)
+                sub = grad_output.shape[0]
+                for local, g in grads.items():
+                    g = g.to(_accumulation_dtype(g)) * unit
+                    qualified = f"{name}.{local}" if name else local
+                    sq = g.flatten(1).square().sum(1).sum()
+                    step.sub_sq_norm_sum = sq if step.sub_sq_norm_sum is None else step.sub_sq_norm_sum + sq
+                    _add(step.sub_grad_sum, qualified, g.sum(0))
+                    _add(step.sub_sum_sq, qualified, g.square().sum(0))
+        finally:
+            self._replaying = False
+        if sub is not None:
+            step.num_sub += sub
+
+    def pop(self) -> PerExampleStep:
+        """The step's statistics; starts a new step."""
+        step, self._step = self._step, PerExampleStep()
+        self._reset_micro_batch()
+        return step

@@ -1,0 +1,366 @@
+"""``trainvitals report LOGDIR``: a health report per run, read from TensorBoard event files.
+
+The event files are read with TensorBoard's own ``EventAccumulator``; every folder under LOGDIR that
+holds event files is a run (TensorBoard's own notion, ``io_wrapper.GetLogdirSubdirectories``). Each
+run that holds trainvitals metrics gets five sections — convergence, noise scale and batch size,
+integrity, memory, spikes and non-finite steps — and a list of findings.
+
+Exit status, for CI:
+
+- 0: every run read, no critical finding;
+- 1: a critical finding in some run: non-finite gradients (outside a GradScaler's calibration), an
+  unused or unregistered parameter, a computation graph kept alive across steps;
+- 2: nothing to report: LOGDIR missing, no event files under it, or event files without trainvitals
+  metrics (another tool's, or a run without trainvitals callbacks); also a usage error.
+
+No Lightning or torch import here: the command starts in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tensorboard.backend.event_processing import event_accumulator, io_wrapper
+from tensorboard.util import tensor_util
+
+from trainvitals.dashboard.tags import MEMORY_CATEGORIES, TEXT_SUFFIX, grad_norm
+
+EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA = 0, 1, 2
+FORMATS = ("text", "markdown", "json")
+TRAINVITALS_PREFIXES = ("grad_norm/", "grad_noise/", "lr_scaling/", "graph/", "memory/", "trainvitals/")
+
+BAND_WINDOW = 10
+"""Logged steps over which the fraction in the noise band is taken: one step is in it about half the
+time from noise alone at a stationary point (science.md §3), so a single flag says little."""
+
+INTEGRITY, SPIKES = "integrity", "spikes and non-finite steps"
+
+CRITICAL_COUNTERS = (
+    (SPIKES, grad_norm("nonfinite_steps"), "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler"),
+    (INTEGRITY, r"graph/unused_params$", "{n} parameter(s) received no gradient: unused in the loss (a detached loss, an unused head)"),
+    (INTEGRITY, r"graph/unregistered_params$", "{n} tensor(s) trained outside the module's parameters (layers in a plain Python list?)"),
+    (INTEGRITY, r"graph/leaked_graphs$", "a computation graph kept alive across {n} step(s) (total += loss, an undetached hidden state)"),
+)
+"""(section, tag regex, message): a counter whose last value (summed over optimizers) is > 0 is critical."""
+
+
+class ReportError(Exception):
+    """Nothing to report: the message says why, for a person (exit status 2)."""
+
+
+@dataclass
+class Run:
+    """What one run's event files hold: scalars and text panels, each a list of ``(step, value)``."""
+
+    name: str
+    scalars: dict[str, list[tuple[int, float]]]
+    texts: dict[str, list[tuple[int, str]]]
+
+    def matching(self, pattern: str) -> dict[str, list[tuple[int, float]]]:
+        """The scalar series whose tag matches ``pattern`` (``re.match``, as TensorBoard matches)."""
+        regex = re.compile(pattern)
+        return {tag: series for tag, series in self.scalars.items() if regex.match(tag)}
+
+    def last(self, pattern: str) -> float | None:
+        """Last value of the first matching series (tags sorted), or None."""
+        series = self.matching(pattern)
+        return series[min(series)][-1][1] if series else None
+
+    def text(self, tag: str) -> str | None:
+        """Latest text of the panel ``tag``, or None."""
+        entries = self.texts.get(tag)
+        return entries[-1][1] if entries else None
+
+    @property
+    def is_trainvitals(self) -> bool:
+        return any(t.startswith(TRAINVITALS_PREFIXES) for t in [*self.scalars, *self.texts])
+
+
+@dataclass
+class Row:
+    """One line of a section: a label, a value and its unit (``bytes``, ``examples``, ``steps`` or empty)."""
+
+    label: str
+    value: float | str | None
+    unit: str = ""
+
+
+@dataclass
+class Finding:
+    """A conclusion: ``critical`` fails CI, ``warning`` deserves a look, ``note`` is information."""
+
+    severity: str
+    section: str
+    message: str
+
+
+@dataclass
+class RunReport:
+    """The health report of one run."""
+
+    run: str
+    last_step: int | None
+    sections: dict[str, list[Row]] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def critical(self) -> bool:
+        return any(f.severity == "critical" for f in self.findings)
+
+
+# --------------------------------------------------------------------------------------------- reading
+def read_runs(logdir: str | Path) -> list[Run]:
+    """Every run under ``logdir``, in name order.
+
+    Raises:
+        ReportError: when ``logdir`` is missing or not a folder, or holds no event files.
+    """
+    root = Path(logdir)
+    if not root.exists():
+        raise ReportError(f"{root} does not exist.")
+    if not root.is_dir():
+        raise ReportError(f"{root} is not a folder: give the TensorBoard log folder (the one passed to --logdir).")
+    folders = sorted(io_wrapper.GetLogdirSubdirectories(str(root)))
+    if not folders:
+        raise ReportError(f"no TensorBoard event files (events.out.tfevents.*) under {root}.")
+    return [_read_run(root, Path(folder)) for folder in folders]
+
+
+def _read_run(root: Path, folder: Path) -> Run:
+    # 0 keeps every event: a report needs the whole history, not TensorBoard's sampled reservoir.
+    acc = event_accumulator.EventAccumulator(
+        str(folder), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
+    ).Reload()
+    tags = acc.Tags()
+    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags[event_accumulator.SCALARS]}
+    texts = {}
+    for tag in tags[event_accumulator.TENSORS]:
+        if acc.SummaryMetadata(tag).plugin_data.plugin_name != "text":
+            continue
+        name = tag[: -len(TEXT_SUFFIX)] if tag.endswith(TEXT_SUFFIX) else tag
+        texts[name] = [(e.step, _decode_text(e.tensor_proto)) for e in acc.Tensors(tag)]
+    name = folder.relative_to(root).as_posix()
+    return Run(name=name, scalars=scalars, texts=texts)
+
+
+def _decode_text(proto: Any) -> str:
+    array = tensor_util.make_ndarray(proto)
+    return "\n".join(v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in array.reshape(-1))
+
+
+# ------------------------------------------------------------------------------------------- assessing
+def assess(run: Run) -> RunReport:
+    """The health report of ``run``: one section per vital sign, and the findings that follow."""
+    steps = [s for series in run.scalars.values() for s, _ in series]
+    report = RunReport(run=run.name, last_step=max(steps) if steps else None)
+    for section in (_convergence, _noise_scale, _integrity, _memory, _spikes):
+        section(run, report)
+    for title, pattern, message in CRITICAL_COUNTERS:
+        n = _counter(run, pattern)
+        if n > 0:
+            report.findings.append(Finding("critical", title, message.format(n=f"{n:g}")))
+    return report
+
+
+def _counter(run: Run, pattern: str) -> float:
+    """A counter's last value, summed over the series that match (one per optimizer)."""
+    return sum(series[-1][1] for series in run.matching(pattern).values())
+
+
+def _convergence(run: Run, report: RunReport) -> None:
+    title = "convergence"
+    total = run.last(grad_norm("total"))
+    floor = run.last(grad_norm("noise_floor"))
+    if floor is None:
+        floor = run.last(r"grad_noise/noise_floor$")
+    band = run.matching(grad_norm("in_noise_band"))
+    recent = [v for _, v in band[min(band)][-BAND_WINDOW:]] if band else []
+    in_band = sum(recent) / len(recent) if recent else None
+    stop = run.text("grad_norm/stop_reason")
+    report.sections[title] = [
+        Row("gradient norm, last", total),
+        Row("noise floor sqrt(tr Σ/B), last", floor),
+        Row("norm / noise floor", total / floor if total is not None and floor else None),
+        Row(f"fraction in the noise band, last {len(recent)} logged steps", in_band),
+        Row("stop", stop),
+    ]
+    if stop:
+        report.findings.append(Finding("note", title, stop))
+    if in_band is None:
+        if total is not None:
+            report.findings.append(Finding(
+                "note", title, "no noise estimate, so no noise band: it needs accumulate_grad_batches >= 2, "
+                ">= 2 devices, or a BatchVarianceProbe; a fixed norm threshold is no substitute."))
+    elif in_band >= 0.5:
+        report.findings.append(Finding(
+            "note", title, f"in its noise band ({in_band:.0%} of the last {len(recent)} logged steps): "
+            "the gradient norm sits at its noise floor, further steps mostly move within noise."))
+    else:
+        ratio = f" at {total / floor:.2f}× its noise floor" if total is not None and floor else ""
+        report.findings.append(Finding("note", title, f"still descending: the gradient norm is{ratio}, above the noise band."))
+
+
+def _noise_scale(run: Run, report: RunReport) -> None:
+    title = "noise scale and batch size"
+    b_simple = run.last(r"grad_noise/b_simple$")
+    if b_simple is None:
+        b_simple = run.last(grad_norm("b_simple"))
+    batch = run.last(r"lr_scaling/effective_batch$")
+    rows = [Row("B_simple = tr Σ / ‖G‖²", b_simple, "examples"), Row("effective batch B", batch, "examples")]
+    rows += [Row(tag.removeprefix("lr_scaling/"), series[-1][1]) for tag, series in sorted(run.matching(
+        r"lr_scaling/(?!effective_batch$).+").items())]
+    report.sections[title] = rows
+    if b_simple is not None and batch and math.isfinite(b_simple):
+        if batch < b_simple:
+            message = (f"B = {batch:g} < B_simple = {b_simple:.3g}: steps are noise-dominated; a larger batch "
+                       "(up to about B_simple) would cut the steps needed almost in proportion.")
+        else:
+            message = (f"B = {batch:g} >= B_simple = {b_simple:.3g}: beyond the noise scale a larger batch buys "
+                       "few steps and costs examples; keep the batch, or shrink it.")
+        report.findings.append(Finding("note", title, message))
+    advice = run.text("lr_scaling/advice")
+    if advice:
+        report.findings.append(Finding("note", title, advice))
+
+
+def _integrity(run: Run, report: RunReport) -> None:
+    title = INTEGRITY
+    report.sections[title] = [Row(tag.removeprefix("graph/"), series[-1][1])
+                              for tag, series in sorted(run.matching(r"graph/.+").items())]
+    findings = run.text("graph/findings")
+    if findings:
+        report.findings.append(Finding("warning", title, findings))
+
+
+def _memory(run: Run, report: RunReport) -> None:
+    title = "memory"
+    rows = [Row(category, run.last(rf"memory/{category}_bytes$"), "bytes") for category in MEMORY_CATEGORIES]
+    rows = [r for r in rows if r.value is not None]
+    per_module = sorted(((series[-1][1], tag.removeprefix("memory/activations/"))
+                         for tag, series in run.matching(r"memory/activations/.+").items()), reverse=True)
+    rows += [Row(f"saved by {module}", value, "bytes") for value, module in per_module[:5]]
+    report.sections[title] = rows
+
+
+def _spikes(run: Run, report: RunReport) -> None:
+    title = SPIKES
+    names = [n for n in ("nonfinite_steps", "amp_skipped_steps", "spike_steps") if run.matching(grad_norm(n))]
+    counters = {name: _counter(run, grad_norm(name)) for name in names}
+    report.sections[title] = [Row(name.replace("_", " "), value, "steps") for name, value in counters.items()]
+    if counters.get("amp_skipped_steps", 0) > 0:
+        report.findings.append(Finding(
+            "note", title, f"the GradScaler skipped {counters['amp_skipped_steps']:g} step(s) with inf/NaN "
+            "gradients and lowered its scale: loss-scale calibration, not divergence."))
+    if counters.get("spike_steps", 0) > 0:
+        latest = next((run.text(t) for t in sorted(run.texts) if re.match(grad_norm("spikes"), t)), None)
+        report.findings.append(Finding(
+            "warning", title, f"{counters['spike_steps']:g} gradient-norm spike(s)" + (f"; latest: {latest}" if latest else "")))
+
+
+# ------------------------------------------------------------------------------------------- rendering
+def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) -> str:
+    """The reports as ``text``, ``markdown`` or ``json``; ``skipped`` names runs without trainvitals data."""
+    if fmt == "json":
+        return json.dumps(_json_safe({
+            "critical": any(r.critical for r in reports),
+            "runs": [{**asdict(r), "critical": r.critical} for r in reports],
+            "skipped_runs": list(skipped),
+        }), indent=2, allow_nan=False) + "\n"
+    markdown = fmt == "markdown"
+    out: list[str] = []
+    for r in reports:
+        status = "CRITICAL" if r.critical else "ok"
+        step = f", last logged optimizer step {r.last_step}" if r.last_step is not None else ""
+        out.append(f"## run `{r.run}`: {status}{step}" if markdown else f"run {r.run}: {status}{step}")
+        for title, rows in r.sections.items():
+            if not rows:
+                continue
+            if markdown:
+                out += ["", f"### {title}", "", "| measure | value |", "|---|---|"]
+                out += [f"| {row.label} | {_cell(_fmt(row))} |" for row in rows]
+            else:
+                width = max(len(row.label) for row in rows)
+                out += ["", f"  {title}"] + [f"    {row.label:<{width}}  {_fmt(row)}" for row in rows]
+        out += ["", "### findings" if markdown else "  findings", ""] if r.findings else []
+        for f in r.findings:
+            out.append(f"- **{f.severity}** ({f.section}): {f.message}" if markdown
+                       else f"    [{f.severity}] {f.section}: {f.message}")
+        out.append("")
+    if skipped:
+        out.append(f"runs without trainvitals metrics, not reported: {', '.join(skipped)}")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _json_safe(obj: Any) -> Any:
+    """``inf``/``nan`` (B_simple when ‖G‖² ≤ 0) as the strings ``"inf"``/``"nan"``: JSON has no such numbers."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _fmt(row: Row) -> str:
+    v = row.value
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    if row.unit == "bytes":
+        return _bytes(v)
+    text = f"{v:.4g}"
+    return f"{text} {row.unit}" if row.unit else text
+
+
+def _bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB")
+    i = 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+# ---------------------------------------------------------------------------------------------- command
+def build_parser(prog: str = "trainvitals report") -> argparse.ArgumentParser:
+    """The argument parser of ``trainvitals report``: LOGDIR and ``--format``."""
+    parser = argparse.ArgumentParser(prog=prog, description=(
+        "Health report of the training runs under LOGDIR, read from their TensorBoard event files. "
+        "Exit status: 0 healthy, 1 a critical finding, 2 nothing to report."))
+    parser.add_argument("logdir", metavar="LOGDIR", help="the TensorBoard log folder")
+    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``trainvitals report``; returns the exit status (see the module docstring)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error (2): argparse has printed why
+        return int(exit_.code or 0)
+    try:
+        runs = read_runs(args.logdir)
+    except ReportError as err:
+        print(f"trainvitals report: {err}", file=sys.stderr)
+        return EXIT_NO_DATA
+    ours = [r for r in runs if r.is_trainvitals]
+    if not ours:
+        print(f"trainvitals report: the event files under {args.logdir} ({len(runs)} run(s)) hold no trainvitals "
+              "metrics: they come from another tool, or from a run without trainvitals callbacks.", file=sys.stderr)
+        return EXIT_NO_DATA
+    reports = [assess(r) for r in ours]
+    sys.stdout.write(render(reports, args.format, skipped=[r.name for r in runs if not r.is_trainvitals]))
+    return EXIT_CRITICAL if any(r.critical for r in reports) else EXIT_OK

@@ -1,0 +1,60 @@
+"""Tiny LightningModules shared by the callback tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as pl
+
+
+def flat_grad_norm(params) -> float:
+    """Brute force: the 2-norm of all gradients flattened into one float64 vector."""
+    grads = [p.grad.detach().reshape(-1).double() for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.cat(grads)).item()
+
+
+def regression_data(n: int = 64, d: int = 6, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = x @ torch.randn(d, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+class Regressor(pl.LightningModule):
+    """MLP regressor; records the brute-force pre-clip gradient norm of every optimizer step.
+
+    ``LightningModule.on_before_optimizer_step`` runs after the callbacks' hook and before clipping,
+    on the same (accumulated, unscaled) gradient.
+    """
+
+    def __init__(self, d: int = 6, lr: float = 0.05, inf_at_step: int | None = None, autocast: bool = True) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.lr = lr
+        self.inf_at_step = inf_at_step
+        self.autocast = autocast
+        self.reference_norms: list[float] = []
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=self.autocast and torch.is_autocast_enabled("cpu")):
+            return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x).float(), y)
+        if self.inf_at_step is not None and self.global_step == self.inf_at_step:
+            loss = loss * float("inf")
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.reference_norms.append(flat_grad_norm(self.parameters()))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)

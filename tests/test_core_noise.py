@@ -1,0 +1,93 @@
+"""core.noise: the two-batch-size estimators, EMAs and micro-batch hooks against brute force."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, NoiseScaleEMA, two_batch_size_estimates
+
+
+def test_per_example_estimate_is_the_bessel_corrected_variance():
+    g = torch.randn(32, 50, dtype=torch.float64) + 0.3
+    mean = g.mean(0)
+    grad_sq, trace = two_batch_size_estimates((g**2).sum(1).mean(), mean.square().sum(), num_groups=32, group_size=1)
+    torch.testing.assert_close(trace, ((g - mean) ** 2).sum() / 31)
+    torch.testing.assert_close(grad_sq, mean.square().sum() - trace / 32)
+
+
+def test_group_estimates_are_unbiased_on_a_known_distribution():
+    # g_i ~ N(G, diag(s²)): ‖G‖² and tr(Σ) are known exactly.
+    gen = torch.Generator().manual_seed(0)
+    d, n, b, trials = 20, 4, 16, 4000
+    G = torch.linspace(-0.2, 0.2, d, dtype=torch.float64)
+    s = torch.linspace(0.5, 1.5, d, dtype=torch.float64)
+    g = G + s * torch.randn(trials, n, b, d, generator=gen, dtype=torch.float64)
+    micro = g.mean(2)  # (trials, n, d)
+    m = micro.square().sum(-1).mean(-1)
+    big = micro.mean(1).square().sum(-1)
+    grad_sq, trace = two_batch_size_estimates(m, big, n, b)
+    assert grad_sq.mean().item() == pytest.approx(G.square().sum().item(), rel=0.03)
+    assert trace.mean().item() == pytest.approx(s.square().sum().item(), rel=0.02)
+
+
+def test_estimator_rejects_a_single_group():
+    with pytest.raises(ValueError, match="num_groups"):
+        two_batch_size_estimates(torch.tensor(1.0), torch.tensor(1.0), 1, 8)
+    with pytest.raises(ValueError, match="group_size"):
+        two_batch_size_estimates(torch.tensor(1.0), torch.tensor(1.0), 2, 0)
+
+
+def test_bias_corrected_ema_and_invalid_steps():
+    ema = BiasCorrectedEMA(0.9)
+    assert ema.value.item() == 0.0 and ema.count.item() == 0
+    ema.update(torch.tensor(3.0))
+    assert ema.value.item() == pytest.approx(3.0)  # bias correction: exact after one update
+    ema.update(torch.tensor(float("nan")))
+    ema.update(torch.tensor(100.0), valid=torch.tensor(False))
+    assert ema.count.item() == 1 and ema.value.item() == pytest.approx(3.0)
+    ema.update(torch.tensor(5.0))
+    expected = (0.9 * 0.1 * 3 + 0.1 * 5) / (1 - 0.9**2)
+    assert ema.value.item() == pytest.approx(expected)
+    restored = BiasCorrectedEMA(0.9)
+    restored.load_state_dict(ema.state_dict())
+    assert restored.value.item() == pytest.approx(expected) and restored.count.item() == 2
+    with pytest.raises(ValueError, match="beta"):
+        BiasCorrectedEMA(1.0)
+
+
+def test_noise_scale_ema_outputs():
+    noise = NoiseScaleEMA(0.5)
+    assert not noise.in_noise_band(64, 1.0)
+    noise.update(torch.tensor(2.0), torch.tensor(256.0))
+    assert noise.b_simple.item() == pytest.approx(128.0)
+    assert noise.noise_floor(64).item() == pytest.approx(2.0)
+    assert noise.in_noise_band(64, 1.0)  # B < B_simple: ‖G‖² = 2 ≤ tr(Σ)/B = 4, noise-dominated
+    assert noise.in_noise_band(128, 1.0)  # B = B_simple: signal equals noise
+    assert not noise.in_noise_band(256, 1.0)  # B > B_simple: ‖G‖² = 2 > 1
+    assert not noise.in_noise_band(64, 0.2)  # a tighter margin: 2 > 0.2·4
+    noise.update(torch.tensor(-10.0), torch.tensor(256.0))
+    assert math.isinf(noise.b_simple.item())  # ‖G‖² ≤ 0: the signal is lost in the noise
+
+
+def test_micro_batch_hooks_see_each_micro_batch_gradient():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    micro = MicroBatchSquaredNorms()
+    micro.attach(model.parameters())
+    reference = copy.deepcopy(model)  # its parameters carry no hooks
+    xs = [torch.randn(5, 4) for _ in range(3)]
+    expected = 0.0
+    for x in xs:
+        model(x).sum().backward()
+        micro.end_micro_batch()
+        ref = torch.autograd.grad(reference(x).sum(), list(reference.parameters()))
+        expected += sum(r.double().square().sum() for r in ref).item()
+    total, count = micro.pop()
+    assert count == 3
+    assert total.item() == pytest.approx(expected, rel=1e-6)
+    assert micro.pop() == (None, 0)
+    micro.detach()
+    model(xs[0]).sum().backward()
+    micro.end_micro_batch()
+    assert micro.pop() == (None, 0)

@@ -1,0 +1,140 @@
+"""TrainvitalsDashboard: the custom-scalars layout in the event file, the text panels, the progress bar."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+from tensorboard.util import tensor_util
+
+from conftest import trainer_kwargs
+from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+from trainvitals.dashboard.layout import CATEGORY, DIAGNOSIS_TAG, TRAINVITALS_LAYOUT, TrainvitalsDashboard
+from trainvitals.dashboard.tags import PER_LAYER_GRAD_NORM
+from trainvitals.demo.data import DigitsDataModule
+from trainvitals.demo.model import DigitsCNN
+
+
+def fit(tmp_path: Path, *callbacks: pl.Callback, **overrides) -> tuple[pl.Trainer, EventAccumulator]:
+    """A few accumulated optimizer steps of the digits CNN, logged to TensorBoard under tmp_path."""
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    kwargs = trainer_kwargs(logger=logger, max_steps=6, accumulate_grad_batches=2, log_every_n_steps=2,
+                            limit_val_batches=0, callbacks=list(callbacks))
+    kwargs.update(overrides)
+    trainer = pl.Trainer(**kwargs)
+    trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    return trainer, acc
+
+
+def read_layout(acc: EventAccumulator) -> layout_pb2.Layout:
+    (event,) = acc.Tensors(metadata.CONFIG_SUMMARY_TAG)
+    assert acc.SummaryMetadata(metadata.CONFIG_SUMMARY_TAG).plugin_data.plugin_name == metadata.PLUGIN_NAME
+    return layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
+
+
+@pytest.fixture(scope="module")
+def monitored(tmp_path_factory: pytest.TempPathFactory) -> tuple[pl.Trainer, EventAccumulator]:
+    return fit(tmp_path_factory.mktemp("dash"), GradNormMonitor(histogram_every_n_steps=0),
+               GradNormEarlyStopping(patience=1000), TrainvitalsDashboard(), enable_progress_bar=True)
+
+
+def chart_tags(layout: layout_pb2.Layout, acc: EventAccumulator) -> dict[str, list[str]]:
+    """Which logged scalar tags each chart picks up, matched the way TensorBoard matches."""
+    scalars = acc.Tags()["scalars"]
+    return {chart.title: [t for t in scalars if any(re.match(rx, t) for rx in chart.multiline.tag)]
+            for chart in layout.category[0].chart}
+
+
+def test_layout_is_written_once_as_tensorboards_custom_scalars(monitored) -> None:
+    _, acc = monitored
+    layout = read_layout(acc)
+    assert [c.title for c in layout.category] == [CATEGORY]
+    assert [c.title for c in layout.category[0].chart] == list(TRAINVITALS_LAYOUT[CATEGORY])
+    for chart in layout.category[0].chart:
+        assert chart.WhichOneof("content") == "multiline"
+        for regex in chart.multiline.tag:
+            re.compile(regex)
+
+
+def test_charts_pick_up_what_the_callbacks_log(monitored) -> None:
+    trainer, acc = monitored
+    picked = chart_tags(read_layout(acc), acc)
+    assert picked["gradient norm vs noise floor (use the log-scale toggle)"] == ["grad_norm/total", "grad_norm/noise_floor"]
+    assert picked["in the noise band (1 = yes)"] == ["grad_norm/in_noise_band"]
+    assert picked["B_simple vs effective batch (examples)"] == ["grad_norm/b_simple"]
+    layers = {name for name, _ in trainer.lightning_module.named_modules() if name and any(
+        True for _ in trainer.lightning_module.get_submodule(name).parameters(recurse=False))}
+    assert sorted(picked["per-layer gradient norm"]) == sorted(f"grad_norm/{m}" for m in layers)
+    assert sorted(picked["integrity counters"]) == ["grad_norm/amp_skipped_steps", "grad_norm/nonfinite_steps",
+                                                     "grad_norm/spike_steps"]
+    # Every scalar a trainvitals callback logged lands on some chart.
+    on_charts = {t for tags in picked.values() for t in tags}
+    assert set(acc.Tags()["scalars"]) - on_charts == {"grad_norm/band_streak", "train/loss", "epoch"}
+
+
+@pytest.mark.parametrize(
+    ("tag", "is_layer"),
+    [
+        ("grad_norm/features.0", True),
+        ("grad_norm/optimizer_1/head.3", True),
+        ("grad_norm/unregistered.2", True),
+        ("grad_norm/total", False),
+        ("grad_norm/optimizer_0/total", False),
+        ("grad_norm/total_head", True),
+        ("grad_norm/in_noise_band", False),
+        ("grad_norm/hist/features.0", False),
+        ("grad_noise/b_simple", False),
+    ],
+)
+def test_per_layer_regex(tag: str, is_layer: bool) -> None:
+    assert bool(re.match(PER_LAYER_GRAD_NORM, tag)) is is_layer
+
+
+def test_progress_bar_shows_the_latest_norm_and_band(monitored) -> None:
+    trainer, acc = monitored
+    shown = trainer.progress_bar_metrics
+    monitor = next(cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor))
+    # The last logging step of 6 steps with log_every_n_steps=2 is step 4; the bar keeps that value.
+    logged = dict((e.step, e.value) for e in acc.Scalars("grad_norm/total"))
+    assert shown["grad_norm"] == pytest.approx(logged[4], rel=1e-6)
+    assert float(monitor.last_total[0]) != pytest.approx(logged[4])  # step 5 ran after it; the bar did not sync for it
+    band = dict((e.step, e.value) for e in acc.Scalars("grad_norm/in_noise_band"))
+    assert shown["noise_band"] == band[4]
+    assert "grad_norm" not in trainer.logged_metrics  # progress bar only: the monitor owns the logged tag
+
+
+class _Diagnosed(pl.Callback):
+    """A callback with an end-of-run diagnosis, as the trainvitals callbacks have."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_train_batch_end(self, *_) -> None:
+        self.steps += 1
+
+    def diagnosis_markdown(self) -> str:
+        return f"| check | result |\n|---|---|\n| batches seen | {self.steps} |"
+
+
+def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:
+    diagnosed = _Diagnosed()
+    trainer, acc = fit(tmp_path, diagnosed, TrainvitalsDashboard(progress_bar=False))
+    (event,) = acc.Tensors(f"{DIAGNOSIS_TAG}/_Diagnosed/text_summary")
+    assert event.step == trainer.global_step == 6
+    assert tensor_util.make_ndarray(event.tensor_proto).item().decode() == "| check | result |\n|---|---|\n| batches seen | 12 |"
+    assert "grad_norm" not in trainer.progress_bar_metrics
+
+
+def test_without_tensorboard_nothing_breaks(tmp_path: Path) -> None:
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=2, limit_val_batches=0, default_root_dir=str(tmp_path),
+                                          callbacks=[GradNormMonitor(), TrainvitalsDashboard()], log_every_n_steps=1))
+    trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
+    assert "grad_norm" in trainer.progress_bar_metrics and "noise_band" not in trainer.progress_bar_metrics
+    assert not list(tmp_path.rglob("events.out.tfevents.*"))

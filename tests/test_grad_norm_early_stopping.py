@@ -1,0 +1,214 @@
+"""GradNormEarlyStopping: the noise estimator against closed forms, the stop rules, resume, DDP."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as pl
+from _models import Regressor, loader, regression_data
+from conftest import RecordingLogger, trainer_kwargs
+from trainvitals import GradNormEarlyStopping, GradNormMonitor
+
+
+class LinearRegression(pl.LightningModule):
+    """y = x·w* + ε with x ~ N(0, I_d), ε ~ N(0, σ²); per-example loss (x·w − y)².
+
+    With δ = w − w*, the per-example gradient is g = 2x(x·δ − ε), so (Gaussian fourth moments)
+    ‖G‖² = 4‖δ‖² and tr(Σ) = E‖g‖² − ‖G‖² = 4((d + 1)‖δ‖² + dσ²), at any w.
+    """
+
+    def __init__(self, w0: torch.Tensor, lr: float = 0.0):
+        super().__init__()
+        self.w = nn.Parameter(w0.clone())
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(x @ self.w, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def regression_stream(steps: int, batch: int, d: int, w_star: torch.Tensor, sigma: float, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps * batch, d, generator=g)
+    y = x @ w_star + sigma * torch.randn(steps * batch, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+def test_noise_estimates_match_the_closed_form_over_200_steps():
+    d, sigma, micro, accumulate, steps = 10, 1.0, 16, 4, 200
+    w_star = torch.zeros(d)
+    w0 = torch.full((d,), 0.5)  # ‖δ‖² = 2.5
+    truth_grad_sq = 4 * 2.5
+    truth_trace = 4 * ((d + 1) * 2.5 + d * sigma**2)
+
+    class Record(pl.Callback):
+        def __init__(self):
+            self.grad_sq, self.trace = [], []
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step > len(self.trace):  # once per optimizer step, not per micro-batch
+                self.grad_sq.append(stopper.noise.grad_sq_norm.item())
+                self.trace.append(stopper.noise.trace_cov.item())
+
+    stopper, record = GradNormEarlyStopping(patience=10**6), Record()
+    trainer = Trainer(**trainer_kwargs(callbacks=[stopper, record], max_epochs=1, accumulate_grad_batches=accumulate))
+    trainer.fit(LinearRegression(w0), regression_stream(steps * accumulate, micro, d, w_star, sigma))
+    assert trainer.global_step == steps and stopper.effective_batch_size == micro * accumulate
+    # Once the EMA has a full memory (~50 steps), every smoothed estimate is within 10% of the truth.
+    grad_sq, trace = torch.tensor(record.grad_sq[100:]), torch.tensor(record.trace[100:])
+    assert len(trace) == 100
+    assert (grad_sq / truth_grad_sq - 1).abs().max() < 0.10
+    assert (trace / truth_trace - 1).abs().max() < 0.10
+    floor = stopper.noise.noise_floor(64).item()
+    assert floor == pytest.approx(math.sqrt(truth_trace / 64), rel=0.05)
+
+
+def _fit(model, callbacks, data, logger=False, **overrides):
+    trainer = Trainer(**trainer_kwargs(callbacks=callbacks, logger=logger, **overrides))
+    trainer.fit(model, data)
+    return trainer
+
+
+def test_noise_band_stops_at_the_optimum_and_not_far_from_it(caplog):
+    d = 10
+    at_optimum = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2)
+    logger = RecordingLogger()
+    with caplog.at_level("INFO"):
+        trainer = _fit(LinearRegression(torch.zeros(d)), [at_optimum], regression_stream(400, 16, d, torch.zeros(d), 1.0),
+                       logger=logger, max_epochs=1, accumulate_grad_batches=4, log_every_n_steps=1)
+    assert at_optimum.stopped_step is not None and at_optimum.stopped_step >= 20 + 5 - 1
+    assert trainer.global_step == at_optimum.stopped_step + 1
+    assert sum("noise band" in r.message for r in caplog.records) == 1
+    floors = logger.values("grad_norm/noise_floor")
+    assert floors and all(math.isfinite(v) for v in floors)
+    assert floors[-1] == pytest.approx(math.sqrt(4 * d / 64), rel=0.15)  # tr Σ = 4dσ² at δ = 0
+
+    far = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2)
+    trainer = _fit(LinearRegression(torch.full((d,), 0.5)), [far], regression_stream(400, 16, d, torch.zeros(d), 1.0),
+                   max_epochs=1, accumulate_grad_batches=4)
+    assert far.stopped_step is None and trainer.global_step == 100
+
+
+def test_without_a_noise_source_it_says_so_once_logs_no_nan_and_never_stops():
+    logger = RecordingLogger()
+    stopper = GradNormEarlyStopping(patience=1, margin=1e9)
+    with pytest.warns(UserWarning, match="no noise source.*accumulate_grad_batches >= 2") as record:
+        trainer = _fit(Regressor(), [stopper, GradNormMonitor(log_every_n_steps=1)], loader(regression_data(), 8),
+                       logger=logger, max_epochs=3, log_every_n_steps=1)
+    assert sum("no noise source" in str(w.message) for w in record) == 1
+    assert trainer.global_step == 24 and stopper.stopped_step is None
+    assert "grad_norm/noise_floor" not in logger.series
+    assert all(math.isfinite(v) for values in logger.series.values() for _, v in values)
+
+
+def test_threshold_mode_counts_patience_in_optimizer_steps():
+    stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=6, check_every_n_steps=1)
+    trainer = _fit(Regressor(), [stopper], loader(regression_data(), 8), max_epochs=5, accumulate_grad_batches=2)
+    assert stopper.stopped_step == 5 and trainer.global_step == 6
+    never = GradNormEarlyStopping(mode="threshold", threshold=1e-12, patience=1)
+    trainer = _fit(Regressor(), [never], loader(regression_data(), 8), max_epochs=2)
+    assert never.stopped_step is None and trainer.global_step == 16
+
+
+def test_relative_mode_stops_when_the_norm_has_fallen_below_a_fraction_of_its_early_value():
+    d = 5
+    # Noise-free regression: gradient descent shrinks the gradient geometrically.
+    stopper = GradNormEarlyStopping(mode="relative", fraction=0.01, reference_steps=3, patience=2, check_every_n_steps=1)
+    trainer = _fit(LinearRegression(torch.ones(d), lr=0.1), [stopper], regression_stream(300, 32, d, torch.zeros(d), 0.0),
+                   max_epochs=1)
+    assert stopper.stopped_step is not None and 10 < trainer.global_step < 300
+
+
+def test_skipped_amp_steps_do_not_count_toward_convergence():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def stop_step(inf_at_step):
+        stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=4, check_every_n_steps=1)
+        _fit(Regressor(autocast=False, inf_at_step=inf_at_step), [stopper], loader(regression_data(), 8),
+             max_epochs=2, plugins=[MixedPrecision("16-mixed", "cpu")])
+        return stopper.stopped_step
+
+    assert stop_step(None) == 3
+    assert stop_step(1) == 4
+
+
+def test_state_round_trips_through_a_checkpoint(tmp_path):
+    d = 10
+
+    def run(epochs, callbacks, ckpt_path=None):
+        # One epoch = 20 optimizer steps of 2 × 16 examples; resuming at an epoch boundary replays the same data.
+        model = LinearRegression(torch.full((d,), 0.3), lr=0.01)
+        trainer = Trainer(**trainer_kwargs(callbacks=callbacks, max_epochs=epochs, accumulate_grad_batches=2,
+                                           enable_checkpointing=True, default_root_dir=tmp_path))
+        trainer.fit(model, regression_stream(40, 16, d, torch.zeros(d), 1.0), ckpt_path=ckpt_path)
+
+    straight = GradNormEarlyStopping(patience=10**6)
+    run(2, [straight])
+    first = GradNormEarlyStopping(patience=10**6)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    run(1, [first, checkpoint])
+    assert first.steps == 20
+    resumed = GradNormEarlyStopping(patience=10**6)
+    run(2, [resumed], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert resumed.steps == straight.steps == 40
+    assert resumed.noise.count.item() == straight.noise.count.item()
+    assert resumed.noise.grad_sq_norm.item() == pytest.approx(straight.noise.grad_sq_norm.item(), rel=1e-6)
+    assert resumed.noise.trace_cov.item() == pytest.approx(straight.noise.trace_cov.item(), rel=1e-6)
+    assert int(resumed._streak) == int(straight._streak)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"mode": "plateau"}, "mode"), ({"margin": -0.1}, "margin"), ({"patience": 0}, "patience"),
+    ({"min_steps": -1}, "min_steps"), ({"threshold": 0}, "threshold"), ({"fraction": 1.0}, "fraction"),
+    ({"reference_steps": 0}, "reference_steps"), ({"ema_beta": 1.0}, "ema_beta"),
+    ({"check_every_n_steps": 0}, "check_every_n_steps"),
+])
+def test_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        GradNormEarlyStopping(**kwargs)
+
+
+class _RecordPerRank(pl.Callback):
+    """Writes each rank's per-step totals and its stop to ``<dir>/rank<k>.json``."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+        self.totals = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        monitor = next(cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor))
+        self.totals.append(monitor.last_total[0].item())
+
+    def on_train_end(self, trainer, pl_module):
+        stopper = next(cb for cb in trainer.callbacks if isinstance(cb, GradNormEarlyStopping))
+        with open(f"{self.out_dir}/rank{trainer.global_rank}.json", "w") as f:
+            json.dump({"totals": self.totals, "stopped_step": stopper.stopped_step, "global_step": trainer.global_step,
+                       "batch": stopper.effective_batch_size}, f)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_on_norms_and_stop_at_the_same_step(tmp_path):
+    d = 10
+    callbacks = [GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
+                 GradNormEarlyStopping(patience=3, margin=0.5, min_steps=10, check_every_n_steps=1),
+                 _RecordPerRank(str(tmp_path))]
+    trainer = Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=1,
+                                       log_every_n_steps=1))
+    trainer.fit(LinearRegression(torch.zeros(d)), regression_stream(200, 16, d, torch.zeros(d), 1.0))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["totals"] == pytest.approx(ranks[1]["totals"], rel=1e-6)
+    assert ranks[0]["stopped_step"] is not None
+    assert ranks[0]["stopped_step"] == ranks[1]["stopped_step"] and ranks[0]["global_step"] == ranks[1]["global_step"]
+    assert ranks[0]["batch"] == 32  # 2 ranks × 16

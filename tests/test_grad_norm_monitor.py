@@ -1,0 +1,248 @@
+"""GradNormMonitor against brute-force norms of flattened gradients."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+import lightning.pytorch as pl
+from _models import Regressor, flat_grad_norm, loader, regression_data
+from conftest import RecordingLogger, trainer_kwargs
+from trainvitals import GradNormMonitor
+
+
+def fit(model, monitor, logger, *, batch_size=8, n=64, **overrides):
+    trainer = Trainer(**trainer_kwargs(callbacks=[monitor], logger=logger, **overrides))
+    trainer.fit(model, loader(regression_data(n), batch_size))
+    return trainer
+
+
+def test_accumulated_norm_equals_one_pass_over_the_update_batch():
+    model = Regressor(lr=0.1)
+    initial = copy.deepcopy(model.net)
+    logger = RecordingLogger()
+    fit(model, GradNormMonitor(log_every_n_steps=2, histogram_every_n_steps=0), logger,
+        accumulate_grad_batches=2, max_epochs=2)
+
+    # Plain PyTorch: one forward/backward over the 16 examples of each update.
+    net, data = initial, regression_data(64)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    expected = []
+    for _ in range(2):
+        for i in range(0, 64, 16):
+            opt.zero_grad()
+            F.mse_loss(net(data.tensors[0][i:i + 16]), data.tensors[1][i:i + 16]).backward()
+            expected.append(flat_grad_norm(net.parameters()))
+            opt.step()
+    logged = logger.series["grad_norm/total"]
+    assert [step for step, _ in logged] == [0, 2, 4, 6]
+    assert [v for _, v in logged] == pytest.approx(expected[::2], rel=1e-5)
+
+
+def test_per_layer_norms_combine_to_the_total():
+    logger = RecordingLogger()
+    fit(Regressor(), GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger, max_epochs=1)
+    layers = [f"grad_norm/net.{i}" for i in (0, 2, 4)]
+    for step in range(8):
+        total = logger.values("grad_norm/total")[step]
+        assert total**2 == pytest.approx(sum(logger.values(t)[step] ** 2 for t in layers), rel=1e-6)
+
+
+@pytest.mark.parametrize("grouping, tags", [
+    ("parameter", ["net.0.weight", "net.0.bias", "net.4.bias"]),
+    ("block", ["net"]),
+])
+def test_groupings(grouping, tags):
+    logger = RecordingLogger()
+    model = Regressor()
+    fit(model, GradNormMonitor(grouping=grouping, log_every_n_steps=1, histogram_every_n_steps=0), logger, max_steps=2)
+    for tag in tags:
+        assert len(logger.values(f"grad_norm/{tag}")) == 2
+    assert logger.values("grad_norm/total") == pytest.approx(model.reference_norms, rel=1e-6)
+
+
+def test_grad_scaler_norms_are_unscaled():
+    scaled, plain = Regressor(autocast=False), Regressor(autocast=False)
+    plain.load_state_dict(scaled.state_dict())
+    log_amp, log_fp32 = RecordingLogger(), RecordingLogger()
+    amp_trainer = fit(scaled, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), log_amp,
+                      max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu")])
+    assert amp_trainer.precision_plugin.scaler.get_scale() >= 2.0**15  # the loss really was scaled
+    fit(plain, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), log_fp32, max_epochs=1)
+    assert log_amp.values("grad_norm/total") == pytest.approx(log_fp32.values("grad_norm/total"), rel=1e-4)
+
+
+def test_inf_step_under_grad_scaler_is_a_skip_not_divergence(recwarn):
+    logger = RecordingLogger()
+    model = Regressor(autocast=False, inf_at_step=2)
+    fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger,
+        max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu")])
+    assert logger.values("grad_norm/amp_skipped_steps")[-1] == 1
+    assert logger.values("grad_norm/nonfinite_steps")[-1] == 0
+    assert not [w for w in recwarn if "non-finite" in str(w.message)]
+
+
+def test_nonfinite_gradient_without_scaler_is_counted_and_located():
+    class NaNInHead(Regressor):
+        def on_after_backward(self):
+            if self.global_step == 1:
+                self.net[4].weight.grad[0, 0] = float("nan")
+
+        def on_before_optimizer_step(self, optimizer):
+            # After the monitor has looked: keep the NaN out of the weights, so only one step is bad.
+            for p in self.parameters():
+                p.grad.nan_to_num_(0.0)
+
+    logger = RecordingLogger()
+    with pytest.warns(UserWarning, match=r"non-finite gradient.*first in: net\.4"):
+        fit(NaNInHead(lr=0.0), GradNormMonitor(log_every_n_steps=3, histogram_every_n_steps=0), logger, max_steps=4)
+    assert logger.values("grad_norm/nonfinite_steps") == [0, 1]
+
+
+def test_total_is_the_pre_clip_norm_and_clipped_total_the_post_clip_norm():
+    logger = RecordingLogger()
+    model = Regressor()
+    fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger, max_steps=4,
+        gradient_clip_val=0.01)
+    totals = logger.values("grad_norm/total")
+    assert totals == pytest.approx(model.reference_norms, rel=1e-6)
+    assert min(totals) > 0.05  # clipping really happened
+    assert logger.values("grad_norm/clipped_total") == pytest.approx([0.01] * 4, rel=1e-3)
+
+
+class TwoOptimizers(pl.LightningModule):
+    """GAN-style manual optimisation: a generator and a discriminator, each with its own optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Linear(6, 6)
+        self.discriminator = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1))
+        self.reference = {0: [], 1: []}
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        d_loss = self.discriminator(self.generator(x).detach()).mean() - self.discriminator(x).mean()
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        self.reference[1].append(flat_grad_norm(self.discriminator.parameters()))
+        opt_d.step()
+        g_loss = -self.discriminator(self.generator(x)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        self.reference[0].append(flat_grad_norm(self.generator.parameters()))
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.generator.parameters(), lr=0.01), torch.optim.SGD(self.discriminator.parameters(), lr=0.01)
+
+
+def test_manual_optimization_two_optimizers_one_total_each():
+    logger = RecordingLogger()
+    model = TwoOptimizers()
+    fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger, max_steps=6)
+    assert logger.values("grad_norm/optimizer_0/total") == pytest.approx(model.reference[0], rel=1e-6)
+    assert logger.values("grad_norm/optimizer_1/total") == pytest.approx(model.reference[1], rel=1e-6)
+    assert "grad_norm/optimizer_0/generator" in logger.series
+    assert "grad_norm/optimizer_1/discriminator.2" in logger.series
+
+
+def test_compiled_module_gives_the_eager_norms():
+    eager, compiled = Regressor(), Regressor()
+    compiled.load_state_dict(eager.state_dict())
+    log_eager, log_compiled = RecordingLogger(), RecordingLogger()
+    fit(eager, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), log_eager, max_steps=4)
+    fit(torch.compile(compiled, backend="aot_eager"), GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
+        log_compiled, max_steps=4)
+    assert log_compiled.values("grad_norm/total") == pytest.approx(log_eager.values("grad_norm/total"), rel=1e-5)
+    assert log_compiled.values("grad_norm/net.2") == pytest.approx(log_eager.values("grad_norm/net.2"), rel=1e-5)
+
+
+def test_spike_is_reported_with_step_and_largest_layers():
+    class Spiky(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * 1000.0 if self.global_step == 30 else loss
+
+    logger = RecordingLogger()
+    fit(Spiky(lr=0.0), GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0, spike_warmup_steps=10),
+        logger, max_steps=41)
+    assert logger.values("grad_norm/spike_steps") == [0, 0, 0, 1, 1]
+
+
+def test_tensorboard_scalars_and_histograms(tmp_path):
+    tb = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
+    fit(Regressor(), GradNormMonitor(log_every_n_steps=2, histogram_every_n_steps=4), tb, max_steps=8)
+    events = EventAccumulator(tb.log_dir, size_guidance={"histograms": 0, "scalars": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert [e.step for e in events.Scalars("grad_norm/total")] == [0, 2, 4, 6]
+    assert "grad_norm/net.0" in tags["scalars"]
+    assert {"grad_norm/hist/net.0", "grad_norm/hist/group_norms"} <= set(tags["histograms"])
+    assert [e.step for e in events.Histograms("grad_norm/hist/net.0")] == [0, 4]
+
+
+def test_csv_logger_gets_scalars_and_a_single_notice_about_histograms(tmp_path, caplog):
+    csv = CSVLogger(tmp_path, name="csv")
+    with caplog.at_level("INFO"):
+        fit(Regressor(), GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=1), [csv, RecordingLogger()], max_steps=3)
+    text = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
+    assert "grad_norm/total" in text.splitlines()[0]
+    assert sum("need a TensorBoardLogger" in r.message for r in caplog.records) == 1
+
+
+def test_no_logger_runs_and_measures():
+    monitor = GradNormMonitor(log_every_n_steps=1)
+    model = Regressor()
+    fit(model, monitor, False, max_steps=3)
+    assert monitor.last_total[0].item() == pytest.approx(model.reference_norms[-1], rel=1e-6)
+
+
+def test_state_round_trips():
+    monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    fit(Regressor(), monitor, False, max_steps=5)
+    restored = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    restored.load_state_dict(monitor.state_dict())
+    logger = RecordingLogger()
+    fit(Regressor(), restored, logger, max_steps=1)
+    assert restored._tracks[0].steps == 6
+    assert restored._tracks[0].ema.count.item() == 6
+    assert monitor.state_key == restored.state_key
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"norm_type": 0}, "norm_type"), ({"norm_type": "l2"}, "norm_type"), ({"grouping": "layer"}, "grouping"),
+    ({"log_every_n_steps": 0}, "log_every_n_steps"), ({"histogram_every_n_steps": -1}, "histogram_every_n_steps"),
+    ({"spike_factor": 1.0}, "spike_factor"), ({"spike_ema_beta": 1.0}, "spike_ema_beta"),
+    ({"spike_warmup_steps": -1}, "spike_warmup_steps"),
+])
+def test_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        GradNormMonitor(**kwargs)
+
+
+@pytest.mark.parametrize("p", [1.0, 1.5, math.inf])
+def test_p_norms(p):
+    logger = RecordingLogger()
+    model = Regressor()
+    monitor = GradNormMonitor(norm_type=p, log_every_n_steps=1, histogram_every_n_steps=0)
+    expected = []
+
+    class Probe(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            flat = torch.cat([q.grad.reshape(-1).double() for q in pl_module.parameters()])
+            expected.append(torch.linalg.vector_norm(flat, p).item())
+
+    trainer = Trainer(**trainer_kwargs(callbacks=[monitor, Probe()], logger=logger, max_steps=3))
+    trainer.fit(model, loader(regression_data(), 8))
+    assert logger.values("grad_norm/total") == pytest.approx(expected, rel=1e-6)

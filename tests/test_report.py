@@ -1,0 +1,202 @@
+"""``trainvitals report``: reading event files, the health report, its formats and exit statuses.
+
+The event files are written here with ``torch.utils.tensorboard.SummaryWriter``, the writer Lightning's
+TensorBoardLogger uses, so the report is tested against the exact records a run leaves behind.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from trainvitals.dashboard.report import EXIT_CRITICAL, EXIT_NO_DATA, EXIT_OK, main
+
+STEPS = range(0, 100, 5)
+
+
+def write_run(folder: Path, scalars: dict[str, float | list[float]], texts: dict[str, str] | None = None) -> None:
+    """One run: each scalar logged at every step of STEPS (a list gives one value per step)."""
+    writer = SummaryWriter(str(folder))
+    for i, step in enumerate(STEPS):
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value[i] if isinstance(value, list) else value, step)
+    for tag, text in (texts or {}).items():
+        writer.add_text(tag, text, STEPS[-1])
+    writer.close()
+
+
+HEALTHY = {
+    "grad_norm/total": [1.0 / (1 + s / 10) + 0.1 for s in STEPS],
+    "grad_norm/noise_floor": 0.1,
+    "grad_norm/in_noise_band": [float(s >= 70) for s in STEPS],
+    "grad_norm/b_simple": 200.0,
+    "grad_norm/nonfinite_steps": 0.0,
+    "grad_norm/amp_skipped_steps": 0.0,
+    "grad_norm/spike_steps": 0.0,
+    "grad_norm/features.0": 0.5,
+    "lr_scaling/effective_batch": 64.0,
+    "memory/parameters_bytes": 160_000.0,
+    "memory/activations_bytes": 3 * 2**20,
+    "memory/activations/features.0": 2 * 2**20,
+    "memory/activations/head.1": 2**20,
+}
+
+
+def report(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def report_json(capsys: pytest.CaptureFixture[str], logdir: Path) -> tuple[int, dict]:
+    status, out, _ = report(capsys, str(logdir), "--format", "json")
+    return status, json.loads(out)
+
+
+def rows(run: dict, section: str) -> dict[str, float | str | None]:
+    return {row["label"]: row["value"] for row in run["sections"][section]}
+
+
+def test_healthy_run_reads_back_what_was_logged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "digits", HEALTHY, {"grad_norm/stop_reason": "stopped at optimizer step 95: in band"})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_OK and doc["critical"] is False
+    (run,) = doc["runs"]
+    assert run["run"] == "digits" and run["last_step"] == STEPS[-1]
+    convergence = rows(run, "convergence")
+    assert convergence["gradient norm, last"] == pytest.approx(HEALTHY["grad_norm/total"][-1])
+    assert convergence["norm / noise floor"] == pytest.approx(HEALTHY["grad_norm/total"][-1] / 0.1, rel=1e-6)
+    # 6 of the last 10 logged steps (70..95) are flagged in band.
+    assert convergence["fraction in the noise band, last 10 logged steps"] == pytest.approx(0.6)
+    assert convergence["stop"] == "stopped at optimizer step 95: in band"
+    memory = rows(run, "memory")
+    assert memory["parameters"] == 160_000
+    assert list(memory)[-2:] == ["saved by features.0", "saved by head.1"]  # largest first
+    assert rows(run, "noise scale and batch size")["effective batch B"] == 64
+    messages = " ".join(f["message"] for f in run["findings"])
+    assert "in its noise band (60%" in messages
+    assert "B = 64 < B_simple = 200" in messages
+
+
+def test_descending_run_and_no_noise_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "a", {**HEALTHY, "grad_norm/in_noise_band": 0.0})
+    write_run(tmp_path / "b", {"grad_norm/total": 1.0})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_OK
+    a, b = doc["runs"]
+    assert any("still descending" in f["message"] for f in a["findings"])
+    assert any("no noise estimate" in f["message"] for f in b["findings"])
+
+
+@pytest.mark.parametrize(
+    ("tag", "section", "words"),
+    [
+        ("grad_norm/nonfinite_steps", "spikes and non-finite steps", "non-finite (inf/NaN) gradients on 3"),
+        ("grad_norm/optimizer_1/nonfinite_steps", "spikes and non-finite steps", "non-finite (inf/NaN) gradients on 3"),
+        ("graph/unused_params", "integrity", "3 parameter(s) received no gradient"),
+        ("graph/unregistered_params", "integrity", "3 tensor(s) trained outside"),
+        ("graph/leaked_graphs", "integrity", "kept alive across 3"),
+    ],
+)
+def test_critical_counter_fails_ci(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tag: str, section: str, words: str
+) -> None:
+    write_run(tmp_path / "run", {**HEALTHY, tag: [0.0] * (len(STEPS) - 1) + [3.0]})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL and doc["critical"] is True
+    critical = [f for f in doc["runs"][0]["findings"] if f["severity"] == "critical"]
+    assert [(f["section"], words in f["message"]) for f in critical] == [(section, True)]
+
+
+def test_amp_skips_and_spikes_are_not_critical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spike = "gradient-norm spike at optimizer step 55: 6.0× its running average; largest layers: head.1"
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/amp_skipped_steps": 4.0, "grad_norm/spike_steps": 1.0},
+              {"grad_norm/spikes": spike})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_OK
+    findings = {f["severity"]: f["message"] for f in doc["runs"][0]["findings"] if "GradScaler" in f["message"] or "spike" in f["message"]}
+    assert "skipped 4 step(s)" in findings["note"]
+    assert findings["warning"].endswith(spike)
+
+
+def test_text_and_markdown_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", {**HEALTHY, "graph/unused_params": 2.0})
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_CRITICAL
+    assert text.startswith("run run: CRITICAL, last logged optimizer step 95")
+    assert "[critical] integrity: 2 parameter(s) received no gradient" in text
+    assert "parameters           156.2 KiB" in text
+    status, markdown, _ = report(capsys, str(tmp_path), "--format", "markdown")
+    assert status == EXIT_CRITICAL
+    assert "## run `run`: CRITICAL" in markdown
+    assert "### memory\n\n| measure | value |\n|---|---|\n| parameters | 156.2 KiB |" in markdown
+    assert "- **critical** (integrity): 2 parameter(s)" in markdown
+
+
+def test_infinite_noise_scale_stays_valid_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/b_simple": float("inf")})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_OK
+    assert rows(doc["runs"][0], "noise scale and batch size")["B_simple = tr Σ / ‖G‖²"] == "inf"
+
+
+def test_foreign_runs_are_skipped_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "ours", HEALTHY)
+    write_run(tmp_path / "theirs", {"loss": 1.0})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_OK
+    assert [r["run"] for r in doc["runs"]] == ["ours"] and doc["skipped_runs"] == ["theirs"]
+
+
+def _missing(tmp_path: Path) -> Path:
+    return tmp_path / "nowhere"
+
+
+def _empty(tmp_path: Path) -> Path:
+    (tmp_path / "empty").mkdir()
+    return tmp_path / "empty"
+
+
+def _a_file(tmp_path: Path) -> Path:
+    (tmp_path / "notes.txt").write_text("hello")
+    return tmp_path / "notes.txt"
+
+
+def _foreign(tmp_path: Path) -> Path:
+    write_run(tmp_path / "other", {"loss": 1.0, "accuracy": 0.5})
+    return tmp_path
+
+
+def _corrupt(tmp_path: Path) -> Path:
+    (tmp_path / "events.out.tfevents.123.host").write_bytes(b"not a TFRecord at all" * 50)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (_missing, "does not exist"),
+        (_empty, "no TensorBoard event files"),
+        (_a_file, "is not a folder"),
+        (_foreign, "hold no trainvitals metrics"),
+        (_corrupt, "hold no trainvitals metrics"),
+    ],
+)
+def test_nothing_to_report_is_exit_2_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], make, words: str
+) -> None:
+    status, out, err = report(capsys, str(make(tmp_path)))
+    assert status == EXIT_NO_DATA
+    assert out == ""
+    assert err.startswith("trainvitals report: ") and words in err
+    assert "Traceback" not in err
+
+
+def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = report(capsys, str(tmp_path), "--format", "yaml")
+    assert status == 2 and "invalid choice: 'yaml'" in err
+    status, out, _ = report(capsys, "--help")
+    assert status == 0 and "--format {text,markdown,json}" in out
