@@ -64,11 +64,11 @@ class LRScalingAdvisor(Callback):
       noise-aware rule η_new/η_old = (1 + B̂/B_old)/(1 + B̂/B_new) (SGD-like; McCandlish et al. 2018,
       Eq. 2.6) or its square root (Adam-like; Malladi et al. 2022); without B̂, the classic linear
       and square-root rules, labelled so;
-    - the loss reduction: on the first batch ``training_step`` runs twice more under ``no_grad``,
-      on the batch and on the batch concatenated with itself (random state, buffers restored,
-      ``self.log`` muted). A mean loss stays the same, a sum doubles; a sum gives b× the gradient
-      (b = per-device micro-batch), i.e. b× SGD's lr and ε/b for Adam. Not run under manual
-      optimization or with ``detect_loss_reduction=False``.
+    - the loss reduction: on the first batch ``training_step`` runs twice more, under ``no_grad``
+      and in eval mode, on the batch and on the batch concatenated with itself (``self.log`` muted;
+      random state, buffers and train/eval modes restored). A mean loss stays the same, a sum
+      doubles; a sum gives b× the gradient (b = per-device micro-batch), i.e. b× SGD's lr and ε/b
+      for Adam. Not run under manual optimization or with ``detect_loss_reduction=False``.
 
     B̂ is ``noise_scale`` if given, else ``noise.b_simple`` of the first callback in the Trainer with
     a :class:`~trainvitals.core.noise.NoiseScaleEMA` attribute ``noise`` that has a finite positive
