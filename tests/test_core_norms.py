@@ -69,3 +69,11 @@ def test_group_names():
 def test_bad_norm_type(bad):
     with pytest.raises(ValueError, match="norm_type"):
         validate_norm_type(bad)
+
+
+def test_mixed_dtypes_keep_their_order():
+    grads = [torch.randn(4, dtype=torch.float64), torch.randn(3), torch.randn(5, dtype=torch.bfloat16), torch.randn(2)]
+    norms = per_tensor_norms(grads, 2.0)
+    assert norms.dtype == torch.float64
+    expected = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])
+    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0)

@@ -41,6 +41,16 @@ class _Track:
     last_spike: Tensor | None = None  # (step, ratio, top-3 group indices) as float64
     warned_nonfinite: bool = False
     reported_spikes: int = 0
+    # The groups of the parameters that currently have a gradient, cached on the gradients' device:
+    # rebuilding the index tensor every step would be a host-to-device copy per step.
+    present: tuple[int, ...] = ()
+    present_groups: NormGroups | None = None
+
+    def groups_of_present(self, present: tuple[int, ...], device: torch.device) -> NormGroups:
+        if present != self.present or self.present_groups is None or self.present_groups.index.device != device:
+            index = self.groups.index[list(present)].to(device)
+            self.present, self.present_groups = present, NormGroups(self.groups.names, index)
+        return self.present_groups
 
 
 class GradNormMonitor(Callback):
@@ -122,12 +132,11 @@ class GradNormMonitor(Callback):
     ) -> None:
         index = _optimizer_index(trainer, optimizer)
         track = self._track(index, pl_module, optimizer)
-        present = [i for i, p in enumerate(track.params) if p.grad is not None]
+        present = tuple(i for i, p in enumerate(track.params) if p.grad is not None)
         if not present:
             return
         norms = per_tensor_norms([track.params[i].grad for i in present], self.norm_type)
-        groups = NormGroups(track.groups.names, track.groups.index[present])
-        group_norms = grouped_norms(norms, groups, self.norm_type)
+        group_norms = grouped_norms(norms, track.groups_of_present(present, norms.device), self.norm_type)
         group_norms = _reduce_if_sharded(trainer, group_norms, self.norm_type)
         total = combine_norms(group_norms, self.norm_type)
         self.last_total[index] = total
@@ -260,7 +269,7 @@ class GradNormMonitor(Callback):
             log_text(trainer, tag("spikes"), message, int(at))
 
     def _log_histograms(
-        self, trainer: "pl.Trainer", index: int, track: _Track, present: list[int], group_norms: Tensor, step: int
+        self, trainer: "pl.Trainer", index: int, track: _Track, present: tuple[int, ...], group_norms: Tensor, step: int
     ) -> None:
         by_group: dict[int, list[Tensor]] = {}
         for i in present:

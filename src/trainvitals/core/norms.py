@@ -65,18 +65,21 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    out: list[Tensor | None] = [None] * len(tensors)
+    device = tensors[0].device
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
+    parts, order = [], []
     for dtype, idx in by_dtype.items():
         # Reduced-precision grads are reduced in fp32; wider ones in their own dtype.
         acc = dtype if dtype in (torch.float32, torch.float64) else torch.float32
         norms = torch._foreach_norm([tensors[i] for i in idx], norm_type, dtype=acc)
-        for i, n in zip(idx, norms):
-            out[i] = n
-    device = tensors[0].device
-    return torch.stack([n.to(device=device, dtype=torch.float64) for n in out])  # type: ignore[union-attr]
+        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
+        order.extend(idx)
+    if len(parts) == 1:
+        return parts[0]
+    merged = torch.cat(parts)
+    return merged[torch.argsort(torch.tensor(order, device=device))]
 
 
 def combine_norms(norms: Tensor, norm_type: float = 2.0) -> Tensor:
