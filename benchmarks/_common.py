@@ -8,6 +8,7 @@ report medians of per-repetition ratios to the bare run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import statistics
@@ -80,7 +81,7 @@ def random_regression_loader(batches: int, batch_size: int = 64, width: int = ML
 
 
 class StepTimer(Callback):
-    """Wall time of each training iteration: from one ``on_train_batch_start`` to the next.
+    """Wall and CPU time of each training iteration: from one ``on_train_batch_start`` to the next.
 
     The interval holds everything a step costs: fetching the batch, forward, backward, every
     callback's hooks, the optimizer step and the logger write that Lightning does after
@@ -88,8 +89,13 @@ class StepTimer(Callback):
     DataLoader iterator) and the first ``warmup`` iterations of a fit are not kept. Put it first in
     the callback list.
 
+    CPU time (``time.process_time``: all threads of this process, including a logger's writer
+    thread) leaves out the time the process waits while other processes hold the cores, so on a
+    shared machine it is the steadier measure; wall time is what a user waits.
+
     Attributes:
-        seconds: the kept intervals, in seconds, one per training batch.
+        seconds: the kept wall-clock intervals, in seconds, one per training batch.
+        cpu_seconds: the same intervals in process CPU seconds.
     """
 
     def __init__(self, warmup: int = 10) -> None:
@@ -97,17 +103,76 @@ class StepTimer(Callback):
             raise ValueError(f"`warmup` must be >= 0, got {warmup}")
         self.warmup = warmup
         self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []
         self._batches = 0
-        self._last: tuple[int, float] | None = None  # (epoch, perf_counter) of the previous batch start
+        self._last: tuple[int, float, float] | None = None  # (epoch, wall, cpu) of the previous batch start
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", *_: Any) -> None:
-        now = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         epoch = trainer.current_epoch
         if self._last is not None and self._last[0] == epoch and self._batches > self.warmup:
-            self.seconds.append(now - self._last[1])
-        self._last = (epoch, now)
+            self.seconds.append(wall - self._last[1])
+            self.cpu_seconds.append(cpu - self._last[2])
+        self._last = (epoch, wall, cpu)
         self._batches += 1
+
+
+def time_hook(callback: Callback, hook: str) -> list[float]:
+    """Wrap ``callback.<hook>`` so that each call's CPU time (this thread, seconds) is appended to the list returned.
+
+    Thread CPU time does not count the time other processes hold the core, so it isolates a
+    callback's own cost even on a busy machine; work the callback hands to other threads or to a
+    later hook (a logger's writer thread, Lightning's ``self.log`` bookkeeping) is not in it.
+    """
+    seconds: list[float] = []
+    inner = getattr(callback, hook)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            seconds.append(time.thread_time() - start)
+
+    setattr(callback, hook, timed)  # Lightning looks hooks up on the instance
+    return seconds
+
+
+def add_timing_arguments(parser: argparse.ArgumentParser, repetitions: int = 7, mlp_steps: int = 60,
+                         cnn_steps: int = 200) -> None:
+    """The options every overhead benchmark shares; apply them with :func:`apply_timing_arguments`.
+
+    ``--repetitions``, ``--warmup``, ``--mlp-steps``, ``--cnn-steps``, ``--models``, ``--threads``, ``--out``.
+    """
+    parser.add_argument("--repetitions", type=int, default=repetitions, help="fits per variant (>= 5 for a report)")
+    parser.add_argument("--warmup", type=int, default=10, help="iterations of each fit not timed")
+    parser.add_argument("--mlp-steps", type=int, default=mlp_steps, help="timed steps per MLP fit")
+    parser.add_argument("--cnn-steps", type=int, default=cnn_steps, help="timed steps per CNN fit")
+    parser.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch.set_num_threads; 0 keeps torch's default (multi-threaded steps are erratic on a shared CPU)")
+    parser.add_argument("--out", help="write the results as JSON here")
+
+
+def apply_timing_arguments(args: argparse.Namespace) -> None:
+    """Set torch's thread count, ``args.steps = {"mlp": ..., "cnn": ...}``, and silence Lightning."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.steps = {"mlp": args.mlp_steps, "cnn": args.cnn_steps}
+    quiet_lightning()
+
+
+def overhead_models(args: argparse.Namespace) -> dict[str, tuple[Callable[[], pl.LightningModule], Callable[[], Any]]]:
+    """``{"mlp": (make_model, make_data), "cnn": ...}``: :class:`WideMLP` on enough random batches for
+    ``--warmup`` + ``--mlp-steps`` in one epoch, and the demo's DigitsCNN on the digits (batch 64)."""
+    from trainvitals.demo.data import DigitsDataModule
+    from trainvitals.demo.model import DigitsCNN
+
+    return {
+        "mlp": (lambda: WideMLP(), lambda: random_regression_loader(args.warmup + args.mlp_steps + 2)),
+        "cnn": (lambda: DigitsCNN(lr=1e-3), lambda: DigitsDataModule(batch_size=64)),
+    }
 
 
 def interleaved(variants: dict[str, Callable[[], Any]], repetitions: int) -> dict[str, list[Any]]:
@@ -121,6 +186,32 @@ def interleaved(variants: dict[str, Callable[[], Any]], repetitions: int) -> dic
         for name, run in variants.items():
             results[name].append(run())
     return results
+
+
+def ratio_row(runs: dict[str, list[dict[str, float]]], variant: str, key: str = "{clock}_s",
+              clocks: Sequence[str] = ("wall", "cpu"), baseline: str = "bare") -> dict[str, Any]:
+    """One variant's repetitions summarised against the baseline's, repetition by repetition.
+
+    ``runs[name]`` holds one dict per repetition (from :func:`interleaved`) with a step time in
+    seconds under ``key.format(clock=c)`` for each clock and the number of timed steps under ``"n"``.
+    Returns ``variant``, ``steps_timed`` and, per clock, ``<clock>_ms_per_step`` (median over
+    repetitions), ``<clock>_ratio`` (median of the per-repetition ratios to the baseline) and
+    ``<clock>_ratio_range`` (their min and max); :func:`ratio_cells` formats a clock's three.
+    """
+    row: dict[str, Any] = {"variant": variant, "steps_timed": runs[variant][0]["n"]}
+    for clock in clocks:
+        k = key.format(clock=clock)
+        ratios = [r[k] / b[k] for r, b in zip(runs[variant], runs[baseline])]
+        row[f"{clock}_ms_per_step"] = 1e3 * median([r[k] for r in runs[variant]])
+        row[f"{clock}_ratio"] = median(ratios)
+        row[f"{clock}_ratio_range"] = (min(ratios), max(ratios))
+    return row
+
+
+def ratio_cells(row: dict[str, Any], clock: str) -> list[str]:
+    """``[ms/step, ratio, "low–high"]`` of one clock of a :func:`ratio_row`, for a markdown table."""
+    low, high = row[f"{clock}_ratio_range"]
+    return [f"{row[f'{clock}_ms_per_step']:.2f}", f"{row[f'{clock}_ratio']:.3f}", f"{low:.3f}–{high:.3f}"]
 
 
 def quiet_lightning() -> None:

@@ -91,3 +91,14 @@ def test_micro_batch_hooks_see_each_micro_batch_gradient():
     model(xs[0]).sum().backward()
     micro.end_micro_batch()
     assert micro.pop() == (None, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_micro_batch_hooks_take_any_float_dtype(dtype):
+    w = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+    micro = MicroBatchSquaredNorms()
+    micro.attach([w])
+    (w * torch.tensor([1.0, 2.0, 2.0], dtype=dtype)).sum().backward()
+    micro.end_micro_batch()
+    total, count = micro.pop()
+    assert count == 1 and total.dtype == torch.float64 and total.item() == pytest.approx(9.0)

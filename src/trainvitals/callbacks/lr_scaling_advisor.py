@@ -31,6 +31,7 @@ from trainvitals.core.lr_scaling import (
     LRAdvice,
     advice_table,
     advise,
+    check_positive,
     classify_loss_reduction,
     effective_batch_size,
     examples_over_min,
@@ -38,6 +39,7 @@ from trainvitals.core.lr_scaling import (
     lr_ratio,
     optimizer_family,
     param_group_labels,
+    check_positive_int,
     rule_for,
     steps_over_min,
     validate_batch_sizes,
@@ -115,15 +117,11 @@ class LRScalingAdvisor(Callback):
         detect_loss_reduction: bool = True,
         verbose: bool = True,
     ) -> None:
-        if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1):
-            raise ValueError(f"`every_n_steps` must be an integer >= 1 or None, got {every_n_steps!r}")
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"`batch_size` must be an integer >= 1 or None, got {batch_size!r}")
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = None if every_n_steps is None else check_positive_int("every_n_steps", every_n_steps)
         self.target_batch_sizes = validate_batch_sizes("target_batch_sizes", target_batch_sizes)
         self.reference = None if reference is None else _validate_reference(reference)
         self.noise_scale = validate_noise_scale(noise_scale)
-        self.batch_size = batch_size
+        self.batch_size = None if batch_size is None else check_positive_int("batch_size", batch_size)
         self.detect_loss_reduction = detect_loss_reduction
         self.verbose = verbose
 
@@ -151,7 +149,9 @@ class LRScalingAdvisor(Callback):
         self._last_step = -1
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         if self._started:
             return
         self._started = True
@@ -162,10 +162,10 @@ class LRScalingAdvisor(Callback):
             self._probe_loss_reduction(trainer, pl_module, batch, batch_idx)
         self._report = self._advise(trainer)
         log_text(trainer, "lr_scaling/advice", self._report, trainer.global_step)
-        if self._reference_problems:
+        if self.reference is not None and self._reference_problems:
             rank_zero_warn(
                 f"trainvitals: the effective batch is {self.effective_batch} but the lr was tuned at batch "
-                f"{self.reference[0]}; " + "; ".join(self._reference_problems) + "."  # type: ignore[index]
+                f"{self.reference[0]}; " + "; ".join(self._reference_problems) + "."
             )
 
     @override
@@ -198,11 +198,14 @@ class LRScalingAdvisor(Callback):
         try:
             return extract_batch_size(batch)
         except Exception:  # Lightning raises MisconfigurationException or RecursionError here
-            rank_zero_warn("trainvitals: LRScalingAdvisor cannot infer the per-device batch size; pass `batch_size=`. No advice this run.")
+            rank_zero_warn("trainvitals: LRScalingAdvisor cannot infer the per-device batch size; "
+                           "pass `batch_size=`. No advice this run.")
             return None
 
-    def _probe_loss_reduction(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        """Loss on the batch and on the batch twice over, leaving gradients, RNG, buffers and modes as they were.
+    def _probe_loss_reduction(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
+        """Loss on the batch and on the batch twice over; gradients, RNG, buffers and modes stay as they were.
 
         Eval mode makes every example's loss its own (dropout off, BatchNorm on running statistics),
         so the duplicated batch gives exactly the same mean or exactly twice the sum. The calls go
@@ -218,7 +221,8 @@ class LRScalingAdvisor(Callback):
                 doubled = _loss_of(trainer.strategy.training_step(_doubled(batch), batch_idx))
             loss, loss_doubled = torch.stack([single.double(), doubled.double()]).cpu().tolist()
         except Exception as err:  # user code run speculatively must not break the run
-            rank_zero_warn(f"trainvitals: LRScalingAdvisor could not probe the loss reduction ({type(err).__name__}: {err}); skipping it.")
+            rank_zero_warn(f"trainvitals: LRScalingAdvisor could not probe the loss reduction "
+                           f"({type(err).__name__}: {err}); skipping it.")
             return
         finally:
             for module, training in modes:
@@ -278,13 +282,14 @@ class LRScalingAdvisor(Callback):
         metrics: dict[str, float] = {"lr_scaling/effective_batch": float(batch)}
         lines = [f"**effective batch** {batch} = {how}"]
         if noise_scale is None:
-            lines.append("**noise scale** not measured (yet): classic rules, linear for SGD-like and square root for Adam-like")
+            lines.append("**noise scale** not measured (yet): classic rules, linear for SGD-like and square root "
+                         "for Adam-like")
         else:
             steps, examples = steps_over_min(batch, noise_scale), examples_over_min(batch, noise_scale)
             metrics.update({"lr_scaling/b_noise": noise_scale, "lr_scaling/steps_over_min": steps,
                             "lr_scaling/examples_over_min": examples})
-            lines.append(f"**noise scale** B̂ = {noise_scale:.4g} examples ({source}): balanced batch ≈ {noise_scale:.4g}; "
-                         f"now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}")
+            lines.append(f"**noise scale** B̂ = {noise_scale:.4g} examples ({source}): balanced batch ≈ "
+                         f"{noise_scale:.4g}; now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}")
 
         self.advices = {}
         for name, family, group in groups:
@@ -297,7 +302,8 @@ class LRScalingAdvisor(Callback):
                          betas=_betas(group) if adam else None, eps=_eps(group) if adam else None)
             self.advices[name] = adv
             metrics[f"lr_scaling/lr/{name}"] = lr
-            metrics.update({f"lr_scaling/suggested_lr_{s.key}/{name}": s.lr for s in adv.suggestions if s.lr is not None})
+            metrics.update({f"lr_scaling/suggested_lr_{s.key}/{name}": s.lr
+                            for s in adv.suggestions if s.lr is not None})
         idle = [name for name, adv in self.advices.items() if adv is None]
         if idle:
             lines.append(f"lr is 0 now for {', '.join(idle)}: nothing to scale")
@@ -312,12 +318,16 @@ class LRScalingAdvisor(Callback):
             return []
         notes: dict[str, list[str]] = {}
         for name, family, group in groups:
-            note = loss_reduction_note(self.loss_reduction, family, self.per_device_batch, float(group["lr"]), _eps(group))
+            note = loss_reduction_note(self.loss_reduction, family, self.per_device_batch, float(group["lr"]),
+                                       _eps(group))
             notes.setdefault(note, []).append(name)
-        head = f"**loss reduction** {self.loss_reduction} (the first batch twice over gives {self.loss_ratio:.3g}× its loss)"
+        head = (f"**loss reduction** {self.loss_reduction} (the first batch twice over gives "
+                f"{self.loss_ratio:.3g}× its loss)")
         return [head] + [f"{', '.join(names)}: {note}" for note, names in notes.items()]
 
-    def _reference_lines(self, groups: list[tuple[str, str, dict[str, Any]]], batch: int, noise_scale: float | None) -> list[str]:
+    def _reference_lines(
+        self, groups: list[tuple[str, str, dict[str, Any]]], batch: int, noise_scale: float | None
+    ) -> list[str]:
         """Each group's lr against the one suggested from ``reference``; the mismatches go to
         ``_reference_problems`` for the fit-start warning."""
         self._reference_problems = []
@@ -340,17 +350,19 @@ class LRScalingAdvisor(Callback):
 
 
 def _validate_reference(reference: Any) -> tuple[int, float | dict[str, float]]:
-    message = f"`reference` must be (effective_batch >= 1, lr > 0 or a mapping of group name to lr > 0), got {reference!r}"
+    """``(batch, lr)`` checked: batch an integer ≥ 1, lr (or each value of a mapping) finite and > 0."""
+    message = (f"`reference` must be (effective_batch >= 1, lr > 0 or a mapping of group name to lr > 0), "
+               f"got {reference!r}")
     if not isinstance(reference, Sequence) or len(reference) != 2:
         raise ValueError(message)
     batch, lr = reference
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(message)
-    lrs = dict(lr) if isinstance(lr, Mapping) else {"": lr}
-    for value in lrs.values():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-            raise ValueError(message)
-    return batch, ({k: float(v) for k, v in lrs.items()} if isinstance(lr, Mapping) else float(lr))
+    try:
+        check_positive_int("reference", batch)
+        if isinstance(lr, Mapping):
+            return batch, {str(name): check_positive("reference", value) for name, value in lr.items()}
+        return batch, check_positive("reference", lr)
+    except ValueError:
+        raise ValueError(message) from None
 
 
 def _betas(group: Mapping[str, Any]) -> tuple[float, float] | None:

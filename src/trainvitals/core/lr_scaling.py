@@ -4,8 +4,8 @@ Pure Python (no torch, no Lightning), so the advice can be had from numbers alon
 (science.md §4): B the effective batch in examples, η the lr, B̂ the measured gradient noise scale
 (B_simple, McCandlish et al. 2018, Eq. 2.9), r = B_new/B_old.
 
-- Noise-aware rule (McCandlish et al. 2018, Eq. 2.6; the AdaScale gain): the lr that is best at B
-  grows as 1/(1 + B̂/B), so η_new/η_old = (1 + B̂/B_old)/(1 + B̂/B_new) for SGD-like optimizers
+- Noise-aware rule (McCandlish et al. 2018, Eq. 2.6; the AdaScale gain): the best lr at batch B is
+  η_max/(1 + B̂/B), so η_new/η_old = (1 + B̂/B_old)/(1 + B̂/B_new) for SGD-like optimizers
   (with momentum μ it acts on η/(1 − μ), μ kept), and the square root of that for Adam-like ones
   (Malladi et al. 2022). Below B̂ it is ≈ r (Goyal et al. 2017) or ≈ √r; above B̂ it flattens.
 - Classic rules, when no B̂ is measured: linear (SGD-like) and square root (Adam-like). They are the
@@ -28,7 +28,7 @@ FAMILY_LABELS = {"sgd": "SGD-like", "adam": "Adam-like", "unsure": "unsure"}
 RULES = ("noise-aware", "linear", "square-root", "none")
 REDUCTIONS = ("mean", "sum", "unsure")
 DEFAULT_MULTIPLES = (0.5, 2.0, 4.0, 8.0)
-WARMUP_LR_RATIO = 2.0  # Goyal et al. 2017 warm up when the lr rises this much or more
+WARMUP_LR_RATIO = 2.0  # an lr rising more than this wants a warmup (Goyal et al. 2017)
 LARGE_ADAM_RATIO = 4.0  # from this batch ratio κ (or 1/κ) on, Adam's β and ε matter as well
 
 # Names along the class hierarchy; a subclass of Adam is Adam-like. Anything else is "unsure".
@@ -39,13 +39,15 @@ _ADAM_LIKE = frozenset({
 })
 
 # A duplicated batch leaves a mean loss unchanged and doubles a sum: log2 of the ratio is the
-# exponent k of loss ∝ B^k. Dropout and per-batch statistics blur it, hence the band.
+# exponent k of loss ∝ B^k. Randomness drawn in the training step itself blurs it, hence the band.
 _REDUCTION_EXPONENT_TOLERANCE = 0.4
 
 
-def _positive(name: str, value: float) -> float:
-    """``value`` as a float, or ValueError naming ``name`` unless it is finite and > 0."""
+def check_positive(name: str, value: float) -> float:
+    """``value`` as a float; ValueError naming ``name`` unless it is finite and > 0."""
     try:
+        if isinstance(value, bool):
+            raise TypeError
         x = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}") from None
@@ -54,7 +56,8 @@ def _positive(name: str, value: float) -> float:
     return x
 
 
-def _positive_int(name: str, value: int) -> int:
+def check_positive_int(name: str, value: int) -> int:
+    """``value``; ValueError naming ``name`` unless it is an integer >= 1 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}")
     return value
@@ -69,7 +72,7 @@ def validate_family(family: str) -> str:
 
 def validate_noise_scale(noise_scale: float | None) -> float | None:
     """``None`` or B̂ > 0 as a float (examples); ValueError naming ``noise_scale`` otherwise."""
-    return None if noise_scale is None else _positive("noise_scale", noise_scale)
+    return None if noise_scale is None else check_positive("noise_scale", noise_scale)
 
 
 def validate_batch_sizes(name: str, batch_sizes: Sequence[float]) -> tuple[float, ...]:
@@ -77,7 +80,7 @@ def validate_batch_sizes(name: str, batch_sizes: Sequence[float]) -> tuple[float
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
         raise ValueError(f"`{name}` must be a sequence of numbers > 0, got {batch_sizes!r}")
     for b in batch_sizes:
-        _positive(name, b)
+        check_positive(name, b)
     return tuple(float(b) for b in batch_sizes)
 
 
@@ -122,10 +125,10 @@ def effective_batch_size(
     Raises:
         ValueError: naming the first argument that is not an integer ≥ 1.
     """
-    _positive_int("per_device_batch", per_device_batch)
-    _positive_int("devices", devices)
-    _positive_int("nodes", nodes)
-    _positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    check_positive_int("per_device_batch", per_device_batch)
+    check_positive_int("devices", devices)
+    check_positive_int("nodes", nodes)
+    check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
     replicas = nodes if splits_batch else devices * nodes
     return per_device_batch * replicas * accumulate_grad_batches
 
@@ -149,7 +152,7 @@ def lr_ratio(batch_old: float, batch_new: float, family: str, noise_scale: float
     Raises:
         ValueError: for a batch or ``noise_scale`` that is not finite and > 0, or an unknown ``family``.
     """
-    b_old, b_new = _positive("batch_old", batch_old), _positive("batch_new", batch_new)
+    b_old, b_new = check_positive("batch_old", batch_old), check_positive("batch_new", batch_new)
     rule = rule_for(family, validate_noise_scale(noise_scale))
     if rule == "none":
         return None
@@ -159,12 +162,12 @@ def lr_ratio(batch_old: float, batch_new: float, family: str, noise_scale: float
 
 def steps_over_min(batch: float, noise_scale: float) -> float:
     """S/S_min = 1 + B̂/B: optimizer steps relative to the fewest possible (McCandlish et al. 2018, §2.3)."""
-    return 1.0 + _positive("noise_scale", noise_scale) / _positive("batch", batch)
+    return 1.0 + check_positive("noise_scale", noise_scale) / check_positive("batch", batch)
 
 
 def examples_over_min(batch: float, noise_scale: float) -> float:
     """E/E_min = 1 + B/B̂: examples processed relative to the fewest possible (McCandlish et al. 2018, §2.3)."""
-    return 1.0 + _positive("batch", batch) / _positive("noise_scale", noise_scale)
+    return 1.0 + check_positive("batch", batch) / check_positive("noise_scale", noise_scale)
 
 
 def adam_square_root_adjustments(
@@ -294,8 +297,8 @@ def advise(
             ``target_batch_sizes``, ``multiples``, ``betas`` or ``eps`` when out of range
             (non-positive or non-finite numbers, a zero target, an unknown family, β outside [0, 1)).
     """
-    batch = _positive("batch_size", batch_size)
-    lr = _positive("lr", lr)
+    batch = check_positive("batch_size", batch_size)
+    lr = check_positive("lr", lr)
     rule = rule_for(family, validate_noise_scale(noise_scale))
     targets = validate_batch_sizes("target_batch_sizes", target_batch_sizes)
     scales = validate_batch_sizes("multiples", multiples)
@@ -417,12 +420,14 @@ def advice_table(advices: Mapping[str, LRAdvice]) -> str:
         cells = [_fmt(lr_at.get(label)) for label in labels]
         lines.append(f"| {name} | {FAMILY_LABELS[adv.family]} | {adv.lr:.3g} | {adv.rule} | " + " | ".join(cells) + " |")
     if first.noise_scale is not None:
+        steps = [first.steps_over_min] + [s.steps_over_min for s in first.suggestions]
+        examples = [first.examples_over_min] + [s.examples_over_min for s in first.suggestions]
         lines += [
             "",
             "| batch | " + " | ".join([f"{first.batch_size:.4g} (now)"] + labels) + " |",
             "|---|---|" + "---|" * len(labels),
-            "| steps S/S_min | " + " | ".join(_fmt(x) for x in [first.steps_over_min] + [s.steps_over_min for s in first.suggestions]) + " |",
-            "| examples E/E_min | " + " | ".join(_fmt(x) for x in [first.examples_over_min] + [s.examples_over_min for s in first.suggestions]) + " |",
+            "| steps S/S_min | " + " | ".join(map(_fmt, steps)) + " |",
+            "| examples E/E_min | " + " | ".join(map(_fmt, examples)) + " |",
         ]
     by_note: dict[tuple[str, str], list[str]] = {}  # one line per (target, note), naming the groups it is for
     for name, adv in advices.items():

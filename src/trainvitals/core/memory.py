@@ -27,7 +27,7 @@ import dataclasses
 import math
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,7 +108,9 @@ class ModelStateBytes:
         return self.parameters + self.gradients + self.optimizer_state
 
 
-def model_state_bytes(parameters: Iterable[Tensor], optimizers: Sequence[torch.optim.Optimizer] = ()) -> ModelStateBytes:
+def model_state_bytes(
+    parameters: Iterable[Tensor], optimizers: Sequence[torch.optim.Optimizer] = ()
+) -> ModelStateBytes:
     """Parameter, gradient and optimizer-state bytes (see :class:`ModelStateBytes`)."""
     params = list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
@@ -159,8 +161,6 @@ class SavedTensorReport:
 
 
 def _unpack(packed: Tensor) -> Tensor:
-    # Module-level on purpose: the graph stores the unpack hook, and a bound method would tie the
-    # recorder's lifetime to every graph it saw.
     return packed
 
 
@@ -169,23 +169,32 @@ class SavedTensorRecorder:
 
     Enter it before the forward and leave it before the backward. Nothing it keeps references a
     tensor: the graph owns what is saved (a detached alias of each saved tensor), the recorder only
-    weak references, storage keys and sizes.
+    weak references, storage keys and sizes. (The graph does keep the hooks, and so the recorder.)
+    Inside a nested ``saved_tensors_hooks`` context (non-reentrant activation checkpointing,
+    ``save_on_cpu``) the inner hooks take the saves: what they keep elsewhere is not counted, which
+    for checkpointing is the point; the checkpoint's saved inputs are.
 
     Args:
-        module: the model whose modules are hooked; names are ``module.named_modules()`` names.
+        module: the model whose modules are followed; names are ``module.named_modules()`` names.
+            Other modules that run meanwhile are not: what they save goes to the model's module
+            around them. Tensor arguments passed as keywords are not seen as module inputs.
         exclude: tensors whose storages are not activations even when saved: the batch. Parameters
             and buffers of ``module`` are always excluded.
-        time_modules: also measure each module's forward time (``perf_counter`` on the host; CUDA
-            events for a module whose first argument is on CUDA, read in :meth:`report`, which then
-            syncs with the device).
+        time_modules: measure the forward time of every module (``True``), of the named ones only (a
+            collection of names: CUDA events cost a few microseconds each), or of none. Host time by
+            ``perf_counter``; CUDA events for a module whose first argument is on CUDA, read in
+            :meth:`report`, which then syncs with the device.
 
     Raises:
         RuntimeError: on entering a recorder that is already active.
     """
 
-    def __init__(self, module: nn.Module, exclude: Iterable[Tensor] = (), time_modules: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, exclude: Iterable[Tensor] = (), time_modules: bool | Collection[str] = False
+    ) -> None:
         self.module = module
-        self.time_modules = time_modules
+        self._time_all = time_modules is True
+        self._time_names = set() if isinstance(time_modules, bool) else set(time_modules)
         self._exclude = storage_keys(tensors_in(list(exclude)))
         self._exclude |= storage_keys(module.parameters())
         self._exclude |= storage_keys(module.buffers())
@@ -205,9 +214,9 @@ class SavedTensorRecorder:
     def __enter__(self) -> SavedTensorRecorder:
         if self._hooks is not None:
             raise RuntimeError("this SavedTensorRecorder is already active")
-        for m in self.module.modules():
-            self._handles.append(m.register_forward_pre_hook(self._enter_module, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._leave_module, always_call=True))
+        # Two process-wide hooks, filtered to the model's modules, cost the same for any model size.
+        self._handles = [nn.modules.module.register_module_forward_pre_hook(self._enter_module),
+                         nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True)]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         return self
@@ -228,20 +237,22 @@ class SavedTensorRecorder:
     def active(self) -> bool:
         return self._hooks is not None
 
-    def _enter_module(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        name = self._names.get(id(module), type(module).__name__)
+    def _enter_module(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            return
         self._stack.append(name)
         inputs = self._inputs.setdefault(name, set())
         first: Tensor | None = None
-        for t in tensors_in((args, kwargs)):
+        for t in tensors_in(args):
             first = first if first is not None else t
             key = storage_key(t)
             if key is not None and key not in self._exclude:
                 inputs.add(key)
                 self._input_nbytes.setdefault(key, storage_nbytes(t))
-        if not self.time_modules:
-            return
-        if first is not None and first.is_cuda:
+        if not (self._time_all or name in self._time_names):
+            self._starts.append(None)
+        elif first is not None and first.is_cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             self._starts.append(start)
@@ -249,20 +260,20 @@ class SavedTensorRecorder:
             self._starts.append(time.perf_counter())
 
     def _leave_module(self, module: nn.Module, *_: Any) -> None:
-        name = self._stack.pop()
-        if not self.time_modules:
+        if id(module) not in self._names:
             return
+        name = self._stack.pop()
         start = self._starts.pop()
         if isinstance(start, float):
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
-        else:
+        elif start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._events.append((name, start, end))
 
     def _pack(self, tensor: Tensor) -> Tensor:
-        # A detached alias: returning the tensor itself would make a saved output reference its own
-        # grad_fn, a cycle the autograd graph cannot free.
+        # A detached alias, as the saved_tensors_hooks docs ask: what the graph keeps must not lead
+        # back to a grad_fn, or graph and tensor could keep each other alive.
         packed = tensor.detach()
         key = storage_key(tensor)
         if key is None:
@@ -310,29 +321,75 @@ class SavedTensorRecorder:
                 if any(r() is not None for r in refs)}
 
 
-def subtree_of(name: str, candidate: str) -> bool:
-    """Whether module ``candidate`` is ``name`` or inside it (qualified names; :data:`ROOT` holds all modules)."""
-    if name == ROOT:
-        return candidate != OUTSIDE
-    return candidate == name or candidate.startswith(name + ".")
+def _enclosing(name: str) -> list[str]:
+    """``name`` and the modules around it, innermost first, ending with :data:`ROOT`."""
+    if name in (ROOT, OUTSIDE):
+        return [name]
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(len(parts), 0, -1)] + [ROOT]
 
 
-def checkpoint_savings(report: SavedTensorReport, name: str) -> int:
-    """Bytes that activation checkpointing of module ``name`` would free, from one recorded forward.
+def _innermost_common(savers: tuple[str, ...]) -> str:
+    """The innermost module whose forward contains every saver (:data:`OUTSIDE` if one ran outside all)."""
+    if OUTSIDE in savers:
+        return OUTSIDE
+    common = set(_enclosing(savers[0]))
+    for saver in savers[1:]:
+        common.intersection_update(_enclosing(saver))
+    # The enclosing modules form a chain; the innermost is the deepest (ROOT, always common, the outermost).
+    return max(common, key=lambda n: -1 if n == ROOT else n.count("."))
 
-    Checkpointing keeps the module's tensor arguments and recomputes everything saved inside it.
-    What stays saved is every storage also saved outside the module, plus the module's inputs; so
-    ``savings = total − bytes(saved outside ∪ inputs)``. A storage saved both inside and outside
-    (the module's output saved again by the next layer) is not freed. Excluded storages (the batch,
-    parameters) never count.
 
-    Raises:
-        KeyError: if ``name`` ran no forward during the recording.
+def checkpoint_savings(report: SavedTensorReport) -> dict[str, int]:
+    """Bytes that activation checkpointing of each module would free, from one recorded forward.
+
+    Checkpointing a module keeps its tensor arguments and recomputes everything saved inside it. A
+    storage is freed when every op that saved it ran inside the module; one also saved outside (the
+    module's output saved again by the next layer) stays. So, per module ``M``:
+
+        savings(M) = bytes(saved only inside M) − bytes(M's inputs that were saved only inside M)
+                     − bytes(M's inputs that were not saved at all)
+
+    It is negative when the module is cheap to keep and its input is not otherwise saved
+    (checkpointing an element-wise op alone). Excluded storages (batch, parameters) never count.
+
+    Returns:
+        Every module that ran a forward (qualified name, or :data:`ROOT`) → bytes freed.
     """
-    kept = {key for key, s in report.storages.items() if not all(subtree_of(name, saver) for saver in s.savers)}
-    kept |= report.module_inputs[name]
-    nbytes = {**report.input_nbytes, **{key: s.nbytes for key, s in report.storages.items()}}
-    return report.total_bytes - sum(nbytes[key] for key in kept)
+    owner = {key: _innermost_common(s.savers) for key, s in report.storages.items()}
+    inside: dict[str, int] = {}
+    for key, s in report.storages.items():
+        if owner[key] != OUTSIDE:
+            for name in _enclosing(owner[key]):
+                inside[name] = inside.get(name, 0) + s.nbytes
+    savings = {}
+    for name, inputs in report.module_inputs.items():
+        freed = inside.get(name, 0)
+        for key in inputs:
+            if key not in report.storages:
+                freed -= report.input_nbytes[key]
+            elif name in _enclosing(owner[key]):
+                freed -= report.storages[key].nbytes
+        savings[name] = freed
+    return savings
+
+
+def whole_forward_modules(report: SavedTensorReport) -> set[str]:
+    """Modules that run the model's whole forward: the root's only module that ran, that one's only, ...
+
+    Checkpointing one of them is checkpointing the model: it frees nearly everything for a second
+    full forward, so :func:`rank_remedies` leaves them out, like the root.
+    """
+    ran = set(report.module_inputs) - {ROOT}
+    children: dict[str, list[str]] = {}
+    for name in ran:
+        parent = next((n for n in _enclosing(name)[1:] if n in ran), ROOT)
+        children.setdefault(parent, []).append(name)
+    chain, current = set(), ROOT
+    while len(children.get(current, ())) == 1:
+        current = children[current][0]
+        chain.add(current)
+    return chain
 
 
 def transformer_layer_activation_bytes(
@@ -558,16 +615,17 @@ class StepMemory:
         return self.activations.total_bytes + self.inputs_bytes + max(0, self.temporaries_bytes)
 
     def largest_batch(self, fixed_freed: int = 0, scaling_freed: int = 0) -> int | None:
-        """The largest batch under the budget once ``fixed_freed`` / ``scaling_freed`` bytes are freed."""
+        """The largest batch under the budget once ``fixed_freed`` / ``scaling_freed`` bytes are freed;
+        ``None`` without a budget or a batch size."""
         scaling = self.scaling_bytes - scaling_freed
-        if self.budget_bytes is None or scaling <= 0:
+        if self.budget_bytes is None or scaling <= 0 or self.batch_size < 1:
             return None
         return largest_batch(self.budget_bytes, self.state.total - fixed_freed, scaling, self.batch_size)
 
 
 def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
     """The remedies, most bytes freed first: checkpointing of the ``top_k`` modules that free the most
-    (:func:`checkpoint_savings`; the root module is left out: it is the whole forward), mixed precision
+    (:func:`checkpoint_savings`; the root and :func:`whole_forward_modules` left out), mixed precision
     (:func:`mixed_precision_savings`) and the optimizer state (all of it, as with a stateless or
     sharded optimizer). Remedies that free nothing are left out.
 
@@ -577,8 +635,9 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
     if top_k < 0:
         raise ValueError(f"`top_k` must be >= 0, got {top_k}")
     report = memory.activations
-    candidates = {name: checkpoint_savings(report, name) for name in report.module_inputs if name != ROOT}
-    best = sorted((kv for kv in candidates.items() if kv[1] > 0), key=lambda kv: -kv[1])[:top_k]
+    skip = whole_forward_modules(report) | {ROOT}
+    savings = checkpoint_savings(report)
+    best = sorted((kv for kv in savings.items() if kv[1] > 0 and kv[0] not in skip), key=lambda kv: -kv[1])[:top_k]
     remedies = []
     for name, freed in best:
         seconds = report.forward_seconds.get(name)
@@ -599,11 +658,18 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
     return sorted(remedies, key=lambda r: -r.bytes_freed)
 
 
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def byte_unit(n: float) -> tuple[int, str]:
+    """The binary unit to show ``n`` bytes in: ``(bytes per unit, name)``, e.g. ``(1048576, "MiB")``."""
+    exponent = 0
+    while abs(n) >= 1024 ** (exponent + 1) and exponent < len(_UNITS) - 1:
+        exponent += 1
+    return 1024**exponent, _UNITS[exponent]
+
+
 def format_bytes(n: float) -> str:
     """``n`` bytes in binary units: ``"1.50 MiB"``; exact below 1 KiB."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    exponent = 0
-    while abs(n) >= 1024 and exponent < len(units) - 1:
-        n /= 1024
-        exponent += 1
-    return f"{n:.0f} B" if exponent == 0 else f"{n:.2f} {units[exponent]}"
+    scale, unit = byte_unit(n)
+    return f"{n:.0f} B" if scale == 1 else f"{n / scale:.2f} {unit}"

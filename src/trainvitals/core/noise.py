@@ -191,7 +191,9 @@ class MicroBatchSquaredNorms:
         self._handles = []
 
     def _hook(self, grad: Tensor) -> None:
-        sq = torch.linalg.vector_norm(grad, 2, dtype=torch.float32).to(torch.float64).square()
+        # Half-precision grads are reduced in fp32; fp32/fp64 ones in their own dtype.
+        wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None
+        sq = torch.linalg.vector_norm(grad, 2, dtype=wide).to(torch.float64).square()
         self._current = sq if self._current is None else self._current + sq.to(self._current.device)
 
     def end_micro_batch(self) -> None:
@@ -206,3 +208,53 @@ class MicroBatchSquaredNorms:
         total, count = self._total, self._count
         self._current, self._total, self._count = None, None, 0
         return total, count
+
+
+class NoiseScaleError:
+    """Relative standard error of B_simple = EMA(S)/EMA(‖G‖²) from the spread of the per-step estimates.
+
+    Keeps bias-corrected EMAs of S², ‖G‖²² and S·‖G‖² (the first moments come from the
+    :class:`NoiseScaleEMA` fed the same pairs). With t valid updates the EMA weights w_k give an
+    effective sample count n_eff = 1/Σ w_k² = (1 − βᵗ)²(1 + β) / ((1 − β)(1 − β²ᵗ)); the variance of
+    each EMA mean is (E[x²] − E[x]²)/(n_eff − 1) (the weighted sample variance over n_eff), and the
+    delta method gives the ratio's relative variance Var(S̄)/S̄² + Var(Ḡ)/Ḡ² − 2 Cov(S̄, Ḡ)/(S̄ Ḡ).
+    Consecutive steps are treated as independent, so this is a lower bound when they are correlated.
+
+    Args:
+        beta: the same EMA decay as the :class:`NoiseScaleEMA`, in [0, 1).
+    """
+
+    def __init__(self, beta: float = 0.95) -> None:
+        self.beta = beta
+        self._trace_sq = BiasCorrectedEMA(beta)
+        self._grad_sq = BiasCorrectedEMA(beta)
+        self._cross = BiasCorrectedEMA(beta)
+
+    def update(self, grad_sq_norm: Tensor, trace_cov: Tensor, valid: Tensor | bool = True) -> None:
+        g, s = grad_sq_norm.detach().double(), trace_cov.detach().double()
+        ok = _as_mask(valid, g) & torch.isfinite(s)
+        self._trace_sq.update(s * s, ok)
+        self._grad_sq.update(g * g, ok)
+        self._cross.update(s * g, ok)
+
+    def relative_error(self, noise: NoiseScaleEMA) -> Tensor:
+        """``()`` relative standard error of ``noise.b_simple``; ``inf`` with fewer than two updates or ‖G‖² ≤ 0."""
+        s, g = noise.trace_cov, noise.grad_sq_norm
+        t = self._trace_sq.count.to(s.dtype)
+        beta = torch.full_like(s, self.beta)
+        n_eff = (1 - beta**t).square() * (1 + beta) / ((1 - beta) * (1 - beta ** (2 * t))).clamp_min(1e-300)
+        denom = (n_eff - 1).clamp_min(1e-300)
+        rel_var = ((self._trace_sq.value - s * s) / (s * s).clamp_min(1e-300)
+                   + (self._grad_sq.value - g * g) / (g * g).clamp_min(1e-300)
+                   - 2 * (self._cross.value - s * g) / (s * g).clamp_min(1e-300)) / denom
+        ok = (t >= 2) & (g > 0) & (s > 0)
+        return torch.where(ok, rel_var.clamp_min(0.0).sqrt(), torch.full_like(s, float("inf")))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"trace_sq": self._trace_sq.state_dict(), "grad_sq": self._grad_sq.state_dict(),
+                "cross": self._cross.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._trace_sq.load_state_dict(state.get("trace_sq", {}))
+        self._grad_sq.load_state_dict(state.get("grad_sq", {}))
+        self._cross.load_state_dict(state.get("cross", {}))

@@ -34,6 +34,7 @@ Everything here stays on the device; nothing syncs with the host. No Lightning i
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -157,20 +158,25 @@ def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor)
     Returns:
         ``(B,)`` in float32 (float64 for float64 inputs), in the units of ``grad_output`` squared.
     """
-    trainable = _trainable(module)
     if isinstance(module, nn.Embedding):
         rows, example, _ = _embedding_rows(module, inputs, grad_output)
         return rows.new_zeros(inputs.shape[0]).index_add_(0, example, rows.square().sum(1))
     if isinstance(module, nn.LayerNorm):
         grads = _layer_norm_grads(module, inputs, grad_output)
-        return sum(grads[n].flatten(1).square().sum(1) for n in trainable)  # type: ignore[return-value]
+        return sum(grads[n].flatten(1).square().sum(1) for n in _trainable(module))  # type: ignore[return-value]
+    weight = module.weight.requires_grad
+    bias = module.bias is not None and module.bias.requires_grad
+    if isinstance(module, nn.Linear) and inputs.dim() == 2:  # the common case, in as few kernels as possible
+        dtype = _accumulation_dtype(grad_output)
+        g = grad_output.to(dtype)
+        g_sq = torch.linalg.vecdot(g, g)
+        if not weight:
+            return g_sq
+        a = inputs.to(dtype)
+        return g_sq * (torch.linalg.vecdot(a, a) + 1.0) if bias else g_sq * torch.linalg.vecdot(a, a)
     a, g = _outer_operands(module, inputs, grad_output)
-    sq = a.new_zeros(a.shape[0])
-    if "weight" in trainable:
-        sq = sq + _outer_sq_norms(a, g)
-    if "bias" in trainable:
-        sq = sq + g.sum(1).square().sum(1)
-    return sq
+    sq = _outer_sq_norms(a, g) if weight else a.new_zeros(a.shape[0])
+    return sq + g.sum(1).square().sum(1) if bias else sq
 
 
 def per_example_sum_sq(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> dict[str, Tensor]:
@@ -242,7 +248,8 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
     ``batch_size``: ``mean()``, ``sum()``, and the loss functions' ``reduction=`` argument. A ``sum()``
     divided on the way by a multiple of ``batch_size`` counts as a mean (cross-entropy with probability
     targets). One division by ``accumulation`` is skipped (Lightning divides the loss by
-    ``accumulate_grad_batches``). Reductions over parameters only (an L2 penalty) are ignored.
+    ``accumulate_grad_batches``); a division by a tensor counts as one by a count of elements
+    (label smoothing). Reductions over parameters only (an L2 penalty) are ignored.
 
     Returns:
         ``"mean"``, ``"sum"``, or ``None`` when the graph shows neither, or both.
@@ -261,7 +268,8 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
         name = type(node).__name__
         if name in _MEAN_OPS or name in _SUM_OPS:
             if node._saved_self_sym_sizes and node._saved_self_sym_sizes[0] % batch_size == 0:
-                is_mean = name in _MEAN_OPS or (divisor >= batch_size and divisor % batch_size == 0)
+                is_mean = name in _MEAN_OPS or math.isinf(divisor) or (
+                    divisor >= batch_size and divisor % batch_size == 0)
                 found.add("mean" if is_mean else "sum")
             continue
         code = getattr(node, "_saved_reduction", None)
@@ -274,12 +282,14 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
             continue
         if name not in _SCALAR_OPS:
             return None
-        if name == "DivBackward1" and isinstance(node._saved_other, (int, float)):
+        if name == "DivBackward1":  # by a Python number, saved as a CPU scalar: reading it is no device sync
             other = float(node._saved_other)
             if skip_division and other == skip_division:
                 skip_division = 0
             else:
                 divisor *= other
+        elif name == "DivBackward0":  # by a tensor: a count of elements, as F.cross_entropy's label smoothing does
+            divisor = math.inf
         stack.extend((nxt, divisor) for nxt, _ in node.next_functions)
     return found.pop() if len(found) == 1 else None
 
@@ -399,7 +409,7 @@ class SourcePlan:
             counts = Counter(type(m).__name__ for m in modules.values())
             return ", ".join(f"{k}×{v}" for k, v in counts.items())
 
-        named = dict(model.named_parameters())
+        named = dict(model.named_parameters(remove_duplicate=False))
         parts = []
         if self.per_example:
             parts.append(f"per-example norms in backward: {kinds(self.per_example)} "
@@ -442,7 +452,8 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
         if reason is None:
             per_example[name] = module
         elif groups_available:
-            micro.update(qualified)
+            known = {id(p) for p in micro.values()}
+            micro.update({n: p for n, p in qualified.items() if id(p) not in known})
         elif fallback and not tied and name not in excluded and not isinstance(module, _BatchNorm):
             vmap[name] = module
         else:

@@ -1,0 +1,135 @@
+"""Training-step overhead of BatchVarianceProbe against a bare run, in one process.
+
+Variants, timed interleaved (bare, every_1, every_10, bare, ...):
+
+- ``bare``: the module alone;
+- ``every_1``: + ``BatchVarianceProbe()``: per-example norms in every backward (targets ≤ 1.15);
+- ``every_10``: + ``BatchVarianceProbe(every_n_steps=10)`` (target ≤ 1.03).
+
+The probe logs at the Trainer's cadence (every 50 steps: GSNR and the EB criterion are computed then)
+and draws no histograms (no TensorBoardLogger). Models: (a) the 6M-parameter MLP of ``_common`` in 98
+tensors, batch 64; (b) the demo CNN on the digits, batch 64. A fit's time per step is the median over
+windows of 10 consecutive iterations of their mean (each window holds exactly one measured step of
+``every_10``), after ``--warmup`` iterations, in wall-clock and in process CPU time (the steadier one
+on a shared machine). Ratios are per repetition against that repetition's bare fit; the table gives
+the median over repetitions and the range.
+
+    python benchmarks/bench_batch_variance_probe.py --repetitions 5 --out batch_variance_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import lightning.pytorch as pl
+
+from _common import (
+    StepTimer,
+    WideMLP,
+    interleaved,
+    machine_line,
+    markdown_table,
+    median,
+    quiet_lightning,
+    random_regression_loader,
+    write_json,
+)
+from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
+from trainvitals.demo.data import DigitsDataModule
+from trainvitals.demo.model import DigitsCNN
+
+VARIANTS = {"bare": None, "every_1": 1, "every_10": 10}
+WINDOW = 10
+
+
+def window_mean(seconds: list[float]) -> float:
+    """Median over consecutive ``WINDOW``-iteration windows of their mean iteration time."""
+    windows = [seconds[i:i + WINDOW] for i in range(0, len(seconds) - WINDOW + 1, WINDOW)]
+    return median([sum(w) / WINDOW for w in windows])
+
+
+def timed_fit(every: int | None, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any],
+              steps: int, warmup: int) -> dict[str, float]:
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer(warmup)
+    probe = [BatchVarianceProbe(every_n_steps=every, histogram_every_n_steps=None)] if every else []
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=warmup + steps + 1, logger=False, callbacks=[timer, *probe],
+        log_every_n_steps=50, limit_val_batches=0, num_sanity_val_steps=0,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    data = make_data()
+    gc.collect()
+    if isinstance(data, pl.LightningDataModule):
+        trainer.fit(make_model(), datamodule=data)
+    else:
+        trainer.fit(make_model(), train_dataloaders=data)
+    if probe and int(probe[0].noise.count) == 0:
+        raise RuntimeError("the probe measured nothing: the benchmark would time an idle callback")
+    return {"wall_s": window_mean(timer.seconds), "cpu_s": window_mean(timer.cpu_seconds), "n": len(timer.seconds)}
+
+
+def bench_model(label: str, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any],
+                steps: int, args: argparse.Namespace) -> dict[str, Any]:
+    variants = {name: (lambda every=every: timed_fit(every, make_model, make_data, steps, args.warmup))
+                for name, every in VARIANTS.items()}
+    runs = interleaved(variants, args.repetitions)
+    rows = []
+    for name in VARIANTS:
+        row: dict[str, Any] = {"variant": name, "steps_timed": runs[name][0]["n"]}
+        for clock in ("wall", "cpu"):
+            ratios = [r[f"{clock}_s"] / b[f"{clock}_s"] for r, b in zip(runs[name], runs["bare"])]
+            row[f"{clock}_ms_per_step"] = 1e3 * median([r[f"{clock}_s"] for r in runs[name]])
+            row[f"{clock}_ratio"] = median(ratios)
+            row[f"{clock}_ratio_range"] = (min(ratios), max(ratios))
+        rows.append(row)
+    return {"model": label, "runs": runs, "rows": rows}
+
+
+def format_rows(result: dict[str, Any]) -> str:
+    def cells(r: dict[str, Any], clock: str) -> list[str]:
+        low, high = r[f"{clock}_ratio_range"]
+        return [f"{r[f'{clock}_ms_per_step']:.2f}", f"{r[f'{clock}_ratio']:.3f}", f"{low:.3f}–{high:.3f}"]
+
+    return markdown_table(
+        ["variant", "wall ms/step", "wall ratio", "wall range", "CPU ms/step", "CPU ratio", "CPU range", "steps timed"],
+        [[r["variant"], *cells(r, "wall"), *cells(r, "cpu"), r["steps_timed"]] for r in result["rows"]],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repetitions", type=int, default=5, help="fits per variant (>= 5 for the report)")
+    parser.add_argument("--warmup", type=int, default=5, help="iterations of each fit not timed")
+    parser.add_argument("--mlp-steps", type=int, default=60, help="timed steps per MLP fit")
+    parser.add_argument("--cnn-steps", type=int, default=200, help="timed steps per CNN fit")
+    parser.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch.set_num_threads; 0 keeps torch's default (multi-threaded steps are erratic on a shared CPU)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quiet_lightning()
+    models = {
+        "mlp": (WideMLP, lambda: random_regression_loader(args.warmup + args.mlp_steps + 2), args.mlp_steps),
+        "cnn": (lambda: DigitsCNN(lr=1e-3), lambda: DigitsDataModule(batch_size=64), args.cnn_steps),
+    }
+    results = []
+    print(f"# BatchVarianceProbe overhead ({machine_line()}; {args.repetitions} repetitions, interleaved)")
+    for label in args.models:
+        result = bench_model(label, *models[label], args)
+        results.append(result)
+        print(f"\n## {label}: ratio = per-repetition step time / bare, median over repetitions\n")
+        print(format_rows(result), flush=True)
+    write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup,
+                          "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,502 @@
+"""BatchVarianceProbe: how noisy the mini-batch gradient is, and what that says about the batch size.
+
+Measures tr(Σ) and ‖G‖² (McCandlish et al. 2018, App. A.1; science.md §3) every ``every_n_steps``
+optimizer steps, smooths them into :class:`~trainvitals.core.noise.NoiseScaleEMA` (read by the
+noise-band stopper and the learning-rate advisor), and logs the simple noise scale B_simple, the noise
+floor, the variance of the batch gradient at the micro-batch and at the full batch (Var ∝ 1/B),
+per-layer gradient signal-to-noise ratios and the evidence-based criterion (Mahsereci et al. 2017),
+and histograms of per-example gradient norms with the outlying examples.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
+
+from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
+from trainvitals.core.noise import MicroBatchSquaredNorms, NoiseScaleEMA, NoiseScaleError, two_batch_size_estimates
+from trainvitals.core.norms import per_tensor_norms
+from trainvitals.core.per_example import (
+    PerExampleGradients,
+    PerExampleStep,
+    SourcePlan,
+    detect_loss_reduction,
+    eb_criterion,
+    gradient_snr,
+    per_example_estimates,
+    plan_sources,
+    sub_batch_estimates,
+)
+
+LOSS_REDUCTIONS = ("auto", "mean", "sum")
+BATCHNORM_MIN_VALUES = 8  # below this many values per channel, BatchNorm's batch statistics are mostly noise
+
+
+class BatchVarianceProbe(Callback):
+    r"""Gradient noise of the mini-batch gradient: tr(Σ), ‖G‖², B_simple, noise floor, GSNR, EB criterion.
+
+    Per-example gradients are those of each example's own loss ℓ_i: a loss reduced by ``mean`` over
+    B examples is multiplied back by B, Lightning's division by ``accumulate_grad_batches`` and the AMP
+    loss scale are undone, so a mean- and a sum-reduced version of the same loss give the same numbers.
+    tr(Σ) is in squared gradient units per example; B_simple in examples.
+
+    Sources, chosen per parameter at fit start and named in one log line:
+
+    1. per-example squared norms in the same backward, from saved activations and output gradients,
+       for ``nn.Linear`` (any number of leading dimensions), ``nn.Conv1d``/``nn.Conv2d``,
+       ``nn.Embedding`` and ``nn.LayerNorm`` (:mod:`trainvitals.core.per_example`): the estimator with
+       b = 1 over all examples of the step, all micro-batches and ranks;
+    2. the micro-batches of gradient accumulation and the DDP ranks (:class:`MicroBatchSquaredNorms`,
+       McCandlish Eq. A.2) for the other parameters, when a step has at least two of them;
+    3. otherwise ``torch.func`` per-example gradients of those layers on the first
+       ``fallback_sub_batch`` examples (when ``fallback``).
+
+    The parts add up: tr(Σ) and ‖G‖² are sums over parameters. BatchNorm in training mode makes every
+    example's gradient depend on the whole micro-batch; the estimate then describes that coupled
+    gradient, and a micro-batch with few values per channel is warned about.
+
+    Logged every ``log_every_n_steps`` optimizer steps (a multiple of ``every_n_steps``), once a valid
+    measurement exists: ``grad_noise/trace_cov``, ``grad_noise/grad_sq_norm`` (the EMAs),
+    ``grad_noise/b_simple`` (only when EMA(‖G‖²) > 0), ``grad_noise/b_simple_rel_err``,
+    ``grad_noise/b_simple_unreliable`` (1 when ‖G‖² ≤ 0 or the relative error exceeds ``max_rel_err``),
+    ``grad_noise/noise_floor`` (sqrt(tr Σ / B), B examples per optimizer step),
+    ``grad_noise/batch_grad_var/micro_batch`` and ``.../full_batch`` (tr Σ / b and tr Σ / B), and with
+    ``per_coordinate`` ``grad_noise/gsnr/<module>`` and ``grad_noise/eb_criterion`` over the parameters
+    of sources 1 and 3. Every ``histogram_every_n_steps``: a histogram ``grad_noise/per_example_grad_norm``
+    and a text panel ``grad_noise/outliers`` with the ``top_k`` largest by index in this process's batch.
+
+    Public attributes for other callbacks: :attr:`noise` (updated at most once per optimizer step, in
+    ``on_before_optimizer_step``; ``noise.count`` stays 0 until a valid measurement) and
+    :attr:`effective_batch_size` (examples per optimizer step, all ranks; ``None`` before the first).
+
+    Args:
+        every_n_steps: measure every this many optimizer steps (≥ 1).
+        log_every_n_steps: log every this many optimizer steps; ``None``: the Trainer's. Rounded up to a
+            multiple of ``every_n_steps``.
+        histogram_every_n_steps: per-example norm histograms every this many steps; ``None``: never.
+        beta: EMA decay per measurement, in [0, 1).
+        loss_reduction: ``"auto"`` (read from the loss's autograd graph), ``"mean"`` or ``"sum"`` over the
+            examples of a micro-batch.
+        per_coordinate: compute GSNR and the EB criterion on logging steps.
+        fallback: allow source 3.
+        fallback_sub_batch: examples per step for source 3 (≥ 2).
+        max_rel_err: relative standard error of B_simple above which it is flagged unreliable (> 0).
+        top_k: outlying examples reported per histogram (≥ 0).
+        strict: raise instead of warning when the probe cannot measure.
+
+    Raises:
+        ValueError: for an argument out of range.
+        RuntimeError: with ``strict``, when a step cannot be measured.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        log_every_n_steps: int | None = None,
+        histogram_every_n_steps: int | None = 100,
+        beta: float = 0.95,
+        loss_reduction: str = "auto",
+        per_coordinate: bool = True,
+        fallback: bool = True,
+        fallback_sub_batch: int = 16,
+        max_rel_err: float = 0.5,
+        top_k: int = 5,
+        strict: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, value in (("every_n_steps", every_n_steps), ("log_every_n_steps", log_every_n_steps),
+                            ("histogram_every_n_steps", histogram_every_n_steps)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"`{name}` must be a positive integer{' or None' if name != 'every_n_steps' else ''}, "
+                                 f"got {value!r}")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"`beta` must be in [0, 1), got {beta}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"`loss_reduction` must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        if fallback_sub_batch < 2:
+            raise ValueError(f"`fallback_sub_batch` must be >= 2, got {fallback_sub_batch}")
+        if not max_rel_err > 0:
+            raise ValueError(f"`max_rel_err` must be > 0, got {max_rel_err}")
+        if top_k < 0:
+            raise ValueError(f"`top_k` must be >= 0, got {top_k}")
+        self.every_n_steps = every_n_steps
+        self.log_every_n_steps = log_every_n_steps
+        self.histogram_every_n_steps = histogram_every_n_steps
+        self.beta = beta
+        self.loss_reduction = loss_reduction
+        self.per_coordinate = per_coordinate
+        self.fallback = fallback
+        self.fallback_sub_batch = fallback_sub_batch
+        self.max_rel_err = max_rel_err
+        self.top_k = top_k
+        self.strict = strict
+
+        self.noise = NoiseScaleEMA(beta)
+        self.noise_error = NoiseScaleError(beta)
+        self.effective_batch_size: int | None = None
+        self.sources = ""
+        self.last_outliers: list[tuple[int, float]] = []
+
+        self._warnings = WarningCache()
+        self._enabled = False
+        self._plan: SourcePlan | None = None
+        self._plan_params: dict[str, list[torch.nn.Parameter]] = {}
+        self._excluded: set[str] = set()
+        self._collector: PerExampleGradients | None = None
+        self._micro = MicroBatchSquaredNorms()
+        self._open_step = -1
+        self._measuring = False
+        self._finalized_step = -1
+        self._log_every = 1
+        self._histogram_every: int | None = None
+        self._batch_size = 0
+        self._micro_sizes: list[int] = []
+        self._unit: Tensor | float = 1.0
+        self._reduction = "mean"
+        self._stated_reduction = ""
+        self._bn_values: dict[str, int] = {}
+        self._batchnorms: dict[str, torch.nn.Module] = {}
+        self._bn_handles: list[Any] = []
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, beta=self.beta)
+
+    # ------------------------------------------------------------------ setup
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
+            self._cannot_measure(f"strategy {type(trainer.strategy).__name__} is not supported "
+                                 "(single device and DDP are)")
+            return
+        self._enabled = True
+        self._log_every = self._round_up(self.log_every_n_steps or trainer.log_every_n_steps)
+        self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
+        self._make_plan(trainer, pl_module)
+        self.sources = f"BatchVarianceProbe sources: {self._plan.describe(pl_module)}"  # type: ignore[union-attr]
+        if self._plan.coupled:  # type: ignore[union-attr]
+            self.sources += (f". BatchNorm ({', '.join(self._plan.coupled)}) couples the examples of each "  # type: ignore[union-attr]
+                             "micro-batch: their gradients are the addends of a coupled batch gradient, not "
+                             "independent draws, and tr(Σ) describes that coupled gradient")
+        rank_zero_info(self.sources)
+
+    def _round_up(self, every: int) -> int:
+        return math.ceil(every / self.every_n_steps) * self.every_n_steps
+
+    def _groups_per_step(self, trainer: "pl.Trainer") -> int:
+        return trainer.accumulate_grad_batches * trainer.world_size
+
+    def _make_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._plan = plan_sources(pl_module, self._groups_per_step(trainer) >= 2, self.fallback, self._excluded)
+        self._collector = PerExampleGradients(self._plan.per_example, self._plan.vmap, self.fallback_sub_batch)
+        self._batchnorms = {n: m for n, m in pl_module.named_modules() if n in self._plan.coupled}
+        self._plan_params = {"per_example": list(self._plan.parameters("per_example", pl_module).values()),
+                             "micro_batch": list(self._plan.micro_batch.values()),
+                             "vmap": list(self._plan.parameters("vmap", pl_module).values())}
+        if not (self._plan.per_example or self._plan.micro_batch or self._plan.vmap):
+            self._cannot_measure("no parameter has a source: one micro-batch per step on one device, no layer "
+                                 "with per-example norms, and the torch.func fallback off")
+
+    def _cannot_measure(self, why: str) -> None:
+        message = f"BatchVarianceProbe cannot measure: {why}. Nothing is logged for these steps."
+        if self.strict:
+            raise RuntimeError(message)
+        self._warnings.warn(message)
+
+    # ------------------------------------------------------------------ per micro-batch
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:
+        if not self._enabled:
+            return
+        step = trainer.global_step
+        if step != self._open_step:
+            self._begin_step(step)
+        if self._measuring:
+            self._batch_size = extract_batch_size(batch)
+
+    def _begin_step(self, step: int) -> None:
+        self._open_step = step
+        plan, collector = self._plan, self._collector
+        assert plan is not None and collector is not None
+        self._measuring = step % self.every_n_steps == 0 and bool(plan.per_example or plan.micro_batch or plan.vmap)
+        self._micro_sizes = []
+        collector.detach()
+        self._micro.detach()
+        if not self._measuring:
+            return
+        collector.attach(coordinates=self.per_coordinate and step % self._log_every == 0,
+                         keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
+        self._micro.attach(plan.micro_batch.values())
+        self._bn_values = {}
+        self._bn_handles = [m.register_forward_pre_hook(functools.partial(self._record_batchnorm, name))
+                            for name, m in self._batchnorms.items()]
+
+    def _record_batchnorm(self, name: str, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if module.training:
+            self._bn_values[name] = args[0].numel() // max(args[0].shape[1], 1)
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        if not self._measuring:
+            return
+        accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        reduction = self.loss_reduction
+        if reduction == "auto":
+            found = detect_loss_reduction(loss, self._batch_size, accumulation)
+            if found is None:
+                self._warnings.warn("BatchVarianceProbe could not tell from the loss's graph whether it is a mean or "
+                                    "a sum over examples; assuming a mean. Pass `loss_reduction=` to say which: "
+                                    "B_simple does not depend on it, tr(Σ), ‖G‖² and the noise floor do.")
+            reduction = found or "mean"
+        if reduction != self._stated_reduction:
+            self._stated_reduction = reduction
+            how = "as told" if self.loss_reduction != "auto" else "read from the loss's graph"
+            rank_zero_info(f"BatchVarianceProbe: the loss is a {reduction} over the examples ({how}); per-example "
+                           "gradients are those of each example's own loss" + (
+                               ", B × its share of the batch mean" if reduction == "mean" else ""))
+        self._reduction = reduction
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scale: Tensor | float = 1.0
+        if scaler is not None and scaler.is_enabled():
+            scale = scaler._get_scale_async()  # the device tensor: get_scale() would sync with the host
+        per_loss = self._batch_size if reduction == "mean" else 1
+        self._unit = accumulation * per_loss / scale
+
+    @override
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if not self._measuring:
+            return
+        assert self._collector is not None
+        self._collector.end_micro_batch(self._unit)
+        self._micro.end_micro_batch()
+        self._micro_sizes.append(self._batch_size)
+
+    # ------------------------------------------------------------------ per optimizer step
+
+    @override
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        step = trainer.global_step
+        if not self._measuring or self._finalized_step == step:
+            return
+        self._finalized_step = step
+        assert self._collector is not None and self._plan is not None
+        result = self._collector.pop()
+        micro_sum, _ = self._micro.pop()
+        self._collector.detach()
+        self._micro.detach()
+        for handle in self._bn_handles:
+            handle.remove()
+        self._bn_handles = []
+        self._check_batchnorm(trainer)
+        plan, params = self._plan, self._plan_params
+        problem = self._problem(result)
+        if problem:
+            self._cannot_measure(problem)
+        if result.failed:
+            self._excluded.update(result.failed)
+            self._make_plan(trainer, pl_module)
+        # Measured even when this rank saw a problem: every rank must join the same all-reduce.
+        self._measure(trainer, pl_module, plan, params, result, micro_sum, valid_here=not problem)
+
+    def _check_batchnorm(self, trainer: "pl.Trainer") -> None:
+        small = {n: v for n, v in self._bn_values.items() if v < BATCHNORM_MIN_VALUES}
+        if not small:
+            return
+        where = ", ".join(f"{n} ({v} values per channel)" for n, v in small.items())
+        accumulation = (f" Under gradient accumulation BatchNorm sees one micro-batch of {self._batch_size}, "
+                        f"not the {self._batch_size * trainer.accumulate_grad_batches} examples of the step."
+                        if trainer.accumulate_grad_batches > 1 else "")
+        self._warnings.warn(f"BatchNorm in training mode normalises {where} over too few values for meaningful "
+                            "statistics: over 2 values every feature becomes ±1, over 1 it fails." + accumulation)
+
+    def _problem(self, result: PerExampleStep) -> str:
+        """Why this step's measurement is unusable ("" if it is); failed modules are added to ``result.failed``."""
+        assert self._plan is not None
+        for name, module in {**self._plan.per_example, **self._plan.vmap}.items():
+            if name not in result.seen and name not in result.failed and \
+                    any(p.grad is not None for p in module.parameters(recurse=False)):
+                result.failed[name] = "its parameters got gradients outside its own forward"
+        if result.failed:
+            return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items()) + \
+                " (measured by a fallback from now on)"
+        if result.batch_sizes and result.batch_sizes != self._micro_sizes:
+            return (f"activations have {result.batch_sizes} rows per micro-batch but the batches have "
+                    f"{self._micro_sizes} examples: the examples must sit on dimension 0")
+        if len(set(self._micro_sizes)) > 1:
+            return f"micro-batches of unequal sizes {self._micro_sizes}"
+        return ""
+
+    def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: SourcePlan,
+                 params: dict[str, list[torch.nn.Parameter]], result: PerExampleStep, micro_sum: Tensor | None,
+                 valid_here: bool) -> None:
+        world, micro_batches = trainer.world_size, len(self._micro_sizes)
+        if micro_batches == 0:
+            return
+        b = self._micro_sizes[0]
+        local_examples = sum(self._micro_sizes)
+        examples, groups = local_examples * world, micro_batches * world
+        device = pl_module.device
+        # The accumulated, rank-averaged, unscaled .grad is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum.
+        accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        to_mean = accumulation / (micro_batches * (1 if self._reduction == "mean" else b))
+
+        def zero() -> Tensor:
+            return torch.zeros((), dtype=torch.float64, device=device)
+
+        packed = torch.stack([
+            (result.sq_norm_sum if result.sq_norm_sum is not None else zero()).to(device, torch.float64),
+            (micro_sum if micro_sum is not None else zero()).to(device, torch.float64),
+            torch.full((), float(local_examples), dtype=torch.float64, device=device),
+            torch.full((), 0.0 if valid_here else 1.0, dtype=torch.float64, device=device),
+        ])
+        if world > 1:
+            packed = trainer.strategy.reduce(packed, reduce_op="sum")
+        valid = (packed[3] == 0) & (packed[2] == examples)
+        if examples < 2:
+            self._cannot_measure("a step of 1 example has no spread to measure")
+            return
+        grad_sq_norm, trace_cov = zero(), zero()
+        if plan.per_example:
+            batch_sq = self._grad_sq_norm(params["per_example"], to_mean, device)
+            g, s = per_example_estimates(packed[0], batch_sq, examples)
+            grad_sq_norm, trace_cov = grad_sq_norm + g, trace_cov + s
+        if plan.micro_batch:
+            batch_sq = self._grad_sq_norm(params["micro_batch"], to_mean, device)
+            group_mean = packed[1] * (self._unit / b) ** 2 / groups
+            g, s = two_batch_size_estimates(group_mean, batch_sq, groups, b)
+            grad_sq_norm, trace_cov = grad_sq_norm + g, trace_cov + s
+        if plan.vmap and result.num_sub < 2:
+            valid = torch.zeros_like(valid)
+        elif plan.vmap:
+            batch_sq = self._grad_sq_norm(params["vmap"], to_mean, device)
+            sub_mean_sq = sum(v.double().square().sum() for v in result.sub_grad_sum.values()) / result.num_sub**2
+            g, s = sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq, result.num_sub,  # type: ignore[union-attr]
+                                       batch_sq, examples)
+            grad_sq_norm, trace_cov = grad_sq_norm + g, trace_cov + s
+        self.noise.update(grad_sq_norm, trace_cov, valid)
+        self.noise_error.update(grad_sq_norm, trace_cov, valid)
+        self.effective_batch_size = examples
+        step = trainer.global_step
+        if step % self._log_every == 0:
+            self._log(trainer, pl_module, result, valid, b, examples, to_mean, step)
+        if result.sq_norms:
+            self._log_per_example_norms(trainer, result.sq_norms, step)
+
+    @staticmethod
+    def _grad_sq_norm(params: Any, to_mean: float, device: torch.device) -> Tensor:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return per_tensor_norms(grads).square().sum() * to_mean**2
+
+    # ------------------------------------------------------------------ logging
+
+    @staticmethod
+    def _coordinate_stats(trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
+                          examples: int, to_mean: float) -> dict[str, Tensor]:
+        sum_sq = result.sum_sq
+        if sum_sq and trainer.world_size > 1:
+            flat = trainer.strategy.reduce(torch.cat([v.double().flatten() for v in sum_sq.values()]), reduce_op="sum")
+            sum_sq = dict(zip(sum_sq, flat.split([v.numel() for v in sum_sq.values()])))
+        named = dict(pl_module.named_parameters())
+        means, sums, counts, modules = [], [], [], []
+        for name, value in sum_sq.items():
+            grad = named[name].grad
+            if grad is not None:
+                means.append(grad.double() * to_mean)
+                sums.append(value.view_as(grad).double())
+                counts.append(examples)
+                modules.append(name.rpartition(".")[0])
+        if result.num_sub >= 2:
+            for name, value in result.sub_sum_sq.items():
+                means.append(result.sub_grad_sum[name].double() / result.num_sub)
+                sums.append(value.double())
+                counts.append(result.num_sub)
+                modules.append(name.rpartition(".")[0])
+        if not means:
+            return {}
+        out: dict[str, Tensor] = {"grad_noise/eb_criterion": eb_criterion(means, sums, counts)}
+        per_module: dict[str, list[Tensor]] = {}
+        for mean, total, n, module in zip(means, sums, counts, modules):
+            per_module.setdefault(module, []).append(gradient_snr(mean, total, n).flatten())
+        for module, parts in per_module.items():
+            out[f"grad_noise/gsnr/{module or '(root)'}"] = torch.cat(parts).mean()
+        return out
+
+    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep, valid: Tensor,
+             micro_batch_size: int, examples: int, to_mean: float, step: int) -> None:
+        noise = self.noise
+        rel_err = self.noise_error.relative_error(noise)
+        metrics: dict[str, Tensor] = {
+            "grad_noise/trace_cov": noise.trace_cov,
+            "grad_noise/grad_sq_norm": noise.grad_sq_norm,
+            "grad_noise/b_simple": noise.b_simple,
+            "grad_noise/b_simple_rel_err": rel_err,
+            "grad_noise/b_simple_unreliable": ((noise.grad_sq_norm <= 0) | ~(rel_err <= self.max_rel_err)).double(),
+            "grad_noise/noise_floor": noise.noise_floor(examples),
+            "grad_noise/batch_grad_var/micro_batch": noise.trace_cov / micro_batch_size,
+            "grad_noise/batch_grad_var/full_batch": noise.trace_cov / examples,
+        }
+        if self.per_coordinate:
+            metrics.update(self._coordinate_stats(trainer, pl_module, result, examples, to_mean))
+        keys = list(metrics)
+        host = torch.stack([metrics[k].detach().double().reshape(()).to(valid.device) for k in keys]
+                           + [noise.count.double().to(valid.device), valid.double()]).cpu().tolist()
+        values, (count, valid_now) = dict(zip(keys, host[:-2])), host[-2:]
+        if count == 0:
+            return
+        values = {k: v for k, v in values.items() if math.isfinite(v)
+                  and (valid_now or not k.startswith(("grad_noise/gsnr/", "grad_noise/eb_criterion")))}
+        log_scalars(trainer, values, step)
+
+    def _log_per_example_norms(self, trainer: "pl.Trainer", sq_norms: list[Tensor], step: int) -> None:
+        norms = torch.cat(sq_norms).clamp_min(0.0).sqrt()
+        log_histogram(trainer, "grad_noise/per_example_grad_norm", norms, step)
+        if self.top_k == 0:
+            return
+        top = torch.topk(norms, min(self.top_k, norms.numel()))
+        median = norms.median()
+        rows = torch.stack([top.values, top.values / median.clamp_min(1e-30)]).cpu().tolist()
+        self.last_outliers = list(zip(top.indices.cpu().tolist(), rows[0]))
+        table = "\n".join(f"| {i} | {v:.4g} | {r:.3g} |" for i, v, r in zip(top.indices.tolist(), rows[0], rows[1]))
+        log_text(trainer, "grad_noise/outliers",
+                 "Largest per-example gradient norms (index within this process's batch of the step)\n\n"
+                 "| example | ‖g_i‖ | × median |\n|---|---|---|\n" + table, step)
+
+    # ------------------------------------------------------------------ teardown and state
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self._collector is not None:
+            self._collector.detach()
+        self._micro.detach()
+        for handle in self._bn_handles:
+            handle.remove()
+        self._bn_handles = []
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"noise": self.noise.state_dict(), "noise_error": self.noise_error.state_dict(),
+                "effective_batch_size": self.effective_batch_size}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.noise.load_state_dict(state_dict.get("noise", {}))
+        self.noise_error.load_state_dict(state_dict.get("noise_error", {}))
+        self.effective_batch_size = state_dict.get("effective_batch_size", self.effective_batch_size)

@@ -1,0 +1,429 @@
+"""Where a training step's memory goes: parameters, gradients, optimizer state, the batch and the
+activations autograd saves for backward, per module; graphs kept alive by mistake; remedies ranked by
+the bytes they free (science.md §5).
+
+The saved-tensor accounting (``torch.autograd.graph.saved_tensors_hooks``, attributed to the innermost
+running module, deduplicated by storage, parameters/buffers/batch excluded) runs on any device. On
+CUDA the allocator's peaks, retries and OOM count come on top, and optionally a memory snapshot for
+PyTorch's memory viewer (https://pytorch.org/memory_viz).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
+
+from trainvitals.callbacks._writers import log_image, log_scalars, log_text, tensorboard_writers
+from trainvitals.core.memory import (
+    GraphLeakFinding,
+    HeldGraphTracker,
+    Remedy,
+    SavedTensorRecorder,
+    StepMemory,
+    byte_unit,
+    format_bytes,
+    graph_holders,
+    model_state_bytes,
+    rank_remedies,
+    tensors_in,
+    unique_storage_bytes,
+)
+
+_SNAPSHOT_MAX_ENTRIES = 100_000  # alloc/free events kept by the snapshot's ring buffer (a few KB each)
+
+
+@dataclass
+class _Pending:
+    """A profiled step between its first batch start and its optimizer step."""
+
+    step: int
+    batch_size: int  # 0 when the batch has no tensor with a batch dimension
+    inputs_bytes: int
+    start: float  # perf_counter at the batch start
+    recorder: SavedTensorRecorder
+
+
+class MemoryTopologyProfiler(Callback):
+    """Profile the memory of a training step every ``every_n_steps`` optimizer steps and the first steps.
+
+    A profiled step records the forward (from ``on_train_batch_start`` to the first
+    ``on_before_backward``) with a :class:`~trainvitals.core.memory.SavedTensorRecorder` and, once the
+    optimizer step is done, logs in bytes (per rank, from rank zero):
+
+    - ``memory/parameters_bytes``, ``memory/gradients_bytes``, ``memory/optimizer_state_bytes``
+      (every tensor in ``optimizer.state``), ``memory/inputs_bytes`` (the batch),
+      ``memory/activations_bytes`` and ``memory/activations/<module>`` for the ``max_modules_shown``
+      modules that own the most (saved for backward, owned by the innermost module; ``(root)`` is the
+      model's own forward, ``(outside)`` the loss and other code outside any module),
+      ``memory/held_saved_bytes`` (saved tensors of profiled steps still
+      held after backward: 0 unless a graph outlives its step);
+    - on CUDA ``memory/peak_allocated_bytes``, ``memory/peak_reserved_bytes`` (peaks reset at each
+      profiled step), ``memory/temporaries_bytes`` (peak allocated minus the categories above; negative
+      when they do not all coexist at the peak), ``memory/alloc_retries`` and ``memory/ooms``
+      (cumulative allocator counters);
+    - ``memory/largest_batch`` when there is a budget: the largest batch that fits it, with the
+      activations, inputs and temporaries scaled with the batch.
+
+    A graph kept alive across steps (saved bytes that are still held after backward and grow step
+    over step) becomes a finding, with the module attributes that hold a graph; it is warned once and
+    listed in :attr:`findings`. ``self.running_loss = self.running_loss + loss`` alone keeps only the
+    graph's nodes (backward frees their saved tensors); with ``backward(retain_graph=True)``, the
+    usual "fix" for the error it then causes, or a branch that backward never reaches, it keeps every
+    saved tensor, and that is what is found. At the end of training the table
+    (:meth:`table_markdown`: categories, saved bytes per module, ranked remedies, findings) goes to
+    the console and to TensorBoard text ``memory/report``, and a bar chart of saved bytes per module
+    (:meth:`picture`) to TensorBoard image ``memory/saved_bytes_by_module`` (needs matplotlib).
+
+    Remedies (:attr:`remedies`, most bytes freed first): activation checkpointing of the ``top_k``
+    modules that free the most (cost: the module's forward time over the step's time), mixed
+    precision (half the float32 saved bytes, an upper bound), the optimizer state; each with the
+    largest batch that fits the budget afterwards.
+
+    Numbers are per rank (each rank measures its own batch); rank zero logs its own. Nothing is
+    exchanged between ranks. The profiler keeps only weak references to what a step saved, so it
+    never keeps a graph alive. A profiled step costs a pack hook per saved tensor, two process-wide
+    module hooks, forward timing of the modules to advise on (all modules at the first profiled step;
+    CUDA events) and, on CUDA, two device syncs; other steps cost two comparisons. Under manual
+    optimization the recorded forward is what runs before the first ``manual_backward``.
+
+    Args:
+        every_n_steps: profile every this many optimizer steps.
+        first_steps: also profile the first this many steps of each fit (a leak shows from the second).
+        memory_budget_bytes: the memory one rank's step must fit, for the largest-batch advice;
+            defaults to the device's total memory on CUDA; on CPU there is no default, and no batch
+            advice without it.
+        top_k: how many modules to advise checkpointing of.
+        snapshot_steps: on CUDA, record the allocator's history over the first this many optimizer
+            steps and write ``memory_snapshot_rank<r>.pickle`` to the Trainer's log directory
+            (``torch.cuda.memory._dump_snapshot``); 0 for none.
+        max_modules_shown: modules logged, listed in the table and drawn in the picture (those that
+            own the most saved bytes); each logged scalar costs a logger write.
+        strict: raise when a step cannot be measured fully (saved tensors without a storage, no batch
+            size) instead of warning once.
+
+    Raises:
+        ValueError: if an argument is out of range.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        first_steps: int = 3,
+        memory_budget_bytes: int | None = None,
+        top_k: int = 3,
+        snapshot_steps: int = 0,
+        max_modules_shown: int = 20,
+        strict: bool = False,
+    ) -> None:
+        super().__init__()
+        if every_n_steps < 1:
+            raise ValueError(f"`every_n_steps` must be >= 1, got {every_n_steps}")
+        if first_steps < 0:
+            raise ValueError(f"`first_steps` must be >= 0, got {first_steps}")
+        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+            raise ValueError(f"`memory_budget_bytes` must be > 0 or None, got {memory_budget_bytes}")
+        if top_k < 0:
+            raise ValueError(f"`top_k` must be >= 0, got {top_k}")
+        if snapshot_steps < 0:
+            raise ValueError(f"`snapshot_steps` must be >= 0, got {snapshot_steps}")
+        if max_modules_shown < 1:
+            raise ValueError(f"`max_modules_shown` must be >= 1, got {max_modules_shown}")
+        self.every_n_steps = every_n_steps
+        self.first_steps = first_steps
+        self.memory_budget_bytes = memory_budget_bytes
+        self.top_k = top_k
+        self.snapshot_steps = snapshot_steps
+        self.max_modules_shown = max_modules_shown
+        self.strict = strict
+
+        self.findings: list[GraphLeakFinding] = []
+        """Graphs kept alive across steps, the latest observation of each; survives a resume."""
+        self.remedies: list[Remedy] = []
+        """The remedies of the latest profiled step, most bytes freed first."""
+        self.last: StepMemory | None = None
+        """The latest profiled step's bytes."""
+        self.last_metrics: dict[str, float] = {}
+        """The latest profiled step's logged numbers."""
+
+        self._last_profiled_step = -1
+        self._profiled_this_fit = 0
+        self._last_step = -1  # the step of `last`
+        self._tracker = HeldGraphTracker()
+        self._pending: _Pending | None = None
+        # Modules whose forward is timed (for the cost of checkpointing them): all on the first
+        # profiled step, then the previous step's checkpointing candidates (CUDA events are not free).
+        self._timed: set[str] | None = None
+        self._device = torch.device("cpu")
+        self._budget: int | None = memory_budget_bytes
+        self._snapshot_path: str | None = None
+        self._notices = WarningCache()
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, first_steps=self.first_steps)
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        self._device = trainer.strategy.root_device
+        cuda = self._device.type == "cuda"
+        if self._budget is None and cuda:
+            self._budget = torch.cuda.get_device_properties(self._device).total_memory
+        if self.snapshot_steps and not cuda:
+            self._notices.warn("MemoryTopologyProfiler: `snapshot_steps` needs CUDA; no memory snapshot on "
+                               f"{self._device.type}.")
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._profiled_this_fit = 0
+        if self.snapshot_steps and self._device.type == "cuda":
+            # log_dir broadcasts: every rank must ask, here, at the same point.
+            directory = trainer.log_dir or trainer.default_root_dir
+            os.makedirs(directory, exist_ok=True)
+            self._snapshot_path = os.path.join(directory, f"memory_snapshot_rank{trainer.global_rank}.pickle")
+            torch.cuda.memory._record_memory_history(max_entries=_SNAPSHOT_MAX_ENTRIES, device=self._device)
+
+    def _due(self, step: int) -> bool:
+        if step == self._last_profiled_step:
+            return False
+        return self._profiled_this_fit < self.first_steps or step % self.every_n_steps == 0
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:
+        step = trainer.global_step
+        if self._pending is not None or not self._due(step):
+            return
+        self._last_profiled_step = step
+        self._profiled_this_fit += 1
+        tensors = list(tensors_in(batch))
+        sizes = [t.shape[0] for t in tensors if t.ndim > 0]
+        if not sizes:
+            self._gap("no tensor with a batch dimension in the batch; no batch-size advice")
+        elif len(set(sizes)) > 1:
+            self._notices.warn(f"MemoryTopologyProfiler: batch tensors disagree on the batch size {sorted(set(sizes))};"
+                               f" scaling by the first, {sizes[0]}.")
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+            torch.cuda.reset_peak_memory_stats(self._device)
+        timed = True if self._timed is None else self._timed
+        recorder = SavedTensorRecorder(pl_module, exclude=tensors, time_modules=timed)
+        self._pending = _Pending(step, sizes[0] if sizes else 0, unique_storage_bytes(tensors), time.perf_counter(),
+                                 recorder.__enter__())
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        if self._pending is not None:
+            self._pending.recorder.close()
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        if self._pending is not None:
+            self._pending.recorder.close()
+            # Under gradient accumulation the optimizer step, and so its state, comes with a later batch.
+            if trainer.global_step > self._pending.step:
+                self._finish_step(trainer, pl_module, self._pending)
+                self._pending = None
+        if self._snapshot_path is not None and trainer.global_step >= self.snapshot_steps:
+            self._dump_snapshot()
+
+    def _finish_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", pending: _Pending) -> None:
+        cuda = self._device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self._device)
+        seconds = time.perf_counter() - pending.start
+        report = pending.recorder.report()
+        held = self._tracker.update(pending.step, pending.recorder.held())
+        if report.uncounted:
+            self._gap(f"{report.uncounted} saved tensors have no storage (sparse or wrapper subclasses) and are "
+                      "not counted")
+        state = model_state_bytes(pl_module.parameters(), trainer.optimizers)
+        metrics: dict[str, float] = {
+            "memory/parameters_bytes": state.parameters,
+            "memory/gradients_bytes": state.gradients,
+            "memory/optimizer_state_bytes": state.optimizer_state,
+            "memory/inputs_bytes": pending.inputs_bytes,
+            "memory/activations_bytes": report.total_bytes,
+            "memory/held_saved_bytes": held.held_bytes,
+            **{f"memory/activations/{name}": nbytes
+               for name, nbytes in list(report.by_module.items())[: self.max_modules_shown]},
+        }
+        temporaries = 0
+        if cuda:
+            stats = torch.cuda.memory_stats(self._device)
+            known = state.total + pending.inputs_bytes + report.total_bytes
+            temporaries = stats["allocated_bytes.all.peak"] - known
+            metrics.update({
+                "memory/peak_allocated_bytes": stats["allocated_bytes.all.peak"],
+                "memory/peak_reserved_bytes": stats["reserved_bytes.all.peak"],
+                "memory/temporaries_bytes": temporaries,
+                "memory/alloc_retries": stats["num_alloc_retries"],
+                "memory/ooms": stats["num_ooms"],
+            })
+        self._last_step = pending.step
+        self.last = StepMemory(state, pending.inputs_bytes, report, pending.batch_size, temporaries,
+                               self._budget, seconds)
+        self.remedies = rank_remedies(self.last, self.top_k)
+        self._timed = {r.target for r in self.remedies if r.target}
+        largest = self.last.largest_batch()
+        if largest is not None:
+            metrics["memory/largest_batch"] = largest
+        self.last_metrics = metrics
+        if trainer.is_global_zero:
+            log_scalars(trainer, metrics, pending.step)
+        if held.leaking:
+            assert held.first_step is not None
+            finding = GraphLeakFinding(pending.step, held.held_bytes, held.step_bytes, held.first_step,
+                                       tuple(graph_holders(pl_module)))
+            if not self.findings:
+                rank_zero_warn(f"MemoryTopologyProfiler: {finding.message}")
+            self.findings = [finding]
+
+    def _gap(self, what: str) -> None:
+        message = f"MemoryTopologyProfiler: {what}."
+        if self.strict:
+            raise RuntimeError(message)
+        self._notices.warn(message)
+
+    def _dump_snapshot(self) -> None:
+        assert self._snapshot_path is not None
+        with torch.cuda.device(self._device):
+            torch.cuda.memory._dump_snapshot(self._snapshot_path)
+        self._stop_snapshot()
+        rank_zero_info(f"MemoryTopologyProfiler: memory snapshot written to {self._snapshot_path}; open it at "
+                       "https://pytorch.org/memory_viz")
+
+    def _stop_snapshot(self) -> None:
+        if self._snapshot_path is not None:
+            torch.cuda.memory._record_memory_history(enabled=None, device=self._device)
+            self._snapshot_path = None
+
+    def _release(self) -> None:
+        if self._pending is not None:
+            self._pending.recorder.close()
+            self._pending = None
+        self._stop_snapshot()
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._snapshot_path is not None:
+            self._dump_snapshot()
+        self._release()
+        table = self.table_markdown()
+        rank_zero_info(table)
+        step = trainer.global_step
+        log_text(trainer, "memory/report", table, step)
+        picture = self.picture() if tensorboard_writers(trainer, "images") else None
+        if picture is not None:
+            log_image(trainer, "memory/saved_bytes_by_module", picture, step)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._release()
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._release()
+
+    def table_markdown(self) -> str:
+        """The latest profiled step as markdown: categories, saved bytes per module, ranked advice, findings."""
+        lines = ["## Memory topology"]
+        if self.last is None:
+            lines.append("No step profiled yet.")
+        else:
+            lines += self._categories_markdown(self.last) + self._modules_markdown(self.last)
+            lines += self._advice_markdown(self.last)
+        lines += ["", "### Findings"]
+        lines += [f"- step {f.step}: {f.message}" for f in self.findings] or ["- none: no graph outlived its step"]
+        return "\n".join(lines)
+
+    def _categories_markdown(self, last: StepMemory) -> list[str]:
+        m = self.last_metrics
+        names = {
+            "parameters": "memory/parameters_bytes", "gradients": "memory/gradients_bytes",
+            "optimizer state": "memory/optimizer_state_bytes", "inputs (batch)": "memory/inputs_bytes",
+            "saved activations": "memory/activations_bytes", "held after backward": "memory/held_saved_bytes",
+            "CUDA peak allocated": "memory/peak_allocated_bytes", "CUDA peak reserved": "memory/peak_reserved_bytes",
+            "CUDA temporaries": "memory/temporaries_bytes",
+        }
+        rows = [f"| {label} | {m[key]:,.0f} | {format_bytes(m[key])} |" for label, key in names.items() if key in m]
+        if "memory/alloc_retries" in m:
+            retries, ooms = m["memory/alloc_retries"], m["memory/ooms"]
+            rows.append(f"| CUDA allocator retries / OOMs | {retries:.0f} / {ooms:.0f} | |")
+        return [f"Step {self._last_step}, batch of {last.batch_size} (this rank, one micro-batch).", "",
+                "| category | bytes | |", "|---|---:|---:|", *rows]
+
+    def _modules_markdown(self, last: StepMemory) -> list[str]:
+        total = last.activations.total_bytes or 1
+        rows = [f"| `{name}` | {nbytes:,} | {100 * nbytes / total:.1f}% |"
+                for name, nbytes in list(last.activations.by_module.items())[: self.max_modules_shown]]
+        return ["", "### Saved for backward, by module", "| module | bytes | share |", "|---|---:|---:|", *rows]
+
+    def _advice_markdown(self, last: StepMemory) -> list[str]:
+        if last.budget_bytes is None:
+            budget = "No memory budget (pass `memory_budget_bytes` on CPU): no largest-batch advice."
+        else:
+            budget = (f"Budget {format_bytes(last.budget_bytes)}: the largest batch that fits is "
+                      f"{last.largest_batch()} (fixed {format_bytes(last.state.total)}, "
+                      f"{format_bytes(last.scaling_bytes / max(last.batch_size, 1))} per example).")
+        rows = []
+        for rank, r in enumerate(self.remedies, 1):
+            what = f"{r.kind} of `{r.target}`" if r.target else r.kind
+            extra = f"+{100 * r.extra_compute:.1f}% step time" if r.extra_compute is not None else ""
+            batch = "" if r.largest_batch is None else f"{r.largest_batch}"
+            rows.append(f"| {rank} | {what} | {format_bytes(r.bytes_freed)} | {batch} | {extra} | {r.note} |")
+        return ["", "### Advice, most bytes freed first", budget, "",
+                "| # | remedy | frees | largest batch after | extra compute | note |",
+                "|---|---|---:|---:|---:|---|", *rows]
+
+    def picture(self) -> np.ndarray | None:
+        """Saved bytes per module of the latest profiled step as an ``(H, W, 3)`` uint8 bar chart.
+
+        Drawn with matplotlib's Agg canvas, without pyplot, so the session's backend is left alone.
+        Returns ``None`` when nothing was saved, or (with one notice) when matplotlib is missing.
+        """
+        if self.last is None or not self.last.activations.by_module:
+            return None
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError:
+            self._notices.info("MemoryTopologyProfiler: the picture needs matplotlib (pip install matplotlib); "
+                               "skipped.")
+            return None
+        items = list(self.last.activations.by_module.items())[: self.max_modules_shown][::-1]
+        scale, unit = byte_unit(max(nbytes for _, nbytes in items))
+        fig = Figure(figsize=(8, 1.5 + 0.3 * len(items)), dpi=100)
+        canvas = FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        ax.barh([name for name, _ in items], [nbytes / scale for _, nbytes in items], color="tab:blue")
+        ax.set_xlabel(f"saved for backward ({unit})")
+        ax.set_title(f"Saved activations by module, step {self._last_step} "
+                     f"(total {format_bytes(self.last.activations.total_bytes)})")
+        fig.tight_layout()
+        canvas.draw()
+        return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_profiled_step": self._last_profiled_step,
+                "findings": [dataclasses.asdict(f) for f in self.findings]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_profiled_step = int(state_dict.get("last_profiled_step", -1))
+        self.findings = [GraphLeakFinding(**{**f, "holders": tuple(f.get("holders", ()))})
+                         for f in state_dict.get("findings", [])]

@@ -1,0 +1,447 @@
+"""BatchVarianceProbe in training: against brute force, closed forms, accumulation, DDP, and what it refuses."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins import MixedPrecision
+from conftest import RecordingLogger
+from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
+
+from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
+from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+from trainvitals.core.noise import NoiseScaleEMA
+
+
+def last_logged(logger: RecordingLogger) -> dict[str, float]:
+    """The last value of every ``grad_noise/*`` tag."""
+    return {tag: series[-1][1] for tag, series in logger.series.items() if tag.startswith("grad_noise/") and series}
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, net: nn.Module, reduction: str = "mean", lr: float = 0.0) -> None:
+        super().__init__()
+        self.net, self.reduction, self.lr = net, reduction, lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y, reduction=self.reduction)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class Regression(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return 0.5 * (self(x).squeeze(-1) - y).square().mean()
+
+
+class Recorder(pl.Callback):
+    """The accumulated gradient of each step and the true ‖G‖², tr Σ of a linear regression, at each step."""
+
+    def __init__(self, truth: Any = None) -> None:
+        self.grads: list[torch.Tensor] = []
+        self.truth = truth
+        self.true_values: list[tuple[float, float]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        self.grads.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]).clone())
+        if self.truth is not None:
+            self.true_values.append(self.truth(pl_module))
+
+
+def fit(module: pl.LightningModule, data: TensorDataset, callbacks: list, *, batch_size: int, steps: int,
+        accumulate: int = 1, precision: Any = "64-true", logger: RecordingLogger | None = None, **kwargs: Any) -> pl.Trainer:
+    plugins = [precision] if isinstance(precision, MixedPrecision) else []
+    trainer = pl.Trainer(
+        max_steps=steps, accumulate_grad_batches=accumulate, callbacks=callbacks, logger=logger or RecordingLogger(),
+        log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        accelerator="cpu", devices=1, num_sanity_val_steps=0, plugins=plugins,
+        precision=None if plugins else precision, **kwargs,
+    )
+    trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=False))
+    return trainer
+
+
+def classification_data(kind: str, n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 3, (n,), generator=g)
+    if kind == "mlp":
+        return TensorDataset(torch.randn(n, 5, generator=g, dtype=torch.float64), y)
+    if kind == "cnn":
+        return TensorDataset(torch.randn(n, 2, 6, 6, generator=g, dtype=torch.float64), y)
+    return TensorDataset(torch.randint(0, 13, (n, 6), generator=g), y)
+
+
+def network(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return {"mlp": mlp, "cnn": cnn, "sequence": SequenceModel}[kind]().double()
+
+
+def brute_force_estimates(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(‖G‖²_est, tr Σ̂, per-example gradients by name) from one backward per example."""
+    per_example = brute_force(net, x, y)
+    flat = torch.cat([g.flatten(1) for g in per_example.values()], 1)
+    trace = (flat - flat.mean(0)).square().sum() / (len(x) - 1)
+    return flat.mean(0).square().sum() - trace / len(x), trace, per_example
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread than on the cores the other test processes share."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"every_n_steps": 0}, {"log_every_n_steps": 0}, {"histogram_every_n_steps": -1}, {"beta": 1.0},
+     {"loss_reduction": "token"}, {"fallback_sub_batch": 1}, {"max_rel_err": 0.0}, {"top_k": -1}],
+)
+def test_constructor_rejects(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        BatchVarianceProbe(**kwargs)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "sequence"])
+def test_estimates_match_brute_force_in_training(kind):
+    data = classification_data(kind, 8)
+    probe = BatchVarianceProbe(beta=0.0)  # β = 0: the EMA holds the last step's estimate
+    logger = RecordingLogger()
+    module = Classifier(network(kind))
+    fit(module, data, [probe], batch_size=8, steps=1, logger=logger)
+    g2, trace, per_example = brute_force_estimates(module.net, *data.tensors)
+    assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-5
+    assert rel(float(probe.noise.grad_sq_norm), float(g2)) < 1e-5
+    assert probe.effective_batch_size == 8 and "per-example norms in backward" in probe.sources
+    logged = last_logged(logger)
+    for layer in {n.rpartition(".")[0] for n in per_example}:
+        parts = [per_example[n] for n in per_example if n.rpartition(".")[0] == layer]
+        snr = torch.cat([(g.mean(0).square() / (g.var(0) + 1e-5)).flatten() for g in parts])
+        assert rel(logged[f"grad_noise/gsnr/net.{layer}"], float(snr.mean())) < 1e-5
+    snr_all = torch.cat([(g.mean(0).square() / (g.var(0) + 1e-5)).flatten() for g in per_example.values()])
+    assert rel(logged["grad_noise/eb_criterion"], float(1 - 8 * snr_all.mean())) < 1e-5
+    assert math.isclose(logged["grad_noise/noise_floor"], math.sqrt(float(trace) / 8), rel_tol=1e-5)
+    assert math.isclose(logged["grad_noise/batch_grad_var/full_batch"], float(trace) / 8, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_mean_and_sum_losses_give_the_same_statistics(told):
+    data = classification_data("mlp", 32)
+    results = []
+    for reduction in ("mean", "sum"):
+        probe = BatchVarianceProbe(beta=0.5, loss_reduction=reduction if told else "auto")
+        fit(Classifier(network("mlp"), reduction), data, [probe], batch_size=8, steps=3)
+        results.append((float(probe.noise.trace_cov), float(probe.noise.grad_sq_norm)))
+    assert rel(results[1][0], results[0][0]) < 1e-9 and rel(results[1][1], results[0][1]) < 1e-9
+
+
+def test_accumulated_gradient_is_the_batch_gradient_and_so_are_the_estimates():
+    data = classification_data("mlp", 64)
+    runs = []
+    for accumulate, batch_size in ((4, 16), (1, 64)):
+        probe, recorder = BatchVarianceProbe(beta=0.0), Recorder()
+        fit(Classifier(network("mlp")), data, [probe, recorder], batch_size=batch_size, steps=1, accumulate=accumulate)
+        runs.append((recorder.grads[0], float(probe.noise.trace_cov), float(probe.noise.grad_sq_norm)))
+        assert probe.effective_batch_size == 64
+    (grad_acc, trace_acc, g2_acc), (grad_full, trace_full, g2_full) = runs
+    assert float((grad_acc - grad_full).norm() / grad_full.norm()) < 1e-6
+    assert rel(trace_acc, trace_full) < 1e-6 and rel(g2_acc, g2_full) < 1e-6
+
+
+def test_accumulation_is_not_noisier_than_the_equivalent_batch():
+    """The source article: 4 micro-batches of 16 have variance ∝ 1/16. Truth: tr Σ/64, like a batch of 64."""
+    steps = 40
+    data = classification_data("mlp", 64 * steps, seed=3)
+    probe, recorder = BatchVarianceProbe(beta=0.98, log_every_n_steps=steps - 1), Recorder()
+    logger = RecordingLogger()
+    fit(Classifier(network("mlp")), data, [probe, recorder], batch_size=16, steps=steps, accumulate=4, logger=logger)
+    grads = torch.stack(recorder.grads)
+    spread = float((grads - grads.mean(0)).square().sum(1).mean()) * steps / (steps - 1)
+    logged = last_logged(logger)
+    assert 0.7 < spread / logged["grad_noise/batch_grad_var/full_batch"] < 1.4  # not 4: tr Σ/16
+    assert math.isclose(logged["grad_noise/batch_grad_var/micro_batch"], 4 * logged["grad_noise/batch_grad_var/full_batch"])
+
+
+def _mixed_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Scale(5), nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def as_float32(data: TensorDataset) -> TensorDataset:
+    x, y = data.tensors
+    return TensorDataset(x.float(), y)
+
+
+@pytest.mark.parametrize("source", ["micro_batches", "vmap"])
+def test_fallback_sources_match_their_formulas(source):
+    """A layer without a per-example identity: measured from micro-batch means (4 × 4) or torch.func (4 of 16)."""
+    data = classification_data("mlp", 16)
+    probe = BatchVarianceProbe(beta=0.0, fallback_sub_batch=4)
+    module = Classifier(_mixed_net())
+    accumulate, batch_size = (4, 4) if source == "micro_batches" else (1, 16)
+    # float32: MicroBatchSquaredNorms (core/noise.py) takes fp32 norms and rejects float64 gradients
+    precision, tolerance = ("32-true", 1e-4) if source == "micro_batches" else ("64-true", 1e-6)
+    fit(module, as_float32(data) if precision == "32-true" else data, [probe], batch_size=batch_size, steps=1,
+        accumulate=accumulate, precision=precision)
+    assert ("micro-batches/ranks" if source == "micro_batches" else "torch.func vmap") in probe.sources
+    per_example = brute_force(module.net.double(), *data.tensors)
+    linear = torch.cat([g.flatten(1) for n, g in per_example.items() if not n.startswith("0.")], 1)
+    trace = (linear - linear.mean(0)).square().sum() / 15
+    g2 = linear.mean(0).square().sum() - trace / 16
+    scale = per_example["0.scale"]
+    if source == "micro_batches":  # McCandlish Eq. A.2 with n = 4 groups of b = 4
+        groups = scale.view(4, 4, -1).mean(1)
+        m, full = groups.square().sum(1).mean(), scale.mean(0).square().sum()
+        g2, trace = g2 + (4 * full - m) / 3, trace + 16 * (m - full) / 3
+    else:  # Bessel variance of the first 4 examples; ‖G‖² from the batch of 16
+        sub = scale[:4]
+        sub_trace = (sub - sub.mean(0)).square().sum() / 3
+        g2, trace = g2 + scale.mean(0).square().sum() - sub_trace / 16, trace + sub_trace
+    assert rel(float(probe.noise.trace_cov), float(trace)) < tolerance
+    assert rel(float(probe.noise.grad_sq_norm), float(g2)) < tolerance
+
+
+def test_closed_form_linear_regression():
+    """x ~ N(0, I_d), y = w*·x + ε, ε ~ N(0, σ²), ℓ = ½(w·x − y)², r = w − w*:
+    G = r, ‖G‖² = ‖r‖², tr Σ = (d + 1)‖r‖² + dσ² (Isserlis), at every w."""
+    d, sigma, batch, steps = 8, 0.5, 256, 200
+    g = torch.Generator().manual_seed(0)
+    w_star = torch.randn(d, generator=g, dtype=torch.float64)
+    x = torch.randn(batch * steps, d, generator=g, dtype=torch.float64)
+    y = x @ w_star + sigma * torch.randn(batch * steps, generator=g, dtype=torch.float64)
+    torch.manual_seed(0)
+    net = nn.Linear(d, 1, bias=False).double()
+
+    def truth(module: pl.LightningModule) -> tuple[float, float]:
+        r2 = float((module.net.weight.detach()[0] - w_star).square().sum())
+        return r2, (d + 1) * r2 + d * sigma**2
+
+    beta = 0.95
+    probe, recorder = BatchVarianceProbe(beta=beta), Recorder(truth)
+    history = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, *_: Any) -> None:
+            history.append((float(probe.noise.grad_sq_norm), float(probe.noise.trace_cov)))
+
+    fit(Regression(net, lr=0.002), TensorDataset(x, y), [probe, recorder, Watch()], batch_size=batch, steps=steps)
+    expected = NoiseScaleEMA(beta)
+    worst = [0.0, 0.0]
+    for step, ((true_g2, true_trace), (g2, trace)) in enumerate(zip(recorder.true_values, history)):
+        expected.update(torch.tensor(true_g2), torch.tensor(true_trace))
+        if step >= 50:
+            worst = [max(worst[0], rel(g2, float(expected.grad_sq_norm))), max(worst[1], rel(trace, float(expected.trace_cov)))]
+    assert worst[0] < 0.1 and worst[1] < 0.1, worst
+
+
+def _probe_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if "BatchVarianceProbe cannot measure" in str(w.message)]
+
+
+@pytest.mark.parametrize("case", ["batch_of_one", "nothing_supported"])
+def test_unavailable_warns_once_and_logs_nothing(case):
+    if case == "batch_of_one":
+        module, batch_size, probe = Classifier(network("mlp")), 1, BatchVarianceProbe()
+    else:
+        torch.manual_seed(0)
+        module, batch_size, probe = Classifier(nn.Sequential(Scale(5), nn.Tanh())), 8, BatchVarianceProbe(fallback=False)
+    logger = RecordingLogger()
+    data = TensorDataset(classification_data("mlp", 32).tensors[0], torch.randint(0, 3, (32,)))
+    stopper = GradNormEarlyStopping(mode="noise_band", patience=1, margin=1e6)  # would stop at once on any data
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = fit(module, data, [probe, stopper], batch_size=batch_size, steps=4, logger=logger)
+    assert trainer.global_step == 4 and not trainer.should_stop
+    assert len(_probe_warnings(record)) == 1
+    assert last_logged(logger) == {}
+    assert int(probe.noise.count) == 0 and not bool(probe.noise.in_noise_band(batch_size, 1.0))
+    assert math.isfinite(float(probe.noise.trace_cov)) and math.isfinite(float(probe.noise.grad_sq_norm))
+
+
+def test_batchnorm_micro_batch_warning_and_the_deviation_it_causes():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    data = as_float32(classification_data("mlp", 64))
+    probe = BatchVarianceProbe()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(net), data, [probe], batch_size=2, steps=2, accumulate=4, precision="32-true")
+    assert "BatchNorm (net.1) couples the examples" in probe.sources
+    assert any("every feature becomes ±1" in str(w.message) for w in record)
+
+    x, y = data.tensors
+    net.train()
+
+    def accumulated_gradient(micro: int) -> torch.Tensor:
+        net.zero_grad()
+        for chunk in range(0, 64, micro):
+            (F.cross_entropy(net(x[chunk:chunk + micro]), y[chunk:chunk + micro]) * micro / 64).backward()
+        return torch.cat([p.grad.flatten() for p in net.parameters()])
+
+    full = accumulated_gradient(64)
+    deviation = {m: float((accumulated_gradient(m) - full).norm() / full.norm()) for m in (32, 16, 8, 4)}
+    print(f"BatchNorm: ‖accumulated − full-batch gradient‖/‖full‖ by micro-batch size: {deviation}")
+    assert deviation[32] < deviation[16] < deviation[8] < deviation[4] and deviation[32] > 1e-3
+
+
+def test_outlying_examples_are_reported_by_index():
+    data = classification_data("mlp", 16)
+    data.tensors[1][11] = (data.tensors[1][11] + 1) % 3  # a wrong label: a large gradient
+    probe = BatchVarianceProbe(histogram_every_n_steps=1, top_k=3)
+    module = Classifier(network("mlp"))
+    fit(module, data, [probe], batch_size=16, steps=1)
+    norms = sum(g.flatten(1).square().sum(1) for g in brute_force(module.net, *data.tensors).values()).sqrt()
+    truth = torch.topk(norms, 3)
+    assert [i for i, _ in probe.last_outliers] == truth.indices.tolist()
+    assert torch.allclose(torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth.values)
+
+
+def test_logged_tags_and_cadence():
+    logger = RecordingLogger()
+    probe = BatchVarianceProbe(every_n_steps=2, log_every_n_steps=3)  # rounded up to every 4 steps
+    fit(Classifier(network("mlp")), classification_data("mlp", 80), [probe], batch_size=8, steps=9, logger=logger)
+    assert [step for step, _ in logger.series["grad_noise/trace_cov"]] == [0, 4, 8]
+    tags = set(last_logged(logger))
+    assert {"grad_noise/trace_cov", "grad_noise/grad_sq_norm", "grad_noise/b_simple_rel_err",
+            "grad_noise/b_simple_unreliable", "grad_noise/noise_floor", "grad_noise/batch_grad_var/micro_batch",
+            "grad_noise/batch_grad_var/full_batch", "grad_noise/eb_criterion", "grad_noise/gsnr/net.0"} <= tags
+    assert all(math.isfinite(v) for series in logger.series.values() for _, v in series)
+    assert int(probe.noise.count) == 5
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+def test_state_round_trips_through_a_checkpoint(tmp_path):
+    data = classification_data("mlp", 64)
+    probe = BatchVarianceProbe(beta=0.9)
+    trainer = fit(Classifier(network("mlp"), lr=0.1), data, [probe], batch_size=8, steps=4)
+    path = tmp_path / "probe.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["callbacks"][probe.state_key]
+    assert probe.state_key == "BatchVarianceProbe{'every_n_steps': 1, 'beta': 0.9}"
+
+    restored = BatchVarianceProbe(beta=0.9)
+    restored.load_state_dict(state)
+    assert int(restored.noise.count) == 4 and restored.effective_batch_size == 8
+    assert float(restored.noise.trace_cov) == pytest.approx(float(probe.noise.trace_cov), rel=1e-12)
+    assert float(restored.noise_error.relative_error(restored.noise)) == pytest.approx(
+        float(probe.noise_error.relative_error(probe.noise)), rel=1e-12)
+    BatchVarianceProbe().load_state_dict({})  # an older checkpoint without this state still loads
+
+    resumed = BatchVarianceProbe(beta=0.9)
+    pl.Trainer(max_steps=6, callbacks=[resumed], logger=False, enable_progress_bar=False, enable_checkpointing=False,
+               enable_model_summary=False, accelerator="cpu", devices=1, precision="64-true").fit(
+        Classifier(network("mlp"), lr=0.1), DataLoader(data, batch_size=8), ckpt_path=path)
+    assert int(resumed.noise.count) == 6
+
+
+def test_amp_loss_scale_is_undone():
+    data = TensorDataset(classification_data("mlp", 16).tensors[0].float(), classification_data("mlp", 16).tensors[1])
+    values = []
+    for precision in ("32-true", MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))):
+        probe = BatchVarianceProbe(beta=0.0)
+        torch.manual_seed(0)
+        fit(Classifier(mlp()), data, [probe], batch_size=16, steps=1, precision=precision)
+        values.append((float(probe.noise.trace_cov), float(probe.noise.grad_sq_norm)))
+    assert rel(values[1][0], values[0][0]) < 0.02 and rel(values[1][1], values[0][1]) < 0.05
+
+
+# ------------------------------------------------------------------------------------------- DDP
+
+
+class InterleavedRanks(pl.LightningDataModule):
+    """Rank r gets examples r, r + 2, ... in order (Lightning's own sampler would shuffle training data)."""
+
+    def __init__(self, data: TensorDataset, batch_size: int) -> None:
+        super().__init__()
+        self.data, self.batch_size = data, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = DistributedSampler(self.data, self.trainer.world_size, self.trainer.global_rank, shuffle=False)
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
+
+
+class RankReport(pl.Callback):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        probe = next(c for c in trainer.callbacks if isinstance(c, BatchVarianceProbe))
+        report = {"trace_cov": float(probe.noise.trace_cov), "grad_sq_norm": float(probe.noise.grad_sq_norm),
+                  "count": int(probe.noise.count), "effective_batch_size": probe.effective_batch_size,
+                  "sources": probe.sources}
+        Path(self.folder, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.slow
+def test_ddp_uses_rank_and_global_gradients_and_agrees_with_one_process(tmp_path):
+    data, steps = as_float32(classification_data("mlp", 16 * 30, seed=5)), 30
+    pl.Trainer(
+        strategy="ddp_spawn", accelerator="cpu", devices=2, max_steps=steps, logger=False,
+        callbacks=[BatchVarianceProbe(beta=0.9), RankReport(str(tmp_path))], enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
+    ).fit(Classifier(_mixed_net()), datamodule=InterleavedRanks(data, batch_size=8))
+    ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]  # every rank holds the same value
+    assert ranks[0]["count"] == steps and ranks[0]["effective_batch_size"] == 16
+    assert "micro-batches/ranks" in ranks[0]["sources"]  # Scale: per-rank vs global gradient
+
+    single = BatchVarianceProbe(beta=0.9, fallback_sub_batch=16)
+    module = Classifier(_mixed_net())
+    fit(module, data, [single], batch_size=16, steps=steps, precision="32-true")
+    assert "torch.func vmap" in single.sources
+    assert rel(ranks[0]["trace_cov"], float(single.noise.trace_cov)) < 0.1  # within sampling error
+
+    # The Linear layers' per-example part is the same in both runs (lr = 0): the whole difference is the
+    # Scale layer's, measured from the two ranks' halves (n = 2, b = 8) in DDP and per example on one process.
+    ranks_part, example_part = NoiseScaleEMA(0.9), NoiseScaleEMA(0.9)
+    x, y = data.tensors
+    for step in range(steps):
+        batch = slice(16 * step, 16 * step + 16)
+        g = brute_force(module.net.double(), x[batch].double(), y[batch])["0.scale"]
+        full, halves = g.mean(0).square().sum(), torch.stack([g[0::2].mean(0), g[1::2].mean(0)])
+        m = halves.square().sum(1).mean()
+        ranks_part.update(2 * full - m, 16 * (m - full))
+        example_trace = (g - g.mean(0)).square().sum() / 15
+        example_part.update(full - example_trace / 16, example_trace)
+    for key in ("trace_cov", "grad_sq_norm"):
+        measured = ranks[0][key] - float(getattr(single.noise, key))
+        expected = float(getattr(ranks_part, key) - getattr(example_part, key))
+        assert abs(measured - expected) < 1e-4 * abs(ranks[0][key]), key
+
+
+def test_demo_cnn_runs_with_the_probe():
+    pytest.importorskip("sklearn")
+    from trainvitals.demo.data import DigitsDataModule
+    from trainvitals.demo.model import DigitsCNN
+
+    probe = BatchVarianceProbe(log_every_n_steps=5, histogram_every_n_steps=5)
+    logger = RecordingLogger()
+    torch.manual_seed(0)
+    trainer = pl.Trainer(max_steps=10, callbacks=[probe], logger=logger, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=32))
+    assert "Conv2d×2, Linear×2 (100.0% of parameters)" in probe.sources
+    assert int(probe.noise.count) == 10 and probe.effective_batch_size == 32
+    assert len(logger.series["grad_noise/trace_cov"]) == 2 and float(probe.noise.b_simple) > 0

@@ -1,0 +1,326 @@
+"""core.memory against hand counts, the Korthikanti et al. transformer count and real checkpointing."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
+
+from trainvitals.core.memory import (
+    OUTSIDE,
+    ROOT,
+    GraphLeakFinding,
+    HeldGraphTracker,
+    ModelStateBytes,
+    SavedTensorRecorder,
+    StepMemory,
+    byte_unit,
+    checkpoint_savings,
+    format_bytes,
+    graph_holders,
+    largest_batch,
+    mixed_precision_savings,
+    model_state_bytes,
+    rank_remedies,
+    tensors_in,
+    transformer_layer_activation_bytes,
+    unique_storage_bytes,
+    whole_forward_modules,
+)
+
+F32 = 4  # bytes per float32 element
+
+
+def record(module, *inputs, exclude=(), loss_fn=None):
+    """One forward of ``module`` under a recorder; returns the report and the loss (not yet backpropagated)."""
+    with SavedTensorRecorder(module, exclude=exclude) as rec:
+        out = module(*inputs)
+        loss = loss_fn(out) if loss_fn is not None else out.sum()
+    return rec, rec.report(), loss
+
+
+def test_mlp_saved_bytes_per_module_match_the_hand_count():
+    B, D, H, C = 5, 3, 7, 4
+    mlp = nn.Sequential(nn.Linear(D, H), nn.LayerNorm(H), nn.Tanh(), nn.Dropout(0.5), nn.Linear(H, C))
+    x, y = torch.randn(B, D), torch.randint(0, C, (B,))
+    _, report, _ = record(mlp, x, exclude=[x, y], loss_fn=lambda out: F.cross_entropy(out, y))
+    assert report.by_module == {
+        # LayerNorm: its input, and the per-row mean and reciprocal std; weight and bias are parameters.
+        "1": F32 * (B * H + 2 * B),
+        "2": F32 * B * H,  # Tanh: its output
+        "3": F32 * B * H,  # dropout on CPU multiplies by a float mask and saves the mask
+        "4": F32 * B * H,  # Linear: its input (the dropout output); weight.t() is a parameter view
+        # log_softmax saves its output, nll_loss the same storage again (counted once) and a 0-d total
+        # weight; the target is the batch.
+        OUTSIDE: F32 * (B * C + 1),
+    }
+    # The first Linear saved the batch and weight.t() only: nothing of its own.
+    assert "0" not in report.by_module
+    assert report.total_bytes == sum(report.by_module.values())
+    log_probs = next(s for s in report.storages.values() if s.nbytes == F32 * B * C)
+    assert log_probs.savers == (OUTSIDE, OUTSIDE)
+
+
+def test_buffers_parameters_and_tied_weights_are_not_activations():
+    B, H = 6, 5
+    bn = nn.BatchNorm1d(H)
+    x = torch.randn(B, H, requires_grad=True)
+    _, report, _ = record(bn, x)
+    # Input, save_mean, save_invstd; weight, running_mean, running_var are a parameter and buffers.
+    assert report.by_module == {ROOT: F32 * (B * H + 2 * H)}
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.out = nn.Linear(4, 10, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, i):
+            return self.out(self.emb(i))
+
+    tied = Tied()
+    assert unique_storage_bytes(tied.parameters()) == F32 * 10 * 4  # one storage, counted once
+    i = torch.randint(0, 10, (3,))
+    _, report, _ = record(tied, i, exclude=[i])
+    assert report.by_module == {"out": F32 * 3 * 4}  # the embedding saved only the indices (the batch)
+
+
+def test_innermost_module_owns_the_bytes_and_views_share_a_storage():
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(4, 8), nn.Sigmoid())
+
+        def forward(self, x):
+            h = self.inner(x)
+            return (h[:, :3] * h[:, 3:6]).sum()  # two views of the sigmoid output, saved by mul
+
+    x = torch.randn(2, 4)
+    _, report, _ = record(Outer(), x, exclude=[x], loss_fn=lambda out: out)
+    assert report.by_module == {"inner.1": F32 * 2 * 8}
+    (storage,) = report.storages.values()
+    assert storage.savers == ("inner.1", ROOT, ROOT)
+
+
+def test_transformer_block_matches_korthikanti_within_ten_percent():
+    # Korthikanti et al. 2022, §4.1: s·b·h·(34 + 5as/h) bytes in fp16 (masks 1 byte).
+    assert transformer_layer_activation_bytes(8, 2, 16, 4) == 8 * 2 * 16 * (34 + 5 * 4 * 8 / 16)
+
+    class Block(nn.Module):
+        """Pre-LN block with explicit softmax attention and dropout where Megatron has it."""
+
+        def __init__(self, h, a, p=0.1):
+            super().__init__()
+            self.a = a
+            self.ln1, self.qkv, self.proj = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h)
+            self.drop_attn, self.drop1, self.drop2 = nn.Dropout(p), nn.Dropout(p), nn.Dropout(p)
+            self.ln2, self.fc1, self.act = nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.GELU()
+            self.fc2 = nn.Linear(4 * h, h)
+
+        def forward(self, x):
+            s, b, h = x.shape
+            heads = lambda t: t.reshape(s, b * self.a, h // self.a).transpose(0, 1)  # noqa: E731
+            q, k, v = map(heads, self.qkv(self.ln1(x)).chunk(3, dim=-1))
+            probs = self.drop_attn(torch.softmax(q @ k.transpose(1, 2) / math.sqrt(h // self.a), dim=-1))
+            x = x + self.drop1(self.proj((probs @ v).transpose(0, 1).reshape(s, b, h)))
+            return x + self.drop2(self.fc2(self.act(self.fc1(self.ln2(x)))))
+
+    s, b, h, a = 32, 4, 64, 4
+    x = torch.randn(s, b, h, requires_grad=True)  # the block input is an activation, not the batch
+    _, report, _ = record(Block(h, a), x)
+    # fp32 (4-byte floats) and CPU dropout, which saves a float mask: 4 bytes per mask element.
+    expected = transformer_layer_activation_bytes(s, b, h, a, float_bytes=F32, mask_bytes=F32)
+    assert report.total_bytes == pytest.approx(expected, rel=0.10)
+    # The attention-score terms, a·s²·b elements each: the dropout owns its mask; the softmax output
+    # and the dropout output are saved by ops in the block's own forward.
+    assert report.by_module["drop_attn"] == F32 * a * s * s * b
+
+
+def test_optimizer_state_bytes_after_the_first_step():
+    def stepped(make_optimizer):
+        model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2))
+        opt = make_optimizer(model.parameters())
+        model(torch.randn(3, 6)).sum().backward()
+        opt.step()
+        return model, opt
+
+    param_bytes = F32 * (6 * 5 + 5 + 5 * 2 + 2)
+    model, adam = stepped(lambda p: torch.optim.Adam(p, lr=1e-3))
+    n_tensors = len(list(model.parameters()))
+    # exp_avg and exp_avg_sq per parameter, plus a 0-d float32 `step` per parameter.
+    assert model_state_bytes(model.parameters(), [adam]) == ModelStateBytes(
+        param_bytes, param_bytes, 2 * param_bytes + F32 * n_tensors)
+    model, sgd_momentum = stepped(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    assert model_state_bytes(model.parameters(), [sgd_momentum]).optimizer_state == param_bytes
+    model, sgd = stepped(lambda p: torch.optim.SGD(p, lr=0.1))
+    assert model_state_bytes(model.parameters(), [sgd]).optimizer_state == 0
+    model.zero_grad(set_to_none=True)
+    assert model_state_bytes(model.parameters()).gradients == 0
+
+
+def test_recorder_holds_no_reference_after_backward():
+    mlp = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    outputs = []
+    for m in mlp:
+        m.register_forward_hook(lambda _m, _i, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+    x = torch.randn(8, 4)
+    rec, report, loss = record(mlp, x, exclude=[x])
+    assert report.total_bytes > 0 and rec.held()  # the graph holds its saved tensors until backward
+    refs = [r for refs in rec._refs.values() for r in refs]
+    loss.backward()
+    del loss
+    # No gc.collect(): reference counting alone frees them, so there is no cycle through the recorder.
+    assert all(r() is None for r in refs)
+    assert all(r.expired() for r in outputs)
+    assert rec.held() == {}
+
+
+def test_recorder_removes_its_hooks_and_survives_a_failing_forward():
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+
+    model = nn.Sequential(nn.Linear(2, 2), Fails())
+    rec = SavedTensorRecorder(model)
+    with pytest.raises(ValueError, match="boom"), rec:
+        model(torch.randn(1, 2))
+    assert not rec.active and rec._stack == []
+    assert not nn.modules.module._global_forward_pre_hooks and not nn.modules.module._global_forward_hooks
+    before = rec.report().total_bytes
+    model[0](torch.randn(1, 2, requires_grad=True)).sum()  # saves its input, but not through the recorder
+    assert rec.report().total_bytes == before
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_savings_match_real_checkpointing(use_reentrant):
+    class Checkpointed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=use_reentrant)
+
+    def make():
+        torch.manual_seed(0)
+        body = nn.Sequential(nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU())
+        return nn.Sequential(nn.Linear(16, 64), body, nn.Linear(64, 4))
+
+    x = torch.randn(32, 16)
+    _, plain, _ = record(make(), x, exclude=[x])
+    model = make()
+    model[1] = Checkpointed(model[1])
+    _, checkpointed, _ = record(model, x, exclude=[x])
+    predicted = checkpoint_savings(plain)["1"]
+    # Inside `1`: the Tanh outputs (two) and the GELU input are freed; its input (the first Linear's
+    # output) is now saved by the checkpoint instead of by the Tanh: 3 − 1 saved (32, 64) tensors.
+    assert predicted == 2 * F32 * 32 * 64
+    assert plain.total_bytes - checkpointed.total_bytes == predicted
+    # Checkpointing an element-wise op alone costs memory: its input becomes saved too.
+    assert checkpoint_savings(plain)["1.0"] == -F32 * 32 * 64
+
+
+def running_loss_steps(keep_graph: bool, steps: int):
+    """A loop that adds each loss to ``self.running_loss`` and backpropagates with retain_graph=True."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+            self.running_loss = torch.zeros(())
+
+    model, tracker, observations = Model(), HeldGraphTracker(), []
+    for step in range(steps):
+        x = torch.randn(8, 4)
+        with SavedTensorRecorder(model, exclude=[x]) as rec:
+            loss = model.net(x).pow(2).mean()
+        per_step = rec.report().total_bytes
+        model.running_loss = model.running_loss + (loss if keep_graph else loss.item())
+        loss.backward(retain_graph=True)  # the usual "fix" for backpropagating through running_loss twice
+        del loss
+        observations.append(tracker.update(step, rec.held()))
+    return model, per_step, observations
+
+
+def test_running_loss_keeps_every_step_graph_alive():
+    steps = 5
+    model, per_step, seen = running_loss_steps(keep_graph=True, steps=steps)
+    assert seen[-1].held_bytes == pytest.approx(steps * per_step, rel=0.10)
+    assert [o.leaking for o in seen] == [False] + [True] * (steps - 1)
+    assert seen[-1].carried_bytes == (steps - 1) * seen[-1].step_bytes and seen[-1].first_step == 0
+    assert graph_holders(model) == ["self.running_loss"]
+    finding = GraphLeakFinding(seen[-1].step, seen[-1].held_bytes, seen[-1].step_bytes, 0, ("self.running_loss",))
+    assert finding.estimated_bytes == seen[-1].held_bytes
+    assert "`self.running_loss`" in finding.message and ".item()" in finding.message
+
+
+def test_running_loss_as_a_float_stays_flat():
+    model, _, seen = running_loss_steps(keep_graph=False, steps=5)
+    assert all(o.held_bytes == 0 and not o.leaking for o in seen)
+    assert graph_holders(model) == []
+
+
+def test_graph_holders_search_containers_and_submodules():
+    model = nn.Sequential(nn.Linear(2, 2))
+    w = torch.ones(2, requires_grad=True)
+    model[0].history = [torch.zeros(1), {"last": w * 2}]
+    model.fine = (w * 2).detach()
+    assert graph_holders(model, prefix="model") == ["model.0.history"]
+
+
+def test_largest_batch_and_remedies_closed_form():
+    assert largest_batch(1000, 200, 80, 4) == 40  # 800 bytes free at 20 bytes per example
+    assert largest_batch(100, 200, 80, 4) == 0
+    with pytest.raises(ValueError, match="scaling_bytes"):
+        largest_batch(1000, 0, 0, 4)
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            block = nn.Sequential(nn.GELU(), nn.Linear(32, 32), nn.GELU())
+            self.net = nn.Sequential(nn.Linear(8, 32), block, nn.Linear(32, 2))
+
+        def forward(self, x):
+            return self.net(x)
+
+    B, act = 16, F32 * 16 * 32  # bytes of one (B, 32) float32 activation
+    x = torch.randn(B, 8)
+    _, report, _ = record(Wrapped(), x, exclude=[x])
+    # Each GELU saves its input, the middle and last Linear theirs (the last one's is the block output).
+    assert report.total_bytes == 4 * act
+    assert mixed_precision_savings(report) == 2 * act
+    # Inside net.1: three of them; its input (the first) stays saved by the checkpoint.
+    assert checkpoint_savings(report)["net.1"] == 2 * act
+    assert whole_forward_modules(report) == {"net"}  # checkpointing it is checkpointing the model
+
+    state = ModelStateBytes(parameters=1000, gradients=1000, optimizer_state=2000)
+    memory = StepMemory(state, inputs_bytes=F32 * B * 8, activations=report, batch_size=B, budget_bytes=10**6)
+    per_example = (4 * act + F32 * B * 8) / B
+    assert memory.largest_batch() == int((10**6 - 4000) / per_example)
+    assert dataclasses.replace(memory, batch_size=0).largest_batch() is None  # no batch dimension seen
+    assert dataclasses.replace(memory, budget_bytes=None).largest_batch() is None
+    remedies = rank_remedies(memory, top_k=2)
+    assert [(r.kind, r.target, r.bytes_freed) for r in remedies] == [
+        ("activation checkpointing", "net.1", 2 * act), ("mixed precision", "", 2 * act),
+        ("optimizer state", "", 2000)]
+    assert remedies[0].largest_batch == int((10**6 - 4000) / (per_example - 2 * act / B))
+    assert remedies[2].largest_batch == int((10**6 - 2000) / per_example)
+    with pytest.raises(ValueError, match="top_k"):
+        rank_remedies(memory, top_k=-1)
+
+
+def test_helpers():
+    t = torch.zeros(3)
+    assert list(tensors_in({"a": [t, (t, 1)], "b": "x"})) == [t, t]
+    assert unique_storage_bytes([t, t[1:], torch.zeros(2)]) == F32 * 5
+    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.50 KiB" and format_bytes(3 * 2**30) == "3.00 GiB"
+    assert byte_unit(1023) == (1, "B") and byte_unit(2**20) == (2**20, "MiB") and byte_unit(2**60) == (2**40, "TiB")
+    with pytest.raises(ValueError, match="max_steps"):
+        HeldGraphTracker(max_steps=0)

@@ -1,0 +1,282 @@
+"""core.per_example against brute force: one forward/backward per example, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
+from trainvitals.core.per_example import (
+    PER_EXAMPLE_LAYERS,
+    PerExampleGradients,
+    detect_loss_reduction,
+    eb_criterion,
+    gradient_snr,
+    per_example_estimates,
+    plan_sources,
+    sub_batch_estimates,
+    vmap_per_example_grads,
+)
+
+B = 6
+
+
+class Scale(nn.Module):
+    """A layer with no per-example identity: y = x ⊙ s."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class SequenceModel(nn.Module):
+    """Embedding → LayerNorm → Linear on (B, T, 16) (ghost Gram) → Conv1d over T → Linear on (B, T, 4)
+    (2T² > I·O: per-example block) → mean over T."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(13, 16, padding_idx=0)
+        self.norm = nn.LayerNorm(16)
+        self.proj = nn.Linear(16, 16)
+        self.conv = nn.Conv1d(16, 4, 3, padding="same")
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(self.norm(self.emb(tokens))))
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(h).mean(1)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, stride=2, padding=1, padding_mode="reflect"), nn.ReLU(),
+        nn.Flatten(), nn.Linear(4 * 3 * 3, 3),
+    )
+
+
+def make_case(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    target = torch.randint(0, 3, (B,))
+    if kind == "mlp":
+        return mlp().double(), torch.randn(B, 5, dtype=torch.float64), target
+    if kind == "cnn":
+        return cnn().double(), torch.randn(B, 2, 6, 6, dtype=torch.float64), target
+    tokens = torch.randint(0, 13, (B, 6))
+    tokens[0, :3] = 5  # a repeated token: its rows add up inside one example
+    tokens[1, -2:] = 0  # padding: no gradient
+    return SequenceModel().double(), tokens, target
+
+
+def brute_force(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{parameter name: (B, *shape)}: the gradient of each example's own loss, one backward each."""
+    grads: dict[str, list[torch.Tensor]] = {n: [] for n, _ in model.named_parameters()}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        for n, p in model.named_parameters():
+            grads[n].append(p.grad.clone())
+    model.zero_grad()
+    return {n: torch.stack(g) for n, g in grads.items()}
+
+
+def hooked(model: nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean", coordinates: bool = True):
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, PER_EXAMPLE_LAYERS)}
+    collector = PerExampleGradients(modules, {}, 2)
+    collector.attach(coordinates=coordinates, keep_norms=True)
+    model.zero_grad()
+    F.cross_entropy(model(x), y, reduction=reduction).backward()
+    collector.end_micro_batch(float(x.shape[0]) if reduction == "mean" else 1.0)
+    collector.detach()
+    return collector.pop()
+
+
+def rel_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool:
+    return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * float(b.abs().max()) + 1e-300))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "sequence"])
+def test_per_example_statistics_match_brute_force(kind):
+    model, x, y = make_case(kind)
+    per_example = brute_force(model, x, y)
+    step = hooked(model, x, y)
+    assert not step.failed and step.num_examples == B
+    mean_grad = {n: p.grad.clone() for n, p in model.named_parameters()}  # mean loss: .grad is ḡ
+
+    # ‖g_i‖², and Σ_i g_i² per coordinate
+    truth_sq = sum(g.flatten(1).square().sum(1) for g in per_example.values())
+    assert rel_close(step.sq_norms[0], truth_sq)
+    for n, g in per_example.items():
+        assert rel_close(step.sum_sq[n], g.square().sum(0)), n
+
+    # tr Σ̂ (Bessel) and ‖G‖²_est
+    flat = torch.cat([g.flatten(1) for g in per_example.values()], 1)
+    truth_trace = (flat - flat.mean(0)).square().sum() / (B - 1)
+    truth_g2 = flat.mean(0).square().sum() - truth_trace / B
+    batch_sq = sum(g.square().sum() for g in mean_grad.values())
+    g2, trace = per_example_estimates(step.sq_norm_sum, batch_sq, B)
+    assert rel_close(trace, truth_trace) and rel_close(g2, truth_g2)
+
+    # per-layer GSNR and the EB criterion, with the unbiased per-coordinate variance and ε = 1e-5
+    variance = {n: g.var(0, unbiased=True) for n, g in per_example.items()}
+    snr = {n: per_example[n].mean(0).square() / (variance[n] + 1e-5) for n in per_example}
+    for n in per_example:
+        assert rel_close(gradient_snr(mean_grad[n], step.sum_sq[n], B), snr[n]), n
+    truth_eb = 1 - B * sum(s.sum() for s in snr.values()) / sum(s.numel() for s in snr.values())
+    eb = eb_criterion(mean_grad.values(), [step.sum_sq[n] for n in mean_grad], [B] * len(mean_grad))
+    assert rel_close(eb, truth_eb)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "sequence"])
+def test_mean_and_sum_reduction_give_the_same_statistics(kind):
+    model, x, y = make_case(kind)
+    mean_step, sum_step = hooked(model, x, y, "mean"), hooked(model, x, y, "sum")
+    assert rel_close(mean_step.sq_norms[0], sum_step.sq_norms[0], 1e-12)
+    for n in mean_step.sum_sq:
+        assert rel_close(mean_step.sum_sq[n], sum_step.sum_sq[n], 1e-12)
+
+
+def test_vmap_fallback_matches_brute_force():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), Scale(6), nn.GroupNorm(2, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(B, 4, dtype=torch.float64), torch.randint(0, 3, (B,))
+    per_example = brute_force(model, x, y)
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert set(plan.per_example) == {"0", "4"} and set(plan.vmap) == {"1", "2"}
+    collector = PerExampleGradients(plan.per_example, plan.vmap, sub_batch=4)
+    collector.attach(coordinates=True)
+    F.cross_entropy(model(x), y).backward()
+    collector.end_micro_batch(float(B))
+    step = collector.pop()
+    assert step.num_sub == 4 and not step.failed
+    sub = {n: g[:4] for n, g in per_example.items() if n.startswith(("1.", "2."))}
+    for n, g in sub.items():
+        assert rel_close(step.sub_grad_sum[n], g.sum(0)) and rel_close(step.sub_sum_sq[n], g.square().sum(0)), n
+    assert rel_close(step.sub_sq_norm_sum, sum(g.square().sum() for g in sub.values()))
+    direct = vmap_per_example_grads(model[1], (x[:2].new_ones(2, 6),), {}, torch.ones(2, 6, dtype=torch.float64))
+    assert torch.allclose(direct["scale"], torch.ones(2, 6, dtype=torch.float64))
+
+
+def test_sub_batch_estimates_are_the_per_example_ones_on_the_whole_batch():
+    torch.manual_seed(2)
+    g = torch.randn(8, 5, dtype=torch.float64) + 1.0
+    mean_sq = g.mean(0).square().sum()
+    full = per_example_estimates(g.square().sum(), mean_sq, 8)
+    sub = sub_batch_estimates(g.square().sum(), mean_sq, 8, mean_sq, 8)
+    assert torch.allclose(torch.stack(full), torch.stack(sub))
+    with pytest.raises(ValueError, match="num_sub"):
+        sub_batch_estimates(g[0].square().sum(), mean_sq, 1, mean_sq, 8)
+    with pytest.raises(ValueError, match="batch_size"):
+        sub_batch_estimates(g.square().sum(), mean_sq, 8, mean_sq, 4)
+
+
+def test_module_run_twice_is_reported_not_measured():
+    layer = nn.Linear(3, 3).double()
+    collector = PerExampleGradients({"layer": layer}, {}, 2)
+    collector.attach()
+    layer(layer(torch.randn(4, 3, dtype=torch.float64))).sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert "layer" in step.failed and step.sq_norm_sum is None
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """Bytes of every tensor any op returns (views counted again): an upper bound on what is allocated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.total += sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def test_ghost_norms_materialise_no_per_example_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    batch = 64
+    x, y = torch.randn(batch, 128), torch.randint(0, 10, (batch,))
+
+    def allocated(attach: bool, coordinates: bool = False) -> int:
+        collector = PerExampleGradients({n: m for n, m in model.named_children() if isinstance(m, nn.Linear)}, {}, 2)
+        if attach:
+            collector.attach(coordinates=coordinates)
+        model.zero_grad(set_to_none=True)
+        with AllocatedBytes() as counter:
+            F.cross_entropy(model(x), y).backward()
+            collector.end_micro_batch(float(batch))
+        collector.detach()
+        return counter.total
+
+    bare = allocated(False)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0 < allocated(True) - bare < 0.1 * batch * parameter_bytes
+    # Σ_i g_i² for 2-D Linear inputs: (Δ²)ᵀ(A²), a few parameter-sized tensors whatever the batch
+    assert allocated(True, coordinates=True) - bare < 0.2 * batch * parameter_bytes
+
+
+@pytest.mark.parametrize(
+    ("make_loss", "expected"),
+    [
+        (lambda x, y: F.cross_entropy(x, y), "mean"),
+        (lambda x, y: F.cross_entropy(x, y, reduction="sum"), "sum"),
+        (lambda x, y: F.cross_entropy(x, y, label_smoothing=0.1), "mean"),
+        (lambda x, y: F.cross_entropy(x, torch.softmax(torch.randn(4, 3), 1)), "mean"),
+        (lambda x, y: F.mse_loss(x, torch.zeros(4, 3)) + 0.1 * x.new_ones(5, 5, requires_grad=True).square().sum(), "mean"),
+        (lambda x, y: x.square().sum(1).mean(), "mean"),
+        (lambda x, y: x.square().mean(1).sum(), "sum"),
+        (lambda x, y: F.cross_entropy(x, y) / 2 * torch.tensor(1024.0), "mean"),  # Lightning's /A, an AMP scale
+        (lambda x, y: x.square().sum() / 8, "mean"),  # a sum divided by (examples × tokens)
+        (lambda x, y: torch.logsumexp(x, 0).sum(), None),
+        (lambda x, y: F.cross_entropy(x, y) + x.square().sum(), None),
+    ],
+)
+def test_detect_loss_reduction(make_loss, expected):
+    x = torch.randn(4, 3, requires_grad=True)
+    assert detect_loss_reduction(make_loss(x, torch.tensor([0, 1, 2, 0])), batch_size=4, accumulation=2) == expected
+
+
+def test_plan_sources():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Scale(4), nn.Linear(4, 4, bias=False), nn.Linear(4, 4))
+    model[4].weight = model[3].weight  # tied
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert list(plan.per_example) == ["0"] and list(plan.vmap) == ["2"] and plan.coupled == ("1",)
+    assert plan.uncovered["1.weight"].startswith("BatchNorm") and plan.uncovered["3.weight"] == "tied parameter"
+    assert "4.bias" in plan.uncovered and "not measured" in plan.describe(model)
+    grouped = plan_sources(model, groups_available=True, fallback=False)
+    assert set(grouped.micro_batch) == {"1.weight", "1.bias", "2.scale", "3.weight", "4.bias"}  # tied: once
+    assert not grouped.uncovered
+    off = plan_sources(model, groups_available=False, fallback=False, exclude=["0"])
+    assert not off.per_example and not off.vmap and off.uncovered["2.scale"].endswith("fallback off")
+
+
+def test_noise_scale_error_shrinks_with_steps_and_flags_one_update():
+    torch.manual_seed(0)
+    noise, error = NoiseScaleEMA(0.9), NoiseScaleError(0.9)
+    noise.update(torch.tensor(1.0), torch.tensor(10.0))
+    error.update(torch.tensor(1.0), torch.tensor(10.0))
+    assert torch.isinf(error.relative_error(noise))
+    spreads = []
+    for _ in range(200):
+        g, s = 1.0 + 0.3 * torch.randn(()), 10.0 + 2.0 * torch.randn(())
+        noise.update(g, s)
+        error.update(g, s)
+        spreads.append(float(error.relative_error(noise)))
+    # independent steps: Var(ratio)/ratio² ≈ (0.3² + 0.2²)/n_eff, n_eff = (1 + β)/(1 − β) = 19
+    assert 0.6 * (0.13 / 19) ** 0.5 < spreads[-1] < 1.6 * (0.13 / 19) ** 0.5
+    restored = NoiseScaleError(0.9)
+    restored.load_state_dict(error.state_dict())
+    assert torch.allclose(restored.relative_error(noise), error.relative_error(noise))

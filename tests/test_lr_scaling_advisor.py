@@ -1,0 +1,272 @@
+"""LRScalingAdvisor in real Trainer runs: effective batch per strategy, scheduled lrs, B̂ sources,
+the reference warning, loss-reduction detection, logging, and argument checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+import lightning.pytorch as pl
+from _models import loader, regression_data
+from conftest import RecordingLogger, trainer_kwargs
+from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
+from trainvitals.core.noise import NoiseScaleEMA
+
+D = 6
+
+
+class Model(pl.LightningModule):
+    """Linear regression behind BatchNorm and Dropout (so that RNG and buffers matter).
+
+    ``groups``: lrs of the optimizer's param groups (weight, bias), one lr for one group.
+    ``gamma``: a per-step StepLR factor. ``jitter``: input noise drawn in ``training_step`` itself,
+    which eval mode does not turn off. The buffer ``seen`` counts the examples trained on.
+    """
+
+    def __init__(self, optimizer: type = torch.optim.SGD, groups: tuple[float, ...] = (0.01,), reduction: str = "mean",
+                 gamma: float | None = None, warmup_from_zero: bool = False, jitter: float = 0.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.BatchNorm1d(D), nn.Dropout(0.2), nn.Linear(D, 1))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.optimizer, self.groups, self.reduction = optimizer, groups, reduction
+        self.gamma, self.warmup_from_zero, self.jitter = gamma, warmup_from_zero, jitter
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen += x.shape[0]
+        x = x + self.jitter * torch.randn_like(x)
+        loss = F.mse_loss(self.net(x), y, reduction=self.reduction)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        linear = self.net[2]
+        if len(self.groups) == 1:
+            opt = self.optimizer(self.parameters(), lr=self.groups[0])
+        else:
+            opt = self.optimizer([{"params": [linear.weight], "lr": self.groups[0]},
+                                  {"params": [linear.bias, *self.net[0].parameters()], "lr": self.groups[1]}])
+        if self.gamma is not None:
+            scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=self.gamma)
+        elif self.warmup_from_zero:
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 2))
+        else:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def fit(model: pl.LightningModule, callbacks, logger=None, batch_size: int = 8, **kwargs) -> Trainer:
+    kwargs = dict(max_steps=2) | kwargs
+    trainer = Trainer(**trainer_kwargs(callbacks=callbacks, logger=logger if logger is not None else False, **kwargs))
+    trainer.fit(model, loader(regression_data(64, D), batch_size))
+    return trainer
+
+
+# ---------------------------------------------------------------- effective batch
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_effective_batch_on_a_single_device(accumulate):
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1)
+    fit(Model(), [advisor], logger, batch_size=8, accumulate_grad_batches=accumulate)
+    assert advisor.per_device_batch == 8
+    assert advisor.effective_batch == 8 * accumulate
+    assert set(logger.values("lr_scaling/effective_batch")) == {8.0 * accumulate}
+
+
+class _DumpPerRank(Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        advisor = next(cb for cb in trainer.callbacks if isinstance(cb, LRScalingAdvisor))
+        with open(f"{self.out_dir}/rank{trainer.global_rank}.json", "w") as f:
+            json.dump({"effective": advisor.effective_batch, "per_device": advisor.per_device_batch,
+                       "reduction": advisor.loss_reduction, "report": advisor.report()}, f)
+
+
+@pytest.mark.slow
+def test_effective_batch_under_ddp_spawn_with_accumulation(tmp_path):
+    callbacks = [LRScalingAdvisor(every_n_steps=1, verbose=False), _DumpPerRank(str(tmp_path))]
+    fit(Model(), callbacks, batch_size=4, strategy="ddp_spawn", devices=2, accumulate_grad_batches=2, max_steps=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert rank["per_device"] == 4
+        assert rank["effective"] == 16  # 4 per device × 2 devices × 2 accumulated
+        assert rank["reduction"] == "mean"  # the probe ran through the DDP wrapper on both ranks
+        assert "2 (devices)" in rank["report"] and "DDPStrategy" in rank["report"]
+
+
+# ---------------------------------------------------------------- lrs, families, B̂
+def test_reports_follow_the_scheduled_lr_every_n_steps():
+    logger = RecordingLogger()
+    fit(Model(groups=(0.1,), gamma=0.5), [LRScalingAdvisor(every_n_steps=2, verbose=False)], logger, max_steps=6)
+    steps = [s for s, _ in logger.series["lr_scaling/effective_batch"]]
+    assert steps == [0, 2, 4, 6, 6]  # fit start, every 2 optimizer steps, end
+    expected = [0.1 * 0.5**s for s in steps]
+    assert logger.values("lr_scaling/lr/SGD") == pytest.approx(expected)
+    assert logger.values("lr_scaling/suggested_lr_x2/SGD") == pytest.approx([2 * lr for lr in expected])  # linear
+    assert logger.values("lr_scaling/suggested_lr_x0.5/SGD") == pytest.approx([lr / 2 for lr in expected])
+    assert "lr_scaling/b_noise" not in logger.series  # nothing measured: classic rules, no NaN
+
+
+class _NoiseSource(Callback):
+    def __init__(self, grad_sq_norm: float | None, trace_cov: float | None) -> None:
+        self.noise = NoiseScaleEMA()
+        if grad_sq_norm is not None:
+            self.noise.update(torch.tensor(grad_sq_norm), torch.tensor(trace_cov))
+
+
+def test_noise_scale_comes_from_a_callback_with_a_noise_estimate():
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
+    fit(Model(optimizer=torch.optim.Adam, groups=(1e-3,)), [_NoiseSource(None, None), _NoiseSource(0.01, 10.0), advisor],
+        logger, batch_size=8)
+    b_hat, b = 10.0 / 0.01, 8
+    assert logger.values("lr_scaling/b_noise") == pytest.approx([b_hat] * 4)
+    assert logger.values("lr_scaling/steps_over_min")[0] == pytest.approx(1 + b_hat / b)
+    assert logger.values("lr_scaling/examples_over_min")[0] == pytest.approx(1 + b / b_hat)
+    for m in (0.5, 2, 4, 8):
+        gain = (1 + b_hat / b) / (1 + b_hat / (m * b))
+        assert logger.values(f"lr_scaling/suggested_lr_x{m:g}/Adam")[0] == pytest.approx(1e-3 * math.sqrt(gain))
+    assert "_NoiseSource" in advisor.report() and "noise-aware" in advisor.report()
+
+
+def test_given_noise_scale_and_listed_targets():
+    logger = RecordingLogger()
+    fit(Model(groups=(0.1,)), [LRScalingAdvisor(noise_scale=40.0, target_batch_sizes=(100,), verbose=False)], logger)
+    assert logger.values("lr_scaling/b_noise")[0] == 40.0
+    assert logger.values("lr_scaling/suggested_lr_b100/SGD")[0] == pytest.approx(0.1 * (1 + 40 / 8) / (1 + 40 / 100))
+
+
+def test_param_groups_unknown_optimizers_and_zero_lr():
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
+    fit(Model(groups=(0.1, 0.01)), [advisor], logger)
+    assert logger.values("lr_scaling/suggested_lr_x2/SGD/pg1")[0] == pytest.approx(0.2)
+    assert logger.values("lr_scaling/suggested_lr_x2/SGD/pg2")[0] == pytest.approx(0.02)
+
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(verbose=False)
+    fit(Model(optimizer=torch.optim.Adagrad), [advisor], logger)
+    assert logger.values("lr_scaling/lr/Adagrad")[0] == pytest.approx(0.01)
+    assert not [tag for tag in logger.series if tag.startswith("lr_scaling/suggested_lr")]
+    assert "| Adagrad | unsure |" in advisor.report()
+
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
+    fit(Model(warmup_from_zero=True), [advisor], logger, max_steps=3)
+    assert [s for s, _ in logger.series["lr_scaling/lr/SGD"]][0] == 1  # nothing at step 0, where the lr is 0
+    assert advisor.advices["SGD"] is not None
+
+
+# ---------------------------------------------------------------- reference
+def _reference_warnings(recwarn) -> list[str]:
+    return [str(w.message) for w in recwarn if "lr was tuned at batch" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "reference", "lr", "warns"),
+    [
+        (torch.optim.SGD, (4, 0.01), 0.01, "SGD's lr was not rescaled: the linear rule suggests 0.04"),
+        (torch.optim.SGD, (4, 0.01), 0.02, "SGD's lr is 0.02: the linear rule suggests 0.04"),
+        (torch.optim.SGD, (4, 0.01), 0.04, None),
+        (torch.optim.SGD, (4, 0.01), 0.041, None),  # within 5%
+        (torch.optim.SGD, (16, 0.01), 0.01, None),  # same batch
+        (torch.optim.Adam, (4, 1e-3), 1e-3, "Adam's lr was not rescaled: the square-root rule suggests 0.002"),
+        (torch.optim.Adam, (4, 1e-3), 2e-3, None),
+        (torch.optim.SGD, (4, {"SGD": 0.01}), 0.01, "the linear rule suggests 0.04"),
+    ],
+)
+def test_reference_warning(recwarn, optimizer, reference, lr, warns):
+    advisor = LRScalingAdvisor(reference=reference, verbose=False)
+    fit(Model(optimizer=optimizer, groups=(lr,)), [advisor], batch_size=16, max_steps=3)
+    messages = _reference_warnings(recwarn)
+    if warns is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and warns in messages[0]
+    assert "**reference**" in advisor.report()
+
+
+# ---------------------------------------------------------------- loss reduction
+@pytest.mark.parametrize(("reduction", "ratio"), [("mean", 1.0), ("sum", 2.0)])
+def test_loss_reduction_is_detected(reduction, ratio):
+    advisor = LRScalingAdvisor(verbose=False)
+    fit(Model(reduction=reduction), [advisor], batch_size=8)
+    assert advisor.loss_reduction == reduction
+    assert advisor.loss_ratio == pytest.approx(ratio, rel=1e-5)
+    if reduction == "sum":
+        assert "effective lr of 8 × 0.01 = 0.08" in advisor.report()
+
+
+def test_the_probe_changes_nothing_in_training():
+    states = []
+    for detect in (False, True):
+        torch.manual_seed(0)
+        model = Model(jitter=0.1)
+        advisor = LRScalingAdvisor(detect_loss_reduction=detect, verbose=False)
+        fit(model, [advisor], batch_size=8, max_steps=4)
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+        assert model.training and int(model.seen) == 4 * 8
+    assert advisor.loss_reduction == "mean"
+    for key, value in states[0].items():
+        assert torch.equal(value, states[1][key]), key  # RNG (dropout) and BatchNorm buffers untouched
+
+
+class _Manual(Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+
+def test_manual_optimization_is_advised_but_not_probed():
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(verbose=False)
+    fit(_Manual(), [advisor], logger)
+    assert advisor.loss_reduction is None
+    assert logger.values("lr_scaling/suggested_lr_x2/SGD")[0] == pytest.approx(0.02)
+
+
+# ---------------------------------------------------------------- logging
+def test_tensorboard_gets_scalars_and_the_advice_text(tmp_path, caplog):
+    tb = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
+    advisor = LRScalingAdvisor(every_n_steps=2)
+    with caplog.at_level("INFO"):
+        fit(Model(), [advisor], tb, max_steps=4)
+    events = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("lr_scaling/effective_batch")] == [0, 2, 4, 4]
+    assert "lr_scaling/suggested_lr_x8/SGD" in events.Tags()["scalars"]
+    texts = events.Tensors("lr_scaling/advice/text_summary")
+    assert [e.step for e in texts] == [0, 4]
+    end_text = texts[-1].tensor_proto.string_val[0].decode()
+    assert end_text == advisor.report()
+    assert "| SGD | SGD-like | 0.01 | linear |" in advisor.report()
+    assert "LR scaling advice at optimizer step 4" in caplog.text
+
+
+# ---------------------------------------------------------------- arguments
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        (dict(every_n_steps=0), "every_n_steps"), (dict(every_n_steps=1.5), "every_n_steps"),
+        (dict(target_batch_sizes=(64, 0)), "target_batch_sizes"), (dict(target_batch_sizes=(-2,)), "target_batch_sizes"),
+        (dict(reference=(0, 0.1)), "reference"), (dict(reference=(64, 0.0)), "reference"),
+        (dict(reference=(64, -1e-3)), "reference"), (dict(reference=(64, {"SGD": 0})), "reference"),
+        (dict(reference=64), "reference"), (dict(noise_scale=0.0), "noise_scale"), (dict(noise_scale=-5), "noise_scale"),
+        (dict(batch_size=0), "batch_size"),
+    ],
+)
+def test_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        LRScalingAdvisor(**kwargs)

@@ -1,0 +1,301 @@
+"""MemoryTopologyProfiler in real fits against hand counts, a running-loss leak and real checkpointing."""
+
+from __future__ import annotations
+
+import csv
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as pl
+from conftest import RecordingLogger, trainer_kwargs
+from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
+from trainvitals.core.memory import OUTSIDE
+
+B, D, H, C = 8, 6, 16, 3  # batch, inputs, hidden units, classes
+F32, I64 = 4, 8
+
+
+def classification_loader(n: int = 64, batch_size: int = B) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(n, D, generator=g), torch.randint(0, C, (n,), generator=g))
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+class Classifier(pl.LightningModule):
+    """Linear(D→H) → Tanh → Linear(H→C), cross-entropy.
+
+    Saved per batch of ``b``, by hand: Tanh its output (b·H floats; the second Linear saves the same
+    storage again); outside any module, log_softmax its output (b·C floats, saved again by nll_loss)
+    and nll_loss a 0-d total weight. The first Linear saves only the batch; weights are parameters.
+    """
+
+    def __init__(self, optimizer: str = "adam", body: nn.Module | None = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(D, H), body or nn.Tanh(), nn.Linear(H, C))
+        self.optimizer = optimizer
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+PARAM_BYTES = F32 * (D * H + H + H * C + C)
+ACTIVATION_BYTES = F32 * (B * H + B * C + 1)
+
+
+def fit(model, profiler, logger=None, loader=None, extra_callbacks=(), **overrides):
+    trainer = Trainer(**trainer_kwargs(callbacks=[profiler, *extra_callbacks], logger=logger or False, **overrides))
+    trainer.fit(model, loader or classification_loader())
+    return trainer
+
+
+def test_logged_bytes_match_the_hand_count():
+    logger = RecordingLogger()
+    fit(Classifier(), MemoryTopologyProfiler(every_n_steps=100, first_steps=1), logger, max_steps=2)
+    assert all([step for step, _ in values] == [0] for values in logger.series.values())
+    first = {tag: values[0][1] for tag, values in logger.series.items()}
+    assert first == {
+        "memory/parameters_bytes": PARAM_BYTES,
+        "memory/gradients_bytes": PARAM_BYTES,
+        # Adam after its first step: two moments and a 0-d float32 step counter per parameter tensor.
+        "memory/optimizer_state_bytes": 2 * PARAM_BYTES + 4 * F32,
+        "memory/inputs_bytes": F32 * B * D + I64 * B,
+        "memory/activations_bytes": ACTIVATION_BYTES,
+        "memory/activations/net.1": F32 * B * H,
+        f"memory/activations/{OUTSIDE}": F32 * (B * C + 1),
+        "memory/held_saved_bytes": 0,
+    }
+
+
+def test_schedule_first_steps_and_every_n_and_accumulation():
+    logger = RecordingLogger()
+    fit(Classifier(optimizer="sgd"), MemoryTopologyProfiler(every_n_steps=4, first_steps=2), logger, max_steps=10)
+    assert [step for step, _ in logger.series["memory/activations_bytes"]] == [0, 1, 4, 8]
+    assert set(logger.values("memory/optimizer_state_bytes")) == {PARAM_BYTES}  # SGD momentum: 1 ×
+
+    # Under accumulation the step is complete (optimizer state and all) at the second micro-batch.
+    logger = RecordingLogger()
+    fit(Classifier(), MemoryTopologyProfiler(every_n_steps=1, first_steps=0), logger, max_steps=3,
+        accumulate_grad_batches=2)
+    assert [step for step, _ in logger.series["memory/activations_bytes"]] == [0, 1, 2]
+    assert logger.values("memory/optimizer_state_bytes")[0] == 2 * PARAM_BYTES + 4 * F32
+
+
+class RunningLoss(Classifier):
+    """Adds every loss to ``self.running_loss`` and backpropagates with ``retain_graph=True``, the usual
+    "fix" for the error of backpropagating through it twice. ``as_float`` is the control: ``.item()``."""
+
+    def __init__(self, as_float: bool) -> None:
+        super().__init__()
+        self.as_float = as_float
+        self.running_loss = torch.zeros(())
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.running_loss = self.running_loss + (loss.item() if self.as_float else loss)
+        return loss
+
+    def backward(self, loss, *args, **kwargs):
+        loss.backward(retain_graph=True)
+
+
+def test_running_loss_leak_is_found_and_named():
+    steps = 6
+    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(every_n_steps=1)
+    with pytest.warns(UserWarning, match=r"kept alive across steps.*`self\.running_loss`"):
+        fit(RunningLoss(as_float=False), profiler, logger, max_steps=steps)
+    held = logger.values("memory/held_saved_bytes")
+    per_step = logger.values("memory/activations_bytes")[0]
+    assert held[-1] == pytest.approx(steps * per_step, rel=0.10)
+    assert all(b > a for a, b in zip(held, held[1:]))  # grows step over step
+    (finding,) = profiler.findings
+    assert finding.holders == ("self.running_loss",) and finding.since_step == 0 and finding.step == steps - 1
+    assert "self.running_loss" in profiler.table_markdown()
+
+
+def test_running_loss_as_a_float_stays_flat_and_reports_nothing():
+    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(every_n_steps=1)
+    fit(RunningLoss(as_float=True), profiler, logger, max_steps=6)
+    # The retained graph of each step has no holder left by the step's end: it is freed with the loss.
+    assert logger.values("memory/held_saved_bytes") == [0.0] * 6
+    assert profiler.findings == []
+
+
+class _OutputsMustDie(Callback):
+    """Weak references to every module output of a profiled step; all dead at the step's end."""
+
+    def __init__(self) -> None:
+        self.refs: list[StorageWeakRef] = []
+        self.checked = 0
+
+    def on_train_batch_start(self, trainer, pl_module, *_):
+        self.refs.clear()
+        def keep(_module, _args, out):
+            self.refs.append(StorageWeakRef(out.untyped_storage()))
+
+        self.handles = [m.register_forward_hook(keep) for m in pl_module.modules()]
+
+    def on_train_batch_end(self, trainer, pl_module, *_):
+        for h in self.handles:
+            h.remove()
+        assert self.refs and all(r.expired() for r in self.refs)
+        self.checked += 1
+
+
+def test_profiler_holds_no_reference_after_a_step():
+    probe, profiler = _OutputsMustDie(), MemoryTopologyProfiler(every_n_steps=1)
+    fit(Classifier(), profiler, extra_callbacks=[probe], max_steps=3)
+    assert probe.checked == 3
+    assert profiler._tracker._steps == {}  # nothing held, so not even weak references are kept
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _body() -> nn.Module:
+    return nn.Sequential(nn.GELU(), nn.Linear(H, H), nn.GELU(), nn.Linear(H, H), nn.GELU())
+
+
+def test_checkpointing_the_advised_module_frees_the_predicted_bytes():
+    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=2**20)
+    fit(Classifier(body=_body()), profiler, logger, max_steps=1)
+    top = next(r for r in profiler.remedies if r.kind == "activation checkpointing")
+    assert top.target == "net.1"  # `net` is the whole forward
+    assert 0 < top.extra_compute < 1
+    before = logger.values("memory/activations_bytes")[0]
+
+    model = Classifier(body=_body())
+    model.net[1] = _Checkpointed(model.net[1])
+    logger = RecordingLogger()
+    fit(model, MemoryTopologyProfiler(first_steps=1), logger, max_steps=1)
+    after = logger.values("memory/activations_bytes")[0]
+    assert before - after == pytest.approx(top.bytes_freed, rel=0.05)
+
+
+def test_largest_batch_with_a_budget():
+    budget = 100_000
+    logger = RecordingLogger()
+    fit(Classifier(optimizer="sgd"), MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget), logger,
+        max_steps=1)
+    fixed = 3 * PARAM_BYTES  # parameters, gradients, momentum
+    per_example = (ACTIVATION_BYTES + F32 * B * D + I64 * B) / B
+    assert logger.values("memory/largest_batch") == [int((budget - fixed) / per_example)]
+
+
+def test_fit_end_table_and_picture_in_tensorboard(tmp_path, caplog):
+    pytest.importorskip("matplotlib")
+    logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
+    profiler = MemoryTopologyProfiler(first_steps=1)
+    with caplog.at_level("INFO"):
+        fit(Classifier(body=_body()), profiler, logger, max_steps=2)
+    table = profiler.table_markdown()
+    for heading in ("## Memory topology", "### Saved for backward, by module", "### Advice", "### Findings"):
+        assert heading in table
+    assert "`net.1.4`" in table and "activation checkpointing of `net.1`" in table
+    assert "pass `memory_budget_bytes`" in table  # CPU without a budget: no batch advice
+    assert table in caplog.text
+    events = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "tensors": 0}).Reload()
+    assert "memory/saved_bytes_by_module" in events.Tags()["images"]
+    assert any(tag.startswith("memory/report") for tag in events.Tags()["tensors"])
+    assert "memory/activations/net.1.4" in events.Tags()["scalars"]
+
+
+def test_without_matplotlib_the_picture_is_skipped_with_one_notice(monkeypatch, caplog):
+    profiler = MemoryTopologyProfiler(first_steps=1)
+    fit(Classifier(), profiler, max_steps=1)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import fails
+    with caplog.at_level("INFO"):
+        assert profiler.picture() is None and profiler.picture() is None
+    assert caplog.text.count("the picture needs matplotlib") == 1
+
+
+def test_state_survives_a_checkpoint(tmp_path):
+    profiler = MemoryTopologyProfiler(every_n_steps=1)
+    with pytest.warns(UserWarning, match="kept alive"):
+        trainer = fit(RunningLoss(as_float=False), profiler, max_steps=3)
+    path = tmp_path / "leak.ckpt"
+    trainer.save_checkpoint(path)
+    restored = MemoryTopologyProfiler(every_n_steps=1)
+    restored.load_state_dict(torch.load(path, weights_only=False)["callbacks"][restored.state_key])
+    assert restored.findings == profiler.findings and restored._last_profiled_step == 2
+    assert MemoryTopologyProfiler(every_n_steps=2).state_key != restored.state_key
+    fresh = MemoryTopologyProfiler()
+    fresh.load_state_dict({})  # an older checkpoint without the keys
+    assert fresh.findings == []
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"every_n_steps": 0}, "every_n_steps"), ({"first_steps": -1}, "first_steps"),
+    ({"memory_budget_bytes": 0}, "memory_budget_bytes"), ({"top_k": -1}, "top_k"),
+    ({"snapshot_steps": -1}, "snapshot_steps"), ({"max_modules_shown": 0}, "max_modules_shown"),
+])
+def test_invalid_arguments_name_themselves(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        MemoryTopologyProfiler(**kwargs)
+
+
+class _Unbatched(Classifier):
+    def training_step(self, batch, batch_idx):
+        return self.net(torch.ones(1, D)).sum()
+
+
+def test_unmeasurable_batch_warns_once_or_raises_when_strict():
+    scalar_batches = DataLoader([torch.tensor(1.0)] * 8, batch_size=None)
+    with pytest.warns(UserWarning, match="no tensor with a batch dimension"):
+        fit(_Unbatched(), MemoryTopologyProfiler(every_n_steps=1), max_steps=2, loader=scalar_batches)
+    with pytest.raises(RuntimeError, match="no tensor with a batch dimension"):
+        fit(_Unbatched(), MemoryTopologyProfiler(strict=True), max_steps=2, loader=scalar_batches)
+
+
+def test_snapshot_on_cpu_is_skipped_with_a_warning(tmp_path):
+    with pytest.warns(UserWarning, match="`snapshot_steps` needs CUDA"):
+        fit(Classifier(), MemoryTopologyProfiler(snapshot_steps=2), max_steps=2, default_root_dir=tmp_path)
+    assert not list(tmp_path.rglob("memory_snapshot*"))
+
+
+class _RankRecord(Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        profiler = next(cb for cb in trainer.callbacks if isinstance(cb, MemoryTopologyProfiler))
+        with open(f"{self.out_dir}/rank{trainer.global_rank}.txt", "w") as f:
+            f.write(str(profiler.last_metrics["memory/activations_bytes"]))
+
+
+@pytest.mark.slow
+def test_ddp_per_rank_numbers_logged_from_rank_zero(tmp_path):
+    logger = CSVLogger(tmp_path, name="csv")
+    trainer = Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=3, logger=logger,
+                                       callbacks=[MemoryTopologyProfiler(every_n_steps=1), _RankRecord(str(tmp_path))]))
+    trainer.fit(Classifier(), classification_loader(n=64))
+    # Each rank measures its own batch of B (the sampler splits the data, not the batch).
+    assert [float((tmp_path / f"rank{r}.txt").read_text()) for r in (0, 1)] == [ACTIVATION_BYTES] * 2
+    rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
+    logged = [(int(r["step"]), float(r["memory/activations_bytes"])) for r in rows if r.get("memory/activations_bytes")]
+    assert logged == [(0, ACTIVATION_BYTES), (1, ACTIVATION_BYTES), (2, ACTIVATION_BYTES)]
