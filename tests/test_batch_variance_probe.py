@@ -269,7 +269,7 @@ def test_unavailable_warns_once_and_logs_nothing(case):
         module, batch_size, probe = Classifier(nn.Sequential(Scale(5), nn.Tanh())), 8, BatchVarianceProbe(fallback=False)
     logger = RecordingLogger()
     data = TensorDataset(classification_data("mlp", 32).tensors[0], torch.randint(0, 3, (32,)))
-    stopper = GradNormEarlyStopping(mode="noise_band", patience=1, margin=1e6)  # would stop at once on any data
+    stopper = GradNormEarlyStopping(mode="noise_band", patience=1, margin=1e6, min_steps=0, check_every_n_steps=1)  # would stop at once on any data
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer = fit(module, data, [probe, stopper], batch_size=batch_size, steps=4, logger=logger)

@@ -83,7 +83,7 @@ def _fit(model, callbacks, data, logger=False, **overrides):
 
 def test_noise_band_stops_at_the_optimum_and_not_far_from_it(caplog):
     d = 10
-    at_optimum = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2)
+    at_optimum = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1)
     logger = RecordingLogger()
     with caplog.at_level("INFO"):
         trainer = _fit(LinearRegression(torch.zeros(d)), [at_optimum], regression_stream(400, 16, d, torch.zeros(d), 1.0),
@@ -95,7 +95,7 @@ def test_noise_band_stops_at_the_optimum_and_not_far_from_it(caplog):
     assert floors and all(math.isfinite(v) for v in floors)
     assert floors[-1] == pytest.approx(math.sqrt(4 * d / 64), rel=0.15)  # tr Σ = 4dσ² at δ = 0
 
-    far = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2)
+    far = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1)
     trainer = _fit(LinearRegression(torch.full((d,), 0.5)), [far], regression_stream(400, 16, d, torch.zeros(d), 1.0),
                    max_epochs=1, accumulate_grad_batches=4)
     assert far.stopped_step is None and trainer.global_step == 100
@@ -103,7 +103,7 @@ def test_noise_band_stops_at_the_optimum_and_not_far_from_it(caplog):
 
 def test_without_a_noise_source_it_says_so_once_logs_no_nan_and_never_stops():
     logger = RecordingLogger()
-    stopper = GradNormEarlyStopping(patience=1, margin=1e9)
+    stopper = GradNormEarlyStopping(patience=1, margin=1e9, min_steps=0)
     with pytest.warns(UserWarning, match="no noise source.*accumulate_grad_batches >= 2") as record:
         trainer = _fit(Regressor(), [stopper, GradNormMonitor(log_every_n_steps=1)], loader(regression_data(), 8),
                        logger=logger, max_epochs=3, log_every_n_steps=1)
@@ -114,7 +114,7 @@ def test_without_a_noise_source_it_says_so_once_logs_no_nan_and_never_stops():
 
 
 def test_threshold_mode_counts_patience_in_optimizer_steps():
-    stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=6, check_every_n_steps=1)
+    stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=6, min_steps=0, check_every_n_steps=1)
     trainer = _fit(Regressor(), [stopper], loader(regression_data(), 8), max_epochs=5, accumulate_grad_batches=2)
     assert stopper.stopped_step == 5 and trainer.global_step == 6
     never = GradNormEarlyStopping(mode="threshold", threshold=1e-12, patience=1)
@@ -125,7 +125,8 @@ def test_threshold_mode_counts_patience_in_optimizer_steps():
 def test_relative_mode_stops_when_the_norm_has_fallen_below_a_fraction_of_its_early_value():
     d = 5
     # Noise-free regression: gradient descent shrinks the gradient geometrically.
-    stopper = GradNormEarlyStopping(mode="relative", fraction=0.01, reference_steps=3, patience=2, check_every_n_steps=1)
+    stopper = GradNormEarlyStopping(mode="relative", fraction=0.01, reference_steps=3, patience=2, min_steps=0,
+                                    check_every_n_steps=1)
     trainer = _fit(LinearRegression(torch.ones(d), lr=0.1), [stopper], regression_stream(300, 32, d, torch.zeros(d), 0.0),
                    max_epochs=1)
     assert stopper.stopped_step is not None and 10 < trainer.global_step < 300
@@ -135,7 +136,7 @@ def test_skipped_amp_steps_do_not_count_toward_convergence():
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     def stop_step(inf_at_step):
-        stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=4, check_every_n_steps=1)
+        stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=4, min_steps=0, check_every_n_steps=1)
         _fit(Regressor(autocast=False, inf_at_step=inf_at_step), [stopper], loader(regression_data(), 8),
              max_epochs=2, plugins=[MixedPrecision("16-mixed", "cpu")])
         return stopper.stopped_step
