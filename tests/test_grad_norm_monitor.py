@@ -169,16 +169,21 @@ def test_compiled_module_gives_the_eager_norms():
     assert log_compiled.values("grad_norm/net.2") == pytest.approx(log_eager.values("grad_norm/net.2"), rel=1e-5)
 
 
-def test_spike_is_reported_with_step_and_largest_layers():
+def test_spike_is_reported_with_step_and_largest_layers(caplog):
     class Spiky(Regressor):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
             return loss * 1000.0 if self.global_step == 30 else loss
 
     logger = RecordingLogger()
-    fit(Spiky(lr=0.0), GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0, spike_warmup_steps=10),
-        logger, max_steps=41)
+    with caplog.at_level("INFO"):
+        fit(Spiky(lr=0.0), GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0, spike_warmup_steps=10),
+            logger, max_steps=41)
     assert logger.values("grad_norm/spike_steps") == [0, 0, 0, 1, 1]
+    reports = [r.message for r in caplog.records if "spike at optimizer step" in r.message]
+    assert len(reports) == 1
+    assert "spike at optimizer step 30: " in reports[0] and "× its running average" in reports[0]
+    assert "largest layers: net." in reports[0]
 
 
 def test_tensorboard_scalars_and_histograms(tmp_path):

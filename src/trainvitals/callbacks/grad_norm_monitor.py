@@ -24,6 +24,9 @@ from trainvitals.core.noise import BiasCorrectedEMA
 from trainvitals.core.norms import GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type
 
 
+COUNTERS = ("nonfinite_steps", "amp_skipped_steps", "spike_steps")
+
+
 @dataclass
 class _Track:
     """What the monitor keeps for one optimizer: its parameters, their groups, and device-side counters."""
@@ -32,13 +35,14 @@ class _Track:
     groups: NormGroups
     ema: BiasCorrectedEMA
     steps: int = 0
-    nonfinite_steps: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
-    amp_skipped_steps: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
-    spike_steps: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
-    # The first non-finite step's offending groups and the latest spike, recorded on the device so that
-    # they can be reported at the next logging step without a sync on the step that saw them.
-    first_nonfinite_groups: Tensor | None = None
-    last_spike: Tensor | None = None  # (step, ratio, top-3 group indices) as float64
+    # Steps counted on the device, in the order of COUNTERS.
+    counts: Tensor = field(default_factory=lambda: torch.zeros(len(COUNTERS), dtype=torch.long))
+    # The group norms of the first non-finite step and of the latest spike, with that spike's step and
+    # ratio: kept on the device so that they are reported at the next logging step without a sync now.
+    first_nonfinite_norms: Tensor | None = None
+    spike_norms: Tensor | None = None
+    spike_at: Tensor | None = None
+    spike_ratio: Tensor | None = None
     warned_nonfinite: bool = False
     reported_spikes: int = 0
     # The groups of the parameters that currently have a gradient, cached on the gradients' device:
@@ -142,8 +146,7 @@ class GradNormMonitor(Callback):
         self.last_total[index] = total
 
         step = trainer.global_step
-        self._count_nonfinite(trainer, track, total, group_norms)
-        self._detect_spike(track, total, group_norms, step)
+        self._count(trainer, track, total, group_norms, step)
         if track.steps % self._log_every(trainer) == 0:
             self._log(trainer, index, track, total, group_norms, step)
             if _clips(trainer, pl_module):
@@ -170,9 +173,7 @@ class GradNormMonitor(Callback):
             str(i): {
                 "steps": t.steps,
                 "ema": t.ema.state_dict(),
-                "nonfinite_steps": int(t.nonfinite_steps),
-                "amp_skipped_steps": int(t.amp_skipped_steps),
-                "spike_steps": int(t.spike_steps),
+                **dict(zip(COUNTERS, t.counts.tolist())),
             }
             for i, t in self._tracks.items()
         }
@@ -195,10 +196,8 @@ class GradNormMonitor(Callback):
         if restored is not None:
             track.steps = int(restored.get("steps", 0))
             track.ema.load_state_dict(restored.get("ema", {}))
-            track.nonfinite_steps += int(restored.get("nonfinite_steps", 0))
-            track.amp_skipped_steps += int(restored.get("amp_skipped_steps", 0))
-            track.spike_steps += int(restored.get("spike_steps", 0))
-            track.reported_spikes = int(track.spike_steps)
+            track.counts = torch.tensor([int(restored.get(name, 0)) for name in COUNTERS])
+            track.reported_spikes = int(track.counts[COUNTERS.index("spike_steps")])
         self._tracks[index] = track
         return track
 
@@ -210,63 +209,53 @@ class GradNormMonitor(Callback):
             return f"grad_norm/optimizer_{index}/{name}"
         return f"grad_norm/{name}"
 
-    def _count_nonfinite(self, trainer: "pl.Trainer", track: _Track, total: Tensor, group_norms: Tensor) -> None:
-        bad = ~torch.isfinite(total)
-        device = total.device
-        for name in ("nonfinite_steps", "amp_skipped_steps", "spike_steps"):
-            setattr(track, name, getattr(track, name).to(device))
-        if _grad_scaler_enabled(trainer):
-            # The scaler skips this step and lowers its scale: calibration, not divergence.
-            track.amp_skipped_steps += bad.long()
-            return
-        first = bad & (track.nonfinite_steps == 0)
-        offending = ~torch.isfinite(group_norms)
-        if track.first_nonfinite_groups is None:
-            track.first_nonfinite_groups = torch.zeros_like(offending)
-        track.first_nonfinite_groups = torch.where(first, offending, track.first_nonfinite_groups)
-        track.nonfinite_steps += bad.long()
-
-    def _detect_spike(self, track: _Track, total: Tensor, group_norms: Tensor, step: int) -> None:
+    def _count(self, trainer: "pl.Trainer", track: _Track, total: Tensor, group_norms: Tensor, step: int) -> None:
+        """Non-finite steps, AMP-skipped steps and spikes, counted on the device in a handful of ops."""
         finite = torch.isfinite(total)
-        spike = finite & (track.ema.count >= max(1, self.spike_warmup_steps)) & (total > self.spike_factor * track.ema.value)
-        k = min(3, group_norms.numel())
-        top = torch.topk(torch.nan_to_num(group_norms, nan=0.0), k).indices.to(torch.float64)
+        if track.spike_norms is None:
+            track.counts = track.counts.to(total.device)
+            track.first_nonfinite_norms = track.spike_norms = group_norms
+            track.spike_at = track.spike_ratio = torch.zeros_like(total)
+        ema = track.ema.value
+        spike = finite & (track.ema.count >= max(1, self.spike_warmup_steps)) & (total > self.spike_factor * ema)
+        # Under a GradScaler a non-finite step is skipped and the scale lowered: calibration, not divergence.
+        scaler = _grad_scaler_enabled(trainer)
+        nonfinite, skipped = (torch.zeros_like(finite), ~finite) if scaler else (~finite, torch.zeros_like(finite))
+        first = nonfinite & (track.counts[0] == 0)
+        track.first_nonfinite_norms = torch.where(first, group_norms, track.first_nonfinite_norms)
+        track.spike_norms = torch.where(spike, group_norms, track.spike_norms)
         # torch.full launches a fill kernel with the step as an argument: no host-to-device copy.
-        record = torch.cat([torch.full((1,), float(step), dtype=torch.float64, device=total.device),
-                            (total / track.ema.value.clamp_min(1e-300)).reshape(1), top])
-        track.last_spike = record if track.last_spike is None else torch.where(spike, record, track.last_spike)
-        track.spike_steps += spike.long()
+        track.spike_at = torch.where(spike, torch.full_like(total, float(step)), track.spike_at)
+        track.spike_ratio = torch.where(spike, total / ema, track.spike_ratio)
+        track.counts = track.counts + torch.stack([nonfinite, skipped, spike])
         # A spike would inflate the EMA it is measured against; keep it out.
         track.ema.update(total, finite & ~spike)
 
     def _log(self, trainer: "pl.Trainer", index: int, track: _Track, total: Tensor, group_norms: Tensor, step: int) -> None:
         tag = lambda name: self._tag(trainer, name, index)  # noqa: E731
-        metrics: dict[str, Tensor] = {
-            tag("total"): total,
-            tag("nonfinite_steps"): track.nonfinite_steps,
-            tag("amp_skipped_steps"): track.amp_skipped_steps,
-            tag("spike_steps"): track.spike_steps,
-        }
+        metrics: dict[str, Tensor] = {tag("total"): total}
+        metrics.update({tag(name): track.counts[i] for i, name in enumerate(COUNTERS)})
         metrics.update({tag(name): group_norms[i] for i, name in enumerate(track.groups.names)})
         values = log_scalars(trainer, metrics, step)
         if values[tag("nonfinite_steps")] > 0 and not track.warned_nonfinite:
             track.warned_nonfinite = True
-            mask = track.first_nonfinite_groups
-            names = [n for n, bad in zip(track.groups.names, mask.tolist()) if bad] if mask is not None else []
+            finite = torch.isfinite(track.first_nonfinite_norms).tolist()
+            names = [n for n, ok in zip(track.groups.names, finite) if not ok]
             rank_zero_warn(
                 f"trainvitals: non-finite gradient (inf/NaN) at or before optimizer step {step}; first in: "
                 f"{', '.join(names[:5]) or 'unknown'}. Without a GradScaler this is divergence: lower the lr, "
                 "check the loss for log(0)/division by zero, or enable gradient clipping."
             )
         spikes = int(values[tag("spike_steps")])
-        if spikes > track.reported_spikes and track.last_spike is not None:
+        if spikes > track.reported_spikes:
             track.reported_spikes = spikes
-            at, ratio, *top = track.last_spike.tolist()
-            layers = ", ".join(track.groups.names[int(i)] for i in top)
-            message = (f"gradient-norm spike at optimizer step {int(at)}: {ratio:.1f}× its running average; "
+            top = torch.topk(torch.nan_to_num(track.spike_norms, nan=0.0), min(3, len(track.groups.names))).indices
+            at, ratio = int(track.spike_at), float(track.spike_ratio)
+            layers = ", ".join(track.groups.names[i] for i in top.tolist())
+            message = (f"gradient-norm spike at optimizer step {at}: {ratio:.1f}× its running average; "
                        f"largest layers: {layers}")
             rank_zero_info(f"trainvitals: {message}")
-            log_text(trainer, tag("spikes"), message, int(at))
+            log_text(trainer, tag("spikes"), message, at)
 
     def _log_histograms(
         self, trainer: "pl.Trainer", index: int, track: _Track, present: tuple[int, ...], group_norms: Tensor, step: int

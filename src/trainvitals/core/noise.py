@@ -84,14 +84,14 @@ class BiasCorrectedEMA:
         if self._ema.device != x.device:
             self._ema, self.count = self._ema.to(x.device), self.count.to(x.device)
         valid_t = _as_mask(valid, x)
-        new = self.beta * self._ema + (1.0 - self.beta) * torch.where(valid_t, x, torch.zeros_like(x))
-        self._ema = torch.where(valid_t, new, self._ema)
-        self.count = self.count + valid_t.long()
+        # An invalid step lerps towards the EMA itself, i.e. leaves it unchanged: no branch, no sync.
+        self._ema = torch.lerp(self._ema, torch.where(valid_t, x, self._ema), 1.0 - self.beta)
+        self.count = self.count + valid_t
 
     @property
     def value(self) -> Tensor:
-        correction = 1.0 - torch.pow(torch.full_like(self._ema, self.beta), self.count.to(self._ema.dtype))
-        return torch.where(self.count > 0, self._ema / correction.clamp_min(1e-300), torch.zeros_like(self._ema))
+        correction = 1.0 - torch.pow(self.beta, self.count)
+        return torch.where(self.count > 0, self._ema / correction, 0.0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "ema": self._ema.item(), "count": int(self.count.item())}
