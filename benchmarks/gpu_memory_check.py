@@ -128,7 +128,7 @@ def check_fit(device: torch.device, logdir: str) -> None:
     content = pickle.loads(snapshot.read_bytes()) if snapshot.exists() else {}
     check("snapshot written and readable", isinstance(content, dict) and {"segments", "device_traces"} <= set(content),
           path=str(snapshot), size_bytes=snapshot.stat().st_size if snapshot.exists() else 0)
-    print("\n" + profiler.table_markdown() + "\n")
+    print("\n" + profiler.summary_markdown() + "\n")
 
 
 def check_overhead(device: torch.device, steps: int, warmup: int) -> None:

@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 from tensorboard.util import tensor_util
 
 from conftest import trainer_kwargs
+from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
-from trainvitals.dashboard.layout import CATEGORY, DIAGNOSIS_TAG, TRAINVITALS_LAYOUT, TrainvitalsDashboard
+from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
+from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
+from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
+from trainvitals.dashboard.layout import (
+    CATEGORY,
+    DIAGNOSIS_TAG,
+    TRAINVITALS_LAYOUT,
+    TrainvitalsDashboard,
+    progress_bar_values,
+)
 from trainvitals.dashboard.tags import PER_LAYER_GRAD_NORM
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
@@ -69,8 +81,7 @@ def test_charts_pick_up_what_the_callbacks_log(monitored) -> None:
     assert picked["gradient norm vs noise floor (use the log-scale toggle)"] == ["grad_norm/total", "grad_norm/noise_floor"]
     assert picked["in the noise band (1 = yes)"] == ["grad_norm/in_noise_band"]
     assert picked["B_simple vs effective batch (examples)"] == ["grad_norm/b_simple"]
-    layers = {name for name, _ in trainer.lightning_module.named_modules() if name and any(
-        True for _ in trainer.lightning_module.get_submodule(name).parameters(recurse=False))}
+    layers = {name for name, m in trainer.lightning_module.named_modules() if list(m.parameters(recurse=False))}
     assert sorted(picked["per-layer gradient norm"]) == sorted(f"grad_norm/{m}" for m in layers)
     assert sorted(picked["integrity counters"]) == ["grad_norm/amp_skipped_steps", "grad_norm/nonfinite_steps",
                                                      "grad_norm/spike_steps"]
@@ -110,25 +121,40 @@ def test_progress_bar_shows_the_latest_norm_and_band(monitored) -> None:
     assert "grad_norm" not in trainer.logged_metrics  # progress bar only: the monitor owns the logged tag
 
 
-class _Diagnosed(pl.Callback):
-    """A callback with an end-of-run diagnosis, as the trainvitals callbacks have."""
+def test_progress_bar_band_follows_the_stopper_fed_by_a_probe(tmp_path: Path) -> None:
+    # No accumulation, one device: the stopper's noise comes from the probe.
+    stopper = GradNormEarlyStopping(patience=1000)
+    trainer, acc = fit(tmp_path, BatchVarianceProbe(histogram_every_n_steps=None), stopper, TrainvitalsDashboard(),
+                       accumulate_grad_batches=1, max_steps=9, log_every_n_steps=4)
+    band = {e.step: e.value for e in acc.Scalars("grad_norm/in_noise_band")}
+    assert trainer.progress_bar_metrics["noise_band"] == band[8]
+    assert int(stopper.noise.count) == 0  # the stopper's own estimate is empty: the band came from the probe
 
-    def __init__(self) -> None:
-        self.steps = 0
 
-    def on_train_batch_end(self, *_) -> None:
-        self.steps += 1
-
-    def diagnosis_markdown(self) -> str:
-        return f"| check | result |\n|---|---|\n| batches seen | {self.steps} |"
+@pytest.mark.parametrize(("margin", "in_band"), [(None, 1.0), (1.0, 1.0), (0.2, 0.0)])
+def test_noise_band_uses_the_stoppers_margin(margin: float | None, in_band: float) -> None:
+    probe = BatchVarianceProbe()
+    probe.effective_batch_size = 64
+    # ‖G‖² = 0.5 · tr(Σ)/B: in the band with margin 1 (B <= B_simple), not with margin 0.2.
+    probe.noise.update(torch.tensor(0.5 * 6.4 / 64), torch.tensor(6.4))
+    callbacks = [probe] + ([GradNormEarlyStopping(margin=margin)] if margin is not None else [])
+    assert progress_bar_values(SimpleNamespace(callbacks=callbacks)) == {"noise_band": in_band}
 
 
 def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:
-    diagnosed = _Diagnosed()
-    trainer, acc = fit(tmp_path, diagnosed, TrainvitalsDashboard(progress_bar=False))
-    (event,) = acc.Tensors(f"{DIAGNOSIS_TAG}/_Diagnosed/text_summary")
-    assert event.step == trainer.global_step == 6
-    assert tensor_util.make_ndarray(event.tensor_proto).item().decode() == "| check | result |\n|---|---|\n| batches seen | 12 |"
+    callbacks = [GradNormEarlyStopping(patience=1000), LRScalingAdvisor(verbose=False),
+                 MemoryTopologyProfiler(every_n_steps=2), GraphIntegrityCallback(), GradNormMonitor(),
+                 TrainvitalsDashboard(progress_bar=False)]
+    trainer, acc = fit(tmp_path, *callbacks)
+    expected = {type(cb).__name__: cb.summary_markdown() for cb in callbacks[:5]}
+    for name, markdown in expected.items():
+        (event,) = acc.Tensors(f"{DIAGNOSIS_TAG}/{name}/text_summary")
+        assert event.step == trainer.global_step == 6
+        assert tensor_util.make_ndarray(event.tensor_proto).item().decode() == markdown
+    assert "| lr now |" in expected["LRScalingAdvisor"] and "## Memory topology" in expected["MemoryTopologyProfiler"]
+    assert "did not stop the run" in expected["GradNormEarlyStopping"]
+    assert expected["GradNormMonitor"].startswith("| optimizer | steps | last ‖g‖ |")
+    assert expected["GraphIntegrityCallback"].startswith("**Graph integrity: clean bill of health.**")
     assert "grad_norm" not in trainer.progress_bar_metrics
 
 

@@ -89,7 +89,7 @@ class _DumpPerRank(Callback):
         advisor = next(cb for cb in trainer.callbacks if isinstance(cb, LRScalingAdvisor))
         with open(f"{self.out_dir}/rank{trainer.global_rank}.json", "w") as f:
             json.dump({"effective": advisor.effective_batch, "per_device": advisor.per_device_batch,
-                       "reduction": advisor.loss_reduction, "report": advisor.report()}, f)
+                       "reduction": advisor.loss_reduction, "report": advisor.summary_markdown()}, f)
 
 
 @pytest.mark.slow
@@ -135,7 +135,7 @@ def test_noise_scale_comes_from_a_callback_with_a_noise_estimate():
     for m in (0.5, 2, 4, 8):
         gain = (1 + b_hat / b) / (1 + b_hat / (m * b))
         assert logger.values(f"lr_scaling/suggested_lr_x{m:g}/Adam")[0] == pytest.approx(1e-3 * math.sqrt(gain))
-    assert "_NoiseSource" in advisor.report() and "noise-aware" in advisor.report()
+    assert "_NoiseSource" in advisor.summary_markdown() and "noise-aware" in advisor.summary_markdown()
 
 
 def test_given_noise_scale_and_listed_targets():
@@ -155,7 +155,7 @@ def test_param_groups_unknown_optimizers_and_zero_lr():
     fit(Model(optimizer=torch.optim.Adagrad), [advisor], logger)
     assert logger.values("lr_scaling/lr/Adagrad")[0] == pytest.approx(0.01)
     assert not [tag for tag in logger.series if tag.startswith("lr_scaling/suggested_lr")]
-    assert "| Adagrad | unsure |" in advisor.report()
+    assert "| Adagrad | unsure |" in advisor.summary_markdown()
 
     logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
     fit(Model(warmup_from_zero=True), [advisor], logger, max_steps=3)
@@ -189,7 +189,7 @@ def test_reference_warning(recwarn, optimizer, reference, lr, warns):
         assert messages == []
     else:
         assert len(messages) == 1 and warns in messages[0]
-    assert "**reference**" in advisor.report()
+    assert "**reference**" in advisor.summary_markdown()
 
 
 # ---------------------------------------------------------------- loss reduction
@@ -200,7 +200,7 @@ def test_loss_reduction_is_detected(reduction, ratio):
     assert advisor.loss_reduction == reduction
     assert advisor.loss_ratio == pytest.approx(ratio, rel=1e-5)
     if reduction == "sum":
-        assert "effective lr of 8 × 0.01 = 0.08" in advisor.report()
+        assert "effective lr of 8 × 0.01 = 0.08" in advisor.summary_markdown()
 
 
 def test_the_probe_changes_nothing_in_training():
@@ -250,8 +250,8 @@ def test_tensorboard_gets_scalars_and_the_advice_text(tmp_path, caplog):
     texts = events.Tensors("lr_scaling/advice/text_summary")
     assert [e.step for e in texts] == [0, 4]
     end_text = texts[-1].tensor_proto.string_val[0].decode()
-    assert end_text == advisor.report()
-    assert "| SGD | SGD-like | 0.01 | linear |" in advisor.report()
+    assert end_text == advisor.summary_markdown()
+    assert "| SGD | SGD-like | 0.01 | linear |" in advisor.summary_markdown()
     assert "LR scaling advice at optimizer step 4" in caplog.text
 
 

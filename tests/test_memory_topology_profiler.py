@@ -129,7 +129,7 @@ def test_running_loss_leak_is_found_and_named():
     assert all(b > a for a, b in zip(held, held[1:]))  # grows step over step
     (finding,) = profiler.findings
     assert finding.holders == ("self.running_loss",) and finding.since_step == 0 and finding.step == steps - 1
-    assert "self.running_loss" in profiler.table_markdown()
+    assert "self.running_loss" in profiler.summary_markdown()
 
 
 def test_running_loss_as_a_float_stays_flat_and_reports_nothing():
@@ -213,7 +213,7 @@ def test_fit_end_table_and_picture_in_tensorboard(tmp_path, caplog):
     profiler = MemoryTopologyProfiler(first_steps=1)
     with caplog.at_level("INFO"):
         fit(Classifier(body=_body()), profiler, logger, max_steps=2)
-    table = profiler.table_markdown()
+    table = profiler.summary_markdown()
     for heading in ("## Memory topology", "### Saved for backward, by module", "### Advice", "### Findings"):
         assert heading in table
     assert "`net.1.4`" in table and "activation checkpointing of `net.1`" in table

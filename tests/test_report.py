@@ -81,14 +81,16 @@ def test_healthy_run_reads_back_what_was_logged(tmp_path: Path, capsys: pytest.C
     assert "B = 64 < B_simple = 200" in messages
 
 
-def test_descending_run_and_no_noise_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_descending_run_and_runs_without_a_band(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_run(tmp_path / "a", {**HEALTHY, "grad_norm/in_noise_band": 0.0})
     write_run(tmp_path / "b", {"grad_norm/total": 1.0})
+    write_run(tmp_path / "c", {"grad_norm/total": 0.5, "grad_noise/noise_floor": 0.25})
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_OK
-    a, b = doc["runs"]
-    assert any("still descending" in f["message"] for f in a["findings"])
+    a, b, c = doc["runs"]
+    assert any(f["message"].startswith("not in its noise band yet: 0% of the last 10") for f in a["findings"])
     assert any("no noise estimate" in f["message"] for f in b["findings"])
+    assert any(f["message"].startswith("the last gradient norm is 2.00× its noise floor") for f in c["findings"])
 
 
 @pytest.mark.parametrize(
@@ -96,19 +98,36 @@ def test_descending_run_and_no_noise_source(tmp_path: Path, capsys: pytest.Captu
     [
         ("grad_norm/nonfinite_steps", "spikes and non-finite steps", "non-finite (inf/NaN) gradients on 3"),
         ("grad_norm/optimizer_1/nonfinite_steps", "spikes and non-finite steps", "non-finite (inf/NaN) gradients on 3"),
-        ("graph/unused_params", "integrity", "3 parameter(s) received no gradient"),
-        ("graph/unregistered_params", "integrity", "3 tensor(s) trained outside"),
-        ("graph/leaked_graphs", "integrity", "kept alive across 3"),
+        ("graph/findings_loss_no_grad", "integrity", "the loss had no grad_fn on 3 step(s)"),
+        ("graph/nonfinite_losses", "integrity", "a non-finite loss on 3 step(s)"),
+        ("graph/unused_params", "integrity", "3 parameter(s) got no gradient"),
+        ("graph/unoptimized_params", "integrity", "3 tensor(s) get gradients but belong to no optimizer"),
+        ("graph/leaked_graphs", "integrity", "autograd nodes of an earlier step (3 walk(s))"),
     ],
 )
 def test_critical_counter_fails_ci(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tag: str, section: str, words: str
 ) -> None:
-    write_run(tmp_path / "run", {**HEALTHY, tag: [0.0] * (len(STEPS) - 1) + [3.0]})
+    # Seen in one early check window only: a problem seen once is still a problem.
+    write_run(tmp_path / "run", {**HEALTHY, tag: [0.0, 3.0] + [0.0] * (len(STEPS) - 2)})
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_CRITICAL and doc["critical"] is True
     critical = [f for f in doc["runs"][0]["findings"] if f["severity"] == "critical"]
     assert [(f["section"], words in f["message"]) for f in critical] == [(section, True)]
+
+
+def test_growing_held_graph_is_critical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    held = [0.0] * (len(STEPS) - 2) + [2**20, 2 * 2**20]
+    write_run(tmp_path / "leak", {**HEALTHY, "memory/held_saved_bytes": held})
+    write_run(tmp_path / "flat", {**HEALTHY, "memory/held_saved_bytes": 2**20})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL
+    flat, leak = doc["runs"]
+    assert not flat["critical"]
+    (finding,) = [f for f in leak["findings"] if f["severity"] == "critical"]
+    assert finding["section"] == "memory"
+    assert "2.00 MiB of saved tensors still held after backward, up from 1.00 MiB" in finding["message"]
+    assert rows(leak, "memory")["held saved"] == 2 * 2**20
 
 
 def test_amp_skips_and_spikes_are_not_critical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -123,17 +142,21 @@ def test_amp_skips_and_spikes_are_not_critical(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_text_and_markdown_formats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    write_run(tmp_path / "run", {**HEALTHY, "graph/unused_params": 2.0})
+    advice = "- **effective batch** 64\n\n| optimizer | lr now |\n|---|---|\n| Adam | 0.001 |"
+    write_run(tmp_path / "run", {**HEALTHY, "graph/unused_params": 2.0}, {"lr_scaling/advice": advice})
     status, text, _ = report(capsys, str(tmp_path))
     assert status == EXIT_CRITICAL
     assert text.startswith("run run: CRITICAL, last logged optimizer step 95")
-    assert "[critical] integrity: 2 parameter(s) received no gradient" in text
-    assert "parameters           156.2 KiB" in text
+    assert "[critical] integrity: 2 parameter(s) got no gradient" in text
+    assert "parameters           156.25 KiB" in text
     status, markdown, _ = report(capsys, str(tmp_path), "--format", "markdown")
     assert status == EXIT_CRITICAL
     assert "## run `run`: CRITICAL" in markdown
-    assert "### memory\n\n| measure | value |\n|---|---|\n| parameters | 156.2 KiB |" in markdown
-    assert "- **critical** (integrity): 2 parameter(s)" in markdown
+    assert "### memory\n\n| measure | value |\n|---|---|\n| activations | 3.00 MiB |\n| parameters | 156.25 KiB |" in markdown
+    assert "- **critical** (integrity): 2 parameter(s) got no gradient" in markdown
+    # A callback's own markdown is passed through whole: as is in markdown, indented under its title in text.
+    assert f"### lr scaling advice\n\n{advice}\n" in markdown
+    assert "  lr scaling advice\n    - **effective batch** 64\n\n    | optimizer | lr now |\n" in text
 
 
 def test_infinite_noise_scale_stays_valid_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,7 +1,27 @@
-"""trainvitals: PyTorch Lightning callbacks that read a training run's vital signs."""
+"""trainvitals: PyTorch Lightning callbacks that read a training run's vital signs.
 
-from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
-from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+The callbacks are imported on first use (PEP 562), so that ``trainvitals report`` and the torch-only
+``trainvitals.core`` do not pay for importing Lightning.
+"""
 
-__all__ = ["GradNormEarlyStopping", "GradNormMonitor"]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "BatchVarianceProbe": "trainvitals.callbacks.batch_variance_probe",
+    "GradNormEarlyStopping": "trainvitals.callbacks.grad_norm_early_stopping",
+    "GradNormMonitor": "trainvitals.callbacks.grad_norm_monitor",
+    "GraphIntegrityCallback": "trainvitals.callbacks.graph_integrity",
+    "LRScalingAdvisor": "trainvitals.callbacks.lr_scaling_advisor",
+    "MemoryTopologyProfiler": "trainvitals.callbacks.memory_topology_profiler",
+    "TrainvitalsDashboard": "trainvitals.dashboard.layout",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'trainvitals' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -6,19 +6,14 @@ import argparse
 import sys
 
 
-def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from trainvitals.demo import run as demo_run
-
-    demo_run.add_arguments(parser)
-
-
 def main(argv: list[str] | None = None) -> int:
     from trainvitals.dashboard import report
+    from trainvitals.demo.options import add_arguments as add_demo_arguments
 
     parser = argparse.ArgumentParser(prog="trainvitals", description="Vital signs of a training run.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a CNN on the bundled digits with trainvitals attached")
-    _demo_arguments(demo)
+    add_demo_arguments(demo)
     report.add_arguments(sub.add_parser("report", help="health report of logged runs", description=report.DESCRIPTION))
     args = parser.parse_args(argv)
     if args.command == "report":

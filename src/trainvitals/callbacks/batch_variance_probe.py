@@ -176,6 +176,22 @@ class BatchVarianceProbe(Callback):
 
     # ------------------------------------------------------------------ setup
 
+    def summary_markdown(self) -> str:
+        """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""
+        rows = [("sources", self.sources.removeprefix("BatchVarianceProbe sources: ") or "not set up"),
+                ("measurements", f"{int(self.noise.count)} optimizer steps")]
+        batch = self.effective_batch_size
+        if batch and int(self.noise.count) > 0:
+            rows += [("effective batch B", f"{batch} examples"),
+                     ("tr(Σ) (EMA, per example)", f"{float(self.noise.trace_cov):.4g}"),
+                     ("‖G‖² (EMA)", f"{float(self.noise.grad_sq_norm):.4g}"),
+                     ("B_simple = tr(Σ)/‖G‖²", f"{float(self.noise.b_simple):.4g} examples"),
+                     ("noise floor sqrt(tr(Σ)/B)", f"{float(self.noise.noise_floor(batch)):.4g}")]
+        if self.last_outliers:
+            rows.append(("largest per-example gradients (index: ‖g_i‖)",
+                         ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])))
+        return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":

@@ -327,6 +327,27 @@ class GradNormEarlyStopping(Callback):
                 f"({detail}) for {self.patience} consecutive steps.")
 
 
+    def summary_markdown(self) -> str:
+        """End-of-run markdown: the rule, the stop, and the noise estimates it decided on."""
+        rows = [("rule", {"noise_band": f"noise band, margin {self.margin:g}", "threshold": f"‖g‖ < {self.threshold:g}",
+                          "relative": f"‖g‖ < {self.fraction:g} × early value"}[self.mode]
+                 + f", patience {self.patience} steps, min_steps {self.min_steps}"),
+                ("stop", self.describe_stop()),
+                ("optimizer steps seen", str(self.steps)),
+                ("in-condition streak", f"{int(self._streak)} of {self.patience} steps")]
+        noise, batch = self._noise(), self.effective_batch_size
+        if self.mode == "noise_band":
+            source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
+            rows.append(("noise source", source))
+            if batch and int(noise.count) > 0:
+                rows += [("effective batch B", f"{batch} examples"),
+                         ("‖G‖² (EMA)", f"{float(noise.grad_sq_norm):.4g}"),
+                         ("tr(Σ) (EMA, per example)", f"{float(noise.trace_cov):.4g}"),
+                         ("B_simple = tr(Σ)/‖G‖²", f"{float(noise.b_simple):.4g} examples"),
+                         ("noise floor sqrt(tr(Σ)/B)", f"{float(noise.noise_floor(batch)):.4g}")]
+        return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
 def _loss_scale(trainer: "pl.Trainer") -> Tensor | None:
     """The GradScaler's current scale as a device tensor, or None without a scaler.
 

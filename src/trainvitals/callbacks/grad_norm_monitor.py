@@ -49,6 +49,7 @@ class _Track:
     # rebuilding the index tensor every step would be a host-to-device copy per step.
     present: tuple[int, ...] = ()
     present_groups: NormGroups | None = None
+    last_group_norms: Tensor | None = None
 
     def groups_of_present(self, present: tuple[int, ...], device: torch.device) -> NormGroups:
         if present != self.present or self.present_groups is None or self.present_groups.index.device != device:
@@ -144,6 +145,7 @@ class GradNormMonitor(Callback):
         group_norms = _reduce_if_sharded(trainer, group_norms, self.norm_type)
         total = combine_norms(group_norms, self.norm_type)
         self.last_total[index] = total
+        track.last_group_norms = group_norms
 
         step = trainer.global_step
         self._count(trainer, track, total, group_norms, step)
@@ -182,6 +184,21 @@ class GradNormMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Tracks are built lazily (they need the optimizer), so the state waits until then.
         self._restored = {int(k): v for k, v in state_dict.items()}
+
+    def summary_markdown(self) -> str:
+        """End-of-run markdown: per optimizer, the last total norm, its largest groups, and the counters."""
+        lines = ["| optimizer | steps | last ‖g‖ | largest groups (last step) | non-finite | AMP-skipped | spikes |",
+                 "|---|---:|---:|---|---:|---:|---:|"]
+        for index, track in self._tracks.items():
+            if track.last_group_norms is None:
+                continue
+            norms = track.last_group_norms.tolist()
+            top = sorted(zip(norms, track.groups.names), reverse=True)[:3]
+            counts = dict(zip(COUNTERS, track.counts.tolist()))
+            lines.append(f"| {index} | {track.steps} | {float(self.last_total[index]):.4g} | "
+                         + ", ".join(f"`{n}` {v:.3g}" for v, n in top)
+                         + f" | {counts['nonfinite_steps']} | {counts['amp_skipped_steps']} | {counts['spike_steps']} |")
+        return "\n".join(lines) if len(lines) > 2 else "No optimizer step was measured."
 
     # ------------------------------------------------------------------ helpers
     def _track(self, index: int, pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> _Track:

@@ -86,7 +86,7 @@ class LRScalingAdvisor(Callback):
     ``LearningRateMonitor``), ``lr_scaling/lr/<name>`` and ``lr_scaling/suggested_lr_<key>/<name>``
     with key ``x0.5``, ``x2``, ``x4``, ``x8`` or ``b<size>`` for a listed size (not for an unsure
     family). TensorBoard text ``lr_scaling/advice`` at fit start and at the end; the end report is
-    also printed (``verbose``) and kept: :meth:`report`.
+    also printed (``verbose``) and kept: :meth:`summary_markdown`.
 
     The host reads B̂ and the lrs on reporting steps only; other steps cost one integer comparison.
 
@@ -186,7 +186,7 @@ class LRScalingAdvisor(Callback):
         if self.verbose:
             rank_zero_info(f"trainvitals: LR scaling advice at optimizer step {trainer.global_step}\n{self._report}")
 
-    def report(self) -> str:
+    def summary_markdown(self) -> str:
         """The latest report as markdown (the end-of-training table after ``fit``); ``""`` before any.
 
         Under ``ddp_spawn`` the report lives in the worker processes, not in the launching one.

@@ -82,7 +82,7 @@ class MemoryTopologyProfiler(Callback):
     graph's nodes (backward frees their saved tensors); with ``backward(retain_graph=True)``, the
     usual "fix" for the error it then causes, or a branch that backward never reaches, it keeps every
     saved tensor, and that is what is found. At the end of training the table
-    (:meth:`table_markdown`: categories, saved bytes per module, ranked remedies, findings) goes to
+    (:meth:`summary_markdown`: categories, saved bytes per module, ranked remedies, findings) goes to
     the console and to TensorBoard text ``memory/report``, and a bar chart of saved bytes per module
     (:meth:`picture`) to TensorBoard image ``memory/saved_bytes_by_module`` (needs matplotlib).
 
@@ -322,7 +322,7 @@ class MemoryTopologyProfiler(Callback):
         if self._snapshot_path is not None:
             self._dump_snapshot()
         self._release()
-        table = self.table_markdown()
+        table = self.summary_markdown()
         rank_zero_info(table)
         step = trainer.global_step
         log_text(trainer, "memory/report", table, step)
@@ -338,7 +338,7 @@ class MemoryTopologyProfiler(Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._release()
 
-    def table_markdown(self) -> str:
+    def summary_markdown(self) -> str:
         """The latest profiled step as markdown: categories, saved bytes per module, ranked advice, findings."""
         lines = ["## Memory topology"]
         if self.last is None:

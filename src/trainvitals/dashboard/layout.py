@@ -20,9 +20,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from trainvitals.callbacks._writers import log_text, tensorboard_writers
+from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.core.noise import NoiseScaleEMA
-from trainvitals.dashboard.tags import MEMORY_CATEGORIES, PER_LAYER_GRAD_NORM, any_of, grad_norm
+from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, grad_norm
 
 CATEGORY = "trainvitals"
 
@@ -43,13 +44,13 @@ TRAINVITALS_LAYOUT: dict[str, dict[str, list[Any]]] = {
             "Multiline",
             [r"grad_noise/(?:trace_cov|grad_sq_norm|eb_criterion)$"],
         ],
-        "memory by category (bytes)": ["Multiline", [any_of("memory", [f"{c}_bytes" for c in MEMORY_CATEGORIES])]],
+        "memory by category (bytes)": ["Multiline", [MEMORY_BYTES]],
         "saved activations per module (bytes)": ["Multiline", [r"memory/activations/.+"]],
         "integrity counters": [
             "Multiline",
             [grad_norm("nonfinite_steps"), grad_norm("amp_skipped_steps"), grad_norm("spike_steps"), r"graph/.+"],
         ],
-        "learning rate and its suggestion": ["Multiline", [r"lr-.+", r"lr_scaling/.*lr.*"]],
+        "learning rate and its suggestion": ["Multiline", [r"lr-.+", r"lr_scaling/(?:lr|suggested_lr_[^/]+)/.+"]],
         "steps and examples over their minimum": ["Multiline", [r"lr_scaling/(?:steps|examples)_over_min$"]],
     }
 }
@@ -59,20 +60,19 @@ The ``lr-.+`` line is Lightning's ``LearningRateMonitor``; everything else is a 
 """
 
 DIAGNOSIS_TAG = "trainvitals/diagnosis"
-"""Text panels ``trainvitals/diagnosis/<callback class>`` hold each callback's end-of-run markdown table."""
-
+"""Text panels ``trainvitals/diagnosis/<callback class>`` hold each callback's end-of-run markdown."""
 
 class TrainvitalsDashboard(Callback):
     """Write the trainvitals layout at fit start, the callbacks' diagnoses at fit end; feed the progress bar.
 
     - At fit start, on global rank zero, each TensorBoardLogger gets :data:`TRAINVITALS_LAYOUT`.
-    - At fit end, every other callback that has a ``diagnosis_markdown()`` method (the trainvitals
-      callbacks) gets a text panel ``trainvitals/diagnosis/<class name>`` with what it returns.
+    - At fit end, each trainvitals callback gets a text panel ``trainvitals/diagnosis/<class name>``
+      with its end-of-run markdown (its ``summary_markdown()``).
     - On the Trainer's logging steps (``log_every_n_steps`` optimizer steps), the progress bar shows
-      ``grad_norm`` (GradNormMonitor's latest total norm) and ``noise_band`` (1 when the smoothed
-      ‖G‖² ≤ margin · tr(Σ)/B for the first callback that keeps a noise estimate: GradNormEarlyStopping
-      with its own margin, a BatchVarianceProbe with margin 1, i.e. B ≤ B_simple). Only host values
-      already synced by a logging step are read, so the progress bar adds no sync on other steps.
+      ``grad_norm`` (GradNormMonitor's latest total norm) and ``noise_band``: 1 when the smoothed
+      ‖G‖² ≤ margin · tr(Σ)/B, with GradNormEarlyStopping's margin and noise estimate (its own, else
+      a BatchVarianceProbe's), as it decides; without a stopper, margin 1 (B ≤ B_simple). The values
+      are read from the device on those steps only (a few scalars), never on the others.
 
     Args:
         progress_bar: show the two values in the progress bar.
@@ -108,13 +108,12 @@ class TrainvitalsDashboard(Callback):
 
 
 def diagnoses(trainer: "pl.Trainer") -> dict[str, str]:
-    """{callback class name: its ``diagnosis_markdown()``} for the Trainer's callbacks that have one."""
-    out: dict[str, str] = {}
-    for callback in trainer.callbacks:
-        method = getattr(callback, "diagnosis_markdown", None)
-        if callable(method):
-            out[type(callback).__name__] = method()
-    return out
+    """{callback class name: its end-of-run markdown} for the Trainer's trainvitals callbacks.
+
+    Every trainvitals callback with something to say at the end has ``summary_markdown() -> str``.
+    """
+    return {type(cb).__name__: cb.summary_markdown() for cb in trainer.callbacks
+            if type(cb).__module__.startswith("trainvitals.") and callable(getattr(cb, "summary_markdown", None))}
 
 
 def progress_bar_values(trainer: "pl.Trainer") -> dict[str, float]:
@@ -123,10 +122,12 @@ def progress_bar_values(trainer: "pl.Trainer") -> dict[str, float]:
     monitor = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor)), None)
     if monitor is not None and 0 in monitor.last_total:
         values["grad_norm"] = float(monitor.last_total[0])
-    for callback in trainer.callbacks:
+    stopper = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormEarlyStopping)), None)
+    margin = stopper.margin if stopper is not None else 1.0
+    # The stopper's own estimate first: it prefers it to a probe's when it has one.
+    for callback in sorted(trainer.callbacks, key=lambda cb: cb is not stopper):
         noise = getattr(callback, "noise", None)
-        batch = getattr(callback, "effective_batch_size", None)
-        if isinstance(noise, NoiseScaleEMA) and batch and int(noise.count) > 0:
-            values["noise_band"] = float(noise.in_noise_band(batch, getattr(callback, "margin", 1.0)))
+        if isinstance(noise, NoiseScaleEMA) and int(noise.count) > 0 and callback.effective_batch_size:
+            values["noise_band"] = float(noise.in_noise_band(callback.effective_batch_size, margin))
             break
     return values

@@ -8,12 +8,15 @@ integrity, memory, spikes and non-finite steps — and a list of findings.
 Exit status, for CI:
 
 - 0: every run read, no critical finding;
-- 1: a critical finding in some run: non-finite gradients (outside a GradScaler's calibration), an
-  unused or unregistered parameter, a computation graph kept alive across steps;
+- 1: a critical finding in some run (:data:`CRITICAL_COUNTERS`): non-finite gradients (outside a
+  GradScaler's calibration) or losses, a loss without ``grad_fn``, an unused parameter, a parameter
+  outside every optimizer (unregistered: layers in a Python list), a computation graph kept alive
+  across steps (GraphIntegrityCallback's counter, or MemoryTopologyProfiler's saved bytes still held
+  after backward and growing);
 - 2: nothing to report: LOGDIR missing, no event files under it, or event files without trainvitals
   metrics (another tool's, or a run without trainvitals callbacks); also a usage error.
 
-No Lightning or torch import here: the command starts in well under a second.
+No Lightning import here: the command starts in about two seconds, most of it importing torch.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +35,8 @@ from typing import Any
 from tensorboard.backend.event_processing import event_accumulator, io_wrapper
 from tensorboard.util import tensor_util
 
-from trainvitals.dashboard.tags import MEMORY_CATEGORIES, TEXT_SUFFIX, grad_norm
+from trainvitals.core.memory import format_bytes
+from trainvitals.dashboard.tags import MEMORY_BYTES, TEXT_SUFFIX, grad_norm
 
 EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA = 0, 1, 2
 FORMATS = ("text", "markdown", "json")
@@ -45,11 +50,22 @@ INTEGRITY, SPIKES = "integrity", "spikes and non-finite steps"
 
 CRITICAL_COUNTERS = (
     (SPIKES, grad_norm("nonfinite_steps"), "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler"),
-    (INTEGRITY, r"graph/unused_params$", "{n} parameter(s) received no gradient: unused in the loss (a detached loss, an unused head)"),
-    (INTEGRITY, r"graph/unregistered_params$", "{n} tensor(s) trained outside the module's parameters (layers in a plain Python list?)"),
-    (INTEGRITY, r"graph/leaked_graphs$", "a computation graph kept alive across {n} step(s) (total += loss, an undetached hidden state)"),
+    (INTEGRITY, r"graph/findings_loss_no_grad$",
+     "the loss had no grad_fn on {n} step(s): it was detached (.item(), .detach(), torch.no_grad()), nothing trains"),
+    (INTEGRITY, r"graph/nonfinite_losses$", "a non-finite loss on {n} step(s) of a check window"),
+    (INTEGRITY, r"graph/unused_params$",
+     "{n} parameter(s) got no gradient: not in the loss's graph (an unused head, a detached branch)"),
+    (INTEGRITY, r"graph/unoptimized_params$",
+     "{n} tensor(s) get gradients but belong to no optimizer: unregistered on the module (layers in a plain "
+     "Python list?) or left out of configure_optimizers; they never train"),
+    (INTEGRITY, r"graph/leaked_graphs$",
+     "the loss reached autograd nodes of an earlier step ({n} walk(s)): a graph kept alive across steps "
+     "(total += loss, a hidden state not detached)"),
 )
-"""(section, tag regex, message): a counter whose last value (summed over optimizers) is > 0 is critical."""
+"""(section, tag regex, message): a counter is critical when its largest value (summed over optimizers) is > 0.
+
+The largest, not the last: GraphIntegrityCallback's counts are per check window, and a problem seen in
+any window is a problem."""
 
 
 class ReportError(Exception):
@@ -81,6 +97,7 @@ class Run:
 
     @property
     def is_trainvitals(self) -> bool:
+        """Whether any tag is a trainvitals callback's (else the files are another tool's)."""
         return any(t.startswith(TRAINVITALS_PREFIXES) for t in [*self.scalars, *self.texts])
 
 
@@ -110,9 +127,12 @@ class RunReport:
     last_step: int | None
     sections: dict[str, list[Row]] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    panels: dict[str, str] = field(default_factory=dict)
+    """The callbacks' own end-of-run markdown (lr advice, integrity findings, memory table), by title."""
 
     @property
     def critical(self) -> bool:
+        """Whether any finding is critical: the report's exit status is then 1."""
         return any(f.severity == "critical" for f in self.findings)
 
 
@@ -147,7 +167,8 @@ def _read_run(root: Path, folder: Path) -> Run:
             continue
         name = tag[: -len(TEXT_SUFFIX)] if tag.endswith(TEXT_SUFFIX) else tag
         texts[name] = [(e.step, _decode_text(e.tensor_proto)) for e in acc.Tensors(tag)]
-    name = folder.relative_to(root).as_posix()
+    # A LOGDIR that is itself the run folder is named after that folder, not ".".
+    name = folder.relative_to(root).as_posix() if folder != root else root.resolve().name
     return Run(name=name, scalars=scalars, texts=texts)
 
 
@@ -170,9 +191,16 @@ def assess(run: Run) -> RunReport:
     return report
 
 
+def _panel(run: Run, report: RunReport, title: str, tag: str) -> None:
+    """Pass a callback's end-of-run markdown (the text panel ``tag``) through to the report, if logged."""
+    text = run.text(tag)
+    if text:
+        report.panels[title] = text
+
+
 def _counter(run: Run, pattern: str) -> float:
-    """A counter's last value, summed over the series that match (one per optimizer)."""
-    return sum(series[-1][1] for series in run.matching(pattern).values())
+    """A counter's largest value, summed over the series that match (one per optimizer)."""
+    return sum(max(v for _, v in series) for series in run.matching(pattern).values())
 
 
 def _convergence(run: Run, report: RunReport) -> None:
@@ -195,7 +223,11 @@ def _convergence(run: Run, report: RunReport) -> None:
     if stop:
         report.findings.append(Finding("note", title, stop))
     if in_band is None:
-        if total is not None:
+        if total is not None and floor:
+            report.findings.append(Finding(
+                "note", title, f"the last gradient norm is {total / floor:.2f}× its noise floor; GradNormEarlyStopping "
+                "would log whether the run is in its noise band."))
+        elif total is not None:
             report.findings.append(Finding(
                 "note", title, "no noise estimate, so no noise band: it needs accumulate_grad_batches >= 2, "
                 ">= 2 devices, or a BatchVarianceProbe; a fixed norm threshold is no substitute."))
@@ -204,8 +236,10 @@ def _convergence(run: Run, report: RunReport) -> None:
             "note", title, f"in its noise band ({in_band:.0%} of the last {len(recent)} logged steps): "
             "the gradient norm sits at its noise floor, further steps mostly move within noise."))
     else:
-        ratio = f" at {total / floor:.2f}× its noise floor" if total is not None and floor else ""
-        report.findings.append(Finding("note", title, f"still descending: the gradient norm is{ratio}, above the noise band."))
+        ratio = f" (the last norm is {total / floor:.2f}× the noise floor)" if total is not None and floor else ""
+        report.findings.append(Finding(
+            "note", title, f"not in its noise band yet: {in_band:.0%} of the last {len(recent)} logged steps were in it{ratio}; "
+            "the true gradient still stands out of the noise."))
 
 
 def _noise_scale(run: Run, report: RunReport) -> None:
@@ -220,34 +254,39 @@ def _noise_scale(run: Run, report: RunReport) -> None:
     report.sections[title] = rows
     if b_simple is not None and batch and math.isfinite(b_simple):
         if batch < b_simple:
-            message = (f"B = {batch:g} < B_simple = {b_simple:.3g}: steps are noise-dominated; a larger batch "
-                       "(up to about B_simple) would cut the steps needed almost in proportion.")
+            message = (f"B = {batch:g} < B_simple = {b_simple:.3g}: each step is noise-dominated; a batch near "
+                       "B_simple balances steps against examples.")
         else:
             message = (f"B = {batch:g} >= B_simple = {b_simple:.3g}: beyond the noise scale a larger batch buys "
-                       "few steps and costs examples; keep the batch, or shrink it.")
+                       "few steps for its examples.")
         report.findings.append(Finding("note", title, message))
-    advice = run.text("lr_scaling/advice")
-    if advice:
-        report.findings.append(Finding("note", title, advice))
+    _panel(run, report, "lr scaling advice", "lr_scaling/advice")
 
 
 def _integrity(run: Run, report: RunReport) -> None:
     title = INTEGRITY
+    # The per-kind finding counts (graph/findings_<kind>) are left to the findings panel.
     report.sections[title] = [Row(tag.removeprefix("graph/"), series[-1][1])
-                              for tag, series in sorted(run.matching(r"graph/.+").items())]
-    findings = run.text("graph/findings")
-    if findings:
-        report.findings.append(Finding("warning", title, findings))
+                              for tag, series in sorted(run.matching(r"graph/(?!findings_).+").items())]
+    _panel(run, report, "integrity findings", "graph/findings")
 
 
 def _memory(run: Run, report: RunReport) -> None:
     title = "memory"
-    rows = [Row(category, run.last(rf"memory/{category}_bytes$"), "bytes") for category in MEMORY_CATEGORIES]
-    rows = [r for r in rows if r.value is not None]
+    categories = sorted(((series[-1][1], tag.removeprefix("memory/").removesuffix("_bytes"))
+                         for tag, series in run.matching(MEMORY_BYTES).items()), reverse=True)
+    rows = [Row(category.replace("_", " "), value, "bytes") for value, category in categories]
     per_module = sorted(((series[-1][1], tag.removeprefix("memory/activations/"))
                          for tag, series in run.matching(r"memory/activations/.+").items()), reverse=True)
     rows += [Row(f"saved by {module}", value, "bytes") for value, module in per_module[:5]]
     report.sections[title] = rows
+    _panel(run, report, "memory table", "memory/report")
+    held = [v for _, v in run.scalars.get("memory/held_saved_bytes", [])]
+    if len(held) >= 2 and held[-1] > held[-2] > 0:
+        report.findings.append(Finding(
+            "critical", title, f"a computation graph outlives its step: {format_bytes(held[-1])} of saved tensors "
+            f"still held after backward, up from {format_bytes(held[-2])} at the previous profiled step "
+            "(total += loss, a hidden state not detached, retain_graph=True)"))
 
 
 def _spikes(run: Run, report: RunReport) -> None:
@@ -289,10 +328,12 @@ def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) 
             else:
                 width = max(len(row.label) for row in rows)
                 out += ["", f"  {title}"] + [f"    {row.label:<{width}}  {_fmt(row)}" for row in rows]
-        out += ["", "### findings" if markdown else "  findings", ""] if r.findings else []
+        out += (["", "### findings", ""] if markdown else ["", "  findings"]) if r.findings else []
         for f in r.findings:
             out.append(f"- **{f.severity}** ({f.section}): {f.message}" if markdown
                        else f"    [{f.severity}] {f.section}: {f.message}")
+        for title, text in r.panels.items():
+            out += ["", f"### {title}", "", text] if markdown else ["", f"  {title}", textwrap.indent(text, "    ")]
         out.append("")
     if skipped:
         out.append(f"runs without trainvitals metrics, not reported: {', '.join(skipped)}")
@@ -317,17 +358,9 @@ def _fmt(row: Row) -> str:
     if isinstance(v, str):
         return v
     if row.unit == "bytes":
-        return _bytes(v)
+        return format_bytes(v)
     text = f"{v:.4g}"
     return f"{text} {row.unit}" if row.unit else text
-
-
-def _bytes(n: float) -> str:
-    units = ("B", "KiB", "MiB", "GiB")
-    i = 0
-    while abs(n) >= 1024 and i < len(units) - 1:
-        n, i = n / 1024, i + 1
-    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
 def _cell(text: str) -> str:
@@ -335,22 +368,18 @@ def _cell(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- command
-def build_parser(prog: str = "trainvitals report") -> argparse.ArgumentParser:
-    """The argument parser of ``trainvitals report``: LOGDIR and ``--format``."""
-    parser = argparse.ArgumentParser(prog=prog, description=(
-        "Health report of the training runs under LOGDIR, read from their TensorBoard event files. "
-        "Exit status: 0 healthy, 1 a critical finding, 2 nothing to report."))
+DESCRIPTION = ("Health report of the training runs under LOGDIR, read from their TensorBoard event files. "
+               "Exit status: 0 healthy, 1 a critical finding, 2 nothing to report.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """LOGDIR and ``--format``, on ``parser`` (the ``trainvitals report`` subcommand's, or :func:`main`'s)."""
     parser.add_argument("logdir", metavar="LOGDIR", help="the TensorBoard log folder")
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
-    return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``trainvitals report``; returns the exit status (see the module docstring)."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exit_:  # --help (0) or a usage error (2): argparse has printed why
-        return int(exit_.code or 0)
+def run(args: argparse.Namespace) -> int:
+    """Report on ``args.logdir`` in ``args.format``; returns the exit status (see the module docstring)."""
     try:
         runs = read_runs(args.logdir)
     except ReportError as err:
@@ -364,3 +393,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports = [assess(r) for r in ours]
     sys.stdout.write(render(reports, args.format, skipped=[r.name for r in runs if not r.is_trainvitals]))
     return EXIT_CRITICAL if any(r.critical for r in reports) else EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``trainvitals report`` on its own command line; returns the exit status, 2 on a usage error."""
+    parser = argparse.ArgumentParser(prog="trainvitals report", description=DESCRIPTION)
+    add_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a usage error (2): argparse has printed why
+        return int(exit_.code or 0)
+    return run(args)

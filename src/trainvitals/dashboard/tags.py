@@ -37,16 +37,12 @@ def grad_norm(name: str) -> str:
     return rf"grad_norm/{OPTIMIZER_INFIX}{re.escape(name)}$"
 
 
-def any_of(prefix: str, names: tuple[str, ...] | list[str]) -> str:
-    """Regex of ``<prefix>/<name>`` for each of ``names`` (``prefix`` is a regex, names are literal)."""
-    return rf"{prefix}/(?:{'|'.join(re.escape(n) for n in names)})$"
-
-
 PER_LAYER_GRAD_NORM = rf"grad_norm/{OPTIMIZER_INFIX}(?!(?:{'|'.join(GRAD_NORM_SUMMARIES)})$)(?!hist/)[^/]+$"
 """Regex of the per-layer norms ``grad_norm/<module path>``: every ``grad_norm/`` scalar but the summaries."""
 
-MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer_state", "inputs", "activations")
-"""The memory categories of MemoryTopologyProfiler, logged as ``memory/<category>_bytes``."""
+MEMORY_BYTES = r"memory/[^/]+_bytes$"
+"""MemoryTopologyProfiler's byte counts by category (parameters, gradients, optimizer state, inputs, saved
+activations, held after backward; CUDA peaks and temporaries), logged as ``memory/<category>_bytes``."""
 
 
 def text_tag(tag: str) -> str:

@@ -10,8 +10,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
+from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
+from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
+from trainvitals.dashboard.layout import TrainvitalsDashboard, diagnoses
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
 
@@ -28,13 +33,25 @@ class DemoResult:
     val_acc: float | None
     log_dir: str
     seconds: float
+    diagnoses: dict[str, str]
 
 
 def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
-    """The trainvitals callbacks the demo attaches."""
+    """The trainvitals callbacks the demo attaches, in the order their hooks must run.
+
+    The probe measures every 10th optimizer step: on this small CNN a per-example measurement costs
+    about half a bare step on CPU (benchmarks/bench_batch_variance_probe.py). The stopper takes its
+    noise from the micro-batches when ``--accumulate`` ≥ 2, else from the probe; the advisor reads
+    the noise scale of either. On CPU the memory budget for the largest-batch advice is an argument.
+    """
     return [
+        GraphIntegrityCallback(),
         GradNormMonitor(histogram_every_n_steps=50),
+        BatchVarianceProbe(every_n_steps=10, histogram_every_n_steps=50),
         GradNormEarlyStopping(mode="noise_band", min_steps=args.min_steps),
+        LRScalingAdvisor(verbose=False),
+        MemoryTopologyProfiler(memory_budget_bytes=256 * 2**20),
+        TrainvitalsDashboard(),
     ]
 
 
@@ -75,16 +92,18 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
         val_acc=float(metrics["val/acc"]) if "val/acc" in metrics else None,
         log_dir=str(Path(logger.log_dir)),
         seconds=seconds,
+        diagnoses=diagnoses(trainer),
     )
 
 
-def format_summary(result: DemoResult, logdir: str) -> str:
+def format_summary(result: DemoResult, logdir: str, details: bool = True) -> str:
     def num(x: float | None, fmt: str) -> str:
         return "n/a" if x is None else format(x, fmt)
 
     ratio = (f" ({result.grad_norm / result.noise_floor:.2f}× the floor)"
              if result.grad_norm is not None and result.noise_floor else "")
-    return "\n".join([
+    sections = [f"## {name}\n\n{markdown}" for name, markdown in result.diagnoses.items()] if details else []
+    return "\n\n".join(sections + ["\n".join([
         "trainvitals demo — digits CNN",
         f"  optimizer steps:   {result.steps} ({result.epochs} epochs, {result.seconds:.0f} s)",
         f"  why it stopped:    {result.stop_reason}",
@@ -92,20 +111,7 @@ def format_summary(result: DemoResult, logdir: str) -> str:
         f"  val accuracy:      {num(result.val_acc, '.4f')}",
         f"  logs:              {result.log_dir}",
         f"  look at it:        tensorboard --logdir {logdir}",
-    ])
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--logdir", default="runs", help="TensorBoard log folder (default: runs/)")
-    parser.add_argument("--max-epochs", type=int, default=60)
-    parser.add_argument("--batch-size", type=int, default=16, help="examples per micro-batch (DataLoader batch)")
-    parser.add_argument("--accumulate", type=int, default=4, help="accumulate_grad_batches (effective batch = batch-size × accumulate)")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--min-steps", type=int, default=100, help="no stop before this many optimizer steps")
-    parser.add_argument("--log-every-n-steps", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or model summary")
+    ])])
 
 
 def main(args: argparse.Namespace) -> int:
@@ -113,5 +119,5 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     result = run_demo(args)
-    print(format_summary(result, args.logdir))
+    print(format_summary(result, args.logdir, details=not args.quiet))
     return 0

@@ -1,0 +1,959 @@
+"""Check the computation graph behind each loss, and say in plain words what is wrong and where.
+
+Backpropagation only reaches what the graph connects. A detached loss, a head the loss never uses,
+layers kept in a plain Python list, a hidden state carried across steps: each either wastes hours
+before anyone notices or fails with an error that names no culprit. :class:`GraphIntegrityCallback`
+finds them:
+
+- before backward, every step: the loss has no ``grad_fn`` (and why), is not finite, is not a scalar;
+- before backward, on a schedule: a walk from ``loss.grad_fn`` to the ``AccumulateGrad`` leaves finds
+  trainable parameters the loss cannot reach, leaves that belong to no optimizer, and nodes created
+  in an earlier step (state carried across steps, named by its module attribute);
+- after backward (at ``on_before_optimizer_step``, when the gradient of the step is complete, per
+  optimizer), during a window of consecutive steps on the same schedule: parameters without a
+  gradient (unused) or with an exactly zero one (dead) for ``dead_after_steps`` steps in a row, what
+  DDP with ``find_unused_parameters=False`` would make of them, frozen parameters an optimizer still
+  changes, and gradients left over from before an optimizer's previous step (manual optimization);
+- on an exception: autograd's three classic errors get a diagnosis naming the tensor, module and
+  operation, added to the exception as a note; the original exception propagates unchanged.
+
+Findings go to :attr:`GraphIntegrityCallback.findings`, to the metrics ``graph/*``, a warning once per
+kind (rank zero), and a markdown table at the end of fit (:meth:`GraphIntegrityCallback.findings_markdown`,
+logged as the text panel ``graph/findings``). ``strict=True`` raises :class:`GraphIntegrityError` at the
+first finding instead, on all ranks at the same step.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import Node
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+import trainvitals
+from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.core.graph import (
+    AutogradError,
+    GraphTracer,
+    InplaceInfo,
+    all_zero,
+    anomaly_location,
+    attributes_reaching,
+    batch_mixing,
+    batchnorm_in_eval,
+    classify_autograd_error,
+    describe_cut,
+    first_tensor,
+    nearest_leaves,
+    owner_module,
+    parse_inplace_error,
+    saved_tensor_errors,
+    sequence_mark,
+    tensor_names,
+    walk_graph,
+)
+
+# A diagnosis points at the user's code: frames in Lightning and trainvitals are not the culprit.
+_SKIP_DIRS = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__))
+_MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before a forced flush
+_SHOWN = 5  # names spelled out in a message; the finding keeps them all
+
+
+class FindingKind(str, enum.Enum):
+    """What a finding is about; the value names its counter, ``graph/findings_<value>``."""
+
+    LOSS_NO_GRAD = "loss_no_grad"
+    LOSS_NOT_FINITE = "loss_not_finite"
+    LOSS_NOT_SCALAR = "loss_not_scalar"
+    UNREACHABLE_PARAMS = "unreachable_params"
+    UNOPTIMIZED_LEAVES = "unoptimized_leaves"
+    FROZEN_IN_OPTIMIZER = "frozen_in_optimizer"
+    STALE_GRAPH = "stale_graph"
+    UNUSED_PARAMS = "unused_params"
+    DEAD_PARAMS = "dead_params"
+    DDP_UNUSED = "ddp_unused"
+    FROZEN_CHANGED = "frozen_changed"
+    GRAD_LEAK = "grad_leak"
+    BATCH_MIXING = "batch_mixing"
+    NO_GRAD_ERROR = "no_grad_error"
+    SECOND_BACKWARD = "second_backward"
+    INPLACE_MODIFIED = "inplace_modified"
+
+
+_ERROR_KIND = {
+    AutogradError.NO_GRAD: FindingKind.NO_GRAD_ERROR,
+    AutogradError.SECOND_BACKWARD: FindingKind.SECOND_BACKWARD,
+    AutogradError.INPLACE: FindingKind.INPLACE_MODIFIED,
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem found.
+
+    Attributes:
+        kind: what it is about.
+        names: the parameters, module attributes, modules or operations it names.
+        message: plain words: what is wrong, where, and the fix.
+        step: ``trainer.global_step`` (optimizer steps) at the start of the batch it was first found in.
+    """
+
+    kind: FindingKind
+    names: tuple[str, ...]
+    message: str
+    step: int
+
+
+class GraphIntegrityError(RuntimeError):
+    """Raised by :class:`GraphIntegrityCallback` with ``strict=True`` at the first finding."""
+
+
+def _listed(names: list[str] | tuple[str, ...]) -> str:
+    shown = ", ".join(f"`{n}`" for n in names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def _ignore(*_: Any, **__: Any) -> None:
+    """Stands in for ``self.log`` while a step is re-run for a diagnosis."""
+
+
+class GraphIntegrityCallback(Callback):
+    r"""Check the autograd graph behind each loss and diagnose autograd errors.
+
+    Cost: every step, a few attribute reads and one ``loss.detach()`` kept for a finiteness check that
+    runs, with one host sync, when a check window closes. Every ``check_every_n_steps`` optimizer
+    steps a window opens: its first batch walks the graph (O(graph nodes), Python only, with a global
+    module forward hook noting which modules ran); then, for ``dead_after_steps`` optimizer steps per
+    optimizer, gradients are checked: the first check reads every gradient once (a min/max per tensor,
+    one host sync), later ones only the gradients that were zero so far. The window's close syncs once
+    more and logs. Under manual optimization the leak check may read gradients left after a step (one
+    sync). ``strict=True`` syncs every step (finiteness, and the raise decision under DDP).
+
+    Works with manual optimization and several optimizers (gradients are checked per optimizer at its
+    step), and with ``torch.compile``: a compiled region is one ``CompiledFunctionBackward`` node, so the
+    walk sees the parameters it uses and stale inputs fed to it, not the operations inside; module
+    forward hooks do not run inside it, so for an unreachable parameter there it cannot say whether its
+    module ran. Diagnoses that re-run the step (a loss without ``grad_fn``, an in-place error without an
+    optimizer step behind it) need automatic optimization on one process; elsewhere they say less.
+    Stale-graph detection reads autograd's private sequence counter (``torch.autograd._get_sequence_nr``,
+    present in torch 2.13); a torch without it skips that check.
+
+    Args:
+        check_every_n_steps: optimizer steps between the starts of two check windows (the first at
+            step 0). Must be >= 1.
+        dead_after_steps: a parameter is reported unused or dead after this many consecutive checked
+            optimizer steps (of its optimizer) without a gradient or with an exactly zero one; also the
+            length of a window. Must be >= 1 and <= ``check_every_n_steps``.
+        detect_anomaly_steps: run the batches that start before optimizer step N under
+            ``torch.autograd`` anomaly detection (NaN checks on): the one-batch self-test before a long
+            run; anomaly mode also records each node's forward traceback, which the diagnoses quote.
+            Must be >= 0.
+        check_batch_independence: on the first batch, check that output i does not depend on input
+            j ≠ i (catches ``view``/``permute`` bugs that mix examples). BatchNorm layers in training
+            mode run in eval mode for this check (it says so).
+        batch_input: maps a batch to the model's input for that check; default: the first tensor of
+            the batch. The model is called as ``pl_module(x)``.
+        strict: raise :class:`GraphIntegrityError` at the first finding instead of warning.
+
+    Raises:
+        ValueError: on an invalid argument (named in the message).
+        GraphIntegrityError: with ``strict=True``, during training, at the first finding.
+    """
+
+    def __init__(
+        self,
+        check_every_n_steps: int = 50,
+        dead_after_steps: int = 3,
+        detect_anomaly_steps: int = 0,
+        check_batch_independence: bool = False,
+        batch_input: Callable[[Any], Tensor] | None = None,
+        strict: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, value, low in (
+            ("check_every_n_steps", check_every_n_steps, 1),
+            ("dead_after_steps", dead_after_steps, 1),
+            ("detect_anomaly_steps", detect_anomaly_steps, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}")
+        if dead_after_steps > check_every_n_steps:
+            raise ValueError(
+                f"`dead_after_steps` ({dead_after_steps}) must be <= `check_every_n_steps` ({check_every_n_steps})"
+            )
+        for name, value in (("check_batch_independence", check_batch_independence), ("strict", strict)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be a bool, got {value!r}")
+        if batch_input is not None and not callable(batch_input):
+            raise ValueError(f"`batch_input` must be callable or None, got {batch_input!r}")
+        self.check_every_n_steps = check_every_n_steps
+        self.dead_after_steps = dead_after_steps
+        self.detect_anomaly_steps = detect_anomaly_steps
+        self.check_batch_independence = check_batch_independence
+        self.batch_input = batch_input or first_tensor
+        self.strict = strict
+        # Lightning reads the key in every hook call (profiler names): build it once.
+        self._state_key = self._generate_state_key(
+            check_every_n_steps=check_every_n_steps, dead_after_steps=dead_after_steps
+        )
+
+        self.findings: list[Finding] = []
+        self.counts: dict[FindingKind, int] = {}
+        self._warned: set[FindingKind] = set()
+        self._walks = 0
+        self._grad_checks = 0
+        self._next_check = 0
+        self._window_open = False
+        self._window_left = 0
+        # Consecutive checked optimizer steps without a gradient / with an exactly zero one, by name.
+        self._unused_streak: dict[str, int] = {}
+        self._dead_streak: dict[str, int] = {}
+        self._independence_done = False
+
+        # Fit-time maps, built at train start.
+        self._names: dict[int, str] = {}
+        self._tracked: list[tuple[str, Tensor]] = []  # every parameter in an optimizer, or registered
+        self._opt_params: list[list[tuple[str, Tensor]]] = []
+        self._opt_of: dict[int, int] = {}  # id(parameter) -> optimizer index
+        self._opt_index: dict[int, int] = {}  # id(optimizer) -> index in trainer.optimizers
+        self._device = torch.device("cpu")  # the module's: where a reduction over ranks happens
+        # Per optimizer, the parameters whose gradient was zero at every check of this window so far
+        # (None: not checked yet): only they can still reach a dead streak, so only they are read again.
+        self._dead_candidates: dict[int, set[str]] = {}
+
+        # Per-batch state.
+        self._step = 0  # trainer.global_step when the batch started: the step findings are filed under
+        self._mark: int | None = None
+        self._batch: Any = None
+        self._batch_idx = 0
+        self._losses: list[Node] = []
+        self._last_loss: Tensor | None = None
+        self._stepped: list[int] = []
+        self._walk_batch = False
+        self._walked = False  # a loss of the walk batch was walked
+        self._reached: set[int] = set()
+        self._ran: dict[int, bool] = {}
+        self._walk_counts: dict[str, int] = {}  # what the window's walk found, logged as graph/<key>
+        self._hook: Any = None
+        self._frozen_versions: list[tuple[str, Tensor, int, int]] = []
+        self._stale_opts: set[int] = set()
+        self._pending_losses: list[Tensor] = []
+        self._anomaly_prev: tuple[bool, bool] | None = None
+        self._pending: Finding | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._state_key
+
+    # ------------------------------------------------------------------------------------ fit start
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._step = trainer.global_step
+        self._names = tensor_names(pl_module)
+        self._opt_params, self._opt_of = [], {}
+        self._opt_index = {id(opt): k for k, opt in enumerate(trainer.optimizers)}
+        tracked: dict[int, tuple[str, Tensor]] = {id(p): (n, p) for n, p in pl_module.named_parameters()}
+        for k, opt in enumerate(trainer.optimizers):
+            params = [p for group in opt.param_groups for p in group["params"]]
+            named = [(self._names.get(id(p), f"optimizer{k}.param{i}"), p) for i, p in enumerate(params)]
+            self._opt_params.append(named)
+            for name, p in named:
+                self._opt_of.setdefault(id(p), k)
+                tracked.setdefault(id(p), (name, p))
+        self._tracked = list(tracked.values())
+        self._device = pl_module.device
+        for k, named in enumerate(self._opt_params):
+            frozen = tuple(n for n, p in named if not p.requires_grad)
+            if frozen:
+                self._record(
+                    trainer,
+                    FindingKind.FROZEN_IN_OPTIMIZER,
+                    frozen,
+                    f"{_listed(frozen)} are in optimizer {k} ({type(trainer.optimizers[k]).__name__}) but have "
+                    "requires_grad=False: they get no gradient, yet momentum or weight decay still change them "
+                    "whenever they hold a `.grad`. Build the optimizer from the trainable parameters only "
+                    "(`[p for p in self.parameters() if p.requires_grad]`).",
+                )
+        self._maybe_raise(trainer)
+
+    # ------------------------------------------------------------------------------------ per batch
+
+    @override
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
+        self._mark = sequence_mark()
+        self._batch, self._batch_idx = batch, batch_idx
+        step = self._step = trainer.global_step
+        if self.check_batch_independence and not self._independence_done:
+            self._independence_done = True
+            self._check_independence(trainer, pl_module, batch)
+        if not self._window_open and step >= self._next_check:
+            self._open_window(trainer, step)
+        if step < self.detect_anomaly_steps and self._anomaly_prev is None:
+            self._anomaly_prev = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+            torch.set_anomaly_enabled(True, True)
+
+    def _open_window(self, trainer: "pl.Trainer", step: int) -> None:
+        self._window_open = True
+        self._window_left = self.dead_after_steps * max(1, len(trainer.optimizers))
+        self._next_check = step + self.check_every_n_steps
+        self._unused_streak.clear()
+        self._dead_streak.clear()
+        self._dead_candidates.clear()
+        self._stale_opts.clear()
+        self._walk_batch = True
+        self._walks += 1
+        self._walked = False
+        self._reached.clear()
+        self._ran.clear()
+        self._walk_counts = dict.fromkeys(("leaked_graphs", "unregistered_params", "unoptimized_params"), 0)
+        self._hook = nn.modules.module.register_module_forward_hook(self._note_forward)
+
+    def _note_forward(self, module: nn.Module, *_: Any) -> None:
+        self._ran[id(module)] = self._ran.get(id(module), False) or torch.is_grad_enabled()
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        self._last_loss = loss
+        if loss.grad_fn is not None:
+            self._losses.append(loss.grad_fn)
+        self._check_loss(trainer, pl_module, loss)
+        if self._walk_batch:
+            self._walk(trainer, pl_module, loss)
+        if self._window_open and not pl_module.automatic_optimization:
+            self._observe_zeroed_grads()
+        self._maybe_raise(trainer)
+
+    def _check_loss(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        if loss.grad_fn is None:
+            names, why = self._why_no_grad(trainer, pl_module, loss)
+            self._record(
+                trainer,
+                FindingKind.LOSS_NO_GRAD,
+                names,
+                f"The loss has no grad_fn, so backward cannot reach any parameter: {why}.",
+            )
+        # manual_backward(loss, gradient) of a non-scalar is legitimate; Lightning's own backward is not.
+        elif pl_module.automatic_optimization and loss.numel() != 1:
+            self._record(
+                trainer,
+                FindingKind.LOSS_NOT_SCALAR,
+                (),
+                f"training_step returned a loss of shape {tuple(loss.shape)}, not a scalar: backward needs one "
+                "number. Reduce it (`.mean()` over the batch).",
+            )
+        if not loss.is_floating_point():
+            return
+        self._pending_losses.append(loss.detach())
+        if self.strict or len(self._pending_losses) >= _MAX_PENDING_LOSSES:
+            self._flush_losses(trainer)
+
+    def _why_no_grad(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor
+    ) -> tuple[tuple[str, ...], str]:
+        if loss.requires_grad:
+            return ("leaf loss",), (
+                "it is a leaf tensor that requires grad, built from a value (e.g. "
+                "`torch.tensor(loss.item(), requires_grad=True)`); return the loss tensor itself"
+            )
+        if not torch.is_grad_enabled():
+            optimizers = tuple(type(o).__name__ for o in trainer.optimizers)
+            return ("grad mode off", *optimizers), (
+                "grad mode was off while training_step ran. Lightning calls the step inside "
+                "`optimizer.step(closure)`; an optimizer whose step() runs the closure under `torch.no_grad()` "
+                f"without `torch.enable_grad()` does this (optimizers: {', '.join(optimizers) or 'none'}), as does "
+                "a `torch.set_grad_enabled(False)` left on"
+            )
+        if self._can_rerun(trainer, pl_module):
+            try:
+                tracer, output = self._rerun(pl_module)
+            except Exception as err:  # a diagnosis must never replace the user's error
+                return (), f"the re-run to locate the cut failed ({type(err).__name__}: {err})"
+            rerun_loss = output.get("loss") if isinstance(output, dict) else output
+            return describe_cut(tracer, tracer.cuts_behind(rerun_loss))
+        return (), (
+            "it was rebuilt from `.item()`/`.detach()` or computed inside `torch.no_grad()` (on one device with "
+            "automatic optimization the callback re-runs the step and names the line)"
+        )
+
+    def _walk(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        walk = walk_graph(loss, self._mark)
+        self._walked = True
+        self._reached.update(id(t) for t in walk.leaves)
+        if walk.stale:
+            self._walk_counts["leaked_graphs"] += 1
+            self._record(trainer, FindingKind.STALE_GRAPH, *self._stale_finding(pl_module, walk.stale))
+        if not self._opt_of:
+            return
+        unoptimized = [
+            t for t in walk.leaves
+            if id(t) not in self._opt_of and (isinstance(t, nn.Parameter) or id(t) in self._names)
+        ]
+        if not unoptimized:
+            return
+        registered = {id(p) for p in pl_module.parameters()}
+        names = tuple(self._names.get(id(t), f"<tensor {tuple(t.shape)}>") for t in unoptimized)
+        unregistered = [n for n, t in zip(names, unoptimized) if id(t) not in registered]
+        self._walk_counts["unoptimized_params"] += len(names)
+        self._walk_counts["unregistered_params"] += len(unregistered)
+        why = (
+            f"{_listed(unregistered)} are not registered on the module (kept in a plain Python list, dict or "
+            "attribute): use nn.ModuleList / nn.ModuleDict / nn.Parameter so that `parameters()` includes them"
+            if unregistered
+            else "they are registered, but configure_optimizers left them out"
+        )
+        self._record(
+            trainer,
+            FindingKind.UNOPTIMIZED_LEAVES,
+            names,
+            f"{_listed(names)} receive gradients but belong to no optimizer param group, so they never change: "
+            f"{why}.",
+        )
+
+    @staticmethod
+    def _node_names(nodes: tuple[Node, ...] | list[Node]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(type(n).__name__ for n in nodes))
+
+    def _stale_finding(
+        self, pl_module: "pl.LightningModule", stale: tuple[Node, ...]
+    ) -> tuple[tuple[str, ...], str]:
+        """Names (the module attributes that carry the graph over, else node types) and message."""
+        attrs = attributes_reaching(pl_module, set(stale), self._mark)
+        carried = (
+            f"it is carried across steps in {_listed(attrs)}" if attrs
+            else "it is carried across steps outside the module's attributes"
+        )
+        fix = f"`self.{attrs[0]} = {attrs[0].rpartition('.')[2]}.detach()`" if attrs else "`.detach()`"
+        return tuple(attrs) or self._node_names(stale), (
+            f"The loss reaches {len(stale)} autograd node(s) created in an earlier step "
+            f"({_listed(self._node_names(stale))}): {carried}. The earlier backward freed their saved tensors "
+            f"(\"backward through the graph a second time\"), or the graph grows every step. Detach the state "
+            f"when carrying it over ({fix})."
+        )
+
+    def _observe_zeroed_grads(self) -> None:
+        """An optimizer that stepped is cleared once a backward starts with its gradients zeroed."""
+        for k in list(self._stale_opts):
+            grads = [p.grad for _, p in self._opt_params[k] if p.grad is not None]
+            if not grads or bool(all_zero(grads).all()):
+                self._stale_opts.discard(k)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
+        if pl_module.automatic_optimization:
+            # Backward is over; Lightning still holds the loss, so its graph is freed there, not here.
+            self._release_graph()
+        k = self._opt_index.get(id(optimizer))
+        if k is None:
+            return
+        self._stepped.append(k)
+        if not self._window_open or self._window_left <= 0:
+            return
+        self._window_left -= 1
+        if not pl_module.automatic_optimization:
+            if k in self._stale_opts:
+                self._record_leak(trainer, k)
+            self._stale_opts.add(k)
+        self._inspect_grads(k)
+        self._frozen_versions.extend((n, p, p._version, k) for n, p in self._opt_params[k] if not p.requires_grad)
+
+    def _record_leak(self, trainer: "pl.Trainer", k: int) -> None:
+        names = tuple(n for n, _ in self._opt_params[k])
+        self._record(
+            trainer,
+            FindingKind.GRAD_LEAK,
+            names,
+            f"Optimizer {k} ({type(trainer.optimizers[k]).__name__}, parameters {_listed(names)}) stepped with "
+            "gradients left over from before its previous step: no zero_grad cleared them, so the gradients of "
+            "every loss back-propagated since (including losses meant for another optimizer) were added up. "
+            "Call `opt.zero_grad()` before the backward meant for this optimizer.",
+        )
+
+    def _inspect_grads(self, k: int) -> None:
+        """Update the unused and dead streaks of optimizer ``k``'s parameters (one host sync, when there
+        is a gradient to read)."""
+        candidates = self._dead_candidates.get(k)
+        present = []
+        for name, p in self._opt_params[k]:
+            unused = p.requires_grad and p.grad is None
+            self._unused_streak[name] = self._unused_streak.get(name, 0) + 1 if unused else 0
+            if candidates is not None and name not in candidates:
+                continue  # non-zero earlier in this window: its streak is 0 until the next window
+            if p.requires_grad and p.grad is not None:
+                present.append((name, p.grad))
+            else:
+                self._dead_streak[name] = 0
+        flags = all_zero([g for _, g in present]).tolist() if present else []
+        for (name, _), is_zero in zip(present, flags):
+            self._dead_streak[name] = self._dead_streak.get(name, 0) + 1 if is_zero else 0
+        self._dead_candidates[k] = {name for (name, _), is_zero in zip(present, flags) if is_zero}
+        self._grad_checks += 1
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._walk_batch:
+            self._check_reachability(trainer, pl_module)
+        self._check_frozen_changed(trainer)
+        if self._window_open and (self._window_left <= 0 or trainer.global_step >= self._next_check):
+            self._close_window(trainer)
+        self._end_batch()
+        self._maybe_raise(trainer)
+
+    def _check_reachability(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._walk_batch = False
+        self._remove_hook()
+        if not self._walked:  # no backward ran in this batch
+            return
+        unreached = [(n, p) for n, p in self._tracked if p.requires_grad and id(p) not in self._reached]
+        if not unreached:
+            return
+        by_module: dict[str, list[str]] = {}
+        for name, _ in unreached:
+            by_module.setdefault(owner_module(name), []).append(name)
+        reasons = []
+        for mod_name in by_module:
+            try:
+                module = pl_module.get_submodule(mod_name)
+            except AttributeError:
+                module = None
+            if module is None or module is pl_module:
+                reasons.append(f"{_listed(by_module[mod_name])} are not used by the loss")
+            elif "_orig_mod" in mod_name.split("."):  # forward hooks do not run inside a compiled region
+                reasons.append(f"module `{mod_name}`, inside a torch.compile'd module, did not reach the loss")
+            elif id(module) not in self._ran:
+                reasons.append(f"module `{mod_name}` never ran in forward (an unused head or branch?)")
+            elif not self._ran[id(module)]:
+                reasons.append(f"module `{mod_name}` ran only with grad mode off (inside `torch.no_grad()`)")
+            else:
+                reasons.append(f"module `{mod_name}` ran, but its output was detached or did not reach the loss")
+        names = tuple(n for n, _ in unreached)
+        self._record(
+            trainer,
+            FindingKind.UNREACHABLE_PARAMS,
+            names,
+            f"{len(names)} trainable parameter(s) cannot be reached from the loss and will get no gradient: "
+            + "; ".join(reasons) + ".",
+        )
+
+    def _check_frozen_changed(self, trainer: "pl.Trainer") -> None:
+        for name, p, version, k in self._frozen_versions:
+            if p._version == version:
+                continue
+            opt = trainer.optimizers[k]
+            causes = []
+            if p.grad is not None:
+                causes.append(
+                    "it still holds a `.grad` (left from before it was frozen, or kept as zeros by "
+                    "`zero_grad(set_to_none=False)`), so the optimizer does not skip it"
+                )
+            state = [key for key in opt.state.get(p, {}) if key != "step"]
+            if state:
+                causes.append(f"its optimizer state ({', '.join(state)}) keeps moving it")
+            group = next((g for g in opt.param_groups if any(q is p for q in g["params"])), {})
+            decay = group.get("weight_decay", 0)
+            if decay:
+                causes.append(f"weight decay {decay} shrinks it")
+            self._record(
+                trainer,
+                FindingKind.FROZEN_CHANGED,
+                (name,),
+                f"`{name}` has requires_grad=False but optimizer {k} ({type(opt).__name__}) changed it: "
+                + "; ".join(causes or ["the optimizer updates parameters regardless of requires_grad"])
+                + ". Set its `.grad` to None when freezing it, or remove it from the optimizer.",
+            )
+        self._frozen_versions = []
+
+    def _close_window(self, trainer: "pl.Trainer") -> None:
+        self._window_open = False
+        n = self.dead_after_steps
+        unused = tuple(name for name, s in self._unused_streak.items() if s >= n)
+        dead = tuple(name for name, s in self._dead_streak.items() if s >= n)
+        nonfinite = self._flush_losses(trainer)
+        if unused:
+            self._record(
+                trainer,
+                FindingKind.UNUSED_PARAMS,
+                unused,
+                f"{len(unused)} parameter(s) got no gradient (`.grad` is None) at {n} optimizer steps in a row: "
+                f"{_listed(unused)}. They are not in the loss's graph; the optimizer skips them.",
+            )
+            self._predict_ddp(trainer, unused)
+        if dead:
+            self._record(
+                trainer,
+                FindingKind.DEAD_PARAMS,
+                dead,
+                f"{len(dead)} parameter(s) had a gradient of exactly zero at {n} optimizer steps in a row: "
+                f"{_listed(dead)}. They are in the graph but the gradient is blocked (a ReLU or clamp of values "
+                "that are always negative, a multiplication by zero, a saturated activation).",
+            )
+        metrics = {
+            "graph/unused_params": float(len(unused)),
+            "graph/dead_params": float(len(dead)),
+            "graph/nonfinite_losses": float(nonfinite),
+            **{f"graph/{k}": float(v) for k, v in self._walk_counts.items()},
+            **self._count_metrics(),
+        }
+        log_scalars(trainer, metrics, step=trainer.global_step)
+
+    def _count_metrics(self) -> dict[str, float]:
+        return {f"graph/findings_{k.value}": float(v) for k, v in self.counts.items()}
+
+    def _predict_ddp(self, trainer: "pl.Trainer", unused: tuple[str, ...]) -> None:
+        ddp = trainer.strategy.model
+        if isinstance(ddp, DistributedDataParallel) and ddp.find_unused_parameters:
+            return
+        now = (
+            "This run uses DDP with find_unused_parameters=False: the next step fails"
+            if isinstance(ddp, DistributedDataParallel)
+            else "Under DDP with find_unused_parameters=False (the default of strategy='ddp') the next step fails"
+        )
+        self._record(
+            trainer,
+            FindingKind.DDP_UNUSED,
+            unused,
+            f"{now} with 'Expected to have finished reduction in the prior iteration': the reducer waits for "
+            f"gradients of {_listed(unused)} that never come. Fix: strategy='ddp_find_unused_parameters_true' "
+            "(DDPStrategy(find_unused_parameters=True)), or remove or freeze these parameters.",
+        )
+
+    def _flush_losses(self, trainer: "pl.Trainer") -> int:
+        """Count the non-finite losses kept since the last flush, summed over ranks (one host sync)."""
+        values, self._pending_losses = self._pending_losses, []
+        flat = torch.cat([v.reshape(-1) for v in values]) if values else torch.zeros(0, device=self._device)
+        bad = flat.isfinite().logical_not().sum().to(device=self._device, dtype=torch.float32)
+        count = int(trainer.strategy.reduce(bad, reduce_op="sum").item())
+        if count:
+            self._record(
+                trainer,
+                FindingKind.LOSS_NOT_FINITE,
+                (),
+                f"{count} loss value(s) were NaN or inf (summed over ranks) before step {trainer.global_step}. "
+                "Every gradient of such a step is NaN; set detect_anomaly_steps to find the op that made it.",
+            )
+        return count
+
+    def _release_graph(self) -> None:
+        self._losses = []
+        self._last_loss = None
+
+    def _end_batch(self) -> None:
+        self._release_graph()
+        self._batch = None
+        self._stepped = []
+        if self._anomaly_prev is not None:
+            torch.set_anomaly_enabled(*self._anomaly_prev)
+            self._anomaly_prev = None
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # ------------------------------------------------------------------------------- batch mixing
+
+    def _check_independence(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any) -> None:
+        x = self.batch_input(batch)
+        with self._isolated_rng(pl_module), batchnorm_in_eval(pl_module) as switched:
+            try:
+                if x is None:
+                    raise ValueError("the batch holds no tensor")
+                mixing = batch_mixing(pl_module, x)
+            except (ValueError, TypeError, RuntimeError) as err:
+                rank_zero_warn(f"trainvitals GraphIntegrityCallback: could not check batch independence: {err}")
+                return
+        if switched:
+            rank_zero_info(
+                f"trainvitals: the batch-independence check ran {len(switched)} BatchNorm layer(s) in eval mode "
+                f"({_listed(switched)}): in training mode BatchNorm mixes examples through the batch statistics "
+                "by design."
+            )
+        mixed = {i: js for i, js in mixing.items() if js}
+        if mixed:
+            detail = "; ".join(f"output {i} depends on inputs {js[:_SHOWN]}" for i, js in mixed.items())
+            self._record(
+                trainer,
+                FindingKind.BATCH_MIXING,
+                tuple(f"output[{i}]" for i in mixed),
+                f"Examples are mixed across the batch: {detail}. A `view`/`reshape` or `permute` that moves the "
+                "batch dimension is the usual cause (e.g. `x.view(C, B, ...)` on a `(B, C, ...)` tensor).",
+            )
+        self._maybe_raise(trainer)
+
+    @staticmethod
+    @contextmanager
+    def _isolated_rng(pl_module: "pl.LightningModule") -> Iterator[None]:
+        """An extra forward must not shift the run's random stream (dropout, data augmentation)."""
+        device = pl_module.device
+        if device.type == "cpu":
+            with torch.random.fork_rng(devices=[]):
+                yield
+        else:
+            with torch.random.fork_rng(devices=[device], device_type=device.type):
+                yield
+
+    # ----------------------------------------------------------------------------- the step re-run
+
+    @staticmethod
+    def _can_rerun(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+        # Manual optimization would step optimizers again; several ranks could wait in a collective.
+        return pl_module.automatic_optimization and trainer.world_size == 1
+
+    def _rerun(self, pl_module: "pl.LightningModule") -> tuple[GraphTracer, Any]:
+        """Run ``training_step`` on the current batch again under a :class:`GraphTracer`.
+
+        Used only when the step is failing anyway; logging is silenced and the random stream restored.
+        """
+        pl_module.log, pl_module.log_dict = _ignore, _ignore  # type: ignore[method-assign]
+        try:
+            with self._isolated_rng(pl_module), torch.enable_grad(), GraphTracer(pl_module, _SKIP_DIRS) as tracer:
+                output = pl_module.training_step(self._batch, self._batch_idx)
+        finally:
+            del pl_module.log, pl_module.log_dict
+        return tracer, output
+
+    # ------------------------------------------------------------------------------- exceptions
+
+    @override
+    def on_exception(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException
+    ) -> None:
+        self._remove_hook()
+        kind = None if isinstance(exception, GraphIntegrityError) else classify_autograd_error(exception)
+        if kind is not None:
+            diagnose = {
+                AutogradError.NO_GRAD: self._diagnose_no_grad,
+                AutogradError.SECOND_BACKWARD: self._diagnose_second_backward,
+                AutogradError.INPLACE: self._diagnose_inplace,
+            }[kind]
+            try:
+                names, message = diagnose(trainer, pl_module, exception)
+            except Exception as err:  # a diagnosis must never replace the user's error
+                names, message = (), f"the diagnosis itself failed ({type(err).__name__}: {err})"
+            finding = self._record(trainer, _ERROR_KIND[kind], names, message, warn=False)
+            note = f"trainvitals GraphIntegrityCallback [{finding.kind.value}]: {finding.message}"
+            if hasattr(exception, "add_note"):
+                exception.add_note(note)
+            else:  # Python < 3.11
+                rank_zero_warn(note)
+        self._end_batch()
+        self._publish(trainer)
+
+    def _diagnose_no_grad(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", _: BaseException
+    ) -> tuple[tuple[str, ...], str]:
+        found = next((f for f in reversed(self.findings) if f.kind is FindingKind.LOSS_NO_GRAD), None)
+        if found is not None:
+            return found.names, found.message
+        loss = self._last_loss
+        if loss is None or loss.grad_fn is not None:
+            return (), "backward was called on a tensor without grad_fn outside Lightning's backward hooks."
+        names, why = self._why_no_grad(trainer, pl_module, loss)
+        return names, f"The loss has no grad_fn: {why}."
+
+    def _diagnose_second_backward(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", _: BaseException
+    ) -> tuple[tuple[str, ...], str]:
+        loss = self._last_loss
+        if loss is None:
+            return (), "a backward outside Lightning's hooks went through a graph whose saved tensors were freed."
+        walk = walk_graph(loss, self._mark)
+        if walk.stale:
+            return self._stale_finding(pl_module, walk.stale)
+        earlier: set[Node] = set()
+        for fn in self._losses[:-1]:
+            earlier |= walk_graph(fn).nodes
+        shared = {n for n in walk.nodes & earlier if type(n).__name__ != "AccumulateGrad"}
+        if not shared:
+            return (), (
+                "The graph was freed by a backward outside Lightning's hooks. Pass retain_graph=True to that "
+                "backward, or recompute the forward."
+            )
+        entry_nodes = list(dict.fromkeys(
+            c for n in walk.nodes - shared for c, _ in n.next_functions if c in shared
+        )) or [loss.grad_fn]
+        modules = tuple(dict.fromkeys(
+            owner_module(self._names.get(id(t), "?")) or "<root>" for n in entry_nodes for t in nearest_leaves(n)
+        ))
+        return modules, (
+            f"This loss shares {len(shared)} autograd node(s) with a loss back-propagated earlier in this step "
+            f"(they enter at {_listed(self._node_names(entry_nodes))}, near module {_listed(modules)}); that backward "
+            "freed their saved tensors. Detach the shared tensor in one of the two losses (e.g. `fake.detach()` "
+            "in the discriminator's loss), or pass retain_graph=True to the first backward."
+        )
+
+    def _diagnose_inplace(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException
+    ) -> tuple[tuple[str, ...], str]:
+        info = parse_inplace_error(str(exception))
+        loss = self._last_loss
+        errors = [e for e in saved_tensor_errors(loss) if e.kind is AutogradError.INPLACE] if loss is not None else []
+        saver, near = "", []
+        if errors:
+            node = errors[0].node
+            near = nearest_leaves(node)
+            modules = _listed(tuple(dict.fromkeys(owner_module(self._names.get(id(t), "?")) for t in near)))
+            at = anomaly_location(node)
+            saver = (
+                f"The tensor that {type(node).__name__} saved as `{errors[0].saved}` (near module {modules}"
+                f"{f', forward at {at}' if at else ''})"
+            )
+        param = self._stepped_parameter(info, near)
+        if param is not None:
+            k = self._opt_of[id(param)]
+            name = self._names.get(id(param), "?")
+            return (name,), (
+                f"{saver or 'A saved tensor'} is parameter `{name}`: optimizer {k} "
+                f"({type(trainer.optimizers[k]).__name__}).step() updated it in place after the forward that saved "
+                "it and before this backward. Run every backward that needs this forward before optimizer.step(), "
+                "or recompute the forward after the step."
+            )
+        if self._can_rerun(trainer, pl_module) and self._batch is not None:
+            try:
+                tracer, _ = self._rerun(pl_module)
+            except Exception as err:  # the diagnosis must never replace the user's error
+                return (), f"{saver or 'A saved tensor'} was modified in place (re-run failed: {err})."
+            pairs = tracer.inplace_after_save(info.shape if info else None)
+            if info is not None:
+                pairs = sorted(pairs, key=lambda pair: pair[0].version != info.expected)
+            if pairs:
+                rec, event = pairs[0]
+                saved_by = f"`{rec.op}`" + (f" in module `{rec.module}`" if rec.module else "")
+                saved_by += f" at {rec.location}" if rec.location else ""
+                names = tuple(dict.fromkeys(n for n in (rec.module, rec.op, event.module, event.op) if n))
+                return names, (
+                    f"A tensor of shape {list(rec.shape)} saved for backward by {saved_by} was then modified in "
+                    f"place by {event.where()}. Use the out-of-place form (`x = x * 2` rather than `x.mul_(2)`, "
+                    "`inplace=False`) or `.clone()` the tensor before changing it."
+                )
+        return (), (
+            f"{saver or 'A tensor saved for backward'} was modified in place after the forward saved it. Set "
+            "detect_anomaly_steps=1 to see the forward operation, and look for in-place ops (`x += ...`, `.mul_()`, "
+            "`inplace=True`) or an optimizer.step() between the forward and this backward."
+        )
+
+    # ------------------------------------------------------------------------- findings, strict, end
+
+    def _stepped_parameter(self, info: InplaceInfo | None, near: list[Tensor]) -> Tensor | None:
+        """The parameter an optimizer step of this batch changed: the saved tensor's shape (or its
+        transpose) and version counter, nearest candidates first."""
+        if info is None:
+            return None
+        for p in near + [p for _, p in self._tracked]:
+            if (
+                p._version == info.version
+                and tuple(p.shape) in (info.shape, info.shape[::-1])
+                and self._opt_of.get(id(p)) in self._stepped
+            ):
+                return p
+        return None
+
+    def _record(
+        self, trainer: "pl.Trainer", kind: FindingKind, names: tuple[str, ...], message: str, warn: bool = True
+    ) -> Finding:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        finding = next((f for f in self.findings if f.kind is kind and f.names == names), None)
+        if finding is None:
+            finding = Finding(kind, names, message, self._step)
+            self.findings.append(finding)
+        if warn and kind not in self._warned:
+            self._warned.add(kind)
+            rank_zero_warn(f"trainvitals GraphIntegrityCallback [{kind.value}]: {message}")
+        if self.strict and self._pending is None:
+            self._pending = finding
+        return finding
+
+    def _maybe_raise(self, trainer: "pl.Trainer") -> None:
+        if not self.strict:
+            return
+        found = self._pending is not None
+        if trainer.strategy.reduce_boolean_decision(found, all=False):
+            pending, self._pending = self._pending, None
+            if pending is None:
+                raise GraphIntegrityError("trainvitals GraphIntegrityCallback: another rank found a graph problem.")
+            raise GraphIntegrityError(f"trainvitals GraphIntegrityCallback [{pending.kind.value}]: {pending.message}")
+
+    def findings_markdown(self) -> str:
+        """The findings as a markdown table (step, kind, names, message), or a clean bill of health."""
+        if not self.findings:
+            return (
+                f"**Graph integrity: clean bill of health.** No findings in {self._walks} graph walk(s) and "
+                f"{self._grad_checks} gradient check(s)."
+            )
+        rows = ["| step | kind | names | finding |", "|---:|---|---|---|"]
+        for f in self.findings:
+            cells = (str(f.step), f.kind.value, _listed(f.names), f.message)
+            rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+        return "\n".join(rows)
+
+    def _publish(self, trainer: "pl.Trainer") -> None:
+        table = self.findings_markdown()
+        log_text(trainer, "graph/findings", table, step=trainer.global_step)
+        rank_zero_info(f"trainvitals graph integrity:\n{table}")
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._window_open:
+            self._close_window(trainer)
+        elif self._pending_losses:
+            self._flush_losses(trainer)
+        self._publish(trainer)
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._remove_hook()
+        self._end_batch()
+
+    # ------------------------------------------------------------------------------------ state
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "next_check": self._next_check,
+            "window_open": self._window_open,
+            "window_left": self._window_left,
+            "unused_streak": dict(self._unused_streak),
+            "dead_streak": dict(self._dead_streak),
+            "counts": {k.value: v for k, v in self.counts.items()},
+            "findings": [{**asdict(f), "kind": f.kind.value, "names": list(f.names)} for f in self.findings],
+            "warned": sorted(k.value for k in self._warned),
+            "walks": self._walks,
+            "grad_checks": self._grad_checks,
+            "independence_done": self._independence_done,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._next_check = int(state_dict.get("next_check", 0))
+        self._window_open = bool(state_dict.get("window_open", False))
+        self._window_left = int(state_dict.get("window_left", 0))
+        self._unused_streak = dict(state_dict.get("unused_streak", {}))
+        self._dead_streak = dict(state_dict.get("dead_streak", {}))
+        self.counts = {FindingKind(k): int(v) for k, v in state_dict.get("counts", {}).items()}
+        self.findings = [
+            Finding(FindingKind(f["kind"]), tuple(f["names"]), f["message"], int(f["step"]))
+            for f in state_dict.get("findings", [])
+        ]
+        self._warned = {FindingKind(k) for k in state_dict.get("warned", [])}
+        self._walks = int(state_dict.get("walks", 0))
+        self._grad_checks = int(state_dict.get("grad_checks", 0))
+        self._independence_done = bool(state_dict.get("independence_done", False))

@@ -1,0 +1,135 @@
+"""The trainvitals dashboard in a real TensorBoard, looked at by a real browser.
+
+Runs the digits example for two epochs (its exit status is its report's: 0, healthy), starts ``tensorboard --logdir`` on 127.0.0.1, opens the
+Custom Scalars dashboard in Debian's headless Chromium through Playwright (no browser download), and
+checks each chart's DOM: its title, how many logged tags it matched, and that lines were drawn.
+
+Set ``TRAINVITALS_SCREENSHOT=docs/dashboard.png`` to refresh the README's screenshot.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from trainvitals.dashboard.layout import CATEGORY, TRAINVITALS_LAYOUT
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+GRAD_NORM_CHART = "gradient norm vs noise floor (use the log-scale toggle)"
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]'")
+if CHROMIUM is None:
+    pytest.skip("no system Chromium: apt-get install -y chromium", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    logdir = tmp_path_factory.mktemp("logs")
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "digits_cnn.py"), "--logdir", str(logdir),
+                           "--max-epochs", "2"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run,) = logdir.glob("digits_cnn/version_*")
+    return run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tensorboard_url(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    log = (tmp_path_factory.mktemp("tb") / "tensorboard.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir.parents[1]), "--host", "127.0.0.1",
+         "--port", str(port), "--load_fast", "false"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "data/plugins_listing", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"tensorboard did not come up: {Path(log.name).read_text()}")
+                time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def expected_matches(run_dir: Path) -> dict[str, int]:
+    """How many logged scalar tags each chart should show, matched as TensorBoard's server matches."""
+    tags = EventAccumulator(str(run_dir)).Reload().Tags()["scalars"]
+    return {title: sum(1 for t in tags if any(re.match(rx, t) for rx in regexes))
+            for title, (_, regexes) in TRAINVITALS_LAYOUT[CATEGORY].items()}
+
+
+def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
+    run_dir: Path, tensorboard_url: str, tmp_path: Path
+) -> None:
+    expected = expected_matches(run_dir)
+    # The callbacks of the digits example log at least these; the other charts wait for theirs.
+    for title in (GRAD_NORM_CHART, "in the noise band (1 = yes)", "B_simple vs effective batch (examples)",
+                  "per-layer gradient norm", "per-layer GSNR", "memory by category (bytes)",
+                  "saved activations per module (bytes)", "integrity counters", "learning rate and its suggestion"):
+        assert expected[title] > 0, title
+
+    with sync_api.sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1300, "height": 2050},  # TensorBoard scrolls inside the page: the viewport is the picture
+        )
+        try:
+            page = context.new_page()
+            page.goto(tensorboard_url + "#custom_scalars")
+            cards = page.locator("tf-custom-scalar-multi-line-chart-card")
+            sync_api.expect(cards).to_have_count(len(expected), timeout=60_000)
+            by_title = {cards.nth(i).locator("tf-card-heading .heading-label").text_content().strip(): cards.nth(i)
+                        for i in range(len(expected))}
+            assert list(by_title) == list(expected)
+            for title, n in expected.items():
+                card = by_title[title]
+                sync_api.expect(card.locator(".matches-text")).to_have_text(f"Matches ({n})", timeout=30_000)
+                lines = card.locator("path.line")
+                if n:  # a path through the first point: "M x,y" then "L x,y" per further point
+                    sync_api.expect(lines.first).to_have_attribute("d", re.compile(r"^M-?[\d.]+,-?[\d.]+"), timeout=30_000)
+                else:
+                    assert lines.count() == 0, title
+
+            grad_norm = by_title[GRAD_NORM_CHART]
+            sync_api.expect(grad_norm.locator("path.line").first).to_have_attribute("d", re.compile(r"^M[^L]+(L[^L]+){10}"))
+            grad_norm.locator('paper-icon-button[title="Toggle y-axis log scale"]').click()
+            sync_api.expect(grad_norm.locator('paper-icon-button[title="Toggle y-axis log scale"]')).to_have_attribute("selected", "")
+            assert grad_norm.locator("tf-line-chart-data-loader").evaluate("e => e.logScaleActive") is True
+
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 10_000
+            if os.environ.get("TRAINVITALS_SCREENSHOT"):
+                shutil.copyfile(shot, ROOT / os.environ["TRAINVITALS_SCREENSHOT"])
+        finally:
+            context.close()

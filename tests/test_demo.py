@@ -1,0 +1,33 @@
+"""The main job end to end: ``trainvitals demo`` and ``trainvitals report`` on its logs."""
+
+from __future__ import annotations
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from trainvitals.cli import main
+
+
+@pytest.mark.slow
+def test_demo_stops_in_the_noise_band_and_logs_the_dashboard(tmp_path, capsys):
+    assert main(["demo", "--logdir", str(tmp_path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "why it stopped:    stopped at optimizer step" in out and "noise band" in out
+    assert f"tensorboard --logdir {tmp_path}" in out
+    events = EventAccumulator(str(tmp_path / "digits" / "version_0"), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert {"grad_norm/total", "grad_norm/features.0", "grad_norm/head.3", "grad_norm/noise_floor",
+            "grad_noise/b_simple", "lr_scaling/effective_batch", "memory/activations_bytes"} <= set(tags["scalars"])
+    assert "grad_norm/hist/features.0" in tags["histograms"]
+    last_step = events.Scalars("grad_norm/total")[-1].step
+    assert last_step < 60 * 22  # stopped before max_epochs (22 optimizer steps an epoch)
+
+    assert main(["report", str(tmp_path)]) == 0
+    report = capsys.readouterr().out
+    assert "convergence" in report and "noise band" in report
+
+
+def test_report_of_a_missing_folder_exits_2(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,720 @@
+"""GraphIntegrityCallback: each check builds its fault in a few lines and has a clean control."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+
+from conftest import RecordingLogger, trainer_kwargs
+from trainvitals.callbacks import graph_integrity
+from trainvitals.callbacks.graph_integrity import FindingKind, GraphIntegrityCallback, GraphIntegrityError
+
+K = FindingKind
+
+
+def data(n: int = 32, d: int = 4, batch_size: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(n, d, generator=g), torch.randint(0, 3, (n,), generator=g))
+    return DataLoader(ds, batch_size=batch_size)
+
+
+class Net(pl.LightningModule):
+    """body → relu → head; the fault tests override one piece each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(model: pl.LightningModule, cb: GraphIntegrityCallback, steps: int = 3, **kwargs) -> list[str]:
+    """Fit for ``steps`` optimizer steps; returns the warning messages."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[cb], **kwargs)).fit(model, data())
+    return [str(w.message) for w in caught]
+
+
+def every_step(**kwargs) -> GraphIntegrityCallback:
+    return GraphIntegrityCallback(check_every_n_steps=1, dead_after_steps=1, **kwargs)
+
+
+def kinds(cb: GraphIntegrityCallback) -> set[FindingKind]:
+    return {f.kind for f in cb.findings}
+
+
+def finding(cb: GraphIntegrityCallback, kind: FindingKind):
+    return next(f for f in cb.findings if f.kind is kind)
+
+
+def fit_fails(model: pl.LightningModule, cb: GraphIntegrityCallback, match: str, steps: int = 3) -> BaseException:
+    with pytest.raises(RuntimeError, match=match) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[cb])).fit(model, data())
+    return info.value
+
+
+# ------------------------------------------------------------------------------------------ arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"check_every_n_steps": 0}, "check_every_n_steps"),
+        ({"dead_after_steps": 0}, "dead_after_steps"),
+        ({"check_every_n_steps": 2, "dead_after_steps": 3}, "dead_after_steps"),
+        ({"detect_anomaly_steps": -1}, "detect_anomaly_steps"),
+        ({"detect_anomaly_steps": 1.5}, "detect_anomaly_steps"),
+        ({"strict": 1}, "strict"),
+        ({"check_batch_independence": "yes"}, "check_batch_independence"),
+        ({"batch_input": 3}, "batch_input"),
+    ],
+)
+def test_constructor_names_the_bad_argument(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        GraphIntegrityCallback(**kwargs)
+
+
+# ------------------------------------------------------------------------------- the clean control
+
+
+def test_clean_model_gets_a_clean_bill_of_health(recording_logger: RecordingLogger):
+    cb = every_step(check_batch_independence=True, detect_anomaly_steps=1)
+    caught = fit(Net(), cb, logger=recording_logger)
+    assert cb.findings == []
+    assert not [m for m in caught if "GraphIntegrityCallback" in m]
+    assert "clean bill of health" in cb.findings_markdown()
+    for counter in ("unused_params", "dead_params", "nonfinite_losses", "leaked_graphs", "unregistered_params",
+                    "unoptimized_params"):
+        assert recording_logger.values(f"graph/{counter}") == [0.0, 0.0, 0.0]  # one window per step
+    assert not torch.is_anomaly_enabled()
+
+
+# ------------------------------------------------------------------------------------- loss checks
+
+
+class DetachedLoss(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y).detach()
+
+
+class ItemLoss(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.tensor(F.cross_entropy(self(x), y).item())
+
+
+class NoGradLoss(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.no_grad():
+            logits = self(x)
+        return F.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize(
+    ("model", "culprit", "words"),
+    [
+        (DetachedLoss, "detach", "`.detach()`"),
+        (ItemLoss, "item", "`.item()`"),
+        (NoGradLoss, "linear", "torch.no_grad()"),
+    ],
+)
+def test_loss_without_grad_fn_says_where_the_graph_was_cut(model, culprit, words):
+    cb = GraphIntegrityCallback()
+    err = fit_fails(model(), cb, "element 0 of tensors does not require grad")
+    f = finding(cb, K.LOSS_NO_GRAD)
+    assert f.names[0] == culprit and words in f.message
+    # The last name is the line in training_step that cut the graph (for no_grad: where it was entered).
+    assert f.names[-1].startswith("test_graph_integrity.py:") and f.names[-1].endswith(" in training_step")
+    if model is NoGradLoss:
+        assert f.names[1] == "head"  # the module whose op ran without grad, closest to the loss
+    # The autograd error itself carries the diagnosis and propagates unchanged.
+    assert K.NO_GRAD_ERROR in kinds(cb)
+    assert any(words in note for note in err.__notes__)
+
+
+class NoGradClosureSGD(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            closure()  # the bug: no torch.enable_grad() around the closure
+
+
+class ManualNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class ClosureInNoGrad(ManualNet):
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+
+        def closure():
+            loss = F.cross_entropy(self(batch[0]), batch[1])
+            opt.zero_grad()
+            self.manual_backward(loss)
+            return loss
+
+        opt.step(closure=closure)
+
+    def configure_optimizers(self):
+        return NoGradClosureSGD(self.parameters(), lr=0.1)
+
+
+def test_grad_mode_off_in_the_optimizer_closure_is_named():
+    cb = GraphIntegrityCallback()
+    fit_fails(ClosureInNoGrad(), cb, "element 0 of tensors")
+    f = finding(cb, K.LOSS_NO_GRAD)
+    assert "grad mode off" in f.names and "NoGradClosureSGD" in f.names
+    assert "grad mode was off while training_step ran" in f.message
+
+
+class NonFiniteLoss(Net):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if self.global_step == 1 else loss
+
+
+def test_non_finite_loss_is_counted(recording_logger: RecordingLogger):
+    cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=2)
+    fit(NonFiniteLoss(), cb, steps=2, logger=recording_logger)
+    assert finding(cb, K.LOSS_NOT_FINITE).message.startswith("1 loss value(s) were NaN or inf")
+    assert recording_logger.values("graph/nonfinite_losses") == [1.0]
+
+
+class VectorLoss(Net):
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1], reduction="none")
+
+
+def test_non_scalar_loss_is_found_before_backward_fails():
+    cb = GraphIntegrityCallback()
+    fit_fails(VectorLoss(), cb, "grad can be implicitly created only for scalar outputs")
+    assert "shape (8,)" in finding(cb, K.LOSS_NOT_SCALAR).message
+
+
+# ------------------------------------------------------------------------------------ graph walk
+
+
+class UnreachableBranches(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(8, 3)
+        self.cut = nn.Linear(8, 3)
+        self.frozen_branch = nn.Linear(8, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.relu(self.body(x))
+        with torch.no_grad():
+            side = self.frozen_branch(h)
+        logits = self.head(h) + self.cut(h).detach() + side
+        return F.cross_entropy(logits, y)
+
+
+def test_unreachable_parameters_are_named_with_the_reason():
+    cb = every_step()
+    fit(UnreachableBranches(), cb, steps=1)
+    f = finding(cb, K.UNREACHABLE_PARAMS)
+    expected = {f"{m}.{p}" for m in ("unused", "cut", "frozen_branch") for p in ("weight", "bias")}
+    assert set(f.names) == expected
+    assert "`unused` never ran in forward" in f.message
+    assert "`cut` ran, but its output was detached" in f.message
+    assert "`frozen_branch` ran only with grad mode off" in f.message
+
+
+class PlainListLayers(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = [nn.Linear(8, 8)]  # not registered: parameters() misses it
+
+    def forward(self, x):
+        return self.head(self.blocks[0](torch.relu(self.body(x))))
+
+
+class HeadLeftOut(Net):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.body.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("model", "names", "words"),
+    [
+        (PlainListLayers, ("blocks[0].weight", "blocks[0].bias"), "nn.ModuleList"),
+        (HeadLeftOut, ("head.weight", "head.bias"), "configure_optimizers left them out"),
+    ],
+)
+def test_leaves_outside_every_optimizer_are_named(model, names, words, recording_logger: RecordingLogger):
+    cb = every_step()
+    fit(model(), cb, steps=1, logger=recording_logger)
+    f = finding(cb, K.UNOPTIMIZED_LEAVES)
+    assert set(f.names) == set(names) and words in f.message
+    assert recording_logger.values("graph/unoptimized_params") == [2.0]
+    assert recording_logger.values("graph/unregistered_params") == [2.0 if model is PlainListLayers else 0.0]
+
+
+class FrozenInOptimizer(Net):
+    def __init__(self, filter_frozen: bool) -> None:
+        super().__init__()
+        self.filter_frozen = filter_frozen
+        self.body.requires_grad_(False)
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad or not self.filter_frozen]
+        return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("filter_frozen", [False, True])
+def test_frozen_parameters_in_an_optimizer(filter_frozen):
+    cb = every_step()
+    fit(FrozenInOptimizer(filter_frozen), cb, steps=1)
+    if filter_frozen:
+        assert cb.findings == []
+    else:
+        assert set(finding(cb, K.FROZEN_IN_OPTIMIZER).names) == {"body.weight", "body.bias"}
+
+
+class CarriedState(Net):
+    """Keeps a recurrent hidden state (or a running total) across steps."""
+
+    def __init__(self, detach: bool, total: bool = False) -> None:
+        super().__init__()
+        self.detach, self.total = detach, total
+        self.hidden = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.total:  # a running total of the loss, back-propagated
+            loss = F.cross_entropy(self(x), y)
+            self.hidden = loss if self.hidden is None else self.hidden + loss
+            return self.hidden
+        h = torch.relu(self.body(x))
+        if self.hidden is not None:
+            h = h + torch.tanh(self.hidden)
+        self.hidden = h.detach() if self.detach else h
+        return F.cross_entropy(self.head(h), y)
+
+
+def test_hidden_state_carried_across_steps_is_named_before_backward():
+    cb = every_step()
+    err = fit_fails(CarriedState(detach=False), cb, "Trying to backward through the graph a second time")
+    assert finding(cb, K.STALE_GRAPH).names == ("hidden",)
+    assert "`self.hidden = hidden.detach()`" in finding(cb, K.STALE_GRAPH).message
+    assert finding(cb, K.SECOND_BACKWARD).names == ("hidden",)
+    assert any("hidden" in note for note in err.__notes__)
+
+
+def test_detached_hidden_state_is_clean():
+    cb = every_step()
+    fit(CarriedState(detach=True), cb)
+    assert cb.findings == []
+
+
+# --------------------------------------------------------------------------------- after backward
+
+
+class UnusedAndDead(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(8, 3)  # never used
+        self.blocked = nn.Linear(8, 3)  # used behind a relu that is always zero
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.relu(self.body(x))
+        return F.cross_entropy(self.head(h) + torch.relu(self.blocked(h) - 1e4), y)
+
+
+def test_unused_and_dead_parameters_are_told_apart(recording_logger: RecordingLogger):
+    cb = GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=2)
+    fit(UnusedAndDead(), cb, steps=2, logger=recording_logger)
+    assert set(finding(cb, K.UNUSED_PARAMS).names) == {"aux.weight", "aux.bias"}
+    assert set(finding(cb, K.DEAD_PARAMS).names) == {"blocked.weight", "blocked.bias"}
+    assert recording_logger.values("graph/unused_params") == [2.0]
+    assert recording_logger.values("graph/dead_params") == [2.0]
+    ddp = finding(cb, K.DDP_UNUSED)
+    assert set(ddp.names) == {"aux.weight", "aux.bias"}
+    assert "ddp_find_unused_parameters_true" in ddp.message and "find_unused_parameters=True" in ddp.message
+
+
+def test_one_zero_step_is_not_a_dead_streak():
+    cb = GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=2)
+    fit(UnusedAndDead(), cb, steps=1)  # the window closes at fit end after one step
+    assert kinds(cb) == {K.UNREACHABLE_PARAMS}
+
+
+class ZeroAtFirst(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        gate = 0.0 if self.global_step == 0 else 1.0  # the head's gradient is zero at step 0 only
+        return F.cross_entropy(gate * self.head(torch.relu(self.body(x))), y)
+
+
+def test_a_gradient_zero_at_one_step_only_is_not_dead():
+    cb = GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=2)
+    fit(ZeroAtFirst(), cb, steps=3)
+    assert cb.findings == []
+
+
+class FreezeMidway(Net):
+    def __init__(self, set_to_none: bool) -> None:
+        super().__init__()
+        self.set_to_none = set_to_none
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == 1:
+            self.body.requires_grad_(False)
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=self.set_to_none)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.1, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_frozen_parameter_that_still_changes_is_named_with_the_cause(set_to_none):
+    cb = every_step()
+    model = FreezeMidway(set_to_none)
+    before = model.body.weight.detach().clone()
+    fit(model, cb, steps=3)
+    if set_to_none:
+        assert cb.findings == []
+        return
+    f = next(f for f in cb.findings if f.kind is K.FROZEN_CHANGED and f.names == ("body.weight",))
+    assert "still holds a `.grad`" in f.message and "exp_avg" in f.message and "weight decay 0.1" in f.message
+    assert not torch.equal(before, model.body.weight)
+
+
+class TwoOptimizers(pl.LightningModule):
+    """A GAN-shaped pair: the generator's loss goes through the discriminator."""
+
+    def __init__(self, zero_disc: bool = True, detach_fake: bool = True) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.zero_disc, self.detach_fake = zero_disc, detach_fake
+        self.gen = nn.Sequential(nn.Linear(4, 4))
+        self.disc = nn.Sequential(nn.Linear(4, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        fake = self.gen(x)
+        d_fake = self.disc(fake.detach() if self.detach_fake else fake)
+        d_loss = F.softplus(-self.disc(x)).mean() + F.softplus(d_fake).mean()
+        if self.zero_disc:
+            opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = F.softplus(-self.disc(fake)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.gen.parameters(), lr=0.01), torch.optim.SGD(self.disc.parameters(), lr=0.01)
+
+
+def test_two_optimizers_clean():
+    cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=2)
+    fit(TwoOptimizers(), cb, steps=8)
+    assert cb.findings == []
+
+
+def test_gradient_left_over_from_another_loss_is_a_leak():
+    cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=2)
+    fit(TwoOptimizers(zero_disc=False), cb, steps=8)
+    f = finding(cb, K.GRAD_LEAK)
+    assert f.names == ("disc.0.weight", "disc.0.bias")
+    assert f.message.startswith("Optimizer 1 (SGD")
+
+
+# ---------------------------------------------------------------------------------- in-place errors
+
+
+class StepBetweenForwardAndBackward(ManualNet):
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        logits = self(batch[0])
+        opt.zero_grad()
+        self.manual_backward(F.cross_entropy(logits, batch[1]), retain_graph=True)
+        opt.step()  # updates head.weight in place; the second backward still needs the old one
+        self.manual_backward(logits.square().mean())
+
+
+class InplaceOnSaved(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.sigmoid(self.body(x))
+        h.mul_(2)  # sigmoid saved its output for backward
+        return F.cross_entropy(self.head(h), y)
+
+
+class InplaceModule(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Sigmoid(), nn.ReLU(inplace=True), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("make", "kind", "names", "words"),
+    [
+        # The default schedule walks at step 0 only: the running total is named from the error alone.
+        (lambda: CarriedState(detach=False, total=True), K.SECOND_BACKWARD, ("hidden",), "created in an earlier step"),
+        (lambda: TwoOptimizers(detach_fake=False), K.SECOND_BACKWARD, ("gen.0",), "`fake.detach()`"),
+        (StepBetweenForwardAndBackward, K.INPLACE_MODIFIED, ("head.weight",),
+         "optimizer 0 (SGD).step() updated it in place after the forward"),
+        (InplaceOnSaved, K.INPLACE_MODIFIED, ("sigmoid", "mul_"), "saved for backward by `sigmoid` at test_graph_"),
+        (InplaceModule, K.INPLACE_MODIFIED, ("net.1", "sigmoid", "net.2", "relu"),
+         "by `sigmoid` in module `net.1` at test_graph_integrity.py:"),
+    ],
+    ids=["running-total", "shared-graph", "optimizer-step", "inplace-op", "inplace-module"],
+)
+def test_autograd_error_is_diagnosed_on_the_exception(make, kind, names, words):
+    cb = GraphIntegrityCallback()
+    err = fit_fails(make(), cb, "backward through the graph a second time|modified by an inplace operation")
+    f = finding(cb, kind)
+    assert f.names == names and words in f.message
+    assert err.__notes__ == [f"trainvitals GraphIntegrityCallback [{kind.value}]: {f.message}"]
+
+
+# ------------------------------------------------------------------------------------------ options
+
+
+class RecordsAnomalyMode(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        self.modes.append(torch.is_anomaly_enabled())
+        return super().training_step(batch, batch_idx)
+
+
+def test_detect_anomaly_covers_the_first_steps_only():
+    model = RecordsAnomalyMode()
+    fit(model, GraphIntegrityCallback(detect_anomaly_steps=2), steps=4)
+    assert model.modes == [True, True, False, False]
+    assert not torch.is_anomaly_enabled()
+
+
+class MixesBatch(Net):
+    def forward(self, x):
+        h = torch.relu(self.body(x))  # (B, 8)
+        return self.head(h.t().reshape(h.shape))  # the bug: transposes examples into features
+
+
+class WithBatchNorm(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.relu(self.body(x))))
+
+
+def test_batch_mixing_is_found():
+    cb = GraphIntegrityCallback(check_batch_independence=True)
+    fit(MixesBatch(), cb, steps=1)
+    f = finding(cb, K.BATCH_MIXING)
+    assert f.names == ("output[0]", "output[7]") and "depends on inputs" in f.message
+
+
+def test_batchnorm_runs_in_eval_mode_for_the_independence_check(caplog):
+    model = WithBatchNorm()
+    cb = GraphIntegrityCallback(check_batch_independence=True)
+    with caplog.at_level("INFO"):
+        fit(model, cb, steps=1)
+    assert cb.findings == []
+    assert "1 BatchNorm layer(s) in eval mode (`norm`)" in caplog.text
+    assert model.norm.training and int(model.norm.num_batches_tracked) == 1  # the check did not update it
+
+
+def test_batch_independence_that_cannot_run_says_so_and_carries_on():
+    cb = GraphIntegrityCallback(check_batch_independence=True, batch_input=lambda batch: batch[1])  # the labels
+    caught = fit(Net(), cb, steps=1)
+    assert cb.findings == []
+    assert any("could not check batch independence: the input must be floating point" in m for m in caught)
+
+
+def test_strict_raises_at_the_first_finding():
+    with pytest.raises(GraphIntegrityError, match="unreachable_params"):
+        fit(UnusedAndDead(), every_step(strict=True), steps=3)
+
+
+def test_warns_once_per_kind_and_counts_every_time():
+    cb = every_step()
+    caught = fit(UnusedAndDead(), cb, steps=3)
+    assert sum("[unused_params]" in m for m in caught) == 1
+    assert cb.counts[K.UNUSED_PARAMS] == 3
+
+
+def test_findings_table_is_logged_at_fit_end(monkeypatch):
+    logged = []
+    monkeypatch.setattr(graph_integrity, "log_text", lambda trainer, tag, text, step: logged.append((tag, text)))
+    cb = every_step()
+    fit(UnusedAndDead(), cb, steps=1)
+    assert logged == [("graph/findings", cb.findings_markdown())]
+    table = cb.findings_markdown().splitlines()
+    assert table[0] == "| step | kind | names | finding |"
+    assert any("| unused_params | `aux.weight`, `aux.bias` |" in row for row in table)
+
+
+def test_state_survives_a_checkpoint(tmp_path: Path):
+    cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=3)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="mid")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[cb, saver], enable_checkpointing=True)).fit(
+            UnusedAndDead(), data()
+        )
+    # Saved after two of the window's three steps: the resumed run needs one more for the streaks.
+    resumed = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[resumed])).fit(
+            UnusedAndDead(), data(), ckpt_path=tmp_path / "mid.ckpt"
+        )
+    assert resumed.counts[K.UNREACHABLE_PARAMS] == 1  # restored, not found again: no walk after resume
+    assert set(finding(resumed, K.UNUSED_PARAMS).names) == {"aux.weight", "aux.bias"}
+    assert set(finding(resumed, K.DEAD_PARAMS).names) == {"blocked.weight", "blocked.bias"}
+    assert resumed.state_dict()["findings"] == json.loads(json.dumps(resumed.state_dict()["findings"]))
+
+
+# ---------------------------------------------------------------------------------- torch.compile
+
+
+class Body(nn.Module):
+    def __init__(self, with_unused: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.spare = nn.Linear(8, 8) if with_unused else None  # registered, never called
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class CompiledBody(Net):
+    def __init__(self, with_unused: bool) -> None:
+        super().__init__()
+        self.body = torch.compile(Body(with_unused), backend="aot_eager")
+
+
+@pytest.mark.parametrize("with_unused", [False, True])
+def test_compiled_module_is_walked(with_unused):
+    cb = every_step()
+    fit(CompiledBody(with_unused), cb, steps=1)
+    if not with_unused:
+        assert cb.findings == []
+        return
+    spare = {"body._orig_mod.spare.weight", "body._orig_mod.spare.bias"}
+    assert set(finding(cb, K.UNREACHABLE_PARAMS).names) == spare
+    assert "`body._orig_mod.spare`, inside a torch.compile'd module" in finding(cb, K.UNREACHABLE_PARAMS).message
+    assert set(finding(cb, K.UNUSED_PARAMS).names) == spare
+
+
+# ------------------------------------------------------------------------------------------- DDP
+
+
+class NanOnRankOne(UnusedAndDead):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_rank == 1 and self.global_step == 1 else loss
+
+
+class RecordsFindings(GraphIntegrityCallback):
+    """Writes this rank's findings and GraphIntegrityCallback warnings, or where strict raised, to a file."""
+
+    def __init__(self, out: Path, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+
+    def _dump(self, trainer, what) -> None:
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(what))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        except GraphIntegrityError as err:
+            self._dump(trainer, {"raised_at": trainer.global_step, "error": str(err)})
+            raise
+
+    def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
+        self._dump(trainer, [[f.kind.value, list(f.names), f.message] for f in self.findings])
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    """One rank of a 2-process gloo group (set up here, so that one spawn serves two fits)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    for name, find_unused, strict in (("warn", True, False), ("strict", False, True)):
+        folder = Path(out, name)
+        folder.mkdir(exist_ok=True)
+        cb = RecordsFindings(folder, check_every_n_steps=2, dead_after_steps=2, strict=strict)
+        strategy = DDPStrategy(find_unused_parameters=find_unused, process_group_backend="gloo")
+        trainer = pl.Trainer(**trainer_kwargs(max_steps=2, devices=2, strategy=strategy, callbacks=[cb]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                trainer.fit(NanOnRankOne(), data(n=64))
+            except GraphIntegrityError:
+                pass
+        warned = [str(w.message) for w in caught if "GraphIntegrityCallback [" in str(w.message)]
+        (folder / f"warnings{rank}.json").write_text(json.dumps(warned))
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_warn_once_and_raise_together(tmp_path: Path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_ddp_worker, args=(port, str(tmp_path)), nprocs=2)
+
+    def read(name: str) -> dict:
+        return {r: json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+    warn = read("warn")
+    assert warn[0] == warn[1]  # identical findings, the NaN of rank 1 included (summed over ranks)
+    found = {kind: message for kind, _, message in warn[0]}
+    assert {"unreachable_params", "unused_params", "dead_params", "loss_not_finite"} <= set(found)
+    assert found["loss_not_finite"].startswith("1 loss value(s)")
+    assert "ddp_unused" not in found  # find_unused_parameters=True copes with the unused head
+    warned = [json.loads((tmp_path / "warn" / f"warnings{r}.json").read_text()) for r in (0, 1)]
+    assert len(warned[0]) == len(found) and warned[1] == []  # once per kind, on rank zero only
+
+    strict = read("strict")
+    assert strict[0]["raised_at"] == strict[1]["raised_at"] == 1
+    assert "unreachable_params" in strict[0]["error"] and "unreachable_params" in strict[1]["error"]
