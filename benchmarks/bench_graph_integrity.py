@@ -144,7 +144,7 @@ def timed_fit(
     else:
         trainer.fit(model, train_dataloaders=data)
     if extra is not None and extra.findings:
-        raise RuntimeError(f"the benchmark models must be clean, got {extra.findings_markdown()}")
+        raise RuntimeError(f"the benchmark models must be clean, got {extra.summary_markdown()}")
     return {"cpu_s": clock.seconds / clock.batches,
             "mean_s": sum(timer.seconds) / len(timer.seconds), "n": clock.batches,
             "hook_s": sum(spent.values()) / (clock.batches + warmup), "hooks": spent}

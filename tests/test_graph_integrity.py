@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import warnings
 from pathlib import Path
@@ -106,7 +107,7 @@ def test_clean_model_gets_a_clean_bill_of_health(recording_logger: RecordingLogg
     caught = fit(Net(), cb, logger=recording_logger)
     assert cb.findings == []
     assert not [m for m in caught if "GraphIntegrityCallback" in m]
-    assert "clean bill of health" in cb.findings_markdown()
+    assert "clean bill of health" in cb.summary_markdown()
     for counter in ("unused_params", "dead_params", "nonfinite_losses", "leaked_graphs", "unregistered_params",
                     "unoptimized_params"):
         assert recording_logger.values(f"graph/{counter}") == [0.0, 0.0, 0.0]  # one window per step
@@ -586,8 +587,8 @@ def test_findings_table_is_logged_at_fit_end(monkeypatch):
     monkeypatch.setattr(graph_integrity, "log_text", lambda trainer, tag, text, step: logged.append((tag, text)))
     cb = every_step()
     fit(UnusedAndDead(), cb, steps=1)
-    assert logged == [("graph/findings", cb.findings_markdown())]
-    table = cb.findings_markdown().splitlines()
+    assert logged == [("graph/findings", cb.summary_markdown())]
+    table = cb.summary_markdown().splitlines()
     assert table[0] == "| step | kind | names | finding |"
     assert any("| unused_params | `aux.weight`, `aux.bias` |" in row for row in table)
 
@@ -676,6 +677,21 @@ class RecordsFindings(GraphIntegrityCallback):
         self._dump(trainer, [[f.kind.value, list(f.names), f.message] for f in self.findings])
 
 
+def free_port() -> int:
+    """A free port below Linux's ephemeral range, so that no connection opened meanwhile takes it
+    before rank 0 binds it (the ranks take seconds to start)."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 29000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-29000")
+
+
 def _ddp_worker(rank: int, port: int, out: str) -> None:
     """One rank of a 2-process gloo group (set up here, so that one spawn serves two fits)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
@@ -698,10 +714,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_ranks_agree_warn_once_and_raise_together(tmp_path: Path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_ddp_worker, args=(port, str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=2)
 
     def read(name: str) -> dict:
         return {r: json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)}

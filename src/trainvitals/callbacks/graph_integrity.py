@@ -17,10 +17,17 @@ finds them:
 - on an exception: autograd's three classic errors get a diagnosis naming the tensor, module and
   operation, added to the exception as a note; the original exception propagates unchanged.
 
-Findings go to :attr:`GraphIntegrityCallback.findings`, to the metrics ``graph/*``, a warning once per
-kind (rank zero), and a markdown table at the end of fit (:meth:`GraphIntegrityCallback.findings_markdown`,
-logged as the text panel ``graph/findings``). ``strict=True`` raises :class:`GraphIntegrityError` at the
-first finding instead, on all ranks at the same step.
+Findings go to :attr:`GraphIntegrityCallback.findings`, a warning once per kind (rank zero), and a
+markdown table at the end of fit (:meth:`GraphIntegrityCallback.summary_markdown`, printed and logged
+as the text panel ``graph/findings``). ``strict=True`` raises :class:`GraphIntegrityError` at the first
+finding instead, on all ranks at the same step.
+
+Metrics, logged when a check window closes (step = ``trainer.global_step``), counts for that window:
+``graph/unused_params`` and ``graph/dead_params`` (parameters without / with an exactly zero gradient
+for ``dead_after_steps`` steps in a row), ``graph/nonfinite_losses`` (summed over ranks),
+``graph/leaked_graphs`` (walked losses that reach an earlier step's graph), ``graph/unoptimized_params``
+and ``graph/unregistered_params`` (leaves that get gradients but are in no optimizer / not registered
+on the module); and ``graph/findings_<kind>``, how many times each kind was found so far.
 """
 
 from __future__ import annotations
@@ -892,7 +899,7 @@ class GraphIntegrityCallback(Callback):
                 raise GraphIntegrityError("trainvitals GraphIntegrityCallback: another rank found a graph problem.")
             raise GraphIntegrityError(f"trainvitals GraphIntegrityCallback [{pending.kind.value}]: {pending.message}")
 
-    def findings_markdown(self) -> str:
+    def summary_markdown(self) -> str:
         """The findings as a markdown table (step, kind, names, message), or a clean bill of health."""
         if not self.findings:
             return (
@@ -906,7 +913,7 @@ class GraphIntegrityCallback(Callback):
         return "\n".join(rows)
 
     def _publish(self, trainer: "pl.Trainer") -> None:
-        table = self.findings_markdown()
+        table = self.summary_markdown()
         log_text(trainer, "graph/findings", table, step=trainer.global_step)
         rank_zero_info(f"trainvitals graph integrity:\n{table}")
 

@@ -45,7 +45,7 @@ def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
     the noise scale of either. On CPU the memory budget for the largest-batch advice is an argument.
     """
     return [
-        GraphIntegrityCallback(),
+        GraphIntegrityCallback(check_batch_independence=True, detect_anomaly_steps=1),
         GradNormMonitor(histogram_every_n_steps=50),
         BatchVarianceProbe(every_n_steps=10, histogram_every_n_steps=50),
         GradNormEarlyStopping(mode="noise_band", min_steps=args.min_steps),
