@@ -731,3 +731,12 @@ def test_ddp_ranks_agree_warn_once_and_raise_together(tmp_path: Path):
     strict = read("strict")
     assert strict[0]["raised_at"] == strict[1]["raised_at"] == 1
     assert "unreachable_params" in strict[0]["error"] and "unreachable_params" in strict[1]["error"]
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_verbose_prints_the_table_at_fit_end(verbose, caplog):
+    cb = every_step(verbose=verbose)
+    with caplog.at_level("INFO"):
+        fit(Net(), cb)
+    assert ("trainvitals graph integrity:" in caplog.text) is verbose
+    assert "clean bill of health" in cb.summary_markdown()

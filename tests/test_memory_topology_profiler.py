@@ -299,3 +299,11 @@ def test_ddp_per_rank_numbers_logged_from_rank_zero(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
     logged = [(int(r["step"]), float(r["memory/activations_bytes"])) for r in rows if r.get("memory/activations_bytes")]
     assert logged == [(0, ACTIVATION_BYTES), (1, ACTIVATION_BYTES), (2, ACTIVATION_BYTES)]
+
+
+def test_verbose_false_keeps_the_table_off_the_console(caplog):
+    profiler = MemoryTopologyProfiler(first_steps=1, verbose=False)
+    with caplog.at_level("INFO"):
+        fit(Classifier(body=_body()), profiler, max_steps=2)
+    assert "## Memory topology" in profiler.summary_markdown()
+    assert "## Memory topology" not in caplog.text

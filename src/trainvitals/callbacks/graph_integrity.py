@@ -173,6 +173,7 @@ class GraphIntegrityCallback(Callback):
         batch_input: maps a batch to the model's input for that check; default: the first tensor of
             the batch. The model is called as ``pl_module(x)``.
         strict: raise :class:`GraphIntegrityError` at the first finding instead of warning.
+        verbose: print the findings table at fit end (it goes to TensorBoard either way).
 
     Raises:
         ValueError: on an invalid argument (named in the message).
@@ -187,6 +188,7 @@ class GraphIntegrityCallback(Callback):
         check_batch_independence: bool = False,
         batch_input: Callable[[Any], Tensor] | None = None,
         strict: bool = False,
+        verbose: bool = True,
     ) -> None:
         super().__init__()
         for name, value, low in (
@@ -211,6 +213,7 @@ class GraphIntegrityCallback(Callback):
         self.check_batch_independence = check_batch_independence
         self.batch_input = batch_input or first_tensor
         self.strict = strict
+        self.verbose = verbose
         # Lightning reads the key in every hook call (profiler names): build it once.
         self._state_key = self._generate_state_key(
             check_every_n_steps=check_every_n_steps, dead_after_steps=dead_after_steps
@@ -915,7 +918,8 @@ class GraphIntegrityCallback(Callback):
     def _publish(self, trainer: "pl.Trainer") -> None:
         table = self.summary_markdown()
         log_text(trainer, "graph/findings", table, step=trainer.global_step)
-        rank_zero_info(f"trainvitals graph integrity:\n{table}")
+        if self.verbose:
+            rank_zero_info(f"trainvitals graph integrity:\n{table}")
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

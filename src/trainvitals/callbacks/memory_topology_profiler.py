@@ -112,6 +112,7 @@ class MemoryTopologyProfiler(Callback):
             own the most saved bytes); each logged scalar costs a logger write.
         strict: raise when a step cannot be measured fully (saved tensors without a storage, no batch
             size) instead of warning once.
+        verbose: print the table at the end of training (it goes to TensorBoard either way).
 
     Raises:
         ValueError: if an argument is out of range.
@@ -126,6 +127,7 @@ class MemoryTopologyProfiler(Callback):
         snapshot_steps: int = 0,
         max_modules_shown: int = 20,
         strict: bool = False,
+        verbose: bool = True,
     ) -> None:
         super().__init__()
         if every_n_steps < 1:
@@ -147,6 +149,7 @@ class MemoryTopologyProfiler(Callback):
         self.snapshot_steps = snapshot_steps
         self.max_modules_shown = max_modules_shown
         self.strict = strict
+        self.verbose = verbose
 
         self.findings: list[GraphLeakFinding] = []
         """Graphs kept alive across steps, the latest observation of each; survives a resume."""
@@ -323,7 +326,8 @@ class MemoryTopologyProfiler(Callback):
             self._dump_snapshot()
         self._release()
         table = self.summary_markdown()
-        rank_zero_info(table)
+        if self.verbose:
+            rank_zero_info(table)
         step = trainer.global_step
         log_text(trainer, "memory/report", table, step)
         picture = self.picture() if tensorboard_writers(trainer, "images") else None

@@ -45,12 +45,12 @@ def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
     the noise scale of either. On CPU the memory budget for the largest-batch advice is an argument.
     """
     return [
-        GraphIntegrityCallback(check_batch_independence=True, detect_anomaly_steps=1),
+        GraphIntegrityCallback(check_batch_independence=True, detect_anomaly_steps=1, verbose=False),
         GradNormMonitor(histogram_every_n_steps=50),
         BatchVarianceProbe(every_n_steps=10, histogram_every_n_steps=50),
         GradNormEarlyStopping(mode="noise_band", min_steps=args.min_steps),
         LRScalingAdvisor(verbose=False),
-        MemoryTopologyProfiler(memory_budget_bytes=256 * 2**20),
+        MemoryTopologyProfiler(memory_budget_bytes=256 * 2**20, verbose=False),
         TrainvitalsDashboard(),
     ]
 
