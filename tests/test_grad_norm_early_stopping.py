@@ -213,3 +213,70 @@ def test_ddp_ranks_agree_on_norms_and_stop_at_the_same_step(tmp_path):
     assert ranks[0]["stopped_step"] is not None
     assert ranks[0]["stopped_step"] == ranks[1]["stopped_step"] and ranks[0]["global_step"] == ranks[1]["global_step"]
     assert ranks[0]["batch"] == 32  # 2 ranks × 16
+
+
+class _ZeroGradientBetween(Regressor):
+    """The gradient is exactly zero on optimizer steps ``first``..``last``, normal elsewhere."""
+
+    def __init__(self, first: int, last: int):
+        super().__init__()
+        self.first, self.last = first, last
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 0.0 if self.first <= self.global_step <= self.last else loss
+
+
+def test_a_streak_completed_between_two_checks_still_stops_the_run():
+    stopper = GradNormEarlyStopping(mode="threshold", threshold=1e-9, patience=5, min_steps=0, check_every_n_steps=10)
+    trainer = _fit(_ZeroGradientBetween(12, 16), [stopper], loader(regression_data(), 8), max_epochs=5)
+    assert stopper.stopped_step == 19 and trainer.global_step == 20
+
+
+def test_the_same_instance_starts_afresh_on_a_new_fit():
+    stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=3, min_steps=0, check_every_n_steps=1)
+    for _ in range(2):
+        trainer = _fit(Regressor(), [stopper], loader(regression_data(), 8), max_epochs=2)
+        assert stopper.stopped_step == 2 and trainer.global_step == 3 and stopper.steps == 3
+
+
+def test_noise_source_follows_a_gradient_accumulation_scheduler(recwarn):
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    d = 10
+    stopper = GradNormEarlyStopping(patience=10**6)
+    _fit(LinearRegression(torch.full((d,), 0.5)), [GradientAccumulationScheduler({0: 4}), stopper],
+         regression_stream(80, 16, d, torch.zeros(d), 1.0), max_epochs=1)
+    assert not [w for w in recwarn if "no noise source" in str(w.message)]
+    assert stopper.noise.count.item() == 20 and stopper.effective_batch_size == 64
+
+
+def test_a_ragged_last_window_is_left_out_of_the_estimate():
+    d = 10
+    stopper = GradNormEarlyStopping(patience=10**6)
+    # 150 examples in micro-batches of 16: 9 full micro-batches and one of 6; windows of 4 → 16,16,16,16 | ... | 16,6
+    x = torch.randn(150, d)
+    data = DataLoader(TensorDataset(x, x @ torch.ones(d)), batch_size=16)
+    trainer = _fit(LinearRegression(torch.zeros(d)), [stopper], data, max_epochs=1, accumulate_grad_batches=4)
+    assert trainer.global_step == 3
+    assert stopper.noise.count.item() == 2 and stopper.effective_batch_size == 64
+
+
+def test_fused_optimizer_under_a_grad_scaler_is_measured_unscaled():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class FusedAdam(LinearRegression):
+        def training_step(self, batch, batch_idx):
+            with torch.autocast("cpu", enabled=False):  # only the loss scaling differs between the runs
+                return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3, fused=True)
+
+    d, results = 10, []
+    for plugins in ([], [MixedPrecision("16-mixed", "cpu")]):
+        stopper, monitor = GradNormEarlyStopping(patience=10**6), GradNormMonitor(log_every_n_steps=1)
+        _fit(FusedAdam(torch.full((d,), 0.5)), [monitor, stopper], regression_stream(40, 16, d, torch.zeros(d), 1.0),
+             max_epochs=1, accumulate_grad_batches=4, plugins=plugins)
+        results.append((monitor.last_total[0].item(), stopper.noise.grad_sq_norm.item(), stopper.noise.trace_cov.item()))
+    assert results[1] == pytest.approx(results[0], rel=1e-4)

@@ -253,3 +253,48 @@ def test_p_norms(p):
     trainer = Trainer(**trainer_kwargs(callbacks=[monitor, Probe()], logger=logger, max_steps=3))
     trainer.fit(model, loader(regression_data(), 8))
     assert logger.values("grad_norm/total") == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_same_monitor_measures_a_new_model_on_a_new_fit():
+    monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    for _ in range(2):
+        model = Regressor()
+        fit(model, monitor, False, max_steps=3)
+        assert monitor.last_total[0].item() == pytest.approx(model.reference_norms[-1], rel=1e-6)
+        assert monitor._tracks[0].steps == 3
+
+
+def test_parameters_added_to_the_optimizer_later_are_measured():
+    class Unfreezes(Regressor):
+        """The first layer is frozen and outside the optimizer until epoch 1 (as BackboneFinetuning does)."""
+
+        def on_train_epoch_start(self):
+            first = self.net[0]
+            if self.current_epoch == 0:
+                first.requires_grad_(False)
+            elif not first.weight.requires_grad:
+                first.requires_grad_(True)
+                self.trainer.optimizers[0].add_param_group({"params": list(first.parameters())})
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([p for p in self.net[1:].parameters()], lr=self.lr)
+
+    logger = RecordingLogger()
+    model = Unfreezes()
+    fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger, max_epochs=2)
+    assert logger.values("grad_norm/total") == pytest.approx(model.reference_norms, rel=1e-6)
+    assert len(logger.values("grad_norm/net.0")) == 8  # logged once it has a gradient
+
+
+def test_a_lasting_level_shift_is_followed_not_counted_as_spikes_forever():
+    class Shifts(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * 10.0 if self.global_step >= 30 else loss
+
+    logger = RecordingLogger()
+    fit(Shifts(lr=0.0), GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0, spike_factor=3.0,
+                                        spike_warmup_steps=10), logger, max_steps=200)
+    spikes = logger.values("grad_norm/spike_steps")
+    assert spikes[3] >= 1  # the shift is a spike at first
+    assert spikes[-1] == spikes[-10] < 40  # then the running average has caught up

@@ -12,7 +12,7 @@ stop the run. The two can be used together or apart.
 
 from __future__ import annotations
 
-import math
+import operator
 from enum import Enum
 from typing import Any
 
@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, NoiseScaleEMA, two_batch_size_estimates
 from trainvitals.core.norms import combine_norms, per_tensor_norms
@@ -61,7 +62,11 @@ class GradNormEarlyStopping(Callback):
       is B ≤ B_simple (the gradient noise scale; Cockpit's norm test θ ≥ 1). The noise comes for free
       from the micro-batches of gradient accumulation and from DDP ranks (a tensor hook reads each
       micro-batch's gradient before it is summed into ``.grad``); with neither, a BatchVarianceProbe
-      in the callbacks supplies it. With no source it warns once and never stops.
+      in the callbacks supplies it. With no source it warns once and never stops. The source is
+      chosen at the start of each epoch (so a GradientAccumulationScheduler or parameters unfrozen
+      later are followed); an epoch's ragged last accumulation window is left out of the estimate.
+      A training step that also takes ``torch.autograd.grad`` with respect to the parameters
+      (gradient penalties, SAM) biases the micro-batch estimate.
     - ``"threshold"``: ‖ḡ‖ < ``threshold`` — the naive rule: the norm has a floor sqrt(tr Σ/B) that
       may lie above any fixed threshold, and its scale changes with loss reduction (sum vs mean),
       loss scaling and parametrisation.
@@ -138,21 +143,31 @@ class GradNormEarlyStopping(Callback):
         self.check_every_n_steps = check_every_n_steps
         self.verbose = verbose
 
-        self.noise = NoiseScaleEMA(ema_beta)
+        self.ema_beta = ema_beta
+        self._micro = MicroBatchSquaredNorms()
+        self._source: Any = None  # "hooks", a probe callback, or None
+        self._hooked: list[torch.nn.Parameter] = []
+        self._micro_sizes: list[int] = []
+        self._params: list[torch.nn.Parameter] = []
+        self._pending: tuple[int, Tensor, Tensor] | None = None  # (step, total norm, step valid)
+        self._warned_no_source = False
+        self._restored = False
+        self._reset()
+
+    def _reset(self) -> None:
+        """The state of a run that has not taken a step yet."""
+        self.noise = NoiseScaleEMA(self.ema_beta)
         """Smoothed ‖G‖² and tr(Σ) from the free sources (accumulation, ranks); other callbacks read it."""
         self.effective_batch_size: int | None = None
         """Examples per optimizer step over all ranks, once seen."""
         self.steps = 0
         self.stop_reason = StopReason.NOT_STOPPED
         self.stopped_step: int | None = None
-
-        self._reference = BiasCorrectedEMA(ema_beta)
+        self._reference = BiasCorrectedEMA(self.ema_beta)
         self._streak = torch.zeros((), dtype=torch.long)
-        self._micro = MicroBatchSquaredNorms()
-        self._source: Any = None  # "hooks", a probe callback, or None
-        self._micro_batch_size: int | None = None
-        self._params: list[torch.nn.Parameter] = []
-        self._pending: tuple[int, Tensor, Tensor] | None = None  # (step, total norm, step valid)
+        # Set once the streak has reached the patience: a streak that completes and breaks between two
+        # host checks must still stop the run.
+        self._done = torch.zeros((), dtype=torch.bool)
 
     @property
     def state_key(self) -> str:
@@ -162,35 +177,33 @@ class GradNormEarlyStopping(Callback):
     # ------------------------------------------------------------------ hooks
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
-        if self.mode != "noise_band":
-            return
-        if not pl_module.automatic_optimization:
-            rank_zero_warn("trainvitals: GradNormEarlyStopping(mode='noise_band') needs automatic optimization; it will not stop this run.")
-            return
-        if trainer.accumulate_grad_batches >= 2 or trainer.world_size >= 2:
-            self._source = "hooks"
-            self._micro.attach(self._params)
-            return
-        self._source = next((cb for cb in trainer.callbacks if cb is not self and isinstance(getattr(cb, "noise", None), NoiseScaleEMA)), None)
-        if self._source is None:
-            rank_zero_warn(
-                "trainvitals: GradNormEarlyStopping(mode='noise_band') has no noise source: it needs "
-                "accumulate_grad_batches >= 2, or >= 2 devices, or a BatchVarianceProbe among the callbacks. "
-                "It will not stop this run."
-            )
+        # A new fit (another fold, another model) starts afresh; a resumed one keeps what
+        # ``load_state_dict`` restored (Lightning calls it before this hook on one device and DDP).
+        if not self._restored:
+            self._reset()
+        self._restored = False
+        self._warned_no_source = False
+        if self.mode == "noise_band" and not pl_module.automatic_optimization:
+            rank_zero_warn("trainvitals: GradNormEarlyStopping(mode='noise_band') needs automatic optimization; "
+                           "it will not stop this run.")
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._micro.detach()
+        self._detach()
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        self._micro.detach()
+        self._detach()
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:
-        self._micro_batch_size = extract_batch_size(batch)
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, *_: Any
+    ) -> None:
+        if batch_idx == 0 or not self._params:
+            # Decided per epoch (and on a mid-epoch resume), after every epoch-start hook has run: GradientAccumulationScheduler
+            # sets accumulate_grad_batches there, BackboneFinetuning adds and unfreezes parameters.
+            self._choose_source(trainer, pl_module)
+        self._micro_sizes.append(extract_batch_size(batch))
 
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -204,9 +217,13 @@ class GradNormEarlyStopping(Callback):
         if not grads:
             return
         total = combine_norms(per_tensor_norms(grads, 2.0), 2.0)
+        scale = scale_left_in_grads(trainer, optimizer)
+        if scale is not None:  # a fused optimizer will unscale in its step
+            total = total / scale.to(total)
         valid = torch.isfinite(total)
         if self._source == "hooks":
             self._update_from_micro_batches(trainer, total, valid)
+        self._micro_sizes = []
         self._pending = (trainer.global_step, total, valid)
 
     @override
@@ -221,6 +238,7 @@ class GradNormEarlyStopping(Callback):
         counts = valid if self.steps >= self.min_steps else torch.zeros_like(valid)
         self._streak = self._streak.to(total.device)
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
+        self._done = self._done.to(total.device) | (self._streak >= self.patience)
         self.steps += 1
         if step % self._log_every(trainer) == 0:
             self._log(trainer, step, in_condition)
@@ -233,6 +251,7 @@ class GradNormEarlyStopping(Callback):
             "noise": self.noise.state_dict(),
             "reference": self._reference.state_dict(),
             "streak": int(self._streak),
+            "done": bool(self._done),
             "steps": self.steps,
             "stop_reason": self.stop_reason.name,
             "stopped_step": self.stopped_step,
@@ -243,21 +262,53 @@ class GradNormEarlyStopping(Callback):
         self.noise.load_state_dict(state_dict.get("noise", {}))
         self._reference.load_state_dict(state_dict.get("reference", {}))
         self._streak = torch.tensor(int(state_dict.get("streak", 0)))
+        self._done = torch.tensor(bool(state_dict.get("done", False)))
         self.steps = int(state_dict.get("steps", 0))
         self.stop_reason = StopReason[state_dict.get("stop_reason", "NOT_STOPPED")]
         self.stopped_step = state_dict.get("stopped_step")
+        self._restored = True
 
     # ------------------------------------------------------------------ helpers
+    def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Where this epoch's noise comes from: micro-batches/ranks (hooks), a probe, or nowhere."""
+        self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
+        if self.mode != "noise_band" or not pl_module.automatic_optimization:
+            return
+        if trainer.accumulate_grad_batches >= 2 or trainer.world_size >= 2:
+            trainable = [p for p in self._params if p.requires_grad]
+            if len(trainable) != len(self._hooked) or not all(map(operator.is_, trainable, self._hooked)):
+                self._micro.attach(trainable)
+                self._hooked = trainable
+            self._source = "hooks"
+            return
+        self._detach()
+        self._source = next((cb for cb in trainer.callbacks
+                             if cb is not self and isinstance(getattr(cb, "noise", None), NoiseScaleEMA)), None)
+        if self._source is None and not self._warned_no_source:
+            self._warned_no_source = True
+            rank_zero_warn(
+                "trainvitals: GradNormEarlyStopping(mode='noise_band') has no noise source: it needs "
+                "accumulate_grad_batches >= 2, or >= 2 devices, or a BatchVarianceProbe among the callbacks. "
+                "It will not stop on the noise band while that lasts."
+            )
+
+    def _detach(self) -> None:
+        self._micro.detach()
+        self._hooked = []
+
     def _update_from_micro_batches(self, trainer: "pl.Trainer", total: Tensor, valid: Tensor) -> None:
         """One (‖G‖², tr Σ) estimate from this step's micro-batch gradients against their mean."""
         sum_sq, n_local = self._micro.pop()
-        if sum_sq is None or self._micro_batch_size is None:
+        if sum_sq is None or not self._micro_sizes:
             return
+        if len(set(self._micro_sizes)) > 1:
+            return  # the two-batch-size estimator needs equal groups; an epoch's ragged last window is skipped
+        micro_batch_size = self._micro_sizes[0]
         world = trainer.world_size
         # The hooks saw the raw backward: each micro-batch loss divided by accumulate_grad_batches (A)
         # and multiplied by the AMP loss scale s. A micro-batch's mean gradient is therefore seen·A/s.
         accumulate = trainer.accumulate_grad_batches
-        scale = _loss_scale(trainer)
+        scale = loss_scale(trainer)
         mean_sq = sum_sq.to(total.device) / n_local * (accumulate**2)
         if scale is not None:
             mean_sq = mean_sq / scale.to(mean_sq.device).double() ** 2
@@ -268,9 +319,9 @@ class GradNormEarlyStopping(Callback):
         n = n_local * world
         if n < 2:
             return
-        grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, self._micro_batch_size)
+        grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, micro_batch_size)
         self.noise.update(grad_sq, trace, valid)
-        self.effective_batch_size = n * self._micro_batch_size
+        self.effective_batch_size = n * micro_batch_size
 
     def _in_condition(self, total: Tensor, valid: Tensor) -> Tensor:
         if self.mode == "threshold":
@@ -302,7 +353,7 @@ class GradNormEarlyStopping(Callback):
     def _check(self, trainer: "pl.Trainer", step: int) -> None:
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return
-        stop = trainer.strategy.reduce_boolean_decision(bool(self._streak >= self.patience), all=False)
+        stop = trainer.strategy.reduce_boolean_decision(bool(self._done), all=False)
         if not stop:
             return
         trainer.should_stop = True
@@ -346,16 +397,3 @@ class GradNormEarlyStopping(Callback):
                          ("B_simple = tr(Σ)/‖G‖²", f"{float(noise.b_simple):.4g} examples"),
                          ("noise floor sqrt(tr(Σ)/B)", f"{float(noise.noise_floor(batch)):.4g}")]
         return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
-
-
-def _loss_scale(trainer: "pl.Trainer") -> Tensor | None:
-    """The GradScaler's current scale as a device tensor, or None without a scaler.
-
-    ``GradScaler.get_scale()`` would sync with the host; the scale tensor itself is what
-    ``GradScaler.unscale_`` divides by, read here without a sync.
-    """
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale = getattr(scaler, "_scale", None)
-    return scale if scale is not None else torch.tensor(scaler.get_scale())

@@ -8,6 +8,7 @@ Norms stay on the device; only logging steps move numbers to the host.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.core.noise import BiasCorrectedEMA
 from trainvitals.core.norms import GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type
@@ -132,6 +134,12 @@ class GradNormMonitor(Callback):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # A new fit (another fold, another model) starts afresh; a resumed one gets its state from
+        # ``load_state_dict``, which Lightning calls before this hook and which fills ``_restored``.
+        self._tracks, self.last_total, self._clip_pending = {}, {}, None
+
+    @override
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
@@ -143,6 +151,9 @@ class GradNormMonitor(Callback):
         norms = per_tensor_norms([track.params[i].grad for i in present], self.norm_type)
         group_norms = grouped_norms(norms, track.groups_of_present(present, norms.device), self.norm_type)
         group_norms = _reduce_if_sharded(trainer, group_norms, self.norm_type)
+        scale = scale_left_in_grads(trainer, optimizer)
+        if scale is not None:  # a fused optimizer will unscale in its step; report unscaled norms
+            group_norms = group_norms / scale.to(group_norms)
         total = combine_norms(group_norms, self.norm_type)
         self.last_total[index] = total
         track.last_group_norms = group_norms
@@ -202,13 +213,20 @@ class GradNormMonitor(Callback):
 
     # ------------------------------------------------------------------ helpers
     def _track(self, index: int, pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> _Track:
-        track = self._tracks.get(index)
-        if track is not None:
-            return track
-        names = {p: n for n, p in pl_module.named_parameters()}
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        track = self._tracks.get(index)
+        if track is not None and len(params) == len(track.params) and all(map(operator.is_, params, track.params)):
+            return track
+        # First step, or parameters were added to the optimizer (e.g. a backbone unfrozen by
+        # BackboneFinetuning): regroup, keeping the counters and the EMA.
+        names = {p: n for n, p in pl_module.named_parameters()}
         param_names = [names.get(p, f"unregistered.{i}") for i, p in enumerate(params)]
-        track = _Track(params, NormGroups.from_names(param_names, self.grouping), BiasCorrectedEMA(self.spike_ema_beta))
+        groups = NormGroups.from_names(param_names, self.grouping)
+        if track is not None:
+            track.params, track.groups, track.present_groups = params, groups, None
+            track.first_nonfinite_norms = track.spike_norms = None  # sized for the old groups
+            return track
+        track = _Track(params, groups, BiasCorrectedEMA(self.spike_ema_beta))
         restored = self._restored.pop(index, None)
         if restored is not None:
             track.steps = int(restored.get("steps", 0))
@@ -232,11 +250,12 @@ class GradNormMonitor(Callback):
         if track.spike_norms is None:
             track.counts = track.counts.to(total.device)
             track.first_nonfinite_norms = track.spike_norms = group_norms
+        if track.spike_at is None:
             track.spike_at = track.spike_ratio = torch.zeros_like(total)
         ema = track.ema.value
         spike = finite & (track.ema.count >= max(1, self.spike_warmup_steps)) & (total > self.spike_factor * ema)
         # Under a GradScaler a non-finite step is skipped and the scale lowered: calibration, not divergence.
-        scaler = _grad_scaler_enabled(trainer)
+        scaler = grad_scaler(trainer) is not None
         nonfinite, skipped = (torch.zeros_like(finite), ~finite) if scaler else (~finite, torch.zeros_like(finite))
         first = nonfinite & (track.counts[0] == 0)
         track.first_nonfinite_norms = torch.where(first, group_norms, track.first_nonfinite_norms)
@@ -245,8 +264,9 @@ class GradNormMonitor(Callback):
         track.spike_at = torch.where(spike, torch.full_like(total, float(step)), track.spike_at)
         track.spike_ratio = torch.where(spike, total / ema, track.spike_ratio)
         track.counts = track.counts + torch.stack([nonfinite, skipped, spike])
-        # A spike would inflate the EMA it is measured against; keep it out.
-        track.ema.update(total, finite & ~spike)
+        # A spike enters the EMA clipped to the threshold: one spike barely moves it, while a lasting
+        # level shift is followed within ~30 steps instead of being counted as a spike forever.
+        track.ema.update(torch.where(spike, self.spike_factor * ema, total), finite)
 
     def _log(self, trainer: "pl.Trainer", index: int, track: _Track, total: Tensor, group_norms: Tensor, step: int) -> None:
         tag = lambda name: self._tag(trainer, name, index)  # noqa: E731
@@ -290,11 +310,6 @@ def _optimizer_index(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) ->
         if opt is optimizer:
             return i
     return 0
-
-
-def _grad_scaler_enabled(trainer: "pl.Trainer") -> bool:
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    return scaler is not None and scaler.is_enabled()
 
 
 def _clips(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:

@@ -173,6 +173,10 @@ class MicroBatchSquaredNorms:
     :meth:`pop` returns (sum_j ‖g_j‖², n) for the n micro-batches since the last pop. The gradients are
     whatever backward produced (loss-scaled under AMP, divided by the number of accumulation steps
     under Lightning): the caller converts units.
+
+    Limitation: a tensor hook also fires for ``torch.autograd.grad`` taken with respect to the
+    parameters (a gradient penalty, SAM, MAML-style inner steps); such gradients are counted into the
+    current micro-batch and bias the estimate.
     """
 
     def __init__(self) -> None:
