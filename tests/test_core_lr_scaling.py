@@ -56,7 +56,7 @@ def test_measured_noise_scale_saturates_the_suggestion():
 def test_steps_and_examples_over_their_minimum():
     assert steps_over_min(500, 500) == pytest.approx(2.0)
     assert examples_over_min(500, 500) == pytest.approx(2.0)
-    # science.md §4: B = 8 B̂ costs 9× the minimum examples for 1.125× the minimum steps.
+    # docs/science.md §4: B = 8 B̂ costs 9× the minimum examples for 1.125× the minimum steps.
     assert examples_over_min(8000, 1000) == pytest.approx(9.0)
     assert steps_over_min(8000, 1000) == pytest.approx(1.125)
 

@@ -40,6 +40,8 @@ def test_detached_loss(outcomes: dict[str, Outcome]) -> None:
     assert "trainvitals GraphIntegrityCallback [no_grad_error]" in out.error
     assert "rebuilt from `.detach()`" in out.error and "fault_gallery.py:" in out.error
     assert {"loss_no_grad", "no_grad_error"} <= kinds(out)
+    # The failed run's logs say so: `trainvitals report` exits non-zero on them.
+    assert any(m.startswith("the loss had no grad_fn") for m in critical(out))
 
 
 def test_unused_head(outcomes: dict[str, Outcome]) -> None:
@@ -79,6 +81,7 @@ def test_recurrent_state_not_detached(outcomes: dict[str, Outcome]) -> None:
     assert out.error.startswith("RuntimeError: Trying to backward through the graph a second time")
     message = dict(out.findings)["second_backward"]
     assert "carried across steps in `hidden`" in message and "`self.hidden = hidden.detach()`" in message
+    assert any(m.startswith("the run failed in backward") for m in critical(out))
 
 
 def test_batchnorm_with_micro_batches_of_two(outcomes: dict[str, Outcome]) -> None:

@@ -1,4 +1,4 @@
-"""What the AMP GradScaler has done to the gradients a callback sees (science.md §1).
+"""What the AMP GradScaler has done to the gradients a callback sees (docs/science.md §1).
 
 Lightning scales the loss before backward and unscales the gradients between the closure and
 ``on_before_optimizer_step`` — except for optimizers that unscale inside their own ``step`` (fused

@@ -333,9 +333,11 @@ class GradNormEarlyStopping(Callback):
             return ~early & (total < self.fraction * reference)
         if self._source is None or not self.effective_batch_size:
             return torch.zeros((), dtype=torch.bool, device=total.device)
-        return self._noise().in_noise_band(self.effective_batch_size, self.margin).to(total.device)
+        return self.band_noise.in_noise_band(self.effective_batch_size, self.margin).to(total.device)
 
-    def _noise(self) -> NoiseScaleEMA:
+    @property
+    def band_noise(self) -> NoiseScaleEMA:
+        """The estimate the noise band is decided on: :attr:`noise` (micro-batches, ranks), or the probe's."""
         return self.noise if self._source in (None, "hooks") else self._source.noise
 
     def _log_every(self, trainer: "pl.Trainer") -> int:
@@ -343,8 +345,8 @@ class GradNormEarlyStopping(Callback):
 
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak}
-        if self.mode == "noise_band" and self.effective_batch_size and int(self._noise().count) > 0:
-            noise = self._noise()
+        if self.mode == "noise_band" and self.effective_batch_size and int(self.band_noise.count) > 0:
+            noise = self.band_noise
             metrics["grad_norm/noise_floor"] = noise.noise_floor(self.effective_batch_size)
             metrics["grad_norm/b_simple"] = noise.b_simple
             metrics["grad_norm/in_noise_band"] = in_condition
@@ -386,7 +388,7 @@ class GradNormEarlyStopping(Callback):
                 ("stop", self.describe_stop()),
                 ("optimizer steps seen", str(self.steps)),
                 ("in-condition streak", f"{int(self._streak)} of {self.patience} steps")]
-        noise, batch = self._noise(), self.effective_batch_size
+        noise, batch = self.band_noise, self.effective_batch_size
         if self.mode == "noise_band":
             source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
             rows.append(("noise source", source))

@@ -1,7 +1,7 @@
 """GradNormMonitor: total and per-layer gradient norms, non-finite gradients, spikes and histograms.
 
 Measured once per optimizer step in ``on_before_optimizer_step``, where Lightning hands over the whole
-accumulated gradient, already unscaled by the AMP GradScaler and not yet clipped (science.md §1).
+accumulated gradient, already unscaled by the AMP GradScaler and not yet clipped (docs/science.md §1).
 Norms stay on the device; only logging steps move numbers to the host.
 """
 

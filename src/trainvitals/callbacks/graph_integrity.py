@@ -766,6 +766,10 @@ class GraphIntegrityCallback(Callback):
             else:  # Python < 3.11
                 rank_zero_warn(note)
         self._end_batch()
+        if self.counts:
+            # The run ends here, before any check window closes: log the counters now, so that
+            # ``trainvitals report`` sees why it failed.
+            log_scalars(trainer, self._count_metrics(), step=trainer.global_step)
         self._publish(trainer)
 
     def _diagnose_no_grad(

@@ -4,7 +4,7 @@ A step is lr × gradient, and the right lr depends on how noisy the gradient is.
 (more devices, accumulation, a bigger GPU) while keeping the lr, or scaling it by a rule that does
 not fit the optimizer, is a common silent mistake. The advisor reads the effective batch, each
 param group's lr and optimizer family, and (when a noise-measuring callback runs alongside) the
-gradient noise scale B̂, and says what lr other batch sizes need (science.md §4,
+gradient noise scale B̂, and says what lr other batch sizes need (docs/science.md §4,
 :mod:`trainvitals.core.lr_scaling`).
 """
 

@@ -1,6 +1,6 @@
 """Where a training step's memory goes: parameters, gradients, optimizer state, the batch and the
 activations autograd saves for backward, per module; graphs kept alive by mistake; remedies ranked by
-the bytes they free (science.md §5).
+the bytes they free (docs/science.md §5).
 
 The saved-tensor accounting (``torch.autograd.graph.saved_tensors_hooks``, attributed to the innermost
 running module, deduplicated by storage, parameters/buffers/batch excluded) runs on any device. On

@@ -1,7 +1,7 @@
 """Batch size and learning rate: which lr fits a new batch size, and what the batch costs.
 
 Pure Python (no torch, no Lightning), so the advice can be had from numbers alone. Notation
-(science.md §4): B the effective batch in examples, η the lr, B̂ the measured gradient noise scale
+(docs/science.md §4): B the effective batch in examples, η the lr, B̂ the measured gradient noise scale
 (B_simple, McCandlish et al. 2018, Eq. 2.9), r = B_new/B_old.
 
 - Noise-aware rule (McCandlish et al. 2018, Eq. 2.6; the AdaScale gain): the best lr at batch B is
@@ -108,7 +108,7 @@ def effective_batch_size(
     accumulate_grad_batches: int = 1,
     splits_batch: bool = False,
 ) -> int:
-    """Examples per optimizer step (science.md §4).
+    """Examples per optimizer step (docs/science.md §4).
 
     Each data-parallel process (single device, DDP, FSDP, DeepSpeed) loads its own batch:
     ``per_device_batch × devices × nodes × accumulate_grad_batches``. ``torch.nn.DataParallel``
@@ -278,7 +278,7 @@ def advise(
     betas: tuple[float, float] | None = None,
     eps: float | None = None,
 ) -> LRAdvice:
-    """The lr to use at other batch sizes, and the efficiency of this one (science.md §4).
+    """The lr to use at other batch sizes, and the efficiency of this one (docs/science.md §4).
 
     Args:
         batch_size: current effective batch B, examples per optimizer step (> 0).
@@ -350,7 +350,7 @@ def classify_loss_reduction(loss: float, loss_on_doubled_batch: float) -> str:
 
 
 def loss_reduction_note(reduction: str, family: str, per_device_batch: int, lr: float, eps: float | None = None) -> str:
-    """What a loss reduction means for an optimizer family (science.md §4, "Loss reduction").
+    """What a loss reduction means for an optimizer family (docs/science.md §4, "Loss reduction").
 
     A summed loss has b× the gradient of the mean (b = examples in a device's micro-batch; tokens for
     a per-token loss). SGD's step is then b × lr; Adam divides the scale out except against ε.

@@ -1,5 +1,5 @@
 """Memory of the computation graph: saved tensors per module, model-state bytes, graphs held across
-steps, and the arithmetic of the remedies (science.md §5).
+steps, and the arithmetic of the remedies (docs/science.md §5).
 
 Categories, all in bytes and all counted by storage, so that views and tied weights count once:
 

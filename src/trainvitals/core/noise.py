@@ -1,6 +1,6 @@
 """Gradient noise: ‖G‖², tr(Σ), the simple noise scale B_simple and the noise floor.
 
-Notation (science.md §3): per-example gradient g_i, batch gradient ḡ_B = (1/B) Σ g_i, true gradient
+Notation (docs/science.md §3): per-example gradient g_i, batch gradient ḡ_B = (1/B) Σ g_i, true gradient
 G = E[g], per-example covariance Σ. McCandlish et al. 2018 ("An Empirical Model of Large-Batch
 Training", App. A.1):
 

@@ -6,7 +6,7 @@ calls ``.item()``: the caller decides when a number goes to the host.
 
 Precision: a float16/bfloat16 gradient squared overflows or underflows, so per-tensor norms are taken
 in ``float32`` (or the gradient's own dtype when wider), and per-tensor norms are combined in
-``float64`` so that a total over many large float32 norms cannot overflow (science.md §2).
+``float64`` so that a total over many large float32 norms cannot overflow (docs/science.md §2).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-example gradient statistics computed in the same backward pass, without per-example gradients.
 
-Notation as in :mod:`trainvitals.core.noise` and science.md §3: per-example gradient g_i = ∇ℓ_i of
+Notation as in :mod:`trainvitals.core.noise` and docs/science.md §3: per-example gradient g_i = ∇ℓ_i of
 each example's own (un-averaged) loss, B examples, batch gradient ḡ = (1/B) Σ_i g_i.
 
 For a layer y = W a (+ b), g_i's weight block is Σ_t δ_{i,t} a_{i,t}ᵀ, where a_{i,t} is the layer input
@@ -63,7 +63,7 @@ _MAX_GRAPH_NODES = 64
 
 
 def _accumulation_dtype(t: Tensor) -> torch.dtype:
-    # fp16/bf16 squared norms overflow or underflow (science.md §2); float64 stays float64.
+    # fp16/bf16 squared norms overflow or underflow (docs/science.md §2); float64 stays float64.
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
@@ -346,7 +346,7 @@ def sub_batch_estimates(
     """‖G‖² and tr(Σ) from per-example gradients of a sub-batch of n examples out of a batch of B.
 
     S_est = (Σ_i ‖g_i‖² − n‖ḡ_n‖²)/(n − 1), the Bessel-corrected sample variance of the sub-batch
-    (science.md §3, b = 1), and ‖G‖²_est = ‖ḡ_B‖² − S_est/B, unbiased by McCandlish et al. 2018,
+    (docs/science.md §3, b = 1), and ‖G‖²_est = ‖ḡ_B‖² − S_est/B, unbiased by McCandlish et al. 2018,
     Eq. A.1. With n = B this is :func:`~trainvitals.core.noise.two_batch_size_estimates` with b = 1.
 
     Args:

@@ -44,7 +44,7 @@ TRAINVITALS_PREFIXES = ("grad_norm/", "grad_noise/", "lr_scaling/", "graph/", "m
 
 BAND_WINDOW = 10
 """Logged steps over which the fraction in the noise band is taken: one step is in it about half the
-time from noise alone at a stationary point (science.md §3), so a single flag says little."""
+time from noise alone at a stationary point (docs/science.md §3), so a single flag says little."""
 
 INTEGRITY, SPIKES = "integrity", "spikes and non-finite steps"
 
@@ -52,6 +52,8 @@ CRITICAL_COUNTERS = (
     (SPIKES, grad_norm("nonfinite_steps"), "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler"),
     (INTEGRITY, r"graph/findings_loss_no_grad$",
      "the loss had no grad_fn on {n} step(s): it was detached (.item(), .detach(), torch.no_grad()), nothing trains"),
+    (INTEGRITY, r"graph/findings_(?:no_grad_error|second_backward|inplace_modified)$",
+     "the run failed in backward with one of autograd's classic errors ({n}); the integrity panel has the diagnosis"),
     (INTEGRITY, r"graph/nonfinite_losses$", "a non-finite loss on {n} step(s) of a check window"),
     (INTEGRITY, r"graph/unused_params$",
      "{n} parameter(s) got no gradient: not in the loss's graph (an unused head, a detached branch)"),

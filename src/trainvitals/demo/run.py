@@ -81,7 +81,8 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
     monitor = next(cb for cb in callbacks if isinstance(cb, GradNormMonitor))
     metrics = trainer.callback_metrics
     batch = stopper.effective_batch_size
-    floor = float(stopper.noise.noise_floor(batch)) if batch and int(stopper.noise.count) else None
+    noise = stopper.band_noise
+    floor = float(noise.noise_floor(batch)) if batch and int(noise.count) else None
     total = monitor.last_total.get(0)
     return DemoResult(
         steps=trainer.global_step,
