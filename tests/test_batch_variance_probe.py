@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins import MixedPrecision
-from conftest import RecordingLogger
+from conftest import RecordingLogger, trainer_kwargs
 from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
 
 from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
@@ -445,3 +445,23 @@ def test_demo_cnn_runs_with_the_probe():
     assert "Conv2d×2, Linear×2 (100.0% of parameters)" in probe.sources
     assert int(probe.noise.count) == 10 and probe.effective_batch_size == 32
     assert len(logger.series["grad_noise/trace_cov"]) == 2 and float(probe.noise.b_simple) > 0
+
+
+def test_a_layer_called_with_a_keyword_input_is_skipped_not_fatal():
+    class KeywordCall(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.b(torch.tanh(self.a(input=x))), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    probe = BatchVarianceProbe()
+    x = torch.randn(32, 4)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[probe]))
+    trainer.fit(KeywordCall(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
+    assert trainer.global_step == 3

@@ -13,6 +13,7 @@ from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
 from trainvitals.core.per_example import (
     PER_EXAMPLE_LAYERS,
     PerExampleGradients,
+    coordinate_variance,
     detect_loss_reduction,
     eb_criterion,
     gradient_snr,
@@ -240,6 +241,9 @@ def test_ghost_norms_materialise_no_per_example_gradient():
         (lambda x, y: x.square().mean(1).sum(), "sum"),
         (lambda x, y: F.cross_entropy(x, y) / 2 * torch.tensor(1024.0), "mean"),  # Lightning's /A, an AMP scale
         (lambda x, y: x.square().sum() / 8, "mean"),  # a sum divided by (examples × tokens)
+        (lambda x, y: F.cross_entropy(x, y, reduction="none").sum() / 1, "sum"),  # Lightning's /1 without accumulation
+        (lambda x, y: F.cross_entropy(x, y, reduction="none").sum() / 2, "sum"),  # Lightning's /A skipped
+        (lambda x, y: F.cross_entropy(x, y, reduction="none").sum() / 2 / 2, "sum"),  # then a ½ factor
         (lambda x, y: torch.logsumexp(x, 0).sum(), None),
         (lambda x, y: F.cross_entropy(x, y) + x.square().sum(), None),
     ],
@@ -280,3 +284,11 @@ def test_noise_scale_error_shrinks_with_steps_and_flags_one_update():
     restored = NoiseScaleError(0.9)
     restored.load_state_dict(error.state_dict())
     assert torch.allclose(restored.relative_error(noise), error.relative_error(noise))
+
+
+def test_coordinate_variance_never_goes_negative():
+    # ḡ rounded (as a bf16 .grad would be) slightly above sqrt(Σg²/B): the raw difference is negative.
+    sum_sq = torch.tensor([4.0, 1.0])
+    mean_grad = torch.tensor([1.0001, 0.1])
+    assert (coordinate_variance(mean_grad, sum_sq, 4) >= 0).all()
+    assert coordinate_variance(mean_grad, sum_sq, 4)[1].item() == pytest.approx((1.0 - 4 * 0.01) / 3)

@@ -270,3 +270,11 @@ def test_tensorboard_gets_scalars_and_the_advice_text(tmp_path, caplog):
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
         LRScalingAdvisor(**kwargs)
+
+
+def test_reference_is_compared_with_the_configured_lr_not_the_warmup_one(recwarn):
+    # Tuned at batch 4 with lr 0.01, configured at 0.04 for batch 16 (linear rule): correct, though a
+    # warmup scheduler starts it at 0.
+    advisor = LRScalingAdvisor(reference=(4, 0.01), verbose=False)
+    fit(Model(groups=(0.04,), warmup_from_zero=True), [advisor], batch_size=16, max_steps=3)
+    assert _reference_warnings(recwarn) == []

@@ -340,7 +340,9 @@ class LRScalingAdvisor(Callback):
             ratio = lr_ratio(ref_batch, batch, family, noise_scale)
             if tuned_lr is None or ratio is None:
                 continue
-            suggested, lr, rule = tuned_lr * ratio, float(group["lr"]), rule_for(family, noise_scale)
+            # The lr the run was configured with, not the one a warmup scheduler has lowered it to.
+            lr = float(group.get("initial_lr", group["lr"]))
+            suggested, rule = tuned_lr * ratio, rule_for(family, noise_scale)
             lines.append(f"**reference** {name}: tuned at batch {ref_batch} with lr {tuned_lr:.3g}; at batch {batch} "
                          f"the {rule} rule suggests {suggested:.3g} (lr now {lr:.3g})")
             if batch != ref_batch and abs(lr / suggested - 1.0) > REFERENCE_TOLERANCE:

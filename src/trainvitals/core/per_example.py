@@ -282,27 +282,34 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
             continue
         if name not in _SCALAR_OPS:
             return None
-        if name == "DivBackward1":  # by a Python number, saved as a CPU scalar: reading it is no device sync
-            other = float(node._saved_other)
-            if skip_division and other == skip_division:
+        other = getattr(node, "_saved_other", None) if name in ("DivBackward0", "DivBackward1") else None
+        if isinstance(other, Tensor) and (other.device.type != "cpu" or other.numel() != 1):
+            # By a device tensor: a count of elements (F.cross_entropy's label smoothing); reading it would sync.
+            divisor = math.inf
+        elif other is not None:
+            # By a Python number (recorded as DivBackward0 with a CPU scalar in recent torch, as
+            # DivBackward1 before): reading it is no device sync.
+            value = float(other)
+            if skip_division and value == skip_division:
                 skip_division = 0
             else:
-                divisor *= other
-        elif name == "DivBackward0":  # by a tensor: a count of elements, as F.cross_entropy's label smoothing does
-            divisor = math.inf
+                divisor *= value
         stack.extend((nxt, divisor) for nxt, _ in node.next_functions)
     return found.pop() if len(found) == 1 else None
 
 
 def coordinate_variance(mean_grad: Tensor, sum_sq: Tensor, num_examples: int) -> Tensor:
-    """σ̂_d² = (Σ_i g_{i,d}² − B ḡ_d²)/(B − 1), the unbiased per-coordinate variance (Mahsereci et al. 2017, Eq. 7).
+    """σ̂_d² = (Σ_i g_{i,d}² − B ḡ_d²)/(B − 1), the unbiased per-coordinate variance (Mahsereci et al. 2017, Eq. 7),
+    clamped at 0 against rounding.
 
     Args:
         mean_grad: ḡ, any shape.
         sum_sq: Σ_i g_{i,d}², the shape of ``mean_grad``.
         num_examples: B ≥ 2.
     """
-    return (sum_sq - num_examples * mean_grad.square()) / (num_examples - 1)
+    # A difference of two nearly equal terms: when ḡ comes from a bf16 ``.grad`` and Σg² from fp32
+    # operands it can round below zero, which would flip the sign of GSNR and the EB criterion.
+    return ((sum_sq - num_examples * mean_grad.square()) / (num_examples - 1)).clamp_min(0.0)
 
 
 def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, eps: float = GSNR_EPS) -> Tensor:
@@ -571,6 +578,9 @@ class PerExampleGradients:
         return True
 
     def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not args or not isinstance(args[0], Tensor):
+            self._step.failed[name] = "its input was not passed positionally (e.g. `layer(input=x)`)"
+            return
         inputs = args[0]
         if self._check_call(name, output, inputs.shape[0] if inputs.dim() else -1):
             output.register_hook(functools.partial(self._backward, name, module, inputs))
