@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -292,3 +294,11 @@ def test_coordinate_variance_never_goes_negative():
     mean_grad = torch.tensor([1.0001, 0.1])
     assert (coordinate_variance(mean_grad, sum_sq, 4) >= 0).all()
     assert coordinate_variance(mean_grad, sum_sq, 4)[1].item() == pytest.approx((1.0 - 4 * 0.01) / 3)
+
+
+def test_a_tied_parameter_counts_once_in_the_coverage_line():
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), Scale(4), nn.Linear(4, 4, bias=False))
+    model[2].weight = model[0].weight
+    line = plan_sources(model, groups_available=False, fallback=False).describe(model)
+    shares = [float(x) for x in re.findall(r"([\d.]+)% of parameters", line)]
+    assert shares and all(0 < s <= 100 for s in shares)

@@ -410,7 +410,8 @@ class SourcePlan:
         total = sum(p.numel() for p in model.parameters() if p.requires_grad) or 1
 
         def share(params: Iterable[nn.Parameter]) -> str:
-            return f"{sum(p.numel() for p in params) / total:.1%} of parameters"
+            unique = {id(p): p for p in params}  # a tied parameter appears under several names
+            return f"{sum(p.numel() for p in unique.values()) / total:.1%} of parameters"
 
         def kinds(modules: Mapping[str, nn.Module]) -> str:
             counts = Counter(type(m).__name__ for m in modules.values())
