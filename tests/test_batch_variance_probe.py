@@ -463,5 +463,6 @@ def test_a_layer_called_with_a_keyword_input_is_skipped_not_fatal():
     probe = BatchVarianceProbe()
     x = torch.randn(32, 4)
     trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[probe]))
-    trainer.fit(KeywordCall(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
+    with pytest.warns(UserWarning, match=r"a: its input was not passed positionally"):
+        trainer.fit(KeywordCall(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
     assert trainer.global_step == 3
