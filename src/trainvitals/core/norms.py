@@ -57,7 +57,8 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
     """p-norm of each tensor, one fused kernel per dtype.
 
     Args:
-        tensors: ``P`` tensors of any shapes, on one device.
+        tensors: ``P`` tensors of any shapes and float dtypes (on several devices, the norms are
+            gathered on the first tensor's).
         norm_type: p > 0 or ``inf``.
 
     Returns:
@@ -65,21 +66,20 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    device = tensors[0].device
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    parts, order = [], []
+    ordered: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     for dtype, idx in by_dtype.items():
         # Reduced-precision grads are reduced in fp32; wider ones in their own dtype.
         acc = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        norms = torch._foreach_norm([tensors[i] for i in idx], norm_type, dtype=acc)
-        parts.append(torch.stack(norms).to(device=device, dtype=torch.float64))
-        order.extend(idx)
-    if len(parts) == 1:
-        return parts[0]
-    merged = torch.cat(parts)
-    return merged[torch.argsort(torch.tensor(order, device=device))]
+        for i, norm in zip(idx, torch._foreach_norm([tensors[i] for i in idx], norm_type, dtype=acc)):
+            ordered[i] = norm
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):  # a model split over devices
+        ordered = [n.to(device) for n in ordered]
+    # One stack (promoting mixed dtypes) and one cast; no index tensor, so no host-to-device copy.
+    return torch.stack(ordered).to(dtype=torch.float64)
 
 
 def combine_norms(norms: Tensor, norm_type: float = 2.0) -> Tensor:
