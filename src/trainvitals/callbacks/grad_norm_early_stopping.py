@@ -183,6 +183,8 @@ class GradNormEarlyStopping(Callback):
             self._reset()
         self._restored = False
         self._warned_no_source = False
+        self._params, self._micro_sizes, self._pending = [], [], None
+        self._detach()
         if self.mode == "noise_band" and not pl_module.automatic_optimization:
             rank_zero_warn("trainvitals: GradNormEarlyStopping(mode='noise_band') needs automatic optimization; "
                            "it will not stop this run.")
@@ -200,8 +202,9 @@ class GradNormEarlyStopping(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, *_: Any
     ) -> None:
         if batch_idx == 0 or not self._params:
-            # Decided per epoch (and on a mid-epoch resume), after every epoch-start hook has run: GradientAccumulationScheduler
-            # sets accumulate_grad_batches there, BackboneFinetuning adds and unfreezes parameters.
+            # Decided per epoch (and on a mid-epoch resume), after every epoch-start hook has run:
+            # GradientAccumulationScheduler sets accumulate_grad_batches there, BackboneFinetuning
+            # adds and unfreezes parameters.
             self._choose_source(trainer, pl_module)
         self._micro_sizes.append(extract_batch_size(batch))
 
