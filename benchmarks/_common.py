@@ -238,6 +238,21 @@ def machine_line() -> str:
     return f"torch {torch.__version__}, lightning {pl.__version__}, CPU, torch threads {torch.get_num_threads()}"
 
 
+def run_overhead(args: argparse.Namespace, models: dict[str, tuple[Any, ...]],
+                 bench_model: Callable[..., dict[str, Any]], format_rows: Callable[[dict[str, Any]], str],
+                 after: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Run ``bench_model(label, *models[label], args)`` for each of ``args.models`` and print its ratio table."""
+    results = []
+    for label in args.models:
+        result = bench_model(label, *models[label], args)
+        results.append(result)
+        print(f"\n## {label}: ratio = per-repetition step time / bare, median over repetitions\n")
+        print(format_rows(result), flush=True)
+        if after is not None:
+            after(result)
+    return results
+
+
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
     """Write ``payload`` to ``path`` (indent 2) when a path is given."""
     if path:

@@ -37,6 +37,7 @@ from _common import (
     median,
     quiet_lightning,
     random_regression_loader,
+    run_overhead,
     write_json,
 )
 from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
@@ -120,13 +121,8 @@ def main() -> None:
         "mlp": (WideMLP, lambda: random_regression_loader(args.warmup + args.mlp_steps + 2), args.mlp_steps),
         "cnn": (lambda: DigitsCNN(lr=1e-3), lambda: DigitsDataModule(batch_size=64), args.cnn_steps),
     }
-    results = []
     print(f"# BatchVarianceProbe overhead ({machine_line()}; {args.repetitions} repetitions, interleaved)")
-    for label in args.models:
-        result = bench_model(label, *models[label], args)
-        results.append(result)
-        print(f"\n## {label}: ratio = per-repetition step time / bare, median over repetitions\n")
-        print(format_rows(result), flush=True)
+    results = run_overhead(args, models, bench_model, format_rows)
     write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup,
                           "results": results})
 

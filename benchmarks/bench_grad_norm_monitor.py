@@ -49,6 +49,7 @@ from _common import (
     overhead_models,
     ratio_cells,
     ratio_row,
+    run_overhead,
     time_hook,
     write_json,
 )
@@ -156,6 +157,15 @@ def format_rows(result: dict[str, Any]) -> str:
     )
 
 
+def print_norm_agreement(result: dict[str, Any]) -> None:
+    """The monitor's last total norm against Lightning's ``grad_norm`` on the same step."""
+    totals = result["last_total_norm"]
+    if "monitor" in totals and "reference" in totals:
+        rel = abs(totals["monitor"] - totals["reference"]) / max(abs(totals["reference"]), 1e-30)
+        print(f"\nlast-step total norm: monitor {totals['monitor']:.6g}, grad_norm {totals['reference']:.6g} "
+              f"(relative difference {rel:.1e})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_timing_arguments(parser)
@@ -165,18 +175,8 @@ def main() -> None:
         args.variants = ["bare"] + args.variants
     apply_timing_arguments(args)
     models = overhead_models(args)
-    results = []
     print(f"# GradNormMonitor overhead ({machine_line()}; {args.repetitions} repetitions, interleaved)")
-    for label in args.models:
-        result = bench_model(label, *models[label], args)
-        results.append(result)
-        print(f"\n## {label}: ratio = per-repetition step time / bare, median over repetitions\n")
-        print(format_rows(result))
-        totals = result["last_total_norm"]
-        if "monitor" in totals and "reference" in totals:
-            rel = abs(totals["monitor"] - totals["reference"]) / max(abs(totals["reference"]), 1e-30)
-            print(f"\nlast-step total norm: monitor {totals['monitor']:.6g}, grad_norm {totals['reference']:.6g} "
-                  f"(relative difference {rel:.1e})")
+    results = run_overhead(args, models, bench_model, format_rows, after=print_norm_agreement)
     write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup,
                           "results": results})
 

@@ -55,6 +55,7 @@ from _common import (
     median,
     quiet_lightning,
     random_regression_loader,
+    run_overhead,
     write_json,
 )
 from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
@@ -236,12 +237,7 @@ def main() -> None:
     print(markdown_table(["model", "nodes", "leaves", "µs/walk", "µs/node"],
                          [[w["model"], w["nodes"], w["leaves"], f"{w['us_per_walk']:.1f}", f"{w['us_per_node']:.3f}"]
                           for w in walks]))
-    results = []
-    for label in args.models:
-        result = bench_model(label, *models[label], args)
-        results.append(result)
-        print(f"\n## {label}: ratio = per-repetition step time / bare, median over repetitions\n")
-        print(format_rows(result))
+    results = run_overhead(args, models, bench_model, format_rows)
     write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup,
                           "walks": walks, "results": results})
 
