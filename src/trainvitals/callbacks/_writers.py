@@ -1,7 +1,8 @@
 """Writing to the Trainer's loggers: scalars to every logger, histograms, text and images to TensorBoard.
 
 Callbacks measure on the device and call these only on a logging step; :func:`log_scalars` moves all
-values of one step to the host in a single transfer. Loggers that cannot take histograms, text or
+values of one step to the host in a single transfer and gives a TensorBoardLogger all of them as one
+event. Loggers that cannot take histograms, text or
 images (CSVLogger, ...) are skipped with one notice per kind, never an error.
 """
 
@@ -14,8 +15,10 @@ import torch
 from torch import Tensor
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.logger import _add_prefix  # what the logger itself uses
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import WarningCache
+from tensorboard.compat.proto.summary_pb2 import Summary
 
 _notices = WarningCache()
 
@@ -31,8 +34,27 @@ def log_scalars(trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], st
         stacked = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in tensor_keys])  # type: ignore[union-attr]
         values.update(zip(tensor_keys, stacked.cpu().tolist()))
     for logger in trainer.loggers:
-        logger.log_metrics(values, step=step)
+        if isinstance(logger, TensorBoardLogger):
+            _write_tensorboard_scalars(trainer, logger, values, step)
+        else:
+            logger.log_metrics(values, step=step)
     return values
+
+
+def _write_tensorboard_scalars(
+    trainer: "pl.Trainer", logger: TensorBoardLogger, values: Mapping[str, float], step: int
+) -> None:
+    """The scalars of one step as a single event: one ``Summary`` holding every value.
+
+    ``TensorBoardLogger.log_metrics`` writes one event per scalar, and TensorBoard's event writer
+    checksums each event in pure Python; for 9 scalars one event costs ~6× less CPU time
+    (README, Measurements). TensorBoard reads the values as the same scalar tags either way.
+    """
+    if trainer.global_rank != 0:  # as ``log_metrics``, which is rank-zero-only
+        return
+    values = _add_prefix(values, logger._prefix, logger.LOGGER_JOIN_CHAR)
+    summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
+    logger.experiment._get_file_writer().add_summary(summary, step)
 
 
 def tensorboard_writers(trainer: "pl.Trainer", what: str) -> list:
