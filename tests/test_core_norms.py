@@ -39,6 +39,18 @@ def test_groups_combine_to_the_total(p):
         assert torch.isclose(total**2, (group_norms**2).sum(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_rows_of_steps_are_grouped_independently(p):
+    names, grads = _grads()
+    groups = NormGroups.from_names(names, "module")
+    rows = torch.stack([per_tensor_norms([g * (step + 1) for g in grads], p) for step in range(3)])  # (3, P)
+    batched = grouped_norms(rows, groups, p)
+    assert batched.shape == (3, len(groups.names))
+    for step in range(3):
+        torch.testing.assert_close(batched[step], grouped_norms(rows[step], groups, p), rtol=1e-12, atol=0)
+        torch.testing.assert_close(combine_norms(batched, p)[step], combine_norms(rows[step], p), rtol=1e-12, atol=0)
+
+
 def test_float64_huge_gradient_stays_finite():
     grads = [torch.tensor([8e23, -8e23], dtype=torch.float64), torch.ones(3)]
     total = combine_norms(per_tensor_norms(grads, 2.0), 2.0)

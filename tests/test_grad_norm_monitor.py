@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from _models import Regressor, flat_grad_norm, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormMonitor
+from trainvitals.callbacks.grad_norm_monitor import MAX_PENDING_STEPS
 from trainvitals.callbacks import _writers
 
 
@@ -223,7 +224,7 @@ def test_state_round_trips():
     logger = RecordingLogger()
     fit(Regressor(), restored, logger, max_steps=1)
     assert restored._tracks[0].steps == 6
-    assert restored._tracks[0].ema.count.item() == 6
+    assert restored._tracks[0].spikes.count == 6
     assert monitor.state_key == restored.state_key
 
 
@@ -298,3 +299,71 @@ def test_a_lasting_level_shift_is_followed_not_counted_as_spikes_forever():
     spikes = logger.values("grad_norm/spike_steps")
     assert spikes[3] >= 1  # the shift is a spike at first
     assert spikes[-1] == spikes[-10] < 40  # then the running average has caught up
+
+
+def _counting_transfers(monitor, monkeypatch):
+    """Count host transfers (``tolist``/``item``/``float``) inside the monitor's per-step hook, per call."""
+    counts, inside = [], [False]
+    for name in ("tolist", "item", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            if inside[0]:
+                counts[-1] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    hook = monitor.on_before_optimizer_step
+
+    def timed_hook(*args, **kwargs):
+        counts.append(0)
+        inside[0] = True
+        try:
+            return hook(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    monitor.on_before_optimizer_step = timed_hook  # Lightning looks hooks up on the instance
+    return counts
+
+
+def test_only_logging_steps_move_numbers_to_the_host(monkeypatch):
+    monitor = GradNormMonitor(log_every_n_steps=4, histogram_every_n_steps=0)
+    transfers = _counting_transfers(monitor, monkeypatch)
+    logger = RecordingLogger()
+    model = Regressor()
+    fit(model, monitor, logger, max_steps=10)
+    assert [i for i, n in enumerate(transfers) if n] == [0, 4, 8]
+    assert max(transfers) == 1  # the window's totals and the last step's groups in one transfer
+    assert logger.values("grad_norm/total") == pytest.approx(model.reference_norms[::4], rel=1e-6)
+
+
+def test_rare_logging_reads_back_every_max_pending_steps_and_still_counts(monkeypatch):
+    class NaNAt(Regressor):
+        def on_after_backward(self):
+            if self.global_step in (5, 300):
+                self.net[0].weight.grad[0, 0] = float("nan")
+
+        def on_before_optimizer_step(self, optimizer):
+            for p in self.parameters():
+                p.grad.nan_to_num_(0.0)
+
+    monitor = GradNormMonitor(log_every_n_steps=10**6, histogram_every_n_steps=0)
+    transfers = _counting_transfers(monitor, monkeypatch)
+    with pytest.warns(UserWarning, match=r"non-finite gradient.*first in: net\.0"):
+        fit(NaNAt(lr=0.0), monitor, False, max_steps=2 * MAX_PENDING_STEPS + 10)
+    assert [i for i, n in enumerate(transfers) if n] == [0, MAX_PENDING_STEPS, 2 * MAX_PENDING_STEPS]
+    assert monitor.state_dict()["0"]["nonfinite_steps"] == 2
+
+
+def test_a_nonfinite_step_after_the_last_logging_step_is_logged_at_the_end():
+    class NaNLast(Regressor):
+        def on_after_backward(self):
+            if self.global_step == 6:
+                self.net[2].weight.grad[0, 0] = float("inf")
+
+    logger = RecordingLogger()
+    with pytest.warns(UserWarning, match=r"non-finite gradient.*first in: net\.2"):
+        fit(NaNLast(lr=0.0), GradNormMonitor(log_every_n_steps=5, histogram_every_n_steps=0), logger, max_steps=7)
+    assert logger.series["grad_norm/nonfinite_steps"] == [(0, 0.0), (5, 0.0), (6, 1.0)]
+    assert [s for s, _ in logger.series["grad_norm/total"]] == [0, 5]  # norms keep their cadence

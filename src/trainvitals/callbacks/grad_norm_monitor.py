@@ -2,7 +2,9 @@
 
 Measured once per optimizer step in ``on_before_optimizer_step``, where Lightning hands over the whole
 accumulated gradient, already unscaled by the AMP GradScaler and not yet clipped (docs/science.md §1).
-Norms stay on the device; only logging steps move numbers to the host.
+A step costs one fused norm over the gradients; the per-tensor norms stay on the device until a
+logging step, which groups the steps of its window in one batch, reads them back in one transfer and
+does the bookkeeping (non-finite steps, spikes) on the host.
 """
 
 from __future__ import annotations
@@ -22,42 +24,51 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
-from trainvitals.core.noise import BiasCorrectedEMA
 from trainvitals.core.norms import GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type
+from trainvitals.core.spikes import SpikeDetector
 
 
 COUNTERS = ("nonfinite_steps", "amp_skipped_steps", "spike_steps")
+# Steps whose norms wait on the device for a logging step; a longer logging cadence reads them back
+# (one transfer, nothing logged) every this many steps.
+MAX_PENDING_STEPS = 256
 
 
 @dataclass
 class _Track:
-    """What the monitor keeps for one optimizer: its parameters, their groups, and device-side counters."""
+    """What the monitor keeps for one optimizer: its parameters, their groups, and the bookkeeping."""
 
     params: list[torch.nn.Parameter]
     groups: NormGroups
-    ema: BiasCorrectedEMA
+    spikes: SpikeDetector
     steps: int = 0
-    # Steps counted on the device, in the order of COUNTERS.
-    counts: Tensor = field(default_factory=lambda: torch.zeros(len(COUNTERS), dtype=torch.long))
-    # The group norms of the first non-finite step and of the latest spike, with that spike's step and
-    # ratio: kept on the device so that they are reported at the next logging step without a sync now.
-    first_nonfinite_norms: Tensor | None = None
-    spike_norms: Tensor | None = None
-    spike_at: Tensor | None = None
-    spike_ratio: Tensor | None = None
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    # (global step, (P,) per-tensor norms) of the steps not yet read back; norms of parameters
+    # without a gradient are 0.
+    pending: list[tuple[int, Tensor]] = field(default_factory=list)
+    latest: Tensor | None = None
+    # Host values from the last read-back: the last step's total and group norms, the group norms of
+    # the first non-finite step, and the latest spike as (step, ratio, group norms).
+    total: float | None = None
+    group_norms: list[float] | None = None
+    first_nonfinite: list[float] | None = None
+    spike: tuple[int, float, list[float]] | None = None
+    skipped_by_scaler: bool = False
     warned_nonfinite: bool = False
     reported_spikes: int = 0
-    # The groups of the parameters that currently have a gradient, cached on the gradients' device:
+    logged_counts: dict[str, int] = field(default_factory=dict)
+    # The positions of the parameters that currently have a gradient, cached on the gradients' device:
     # rebuilding the index tensor every step would be a host-to-device copy per step.
     present: tuple[int, ...] = ()
-    present_groups: NormGroups | None = None
-    last_group_norms: Tensor | None = None
+    present_index: Tensor | None = None
 
-    def groups_of_present(self, present: tuple[int, ...], device: torch.device) -> NormGroups:
-        if present != self.present or self.present_groups is None or self.present_groups.index.device != device:
-            index = self.groups.index[list(present)].to(device)
-            self.present, self.present_groups = present, NormGroups(self.groups.names, index)
-        return self.present_groups
+    def row(self, present: tuple[int, ...], norms: Tensor) -> Tensor:
+        """Per-tensor norms of the ``present`` parameters placed in a ``(P,)`` row (0 for the others)."""
+        if len(present) == len(self.params):
+            return norms
+        if present != self.present or self.present_index is None or self.present_index.device != norms.device:
+            self.present, self.present_index = present, torch.tensor(present, device=norms.device)
+        return norms.new_zeros(len(self.params)).index_copy_(0, self.present_index, norms)
 
 
 class GradNormMonitor(Callback):
@@ -125,19 +136,30 @@ class GradNormMonitor(Callback):
         self._tracks: dict[int, _Track] = {}
         self._restored: dict[int, dict[str, Any]] = {}
         self._clip_pending: tuple[int, int] | None = None  # (optimizer index, step) to measure after clipping
-        self.last_total: dict[int, Tensor] = {}
-        """The latest total norm per optimizer index (0-d device tensor), for other callbacks to read."""
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(norm_type=self.norm_type, grouping=self.grouping)
+
+    @property
+    def last_total(self) -> dict[int, Tensor]:
+        """The latest step's total norm per optimizer index (0-d tensor on the gradients' device).
+
+        Computed when read; reading it as a number syncs with the device.
+        """
+        return {i: combine_norms(t.latest, self.norm_type) for i, t in self._tracks.items() if t.latest is not None}
+
+    @property
+    def last_logged_total(self) -> dict[int, float]:
+        """The total norm of the latest logging step per optimizer index, a host float (no sync)."""
+        return {i: t.total for i, t in self._tracks.items() if t.total is not None}
 
     # ------------------------------------------------------------------ hooks
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # A new fit (another fold, another model) starts afresh; a resumed one gets its state from
         # ``load_state_dict``, which Lightning calls before this hook and which fills ``_restored``.
-        self._tracks, self.last_total, self._clip_pending = {}, {}, None
+        self._tracks, self._clip_pending = {}, None
 
     @override
     def on_before_optimizer_step(
@@ -148,24 +170,25 @@ class GradNormMonitor(Callback):
         present = tuple(i for i, p in enumerate(track.params) if p.grad is not None)
         if not present:
             return
-        norms = per_tensor_norms([track.params[i].grad for i in present], self.norm_type)
-        group_norms = grouped_norms(norms, track.groups_of_present(present, norms.device), self.norm_type)
-        group_norms = _reduce_if_sharded(trainer, group_norms, self.norm_type)
+        norms = track.row(present, per_tensor_norms([track.params[i].grad for i in present], self.norm_type))
+        norms = _reduce_if_sharded(trainer, norms, self.norm_type)
         scale = scale_left_in_grads(trainer, optimizer)
         if scale is not None:  # a fused optimizer will unscale in its step; report unscaled norms
-            group_norms = group_norms / scale.to(group_norms)
-        total = combine_norms(group_norms, self.norm_type)
-        self.last_total[index] = total
-        track.last_group_norms = group_norms
-
+            norms = norms / scale.to(norms)
         step = trainer.global_step
-        self._count(trainer, track, total, group_norms, step)
-        if track.steps % self._log_every(trainer) == 0:
-            self._log(trainer, index, track, total, group_norms, step)
+        track.latest = norms
+        track.pending.append((step, norms))
+        track.skipped_by_scaler = grad_scaler(trainer) is not None
+
+        logs = track.steps % self._log_every(trainer) == 0
+        if logs or len(track.pending) >= MAX_PENDING_STEPS:
+            self._read_back(track)
+        if logs:
+            self._log(trainer, index, track, step)
             if _clips(trainer, pl_module):
                 self._clip_pending = (index, step)
         if self.histogram_every_n_steps and track.steps % self.histogram_every_n_steps == 0 and trainer.is_global_zero:
-            self._log_histograms(trainer, index, track, present, group_norms, step)
+            self._log_histograms(trainer, index, track, present, step)
         track.steps += 1
 
     @override
@@ -181,15 +204,21 @@ class GradNormMonitor(Callback):
         log_scalars(trainer, {self._tag(trainer, "clipped_total"): clipped}, step)
 
     @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # A non-finite step or a spike after the last logging step is still reported: the counters
+        # (only they) are logged at the last step when they changed since.
+        for index, track in self._tracks.items():
+            if track.pending:
+                step = track.pending[-1][0]
+                self._read_back(track)
+                if track.counts != track.logged_counts:
+                    self._log(trainer, index, track, step, norms=False)
+
+    @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            str(i): {
-                "steps": t.steps,
-                "ema": t.ema.state_dict(),
-                **dict(zip(COUNTERS, t.counts.tolist())),
-            }
-            for i, t in self._tracks.items()
-        }
+        for track in self._tracks.values():
+            self._read_back(track)
+        return {str(i): {"steps": t.steps, "ema": t.spikes.state_dict(), **t.counts} for i, t in self._tracks.items()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -201,14 +230,12 @@ class GradNormMonitor(Callback):
         lines = ["| optimizer | steps | last ‖g‖ | largest groups (last step) | non-finite | AMP-skipped | spikes |",
                  "|---|---:|---:|---|---:|---:|---:|"]
         for index, track in self._tracks.items():
-            if track.last_group_norms is None:
+            self._read_back(track)
+            if track.group_norms is None:
                 continue
-            norms = track.last_group_norms.tolist()
-            top = sorted(zip(norms, track.groups.names), reverse=True)[:3]
-            counts = dict(zip(COUNTERS, track.counts.tolist()))
-            lines.append(f"| {index} | {track.steps} | {float(self.last_total[index]):.4g} | "
-                         + ", ".join(f"`{n}` {v:.3g}" for v, n in top)
-                         + f" | {counts['nonfinite_steps']} | {counts['amp_skipped_steps']} | {counts['spike_steps']} |")
+            counts = track.counts
+            lines.append(f"| {index} | {track.steps} | {track.total:.4g} | {self._largest(track, track.group_norms)}"
+                         f" | {counts['nonfinite_steps']} | {counts['amp_skipped_steps']} | {counts['spike_steps']} |")
         return "\n".join(lines) if len(lines) > 2 else "No optimizer step was measured."
 
     # ------------------------------------------------------------------ helpers
@@ -218,21 +245,22 @@ class GradNormMonitor(Callback):
         if track is not None and len(params) == len(track.params) and all(map(operator.is_, params, track.params)):
             return track
         # First step, or parameters were added to the optimizer (e.g. a backbone unfrozen by
-        # BackboneFinetuning): regroup, keeping the counters and the EMA.
+        # BackboneFinetuning): regroup, keeping the counters and the spike EMA.
         names = {p: n for n, p in pl_module.named_parameters()}
         param_names = [names.get(p, f"unregistered.{i}") for i, p in enumerate(params)]
         groups = NormGroups.from_names(param_names, self.grouping)
         if track is not None:
-            track.params, track.groups, track.present_groups = params, groups, None
-            track.first_nonfinite_norms = track.spike_norms = None  # sized for the old groups
+            self._read_back(track)  # its rows have the old parameters' columns
+            track.params, track.groups, track.present_index = params, groups, None
+            track.first_nonfinite = track.spike = None  # sized for the old groups
             return track
-        track = _Track(params, groups, BiasCorrectedEMA(self.spike_ema_beta))
+        track = _Track(params, groups, SpikeDetector(self.spike_factor, self.spike_ema_beta, self.spike_warmup_steps))
         restored = self._restored.pop(index, None)
         if restored is not None:
             track.steps = int(restored.get("steps", 0))
-            track.ema.load_state_dict(restored.get("ema", {}))
-            track.counts = torch.tensor([int(restored.get(name, 0)) for name in COUNTERS])
-            track.reported_spikes = int(track.counts[COUNTERS.index("spike_steps")])
+            track.spikes.load_state_dict(restored.get("ema", {}))
+            track.counts = {name: int(restored.get(name, 0)) for name in COUNTERS}
+            track.reported_spikes = track.counts["spike_steps"]
         self._tracks[index] = track
         return track
 
@@ -244,64 +272,79 @@ class GradNormMonitor(Callback):
             return f"grad_norm/optimizer_{index}/{name}"
         return f"grad_norm/{name}"
 
-    def _count(self, trainer: "pl.Trainer", track: _Track, total: Tensor, group_norms: Tensor, step: int) -> None:
-        """Non-finite steps, AMP-skipped steps and spikes, counted on the device in a handful of ops."""
-        finite = torch.isfinite(total)
-        if track.spike_norms is None:
-            track.counts = track.counts.to(total.device)
-            track.first_nonfinite_norms = track.spike_norms = group_norms
-        if track.spike_at is None:
-            track.spike_at = track.spike_ratio = torch.zeros_like(total)
-        ema = track.ema.value
-        spike = finite & (track.ema.count >= max(1, self.spike_warmup_steps)) & (total > self.spike_factor * ema)
-        # Under a GradScaler a non-finite step is skipped and the scale lowered: calibration, not divergence.
-        scaler = grad_scaler(trainer) is not None
-        nonfinite, skipped = (torch.zeros_like(finite), ~finite) if scaler else (~finite, torch.zeros_like(finite))
-        first = nonfinite & (track.counts[0] == 0)
-        track.first_nonfinite_norms = torch.where(first, group_norms, track.first_nonfinite_norms)
-        track.spike_norms = torch.where(spike, group_norms, track.spike_norms)
-        # torch.full launches a fill kernel with the step as an argument: no host-to-device copy.
-        track.spike_at = torch.where(spike, torch.full_like(total, float(step)), track.spike_at)
-        track.spike_ratio = torch.where(spike, total / ema, track.spike_ratio)
-        track.counts = track.counts + torch.stack([nonfinite, skipped, spike])
-        # A spike enters the EMA clipped to the threshold: one spike barely moves it, while a lasting
-        # level shift is followed within ~30 steps instead of being counted as a spike forever.
-        track.ema.update(torch.where(spike, self.spike_factor * ema, total), finite)
+    def _read_back(self, track: _Track) -> None:
+        """Group the pending steps' norms in one batch, read them back in one transfer, and count.
 
-    def _log(self, trainer: "pl.Trainer", index: int, track: _Track, total: Tensor, group_norms: Tensor, step: int) -> None:
+        A non-finite total is a non-finite step, or under a GradScaler (which skips such steps and
+        lowers its scale: calibration, not divergence) an AMP-skipped one; finite totals go through
+        the spike detector.
+        """
+        if not track.pending:
+            return
+        steps = [step for step, _ in track.pending]
+        group_norms = grouped_norms(torch.stack([norms for _, norms in track.pending]), track.groups, self.norm_type)
+        track.pending = []
+        host = torch.cat([combine_norms(group_norms, self.norm_type), group_norms[-1]]).tolist()
+        totals, track.total, track.group_norms = host[: len(steps)], host[len(steps) - 1], host[len(steps):]
+        first_nonfinite = spike = None
+        for row, (step, total) in enumerate(zip(steps, totals)):
+            if not math.isfinite(total):
+                counter = "amp_skipped_steps" if track.skipped_by_scaler else "nonfinite_steps"
+                if counter == "nonfinite_steps" and track.counts[counter] == 0:
+                    first_nonfinite = row
+                track.counts[counter] += 1
+            elif (ratio := track.spikes.update(total)) is not None:
+                track.counts["spike_steps"] += 1
+                spike = (row, step, ratio)
+        if first_nonfinite is not None or spike is not None:  # rare: a second transfer, for those rows only
+            rows = [r for r in (first_nonfinite, spike[0] if spike else None) if r is not None]
+            found = dict(zip(rows, group_norms[rows].tolist()))
+            if first_nonfinite is not None:
+                track.first_nonfinite = found[first_nonfinite]
+            if spike is not None:
+                track.spike = (spike[1], spike[2], found[spike[0]])
+
+    def _log(self, trainer: "pl.Trainer", index: int, track: _Track, step: int, norms: bool = True) -> None:
+        """Write the last read-back step (``norms``: its total and group norms too) and report news once."""
         tag = lambda name: self._tag(trainer, name, index)  # noqa: E731
-        metrics: dict[str, Tensor] = {tag("total"): total}
-        metrics.update({tag(name): track.counts[i] for i, name in enumerate(COUNTERS)})
-        metrics.update({tag(name): group_norms[i] for i, name in enumerate(track.groups.names)})
-        values = log_scalars(trainer, metrics, step)
-        if values[tag("nonfinite_steps")] > 0 and not track.warned_nonfinite:
+        metrics: dict[str, float] = {tag(name): count for name, count in track.counts.items()}
+        if norms:
+            metrics[tag("total")] = track.total
+            metrics.update({tag(name): value for name, value in zip(track.groups.names, track.group_norms)})
+        log_scalars(trainer, metrics, step)
+        track.logged_counts = dict(track.counts)
+        if track.first_nonfinite is not None and not track.warned_nonfinite:
             track.warned_nonfinite = True
-            finite = torch.isfinite(track.first_nonfinite_norms).tolist()
-            names = [n for n, ok in zip(track.groups.names, finite) if not ok]
+            names = [n for n, v in zip(track.groups.names, track.first_nonfinite) if not math.isfinite(v)]
             rank_zero_warn(
                 f"trainvitals: non-finite gradient (inf/NaN) at or before optimizer step {step}; first in: "
                 f"{', '.join(names[:5]) or 'unknown'}. Without a GradScaler this is divergence: lower the lr, "
                 "check the loss for log(0)/division by zero, or enable gradient clipping."
             )
-        spikes = int(values[tag("spike_steps")])
-        if spikes > track.reported_spikes:
-            track.reported_spikes = spikes
-            top = torch.topk(torch.nan_to_num(track.spike_norms, nan=0.0), min(3, len(track.groups.names))).indices
-            at, ratio = int(track.spike_at), float(track.spike_ratio)
-            layers = ", ".join(track.groups.names[i] for i in top.tolist())
+        if track.spike is not None and track.counts["spike_steps"] > track.reported_spikes:
+            track.reported_spikes = track.counts["spike_steps"]
+            at, ratio, group_norms = track.spike
             message = (f"gradient-norm spike at optimizer step {at}: {ratio:.1f}× its running average; "
-                       f"largest layers: {layers}")
+                       f"largest layers: {self._largest(track, group_norms, values=False)}")
             rank_zero_info(f"trainvitals: {message}")
             log_text(trainer, tag("spikes"), message, at)
 
-    def _log_histograms(
-        self, trainer: "pl.Trainer", index: int, track: _Track, present: tuple[int, ...], group_norms: Tensor, step: int
-    ) -> None:
+    @staticmethod
+    def _largest(track: _Track, group_norms: list[float], values: bool = True) -> str:
+        """The three largest groups, NaN counted as 0: ``a 3.1, b 0.2, ...`` (markdown names)."""
+        top = sorted(zip(group_norms, track.groups.names), key=lambda vn: vn[0] if vn[0] == vn[0] else 0.0,
+                     reverse=True)[:3]
+        if not values:
+            return ", ".join(name for _, name in top)
+        return ", ".join(f"`{name}` {value:.3g}" for value, name in top)
+
+    def _log_histograms(self, trainer: "pl.Trainer", index: int, track: _Track, present: tuple[int, ...], step: int) -> None:
         by_group: dict[int, list[Tensor]] = {}
         for i in present:
             by_group.setdefault(int(track.groups.index[i]), []).append(track.params[i].grad.reshape(-1))
         for g, grads in by_group.items():
             log_histogram(trainer, self._tag(trainer, f"hist/{track.groups.names[g]}", index), torch.cat(grads), step)
+        group_norms = grouped_norms(track.latest, track.groups, self.norm_type)
         log_histogram(trainer, self._tag(trainer, "hist/group_norms", index), group_norms, step)
 
 

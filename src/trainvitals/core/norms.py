@@ -83,13 +83,13 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
 
 
 def combine_norms(norms: Tensor, norm_type: float = 2.0) -> Tensor:
-    """The p-norm of the concatenation, from the p-norms of the parts (shape ``(P,)`` → ``()``).
+    """The p-norm of the concatenation, from the p-norms of the parts (shape ``(..., P)`` → ``(...)``).
 
     ‖x‖_p = (Σ_i ‖x_i‖_p^p)^(1/p): the p-th root is taken once, on the total.
     """
-    if norms.numel() == 0:
-        return norms.new_zeros(())
-    return torch.linalg.vector_norm(norms, norm_type)
+    if norms.shape[-1] == 0:
+        return norms.new_zeros(norms.shape[:-1])
+    return torch.linalg.vector_norm(norms, norm_type, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -116,15 +116,16 @@ def grouped_norms(norms: Tensor, groups: NormGroups, norm_type: float = 2.0) -> 
     """Group p-norms from per-tensor p-norms, on the device.
 
     Args:
-        norms: ``(P,)`` per-tensor norms (from :func:`per_tensor_norms`).
+        norms: ``(..., P)`` per-tensor norms (from :func:`per_tensor_norms`); leading dimensions, such as
+            one row per optimizer step, are reduced independently.
         groups: which group each of the ``P`` tensors belongs to.
         norm_type: the same p the per-tensor norms were taken with.
 
     Returns:
-        ``(G,)`` tensor, same dtype as ``norms``; ``total² = Σ group²`` for p = 2.
+        ``(..., G)`` tensor, same dtype as ``norms``; ``total² = Σ group²`` for p = 2.
     """
     index = groups.index.to(norms.device)
-    out = norms.new_zeros(len(groups.names))
+    out = norms.new_zeros(*norms.shape[:-1], len(groups.names))
     if math.isinf(norm_type):
-        return out.scatter_reduce_(0, index, norms, reduce="amax", include_self=False)
-    return out.index_add_(0, index, norms.pow(norm_type)).pow(1.0 / norm_type)
+        return out.scatter_reduce_(-1, index.expand_as(norms), norms, reduce="amax", include_self=False)
+    return out.index_add_(-1, index, norms.pow(norm_type)).pow(1.0 / norm_type)

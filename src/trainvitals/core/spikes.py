@@ -1,0 +1,57 @@
+"""Gradient-norm spikes: a value far above its running average, found on the host.
+
+The detector runs in plain Python floats over the totals of a logging window, read back in one
+transfer: a float operation costs nanoseconds, a device operation microseconds (and a kernel launch
+on an accelerator), so a recurrence over a few dozen steps is cheapest on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SpikeDetector:
+    """Flags a value above ``factor`` × the bias-corrected EMA of the values before it.
+
+    A spike enters the EMA clipped to the threshold (winsorized): one spike barely moves the
+    average, while a lasting level shift is followed within ~1/(1 − β) steps instead of being
+    flagged forever.
+
+    Args:
+        factor: the threshold as a multiple of the average, > 1.
+        beta: EMA decay per value, in [0, 1).
+        warmup_steps: no spike is flagged before this many values (at least one) entered the EMA.
+
+    Raises:
+        ValueError: on an invalid argument, naming it.
+    """
+
+    def __init__(self, factor: float, beta: float, warmup_steps: int) -> None:
+        if not factor > 1.0:
+            raise ValueError(f"`factor` must be > 1, got {factor}")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"`beta` must be in [0, 1), got {beta}")
+        if warmup_steps < 0:
+            raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps}")
+        self.factor, self.beta, self.warmup_steps = factor, beta, warmup_steps
+        self._ema = 0.0
+        self.count = 0
+
+    @property
+    def average(self) -> float:
+        """The bias-corrected EMA (Adam's correction); 0.0 before the first value."""
+        return self._ema / (1.0 - self.beta**self.count) if self.count else 0.0
+
+    def update(self, value: float) -> float | None:
+        """Take one finite value; returns its ratio to the average when it is a spike, else None."""
+        average = self.average
+        spike = self.count >= max(1, self.warmup_steps) and value > self.factor * average
+        self._ema += (1.0 - self.beta) * ((self.factor * average if spike else value) - self._ema)
+        self.count += 1
+        return value / average if spike else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"beta": self.beta, "ema": self._ema, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._ema, self.count = float(state.get("ema", 0.0)), int(state.get("count", 0))
