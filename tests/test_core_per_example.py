@@ -20,6 +20,8 @@ from trainvitals.core.per_example import (
     eb_criterion,
     gradient_snr,
     per_example_estimates,
+    per_example_sq_norms,
+    per_example_sum_sq,
     plan_sources,
     sub_batch_estimates,
     vmap_per_example_grads,
@@ -62,10 +64,12 @@ def mlp() -> nn.Module:
 
 
 def cnn() -> nn.Module:
+    """Conv 2→4 on 6×6 (T = 36: per-example blocks, one grouped convolution), then conv 4→8 with stride 2
+    and reflect padding (T = 9, 2T² ≤ I·O: ghost Gram matrices)."""
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(4, 4, 3, stride=2, padding=1, padding_mode="reflect"), nn.ReLU(),
-        nn.Flatten(), nn.Linear(4 * 3 * 3, 3),
+        nn.Conv2d(4, 8, 3, stride=2, padding=1, padding_mode="reflect"), nn.ReLU(),
+        nn.Flatten(), nn.Linear(8 * 3 * 3, 3),
     )
 
 
@@ -139,6 +143,32 @@ def test_per_example_statistics_match_brute_force(kind):
     truth_eb = 1 - B * sum(s.sum() for s in snr.values()) / sum(s.numel() for s in snr.values())
     eb = eb_criterion(mean_grad.values(), [step.sum_sq[n] for n in mean_grad], [B] * len(mean_grad))
     assert rel_close(eb, truth_eb)
+
+
+@pytest.mark.parametrize("conv, shape", [
+    (nn.Conv2d(3, 5, 3, padding=1), (6, 6)),  # per-example blocks (2T² > I·O)
+    (nn.Conv2d(3, 5, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(2, 1), bias=False), (7, 6)),
+    (nn.Conv2d(8, 16, 2, padding=1, padding_mode="circular"), (2, 2)),  # ghost (2T² ≤ I·O)
+    (nn.Conv1d(4, 3, 5, padding="same", padding_mode="replicate"), (9,)),
+    (nn.Conv1d(4, 3, 3, stride=2, dilation=2), (11,)),  # ghost
+])
+def test_convolution_paths_match_brute_force(conv, shape):
+    torch.manual_seed(3)
+    conv = conv.double()
+    x = torch.randn(B, conv.in_channels, *shape, dtype=torch.float64)
+    grad_output = torch.randn_like(conv(x))
+    grads = {n: [] for n, _ in conv.named_parameters()}
+    for i in range(B):  # brute force: each example's own backward
+        conv.zero_grad()
+        conv(x[i:i + 1]).backward(grad_output[i:i + 1])
+        for n, p in conv.named_parameters():
+            grads[n].append(p.grad.clone())
+    per_example = {n: torch.stack(g) for n, g in grads.items()}
+    truth = sum(g.flatten(1).square().sum(1) for g in per_example.values())
+    assert rel_close(per_example_sq_norms(conv, x, grad_output), truth, 1e-10)
+    sum_sq = per_example_sum_sq(conv, x, grad_output)
+    for n, g in per_example.items():
+        assert rel_close(sum_sq[n], g.square().sum(0), 1e-10), n
 
 
 @pytest.mark.parametrize("kind", ["mlp", "sequence"])

@@ -13,8 +13,11 @@ CerebrasResearch/nanoGNS for the gradient noise scale):
 
 which costs O(T²(I + O)) per example against O(T·I·O) for materialising the I×O block; the cheaper
 of the two is used per layer (ghost when 2T² ≤ I·O). Conv1d/Conv2d reduce to the same form after
-``unfold`` (T = output positions, I = C_in·kernel size), Embedding to a segment sum over repeated
-tokens, LayerNorm to (B, D) per-example vectors (as small as one activation row).
+``unfold`` (T = output positions, I = C_in·kernel size); where the block is cheaper, a convolution's
+per-example weight gradients are one grouped convolution's weight gradient with the batch as the
+groups (Rochette et al. 2019, "Efficient Per-Example Gradient Computations in Convolutional Neural
+Networks"), as fast as the layer's own. Embedding reduces to a segment sum over repeated tokens,
+LayerNorm to (B, D) per-example vectors (as small as one activation row).
 
 Per-coordinate sums of squares Σ_i g_{i,d}² (for the variance of each coordinate) are cheap for 2-D
 Linear inputs, (Δ²)ᵀ(A²); for the other layer types they come from the layer's per-example gradients,
@@ -78,6 +81,37 @@ def unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
+def _padded_input(module: nn.Conv1d | nn.Conv2d, inputs: Tensor, dtype: torch.dtype) -> Tensor:
+    """The convolution's input with its padding (any ``padding_mode``, also ``"same"``) applied."""
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(inputs.to(dtype), module._reversed_padding_repeated_twice, mode=mode)
+
+
+def _ghost_is_cheaper(module: nn.Conv1d | nn.Conv2d, grad_output: Tensor) -> bool:
+    """2T² ≤ I·O for a convolution: T output positions, I = C_in·kernel size, O = C_out."""
+    positions = grad_output[0, 0].numel()
+    return 2 * positions * positions <= module.in_channels * math.prod(module.kernel_size) * module.out_channels
+
+
+def _conv_weight_grads(module: nn.Conv1d | nn.Conv2d, inputs: Tensor, grad_output: Tensor) -> Tensor:
+    """Per-example weight gradients of a convolution, ``(B, *weight.shape)``, in one grouped convolution.
+
+    Stacking the B examples along the channels, ``(1, B·C_in, *spatial)``, makes the batch the groups
+    of one convolution whose weight gradient ``(B·C_out, C_in, *kernel)`` holds every example's block
+    (Rochette et al. 2019): the FLOPs of the layer's own weight gradient, no ``unfold`` copy.
+    """
+    dtype = _accumulation_dtype(grad_output)
+    batch = inputs.shape[0]
+    weight_grad = torch.nn.grad.conv1d_weight if isinstance(module, nn.Conv1d) else torch.nn.grad.conv2d_weight
+    grads = weight_grad(
+        _padded_input(module, inputs, dtype).flatten(0, 1).unsqueeze(0),
+        (batch * module.out_channels, *module.weight.shape[1:]),
+        grad_output.to(dtype).flatten(0, 1).unsqueeze(0),
+        stride=module.stride, dilation=module.dilation, groups=batch,
+    )
+    return grads.reshape(batch, *module.weight.shape)
+
+
 def _outer_operands(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> tuple[Tensor, Tensor]:
     """Linear or convolution as y_t = W a_t: activations ``(B, T, I)`` and output gradients ``(B, T, O)``."""
     dtype = _accumulation_dtype(grad_output)
@@ -86,8 +120,7 @@ def _outer_operands(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> t
         return (inputs.reshape(batch, -1, inputs.shape[-1]).to(dtype),
                 grad_output.reshape(batch, -1, grad_output.shape[-1]).to(dtype))
     assert isinstance(module, (nn.Conv1d, nn.Conv2d))
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    x = F.pad(inputs.to(dtype), module._reversed_padding_repeated_twice, mode=mode)
+    x = _padded_input(module, inputs, dtype)
     kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
     if isinstance(module, nn.Conv1d):
         x, kernel, dilation, stride = x.unsqueeze(2), (1, *kernel), (1, *dilation), (1, *stride)
@@ -174,8 +207,12 @@ def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor)
             return g_sq
         a = inputs.to(dtype)
         return g_sq * (torch.linalg.vecdot(a, a) + 1.0) if bias else g_sq * torch.linalg.vecdot(a, a)
-    a, g = _outer_operands(module, inputs, grad_output)
-    sq = _outer_sq_norms(a, g) if weight else a.new_zeros(a.shape[0])
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and not _ghost_is_cheaper(module, grad_output):
+        g = grad_output.to(_accumulation_dtype(grad_output)).flatten(2).transpose(1, 2)
+        sq = _conv_weight_grads(module, inputs, grad_output).flatten(1).square().sum(1) if weight else g.new_zeros(g.shape[0])
+    else:
+        a, g = _outer_operands(module, inputs, grad_output)
+        sq = _outer_sq_norms(a, g) if weight else a.new_zeros(a.shape[0])
     return sq + g.sum(1).square().sum(1) if bias else sq
 
 
@@ -183,8 +220,9 @@ def per_example_sum_sq(module: nn.Module, inputs: Tensor, grad_output: Tensor) -
     """Σ_i g_{i,d}² for each of ``module``'s own trainable parameters (shapes of the parameters).
 
     The inputs as in :func:`per_example_sq_norms`. Linear with 2-D inputs: (Δ²)ᵀ(A²), no per-example
-    tensor; Embedding: a segment sum; Linear with 3-D inputs, convolutions and LayerNorm: the layer's
-    per-example gradients ``(B, *shape)``, formed, squared and summed here (BackPACK's SumGradSquared).
+    tensor; Embedding: a segment sum; Linear with 3-D inputs, convolutions (one grouped convolution)
+    and LayerNorm: the layer's per-example gradients ``(B, *shape)``, formed, squared and summed here
+    (BackPACK's SumGradSquared).
     """
     trainable = _trainable(module)
     if isinstance(module, nn.Embedding):
@@ -193,13 +231,16 @@ def per_example_sum_sq(module: nn.Module, inputs: Tensor, grad_output: Tensor) -
     if isinstance(module, nn.LayerNorm):
         grads = _layer_norm_grads(module, inputs, grad_output)
         return {n: grads[n].square().sum(0) for n in trainable}
-    a, g = _outer_operands(module, inputs, grad_output)
     out = {}
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        if "weight" in trainable:
+            out["weight"] = _conv_weight_grads(module, inputs, grad_output).square().sum(0)
+        if "bias" in trainable:
+            out["bias"] = grad_output.to(_accumulation_dtype(grad_output)).flatten(2).sum(2).square().sum(0)
+        return out
+    a, g = _outer_operands(module, inputs, grad_output)
     if "weight" in trainable:
-        if a.shape[1] == 1:
-            w = g[:, 0].square().t() @ a[:, 0].square()
-        else:
-            w = torch.bmm(g.transpose(1, 2), a).square().sum(0)
+        w = g[:, 0].square().t() @ a[:, 0].square() if a.shape[1] == 1 else torch.bmm(g.transpose(1, 2), a).square().sum(0)
         out["weight"] = w.reshape(module.weight.shape)
     if "bias" in trainable:
         out["bias"] = g.sum(1).square().sum(0)
