@@ -466,3 +466,25 @@ def test_a_layer_called_with_a_keyword_input_is_skipped_not_fatal():
     with pytest.warns(UserWarning, match=r"a: its input was not passed positionally"):
         trainer.fit(KeywordCall(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
     assert trainer.global_step == 3
+
+
+def test_multihead_attention_is_named_at_fit_start_and_the_rest_is_measured():
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 5, 4, dtype=torch.float64), torch.randint(0, 3, (32,)))
+    probe, logger = BatchVarianceProbe(), RecordingLogger()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(Attention()), data, [probe], batch_size=8, steps=3, logger=logger)
+    assert _probe_warnings(record) == []
+    assert "not measured: 4 tensors" in probe.sources and "nn.MultiheadAttention" in probe.sources
+    assert "per-example norms in backward: Linear×1" in probe.sources
+    assert len(logger.values("grad_noise/trace_cov")) == 3

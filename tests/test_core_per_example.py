@@ -332,3 +332,26 @@ def test_a_tied_parameter_counts_once_in_the_coverage_line():
     line = plan_sources(model, groups_available=False, fallback=False).describe(model)
     shares = [float(x) for x in re.findall(r"([\d.]+)% of parameters", line)]
     assert shares and all(0 < s <= 100 for s in shares)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+@pytest.mark.parametrize("groups_available", [False, True])
+def test_multihead_attention_is_planned_with_its_reason_not_failed_later(groups_available):
+    model = Attention()
+    plan = plan_sources(model, groups_available=groups_available, fallback=True)
+    assert set(plan.per_example) == {"head"} and not plan.vmap
+    attention_params = {"attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight", "attn.out_proj.bias"}
+    if groups_available:
+        assert set(plan.micro_batch) == attention_params
+    else:
+        assert set(plan.uncovered) == attention_params
+        assert "nn.MultiheadAttention" in plan.describe(model)

@@ -225,6 +225,7 @@ def test_state_round_trips():
     fit(Regressor(), restored, logger, max_steps=1)
     assert restored._tracks[0].steps == 6
     assert restored._tracks[0].spikes.count == 6
+    assert restored._tracks[0].spikes.average == pytest.approx(monitor._tracks[0].spikes.average, rel=0.5)
     assert monitor.state_key == restored.state_key
 
 

@@ -475,6 +475,12 @@ class SourcePlan:
         return "; ".join(parts) if parts else "no trainable parameters"
 
 
+# nn.MultiheadAttention's functional forward uses out_proj's weight without calling out_proj, and
+# returns a tuple: neither the per-example hooks nor the torch.func fallback see its parameters.
+_ATTENTION_REASON = ("nn.MultiheadAttention (its forward uses out_proj's weight without calling out_proj; "
+                     "attention written with nn.Linear projections gets per-example norms)")
+
+
 def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = ()) -> SourcePlan:
     """Assign each trainable parameter to a source: (1) per-example norms, else (2) micro-batches/ranks
     when there are at least two gradient groups per step, else (3) ``torch.func`` when ``fallback``.
@@ -490,6 +496,8 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
     owners: Counter[int] = Counter(id(p) for _, m in model.named_modules() for p in _trainable(m).values())
     per_example, vmap, micro, uncovered = {}, {}, {}, {}
     coupled = tuple(n for n, m in model.named_modules() if isinstance(m, _BatchNorm))
+    attention = {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+    attention.update({f"{n}.out_proj" if n else "out_proj": m.out_proj for n, m in list(attention.items())})
     for name, module in model.named_modules():
         params = _trainable(module)
         if not params:
@@ -497,13 +505,14 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
         qualified = {f"{name}.{n}" if name else n: p for n, p in params.items()}
         tied = any(owners[id(p)] > 1 for p in params.values())
         reason = "tied parameter" if tied else (
-            "excluded after a failed step" if name in excluded else unsupported_reason(module))
+            "excluded after a failed step" if name in excluded else
+            _ATTENTION_REASON if name in attention else unsupported_reason(module))
         if reason is None:
             per_example[name] = module
         elif groups_available:
             known = {id(p) for p in micro.values()}
             micro.update({n: p for n, p in qualified.items() if id(p) not in known})
-        elif fallback and not tied and name not in excluded and not isinstance(module, _BatchNorm):
+        elif fallback and not tied and name not in excluded and name not in attention and not isinstance(module, _BatchNorm):
             vmap[name] = module
         else:
             why = reason if not isinstance(module, _BatchNorm) else "BatchNorm couples the examples"
