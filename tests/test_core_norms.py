@@ -73,6 +73,8 @@ def test_group_names():
     assert group_name("encoder.layers.0.weight", "module") == "encoder.layers.0"
     assert group_name("encoder.layers.0.weight", "block") == "encoder"
     assert group_name("temperature", "module") == "temperature"
+    assert group_name("encoder._orig_mod.layers.0.weight", "module") == "encoder.layers.0"  # a compiled submodule
+    assert group_name("_orig_mod.weight", "module") == "weight"
     with pytest.raises(ValueError, match="grouping"):
         group_name("a.b", "layer")
 

@@ -170,6 +170,14 @@ def test_compiled_module_gives_the_eager_norms():
     assert log_compiled.values("grad_norm/net.2") == pytest.approx(log_eager.values("grad_norm/net.2"), rel=1e-5)
 
 
+def test_a_compiled_submodule_keeps_its_layer_names():
+    model = Regressor()
+    model.net = torch.compile(model.net, backend="aot_eager")
+    logger = RecordingLogger()
+    fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger, max_steps=2)
+    assert {t for t in logger.series if t.startswith("grad_norm/net")} == {"grad_norm/net.0", "grad_norm/net.2", "grad_norm/net.4"}
+
+
 def test_spike_is_reported_with_step_and_largest_layers(caplog):
     class Spiky(Regressor):
         def training_step(self, batch, batch_idx):

@@ -41,11 +41,13 @@ def group_name(param_name: str, grouping: str) -> str:
 
     ``parameter`` keeps the name; ``module`` drops the last component (``"encoder.0"``); ``block``
     keeps the first component (``"encoder"``). A parameter registered on the root module is its own
-    group.
+    group. The wrapper ``torch.compile`` puts around a submodule (``_orig_mod``) is not a layer and is
+    left out of the name.
     """
     if grouping not in GROUPINGS:
         raise ValueError(f"`grouping` must be one of {GROUPINGS}, got {grouping!r}")
-    parts = param_name.split(".")
+    parts = [part for part in param_name.split(".") if part != "_orig_mod"]
+    param_name = ".".join(parts)
     if grouping == "parameter" or len(parts) == 1:
         return param_name
     if grouping == "module":
