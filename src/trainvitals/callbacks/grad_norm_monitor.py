@@ -23,8 +23,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
+from trainvitals.callbacks._sharding import gradient_norms
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
-from trainvitals.core.norms import GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type
+from trainvitals.core.norms import GROUPINGS, NormGroups, combine_norms, grouped_norms, validate_norm_type
 from trainvitals.core.spikes import SpikeDetector
 
 
@@ -170,8 +171,7 @@ class GradNormMonitor(Callback):
         present = tuple(i for i, p in enumerate(track.params) if p.grad is not None)
         if not present:
             return
-        norms = track.row(present, per_tensor_norms([track.params[i].grad for i in present], self.norm_type))
-        norms = _reduce_if_sharded(trainer, norms, self.norm_type)
+        norms = track.row(present, gradient_norms(trainer, [track.params[i].grad for i in present], self.norm_type))
         scale = scale_left_in_grads(trainer, optimizer)
         if scale is not None:  # a fused optimizer will unscale in its step; report unscaled norms
             norms = norms / scale.to(norms)
@@ -199,8 +199,7 @@ class GradNormMonitor(Callback):
         self._clip_pending = None
         track = self._tracks[index]
         grads = [p.grad for p in track.params if p.grad is not None]
-        group_norms = _reduce_if_sharded(trainer, per_tensor_norms(grads, self.norm_type), self.norm_type)
-        clipped = combine_norms(group_norms, self.norm_type)
+        clipped = combine_norms(gradient_norms(trainer, grads, self.norm_type), self.norm_type)
         log_scalars(trainer, {self._tag(trainer, "clipped_total"): clipped}, step)
 
     @override
@@ -357,17 +356,3 @@ def _optimizer_index(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) ->
 
 def _clips(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
     return pl_module.automatic_optimization and bool(trainer.gradient_clip_val)
-
-
-def _reduce_if_sharded(trainer: "pl.Trainer", norms: Tensor, norm_type: float) -> Tensor:
-    """Under FSDP each rank holds a shard of every gradient: combine the shards' norms across ranks.
-
-    DDP needs nothing: after the all-reduce every rank holds the same full gradient.
-    """
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-
-    if not isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
-        return norms
-    if math.isinf(norm_type):
-        return trainer.strategy.reduce(norms, reduce_op="max")
-    return trainer.strategy.reduce(norms.pow(norm_type), reduce_op="sum").pow(1.0 / norm_type)

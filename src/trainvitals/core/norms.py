@@ -18,6 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed support
+    DTensor = None  # type: ignore[assignment,misc]
+
 GROUPINGS = ("parameter", "module", "block")
 
 
@@ -58,6 +63,11 @@ def group_name(param_name: str, grouping: str) -> str:
 def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     """p-norm of each tensor, one fused kernel per dtype.
 
+    A ``DTensor`` (FSDP2's sharded parameters, tensor parallelism) gets the norm of the whole tensor:
+    each rank's norm of its shard is a partial result that ``full_tensor()`` reduces across the device
+    mesh (Σ of p-th powers, or the max for p = ∞) — one collective per dtype, which every rank must
+    join.
+
     Args:
         tensors: ``P`` tensors of any shapes and float dtypes (on several devices, the norms are
             gathered on the first tensor's).
@@ -68,20 +78,27 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    by_kind: dict[tuple[torch.dtype, bool], list[int]] = {}
     for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
+        by_kind.setdefault((t.dtype, _is_dtensor(t)), []).append(i)
     ordered: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-    for dtype, idx in by_dtype.items():
+    for (dtype, distributed), idx in by_kind.items():
         # Reduced-precision grads are reduced in fp32; wider ones in their own dtype.
         acc = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        for i, norm in zip(idx, torch._foreach_norm([tensors[i] for i in idx], norm_type, dtype=acc)):
+        norms = torch._foreach_norm([tensors[i] for i in idx], norm_type, dtype=acc)
+        if distributed:
+            norms = torch.stack(norms).full_tensor().unbind()
+        for i, norm in zip(idx, norms):
             ordered[i] = norm
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):  # a model split over devices
+    device = ordered[0].device
+    if any(n.device != device for n in ordered):  # a model split over devices
         ordered = [n.to(device) for n in ordered]
     # One stack (promoting mixed dtypes) and one cast; no index tensor, so no host-to-device copy.
     return torch.stack(ordered).to(dtype=torch.float64)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
 
 
 def combine_norms(norms: Tensor, norm_type: float = 2.0) -> Tensor:

@@ -1,0 +1,58 @@
+"""Run by tests/test_fsdp2.py as a script: Lightning's ModelParallelStrategy re-launches it once per rank.
+
+FSDP2 (``fully_shard``) on 2 CPU processes with gloo: every parameter and gradient is a DTensor
+sharded across the ranks. Each rank writes ``<out>.<rank>.json`` with what the callbacks logged and
+measured, and the brute-force norm of the full gradient (gathered with ``full_tensor()``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+
+from _models import Regressor, loader, regression_data  # noqa: E402
+from conftest import RecordingLogger  # noqa: E402
+from trainvitals import GradNormEarlyStopping, GradNormMonitor  # noqa: E402
+
+
+class ShardedRegressor(Regressor):
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        flat = torch.cat([p.grad.full_tensor().reshape(-1).double() for p in self.parameters()])
+        self.reference_norms.append(torch.linalg.vector_norm(flat).item())
+
+
+def main(out: str) -> None:
+    torch.manual_seed(0)
+    model, logger = ShardedRegressor(lr=0.05), RecordingLogger()
+    monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=3, min_steps=0, check_every_n_steps=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=8, logger=logger, callbacks=[monitor, stopper], log_every_n_steps=1,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(model, loader(regression_data(64), 4))
+    result = {"series": dict(logger.series), "reference": model.reference_norms, "global_step": trainer.global_step,
+              "last_total": float(monitor.last_total[0]), "stopped_step": stopper.stopped_step}
+    Path(f"{out}.{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
