@@ -42,3 +42,11 @@ def test_no_spike_during_warmup_and_state_round_trips():
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SpikeDetector(**{"factor": 3.0, "beta": 0.9, "warmup_steps": 0, **kwargs})
+
+
+def test_an_average_of_zero_flags_nothing_and_is_left_behind():
+    detector = SpikeDetector(factor=5.0, beta=0.98, warmup_steps=20)
+    assert [detector.update(0.0) for _ in range(30)] == [None] * 30
+    assert detector.update(1.0) is None  # no scale to exceed: it enters the average
+    flags = [detector.update(1.0) for _ in range(200)]
+    assert detector.average > 0.5 and flags[-1] is None

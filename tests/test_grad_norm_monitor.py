@@ -274,21 +274,22 @@ def test_the_same_monitor_measures_a_new_model_on_a_new_fit():
         assert monitor._tracks[0].steps == 3
 
 
+class Unfreezes(Regressor):
+    """The first layer is frozen and outside the optimizer until epoch 1 (as BackboneFinetuning does)."""
+
+    def on_train_epoch_start(self):
+        first = self.net[0]
+        if self.current_epoch == 0:
+            first.requires_grad_(False)
+        elif not first.weight.requires_grad:
+            first.requires_grad_(True)
+            self.trainer.optimizers[0].add_param_group({"params": list(first.parameters())})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.net[1:].parameters()], lr=self.lr)
+
+
 def test_parameters_added_to_the_optimizer_later_are_measured():
-    class Unfreezes(Regressor):
-        """The first layer is frozen and outside the optimizer until epoch 1 (as BackboneFinetuning does)."""
-
-        def on_train_epoch_start(self):
-            first = self.net[0]
-            if self.current_epoch == 0:
-                first.requires_grad_(False)
-            elif not first.weight.requires_grad:
-                first.requires_grad_(True)
-                self.trainer.optimizers[0].add_param_group({"params": list(first.parameters())})
-
-        def configure_optimizers(self):
-            return torch.optim.SGD([p for p in self.net[1:].parameters()], lr=self.lr)
-
     logger = RecordingLogger()
     model = Unfreezes()
     fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger, max_epochs=2)
@@ -376,3 +377,47 @@ def test_a_nonfinite_step_after_the_last_logging_step_is_logged_at_the_end():
         fit(NaNLast(lr=0.0), GradNormMonitor(log_every_n_steps=5, histogram_every_n_steps=0), logger, max_steps=7)
     assert logger.series["grad_norm/nonfinite_steps"] == [(0, 0.0), (5, 0.0), (6, 1.0)]
     assert [s for s, _ in logger.series["grad_norm/total"]] == [0, 5]  # norms keep their cadence
+
+
+def test_a_nonfinite_step_just_before_a_regrouping_is_still_reported():
+    class NaNBeforeUnfreezing(Unfreezes):
+        def on_after_backward(self):
+            if self.global_step == 6:  # epoch 0 is steps 0-7; logging at 0 and 5; regrouping at 8
+                self.net[2].weight.grad[0, 0] = float("nan")
+
+        def on_before_optimizer_step(self, optimizer):
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.nan_to_num_(0.0)
+
+    logger = RecordingLogger()
+    with pytest.warns(UserWarning, match=r"non-finite gradient \(inf/NaN\) at optimizer step 6; first in: net\.2"):
+        fit(NaNBeforeUnfreezing(lr=0.0), GradNormMonitor(log_every_n_steps=5, histogram_every_n_steps=0), logger,
+            max_epochs=2)
+    assert logger.series["grad_norm/nonfinite_steps"] == [(0, 0.0), (5, 0.0), (10, 1.0), (15, 1.0)]
+
+
+def test_the_end_of_training_report_survives_a_checkpoint_in_between(tmp_path):
+    class InfLate(Regressor):
+        def on_after_backward(self):
+            if self.global_step == 6:
+                self.net[2].weight.grad[0, 0] = float("inf")
+
+    logger = RecordingLogger()
+    with pytest.warns(UserWarning, match=r"non-finite gradient.*step 6"):
+        # ModelCheckpoint saves (and so reads the monitor's state) after step 7, before training ends.
+        fit(InfLate(lr=0.0), GradNormMonitor(log_every_n_steps=5, histogram_every_n_steps=0), logger, max_epochs=1,
+            enable_checkpointing=True, default_root_dir=tmp_path)
+    assert logger.series["grad_norm/nonfinite_steps"] == [(0, 0.0), (5, 0.0), (7, 2.0)]  # the inf stays in .grad
+
+
+def test_a_norm_that_was_zero_so_far_is_no_division_by_zero():
+    class WeightedLater(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * (0.0 if self.global_step < 25 else 1.0)  # e.g. a discriminator loss switched on later
+
+    logger = RecordingLogger()
+    fit(WeightedLater(lr=0.0), GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0), logger, max_steps=120)
+    spikes = logger.values("grad_norm/spike_steps")
+    assert spikes[-1] == spikes[-3] < 60  # the switch-on is followed, not flagged forever

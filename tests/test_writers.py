@@ -41,3 +41,14 @@ def test_other_ranks_write_no_tensorboard_event(tmp_path: Path) -> None:
     log_scalars(SimpleNamespace(loggers=[tensorboard], global_rank=1), {"a": torch.tensor(1.0)}, step=0)
     tensorboard.experiment.flush()
     assert _events(tensorboard.log_dir) == []
+
+
+def test_a_tensorboard_logger_that_overrides_log_metrics_keeps_it(tmp_path: Path) -> None:
+    class Renaming(TensorBoardLogger):
+        def log_metrics(self, metrics, step=None):
+            super().log_metrics({f"renamed/{k}": v for k, v in metrics.items()}, step)
+
+    tensorboard = Renaming(tmp_path)
+    log_scalars(SimpleNamespace(loggers=[tensorboard], global_rank=0), {"a": torch.tensor(1.0)}, step=3)
+    tensorboard.experiment.flush()
+    assert [v.tag for e in _events(tensorboard.log_dir) for v in e.summary.value] == ["renamed/a"]

@@ -34,7 +34,8 @@ def log_scalars(trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], st
         stacked = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in tensor_keys])  # type: ignore[union-attr]
         values.update(zip(tensor_keys, stacked.cpu().tolist()))
     for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
+        # A subclass that overrides log_metrics (to filter, rename, ...) keeps its own way.
+        if isinstance(logger, TensorBoardLogger) and type(logger).log_metrics is TensorBoardLogger.log_metrics:
             _write_tensorboard_scalars(trainer, logger, values, step)
         else:
             logger.log_metrics(values, step=step)

@@ -37,27 +37,26 @@ MAX_PENDING_STEPS = 256
 
 @dataclass
 class _Track:
-    """What the monitor keeps for one optimizer: its parameters, their groups, and the bookkeeping."""
+    """One optimizer's parameters and groups, its steps waiting on the device, and the host bookkeeping."""
 
     params: list[torch.nn.Parameter]
     groups: NormGroups
     spikes: SpikeDetector
     steps: int = 0
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
-    # (global step, (P,) per-tensor norms) of the steps not yet read back; norms of parameters
-    # without a gradient are 0.
+    logged_counts: dict[str, int] = field(default_factory=dict)
+    # Measured, not yet read back: (global step, (P,) per-tensor norms, 0 for a parameter without a
+    # gradient). ``latest`` is the newest row, read back or not.
     pending: list[tuple[int, Tensor]] = field(default_factory=list)
     latest: Tensor | None = None
-    # Host values from the last read-back: the last step's total and group norms, the group norms of
-    # the first non-finite step, and the latest spike as (step, ratio, group norms).
-    total: float | None = None
-    group_norms: list[float] | None = None
-    first_nonfinite: list[float] | None = None
-    spike: tuple[int, float, list[float]] | None = None
-    skipped_by_scaler: bool = False
+    # The last step read back: (global step, total, {group: norm}).
+    last_read: tuple[int, float, dict[str, float]] | None = None
+    # What the next report says, with layer names resolved (they outlive a regrouping): this fit's
+    # first non-finite step as (step, non-finite groups), and the latest spike as (step, message).
+    nonfinite: tuple[int, list[str]] | None = None
+    spike: tuple[int, str] | None = None
     warned_nonfinite: bool = False
     reported_spikes: int = 0
-    logged_counts: dict[str, int] = field(default_factory=dict)
     # The positions of the parameters that currently have a gradient, cached on the gradients' device:
     # rebuilding the index tensor every step would be a host-to-device copy per step.
     present: tuple[int, ...] = ()
@@ -137,6 +136,7 @@ class GradNormMonitor(Callback):
         self._tracks: dict[int, _Track] = {}
         self._restored: dict[int, dict[str, Any]] = {}
         self._clip_pending: tuple[int, int] | None = None  # (optimizer index, step) to measure after clipping
+        self._amp_scaler = False  # a GradScaler skips non-finite steps: they are calibration, not divergence
 
     @property
     def state_key(self) -> str:
@@ -150,17 +150,13 @@ class GradNormMonitor(Callback):
         """
         return {i: combine_norms(t.latest, self.norm_type) for i, t in self._tracks.items() if t.latest is not None}
 
-    @property
-    def last_logged_total(self) -> dict[int, float]:
-        """The total norm of the latest logging step per optimizer index, a host float (no sync)."""
-        return {i: t.total for i, t in self._tracks.items() if t.total is not None}
-
     # ------------------------------------------------------------------ hooks
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # A new fit (another fold, another model) starts afresh; a resumed one gets its state from
         # ``load_state_dict``, which Lightning calls before this hook and which fills ``_restored``.
         self._tracks, self._clip_pending = {}, None
+        self._amp_scaler = grad_scaler(trainer) is not None
 
     @override
     def on_before_optimizer_step(
@@ -178,7 +174,6 @@ class GradNormMonitor(Callback):
         step = trainer.global_step
         track.latest = norms
         track.pending.append((step, norms))
-        track.skipped_by_scaler = grad_scaler(trainer) is not None
 
         logs = track.steps % self._log_every(trainer) == 0
         if logs or len(track.pending) >= MAX_PENDING_STEPS:
@@ -205,13 +200,11 @@ class GradNormMonitor(Callback):
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # A non-finite step or a spike after the last logging step is still reported: the counters
-        # (only they) are logged at the last step when they changed since.
+        # (only they) are logged at the last measured step when they changed since they were logged.
         for index, track in self._tracks.items():
-            if track.pending:
-                step = track.pending[-1][0]
-                self._read_back(track)
-                if track.counts != track.logged_counts:
-                    self._log(trainer, index, track, step, norms=False)
+            self._read_back(track)
+            if track.last_read is not None and track.counts != track.logged_counts:
+                self._log(trainer, index, track, track.last_read[0], norms=False)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -230,10 +223,12 @@ class GradNormMonitor(Callback):
                  "|---|---:|---:|---|---:|---:|---:|"]
         for index, track in self._tracks.items():
             self._read_back(track)
-            if track.group_norms is None:
+            if track.last_read is None:
                 continue
+            _, total, group_norms = track.last_read
+            largest = ", ".join(f"`{name}` {value:.3g}" for name, value in _largest(group_norms))
             counts = track.counts
-            lines.append(f"| {index} | {track.steps} | {track.total:.4g} | {self._largest(track, track.group_norms)}"
+            lines.append(f"| {index} | {track.steps} | {total:.4g} | {largest}"
                          f" | {counts['nonfinite_steps']} | {counts['amp_skipped_steps']} | {counts['spike_steps']} |")
         return "\n".join(lines) if len(lines) > 2 else "No optimizer step was measured."
 
@@ -251,7 +246,6 @@ class GradNormMonitor(Callback):
         if track is not None:
             self._read_back(track)  # its rows have the old parameters' columns
             track.params, track.groups, track.present_index = params, groups, None
-            track.first_nonfinite = track.spike = None  # sized for the old groups
             return track
         track = _Track(params, groups, SpikeDetector(self.spike_factor, self.spike_ema_beta, self.spike_warmup_steps))
         restored = self._restored.pop(index, None)
@@ -259,6 +253,7 @@ class GradNormMonitor(Callback):
             track.steps = int(restored.get("steps", 0))
             track.spikes.load_state_dict(restored.get("ema", {}))
             track.counts = {name: int(restored.get(name, 0)) for name in COUNTERS}
+            track.logged_counts = dict(track.counts)
             track.reported_spikes = track.counts["spike_steps"]
         self._tracks[index] = track
         return track
@@ -283,59 +278,56 @@ class GradNormMonitor(Callback):
         steps = [step for step, _ in track.pending]
         group_norms = grouped_norms(torch.stack([norms for _, norms in track.pending]), track.groups, self.norm_type)
         track.pending = []
-        host = torch.cat([combine_norms(group_norms, self.norm_type), group_norms[-1]]).tolist()
-        totals, track.total, track.group_norms = host[: len(steps)], host[len(steps) - 1], host[len(steps):]
-        first_nonfinite = spike = None
-        for row, (step, total) in enumerate(zip(steps, totals)):
+        totals = combine_norms(group_norms, self.norm_type)
+        host = torch.cat([totals, group_norms[-1]]).tolist()  # one transfer: the totals, the last step's groups
+        totals_host, last_groups = host[: len(steps)], host[len(steps):]
+        track.last_read = (steps[-1], totals_host[-1], dict(zip(track.groups.names, last_groups)))
+        nonfinite_row = spike_row = None
+        for row, total in enumerate(totals_host):
             if not math.isfinite(total):
-                counter = "amp_skipped_steps" if track.skipped_by_scaler else "nonfinite_steps"
-                if counter == "nonfinite_steps" and track.counts[counter] == 0:
-                    first_nonfinite = row
+                counter = "amp_skipped_steps" if self._amp_scaler else "nonfinite_steps"
                 track.counts[counter] += 1
+                if counter == "nonfinite_steps" and track.nonfinite is None and nonfinite_row is None:
+                    nonfinite_row = row
             elif (ratio := track.spikes.update(total)) is not None:
                 track.counts["spike_steps"] += 1
-                spike = (row, step, ratio)
-        if first_nonfinite is not None or spike is not None:  # rare: a second transfer, for those rows only
-            rows = [r for r in (first_nonfinite, spike[0] if spike else None) if r is not None]
-            found = dict(zip(rows, group_norms[rows].tolist()))
-            if first_nonfinite is not None:
-                track.first_nonfinite = found[first_nonfinite]
-            if spike is not None:
-                track.spike = (spike[1], spike[2], found[spike[0]])
+                spike_row, spike_ratio = row, ratio
+        rows = [r for r in (nonfinite_row, spike_row) if r is not None]
+        if not rows:
+            return
+        # Rare: a second transfer, for those steps' group norms only.
+        found = {r: dict(zip(track.groups.names, values)) for r, values in zip(rows, group_norms[rows].tolist())}
+        if nonfinite_row is not None:
+            track.nonfinite = (steps[nonfinite_row], [n for n, v in found[nonfinite_row].items() if not math.isfinite(v)])
+        if spike_row is not None:
+            at = steps[spike_row]
+            layers = ", ".join(name for name, _ in _largest(found[spike_row]))
+            track.spike = (at, f"gradient-norm spike at optimizer step {at}: {spike_ratio:.1f}× its running average; "
+                               f"largest layers: {layers}")
 
     def _log(self, trainer: "pl.Trainer", index: int, track: _Track, step: int, norms: bool = True) -> None:
-        """Write the last read-back step (``norms``: its total and group norms too) and report news once."""
+        """Write the counters (``norms``: and the last read-back step's total and group norms); report news once."""
         tag = lambda name: self._tag(trainer, name, index)  # noqa: E731
         metrics: dict[str, float] = {tag(name): count for name, count in track.counts.items()}
-        if norms:
-            metrics[tag("total")] = track.total
-            metrics.update({tag(name): value for name, value in zip(track.groups.names, track.group_norms)})
+        if norms and track.last_read is not None:
+            _, total, group_norms = track.last_read
+            metrics[tag("total")] = total
+            metrics.update({tag(name): value for name, value in group_norms.items()})
         log_scalars(trainer, metrics, step)
         track.logged_counts = dict(track.counts)
-        if track.first_nonfinite is not None and not track.warned_nonfinite:
+        if track.nonfinite is not None and not track.warned_nonfinite:
             track.warned_nonfinite = True
-            names = [n for n, v in zip(track.groups.names, track.first_nonfinite) if not math.isfinite(v)]
+            at, layers = track.nonfinite
             rank_zero_warn(
-                f"trainvitals: non-finite gradient (inf/NaN) at or before optimizer step {step}; first in: "
-                f"{', '.join(names[:5]) or 'unknown'}. Without a GradScaler this is divergence: lower the lr, "
+                f"trainvitals: non-finite gradient (inf/NaN) at optimizer step {at}; first in: "
+                f"{', '.join(layers[:5]) or 'unknown'}. Without a GradScaler this is divergence: lower the lr, "
                 "check the loss for log(0)/division by zero, or enable gradient clipping."
             )
         if track.spike is not None and track.counts["spike_steps"] > track.reported_spikes:
             track.reported_spikes = track.counts["spike_steps"]
-            at, ratio, group_norms = track.spike
-            message = (f"gradient-norm spike at optimizer step {at}: {ratio:.1f}× its running average; "
-                       f"largest layers: {self._largest(track, group_norms, values=False)}")
+            at, message = track.spike
             rank_zero_info(f"trainvitals: {message}")
             log_text(trainer, tag("spikes"), message, at)
-
-    @staticmethod
-    def _largest(track: _Track, group_norms: list[float], values: bool = True) -> str:
-        """The three largest groups, NaN counted as 0: ``a 3.1, b 0.2, ...`` (markdown names)."""
-        top = sorted(zip(group_norms, track.groups.names), key=lambda vn: vn[0] if vn[0] == vn[0] else 0.0,
-                     reverse=True)[:3]
-        if not values:
-            return ", ".join(name for _, name in top)
-        return ", ".join(f"`{name}` {value:.3g}" for value, name in top)
 
     def _log_histograms(self, trainer: "pl.Trainer", index: int, track: _Track, present: tuple[int, ...], step: int) -> None:
         by_group: dict[int, list[Tensor]] = {}
@@ -345,6 +337,11 @@ class GradNormMonitor(Callback):
             log_histogram(trainer, self._tag(trainer, f"hist/{track.groups.names[g]}", index), torch.cat(grads), step)
         group_norms = grouped_norms(track.latest, track.groups, self.norm_type)
         log_histogram(trainer, self._tag(trainer, "hist/group_norms", index), group_norms, step)
+
+
+def _largest(group_norms: dict[str, float], k: int = 3) -> list[tuple[str, float]]:
+    """The ``k`` largest groups, largest first; a NaN norm counts as 0."""
+    return sorted(group_norms.items(), key=lambda item: 0.0 if math.isnan(item[1]) else item[1], reverse=True)[:k]
 
 
 def _optimizer_index(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> int:

@@ -87,10 +87,15 @@ def _padded_input(module: nn.Conv1d | nn.Conv2d, inputs: Tensor, dtype: torch.dt
     return F.pad(inputs.to(dtype), module._reversed_padding_repeated_twice, mode=mode)
 
 
-def _ghost_is_cheaper(module: nn.Conv1d | nn.Conv2d, grad_output: Tensor) -> bool:
-    """2T² ≤ I·O for a convolution: T output positions, I = C_in·kernel size, O = C_out."""
-    positions = grad_output[0, 0].numel()
-    return 2 * positions * positions <= module.in_channels * math.prod(module.kernel_size) * module.out_channels
+def _ghost_is_cheaper(positions: int, fan_in: int, fan_out: int) -> bool:
+    """Ghost Gram matrices, O(T²(I + O)), against the per-example I×O block, O(T·I·O): 2T² ≤ I·O."""
+    return 2 * positions * positions <= fan_in * fan_out
+
+
+def _conv_ghost_is_cheaper(module: nn.Conv1d | nn.Conv2d, grad_output: Tensor) -> bool:
+    """:func:`_ghost_is_cheaper` for a convolution: T output positions, I = C_in·kernel size, O = C_out."""
+    return _ghost_is_cheaper(grad_output[0, 0].numel(), module.in_channels * math.prod(module.kernel_size),
+                             module.out_channels)
 
 
 def _conv_weight_grads(module: nn.Conv1d | nn.Conv2d, inputs: Tensor, grad_output: Tensor) -> Tensor:
@@ -133,7 +138,7 @@ def _outer_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     t, i, o = a.shape[1], a.shape[2], g.shape[2]
     if t == 1:
         return a.square().sum((1, 2)) * g.square().sum((1, 2))
-    if 2 * t * t <= i * o:
+    if _ghost_is_cheaper(t, i, o):
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
     return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
 
@@ -207,12 +212,13 @@ def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor)
             return g_sq
         a = inputs.to(dtype)
         return g_sq * (torch.linalg.vecdot(a, a) + 1.0) if bias else g_sq * torch.linalg.vecdot(a, a)
-    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and not _ghost_is_cheaper(module, grad_output):
-        g = grad_output.to(_accumulation_dtype(grad_output)).flatten(2).transpose(1, 2)
-        sq = _conv_weight_grads(module, inputs, grad_output).flatten(1).square().sum(1) if weight else g.new_zeros(g.shape[0])
-    else:
-        a, g = _outer_operands(module, inputs, grad_output)
-        sq = _outer_sq_norms(a, g) if weight else a.new_zeros(a.shape[0])
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)) and not _conv_ghost_is_cheaper(module, grad_output):
+        sq = _conv_weight_grads(module, inputs, grad_output).flatten(1).square().sum(1) if weight else 0.0
+        if bias:
+            sq = sq + grad_output.to(_accumulation_dtype(grad_output)).flatten(2).sum(2).square().sum(1)
+        return sq  # type: ignore[return-value]  # a layer with neither is not planned
+    a, g = _outer_operands(module, inputs, grad_output)
+    sq = _outer_sq_norms(a, g) if weight else a.new_zeros(a.shape[0])
     return sq + g.sum(1).square().sum(1) if bias else sq
 
 

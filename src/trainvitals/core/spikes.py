@@ -45,13 +45,14 @@ class SpikeDetector:
     def update(self, value: float) -> float | None:
         """Take one finite value; returns its ratio to the average when it is a spike, else None."""
         average = self.average
-        spike = self.count >= max(1, self.warmup_steps) and value > self.factor * average
+        # An average of 0 (a loss weighted 0 so far) has no scale to exceed: the value enters the EMA.
+        spike = self.count >= max(1, self.warmup_steps) and average > 0.0 and value > self.factor * average
         self._ema += (1.0 - self.beta) * ((self.factor * average if spike else value) - self._ema)
         self.count += 1
         return value / average if spike else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"beta": self.beta, "ema": self._ema, "count": self.count}
+        return {"ema": self._ema, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._ema, self.count = float(state.get("ema", 0.0)), int(state.get("count", 0))

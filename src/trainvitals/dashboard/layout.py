@@ -120,8 +120,8 @@ def progress_bar_values(trainer: "pl.Trainer") -> dict[str, float]:
     """The latest total gradient norm and noise-band flag as host floats; empty until measured."""
     values: dict[str, float] = {}
     monitor = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor)), None)
-    if monitor is not None and 0 in monitor.last_logged_total:
-        values["grad_norm"] = monitor.last_logged_total[0]
+    if monitor is not None and 0 in monitor.last_total:
+        values["grad_norm"] = float(monitor.last_total[0])
     stopper = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormEarlyStopping)), None)
     margin = stopper.margin if stopper is not None else 1.0
     # The stopper's own estimate first: it prefers it to a probe's when it has one.
