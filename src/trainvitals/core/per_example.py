@@ -16,8 +16,8 @@ of the two is used per layer (ghost when 2T² ≤ I·O). Conv1d/Conv2d reduce to
 ``unfold`` (T = output positions, I = C_in·kernel size); where the block is cheaper, a convolution's
 per-example weight gradients are one grouped convolution's weight gradient with the batch as the
 groups (Rochette et al. 2019, "Efficient Per-Example Gradient Computations in Convolutional Neural
-Networks"), as fast as the layer's own. Embedding reduces to a segment sum over repeated tokens,
-LayerNorm to (B, D) per-example vectors (as small as one activation row).
+Networks"), with the FLOPs of the layer's own weight gradient. Embedding reduces to a segment sum
+over repeated tokens, LayerNorm to (B, D) per-example vectors (as small as one activation row).
 
 Per-coordinate sums of squares Σ_i g_{i,d}² (for the variance of each coordinate) are cheap for 2-D
 Linear inputs, (Δ²)ᵀ(A²); for the other layer types they come from the layer's per-example gradients,
@@ -135,12 +135,19 @@ def _outer_operands(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> t
 
 def _outer_sq_norms(a: Tensor, g: Tensor) -> Tensor:
     """‖Σ_t g_t a_tᵀ‖²_F per example, ``(B, T, I)``, ``(B, T, O)`` → ``(B,)``; ghost Gram when 2T² ≤ I·O."""
+    # Reductions straight from the operands (vecdot, vector_norm): no squared temporary of the size of
+    # the Gram matrices or blocks, whose allocation per step costs more than the arithmetic on a CPU.
     t, i, o = a.shape[1], a.shape[2], g.shape[2]
     if t == 1:
-        return a.square().sum((1, 2)) * g.square().sum((1, 2))
+        return _sq_norms(a) * _sq_norms(g)
     if _ghost_is_cheaper(t, i, o):
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-    return torch.bmm(g.transpose(1, 2), a).square().sum((1, 2))
+        return torch.linalg.vecdot(torch.bmm(a, a.transpose(1, 2)).flatten(1), torch.bmm(g, g.transpose(1, 2)).flatten(1))
+    return _sq_norms(torch.bmm(g.transpose(1, 2), a))
+
+
+def _sq_norms(x: Tensor) -> Tensor:
+    """Squared norm of each example's slice, ``(B, *)`` → ``(B,)``."""
+    return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
 
 
 def _layer_norm_grads(module: nn.LayerNorm, inputs: Tensor, grad_output: Tensor) -> dict[str, Tensor]:
@@ -201,7 +208,7 @@ def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor)
         return rows.new_zeros(inputs.shape[0]).index_add_(0, example, rows.square().sum(1))
     if isinstance(module, nn.LayerNorm):
         grads = _layer_norm_grads(module, inputs, grad_output)
-        return sum(grads[n].flatten(1).square().sum(1) for n in _trainable(module))  # type: ignore[return-value]
+        return sum(_sq_norms(grads[n]) for n in _trainable(module))  # type: ignore[return-value]
     weight = module.weight.requires_grad
     bias = module.bias is not None and module.bias.requires_grad
     if isinstance(module, nn.Linear) and inputs.dim() == 2:  # the common case, in as few kernels as possible
@@ -213,7 +220,7 @@ def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor)
         a = inputs.to(dtype)
         return g_sq * (torch.linalg.vecdot(a, a) + 1.0) if bias else g_sq * torch.linalg.vecdot(a, a)
     if isinstance(module, (nn.Conv1d, nn.Conv2d)) and not _conv_ghost_is_cheaper(module, grad_output):
-        sq = _conv_weight_grads(module, inputs, grad_output).flatten(1).square().sum(1) if weight else 0.0
+        sq = _sq_norms(_conv_weight_grads(module, inputs, grad_output)) if weight else 0.0
         if bias:
             sq = sq + grad_output.to(_accumulation_dtype(grad_output)).flatten(2).sum(2).square().sum(1)
         return sq  # type: ignore[return-value]  # a layer with neither is not planned
