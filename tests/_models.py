@@ -58,3 +58,16 @@ class Regressor(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class ReleaseProcessGroup(pl.Callback):
+    """Destroys the process group when a ``ddp_spawn`` fit is done, before the worker process exits.
+
+    Left to interpreter shutdown, gloo's process group is destroyed with its threads still joinable,
+    and about one spawned worker in ten aborts ("terminate called without an active exception") after
+    a fit that succeeded. Lightning runs the ``teardown`` hook after its own strategy teardown.
+    """
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

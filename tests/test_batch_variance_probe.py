@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins import MixedPrecision
+from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
 
@@ -399,7 +400,7 @@ def test_ddp_uses_rank_and_global_gradients_and_agrees_with_one_process(tmp_path
     data, steps = as_float32(classification_data("mlp", 16 * 30, seed=5)), 30
     pl.Trainer(
         strategy="ddp_spawn", accelerator="cpu", devices=2, max_steps=steps, logger=False,
-        callbacks=[BatchVarianceProbe(beta=0.9), RankReport(str(tmp_path))], enable_progress_bar=False,
+        callbacks=[BatchVarianceProbe(beta=0.9), RankReport(str(tmp_path)), ReleaseProcessGroup()], enable_progress_bar=False,
         enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
     ).fit(Classifier(_mixed_net()), datamodule=InterleavedRanks(data, batch_size=8))
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-from _models import Regressor, loader, regression_data
+from _models import Regressor, ReleaseProcessGroup, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
 
@@ -204,7 +204,7 @@ def test_ddp_ranks_agree_on_norms_and_stop_at_the_same_step(tmp_path):
     d = 10
     callbacks = [GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
                  GradNormEarlyStopping(patience=3, margin=0.5, min_steps=10, check_every_n_steps=1),
-                 _RecordPerRank(str(tmp_path))]
+                 _RecordPerRank(str(tmp_path)), ReleaseProcessGroup()]
     trainer = Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=1,
                                        log_every_n_steps=1))
     trainer.fit(LinearRegression(torch.zeros(d)), regression_stream(200, 16, d, torch.zeros(d), 1.0))

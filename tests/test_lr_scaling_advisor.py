@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 import lightning.pytorch as pl
-from _models import loader, regression_data
+from _models import ReleaseProcessGroup, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
 from trainvitals.core.noise import NoiseScaleEMA
@@ -94,7 +94,7 @@ class _DumpPerRank(Callback):
 
 @pytest.mark.slow
 def test_effective_batch_under_ddp_spawn_with_accumulation(tmp_path):
-    callbacks = [LRScalingAdvisor(every_n_steps=1, verbose=False), _DumpPerRank(str(tmp_path))]
+    callbacks = [LRScalingAdvisor(every_n_steps=1, verbose=False), _DumpPerRank(str(tmp_path)), ReleaseProcessGroup()]
     fit(Model(), callbacks, batch_size=4, strategy="ddp_spawn", devices=2, accumulate_grad_batches=2, max_steps=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank in ranks:

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
+from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.core.memory import OUTSIDE
@@ -292,7 +293,8 @@ class _RankRecord(Callback):
 def test_ddp_per_rank_numbers_logged_from_rank_zero(tmp_path):
     logger = CSVLogger(tmp_path, name="csv")
     trainer = Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=3, logger=logger,
-                                       callbacks=[MemoryTopologyProfiler(every_n_steps=1), _RankRecord(str(tmp_path))]))
+                                       callbacks=[MemoryTopologyProfiler(every_n_steps=1), _RankRecord(str(tmp_path)),
+                                                  ReleaseProcessGroup()]))
     trainer.fit(Classifier(), classification_loader(n=64))
     # Each rank measures its own batch of B (the sampler splits the data, not the batch).
     assert [float((tmp_path / f"rank{r}.txt").read_text()) for r in (0, 1)] == [ACTIVATION_BYTES] * 2
