@@ -1,8 +1,9 @@
 """Run by tests/test_fsdp2.py as a script: Lightning's ModelParallelStrategy re-launches it once per rank.
 
 FSDP2 (``fully_shard``) on 2 CPU processes with gloo: every parameter and gradient is a DTensor
-sharded across the ranks. Each rank writes ``<out>.<rank>.json`` with what the callbacks logged and
-measured, and the brute-force norm of the full gradient (gathered with ``full_tensor()``).
+sharded across the ranks, unevenly: the last layer's (1, 8) weight leaves rank 1 an empty shard.
+Usage: ``_fsdp2_fit.py OUT NORM_TYPE``. Each rank writes ``<OUT>.<rank>.json`` with what the callbacks
+logged and measured, and the brute-force norm of the full gradient (gathered with ``full_tensor()``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from trainvitals import GradNormEarlyStopping, GradNormMonitor  # noqa: E402
 
 
 class ShardedRegressor(Regressor):
+    def __init__(self, norm_type: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.norm_type = norm_type
+
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
@@ -35,13 +40,13 @@ class ShardedRegressor(Regressor):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         flat = torch.cat([p.grad.full_tensor().reshape(-1).double() for p in self.parameters()])
-        self.reference_norms.append(torch.linalg.vector_norm(flat).item())
+        self.reference_norms.append(torch.linalg.vector_norm(flat, self.norm_type).item())
 
 
-def main(out: str) -> None:
+def main(out: str, norm_type: float) -> None:
     torch.manual_seed(0)
-    model, logger = ShardedRegressor(lr=0.05), RecordingLogger()
-    monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    model, logger = ShardedRegressor(norm_type, lr=0.05), RecordingLogger()
+    monitor = GradNormMonitor(norm_type=norm_type, log_every_n_steps=1, histogram_every_n_steps=0)
     stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=3, min_steps=0, check_every_n_steps=1)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
@@ -50,9 +55,10 @@ def main(out: str) -> None:
     )
     trainer.fit(model, loader(regression_data(64), 4))
     result = {"series": dict(logger.series), "reference": model.reference_norms, "global_step": trainer.global_step,
-              "last_total": float(monitor.last_total[0]), "stopped_step": stopper.stopped_step}
+              "last_total": float(monitor.last_total[0]), "stopped_step": stopper.stopped_step,
+              "norm_type": sys.argv[2]}
     Path(f"{out}.{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], float(sys.argv[2]))

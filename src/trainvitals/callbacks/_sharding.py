@@ -1,30 +1,42 @@
-"""Gradient norms of the whole model when each rank holds only a shard of it (FSDP)."""
+"""Gradient norms of the whole model when each rank holds only a shard of it as plain tensors (FSDP).
+
+FSDP2 and tensor parallelism hand out DTensor gradients, which
+:func:`~trainvitals.core.norms.per_tensor_norms` reduces itself. ``FSDPStrategy`` (FSDP1) hands out
+plain tensors: a rank's slice of each parameter, or ``None`` where the parameter lies wholly in other
+ranks' shards. DeepSpeed's partitioned gradients are not handled.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 from torch import Tensor
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import FSDPStrategy
 
-from trainvitals.core.norms import per_tensor_norms
 
+def holds_shards(trainer: "pl.Trainer") -> bool:
+    """Whether this rank's plain-tensor gradients are shards (FSDP1 with a sharding strategy that shards).
 
-def gradient_norms(trainer: "pl.Trainer", grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
-    """Per-tensor p-norms ``(P,)`` of the full gradients, whatever the strategy holds on this rank.
-
-    DDP: every rank holds the whole all-reduced gradient, nothing to combine. FSDP2 and tensor
-    parallelism (``ModelParallelStrategy``): the gradients are ``DTensor``s, which
-    :func:`~trainvitals.core.norms.per_tensor_norms` reduces itself. FSDP (``FSDPStrategy``): each rank
-    holds a plain-tensor shard of every (flat) parameter, so the shards' p-th powers are summed across
-    ranks (their maximum for p = ∞). Every rank must call this at the same step: it may all-reduce.
+    Then every rank must measure at every step, even one whose shard holds no gradient at all: the
+    norms are all-reduced.
     """
-    norms = per_tensor_norms(grads, norm_type)
-    if not isinstance(trainer.strategy, FSDPStrategy):
+    strategy = trainer.strategy
+    return isinstance(strategy, FSDPStrategy) and getattr(strategy.sharding_strategy, "name", "") != "NO_SHARD"
+
+
+def reduce_shard_norms(trainer: "pl.Trainer", norms: Tensor, norm_type: float = 2.0) -> Tensor:
+    """Norms of whole gradients from this rank's norms of its shards (any shape, the same on every rank).
+
+    The shards' p-th powers are summed over all ranks (their maximum for p = ∞). Under hybrid
+    sharding each shard exists once per node, so the sum is divided by the number of nodes.
+    """
+    if not holds_shards(trainer):
         return norms
     if math.isinf(norm_type):
         return trainer.strategy.reduce(norms, reduce_op="max")
-    return trainer.strategy.reduce(norms.pow(norm_type), reduce_op="sum").pow(1.0 / norm_type)
+    total = trainer.strategy.reduce(norms.pow(norm_type), reduce_op="sum")
+    if "HYBRID" in trainer.strategy.sharding_strategy.name:  # type: ignore[attr-defined]
+        total = total / trainer.num_nodes
+    return total.pow(1.0 / norm_type)

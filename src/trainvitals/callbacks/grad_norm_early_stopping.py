@@ -26,10 +26,10 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
-from trainvitals.callbacks._sharding import gradient_norms
+from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, NoiseScaleEMA, two_batch_size_estimates
-from trainvitals.core.norms import combine_norms
+from trainvitals.core.norms import combine_norms, per_tensor_norms
 
 MODES = ("noise_band", "threshold", "relative")
 
@@ -218,9 +218,11 @@ class GradNormEarlyStopping(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
         grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
+        if not grads and not holds_shards(trainer):
             return
-        total = combine_norms(gradient_norms(trainer, grads, 2.0), 2.0)
+        local = combine_norms(per_tensor_norms(grads, 2.0), 2.0) if grads else torch.zeros((), dtype=torch.float64)
+        device = self._params[0].device
+        total = reduce_shard_norms(trainer, local.to(device).reshape(1), 2.0)[0]
         scale = scale_left_in_grads(trainer, optimizer)
         if scale is not None:  # a fused optimizer will unscale in its step
             total = total / scale.to(total)

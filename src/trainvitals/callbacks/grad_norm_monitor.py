@@ -23,9 +23,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
-from trainvitals.callbacks._sharding import gradient_norms
+from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
-from trainvitals.core.norms import GROUPINGS, NormGroups, combine_norms, grouped_norms, validate_norm_type
+from trainvitals.core.norms import (
+    GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type,
+)
 from trainvitals.core.spikes import SpikeDetector
 
 
@@ -66,6 +68,8 @@ class _Track:
         """Per-tensor norms of the ``present`` parameters placed in a ``(P,)`` row (0 for the others)."""
         if len(present) == len(self.params):
             return norms
+        if not present:  # an FSDP rank whose shard holds no gradient still joins the all-reduce
+            return torch.zeros(len(self.params), dtype=torch.float64, device=self.params[0].device)
         if present != self.present or self.present_index is None or self.present_index.device != norms.device:
             self.present, self.present_index = present, torch.tensor(present, device=norms.device)
         return norms.new_zeros(len(self.params)).index_copy_(0, self.present_index, norms)
@@ -165,9 +169,10 @@ class GradNormMonitor(Callback):
         index = _optimizer_index(trainer, optimizer)
         track = self._track(index, pl_module, optimizer)
         present = tuple(i for i, p in enumerate(track.params) if p.grad is not None)
-        if not present:
+        if not present and not holds_shards(trainer):
             return
-        norms = track.row(present, gradient_norms(trainer, [track.params[i].grad for i in present], self.norm_type))
+        norms = track.row(present, per_tensor_norms([track.params[i].grad for i in present], self.norm_type))
+        norms = reduce_shard_norms(trainer, norms, self.norm_type)
         scale = scale_left_in_grads(trainer, optimizer)
         if scale is not None:  # a fused optimizer will unscale in its step; report unscaled norms
             norms = norms / scale.to(norms)
@@ -194,7 +199,8 @@ class GradNormMonitor(Callback):
         self._clip_pending = None
         track = self._tracks[index]
         grads = [p.grad for p in track.params if p.grad is not None]
-        clipped = combine_norms(gradient_norms(trainer, grads, self.norm_type), self.norm_type)
+        local = combine_norms(per_tensor_norms(grads, self.norm_type), self.norm_type).reshape(1)
+        clipped = reduce_shard_norms(trainer, local.to(track.latest), self.norm_type)[0]
         log_scalars(trainer, {self._tag(trainer, "clipped_total"): clipped}, step)
 
     @override

@@ -20,8 +20,11 @@ from torch import Tensor
 
 try:
     from torch.distributed.tensor import DTensor
-except ImportError:  # a torch build without distributed support
-    DTensor = None  # type: ignore[assignment,misc]
+except ImportError:
+    try:  # torch < 2.4
+        from torch.distributed._tensor import DTensor
+    except ImportError:  # a torch build without distributed support
+        DTensor = None  # type: ignore[assignment,misc]
 
 GROUPINGS = ("parameter", "module", "block")
 
@@ -64,9 +67,9 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
     """p-norm of each tensor, one fused kernel per dtype.
 
     A ``DTensor`` (FSDP2's sharded parameters, tensor parallelism) gets the norm of the whole tensor:
-    each rank's norm of its shard is a partial result that ``full_tensor()`` reduces across the device
-    mesh (Σ of p-th powers, or the max for p = ∞) — one collective per dtype, which every rank must
-    join.
+    each rank's norm of its shard is a partial result reduced across the device mesh (Σ of p-th
+    powers by ``full_tensor()``; for p = ∞ the max over every mesh dimension, as an uneven shard can
+    be empty on some rank) — one collective per dtype and mesh, which every rank must join.
 
     Args:
         tensors: ``P`` tensors of any shapes and float dtypes (on several devices, the norms are
@@ -78,16 +81,20 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    by_kind: dict[tuple[torch.dtype, bool], list[int]] = {}
+    by_kind: dict[tuple[torch.dtype, object], list[int]] = {}
     for i, t in enumerate(tensors):
-        by_kind.setdefault((t.dtype, _is_dtensor(t)), []).append(i)
+        by_kind.setdefault((t.dtype, t.device_mesh if _is_dtensor(t) else None), []).append(i)
     ordered: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-    for (dtype, distributed), idx in by_kind.items():
+    for (dtype, mesh), idx in by_kind.items():
         # Reduced-precision grads are reduced in fp32; wider ones in their own dtype.
         acc = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        norms = torch._foreach_norm([tensors[i] for i in idx], norm_type, dtype=acc)
-        if distributed:
-            norms = torch.stack(norms).full_tensor().unbind()
+        group = [tensors[i] for i in idx]
+        if mesh is None:
+            norms = torch._foreach_norm(group, norm_type, dtype=acc)
+        elif math.isinf(norm_type):
+            norms = _dtensor_max_norms(group, mesh, acc)
+        else:
+            norms = torch.stack(torch._foreach_norm(group, norm_type, dtype=acc)).full_tensor().unbind()
         for i, norm in zip(idx, norms):
             ordered[i] = norm
     device = ordered[0].device
@@ -99,6 +106,21 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
 
 def _is_dtensor(t: Tensor) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
+
+
+def _dtensor_max_norms(tensors: Sequence[Tensor], mesh: object, dtype: torch.dtype) -> list[Tensor]:
+    """∞-norms of DTensors on one mesh: each local shard's max (0 for an empty shard, which
+    ``_foreach_norm`` rejects), then the max over every mesh dimension — replicas hold equal values,
+    so a max over them changes nothing."""
+    local = [t.to_local() for t in tensors]
+    present = [i for i, x in enumerate(local) if x.numel()]
+    norms = local[0].new_zeros(len(local), dtype=dtype)
+    if present:
+        found = torch._foreach_norm([local[i] for i in present], math.inf, dtype=dtype)
+        norms[present] = torch.stack(found)
+    for dim in range(mesh.ndim):  # type: ignore[attr-defined]
+        torch.distributed.all_reduce(norms, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim))  # type: ignore[attr-defined]
+    return list(norms.unbind())
 
 
 def combine_norms(norms: Tensor, norm_type: float = 2.0) -> Tensor:
