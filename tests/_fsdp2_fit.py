@@ -9,6 +9,7 @@ logged and measured, and the brute-force norm of the full gradient (gathered wit
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -58,6 +59,12 @@ def main(out: str, norm_type: float) -> None:
               "last_total": float(monitor.last_total[0]), "stopped_step": stopper.stopped_step,
               "norm_type": sys.argv[2]}
     Path(f"{out}.{trainer.global_rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()  # both files exist before rank 0, the test's child, returns
+    # gloo's threads can abort the interpreter's shutdown ("terminate called without an active
+    # exception"); the results are written, so leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import socket
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,3 +74,18 @@ class ReleaseProcessGroup(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    """A free port below Linux's ephemeral range, so that no connection opened meanwhile takes it
+    before rank 0 binds it (the ranks take seconds to start)."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 29000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-29000")

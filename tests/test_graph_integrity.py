@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import sys
 import warnings
 from pathlib import Path
@@ -20,6 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
+from _models import free_port
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.callbacks import graph_integrity
 from trainvitals.callbacks.graph_integrity import FindingKind, GraphIntegrityCallback, GraphIntegrityError
@@ -676,21 +675,6 @@ class RecordsFindings(GraphIntegrityCallback):
     def on_train_end(self, trainer, pl_module):
         super().on_train_end(trainer, pl_module)
         self._dump(trainer, [[f.kind.value, list(f.names), f.message] for f in self.findings])
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range, so that no connection opened meanwhile takes it
-    before rank 0 binds it (the ranks take seconds to start)."""
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(20000, 29000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port in 20000-29000")
 
 
 def _ddp_worker(rank: int, port: int, out: str, name: str) -> None:
