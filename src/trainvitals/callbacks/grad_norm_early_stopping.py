@@ -220,9 +220,9 @@ class GradNormEarlyStopping(Callback):
         grads = [p.grad for p in self._params if p.grad is not None]
         if not grads and not holds_shards(trainer):
             return
-        local = combine_norms(per_tensor_norms(grads, 2.0), 2.0) if grads else torch.zeros((), dtype=torch.float64)
-        device = self._params[0].device
-        total = reduce_shard_norms(trainer, local.to(device).reshape(1), 2.0)[0]
+        local = combine_norms(per_tensor_norms(grads, 2.0), 2.0) if grads else \
+            torch.zeros((), dtype=torch.float64, device=self._params[0].device)
+        total = reduce_shard_norms(trainer, local, 2.0)
         scale = scale_left_in_grads(trainer, optimizer)
         if scale is not None:  # a fused optimizer will unscale in its step
             total = total / scale.to(total)

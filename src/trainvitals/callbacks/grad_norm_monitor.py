@@ -199,8 +199,8 @@ class GradNormMonitor(Callback):
         self._clip_pending = None
         track = self._tracks[index]
         grads = [p.grad for p in track.params if p.grad is not None]
-        local = combine_norms(per_tensor_norms(grads, self.norm_type), self.norm_type).reshape(1)
-        clipped = reduce_shard_norms(trainer, local.to(track.latest), self.norm_type)[0]
+        local = combine_norms(per_tensor_norms(grads, self.norm_type), self.norm_type)
+        clipped = reduce_shard_norms(trainer, local.to(track.latest), self.norm_type)
         log_scalars(trainer, {self._tag(trainer, "clipped_total"): clipped}, step)
 
     @override
