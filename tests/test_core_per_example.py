@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from trainvitals.core import per_example as per_example_module
 from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
 from trainvitals.core.per_example import (
     PER_EXAMPLE_LAYERS,
@@ -64,7 +65,7 @@ def mlp() -> nn.Module:
 
 
 def cnn() -> nn.Module:
-    """Conv 2→4 on 6×6 (T = 36: per-example blocks, one grouped convolution), then conv 4→8 with stride 2
+    """Conv 2→4 on 6×6 (T = 36: per-example blocks), then conv 4→8 with stride 2
     and reflect padding (T = 9, 2T² ≤ I·O: ghost Gram matrices)."""
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(),
@@ -152,7 +153,10 @@ def test_per_example_statistics_match_brute_force(kind):
     (nn.Conv1d(4, 3, 5, padding="same", padding_mode="replicate"), (9,)),
     (nn.Conv1d(4, 3, 3, stride=2, dilation=2), (11,)),  # ghost
 ])
-def test_convolution_paths_match_brute_force(conv, shape):
+@pytest.mark.parametrize("patch_bytes", [None, 1], ids=["one-chunk", "chunks-of-one-example"])
+def test_convolution_paths_match_brute_force(conv, shape, patch_bytes, monkeypatch):
+    if patch_bytes is not None:
+        monkeypatch.setattr(per_example_module, "_PATCH_BYTES", patch_bytes)
     torch.manual_seed(3)
     conv = conv.double()
     x = torch.randn(B, conv.in_channels, *shape, dtype=torch.float64)
