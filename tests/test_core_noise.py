@@ -57,6 +57,29 @@ def test_bias_corrected_ema_and_invalid_steps():
         BiasCorrectedEMA(1.0)
 
 
+def test_a_vector_ema_averages_its_entries_together_and_skips_them_together():
+    ema = BiasCorrectedEMA(0.5, (2,))
+    assert ema.value.tolist() == [0.0, 0.0]
+    ema.update(torch.tensor([1.0, 2.0]))
+    ema.update(torch.tensor([float("nan"), 10.0]))  # one entry non-finite: the whole step is skipped
+    assert ema.count.item() == 1 and ema.value.tolist() == pytest.approx([1.0, 2.0])
+    ema.update(torch.tensor([3.0, 4.0]))
+    assert ema.value.tolist() == pytest.approx([(0.25 * 1 + 0.5 * 3) / 0.75, (0.25 * 2 + 0.5 * 4) / 0.75])
+
+
+def test_noise_scale_ema_state_round_trips_in_one_entry_per_average():
+    noise = NoiseScaleEMA(0.9)
+    for g, s in [(2.0, 256.0), (1.0, 300.0), (float("inf"), 1.0)]:
+        noise.update(torch.tensor(g), torch.tensor(s))
+    state = noise.state_dict()
+    assert set(state) == {"grad_sq_norm", "trace_cov"} and state["trace_cov"]["count"] == 2
+    restored = NoiseScaleEMA(0.9)
+    restored.load_state_dict(state)
+    assert restored.count.item() == 2
+    assert restored.grad_sq_norm.item() == pytest.approx(noise.grad_sq_norm.item())
+    assert restored.trace_cov.item() == pytest.approx(noise.trace_cov.item())
+
+
 def test_noise_scale_ema_outputs():
     noise = NoiseScaleEMA(0.5)
     assert not noise.in_noise_band(64, 1.0)

@@ -16,6 +16,7 @@ from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
 from trainvitals.core.per_example import (
     PER_EXAMPLE_LAYERS,
     PerExampleGradients,
+    Workspace,
     coordinate_variance,
     detect_loss_reduction,
     eb_criterion,
@@ -169,10 +170,13 @@ def test_convolution_paths_match_brute_force(conv, shape, patch_bytes, monkeypat
             grads[n].append(p.grad.clone())
     per_example = {n: torch.stack(g) for n, g in grads.items()}
     truth = sum(g.flatten(1).square().sum(1) for g in per_example.values())
-    assert rel_close(per_example_sq_norms(conv, x, grad_output), truth, 1e-10)
-    sum_sq = per_example_sum_sq(conv, x, grad_output)
-    for n, g in per_example.items():
-        assert rel_close(sum_sq[n], g.square().sum(0), 1e-10), n
+    workspace = Workspace()
+    for _ in range(2):  # fresh tensors, then buffers of a workspace, then the same buffers again
+        for buffers in (None, workspace):
+            assert rel_close(per_example_sq_norms(conv, x, grad_output, buffers), truth, 1e-10)
+            sum_sq = per_example_sum_sq(conv, x, grad_output, buffers)
+            for n, g in per_example.items():
+                assert rel_close(sum_sq[n], g.square().sum(0), 1e-10), n
 
 
 @pytest.mark.parametrize("kind", ["mlp", "sequence"])

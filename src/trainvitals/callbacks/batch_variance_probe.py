@@ -375,36 +375,37 @@ class BatchVarianceProbe(Callback):
         def zero() -> Tensor:
             return torch.zeros((), dtype=torch.float64, device=device)
 
-        packed = torch.stack([
-            (result.sq_norm_sum if result.sq_norm_sum is not None else zero()).to(device, torch.float64),
-            (micro_sum if micro_sum is not None else zero()).to(device, torch.float64),
-            torch.full((), float(local_examples), dtype=torch.float64, device=device),
-            torch.full((), 0.0 if valid_here else 1.0, dtype=torch.float64, device=device),
-        ])
-        if world > 1:
-            packed = trainer.strategy.reduce(packed, reduce_op="sum")
-        valid = (packed[3] == 0) & (packed[2] == examples)
+        sq_norm_sum = (result.sq_norm_sum if result.sq_norm_sum is not None else zero()).to(device, torch.float64)
+        micro_sum = (micro_sum if micro_sum is not None else zero()).to(device, torch.float64)
+        valid: Tensor | bool = valid_here
+        if world > 1:  # the sums over the ranks, and whether every rank measured all its examples
+            packed = trainer.strategy.reduce(torch.stack([
+                sq_norm_sum, micro_sum,
+                torch.full((), float(local_examples), dtype=torch.float64, device=device),
+                torch.full((), 0.0 if valid_here else 1.0, dtype=torch.float64, device=device),
+            ]), reduce_op="sum")
+            sq_norm_sum, micro_sum = packed[0], packed[1]
+            valid = (packed[3] == 0) & (packed[2] == examples)
         if examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
             return
-        grad_sq_norm, trace_cov = zero(), zero()
+        estimates = []
         if plan.per_example:
             batch_sq = self._grad_sq_norm(params["per_example"], to_mean, device)
-            g, s = per_example_estimates(packed[0], batch_sq, examples)
-            grad_sq_norm, trace_cov = grad_sq_norm + g, trace_cov + s
+            estimates.append(per_example_estimates(sq_norm_sum, batch_sq, examples))
         if plan.micro_batch:
             batch_sq = self._grad_sq_norm(params["micro_batch"], to_mean, device)
-            group_mean = packed[1] * (self._unit / b) ** 2 / groups
-            g, s = two_batch_size_estimates(group_mean, batch_sq, groups, b)
-            grad_sq_norm, trace_cov = grad_sq_norm + g, trace_cov + s
+            group_mean = micro_sum * (self._unit / b) ** 2 / groups
+            estimates.append(two_batch_size_estimates(group_mean, batch_sq, groups, b))
         if plan.vmap and result.num_sub < 2:
-            valid = torch.zeros_like(valid)
+            valid = False
         elif plan.vmap:
             batch_sq = self._grad_sq_norm(params["vmap"], to_mean, device)
             sub_mean_sq = sum(v.double().square().sum() for v in result.sub_grad_sum.values()) / result.num_sub**2
-            g, s = sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq, result.num_sub,  # type: ignore[union-attr]
-                                       batch_sq, examples)
-            grad_sq_norm, trace_cov = grad_sq_norm + g, trace_cov + s
+            estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
+                                                 result.num_sub, batch_sq, examples))
+        # The sources measure disjoint parameters: their ‖G‖² and tr(Σ) add up.
+        grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates or [(zero(), zero())]))
         self.noise.update(grad_sq_norm, trace_cov, valid)
         self.noise_error.update(grad_sq_norm, trace_cov, valid)
         self.effective_batch_size = examples
@@ -455,8 +456,8 @@ class BatchVarianceProbe(Callback):
             out[f"grad_noise/gsnr/{module or '(root)'}"] = torch.cat(parts).mean()
         return out
 
-    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep, valid: Tensor,
-             micro_batch_size: int, examples: int, to_mean: float, step: int) -> None:
+    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
+             valid: Tensor | bool, micro_batch_size: int, examples: int, to_mean: float, step: int) -> None:
         noise = self.noise
         rel_err = self.noise_error.relative_error(noise)
         metrics: dict[str, Tensor] = {
@@ -472,8 +473,9 @@ class BatchVarianceProbe(Callback):
         if self.per_coordinate:
             metrics.update(self._coordinate_stats(trainer, pl_module, result, examples, to_mean))
         keys = list(metrics)
-        host = torch.stack([metrics[k].detach().double().reshape(()).to(valid.device) for k in keys]
-                           + [noise.count.double().to(valid.device), valid.double()]).cpu().tolist()
+        device = noise.count.device
+        host = torch.stack([metrics[k].detach().double().reshape(()).to(device) for k in keys]
+                           + [noise.count.double(), torch.as_tensor(valid, dtype=torch.float64).to(device)]).cpu().tolist()
         values, (count, valid_now) = dict(zip(keys, host[:-2])), host[-2:]
         if count == 0:
             return

@@ -70,20 +70,26 @@ class BiasCorrectedEMA:
     ``update(x, valid)`` skips the step where ``valid`` is false (a non-finite or skipped step)
     without a host sync. ``value`` is ``ema / (1 - beta**t)`` with t the number of valid updates;
     it is NaN-free: before the first valid update it is 0 and :attr:`count` is 0.
+
+    Args:
+        beta: decay per update, in [0, 1).
+        shape: the shape of ``x``; a vector of quantities is averaged with one kernel per operation
+            for all of them, and a step with any of them non-finite is skipped for all (one
+            :attr:`count`).
     """
 
-    def __init__(self, beta: float) -> None:
+    def __init__(self, beta: float, shape: tuple[int, ...] = ()) -> None:
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"`beta` must be in [0, 1), got {beta}")
         self.beta = beta
-        self._ema = torch.zeros((), dtype=torch.float64)
+        self._ema = torch.zeros(shape, dtype=torch.float64)
         self.count = torch.zeros((), dtype=torch.long)
 
     def update(self, x: Tensor, valid: Tensor | bool = True) -> None:
         x = x.detach().to(torch.float64)
         if self._ema.device != x.device:
             self._ema, self.count = self._ema.to(x.device), self.count.to(x.device)
-        valid_t = _as_mask(valid, x)
+        valid_t = _as_mask(valid, x).all()
         # An invalid step lerps towards the EMA itself, i.e. leaves it unchanged: no branch, no sync.
         self._ema = torch.lerp(self._ema, torch.where(valid_t, x, self._ema), 1.0 - self.beta)
         self.count = self.count + valid_t
@@ -94,11 +100,11 @@ class BiasCorrectedEMA:
         return torch.where(self.count > 0, self._ema / correction, 0.0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"beta": self.beta, "ema": self._ema.item(), "count": int(self.count.item())}
+        return {"beta": self.beta, "ema": self._ema.tolist(), "count": int(self.count.item())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         device = self._ema.device
-        self._ema = torch.tensor(float(state.get("ema", 0.0)), dtype=torch.float64, device=device)
+        self._ema = torch.tensor(state.get("ema", 0.0), dtype=torch.float64, device=device)
         self.count = torch.tensor(int(state.get("count", 0)), dtype=torch.long, device=device)
 
 
@@ -113,34 +119,31 @@ class NoiseScaleEMA:
     """
 
     def __init__(self, beta: float = 0.95) -> None:
-        self._grad_sq_norm = BiasCorrectedEMA(beta)
-        self._trace_cov = BiasCorrectedEMA(beta)
+        self._ema = BiasCorrectedEMA(beta, (2,))  # of the pair (‖G‖²_est, S_est)
 
     def update(self, grad_sq_norm: Tensor, trace_cov: Tensor, valid: Tensor | bool = True) -> None:
-        ok = _as_mask(valid, grad_sq_norm) & torch.isfinite(trace_cov)
-        self._grad_sq_norm.update(grad_sq_norm, ok)
-        self._trace_cov.update(trace_cov, ok)
+        self._ema.update(torch.stack([grad_sq_norm.to(torch.float64), trace_cov.to(grad_sq_norm.device, torch.float64)]), valid)
 
     @property
     def count(self) -> Tensor:
         """Number of valid updates so far (``()`` long tensor)."""
-        return self._grad_sq_norm.count
+        return self._ema.count
 
     @property
     def grad_sq_norm(self) -> Tensor:
         """EMA of ‖G‖²_est (squared gradient units). Can be ≤ 0 when the signal is lost in noise."""
-        return self._grad_sq_norm.value
+        return self._ema.value[0]
 
     @property
     def trace_cov(self) -> Tensor:
         """EMA of tr(Σ)_est, per-example units."""
-        return self._trace_cov.value
+        return self._ema.value[1]
 
     @property
     def b_simple(self) -> Tensor:
         """B_simple = tr(Σ)/‖G‖² in examples (McCandlish et al. 2018, Eq. 2.9); ``inf`` when ‖G‖² ≤ 0."""
-        g = self.grad_sq_norm
-        return torch.where(g > 0, self.trace_cov / g.clamp_min(1e-300), torch.full_like(g, float("inf")))
+        g, s = self._ema.value.unbind()
+        return torch.where(g > 0, s / g.clamp_min(1e-300), torch.full_like(g, float("inf")))
 
     def noise_floor(self, batch_size: int) -> Tensor:
         """sqrt(tr(Σ)/B): the norm a batch gradient of B examples keeps when ‖G‖ = 0 (gradient units)."""
@@ -151,14 +154,26 @@ class NoiseScaleEMA:
 
         ``margin = 1`` is B ≤ B_simple (Cockpit's NormTest θ ≥ 1). False before the first update.
         """
-        return (self.count > 0) & (self.trace_cov > 0) & (self.grad_sq_norm <= margin * self.trace_cov / batch_size)
+        g, s = self._ema.value.unbind()
+        return (self.count > 0) & (s > 0) & (g <= margin * s / batch_size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"grad_sq_norm": self._grad_sq_norm.state_dict(), "trace_cov": self._trace_cov.state_dict()}
+        return _split_state(self._ema, ("grad_sq_norm", "trace_cov"))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._grad_sq_norm.load_state_dict(state.get("grad_sq_norm", {}))
-        self._trace_cov.load_state_dict(state.get("trace_cov", {}))
+        _join_state(self._ema, state, ("grad_sq_norm", "trace_cov"))
+
+
+def _split_state(ema: BiasCorrectedEMA, names: tuple[str, ...]) -> dict[str, Any]:
+    """A vector EMA's state as one scalar EMA state per named entry (the checkpoint format)."""
+    state = ema.state_dict()
+    values = state["ema"] if isinstance(state["ema"], list) else [state["ema"]] * len(names)
+    return {name: {**state, "ema": value} for name, value in zip(names, values)}
+
+
+def _join_state(ema: BiasCorrectedEMA, state: dict[str, Any], names: tuple[str, ...]) -> None:
+    parts = [state.get(name, {}) for name in names]
+    ema.load_state_dict({"ema": [float(p.get("ema", 0.0)) for p in parts], "count": int(parts[0].get("count", 0))})
 
 
 class MicroBatchSquaredNorms:
@@ -230,35 +245,29 @@ class NoiseScaleError:
 
     def __init__(self, beta: float = 0.95) -> None:
         self.beta = beta
-        self._trace_sq = BiasCorrectedEMA(beta)
-        self._grad_sq = BiasCorrectedEMA(beta)
-        self._cross = BiasCorrectedEMA(beta)
+        self._moments = BiasCorrectedEMA(beta, (3,))  # of (S², ‖G‖²², S·‖G‖²)
 
     def update(self, grad_sq_norm: Tensor, trace_cov: Tensor, valid: Tensor | bool = True) -> None:
-        g, s = grad_sq_norm.detach().double(), trace_cov.detach().double()
-        ok = _as_mask(valid, g) & torch.isfinite(s)
-        self._trace_sq.update(s * s, ok)
-        self._grad_sq.update(g * g, ok)
-        self._cross.update(s * g, ok)
+        g = grad_sq_norm.detach().double()
+        s = trace_cov.detach().to(g.device, torch.float64)
+        self._moments.update(torch.stack([s * s, g * g, s * g]), valid)
 
     def relative_error(self, noise: NoiseScaleEMA) -> Tensor:
         """``()`` relative standard error of ``noise.b_simple``; ``inf`` with fewer than two updates or ‖G‖² ≤ 0."""
         s, g = noise.trace_cov, noise.grad_sq_norm
-        t = self._trace_sq.count.to(s.dtype)
+        trace_sq, grad_sq, cross = self._moments.value.unbind()
+        t = self._moments.count.to(s.dtype)
         beta = torch.full_like(s, self.beta)
         n_eff = (1 - beta**t).square() * (1 + beta) / ((1 - beta) * (1 - beta ** (2 * t))).clamp_min(1e-300)
         denom = (n_eff - 1).clamp_min(1e-300)
-        rel_var = ((self._trace_sq.value - s * s) / (s * s).clamp_min(1e-300)
-                   + (self._grad_sq.value - g * g) / (g * g).clamp_min(1e-300)
-                   - 2 * (self._cross.value - s * g) / (s * g).clamp_min(1e-300)) / denom
+        rel_var = ((trace_sq - s * s) / (s * s).clamp_min(1e-300)
+                   + (grad_sq - g * g) / (g * g).clamp_min(1e-300)
+                   - 2 * (cross - s * g) / (s * g).clamp_min(1e-300)) / denom
         ok = (t >= 2) & (g > 0) & (s > 0)
         return torch.where(ok, rel_var.clamp_min(0.0).sqrt(), torch.full_like(s, float("inf")))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trace_sq": self._trace_sq.state_dict(), "grad_sq": self._grad_sq.state_dict(),
-                "cross": self._cross.state_dict()}
+        return _split_state(self._moments, ("trace_sq", "grad_sq", "cross"))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._trace_sq.load_state_dict(state.get("trace_sq", {}))
-        self._grad_sq.load_state_dict(state.get("grad_sq", {}))
-        self._cross.load_state_dict(state.get("cross", {}))
+        _join_state(self._moments, state, ("trace_sq", "grad_sq", "cross"))

@@ -165,17 +165,19 @@ def _outer_sq_norms(a: Tensor, g: Tensor, workspace: Workspace | None = None) ->
     """‖Σ_t g_t a_tᵀ‖²_F per example, ``(B, T, I)``, ``(B, T, O)`` → ``(B,)``; ghost Gram when 2T² ≤ I·O."""
     # Reductions straight from the operands (vecdot, vector_norm): no squared temporary of the size of
     # the Gram matrices or blocks, whose allocation per step costs more than the arithmetic on a CPU.
-    b, t, i, o = *a.shape, g.shape[2]
+    t, i, o = a.shape[1], a.shape[2], g.shape[2]
     if t == 1:
         return _sq_norms(a) * _sq_norms(g)
-
-    def bmm(role: str, x: Tensor, y: Tensor) -> Tensor:
-        out = None if workspace is None else workspace.take(role, (b, x.shape[1], y.shape[2]), x)
-        return torch.bmm(x, y, out=out)
-
     if _ghost_is_cheaper(t, i, o):
-        return torch.linalg.vecdot(bmm("gram_a", a, a.transpose(1, 2)).flatten(1), bmm("gram_g", g, g.transpose(1, 2)).flatten(1))
-    return _sq_norms(bmm("blocks", g.transpose(1, 2), a))
+        return torch.linalg.vecdot(_bmm(a, a.transpose(1, 2), workspace, "gram_a").flatten(1),
+                                   _bmm(g, g.transpose(1, 2), workspace, "gram_g").flatten(1))
+    return _sq_norms(_bmm(g.transpose(1, 2), a, workspace, "blocks"))
+
+
+def _bmm(x: Tensor, y: Tensor, workspace: Workspace | None, role: str) -> Tensor:
+    """``torch.bmm(x, y)``, into the workspace's ``role`` buffer when there is one."""
+    out = None if workspace is None else workspace.take(role, (x.shape[0], x.shape[1], y.shape[2]), x)
+    return torch.bmm(x, y, out=out)
 
 
 def _sq_norms(x: Tensor) -> Tensor:
@@ -183,12 +185,12 @@ def _sq_norms(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
 
 
-def _outer_sum_sq(a: Tensor, g: Tensor) -> Tensor:
+def _outer_sum_sq(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> Tensor:
     """Σ_i (Σ_t g_t a_tᵀ)², elementwise, ``(b, T, I)``, ``(b, T, O)`` → ``(O, I)``: (Δ²)ᵀ(A²) when T = 1,
     else from the per-example blocks."""
     if a.shape[1] == 1:
         return g[:, 0].square().t() @ a[:, 0].square()
-    return torch.bmm(g.transpose(1, 2), a).square().sum(0)
+    return torch.linalg.vector_norm(_bmm(g.transpose(1, 2), a, workspace, "blocks"), dim=0).square()
 
 
 def _bias_grads(module: nn.Linear | nn.Conv1d | nn.Conv2d, grad_output: Tensor) -> Tensor:
@@ -275,10 +277,11 @@ def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor,
     return sq + _bias_grads(module, grad_output).square().sum(1) if bias else sq  # type: ignore[return-value]
 
 
-def per_example_sum_sq(module: nn.Module, inputs: Tensor, grad_output: Tensor) -> dict[str, Tensor]:
+def per_example_sum_sq(module: nn.Module, inputs: Tensor, grad_output: Tensor,
+                       workspace: Workspace | None = None) -> dict[str, Tensor]:
     """Σ_i g_{i,d}² for each of ``module``'s own trainable parameters (shapes of the parameters).
 
-    The inputs as in :func:`per_example_sq_norms`. Linear with 2-D inputs: (Δ²)ᵀ(A²), no per-example
+    The arguments as in :func:`per_example_sq_norms`. Linear with 2-D inputs: (Δ²)ᵀ(A²), no per-example
     tensor; Embedding: a segment sum; Linear with 3-D inputs, convolutions (in chunks of examples)
     and LayerNorm: the layer's per-example gradients ``(B, *shape)``, formed, squared and summed here
     (BackPACK's SumGradSquared).
@@ -292,7 +295,8 @@ def per_example_sum_sq(module: nn.Module, inputs: Tensor, grad_output: Tensor) -
         return {n: grads[n].square().sum(0) for n in trainable}
     out = {}
     if "weight" in trainable:
-        out["weight"] = _as_weight(module, sum(_outer_sum_sq(a, g) for a, g in _outer_chunks(module, inputs, grad_output)))
+        chunks = _outer_chunks(module, inputs, grad_output, workspace)
+        out["weight"] = _as_weight(module, sum(_outer_sum_sq(a, g, workspace) for a, g in chunks))
     if "bias" in trainable:
         out["bias"] = _bias_grads(module, grad_output).square().sum(0)
     return out
@@ -694,7 +698,7 @@ class PerExampleGradients:
         sq = per_example_sq_norms(module, inputs, grad_output, self._workspace)
         self._sq = sq if self._sq is None else self._sq + sq
         if self._coordinates:
-            for local, value in per_example_sum_sq(module, inputs, grad_output).items():
+            for local, value in per_example_sum_sq(module, inputs, grad_output, self._workspace).items():
                 _add(self._sum_sq, f"{name}.{local}" if name else local, value)
         self._step.seen.add(name)
 
