@@ -96,6 +96,7 @@ class StepTimer(Callback):
     Attributes:
         seconds: the kept wall-clock intervals, in seconds, one per training batch.
         cpu_seconds: the same intervals in process CPU seconds.
+        steps: ``trainer.global_step`` at the start of each kept interval (the optimizer step it ends).
     """
 
     def __init__(self, warmup: int = 10) -> None:
@@ -104,17 +105,19 @@ class StepTimer(Callback):
         self.warmup = warmup
         self.seconds: list[float] = []
         self.cpu_seconds: list[float] = []
+        self.steps: list[int] = []
         self._batches = 0
-        self._last: tuple[int, float, float] | None = None  # (epoch, wall, cpu) of the previous batch start
+        self._last: tuple[int, int, float, float] | None = None  # (epoch, step, wall, cpu) of the previous batch start
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", *_: Any) -> None:
         wall, cpu = time.perf_counter(), time.process_time()
         epoch = trainer.current_epoch
         if self._last is not None and self._last[0] == epoch and self._batches > self.warmup:
-            self.seconds.append(wall - self._last[1])
-            self.cpu_seconds.append(cpu - self._last[2])
-        self._last = (epoch, wall, cpu)
+            self.steps.append(self._last[1])
+            self.seconds.append(wall - self._last[2])
+            self.cpu_seconds.append(cpu - self._last[3])
+        self._last = (epoch, trainer.global_step, wall, cpu)
         self._batches += 1
 
 

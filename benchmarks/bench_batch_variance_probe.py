@@ -14,6 +14,12 @@ windows of 10 consecutive iterations of their mean (each window holds exactly on
 on a shared machine). Ratios are per repetition against that repetition's bare fit; the table gives
 the median over repetitions and the range.
 
+Between fits this machine's speed drifts by ±10–30%, more than a measured step every 10 costs, so the
+``every_10`` fits are also read paired, within the fit: the CPU time of its measured steps against
+its other steps (median of each), and the thread CPU time of the probe's hooks on the other steps
+(what an unmeasured step costs it) against the bare step. Amortised over 10 steps:
+1 + (paired − 1)/10 + idle hooks/bare step.
+
     python benchmarks/bench_batch_variance_probe.py --repetitions 5 --out batch_variance_probe.json
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +53,8 @@ from trainvitals.demo.model import DigitsCNN
 
 VARIANTS = {"bare": None, "every_1": 1, "every_10": 10}
 WINDOW = 10
+# The probe's hooks in a step without accumulation (its tensor hooks run only in measured steps).
+PROBE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
 
 def window_mean(seconds: list[float]) -> float:
@@ -54,11 +63,30 @@ def window_mean(seconds: list[float]) -> float:
     return median([sum(w) / WINDOW for w in windows])
 
 
+def hook_seconds_by_step(callback: pl.Callback, hooks: tuple[str, ...]) -> dict[int, float]:
+    """Wrap ``callback``'s ``hooks`` (which take the trainer first): their thread CPU seconds summed per
+    ``trainer.global_step``."""
+    seconds: dict[int, float] = {}
+    for hook in hooks:
+        inner = getattr(callback, hook)
+
+        def timed(trainer: pl.Trainer, *args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return _inner(trainer, *args, **kwargs)
+            finally:
+                seconds[trainer.global_step] = seconds.get(trainer.global_step, 0.0) + time.thread_time() - start
+
+        setattr(callback, hook, timed)
+    return seconds
+
+
 def timed_fit(every: int | None, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any],
               steps: int, warmup: int) -> dict[str, float]:
     pl.seed_everything(0, verbose=False)
     timer = StepTimer(warmup)
     probe = [BatchVarianceProbe(every_n_steps=every, histogram_every_n_steps=None)] if every else []
+    hooks = hook_seconds_by_step(probe[0], PROBE_HOOKS) if probe else {}
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=warmup + steps + 1, logger=False, callbacks=[timer, *probe],
         log_every_n_steps=50, limit_val_batches=0, num_sanity_val_steps=0,
@@ -72,7 +100,13 @@ def timed_fit(every: int | None, make_model: Callable[[], pl.LightningModule], m
         trainer.fit(make_model(), train_dataloaders=data)
     if probe and int(probe[0].noise.count) == 0:
         raise RuntimeError("the probe measured nothing: the benchmark would time an idle callback")
-    return {"wall_s": window_mean(timer.seconds), "cpu_s": window_mean(timer.cpu_seconds), "n": len(timer.seconds)}
+    result = {"wall_s": window_mean(timer.seconds), "cpu_s": window_mean(timer.cpu_seconds), "n": len(timer.seconds)}
+    if every and every > 1:
+        measured = [t for step, t in zip(timer.steps, timer.cpu_seconds) if step % every == 0]
+        others = [t for step, t in zip(timer.steps, timer.cpu_seconds) if step % every]
+        result["paired_ratio"] = median(measured) / median(others)
+        result["idle_hooks_s"] = median([hooks.get(step, 0.0) for step in timer.steps if step % every])
+    return result
 
 
 def bench_model(label: str, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any],
@@ -89,7 +123,15 @@ def bench_model(label: str, make_model: Callable[[], pl.LightningModule], make_d
             row[f"{clock}_ratio"] = median(ratios)
             row[f"{clock}_ratio_range"] = (min(ratios), max(ratios))
         rows.append(row)
-    return {"model": label, "runs": runs, "rows": rows}
+    bare_cpu_s = median([b["cpu_s"] for b in runs["bare"]])
+    paired = {}
+    for name, every in VARIANTS.items():
+        if every and every > 1:
+            ratios = [r["paired_ratio"] for r in runs[name]]
+            idle = median([r["idle_hooks_s"] for r in runs[name]]) / bare_cpu_s
+            paired[name] = {"measured_step_ratio": median(ratios), "range": (min(ratios), max(ratios)),
+                            "idle_hooks_fraction": idle, "amortised": 1 + (median(ratios) - 1) / every + idle}
+    return {"model": label, "runs": runs, "rows": rows, "paired": paired}
 
 
 def format_rows(result: dict[str, Any]) -> str:
@@ -97,10 +139,15 @@ def format_rows(result: dict[str, Any]) -> str:
         low, high = r[f"{clock}_ratio_range"]
         return [f"{r[f'{clock}_ms_per_step']:.2f}", f"{r[f'{clock}_ratio']:.3f}", f"{low:.3f}–{high:.3f}"]
 
-    return markdown_table(
+    table = markdown_table(
         ["variant", "wall ms/step", "wall ratio", "wall range", "CPU ms/step", "CPU ratio", "CPU range", "steps timed"],
         [[r["variant"], *cells(r, "wall"), *cells(r, "cpu"), r["steps_timed"]] for r in result["rows"]],
     )
+    lines = [f"\n{name}, paired within each fit: measured step / other steps {p['measured_step_ratio']:.3f} "
+             f"[{p['range'][0]:.3f}–{p['range'][1]:.3f}], the probe's hooks on the other steps "
+             f"{p['idle_hooks_fraction']:.2%} of a bare step; amortised {p['amortised']:.3f}"
+             for name, p in result["paired"].items()]
+    return table + "".join(lines)
 
 
 def main() -> None:

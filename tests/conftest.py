@@ -12,11 +12,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 
 class RecordingLogger(Logger):
-    """Keeps every ``log_metrics`` call: ``series[tag]`` is a list of ``(step, value)``."""
+    """Keeps every ``log_metrics`` call: ``series[tag]`` is a list of ``(step, value)``, ``calls`` the
+    tags of each call."""
 
     def __init__(self) -> None:
         super().__init__()
         self.series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self.calls: list[set[str]] = []
 
     @property
     def name(self) -> str:
@@ -28,6 +30,7 @@ class RecordingLogger(Logger):
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append(set(metrics))
         for k, v in metrics.items():
             self.series[k].append((step, float(v)))
 

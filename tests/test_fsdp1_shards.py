@@ -1,4 +1,5 @@
-"""FSDP1's plain-tensor gradient shards: the norms of the whole gradients, on every rank.
+"""FSDP1's plain-tensor gradient shards (full, no and hybrid sharding): the norms of the whole
+gradients, on every rank.
 
 Lightning refuses ``FSDPStrategy`` on CPU, so torch's own FSDP wraps the model (``use_orig_params=True``,
 as Lightning's default) on 2 gloo processes, and the callbacks' code paths run with a trainer whose
@@ -22,21 +23,31 @@ from trainvitals.callbacks._sharding import reduce_shard_norms
 from trainvitals.core.norms import combine_norms, per_tensor_norms
 
 
+# Hybrid sharding: 2 "nodes" of 2 ranks; each node holds the model once, sharded over its 2 ranks.
+NODES = {"FULL_SHARD": 1, "NO_SHARD": 1, "HYBRID_SHARD": 2}
+RANKS_PER_NODE = 2
+
+
 def _rank(rank: int, mode: str, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from lightning.pytorch.strategies import FSDPStrategy
 
+    nodes = NODES[mode]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=nodes * RANKS_PER_NODE)
+    mesh = init_device_mesh("cpu", (nodes, RANKS_PER_NODE)) if nodes > 1 else None  # (replicate, shard)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
-    model = FSDP(net, use_orig_params=True, sharding_strategy=ShardingStrategy[mode], device_id=torch.device("cpu"))
+    model = FSDP(net, use_orig_params=True, sharding_strategy=ShardingStrategy[mode], device_id=torch.device("cpu"),
+                 device_mesh=mesh)
     torch.manual_seed(1)
     nn.functional.mse_loss(model(torch.randn(4, 6)), torch.randn(4, 1)).backward()
     params = list(model.parameters())
     with FSDP.summon_full_params(model, with_grads=True):
         full = [torch.linalg.vector_norm(p.grad).item() for p in model.parameters()]
-    trainer = types.SimpleNamespace(strategy=FSDPStrategy(sharding_strategy=mode), num_nodes=1)
+    strategy = FSDPStrategy(sharding_strategy=mode, **({"device_mesh": (nodes, RANKS_PER_NODE)} if mesh else {}))
+    trainer = types.SimpleNamespace(strategy=strategy, num_nodes=nodes)
     present = [i for i, p in enumerate(params) if p.grad is not None]
     # The monitor's path: a (P,) row, 0 where this rank holds no slice of the parameter.
     row = torch.zeros(len(params), dtype=torch.float64)
@@ -55,11 +66,12 @@ def _rank(rank: int, mode: str, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("mode", ["FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"])
 def test_shard_norms_combine_to_the_whole_gradients_on_every_rank(mode, tmp_path):
-    torch.multiprocessing.spawn(_rank, args=(mode, free_port(), str(tmp_path)), nprocs=2)
-    ranks = [json.loads(Path(tmp_path, f"{mode}.{r}.json").read_text()) for r in (0, 1)]
-    if mode == "FULL_SHARD":  # the tiny model's parameters fall wholly in one rank's shard or the other's
+    world = NODES[mode] * RANKS_PER_NODE
+    torch.multiprocessing.spawn(_rank, args=(mode, free_port(), str(tmp_path)), nprocs=world)
+    ranks = [json.loads(Path(tmp_path, f"{mode}.{r}.json").read_text()) for r in range(world)]
+    if mode != "NO_SHARD":  # the tiny model's parameters fall wholly in one rank's shard or the other's
         assert all(0 < r["present"] < 6 for r in ranks)
     for r in ranks:
         assert r["per_parameter"] == pytest.approx(r["reference"], rel=1e-5)

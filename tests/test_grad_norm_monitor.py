@@ -119,6 +119,9 @@ def test_total_is_the_pre_clip_norm_and_clipped_total_the_post_clip_norm():
     assert totals == pytest.approx(model.reference_norms, rel=1e-6)
     assert min(totals) > 0.05  # clipping really happened
     assert logger.values("grad_norm/clipped_total") == pytest.approx([0.01] * 4, rel=1e-3)
+    # one call per logging step with both (a CSVLogger writes one row per call)
+    monitor_calls = [c for c in logger.calls if "grad_norm/total" in c or "grad_norm/clipped_total" in c]
+    assert len(monitor_calls) == 4 and all({"grad_norm/total", "grad_norm/clipped_total"} <= c for c in monitor_calls)
 
 
 class TwoOptimizers(pl.LightningModule):

@@ -183,10 +183,10 @@ class GradNormMonitor(Callback):
         logs = track.steps % self._log_every(trainer) == 0
         if logs or len(track.pending) >= MAX_PENDING_STEPS:
             self._read_back(track)
-        if logs:
+        if logs and _clips(trainer, pl_module):
+            self._clip_pending = (index, step)  # logged with the clipped norm: one event, one CSV row
+        elif logs:
             self._log(trainer, index, track, step)
-            if _clips(trainer, pl_module):
-                self._clip_pending = (index, step)
         if self.histogram_every_n_steps and track.steps % self.histogram_every_n_steps == 0 and trainer.is_global_zero:
             self._log_histograms(trainer, index, track, present, step)
         track.steps += 1
@@ -201,7 +201,7 @@ class GradNormMonitor(Callback):
         grads = [p.grad for p in track.params if p.grad is not None]
         local = combine_norms(per_tensor_norms(grads, self.norm_type), self.norm_type)
         clipped = reduce_shard_norms(trainer, local.to(track.latest), self.norm_type)
-        log_scalars(trainer, {self._tag(trainer, "clipped_total"): clipped}, step)
+        self._log(trainer, index, track, step, extra={self._tag(trainer, "clipped_total", index): clipped})
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -311,15 +311,17 @@ class GradNormMonitor(Callback):
             track.spike = (at, f"gradient-norm spike at optimizer step {at}: {spike_ratio:.1f}× its running average; "
                                f"largest layers: {layers}")
 
-    def _log(self, trainer: "pl.Trainer", index: int, track: _Track, step: int, norms: bool = True) -> None:
-        """Write the counters (``norms``: and the last read-back step's total and group norms); report news once."""
+    def _log(self, trainer: "pl.Trainer", index: int, track: _Track, step: int, norms: bool = True,
+             extra: dict[str, Tensor] | None = None) -> None:
+        """Write the counters (``norms``: and the last read-back step's total and group norms) and ``extra``
+        in one call to the loggers; report news once."""
         tag = lambda name: self._tag(trainer, name, index)  # noqa: E731
-        metrics: dict[str, float] = {tag(name): count for name, count in track.counts.items()}
+        metrics: dict[str, float | Tensor] = {tag(name): count for name, count in track.counts.items()}
         if norms and track.last_read is not None:
             _, total, group_norms = track.last_read
             metrics[tag("total")] = total
             metrics.update({tag(name): value for name, value in group_norms.items()})
-        log_scalars(trainer, metrics, step)
+        log_scalars(trainer, {**metrics, **(extra or {})}, step)
         track.logged_counts = dict(track.counts)
         if track.nonfinite is not None and not track.warned_nonfinite:
             track.warned_nonfinite = True
