@@ -124,6 +124,28 @@ def test_total_is_the_pre_clip_norm_and_clipped_total_the_post_clip_norm():
     assert len(monitor_calls) == 4 and all({"grad_norm/total", "grad_norm/clipped_total"} <= c for c in monitor_calls)
 
 
+class ModuleNamedTotal(Regressor):
+    """A submodule named like the monitor's own ``total`` tag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.total(super().forward(x))
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self.total_layer_norm = flat_grad_norm(self.total.parameters())
+
+
+def test_a_module_named_total_keeps_its_own_tag():
+    logger, model = RecordingLogger(), ModuleNamedTotal()
+    fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0, grouping="block"), logger, max_steps=2)
+    assert logger.values("grad_norm/total") == pytest.approx(model.reference_norms, rel=1e-6)
+    assert logger.values("grad_norm/total (layer)")[-1] == pytest.approx(model.total_layer_norm, rel=1e-6)
+
+
 class TwoOptimizers(pl.LightningModule):
     """GAN-style manual optimisation: a generator and a discriminator, each with its own optimizer."""
 

@@ -29,6 +29,7 @@ from trainvitals.core.norms import (
     GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type,
 )
 from trainvitals.core.spikes import SpikeDetector
+from trainvitals.dashboard.tags import GRAD_NORM_SUMMARIES
 
 
 COUNTERS = ("nonfinite_steps", "amp_skipped_steps", "spike_steps")
@@ -84,7 +85,8 @@ class GradNormMonitor(Callback):
     - ``grad_norm/total``: ‖g‖_p over every parameter of the optimizer that has a gradient — the
       accumulated, AMP-unscaled gradient, before clipping;
     - ``grad_norm/<group>``: the norm of each group (``grouping``: ``"parameter"``, ``"module"`` or
-      ``"block"``, the top-level child); total^p = Σ group^p;
+      ``"block"``, the top-level child); total^p = Σ group^p (a module named like one of the tags
+      here, e.g. ``total``, is logged as ``grad_norm/total (layer)``);
     - ``grad_norm/clipped_total``: the norm after the Trainer's gradient clipping, when it clips;
     - ``grad_norm/nonfinite_steps``: steps whose gradient held inf/NaN (one warning names the layers
       of the first); ``grad_norm/amp_skipped_steps``: such steps under a GradScaler, which skips them
@@ -320,7 +322,7 @@ class GradNormMonitor(Callback):
         if norms and track.last_read is not None:
             _, total, group_norms = track.last_read
             metrics[tag("total")] = total
-            metrics.update({tag(name): value for name, value in group_norms.items()})
+            metrics.update({tag(_layer_tag(name)): value for name, value in group_norms.items()})
         log_scalars(trainer, {**metrics, **(extra or {})}, step)
         track.logged_counts = dict(track.counts)
         if track.nonfinite is not None and not track.warned_nonfinite:
@@ -345,6 +347,11 @@ class GradNormMonitor(Callback):
             log_histogram(trainer, self._tag(trainer, f"hist/{track.groups.names[g]}", index), torch.cat(grads), step)
         group_norms = grouped_norms(track.latest, track.groups, self.norm_type)
         log_histogram(trainer, self._tag(trainer, "hist/group_norms", index), group_norms, step)
+
+
+def _layer_tag(group: str) -> str:
+    """The tag name of a group's norm: its name, unless a module is named like a summary (``total``, ...)."""
+    return f"{group} (layer)" if group in GRAD_NORM_SUMMARIES else group
 
 
 def _largest(group_norms: dict[str, float], k: int = 3) -> list[tuple[str, float]]:
