@@ -115,8 +115,11 @@ def rel_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool:
     return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * float(b.abs().max()) + 1e-300))
 
 
+@pytest.mark.parametrize("scratch_bytes", [None, 1], ids=["one-chunk", "chunks-of-one-example"])
 @pytest.mark.parametrize("kind", ["mlp", "cnn", "sequence"])
-def test_per_example_statistics_match_brute_force(kind):
+def test_per_example_statistics_match_brute_force(kind, scratch_bytes, monkeypatch):
+    if scratch_bytes is not None:
+        monkeypatch.setattr(per_example_module, "_SCRATCH_BYTES", scratch_bytes)
     model, x, y = make_case(kind)
     per_example = brute_force(model, x, y)
     step = hooked(model, x, y)
@@ -154,10 +157,10 @@ def test_per_example_statistics_match_brute_force(kind):
     (nn.Conv1d(4, 3, 5, padding="same", padding_mode="replicate"), (9,)),
     (nn.Conv1d(4, 3, 3, stride=2, dilation=2), (11,)),  # ghost
 ])
-@pytest.mark.parametrize("patch_bytes", [None, 1], ids=["one-chunk", "chunks-of-one-example"])
-def test_convolution_paths_match_brute_force(conv, shape, patch_bytes, monkeypatch):
-    if patch_bytes is not None:
-        monkeypatch.setattr(per_example_module, "_PATCH_BYTES", patch_bytes)
+@pytest.mark.parametrize("scratch_bytes", [None, 1], ids=["one-chunk", "chunks-of-one-example"])
+def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeypatch):
+    if scratch_bytes is not None:
+        monkeypatch.setattr(per_example_module, "_SCRATCH_BYTES", scratch_bytes)
     torch.manual_seed(3)
     conv = conv.double()
     x = torch.randn(B, conv.in_channels, *shape, dtype=torch.float64)
@@ -177,6 +180,45 @@ def test_convolution_paths_match_brute_force(conv, shape, patch_bytes, monkeypat
             sum_sq = per_example_sum_sq(conv, x, grad_output, buffers)
             for n, g in per_example.items():
                 assert rel_close(sum_sq[n], g.square().sum(0), 1e-10), n
+
+
+@pytest.mark.parametrize("kind", ["cnn", "sequence"])
+def test_a_backward_that_creates_the_graph_gives_the_same_statistics(kind):
+    """A backward with create_graph=True (Hessian-based optimizers, gradient penalties) runs the hooks
+    in grad mode, with inputs that require grad."""
+    model, x, y = make_case(kind)
+    plain = hooked(model, x, y)
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, PER_EXAMPLE_LAYERS)}
+    collector = PerExampleGradients(modules, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward(create_graph=True)
+    collector.end_micro_batch(float(B))
+    step = collector.pop()
+    assert not step.failed and rel_close(step.sq_norms[0], plain.sq_norms[0], 1e-12)
+    assert not step.sq_norms[0].requires_grad
+    for n in plain.sum_sq:
+        assert rel_close(step.sum_sq[n], plain.sum_sq[n], 1e-12), n
+
+
+@pytest.mark.parametrize("layer, shape", [
+    (nn.Linear(5, 3), (5,)), (nn.Linear(5, 3), (4, 5)), (nn.Conv2d(2, 3, 3, padding=1), (2, 5, 5)),
+], ids=["linear", "linear-3d", "conv"])
+@pytest.mark.parametrize("trainable", [("weight",), ("bias",), ()], ids=["weight", "bias", "neither"])
+def test_a_layer_frozen_after_planning_counts_only_its_trainable_parameters(layer, shape, trainable):
+    torch.manual_seed(4)
+    layer = layer.double()
+    for n, p in layer.named_parameters():
+        p.requires_grad_(n in trainable)
+    x = torch.randn(B, *shape, dtype=torch.float64)
+    grad_output = torch.randn_like(layer(x))
+    truth = torch.zeros(B, dtype=torch.float64)
+    for n in trainable:
+        for i in range(B):  # brute force: each example's own gradient of the parameter
+            (grad,) = torch.autograd.grad(layer(x[i:i + 1]), getattr(layer, n), grad_output[i:i + 1])
+            truth[i] += grad.square().sum()
+    sq = per_example_sq_norms(layer, x, grad_output)
+    assert sq.shape == (B,) and rel_close(sq, truth, 1e-10)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "sequence"])

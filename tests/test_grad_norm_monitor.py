@@ -124,6 +124,37 @@ def test_total_is_the_pre_clip_norm_and_clipped_total_the_post_clip_norm():
     assert len(monitor_calls) == 4 and all({"grad_norm/total", "grad_norm/clipped_total"} <= c for c in monitor_calls)
 
 
+class FailsAtStep(Regressor):
+    """An optimizer step that raises (an OOM, an optimizer refusing a non-finite gradient) at ``fail_at``."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+
+    def configure_optimizers(self):
+        module = self
+
+        class Refusing(torch.optim.SGD):
+            def step(self, closure=None):
+                loss = closure()  # forward, backward, the callbacks' on_before_optimizer_step, clipping
+                if module.global_step == module.fail_at:
+                    raise FloatingPointError("the optimizer refused the step")
+                super().step()
+                return loss
+
+        return Refusing(self.parameters(), lr=self.lr)
+
+
+def test_with_clipping_a_step_that_fails_in_the_optimizer_still_logs_its_norms():
+    logger, model = RecordingLogger(), FailsAtStep(fail_at=3)
+    with pytest.raises(FloatingPointError):
+        fit(model, GradNormMonitor(log_every_n_steps=3, histogram_every_n_steps=0), logger, max_steps=10,
+            gradient_clip_val=1.0)
+    assert [step for step, _ in logger.series["grad_norm/total"]] == [0, 3]
+    assert logger.values("grad_norm/total")[-1] == pytest.approx(model.reference_norms[3], rel=1e-6)
+    assert [step for step, _ in logger.series["grad_norm/clipped_total"]] == [0]
+
+
 class ModuleNamedTotal(Regressor):
     """A submodule named like the monitor's own ``total`` tag."""
 

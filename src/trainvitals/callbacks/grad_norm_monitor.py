@@ -206,6 +206,15 @@ class GradNormMonitor(Callback):
         self._log(trainer, index, track, step, extra={self._tag(trainer, "clipped_total", index): clipped})
 
     @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        # A run that fails in its optimizer step (an OOM, a NaN-refusing optimizer, Ctrl-C) still gets
+        # that logging step's norms and warnings, without the clipped norm it did not reach.
+        if self._clip_pending is not None:
+            index, step = self._clip_pending
+            self._clip_pending = None
+            self._log(trainer, index, self._tracks[index], step)
+
+    @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # A non-finite step or a spike after the last logging step is still reported: the counters
         # (only they) are logged at the last measured step when they changed since they were logged.

@@ -94,7 +94,8 @@ def _ghost_is_cheaper(positions: int, fan_in: int, fan_out: int) -> bool:
 
 class Workspace:
     """Buffers that the per-example computations of every layer and step reuse for their largest
-    temporaries: a convolution's patches and per-example blocks (at most ``_PATCH_BYTES`` of patches).
+    temporaries (a convolution's patches, per-example blocks, ghost Gram matrices): one per role, each
+    at most ``_SCRATCH_BYTES`` (or one example's worth, if that is more), kept between steps.
 
     On a CPU, glibc's malloc hands blocks of this size back to the operating system when they are
     freed, so fresh ones page-fault on every step: in the demo CNN ~860 faults, half of the probe's
@@ -135,30 +136,36 @@ def _as_weight(module: nn.Module, block: Tensor) -> Tensor:
     return block.reshape(*block.shape[:-2], *module.weight.shape)
 
 
-_PATCH_BYTES = 32 * 2**20  # a convolution's patches are built for this many bytes' worth of examples at a time
+_SCRATCH_BYTES = 16 * 2**20  # the largest temporary of a chunk of examples: patches, blocks or Gram matrix
 
 
 def _outer_chunks(module: nn.Module, inputs: Tensor, grad_output: Tensor,
                   workspace: Workspace | None = None) -> Iterator[tuple[Tensor, Tensor]]:
     """Linear or convolution as y_t = W a_t: activations ``(b, T, I)`` and output gradients ``(b, T, O)``,
-    for consecutive chunks of the batch's examples (b = B for a Linear layer).
+    for consecutive chunks of b examples.
 
-    A convolution's patches are a copy of k × its input (:func:`_conv_patches`); chunks of at most
-    ``_PATCH_BYTES`` of patches bound that copy for large images (a ResNet's first stage at 224×224
-    would need ~7 MB per example).
+    A chunk's largest temporary — a convolution's patches (T·I per example, :func:`_conv_patches`),
+    the per-example blocks (O·I) or a ghost Gram matrix (T²) — stays within ``_SCRATCH_BYTES`` (a
+    ResNet's first stage at 224×224 has ~7 MB of patches per example, a 768→3072 Linear 9 MB blocks).
     """
     dtype = _accumulation_dtype(grad_output)
     batch = inputs.shape[0]
-    if isinstance(module, nn.Linear):
-        yield (inputs.reshape(batch, -1, inputs.shape[-1]).to(dtype),
-               grad_output.reshape(batch, -1, grad_output.shape[-1]).to(dtype))
-        return
-    assert isinstance(module, (nn.Conv1d, nn.Conv2d))
-    g = grad_output.to(dtype).flatten(2).transpose(1, 2)
-    patch_bytes = g.shape[1] * module.in_channels * math.prod(module.kernel_size) * g.element_size()
-    chunk = max(1, _PATCH_BYTES // patch_bytes)
+    linear = isinstance(module, nn.Linear)
+    if linear:
+        a = inputs.reshape(batch, -1, inputs.shape[-1]).to(dtype)
+        g = grad_output.reshape(batch, -1, grad_output.shape[-1]).to(dtype)
+        fan_in = a.shape[2]
+    else:
+        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
+        g = grad_output.to(dtype).flatten(2).transpose(1, 2)
+        fan_in = module.in_channels * math.prod(module.kernel_size)
+    positions, fan_out = g.shape[1], g.shape[2]
+    patches = 0 if linear else positions * fan_in
+    largest = max(patches, fan_out * fan_in, positions * positions) if positions > 1 else 1
+    chunk = max(1, _SCRATCH_BYTES // (largest * g.element_size()))
     for start in range(0, batch, chunk):
-        yield _conv_patches(module, inputs[start:start + chunk], dtype, workspace), g[start:start + chunk]
+        stop = start + chunk
+        yield a[start:stop] if linear else _conv_patches(module, inputs[start:stop], dtype, workspace), g[start:stop]
 
 
 def _outer_sq_norms(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> Tensor:
@@ -190,7 +197,7 @@ def _outer_sum_sq(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> T
     else from the per-example blocks."""
     if a.shape[1] == 1:
         return g[:, 0].square().t() @ a[:, 0].square()
-    return torch.linalg.vector_norm(_bmm(g.transpose(1, 2), a, workspace, "blocks"), dim=0).square()
+    return _bmm(g.transpose(1, 2), a, workspace, "blocks").square_().sum(0)
 
 
 def _bias_grads(module: nn.Linear | nn.Conv1d | nn.Conv2d, grad_output: Tensor) -> Tensor:
@@ -262,19 +269,19 @@ def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor,
     if isinstance(module, nn.LayerNorm):
         grads = _layer_norm_grads(module, inputs, grad_output)
         return sum(_sq_norms(grads[n]) for n in _trainable(module))  # type: ignore[return-value]
+    # A layer frozen after the sources were planned still gets its (zero) entry.
     weight = module.weight.requires_grad
     bias = module.bias is not None and module.bias.requires_grad
+    dtype = _accumulation_dtype(grad_output)
     if isinstance(module, nn.Linear) and inputs.dim() == 2:  # the common case, in as few kernels as possible
-        dtype = _accumulation_dtype(grad_output)
-        g = grad_output.to(dtype)
-        g_sq = torch.linalg.vecdot(g, g)
-        if not weight:
-            return g_sq
-        a = inputs.to(dtype)
-        return g_sq * (torch.linalg.vecdot(a, a) + 1.0) if bias else g_sq * torch.linalg.vecdot(a, a)
-    chunks = _outer_chunks(module, inputs, grad_output, workspace)
-    sq = torch.cat([_outer_sq_norms(a, g, workspace) for a, g in chunks]) if weight else 0.0
-    return sq + _bias_grads(module, grad_output).square().sum(1) if bias else sq  # type: ignore[return-value]
+        g, a = grad_output.to(dtype), inputs.to(dtype)
+        a_sq = torch.linalg.vecdot(a, a) if weight else 0.0
+        return torch.linalg.vecdot(g, g) * (a_sq + (1.0 if bias else 0.0))
+    if weight:
+        sq = torch.cat([_outer_sq_norms(a, g, workspace) for a, g in _outer_chunks(module, inputs, grad_output, workspace)])
+    else:
+        sq = grad_output.new_zeros(grad_output.shape[0], dtype=dtype)
+    return sq + _bias_grads(module, grad_output).square().sum(1) if bias else sq
 
 
 def per_example_sum_sq(module: nn.Module, inputs: Tensor, grad_output: Tensor,
@@ -692,6 +699,7 @@ class PerExampleGradients:
         if self._check_call(name, output, inputs.shape[0] if inputs.dim() else -1):
             output.register_hook(functools.partial(self._backward, name, module, inputs))
 
+    @torch.no_grad()  # a backward with create_graph=True runs hooks in grad mode; nothing here is differentiated
     def _backward(self, name: str, module: nn.Module, inputs: Tensor, grad_output: Tensor) -> None:
         if self._calls[name] > 1:
             return
