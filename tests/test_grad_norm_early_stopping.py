@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from _models import Regressor, ReleaseProcessGroup, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
+from trainvitals.callbacks import grad_norm_early_stopping as stopping_module
 
 
 class LinearRegression(pl.LightningModule):
@@ -130,6 +131,23 @@ def test_relative_mode_stops_when_the_norm_has_fallen_below_a_fraction_of_its_ea
     trainer = _fit(LinearRegression(torch.ones(d), lr=0.1), [stopper], regression_stream(300, 32, d, torch.zeros(d), 0.0),
                    max_epochs=1)
     assert stopper.stopped_step is not None and 10 < trainer.global_step < 300
+
+
+@pytest.mark.parametrize("order", ["monitor first", "stopper first", "stopper alone"])
+def test_with_a_monitor_the_stopper_reads_its_total_instead_of_measuring_again(order, monkeypatch):
+    calls = []
+    measure = stopping_module.per_tensor_norms
+    monkeypatch.setattr(stopping_module, "per_tensor_norms", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    d = 5
+    stopper = GradNormEarlyStopping(mode="relative", fraction=0.01, reference_steps=3, patience=2, min_steps=0,
+                                    check_every_n_steps=1)
+    monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    callbacks = {"monitor first": [monitor, stopper], "stopper first": [stopper, monitor], "stopper alone": [stopper]}
+    trainer = _fit(LinearRegression(torch.ones(d), lr=0.1), callbacks[order],
+                   regression_stream(300, 32, d, torch.zeros(d), 0.0), max_epochs=1)
+    # the same decision as measuring alone (noise-free descent: the norm falls below 1% at a fixed step)
+    assert stopper.stopped_step == 23 and trainer.global_step == 24
+    assert len(calls) == (0 if order == "monitor first" else trainer.global_step)
 
 
 def test_skipped_amp_steps_do_not_count_toward_convergence():

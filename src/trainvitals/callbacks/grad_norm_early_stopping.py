@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
 from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
 from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, NoiseScaleEMA, two_batch_size_estimates
 from trainvitals.core.norms import combine_norms, per_tensor_norms
 
@@ -72,6 +73,9 @@ class GradNormEarlyStopping(Callback):
       may lie above any fixed threshold, and its scale changes with loss reduction (sum vs mean),
       loss scaling and parametrisation.
     - ``"relative"``: ‖ḡ‖ < ``fraction`` × its EMA over the first ``reference_steps`` steps.
+
+    ‖ḡ‖ is the L2 norm of the whole accumulated, unscaled, pre-clip gradient; after a
+    GradNormMonitor (p = 2) in the callback list it is the total the monitor measured at that step.
 
     The condition must hold for ``patience`` consecutive optimizer steps, not before ``min_steps``;
     steps with non-finite gradients (including those a GradScaler skips) neither count nor reset.
@@ -217,15 +221,11 @@ class GradNormEarlyStopping(Callback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads and not holds_shards(trainer):
+        total = self._monitored_total(trainer)
+        if total is None:
+            total = self._total(trainer, optimizer)
+        if total is None:
             return
-        local = combine_norms(per_tensor_norms(grads, 2.0), 2.0) if grads else \
-            torch.zeros((), dtype=torch.float64, device=self._params[0].device)
-        total = reduce_shard_norms(trainer, local, 2.0)
-        scale = scale_left_in_grads(trainer, optimizer)
-        if scale is not None:  # a fused optimizer will unscale in its step
-            total = total / scale.to(total)
         valid = torch.isfinite(total)
         if self._source == "hooks":
             self._update_from_micro_batches(trainer, total, valid)
@@ -275,6 +275,27 @@ class GradNormEarlyStopping(Callback):
         self._restored = True
 
     # ------------------------------------------------------------------ helpers
+    def _total(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> Tensor | None:
+        """‖g‖₂ of the whole accumulated, unscaled, pre-clip gradient (``None`` when nothing has one)."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads and not holds_shards(trainer):
+            return None
+        local = combine_norms(per_tensor_norms(grads, 2.0), 2.0) if grads else \
+            torch.zeros((), dtype=torch.float64, device=self._params[0].device)
+        total = reduce_shard_norms(trainer, local, 2.0)
+        scale = scale_left_in_grads(trainer, optimizer)
+        if scale is not None:  # a fused optimizer will unscale in its step
+            total = total / scale.to(total)
+        return total
+
+    def _monitored_total(self, trainer: "pl.Trainer") -> Tensor | None:
+        """The same total, read from a GradNormMonitor (p = 2) that already measured this step — one
+        before this callback in the list — instead of a second pass over the gradients."""
+        if len(trainer.optimizers) != 1:
+            return None
+        monitor = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor) and cb.norm_type == 2.0), None)
+        return monitor.total_at(trainer.global_step) if monitor is not None else None
+
     def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Where this epoch's noise comes from: micro-batches/ranks (hooks), a probe, or nowhere."""
         self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]

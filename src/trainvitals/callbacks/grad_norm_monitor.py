@@ -52,6 +52,7 @@ class _Track:
     # gradient). ``latest`` is the newest row, read back or not.
     pending: list[tuple[int, Tensor]] = field(default_factory=list)
     latest: Tensor | None = None
+    latest_step: int | None = None
     # The last step read back: (global step, total, {group: norm}).
     last_read: tuple[int, float, dict[str, float]] | None = None
     # What the next report says, with layer names resolved (they outlive a regrouping): this fit's
@@ -156,6 +157,14 @@ class GradNormMonitor(Callback):
         """
         return {i: combine_norms(t.latest, self.norm_type) for i, t in self._tracks.items() if t.latest is not None}
 
+    def total_at(self, step: int, optimizer_index: int = 0) -> Tensor | None:
+        """The total norm measured at optimizer step ``step`` (``trainer.global_step``), a 0-d tensor on
+        the gradients' device, or ``None`` when this monitor has not measured that step (yet)."""
+        track = self._tracks.get(optimizer_index)
+        if track is None or track.latest is None or track.latest_step != step:
+            return None
+        return combine_norms(track.latest, self.norm_type)
+
     # ------------------------------------------------------------------ hooks
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -179,7 +188,7 @@ class GradNormMonitor(Callback):
         if scale is not None:  # a fused optimizer will unscale in its step; report unscaled norms
             norms = norms / scale.to(norms)
         step = trainer.global_step
-        track.latest = norms
+        track.latest, track.latest_step = norms, step
         track.pending.append((step, norms))
 
         logs = track.steps % self._log_every(trainer) == 0
