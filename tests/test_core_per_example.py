@@ -221,6 +221,18 @@ def test_a_layer_frozen_after_planning_counts_only_its_trainable_parameters(laye
     assert sq.shape == (B,) and rel_close(sq, truth, 1e-10)
 
 
+@pytest.mark.parametrize("layer, shape", [
+    (nn.Linear(5, 3), (5,)), (nn.Linear(5, 3), (4, 5)), (nn.Conv2d(2, 3, 3), (2, 5, 5)), (nn.Conv1d(2, 3, 3), (2, 5)),
+    (nn.LayerNorm(5), (4, 5)), (nn.Embedding(7, 3), (4,)),
+], ids=["linear", "linear-3d", "conv2d", "conv1d", "layernorm", "embedding"])
+def test_an_empty_batch_gives_empty_norms_and_zero_sums(layer, shape):
+    x = torch.randint(0, 7, (0, *shape)) if isinstance(layer, nn.Embedding) else torch.randn(0, *shape)
+    grad_output = torch.zeros_like(layer(x))
+    assert per_example_sq_norms(layer, x, grad_output, Workspace()).shape == (0,)
+    for n, value in per_example_sum_sq(layer, x, grad_output).items():
+        assert value.shape == getattr(layer, n).shape and not value.any(), n
+
+
 @pytest.mark.parametrize("kind", ["mlp", "sequence"])
 def test_mean_and_sum_reduction_give_the_same_statistics(kind):
     model, x, y = make_case(kind)

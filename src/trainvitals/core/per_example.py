@@ -128,7 +128,7 @@ def _conv_patches(module: nn.Conv1d | nn.Conv2d, inputs: Tensor, dtype: torch.dt
     kernel_dims = len(module.kernel_size)
     x = x.movedim(tuple(range(2, 2 + kernel_dims)), tuple(range(-kernel_dims, 0)))  # (B, C_in, *kernel, *positions)
     x = x.contiguous() if workspace is None else workspace.take("patches", x.shape, x).copy_(x)
-    return x.view(x.shape[0], -1, math.prod(x.shape[-kernel_dims:])).transpose(1, 2)
+    return x.view(x.shape[0], math.prod(x.shape[1:-kernel_dims]), math.prod(x.shape[-kernel_dims:])).transpose(1, 2)
 
 
 def _as_weight(module: nn.Module, block: Tensor) -> Tensor:
@@ -152,8 +152,7 @@ def _outer_chunks(module: nn.Module, inputs: Tensor, grad_output: Tensor,
     batch = inputs.shape[0]
     linear = isinstance(module, nn.Linear)
     if linear:
-        a = inputs.reshape(batch, -1, inputs.shape[-1]).to(dtype)
-        g = grad_output.reshape(batch, -1, grad_output.shape[-1]).to(dtype)
+        a, g = _by_position(inputs).to(dtype), _by_position(grad_output).to(dtype)
         fan_in = a.shape[2]
     else:
         assert isinstance(module, (nn.Conv1d, nn.Conv2d))
@@ -163,7 +162,7 @@ def _outer_chunks(module: nn.Module, inputs: Tensor, grad_output: Tensor,
     patches = 0 if linear else positions * fan_in
     largest = max(patches, fan_out * fan_in, positions * positions) if positions > 1 else 1
     chunk = max(1, _SCRATCH_BYTES // (largest * g.element_size()))
-    for start in range(0, batch, chunk):
+    for start in range(0, max(batch, 1), chunk):  # an empty batch is one empty chunk
         stop = start + chunk
         yield a[start:stop] if linear else _conv_patches(module, inputs[start:stop], dtype, workspace), g[start:stop]
 
@@ -200,11 +199,16 @@ def _outer_sum_sq(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> T
     return _bmm(g.transpose(1, 2), a, workspace, "blocks").square_().sum(0)
 
 
+def _by_position(t: Tensor) -> Tensor:
+    """A Linear layer's ``(B, *, F)`` input or output gradient as ``(B, T, F)`` (T = 1 for 2-D)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
+
+
 def _bias_grads(module: nn.Linear | nn.Conv1d | nn.Conv2d, grad_output: Tensor) -> Tensor:
     """Per-example bias gradients ``(B, O)``: the output gradient summed over positions."""
     g = grad_output.to(_accumulation_dtype(grad_output))
     if isinstance(module, nn.Linear):
-        return g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)
+        return _by_position(g).sum(1)
     return g.flatten(2).sum(2)
 
 
@@ -215,12 +219,12 @@ def _layer_norm_grads(module: nn.LayerNorm, inputs: Tensor, grad_output: Tensor)
     x = inputs.to(dtype)
     x_hat = (x - x.mean(dims, keepdim=True)) * torch.rsqrt(x.var(dims, unbiased=False, keepdim=True) + module.eps)
     g = grad_output.to(dtype)
-    batch = g.shape[0]
+    by_position = (g.shape[0], math.prod(g.shape[1:g.dim() - len(shape)]), *shape)  # (B, T, *normalized_shape)
     out = {}
     if module.weight is not None:
-        out["weight"] = (g * x_hat).reshape(batch, -1, *shape).sum(1)
+        out["weight"] = (g * x_hat).reshape(by_position).sum(1)
     if module.bias is not None:
-        out["bias"] = g.reshape(batch, -1, *shape).sum(1)
+        out["bias"] = g.reshape(by_position).sum(1)
     return out
 
 
@@ -231,8 +235,8 @@ def _embedding_rows(module: nn.Embedding, indices: Tensor, grad_output: Tensor) 
     (example, token) pairs are zero), and the example and token index of each row, ``(N,)``.
     """
     batch, vocab = indices.shape[0], module.num_embeddings
-    idx = indices.reshape(batch, -1)
-    g = grad_output.to(_accumulation_dtype(grad_output)).reshape(idx.numel(), -1)
+    idx = indices.reshape(batch, math.prod(indices.shape[1:]))
+    g = grad_output.to(_accumulation_dtype(grad_output)).reshape(idx.numel(), module.embedding_dim)
     if module.padding_idx is not None:
         g = g * (idx.reshape(-1, 1) != module.padding_idx)
     key = (torch.arange(batch, device=idx.device).unsqueeze(1) * vocab + idx).reshape(-1)
