@@ -99,19 +99,21 @@ class Workspace:
 
     On a CPU, glibc's malloc hands blocks of this size back to the operating system when they are
     freed, so fresh ones page-fault on every step: in the demo CNN ~860 faults, half of the probe's
-    time in its second convolution. The layers of one backward run one after another, so one
-    buffer per role serves them all.
+    time in its second convolution. The layers of one backward on one device run one after another,
+    so one buffer per role, device and dtype serves them all (autograd runs each device's part of a
+    backward in its own thread).
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[str, Tensor] = {}
+        self._buffers: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
 
     def take(self, role: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        """An uninitialised ``shape`` tensor of ``like``'s dtype and device, valid until ``role`` is taken again."""
-        numel = math.prod(shape)
-        buffer = self._buffers.get(role)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
-            buffer = self._buffers[role] = like.new_empty(numel)
+        """An uninitialised ``shape`` tensor of ``like``'s dtype and device, valid until ``role`` is taken
+        again on that device."""
+        numel, key = math.prod(shape), (role, like.device, like.dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[key] = like.new_empty(numel)
         return buffer[:numel].view(shape)
 
 
