@@ -411,7 +411,7 @@ class BatchVarianceProbe(Callback):
         self.effective_batch_size = examples
         step = trainer.global_step
         if step % self._log_every == 0:
-            self._log(trainer, pl_module, result, valid, b, examples, to_mean, step)
+            self._log(trainer, result, valid, b, examples, step)
         if result.sq_norms:
             self._log_per_example_norms(trainer, result.sq_norms, step)
 
@@ -425,21 +425,18 @@ class BatchVarianceProbe(Callback):
     # ------------------------------------------------------------------ logging
 
     @staticmethod
-    def _coordinate_stats(trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
-                          examples: int, to_mean: float) -> dict[str, Tensor]:
-        sum_sq = result.sum_sq
-        if sum_sq and trainer.world_size > 1:
-            flat = trainer.strategy.reduce(torch.cat([v.double().flatten() for v in sum_sq.values()]), reduce_op="sum")
-            sum_sq = dict(zip(sum_sq, flat.split([v.numel() for v in sum_sq.values()])))
-        named = dict(pl_module.named_parameters())
-        means, sums, counts, modules = [], [], [], []
-        for name, value in sum_sq.items():
-            grad = named[name].grad
-            if grad is not None:
-                means.append(grad.double() * to_mean)
-                sums.append(value.view_as(grad).double())
-                counts.append(examples)
-                modules.append(name.rpartition(".")[0])
+    def _coordinate_stats(trainer: "pl.Trainer", result: PerExampleStep, examples: int) -> dict[str, Tensor]:
+        names = list(result.sum_sq)
+        grad_sums = [result.grad_sum[n].double() for n in names]
+        sum_sqs = [result.sum_sq[n].double() for n in names]
+        if names and trainer.world_size > 1:  # the sums over every rank's examples, in one collective
+            parts = grad_sums + sum_sqs
+            flat = trainer.strategy.reduce(torch.cat([v.flatten() for v in parts]), reduce_op="sum")
+            parts = [f.view_as(v) for f, v in zip(flat.split([v.numel() for v in parts]), parts)]
+            grad_sums, sum_sqs = parts[:len(names)], parts[len(names):]
+        means = [total / examples for total in grad_sums]
+        sums, counts = sum_sqs, [examples] * len(names)
+        modules = [name.rpartition(".")[0] for name in names]
         if result.num_sub >= 2:
             for name, value in result.sub_sum_sq.items():
                 means.append(result.sub_grad_sum[name].double() / result.num_sub)
@@ -456,8 +453,8 @@ class BatchVarianceProbe(Callback):
             out[f"grad_noise/gsnr/{module or '(root)'}"] = torch.cat(parts).mean()
         return out
 
-    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
-             valid: Tensor | bool, micro_batch_size: int, examples: int, to_mean: float, step: int) -> None:
+    def _log(self, trainer: "pl.Trainer", result: PerExampleStep, valid: Tensor | bool, micro_batch_size: int,
+             examples: int, step: int) -> None:
         noise = self.noise
         rel_err = self.noise_error.relative_error(noise)
         metrics: dict[str, Tensor] = {
@@ -471,7 +468,7 @@ class BatchVarianceProbe(Callback):
             "grad_noise/batch_grad_var/full_batch": noise.trace_cov / examples,
         }
         if self.per_coordinate:
-            metrics.update(self._coordinate_stats(trainer, pl_module, result, examples, to_mean))
+            metrics.update(self._coordinate_stats(trainer, result, examples))
         keys = list(metrics)
         device = noise.count.device
         host = torch.stack([metrics[k].detach().double().reshape(()).to(device) for k in keys]

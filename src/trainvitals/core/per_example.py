@@ -19,9 +19,10 @@ Rochette et al. 2019, "Efficient Per-Example Gradient Computations in Convolutio
 on a CPU 3× faster than their batch-grouped convolution). Embedding reduces to a segment sum
 over repeated tokens, LayerNorm to (B, D) per-example vectors (as small as one activation row).
 
-Per-coordinate sums of squares Σ_i g_{i,d}² (for the variance of each coordinate) are cheap for 2-D
-Linear inputs, (Δ²)ᵀ(A²); for the other layer types they come from the layer's per-example gradients,
-formed one layer at a time and freed at once.
+Per-coordinate sums Σ_i g_{i,d} and Σ_i g_{i,d}² (the mean and variance of each coordinate) are cheap
+for 2-D Linear inputs, ΔᵀA and (Δ²)ᵀ(A²); for the other layer types they come from the layer's
+per-example gradients, formed one chunk of examples at a time. Both come from the same operands, so
+that the variance is not the rounding difference between them and a differently rounded ``.grad``.
 
 Layers without an identity fall back to :func:`vmap_per_example_grads`: ``torch.func`` per-example
 vector-Jacobian products of the module's own forward, seeded with the captured output gradients.
@@ -193,12 +194,14 @@ def _sq_norms(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
 
 
-def _outer_sum_sq(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> Tensor:
-    """Σ_i (Σ_t g_t a_tᵀ)², elementwise, ``(b, T, I)``, ``(b, T, O)`` → ``(O, I)``: (Δ²)ᵀ(A²) when T = 1,
-    else from the per-example blocks."""
+def _outer_sums(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> tuple[Tensor, Tensor]:
+    """Σ_i and Σ_i (·)², elementwise, of the per-example blocks Σ_t g_t a_tᵀ, ``(b, T, I)``, ``(b, T, O)``
+    → two ``(O, I)``: ΔᵀA and (Δ²)ᵀ(A²) when T = 1."""
     if a.shape[1] == 1:
-        return g[:, 0].square().t() @ a[:, 0].square()
-    return _bmm(g.transpose(1, 2), a, workspace, "blocks").square_().sum(0)
+        a, g = a[:, 0], g[:, 0]
+        return g.t() @ a, g.square().t() @ a.square()
+    blocks = _bmm(g.transpose(1, 2), a, workspace, "blocks")
+    return blocks.sum(0), blocks.square_().sum(0)
 
 
 def _by_position(t: Tensor) -> Tensor:
@@ -290,29 +293,36 @@ def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor,
     return sq + _bias_grads(module, grad_output).square().sum(1) if bias else sq
 
 
-def per_example_sum_sq(module: nn.Module, inputs: Tensor, grad_output: Tensor,
-                       workspace: Workspace | None = None) -> dict[str, Tensor]:
-    """Σ_i g_{i,d}² for each of ``module``'s own trainable parameters (shapes of the parameters).
+def per_example_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor,
+                     workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    """(Σ_i g_i, Σ_i g_i²), elementwise, for each of ``module``'s own trainable parameters (each of the
+    parameter's shape): the per-coordinate mean and variance of the per-example gradients.
 
-    The arguments as in :func:`per_example_sq_norms`. Linear with 2-D inputs: (Δ²)ᵀ(A²), no per-example
-    tensor; Embedding: a segment sum; Linear with 3-D inputs, convolutions (in chunks of examples)
-    and LayerNorm: the layer's per-example gradients ``(B, *shape)``, formed, squared and summed here
-    (BackPACK's SumGradSquared).
+    Both sums come from the same operands, in float32 or wider: under bf16/fp16 autocast the
+    ``.grad`` that autograd computes is rounded differently, and its ḡ² against these Σg² would make
+    the variance of high-SNR coordinates (a difference of two nearly equal terms) rounding noise.
+
+    The arguments as in :func:`per_example_sq_norms`. Linear with 2-D inputs: ΔᵀA and (Δ²)ᵀ(A²), no
+    per-example tensor; Embedding: a segment sum; Linear with 3-D inputs, convolutions (in chunks of
+    examples) and LayerNorm: the layer's per-example gradients ``(B, *shape)``, formed and summed
+    here (BackPACK's BatchGrad / SumGradSquared).
     """
     trainable = _trainable(module)
     if isinstance(module, nn.Embedding):
         rows, _, token = _embedding_rows(module, inputs, grad_output)
-        return {"weight": rows.new_zeros(module.weight.shape).index_add_(0, token, rows.square())}
+        zeros = rows.new_zeros(module.weight.shape)
+        return {"weight": (zeros.index_add(0, token, rows), zeros.index_add(0, token, rows.square()))}
     if isinstance(module, nn.LayerNorm):
         grads = _layer_norm_grads(module, inputs, grad_output)
-        return {n: grads[n].square().sum(0) for n in trainable}
+        return {n: (grads[n].sum(0), grads[n].square().sum(0)) for n in trainable}
     out = {}
     if "weight" in trainable:
-        chunks = _outer_chunks(module, inputs, grad_output, workspace)
-        out["weight"] = _as_weight(module, sum(_outer_sum_sq(a, g, workspace) for a, g in chunks))
+        parts = [_outer_sums(a, g, workspace) for a, g in _outer_chunks(module, inputs, grad_output, workspace)]
+        out["weight"] = tuple(_as_weight(module, functools.reduce(torch.add, part)) for part in zip(*parts))
     if "bias" in trainable:
-        out["bias"] = _bias_grads(module, grad_output).square().sum(0)
-    return out
+        bias = _bias_grads(module, grad_output)
+        out["bias"] = (bias.sum(0), bias.square().sum(0))
+    return out  # type: ignore[return-value]
 
 
 def vmap_per_example_grads(
@@ -416,8 +426,8 @@ def coordinate_variance(mean_grad: Tensor, sum_sq: Tensor, num_examples: int) ->
         sum_sq: Σ_i g_{i,d}², the shape of ``mean_grad``.
         num_examples: B ≥ 2.
     """
-    # A difference of two nearly equal terms: when ḡ comes from a bf16 ``.grad`` and Σg² from fp32
-    # operands it can round below zero, which would flip the sign of GSNR and the EB criterion.
+    # A difference of two nearly equal terms: rounding can take it below zero, which would flip the
+    # sign of GSNR and the EB criterion (far more so with ḡ from a bf16 ``.grad``: see per_example_sums).
     return ((sum_sq - num_examples * mean_grad.square()) / (num_examples - 1)).clamp_min(0.0)
 
 
@@ -597,7 +607,8 @@ class PerExampleStep:
         num_examples: examples seen (all micro-batches, this process).
         sq_norm_sum: ``()`` Σ_i ‖g_i‖² over the per-example-norm parameters, or ``None``.
         sq_norms: the ``(b,)`` ‖g_i‖² of each micro-batch, in order (only when kept).
-        sum_sq: Σ_i g_i² per per-example-norm parameter (qualified name), when requested.
+        grad_sum: Σ_i g_i per per-example-norm parameter (qualified name), when requested.
+        sum_sq: Σ_i g_i² per per-example-norm parameter, when requested (from the same operands).
         num_sub: examples of the ``vmap`` sub-batches.
         sub_sq_norm_sum: ``()`` Σ_i ‖g_i‖² over the ``vmap`` parameters and the sub-batch examples.
         sub_grad_sum: Σ_i g_i per ``vmap`` parameter over the sub-batch.
@@ -610,6 +621,7 @@ class PerExampleStep:
     num_examples: int = 0
     sq_norm_sum: Tensor | None = None
     sq_norms: list[Tensor] = field(default_factory=list)
+    grad_sum: dict[str, Tensor] = field(default_factory=dict)
     sum_sq: dict[str, Tensor] = field(default_factory=dict)
     num_sub: int = 0
     sub_sq_norm_sum: Tensor | None = None
@@ -659,6 +671,7 @@ class PerExampleGradients:
 
     def _reset_micro_batch(self) -> None:
         self._sq: Tensor | None = None
+        self._grad_sum: dict[str, Tensor] = {}
         self._sum_sq: dict[str, Tensor] = {}
         self._pending: list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any], Tensor]] = []
         self._calls: Counter[str] = Counter()
@@ -669,7 +682,7 @@ class PerExampleGradients:
         return bool(self._handles)
 
     def attach(self, coordinates: bool = False, keep_norms: bool = False) -> None:
-        """Install the hooks; ``coordinates``: also Σ_i g_i²; ``keep_norms``: keep each ‖g_i‖²."""
+        """Install the hooks; ``coordinates``: also Σ_i g_i and Σ_i g_i²; ``keep_norms``: keep each ‖g_i‖²."""
         self.detach()
         self._coordinates, self._keep_norms = coordinates, keep_norms
         for name, module in self.per_example.items():
@@ -712,8 +725,10 @@ class PerExampleGradients:
         sq = per_example_sq_norms(module, inputs, grad_output, self._workspace)
         self._sq = sq if self._sq is None else self._sq + sq
         if self._coordinates:
-            for local, value in per_example_sum_sq(module, inputs, grad_output, self._workspace).items():
-                _add(self._sum_sq, f"{name}.{local}" if name else local, value)
+            for local, (total, total_sq) in per_example_sums(module, inputs, grad_output, self._workspace).items():
+                qualified = f"{name}.{local}" if name else local
+                _add(self._grad_sum, qualified, total)
+                _add(self._sum_sq, qualified, total_sq)
         self._step.seen.add(name)
 
     def _forward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -747,6 +762,8 @@ class PerExampleGradients:
             step.sq_norm_sum = sq.sum() if step.sq_norm_sum is None else step.sq_norm_sum + sq.sum()
             if self._keep_norms:
                 step.sq_norms.append(sq)
+        for name, value in self._grad_sum.items():
+            _add(step.grad_sum, name, value * unit)
         for name, value in self._sum_sq.items():
             _add(step.sum_sq, name, value * unit_sq)
         self._run_vmap(unit)
