@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning.pytorch as pl
+from lightning.pytorch import Trainer
 from lightning.pytorch.plugins import MixedPrecision
 from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
@@ -281,6 +282,22 @@ def test_unavailable_warns_once_and_logs_nothing(case):
     assert math.isfinite(float(probe.noise.trace_cov)) and math.isfinite(float(probe.noise.grad_sq_norm))
 
 
+@pytest.mark.parametrize("told", ["auto", "sum"])
+def test_an_empty_batch_is_left_out_with_a_warning(told):
+    """A batch of 0 examples (e.g. from a filtering collate_fn): its step is not measured, the run goes on."""
+    x, y = classification_data("mlp", 8).tensors[0], torch.randint(0, 3, (8,))
+    batches = DataLoader([(x, y), (x[:0], y[:0]), (x, y)], batch_size=None)
+    probe, logger = BatchVarianceProbe(loss_reduction=told), RecordingLogger()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = Trainer(**trainer_kwargs(callbacks=[probe], logger=logger, max_steps=3, log_every_n_steps=1,
+                                           precision="64-true"))
+        trainer.fit(Classifier(network("mlp"), reduction="sum"), batches)
+    assert trainer.global_step == 3 and int(probe.noise.count) == 2
+    assert any("an empty micro-batch" in w for w in _probe_warnings(record))
+    assert all(math.isfinite(v) for values in logger.series.values() for _, v in values)
+
+
 def test_batchnorm_micro_batch_warning_and_the_deviation_it_causes():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
@@ -489,3 +506,32 @@ def test_multihead_attention_is_named_at_fit_start_and_the_rest_is_measured():
     assert "not measured: 4 tensors" in probe.sources and "nn.MultiheadAttention" in probe.sources
     assert "per-example norms in backward: Linear×1" in probe.sources
     assert len(logger.values("grad_noise/trace_cov")) == 3
+
+
+class BranchOnOneRank(Classifier):
+    """A layer only rank 1 uses, from step 2 on: on rank 0 DDP hands it the averaged gradient without its
+    forward running."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Identity())
+        self.a, self.b, self.head = nn.Linear(5, 4), nn.Linear(5, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) + (self.b(x) if self.global_rank == 1 and self.global_step >= 2 else 0.0)
+        return self.head(h)
+
+
+@pytest.mark.slow
+def test_ddp_a_layer_that_fails_on_one_rank_is_excluded_on_every_rank(tmp_path):
+    """The ranks' collectives must keep matching: the failure is shared at the next logging step and
+    every rank measures that layer from the ranks from then on."""
+    data = as_float32(classification_data("mlp", 16 * 12, seed=6))
+    pl.Trainer(
+        strategy="ddp_spawn_find_unused_parameters_true", accelerator="cpu", devices=2, max_steps=12, logger=False,
+        log_every_n_steps=4, callbacks=[BatchVarianceProbe(), RankReport(str(tmp_path)), ReleaseProcessGroup()],
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
+    ).fit(BranchOnOneRank(), datamodule=InterleavedRanks(data, batch_size=8))
+    ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert "micro-batches/ranks: 2 tensors" in ranks[0]["sources"]  # b's weight and bias
+    assert ranks[0]["count"] == 12 - 3  # steps 2-4 invalid: rank 0 failed from step 2, shared at step 4

@@ -153,6 +153,7 @@ class BatchVarianceProbe(Callback):
         self._plan: SourcePlan | None = None
         self._plan_params: dict[str, list[torch.nn.Parameter]] = {}
         self._excluded: set[str] = set()
+        self._failed: set[str] = set()  # layers that failed on this rank, not yet excluded (DDP: until a logging step)
         self._collector: PerExampleGradients | None = None
         self._micro = MicroBatchSquaredNorms()
         self._open_step = -1
@@ -204,11 +205,6 @@ class BatchVarianceProbe(Callback):
         self._log_every = self._round_up(self.log_every_n_steps or trainer.log_every_n_steps)
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
-        self.sources = f"BatchVarianceProbe sources: {self._plan.describe(pl_module)}"  # type: ignore[union-attr]
-        if self._plan.coupled:  # type: ignore[union-attr]
-            self.sources += (f". BatchNorm ({', '.join(self._plan.coupled)}) couples the examples of each "  # type: ignore[union-attr]
-                             "micro-batch: their gradients are the addends of a coupled batch gradient, not "
-                             "independent draws, and tr(Σ) describes that coupled gradient")
         rank_zero_info(self.sources)
 
     def _round_up(self, every: int) -> int:
@@ -224,6 +220,11 @@ class BatchVarianceProbe(Callback):
         self._plan_params = {"per_example": list(self._plan.parameters("per_example", pl_module).values()),
                              "micro_batch": list(self._plan.micro_batch.values()),
                              "vmap": list(self._plan.parameters("vmap", pl_module).values())}
+        self.sources = f"BatchVarianceProbe sources: {self._plan.describe(pl_module)}"
+        if self._plan.coupled:
+            self.sources += (f". BatchNorm ({', '.join(self._plan.coupled)}) couples the examples of each "
+                             "micro-batch: their gradients are the addends of a coupled batch gradient, not "
+                             "independent draws, and tr(Σ) describes that coupled gradient")
         if not (self._plan.per_example or self._plan.micro_batch or self._plan.vmap):
             self._cannot_measure("no parameter has a source: one micro-batch per step on one device, no layer "
                                  "with per-example norms, and the torch.func fallback off")
@@ -269,7 +270,7 @@ class BatchVarianceProbe(Callback):
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
-        if not self._measuring:
+        if not self._measuring or not self._batch_size:  # an empty batch leaves its step out (`_problem`)
             return
         accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         reduction = self.loss_reduction
@@ -324,11 +325,14 @@ class BatchVarianceProbe(Callback):
         problem = self._problem(result)
         if problem:
             self._cannot_measure(problem)
-        if result.failed:
-            self._excluded.update(result.failed)
+        self._failed.update(result.failed)
+        # Measured even when this rank saw a problem: every rank must join the same all-reduce, which also
+        # says which layers failed on any rank, so that every rank excludes the same ones.
+        failed = self._measure(trainer, pl_module, plan, params, result, micro_sum, valid_here=not problem)
+        if failed:
+            self._excluded.update(failed)
+            self._failed.difference_update(failed)
             self._make_plan(trainer, pl_module)
-        # Measured even when this rank saw a problem: every rank must join the same all-reduce.
-        self._measure(trainer, pl_module, plan, params, result, micro_sum, valid_here=not problem)
 
     def _check_batchnorm(self, trainer: "pl.Trainer") -> None:
         small = {n: v for n, v in self._bn_values.items() if v < BATCHNORM_MIN_VALUES}
@@ -351,6 +355,8 @@ class BatchVarianceProbe(Callback):
         if result.failed:
             return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items()) + \
                 " (measured by a fallback from now on)"
+        if 0 in self._micro_sizes:
+            return "an empty micro-batch"
         if result.batch_sizes and result.batch_sizes != self._micro_sizes:
             return (f"activations have {result.batch_sizes} rows per micro-batch but the batches have "
                     f"{self._micro_sizes} examples: the examples must sit on dimension 0")
@@ -360,11 +366,18 @@ class BatchVarianceProbe(Callback):
 
     def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: SourcePlan,
                  params: dict[str, list[torch.nn.Parameter]], result: PerExampleStep, micro_sum: Tensor | None,
-                 valid_here: bool) -> None:
+                 valid_here: bool) -> set[str]:
+        """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
+
+        On one process those are this step's failures. Under DDP a layer can fail on one rank only (a
+        branch taken by some ranks' data): the ranks' failures are summed with the estimates and read
+        at the next logging step, which syncs anyway; until then a rank's failure invalidates the steps.
+        """
         world, micro_batches = trainer.world_size, len(self._micro_sizes)
+        step = trainer.global_step
         if micro_batches == 0:
-            return
-        b = self._micro_sizes[0]
+            return self._failed if world == 1 else set()
+        b = self._micro_sizes[0] or 1  # 0: an empty micro-batch, in a step `_problem` has left out
         local_examples = sum(self._micro_sizes)
         examples, groups = local_examples * world, micro_batches * world
         device = pl_module.device
@@ -378,17 +391,25 @@ class BatchVarianceProbe(Callback):
         sq_norm_sum = (result.sq_norm_sum if result.sq_norm_sum is not None else zero()).to(device, torch.float64)
         micro_sum = (micro_sum if micro_sum is not None else zero()).to(device, torch.float64)
         valid: Tensor | bool = valid_here
-        if world > 1:  # the sums over the ranks, and whether every rank measured all its examples
-            packed = trainer.strategy.reduce(torch.stack([
+        failed = set(self._failed)
+        if world > 1:  # the sums over the ranks, whether every rank measured all its examples, which layers failed
+            layers = [*plan.per_example, *plan.vmap]
+            flags = torch.zeros(len(layers), dtype=torch.float64, device=device)  # filled on the device: no copy
+            for i in (i for i, n in enumerate(layers) if n in failed):
+                flags[i] = 1.0
+            packed = trainer.strategy.reduce(torch.cat([torch.stack([
                 sq_norm_sum, micro_sum,
                 torch.full((), float(local_examples), dtype=torch.float64, device=device),
                 torch.full((), 0.0 if valid_here else 1.0, dtype=torch.float64, device=device),
-            ]), reduce_op="sum")
+            ]), flags]), reduce_op="sum")
             sq_norm_sum, micro_sum = packed[0], packed[1]
             valid = (packed[3] == 0) & (packed[2] == examples)
+            failed = set()
+            if step % self._log_every == 0 and layers:
+                failed = {n for n, count in zip(layers, packed[4:].tolist()) if count > 0}
         if examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
-            return
+            return failed
         estimates = []
         if plan.per_example:
             batch_sq = self._grad_sq_norm(params["per_example"], to_mean, device)
@@ -409,11 +430,11 @@ class BatchVarianceProbe(Callback):
         self.noise.update(grad_sq_norm, trace_cov, valid)
         self.noise_error.update(grad_sq_norm, trace_cov, valid)
         self.effective_batch_size = examples
-        step = trainer.global_step
         if step % self._log_every == 0:
-            self._log(trainer, result, valid, b, examples, step)
+            self._log(trainer, pl_module, plan, result, valid, b, examples, step)
         if result.sq_norms:
             self._log_per_example_norms(trainer, result.sq_norms, step)
+        return failed
 
     @staticmethod
     def _grad_sq_norm(params: Any, to_mean: float, device: torch.device) -> Tensor:
@@ -425,10 +446,15 @@ class BatchVarianceProbe(Callback):
     # ------------------------------------------------------------------ logging
 
     @staticmethod
-    def _coordinate_stats(trainer: "pl.Trainer", result: PerExampleStep, examples: int) -> dict[str, Tensor]:
-        names = list(result.sum_sq)
-        grad_sums = [result.grad_sum[n].double() for n in names]
-        sum_sqs = [result.sum_sq[n].double() for n in names]
+    def _coordinate_stats(trainer: "pl.Trainer", per_example: dict[str, torch.nn.Parameter], result: PerExampleStep,
+                          examples: int) -> dict[str, Tensor]:
+        # Every parameter of the plan, in its order, zeros where this rank has no sums (a layer that failed
+        # here): the ranks' collectives must match; such a step is invalid and its GSNR is not logged.
+        names = list(per_example) if result.sum_sq else []
+        grad_sums = [result.grad_sum[n].double() if n in result.grad_sum else
+                     torch.zeros_like(per_example[n], dtype=torch.float64) for n in names]
+        sum_sqs = [result.sum_sq[n].double() if n in result.sum_sq else
+                   torch.zeros_like(per_example[n], dtype=torch.float64) for n in names]
         if names and trainer.world_size > 1:  # the sums over every rank's examples, in one collective
             parts = grad_sums + sum_sqs
             flat = trainer.strategy.reduce(torch.cat([v.flatten() for v in parts]), reduce_op="sum")
@@ -453,8 +479,8 @@ class BatchVarianceProbe(Callback):
             out[f"grad_noise/gsnr/{module or '(root)'}"] = torch.cat(parts).mean()
         return out
 
-    def _log(self, trainer: "pl.Trainer", result: PerExampleStep, valid: Tensor | bool, micro_batch_size: int,
-             examples: int, step: int) -> None:
+    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: SourcePlan, result: PerExampleStep,
+             valid: Tensor | bool, micro_batch_size: int, examples: int, step: int) -> None:
         noise = self.noise
         rel_err = self.noise_error.relative_error(noise)
         metrics: dict[str, Tensor] = {
@@ -468,7 +494,7 @@ class BatchVarianceProbe(Callback):
             "grad_noise/batch_grad_var/full_batch": noise.trace_cov / examples,
         }
         if self.per_coordinate:
-            metrics.update(self._coordinate_stats(trainer, result, examples))
+            metrics.update(self._coordinate_stats(trainer, plan.parameters("per_example", pl_module), result, examples))
         keys = list(metrics)
         device = noise.count.device
         host = torch.stack([metrics[k].detach().double().reshape(()).to(device) for k in keys]

@@ -221,7 +221,7 @@ class GradNormEarlyStopping(Callback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
-        total = self._monitored_total(trainer)
+        total = self._monitored_total(trainer, optimizer)
         if total is None:
             total = self._total(trainer, optimizer)
         if total is None:
@@ -288,10 +288,14 @@ class GradNormEarlyStopping(Callback):
             total = total / scale.to(total)
         return total
 
-    def _monitored_total(self, trainer: "pl.Trainer") -> Tensor | None:
+    def _monitored_total(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> Tensor | None:
         """The same total, read from a GradNormMonitor (p = 2) that already measured this step — one
-        before this callback in the list — instead of a second pass over the gradients."""
-        if len(trainer.optimizers) != 1:
+        before this callback in the list — instead of a second pass over the gradients.
+
+        Only while the optimizer holds the parameters this callback follows: a parameter group added
+        mid-epoch reaches its noise hooks at the next epoch, and its total must wait with them.
+        """
+        if len(trainer.optimizers) != 1 or sum(len(g["params"]) for g in optimizer.param_groups) != len(self._params):
             return None
         monitor = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor) and cb.norm_type == 2.0), None)
         return monitor.total_at(trainer.global_step) if monitor is not None else None

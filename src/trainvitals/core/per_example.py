@@ -154,20 +154,22 @@ def _outer_chunks(module: nn.Module, inputs: Tensor, grad_output: Tensor,
     dtype = _accumulation_dtype(grad_output)
     batch = inputs.shape[0]
     linear = isinstance(module, nn.Linear)
+    # Views until a chunk is taken: a bf16 layer's operands are widened one chunk at a time.
     if linear:
-        a, g = _by_position(inputs).to(dtype), _by_position(grad_output).to(dtype)
+        a, g = _by_position(inputs), _by_position(grad_output)
         fan_in = a.shape[2]
     else:
         assert isinstance(module, (nn.Conv1d, nn.Conv2d))
-        g = grad_output.to(dtype).flatten(2).transpose(1, 2)
+        g = grad_output.flatten(2).transpose(1, 2)
         fan_in = module.in_channels * math.prod(module.kernel_size)
     positions, fan_out = g.shape[1], g.shape[2]
     patches = 0 if linear else positions * fan_in
     largest = max(patches, fan_out * fan_in, positions * positions) if positions > 1 else 1
-    chunk = max(1, _SCRATCH_BYTES // (largest * g.element_size()))
+    chunk = max(1, _SCRATCH_BYTES // (largest * dtype.itemsize))
     for start in range(0, max(batch, 1), chunk):  # an empty batch is one empty chunk
         stop = start + chunk
-        yield a[start:stop] if linear else _conv_patches(module, inputs[start:stop], dtype, workspace), g[start:stop]
+        x = a[start:stop].to(dtype) if linear else _conv_patches(module, inputs[start:stop], dtype, workspace)
+        yield x, g[start:stop].to(dtype)
 
 
 def _outer_sq_norms(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> Tensor:
@@ -371,8 +373,10 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
     (label smoothing). Reductions over parameters only (an L2 penalty) are ignored.
 
     Returns:
-        ``"mean"``, ``"sum"``, or ``None`` when the graph shows neither, or both.
+        ``"mean"``, ``"sum"``, or ``None`` when the graph shows neither, or both (or the batch is empty).
     """
+    if batch_size < 1:
+        return None
     found: set[str] = set()
     stack: list[tuple[Any, float]] = [(loss.grad_fn, 1.0)]
     skip_division = accumulation
