@@ -376,7 +376,7 @@ class BatchVarianceProbe(Callback):
         world, micro_batches = trainer.world_size, len(self._micro_sizes)
         step = trainer.global_step
         if micro_batches == 0:
-            return self._failed if world == 1 else set()
+            return set(self._failed) if world == 1 else set()
         b = self._micro_sizes[0] or 1  # 0: an empty micro-batch, in a step `_problem` has left out
         local_examples = sum(self._micro_sizes)
         examples, groups = local_examples * world, micro_batches * world
