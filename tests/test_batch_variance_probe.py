@@ -374,13 +374,21 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     assert int(resumed.noise.count) == 6
 
 
-def test_amp_loss_scale_is_undone():
+class FusedSGD(Classifier):
+    """Its optimizer unscales the gradients in its own step: they are still scaled in the callbacks' hook."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, fused=True)
+
+
+@pytest.mark.parametrize("module", [Classifier, FusedSGD])
+def test_amp_loss_scale_is_undone(module):
     data = TensorDataset(classification_data("mlp", 16).tensors[0].float(), classification_data("mlp", 16).tensors[1])
     values = []
     for precision in ("32-true", MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))):
         probe = BatchVarianceProbe(beta=0.0)
         torch.manual_seed(0)
-        fit(Classifier(mlp()), data, [probe], batch_size=16, steps=1, precision=precision)
+        fit(module(mlp()), data, [probe], batch_size=16, steps=1, precision=precision)
         values.append((float(probe.noise.trace_cov), float(probe.noise.grad_sq_norm)))
     assert rel(values[1][0], values[0][0]) < 0.02 and rel(values[1][1], values[0][1]) < 0.05
 

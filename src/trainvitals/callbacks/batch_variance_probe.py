@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
 
+from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.core.noise import MicroBatchSquaredNorms, NoiseScaleEMA, NoiseScaleError, two_batch_size_estimates
 from trainvitals.core.norms import per_tensor_norms
@@ -288,12 +289,9 @@ class BatchVarianceProbe(Callback):
                            "gradients are those of each example's own loss" + (
                                ", B × its share of the batch mean" if reduction == "mean" else ""))
         self._reduction = reduction
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        scale: Tensor | float = 1.0
-        if scaler is not None and scaler.is_enabled():
-            scale = scaler._get_scale_async()  # the device tensor: get_scale() would sync with the host
+        scale = loss_scale(trainer)
         per_loss = self._batch_size if reduction == "mean" else 1
-        self._unit = accumulation * per_loss / scale
+        self._unit = accumulation * per_loss / (1.0 if scale is None else scale)
 
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -307,7 +305,8 @@ class BatchVarianceProbe(Callback):
     # ------------------------------------------------------------------ per optimizer step
 
     @override
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: torch.optim.Optimizer) -> None:
         step = trainer.global_step
         if not self._measuring or self._finalized_step == step:
             return
@@ -328,7 +327,8 @@ class BatchVarianceProbe(Callback):
         self._failed.update(result.failed)
         # Measured even when this rank saw a problem: every rank must join the same all-reduce, which also
         # says which layers failed on any rank, so that every rank excludes the same ones.
-        failed = self._measure(trainer, pl_module, plan, params, result, micro_sum, valid_here=not problem)
+        failed = self._measure(trainer, pl_module, plan, params, result, micro_sum, valid_here=not problem,
+                               grad_scale=scale_left_in_grads(trainer, optimizer))
         if failed:
             self._excluded.update(failed)
             self._failed.difference_update(failed)
@@ -366,8 +366,10 @@ class BatchVarianceProbe(Callback):
 
     def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: SourcePlan,
                  params: dict[str, list[torch.nn.Parameter]], result: PerExampleStep, micro_sum: Tensor | None,
-                 valid_here: bool) -> set[str]:
+                 valid_here: bool, grad_scale: Tensor | None) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
+
+        ``grad_scale``: the AMP loss scale still in ``.grad`` (an optimizer that unscales in its own step).
 
         On one process those are this step's failures. Under DDP a layer can fail on one rank only (a
         branch taken by some ranks' data): the ranks' failures are summed with the estimates and read
@@ -383,7 +385,9 @@ class BatchVarianceProbe(Callback):
         device = pl_module.device
         # The accumulated, rank-averaged, unscaled .grad is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum.
         accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        to_mean = accumulation / (micro_batches * (1 if self._reduction == "mean" else b))
+        to_mean: Tensor | float = accumulation / (micro_batches * (1 if self._reduction == "mean" else b))
+        if grad_scale is not None:
+            to_mean = to_mean / grad_scale.to(device, torch.float64)
 
         def zero() -> Tensor:
             return torch.zeros((), dtype=torch.float64, device=device)
@@ -437,7 +441,7 @@ class BatchVarianceProbe(Callback):
         return failed
 
     @staticmethod
-    def _grad_sq_norm(params: Any, to_mean: float, device: torch.device) -> Tensor:
+    def _grad_sq_norm(params: Any, to_mean: Tensor | float, device: torch.device) -> Tensor:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=device)
