@@ -142,6 +142,8 @@ class BatchVarianceProbe(Callback):
         self.max_rel_err = max_rel_err
         self.top_k = top_k
         self.strict = strict
+        # Lightning reads the key in every hook call (profiler names): build it once.
+        self._state_key = self._generate_state_key(every_n_steps=every_n_steps, beta=beta)
 
         self.noise = NoiseScaleEMA(beta)
         self.noise_error = NoiseScaleError(beta)
@@ -174,7 +176,7 @@ class BatchVarianceProbe(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, beta=self.beta)
+        return self._state_key
 
     # ------------------------------------------------------------------ setup
 

@@ -147,6 +147,9 @@ class GradNormEarlyStopping(Callback):
         self.reference_steps = reference_steps
         self.check_every_n_steps = check_every_n_steps
         self.verbose = verbose
+        # Lightning reads the key in every hook call (profiler names): build it once.
+        self._state_key = self._generate_state_key(mode=mode, margin=margin, patience=patience, min_steps=min_steps,
+                                                   threshold=threshold, fraction=fraction)
 
         self.ema_beta = ema_beta
         self._micro = MicroBatchSquaredNorms()
@@ -176,8 +179,7 @@ class GradNormEarlyStopping(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(mode=self.mode, margin=self.margin, patience=self.patience,
-                                        min_steps=self.min_steps, threshold=self.threshold, fraction=self.fraction)
+        return self._state_key
 
     # ------------------------------------------------------------------ hooks
     @override

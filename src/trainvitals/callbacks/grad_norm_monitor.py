@@ -140,6 +140,8 @@ class GradNormMonitor(Callback):
         self.spike_factor = spike_factor
         self.spike_ema_beta = spike_ema_beta
         self.spike_warmup_steps = spike_warmup_steps
+        # Lightning reads the key in every hook call (profiler names): build it once.
+        self._state_key = self._generate_state_key(norm_type=self.norm_type, grouping=grouping)
         self._tracks: dict[int, _Track] = {}
         self._restored: dict[int, dict[str, Any]] = {}
         self._clip_pending: tuple[int, int] | None = None  # (optimizer index, step) to measure after clipping
@@ -147,7 +149,7 @@ class GradNormMonitor(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(norm_type=self.norm_type, grouping=self.grouping)
+        return self._state_key
 
     @property
     def last_total(self) -> dict[int, Tensor]:

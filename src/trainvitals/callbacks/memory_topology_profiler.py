@@ -144,6 +144,8 @@ class MemoryTopologyProfiler(Callback):
             raise ValueError(f"`max_modules_shown` must be >= 1, got {max_modules_shown}")
         self.every_n_steps = every_n_steps
         self.first_steps = first_steps
+        # Lightning reads the key in every hook call (profiler names): build it once.
+        self._state_key = self._generate_state_key(every_n_steps=every_n_steps, first_steps=first_steps)
         self.memory_budget_bytes = memory_budget_bytes
         self.top_k = top_k
         self.snapshot_steps = snapshot_steps
@@ -176,7 +178,7 @@ class MemoryTopologyProfiler(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, first_steps=self.first_steps)
+        return self._state_key
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
