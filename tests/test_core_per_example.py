@@ -12,20 +12,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trainvitals.core import per_example as per_example_module
-from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
+from trainvitals.core.noise import (
+    NoiseScaleEMA,
+    NoiseScaleError,
+    coordinate_variance,
+    eb_criterion,
+    gradient_snr,
+    per_example_estimates,
+    sub_batch_estimates,
+)
 from trainvitals.core.per_example import (
     PER_EXAMPLE_LAYERS,
     PerExampleGradients,
     Workspace,
-    coordinate_variance,
     detect_loss_reduction,
-    eb_criterion,
-    gradient_snr,
-    per_example_estimates,
     per_example_sq_norms,
     per_example_sums,
     plan_sources,
-    sub_batch_estimates,
     vmap_per_example_grads,
 )
 

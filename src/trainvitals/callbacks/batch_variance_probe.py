@@ -26,18 +26,23 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
 
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
-from trainvitals.core.noise import MicroBatchSquaredNorms, NoiseScaleEMA, NoiseScaleError, two_batch_size_estimates
+from trainvitals.core.noise import (
+    MicroBatchSquaredNorms,
+    NoiseScaleEMA,
+    NoiseScaleError,
+    eb_criterion,
+    gradient_snr,
+    per_example_estimates,
+    sub_batch_estimates,
+    two_batch_size_estimates,
+)
 from trainvitals.core.norms import per_tensor_norms
 from trainvitals.core.per_example import (
     PerExampleGradients,
     PerExampleStep,
     SourcePlan,
     detect_loss_reduction,
-    eb_criterion,
-    gradient_snr,
-    per_example_estimates,
     plan_sources,
-    sub_batch_estimates,
 )
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")

@@ -50,10 +50,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.core.noise import two_batch_size_estimates
-
 PER_EXAMPLE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm)
-GSNR_EPS = 1e-5  # Cockpit's ε in the variance denominator (quantities/early_stopping.py, mean_gsnr.py)
 
 _SCALAR_OPS = frozenset({
     "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "AddBackward0", "SubBackward0",
@@ -419,90 +416,6 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
                 divisor *= value
         stack.extend((nxt, divisor) for nxt, _ in node.next_functions)
     return found.pop() if len(found) == 1 else None
-
-
-def coordinate_variance(mean_grad: Tensor, sum_sq: Tensor, num_examples: int) -> Tensor:
-    """σ̂_d² = (Σ_i g_{i,d}² − B ḡ_d²)/(B − 1), the unbiased per-coordinate variance (Mahsereci et al. 2017, Eq. 7),
-    clamped at 0 against rounding.
-
-    Args:
-        mean_grad: ḡ, any shape.
-        sum_sq: Σ_i g_{i,d}², the shape of ``mean_grad``.
-        num_examples: B ≥ 2.
-    """
-    # A difference of two nearly equal terms: rounding can take it below zero, which would flip the
-    # sign of GSNR and the EB criterion (far more so with ḡ from a bf16 ``.grad``: see per_example_sums).
-    return ((sum_sq - num_examples * mean_grad.square()) / (num_examples - 1)).clamp_min(0.0)
-
-
-def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, eps: float = GSNR_EPS) -> Tensor:
-    """Per-coordinate gradient signal-to-noise ratio ḡ_d²/(σ̂_d² + ε) (Liu et al. 2020), the shape of ``mean_grad``.
-
-    σ̂_d² is the unbiased variance of :func:`coordinate_variance` (Cockpit's MeanGSNR uses the biased
-    one); ε = 1e-5 as in Cockpit, in squared per-example gradient units. Average over a layer's
-    coordinates for the layer's GSNR.
-    """
-    return mean_grad.square() / (coordinate_variance(mean_grad, sum_sq, num_examples) + eps)
-
-
-def eb_criterion(
-    mean_grads: Iterable[Tensor], sum_sqs: Iterable[Tensor], num_examples: Iterable[int], eps: float = GSNR_EPS
-) -> Tensor:
-    """The evidence-based stopping criterion 1 − (1/D) Σ_d B ḡ_d²/(σ̂_d² + ε) (Mahsereci et al. 2017, Eq. 7).
-
-    Positive: the batch gradient is indistinguishable from noise, stop. ε as in Cockpit's
-    ``quantities/early_stopping.py``. Parts may come from different numbers of examples B.
-
-    Args:
-        mean_grads, sum_sqs: per parameter, ḡ and Σ_i g_i², matching shapes.
-        num_examples: per parameter, the B its statistics come from.
-
-    Returns:
-        ``()`` float64.
-    """
-    total, count = None, 0
-    for mean_grad, sum_sq, n in zip(mean_grads, sum_sqs, num_examples):
-        part = (n * gradient_snr(mean_grad.double(), sum_sq.double(), n, eps)).sum()
-        total = part if total is None else total + part
-        count += mean_grad.numel()
-    if total is None:
-        raise ValueError("`mean_grads` must not be empty")
-    return 1.0 - total / count
-
-
-def sub_batch_estimates(
-    sq_norm_sum: Tensor, sub_mean_sq_norm: Tensor, num_sub: int, batch_sq_norm: Tensor, batch_size: int
-) -> tuple[Tensor, Tensor]:
-    """‖G‖² and tr(Σ) from per-example gradients of a sub-batch of n examples out of a batch of B.
-
-    S_est = (Σ_i ‖g_i‖² − n‖ḡ_n‖²)/(n − 1), the Bessel-corrected sample variance of the sub-batch
-    (docs/science.md §3, b = 1), and ‖G‖²_est = ‖ḡ_B‖² − S_est/B, unbiased by McCandlish et al. 2018,
-    Eq. A.1. With n = B this is :func:`~trainvitals.core.noise.two_batch_size_estimates` with b = 1.
-
-    Args:
-        sq_norm_sum: ``()`` Σ_i ‖g_i‖² over the n sub-batch examples.
-        sub_mean_sq_norm: ``()`` ‖ḡ_n‖² of their mean.
-        num_sub: n ≥ 2.
-        batch_sq_norm: ``()`` ‖ḡ_B‖² of the whole batch.
-        batch_size: B ≥ n.
-
-    Returns:
-        ``(grad_sq_norm, trace_cov)``, per-example units.
-
-    Raises:
-        ValueError: if ``num_sub < 2`` or ``batch_size < num_sub``.
-    """
-    if num_sub < 2:
-        raise ValueError(f"`num_sub` must be >= 2, got {num_sub}")
-    if batch_size < num_sub:
-        raise ValueError(f"`batch_size` must be >= `num_sub` ({num_sub}), got {batch_size}")
-    trace_cov = (sq_norm_sum - num_sub * sub_mean_sq_norm) / (num_sub - 1)
-    return batch_sq_norm - trace_cov / batch_size, trace_cov
-
-
-def per_example_estimates(sq_norm_sum: Tensor, batch_sq_norm: Tensor, num_examples: int) -> tuple[Tensor, Tensor]:
-    """‖G‖² and tr(Σ) from Σ_i ‖g_i‖² and ‖ḡ‖² of the same B examples (McCandlish et al. 2018, Eq. A.2, b = 1)."""
-    return two_batch_size_estimates(sq_norm_sum / num_examples, batch_sq_norm, num_examples, 1)
 
 
 @dataclass(frozen=True)
