@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -232,9 +233,12 @@ def test_a_layer_frozen_after_planning_counts_only_its_trainable_parameters(laye
 def test_an_empty_batch_gives_empty_norms_and_zero_sums(layer, shape):
     x = torch.randint(0, 7, (0, *shape)) if isinstance(layer, nn.Embedding) else torch.randn(0, *shape)
     grad_output = torch.zeros_like(layer(x))
-    assert per_example_sq_norms(layer, x, grad_output, Workspace()).shape == (0,)
-    for n, sums in per_example_sums(layer, x, grad_output).items():
-        assert all(value.shape == getattr(layer, n).shape and not value.any() for value in sums), n
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "degrees of freedom <= 0" of a variance over nothing
+        assert per_example_sq_norms(layer, x, grad_output, Workspace()).shape == (0,)
+        sums = per_example_sums(layer, x, grad_output)
+    for n, (total, total_sq) in sums.items():
+        assert total.shape == total_sq.shape == getattr(layer, n).shape and not total.any() and not total_sq.any(), n
 
 
 def test_under_bf16_autocast_the_coordinate_variance_comes_from_one_set_of_operands():

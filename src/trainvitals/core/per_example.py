@@ -221,7 +221,9 @@ def _layer_norm_grads(module: nn.LayerNorm, inputs: Tensor, grad_output: Tensor)
     shape = tuple(module.normalized_shape)
     dims = tuple(range(-len(shape), 0))
     x = inputs.to(dtype)
-    x_hat = (x - x.mean(dims, keepdim=True)) * torch.rsqrt(x.var(dims, unbiased=False, keepdim=True) + module.eps)
+    centred = x - x.mean(dims, keepdim=True)
+    # LayerNorm's biased variance, as a mean: ``Tensor.var`` warns on an empty batch.
+    x_hat = centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + module.eps)
     g = grad_output.to(dtype)
     by_position = (g.shape[0], math.prod(g.shape[1:g.dim() - len(shape)]), *shape)  # (B, T, *normalized_shape)
     out = {}
