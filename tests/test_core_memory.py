@@ -31,6 +31,7 @@ from trainvitals.core.memory import (
     tensors_in,
     transformer_layer_activation_bytes,
     unique_storage_bytes,
+    viewed_bytes,
     whole_forward_modules,
 )
 
@@ -315,6 +316,12 @@ def test_largest_batch_and_remedies_closed_form():
     with pytest.raises(ValueError, match="top_k"):
         rank_remedies(memory, top_k=-1)
 
+    # Under accumulation the step time covers every micro-batch's forward, each recomputing net.1 once.
+    timed = dataclasses.replace(report, forward_seconds={"net.1": 0.01})
+    for micro_batches in (1, 4):
+        memory = StepMemory(state, 0, timed, B, step_seconds=0.05 * micro_batches, micro_batches=micro_batches)
+        assert rank_remedies(memory, top_k=1)[0].extra_compute == pytest.approx(0.2)
+
 
 def test_helpers():
     t = torch.zeros(3)
@@ -324,3 +331,61 @@ def test_helpers():
     assert byte_unit(1023) == (1, "B") and byte_unit(2**20) == (2**20, "MiB") and byte_unit(2**60) == (2**40, "TiB")
     with pytest.raises(ValueError, match="max_steps"):
         HeldGraphTracker(max_steps=0)
+
+    data = torch.zeros(1000, 16)
+    assert viewed_bytes([data[100:132]]) == F32 * 32 * 16  # a batch sliced from a dataset: the slice
+    assert viewed_bytes([data[:10], data[5:20], data[:10, :3]]) == F32 * 20 * 16  # overlaps count once
+    assert viewed_bytes([data[:4].t(), torch.zeros(2)]) == F32 * (4 * 16 + 2)
+    assert viewed_bytes([data[:0]]) == 0
+
+
+def test_buffers_are_model_state_unless_they_share_a_parameter_storage():
+    model = nn.BatchNorm1d(8)
+    model.register_buffer("mask", torch.ones(100, 100))
+    model.register_buffer("alias", model.weight.detach()[:4])
+    state = model_state_bytes(model.parameters(), buffers=model.buffers())
+    # running mean and var (8 floats each), the int64 batch counter, the mask; the alias is the weight's.
+    assert state.buffers == F32 * (2 * 8 + 100 * 100) + 8
+    assert state.total == state.parameters + state.buffers == F32 * 2 * 8 + state.buffers
+
+
+def test_a_saved_tensor_freed_before_backward_is_not_an_activation():
+    """A metric computed with grad on saves a softmax output, then drops its graph: backward never holds
+    it. With 10 classes the freed storage's address is reused by log_softmax's output, which must be
+    counted as its own storage."""
+    B, D, H = 256, 32, 64
+    for C in (1000, 10):
+        model = nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, C))
+        x, y = torch.randn(B, D), torch.randint(0, C, (B,))
+        with SavedTensorRecorder(model, exclude=[x, y]) as rec:
+            logits = model(x)
+            accuracy = (logits.softmax(-1).argmax(-1) == y).float().mean()
+            loss = F.cross_entropy(logits, y)
+        # Tanh's output (also the last Linear's input), log_softmax's output and nll_loss's 0-d total weight.
+        assert rec.report().total_bytes == F32 * (B * H + B * C + 1), C
+        assert sum(nbytes for nbytes, _ in rec.held().values()) == F32 * (B * H + B * C + 1)
+        loss.backward()
+        del accuracy
+
+
+def test_autocast_weight_copies_are_fixed_bytes_not_activations():
+    """Under bf16 autocast, Linear saves a bf16 copy of its weight, cached for the autocast region:
+    the same bytes at any batch size, and not freed by checkpointing the layer."""
+    D, H, C = 64, 256, 2
+    model = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU(), nn.Linear(H, C))
+    copies = 2 * (H * H + H * C)  # bf16 weights; the first layer's input needs no gradient, so not its weight
+    reports = {}
+    for B in (1, 16):
+        x = torch.randn(B, D)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, reports[B], _ = record(model, x, exclude=[x])
+        assert reports[B].parameter_copy_bytes == copies
+    # The rest scales with the batch: per example, the first Linear's bf16 input and the two ReLU outputs
+    # (bf16, reused by the next Linear).
+    assert reports[1].total_bytes == 2 * (D + 2 * H)
+    assert reports[16].total_bytes == 16 * reports[1].total_bytes
+    state = ModelStateBytes(parameters=0, gradients=0, optimizer_state=0)
+    memory = StepMemory(state, 0, reports[16], 16, budget_bytes=2**20)
+    assert memory.fixed_bytes == copies
+    assert memory.largest_batch() == (2**20 - copies) * 16 // reports[16].total_bytes
+

@@ -79,8 +79,10 @@ def test_logged_bytes_match_the_hand_count():
         "memory/gradients_bytes": PARAM_BYTES,
         # Adam after its first step: two moments and a 0-d float32 step counter per parameter tensor.
         "memory/optimizer_state_bytes": 2 * PARAM_BYTES + 4 * F32,
+        "memory/buffers_bytes": 0,
         "memory/inputs_bytes": F32 * B * D + I64 * B,
         "memory/activations_bytes": ACTIVATION_BYTES,
+        "memory/parameter_copies_bytes": 0,
         "memory/activations/net.1": F32 * B * H,
         f"memory/activations/{OUTSIDE}": F32 * (B * C + 1),
         "memory/held_saved_bytes": 0,
@@ -206,6 +208,36 @@ def test_largest_batch_with_a_budget():
     fixed = 3 * PARAM_BYTES  # parameters, gradients, momentum
     per_example = (ACTIVATION_BYTES + F32 * B * D + I64 * B) / B
     assert logger.values("memory/largest_batch") == [int((budget - fixed) / per_example)]
+
+
+class Masked(Classifier):
+    """A 40,000-byte buffer: model state, the same at any batch size."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.register_buffer("mask", torch.ones(100, 100))
+
+
+def test_buffers_are_fixed_and_a_batch_sliced_from_a_resident_dataset_is_the_slice():
+    """Batches cut from one tensor that holds the whole dataset (as when it lives on the GPU) are views of
+    its storage: the batch is the slice, and the dataset is not a per-example cost."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, D, generator=g), torch.randint(0, C, (64,), generator=g)
+    slices = [(x[i:i + B], y[i:i + B]) for i in range(0, 64, B)]
+    budget, logger = 100_000, RecordingLogger()
+    fit(Masked(), MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget), logger, max_steps=1,
+        loader=DataLoader(slices, batch_size=None))
+    assert logger.values("memory/buffers_bytes") == [F32 * 100 * 100]
+    assert logger.values("memory/inputs_bytes") == [F32 * B * D + I64 * B]
+    fixed = 3 * PARAM_BYTES + F32 * 100 * 100  # parameters, gradients, momentum, the buffer
+    per_example = (ACTIVATION_BYTES + F32 * B * D + I64 * B) / B
+    assert logger.values("memory/largest_batch") == [int((budget - fixed) / per_example)]
+
+
+def test_under_accumulation_the_cost_of_checkpointing_counts_every_micro_batch():
+    profiler = MemoryTopologyProfiler(first_steps=1)
+    fit(Classifier(), profiler, max_steps=1, accumulate_grad_batches=3)
+    assert profiler.last is not None and profiler.last.micro_batches == 3
 
 
 def test_fit_end_table_and_picture_in_tensorboard(tmp_path, caplog):

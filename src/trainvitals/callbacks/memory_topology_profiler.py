@@ -38,7 +38,7 @@ from trainvitals.core.memory import (
     model_state_bytes,
     rank_remedies,
     tensors_in,
-    unique_storage_bytes,
+    viewed_bytes,
 )
 
 _SNAPSHOT_MAX_ENTRIES = 100_000  # alloc/free events kept by the snapshot's ring buffer (a few KB each)
@@ -53,6 +53,7 @@ class _Pending:
     inputs_bytes: int
     start: float  # perf_counter at the batch start
     recorder: SavedTensorRecorder
+    micro_batches: int = 1  # batches started for this optimizer step (gradient accumulation)
 
 
 class MemoryTopologyProfiler(Callback):
@@ -62,8 +63,10 @@ class MemoryTopologyProfiler(Callback):
     ``on_before_backward``) with a :class:`~trainvitals.core.memory.SavedTensorRecorder` and, once the
     optimizer step is done, logs in bytes (per rank, from rank zero):
 
-    - ``memory/parameters_bytes``, ``memory/gradients_bytes``, ``memory/optimizer_state_bytes``
-      (every tensor in ``optimizer.state``), ``memory/inputs_bytes`` (the batch),
+    - ``memory/parameters_bytes``, ``memory/buffers_bytes``, ``memory/gradients_bytes``,
+      ``memory/optimizer_state_bytes`` (every tensor in ``optimizer.state``), ``memory/inputs_bytes``
+      (the batch's own elements), ``memory/parameter_copies_bytes`` (the 16-bit parameter copies that
+      autocast saves: batch-independent),
       ``memory/activations_bytes`` and ``memory/activations/<module>`` for the ``max_modules_shown``
       modules that own the most (saved for backward, owned by the innermost module; ``(root)`` is the
       model's own forward, ``(outside)`` the loss and other code outside any module),
@@ -210,7 +213,10 @@ class MemoryTopologyProfiler(Callback):
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:
         step = trainer.global_step
-        if self._pending is not None or not self._due(step):
+        if self._pending is not None:
+            self._pending.micro_batches += 1
+            return
+        if not self._due(step):
             return
         self._last_profiled_step = step
         self._profiled_this_fit += 1
@@ -226,7 +232,7 @@ class MemoryTopologyProfiler(Callback):
             torch.cuda.reset_peak_memory_stats(self._device)
         timed = True if self._timed is None else self._timed
         recorder = SavedTensorRecorder(pl_module, exclude=tensors, time_modules=timed)
-        self._pending = _Pending(step, sizes[0] if sizes else 0, unique_storage_bytes(tensors), time.perf_counter(),
+        self._pending = _Pending(step, sizes[0] if sizes else 0, viewed_bytes(tensors), time.perf_counter(),
                                  recorder.__enter__())
 
     @override
@@ -255,13 +261,15 @@ class MemoryTopologyProfiler(Callback):
         if report.uncounted:
             self._gap(f"{report.uncounted} saved tensors have no storage (sparse or wrapper subclasses) and are "
                       "not counted")
-        state = model_state_bytes(pl_module.parameters(), trainer.optimizers)
+        state = model_state_bytes(pl_module.parameters(), trainer.optimizers, pl_module.buffers())
         metrics: dict[str, float] = {
             "memory/parameters_bytes": state.parameters,
+            "memory/buffers_bytes": state.buffers,
             "memory/gradients_bytes": state.gradients,
             "memory/optimizer_state_bytes": state.optimizer_state,
             "memory/inputs_bytes": pending.inputs_bytes,
             "memory/activations_bytes": report.total_bytes,
+            "memory/parameter_copies_bytes": report.parameter_copy_bytes,
             "memory/held_saved_bytes": held.held_bytes,
             **{f"memory/activations/{name}": nbytes
                for name, nbytes in list(report.by_module.items())[: self.max_modules_shown]},
@@ -269,7 +277,7 @@ class MemoryTopologyProfiler(Callback):
         temporaries = 0
         if cuda:
             stats = torch.cuda.memory_stats(self._device)
-            known = state.total + pending.inputs_bytes + report.total_bytes
+            known = state.total + report.parameter_copy_bytes + pending.inputs_bytes + report.total_bytes
             temporaries = stats["allocated_bytes.all.peak"] - known
             metrics.update({
                 "memory/peak_allocated_bytes": stats["allocated_bytes.all.peak"],
@@ -280,7 +288,7 @@ class MemoryTopologyProfiler(Callback):
             })
         self._last_step = pending.step
         self.last = StepMemory(state, pending.inputs_bytes, report, pending.batch_size, temporaries,
-                               self._budget, seconds)
+                               self._budget, seconds, pending.micro_batches)
         self.remedies = rank_remedies(self.last, self.top_k)
         self._timed = {r.target for r in self.remedies if r.target}
         largest = self.last.largest_batch()
@@ -359,9 +367,11 @@ class MemoryTopologyProfiler(Callback):
     def _categories_markdown(self, last: StepMemory) -> list[str]:
         m = self.last_metrics
         names = {
-            "parameters": "memory/parameters_bytes", "gradients": "memory/gradients_bytes",
-            "optimizer state": "memory/optimizer_state_bytes", "inputs (batch)": "memory/inputs_bytes",
-            "saved activations": "memory/activations_bytes", "held after backward": "memory/held_saved_bytes",
+            "parameters": "memory/parameters_bytes", "buffers": "memory/buffers_bytes",
+            "gradients": "memory/gradients_bytes", "optimizer state": "memory/optimizer_state_bytes",
+            "inputs (batch)": "memory/inputs_bytes", "saved activations": "memory/activations_bytes",
+            "parameter copies (autocast)": "memory/parameter_copies_bytes",
+            "held after backward": "memory/held_saved_bytes",
             "CUDA peak allocated": "memory/peak_allocated_bytes", "CUDA peak reserved": "memory/peak_reserved_bytes",
             "CUDA temporaries": "memory/temporaries_bytes",
         }
@@ -383,7 +393,7 @@ class MemoryTopologyProfiler(Callback):
             budget = "No memory budget (pass `memory_budget_bytes` on CPU): no largest-batch advice."
         else:
             budget = (f"Budget {format_bytes(last.budget_bytes)}: the largest batch that fits is "
-                      f"{last.largest_batch()} (fixed {format_bytes(last.state.total)}, "
+                      f"{last.largest_batch()} (fixed {format_bytes(last.fixed_bytes)}, "
                       f"{format_bytes(last.scaling_bytes / max(last.batch_size, 1))} per example).")
         rows = []
         for rank, r in enumerate(self.remedies, 1):

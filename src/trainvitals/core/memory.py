@@ -3,14 +3,20 @@ steps, and the arithmetic of the remedies (docs/science.md §5).
 
 Categories, all in bytes and all counted by storage, so that views and tied weights count once:
 
-- parameters, gradients and optimizer state (every tensor in ``optimizer.state``);
-- inputs: the tensors of the batch;
+- parameters, buffers, gradients and optimizer state (every tensor in ``optimizer.state``);
+- inputs: the tensors of the batch, their own elements (a batch sliced from a dataset that lives on
+  the device is the slice, not the dataset);
 - saved activations: what autograd keeps for backward, seen through
   ``torch.autograd.graph.saved_tensors_hooks``. Each saved tensor is attributed to the innermost module
   whose forward is running (module forward pre/post hooks keep the stack), deduplicated by storage
   (``untyped_storage().data_ptr()``, ``nbytes()``), and left out when its storage belongs to a
   parameter, a buffer or the batch: ``Linear`` saves ``weight.t()``, a view of a parameter, and the
-  first layer saves the batch, but neither is an activation. This works on any device.
+  first layer saves the batch, but neither is an activation. A storage whose every saving node was
+  freed before the recorder closes (a metric computed with grad on, then dropped) is not counted:
+  nothing holds it at backward. This works on any device;
+- parameter copies: the 16-bit copies of parameters that autocast makes and saves. Autocast caches
+  them until its region ends, for any batch size: fixed bytes, not activations, and not freed by
+  checkpointing.
 
 A graph kept alive across steps (``total = total + loss`` with ``retain_graph=True``, a hidden state
 that is never detached) shows as saved tensors that are still referenced after backward and whose
@@ -87,6 +93,26 @@ def unique_storage_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(sizes.values())
 
 
+def viewed_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the storage ranges ``tensors`` span: a slice of a larger storage counts as the slice,
+    overlapping views of one storage count once."""
+    spans: dict[StorageKey, list[tuple[int, int]]] = {}
+    for t in tensors:
+        key = storage_key(t)
+        if key is None or t.numel() == 0:
+            continue
+        first = t.storage_offset()
+        last = first + sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride()))
+        spans.setdefault(key, []).append((first * t.element_size(), (last + 1) * t.element_size()))
+    total = 0
+    for ranges in spans.values():
+        covered = 0  # the end of the union of the ranges so far, sorted by start
+        for start, end in sorted(ranges):
+            total += max(0, end - max(start, covered))
+            covered = max(covered, end)
+    return total
+
+
 @dataclass(frozen=True)
 class ModelStateBytes:
     """Bytes of the model state that does not scale with the batch.
@@ -97,25 +123,30 @@ class ModelStateBytes:
         optimizer_state: distinct storages of every tensor in ``optimizer.state``; Adam keeps two
             moments (2 × parameter bytes) plus a 4-byte ``step`` tensor per parameter, SGD with
             momentum one buffer (1 ×), plain SGD nothing.
+        buffers: distinct buffer storages not shared with a parameter (BatchNorm statistics, masks).
     """
 
     parameters: int
     gradients: int
     optimizer_state: int
+    buffers: int = 0
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state
+        return self.parameters + self.gradients + self.optimizer_state + self.buffers
 
 
 def model_state_bytes(
-    parameters: Iterable[Tensor], optimizers: Sequence[torch.optim.Optimizer] = ()
+    parameters: Iterable[Tensor], optimizers: Sequence[torch.optim.Optimizer] = (), buffers: Iterable[Tensor] = ()
 ) -> ModelStateBytes:
-    """Parameter, gradient and optimizer-state bytes (see :class:`ModelStateBytes`)."""
+    """Parameter, gradient, optimizer-state and buffer bytes (see :class:`ModelStateBytes`)."""
     params = list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     state = [t for opt in optimizers for per_param in opt.state.values() for t in tensors_in(per_param)]
-    return ModelStateBytes(unique_storage_bytes(params), unique_storage_bytes(grads), unique_storage_bytes(state))
+    param_keys = storage_keys(params)
+    own_buffers = [b for b in buffers if storage_key(b) not in param_keys]
+    return ModelStateBytes(unique_storage_bytes(params), unique_storage_bytes(grads), unique_storage_bytes(state),
+                           unique_storage_bytes(own_buffers))
 
 
 @dataclass(frozen=True)
@@ -149,6 +180,8 @@ class SavedTensorReport:
         forward_seconds: wall time of each module's forward, inclusive of its children (empty unless
             timed).
         uncounted: saved tensors that have no storage (sparse, wrapper subclasses), not in any total.
+        parameter_copy_bytes: distinct storages of saved casts of the module's parameters (autocast's
+            16-bit weights): batch-independent, and kept by autocast's cache under checkpointing.
     """
 
     total_bytes: int
@@ -158,6 +191,7 @@ class SavedTensorReport:
     input_nbytes: dict[StorageKey, int] = field(default_factory=dict)
     forward_seconds: dict[str, float] = field(default_factory=dict)
     uncounted: int = 0
+    parameter_copy_bytes: int = 0
 
 
 def _unpack(packed: Tensor) -> Tensor:
@@ -195,13 +229,13 @@ class SavedTensorRecorder:
         self.module = module
         self._time_all = time_modules is True
         self._time_names = set() if isinstance(time_modules, bool) else set(time_modules)
-        self._exclude = storage_keys(tensors_in(list(exclude)))
-        self._exclude |= storage_keys(module.parameters())
-        self._exclude |= storage_keys(module.buffers())
+        self._parameters = storage_keys(module.parameters())
+        self._exclude = storage_keys(tensors_in(list(exclude))) | self._parameters | storage_keys(module.buffers())
         self._names = {id(m): (name or ROOT) for name, m in module.named_modules()}
         self._stack: list[str] = []
         self._saved: dict[StorageKey, SavedStorage] = {}
         self._refs: dict[StorageKey, list[weakref.ref]] = {}
+        self._copies: dict[StorageKey, int] = {}
         self._inputs: dict[str, set[StorageKey]] = {}
         self._input_nbytes: dict[StorageKey, int] = {}
         self._starts: list[Any] = []
@@ -225,10 +259,16 @@ class SavedTensorRecorder:
         self.close()
 
     def close(self) -> None:
-        """Stop recording (idempotent): pop the saved-tensor hooks and remove the module hooks."""
+        """Stop recording (idempotent): pop the saved-tensor hooks and remove the module hooks.
+
+        Storages whose saving nodes were all freed by then (a graph dropped during the forward) are
+        forgotten: backward will not find them.
+        """
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
+            for key in [key for key, refs in self._refs.items() if not _alive(refs)]:
+                del self._saved[key], self._refs[key]
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -281,15 +321,28 @@ class SavedTensorRecorder:
             return packed
         if key in self._exclude:
             return packed
+        if self._copies_parameter(tensor):
+            self._copies.setdefault(key, storage_nbytes(tensor))
+            return packed
         saver = self._stack[-1] if self._stack else OUTSIDE
         seen = self._saved.get(key)
-        if seen is None:
+        if seen is None or not _alive(self._refs[key]):  # new, or a freed storage's address reused
             self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,))
             self._refs[key] = []
         else:
             self._saved[key] = dataclasses.replace(seen, savers=seen.savers + (saver,))
         self._refs[key].append(weakref.ref(packed))
         return packed
+
+    def _copies_parameter(self, tensor: Tensor) -> bool:
+        """``tensor`` is (a view of) a dtype cast of one of the module's parameters (``Linear`` under
+        autocast saves ``weight.to(bf16).t()``)."""
+        base = tensor._base if tensor._base is not None else tensor
+        cast = base.grad_fn
+        if cast is None or cast.name() != "ToCopyBackward0":
+            return False
+        source = getattr(cast.next_functions[0][0], "variable", None)  # AccumulateGrad's leaf
+        return isinstance(source, Tensor) and storage_key(source) in self._parameters
 
     def report(self) -> SavedTensorReport:
         """The totals so far; syncs with the device when CUDA forward times are pending."""
@@ -309,6 +362,7 @@ class SavedTensorRecorder:
             input_nbytes=dict(self._input_nbytes),
             forward_seconds=dict(self._seconds),
             uncounted=self._uncounted,
+            parameter_copy_bytes=sum(self._copies.values()),
         )
 
     def held(self) -> dict[StorageKey, tuple[int, list[weakref.ref]]]:
@@ -317,8 +371,11 @@ class SavedTensorRecorder:
         Called after backward, a non-empty result means part of the graph outlived its backward
         (``retain_graph=True``, or saved tensors of a branch that backward never reached).
         """
-        return {key: (self._saved[key].nbytes, refs) for key, refs in self._refs.items()
-                if any(r() is not None for r in refs)}
+        return {key: (self._saved[key].nbytes, refs) for key, refs in self._refs.items() if _alive(refs)}
+
+
+def _alive(refs: list[weakref.ref]) -> bool:
+    return any(r() is not None for r in refs)
 
 
 def _enclosing(name: str) -> list[str]:
@@ -461,7 +518,7 @@ class HeldGraphTracker:
             self._steps[step] = held
         alive: dict[StorageKey, tuple[int, int]] = {}
         for s in sorted(self._steps):
-            live = {key: v for key, v in self._steps[s].items() if any(r() is not None for r in v[1])}
+            live = {key: v for key, v in self._steps[s].items() if _alive(v[1])}
             if live:
                 self._steps[s] = live
                 for key, (nbytes, _) in live.items():
@@ -592,13 +649,16 @@ class StepMemory:
     """Where the bytes of one profiled step go, and the budget they must fit.
 
     Attributes:
-        state: parameters, gradients, optimizer state.
-        inputs_bytes: the batch.
-        activations: the saved tensors of the step.
+        state: parameters, buffers, gradients, optimizer state.
+        inputs_bytes: the batch (one micro-batch).
+        activations: the saved tensors of one micro-batch's forward.
         batch_size: examples in the batch.
         temporaries_bytes: peak minus the known categories (CUDA), counted as growing with the batch.
         budget_bytes: the memory to fit in, ``None`` for no batch advice.
-        step_seconds: wall time of the profiled step, for the cost of checkpointing.
+        step_seconds: wall time of the profiled optimizer step, all its micro-batches, for the cost
+            of checkpointing.
+        micro_batches: forwards in that time (gradient accumulation): checkpointing recomputes a
+            module in each.
     """
 
     state: ModelStateBytes
@@ -608,6 +668,12 @@ class StepMemory:
     temporaries_bytes: int = 0
     budget_bytes: int | None = None
     step_seconds: float | None = None
+    micro_batches: int = 1
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes independent of the batch: the model state and autocast's parameter copies."""
+        return self.state.total + self.activations.parameter_copy_bytes
 
     @property
     def scaling_bytes(self) -> int:
@@ -620,7 +686,7 @@ class StepMemory:
         scaling = self.scaling_bytes - scaling_freed
         if self.budget_bytes is None or scaling <= 0 or self.batch_size < 1:
             return None
-        return largest_batch(self.budget_bytes, self.state.total - fixed_freed, scaling, self.batch_size)
+        return largest_batch(self.budget_bytes, self.fixed_bytes - fixed_freed, scaling, self.batch_size)
 
 
 def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
@@ -641,7 +707,8 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
     remedies = []
     for name, freed in best:
         seconds = report.forward_seconds.get(name)
-        extra = seconds / memory.step_seconds if seconds is not None and memory.step_seconds else None
+        extra = seconds * memory.micro_batches / memory.step_seconds if seconds is not None and memory.step_seconds \
+            else None
         remedies.append(Remedy("activation checkpointing", name, freed, memory.largest_batch(scaling_freed=freed),
                                extra, f"recomputes the forward of `{name}` in backward"))
     halved = mixed_precision_savings(report)
