@@ -93,6 +93,8 @@ def test_advise_suggestions_and_efficiency():
     assert adv.rule == "noise-aware"
     assert adv.balanced_batch == 256
     assert (adv.steps_over_min, adv.examples_over_min) == (pytest.approx(5.0), pytest.approx(1.25))
+    # At a batch of one there is no half batch to suggest an lr for.
+    assert [s.key for s in advise(1, 0.1, "sgd").suggestions] == ["x2", "x4", "x8"]
 
 
 def test_advise_notes():

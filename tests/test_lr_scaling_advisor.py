@@ -28,17 +28,19 @@ class Model(pl.LightningModule):
     """Linear regression behind BatchNorm and Dropout (so that RNG and buffers matter).
 
     ``groups``: lrs of the optimizer's param groups (weight, bias), one lr for one group.
-    ``gamma``: a per-step StepLR factor. ``jitter``: input noise drawn in ``training_step`` itself,
+    ``gamma``: a per-step StepLR factor; ``warmup_from_zero``: a linear warmup from 0; ``one_cycle``:
+    OneCycleLR peaking at the groups' lrs. ``jitter``: input noise drawn in ``training_step`` itself,
     which eval mode does not turn off. The buffer ``seen`` counts the examples trained on.
     """
 
     def __init__(self, optimizer: type = torch.optim.SGD, groups: tuple[float, ...] = (0.01,), reduction: str = "mean",
-                 gamma: float | None = None, warmup_from_zero: bool = False, jitter: float = 0.0) -> None:
+                 gamma: float | None = None, warmup_from_zero: bool = False, one_cycle: bool = False,
+                 jitter: float = 0.0) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.BatchNorm1d(D), nn.Dropout(0.2), nn.Linear(D, 1))
         self.register_buffer("seen", torch.zeros((), dtype=torch.long))
         self.optimizer, self.groups, self.reduction = optimizer, groups, reduction
-        self.gamma, self.warmup_from_zero, self.jitter = gamma, warmup_from_zero, jitter
+        self.gamma, self.warmup_from_zero, self.one_cycle, self.jitter = gamma, warmup_from_zero, one_cycle, jitter
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -59,6 +61,8 @@ class Model(pl.LightningModule):
             scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=self.gamma)
         elif self.warmup_from_zero:
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 2))
+        elif self.one_cycle:  # the configured lr is the peak; the schedule starts at a 25th of it
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=list(self.groups), total_steps=100)
         else:
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -272,9 +276,11 @@ def test_bad_arguments(kwargs, name):
         LRScalingAdvisor(**kwargs)
 
 
-def test_reference_is_compared_with_the_configured_lr_not_the_warmup_one(recwarn):
+@pytest.mark.parametrize("schedule", ["warmup_from_zero", "one_cycle"])
+def test_reference_is_compared_with_the_configured_lr_not_the_scheduled_one(recwarn, schedule):
     # Tuned at batch 4 with lr 0.01, configured at 0.04 for batch 16 (linear rule): correct, though a
-    # warmup scheduler starts it at 0.
+    # warmup starts it at 0 and OneCycleLR at 0.04 / 25 (its `initial_lr`).
     advisor = LRScalingAdvisor(reference=(4, 0.01), verbose=False)
-    fit(Model(groups=(0.04,), warmup_from_zero=True), [advisor], batch_size=16, max_steps=3)
+    fit(Model(groups=(0.04,), **{schedule: True}), [advisor], batch_size=16, max_steps=3)
     assert _reference_warnings(recwarn) == []
+    assert "(lr now 0.04)" in advisor.summary_markdown()

@@ -340,8 +340,9 @@ class LRScalingAdvisor(Callback):
             ratio = lr_ratio(ref_batch, batch, family, noise_scale)
             if tuned_lr is None or ratio is None:
                 continue
-            # The lr the run was configured with, not the one a warmup scheduler has lowered it to.
-            lr = float(group.get("initial_lr", group["lr"]))
+            # The lr the run was configured with: OneCycleLR's peak (its `initial_lr` is a fraction of
+            # it), else the lr before a scheduler (a warmup) changed it.
+            lr = float(group.get("max_lr", group.get("initial_lr", group["lr"])))
             suggested, rule = tuned_lr * ratio, rule_for(family, noise_scale)
             lines.append(f"**reference** {name}: tuned at batch {ref_batch} with lr {tuned_lr:.3g}; at batch {batch} "
                          f"the {rule} rule suggests {suggested:.3g} (lr now {lr:.3g})")

@@ -286,7 +286,8 @@ def advise(
         family: ``"sgd"``, ``"adam"`` or ``"unsure"`` (see :func:`optimizer_family`).
         noise_scale: measured B̂ (B_simple) in examples; ``None`` for the classic rules.
         target_batch_sizes: further effective batches to advise on, examples.
-        multiples: targets as multiples of ``batch_size``; default ×½, ×2, ×4, ×8.
+        multiples: targets as multiples of ``batch_size``; default ×½, ×2, ×4, ×8 (those below one
+            example are left out).
         betas, eps: the optimizer's (β₁, β₂) and ε, for the Adam-like β/ε adjustments.
 
     Returns:
@@ -307,7 +308,8 @@ def advise(
     if eps is not None and not (math.isfinite(eps) and eps >= 0.0):
         raise ValueError(f"`eps` must be a finite number >= 0, got {eps!r}")
 
-    rows = [(f"x{m:g}", _target_label(m, batch * m), batch * m) for m in scales]
+    # A multiple that leaves less than one example has no batch to suggest an lr for.
+    rows = [(f"x{m:g}", _target_label(m, batch * m), batch * m) for m in scales if batch * m >= 1]
     rows += [(f"b{t:g}", f"{t:g}", t) for t in targets]
     suggestions = []
     for key, label, target in rows:
