@@ -102,6 +102,21 @@ def test_noise_band_stops_at_the_optimum_and_not_far_from_it(caplog):
     assert far.stopped_step is None and trainer.global_step == 100
 
 
+def test_the_charts_end_at_the_stop_and_hold_no_infinite_value():
+    """Logging every 50 steps, a stop between two logging steps is still on the charts — the streak at
+    its patience, the monitor's last norm — and B_simple is left out while EMA(‖G‖²) ≤ 0 (at the
+    optimum it often is), not logged as inf."""
+    d, logger = 10, RecordingLogger()
+    stopper = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1)
+    _fit(LinearRegression(torch.zeros(d)), [GradNormMonitor(), stopper], regression_stream(400, 16, d, torch.zeros(d), 1.0),
+         logger=logger, max_epochs=1, accumulate_grad_batches=4, log_every_n_steps=50)
+    stop = stopper.stopped_step
+    assert stop is not None and stop % 50 != 0
+    assert logger.series["grad_norm/band_streak"][-1] == (stop, 5)
+    assert logger.series["grad_norm/total"][-1][0] == stop
+    assert all(math.isfinite(v) for values in logger.series.values() for _, v in values)
+
+
 def test_without_a_noise_source_it_says_so_once_logs_no_nan_and_never_stops():
     logger = RecordingLogger()
     stopper = GradNormEarlyStopping(patience=1, margin=1e9, min_steps=0)

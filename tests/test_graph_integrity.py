@@ -276,6 +276,7 @@ def test_leaves_outside_every_optimizer_are_named(model, names, words, recording
     fit(model(), cb, steps=1, logger=recording_logger)
     f = finding(cb, K.UNOPTIMIZED_LEAVES)
     assert set(f.names) == set(names) and words in f.message
+    assert all(f.message.count(f"`{name}`") == 1 for name in names)  # each named once
     assert recording_logger.values("graph/unoptimized_params") == [2.0]
     assert recording_logger.values("graph/unregistered_params") == [2.0 if model is PlainListLayers else 0.0]
 

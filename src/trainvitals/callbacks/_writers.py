@@ -8,6 +8,7 @@ images (CSVLogger, ...) are skipped with one notice per kind, never an error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -23,16 +24,21 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 _notices = WarningCache()
 
 
-def log_scalars(trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], step: int) -> dict[str, float]:
+def log_scalars(trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], step: int,
+                finite_only: bool = False) -> dict[str, float]:
     """Write ``metrics`` to every logger at ``step`` (optimizer steps); returns them as floats.
 
     Tensors are stacked and copied to the host once: this is the only host sync of a logging step.
+    ``finite_only`` leaves out NaN and ±inf: estimates that are not defined yet (a ratio over an
+    estimate that is still ≤ 0), which would otherwise stretch a chart's axis to infinity.
     """
     tensor_keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
     values = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
     if tensor_keys:
         stacked = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in tensor_keys])  # type: ignore[union-attr]
         values.update(zip(tensor_keys, stacked.cpu().tolist()))
+    if finite_only:
+        values = {k: v for k, v in values.items() if math.isfinite(v)}
     for logger in trainer.loggers:
         # A subclass that overrides log_metrics (to filter, rename, ...) keeps its own way.
         if isinstance(logger, TensorBoardLogger) and type(logger).log_metrics is TensorBoardLogger.log_metrics:

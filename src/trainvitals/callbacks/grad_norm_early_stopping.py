@@ -248,10 +248,11 @@ class GradNormEarlyStopping(Callback):
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
         self._done = self._done.to(total.device) | (self._streak >= self.patience)
         self.steps += 1
-        if step % self._log_every(trainer) == 0:
+        logged = step % self._log_every(trainer) == 0
+        if logged:
             self._log(trainer, step, in_condition)
-        if self.steps % self.check_every_n_steps == 0:
-            self._check(trainer, step)
+        if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and not logged:
+            self._log(trainer, step, in_condition)  # the chart ends where the run stopped
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -383,14 +384,15 @@ class GradNormEarlyStopping(Callback):
             metrics["grad_norm/noise_floor"] = noise.noise_floor(self.effective_batch_size)
             metrics["grad_norm/b_simple"] = noise.b_simple
             metrics["grad_norm/in_noise_band"] = in_condition
-        log_scalars(trainer, metrics, step)
+        log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
 
-    def _check(self, trainer: "pl.Trainer", step: int) -> None:
+    def _check(self, trainer: "pl.Trainer", step: int) -> bool:
+        """Stop the run when every rank agrees; returns whether it stopped it now."""
         if self.stop_reason is not StopReason.NOT_STOPPED:
-            return
+            return False
         stop = trainer.strategy.reduce_boolean_decision(bool(self._done), all=False)
         if not stop:
-            return
+            return False
         trainer.should_stop = True
         self.stopped_step = step
         self.stop_reason = {"noise_band": StopReason.NOISE_BAND, "threshold": StopReason.THRESHOLD,
@@ -399,6 +401,7 @@ class GradNormEarlyStopping(Callback):
         if self.verbose:
             rank_zero_info(f"trainvitals: {message}")
         log_text(trainer, "grad_norm/stop_reason", message, step)
+        return True
 
     def describe_stop(self) -> str:
         """A one-line, human-readable reason for the stop (or that there was none)."""
@@ -409,8 +412,9 @@ class GradNormEarlyStopping(Callback):
             StopReason.THRESHOLD: f"‖g‖ < {self.threshold:g}",
             StopReason.RELATIVE: f"‖g‖ < {self.fraction:g} × its early value",
         }[self.stop_reason]
-        return (f"stopped at optimizer step {self.stopped_step}: {self.stop_reason.value} "
-                f"({detail}) for {self.patience} consecutive steps.")
+        assert self.stopped_step is not None
+        return (f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
+                f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.")
 
 
     def summary_markdown(self) -> str:

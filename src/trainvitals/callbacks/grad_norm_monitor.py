@@ -53,8 +53,9 @@ class _Track:
     pending: list[tuple[int, Tensor]] = field(default_factory=list)
     latest: Tensor | None = None
     latest_step: int | None = None
-    # The last step read back: (global step, total, {group: norm}).
+    # The last step read back: (global step, total, {group: norm}); the last step whose norms were logged.
     last_read: tuple[int, float, dict[str, float]] | None = None
+    logged_step: int | None = None
     # What the next report says, with layer names resolved (they outlive a regrouping): this fit's
     # first non-finite step as (step, non-finite groups), and the latest spike as (step, message).
     nonfinite: tuple[int, list[str]] | None = None
@@ -227,12 +228,19 @@ class GradNormMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # A non-finite step or a spike after the last logging step is still reported: the counters
-        # (only they) are logged at the last measured step when they changed since they were logged.
+        # A run stopped early (by a stopping callback) gets its last measured step's norms logged: the
+        # chart ends where the run did. Otherwise a non-finite step or a spike after the last logging
+        # step is still reported: the counters (only they) are logged at the last measured step when
+        # they changed since they were logged.
         for index, track in self._tracks.items():
             self._read_back(track)
-            if track.last_read is not None and track.counts != track.logged_counts:
-                self._log(trainer, index, track, track.last_read[0], norms=False)
+            if track.last_read is None:
+                continue
+            step = track.last_read[0]
+            if trainer.should_stop and step != track.logged_step:
+                self._log(trainer, index, track, step)
+            elif track.counts != track.logged_counts:
+                self._log(trainer, index, track, step, norms=False)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -340,7 +348,7 @@ class GradNormMonitor(Callback):
         tag = lambda name: self._tag(trainer, name, index)  # noqa: E731
         metrics: dict[str, float | Tensor] = {tag(name): count for name, count in track.counts.items()}
         if norms and track.last_read is not None:
-            _, total, group_norms = track.last_read
+            track.logged_step, total, group_norms = track.last_read
             metrics[tag("total")] = total
             metrics.update({tag(_layer_tag(name)): value for name, value in group_norms.items()})
         log_scalars(trainer, {**metrics, **(extra or {})}, step)

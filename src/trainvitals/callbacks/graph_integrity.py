@@ -421,9 +421,10 @@ class GraphIntegrityCallback(Callback):
         unregistered = [n for n, t in zip(names, unoptimized) if id(t) not in registered]
         self._walk_counts["unoptimized_params"] += len(names)
         self._walk_counts["unregistered_params"] += len(unregistered)
+        which = "they" if len(unregistered) == len(names) else _listed(unregistered)
         why = (
-            f"{_listed(unregistered)} are not registered on the module (kept in a plain Python list, dict or "
-            "attribute): use nn.ModuleList / nn.ModuleDict / nn.Parameter so that `parameters()` includes them"
+            f"{which} are not registered on the module (kept in a plain Python list, dict or attribute): use "
+            "nn.ModuleList / nn.ModuleDict / nn.Parameter so that `parameters()` includes them"
             if unregistered
             else "they are registered, but configure_optimizers left them out"
         )

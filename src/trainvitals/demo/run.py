@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +35,8 @@ class DemoResult:
     stop_reason: str
     grad_norm: float | None
     noise_floor: float | None
+    smoothed_ratio: float | None  # sqrt(1 + EMA‖G‖² / (EMA tr Σ / B)): what the stop was decided on
+    band_edge: float  # sqrt(1 + margin)
     val_acc: float | None
     log_dir: str
     seconds: float
@@ -83,6 +90,8 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
     batch = stopper.effective_batch_size
     noise = stopper.band_noise
     floor = float(noise.noise_floor(batch)) if batch and int(noise.count) else None
+    trace = float(noise.trace_cov) if floor else 0.0
+    smoothed = math.sqrt(max(0.0, 1.0 + float(noise.grad_sq_norm) * batch / trace)) if batch and trace > 0 else None
     total = monitor.last_total.get(0)
     return DemoResult(
         steps=trainer.global_step,
@@ -90,6 +99,8 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
         stop_reason=stopper.describe_stop() if stopper.stopped_step is not None else f"reached max_epochs={args.max_epochs}",
         grad_norm=float(total) if total is not None else None,
         noise_floor=floor,
+        smoothed_ratio=smoothed,
+        band_edge=math.sqrt(1.0 + stopper.margin),
         val_acc=float(metrics["val/acc"]) if "val/acc" in metrics else None,
         log_dir=str(Path(logger.log_dir)),
         seconds=seconds,
@@ -108,7 +119,10 @@ def format_summary(result: DemoResult, logdir: str, details: bool = True) -> str
         "trainvitals demo — digits CNN",
         f"  optimizer steps:   {result.steps} ({result.epochs} epochs, {result.seconds:.0f} s)",
         f"  why it stopped:    {result.stop_reason}",
-        f"  final grad norm:   {num(result.grad_norm, '.4f')} vs noise floor {num(result.noise_floor, '.4f')}{ratio}",
+        f"  final grad norm:   {num(result.grad_norm, '.4f')} at the last step vs noise floor "
+        f"{num(result.noise_floor, '.4f')}{ratio}",
+        f"  smoothed:          E‖ḡ‖ ≈ {num(result.smoothed_ratio, '.2f')}× the floor (EMAs, what the stop is decided "
+        f"on; the band ends at {result.band_edge:.2f}×)",
         f"  val accuracy:      {num(result.val_acc, '.4f')}",
         f"  logs:              {result.log_dir}",
         f"  look at it:        tensorboard --logdir {logdir}",
@@ -119,6 +133,25 @@ def main(args: argparse.Namespace) -> int:
     for name in ("max_epochs", "batch_size", "accumulate", "log_every_n_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    result = run_demo(args)
+    with _quiet_lightning(args.quiet):
+        result = run_demo(args)
     print(format_summary(result, args.logdir, details=not args.quiet))
     return 0
+
+
+@contextmanager
+def _quiet_lightning(quiet: bool) -> Iterator[None]:
+    """With ``--quiet``, Lightning's and the callbacks' info lines stay off the console (warnings stay)."""
+    with warnings.catch_warnings():
+        # Lightning 2.6 under torch 2.13 warns about torch's own LeafSpec deprecation; nothing to act on.
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+        if not quiet:
+            yield
+            return
+        lightning_logger = logging.getLogger("lightning.pytorch")
+        level = lightning_logger.level
+        lightning_logger.setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            lightning_logger.setLevel(level)
