@@ -336,6 +336,14 @@ def test_outlying_examples_are_reported_by_index():
     assert torch.allclose(torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth.values)
 
 
+@pytest.mark.parametrize("every", [1, 3])
+def test_beta_is_a_decay_per_optimizer_step_at_any_cadence(every):
+    """Measuring every n steps, a measurement enters with decay β^n: the EMAs span ~1/(1 − β) optimizer
+    steps at any cadence, as GradNormEarlyStopping's, so the two estimates of one run can agree."""
+    probe = BatchVarianceProbe(every_n_steps=every, beta=0.9)
+    assert probe.noise.beta == pytest.approx(0.9**every)
+
+
 def test_logged_tags_and_cadence():
     logger = RecordingLogger()
     probe = BatchVarianceProbe(every_n_steps=2, log_every_n_steps=3)  # rounded up to every 4 steps

@@ -35,6 +35,7 @@ from trainvitals.demo.model import DigitsCNN
 
 def fit(tmp_path: Path, *callbacks: pl.Callback, **overrides) -> tuple[pl.Trainer, EventAccumulator]:
     """A few accumulated optimizer steps of the digits CNN, logged to TensorBoard under tmp_path."""
+    pl.seed_everything(0, verbose=False)  # B_simple is logged once EMA(‖G‖²) > 0: at which steps depends on the init
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     kwargs = trainer_kwargs(logger=logger, max_steps=6, accumulate_grad_batches=2, log_every_n_steps=2,
                             limit_val_batches=0, callbacks=list(callbacks))

@@ -91,7 +91,9 @@ class BatchVarianceProbe(Callback):
         log_every_n_steps: log every this many optimizer steps; ``None``: the Trainer's. Rounded up to a
             multiple of ``every_n_steps``.
         histogram_every_n_steps: per-example norm histograms every this many steps; ``None``: never.
-        beta: EMA decay per measurement, in [0, 1).
+        beta: EMA decay per optimizer step, in [0, 1): a measurement every n steps enters with decay
+            β^n, so the estimates average over about 1/(1 − β) optimizer steps at any cadence, as
+            GradNormEarlyStopping's do (its ``ema_beta``).
         loss_reduction: ``"auto"`` (read from the loss's autograd graph), ``"mean"`` or ``"sum"`` over the
             examples of a micro-batch.
         per_coordinate: compute GSNR and the EB criterion on logging steps.
@@ -111,7 +113,7 @@ class BatchVarianceProbe(Callback):
         every_n_steps: int = 1,
         log_every_n_steps: int | None = None,
         histogram_every_n_steps: int | None = 100,
-        beta: float = 0.95,
+        beta: float = 0.98,
         loss_reduction: str = "auto",
         per_coordinate: bool = True,
         fallback: bool = True,
@@ -150,8 +152,8 @@ class BatchVarianceProbe(Callback):
         # Lightning reads the key in every hook call (profiler names): build it once.
         self._state_key = self._generate_state_key(every_n_steps=every_n_steps, beta=beta)
 
-        self.noise = NoiseScaleEMA(beta)
-        self.noise_error = NoiseScaleError(beta)
+        self.noise = NoiseScaleEMA(beta**every_n_steps)
+        self.noise_error = NoiseScaleError(beta**every_n_steps)
         self.effective_batch_size: int | None = None
         self.sources = ""
         self.last_outliers: list[tuple[int, float]] = []

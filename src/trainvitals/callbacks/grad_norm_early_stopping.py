@@ -83,10 +83,11 @@ class GradNormEarlyStopping(Callback):
     steps, so a stop lands at most ``check_every_n_steps - 1`` steps after the streak completes. The decision is reduced across ranks
     (``reduce_boolean_decision``): all ranks stop at the same step.
 
-    Logged at the Trainer's logging cadence (step = optimizer step): ``grad_norm/noise_floor``
-    (sqrt(tr Σ/B), gradient-norm units, beside the monitor's ``grad_norm/total``),
-    ``grad_norm/b_simple`` (examples), ``grad_norm/in_noise_band`` (0/1), ``grad_norm/band_streak``
-    (steps); on stopping, the text panel ``grad_norm/stop_reason``.
+    Logged at the Trainer's logging cadence and at the stopping step (step = optimizer step):
+    ``grad_norm/noise_floor`` (sqrt(tr Σ/B), gradient-norm units, beside the monitor's
+    ``grad_norm/total``), ``grad_norm/b_simple`` (examples; left out while EMA(‖G‖²) ≤ 0),
+    ``grad_norm/in_noise_band`` (0/1), ``grad_norm/band_streak`` (steps); on stopping, the text panel
+    ``grad_norm/stop_reason``.
 
     Args:
         mode: ``"noise_band"``, ``"threshold"`` or ``"relative"``.

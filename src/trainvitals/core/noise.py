@@ -210,6 +210,11 @@ class NoiseScaleEMA:
     def __init__(self, beta: float = 0.95) -> None:
         self._ema = BiasCorrectedEMA(beta, (2,))  # of the pair (‖G‖²_est, S_est)
 
+    @property
+    def beta(self) -> float:
+        """The decay per update."""
+        return self._ema.beta
+
     def update(self, grad_sq_norm: Tensor, trace_cov: Tensor, valid: Tensor | bool = True) -> None:
         self._ema.update(torch.stack([grad_sq_norm.to(torch.float64), trace_cov.to(grad_sq_norm.device, torch.float64)]), valid)
 
