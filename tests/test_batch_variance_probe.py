@@ -262,10 +262,19 @@ def _probe_warnings(record: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in record if "BatchVarianceProbe cannot measure" in str(w.message)]
 
 
-@pytest.mark.parametrize("case", ["batch_of_one", "nothing_supported"])
+class LeafLoss(Classifier):
+    """Returns the loss rebuilt from its value: a leaf, so backward reaches no parameter."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.tensor(super().training_step(batch, batch_idx).item(), requires_grad=True)
+
+
+@pytest.mark.parametrize("case", ["batch_of_one", "nothing_supported", "leaf_loss"])
 def test_unavailable_warns_once_and_logs_nothing(case):
     if case == "batch_of_one":
         module, batch_size, probe = Classifier(network("mlp")), 1, BatchVarianceProbe()
+    elif case == "leaf_loss":
+        module, batch_size, probe = LeafLoss(network("mlp")), 8, BatchVarianceProbe()
     else:
         torch.manual_seed(0)
         module, batch_size, probe = Classifier(nn.Sequential(Scale(5), nn.Tanh())), 8, BatchVarianceProbe(fallback=False)

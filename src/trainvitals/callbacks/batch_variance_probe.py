@@ -280,7 +280,9 @@ class BatchVarianceProbe(Callback):
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
-        if not self._measuring or not self._batch_size:  # an empty batch leaves its step out (`_problem`)
+        # An empty batch leaves its step out (`_problem`); a loss without a graph reaches no layer, and
+        # its backward fails on its own (GraphIntegrityCallback says why): no reduction to read.
+        if not self._measuring or not self._batch_size or loss.grad_fn is None:
             return
         accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         reduction = self.loss_reduction
@@ -366,6 +368,8 @@ class BatchVarianceProbe(Callback):
                 " (measured by a fallback from now on)"
         if 0 in self._micro_sizes:
             return "an empty micro-batch"
+        if (self._plan.per_example or self._plan.vmap) and not result.seen:
+            return "the backward reached none of the measured layers (a loss without a graph?)"
         if result.batch_sizes and result.batch_sizes != self._micro_sizes:
             return (f"activations have {result.batch_sizes} rows per micro-batch but the batches have "
                     f"{self._micro_sizes} examples: the examples must sit on dimension 0")
