@@ -398,6 +398,20 @@ class FusedSGD(Classifier):
         return torch.optim.SGD(self.parameters(), lr=self.lr, fused=True)
 
 
+def test_a_new_fit_starts_afresh():
+    """A second fold with the same probe must not be decided on the first fold's estimates (the
+    stopper takes its noise band from ``probe.noise`` when there is no accumulation). A resumed fit
+    continues its estimates: test_state_round_trips_through_a_checkpoint."""
+    data = classification_data("mlp", 64)
+    reused = BatchVarianceProbe(beta=0.9)
+    fit(Classifier(network("mlp"), lr=0.1), data, [reused], batch_size=8, steps=5)
+    fit(Classifier(network("mlp"), lr=0.1), data, [reused], batch_size=8, steps=8)
+    fresh = BatchVarianceProbe(beta=0.9)
+    fit(Classifier(network("mlp"), lr=0.1), data, [fresh], batch_size=8, steps=8)
+    assert int(reused.noise.count) == int(fresh.noise.count) == 8
+    assert float(reused.noise.trace_cov) == pytest.approx(float(fresh.noise.trace_cov), rel=1e-12)
+
+
 @pytest.mark.parametrize("module", [Classifier, FusedSGD])
 def test_amp_loss_scale_is_undone(module):
     data = TensorDataset(classification_data("mlp", 16).tensors[0].float(), classification_data("mlp", 16).tensors[1])

@@ -152,11 +152,8 @@ class BatchVarianceProbe(Callback):
         # Lightning reads the key in every hook call (profiler names): build it once.
         self._state_key = self._generate_state_key(every_n_steps=every_n_steps, beta=beta)
 
-        self.noise = NoiseScaleEMA(beta**every_n_steps)
-        self.noise_error = NoiseScaleError(beta**every_n_steps)
-        self.effective_batch_size: int | None = None
+        self._reset()
         self.sources = ""
-        self.last_outliers: list[tuple[int, float]] = []
 
         self._warnings = WarningCache()
         self._enabled = False
@@ -179,6 +176,14 @@ class BatchVarianceProbe(Callback):
         self._bn_values: dict[str, int] = {}
         self._batchnorms: dict[str, torch.nn.Module] = {}
         self._bn_handles: list[Any] = []
+        self._restored = False
+
+    def _reset(self) -> None:
+        """The estimates of a run that has not measured yet."""
+        self.noise = NoiseScaleEMA(self.beta**self.every_n_steps)
+        self.noise_error = NoiseScaleError(self.beta**self.every_n_steps)
+        self.effective_batch_size: int | None = None
+        self.last_outliers: list[tuple[int, float]] = []
 
     @property
     @override
@@ -216,6 +221,14 @@ class BatchVarianceProbe(Callback):
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
         rank_zero_info(self.sources)
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # A new fit (another fold, another model) starts afresh; a resumed one keeps what
+        # ``load_state_dict`` restored (Lightning calls it before this hook).
+        if not self._restored:
+            self._reset()
+        self._restored = False
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.every_n_steps) * self.every_n_steps
@@ -558,3 +571,4 @@ class BatchVarianceProbe(Callback):
         self.noise.load_state_dict(state_dict.get("noise", {}))
         self.noise_error.load_state_dict(state_dict.get("noise_error", {}))
         self.effective_batch_size = state_dict.get("effective_batch_size", self.effective_batch_size)
+        self._restored = True
