@@ -133,6 +133,10 @@ def test_threshold_mode_counts_patience_in_optimizer_steps():
     stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=6, min_steps=0, check_every_n_steps=1)
     trainer = _fit(Regressor(), [stopper], loader(regression_data(), 8), max_epochs=5, accumulate_grad_batches=2)
     assert stopper.stopped_step == 5 and trainer.global_step == 6
+    # The Trainer's own min_steps holds the run: the stop is where the run actually stops.
+    held = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=3, min_steps=0, check_every_n_steps=1)
+    trainer = _fit(Regressor(), [held], loader(regression_data(), 8), max_epochs=5, min_steps=13)
+    assert held.stopped_step == 12 and trainer.global_step == 13
     never = GradNormEarlyStopping(mode="threshold", threshold=1e-12, patience=1)
     trainer = _fit(Regressor(), [never], loader(regression_data(), 8), max_epochs=2)
     assert never.stopped_step is None and trainer.global_step == 16

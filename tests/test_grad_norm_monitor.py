@@ -477,3 +477,33 @@ def test_a_norm_that_was_zero_so_far_is_no_division_by_zero():
     fit(WeightedLater(lr=0.0), GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0), logger, max_steps=120)
     spikes = logger.values("grad_norm/spike_steps")
     assert spikes[-1] == spikes[-3] < 60  # the switch-on is followed, not flagged forever
+
+
+class StopAt(pl.Callback):
+    """Requests a stop from optimizer step ``step`` on, as a stopping callback does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: object) -> None:
+        if trainer.global_step > self.step:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "logged"),
+    [
+        (dict(max_epochs=2), [0, 5, 10, 15]),  # ends at max_epochs: the cadence only
+        (dict(max_epochs=2, stop_at=7), [0, 5, 7]),  # stopped early: the chart ends at the stop
+        # Lightning trains on until min_epochs, the request still set, and ends at max_epochs.
+        (dict(max_epochs=2, min_epochs=2, stop_at=7), [0, 5, 10, 15]),
+        (dict(max_steps=19, min_steps=12, stop_at=7), [0, 5, 10, 11]),  # stops once min_steps allows it
+    ],
+)
+def test_the_cadence_is_kept_unless_the_run_was_stopped_early(overrides, logged):
+    logger = RecordingLogger()
+    stop_at = overrides.pop("stop_at", None)
+    callbacks = [GradNormMonitor(log_every_n_steps=5)] + ([StopAt(stop_at)] if stop_at is not None else [])
+    # 9 optimizer steps an epoch: the last step of a fit is never a logging step.
+    Trainer(**trainer_kwargs(callbacks=callbacks, logger=logger, **overrides)).fit(Regressor(), loader(regression_data(72), 8))
+    assert [step for step, _ in logger.series["grad_norm/total"]] == logged

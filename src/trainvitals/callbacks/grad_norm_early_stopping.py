@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
 from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
+from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, NoiseScaleEMA, two_batch_size_estimates
@@ -388,8 +389,12 @@ class GradNormEarlyStopping(Callback):
         log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
 
     def _check(self, trainer: "pl.Trainer", step: int) -> bool:
-        """Stop the run when every rank agrees; returns whether it stopped it now."""
-        if self.stop_reason is not StopReason.NOT_STOPPED:
+        """Stop the run when every rank agrees; returns whether it stopped it now.
+
+        Not before the Trainer's ``min_epochs`` and ``min_steps`` allow it: Lightning would train on,
+        and the run would not have stopped where this callback says (the streak stays complete).
+        """
+        if self.stop_reason is not StopReason.NOT_STOPPED or not can_stop_now(trainer):
             return False
         stop = trainer.strategy.reduce_boolean_decision(bool(self._done), all=False)
         if not stop:

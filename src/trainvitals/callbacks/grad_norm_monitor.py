@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
 from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
+from trainvitals.callbacks._stopping import stopped_early
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.core.norms import (
     GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type,
@@ -237,7 +238,7 @@ class GradNormMonitor(Callback):
             if track.last_read is None:
                 continue
             step = track.last_read[0]
-            if trainer.should_stop and step != track.logged_step:
+            if stopped_early(trainer) and step != track.logged_step:
                 self._log(trainer, index, track, step)
             elif track.counts != track.logged_counts:
                 self._log(trainer, index, track, step, norms=False)

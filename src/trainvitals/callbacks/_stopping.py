@@ -1,0 +1,25 @@
+"""When a ``trainer.should_stop`` set by a callback actually ends the fit.
+
+Lightning keeps training past a stop request until ``min_epochs`` and ``min_steps`` are met (it says
+"Trainer was signaled to stop but the required ... Training will continue"), and the request stays set
+meanwhile; a fit can then still end at ``max_steps`` or ``max_epochs``. Read from the fit loop's own
+conditions (``FitLoop.done`` in ``lightning/pytorch/loops/fit_loop.py``).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+
+
+def can_stop_now(trainer: "pl.Trainer") -> bool:
+    """Whether a stop requested now ends the fit after this batch: ``min_epochs`` and ``min_steps`` are met."""
+    return bool(getattr(trainer.fit_loop, "_can_stop_early", True))
+
+
+def stopped_early(trainer: "pl.Trainer") -> bool:
+    """Whether the fit ended on a stop request (a stopping callback, a time limit), not at ``max_steps`` or
+    ``max_epochs``. Meaningful in ``on_train_end``."""
+    loop = trainer.fit_loop
+    at_max_steps = loop.max_steps != -1 and trainer.global_step >= loop.max_steps
+    at_max_epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
+    return trainer.should_stop and can_stop_now(trainer) and not at_max_steps and not at_max_epochs
