@@ -20,6 +20,9 @@ def stopped_early(trainer: "pl.Trainer") -> bool:
     """Whether the fit ended on a stop request (a stopping callback, a time limit), not at ``max_steps`` or
     ``max_epochs``. Meaningful in ``on_train_end``."""
     loop = trainer.fit_loop
+    batches = loop.epoch_loop.batch_progress
+    # An epoch cut short still counts as processed: the last one must also have run out of batches.
+    epoch_done = batches.is_last_batch or batches.current.ready >= trainer.num_training_batches
     at_max_steps = loop.max_steps != -1 and trainer.global_step >= loop.max_steps
     at_max_epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
-    return trainer.should_stop and can_stop_now(trainer) and not at_max_steps and not at_max_epochs
+    return trainer.should_stop and can_stop_now(trainer) and not at_max_steps and not (at_max_epochs and epoch_done)
