@@ -30,8 +30,8 @@ from trainvitals.core.memory import (
     rank_remedies,
     tensors_in,
     transformer_layer_activation_bytes,
+    element_bytes,
     unique_storage_bytes,
-    viewed_bytes,
     whole_forward_modules,
 )
 
@@ -333,10 +333,10 @@ def test_helpers():
         HeldGraphTracker(max_steps=0)
 
     data = torch.zeros(1000, 16)
-    assert viewed_bytes([data[100:132]]) == F32 * 32 * 16  # a batch sliced from a dataset: the slice
-    assert viewed_bytes([data[:10], data[5:20], data[:10, :3]]) == F32 * 20 * 16  # overlaps count once
-    assert viewed_bytes([data[:4].t(), torch.zeros(2)]) == F32 * (4 * 16 + 2)
-    assert viewed_bytes([data[:0]]) == 0
+    assert element_bytes([data[100:132], data[100:132]]) == F32 * 32 * 16  # a batch sliced from a dataset: the slice
+    assert element_bytes([data[:64, :3], data[::10][:64]]) == F32 * 64 * (3 + 16)  # columns, strided rows
+    assert element_bytes([data[:4].t(), torch.zeros(2)]) == F32 * (4 * 16 + 2)
+    assert element_bytes([data[:0]]) == 0
 
 
 def test_buffers_are_model_state_unless_they_share_a_parameter_storage():

@@ -38,7 +38,7 @@ from trainvitals.core.memory import (
     model_state_bytes,
     rank_remedies,
     tensors_in,
-    viewed_bytes,
+    element_bytes,
 )
 
 _SNAPSHOT_MAX_ENTRIES = 100_000  # alloc/free events kept by the snapshot's ring buffer (a few KB each)
@@ -232,7 +232,7 @@ class MemoryTopologyProfiler(Callback):
             torch.cuda.reset_peak_memory_stats(self._device)
         timed = True if self._timed is None else self._timed
         recorder = SavedTensorRecorder(pl_module, exclude=tensors, time_modules=timed)
-        self._pending = _Pending(step, sizes[0] if sizes else 0, viewed_bytes(tensors), time.perf_counter(),
+        self._pending = _Pending(step, sizes[0] if sizes else 0, element_bytes(tensors), time.perf_counter(),
                                  recorder.__enter__())
 
     @override

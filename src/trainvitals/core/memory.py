@@ -93,24 +93,13 @@ def unique_storage_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(sizes.values())
 
 
-def viewed_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the storage ranges ``tensors`` span: a slice of a larger storage counts as the slice,
-    overlapping views of one storage count once."""
-    spans: dict[StorageKey, list[tuple[int, int]]] = {}
+def element_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the elements ``tensors`` hold, each distinct view once: a batch sliced from a dataset
+    held on the device is the slice (its rows, columns or strided picks), not the dataset's storage."""
+    views: dict[tuple[StorageKey | None, int, tuple[int, ...], tuple[int, ...]], int] = {}
     for t in tensors:
-        key = storage_key(t)
-        if key is None or t.numel() == 0:
-            continue
-        first = t.storage_offset()
-        last = first + sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride()))
-        spans.setdefault(key, []).append((first * t.element_size(), (last + 1) * t.element_size()))
-    total = 0
-    for ranges in spans.values():
-        covered = 0  # the end of the union of the ranges so far, sorted by start
-        for start, end in sorted(ranges):
-            total += max(0, end - max(start, covered))
-            covered = max(covered, end)
-    return total
+        views.setdefault((storage_key(t), t.storage_offset(), tuple(t.shape), t.stride()), t.numel() * t.element_size())
+    return sum(views.values())
 
 
 @dataclass(frozen=True)
