@@ -337,6 +337,7 @@ def test_helpers():
     assert element_bytes([data[:64, :3], data[::10][:64]]) == F32 * 64 * (3 + 16)  # columns, strided rows
     assert element_bytes([data[:4].t(), torch.zeros(2)]) == F32 * (4 * 16 + 2)
     assert element_bytes([data[:0]]) == 0
+    assert element_bytes([torch.zeros(1, 16).expand(64, 16)]) == F32 * 16  # what the view holds, not repeats
 
 
 def test_buffers_are_model_state_unless_they_share_a_parameter_storage():
@@ -368,22 +369,35 @@ def test_a_saved_tensor_freed_before_backward_is_not_an_activation():
         del accuracy
 
 
+class PackedProjection(nn.Module):
+    """One packed (3H, H) weight split into three projections, as nn.MultiheadAttention's in_proj."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3 * hidden, hidden) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.weight.chunk(3)
+        return F.linear(x, q) + F.linear(x, k) * F.linear(x, v)
+
+
 def test_autocast_weight_copies_are_fixed_bytes_not_activations():
-    """Under bf16 autocast, Linear saves a bf16 copy of its weight, cached for the autocast region:
-    the same bytes at any batch size, and not freed by checkpointing the layer."""
+    """Under bf16 autocast a Linear saves a bf16 copy of its weight — cached for the autocast region
+    (trainable), made per use (frozen: no grad_fn links it to the weight), or of a slice of a packed
+    weight: the same bytes at any batch size."""
     D, H, C = 64, 256, 2
-    model = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU(), nn.Linear(H, C))
-    copies = 2 * (H * H + H * C)  # bf16 weights; the first layer's input needs no gradient, so not its weight
+    model = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, H), nn.ReLU(), PackedProjection(H), nn.Linear(H, C))
+    model[2].requires_grad_(False)  # a frozen layer inside the network still passes gradients through
+    # bf16 weights saved for the input gradient: not the first layer's (its input needs none).
+    copies = 2 * (H * H + 3 * H * H + H * C)
     reports = {}
     for B in (1, 16):
         x = torch.randn(B, D)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, reports[B], _ = record(model, x, exclude=[x])
         assert reports[B].parameter_copy_bytes == copies
-    # The rest scales with the batch: per example, the first Linear's bf16 input and the two ReLU outputs
-    # (bf16, reused by the next Linear).
-    assert reports[1].total_bytes == 2 * (D + 2 * H)
-    assert reports[16].total_bytes == 16 * reports[1].total_bytes
+    # The rest scales with the batch.
+    assert reports[1].total_bytes > 0 and reports[16].total_bytes == 16 * reports[1].total_bytes
     state = ModelStateBytes(parameters=0, gradients=0, optimizer_state=0)
     memory = StepMemory(state, 0, reports[16], 16, budget_bytes=2**20)
     assert memory.fixed_bytes == copies

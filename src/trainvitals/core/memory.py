@@ -14,9 +14,11 @@ Categories, all in bytes and all counted by storage, so that views and tied weig
   first layer saves the batch, but neither is an activation. A storage whose every saving node was
   freed before the recorder closes (a metric computed with grad on, then dropped) is not counted:
   nothing holds it at backward. This works on any device;
-- parameter copies: the 16-bit copies of parameters that autocast makes and saves. Autocast caches
-  them until its region ends, for any batch size: fixed bytes, not activations, and not freed by
-  checkpointing.
+- parameter copies: saved casts of parameters, of slices of them (a packed weight's chunks) or of
+  whole frozen parameters (recognised by shape and value: autograd does not link them to the
+  parameter) — autocast's 16-bit weights above all. Their size does not depend on the batch:
+  fixed bytes, not activations. Autocast caches the casts of trainable parameters until its region
+  ends, so checkpointing does not free those.
 
 A graph kept alive across steps (``total = total + loss`` with ``retain_graph=True``, a hidden state
 that is never detached) shows as saved tensors that are still referenced after backward and whose
@@ -98,7 +100,11 @@ def element_bytes(tensors: Iterable[Tensor]) -> int:
     held on the device is the slice (its rows, columns or strided picks), not the dataset's storage."""
     views: dict[tuple[StorageKey | None, int, tuple[int, ...], tuple[int, ...]], int] = {}
     for t in tensors:
-        views.setdefault((storage_key(t), t.storage_offset(), tuple(t.shape), t.stride()), t.numel() * t.element_size())
+        key = storage_key(t)
+        nbytes = t.numel() * t.element_size()
+        if key is not None:  # an expanded view repeats elements it does not hold
+            nbytes = min(nbytes, storage_nbytes(t))
+        views.setdefault((key, t.storage_offset(), tuple(t.shape), t.stride()), nbytes)
     return sum(views.values())
 
 
@@ -169,8 +175,9 @@ class SavedTensorReport:
         forward_seconds: wall time of each module's forward, inclusive of its children (empty unless
             timed).
         uncounted: saved tensors that have no storage (sparse, wrapper subclasses), not in any total.
-        parameter_copy_bytes: distinct storages of saved casts of the module's parameters (autocast's
-            16-bit weights): batch-independent, and kept by autocast's cache under checkpointing.
+        parameter_copy_bytes: distinct storages of saved casts of the module's parameters or of
+            slices of them (autocast's 16-bit weights): batch-independent. Autocast caches the casts
+            of trainable parameters, which checkpointing then does not free.
     """
 
     total_bytes: int
@@ -181,6 +188,10 @@ class SavedTensorReport:
     forward_seconds: dict[str, float] = field(default_factory=dict)
     uncounted: int = 0
     parameter_copy_bytes: int = 0
+
+
+_MAX_VIEW_HOPS = 8  # views between a parameter and its cast (chunk, select, transpose, ...)
+_FINGERPRINT = 64  # elements compared to recognise a frozen parameter's cast
 
 
 def _unpack(packed: Tensor) -> Tensor:
@@ -219,6 +230,10 @@ class SavedTensorRecorder:
         self._time_all = time_modules is True
         self._time_names = set() if isinstance(time_modules, bool) else set(time_modules)
         self._parameters = storage_keys(module.parameters())
+        self._frozen: dict[tuple[int, ...], list[Tensor]] = {}
+        for p in module.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                self._frozen.setdefault(tuple(p.shape), []).append(p)
         self._exclude = storage_keys(tensors_in(list(exclude))) | self._parameters | storage_keys(module.buffers())
         self._names = {id(m): (name or ROOT) for name, m in module.named_modules()}
         self._stack: list[str] = []
@@ -324,14 +339,34 @@ class SavedTensorRecorder:
         return packed
 
     def _copies_parameter(self, tensor: Tensor) -> bool:
-        """``tensor`` is (a view of) a dtype cast of one of the module's parameters (``Linear`` under
-        autocast saves ``weight.to(bf16).t()``)."""
+        """``tensor`` is (a view of) a dtype cast of one of the module's parameters or of a slice of one:
+        ``Linear`` under autocast saves ``weight.to(bf16).t()``, ``nn.MultiheadAttention`` casts the
+        chunks of its packed ``in_proj_weight``."""
         base = tensor._base if tensor._base is not None else tensor
-        cast = base.grad_fn
-        if cast is None or cast.name() != "ToCopyBackward0":
+        if base.grad_fn is None:  # a frozen parameter's cast: autograd does not link it to the parameter
+            return self._casts_frozen_parameter(base)
+        if base.grad_fn.name() != "ToCopyBackward0":
             return False
-        source = getattr(cast.next_functions[0][0], "variable", None)  # AccumulateGrad's leaf
-        return isinstance(source, Tensor) and storage_key(source) in self._parameters
+        node = base.grad_fn
+        for _ in range(_MAX_VIEW_HOPS):  # through the views between the parameter and the cast
+            if len(node.next_functions) != 1 or node.next_functions[0][0] is None:
+                return False
+            node = node.next_functions[0][0]
+            source = getattr(node, "variable", None)  # AccumulateGrad's leaf
+            if source is not None:
+                return storage_key(source) in self._parameters
+        return False
+
+    def _casts_frozen_parameter(self, base: Tensor) -> bool:
+        """A 16-bit tensor without history equal to a wider frozen parameter of its shape: compared on
+        its first elements (one host sync, for such a tensor only)."""
+        if base.dtype not in (torch.float16, torch.bfloat16) or base.requires_grad:
+            return False
+        for p in self._frozen.get(tuple(base.shape), ()):
+            if p.dtype != base.dtype and p.device == base.device and torch.equal(
+                    base.reshape(-1)[:_FINGERPRINT], p.detach().reshape(-1)[:_FINGERPRINT].to(base.dtype)):
+                return True
+        return False
 
     def report(self) -> SavedTensorReport:
         """The totals so far; syncs with the device when CUDA forward times are pending."""
