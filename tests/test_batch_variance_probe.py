@@ -21,6 +21,8 @@ from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
 
+from trainvitals import GradNormMonitor
+from trainvitals.callbacks import batch_variance_probe as probe_module
 from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.core.noise import NoiseScaleEMA
@@ -396,6 +398,30 @@ class FusedSGD(Classifier):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, fused=True)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "16-mixed"])
+def test_with_a_monitor_the_probe_reads_its_norms_instead_of_measuring_again(precision, monkeypatch):
+    """The batch gradient's ‖ḡ‖² comes from a GradNormMonitor that measured the step first: the same
+    estimates as measuring alone, in any order, also with the loss scale a fused optimizer leaves."""
+    calls = []
+    measure = probe_module.per_tensor_norms
+    monkeypatch.setattr(probe_module, "per_tensor_norms", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    data = classification_data("mlp", 48)
+    if precision != "64-true":
+        data = TensorDataset(data.tensors[0].float(), data.tensors[1])
+        precision = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    estimates = {}
+    for order in ("alone", "monitor first", "probe first"):
+        probe, monitor = BatchVarianceProbe(beta=0.5), GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+        callbacks = {"alone": [probe], "monitor first": [monitor, probe], "probe first": [probe, monitor]}[order]
+        net = network("mlp") if precision == "64-true" else network("mlp").float()
+        calls.clear()
+        fit(FusedSGD(net, lr=0.1), data, callbacks, batch_size=8, steps=6, precision=precision)
+        estimates[order] = (float(probe.noise.grad_sq_norm), float(probe.noise.trace_cov))
+        assert len(calls) == (0 if order == "monitor first" else 6), order
+    assert estimates["monitor first"] == pytest.approx(estimates["alone"], rel=1e-9)
+    assert estimates["probe first"] == pytest.approx(estimates["alone"], rel=1e-9)
 
 
 def test_a_new_fit_starts_afresh():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
 
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
+from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
     NoiseScaleEMA,
@@ -351,8 +353,9 @@ class BatchVarianceProbe(Callback):
         self._failed.update(result.failed)
         # Measured even when this rank saw a problem: every rank must join the same all-reduce, which also
         # says which layers failed on any rank, so that every rank excludes the same ones.
-        failed = self._measure(trainer, pl_module, plan, params, result, micro_sum, valid_here=not problem,
-                               grad_scale=scale_left_in_grads(trainer, optimizer))
+        batch_sq_norm = functools.partial(self._batch_sq_norm, trainer, optimizer)
+        failed = self._measure(trainer, pl_module, plan, params, result, micro_sum, batch_sq_norm,
+                               valid_here=not problem)
         if failed:
             self._excluded.update(failed)
             self._failed.difference_update(failed)
@@ -392,10 +395,10 @@ class BatchVarianceProbe(Callback):
 
     def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: SourcePlan,
                  params: dict[str, list[torch.nn.Parameter]], result: PerExampleStep, micro_sum: Tensor | None,
-                 valid_here: bool, grad_scale: Tensor | None) -> set[str]:
+                 batch_sq_norm: Callable[[list[torch.nn.Parameter]], Tensor], valid_here: bool) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
 
-        ``grad_scale``: the AMP loss scale still in ``.grad`` (an optimizer that unscales in its own step).
+        ``batch_sq_norm``: ‖.grad‖² over some parameters, unscaled (:meth:`_batch_sq_norm`).
 
         On one process those are this step's failures. Under DDP a layer can fail on one rank only (a
         branch taken by some ranks' data): the ranks' failures are summed with the estimates and read
@@ -411,9 +414,7 @@ class BatchVarianceProbe(Callback):
         device = pl_module.device
         # The accumulated, rank-averaged, unscaled .grad is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum.
         accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        to_mean: Tensor | float = accumulation / (micro_batches * (1 if self._reduction == "mean" else b))
-        if grad_scale is not None:
-            to_mean = to_mean / grad_scale.to(device, torch.float64)
+        to_mean = accumulation / (micro_batches * (1 if self._reduction == "mean" else b))
 
         def zero() -> Tensor:
             return torch.zeros((), dtype=torch.float64, device=device)
@@ -442,16 +443,16 @@ class BatchVarianceProbe(Callback):
             return failed
         estimates = []
         if plan.per_example:
-            batch_sq = self._grad_sq_norm(params["per_example"], to_mean, device)
+            batch_sq = batch_sq_norm(params["per_example"]) * to_mean**2
             estimates.append(per_example_estimates(sq_norm_sum, batch_sq, examples))
         if plan.micro_batch:
-            batch_sq = self._grad_sq_norm(params["micro_batch"], to_mean, device)
+            batch_sq = batch_sq_norm(params["micro_batch"]) * to_mean**2
             group_mean = micro_sum * (self._unit / b) ** 2 / groups
             estimates.append(two_batch_size_estimates(group_mean, batch_sq, groups, b))
         if plan.vmap and result.num_sub < 2:
             valid = False
         elif plan.vmap:
-            batch_sq = self._grad_sq_norm(params["vmap"], to_mean, device)
+            batch_sq = batch_sq_norm(params["vmap"]) * to_mean**2
             sub_mean_sq = sum(v.double().square().sum() for v in result.sub_grad_sum.values()) / result.num_sub**2
             estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
                                                  result.num_sub, batch_sq, examples))
@@ -467,11 +468,25 @@ class BatchVarianceProbe(Callback):
         return failed
 
     @staticmethod
-    def _grad_sq_norm(params: Any, to_mean: Tensor | float, device: torch.device) -> Tensor:
+    def _batch_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
+                       params: list[torch.nn.Parameter]) -> Tensor:
+        """‖.grad‖² over ``params``: the accumulated, rank-averaged gradient, AMP scale undone (0-d float64).
+
+        Read from a GradNormMonitor (p = 2) that measured this step — one before this callback in the
+        list — instead of a second pass over the gradients; else one fused norm.
+        """
+        index = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
+        for callback in trainer.callbacks:
+            if isinstance(callback, GradNormMonitor):
+                measured = callback.sq_norm_at(trainer.global_step, params, index)
+                if measured is not None:
+                    return measured
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        return per_tensor_norms(grads).square().sum() * to_mean**2
+            return torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
+        sq_norm = per_tensor_norms(grads).square().sum()
+        scale = scale_left_in_grads(trainer, optimizer)  # an optimizer that unscales in its own step
+        return sq_norm if scale is None else sq_norm / scale.to(sq_norm).square()
 
     # ------------------------------------------------------------------ logging
 

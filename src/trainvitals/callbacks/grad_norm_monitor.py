@@ -67,6 +67,23 @@ class _Track:
     # rebuilding the index tensor every step would be a host-to-device copy per step.
     present: tuple[int, ...] = ()
     present_index: Tensor | None = None
+    # Index tensors of parameter subsets other callbacks read (:meth:`GradNormMonitor.sq_norm_at`), by
+    # list identity: (the list, the params they index, the index).
+    subsets: dict[int, tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], Tensor | None]] = field(
+        default_factory=dict)
+
+    def positions(self, params: list[torch.nn.Parameter]) -> Tensor | None:
+        """Where ``params`` sit in :attr:`params`, as an index tensor on the norms' device (cached per
+        list object); ``None`` if one of them is not followed here."""
+        cached = self.subsets.get(id(params))
+        if cached is not None and cached[0] is params and cached[1] is self.params:
+            return cached[2]
+        where = {id(p): i for i, p in enumerate(self.params)}
+        index = None
+        if all(id(p) in where for p in params):
+            index = torch.tensor([where[id(p)] for p in params], dtype=torch.long, device=self.params[0].device)
+        self.subsets[id(params)] = (params, self.params, index)
+        return index
 
     def row(self, present: tuple[int, ...], norms: Tensor) -> Tensor:
         """Per-tensor norms of the ``present`` parameters placed in a ``(P,)`` row (0 for the others)."""
@@ -168,6 +185,18 @@ class GradNormMonitor(Callback):
         if track is None or track.latest is None or track.latest_step != step:
             return None
         return combine_norms(track.latest, self.norm_type)
+
+    def sq_norm_at(self, step: int, params: list[torch.nn.Parameter], optimizer_index: int = 0) -> Tensor | None:
+        """Σ ‖grad‖₂² over ``params`` as measured at optimizer step ``step`` — accumulated, unscaled,
+        before clipping; 0 for a parameter without gradient — as a 0-d float64 tensor on the gradients'
+        device, so that another callback needs no second pass over them. ``None`` when this monitor
+        did not measure that step (yet), measures a p ≠ 2 norm, or does not follow all of ``params``.
+        """
+        track = self._tracks.get(optimizer_index)
+        if self.norm_type != 2.0 or track is None or track.latest is None or track.latest_step != step:
+            return None
+        index = track.positions(params)
+        return None if index is None else track.latest.to(index.device)[index].square().sum()
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -283,6 +312,7 @@ class GradNormMonitor(Callback):
         if track is not None:
             self._read_back(track)  # its rows have the old parameters' columns
             track.params, track.groups, track.present_index = params, groups, None
+            track.subsets.clear()
             return track
         track = _Track(params, groups, SpikeDetector(self.spike_factor, self.spike_ema_beta, self.spike_warmup_steps))
         restored = self._restored.pop(index, None)
