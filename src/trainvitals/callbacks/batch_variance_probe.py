@@ -22,10 +22,11 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
 
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
+from trainvitals.callbacks._batch import batch_size
+from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.core.noise import (
@@ -168,10 +169,11 @@ class BatchVarianceProbe(Callback):
         self._open_step = -1
         self._measuring = False
         self._finalized_step = -1
-        self._log_every = 1
+        self._log_every: int | None = 1
         self._histogram_every: int | None = None
         self._batch_size = 0
         self._micro_sizes: list[int] = []
+        self._unsized = False  # a micro-batch of this step whose size Lightning cannot tell
         self._unit: Tensor | float = 1.0
         self._reduction = "mean"
         self._stated_reduction = ""
@@ -219,7 +221,8 @@ class BatchVarianceProbe(Callback):
                                  "(single device and DDP are)")
             return
         self._enabled = True
-        self._log_every = self._round_up(self.log_every_n_steps or trainer.log_every_n_steps)
+        every = logging_every(trainer, self.log_every_n_steps)
+        self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
         rank_zero_info(self.sources)
@@ -270,7 +273,9 @@ class BatchVarianceProbe(Callback):
         if step != self._open_step:
             self._begin_step(step)
         if self._measuring:
-            self._batch_size = extract_batch_size(batch)
+            size = batch_size(batch)
+            self._unsized = self._unsized or size is None
+            self._batch_size = size or 0
 
     def _begin_step(self, step: int) -> None:
         self._open_step = step
@@ -278,11 +283,12 @@ class BatchVarianceProbe(Callback):
         assert plan is not None and collector is not None
         self._measuring = step % self.every_n_steps == 0 and bool(plan.per_example or plan.micro_batch or plan.vmap)
         self._micro_sizes = []
+        self._unsized = False
         collector.detach()
         self._micro.detach()
         if not self._measuring:
             return
-        collector.attach(coordinates=self.per_coordinate and step % self._log_every == 0,
+        collector.attach(coordinates=self.per_coordinate and is_logging_step(step, self._log_every),
                          keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
         self._micro.attach(plan.micro_batch.values())
         self._bn_values = {}
@@ -382,6 +388,9 @@ class BatchVarianceProbe(Callback):
         if result.failed:
             return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items()) + \
                 " (measured by a fallback from now on)"
+        if self._unsized:
+            return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it): "
+                    "put the examples on dimension 0 of the batch's tensors")
         if 0 in self._micro_sizes:
             return "an empty micro-batch"
         if (self._plan.per_example or self._plan.vmap) and not result.seen:
@@ -436,7 +445,7 @@ class BatchVarianceProbe(Callback):
             sq_norm_sum, micro_sum = packed[0], packed[1]
             valid = (packed[3] == 0) & (packed[2] == examples)
             failed = set()
-            if step % self._log_every == 0 and layers:
+            if is_logging_step(step, self._log_every) and layers:
                 failed = {n for n, count in zip(layers, packed[4:].tolist()) if count > 0}
         if examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
@@ -461,7 +470,7 @@ class BatchVarianceProbe(Callback):
         self.noise.update(grad_sq_norm, trace_cov, valid)
         self.noise_error.update(grad_sq_norm, trace_cov, valid)
         self.effective_batch_size = examples
-        if step % self._log_every == 0:
+        if is_logging_step(step, self._log_every):
             self._log(trainer, pl_module, plan, result, valid, b, examples, step)
         if result.sq_norms:
             self._log_per_example_norms(trainer, result.sq_norms, step)

@@ -22,10 +22,11 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
+from trainvitals.callbacks._batch import batch_size
+from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text
@@ -157,10 +158,11 @@ class GradNormEarlyStopping(Callback):
         self._micro = MicroBatchSquaredNorms()
         self._source: Any = None  # "hooks", a probe callback, or None
         self._hooked: list[torch.nn.Parameter] = []
-        self._micro_sizes: list[int] = []
+        self._micro_sizes: list[int | None] = []  # None: a batch Lightning cannot size
         self._params: list[torch.nn.Parameter] = []
         self._pending: tuple[int, Tensor, Tensor] | None = None  # (step, total norm, step valid)
         self._warned_no_source = False
+        self._warnings = WarningCache()
         self._restored = False
         self._reset()
 
@@ -215,7 +217,8 @@ class GradNormEarlyStopping(Callback):
             # GradientAccumulationScheduler sets accumulate_grad_batches there, BackboneFinetuning
             # adds and unfreezes parameters.
             self._choose_source(trainer, pl_module)
-        self._micro_sizes.append(extract_batch_size(batch))
+        if self._source == "hooks":
+            self._micro_sizes.append(batch_size(batch))
 
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -250,10 +253,11 @@ class GradNormEarlyStopping(Callback):
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
         self._done = self._done.to(total.device) | (self._streak >= self.patience)
         self.steps += 1
-        logged = step % self._log_every(trainer) == 0
+        every = logging_every(trainer)
+        logged = is_logging_step(step, every)
         if logged:
             self._log(trainer, step, in_condition)
-        if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and not logged:
+        if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and every and not logged:
             self._log(trainer, step, in_condition)  # the chart ends where the run stopped
 
     @override
@@ -328,6 +332,10 @@ class GradNormEarlyStopping(Callback):
                 "It will not stop on the noise band while that lasts."
             )
 
+    def _warn_unsized(self) -> None:
+        self._warnings.warn("trainvitals: GradNormEarlyStopping cannot tell how many examples a micro-batch "
+                            "holds (Lightning's extract_batch_size fails on it): no noise estimate from such steps.")
+
     def _detach(self) -> None:
         self._micro.detach()
         self._hooked = []
@@ -336,6 +344,9 @@ class GradNormEarlyStopping(Callback):
         """One (‖G‖², tr Σ) estimate from this step's micro-batch gradients against their mean."""
         sum_sq, n_local = self._micro.pop()
         if sum_sq is None or not self._micro_sizes:
+            return
+        if None in self._micro_sizes:
+            self._warn_unsized()
             return
         if len(set(self._micro_sizes)) > 1:
             return  # the two-batch-size estimator needs equal groups; an epoch's ragged last window is skipped
@@ -375,9 +386,6 @@ class GradNormEarlyStopping(Callback):
     def band_noise(self) -> NoiseScaleEMA:
         """The estimate the noise band is decided on: :attr:`noise` (micro-batches, ranks), or the probe's."""
         return self.noise if self._source in (None, "hooks") else self._source.noise
-
-    def _log_every(self, trainer: "pl.Trainer") -> int:
-        return max(1, trainer.log_every_n_steps)
 
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak}

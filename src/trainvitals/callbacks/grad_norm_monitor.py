@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
+from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
 from trainvitals.callbacks._stopping import stopped_early
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
@@ -48,7 +49,7 @@ class _Track:
     spikes: SpikeDetector
     steps: int = 0
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
-    logged_counts: dict[str, int] = field(default_factory=dict)
+    logged_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))  # news: counts ≠ these
     # Measured, not yet read back: (global step, (P,) per-tensor norms, 0 for a parameter without a
     # gradient). ``latest`` is the newest row, read back or not.
     pending: list[tuple[int, Tensor]] = field(default_factory=list)
@@ -224,7 +225,7 @@ class GradNormMonitor(Callback):
         track.latest, track.latest_step = norms, step
         track.pending.append((step, norms))
 
-        logs = track.steps % self._log_every(trainer) == 0
+        logs = is_logging_step(track.steps, logging_every(trainer, self.log_every_n_steps))
         if logs or len(track.pending) >= MAX_PENDING_STEPS:
             self._read_back(track)
         if logs and _clips(trainer, pl_module):
@@ -324,9 +325,6 @@ class GradNormMonitor(Callback):
             track.reported_spikes = track.counts["spike_steps"]
         self._tracks[index] = track
         return track
-
-    def _log_every(self, trainer: "pl.Trainer") -> int:
-        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
 
     def _tag(self, trainer: "pl.Trainer", name: str, index: int = 0) -> str:
         if len(trainer.optimizers) > 1:

@@ -74,7 +74,7 @@ from trainvitals.core.graph import (
 
 # A diagnosis points at the user's code: frames in Lightning and trainvitals are not the culprit.
 _SKIP_DIRS = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__))
-_MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before a forced flush
+_MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before they are counted on the device
 _SHOWN = 5  # names spelled out in a message; the finding keeps them all
 
 
@@ -260,6 +260,7 @@ class GraphIntegrityCallback(Callback):
         self._frozen_versions: list[tuple[str, Tensor, int, int]] = []
         self._stale_opts: set[int] = set()
         self._pending_losses: list[Tensor] = []
+        self._nonfinite = torch.zeros((), dtype=torch.long)  # non-finite losses counted, not yet flushed
         self._anomaly_prev: tuple[bool, bool] | None = None
         self._pending: Finding | None = None
 
@@ -347,7 +348,8 @@ class GraphIntegrityCallback(Callback):
             self._walk(trainer, pl_module, loss)
         if self._window_open and not pl_module.automatic_optimization:
             self._observe_zeroed_grads()
-        self._maybe_raise(trainer)
+        # No collective here (a strict raise decision, a loss flush): under manual optimization ranks can
+        # run different numbers of backwards. Both wait for the batch end.
 
     def _check_loss(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
         if loss.grad_fn is None:
@@ -370,8 +372,8 @@ class GraphIntegrityCallback(Callback):
         if not loss.is_floating_point():
             return
         self._pending_losses.append(loss.detach())
-        if self.strict or len(self._pending_losses) >= _MAX_PENDING_LOSSES:
-            self._flush_losses(trainer)
+        if len(self._pending_losses) >= _MAX_PENDING_LOSSES:
+            self._count_nonfinite()
 
     def _why_no_grad(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor
@@ -526,6 +528,8 @@ class GraphIntegrityCallback(Callback):
         self._check_frozen_changed(trainer)
         if self._window_open and (self._window_left <= 0 or trainer.global_step >= self._next_check):
             self._close_window(trainer)
+        elif self.strict:  # a non-finite loss raises at the end of its step
+            self._flush_losses(trainer)
         self._end_batch()
         self._maybe_raise(trainer)
 
@@ -647,11 +651,20 @@ class GraphIntegrityCallback(Callback):
             "(DDPStrategy(find_unused_parameters=True)), or remove or freeze these parameters.",
         )
 
-    def _flush_losses(self, trainer: "pl.Trainer") -> int:
-        """Count the non-finite losses kept since the last flush, summed over ranks (one host sync)."""
+    def _count_nonfinite(self) -> Tensor:
+        """Add the non-finite values among the losses kept so far to this rank's device count (no sync)."""
         values, self._pending_losses = self._pending_losses, []
-        flat = torch.cat([v.reshape(-1) for v in values]) if values else torch.zeros(0, device=self._device)
-        bad = flat.isfinite().logical_not().sum().to(device=self._device, dtype=torch.float32)
+        self._nonfinite = self._nonfinite.to(self._device)
+        if values:
+            flat = torch.cat([v.reshape(-1).to(self._device) for v in values])
+            self._nonfinite = self._nonfinite + flat.isfinite().logical_not().sum()
+        return self._nonfinite
+
+    def _flush_losses(self, trainer: "pl.Trainer") -> int:
+        """The non-finite losses since the last flush, summed over ranks: one collective and host sync, so
+        only where every rank calls it (a batch end, the end of training)."""
+        bad = self._count_nonfinite().to(torch.float32)
+        self._nonfinite = torch.zeros_like(self._nonfinite)
         count = int(trainer.strategy.reduce(bad, reduce_op="sum").item())
         if count:
             self._record(
@@ -689,8 +702,9 @@ class GraphIntegrityCallback(Callback):
                 if x is None:
                     raise ValueError("the batch holds no tensor")
                 mixing = batch_mixing(pl_module, x)
-            except (ValueError, TypeError, RuntimeError) as err:
-                rank_zero_warn(f"trainvitals GraphIntegrityCallback: could not check batch independence: {err}")
+            except Exception as err:  # the model called on a guessed input: any failure means "cannot check"
+                rank_zero_warn(f"trainvitals GraphIntegrityCallback: could not check batch independence: "
+                               f"{type(err).__name__}: {err}")
                 return
         if switched:
             rank_zero_info(
@@ -930,7 +944,7 @@ class GraphIntegrityCallback(Callback):
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._window_open:
             self._close_window(trainer)
-        elif self._pending_losses:
+        else:
             self._flush_losses(trainer)
         self._publish(trainer)
 

@@ -22,10 +22,11 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 
+from trainvitals.callbacks._batch import batch_size
+from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.core.lr_scaling import (
     LRAdvice,
@@ -174,7 +175,7 @@ class LRScalingAdvisor(Callback):
         if step == self._last_step or self.per_device_batch is None:
             return
         self._last_step = step
-        if step % (self.every_n_steps or max(1, trainer.log_every_n_steps)) == 0:
+        if is_logging_step(step, logging_every(trainer, self.every_n_steps)):
             self._report = self._advise(trainer)
 
     @override
@@ -195,12 +196,11 @@ class LRScalingAdvisor(Callback):
 
     # ------------------------------------------------------------------ measurement
     def _infer_batch_size(self, batch: Any) -> int | None:
-        try:
-            return extract_batch_size(batch)
-        except Exception:  # Lightning raises MisconfigurationException or RecursionError here
+        size = batch_size(batch)
+        if size is None:
             rank_zero_warn("trainvitals: LRScalingAdvisor cannot infer the per-device batch size; "
                            "pass `batch_size=`. No advice this run.")
-            return None
+        return size
 
     def _probe_loss_reduction(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int

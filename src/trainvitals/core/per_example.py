@@ -641,13 +641,17 @@ class PerExampleGradients:
     def _backward(self, name: str, module: nn.Module, inputs: Tensor, grad_output: Tensor) -> None:
         if self._calls[name] > 1:
             return
-        sq = per_example_sq_norms(module, inputs, grad_output, self._workspace)
+        try:
+            sq = per_example_sq_norms(module, inputs, grad_output, self._workspace)
+            sums = per_example_sums(module, inputs, grad_output, self._workspace) if self._coordinates else {}
+        except Exception as err:  # noqa: BLE001 - raised into the user's backward, it would end the run
+            self._step.failed[name] = f"per-example norms failed: {type(err).__name__}: {err}"
+            return
         self._sq = sq if self._sq is None else self._sq + sq
-        if self._coordinates:
-            for local, (total, total_sq) in per_example_sums(module, inputs, grad_output, self._workspace).items():
-                qualified = f"{name}.{local}" if name else local
-                _add(self._grad_sum, qualified, total)
-                _add(self._sum_sq, qualified, total_sq)
+        for local, (total, total_sq) in sums.items():
+            qualified = f"{name}.{local}" if name else local
+            _add(self._grad_sum, qualified, total)
+            _add(self._sum_sq, qualified, total_sq)
         self._step.seen.add(name)
 
     def _forward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -19,6 +19,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_text, tensorboard_writers
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
@@ -93,7 +94,7 @@ class TrainvitalsDashboard(Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
         # global_step has advanced past the optimizer step this batch ran, if it ran one.
         step = trainer.global_step - 1
-        if not self.progress_bar or step < 0 or self._shown_at == step or step % max(1, trainer.log_every_n_steps):
+        if not self.progress_bar or step < 0 or self._shown_at == step or not is_logging_step(step, logging_every(trainer)):
             return
         self._shown_at = step
         for name, value in progress_bar_values(trainer).items():

@@ -1,0 +1,143 @@
+"""A diagnostic never ends a run by its own fault: every callback together, in Trainer set-ups and with
+batches and models they cannot measure."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader
+
+import lightning.pytorch as pl
+from _models import Regressor, loader, regression_data
+from conftest import RecordingLogger, trainer_kwargs
+from trainvitals import (
+    BatchVarianceProbe,
+    GradNormEarlyStopping,
+    GradNormMonitor,
+    GraphIntegrityCallback,
+    LRScalingAdvisor,
+    MemoryTopologyProfiler,
+    TrainvitalsDashboard,
+)
+from trainvitals.core import per_example
+
+
+def every_callback() -> list[pl.Callback]:
+    return [GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False), GradNormMonitor(),
+            BatchVarianceProbe(), GradNormEarlyStopping(), LRScalingAdvisor(verbose=False),
+            MemoryTopologyProfiler(every_n_steps=2, verbose=False), TrainvitalsDashboard()]
+
+
+def test_step_logging_turned_off_logs_no_step_scalars():
+    """``Trainer(log_every_n_steps=0)`` turns step logging off (Lightning logs nothing then); a cadence of
+    0 divided by nothing, and no callback logs per step."""
+    logger = RecordingLogger()
+    trainer = Trainer(**trainer_kwargs(callbacks=every_callback(), logger=logger, max_steps=6, log_every_n_steps=0,
+                                       accumulate_grad_batches=2))
+    trainer.fit(Regressor(), loader(regression_data(), 8))
+    assert trainer.global_step == 6
+    assert not [tag for tag in logger.series if tag.startswith(("grad_norm/", "grad_noise/"))]
+    # The advisor's report is a fit-level one: at the start and the end of the fit only.
+    advice_steps = {step for tag, series in logger.series.items() if tag.startswith("lr_scaling/") for step, _ in series}
+    assert advice_steps <= {0, 6}
+
+
+class Pairs:
+    """A batch Lightning cannot size: a plain object holding the tensors."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+
+class PairsRegressor(Regressor):
+    def training_step(self, batch: Pairs, batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self(batch.x), batch.y)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch
+
+
+def test_a_batch_lightning_cannot_size_is_said_once_and_the_run_goes_on():
+    data = regression_data()
+    batches = [Pairs(*data[i:i + 8]) for i in range(0, 64, 8)]
+    probe, stopper = BatchVarianceProbe(), GradNormEarlyStopping()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(**trainer_kwargs(callbacks=[probe, stopper], logger=False, max_steps=4,
+                                           accumulate_grad_batches=2))
+        trainer.fit(PairsRegressor(), DataLoader(batches, batch_size=None))
+    assert trainer.global_step == 4
+    messages = [str(w.message) for w in caught]
+    assert sum("BatchVarianceProbe cannot measure: Lightning cannot tell how many examples" in m for m in messages) == 1
+    assert sum("GradNormEarlyStopping cannot tell how many examples" in m for m in messages) == 1
+    assert int(probe.noise.count) == 0 and int(stopper.noise.count) == 0
+
+
+def test_per_example_norms_that_fail_leave_the_layer_to_a_fallback(monkeypatch):
+    """An exception inside the probe's backward hook would surface in the user's backward: it is recorded
+    as that layer's failure instead, and the layer is measured another way from then on."""
+    measure = per_example.per_example_sq_norms
+
+    def fails_on_the_last_layer(module, *args, **kwargs):
+        if module.out_features == 1:
+            raise RuntimeError("an unforeseen layout")
+        return measure(module, *args, **kwargs)
+
+    monkeypatch.setattr(per_example, "per_example_sq_norms", fails_on_the_last_layer)
+    probe = BatchVarianceProbe()
+    with pytest.warns(UserWarning, match="net.4: per-example norms failed: RuntimeError: an unforeseen layout"):
+        trainer = Trainer(**trainer_kwargs(callbacks=[probe], logger=False, max_steps=4))
+        trainer.fit(Regressor(), loader(regression_data(), 8))
+    assert trainer.global_step == 4
+    assert "net.4" not in probe._plan.per_example and int(probe.noise.count) == 3  # measured after the replan
+
+
+class ManyBackwards(Regressor):
+    """Manual optimization with a data-dependent number of backwards per step (here: 1 to 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        for chunk in range(1 + batch_idx % 3):
+            self.manual_backward(F.mse_loss(self(x[chunk::3]), y[chunk::3]))
+        opt.step()
+
+
+class CollectiveSpy(pl.Callback):
+    """Records the hooks from which any callback calls a collective (``strategy.reduce``)."""
+
+    def __init__(self) -> None:
+        self.callers: set[str] = set()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        reduce = trainer.strategy.reduce
+
+        def spied(*args: Any, **kwargs: Any) -> Any:
+            self.callers.update(f.function for f in inspect.stack() if f.function.startswith("on_"))
+            return reduce(*args, **kwargs)
+
+        trainer.strategy.reduce = spied
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_collectives_happen_where_every_rank_calls_them(monkeypatch, strict):
+    """Under DDP a collective that one rank calls more often than another hangs the job: none may run in a
+    per-backward hook, where ranks can differ (here also when the pending losses are counted)."""
+    monkeypatch.setattr("trainvitals.callbacks.graph_integrity._MAX_PENDING_LOSSES", 2)
+    spy = CollectiveSpy()
+    graph = GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=1, strict=strict, verbose=False)
+    trainer = Trainer(**trainer_kwargs(callbacks=[spy, graph], logger=False, max_steps=7))
+    trainer.fit(ManyBackwards(), loader(regression_data(), 8))
+    assert trainer.global_step == 7
+    assert spy.callers and "on_before_backward" not in spy.callers and "on_after_backward" not in spy.callers
