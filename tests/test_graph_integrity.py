@@ -209,6 +209,16 @@ def test_non_finite_loss_is_counted(recording_logger: RecordingLogger):
     assert recording_logger.values("graph/nonfinite_losses") == [1.0]
 
 
+def test_a_non_finite_loss_after_the_last_check_window_is_still_logged(recording_logger: RecordingLogger):
+    """The window of step 0 has closed when the loss turns inf: the end of training logs the count, which
+    ``trainvitals report`` reads as critical."""
+    cb = GraphIntegrityCallback(check_every_n_steps=50, dead_after_steps=1)
+    fit(NonFiniteLoss(), cb, steps=3, logger=recording_logger)
+    assert K.LOSS_NOT_FINITE in kinds(cb)
+    # Steps 1 and 2: the inf loss of step 1 leaves NaN weights behind.
+    assert recording_logger.series["graph/nonfinite_losses"][-1] == (3, 2.0)
+
+
 class VectorLoss(Net):
     def training_step(self, batch, batch_idx):
         return F.cross_entropy(self(batch[0]), batch[1], reduction="none")

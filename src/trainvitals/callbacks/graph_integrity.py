@@ -944,8 +944,9 @@ class GraphIntegrityCallback(Callback):
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._window_open:
             self._close_window(trainer)
-        else:
-            self._flush_losses(trainer)
+        elif nonfinite := self._flush_losses(trainer):  # after the last window: still on the charts
+            log_scalars(trainer, {"graph/nonfinite_losses": float(nonfinite), **self._count_metrics()},
+                        step=trainer.global_step)
         self._publish(trainer)
 
     @override

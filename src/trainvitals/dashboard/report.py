@@ -201,8 +201,8 @@ def _panel(run: Run, report: RunReport, title: str, tag: str) -> None:
 
 
 def _counter(run: Run, pattern: str) -> float:
-    """A counter's largest value, summed over the series that match (one per optimizer)."""
-    return sum(max(v for _, v in series) for series in run.matching(pattern).values())
+    """A counter's largest finite value, summed over the series that match (one per optimizer)."""
+    return sum(max((v for _, v in series if math.isfinite(v)), default=0.0) for series in run.matching(pattern).values())
 
 
 def _convergence(run: Run, report: RunReport) -> None:
