@@ -149,6 +149,11 @@ def test_inplace_modified_saved_tensor_is_found_and_the_message_parsed():
     assert classify_autograd_error(info.value) is AutogradError.INPLACE
     parsed = parse_inplace_error(str(info.value))
     assert parsed is not None and parsed.shape == (4, 2) and parsed.version == parsed.expected + 1
+    assert parsed.producer == "AsStrided" and parsed.may_be_parameter  # Linear saves weight.t()
+    h = torch.sigmoid(X.clone().requires_grad_())
+    with pytest.raises(RuntimeError) as info:
+        h.mul_(2).sum().backward()  # Sigmoid's output: computed, not a parameter
+    assert not parse_inplace_error(str(info.value)).may_be_parameter
     (error,) = saved_tensor_errors(out)
     assert (type(error.node).__name__, error.saved, error.kind) == ("AddmmBackward0", "mat2", AutogradError.INPLACE)
 

@@ -159,6 +159,14 @@ def test_loss_without_grad_fn_says_where_the_graph_was_cut(model, culprit, words
     assert any(words in note for note in err.__notes__)
 
 
+def test_a_wholly_frozen_model_is_named_as_the_cause():
+    model = Net().requires_grad_(False)
+    cb = GraphIntegrityCallback()
+    fit_fails(model, cb, "element 0 of tensors does not require grad")
+    f = finding(cb, K.LOSS_NO_GRAD)
+    assert f.names == ("every parameter frozen",) and "every parameter of the model has requires_grad=False" in f.message
+
+
 class NoGradClosureSGD(torch.optim.SGD):
     @torch.no_grad()
     def step(self, closure=None):
@@ -500,6 +508,32 @@ class InplaceModule(Net):
         return torch.optim.SGD(self.net.parameters(), lr=0.1)
 
 
+class TwiceSameLoss(ManualNet):
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.manual_backward(loss)
+        self.manual_backward(loss)
+
+
+class InplaceAfterAStep(ManualNet):
+    """A step, then an in-place op on a computed tensor of the shape of a parameter the step changed
+    (``mix.weight``, (8, 8), at version 2 like the sigmoid output): the op is the culprit, not the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(8, 8)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(F.cross_entropy(self.head(self.mix(self.body(x))), y))
+        opt.step()
+        h = torch.sigmoid(self.body(x))  # (8, 8): the batch is 8 examples
+        h.mul_(2).add_(1)
+        self.manual_backward(F.cross_entropy(self.head(h), y))
+
+
 @pytest.mark.parametrize(
     ("make", "kind", "names", "words"),
     [
@@ -511,8 +545,12 @@ class InplaceModule(Net):
         (InplaceOnSaved, K.INPLACE_MODIFIED, ("sigmoid", "mul_"), "saved for backward by `sigmoid` at test_graph_"),
         (InplaceModule, K.INPLACE_MODIFIED, ("net.1", "sigmoid", "net.2", "relu"),
          "by `sigmoid` in module `net.1` at test_graph_integrity.py:"),
+        (TwiceSameLoss, K.SECOND_BACKWARD, (), "The same loss was back-propagated twice"),
+        # Manual optimization: no re-run to name the op, but the step is not blamed.
+        (InplaceAfterAStep, K.INPLACE_MODIFIED, (), "The tensor that SigmoidBackward0 saved as `result`"),
     ],
-    ids=["running-total", "shared-graph", "optimizer-step", "inplace-op", "inplace-module"],
+    ids=["running-total", "shared-graph", "optimizer-step", "inplace-op", "inplace-module", "same-loss-twice",
+         "inplace-after-a-step"],
 )
 def test_autograd_error_is_diagnosed_on_the_exception(make, kind, names, words):
     cb = GraphIntegrityCallback()

@@ -391,6 +391,11 @@ class GraphIntegrityCallback(Callback):
                 f"without `torch.enable_grad()` does this (optimizers: {', '.join(optimizers) or 'none'}), as does "
                 "a `torch.set_grad_enabled(False)` left on"
             )
+        if not any(p.requires_grad for p in pl_module.parameters()):
+            return ("every parameter frozen",), (
+                "every parameter of the model has requires_grad=False, so the loss depends on nothing that "
+                "can learn: unfreeze what should train (`module.requires_grad_(True)`)"
+            )
         if self._can_rerun(trainer, pl_module):
             try:
                 tracer, output = self._rerun(pl_module)
@@ -808,6 +813,11 @@ class GraphIntegrityCallback(Callback):
         walk = walk_graph(loss, self._mark)
         if walk.stale:
             return self._stale_finding(pl_module, walk.stale)
+        if loss.grad_fn is not None and loss.grad_fn in self._losses[:-1]:
+            return (), (
+                "The same loss was back-propagated twice in this step: the first backward freed its saved "
+                "tensors. Remove the second backward, or pass retain_graph=True to the first if both are meant."
+            )
         earlier: set[Node] = set()
         for fn in self._losses[:-1]:
             earlier |= walk_graph(fn).nodes
@@ -885,7 +895,7 @@ class GraphIntegrityCallback(Callback):
     def _stepped_parameter(self, info: InplaceInfo | None, near: list[Tensor]) -> Tensor | None:
         """The parameter an optimizer step of this batch changed: the saved tensor's shape (or its
         transpose) and version counter, nearest candidates first."""
-        if info is None:
+        if info is None or not info.may_be_parameter:
             return None
         for p in near + [p for _, p in self._tracked]:
             if (

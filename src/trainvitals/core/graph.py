@@ -241,15 +241,25 @@ def classify_autograd_error(exc: BaseException) -> AutogradError | None:
 
 @dataclass(frozen=True)
 class InplaceInfo:
-    """What autograd's in-place error says: the saved tensor's shape, its version now and when saved."""
+    """What autograd's in-place error says: the saved tensor's shape, its version now and when saved,
+    and the autograd node whose output it is."""
 
     shape: tuple[int, ...]
     version: int
     expected: int
+    producer: str = ""
+
+    @property
+    def may_be_parameter(self) -> bool:
+        """A parameter is saved through a view of it (``Linear``'s ``weight.t()`` is "output 0 of
+        AsStrided"): an output of a computation ("output 0 of Sigmoid") is not one."""
+        return re.sub(r"Backward\d*$", "", self.producer) in _VIEW_OPS
 
 
+_VIEW_OPS = frozenset({"AsStrided", "T", "Transpose", "Permute", "View", "UnsafeView", "Expand", "Slice",
+                       "Select", "Unsqueeze", "Squeeze", "Alias", "ReshapeAlias"})
 _INPLACE_RE = re.compile(
-    r"\[[\w.]+ \[([\d, ]*)\]\], which is output \d+ of \w+, is at version (\d+); expected version (\d+)"
+    r"\[[\w.]+ \[([\d, ]*)\]\], which is output \d+ of (\w+), is at version (\d+); expected version (\d+)"
 )
 
 
@@ -260,7 +270,7 @@ def parse_inplace_error(message: str) -> InplaceInfo | None:
     if m is None:
         return None
     shape = tuple(int(s) for s in m.group(1).split(",") if s.strip())
-    return InplaceInfo(shape, int(m.group(2)), int(m.group(3)))
+    return InplaceInfo(shape, int(m.group(3)), int(m.group(4)), m.group(2))
 
 
 @dataclass(frozen=True)
