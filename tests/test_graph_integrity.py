@@ -114,6 +114,25 @@ def test_clean_model_gets_a_clean_bill_of_health(recording_logger: RecordingLogg
     assert not torch.is_anomaly_enabled()
 
 
+class ScaledOnTransfer(Net):
+    """A learnable input scale applied in ``on_after_batch_transfer``, which Lightning runs before
+    ``on_train_batch_start``: part of this step's graph, not an earlier one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        return x * self.scale, y
+
+
+def test_graph_built_in_the_batch_transfer_hooks_is_this_steps():
+    cb = every_step()
+    fit(ScaledOnTransfer(), cb)
+    assert cb.findings == []
+
+
 # ------------------------------------------------------------------------------------- loss checks
 
 

@@ -273,6 +273,7 @@ class GraphIntegrityCallback(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._mark = sequence_mark()
         self._step = trainer.global_step
         self._names = tensor_names(pl_module)
         self._opt_params, self._opt_of = [], {}
@@ -307,7 +308,6 @@ class GraphIntegrityCallback(Callback):
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
-        self._mark = sequence_mark()
         self._batch, self._batch_idx = batch, batch_idx
         step = self._step = trainer.global_step
         if self.check_batch_independence and not self._independence_done:
@@ -536,6 +536,9 @@ class GraphIntegrityCallback(Callback):
         elif self.strict:  # a non-finite loss raises at the end of its step
             self._flush_losses(trainer)
         self._end_batch()
+        # Nodes created from here on belong to the next step, including its batch-transfer hooks
+        # (``on_after_batch_transfer`` runs before ``on_train_batch_start``).
+        self._mark = sequence_mark()
         self._maybe_raise(trainer)
 
     def _check_reachability(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
