@@ -6,9 +6,12 @@ before anyone notices or fails with an error that names no culprit. :class:`Grap
 finds them:
 
 - before backward, every step: the loss has no ``grad_fn`` (and why), is not finite, is not a scalar;
-- before backward, on a schedule: a walk from ``loss.grad_fn`` to the ``AccumulateGrad`` leaves finds
-  trainable parameters the loss cannot reach, leaves that belong to no optimizer, and nodes created
-  in an earlier step (state carried across steps, named by its module attribute);
+- before backward, on a schedule: a walk from ``loss.grad_fn`` to the ``AccumulateGrad`` leaves (and
+  into reentrant checkpoint regions of a module) finds trainable parameters the loss cannot reach,
+  and why — reported once they also went a window of steps without a gradient (one batch may skip an
+  auxiliary head or an expert), at once under DDP with ``find_unused_parameters=False`` —, leaves that
+  belong to no optimizer, and nodes created in an earlier step (state carried across steps, named by
+  its module attribute);
 - after backward (at ``on_before_optimizer_step``, when the gradient of the step is complete, per
   optimizer), during a window of consecutive steps on the same schedule: parameters without a
   gradient (unused) or with an exactly zero one (dead) for ``dead_after_steps`` steps in a row, what
@@ -127,6 +130,12 @@ class GraphIntegrityError(RuntimeError):
     """Raised by :class:`GraphIntegrityCallback` with ``strict=True`` at the first finding."""
 
 
+def _ddp_without_unused_search(trainer: "pl.Trainer") -> bool:
+    """DDP with ``find_unused_parameters=False``: a step in which a parameter gets no gradient fails the next."""
+    ddp = trainer.strategy.model
+    return isinstance(ddp, DistributedDataParallel) and not ddp.find_unused_parameters
+
+
 def _listed(names: list[str] | tuple[str, ...]) -> str:
     shown = ", ".join(f"`{n}`" for n in names[:_SHOWN])
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
@@ -235,6 +244,7 @@ class GraphIntegrityCallback(Callback):
         # Fit-time maps, built at train start.
         self._names: dict[int, str] = {}
         self._tracked: list[tuple[str, Tensor]] = []  # every parameter in an optimizer, or registered
+        self._params_by_name: dict[str, Tensor] = {}
         self._opt_params: list[list[tuple[str, Tensor]]] = []
         self._opt_of: dict[int, int] = {}  # id(parameter) -> optimizer index
         self._opt_index: dict[int, int] = {}  # id(optimizer) -> index in trainer.optimizers
@@ -254,6 +264,7 @@ class GraphIntegrityCallback(Callback):
         self._walk_batch = False
         self._walked = False  # a loss of the walk batch was walked
         self._reached: set[int] = set()
+        self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
         self._ran: dict[int, bool] = {}
         self._walk_counts: dict[str, int] = {}  # what the window's walk found, logged as graph/<key>
         self._hook: Any = None
@@ -287,6 +298,7 @@ class GraphIntegrityCallback(Callback):
                 self._opt_of.setdefault(id(p), k)
                 tracked.setdefault(id(p), (name, p))
         self._tracked = list(tracked.values())
+        self._params_by_name = dict(self._tracked)
         self._device = pl_module.device
         for k, named in enumerate(self._opt_params):
             frozen = tuple(n for n, p in named if not p.requires_grad)
@@ -542,39 +554,55 @@ class GraphIntegrityCallback(Callback):
         self._maybe_raise(trainer)
 
     def _check_reachability(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Explain the trainable parameters the walked loss cannot reach. One batch does not make them
+        unused (an auxiliary head used every other step, an expert that got no tokens), so a parameter
+        of an optimizer is reported when the window closes, if it went without a gradient all window
+        long. Reported now: a parameter outside every optimizer (no such record), and any under DDP
+        with find_unused_parameters=False, whose next step fails on it."""
         self._walk_batch = False
         self._remove_hook()
         if not self._walked:  # no backward ran in this batch
             return
-        unreached = [(n, p) for n, p in self._tracked if p.requires_grad and id(p) not in self._reached]
-        if not unreached:
-            return
+        unreached = [n for n, p in self._tracked if p.requires_grad and id(p) not in self._reached]
+        reasons = self._unreached_reasons(pl_module, unreached)
+        if not _ddp_without_unused_search(trainer):
+            self._unreached = {n: why for n, why in reasons.items() if id(self._params_by_name[n]) in self._opt_of}
+        self._record_unreachable(trainer, {n: why for n, why in reasons.items() if n not in self._unreached})
+
+    def _unreached_reasons(self, pl_module: "pl.LightningModule", unreached: list[str]) -> dict[str, str]:
+        """Why each parameter is out of the loss's reach, said of its module."""
         by_module: dict[str, list[str]] = {}
-        for name, _ in unreached:
+        for name in unreached:
             by_module.setdefault(owner_module(name), []).append(name)
-        reasons = []
-        for mod_name in by_module:
+        reasons = {}
+        for mod_name, names in by_module.items():
             try:
                 module = pl_module.get_submodule(mod_name)
             except AttributeError:
                 module = None
             if module is None or module is pl_module:
-                reasons.append(f"{_listed(by_module[mod_name])} are not used by the loss")
+                why = f"{_listed(names)} are not used by the loss"
             elif "_orig_mod" in mod_name.split("."):  # forward hooks do not run inside a compiled region
-                reasons.append(f"module `{mod_name}`, inside a torch.compile'd module, did not reach the loss")
+                why = f"module `{mod_name}`, inside a torch.compile'd module, did not reach the loss"
             elif id(module) not in self._ran:
-                reasons.append(f"module `{mod_name}` never ran in forward (an unused head or branch?)")
+                why = f"module `{mod_name}` never ran in forward (an unused head or branch?)"
             elif not self._ran[id(module)]:
-                reasons.append(f"module `{mod_name}` ran only with grad mode off (inside `torch.no_grad()`)")
+                why = f"module `{mod_name}` ran only with grad mode off (inside `torch.no_grad()`)"
             else:
-                reasons.append(f"module `{mod_name}` ran, but its output was detached or did not reach the loss")
-        names = tuple(n for n, _ in unreached)
+                why = f"module `{mod_name}` ran, but its output was detached or did not reach the loss"
+            reasons.update(dict.fromkeys(names, why))
+        return reasons
+
+    def _record_unreachable(self, trainer: "pl.Trainer", reasons: dict[str, str]) -> None:
+        if not reasons:
+            return
+        names = tuple(reasons)
         self._record(
             trainer,
             FindingKind.UNREACHABLE_PARAMS,
             names,
             f"{len(names)} trainable parameter(s) cannot be reached from the loss and will get no gradient: "
-            + "; ".join(reasons) + ".",
+            + "; ".join(dict.fromkeys(reasons.values())) + ".",
         )
 
     def _check_frozen_changed(self, trainer: "pl.Trainer") -> None:
@@ -611,6 +639,8 @@ class GraphIntegrityCallback(Callback):
         unused = tuple(name for name, s in self._unused_streak.items() if s >= n)
         dead = tuple(name for name, s in self._dead_streak.items() if s >= n)
         nonfinite = self._flush_losses(trainer)
+        self._record_unreachable(trainer, {name: why for name, why in self._unreached.items() if name in unused})
+        self._unreached = {}
         if unused:
             self._record(
                 trainer,
@@ -983,6 +1013,7 @@ class GraphIntegrityCallback(Callback):
             "walks": self._walks,
             "grad_checks": self._grad_checks,
             "independence_done": self._independence_done,
+            "unreached": dict(self._unreached),
         }
 
     @override
@@ -1001,3 +1032,4 @@ class GraphIntegrityCallback(Callback):
         self._walks = int(state_dict.get("walks", 0))
         self._grad_checks = int(state_dict.get("grad_checks", 0))
         self._independence_done = bool(state_dict.get("independence_done", False))
+        self._unreached = dict(state_dict.get("unreached", {}))

@@ -21,6 +21,7 @@ place (:func:`saved_tensor_errors`), and :class:`GraphTracer`, which re-runs a s
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import re
 import sys
@@ -72,14 +73,18 @@ class GraphWalk:
     """What a loss's graph reaches.
 
     Attributes:
-        leaves: the tensors of the ``AccumulateGrad`` leaves (the tensors that will get a ``.grad``).
+        leaves: the tensors of the ``AccumulateGrad`` leaves (the tensors that will get a ``.grad``), and
+            the parameters of reentrant checkpoint regions.
         stale: nodes created before the mark, where the walk entered them (it does not go further).
         nodes: every node visited, leaves and stale nodes included.
+        opaque: a reentrant checkpoint region re-runs a function that is not a module's: the
+            parameters it uses cannot be known before backward.
     """
 
     leaves: tuple[Tensor, ...]
     stale: tuple[Node, ...]
     nodes: frozenset[Node]
+    opaque: bool = False
 
 
 def walk_graph(root: Tensor | Node | None, before: int | None = None) -> GraphWalk:
@@ -100,11 +105,16 @@ def walk_graph(root: Tensor | Node | None, before: int | None = None) -> GraphWa
     stack = [start]
     leaves: list[Tensor] = []
     stale: list[Node] = []
+    opaque = False
     while stack:
         node = stack.pop()
         if _is_leaf_node(node):
             leaves.append(node.variable)
             continue
+        if hasattr(node, "run_function"):  # torch.utils.checkpoint(use_reentrant=True)
+            hidden = _checkpointed_parameters(node)
+            opaque = opaque or hidden is None
+            leaves.extend(hidden or ())
         if before is not None:
             nr = _sequence_nr(node)
             if nr is not None and nr < before:
@@ -114,7 +124,19 @@ def walk_graph(root: Tensor | Node | None, before: int | None = None) -> GraphWa
             if child is not None and child not in seen:
                 seen.add(child)
                 stack.append(child)
-    return GraphWalk(tuple(leaves), tuple(stale), frozenset(seen))
+    return GraphWalk(tuple(leaves), tuple(stale), frozenset(seen), opaque)
+
+
+def _checkpointed_parameters(node: Node) -> list[Tensor] | None:
+    """The parameters a reentrant checkpoint region uses. Its graph exists only during backward, so the
+    node's ``next_functions`` lead to the region's inputs, never to the parameters inside; but the node
+    (the autograd Function's ctx) keeps the function it re-runs. A module, a module's bound method or a
+    ``functools.partial`` of one names them; anything else gives ``None``: unknown."""
+    run = node.run_function
+    while isinstance(run, functools.partial):
+        run = run.func
+    owner = run if isinstance(run, nn.Module) else getattr(run, "__self__", None)
+    return list(owner.parameters()) if isinstance(owner, nn.Module) else None
 
 
 def nearest_leaves(node: Node, max_depth: int = 8) -> list[Tensor]:
