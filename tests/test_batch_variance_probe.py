@@ -22,7 +22,7 @@ from conftest import RecordingLogger, trainer_kwargs
 from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
 
 from trainvitals import GradNormMonitor
-from trainvitals.callbacks import batch_variance_probe as probe_module
+from trainvitals.callbacks import grad_norm_monitor as monitor_module
 from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.core.noise import NoiseScaleEMA
@@ -405,8 +405,8 @@ def test_with_a_monitor_the_probe_reads_its_norms_instead_of_measuring_again(pre
     """The batch gradient's ‖ḡ‖² comes from a GradNormMonitor that measured the step first: the same
     estimates as measuring alone, in any order, also with the loss scale a fused optimizer leaves."""
     calls = []
-    measure = probe_module.per_tensor_norms
-    monkeypatch.setattr(probe_module, "per_tensor_norms", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    measure = monitor_module._fused_grad_sq_norm  # the second pass over the gradients
+    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", lambda *a, **k: calls.append(1) or measure(*a, **k))
     data = classification_data("mlp", 48)
     if precision != "64-true":
         data = TensorDataset(data.tensors[0].float(), data.tensors[1])

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 from _models import Regressor, ReleaseProcessGroup, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
-from trainvitals.callbacks import grad_norm_early_stopping as stopping_module
+from trainvitals.callbacks import grad_norm_monitor as monitor_module
 
 
 class LinearRegression(pl.LightningModule):
@@ -155,8 +155,8 @@ def test_relative_mode_stops_when_the_norm_has_fallen_below_a_fraction_of_its_ea
 @pytest.mark.parametrize("order", ["monitor first", "stopper first", "stopper alone"])
 def test_with_a_monitor_the_stopper_reads_its_total_instead_of_measuring_again(order, monkeypatch):
     calls = []
-    measure = stopping_module.per_tensor_norms
-    monkeypatch.setattr(stopping_module, "per_tensor_norms", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    measure = monitor_module._fused_grad_sq_norm  # the second pass over the gradients
+    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", lambda *a, **k: calls.append(1) or measure(*a, **k))
     d = 5
     stopper = GradNormEarlyStopping(mode="relative", fraction=0.01, reference_steps=3, patience=2, min_steps=0,
                                     check_every_n_steps=1)

@@ -24,11 +24,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
 
-from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
+from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
-from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
     NoiseScaleEMA,
@@ -39,7 +39,6 @@ from trainvitals.core.noise import (
     sub_batch_estimates,
     two_batch_size_estimates,
 )
-from trainvitals.core.norms import per_tensor_norms
 from trainvitals.core.per_example import (
     PerExampleGradients,
     PerExampleStep,
@@ -479,23 +478,9 @@ class BatchVarianceProbe(Callback):
     @staticmethod
     def _batch_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
                        params: list[torch.nn.Parameter]) -> Tensor:
-        """‖.grad‖² over ``params``: the accumulated, rank-averaged gradient, AMP scale undone (0-d float64).
-
-        Read from a GradNormMonitor (p = 2) that measured this step — one before this callback in the
-        list — instead of a second pass over the gradients; else one fused norm.
-        """
-        index = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
-        for callback in trainer.callbacks:
-            if isinstance(callback, GradNormMonitor):
-                measured = callback.sq_norm_at(trainer.global_step, params, index)
-                if measured is not None:
-                    return measured
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
-        sq_norm = per_tensor_norms(grads).square().sum()
-        scale = scale_left_in_grads(trainer, optimizer)  # an optimizer that unscales in its own step
-        return sq_norm if scale is None else sq_norm / scale.to(sq_norm).square()
+        """‖.grad‖² over ``params``: the accumulated, rank-averaged gradient, AMP scale undone (0-d float64)."""
+        sq_norm = grad_sq_norm(trainer, optimizer, params)
+        return sq_norm if sq_norm is not None else torch.zeros((), dtype=torch.float64, device=params[0].device)
 
     # ------------------------------------------------------------------ logging
 

@@ -24,15 +24,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
-from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
+from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text
-from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, NoiseScaleEMA, two_batch_size_estimates
-from trainvitals.core.norms import combine_norms, per_tensor_norms
 
 MODES = ("noise_band", "threshold", "relative")
 
@@ -228,11 +226,10 @@ class GradNormEarlyStopping(Callback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
-        total = self._monitored_total(trainer, optimizer)
-        if total is None:
-            total = self._total(trainer, optimizer)
-        if total is None:
+        sq_norm = grad_sq_norm(trainer, optimizer, self._params)
+        if sq_norm is None:
             return
+        total = sq_norm.sqrt()
         valid = torch.isfinite(total)
         if self._source == "hooks":
             self._update_from_micro_batches(trainer, total, valid)
@@ -284,31 +281,6 @@ class GradNormEarlyStopping(Callback):
         self._restored = True
 
     # ------------------------------------------------------------------ helpers
-    def _total(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> Tensor | None:
-        """‖g‖₂ of the whole accumulated, unscaled, pre-clip gradient (``None`` when nothing has one)."""
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads and not holds_shards(trainer):
-            return None
-        local = combine_norms(per_tensor_norms(grads, 2.0), 2.0) if grads else \
-            torch.zeros((), dtype=torch.float64, device=self._params[0].device)
-        total = reduce_shard_norms(trainer, local, 2.0)
-        scale = scale_left_in_grads(trainer, optimizer)
-        if scale is not None:  # a fused optimizer will unscale in its step
-            total = total / scale.to(total)
-        return total
-
-    def _monitored_total(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> Tensor | None:
-        """The same total, read from a GradNormMonitor (p = 2) that already measured this step — one
-        before this callback in the list — instead of a second pass over the gradients.
-
-        Only while the optimizer holds the parameters this callback follows: a parameter group added
-        mid-epoch reaches its noise hooks at the next epoch, and its total must wait with them.
-        """
-        if len(trainer.optimizers) != 1 or sum(len(g["params"]) for g in optimizer.param_groups) != len(self._params):
-            return None
-        monitor = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor) and cb.norm_type == 2.0), None)
-        return monitor.total_at(trainer.global_step) if monitor is not None else None
-
     def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Where this epoch's noise comes from: micro-batches/ranks (hooks), a probe, or nowhere."""
         self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]

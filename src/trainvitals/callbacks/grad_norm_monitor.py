@@ -179,14 +179,6 @@ class GradNormMonitor(Callback):
         """
         return {i: combine_norms(t.latest, self.norm_type) for i, t in self._tracks.items() if t.latest is not None}
 
-    def total_at(self, step: int, optimizer_index: int = 0) -> Tensor | None:
-        """The total norm measured at optimizer step ``step`` (``trainer.global_step``), a 0-d tensor on
-        the gradients' device, or ``None`` when this monitor has not measured that step (yet)."""
-        track = self._tracks.get(optimizer_index)
-        if track is None or track.latest is None or track.latest_step != step:
-            return None
-        return combine_norms(track.latest, self.norm_type)
-
     def sq_norm_at(self, step: int, params: list[torch.nn.Parameter], optimizer_index: int = 0) -> Tensor | None:
         """Σ ‖grad‖₂² over ``params`` as measured at optimizer step ``step`` — accumulated, unscaled,
         before clipping; 0 for a parameter without gradient — as a 0-d float64 tensor on the gradients'
@@ -421,6 +413,37 @@ def _optimizer_index(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) ->
         if opt is optimizer:
             return i
     return 0
+
+
+def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
+                 params: list[torch.nn.Parameter]) -> Tensor | None:
+    """‖g‖₂² over ``params`` of the gradient ``optimizer`` is about to use — accumulated, averaged over
+    ranks, AMP scale undone, before clipping — as a 0-d float64 tensor on the gradients' device;
+    ``None`` when none of them has a gradient (on a rank that holds no shard of them).
+
+    For the callbacks that need it in ``on_before_optimizer_step`` (the stopper, the probe): read from a
+    GradNormMonitor (p = 2) that measured the step — one placed before the caller — instead of a
+    second pass over the gradients, else one fused norm.
+    """
+    index = _optimizer_index(trainer, optimizer)
+    for callback in trainer.callbacks:
+        if isinstance(callback, GradNormMonitor):
+            measured = callback.sq_norm_at(trainer.global_step, params, index)
+            if measured is not None:
+                return measured
+    return _fused_grad_sq_norm(trainer, optimizer, params)
+
+
+def _fused_grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
+                        params: list[torch.nn.Parameter]) -> Tensor | None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads and not holds_shards(trainer):
+        return None
+    local = combine_norms(per_tensor_norms(grads), 2.0) if grads else \
+        torch.zeros((), dtype=torch.float64, device=params[0].device)
+    sq_norm = reduce_shard_norms(trainer, local, 2.0).square()
+    scale = scale_left_in_grads(trainer, optimizer)  # an optimizer that unscales in its own step
+    return sq_norm if scale is None else sq_norm / scale.to(sq_norm).square()
 
 
 def _clips(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
