@@ -28,7 +28,7 @@ def log_scalars(trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], st
                 finite_only: bool = False) -> dict[str, float]:
     """Write ``metrics`` to every logger at ``step`` (optimizer steps); returns them as floats.
 
-    Tensors are stacked and copied to the host once: this is the only host sync of a logging step.
+    Tensors are stacked and copied to the host in one transfer, whatever their number.
     ``finite_only`` leaves out NaN and ±inf: estimates that are not defined yet (a ratio over an
     estimate that is still ≤ 0), which would otherwise stretch a chart's axis to infinity.
     """

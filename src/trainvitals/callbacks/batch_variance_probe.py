@@ -244,9 +244,9 @@ class BatchVarianceProbe(Callback):
         self._plan = plan_sources(pl_module, self._groups_per_step(trainer) >= 2, self.fallback, self._excluded)
         self._collector = PerExampleGradients(self._plan.per_example, self._plan.vmap, self.fallback_sub_batch)
         self._batchnorms = {n: m for n, m in pl_module.named_modules() if n in self._plan.coupled}
-        self._plan_params = {"per_example": list(self._plan.parameters("per_example", pl_module).values()),
+        self._plan_params = {"per_example": list(self._plan.parameters("per_example").values()),
                              "micro_batch": list(self._plan.micro_batch.values()),
-                             "vmap": list(self._plan.parameters("vmap", pl_module).values())}
+                             "vmap": list(self._plan.parameters("vmap").values())}
         self.sources = f"BatchVarianceProbe sources: {self._plan.describe(pl_module)}"
         if self._plan.coupled:
             self.sources += (f". BatchNorm ({', '.join(self._plan.coupled)}) couples the examples of each "
@@ -533,7 +533,7 @@ class BatchVarianceProbe(Callback):
             "grad_noise/batch_grad_var/full_batch": noise.trace_cov / examples,
         }
         if self.per_coordinate:
-            metrics.update(self._coordinate_stats(trainer, plan.parameters("per_example", pl_module), result, examples))
+            metrics.update(self._coordinate_stats(trainer, plan.parameters("per_example"), result, examples))
         keys = list(metrics)
         device = noise.count.device
         host = torch.stack([metrics[k].detach().double().reshape(()).to(device) for k in keys]

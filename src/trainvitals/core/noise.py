@@ -261,8 +261,7 @@ class NoiseScaleEMA:
 def _split_state(ema: BiasCorrectedEMA, names: tuple[str, ...]) -> dict[str, Any]:
     """A vector EMA's state as one scalar EMA state per named entry (the checkpoint format)."""
     state = ema.state_dict()
-    values = state["ema"] if isinstance(state["ema"], list) else [state["ema"]] * len(names)
-    return {name: {**state, "ema": value} for name, value in zip(names, values)}
+    return {name: {**state, "ema": value} for name, value in zip(names, state["ema"])}
 
 
 def _join_state(ema: BiasCorrectedEMA, state: dict[str, Any], names: tuple[str, ...]) -> None:
@@ -276,7 +275,8 @@ class MicroBatchSquaredNorms:
     ``p.grad`` only ever holds the running sum of the micro-batches, so the per-micro-batch gradient
     is read with a tensor hook on each parameter, which autograd calls with the incoming gradient
     before ``AccumulateGrad`` adds it (and, under DDP, before the all-reduce: it is the rank's local
-    gradient). Each hook adds one fp32 squared norm to a device scalar; nothing is copied or synced.
+    gradient). Each hook takes one norm (fp32 at least) on the device, and the end of the micro-batch
+    adds their squares in one kernel; nothing is copied or synced.
 
     Use: :meth:`attach` once; after each backward call :meth:`end_micro_batch`; at the optimizer step
     :meth:`pop` returns (sum_j ‖g_j‖², n) for the n micro-batches since the last pop. The gradients are
@@ -290,7 +290,7 @@ class MicroBatchSquaredNorms:
 
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []
-        self._current: Tensor | None = None
+        self._norms: list[Tensor] = []  # this micro-batch's, one per parameter so far
         self._total: Tensor | None = None
         self._count = 0
 
@@ -306,20 +306,23 @@ class MicroBatchSquaredNorms:
     def _hook(self, grad: Tensor) -> None:
         # Half-precision grads are reduced in fp32; fp32/fp64 ones in their own dtype.
         wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None
-        sq = torch.linalg.vector_norm(grad, 2, dtype=wide).to(torch.float64).square()
-        self._current = sq if self._current is None else self._current + sq.to(self._current.device)
+        self._norms.append(torch.linalg.vector_norm(grad, 2, dtype=wide))
 
     def end_micro_batch(self) -> None:
-        if self._current is None:
+        norms, self._norms = self._norms, []
+        if not norms:
             return
-        self._total = self._current if self._total is None else self._total + self._current
-        self._current = None
+        first = norms[0]
+        if any(n.device != first.device or n.dtype != first.dtype for n in norms):  # a model over devices
+            norms = [n.to(first.device, torch.float64) for n in norms]
+        sq = torch.stack(norms).to(torch.float64).square().sum()
+        self._total = sq if self._total is None else self._total + sq
         self._count += 1
 
     def pop(self) -> tuple[Tensor | None, int]:
         """(Σ_j ‖g_j‖² over the micro-batches since the last pop, their number); resets."""
         total, count = self._total, self._count
-        self._current, self._total, self._count = None, None, 0
+        self._norms, self._total, self._count = [], None, 0
         return total, count
 
 

@@ -438,7 +438,7 @@ class SourcePlan:
     uncovered: dict[str, str]
     coupled: tuple[str, ...]
 
-    def parameters(self, source: str, model: nn.Module) -> dict[str, nn.Parameter]:
+    def parameters(self, source: str) -> dict[str, nn.Parameter]:
         """The trainable parameters of ``source`` (``"per_example"`` or ``"vmap"``), by qualified name."""
         modules = getattr(self, source)
         return {f"{m}.{n}" if m else n: p for m, mod in modules.items() for n, p in _trainable(mod).items()}
@@ -459,12 +459,12 @@ class SourcePlan:
         parts = []
         if self.per_example:
             parts.append(f"per-example norms in backward: {kinds(self.per_example)} "
-                         f"({share(self.parameters('per_example', model).values())})")
+                         f"({share(self.parameters('per_example').values())})")
         if self.micro_batch:
             parts.append(f"micro-batches/ranks: {len(self.micro_batch)} tensors ({share(self.micro_batch.values())})")
         if self.vmap:
             parts.append(f"torch.func vmap on a sub-batch: {kinds(self.vmap)} "
-                         f"({share(self.parameters('vmap', model).values())})")
+                         f"({share(self.parameters('vmap').values())})")
         if self.uncovered:
             reasons = sorted(set(self.uncovered.values()))
             parts.append(f"not measured: {len(self.uncovered)} tensors "

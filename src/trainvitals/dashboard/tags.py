@@ -43,8 +43,3 @@ PER_LAYER_GRAD_NORM = rf"grad_norm/{OPTIMIZER_INFIX}(?!(?:{'|'.join(GRAD_NORM_SU
 MEMORY_BYTES = r"memory/[^/]+_bytes$"
 """MemoryTopologyProfiler's byte counts by category (parameters, gradients, optimizer state, inputs, saved
 activations, held after backward; CUDA peaks and temporaries), logged as ``memory/<category>_bytes``."""
-
-
-def text_tag(tag: str) -> str:
-    """The tag a text panel written as ``tag`` is stored under in the event file."""
-    return tag + TEXT_SUFFIX
