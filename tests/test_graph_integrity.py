@@ -711,6 +711,14 @@ def test_findings_table_is_logged_at_fit_end(monkeypatch):
     assert any("| unused_params | `aux.weight`, `aux.bias` |" in row for row in table)
 
 
+def test_a_new_fit_starts_with_a_clean_record():
+    cb = every_step()
+    fit(UnusedAndDead(), cb, steps=2)
+    assert cb.findings
+    fit(Net(), cb, steps=2)  # another model, the same callback: the first one's findings are not its
+    assert cb.findings == [] and cb.counts == {} and "clean bill of health" in cb.summary_markdown()
+
+
 def test_state_survives_a_checkpoint(tmp_path: Path):
     cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=3)
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="mid")

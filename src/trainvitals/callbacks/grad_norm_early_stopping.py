@@ -244,7 +244,7 @@ class GradNormEarlyStopping(Callback):
         self._pending = None
         if self._source is not None and self._source != "hooks":
             self.effective_batch_size = getattr(self._source, "effective_batch_size", None)
-        in_condition = self._in_condition(total, valid)
+        in_condition = self._update_condition(total, valid)
         counts = valid if self.steps >= self.min_steps else torch.zeros_like(valid)
         self._streak = self._streak.to(total.device)
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
@@ -342,7 +342,9 @@ class GradNormEarlyStopping(Callback):
         self.noise.update(grad_sq, trace, valid)
         self.effective_batch_size = n * micro_batch_size
 
-    def _in_condition(self, total: Tensor, valid: Tensor) -> Tensor:
+    def _update_condition(self, total: Tensor, valid: Tensor) -> Tensor:
+        """Whether this step is in the stop condition (``()`` bool); in ``relative`` mode also feeds the
+        early-training reference EMA."""
         if self.mode == "threshold":
             return total < self.threshold
         if self.mode == "relative":

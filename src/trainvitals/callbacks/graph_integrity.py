@@ -228,18 +228,8 @@ class GraphIntegrityCallback(Callback):
             check_every_n_steps=check_every_n_steps, dead_after_steps=dead_after_steps
         )
 
-        self.findings: list[Finding] = []
-        self.counts: dict[FindingKind, int] = {}
-        self._warned: set[FindingKind] = set()
-        self._walks = 0
-        self._grad_checks = 0
-        self._next_check = 0
-        self._window_open = False
-        self._window_left = 0
-        # Consecutive checked optimizer steps without a gradient / with an exactly zero one, by name.
-        self._unused_streak: dict[str, int] = {}
-        self._dead_streak: dict[str, int] = {}
-        self._independence_done = False
+        self._reset()
+        self._restored = False
 
         # Fit-time maps, built at train start.
         self._names: dict[int, str] = {}
@@ -264,7 +254,6 @@ class GraphIntegrityCallback(Callback):
         self._walk_batch = False
         self._walked = False  # a loss of the walk batch was walked
         self._reached: set[int] = set()
-        self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
         self._ran: dict[int, bool] = {}
         self._walk_counts: dict[str, int] = {}  # what the window's walk found, logged as graph/<key>
         self._hook: Any = None
@@ -275,10 +264,34 @@ class GraphIntegrityCallback(Callback):
         self._anomaly_prev: tuple[bool, bool] | None = None
         self._pending: Finding | None = None
 
+    def _reset(self) -> None:
+        """The state of a fit that has not started: what ``state_dict`` saves."""
+        self.findings: list[Finding] = []
+        self.counts: dict[FindingKind, int] = {}
+        self._warned: set[FindingKind] = set()
+        self._walks = 0
+        self._grad_checks = 0
+        self._next_check = 0
+        self._window_open = False
+        self._window_left = 0
+        # Consecutive checked optimizer steps without a gradient / with an exactly zero one, by name.
+        self._unused_streak: dict[str, int] = {}
+        self._dead_streak: dict[str, int] = {}
+        self._independence_done = False
+        self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
+
     @property
     @override
     def state_key(self) -> str:
         return self._state_key
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # A new fit (another fold, another model) starts afresh; a resumed one keeps what
+        # ``load_state_dict`` restored (Lightning calls it before this hook).
+        if not self._restored:
+            self._reset()
+        self._restored = False
 
     # ------------------------------------------------------------------------------------ fit start
 
@@ -1033,3 +1046,4 @@ class GraphIntegrityCallback(Callback):
         self._grad_checks = int(state_dict.get("grad_checks", 0))
         self._independence_done = bool(state_dict.get("independence_done", False))
         self._unreached = dict(state_dict.get("unreached", {}))
+        self._restored = True

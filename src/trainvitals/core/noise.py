@@ -207,7 +207,7 @@ class NoiseScaleEMA:
         beta: EMA decay per update, in [0, 1).
     """
 
-    def __init__(self, beta: float = 0.95) -> None:
+    def __init__(self, beta: float = 0.98) -> None:
         self._ema = BiasCorrectedEMA(beta, (2,))  # of the pair (‖G‖²_est, S_est)
 
     @property
@@ -340,7 +340,7 @@ class NoiseScaleError:
         beta: the same EMA decay as the :class:`NoiseScaleEMA`, in [0, 1).
     """
 
-    def __init__(self, beta: float = 0.95) -> None:
+    def __init__(self, beta: float = 0.98) -> None:
         self.beta = beta
         self._moments = BiasCorrectedEMA(beta, (3,))  # of (S², ‖G‖²², S·‖G‖²)
 
