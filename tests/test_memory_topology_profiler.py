@@ -134,6 +134,9 @@ def test_running_loss_leak_is_found_and_named():
     assert finding.holders == ("self.running_loss",) and finding.since_step == 0 and finding.step == steps - 1
     assert "self.running_loss" in profiler.summary_markdown()
 
+    fit(RunningLoss(as_float=True), profiler, max_steps=steps)  # the next fold, fixed: a clean record
+    assert profiler.findings == [] and "self.running_loss" not in profiler.summary_markdown()
+
 
 def test_running_loss_as_a_float_stays_flat_and_reports_nothing():
     logger, profiler = RecordingLogger(), MemoryTopologyProfiler(every_n_steps=1)

@@ -156,6 +156,17 @@ class MemoryTopologyProfiler(Callback):
         self.strict = strict
         self.verbose = verbose
 
+        self._reset()
+        self._restored = False
+        self._profiled_this_fit = 0
+        self._pending: _Pending | None = None
+        self._device = torch.device("cpu")
+        self._budget: int | None = memory_budget_bytes
+        self._snapshot_path: str | None = None
+        self._notices = WarningCache()
+
+    def _reset(self) -> None:
+        """What a fit that has not started knows."""
         self.findings: list[GraphLeakFinding] = []
         """Graphs kept alive across steps, the latest observation of each; survives a resume."""
         self.remedies: list[Remedy] = []
@@ -164,19 +175,12 @@ class MemoryTopologyProfiler(Callback):
         """The latest profiled step's bytes."""
         self.last_metrics: dict[str, float] = {}
         """The latest profiled step's logged numbers."""
-
         self._last_profiled_step = -1
-        self._profiled_this_fit = 0
         self._last_step = -1  # the step of `last`
         self._tracker = HeldGraphTracker()
-        self._pending: _Pending | None = None
         # Modules whose forward is timed (for the cost of checkpointing them): all on the first
         # profiled step, then the previous step's checkpointing candidates (CUDA events are not free).
         self._timed: set[str] | None = None
-        self._device = torch.device("cpu")
-        self._budget: int | None = memory_budget_bytes
-        self._snapshot_path: str | None = None
-        self._notices = WarningCache()
 
     @property
     @override
@@ -197,6 +201,11 @@ class MemoryTopologyProfiler(Callback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # A new fit (another fold, another model) starts afresh; a resumed one keeps what
+        # ``load_state_dict`` restored (Lightning calls it before this hook).
+        if not self._restored:
+            self._reset()
+        self._restored = False
         self._profiled_this_fit = 0
         if self.snapshot_steps and self._device.type == "cuda":
             # log_dir broadcasts: every rank must ask, here, at the same point.
@@ -443,3 +452,4 @@ class MemoryTopologyProfiler(Callback):
         self._last_profiled_step = int(state_dict.get("last_profiled_step", -1))
         self.findings = [GraphLeakFinding(**{**f, "holders": tuple(f.get("holders", ()))})
                          for f in state_dict.get("findings", [])]
+        self._restored = True
