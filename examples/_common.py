@@ -18,7 +18,7 @@ from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.dashboard import report
-from trainvitals.dashboard.layout import TrainvitalsDashboard
+from trainvitals.callbacks.dashboard import TrainvitalsDashboard
 
 
 def example_parser(doc: str) -> argparse.ArgumentParser:

@@ -21,14 +21,9 @@ from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
-from trainvitals.dashboard.layout import (
-    CATEGORY,
-    DIAGNOSIS_TAG,
-    TRAINVITALS_LAYOUT,
-    TrainvitalsDashboard,
-    progress_bar_values,
-)
-from trainvitals.dashboard.tags import PER_LAYER_GRAD_NORM
+from trainvitals.callbacks.dashboard import TrainvitalsDashboard, progress_bar_values
+from trainvitals.dashboard.layout import CATEGORY, TRAINVITALS_LAYOUT
+from trainvitals.dashboard.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
 

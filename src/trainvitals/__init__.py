@@ -14,7 +14,7 @@ _EXPORTS = {
     "GraphIntegrityCallback": "trainvitals.callbacks.graph_integrity",
     "LRScalingAdvisor": "trainvitals.callbacks.lr_scaling_advisor",
     "MemoryTopologyProfiler": "trainvitals.callbacks.memory_topology_profiler",
-    "TrainvitalsDashboard": "trainvitals.dashboard.layout",
+    "TrainvitalsDashboard": "trainvitals.callbacks.dashboard",
 }
 
 __all__ = sorted(_EXPORTS)

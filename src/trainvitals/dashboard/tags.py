@@ -43,3 +43,6 @@ PER_LAYER_GRAD_NORM = rf"grad_norm/{OPTIMIZER_INFIX}(?!(?:{'|'.join(GRAD_NORM_SU
 MEMORY_BYTES = r"memory/[^/]+_bytes$"
 """MemoryTopologyProfiler's byte counts by category (parameters, gradients, optimizer state, inputs, saved
 activations, held after backward; CUDA peaks and temporaries), logged as ``memory/<category>_bytes``."""
+
+DIAGNOSIS_TAG = "trainvitals/diagnosis"
+"""Text panels ``trainvitals/diagnosis/<callback class>`` hold each callback's end-of-run markdown."""

@@ -21,7 +21,7 @@ from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
-from trainvitals.dashboard.layout import TrainvitalsDashboard, diagnoses
+from trainvitals.callbacks.dashboard import TrainvitalsDashboard, diagnoses
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
 
