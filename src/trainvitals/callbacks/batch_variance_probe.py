@@ -201,11 +201,7 @@ class BatchVarianceProbe(Callback):
                 ("measurements", f"{int(self.noise.count)} optimizer steps")]
         batch = self.effective_batch_size
         if batch and int(self.noise.count) > 0:
-            rows += [("effective batch B", f"{batch} examples"),
-                     ("tr(Σ) (EMA, per example)", f"{float(self.noise.trace_cov):.4g}"),
-                     ("‖G‖² (EMA)", f"{float(self.noise.grad_sq_norm):.4g}"),
-                     ("B_simple = tr(Σ)/‖G‖²", f"{float(self.noise.b_simple):.4g} examples"),
-                     ("noise floor sqrt(tr(Σ)/B)", f"{float(self.noise.noise_floor(batch)):.4g}")]
+            rows += self.noise.summary_rows(batch)
         if self.last_outliers:
             rows.append(("largest per-example gradients (index: ‖g_i‖)",
                          ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])))

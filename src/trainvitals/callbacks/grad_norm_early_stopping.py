@@ -418,9 +418,5 @@ class GradNormEarlyStopping(Callback):
             source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
             rows.append(("noise source", source))
             if batch and int(noise.count) > 0:
-                rows += [("effective batch B", f"{batch} examples"),
-                         ("‖G‖² (EMA)", f"{float(noise.grad_sq_norm):.4g}"),
-                         ("tr(Σ) (EMA, per example)", f"{float(noise.trace_cov):.4g}"),
-                         ("B_simple = tr(Σ)/‖G‖²", f"{float(noise.b_simple):.4g} examples"),
-                         ("noise floor sqrt(tr(Σ)/B)", f"{float(noise.noise_floor(batch)):.4g}")]
+                rows += noise.summary_rows(batch)
         return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
