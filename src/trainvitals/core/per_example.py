@@ -501,15 +501,16 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
             continue
         qualified = {f"{name}.{n}" if name else n: p for n, p in params.items()}
         tied = any(owners[id(p)] > 1 for p in params.values())
-        reason = "tied parameter" if tied else (
-            "excluded after a failed step" if name in excluded else
-            _ATTENTION_REASON if name in attention else unsupported_reason(module))
+        # What rules out torch.func as well as the identities; a layer type without an identity does not.
+        barred = "tied parameter" if tied else (
+            "excluded after a failed step" if name in excluded else _ATTENTION_REASON if name in attention else None)
+        reason = barred or unsupported_reason(module)
         if reason is None:
             per_example[name] = module
         elif groups_available:
             known = {id(p) for p in micro.values()}
             micro.update({n: p for n, p in qualified.items() if id(p) not in known})
-        elif fallback and not tied and name not in excluded and name not in attention and not isinstance(module, _BatchNorm):
+        elif fallback and barred is None and not isinstance(module, _BatchNorm):
             vmap[name] = module
         else:
             why = reason if not isinstance(module, _BatchNorm) else "BatchNorm couples the examples"
