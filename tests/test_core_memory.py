@@ -403,3 +403,15 @@ def test_autocast_weight_copies_are_fixed_bytes_not_activations():
     assert memory.fixed_bytes == copies
     assert memory.largest_batch() == (2**20 - copies) * 16 // reports[16].total_bytes
 
+
+
+def test_a_zero_activation_is_not_taken_for_a_zero_initialised_frozen_parameter():
+    """A frozen parameter is recognised by its first values, which say nothing when they are zeros."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    nn.init.zeros_(model[2].weight)
+    model[2].requires_grad_(False)
+    x = torch.zeros(8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, report, _ = record(model, x, exclude=[x])
+    x_cast = next(s for s in report.storages.values() if s.savers == ("0",))  # the first Linear's bf16 input
+    assert x_cast.nbytes == 2 * 8 * 8 and x_cast.dtype == torch.bfloat16

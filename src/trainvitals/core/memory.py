@@ -359,12 +359,15 @@ class SavedTensorRecorder:
 
     def _casts_frozen_parameter(self, base: Tensor) -> bool:
         """A 16-bit tensor without history equal to a wider frozen parameter of its shape: compared on
-        its first elements (one host sync, for such a tensor only)."""
+        its first elements (a host sync, for such a tensor only), unless those are all zero (a
+        zero-initialised parameter would match any zero activation)."""
         if base.dtype not in (torch.float16, torch.bfloat16) or base.requires_grad:
             return False
         for p in self._frozen.get(tuple(base.shape), ()):
-            if p.dtype != base.dtype and p.device == base.device and torch.equal(
-                    base.reshape(-1)[:_FINGERPRINT], p.detach().reshape(-1)[:_FINGERPRINT].to(base.dtype)):
+            if p.dtype == base.dtype or p.device != base.device:
+                continue
+            sample = p.detach().reshape(-1)[:_FINGERPRINT].to(base.dtype)
+            if bool(sample.any()) and torch.equal(base.reshape(-1)[:_FINGERPRINT], sample):
                 return True
         return False
 
