@@ -280,13 +280,13 @@ def test_no_logger_runs_and_measures():
     assert monitor.last_total[0].item() == pytest.approx(model.reference_norms[-1], rel=1e-6)
 
 
-def test_state_round_trips():
+def test_state_round_trips(tmp_path):
     monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
-    fit(Regressor(), monitor, False, max_steps=5)
+    trainer = fit(Regressor(), monitor, False, max_steps=5)
+    trainer.save_checkpoint(tmp_path / "five.ckpt")
     restored = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
-    restored.load_state_dict(monitor.state_dict())
-    logger = RecordingLogger()
-    fit(Regressor(), restored, logger, max_steps=1)
+    trainer = Trainer(**trainer_kwargs(callbacks=[restored], logger=RecordingLogger(), max_steps=6))
+    trainer.fit(Regressor(), loader(regression_data(64), 8), ckpt_path=tmp_path / "five.ckpt")
     assert restored._tracks[0].steps == 6
     assert restored._tracks[0].spikes.count == 6
     assert restored._tracks[0].spikes.average == pytest.approx(monitor._tracks[0].spikes.average, rel=0.5)

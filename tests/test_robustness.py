@@ -141,3 +141,24 @@ def test_collectives_happen_where_every_rank_calls_them(monkeypatch, strict):
     trainer.fit(ManyBackwards(), loader(regression_data(), 8))
     assert trainer.global_step == 7
     assert spy.callers and "on_before_backward" not in spy.callers and "on_after_backward" not in spy.callers
+
+
+class Validated(Regressor):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", F.mse_loss(self(x), y))
+
+
+def test_a_checkpoint_loaded_for_validate_does_not_carry_into_the_next_fit(tmp_path):
+    """Lightning restores callback states for ``validate(ckpt_path=...)`` too: a later fit of the same
+    callbacks without a checkpoint must still start afresh."""
+    callbacks = every_callback()
+    data = loader(regression_data(), 8)
+    trainer = Trainer(**trainer_kwargs(callbacks=callbacks, logger=False, max_steps=4))
+    trainer.fit(Validated(), data)
+    trainer.save_checkpoint(tmp_path / "fold1.ckpt")
+    Trainer(**trainer_kwargs(callbacks=callbacks, logger=False)).validate(Validated(), data, ckpt_path=tmp_path / "fold1.ckpt")
+    Trainer(**trainer_kwargs(callbacks=callbacks, logger=False, max_steps=3)).fit(Validated(), data)
+    graph, monitor, probe, stopper = callbacks[0], callbacks[1], callbacks[2], callbacks[3]
+    assert int(probe.noise.count) == 3 and stopper.steps == 3 and monitor._tracks[0].steps == 3
+    assert graph._walks == 2  # steps 0 and 2 of this fit (check_every_n_steps=2)

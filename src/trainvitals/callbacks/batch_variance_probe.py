@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
 from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
+from trainvitals.callbacks._resume import resumes
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.noise import (
@@ -226,7 +227,7 @@ class BatchVarianceProbe(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # A new fit (another fold, another model) starts afresh; a resumed one keeps what
         # ``load_state_dict`` restored (Lightning calls it before this hook).
-        if not self._restored:
+        if not (self._restored and resumes(trainer)):
             self._reset()
         self._restored = False
 

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, 
 from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
+from trainvitals.callbacks._resume import resumes
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
@@ -188,7 +189,7 @@ class GradNormEarlyStopping(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # A new fit (another fold, another model) starts afresh; a resumed one keeps what
         # ``load_state_dict`` restored (Lightning calls it before this hook on one device and DDP).
-        if not self._restored:
+        if not (self._restored and resumes(trainer)):
             self._reset()
         self._restored = False
         self._warned_no_source = False
@@ -313,31 +314,40 @@ class GradNormEarlyStopping(Callback):
         self._hooked = []
 
     def _update_from_micro_batches(self, trainer: "pl.Trainer", total: Tensor, valid: Tensor) -> None:
-        """One (‖G‖², tr Σ) estimate from this step's micro-batch gradients against their mean."""
+        """One (‖G‖², tr Σ) estimate from this step's micro-batch gradients against their mean.
+
+        Under DDP every rank joins the one collective whatever it saw (a rank that returned early would
+        hang the others); a step that some rank cannot use (a batch it cannot size, micro-batches of
+        unequal sizes, as in an epoch's ragged last window) is left out on all of them.
+        """
         sum_sq, n_local = self._micro.pop()
-        if sum_sq is None or not self._micro_sizes:
-            return
-        if None in self._micro_sizes:
+        sizes = self._micro_sizes
+        if None in sizes:
             self._warn_unsized()
-            return
-        if len(set(self._micro_sizes)) > 1:
-            return  # the two-batch-size estimator needs equal groups; an epoch's ragged last window is skipped
-        micro_batch_size = self._micro_sizes[0]
+        usable = sum_sq is not None and n_local > 0 and bool(sizes) and None not in sizes and len(set(sizes)) == 1
+        micro_batch_size = sizes[0] if usable else 0
         world = trainer.world_size
+        if world == 1 and (not usable or n_local < 2):
+            return
         # The hooks saw the raw backward: each micro-batch loss divided by accumulate_grad_batches (A)
         # and multiplied by the AMP loss scale s. A micro-batch's mean gradient is therefore seen·A/s.
         accumulate = trainer.accumulate_grad_batches
         scale = loss_scale(trainer)
-        mean_sq = sum_sq.to(total.device) / n_local * (accumulate**2)
+        mean_sq = (sum_sq.to(total.device) / n_local * accumulate**2 if usable
+                   else torch.zeros((), dtype=torch.float64, device=total.device))
         if scale is not None:
             mean_sq = mean_sq / scale.to(mean_sq.device).double() ** 2
-        if world > 1:
-            mean_sq = trainer.strategy.reduce(mean_sq, reduce_op="mean")
+        if world > 1:  # the mean over ranks, and whether every rank had the same usable micro-batches
+            packed = trainer.strategy.reduce(torch.stack([
+                mean_sq, torch.full_like(mean_sq, float(usable)), torch.full_like(mean_sq, float(n_local)),
+                torch.full_like(mean_sq, float(micro_batch_size))]), reduce_op="sum")
+            mean_sq = packed[0] / world
+            valid = valid & (packed[1] == world) & (packed[2] == world * n_local) & (packed[3] == world * micro_batch_size)
+        if not usable:
+            return
         # An epoch's last window can hold fewer than A micro-batches; Lightning still divides by A.
         batch_sq = total.square() * (accumulate / n_local) ** 2
         n = n_local * world
-        if n < 2:
-            return
         grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, micro_batch_size)
         self.noise.update(grad_sq, trace, valid)
         self.effective_batch_size = n * micro_batch_size

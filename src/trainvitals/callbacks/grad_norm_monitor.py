@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
+from trainvitals.callbacks._resume import resumes
 from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
 from trainvitals.callbacks._stopping import stopped_early
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
@@ -197,6 +198,8 @@ class GradNormMonitor(Callback):
         # A new fit (another fold, another model) starts afresh; a resumed one gets its state from
         # ``load_state_dict``, which Lightning calls before this hook and which fills ``_restored``.
         self._tracks, self._clip_pending = {}, None
+        if not resumes(trainer):  # a state loaded for validate/test with a checkpoint is not this fit's
+            self._restored = {}
         self._amp_scaler = grad_scaler(trainer) is not None
 
     @override

@@ -53,6 +53,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import trainvitals
+from trainvitals.callbacks._resume import resumes
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.core.graph import (
     AutogradError,
@@ -289,7 +290,7 @@ class GraphIntegrityCallback(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # A new fit (another fold, another model) starts afresh; a resumed one keeps what
         # ``load_state_dict`` restored (Lightning calls it before this hook).
-        if not self._restored:
+        if not (self._restored and resumes(trainer)):
             self._reset()
         self._restored = False
 

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
+from trainvitals.callbacks._resume import resumes
 from trainvitals.callbacks._writers import log_image, log_scalars, log_text, tensorboard_writers
 from trainvitals.core.memory import (
     GraphLeakFinding,
@@ -203,7 +204,7 @@ class MemoryTopologyProfiler(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # A new fit (another fold, another model) starts afresh; a resumed one keeps what
         # ``load_state_dict`` restored (Lightning calls it before this hook).
-        if not self._restored:
+        if not (self._restored and resumes(trainer)):
             self._reset()
         self._restored = False
         self._profiled_this_fit = 0
