@@ -338,6 +338,9 @@ def test_helpers():
     assert element_bytes([data[:4].t(), torch.zeros(2)]) == F32 * (4 * 16 + 2)
     assert element_bytes([data[:0]]) == 0
     assert element_bytes([torch.zeros(1, 16).expand(64, 16)]) == F32 * 16  # what the view holds, not repeats
+    assert element_bytes([data[:1].expand(50, 16)]) == F32 * 16
+    seq = torch.zeros(8, 33, dtype=torch.long)
+    assert element_bytes([seq[:, :-1], seq[:, 1:]]) == 8 * 8 * 33  # inputs and labels of one sequence batch
 
 
 def test_buffers_are_model_state_unless_they_share_a_parameter_storage():
@@ -403,6 +406,31 @@ def test_autocast_weight_copies_are_fixed_bytes_not_activations():
     assert memory.fixed_bytes == copies
     assert memory.largest_batch() == (2**20 - copies) * 16 // reports[16].total_bytes
 
+
+
+def test_an_embedding_lookup_is_an_activation_not_a_parameter_copy():
+    """Under autocast the Linear after an Embedding saves the bf16 cast of the lookup: derived from the
+    weight, but by a computation, not a view — it grows with the batch."""
+    model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 4))
+    sizes = {}
+    for B in (8, 64):
+        x = torch.randint(0, 100, (B, 6))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, report, _ = record(model, x, exclude=[x])
+        sizes[B] = (report.total_bytes, report.parameter_copy_bytes)
+    assert sizes[64][0] == 8 * sizes[8][0] > 0
+    assert sizes[8][1] == sizes[64][1]  # the Linear's bf16 weight, the same at any batch
+
+
+def test_a_frozen_parameter_with_a_zero_first_row_is_still_recognised():
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+    model[2].requires_grad_(False)
+    with torch.no_grad():
+        model[2].weight[0].zero_()  # a pruned row, a padding embedding
+    x = torch.randn(4, 128)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, report, _ = record(model, x, exclude=[x])
+    assert report.parameter_copy_bytes == 2 * 128 * 128
 
 
 def test_a_zero_activation_is_not_taken_for_a_zero_initialised_frozen_parameter():

@@ -422,17 +422,18 @@ class AuxEveryOtherStep(Net):
 class ReentrantCheckpoint(Net):
     """A block under ``torch.utils.checkpoint(use_reentrant=True)``: its graph exists only in backward."""
 
-    def __init__(self, as_module: bool) -> None:
+    def __init__(self, run: str) -> None:
         super().__init__()
         self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-        self.run = self.block if as_module else (lambda h: self.block(h))  # noqa: E731 - opaque to the walk
+        self.run = run  # what the region re-runs: the module, its forward, or any other function (opaque)
 
     def forward(self, x):
-        return self.head(checkpoint(self.run, torch.relu(self.body(x)), use_reentrant=True))
+        run = {"module": self.block, "forward": self.block.forward, "function": lambda h: self.block(h)}[self.run]
+        return self.head(checkpoint(run, torch.relu(self.body(x)), use_reentrant=True))
 
 
-@pytest.mark.parametrize("make", [AuxEveryOtherStep, lambda: ReentrantCheckpoint(as_module=True),
-                                  lambda: ReentrantCheckpoint(as_module=False)],
+@pytest.mark.parametrize("make", [AuxEveryOtherStep, lambda: ReentrantCheckpoint("module"),
+                                  lambda: ReentrantCheckpoint("function")],
                          ids=["aux-every-other-step", "checkpointed-module", "checkpointed-function"])
 def test_parameters_the_first_walk_misses_but_that_train_are_not_reported(make):
     """One walk decides nothing: a parameter it misses is reported only after a window of steps without
@@ -443,12 +444,14 @@ def test_parameters_the_first_walk_misses_but_that_train_are_not_reported(make):
 
 
 def test_a_reentrant_checkpoint_of_a_module_is_walked_through():
-    model = ReentrantCheckpoint(as_module=True)
     x = torch.randn(8, 4)
-    walk = walk_graph(F.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)))
-    assert {id(p) for p in model.block.parameters()} <= {id(t) for t in walk.leaves} and not walk.opaque
-    model = ReentrantCheckpoint(as_module=False)
-    assert walk_graph(model(x).sum()).opaque
+    for run in ("module", "forward"):
+        model = ReentrantCheckpoint(run)
+        model.block[0].weight.requires_grad_(False)  # frozen inside the region: no gradient comes to it
+        walk = walk_graph(model(x).sum())
+        leaves = {id(t) for t in walk.leaves}
+        assert id(model.block[0].bias) in leaves and id(model.block[0].weight) not in leaves and not walk.opaque
+    assert walk_graph(ReentrantCheckpoint("function")(x).sum()).opaque  # it may use any parameter
 
 
 def test_one_zero_step_is_not_a_dead_streak():

@@ -128,15 +128,18 @@ def walk_graph(root: Tensor | Node | None, before: int | None = None) -> GraphWa
 
 
 def _checkpointed_parameters(node: Node) -> list[Tensor] | None:
-    """The parameters a reentrant checkpoint region uses. Its graph exists only during backward, so the
-    node's ``next_functions`` lead to the region's inputs, never to the parameters inside; but the node
-    (the autograd Function's ctx) keeps the function it re-runs. A module, a module's bound method or a
-    ``functools.partial`` of one names them; anything else gives ``None``: unknown."""
+    """The trainable parameters a reentrant checkpoint region uses. Its graph exists only during
+    backward, so the node's ``next_functions`` lead to the region's inputs, never to the parameters
+    inside; but the node (the autograd Function's ctx) keeps the function it re-runs. A module, its
+    ``forward`` or a ``functools.partial`` of either names them; anything else — another method of a
+    module may use any part of it — gives ``None``: unknown."""
     run = node.run_function
     while isinstance(run, functools.partial):
         run = run.func
-    owner = run if isinstance(run, nn.Module) else getattr(run, "__self__", None)
-    return list(owner.parameters()) if isinstance(owner, nn.Module) else None
+    owner = getattr(run, "__self__", None)
+    if isinstance(owner, nn.Module) and getattr(run, "__func__", None) is type(owner).forward:
+        run = owner
+    return [p for p in run.parameters() if p.requires_grad] if isinstance(run, nn.Module) else None
 
 
 def nearest_leaves(node: Node, max_depth: int = 8) -> list[Tensor]:
@@ -275,11 +278,18 @@ class InplaceInfo:
     def may_be_parameter(self) -> bool:
         """A parameter is saved through a view of it (``Linear``'s ``weight.t()`` is "output 0 of
         AsStrided"): an output of a computation ("output 0 of Sigmoid") is not one."""
-        return re.sub(r"Backward\d*$", "", self.producer) in _VIEW_OPS
+        return is_view_op(self.producer)
 
 
 _VIEW_OPS = frozenset({"AsStrided", "T", "Transpose", "Permute", "View", "UnsafeView", "Expand", "Slice",
-                       "Select", "Unsqueeze", "Squeeze", "Alias", "ReshapeAlias"})
+                       "Select", "Unsqueeze", "Squeeze", "Alias", "ReshapeAlias", "Split", "SplitWithSizes",
+                       "Unbind", "Narrow", "Diagonal"})
+
+
+def is_view_op(name: str) -> bool:
+    """Whether an operation or autograd node name (``"T"``, ``"SplitBackward0"``) is a view: its output
+    shares its input's storage (so a parameter's view is still the parameter's data)."""
+    return re.sub(r"Backward\d*$", "", name) in _VIEW_OPS
 _INPLACE_RE = re.compile(
     r"\[[\w.]+ \[([\d, ]*)\]\], which is output \d+ of (\w+), is at version (\d+); expected version (\d+)"
 )

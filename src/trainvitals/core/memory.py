@@ -43,6 +43,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from trainvitals.core.graph import is_view_op
+
 ROOT = "(root)"
 """Label of the root module's own forward (ops not inside any child module)."""
 OUTSIDE = "(outside)"
@@ -96,16 +98,26 @@ def unique_storage_bytes(tensors: Iterable[Tensor]) -> int:
 
 
 def element_bytes(tensors: Iterable[Tensor]) -> int:
-    """Bytes of the elements ``tensors`` hold, each distinct view once: a batch sliced from a dataset
-    held on the device is the slice (its rows, columns or strided picks), not the dataset's storage."""
-    views: dict[tuple[StorageKey | None, int, tuple[int, ...], tuple[int, ...]], int] = {}
+    """Bytes of the elements ``tensors`` hold: a batch sliced from a dataset held on the device is the
+    slice (its rows, columns or strided picks), not the dataset's storage; an expanded view holds the
+    elements it repeats once. Views of one storage add up to at most the storage (a language model's
+    inputs and labels, ``seq[:, :-1]`` and ``seq[:, 1:]``, are one sequence batch)."""
+    held: dict[StorageKey | None, dict[tuple[int, tuple[int, ...], tuple[int, ...]], int]] = {}
+    caps: dict[StorageKey, int] = {}
     for t in tensors:
+        if t.numel() == 0:
+            continue
         key = storage_key(t)
-        nbytes = t.numel() * t.element_size()
-        if key is not None:  # an expanded view repeats elements it does not hold
-            nbytes = min(nbytes, storage_nbytes(t))
-        views.setdefault((key, t.storage_offset(), tuple(t.shape), t.stride()), nbytes)
-    return sum(views.values())
+        span = 1 + sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride()))
+        views = held.setdefault(key, {})
+        views.setdefault((t.storage_offset(), tuple(t.shape), t.stride()), min(t.numel(), span) * t.element_size())
+        if key is not None:
+            caps[key] = storage_nbytes(t)
+    total = 0
+    for key, views in held.items():
+        nbytes = sum(views.values())
+        total += nbytes if key is None else min(nbytes, caps[key])
+    return total
 
 
 @dataclass(frozen=True)
@@ -349,25 +361,28 @@ class SavedTensorRecorder:
             return False
         node = base.grad_fn
         for _ in range(_MAX_VIEW_HOPS):  # through the views between the parameter and the cast
-            if len(node.next_functions) != 1 or node.next_functions[0][0] is None:
+            if not node.next_functions or node.next_functions[0][0] is None:
                 return False
             node = node.next_functions[0][0]
             source = getattr(node, "variable", None)  # AccumulateGrad's leaf
             if source is not None:
                 return storage_key(source) in self._parameters
+            if not is_view_op(node.name()):  # a computation (an embedding lookup): an activation
+                return False
         return False
 
     def _casts_frozen_parameter(self, base: Tensor) -> bool:
         """A 16-bit tensor without history equal to a wider frozen parameter of its shape: compared on
-        its first elements (a host sync, for such a tensor only), unless those are all zero (a
+        elements spread over it (a host sync, for such a tensor only), unless those are all zero (a
         zero-initialised parameter would match any zero activation)."""
         if base.dtype not in (torch.float16, torch.bfloat16) or base.requires_grad:
             return False
         for p in self._frozen.get(tuple(base.shape), ()):
             if p.dtype == base.dtype or p.device != base.device:
                 continue
-            sample = p.detach().reshape(-1)[:_FINGERPRINT].to(base.dtype)
-            if bool(sample.any()) and torch.equal(base.reshape(-1)[:_FINGERPRINT], sample):
+            stride = max(1, p.numel() // _FINGERPRINT)  # spread over the tensor: a zero row says nothing
+            sample = p.detach().reshape(-1)[::stride][:_FINGERPRINT].to(base.dtype)
+            if bool(sample.any()) and torch.equal(base.reshape(-1)[::stride][:_FINGERPRINT], sample):
                 return True
         return False
 
