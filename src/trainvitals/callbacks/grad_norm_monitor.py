@@ -39,6 +39,7 @@ COUNTERS = ("nonfinite_steps", "amp_skipped_steps", "spike_steps")
 # Steps whose norms wait on the device for a logging step; a longer logging cadence reads them back
 # (one transfer, nothing logged) every this many steps.
 MAX_PENDING_STEPS = 256
+_MAX_SUBSETS = 8  # parameter lists whose index tensors a track keeps for other callbacks
 
 
 @dataclass
@@ -80,6 +81,8 @@ class _Track:
         cached = self.subsets.get(id(params))
         if cached is not None and cached[0] is params and cached[1] is self.params:
             return cached[2]
+        if len(self.subsets) >= _MAX_SUBSETS:  # a caller that rebuilds its list (each epoch) must not pile them up
+            self.subsets.clear()
         where = {id(p): i for i, p in enumerate(self.params)}
         index = None
         if all(id(p) in where for p in params):
