@@ -339,6 +339,7 @@ def test_helpers():
     assert element_bytes([data[:0]]) == 0
     assert element_bytes([torch.zeros(1, 16).expand(64, 16)]) == F32 * 16  # what the view holds, not repeats
     assert element_bytes([data[:1].expand(50, 16)]) == F32 * 16
+    assert element_bytes([data[:, :1].expand(-1, 16)]) == F32 * 1000  # strided and expanded: one column
     seq = torch.zeros(8, 33, dtype=torch.long)
     assert element_bytes([seq[:, :-1], seq[:, 1:]]) == 8 * 8 * 33  # inputs and labels of one sequence batch
 
@@ -422,15 +423,39 @@ def test_an_embedding_lookup_is_an_activation_not_a_parameter_copy():
     assert sizes[8][1] == sizes[64][1]  # the Linear's bf16 weight, the same at any batch
 
 
-def test_a_frozen_parameter_with_a_zero_first_row_is_still_recognised():
+@pytest.mark.parametrize("pruned", ["row", "column"])
+def test_a_frozen_parameter_with_a_zero_row_or_column_is_still_recognised(pruned):
     model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
     model[2].requires_grad_(False)
     with torch.no_grad():
-        model[2].weight[0].zero_()  # a pruned row, a padding embedding
+        (model[2].weight[0] if pruned == "row" else model[2].weight[:, 0]).zero_()  # pruned, or padding
     x = torch.randn(4, 128)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, report, _ = record(model, x, exclude=[x])
     assert report.parameter_copy_bytes == 2 * 128 * 128
+
+
+class ReshapedWeights(nn.Module):
+    """Weights used through a copy (``.t().contiguous()``) or an ``unfold`` view: still batch-independent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(32, 32) / 6)
+        self.b = nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x):
+        h = F.linear(x, self.a.t().contiguous())
+        return F.linear(h, self.b.unfold(0, 32, 32).reshape(32, 32))
+
+
+def test_casts_of_a_copy_or_an_unfold_of_a_parameter_are_parameter_copies():
+    copies = {}
+    for B in (4, 32):
+        x = torch.randn(B, 32, requires_grad=True)  # so that both layers save their weight for the input gradient
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, report, _ = record(ReshapedWeights(), x, exclude=[x])
+        copies[B] = report.parameter_copy_bytes
+    assert copies[4] == copies[32] == 2 * 2 * 32 * 32
 
 
 def test_a_zero_activation_is_not_taken_for_a_zero_initialised_frozen_parameter():

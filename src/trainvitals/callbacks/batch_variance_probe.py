@@ -27,7 +27,6 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
 from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._resume import resumes
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.noise import (
@@ -180,7 +179,6 @@ class BatchVarianceProbe(Callback):
         self._bn_values: dict[str, int] = {}
         self._batchnorms: dict[str, torch.nn.Module] = {}
         self._bn_handles: list[Any] = []
-        self._restored = False
 
     def _reset(self) -> None:
         """The estimates of a run that has not measured yet."""
@@ -212,6 +210,10 @@ class BatchVarianceProbe(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
+        # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
+        # for validate/test with a checkpoint does not carry into a later fit.
+        self._reset()
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
             self._cannot_measure(f"strategy {type(trainer.strategy).__name__} is not supported "
                                  "(single device and DDP are)")
@@ -222,14 +224,6 @@ class BatchVarianceProbe(Callback):
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
         rank_zero_info(self.sources)
-
-    @override
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # A new fit (another fold, another model) starts afresh; a resumed one keeps what
-        # ``load_state_dict`` restored (Lightning calls it before this hook).
-        if not (self._restored and resumes(trainer)):
-            self._reset()
-        self._restored = False
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.every_n_steps) * self.every_n_steps
@@ -577,4 +571,3 @@ class BatchVarianceProbe(Callback):
         self.noise.load_state_dict(state_dict.get("noise", {}))
         self.noise_error.load_state_dict(state_dict.get("noise_error", {}))
         self.effective_batch_size = state_dict.get("effective_batch_size", self.effective_batch_size)
-        self._restored = True

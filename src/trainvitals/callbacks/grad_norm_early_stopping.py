@@ -27,7 +27,6 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, 
 from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._resume import resumes
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
@@ -162,7 +161,6 @@ class GradNormEarlyStopping(Callback):
         self._pending: tuple[int, Tensor, Tensor] | None = None  # (step, total norm, step valid)
         self._warned_no_source = False
         self._warnings = WarningCache()
-        self._restored = False
         self._reset()
 
     def _reset(self) -> None:
@@ -186,12 +184,15 @@ class GradNormEarlyStopping(Callback):
 
     # ------------------------------------------------------------------ hooks
     @override
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # A new fit (another fold, another model) starts afresh; a resumed one keeps what
-        # ``load_state_dict`` restored (Lightning calls it before this hook on one device and DDP).
-        if not (self._restored and resumes(trainer)):
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
+            # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
+            # for validate/test with a checkpoint does not carry into a later fit.
             self._reset()
-        self._restored = False
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._warned_no_source = False
         self._params, self._micro_sizes, self._pending = [], [], None
         self._detach()
@@ -279,7 +280,6 @@ class GradNormEarlyStopping(Callback):
         self.steps = int(state_dict.get("steps", 0))
         self.stop_reason = StopReason[state_dict.get("stop_reason", "NOT_STOPPED")]
         self.stopped_step = state_dict.get("stopped_step")
-        self._restored = True
 
     # ------------------------------------------------------------------ helpers
     def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -338,11 +338,12 @@ class GradNormEarlyStopping(Callback):
         if scale is not None:
             mean_sq = mean_sq / scale.to(mean_sq.device).double() ** 2
         if world > 1:  # the mean over ranks, and whether every rank had the same usable micro-batches
-            packed = trainer.strategy.reduce(torch.stack([
-                mean_sq, torch.full_like(mean_sq, float(usable)), torch.full_like(mean_sq, float(n_local)),
-                torch.full_like(mean_sq, float(micro_batch_size))]), reduce_op="sum")
+            shape = torch.tensor([float(usable), float(n_local), float(micro_batch_size)], dtype=torch.float64,
+                                 device=mean_sq.device)
+            packed = trainer.strategy.reduce(torch.cat([mean_sq.reshape(1), shape, shape.square()]), reduce_op="sum")
             mean_sq = packed[0] / world
-            valid = valid & (packed[1] == world) & (packed[2] == world * n_local) & (packed[3] == world * micro_batch_size)
+            # Σx = W·x and Σx² = W·x² on every rank hold only when all ranks have the same x.
+            valid = valid & (packed[1:4] == world * shape).all() & (packed[4:] == world * shape.square()).all()
         if not usable:
             return
         # An epoch's last window can hold fewer than A micro-batches; Lightning still divides by A.

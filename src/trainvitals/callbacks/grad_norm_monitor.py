@@ -24,7 +24,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._resume import resumes
 from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
 from trainvitals.callbacks._stopping import stopped_early
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
@@ -197,12 +196,15 @@ class GradNormMonitor(Callback):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it
+            # loads a checkpoint's callback states, so a resumed fit's ``load_state_dict`` fills
+            # ``_restored`` after this, and a state loaded for validate/test does not carry into a fit.
+            self._tracks, self._restored, self._clip_pending = {}, {}, None
+
+    @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # A new fit (another fold, another model) starts afresh; a resumed one gets its state from
-        # ``load_state_dict``, which Lightning calls before this hook and which fills ``_restored``.
-        self._tracks, self._clip_pending = {}, None
-        if not resumes(trainer):  # a state loaded for validate/test with a checkpoint is not this fit's
-            self._restored = {}
         self._amp_scaler = grad_scaler(trainer) is not None
 
     @override

@@ -53,7 +53,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import trainvitals
-from trainvitals.callbacks._resume import resumes
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.core.graph import (
     AutogradError,
@@ -230,7 +229,6 @@ class GraphIntegrityCallback(Callback):
         )
 
         self._reset()
-        self._restored = False
 
         # Fit-time maps, built at train start.
         self._names: dict[int, str] = {}
@@ -287,12 +285,12 @@ class GraphIntegrityCallback(Callback):
         return self._state_key
 
     @override
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # A new fit (another fold, another model) starts afresh; a resumed one keeps what
-        # ``load_state_dict`` restored (Lightning calls it before this hook).
-        if not (self._restored and resumes(trainer)):
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
+            # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
+            # for validate/test with a checkpoint does not carry into a later fit.
             self._reset()
-        self._restored = False
 
     # ------------------------------------------------------------------------------------ fit start
 
@@ -1047,4 +1045,3 @@ class GraphIntegrityCallback(Callback):
         self._grad_checks = int(state_dict.get("grad_checks", 0))
         self._independence_done = bool(state_dict.get("independence_done", False))
         self._unreached = dict(state_dict.get("unreached", {}))
-        self._restored = True

@@ -25,7 +25,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
-from trainvitals.callbacks._resume import resumes
 from trainvitals.callbacks._writers import log_image, log_scalars, log_text, tensorboard_writers
 from trainvitals.core.memory import (
     GraphLeakFinding,
@@ -158,7 +157,6 @@ class MemoryTopologyProfiler(Callback):
         self.verbose = verbose
 
         self._reset()
-        self._restored = False
         self._profiled_this_fit = 0
         self._pending: _Pending | None = None
         self._device = torch.device("cpu")
@@ -192,6 +190,10 @@ class MemoryTopologyProfiler(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
+        # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
+        # for validate/test with a checkpoint does not carry into a later fit.
+        self._reset()
         self._device = trainer.strategy.root_device
         cuda = self._device.type == "cuda"
         if self._budget is None and cuda:
@@ -202,11 +204,6 @@ class MemoryTopologyProfiler(Callback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # A new fit (another fold, another model) starts afresh; a resumed one keeps what
-        # ``load_state_dict`` restored (Lightning calls it before this hook).
-        if not (self._restored and resumes(trainer)):
-            self._reset()
-        self._restored = False
         self._profiled_this_fit = 0
         if self.snapshot_steps and self._device.type == "cuda":
             # log_dir broadcasts: every rank must ask, here, at the same point.
@@ -453,4 +450,3 @@ class MemoryTopologyProfiler(Callback):
         self._last_profiled_step = int(state_dict.get("last_profiled_step", -1))
         self.findings = [GraphLeakFinding(**{**f, "holders": tuple(f.get("holders", ()))})
                          for f in state_dict.get("findings", [])]
-        self._restored = True

@@ -283,7 +283,7 @@ class InplaceInfo:
 
 _VIEW_OPS = frozenset({"AsStrided", "T", "Transpose", "Permute", "View", "UnsafeView", "Expand", "Slice",
                        "Select", "Unsqueeze", "Squeeze", "Alias", "ReshapeAlias", "Split", "SplitWithSizes",
-                       "Unbind", "Narrow", "Diagonal"})
+                       "UnsafeSplit", "UnsafeSplitWithSizes", "Unbind", "Narrow", "Diagonal", "Unfold"})
 
 
 def is_view_op(name: str) -> bool:

@@ -108,9 +108,10 @@ def element_bytes(tensors: Iterable[Tensor]) -> int:
         if t.numel() == 0:
             continue
         key = storage_key(t)
-        span = 1 + sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride()))
+        # An expanded dimension (stride 0) repeats what the others hold.
+        elements = math.prod(n for n, stride in zip(t.shape, t.stride()) if stride != 0)
         views = held.setdefault(key, {})
-        views.setdefault((t.storage_offset(), tuple(t.shape), t.stride()), min(t.numel(), span) * t.element_size())
+        views.setdefault((t.storage_offset(), tuple(t.shape), t.stride()), elements * t.element_size())
         if key is not None:
             caps[key] = storage_nbytes(t)
     total = 0
@@ -367,7 +368,9 @@ class SavedTensorRecorder:
             source = getattr(node, "variable", None)  # AccumulateGrad's leaf
             if source is not None:
                 return storage_key(source) in self._parameters
-            if not is_view_op(node.name()):  # a computation (an embedding lookup): an activation
+            # A view or a copy of the parameter (``w.t().contiguous()``) is the parameter's size at any
+            # batch; a computation (an embedding lookup) is an activation.
+            if not (is_view_op(node.name()) or node.name().startswith("CloneBackward")):
                 return False
         return False
 
@@ -380,7 +383,7 @@ class SavedTensorRecorder:
         for p in self._frozen.get(tuple(base.shape), ()):
             if p.dtype == base.dtype or p.device != base.device:
                 continue
-            stride = max(1, p.numel() // _FINGERPRINT)  # spread over the tensor: a zero row says nothing
+            stride = p.numel() // _FINGERPRINT + 1  # spread over rows and columns: a zero row or column says nothing
             sample = p.detach().reshape(-1)[::stride][:_FINGERPRINT].to(base.dtype)
             if bool(sample.any()) and torch.equal(base.reshape(-1)[::stride][:_FINGERPRINT], sample):
                 return True
