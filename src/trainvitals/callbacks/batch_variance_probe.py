@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -349,8 +348,7 @@ class BatchVarianceProbe(Callback):
         self._failed.update(result.failed)
         # Measured even when this rank saw a problem: every rank must join the same all-reduce, which also
         # says which layers failed on any rank, so that every rank excludes the same ones.
-        batch_sq_norm = functools.partial(self._batch_sq_norm, trainer, optimizer)
-        failed = self._measure(trainer, pl_module, plan, params, result, micro_sum, batch_sq_norm,
+        failed = self._measure(trainer, pl_module, plan, params, result, micro_sum, optimizer,
                                valid_here=not problem)
         if failed:
             self._excluded.update(failed)
@@ -394,10 +392,10 @@ class BatchVarianceProbe(Callback):
 
     def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: SourcePlan,
                  params: dict[str, list[torch.nn.Parameter]], result: PerExampleStep, micro_sum: Tensor | None,
-                 batch_sq_norm: Callable[[list[torch.nn.Parameter]], Tensor], valid_here: bool) -> set[str]:
+                 optimizer: torch.optim.Optimizer, valid_here: bool) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
 
-        ``batch_sq_norm``: ‖.grad‖² over some parameters, unscaled (:meth:`_batch_sq_norm`).
+        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norm`).
 
         On one process those are this step's failures. Under DDP a layer can fail on one rank only (a
         branch taken by some ranks' data): the ranks' failures are summed with the estimates and read
@@ -442,16 +440,16 @@ class BatchVarianceProbe(Callback):
             return failed
         estimates = []
         if plan.per_example:
-            batch_sq = batch_sq_norm(params["per_example"]) * to_mean**2
+            batch_sq = self._batch_sq_norm(trainer, optimizer, params["per_example"]) * to_mean**2
             estimates.append(per_example_estimates(sq_norm_sum, batch_sq, examples))
         if plan.micro_batch:
-            batch_sq = batch_sq_norm(params["micro_batch"]) * to_mean**2
+            batch_sq = self._batch_sq_norm(trainer, optimizer, params["micro_batch"]) * to_mean**2
             group_mean = micro_sum * (self._unit / b) ** 2 / groups
             estimates.append(two_batch_size_estimates(group_mean, batch_sq, groups, b))
         if plan.vmap and result.num_sub < 2:
             valid = False
         elif plan.vmap:
-            batch_sq = batch_sq_norm(params["vmap"]) * to_mean**2
+            batch_sq = self._batch_sq_norm(trainer, optimizer, params["vmap"]) * to_mean**2
             sub_mean_sq = sum(v.double().square().sum() for v in result.sub_grad_sum.values()) / result.num_sub**2
             estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
                                                  result.num_sub, batch_sq, examples))
