@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,17 @@ from trainvitals.core.per_example import (
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
 BATCHNORM_MIN_VALUES = 8  # below this many values per channel, BatchNorm's batch statistics are mostly noise
+
+
+@dataclass
+class _StepSums:
+    """An optimizer step's sums over the examples of every rank."""
+
+    sq_norm_sum: Tensor  # () Σ_i ‖g_i‖² of the per-example-norm layers, own-loss units
+    micro_sum: Tensor  # () Σ_j ‖g_j‖² of the micro-batch gradients, as back-propagated
+    examples: int
+    valid: Tensor | bool  # every rank measured all its examples
+    failed: set[str]  # layers to exclude from now on
 
 
 class BatchVarianceProbe(Callback):
@@ -341,15 +353,13 @@ class BatchVarianceProbe(Callback):
             handle.remove()
         self._bn_handles = []
         self._check_batchnorm(trainer)
-        plan, params = self._plan, self._plan_params
         problem = self._problem(result)
         if problem:
             self._cannot_measure(problem)
         self._failed.update(result.failed)
         # Measured even when this rank saw a problem: every rank must join the same all-reduce, which also
         # says which layers failed on any rank, so that every rank excludes the same ones.
-        failed = self._measure(trainer, pl_module, plan, params, result, micro_sum, optimizer,
-                               valid_here=not problem)
+        failed = self._measure(trainer, pl_module, result, micro_sum, optimizer, valid_here=not problem)
         if failed:
             self._excluded.update(failed)
             self._failed.difference_update(failed)
@@ -390,79 +400,94 @@ class BatchVarianceProbe(Callback):
             return f"micro-batches of unequal sizes {self._micro_sizes}"
         return ""
 
-    def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: SourcePlan,
-                 params: dict[str, list[torch.nn.Parameter]], result: PerExampleStep, micro_sum: Tensor | None,
-                 optimizer: torch.optim.Optimizer, valid_here: bool) -> set[str]:
+    def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
+                 micro_sum: Tensor | None, optimizer: torch.optim.Optimizer, valid_here: bool) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
 
         ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norm`).
-
-        On one process those are this step's failures. Under DDP a layer can fail on one rank only (a
-        branch taken by some ranks' data): the ranks' failures are summed with the estimates and read
-        at the next logging step, which syncs anyway; until then a rank's failure invalidates the steps.
         """
-        world, micro_batches = trainer.world_size, len(self._micro_sizes)
+        if not self._micro_sizes:
+            return set(self._failed) if trainer.world_size == 1 else set()
+        sums = self._sum_over_ranks(trainer, result, micro_sum, valid_here)
+        if sums.examples < 2:
+            self._cannot_measure("a step of 1 example has no spread to measure")
+            return sums.failed
+        grad_sq_norm, trace_cov, valid = self._estimates(trainer, pl_module, optimizer, result, sums)
+        self.noise.update(grad_sq_norm, trace_cov, valid)
+        self.noise_error.update(grad_sq_norm, trace_cov, valid)
+        self.effective_batch_size = sums.examples
         step = trainer.global_step
-        if micro_batches == 0:
-            return set(self._failed) if world == 1 else set()
-        b = self._micro_sizes[0] or 1  # 0: an empty micro-batch, in a step `_problem` has left out
+        if is_logging_step(step, self._log_every):
+            self._log(trainer, result, valid, self._micro_sizes[0] or 1, sums.examples, step)
+        if result.sq_norms:
+            self._log_per_example_norms(trainer, result.sq_norms, step)
+        return sums.failed
+
+    def _sum_over_ranks(self, trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Tensor | None,
+                        valid_here: bool) -> _StepSums:
+        """This step's sums: this rank's on one process; under DDP every rank's, in one collective.
+
+        A layer can fail on one rank only (a branch taken by some ranks' data): the collective also
+        counts each layer's failures over the ranks, read at the next logging step, which syncs anyway;
+        until then a failure on any rank invalidates the steps. On one process, a failure here is
+        excluded at once.
+        """
+        device = trainer.strategy.root_device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        sq_norm_sum = (result.sq_norm_sum if result.sq_norm_sum is not None else zero).to(device, torch.float64)
+        micro_sum = (micro_sum if micro_sum is not None else zero).to(device, torch.float64)
         local_examples = sum(self._micro_sizes)
-        examples, groups = local_examples * world, micro_batches * world
-        device = pl_module.device
+        if trainer.world_size == 1:
+            return _StepSums(sq_norm_sum, micro_sum, local_examples, valid_here, set(self._failed))
+        assert self._plan is not None
+        layers = [*self._plan.per_example, *self._plan.vmap]
+        flags = torch.zeros(len(layers), dtype=torch.float64, device=device)  # filled on the device: no copy
+        for i in (i for i, n in enumerate(layers) if n in self._failed):
+            flags[i] = 1.0
+        packed = trainer.strategy.reduce(torch.cat([torch.stack([
+            sq_norm_sum, micro_sum,
+            torch.full((), float(local_examples), dtype=torch.float64, device=device),
+            torch.full((), 0.0 if valid_here else 1.0, dtype=torch.float64, device=device),
+        ]), flags]), reduce_op="sum")
+        examples = local_examples * trainer.world_size
+        failed = set()
+        if is_logging_step(trainer.global_step, self._log_every) and layers:
+            failed = {n for n, count in zip(layers, packed[4:].tolist()) if count > 0}
+        return _StepSums(packed[0], packed[1], examples, (packed[3] == 0) & (packed[2] == examples), failed)
+
+    def _estimates(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
+                   result: PerExampleStep, sums: _StepSums) -> tuple[Tensor, Tensor, Tensor | bool]:
+        """``(‖G‖², tr(Σ), valid)`` of the step in per-example units: each source's estimate over its own
+        parameters (McCandlish et al. 2018, Eq. A.2), added up, since tr(Σ) and ‖G‖² are sums over
+        parameters."""
+        plan = self._plan
+        assert plan is not None
+        b = self._micro_sizes[0] or 1  # 0: an empty micro-batch, in a step `_problem` has left out
+        groups = len(self._micro_sizes) * trainer.world_size
         # The accumulated, rank-averaged, unscaled .grad is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum.
         accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        to_mean = accumulation / (micro_batches * (1 if self._reduction == "mean" else b))
+        to_mean = accumulation / (len(self._micro_sizes) * (1 if self._reduction == "mean" else b))
 
-        def zero() -> Tensor:
-            return torch.zeros((), dtype=torch.float64, device=device)
+        def batch_sq_norm(source: str) -> Tensor:
+            return self._batch_sq_norm(trainer, optimizer, self._plan_params[source]) * to_mean**2
 
-        sq_norm_sum = (result.sq_norm_sum if result.sq_norm_sum is not None else zero()).to(device, torch.float64)
-        micro_sum = (micro_sum if micro_sum is not None else zero()).to(device, torch.float64)
-        valid: Tensor | bool = valid_here
-        failed = set(self._failed)
-        if world > 1:  # the sums over the ranks, whether every rank measured all its examples, which layers failed
-            layers = [*plan.per_example, *plan.vmap]
-            flags = torch.zeros(len(layers), dtype=torch.float64, device=device)  # filled on the device: no copy
-            for i in (i for i, n in enumerate(layers) if n in failed):
-                flags[i] = 1.0
-            packed = trainer.strategy.reduce(torch.cat([torch.stack([
-                sq_norm_sum, micro_sum,
-                torch.full((), float(local_examples), dtype=torch.float64, device=device),
-                torch.full((), 0.0 if valid_here else 1.0, dtype=torch.float64, device=device),
-            ]), flags]), reduce_op="sum")
-            sq_norm_sum, micro_sum = packed[0], packed[1]
-            valid = (packed[3] == 0) & (packed[2] == examples)
-            failed = set()
-            if is_logging_step(step, self._log_every) and layers:
-                failed = {n for n, count in zip(layers, packed[4:].tolist()) if count > 0}
-        if examples < 2:
-            self._cannot_measure("a step of 1 example has no spread to measure")
-            return failed
-        estimates = []
+        estimates, valid = [], sums.valid
         if plan.per_example:
-            batch_sq = self._batch_sq_norm(trainer, optimizer, params["per_example"]) * to_mean**2
-            estimates.append(per_example_estimates(sq_norm_sum, batch_sq, examples))
+            estimates.append(per_example_estimates(sums.sq_norm_sum, batch_sq_norm("per_example"), sums.examples))
         if plan.micro_batch:
-            batch_sq = self._batch_sq_norm(trainer, optimizer, params["micro_batch"]) * to_mean**2
-            group_mean = micro_sum * (self._unit / b) ** 2 / groups
-            estimates.append(two_batch_size_estimates(group_mean, batch_sq, groups, b))
+            group_mean = sums.micro_sum * (self._unit / b) ** 2 / groups
+            estimates.append(two_batch_size_estimates(group_mean, batch_sq_norm("micro_batch"), groups, b))
         if plan.vmap and result.num_sub < 2:
             valid = False
         elif plan.vmap:
-            batch_sq = self._batch_sq_norm(trainer, optimizer, params["vmap"]) * to_mean**2
             sub_mean_sq = sum(v.double().square().sum() for v in result.sub_grad_sum.values()) / result.num_sub**2
             estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
-                                                 result.num_sub, batch_sq, examples))
-        # The sources measure disjoint parameters: their ‖G‖² and tr(Σ) add up.
-        grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates or [(zero(), zero())]))
-        self.noise.update(grad_sq_norm, trace_cov, valid)
-        self.noise_error.update(grad_sq_norm, trace_cov, valid)
-        self.effective_batch_size = examples
-        if is_logging_step(step, self._log_every):
-            self._log(trainer, pl_module, plan, result, valid, b, examples, step)
-        if result.sq_norms:
-            self._log_per_example_norms(trainer, result.sq_norms, step)
-        return failed
+                                                 result.num_sub, batch_sq_norm("vmap"), sums.examples))
+        if not estimates:
+            zero = torch.zeros((), dtype=torch.float64, device=sums.sq_norm_sum.device)
+            return zero, zero, valid
+        grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates))
+        return grad_sq_norm, trace_cov, valid
 
     @staticmethod
     def _batch_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
@@ -507,7 +532,7 @@ class BatchVarianceProbe(Callback):
             out[f"grad_noise/gsnr/{module or '(root)'}"] = torch.cat(parts).mean()
         return out
 
-    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: SourcePlan, result: PerExampleStep,
+    def _log(self, trainer: "pl.Trainer", result: PerExampleStep,
              valid: Tensor | bool, micro_batch_size: int, examples: int, step: int) -> None:
         noise = self.noise
         rel_err = self.noise_error.relative_error(noise)
@@ -521,8 +546,8 @@ class BatchVarianceProbe(Callback):
             "grad_noise/batch_grad_var/micro_batch": noise.trace_cov / micro_batch_size,
             "grad_noise/batch_grad_var/full_batch": noise.trace_cov / examples,
         }
-        if self.per_coordinate:
-            metrics.update(self._coordinate_stats(trainer, plan.parameters("per_example"), result, examples))
+        if self.per_coordinate and self._plan is not None:
+            metrics.update(self._coordinate_stats(trainer, self._plan.parameters("per_example"), result, examples))
         keys = list(metrics)
         device = noise.count.device
         host = torch.stack([metrics[k].detach().double().reshape(()).to(device) for k in keys]
