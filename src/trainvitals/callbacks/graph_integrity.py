@@ -31,11 +31,16 @@ for ``dead_after_steps`` steps in a row), ``graph/nonfinite_losses`` (summed ove
 ``graph/leaked_graphs`` (walked losses that reach an earlier step's graph), ``graph/unoptimized_params``
 and ``graph/unregistered_params`` (leaves that get gradients but are in no optimizer / not registered
 on the module); and ``graph/findings_<kind>``, how many times each kind was found so far.
+
+The analysis is torch-only and lives in :mod:`trainvitals.core.graph` (walks, the tracer) and
+:mod:`trainvitals.core.integrity` (streaks, reasons, diagnoses); this module decides when it runs and
+what is recorded, logged and raised.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -57,28 +62,32 @@ from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.core.graph import (
     AutogradError,
     GraphTracer,
-    InplaceInfo,
     all_zero,
-    anomaly_location,
-    attributes_reaching,
     batch_mixing,
     batchnorm_in_eval,
     classify_autograd_error,
-    describe_cut,
     first_tensor,
-    nearest_leaves,
-    owner_module,
-    parse_inplace_error,
-    saved_tensor_errors,
     sequence_mark,
     tensor_names,
     walk_graph,
+)
+from trainvitals.core.integrity import (
+    SHOWN,
+    GradientStreaks,
+    Rerun,
+    describe_stale_graph,
+    diagnose_inplace,
+    diagnose_no_grad,
+    diagnose_second_backward,
+    frozen_change_causes,
+    listed,
+    unreached_reasons,
+    why_no_grad,
 )
 
 # A diagnosis points at the user's code: frames in Lightning and trainvitals are not the culprit.
 _SKIP_DIRS = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__))
 _MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before they are counted on the device
-_SHOWN = 5  # names spelled out in a message; the finding keeps them all
 
 
 class FindingKind(str, enum.Enum):
@@ -134,11 +143,6 @@ def _ddp_without_unused_search(trainer: "pl.Trainer") -> bool:
     """DDP with ``find_unused_parameters=False``: a step in which a parameter gets no gradient fails the next."""
     ddp = trainer.strategy.model
     return isinstance(ddp, DistributedDataParallel) and not ddp.find_unused_parameters
-
-
-def _listed(names: list[str] | tuple[str, ...]) -> str:
-    shown = ", ".join(f"`{n}`" for n in names[:_SHOWN])
-    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
 def _ignore(*_: Any, **__: Any) -> None:
@@ -238,9 +242,6 @@ class GraphIntegrityCallback(Callback):
         self._opt_of: dict[int, int] = {}  # id(parameter) -> optimizer index
         self._opt_index: dict[int, int] = {}  # id(optimizer) -> index in trainer.optimizers
         self._device = torch.device("cpu")  # the module's: where a reduction over ranks happens
-        # Per optimizer, the parameters whose gradient was zero at every check of this window so far
-        # (None: not checked yet): only they can still reach a dead streak, so only they are read again.
-        self._dead_candidates: dict[int, set[str]] = {}
 
         # Per-batch state.
         self._step = 0  # trainer.global_step when the batch started: the step findings are filed under
@@ -273,9 +274,7 @@ class GraphIntegrityCallback(Callback):
         self._next_check = 0
         self._window_open = False
         self._window_left = 0
-        # Consecutive checked optimizer steps without a gradient / with an exactly zero one, by name.
-        self._unused_streak: dict[str, int] = {}
-        self._dead_streak: dict[str, int] = {}
+        self._streaks = GradientStreaks()
         self._independence_done = False
         self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
 
@@ -319,7 +318,7 @@ class GraphIntegrityCallback(Callback):
                     trainer,
                     FindingKind.FROZEN_IN_OPTIMIZER,
                     frozen,
-                    f"{_listed(frozen)} are in optimizer {k} ({type(trainer.optimizers[k]).__name__}) but have "
+                    f"{listed(frozen)} are in optimizer {k} ({type(trainer.optimizers[k]).__name__}) but have "
                     "requires_grad=False: they get no gradient, yet momentum or weight decay still change them "
                     "whenever they hold a `.grad`. Build the optimizer from the trainable parameters only "
                     "(`[p for p in self.parameters() if p.requires_grad]`).",
@@ -347,9 +346,7 @@ class GraphIntegrityCallback(Callback):
         self._window_open = True
         self._window_left = self.dead_after_steps * max(1, len(trainer.optimizers))
         self._next_check = step + self.check_every_n_steps
-        self._unused_streak.clear()
-        self._dead_streak.clear()
-        self._dead_candidates.clear()
+        self._streaks.clear()
         self._stale_opts.clear()
         self._walk_batch = True
         self._walks += 1
@@ -377,7 +374,7 @@ class GraphIntegrityCallback(Callback):
 
     def _check_loss(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
         if loss.grad_fn is None:
-            names, why = self._why_no_grad(trainer, pl_module, loss)
+            names, why = why_no_grad(loss, pl_module, trainer.optimizers, self._rerun_if_possible(trainer, pl_module))
             self._record(
                 trainer,
                 FindingKind.LOSS_NO_GRAD,
@@ -399,46 +396,13 @@ class GraphIntegrityCallback(Callback):
         if len(self._pending_losses) >= _MAX_PENDING_LOSSES:
             self._count_nonfinite()
 
-    def _why_no_grad(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor
-    ) -> tuple[tuple[str, ...], str]:
-        if loss.requires_grad:
-            return ("leaf loss",), (
-                "it is a leaf tensor that requires grad, built from a value (e.g. "
-                "`torch.tensor(loss.item(), requires_grad=True)`); return the loss tensor itself"
-            )
-        if not torch.is_grad_enabled():
-            optimizers = tuple(type(o).__name__ for o in trainer.optimizers)
-            return ("grad mode off", *optimizers), (
-                "grad mode was off while training_step ran. Lightning calls the step inside "
-                "`optimizer.step(closure)`; an optimizer whose step() runs the closure under `torch.no_grad()` "
-                f"without `torch.enable_grad()` does this (optimizers: {', '.join(optimizers) or 'none'}), as does "
-                "a `torch.set_grad_enabled(False)` left on"
-            )
-        if not any(p.requires_grad for p in pl_module.parameters()):
-            return ("every parameter frozen",), (
-                "every parameter of the model has requires_grad=False, so the loss depends on nothing that "
-                "can learn: unfreeze what should train (`module.requires_grad_(True)`)"
-            )
-        if self._can_rerun(trainer, pl_module):
-            try:
-                tracer, output = self._rerun(pl_module)
-            except Exception as err:  # a diagnosis must never replace the user's error
-                return (), f"the re-run to locate the cut failed ({type(err).__name__}: {err})"
-            rerun_loss = output.get("loss") if isinstance(output, dict) else output
-            return describe_cut(tracer, tracer.cuts_behind(rerun_loss))
-        return (), (
-            "it was rebuilt from `.item()`/`.detach()` or computed inside `torch.no_grad()` (on one device with "
-            "automatic optimization the callback re-runs the step and names the line)"
-        )
-
     def _walk(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
         walk = walk_graph(loss, self._mark)
         self._walked = True
         self._reached.update(id(t) for t in walk.leaves)
         if walk.stale:
             self._walk_counts["leaked_graphs"] += 1
-            self._record(trainer, FindingKind.STALE_GRAPH, *self._stale_finding(pl_module, walk.stale))
+            self._record(trainer, FindingKind.STALE_GRAPH, *describe_stale_graph(pl_module, walk.stale, self._mark))
         if not self._opt_of:
             return
         unoptimized = [
@@ -452,7 +416,7 @@ class GraphIntegrityCallback(Callback):
         unregistered = [n for n, t in zip(names, unoptimized) if id(t) not in registered]
         self._walk_counts["unoptimized_params"] += len(names)
         self._walk_counts["unregistered_params"] += len(unregistered)
-        which = "they" if len(unregistered) == len(names) else _listed(unregistered)
+        which = "they" if len(unregistered) == len(names) else listed(unregistered)
         why = (
             f"{which} are not registered on the module (kept in a plain Python list, dict or attribute): use "
             "nn.ModuleList / nn.ModuleDict / nn.Parameter so that `parameters()` includes them"
@@ -463,29 +427,8 @@ class GraphIntegrityCallback(Callback):
             trainer,
             FindingKind.UNOPTIMIZED_LEAVES,
             names,
-            f"{_listed(names)} receive gradients but belong to no optimizer param group, so they never change: "
+            f"{listed(names)} receive gradients but belong to no optimizer param group, so they never change: "
             f"{why}.",
-        )
-
-    @staticmethod
-    def _node_names(nodes: tuple[Node, ...] | list[Node]) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(type(n).__name__ for n in nodes))
-
-    def _stale_finding(
-        self, pl_module: "pl.LightningModule", stale: tuple[Node, ...]
-    ) -> tuple[tuple[str, ...], str]:
-        """Names (the module attributes that carry the graph over, else node types) and message."""
-        attrs = attributes_reaching(pl_module, set(stale), self._mark)
-        carried = (
-            f"it is carried across steps in {_listed(attrs)}" if attrs
-            else "it is carried across steps outside the module's attributes"
-        )
-        fix = f"`self.{attrs[0]} = {attrs[0].rpartition('.')[2]}.detach()`" if attrs else "`.detach()`"
-        return tuple(attrs) or self._node_names(stale), (
-            f"The loss reaches {len(stale)} autograd node(s) created in an earlier step "
-            f"({_listed(self._node_names(stale))}): {carried}. The earlier backward freed their saved tensors "
-            f"(\"backward through the graph a second time\"), or the graph grows every step. Detach the state "
-            f"when carrying it over ({fix})."
         )
 
     def _observe_zeroed_grads(self) -> None:
@@ -513,7 +456,8 @@ class GraphIntegrityCallback(Callback):
             if k in self._stale_opts:
                 self._record_leak(trainer, k)
             self._stale_opts.add(k)
-        self._inspect_grads(k)
+        self._streaks.update(k, self._opt_params[k])
+        self._grad_checks += 1
         self._frozen_versions.extend((n, p, p._version, k) for n, p in self._opt_params[k] if not p.requires_grad)
 
     def _record_leak(self, trainer: "pl.Trainer", k: int) -> None:
@@ -522,31 +466,11 @@ class GraphIntegrityCallback(Callback):
             trainer,
             FindingKind.GRAD_LEAK,
             names,
-            f"Optimizer {k} ({type(trainer.optimizers[k]).__name__}, parameters {_listed(names)}) stepped with "
+            f"Optimizer {k} ({type(trainer.optimizers[k]).__name__}, parameters {listed(names)}) stepped with "
             "gradients left over from before its previous step: no zero_grad cleared them, so the gradients of "
             "every loss back-propagated since (including losses meant for another optimizer) were added up. "
             "Call `opt.zero_grad()` before the backward meant for this optimizer.",
         )
-
-    def _inspect_grads(self, k: int) -> None:
-        """Update the unused and dead streaks of optimizer ``k``'s parameters (one host sync, when there
-        is a gradient to read)."""
-        candidates = self._dead_candidates.get(k)
-        present = []
-        for name, p in self._opt_params[k]:
-            unused = p.requires_grad and p.grad is None
-            self._unused_streak[name] = self._unused_streak.get(name, 0) + 1 if unused else 0
-            if candidates is not None and name not in candidates:
-                continue  # non-zero earlier in this window: its streak is 0 until the next window
-            if p.requires_grad and p.grad is not None:
-                present.append((name, p.grad))
-            else:
-                self._dead_streak[name] = 0
-        flags = all_zero([g for _, g in present]).tolist() if present else []
-        for (name, _), is_zero in zip(present, flags):
-            self._dead_streak[name] = self._dead_streak.get(name, 0) + 1 if is_zero else 0
-        self._dead_candidates[k] = {name for (name, _), is_zero in zip(present, flags) if is_zero}
-        self._grad_checks += 1
 
     @override
     def on_train_batch_end(
@@ -576,34 +500,10 @@ class GraphIntegrityCallback(Callback):
         if not self._walked:  # no backward ran in this batch
             return
         unreached = [n for n, p in self._tracked if p.requires_grad and id(p) not in self._reached]
-        reasons = self._unreached_reasons(pl_module, unreached)
+        reasons = unreached_reasons(pl_module, unreached, self._ran)
         if not _ddp_without_unused_search(trainer):
             self._unreached = {n: why for n, why in reasons.items() if id(self._params_by_name[n]) in self._opt_of}
         self._record_unreachable(trainer, {n: why for n, why in reasons.items() if n not in self._unreached})
-
-    def _unreached_reasons(self, pl_module: "pl.LightningModule", unreached: list[str]) -> dict[str, str]:
-        """Why each parameter is out of the loss's reach, said of its module."""
-        by_module: dict[str, list[str]] = {}
-        for name in unreached:
-            by_module.setdefault(owner_module(name), []).append(name)
-        reasons = {}
-        for mod_name, names in by_module.items():
-            try:
-                module = pl_module.get_submodule(mod_name)
-            except AttributeError:
-                module = None
-            if module is None or module is pl_module:
-                why = f"{_listed(names)} are not used by the loss"
-            elif "_orig_mod" in mod_name.split("."):  # forward hooks do not run inside a compiled region
-                why = f"module `{mod_name}`, inside a torch.compile'd module, did not reach the loss"
-            elif id(module) not in self._ran:
-                why = f"module `{mod_name}` never ran in forward (an unused head or branch?)"
-            elif not self._ran[id(module)]:
-                why = f"module `{mod_name}` ran only with grad mode off (inside `torch.no_grad()`)"
-            else:
-                why = f"module `{mod_name}` ran, but its output was detached or did not reach the loss"
-            reasons.update(dict.fromkeys(names, why))
-        return reasons
 
     def _record_unreachable(self, trainer: "pl.Trainer", reasons: dict[str, str]) -> None:
         if not reasons:
@@ -622,25 +522,12 @@ class GraphIntegrityCallback(Callback):
             if p._version == version:
                 continue
             opt = trainer.optimizers[k]
-            causes = []
-            if p.grad is not None:
-                causes.append(
-                    "it still holds a `.grad` (left from before it was frozen, or kept as zeros by "
-                    "`zero_grad(set_to_none=False)`), so the optimizer does not skip it"
-                )
-            state = [key for key in opt.state.get(p, {}) if key != "step"]
-            if state:
-                causes.append(f"its optimizer state ({', '.join(state)}) keeps moving it")
-            group = next((g for g in opt.param_groups if any(q is p for q in g["params"])), {})
-            decay = group.get("weight_decay", 0)
-            if decay:
-                causes.append(f"weight decay {decay} shrinks it")
             self._record(
                 trainer,
                 FindingKind.FROZEN_CHANGED,
                 (name,),
                 f"`{name}` has requires_grad=False but optimizer {k} ({type(opt).__name__}) changed it: "
-                + "; ".join(causes or ["the optimizer updates parameters regardless of requires_grad"])
+                + "; ".join(frozen_change_causes(p, opt))
                 + ". Set its `.grad` to None when freezing it, or remove it from the optimizer.",
             )
         self._frozen_versions = []
@@ -648,8 +535,7 @@ class GraphIntegrityCallback(Callback):
     def _close_window(self, trainer: "pl.Trainer") -> None:
         self._window_open = False
         n = self.dead_after_steps
-        unused = tuple(name for name, s in self._unused_streak.items() if s >= n)
-        dead = tuple(name for name, s in self._dead_streak.items() if s >= n)
+        unused, dead = self._streaks.at_least(n)
         nonfinite = self._flush_losses(trainer)
         self._record_unreachable(trainer, {name: why for name, why in self._unreached.items() if name in unused})
         self._unreached = {}
@@ -659,7 +545,7 @@ class GraphIntegrityCallback(Callback):
                 FindingKind.UNUSED_PARAMS,
                 unused,
                 f"{len(unused)} parameter(s) got no gradient (`.grad` is None) at {n} optimizer steps in a row: "
-                f"{_listed(unused)}. They are not in the loss's graph; the optimizer skips them.",
+                f"{listed(unused)}. They are not in the loss's graph; the optimizer skips them.",
             )
             self._predict_ddp(trainer, unused)
         if dead:
@@ -668,7 +554,7 @@ class GraphIntegrityCallback(Callback):
                 FindingKind.DEAD_PARAMS,
                 dead,
                 f"{len(dead)} parameter(s) had a gradient of exactly zero at {n} optimizer steps in a row: "
-                f"{_listed(dead)}. They are in the graph but the gradient is blocked (a ReLU or clamp of values "
+                f"{listed(dead)}. They are in the graph but the gradient is blocked (a ReLU or clamp of values "
                 "that are always negative, a multiplication by zero, a saturated activation).",
             )
         metrics = {
@@ -697,7 +583,7 @@ class GraphIntegrityCallback(Callback):
             FindingKind.DDP_UNUSED,
             unused,
             f"{now} with 'Expected to have finished reduction in the prior iteration': the reducer waits for "
-            f"gradients of {_listed(unused)} that never come. Fix: strategy='ddp_find_unused_parameters_true' "
+            f"gradients of {listed(unused)} that never come. Fix: strategy='ddp_find_unused_parameters_true' "
             "(DDPStrategy(find_unused_parameters=True)), or remove or freeze these parameters.",
         )
 
@@ -758,13 +644,13 @@ class GraphIntegrityCallback(Callback):
                 return
         if switched:
             rank_zero_info(
-                f"trainvitals: the batch-independence check ran {len(switched)} BatchNorm layer(s) in eval mode "
-                f"({_listed(switched)}): in training mode BatchNorm mixes examples through the batch statistics "
+                f"trainvitals GraphIntegrityCallback: the batch-independence check ran {len(switched)} BatchNorm layer(s) in eval mode "
+                f"({listed(switched)}): in training mode BatchNorm mixes examples through the batch statistics "
                 "by design."
             )
         mixed = {i: js for i, js in mixing.items() if js}
         if mixed:
-            detail = "; ".join(f"output {i} depends on inputs {js[:_SHOWN]}" for i, js in mixed.items())
+            detail = "; ".join(f"output {i} depends on inputs {js[:SHOWN]}" for i, js in mixed.items())
             self._record(
                 trainer,
                 FindingKind.BATCH_MIXING,
@@ -788,13 +674,15 @@ class GraphIntegrityCallback(Callback):
 
     # ----------------------------------------------------------------------------- the step re-run
 
-    @staticmethod
-    def _can_rerun(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+    def _rerun_if_possible(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Rerun | None:
         # Manual optimization would step optimizers again; several ranks could wait in a collective.
-        return pl_module.automatic_optimization and trainer.world_size == 1
+        if pl_module.automatic_optimization and trainer.world_size == 1 and self._batch is not None:
+            return functools.partial(self._rerun, pl_module)
+        return None
 
     def _rerun(self, pl_module: "pl.LightningModule") -> tuple[GraphTracer, Any]:
-        """Run ``training_step`` on the current batch again under a :class:`GraphTracer`.
+        """Run ``training_step`` on the current batch again under a :class:`GraphTracer`; returns the
+        tracer and the loss the step returned.
 
         Used only when the step is failing anyway; logging is silenced and the random stream restored.
         """
@@ -804,7 +692,7 @@ class GraphIntegrityCallback(Callback):
                 output = pl_module.training_step(self._batch, self._batch_idx)
         finally:
             del pl_module.log, pl_module.log_dict
-        return tracer, output
+        return tracer, output.get("loss") if isinstance(output, dict) else output
 
     # ------------------------------------------------------------------------------- exceptions
 
@@ -815,13 +703,8 @@ class GraphIntegrityCallback(Callback):
         self._remove_hook()
         kind = None if isinstance(exception, GraphIntegrityError) else classify_autograd_error(exception)
         if kind is not None:
-            diagnose = {
-                AutogradError.NO_GRAD: self._diagnose_no_grad,
-                AutogradError.SECOND_BACKWARD: self._diagnose_second_backward,
-                AutogradError.INPLACE: self._diagnose_inplace,
-            }[kind]
             try:
-                names, message = diagnose(trainer, pl_module, exception)
+                names, message = self._diagnose(kind, trainer, pl_module, exception)
             except Exception as err:  # a diagnosis must never replace the user's error
                 names, message = (), f"the diagnosis itself failed ({type(err).__name__}: {err})"
             finding = self._record(trainer, _ERROR_KIND[kind], names, message, warn=False)
@@ -837,119 +720,26 @@ class GraphIntegrityCallback(Callback):
             log_scalars(trainer, self._count_metrics(), step=trainer.global_step)
         self._publish(trainer)
 
-    def _diagnose_no_grad(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", _: BaseException
+    def _diagnose(
+        self, kind: AutogradError, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException
     ) -> tuple[tuple[str, ...], str]:
-        found = next((f for f in reversed(self.findings) if f.kind is FindingKind.LOSS_NO_GRAD), None)
-        if found is not None:
-            return found.names, found.message
-        loss = self._last_loss
-        if loss is None or loss.grad_fn is not None:
-            return (), "backward was called on a tensor without grad_fn outside Lightning's backward hooks."
-        names, why = self._why_no_grad(trainer, pl_module, loss)
-        return names, f"The loss has no grad_fn: {why}."
-
-    def _diagnose_second_backward(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", _: BaseException
-    ) -> tuple[tuple[str, ...], str]:
-        loss = self._last_loss
-        if loss is None:
-            return (), "a backward outside Lightning's hooks went through a graph whose saved tensors were freed."
-        walk = walk_graph(loss, self._mark)
-        if walk.stale:
-            return self._stale_finding(pl_module, walk.stale)
-        if loss.grad_fn is not None and loss.grad_fn in self._losses[:-1]:
-            return (), (
-                "The same loss was back-propagated twice in this step: the first backward freed its saved "
-                "tensors. Remove the second backward, or pass retain_graph=True to the first if both are meant."
-            )
-        earlier: set[Node] = set()
-        for fn in self._losses[:-1]:
-            earlier |= walk_graph(fn).nodes
-        shared = {n for n in walk.nodes & earlier if type(n).__name__ != "AccumulateGrad"}
-        if not shared:
-            return (), (
-                "The graph was freed by a backward outside Lightning's hooks. Pass retain_graph=True to that "
-                "backward, or recompute the forward."
-            )
-        entry_nodes = list(dict.fromkeys(
-            c for n in walk.nodes - shared for c, _ in n.next_functions if c in shared
-        )) or [loss.grad_fn]
-        modules = tuple(dict.fromkeys(
-            owner_module(self._names.get(id(t), "?")) or "<root>" for n in entry_nodes for t in nearest_leaves(n)
-        ))
-        return modules, (
-            f"This loss shares {len(shared)} autograd node(s) with a loss back-propagated earlier in this step "
-            f"(they enter at {_listed(self._node_names(entry_nodes))}, near module {_listed(modules)}); that backward "
-            "freed their saved tensors. Detach the shared tensor in one of the two losses (e.g. `fake.detach()` "
-            "in the discriminator's loss), or pass retain_graph=True to the first backward."
-        )
-
-    def _diagnose_inplace(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException
-    ) -> tuple[tuple[str, ...], str]:
-        info = parse_inplace_error(str(exception))
-        loss = self._last_loss
-        errors = [e for e in saved_tensor_errors(loss) if e.kind is AutogradError.INPLACE] if loss is not None else []
-        saver, near = "", []
-        if errors:
-            node = errors[0].node
-            near = nearest_leaves(node)
-            modules = _listed(tuple(dict.fromkeys(owner_module(self._names.get(id(t), "?")) for t in near)))
-            at = anomaly_location(node)
-            saver = (
-                f"The tensor that {type(node).__name__} saved as `{errors[0].saved}` (near module {modules}"
-                f"{f', forward at {at}' if at else ''})"
-            )
-        param = self._stepped_parameter(info, near)
-        if param is not None:
-            k = self._opt_of[id(param)]
-            name = self._names.get(id(param), "?")
-            return (name,), (
-                f"{saver or 'A saved tensor'} is parameter `{name}`: optimizer {k} "
-                f"({type(trainer.optimizers[k]).__name__}).step() updated it in place after the forward that saved "
-                "it and before this backward. Run every backward that needs this forward before optimizer.step(), "
-                "or recompute the forward after the step."
-            )
-        if self._can_rerun(trainer, pl_module) and self._batch is not None:
-            try:
-                tracer, _ = self._rerun(pl_module)
-            except Exception as err:  # the diagnosis must never replace the user's error
-                return (), f"{saver or 'A saved tensor'} was modified in place (re-run failed: {err})."
-            pairs = tracer.inplace_after_save(info.shape if info else None)
-            if info is not None:
-                pairs = sorted(pairs, key=lambda pair: pair[0].version != info.expected)
-            if pairs:
-                rec, event = pairs[0]
-                saved_by = f"`{rec.op}`" + (f" in module `{rec.module}`" if rec.module else "")
-                saved_by += f" at {rec.location}" if rec.location else ""
-                names = tuple(dict.fromkeys(n for n in (rec.module, rec.op, event.module, event.op) if n))
-                return names, (
-                    f"A tensor of shape {list(rec.shape)} saved for backward by {saved_by} was then modified in "
-                    f"place by {event.where()}. Use the out-of-place form (`x = x * 2` rather than `x.mul_(2)`, "
-                    "`inplace=False`) or `.clone()` the tensor before changing it."
-                )
-        return (), (
-            f"{saver or 'A tensor saved for backward'} was modified in place after the forward saved it. Set "
-            "detect_anomaly_steps=1 to see the forward operation, and look for in-place ops (`x += ...`, `.mul_()`, "
-            "`inplace=True`) or an optimizer.step() between the forward and this backward."
-        )
+        """Names and message for autograd's error ``kind``, from what this batch recorded."""
+        loss, rerun = self._last_loss, self._rerun_if_possible(trainer, pl_module)
+        if kind is AutogradError.NO_GRAD:
+            found = next((f for f in reversed(self.findings) if f.kind is FindingKind.LOSS_NO_GRAD), None)
+            if found is not None:  # already explained before backward
+                return found.names, found.message
+            return diagnose_no_grad(loss, pl_module, trainer.optimizers, rerun)
+        if kind is AutogradError.SECOND_BACKWARD:
+            return diagnose_second_backward(loss, self._losses[:-1], pl_module, self._names, self._mark)
+        stepped = [
+            (p, f"optimizer {k} ({type(trainer.optimizers[k]).__name__})")
+            for _, p in self._tracked
+            if (k := self._opt_of.get(id(p))) is not None and k in self._stepped
+        ]
+        return diagnose_inplace(exception, loss, self._names, stepped, rerun)
 
     # ------------------------------------------------------------------------- findings, strict, end
-
-    def _stepped_parameter(self, info: InplaceInfo | None, near: list[Tensor]) -> Tensor | None:
-        """The parameter an optimizer step of this batch changed: the saved tensor's shape (or its
-        transpose) and version counter, nearest candidates first."""
-        if info is None or not info.may_be_parameter:
-            return None
-        for p in near + [p for _, p in self._tracked]:
-            if (
-                p._version == info.version
-                and tuple(p.shape) in (info.shape, info.shape[::-1])
-                and self._opt_of.get(id(p)) in self._stepped
-            ):
-                return p
-        return None
 
     def _record(
         self, trainer: "pl.Trainer", kind: FindingKind, names: tuple[str, ...], message: str, warn: bool = True
@@ -985,7 +775,7 @@ class GraphIntegrityCallback(Callback):
             )
         rows = ["| step | kind | names | finding |", "|---:|---|---|---|"]
         for f in self.findings:
-            cells = (str(f.step), f.kind.value, _listed(f.names), f.message)
+            cells = (str(f.step), f.kind.value, listed(f.names), f.message)
             rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
         return "\n".join(rows)
 
@@ -1017,8 +807,7 @@ class GraphIntegrityCallback(Callback):
             "next_check": self._next_check,
             "window_open": self._window_open,
             "window_left": self._window_left,
-            "unused_streak": dict(self._unused_streak),
-            "dead_streak": dict(self._dead_streak),
+            **self._streaks.state_dict(),
             "counts": {k.value: v for k, v in self.counts.items()},
             "findings": [{**asdict(f), "kind": f.kind.value, "names": list(f.names)} for f in self.findings],
             "warned": sorted(k.value for k in self._warned),
@@ -1033,8 +822,7 @@ class GraphIntegrityCallback(Callback):
         self._next_check = int(state_dict.get("next_check", 0))
         self._window_open = bool(state_dict.get("window_open", False))
         self._window_left = int(state_dict.get("window_left", 0))
-        self._unused_streak = dict(state_dict.get("unused_streak", {}))
-        self._dead_streak = dict(state_dict.get("dead_streak", {}))
+        self._streaks.load_state_dict(state_dict)
         self.counts = {FindingKind(k): int(v) for k, v in state_dict.get("counts", {}).items()}
         self.findings = [
             Finding(FindingKind(f["kind"]), tuple(f["names"]), f["message"], int(f["step"]))
