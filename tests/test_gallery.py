@@ -86,7 +86,7 @@ def test_recurrent_state_not_detached(outcomes: dict[str, Outcome]) -> None:
 
 def test_batchnorm_with_micro_batches_of_two(outcomes: dict[str, Outcome]) -> None:
     out = outcomes["batchnorm_micro_batches"]
-    (warning,) = [w for w in out.warnings if w.startswith("BatchNorm in training mode")]
+    (warning,) = [w for w in out.warnings if w.startswith("trainvitals BatchVarianceProbe: BatchNorm in training mode")]
     assert "body.2 (2 values per channel)" in warning
     assert "BatchNorm sees one micro-batch of 2, not the 64 examples of the step" in warning
 

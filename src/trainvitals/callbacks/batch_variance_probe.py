@@ -234,7 +234,7 @@ class BatchVarianceProbe(Callback):
         self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
-        rank_zero_info(self.sources)
+        rank_zero_info(f"trainvitals {self.sources}")
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.every_n_steps) * self.every_n_steps
@@ -259,7 +259,7 @@ class BatchVarianceProbe(Callback):
                                  "with per-example norms, and the torch.func fallback off")
 
     def _cannot_measure(self, why: str) -> None:
-        message = f"BatchVarianceProbe cannot measure: {why}. Nothing is logged for these steps."
+        message = f"trainvitals BatchVarianceProbe cannot measure: {why}. Nothing is logged for these steps."
         if self.strict:
             raise RuntimeError(message)
         self._warnings.warn(message)
@@ -311,14 +311,14 @@ class BatchVarianceProbe(Callback):
         if reduction == "auto":
             found = detect_loss_reduction(loss, self._batch_size, accumulation)
             if found is None:
-                self._warnings.warn("BatchVarianceProbe could not tell from the loss's graph whether it is a mean or "
+                self._warnings.warn("trainvitals BatchVarianceProbe could not tell from the loss's graph whether it is a mean or "
                                     "a sum over examples; assuming a mean. Pass `loss_reduction=` to say which: "
                                     "B_simple does not depend on it, tr(Σ), ‖G‖² and the noise floor do.")
             reduction = found or "mean"
         if reduction != self._stated_reduction:
             self._stated_reduction = reduction
             how = "as told" if self.loss_reduction != "auto" else "read from the loss's graph"
-            rank_zero_info(f"BatchVarianceProbe: the loss is a {reduction} over the examples ({how}); per-example "
+            rank_zero_info(f"trainvitals BatchVarianceProbe: the loss is a {reduction} over the examples ({how}); per-example "
                            "gradients are those of each example's own loss" + (
                                ", B × its share of the batch mean" if reduction == "mean" else ""))
         self._reduction = reduction
@@ -373,7 +373,7 @@ class BatchVarianceProbe(Callback):
         accumulation = (f" Under gradient accumulation BatchNorm sees one micro-batch of {self._batch_size}, "
                         f"not the {self._batch_size * trainer.accumulate_grad_batches} examples of the step."
                         if trainer.accumulate_grad_batches > 1 else "")
-        self._warnings.warn(f"BatchNorm in training mode normalises {where} over too few values for meaningful "
+        self._warnings.warn(f"trainvitals BatchVarianceProbe: BatchNorm in training mode normalises {where} over too few values for meaningful "
                             "statistics: over 2 values every feature becomes ±1, over 1 it fails." + accumulation)
 
     def _problem(self, result: PerExampleStep) -> str:

@@ -197,7 +197,7 @@ class GradNormEarlyStopping(Callback):
         self._params, self._micro_sizes, self._pending = [], [], None
         self._detach()
         if self.mode == "noise_band" and not pl_module.automatic_optimization:
-            rank_zero_warn("trainvitals: GradNormEarlyStopping(mode='noise_band') needs automatic optimization; "
+            rank_zero_warn("trainvitals GradNormEarlyStopping: mode='noise_band' needs automatic optimization; "
                            "it will not stop this run.")
 
     @override
@@ -300,13 +300,13 @@ class GradNormEarlyStopping(Callback):
         if self._source is None and not self._warned_no_source:
             self._warned_no_source = True
             rank_zero_warn(
-                "trainvitals: GradNormEarlyStopping(mode='noise_band') has no noise source: it needs "
+                "trainvitals GradNormEarlyStopping: mode='noise_band' has no noise source: it needs "
                 "accumulate_grad_batches >= 2, or >= 2 devices, or a BatchVarianceProbe among the callbacks. "
                 "It will not stop on the noise band while that lasts."
             )
 
     def _warn_unsized(self) -> None:
-        self._warnings.warn("trainvitals: GradNormEarlyStopping cannot tell how many examples a micro-batch "
+        self._warnings.warn("trainvitals GradNormEarlyStopping: cannot tell how many examples a micro-batch "
                             "holds (Lightning's extract_batch_size fails on it): no noise estimate from such steps.")
 
     def _detach(self) -> None:
@@ -398,7 +398,7 @@ class GradNormEarlyStopping(Callback):
                             "relative": StopReason.RELATIVE}[self.mode]
         message = self.describe_stop()
         if self.verbose:
-            rank_zero_info(f"trainvitals: {message}")
+            rank_zero_info(f"trainvitals GradNormEarlyStopping: {message}")
         log_text(trainer, "grad_norm/stop_reason", message, step)
         return True
 

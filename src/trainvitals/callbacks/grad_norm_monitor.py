@@ -386,14 +386,14 @@ class GradNormMonitor(Callback):
             track.warned_nonfinite = True
             at, layers = track.nonfinite
             rank_zero_warn(
-                f"trainvitals: non-finite gradient (inf/NaN) at optimizer step {at}; first in: "
+                f"trainvitals GradNormMonitor: non-finite gradient (inf/NaN) at optimizer step {at}; first in: "
                 f"{', '.join(layers[:5]) or 'unknown'}. Without a GradScaler this is divergence: lower the lr, "
                 "check the loss for log(0)/division by zero, or enable gradient clipping."
             )
         if track.spike is not None and track.counts["spike_steps"] > track.reported_spikes:
             track.reported_spikes = track.counts["spike_steps"]
             at, message = track.spike
-            rank_zero_info(f"trainvitals: {message}")
+            rank_zero_info(f"trainvitals GradNormMonitor: {message}")
             log_text(trainer, tag("spikes"), message, at)
 
     def _log_histograms(self, trainer: "pl.Trainer", index: int, track: _Track, present: tuple[int, ...], step: int) -> None:

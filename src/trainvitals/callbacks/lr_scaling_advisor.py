@@ -165,7 +165,7 @@ class LRScalingAdvisor(Callback):
         log_text(trainer, "lr_scaling/advice", self._report, trainer.global_step)
         if self.reference is not None and self._reference_problems:
             rank_zero_warn(
-                f"trainvitals: the effective batch is {self.effective_batch} but the lr was tuned at batch "
+                f"trainvitals LRScalingAdvisor: the effective batch is {self.effective_batch} but the lr was tuned at batch "
                 f"{self.reference[0]}; " + "; ".join(self._reference_problems) + "."
             )
 
@@ -185,7 +185,7 @@ class LRScalingAdvisor(Callback):
         self._report = self._advise(trainer)
         log_text(trainer, "lr_scaling/advice", self._report, trainer.global_step)
         if self.verbose:
-            rank_zero_info(f"trainvitals: LR scaling advice at optimizer step {trainer.global_step}\n{self._report}")
+            rank_zero_info(f"trainvitals LRScalingAdvisor: advice at optimizer step {trainer.global_step}\n{self._report}")
 
     def summary_markdown(self) -> str:
         """The latest report as markdown (the end-of-training table after ``fit``); ``""`` before any.
@@ -198,7 +198,7 @@ class LRScalingAdvisor(Callback):
     def _infer_batch_size(self, batch: Any) -> int | None:
         size = batch_size(batch)
         if size is None:
-            rank_zero_warn("trainvitals: LRScalingAdvisor cannot infer the per-device batch size; "
+            rank_zero_warn("trainvitals LRScalingAdvisor: cannot infer the per-device batch size; "
                            "pass `batch_size=`. No advice this run.")
         return size
 
@@ -221,7 +221,7 @@ class LRScalingAdvisor(Callback):
                 doubled = _loss_of(trainer.strategy.training_step(_doubled(batch), batch_idx))
             loss, loss_doubled = torch.stack([single.double(), doubled.double()]).cpu().tolist()
         except Exception as err:  # user code run speculatively must not break the run
-            rank_zero_warn(f"trainvitals: LRScalingAdvisor could not probe the loss reduction "
+            rank_zero_warn(f"trainvitals LRScalingAdvisor: could not probe the loss reduction "
                            f"({type(err).__name__}: {err}); skipping it.")
             return
         finally:

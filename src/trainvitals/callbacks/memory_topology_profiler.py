@@ -199,7 +199,7 @@ class MemoryTopologyProfiler(Callback):
         if self._budget is None and cuda:
             self._budget = torch.cuda.get_device_properties(self._device).total_memory
         if self.snapshot_steps and not cuda:
-            self._notices.warn("MemoryTopologyProfiler: `snapshot_steps` needs CUDA; no memory snapshot on "
+            self._notices.warn("trainvitals MemoryTopologyProfiler: `snapshot_steps` needs CUDA; no memory snapshot on "
                                f"{self._device.type}.")
 
     @override
@@ -232,7 +232,7 @@ class MemoryTopologyProfiler(Callback):
         if not sizes:
             self._gap("no tensor with a batch dimension in the batch; no batch-size advice")
         elif len(set(sizes)) > 1:
-            self._notices.warn(f"MemoryTopologyProfiler: batch tensors disagree on the batch size {sorted(set(sizes))};"
+            self._notices.warn(f"trainvitals MemoryTopologyProfiler: batch tensors disagree on the batch size {sorted(set(sizes))};"
                                f" scaling by the first, {sizes[0]}.")
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
@@ -309,11 +309,11 @@ class MemoryTopologyProfiler(Callback):
             finding = GraphLeakFinding(pending.step, held.held_bytes, held.step_bytes, held.first_step,
                                        tuple(graph_holders(pl_module)))
             if not self.findings:
-                rank_zero_warn(f"MemoryTopologyProfiler: {finding.message}")
+                rank_zero_warn(f"trainvitals MemoryTopologyProfiler: {finding.message}")
             self.findings = [finding]
 
     def _gap(self, what: str) -> None:
-        message = f"MemoryTopologyProfiler: {what}."
+        message = f"trainvitals MemoryTopologyProfiler: {what}."
         if self.strict:
             raise RuntimeError(message)
         self._notices.warn(message)
@@ -323,7 +323,7 @@ class MemoryTopologyProfiler(Callback):
         with torch.cuda.device(self._device):
             torch.cuda.memory._dump_snapshot(self._snapshot_path)
         self._stop_snapshot()
-        rank_zero_info(f"MemoryTopologyProfiler: memory snapshot written to {self._snapshot_path}; open it at "
+        rank_zero_info(f"trainvitals MemoryTopologyProfiler: memory snapshot written to {self._snapshot_path}; open it at "
                        "https://pytorch.org/memory_viz")
 
     def _stop_snapshot(self) -> None:
@@ -424,7 +424,7 @@ class MemoryTopologyProfiler(Callback):
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
         except ImportError:
-            self._notices.info("MemoryTopologyProfiler: the picture needs matplotlib (pip install matplotlib); "
+            self._notices.info("trainvitals MemoryTopologyProfiler: the picture needs matplotlib (pip install matplotlib); "
                                "skipped.")
             return None
         items = list(self.last.activations.by_module.items())[: self.max_modules_shown][::-1]
