@@ -600,3 +600,16 @@ def test_ddp_a_layer_that_fails_on_one_rank_is_excluded_on_every_rank(tmp_path):
     assert ranks[0] == ranks[1]
     assert "micro-batches/ranks: 2 tensors" in ranks[0]["sources"]  # b's weight and bias
     assert ranks[0]["count"] == 12 - 3  # steps 2-4 invalid: rank 0 failed from step 2, shared at step 4
+
+
+def test_a_window_of_one_micro_batch_is_left_out_not_fatal():
+    """9 batches with accumulate_grad_batches=2: the epoch's last optimizer step has one micro-batch, no
+    spread between micro-batches to measure the layer without a per-example identity from."""
+    data = as_float32(classification_data("mlp", 36))
+    probe = BatchVarianceProbe(beta=0.0)
+    trainer = fit(Classifier(_mixed_net()), data, [probe], batch_size=4, steps=-1, accumulate=2, precision="32-true",
+                  max_epochs=1)
+    assert trainer.global_step == 5
+    assert "micro-batches/ranks" in probe.sources
+    assert int(probe.noise.count) == 4
+    assert math.isfinite(float(probe.noise.trace_cov)) and float(probe.noise.trace_cov) > 0

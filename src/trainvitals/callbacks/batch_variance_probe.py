@@ -474,7 +474,9 @@ class BatchVarianceProbe(Callback):
         estimates, valid = [], sums.valid
         if plan.per_example:
             estimates.append(per_example_estimates(sums.sq_norm_sum, batch_sq_norm("per_example"), sums.examples))
-        if plan.micro_batch:
+        if plan.micro_batch and groups < 2:  # an epoch's last accumulation window can hold one micro-batch
+            valid = False
+        elif plan.micro_batch:
             group_mean = sums.micro_sum * (self._unit / b) ** 2 / groups
             estimates.append(two_batch_size_estimates(group_mean, batch_sq_norm("micro_batch"), groups, b))
         if plan.vmap and result.num_sub < 2:
