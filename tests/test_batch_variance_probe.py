@@ -161,6 +161,28 @@ def test_mean_and_sum_losses_give_the_same_statistics(told):
     assert rel(results[1][0], results[0][0]) < 1e-9 and rel(results[1][1], results[0][1]) < 1e-9
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_noise_floors_are_in_the_units_of_the_gradient_norm_beside_them(accumulate):
+    """A loss summed over a micro-batch of b has b× the .grad of its mean: the norm and both floors on the
+    "gradient norm vs noise floor" chart scale together, so the chart reads the same for either loss."""
+    data = classification_data("mlp", 32)
+    runs = {}
+    for reduction in ("mean", "sum"):
+        logger = RecordingLogger()
+        callbacks = [GradNormMonitor(), BatchVarianceProbe(beta=0.5), GradNormEarlyStopping(ema_beta=0.5)]
+        fit(Classifier(network("mlp"), reduction), data, callbacks, batch_size=8 // accumulate, steps=3,
+            accumulate=accumulate, logger=logger)
+        runs[reduction] = {tag: logger.values(tag)[-1] for tag in
+                           ("grad_norm/total", "grad_noise/noise_floor", "grad_norm/noise_floor", "grad_noise/trace_cov")}
+    b = 8 // accumulate
+    mean, summed = runs["mean"], runs["sum"]
+    assert rel(summed["grad_noise/trace_cov"], mean["grad_noise/trace_cov"]) < 1e-9  # per-example units
+    for tag in ("grad_norm/total", "grad_noise/noise_floor", "grad_norm/noise_floor"):
+        assert rel(summed[tag], b * mean[tag]) < 1e-9, tag
+    # The probe's floor is sqrt(tr Σ / B) of its own estimate, in .grad units.
+    assert rel(mean["grad_noise/noise_floor"], math.sqrt(mean["grad_noise/trace_cov"] / 8)) < 1e-9
+
+
 def test_accumulated_gradient_is_the_batch_gradient_and_so_are_the_estimates():
     data = classification_data("mlp", 64)
     runs = []

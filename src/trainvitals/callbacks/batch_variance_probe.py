@@ -89,7 +89,8 @@ class BatchVarianceProbe(Callback):
     measurement exists: ``grad_noise/trace_cov``, ``grad_noise/grad_sq_norm`` (the EMAs),
     ``grad_noise/b_simple`` (only when EMA(‖G‖²) > 0), ``grad_noise/b_simple_rel_err``,
     ``grad_noise/b_simple_unreliable`` (1 when ‖G‖² ≤ 0 or the relative error exceeds ``max_rel_err``),
-    ``grad_noise/noise_floor`` (sqrt(tr Σ / B), B examples per optimizer step),
+    ``grad_noise/noise_floor`` (sqrt(tr Σ / B), B examples per optimizer step, times :attr:`grad_scale`:
+    in the units of ``.grad``, beside GradNormMonitor's ``grad_norm/total``),
     ``grad_noise/batch_grad_var/micro_batch`` and ``.../full_batch`` (tr Σ / b and tr Σ / B), and with
     ``per_coordinate`` ``grad_noise/gsnr/<module>`` and ``grad_noise/eb_criterion`` over the parameters
     of sources 1 and 3. Every ``histogram_every_n_steps``: a histogram ``grad_noise/per_example_grad_norm``
@@ -97,7 +98,10 @@ class BatchVarianceProbe(Callback):
 
     Public attributes for other callbacks: :attr:`noise` (updated at most once per optimizer step, in
     ``on_before_optimizer_step``; ``noise.count`` stays 0 until a valid measurement) and
-    :attr:`effective_batch_size` (examples per optimizer step, all ranks; ``None`` before the first).
+    :attr:`effective_batch_size` (examples per optimizer step, all ranks; ``None`` before the first), and
+    :attr:`grad_scale`: ``.grad`` = grad_scale × the mean of the step's per-example gradients (1 for a
+    loss averaged over the examples; b for one summed over micro-batches of b, since Lightning averages
+    the micro-batches' gradients).
 
     Args:
         every_n_steps: measure every this many optimizer steps (≥ 1).
@@ -196,6 +200,7 @@ class BatchVarianceProbe(Callback):
         self.noise = NoiseScaleEMA(self.beta**self.every_n_steps)
         self.noise_error = NoiseScaleError(self.beta**self.every_n_steps)
         self.effective_batch_size: int | None = None
+        self.grad_scale = 1.0
         self.last_outliers: list[tuple[int, float]] = []
 
     @property
@@ -211,7 +216,7 @@ class BatchVarianceProbe(Callback):
                 ("measurements", f"{int(self.noise.count)} optimizer steps")]
         batch = self.effective_batch_size
         if batch and int(self.noise.count) > 0:
-            rows += self.noise.summary_rows(batch)
+            rows += self.noise.summary_rows(batch, self.grad_scale)
         if self.last_outliers:
             rows.append(("largest per-example gradients (index: ‖g_i‖)",
                          ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])))
@@ -467,6 +472,7 @@ class BatchVarianceProbe(Callback):
         # The accumulated, rank-averaged, unscaled .grad is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum.
         accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         to_mean = accumulation / (len(self._micro_sizes) * (1 if self._reduction == "mean" else b))
+        self.grad_scale = 1 / to_mean
 
         def batch_sq_norm(source: str) -> Tensor:
             return self._batch_sq_norm(trainer, optimizer, self._plan_params[source]) * to_mean**2
@@ -544,7 +550,7 @@ class BatchVarianceProbe(Callback):
             "grad_noise/b_simple": noise.b_simple,
             "grad_noise/b_simple_rel_err": rel_err,
             "grad_noise/b_simple_unreliable": ((noise.grad_sq_norm <= 0) | ~(rel_err <= self.max_rel_err)).double(),
-            "grad_noise/noise_floor": noise.noise_floor(examples),
+            "grad_noise/noise_floor": noise.noise_floor(examples) * self.grad_scale,
             "grad_noise/batch_grad_var/micro_batch": noise.trace_cov / micro_batch_size,
             "grad_noise/batch_grad_var/full_batch": noise.trace_cov / examples,
         }
@@ -589,10 +595,11 @@ class BatchVarianceProbe(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"noise": self.noise.state_dict(), "noise_error": self.noise_error.state_dict(),
-                "effective_batch_size": self.effective_batch_size}
+                "effective_batch_size": self.effective_batch_size, "grad_scale": self.grad_scale}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.noise.load_state_dict(state_dict.get("noise", {}))
         self.noise_error.load_state_dict(state_dict.get("noise_error", {}))
         self.effective_batch_size = state_dict.get("effective_batch_size", self.effective_batch_size)
+        self.grad_scale = float(state_dict.get("grad_scale", self.grad_scale))

@@ -84,7 +84,7 @@ class GradNormEarlyStopping(Callback):
     (``reduce_boolean_decision``): all ranks stop at the same step.
 
     Logged at the Trainer's logging cadence and at the stopping step (step = optimizer step):
-    ``grad_norm/noise_floor`` (sqrt(tr Σ/B), gradient-norm units, beside the monitor's
+    ``grad_norm/noise_floor`` (sqrt(tr Σ/B) in the units of ``.grad``, beside the monitor's
     ``grad_norm/total``), ``grad_norm/b_simple`` (examples; left out while EMA(‖G‖²) ≤ 0),
     ``grad_norm/in_noise_band`` (0/1), ``grad_norm/band_streak`` (steps); on stopping, the text panel
     ``grad_norm/stop_reason``.
@@ -372,11 +372,21 @@ class GradNormEarlyStopping(Callback):
         """The estimate the noise band is decided on: :attr:`noise` (micro-batches, ranks), or the probe's."""
         return self.noise if self._source in (None, "hooks") else self._source.noise
 
+    @property
+    def _grad_scale(self) -> float:
+        # The hooks measure in the units of .grad; a probe in those of the examples' own losses.
+        return 1.0 if self._source in (None, "hooks") else float(getattr(self._source, "grad_scale", 1.0))
+
+    def noise_floor(self) -> Tensor:
+        """The noise floor sqrt(tr Σ / B) of :attr:`band_noise` in the units of ``.grad`` (those of
+        GradNormMonitor's ``grad_norm/total``), ``()`` float64; 0 before the first estimate."""
+        return self.band_noise.noise_floor(self.effective_batch_size or 1) * self._grad_scale
+
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak}
         if self.mode == "noise_band" and self.effective_batch_size and int(self.band_noise.count) > 0:
             noise = self.band_noise
-            metrics["grad_norm/noise_floor"] = noise.noise_floor(self.effective_batch_size)
+            metrics["grad_norm/noise_floor"] = self.noise_floor()
             metrics["grad_norm/b_simple"] = noise.b_simple
             metrics["grad_norm/in_noise_band"] = in_condition
         log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
@@ -429,5 +439,5 @@ class GradNormEarlyStopping(Callback):
             source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
             rows.append(("noise source", source))
             if batch and int(noise.count) > 0:
-                rows += noise.summary_rows(batch)
+                rows += noise.summary_rows(batch, self._grad_scale)
         return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])

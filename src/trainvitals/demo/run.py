@@ -89,7 +89,7 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
     metrics = trainer.callback_metrics
     batch = stopper.effective_batch_size
     noise = stopper.band_noise
-    floor = float(noise.noise_floor(batch)) if batch and int(noise.count) else None
+    floor = float(stopper.noise_floor()) if batch and int(noise.count) else None
     trace = float(noise.trace_cov) if floor else 0.0
     smoothed = math.sqrt(max(0.0, 1.0 + float(noise.grad_sq_norm) * batch / trace)) if batch and trace > 0 else None
     total = monitor.last_total.get(0)
