@@ -635,3 +635,40 @@ def test_a_window_of_one_micro_batch_is_left_out_not_fatal():
     assert "micro-batches/ranks" in probe.sources
     assert int(probe.noise.count) == 4
     assert math.isfinite(float(probe.noise.trace_cov)) and float(probe.noise.trace_cov) > 0
+
+
+class PositionFirst(nn.Module):
+    """A position embedding called with ``arange(T)`` before the token embedding: its input's first
+    dimension is T, not the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(6, 4)
+        self.tok = nn.Embedding(13, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.pos(torch.arange(tokens.shape[1])) + self.tok(tokens)
+        return self.head(torch.tanh(h)).mean(1)
+
+
+def test_the_batch_is_sized_from_the_batch_not_from_the_first_layer_that_runs():
+    """The first layer to run once set "the batch size" (here T = 6): every real layer was then reported as
+    "not the batch" and nothing was measured. The position embedding is the one reported, and the rest
+    matches brute force."""
+    torch.manual_seed(0)
+    net = PositionFirst().double()
+    data = classification_data("sequence", 24)
+    probe = BatchVarianceProbe(beta=0.0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(net), data, [probe], batch_size=8, steps=3)
+    (message,) = _probe_warnings(record)
+    assert "pos: first dimension 6 is not the batch (8)" in message and "tok" not in message
+    assert "not measured: 1 tensors" in probe.sources
+    x, y = data.tensors
+    per_example = brute_force(net, x[16:24], y[16:24])  # the last step's batch; lr = 0 keeps the weights
+    flat = torch.cat([g.flatten(1) for n, g in per_example.items() if not n.startswith("pos.")], 1)
+    trace = (flat - flat.mean(0)).square().sum() / 7
+    assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-6
+    assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-6

@@ -282,6 +282,9 @@ class BatchVarianceProbe(Callback):
             size = batch_size(batch)
             self._unsized = self._unsized or size is None
             self._batch_size = size or 0
+            if size:
+                assert self._collector is not None
+                self._collector.expect_batch(size)
 
     def _begin_step(self, step: int) -> None:
         self._open_step = step
@@ -398,9 +401,6 @@ class BatchVarianceProbe(Callback):
             return "an empty micro-batch"
         if (self._plan.per_example or self._plan.vmap) and not result.seen:
             return "the backward reached none of the measured layers (a loss without a graph?)"
-        if result.batch_sizes and result.batch_sizes != self._micro_sizes:
-            return (f"activations have {result.batch_sizes} rows per micro-batch but the batches have "
-                    f"{self._micro_sizes} examples: the examples must sit on dimension 0")
         if len(set(self._micro_sizes)) > 1:
             return f"micro-batches of unequal sizes {self._micro_sizes}"
         return ""

@@ -535,7 +535,6 @@ class PerExampleStep:
         sub_sum_sq: Σ_i g_i² per ``vmap`` parameter over the sub-batch.
         seen: modules whose output gradient arrived.
         failed: modules that could not be measured this step, with the reason.
-        batch_sizes: examples in each micro-batch.
     """
 
     num_examples: int = 0
@@ -549,7 +548,6 @@ class PerExampleStep:
     sub_sum_sq: dict[str, Tensor] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
-    batch_sizes: list[int] = field(default_factory=list)
 
 
 def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
@@ -595,7 +593,7 @@ class PerExampleGradients:
         self._sum_sq: dict[str, Tensor] = {}
         self._pending: list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any], Tensor]] = []
         self._calls: Counter[str] = Counter()
-        self._batch_size: int | None = None
+        self._batch_size: int | None = None  # examples in this micro-batch: told, else the first layer's rows
 
     @property
     def attached(self) -> bool:
@@ -615,6 +613,12 @@ class PerExampleGradients:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def expect_batch(self, size: int) -> None:
+        """The coming micro-batch holds ``size`` examples: a layer whose input has another first dimension
+        (a position embedding called with ``arange(T)``, inputs flattened to ``(B·T, D)``) is reported in
+        :attr:`PerExampleStep.failed`, not measured. Untold, the first measured layer's rows count."""
+        self._batch_size = size
 
     def _check_call(self, name: str, output: Any, batch: int) -> bool:
         if self._replaying or not isinstance(output, Tensor) or not output.requires_grad:
@@ -678,7 +682,6 @@ class PerExampleGradients:
         """
         step = self._step
         if self._batch_size is not None:
-            step.batch_sizes.append(self._batch_size)
             step.num_examples += self._batch_size
         unit_sq = unit * unit
         if self._sq is not None:
