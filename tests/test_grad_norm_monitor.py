@@ -91,6 +91,10 @@ def test_inf_step_under_grad_scaler_is_a_skip_not_divergence(recwarn):
     assert logger.values("grad_norm/amp_skipped_steps")[-1] == 1
     assert logger.values("grad_norm/nonfinite_steps")[-1] == 0
     assert not [w for w in recwarn if "non-finite" in str(w.message)]
+    # The skipped step's inf norms are not drawn; the others are.
+    steps = [s for s, _ in logger.series["grad_norm/total"]]
+    assert 2 not in steps and {0, 1, 3} <= set(steps)
+    assert all(math.isfinite(v) for tag, series in logger.series.items() for _, v in series)
 
 
 def test_nonfinite_gradient_without_scaler_is_counted_and_located():

@@ -114,7 +114,7 @@ class GradNormMonitor(Callback):
     - ``grad_norm/clipped_total``: the norm after the Trainer's gradient clipping, when it clips;
     - ``grad_norm/nonfinite_steps``: steps whose gradient held inf/NaN (one warning names the layers
       of the first); ``grad_norm/amp_skipped_steps``: such steps under a GradScaler, which skips them
-      and lowers its scale — calibration, not divergence;
+      and lowers its scale — calibration, not divergence. A non-finite norm is counted, not logged;
     - ``grad_norm/spike_steps``: steps with a total above ``spike_factor`` × its running EMA; the
       latest spike (step, ratio, three largest groups) goes to the text panel ``grad_norm/spikes``;
     - every ``histogram_every_n_steps``: histograms ``grad_norm/hist/<group>`` of gradient values and
@@ -380,7 +380,8 @@ class GradNormMonitor(Callback):
             track.logged_step, total, group_norms = track.last_read
             metrics[tag("total")] = total
             metrics.update({tag(_layer_tag(name)): value for name, value in group_norms.items()})
-        log_scalars(trainer, {**metrics, **(extra or {})}, step)
+        # A non-finite step is counted and its layers named in a warning; a NaN point draws nothing in a chart.
+        log_scalars(trainer, {**metrics, **(extra or {})}, step, finite_only=True)
         track.logged_counts = dict(track.counts)
         if track.nonfinite is not None and not track.warned_nonfinite:
             track.warned_nonfinite = True
