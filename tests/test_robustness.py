@@ -162,3 +162,17 @@ def test_a_checkpoint_loaded_for_validate_does_not_carry_into_the_next_fit(tmp_p
     graph, monitor, probe, stopper = callbacks[0], callbacks[1], callbacks[2], callbacks[3]
     assert int(probe.noise.count) == 3 and stopper.steps == 3 and monitor._tracks[0].steps == 3
     assert graph._walks == 2  # steps 0 and 2 of this fit (check_every_n_steps=2)
+
+
+def test_callbacks_whose_saved_state_means_different_things_have_different_state_keys():
+    """Lightning refuses a Trainer with two stateful callbacks of one state_key; a state saved under one
+    EMA decay or spike rule must not be restored into another."""
+    pairs = [
+        (GradNormEarlyStopping(ema_beta=0.9), GradNormEarlyStopping(ema_beta=0.99)),
+        (GradNormEarlyStopping(mode="relative", reference_steps=10), GradNormEarlyStopping(mode="relative", reference_steps=20)),
+        (GradNormMonitor(spike_factor=3.0), GradNormMonitor(spike_factor=10.0)),
+        (GradNormMonitor(spike_ema_beta=0.9), GradNormMonitor(spike_ema_beta=0.99)),
+    ]
+    for first, second in pairs:
+        assert first.state_key != second.state_key
+        Trainer(**trainer_kwargs(callbacks=[first, second], logger=False, max_steps=1))

@@ -150,7 +150,8 @@ class GradNormEarlyStopping(Callback):
         self.verbose = verbose
         # Lightning reads the key in every hook call (profiler names): build it once.
         self._state_key = self._generate_state_key(mode=mode, margin=margin, patience=patience, min_steps=min_steps,
-                                                   threshold=threshold, fraction=fraction)
+                                                   threshold=threshold, fraction=fraction,
+                                                   reference_steps=reference_steps, ema_beta=ema_beta)
 
         self.ema_beta = ema_beta
         self._micro = MicroBatchSquaredNorms()
