@@ -396,6 +396,29 @@ def test_plan_sources():
     assert not off.per_example and not off.vmap and off.uncovered["2.scale"].endswith("fallback off")
 
 
+class WithPositions(nn.Module):
+    """A root-level position table beside layers of its own (a ViT's ``pos_embed``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Parameter(torch.zeros(4))
+        self.body = nn.Sequential(nn.Linear(4, 4), Scale(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x + self.positions)
+
+
+def test_torch_func_never_re_runs_a_subtree():
+    """torch.func re-runs the module that owns a parameter: for the root's position table, the whole model
+    on every measured step. Such a parameter is left to micro-batches/ranks, or reported unmeasured."""
+    model = WithPositions()
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert list(plan.per_example) == ["body.0"] and list(plan.vmap) == ["body.1"]  # a leaf module: re-run alone
+    assert plan.uncovered["positions"].startswith("a parameter of a module whose forward also runs submodules")
+    grouped = plan_sources(model, groups_available=True, fallback=True)
+    assert set(grouped.micro_batch) == {"positions", "body.1.scale"} and not grouped.uncovered
+
+
 def test_noise_scale_error_shrinks_with_steps_and_flags_one_update():
     torch.manual_seed(0)
     noise, error = NoiseScaleEMA(0.9), NoiseScaleError(0.9)

@@ -79,7 +79,8 @@ class BatchVarianceProbe(Callback):
     2. the micro-batches of gradient accumulation and the DDP ranks (:class:`MicroBatchSquaredNorms`,
        McCandlish Eq. A.2) for the other parameters, when a step has at least two of them;
     3. otherwise ``torch.func`` per-example gradients of those layers on the first
-       ``fallback_sub_batch`` examples (when ``fallback``).
+       ``fallback_sub_batch`` examples (when ``fallback``), except for a module whose forward runs
+       submodules with parameters (a model's own position table): the re-run would be that subtree.
 
     The parts add up: tr(Σ) and ‖G‖² are sums over parameters. BatchNorm in training mode makes every
     example's gradient depend on the whole micro-batch; the estimate then describes that coupled

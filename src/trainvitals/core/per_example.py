@@ -478,6 +478,10 @@ _ATTENTION_REASON = ("nn.MultiheadAttention (its forward uses out_proj's weight 
                      "attention written with nn.Linear projections gets per-example norms)")
 
 
+_CONTAINER_REASON = ("a parameter of a module whose forward also runs submodules with parameters (torch.func would "
+                     "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it")
+
+
 def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = ()) -> SourcePlan:
     """Assign each trainable parameter to a source: (1) per-example norms, else (2) micro-batches/ranks
     when there are at least two gradient groups per step, else (3) ``torch.func`` when ``fallback``.
@@ -511,7 +515,13 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
             known = {id(p) for p in micro.values()}
             micro.update({n: p for n, p in qualified.items() if id(p) not in known})
         elif fallback and barred is None and not isinstance(module, _BatchNorm):
-            vmap[name] = module
+            # A model's own position table, a block's layer-scale: torch.func would re-run the whole
+            # subtree (the whole model, for the root) on every measured step.
+            container = any(True for child in module.children() for _ in child.parameters())
+            if container:
+                uncovered.update(dict.fromkeys(qualified, _CONTAINER_REASON))
+            else:
+                vmap[name] = module
         else:
             why = reason if not isinstance(module, _BatchNorm) else "BatchNorm couples the examples"
             uncovered.update(dict.fromkeys(qualified, why if fallback else f"{why}, fallback off"))
