@@ -231,6 +231,7 @@ class BatchVarianceProbe(Callback):
         # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
         # for validate/test with a checkpoint does not carry into a later fit.
         self._reset()
+        self._enabled = False
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
             self._cannot_measure(f"strategy {type(trainer.strategy).__name__} is not supported "
                                  "(single device and DDP are)")
@@ -261,8 +262,17 @@ class BatchVarianceProbe(Callback):
                              "micro-batch: their gradients are the addends of a coupled batch gradient, not "
                              "independent draws, and tr(Σ) describes that coupled gradient")
         if not (self._plan.per_example or self._plan.micro_batch or self._plan.vmap):
-            self._cannot_measure("no parameter has a source: one micro-batch per step on one device, no layer "
-                                 "with per-example norms, and the torch.func fallback off")
+            self._cannot_measure("no parameter has a source (one micro-batch per step on one device): "
+                                 + "; ".join(sorted(set(self._plan.uncovered.values()))))
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Optimizers exist from here on, not in ``setup``.
+        if self._enabled and len(trainer.optimizers) > 1:
+            self._enabled = False
+            self._cannot_measure(f"the run has {len(trainer.optimizers)} optimizers, and the probe measures the "
+                                 "gradient of one optimizer's step (a GAN's generator and discriminator step on "
+                                 "different losses)")
 
     def _cannot_measure(self, why: str) -> None:
         message = f"trainvitals BatchVarianceProbe cannot measure: {why}. Nothing is logged for these steps."
