@@ -164,6 +164,9 @@ def test_loss_reduction_notes_per_family():
     adam = loss_reduction_note("sum", "adam", per_device_batch=16, lr=1e-3, eps=1e-8)
     assert "ε/16 = 6.25e-10" in adam
     assert "unknown" in loss_reduction_note("sum", "unsure", per_device_batch=16, lr=0.1)
+    tokens = loss_reduction_note("sum", "adam", per_device_batch=16, lr=1e-3, eps=1e-8, terms=16 * 64)
+    assert "1024 terms (16 examples × 64 each)" in tokens and "ε/1024 = 9.77e-12" in tokens
+    assert "times any tokens" in sgd  # b is a lower bound while the terms are not known
     assert "as they are" in loss_reduction_note("mean", "sgd", per_device_batch=16, lr=0.1)
     with pytest.raises(ValueError, match="`reduction`"):
         loss_reduction_note("none", "sgd", 16, 0.1)

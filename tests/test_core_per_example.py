@@ -379,7 +379,27 @@ def test_ghost_norms_materialise_no_per_example_gradient():
 )
 def test_detect_loss_reduction(make_loss, expected):
     x = torch.randn(4, 3, requires_grad=True)
-    assert detect_loss_reduction(make_loss(x, torch.tensor([0, 1, 2, 0])), batch_size=4, accumulation=2) == expected
+    found = detect_loss_reduction(make_loss(x, torch.tensor([0, 1, 2, 0])), batch_size=4, accumulation=2)
+    assert getattr(found, "kind", None) == expected
+
+
+@pytest.mark.parametrize(
+    ("make_loss", "terms"),
+    [
+        (lambda x, y: F.cross_entropy(x.flatten(0, 1), y.flatten(), reduction="sum"), 4 * 5),  # per token
+        (lambda x, y: F.cross_entropy(x.transpose(1, 2), y, reduction="sum"), 4 * 5),  # (N, C, T)
+        (lambda x, y: F.cross_entropy(x[:, 0], y[:, 0], reduction="sum"), 4),  # per example
+        (lambda x, y: F.mse_loss(x, torch.zeros_like(x), reduction="sum"), 4 * 5 * 3),  # per element
+        (lambda x, y: x.square().sum(), 4 * 5 * 3),
+        (lambda x, y: x.square().sum((1, 2)).mean(), 4),
+    ],
+)
+def test_detect_loss_reduction_counts_the_terms(make_loss, terms):
+    """A summed loss has ``terms``× the gradient of the mean over those terms: for a per-token loss that is
+    examples × tokens, not the examples alone."""
+    x = torch.randn(4, 5, 3, requires_grad=True)
+    found = detect_loss_reduction(make_loss(x, torch.randint(0, 3, (4, 5))), batch_size=4)
+    assert found is not None and found.terms == terms
 
 
 def test_plan_sources():

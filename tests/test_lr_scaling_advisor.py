@@ -207,6 +207,38 @@ def test_loss_reduction_is_detected(reduction, ratio):
         assert "effective lr of 8 × 0.01 = 0.08" in advisor.summary_markdown()
 
 
+class TokenSum(pl.LightningModule):
+    """A per-token cross-entropy summed over the batch's 8 × 5 tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7))
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        return F.cross_entropy(self.net(tokens).flatten(0, 1), targets.flatten(), reduction="sum")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_loss_summed_over_tokens_scales_the_gradient_by_the_tokens():
+    """The duplicated batch says "sum"; the first backward's graph says over how many terms: 8 examples × 5
+    tokens, the factor between the summed loss's gradient and that of the mean (checked here directly)."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 7, (16, 5)), torch.randint(0, 7, (16, 5)))
+    model, advisor = TokenSum(), LRScalingAdvisor(verbose=False)
+    tokens, targets = data.tensors[0][:8], data.tensors[1][:8]
+    grads = [torch.autograd.grad(F.cross_entropy(model.net(tokens).flatten(0, 1), targets.flatten(), reduction=r),
+                                 model.net[1].weight)[0] for r in ("sum", "mean")]
+    factor = float(grads[0].norm() / grads[1].norm())
+    trainer = Trainer(**trainer_kwargs(callbacks=[advisor], logger=False, max_steps=2))
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    assert advisor.loss_reduction == "sum" and advisor.summed_terms == round(factor) == 40
+    assert "loss summed over 40 terms (8 examples × 5 each)" in advisor.summary_markdown()
+    assert "40 × 0.01 = 0.4" in advisor.summary_markdown()
+
+
 def test_the_probe_changes_nothing_in_training():
     states = []
     for detect in (False, True):

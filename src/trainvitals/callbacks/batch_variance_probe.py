@@ -328,7 +328,7 @@ class BatchVarianceProbe(Callback):
         accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         reduction = self.loss_reduction
         if reduction == "auto":
-            found = detect_loss_reduction(loss, self._batch_size, accumulation)
+            found = getattr(detect_loss_reduction(loss, self._batch_size, accumulation), "kind", None)
             if found is None:
                 self._warnings.warn("trainvitals BatchVarianceProbe could not tell from the loss's graph whether it is a mean or "
                                     "a sum over examples; assuming a mean. Pass `loss_reduction=` to say which: "

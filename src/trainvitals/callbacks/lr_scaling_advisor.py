@@ -47,6 +47,7 @@ from trainvitals.core.lr_scaling import (
     validate_noise_scale,
 )
 from trainvitals.core.noise import NoiseScaleEMA
+from trainvitals.core.per_example import detect_loss_reduction
 
 REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescaled
 
@@ -70,8 +71,10 @@ class LRScalingAdvisor(Callback):
     - the loss reduction: on the first batch ``training_step`` runs twice more, under ``no_grad``
       and in eval mode, on the batch and on the batch concatenated with itself (``self.log`` muted;
       random state, buffers and train/eval modes restored). A mean loss stays the same, a sum
-      doubles; a sum gives b× the gradient (b = per-device micro-batch), i.e. b× SGD's lr and ε/b
-      for Adam. Not run under manual optimization or with ``detect_loss_reduction=False``.
+      doubles. A loss summed over N terms has N× the gradient of their mean, i.e. N× SGD's lr and ε/N
+      for Adam: N = b, the per-device micro-batch, for a per-example loss, b × tokens for a per-token one
+      (read from the first backward's graph, :attr:`summed_terms`). Not run under manual optimization
+      or with ``detect_loss_reduction=False``.
 
     B̂ is ``noise_scale`` if given, else ``noise.b_simple`` of the first callback in the Trainer with
     a :class:`~trainvitals.core.noise.NoiseScaleEMA` attribute ``noise`` that has a finite positive
@@ -134,10 +137,14 @@ class LRScalingAdvisor(Callback):
         """``"mean"``, ``"sum"`` or ``"unsure"`` once probed; ``None`` when not probed."""
         self.loss_ratio: float | None = None
         """Loss on the batch twice over / loss on the batch, once probed: 1 for a mean, 2 for a sum."""
+        self.summed_terms: int | None = None
+        """For a summed loss, the values it adds up (examples × tokens for a per-token loss), read from the
+        first backward's graph; ``None`` until then or where the graph does not tell."""
         self.advices: dict[str, LRAdvice | None] = {}
         """The latest advice per param group name; ``None`` for a group whose lr is 0 now."""
         self._report = ""
         self._started = False
+        self._graph_read = False
         self._last_step = -1
         self._reference_problems: list[str] = []
 
@@ -148,6 +155,8 @@ class LRScalingAdvisor(Callback):
             return
         self._started = False
         self._last_step = -1
+        self.summed_terms = None
+        self._graph_read = False
 
     @override
     def on_train_batch_start(
@@ -168,6 +177,16 @@ class LRScalingAdvisor(Callback):
                 f"trainvitals LRScalingAdvisor: the effective batch is {self.effective_batch} but the lr was tuned at batch "
                 f"{self.reference[0]}; " + "; ".join(self._reference_problems) + "."
             )
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        # The first backward's graph: how many terms a summed loss adds up (the duplicated batch cannot tell).
+        if self._graph_read or self.loss_reduction != "sum" or self.per_device_batch is None:
+            return
+        self._graph_read = True
+        accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        found = detect_loss_reduction(loss, self.per_device_batch, accumulation)
+        self.summed_terms = found.terms if found is not None and found.kind == "sum" else None
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
@@ -319,7 +338,7 @@ class LRScalingAdvisor(Callback):
         notes: dict[str, list[str]] = {}
         for name, family, group in groups:
             note = loss_reduction_note(self.loss_reduction, family, self.per_device_batch, float(group["lr"]),
-                                       _eps(group))
+                                       _eps(group), terms=self.summed_terms)
             notes.setdefault(note, []).append(name)
         head = (f"**loss reduction** {self.loss_reduction} (the first batch twice over gives "
                 f"{self.loss_ratio:.3g}× its loss)")

@@ -351,11 +351,17 @@ def classify_loss_reduction(loss: float, loss_on_doubled_batch: float) -> str:
     return "unsure"
 
 
-def loss_reduction_note(reduction: str, family: str, per_device_batch: int, lr: float, eps: float | None = None) -> str:
+def loss_reduction_note(reduction: str, family: str, per_device_batch: int, lr: float, eps: float | None = None,
+                        terms: int | None = None) -> str:
     """What a loss reduction means for an optimizer family (docs/science.md §4, "Loss reduction").
 
-    A summed loss has b× the gradient of the mean (b = examples in a device's micro-batch; tokens for
-    a per-token loss). SGD's step is then b × lr; Adam divides the scale out except against ε.
+    A loss summed over N terms has N× the gradient of their mean: N = b, the examples of a device's
+    micro-batch, for a per-example loss; b × tokens for a per-token one. SGD's step is then N × lr;
+    Adam divides the scale out except against ε.
+
+    Args:
+        terms: N when known (:func:`~trainvitals.core.per_example.detect_loss_reduction`); ``None``:
+            b, said to be a lower bound.
 
     Raises:
         ValueError: for a ``reduction`` not in :data:`REDUCTIONS` or an unknown ``family``.
@@ -368,15 +374,22 @@ def loss_reduction_note(reduction: str, family: str, per_device_batch: int, lr: 
     if reduction == "unsure":
         return "loss reduction unclear (neither mean nor sum over the batch): check how the loss scales with the batch"
     b = per_device_batch
+    n = terms or b
+    if terms is None:
+        over = f"{b} examples (times any tokens or elements it also sums per example)"
+    elif terms == b:
+        over = f"{b} examples"
+    else:
+        over = f"{n} terms ({b} examples × {n / b:g} each)"
     if family == "sgd":
-        return (f"summed loss: the gradient is {b}× that of the mean, so SGD steps with an effective lr of "
-                f"{b} × {lr:.3g} = {b * lr:.3g}; the sum already scales the step with the per-device batch, so "
-                "divide a suggested lr by b_new/b_old when the per-device batch changes")
+        return (f"loss summed over {over}: the gradient is {n}× that of their mean, so SGD steps with an effective "
+                f"lr of {n} × {lr:.3g} = {n * lr:.3g}; the sum already scales the step with the per-device batch, "
+                "so divide a suggested lr by b_new/b_old when the per-device batch changes")
     if family == "adam":
-        eps_part = f" = {eps / b:.3g}" if eps is not None else ""
-        return (f"summed loss: Adam divides the {b}× gradient scale out, except against ε: the effective ε is "
-                f"ε/{b}{eps_part}; the suggestions apply as they are")
-    return f"summed loss: the gradient is {b}× that of the mean; how this optimizer reacts is unknown"
+        eps_part = f" = {eps / n:.3g}" if eps is not None else ""
+        return (f"loss summed over {over}: Adam divides the {n}× gradient scale out, except against ε: the "
+                f"effective ε is ε/{n}{eps_part}; the suggestions apply as they are")
+    return f"loss summed over {over}: the gradient is {n}× that of their mean; how this optimizer reacts is unknown"
 
 
 def param_group_labels(class_names: Sequence[str], group_names: Sequence[Sequence[str | None]]) -> list[list[str]]:

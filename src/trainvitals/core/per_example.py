@@ -360,8 +360,28 @@ def vmap_per_example_grads(
     return torch.func.vmap(one_example, in_dims=(*in_dims, 0))(*args, grad_output)
 
 
-def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) -> str | None:
-    """Whether ``loss`` is a mean (``"mean"``) or a sum (``"sum"``) of the examples' own losses.
+@dataclass(frozen=True)
+class LossReduction:
+    """How a loss reduces its terms: ``kind`` ``"mean"`` or ``"sum"`` over ``terms`` values (the examples
+    of a micro-batch, times the tokens or elements of each for a per-token or per-element loss)."""
+
+    kind: str
+    terms: int
+
+
+_NLL_OPS = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})  # (N, C, *): C classes per term
+
+
+def _reduced_terms(node: Any) -> int:
+    """The number of values a loss function's reduction adds up or averages."""
+    shape = node._saved_self.shape
+    if type(node).__name__ in _NLL_OPS and len(shape) >= 2:
+        return math.prod(shape) // shape[1]
+    return math.prod(shape)
+
+
+def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) -> LossReduction | None:
+    """Whether ``loss`` is a mean or a sum of the examples' own losses, and over how many terms.
 
     Walks the autograd graph down from ``loss`` through scalar operations (multiplications, divisions,
     additions, casts) to the first reductions over a tensor whose leading dimension is a multiple of
@@ -372,11 +392,12 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
     (label smoothing). Reductions over parameters only (an L2 penalty) are ignored.
 
     Returns:
-        ``"mean"``, ``"sum"``, or ``None`` when the graph shows neither, or both (or the batch is empty).
+        The reduction, or ``None`` when the graph shows neither, or both, or reductions over different
+        numbers of terms (or the batch is empty).
     """
     if batch_size < 1:
         return None
-    found: set[str] = set()
+    found: set[LossReduction] = set()
     stack: list[tuple[Any, float]] = [(loss.grad_fn, 1.0)]
     skip_division = accumulation
     visited = 0
@@ -389,16 +410,17 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
             return None
         name = type(node).__name__
         if name in _MEAN_OPS or name in _SUM_OPS:
-            if node._saved_self_sym_sizes and node._saved_self_sym_sizes[0] % batch_size == 0:
+            sizes = node._saved_self_sym_sizes
+            if sizes and sizes[0] % batch_size == 0:
                 is_mean = name in _MEAN_OPS or math.isinf(divisor) or (
                     divisor >= batch_size and divisor % batch_size == 0)
-                found.add("mean" if is_mean else "sum")
+                found.add(LossReduction("mean" if is_mean else "sum", math.prod(sizes)))
             continue
         code = getattr(node, "_saved_reduction", None)
         if code is not None:
             leading = node._saved_self.shape[0] if node._saved_self.dim() else 0
             if code in _REDUCTION_CODES and leading % batch_size == 0 and leading > 0:
-                found.add(_REDUCTION_CODES[code])
+                found.add(LossReduction(_REDUCTION_CODES[code], _reduced_terms(node)))
             elif code not in _REDUCTION_CODES:
                 return None
             continue
