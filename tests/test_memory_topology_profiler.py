@@ -89,6 +89,28 @@ def test_logged_bytes_match_the_hand_count():
     }
 
 
+def test_a_compiled_model_is_profiled_without_compiling_the_profilers_hooks():
+    """Dynamo traced the profiler's module hooks inside a compiled model, guarded on the module name each
+    handled, and recompiled them per module until its limit (with a warning each time). The hooks run as
+    plain Python, and twice the profiled steps compile nothing more."""
+    import torch._dynamo
+
+    frames = []
+    for steps in (8, 16):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        logger = RecordingLogger()
+        trainer = Trainer(**trainer_kwargs(callbacks=[MemoryTopologyProfiler(every_n_steps=2)], logger=logger,
+                                           max_steps=steps))
+        trainer.fit(torch.compile(Classifier(), backend="eager"), classification_loader())
+        frames.append(torch._dynamo.utils.counters["frames"]["total"])
+        resumed = " ".join(torch._dynamo.utils.counters["resumes"])
+        assert not any(hook in resumed for hook in ("_enter_module", "_leave_module", "_pack"))
+        profiled = logger.values("memory/activations_bytes")
+        assert len(profiled) >= steps // 2 and set(profiled) == {ACTIVATION_BYTES}  # as eager
+    assert frames[1] == frames[0]
+
+
 def test_schedule_first_steps_and_every_n_and_accumulation():
     logger = RecordingLogger()
     fit(Classifier(optimizer="sgd"), MemoryTopologyProfiler(every_n_steps=4, first_steps=2), logger, max_steps=10)

@@ -35,7 +35,7 @@ import dataclasses
 import math
 import time
 import weakref
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,12 @@ OUTSIDE = "(outside)"
 
 StorageKey = tuple[str, int]
 """``(device, data_ptr)`` of an untyped storage: equal for all views of one storage."""
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook that runs inside a ``torch.compile``'d model as plain Python: Dynamo would otherwise trace it,
+    guard on the module name it handles and recompile it per module until its limit, warning each time."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def storage_key(tensor: Tensor) -> StorageKey | None:
@@ -294,6 +300,7 @@ class SavedTensorRecorder:
     def active(self) -> bool:
         return self._hooks is not None
 
+    @_eager
     def _enter_module(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         name = self._names.get(id(module))
         if name is None:
@@ -316,6 +323,7 @@ class SavedTensorRecorder:
         else:
             self._starts.append(time.perf_counter())
 
+    @_eager
     def _leave_module(self, module: nn.Module, *_: Any) -> None:
         if id(module) not in self._names:
             return
@@ -328,6 +336,7 @@ class SavedTensorRecorder:
             end.record()
             self._events.append((name, start, end))
 
+    @_eager
     def _pack(self, tensor: Tensor) -> Tensor:
         # A detached alias, as the saved_tensors_hooks docs ask: what the graph keeps must not lead
         # back to a grad_fn, or graph and tensor could keep each other alive.
