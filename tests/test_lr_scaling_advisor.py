@@ -288,7 +288,7 @@ def test_tensorboard_gets_scalars_and_the_advice_text(tmp_path, caplog):
     end_text = texts[-1].tensor_proto.string_val[0].decode()
     assert end_text == advisor.summary_markdown()
     assert "| SGD | SGD-like | 0.01 | linear |" in advisor.summary_markdown()
-    assert "LRScalingAdvisor: advice at optimizer step 4" in caplog.text
+    assert "LRScalingAdvisor: advice after 4 optimizer steps" in caplog.text
 
 
 # ---------------------------------------------------------------- arguments

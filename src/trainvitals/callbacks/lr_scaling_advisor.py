@@ -84,7 +84,9 @@ class LRScalingAdvisor(Callback):
     effective batch differs and whose lr is not within 5% of the suggested one gets one warning at
     fit start with the suggested lr. ``lr`` may be a mapping from group name (as in the metrics) to lr.
 
-    Logged (step = optimizer step, every logger): ``lr_scaling/effective_batch`` (examples); with
+    Logged (every logger) at the optimizer step the advice is for, ``trainer.global_step``, as
+    LearningRateMonitor logs the lr that step uses; B̂ is then the one measured up to the step before:
+    ``lr_scaling/effective_batch`` (examples); with
     B̂, ``lr_scaling/b_noise`` (examples), ``lr_scaling/steps_over_min``,
     ``lr_scaling/examples_over_min``; per param group ``<name>`` (``SGD``, ``Adam/pg2``, named as by
     ``LearningRateMonitor``), ``lr_scaling/lr/<name>`` and ``lr_scaling/suggested_lr_<key>/<name>``
@@ -204,7 +206,8 @@ class LRScalingAdvisor(Callback):
         self._report = self._advise(trainer)
         log_text(trainer, "lr_scaling/advice", self._report, trainer.global_step)
         if self.verbose:
-            rank_zero_info(f"trainvitals LRScalingAdvisor: advice at optimizer step {trainer.global_step}\n{self._report}")
+            rank_zero_info(f"trainvitals LRScalingAdvisor: advice after {trainer.global_step} optimizer steps\n"
+                           f"{self._report}")
 
     def summary_markdown(self) -> str:
         """The latest report as markdown (the end-of-training table after ``fit``); ``""`` before any.
