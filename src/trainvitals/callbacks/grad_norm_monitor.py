@@ -151,12 +151,8 @@ class GradNormMonitor(Callback):
             raise ValueError(f"`log_every_n_steps` must be >= 1 or None, got {log_every_n_steps}")
         if histogram_every_n_steps < 0:
             raise ValueError(f"`histogram_every_n_steps` must be >= 0 (0 = off), got {histogram_every_n_steps}")
-        if not spike_factor > 1.0:
-            raise ValueError(f"`spike_factor` must be > 1, got {spike_factor}")
-        if not 0.0 <= spike_ema_beta < 1.0:
-            raise ValueError(f"`spike_ema_beta` must be in [0, 1), got {spike_ema_beta}")
-        if spike_warmup_steps < 0:
-            raise ValueError(f"`spike_warmup_steps` must be >= 0, got {spike_warmup_steps}")
+        SpikeDetector.check_arguments(spike_factor, spike_ema_beta, spike_warmup_steps,
+                                      names=("spike_factor", "spike_ema_beta", "spike_warmup_steps"))
         self.grouping = grouping
         self.log_every_n_steps = log_every_n_steps
         self.histogram_every_n_steps = histogram_every_n_steps

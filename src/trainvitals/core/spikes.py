@@ -27,15 +27,21 @@ class SpikeDetector:
     """
 
     def __init__(self, factor: float, beta: float, warmup_steps: int) -> None:
-        if not factor > 1.0:
-            raise ValueError(f"`factor` must be > 1, got {factor}")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"`beta` must be in [0, 1), got {beta}")
-        if warmup_steps < 0:
-            raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps}")
+        self.check_arguments(factor, beta, warmup_steps)
         self.factor, self.beta, self.warmup_steps = factor, beta, warmup_steps
         self._ema = 0.0
         self.count = 0
+
+    @staticmethod
+    def check_arguments(factor: float, beta: float, warmup_steps: int,
+                        names: tuple[str, str, str] = ("factor", "beta", "warmup_steps")) -> None:
+        """Raise ``ValueError`` naming the first invalid argument by its name in ``names`` (a caller's own)."""
+        if not factor > 1.0:
+            raise ValueError(f"`{names[0]}` must be > 1, got {factor}")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"`{names[1]}` must be in [0, 1), got {beta}")
+        if warmup_steps < 0:
+            raise ValueError(f"`{names[2]}` must be >= 0, got {warmup_steps}")
 
     @property
     def average(self) -> float:
