@@ -283,7 +283,7 @@ def test_closed_form_linear_regression():
 
 
 def _probe_warnings(record: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in record if "BatchVarianceProbe cannot measure" in str(w.message)]
+    return [str(w.message) for w in record if "BatchVarianceProbe: cannot measure" in str(w.message)]
 
 
 class LeafLoss(Classifier):
@@ -397,7 +397,7 @@ def test_logged_tags_and_cadence():
 def test_state_round_trips_through_a_checkpoint(tmp_path):
     data = classification_data("mlp", 64)
     probe = BatchVarianceProbe(beta=0.9)
-    trainer = fit(Classifier(network("mlp"), lr=0.1), data, [probe], batch_size=8, steps=4)
+    trainer = fit(Classifier(network("mlp"), "sum", lr=0.1), data, [probe], batch_size=8, steps=4)
     path = tmp_path / "probe.ckpt"
     trainer.save_checkpoint(path)
     state = torch.load(path, weights_only=False)["callbacks"][probe.state_key]
@@ -406,6 +406,7 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     restored = BatchVarianceProbe(beta=0.9)
     restored.load_state_dict(state)
     assert int(restored.noise.count) == 4 and restored.effective_batch_size == 8
+    assert restored.grad_scale == probe.grad_scale == 8.0  # .grad of a loss summed over 8 examples
     assert float(restored.noise.trace_cov) == pytest.approx(float(probe.noise.trace_cov), rel=1e-12)
     assert float(restored.noise_error.relative_error(restored.noise)) == pytest.approx(
         float(probe.noise_error.relative_error(probe.noise)), rel=1e-12)
@@ -414,7 +415,7 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     resumed = BatchVarianceProbe(beta=0.9)
     pl.Trainer(max_steps=6, callbacks=[resumed], logger=False, enable_progress_bar=False, enable_checkpointing=False,
                enable_model_summary=False, accelerator="cpu", devices=1, precision="64-true").fit(
-        Classifier(network("mlp"), lr=0.1), DataLoader(data, batch_size=8), ckpt_path=path)
+        Classifier(network("mlp"), "sum", lr=0.1), DataLoader(data, batch_size=8), ckpt_path=path)
     assert int(resumed.noise.count) == 6
 
 
@@ -637,6 +638,7 @@ def test_a_window_of_one_micro_batch_is_left_out_not_fatal():
     assert trainer.global_step == 5
     assert "micro-batches/ranks" in probe.sources
     assert int(probe.noise.count) == 4
+    assert probe.effective_batch_size == 8 and probe.grad_scale == 1.0  # a whole step's, not the last window's
     assert math.isfinite(float(probe.noise.trace_cov)) and float(probe.noise.trace_cov) > 0
 
 

@@ -859,5 +859,5 @@ def test_verbose_prints_the_table_at_fit_end(verbose, caplog):
     cb = every_step(verbose=verbose)
     with caplog.at_level("INFO"):
         fit(Net(), cb)
-    assert ("trainvitals graph integrity:" in caplog.text) is verbose
+    assert ("trainvitals GraphIntegrityCallback: findings" in caplog.text) is verbose
     assert "clean bill of health" in cb.summary_markdown()

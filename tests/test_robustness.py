@@ -74,7 +74,7 @@ def test_a_batch_lightning_cannot_size_is_said_once_and_the_run_goes_on():
         trainer.fit(PairsRegressor(), DataLoader(batches, batch_size=None))
     assert trainer.global_step == 4
     messages = [str(w.message) for w in caught]
-    assert sum("BatchVarianceProbe cannot measure: Lightning cannot tell how many examples" in m for m in messages) == 1
+    assert sum("BatchVarianceProbe: cannot measure: Lightning cannot tell how many examples" in m for m in messages) == 1
     assert sum("GradNormEarlyStopping: cannot tell how many examples" in m for m in messages) == 1
     assert int(probe.noise.count) == 0 and int(stopper.noise.count) == 0
 

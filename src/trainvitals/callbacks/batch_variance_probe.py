@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
 
 from trainvitals.callbacks._amp import loss_scale
-from trainvitals.callbacks._batch import batch_size
+from trainvitals.callbacks._batch import batch_size, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
@@ -80,7 +80,7 @@ class BatchVarianceProbe(Callback):
        McCandlish Eq. A.2) for the other parameters, when a step has at least two of them;
     3. otherwise ``torch.func`` per-example gradients of those layers on the first
        ``fallback_sub_batch`` examples (when ``fallback``), except for a module whose forward runs
-       submodules with parameters (a model's own position table): the re-run would be that subtree.
+       submodules larger than itself (a model's own position table): the re-run would be that subtree.
 
     The parts add up: tr(Σ) and ‖G‖² are sums over parameters. BatchNorm in training mode makes every
     example's gradient depend on the whole micro-batch; the estimate then describes that coupled
@@ -102,7 +102,8 @@ class BatchVarianceProbe(Callback):
     :attr:`effective_batch_size` (examples per optimizer step, all ranks; ``None`` before the first), and
     :attr:`grad_scale`: ``.grad`` = grad_scale × the mean of the step's per-example gradients (1 for a
     loss averaged over the examples; b for one summed over micro-batches of b, since Lightning averages
-    the micro-batches' gradients).
+    the micro-batches' gradients; × the backward calls of a step under manual optimization). Both
+    describe a whole optimizer step: an epoch's shorter last accumulation window leaves them as they were.
 
     Args:
         every_n_steps: measure every this many optimizer steps (≥ 1).
@@ -213,7 +214,7 @@ class BatchVarianceProbe(Callback):
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""
-        rows = [("sources", self.sources.removeprefix("BatchVarianceProbe sources: ") or "not set up"),
+        rows = [("sources", self.sources or "not set up"),
                 ("measurements", f"{int(self.noise.count)} optimizer steps")]
         batch = self.effective_batch_size
         if batch and int(self.noise.count) > 0:
@@ -241,7 +242,7 @@ class BatchVarianceProbe(Callback):
         self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
-        rank_zero_info(f"trainvitals {self.sources}")
+        rank_zero_info(f"trainvitals BatchVarianceProbe: sources: {self.sources}")
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.every_n_steps) * self.every_n_steps
@@ -256,14 +257,15 @@ class BatchVarianceProbe(Callback):
         self._plan_params = {"per_example": list(self._plan.parameters("per_example").values()),
                              "micro_batch": list(self._plan.micro_batch.values()),
                              "vmap": list(self._plan.parameters("vmap").values())}
-        self.sources = f"BatchVarianceProbe sources: {self._plan.describe(pl_module)}"
+        self.sources = self._plan.describe(pl_module)
         if self._plan.coupled:
             self.sources += (f". BatchNorm ({', '.join(self._plan.coupled)}) couples the examples of each "
                              "micro-batch: their gradients are the addends of a coupled batch gradient, not "
                              "independent draws, and tr(Σ) describes that coupled gradient")
         if not (self._plan.per_example or self._plan.micro_batch or self._plan.vmap):
+            reasons = sorted(set(self._plan.uncovered.values())) or ["the model has no trainable parameters"]
             self._cannot_measure("no parameter has a source (one micro-batch per step on one device): "
-                                 + "; ".join(sorted(set(self._plan.uncovered.values()))))
+                                 + "; ".join(reasons))
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -275,7 +277,7 @@ class BatchVarianceProbe(Callback):
                                  "different losses)")
 
     def _cannot_measure(self, why: str) -> None:
-        message = f"trainvitals BatchVarianceProbe cannot measure: {why}. Nothing is logged for these steps."
+        message = f"trainvitals BatchVarianceProbe: cannot measure: {why}. Nothing is logged for these steps."
         if self.strict:
             raise RuntimeError(message)
         self._warnings.warn(message)
@@ -325,21 +327,22 @@ class BatchVarianceProbe(Callback):
         # its backward fails on its own (GraphIntegrityCallback says why): no reduction to read.
         if not self._measuring or not self._batch_size or loss.grad_fn is None:
             return
-        accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        accumulation = loss_divisor(trainer, pl_module)
         reduction = self.loss_reduction
         if reduction == "auto":
-            found = getattr(detect_loss_reduction(loss, self._batch_size, accumulation), "kind", None)
+            found = detect_loss_reduction(loss, self._batch_size, accumulation)
             if found is None:
-                self._warnings.warn("trainvitals BatchVarianceProbe could not tell from the loss's graph whether it is a mean or "
-                                    "a sum over examples; assuming a mean. Pass `loss_reduction=` to say which: "
-                                    "B_simple does not depend on it, tr(Σ), ‖G‖² and the noise floor do.")
-            reduction = found or "mean"
+                self._warnings.warn("trainvitals BatchVarianceProbe: could not tell from the loss's graph whether "
+                                    "it is a mean or a sum over examples; assuming a mean. Pass `loss_reduction=` "
+                                    "to say which: B_simple does not depend on it, tr(Σ), ‖G‖² and the noise floor "
+                                    "do.")
+            reduction = found.kind if found is not None else "mean"
         if reduction != self._stated_reduction:
             self._stated_reduction = reduction
             how = "as told" if self.loss_reduction != "auto" else "read from the loss's graph"
-            rank_zero_info(f"trainvitals BatchVarianceProbe: the loss is a {reduction} over the examples ({how}); per-example "
-                           "gradients are those of each example's own loss" + (
-                               ", B × its share of the batch mean" if reduction == "mean" else ""))
+            rank_zero_info(f"trainvitals BatchVarianceProbe: the loss is a {reduction} over the examples ({how}); "
+                           "per-example gradients are those of each example's own loss"
+                           + (", B × its share of the batch mean" if reduction == "mean" else ""))
         self._reduction = reduction
         scale = loss_scale(trainer)
         per_loss = self._batch_size if reduction == "mean" else 1
@@ -431,10 +434,13 @@ class BatchVarianceProbe(Callback):
         grad_sq_norm, trace_cov, valid = self._estimates(trainer, pl_module, optimizer, result, sums)
         self.noise.update(grad_sq_norm, trace_cov, valid)
         self.noise_error.update(grad_sq_norm, trace_cov, valid)
-        self.effective_batch_size = sums.examples
+        whole = not pl_module.automatic_optimization or len(self._micro_sizes) == trainer.accumulate_grad_batches
+        if whole or self.effective_batch_size is None:
+            self.effective_batch_size = sums.examples
+            self.grad_scale = self._grad_units(trainer, pl_module)
         step = trainer.global_step
         if is_logging_step(step, self._log_every):
-            self._log(trainer, result, valid, self._micro_sizes[0] or 1, sums.examples, step)
+            self._log(trainer, result, valid, sums.examples, step)
         if result.sq_norms:
             self._log_per_example_norms(trainer, result.sq_norms, step)
         return sums.failed
@@ -478,12 +484,9 @@ class BatchVarianceProbe(Callback):
         parameters."""
         plan = self._plan
         assert plan is not None
-        b = self._micro_sizes[0] or 1  # 0: an empty micro-batch, in a step `_problem` has left out
+        b = self._micro_batch_size
         groups = len(self._micro_sizes) * trainer.world_size
-        # The accumulated, rank-averaged, unscaled .grad is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum.
-        accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        to_mean = accumulation / (len(self._micro_sizes) * (1 if self._reduction == "mean" else b))
-        self.grad_scale = 1 / to_mean
+        to_mean = 1 / self._grad_units(trainer, pl_module)
 
         def batch_sq_norm(source: str) -> Tensor:
             return self._batch_sq_norm(trainer, optimizer, self._plan_params[source]) * to_mean**2
@@ -507,6 +510,16 @@ class BatchVarianceProbe(Callback):
             return zero, zero, valid
         grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates))
         return grad_sq_norm, trace_cov, valid
+
+    @property
+    def _micro_batch_size(self) -> int:
+        return self._micro_sizes[0] or 1  # 0: an empty micro-batch, in a step `_problem` has left out
+
+    def _grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float:
+        """This step's ``.grad`` over the mean of its per-example gradients: the accumulated, rank-averaged,
+        unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum."""
+        per_loss = 1 if self._reduction == "mean" else self._micro_batch_size
+        return len(self._micro_sizes) * per_loss / loss_divisor(trainer, pl_module)
 
     @staticmethod
     def _batch_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
@@ -551,9 +564,11 @@ class BatchVarianceProbe(Callback):
             out[f"grad_noise/gsnr/{module or '(root)'}"] = torch.cat(parts).mean()
         return out
 
-    def _log(self, trainer: "pl.Trainer", result: PerExampleStep,
-             valid: Tensor | bool, micro_batch_size: int, examples: int, step: int) -> None:
-        noise = self.noise
+    def _log(self, trainer: "pl.Trainer", result: PerExampleStep, valid: Tensor | bool, examples: int,
+             step: int) -> None:
+        """The EMAs at the run's batch (:attr:`effective_batch_size`), the per-coordinate statistics of this
+        step's ``examples``."""
+        noise, batch = self.noise, self.effective_batch_size or examples
         rel_err = self.noise_error.relative_error(noise)
         metrics: dict[str, Tensor] = {
             "grad_noise/trace_cov": noise.trace_cov,
@@ -561,9 +576,9 @@ class BatchVarianceProbe(Callback):
             "grad_noise/b_simple": noise.b_simple,
             "grad_noise/b_simple_rel_err": rel_err,
             "grad_noise/b_simple_unreliable": ((noise.grad_sq_norm <= 0) | ~(rel_err <= self.max_rel_err)).double(),
-            "grad_noise/noise_floor": noise.noise_floor(examples) * self.grad_scale,
-            "grad_noise/batch_grad_var/micro_batch": noise.trace_cov / micro_batch_size,
-            "grad_noise/batch_grad_var/full_batch": noise.trace_cov / examples,
+            "grad_noise/noise_floor": noise.noise_floor(batch) * self.grad_scale,
+            "grad_noise/batch_grad_var/micro_batch": noise.trace_cov / self._micro_batch_size,
+            "grad_noise/batch_grad_var/full_batch": noise.trace_cov / batch,
         }
         if self.per_coordinate and self._plan is not None:
             metrics.update(self._coordinate_stats(trainer, self._plan.parameters("per_example"), result, examples))

@@ -161,8 +161,7 @@ class GradNormMonitor(Callback):
         self.spike_warmup_steps = spike_warmup_steps
         # Lightning reads the key in every hook call (profiler names): build it once.
         self._state_key = self._generate_state_key(norm_type=self.norm_type, grouping=grouping,
-                                                   spike_factor=spike_factor, spike_ema_beta=spike_ema_beta,
-                                                   spike_warmup_steps=spike_warmup_steps)
+                                                   spike_factor=spike_factor, spike_ema_beta=spike_ema_beta)
         self._tracks: dict[int, _Track] = {}
         self._restored: dict[int, dict[str, Any]] = {}
         self._clip_pending: tuple[int, int] | None = None  # (optimizer index, step) to measure after clipping

@@ -783,7 +783,7 @@ class GraphIntegrityCallback(Callback):
         table = self.summary_markdown()
         log_text(trainer, "graph/findings", table, step=trainer.global_step)
         if self.verbose:
-            rank_zero_info(f"trainvitals graph integrity:\n{table}")
+            rank_zero_info(f"trainvitals GraphIntegrityCallback: findings\n{table}")
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 
-from trainvitals.callbacks._batch import batch_size
+from trainvitals.callbacks._batch import batch_size, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.core.lr_scaling import (
@@ -186,8 +186,7 @@ class LRScalingAdvisor(Callback):
         if self._graph_read or self.loss_reduction != "sum" or self.per_device_batch is None:
             return
         self._graph_read = True
-        accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        found = detect_loss_reduction(loss, self.per_device_batch, accumulation)
+        found = detect_loss_reduction(loss, self.per_device_batch, loss_divisor(trainer, pl_module))
         self.summed_terms = found.terms if found is not None and found.kind == "sum" else None
 
     @override

@@ -12,10 +12,11 @@ Under ``torch.compile`` a compiled region is one ``CompiledFunctionBackward`` no
 reaches every parameter the region uses, and nodes from earlier steps fed into it, but not the
 operations inside it.
 
-The rest diagnoses autograd's classic errors: which node's saved tensors were freed or modified in
-place (:func:`saved_tensor_errors`), and :class:`GraphTracer`, which re-runs a step under a
-``TorchFunctionMode`` to record where a value left the graph (``.item()``, ``.detach()``,
+The rest gathers the evidence behind autograd's classic errors: which node's saved tensors were freed
+or modified in place (:func:`saved_tensor_errors`), and :class:`GraphTracer`, which re-runs a step under
+a ``TorchFunctionMode`` to record where a value left the graph (``.item()``, ``.detach()``,
 ``torch.no_grad()``) and which in-place operation changed a tensor autograd had saved.
+:mod:`trainvitals.core.integrity` turns that evidence into diagnoses.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ answers: which parameters went a run of optimizer steps without a gradient or wi
 a frozen parameter still changed (:func:`frozen_change_causes`), what carries a graph across steps
 (:func:`describe_stale_graph`), and why a loss has no ``grad_fn`` (:func:`why_no_grad`). The three
 ``diagnose_*`` functions explain autograd's classic errors (:class:`~trainvitals.core.graph.AutogradError`)
-by naming the tensor, module and operation behind them.
+by naming the tensor, module and operation behind them; :func:`stepped_parameter` finds the parameter
+an optimizer step changed under a saved tensor. :func:`listed` spells out the first :data:`SHOWN` names.
 
 Names are the model's (``tensor_names``); messages are written for the person who wrote the training
 step, and end with the fix.

@@ -362,22 +362,28 @@ def vmap_per_example_grads(
 
 @dataclass(frozen=True)
 class LossReduction:
-    """How a loss reduces its terms: ``kind`` ``"mean"`` or ``"sum"`` over ``terms`` values (the examples
-    of a micro-batch, times the tokens or elements of each for a per-token or per-element loss)."""
+    """How a loss reduces its terms: ``kind`` ``"mean"`` or ``"sum"``, over ``terms`` values (the examples
+    of a micro-batch, times the tokens or elements of each for a per-token or per-element loss; counting
+    targets an ``ignore_index`` leaves out) where the graph says so, else ``None``."""
 
     kind: str
-    terms: int
+    terms: int | None
 
 
-_NLL_OPS = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})  # (N, C, *): C classes per term
+_NLL_OPS = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})  # input (N, C, *): one term per target
+# Loss functions whose reduction runs over every element of their input.
+_ELEMENTWISE_LOSS_OPS = frozenset({
+    "MseLossBackward0", "SmoothL1LossBackward0", "HuberLossBackward0", "BinaryCrossEntropyBackward0",
+    "BinaryCrossEntropyWithLogitsBackward0", "SoftMarginLossBackward0",
+})
 
 
-def _reduced_terms(node: Any) -> int:
-    """The number of values a loss function's reduction adds up or averages."""
-    shape = node._saved_self.shape
-    if type(node).__name__ in _NLL_OPS and len(shape) >= 2:
-        return math.prod(shape) // shape[1]
-    return math.prod(shape)
+def _loss_terms(node: Any) -> int | None:
+    """The values a loss function's ``reduction=`` adds up or averages, for the losses where that is known."""
+    shape, name = node._saved_self.shape, type(node).__name__
+    if name in _NLL_OPS:
+        return math.prod(shape) // shape[1] if len(shape) >= 2 else 1
+    return math.prod(shape) if name in _ELEMENTWISE_LOSS_OPS else None
 
 
 def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) -> LossReduction | None:
@@ -391,9 +397,12 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
     ``accumulate_grad_batches``); a division by a tensor counts as one by a count of elements
     (label smoothing). Reductions over parameters only (an L2 penalty) are ignored.
 
+    The number of terms is read from a loss function's input, or from a ``sum()``/``mean()`` of a 1-D
+    tensor; of a wider one (``(B, C)`` soft-target cross-entropy terms, a ``(B, T)`` token grid) it is
+    not known, nor where the loss's parts reduce different numbers of terms.
+
     Returns:
-        The reduction, or ``None`` when the graph shows neither, or both, or reductions over different
-        numbers of terms (or the batch is empty).
+        The reduction, or ``None`` when the graph shows neither, or both (or the batch is empty).
     """
     if batch_size < 1:
         return None
@@ -414,13 +423,13 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
             if sizes and sizes[0] % batch_size == 0:
                 is_mean = name in _MEAN_OPS or math.isinf(divisor) or (
                     divisor >= batch_size and divisor % batch_size == 0)
-                found.add(LossReduction("mean" if is_mean else "sum", math.prod(sizes)))
+                found.add(LossReduction("mean" if is_mean else "sum", sizes[0] if len(sizes) == 1 else None))
             continue
         code = getattr(node, "_saved_reduction", None)
         if code is not None:
             leading = node._saved_self.shape[0] if node._saved_self.dim() else 0
             if code in _REDUCTION_CODES and leading % batch_size == 0 and leading > 0:
-                found.add(LossReduction(_REDUCTION_CODES[code], _reduced_terms(node)))
+                found.add(LossReduction(_REDUCTION_CODES[code], _loss_terms(node)))
             elif code not in _REDUCTION_CODES:
                 return None
             continue
@@ -439,7 +448,8 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
             else:
                 divisor *= value
         stack.extend((nxt, divisor) for nxt, _ in node.next_functions)
-    return found.pop() if len(found) == 1 else None
+    kinds, terms = {f.kind for f in found}, {f.terms for f in found}
+    return LossReduction(kinds.pop(), terms.pop() if len(terms) == 1 else None) if len(kinds) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -500,8 +510,8 @@ _ATTENTION_REASON = ("nn.MultiheadAttention (its forward uses out_proj's weight 
                      "attention written with nn.Linear projections gets per-example norms)")
 
 
-_CONTAINER_REASON = ("a parameter of a module whose forward also runs submodules with parameters (torch.func would "
-                     "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it")
+_CONTAINER_REASON = ("a parameter of a module whose forward also runs larger submodules (torch.func would re-run "
+                     "them all); accumulate_grad_batches >= 2 or >= 2 devices measure it")
 
 
 def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = ()) -> SourcePlan:
@@ -538,9 +548,9 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
             micro.update({n: p for n, p in qualified.items() if id(p) not in known})
         elif fallback and barred is None and not isinstance(module, _BatchNorm):
             # A model's own position table, a block's layer-scale: torch.func would re-run the whole
-            # subtree (the whole model, for the root) on every measured step.
-            container = any(True for child in module.children() for _ in child.parameters())
-            if container:
+            # subtree (the whole model, for the root) on every measured step, for a few parameters.
+            own = sum(p.numel() for p in params.values())
+            if sum(p.numel() for child in module.children() for p in child.parameters()) > own:
                 uncovered.update(dict.fromkeys(qualified, _CONTAINER_REASON))
             else:
                 vmap[name] = module
@@ -556,7 +566,6 @@ class PerExampleStep:
     units of each example's own loss.
 
     Attributes:
-        num_examples: examples seen (all micro-batches, this process).
         sq_norm_sum: ``()`` Σ_i ‖g_i‖² over the per-example-norm parameters, or ``None``.
         sq_norms: the ``(b,)`` ‖g_i‖² of each micro-batch, in order (only when kept).
         grad_sum: Σ_i g_i per per-example-norm parameter (qualified name), when requested.
@@ -569,7 +578,6 @@ class PerExampleStep:
         failed: modules that could not be measured this step, with the reason.
     """
 
-    num_examples: int = 0
     sq_norm_sum: Tensor | None = None
     sq_norms: list[Tensor] = field(default_factory=list)
     grad_sum: dict[str, Tensor] = field(default_factory=dict)
@@ -713,8 +721,6 @@ class PerExampleGradients:
                 e.g. (accumulation steps × batch size for a mean loss) / AMP loss scale.
         """
         step = self._step
-        if self._batch_size is not None:
-            step.num_examples += self._batch_size
         unit_sq = unit * unit
         if self._sq is not None:
             sq = self._sq * unit_sq
