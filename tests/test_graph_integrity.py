@@ -547,6 +547,27 @@ def test_gradient_left_over_from_another_loss_is_a_leak():
     assert f.message.startswith("Optimizer 1 (SGD")
 
 
+class StepBeforeBackward(ManualNet):
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        opt.step()  # every .grad is None here: the step does nothing
+        self.manual_backward(F.cross_entropy(self(batch[0]), batch[1]))
+
+
+def test_an_optimizer_step_before_its_backward_is_named_not_called_unused():
+    """Each .grad is None at the step and set by the backward after it: the model never trains, and the
+    parameters are in the graph (no unused finding, no DDP prediction)."""
+    model, cb = StepBeforeBackward(), GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    fit(model, cb, steps=4)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # it really did not train
+    assert kinds(cb) == {K.STEP_BEFORE_BACKWARD}
+    f = finding(cb, K.STEP_BEFORE_BACKWARD)
+    assert f.names == ("body.weight", "body.bias", "head.weight", "head.bias")
+    assert f.message.startswith("Optimizer 0 (SGD) stepped before the backward") and "manual_backward" in f.message
+
+
 # ---------------------------------------------------------------------------------- in-place errors
 
 

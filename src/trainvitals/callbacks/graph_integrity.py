@@ -16,7 +16,8 @@ finds them:
   optimizer), during a window of consecutive steps on the same schedule: parameters without a
   gradient (unused) or with an exactly zero one (dead) for ``dead_after_steps`` steps in a row, what
   DDP with ``find_unused_parameters=False`` would make of them, frozen parameters an optimizer still
-  changes, and gradients left over from before an optimizer's previous step (manual optimization);
+  changes, and, under manual optimization, gradients left over from before an optimizer's previous
+  step and an optimizer that steps before the backward that gives its parameters their gradients;
 - on an exception: autograd's three classic errors get a diagnosis naming the tensor, module and
   operation, added to the exception as a note; the original exception propagates unchanged.
 
@@ -105,6 +106,7 @@ class FindingKind(str, enum.Enum):
     DDP_UNUSED = "ddp_unused"
     FROZEN_CHANGED = "frozen_changed"
     GRAD_LEAK = "grad_leak"
+    STEP_BEFORE_BACKWARD = "step_before_backward"
     BATCH_MIXING = "batch_mixing"
     NO_GRAD_ERROR = "no_grad_error"
     SECOND_BACKWARD = "second_backward"
@@ -259,6 +261,8 @@ class GraphIntegrityCallback(Callback):
         self._hook: Any = None
         self._frozen_versions: list[tuple[str, Tensor, int, int]] = []
         self._stale_opts: set[int] = set()
+        # Manual optimization: per optimizer step of this batch, its trainable parameters without a .grad then.
+        self._gradless: list[tuple[int, list[tuple[str, Tensor]]]] = []
         self._pending_losses: list[Tensor] = []
         self._nonfinite = torch.zeros((), dtype=torch.long)  # non-finite losses counted, not yet flushed
         self._anomaly_prev: tuple[bool, bool] | None = None
@@ -456,6 +460,7 @@ class GraphIntegrityCallback(Callback):
             if k in self._stale_opts:
                 self._record_leak(trainer, k)
             self._stale_opts.add(k)
+            self._gradless.append((k, [(n, p) for n, p in self._opt_params[k] if p.requires_grad and p.grad is None]))
         self._streaks.update(k, self._opt_params[k])
         self._grad_checks += 1
         self._frozen_versions.extend((n, p, p._version, k) for n, p in self._opt_params[k] if not p.requires_grad)
@@ -479,6 +484,7 @@ class GraphIntegrityCallback(Callback):
         if self._walk_batch:
             self._check_reachability(trainer, pl_module)
         self._check_frozen_changed(trainer)
+        self._check_step_order(trainer)
         if self._window_open and (self._window_left <= 0 or trainer.global_step >= self._next_check):
             self._close_window(trainer)
         elif self.strict:  # a non-finite loss raises at the end of its step
@@ -516,6 +522,26 @@ class GraphIntegrityCallback(Callback):
             f"{len(names)} trainable parameter(s) cannot be reached from the loss and will get no gradient: "
             + "; ".join(dict.fromkeys(reasons.values())) + ".",
         )
+
+    def _check_step_order(self, trainer: "pl.Trainer") -> None:
+        """Under manual optimization, a parameter without ``.grad`` at its optimizer's step that holds one at
+        the batch's end got it from a backward after the step: it is in the graph, not unused, and the step
+        did nothing with its gradient."""
+        for k, params in self._gradless:
+            late = tuple(n for n, p in params if p.grad is not None)
+            if not late:
+                continue
+            self._streaks.got_gradient(late)
+            self._record(
+                trainer,
+                FindingKind.STEP_BEFORE_BACKWARD,
+                late,
+                f"Optimizer {k} ({type(trainer.optimizers[k]).__name__}) stepped before the backward that gives "
+                f"{listed(late)} their gradients: at its step their `.grad` was None, so the step left them "
+                "unchanged, and the next zero_grad() throws the gradient away: they never train. Call "
+                "`self.manual_backward(loss)` before `opt.step()`.",
+            )
+        self._gradless = []
 
     def _check_frozen_changed(self, trainer: "pl.Trainer") -> None:
         for name, p, version, k in self._frozen_versions:

@@ -103,6 +103,11 @@ class GradientStreaks:
             self.dead[name] = self.dead.get(name, 0) + 1 if is_zero else 0
         self._zero_so_far[optimizer] = {name for (name, _), is_zero in zip(present, flags) if is_zero}
 
+    def got_gradient(self, names: Sequence[str]) -> None:
+        """These parameters got a gradient after their check (a backward after the step): not unused."""
+        for name in names:
+            self.unused[name] = 0
+
     def at_least(self, steps: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The names whose unused streak, and those whose dead streak, reached ``steps`` checks."""
         return (

@@ -55,6 +55,8 @@ CRITICAL_COUNTERS = (
     (INTEGRITY, r"graph/findings_(?:no_grad_error|second_backward|inplace_modified)$",
      "the run failed in backward with one of autograd's classic errors ({n}); the integrity panel has the diagnosis"),
     (INTEGRITY, r"graph/nonfinite_losses$", "a non-finite loss on {n} step(s) of a check window"),
+    (INTEGRITY, r"graph/findings_step_before_backward$",
+     "an optimizer stepped before the backward that gives its parameters their gradients ({n}): they never train"),
     (INTEGRITY, r"graph/unused_params$",
      "{n} parameter(s) got no gradient: not in the loss's graph (an unused head, a detached branch)"),
     (INTEGRITY, r"graph/unoptimized_params$",
