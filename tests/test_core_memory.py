@@ -21,6 +21,7 @@ from trainvitals.core.memory import (
     SavedTensorRecorder,
     StepMemory,
     byte_unit,
+    checkpoint_peak,
     checkpoint_savings,
     format_bytes,
     graph_holders,
@@ -276,6 +277,69 @@ def test_graph_holders_search_containers_and_submodules():
     assert graph_holders(model, prefix="model") == ["model.0.history"]
 
 
+def live_saved_peak(step, exclude: list[torch.Tensor]) -> int:
+    """The most bytes of saved-for-backward storages held at once while ``step`` runs forward and backward,
+    from saved-tensor hooks of its own: a storage is held from its first save until the last node that
+    saved it releases it (in backward)."""
+    import weakref
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    held: dict[int, list[int]] = {}  # storage -> [saves alive, bytes]
+    current = peak = 0
+
+    def release(key: int) -> None:
+        nonlocal current
+        held[key][0] -= 1
+        if held[key][0] == 0:
+            current -= held[key][1]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal current, peak
+        alias, key = t.detach(), t.untyped_storage().data_ptr()
+        if key in skip:
+            return alias
+        entry = held.setdefault(key, [0, t.untyped_storage().nbytes()])
+        if entry[0] == 0:
+            current += entry[1]
+            peak = max(peak, current)
+        entry[0] += 1
+        weakref.finalize(alias, release, key)
+        return alias
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda alias: alias):
+        step()
+    return peak
+
+
+@pytest.mark.parametrize("block", [0, 1])
+def test_the_peak_of_a_checkpointed_module_is_the_one_measured_with_real_checkpointing(block):
+    """Checkpointing a block frees its saved tensors after forward, but backward recomputes it with them
+    all held again, next to what was saved before it: checkpointing the first block, which saves most,
+    hardly lowers the step's peak."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh()),
+                          nn.Sequential(nn.Linear(64, 16), nn.Tanh()), nn.Linear(16, 2))
+    x = torch.randn(16, 8, requires_grad=True)  # reentrant checkpointing recomputes only for inputs that need grad
+    excluded = [x, *model.parameters()]
+    _, report, _ = record(model, x, exclude=[x])
+    name = str(block)
+    peak, freed = checkpoint_peak(report, name), checkpoint_savings(report)[name]
+
+    def plain() -> None:
+        model(x).sum().backward()
+
+    def checkpointed() -> None:
+        h = x
+        for i, layer in enumerate(model):
+            h = checkpoint(layer, h, use_reentrant=True) if i == block else layer(h)
+        h.sum().backward()
+
+    assert live_saved_peak(plain, excluded) == report.total_bytes
+    assert live_saved_peak(checkpointed, excluded) == max(peak, report.total_bytes - freed)
+    if block == 0:
+        assert peak > report.total_bytes - freed
+
+
 def test_largest_batch_and_remedies_closed_form():
     assert largest_batch(1000, 200, 80, 4) == 40  # 800 bytes free at 20 bytes per example
     assert largest_batch(100, 200, 80, 4) == 0
@@ -311,7 +375,11 @@ def test_largest_batch_and_remedies_closed_form():
     assert [(r.kind, r.target, r.bytes_freed) for r in remedies] == [
         ("activation checkpointing", "net.1", 2 * act), ("mixed precision", "", 2 * act),
         ("optimizer state", "", 2000)]
-    assert remedies[0].largest_batch == int((10**6 - 4000) / (per_example - 2 * act / B))
+    # After forward 2 act stay saved (net.1's input, the last Linear's); but when backward reaches net.1,
+    # the last Linear's is freed and net.1's forward runs again: its input and its two saves, 3 act, the peak.
+    assert checkpoint_peak(report, "net.1") == 3 * act
+    assert remedies[0].largest_batch == int((10**6 - 4000) / (per_example - act / B))
+    assert "when 6.00 KiB of saved tensors are held again" in remedies[0].note
     assert remedies[2].largest_batch == int((10**6 - 2000) / per_example)
     with pytest.raises(ValueError, match="top_k"):
         rank_remedies(memory, top_k=-1)

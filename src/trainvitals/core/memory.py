@@ -171,11 +171,13 @@ class SavedStorage:
         nbytes: bytes of the storage.
         dtype: dtype of the first saved view.
         savers: the innermost module running at each save, in order; the first one owns the bytes.
+        order: storages recorded before this one in the forward.
     """
 
     nbytes: int
     dtype: torch.dtype
     savers: tuple[str, ...]
+    order: int = 0
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,8 @@ class SavedTensorReport:
         input_nbytes: bytes of each storage in ``module_inputs``.
         forward_seconds: wall time of each module's forward, inclusive of its children (empty unless
             timed).
+        module_start: storages recorded before each module's forward first began (those of a lower
+            :attr:`SavedStorage.order` were saved before it), for :func:`checkpoint_peak`.
         uncounted: saved tensors that have no storage (sparse, wrapper subclasses), not in any total.
         parameter_copy_bytes: distinct storages of saved casts of the module's parameters or of
             slices of them (autocast's 16-bit weights): batch-independent. Autocast caches the casts
@@ -205,6 +209,7 @@ class SavedTensorReport:
     module_inputs: dict[str, frozenset[StorageKey]] = field(default_factory=dict)
     input_nbytes: dict[StorageKey, int] = field(default_factory=dict)
     forward_seconds: dict[str, float] = field(default_factory=dict)
+    module_start: dict[str, int] = field(default_factory=dict)
     uncounted: int = 0
     parameter_copy_bytes: int = 0
 
@@ -257,6 +262,8 @@ class SavedTensorRecorder:
         self._names = {id(m): (name or ROOT) for name, m in module.named_modules()}
         self._stack: list[str] = []
         self._saved: dict[StorageKey, SavedStorage] = {}
+        self._recorded = 0  # storages recorded so far, freed or not: the save order
+        self._module_start: dict[str, int] = {}
         self._refs: dict[StorageKey, list[weakref.ref]] = {}
         self._copies: dict[StorageKey, int] = {}
         self._inputs: dict[str, set[StorageKey]] = {}
@@ -306,6 +313,7 @@ class SavedTensorRecorder:
         if name is None:
             return
         self._stack.append(name)
+        self._module_start.setdefault(name, self._recorded)
         inputs = self._inputs.setdefault(name, set())
         first: Tensor | None = None
         for t in tensors_in(args):
@@ -353,7 +361,8 @@ class SavedTensorRecorder:
         saver = self._stack[-1] if self._stack else OUTSIDE
         seen = self._saved.get(key)
         if seen is None or not _alive(self._refs[key]):  # new, or a freed storage's address reused
-            self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,))
+            self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,), self._recorded)
+            self._recorded += 1
             self._refs[key] = []
         else:
             self._saved[key] = dataclasses.replace(seen, savers=seen.savers + (saver,))
@@ -415,6 +424,7 @@ class SavedTensorRecorder:
             module_inputs={name: frozenset(keys) for name, keys in self._inputs.items()},
             input_nbytes=dict(self._input_nbytes),
             forward_seconds=dict(self._seconds),
+            module_start=dict(self._module_start),
             uncounted=self._uncounted,
             parameter_copy_bytes=sum(self._copies.values()),
         )
@@ -483,6 +493,25 @@ def checkpoint_savings(report: SavedTensorReport) -> dict[str, int]:
                 freed -= report.storages[key].nbytes
         savings[name] = freed
     return savings
+
+
+def checkpoint_peak(report: SavedTensorReport, name: str) -> int:
+    """Saved bytes held while backward recomputes module ``name``, were it checkpointed.
+
+    A checkpointed module's saved tensors come back in backward, when its forward runs again: then
+    everything saved before its forward began is still held (backward has not reached it), with the
+    inputs the checkpoint keeps and everything the module saves, also what layers after it saved again
+    (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost", §3: the peak is the checkpoints
+    plus one segment). Checkpointing the module that saves most of a model's activations in its first
+    layers frees them after forward but not at this peak, so the step's peak hardly falls.
+
+    Returns:
+        Bytes, to compare with ``total_bytes`` − :func:`checkpoint_savings`.
+    """
+    start, inputs = report.module_start.get(name, 0), report.module_inputs.get(name, frozenset())
+    held = sum(s.nbytes for key, s in report.storages.items()
+               if s.order < start or key in inputs or any(name in _enclosing(saver) for saver in s.savers))
+    return held + sum(report.input_nbytes[key] for key in inputs if key not in report.storages)
 
 
 def whole_forward_modules(report: SavedTensorReport) -> set[str]:
@@ -734,10 +763,12 @@ class StepMemory:
         """Bytes proportional to the batch: activations, inputs and (non-negative) temporaries."""
         return self.activations.total_bytes + self.inputs_bytes + max(0, self.temporaries_bytes)
 
-    def largest_batch(self, fixed_freed: int = 0, scaling_freed: int = 0) -> int | None:
-        """The largest batch under the budget once ``fixed_freed`` / ``scaling_freed`` bytes are freed;
-        ``None`` without a budget or a batch size."""
-        scaling = self.scaling_bytes - scaling_freed
+    def largest_batch(self, fixed_freed: int = 0, scaling_freed: int = 0, activations_peak: int = 0) -> int | None:
+        """The largest batch under the budget once ``fixed_freed`` / ``scaling_freed`` bytes are freed and
+        with saved activations of at least ``activations_peak`` bytes at some point of the step (a
+        checkpointed module's recompute, :func:`checkpoint_peak`); ``None`` without a budget or a batch size."""
+        scaling = max(self.scaling_bytes - scaling_freed,
+                      self.scaling_bytes - self.activations.total_bytes + activations_peak)
         if self.budget_bytes is None or scaling <= 0 or self.batch_size < 1:
             return None
         return largest_batch(self.budget_bytes, self.fixed_bytes - fixed_freed, scaling, self.batch_size)
@@ -763,8 +794,12 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
         seconds = report.forward_seconds.get(name)
         extra = seconds * memory.micro_batches / memory.step_seconds if seconds is not None and memory.step_seconds \
             else None
-        remedies.append(Remedy("activation checkpointing", name, freed, memory.largest_batch(scaling_freed=freed),
-                               extra, f"recomputes the forward of `{name}` in backward"))
+        peak = checkpoint_peak(report, name)
+        note = f"recomputes the forward of `{name}` in backward"
+        if peak > report.total_bytes - freed:
+            note += f", when {format_bytes(peak)} of saved tensors are held again"
+        remedies.append(Remedy("activation checkpointing", name, freed,
+                               memory.largest_batch(scaling_freed=freed, activations_peak=peak), extra, note))
     halved = mixed_precision_savings(report)
     if halved > 0:
         remedies.append(Remedy("mixed precision", "", halved, memory.largest_batch(scaling_freed=halved), None,
