@@ -327,7 +327,7 @@ def test_an_optimizer_step_between_forward_and_backward_is_blamed_on_the_paramet
     opt.step()
     error = inplace_error(loss)
     stepped = [(p, "optimizer 0 (SGD)") for p in model.parameters()]
-    names, message = diagnose_inplace(error, loss, tensor_names(model), stepped)
+    names, message = diagnose_inplace(error, loss, model, tensor_names(model), None, stepped)
     assert names == ("2.weight",)
     assert message == (
         "The tensor that AddmmBackward0 saved as `mat2` (near module `2`) is parameter `2.weight`: optimizer 0 "
@@ -335,7 +335,7 @@ def test_an_optimizer_step_between_forward_and_backward_is_blamed_on_the_paramet
         "backward that needs this forward before optimizer.step(), or recompute the forward after the step."
     )
     # No optimizer stepped in this batch: the node is named, the step is not blamed.
-    names, message = diagnose_inplace(error, loss, tensor_names(model), [])
+    names, message = diagnose_inplace(error, loss, model, tensor_names(model), None, [])
     assert names == ()
     assert message.startswith(
         "The tensor that AddmmBackward0 saved as `mat2` (near module `2`) was modified in place after the forward"
@@ -358,10 +358,10 @@ def test_an_inplace_op_on_a_saved_tensor_is_named_from_the_rerun():
     loss = step()
     error = inplace_error(loss)
     stepped = [(p, "optimizer 0 (SGD)") for p in model.parameters()]
-    names, message = diagnose_inplace(error, loss, tensor_names(model), stepped, rerun)
+    names, message = diagnose_inplace(error, loss, model, tensor_names(model), None, stepped, rerun)
     assert names == ("1", "sigmoid", "mul_")
     assert message.startswith("A tensor of shape [5, 4] saved for backward by `sigmoid` in module `1` at "
                               "test_core_integrity.py:")
     assert "modified in place by `mul_` at test_core_integrity.py:" in message
-    names, message = diagnose_inplace(error, loss, tensor_names(model), stepped, raise_boom)
+    names, message = diagnose_inplace(error, loss, model, tensor_names(model), None, stepped, raise_boom)
     assert names == () and message.endswith("was modified in place (re-run failed: boom).")

@@ -371,6 +371,38 @@ def test_hidden_state_carried_across_steps_is_named_before_backward():
     assert any("hidden" in note for note in err.__notes__)
 
 
+class CarriedStateRetained(Net):
+    """A recurrence carried across steps, with the usual "fix" of "backward through the graph a second time":
+    retain_graph=True. The recurrent weight is saved by every step's graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recurrent = nn.Linear(8, 8)
+        self.hidden = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.relu(self.body(x))
+        if self.hidden is not None:
+            h = h + torch.tanh(self.recurrent(self.hidden))
+        self.hidden = h
+        return F.cross_entropy(self.head(h), y)
+
+    def backward(self, loss, *args, **kwargs):
+        loss.backward(retain_graph=True)
+
+
+def test_a_retained_graph_carried_across_steps_explains_the_inplace_error():
+    """The old graph is kept, but the last optimizer step changed the weights it saved: autograd's in-place
+    error, explained by the state that carries the graph over, not by a generic note."""
+    cb = every_step()
+    err = fit_fails(CarriedStateRetained(), cb, "modified by an inplace operation")
+    f = finding(cb, K.INPLACE_MODIFIED)
+    assert f.names == ("hidden",)
+    assert "carried across steps in `hidden`" in f.message and "retain_graph=True" in f.message
+    assert any("`self.hidden = hidden.detach()`" in note for note in err.__notes__)
+
+
 def test_detached_hidden_state_is_clean():
     cb = every_step()
     fit(CarriedState(detach=True), cb)

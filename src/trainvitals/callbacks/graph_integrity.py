@@ -763,7 +763,7 @@ class GraphIntegrityCallback(Callback):
             for _, p in self._tracked
             if (k := self._opt_of.get(id(p))) is not None and k in self._stepped
         ]
-        return diagnose_inplace(exception, loss, self._names, stepped, rerun)
+        return diagnose_inplace(exception, loss, pl_module, self._names, self._mark, stepped, rerun)
 
     # ------------------------------------------------------------------------- findings, strict, end
 

@@ -369,26 +369,37 @@ def stepped_parameter(
 def diagnose_inplace(
     error: BaseException,
     loss: Tensor | None,
+    root: nn.Module,
     names: Mapping[int, str],
+    before: int | None,
     stepped: Sequence[tuple[Tensor, str]],
     rerun: Rerun | None = None,
 ) -> tuple[tuple[str, ...], str]:
     """Explain ``AutogradError.INPLACE`` ("modified by an inplace operation").
 
-    In order: the saved tensor is a parameter an optimizer step changed (:func:`stepped_parameter`);
-    ``rerun``'s trace pairs a saved tensor with the in-place op that changed it later; otherwise the
-    node whose saved tensor changed, with its module and (under anomaly mode) its forward line.
+    In order: the loss reaches an earlier step's graph, kept by ``retain_graph=True``, whose saved
+    weights an optimizer step has changed since (:func:`describe_stale_graph`); the saved tensor is a
+    parameter an optimizer step of this batch changed (:func:`stepped_parameter`); ``rerun``'s trace
+    pairs a saved tensor with the in-place op that changed it later; otherwise the node whose saved
+    tensor changed, with its module and (under anomaly mode) its forward line.
 
     Args:
         error: the exception; its message gives the tensor's shape and versions.
         loss: the last loss handed to backward, if any: its graph is searched for the node.
-        names: ``id(tensor) -> name`` (``tensor_names``).
+        root: the model; ``names``: its ``id(tensor) -> name`` (``tensor_names``).
+        before: the step's :func:`~trainvitals.core.graph.sequence_mark`.
         stepped: as for :func:`stepped_parameter`; labels read like ``"optimizer 0 (SGD)"``.
         rerun: re-runs the step under a tracer; ``None`` where that is not possible.
 
     Returns:
-        The names it points at (parameter, or modules and ops) and the message.
+        The names it points at (parameter, attributes, or modules and ops) and the message.
     """
+    if loss is not None and (stale := walk_graph(loss, before).stale):
+        carried, message = describe_stale_graph(root, stale, before)
+        return carried, message + (
+            " Here the earlier graph was kept (retain_graph=True), and the optimizer step since then changed "
+            "in place the weights it saved."
+        )
     info = parse_inplace_error(str(error))
     errors = [e for e in saved_tensor_errors(loss) if e.kind is AutogradError.INPLACE] if loss is not None else []
     saver, near = "", []
