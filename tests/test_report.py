@@ -99,7 +99,8 @@ def test_descending_run_and_runs_without_a_band(tmp_path: Path, capsys: pytest.C
         ("grad_norm/nonfinite_steps", "spikes and non-finite steps", "non-finite (inf/NaN) gradients on 3"),
         ("grad_norm/optimizer_1/nonfinite_steps", "spikes and non-finite steps", "non-finite (inf/NaN) gradients on 3"),
         ("graph/findings_loss_no_grad", "integrity", "the loss had no grad_fn on 3 step(s)"),
-        ("graph/nonfinite_losses", "integrity", "a non-finite loss on 3 step(s)"),
+        ("graph/nonfinite_losses", "integrity", "3 non-finite loss value(s) in one check window"),
+        ("graph/findings_step_before_backward", "integrity", "an optimizer stepped before the backward"),
         ("graph/unused_params", "integrity", "3 parameter(s) got no gradient"),
         ("graph/unoptimized_params", "integrity", "3 tensor(s) get gradients but belong to no optimizer"),
         ("graph/leaked_graphs", "integrity", "autograd nodes of an earlier step (3 walk(s))"),
@@ -114,6 +115,17 @@ def test_critical_counter_fails_ci(
     assert status == EXIT_CRITICAL and doc["critical"] is True
     critical = [f for f in doc["runs"][0]["findings"] if f["severity"] == "critical"]
     assert [(f["section"], words in f["message"]) for f in critical] == [(section, True)]
+
+
+@pytest.mark.parametrize("tag", ["grad_norm/nonfinite_steps", "graph/nonfinite_losses"])
+def test_a_diverged_run_gets_no_convergence_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], tag: str) -> None:
+    """After NaN the last finite norm and stale noise EMAs say nothing of convergence, nor does lr advice apply."""
+    write_run(tmp_path / "run", {**HEALTHY, tag: [0.0] * (len(STEPS) - 3) + [1.0, 2.0, 3.0]})
+    _, doc = report_json(capsys, tmp_path)
+    notes = [f["message"] for f in doc["runs"][0]["findings"] if f["severity"] == "note"]
+    assert any(m.startswith("the run diverged (non-finite gradients or losses)") for m in notes)
+    assert any(m.startswith("the run diverged: find the cause") for m in notes)
+    assert not any("noise band" in m for m in notes)
 
 
 def test_growing_held_graph_is_critical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

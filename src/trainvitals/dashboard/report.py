@@ -54,7 +54,7 @@ CRITICAL_COUNTERS = (
      "the loss had no grad_fn on {n} step(s): it was detached (.item(), .detach(), torch.no_grad()), nothing trains"),
     (INTEGRITY, r"graph/findings_(?:no_grad_error|second_backward|inplace_modified)$",
      "the run failed in backward with one of autograd's classic errors ({n}); the integrity panel has the diagnosis"),
-    (INTEGRITY, r"graph/nonfinite_losses$", "a non-finite loss on {n} step(s) of a check window"),
+    (INTEGRITY, r"graph/nonfinite_losses$", "{n} non-finite loss value(s) in one check window"),
     (INTEGRITY, r"graph/findings_step_before_backward$",
      "an optimizer stepped before the backward that gives its parameters their gradients ({n}): they never train"),
     (INTEGRITY, r"graph/unused_params$",
@@ -207,6 +207,11 @@ def _counter(run: Run, pattern: str) -> float:
     return sum(max((v for _, v in series if math.isfinite(v)), default=0.0) for series in run.matching(pattern).values())
 
 
+def _diverged(run: Run) -> bool:
+    """Non-finite gradients outside a GradScaler, or non-finite losses: what follows is not training."""
+    return _counter(run, grad_norm("nonfinite_steps")) > 0 or _counter(run, r"graph/nonfinite_losses$") > 0
+
+
 def _convergence(run: Run, report: RunReport) -> None:
     title = "convergence"
     total = run.last(grad_norm("total"))
@@ -226,7 +231,11 @@ def _convergence(run: Run, report: RunReport) -> None:
     ]
     if stop:
         report.findings.append(Finding("note", title, stop))
-    if in_band is None:
+    if _diverged(run):
+        report.findings.append(Finding(
+            "note", title, "the run diverged (non-finite gradients or losses): the last finite gradient norm and "
+            "the noise estimates come from before, so they say nothing of convergence."))
+    elif in_band is None:
         if total is not None and floor:
             report.findings.append(Finding(
                 "note", title, f"the last gradient norm is {total / floor:.2f}× its noise floor; GradNormEarlyStopping "
@@ -264,6 +273,9 @@ def _noise_scale(run: Run, report: RunReport) -> None:
             message = (f"B = {batch:g} >= B_simple = {b_simple:.3g}: beyond the noise scale a larger batch buys "
                        "few steps for its examples.")
         report.findings.append(Finding("note", title, message))
+    if _diverged(run) and run.matching(r"lr_scaling/"):
+        report.findings.append(Finding(
+            "note", title, "the run diverged: find the cause (or lower the lr) before following any lr-scaling advice."))
     _panel(run, report, "lr scaling advice", "lr_scaling/advice")
 
 
