@@ -49,7 +49,8 @@ def test_unused_head(outcomes: dict[str, Outcome]) -> None:
     assert out.error is None
     assert {"unreachable_params", "unused_params", "ddp_unused"} <= kinds(out)
     assert "module `aux_head` never ran in forward" in dict(out.findings)["unreachable_params"]
-    assert critical(out) == ["2 parameter(s) got no gradient: not in the loss's graph (an unused head, a detached branch)"]
+    assert critical(out) == ["2 parameter(s) got no gradient in the last check window: not in the loss's graph (an "
+                             "unused head, a detached branch)"]
 
 
 def test_layers_in_a_list(outcomes: dict[str, Outcome]) -> None:

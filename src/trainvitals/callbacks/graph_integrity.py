@@ -571,7 +571,9 @@ class GraphIntegrityCallback(Callback):
                 FindingKind.UNUSED_PARAMS,
                 unused,
                 f"{len(unused)} parameter(s) got no gradient (`.grad` is None) at {n} optimizer steps in a row: "
-                f"{listed(unused)}. They are not in the loss's graph; the optimizer skips them.",
+                f"{listed(unused)}. They are not in the loss's graph; the optimizer skips them. A branch taken only "
+                "on some batches (an expert that got no tokens) looks the same for a while: if these train later, "
+                "raise dead_after_steps.",
             )
             self._predict_ddp(trainer, unused)
         if dead:
@@ -610,7 +612,7 @@ class GraphIntegrityCallback(Callback):
             unused,
             f"{now} with 'Expected to have finished reduction in the prior iteration': the reducer waits for "
             f"gradients of {listed(unused)} that never come. Fix: strategy='ddp_find_unused_parameters_true' "
-            "(DDPStrategy(find_unused_parameters=True)), or remove or freeze these parameters.",
+            "(DDPStrategy(find_unused_parameters=True)), or, if they are not meant to train, remove or freeze them.",
         )
 
     def _count_nonfinite(self) -> Tensor:

@@ -9,7 +9,8 @@ Exit status, for CI:
 
 - 0: every run read, no critical finding;
 - 1: a critical finding in some run (:data:`CRITICAL_COUNTERS`): non-finite gradients (outside a
-  GradScaler's calibration) or losses, a loss without ``grad_fn``, an unused parameter, a parameter
+  GradScaler's calibration) or losses, a loss without ``grad_fn``, a parameter still unused in the last
+  check window, a parameter
   outside every optimizer (unregistered: layers in a Python list), a computation graph kept alive
   across steps (GraphIntegrityCallback's counter, or MemoryTopologyProfiler's saved bytes still held
   after backward and growing);
@@ -58,7 +59,8 @@ CRITICAL_COUNTERS = (
     (INTEGRITY, r"graph/findings_step_before_backward$",
      "an optimizer stepped before the backward that gives its parameters their gradients ({n}): they never train"),
     (INTEGRITY, r"graph/unused_params$",
-     "{n} parameter(s) got no gradient: not in the loss's graph (an unused head, a detached branch)"),
+     "{n} parameter(s) got no gradient in the last check window: not in the loss's graph (an unused head, a "
+     "detached branch)"),
     (INTEGRITY, r"graph/unoptimized_params$",
      "{n} tensor(s) get gradients but belong to no optimizer: unregistered on the module (layers in a plain "
      "Python list?) or left out of configure_optimizers; they never train"),
@@ -69,7 +71,12 @@ CRITICAL_COUNTERS = (
 """(section, tag regex, message): a counter is critical when its largest value (summed over optimizers) is > 0.
 
 The largest, not the last: GraphIntegrityCallback's counts are per check window, and a problem seen in
-any window is a problem."""
+any window is a problem — except unused parameters (:data:`LAST_WINDOW`)."""
+
+LAST_WINDOW = frozenset({r"graph/unused_params$"})
+"""Counters read in the last check window only: a branch taken only on some batches (an expert that got no
+tokens for a while) goes unused in one window and trains in the next; a parameter that never trains is
+still unused at the end."""
 
 
 class ReportError(Exception):
@@ -189,7 +196,7 @@ def assess(run: Run) -> RunReport:
     for section in (_convergence, _noise_scale, _integrity, _memory, _spikes):
         section(run, report)
     for title, pattern, message in CRITICAL_COUNTERS:
-        n = _counter(run, pattern)
+        n = _counter(run, pattern, last=pattern in LAST_WINDOW)
         if n > 0:
             report.findings.append(Finding("critical", title, message.format(n=f"{n:g}")))
     return report
@@ -202,9 +209,10 @@ def _panel(run: Run, report: RunReport, title: str, tag: str) -> None:
         report.panels[title] = text
 
 
-def _counter(run: Run, pattern: str) -> float:
-    """A counter's largest finite value, summed over the series that match (one per optimizer)."""
-    return sum(max((v for _, v in series if math.isfinite(v)), default=0.0) for series in run.matching(pattern).values())
+def _counter(run: Run, pattern: str, last: bool = False) -> float:
+    """A counter's largest (``last``: last) finite value, summed over the series that match (one per optimizer)."""
+    values = [[v for _, v in series if math.isfinite(v)] for series in run.matching(pattern).values()]
+    return sum((v[-1] if last else max(v)) for v in values if v)
 
 
 def _diverged(run: Run) -> bool:
