@@ -476,6 +476,19 @@ def test_autocast_weight_copies_are_fixed_bytes_not_activations():
     assert memory.largest_batch() == (2**20 - copies) * 16 // reports[16].total_bytes
 
 
+def test_a_step_under_autocast_is_not_advised_mixed_precision():
+    """Autocast keeps LayerNorm in float32: those float32 activations are not a remedy left to take."""
+    model, x = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 2)), torch.randn(16, 8)
+    state = ModelStateBytes(parameters=0, gradients=0, optimizer_state=0)
+    kinds = {}
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            _, report, _ = record(model, x, exclude=[x])
+        assert mixed_precision_savings(report) > 0
+        kinds[autocast] = {r.kind for r in rank_remedies(StepMemory(state, 0, report, 16, budget_bytes=2**20))}
+    assert "mixed precision" in kinds[False] and "mixed precision" not in kinds[True]
+
+
 
 def test_an_embedding_lookup_is_an_activation_not_a_parameter_copy():
     """Under autocast the Linear after an Embedding saves the bf16 cast of the lookup: derived from the

@@ -905,6 +905,8 @@ def test_ddp_ranks_agree_warn_once_and_raise_together(tmp_path: Path):
     strict = read("strict")
     assert strict[0]["raised_at"] == strict[1]["raised_at"] == 1
     assert "unreachable_params" in strict[0]["error"] and "unreachable_params" in strict[1]["error"]
+    assert "DDP (find_unused_parameters=False) waits for their gradients" in strict[0]["error"]
+    assert "waits for their gradients" not in found["unreachable_params"]  # find_unused_parameters=True
 
 
 @pytest.mark.parametrize("verbose", [True, False])

@@ -507,11 +507,12 @@ class GraphIntegrityCallback(Callback):
             return
         unreached = [n for n, p in self._tracked if p.requires_grad and id(p) not in self._reached]
         reasons = unreached_reasons(pl_module, unreached, self._ran)
-        if not _ddp_without_unused_search(trainer):
+        ddp = _ddp_without_unused_search(trainer)
+        if not ddp:
             self._unreached = {n: why for n, why in reasons.items() if id(self._params_by_name[n]) in self._opt_of}
-        self._record_unreachable(trainer, {n: why for n, why in reasons.items() if n not in self._unreached})
+        self._record_unreachable(trainer, {n: why for n, why in reasons.items() if n not in self._unreached}, ddp)
 
-    def _record_unreachable(self, trainer: "pl.Trainer", reasons: dict[str, str]) -> None:
+    def _record_unreachable(self, trainer: "pl.Trainer", reasons: dict[str, str], ddp: bool = False) -> None:
         if not reasons:
             return
         names = tuple(reasons)
@@ -520,7 +521,9 @@ class GraphIntegrityCallback(Callback):
             FindingKind.UNREACHABLE_PARAMS,
             names,
             f"{len(names)} trainable parameter(s) cannot be reached from the loss and will get no gradient: "
-            + "; ".join(dict.fromkeys(reasons.values())) + ".",
+            + "; ".join(dict.fromkeys(reasons.values())) + "."
+            + (" This run's DDP (find_unused_parameters=False) waits for their gradients and fails at the next "
+               "step: strategy='ddp_find_unused_parameters_true', or remove or freeze them." if ddp else ""),
         )
 
     def _check_step_order(self, trainer: "pl.Trainer") -> None:

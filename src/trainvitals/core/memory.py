@@ -777,8 +777,9 @@ class StepMemory:
 def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
     """The remedies, most bytes freed first: checkpointing of the ``top_k`` modules that free the most
     (:func:`checkpoint_savings`; the root and :func:`whole_forward_modules` left out), mixed precision
-    (:func:`mixed_precision_savings`) and the optimizer state (all of it, as with a stateless or
-    sharded optimizer). Remedies that free nothing are left out.
+    (:func:`mixed_precision_savings`; not for a step that already saves 16-bit activations: under
+    autocast the float32 ones left are those it keeps in float32) and the optimizer state (all of it,
+    as with a stateless or sharded optimizer). Remedies that free nothing are left out.
 
     Raises:
         ValueError: if ``top_k < 0``.
@@ -801,7 +802,8 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
         remedies.append(Remedy("activation checkpointing", name, freed,
                                memory.largest_batch(scaling_freed=freed, activations_peak=peak), extra, note))
     halved = mixed_precision_savings(report)
-    if halved > 0:
+    sixteen_bit = any(s.dtype in (torch.float16, torch.bfloat16) for s in report.storages.values())
+    if halved > 0 and not sixteen_bit:
         remedies.append(Remedy("mixed precision", "", halved, memory.largest_batch(scaling_freed=halved), None,
                                "bf16/fp16 autocast; an upper bound: some ops stay in fp32"))
     state = memory.state
