@@ -916,3 +916,36 @@ def test_verbose_prints_the_table_at_fit_end(verbose, caplog):
         fit(Net(), cb)
     assert ("trainvitals GraphIntegrityCallback: findings" in caplog.text) is verbose
     assert "clean bill of health" in cb.summary_markdown()
+
+
+class CompiledWithUnusedOutput(Net):
+    """An auxiliary layer inside a compiled forward whose output never reaches the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(8, 1)
+        self.compiled_forward = torch.compile(self._forward, backend="aot_eager")
+        self.last_aux = None
+
+    def _forward(self, x):
+        h = torch.relu(self.body(x))
+        self.last_aux = self.aux(h)  # kept for logging, never in the loss
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.compiled_forward(x), y)
+
+
+def test_a_compiled_region_gives_an_unused_output_zeros_and_the_finding_says_so():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    cb = every_step()
+    fit(CompiledWithUnusedOutput(), cb, steps=3)
+    dead = finding(cb, K.DEAD_PARAMS)
+    assert set(dead.names) == {"aux.weight", "aux.bias"}
+    assert "In a torch.compile'd region, a parameter whose output does not reach the loss" in dead.message
+    eager = every_step()
+    fit(Net(), eager, steps=3)
+    assert K.DEAD_PARAMS not in kinds(eager)

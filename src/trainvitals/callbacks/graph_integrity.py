@@ -255,6 +255,7 @@ class GraphIntegrityCallback(Callback):
         self._stepped: list[int] = []
         self._walk_batch = False
         self._walked = False  # a loss of the walk batch was walked
+        self._compiled = False  # a walked loss went through a torch.compile'd region
         self._reached: set[int] = set()
         self._ran: dict[int, bool] = {}
         self._walk_counts: dict[str, int] = {}  # what the window's walk found, logged as graph/<key>
@@ -300,6 +301,7 @@ class GraphIntegrityCallback(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._mark = sequence_mark()
+        self._compiled = False
         self._step = trainer.global_step
         self._names = tensor_names(pl_module)
         self._opt_params, self._opt_of = [], {}
@@ -403,6 +405,7 @@ class GraphIntegrityCallback(Callback):
     def _walk(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
         walk = walk_graph(loss, self._mark)
         self._walked = True
+        self._compiled = self._compiled or any(type(n).__name__ == "CompiledFunctionBackward" for n in walk.nodes)
         self._reached.update(id(t) for t in walk.leaves)
         if walk.stale:
             self._walk_counts["leaked_graphs"] += 1
@@ -586,7 +589,9 @@ class GraphIntegrityCallback(Callback):
                 dead,
                 f"{len(dead)} parameter(s) had a gradient of exactly zero at {n} optimizer steps in a row: "
                 f"{listed(dead)}. They are in the graph but the gradient is blocked (a ReLU or clamp of values "
-                "that are always negative, a multiplication by zero, a saturated activation).",
+                "that are always negative, a multiplication by zero, a saturated activation)."
+                + (" In a torch.compile'd region, a parameter whose output does not reach the loss also gets a "
+                   "gradient of zeros rather than none." if self._compiled else ""),
             )
         metrics = {
             "graph/unused_params": float(len(unused)),
