@@ -949,3 +949,22 @@ def test_a_compiled_region_gives_an_unused_output_zeros_and_the_finding_says_so(
     eager = every_step()
     fit(Net(), eager, steps=3)
     assert K.DEAD_PARAMS not in kinds(eager)
+
+
+class LeafLoss(Net):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.tensor(F.cross_entropy(self(x), y).item(), requires_grad=True)
+
+
+def test_a_loss_rebuilt_from_its_value_is_named_as_reaching_no_parameter():
+    """Lightning divides the loss by accumulate_grad_batches, so a leaf rebuilt from ``.item()`` gets a
+    grad_fn and backward runs: the walk finds that it reaches no parameter of the model."""
+    cb = every_step()
+    fit(LeafLoss(), cb, steps=2)
+    f = finding(cb, K.LOSS_NO_GRAD)
+    assert f.names == ("loss reaches no parameter",)
+    assert "torch.tensor(loss.item(), requires_grad=True)" in f.message
+    healthy = every_step()
+    fit(Net(), healthy, steps=2)
+    assert K.LOSS_NO_GRAD not in kinds(healthy)

@@ -98,7 +98,7 @@ def test_descending_run_and_runs_without_a_band(tmp_path: Path, capsys: pytest.C
     [
         ("grad_norm/nonfinite_steps", "spikes and non-finite steps", "non-finite (inf/NaN) gradients on 3"),
         ("grad_norm/optimizer_1/nonfinite_steps", "spikes and non-finite steps", "non-finite (inf/NaN) gradients on 3"),
-        ("graph/findings_loss_no_grad", "integrity", "the loss had no grad_fn on 3 step(s)"),
+        ("graph/findings_loss_no_grad", "integrity", "the loss had no grad_fn or reached no parameter on 3 step(s)"),
         ("graph/nonfinite_losses", "integrity", "3 non-finite loss value(s) in one check window"),
         ("graph/findings_step_before_backward", "integrity", "an optimizer stepped before the backward"),
         ("graph/unoptimized_params", "integrity", "3 tensor(s) get gradients but belong to no optimizer"),

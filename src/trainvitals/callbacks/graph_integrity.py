@@ -410,6 +410,17 @@ class GraphIntegrityCallback(Callback):
         if walk.stale:
             self._walk_counts["leaked_graphs"] += 1
             self._record(trainer, FindingKind.STALE_GRAPH, *describe_stale_graph(pl_module, walk.stale, self._mark))
+        trainable = {id(p) for _, p in self._tracked if p.requires_grad}
+        if trainable and walk.leaves and not walk.stale and not walk.opaque and \
+                not any(id(t) in trainable for t in walk.leaves):
+            self._record(
+                trainer,
+                FindingKind.LOSS_NO_GRAD,
+                ("loss reaches no parameter",),
+                f"The loss reaches none of the model's parameters: its graph ends in {len(walk.leaves)} tensor(s) "
+                "made in the step (a loss rebuilt from its value, `torch.tensor(loss.item(), requires_grad=True)`?). "
+                "Return the loss tensor itself.",
+            )
         if not self._opt_of:
             return
         unoptimized = [

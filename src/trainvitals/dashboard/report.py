@@ -52,7 +52,8 @@ INTEGRITY, SPIKES = "integrity", "spikes and non-finite steps"
 CRITICAL_COUNTERS = (
     (SPIKES, grad_norm("nonfinite_steps"), "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler"),
     (INTEGRITY, r"graph/findings_loss_no_grad$",
-     "the loss had no grad_fn on {n} step(s): it was detached (.item(), .detach(), torch.no_grad()), nothing trains"),
+     "the loss had no grad_fn or reached no parameter on {n} step(s): it was detached (.item(), .detach(), "
+     "torch.no_grad()), nothing trains"),
     (INTEGRITY, r"graph/findings_(?:no_grad_error|second_backward|inplace_modified)$",
      "the run failed in backward with one of autograd's classic errors ({n}); the integrity panel has the diagnosis"),
     (INTEGRITY, r"graph/nonfinite_losses$", "{n} non-finite loss value(s) in one check window"),
