@@ -380,6 +380,7 @@ def test_largest_batch_and_remedies_closed_form():
     assert checkpoint_peak(report, "net.1") == 3 * act
     assert remedies[0].largest_batch == int((10**6 - 4000) / (per_example - act / B))
     assert "when 6.00 KiB of saved tensors are held again" in remedies[0].note
+    assert "use_reentrant=False" in remedies[0].note  # the reentrant one recomputes nothing for a batch input
     assert remedies[2].largest_batch == int((10**6 - 2000) / per_example)
     with pytest.raises(ValueError, match="top_k"):
         rank_remedies(memory, top_k=-1)

@@ -796,7 +796,9 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
         extra = seconds * memory.micro_batches / memory.step_seconds if seconds is not None and memory.step_seconds \
             else None
         peak = checkpoint_peak(report, name)
-        note = f"recomputes the forward of `{name}` in backward"
+        # The reentrant variant recomputes nothing when the module's input needs no grad (the batch).
+        note = (f"call `{name}` through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: its forward "
+                "runs again in backward")
         if peak > report.total_bytes - freed:
             note += f", when {format_bytes(peak)} of saved tensors are held again"
         remedies.append(Remedy("activation checkpointing", name, freed,
