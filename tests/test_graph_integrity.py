@@ -248,6 +248,22 @@ def test_a_non_finite_loss_after_the_last_check_window_is_still_logged(recording
     assert recording_logger.series["graph/nonfinite_losses"][-1] == (3, 2.0)
 
 
+class NeverUsedHead(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.never = nn.Linear(8, 3)
+
+
+@pytest.mark.parametrize("steps", [9, 10])
+def test_a_window_the_run_cuts_short_logs_no_unused_verdict(recording_logger: RecordingLogger, steps: int):
+    """Windows at steps 0 and 4 see the head unused for 3 checks; the one at step 8 gets 1 or 2 before the
+    run ends. Its 0 would read as "every parameter trains" to the report's last-window rule."""
+    cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=3)
+    fit(NeverUsedHead(), cb, steps=steps, logger=recording_logger)
+    assert [v for _, v in recording_logger.series["graph/unused_params"]] == [2.0, 2.0]
+    assert [s for s, _ in recording_logger.series["graph/nonfinite_losses"]][-1] == steps  # the last window logged
+
+
 class VectorLoss(Net):
     def training_step(self, batch, batch_idx):
         return F.cross_entropy(self(batch[0]), batch[1], reduction="none")

@@ -578,7 +578,10 @@ class GraphIntegrityCallback(Callback):
     def _close_window(self, trainer: "pl.Trainer") -> None:
         self._window_open = False
         n = self.dead_after_steps
-        unused, dead = self._streaks.at_least(n)
+        # A window the end of the run cut short has no verdict on unused or dead parameters: its streaks
+        # are shorter than n, and a 0 logged for it would read as "all parameters train".
+        complete = self._window_left <= 0
+        unused, dead = self._streaks.at_least(n) if complete else ((), ())
         nonfinite = self._flush_losses(trainer)
         self._record_unreachable(trainer, {name: why for name, why in self._unreached.items() if name in unused})
         self._unreached = {}
@@ -605,12 +608,12 @@ class GraphIntegrityCallback(Callback):
                    "gradient of zeros rather than none." if self._compiled else ""),
             )
         metrics = {
-            "graph/unused_params": float(len(unused)),
-            "graph/dead_params": float(len(dead)),
             "graph/nonfinite_losses": float(nonfinite),
             **{f"graph/{k}": float(v) for k, v in self._walk_counts.items()},
             **self._count_metrics(),
         }
+        if complete:
+            metrics.update({"graph/unused_params": float(len(unused)), "graph/dead_params": float(len(dead))})
         log_scalars(trainer, metrics, step=trainer.global_step)
 
     def _count_metrics(self) -> dict[str, float]:
