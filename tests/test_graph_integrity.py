@@ -616,6 +616,62 @@ def test_an_optimizer_step_before_its_backward_is_named_not_called_unused():
     assert f.message.startswith("Optimizer 0 (SGD) stepped before the backward") and "manual_backward" in f.message
 
 
+class ChunkedWithBranch(ManualNet):
+    """Two optimizer steps per batch, each after its own backward; a layer only the second chunk uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(8, 8)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        for chunk in range(2):
+            opt.zero_grad()
+            h = torch.relu(self.body(x))
+            self.manual_backward(F.cross_entropy(self.head(self.extra(h) if chunk else h), y))
+            opt.step()
+
+
+class StepFirstAccumulation(ManualNet):
+    """Accumulation by hand that steps the previous window's gradients at the start of a batch."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        if batch_idx % 2 == 0:
+            opt.step()
+            opt.zero_grad()
+        self.manual_backward(F.cross_entropy(self(batch[0]), batch[1]) / 2)
+
+
+class SharedByTwoOptimizers(ManualNet):
+    """Optimizer 0 holds every parameter, optimizer 1 the auxiliary head, whose loss comes second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(8, 3)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.aux.parameters(), lr=0.1)
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = batch
+        first.zero_grad()
+        self.manual_backward(F.cross_entropy(self(x), y))
+        first.step()
+        second.zero_grad()
+        self.manual_backward(F.cross_entropy(self.aux(torch.relu(self.body(x)).detach()), y))
+        second.step()
+
+
+@pytest.mark.parametrize("model", [ChunkedWithBranch, StepFirstAccumulation, SharedByTwoOptimizers])
+def test_manual_loops_whose_every_gradient_is_stepped_are_not_accused(model):
+    cb = GraphIntegrityCallback(check_every_n_steps=8, dead_after_steps=2)
+    fit(model(), cb, steps=8)
+    assert K.STEP_BEFORE_BACKWARD not in kinds(cb)
+
+
 # ---------------------------------------------------------------------------------- in-place errors
 
 

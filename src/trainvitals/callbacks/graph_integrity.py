@@ -262,8 +262,10 @@ class GraphIntegrityCallback(Callback):
         self._hook: Any = None
         self._frozen_versions: list[tuple[str, Tensor, int, int]] = []
         self._stale_opts: set[int] = set()
-        # Manual optimization: per optimizer step of this batch, its trainable parameters without a .grad then.
-        self._gradless: list[tuple[int, list[tuple[str, Tensor]]]] = []
+        # Manual optimization: per trainable parameter, its last optimizer step in this batch (optimizer,
+        # whether it had a .grad then), and the batches in a row whose gradient came only after that step.
+        self._grad_at_step: dict[str, tuple[int, bool, Tensor]] = {}
+        self._late_streak: dict[str, int] = {}
         self._pending_losses: list[Tensor] = []
         self._nonfinite = torch.zeros((), dtype=torch.long)  # non-finite losses counted, not yet flushed
         self._anomaly_prev: tuple[bool, bool] | None = None
@@ -353,6 +355,7 @@ class GraphIntegrityCallback(Callback):
         self._window_left = self.dead_after_steps * max(1, len(trainer.optimizers))
         self._next_check = step + self.check_every_n_steps
         self._streaks.clear()
+        self._late_streak.clear()
         self._stale_opts.clear()
         self._walk_batch = True
         self._walks += 1
@@ -467,14 +470,17 @@ class GraphIntegrityCallback(Callback):
         if k is None:
             return
         self._stepped.append(k)
-        if not self._window_open or self._window_left <= 0:
+        if not self._window_open:
+            return
+        if not pl_module.automatic_optimization:  # every step of the batch: a later one may use what one lacked
+            self._grad_at_step.update((n, (k, p.grad is not None, p)) for n, p in self._opt_params[k] if p.requires_grad)
+        if self._window_left <= 0:
             return
         self._window_left -= 1
         if not pl_module.automatic_optimization:
             if k in self._stale_opts:
                 self._record_leak(trainer, k)
             self._stale_opts.add(k)
-            self._gradless.append((k, [(n, p) for n, p in self._opt_params[k] if p.requires_grad and p.grad is None]))
         self._streaks.update(k, self._opt_params[k])
         self._grad_checks += 1
         self._frozen_versions.extend((n, p, p._version, k) for n, p in self._opt_params[k] if not p.requires_grad)
@@ -541,24 +547,27 @@ class GraphIntegrityCallback(Callback):
         )
 
     def _check_step_order(self, trainer: "pl.Trainer") -> None:
-        """Under manual optimization, a parameter without ``.grad`` at its optimizer's step that holds one at
-        the batch's end got it from a backward after the step: it is in the graph, not unused, and the step
-        did nothing with its gradient."""
-        for k, params in self._gradless:
-            late = tuple(n for n, p in params if p.grad is not None)
-            if not late:
-                continue
-            self._streaks.got_gradient(late)
+        """Under manual optimization, a parameter without ``.grad`` at its last optimizer step of the batch
+        that holds one at the batch's end got it from a backward after every step: it is in the graph, not
+        unused, and no step used its gradient. One batch may do that legitimately (accumulation by hand
+        that steps the previous window first); ``dead_after_steps`` batches in a row are a finding."""
+        late = {n: k for n, (k, had, p) in self._grad_at_step.items() if not had and p.grad is not None}
+        for name in self._grad_at_step:
+            self._late_streak[name] = self._late_streak.get(name, 0) + 1 if name in late else 0
+        self._grad_at_step = {}
+        self._streaks.got_gradient(tuple(late))
+        flagged = [n for n in late if self._late_streak[n] >= self.dead_after_steps]
+        for k in dict.fromkeys(late[n] for n in flagged):
+            names = tuple(n for n in flagged if late[n] == k)
             self._record(
                 trainer,
                 FindingKind.STEP_BEFORE_BACKWARD,
-                late,
+                names,
                 f"Optimizer {k} ({type(trainer.optimizers[k]).__name__}) stepped before the backward that gives "
-                f"{listed(late)} their gradients: at its step their `.grad` was None, so the step left them "
-                "unchanged, and the next zero_grad() throws the gradient away: they never train. Call "
-                "`self.manual_backward(loss)` before `opt.step()`.",
+                f"{listed(names)} their gradients, at {self.dead_after_steps} batches in a row: at its step their "
+                "`.grad` was None, so the step left them unchanged, and the next zero_grad() throws the gradient "
+                "away: they never train. Call `self.manual_backward(loss)` before `opt.step()`.",
             )
-        self._gradless = []
 
     def _check_frozen_changed(self, trainer: "pl.Trainer") -> None:
         for name, p, version, k in self._frozen_versions:
