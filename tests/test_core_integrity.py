@@ -342,6 +342,34 @@ def test_an_optimizer_step_between_forward_and_backward_is_blamed_on_the_paramet
     )
 
 
+def test_a_carried_graph_is_blamed_only_for_what_it_saved():
+    """The loss reaches state carried from an earlier step, but the tensor changed in place is this step's
+    sigmoid output: that is the diagnosis. When the changed tensor is one the old graph saved, the state is."""
+
+    class Carrier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head, self.state = nn.Linear(3, 4), nn.Linear(4, 1), None
+
+    model = Carrier()
+    model.state = model.body(X).tanh()  # an earlier step's graph, kept in `state`
+    before = sequence_mark()
+    h = torch.sigmoid(model.body(X))
+    h.mul_(2)  # this step's bug: sigmoid saved its output
+    loss = (model.head(h) + model.state.sum()).sum()
+    names, message = diagnose_inplace(inplace_error(loss), loss, model, tensor_names(model), before, [])
+    assert names == () and message.startswith("The tensor that SigmoidBackward0 saved as `result`")
+
+    model.state = model.head(model.body(X).tanh())  # the old graph saved head.weight
+    before = sequence_mark()
+    with torch.no_grad():
+        model.head.weight.add_(1.0)  # an optimizer step between the two steps
+    loss = (model.head(torch.relu(model.body(X))) + model.state.square().sum()).sum()
+    names, message = diagnose_inplace(inplace_error(loss), loss, model, tensor_names(model), before, [])
+    assert names == ("state",)
+    assert "belongs to a graph made in an earlier step" in message and "`self.state = state.detach()`" in message
+
+
 def test_an_inplace_op_on_a_saved_tensor_is_named_from_the_rerun():
     model = nn.Sequential(nn.Linear(3, 4), nn.Sigmoid())
 

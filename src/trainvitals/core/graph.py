@@ -69,6 +69,13 @@ def _sequence_nr(node: Node) -> int | None:
     return None if get is None else int(get())
 
 
+def created_before(node: Node, mark: int | None) -> bool:
+    """Whether autograd created ``node`` before :func:`sequence_mark` returned ``mark`` (False if either is
+    unknown)."""
+    number = _sequence_nr(node)
+    return mark is not None and number is not None and number < mark
+
+
 @dataclass(frozen=True)
 class GraphWalk:
     """What a loss's graph reaches.

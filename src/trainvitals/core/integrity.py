@@ -24,6 +24,7 @@ from torch.autograd.graph import Node
 
 from trainvitals.core.graph import (
     AutogradError,
+    created_before,
     GraphTracer,
     InplaceInfo,
     all_zero,
@@ -201,18 +202,24 @@ def describe_stale_graph(
         The module attributes that carry the graph over (else the stale nodes' types), and a message
         with the fix.
     """
+    names, carried, fix = _carried_state(root, stale, before)
+    return names, (
+        f"The loss reaches {len(stale)} autograd node(s) created in an earlier step "
+        f"({listed(_node_types(stale))}): {carried}. The earlier backward freed their saved tensors "
+        f"(\"backward through the graph a second time\"), or the graph grows every step. Detach the state "
+        f"when carrying it over ({fix})."
+    )
+
+
+def _carried_state(root: nn.Module, stale: Sequence[Node], before: int | None) -> tuple[tuple[str, ...], str, str]:
+    """(names, "it is carried across steps in ...", the fix) for a graph reaching ``stale`` nodes."""
     attrs = attributes_reaching(root, set(stale), before)
     carried = (
         f"it is carried across steps in {listed(attrs)}" if attrs
         else "it is carried across steps outside the module's attributes"
     )
     fix = f"`self.{attrs[0]} = {attrs[0].rpartition('.')[2]}.detach()`" if attrs else "`.detach()`"
-    return tuple(attrs) or _node_types(stale), (
-        f"The loss reaches {len(stale)} autograd node(s) created in an earlier step "
-        f"({listed(_node_types(stale))}): {carried}. The earlier backward freed their saved tensors "
-        f"(\"backward through the graph a second time\"), or the graph grows every step. Detach the state "
-        f"when carrying it over ({fix})."
-    )
+    return tuple(attrs) or _node_types(stale), carried, fix
 
 
 # ------------------------------------------------------------------------------ autograd's errors
@@ -377,9 +384,9 @@ def diagnose_inplace(
 ) -> tuple[tuple[str, ...], str]:
     """Explain ``AutogradError.INPLACE`` ("modified by an inplace operation").
 
-    In order: the loss reaches an earlier step's graph, kept by ``retain_graph=True``, whose saved
-    weights an optimizer step has changed since (:func:`describe_stale_graph`); the saved tensor is a
-    parameter an optimizer step of this batch changed (:func:`stepped_parameter`); ``rerun``'s trace
+    In order: the changed saved tensor belongs to an earlier step's graph, kept by ``retain_graph=True``
+    and carried over by state the loss reaches, and an optimizer step has changed it since; the saved
+    tensor is a parameter an optimizer step of this batch changed (:func:`stepped_parameter`); ``rerun``'s trace
     pairs a saved tensor with the in-place op that changed it later; otherwise the node whose saved
     tensor changed, with its module and (under anomaly mode) its forward line.
 
@@ -394,14 +401,15 @@ def diagnose_inplace(
     Returns:
         The names it points at (parameter, attributes, or modules and ops) and the message.
     """
-    if loss is not None and (stale := walk_graph(loss, before).stale):
-        carried, message = describe_stale_graph(root, stale, before)
-        return carried, message + (
-            " Here the earlier graph was kept (retain_graph=True), and the optimizer step since then changed "
-            "in place the weights it saved."
-        )
     info = parse_inplace_error(str(error))
     errors = [e for e in saved_tensor_errors(loss) if e.kind is AutogradError.INPLACE] if loss is not None else []
+    if errors and created_before(errors[0].node, before) and (stale := walk_graph(loss, before).stale):
+        names, carried, fix = _carried_state(root, stale, before)
+        return names, (
+            f"The tensor that {type(errors[0].node).__name__} saved as `{errors[0].saved}` belongs to a graph made "
+            f"in an earlier step and kept (retain_graph=True): {carried}, and an optimizer step has changed what "
+            f"it saved since. Detach the state when carrying it over ({fix})."
+        )
     saver, near = "", []
     if errors:
         node = errors[0].node
