@@ -195,8 +195,9 @@ class SavedTensorReport:
         input_nbytes: bytes of each storage in ``module_inputs``.
         forward_seconds: wall time of each module's forward, inclusive of its children (empty unless
             timed).
-        module_start: storages recorded before each module's forward first began (those of a lower
-            :attr:`SavedStorage.order` were saved before it), for :func:`checkpoint_peak`.
+        module_calls: each module's forward calls as ``(start, end)`` in save order: the storages of
+            :attr:`SavedStorage.order` in ``[start, end)`` were first saved during the call, those below
+            ``start`` before it; for :func:`checkpoint_peak`.
         uncounted: saved tensors that have no storage (sparse, wrapper subclasses), not in any total.
         parameter_copy_bytes: distinct storages of saved casts of the module's parameters or of
             slices of them (autocast's 16-bit weights): batch-independent. Autocast caches the casts
@@ -209,7 +210,7 @@ class SavedTensorReport:
     module_inputs: dict[str, frozenset[StorageKey]] = field(default_factory=dict)
     input_nbytes: dict[StorageKey, int] = field(default_factory=dict)
     forward_seconds: dict[str, float] = field(default_factory=dict)
-    module_start: dict[str, int] = field(default_factory=dict)
+    module_calls: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     uncounted: int = 0
     parameter_copy_bytes: int = 0
 
@@ -263,7 +264,8 @@ class SavedTensorRecorder:
         self._stack: list[str] = []
         self._saved: dict[StorageKey, SavedStorage] = {}
         self._recorded = 0  # storages recorded so far, freed or not: the save order
-        self._module_start: dict[str, int] = {}
+        self._call_starts: list[int] = []  # save order at the start of each running module's call
+        self._calls: dict[str, list[tuple[int, int]]] = {}
         self._refs: dict[StorageKey, list[weakref.ref]] = {}
         self._copies: dict[StorageKey, int] = {}
         self._inputs: dict[str, set[StorageKey]] = {}
@@ -313,7 +315,7 @@ class SavedTensorRecorder:
         if name is None:
             return
         self._stack.append(name)
-        self._module_start.setdefault(name, self._recorded)
+        self._call_starts.append(self._recorded)
         inputs = self._inputs.setdefault(name, set())
         first: Tensor | None = None
         for t in tensors_in(args):
@@ -336,6 +338,7 @@ class SavedTensorRecorder:
         if id(module) not in self._names:
             return
         name = self._stack.pop()
+        self._calls.setdefault(name, []).append((self._call_starts.pop(), self._recorded))
         start = self._starts.pop()
         if isinstance(start, float):
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
@@ -424,7 +427,7 @@ class SavedTensorRecorder:
             module_inputs={name: frozenset(keys) for name, keys in self._inputs.items()},
             input_nbytes=dict(self._input_nbytes),
             forward_seconds=dict(self._seconds),
-            module_start=dict(self._module_start),
+            module_calls={name: tuple(calls) for name, calls in self._calls.items()},
             uncounted=self._uncounted,
             parameter_copy_bytes=sum(self._copies.values()),
         )
@@ -498,20 +501,25 @@ def checkpoint_savings(report: SavedTensorReport) -> dict[str, int]:
 def checkpoint_peak(report: SavedTensorReport, name: str) -> int:
     """Saved bytes held while backward recomputes module ``name``, were it checkpointed.
 
-    A checkpointed module's saved tensors come back in backward, when its forward runs again: then
-    everything saved before its forward began is still held (backward has not reached it), with the
-    inputs the checkpoint keeps and everything the module saves, also what layers after it saved again
-    (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost", §3: the peak is the checkpoints
-    plus one segment). Checkpointing the module that saves most of a model's activations in its first
-    layers frees them after forward but not at this peak, so the step's peak hardly falls.
+    A checkpointed module's saved tensors come back in backward, one call at a time, when its forward
+    runs again: then what was saved before the call is still held (backward has not reached it) —
+    except what the module's own earlier calls saved, which checkpointing dropped —, with the inputs
+    the checkpoint keeps and everything the call saves, also what layers after it saved again (Chen et
+    al. 2016, "Training Deep Nets with Sublinear Memory Cost", §3: the peak is the checkpoints plus one
+    segment). Checkpointing the module that saves most of a model's activations in its first layers
+    frees them after forward but not at this peak, so the step's peak hardly falls.
 
     Returns:
-        Bytes, to compare with ``total_bytes`` − :func:`checkpoint_savings`.
+        Bytes at the costliest call, to compare with ``total_bytes`` − :func:`checkpoint_savings`.
     """
-    start, inputs = report.module_start.get(name, 0), report.module_inputs.get(name, frozenset())
-    held = sum(s.nbytes for key, s in report.storages.items()
-               if s.order < start or key in inputs or any(name in _enclosing(saver) for saver in s.savers))
-    return held + sum(report.input_nbytes[key] for key in inputs if key not in report.storages)
+    inputs = report.module_inputs.get(name, frozenset())
+    inside = {key for key, s in report.storages.items() if any(name in _enclosing(saver) for saver in s.savers)}
+    kept = {key for key, s in report.storages.items()
+            if key in inputs or any(name not in _enclosing(saver) for saver in s.savers)}
+    peak = max((sum(s.nbytes for key, s in report.storages.items()
+                    if (s.order < start and key in kept) or (start <= s.order < end and key in inside))
+                for start, end in report.module_calls.get(name, ((0, 0),))), default=0)
+    return peak + sum(report.input_nbytes[key] for key in inputs if key not in report.storages)
 
 
 def whole_forward_modules(report: SavedTensorReport) -> set[str]:
@@ -712,7 +720,8 @@ class Remedy:
     Attributes:
         kind: ``"activation checkpointing"``, ``"mixed precision"`` or ``"optimizer state"``.
         target: the module to checkpoint (qualified name), else ``""``.
-        bytes_freed: predicted bytes freed per step.
+        bytes_freed: predicted bytes the step's peak falls by (checkpointing: of saved activations, at the
+            step's peak, :func:`checkpoint_peak`).
         largest_batch: the largest batch that fits the budget after the remedy (``None``: no budget).
         extra_compute: extra step time as a fraction of the step (checkpointing: one more forward of
             the module), ``None`` when not measured or not applicable.
@@ -775,11 +784,13 @@ class StepMemory:
 
 
 def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
-    """The remedies, most bytes freed first: checkpointing of the ``top_k`` modules that free the most
-    (:func:`checkpoint_savings`; the root and :func:`whole_forward_modules` left out), mixed precision
-    (:func:`mixed_precision_savings`; not for a step that already saves 16-bit activations: under
-    autocast the float32 ones left are those it keeps in float32) and the optimizer state (all of it,
-    as with a stateless or sharded optimizer). Remedies that free nothing are left out.
+    """The remedies, most bytes freed first: checkpointing of the ``top_k`` modules that lower the step's
+    peak of saved activations the most (what :func:`checkpoint_savings` frees after forward, less what
+    :func:`checkpoint_peak` holds again in backward; the root and :func:`whole_forward_modules` left
+    out), mixed precision (:func:`mixed_precision_savings`; not for a step that saves mostly 16-bit
+    activations already: under autocast the float32 ones left are those it keeps in float32) and the
+    optimizer state (all of it, as with a stateless or sharded optimizer). Remedies that free nothing are
+    left out.
 
     Raises:
         ValueError: if ``top_k < 0``.
@@ -788,24 +799,28 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
         raise ValueError(f"`top_k` must be >= 0, got {top_k}")
     report = memory.activations
     skip = whole_forward_modules(report) | {ROOT}
-    savings = checkpoint_savings(report)
-    best = sorted((kv for kv in savings.items() if kv[1] > 0 and kv[0] not in skip), key=lambda kv: -kv[1])[:top_k]
+    # The peaks cost a pass over the storages each: only for the modules that free the most after forward.
+    freeing = sorted(((n, b) for n, b in checkpoint_savings(report).items() if b > 0 and n not in skip),
+                     key=lambda kv: -kv[1])[:4 * top_k]
+    lowered = []
+    for name, freed in freeing:
+        peak = checkpoint_peak(report, name)
+        lowered.append((report.total_bytes - max(peak, report.total_bytes - freed), name, freed, peak))
     remedies = []
-    for name, freed in best:
+    for reduction, name, freed, peak in sorted((c for c in lowered if c[0] > 0), key=lambda c: -c[0])[:top_k]:
         seconds = report.forward_seconds.get(name)
         extra = seconds * memory.micro_batches / memory.step_seconds if seconds is not None and memory.step_seconds \
             else None
-        peak = checkpoint_peak(report, name)
         # The reentrant variant recomputes nothing when the module's input needs no grad (the batch).
-        note = (f"call `{name}` through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: its forward "
-                "runs again in backward")
+        note = (f"call `{name}` through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: it frees "
+                f"{format_bytes(freed)} after forward; backward runs its forward again")
         if peak > report.total_bytes - freed:
-            note += f", when {format_bytes(peak)} of saved tensors are held again"
-        remedies.append(Remedy("activation checkpointing", name, freed,
+            note += f", holding {format_bytes(peak)} of saved tensors then"
+        remedies.append(Remedy("activation checkpointing", name, reduction,
                                memory.largest_batch(scaling_freed=freed, activations_peak=peak), extra, note))
     halved = mixed_precision_savings(report)
-    sixteen_bit = any(s.dtype in (torch.float16, torch.bfloat16) for s in report.storages.values())
-    if halved > 0 and not sixteen_bit:
+    sixteen_bit = sum(s.nbytes for s in report.storages.values() if s.dtype in (torch.float16, torch.bfloat16))
+    if halved > 0 and sixteen_bit < 2 * halved:  # halved: half the float32 bytes
         remedies.append(Remedy("mixed precision", "", halved, memory.largest_batch(scaling_freed=halved), None,
                                "bf16/fp16 autocast; an upper bound: some ops stay in fp32"))
     state = memory.state
