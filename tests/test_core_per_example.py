@@ -442,12 +442,15 @@ def test_torch_func_never_re_runs_a_subtree():
     model = WithPositions()
     plan = plan_sources(model, groups_available=False, fallback=True)
     assert list(plan.per_example) == ["body.0"] and list(plan.vmap) == ["body.1"]  # a leaf module: re-run alone
-    assert plan.uncovered["positions"].startswith("a parameter of a module whose forward also runs larger submodules")
+    assert plan.uncovered["positions"].startswith("a parameter of a module whose forward also runs layers with weight")
     grouped = plan_sources(model, groups_available=True, fallback=True)
     assert set(grouped.micro_batch) == {"positions", "body.1.scale"} and not grouped.uncovered
-    small_child = nn.Sequential(Scale(4))
-    small_child.weight = nn.Parameter(torch.ones(4, 4))  # 16 of its own beside a child's 4
-    assert list(plan_sources(small_child, groups_available=False, fallback=True).vmap) == ["", "0"]
+    norm_child = nn.Sequential(Scale(4))  # a child without a weight matrix is cheap to re-run
+    norm_child.weight = nn.Parameter(torch.ones(4, 4))
+    assert list(plan_sources(norm_child, groups_available=False, fallback=True).vmap) == ["", "0"]
+    big_table = nn.Sequential(nn.Linear(4, 4))  # a large table of its own does not make the child cheap
+    big_table.table = nn.Parameter(torch.ones(1000, 4))
+    assert "table" in plan_sources(big_table, groups_available=False, fallback=True).uncovered
 
 
 def test_noise_scale_error_shrinks_with_steps_and_flags_one_update():

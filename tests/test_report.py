@@ -140,6 +140,14 @@ def test_a_diverged_run_gets_no_convergence_verdict(tmp_path: Path, capsys: pyte
     assert not any("noise band" in m for m in notes)
 
 
+def test_a_run_that_trains_on_after_a_non_finite_step_has_not_diverged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/nonfinite_steps": [0.0, 0.0, 1.0] + [1.0] * (len(STEPS) - 3)})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL  # a non-finite step is still worth a look
+    notes = [f["message"] for f in doc["runs"][0]["findings"] if f["severity"] == "note"]
+    assert not any(m.startswith("the run diverged") for m in notes) and any("noise band" in m for m in notes)
+
+
 def test_growing_held_graph_is_critical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     held = [0.0] * (len(STEPS) - 2) + [2**20, 2 * 2**20]
     write_run(tmp_path / "leak", {**HEALTHY, "memory/held_saved_bytes": held})

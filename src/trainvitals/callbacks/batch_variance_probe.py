@@ -80,7 +80,7 @@ class BatchVarianceProbe(Callback):
        McCandlish Eq. A.2) for the other parameters, when a step has at least two of them;
     3. otherwise ``torch.func`` per-example gradients of those layers on the first
        ``fallback_sub_batch`` examples (when ``fallback``), except for a module whose forward runs
-       submodules larger than itself (a model's own position table): the re-run would be that subtree.
+       layers with weight matrices (a model's own position table): the re-run would be that subtree.
 
     The parts add up: tr(Σ) and ‖G‖² are sums over parameters. BatchNorm in training mode makes every
     example's gradient depend on the whole micro-batch; the estimate then describes that coupled

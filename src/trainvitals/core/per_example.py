@@ -363,8 +363,9 @@ def vmap_per_example_grads(
 @dataclass(frozen=True)
 class LossReduction:
     """How a loss reduces its terms: ``kind`` ``"mean"`` or ``"sum"``, over ``terms`` values (the examples
-    of a micro-batch, times the tokens or elements of each for a per-token or per-element loss; counting
-    targets an ``ignore_index`` leaves out) where the graph says so, else ``None``."""
+    of a micro-batch, times the tokens or elements of each for a per-token or per-element loss) where
+    the graph says so, else ``None``. Targets an ``ignore_index`` leaves out (padding) are counted: read
+    from shapes, not values, so with padding ``terms`` is an upper bound."""
 
     kind: str
     terms: int | None
@@ -510,8 +511,8 @@ _ATTENTION_REASON = ("nn.MultiheadAttention (its forward uses out_proj's weight 
                      "attention written with nn.Linear projections gets per-example norms)")
 
 
-_CONTAINER_REASON = ("a parameter of a module whose forward also runs larger submodules (torch.func would re-run "
-                     "them all); accumulate_grad_batches >= 2 or >= 2 devices measure it")
+_CONTAINER_REASON = ("a parameter of a module whose forward also runs layers with weight matrices (torch.func would "
+                     "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it")
 
 
 def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = ()) -> SourcePlan:
@@ -548,9 +549,9 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
             micro.update({n: p for n, p in qualified.items() if id(p) not in known})
         elif fallback and barred is None and not isinstance(module, _BatchNorm):
             # A model's own position table, a block's layer-scale: torch.func would re-run the whole
-            # subtree (the whole model, for the root) on every measured step, for a few parameters.
-            own = sum(p.numel() for p in params.values())
-            if sum(p.numel() for child in module.children() for p in child.parameters()) > own:
+            # subtree (the whole model, for the root) on every measured step. Weight matrices stand for
+            # its compute: a LayerNorm child is cheap to re-run, a Linear or a convolution is not.
+            if any(p.dim() >= 2 for child in module.children() for p in child.parameters()):
                 uncovered.update(dict.fromkeys(qualified, _CONTAINER_REASON))
             else:
                 vmap[name] = module

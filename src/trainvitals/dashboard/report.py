@@ -9,11 +9,11 @@ Exit status, for CI:
 
 - 0: every run read, no critical finding;
 - 1: a critical finding in some run (:data:`CRITICAL_COUNTERS`): non-finite gradients (outside a
-  GradScaler's calibration) or losses, a loss without ``grad_fn``, a parameter still unused in the last
-  check window, a parameter
-  outside every optimizer (unregistered: layers in a Python list), a computation graph kept alive
-  across steps (GraphIntegrityCallback's counter, or MemoryTopologyProfiler's saved bytes still held
-  after backward and growing);
+  GradScaler's calibration) or losses, a loss without ``grad_fn`` or that reaches no parameter, an
+  optimizer stepping before the backward of its gradients, a parameter still unused in the last check
+  window, a parameter outside every optimizer (unregistered: layers in a Python list), a computation
+  graph kept alive across steps (GraphIntegrityCallback's counter, or MemoryTopologyProfiler's saved
+  bytes still held after backward and growing);
 - 2: nothing to report: LOGDIR missing, no event files under it, or event files without trainvitals
   metrics (another tool's, or a run without trainvitals callbacks); also a usage error.
 
@@ -217,8 +217,13 @@ def _counter(run: Run, pattern: str, last: bool = False) -> float:
 
 
 def _diverged(run: Run) -> bool:
-    """Non-finite gradients outside a GradScaler, or non-finite losses: what follows is not training."""
-    return _counter(run, grad_norm("nonfinite_steps")) > 0 or _counter(run, r"graph/nonfinite_losses$") > 0
+    """Non-finite gradients (outside a GradScaler) or losses logged at or after the last finite gradient
+    norm: the run ended diverged. One it trained on from (a skipped batch) is not the end of it."""
+    bad = [step for series in run.matching(grad_norm("nonfinite_steps")).values()
+           for (step, count), before in zip(series, [0.0] + [c for _, c in series]) if count > before]
+    bad += [step for series in run.matching(r"graph/nonfinite_losses$").values() for step, n in series if n > 0]
+    finite = [step for series in run.matching(grad_norm("total")).values() for step, v in series if math.isfinite(v)]
+    return bool(bad) and (not finite or max(bad) >= max(finite))
 
 
 def _convergence(run: Run, report: RunReport) -> None:
