@@ -176,3 +176,31 @@ def test_callbacks_whose_saved_state_means_different_things_have_different_state
     for first, second in pairs:
         assert first.state_key != second.state_key
         Trainer(**trainer_kwargs(callbacks=[first, second], logger=False, max_steps=1))
+
+
+class FailsFirst(Regressor):
+    """A training_step with a bug the user fixes between two fits (a notebook)."""
+
+    fail = True
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.fail:
+            raise ValueError("a bug in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_failed_on_its_first_step_leaves_nothing_behind():
+    """The failed fit stopped inside a measured step: its hooks stayed on the model and its open step made
+    the next fit's first step look measured but unseen, so every layer was excluded for good."""
+    probe, model = BatchVarianceProbe(), FailsFirst()
+    trainer = Trainer(**trainer_kwargs(callbacks=[probe], logger=False, max_steps=4))
+    with pytest.raises(ValueError, match="a bug in training_step"):
+        trainer.fit(model, loader(regression_data(), 8))
+    hooked = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert hooked == [] and not any(p._backward_hooks for p in model.parameters())
+    model.fail = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(**trainer_kwargs(callbacks=[probe], logger=False, max_steps=4)).fit(model, loader(regression_data(), 8))
+    assert int(probe.noise.count) == 4 and not probe._excluded
+    assert not [w for w in caught if "BatchVarianceProbe: cannot measure" in str(w.message)]

@@ -171,39 +171,48 @@ class BatchVarianceProbe(Callback):
         # Lightning reads the key in every hook call (profiler names): build it once.
         self._state_key = self._generate_state_key(every_n_steps=every_n_steps, beta=beta)
 
-        self._reset()
         self.sources = ""
-
         self._warnings = WarningCache()
-        self._enabled = False
         self._plan: SourcePlan | None = None
         self._plan_params: dict[str, list[torch.nn.Parameter]] = {}
-        self._excluded: set[str] = set()
-        self._failed: set[str] = set()  # layers that failed on this rank, not yet excluded (DDP: until a logging step)
         self._collector: PerExampleGradients | None = None
         self._micro = MicroBatchSquaredNorms()
-        self._open_step = -1
-        self._measuring = False
-        self._finalized_step = -1
         self._log_every: int | None = 1
         self._histogram_every: int | None = None
         self._batch_size = 0
-        self._micro_sizes: list[int] = []
-        self._unsized = False  # a micro-batch of this step whose size Lightning cannot tell
         self._unit: Tensor | float = 1.0
         self._reduction = "mean"
-        self._stated_reduction = ""
         self._bn_values: dict[str, int] = {}
         self._batchnorms: dict[str, torch.nn.Module] = {}
         self._bn_handles: list[Any] = []
+        self._reset()
 
     def _reset(self) -> None:
-        """The estimates of a run that has not measured yet."""
+        """The state of a fit that has not started: no estimate, no step open, no layer excluded, no hook
+        (a fit that failed on its first step leaves none of its own behind)."""
+        self._detach_hooks()
         self.noise = NoiseScaleEMA(self.beta**self.every_n_steps)
         self.noise_error = NoiseScaleError(self.beta**self.every_n_steps)
         self.effective_batch_size: int | None = None
         self.grad_scale = 1.0
         self.last_outliers: list[tuple[int, float]] = []
+        self._enabled = False
+        self._excluded: set[str] = set()
+        self._failed: set[str] = set()  # layers that failed on this rank, not yet excluded (DDP: until a logging step)
+        self._open_step = -1
+        self._measuring = False
+        self._finalized_step = -1
+        self._micro_sizes: list[int] = []
+        self._unsized = False  # a micro-batch of this step whose size Lightning cannot tell
+        self._stated_reduction = ""
+
+    def _detach_hooks(self) -> None:
+        if self._collector is not None:
+            self._collector.detach()
+        self._micro.detach()
+        for handle in self._bn_handles:
+            handle.remove()
+        self._bn_handles = []
 
     @property
     @override
@@ -232,7 +241,6 @@ class BatchVarianceProbe(Callback):
         # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
         # for validate/test with a checkpoint does not carry into a later fit.
         self._reset()
-        self._enabled = False
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
             self._cannot_measure(f"strategy {type(trainer.strategy).__name__} is not supported "
                                  "(single device and DDP are)")
@@ -251,6 +259,7 @@ class BatchVarianceProbe(Callback):
         return trainer.accumulate_grad_batches * trainer.world_size
 
     def _make_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._detach_hooks()
         self._plan = plan_sources(pl_module, self._groups_per_step(trainer) >= 2, self.fallback, self._excluded)
         self._collector = PerExampleGradients(self._plan.per_example, self._plan.vmap, self.fallback_sub_batch)
         self._batchnorms = {n: m for n, m in pl_module.named_modules() if n in self._plan.coupled}
@@ -306,8 +315,7 @@ class BatchVarianceProbe(Callback):
         self._measuring = step % self.every_n_steps == 0 and bool(plan.per_example or plan.micro_batch or plan.vmap)
         self._micro_sizes = []
         self._unsized = False
-        collector.detach()
-        self._micro.detach()
+        self._detach_hooks()
         if not self._measuring:
             return
         collector.attach(coordinates=self.per_coordinate and is_logging_step(step, self._log_every),
@@ -369,11 +377,7 @@ class BatchVarianceProbe(Callback):
         assert self._collector is not None and self._plan is not None
         result = self._collector.pop()
         micro_sum, _ = self._micro.pop()
-        self._collector.detach()
-        self._micro.detach()
-        for handle in self._bn_handles:
-            handle.remove()
-        self._bn_handles = []
+        self._detach_hooks()
         self._check_batchnorm(trainer)
         problem = self._problem(result)
         if problem:
@@ -611,12 +615,13 @@ class BatchVarianceProbe(Callback):
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if self._collector is not None:
-            self._collector.detach()
-        self._micro.detach()
-        for handle in self._bn_handles:
-            handle.remove()
-        self._bn_handles = []
+        self._detach_hooks()
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        # Lightning does not call teardown after a failure: the hooks would stay on the model, and grow.
+        self._detach_hooks()
+        self._measuring = False
 
     @override
     def state_dict(self) -> dict[str, Any]:
