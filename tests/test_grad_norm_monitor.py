@@ -17,7 +17,7 @@ from torch import nn
 import lightning.pytorch as pl
 from _models import Regressor, flat_grad_norm, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
-from trainvitals import GradNormMonitor
+from trainvitals import GradNormEarlyStopping, GradNormMonitor
 from trainvitals.callbacks.grad_norm_monitor import MAX_PENDING_STEPS
 from trainvitals.callbacks import _writers
 
@@ -511,3 +511,32 @@ def test_the_cadence_is_kept_unless_the_run_was_stopped_early(overrides, logged)
     # 9 optimizer steps an epoch: the last step of a fit is never a logging step.
     Trainer(**trainer_kwargs(callbacks=callbacks, logger=logger, **overrides)).fit(Regressor(), loader(regression_data(72), 8))
     assert [step for step, _ in logger.series["grad_norm/total"]] == logged
+
+
+class LBFGSRegressor(Regressor):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=4)
+
+
+class FirstGradients(pl.Callback):
+    """The gradient norm at the first closure evaluation of each step: the gradient at the step's point."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step not in self.norms:
+            self.norms[trainer.global_step] = flat_grad_norm(pl_module.parameters())
+
+
+def test_lbfgs_closure_evaluations_are_one_step():
+    """Lightning calls on_before_optimizer_step after each of LBFGS's closure evaluations (4 per step here):
+    one total per optimizer step, that of its first evaluation, and one step counted."""
+    logger, first, monitor = RecordingLogger(), FirstGradients(), GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    stopper = GradNormEarlyStopping(mode="threshold", threshold=1e-12, min_steps=0, check_every_n_steps=1)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[first, monitor, stopper], logger=logger,
+                                          log_every_n_steps=1))
+    trainer.fit(LBFGSRegressor(), loader(regression_data(), 16))
+    assert [s for s, _ in logger.series["grad_norm/total"]] == [0, 1, 2]
+    assert logger.values("grad_norm/total") == pytest.approx([first.norms[s] for s in range(3)], rel=1e-6)
+    assert monitor._tracks[0].steps == 3 and stopper.steps == 3

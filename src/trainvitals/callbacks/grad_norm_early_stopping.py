@@ -229,6 +229,8 @@ class GradNormEarlyStopping(Callback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
+        if self._pending is not None and self._pending[0] == trainer.global_step:
+            return  # a closure evaluated again in the same step (LBFGS): the first counts, as the monitor's
         sq_norm = grad_sq_norm(trainer, optimizer, self._params)
         if sq_norm is None:
             return

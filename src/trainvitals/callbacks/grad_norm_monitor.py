@@ -210,6 +210,8 @@ class GradNormMonitor(Callback):
     ) -> None:
         index = _optimizer_index(trainer, optimizer)
         track = self._track(index, pl_module, optimizer)
+        if track.latest_step == trainer.global_step:
+            return  # LBFGS evaluates its closure, and Lightning this hook, several times per step: the first counts
         present = tuple(i for i, p in enumerate(track.params) if p.grad is not None)
         if not present and not holds_shards(trainer):
             return
