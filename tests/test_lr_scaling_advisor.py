@@ -85,6 +85,13 @@ def test_effective_batch_on_a_single_device(accumulate):
     assert set(logger.values("lr_scaling/effective_batch")) == {8.0 * accumulate}
 
 
+def test_an_epoch_shorter_than_the_accumulation_steps_on_what_it_has():
+    """limit_train_batches=2 with accumulate_grad_batches=3: each optimizer step gets 2 micro-batches."""
+    advisor = LRScalingAdvisor(verbose=False)
+    fit(Model(), [advisor], batch_size=8, accumulate_grad_batches=3, limit_train_batches=2, max_steps=2)
+    assert advisor.effective_batch == 16
+
+
 class _DumpPerRank(Callback):
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir

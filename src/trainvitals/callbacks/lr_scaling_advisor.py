@@ -273,7 +273,8 @@ class LRScalingAdvisor(Callback):
         replicas = int(sampler_kwargs["num_replicas"]) if sampler_kwargs else 1
         nodes = trainer.num_nodes if replicas % trainer.num_nodes == 0 else 1
         devices = replicas // nodes
-        accumulate = trainer.accumulate_grad_batches
+        # An epoch shorter than the accumulation (limit_train_batches, overfit_batches) steps on fewer.
+        accumulate = int(min(trainer.accumulate_grad_batches, trainer.num_training_batches))
         assert self.per_device_batch is not None
         batch = effective_batch_size(self.per_device_batch, devices, nodes, accumulate)
         how = (f"{self.per_device_batch} (per device) × {devices} (devices) × {nodes} (nodes) × {accumulate} "
