@@ -299,6 +299,18 @@ def test_a_ragged_last_window_is_left_out_of_the_estimate():
     assert stopper.noise.count.item() == 2 and stopper.effective_batch_size == 64
 
 
+def test_a_short_last_window_is_measured_at_its_size_and_judged_at_the_full_batch():
+    """160 examples in micro-batches of 16, windows of 4: 4, 4 and a last window of 2 full micro-batches. Its
+    estimate counts (n = 2, b = 16), but the band stays judged at the batch of a whole step, 64."""
+    d = 10
+    stopper = GradNormEarlyStopping(patience=10**6)
+    x = torch.randn(160, d)
+    data = DataLoader(TensorDataset(x, x @ torch.ones(d)), batch_size=16)
+    trainer = _fit(LinearRegression(torch.zeros(d)), [stopper], data, max_epochs=1, accumulate_grad_batches=4)
+    assert trainer.global_step == 3
+    assert stopper.noise.count.item() == 3 and stopper.effective_batch_size == 64
+
+
 def test_fused_optimizer_under_a_grad_scaler_is_measured_unscaled():
     from lightning.pytorch.plugins.precision import MixedPrecision
 

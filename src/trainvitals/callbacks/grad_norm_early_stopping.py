@@ -354,7 +354,9 @@ class GradNormEarlyStopping(Callback):
         n = n_local * world
         grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, micro_batch_size)
         self.noise.update(grad_sq, trace, valid)
-        self.effective_batch_size = n * micro_batch_size
+        # The band is judged at a whole step's batch: an epoch's short last window does not change it.
+        if n_local == accumulate or self.effective_batch_size is None:
+            self.effective_batch_size = n * micro_batch_size
 
     def _update_condition(self, total: Tensor, valid: Tensor) -> Tensor:
         """Whether this step is in the stop condition (``()`` bool); in ``relative`` mode also feeds the
