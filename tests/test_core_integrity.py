@@ -277,6 +277,7 @@ def test_a_graph_shared_with_an_earlier_loss_is_named_where_it_enters(detach_fak
     names, message = diagnose_second_backward(g_loss, [d_loss.grad_fn], gan, tensor_names(gan), None)
     if detach_fake:  # nothing shared: this pair is not the cause
         assert names == () and message.startswith("The graph was freed by a backward outside Lightning's hooks")
+        assert "remove that call" in message  # not retain_graph=True, which would double the gradients
         return
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         g_loss.backward()

@@ -330,8 +330,9 @@ def diagnose_second_backward(
     shared = {n for n in walk.nodes & seen_before if type(n).__name__ != "AccumulateGrad"}
     if not shared:
         return (), (
-            "The graph was freed by a backward outside Lightning's hooks. Pass retain_graph=True to that "
-            "backward, or recompute the forward."
+            "The graph was freed by a backward outside Lightning's hooks: a `loss.backward()` inside "
+            "training_step? Under automatic optimization Lightning runs backward itself: remove that call. If "
+            "two backward passes through one graph are meant, pass retain_graph=True to the first."
         )
     entry_nodes = list(dict.fromkeys(
         c for n in walk.nodes - shared for c, _ in n.next_functions if c in shared
