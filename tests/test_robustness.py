@@ -204,3 +204,23 @@ def test_a_fit_that_failed_on_its_first_step_leaves_nothing_behind():
         Trainer(**trainer_kwargs(callbacks=[probe], logger=False, max_steps=4)).fit(model, loader(regression_data(), 8))
     assert int(probe.noise.count) == 4 and not probe._excluded
     assert not [w for w in caught if "BatchVarianceProbe: cannot measure" in str(w.message)]
+
+
+class SkipsSomeBatches(Regressor):
+    """Returns None on every third batch: Lightning skips those steps."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        return None if batch_idx % 3 == 1 else super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        pass  # a skipped step has no gradient for the reference norm
+
+
+def test_a_skipped_step_is_not_reported_as_a_fault():
+    probe = BatchVarianceProbe()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(**trainer_kwargs(callbacks=[probe], logger=False, max_epochs=1)).fit(
+            SkipsSomeBatches(), loader(regression_data(), 8))
+    assert not [w for w in caught if "BatchVarianceProbe: cannot measure" in str(w.message)]
+    assert int(probe.noise.count) == 5  # 8 batches, those at 1, 4 and 7 skipped

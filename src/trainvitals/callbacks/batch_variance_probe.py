@@ -286,7 +286,7 @@ class BatchVarianceProbe(Callback):
                                  "different losses)")
 
     def _cannot_measure(self, why: str) -> None:
-        message = f"trainvitals BatchVarianceProbe: cannot measure: {why}. Nothing is logged for these steps."
+        message = f"trainvitals BatchVarianceProbe: cannot measure: {why}. Such steps are left out."
         if self.strict:
             raise RuntimeError(message)
         self._warnings.warn(message)
@@ -405,13 +405,15 @@ class BatchVarianceProbe(Callback):
     def _problem(self, result: PerExampleStep) -> str:
         """Why this step's measurement is unusable ("" if it is); failed modules are added to ``result.failed``."""
         assert self._plan is not None
+        if not self._micro_sizes:  # no backward ran (training_step returned None): nothing to measure, no fault
+            return ""
         for name, module in {**self._plan.per_example, **self._plan.vmap}.items():
             if name not in result.seen and name not in result.failed and \
                     any(p.grad is not None for p in module.parameters(recurse=False)):
                 result.failed[name] = "its parameters got gradients outside its own forward"
         if result.failed:
             return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items()) + \
-                " (measured by a fallback from now on)"
+                " (from the next step on, these layers are measured another way if they can be)"
         if self._unsized:
             return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it): "
                     "put the examples on dimension 0 of the batch's tensors")
