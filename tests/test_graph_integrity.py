@@ -616,6 +616,24 @@ def test_an_optimizer_step_before_its_backward_is_named_not_called_unused():
     assert f.message.startswith("Optimizer 0 (SGD) stepped before the backward") and "manual_backward" in f.message
 
 
+class StepBeforeBackwardTwicePerBatch(ManualNet):
+    """The bug in a loop of two chunks per batch: a check window of dead_after_steps optimizer steps holds
+    fewer batches than that, so the streak of batches runs across windows."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        for _ in range(2):
+            opt.zero_grad()
+            opt.step()
+            self.manual_backward(F.cross_entropy(self(batch[0]), batch[1]))
+
+
+def test_the_bug_in_a_loop_of_several_steps_per_batch_is_found():
+    cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=2)
+    fit(StepBeforeBackwardTwicePerBatch(), cb, steps=16)
+    assert K.STEP_BEFORE_BACKWARD in kinds(cb)
+
+
 class ChunkedWithBranch(ManualNet):
     """Two optimizer steps per batch, each after its own backward; a layer only the second chunk uses."""
 
@@ -1040,3 +1058,27 @@ def test_a_loss_rebuilt_from_its_value_is_named_as_reaching_no_parameter():
     healthy = every_step()
     fit(Net(), healthy, steps=2)
     assert K.LOSS_NO_GRAD not in kinds(healthy)
+
+
+class LatentFit(ManualNet):
+    """An auto-decoder's inner loop: a latent code fitted by its own optimizer, the model untouched."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        z = torch.zeros(x.shape[0], 8, requires_grad=True)
+        inner = torch.optim.SGD([z], lr=0.1)
+        with torch.no_grad():
+            features = torch.relu(self.body(x))
+        inner.zero_grad()
+        self.manual_backward(F.cross_entropy(self.head(features + z).detach() + z[:, :3], y))
+        inner.step()
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(F.cross_entropy(self(x + z.detach()[:, :4]), y))
+        opt.step()
+
+
+def test_a_manual_loss_that_trains_something_else_than_the_model_is_not_accused():
+    cb = every_step()
+    fit(LatentFit(), cb, steps=2)
+    assert K.LOSS_NO_GRAD not in kinds(cb)

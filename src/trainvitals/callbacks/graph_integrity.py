@@ -263,9 +263,8 @@ class GraphIntegrityCallback(Callback):
         self._frozen_versions: list[tuple[str, Tensor, int, int]] = []
         self._stale_opts: set[int] = set()
         # Manual optimization: per trainable parameter, its last optimizer step in this batch (optimizer,
-        # whether it had a .grad then), and the batches in a row whose gradient came only after that step.
+        # whether it had a .grad then).
         self._grad_at_step: dict[str, tuple[int, bool, Tensor]] = {}
-        self._late_streak: dict[str, int] = {}
         self._pending_losses: list[Tensor] = []
         self._nonfinite = torch.zeros((), dtype=torch.long)  # non-finite losses counted, not yet flushed
         self._anomaly_prev: tuple[bool, bool] | None = None
@@ -282,6 +281,9 @@ class GraphIntegrityCallback(Callback):
         self._window_open = False
         self._window_left = 0
         self._streaks = GradientStreaks()
+        # Checked batches in a row whose gradient came only after the parameter's last step: counted across
+        # windows, since a window of dead_after_steps optimizer steps can hold fewer batches.
+        self._late_streak: dict[str, int] = {}
         self._independence_done = False
         self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
 
@@ -355,7 +357,6 @@ class GraphIntegrityCallback(Callback):
         self._window_left = self.dead_after_steps * max(1, len(trainer.optimizers))
         self._next_check = step + self.check_every_n_steps
         self._streaks.clear()
-        self._late_streak.clear()
         self._stale_opts.clear()
         self._walk_batch = True
         self._walks += 1
@@ -413,9 +414,11 @@ class GraphIntegrityCallback(Callback):
         if walk.stale:
             self._walk_counts["leaked_graphs"] += 1
             self._record(trainer, FindingKind.STALE_GRAPH, *describe_stale_graph(pl_module, walk.stale, self._mark))
+        # Under manual optimization a loss may train something else than the model (a latent code fitted by
+        # its own optimizer, test-time adaptation); Lightning's own backward trains the model.
         trainable = {id(p) for _, p in self._tracked if p.requires_grad}
-        if trainable and walk.leaves and not walk.stale and not walk.opaque and \
-                not any(id(t) in trainable for t in walk.leaves):
+        if pl_module.automatic_optimization and trainable and walk.leaves and not walk.stale and not walk.opaque \
+                and not any(id(t) in trainable for t in walk.leaves):
             self._record(
                 trainer,
                 FindingKind.LOSS_NO_GRAD,
