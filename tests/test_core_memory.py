@@ -507,15 +507,26 @@ def test_autocast_weight_copies_are_fixed_bytes_not_activations():
     assert memory.largest_batch() == (2**20 - copies) * 16 // reports[16].total_bytes
 
 
+class Float32Softmax(nn.Module):
+    """A softmax in float32 under autocast, as CUDA autocast runs it."""
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.softmax(x.float(), -1)
+
+
 def test_a_step_under_autocast_is_not_advised_mixed_precision():
-    """Autocast keeps LayerNorm in float32: those float32 activations are not a remedy left to take."""
-    model, x = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 2)), torch.randn(16, 8)
+    """The float32 activations autocast keeps (a softmax's, here more than the 16-bit ones) are not a remedy
+    left to take."""
+    model, x = nn.Sequential(nn.Linear(8, 512), Float32Softmax(), nn.Linear(512, 2)), torch.randn(16, 8)
     state = ModelStateBytes(parameters=0, gradients=0, optimizer_state=0)
     kinds = {}
     for autocast in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             _, report, _ = record(model, x, exclude=[x])
-        assert mixed_precision_savings(report) > 0
+        assert mixed_precision_savings(report) > 0 and report.autocast is autocast
+        sixteen_bit = sum(s.nbytes for s in report.storages.values() if s.dtype == torch.bfloat16)
+        assert sixteen_bit < 2 * mixed_precision_savings(report)  # fewer 16-bit bytes than float32 ones
         kinds[autocast] = {r.kind for r in rank_remedies(StepMemory(state, 0, report, 16, budget_bytes=2**20))}
     assert "mixed precision" in kinds[False] and "mixed precision" not in kinds[True]
 

@@ -199,6 +199,7 @@ class SavedTensorReport:
             :attr:`SavedStorage.order` in ``[start, end)`` were first saved during the call, those below
             ``start`` before it; for :func:`checkpoint_peak`.
         uncounted: saved tensors that have no storage (sparse, wrapper subclasses), not in any total.
+        autocast: a module's forward began under ``torch.autocast`` (of its input's device type).
         parameter_copy_bytes: distinct storages of saved casts of the module's parameters or of
             slices of them (autocast's 16-bit weights): batch-independent. Autocast caches the casts
             of trainable parameters, which checkpointing then does not free.
@@ -212,6 +213,7 @@ class SavedTensorReport:
     forward_seconds: dict[str, float] = field(default_factory=dict)
     module_calls: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     uncounted: int = 0
+    autocast: bool = False
     parameter_copy_bytes: int = 0
 
 
@@ -274,6 +276,7 @@ class SavedTensorRecorder:
         self._seconds: dict[str, float] = {}
         self._events: list[tuple[str, Any, Any]] = []
         self._uncounted = 0
+        self._autocast = False
         self._handles: list[RemovableHandle] = []
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -324,6 +327,8 @@ class SavedTensorRecorder:
             if key is not None and key not in self._exclude:
                 inputs.add(key)
                 self._input_nbytes.setdefault(key, storage_nbytes(t))
+        # Here, between ops: inside one, autocast's dispatch is switched off and reads as disabled.
+        self._autocast = self._autocast or (first is not None and torch.is_autocast_enabled(first.device.type))
         if not (self._time_all or name in self._time_names):
             self._starts.append(None)
         elif first is not None and first.is_cuda:
@@ -429,6 +434,7 @@ class SavedTensorRecorder:
             forward_seconds=dict(self._seconds),
             module_calls={name: tuple(calls) for name, calls in self._calls.items()},
             uncounted=self._uncounted,
+            autocast=self._autocast,
             parameter_copy_bytes=sum(self._copies.values()),
         )
 
@@ -787,8 +793,8 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
     """The remedies, most bytes freed first: checkpointing of the ``top_k`` modules that lower the step's
     peak of saved activations the most (what :func:`checkpoint_savings` frees after forward, less what
     :func:`checkpoint_peak` holds again in backward; the root and :func:`whole_forward_modules` left
-    out), mixed precision (:func:`mixed_precision_savings`; not for a step that saves mostly 16-bit
-    activations already: under autocast the float32 ones left are those it keeps in float32) and the
+    out), mixed precision (:func:`mixed_precision_savings`; not for a step under autocast, whose float32
+    saves are those it keeps in float32 on purpose, nor one that saves mostly 16-bit already) and the
     optimizer state (all of it, as with a stateless or sharded optimizer). Remedies that free nothing are
     left out.
 
@@ -820,7 +826,7 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
                                memory.largest_batch(scaling_freed=freed, activations_peak=peak), extra, note))
     halved = mixed_precision_savings(report)
     sixteen_bit = sum(s.nbytes for s in report.storages.values() if s.dtype in (torch.float16, torch.bfloat16))
-    if halved > 0 and sixteen_bit < 2 * halved:  # halved: half the float32 bytes
+    if halved > 0 and not report.autocast and sixteen_bit < 2 * halved:  # halved: half the float32 bytes
         remedies.append(Remedy("mixed precision", "", halved, memory.largest_batch(scaling_freed=halved), None,
                                "bf16/fp16 autocast; an upper bound: some ops stay in fp32"))
     state = memory.state
