@@ -7,6 +7,7 @@ TensorBoardLogger uses, so the report is tested against the exact records a run 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -132,12 +133,21 @@ def test_unused_parameters_are_critical_when_still_unused_at_the_end(
 @pytest.mark.parametrize("tag", ["grad_norm/nonfinite_steps", "graph/nonfinite_losses"])
 def test_a_diverged_run_gets_no_convergence_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], tag: str) -> None:
     """After NaN the last finite norm and stale noise EMAs say nothing of convergence, nor does lr advice apply."""
-    write_run(tmp_path / "run", {**HEALTHY, tag: [0.0] * (len(STEPS) - 3) + [1.0, 2.0, 3.0]})
+    # The monitor logs no norm for a non-finite step: the last three are gaps in its chart.
+    totals = HEALTHY["grad_norm/total"][:-3] + [math.nan] * 3
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/total": totals, tag: [0.0] * (len(STEPS) - 3) + [1.0, 2.0, 3.0]})
     _, doc = report_json(capsys, tmp_path)
     notes = [f["message"] for f in doc["runs"][0]["findings"] if f["severity"] == "note"]
     assert any(m.startswith("the run diverged (non-finite gradients or losses)") for m in notes)
     assert any(m.startswith("the run diverged: find the cause") for m in notes)
     assert not any("noise band" in m for m in notes)
+
+
+def test_a_non_finite_loss_counted_at_the_last_step_is_no_divergence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GraphIntegrity flushes its loss counter when a window closes, here at the last step, whose norm is finite."""
+    write_run(tmp_path / "run", {**HEALTHY, "graph/nonfinite_losses": [0.0] * (len(STEPS) - 1) + [1.0]})
+    _, doc = report_json(capsys, tmp_path)
+    assert not any(f["message"].startswith("the run diverged") for f in doc["runs"][0]["findings"])
 
 
 def test_a_run_that_trains_on_after_a_non_finite_step_has_not_diverged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -217,13 +217,17 @@ def _counter(run: Run, pattern: str, last: bool = False) -> float:
 
 
 def _diverged(run: Run) -> bool:
-    """Non-finite gradients (outside a GradScaler) or losses logged at or after the last finite gradient
-    norm: the run ended diverged. One it trained on from (a skipped batch) is not the end of it."""
-    bad = [step for series in run.matching(grad_norm("nonfinite_steps")).values()
-           for (step, count), before in zip(series, [0.0] + [c for _, c in series]) if count > before]
-    bad += [step for series in run.matching(r"graph/nonfinite_losses$").values() for step, n in series if n > 0]
+    """Whether the run ended diverged: non-finite gradients (outside a GradScaler) from the last finite
+    gradient norm on, or non-finite losses after it. One it trained on from (a skipped batch) is not the
+    end. The loss counter is logged when a check window closes, often at the last step, so at the last
+    finite norm it says nothing of when the loss was non-finite."""
+    grads = [step for series in run.matching(grad_norm("nonfinite_steps")).values()
+             for (step, count), before in zip(series, [0.0] + [c for _, c in series]) if count > before]
+    losses = [step for series in run.matching(r"graph/nonfinite_losses$").values() for step, n in series if n > 0]
     finite = [step for series in run.matching(grad_norm("total")).values() for step, v in series if math.isfinite(v)]
-    return bool(bad) and (not finite or max(bad) >= max(finite))
+    if not finite:
+        return bool(grads or losses)
+    return (bool(grads) and max(grads) >= max(finite)) or (bool(losses) and max(losses) > max(finite))
 
 
 def _convergence(run: Run, report: RunReport) -> None:
