@@ -280,7 +280,8 @@ def test_graph_holders_search_containers_and_submodules():
 def live_saved_peak(step, exclude: list[torch.Tensor]) -> int:
     """The most bytes of saved-for-backward storages held at once while ``step`` runs forward and backward,
     from saved-tensor hooks of its own: a storage is held from its first save until the last node that
-    saved it releases it (in backward)."""
+    saved it releases it (in backward). Checkpoints here are reentrant: the non-reentrant kind keeps its
+    recompute's saves away from outer hooks, for the same memory."""
     import weakref
 
     skip = {t.untyped_storage().data_ptr() for t in exclude}
@@ -367,6 +368,44 @@ def test_the_peak_of_a_checkpointed_module_called_twice_is_that_of_its_costlier_
     model.checkpointed = True
     measured = live_saved_peak(lambda: model(x).sum().backward(), excluded)
     assert measured == max(peak, report.total_bytes - freed) < report.total_bytes
+
+
+class UpDown(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 1024), nn.Linear(1024, 64)
+
+    def forward(self, h):
+        mid = torch.tanh(self.up(h))
+        return torch.tanh(self.down(mid)), mid
+
+
+class ReusedIntermediate(nn.Module):
+    """A block called three times whose first call's intermediate is used again after the third: saved
+    outside the block then, but released by the time backward recomputes the later calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block = nn.Sequential(nn.Linear(8, 64), nn.Tanh()), UpDown()
+        self.proj, self.head = nn.Linear(1024, 64), nn.Linear(64, 2)
+        self.checkpointed = False
+
+    def forward(self, x):
+        h = self.inp(x)
+        mids = []
+        for _ in range(3):
+            h, mid = checkpoint(self.block, h, use_reentrant=True) if self.checkpointed else self.block(h)
+            mids.append(mid)
+        return self.head(h).sum() + self.proj(mids[0]).sum()
+
+
+def test_the_peak_of_a_call_counts_outside_saves_made_before_it_only():
+    torch.manual_seed(0)
+    model, x = ReusedIntermediate(), torch.randn(16, 8, requires_grad=True)
+    _, report, _ = record(model, x, exclude=[x], loss_fn=lambda out: out)
+    model.checkpointed = True
+    measured = live_saved_peak(lambda: model(x).backward(), [x, *model.parameters()])
+    assert measured == max(checkpoint_peak(report, "block"), report.total_bytes - checkpoint_savings(report)["block"])
 
 
 def test_largest_batch_and_remedies_closed_form():

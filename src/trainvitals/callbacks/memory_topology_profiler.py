@@ -89,10 +89,11 @@ class MemoryTopologyProfiler(Callback):
     the console and to TensorBoard text ``memory/report``, and a bar chart of saved bytes per module
     (:meth:`picture`) to TensorBoard image ``memory/saved_bytes_by_module`` (needs matplotlib).
 
-    Remedies (:attr:`remedies`, most bytes freed first): activation checkpointing of the ``top_k``
-    modules that free the most (cost: the module's forward time over the step's time), mixed
-    precision (half the float32 saved bytes, an upper bound), the optimizer state; each with the
-    largest batch that fits the budget afterwards.
+    Remedies (:attr:`remedies`, the most bytes off the step's peak first): activation checkpointing of
+    the ``top_k`` modules that lower the peak the most (backward recomputes a checkpointed module with
+    its saves held again; cost: the module's forward time over the step's time), mixed precision (half
+    the float32 saved bytes, an upper bound), the optimizer state; each with the largest batch that fits
+    the budget afterwards.
 
     Numbers are per rank (each rank measures its own batch); rank zero logs its own. Nothing is
     exchanged between ranks. The profiler keeps only weak references to what a step saved, so it
@@ -169,7 +170,7 @@ class MemoryTopologyProfiler(Callback):
         self.findings: list[GraphLeakFinding] = []
         """Graphs kept alive across steps, the latest observation of each; survives a resume."""
         self.remedies: list[Remedy] = []
-        """The remedies of the latest profiled step, most bytes freed first."""
+        """The remedies of the latest profiled step, the most bytes off the step's peak first."""
         self.last: StepMemory | None = None
         """The latest profiled step's bytes."""
         self.last_metrics: dict[str, float] = {}
@@ -408,8 +409,8 @@ class MemoryTopologyProfiler(Callback):
             extra = f"+{100 * r.extra_compute:.1f}% step time" if r.extra_compute is not None else ""
             batch = "" if r.largest_batch is None else f"{r.largest_batch}"
             rows.append(f"| {rank} | {what} | {format_bytes(r.bytes_freed)} | {batch} | {extra} | {r.note} |")
-        return ["", "### Advice, most bytes freed first", budget, "",
-                "| # | remedy | frees | largest batch after | extra compute | note |",
+        return ["", "### Advice, the most bytes off the step's peak first", budget, "",
+                "| # | remedy | lowers the peak by | largest batch after | extra compute | note |",
                 "|---|---|---:|---:|---:|---|", *rows]
 
     def picture(self) -> np.ndarray | None:

@@ -408,8 +408,9 @@ def diagnose_inplace(
         names, carried, fix = _carried_state(root, stale, before)
         return names, (
             f"The tensor that {type(errors[0].node).__name__} saved as `{errors[0].saved}` belongs to a graph made "
-            f"in an earlier step and kept (retain_graph=True): {carried}, and an optimizer step has changed what "
-            f"it saved since. Detach the state when carrying it over ({fix})."
+            f"in an earlier step and kept (retain_graph=True): {carried}, and what it saved was changed in place "
+            f"since (by an optimizer step, or an in-place op on the state). Detach the state when carrying it over "
+            f"({fix})."
         )
     saver, near = "", []
     if errors:

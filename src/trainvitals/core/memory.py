@@ -171,13 +171,13 @@ class SavedStorage:
         nbytes: bytes of the storage.
         dtype: dtype of the first saved view.
         savers: the innermost module running at each save, in order; the first one owns the bytes.
-        order: storages recorded before this one in the forward.
+        saves: the index of each of those saves among all the forward's saves (the save order).
     """
 
     nbytes: int
     dtype: torch.dtype
     savers: tuple[str, ...]
-    order: int = 0
+    saves: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -195,8 +195,8 @@ class SavedTensorReport:
         input_nbytes: bytes of each storage in ``module_inputs``.
         forward_seconds: wall time of each module's forward, inclusive of its children (empty unless
             timed).
-        module_calls: each module's forward calls as ``(start, end)`` in save order: the storages of
-            :attr:`SavedStorage.order` in ``[start, end)`` were first saved during the call, those below
+        module_calls: each module's forward calls as ``(start, end)`` in save order: the saves of index
+            (:attr:`SavedStorage.saves`) in ``[start, end)`` happened during the call, those below
             ``start`` before it; for :func:`checkpoint_peak`.
         uncounted: saved tensors that have no storage (sparse, wrapper subclasses), not in any total.
         autocast: a module's forward began under ``torch.autocast`` (of its input's device type).
@@ -265,7 +265,7 @@ class SavedTensorRecorder:
         self._names = {id(m): (name or ROOT) for name, m in module.named_modules()}
         self._stack: list[str] = []
         self._saved: dict[StorageKey, SavedStorage] = {}
-        self._recorded = 0  # storages recorded so far, freed or not: the save order
+        self._save_index = 0  # saves counted so far: the save order
         self._call_starts: list[int] = []  # save order at the start of each running module's call
         self._calls: dict[str, list[tuple[int, int]]] = {}
         self._refs: dict[StorageKey, list[weakref.ref]] = {}
@@ -318,7 +318,7 @@ class SavedTensorRecorder:
         if name is None:
             return
         self._stack.append(name)
-        self._call_starts.append(self._recorded)
+        self._call_starts.append(self._save_index)
         inputs = self._inputs.setdefault(name, set())
         first: Tensor | None = None
         for t in tensors_in(args):
@@ -343,7 +343,7 @@ class SavedTensorRecorder:
         if id(module) not in self._names:
             return
         name = self._stack.pop()
-        self._calls.setdefault(name, []).append((self._call_starts.pop(), self._recorded))
+        self._calls.setdefault(name, []).append((self._call_starts.pop(), self._save_index))
         start = self._starts.pop()
         if isinstance(start, float):
             self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
@@ -369,11 +369,12 @@ class SavedTensorRecorder:
         saver = self._stack[-1] if self._stack else OUTSIDE
         seen = self._saved.get(key)
         if seen is None or not _alive(self._refs[key]):  # new, or a freed storage's address reused
-            self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,), self._recorded)
-            self._recorded += 1
+            self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,), (self._save_index,))
             self._refs[key] = []
         else:
-            self._saved[key] = dataclasses.replace(seen, savers=seen.savers + (saver,))
+            self._saved[key] = dataclasses.replace(seen, savers=seen.savers + (saver,),
+                                                   saves=seen.saves + (self._save_index,))
+        self._save_index += 1
         self._refs[key].append(weakref.ref(packed))
         return packed
 
@@ -508,23 +509,27 @@ def checkpoint_peak(report: SavedTensorReport, name: str) -> int:
     """Saved bytes held while backward recomputes module ``name``, were it checkpointed.
 
     A checkpointed module's saved tensors come back in backward, one call at a time, when its forward
-    runs again: then what was saved before the call is still held (backward has not reached it) —
-    except what the module's own earlier calls saved, which checkpointing dropped —, with the inputs
-    the checkpoint keeps and everything the call saves, also what layers after it saved again (Chen et
-    al. 2016, "Training Deep Nets with Sublinear Memory Cost", §3: the peak is the checkpoints plus one
-    segment). Checkpointing the module that saves most of a model's activations in its first layers
+    runs again: then what layers outside it saved before the call is still held (backward has not
+    reached them; what they saved after it is released by then, and what the module's own other calls
+    saved, checkpointing dropped), with the inputs the checkpoint keeps and everything the call saves
+    (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost", §3: the peak is the checkpoints
+    plus one segment). Checkpointing the module that saves most of a model's activations in its first layers
     frees them after forward but not at this peak, so the step's peak hardly falls.
 
     Returns:
         Bytes at the costliest call, to compare with ``total_bytes`` − :func:`checkpoint_savings`.
     """
     inputs = report.module_inputs.get(name, frozenset())
-    inside = {key for key, s in report.storages.items() if any(name in _enclosing(saver) for saver in s.savers)}
-    kept = {key for key, s in report.storages.items()
-            if key in inputs or any(name not in _enclosing(saver) for saver in s.savers)}
-    peak = max((sum(s.nbytes for key, s in report.storages.items()
-                    if (s.order < start and key in kept) or (start <= s.order < end and key in inside))
-                for start, end in report.module_calls.get(name, ((0, 0),))), default=0)
+    saves = {key: [(name in _enclosing(saver), index) for saver, index in zip(s.savers, s.saves)]
+             for key, s in report.storages.items()}  # (saved inside the module, save index)
+
+    def held(start: int, end: int) -> int:
+        return sum(s.nbytes for key, s in report.storages.items()
+                   if (key in inputs and s.saves[0] < start)
+                   or any((not inside and index < start) or (inside and start <= index < end)
+                          for inside, index in saves[key]))
+
+    peak = max((held(start, end) for start, end in report.module_calls.get(name, ((0, 0),))), default=0)
     return peak + sum(report.input_nbytes[key] for key in inputs if key not in report.storages)
 
 
@@ -790,13 +795,14 @@ class StepMemory:
 
 
 def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
-    """The remedies, most bytes freed first: checkpointing of the ``top_k`` modules that lower the step's
-    peak of saved activations the most (what :func:`checkpoint_savings` frees after forward, less what
-    :func:`checkpoint_peak` holds again in backward; the root and :func:`whole_forward_modules` left
-    out), mixed precision (:func:`mixed_precision_savings`; not for a step under autocast, whose float32
-    saves are those it keeps in float32 on purpose, nor one that saves mostly 16-bit already) and the
-    optimizer state (all of it, as with a stateless or sharded optimizer). Remedies that free nothing are
-    left out.
+    """The remedies, the most bytes off the step's peak first: checkpointing of the ``top_k`` modules that
+    lower the step's peak of saved activations the most (what :func:`checkpoint_savings` frees after
+    forward, less what :func:`checkpoint_peak` holds again in backward; the root and
+    :func:`whole_forward_modules` left out; for cost, only the ``4 · top_k`` that free the most after
+    forward are weighed, so a better one behind many may be missed), mixed precision
+    (:func:`mixed_precision_savings`; not for a step under autocast, whose float32 saves are those it
+    keeps in float32 on purpose, nor one that saves mostly 16-bit already) and the optimizer state (all
+    of it, as with a stateless or sharded optimizer). Remedies that free nothing are left out.
 
     Raises:
         ValueError: if ``top_k < 0``.
