@@ -683,10 +683,28 @@ class SharedByTwoOptimizers(ManualNet):
         second.step()
 
 
-@pytest.mark.parametrize("model", [ChunkedWithBranch, StepFirstAccumulation, SharedByTwoOptimizers])
-def test_manual_loops_whose_every_gradient_is_stepped_are_not_accused(model):
-    cb = GraphIntegrityCallback(check_every_n_steps=8, dead_after_steps=2)
-    fit(model(), cb, steps=8)
+class DelayedStepAlternatingHeads(ManualNet):
+    """Steps the previous batch's gradients first, and uses one of two heads by turns: each head's gradient
+    is late on every other batch only, never on batches in a row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head2 = nn.Linear(8, 3)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.step()
+        opt.zero_grad()
+        head = self.head if self.global_step % 2 == 0 else self.head2
+        self.manual_backward(F.cross_entropy(head(torch.relu(self.body(batch[0]))), batch[1]))
+
+
+@pytest.mark.parametrize("model", [ChunkedWithBranch, StepFirstAccumulation, SharedByTwoOptimizers,
+                                   DelayedStepAlternatingHeads])
+@pytest.mark.parametrize("every", [3, 8])
+def test_manual_loops_whose_every_gradient_is_stepped_are_not_accused(model, every):
+    cb = GraphIntegrityCallback(check_every_n_steps=every, dead_after_steps=2)
+    fit(model(), cb, steps=16)
     assert K.STEP_BEFORE_BACKWARD not in kinds(cb)
 
 

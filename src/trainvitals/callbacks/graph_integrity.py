@@ -265,6 +265,9 @@ class GraphIntegrityCallback(Callback):
         # Manual optimization: per trainable parameter, its last optimizer step in this batch (optimizer,
         # whether it had a .grad then).
         self._grad_at_step: dict[str, tuple[int, bool, Tensor]] = {}
+        # The window's batches in a row whose gradient came only after the parameter's last step.
+        self._late_streak: dict[str, int] = {}
+        self._window_batches = 0
         self._pending_losses: list[Tensor] = []
         self._nonfinite = torch.zeros((), dtype=torch.long)  # non-finite losses counted, not yet flushed
         self._anomaly_prev: tuple[bool, bool] | None = None
@@ -281,9 +284,6 @@ class GraphIntegrityCallback(Callback):
         self._window_open = False
         self._window_left = 0
         self._streaks = GradientStreaks()
-        # Checked batches in a row whose gradient came only after the parameter's last step: counted across
-        # windows, since a window of dead_after_steps optimizer steps can hold fewer batches.
-        self._late_streak: dict[str, int] = {}
         self._independence_done = False
         self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
 
@@ -357,6 +357,8 @@ class GraphIntegrityCallback(Callback):
         self._window_left = self.dead_after_steps * max(1, len(trainer.optimizers))
         self._next_check = step + self.check_every_n_steps
         self._streaks.clear()
+        self._late_streak.clear()
+        self._window_batches = 0
         self._stale_opts.clear()
         self._walk_batch = True
         self._walks += 1
@@ -508,7 +510,13 @@ class GraphIntegrityCallback(Callback):
             self._check_reachability(trainer, pl_module)
         self._check_frozen_changed(trainer)
         self._check_step_order(trainer)
-        if self._window_open and (self._window_left <= 0 or trainer.global_step >= self._next_check):
+        self._window_batches += self._window_open
+        done = self._window_left <= 0 or trainer.global_step >= self._next_check
+        if not pl_module.automatic_optimization:
+            # A batch may step several times: the window also spans dead_after_steps batches, for the
+            # step-order streak.
+            done = done and self._window_batches >= self.dead_after_steps
+        if self._window_open and done:
             self._close_window(trainer)
         elif self.strict:  # a non-finite loss raises at the end of its step
             self._flush_losses(trainer)
