@@ -144,8 +144,13 @@ def test_a_diverged_run_gets_no_convergence_verdict(tmp_path: Path, capsys: pyte
 
 
 def test_a_non_finite_loss_counted_at_the_last_step_is_no_divergence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """GraphIntegrity flushes its loss counter when a window closes, here at the last step, whose norm is finite."""
-    write_run(tmp_path / "run", {**HEALTHY, "graph/nonfinite_losses": [0.0] * (len(STEPS) - 1) + [1.0]})
+    """GraphIntegrity flushes its loss counter at the end of training, logged one step past the last
+    optimizer step, whose norm is finite."""
+    scalars = {**HEALTHY, "graph/nonfinite_losses": [0.0] * len(STEPS)}
+    write_run(tmp_path / "run", scalars)
+    writer = SummaryWriter(str(tmp_path / "run"))
+    writer.add_scalar("graph/nonfinite_losses", 1.0, STEPS[-1] + 1)
+    writer.close()
     _, doc = report_json(capsys, tmp_path)
     assert not any(f["message"].startswith("the run diverged") for f in doc["runs"][0]["findings"])
 

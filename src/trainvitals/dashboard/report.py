@@ -219,15 +219,16 @@ def _counter(run: Run, pattern: str, last: bool = False) -> float:
 def _diverged(run: Run) -> bool:
     """Whether the run ended diverged: non-finite gradients (outside a GradScaler) from the last finite
     gradient norm on, or non-finite losses after it. One it trained on from (a skipped batch) is not the
-    end. The loss counter is logged when a check window closes, often at the last step, so at the last
-    finite norm it says nothing of when the loss was non-finite."""
+    end. GraphIntegrityCallback logs its loss counter when a check window closes (often at the end of
+    training), after the optimizer step, at the step after the last it covers: one past the last finite
+    norm says nothing of when the loss was non-finite."""
     grads = [step for series in run.matching(grad_norm("nonfinite_steps")).values()
              for (step, count), before in zip(series, [0.0] + [c for _, c in series]) if count > before]
     losses = [step for series in run.matching(r"graph/nonfinite_losses$").values() for step, n in series if n > 0]
     finite = [step for series in run.matching(grad_norm("total")).values() for step, v in series if math.isfinite(v)]
     if not finite:
         return bool(grads or losses)
-    return (bool(grads) and max(grads) >= max(finite)) or (bool(losses) and max(losses) > max(finite))
+    return (bool(grads) and max(grads) >= max(finite)) or (bool(losses) and max(losses) - 1 > max(finite))
 
 
 def _convergence(run: Run, report: RunReport) -> None:
