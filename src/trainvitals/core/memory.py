@@ -172,12 +172,14 @@ class SavedStorage:
         dtype: dtype of the first saved view.
         savers: the innermost module running at each save, in order; the first one owns the bytes.
         saves: the index of each of those saves among all the forward's saves (the save order).
+        autocast: first saved in a module call that began under ``torch.autocast``.
     """
 
     nbytes: int
     dtype: torch.dtype
     savers: tuple[str, ...]
     saves: tuple[int, ...] = ()
+    autocast: bool = False
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,6 @@ class SavedTensorReport:
             (:attr:`SavedStorage.saves`) in ``[start, end)`` happened during the call, those below
             ``start`` before it; for :func:`checkpoint_peak`.
         uncounted: saved tensors that have no storage (sparse, wrapper subclasses), not in any total.
-        autocast: a module's forward began under ``torch.autocast`` (of its input's device type).
         parameter_copy_bytes: distinct storages of saved casts of the module's parameters or of
             slices of them (autocast's 16-bit weights): batch-independent. Autocast caches the casts
             of trainable parameters, which checkpointing then does not free.
@@ -213,7 +214,6 @@ class SavedTensorReport:
     forward_seconds: dict[str, float] = field(default_factory=dict)
     module_calls: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     uncounted: int = 0
-    autocast: bool = False
     parameter_copy_bytes: int = 0
 
 
@@ -276,7 +276,7 @@ class SavedTensorRecorder:
         self._seconds: dict[str, float] = {}
         self._events: list[tuple[str, Any, Any]] = []
         self._uncounted = 0
-        self._autocast = False
+        self._autocast: list[bool] = []  # per running module call: it began under torch.autocast
         self._handles: list[RemovableHandle] = []
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -328,7 +328,8 @@ class SavedTensorRecorder:
                 inputs.add(key)
                 self._input_nbytes.setdefault(key, storage_nbytes(t))
         # Here, between ops: inside one, autocast's dispatch is switched off and reads as disabled.
-        self._autocast = self._autocast or (first is not None and torch.is_autocast_enabled(first.device.type))
+        self._autocast.append(_autocast_on(first.device.type) if first is not None else
+                              bool(self._autocast) and self._autocast[-1])
         if not (self._time_all or name in self._time_names):
             self._starts.append(None)
         elif first is not None and first.is_cuda:
@@ -343,6 +344,7 @@ class SavedTensorRecorder:
         if id(module) not in self._names:
             return
         name = self._stack.pop()
+        self._autocast.pop()
         self._calls.setdefault(name, []).append((self._call_starts.pop(), self._save_index))
         start = self._starts.pop()
         if isinstance(start, float):
@@ -369,7 +371,8 @@ class SavedTensorRecorder:
         saver = self._stack[-1] if self._stack else OUTSIDE
         seen = self._saved.get(key)
         if seen is None or not _alive(self._refs[key]):  # new, or a freed storage's address reused
-            self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,), (self._save_index,))
+            self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,), (self._save_index,),
+                                            bool(self._autocast) and self._autocast[-1])
             self._refs[key] = []
         else:
             self._saved[key] = dataclasses.replace(seen, savers=seen.savers + (saver,),
@@ -435,7 +438,6 @@ class SavedTensorRecorder:
             forward_seconds=dict(self._seconds),
             module_calls={name: tuple(calls) for name, calls in self._calls.items()},
             uncounted=self._uncounted,
-            autocast=self._autocast,
             parameter_copy_bytes=sum(self._copies.values()),
         )
 
@@ -716,12 +718,22 @@ def largest_batch(budget_bytes: int, fixed_bytes: int, scaling_bytes: int, batch
 
 
 def mixed_precision_savings(report: SavedTensorReport) -> int:
-    """Bytes freed if every float32 saved activation were kept in 16 bits: half their bytes.
+    """Bytes freed if every float32 activation saved outside ``torch.autocast`` were kept in 16 bits: half
+    their bytes. Those saved under autocast are float32 on purpose (softmax, norms, losses).
 
-    An upper bound: autocast keeps some ops in fp32 (softmax, norms, losses) and adds 16-bit copies of
-    the weights it casts.
+    An upper bound: autocast keeps some ops in fp32 and adds 16-bit copies of the weights it casts.
     """
-    return sum(s.nbytes // 2 for s in report.storages.values() if s.dtype == torch.float32)
+    return sum(s.nbytes // 2 for s in report.storages.values() if s.dtype == torch.float32 and not s.autocast)
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` now."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 takes no device type: CUDA's, and CPU's apart
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+    except RuntimeError:  # a device type autocast does not know (meta, lazy)
+        return False
 
 
 @dataclass(frozen=True)
@@ -800,8 +812,8 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
     forward, less what :func:`checkpoint_peak` holds again in backward; the root and
     :func:`whole_forward_modules` left out; for cost, only the ``4 · top_k`` that free the most after
     forward are weighed, so a better one behind many may be missed), mixed precision
-    (:func:`mixed_precision_savings`; not for a step under autocast, whose float32 saves are those it
-    keeps in float32 on purpose, nor one that saves mostly 16-bit already) and the optimizer state (all
+    (:func:`mixed_precision_savings`: the float32 activations saved outside autocast; not for a step
+    that saves mostly 16-bit already) and the optimizer state (all
     of it, as with a stateless or sharded optimizer). Remedies that free nothing are left out.
 
     Raises:
@@ -832,7 +844,7 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
                                memory.largest_batch(scaling_freed=freed, activations_peak=peak), extra, note))
     halved = mixed_precision_savings(report)
     sixteen_bit = sum(s.nbytes for s in report.storages.values() if s.dtype in (torch.float16, torch.bfloat16))
-    if halved > 0 and not report.autocast and sixteen_bit < 2 * halved:  # halved: half the float32 bytes
+    if halved > 0 and sixteen_bit < 2 * halved:  # halved: half the float32 bytes saved outside autocast
         remedies.append(Remedy("mixed precision", "", halved, memory.largest_batch(scaling_freed=halved), None,
                                "bf16/fp16 autocast; an upper bound: some ops stay in fp32"))
     state = memory.state
