@@ -133,9 +133,12 @@ def test_unused_parameters_are_critical_when_still_unused_at_the_end(
 @pytest.mark.parametrize("tag", ["grad_norm/nonfinite_steps", "graph/nonfinite_losses"])
 def test_a_diverged_run_gets_no_convergence_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], tag: str) -> None:
     """After NaN the last finite norm and stale noise EMAs say nothing of convergence, nor does lr advice apply."""
-    # The monitor logs no norm for a non-finite step: the last three are gaps in its chart.
+    # The monitor logs no norm for a non-finite step: the last three are gaps in its chart. Without the
+    # monitor, the loss counter decides.
     totals = HEALTHY["grad_norm/total"][:-3] + [math.nan] * 3
-    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/total": totals, tag: [0.0] * (len(STEPS) - 3) + [1.0, 2.0, 3.0]})
+    scalars = {**HEALTHY, "grad_norm/total": totals} if tag.startswith("grad_norm/") else \
+        {k: v for k, v in HEALTHY.items() if not k.startswith("grad_norm/")}
+    write_run(tmp_path / "run", {**scalars, tag: [0.0] * (len(STEPS) - 3) + [1.0, 2.0, 3.0]})
     _, doc = report_json(capsys, tmp_path)
     notes = [f["message"] for f in doc["runs"][0]["findings"] if f["severity"] == "note"]
     assert any(m.startswith("the run diverged (non-finite gradients or losses)") for m in notes)

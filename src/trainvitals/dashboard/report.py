@@ -217,18 +217,17 @@ def _counter(run: Run, pattern: str, last: bool = False) -> float:
 
 
 def _diverged(run: Run) -> bool:
-    """Whether the run ended diverged: non-finite gradients (outside a GradScaler) from the last finite
-    gradient norm on, or non-finite losses after it. One it trained on from (a skipped batch) is not the
-    end. GraphIntegrityCallback logs its loss counter when a check window closes (often at the end of
-    training), after the optimizer step, at the step after the last it covers: one past the last finite
-    norm says nothing of when the loss was non-finite."""
+    """Whether the run ended diverged: with GradNormMonitor's series, non-finite gradients (outside a
+    GradScaler) counted from its last finite norm on; one it trained on from (a skipped batch) is not the
+    end. A non-finite loss makes the gradient non-finite too, so the loss counter decides only without
+    the monitor: GraphIntegrityCallback logs it when a check window closes (often at the end of
+    training), which says nothing of when the loss was non-finite."""
+    finite = [step for series in run.matching(grad_norm("total")).values() for step, v in series if math.isfinite(v)]
     grads = [step for series in run.matching(grad_norm("nonfinite_steps")).values()
              for (step, count), before in zip(series, [0.0] + [c for _, c in series]) if count > before]
-    losses = [step for series in run.matching(r"graph/nonfinite_losses$").values() for step, n in series if n > 0]
-    finite = [step for series in run.matching(grad_norm("total")).values() for step, v in series if math.isfinite(v)]
-    if not finite:
-        return bool(grads or losses)
-    return (bool(grads) and max(grads) >= max(finite)) or (bool(losses) and max(losses) - 1 > max(finite))
+    if finite or run.matching(grad_norm("nonfinite_steps")):
+        return bool(grads) and (not finite or max(grads) >= max(finite))
+    return _counter(run, r"graph/nonfinite_losses$") > 0
 
 
 def _convergence(run: Run, report: RunReport) -> None:
