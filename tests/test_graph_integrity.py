@@ -634,6 +634,31 @@ def test_the_bug_in_a_loop_of_several_steps_per_batch_is_found():
     assert K.STEP_BEFORE_BACKWARD in kinds(cb)
 
 
+class RareGeneratorStepFirst(ManualNet):
+    """Optimizer 0 steps every batch, correctly; optimizer 1 every third batch, before its backward."""
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        body_opt, head_opt = self.optimizers()
+        body_opt.zero_grad()
+        self.manual_backward(self.body(x).square().mean())
+        body_opt.step()
+        if batch_idx % 3 == 0:
+            head_opt.zero_grad()
+            head_opt.step()
+            self.manual_backward(F.cross_entropy(self.head(torch.relu(self.body(x).detach())), y))
+
+
+def test_an_optimizer_stepping_in_few_batches_is_judged_on_its_own_batches():
+    """Its stepping batches are far apart, beyond any check window: the order is followed on every batch."""
+    cb = GraphIntegrityCallback(check_every_n_steps=10, dead_after_steps=3)
+    fit(RareGeneratorStepFirst(), cb, steps=40, max_epochs=-1)
+    assert finding(cb, K.STEP_BEFORE_BACKWARD).names == ("head.weight", "head.bias")
+
+
 class ChunkedWithBranch(ManualNet):
     """Two optimizer steps per batch, each after its own backward; a layer only the second chunk uses."""
 

@@ -262,12 +262,9 @@ class GraphIntegrityCallback(Callback):
         self._hook: Any = None
         self._frozen_versions: list[tuple[str, Tensor, int, int]] = []
         self._stale_opts: set[int] = set()
-        # Manual optimization: per trainable parameter, its last optimizer step in this batch (optimizer,
-        # whether it had a .grad then).
-        self._grad_at_step: dict[str, tuple[int, bool, Tensor]] = {}
-        # The window's batches in a row whose gradient came only after the parameter's last step.
-        self._late_streak: dict[str, int] = {}
-        self._window_batches = 0
+        # Manual optimization: the trainable parameters without a .grad at their last optimizer step of
+        # this batch so far, with that optimizer's index.
+        self._gradless: dict[str, tuple[int, Tensor]] = {}
         self._pending_losses: list[Tensor] = []
         self._nonfinite = torch.zeros((), dtype=torch.long)  # non-finite losses counted, not yet flushed
         self._anomaly_prev: tuple[bool, bool] | None = None
@@ -284,6 +281,8 @@ class GraphIntegrityCallback(Callback):
         self._window_open = False
         self._window_left = 0
         self._streaks = GradientStreaks()
+        # Per parameter, its stepping batches in a row whose gradient came only after its last step.
+        self._late_streak: dict[str, int] = {}
         self._independence_done = False
         self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
 
@@ -357,8 +356,6 @@ class GraphIntegrityCallback(Callback):
         self._window_left = self.dead_after_steps * max(1, len(trainer.optimizers))
         self._next_check = step + self.check_every_n_steps
         self._streaks.clear()
-        self._late_streak.clear()
-        self._window_batches = 0
         self._stale_opts.clear()
         self._walk_batch = True
         self._walks += 1
@@ -475,11 +472,9 @@ class GraphIntegrityCallback(Callback):
         if k is None:
             return
         self._stepped.append(k)
-        if not self._window_open:
-            return
-        if not pl_module.automatic_optimization:  # every step of the batch: a later one may use what one lacked
-            self._grad_at_step.update((n, (k, p.grad is not None, p)) for n, p in self._opt_params[k] if p.requires_grad)
-        if self._window_left <= 0:
+        if not pl_module.automatic_optimization:
+            self._note_step_order(k)
+        if not self._window_open or self._window_left <= 0:
             return
         self._window_left -= 1
         if not pl_module.automatic_optimization:
@@ -510,13 +505,7 @@ class GraphIntegrityCallback(Callback):
             self._check_reachability(trainer, pl_module)
         self._check_frozen_changed(trainer)
         self._check_step_order(trainer)
-        self._window_batches += self._window_open
-        done = self._window_left <= 0 or trainer.global_step >= self._next_check
-        if not pl_module.automatic_optimization:
-            # A batch may step several times: the window also spans dead_after_steps batches, for the
-            # step-order streak.
-            done = done and self._window_batches >= self.dead_after_steps
-        if self._window_open and done:
+        if self._window_open and (self._window_left <= 0 or trainer.global_step >= self._next_check):
             self._close_window(trainer)
         elif self.strict:  # a non-finite loss raises at the end of its step
             self._flush_losses(trainer)
@@ -557,17 +546,31 @@ class GraphIntegrityCallback(Callback):
                "step: strategy='ddp_find_unused_parameters_true', or remove or freeze them." if ddp else ""),
         )
 
+    def _note_step_order(self, k: int) -> None:
+        # Every step of every batch, outside the check windows too (an optimizer may step once in many
+        # batches): one attribute read per parameter. A parameter's last step of the batch decides.
+        for name, p in self._opt_params[k]:
+            if p.grad is not None:
+                self._gradless.pop(name, None)
+            elif p.requires_grad:
+                self._gradless[name] = (k, p)
+
     def _check_step_order(self, trainer: "pl.Trainer") -> None:
         """Under manual optimization, a parameter without ``.grad`` at its last optimizer step of the batch
         that holds one at the batch's end got it from a backward after every step: it is in the graph, not
         unused, and no step used its gradient. One batch may do that legitimately (accumulation by hand
-        that steps the previous window first); ``dead_after_steps`` batches in a row are a finding."""
-        late = {n: k for n, (k, had, p) in self._grad_at_step.items() if not had and p.grad is not None}
-        for name in self._grad_at_step:
-            self._late_streak[name] = self._late_streak.get(name, 0) + 1 if name in late else 0
-        self._grad_at_step = {}
+        that steps the previous window first); ``dead_after_steps`` of its stepping batches in a row are a
+        finding."""
+        late = {n: k for n, (k, p) in self._gradless.items() if p.grad is not None}
+        self._gradless = {}
+        stepped = set(self._stepped)
+        for name in [n for n in self._late_streak if n not in late]:  # stepped on time: the streak ends
+            if self._opt_of.get(id(self._params_by_name[name])) in stepped:
+                del self._late_streak[name]
+        for name in late:
+            self._late_streak[name] = self._late_streak.get(name, 0) + 1
         self._streaks.got_gradient(tuple(late))
-        flagged = [n for n in late if self._late_streak[n] >= self.dead_after_steps]
+        flagged = [n for n in late if self._late_streak[n] == self.dead_after_steps]
         for k in dict.fromkeys(late[n] for n in flagged):
             names = tuple(n for n in flagged if late[n] == k)
             self._record(
@@ -575,7 +578,7 @@ class GraphIntegrityCallback(Callback):
                 FindingKind.STEP_BEFORE_BACKWARD,
                 names,
                 f"Optimizer {k} ({type(trainer.optimizers[k]).__name__}) stepped before the backward that gives "
-                f"{listed(names)} their gradients, at {self.dead_after_steps} batches in a row: at its step their "
+                f"{listed(names)} their gradients, in {self.dead_after_steps} of its batches in a row: at its step their "
                 "`.grad` was None, so the step left them unchanged, and the next zero_grad() throws the gradient "
                 "away: they never train. Call `self.manual_backward(loss)` before `opt.step()`.",
             )
