@@ -588,6 +588,35 @@ def test_mixed_precision_is_advised_for_the_float32_saved_outside_autocast():
     assert mixed_precision_savings(partly) == outside // 2 > 0 and "mixed precision" in kinds(partly)
 
 
+class LossInside(nn.Module):
+    """Called with keyword arguments only, and computes its loss itself (a Hugging Face model's style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 1000)
+
+    def forward(self, *, inputs, labels):
+        return F.cross_entropy(self.net(inputs), labels)
+
+
+def test_float32_saved_by_the_loss_under_autocast_is_no_remedy():
+    """cross_entropy under autocast keeps its log-softmax in float32, batch × classes: whether computed after
+    the model in the training step, outside every module, or inside a model called with keywords only."""
+    x, y = torch.randn(16, 8), torch.randint(0, 1000, (16,))
+    state = ModelStateBytes(parameters=0, gradients=0, optimizer_state=0)
+    model = nn.Sequential(nn.Linear(8, 1000))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, after, _ = record(model, x, exclude=[x, y], loss_fn=lambda out: F.cross_entropy(out, y))
+        with SavedTensorRecorder(LossInside(), exclude=[x, y]) as rec:
+            keep = rec.module(inputs=x, labels=y)  # the loss, alive until the report
+        inside = rec.report()
+    for report in (after, inside):
+        assert sum(s.nbytes for s in report.storages.values() if s.dtype == torch.float32) >= 16 * 1000 * 4
+        assert mixed_precision_savings(report) == 0
+        assert "mixed precision" not in {r.kind for r in rank_remedies(StepMemory(state, 0, report, 16, budget_bytes=2**20))}
+    del keep
+
+
 def test_an_embedding_lookup_is_an_activation_not_a_parameter_copy():
     """Under autocast the Linear after an Embedding saves the bf16 cast of the lookup: derived from the
     weight, but by a computation, not a view — it grows with the batch."""

@@ -276,7 +276,8 @@ class SavedTensorRecorder:
         self._seconds: dict[str, float] = {}
         self._events: list[tuple[str, Any, Any]] = []
         self._uncounted = 0
-        self._autocast: list[bool] = []  # per running module call: it began under torch.autocast
+        self._autocast: list[tuple[str, bool]] = []  # per running module call: device type, began under autocast
+        self._outside_autocast = False  # autocast around the saves outside every module (a loss after the model)
         self._handles: list[RemovableHandle] = []
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -327,9 +328,11 @@ class SavedTensorRecorder:
             if key is not None and key not in self._exclude:
                 inputs.add(key)
                 self._input_nbytes.setdefault(key, storage_nbytes(t))
-        # Here, between ops: inside one, autocast's dispatch is switched off and reads as disabled.
-        self._autocast.append(_autocast_on(first.device.type) if first is not None else
-                              bool(self._autocast) and self._autocast[-1])
+        # The device of the input, else of the module's parameters (a call with keyword arguments only).
+        device = first if first is not None else next(module.parameters(), None)
+        device_type = device.device.type if device is not None else self._autocast[-1][0] if self._autocast else ""
+        # Read here, between ops: inside one, autocast's dispatch is switched off and reads as disabled.
+        self._autocast.append((device_type, bool(device_type) and _autocast_on(device_type)))
         if not (self._time_all or name in self._time_names):
             self._starts.append(None)
         elif first is not None and first.is_cuda:
@@ -344,7 +347,9 @@ class SavedTensorRecorder:
         if id(module) not in self._names:
             return
         name = self._stack.pop()
-        self._autocast.pop()
+        device_type, _ = self._autocast.pop()
+        if not self._autocast and device_type:  # back in the training step, where the loss may be computed
+            self._outside_autocast = _autocast_on(device_type)
         self._calls.setdefault(name, []).append((self._call_starts.pop(), self._save_index))
         start = self._starts.pop()
         if isinstance(start, float):
@@ -371,8 +376,8 @@ class SavedTensorRecorder:
         saver = self._stack[-1] if self._stack else OUTSIDE
         seen = self._saved.get(key)
         if seen is None or not _alive(self._refs[key]):  # new, or a freed storage's address reused
-            self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,), (self._save_index,),
-                                            bool(self._autocast) and self._autocast[-1])
+            under = self._autocast[-1][1] if self._autocast else self._outside_autocast
+            self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,), (self._save_index,), under)
             self._refs[key] = []
         else:
             self._saved[key] = dataclasses.replace(seen, savers=seen.savers + (saver,),
