@@ -138,7 +138,8 @@ def test_a_diverged_run_gets_no_convergence_verdict(tmp_path: Path, capsys: pyte
     totals = HEALTHY["grad_norm/total"][:-3] + [math.nan] * 3
     scalars = {**HEALTHY, "grad_norm/total": totals} if tag.startswith("grad_norm/") else \
         {k: v for k, v in HEALTHY.items() if not k.startswith("grad_norm/")}
-    write_run(tmp_path / "run", {**scalars, tag: [0.0] * (len(STEPS) - 3) + [1.0, 2.0, 3.0]})
+    # Steps are logged every 5: from the last finite norm on, every step non-finite.
+    write_run(tmp_path / "run", {**scalars, tag: [0.0] * (len(STEPS) - 3) + [5.0, 10.0, 15.0]})
     _, doc = report_json(capsys, tmp_path)
     notes = [f["message"] for f in doc["runs"][0]["findings"] if f["severity"] == "note"]
     assert any(m.startswith("the run diverged (non-finite gradients or losses)") for m in notes)
@@ -156,6 +157,21 @@ def test_a_non_finite_loss_counted_at_the_last_step_is_no_divergence(tmp_path: P
     writer.close()
     _, doc = report_json(capsys, tmp_path)
     assert not any(f["message"].startswith("the run diverged") for f in doc["runs"][0]["findings"])
+
+
+@pytest.mark.parametrize(("skips", "diverged"), [([1.0], False), ([5.0, 10.0, 15.0, 20.0, 25.0], True)])
+def test_a_grad_scaler_run_diverges_when_every_step_is_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], skips: list[float], diverged: bool
+) -> None:
+    """Under a GradScaler a non-finite step is skipped, not counted as non-finite: one skip is calibration,
+    every step skipped from the last finite norm on is a run that went NaN for good."""
+    n = len(skips)
+    totals = HEALTHY["grad_norm/total"][:len(STEPS) - n] + [math.nan] * n if diverged else HEALTHY["grad_norm/total"]
+    counter = [0.0] * (len(STEPS) - n) + skips
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/total": totals, "grad_norm/amp_skipped_steps": counter})
+    _, doc = report_json(capsys, tmp_path)
+    notes = [f["message"] for f in doc["runs"][0]["findings"] if f["severity"] == "note"]
+    assert any(m.startswith("the run diverged (") for m in notes) is diverged
 
 
 def test_a_run_that_trains_on_after_a_non_finite_step_has_not_diverged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

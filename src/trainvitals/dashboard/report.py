@@ -217,17 +217,25 @@ def _counter(run: Run, pattern: str, last: bool = False) -> float:
 
 
 def _diverged(run: Run) -> bool:
-    """Whether the run ended diverged: with GradNormMonitor's series, non-finite gradients (outside a
-    GradScaler) counted from its last finite norm on; one it trained on from (a skipped batch) is not the
-    end. A non-finite loss makes the gradient non-finite too, so the loss counter decides only without
-    the monitor: GraphIntegrityCallback logs it when a check window closes (often at the end of
-    training), which says nothing of when the loss was non-finite."""
+    """Whether the run ended diverged. With GradNormMonitor's series: (nearly) every step after its last
+    finite norm was non-finite — counted as non-finite, or under a GradScaler as skipped (at least two:
+    one skip is calibration). A NaN the run trained on from is not the end. A non-finite loss makes the
+    gradient non-finite too, so the loss counter decides only without the monitor: GraphIntegrityCallback
+    logs it when a check window closes, which says nothing of when the loss was non-finite."""
     finite = [step for series in run.matching(grad_norm("total")).values() for step, v in series if math.isfinite(v)]
-    grads = [step for series in run.matching(grad_norm("nonfinite_steps")).values()
-             for (step, count), before in zip(series, [0.0] + [c for _, c in series]) if count > before]
-    if finite or run.matching(grad_norm("nonfinite_steps")):
-        return bool(grads) and (not finite or max(grads) >= max(finite))
-    return _counter(run, r"graph/nonfinite_losses$") > 0
+    counters = {1: run.matching(grad_norm("nonfinite_steps")), 2: run.matching(grad_norm("amp_skipped_steps"))}
+    if not (finite or counters[1] or counters[2]):
+        return _counter(run, r"graph/nonfinite_losses$") > 0
+    since = max(finite, default=-1)
+    return any(_rose_every_step(series, since, least) for least, matching in counters.items()
+               for series in matching.values())
+
+
+def _rose_every_step(series: list[tuple[int, float]], since: int, least: int) -> bool:
+    """A step counter rose by (nearly) every step logged after ``since``, and by at least ``least``."""
+    before = max((count for step, count in series if step <= since), default=0.0)
+    step, count = series[-1]
+    return step > since and count - before >= max(least, step - since - 1)
 
 
 def _convergence(run: Run, report: RunReport) -> None:
