@@ -605,16 +605,27 @@ def test_float32_saved_by_the_loss_under_autocast_is_no_remedy():
     x, y = torch.randn(16, 8), torch.randint(0, 1000, (16,))
     state = ModelStateBytes(parameters=0, gradients=0, optimizer_state=0)
     model = nn.Sequential(nn.Linear(8, 1000))
+    teacher = nn.Linear(8, 1000)  # a frozen teacher, run in float32 and without grad, last before the loss
+    distill = nn.ModuleDict({"student": model, "teacher": teacher})
+
+    def distillation_loss(out):
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            target = teacher(x).softmax(-1)
+        return F.cross_entropy(out, target)
+
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, after, _ = record(model, x, exclude=[x, y], loss_fn=lambda out: F.cross_entropy(out, y))
         with SavedTensorRecorder(LossInside(), exclude=[x, y]) as rec:
             keep = rec.module(inputs=x, labels=y)  # the loss, alive until the report
         inside = rec.report()
-    for report in (after, inside):
+        with SavedTensorRecorder(distill, exclude=[x, y]) as rec:
+            kept = distillation_loss(model(x))
+        distilled = rec.report()
+    for report in (after, inside, distilled):
         assert sum(s.nbytes for s in report.storages.values() if s.dtype == torch.float32) >= 16 * 1000 * 4
         assert mixed_precision_savings(report) == 0
         assert "mixed precision" not in {r.kind for r in rank_remedies(StepMemory(state, 0, report, 16, budget_bytes=2**20))}
-    del keep
+    del keep, kept
 
 
 def test_an_embedding_lookup_is_an_activation_not_a_parameter_copy():

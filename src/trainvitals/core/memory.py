@@ -278,6 +278,8 @@ class SavedTensorRecorder:
         self._uncounted = 0
         self._autocast: list[tuple[str, bool]] = []  # per running module call: device type, began under autocast
         self._outside_autocast = False  # autocast around the saves outside every module (a loss after the model)
+        first_parameter = next(module.parameters(), None)
+        self._model_device_type = first_parameter.device.type if first_parameter is not None else ""
         self._handles: list[RemovableHandle] = []
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -328,9 +330,10 @@ class SavedTensorRecorder:
             if key is not None and key not in self._exclude:
                 inputs.add(key)
                 self._input_nbytes.setdefault(key, storage_nbytes(t))
-        # The device of the input, else of the module's parameters (a call with keyword arguments only).
+        # The device of the input, else of the module's parameters, else of the model's (a call with keyword
+        # arguments only: a loss module).
         device = first if first is not None else next(module.parameters(), None)
-        device_type = device.device.type if device is not None else self._autocast[-1][0] if self._autocast else ""
+        device_type = device.device.type if device is not None else self._model_device_type
         # Read here, between ops: inside one, autocast's dispatch is switched off and reads as disabled.
         self._autocast.append((device_type, bool(device_type) and _autocast_on(device_type)))
         if not (self._time_all or name in self._time_names):
@@ -348,7 +351,9 @@ class SavedTensorRecorder:
             return
         name = self._stack.pop()
         device_type, _ = self._autocast.pop()
-        if not self._autocast and device_type:  # back in the training step, where the loss may be computed
+        # Back in the training step, where the loss may be computed; not after a call without grad (a frozen
+        # teacher run in float32), which saves nothing.
+        if not self._autocast and device_type and torch.is_grad_enabled():
             self._outside_autocast = _autocast_on(device_type)
         self._calls.setdefault(name, []).append((self._call_starts.pop(), self._save_index))
         start = self._starts.pop()
