@@ -271,7 +271,8 @@ class GraphIntegrityCallback(Callback):
         self._pending: Finding | None = None
 
     def _reset(self) -> None:
-        """The state of a fit that has not started: what ``state_dict`` saves."""
+        """The state of a fit that has not started: what ``state_dict`` saves, and the step-order streaks,
+        which it does not (a resumed run counts them afresh)."""
         self.findings: list[Finding] = []
         self.counts: dict[FindingKind, int] = {}
         self._warned: set[FindingKind] = set()
