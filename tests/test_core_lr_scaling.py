@@ -128,7 +128,7 @@ def test_advise_classic_and_unsure():
     ("kwargs", "name"),
     [
         (dict(batch_size=0), "batch_size"), (dict(batch_size=-8), "batch_size"),
-        (dict(batch_size=math.nan), "batch_size"), (dict(lr=True), "lr"),
+        (dict(batch_size=math.nan), "batch_size"),
         (dict(lr=0.0), "lr"), (dict(lr=-0.1), "lr"), (dict(lr=math.inf), "lr"),
         (dict(target_batch_sizes=(64, 0)), "target_batch_sizes"), (dict(target_batch_sizes=(-1,)), "target_batch_sizes"),
         (dict(family="rmsprop"), "family"), (dict(noise_scale=0.0), "noise_scale"),
@@ -139,6 +139,11 @@ def test_advise_rejects_bad_input(kwargs, name):
     args = dict(batch_size=32, lr=0.1, family="sgd") | kwargs
     with pytest.raises(ValueError, match=f"`{name}`"):
         advise(**args)
+
+
+def test_advise_rejects_a_bool_lr_as_a_type_error():
+    with pytest.raises(TypeError, match="`lr`"):
+        advise(batch_size=32, lr=True, family="sgd")
 
 
 def test_effective_batch_rejects_bad_input():

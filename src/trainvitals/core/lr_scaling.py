@@ -23,6 +23,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from trainvitals._validation import check_float, check_int
+
 FAMILIES = ("sgd", "adam", "unsure")
 FAMILY_LABELS = {"sgd": "SGD-like", "adam": "Adam-like", "unsure": "unsure"}
 RULES = ("noise-aware", "linear", "square-root", "none")
@@ -44,23 +46,13 @@ _REDUCTION_EXPONENT_TOLERANCE = 0.4
 
 
 def check_positive(name: str, value: float) -> float:
-    """``value`` as a float; ValueError naming ``name`` unless it is finite and > 0."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        x = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}") from None
-    if not (math.isfinite(x) and x > 0):
-        raise ValueError(f"`{name}` must be a finite number > 0, got {value!r}")
-    return x
+    """``value`` as a float; TypeError (not a number) or ValueError (not finite and > 0) naming ``name``."""
+    return check_float(name, value, 0.0, low_open=True)
 
 
 def check_positive_int(name: str, value: int) -> int:
-    """``value``; ValueError naming ``name`` unless it is an integer >= 1 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}")
-    return value
+    """``value`` as an int; TypeError (not an integer) or ValueError (< 1) naming ``name``."""
+    return check_int(name, value, 1)
 
 
 def validate_family(family: str) -> str:
@@ -72,16 +64,15 @@ def validate_family(family: str) -> str:
 
 def validate_noise_scale(noise_scale: float | None) -> float | None:
     """``None`` or B̂ > 0 as a float (examples); ValueError naming ``noise_scale`` otherwise."""
-    return None if noise_scale is None else check_positive("noise_scale", noise_scale)
+    return check_float("noise_scale", noise_scale, 0.0, low_open=True, none_ok=True)
 
 
 def validate_batch_sizes(name: str, batch_sizes: Sequence[float]) -> tuple[float, ...]:
-    """Each entry finite and > 0; ValueError naming ``name`` otherwise (a zero included)."""
+    """Each entry as a float, finite and > 0; TypeError (not a sequence of numbers) or ValueError (a zero
+    included) naming ``name`` otherwise."""
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
-        raise ValueError(f"`{name}` must be a sequence of numbers > 0, got {batch_sizes!r}")
-    for b in batch_sizes:
-        check_positive(name, b)
-    return tuple(float(b) for b in batch_sizes)
+        raise TypeError(f"`{name}` must be a sequence of finite numbers > 0, got {batch_sizes!r}")
+    return tuple(check_positive(name, b) for b in batch_sizes)
 
 
 def optimizer_family(optimizer_class: type | str) -> str:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trainvitals._validation import check_float
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:
@@ -30,18 +32,20 @@ GROUPINGS = ("parameter", "module", "block")
 
 
 def validate_norm_type(norm_type: float | int | str) -> float:
-    """Return ``norm_type`` as a float p > 0 (``"inf"`` allowed).
+    """Return ``norm_type`` as a float p > 0: a number (``math.inf`` allowed) or the string ``"inf"``.
 
     Raises:
-        ValueError: if ``norm_type`` is not a positive number or ``"inf"``.
+        TypeError: if ``norm_type`` is neither a number nor a string (a bool is not a number here).
+        ValueError: if it is not > 0, NaN, or a string other than ``"inf"``.
     """
+    if isinstance(norm_type, str):
+        if norm_type.lower() != "inf":
+            raise ValueError(f"`norm_type` must be a number > 0 or 'inf', got {norm_type!r}")
+        return math.inf
     try:
-        p = float(norm_type)
-    except (TypeError, ValueError):
-        raise ValueError(f"`norm_type` must be a positive number or 'inf', got {norm_type!r}") from None
-    if not p > 0:  # also rejects NaN
-        raise ValueError(f"`norm_type` must be a positive number or 'inf', got {norm_type!r}")
-    return p
+        return check_float("norm_type", norm_type, 0.0, low_open=True, allow_inf=True)
+    except TypeError:
+        raise TypeError(f"`norm_type` must be a number > 0 or 'inf', got {norm_type!r}") from None
 
 
 def group_name(param_name: str, grouping: str) -> str:

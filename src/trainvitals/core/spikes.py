@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainvitals._validation import check_float, check_int
+
 
 class SpikeDetector:
     """Flags a value above ``factor`` × the bias-corrected EMA of the values before it.
@@ -27,21 +29,18 @@ class SpikeDetector:
     """
 
     def __init__(self, factor: float, beta: float, warmup_steps: int) -> None:
-        self.check_arguments(factor, beta, warmup_steps)
-        self.factor, self.beta, self.warmup_steps = factor, beta, warmup_steps
+        self.factor, self.beta, self.warmup_steps = self.check_arguments(factor, beta, warmup_steps)
         self._ema = 0.0
         self.count = 0
 
     @staticmethod
     def check_arguments(factor: float, beta: float, warmup_steps: int,
-                        names: tuple[str, str, str] = ("factor", "beta", "warmup_steps")) -> None:
-        """Raise ``ValueError`` naming the first invalid argument by its name in ``names`` (a caller's own)."""
-        if not factor > 1.0:
-            raise ValueError(f"`{names[0]}` must be > 1, got {factor}")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"`{names[1]}` must be in [0, 1), got {beta}")
-        if warmup_steps < 0:
-            raise ValueError(f"`{names[2]}` must be >= 0, got {warmup_steps}")
+                        names: tuple[str, str, str] = ("factor", "beta", "warmup_steps")) -> tuple[float, float, int]:
+        """The arguments as (float, float, int); TypeError/ValueError naming the first invalid one by its
+        name in ``names`` (a caller's own)."""
+        return (check_float(names[0], factor, 1.0, low_open=True),
+                check_float(names[1], beta, 0.0, 1.0, high_open=True),
+                check_int(names[2], warmup_steps, 0))
 
     @property
     def average(self) -> float:
