@@ -300,7 +300,7 @@ def test_state_round_trips(tmp_path):
 @pytest.mark.parametrize("kwargs, name", [
     ({"norm_type": 0}, "norm_type"), ({"norm_type": "l2"}, "norm_type"), ({"grouping": "layer"}, "grouping"),
     ({"log_every_n_steps": 0}, "log_every_n_steps"), ({"histogram_every_n_steps": -1}, "histogram_every_n_steps"),
-    ({"spike_factor": 1.0}, "spike_factor"), ({"spike_ema_beta": 1.0}, "spike_ema_beta"),
+    ({"spike_factor": 1.0}, "spike_factor"), ({"ema_beta": 1.0}, "ema_beta"),
     ({"spike_warmup_steps": -1}, "spike_warmup_steps"),
 ])
 def test_bad_arguments(kwargs, name):

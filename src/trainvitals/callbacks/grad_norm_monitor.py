@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from trainvitals._validation import check_choice, check_int, renamed_arguments
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
@@ -127,13 +128,14 @@ class GradNormMonitor(Callback):
             ``log_every_n_steps``. Steps that do not log do no host sync.
         histogram_every_n_steps: histogram cadence in optimizer steps; 0 turns histograms off.
         spike_factor: a total above ``spike_factor`` × EMA(total) is a spike; must be > 1.
-        spike_ema_beta: decay of that EMA per optimizer step, in [0, 1).
+        ema_beta: decay of that EMA per optimizer step, in [0, 1) (formerly ``spike_ema_beta``, deprecated).
         spike_warmup_steps: steps before spikes are looked for (the EMA needs history).
 
     Raises:
-        ValueError: on an invalid argument, naming it.
+        TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
 
+    @renamed_arguments(spike_ema_beta="ema_beta")
     def __init__(
         self,
         norm_type: float | int | str = 2.0,
@@ -141,27 +143,19 @@ class GradNormMonitor(Callback):
         log_every_n_steps: int | None = None,
         histogram_every_n_steps: int = 100,
         spike_factor: float = 5.0,
-        spike_ema_beta: float = 0.98,
+        ema_beta: float = 0.98,
         spike_warmup_steps: int = 20,
     ) -> None:
         self.norm_type = validate_norm_type(norm_type)
-        if grouping not in GROUPINGS:
-            raise ValueError(f"`grouping` must be one of {GROUPINGS}, got {grouping!r}")
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"`log_every_n_steps` must be >= 1 or None, got {log_every_n_steps}")
-        if histogram_every_n_steps < 0:
-            raise ValueError(f"`histogram_every_n_steps` must be >= 0 (0 = off), got {histogram_every_n_steps}")
-        SpikeDetector.check_arguments(spike_factor, spike_ema_beta, spike_warmup_steps,
-                                      names=("spike_factor", "spike_ema_beta", "spike_warmup_steps"))
-        self.grouping = grouping
-        self.log_every_n_steps = log_every_n_steps
-        self.histogram_every_n_steps = histogram_every_n_steps
-        self.spike_factor = spike_factor
-        self.spike_ema_beta = spike_ema_beta
-        self.spike_warmup_steps = spike_warmup_steps
-        # Lightning reads the key in every hook call (profiler names): build it once.
+        self.grouping = check_choice("grouping", grouping, GROUPINGS)
+        self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1, none_ok=True)
+        self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps, 0)
+        self.spike_factor, self.ema_beta, self.spike_warmup_steps = SpikeDetector.check_arguments(
+            spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps"))
+        # Lightning reads the key in every hook call (profiler names): build it once, with the argument
+        # names it had before the renaming, so that older checkpoints still load.
         self._state_key = self._generate_state_key(norm_type=self.norm_type, grouping=grouping,
-                                                   spike_factor=spike_factor, spike_ema_beta=spike_ema_beta)
+                                                   spike_factor=spike_factor, spike_ema_beta=ema_beta)
         self._tracks: dict[int, _Track] = {}
         self._restored: dict[int, dict[str, Any]] = {}
         self._clip_pending: tuple[int, int] | None = None  # (optimizer index, step) to measure after clipping
@@ -314,7 +308,7 @@ class GradNormMonitor(Callback):
             track.params, track.groups, track.present_index = params, groups, None
             track.subsets.clear()
             return track
-        track = _Track(params, groups, SpikeDetector(self.spike_factor, self.spike_ema_beta, self.spike_warmup_steps))
+        track = _Track(params, groups, SpikeDetector(self.spike_factor, self.ema_beta, self.spike_warmup_steps))
         restored = self._restored.pop(index, None)
         if restored is not None:
             track.steps = int(restored.get("steps", 0))
