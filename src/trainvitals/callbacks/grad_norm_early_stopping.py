@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
+from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
@@ -105,7 +106,7 @@ class GradNormEarlyStopping(Callback):
         verbose: print the stop reason.
 
     Raises:
-        ValueError: on an invalid argument, naming it.
+        TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
 
     def __init__(
@@ -121,39 +122,21 @@ class GradNormEarlyStopping(Callback):
         check_every_n_steps: int = DEFAULT_CHECK_EVERY_N_STEPS,
         verbose: bool = True,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
-        if not margin >= 0:
-            raise ValueError(f"`margin` must be >= 0, got {margin}")
-        if patience < 1:
-            raise ValueError(f"`patience` must be >= 1, got {patience}")
-        if min_steps < 0:
-            raise ValueError(f"`min_steps` must be >= 0, got {min_steps}")
-        if not threshold > 0:
-            raise ValueError(f"`threshold` must be > 0, got {threshold}")
-        if not 0 < fraction < 1:
-            raise ValueError(f"`fraction` must be in (0, 1), got {fraction}")
-        if reference_steps < 1:
-            raise ValueError(f"`reference_steps` must be >= 1, got {reference_steps}")
-        if not 0 <= ema_beta < 1:
-            raise ValueError(f"`ema_beta` must be in [0, 1), got {ema_beta}")
-        if check_every_n_steps < 1:
-            raise ValueError(f"`check_every_n_steps` must be >= 1, got {check_every_n_steps}")
-        self.mode = mode
-        self.margin = margin
-        self.patience = patience
-        self.min_steps = min_steps
-        self.threshold = threshold
-        self.fraction = fraction
-        self.reference_steps = reference_steps
-        self.check_every_n_steps = check_every_n_steps
-        self.verbose = verbose
+        self.mode = check_choice("mode", mode, MODES)
+        self.margin = check_float("margin", margin, 0.0)
+        self.patience = check_int("patience", patience, 1)
+        self.min_steps = check_int("min_steps", min_steps, 0)
+        self.threshold = check_float("threshold", threshold, 0.0, low_open=True)
+        self.fraction = check_float("fraction", fraction, 0.0, 1.0, low_open=True, high_open=True)
+        self.reference_steps = check_int("reference_steps", reference_steps, 1)
+        self.ema_beta = check_float("ema_beta", ema_beta, 0.0, 1.0, high_open=True)
+        self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.verbose = check_bool("verbose", verbose)
         # Lightning reads the key in every hook call (profiler names): build it once.
         self._state_key = self._generate_state_key(mode=mode, margin=margin, patience=patience, min_steps=min_steps,
                                                    threshold=threshold, fraction=fraction,
                                                    reference_steps=reference_steps, ema_beta=ema_beta)
 
-        self.ema_beta = ema_beta
         self._micro = MicroBatchSquaredNorms()
         self._source: Any = None  # "hooks", a probe callback, or None
         self._hooked: list[torch.nn.Parameter] = []
