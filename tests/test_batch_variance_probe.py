@@ -120,7 +120,7 @@ def rel(a: float, b: float) -> float:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"every_n_steps": 0}, {"log_every_n_steps": 0}, {"histogram_every_n_steps": -1}, {"beta": 1.0},
+    [{"measure_every_n_steps": 0}, {"log_every_n_steps": 0}, {"histogram_every_n_steps": -1}, {"ema_beta": 1.0},
      {"loss_reduction": "token"}, {"fallback_sub_batch": 1}, {"max_rel_err": 0.0}, {"top_k": -1}],
 )
 def test_constructor_rejects(kwargs):

@@ -1,8 +1,8 @@
 """BatchVarianceProbe: how noisy the mini-batch gradient is, and what that says about the batch size.
 
-Measures tr(Σ) and ‖G‖² (McCandlish et al. 2018, App. A.1; docs/science.md §3) every ``every_n_steps``
-optimizer steps, smooths them into :class:`~trainvitals.core.noise.NoiseScaleEMA` (read by the
-noise-band stopper and the learning-rate advisor), and logs the simple noise scale B_simple, the noise
+Measures tr(Σ) and ‖G‖² (McCandlish et al. 2018, App. A.1; docs/science.md §3) every
+``measure_every_n_steps`` optimizer steps, smooths them into :class:`~trainvitals.core.noise.NoiseScaleEMA`
+(read by the noise-band stopper and the learning-rate advisor), and logs the simple noise scale B_simple, the noise
 floor, the variance of the batch gradient at the micro-batch and at the full batch (Var ∝ 1/B),
 per-layer gradient signal-to-noise ratios and the evidence-based criterion (Mahsereci et al. 2017),
 and histograms of per-example gradient norms with the outlying examples.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
 
+from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
 from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
@@ -86,7 +88,7 @@ class BatchVarianceProbe(Callback):
     example's gradient depend on the whole micro-batch; the estimate then describes that coupled
     gradient, and a micro-batch with few values per channel is warned about.
 
-    Logged every ``log_every_n_steps`` optimizer steps (a multiple of ``every_n_steps``), once a valid
+    Logged every ``log_every_n_steps`` optimizer steps (a multiple of ``measure_every_n_steps``), once a valid
     measurement exists: ``grad_noise/trace_cov``, ``grad_noise/grad_sq_norm`` (the EMAs),
     ``grad_noise/b_simple`` (only when EMA(‖G‖²) > 0), ``grad_noise/b_simple_rel_err``,
     ``grad_noise/b_simple_unreliable`` (1 when ‖G‖² ≤ 0 or the relative error exceeds ``max_rel_err``),
@@ -106,13 +108,13 @@ class BatchVarianceProbe(Callback):
     describe a whole optimizer step: an epoch's shorter last accumulation window leaves them as they were.
 
     Args:
-        every_n_steps: measure every this many optimizer steps (≥ 1).
+        measure_every_n_steps: measure every this many optimizer steps (≥ 1; formerly ``every_n_steps``).
         log_every_n_steps: log every this many optimizer steps; ``None``: the Trainer's. Rounded up to a
-            multiple of ``every_n_steps``.
-        histogram_every_n_steps: per-example norm histograms every this many steps; ``None``: never.
-        beta: EMA decay per optimizer step, in [0, 1): a measurement every n steps enters with decay
+            multiple of ``measure_every_n_steps``.
+        histogram_every_n_steps: per-example norm histograms every this many steps; 0: never.
+        ema_beta: EMA decay per optimizer step, in [0, 1): a measurement every n steps enters with decay
             β^n, so the estimates average over about 1/(1 − β) optimizer steps at any cadence, as
-            GradNormEarlyStopping's do (its ``ema_beta``).
+            GradNormEarlyStopping's do. Formerly ``beta``.
         loss_reduction: ``"auto"`` (read from the loss's autograd graph), ``"mean"`` or ``"sum"`` over the
             examples of a micro-batch.
         per_coordinate: compute GSNR and the EB criterion on logging steps.
@@ -123,16 +125,17 @@ class BatchVarianceProbe(Callback):
         strict: raise instead of warning when the probe cannot measure.
 
     Raises:
-        ValueError: for an argument out of range.
+        TypeError: for an argument of the wrong type, ValueError for one out of range, naming it.
         RuntimeError: with ``strict``, when a step cannot be measured.
     """
 
+    @renamed_arguments(every_n_steps="measure_every_n_steps", beta="ema_beta")
     def __init__(
         self,
-        every_n_steps: int = 1,
+        measure_every_n_steps: int = 1,
         log_every_n_steps: int | None = None,
-        histogram_every_n_steps: int | None = 100,
-        beta: float = 0.98,
+        histogram_every_n_steps: int = 100,
+        ema_beta: float = 0.98,
         loss_reduction: str = "auto",
         per_coordinate: bool = True,
         fallback: bool = True,
@@ -142,34 +145,24 @@ class BatchVarianceProbe(Callback):
         strict: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("every_n_steps", every_n_steps), ("log_every_n_steps", log_every_n_steps),
-                            ("histogram_every_n_steps", histogram_every_n_steps)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"`{name}` must be a positive integer{' or None' if name != 'every_n_steps' else ''}, "
-                                 f"got {value!r}")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"`beta` must be in [0, 1), got {beta}")
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"`loss_reduction` must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
-        if fallback_sub_batch < 2:
-            raise ValueError(f"`fallback_sub_batch` must be >= 2, got {fallback_sub_batch}")
-        if not max_rel_err > 0:
-            raise ValueError(f"`max_rel_err` must be > 0, got {max_rel_err}")
-        if top_k < 0:
-            raise ValueError(f"`top_k` must be >= 0, got {top_k}")
-        self.every_n_steps = every_n_steps
-        self.log_every_n_steps = log_every_n_steps
-        self.histogram_every_n_steps = histogram_every_n_steps
-        self.beta = beta
-        self.loss_reduction = loss_reduction
-        self.per_coordinate = per_coordinate
-        self.fallback = fallback
-        self.fallback_sub_batch = fallback_sub_batch
-        self.max_rel_err = max_rel_err
-        self.top_k = top_k
-        self.strict = strict
-        # Lightning reads the key in every hook call (profiler names): build it once.
-        self._state_key = self._generate_state_key(every_n_steps=every_n_steps, beta=beta)
+        if histogram_every_n_steps is None:
+            warnings.warn("BatchVarianceProbe(histogram_every_n_steps=None) is deprecated and will be refused in "
+                          "the next release: use 0 to turn histograms off", DeprecationWarning, stacklevel=3)
+            histogram_every_n_steps = 0
+        self.measure_every_n_steps = check_int("measure_every_n_steps", measure_every_n_steps, 1)
+        self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1, none_ok=True)
+        self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps, 0)
+        self.ema_beta = check_float("ema_beta", ema_beta, 0.0, 1.0, high_open=True)
+        self.loss_reduction = check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
+        self.per_coordinate = check_bool("per_coordinate", per_coordinate)
+        self.fallback = check_bool("fallback", fallback)
+        self.fallback_sub_batch = check_int("fallback_sub_batch", fallback_sub_batch, 2)
+        self.max_rel_err = check_float("max_rel_err", max_rel_err, 0.0, low_open=True)
+        self.top_k = check_int("top_k", top_k, 0)
+        self.strict = check_bool("strict", strict)
+        # Lightning reads the key in every hook call (profiler names): build it once, with the argument
+        # names it had before the renaming, so that older checkpoints still load.
+        self._state_key = self._generate_state_key(every_n_steps=measure_every_n_steps, beta=ema_beta)
 
         self.sources = ""
         self._warnings = WarningCache()
@@ -191,8 +184,8 @@ class BatchVarianceProbe(Callback):
         """The state of a fit that has not started: no estimate, no step open, no layer excluded, no hook
         (a fit that failed on its first step leaves none of its own behind)."""
         self._detach_hooks()
-        self.noise = NoiseScaleEMA(self.beta**self.every_n_steps)
-        self.noise_error = NoiseScaleError(self.beta**self.every_n_steps)
+        self.noise = NoiseScaleEMA(self.ema_beta**self.measure_every_n_steps)
+        self.noise_error = NoiseScaleError(self.ema_beta**self.measure_every_n_steps)
         self.effective_batch_size: int | None = None
         self.grad_scale = 1.0
         self.last_outliers: list[tuple[int, float]] = []
@@ -253,7 +246,7 @@ class BatchVarianceProbe(Callback):
         rank_zero_info(f"trainvitals BatchVarianceProbe: sources: {self.sources}")
 
     def _round_up(self, every: int) -> int:
-        return math.ceil(every / self.every_n_steps) * self.every_n_steps
+        return math.ceil(every / self.measure_every_n_steps) * self.measure_every_n_steps
 
     def _groups_per_step(self, trainer: "pl.Trainer") -> int:
         return trainer.accumulate_grad_batches * trainer.world_size
@@ -312,7 +305,7 @@ class BatchVarianceProbe(Callback):
         self._open_step = step
         plan, collector = self._plan, self._collector
         assert plan is not None and collector is not None
-        self._measuring = step % self.every_n_steps == 0 and bool(plan.per_example or plan.micro_batch or plan.vmap)
+        self._measuring = step % self.measure_every_n_steps == 0 and bool(plan.per_example or plan.micro_batch or plan.vmap)
         self._micro_sizes = []
         self._unsized = False
         self._detach_hooks()
