@@ -302,17 +302,22 @@ def test_tensorboard_gets_scalars_and_the_advice_text(tmp_path, caplog):
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        (dict(every_n_steps=0), "every_n_steps"), (dict(every_n_steps=1.5), "every_n_steps"),
+        (dict(log_every_n_steps=0), "log_every_n_steps"), (dict(log_every_n_steps=1.5), "log_every_n_steps"),
         (dict(target_batch_sizes=(64, 0)), "target_batch_sizes"), (dict(target_batch_sizes=(-2,)), "target_batch_sizes"),
         (dict(reference=(0, 0.1)), "reference"), (dict(reference=(64, 0.0)), "reference"),
         (dict(reference=(64, -1e-3)), "reference"), (dict(reference=(64, {"SGD": 0})), "reference"),
-        (dict(reference=64), "reference"), (dict(noise_scale=0.0), "noise_scale"), (dict(noise_scale=-5), "noise_scale"),
+        (dict(noise_scale=0.0), "noise_scale"), (dict(noise_scale=-5), "noise_scale"),
         (dict(batch_size=0), "batch_size"),
     ],
 )
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
         LRScalingAdvisor(**kwargs)
+
+
+def test_a_reference_that_is_not_a_pair_is_a_type_error():
+    with pytest.raises(TypeError, match="`reference`"):
+        LRScalingAdvisor(reference=64)
 
 
 @pytest.mark.parametrize("schedule", ["warmup_from_zero", "one_cycle"])

@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 
+from trainvitals._validation import check_bool, check_int, renamed_arguments
 from trainvitals.callbacks._batch import batch_size, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_scalars, log_text
@@ -55,7 +56,7 @@ REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescal
 class LRScalingAdvisor(Callback):
     r"""Report the effective batch, each lr's family and the lr other batch sizes need.
 
-    Reports at fit start (the first training batch), every ``every_n_steps`` optimizer steps and at
+    Reports at fit start (the first training batch), every ``log_every_n_steps`` optimizer steps and at
     the end of training. Each report covers:
 
     - the effective batch = per-device batch × devices × nodes × ``accumulate_grad_batches``
@@ -97,8 +98,8 @@ class LRScalingAdvisor(Callback):
     The host reads B̂ and the lrs on reporting steps only; other steps cost one integer comparison.
 
     Args:
-        every_n_steps: report cadence in optimizer steps, ≥ 1; ``None`` for the Trainer's
-            ``log_every_n_steps``.
+        log_every_n_steps: report cadence in optimizer steps, ≥ 1; ``None`` for the Trainer's
+            ``log_every_n_steps``. Formerly ``every_n_steps``.
         target_batch_sizes: effective batch sizes (examples) to advise on besides ×½, ×2, ×4, ×8.
         reference: ``(effective_batch, lr)`` the lr was tuned at; ``lr`` a number or a mapping from
             group name to number.
@@ -108,14 +109,16 @@ class LRScalingAdvisor(Callback):
         verbose: print the end report.
 
     Raises:
-        ValueError: naming ``every_n_steps``, ``target_batch_sizes``, ``reference``,
+        TypeError: naming an argument of the wrong type (a string for a number, a bool for a count).
+        ValueError: naming ``log_every_n_steps``, ``target_batch_sizes``, ``reference``,
             ``noise_scale`` or ``batch_size`` when out of range (a non-positive number, a zero
             target, a malformed reference).
     """
 
+    @renamed_arguments(every_n_steps="log_every_n_steps")
     def __init__(
         self,
-        every_n_steps: int | None = None,
+        log_every_n_steps: int | None = None,
         target_batch_sizes: Sequence[int] = (),
         reference: tuple[int, float | Mapping[str, float]] | None = None,
         noise_scale: float | None = None,
@@ -123,13 +126,13 @@ class LRScalingAdvisor(Callback):
         detect_loss_reduction: bool = True,
         verbose: bool = True,
     ) -> None:
-        self.every_n_steps = None if every_n_steps is None else check_positive_int("every_n_steps", every_n_steps)
+        self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1, none_ok=True)
         self.target_batch_sizes = validate_batch_sizes("target_batch_sizes", target_batch_sizes)
         self.reference = None if reference is None else _validate_reference(reference)
         self.noise_scale = validate_noise_scale(noise_scale)
-        self.batch_size = None if batch_size is None else check_positive_int("batch_size", batch_size)
-        self.detect_loss_reduction = detect_loss_reduction
-        self.verbose = verbose
+        self.batch_size = check_int("batch_size", batch_size, 1, none_ok=True)
+        self.detect_loss_reduction = check_bool("detect_loss_reduction", detect_loss_reduction)
+        self.verbose = check_bool("verbose", verbose)
 
         self.per_device_batch: int | None = None
         """Examples in one device's micro-batch, once seen."""
@@ -195,7 +198,7 @@ class LRScalingAdvisor(Callback):
         if step == self._last_step or self.per_device_batch is None:
             return
         self._last_step = step
-        if is_logging_step(step, logging_every(trainer, self.every_n_steps)):
+        if is_logging_step(step, logging_every(trainer, self.log_every_n_steps)):
             self._report = self._advise(trainer)
 
     @override
@@ -375,19 +378,22 @@ class LRScalingAdvisor(Callback):
 
 
 def _validate_reference(reference: Any) -> tuple[int, float | dict[str, float]]:
-    """``(batch, lr)`` checked: batch an integer ≥ 1, lr (or each value of a mapping) finite and > 0."""
+    """``(batch, lr)`` checked: batch an integer ≥ 1, lr (or each value of a mapping) finite and > 0.
+
+    TypeError for a value that is not such a pair (or holds a non-number), ValueError for one out of range.
+    """
     message = (f"`reference` must be (effective_batch >= 1, lr > 0 or a mapping of group name to lr > 0), "
                f"got {reference!r}")
-    if not isinstance(reference, Sequence) or len(reference) != 2:
-        raise ValueError(message)
+    if isinstance(reference, (str, bytes)) or not isinstance(reference, Sequence) or len(reference) != 2:
+        raise TypeError(message)
     batch, lr = reference
     try:
-        check_positive_int("reference", batch)
+        batch = check_positive_int("reference", batch)
         if isinstance(lr, Mapping):
             return batch, {str(name): check_positive("reference", value) for name, value in lr.items()}
         return batch, check_positive("reference", lr)
-    except ValueError:
-        raise ValueError(message) from None
+    except (TypeError, ValueError) as err:
+        raise type(err)(message) from None
 
 
 def _betas(group: Mapping[str, Any]) -> tuple[float, float] | None:
