@@ -59,6 +59,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import trainvitals
+from trainvitals._validation import check_bool, check_callable, check_int
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.core.graph import (
     AutogradError,
@@ -191,7 +192,7 @@ class GraphIntegrityCallback(Callback):
         verbose: print the findings table at fit end (it goes to TensorBoard either way).
 
     Raises:
-        ValueError: on an invalid argument (named in the message).
+        TypeError: on an argument of the wrong type, ValueError on one out of range (named in the message).
         GraphIntegrityError: with ``strict=True``, during training, at the first finding.
     """
 
@@ -206,29 +207,13 @@ class GraphIntegrityCallback(Callback):
         verbose: bool = True,
     ) -> None:
         super().__init__()
-        for name, value, low in (
-            ("check_every_n_steps", check_every_n_steps, 1),
-            ("dead_after_steps", dead_after_steps, 1),
-            ("detect_anomaly_steps", detect_anomaly_steps, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}")
-        if dead_after_steps > check_every_n_steps:
-            raise ValueError(
-                f"`dead_after_steps` ({dead_after_steps}) must be <= `check_every_n_steps` ({check_every_n_steps})"
-            )
-        for name, value in (("check_batch_independence", check_batch_independence), ("strict", strict)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}` must be a bool, got {value!r}")
-        if batch_input is not None and not callable(batch_input):
-            raise ValueError(f"`batch_input` must be callable or None, got {batch_input!r}")
-        self.check_every_n_steps = check_every_n_steps
-        self.dead_after_steps = dead_after_steps
-        self.detect_anomaly_steps = detect_anomaly_steps
-        self.check_batch_independence = check_batch_independence
-        self.batch_input = batch_input or first_tensor
-        self.strict = strict
-        self.verbose = verbose
+        self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.dead_after_steps = check_int("dead_after_steps", dead_after_steps, 1, self.check_every_n_steps)
+        self.detect_anomaly_steps = check_int("detect_anomaly_steps", detect_anomaly_steps, 0)
+        self.check_batch_independence = check_bool("check_batch_independence", check_batch_independence)
+        self.batch_input = check_callable("batch_input", batch_input, none_ok=True) or first_tensor
+        self.strict = check_bool("strict", strict)
+        self.verbose = check_bool("verbose", verbose)
         # Lightning reads the key in every hook call (profiler names): build it once.
         self._state_key = self._generate_state_key(
             check_every_n_steps=check_every_n_steps, dead_after_steps=dead_after_steps
