@@ -309,7 +309,7 @@ def test_state_survives_a_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, name", [
-    ({"every_n_steps": 0}, "every_n_steps"), ({"first_steps": -1}, "first_steps"),
+    ({"measure_every_n_steps": 0}, "measure_every_n_steps"), ({"first_steps": -1}, "first_steps"),
     ({"memory_budget_bytes": 0}, "memory_budget_bytes"), ({"top_k": -1}, "top_k"),
     ({"snapshot_steps": -1}, "snapshot_steps"), ({"max_modules_shown": 0}, "max_modules_shown"),
 ])

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
+from trainvitals._validation import check_bool, check_int, renamed_arguments
 from trainvitals.callbacks._writers import log_image, log_scalars, log_text, tensorboard_writers
 from trainvitals.core.memory import (
     GraphLeakFinding,
@@ -57,7 +58,7 @@ class _Pending:
 
 
 class MemoryTopologyProfiler(Callback):
-    """Profile the memory of a training step every ``every_n_steps`` optimizer steps and the first steps.
+    """Profile the memory of a training step every ``measure_every_n_steps`` optimizer steps and the first ones.
 
     A profiled step records the forward (from ``on_train_batch_start`` to the first
     ``on_before_backward``) with a :class:`~trainvitals.core.memory.SavedTensorRecorder` and, once the
@@ -103,7 +104,7 @@ class MemoryTopologyProfiler(Callback):
     optimization the recorded forward is what runs before the first ``manual_backward``.
 
     Args:
-        every_n_steps: profile every this many optimizer steps.
+        measure_every_n_steps: profile every this many optimizer steps (formerly ``every_n_steps``).
         first_steps: also profile the first this many steps of each fit (a leak shows from the second).
         memory_budget_bytes: the memory one rank's step must fit, for the largest-batch advice;
             defaults to the device's total memory on CUDA; on CPU there is no default, and no batch
@@ -119,12 +120,13 @@ class MemoryTopologyProfiler(Callback):
         verbose: print the table at the end of training (it goes to TensorBoard either way).
 
     Raises:
-        ValueError: if an argument is out of range.
+        TypeError: if an argument has the wrong type, ValueError if it is out of range, naming it.
     """
 
+    @renamed_arguments(every_n_steps="measure_every_n_steps")
     def __init__(
         self,
-        every_n_steps: int = 50,
+        measure_every_n_steps: int = 50,
         first_steps: int = 3,
         memory_budget_bytes: int | None = None,
         top_k: int = 3,
@@ -134,34 +136,23 @@ class MemoryTopologyProfiler(Callback):
         verbose: bool = True,
     ) -> None:
         super().__init__()
-        if every_n_steps < 1:
-            raise ValueError(f"`every_n_steps` must be >= 1, got {every_n_steps}")
-        if first_steps < 0:
-            raise ValueError(f"`first_steps` must be >= 0, got {first_steps}")
-        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
-            raise ValueError(f"`memory_budget_bytes` must be > 0 or None, got {memory_budget_bytes}")
-        if top_k < 0:
-            raise ValueError(f"`top_k` must be >= 0, got {top_k}")
-        if snapshot_steps < 0:
-            raise ValueError(f"`snapshot_steps` must be >= 0, got {snapshot_steps}")
-        if max_modules_shown < 1:
-            raise ValueError(f"`max_modules_shown` must be >= 1, got {max_modules_shown}")
-        self.every_n_steps = every_n_steps
-        self.first_steps = first_steps
-        # Lightning reads the key in every hook call (profiler names): build it once.
-        self._state_key = self._generate_state_key(every_n_steps=every_n_steps, first_steps=first_steps)
-        self.memory_budget_bytes = memory_budget_bytes
-        self.top_k = top_k
-        self.snapshot_steps = snapshot_steps
-        self.max_modules_shown = max_modules_shown
-        self.strict = strict
-        self.verbose = verbose
+        self.measure_every_n_steps = check_int("measure_every_n_steps", measure_every_n_steps, 1)
+        self.first_steps = check_int("first_steps", first_steps, 0)
+        self.memory_budget_bytes = check_int("memory_budget_bytes", memory_budget_bytes, 1, none_ok=True)
+        self.top_k = check_int("top_k", top_k, 0)
+        self.snapshot_steps = check_int("snapshot_steps", snapshot_steps, 0)
+        self.max_modules_shown = check_int("max_modules_shown", max_modules_shown, 1)
+        self.strict = check_bool("strict", strict)
+        self.verbose = check_bool("verbose", verbose)
+        # Lightning reads the key in every hook call (profiler names): build it once, with the argument
+        # names it had before the renaming, so that older checkpoints still load.
+        self._state_key = self._generate_state_key(every_n_steps=measure_every_n_steps, first_steps=first_steps)
 
         self._reset()
         self._profiled_this_fit = 0
         self._pending: _Pending | None = None
         self._device = torch.device("cpu")
-        self._budget: int | None = memory_budget_bytes
+        self._budget: int | None = self.memory_budget_bytes
         self._snapshot_path: str | None = None
         self._notices = WarningCache()
 
@@ -216,7 +207,7 @@ class MemoryTopologyProfiler(Callback):
     def _due(self, step: int) -> bool:
         if step == self._last_profiled_step:
             return False
-        return self._profiled_this_fit < self.first_steps or step % self.every_n_steps == 0
+        return self._profiled_this_fit < self.first_steps or step % self.measure_every_n_steps == 0
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:
