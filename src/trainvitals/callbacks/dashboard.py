@@ -9,6 +9,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from trainvitals._validation import check_bool
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_text, tensorboard_writers
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
@@ -33,11 +34,14 @@ class TrainvitalsDashboard(Callback):
     Args:
         progress_bar: show the two values in the progress bar.
         diagnosis: write the end-of-run text panels.
+
+    Raises:
+        TypeError: if an argument is not a bool, naming it.
     """
 
     def __init__(self, progress_bar: bool = True, diagnosis: bool = True) -> None:
-        self.progress_bar = progress_bar
-        self.diagnosis = diagnosis
+        self.progress_bar = check_bool("progress_bar", progress_bar)
+        self.diagnosis = check_bool("diagnosis", diagnosis)
         self._shown_at: int | None = None
 
     @override
