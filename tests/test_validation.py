@@ -1,0 +1,384 @@
+"""Constructor arguments of every public class: bad types raise TypeError, bad values ValueError, both
+naming the argument and what it accepts; good values are taken (an integral float as an int).
+
+The arguments come from ``inspect.signature`` of each class in ``trainvitals.__all__``; :data:`SPECS`
+says what each accepts, independently of the code, and a new argument without a spec fails
+:func:`test_every_argument_has_a_spec`. Hypothesis draws with a fixed, derandomized budget.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import trainvitals
+from trainvitals._validation import MAX_INT, check_float, check_int
+
+BUDGET = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+_WEIRD = st.one_of(st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+                   st.complex_numbers(allow_nan=False, allow_infinity=False).filter(lambda z: z.imag != 0),
+                   st.just(object()), st.binary(max_size=2))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one argument accepts. ``kind``: bool, int, float, choice, callable, or a special one."""
+
+    kind: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    allow_inf: bool = False
+    none_ok: bool = False
+    none_deprecated: bool = False  # None still taken for one release, with a DeprecationWarning
+    choices: tuple[str, ...] = ()
+    context: dict[str, Any] = field(default_factory=dict)  # other arguments a valid draw needs
+
+
+def Bool() -> Spec:
+    return Spec("bool")
+
+
+def Int(low: int, high: int = MAX_INT, none_ok: bool = False, none_deprecated: bool = False, **context: Any) -> Spec:
+    return Spec("int", low, high, none_ok=none_ok, none_deprecated=none_deprecated, context=context)
+
+
+def Float(low: float | None = None, high: float | None = None, **kw: Any) -> Spec:
+    return Spec("float", low, high, **kw)
+
+
+def Choice(*choices: str) -> Spec:
+    return Spec("choice", choices=choices)
+
+
+SPECS: dict[str, dict[str, Spec]] = {
+    "GradNormMonitor": {
+        "norm_type": Spec("norm_type"),
+        "grouping": Choice("parameter", "module", "block"),
+        "log_every_n_steps": Int(1, none_ok=True),
+        "histogram_every_n_steps": Int(0),
+        "spike_factor": Float(1.0, low_open=True),
+        "ema_beta": Float(0.0, 1.0, high_open=True),
+        "spike_warmup_steps": Int(0),
+    },
+    "GradNormEarlyStopping": {
+        "mode": Choice("noise_band", "threshold", "relative"),
+        "margin": Float(0.0),
+        "patience": Int(1),
+        "min_steps": Int(0),
+        "threshold": Float(0.0, low_open=True),
+        "fraction": Float(0.0, 1.0, low_open=True, high_open=True),
+        "reference_steps": Int(1),
+        "ema_beta": Float(0.0, 1.0, high_open=True),
+        "check_every_n_steps": Int(1),
+        "verbose": Bool(),
+    },
+    "BatchVarianceProbe": {
+        "measure_every_n_steps": Int(1),
+        "log_every_n_steps": Int(1, none_ok=True),
+        "histogram_every_n_steps": Int(0, none_deprecated=True),
+        "ema_beta": Float(0.0, 1.0, high_open=True),
+        "loss_reduction": Choice("auto", "mean", "sum"),
+        "per_coordinate": Bool(),
+        "fallback": Bool(),
+        "fallback_sub_batch": Int(2),
+        "max_rel_err": Float(0.0, low_open=True),
+        "top_k": Int(0),
+        "strict": Bool(),
+    },
+    "LRScalingAdvisor": {
+        "log_every_n_steps": Int(1, none_ok=True),
+        "target_batch_sizes": Spec("batch_sizes"),
+        "reference": Spec("reference"),
+        "noise_scale": Float(0.0, low_open=True, none_ok=True),
+        "batch_size": Int(1, none_ok=True),
+        "detect_loss_reduction": Bool(),
+        "verbose": Bool(),
+    },
+    "GraphIntegrityCallback": {
+        "check_every_n_steps": Int(1, dead_after_steps=1),
+        "dead_after_steps": Int(1, 50),  # at most check_every_n_steps, 50 by default
+        "detect_anomaly_steps": Int(0),
+        "check_batch_independence": Bool(),
+        "batch_input": Spec("callable", none_ok=True),
+        "strict": Bool(),
+        "verbose": Bool(),
+    },
+    "MemoryTopologyProfiler": {
+        "measure_every_n_steps": Int(1),
+        "first_steps": Int(0),
+        "memory_budget_bytes": Int(1, none_ok=True),
+        "top_k": Int(0),
+        "snapshot_steps": Int(0),
+        "max_modules_shown": Int(1),
+        "strict": Bool(),
+        "verbose": Bool(),
+    },
+    "TrainvitalsDashboard": {"progress_bar": Bool(), "diagnosis": Bool()},
+}
+
+ARGUMENTS = [(cls, name) for cls in trainvitals.__all__
+             for name in inspect.signature(getattr(trainvitals, cls)).parameters]
+
+
+def test_every_argument_has_a_spec():
+    assert {cls for cls, _ in ARGUMENTS} == set(SPECS)
+    for cls in SPECS:
+        assert set(inspect.signature(getattr(trainvitals, cls)).parameters) == set(SPECS[cls]), cls
+
+
+# ------------------------------------------------------------------ what to draw
+def _wrong_type(spec: Spec) -> st.SearchStrategy[Any]:
+    """Values of a type the argument never takes: TypeError."""
+    none = [] if spec.none_ok or spec.none_deprecated else [st.none()]
+    if spec.kind == "bool":
+        return st.one_of(st.integers(), st.floats(), st.text(max_size=3), _WEIRD, *none)
+    if spec.kind in ("int", "float"):
+        return st.one_of(st.booleans(), st.text(max_size=3), _WEIRD, *none)
+    if spec.kind == "choice":
+        return st.one_of(st.integers(), st.floats(), st.booleans(), _WEIRD, *none)
+    if spec.kind == "callable":
+        return st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.lists(st.integers(), max_size=2))
+    if spec.kind == "norm_type":
+        return st.one_of(st.booleans(), st.none(), _WEIRD)
+    if spec.kind == "batch_sizes":
+        return st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.lists(st.text(min_size=1), min_size=1),
+                         st.lists(st.booleans(), min_size=1))
+    if spec.kind == "reference":
+        return st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.tuples(st.integers(1, 9)),
+                         st.tuples(st.integers(1, 9), st.floats(0.1, 1), st.integers()),
+                         st.tuples(st.text(max_size=2), st.floats(0.1, 1)),
+                         st.tuples(st.integers(1, 9), st.booleans()))
+    raise AssertionError(spec.kind)
+
+
+def _outside(spec: Spec) -> st.SearchStrategy[float]:
+    """Finite floats outside the spec's interval."""
+    parts = []
+    if spec.low is not None:
+        parts.append(st.floats(max_value=spec.low, exclude_max=not spec.low_open, allow_nan=False,
+                               allow_infinity=False))
+    if spec.high is not None:
+        parts.append(st.floats(min_value=spec.high, exclude_min=not spec.high_open, allow_nan=False,
+                               allow_infinity=False))
+    return st.one_of(parts) if parts else st.nothing()
+
+
+def _wrong_value(spec: Spec) -> st.SearchStrategy[Any]:
+    """Values of an accepted type but out of range (NaN, an infinity, a fraction for a count): ValueError."""
+    if spec.kind == "int":
+        low, high = int(spec.low), int(min(spec.high, MAX_INT))
+        return st.one_of(
+            st.integers(max_value=low - 1), st.integers(min_value=high + 1),
+            st.sampled_from([10**30, 10**400, -(10**30)]).filter(lambda v: not low <= v <= high),
+            st.floats(allow_nan=False, allow_infinity=False).filter(lambda x: not x.is_integer()),
+            st.sampled_from([math.nan, math.inf, -math.inf]),
+            st.integers(max_value=low - 1).map(float),
+        )
+    if spec.kind == "float":
+        bad = [_outside(spec), st.just(math.nan), st.just(10**400 if spec.high is None else -(10**400))]
+        if not spec.allow_inf:
+            bad.append(st.sampled_from([math.inf, -math.inf]))
+        return st.one_of(bad)
+    if spec.kind == "choice":
+        return st.text(max_size=8).filter(lambda s: s not in spec.choices)
+    if spec.kind == "norm_type":
+        return st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(-math.inf),
+                         st.text(max_size=4).filter(lambda s: s.lower() != "inf"), st.sampled_from(["2", "l2"]))
+    if spec.kind == "batch_sizes":
+        return st.lists(st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(math.inf)), min_size=1,
+                        max_size=3).flatmap(lambda bad: st.permutations([64, *bad]))
+    if spec.kind == "reference":
+        return st.one_of(st.tuples(st.integers(max_value=0), st.floats(0.1, 1)),
+                         st.tuples(st.floats(1.1, 9.9).filter(lambda x: not x.is_integer()), st.floats(0.1, 1)),
+                         st.tuples(st.integers(1, 99), st.one_of(st.floats(max_value=0.0), st.just(math.nan))),
+                         st.tuples(st.integers(1, 99), st.dictionaries(st.text(max_size=3), st.floats(max_value=0.0),
+                                                                        min_size=1, max_size=2)))
+    return st.nothing()
+
+
+def _valid(spec: Spec) -> st.SearchStrategy[Any]:
+    none = [st.none()] if spec.none_ok else []
+    if spec.kind == "bool":
+        return st.booleans()
+    if spec.kind == "int":
+        ints = st.integers(int(spec.low), int(spec.high))
+        return st.one_of(ints, ints.map(float), st.sampled_from([int(spec.low), int(spec.high)]), *none)
+    if spec.kind == "float":
+        floats = st.floats(spec.low, spec.high, exclude_min=spec.low_open, exclude_max=spec.high_open,
+                           allow_nan=False, allow_infinity=False)
+        return st.one_of(floats, *none)
+    if spec.kind == "choice":
+        return st.sampled_from(spec.choices)
+    if spec.kind == "callable":
+        return st.sampled_from([None, lambda batch: batch[0]])
+    if spec.kind == "norm_type":
+        return st.one_of(st.floats(min_value=0.0, exclude_min=True, allow_nan=False), st.just("inf"), st.integers(1, 9))
+    if spec.kind == "batch_sizes":
+        return st.lists(st.floats(1e-3, 1e9), max_size=3)
+    if spec.kind == "reference":
+        return st.tuples(st.integers(1, 10**6), st.one_of(st.floats(1e-9, 10.0),
+                                                          st.dictionaries(st.text(max_size=3), st.floats(1e-9, 1.0))))
+    raise AssertionError(spec.kind)
+
+
+def _build(cls: str, name: str, value: Any) -> Any:
+    spec = SPECS[cls][name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # the new names must not warn
+        return getattr(trainvitals, cls)(**{**spec.context, name: value})
+
+
+def _assert_message(err: Exception, name: str, spec: Spec) -> None:
+    message = str(err)
+    assert f"`{name}`" in message, message
+    if spec.kind == "int":
+        assert f"[{int(spec.low)}, " in message and ("10**15" if spec.high >= MAX_INT else f"{int(spec.high)}]") \
+            in message, message
+    elif spec.kind == "float":
+        for bound in (spec.low, spec.high):
+            assert bound is None or f"{bound:g}" in message, message
+    elif spec.kind == "choice":
+        assert all(repr(c) in message for c in spec.choices), message
+    elif spec.kind == "bool":
+        assert "bool" in message, message
+    if spec.none_ok and spec.kind in ("int", "float"):
+        assert "or None" in message, message
+
+
+def _check_refused(cls: str, name: str, value: Any, error: type[Exception]) -> None:
+    spec = SPECS[cls][name]
+    with pytest.raises(error) as info:
+        _build(cls, name, value)
+    assert type(info.value) is error, f"{cls}({name}={value!r}) raised {type(info.value).__name__}: {info.value}"
+    _assert_message(info.value, name, spec)
+
+
+@pytest.mark.parametrize(("cls", "name"), ARGUMENTS)
+def test_wrong_type_is_a_type_error_naming_the_argument(cls, name):
+    @BUDGET
+    @given(_wrong_type(SPECS[cls][name]))
+    def check(value):
+        _check_refused(cls, name, value, TypeError)
+
+    check()
+
+
+@pytest.mark.parametrize(("cls", "name"), [(c, n) for c, n in ARGUMENTS
+                                           if SPECS[c][n].kind not in ("bool", "callable")])
+def test_wrong_value_is_a_value_error_naming_the_argument(cls, name):
+    @BUDGET
+    @given(_wrong_value(SPECS[cls][name]))
+    def check(value):
+        _check_refused(cls, name, value, ValueError)
+
+    check()
+
+
+@pytest.mark.parametrize(("cls", "name"), ARGUMENTS)
+def test_valid_values_are_taken(cls, name):
+    spec = SPECS[cls][name]
+
+    @BUDGET
+    @given(_valid(spec))
+    def check(value):
+        instance = _build(cls, name, value)
+        stored = getattr(instance, name)
+        if spec.kind == "int" and value is not None:
+            assert type(stored) is int and stored == value
+        elif spec.kind == "float" and value is not None:
+            assert type(stored) is float and stored == value
+        elif spec.kind in ("bool", "choice") or value is None and spec.kind in ("int", "float"):
+            assert stored is value or stored == value
+
+    check()
+
+
+# ------------------------------------------------------------------ the module itself
+def test_integer_policy():
+    assert check_int("n", 2.0, 1) == 2 and type(check_int("n", 2.0, 1)) is int
+    assert check_int("n", MAX_INT, 0) == MAX_INT
+    with pytest.raises(ValueError, match=r"`n` must be an integer in \[0, 10\*\*15\], got 1000000000000001"):
+        check_int("n", MAX_INT + 1, 0)
+    with pytest.raises(TypeError, match="`n` must be an integer in .* or None, got True"):
+        check_int("n", True, 0, none_ok=True)
+
+
+def test_float_policy():
+    assert check_float("x", 10**30, 0.0) == 1e30  # a big int is a float, not an OverflowError later
+    assert check_float("p", math.inf, 0.0, low_open=True, allow_inf=True) == math.inf
+    with pytest.raises(ValueError, match=r"`x` must be a finite number in \[0, 1\), got 1.0"):
+        check_float("x", 1.0, 0.0, 1.0, high_open=True)
+    with pytest.raises(ValueError, match="`x` must be a finite number >= 0, got 1000"):
+        check_float("x", 10**400, 0.0)
+
+
+def test_cross_argument_range_names_the_argument():
+    with pytest.raises(ValueError, match=r"`dead_after_steps` must be an integer in \[1, 2\], got 3"):
+        trainvitals.GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=3)
+
+
+def test_norm_type_inf_string():
+    assert trainvitals.GradNormMonitor(norm_type="inf").norm_type == math.inf
+    assert trainvitals.GradNormMonitor(norm_type="INF").norm_type == math.inf
+
+
+# ------------------------------------------------------------------ one vocabulary, old names for one release
+RENAMED = [
+    ("GradNormMonitor", "spike_ema_beta", "ema_beta", 0.9),
+    ("BatchVarianceProbe", "every_n_steps", "measure_every_n_steps", 4),
+    ("BatchVarianceProbe", "beta", "ema_beta", 0.9),
+    ("LRScalingAdvisor", "every_n_steps", "log_every_n_steps", 7),
+    ("MemoryTopologyProfiler", "every_n_steps", "measure_every_n_steps", 4),
+]
+
+
+@pytest.mark.parametrize(("cls", "old", "new", "value"), RENAMED)
+def test_old_argument_names_warn_and_still_work(cls, old, new, value):
+    with pytest.warns(DeprecationWarning, match=f"`{old}`.*use `{new}`"):
+        instance = getattr(trainvitals, cls)(**{old: value})
+    assert getattr(instance, new) == value
+    assert instance.state_key == getattr(trainvitals, cls)(**{new: value}).state_key
+    with pytest.raises(TypeError, match=f"both `{old}` and its new name `{new}`"):
+        getattr(trainvitals, cls)(**{old: value, new: value})
+
+
+@pytest.mark.parametrize(("cls", "key"), [
+    ("GradNormMonitor", "GradNormMonitor{'norm_type': 2.0, 'grouping': 'module', 'spike_factor': 5.0, "
+                        "'spike_ema_beta': 0.98}"),
+    ("BatchVarianceProbe", "BatchVarianceProbe{'every_n_steps': 1, 'beta': 0.98}"),
+    ("MemoryTopologyProfiler", "MemoryTopologyProfiler{'every_n_steps': 50, 'first_steps': 3}"),
+])
+def test_state_keys_keep_the_names_older_checkpoints_were_saved_under(cls, key):
+    assert getattr(trainvitals, cls)().state_key == key
+
+
+def test_histogram_off_is_zero_everywhere():
+    assert trainvitals.GradNormMonitor(histogram_every_n_steps=0).histogram_every_n_steps == 0
+    assert trainvitals.BatchVarianceProbe(histogram_every_n_steps=0).histogram_every_n_steps == 0
+    with pytest.warns(DeprecationWarning, match="histogram_every_n_steps=None.*use 0"):
+        probe = trainvitals.BatchVarianceProbe(histogram_every_n_steps=None)
+    assert probe.histogram_every_n_steps == 0
+
+
+def test_measure_and_log_cadences_have_one_name_each():
+    """``log_every_n_steps`` wherever a callback logs on its own cadence; ``measure_every_n_steps`` wherever
+    it measures every n steps; ``ema_beta`` for every EMA decay."""
+    names = {cls: set(inspect.signature(getattr(trainvitals, cls)).parameters) for cls in trainvitals.__all__}
+    assert not any({"every_n_steps", "beta", "spike_ema_beta"} & params for params in names.values())
+    assert {cls for cls, params in names.items() if "log_every_n_steps" in params} == {
+        "GradNormMonitor", "BatchVarianceProbe", "LRScalingAdvisor"}
+    assert {cls for cls, params in names.items() if "measure_every_n_steps" in params} == {
+        "BatchVarianceProbe", "MemoryTopologyProfiler"}
+    assert {cls for cls, params in names.items() if "ema_beta" in params} == {
+        "GradNormMonitor", "GradNormEarlyStopping", "BatchVarianceProbe"}
