@@ -4,7 +4,7 @@ Variants, timed interleaved (bare, every_1, every_10, bare, ...):
 
 - ``bare``: the module alone;
 - ``every_1``: + ``BatchVarianceProbe()``: per-example norms in every backward (targets ≤ 1.15);
-- ``every_10``: + ``BatchVarianceProbe(every_n_steps=10)`` (target ≤ 1.03).
+- ``every_10``: + ``BatchVarianceProbe(measure_every_n_steps=10)`` (target ≤ 1.03).
 
 The probe logs at the Trainer's cadence (every 50 steps: GSNR and the EB criterion are computed then)
 and draws no histograms (no TensorBoardLogger). Models: (a) the 6M-parameter MLP of ``_common`` in 98
@@ -85,7 +85,7 @@ def timed_fit(every: int | None, make_model: Callable[[], pl.LightningModule], m
               steps: int, warmup: int) -> dict[str, float]:
     pl.seed_everything(0, verbose=False)
     timer = StepTimer(warmup)
-    probe = [BatchVarianceProbe(every_n_steps=every, histogram_every_n_steps=None)] if every else []
+    probe = [BatchVarianceProbe(measure_every_n_steps=every, histogram_every_n_steps=0)] if every else []
     hooks = hook_seconds_by_step(probe[0], PROBE_HOOKS) if probe else {}
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=warmup + steps + 1, logger=False, callbacks=[timer, *probe],

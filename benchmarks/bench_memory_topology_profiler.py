@@ -4,7 +4,7 @@ Variants, timed interleaved in one process (bare, every, default, bare, ...), al
 TensorBoardLogger and ``Trainer(log_every_n_steps=1)``:
 
 - ``bare``: the module alone;
-- ``alternate``: ``MemoryTopologyProfiler(every_n_steps=2, first_steps=0)``: every other step profiled
+- ``alternate``: ``MemoryTopologyProfiler(measure_every_n_steps=2, first_steps=0)``: every other step profiled
   (hooks on every module and saved tensor, model-state walk, ranked remedies, 10-100 scalars to
   TensorBoard);
 - ``default``: ``MemoryTopologyProfiler()``: every 50 steps plus the first 3.
@@ -59,7 +59,7 @@ from trainvitals.demo.model import DigitsCNN
 
 PROFILERS: dict[str, Callable[[], list[pl.Callback]]] = {
     "bare": lambda: [],
-    "alternate": lambda: [MemoryTopologyProfiler(every_n_steps=2, first_steps=0)],
+    "alternate": lambda: [MemoryTopologyProfiler(measure_every_n_steps=2, first_steps=0)],
     "default": lambda: [MemoryTopologyProfiler()],
 }
 DEFAULT_EVERY_N = 50

@@ -13,7 +13,7 @@ prints PASS or FAIL with its numbers; the exit status is 1 if any check fails. A
 3. ``snapshot_steps=2`` writes ``memory_snapshot_rank0.pickle``, a dict with ``segments`` and
    ``device_traces``, next to the logs.
 4. Overhead on the 6M-parameter MLP: profiled / unprofiled step (paired within one fit of
-   ``every_n_steps=2``) ≤ 1.5, and amortised at every 50 steps, 1 + (r − 1)/50, ≤ 1.03.
+   ``measure_every_n_steps=2``) ≤ 1.5, and amortised at every 50 steps, 1 + (r − 1)/50, ≤ 1.03.
 
     python benchmarks/gpu_memory_check.py --out gpu_memory_check.json
 """
@@ -96,7 +96,7 @@ def metrics_rows(logger: CSVLogger) -> list[dict[str, float]]:
 
 
 def check_fit(device: torch.device, logdir: str) -> None:
-    profiler = MemoryTopologyProfiler(every_n_steps=1, snapshot_steps=2)
+    profiler = MemoryTopologyProfiler(measure_every_n_steps=1, snapshot_steps=2)
     logger = CSVLogger(logdir, name="fit")
     trainer = pl.Trainer(accelerator="gpu", devices=[device.index or 0], max_steps=4, logger=logger,
                          callbacks=[profiler], enable_checkpointing=False, enable_progress_bar=False,
@@ -134,7 +134,7 @@ def check_fit(device: torch.device, logdir: str) -> None:
 def check_overhead(device: torch.device, steps: int, warmup: int) -> None:
     timer = StepTimer(warmup)
     trainer = pl.Trainer(accelerator="gpu", devices=[device.index or 0], max_steps=warmup + steps + 1, logger=False,
-                         callbacks=[timer, MemoryTopologyProfiler(every_n_steps=2, first_steps=0)],
+                         callbacks=[timer, MemoryTopologyProfiler(measure_every_n_steps=2, first_steps=0)],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     trainer.fit(WideMLP(), random_regression_loader(warmup + steps + 2))

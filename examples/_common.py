@@ -45,7 +45,7 @@ def all_callbacks(every_n_steps: int, min_steps: int, verbose: bool) -> list[pl.
         GradNormEarlyStopping(min_steps=min_steps, verbose=verbose),
         LRScalingAdvisor(verbose=verbose),
         GraphIntegrityCallback(),
-        MemoryTopologyProfiler(every_n_steps=every_n_steps),
+        MemoryTopologyProfiler(measure_every_n_steps=every_n_steps),
         LearningRateMonitor(logging_interval="step"),
         TrainvitalsDashboard(),
     ]

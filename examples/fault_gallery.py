@@ -140,7 +140,7 @@ def default_callbacks() -> list[pl.Callback]:
         GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
         BatchVarianceProbe(log_every_n_steps=1, histogram_every_n_steps=None),
         GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=3),
-        MemoryTopologyProfiler(every_n_steps=1),
+        MemoryTopologyProfiler(measure_every_n_steps=1),
         LRScalingAdvisor(verbose=False),
     ]
 

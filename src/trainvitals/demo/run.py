@@ -54,7 +54,7 @@ def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
     return [
         GraphIntegrityCallback(check_batch_independence=True, detect_anomaly_steps=1, verbose=False),
         GradNormMonitor(histogram_every_n_steps=50),
-        BatchVarianceProbe(every_n_steps=10, histogram_every_n_steps=50),
+        BatchVarianceProbe(measure_every_n_steps=10, histogram_every_n_steps=50),
         GradNormEarlyStopping(mode="noise_band", min_steps=args.min_steps),
         LRScalingAdvisor(verbose=False),
         MemoryTopologyProfiler(memory_budget_bytes=256 * 2**20, verbose=False),
