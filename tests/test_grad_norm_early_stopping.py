@@ -207,6 +207,54 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     assert int(resumed._streak) == int(straight._streak)
 
 
+def _stopping(**overrides):
+    return GradNormEarlyStopping(**{**dict(mode="threshold", threshold=1e9, patience=6, min_steps=0,
+                                          check_every_n_steps=1), **overrides})
+
+
+def _summary_rows(stopper):
+    return dict(line.strip("| ").split(" | ", 1) for line in stopper.summary_markdown().splitlines()[2:])
+
+
+@pytest.mark.parametrize("how", ["model_checkpoint", "save_checkpoint"])
+def test_a_fit_resumed_after_the_stop_stops_again(tmp_path, caplog, how):
+    """8 optimizer steps an epoch; the stop at step 5 ends epoch 0 after 6 steps. A checkpoint written then
+    (ModelCheckpoint's last.ckpt at that epoch's end, or trainer.save_checkpoint after the fit), resumed
+    with the same arguments, ends the fit before its first step, and the summary says what happened."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    first = _stopping()
+    trainer = _fit(Regressor(), [first, checkpoint] if how == "model_checkpoint" else [first],
+                   loader(regression_data(), 8), max_epochs=5, enable_checkpointing=how == "model_checkpoint")
+    assert first.stopped_step == 5 and trainer.global_step == 6
+    path = tmp_path / "last.ckpt"
+    if how == "save_checkpoint":
+        trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["callbacks"][first.state_key]["stop_reason"] == "THRESHOLD"
+
+    resumed = _stopping()
+    with caplog.at_level("INFO"):
+        trainer = Trainer(**trainer_kwargs(callbacks=[resumed], max_epochs=5))
+        trainer.fit(Regressor(), loader(regression_data(), 8), ckpt_path=path)
+    assert trainer.global_step == 6 and trainer.should_stop
+    assert resumed.stopped_step == 5 and resumed.stopped_again_step == 6 and resumed.steps == 6
+    assert "stopping again" in caplog.text
+    rows = _summary_rows(resumed)
+    assert rows["stop"].startswith("stopped at optimizer step 5 (after 6 steps)")
+    assert "stopped again at its start (optimizer step 6)" in rows["stop"]
+    assert rows["optimizer steps seen"] == "6"
+    assert rows["in-condition streak"] == f"{int(resumed._streak)} of 6 steps" and int(resumed._streak) == 6
+
+    # Other arguments are another stopper (another state_key): it starts afresh and trains on.
+    changed = _stopping(patience=100)
+    trainer = Trainer(**trainer_kwargs(callbacks=[changed], max_epochs=5))
+    trainer.fit(Regressor(), loader(regression_data(), 8), ckpt_path=path)
+    assert changed.stopped_step is None and changed.stopped_again_step is None
+    assert trainer.global_step == 6 + 4 * 8  # epochs 1–4 after the short epoch 0
+    # A fresh fit of the stopped instance starts afresh as well.
+    trainer = _fit(Regressor(), [resumed], loader(regression_data(), 8), max_epochs=5)
+    assert resumed.stopped_again_step is None and resumed.stopped_step == 5 and trainer.global_step == 6
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"mode": "plateau"}, "mode"), ({"margin": -0.1}, "margin"), ({"patience": 0}, "patience"),
     ({"min_steps": -1}, "min_steps"), ({"threshold": 0}, "threshold"), ({"fraction": 1.0}, "fraction"),
@@ -233,7 +281,8 @@ class _RecordPerRank(pl.Callback):
         stopper = next(cb for cb in trainer.callbacks if isinstance(cb, GradNormEarlyStopping))
         with open(f"{self.out_dir}/rank{trainer.global_rank}.json", "w") as f:
             json.dump({"totals": self.totals, "stopped_step": stopper.stopped_step, "global_step": trainer.global_step,
-                       "batch": stopper.effective_batch_size}, f)
+                       "batch": stopper.effective_batch_size, "stopped_again_step": stopper.stopped_again_step,
+                       "steps": stopper.steps, "summary": stopper.summary_markdown()}, f)
 
 
 @pytest.mark.slow
@@ -250,6 +299,33 @@ def test_ddp_ranks_agree_on_norms_and_stop_at_the_same_step(tmp_path):
     assert ranks[0]["stopped_step"] is not None
     assert ranks[0]["stopped_step"] == ranks[1]["stopped_step"] and ranks[0]["global_step"] == ranks[1]["global_step"]
     assert ranks[0]["batch"] == 32  # 2 ranks × 16
+
+
+@pytest.mark.slow
+def test_ddp_a_fit_resumed_after_the_stop_stops_again_on_every_rank(tmp_path):
+    d = 10
+
+    def run(name, ckpt_path=None):
+        out = tmp_path / name
+        out.mkdir()
+        callbacks = [GradNormMonitor(histogram_every_n_steps=0),
+                     GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=4, min_steps=0,
+                                           check_every_n_steps=1),
+                     ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True), _RecordPerRank(str(out)),
+                     ReleaseProcessGroup()]
+        trainer = Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=3,
+                                           enable_checkpointing=True))
+        trainer.fit(LinearRegression(torch.zeros(d), lr=0.01), regression_stream(40, 16, d, torch.zeros(d), 1.0),
+                    ckpt_path=ckpt_path)
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    first = run("first")
+    assert [r["stopped_step"] for r in first] == [3, 3] and [r["global_step"] for r in first] == [4, 4]
+    resumed = run("resumed", ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    for rank in resumed:
+        assert rank["global_step"] == 4 and rank["stopped_step"] == 3 and rank["stopped_again_step"] == 4
+        assert rank["steps"] == 4 and rank["totals"] == []  # not one more step
+        assert "stopped again at its start (optimizer step 4)" in rank["summary"]
 
 
 class _ZeroGradientBetween(Regressor):

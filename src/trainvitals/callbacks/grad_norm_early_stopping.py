@@ -156,6 +156,8 @@ class GradNormEarlyStopping(Callback):
         self.steps = 0
         self.stop_reason = StopReason.NOT_STOPPED
         self.stopped_step: int | None = None
+        self.stopped_again_step: int | None = None
+        """``trainer.global_step`` at which a fit resumed from a checkpoint written after the stop was stopped."""
         self._reference = BiasCorrectedEMA(self.ema_beta)
         self._streak = torch.zeros((), dtype=torch.long)
         # Set once the streak has reached the patience: a streak that completes and breaks between two
@@ -183,6 +185,20 @@ class GradNormEarlyStopping(Callback):
         if self.mode == "noise_band" and not pl_module.automatic_optimization:
             rank_zero_warn("trainvitals GradNormEarlyStopping: mode='noise_band' needs automatic optimization; "
                            "it will not stop this run.")
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # ``setup`` reset the state, so a stop known here comes from the checkpoint this fit resumed from
+        # (same arguments: the state_key holds them). The run was over: it stops again before its first
+        # step, as Lightning's EarlyStopping stops again at its first check.
+        if not trainer.strategy.reduce_boolean_decision(self.stop_reason is not StopReason.NOT_STOPPED, all=False):
+            return
+        trainer.should_stop = True
+        self.stopped_again_step = trainer.global_step
+        if self.verbose:
+            rank_zero_info(f"trainvitals GradNormEarlyStopping: resumed from a checkpoint written after its stop at "
+                           f"optimizer step {self.stopped_step}; stopping again. To train on, change its arguments "
+                           "(a new patience or margin starts afresh) or leave it out.")
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -410,8 +426,11 @@ class GradNormEarlyStopping(Callback):
             StopReason.RELATIVE: f"‖g‖ < {self.fraction:g} × its early value",
         }[self.stop_reason]
         assert self.stopped_step is not None
+        again = ("" if self.stopped_again_step is None else
+                 f" A fit resumed from a checkpoint written after that stop was stopped again at its start "
+                 f"(optimizer step {self.stopped_again_step}).")
         return (f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
-                f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.")
+                f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.{again}")
 
 
     def summary_markdown(self) -> str:
