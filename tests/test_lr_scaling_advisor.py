@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -120,12 +120,27 @@ def test_reports_follow_the_scheduled_lr_every_n_steps():
     logger = RecordingLogger()
     fit(Model(groups=(0.1,), gamma=0.5), [LRScalingAdvisor(every_n_steps=2, verbose=False)], logger, max_steps=6)
     steps = [s for s, _ in logger.series["lr_scaling/effective_batch"]]
-    assert steps == [0, 2, 4, 6, 6]  # fit start, every 2 optimizer steps, end
+    assert steps == [0, 2, 4]  # fit start, then before every 2nd optimizer step; steps 0–5 ran
     expected = [0.1 * 0.5**s for s in steps]
     assert logger.values("lr_scaling/lr/SGD") == pytest.approx(expected)
     assert logger.values("lr_scaling/suggested_lr_x2/SGD") == pytest.approx([2 * lr for lr in expected])  # linear
     assert logger.values("lr_scaling/suggested_lr_x0.5/SGD") == pytest.approx([lr / 2 for lr in expected])
     assert "lr_scaling/b_noise" not in logger.series  # nothing measured: classic rules, no NaN
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_each_step_is_logged_once_with_the_lr_it_used(accumulate):
+    """Beside LearningRateMonitor (which logs the lr a step uses before it runs): the same lr at the
+    same step, every step at most once, none at a step that never ran."""
+    logger = RecordingLogger()
+    monitor = LearningRateMonitor(logging_interval="step")
+    fit(Model(groups=(0.1,), gamma=0.5), [monitor, LRScalingAdvisor(log_every_n_steps=1, verbose=False)], logger,
+        max_steps=5, accumulate_grad_batches=accumulate, log_every_n_steps=1)
+    ours = logger.series["lr_scaling/lr/SGD"]
+    assert [s for s, _ in ours] == [0, 1, 2, 3, 4]
+    theirs = dict(logger.series["lr-SGD"])  # once per micro-batch under accumulation, the same value
+    assert [lr for _, lr in ours] == pytest.approx([theirs[s] for s, _ in ours])
+    assert [s for s, _ in logger.series["lr_scaling/effective_batch"]] == [0, 1, 2, 3, 4]
 
 
 class _NoiseSource(Callback):
@@ -140,7 +155,7 @@ def test_noise_scale_comes_from_a_callback_with_a_noise_estimate():
     fit(Model(optimizer=torch.optim.Adam, groups=(1e-3,)), [_NoiseSource(None, None), _NoiseSource(0.01, 10.0), advisor],
         logger, batch_size=8)
     b_hat, b = 10.0 / 0.01, 8
-    assert logger.values("lr_scaling/b_noise") == pytest.approx([b_hat] * 4)
+    assert logger.values("lr_scaling/b_noise") == pytest.approx([b_hat] * 2)  # steps 0 and 1
     assert logger.values("lr_scaling/steps_over_min")[0] == pytest.approx(1 + b_hat / b)
     assert logger.values("lr_scaling/examples_over_min")[0] == pytest.approx(1 + b / b_hat)
     for m in (0.5, 2, 4, 8):
@@ -288,10 +303,10 @@ def test_tensorboard_gets_scalars_and_the_advice_text(tmp_path, caplog):
         fit(Model(), [advisor], tb, max_steps=4)
     events = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
-    assert [e.step for e in events.Scalars("lr_scaling/effective_batch")] == [0, 2, 4, 4]
+    assert [e.step for e in events.Scalars("lr_scaling/effective_batch")] == [0, 2]
     assert "lr_scaling/suggested_lr_x8/SGD" in events.Tags()["scalars"]
     texts = events.Tensors("lr_scaling/advice/text_summary")
-    assert [e.step for e in texts] == [0, 4]
+    assert [e.step for e in texts] == [0, 3]  # fit start; the end, at the last step that ran
     end_text = texts[-1].tensor_proto.string_val[0].decode()
     assert end_text == advisor.summary_markdown()
     assert "| SGD | SGD-like | 0.01 | linear |" in advisor.summary_markdown()

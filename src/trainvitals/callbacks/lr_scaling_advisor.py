@@ -56,8 +56,8 @@ REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescal
 class LRScalingAdvisor(Callback):
     r"""Report the effective batch, each lr's family and the lr other batch sizes need.
 
-    Reports at fit start (the first training batch), every ``log_every_n_steps`` optimizer steps and at
-    the end of training. Each report covers:
+    Reports at fit start (the first training batch), before every ``log_every_n_steps``-th optimizer
+    step and at the end of training. Each report covers:
 
     - the effective batch = per-device batch × devices × nodes × ``accumulate_grad_batches``
       (data-parallel replicas as the strategy shards the data: 1 on a single device, all processes
@@ -85,15 +85,17 @@ class LRScalingAdvisor(Callback):
     effective batch differs and whose lr is not within 5% of the suggested one gets one warning at
     fit start with the suggested lr. ``lr`` may be a mapping from group name (as in the metrics) to lr.
 
-    Logged (every logger) at the optimizer step the advice is for, ``trainer.global_step``, as
-    LearningRateMonitor logs the lr that step uses; B̂ is then the one measured up to the step before:
+    Logged (every logger) once per optimizer step at most, before the step the advice is for runs
+    (``trainer.global_step``), as LearningRateMonitor logs the lr that step uses; B̂ is then the one
+    measured up to the step before:
     ``lr_scaling/effective_batch`` (examples); with
     B̂, ``lr_scaling/b_noise`` (examples), ``lr_scaling/steps_over_min``,
     ``lr_scaling/examples_over_min``; per param group ``<name>`` (``SGD``, ``Adam/pg2``, named as by
     ``LearningRateMonitor``), ``lr_scaling/lr/<name>`` and ``lr_scaling/suggested_lr_<key>/<name>``
     with key ``x0.5``, ``x2``, ``x4``, ``x8`` or ``b<size>`` for a listed size (not for an unsure
-    family). TensorBoard text ``lr_scaling/advice`` at fit start and at the end; the end report is
-    also printed (``verbose``) and kept: :meth:`summary_markdown`.
+    family). TensorBoard text ``lr_scaling/advice`` at fit start and at the end (at the last step that
+    ran, with the latest B̂; no scalars there); the end report is also printed (``verbose``) and kept:
+    :meth:`summary_markdown`.
 
     The host reads B̂ and the lrs on reporting steps only; other steps cost one integer comparison.
 
@@ -150,7 +152,7 @@ class LRScalingAdvisor(Callback):
         self._report = ""
         self._started = False
         self._graph_read = False
-        self._last_step = -1
+        self._logged_step = -1  # the optimizer step the scalars were last logged at
         self._reference_problems: list[str] = []
 
     # ------------------------------------------------------------------ hooks
@@ -159,7 +161,7 @@ class LRScalingAdvisor(Callback):
         if stage != "fit":
             return
         self._started = False
-        self._last_step = -1
+        self._logged_step = -1
         self.summed_terms = None
         self._graph_read = False
 
@@ -167,7 +169,12 @@ class LRScalingAdvisor(Callback):
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
+        # Before the step runs: its lr is the one the scheduler set for it (LearningRateMonitor's point).
+        step = trainer.global_step
         if self._started:
+            if (step != self._logged_step and self.per_device_batch is not None
+                    and is_logging_step(step, logging_every(trainer, self.log_every_n_steps))):
+                self._report = self._advise(trainer, step)
             return
         self._started = True
         self.per_device_batch = self.batch_size or self._infer_batch_size(batch)
@@ -175,8 +182,8 @@ class LRScalingAdvisor(Callback):
             return
         if self.detect_loss_reduction and pl_module.automatic_optimization:
             self._probe_loss_reduction(trainer, pl_module, batch, batch_idx)
-        self._report = self._advise(trainer)
-        log_text(trainer, "lr_scaling/advice", self._report, trainer.global_step)
+        self._report = self._advise(trainer, step)
+        log_text(trainer, "lr_scaling/advice", self._report, step)
         if self.reference is not None and self._reference_problems:
             rank_zero_warn(
                 f"trainvitals LRScalingAdvisor: the effective batch is {self.effective_batch} but the lr was tuned at batch "
@@ -193,20 +200,13 @@ class LRScalingAdvisor(Callback):
         self.summed_terms = found.terms if found is not None and found.kind == "sum" else None
 
     @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
-        step = trainer.global_step
-        if step == self._last_step or self.per_device_batch is None:
-            return
-        self._last_step = step
-        if is_logging_step(step, logging_every(trainer, self.log_every_n_steps)):
-            self._report = self._advise(trainer)
-
-    @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.per_device_batch is None:
             return
-        self._report = self._advise(trainer)
-        log_text(trainer, "lr_scaling/advice", self._report, trainer.global_step)
+        # The report with the latest B̂, at the last step that ran; no scalars: the lrs are now those of a
+        # step that will not run.
+        self._report = self._advise(trainer, None)
+        log_text(trainer, "lr_scaling/advice", self._report, max(trainer.global_step - 1, 0))
         if self.verbose:
             rank_zero_info(f"trainvitals LRScalingAdvisor: advice after {trainer.global_step} optimizer steps\n"
                            f"{self._report}")
@@ -298,8 +298,9 @@ class LRScalingAdvisor(Callback):
         ]
 
     # ------------------------------------------------------------------ reporting
-    def _advise(self, trainer: "pl.Trainer") -> str:
-        """Recompute the advice, log its scalars, and return the report text."""
+    def _advise(self, trainer: "pl.Trainer", step: int | None) -> str:
+        """Recompute the advice, log its scalars at optimizer step ``step`` (``None``: none), and return the
+        report text."""
         batch, how = self._batch_breakdown(trainer)
         self.effective_batch = batch
         noise_scale, source = self._measured_noise_scale(trainer)
@@ -334,7 +335,9 @@ class LRScalingAdvisor(Callback):
             lines.append(f"lr is 0 now for {', '.join(idle)}: nothing to scale")
         lines += self._reduction_lines(groups)
         lines += self._reference_lines(groups, batch, noise_scale)
-        log_scalars(trainer, metrics, trainer.global_step)
+        if step is not None:
+            log_scalars(trainer, metrics, step)
+            self._logged_step = step
         table = advice_table({name: adv for name, adv in self.advices.items() if adv is not None})
         return "\n".join(f"- {line}" for line in lines) + "\n\n" + table
 
