@@ -382,3 +382,27 @@ def test_measure_and_log_cadences_have_one_name_each():
         "BatchVarianceProbe", "MemoryTopologyProfiler"}
     assert {cls for cls, params in names.items() if "ema_beta" in params} == {
         "GradNormMonitor", "GradNormEarlyStopping", "BatchVarianceProbe"}
+
+
+# ------------------------------------------------------------------ no logger
+def test_without_a_logger_each_callback_says_once_that_nothing_is_recorded(caplog):
+    from _models import Regressor, loader, regression_data
+    from conftest import trainer_kwargs
+    from lightning.pytorch import Trainer
+
+    from trainvitals.callbacks import _writers
+
+    _writers._notices.clear()  # the notices are once per process; earlier tests may have said them
+    names = sorted(trainvitals.__all__)
+    for _ in range(2):
+        callbacks = [getattr(trainvitals, name)() for name in names]
+        for callback in callbacks:  # quiet end-of-run tables
+            if hasattr(callback, "verbose"):
+                callback.verbose = False
+        with caplog.at_level("INFO"):
+            Trainer(**trainer_kwargs(callbacks=callbacks, logger=False, max_steps=2)).fit(
+                Regressor(), loader(regression_data(), 8))
+    for name in names:
+        said = [r.message for r in caplog.records if r.message.startswith(f"trainvitals {name}: the Trainer has no logger")]
+        assert len(said) == 1, (name, said)
+        assert "none of its metrics are recorded" in said[0]

@@ -64,6 +64,15 @@ def _write_tensorboard_scalars(
     logger.experiment._get_file_writer().add_summary(summary, step)
 
 
+def note_unrecorded(trainer: "pl.Trainer", callback: object) -> None:
+    """Say once per callback class that a Trainer without loggers (``logger=False``) records none of its
+    metrics: a run that shows no chart should not look like a run that measured nothing."""
+    if not trainer.loggers:
+        _notices.info(f"trainvitals {type(callback).__name__}: the Trainer has no logger (logger=False), so none of "
+                      "its metrics are recorded; pass a logger (a TensorBoardLogger for text panels and the dashboard) "
+                      "to keep them.")
+
+
 def tensorboard_writers(trainer: "pl.Trainer", what: str) -> list:
     """The ``SummaryWriter`` of each TensorBoardLogger, on global rank zero only.
 

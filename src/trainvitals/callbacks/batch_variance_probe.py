@@ -29,7 +29,7 @@ from trainvitals._validation import check_bool, check_choice, check_float, check
 from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
+from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
@@ -230,6 +230,7 @@ class BatchVarianceProbe(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        note_unrecorded(trainer, self)
         # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
         # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
         # for validate/test with a checkpoint does not carry into a later fit.

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 
 from trainvitals._validation import check_bool
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._writers import log_text, tensorboard_writers
+from trainvitals.callbacks._writers import log_text, note_unrecorded, tensorboard_writers
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.core.noise import NoiseScaleEMA
@@ -46,6 +46,7 @@ class TrainvitalsDashboard(Callback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        note_unrecorded(trainer, self)
         for writer in tensorboard_writers(trainer, "the custom-scalars dashboard"):
             writer.add_custom_scalars(TRAINVITALS_LAYOUT)
 

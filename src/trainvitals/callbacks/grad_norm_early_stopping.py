@@ -29,7 +29,7 @@ from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._stopping import can_stop_now
-from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, NoiseScaleEMA, two_batch_size_estimates
 
@@ -172,6 +172,7 @@ class GradNormEarlyStopping(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
+            note_unrecorded(trainer, self)
             # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
             # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
             # for validate/test with a checkpoint does not carry into a later fit.

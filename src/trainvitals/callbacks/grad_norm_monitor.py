@@ -27,7 +27,7 @@ from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
 from trainvitals.callbacks._stopping import stopped_early
-from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
+from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
 from trainvitals.core.norms import (
     GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type,
 )
@@ -189,6 +189,7 @@ class GradNormMonitor(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
+            note_unrecorded(trainer, self)
             # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it
             # loads a checkpoint's callback states, so a resumed fit's ``load_state_dict`` fills
             # ``_restored`` after this, and a state loaded for validate/test does not carry into a fit.

@@ -60,7 +60,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import trainvitals
 from trainvitals._validation import check_bool, check_callable, check_int
-from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
 from trainvitals.core.graph import (
     AutogradError,
     GraphTracer,
@@ -280,6 +280,7 @@ class GraphIntegrityCallback(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
+            note_unrecorded(trainer, self)
             # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
             # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
             # for validate/test with a checkpoint does not carry into a later fit.

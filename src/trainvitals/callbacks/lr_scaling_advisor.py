@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from trainvitals._validation import check_bool, check_int, renamed_arguments
 from trainvitals.callbacks._batch import batch_size, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
 from trainvitals.core.lr_scaling import (
     LRAdvice,
     advice_table,
@@ -160,6 +160,7 @@ class LRScalingAdvisor(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        note_unrecorded(trainer, self)
         self._started = False
         self._logged_step = -1
         self.summed_terms = None

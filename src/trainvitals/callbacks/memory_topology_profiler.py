@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
 from trainvitals._validation import check_bool, check_int, renamed_arguments
-from trainvitals.callbacks._writers import log_image, log_scalars, log_text, tensorboard_writers
+from trainvitals.callbacks._writers import log_image, log_scalars, log_text, note_unrecorded, tensorboard_writers
 from trainvitals.core.memory import (
     GraphLeakFinding,
     HeldGraphTracker,
@@ -182,6 +182,7 @@ class MemoryTopologyProfiler(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        note_unrecorded(trainer, self)
         # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
         # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
         # for validate/test with a checkpoint does not carry into a later fit.
