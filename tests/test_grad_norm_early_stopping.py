@@ -255,6 +255,25 @@ def test_a_fit_resumed_after_the_stop_stops_again(tmp_path, caplog, how):
     assert resumed.stopped_again_step is None and resumed.stopped_step == 5 and trainer.global_step == 6
 
 
+@pytest.mark.parametrize(("kwargs", "fit_kwargs", "earliest"), [
+    (dict(min_steps=100, patience=30), dict(max_steps=50), 130),
+    (dict(min_steps=10, patience=5, check_every_n_steps=10), dict(max_steps=19), 20),  # read at step 20 only
+    (dict(mode="relative", min_steps=0, reference_steps=12, patience=4), dict(max_epochs=1), 16),  # 8 steps an epoch
+])
+def test_says_once_when_the_fit_is_too_short_for_it_to_stop(kwargs, fit_kwargs, earliest):
+    stopper = GradNormEarlyStopping(**{"mode": "threshold", "check_every_n_steps": 1, **kwargs})
+    with pytest.warns(UserWarning, match=f"cannot stop before {earliest} ") as record:
+        _fit(Regressor(), [stopper], loader(regression_data(), 8), **fit_kwargs)
+    assert sum("cannot stop before" in str(w.message) for w in record) == 1
+
+
+def test_no_such_word_when_the_fit_is_long_enough(recwarn):
+    stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, min_steps=10, patience=5, check_every_n_steps=5)
+    trainer = _fit(Regressor(), [stopper], loader(regression_data(), 8), max_steps=15)
+    assert stopper.stopped_step == 14 and trainer.global_step == 15  # the earliest stop is the last step: it fires
+    assert not [w for w in recwarn if "cannot stop before" in str(w.message)]
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"mode": "plateau"}, "mode"), ({"margin": -0.1}, "margin"), ({"patience": 0}, "patience"),
     ({"min_steps": -1}, "min_steps"), ({"threshold": 0}, "threshold"), ({"fraction": 1.0}, "fraction"),

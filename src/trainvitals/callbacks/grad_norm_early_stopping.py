@@ -193,6 +193,7 @@ class GradNormEarlyStopping(Callback):
         # (same arguments: the state_key holds them). The run was over: it stops again before its first
         # step, as Lightning's EarlyStopping stops again at its first check.
         if not trainer.strategy.reduce_boolean_decision(self.stop_reason is not StopReason.NOT_STOPPED, all=False):
+            self._warn_if_it_cannot_fire(trainer)
             return
         trainer.should_stop = True
         self.stopped_again_step = trainer.global_step
@@ -200,6 +201,20 @@ class GradNormEarlyStopping(Callback):
             rank_zero_info(f"trainvitals GradNormEarlyStopping: resumed from a checkpoint written after its stop at "
                            f"optimizer step {self.stopped_step}; stopping again. To train on, change its arguments "
                            "(a new patience or margin starts afresh) or leave it out.")
+
+    def _warn_if_it_cannot_fire(self, trainer: "pl.Trainer") -> None:
+        """Say once when the fit ends before the first step the stopper could stop at: ``min_steps`` (and, in
+        ``relative`` mode, ``reference_steps``) uncounted, then ``patience`` steps, read at a multiple of
+        ``check_every_n_steps`` (steps counted from the start of the run, a resumed one included)."""
+        uncounted = max(self.min_steps, self.reference_steps) if self.mode == "relative" else self.min_steps
+        earliest = -(-(uncounted + self.patience) // self.check_every_n_steps) * self.check_every_n_steps
+        total = trainer.estimated_stepping_batches  # max_steps, or max_epochs × steps per epoch
+        if total < earliest:
+            rank_zero_warn(f"trainvitals GradNormEarlyStopping: this fit ends after {total:g} optimizer steps, but the "
+                           f"stopper cannot stop before {earliest} (min_steps {self.min_steps}"
+                           + (f", reference_steps {self.reference_steps}" if self.mode == "relative" else "")
+                           + f", then patience {self.patience}, read every {self.check_every_n_steps} steps): it "
+                           "will not stop this run. Lower min_steps or patience, or train longer.")
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
