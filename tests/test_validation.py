@@ -406,3 +406,24 @@ def test_without_a_logger_each_callback_says_once_that_nothing_is_recorded(caplo
         said = [r.message for r in caplog.records if r.message.startswith(f"trainvitals {name}: the Trainer has no logger")]
         assert len(said) == 1, (name, said)
         assert "none of its metrics are recorded" in said[0]
+
+
+def test_the_largest_accepted_values_run_without_overflow():
+    """10**30 for a number (a float then) and 10**15 for a count go through a fit: no OverflowError."""
+    from _models import Regressor, loader, regression_data
+    from conftest import trainer_kwargs
+    from lightning.pytorch import Trainer
+
+    stopper = trainvitals.GradNormEarlyStopping(margin=10**30, patience=MAX_INT, min_steps=0, check_every_n_steps=1,
+                                                verbose=False)
+    probe = trainvitals.BatchVarianceProbe(max_rel_err=10**30, top_k=MAX_INT, histogram_every_n_steps=1)
+    profiler = trainvitals.MemoryTopologyProfiler(top_k=2.0, max_modules_shown=MAX_INT, measure_every_n_steps=1,
+                                                  verbose=False)
+    monitor = trainvitals.GradNormMonitor(spike_factor=10**30, spike_warmup_steps=MAX_INT, log_every_n_steps=MAX_INT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the stopper says it cannot stop in 4 steps
+        trainer = Trainer(**trainer_kwargs(callbacks=[monitor, stopper, probe, profiler], max_steps=4,
+                                           accumulate_grad_batches=2))
+        trainer.fit(Regressor(), loader(regression_data(), 8))
+    assert trainer.global_step == 4 and stopper.steps == 4 and stopper.stopped_step is None
+    assert int(probe.noise.count) == 4 and profiler.top_k == 2
