@@ -427,3 +427,10 @@ def test_the_largest_accepted_values_run_without_overflow():
         trainer.fit(Regressor(), loader(regression_data(), 8))
     assert trainer.global_step == 4 and stopper.steps == 4 and stopper.stopped_step is None
     assert int(probe.noise.count) == 4 and profiler.top_k == 2
+
+
+def test_an_integer_too_long_to_print_is_still_named():
+    with pytest.raises(ValueError, match=r"`patience` must be an integer in \[1, 10\*\*15\], got an integer of"):
+        trainvitals.GradNormEarlyStopping(patience=10**5000)
+    with pytest.raises(ValueError, match="`margin` must be a finite number >= 0"):
+        trainvitals.GradNormEarlyStopping(margin=10**5000)

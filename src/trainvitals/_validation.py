@@ -31,7 +31,10 @@ T = TypeVar("T")
 
 
 def _got(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's 4300-digit limit for str()
+        return f"an integer of {value.bit_length()} bits"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -46,7 +49,7 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def check_int(name: str, value: Any, low: int | None = None, high: int = MAX_INT, none_ok: bool = False) -> int | None:
+def check_int(name: str, value: Any, low: int, high: int = MAX_INT, none_ok: bool = False) -> int | None:
     """``value`` as an ``int`` in ``[low, high]`` (``high`` at most :data:`MAX_INT`).
 
     An integral float (``2.0``) is taken as that integer; ``None`` passes when ``none_ok``.
@@ -58,8 +61,7 @@ def check_int(name: str, value: Any, low: int | None = None, high: int = MAX_INT
     if value is None and none_ok:
         return None
     high = min(high, MAX_INT)
-    accepts = (f"an integer in [{low}, {_MAX_INT_TEXT if high == MAX_INT else high}]" if low is not None
-               else f"an integer <= {high}")
+    accepts = f"an integer in [{low}, {_MAX_INT_TEXT if high == MAX_INT else high}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _refuse(TypeError, name, accepts, value, none_ok)
     if not isinstance(value, numbers.Integral):
@@ -67,7 +69,7 @@ def check_int(name: str, value: Any, low: int | None = None, high: int = MAX_INT
         if not (math.isfinite(x) and x.is_integer()):
             raise _refuse(ValueError, name, accepts, value, none_ok)
     number = int(value)
-    if (low is not None and number < low) or number > high:
+    if not low <= number <= high:
         raise _refuse(ValueError, name, accepts, value, none_ok)
     return number
 
