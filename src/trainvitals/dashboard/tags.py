@@ -4,14 +4,29 @@ The callbacks own their tags; this module only names what the readers look for, 
 custom-scalars layout and ``trainvitals report`` agree with each other. Kept free of Lightning and
 TensorBoard imports so that the report command starts quickly.
 
-Scalar tags are ``<prefix>/<name>``; with several optimizers :class:`GradNormMonitor` inserts
+Scalar tags are ``<root>/<name>``; with several optimizers :class:`GradNormMonitor` inserts
 ``optimizer_<i>/`` after ``grad_norm/``. TensorBoard text panels written through ``SummaryWriter.add_text``
 are stored under ``<tag>/text_summary``.
+
+A logger with a ``prefix`` puts it before every scalar it logs, joined by the logger's ``LOGGER_JOIN_CHAR``
+(Lightning's ``_add_prefix``): ``TensorBoardLogger(prefix="train")`` logs ``train-grad_norm/total``. Text
+panels go to the ``SummaryWriter`` itself and keep their tag. Every regex here is of the tag without that
+prefix: :func:`with_prefix` puts a known prefix in front of one, :func:`split_prefix` takes an unknown one
+off a tag.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+
+TRAINVITALS_ROOTS = ("grad_norm", "grad_noise", "lr_scaling", "graph", "memory", "trainvitals")
+"""The first component of every tag a trainvitals callback writes."""
+
+TRAINVITALS_PREFIXES = tuple(f"{root}/" for root in TRAINVITALS_ROOTS)
+
+LOGGER_JOIN_CHAR = "-"
+"""Lightning's separator between a logger's ``prefix`` and a metric key (``Logger.LOGGER_JOIN_CHAR``)."""
 
 OPTIMIZER_INFIX = r"(?:optimizer_\d+/)?"
 """Matches the ``optimizer_<i>/`` infix GradNormMonitor adds when the module has several optimizers."""
@@ -46,3 +61,27 @@ activations, held after backward; CUDA peaks and temporaries), logged as ``memor
 
 DIAGNOSIS_TAG = "trainvitals/diagnosis"
 """Text panels ``trainvitals/diagnosis/<callback class>`` hold each callback's end-of-run markdown."""
+
+
+def with_prefix(pattern: str, prefix: str = "", separator: str = LOGGER_JOIN_CHAR) -> str:
+    """The tag regex ``pattern`` (matched from the tag's start) for a logger that prefixes its keys with
+    ``prefix`` and ``separator``; ``pattern`` itself without a prefix."""
+    return f"{re.escape(prefix + separator)}(?:{pattern})" if prefix else pattern
+
+
+@functools.cache
+def _prefixed(separator: str) -> re.Pattern[str]:
+    return re.compile(rf"(.+?){re.escape(separator)}(?=(?:{'|'.join(TRAINVITALS_ROOTS)})/)", re.DOTALL)
+
+
+def split_prefix(tag: str, separator: str = LOGGER_JOIN_CHAR) -> tuple[str, str]:
+    """``(prefix, key)`` of a trainvitals tag that a logger wrote as ``<prefix><separator><key>``;
+    ``("", tag)`` for a trainvitals tag without prefix and for any other tag.
+
+    The prefix is the shortest that leaves a trainvitals tag: ``"a-b-grad_norm/total"`` is
+    ``("a-b", "grad_norm/total")``, since ``b-grad_norm/total`` is not one.
+    """
+    if tag.startswith(TRAINVITALS_PREFIXES):
+        return "", tag
+    match = _prefixed(separator).match(tag)
+    return (match.group(1), tag[match.end():]) if match else ("", tag)
