@@ -1,22 +1,31 @@
 """``trainvitals report LOGDIR``: a health report per run, read from TensorBoard event files.
 
-The event files are read with TensorBoard's own ``EventAccumulator``; every folder under LOGDIR that
-holds event files is a run (TensorBoard's own notion, ``io_wrapper.GetLogdirSubdirectories``). Each
-run that holds trainvitals metrics gets five sections — convergence, noise scale and batch size,
-integrity, memory, spikes and non-finite steps — and a list of findings.
+Every folder under LOGDIR that holds event files is a run (TensorBoard's own notion); loggers with different
+prefixes (``TensorBoardLogger(prefix="train")`` logs ``train-grad_norm/total``) that wrote into one folder
+are one run each. The event files are read record by record and given to TensorBoard's
+``EventAccumulator``: TensorBoard's own reader stops at the first damaged record without a word, so a file
+cut short or with one flipped byte would read as a shorter, healthy run. Each run that holds trainvitals
+metrics gets five sections — convergence, noise scale and batch size, integrity, memory, spikes and
+non-finite steps — and a list of findings; a damaged event file is one of them, naming the file, where the
+damage starts and the last step read whole before it.
 
-Exit status, for CI:
+Exit status, for CI — the most severe over the runs, in this order:
 
-- 0: every run read, no critical finding;
-- 1: a critical finding in some run (:data:`CRITICAL_COUNTERS`): non-finite gradients (outside a
-  GradScaler's calibration) or losses, a loss without ``grad_fn`` or that reaches no parameter, an
-  optimizer stepping before the backward of its gradients, a parameter still unused in the last check
-  window, a parameter outside every optimizer (unregistered: layers in a Python list), a computation
-  graph kept alive across steps (GraphIntegrityCallback's counter, or MemoryTopologyProfiler's saved
-  bytes still held after backward and growing);
+- 1: a critical finding in some run (:data:`CRITICAL_COUNTERS`), in the part of its files that was read:
+  non-finite gradients (outside a GradScaler's calibration) or losses, a loss without ``grad_fn`` or that
+  reaches no parameter, an optimizer stepping before the backward of its gradients, a parameter still
+  unused in the last check window, a parameter outside every optimizer (unregistered: layers in a Python
+  list), a computation graph kept alive across steps (GraphIntegrityCallback's counter, or
+  MemoryTopologyProfiler's saved bytes still held after backward and growing);
+- 3: a run read only in part, and nothing critical in what was read: an event file cut short (a run killed
+  or still writing), with a record that fails its checksum or is no event, or unreadable, or a folder that
+  cannot be listed; what was logged in the unread part may hold anything;
 - 2: nothing to report: LOGDIR missing, no event files under it, or event files without trainvitals
-  metrics (another tool's, or a run without trainvitals callbacks); also a usage error.
+  metrics (another tool's, or a run without trainvitals callbacks); a run with trainvitals panels but no
+  trainvitals scalar (nothing measured: an empty train dataloader, ``max_steps=0``); also a usage error;
+- 0: every run read whole and measured, no critical finding.
 
+File and folder names that are not UTF-8 are shown with the odd bytes escaped (``run\\xff``).
 No Lightning import here: the command starts in about two seconds, most of it importing torch.
 """
 
@@ -25,29 +34,42 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
+import struct
 import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from google.protobuf import message
 from tensorboard.backend.event_processing import event_accumulator, io_wrapper
+from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
 from trainvitals.core.memory import format_bytes
-from trainvitals.dashboard.tags import MEMORY_BYTES, TEXT_SUFFIX, grad_norm
+from trainvitals.dashboard.tags import (
+    LOGGER_JOIN_CHAR,
+    MEMORY_BYTES,
+    TEXT_SUFFIX,
+    TRAINVITALS_PREFIXES,
+    grad_norm,
+    split_prefix,
+)
 
-EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA = 0, 1, 2
+EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED = 0, 1, 2, 3
+SEVERITY = (EXIT_OK, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_CRITICAL)
+"""Exit statuses from the least to the most severe: the command exits with its runs' most severe."""
 FORMATS = ("text", "markdown", "json")
-TRAINVITALS_PREFIXES = ("grad_norm/", "grad_noise/", "lr_scaling/", "graph/", "memory/", "trainvitals/")
 
 BAND_WINDOW = 10
 """Logged steps over which the fraction in the noise band is taken: one step is in it about half the
 time from noise alone at a stationary point (docs/science.md §3), so a single flag says little."""
 
-INTEGRITY, SPIKES = "integrity", "spikes and non-finite steps"
+INTEGRITY, SPIKES, EVENT_FILES = "integrity", "spikes and non-finite steps", "event files"
 
 CRITICAL_COUNTERS = (
     (SPIKES, grad_norm("nonfinite_steps"), "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler"),
@@ -85,12 +107,54 @@ class ReportError(Exception):
 
 
 @dataclass
+class Damage:
+    """An event file read only in part: where the damage starts, how much could not be read, and why.
+
+    ``file`` is the file's path under LOGDIR (``/`` at the end: a folder that could not be listed);
+    ``first`` the offset of the first damaged byte, ``lost`` the bytes not read as events over ``regions``
+    damaged stretches; ``last_step`` the last step read before the first one, ``reason`` what was wrong there.
+    """
+
+    file: str
+    size: int
+    lost: int
+    first: int
+    regions: int
+    last_step: int | None
+    reason: str
+
+    def add(self, offset: int, lost: int, reason: str) -> None:
+        """One more damaged stretch: ``lost`` bytes from ``offset``."""
+        if not self.regions:
+            self.first, self.reason = offset, reason
+        self.regions += 1
+        self.lost += lost
+
+    def describe(self) -> str:
+        """One sentence for a person: which file, how far it was read, what is missing."""
+        if self.file.endswith("/"):
+            return f"{self.file}: {self.reason}."
+        read = f"read whole up to step {self.last_step}" if self.last_step is not None else "no step read before it"
+        where = f"at byte {self.first:,} of {self.size:,} ({self.reason}; {read})"
+        if self.regions == 1 and self.first + self.lost == self.size:
+            return f"{self.file} is damaged {where}: the rest of the file is not in this report."
+        return (f"{self.file} is damaged {where}: {self.lost:,} bytes in {self.regions} stretch(es) could not be "
+                "read, and what was logged in them is not in this report.")
+
+
+@dataclass
 class Run:
-    """What one run's event files hold: scalars and text panels, each a list of ``(step, value)``."""
+    """What one run's event files hold: scalars and text panels, each a list of ``(step, value)``.
+
+    ``damage`` lists the event files read only in part; ``prefix`` is the logger's prefix taken off the
+    scalar tags (``TensorBoardLogger(prefix="train")``), empty when it had none.
+    """
 
     name: str
     scalars: dict[str, list[tuple[int, float]]]
     texts: dict[str, list[tuple[int, str]]]
+    damage: list[Damage] = field(default_factory=list)
+    prefix: str = ""
 
     def matching(self, pattern: str) -> dict[str, list[tuple[int, float]]]:
         """The scalar series whose tag matches ``pattern`` (``re.match``, as TensorBoard matches)."""
@@ -141,36 +205,84 @@ class RunReport:
     findings: list[Finding] = field(default_factory=list)
     panels: dict[str, str] = field(default_factory=dict)
     """The callbacks' own end-of-run markdown (lr advice, integrity findings, memory table), by title."""
+    read_in_part: bool = False
+    """An event file of the run is damaged: what was logged in the part not read is not in the report."""
+    measured: bool = True
+    """Whether the run holds any trainvitals scalar, i.e. whether any optimizer step was measured."""
 
     @property
     def critical(self) -> bool:
         """Whether any finding is critical: the report's exit status is then 1."""
         return any(f.severity == "critical" for f in self.findings)
 
+    @property
+    def status(self) -> str:
+        """``CRITICAL``, ``read in part``, ``nothing measured`` or ``ok``: the first that holds."""
+        if self.critical:
+            return "CRITICAL"
+        return "read in part" if self.read_in_part else "ok" if self.measured else "nothing measured"
+
+    @property
+    def exit_status(self) -> int:
+        """This run's exit status (module docstring); the command exits with the most severe of its runs."""
+        return {"CRITICAL": EXIT_CRITICAL, "read in part": EXIT_DAMAGED, "nothing measured": EXIT_NO_DATA}.get(
+            self.status, EXIT_OK)
+
 
 # --------------------------------------------------------------------------------------------- reading
 def read_runs(logdir: str | Path) -> list[Run]:
-    """Every run under ``logdir``, in name order.
+    """Every run under ``logdir``, in name order: one per folder holding event files, and one per logger
+    prefix in a folder where loggers with different prefixes wrote (:func:`_by_prefix`).
+
+    Folders are found as TensorBoard's ``GetLogdirSubdirectories`` finds them, but with ``os.walk``, which
+    takes any file name (TensorBoard's file layer fails on a name that is not UTF-8). A folder that cannot
+    be listed is a run with one :class:`Damage`, so that what it may hold is not missed silently.
 
     Raises:
         ReportError: when ``logdir`` is missing or not a folder, or holds no event files.
     """
     root = Path(logdir)
+    shown = printable(os.fspath(root))
     if not root.exists():
-        raise ReportError(f"{root} does not exist.")
+        raise ReportError(f"{shown} does not exist.")
     if not root.is_dir():
-        raise ReportError(f"{root} is not a folder: give the TensorBoard log folder (the one passed to --logdir).")
-    folders = sorted(io_wrapper.GetLogdirSubdirectories(str(root)))
-    if not folders:
-        raise ReportError(f"no TensorBoard event files (events.out.tfevents.*) under {root}.")
-    return [_read_run(root, Path(folder)) for folder in folders]
+        raise ReportError(f"{shown} is not a folder: give the TensorBoard log folder (the one passed to --logdir).")
+    unlisted: list[OSError] = []
+    folders, seen = [], set()
+    for folder, subfolders, files in os.walk(root, onerror=unlisted.append, followlinks=True):
+        try:
+            info = os.stat(folder)
+        except OSError as err:
+            unlisted.append(err)
+            continue
+        if (info.st_dev, info.st_ino) in seen:  # a link back up the tree
+            subfolders.clear()
+            continue
+        seen.add((info.st_dev, info.st_ino))
+        events = sorted(os.path.join(folder, name) for name in files if io_wrapper.IsSummaryEventsFile(name))
+        if events:
+            folders.append((Path(folder), events))
+    if unlisted and os.fspath(unlisted[0].filename) == os.fspath(root):
+        raise ReportError(f"{shown} cannot be listed: {unlisted[0].strerror}.")
+    runs = [view for folder, events in sorted(folders) for view in _by_prefix(_read_run(root, folder, events))]
+    for err in unlisted:
+        name = _run_name(root, Path(os.fsdecode(err.filename)))
+        runs.append(Run(name=name, scalars={}, texts={}, damage=[Damage(
+            file=name + "/", size=0, lost=0, first=0, regions=1, last_step=None,
+            reason=f"the folder cannot be listed ({err.strerror}): event files in it are not read")]))
+    if not runs:
+        raise ReportError(f"no TensorBoard event files (events.out.tfevents.*) under {shown}.")
+    return runs
 
 
-def _read_run(root: Path, folder: Path) -> Run:
+def _read_run(root: Path, folder: Path, files: list[str]) -> Run:
+    """The run in ``folder``: its event ``files`` (paths), read in name order as TensorBoard's
+    ``DirectoryWatcher`` reads them, by one accumulator (a resumed run's restart purges what it orphaned)."""
     # 0 keeps every event: a report needs the whole history, not TensorBoard's sampled reservoir.
     acc = event_accumulator.EventAccumulator(
         str(folder), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
-    ).Reload()
+    )
+    damage = [d for path in files if (d := _read_events(path, _run_name(root, Path(path)), acc))]
     tags = acc.Tags()
     scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags[event_accumulator.SCALARS]}
     texts = {}
@@ -179,13 +291,133 @@ def _read_run(root: Path, folder: Path) -> Run:
             continue
         name = tag[: -len(TEXT_SUFFIX)] if tag.endswith(TEXT_SUFFIX) else tag
         texts[name] = [(e.step, _decode_text(e.tensor_proto)) for e in acc.Tensors(tag)]
+    return Run(name=_run_name(root, folder), scalars=scalars, texts=texts, damage=damage)
+
+
+def _run_name(root: Path, path: Path) -> str:
     # A LOGDIR that is itself the run folder is named after that folder, not ".".
-    name = folder.relative_to(root).as_posix() if folder != root else root.resolve().name
-    return Run(name=name, scalars=scalars, texts=texts)
+    return printable(path.relative_to(root).as_posix() if path != root else root.resolve().name)
+
+
+def printable(name: str) -> str:
+    """A file name as text: bytes that are not UTF-8 (``os.fsdecode``'s surrogates) written as ``\\xff``."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+_HEADER = struct.Struct("<QI")
+_CRC = struct.Struct("<I")
+_CUT = "the file ends inside a record: cut short, or still being written"
+
+
+def _read_events(path: str, name: str, acc: event_accumulator.EventAccumulator) -> Damage | None:
+    """Feed the events of the file ``path`` to ``acc``; the damage found, or None when it read whole.
+
+    An event file is a sequence of TFRecords: length (u64), masked crc32c of the length, data, masked
+    crc32c of the data. TensorBoard's reader stops at the first record that fails a check and says
+    nothing (``RawEventFileLoader.Load`` swallows ``DataLossError``). Here a record whose data fails its
+    checksum, or is no event, is skipped (its length was checked); after a length that fails its
+    checksum, reading goes on at the next offset where a length passes its own.
+    """
+    found = Damage(file=name, size=0, lost=0, first=-1, regions=0, last_step=None, reason="")
+    try:
+        with open(path, "rb") as f:
+            size = found.size = os.fstat(f.fileno()).st_size
+            offset = 0
+            while offset < size:
+                header = f.read(_HEADER.size)
+                if len(header) < _HEADER.size:
+                    found.add(offset, size - offset, _CUT)
+                    break
+                length, crc = _HEADER.unpack(header)
+                if masked_crc32c(header[:8]) != crc:
+                    resume = _next_record(f, offset + 1, size)
+                    found.add(offset, resume - offset, "a record's length fails its checksum")
+                    offset = resume
+                    f.seek(offset)
+                    continue
+                end = offset + _HEADER.size + length + _CRC.size
+                if end > size:
+                    found.add(offset, size - offset, _CUT)
+                    break
+                data, crc = f.read(length), f.read(_CRC.size)
+                if len(crc) < _CRC.size:  # the file shrank while being read
+                    found.add(offset, size - offset, _CUT)
+                    break
+                if masked_crc32c(data) != _CRC.unpack(crc)[0]:
+                    problem = "a record's data fails its checksum"
+                else:
+                    problem = _feed(acc, data, found)
+                if problem:
+                    found.add(offset, end - offset, problem)
+                offset = end
+    except OSError as err:
+        found.add(0, found.size, f"the file cannot be read ({err.strerror or err})")
+    return found if found.regions else None
+
+
+def _feed(acc: event_accumulator.EventAccumulator, data: bytes, found: Damage) -> str | None:
+    """Give one record to ``acc``; what is wrong with it, or None."""
+    try:
+        event = event_pb2.Event.FromString(data)
+    except message.DecodeError:
+        return "a record that is no TensorBoard event"
+    try:
+        # The accumulator's entry point for one event: its Reload() reads files through TensorBoard's
+        # own reader, which would stop silently at the first damaged record.
+        acc._ProcessEvent(event)
+    except Exception as err:  # noqa: BLE001 - a checksummed record can still hold values TensorBoard rejects
+        return f"an event TensorBoard cannot take ({type(err).__name__})"
+    if found.regions == 0 and event.HasField("summary"):
+        found.last_step = event.step
+    return None
+
+
+def _next_record(f: BinaryIO, start: int, size: int) -> int:
+    """The first offset from ``start`` where 12 bytes are a length and its valid checksum; ``size`` if none."""
+    chunk = 1 << 16
+    for base in range(start, size, chunk):
+        f.seek(base)
+        buf = f.read(chunk + _HEADER.size - 1)
+        for i in range(len(buf) - _HEADER.size + 1):
+            if masked_crc32c(buf[i:i + 8]) == _CRC.unpack_from(buf, i + 8)[0]:
+                return base + i
+    return size
+
+
+def _by_prefix(run: Run) -> list[Run]:
+    """``run`` split by the prefix of its trainvitals scalars (:func:`~trainvitals.dashboard.tags.split_prefix`),
+    the prefix taken off: one run per logger when loggers with different prefixes write to one folder.
+
+    Every trainvitals callback writes to every logger, so the loggers' series are copies that must not be
+    summed. Text panels carry no prefix: each run gets them all.
+    """
+    split = {tag: split_prefix(tag) for tag in run.scalars}
+    prefixes = sorted({prefix for prefix, key in split.values() if key.startswith(TRAINVITALS_PREFIXES)})
+    if prefixes in ([], [""]):
+        return [run]
+
+    def owner(tag: str) -> str | None:
+        """The prefix whose run holds ``tag``: its own, else the longest that starts it (``train-epoch``)."""
+        prefix, key = split[tag]
+        if key.startswith(TRAINVITALS_PREFIXES):
+            return prefix
+        starts = [p for p in prefixes if p and tag.startswith(p + LOGGER_JOIN_CHAR)]
+        return max(starts, key=len) if starts else ("" if "" in prefixes else None)
+
+    views = []
+    for prefix in prefixes:
+        cut = len(prefix) + len(LOGGER_JOIN_CHAR) if prefix else 0
+        scalars = {tag[cut:]: series for tag, series in run.scalars.items() if owner(tag) == prefix}
+        name = f"{run.name} (prefix {prefix})" if prefix else f"{run.name} (no prefix)"
+        views.append(Run(name=name, scalars=scalars, texts=run.texts, damage=run.damage, prefix=prefix))
+    return views
 
 
 def _decode_text(proto: Any) -> str:
-    array = tensor_util.make_ndarray(proto)
+    try:
+        array = tensor_util.make_ndarray(proto)
+    except (TypeError, ValueError) as err:  # a checksummed record can still hold a malformed tensor
+        return f"(a text panel TensorBoard cannot decode: {err})"
     return "\n".join(v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in array.reshape(-1))
 
 
@@ -193,7 +425,14 @@ def _decode_text(proto: Any) -> str:
 def assess(run: Run) -> RunReport:
     """The health report of ``run``: one section per vital sign, and the findings that follow."""
     steps = [s for series in run.scalars.values() for s, _ in series]
-    report = RunReport(run=run.name, last_step=max(steps) if steps else None)
+    report = RunReport(run=run.name, last_step=max(steps) if steps else None, read_in_part=bool(run.damage),
+                       measured=any(tag.startswith(TRAINVITALS_PREFIXES) for tag in run.scalars))
+    report.findings += [Finding("warning", EVENT_FILES, d.describe()) for d in run.damage]
+    if not report.measured:
+        report.findings.append(Finding(
+            "warning", EVENT_FILES, "nothing measured: no trainvitals scalar" + (" in the part read" if run.damage else "")
+            + ", so no optimizer step was logged — an empty train dataloader (limit_train_batches=0), max_steps=0, "
+            "or step logging off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."))
     for section in (_convergence, _noise_scale, _integrity, _memory, _spikes):
         section(run, report)
     for title, pattern, message in CRITICAL_COUNTERS:
@@ -352,13 +591,13 @@ def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) 
     if fmt == "json":
         return json.dumps(_json_safe({
             "critical": any(r.critical for r in reports),
-            "runs": [{**asdict(r), "critical": r.critical} for r in reports],
+            "runs": [{**asdict(r), "critical": r.critical, "status": r.status} for r in reports],
             "skipped_runs": list(skipped),
         }), indent=2, allow_nan=False) + "\n"
     markdown = fmt == "markdown"
     out: list[str] = []
     for r in reports:
-        status = "CRITICAL" if r.critical else "ok"
+        status = r.status
         step = f", last logged optimizer step {r.last_step}" if r.last_step is not None else ""
         out.append(f"## run `{r.run}`: {status}{step}" if markdown else f"run {r.run}: {status}{step}")
         for title, rows in r.sections.items():
@@ -411,7 +650,8 @@ def _cell(text: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- command
 DESCRIPTION = ("Health report of the training runs under LOGDIR, read from their TensorBoard event files. "
-               "Exit status: 0 healthy, 1 a critical finding, 2 nothing to report.")
+               "Exit status: 0 healthy, 1 a critical finding, 3 an event file read only in part, "
+               "2 nothing to report (or nothing measured).")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -427,14 +667,26 @@ def run(args: argparse.Namespace) -> int:
     except ReportError as err:
         print(f"trainvitals report: {err}", file=sys.stderr)
         return EXIT_NO_DATA
-    ours = [r for r in runs if r.is_trainvitals]
+    # A damaged run is reported even without trainvitals tags: they may be in the part not read.
+    ours = [r for r in runs if r.is_trainvitals or r.damage]
+    skipped = [r.name for r in runs if not (r.is_trainvitals or r.damage)]
     if not ours:
-        print(f"trainvitals report: the event files under {args.logdir} ({len(runs)} run(s)) hold no trainvitals "
-              "metrics: they come from another tool, or from a run without trainvitals callbacks.", file=sys.stderr)
+        print(f"trainvitals report: the event files under {printable(args.logdir)} ({len(runs)} run(s)) hold no "
+              "trainvitals metrics: they come from another tool, or from a run without trainvitals callbacks.",
+              file=sys.stderr)
         return EXIT_NO_DATA
     reports = [assess(r) for r in ours]
-    sys.stdout.write(render(reports, args.format, skipped=[r.name for r in runs if not r.is_trainvitals]))
-    return EXIT_CRITICAL if any(r.critical for r in reports) else EXIT_OK
+    _write(render(reports, args.format, skipped=skipped))
+    return max((r.exit_status for r in reports), key=SEVERITY.index)
+
+
+def _write(text: str) -> None:
+    """``text`` to stdout; characters its encoding lacks (a run name under LANG=C) as escapes, not a traceback."""
+    try:
+        sys.stdout.write(text)
+    except UnicodeEncodeError:
+        encoding = sys.stdout.encoding or "ascii"
+        sys.stdout.write(text.encode(encoding, "backslashreplace").decode(encoding))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

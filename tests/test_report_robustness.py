@@ -1,0 +1,321 @@
+"""``trainvitals report`` on logs as a long run leaves them: damaged event files, odd file names, logger
+prefixes and folders, a run that trained nothing.
+
+Damaged files are checked against TensorBoard's own reader, which stops silently at the first damaged
+record: what it yields is what the report must say it read whole.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from torch.utils.tensorboard import SummaryWriter
+
+from test_report import HEALTHY, STEPS, report, report_json, write_run
+from trainvitals.dashboard.report import EXIT_CRITICAL, EXIT_DAMAGED, EXIT_NO_DATA, EXIT_OK, main, read_runs
+from trainvitals.dashboard.tags import grad_norm, split_prefix, with_prefix
+
+# A run that went NaN for good at step 85: critical (non-finite gradients), whatever else.
+DIVERGED = {**HEALTHY, "grad_norm/total": HEALTHY["grad_norm/total"][:-3] + [math.nan] * 3,
+            "grad_norm/nonfinite_steps": [0.0] * (len(STEPS) - 3) + [5.0, 10.0, 15.0]}
+
+
+def event_file(folder: Path) -> Path:
+    (path,) = folder.glob("events.out.tfevents.*")
+    return path
+
+
+def records(data: bytes) -> list[tuple[int, int]]:
+    """(offset, end) of each TFRecord of an intact file, from the lengths alone."""
+    spans, offset = [], 0
+    while offset < len(data):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        spans.append((offset, offset + 12 + length + 4))
+        offset += 12 + length + 4
+    assert offset == len(data)
+    return spans
+
+
+def tensorboard_last_step(path: Path) -> int | None:
+    """The last step of a summary TensorBoard's own loader yields before it stops."""
+    steps = [e.step for e in EventFileLoader(str(path)).Load() if e.HasField("summary")]
+    return steps[-1] if steps else None
+
+
+def framed(data: bytes) -> bytes:
+    """``data`` as one valid TFRecord."""
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
+
+
+def damage_findings(run: dict) -> list[str]:
+    return [f["message"] for f in run["findings"] if f["section"] == "event files"]
+
+
+@pytest.fixture(scope="module")
+def diverged_file(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    folder = tmp_path_factory.mktemp("diverged") / "run"
+    write_run(folder, DIVERGED)
+    return event_file(folder).read_bytes()
+
+
+# ------------------------------------------------------------------------------------------ damaged files
+def test_a_flipped_byte_skips_one_record_and_reads_on(tmp_path: Path, capsys, diverged_file: bytes) -> None:
+    """The record's length passed its checksum, so the record is skipped and the NaN after it still found."""
+    spans = records(diverged_file)
+    start, end = spans[len(spans) // 3]
+    damaged = bytearray(diverged_file)
+    damaged[start + 14] ^= 0x40  # in the record's data
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / "events.out.tfevents.1.host"
+    path.write_bytes(bytes(damaged))
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL  # the non-finite steps after the damage are read
+    (run,) = doc["runs"]
+    assert run["status"] == "CRITICAL" and run["read_in_part"] is True and run["last_step"] == STEPS[-1]
+    (message,) = damage_findings(run)
+    assert message.startswith(f"run/{path.name} is damaged at byte {start:,} of {len(damaged):,} "
+                              f"(a record's data fails its checksum; read whole up to step {tensorboard_last_step(path)})")
+    assert f"{end - start:,} bytes in 1 stretch(es) could not be read" in message
+
+
+def test_a_flipped_length_reads_on_at_the_next_record(tmp_path: Path, capsys, diverged_file: bytes) -> None:
+    spans = records(diverged_file)
+    start, end = spans[len(spans) // 2]
+    damaged = bytearray(diverged_file)
+    damaged[start + 2] ^= 0x01  # in the record's length
+    path = tmp_path / "events.out.tfevents.1.host"
+    path.write_bytes(bytes(damaged))
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL
+    (message,) = damage_findings(doc["runs"][0])
+    assert f"at byte {start:,} of {len(damaged):,} (a record's length fails its checksum;" in message
+    assert f"{end - start:,} bytes in 1 stretch(es)" in message
+
+
+def test_a_truncated_file_is_read_in_part_never_ok(tmp_path: Path, capsys, diverged_file: bytes) -> None:
+    """Cut in the middle of a record before the NaN: nothing critical is left, and the report says why."""
+    spans = records(diverged_file)
+    start, end = spans[len(spans) // 2]
+    path = tmp_path / "run" / "events.out.tfevents.1.host"
+    path.parent.mkdir()
+    path.write_bytes(diverged_file[: (start + end) // 2])
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_DAMAGED
+    last = tensorboard_last_step(path)
+    assert last is not None and last < STEPS[-1]
+    assert text.startswith(f"run run: read in part, last logged optimizer step {last}\n")
+    assert (f"[warning] event files: run/{path.name} is damaged at byte {start:,} of {(start + end) // 2:,} "
+            f"(the file ends inside a record: cut short, or still being written; read whole up to step {last}): "
+            "the rest of the file is not in this report.") in text
+
+
+def test_a_damaged_run_is_reported_even_without_trainvitals_tags(tmp_path: Path, capsys) -> None:
+    """A file that is no TFRecord at all: whatever it held may have been trainvitals', so it is not skipped."""
+    (tmp_path / "events.out.tfevents.123.host").write_bytes(b"not a TFRecord at all" * 50)
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_DAMAGED
+    assert "events.out.tfevents.123.host is damaged at byte 0 of 1,050 (" in text
+    assert "no step read before it" in text and "nothing measured" in text
+
+
+def test_a_resumed_run_reads_the_files_after_a_damaged_one(tmp_path: Path, capsys, diverged_file: bytes) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "events.out.tfevents.1.host").write_bytes(diverged_file[: len(diverged_file) // 3])
+    writer = SummaryWriter(str(folder), filename_suffix=".resumed")
+    writer.add_scalar("grad_norm/nonfinite_steps", 20.0, 100)
+    writer.close()
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL and doc["runs"][0]["last_step"] == 100
+    assert len(damage_findings(doc["runs"][0])) == 1
+
+
+def test_critical_beats_damaged_beats_nothing_measured(tmp_path: Path, capsys, diverged_file: bytes) -> None:
+    write_run(tmp_path / "a_healthy", HEALTHY)
+    write_run(tmp_path / "b_empty", {}, {"trainvitals/diagnosis/GradNormMonitor": "No optimizer step was measured."})
+    assert report(capsys, str(tmp_path))[0] == EXIT_NO_DATA
+    write_run(tmp_path / "c_cut", HEALTHY)
+    cut = event_file(tmp_path / "c_cut")
+    cut.write_bytes(cut.read_bytes()[:-3])
+    assert report(capsys, str(tmp_path))[0] == EXIT_DAMAGED
+    write_run(tmp_path / "d_nan", DIVERGED)
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL
+    assert [r["status"] for r in doc["runs"]] == ["ok", "nothing measured", "read in part", "CRITICAL"]
+
+
+def _mutations() -> st.SearchStrategy:
+    return st.one_of(
+        st.tuples(st.just("truncate"), st.floats(0, 1)),
+        st.tuples(st.just("flip"), st.floats(0, 1), st.integers(1, 255)),
+        st.tuples(st.just("record"), st.floats(0, 1), st.binary(max_size=64)),
+        st.tuples(st.just("bytes"), st.floats(0, 1), st.binary(min_size=1, max_size=64)),
+    )
+
+
+@settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mutation=_mutations())
+def test_fuzz_damaged_event_files_never_read_as_healthy(mutation: tuple, diverged_file: bytes) -> None:
+    """Truncations, flipped bytes, random records and random bytes: never a traceback, and every change
+    TensorBoard's format can tell is named; only a cut at a record's end leaves a shorter, valid file."""
+    kind, where, *args = mutation
+    data, spans = bytearray(diverged_file), records(diverged_file)
+    at = int(where * (len(data) - 1))
+    boundary = min((end for _, end in spans if end >= at), default=len(data))
+    if kind == "truncate":
+        data = data[:at]
+        visible = at not in {0, *(end for _, end in spans)}
+    elif kind == "flip":
+        data[at] ^= args[0]
+        visible = True
+    elif kind == "record":
+        data[boundary:boundary] = framed(args[0])
+        visible = None  # a checksummed record of random bytes may well decode as an event
+    else:
+        data[boundary:boundary] = args[0]
+        visible = True
+    with tempfile.TemporaryDirectory() as logdir:
+        Path(logdir, "events.out.tfevents.1.host").write_bytes(bytes(data))
+        out, err = io.StringIO(), io.StringIO()
+        stdout, stderr, sys.stdout, sys.stderr = sys.stdout, sys.stderr, out, err
+        try:
+            status = main([logdir, "--format", "json"])
+        finally:
+            sys.stdout, sys.stderr = stdout, stderr
+    assert "Traceback" not in err.getvalue()
+    if not out.getvalue():  # a valid shorter file without a trainvitals tag: nothing to report
+        assert status == EXIT_NO_DATA and visible is not True
+        return
+    (run,) = json.loads(out.getvalue())["runs"]
+    if visible is not None:
+        assert bool(damage_findings(run)) is visible and run["read_in_part"] is visible
+    if run["read_in_part"]:
+        assert status in (EXIT_CRITICAL, EXIT_DAMAGED) and run["status"] != "ok"
+    if visible is False:  # a valid shorter file: what it holds, critical or not
+        assert status in (EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA)
+
+
+# ---------------------------------------------------------------------------------------- non-UTF-8 names
+def test_names_that_are_not_utf8_are_reported_escaped(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path / "run", DIVERGED)  # TensorBoard's writer takes UTF-8 names only
+    path = event_file(tmp_path / "run")
+    os.rename(path, os.fsencode(path) + b".\xfe")
+    folder = os.fsencode(tmp_path) + b"/run\xff"
+    os.rename(tmp_path / "run", folder)
+    status, text, err = report(capsys, str(tmp_path))
+    assert status == EXIT_CRITICAL and err == ""
+    assert text.startswith("run run\\xff: CRITICAL, last logged optimizer step 95")
+    status, doc = report_json(capsys, tmp_path)
+    assert doc["runs"][0]["run"] == "run\\xff"
+    # The LOGDIR itself, a damaged file in it, and a terminal that takes ASCII only.
+    Path(os.fsdecode(folder), "events.out.tfevents.2.h\xe9").write_bytes(b"\x00" * 5)
+    stdout, sys.stdout = sys.stdout, io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    try:
+        status = main([os.fsdecode(folder)])
+        sys.stdout.seek(0)
+        text = sys.stdout.read()
+    finally:
+        sys.stdout = stdout
+    assert status == EXIT_CRITICAL
+    assert text.startswith("run run\\xff: CRITICAL") and "events.out.tfevents.2.h\\xe9 is damaged at byte 0 of 5" in text
+
+
+def test_a_missing_logdir_that_is_not_utf8_is_named(tmp_path: Path, capsys) -> None:
+    status, out, err = report(capsys, os.fsdecode(os.fsencode(tmp_path) + b"/gone\xff"))
+    assert status == EXIT_NO_DATA and out == "" and err.endswith("gone\\xff does not exist.\n")
+
+
+# ------------------------------------------------------------------------------------------ logger prefixes
+def test_prefix_helpers() -> None:
+    assert split_prefix("train-grad_norm/optimizer_1/total") == ("train", "grad_norm/optimizer_1/total")
+    assert split_prefix("a-b-graph/unused_params") == ("a-b", "graph/unused_params")
+    assert split_prefix("fold/1-memory/parameters_bytes") == ("fold/1", "memory/parameters_bytes")
+    assert split_prefix("grad_norm/enc-grad_norm/x") == ("", "grad_norm/enc-grad_norm/x")  # a layer's name
+    assert split_prefix("train-lr-SGD") == ("", "train-lr-SGD")  # not a trainvitals tag
+    assert split_prefix("train.grad_norm/total", separator=".") == ("train", "grad_norm/total")
+    import re
+
+    pattern = with_prefix(grad_norm("total"), "tr.in")
+    assert re.match(pattern, "tr.in-grad_norm/optimizer_0/total") and not re.match(pattern, "trXin-grad_norm/total")
+    assert not re.match(pattern, "grad_norm/total") and with_prefix(grad_norm("total")) == grad_norm("total")
+
+
+def test_a_prefixed_nan_run_is_critical(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path / "run", {f"train-{tag}": v for tag, v in DIVERGED.items()} | {"train-epoch": 0.0},
+              {"grad_norm/stop_reason": "not stopped"})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL
+    (run,) = doc["runs"]
+    assert run["run"] == "run (prefix train)"
+    assert any(f["message"].startswith("non-finite (inf/NaN) gradients on 15") for f in run["findings"])
+    assert run["sections"]["convergence"][-1]["value"] == "not stopped"  # unprefixed text panels too
+
+
+def test_two_prefixes_in_one_folder_are_two_runs_not_summed(tmp_path: Path, capsys) -> None:
+    both = {f"a-{tag}": v for tag, v in DIVERGED.items()} | {f"b-{tag}": v for tag, v in DIVERGED.items()}
+    write_run(tmp_path / "run", both | {"grad_norm/total": 1.0})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL
+    assert [r["run"] for r in doc["runs"]] == ["run (no prefix)", "run (prefix a)", "run (prefix b)"]
+    for run in doc["runs"][1:]:
+        assert any(f["message"].startswith("non-finite (inf/NaN) gradients on 15 ") for f in run["findings"])
+    assert not doc["runs"][0]["critical"]
+
+
+def _fit(loggers, inf_at_step: int | None, n: int = 64, callbacks=None) -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from _models import Regressor, regression_data
+    from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+
+    trainer = pl.Trainer(max_steps=12, logger=loggers, callbacks=callbacks or [GradNormMonitor()],
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                         log_every_n_steps=2, accelerator="cpu")
+    trainer.fit(Regressor(inf_at_step=inf_at_step), DataLoader(regression_data(n), batch_size=4))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lightning_loggers_with_prefix_sub_dir_and_versions(tmp_path: Path, capsys) -> None:
+    """A NaN run through two TensorBoardLoggers into one folder (prefixes train and tb, a custom version, a
+    sub_dir) and a third in a folder of its own: every one of them reported critical."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    loggers = [TensorBoardLogger(tmp_path, name="exp", version="my run", sub_dir="fold/0", prefix="train"),
+               TensorBoardLogger(tmp_path, name="exp", version="my run", sub_dir="fold/0", prefix="tb"),
+               TensorBoardLogger(tmp_path, name="", version="v2", prefix="x-y")]
+    _fit(loggers, inf_at_step=4)
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL
+    assert [(r["run"], r["critical"]) for r in doc["runs"]] == [
+        ("exp/my run/fold/0 (prefix tb)", True), ("exp/my run/fold/0 (prefix train)", True), ("v2 (prefix x-y)", True)]
+
+
+# -------------------------------------------------------------------------------- nothing measured, diverged
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_empty_train_dataloader_is_nothing_measured(tmp_path: Path, capsys) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals.callbacks.dashboard import TrainvitalsDashboard
+    from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+
+    _fit(TensorBoardLogger(tmp_path), inf_at_step=None, n=0, callbacks=[GradNormMonitor(), TrainvitalsDashboard()])
+    (run,) = read_runs(tmp_path)
+    assert run.texts and not run.scalars  # the end-of-fit panels, and no step
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_NO_DATA
+    assert text.startswith("run lightning_logs/version_0: nothing measured\n")
+    assert "[warning] event files: nothing measured: no trainvitals scalar, so no optimizer step was logged" in text
