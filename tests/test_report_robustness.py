@@ -1,5 +1,5 @@
 """``trainvitals report`` on logs as a long run leaves them: damaged event files, odd file names, logger
-prefixes and folders, a run that trained nothing.
+prefixes and folders, a run that trained nothing, one that went NaN with only the stopper attached.
 
 Damaged files are checked against TensorBoard's own reader, which stops silently at the first damaged
 record: what it yields is what the report must say it read whole.
@@ -275,17 +275,17 @@ def test_two_prefixes_in_one_folder_are_two_runs_not_summed(tmp_path: Path, caps
     assert not doc["runs"][0]["critical"]
 
 
-def _fit(loggers, inf_at_step: int | None, n: int = 64, callbacks=None) -> None:
+def _fit(loggers, inf_at_step: int | None, n: int = 64, callbacks=None, max_steps: int = 12, **trainer) -> None:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
     from _models import Regressor, regression_data
     from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 
-    trainer = pl.Trainer(max_steps=12, logger=loggers, callbacks=callbacks or [GradNormMonitor()],
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                         log_every_n_steps=2, accelerator="cpu")
-    trainer.fit(Regressor(inf_at_step=inf_at_step), DataLoader(regression_data(n), batch_size=4))
+    fit = pl.Trainer(max_steps=max_steps, logger=loggers, callbacks=callbacks or [GradNormMonitor()],
+                     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                     log_every_n_steps=2, accelerator="cpu", **trainer)
+    fit.fit(Regressor(inf_at_step=inf_at_step), DataLoader(regression_data(n), batch_size=4))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -319,3 +319,48 @@ def test_an_empty_train_dataloader_is_nothing_measured(tmp_path: Path, capsys) -
     assert status == EXIT_NO_DATA
     assert text.startswith("run lightning_logs/version_0: nothing measured\n")
     assert "[warning] event files: nothing measured: no trainvitals scalar, so no optimizer step was logged" in text
+
+
+@pytest.mark.parametrize(("streak", "diverged"), [
+    ([0, 5, 10, 15, 20, 22, 22, 22], True),    # every step from 25 on uncounted: NaN, the flag stale
+    ([0, 5, 10, 15, 20, 25, 30, 35], False),   # in the band and counting
+    ([0, 0, 0, 0, 0, 0, 0, 0], False),         # out of the band: a reset and a frozen 0 look the same
+    ([0, 1, 2, 3, 3, 3, 3, 3], False),         # 3 at steps 15 and 20 can be a reset and 3 new steps
+])
+def test_a_stopper_alone_tells_divergence_by_its_frozen_streak(
+    tmp_path: Path, capsys, streak: list[int], diverged: bool
+) -> None:
+    """Without GradNormMonitor and GraphIntegrityCallback the stopper's in-band flag after NaN is its last
+    one from before; its streak, which a counted step moves, tells."""
+    steps = STEPS[::-1][:len(streak)][::-1]
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step, count in zip(steps, streak):
+        writer.add_scalar("grad_norm/band_streak", count, step)
+        writer.add_scalar("grad_norm/in_noise_band", 1.0, step)
+        writer.add_scalar("grad_norm/noise_floor", 0.1, step)
+    writer.close()
+    status, doc = report_json(capsys, tmp_path)
+    notes = [f["message"] for f in doc["runs"][0]["findings"] if f["section"] == "convergence"]
+    assert any(m.startswith("the run diverged") for m in notes) is diverged
+    assert any(m.startswith("in its noise band") for m in notes) is not diverged
+    assert (status == EXIT_CRITICAL) is diverged
+    if diverged:
+        assert doc["runs"][0]["findings"][-1]["message"].startswith(
+            "GradNormEarlyStopping counted none of the optimizer steps after step 85: each had non-finite")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_nan_run_with_the_stopper_alone_is_critical(tmp_path: Path, capsys) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+
+    # A wide band: in it from the first steps on, so that the last flag before NaN is 1.
+    stopper = GradNormEarlyStopping(min_steps=0, patience=1000, margin=50.0, verbose=False)
+    _fit(TensorBoardLogger(tmp_path), inf_at_step=9, n=128, callbacks=[stopper], accumulate_grad_batches=2,
+         max_steps=16)
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL
+    messages = [f["message"] for f in doc["runs"][0]["findings"]]
+    assert not any(m.startswith("in its noise band") for m in messages)
+    assert any(m.startswith("GradNormEarlyStopping counted none of the optimizer steps after step 8:") for m in messages)

@@ -439,6 +439,10 @@ def assess(run: Run) -> RunReport:
         n = _counter(run, pattern, last=pattern in LAST_WINDOW)
         if n > 0:
             report.findings.append(Finding("critical", title, message.format(n=f"{n:g}")))
+    if (since := _uncounted_since(run)) is not None:
+        report.findings.append(Finding(
+            "critical", SPIKES, f"GradNormEarlyStopping counted none of the optimizer steps after step {since}: "
+            "each had non-finite (inf/NaN) gradients (or a GradScaler skipped it), the run diverged"))
     return report
 
 
@@ -460,14 +464,39 @@ def _diverged(run: Run) -> bool:
     finite norm was non-finite — counted as non-finite, or under a GradScaler as skipped (at least two:
     one skip is calibration). A NaN the run trained on from is not the end. A non-finite loss makes the
     gradient non-finite too, so the loss counter decides only without the monitor: GraphIntegrityCallback
-    logs it when a check window closes, which says nothing of when the loss was non-finite."""
+    logs it when a check window closes, which says nothing of when the loss was non-finite. Without both,
+    GradNormEarlyStopping's streak standing still at the end (:func:`_uncounted_since`): its band flag is then
+    the last one of before, and says nothing either."""
     finite = [step for series in run.matching(grad_norm("total")).values() for step, v in series if math.isfinite(v)]
     counters = {1: run.matching(grad_norm("nonfinite_steps")), 2: run.matching(grad_norm("amp_skipped_steps"))}
     if not (finite or counters[1] or counters[2]):
-        return _counter(run, r"graph/nonfinite_losses$") > 0
+        return _counter(run, r"graph/nonfinite_losses$") > 0 or _uncounted_since(run) is not None
     since = max(finite, default=-1)
     return any(_rose_every_step(series, since, least) for least, matching in counters.items()
                for series in matching.values())
+
+
+def _uncounted_since(run: Run) -> int | None:
+    """The logged step after which GradNormEarlyStopping counted no step, when that holds for (at least
+    two) steps at the end and neither GradNormMonitor nor GraphIntegrityCallback tells non-finite steps.
+
+    A step it counts adds one to its streak or resets it to 0: a streak ``n > 0`` logged again as ``n``
+    at most ``n`` steps later means no step in between was counted — each had a non-finite gradient (or
+    was skipped by a GradScaler), and the band flag and noise estimates logged meanwhile are from before.
+    """
+    if run.matching(grad_norm("total")) or run.matching(grad_norm("nonfinite_steps")) or \
+            _counter(run, r"graph/nonfinite_losses$") > 0:
+        return None
+    for series in run.matching(grad_norm("band_streak")).values():
+        last, n = series[-1]
+        since = last
+        for step, count in reversed(series[:-1]):
+            if count != n or since - step > n:
+                break
+            since = step
+        if n > 0 and last - since >= 2:
+            return since
+    return None
 
 
 def _rose_every_step(series: list[tuple[int, float]], since: int, least: int) -> bool:
