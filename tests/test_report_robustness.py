@@ -208,6 +208,33 @@ def test_fuzz_damaged_event_files_never_read_as_healthy(mutation: tuple, diverge
         assert status in (EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA)
 
 
+@pytest.mark.parametrize("denied", ["b", ""])
+def test_a_folder_that_cannot_be_listed_is_named(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, denied: str
+) -> None:
+    """A subfolder: a run read in part (what it may hold is unknown); LOGDIR itself: nothing to report."""
+    write_run(tmp_path / "a", HEALTHY)
+    (tmp_path / "b").mkdir()
+    walk = os.walk
+
+    def refusing(top, onerror=None, followlinks=False):  # root reads any folder: refuse one the way os.walk does
+        refused = os.path.join(top, denied) if denied else os.fspath(top)
+        for entry in walk(top, onerror=onerror, followlinks=followlinks):
+            if entry[0].rstrip("/") == refused.rstrip("/"):
+                onerror(PermissionError(13, "Permission denied", refused))
+                continue
+            yield entry
+
+    monkeypatch.setattr(os, "walk", refusing)
+    status, out, err = report(capsys, str(tmp_path))
+    if denied:
+        assert status == EXIT_DAMAGED and err == ""
+        assert "run b: read in part\n" in out
+        assert "[warning] event files: b/: the folder cannot be listed (Permission denied): event files in it are not read." in out
+    else:
+        assert status == EXIT_NO_DATA and out == "" and err.endswith("cannot be listed: Permission denied.\n")
+
+
 # ---------------------------------------------------------------------------------------- non-UTF-8 names
 def test_names_that_are_not_utf8_are_reported_escaped(tmp_path: Path, capsys) -> None:
     write_run(tmp_path / "run", DIVERGED)  # TensorBoard's writer takes UTF-8 names only

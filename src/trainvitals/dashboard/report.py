@@ -365,7 +365,7 @@ def _feed(acc: event_accumulator.EventAccumulator, data: bytes, found: Damage) -
         # The accumulator's entry point for one event: its Reload() reads files through TensorBoard's
         # own reader, which would stop silently at the first damaged record.
         acc._ProcessEvent(event)
-    except Exception as err:  # noqa: BLE001 - a checksummed record can still hold values TensorBoard rejects
+    except Exception as err:  # a checksummed record can still hold values TensorBoard rejects
         return f"an event TensorBoard cannot take ({type(err).__name__})"
     if found.regions == 0 and event.HasField("summary"):
         found.last_step = event.step
