@@ -302,6 +302,14 @@ def test_two_prefixes_in_one_folder_are_two_runs_not_summed(tmp_path: Path, caps
     assert not doc["runs"][0]["critical"]
 
 
+def test_a_logger_with_its_own_separator(tmp_path: Path, capsys) -> None:
+    """A Logger subclass may set another LOGGER_JOIN_CHAR; ``--separator`` names it."""
+    write_run(tmp_path / "run", {f"train::{tag}": v for tag, v in DIVERGED.items()})
+    assert report(capsys, str(tmp_path))[0] == EXIT_NO_DATA  # no trainvitals tag with the default "-"
+    status, out, _ = report(capsys, str(tmp_path), "--separator", "::")
+    assert status == EXIT_CRITICAL and out.startswith("run run (prefix train): CRITICAL")
+
+
 def _fit(loggers, inf_at_step: int | None, n: int = 64, callbacks=None, max_steps: int = 12, **trainer) -> None:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader

@@ -230,16 +230,17 @@ class RunReport:
 
 
 # --------------------------------------------------------------------------------------------- reading
-def read_runs(logdir: str | Path) -> list[Run]:
+def read_runs(logdir: str | Path, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:
     """Every run under ``logdir``, in name order: one per folder holding event files, and one per logger
-    prefix in a folder where loggers with different prefixes wrote (:func:`_by_prefix`).
+    prefix in a folder where loggers with different prefixes wrote (:func:`_by_prefix`); ``separator`` is
+    the loggers' ``LOGGER_JOIN_CHAR``, between their prefix and a tag.
 
     Folders are found as TensorBoard's ``GetLogdirSubdirectories`` finds them, but with ``os.walk``, which
     takes any file name (TensorBoard's file layer fails on a name that is not UTF-8). A folder that cannot
     be listed is a run with one :class:`Damage`, so that what it may hold is not missed silently.
 
     Raises:
-        ReportError: when ``logdir`` is missing or not a folder, or holds no event files.
+        ReportError: when ``logdir`` is missing, not a folder or cannot be listed, or holds no event files.
     """
     root = Path(logdir)
     shown = printable(os.fspath(root))
@@ -264,7 +265,7 @@ def read_runs(logdir: str | Path) -> list[Run]:
             folders.append((Path(folder), events))
     if unlisted and os.fspath(unlisted[0].filename) == os.fspath(root):
         raise ReportError(f"{shown} cannot be listed: {unlisted[0].strerror}.")
-    runs = [view for folder, events in sorted(folders) for view in _by_prefix(_read_run(root, folder, events))]
+    runs = [view for folder, events in sorted(folders) for view in _by_prefix(_read_run(root, folder, events), separator)]
     for err in unlisted:
         name = _run_name(root, Path(os.fsdecode(err.filename)))
         runs.append(Run(name=name, scalars={}, texts={}, damage=[Damage(
@@ -384,14 +385,14 @@ def _next_record(f: BinaryIO, start: int, size: int) -> int:
     return size
 
 
-def _by_prefix(run: Run) -> list[Run]:
+def _by_prefix(run: Run, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:
     """``run`` split by the prefix of its trainvitals scalars (:func:`~trainvitals.dashboard.tags.split_prefix`),
     the prefix taken off: one run per logger when loggers with different prefixes write to one folder.
 
     Every trainvitals callback writes to every logger, so the loggers' series are copies that must not be
     summed. Text panels carry no prefix: each run gets them all.
     """
-    split = {tag: split_prefix(tag) for tag in run.scalars}
+    split = {tag: split_prefix(tag, separator) for tag in run.scalars}
     prefixes = sorted({prefix for prefix, key in split.values() if key.startswith(TRAINVITALS_PREFIXES)})
     if prefixes in ([], [""]):
         return [run]
@@ -401,12 +402,12 @@ def _by_prefix(run: Run) -> list[Run]:
         prefix, key = split[tag]
         if key.startswith(TRAINVITALS_PREFIXES):
             return prefix
-        starts = [p for p in prefixes if p and tag.startswith(p + LOGGER_JOIN_CHAR)]
+        starts = [p for p in prefixes if p and tag.startswith(p + separator)]
         return max(starts, key=len) if starts else ("" if "" in prefixes else None)
 
     views = []
     for prefix in prefixes:
-        cut = len(prefix) + len(LOGGER_JOIN_CHAR) if prefix else 0
+        cut = len(prefix) + len(separator) if prefix else 0
         scalars = {tag[cut:]: series for tag, series in run.scalars.items() if owner(tag) == prefix}
         name = f"{run.name} (prefix {prefix})" if prefix else f"{run.name} (no prefix)"
         views.append(Run(name=name, scalars=scalars, texts=run.texts, damage=run.damage, prefix=prefix))
@@ -684,15 +685,19 @@ DESCRIPTION = ("Health report of the training runs under LOGDIR, read from their
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """LOGDIR and ``--format``, on ``parser`` (the ``trainvitals report`` subcommand's, or :func:`main`'s)."""
+    """LOGDIR, ``--format`` and ``--separator``, on ``parser`` (the ``trainvitals report`` subcommand's, or
+    :func:`main`'s)."""
     parser.add_argument("logdir", metavar="LOGDIR", help="the TensorBoard log folder")
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    parser.add_argument("--separator", default=LOGGER_JOIN_CHAR, metavar="SEP",
+                        help="what a logger with a prefix puts between it and a tag: its LOGGER_JOIN_CHAR "
+                             f"(default: {LOGGER_JOIN_CHAR!r}, Lightning's)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Report on ``args.logdir`` in ``args.format``; returns the exit status (see the module docstring)."""
     try:
-        runs = read_runs(args.logdir)
+        runs = read_runs(args.logdir, args.separator)
     except ReportError as err:
         print(f"trainvitals report: {err}", file=sys.stderr)
         return EXIT_NO_DATA
