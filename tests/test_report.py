@@ -147,6 +147,25 @@ def test_a_diverged_run_gets_no_convergence_verdict(tmp_path: Path, capsys: pyte
     assert not any("noise band" in m for m in notes)
 
 
+@pytest.mark.parametrize(("counts", "last_finite", "diverged"), [
+    ([3.0, 8.0, 13.0], 80, True),    # NaN from step 83 on: 3 of the 5 steps after the last finite norm
+    ([0.0, 0.0, 2.0], 90, False),    # the last interval partly non-finite: 2 of 5, as before
+])
+def test_a_nan_that_began_between_logging_steps_is_divergence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], counts: list[float], last_finite: int, diverged: bool
+) -> None:
+    """The monitor logs no norm for a non-finite logging step; from the last finite one the counter need
+    not rise by every step (the NaN began between two logging steps), but its last interval must."""
+    totals = [t if s <= last_finite else math.nan for s, t in zip(STEPS, HEALTHY["grad_norm/total"])]
+    counter = [0.0] * (len(STEPS) - 3) + counts
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/total": totals, "grad_norm/nonfinite_steps": counter,
+                                 "grad_norm/in_noise_band": 1.0})
+    _, doc = report_json(capsys, tmp_path)
+    notes = [f["message"] for f in doc["runs"][0]["findings"] if f["section"] == "convergence"]
+    assert any(m.startswith("the run diverged (") for m in notes) is diverged
+    assert any(m.startswith("in its noise band") for m in notes) is not diverged
+
+
 def test_a_non_finite_loss_counted_at_the_last_step_is_no_divergence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """GraphIntegrity flushes its loss counter at the end of training, logged one step past the last
     optimizer step, whose norm is finite."""

@@ -310,7 +310,8 @@ def test_a_logger_with_its_own_separator(tmp_path: Path, capsys) -> None:
     assert status == EXIT_CRITICAL and out.startswith("run run (prefix train): CRITICAL")
 
 
-def _fit(loggers, inf_at_step: int | None, n: int = 64, callbacks=None, max_steps: int = 12, **trainer) -> None:
+def _fit(loggers, inf_at_step: int | None, n: int = 64, callbacks=None, max_steps: int = 12, log_every_n_steps: int = 2,
+         **trainer) -> None:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -319,7 +320,7 @@ def _fit(loggers, inf_at_step: int | None, n: int = 64, callbacks=None, max_step
 
     fit = pl.Trainer(max_steps=max_steps, logger=loggers, callbacks=callbacks or [GradNormMonitor()],
                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                     log_every_n_steps=2, accelerator="cpu", **trainer)
+                     log_every_n_steps=log_every_n_steps, accelerator="cpu", **trainer)
     fit.fit(Regressor(inf_at_step=inf_at_step), DataLoader(regression_data(n), batch_size=4))
 
 
@@ -399,3 +400,24 @@ def test_a_nan_run_with_the_stopper_alone_is_critical(tmp_path: Path, capsys) ->
     messages = [f["message"] for f in doc["runs"][0]["findings"]]
     assert not any(m.startswith("in its noise band") for m in messages)
     assert any(m.startswith("GradNormEarlyStopping counted none of the optimizer steps after step 8:") for m in messages)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_nan_between_logging_steps_gets_no_band_verdict(tmp_path: Path, capsys) -> None:
+    """NaN from step 8, logged every 5 steps: the first interval after the last finite norm (5) is only
+    partly non-finite; the stopper's band flag after it is its last one from before."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+    from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+
+    stopper = GradNormEarlyStopping(min_steps=0, patience=1000, margin=50.0, verbose=False)
+    _fit(TensorBoardLogger(tmp_path), inf_at_step=8, n=128, callbacks=[GradNormMonitor(), stopper],
+         accumulate_grad_batches=2, max_steps=16, log_every_n_steps=5)
+    (run,) = read_runs(tmp_path)
+    assert run.scalars["grad_norm/in_noise_band"][-1][1] == 1.0  # what the old report took as the verdict
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_CRITICAL
+    notes = [f["message"] for f in doc["runs"][0]["findings"] if f["section"] == "convergence"]
+    assert any(m.startswith("the run diverged (") for m in notes)
+    assert not any("noise band" in m for m in notes)

@@ -501,10 +501,19 @@ def _uncounted_since(run: Run) -> int | None:
 
 
 def _rose_every_step(series: list[tuple[int, float]], since: int, least: int) -> bool:
-    """A step counter rose by (nearly) every step logged after ``since``, and by at least ``least``."""
+    """A step counter rose by at least ``least`` and by (nearly) every step logged after ``since``, or by
+    every step of its last logged interval after ``since``: a NaN that began between two logging steps
+    leaves the first interval after the last finite norm only partly non-finite."""
     before = max((count for step, count in series if step <= since), default=0.0)
     step, count = series[-1]
-    return step > since and count - before >= max(least, step - since - 1)
+    if step <= since:
+        return False
+    if count - before >= max(least, step - since - 1):
+        return True
+    if len(series) < 2:
+        return False
+    previous, then = series[-2]
+    return previous >= since and count - then >= max(least, step - previous)
 
 
 def _convergence(run: Run, report: RunReport) -> None:
