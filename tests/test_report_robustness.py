@@ -208,6 +208,18 @@ def test_fuzz_damaged_event_files_never_read_as_healthy(mutation: tuple, diverge
         assert status in (EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA)
 
 
+def test_a_pipe_or_a_dangling_link_named_like_an_event_file_is_named(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path / "run", HEALTHY)
+    os.mkfifo(tmp_path / "run" / "events.out.tfevents.9.fifo")
+    (tmp_path / "run" / "events.out.tfevents.8.link").symlink_to(tmp_path / "gone")
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_DAMAGED
+    assert damage_findings(doc["runs"][0]) == [
+        "run/events.out.tfevents.8.link: the file cannot be read (No such file or directory), so nothing of it is "
+        "in this report.",
+        "run/events.out.tfevents.9.fifo: not a regular file, so nothing of it is in this report."]
+
+
 @pytest.mark.parametrize("denied", ["b", ""])
 def test_a_folder_that_cannot_be_listed_is_named(
     tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, denied: str

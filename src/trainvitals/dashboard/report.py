@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import sys
 import textwrap
@@ -134,6 +135,8 @@ class Damage:
         """One sentence for a person: which file, how far it was read, what is missing."""
         if self.file.endswith("/"):
             return f"{self.file}: {self.reason}."
+        if not self.size:  # never opened
+            return f"{self.file}: {self.reason}, so nothing of it is in this report."
         read = f"read whole up to step {self.last_step}" if self.last_step is not None else "no step read before it"
         where = f"at byte {self.first:,} of {self.size:,} ({self.reason}; {read})"
         if self.regions == 1 and self.first + self.lost == self.size:
@@ -320,10 +323,13 @@ def _read_events(path: str, name: str, acc: event_accumulator.EventAccumulator) 
     checksum, reading goes on at the next offset where a length passes its own.
     """
     found = Damage(file=name, size=0, lost=0, first=-1, regions=0, last_step=None, reason="")
+    offset = 0
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe would block the report until someone writes
+            found.add(0, 0, "not a regular file")
+            return found
         with open(path, "rb") as f:
             size = found.size = os.fstat(f.fileno()).st_size
-            offset = 0
             while offset < size:
                 header = f.read(_HEADER.size)
                 if len(header) < _HEADER.size:
@@ -352,7 +358,7 @@ def _read_events(path: str, name: str, acc: event_accumulator.EventAccumulator) 
                     found.add(offset, end - offset, problem)
                 offset = end
     except OSError as err:
-        found.add(0, found.size, f"the file cannot be read ({err.strerror or err})")
+        found.add(offset, found.size - offset, f"the file cannot be read ({err.strerror or err})")
     return found if found.regions else None
 
 
