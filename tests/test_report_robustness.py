@@ -433,3 +433,25 @@ def test_a_nan_between_logging_steps_gets_no_band_verdict(tmp_path: Path, capsys
     notes = [f["message"] for f in doc["runs"][0]["findings"] if f["section"] == "convergence"]
     assert any(m.startswith("the run diverged (") for m in notes)
     assert not any("noise band" in m for m in notes)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_fit_that_did_not_end_is_named(tmp_path: Path, capsys) -> None:
+    """A file cut exactly at a record's end is a valid, shorter file; the missing end-of-fit diagnosis tells."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.compat.proto import event_pb2
+
+    from trainvitals.callbacks.dashboard import TrainvitalsDashboard
+    from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+
+    _fit(TensorBoardLogger(tmp_path), inf_at_step=None, callbacks=[GradNormMonitor(), TrainvitalsDashboard()])
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_OK and "end-of-fit" not in text
+    path = event_file(tmp_path / "lightning_logs" / "version_0")
+    data = path.read_bytes()
+    cut = next(start for start, end in records(data) if any(
+        v.tag.startswith("trainvitals/diagnosis/") for v in event_pb2.Event.FromString(data[start + 12:end - 4]).summary.value))
+    path.write_bytes(data[:cut])
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_OK  # nothing in the format says the file was cut
+    assert "[warning] event files: no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start" in text

@@ -53,6 +53,7 @@ from tensorboard.util import tensor_util
 
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.tags import (
+    DIAGNOSIS_TAG,
     LOGGER_JOIN_CHAR,
     MEMORY_BYTES,
     TEXT_SUFFIX,
@@ -150,7 +151,8 @@ class Run:
     """What one run's event files hold: scalars and text panels, each a list of ``(step, value)``.
 
     ``damage`` lists the event files read only in part; ``prefix`` is the logger's prefix taken off the
-    scalar tags (``TensorBoardLogger(prefix="train")``), empty when it had none.
+    scalar tags (``TensorBoardLogger(prefix="train")``), empty when it had none; ``layout`` whether the files
+    hold a custom-scalars layout (TrainvitalsDashboard writes it at fit start, its diagnoses at fit end).
     """
 
     name: str
@@ -158,6 +160,7 @@ class Run:
     texts: dict[str, list[tuple[int, str]]]
     damage: list[Damage] = field(default_factory=list)
     prefix: str = ""
+    layout: bool = False
 
     def matching(self, pattern: str) -> dict[str, list[tuple[int, float]]]:
         """The scalar series whose tag matches ``pattern`` (``re.match``, as TensorBoard matches)."""
@@ -290,12 +293,14 @@ def _read_run(root: Path, folder: Path, files: list[str]) -> Run:
     tags = acc.Tags()
     scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags[event_accumulator.SCALARS]}
     texts = {}
-    for tag in tags[event_accumulator.TENSORS]:
-        if acc.SummaryMetadata(tag).plugin_data.plugin_name != "text":
+    plugins = {tag: acc.SummaryMetadata(tag).plugin_data.plugin_name for tag in tags[event_accumulator.TENSORS]}
+    for tag, plugin in plugins.items():
+        if plugin != "text":
             continue
         name = tag[: -len(TEXT_SUFFIX)] if tag.endswith(TEXT_SUFFIX) else tag
         texts[name] = [(e.step, _decode_text(e.tensor_proto)) for e in acc.Tensors(tag)]
-    return Run(name=_run_name(root, folder), scalars=scalars, texts=texts, damage=damage)
+    return Run(name=_run_name(root, folder), scalars=scalars, texts=texts, damage=damage,
+               layout="custom_scalars" in plugins.values())
 
 
 def _run_name(root: Path, path: Path) -> str:
@@ -416,7 +421,8 @@ def _by_prefix(run: Run, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:
         cut = len(prefix) + len(separator) if prefix else 0
         scalars = {tag[cut:]: series for tag, series in run.scalars.items() if owner(tag) == prefix}
         name = f"{run.name} (prefix {prefix})" if prefix else f"{run.name} (no prefix)"
-        views.append(Run(name=name, scalars=scalars, texts=run.texts, damage=run.damage, prefix=prefix))
+        views.append(Run(name=name, scalars=scalars, texts=run.texts, damage=run.damage, prefix=prefix,
+                         layout=run.layout))
     return views
 
 
@@ -440,6 +446,11 @@ def assess(run: Run) -> RunReport:
             "warning", EVENT_FILES, "nothing measured: no trainvitals scalar" + (" in the part read" if run.damage else "")
             + ", so no optimizer step was logged — an empty train dataloader (limit_train_batches=0), max_steps=0, "
             "or step logging off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."))
+    if report.measured and run.layout and not any(tag.startswith(f"{DIAGNOSIS_TAG}/") for tag in run.texts):
+        report.findings.append(Finding(
+            "warning", EVENT_FILES, "no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start but "
+            "no diagnosis panel at fit end, so the fit is still running, was killed or crashed, or an event file "
+            "was cut at a record's end (which its format cannot tell); whatever came after is not in this report."))
     for section in (_convergence, _noise_scale, _integrity, _memory, _spikes):
         section(run, report)
     for title, pattern, message in CRITICAL_COUNTERS:
