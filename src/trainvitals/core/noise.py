@@ -359,18 +359,29 @@ class NoiseScaleError:
         s = trace_cov.detach().to(g.device, torch.float64)
         self._moments.update(torch.stack([s * s, g * g, s * g]), valid)
 
-    def relative_error(self, noise: NoiseScaleEMA) -> Tensor:
-        """``()`` relative standard error of ``noise.b_simple``; ``inf`` with fewer than two updates or ‖G‖² ≤ 0."""
+    def mean_covariance(self, noise: NoiseScaleEMA) -> tuple[Tensor, Tensor, Tensor]:
+        """``(Var S̄, Var Ḡ, Cov(S̄, Ḡ))`` of the two EMA means of ``noise``, each ``()`` float64; ``inf``
+        variances (and a 0 covariance) with fewer than two updates."""
         s, g = noise.trace_cov, noise.grad_sq_norm
         trace_sq, grad_sq, cross = self._moments.value.unbind()
         t = self._moments.count.to(s.dtype)
         beta = torch.full_like(s, self.beta)
         n_eff = (1 - beta**t).square() * (1 + beta) / ((1 - beta) * (1 - beta ** (2 * t))).clamp_min(1e-300)
         denom = (n_eff - 1).clamp_min(1e-300)
-        rel_var = ((trace_sq - s * s) / (s * s).clamp_min(1e-300)
-                   + (grad_sq - g * g) / (g * g).clamp_min(1e-300)
-                   - 2 * (cross - s * g) / (s * g).clamp_min(1e-300)) / denom
-        ok = (t >= 2) & (g > 0) & (s > 0)
+        ok = t >= 2
+        inf = torch.full_like(s, float("inf"))
+        var_s = torch.where(ok, (trace_sq - s * s).clamp_min(0.0) / denom, inf)
+        var_g = torch.where(ok, (grad_sq - g * g).clamp_min(0.0) / denom, inf)
+        cov = torch.where(ok, (cross - s * g) / denom, torch.zeros_like(s))
+        return var_s, var_g, cov
+
+    def relative_error(self, noise: NoiseScaleEMA) -> Tensor:
+        """``()`` relative standard error of ``noise.b_simple``; ``inf`` with fewer than two updates or ‖G‖² ≤ 0."""
+        s, g = noise.trace_cov, noise.grad_sq_norm
+        var_s, var_g, cov = self.mean_covariance(noise)
+        rel_var = (var_s / (s * s).clamp_min(1e-300) + var_g / (g * g).clamp_min(1e-300)
+                   - 2 * cov / (s * g).clamp_min(1e-300))
+        ok = (self._moments.count >= 2) & (g > 0) & (s > 0)
         return torch.where(ok, rel_var.clamp_min(0.0).sqrt(), torch.full_like(s, float("inf")))
 
     def state_dict(self) -> dict[str, Any]:
