@@ -198,6 +198,25 @@ class BatchVarianceProbe(Callback):
         self.gradient_noise = GradientNoise(max_rel_err=max_rel_err)
         """The run's one noise estimate, shared with GradNormEarlyStopping."""
         self._reset()
+        self.gradient_noise.attach(self.noise_source)
+
+    @property
+    def effective_batch_size(self) -> int | None:
+        """Examples per optimizer step over all ranks, once measured (the source's)."""
+        return self.noise_source.effective_batch_size
+
+    @effective_batch_size.setter
+    def effective_batch_size(self, value: int | None) -> None:
+        self.noise_source.effective_batch_size = value
+
+    @property
+    def grad_scale(self) -> float:
+        """``.grad`` over the mean of the step's per-example gradients (the source's unit factor)."""
+        return self.noise_source.unit_scale
+
+    @grad_scale.setter
+    def grad_scale(self, value: float) -> None:
+        self.noise_source.unit_scale = value
 
     def _reset(self) -> None:
         """The state of a fit that has not started: no estimate, no step open, no layer excluded, no hook
@@ -207,8 +226,6 @@ class BatchVarianceProbe(Callback):
         """This probe's source of :attr:`gradient_noise`, in the units of each example's own loss."""
         self.noise = self.noise_source.ema
         self.noise_error = self.noise_source.error
-        self.effective_batch_size: int | None = None
-        self.grad_scale = 1.0
         self.last_outliers: list[tuple[int, float]] = []
         self._enabled = False
         self._excluded: set[str] = set()
@@ -473,8 +490,8 @@ class BatchVarianceProbe(Callback):
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         whole = not pl_module.automatic_optimization or len(self._micro_sizes) == trainer.accumulate_grad_batches
         if whole or self.effective_batch_size is None:
-            self.effective_batch_size = self.noise_source.effective_batch_size = sums.examples
-            self.grad_scale = self.noise_source.unit_scale = self._grad_units(trainer, pl_module)
+            self.effective_batch_size = sums.examples
+            self.grad_scale = self._grad_units(trainer, pl_module)
         step = trainer.global_step
         if is_logging_step(step, self._log_every):
             self._log(trainer, result, valid, sums.examples, step)
@@ -676,5 +693,3 @@ class BatchVarianceProbe(Callback):
         self.noise_source.load_state_dict(state_dict.get("source", {
             "noise": state_dict.get("noise", {}), "error": state_dict.get("noise_error", {}),
             "effective_batch_size": state_dict.get("effective_batch_size"), "unit_scale": state_dict.get("grad_scale", 1.0)}))
-        self.effective_batch_size = self.noise_source.effective_batch_size
-        self.grad_scale = self.noise_source.unit_scale

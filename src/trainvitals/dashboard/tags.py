@@ -20,7 +20,7 @@ GRAD_NORM_SUMMARIES = (
     "total",
     "clipped_total",
     "noise_floor",
-    "b_simple",
+    "noise_floor_se",
     "in_noise_band",
     "band_streak",
     "nonfinite_steps",
