@@ -631,11 +631,8 @@ class BatchVarianceProbe(Callback):
         step's ``examples``."""
         batch = self.effective_batch_size or examples
         estimate = self.gradient_noise.estimate()
-        reliable = self.gradient_noise.decisive(estimate) & (estimate.grad_sq_norm > 0) & (
-            estimate.b_simple_rel_err <= self.max_rel_err)
         metrics: dict[str, Tensor] = {
             **self.gradient_noise.metrics(estimate),
-            "grad_noise/b_simple_unreliable": (~reliable).double(),
             "grad_noise/batch_grad_var/micro_batch": estimate.trace_cov / self._micro_batch_size,
             "grad_noise/batch_grad_var/full_batch": estimate.trace_cov / (estimate.batch_size or batch),
         }

@@ -230,9 +230,13 @@ class GradientNoise:
         return self.decisive(est) & (est.trace_cov > 0) & (est.grad_sq_norm <= margin * est.trace_cov / est.batch_size)
 
     def metrics(self, estimate: NoiseEstimate | None = None) -> dict[str, Tensor]:
-        """The run's one floor and one B_simple, with their errors and the coverage, as tags (device)."""
+        """The run's one floor and one B_simple, with their errors and the coverage, as tags (device);
+        ``grad_noise/b_simple_unreliable`` is 1 where no noise-aware advice follows (not decisive, ‖G‖² ≤ 0,
+        or a relative error above ``max_rel_err``)."""
         est = estimate or self.estimate()
-        return {"grad_norm/noise_floor": est.noise_floor, "grad_norm/noise_floor_se": est.noise_floor_se,
+        reliable = self.decisive(est) & (est.grad_sq_norm > 0) & (est.b_simple_rel_err <= self.max_rel_err)
+        return {"grad_norm/noise_floor": est.noise_floor,
+                "grad_noise/b_simple_unreliable": (~reliable).double(), "grad_norm/noise_floor_se": est.noise_floor_se,
                 "grad_noise/b_simple": est.b_simple, "grad_noise/b_simple_rel_err": est.b_simple_rel_err,
                 "grad_noise/trace_cov": est.trace_cov, "grad_noise/trace_cov_se": est.trace_cov_se,
                 "grad_noise/grad_sq_norm": est.grad_sq_norm, "grad_noise/grad_sq_norm_se": est.grad_sq_norm_se,

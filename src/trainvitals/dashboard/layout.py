@@ -33,7 +33,7 @@ TRAINVITALS_LAYOUT: dict[str, dict[str, list[Any]]] = {
         "per-layer GSNR": ["Multiline", [r"grad_noise/gsnr/.+"]],
         "gradient noise: tr(Σ), ‖G‖², evidence criterion": [
             "Multiline",
-            [r"grad_noise/(?:trace_cov|grad_sq_norm)(?:_se)?$", r"grad_noise/(?:eb_criterion|coverage|b_simple_rel_err)$"],
+            [r"grad_noise/(?:trace_cov|grad_sq_norm)(?:_se)?$", r"grad_noise/(?:eb_criterion|coverage|b_simple_rel_err|b_simple_unreliable)$"],
         ],
         "memory by category (bytes)": ["Multiline", [MEMORY_BYTES]],
         "saved activations per module (bytes)": ["Multiline", [r"memory/activations/.+"]],
