@@ -33,6 +33,11 @@ def step_estimates(d: torch.Tensor, gen: torch.Generator) -> tuple[tuple, tuple,
     return per_example, micro, batch_sq
 
 
+def _with_se(src: NoiseSource) -> tuple[tuple[float, float], tuple[float, float]]:
+    var_s, var_g, _ = src.error.mean_covariance(src.ema)
+    return (float(src.ema.grad_sq_norm), math.sqrt(float(var_g))), (float(src.ema.trace_cov), math.sqrt(float(var_s)))
+
+
 def run_trial(seed: int, steps: int = 250) -> GradientNoise:
     gen = torch.Generator().manual_seed(seed)
     d = torch.randn(D, generator=gen, dtype=torch.float64) * 0.3
@@ -57,7 +62,9 @@ def test_the_combined_90_percent_interval_covers_the_truth_and_the_sources_agree
         h = noise.host_summary()
         covered_g += abs(h["grad_sq_norm"] - g2) <= Z90 * h["grad_sq_norm_se"]
         covered_s += abs(h["trace_cov"] - trace) <= Z90 * h["trace_cov_se"]
-        agree += noise.disagreement() == ""
+        (g_a, s_a), (g_b, s_b) = (_with_se(noise.sources[n]) for n in ("per_example", "micro_batch"))
+        agree += all(abs(a[0] - b[0]) <= 2 * math.hypot(a[1], b[1]) for a, b in ((g_a, g_b), (s_a, s_b)))
+        assert noise.disagreement() == "" or not agree
         # The combination sits between its sources and leans to the one with less variance (per-example).
         per, micro = (noise.sources[n].ema for n in ("per_example", "micro_batch"))
         assert min(float(per.trace_cov), float(micro.trace_cov)) <= h["trace_cov"] <= max(
@@ -159,3 +166,17 @@ def test_state_round_trips():
     fresh = NoiseSource("probe", 0.9)
     fresh.load_state_dict({"noise": src.ema.state_dict()})  # an older checkpoint: no error moments, no norms
     assert float(fresh.norm_share) == 1.0 and fresh.invalid == ""
+
+
+def test_two_sources_that_disagree_beyond_their_errors_are_named_once():
+    noise = GradientNoise()
+    a, b = NoiseSource("per_example", 0.5), NoiseSource("micro_batch", 0.5)
+    for src, level in ((a, 1.0), (b, 3.0)):
+        noise.attach(src)
+        for k in range(20):
+            src.update(torch.tensor(level + 0.01 * (-1) ** k), torch.tensor(10.0 + 0.1 * (-1) ** k))
+    message = noise.disagreement()
+    assert "per_example and micro_batch disagree on ‖G‖²" in message
+    assert noise.disagreement() == ""  # once
+    noise.attach(b)  # the same source again (a new epoch): still said once
+    assert noise.disagreement() == ""

@@ -278,7 +278,7 @@ class GradNormEarlyStopping(Callback):
         if logged:
             self._log(trainer, step, in_condition)
         if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and every and not logged:
-            self._log(trainer, step, in_condition)  # the chart ends where the run stopped
+            self._log(trainer, step, in_condition, final=True)  # the chart ends where the run stopped
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -400,11 +400,11 @@ class GradNormEarlyStopping(Callback):
         GradNormMonitor's ``grad_norm/total``), ``()`` float64; 0 before the first estimate."""
         return self.gradient_noise.estimate().noise_floor
 
-    def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor) -> None:
+    def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor, final: bool = False) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak}
         if self.mode == "noise_band" and self._source is not None:
             estimate = self.gradient_noise.estimate()
-            if self._logs_estimate:
+            if self._logs_estimate or final:  # at the stop, whoever logs it otherwise has not logged this step
                 metrics.update(self.gradient_noise.metrics(estimate))
             # NaN (left out) while the estimate cannot decide: the band is then not measured, not "out".
             metrics["grad_norm/in_noise_band"] = torch.where(

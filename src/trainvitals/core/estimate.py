@@ -47,8 +47,9 @@ Z90 = 1.6448536269514722
 """Half-width of a two-sided 90% normal interval, in standard errors."""
 DEFAULT_MIN_COVERAGE = 0.9
 DEFAULT_MAX_REL_ERR = 0.5
-AGREEMENT_Z = 2.0
-"""Two sources disagree when their estimates differ by more than this many combined standard errors."""
+AGREEMENT_Z = 3.0
+"""Two sources disagree when their estimates differ by more than this many combined standard errors: the
+check runs at every logging step, so a single test's 2 would raise false alarms over a long run."""
 
 
 class NoiseSource:
@@ -158,9 +159,11 @@ class GradientNoise:
         self._said_disagreement = False
 
     def attach(self, source: NoiseSource) -> None:
-        """Feed the estimate from ``source`` (replacing one of the same name: a new fit's fresh source)."""
+        """Feed the estimate from ``source`` (replacing one of the same name: a new fit's fresh source,
+        which also lets a disagreement be said again)."""
+        if self.sources.get(source.name) is not source:
+            self._said_disagreement = False
         self.sources[source.name] = source
-        self._said_disagreement = False
 
     def detach(self, name: str) -> None:
         self.sources.pop(name, None)

@@ -246,7 +246,9 @@ class NoiseScaleEMA:
     def in_noise_band(self, batch_size: int, margin: float) -> Tensor:
         """True when ‖G‖² ≤ margin · tr(Σ)/B, i.e. ‖ḡ_B‖ ≤ sqrt(1 + margin) × noise floor (``()`` bool).
 
-        ``margin = 1`` is B ≤ B_simple (Cockpit's NormTest θ ≥ 1). False before the first update.
+        ``margin = 1`` is B ≤ B_simple. With Cockpit's norm test θ² = tr Σ/(B‖G‖² + tr Σ) the band is
+        θ ≥ 1/sqrt(1 + margin): B ≤ B_simple is θ ≥ 1/√2, not θ ≥ 1 (which is ‖G‖² ≤ 0). False before the
+        first update.
         """
         g, s = self._ema.value.unbind()
         return (self.count > 0) & (s > 0) & (g <= margin * s / batch_size)
