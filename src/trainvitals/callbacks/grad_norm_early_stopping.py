@@ -393,7 +393,7 @@ class GradNormEarlyStopping(Callback):
             return ~early & (total < self.fraction * reference)
         if self._source is None:
             return torch.zeros((), dtype=torch.bool, device=total.device)
-        return self.gradient_noise.in_noise_band(self.margin).to(total.device)
+        return self.gradient_noise.in_noise_band(self.margin, device=total.device).to(total.device)
 
     def noise_floor(self) -> Tensor:
         """The noise floor sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of

@@ -179,15 +179,15 @@ class GradientNoise:
     def invalid_reasons(self) -> list[str]:
         return [f"{s.name}: {s.invalid}" for s in self.sources.values() if s.invalid]
 
-    def estimate(self) -> NoiseEstimate:
+    def estimate(self, device: torch.device | None = None) -> NoiseEstimate:
         """The combination of :meth:`valid_sources` (module docstring, rule 2–3); zeros, ``inf`` errors and a
-        count of 0 when there is none."""
+        count of 0 (on ``device``, default CPU: no copy) when there is none."""
         chosen = self.valid_sources()
         if not chosen:
-            zero = torch.zeros((), dtype=torch.float64)
-            inf = torch.full((), float("inf"), dtype=torch.float64)
-            return NoiseEstimate(zero, inf, zero, inf, inf, inf, zero, inf, zero, torch.zeros((), dtype=torch.long),
-                                 0.0, None, ())
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
+            return NoiseEstimate(zero, inf, zero, inf, inf, inf, zero, inf, zero,
+                                 torch.zeros((), dtype=torch.long, device=device), 0.0, None, ())
         device = chosen[0].ema.count.device
         per = []
         for src in chosen:
@@ -224,10 +224,11 @@ class GradientNoise:
         est = estimate or self.estimate()
         return (est.count > 0) & (est.coverage >= self.min_coverage)
 
-    def in_noise_band(self, margin: float, estimate: NoiseEstimate | None = None) -> Tensor:
+    def in_noise_band(self, margin: float, estimate: NoiseEstimate | None = None,
+                      device: torch.device | None = None) -> Tensor:
         """``()`` bool: ‖G‖² ≤ margin · tr(Σ)/B on a decisive estimate. A negative ‖G‖² from valid
         sources counts (G ≈ 0); no valid source, no measurement or partial coverage never does."""
-        est = estimate or self.estimate()
+        est = estimate or self.estimate(device)
         if est.batch_size is None:
             return torch.zeros((), dtype=torch.bool, device=est.count.device)
         return self.decisive(est) & (est.trace_cov > 0) & (est.grad_sq_norm <= margin * est.trace_cov / est.batch_size)
