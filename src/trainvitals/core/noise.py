@@ -15,6 +15,7 @@ b examples each (micro-batches, DDP ranks, or single examples with b = 1) and B 
 
 Single-step estimates are noisy (‖G‖²_est is often negative), so they are smoothed with two separate
 bias-corrected EMAs and only the ratio of the EMAs is reported: B_simple = EMA(S)/EMA(‖G‖²) (Eq. 2.9).
+These are one source's estimates; :mod:`trainvitals.core.estimate` combines the sources of a run.
 
 Per coordinate d, from ḡ_d and Σ_i g_{i,d}²: the unbiased variance σ̂_d², the gradient signal-to-noise
 ratio ḡ_d²/σ̂_d² (Liu et al. 2020) and the evidence-based criterion (Mahsereci et al. 2017, Eq. 7).
@@ -252,16 +253,6 @@ class NoiseScaleEMA:
         """
         g, s = self._ema.value.unbind()
         return (self.count > 0) & (s > 0) & (g <= margin * s / batch_size)
-
-    def summary_rows(self, batch_size: int, grad_scale: float = 1.0) -> list[tuple[str, str]]:
-        """The smoothed estimates at a batch of ``batch_size`` examples, as (measure, value) rows of an
-        end-of-run table (host floats: one sync each); the noise floor times ``grad_scale``, the factor
-        from these units to those of ``.grad``."""
-        return [("effective batch B", f"{batch_size} examples"),
-                ("‖G‖² (EMA)", f"{float(self.grad_sq_norm):.4g}"),
-                ("tr(Σ) (EMA, per example)", f"{float(self.trace_cov):.4g}"),
-                ("B_simple = tr(Σ)/‖G‖²", f"{float(self.b_simple):.4g} examples"),
-                ("noise floor sqrt(tr(Σ)/B), in `.grad` units", f"{float(self.noise_floor(batch_size)) * grad_scale:.4g}")]
 
     def state_dict(self) -> dict[str, Any]:
         return _split_state(self._ema, ("grad_sq_norm", "trace_cov"))
