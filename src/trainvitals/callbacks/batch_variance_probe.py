@@ -325,7 +325,8 @@ class BatchVarianceProbe(Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Optimizers exist from here on, not in ``setup``.
         if self._enabled and len(trainer.optimizers) > 1:
-            self._enabled = False
+            self._enabled = self.logs_noise_estimate = False
+            self.gradient_noise.detach(self.noise_source.name)
             self._cannot_measure(f"the run has {len(trainer.optimizers)} optimizers, and the probe measures the "
                                  "gradient of one optimizer's step (a GAN's generator and discriminator step on "
                                  "different losses)")

@@ -277,6 +277,8 @@ class GradNormEarlyStopping(Callback):
         logged = is_logging_step(step, every)
         if logged:
             self._log(trainer, step, in_condition)
+        if self.steps % self.check_every_n_steps == 0 and self.mode == "noise_band" and self._source is not None:
+            self._say_caveat(trainer, step)
         if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and every and not logged:
             self._log(trainer, step, in_condition, final=True)  # the chart ends where the run stopped
 
@@ -410,12 +412,10 @@ class GradNormEarlyStopping(Callback):
             metrics["grad_norm/in_noise_band"] = torch.where(
                 self.gradient_noise.decisive(estimate).to(in_condition.device), in_condition.double(), float("nan"))
         log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
-        if self.mode == "noise_band" and self._source is not None:
-            self._say_caveat(trainer, step)
 
     def _say_caveat(self, trainer: "pl.Trainer", step: int) -> None:
         """Once per fit: why the estimate cannot stop the run (no valid source, partial coverage), and two
-        sources that disagree beyond their errors. Logging steps only (one more transfer)."""
+        sources that disagree beyond their errors. On check steps only, which read the host anyway."""
         why = "" if self._said_caveat else self.gradient_noise.host_summary()["why"]
         if why and not why.startswith(("not measured", "B_simple unreliable")):
             self._said_caveat = True

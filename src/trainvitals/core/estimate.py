@@ -280,15 +280,17 @@ class GradientNoise:
     def disagreement(self) -> str:
         """Once per run: a sentence naming two sources whose ‖G‖² or tr(Σ) differ by more than
         :data:`AGREEMENT_Z` combined standard errors; ``""`` otherwise (and after the first time)."""
-        chosen = [s for s in self.valid_sources() if int(s.ema.count) >= 2]
+        chosen = self.valid_sources()
         if self._said_disagreement or len(chosen) < 2:
             return ""
-        rows = []
+        parts = []
         for src in chosen:
             var_s, var_g, _ = src.error.mean_covariance(src.ema)
             u2 = src.unit_scale**2
-            rows.append([float(src.ema.grad_sq_norm) * u2, float(var_g) ** 0.5 * u2,
-                         float(src.ema.trace_cov) * u2, float(var_s) ** 0.5 * u2])
+            device = chosen[0].ema.count.device
+            parts.append(torch.stack([src.ema.grad_sq_norm * u2, var_g.sqrt() * u2, src.ema.trace_cov * u2,
+                                      var_s.sqrt() * u2]).to(device))
+        rows = torch.stack(parts).cpu().tolist()  # one transfer
         for i in range(len(chosen)):
             for j in range(i + 1, len(chosen)):
                 for what, k in (("‖G‖²", 0), ("tr(Σ)", 2)):
