@@ -365,7 +365,7 @@ def test_a_batchnorm_cnn_on_one_device_is_not_stopped_by_a_broken_estimate():
     step): the probe's source is invalid, nothing else measures, so no band stop, and one message."""
     from trainvitals import BatchVarianceProbe
 
-    probe, stopper = BatchVarianceProbe(histogram_every_n_steps=None), GradNormEarlyStopping(min_steps=0, patience=5)
+    probe, stopper = BatchVarianceProbe(), GradNormEarlyStopping(min_steps=0, patience=5)
     logger = RecordingLogger()
     with pytest.warns(UserWarning) as record:
         trainer = _fit(_Classifier(_batchnorm_cnn()), [probe, stopper], DataLoader(_images(16 * 300), batch_size=16),
