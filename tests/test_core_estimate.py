@@ -132,6 +132,8 @@ def test_partial_coverage_is_not_decisive_and_like_is_compared_with_like():
     part.update(torch.tensor(-0.1), torch.tensor(2.0), covered_sq_norm=torch.tensor(0.3), total_sq_norm=torch.tensor(1.0))
     h = noise.host_summary()
     assert h["coverage"] == pytest.approx(0.3) and not h["decisive"] and h["why"].startswith("partial")
+    part.unit_scale = 2.0
+    assert float(noise.metrics()["grad_norm/measured_total"]) == pytest.approx(2.0 * math.sqrt(0.3))
     assert not bool(noise.in_noise_band(1.0))
     # A source over all parameters takes precedence: sources over different parameters are not averaged.
     noise.attach(whole)
@@ -139,6 +141,7 @@ def test_partial_coverage_is_not_decisive_and_like_is_compared_with_like():
     h = noise.host_summary()
     assert h["sources"] == ("micro_batch",) and h["coverage"] == 1.0 and h["decisive"]
     assert h["trace_cov"] == pytest.approx(2.5) and bool(noise.in_noise_band(1.0))
+    assert "grad_norm/measured_total" not in noise.metrics()  # the whole model: grad_norm/total is its norm
 
 
 def test_units_of_each_source_are_converted_to_those_of_grad():

@@ -416,16 +416,19 @@ def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
 
     probe = BatchVarianceProbe(histogram_every_n_steps=None)
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
-    advisor = LRScalingAdvisor(verbose=False, detect_loss_reduction=False)
+    advisor, logger = LRScalingAdvisor(verbose=False, detect_loss_reduction=False), RecordingLogger()
     with pytest.warns(UserWarning) as record:
-        trainer = _fit(_Classifier(_Attention()), [probe, stopper, advisor], DataLoader(_tokens(16 * 30), batch_size=16),
-                       max_epochs=1, log_every_n_steps=5)
+        trainer = _fit(_Classifier(_Attention()), [GradNormMonitor(), probe, stopper, advisor],
+                       DataLoader(_tokens(16 * 30), batch_size=16), logger=logger, max_epochs=1, log_every_n_steps=5)
     assert trainer.global_step == 30 and stopper.stopped_step is None
     (caveat,) = _caveats(record)
     summary = stopper.gradient_noise.host_summary()
     assert caveat.count("partial: the estimate covers") == 1 and summary["coverage"] < 0.9
     assert summary["param_share"] < 0.5
     assert "not used (partial" in advisor.summary_markdown() and "noise-aware" not in advisor.summary_markdown()
+    # Like with like: the floor of the measured part goes beside the norm of the measured part.
+    (step, measured), (_, total) = logger.series["grad_norm/measured_total"][-1], logger.series["grad_norm/total"][-1]
+    assert step == 25 and 0 < measured < total and "grad_norm/in_noise_band" not in logger.series
 
     probe = BatchVarianceProbe(histogram_every_n_steps=None)
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)

@@ -1,8 +1,8 @@
 """BatchVarianceProbe: how noisy the mini-batch gradient is, and what that says about the batch size.
 
 Measures tr(Σ) and ‖G‖² (McCandlish et al. 2018, App. A.1; docs/science.md §3) every ``every_n_steps``
-optimizer steps, smooths them into :class:`~trainvitals.core.noise.NoiseScaleEMA` (read by the
-noise-band stopper and the learning-rate advisor), and logs the simple noise scale B_simple, the noise
+optimizer steps, feeds them into the run's one :class:`~trainvitals.core.estimate.GradientNoise` (read by
+the noise-band stopper and the learning-rate advisor), and logs the simple noise scale B_simple, the noise
 floor, the variance of the batch gradient at the micro-batch and at the full batch (Var ∝ 1/B),
 per-layer gradient signal-to-noise ratios and the evidence-based criterion (Mahsereci et al. 2017),
 and histograms of per-example gradient norms with the outlying examples.

@@ -72,6 +72,7 @@ class NoiseSource:
         self.ema = NoiseScaleEMA(beta)
         self.error = NoiseScaleError(beta)
         self._norms = BiasCorrectedEMA(beta, (2,))  # of (‖ḡ_covered‖², ‖ḡ‖²)
+        self.last_covered_sq_norm: Tensor | None = None  # ‖ḡ‖² of the measured parameters at the last update
         self.param_share = param_share
         self.unit_scale = 1.0
         self.effective_batch_size: int | None = None
@@ -86,6 +87,7 @@ class NoiseSource:
         if covered_sq_norm is not None and total_sq_norm is not None:
             pair = torch.stack([covered_sq_norm.detach().double(), total_sq_norm.detach().to(covered_sq_norm.device).double()])
             self._norms.update(pair, valid)
+            self.last_covered_sq_norm = pair[0]
 
     def invalidate(self, reason: str) -> None:
         """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
@@ -118,7 +120,9 @@ class NoiseEstimate:
     """The run's combined estimate, ``()`` float64 tensors on the device, in ``.grad`` units.
 
     ``*_se`` are standard errors (``inf`` before two updates); ``b_simple`` is ``inf`` while ‖G‖² ≤ 0.
-    ``coverage`` is the share of ‖ḡ‖² measured, ``param_share`` that of the parameters (host float).
+    ``coverage`` is the share of ‖ḡ‖² measured, ``param_share`` that of the parameters (host float);
+    ``measured_norm`` is ‖ḡ‖ over the measured parameters at the last measurement, the norm to set the
+    floor against when they are not all (``None`` when they are).
     """
 
     grad_sq_norm: Tensor
@@ -131,6 +135,7 @@ class NoiseEstimate:
     noise_floor_se: Tensor
     coverage: Tensor
     count: Tensor
+    measured_norm: Tensor | None
     param_share: float
     batch_size: int | None
     sources: tuple[str, ...]
@@ -187,7 +192,7 @@ class GradientNoise:
             zero = torch.zeros((), dtype=torch.float64, device=device)
             inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
             return NoiseEstimate(zero, inf, zero, inf, inf, inf, zero, inf, zero,
-                                 torch.zeros((), dtype=torch.long, device=device), 0.0, None, ())
+                                 torch.zeros((), dtype=torch.long, device=device), None, 0.0, None, ())
         device = chosen[0].ema.count.device
         per = []
         for src in chosen:
@@ -215,9 +220,11 @@ class GradientNoise:
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf")))
         coverage = torch.where(seen, share, 0.0).max()
+        param_share = min(src.param_share for src in chosen)
+        last = chosen[0].last_covered_sq_norm
+        measured = last.to(device).sqrt() * chosen[0].unit_scale if param_share < 1 and last is not None else None
         return NoiseEstimate(grad, grad_se, trace, trace_se, b_simple, rel_err, floor, floor_se, coverage,
-                             count.max(), min(src.param_share for src in chosen), batch,
-                             tuple(src.name for src in chosen))
+                             count.max(), measured, param_share, batch, tuple(src.name for src in chosen))
 
     def decisive(self, estimate: NoiseEstimate | None = None) -> Tensor:
         """``()`` bool: a measured estimate covering at least ``min_coverage`` of ‖ḡ‖² (no sync)."""
@@ -234,12 +241,14 @@ class GradientNoise:
         return self.decisive(est) & (est.trace_cov > 0) & (est.grad_sq_norm <= margin * est.trace_cov / est.batch_size)
 
     def metrics(self, estimate: NoiseEstimate | None = None) -> dict[str, Tensor]:
-        """The run's one floor and one B_simple, with their errors and the coverage, as tags (device);
+        """The run's one floor and one B_simple, with their errors and the coverage, as tags (device), and
+        for a partly measured model ``grad_norm/measured_total``, the norm of the parameters the floor covers;
         ``grad_noise/b_simple_unreliable`` is 1 where no noise-aware advice follows (not decisive, ‖G‖² ≤ 0,
         or a relative error above ``max_rel_err``)."""
         est = estimate or self.estimate()
         reliable = self.decisive(est) & (est.grad_sq_norm > 0) & (est.b_simple_rel_err <= self.max_rel_err)
-        return {"grad_norm/noise_floor": est.noise_floor,
+        measured = {} if est.measured_norm is None else {"grad_norm/measured_total": est.measured_norm}
+        return {**measured, "grad_norm/noise_floor": est.noise_floor,
                 "grad_noise/b_simple_unreliable": (~reliable).double(), "grad_norm/noise_floor_se": est.noise_floor_se,
                 "grad_noise/b_simple": est.b_simple, "grad_noise/b_simple_rel_err": est.b_simple_rel_err,
                 "grad_noise/trace_cov": est.trace_cov, "grad_noise/trace_cov_se": est.trace_cov_se,

@@ -22,7 +22,8 @@ TRAINVITALS_LAYOUT: dict[str, dict[str, list[Any]]] = {
     CATEGORY: {
         "gradient norm vs noise floor (use the log-scale toggle)": [
             "Multiline",
-            [grad_norm("total"), grad_norm("clipped_total"), grad_norm("noise_floor"), grad_norm("noise_floor_se")],
+            [grad_norm("total"), grad_norm("clipped_total"), grad_norm("noise_floor"), grad_norm("noise_floor_se"),
+             grad_norm("measured_total")],
         ],
         "in the noise band (1 = yes)": ["Multiline", [grad_norm("in_noise_band")]],
         "B_simple vs effective batch (examples)": [

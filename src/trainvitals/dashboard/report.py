@@ -241,7 +241,9 @@ def _rose_every_step(series: list[tuple[int, float]], since: int, least: int) ->
 
 def _convergence(run: Run, report: RunReport) -> None:
     title = "convergence"
-    total = run.last(grad_norm("total"))
+    # Like with like: a partly measured model's floor is set against the norm of the measured parameters.
+    total = run.last(grad_norm("measured_total"))
+    total = run.last(grad_norm("total")) if total is None else total
     floor = run.last(grad_norm("noise_floor"))  # the run's one floor (core/estimate.py)
     floor_se = run.last(grad_norm("noise_floor_se"))
     partial = _partial(run)

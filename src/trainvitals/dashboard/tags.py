@@ -21,6 +21,7 @@ GRAD_NORM_SUMMARIES = (
     "clipped_total",
     "noise_floor",
     "noise_floor_se",
+    "measured_total",
     "in_noise_band",
     "band_streak",
     "nonfinite_steps",
