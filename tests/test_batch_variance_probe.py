@@ -413,6 +413,10 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     assert float(restored.noise_error.relative_error(restored.noise)) == pytest.approx(
         float(probe.noise_error.relative_error(probe.noise)), rel=1e-12)
     BatchVarianceProbe().load_state_dict({})  # an older checkpoint without this state still loads
+    older = BatchVarianceProbe(beta=0.9)  # one written before the estimate's sources: no "source" entry
+    older.load_state_dict({k: v for k, v in state.items() if k != "source"})
+    assert int(older.noise.count) == 4 and older.effective_batch_size == 8 and older.grad_scale == 8.0
+    assert float(older.gradient_noise.estimate().trace_cov) == pytest.approx(64 * float(probe.noise.trace_cov))
 
     resumed = BatchVarianceProbe(beta=0.9)
     pl.Trainer(max_steps=6, callbacks=[resumed], logger=False, enable_progress_bar=False, enable_checkpointing=False,
