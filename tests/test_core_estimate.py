@@ -183,3 +183,25 @@ def test_two_sources_that_disagree_beyond_their_errors_are_named_once():
     assert noise.disagreement() == ""  # once
     noise.attach(b)  # the same source again (a new epoch): still said once
     assert noise.disagreement() == ""
+
+
+def test_the_per_step_band_is_the_full_estimates_band():
+    """The stopper's per-step path (cached weights, current EMAs) decides as the full estimate does."""
+    gen = torch.Generator().manual_seed(5)
+    noise, a, b = GradientNoise(), NoiseSource("per_example", 0.9), NoiseSource("micro_batch", 0.9)
+    for src in (a, b):
+        src.effective_batch_size = B
+        noise.attach(src)
+    d = torch.full((D,), 0.05, dtype=torch.float64)
+    for step in range(60):
+        per_example, micro, _ = step_estimates(d, gen)
+        a.update(*per_example)
+        b.update(*micro)
+        if step % 7 == 0:
+            noise.estimate()  # a logging step refreshes the weights
+        for margin in (0.05, 0.3, 2.0):
+            lean = bool(noise.in_noise_band(margin))
+            full = noise.estimate()
+            grad, trace = float(full.grad_sq_norm), float(full.trace_cov)
+            near = abs(grad - margin * trace / B) < 0.05 * abs(grad) + 1e-12  # stale weights may tip a tie
+            assert near or lean == bool(noise.in_noise_band(margin, full)), (step, margin)

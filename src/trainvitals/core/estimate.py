@@ -47,6 +47,8 @@ Z90 = 1.6448536269514722
 """Half-width of a two-sided 90% normal interval, in standard errors."""
 DEFAULT_MIN_COVERAGE = 0.9
 DEFAULT_MAX_REL_ERR = 0.5
+WEIGHTS_REFRESH = 50
+"""The per-step band reuses the inverse-variance weights of a full estimate at most this many calls old."""
 AGREEMENT_Z = 3.0
 """Two sources disagree when their estimates differ by more than this many combined standard errors: the
 check runs at every logging step, so a single test's 2 would raise false alarms over a long run."""
@@ -162,6 +164,9 @@ class GradientNoise:
         self.max_rel_err = max_rel_err
         self.sources: dict[str, NoiseSource] = {}
         self._said_disagreement = False
+        # The last full estimate's weights and coverage, for the per-step band (see in_noise_band).
+        self._cached: tuple[tuple[int, ...], Tensor, Tensor, Tensor] | None = None
+        self._stale = 0  # band calls since that estimate
 
     def attach(self, source: NoiseSource) -> None:
         """Feed the estimate from ``source`` (replacing one of the same name: a new fit's fresh source,
@@ -220,6 +225,7 @@ class GradientNoise:
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf")))
         coverage = torch.where(seen, share, 0.0).max()
+        self._cached, self._stale = (tuple(id(src) for src in chosen), g_w, s_w, coverage), 0
         param_share = min(src.param_share for src in chosen)
         last = chosen[0].last_covered_sq_norm
         measured = last.to(device).sqrt() * chosen[0].unit_scale if param_share < 1 and last is not None else None
@@ -234,11 +240,35 @@ class GradientNoise:
     def in_noise_band(self, margin: float, estimate: NoiseEstimate | None = None,
                       device: torch.device | None = None) -> Tensor:
         """``()`` bool: ‖G‖² ≤ margin · tr(Σ)/B on a decisive estimate. A negative ‖G‖² from valid
-        sources counts (G ≈ 0); no valid source, no measurement or partial coverage never does."""
-        est = estimate or self.estimate(device)
-        if est.batch_size is None:
-            return torch.zeros((), dtype=torch.bool, device=est.count.device)
-        return self.decisive(est) & (est.trace_cov > 0) & (est.grad_sq_norm <= margin * est.trace_cov / est.batch_size)
+        sources counts (G ≈ 0); no valid source, no measurement or partial coverage never does.
+
+        Without ``estimate`` (the stopper, every step) the sources' current EMAs are combined with the
+        weights and coverage of the last full :meth:`estimate` (taken on logging steps, and at least
+        every :data:`WEIGHTS_REFRESH` calls or when the valid sources changed): a few kernels a step
+        instead of some two hundred. The weights only set how the sources are mixed, so a stale one
+        leaves the estimate unbiased."""
+        if estimate is not None:
+            est = estimate
+            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size)
+        chosen = self.valid_sources()
+        if not chosen:
+            return torch.zeros((), dtype=torch.bool, device=device)
+        self._stale += 1
+        if self._cached is None or self._cached[0] != tuple(id(src) for src in chosen) or self._stale > WEIGHTS_REFRESH:
+            est = self.estimate()
+            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size)
+        _, g_w, s_w, coverage = self._cached
+        first = chosen[0].ema.count.device
+        pairs = torch.stack([src.ema.values.to(first) * src.unit_scale**2 for src in chosen])  # (k, 2): ‖G‖², S
+        counts = torch.stack([src.ema.count.to(first) for src in chosen])
+        batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
+        return self._band(margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), coverage, batch)
+
+    def _band(self, margin: float, grad: Tensor, trace: Tensor, count: Tensor, coverage: Tensor,
+              batch: int | None) -> Tensor:
+        if batch is None:
+            return torch.zeros((), dtype=torch.bool, device=count.device)
+        return (count > 0) & (coverage >= self.min_coverage) & (trace > 0) & (grad <= margin * trace / batch)
 
     def metrics(self, estimate: NoiseEstimate | None = None) -> dict[str, Tensor]:
         """The run's one floor and one B_simple, with their errors and the coverage, as tags (device), and

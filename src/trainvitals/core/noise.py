@@ -225,6 +225,11 @@ class NoiseScaleEMA:
         return self._ema.count
 
     @property
+    def values(self) -> Tensor:
+        """``(2,)`` float64: the EMAs of (‖G‖²_est, S_est), in one bias correction."""
+        return self._ema.value
+
+    @property
     def grad_sq_norm(self) -> Tensor:
         """EMA of ‖G‖²_est (squared gradient units). Can be ≤ 0 when the signal is lost in noise."""
         return self._ema.value[0]
