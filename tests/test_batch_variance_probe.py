@@ -29,8 +29,9 @@ from trainvitals.core.noise import NoiseScaleEMA
 
 
 def last_logged(logger: RecordingLogger) -> dict[str, float]:
-    """The last value of every ``grad_noise/*`` tag."""
-    return {tag: series[-1][1] for tag, series in logger.series.items() if tag.startswith("grad_noise/") and series}
+    """The last value of every ``grad_noise/*`` tag, and of the run's one noise floor."""
+    return {tag: series[-1][1] for tag, series in logger.series.items()
+            if tag.startswith(("grad_noise/", "grad_norm/noise_floor")) and series}
 
 
 class Classifier(pl.LightningModule):
@@ -146,7 +147,7 @@ def test_estimates_match_brute_force_in_training(kind):
         assert rel(logged[f"grad_noise/gsnr/net.{layer}"], float(snr.mean())) < 1e-5
     snr_all = torch.cat([(g.mean(0).square() / (g.var(0) + 1e-5)).flatten() for g in per_example.values()])
     assert rel(logged["grad_noise/eb_criterion"], float(1 - 8 * snr_all.mean())) < 1e-5
-    assert math.isclose(logged["grad_noise/noise_floor"], math.sqrt(float(trace) / 8), rel_tol=1e-5)
+    assert math.isclose(logged["grad_norm/noise_floor"], math.sqrt(float(trace) / 8), rel_tol=1e-5)
     assert math.isclose(logged["grad_noise/batch_grad_var/full_batch"], float(trace) / 8, rel_tol=1e-5)
 
 
@@ -162,9 +163,10 @@ def test_mean_and_sum_losses_give_the_same_statistics(told):
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_noise_floors_are_in_the_units_of_the_gradient_norm_beside_them(accumulate):
-    """A loss summed over a micro-batch of b has b× the .grad of its mean: the norm and both floors on the
-    "gradient norm vs noise floor" chart scale together, so the chart reads the same for either loss."""
+def test_the_one_noise_floor_is_in_the_units_of_the_gradient_norm_beside_it(accumulate):
+    """A loss summed over a micro-batch of b has b× the .grad of its mean: the norm and the run's one
+    floor on the "gradient norm vs noise floor" chart scale together, so the chart reads the same for
+    either loss. With accumulation the probe and the stopper's micro-batches feed the same estimate."""
     data = classification_data("mlp", 32)
     runs = {}
     for reduction in ("mean", "sum"):
@@ -173,14 +175,14 @@ def test_noise_floors_are_in_the_units_of_the_gradient_norm_beside_them(accumula
         fit(Classifier(network("mlp"), reduction), data, callbacks, batch_size=8 // accumulate, steps=3,
             accumulate=accumulate, logger=logger)
         runs[reduction] = {tag: logger.values(tag)[-1] for tag in
-                           ("grad_norm/total", "grad_noise/noise_floor", "grad_norm/noise_floor", "grad_noise/trace_cov")}
+                           ("grad_norm/total", "grad_norm/noise_floor", "grad_noise/trace_cov")}
+        assert "grad_noise/noise_floor" not in logger.series and "grad_norm/b_simple" not in logger.series
     b = 8 // accumulate
     mean, summed = runs["mean"], runs["sum"]
-    assert rel(summed["grad_noise/trace_cov"], mean["grad_noise/trace_cov"]) < 1e-9  # per-example units
-    for tag in ("grad_norm/total", "grad_noise/noise_floor", "grad_norm/noise_floor"):
+    assert rel(summed["grad_noise/trace_cov"], b**2 * mean["grad_noise/trace_cov"]) < 1e-9  # .grad units
+    for tag in ("grad_norm/total", "grad_norm/noise_floor"):
         assert rel(summed[tag], b * mean[tag]) < 1e-9, tag
-    # The probe's floor is sqrt(tr Σ / B) of its own estimate, in .grad units.
-    assert rel(mean["grad_noise/noise_floor"], math.sqrt(mean["grad_noise/trace_cov"] / 8)) < 1e-9
+    assert rel(mean["grad_norm/noise_floor"], math.sqrt(mean["grad_noise/trace_cov"] / 8)) < 1e-9
 
 
 def test_accumulated_gradient_is_the_batch_gradient_and_so_are_the_estimates():
@@ -387,7 +389,7 @@ def test_logged_tags_and_cadence():
     assert [step for step, _ in logger.series["grad_noise/trace_cov"]] == [0, 4, 8]
     tags = set(last_logged(logger))
     assert {"grad_noise/trace_cov", "grad_noise/grad_sq_norm", "grad_noise/b_simple_rel_err",
-            "grad_noise/b_simple_unreliable", "grad_noise/noise_floor", "grad_noise/batch_grad_var/micro_batch",
+            "grad_noise/b_simple_unreliable", "grad_norm/noise_floor", "grad_noise/batch_grad_var/micro_batch",
             "grad_noise/batch_grad_var/full_batch", "grad_noise/eb_criterion", "grad_noise/gsnr/net.0"} <= tags
     assert all(math.isfinite(v) for series in logger.series.values() for _, v in series)
     assert int(probe.noise.count) == 5
@@ -411,6 +413,10 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     assert float(restored.noise_error.relative_error(restored.noise)) == pytest.approx(
         float(probe.noise_error.relative_error(probe.noise)), rel=1e-12)
     BatchVarianceProbe().load_state_dict({})  # an older checkpoint without this state still loads
+    older = BatchVarianceProbe(beta=0.9)  # one written before the estimate's sources: no "source" entry
+    older.load_state_dict({k: v for k, v in state.items() if k != "source"})
+    assert int(older.noise.count) == 4 and older.effective_batch_size == 8 and older.grad_scale == 8.0
+    assert float(older.gradient_noise.estimate().trace_cov) == pytest.approx(64 * float(probe.noise.trace_cov))
 
     resumed = BatchVarianceProbe(beta=0.9)
     pl.Trainer(max_steps=6, callbacks=[resumed], logger=False, enable_progress_bar=False, enable_checkpointing=False,

@@ -74,9 +74,10 @@ def test_layout_is_written_once_as_tensorboards_custom_scalars(monitored) -> Non
 def test_charts_pick_up_what_the_callbacks_log(monitored) -> None:
     trainer, acc = monitored
     picked = chart_tags(read_layout(acc), acc)
-    assert picked["gradient norm vs noise floor (use the log-scale toggle)"] == ["grad_norm/total", "grad_norm/noise_floor"]
+    assert picked["gradient norm vs noise floor (use the log-scale toggle)"] == ["grad_norm/total", "grad_norm/noise_floor",
+                                                                                 "grad_norm/noise_floor_se"]
     assert picked["in the noise band (1 = yes)"] == ["grad_norm/in_noise_band"]
-    assert picked["B_simple vs effective batch (examples)"] == ["grad_norm/b_simple"]
+    assert picked["B_simple vs effective batch (examples)"] == ["grad_noise/b_simple"]  # the run's one B_simple
     layers = {name for name, m in trainer.lightning_module.named_modules() if list(m.parameters(recurse=False))}
     assert sorted(picked["per-layer gradient norm"]) == sorted(f"grad_norm/{m}" for m in layers)
     assert sorted(picked["integrity counters"]) == ["grad_norm/amp_skipped_steps", "grad_norm/nonfinite_steps",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -24,9 +27,21 @@ def test_demo_stops_in_the_noise_band_and_logs_the_dashboard(tmp_path, capsys):
     last_step = events.Scalars("grad_norm/total")[-1].step
     assert last_step < 60 * 23  # stopped before max_epochs (23 optimizer steps an epoch: 89 micro-batches by 4)
 
+    # One floor and one B_simple per run, and the report reads the same estimate the summary printed.
+    assert not {"grad_noise/noise_floor", "grad_norm/b_simple"} & set(tags["scalars"])
+    floors = events.Scalars("grad_norm/noise_floor")
+    assert floors[-1].step == last_step and len({e.step for e in floors}) == len(floors)
+    printed_floor = float(re.search(r"vs noise floor ([0-9.]+)", out).group(1))
+    assert floors[-1].value == pytest.approx(printed_floor, abs=1e-4)
+
     assert main(["report", str(tmp_path)]) == 0
     report = capsys.readouterr().out
     assert "convergence" in report and "noise band" in report
+    assert main(["report", str(tmp_path), "--format", "json"]) == 0
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    rows = {row["label"]: row["value"] for section in run["sections"].values() for row in section}
+    assert rows["noise floor sqrt(tr Σ/B), last"] == pytest.approx(floors[-1].value)
+    assert rows["B_simple = tr Σ / ‖G‖²"] == pytest.approx(events.Scalars("grad_noise/b_simple")[-1].value)
 
 
 def test_report_of_a_missing_folder_exits_2(tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 import math
 
 import pytest
@@ -424,3 +425,157 @@ def test_fused_optimizer_under_a_grad_scaler_is_measured_unscaled():
              max_epochs=1, accumulate_grad_batches=4, plugins=plugins)
         results.append((monitor.last_total[0].item(), stopper.noise.grad_sq_norm.item(), stopper.noise.trace_cov.item()))
     assert results[1] == pytest.approx(results[0], rel=1e-4)
+
+
+# ---------------------------------------------------------------- the run's one estimate, on models outside the closed forms
+class _Classifier(pl.LightningModule):
+    def __init__(self, net: nn.Module, lr: float = 0.05) -> None:
+        super().__init__()
+        self.net, self.lr = net, lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _batchnorm_cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+def _images(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    return TensorDataset(x, (x[:, 0, :4].sum((1, 2)) > 0).long() + (x[:, 0, 4:].sum((1, 2)) > 2).long())
+
+
+def _caveats(record) -> list[str]:
+    return [str(w.message) for w in record if "cannot decide" in str(w.message)]
+
+
+def test_a_batchnorm_cnn_on_one_device_is_not_stopped_by_a_broken_estimate():
+    """Per-example gradients through BatchNorm are coupled (their ‖G‖² estimate is negative at every
+    step): the probe's source is invalid, nothing else measures, so no band stop, and one message."""
+    from trainvitals import BatchVarianceProbe
+
+    probe, stopper = BatchVarianceProbe(), GradNormEarlyStopping(min_steps=0, patience=5)
+    logger = RecordingLogger()
+    with pytest.warns(UserWarning) as record:
+        trainer = _fit(_Classifier(_batchnorm_cnn()), [probe, stopper], DataLoader(_images(16 * 300), batch_size=16),
+                       logger=logger, max_epochs=1, log_every_n_steps=10)
+    assert trainer.global_step == 300 and stopper.stopped_step is None
+    (caveat,) = _caveats(record)
+    assert "no valid noise source" in caveat and "BatchNorm" in caveat and "accumulate_grad_batches >= 2" in caveat
+    assert probe.noise_source.invalid and float(probe.noise.grad_sq_norm) < 0  # what the stop would have read
+    assert "grad_norm/in_noise_band" not in logger.series and "grad_norm/noise_floor" not in logger.series
+
+
+def test_a_batchnorm_cnn_with_accumulation_is_decided_by_the_micro_batches():
+    from trainvitals import BatchVarianceProbe
+
+    probe = BatchVarianceProbe(histogram_every_n_steps=None)
+    stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _fit(_Classifier(_batchnorm_cnn()), [probe, stopper], DataLoader(_images(16 * 4 * 40), batch_size=16),
+             max_epochs=1, accumulate_grad_batches=4, log_every_n_steps=1)
+    assert not _caveats(record) and not probe.noise_source.invalid
+    assert not probe._plan.per_example and "measured from micro-batches and ranks" in probe.sources
+    summary = stopper.gradient_noise.host_summary()
+    assert summary["decisive"] and set(summary["sources"]) == {"micro_batch", "probe"}
+    assert stopper.stopped_step == 4  # a decisive estimate stops as before (the margin puts every step in the band)
+
+
+class _Attention(nn.Module):
+    def __init__(self, vocab: int = 12, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.attention = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.head(self.attention(h, h, h, need_weights=False)[0].mean(1))
+
+
+def _tokens(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 12, (n, 6), generator=g)
+    return TensorDataset(tokens, tokens[:, 0] % 3)
+
+
+def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
+    from trainvitals import BatchVarianceProbe, LRScalingAdvisor
+
+    probe = BatchVarianceProbe(histogram_every_n_steps=None)
+    stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
+    advisor, logger = LRScalingAdvisor(verbose=False, detect_loss_reduction=False), RecordingLogger()
+    with pytest.warns(UserWarning) as record:
+        trainer = _fit(_Classifier(_Attention()), [GradNormMonitor(), probe, stopper, advisor],
+                       DataLoader(_tokens(16 * 30), batch_size=16), logger=logger, max_epochs=1, log_every_n_steps=5)
+    assert trainer.global_step == 30 and stopper.stopped_step is None
+    (caveat,) = _caveats(record)
+    summary = stopper.gradient_noise.host_summary()
+    assert caveat.count("partial: the estimate covers") == 1 and summary["coverage"] < 0.9
+    assert summary["param_share"] < 0.5
+    assert "not used (partial" in advisor.summary_markdown() and "noise-aware" not in advisor.summary_markdown()
+    # Like with like: the floor of the measured part goes beside the norm of the measured part.
+    (step, measured), (_, total) = logger.series["grad_norm/measured_total"][-1], logger.series["grad_norm/total"][-1]
+    assert step == 25 and 0 < measured < total and "grad_norm/in_noise_band" not in logger.series
+
+    probe = BatchVarianceProbe(histogram_every_n_steps=None)
+    stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _fit(_Classifier(_Attention()), [probe, stopper], DataLoader(_tokens(16 * 2 * 30), batch_size=16),
+             max_epochs=1, accumulate_grad_batches=2, log_every_n_steps=5)
+    summary = stopper.gradient_noise.host_summary()
+    assert not _caveats(record) and summary["coverage"] == pytest.approx(1.0) and summary["param_share"] == 1.0
+    assert stopper.stopped_step == 4
+
+
+def test_no_host_sync_on_steps_that_log_nothing(monkeypatch):
+    """Between logging and check steps, the stopper and the probe feeding the one estimate never read a
+    tensor on the host (counted on CPU by wrapping Tensor's host reads inside their hooks)."""
+    import sys
+
+    from trainvitals import BatchVarianceProbe
+
+    probe = BatchVarianceProbe(histogram_every_n_steps=None, per_coordinate=False)
+    stopper = GradNormEarlyStopping(min_steps=0, check_every_n_steps=8)
+    reads: list[tuple[int, str]] = []
+    inside = {"step": None}
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if inside["step"] is not None:
+                # detect_loss_reduction reads autograd's CPU scalars (a Python divisor): no device sync.
+                if not sys._getframe(1).f_code.co_filename.endswith("per_example.py"):
+                    reads.append((inside["step"], _name))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for callback in (probe, stopper):
+        for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+                     "on_train_batch_end"):
+            original = getattr(callback, hook)
+
+            def wrapped(trainer, *args, _original=original, **kwargs):
+                inside["step"] = trainer.global_step
+                try:
+                    return _original(trainer, *args, **kwargs)
+                finally:
+                    inside["step"] = None
+
+            setattr(callback, hook, wrapped)
+    for accumulate in (1, 2):
+        reads.clear()
+        _fit(Regressor(autocast=False), [probe, stopper], loader(regression_data(n=8 * 2 * 17), 8), max_epochs=1,
+             accumulate_grad_batches=accumulate, log_every_n_steps=8)
+        # Logging steps 0, 8, 16 and the checks after every 8th step may read; ``global_step`` is one ahead
+        # of the step at on_train_batch_end.
+        quiet = [(step, what) for step, what in reads if step % 8 not in (0, 1)]
+        assert quiet == [], (accumulate, quiet[:5])

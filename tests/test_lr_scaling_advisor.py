@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from _models import ReleaseProcessGroup, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
-from trainvitals.core.noise import NoiseScaleEMA
+from trainvitals.core.estimate import GradientNoise, NoiseSource
 
 D = 6
 
@@ -144,15 +144,23 @@ def test_each_step_is_logged_once_with_the_lr_it_used(accumulate):
 
 
 class _NoiseSource(Callback):
-    def __init__(self, grad_sq_norm: float | None, trace_cov: float | None) -> None:
-        self.noise = NoiseScaleEMA()
+    """A callback holding a measured estimate: ``steps`` pairs (‖G‖², tr Σ) with relative jitter ``jitter``."""
+
+    def __init__(self, grad_sq_norm: float | None, trace_cov: float | None, steps: int = 20, jitter: float = 0.0,
+                 param_share: float = 1.0) -> None:
+        self.gradient_noise = GradientNoise()
+        self.noise_source = NoiseSource("fake", 0.9, param_share)
+        self.gradient_noise.attach(self.noise_source)
         if grad_sq_norm is not None:
-            self.noise.update(torch.tensor(grad_sq_norm), torch.tensor(trace_cov))
+            for k in range(steps):
+                sign = 1 if k % 2 else -1
+                self.noise_source.update(torch.tensor(grad_sq_norm * (1 + sign * jitter)), torch.tensor(trace_cov),
+                                         covered_sq_norm=torch.tensor(param_share), total_sq_norm=torch.tensor(1.0))
 
 
 def test_noise_scale_comes_from_a_callback_with_a_noise_estimate():
     logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
-    fit(Model(optimizer=torch.optim.Adam, groups=(1e-3,)), [_NoiseSource(None, None), _NoiseSource(0.01, 10.0), advisor],
+    fit(Model(optimizer=torch.optim.Adam, groups=(1e-3,)), [_NoiseSource(0.01, 10.0), advisor],
         logger, batch_size=8)
     b_hat, b = 10.0 / 0.01, 8
     assert logger.values("lr_scaling/b_noise") == pytest.approx([b_hat] * 2)  # steps 0 and 1
@@ -161,7 +169,30 @@ def test_noise_scale_comes_from_a_callback_with_a_noise_estimate():
     for m in (0.5, 2, 4, 8):
         gain = (1 + b_hat / b) / (1 + b_hat / (m * b))
         assert logger.values(f"lr_scaling/suggested_lr_x{m:g}/Adam")[0] == pytest.approx(1e-3 * math.sqrt(gain))
-    assert "_NoiseSource" in advisor.summary_markdown() and "noise-aware" in advisor.summary_markdown()
+    assert "measured: fake" in advisor.summary_markdown() and "noise-aware" in advisor.summary_markdown()
+
+
+@pytest.mark.parametrize("case", ["unreliable", "partial", "one step"])
+def test_no_noise_aware_advice_from_an_unreliable_or_partial_estimate(case):
+    source = {"unreliable": _NoiseSource(0.01, 10.0, jitter=5.0), "partial": _NoiseSource(0.01, 10.0, param_share=0.4),
+              "one step": _NoiseSource(0.01, 10.0, steps=1)}[case]
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
+    fit(Model(groups=(0.1,)), [source, advisor], logger, batch_size=8)
+    assert "lr_scaling/b_noise" not in logger.series
+    assert logger.values("lr_scaling/suggested_lr_x2/SGD")[0] == pytest.approx(0.2)  # the classic linear rule
+    why = {"unreliable": "B_simple unreliable", "partial": "partial: the estimate covers 40%",
+           "one step": "B_simple unreliable"}[case]
+    assert f"not used ({why}" in advisor.summary_markdown()
+
+
+def test_a_reliable_estimate_comes_with_its_range():
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
+    source = _NoiseSource(0.01, 10.0, steps=40, jitter=0.2)
+    fit(Model(groups=(0.1,)), [source, advisor], logger, batch_size=8)
+    rel_err = float(source.gradient_noise.estimate().b_simple_rel_err)
+    assert 0 < rel_err < 0.5 and logger.values("lr_scaling/b_noise")
+    report = advisor.summary_markdown()
+    assert f"± {rel_err:.0%}, 90% range" in report and "over B̂'s 90% range the suggested lr spans ×0.5 (4)" in report
 
 
 def test_given_noise_scale_and_listed_targets():

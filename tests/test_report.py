@@ -33,7 +33,9 @@ HEALTHY = {
     "grad_norm/total": [1.0 / (1 + s / 10) + 0.1 for s in STEPS],
     "grad_norm/noise_floor": 0.1,
     "grad_norm/in_noise_band": [float(s >= 70) for s in STEPS],
-    "grad_norm/b_simple": 200.0,
+    "grad_noise/b_simple": 200.0,
+    "grad_noise/b_simple_rel_err": 0.1,
+    "grad_noise/coverage": 1.0,
     "grad_norm/nonfinite_steps": 0.0,
     "grad_norm/amp_skipped_steps": 0.0,
     "grad_norm/spike_steps": 0.0,
@@ -79,13 +81,13 @@ def test_healthy_run_reads_back_what_was_logged(tmp_path: Path, capsys: pytest.C
     assert rows(run, "noise scale and batch size")["effective batch B"] == 64
     messages = " ".join(f["message"] for f in run["findings"])
     assert "in its noise band (60%" in messages
-    assert "B = 64 < B_simple = 200" in messages
+    assert "B = 64 < B_simple = 200 (± 10%)" in messages
 
 
 def test_descending_run_and_runs_without_a_band(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_run(tmp_path / "a", {**HEALTHY, "grad_norm/in_noise_band": 0.0})
     write_run(tmp_path / "b", {"grad_norm/total": 1.0})
-    write_run(tmp_path / "c", {"grad_norm/total": 0.5, "grad_noise/noise_floor": 0.25})
+    write_run(tmp_path / "c", {"grad_norm/total": 0.5, "grad_norm/noise_floor": 0.25})
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_OK
     a, b, c = doc["runs"]
@@ -245,7 +247,7 @@ def test_text_and_markdown_formats(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_infinite_noise_scale_stays_valid_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/b_simple": float("inf")})
+    write_run(tmp_path / "run", {**HEALTHY, "grad_noise/b_simple": float("inf")})
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_OK
     assert rows(doc["runs"][0], "noise scale and batch size")["B_simple = tr Σ / ‖G‖²"] == "inf"
@@ -302,3 +304,17 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert status == 2 and "invalid choice: 'yaml'" in err
     status, out, _ = report(capsys, "--help")
     assert status == 0 and "--format {text,markdown,json}" in out
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ({"grad_noise/coverage": 0.43}, "partial: the noise estimate covers 43% of ‖ḡ‖²"),
+    ({"grad_noise/b_simple_rel_err": 3.0}, "B_simple = 200 is unreliable (relative error 3)"),
+])
+def test_noise_verdicts_carry_the_estimates_caveat(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra, words) -> None:
+    write_run(tmp_path / "run", {**HEALTHY, **extra})
+    status, doc = report_json(capsys, tmp_path)
+    messages = [f["message"] for f in doc["runs"][0]["findings"]]
+    assert status == EXIT_OK and any(words in m for m in messages)
+    assert not any(m.startswith("B = 64 < B_simple") for m in messages)  # no batch verdict
+    if "partial" in words:  # nor a noise-band verdict on a partly measured model
+        assert not any("in its noise band" in m for m in messages)

@@ -1,8 +1,8 @@
 """BatchVarianceProbe: how noisy the mini-batch gradient is, and what that says about the batch size.
 
-Measures tr(Σ) and ‖G‖² (McCandlish et al. 2018, App. A.1; docs/science.md §3) every
-``measure_every_n_steps`` optimizer steps, smooths them into :class:`~trainvitals.core.noise.NoiseScaleEMA`
-(read by the noise-band stopper and the learning-rate advisor), and logs the simple noise scale B_simple, the noise
+Measures tr(Σ) and ‖G‖² (McCandlish et al. 2018, App. A.1; docs/science.md §3) every ``measure_every_n_steps``
+optimizer steps, feeds them into the run's one :class:`~trainvitals.core.estimate.GradientNoise` (read by
+the noise-band stopper and the learning-rate advisor), and logs the simple noise scale B_simple, the noise
 floor, the variance of the batch gradient at the micro-batch and at the full batch (Var ∝ 1/B),
 per-layer gradient signal-to-noise ratios and the evidence-based criterion (Mahsereci et al. 2017),
 and histograms of per-example gradient norms with the outlying examples.
@@ -23,7 +23,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
 from trainvitals.callbacks._amp import loss_scale
@@ -31,10 +31,9 @@ from trainvitals.callbacks._batch import batch_size, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
+from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
-    NoiseScaleEMA,
-    NoiseScaleError,
     eb_criterion,
     gradient_snr,
     per_example_estimates,
@@ -84,16 +83,25 @@ class BatchVarianceProbe(Callback):
        ``fallback_sub_batch`` examples (when ``fallback``), except for a module whose forward runs
        layers with weight matrices (a model's own position table): the re-run would be that subtree.
 
-    The parts add up: tr(Σ) and ‖G‖² are sums over parameters. BatchNorm in training mode makes every
-    example's gradient depend on the whole micro-batch; the estimate then describes that coupled
-    gradient, and a micro-batch with few values per channel is warned about.
+    The parts add up: tr(Σ) and ‖G‖² are sums over parameters, over the measured ones only: the share
+    of the parameters and of ‖ḡ‖² they cover goes with the estimate. BatchNorm in training mode makes
+    every example's gradient depend on the whole micro-batch: per-example gradients are then not
+    independent draws (their addends of the batch gradient largely cancel), so with micro-batches or
+    ranks every parameter is measured from those instead, and without them the probe's estimate is
+    marked invalid and decides nothing. A micro-batch with few values per channel is warned about.
+
+    The probe feeds its estimate into the run's one :class:`~trainvitals.core.estimate.GradientNoise`
+    (:attr:`gradient_noise`), shared with GradNormEarlyStopping's micro-batch source, and logs that
+    combined estimate.
 
     Logged every ``log_every_n_steps`` optimizer steps (a multiple of ``measure_every_n_steps``), once a valid
-    measurement exists: ``grad_noise/trace_cov``, ``grad_noise/grad_sq_norm`` (the EMAs),
+    measurement exists, of the combined estimate in the units of ``.grad``: ``grad_noise/trace_cov``,
+    ``grad_noise/grad_sq_norm`` (the EMAs) and their ``..._se`` (standard errors),
     ``grad_noise/b_simple`` (only when EMA(‖G‖²) > 0), ``grad_noise/b_simple_rel_err``,
-    ``grad_noise/b_simple_unreliable`` (1 when ‖G‖² ≤ 0 or the relative error exceeds ``max_rel_err``),
-    ``grad_noise/noise_floor`` (sqrt(tr Σ / B), B examples per optimizer step, times :attr:`grad_scale`:
-    in the units of ``.grad``, beside GradNormMonitor's ``grad_norm/total``),
+    ``grad_noise/b_simple_unreliable`` (1 when ‖G‖² ≤ 0, the relative error exceeds ``max_rel_err`` or
+    the estimate covers too little of ‖ḡ‖²), ``grad_noise/coverage`` (share of ‖ḡ‖² measured),
+    ``grad_norm/noise_floor`` and ``grad_norm/noise_floor_se`` (sqrt(tr Σ / B), B examples per optimizer
+    step, in the units of ``.grad``, beside GradNormMonitor's ``grad_norm/total``),
     ``grad_noise/batch_grad_var/micro_batch`` and ``.../full_batch`` (tr Σ / b and tr Σ / B), and with
     ``per_coordinate`` ``grad_noise/gsnr/<module>`` and ``grad_noise/eb_criterion`` over the parameters
     of sources 1 and 3. Every ``histogram_every_n_steps``: a histogram ``grad_noise/per_example_grad_norm``
@@ -120,7 +128,8 @@ class BatchVarianceProbe(Callback):
         per_coordinate: compute GSNR and the EB criterion on logging steps.
         fallback: allow source 3.
         fallback_sub_batch: examples per step for source 3 (≥ 2).
-        max_rel_err: relative standard error of B_simple above which it is flagged unreliable (> 0).
+        max_rel_err: relative standard error of B_simple above which it is flagged unreliable and gives
+            no noise-aware advice (> 0; 0.5 keeps the advised lrs within about ×1.5).
         top_k: outlying examples reported per histogram (≥ 0).
         strict: raise instead of warning when the probe cannot measure.
 
@@ -178,16 +187,38 @@ class BatchVarianceProbe(Callback):
         self._bn_values: dict[str, int] = {}
         self._batchnorms: dict[str, torch.nn.Module] = {}
         self._bn_handles: list[Any] = []
+        self.logs_noise_estimate = False
+        self.gradient_noise = GradientNoise(max_rel_err=max_rel_err)
+        """The run's one noise estimate, shared with GradNormEarlyStopping."""
         self._reset()
+        self.gradient_noise.attach(self.noise_source)
+
+    @property
+    def effective_batch_size(self) -> int | None:
+        """Examples per optimizer step over all ranks, once measured (the source's)."""
+        return self.noise_source.effective_batch_size
+
+    @effective_batch_size.setter
+    def effective_batch_size(self, value: int | None) -> None:
+        self.noise_source.effective_batch_size = value
+
+    @property
+    def grad_scale(self) -> float:
+        """``.grad`` over the mean of the step's per-example gradients (the source's unit factor)."""
+        return self.noise_source.unit_scale
+
+    @grad_scale.setter
+    def grad_scale(self, value: float) -> None:
+        self.noise_source.unit_scale = value
 
     def _reset(self) -> None:
         """The state of a fit that has not started: no estimate, no step open, no layer excluded, no hook
         (a fit that failed on its first step leaves none of its own behind)."""
         self._detach_hooks()
-        self.noise = NoiseScaleEMA(self.ema_beta**self.measure_every_n_steps)
-        self.noise_error = NoiseScaleError(self.ema_beta**self.measure_every_n_steps)
-        self.effective_batch_size: int | None = None
-        self.grad_scale = 1.0
+        self.noise_source = NoiseSource("probe", self.ema_beta**self.measure_every_n_steps)
+        """This probe's source of :attr:`gradient_noise`, in the units of each example's own loss."""
+        self.noise = self.noise_source.ema
+        self.noise_error = self.noise_source.error
         self.last_outliers: list[tuple[int, float]] = []
         self._enabled = False
         self._excluded: set[str] = set()
@@ -218,9 +249,9 @@ class BatchVarianceProbe(Callback):
         """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""
         rows = [("sources", self.sources or "not set up"),
                 ("measurements", f"{int(self.noise.count)} optimizer steps")]
-        batch = self.effective_batch_size
-        if batch and int(self.noise.count) > 0:
-            rows += self.noise.summary_rows(batch, self.grad_scale)
+        if self.noise_source.invalid:
+            rows.append(("probe's estimate", f"invalid: {self.noise_source.invalid}"))
+        rows += self.gradient_noise.summary_rows()
         if self.last_outliers:
             rows.append(("largest per-example gradients (index: ‖g_i‖)",
                          ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])))
@@ -235,11 +266,15 @@ class BatchVarianceProbe(Callback):
         # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
         # for validate/test with a checkpoint does not carry into a later fit.
         self._reset()
+        self.gradient_noise = find_gradient_noise(trainer.callbacks)
+        self.gradient_noise.max_rel_err = self.max_rel_err
+        self.logs_noise_estimate = False
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
             self._cannot_measure(f"strategy {type(trainer.strategy).__name__} is not supported "
                                  "(single device and DDP are)")
             return
-        self._enabled = True
+        self._enabled = self.logs_noise_estimate = True
+        self.gradient_noise.attach(self.noise_source)
         every = logging_every(trainer, self.log_every_n_steps)
         self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
@@ -254,17 +289,27 @@ class BatchVarianceProbe(Callback):
 
     def _make_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._detach_hooks()
-        self._plan = plan_sources(pl_module, self._groups_per_step(trainer) >= 2, self.fallback, self._excluded)
+        groups = self._groups_per_step(trainer) >= 2
+        self._plan = plan_sources(pl_module, groups, self.fallback, self._excluded)
+        if self._plan.coupled and groups:  # independent micro-batches instead of coupled examples
+            self._plan = plan_sources(pl_module, groups, self.fallback,
+                                      {*self._excluded, *self._plan.per_example, *self._plan.vmap})
         self._collector = PerExampleGradients(self._plan.per_example, self._plan.vmap, self.fallback_sub_batch)
         self._batchnorms = {n: m for n, m in pl_module.named_modules() if n in self._plan.coupled}
         self._plan_params = {"per_example": list(self._plan.parameters("per_example").values()),
                              "micro_batch": list(self._plan.micro_batch.values()),
                              "vmap": list(self._plan.parameters("vmap").values())}
         self.sources = self._plan.describe(pl_module)
+        trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
+        measured = {id(p): p for ps in self._plan_params.values() for p in ps}
+        self.noise_source.param_share = (sum(p.numel() for p in measured.values())
+                                         / max(sum(p.numel() for p in trainable.values()), 1))
         if self._plan.coupled:
             self.sources += (f". BatchNorm ({', '.join(self._plan.coupled)}) couples the examples of each "
                              "micro-batch: their gradients are the addends of a coupled batch gradient, not "
-                             "independent draws, and tr(Σ) describes that coupled gradient")
+                             "independent draws" + (", so every parameter is measured from micro-batches and ranks"
+                                                    if self._plan.micro_batch else
+                                                    "; in training mode the per-example estimate is invalid"))
         if not (self._plan.per_example or self._plan.micro_batch or self._plan.vmap):
             reasons = sorted(set(self._plan.uncovered.values())) or ["the model has no trainable parameters"]
             self._cannot_measure("no parameter has a source (one micro-batch per step on one device): "
@@ -274,7 +319,8 @@ class BatchVarianceProbe(Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Optimizers exist from here on, not in ``setup``.
         if self._enabled and len(trainer.optimizers) > 1:
-            self._enabled = False
+            self._enabled = self.logs_noise_estimate = False
+            self.gradient_noise.detach(self.noise_source.name)
             self._cannot_measure(f"the run has {len(trainer.optimizers)} optimizers, and the probe measures the "
                                  "gradient of one optimizer's step (a GAN's generator and discriminator step on "
                                  "different losses)")
@@ -373,6 +419,10 @@ class BatchVarianceProbe(Callback):
         micro_sum, _ = self._micro.pop()
         self._detach_hooks()
         self._check_batchnorm(trainer)
+        if self._bn_values and (self._plan.per_example or self._plan.vmap):
+            self.noise_source.invalidate(
+                f"per-example gradients through BatchNorm in training mode ({', '.join(self._bn_values)}) are not "
+                "independent draws: BatchNorm couples the examples, and their addends of the batch gradient cancel")
         problem = self._problem(result)
         if problem:
             self._cannot_measure(problem)
@@ -431,9 +481,8 @@ class BatchVarianceProbe(Callback):
         if sums.examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
             return sums.failed
-        grad_sq_norm, trace_cov, valid = self._estimates(trainer, pl_module, optimizer, result, sums)
-        self.noise.update(grad_sq_norm, trace_cov, valid)
-        self.noise_error.update(grad_sq_norm, trace_cov, valid)
+        grad_sq_norm, trace_cov, valid, covered, total = self._estimates(trainer, pl_module, optimizer, result, sums)
+        self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         whole = not pl_module.automatic_optimization or len(self._micro_sizes) == trainer.accumulate_grad_batches
         if whole or self.effective_batch_size is None:
             self.effective_batch_size = sums.examples
@@ -478,10 +527,11 @@ class BatchVarianceProbe(Callback):
         return _StepSums(packed[0], packed[1], examples, (packed[3] == 0) & (packed[2] == examples), failed)
 
     def _estimates(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
-                   result: PerExampleStep, sums: _StepSums) -> tuple[Tensor, Tensor, Tensor | bool]:
-        """``(‖G‖², tr(Σ), valid)`` of the step in per-example units: each source's estimate over its own
-        parameters (McCandlish et al. 2018, Eq. A.2), added up, since tr(Σ) and ‖G‖² are sums over
-        parameters."""
+                   result: PerExampleStep, sums: _StepSums) -> tuple[Tensor, Tensor, Tensor | bool, Tensor, Tensor]:
+        """``(‖G‖², tr(Σ), valid, ‖ḡ‖² measured, ‖ḡ‖² all)`` of the step in per-example units: each source's
+        estimate over its own parameters (McCandlish et al. 2018, Eq. A.2), added up, since tr(Σ) and ‖G‖²
+        are sums over parameters; and the batch gradient's squared norm over the measured parameters and
+        over all of the optimizer's, for the coverage."""
         plan = self._plan
         assert plan is not None
         b = self._micro_batch_size
@@ -492,24 +542,30 @@ class BatchVarianceProbe(Callback):
             return self._batch_sq_norm(trainer, optimizer, self._plan_params[source]) * to_mean**2
 
         estimates, valid = [], sums.valid
+        batch_sq = {source: batch_sq_norm(source) for source in ("per_example", "micro_batch", "vmap")
+                    if self._plan_params[source]}
         if plan.per_example:
-            estimates.append(per_example_estimates(sums.sq_norm_sum, batch_sq_norm("per_example"), sums.examples))
+            estimates.append(per_example_estimates(sums.sq_norm_sum, batch_sq["per_example"], sums.examples))
         if plan.micro_batch and groups < 2:  # an epoch's last accumulation window can hold one micro-batch
             valid = False
         elif plan.micro_batch:
             group_mean = sums.micro_sum * (self._unit / b) ** 2 / groups
-            estimates.append(two_batch_size_estimates(group_mean, batch_sq_norm("micro_batch"), groups, b))
+            estimates.append(two_batch_size_estimates(group_mean, batch_sq["micro_batch"], groups, b))
         if plan.vmap and result.num_sub < 2:
             valid = False
         elif plan.vmap:
             sub_mean_sq = sum(v.double().square().sum() for v in result.sub_grad_sum.values()) / result.num_sub**2
             estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
-                                                 result.num_sub, batch_sq_norm("vmap"), sums.examples))
+                                                 result.num_sub, batch_sq["vmap"], sums.examples))
+        zero = torch.zeros((), dtype=torch.float64, device=sums.sq_norm_sum.device)
+        covered = functools.reduce(torch.add, batch_sq.values(), zero)
+        all_params = [p for group in optimizer.param_groups for p in group["params"]]
+        whole = self.noise_source.param_share >= 1.0 or not all_params  # no second pass over the gradients
+        total = covered if whole else self._batch_sq_norm(trainer, optimizer, all_params) * to_mean**2
         if not estimates:
-            zero = torch.zeros((), dtype=torch.float64, device=sums.sq_norm_sum.device)
-            return zero, zero, valid
+            return zero, zero, valid, covered, total
         grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates))
-        return grad_sq_norm, trace_cov, valid
+        return grad_sq_norm, trace_cov, valid, covered, total
 
     @property
     def _micro_batch_size(self) -> int:
@@ -568,30 +624,29 @@ class BatchVarianceProbe(Callback):
              step: int) -> None:
         """The EMAs at the run's batch (:attr:`effective_batch_size`), the per-coordinate statistics of this
         step's ``examples``."""
-        noise, batch = self.noise, self.effective_batch_size or examples
-        rel_err = self.noise_error.relative_error(noise)
+        batch = self.effective_batch_size or examples
+        estimate = self.gradient_noise.estimate()
         metrics: dict[str, Tensor] = {
-            "grad_noise/trace_cov": noise.trace_cov,
-            "grad_noise/grad_sq_norm": noise.grad_sq_norm,
-            "grad_noise/b_simple": noise.b_simple,
-            "grad_noise/b_simple_rel_err": rel_err,
-            "grad_noise/b_simple_unreliable": ((noise.grad_sq_norm <= 0) | ~(rel_err <= self.max_rel_err)).double(),
-            "grad_noise/noise_floor": noise.noise_floor(batch) * self.grad_scale,
-            "grad_noise/batch_grad_var/micro_batch": noise.trace_cov / self._micro_batch_size,
-            "grad_noise/batch_grad_var/full_batch": noise.trace_cov / batch,
+            **self.gradient_noise.metrics(estimate),
+            "grad_noise/batch_grad_var/micro_batch": estimate.trace_cov / self._micro_batch_size,
+            "grad_noise/batch_grad_var/full_batch": estimate.trace_cov / (estimate.batch_size or batch),
         }
         if self.per_coordinate and self._plan is not None:
             metrics.update(self._coordinate_stats(trainer, self._plan.parameters("per_example"), result, examples))
         keys = list(metrics)
-        device = noise.count.device
+        device = self.noise.count.device
         host = torch.stack([metrics[k].detach().double().reshape(()).to(device) for k in keys]
-                           + [noise.count.double(), torch.as_tensor(valid, dtype=torch.float64).to(device)]).cpu().tolist()
+                           + [estimate.count.double().to(device), torch.as_tensor(valid, dtype=torch.float64).to(device)]).cpu().tolist()
         values, (count, valid_now) = dict(zip(keys, host[:-2])), host[-2:]
         if count == 0:
             return
+        valid_now = valid_now and not self.noise_source.invalid  # GSNR and EB are per-example statistics
         values = {k: v for k, v in values.items() if math.isfinite(v)
                   and (valid_now or not k.startswith(("grad_noise/gsnr/", "grad_noise/eb_criterion")))}
         log_scalars(trainer, values, step)
+        disagreement = self.gradient_noise.disagreement()
+        if disagreement:
+            rank_zero_warn(f"trainvitals BatchVarianceProbe: {disagreement}.")
 
     def _log_per_example_norms(self, trainer: "pl.Trainer", sq_norms: list[Tensor], step: int) -> None:
         norms = torch.cat(sq_norms).clamp_min(0.0).sqrt()
@@ -622,11 +677,11 @@ class BatchVarianceProbe(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"noise": self.noise.state_dict(), "noise_error": self.noise_error.state_dict(),
-                "effective_batch_size": self.effective_batch_size, "grad_scale": self.grad_scale}
+                "effective_batch_size": self.effective_batch_size, "grad_scale": self.grad_scale,
+                "source": self.noise_source.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.noise.load_state_dict(state_dict.get("noise", {}))
-        self.noise_error.load_state_dict(state_dict.get("noise_error", {}))
-        self.effective_batch_size = state_dict.get("effective_batch_size", self.effective_batch_size)
-        self.grad_scale = float(state_dict.get("grad_scale", self.grad_scale))
+        self.noise_source.load_state_dict(state_dict.get("source", {
+            "noise": state_dict.get("noise", {}), "error": state_dict.get("noise_error", {}),
+            "effective_batch_size": state_dict.get("effective_batch_size"), "unit_scale": state_dict.get("grad_scale", 1.0)}))

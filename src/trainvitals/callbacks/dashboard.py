@@ -14,7 +14,7 @@ from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_text, note_unrecorded, tensorboard_writers
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
-from trainvitals.core.noise import NoiseScaleEMA
+from trainvitals.core.estimate import GradientNoise
 from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
 from trainvitals.dashboard.tags import DIAGNOSIS_TAG
 
@@ -85,10 +85,10 @@ def progress_bar_values(trainer: "pl.Trainer") -> dict[str, float]:
         values["grad_norm"] = float(monitor.last_total[0])
     stopper = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormEarlyStopping)), None)
     margin = stopper.margin if stopper is not None else 1.0
-    # The stopper's own estimate first: it prefers it to a probe's when it has one.
-    for callback in sorted(trainer.callbacks, key=lambda cb: cb is not stopper):
-        noise = getattr(callback, "noise", None)
-        if isinstance(noise, NoiseScaleEMA) and int(noise.count) > 0 and callback.effective_batch_size:
-            values["noise_band"] = float(noise.in_noise_band(callback.effective_batch_size, margin))
-            break
+    noise = next((cb.gradient_noise for cb in trainer.callbacks
+                  if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)), None)
+    if noise is not None:  # the run's one estimate, shown only while it can decide
+        estimate = noise.estimate()
+        if bool(noise.decisive(estimate)):
+            values["noise_band"] = float(noise.in_noise_band(margin, estimate))
     return values

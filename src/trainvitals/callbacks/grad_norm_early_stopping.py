@@ -31,7 +31,8 @@ from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
-from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, NoiseScaleEMA, two_batch_size_estimates
+from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise
+from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
 
 MODES = ("noise_band", "threshold", "relative")
 
@@ -46,6 +47,9 @@ DEFAULT_PATIENCE = 30
 DEFAULT_MIN_STEPS = 100
 # The host reads the on-device streak every this many steps: one sync per 10 steps, a stop at most 9 late.
 DEFAULT_CHECK_EVERY_N_STEPS = 10
+MEASURABLE_BY = ("accumulate_grad_batches >= 2 or >= 2 devices (micro-batches and ranks are independent draws "
+                 "whatever the layers), GroupNorm or LayerNorm instead of BatchNorm, or a BatchVarianceProbe on a "
+                 "model whose layers do not mix the examples")
 
 
 class StopReason(Enum):
@@ -62,10 +66,15 @@ class GradNormEarlyStopping(Callback):
 
     - ``"noise_band"`` (default): with smoothed estimates of ‖G‖² and tr(Σ), the run is in the band
       when ‖G‖² ≤ ``margin`` · tr(Σ)/B, i.e. E‖ḡ_B‖ ≤ sqrt(1 + margin) × noise floor. ``margin = 1``
-      is B ≤ B_simple (the gradient noise scale; Cockpit's norm test θ ≥ 1). The noise comes for free
-      from the micro-batches of gradient accumulation and from DDP ranks (a tensor hook reads each
-      micro-batch's gradient before it is summed into ``.grad``); with neither, a BatchVarianceProbe
-      in the callbacks supplies it. With no source it warns once and never stops. The source is
+      is B ≤ B_simple (the gradient noise scale); with Cockpit's norm test θ² = tr Σ/(B‖G‖² + tr Σ)
+      the band is θ ≥ 1/sqrt(1 + margin), so B ≤ B_simple is θ ≥ 1/√2. The estimate is the run's one
+      :class:`~trainvitals.core.estimate.GradientNoise` (:attr:`gradient_noise`), shared with a
+      BatchVarianceProbe: the micro-batches of gradient accumulation and the DDP ranks (a tensor hook
+      reads each micro-batch's gradient before it is summed into ``.grad``) feed it, and so do the
+      probe's per-example norms, each source with its own sampling variance. A source that does not
+      estimate sampling noise (per-example gradients through BatchNorm in training mode) never counts;
+      with no valid source, or one covering less than 90% of ‖ḡ‖² (a model partly measured), it says
+      once why and what would make the run measurable, and never stops on the band. The source is
       chosen at the start of each epoch (so a GradientAccumulationScheduler or parameters unfrozen
       later are followed); an epoch's ragged last accumulation window is left out of the estimate.
       A training step that also takes ``torch.autograd.grad`` with respect to the parameters
@@ -85,10 +94,12 @@ class GradNormEarlyStopping(Callback):
     (``reduce_boolean_decision``): all ranks stop at the same step.
 
     Logged at the Trainer's logging cadence and at the stopping step (step = optimizer step):
-    ``grad_norm/noise_floor`` (sqrt(tr Σ/B) in the units of ``.grad``, beside the monitor's
-    ``grad_norm/total``), ``grad_norm/b_simple`` (examples; left out while EMA(‖G‖²) ≤ 0),
-    ``grad_norm/in_noise_band`` (0/1), ``grad_norm/band_streak`` (steps); on stopping, the text panel
-    ``grad_norm/stop_reason``.
+    ``grad_norm/in_noise_band`` (0/1, while the estimate is decisive), ``grad_norm/band_streak`` (steps);
+    without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
+    <trainvitals.core.estimate.GradientNoise.metrics>`: ``grad_norm/noise_floor`` in the units of
+    ``.grad`` beside the monitor's ``grad_norm/total``, ``grad_noise/b_simple`` and its
+    ``grad_noise/b_simple_rel_err``, ``grad_noise/coverage`` …); on stopping, the text panel
+    ``grad_norm/stop_reason``; once, a text ``grad_noise/caveat`` saying why the estimate cannot decide.
 
     Args:
         mode: ``"noise_band"``, ``"threshold"`` or ``"relative"``.
@@ -145,12 +156,18 @@ class GradNormEarlyStopping(Callback):
         self._pending: tuple[int, Tensor, Tensor] | None = None  # (step, total norm, step valid)
         self._warned_no_source = False
         self._warnings = WarningCache()
+        self._logs_estimate = True
+        self.gradient_noise = GradientNoise()
+        """The run's one noise estimate, shared with a BatchVarianceProbe; the band is decided on it."""
         self._reset()
 
     def _reset(self) -> None:
         """The state of a run that has not taken a step yet."""
-        self.noise = NoiseScaleEMA(self.ema_beta)
-        """Smoothed ‖G‖² and tr(Σ) from the free sources (accumulation, ranks); other callbacks read it."""
+        self.noise_source = NoiseSource("micro_batch", self.ema_beta)
+        """This callback's source of :attr:`gradient_noise`: micro-batches and ranks."""
+        self.noise = self.noise_source.ema
+        """Smoothed ‖G‖² and tr(Σ) of the micro-batches and ranks alone, in ``.grad`` units."""
+        self._said_caveat = False
         self.effective_batch_size: int | None = None
         """Examples per optimizer step over all ranks, once seen."""
         self.steps = 0
@@ -177,6 +194,7 @@ class GradNormEarlyStopping(Callback):
             # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
             # for validate/test with a checkpoint does not carry into a later fit.
             self._reset()
+            self.gradient_noise = find_gradient_noise(trainer.callbacks)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -274,13 +292,16 @@ class GradNormEarlyStopping(Callback):
         logged = is_logging_step(step, every)
         if logged:
             self._log(trainer, step, in_condition)
+        if self.steps % self.check_every_n_steps == 0 and self.mode == "noise_band" and self._source is not None:
+            self._say_caveat(trainer, step)
         if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and every and not logged:
-            self._log(trainer, step, in_condition)  # the chart ends where the run stopped
+            self._log(trainer, step, in_condition, final=True)  # the chart ends where the run stopped
 
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "noise": self.noise.state_dict(),
+            "source": self.noise_source.state_dict(),
             "reference": self._reference.state_dict(),
             "streak": int(self._streak),
             "done": bool(self._done),
@@ -291,7 +312,7 @@ class GradNormEarlyStopping(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.noise.load_state_dict(state_dict.get("noise", {}))
+        self.noise_source.load_state_dict(state_dict.get("source", {"noise": state_dict.get("noise", {})}))
         self._reference.load_state_dict(state_dict.get("reference", {}))
         self._streak = torch.tensor(int(state_dict.get("streak", 0)))
         self._done = torch.tensor(bool(state_dict.get("done", False)))
@@ -303,6 +324,7 @@ class GradNormEarlyStopping(Callback):
     def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Where this epoch's noise comes from: micro-batches/ranks (hooks), a probe, or nowhere."""
         self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
+        self._logs_estimate = not any(getattr(cb, "logs_noise_estimate", False) for cb in trainer.callbacks if cb is not self)
         if self.mode != "noise_band" or not pl_module.automatic_optimization:
             return
         if trainer.accumulate_grad_batches >= 2 or trainer.world_size >= 2:
@@ -311,10 +333,13 @@ class GradNormEarlyStopping(Callback):
                 self._micro.attach(trainable)
                 self._hooked = trainable
             self._source = "hooks"
+            self.gradient_noise.attach(self.noise_source)
             return
         self._detach()
+        self.gradient_noise.detach(self.noise_source.name)
         self._source = next((cb for cb in trainer.callbacks
-                             if cb is not self and isinstance(getattr(cb, "noise", None), NoiseScaleEMA)), None)
+                             if cb is not self and getattr(cb, "noise_source", None) in self.gradient_noise.sources.values()),
+                            None)
         if self._source is None and not self._warned_no_source:
             self._warned_no_source = True
             rank_zero_warn(
@@ -368,10 +393,10 @@ class GradNormEarlyStopping(Callback):
         batch_sq = total.square() * (accumulate / n_local) ** 2
         n = n_local * world
         grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, micro_batch_size)
-        self.noise.update(grad_sq, trace, valid)
+        self.noise_source.update(grad_sq, trace, valid)
         # The band is judged at a whole step's batch: an epoch's short last window does not change it.
         if n_local == accumulate or self.effective_batch_size is None:
-            self.effective_batch_size = n * micro_batch_size
+            self.effective_batch_size = self.noise_source.effective_batch_size = n * micro_batch_size
 
     def _update_condition(self, total: Tensor, valid: Tensor) -> Tensor:
         """Whether this step is in the stop condition (``()`` bool); in ``relative`` mode also feeds the
@@ -383,33 +408,39 @@ class GradNormEarlyStopping(Callback):
             early = self._reference.count < self.reference_steps
             self._reference.update(total, valid & early)
             return ~early & (total < self.fraction * reference)
-        if self._source is None or not self.effective_batch_size:
+        if self._source is None:
             return torch.zeros((), dtype=torch.bool, device=total.device)
-        return self.band_noise.in_noise_band(self.effective_batch_size, self.margin).to(total.device)
-
-    @property
-    def band_noise(self) -> NoiseScaleEMA:
-        """The estimate the noise band is decided on: :attr:`noise` (micro-batches, ranks), or the probe's."""
-        return self.noise if self._source in (None, "hooks") else self._source.noise
-
-    @property
-    def _grad_scale(self) -> float:
-        # The hooks measure in the units of .grad; a probe in those of the examples' own losses.
-        return 1.0 if self._source in (None, "hooks") else float(getattr(self._source, "grad_scale", 1.0))
+        return self.gradient_noise.in_noise_band(self.margin, device=total.device).to(total.device)
 
     def noise_floor(self) -> Tensor:
-        """The noise floor sqrt(tr Σ / B) of :attr:`band_noise` in the units of ``.grad`` (those of
+        """The noise floor sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of
         GradNormMonitor's ``grad_norm/total``), ``()`` float64; 0 before the first estimate."""
-        return self.band_noise.noise_floor(self.effective_batch_size or 1) * self._grad_scale
+        return self.gradient_noise.estimate().noise_floor
 
-    def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor) -> None:
+    def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor, final: bool = False) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak}
-        if self.mode == "noise_band" and self.effective_batch_size and int(self.band_noise.count) > 0:
-            noise = self.band_noise
-            metrics["grad_norm/noise_floor"] = self.noise_floor()
-            metrics["grad_norm/b_simple"] = noise.b_simple
-            metrics["grad_norm/in_noise_band"] = in_condition
+        if self.mode == "noise_band" and self._source is not None:
+            estimate = self.gradient_noise.estimate()
+            if self._logs_estimate or final:  # at the stop, whoever logs it otherwise has not logged this step
+                metrics.update(self.gradient_noise.metrics(estimate))
+            # NaN (left out) while the estimate cannot decide: the band is then not measured, not "out".
+            metrics["grad_norm/in_noise_band"] = torch.where(
+                self.gradient_noise.decisive(estimate).to(in_condition.device), in_condition.double(), float("nan"))
         log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
+
+    def _say_caveat(self, trainer: "pl.Trainer", step: int) -> None:
+        """Once per fit: why the estimate cannot stop the run (no valid source, partial coverage), and two
+        sources that disagree beyond their errors. On check steps only, which read the host anyway."""
+        why = "" if self._said_caveat else self.gradient_noise.host_summary()["why"]
+        if why and not why.startswith(("not measured", "B_simple unreliable")):
+            self._said_caveat = True
+            message = (f"trainvitals GradNormEarlyStopping: the noise estimate cannot decide: {why}. It will not stop "
+                       f"on the noise band while that lasts; measurable with {MEASURABLE_BY}.")
+            rank_zero_warn(message)
+            log_text(trainer, "grad_noise/caveat", message, step)
+        disagreement = self.gradient_noise.disagreement()
+        if disagreement:
+            rank_zero_warn(f"trainvitals GradNormEarlyStopping: {disagreement}.")
 
     def _check(self, trainer: "pl.Trainer", step: int) -> bool:
         """Stop the run when every rank agrees; returns whether it stopped it now.
@@ -457,10 +488,8 @@ class GradNormEarlyStopping(Callback):
                 ("stop", self.describe_stop()),
                 ("optimizer steps seen", str(self.steps)),
                 ("in-condition streak", f"{int(self._streak)} of {self.patience} steps")]
-        noise, batch = self.band_noise, self.effective_batch_size
         if self.mode == "noise_band":
             source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
             rows.append(("noise source", source))
-            if batch and int(noise.count) > 0:
-                rows += noise.summary_rows(batch, self._grad_scale)
+            rows += self.gradient_noise.summary_rows()
         return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])

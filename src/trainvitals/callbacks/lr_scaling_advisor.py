@@ -47,7 +47,7 @@ from trainvitals.core.lr_scaling import (
     validate_batch_sizes,
     validate_noise_scale,
 )
-from trainvitals.core.noise import NoiseScaleEMA
+from trainvitals.core.estimate import Z90, GradientNoise
 from trainvitals.core.per_example import detect_loss_reduction
 
 REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescaled
@@ -77,9 +77,12 @@ class LRScalingAdvisor(Callback):
       (read from the first backward's graph, :attr:`summed_terms`). Not run under manual optimization
       or with ``detect_loss_reduction=False``.
 
-    B̂ is ``noise_scale`` if given, else ``noise.b_simple`` of the first callback in the Trainer with
-    a :class:`~trainvitals.core.noise.NoiseScaleEMA` attribute ``noise`` that has a finite positive
-    estimate (GradNormEarlyStopping, BatchVarianceProbe).
+    B̂ is ``noise_scale`` if given, else B_simple of the run's one noise estimate
+    (:class:`~trainvitals.core.estimate.GradientNoise`, attribute ``gradient_noise`` of
+    GradNormEarlyStopping and BatchVarianceProbe), used only when it is decisive (it covers ≥ 90% of
+    ‖ḡ‖²) and reliable (relative standard error ≤ the estimate's ``max_rel_err``, BatchVarianceProbe's
+    argument, 0.5 by default). Otherwise the classic rules, with the reason. A measured B̂ comes with its
+    90% range B̂·(1 ± 1.645·r) and the range of each suggested lr over it.
 
     With ``reference=(batch, lr)``, the effective batch and lr the lr was tuned at, a run whose
     effective batch differs and whose lr is not within 5% of the suggested one gets one warning at
@@ -258,18 +261,18 @@ class LRScalingAdvisor(Callback):
         self.loss_reduction = classify_loss_reduction(loss, loss_doubled)
         self.loss_ratio = loss_doubled / loss if loss else math.nan
 
-    def _measured_noise_scale(self, trainer: "pl.Trainer") -> tuple[float | None, str]:
-        """(B̂ in examples, where it came from), or (None, "") when there is no usable estimate."""
+    def _measured_noise_scale(self, trainer: "pl.Trainer") -> tuple[float | None, str, float | None]:
+        """(B̂ in examples, where it came from or why there is none, its relative standard error)."""
         if self.noise_scale is not None:
-            return self.noise_scale, "given"
-        for cb in trainer.callbacks:
-            noise = getattr(cb, "noise", None)
-            if not isinstance(noise, NoiseScaleEMA):
-                continue
-            count, b_simple = torch.stack([noise.count.double(), noise.b_simple.double()]).cpu().tolist()
-            if count > 0 and math.isfinite(b_simple) and b_simple > 0:
-                return b_simple, type(cb).__name__
-        return None, ""
+            return self.noise_scale, "given", None
+        noise = next((cb.gradient_noise for cb in trainer.callbacks
+                      if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)), None)
+        if noise is None:
+            return None, "not measured: no GradNormEarlyStopping or BatchVarianceProbe", None
+        summary = noise.host_summary()  # reporting steps only: one transfer
+        if not summary["reliable"]:
+            return None, summary["why"], None
+        return summary["b_simple"], "measured: " + ", ".join(summary["sources"]), summary["b_simple_rel_err"]
 
     def _batch_breakdown(self, trainer: "pl.Trainer") -> tuple[int, str]:
         """(effective batch, how it is made up) for the strategy in use."""
@@ -304,18 +307,21 @@ class LRScalingAdvisor(Callback):
         report text."""
         batch, how = self._batch_breakdown(trainer)
         self.effective_batch = batch
-        noise_scale, source = self._measured_noise_scale(trainer)
+        noise_scale, source, rel_err = self._measured_noise_scale(trainer)
         groups = self._param_groups(trainer)
         metrics: dict[str, float] = {"lr_scaling/effective_batch": float(batch)}
         lines = [f"**effective batch** {batch} = {how}"]
         if noise_scale is None:
-            lines.append("**noise scale** not measured (yet): classic rules, linear for SGD-like and square root "
+            lines.append(f"**noise scale** not used ({source}): classic rules, linear for SGD-like and square root "
                          "for Adam-like")
         else:
             steps, examples = steps_over_min(batch, noise_scale), examples_over_min(batch, noise_scale)
             metrics.update({"lr_scaling/b_noise": noise_scale, "lr_scaling/steps_over_min": steps,
                             "lr_scaling/examples_over_min": examples})
-            lines.append(f"**noise scale** B̂ = {noise_scale:.4g} examples ({source}): balanced batch ≈ "
+            spread = "" if rel_err is None else (
+                f" ± {rel_err:.0%}, 90% range {noise_scale * max(1 - Z90 * rel_err, 0.0):.4g}–"
+                f"{noise_scale * (1 + Z90 * rel_err):.4g}")
+            lines.append(f"**noise scale** B̂ = {noise_scale:.4g} examples{spread} ({source}): balanced batch ≈ "
                          f"{noise_scale:.4g}; now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}")
 
         self.advices = {}
@@ -328,6 +334,8 @@ class LRScalingAdvisor(Callback):
             adv = advise(batch, lr, family, noise_scale, self.target_batch_sizes,
                          betas=_betas(group) if adam else None, eps=_eps(group) if adam else None)
             self.advices[name] = adv
+            if noise_scale is not None and rel_err:
+                lines.append(self._range_line(name, adv, batch, lr, family, group, noise_scale, rel_err))
             metrics[f"lr_scaling/lr/{name}"] = lr
             metrics.update({f"lr_scaling/suggested_lr_{s.key}/{name}": s.lr
                             for s in adv.suggestions if s.lr is not None})
@@ -341,6 +349,18 @@ class LRScalingAdvisor(Callback):
             self._logged_step = step
         table = advice_table({name: adv for name, adv in self.advices.items() if adv is not None})
         return "\n".join(f"- {line}" for line in lines) + "\n\n" + table
+
+    def _range_line(self, name: str, adv: LRAdvice, batch: int, lr: float, family: str, group: dict[str, Any],
+                    noise_scale: float, rel_err: float) -> str:
+        """Each suggested lr of ``name`` over B̂'s 90% range."""
+        adam = family == "adam"
+        ends = [advise(batch, lr, family, noise_scale * f, self.target_batch_sizes,
+                       betas=_betas(group) if adam else None, eps=_eps(group) if adam else None)
+                for f in (max(1 - Z90 * rel_err, 1e-9), 1 + Z90 * rel_err)]
+        spans = [f"{s.label} {min(a.lr, b.lr):.3g}–{max(a.lr, b.lr):.3g}"
+                 for s, a, b in zip(adv.suggestions, ends[0].suggestions, ends[1].suggestions)
+                 if s.lr is not None and a.lr is not None and b.lr is not None]
+        return f"{name}: over B̂'s 90% range the suggested lr spans " + (", ".join(spans) or "nothing")
 
     def _reduction_lines(self, groups: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
         if self.loss_reduction is None or self.per_device_batch is None:

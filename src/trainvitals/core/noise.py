@@ -15,6 +15,7 @@ b examples each (micro-batches, DDP ranks, or single examples with b = 1) and B 
 
 Single-step estimates are noisy (‖G‖²_est is often negative), so they are smoothed with two separate
 bias-corrected EMAs and only the ratio of the EMAs is reported: B_simple = EMA(S)/EMA(‖G‖²) (Eq. 2.9).
+These are one source's estimates; :mod:`trainvitals.core.estimate` combines the sources of a run.
 
 Per coordinate d, from ḡ_d and Σ_i g_{i,d}²: the unbiased variance σ̂_d², the gradient signal-to-noise
 ratio ḡ_d²/σ̂_d² (Liu et al. 2020) and the evidence-based criterion (Mahsereci et al. 2017, Eq. 7).
@@ -224,6 +225,11 @@ class NoiseScaleEMA:
         return self._ema.count
 
     @property
+    def values(self) -> Tensor:
+        """``(2,)`` float64: the EMAs of (‖G‖²_est, S_est), in one bias correction."""
+        return self._ema.value
+
+    @property
     def grad_sq_norm(self) -> Tensor:
         """EMA of ‖G‖²_est (squared gradient units). Can be ≤ 0 when the signal is lost in noise."""
         return self._ema.value[0]
@@ -246,20 +252,12 @@ class NoiseScaleEMA:
     def in_noise_band(self, batch_size: int, margin: float) -> Tensor:
         """True when ‖G‖² ≤ margin · tr(Σ)/B, i.e. ‖ḡ_B‖ ≤ sqrt(1 + margin) × noise floor (``()`` bool).
 
-        ``margin = 1`` is B ≤ B_simple (Cockpit's NormTest θ ≥ 1). False before the first update.
+        ``margin = 1`` is B ≤ B_simple. With Cockpit's norm test θ² = tr Σ/(B‖G‖² + tr Σ) the band is
+        θ ≥ 1/sqrt(1 + margin): B ≤ B_simple is θ ≥ 1/√2, not θ ≥ 1 (which is ‖G‖² ≤ 0). False before the
+        first update.
         """
         g, s = self._ema.value.unbind()
         return (self.count > 0) & (s > 0) & (g <= margin * s / batch_size)
-
-    def summary_rows(self, batch_size: int, grad_scale: float = 1.0) -> list[tuple[str, str]]:
-        """The smoothed estimates at a batch of ``batch_size`` examples, as (measure, value) rows of an
-        end-of-run table (host floats: one sync each); the noise floor times ``grad_scale``, the factor
-        from these units to those of ``.grad``."""
-        return [("effective batch B", f"{batch_size} examples"),
-                ("‖G‖² (EMA)", f"{float(self.grad_sq_norm):.4g}"),
-                ("tr(Σ) (EMA, per example)", f"{float(self.trace_cov):.4g}"),
-                ("B_simple = tr(Σ)/‖G‖²", f"{float(self.b_simple):.4g} examples"),
-                ("noise floor sqrt(tr(Σ)/B), in `.grad` units", f"{float(self.noise_floor(batch_size)) * grad_scale:.4g}")]
 
     def state_dict(self) -> dict[str, Any]:
         return _split_state(self._ema, ("grad_sq_norm", "trace_cov"))
@@ -359,18 +357,29 @@ class NoiseScaleError:
         s = trace_cov.detach().to(g.device, torch.float64)
         self._moments.update(torch.stack([s * s, g * g, s * g]), valid)
 
-    def relative_error(self, noise: NoiseScaleEMA) -> Tensor:
-        """``()`` relative standard error of ``noise.b_simple``; ``inf`` with fewer than two updates or ‖G‖² ≤ 0."""
+    def mean_covariance(self, noise: NoiseScaleEMA) -> tuple[Tensor, Tensor, Tensor]:
+        """``(Var S̄, Var Ḡ, Cov(S̄, Ḡ))`` of the two EMA means of ``noise``, each ``()`` float64; ``inf``
+        variances (and a 0 covariance) with fewer than two updates."""
         s, g = noise.trace_cov, noise.grad_sq_norm
         trace_sq, grad_sq, cross = self._moments.value.unbind()
         t = self._moments.count.to(s.dtype)
         beta = torch.full_like(s, self.beta)
         n_eff = (1 - beta**t).square() * (1 + beta) / ((1 - beta) * (1 - beta ** (2 * t))).clamp_min(1e-300)
         denom = (n_eff - 1).clamp_min(1e-300)
-        rel_var = ((trace_sq - s * s) / (s * s).clamp_min(1e-300)
-                   + (grad_sq - g * g) / (g * g).clamp_min(1e-300)
-                   - 2 * (cross - s * g) / (s * g).clamp_min(1e-300)) / denom
-        ok = (t >= 2) & (g > 0) & (s > 0)
+        ok = t >= 2
+        inf = torch.full_like(s, float("inf"))
+        var_s = torch.where(ok, (trace_sq - s * s).clamp_min(0.0) / denom, inf)
+        var_g = torch.where(ok, (grad_sq - g * g).clamp_min(0.0) / denom, inf)
+        cov = torch.where(ok, (cross - s * g) / denom, torch.zeros_like(s))
+        return var_s, var_g, cov
+
+    def relative_error(self, noise: NoiseScaleEMA) -> Tensor:
+        """``()`` relative standard error of ``noise.b_simple``; ``inf`` with fewer than two updates or ‖G‖² ≤ 0."""
+        s, g = noise.trace_cov, noise.grad_sq_norm
+        var_s, var_g, cov = self.mean_covariance(noise)
+        rel_var = (var_s / (s * s).clamp_min(1e-300) + var_g / (g * g).clamp_min(1e-300)
+                   - 2 * cov / (s * g).clamp_min(1e-300))
+        ok = (self._moments.count >= 2) & (g > 0) & (s > 0)
         return torch.where(ok, rel_var.clamp_min(0.0).sqrt(), torch.full_like(s, float("inf")))
 
     def state_dict(self) -> dict[str, Any]:

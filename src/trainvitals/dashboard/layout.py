@@ -22,18 +22,19 @@ TRAINVITALS_LAYOUT: dict[str, dict[str, list[Any]]] = {
     CATEGORY: {
         "gradient norm vs noise floor (use the log-scale toggle)": [
             "Multiline",
-            [grad_norm("total"), grad_norm("clipped_total"), grad_norm("noise_floor"), r"grad_noise/noise_floor$"],
+            [grad_norm("total"), grad_norm("clipped_total"), grad_norm("noise_floor"), grad_norm("noise_floor_se"),
+             grad_norm("measured_total")],
         ],
         "in the noise band (1 = yes)": ["Multiline", [grad_norm("in_noise_band")]],
         "B_simple vs effective batch (examples)": [
             "Multiline",
-            [grad_norm("b_simple"), r"grad_noise/b_simple$", r"lr_scaling/(?:effective_batch|b_noise)$"],
+            [r"grad_noise/b_simple$", r"lr_scaling/(?:effective_batch|b_noise)$"],
         ],
         "per-layer gradient norm": ["Multiline", [PER_LAYER_GRAD_NORM]],
         "per-layer GSNR": ["Multiline", [r"grad_noise/gsnr/.+"]],
         "gradient noise: tr(Σ), ‖G‖², evidence criterion": [
             "Multiline",
-            [r"grad_noise/(?:trace_cov|grad_sq_norm|eb_criterion)$"],
+            [r"grad_noise/(?:trace_cov|grad_sq_norm)(?:_se)?$", r"grad_noise/(?:eb_criterion|coverage|b_simple_rel_err|b_simple_unreliable)$"],
         ],
         "memory by category (bytes)": ["Multiline", [MEMORY_BYTES]],
         "saved activations per module (bytes)": ["Multiline", [r"memory/activations/.+"]],

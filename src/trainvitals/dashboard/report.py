@@ -51,6 +51,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
+from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.tags import (
     DIAGNOSIS_TAG,
@@ -535,10 +536,12 @@ def _rose_every_step(series: list[tuple[int, float]], since: int, least: int) ->
 
 def _convergence(run: Run, report: RunReport) -> None:
     title = "convergence"
-    total = run.last(grad_norm("total"))
-    floor = run.last(grad_norm("noise_floor"))
-    if floor is None:
-        floor = run.last(r"grad_noise/noise_floor$")
+    # Like with like: a partly measured model's floor is set against the norm of the measured parameters.
+    total = run.last(grad_norm("measured_total"))
+    total = run.last(grad_norm("total")) if total is None else total
+    floor = run.last(grad_norm("noise_floor"))  # the run's one floor (core/estimate.py)
+    floor_se = run.last(grad_norm("noise_floor_se"))
+    partial = _partial(run)
     band = run.matching(grad_norm("in_noise_band"))
     recent = [v for _, v in band[min(band)][-BAND_WINDOW:]] if band else []
     in_band = sum(recent) / len(recent) if recent else None
@@ -546,20 +549,28 @@ def _convergence(run: Run, report: RunReport) -> None:
     report.sections[title] = [
         Row("gradient norm, last", total),
         Row("noise floor sqrt(tr Σ/B), last", floor),
+        Row("noise floor standard error", floor_se),
         Row("norm / noise floor", total / floor if total is not None and floor else None),
         Row(f"fraction in the noise band, last {len(recent)} logged steps", in_band),
         Row("stop", stop),
     ]
     if stop:
         report.findings.append(Finding("note", title, stop))
+    caveat = run.text("grad_noise/caveat")
+    if caveat:
+        report.findings.append(Finding("note", title, caveat.removeprefix("trainvitals GradNormEarlyStopping: ")))
+    error = (f" (noise floor ± {floor_se / floor:.0%})" if floor and floor_se is not None and math.isfinite(floor_se)
+             else "")
     if _diverged(run):
         report.findings.append(Finding(
             "note", title, "the run diverged (non-finite gradients or losses): the last finite gradient norm and "
             "the noise estimates come from before, so they say nothing of convergence."))
+    elif partial:
+        report.findings.append(Finding("note", title, f"{partial}: no noise-band verdict on the whole model."))
     elif in_band is None:
         if total is not None and floor:
             report.findings.append(Finding(
-                "note", title, f"the last gradient norm is {total / floor:.2f}× its noise floor; GradNormEarlyStopping "
+                "note", title, f"the last gradient norm is {total / floor:.2f}× its noise floor{error}; GradNormEarlyStopping "
                 "would log whether the run is in its noise band."))
         elif total is not None:
             report.findings.append(Finding(
@@ -567,31 +578,50 @@ def _convergence(run: Run, report: RunReport) -> None:
                 ">= 2 devices, or a BatchVarianceProbe; a fixed norm threshold is no substitute."))
     elif in_band >= 0.5:
         report.findings.append(Finding(
-            "note", title, f"in its noise band ({in_band:.0%} of the last {len(recent)} logged steps): "
+            "note", title, f"in its noise band ({in_band:.0%} of the last {len(recent)} logged steps){error}: "
             "the gradient norm sits at its noise floor, further steps mostly move within noise."))
     else:
         ratio = f" (the last norm is {total / floor:.2f}× the noise floor)" if total is not None and floor else ""
         report.findings.append(Finding(
-            "note", title, f"not in its noise band yet: {in_band:.0%} of the last {len(recent)} logged steps were in it{ratio}; "
+            "note", title, f"not in its noise band yet: {in_band:.0%} of the last {len(recent)} logged steps were in it{ratio}{error}; "
             "the true gradient still stands out of the noise."))
+
+
+def _partial(run: Run) -> str:
+    """"partial: …" when the run's noise estimate covered too little of ‖ḡ‖² to decide; else ""."""
+    coverage = run.last(r"grad_noise/coverage$")
+    if coverage is None or coverage >= DEFAULT_MIN_COVERAGE:
+        return ""
+    return f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖² (a decision needs {DEFAULT_MIN_COVERAGE:.0%})"
 
 
 def _noise_scale(run: Run, report: RunReport) -> None:
     title = "noise scale and batch size"
-    b_simple = run.last(r"grad_noise/b_simple$")
-    if b_simple is None:
-        b_simple = run.last(grad_norm("b_simple"))
+    b_simple = run.last(r"grad_noise/b_simple$")  # the run's one B_simple (core/estimate.py)
+    rel_err = run.last(r"grad_noise/b_simple_rel_err$")
+    unreliable = run.last(r"grad_noise/b_simple_unreliable$")
+    coverage = run.last(r"grad_noise/coverage$")
     batch = run.last(r"lr_scaling/effective_batch$")
-    rows = [Row("B_simple = tr Σ / ‖G‖²", b_simple, "examples"), Row("effective batch B", batch, "examples")]
+    rows = [Row("B_simple = tr Σ / ‖G‖²", b_simple, "examples"), Row("B_simple relative error", rel_err),
+            Row("share of ‖ḡ‖² measured", coverage), Row("effective batch B", batch, "examples")]
     rows += [Row(tag.removeprefix("lr_scaling/"), series[-1][1]) for tag, series in sorted(run.matching(
         r"lr_scaling/(?!effective_batch$).+").items())]
     report.sections[title] = rows
-    if b_simple is not None and batch and math.isfinite(b_simple):
+    partial = _partial(run)
+    if b_simple is not None and partial:
+        report.findings.append(Finding("note", title, f"{partial}: no batch-size verdict, and no noise-aware lr advice."))
+    elif b_simple is not None and (unreliable == 1 or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR):
+        what = f"relative error {rel_err:.2g}" if rel_err is not None and math.isfinite(rel_err) else "no error bar yet"
+        report.findings.append(Finding(
+            "note", title, f"B_simple = {b_simple:.3g} is unreliable ({what}): no batch-size verdict; the lr advice "
+            "follows the classic rules."))
+    elif b_simple is not None and batch and math.isfinite(b_simple):
+        spread = f" (± {rel_err:.0%})" if rel_err is not None else " (its error was not logged)"
         if batch < b_simple:
-            message = (f"B = {batch:g} < B_simple = {b_simple:.3g}: each step is noise-dominated; a batch near "
+            message = (f"B = {batch:g} < B_simple = {b_simple:.3g}{spread}: each step is noise-dominated; a batch near "
                        "B_simple balances steps against examples.")
         else:
-            message = (f"B = {batch:g} >= B_simple = {b_simple:.3g}: beyond the noise scale a larger batch buys "
+            message = (f"B = {batch:g} >= B_simple = {b_simple:.3g}{spread}: beyond the noise scale a larger batch buys "
                        "few steps for its examples.")
         report.findings.append(Finding("note", title, message))
     if _diverged(run) and run.matching(r"lr_scaling/"):

@@ -87,11 +87,11 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
     stopper = next(cb for cb in callbacks if isinstance(cb, GradNormEarlyStopping))
     monitor = next(cb for cb in callbacks if isinstance(cb, GradNormMonitor))
     metrics = trainer.callback_metrics
-    batch = stopper.effective_batch_size
-    noise = stopper.band_noise
-    floor = float(stopper.noise_floor()) if batch and int(noise.count) else None
-    trace = float(noise.trace_cov) if floor else 0.0
-    smoothed = math.sqrt(max(0.0, 1.0 + float(noise.grad_sq_norm) * batch / trace)) if batch and trace > 0 else None
+    noise = stopper.gradient_noise.host_summary()  # the run's one estimate, as logged and reported
+    batch = noise["batch_size"]
+    floor = noise["noise_floor"] if batch and noise["count"] else None
+    trace = noise["trace_cov"] if floor else 0.0
+    smoothed = math.sqrt(max(0.0, 1.0 + noise["grad_sq_norm"] * batch / trace)) if batch and trace > 0 else None
     total = monitor.last_total.get(0)
     return DemoResult(
         steps=trainer.global_step,

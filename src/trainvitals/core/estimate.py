@@ -1,0 +1,389 @@
+"""One gradient-noise estimate per run, with standard errors, from every source that measured it.
+
+Each source (micro-batches and ranks; per-example norms; a ``torch.func`` sub-batch) keeps its own
+bias-corrected EMAs of ‖G‖²_est and S_est ≈ tr(Σ) (:class:`~trainvitals.core.noise.NoiseScaleEMA`)
+and of their second moments (:class:`~trainvitals.core.noise.NoiseScaleError`): the spread of the
+per-step estimates about their EMA gives the sampling variance of each EMA mean. A source states
+which parameters it covers (share of the trainable parameters and, per step, of ‖ḡ‖²) and can be
+marked invalid: one that is known not to estimate sampling noise (per-example gradients through a
+BatchNorm in training mode, which couples the examples) never enters the estimate.
+
+Combining rule (:meth:`GradientNoise.estimate`):
+
+1. Only valid sources with at least one update take part, and only those covering the largest share
+   of the parameters: sources over different parameter sets estimate different quantities and are
+   never averaged (like with like).
+2. ‖G‖² and tr(Σ) are each the inverse-variance weighted mean of those sources' EMAs, in the units
+   of ``.grad`` (each source states its unit factor).
+3. The sources see the same examples, so their errors may be correlated, up to fully. The standard
+   error of the combination is therefore Σ_k w_k·σ_k (errors add as standard deviations), an upper
+   bound for any correlation between sources; with one source it is that source's own (exact to
+   first order). B_simple's relative error follows by the delta method, per source with its own
+   covariance of (S̄, Ḡ), added the same way; the noise floor sqrt(tr Σ/B) has half tr(Σ)'s relative
+   error.
+4. The estimate is *decisive* (a noise-band stop, noise-aware lr advice) only when it covers at least
+   ``min_coverage`` of ‖ḡ‖² (default 0.9: the uncovered rest could then change ‖G‖² or tr Σ by at
+   most about a tenth); noise-aware advice also needs B_simple's relative error ≤ ``max_rel_err``
+   (default 0.5: the lr suggestions then stay within about ×1.5 either way).
+
+Consecutive steps are treated as independent, so while the run moves the errors also contain the
+drift of the true values (they are not smaller than the sampling error). Everything stays on the
+device; the host reads values only through :meth:`GradientNoise.host_summary` and
+:meth:`GradientNoise.disagreement` (one transfer each), on logging steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainvitals.core.noise import BiasCorrectedEMA, NoiseScaleEMA, NoiseScaleError
+
+Z90 = 1.6448536269514722
+"""Half-width of a two-sided 90% normal interval, in standard errors."""
+DEFAULT_MIN_COVERAGE = 0.9
+DEFAULT_MAX_REL_ERR = 0.5
+WEIGHTS_REFRESH = 50
+"""The per-step band reuses the inverse-variance weights of a full estimate at most this many calls old."""
+AGREEMENT_Z = 3.0
+"""Two sources disagree when their estimates differ by more than this many combined standard errors: the
+check runs at every logging step, so a single test's 2 would raise false alarms over a long run."""
+
+
+class NoiseSource:
+    """One source's smoothed ‖G‖² and tr(Σ), their sampling variances, validity and coverage.
+
+    Args:
+        name: ``"micro_batch"`` (micro-batches and ranks), ``"probe"`` (BatchVarianceProbe's sources) …
+        beta: EMA decay per update, in [0, 1).
+        param_share: share of the trainable parameters (by count) it measures, in [0, 1].
+
+    Attributes:
+        ema, error: the EMAs of the estimates and of their second moments, in the source's own units.
+        unit_scale: the factor from the source's gradient units to those of ``.grad`` (host float).
+        effective_batch_size: examples per optimizer step, once seen.
+        invalid: why the source does not estimate sampling noise; ``""`` while valid.
+    """
+
+    def __init__(self, name: str, beta: float, param_share: float = 1.0) -> None:
+        self.name = name
+        self.ema = NoiseScaleEMA(beta)
+        self.error = NoiseScaleError(beta)
+        self._norms = BiasCorrectedEMA(beta, (2,))  # of (‖ḡ_covered‖², ‖ḡ‖²)
+        self.last_covered_sq_norm: Tensor | None = None  # ‖ḡ‖² of the measured parameters at the last update
+        self.param_share = param_share
+        self.unit_scale = 1.0
+        self.effective_batch_size: int | None = None
+        self.invalid = ""
+
+    def update(self, grad_sq_norm: Tensor, trace_cov: Tensor, valid: Tensor | bool = True,
+               covered_sq_norm: Tensor | None = None, total_sq_norm: Tensor | None = None) -> None:
+        """One step's ``(‖G‖²_est, S_est)``; with ``covered_sq_norm`` and ``total_sq_norm`` (‖ḡ‖² over the
+        measured parameters and over all, any common units) also the share of ‖ḡ‖² it covers. No sync."""
+        self.ema.update(grad_sq_norm, trace_cov, valid)
+        self.error.update(grad_sq_norm, trace_cov, valid)
+        if covered_sq_norm is not None and total_sq_norm is not None:
+            pair = torch.stack([covered_sq_norm.detach().double(), total_sq_norm.detach().to(covered_sq_norm.device).double()])
+            self._norms.update(pair, valid)
+            self.last_covered_sq_norm = pair[0]
+
+    def invalidate(self, reason: str) -> None:
+        """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
+        self.invalid = self.invalid or reason
+
+    @property
+    def norm_share(self) -> Tensor:
+        """``()`` share of ‖ḡ‖² over the measured parameters (EMA of both); 1 when it was never told."""
+        covered, total = self._norms.value.unbind()
+        told = self._norms.count > 0
+        return torch.where(told, (covered / total.clamp_min(1e-300)).clamp(0.0, 1.0), torch.ones_like(covered))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"noise": self.ema.state_dict(), "error": self.error.state_dict(), "norms": self._norms.state_dict(),
+                "effective_batch_size": self.effective_batch_size, "unit_scale": self.unit_scale,
+                "invalid": self.invalid}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ema.load_state_dict(state.get("noise", {}))
+        self.error.load_state_dict(state.get("error", {}))
+        if "norms" in state:
+            self._norms.load_state_dict(state["norms"])
+        self.effective_batch_size = state.get("effective_batch_size", self.effective_batch_size)
+        self.unit_scale = float(state.get("unit_scale", self.unit_scale))
+        self.invalid = str(state.get("invalid", self.invalid))
+
+
+@dataclass
+class NoiseEstimate:
+    """The run's combined estimate, ``()`` float64 tensors on the device, in ``.grad`` units.
+
+    ``*_se`` are standard errors (``inf`` before two updates); ``b_simple`` is ``inf`` while ‖G‖² ≤ 0.
+    ``coverage`` is the share of ‖ḡ‖² measured, ``param_share`` that of the parameters (host float);
+    ``measured_norm`` is ‖ḡ‖ over the measured parameters at the last measurement, the norm to set the
+    floor against when they are not all (``None`` when they are).
+    """
+
+    grad_sq_norm: Tensor
+    grad_sq_norm_se: Tensor
+    trace_cov: Tensor
+    trace_cov_se: Tensor
+    b_simple: Tensor
+    b_simple_rel_err: Tensor
+    noise_floor: Tensor
+    noise_floor_se: Tensor
+    coverage: Tensor
+    count: Tensor
+    measured_norm: Tensor | None
+    param_share: float
+    batch_size: int | None
+    sources: tuple[str, ...]
+
+
+class GradientNoise:
+    """The run's one gradient-noise estimate, fed by every source present (module docstring).
+
+    Callbacks share one instance (:func:`find_gradient_noise`: the first to set up creates it, the others
+    find it among the Trainer's callbacks); each owns, resets and saves its own :class:`NoiseSource`
+    and attaches it here.
+
+    Args:
+        min_coverage: share of ‖ḡ‖² the estimate must cover to be decisive, in (0, 1].
+        max_rel_err: B_simple's relative standard error above which no noise-aware advice is given (> 0).
+    """
+
+    def __init__(self, min_coverage: float = DEFAULT_MIN_COVERAGE, max_rel_err: float = DEFAULT_MAX_REL_ERR) -> None:
+        if not 0 < min_coverage <= 1:
+            raise ValueError(f"`min_coverage` must be in (0, 1], got {min_coverage}")
+        if not max_rel_err > 0:
+            raise ValueError(f"`max_rel_err` must be > 0, got {max_rel_err}")
+        self.min_coverage = min_coverage
+        self.max_rel_err = max_rel_err
+        self.sources: dict[str, NoiseSource] = {}
+        self._said_disagreement = False
+        # The last full estimate's weights and coverage, for the per-step band (see in_noise_band).
+        self._cached: tuple[tuple[int, ...], Tensor, Tensor, Tensor] | None = None
+        self._stale = 0  # band calls since that estimate
+
+    def attach(self, source: NoiseSource) -> None:
+        """Feed the estimate from ``source`` (replacing one of the same name: a new fit's fresh source,
+        which also lets a disagreement be said again)."""
+        if self.sources.get(source.name) is not source:
+            self._said_disagreement = False
+        self.sources[source.name] = source
+
+    def detach(self, name: str) -> None:
+        self.sources.pop(name, None)
+
+    def valid_sources(self) -> list[NoiseSource]:
+        """The valid sources over the largest share of the parameters (host only, no sync)."""
+        valid = [s for s in self.sources.values() if not s.invalid]
+        if not valid:
+            return []
+        widest = max(s.param_share for s in valid)
+        return [s for s in valid if s.param_share >= widest - 1e-9]
+
+    def invalid_reasons(self) -> list[str]:
+        return [f"{s.name}: {s.invalid}" for s in self.sources.values() if s.invalid]
+
+    def estimate(self, device: torch.device | None = None) -> NoiseEstimate:
+        """The combination of :meth:`valid_sources` (module docstring, rule 2–3); zeros, ``inf`` errors and a
+        count of 0 (on ``device``, default CPU: no copy) when there is none."""
+        chosen = self.valid_sources()
+        if not chosen:
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
+            return NoiseEstimate(zero, inf, zero, inf, inf, inf, zero, inf, zero,
+                                 torch.zeros((), dtype=torch.long, device=device), None, 0.0, None, ())
+        device = chosen[0].ema.count.device
+        per = []
+        for src in chosen:
+            u2 = src.unit_scale**2
+            var_s, var_g, cov = (v.to(device) for v in src.error.mean_covariance(src.ema))
+            per.append((src.ema.grad_sq_norm.to(device) * u2, src.ema.trace_cov.to(device) * u2,
+                        var_g * u2**2, var_s * u2**2, cov * u2**2, src.ema.count.to(device), src.norm_share.to(device)))
+        g, s, var_g, var_s, cov, count, share = (torch.stack(parts) for parts in zip(*per))
+        seen = count > 0
+        g_w, s_w = _weights(var_g, seen), _weights(var_s, seen)
+        grad = (g_w * g).sum()
+        trace = (s_w * s).sum()
+        sd_g, sd_s = var_g.sqrt(), var_s.sqrt()
+        grad_se = _bound(g_w, sd_g)
+        trace_se = _bound(s_w, sd_s)
+        positive = (grad > 0) & (trace > 0)
+        b_simple = torch.where(grad > 0, trace / grad.clamp_min(1e-300), torch.full_like(grad, float("inf")))
+        # δB/B = δS/S − δG/G, source by source: each part's variance from its own covariance of (S̄, Ḡ).
+        part_var = (s_w.square() * var_s / trace.square().clamp_min(1e-300)
+                    + g_w.square() * var_g / grad.square().clamp_min(1e-300)
+                    - 2 * s_w * g_w * cov / (trace * grad).clamp_min(1e-300))
+        rel_err = _bound(torch.ones_like(part_var), part_var.clamp_min(0.0).sqrt(), mask=(s_w > 0) | (g_w > 0))
+        rel_err = torch.where(positive, rel_err, torch.full_like(rel_err, float("inf")))
+        batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
+        floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
+        floor_se = torch.where(trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf")))
+        coverage = torch.where(seen, share, 0.0).max()
+        self._cached, self._stale = (tuple(id(src) for src in chosen), g_w, s_w, coverage), 0
+        param_share = min(src.param_share for src in chosen)
+        last = chosen[0].last_covered_sq_norm
+        measured = last.to(device).sqrt() * chosen[0].unit_scale if param_share < 1 and last is not None else None
+        return NoiseEstimate(grad, grad_se, trace, trace_se, b_simple, rel_err, floor, floor_se, coverage,
+                             count.max(), measured, param_share, batch, tuple(src.name for src in chosen))
+
+    def decisive(self, estimate: NoiseEstimate | None = None) -> Tensor:
+        """``()`` bool: a measured estimate covering at least ``min_coverage`` of ‖ḡ‖² (no sync)."""
+        est = estimate or self.estimate()
+        return (est.count > 0) & (est.coverage >= self.min_coverage)
+
+    def in_noise_band(self, margin: float, estimate: NoiseEstimate | None = None,
+                      device: torch.device | None = None) -> Tensor:
+        """``()`` bool: ‖G‖² ≤ margin · tr(Σ)/B on a decisive estimate. A negative ‖G‖² from valid
+        sources counts (G ≈ 0); no valid source, no measurement or partial coverage never does.
+
+        Without ``estimate`` (the stopper, every step) the sources' current EMAs are combined with the
+        weights and coverage of the last full :meth:`estimate` (taken on logging steps, and at least
+        every :data:`WEIGHTS_REFRESH` calls or when the valid sources changed): a few kernels a step
+        instead of some two hundred. The weights only set how the sources are mixed, so a stale one
+        leaves the estimate unbiased."""
+        if estimate is not None:
+            est = estimate
+            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size)
+        chosen = self.valid_sources()
+        if not chosen:
+            return torch.zeros((), dtype=torch.bool, device=device)
+        self._stale += 1
+        if self._cached is None or self._cached[0] != tuple(id(src) for src in chosen) or self._stale > WEIGHTS_REFRESH:
+            est = self.estimate()
+            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size)
+        _, g_w, s_w, coverage = self._cached
+        first = chosen[0].ema.count.device
+        pairs = torch.stack([src.ema.values.to(first) * src.unit_scale**2 for src in chosen])  # (k, 2): ‖G‖², S
+        counts = torch.stack([src.ema.count.to(first) for src in chosen])
+        batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
+        return self._band(margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), coverage, batch)
+
+    def _band(self, margin: float, grad: Tensor, trace: Tensor, count: Tensor, coverage: Tensor,
+              batch: int | None) -> Tensor:
+        if batch is None:
+            return torch.zeros((), dtype=torch.bool, device=count.device)
+        return (count > 0) & (coverage >= self.min_coverage) & (trace > 0) & (grad <= margin * trace / batch)
+
+    def metrics(self, estimate: NoiseEstimate | None = None) -> dict[str, Tensor]:
+        """The run's one floor and one B_simple, with their errors and the coverage, as tags (device), and
+        for a partly measured model ``grad_norm/measured_total``, the norm of the parameters the floor covers;
+        ``grad_noise/b_simple_unreliable`` is 1 where no noise-aware advice follows (not decisive, ‖G‖² ≤ 0,
+        or a relative error above ``max_rel_err``)."""
+        est = estimate or self.estimate()
+        reliable = self.decisive(est) & (est.grad_sq_norm > 0) & (est.b_simple_rel_err <= self.max_rel_err)
+        measured = {} if est.measured_norm is None else {"grad_norm/measured_total": est.measured_norm}
+        return {**measured, "grad_norm/noise_floor": est.noise_floor,
+                "grad_noise/b_simple_unreliable": (~reliable).double(), "grad_norm/noise_floor_se": est.noise_floor_se,
+                "grad_noise/b_simple": est.b_simple, "grad_noise/b_simple_rel_err": est.b_simple_rel_err,
+                "grad_noise/trace_cov": est.trace_cov, "grad_noise/trace_cov_se": est.trace_cov_se,
+                "grad_noise/grad_sq_norm": est.grad_sq_norm, "grad_noise/grad_sq_norm_se": est.grad_sq_norm_se,
+                "grad_noise/coverage": est.coverage}
+
+    def host_summary(self) -> dict[str, Any]:
+        """The estimate as host floats (one transfer), with ``decisive`` and ``reliable`` flags and
+        ``why`` a sentence when it is not both."""
+        est = self.estimate()
+        keys = ("grad_sq_norm", "grad_sq_norm_se", "trace_cov", "trace_cov_se", "b_simple", "b_simple_rel_err",
+                "noise_floor", "noise_floor_se", "coverage", "count")
+        values = torch.stack([getattr(est, k).double().reshape(()).to(est.count.device) for k in keys]).cpu().tolist()
+        out: dict[str, Any] = dict(zip(keys, values))
+        out.update(param_share=est.param_share, batch_size=est.batch_size, sources=est.sources)
+        out["decisive"] = out["count"] > 0 and out["coverage"] >= self.min_coverage
+        out["reliable"] = out["decisive"] and out["b_simple_rel_err"] <= self.max_rel_err
+        out["why"] = self.why_not(out)
+        return out
+
+    def why_not(self, summary: dict[str, Any]) -> str:
+        """Why the estimate cannot decide or advise, as one sentence; ``""`` when it can."""
+        if not self.sources:
+            return "no noise source"
+        if not self.valid_sources():
+            return "no valid noise source (" + "; ".join(self.invalid_reasons()) + ")"
+        if summary["count"] == 0:
+            return "not measured yet"
+        if summary["coverage"] < self.min_coverage:
+            return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² "
+                    f"({summary['param_share']:.0%} of the parameters), below {self.min_coverage:.0%}")
+        rel = summary["b_simple_rel_err"]
+        if not rel <= self.max_rel_err:
+            what = "‖G‖² ≤ 0 (signal lost in noise)" if summary["grad_sq_norm"] <= 0 else f"relative error {rel:.2f}"
+            return f"B_simple unreliable: {what}, above the bound {self.max_rel_err:g}"
+        return ""
+
+    def disagreement(self) -> str:
+        """Once per run: a sentence naming two sources whose ‖G‖² or tr(Σ) differ by more than
+        :data:`AGREEMENT_Z` combined standard errors; ``""`` otherwise (and after the first time)."""
+        chosen = self.valid_sources()
+        if self._said_disagreement or len(chosen) < 2:
+            return ""
+        parts = []
+        for src in chosen:
+            var_s, var_g, _ = src.error.mean_covariance(src.ema)
+            u2 = src.unit_scale**2
+            device = chosen[0].ema.count.device
+            parts.append(torch.stack([src.ema.grad_sq_norm * u2, var_g.sqrt() * u2, src.ema.trace_cov * u2,
+                                      var_s.sqrt() * u2]).to(device))
+        rows = torch.stack(parts).cpu().tolist()  # one transfer
+        for i in range(len(chosen)):
+            for j in range(i + 1, len(chosen)):
+                for what, k in (("‖G‖²", 0), ("tr(Σ)", 2)):
+                    a, b = rows[i], rows[j]
+                    se = math.hypot(a[k + 1], b[k + 1])
+                    if math.isfinite(se) and abs(a[k] - b[k]) > AGREEMENT_Z * se:
+                        self._said_disagreement = True
+                        return (f"the sources {chosen[i].name} and {chosen[j].name} disagree on {what}: "
+                                f"{a[k]:.4g} ± {a[k + 1]:.2g} vs {b[k]:.4g} ± {b[k + 1]:.2g} (beyond {AGREEMENT_Z:g} "
+                                "standard errors); the combined estimate weights them by their variances")
+        return ""
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """End-of-run (measure, value) rows of the combined estimate (host floats)."""
+        h = self.host_summary()
+        rows = [("noise sources", ", ".join(h["sources"]) or "none")]
+        if h["count"] == 0:
+            return rows + [("estimate", h["why"])]
+        batch = h["batch_size"]
+        rows += [("effective batch B", f"{batch} examples" if batch else "unknown"),
+                 ("‖G‖² (EMA, `.grad` units)", f"{h['grad_sq_norm']:.4g} ± {h['grad_sq_norm_se']:.2g}"),
+                 ("tr(Σ) (EMA, `.grad` units)", f"{h['trace_cov']:.4g} ± {h['trace_cov_se']:.2g}"),
+                 ("B_simple = tr(Σ)/‖G‖²", f"{h['b_simple']:.4g} examples (relative error {h['b_simple_rel_err']:.2g})"),
+                 ("noise floor sqrt(tr(Σ)/B), in `.grad` units", f"{h['noise_floor']:.4g} ± {h['noise_floor_se']:.2g}"),
+                 ("coverage", f"{h['coverage']:.1%} of ‖ḡ‖², {h['param_share']:.1%} of the parameters")]
+        if h["why"]:
+            rows.append(("caveat", h["why"]))
+        return rows
+
+
+def _weights(var: Tensor, seen: Tensor) -> Tensor:
+    """Normalised inverse-variance weights over the sources ``seen``; equal weights among them while none
+    has a finite variance (a single update each)."""
+    inverse = torch.where(seen & torch.isfinite(var), 1.0 / var.clamp_min(1e-300), 0.0)
+    fallback = seen.to(var.dtype)
+    raw = torch.where(inverse.sum() > 0, inverse, fallback)
+    return raw / raw.sum().clamp_min(1e-300)
+
+
+def _bound(weights: Tensor, sd: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Σ_k w_k σ_k over the sources with weight (an upper bound on the standard error for any correlation)."""
+    use = weights > 0 if mask is None else mask
+    return torch.where(use, weights * sd, 0.0).sum()
+
+
+def find_gradient_noise(callbacks: Any) -> GradientNoise:
+    """The :class:`GradientNoise` of the first of ``callbacks`` that holds one (attribute
+    ``gradient_noise``), else a new one; sources no callback owns any more (attribute ``noise_source``)
+    are dropped from it."""
+    callbacks = list(callbacks)
+    found = next((cb.gradient_noise for cb in callbacks if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)),
+                 None)
+    noise = found if found is not None else GradientNoise()
+    owned = {id(getattr(cb, "noise_source", None)) for cb in callbacks}
+    for name in [n for n, s in noise.sources.items() if id(s) not in owned]:
+        noise.detach(name)
+    return noise

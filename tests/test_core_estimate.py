@@ -1,0 +1,207 @@
+"""The run's one noise estimate (core/estimate.py) against closed forms, with calibrated error bars."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainvitals.core.estimate import Z90, GradientNoise, NoiseSource
+from trainvitals.core.noise import per_example_estimates, two_batch_size_estimates
+
+D, SIGMA, B, MICRO = 8, 0.5, 64, 16
+
+
+def linear_regression_truth(d: torch.Tensor) -> tuple[float, float]:
+    """‖G‖² and tr Σ of g = (x·d − ε) x with x ~ N(0, I_D), ε ~ N(0, σ²), d = w − w*:
+    G = d and E[(x·d)² x xᵀ] = ‖d‖² I + 2ddᵀ, so tr Σ = (D + 1)‖d‖² + Dσ²."""
+    g2 = float(d.square().sum())
+    return g2, (D + 1) * g2 + D * SIGMA**2
+
+
+def step_estimates(d: torch.Tensor, gen: torch.Generator) -> tuple[tuple, tuple, torch.Tensor]:
+    """One step's per-example (b = 1) and micro-batch (b = 16) estimates from the same 64 examples."""
+    x = torch.randn(B, D, generator=gen, dtype=torch.float64)
+    eps = SIGMA * torch.randn(B, generator=gen, dtype=torch.float64)
+    g = (x @ d - eps)[:, None] * x  # (B, D) per-example gradients
+    mean = g.mean(0)
+    batch_sq = mean.square().sum()
+    per_example = per_example_estimates(g.square().sum(), batch_sq, B)
+    micro_means = g.view(B // MICRO, MICRO, D).mean(1)
+    micro = two_batch_size_estimates(micro_means.square().sum(1).mean(), batch_sq, B // MICRO, MICRO)
+    return per_example, micro, batch_sq
+
+
+def _with_se(src: NoiseSource) -> tuple[tuple[float, float], tuple[float, float]]:
+    var_s, var_g, _ = src.error.mean_covariance(src.ema)
+    return (float(src.ema.grad_sq_norm), math.sqrt(float(var_g))), (float(src.ema.trace_cov), math.sqrt(float(var_s)))
+
+
+def run_trial(seed: int, steps: int = 250) -> GradientNoise:
+    gen = torch.Generator().manual_seed(seed)
+    d = torch.randn(D, generator=gen, dtype=torch.float64) * 0.3
+    noise = GradientNoise()
+    sources = [NoiseSource("per_example", 0.98), NoiseSource("micro_batch", 0.98)]
+    for src in sources:
+        src.effective_batch_size = B
+        noise.attach(src)
+    for _ in range(steps):
+        per_example, micro, _ = step_estimates(d, gen)
+        sources[0].update(*per_example)
+        sources[1].update(*micro)
+    noise.truth = linear_regression_truth(d)  # type: ignore[attr-defined]
+    return noise
+
+
+def test_the_combined_90_percent_interval_covers_the_truth_and_the_sources_agree():
+    trials = [run_trial(seed) for seed in range(40)]
+    covered_g = covered_s = agree = 0
+    for noise in trials:
+        g2, trace = noise.truth  # type: ignore[attr-defined]
+        h = noise.host_summary()
+        covered_g += abs(h["grad_sq_norm"] - g2) <= Z90 * h["grad_sq_norm_se"]
+        covered_s += abs(h["trace_cov"] - trace) <= Z90 * h["trace_cov_se"]
+        (g_a, s_a), (g_b, s_b) = (_with_se(noise.sources[n]) for n in ("per_example", "micro_batch"))
+        agree += all(abs(a[0] - b[0]) <= 2 * math.hypot(a[1], b[1]) for a, b in ((g_a, g_b), (s_a, s_b)))
+        assert noise.disagreement() == "" or not agree
+        # The combination sits between its sources and leans to the one with less variance (per-example).
+        per, micro = (noise.sources[n].ema for n in ("per_example", "micro_batch"))
+        assert min(float(per.trace_cov), float(micro.trace_cov)) <= h["trace_cov"] <= max(
+            float(per.trace_cov), float(micro.trace_cov))
+    print(f"90% intervals: ‖G‖² covered {covered_g}/40, tr Σ {covered_s}/40; sources agree {agree}/40")
+    assert covered_g >= 34 and covered_s >= 34  # ≥ 85%
+    assert agree >= 36
+    # Not decorative: the stated errors are of the size of the actual errors, not inflated far beyond them.
+    errors = [abs(n.host_summary()["trace_cov"] - n.truth[1]) / n.host_summary()["trace_cov_se"] for n in trials]  # type: ignore[attr-defined]
+    assert sorted(errors)[len(errors) // 2] > 0.2
+
+
+def test_one_source_states_its_own_error_and_b_simple_by_the_delta_method():
+    gen = torch.Generator().manual_seed(3)
+    d = torch.full((D,), 0.2, dtype=torch.float64)
+    noise, src = GradientNoise(), NoiseSource("per_example", 0.9)
+    src.effective_batch_size = B
+    noise.attach(src)
+    for _ in range(100):
+        per_example, _, _ = step_estimates(d, gen)
+        src.update(*per_example)
+    est = noise.estimate()
+    var_s, var_g, _ = src.error.mean_covariance(src.ema)
+    assert float(est.trace_cov) == pytest.approx(float(src.ema.trace_cov))
+    assert float(est.trace_cov_se) == pytest.approx(math.sqrt(float(var_s)))
+    assert float(est.grad_sq_norm_se) == pytest.approx(math.sqrt(float(var_g)))
+    assert float(est.b_simple_rel_err) == pytest.approx(float(src.error.relative_error(src.ema)))
+    assert float(est.noise_floor) == pytest.approx(math.sqrt(float(src.ema.trace_cov) / B))
+    assert float(est.noise_floor_se) == pytest.approx(float(est.noise_floor) * float(est.trace_cov_se)
+                                                      / (2 * float(est.trace_cov)))
+
+
+def test_an_invalid_source_never_enters_and_none_left_is_said():
+    noise = GradientNoise()
+    coupled, micro = NoiseSource("probe", 0.9), NoiseSource("micro_batch", 0.9)
+    for src in (coupled, micro):
+        src.effective_batch_size = 8
+        noise.attach(src)
+    coupled.update(torch.tensor(-0.3), torch.tensor(5.0))
+    coupled.invalidate("per-example gradients through BatchNorm in training mode")
+    assert noise.estimate().count == 0  # the micro-batch source has no update yet; the invalid one is ignored
+    micro.update(torch.tensor(1.0), torch.tensor(4.0))
+    micro.update(torch.tensor(1.2), torch.tensor(4.4))
+    assert float(noise.estimate().trace_cov) == pytest.approx(float(micro.ema.trace_cov))
+    assert bool(noise.in_noise_band(1.0)) is False  # ‖G‖² 1.1 > 4.2/8
+    noise.detach("micro_batch")
+    h = noise.host_summary()
+    assert not h["decisive"] and "no valid noise source" in h["why"] and "BatchNorm" in h["why"]
+    assert bool(noise.in_noise_band(1e9)) is False  # a broken estimate is never "in the band"
+
+
+def test_a_negative_grad_sq_norm_from_valid_examples_is_in_the_band():
+    noise, src = GradientNoise(), NoiseSource("per_example", 0.9)
+    src.effective_batch_size = 8
+    noise.attach(src)
+    src.update(torch.tensor(-0.2), torch.tensor(3.0))
+    assert bool(noise.in_noise_band(0.2))
+
+
+def test_partial_coverage_is_not_decisive_and_like_is_compared_with_like():
+    noise = GradientNoise()
+    part, whole = NoiseSource("probe", 0.9, param_share=0.43), NoiseSource("micro_batch", 0.9)
+    part.effective_batch_size = whole.effective_batch_size = 8
+    noise.attach(part)
+    part.update(torch.tensor(-0.1), torch.tensor(2.0), covered_sq_norm=torch.tensor(0.3), total_sq_norm=torch.tensor(1.0))
+    h = noise.host_summary()
+    assert h["coverage"] == pytest.approx(0.3) and not h["decisive"] and h["why"].startswith("partial")
+    part.unit_scale = 2.0
+    assert float(noise.metrics()["grad_norm/measured_total"]) == pytest.approx(2.0 * math.sqrt(0.3))
+    assert not bool(noise.in_noise_band(1.0))
+    # A source over all parameters takes precedence: sources over different parameters are not averaged.
+    noise.attach(whole)
+    whole.update(torch.tensor(-0.1), torch.tensor(2.5))
+    h = noise.host_summary()
+    assert h["sources"] == ("micro_batch",) and h["coverage"] == 1.0 and h["decisive"]
+    assert h["trace_cov"] == pytest.approx(2.5) and bool(noise.in_noise_band(1.0))
+    assert "grad_norm/measured_total" not in noise.metrics()  # the whole model: grad_norm/total is its norm
+
+
+def test_units_of_each_source_are_converted_to_those_of_grad():
+    noise, src = GradientNoise(), NoiseSource("probe", 0.9)
+    src.unit_scale, src.effective_batch_size = 4.0, 16
+    noise.attach(src)
+    src.update(torch.tensor(0.5), torch.tensor(2.0))
+    est = noise.estimate()
+    assert float(est.trace_cov) == pytest.approx(32.0) and float(est.b_simple) == pytest.approx(4.0)
+    assert float(est.noise_floor) == pytest.approx(math.sqrt(32.0 / 16))
+
+
+def test_state_round_trips():
+    src = NoiseSource("probe", 0.9, 0.5)
+    src.unit_scale, src.effective_batch_size = 2.0, 32
+    for k in range(5):
+        src.update(torch.tensor(1.0 + k), torch.tensor(3.0 - 0.1 * k), covered_sq_norm=torch.tensor(0.5),
+                   total_sq_norm=torch.tensor(1.0))
+    src.invalidate("coupled")
+    copy = NoiseSource("probe", 0.9, 0.5)
+    copy.load_state_dict(src.state_dict())
+    assert (copy.invalid, copy.unit_scale, copy.effective_batch_size) == ("coupled", 2.0, 32)
+    assert float(copy.norm_share) == pytest.approx(0.5)
+    assert float(copy.error.relative_error(copy.ema)) == pytest.approx(float(src.error.relative_error(src.ema)))
+    fresh = NoiseSource("probe", 0.9)
+    fresh.load_state_dict({"noise": src.ema.state_dict()})  # an older checkpoint: no error moments, no norms
+    assert float(fresh.norm_share) == 1.0 and fresh.invalid == ""
+
+
+def test_two_sources_that_disagree_beyond_their_errors_are_named_once():
+    noise = GradientNoise()
+    a, b = NoiseSource("per_example", 0.5), NoiseSource("micro_batch", 0.5)
+    for src, level in ((a, 1.0), (b, 3.0)):
+        noise.attach(src)
+        for k in range(20):
+            src.update(torch.tensor(level + 0.01 * (-1) ** k), torch.tensor(10.0 + 0.1 * (-1) ** k))
+    message = noise.disagreement()
+    assert "per_example and micro_batch disagree on ‖G‖²" in message
+    assert noise.disagreement() == ""  # once
+    noise.attach(b)  # the same source again (a new epoch): still said once
+    assert noise.disagreement() == ""
+
+
+def test_the_per_step_band_is_the_full_estimates_band():
+    """The stopper's per-step path (cached weights, current EMAs) decides as the full estimate does."""
+    gen = torch.Generator().manual_seed(5)
+    noise, a, b = GradientNoise(), NoiseSource("per_example", 0.9), NoiseSource("micro_batch", 0.9)
+    for src in (a, b):
+        src.effective_batch_size = B
+        noise.attach(src)
+    d = torch.full((D,), 0.05, dtype=torch.float64)
+    for step in range(60):
+        per_example, micro, _ = step_estimates(d, gen)
+        a.update(*per_example)
+        b.update(*micro)
+        if step % 7 == 0:
+            noise.estimate()  # a logging step refreshes the weights
+        for margin in (0.05, 0.3, 2.0):
+            lean = bool(noise.in_noise_band(margin))
+            full = noise.estimate()
+            grad, trace = float(full.grad_sq_norm), float(full.trace_cov)
+            near = abs(grad - margin * trace / B) < 0.05 * abs(grad) + 1e-12  # stale weights may tip a tie
+            assert near or lean == bool(noise.in_noise_band(margin, full)), (step, margin)
