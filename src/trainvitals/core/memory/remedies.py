@@ -1,0 +1,162 @@
+"""Ways to lower a step's memory, ranked by the bytes they take off its peak, and the budget they must fit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from trainvitals.core.memory.checkpointing import checkpoint_peak, checkpoint_savings, whole_forward_modules
+from trainvitals.core.memory.recorder import ROOT, SavedTensorReport
+from trainvitals.core.memory.storage import ModelStateBytes, format_bytes
+
+def largest_batch(budget_bytes: int, fixed_bytes: int, scaling_bytes: int, batch_size: int) -> int:
+    """The largest batch that fits ``budget_bytes`` when ``scaling_bytes`` grow in proportion to the batch.
+
+    ``floor((budget − fixed) · B / scaling)`` examples, 0 when the fixed part alone does not fit.
+
+    Args:
+        budget_bytes: the memory to fit in.
+        fixed_bytes: bytes that do not depend on the batch (parameters, gradients, optimizer state).
+        scaling_bytes: bytes at batch ``batch_size`` that are proportional to it (activations, inputs).
+        batch_size: the batch the bytes were measured at.
+
+    Raises:
+        ValueError: if ``scaling_bytes`` or ``batch_size`` is not positive.
+    """
+    if scaling_bytes <= 0:
+        raise ValueError(f"`scaling_bytes` must be > 0, got {scaling_bytes}")
+    if batch_size < 1:
+        raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
+    return max(0, (budget_bytes - fixed_bytes) * batch_size // scaling_bytes)
+
+
+def mixed_precision_savings(report: SavedTensorReport) -> int:
+    """Bytes freed if every float32 activation saved outside ``torch.autocast`` were kept in 16 bits: half
+    their bytes. Those saved under autocast are float32 on purpose (softmax, norms, losses).
+
+    An upper bound: autocast keeps some ops in fp32 and adds 16-bit copies of the weights it casts.
+    """
+    return sum(s.nbytes // 2 for s in report.storages.values() if s.dtype == torch.float32 and not s.autocast)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One way to lower memory, with its numbers.
+
+    Attributes:
+        kind: ``"activation checkpointing"``, ``"mixed precision"`` or ``"optimizer state"``.
+        target: the module to checkpoint (qualified name), else ``""``.
+        bytes_freed: predicted bytes the step's peak falls by (checkpointing: of saved activations, at the
+            step's peak, :func:`checkpoint_peak`).
+        largest_batch: the largest batch that fits the budget after the remedy (``None``: no budget).
+        extra_compute: extra step time as a fraction of the step (checkpointing: one more forward of
+            the module), ``None`` when not measured or not applicable.
+        note: the cost or condition in words.
+    """
+
+    kind: str
+    target: str
+    bytes_freed: int
+    largest_batch: int | None
+    extra_compute: float | None
+    note: str
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Where the bytes of one profiled step go, and the budget they must fit.
+
+    Attributes:
+        state: parameters, buffers, gradients, optimizer state.
+        inputs_bytes: the batch (one micro-batch).
+        activations: the saved tensors of one micro-batch's forward.
+        batch_size: examples in the batch.
+        temporaries_bytes: peak minus the known categories (CUDA), counted as growing with the batch.
+        budget_bytes: the memory to fit in, ``None`` for no batch advice.
+        step_seconds: wall time of the profiled optimizer step, all its micro-batches, for the cost
+            of checkpointing.
+        micro_batches: forwards in that time (gradient accumulation): checkpointing recomputes a
+            module in each.
+    """
+
+    state: ModelStateBytes
+    inputs_bytes: int
+    activations: SavedTensorReport
+    batch_size: int
+    temporaries_bytes: int = 0
+    budget_bytes: int | None = None
+    step_seconds: float | None = None
+    micro_batches: int = 1
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes independent of the batch: the model state and autocast's parameter copies."""
+        return self.state.total + self.activations.parameter_copy_bytes
+
+    @property
+    def scaling_bytes(self) -> int:
+        """Bytes proportional to the batch: activations, inputs and (non-negative) temporaries."""
+        return self.activations.total_bytes + self.inputs_bytes + max(0, self.temporaries_bytes)
+
+    def largest_batch(self, fixed_freed: int = 0, scaling_freed: int = 0, activations_peak: int = 0) -> int | None:
+        """The largest batch under the budget once ``fixed_freed`` / ``scaling_freed`` bytes are freed and
+        with saved activations of at least ``activations_peak`` bytes at some point of the step (a
+        checkpointed module's recompute, :func:`checkpoint_peak`); ``None`` without a budget or a batch size."""
+        scaling = max(self.scaling_bytes - scaling_freed,
+                      self.scaling_bytes - self.activations.total_bytes + activations_peak)
+        if self.budget_bytes is None or scaling <= 0 or self.batch_size < 1:
+            return None
+        return largest_batch(self.budget_bytes, self.fixed_bytes - fixed_freed, scaling, self.batch_size)
+
+
+def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
+    """The remedies, the most bytes off the step's peak first: checkpointing of the ``top_k`` modules that
+    lower the step's peak of saved activations the most (what :func:`checkpoint_savings` frees after
+    forward, less what :func:`checkpoint_peak` holds again in backward; the root and
+    :func:`whole_forward_modules` left out; for cost, only the ``4 · top_k`` that free the most after
+    forward are weighed, so a better one behind many may be missed), mixed precision
+    (:func:`mixed_precision_savings`: the float32 activations saved outside autocast; not for a step
+    that saves mostly 16-bit already) and the optimizer state (all
+    of it, as with a stateless or sharded optimizer). Remedies that free nothing are left out.
+
+    Raises:
+        ValueError: if ``top_k < 0``.
+    """
+    if top_k < 0:
+        raise ValueError(f"`top_k` must be >= 0, got {top_k}")
+    report = memory.activations
+    skip = whole_forward_modules(report) | {ROOT}
+    # The peaks cost a pass over the storages each: only for the modules that free the most after forward.
+    freeing = sorted(((n, b) for n, b in checkpoint_savings(report).items() if b > 0 and n not in skip),
+                     key=lambda kv: -kv[1])[:4 * top_k]
+    lowered = []
+    for name, freed in freeing:
+        peak = checkpoint_peak(report, name)
+        lowered.append((report.total_bytes - max(peak, report.total_bytes - freed), name, freed, peak))
+    remedies = []
+    for reduction, name, freed, peak in sorted((c for c in lowered if c[0] > 0), key=lambda c: -c[0])[:top_k]:
+        seconds = report.forward_seconds.get(name)
+        extra = seconds * memory.micro_batches / memory.step_seconds if seconds is not None and memory.step_seconds \
+            else None
+        # The reentrant variant recomputes nothing when the module's input needs no grad (the batch).
+        note = (f"call `{name}` through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: it frees "
+                f"{format_bytes(freed)} after forward; backward runs its forward again")
+        if peak > report.total_bytes - freed:
+            note += f", holding {format_bytes(peak)} of saved tensors then"
+        remedies.append(Remedy("activation checkpointing", name, reduction,
+                               memory.largest_batch(scaling_freed=freed, activations_peak=peak), extra, note))
+    halved = mixed_precision_savings(report)
+    sixteen_bit = sum(s.nbytes for s in report.storages.values() if s.dtype in (torch.float16, torch.bfloat16))
+    if halved > 0 and sixteen_bit < 2 * halved:  # halved: half the float32 bytes saved outside autocast
+        remedies.append(Remedy("mixed precision", "", halved, memory.largest_batch(scaling_freed=halved), None,
+                               "bf16/fp16 autocast; an upper bound: some ops stay in fp32"))
+    state = memory.state
+    if state.optimizer_state > 0:
+        ratio = state.optimizer_state / state.parameters if state.parameters else math.nan
+        remedies.append(Remedy("optimizer state", "", state.optimizer_state,
+                               memory.largest_batch(fixed_freed=state.optimizer_state), None,
+                               f"{ratio:.2f} × parameter bytes (Adam 2×, SGD with momentum 1×, SGD 0); "
+                               "sharding it over N ranks keeps 1/N"))
+    return sorted(remedies, key=lambda r: -r.bytes_freed)
