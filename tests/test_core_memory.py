@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -35,6 +36,10 @@ from trainvitals.core.memory import (
     unique_storage_bytes,
     whole_forward_modules,
 )
+from trainvitals.core.memory import categories
+from trainvitals.core.memory.categories import AllocatorStats, category_markdown, category_metrics
+from trainvitals.core.memory.recorder import SavedTensorReport
+from trainvitals.dashboard.tags import MEMORY_BYTES
 
 F32 = 4  # bytes per float32 element
 
@@ -687,3 +692,34 @@ def test_a_zero_activation_is_not_taken_for_a_zero_initialised_frozen_parameter(
         _, report, _ = record(model, x, exclude=[x])
     x_cast = next(s for s in report.storages.values() if s.savers == ("0",))  # the first Linear's bf16 input
     assert x_cast.nbytes == 2 * 8 * 8 and x_cast.dtype == torch.bfloat16
+
+
+def test_the_category_table_drives_the_cuda_rows_and_the_temporaries():
+    """The CUDA rows, off a CUDA device: temporaries are the allocator's peak less every footprint row,
+    and grow with the batch only when positive."""
+    state = ModelStateBytes(parameters=1000, gradients=1000, optimizer_state=2000, buffers=100)
+    report = SavedTensorReport(total_bytes=5000, by_module={}, storages={}, parameter_copy_bytes=300)
+    memory = StepMemory(state, 700, report, 4, budget_bytes=10**5, held_bytes=64,
+                        allocator=AllocatorStats(peak_allocated_bytes=20_000, peak_reserved_bytes=32_768,
+                                                 alloc_retries=2, ooms=0))
+    fixed, scaling = 1000 + 1000 + 2000 + 100 + 300, 700 + 5000
+    assert memory.temporaries_bytes == 20_000 - fixed - scaling == 9900
+    assert (memory.fixed_bytes, memory.scaling_bytes) == (fixed, scaling + 9900)
+    assert memory.largest_batch() == (10**5 - fixed) * 4 // (scaling + 9900)
+    assert category_metrics(memory) == {
+        "memory/parameters_bytes": 1000, "memory/buffers_bytes": 100, "memory/gradients_bytes": 1000,
+        "memory/optimizer_state_bytes": 2000, "memory/inputs_bytes": 700, "memory/activations_bytes": 5000,
+        "memory/parameter_copies_bytes": 300, "memory/held_saved_bytes": 64,
+        "memory/peak_allocated_bytes": 20_000, "memory/peak_reserved_bytes": 32_768,
+        "memory/temporaries_bytes": 9900, "memory/alloc_retries": 2, "memory/ooms": 0,
+    }
+    table = category_markdown(memory)
+    assert "| CUDA temporaries | 9,900 | 9.67 KiB |" in table and "| CUDA allocator retries | 2 | |" in table
+    # Categories that do not all coexist at the peak: negative temporaries, which the batch does not scale.
+    crowded = dataclasses.replace(memory, allocator=AllocatorStats(5000, 8192, 0, 0))
+    assert crowded.temporaries_bytes == 5000 - fixed - scaling and crowded.scaling_bytes == scaling
+    off_cuda = dataclasses.replace(memory, allocator=None)
+    assert off_cuda.temporaries_bytes == 0 and "memory/temporaries_bytes" not in category_metrics(off_cuda)
+    # The dashboard's byte chart and the report take every bytes row, and no count.
+    assert all(bool(re.match(MEMORY_BYTES, c.tag)) == (c.unit == "bytes") for c in categories.MEMORY_CATEGORIES)
+

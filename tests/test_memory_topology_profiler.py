@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 import sys
 
 import pytest
@@ -22,6 +23,10 @@ from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.core.memory import OUTSIDE, checkpoint_savings
+from trainvitals.core.memory import categories
+from trainvitals.core.memory.categories import MemoryCategory
+from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
+from trainvitals.dashboard.tags import MEMORY_BYTES
 
 B, D, H, C = 8, 6, 16, 3  # batch, inputs, hidden units, classes
 F32, I64 = 4, 8
@@ -234,6 +239,27 @@ def test_largest_batch_with_a_budget():
     fixed = 3 * PARAM_BYTES  # parameters, gradients, momentum
     per_example = (ACTIVATION_BYTES + F32 * B * D + I64 * B) / B
     assert logger.values("memory/largest_batch") == [int((budget - fixed) / per_example)]
+
+
+def test_a_new_category_row_reaches_the_scalars_the_table_the_tags_and_the_budget(monkeypatch):
+    """Adding a memory category is one row of MEMORY_CATEGORIES: here a fixed 1000-byte workspace."""
+    budget = 100_000
+    plain = MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget, verbose=False)
+    fit(Classifier(optimizer="sgd"), plain, max_steps=1)
+    row = MemoryCategory("workspace", "workspace (reserved)", lambda m: 1000, footprint="fixed")
+    monkeypatch.setattr(categories, "MEMORY_CATEGORIES", [*categories.MEMORY_CATEGORIES, row])
+    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget, verbose=False)
+    fit(Classifier(optimizer="sgd"), profiler, logger, max_steps=1)
+    fixed = 3 * PARAM_BYTES + 1000  # parameters, gradients, momentum, the workspace
+    per_example = (ACTIVATION_BYTES + F32 * B * D + I64 * B) / B
+    assert logger.values("memory/workspace_bytes") == [1000]
+    assert profiler.last_metrics == {**plain.last_metrics, "memory/workspace_bytes": 1000,
+                                     "memory/largest_batch": int((budget - fixed) / per_example)}
+    assert "| workspace (reserved) | 1,000 | 1000 B |" in profiler.summary_markdown().splitlines()
+    # The report's memory rows and a dashboard chart take it by its tag.
+    assert re.match(MEMORY_BYTES, row.tag)
+    assert any(re.match(regex, row.tag) for charts in TRAINVITALS_LAYOUT.values() for _, regexes in charts.values()
+               for regex in regexes)
 
 
 class Masked(Classifier):

@@ -27,20 +27,11 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, 
 
 from trainvitals._validation import check_bool, check_int, renamed_arguments
 from trainvitals.callbacks._writers import log_image, log_scalars, log_text, note_unrecorded, tensorboard_writers
-from trainvitals.core.memory import (
-    GraphLeakFinding,
-    HeldGraphTracker,
-    Remedy,
-    SavedTensorRecorder,
-    StepMemory,
-    byte_unit,
-    format_bytes,
-    graph_holders,
-    model_state_bytes,
-    rank_remedies,
-    tensors_in,
-    element_bytes,
-)
+from trainvitals.core.memory.categories import AllocatorStats, StepMemory, category_markdown, category_metrics
+from trainvitals.core.memory.leaks import GraphLeakFinding, HeldGraphTracker, graph_holders
+from trainvitals.core.memory.recorder import SavedTensorRecorder
+from trainvitals.core.memory.remedies import Remedy, rank_remedies
+from trainvitals.core.memory.storage import byte_unit, element_bytes, format_bytes, model_state_bytes, tensors_in
 
 _SNAPSHOT_MAX_ENTRIES = 100_000  # alloc/free events kept by the snapshot's ring buffer (a few KB each)
 
@@ -62,7 +53,8 @@ class MemoryTopologyProfiler(Callback):
 
     A profiled step records the forward (from ``on_train_batch_start`` to the first
     ``on_before_backward``) with a :class:`~trainvitals.core.memory.SavedTensorRecorder` and, once the
-    optimizer step is done, logs in bytes (per rank, from rank zero):
+    optimizer step is done, logs in bytes (per rank, from rank zero; the categories are the rows of
+    :data:`~trainvitals.core.memory.categories.MEMORY_CATEGORIES`):
 
     - ``memory/parameters_bytes``, ``memory/buffers_bytes``, ``memory/gradients_bytes``,
       ``memory/optimizer_state_bytes`` (every tensor in ``optimizer.state``), ``memory/inputs_bytes``
@@ -262,33 +254,15 @@ class MemoryTopologyProfiler(Callback):
             self._gap(f"{report.uncounted} saved tensors have no storage (sparse or wrapper subclasses) and are "
                       "not counted")
         state = model_state_bytes(pl_module.parameters(), trainer.optimizers, pl_module.buffers())
+        self._last_step = pending.step
+        allocator = AllocatorStats.read(self._device) if cuda else None
+        self.last = StepMemory(state, pending.inputs_bytes, report, pending.batch_size, self._budget, seconds,
+                               pending.micro_batches, held.held_bytes, allocator)
         metrics: dict[str, float] = {
-            "memory/parameters_bytes": state.parameters,
-            "memory/buffers_bytes": state.buffers,
-            "memory/gradients_bytes": state.gradients,
-            "memory/optimizer_state_bytes": state.optimizer_state,
-            "memory/inputs_bytes": pending.inputs_bytes,
-            "memory/activations_bytes": report.total_bytes,
-            "memory/parameter_copies_bytes": report.parameter_copy_bytes,
-            "memory/held_saved_bytes": held.held_bytes,
+            **category_metrics(self.last),
             **{f"memory/activations/{name}": nbytes
                for name, nbytes in list(report.by_module.items())[: self.max_modules_shown]},
         }
-        temporaries = 0
-        if cuda:
-            stats = torch.cuda.memory_stats(self._device)
-            known = state.total + report.parameter_copy_bytes + pending.inputs_bytes + report.total_bytes
-            temporaries = stats["allocated_bytes.all.peak"] - known
-            metrics.update({
-                "memory/peak_allocated_bytes": stats["allocated_bytes.all.peak"],
-                "memory/peak_reserved_bytes": stats["reserved_bytes.all.peak"],
-                "memory/temporaries_bytes": temporaries,
-                "memory/alloc_retries": stats["num_alloc_retries"],
-                "memory/ooms": stats["num_ooms"],
-            })
-        self._last_step = pending.step
-        self.last = StepMemory(state, pending.inputs_bytes, report, pending.batch_size, temporaries,
-                               self._budget, seconds, pending.micro_batches)
         self.remedies = rank_remedies(self.last, self.top_k)
         self._timed = {r.target for r in self.remedies if r.target}
         largest = self.last.largest_batch()
@@ -365,22 +339,8 @@ class MemoryTopologyProfiler(Callback):
         return "\n".join(lines)
 
     def _categories_markdown(self, last: StepMemory) -> list[str]:
-        m = self.last_metrics
-        names = {
-            "parameters": "memory/parameters_bytes", "buffers": "memory/buffers_bytes",
-            "gradients": "memory/gradients_bytes", "optimizer state": "memory/optimizer_state_bytes",
-            "inputs (batch)": "memory/inputs_bytes", "saved activations": "memory/activations_bytes",
-            "parameter copies (autocast)": "memory/parameter_copies_bytes",
-            "held after backward": "memory/held_saved_bytes",
-            "CUDA peak allocated": "memory/peak_allocated_bytes", "CUDA peak reserved": "memory/peak_reserved_bytes",
-            "CUDA temporaries": "memory/temporaries_bytes",
-        }
-        rows = [f"| {label} | {m[key]:,.0f} | {format_bytes(m[key])} |" for label, key in names.items() if key in m]
-        if "memory/alloc_retries" in m:
-            retries, ooms = m["memory/alloc_retries"], m["memory/ooms"]
-            rows.append(f"| CUDA allocator retries / OOMs | {retries:.0f} / {ooms:.0f} | |")
         return [f"Step {self._last_step}, batch of {last.batch_size} (this rank, one micro-batch).", "",
-                "| category | bytes | |", "|---|---:|---:|", *rows]
+                *category_markdown(last)]
 
     def _modules_markdown(self, last: StepMemory) -> list[str]:
         total = last.activations.total_bytes or 1

@@ -57,8 +57,9 @@ PER_LAYER_GRAD_NORM = rf"grad_norm/{OPTIMIZER_INFIX}(?!(?:{'|'.join(GRAD_NORM_SU
 """Regex of the per-layer norms ``grad_norm/<module path>``: every ``grad_norm/`` scalar but the summaries."""
 
 MEMORY_BYTES = r"memory/[^/]+_bytes$"
-"""MemoryTopologyProfiler's byte counts by category (parameters, gradients, optimizer state, inputs, saved
-activations, held after backward; CUDA peaks and temporaries), logged as ``memory/<category>_bytes``."""
+"""MemoryTopologyProfiler's byte counts by category, logged as ``memory/<key>_bytes``: one for each bytes row of
+``trainvitals.core.memory.categories.MEMORY_CATEGORIES`` (parameters, gradients, optimizer state, inputs,
+saved activations, held after backward; CUDA peaks and temporaries)."""
 
 DIAGNOSIS_TAG = "trainvitals/diagnosis"
 """Text panels ``trainvitals/diagnosis/<callback class>`` hold each callback's end-of-run markdown."""

@@ -30,9 +30,20 @@ Nothing here imports Lightning; nothing here syncs with the device except
 
 Layout: :mod:`.storage` (bytes by storage, model state, units), :mod:`.recorder` (the saved-tensor
 recorder), :mod:`.checkpointing` (what checkpointing a module frees and holds again), :mod:`.leaks`
-(graphs held across steps), :mod:`.remedies` (the ranked remedies and the budget).
+(graphs held across steps), :mod:`.categories` (the table of memory categories, the step record and
+the budget), :mod:`.remedies` (the ranked remedies).
 """
 
+from trainvitals.core.memory.categories import (
+    MEMORY_CATEGORIES,
+    AllocatorStats,
+    MemoryCategory,
+    StepMemory,
+    category_markdown,
+    category_metrics,
+    largest_batch,
+    measured_categories,
+)
 from trainvitals.core.memory.checkpointing import (
     checkpoint_peak,
     checkpoint_savings,
@@ -47,7 +58,7 @@ from trainvitals.core.memory.recorder import (
     SavedTensorRecorder,
     SavedTensorReport,
 )
-from trainvitals.core.memory.remedies import Remedy, StepMemory, largest_batch, mixed_precision_savings, rank_remedies
+from trainvitals.core.memory.remedies import Remedy, mixed_precision_savings, rank_remedies
 from trainvitals.core.memory.storage import (
     ModelStateBytes,
     StorageKey,
@@ -63,10 +74,11 @@ from trainvitals.core.memory.storage import (
 )
 
 __all__ = [
-    "OUTSIDE", "ROOT", "GraphLeakFinding", "HeldGraph", "HeldGraphTracker", "ModelStateBytes", "Remedy",
-    "SavedStorage", "SavedTensorRecorder", "SavedTensorReport", "StepMemory", "StorageKey", "byte_unit",
+    "AllocatorStats", "GraphLeakFinding", "HeldGraph", "HeldGraphTracker", "MEMORY_CATEGORIES", "MemoryCategory",
+    "ModelStateBytes", "OUTSIDE", "ROOT", "Remedy", "SavedStorage", "SavedTensorRecorder",
+    "SavedTensorReport", "StepMemory", "StorageKey", "byte_unit", "category_markdown", "category_metrics",
     "checkpoint_peak", "checkpoint_savings", "element_bytes", "format_bytes", "graph_holders", "largest_batch",
-    "mixed_precision_savings", "model_state_bytes", "rank_remedies", "storage_key", "storage_keys",
-    "storage_nbytes", "tensors_in", "transformer_layer_activation_bytes", "unique_storage_bytes",
-    "whole_forward_modules",
+    "measured_categories", "mixed_precision_savings", "model_state_bytes", "rank_remedies",
+    "storage_key", "storage_keys", "storage_nbytes", "tensors_in", "transformer_layer_activation_bytes",
+    "unique_storage_bytes", "whole_forward_modules",
 ]

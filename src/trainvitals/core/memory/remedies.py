@@ -1,4 +1,4 @@
-"""Ways to lower a step's memory, ranked by the bytes they take off its peak, and the budget they must fit."""
+"""Ways to lower a step's memory, ranked by the bytes they take off its peak."""
 
 from __future__ import annotations
 
@@ -7,29 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from trainvitals.core.memory.categories import StepMemory
 from trainvitals.core.memory.checkpointing import checkpoint_peak, checkpoint_savings, whole_forward_modules
 from trainvitals.core.memory.recorder import ROOT, SavedTensorReport
-from trainvitals.core.memory.storage import ModelStateBytes, format_bytes
-
-def largest_batch(budget_bytes: int, fixed_bytes: int, scaling_bytes: int, batch_size: int) -> int:
-    """The largest batch that fits ``budget_bytes`` when ``scaling_bytes`` grow in proportion to the batch.
-
-    ``floor((budget − fixed) · B / scaling)`` examples, 0 when the fixed part alone does not fit.
-
-    Args:
-        budget_bytes: the memory to fit in.
-        fixed_bytes: bytes that do not depend on the batch (parameters, gradients, optimizer state).
-        scaling_bytes: bytes at batch ``batch_size`` that are proportional to it (activations, inputs).
-        batch_size: the batch the bytes were measured at.
-
-    Raises:
-        ValueError: if ``scaling_bytes`` or ``batch_size`` is not positive.
-    """
-    if scaling_bytes <= 0:
-        raise ValueError(f"`scaling_bytes` must be > 0, got {scaling_bytes}")
-    if batch_size < 1:
-        raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
-    return max(0, (budget_bytes - fixed_bytes) * batch_size // scaling_bytes)
+from trainvitals.core.memory.storage import format_bytes
 
 
 def mixed_precision_savings(report: SavedTensorReport) -> int:
@@ -62,53 +43,6 @@ class Remedy:
     largest_batch: int | None
     extra_compute: float | None
     note: str
-
-
-@dataclass(frozen=True)
-class StepMemory:
-    """Where the bytes of one profiled step go, and the budget they must fit.
-
-    Attributes:
-        state: parameters, buffers, gradients, optimizer state.
-        inputs_bytes: the batch (one micro-batch).
-        activations: the saved tensors of one micro-batch's forward.
-        batch_size: examples in the batch.
-        temporaries_bytes: peak minus the known categories (CUDA), counted as growing with the batch.
-        budget_bytes: the memory to fit in, ``None`` for no batch advice.
-        step_seconds: wall time of the profiled optimizer step, all its micro-batches, for the cost
-            of checkpointing.
-        micro_batches: forwards in that time (gradient accumulation): checkpointing recomputes a
-            module in each.
-    """
-
-    state: ModelStateBytes
-    inputs_bytes: int
-    activations: SavedTensorReport
-    batch_size: int
-    temporaries_bytes: int = 0
-    budget_bytes: int | None = None
-    step_seconds: float | None = None
-    micro_batches: int = 1
-
-    @property
-    def fixed_bytes(self) -> int:
-        """Bytes independent of the batch: the model state and autocast's parameter copies."""
-        return self.state.total + self.activations.parameter_copy_bytes
-
-    @property
-    def scaling_bytes(self) -> int:
-        """Bytes proportional to the batch: activations, inputs and (non-negative) temporaries."""
-        return self.activations.total_bytes + self.inputs_bytes + max(0, self.temporaries_bytes)
-
-    def largest_batch(self, fixed_freed: int = 0, scaling_freed: int = 0, activations_peak: int = 0) -> int | None:
-        """The largest batch under the budget once ``fixed_freed`` / ``scaling_freed`` bytes are freed and
-        with saved activations of at least ``activations_peak`` bytes at some point of the step (a
-        checkpointed module's recompute, :func:`checkpoint_peak`); ``None`` without a budget or a batch size."""
-        scaling = max(self.scaling_bytes - scaling_freed,
-                      self.scaling_bytes - self.activations.total_bytes + activations_peak)
-        if self.budget_bytes is None or scaling <= 0 or self.batch_size < 1:
-            return None
-        return largest_batch(self.budget_bytes, self.fixed_bytes - fixed_freed, scaling, self.batch_size)
 
 
 def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
@@ -160,3 +94,4 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
                                f"{ratio:.2f} × parameter bytes (Adam 2×, SGD with momentum 1×, SGD 0); "
                                "sharding it over N ranks keeps 1/N"))
     return sorted(remedies, key=lambda r: -r.bytes_freed)
+

@@ -1,0 +1,202 @@
+"""The memory categories of a profiled step, in one table, and the step record they are read from.
+
+Each row of :data:`MEMORY_CATEGORIES` names a category once: its logged tag (``memory/<key>_bytes``,
+or ``memory/<key>`` for a count), its label in the markdown table, how to read it from a
+:class:`StepMemory`, and whether it is part of the step's footprint — fixed (independent of the
+batch) or growing with it — for the largest-batch advice and the CUDA temporaries. Adding a category
+is one row here (and a field on :class:`StepMemory` if the number is new); the profiler's scalars,
+its table and the dashboard's ``memory/*_bytes`` charts follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from trainvitals.core.memory.recorder import SavedTensorReport
+from trainvitals.core.memory.storage import ModelStateBytes, format_bytes
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """What CUDA's caching allocator reports for a profiled step (``torch.cuda.memory_stats``).
+
+    Attributes:
+        peak_allocated_bytes: peak bytes allocated to tensors since the step's peaks were reset.
+        peak_reserved_bytes: peak bytes the allocator held from the device over that time.
+        alloc_retries: allocations that failed once and succeeded after freeing cached blocks
+            (cumulative).
+        ooms: out-of-memory errors the allocator raised (cumulative).
+    """
+
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    alloc_retries: int
+    ooms: int
+
+    @classmethod
+    def read(cls, device: torch.device) -> AllocatorStats:
+        stats = torch.cuda.memory_stats(device)
+        return cls(stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"], stats["num_alloc_retries"],
+                   stats["num_ooms"])
+
+
+def largest_batch(budget_bytes: int, fixed_bytes: int, scaling_bytes: int, batch_size: int) -> int:
+    """The largest batch that fits ``budget_bytes`` when ``scaling_bytes`` grow in proportion to the batch.
+
+    ``floor((budget − fixed) · B / scaling)`` examples, 0 when the fixed part alone does not fit.
+
+    Args:
+        budget_bytes: the memory to fit in.
+        fixed_bytes: bytes that do not depend on the batch (parameters, gradients, optimizer state).
+        scaling_bytes: bytes at batch ``batch_size`` that are proportional to it (activations, inputs).
+        batch_size: the batch the bytes were measured at.
+
+    Raises:
+        ValueError: if ``scaling_bytes`` or ``batch_size`` is not positive.
+    """
+    if scaling_bytes <= 0:
+        raise ValueError(f"`scaling_bytes` must be > 0, got {scaling_bytes}")
+    if batch_size < 1:
+        raise ValueError(f"`batch_size` must be >= 1, got {batch_size}")
+    return max(0, (budget_bytes - fixed_bytes) * batch_size // scaling_bytes)
+
+
+Footprint = Literal["fixed", "batch", ""]
+"""Part of the step's footprint: independent of the batch, proportional to it, or neither (a peak, a
+counter, bytes already counted elsewhere)."""
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Where the bytes of one profiled step go, and the budget they must fit.
+
+    Attributes:
+        state: parameters, buffers, gradients, optimizer state.
+        inputs_bytes: the batch (one micro-batch).
+        activations: the saved tensors of one micro-batch's forward.
+        batch_size: examples in the batch.
+        budget_bytes: the memory to fit in, ``None`` for no batch advice.
+        step_seconds: wall time of the profiled optimizer step, all its micro-batches, for the cost
+            of checkpointing.
+        micro_batches: forwards in that time (gradient accumulation): checkpointing recomputes a
+            module in each.
+        held_bytes: saved tensors of profiled steps still held after this step's backward
+            (:class:`~trainvitals.core.memory.leaks.HeldGraph`).
+        allocator: the CUDA allocator's peaks and counters, ``None`` off CUDA.
+    """
+
+    state: ModelStateBytes
+    inputs_bytes: int
+    activations: SavedTensorReport
+    batch_size: int
+    budget_bytes: int | None = None
+    step_seconds: float | None = None
+    micro_batches: int = 1
+    held_bytes: int = 0
+    allocator: AllocatorStats | None = None
+
+    def footprint_bytes(self, footprint: Literal["fixed", "batch"]) -> int:
+        """The sum of the measured categories of that footprint (negative values count as 0)."""
+        values = (category.measure(self) for category in MEMORY_CATEGORIES if category.footprint == footprint)
+        return sum(max(0, value) for value in values if value is not None)
+
+    @property
+    def temporaries_bytes(self) -> int:
+        """CUDA's peak allocated minus the footprint categories (0 off CUDA): workspaces and other
+        temporaries; negative when the categories do not all coexist at the peak."""
+        if self.allocator is None:
+            return 0
+        return self.allocator.peak_allocated_bytes - self.footprint_bytes("fixed") - self.footprint_bytes("batch")
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes independent of the batch: the model state and autocast's parameter copies."""
+        return self.footprint_bytes("fixed")
+
+    @property
+    def scaling_bytes(self) -> int:
+        """Bytes proportional to the batch: activations, inputs and (non-negative) temporaries."""
+        return self.footprint_bytes("batch") + max(0, self.temporaries_bytes)
+
+    def largest_batch(self, fixed_freed: int = 0, scaling_freed: int = 0, activations_peak: int = 0) -> int | None:
+        """The largest batch under the budget once ``fixed_freed`` / ``scaling_freed`` bytes are freed and
+        with saved activations of at least ``activations_peak`` bytes at some point of the step (a
+        checkpointed module's recompute, :func:`~trainvitals.core.memory.checkpointing.checkpoint_peak`);
+        ``None`` without a budget or a batch size."""
+        scaling = max(self.scaling_bytes - scaling_freed,
+                      self.scaling_bytes - self.activations.total_bytes + activations_peak)
+        if self.budget_bytes is None or scaling <= 0 or self.batch_size < 1:
+            return None
+        return largest_batch(self.budget_bytes, self.fixed_bytes - fixed_freed, scaling, self.batch_size)
+
+
+@dataclass(frozen=True)
+class MemoryCategory:
+    """One row of :data:`MEMORY_CATEGORIES`.
+
+    Attributes:
+        key: the tag's name: ``memory/<key>_bytes`` for bytes, ``memory/<key>`` for a count.
+        label: the row's label in the markdown table.
+        measure: its value on a step, ``None`` when the step does not measure it (CUDA only).
+        footprint: see :data:`Footprint`; the fixed and batch rows sum to the step's footprint.
+        unit: ``"bytes"`` or ``"count"``.
+    """
+
+    key: str
+    label: str
+    measure: Callable[[StepMemory], float | None]
+    footprint: Footprint = ""
+    unit: Literal["bytes", "count"] = "bytes"
+
+    @property
+    def tag(self) -> str:
+        return f"memory/{self.key}_bytes" if self.unit == "bytes" else f"memory/{self.key}"
+
+    def markdown_row(self, value: float) -> str:
+        shown = f" {format_bytes(value)} " if self.unit == "bytes" else " "
+        return f"| {self.label} | {value:,.0f} |{shown}|"
+
+
+def _allocator(read: Callable[[AllocatorStats], int]) -> Callable[[StepMemory], float | None]:
+    return lambda m: None if m.allocator is None else read(m.allocator)
+
+
+MEMORY_CATEGORIES: list[MemoryCategory] = [
+    MemoryCategory("parameters", "parameters", lambda m: m.state.parameters, "fixed"),
+    MemoryCategory("buffers", "buffers", lambda m: m.state.buffers, "fixed"),
+    MemoryCategory("gradients", "gradients", lambda m: m.state.gradients, "fixed"),
+    MemoryCategory("optimizer_state", "optimizer state", lambda m: m.state.optimizer_state, "fixed"),
+    MemoryCategory("inputs", "inputs (batch)", lambda m: m.inputs_bytes, "batch"),
+    MemoryCategory("activations", "saved activations", lambda m: m.activations.total_bytes, "batch"),
+    MemoryCategory("parameter_copies", "parameter copies (autocast)", lambda m: m.activations.parameter_copy_bytes,
+                   "fixed"),
+    MemoryCategory("held_saved", "held after backward", lambda m: m.held_bytes),
+    MemoryCategory("peak_allocated", "CUDA peak allocated", _allocator(lambda a: a.peak_allocated_bytes)),
+    MemoryCategory("peak_reserved", "CUDA peak reserved", _allocator(lambda a: a.peak_reserved_bytes)),
+    # The rest of the peak: not a footprint row, since it is what the footprint rows leave out.
+    MemoryCategory("temporaries", "CUDA temporaries", lambda m: None if m.allocator is None else m.temporaries_bytes),
+    MemoryCategory("alloc_retries", "CUDA allocator retries", _allocator(lambda a: a.alloc_retries), unit="count"),
+    MemoryCategory("ooms", "CUDA OOMs", _allocator(lambda a: a.ooms), unit="count"),
+]
+"""The memory categories, in the order of the markdown table."""
+
+
+def measured_categories(memory: StepMemory) -> list[tuple[MemoryCategory, float]]:
+    """Every category ``memory`` measures, with its value, in table order."""
+    values = ((category, category.measure(memory)) for category in MEMORY_CATEGORIES)
+    return [(category, value) for category, value in values if value is not None]
+
+
+def category_metrics(memory: StepMemory) -> dict[str, float]:
+    """The categories as scalars: tag → value."""
+    return {category.tag: value for category, value in measured_categories(memory)}
+
+
+def category_markdown(memory: StepMemory) -> list[str]:
+    """The categories as a markdown table: label, value, value in binary units (bytes rows)."""
+    rows = [category.markdown_row(value) for category, value in measured_categories(memory)]
+    return ["| category | bytes | |", "|---|---:|---:|", *rows]
