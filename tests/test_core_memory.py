@@ -36,9 +36,10 @@ from trainvitals.core.memory import (
     unique_storage_bytes,
     whole_forward_modules,
 )
-from trainvitals.core.memory import categories
+from trainvitals.core.memory import categories, remedies
 from trainvitals.core.memory.categories import AllocatorStats, category_markdown, category_metrics
 from trainvitals.core.memory.recorder import SavedTensorReport
+from trainvitals.core.memory.remedies import Remedy
 from trainvitals.dashboard.tags import MEMORY_BYTES
 
 F32 = 4  # bytes per float32 element
@@ -723,3 +724,19 @@ def test_the_category_table_drives_the_cuda_rows_and_the_temporaries():
     # The dashboard's byte chart and the report take every bytes row, and no count.
     assert all(bool(re.match(MEMORY_BYTES, c.tag)) == (c.unit == "bytes") for c in categories.MEMORY_CATEGORIES)
 
+
+def test_a_registered_remedy_rule_is_ranked_with_the_built_in_ones(monkeypatch):
+    state = ModelStateBytes(parameters=1000, gradients=1000, optimizer_state=2000)
+    report = SavedTensorReport(total_bytes=0, by_module={}, storages={})
+    memory = StepMemory(state, 100, report, 4, budget_bytes=10**4)
+
+    def offload_gradients(memory, top_k):
+        freed = memory.state.gradients
+        return [Remedy("gradient offload", "", freed, memory.largest_batch(fixed_freed=freed), None, "to the host"),
+                Remedy("nothing", "", 0, None, None, "frees nothing: left out")]
+
+    monkeypatch.setattr(remedies, "REMEDY_RULES", list(remedies.REMEDY_RULES))
+    assert remedies.register_remedy(offload_gradients) is offload_gradients
+    ranked = rank_remedies(memory)
+    assert [(r.kind, r.bytes_freed) for r in ranked] == [("optimizer state", 2000), ("gradient offload", 1000)]
+    assert ranked[1].largest_batch == (10**4 - 3000) * 4 // 100

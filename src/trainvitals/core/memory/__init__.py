@@ -31,7 +31,7 @@ Nothing here imports Lightning; nothing here syncs with the device except
 Layout: :mod:`.storage` (bytes by storage, model state, units), :mod:`.recorder` (the saved-tensor
 recorder), :mod:`.checkpointing` (what checkpointing a module frees and holds again), :mod:`.leaks`
 (graphs held across steps), :mod:`.categories` (the table of memory categories, the step record and
-the budget), :mod:`.remedies` (the ranked remedies).
+the budget), :mod:`.remedies` (the registered remedies, ranked).
 """
 
 from trainvitals.core.memory.categories import (
@@ -58,7 +58,13 @@ from trainvitals.core.memory.recorder import (
     SavedTensorRecorder,
     SavedTensorReport,
 )
-from trainvitals.core.memory.remedies import Remedy, mixed_precision_savings, rank_remedies
+from trainvitals.core.memory.remedies import (
+    REMEDY_RULES,
+    Remedy,
+    mixed_precision_savings,
+    rank_remedies,
+    register_remedy,
+)
 from trainvitals.core.memory.storage import (
     ModelStateBytes,
     StorageKey,
@@ -75,10 +81,10 @@ from trainvitals.core.memory.storage import (
 
 __all__ = [
     "AllocatorStats", "GraphLeakFinding", "HeldGraph", "HeldGraphTracker", "MEMORY_CATEGORIES", "MemoryCategory",
-    "ModelStateBytes", "OUTSIDE", "ROOT", "Remedy", "SavedStorage", "SavedTensorRecorder",
+    "ModelStateBytes", "OUTSIDE", "REMEDY_RULES", "ROOT", "Remedy", "SavedStorage", "SavedTensorRecorder",
     "SavedTensorReport", "StepMemory", "StorageKey", "byte_unit", "category_markdown", "category_metrics",
     "checkpoint_peak", "checkpoint_savings", "element_bytes", "format_bytes", "graph_holders", "largest_batch",
-    "measured_categories", "mixed_precision_savings", "model_state_bytes", "rank_remedies",
+    "measured_categories", "mixed_precision_savings", "model_state_bytes", "rank_remedies", "register_remedy",
     "storage_key", "storage_keys", "storage_nbytes", "tensors_in", "transformer_layer_activation_bytes",
     "unique_storage_bytes", "whole_forward_modules",
 ]

@@ -1,8 +1,14 @@
-"""Ways to lower a step's memory, ranked by the bytes they take off its peak."""
+"""Ways to lower a step's memory, ranked by the bytes they take off its peak.
+
+Each remedy is a rule in :data:`REMEDY_RULES`, added with :func:`register_remedy`: a function of the
+step's :class:`~trainvitals.core.memory.categories.StepMemory` and ``top_k`` that returns its
+:class:`Remedy` entries. :func:`rank_remedies` runs every rule and ranks what they return.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +33,8 @@ class Remedy:
     """One way to lower memory, with its numbers.
 
     Attributes:
-        kind: ``"activation checkpointing"``, ``"mixed precision"`` or ``"optimizer state"``.
+        kind: what to do, named by its rule: ``"activation checkpointing"``, ``"mixed precision"``,
+            ``"optimizer state"``.
         target: the module to checkpoint (qualified name), else ``""``.
         bytes_freed: predicted bytes the step's peak falls by (checkpointing: of saved activations, at the
             step's peak, :func:`checkpoint_peak`).
@@ -45,21 +52,39 @@ class Remedy:
     note: str
 
 
+RemedyRule = Callable[[StepMemory, int], list[Remedy]]
+"""A remedy's rule: ``(step memory, top_k) -> remedies``."""
+
+REMEDY_RULES: list[RemedyRule] = []
+"""The rules :func:`rank_remedies` runs, in registration order."""
+
+
+def register_remedy(rule: RemedyRule) -> RemedyRule:
+    """Add ``rule`` to :data:`REMEDY_RULES` (usable as a decorator)."""
+    REMEDY_RULES.append(rule)
+    return rule
+
+
 def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
-    """The remedies, the most bytes off the step's peak first: checkpointing of the ``top_k`` modules that
-    lower the step's peak of saved activations the most (what :func:`checkpoint_savings` frees after
-    forward, less what :func:`checkpoint_peak` holds again in backward; the root and
-    :func:`whole_forward_modules` left out; for cost, only the ``4 · top_k`` that free the most after
-    forward are weighed, so a better one behind many may be missed), mixed precision
-    (:func:`mixed_precision_savings`: the float32 activations saved outside autocast; not for a step
-    that saves mostly 16-bit already) and the optimizer state (all
-    of it, as with a stateless or sharded optimizer). Remedies that free nothing are left out.
+    """Every rule's remedies, the most bytes off the step's peak first; remedies that free nothing are
+    left out. The built-in rules: :func:`activation_checkpointing`, :func:`mixed_precision`,
+    :func:`optimizer_state`.
 
     Raises:
         ValueError: if ``top_k < 0``.
     """
     if top_k < 0:
         raise ValueError(f"`top_k` must be >= 0, got {top_k}")
+    remedies = [remedy for rule in REMEDY_RULES for remedy in rule(memory, top_k) if remedy.bytes_freed > 0]
+    return sorted(remedies, key=lambda r: -r.bytes_freed)
+
+
+@register_remedy
+def activation_checkpointing(memory: StepMemory, top_k: int) -> list[Remedy]:
+    """Checkpointing of the ``top_k`` modules that lower the step's peak of saved activations the most
+    (what :func:`checkpoint_savings` frees after forward, less what :func:`checkpoint_peak` holds again
+    in backward; the root and :func:`whole_forward_modules` left out; for cost, only the ``4 · top_k``
+    that free the most after forward are weighed, so a better one behind many may be missed)."""
     report = memory.activations
     skip = whole_forward_modules(report) | {ROOT}
     # The peaks cost a pass over the storages each: only for the modules that free the most after forward.
@@ -81,17 +106,27 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
             note += f", holding {format_bytes(peak)} of saved tensors then"
         remedies.append(Remedy("activation checkpointing", name, reduction,
                                memory.largest_batch(scaling_freed=freed, activations_peak=peak), extra, note))
+    return remedies
+
+
+@register_remedy
+def mixed_precision(memory: StepMemory, top_k: int) -> list[Remedy]:
+    """Autocast (:func:`mixed_precision_savings`: the float32 activations saved outside autocast); not for
+    a step that saves mostly 16-bit already."""
+    report = memory.activations
     halved = mixed_precision_savings(report)
     sixteen_bit = sum(s.nbytes for s in report.storages.values() if s.dtype in (torch.float16, torch.bfloat16))
-    if halved > 0 and sixteen_bit < 2 * halved:  # halved: half the float32 bytes saved outside autocast
-        remedies.append(Remedy("mixed precision", "", halved, memory.largest_batch(scaling_freed=halved), None,
-                               "bf16/fp16 autocast; an upper bound: some ops stay in fp32"))
-    state = memory.state
-    if state.optimizer_state > 0:
-        ratio = state.optimizer_state / state.parameters if state.parameters else math.nan
-        remedies.append(Remedy("optimizer state", "", state.optimizer_state,
-                               memory.largest_batch(fixed_freed=state.optimizer_state), None,
-                               f"{ratio:.2f} × parameter bytes (Adam 2×, SGD with momentum 1×, SGD 0); "
-                               "sharding it over N ranks keeps 1/N"))
-    return sorted(remedies, key=lambda r: -r.bytes_freed)
+    if sixteen_bit >= 2 * halved:  # halved: half the float32 bytes saved outside autocast
+        return []
+    return [Remedy("mixed precision", "", halved, memory.largest_batch(scaling_freed=halved), None,
+                   "bf16/fp16 autocast; an upper bound: some ops stay in fp32")]
 
+
+@register_remedy
+def optimizer_state(memory: StepMemory, top_k: int) -> list[Remedy]:
+    """The whole optimizer state, as with a stateless or sharded optimizer."""
+    state = memory.state
+    ratio = state.optimizer_state / state.parameters if state.parameters else math.nan
+    return [Remedy("optimizer state", "", state.optimizer_state, memory.largest_batch(fixed_freed=state.optimizer_state),
+                   None, f"{ratio:.2f} × parameter bytes (Adam 2×, SGD with momentum 1×, SGD 0); "
+                   "sharding it over N ranks keeps 1/N")]
