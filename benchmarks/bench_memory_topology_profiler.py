@@ -92,7 +92,7 @@ def step_times(
 def idle_hook_seconds(calls: int = 1_000_000) -> float:
     """Seconds per step of the profiler's hooks on a step that is not profiled."""
     profiler = MemoryTopologyProfiler()
-    profiler._profiled_this_fit = profiler.first_steps  # past the first steps
+    profiler._profiled_steps = profiler.first_steps  # past the first steps
     trainer = SimpleNamespace(global_step=1)
     start = time.perf_counter()
     for _ in range(calls):

@@ -334,6 +334,22 @@ def test_state_survives_a_checkpoint(tmp_path):
     assert fresh.findings == []
 
 
+def test_a_resumed_fit_continues_the_schedule_and_does_not_profile_its_first_steps_again(tmp_path):
+    def profiled_steps(max_steps, ckpt_path=None):
+        logger = RecordingLogger()
+        trainer = Trainer(**trainer_kwargs(callbacks=[MemoryTopologyProfiler(every_n_steps=5, first_steps=2)],
+                                           logger=logger, max_steps=max_steps))
+        trainer.fit(Classifier(optimizer="sgd"), classification_loader(), ckpt_path=ckpt_path)
+        return trainer, [step for step, _ in logger.series.get("memory/activations_bytes", [])]
+
+    path = tmp_path / "step4.ckpt"
+    trainer, first = profiled_steps(4)
+    trainer.save_checkpoint(path)
+    _, resumed = profiled_steps(8, ckpt_path=path)
+    _, uninterrupted = profiled_steps(8)
+    assert first == [0, 1] and resumed == [5] and uninterrupted == first + resumed
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"measure_every_n_steps": 0}, "measure_every_n_steps"), ({"first_steps": -1}, "first_steps"),
     ({"memory_budget_bytes": 0}, "memory_budget_bytes"), ({"top_k": -1}, "top_k"),

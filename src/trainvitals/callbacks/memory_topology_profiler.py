@@ -97,7 +97,8 @@ class MemoryTopologyProfiler(Callback):
 
     Args:
         measure_every_n_steps: profile every this many optimizer steps (formerly ``every_n_steps``).
-        first_steps: also profile the first this many steps of each fit (a leak shows from the second).
+        first_steps: also profile the first this many steps of each fit (a leak shows from the second); a
+            fit resumed from a checkpoint continues the count rather than profiling its first steps again.
         memory_budget_bytes: the memory one rank's step must fit, for the largest-batch advice;
             defaults to the device's total memory on CUDA; on CPU there is no default, and no batch
             advice without it.
@@ -141,7 +142,6 @@ class MemoryTopologyProfiler(Callback):
         self._state_key = self._generate_state_key(every_n_steps=measure_every_n_steps, first_steps=first_steps)
 
         self._reset()
-        self._profiled_this_fit = 0
         self._pending: _Pending | None = None
         self._device = torch.device("cpu")
         self._budget: int | None = self.memory_budget_bytes
@@ -159,6 +159,7 @@ class MemoryTopologyProfiler(Callback):
         self.last_metrics: dict[str, float] = {}
         """The latest profiled step's logged numbers."""
         self._last_profiled_step = -1
+        self._profiled_steps = 0  # steps profiled so far in this run; a resumed fit continues the count
         self._last_step = -1  # the step of `last`
         self._tracker = HeldGraphTracker()
         # Modules whose forward is timed (for the cost of checkpointing them): all on the first
@@ -189,7 +190,6 @@ class MemoryTopologyProfiler(Callback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._profiled_this_fit = 0
         if self.snapshot_steps and self._device.type == "cuda":
             # log_dir broadcasts: every rank must ask, here, at the same point.
             directory = trainer.log_dir or trainer.default_root_dir
@@ -200,7 +200,7 @@ class MemoryTopologyProfiler(Callback):
     def _due(self, step: int) -> bool:
         if step == self._last_profiled_step:
             return False
-        return self._profiled_this_fit < self.first_steps or step % self.measure_every_n_steps == 0
+        return self._profiled_steps < self.first_steps or step % self.measure_every_n_steps == 0
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:
@@ -211,7 +211,7 @@ class MemoryTopologyProfiler(Callback):
         if not self._due(step):
             return
         self._last_profiled_step = step
-        self._profiled_this_fit += 1
+        self._profiled_steps += 1
         tensors = list(tensors_in(batch))
         sizes = [t.shape[0] for t in tensors if t.ndim > 0]
         if not sizes:
@@ -395,11 +395,12 @@ class MemoryTopologyProfiler(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"last_profiled_step": self._last_profiled_step,
+        return {"last_profiled_step": self._last_profiled_step, "profiled_steps": self._profiled_steps,
                 "findings": [dataclasses.asdict(f) for f in self.findings]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_profiled_step = int(state_dict.get("last_profiled_step", -1))
+        self._profiled_steps = int(state_dict.get("profiled_steps", 0))
         self.findings = [GraphLeakFinding(**{**f, "holders": tuple(f.get("holders", ()))})
                          for f in state_dict.get("findings", [])]
