@@ -38,7 +38,7 @@ from trainvitals.core.memory import (
 )
 from trainvitals.core.memory import categories, remedies
 from trainvitals.core.memory.categories import AllocatorStats, category_markdown, category_metrics
-from trainvitals.core.memory.recorder import SavedTensorReport
+from trainvitals.core.memory.recorder import SavedTensorReport, compiled_modules
 from trainvitals.core.memory.remedies import Remedy
 from trainvitals.dashboard.tags import MEMORY_BYTES
 
@@ -740,3 +740,34 @@ def test_a_registered_remedy_rule_is_ranked_with_the_built_in_ones(monkeypatch):
     ranked = rank_remedies(memory)
     assert [(r.kind, r.bytes_freed) for r in ranked] == [("optimizer state", 2000), ("gradient offload", 1000)]
     assert ranked[1].largest_batch == (10**4 - 3000) * 4 // 100
+
+
+def test_a_compiled_submodule_gets_no_hooks_and_its_saves_go_to_its_wrapper():
+    """A hook inside a compiled region breaks its graph: the recorder hooks the modules outside it, one by
+    one, and what the compiled graph saves is the wrapper's, whole."""
+    import torch._dynamo
+
+    def model(inner: nn.Module) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), inner, nn.Linear(16, 2))
+
+    x = torch.randn(4, 8)
+    _, eager, _ = record(model(nn.Sequential(nn.Tanh(), nn.Linear(16, 16), nn.GELU())), x, exclude=[x])
+    assert eager.by_module == {"1.0": F32 * 4 * 16, "1.2": F32 * 4 * 16, "2": F32 * 4 * 16}
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = model(torch.compile(nn.Sequential(nn.Tanh(), nn.Linear(16, 16), nn.GELU()), backend="aot_eager"))
+    regions, hooked = compiled_modules(compiled)
+    assert regions == ["1"] and hooked == [compiled, compiled[0], compiled[1], compiled[2]]
+    rec, report, loss = record(compiled, x, exclude=[x])
+    loss.backward()
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert rec.compiled == ["1"]
+    assert report.by_module == {"1": eager.by_module["1.0"] + eager.by_module["1.2"], "2": eager.by_module["2"]}
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in compiled.modules())
+
+    whole = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+    whole[1].compile(backend="aot_eager")  # its whole call, hooks and all, runs compiled
+    assert compiled_modules(whole) == (["1"], [whole, whole[0]])

@@ -116,6 +116,61 @@ def test_a_compiled_model_is_profiled_without_compiling_the_profilers_hooks():
     assert frames[1] == frames[0]
 
 
+class SavedByTheCompiledGraph(Callback):
+    """Bytes of the tensors a compiled step saved, read by walking its graph from the loss before backward
+    (no saved-tensor hooks): the saved tensors of the compiled graphs' autograd Functions, parameters and
+    the batch left out, by storage. (The eager nodes after them hold Lightning's loss scaling.)"""
+
+    def __init__(self) -> None:
+        self.bytes: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._batch = [t.untyped_storage().data_ptr() for t in batch]
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        excluded = {p.untyped_storage().data_ptr() for p in pl_module.parameters()} | set(self._batch)
+        sizes, nodes, seen = {}, [loss.grad_fn], set()
+        while nodes:
+            node = nodes.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            for t in getattr(node, "saved_tensors", ()):
+                if t.untyped_storage().data_ptr() not in excluded:
+                    sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            nodes += [next_node for next_node, _ in node.next_functions]
+        self.bytes.append(sum(sizes.values()))
+
+
+def test_a_compiled_model_keeps_its_graphs_and_its_saved_bytes_under_the_profiler(caplog):
+    """A hook inside a compiled region, even one Dynamo may not trace, breaks the graph there; the broken
+    graphs stay cached after fit and save other tensors. The profiler hooks nothing inside a compiled
+    model and says so once: the same graphs and breaks as without it, and the saved bytes of the graph
+    that runs without it."""
+    import torch._dynamo
+
+    def compiled_fit(*callbacks):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        walk = SavedByTheCompiledGraph()
+        trainer = Trainer(**trainer_kwargs(callbacks=[*callbacks, walk], max_steps=3))
+        trainer.fit(torch.compile(Classifier(), backend="aot_eager"), classification_loader())
+        counters = torch._dynamo.utils.counters
+        return trainer, walk.bytes, (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+
+    _, plain_bytes, plain_graphs = compiled_fit()
+    profiler = MemoryTopologyProfiler(every_n_steps=1, verbose=False)
+    with caplog.at_level("INFO"):
+        trainer, walked, graphs = compiled_fit(profiler)
+    assert graphs == plain_graphs and plain_graphs[0] >= 1
+    assert walked == plain_bytes and profiler.last_metrics["memory/activations_bytes"] == plain_bytes[-1] > 0
+    assert profiler.last.activations.by_module == {"(root)": plain_bytes[-1]}
+    assert caplog.text.count("the training step runs under torch.compile; the profiler steps aside") == 1
+    # Nothing of the profiler is left on the model.
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in trainer.lightning_module.modules())
+
+
 def test_schedule_first_steps_and_every_n_and_accumulation():
     logger = RecordingLogger()
     fit(Classifier(optimizer="sgd"), MemoryTopologyProfiler(every_n_steps=4, first_steps=2), logger, max_steps=10)

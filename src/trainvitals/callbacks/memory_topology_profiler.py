@@ -29,7 +29,7 @@ from trainvitals._validation import check_bool, check_int, renamed_arguments
 from trainvitals.callbacks._writers import log_image, log_scalars, log_text, note_unrecorded, tensorboard_writers
 from trainvitals.core.memory.categories import AllocatorStats, StepMemory, category_markdown, category_metrics
 from trainvitals.core.memory.leaks import GraphLeakFinding, HeldGraphTracker, graph_holders
-from trainvitals.core.memory.recorder import SavedTensorRecorder
+from trainvitals.core.memory.recorder import ROOT, SavedTensorRecorder
 from trainvitals.core.memory.remedies import Remedy, rank_remedies
 from trainvitals.core.memory.storage import byte_unit, element_bytes, format_bytes, model_state_bytes, tensors_in
 
@@ -87,6 +87,10 @@ class MemoryTopologyProfiler(Callback):
     its saves held again; cost: the module's forward time over the step's time), mixed precision (half
     the float32 saved bytes, an upper bound), the optimizer state; each with the largest batch that fits
     the budget afterwards.
+
+    Under ``torch.compile`` the profiler puts no hook inside a compiled region (it would break the graph
+    and change what it saves) and says so once: the region's saved tensors are counted as a whole, the
+    graphs and the saved bytes are those of the same compiled model without the profiler.
 
     Numbers are per rank (each rank measures its own batch); rank zero logs its own. Nothing is
     exchanged between ranks. The profiler keeps only weak references to what a step saved, so it
@@ -224,6 +228,14 @@ class MemoryTopologyProfiler(Callback):
             torch.cuda.reset_peak_memory_stats(self._device)
         timed = True if self._timed is None else self._timed
         recorder = SavedTensorRecorder(pl_module, exclude=tensors, time_modules=timed)
+        if recorder.compiled:
+            whole = ROOT in recorder.compiled  # Lightning compiles the training step
+            what = "the training step" if whole else ", ".join(f"`{n}`" for n in recorder.compiled)
+            self._notices.info(
+                f"trainvitals MemoryTopologyProfiler: {what} runs under torch.compile; the profiler steps aside "
+                "inside it, since a hook there would break the compiled graph and change what it saves. Its saved "
+                "tensors are counted as a whole, without a per-module breakdown or checkpointing advice inside"
+                + (", and without mixed-precision advice (autocast cannot be read there)." if whole else "."))
         self._pending = _Pending(step, sizes[0] if sizes else 0, element_bytes(tensors), time.perf_counter(),
                                  recorder.__enter__())
 

@@ -57,6 +57,7 @@ from trainvitals.core.memory.recorder import (
     SavedStorage,
     SavedTensorRecorder,
     SavedTensorReport,
+    compiled_modules,
 )
 from trainvitals.core.memory.remedies import (
     REMEDY_RULES,
@@ -83,8 +84,8 @@ __all__ = [
     "AllocatorStats", "GraphLeakFinding", "HeldGraph", "HeldGraphTracker", "MEMORY_CATEGORIES", "MemoryCategory",
     "ModelStateBytes", "OUTSIDE", "REMEDY_RULES", "ROOT", "Remedy", "SavedStorage", "SavedTensorRecorder",
     "SavedTensorReport", "StepMemory", "StorageKey", "byte_unit", "category_markdown", "category_metrics",
-    "checkpoint_peak", "checkpoint_savings", "element_bytes", "format_bytes", "graph_holders", "largest_batch",
-    "measured_categories", "mixed_precision_savings", "model_state_bytes", "rank_remedies", "register_remedy",
-    "storage_key", "storage_keys", "storage_nbytes", "tensors_in", "transformer_layer_activation_bytes",
-    "unique_storage_bytes", "whole_forward_modules",
+    "checkpoint_peak", "checkpoint_savings", "compiled_modules", "element_bytes", "format_bytes", "graph_holders",
+    "largest_batch", "measured_categories", "mixed_precision_savings", "model_state_bytes", "rank_remedies",
+    "register_remedy", "storage_key", "storage_keys", "storage_nbytes", "tensors_in",
+    "transformer_layer_activation_bytes", "unique_storage_bytes", "whole_forward_modules",
 ]

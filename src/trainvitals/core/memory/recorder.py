@@ -100,6 +100,13 @@ class SavedTensorRecorder:
     ``save_on_cpu``) the inner hooks take the saves: what they keep elsewhere is not counted, which
     for checkpointing is the point; the checkpoint's saved inputs are.
 
+    A module whose call runs under ``torch.compile`` (:func:`compiled_modules`, listed in
+    :attr:`compiled`) gets no hooks inside: Dynamo would break its graph at each (they are not to be
+    traced), and the broken graph saves other tensors than the one that runs without the recorder.
+    What such a region saves is counted as a whole, owned by the innermost hooked module around it (the
+    pack hook runs where the compiled code saves, which breaks nothing); the other modules are then
+    hooked one by one instead of process-wide.
+
     Args:
         module: the model whose modules are followed; names are ``module.named_modules()`` names.
             Other modules that run meanwhile are not: what they save goes to the model's module
@@ -128,6 +135,10 @@ class SavedTensorRecorder:
                 self._frozen.setdefault(tuple(p.shape), []).append(p)
         self._exclude = storage_keys(tensors_in(list(exclude))) | self._parameters | storage_keys(module.buffers())
         self._names = {id(m): (name or ROOT) for name, m in module.named_modules()}
+        # The outermost modules whose calls run compiled (ROOT: a compiled training step), and those hooked.
+        self.compiled, self._hooked = compiled_modules(module)
+        self._root_hooked = bool(self._hooked) and self._hooked[0] is module
+        self._outside = OUTSIDE if self._root_hooked else ROOT  # a compiled training step: the model's own saves
         self._stack: list[str] = []
         self._saved: dict[StorageKey, SavedStorage] = {}
         self._save_index = 0  # saves counted so far: the save order
@@ -142,7 +153,9 @@ class SavedTensorRecorder:
         self._events: list[tuple[str, Any, Any]] = []
         self._uncounted = 0
         self._autocast: list[tuple[str, bool]] = []  # per running module call: device type, began under autocast
-        self._outside_autocast = False  # autocast around the saves outside every module (a loss after the model)
+        # Autocast around the saves outside every module (a loss after the model); not readable inside a compiled
+        # training step, where it is taken as on: no mixed-precision advice on what was not measured.
+        self._outside_autocast = not self._root_hooked
         first_parameter = next(module.parameters(), None)
         self._model_device_type = first_parameter.device.type if first_parameter is not None else ""
         self._handles: list[RemovableHandle] = []
@@ -151,9 +164,13 @@ class SavedTensorRecorder:
     def __enter__(self) -> SavedTensorRecorder:
         if self._hooks is not None:
             raise RuntimeError("this SavedTensorRecorder is already active")
-        # Two process-wide hooks, filtered to the model's modules, cost the same for any model size.
-        self._handles = [nn.modules.module.register_module_forward_pre_hook(self._enter_module),
-                         nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True)]
+        if self.compiled:
+            self._handles = [handle for m in self._hooked for handle in (
+                m.register_forward_pre_hook(self._enter_module),
+                m.register_forward_hook(self._leave_module, always_call=True))]
+        else:  # Two process-wide hooks, filtered to the model's modules, cost the same for any model size.
+            self._handles = [nn.modules.module.register_module_forward_pre_hook(self._enter_module),
+                             nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True)]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         return self
@@ -243,7 +260,7 @@ class SavedTensorRecorder:
         if self._copies_parameter(tensor):
             self._copies.setdefault(key, storage_nbytes(tensor))
             return packed
-        saver = self._stack[-1] if self._stack else OUTSIDE
+        saver = self._stack[-1] if self._stack else self._outside
         seen = self._saved.get(key)
         if seen is None or not any_alive(self._refs[key]):  # new, or a freed storage's address reused
             under = self._autocast[-1][1] if self._autocast else self._outside_autocast
@@ -323,6 +340,35 @@ class SavedTensorRecorder:
         (``retain_graph=True``, or saved tensors of a branch that backward never reached).
         """
         return {key: (self._saved[key].nbytes, refs) for key, refs in self._refs.items() if any_alive(refs)}
+
+
+def _dynamo_compiled(fn: Any) -> bool:
+    """``fn`` is a function wrapped by ``torch.compile`` (its frame runs compiled)."""
+    return hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def compiled_modules(module: nn.Module) -> tuple[list[str], list[nn.Module]]:
+    """The outermost modules of ``module`` whose calls run under ``torch.compile``, and the modules that
+    can be hooked without breaking a compiled graph (in ``named_modules`` order).
+
+    A module's forward is compiled (a ``torch.compile(m)`` wrapper, or what Lightning does to a compiled
+    LightningModule): its submodules run compiled, its own hooks do not. Its whole call is compiled
+    (``m.compile()``; the root whose ``training_step`` is compiled, as Lightning does): it too runs
+    compiled. Names are qualified names, :data:`ROOT` for ``module``.
+    """
+    compiled: list[str] = []
+    hooked: list[nn.Module] = []
+    for name, m in module.named_modules():
+        label = name or ROOT
+        if any(c == ROOT or label.startswith(c + ".") for c in compiled):
+            continue
+        whole = getattr(m, "_compiled_call_impl", None) is not None or (
+            m is module and _dynamo_compiled(getattr(m, "training_step", None)))
+        if whole or _dynamo_compiled(getattr(m, "forward", None)):
+            compiled.append(label)
+        if not whole:
+            hooked.append(m)
+    return compiled, hooked
 
 
 def any_alive(refs: list[weakref.ref]) -> bool:
