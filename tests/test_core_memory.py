@@ -695,9 +695,13 @@ def test_a_zero_activation_is_not_taken_for_a_zero_initialised_frozen_parameter(
     assert x_cast.nbytes == 2 * 8 * 8 and x_cast.dtype == torch.bfloat16
 
 
-def test_the_category_table_drives_the_cuda_rows_and_the_temporaries():
+def test_the_category_table_drives_the_cuda_rows_and_the_temporaries(monkeypatch):
     """The CUDA rows, off a CUDA device: temporaries are the allocator's peak less every footprint row,
     and grow with the batch only when positive."""
+    stats = {"allocated_bytes.all.peak": 20_000, "reserved_bytes.all.peak": 32_768, "num_alloc_retries": 2,
+             "num_ooms": 0, "allocated_bytes.all.current": 1}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    assert AllocatorStats.read(torch.device("cuda", 0)) == AllocatorStats(20_000, 32_768, 2, 0)
     state = ModelStateBytes(parameters=1000, gradients=1000, optimizer_state=2000, buffers=100)
     report = SavedTensorReport(total_bytes=5000, by_module={}, storages={}, parameter_copy_bytes=300)
     memory = StepMemory(state, 700, report, 4, budget_bytes=10**5, held_bytes=64,
