@@ -160,7 +160,7 @@ def test_a_compiled_model_keeps_its_graphs_and_its_saved_bytes_under_the_profile
         return trainer, walk.bytes, (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
 
     _, plain_bytes, plain_graphs = compiled_fit()
-    profiler = MemoryTopologyProfiler(every_n_steps=1, verbose=False)
+    profiler = MemoryTopologyProfiler(measure_every_n_steps=1, verbose=False)
     with caplog.at_level("INFO"):
         trainer, walked, graphs = compiled_fit(profiler)
     assert graphs == plain_graphs and plain_graphs[0] >= 1
@@ -392,17 +392,17 @@ def test_state_survives_a_checkpoint(tmp_path):
 def test_a_resumed_fit_continues_the_schedule_and_does_not_profile_its_first_steps_again(tmp_path):
     def profiled_steps(max_steps, ckpt_path=None):
         logger = RecordingLogger()
-        trainer = Trainer(**trainer_kwargs(callbacks=[MemoryTopologyProfiler(every_n_steps=5, first_steps=2)],
+        trainer = Trainer(**trainer_kwargs(callbacks=[MemoryTopologyProfiler(measure_every_n_steps=5, first_steps=2)],
                                            logger=logger, max_steps=max_steps))
         trainer.fit(Classifier(optimizer="sgd"), classification_loader(), ckpt_path=ckpt_path)
         return trainer, [step for step, _ in logger.series.get("memory/activations_bytes", [])]
 
-    path = tmp_path / "step4.ckpt"
-    trainer, first = profiled_steps(4)
+    path = tmp_path / "epoch0.ckpt"  # 8 steps, one epoch
+    trainer, first = profiled_steps(8)
     trainer.save_checkpoint(path)
-    _, resumed = profiled_steps(8, ckpt_path=path)
-    _, uninterrupted = profiled_steps(8)
-    assert first == [0, 1] and resumed == [5] and uninterrupted == first + resumed
+    _, resumed = profiled_steps(16, ckpt_path=path)
+    _, uninterrupted = profiled_steps(16)
+    assert first == [0, 1, 5] and resumed == [10, 15] and uninterrupted == first + resumed
 
 
 @pytest.mark.parametrize("kwargs, name", [
