@@ -63,7 +63,6 @@ from trainvitals._validation import check_bool, check_callable, check_int
 from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
 from trainvitals.core.graph import (
     AutogradError,
-    GraphTracer,
     all_zero,
     batch_mixing,
     batchnorm_in_eval,
@@ -86,6 +85,7 @@ from trainvitals.core.integrity import (
     unreached_reasons,
     why_no_grad,
 )
+from trainvitals.core.tracer import GraphTracer
 
 # A diagnosis points at the user's code: frames in Lightning and trainvitals are not the culprit.
 _SKIP_DIRS = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__))
