@@ -40,12 +40,11 @@ what is recorded, logged and raised.
 
 from __future__ import annotations
 
-import enum
 import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -61,6 +60,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 import trainvitals
 from trainvitals._validation import check_bool, check_callable, check_int
 from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
+from trainvitals.core.findings import Finding, FindingKind
 from trainvitals.core.graph import (
     AutogradError,
     all_zero,
@@ -92,50 +92,11 @@ _SKIP_DIRS = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__
 _MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before they are counted on the device
 
 
-class FindingKind(str, enum.Enum):
-    """What a finding is about; the value names its counter, ``graph/findings_<value>``."""
-
-    LOSS_NO_GRAD = "loss_no_grad"
-    LOSS_NOT_FINITE = "loss_not_finite"
-    LOSS_NOT_SCALAR = "loss_not_scalar"
-    UNREACHABLE_PARAMS = "unreachable_params"
-    UNOPTIMIZED_LEAVES = "unoptimized_leaves"
-    FROZEN_IN_OPTIMIZER = "frozen_in_optimizer"
-    STALE_GRAPH = "stale_graph"
-    UNUSED_PARAMS = "unused_params"
-    DEAD_PARAMS = "dead_params"
-    DDP_UNUSED = "ddp_unused"
-    FROZEN_CHANGED = "frozen_changed"
-    GRAD_LEAK = "grad_leak"
-    STEP_BEFORE_BACKWARD = "step_before_backward"
-    BATCH_MIXING = "batch_mixing"
-    NO_GRAD_ERROR = "no_grad_error"
-    SECOND_BACKWARD = "second_backward"
-    INPLACE_MODIFIED = "inplace_modified"
-
-
 _ERROR_KIND = {
     AutogradError.NO_GRAD: FindingKind.NO_GRAD_ERROR,
     AutogradError.SECOND_BACKWARD: FindingKind.SECOND_BACKWARD,
     AutogradError.INPLACE: FindingKind.INPLACE_MODIFIED,
 }
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem found.
-
-    Attributes:
-        kind: what it is about.
-        names: the parameters, module attributes, modules or operations it names.
-        message: plain words: what is wrong, where, and the fix.
-        step: ``trainer.global_step`` (optimizer steps) at the start of the batch it was first found in.
-    """
-
-    kind: FindingKind
-    names: tuple[str, ...]
-    message: str
-    step: int
 
 
 class GraphIntegrityError(RuntimeError):
@@ -627,7 +588,7 @@ class GraphIntegrityCallback(Callback):
         log_scalars(trainer, metrics, step=trainer.global_step)
 
     def _count_metrics(self) -> dict[str, float]:
-        return {f"graph/findings_{k.value}": float(v) for k, v in self.counts.items()}
+        return {k.counter: float(v) for k, v in self.counts.items()}
 
     def _predict_ddp(self, trainer: "pl.Trainer", unused: tuple[str, ...]) -> None:
         ddp = trainer.strategy.model
