@@ -60,9 +60,14 @@ class FindingKind(str, enum.Enum):
         return f"graph/findings_{self.value}"
 
     @property
+    def window_tag(self) -> str | None:
+        """``graph/<metric>``: the kind's count per check window, if it has one."""
+        return f"graph/{self.spec.metric}" if self.spec.metric else None
+
+    @property
     def report_tag(self) -> str:
         """The tag the report judges the kind by: its window count if it has one, else its counter."""
-        return f"graph/{self.spec.metric}" if self.spec.metric else self.counter
+        return self.window_tag or self.counter
 
     LOSS_NO_GRAD = KindSpec(
         "loss_no_grad",
