@@ -9,7 +9,8 @@ finds them:
 - on a schedule, in a check window: a walk of the first batch's graph (unreachable parameters and why,
   leaves in no optimizer, nodes of an earlier step), then ``dead_after_steps`` checked optimizer steps
   (parameters without a gradient or with an exactly zero one all window long, frozen parameters an
-  optimizer changes; under manual optimization, leftover gradients and steps before their backward);
+  optimizer changes, param groups at lr 0 all window long — at fit start without a scheduler —; under
+  manual optimization, leftover gradients and steps before their backward);
 - on an exception: a diagnosis of autograd's three classic errors, added to the exception as a note.
 
 Findings go to :attr:`GraphIntegrityCallback.findings`, a warning once per kind (rank zero), and a
@@ -55,6 +56,7 @@ from trainvitals.callbacks.integrity_checks.manual import GradLeakCheck, StepOrd
 from trainvitals.callbacks.integrity_checks.optimizer import FrozenParamsCheck, UnoptimizedLeavesCheck
 from trainvitals.callbacks.integrity_checks.reachability import ReachabilityCheck
 from trainvitals.callbacks.integrity_checks.stale_graph import StaleGraphCheck
+from trainvitals.callbacks.integrity_checks.zero_lr import ZeroLrCheck
 from trainvitals.core.findings import Finding, FindingKind
 from trainvitals.core.graph import first_tensor, sequence_mark, walk_graph
 from trainvitals.core.integrity import listed
@@ -154,6 +156,7 @@ class GraphIntegrityCallback(Callback):
             FrozenParamsCheck(),
             GradLeakCheck(),
             StepOrderCheck(reachability.streaks),
+            ZeroLrCheck(),
             AutogradErrorCheck(ignore=GraphIntegrityError),
         ]
         if self.check_batch_independence:

@@ -114,6 +114,8 @@ class FindingKind(str, enum.Enum):
     NO_GRAD_ERROR = KindSpec("no_grad_error", critical=_AUTOGRAD_ERROR)
     SECOND_BACKWARD = KindSpec("second_backward", critical=_AUTOGRAD_ERROR)
     INPLACE_MODIFIED = KindSpec("inplace_modified", critical=_AUTOGRAD_ERROR)
+    # Not critical: lr=0 is also a way to freeze a part of the model on purpose.
+    ZERO_LR = KindSpec("zero_lr")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ check (module)                     finds
 ``FrozenParamsCheck`` (optimizer)  optimizer, and those it still changes
 ``GradLeakCheck``,                 manual optimization: leftover gradients, a step before the
 ``StepOrderCheck`` (manual)        backward of its gradients
+``ZeroLrCheck`` (zero_lr)          a param group at lr 0 whose parameters require grad (silently frozen)
 ``BatchMixingCheck``               examples mixed across the batch (``check_batch_independence``)
 ``AutogradErrorCheck``             diagnoses of autograd's three classic errors, on an exception
 ``AnomalyModeCheck`` (anomaly)     no finding: anomaly mode for the first ``detect_anomaly_steps``
