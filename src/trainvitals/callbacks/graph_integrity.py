@@ -49,7 +49,7 @@ from trainvitals._validation import check_bool, check_callable, check_int
 from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.integrity_checks.anomaly import AnomalyModeCheck
 from trainvitals.callbacks.integrity_checks.autograd_errors import AutogradErrorCheck
-from trainvitals.callbacks.integrity_checks.base import Check, Fit
+from trainvitals.callbacks.integrity_checks.base import HOOKS, Check, Fit, overriding
 from trainvitals.callbacks.integrity_checks.batch_mixing import BatchMixingCheck
 from trainvitals.callbacks.integrity_checks.loss import LossCheck
 from trainvitals.callbacks.integrity_checks.manual import GradLeakCheck, StepOrderCheck
@@ -142,6 +142,7 @@ class GraphIntegrityCallback(Callback):
         """The state of a fit that has not started: the findings, the check window, every check's state."""
         self._fit = Fit(self.strict, self.dead_after_steps)
         self._checks = self._build_checks()
+        self._hooks = {hook: overriding(self._checks, hook) for hook in HOOKS}
         self._walks = 0
         self._grad_checks = 0
 
@@ -189,15 +190,6 @@ class GraphIntegrityCallback(Callback):
             # for validate/test with a checkpoint does not carry into a later fit.
             self._reset()
 
-    @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage == "fit":
-            note_unrecorded(trainer, self)
-            # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
-            # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
-            # for validate/test with a checkpoint does not carry into a later fit.
-            self._reset()
-
     # ------------------------------------------------------------------------------------ the hooks
 
     @override
@@ -206,8 +198,7 @@ class GraphIntegrityCallback(Callback):
         fit.mark = sequence_mark()
         fit.step = trainer.global_step
         fit.start(trainer, pl_module)
-        for check in self._checks:
-            check.on_train_start(fit, trainer, pl_module)
+        self._call("on_train_start", trainer, pl_module)
         self._raise_at_batch_start = True  # the first batch's checks (batch mixing) raise before its step
         self._maybe_raise(trainer)
 
@@ -218,8 +209,7 @@ class GraphIntegrityCallback(Callback):
         fit = self._fit
         fit.batch, fit.batch_idx = batch, batch_idx
         step = fit.step = trainer.global_step
-        for check in self._checks:
-            check.on_train_batch_start(fit, trainer, pl_module, batch)
+        self._call("on_train_batch_start", trainer, pl_module, batch)
         if self._raise_at_batch_start:
             self._raise_at_batch_start = False
             self._maybe_raise(trainer)
@@ -233,8 +223,7 @@ class GraphIntegrityCallback(Callback):
         fit.next_check = step + self.check_every_n_steps
         fit.walk_batch = True
         self._walks += 1
-        for check in self._checks:
-            check.on_window_open(fit, trainer)
+        self._call("on_window_open", trainer)
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
@@ -244,12 +233,9 @@ class GraphIntegrityCallback(Callback):
         fit.last_loss = loss
         if loss.grad_fn is not None:
             fit.losses.append(loss.grad_fn)
-        for check in self._checks:
-            check.on_before_backward(fit, trainer, pl_module, loss)
+        self._call("on_before_backward", trainer, pl_module, loss)
         if fit.walk_batch:
-            walk = walk_graph(loss, fit.mark)
-            for check in self._checks:
-                check.on_walk(fit, trainer, pl_module, loss, walk)
+            self._call("on_walk", trainer, pl_module, loss, walk_graph(loss, fit.mark))
 
     @override
     def on_before_optimizer_step(
@@ -267,21 +253,19 @@ class GraphIntegrityCallback(Callback):
         if checked:
             fit.window_left -= 1
             self._grad_checks += 1
-        for check in self._checks:
-            check.on_before_optimizer_step(fit, trainer, pl_module, k, checked)
+        self._call("on_before_optimizer_step", trainer, pl_module, k, checked)
 
     @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         fit = self._fit
-        for check in self._checks:
-            check.on_train_batch_end(fit, trainer, pl_module)
+        self._call("on_train_batch_end", trainer, pl_module)
         fit.walk_batch = False
         if fit.window_open and (fit.window_left <= 0 or trainer.global_step >= fit.next_check):
             self._close_window(trainer)
         elif self.strict:  # a non-finite loss raises at the end of its step
-            self._sync(trainer)
+            self._call("on_sync", trainer)
         fit.end_batch()
         # Nodes created from here on belong to the next step, including its batch-transfer hooks
         # (``on_after_batch_transfer`` runs before ``on_train_batch_start``).
@@ -292,16 +276,15 @@ class GraphIntegrityCallback(Callback):
         fit = self._fit
         fit.window_open = False
         complete = fit.window_left <= 0
-        metrics: dict[str, float] = {}
-        for check in self._checks:
-            metrics.update(check.on_window_close(fit, trainer, complete))
+        metrics = self._call("on_window_close", trainer, complete)
         log_scalars(trainer, {**metrics, **self._count_metrics()}, step=trainer.global_step)
 
-    def _sync(self, trainer: "pl.Trainer") -> dict[str, float]:
-        """Every check's collective outside a window's close: only where every rank calls it."""
+    def _call(self, hook: str, *args: Any) -> dict[str, float]:
+        """Call the checks' ``hook`` (those that override it, in order) with the Fit and ``args``; returns the
+        metrics they return (``on_window_close``, ``on_sync``)."""
         metrics: dict[str, float] = {}
-        for check in self._checks:
-            metrics.update(check.on_sync(self._fit, trainer))
+        for call in self._hooks[hook]:
+            metrics.update(call(self._fit, *args) or {})
         return metrics
 
     def _count_metrics(self) -> dict[str, float]:
@@ -311,8 +294,7 @@ class GraphIntegrityCallback(Callback):
     def on_exception(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException
     ) -> None:
-        for check in self._checks:
-            check.on_exception(self._fit, trainer, pl_module, exception)
+        self._call("on_exception", trainer, pl_module, exception)
         self.teardown(trainer, pl_module, "fit")
         if self.counts:
             # The run ends here, before any check window closes: log the counters now, so that
@@ -355,7 +337,7 @@ class GraphIntegrityCallback(Callback):
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._fit.window_open:
             self._close_window(trainer)
-        elif any((metrics := self._sync(trainer)).values()):  # after the last window: still on the charts
+        elif any((metrics := self._call("on_sync", trainer)).values()):  # after the last window: still on the charts
             log_scalars(trainer, {**metrics, **self._count_metrics()}, step=trainer.global_step)
         self._publish(trainer)
 

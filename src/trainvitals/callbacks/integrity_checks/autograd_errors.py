@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from trainvitals.callbacks.integrity_checks.base import Check, Fit
 from trainvitals.core.findings import FindingKind

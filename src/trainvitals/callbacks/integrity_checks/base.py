@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
@@ -24,6 +24,7 @@ from trainvitals.core.tracer import GraphTracer
 
 # A diagnosis points at the user's code: frames in Lightning and trainvitals are not the culprit.
 _SKIP_DIRS = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__))
+
 
 class Fit:
     """What the checks of one fit share: the findings, who owns which parameter, the check window, the batch.
@@ -181,8 +182,8 @@ def isolated_rng(pl_module: "pl.LightningModule") -> Iterator[None]:
 class Check:
     """One integrity check: the hooks it needs, its state, its finding kinds and their messages.
 
-    :class:`~trainvitals.callbacks.graph_integrity.GraphIntegrityCallback` calls every check's hook
-    in the order of its checks, with the shared :class:`Fit` first. The hooks are Lightning's, and
+    :class:`~trainvitals.callbacks.graph_integrity.GraphIntegrityCallback` calls each hook of the
+    checks that override it, in the order of its checks, with the shared :class:`Fit` first. The hooks are Lightning's, and
     three of the callback's schedule: a check window opens (``on_window_open``), a loss of its first
     batch was walked (``on_walk``), the window closes (``on_window_close``). A check overrides the
     hooks it needs; what survives a resume goes through ``state_dict``, whose keys are merged with
@@ -240,3 +241,12 @@ class Check:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Read this check's keys of the callback's state (with ``.get``: older checkpoints lack some)."""
+
+
+HOOKS = tuple(name for name in vars(Check) if name.startswith("on_"))
+"""The hooks the callback calls on its checks."""
+
+
+def overriding(checks: Sequence[Check], hook: str) -> list[Callable[..., Any]]:
+    """The ``hook`` methods of the ``checks`` that override it, bound, in order: a step calls only those."""
+    return [getattr(check, hook) for check in checks if getattr(type(check), hook) is not getattr(Check, hook)]

@@ -86,6 +86,8 @@ class StepOrderCheck(Check):
                 self._gradless[name] = (k, p)
 
     def on_train_batch_end(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if pl_module.automatic_optimization:
+            return
         late = {n: k for n, (k, p) in self._gradless.items() if p.grad is not None}
         self._gradless = {}
         stepped = set(fit.stepped)
