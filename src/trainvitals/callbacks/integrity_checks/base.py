@@ -183,11 +183,12 @@ class Check:
     """One integrity check: the hooks it needs, its state, its finding kinds and their messages.
 
     :class:`~trainvitals.callbacks.graph_integrity.GraphIntegrityCallback` calls each hook of the
-    checks that override it, in the order of its checks, with the shared :class:`Fit` first. The hooks are Lightning's, and
-    three of the callback's schedule: a check window opens (``on_window_open``), a loss of its first
-    batch was walked (``on_walk``), the window closes (``on_window_close``). A check overrides the
-    hooks it needs; what survives a resume goes through ``state_dict``, whose keys are merged with
-    the other checks' into the callback's state (so they must be unique).
+    checks that override it, in the order of its checks, with the shared :class:`Fit` first. The
+    hooks are Lightning's, and four of the callback's schedule: a check window opens
+    (``on_window_open``), a loss of its first batch was walked (``on_walk``), the window closes
+    (``on_window_close``), a point every rank reaches outside a close (``on_sync``). What survives a
+    resume goes through ``state_dict``, whose keys are merged with the other checks' into the
+    callback's state (so they must be unique).
 
     Attributes:
         kinds: the finding kinds this check files.
