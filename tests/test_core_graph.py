@@ -9,15 +9,12 @@ from torch import nn
 
 from trainvitals.core.graph import (
     AutogradError,
-    Cut,
-    GraphTracer,
     all_zero,
     anomaly_location,
     attributes_reaching,
     batch_mixing,
     batchnorm_in_eval,
     classify_autograd_error,
-    describe_cut,
     module_names,
     nearest_leaves,
     owner_module,
@@ -28,6 +25,7 @@ from trainvitals.core.graph import (
     user_location,
     walk_graph,
 )
+from trainvitals.core.tracer import Cut, GraphTracer, describe_cut
 
 
 def mlp() -> nn.Sequential:

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainvitals.core.graph import GraphTracer, InplaceInfo, sequence_mark, tensor_names, walk_graph
+from trainvitals.core.graph import InplaceInfo, sequence_mark, tensor_names, walk_graph
+from trainvitals.core.tracer import GraphTracer
 from trainvitals.core.integrity import (
     GradientStreaks,
     describe_stale_graph,

@@ -740,6 +740,54 @@ def test_manual_loops_whose_every_gradient_is_stepped_are_not_accused(model, eve
     assert K.STEP_BEFORE_BACKWARD not in kinds(cb)
 
 
+# ------------------------------------------------------------------------------------ learning rate
+
+
+class ZeroLrBody(Net):
+    """The body's param group at ``body_lr`` (the head's at 0.1); ``schedule`` scales the body's by step."""
+
+    def __init__(self, body_lr: float = 0.0, schedule=None) -> None:
+        super().__init__()
+        self.body_lr, self.schedule = body_lr, schedule
+
+    def configure_optimizers(self):
+        groups = [{"params": self.body.parameters(), "lr": self.body_lr}, {"params": self.head.parameters()}]
+        opt = torch.optim.SGD(groups, lr=0.1)
+        if self.schedule is None:
+            return opt
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, [self.schedule, lambda step: 1.0])
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_a_param_group_at_lr_zero_is_named_with_its_modules_at_fit_start():
+    model = ZeroLrBody()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False)
+    caught = fit(model, cb, steps=4)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {"head.weight", "head.bias"}  # what the finding claims: the body's group never moves
+    f = finding(cb, K.ZERO_LR)
+    assert f.names == ("optimizer 0 param group 0", "body") and f.step == 0
+    assert cb.counts[K.ZERO_LR] == 1 + 4 // 2  # at fit start, then in each window (one checked step each)
+    assert sum("[zero_lr]" in m and "module `body`" in m for m in caught) == 1
+    assert any("| zero_lr | `optimizer 0 param group 0`, `body` |" in row for row in cb.summary_markdown().splitlines())
+
+
+@pytest.mark.parametrize(
+    ("schedule", "found_at"),
+    [
+        (lambda step: 1.0 if step < 4 else 0.0, 5),  # 0 from step 4 on: the window of steps 4-5 finds it
+        (lambda step: min(1.0, step / 2), None),  # a warm-up from 0: at 0 for one step of its window only
+    ],
+)
+def test_a_scheduled_lr_is_judged_over_whole_windows_at_zero(schedule, found_at):
+    cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=2, verbose=False)
+    fit(ZeroLrBody(body_lr=0.1, schedule=schedule), cb, steps=8)
+    found = [(f.names, f.step) for f in cb.findings if f.kind is K.ZERO_LR]
+    assert found == ([] if found_at is None else [(("optimizer 0 param group 0", "body"), found_at)])
+    assert cb.counts.get(K.ZERO_LR, 0) == (0 if found_at is None else 2)  # the windows of steps 4-5 and 6-7
+
+
 # ---------------------------------------------------------------------------------- in-place errors
 
 

@@ -25,18 +25,17 @@ from torch.autograd.graph import Node
 from trainvitals.core.graph import (
     AutogradError,
     created_before,
-    GraphTracer,
     InplaceInfo,
     all_zero,
     anomaly_location,
     attributes_reaching,
-    describe_cut,
     nearest_leaves,
     owner_module,
     parse_inplace_error,
     saved_tensor_errors,
     walk_graph,
 )
+from trainvitals.core.tracer import GraphTracer, describe_cut
 
 SHOWN = 5  # names spelled out in a message; a finding keeps them all
 
@@ -232,7 +231,7 @@ def why_no_grad(
 
     Tries the cheap explanations first: a leaf built from a value, grad mode off now (so call this
     where the loss was computed), a model with every parameter frozen; then ``rerun``, whose trace
-    names the operation and line that cut the graph (:func:`~trainvitals.core.graph.describe_cut`).
+    names the operation and line that cut the graph (:func:`~trainvitals.core.tracer.describe_cut`).
 
     Args:
         loss: the tensor without ``grad_fn``.

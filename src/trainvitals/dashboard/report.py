@@ -52,6 +52,7 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
 from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE
+from trainvitals.core.findings import INTEGRITY, critical_counters, last_window_counters
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.tags import (
     DIAGNOSIS_TAG,
@@ -72,37 +73,21 @@ BAND_WINDOW = 10
 """Logged steps over which the fraction in the noise band is taken: one step is in it about half the
 time from noise alone at a stationary point (docs/science.md §3), so a single flag says little."""
 
-INTEGRITY, SPIKES, EVENT_FILES = "integrity", "spikes and non-finite steps", "event files"
+SPIKES, EVENT_FILES = "spikes and non-finite steps", "event files"
 
 CRITICAL_COUNTERS = (
     (SPIKES, grad_norm("nonfinite_steps"), "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler"),
-    (INTEGRITY, r"graph/findings_loss_no_grad$",
-     "the loss had no grad_fn or reached no parameter on {n} step(s): it was detached (.item(), .detach(), "
-     "torch.no_grad()), nothing trains"),
-    (INTEGRITY, r"graph/findings_(?:no_grad_error|second_backward|inplace_modified)$",
-     "the run failed in backward with one of autograd's classic errors ({n}); the integrity panel has the diagnosis"),
-    (INTEGRITY, r"graph/nonfinite_losses$", "{n} non-finite loss value(s) in one check window"),
-    (INTEGRITY, r"graph/findings_step_before_backward$",
-     "an optimizer stepped before the backward that gives its parameters their gradients ({n}): they never train"),
-    (INTEGRITY, r"graph/unused_params$",
-     "{n} parameter(s) got no gradient in the last check window: not in the loss's graph (an unused head, a "
-     "detached branch)"),
-    (INTEGRITY, r"graph/unoptimized_params$",
-     "{n} tensor(s) get gradients but belong to no optimizer: unregistered on the module (layers in a plain "
-     "Python list?) or left out of configure_optimizers; they never train"),
-    (INTEGRITY, r"graph/leaked_graphs$",
-     "the loss reached autograd nodes of an earlier step ({n} walk(s)): a graph kept alive across steps "
-     "(total += loss, a hidden state not detached)"),
+    *critical_counters(),
 )
 """(section, tag regex, message): a counter is critical when its largest value (summed over optimizers) is > 0.
 
+The integrity rows come from the finding kinds' table (:class:`~trainvitals.core.findings.FindingKind`).
 The largest, not the last: GraphIntegrityCallback's counts are per check window, and a problem seen in
-any window is a problem — except unused parameters (:data:`LAST_WINDOW`)."""
+any window is a problem — except those read in the last window only (:data:`LAST_WINDOW`)."""
 
-LAST_WINDOW = frozenset({r"graph/unused_params$"})
-"""Counters read in the last check window only: a branch taken only on some batches (an expert that got no
-tokens for a while) goes unused in one window and trains in the next; a parameter that never trains is
-still unused at the end."""
+LAST_WINDOW = last_window_counters()
+"""Counters read in the last check window only (unused parameters: a branch taken only on some batches goes
+unused in one window and trains in the next)."""
 
 
 class ReportError(Exception):

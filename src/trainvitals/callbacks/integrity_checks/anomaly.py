@@ -1,0 +1,40 @@
+"""Anomaly detection for the first optimizer steps: the one-batch self-test before a long run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import lightning.pytorch as pl
+
+from trainvitals.callbacks.integrity_checks.base import Check, Fit
+
+
+class AnomalyModeCheck(Check):
+    """Runs the batches that start before optimizer step ``steps`` under ``torch.autograd`` anomaly
+    detection (NaN checks on), restoring the previous mode at the batch's end (or when the fit fails,
+    after the diagnoses, which quote the forward tracebacks anomaly mode records). Files no finding:
+    autograd raises, and :class:`~trainvitals.callbacks.integrity_checks.autograd_errors.AutogradErrorCheck`
+    explains.
+
+    Args:
+        steps: optimizer steps whose batches run under anomaly mode.
+    """
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._previous: tuple[bool, bool] | None = None
+
+    def on_train_batch_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any) -> None:
+        if fit.step < self.steps and self._previous is None:
+            self._previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+            torch.set_anomaly_enabled(True, True)
+
+    def on_train_batch_end(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.teardown()
+
+    def teardown(self) -> None:
+        if self._previous is not None:
+            torch.set_anomaly_enabled(*self._previous)
+            self._previous = None

@@ -1,0 +1,68 @@
+"""Examples mixed across the batch: output i depends on input j ≠ i."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from trainvitals.callbacks.integrity_checks.base import Check, Fit, isolated_rng
+from trainvitals.core.findings import FindingKind
+from trainvitals.core.graph import batch_mixing, batchnorm_in_eval
+from trainvitals.core.integrity import SHOWN, listed
+
+
+class BatchMixingCheck(Check):
+    """On the fit's first batch, once per run (resumes included): calls ``pl_module(x)`` on the batch's
+    input and back-propagates from two output rows (catches ``view``/``permute`` bugs that mix
+    examples). BatchNorm layers in training mode run in eval mode for it (it says so).
+
+    Args:
+        batch_input: maps a batch to the model's input.
+    """
+
+    kinds = (FindingKind.BATCH_MIXING,)
+
+    def __init__(self, batch_input: Callable[[Any], Tensor | None]) -> None:
+        self.batch_input = batch_input
+        self._done = False
+
+    def on_train_batch_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any) -> None:
+        if self._done:
+            return
+        self._done = True
+        x = self.batch_input(batch)
+        with isolated_rng(pl_module), batchnorm_in_eval(pl_module) as switched:
+            try:
+                if x is None:
+                    raise ValueError("the batch holds no tensor")
+                mixing = batch_mixing(pl_module, x)
+            except Exception as err:  # the model called on a guessed input: any failure means "cannot check"
+                rank_zero_warn(f"trainvitals GraphIntegrityCallback: could not check batch independence: "
+                               f"{type(err).__name__}: {err}")
+                return
+        if switched:
+            rank_zero_info(
+                f"trainvitals GraphIntegrityCallback: the batch-independence check ran {len(switched)} BatchNorm layer(s) in eval mode "
+                f"({listed(switched)}): in training mode BatchNorm mixes examples through the batch statistics "
+                "by design."
+            )
+        mixed = {i: js for i, js in mixing.items() if js}
+        if mixed:
+            detail = "; ".join(f"output {i} depends on inputs {js[:SHOWN]}" for i, js in mixed.items())
+            fit.record(
+                FindingKind.BATCH_MIXING,
+                tuple(f"output[{i}]" for i in mixed),
+                f"Examples are mixed across the batch: {detail}. A `view`/`reshape` or `permute` that moves the "
+                "batch dimension is the usual cause (e.g. `x.view(C, B, ...)` on a `(B, C, ...)` tensor).",
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"independence_done": self._done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._done = bool(state.get("independence_done", False))

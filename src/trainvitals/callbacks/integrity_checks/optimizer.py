@@ -1,0 +1,101 @@
+"""Who the optimizers train: leaves outside every optimizer, frozen parameters inside one."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+import lightning.pytorch as pl
+
+from trainvitals.callbacks.integrity_checks.base import Check, Fit
+from trainvitals.core.findings import FindingKind
+from trainvitals.core.graph import GraphWalk
+from trainvitals.core.integrity import frozen_change_causes, listed
+
+
+class UnoptimizedLeavesCheck(Check):
+    """On a walk: leaves that get gradients but belong to no optimizer param group, and whether they are
+    registered on the module. Logs ``graph/unoptimized_params`` and, of those, ``graph/unregistered_params``."""
+
+    kinds = (FindingKind.UNOPTIMIZED_LEAVES,)
+
+    def __init__(self) -> None:
+        self._unoptimized = self._unregistered = 0
+
+    def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
+        self._unoptimized = self._unregistered = 0
+
+    def on_walk(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk) -> None:
+        if not fit.opt_of:
+            return
+        unoptimized = [
+            t for t in walk.leaves
+            if id(t) not in fit.opt_of and (isinstance(t, nn.Parameter) or id(t) in fit.names)
+        ]
+        if not unoptimized:
+            return
+        registered = {id(p) for p in pl_module.parameters()}
+        names = tuple(fit.names.get(id(t), f"<tensor {tuple(t.shape)}>") for t in unoptimized)
+        unregistered = [n for n, t in zip(names, unoptimized) if id(t) not in registered]
+        self._unoptimized += len(names)
+        self._unregistered += len(unregistered)
+        which = "they" if len(unregistered) == len(names) else listed(unregistered)
+        why = (
+            f"{which} are not registered on the module (kept in a plain Python list, dict or attribute): use "
+            "nn.ModuleList / nn.ModuleDict / nn.Parameter so that `parameters()` includes them"
+            if unregistered
+            else "they are registered, but configure_optimizers left them out"
+        )
+        fit.record(
+            FindingKind.UNOPTIMIZED_LEAVES,
+            names,
+            f"{listed(names)} receive gradients but belong to no optimizer param group, so they never change: "
+            f"{why}.",
+        )
+
+    def on_window_close(self, fit: Fit, trainer: "pl.Trainer", complete: bool) -> dict[str, float]:
+        return {
+            FindingKind.UNOPTIMIZED_LEAVES.window_tag: float(self._unoptimized),
+            "graph/unregistered_params": float(self._unregistered),
+        }
+
+
+class FrozenParamsCheck(Check):
+    """At fit start: parameters with ``requires_grad=False`` in an optimizer; at each checked step, their
+    version, so that one the step changed is reported at the batch end with the cause."""
+
+    kinds = (FindingKind.FROZEN_IN_OPTIMIZER, FindingKind.FROZEN_CHANGED)
+
+    def __init__(self) -> None:
+        self._versions: list[tuple[str, Tensor, int, int]] = []
+
+    def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        for k, named in enumerate(fit.opt_params):
+            frozen = tuple(n for n, p in named if not p.requires_grad)
+            if frozen:
+                fit.record(
+                    FindingKind.FROZEN_IN_OPTIMIZER,
+                    frozen,
+                    f"{listed(frozen)} are in {fit.optimizer(trainer, k)} but have "
+                    "requires_grad=False: they get no gradient, yet momentum or weight decay still change them "
+                    "whenever they hold a `.grad`. Build the optimizer from the trainable parameters only "
+                    "(`[p for p in self.parameters() if p.requires_grad]`).",
+                )
+
+    def on_before_optimizer_step(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", k: int, checked: bool
+    ) -> None:
+        if checked:
+            self._versions.extend((n, p, p._version, k) for n, p in fit.opt_params[k] if not p.requires_grad)
+
+    def on_train_batch_end(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        for name, p, version, k in self._versions:
+            if p._version == version:
+                continue
+            fit.record(
+                FindingKind.FROZEN_CHANGED,
+                (name,),
+                f"`{name}` has requires_grad=False but {fit.optimizer(trainer, k)} changed it: "
+                + "; ".join(frozen_change_causes(p, trainer.optimizers[k]))
+                + ". Set its `.grad` to None when freezing it, or remove it from the optimizer.",
+            )
+        self._versions = []

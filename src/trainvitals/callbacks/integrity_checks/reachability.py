@@ -1,0 +1,164 @@
+"""Parameters the loss does not reach, and parameters whose gradient is missing or zero for a while."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+import lightning.pytorch as pl
+
+from trainvitals.callbacks.integrity_checks.base import Check, Fit
+from trainvitals.core.findings import FindingKind
+from trainvitals.core.graph import GraphWalk
+from trainvitals.core.integrity import GradientStreaks, listed, unreached_reasons
+
+
+def _ddp_without_unused_search(trainer: "pl.Trainer") -> bool:
+    """DDP with ``find_unused_parameters=False``: a step in which a parameter gets no gradient fails the next."""
+    ddp = trainer.strategy.model
+    return isinstance(ddp, DistributedDataParallel) and not ddp.find_unused_parameters
+
+
+class ReachabilityCheck(Check):
+    """The walk of a window's first batch finds the trainable parameters the loss cannot reach, and why
+    (a global module forward hook notes which modules ran, and with grad mode on). One batch does not
+    make them unused (an auxiliary head used every other step, an expert that got no tokens): a
+    parameter of an optimizer is reported when the window closes if it also went the whole window
+    without a gradient; one outside every optimizer, or any under DDP with
+    ``find_unused_parameters=False`` (whose next step fails on it), at once.
+
+    At each checked optimizer step the gradients of its parameters extend :attr:`streaks`: a parameter
+    without a gradient (unused) or with an exactly zero one (dead) for ``dead_after_steps`` steps in a
+    row is reported when the window closes, with what DDP without the unused-parameter search would
+    make of it. Logs ``graph/unused_params`` and ``graph/dead_params`` for complete windows.
+    """
+
+    kinds = (FindingKind.UNREACHABLE_PARAMS, FindingKind.UNUSED_PARAMS, FindingKind.DEAD_PARAMS, FindingKind.DDP_UNUSED)
+
+    def __init__(self) -> None:
+        self.streaks = GradientStreaks()
+        self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
+        self._walked = False  # a loss of the walk batch was walked
+        self._compiled = False  # a walked loss went through a torch.compile'd region
+        self._reached: set[int] = set()
+        self._ran: dict[int, bool] = {}
+        self._hook: Any = None
+
+    def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._compiled = False
+
+    def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
+        self.streaks.clear()
+        self._walked = False
+        self._reached.clear()
+        self._ran.clear()
+        self._hook = nn.modules.module.register_module_forward_hook(self._note_forward)
+
+    def _note_forward(self, module: nn.Module, *_: Any) -> None:
+        self._ran[id(module)] = self._ran.get(id(module), False) or torch.is_grad_enabled()
+
+    def on_walk(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk) -> None:
+        self._walked = True
+        self._compiled = self._compiled or any(type(n).__name__ == "CompiledFunctionBackward" for n in walk.nodes)
+        self._reached.update(id(t) for t in walk.leaves)
+
+    def on_before_optimizer_step(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", k: int, checked: bool
+    ) -> None:
+        if checked:
+            self.streaks.update(k, fit.opt_params[k])
+
+    def on_train_batch_end(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if not fit.walk_batch:
+            return
+        self.teardown()
+        if not self._walked:  # no backward ran in this batch
+            return
+        unreached = [n for n, p in fit.tracked if p.requires_grad and id(p) not in self._reached]
+        reasons = unreached_reasons(pl_module, unreached, self._ran)
+        ddp = _ddp_without_unused_search(trainer)
+        if not ddp:
+            self._unreached = {n: why for n, why in reasons.items() if id(fit.params_by_name[n]) in fit.opt_of}
+        self._record_unreachable(fit, {n: why for n, why in reasons.items() if n not in self._unreached}, ddp)
+
+    def _record_unreachable(self, fit: Fit, reasons: dict[str, str], ddp: bool = False) -> None:
+        if not reasons:
+            return
+        names = tuple(reasons)
+        fit.record(
+            FindingKind.UNREACHABLE_PARAMS,
+            names,
+            f"{len(names)} trainable parameter(s) cannot be reached from the loss and will get no gradient: "
+            + "; ".join(dict.fromkeys(reasons.values())) + "."
+            + (" This run's DDP (find_unused_parameters=False) waits for their gradients and fails at the next "
+               "step: strategy='ddp_find_unused_parameters_true', or remove or freeze them." if ddp else ""),
+        )
+
+    def on_window_close(self, fit: Fit, trainer: "pl.Trainer", complete: bool) -> dict[str, float]:
+        n = fit.dead_after_steps
+        # A window the end of the run cut short has no verdict on unused or dead parameters: its streaks
+        # are shorter than n, and a 0 logged for it would read as "all parameters train".
+        unused, dead = self.streaks.at_least(n) if complete else ((), ())
+        self._record_unreachable(fit, {name: why for name, why in self._unreached.items() if name in unused})
+        self._unreached = {}
+        if unused:
+            fit.record(
+                FindingKind.UNUSED_PARAMS,
+                unused,
+                f"{len(unused)} parameter(s) got no gradient (`.grad` is None) at {n} optimizer steps in a row: "
+                f"{listed(unused)}. They are not in the loss's graph; the optimizer skips them. A branch taken only "
+                "on some batches (an expert that got no tokens) looks the same for a while: if these train later, "
+                "raise dead_after_steps.",
+            )
+            self._predict_ddp(fit, trainer, unused)
+        if dead:
+            fit.record(
+                FindingKind.DEAD_PARAMS,
+                dead,
+                f"{len(dead)} parameter(s) had a gradient of exactly zero at {n} optimizer steps in a row: "
+                f"{listed(dead)}. They are in the graph but the gradient is blocked (a ReLU or clamp of values "
+                "that are always negative, a multiplication by zero, a saturated activation)."
+                + (" In a torch.compile'd region, a parameter whose output does not reach the loss also gets a "
+                   "gradient of zeros rather than none." if self._compiled else ""),
+            )
+        if not complete:
+            return {}
+        return {FindingKind.UNUSED_PARAMS.window_tag: float(len(unused)), FindingKind.DEAD_PARAMS.window_tag: float(len(dead))}
+
+    @staticmethod
+    def _predict_ddp(fit: Fit, trainer: "pl.Trainer", unused: tuple[str, ...]) -> None:
+        ddp = trainer.strategy.model
+        if isinstance(ddp, DistributedDataParallel) and ddp.find_unused_parameters:
+            return
+        now = (
+            "This run uses DDP with find_unused_parameters=False: the next step fails"
+            if isinstance(ddp, DistributedDataParallel)
+            else "Under DDP with find_unused_parameters=False (the default of strategy='ddp') the next step fails"
+        )
+        fit.record(
+            FindingKind.DDP_UNUSED,
+            unused,
+            f"{now} with 'Expected to have finished reduction in the prior iteration': the reducer waits for "
+            f"gradients of {listed(unused)} that never come. Fix: strategy='ddp_find_unused_parameters_true' "
+            "(DDPStrategy(find_unused_parameters=True)), or, if they are not meant to train, remove or freeze them.",
+        )
+
+    def on_exception(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException
+    ) -> None:
+        self.teardown()  # before a diagnosis re-runs the step
+
+    def teardown(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.streaks.state_dict(), "unreached": dict(self._unreached)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streaks.load_state_dict(state)
+        self._unreached = dict(state.get("unreached", {}))
