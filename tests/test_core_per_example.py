@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainvitals.core import per_example as per_example_module
+from trainvitals.core.per_example import _common as per_example_module
 from trainvitals.core.noise import (
     NoiseScaleEMA,
     NoiseScaleError,
