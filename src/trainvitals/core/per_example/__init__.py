@@ -41,7 +41,11 @@ from trainvitals.core.per_example.registry import (
 )
 
 #: The torch layers with a built-in rule.
-PER_EXAMPLE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm)
+PER_EXAMPLE_LAYERS = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+)
 
 __all__ = [
     "PER_EXAMPLE_LAYERS", "Call", "LossReduction", "PerExampleGradients", "PerExampleRule", "PerExampleStep",

@@ -38,16 +38,16 @@ class OuterProductRule(PerExampleRule):
     """A layer y_t = W a_t (+ b): subclasses say what the positions t, activations a_t and output
     gradients δ_t are, and how a ``(O, I)`` block maps to the weight's shape."""
 
-    def _gradients(self, module: nn.Module, grad_output: Tensor) -> Tensor:
+    def _gradients(self, module: nn.Module, use: Use) -> Tensor:
         """The output gradients ``(B, T, O)`` (a view where it can be)."""
         raise NotImplementedError
 
-    def _activations(self, module: nn.Module, inputs: Tensor, dtype: torch.dtype,
+    def _activations(self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype,
                      workspace: Workspace | None) -> Tensor:
-        """The activations ``(b, T, I)`` of the examples of ``inputs``, in ``dtype``."""
+        """The activations ``(b, T, I)`` of examples ``start:stop``, in ``dtype``."""
         raise NotImplementedError
 
-    def _fan_in(self, module: nn.Module, inputs: Tensor) -> int:
+    def _fan_in(self, module: nn.Module, use: Use) -> int:
         raise NotImplementedError
 
     def _copies_activations(self, module: nn.Module) -> bool:
@@ -68,8 +68,8 @@ class OuterProductRule(PerExampleRule):
         stage at 224×224 has ~7 MB of patches per example, a 768→3072 Linear 9 MB blocks).
         """
         dtype = _accumulation_dtype(uses[0].grad_output)
-        grads = [self._gradients(module, u.grad_output) for u in uses]
-        batch, fan_in = uses[0].inputs.shape[0], self._fan_in(module, uses[0].inputs)
+        grads = [self._gradients(module, u) for u in uses]
+        batch, fan_in = grads[0].shape[0], self._fan_in(module, uses[0])
         positions, fan_out = sum(g.shape[1] for g in grads), grads[0].shape[2]
         copied = self._copies_activations(module) or len(uses) > 1
         largest = max(positions * fan_in if copied else 0, fan_out * fan_in, positions * positions) \
@@ -79,14 +79,14 @@ class OuterProductRule(PerExampleRule):
         space = workspace if len(uses) == 1 else None
         for start in range(0, max(batch, 1), chunk):  # an empty batch is one empty chunk
             stop = start + chunk
-            a = [self._activations(module, u.inputs[start:stop], dtype, space) for u in uses]
+            a = [self._activations(module, u, start, stop, dtype, space) for u in uses]
             g = [g[start:stop].to(dtype) for g in grads]
             yield (a[0], g[0]) if len(uses) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
 
     def _bias_grads(self, module: nn.Module, uses: Sequence[Use]) -> Tensor:
         """Per-example bias gradients ``(B, O)``: the output gradients summed over positions and uses."""
         dtype = _accumulation_dtype(uses[0].grad_output)
-        return functools.reduce(torch.add, [self._gradients(module, u.grad_output).to(dtype).sum(1) for u in uses])
+        return functools.reduce(torch.add, [self._gradients(module, u).to(dtype).sum(1) for u in uses])
 
     def sq_norms(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None) -> Tensor:
         # A layer frozen after the sources were planned still gets its (zero) entry.
@@ -95,7 +95,7 @@ class OuterProductRule(PerExampleRule):
             sq = torch.cat([_outer_sq_norms(a, g, workspace) for a, g in self._chunks(module, uses, workspace)])
         else:
             g = uses[0].grad_output
-            sq = g.new_zeros(g.shape[0], dtype=_accumulation_dtype(g))
+            sq = g.new_zeros(self._gradients(module, uses[0]).shape[0], dtype=_accumulation_dtype(g))
         return sq + self._bias_grads(module, uses).square().sum(1) if "bias" in trainable else sq
 
     def sums(self, module: nn.Module, uses: Sequence[Use],
@@ -123,15 +123,15 @@ class OuterProductRule(PerExampleRule):
 class LinearRule(OuterProductRule):
     """nn.Linear on ``(B, *, I)``: the positions are the middle dimensions."""
 
-    def _gradients(self, module: nn.Module, grad_output: Tensor) -> Tensor:
-        return _by_position(grad_output)
+    def _gradients(self, module: nn.Module, use: Use) -> Tensor:
+        return _by_position(use.grad_output)
 
-    def _activations(self, module: nn.Module, inputs: Tensor, dtype: torch.dtype,
+    def _activations(self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype,
                      workspace: Workspace | None) -> Tensor:
-        return _by_position(inputs).to(dtype)
+        return _by_position(use.inputs[start:stop]).to(dtype)
 
-    def _fan_in(self, module: nn.Module, inputs: Tensor) -> int:
-        return inputs.shape[-1]
+    def _fan_in(self, module: nn.Module, use: Use) -> int:
+        return use.inputs.shape[-1]
 
     def sq_norms(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None) -> Tensor:
         if len(uses) > 1 or uses[0].inputs.dim() != 2:

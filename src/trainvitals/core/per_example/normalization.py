@@ -6,10 +6,29 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 
 from trainvitals.core.per_example._common import _accumulation_dtype, _trainable
 from trainvitals.core.per_example.registry import PerExampleRule, Use, register_per_example_rule
+
+
+def _standardized(x: Tensor, dims: tuple[int, ...], eps: float) -> Tensor:
+    """(x − mean) / sqrt(biased variance + eps) over ``dims``, each example on its own (the biased
+    variance as a mean: ``Tensor.var`` warns on an empty batch)."""
+    centred = x - x.mean(dims, keepdim=True)
+    return centred * (centred.square().mean(dims, keepdim=True) + eps).rsqrt()
+
+
+def _over_positions(module: nn.Module, t: Tensor) -> Tensor:
+    """``(B, *, *normalized_shape)`` → ``(B, *normalized_shape)`` (LayerNorm, RMSNorm)."""
+    shape = tuple(module.normalized_shape)
+    return t.reshape(t.shape[0], math.prod(t.shape[1:t.dim() - len(shape)]), *shape).sum(1)
+
+
+def _per_channel(t: Tensor) -> Tensor:
+    """``(B, C, *)`` → ``(B, C)``, summed over the positions."""
+    return t.flatten(2).sum(2)
 
 
 class AffineNormRule(PerExampleRule):
@@ -40,11 +59,68 @@ class AffineNormRule(PerExampleRule):
 @register_per_example_rule(nn.LayerNorm)
 class LayerNormRule(AffineNormRule):
     def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
-        dims = tuple(range(-len(module.normalized_shape), 0))
-        centred = x - x.mean(dims, keepdim=True)
-        # LayerNorm's biased variance, as a mean: ``Tensor.var`` warns on an empty batch.
-        return centred * (centred.square().mean(dims, keepdim=True) + module.eps).rsqrt()
+        return _standardized(x, tuple(range(-len(module.normalized_shape), 0)), module.eps)
 
     def _to_parameter(self, module: nn.Module, t: Tensor) -> Tensor:
-        shape = tuple(module.normalized_shape)
-        return t.reshape(t.shape[0], math.prod(t.shape[1:t.dim() - len(shape)]), *shape).sum(1)
+        return _over_positions(module, t)
+
+
+@register_per_example_rule(nn.GroupNorm)
+class GroupNormRule(AffineNormRule):
+    """nn.GroupNorm on ``(B, C, *)``: statistics per example and group of C/G channels."""
+
+    def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
+        grouped = x.reshape(x.shape[0], module.num_groups, -1)
+        return _standardized(grouped, (2,), module.eps).reshape(x.shape)
+
+    def _to_parameter(self, module: nn.Module, t: Tensor) -> Tensor:
+        return _per_channel(t)
+
+
+@register_per_example_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+class InstanceNormRule(AffineNormRule):
+    """nn.InstanceNorm1d/2d/3d with ``affine=True`` on batched ``(B, C, *)``: statistics per example and
+    channel, or the running ones in eval mode with ``track_running_stats``."""
+
+    def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
+        if module.training or not module.track_running_stats:
+            return _standardized(x, tuple(range(2, x.dim())), module.eps)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        return (x - module.running_mean.view(shape)) * (module.running_var.view(shape) + module.eps).rsqrt()
+
+    def _to_parameter(self, module: nn.Module, t: Tensor) -> Tensor:
+        return _per_channel(t)
+
+
+@register_per_example_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+class BatchNormRule(AffineNormRule):
+    """BatchNorm in eval mode, normalising with its running statistics: each example on its own. In
+    training mode its batch statistics couple the examples, and it has no per-example gradient."""
+
+    def unsupported(self, module: nn.Module) -> str | None:
+        if module.training or module.running_mean is None:
+            return "BatchNorm couples the examples (batch statistics: training mode, or no running statistics)"
+        return None
+
+    def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
+        if self.unsupported(module):  # put in training mode after the sources were planned
+            raise RuntimeError("BatchNorm normalised with batch statistics, which couple the examples")
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        return (x - module.running_mean.view(shape)) * (module.running_var.view(shape) + module.eps).rsqrt()
+
+    def _to_parameter(self, module: nn.Module, t: Tensor) -> Tensor:
+        return _per_channel(t) if t.dim() > 2 else t
+
+
+@register_per_example_rule(nn.RMSNorm)
+class RMSNormRule(AffineNormRule):
+    """nn.RMSNorm: x̂ = x / sqrt(mean(x²) + eps) over ``normalized_shape`` (eps ``None``: the input
+    dtype's machine epsilon, as torch does)."""
+
+    def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
+        dims = tuple(range(-len(module.normalized_shape), 0))
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        return x * (x.square().mean(dims, keepdim=True) + eps).rsqrt()
+
+    def _to_parameter(self, module: nn.Module, t: Tensor) -> Tensor:
+        return _over_positions(module, t)

@@ -89,7 +89,7 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
     excluded = set(exclude)
     owners: Counter[int] = Counter(id(p) for _, m in model.named_modules() for p in _trainable(m).values())
     per_example, vmap, micro, uncovered = {}, {}, {}, {}
-    coupled = tuple(n for n, m in model.named_modules() if isinstance(m, _BatchNorm))
+    coupled = tuple(n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and unsupported_reason(m))
     attention = {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
     attention.update({f"{n}.out_proj" if n else "out_proj": m.out_proj for n, m in list(attention.items())})
     for name, module in model.named_modules():

@@ -126,7 +126,7 @@ def register_per_example_rule(*module_types: type[nn.Module], whole_call: bool =
 
         @register_per_example_rule(Scale)
         def scale_grads(module, inputs, grad_output):  # y = x * s over (B, *, D)
-            return {"scale": (inputs * grad_output).flatten(1, -2).sum(1)}
+            return {"scale": (inputs * grad_output).reshape(len(inputs), -1, inputs.shape[-1]).sum(1)}
 
     Args:
         module_types: ``nn.Module`` subclasses.

@@ -1,0 +1,177 @@
+"""Each registered per-example rule against brute force (one backward per example, float64), and the
+registry's extension point: a rule for a layer of one's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trainvitals.core.per_example import (
+    PerExampleGradients,
+    PerExampleRule,
+    plan_sources,
+    register_per_example_rule,
+    rule_for,
+    unsupported_reason,
+)
+from trainvitals.core.per_example.registry import _RULES
+
+B = 5
+
+
+def per_example_truth(model: nn.Module, x: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: (B, *shape)}: ∇ of ℓ_i = ⟨model(x_i), weights_i⟩, one backward per example."""
+    grads: dict[str, list[torch.Tensor]] = {n: [] for n, p in model.named_parameters() if p.requires_grad}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        (model(x[i:i + 1]) * weights[i:i + 1]).sum().backward()
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                grads[n].append(p.grad.clone())
+    model.zero_grad()
+    return {n: torch.stack(g) for n, g in grads.items()}
+
+
+def measured(model: nn.Module, x: torch.Tensor, weights: torch.Tensor):
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    (model(x) * weights).sum().backward()
+    collector.end_micro_batch(1.0)
+    collector.detach()
+    return plan, collector.pop()
+
+
+def assert_matches(model: nn.Module, x: torch.Tensor) -> None:
+    torch.manual_seed(1)
+    model = model.double()
+    x = x.double() if x.is_floating_point() else x
+    weights = torch.randn_like(model(x))
+    truth = per_example_truth(model, x, weights)
+    plan, step = measured(model, x, weights)
+    assert not plan.uncovered and not step.failed
+    assert set(plan.parameters("per_example")) == set(truth)
+    expected = sum(g.flatten(1).square().sum(1) for g in truth.values())
+    torch.testing.assert_close(step.sq_norms[0], expected, rtol=1e-9, atol=1e-12)
+    for name, g in truth.items():
+        torch.testing.assert_close(step.grad_sum[name], g.sum(0), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(step.sum_sq[name], g.square().sum(0), rtol=1e-9, atol=1e-12)
+
+
+def eval_mode(module: nn.Module) -> nn.Module:
+    """Running statistics that are not the defaults (0 and 1), then eval mode."""
+    with torch.no_grad():
+        module.running_mean.uniform_(-1, 1)
+        module.running_var.uniform_(0.5, 2)
+    return module.eval()
+
+
+LAYERS = {
+    "conv3d": (lambda: nn.Conv3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=1, dilation=(1, 1, 2)), (B, 2, 4, 5, 5)),
+    "conv_transpose1d": (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), (B, 3, 5)),
+    "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 2, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)),
+                         (B, 3, 4, 4)),
+    "conv_transpose3d": (lambda: nn.ConvTranspose3d(2, 2, 2, stride=2, bias=False), (B, 2, 2, 3, 2)),
+    "group_norm": (lambda: nn.GroupNorm(2, 6), (B, 6, 3, 3)),
+    "instance_norm1d": (lambda: nn.InstanceNorm1d(3, affine=True), (B, 3, 7)),
+    "instance_norm2d_running_stats_eval": (lambda: eval_mode(nn.InstanceNorm2d(3, affine=True, track_running_stats=True)),
+                                           (B, 3, 4, 4)),
+    "instance_norm3d": (lambda: nn.InstanceNorm3d(2, affine=True), (B, 2, 3, 3, 2)),
+    "rms_norm": (lambda: nn.RMSNorm(6), (B, 4, 6)),
+    "rms_norm_eps_2d_shape": (lambda: nn.RMSNorm((3, 4), eps=1e-3), (B, 2, 3, 4)),
+    "batch_norm2d_eval": (lambda: eval_mode(nn.BatchNorm2d(3)), (B, 3, 4, 4)),
+    "batch_norm1d_eval": (lambda: eval_mode(nn.BatchNorm1d(4)), (B, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_rule_matches_brute_force(name):
+    make, shape = LAYERS[name]
+    torch.manual_seed(0)
+    layer = make()
+    assert_matches(nn.Sequential(layer, nn.Tanh()), torch.randn(shape))
+
+
+def test_batchnorm_in_training_mode_is_named_as_coupling_the_examples():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert plan.coupled == ("1",) and plan.uncovered["1.weight"].startswith("BatchNorm couples")
+    model.eval()
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert plan.coupled == () and set(plan.per_example) == {"0", "1"}
+
+
+def test_batchnorm_put_in_training_mode_after_planning_fails_not_measures():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).eval()
+    collector = PerExampleGradients(plan_sources(model, False, False).per_example, {}, 2)
+    collector.attach()
+    model.train()
+    model(torch.randn(4, 3)).sum().backward()
+    collector.end_micro_batch(1.0)
+    assert "couple the examples" in collector.pop().failed["1"]
+
+
+class Scale(nn.Module):
+    """A layer of one's own: y = x ⊙ s over (B, *, D)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class ScaledScale(Scale):
+    """Keeps Scale's forward: Scale's rule serves it."""
+
+
+class Shifted(Scale):
+    """A forward of its own: Scale's rule would be wrong for it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + 1.0) * self.scale
+
+
+@pytest.fixture
+def scale_rule():
+    yield
+    for kind in (Scale, ScaledScale):
+        _RULES.pop(kind, None)
+
+
+def test_a_rule_for_a_layer_of_ones_own_is_registered_without_editing_trainvitals(scale_rule):
+    model = nn.Sequential(nn.Linear(4, 4), Scale(4), nn.Linear(4, 2))
+    assert unsupported_reason(model[1]) == "Scale has no per-example identity"
+
+    @register_per_example_rule(Scale)
+    def scale_grads(module, inputs, grad_output):
+        return {"scale": (inputs * grad_output).reshape(len(inputs), -1, inputs.shape[-1]).sum(1)}
+
+    assert rule_for(ScaledScale(4)) is rule_for(Scale(4)) and rule_for(Shifted(4)) is None
+    assert_matches(model, torch.randn(B, 3, 4))  # (B, T, D): summed over T
+    assert_matches(nn.Sequential(ScaledScale(4), nn.Linear(4, 2)), torch.randn(B, 4))
+
+
+def test_a_rule_class_with_a_ghost_norm_of_its_own(scale_rule):
+    calls = []
+
+    @register_per_example_rule(Scale)
+    class ScaleRule(PerExampleRule):
+        def grads(self, module, uses):
+            return {"scale": sum((u.inputs * u.grad_output).reshape(len(u.inputs), -1, 3).sum(1) for u in uses)}
+
+        def sq_norms(self, module, uses, workspace=None):
+            calls.append(len(uses))
+            return super().sq_norms(module, uses, workspace)
+
+    assert_matches(nn.Sequential(Scale(3), nn.Tanh(), nn.Linear(3, 2)), torch.randn(B, 3))
+    assert calls == [1]
+
+
+def test_register_rejects_what_is_not_a_module_type_or_a_rule():
+    with pytest.raises(TypeError, match="module_types"):
+        register_per_example_rule(int)
+    with pytest.raises(TypeError, match="PerExampleRule or a function"):
+        register_per_example_rule(Scale)(3)
