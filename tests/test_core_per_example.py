@@ -310,14 +310,22 @@ def test_sub_batch_estimates_are_the_per_example_ones_on_the_whole_batch():
         sub_batch_estimates(g.square().sum(), mean_sq, 8, mean_sq, 4)
 
 
-def test_module_run_twice_is_reported_not_measured():
+def test_module_run_twice_is_measured_from_both_uses():
+    """The per-example gradient of a layer used twice is the sum of its uses': its norm has cross terms."""
+    torch.manual_seed(0)
     layer = nn.Linear(3, 3).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    truth = []
+    for i in range(4):
+        layer.zero_grad()
+        layer(torch.tanh(layer(x[i:i + 1]))).sum().backward()
+        truth.append(sum(p.grad.square().sum() for p in layer.parameters()))
     collector = PerExampleGradients({"layer": layer}, {}, 2)
-    collector.attach()
-    layer(layer(torch.randn(4, 3, dtype=torch.float64))).sum().backward()
+    collector.attach(keep_norms=True)
+    layer(torch.tanh(layer(x))).sum().backward()
     collector.end_micro_batch(1.0)
     step = collector.pop()
-    assert "layer" in step.failed and step.sq_norm_sum is None
+    assert not step.failed and rel_close(step.sq_norms[0], torch.stack(truth))
 
 
 class AllocatedBytes(TorchDispatchMode):
@@ -412,16 +420,24 @@ def test_detect_loss_reduction_counts_the_terms(make_loss, terms):
 
 def test_plan_sources():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Scale(4), nn.Linear(4, 4, bias=False), nn.Linear(4, 4))
-    model[4].weight = model[3].weight  # tied
+    model[4].weight = model[3].weight  # tied between two layers with rules: measured together
     plan = plan_sources(model, groups_available=False, fallback=True)
-    assert list(plan.per_example) == ["0"] and list(plan.vmap) == ["2"] and plan.coupled == ("1",)
-    assert plan.uncovered["1.weight"].startswith("BatchNorm") and plan.uncovered["3.weight"] == "tied parameter"
-    assert "4.bias" in plan.uncovered and "not measured" in plan.describe(model)
+    assert list(plan.per_example) == ["0", "3", "4"] and list(plan.vmap) == ["2"] and plan.coupled == ("1",)
+    assert plan.uncovered["1.weight"].startswith("BatchNorm") and set(plan.uncovered) == {"1.weight", "1.bias"}
+    assert "3.weight" in plan.parameters("per_example") and "4.weight" not in plan.parameters("per_example")
+    assert "not measured" in plan.describe(model)
     grouped = plan_sources(model, groups_available=True, fallback=False)
-    assert set(grouped.micro_batch) == {"1.weight", "1.bias", "2.scale", "3.weight", "4.bias"}  # tied: once
+    assert set(grouped.micro_batch) == {"1.weight", "1.bias", "2.scale"}
     assert not grouped.uncovered
-    off = plan_sources(model, groups_available=False, fallback=False, exclude=["0"])
+    off = plan_sources(model, groups_available=False, fallback=False, exclude=["0", "3"])
     assert not off.per_example and not off.vmap and off.uncovered["2.scale"].endswith("fallback off")
+    assert off.uncovered["4.weight"] == "tied parameter, fallback off"  # its partner failed: neither is measured
+    with_no_rule = nn.Sequential(nn.LayerNorm(4), Scale(4))
+    with_no_rule[0].weight = with_no_rule[1].scale  # tied to a layer without a rule: neither, nor torch.func
+    plan = plan_sources(with_no_rule, groups_available=False, fallback=True)
+    assert not plan.per_example and not plan.vmap and set(plan.uncovered.values()) == {"tied parameter"}
+    grouped = plan_sources(with_no_rule, groups_available=True, fallback=True)
+    assert set(grouped.micro_batch) == {"0.weight", "0.bias"}  # the tied tensor once
 
 
 class WithPositions(nn.Module):

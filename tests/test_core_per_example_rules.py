@@ -175,3 +175,88 @@ def test_register_rejects_what_is_not_a_module_type_or_a_rule():
         register_per_example_rule(int)
     with pytest.raises(TypeError, match="PerExampleRule or a function"):
         register_per_example_rule(Scale)(3)
+
+
+class SharedLayers(nn.Module):
+    """Each layer called twice in a forward, the second output of ``unused`` left out of the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 4)
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens) + self.emb(tokens.flip(1))  # (B, T, 4)
+        h = self.norm(torch.tanh(self.proj(self.norm(h))))
+        h = self.proj(h)
+        c = self.conv(torch.tanh(self.conv(h.transpose(1, 2)))).transpose(1, 2)
+        self.unused(h)
+        return self.unused(c)
+
+
+def test_layers_called_several_times_are_measured_from_all_their_uses():
+    torch.manual_seed(0)
+    assert_matches(SharedLayers(), torch.randint(0, 7, (B, 5)))
+
+
+class TiedDecoder(nn.Module):
+    """A language model whose output layer is its token embedding (GPT-2, T5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(9, 6)
+        self.block = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 9, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(self.tokens(tokens))))
+
+
+def test_tied_embedding_and_output_layer_are_measured_together():
+    torch.manual_seed(0)
+    model = TiedDecoder()
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    assert set(plan.per_example) == {"tokens", "block", "head"} and "head.weight" not in plan.parameters("per_example")
+    tokens = torch.randint(0, 9, (B, 4))
+    tokens[0, :2] = 3  # a repeated token
+    assert_matches(model, tokens)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inner = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.LayerNorm(6), nn.Linear(6, 6))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_layer_recomputed_by_checkpointing_is_measured_once(reentrant):
+    torch.manual_seed(0)
+    x = torch.randn(B, 4)
+    if reentrant:
+        x.requires_grad_()  # reentrant checkpointing back-propagates only into inputs that require grad
+    assert_matches(Checkpointed(reentrant), x)
+
+
+def test_a_forward_without_backward_leaves_the_next_micro_batch_measured():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    collector = PerExampleGradients(plan_sources(model, False, False).per_example, {}, 2)
+    collector.attach(keep_norms=True)
+    x = torch.randn(B, 3, dtype=torch.float64)
+    collector.begin_micro_batch()
+    model(x)  # a training step that returns None: no backward
+    collector.begin_micro_batch()
+    model(x).sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed and step.sq_norms[0].shape == (B,)

@@ -17,11 +17,17 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from trainvitals.core.per_example._common import Workspace, _accumulation_dtype
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
-from trainvitals.core.per_example.registry import per_example_sq_norms, per_example_sums
+from trainvitals.core.per_example.registry import Call, Use, _rule
+
+
+def _recomputing() -> bool:
+    """Whether a forward runs inside a backward: ``torch.utils.checkpoint`` recomputing a segment."""
+    return torch._C._current_autograd_node() is not None
 
 
 @dataclass
@@ -58,20 +64,36 @@ def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
     into[name] = value if name not in into else into[name] + value
 
 
+class _Group:
+    """Modules measured together: one module, or several that share (tie) parameters, whose per-example
+    gradient is the sum over all of them."""
+
+    def __init__(self, members: list[str]) -> None:
+        self.members = members
+
+
 class PerExampleGradients:
     """Module hooks that gather per-example gradient statistics during backward.
 
     For each module of ``per_example``, a forward hook keeps a reference to the input (autograd saves
-    it anyway) and puts a hook on the output tensor; when the output gradient arrives, the hook adds
-    the per-example squared norms (and, if requested, the per-coordinate sums of squares) into running
-    device tensors and lets the references go. Modules of ``vmap`` keep the first ``sub_batch``
-    examples of their inputs and output gradients until :meth:`end_micro_batch`, which computes their
-    per-example gradients with :func:`vmap_per_example_grads`.
+    it anyway) and puts a hook on the output; when the output gradients of all the module's calls in
+    the forward (its *uses*) have arrived, its rule (:mod:`.registry`) adds the per-example squared
+    norms (and, if requested, the per-coordinate sums of squares) into running device tensors, and the
+    references go. A module called several times is measured from all its uses together: its
+    per-example gradient is their sum. Modules that share a parameter (an embedding tied to the output
+    layer) are measured together from their rules' per-example gradients, added per parameter. A
+    module recomputed in backward by ``torch.utils.checkpoint`` is measured once: from its first run,
+    or from the recomputation where the first run had no graph (reentrant checkpointing).
 
-    Use: :meth:`attach`, then per micro-batch forward + backward and :meth:`end_micro_batch` with the
-    factor that converts the back-propagated gradient to the examples' own losses; :meth:`pop` at the
-    optimizer step; :meth:`detach`. A module that runs more than once in a forward, or whose
-    examples do not sit on dimension 0, is reported in :attr:`PerExampleStep.failed`.
+    Modules of ``vmap`` keep the first ``sub_batch`` examples of their inputs and output gradients
+    until :meth:`end_micro_batch`, which computes their per-example gradients with
+    :func:`vmap_per_example_grads`.
+
+    Use: :meth:`attach`, then per micro-batch :meth:`begin_micro_batch`, forward + backward and
+    :meth:`end_micro_batch` with the factor that converts the back-propagated gradient to the examples'
+    own losses; :meth:`pop` at the optimizer step; :meth:`detach`. A ``vmap`` module that runs more than
+    once in a forward, or a module whose examples do not sit on dimension 0, is reported in
+    :attr:`PerExampleStep.failed`.
 
     Args:
         per_example: ``{name: module}`` with :func:`unsupported_reason` ``None``.
@@ -83,6 +105,8 @@ class PerExampleGradients:
         if sub_batch < 2:
             raise ValueError(f"`sub_batch` must be >= 2, got {sub_batch}")
         self.per_example, self.vmap, self.sub_batch = dict(per_example), dict(vmap), sub_batch
+        self._rules = {name: _rule(module) for name, module in self.per_example.items()}
+        self._names, self._groups = self._parameter_names()
         self._handles: list[RemovableHandle] = []
         self._workspace = Workspace()  # the conv patches and blocks of every layer and step
         self._coordinates = False
@@ -91,12 +115,41 @@ class PerExampleGradients:
         self._reset_micro_batch()
         self._step = PerExampleStep()
 
+    def _parameter_names(self) -> tuple[dict[int, str], dict[str, _Group]]:
+        """Each measured parameter's qualified name (a tied one: its first owner's), and each module's group."""
+        names: dict[int, str] = {}
+        owners: dict[int, list[str]] = {}
+        for name, module in self.per_example.items():
+            for local, p in self._rules[name].parameters(module).items():
+                names.setdefault(id(p), f"{name}.{local}" if name else local)
+                owners.setdefault(id(p), []).append(name)
+        parent = {name: name for name in self.per_example}  # union-find over the modules sharing a parameter
+
+        def root(name: str) -> str:
+            while parent[name] != name:
+                name = parent[name]
+            return name
+
+        for members in owners.values():
+            for other in members[1:]:
+                parent[root(other)] = root(members[0])
+        by_root: dict[str, list[str]] = {}
+        for name in self.per_example:
+            by_root.setdefault(root(name), []).append(name)
+        groups = {}
+        for members in by_root.values():
+            group = _Group(members)
+            groups.update(dict.fromkeys(members, group))
+        return names, groups
+
     def _reset_micro_batch(self) -> None:
         self._sq: Tensor | None = None
         self._grad_sum: dict[str, Tensor] = {}
         self._sum_sq: dict[str, Tensor] = {}
         self._pending: list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any], Tensor]] = []
         self._calls: Counter[str] = Counter()
+        self._uses: dict[str, list[list[Any]]] = {}  # per module, its calls' [inputs, output gradient or None]
+        self._done: set[str] = set()  # modules whose uses were measured this micro-batch
         self._batch_size: int | None = None  # examples in this micro-batch: told, else the first layer's rows
 
     @property
@@ -108,7 +161,8 @@ class PerExampleGradients:
         self.detach()
         self._coordinates, self._keep_norms = coordinates, keep_norms
         for name, module in self.per_example.items():
-            self._handles.append(module.register_forward_hook(functools.partial(self._forward, name)))
+            hook = functools.partial(self._forward, name)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         for name, module in self.vmap.items():
             hook = functools.partial(self._forward_vmap, name)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -118,19 +172,18 @@ class PerExampleGradients:
             handle.remove()
         self._handles = []
 
+    def begin_micro_batch(self) -> None:
+        """Start a micro-batch: what a forward without backward left (a training step that returned no
+        loss, a skipped batch) is dropped, so that the next forward's calls are not taken for more uses."""
+        self._reset_micro_batch()
+
     def expect_batch(self, size: int) -> None:
         """The coming micro-batch holds ``size`` examples: a layer whose input has another first dimension
         (a position embedding called with ``arange(T)``, inputs flattened to ``(B·T, D)``) is reported in
         :attr:`PerExampleStep.failed`, not measured. Untold, the first measured layer's rows count."""
         self._batch_size = size
 
-    def _check_call(self, name: str, output: Any, batch: int) -> bool:
-        if self._replaying or not isinstance(output, Tensor) or not output.requires_grad:
-            return False
-        self._calls[name] += 1
-        if self._calls[name] > 1:
-            self._step.failed[name] = "runs more than once per forward"
-            return False
+    def _check_batch(self, name: str, batch: int) -> bool:
         if self._batch_size is None:
             self._batch_size = batch
         if batch != self._batch_size:
@@ -138,30 +191,118 @@ class PerExampleGradients:
             return False
         return True
 
-    def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not args or not isinstance(args[0], Tensor):
-            self._step.failed[name] = "its input was not passed positionally (e.g. `layer(input=x)`)"
+    def _check_call(self, name: str, output: Any, batch: int) -> bool:
+        if self._replaying or _recomputing() or not isinstance(output, Tensor) or not output.requires_grad:
+            return False
+        self._calls[name] += 1
+        if self._calls[name] > 1:
+            self._step.failed[name] = "runs more than once per forward"
+            return False
+        return self._check_batch(name, batch)
+
+    def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any) -> None:
+        if self._replaying or name in self._step.failed:
             return
-        inputs = args[0]
-        if self._check_call(name, output, inputs.shape[0] if inputs.dim() else -1):
-            output.register_hook(functools.partial(self._backward, name, module, inputs))
+        rule = self._rules[name]
+        if _recomputing() and (self._calls[name] or name in self._done):
+            return  # checkpointing's recomputation of a call measured from its first run
+        if rule.whole_call:
+            leaves = [t if isinstance(t, Tensor) and t.requires_grad else None for t in tree_leaves(output)]
+            tensors = [t for t in leaves if t is not None]
+            if not tensors:
+                return
+            inputs: Any = Call(args, kwargs)
+            batch = rule.batch_size(module, inputs)
+        else:
+            if not args or not isinstance(args[0], Tensor):
+                self._step.failed[name] = "its input was not passed positionally (e.g. `layer(input=x)`)"
+                return
+            if not isinstance(output, Tensor):
+                self._step.failed[name] = f"its output is a {type(output).__name__}, not the tensor its rule needs"
+                return
+            if not output.requires_grad:
+                return
+            inputs, batch = args[0], args[0].shape[0] if args[0].dim() else -1
+        if name in self._done:
+            self._step.failed[name] = "measured before its next call: runs in several checkpointed segments"
+            return
+        self._calls[name] += 1
+        if not self._check_batch(name, batch):
+            return
+        slot = [inputs, None]
+        self._uses.setdefault(name, []).append(slot)
+        if rule.whole_call:
+            hook = functools.partial(self._backward_call, name, slot, [t is not None for t in leaves])
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook)
+        else:
+            output.register_hook(functools.partial(self._backward, name, slot))
+
+    def _backward_call(self, name: str, slot: list[Any], present: list[bool], grads: Any) -> None:
+        if all(g is None for g in grads):  # the loss uses none of the call's outputs: no contribution
+            self._uses[name].remove(slot)
+            self._calls[name] -= 1
+            return
+        it = iter(grads)
+        self._backward(name, slot, tuple(next(it) if p else None for p in present))
+
+    def _flush(self) -> None:
+        """Measure the groups with uses left at the end of a backward: calls whose outputs the loss did
+        not use (their gradient is 0), a tied module this forward did not call."""
+        for name in list(self._uses):
+            if name in self._uses and any(s[1] is not None for s in self._uses[name]):
+                self._measure(self._groups[name])
+        self._uses.clear()
 
     @torch.no_grad()  # a backward with create_graph=True runs hooks in grad mode; nothing here is differentiated
-    def _backward(self, name: str, module: nn.Module, inputs: Tensor, grad_output: Tensor) -> None:
-        if self._calls[name] > 1:
+    def _backward(self, name: str, slot: list[Any], grad_output: Any) -> None:
+        if name in self._step.failed or name in self._done:
+            return
+        slot[1] = grad_output
+        group = self._groups[name]
+        if all(self._calls[m] and all(s[1] is not None for s in self._uses.get(m, [])) for m in group.members):
+            self._measure(group)
+
+    @torch.no_grad()  # also when flushed after the backward
+    def _measure(self, group: _Group) -> None:
+        """The statistics of ``group``'s uses whose output gradient arrived (the others contribute 0)."""
+        uses = {m: [Use(*s) for s in self._uses.pop(m, []) if s[1] is not None] for m in group.members}
+        self._done.update(group.members)
+        uses = {m: u for m, u in uses.items() if u}
+        if not uses:
             return
         try:
-            sq = per_example_sq_norms(module, inputs, grad_output, self._workspace)
-            sums = per_example_sums(module, inputs, grad_output, self._workspace) if self._coordinates else {}
+            if len(group.members) == 1:
+                ((name, module_uses),) = uses.items()
+                module, rule = self.per_example[name], self._rules[name]
+                sq = rule.sq_norms(module, module_uses, self._workspace)
+                sums = {self._qualified(name, local, module): value for local, value in
+                        (rule.sums(module, module_uses, self._workspace) if self._coordinates else {}).items()}
+            else:
+                sq, sums = self._measure_tied(uses)
         except Exception as err:  # noqa: BLE001 - raised into the user's backward, it would end the run
-            self._step.failed[name] = f"per-example norms failed: {type(err).__name__}: {err}"
+            for name in uses:
+                self._step.failed[name] = f"per-example norms failed: {type(err).__name__}: {err}"
             return
         self._sq = sq if self._sq is None else self._sq + sq
-        for local, (total, total_sq) in sums.items():
-            qualified = f"{name}.{local}" if name else local
+        for qualified, (total, total_sq) in sums.items():
             _add(self._grad_sum, qualified, total)
             _add(self._sum_sq, qualified, total_sq)
-        self._step.seen.add(name)
+        self._step.seen.update(uses)
+
+    def _qualified(self, name: str, local: str, module: nn.Module) -> str:
+        return self._names[id(self._rules[name].parameters(module)[local])]
+
+    def _measure_tied(self, uses: dict[str, list[Use]]) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
+        """Modules sharing parameters: each parameter's per-example gradient, added over its owners."""
+        grads: dict[str, Tensor] = {}
+        for name, module_uses in uses.items():
+            module = self.per_example[name]
+            for local, g in self._rules[name].grads(module, module_uses).items():
+                _add(grads, self._qualified(name, local, module), g.to(_accumulation_dtype(g)))
+        sq = sum(g.flatten(1).square().sum(1) for g in grads.values())
+        sums = {n: (g.sum(0), g.square().sum(0)) for n, g in grads.items()} if self._coordinates else {}
+        return sq, sums  # type: ignore[return-value]
 
     def _forward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       output: Any) -> None:
@@ -184,6 +325,7 @@ class PerExampleGradients:
             unit: ``()`` tensor or float u with g_i = u × (the back-propagated per-example gradient),
                 e.g. (accumulation steps × batch size for a mean loss) / AMP loss scale.
         """
+        self._flush()
         step = self._step
         unit_sq = unit * unit
         if self._sq is not None:

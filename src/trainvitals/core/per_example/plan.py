@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from trainvitals.core.per_example._common import _trainable
-from trainvitals.core.per_example.registry import unsupported_reason
+from trainvitals.core.per_example.registry import rule_for, unsupported_reason
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,16 @@ class SourcePlan:
     coupled: tuple[str, ...]
 
     def parameters(self, source: str) -> dict[str, nn.Parameter]:
-        """The trainable parameters of ``source`` (``"per_example"`` or ``"vmap"``), by qualified name."""
-        modules = getattr(self, source)
-        return {f"{m}.{n}" if m else n: p for m, mod in modules.items() for n, p in _trainable(mod).items()}
+        """The trainable parameters of ``source`` (``"per_example"`` or ``"vmap"``), by qualified name; a
+        tied parameter once, under its first owner's name."""
+        out: dict[str, nn.Parameter] = {}
+        seen: set[int] = set()
+        for m, mod in getattr(self, source).items():
+            for n, p in (_measured_parameters(mod) if source == "per_example" else _trainable(mod)).items():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out[f"{m}.{n}" if m else n] = p
+        return out
 
     def describe(self, model: nn.Module) -> str:
         """One line naming each source, its layers and its share of the trainable parameters."""
@@ -75,39 +82,74 @@ _CONTAINER_REASON = ("a parameter of a module whose forward also runs layers wit
                      "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it")
 
 
+def _measured_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """What ``module``'s rule measures (its own trainable parameters, or also a child's that its forward
+    uses without calling it); without a rule, its own."""
+    rule = rule_for(module)
+    return rule.parameters(module) if rule is not None else _trainable(module)
+
+
+def _units(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, nn.Parameter]]]:
+    """``(name, module, {qualified name: parameter})`` of each module that owns what it measures; a child
+    whose parameters its parent's rule measures is no unit of its own."""
+    units, covered = [], set()
+    for name, module in model.named_modules():
+        if name in covered:
+            continue
+        params = _measured_parameters(module)
+        prefix = f"{name}." if name else ""
+        covered.update(prefix + local.rpartition(".")[0] for local in params if "." in local)
+        if params:
+            units.append((name, module, {prefix + local: p for local, p in params.items()}))
+    return units
+
+
 def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = ()) -> SourcePlan:
     """Assign each trainable parameter to a source: (1) per-example norms, else (2) micro-batches/ranks
     when there are at least two gradient groups per step, else (3) ``torch.func`` when ``fallback``.
 
+    Modules that share a parameter (an embedding tied to the output layer) are measured together by (1)
+    when every one of them has a rule, else none of them by (1) or (3).
+
     Args:
-        model: the model; each module's own parameters (``recurse=False``) are assigned together.
+        model: the model; each module's own parameters (``recurse=False``; with its rule's, also a
+            child's its forward uses without calling it) are assigned together.
         groups_available: more than one micro-batch or rank per optimizer step.
         fallback: allow (3).
-        exclude: module names that showed they cannot use (1) or (3) (called twice per forward,
-            parameters used outside their forward); they go to (2) or are not measured.
+        exclude: module names that showed they cannot use (1) or (3) (parameters used outside their
+            forward, a failed rule); they go to (2) or are not measured.
     """
     excluded = set(exclude)
-    owners: Counter[int] = Counter(id(p) for _, m in model.named_modules() for p in _trainable(m).values())
-    per_example, vmap, micro, uncovered = {}, {}, {}, {}
+    units = _units(model)
     coupled = tuple(n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and unsupported_reason(m))
     attention = {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
     attention.update({f"{n}.out_proj" if n else "out_proj": m.out_proj for n, m in list(attention.items())})
-    for name, module in model.named_modules():
-        params = _trainable(module)
-        if not params:
-            continue
-        qualified = {f"{name}.{n}" if name else n: p for n, p in params.items()}
-        tied = any(owners[id(p)] > 1 for p in params.values())
-        # What rules out torch.func as well as the identities; a layer type without an identity does not.
-        barred = "tied parameter" if tied else (
-            "excluded after a failed step" if name in excluded else _ATTENTION_REASON if name in attention else None)
-        reason = barred or unsupported_reason(module)
+    # What rules out torch.func as well as the rules; a layer type without a rule does not.
+    barred = {name: "excluded after a failed step" if name in excluded else _ATTENTION_REASON if name in attention
+              else None for name, _, _ in units}
+    reasons = {name: barred[name] or unsupported_reason(module) for name, module, _ in units}
+    owners: dict[int, list[str]] = {}
+    for name, _, params in units:
+        for p in params.values():
+            owners.setdefault(id(p), []).append(name)
+    tied = [names for names in owners.values() if len(names) > 1]
+    changed = True
+    while changed:  # a group of tied modules is measured by its rules together, or not by them at all
+        changed = False
+        for names in tied:
+            if any(reasons[n] for n in names) and not all(barred[n] for n in names):
+                for n in names:
+                    barred[n] = reasons[n] = "tied parameter"
+                changed = True
+    per_example, vmap, micro, uncovered = {}, {}, {}, {}
+    for name, module, qualified in units:
+        reason = reasons[name]
         if reason is None:
             per_example[name] = module
         elif groups_available:
             known = {id(p) for p in micro.values()}
             micro.update({n: p for n, p in qualified.items() if id(p) not in known})
-        elif fallback and barred is None and not isinstance(module, _BatchNorm):
+        elif fallback and barred[name] is None and not isinstance(module, _BatchNorm):
             # A model's own position table, a block's layer-scale: torch.func would re-run the whole
             # subtree (the whole model, for the root) on every measured step. Weight matrices stand for
             # its compute: a LayerNorm child is cheap to re-run, a Linear or a convolution is not.
