@@ -717,3 +717,25 @@ def test_two_optimizers_are_named_as_the_reason_nothing_is_measured():
     (message,) = _probe_warnings(record)
     assert "the run has 2 optimizers" in message
     assert last_logged(logger) == {} and int(probe.noise.count) == 0
+
+
+class SkipsOneBatch(Classifier):
+    """Returns None for one batch (Lightning's way to skip it), after its forward ran."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 2 else loss  # under accumulation of 2: the first micro-batch of a step
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_skipped_batch_leaves_per_example_measurement_intact(accumulate):
+    torch.manual_seed(0)
+    probe, logger = BatchVarianceProbe(), RecordingLogger()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(SkipsOneBatch(network("mlp")), classification_data("mlp", 96), [probe], batch_size=8, steps=4,
+            accumulate=accumulate, logger=logger)
+    assert not any("more than once" in m for m in _probe_warnings(record)) and not probe._excluded
+    assert set(probe._plan.per_example) == {"net.0", "net.2", "net.4"}
+    steps = [step for step, _ in logger.series["grad_noise/gsnr/net.0"]]
+    assert steps[-1] == 3 and len(steps) >= 3  # per-example statistics logged after the skipped batch too

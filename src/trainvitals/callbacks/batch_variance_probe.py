@@ -341,11 +341,12 @@ class BatchVarianceProbe(Callback):
         if step != self._open_step:
             self._begin_step(step)
         if self._measuring:
+            assert self._collector is not None
+            self._collector.begin_micro_batch()  # a batch skipped before (training_step returned None) left its forward
             size = batch_size(batch)
             self._unsized = self._unsized or size is None
             self._batch_size = size or 0
             if size:
-                assert self._collector is not None
                 self._collector.expect_batch(size)
 
     def _begin_step(self, step: int) -> None:
