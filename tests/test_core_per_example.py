@@ -515,13 +515,10 @@ class Attention(nn.Module):
 
 
 @pytest.mark.parametrize("groups_available", [False, True])
-def test_multihead_attention_is_planned_with_its_reason_not_failed_later(groups_available):
+def test_multihead_attention_is_planned_for_per_example_norms(groups_available):
     model = Attention()
     plan = plan_sources(model, groups_available=groups_available, fallback=True)
-    assert set(plan.per_example) == {"head"} and not plan.vmap
+    assert set(plan.per_example) == {"attn", "head"} and not plan.vmap and not plan.micro_batch
     attention_params = {"attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight", "attn.out_proj.bias"}
-    if groups_available:
-        assert set(plan.micro_batch) == attention_params
-    else:
-        assert set(plan.uncovered) == attention_params
-        assert "nn.MultiheadAttention" in plan.describe(model)
+    assert attention_params < set(plan.parameters("per_example")) and not plan.uncovered
+    assert "MultiheadAttention×1" in plan.describe(model)

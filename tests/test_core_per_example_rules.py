@@ -260,3 +260,45 @@ def test_a_forward_without_backward_leaves_the_next_micro_batch_measured():
     collector.end_micro_batch(1.0)
     step = collector.pop()
     assert not step.failed and step.sq_norms[0].shape == (B,)
+
+
+class Attention(nn.Module):
+    """Self- or cross-attention on batch-first ``(B, T, 6)`` inputs, whatever the layer's layout."""
+
+    def __init__(self, batch_first: bool = True, bias: bool = True, use_weights: bool = False, masks: bool = False,
+                 kdim: int | None = None) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(6, 2, bias=bias, batch_first=batch_first, kdim=kdim, vdim=kdim)
+        self.memory = nn.Linear(6, kdim) if kdim else None
+        self.use_weights, self.masks = use_weights, masks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kv = self.memory(x[:, :3]) if self.memory is not None else x
+        kwargs = {}
+        if self.masks:
+            t = x.shape[1]
+            kwargs["attn_mask"] = torch.ones(t, t, dtype=torch.bool).triu(1)  # causal
+            kwargs["key_padding_mask"] = torch.zeros(x.shape[0], t).index_fill_(1, torch.tensor([t - 1]), -1e4)
+        q, kv = (x, kv) if self.attn.batch_first else (x.transpose(0, 1), kv.transpose(0, 1))
+        out, weights = self.attn(q, kv, kv, need_weights=self.use_weights, **kwargs)
+        out = out if self.attn.batch_first else out.transpose(0, 1)
+        return out + weights.square().sum(-1, keepdim=True) if self.use_weights else out
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"batch_first": False}, {"bias": False}, {"use_weights": True}, {"masks": True, "batch_first": False},
+    {"kdim": 4},
+], ids=["default", "sequence-first", "no-bias", "weights-in-the-loss", "masks", "kdim-vdim"])
+def test_multihead_attention_matches_brute_force(options):
+    torch.manual_seed(0)
+    model = Attention(**options)
+    assert rule_for(model.attn) is not None and unsupported_reason(model.attn) is None
+    assert_matches(model, torch.randn(B, 4, 6))
+
+
+def test_multihead_attention_with_dropout_is_named_with_its_reason():
+    model = nn.Sequential(nn.MultiheadAttention(4, 2, dropout=0.1))
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert not plan.per_example and not plan.vmap  # torch.func would not see a tuple output either
+    assert set(plan.uncovered) == {"0.in_proj_weight", "0.in_proj_bias", "0.out_proj.weight", "0.out_proj.bias"}
+    assert "dropout" in plan.uncovered["0.in_proj_weight"]

@@ -23,7 +23,13 @@ Everything here stays on the device; nothing syncs with the host. No Lightning i
 
 from torch import nn
 
-from trainvitals.core.per_example import conv, embedding, linear, normalization  # noqa: F401 - register their rules
+from trainvitals.core.per_example import (  # noqa: F401 - register their rules
+    attention,
+    conv,
+    embedding,
+    linear,
+    normalization,
+)
 from trainvitals.core.per_example._common import Workspace
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
 from trainvitals.core.per_example.hooks import PerExampleGradients, PerExampleStep
@@ -44,7 +50,7 @@ from trainvitals.core.per_example.registry import (
 PER_EXAMPLE_LAYERS = (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
     nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm,
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MultiheadAttention,
 )
 
 __all__ = [

@@ -87,3 +87,4 @@ def _outer_sums(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> tup
         return g.t() @ a, g.square().t() @ a.square()
     blocks = _bmm(g.transpose(1, 2), a, workspace, "blocks")
     return blocks.sum(0), blocks.square_().sum(0)
+

@@ -72,12 +72,6 @@ class SourcePlan:
         return "; ".join(parts) if parts else "no trainable parameters"
 
 
-# nn.MultiheadAttention's functional forward uses out_proj's weight without calling out_proj, and
-# returns a tuple: neither the per-example hooks nor the torch.func fallback see its parameters.
-_ATTENTION_REASON = ("nn.MultiheadAttention (its forward uses out_proj's weight without calling out_proj; "
-                     "attention written with nn.Linear projections gets per-example norms)")
-
-
 _CONTAINER_REASON = ("a parameter of a module whose forward also runs layers with weight matrices (torch.func would "
                      "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it")
 
@@ -89,6 +83,10 @@ def _measured_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     return rule.parameters(module) if rule is not None else _trainable(module)
 
 
+def _qualified(name: str, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    return {f"{name}.{n}" if name else n: p for n, p in params.items()}
+
+
 def _units(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, nn.Parameter]]]:
     """``(name, module, {qualified name: parameter})`` of each module that owns what it measures; a child
     whose parameters its parent's rule measures is no unit of its own."""
@@ -97,10 +95,9 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, nn.Paramete
         if name in covered:
             continue
         params = _measured_parameters(module)
-        prefix = f"{name}." if name else ""
-        covered.update(prefix + local.rpartition(".")[0] for local in params if "." in local)
+        covered.update(f"{name}.{local}".lstrip(".").rpartition(".")[0] for local in params if "." in local)
         if params:
-            units.append((name, module, {prefix + local: p for local, p in params.items()}))
+            units.append((name, module, _qualified(name, params)))
     return units
 
 
@@ -122,11 +119,15 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
     excluded = set(exclude)
     units = _units(model)
     coupled = tuple(n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and unsupported_reason(m))
-    attention = {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
-    attention.update({f"{n}.out_proj" if n else "out_proj": m.out_proj for n, m in list(attention.items())})
-    # What rules out torch.func as well as the rules; a layer type without a rule does not.
-    barred = {name: "excluded after a failed step" if name in excluded else _ATTENTION_REASON if name in attention
-              else None for name, _, _ in units}
+    # What rules out torch.func as well as the rules; a layer type without a rule does not. Nor does a
+    # rule's unsupported configuration, except where the rule takes whole calls (tuple outputs, which
+    # the fallback does not follow) or measures a child (which the fallback would not see).
+    barred: dict[str, str | None] = {}
+    for name, module, params in units:
+        rule = rule_for(module)
+        whole = rule is not None and (rule.whole_call or set(params) != set(_qualified(name, _trainable(module))))
+        barred[name] = "excluded after a failed step" if name in excluded else \
+            unsupported_reason(module) if whole else None
     reasons = {name: barred[name] or unsupported_reason(module) for name, module, _ in units}
     owners: dict[int, list[str]] = {}
     for name, _, params in units:

@@ -65,6 +65,11 @@ class PerExampleRule:
         a rule may cover a child that its module's forward uses without calling it)."""
         return _trainable(module)
 
+    def batch_size(self, module: nn.Module, call: Call) -> int:
+        """The examples of a ``whole_call`` rule's call (the first tensor argument's first dimension)."""
+        first = next((a for a in call.args if isinstance(a, Tensor)), None)
+        return first.shape[0] if first is not None and first.dim() else -1
+
     def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
         """Per-example gradients ``{name: (B, *shape)}`` of :meth:`parameters`, summed over ``uses``."""
         raise NotImplementedError
