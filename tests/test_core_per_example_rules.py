@@ -302,3 +302,36 @@ def test_multihead_attention_with_dropout_is_named_with_its_reason():
     assert not plan.per_example and not plan.vmap  # torch.func would not see a tuple output either
     assert set(plan.uncovered) == {"0.in_proj_weight", "0.in_proj_bias", "0.out_proj.weight", "0.out_proj.bias"}
     assert "dropout" in plan.uncovered["0.in_proj_weight"]
+
+
+class Recurrent(nn.Module):
+    """A recurrent layer on batch-first ``(B, T, 3)``, the loss on its output and final states."""
+
+    def __init__(self, kind: type[nn.Module], batch_first: bool, initial_state: bool, **options) -> None:
+        super().__init__()
+        self.rnn = kind(3, 4, batch_first=batch_first, **options)
+        self.initial_state = initial_state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x if self.rnn.batch_first else x.transpose(0, 1)
+        states = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+        hx = None
+        if self.initial_state:
+            h0 = x[:, 0, :1].expand(-1, 4).unsqueeze(0).expand(states, -1, -1).contiguous()
+            hx = (h0, 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
+        out, final = self.rnn(seq, hx)
+        out = out if self.rnn.batch_first else out.transpose(0, 1)
+        h = final[0] if isinstance(final, tuple) else final
+        extra = final[1].sum(0) if isinstance(final, tuple) else 0.0
+        return torch.cat([out[:, -2], h.sum(0) + extra], 1)
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
+@pytest.mark.parametrize("options", [
+    {"batch_first": True, "initial_state": False},
+    {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
+    {"batch_first": True, "initial_state": True, "bias": False, "num_layers": 2},
+], ids=["one-layer", "two-layer-bidirectional-sequence-first", "no-bias"])
+def test_recurrent_layers_match_brute_force(kind, options):
+    torch.manual_seed(0)
+    assert_matches(Recurrent(kind, **options), torch.randn(B, 4, 3))

@@ -29,6 +29,7 @@ from trainvitals.core.per_example import (  # noqa: F401 - register their rules
     embedding,
     linear,
     normalization,
+    recurrent,
 )
 from trainvitals.core.per_example._common import Workspace
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
@@ -51,6 +52,7 @@ PER_EXAMPLE_LAYERS = (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
     nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm,
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MultiheadAttention,
+    nn.RNN, nn.LSTM, nn.GRU,
 )
 
 __all__ = [
