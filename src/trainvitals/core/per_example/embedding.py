@@ -39,7 +39,10 @@ def _embedding_rows(module: nn.Embedding, uses: Sequence[Use]) -> tuple[Tensor, 
 
 @register_per_example_rule(nn.Embedding)
 class EmbeddingRule(PerExampleRule):
-    """nn.Embedding (dense, without ``scale_grad_by_freq``, which couples the examples)."""
+    """nn.Embedding (dense, without ``scale_grad_by_freq``, which couples the examples); a position table
+    looked up with ``(1, T)`` ids shared by the batch is measured per example."""
+
+    broadcast_batch = True
 
     def unsupported(self, module: nn.Module) -> str | None:
         if module.scale_grad_by_freq:

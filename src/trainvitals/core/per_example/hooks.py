@@ -201,10 +201,10 @@ class PerExampleGradients:
         return self._check_batch(name, batch)
 
     def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 output: Any) -> None:
+                 output: Any) -> Tensor | None:
         if self._replaying or name in self._step.failed:
             return
-        rule = self._rules[name]
+        rule, replaced = self._rules[name], None
         if _recomputing() and (self._calls[name] or name in self._done):
             return  # checkpointing's recomputation of a call measured from its first run
         if rule.whole_call:
@@ -224,6 +224,12 @@ class PerExampleGradients:
             if not output.requires_grad:
                 return
             inputs, batch = args[0], args[0].shape[0] if args[0].dim() else -1
+            if rule.broadcast_batch and batch == 1 and self._batch_size not in (None, 1) and inputs.dim() >= 2:
+                # Indices shared by the batch ((1, T) position ids): the output is broadcast against the
+                # examples, so it is handed on expanded, and its gradient arrives per example.
+                inputs = inputs.expand(self._batch_size, *inputs.shape[1:])
+                output = replaced = output.expand(self._batch_size, *output.shape[1:])
+                batch = self._batch_size
         if name in self._done:
             self._step.failed[name] = "measured before its next call: runs in several checkpointed segments"
             return
@@ -237,6 +243,7 @@ class PerExampleGradients:
             torch.autograd.graph.register_multi_grad_hook(tensors, hook)
         else:
             output.register_hook(functools.partial(self._backward, name, slot))
+        return replaced
 
     def _backward_call(self, name: str, slot: list[Any], present: list[bool], grads: Any) -> None:
         if all(g is None for g in grads):  # the loss uses none of the call's outputs: no contribution

@@ -52,9 +52,13 @@ class PerExampleRule:
     Attributes:
         whole_call: the rule needs every argument and every output gradient of a call (attention,
             recurrent layers: tuple outputs), not the first input and the output's gradient.
+        broadcast_batch: a call on one row ``(1, *)`` while the batch has B > 1 examples (position ids
+            shared by the batch) is a lookup whose output is broadcast against the examples: the hooks
+            hand on the output expanded to B rows, for per-example output gradients.
     """
 
     whole_call = False
+    broadcast_batch = False
 
     def unsupported(self, module: nn.Module) -> str | None:
         """Why this ``module`` (its configuration) has no exact rule; ``None`` if it has."""
