@@ -335,3 +335,38 @@ class Recurrent(nn.Module):
 def test_recurrent_layers_match_brute_force(kind, options):
     torch.manual_seed(0)
     assert_matches(Recurrent(kind, **options), torch.randn(B, 4, 3))
+
+
+class PaddedTiedDecoder(TiedDecoder):
+    """A padding row, an output bias, and the embedding called twice (its uses add up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(9, 6, padding_idx=0)
+        self.head = nn.Linear(6, 9)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(self.tokens(tokens) + self.tokens(tokens.flip(1)))))
+
+
+def test_a_tied_embedding_and_output_layer_form_no_per_example_table(monkeypatch):
+    from trainvitals.core.per_example.embedding import EmbeddingRule
+    from trainvitals.core.per_example.linear import LinearRule
+
+    def formed(*_):
+        raise AssertionError("a per-example V×D gradient was formed")
+
+    monkeypatch.setattr(EmbeddingRule, "grads", formed)
+    monkeypatch.setattr(LinearRule, "grads", formed)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 9, (B, 4))
+    tokens[0, :2], tokens[1, -1] = 3, 0
+    assert_matches(PaddedTiedDecoder(), tokens)
+
+
+def test_other_tied_layers_add_their_per_example_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+    model[2].weight = model[0].weight  # a weight shared by two layers, each with a bias of its own
+    assert_matches(model, torch.randn(B, 3, 4))

@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from trainvitals.core.per_example._common import Workspace, _accumulation_dtype
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
 from trainvitals.core.per_example.registry import Call, Use, _rule
+from trainvitals.core.per_example.tied import measure_tied
 
 
 def _recomputing() -> bool:
@@ -286,7 +287,8 @@ class PerExampleGradients:
                 sums = {self._qualified(name, local, module): value for local, value in
                         (rule.sums(module, module_uses, self._workspace) if self._coordinates else {}).items()}
             else:
-                sq, sums = self._measure_tied(uses)
+                sq, sums = measure_tied({m: (self.per_example[m], self._rules[m], u) for m, u in uses.items()},
+                                        self._names, self._coordinates, self._workspace)
         except Exception as err:  # noqa: BLE001 - raised into the user's backward, it would end the run
             for name in uses:
                 self._step.failed[name] = f"per-example norms failed: {type(err).__name__}: {err}"
@@ -299,17 +301,6 @@ class PerExampleGradients:
 
     def _qualified(self, name: str, local: str, module: nn.Module) -> str:
         return self._names[id(self._rules[name].parameters(module)[local])]
-
-    def _measure_tied(self, uses: dict[str, list[Use]]) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
-        """Modules sharing parameters: each parameter's per-example gradient, added over its owners."""
-        grads: dict[str, Tensor] = {}
-        for name, module_uses in uses.items():
-            module = self.per_example[name]
-            for local, g in self._rules[name].grads(module, module_uses).items():
-                _add(grads, self._qualified(name, local, module), g.to(_accumulation_dtype(g)))
-        sq = sum(g.flatten(1).square().sum(1) for g in grads.values())
-        sums = {n: (g.sum(0), g.square().sum(0)) for n, g in grads.items()} if self._coordinates else {}
-        return sq, sums  # type: ignore[return-value]
 
     def _forward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       output: Any) -> None:
