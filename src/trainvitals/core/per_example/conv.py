@@ -50,10 +50,7 @@ def _conv_patches(module: nn.modules.conv._ConvNd, inputs: Tensor, dtype: torch.
 
 @register_per_example_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvRule(OuterProductRule):
-    """nn.Conv1d/2d/3d without groups, any padding mode."""
-
-    def unsupported(self, module: nn.Module) -> str | None:
-        return "grouped convolution" if module.groups != 1 else None
+    """nn.Conv1d/2d/3d, any padding mode and groups (depthwise too)."""
 
     def _gradients(self, module: nn.Module, use: Use) -> Tensor:
         return use.grad_output.flatten(2).transpose(1, 2)
@@ -71,8 +68,8 @@ class ConvRule(OuterProductRule):
 
 @register_per_example_rule(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 class ConvTransposeRule(ConvRule):
-    """nn.ConvTranspose1d/2d/3d without groups (any stride, padding, output padding, dilation): the
-    adjoint convolution's outer products, receptive fields of the output gradient against the input."""
+    """nn.ConvTranspose1d/2d/3d (any stride, padding, output padding, dilation, groups): the adjoint
+    convolution's outer products, receptive fields of the output gradient against the input."""
 
     def _gradients(self, module: nn.Module, use: Use) -> Tensor:
         return use.inputs.flatten(2).transpose(1, 2)

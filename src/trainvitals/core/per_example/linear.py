@@ -58,6 +58,22 @@ class OuterProductRule(PerExampleRule):
         """A ``(*, O, I)`` block in the shape of ``module.weight``."""
         return block.reshape(*block.shape[:-2], *module.weight.shape)
 
+    def _groups(self, module: nn.Module, a: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """A grouped convolution's weight is one block per group, stacked along its first dimension: the
+        group's slice of the activations' and of the gradients' features (channel-major)."""
+        groups = getattr(module, "groups", 1)
+        if groups == 1:
+            return [(a, g)]
+        return list(zip(a.chunk(groups, -1), g.chunk(groups, -1)))
+
+    def _grouped_sums(self, module: nn.Module, a: Tensor, g: Tensor,
+                      workspace: Workspace | None) -> tuple[Tensor, Tensor]:
+        groups = self._groups(module, a, g)
+        if len(groups) == 1:
+            return _outer_sums(a, g, workspace)
+        total, total_sq = zip(*(_outer_sums(a_j, g_j, workspace) for a_j, g_j in groups))
+        return torch.cat(total), torch.cat(total_sq)
+
     def _chunks(self, module: nn.Module, uses: Sequence[Use],
                 workspace: Workspace | None) -> Iterator[tuple[Tensor, Tensor]]:
         """Activations ``(b, T, I)`` and output gradients ``(b, T, O)`` of consecutive chunks of b
@@ -92,7 +108,8 @@ class OuterProductRule(PerExampleRule):
         # A layer frozen after the sources were planned still gets its (zero) entry.
         trainable = _trainable(module)
         if "weight" in trainable:
-            sq = torch.cat([_outer_sq_norms(a, g, workspace) for a, g in self._chunks(module, uses, workspace)])
+            sq = torch.cat([sum(_outer_sq_norms(a_j, g_j, workspace) for a_j, g_j in self._groups(module, a, g))
+                            for a, g in self._chunks(module, uses, workspace)])
         else:
             g = uses[0].grad_output
             sq = g.new_zeros(self._gradients(module, uses[0]).shape[0], dtype=_accumulation_dtype(g))
@@ -102,7 +119,7 @@ class OuterProductRule(PerExampleRule):
              workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
         trainable, out = _trainable(module), {}
         if "weight" in trainable:
-            parts = [_outer_sums(a, g, workspace) for a, g in self._chunks(module, uses, workspace)]
+            parts = [self._grouped_sums(module, a, g, workspace) for a, g in self._chunks(module, uses, workspace)]
             out["weight"] = tuple(self._as_weight(module, functools.reduce(torch.add, part)) for part in zip(*parts))
         if "bias" in trainable:
             bias = self._bias_grads(module, uses)
@@ -113,7 +130,8 @@ class OuterProductRule(PerExampleRule):
         trainable, out = _trainable(module), {}
         if "weight" in trainable:
             out["weight"] = self._as_weight(module, torch.cat(
-                [_bmm(g.transpose(1, 2), a, None, "blocks") for a, g in self._chunks(module, uses, None)]))
+                [torch.cat([_bmm(g_j.transpose(1, 2), a_j, None, "blocks") for a_j, g_j in self._groups(module, a, g)], 1)
+                 for a, g in self._chunks(module, uses, None)]))
         if "bias" in trainable:
             out["bias"] = self._bias_grads(module, uses)
         return out
