@@ -738,3 +738,24 @@ def test_a_skipped_batch_leaves_per_example_measurement_intact(accumulate):
     assert set(probe._plan.per_example) == {"net.0", "net.2", "net.4"}
     steps = [step for step, _ in logger.series["grad_noise/gsnr/net.0"]]
     assert steps[-1] == 3 and len(steps) >= 3  # per-example statistics logged after the skipped batch too
+
+
+class LanguageModel(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+
+def test_a_gpt_with_tied_embeddings_is_measured_per_example_end_to_end():
+    from zoo import GPT, VOCAB
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (32, 6))
+    probe, logger = BatchVarianceProbe(), RecordingLogger()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(LanguageModel(GPT().double()), TensorDataset(tokens, tokens.roll(-1, 1)), [probe], batch_size=8, steps=3,
+            logger=logger)
+    assert _probe_warnings(record) == [] and not probe._excluded
+    assert probe.sources.startswith("per-example norms in backward") and "(100.0% of parameters)" in probe.sources
+    assert len(logger.values("grad_noise/trace_cov")) == 3 and len(logger.values("grad_noise/gsnr/net.wte")) == 3

@@ -374,3 +374,13 @@ def test_other_tied_layers_add_their_per_example_gradients():
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
     model[2].weight = model[0].weight  # a weight shared by two layers, each with a bias of its own
     assert_matches(model, torch.randn(B, 3, 4))
+
+
+def test_a_packed_sequence_is_reported_not_measured():
+    lstm = nn.LSTM(3, 4, batch_first=True)
+    collector = PerExampleGradients({"lstm": lstm}, {}, 2)
+    collector.attach()
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(B, 4, 3), [4, 3, 3, 2, 1], batch_first=True)
+    lstm(packed)[0].data.sum().backward()
+    collector.end_micro_batch(1.0)
+    assert "PackedSequence" in collector.pop().failed["lstm"]

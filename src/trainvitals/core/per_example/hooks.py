@@ -215,6 +215,9 @@ class PerExampleGradients:
                 return
             inputs: Any = Call(args, kwargs)
             batch = rule.batch_size(module, inputs)
+            if batch < 0:
+                self._step.failed[name] = "its input holds no batch of examples its rule can read (a PackedSequence?)"
+                return
         else:
             if not args or not isinstance(args[0], Tensor):
                 self._step.failed[name] = "its input was not passed positionally (e.g. `layer(input=x)`)"
@@ -297,7 +300,7 @@ class PerExampleGradients:
         for qualified, (total, total_sq) in sums.items():
             _add(self._grad_sum, qualified, total)
             _add(self._sum_sq, qualified, total_sq)
-        self._step.seen.update(uses)
+        self._step.seen.update(group.members)  # a tied member this forward did not call has its gradient here
 
     def _qualified(self, name: str, local: str, module: nn.Module) -> str:
         return self._names[id(self._rules[name].parameters(module)[local])]
