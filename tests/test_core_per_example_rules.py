@@ -384,3 +384,19 @@ def test_a_packed_sequence_is_reported_not_measured():
     lstm(packed)[0].data.sum().backward()
     collector.end_micro_batch(1.0)
     assert "PackedSequence" in collector.pop().failed["lstm"]
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_the_torch_func_fallback_measures_a_checkpointed_layer_once(reentrant):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Tanh()).double()
+    x = torch.randn(B, 3, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(B, 4, dtype=torch.float64)
+    truth = per_example_truth(model, x.detach(), weights)["1.scale"]
+    collector = PerExampleGradients({}, {"1": model[1]}, sub_batch=B)
+    collector.attach(coordinates=True)
+    (torch.utils.checkpoint.checkpoint(model, x, use_reentrant=reentrant) * weights).sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed and step.seen == {"1"} and step.num_sub == B
+    torch.testing.assert_close(step.sub_sum_sq["1.scale"], truth.square().sum(0))

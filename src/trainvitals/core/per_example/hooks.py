@@ -65,14 +65,6 @@ def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
     into[name] = value if name not in into else into[name] + value
 
 
-class _Group:
-    """Modules measured together: one module, or several that share (tie) parameters, whose per-example
-    gradient is the sum over all of them."""
-
-    def __init__(self, members: list[str]) -> None:
-        self.members = members
-
-
 class PerExampleGradients:
     """Module hooks that gather per-example gradient statistics during backward.
 
@@ -82,7 +74,7 @@ class PerExampleGradients:
     norms (and, if requested, the per-coordinate sums of squares) into running device tensors, and the
     references go. A module called several times is measured from all its uses together: its
     per-example gradient is their sum. Modules that share a parameter (an embedding tied to the output
-    layer) are measured together from their rules' per-example gradients, added per parameter. A
+    layer) are measured together (:mod:`.tied`). A
     module recomputed in backward by ``torch.utils.checkpoint`` is measured once: from its first run,
     or from the recomputation where the first run had no graph (reentrant checkpointing).
 
@@ -116,8 +108,9 @@ class PerExampleGradients:
         self._reset_micro_batch()
         self._step = PerExampleStep()
 
-    def _parameter_names(self) -> tuple[dict[int, str], dict[str, _Group]]:
-        """Each measured parameter's qualified name (a tied one: its first owner's), and each module's group."""
+    def _parameter_names(self) -> tuple[dict[int, str], dict[str, list[str]]]:
+        """Each measured parameter's qualified name (a tied one: its first owner's), and each module's
+        group: the modules measured together with it (itself, and those it shares a parameter with)."""
         names: dict[int, str] = {}
         owners: dict[int, list[str]] = {}
         for name, module in self.per_example.items():
@@ -139,8 +132,7 @@ class PerExampleGradients:
             by_root.setdefault(root(name), []).append(name)
         groups = {}
         for members in by_root.values():
-            group = _Group(members)
-            groups.update(dict.fromkeys(members, group))
+            groups.update(dict.fromkeys(members, members))
         return names, groups
 
     def _reset_micro_batch(self) -> None:
@@ -193,7 +185,8 @@ class PerExampleGradients:
         return True
 
     def _check_call(self, name: str, output: Any, batch: int) -> bool:
-        if self._replaying or _recomputing() or not isinstance(output, Tensor) or not output.requires_grad:
+        if self._replaying or (_recomputing() and self._calls[name]) or not isinstance(output, Tensor) \
+                or not output.requires_grad:
             return False
         self._calls[name] += 1
         if self._calls[name] > 1:
@@ -271,19 +264,19 @@ class PerExampleGradients:
             return
         slot[1] = grad_output
         group = self._groups[name]
-        if all(self._calls[m] and all(s[1] is not None for s in self._uses.get(m, [])) for m in group.members):
+        if all(self._calls[m] and all(s[1] is not None for s in self._uses.get(m, [])) for m in group):
             self._measure(group)
 
     @torch.no_grad()  # also when flushed after the backward
-    def _measure(self, group: _Group) -> None:
+    def _measure(self, group: list[str]) -> None:
         """The statistics of ``group``'s uses whose output gradient arrived (the others contribute 0)."""
-        uses = {m: [Use(*s) for s in self._uses.pop(m, []) if s[1] is not None] for m in group.members}
-        self._done.update(group.members)
+        uses = {m: [Use(*s) for s in self._uses.pop(m, []) if s[1] is not None] for m in group}
+        self._done.update(group)
         uses = {m: u for m, u in uses.items() if u}
         if not uses:
             return
         try:
-            if len(group.members) == 1:
+            if len(group) == 1:
                 ((name, module_uses),) = uses.items()
                 module, rule = self.per_example[name], self._rules[name]
                 sq = rule.sq_norms(module, module_uses, self._workspace)
@@ -300,7 +293,7 @@ class PerExampleGradients:
         for qualified, (total, total_sq) in sums.items():
             _add(self._grad_sum, qualified, total)
             _add(self._sum_sq, qualified, total_sq)
-        self._step.seen.update(group.members)  # a tied member this forward did not call has its gradient here
+        self._step.seen.update(group)  # a tied member this forward did not call has its gradient here
 
     def _qualified(self, name: str, local: str, module: nn.Module) -> str:
         return self._names[id(self._rules[name].parameters(module)[local])]
