@@ -400,3 +400,35 @@ def test_the_torch_func_fallback_measures_a_checkpointed_layer_once(reentrant):
     step = collector.pop()
     assert not step.failed and step.seen == {"1"} and step.num_sub == B
     torch.testing.assert_close(step.sub_sum_sq["1.scale"], truth.square().sum(0))
+
+
+class SequenceFirst(nn.Module):
+    """PyTorch's word-language-model layout: the model runs on ``(T, B)``, its data is batch-first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.norm = nn.Embedding(7, 4), nn.LayerNorm(4)
+        self.rnn, self.decoder = nn.GRU(4, 5), nn.Linear(5, 7)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        output, _ = self.rnn(self.norm(self.encoder(tokens.t())))  # (T, B, 5)
+        return self.decoder(output).transpose(0, 1)
+
+
+def test_sequence_first_layers_are_measured_with_the_examples_on_dimension_1():
+    torch.manual_seed(0)
+    model = SequenceFirst().double()
+    tokens = torch.randint(0, 7, (B, 3))
+    weights = torch.randn(B, 3, 7, dtype=torch.float64)
+    truth = per_example_truth(model, tokens, weights)
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    collector.expect_batch(B)  # told, as the probe tells it: the first layer's first dimension is T
+    (model(tokens) * weights).sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed
+    torch.testing.assert_close(step.sq_norms[0], sum(g.flatten(1).square().sum(1) for g in truth.values()))
+    for name, g in truth.items():
+        torch.testing.assert_close(step.sum_sq[name], g.square().sum(0))

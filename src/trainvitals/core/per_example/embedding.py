@@ -44,6 +44,9 @@ class EmbeddingRule(PerExampleRule):
 
     broadcast_batch = True
 
+    def feature_dims(self, module: nn.Module) -> int | None:
+        return 0
+
     def unsupported(self, module: nn.Module) -> str | None:
         if module.scale_grad_by_freq:
             return "Embedding with scale_grad_by_freq couples the examples"

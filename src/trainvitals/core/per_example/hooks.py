@@ -227,6 +227,11 @@ class PerExampleGradients:
                 inputs = inputs.expand(self._batch_size, *inputs.shape[1:])
                 output = replaced = output.expand(self._batch_size, *output.shape[1:])
                 batch = self._batch_size
+            features = rule.feature_dims(module)
+            moved = features is not None and batch != self._batch_size and self._batch_size is not None \
+                and inputs.dim() - features >= 2 and inputs.shape[1] == self._batch_size
+            if moved:  # sequence-first (T, B, *): the positions lead, the examples are dimension 1
+                inputs, batch = inputs.movedim(1, 0), self._batch_size
         if name in self._done:
             self._step.failed[name] = "measured before its next call: runs in several checkpointed segments"
             return
@@ -239,8 +244,11 @@ class PerExampleGradients:
             hook = functools.partial(self._backward_call, name, slot, [t is not None for t in leaves])
             torch.autograd.graph.register_multi_grad_hook(tensors, hook)
         else:
-            output.register_hook(functools.partial(self._backward, name, slot))
+            output.register_hook(functools.partial(self._backward_output, name, slot, moved))
         return replaced
+
+    def _backward_output(self, name: str, slot: list[Any], moved: bool, grad_output: Tensor) -> None:
+        self._backward(name, slot, grad_output.movedim(1, 0) if moved else grad_output)
 
     def _backward_call(self, name: str, slot: list[Any], present: list[bool], grads: Any) -> None:
         if all(g is None for g in grads):  # the loss uses none of the call's outputs: no contribution

@@ -141,6 +141,9 @@ class OuterProductRule(PerExampleRule):
 class LinearRule(OuterProductRule):
     """nn.Linear on ``(B, *, I)``: the positions are the middle dimensions."""
 
+    def feature_dims(self, module: nn.Module) -> int | None:
+        return 1
+
     def _gradients(self, module: nn.Module, use: Use) -> Tensor:
         return _by_position(use.grad_output)
 

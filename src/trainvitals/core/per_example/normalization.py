@@ -58,6 +58,9 @@ class AffineNormRule(PerExampleRule):
 
 @register_per_example_rule(nn.LayerNorm)
 class LayerNormRule(AffineNormRule):
+    def feature_dims(self, module: nn.Module) -> int | None:
+        return len(module.normalized_shape)
+
     def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
         return _standardized(x, tuple(range(-len(module.normalized_shape), 0)), module.eps)
 
@@ -116,6 +119,9 @@ class BatchNormRule(AffineNormRule):
 class RMSNormRule(AffineNormRule):
     """nn.RMSNorm: x̂ = x / sqrt(mean(x²) + eps) over ``normalized_shape`` (eps ``None``: the input
     dtype's machine epsilon, as torch does)."""
+
+    def feature_dims(self, module: nn.Module) -> int | None:
+        return len(module.normalized_shape)
 
     def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
         dims = tuple(range(-len(module.normalized_shape), 0))

@@ -69,6 +69,15 @@ class PerExampleRule:
         a rule may cover a child that its module's forward uses without calling it)."""
         return _trainable(module)
 
+    def feature_dims(self, module: nn.Module) -> int | None:
+        """For a layer that treats every position alike, the trailing dimensions of its input that are
+        features (Linear: 1, Embedding: 0): a call on a sequence-first ``(T, B, *)`` input, B examples
+        on dimension 1, is measured with the examples moved first. ``None``: dimension 0 only.
+
+        With T = B the examples are taken to be on dimension 0: a sequence-first model with as many
+        positions as examples gets per-position norms."""
+        return None
+
     def batch_size(self, module: nn.Module, call: Call) -> int:
         """The examples of a ``whole_call`` rule's call (the first tensor argument's first dimension)."""
         first = next((a for a in call.args if isinstance(a, Tensor)), None)
