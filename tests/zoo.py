@@ -163,18 +163,17 @@ class LSTMClassifier(nn.Module):
 
 
 class GRULanguageModel(nn.Module):
-    """PyTorch's word-language-model example (encoder, GRU, decoder), batch-first: its sequence-first
-    original runs the encoder and decoder on ``(T, B)``, which the rules take for T examples and name."""
+    """PyTorch's word-language-model example: encoder, GRU and decoder on sequence-first ``(T, B)``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.encoder = nn.Embedding(VOCAB, 10)
-        self.rnn = nn.GRU(10, 12, num_layers=2, batch_first=True)
+        self.rnn = nn.GRU(10, 12, num_layers=2)
         self.decoder = nn.Linear(12, VOCAB)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        output, _ = self.rnn(self.encoder(tokens))
-        return self.decoder(output)
+        output, _ = self.rnn(self.encoder(tokens.t()))  # (T, B, H)
+        return self.decoder(output).transpose(0, 1)  # (B, T, VOCAB)
 
 
 class ViT(nn.Module):
