@@ -583,7 +583,7 @@ def test_a_layer_called_with_a_keyword_input_is_skipped_not_fatal():
     assert trainer.global_step == 3
 
 
-def test_multihead_attention_is_named_at_fit_start_and_the_rest_is_measured():
+def test_multihead_attention_is_measured_per_example():
     class Attention(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -600,8 +600,7 @@ def test_multihead_attention_is_named_at_fit_start_and_the_rest_is_measured():
         warnings.simplefilter("always")
         fit(Classifier(Attention()), data, [probe], batch_size=8, steps=3, logger=logger)
     assert _probe_warnings(record) == []
-    assert "not measured: 4 tensors" in probe.sources and "nn.MultiheadAttention" in probe.sources
-    assert "per-example norms in backward: Linear×1" in probe.sources
+    assert "per-example norms in backward: MultiheadAttention×1, Linear×1 (100.0% of parameters)" in probe.sources
     assert len(logger.values("grad_noise/trace_cov")) == 3
 
 
@@ -717,3 +716,46 @@ def test_two_optimizers_are_named_as_the_reason_nothing_is_measured():
     (message,) = _probe_warnings(record)
     assert "the run has 2 optimizers" in message
     assert last_logged(logger) == {} and int(probe.noise.count) == 0
+
+
+class SkipsOneBatch(Classifier):
+    """Returns None for one batch (Lightning's way to skip it), after its forward ran."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 2 else loss  # under accumulation of 2: the first micro-batch of a step
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_skipped_batch_leaves_per_example_measurement_intact(accumulate):
+    torch.manual_seed(0)
+    probe, logger = BatchVarianceProbe(), RecordingLogger()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(SkipsOneBatch(network("mlp")), classification_data("mlp", 96), [probe], batch_size=8, steps=4,
+            accumulate=accumulate, logger=logger)
+    assert not any("more than once" in m for m in _probe_warnings(record)) and not probe._excluded
+    assert set(probe._plan.per_example) == {"net.0", "net.2", "net.4"}
+    steps = [step for step, _ in logger.series["grad_noise/gsnr/net.0"]]
+    assert steps[-1] == 3 and len(steps) >= 3  # per-example statistics logged after the skipped batch too
+
+
+class LanguageModel(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+
+def test_a_gpt_with_tied_embeddings_is_measured_per_example_end_to_end():
+    from zoo import GPT, VOCAB
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (32, 6))
+    probe, logger = BatchVarianceProbe(), RecordingLogger()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(LanguageModel(GPT().double()), TensorDataset(tokens, tokens.roll(-1, 1)), [probe], batch_size=8, steps=3,
+            logger=logger)
+    assert _probe_warnings(record) == [] and not probe._excluded
+    assert probe.sources.startswith("per-example norms in backward") and "(100.0% of parameters)" in probe.sources
+    assert len(logger.values("grad_noise/trace_cov")) == 3 and len(logger.values("grad_noise/gsnr/net.wte")) == 3

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainvitals.core import per_example as per_example_module
+from trainvitals.core.per_example import _common as per_example_module
 from trainvitals.core.noise import (
     NoiseScaleEMA,
     NoiseScaleError,
@@ -278,7 +278,7 @@ def test_mean_and_sum_reduction_give_the_same_statistics(kind):
 
 def test_vmap_fallback_matches_brute_force():
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(4, 6), Scale(6), nn.GroupNorm(2, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    model = nn.Sequential(nn.Linear(4, 6), Scale(6), nn.PReLU(6), nn.Tanh(), nn.Linear(6, 3)).double()
     x, y = torch.randn(B, 4, dtype=torch.float64), torch.randint(0, 3, (B,))
     per_example = brute_force(model, x, y)
     plan = plan_sources(model, groups_available=False, fallback=True)
@@ -310,14 +310,22 @@ def test_sub_batch_estimates_are_the_per_example_ones_on_the_whole_batch():
         sub_batch_estimates(g.square().sum(), mean_sq, 8, mean_sq, 4)
 
 
-def test_module_run_twice_is_reported_not_measured():
+def test_module_run_twice_is_measured_from_both_uses():
+    """The per-example gradient of a layer used twice is the sum of its uses': its norm has cross terms."""
+    torch.manual_seed(0)
     layer = nn.Linear(3, 3).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    truth = []
+    for i in range(4):
+        layer.zero_grad()
+        layer(torch.tanh(layer(x[i:i + 1]))).sum().backward()
+        truth.append(sum(p.grad.square().sum() for p in layer.parameters()))
     collector = PerExampleGradients({"layer": layer}, {}, 2)
-    collector.attach()
-    layer(layer(torch.randn(4, 3, dtype=torch.float64))).sum().backward()
+    collector.attach(keep_norms=True)
+    layer(torch.tanh(layer(x))).sum().backward()
     collector.end_micro_batch(1.0)
     step = collector.pop()
-    assert "layer" in step.failed and step.sq_norm_sum is None
+    assert not step.failed and rel_close(step.sq_norms[0], torch.stack(truth))
 
 
 class AllocatedBytes(TorchDispatchMode):
@@ -412,16 +420,24 @@ def test_detect_loss_reduction_counts_the_terms(make_loss, terms):
 
 def test_plan_sources():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Scale(4), nn.Linear(4, 4, bias=False), nn.Linear(4, 4))
-    model[4].weight = model[3].weight  # tied
+    model[4].weight = model[3].weight  # tied between two layers with rules: measured together
     plan = plan_sources(model, groups_available=False, fallback=True)
-    assert list(plan.per_example) == ["0"] and list(plan.vmap) == ["2"] and plan.coupled == ("1",)
-    assert plan.uncovered["1.weight"].startswith("BatchNorm") and plan.uncovered["3.weight"] == "tied parameter"
-    assert "4.bias" in plan.uncovered and "not measured" in plan.describe(model)
+    assert list(plan.per_example) == ["0", "3", "4"] and list(plan.vmap) == ["2"] and plan.coupled == ("1",)
+    assert plan.uncovered["1.weight"].startswith("BatchNorm") and set(plan.uncovered) == {"1.weight", "1.bias"}
+    assert "3.weight" in plan.parameters("per_example") and "4.weight" not in plan.parameters("per_example")
+    assert "not measured" in plan.describe(model)
     grouped = plan_sources(model, groups_available=True, fallback=False)
-    assert set(grouped.micro_batch) == {"1.weight", "1.bias", "2.scale", "3.weight", "4.bias"}  # tied: once
+    assert set(grouped.micro_batch) == {"1.weight", "1.bias", "2.scale"}
     assert not grouped.uncovered
-    off = plan_sources(model, groups_available=False, fallback=False, exclude=["0"])
+    off = plan_sources(model, groups_available=False, fallback=False, exclude=["0", "3"])
     assert not off.per_example and not off.vmap and off.uncovered["2.scale"].endswith("fallback off")
+    assert off.uncovered["4.weight"] == "tied parameter, fallback off"  # its partner failed: neither is measured
+    with_no_rule = nn.Sequential(nn.LayerNorm(4), Scale(4))
+    with_no_rule[0].weight = with_no_rule[1].scale  # tied to a layer without a rule: neither, nor torch.func
+    plan = plan_sources(with_no_rule, groups_available=False, fallback=True)
+    assert not plan.per_example and not plan.vmap and set(plan.uncovered.values()) == {"tied parameter"}
+    grouped = plan_sources(with_no_rule, groups_available=True, fallback=True)
+    assert set(grouped.micro_batch) == {"0.weight", "0.bias"}  # the tied tensor once
 
 
 class WithPositions(nn.Module):
@@ -499,13 +515,10 @@ class Attention(nn.Module):
 
 
 @pytest.mark.parametrize("groups_available", [False, True])
-def test_multihead_attention_is_planned_with_its_reason_not_failed_later(groups_available):
+def test_multihead_attention_is_planned_for_per_example_norms(groups_available):
     model = Attention()
     plan = plan_sources(model, groups_available=groups_available, fallback=True)
-    assert set(plan.per_example) == {"head"} and not plan.vmap
+    assert set(plan.per_example) == {"attn", "head"} and not plan.vmap and not plan.micro_batch
     attention_params = {"attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight", "attn.out_proj.bias"}
-    if groups_available:
-        assert set(plan.micro_batch) == attention_params
-    else:
-        assert set(plan.uncovered) == attention_params
-        assert "nn.MultiheadAttention" in plan.describe(model)
+    assert attention_params < set(plan.parameters("per_example")) and not plan.uncovered
+    assert "MultiheadAttention×1" in plan.describe(model)

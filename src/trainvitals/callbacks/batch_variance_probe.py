@@ -74,9 +74,10 @@ class BatchVarianceProbe(Callback):
     Sources, chosen per parameter at fit start and named in one log line:
 
     1. per-example squared norms in the same backward, from saved activations and output gradients,
-       for ``nn.Linear`` (any number of leading dimensions), ``nn.Conv1d``/``nn.Conv2d``,
-       ``nn.Embedding`` and ``nn.LayerNorm`` (:mod:`trainvitals.core.per_example`): the estimator with
-       b = 1 over all examples of the step, all micro-batches and ranks;
+       by the rules of :mod:`trainvitals.core.per_example` (Linear, convolutions, Embedding, the
+       normalisation layers, attention, recurrent layers, and any registered with
+       ``register_per_example_rule``): the estimator with b = 1 over all examples of the step, all
+       micro-batches and ranks;
     2. the micro-batches of gradient accumulation and the DDP ranks (:class:`MicroBatchSquaredNorms`,
        McCandlish Eq. A.2) for the other parameters, when a step has at least two of them;
     3. otherwise ``torch.func`` per-example gradients of those layers on the first
@@ -341,11 +342,12 @@ class BatchVarianceProbe(Callback):
         if step != self._open_step:
             self._begin_step(step)
         if self._measuring:
+            assert self._collector is not None
+            self._collector.begin_micro_batch()  # a batch skipped before (training_step returned None) left its forward
             size = batch_size(batch)
             self._unsized = self._unsized or size is None
             self._batch_size = size or 0
             if size:
-                assert self._collector is not None
                 self._collector.expect_batch(size)
 
     def _begin_step(self, step: int) -> None:

@@ -1,0 +1,62 @@
+"""Per-example gradient statistics computed in the same backward pass, without per-example gradients.
+
+Notation as in :mod:`trainvitals.core.noise` and docs/science.md §3: per-example gradient g_i = ∇ℓ_i of
+each example's own (un-averaged) loss, B examples, batch gradient ḡ = (1/B) Σ_i g_i.
+
+Each layer type has a rule in the registry (:mod:`.registry`), one file per layer family: Linear
+(:mod:`.linear`: ghost norms, Goodfellow 2015, Li et al. 2022), convolutions (:mod:`.conv`: im2col,
+Rochette et al. 2019), Embedding (:mod:`.embedding`: a segment sum over repeated tokens) and the
+normalisation layers (:mod:`.normalization`: ``(B, D)`` per-example vectors). A rule gives the
+per-example squared norms ‖g_i‖² and the per-coordinate sums Σ_i g_{i,d} and Σ_i g_{i,d}² (the mean
+and variance of each coordinate) from the saved inputs and output gradients. Both come from the same
+operands, so that the variance is not the rounding difference between them and a differently rounded
+``.grad``. :func:`register_per_example_rule` adds a rule for a layer of one's own.
+
+Layers without a rule fall back to :func:`vmap_per_example_grads` (:mod:`.fallback`): ``torch.func``
+per-example vector-Jacobian products of the module's own forward, seeded with the captured output
+gradients. :mod:`.hooks` gathers the statistics during backward; :mod:`.plan` assigns each parameter
+its source; :func:`detect_loss_reduction` (:mod:`.loss_reduction`) finds whether the batch loss was a
+mean or a sum over examples.
+
+Everything here stays on the device; nothing syncs with the host. No Lightning import.
+"""
+
+from torch import nn
+
+from trainvitals.core.per_example import (  # noqa: F401 - register their rules
+    attention,
+    conv,
+    embedding,
+    linear,
+    normalization,
+    recurrent,
+)
+from trainvitals.core.per_example._common import Workspace
+from trainvitals.core.per_example.fallback import vmap_per_example_grads
+from trainvitals.core.per_example.hooks import PerExampleGradients, PerExampleStep
+from trainvitals.core.per_example.loss_reduction import LossReduction, detect_loss_reduction
+from trainvitals.core.per_example.plan import SourcePlan, plan_sources
+from trainvitals.core.per_example.registry import (
+    Call,
+    PerExampleRule,
+    Use,
+    per_example_sq_norms,
+    per_example_sums,
+    register_per_example_rule,
+    rule_for,
+    unsupported_reason,
+)
+
+#: The torch layers with a built-in rule.
+PER_EXAMPLE_LAYERS = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MultiheadAttention,
+    nn.RNN, nn.LSTM, nn.GRU,
+)
+
+__all__ = [
+    "PER_EXAMPLE_LAYERS", "Call", "LossReduction", "PerExampleGradients", "PerExampleRule", "PerExampleStep",
+    "SourcePlan", "Use", "Workspace", "detect_loss_reduction", "per_example_sq_norms", "per_example_sums",
+    "plan_sources", "register_per_example_rule", "rule_for", "unsupported_reason", "vmap_per_example_grads",
+]

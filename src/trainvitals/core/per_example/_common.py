@@ -1,0 +1,90 @@
+"""Tensor helpers the per-example rules share: accumulation dtype, reused buffers, squared norms and the
+sums of outer products Σ_t δ_t a_tᵀ that Linear, convolutions and attention projections reduce to."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+_SCRATCH_BYTES = 16 * 2**20  # the largest temporary of a chunk of examples: patches, blocks or Gram matrix
+
+
+def _accumulation_dtype(t: Tensor) -> torch.dtype:
+    # fp16/bf16 squared norms overflow or underflow (docs/science.md §2); float64 stays float64.
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+
+class Workspace:
+    """Buffers that the per-example computations of every layer and step reuse for their largest
+    temporaries (a convolution's patches, per-example blocks, ghost Gram matrices): one per role, each
+    at most ``_SCRATCH_BYTES`` (or one example's worth, if that is more), kept between steps.
+
+    On a CPU, glibc's malloc hands blocks of this size back to the operating system when they are
+    freed, so fresh ones page-fault on every step: in the demo CNN ~860 faults, half of the probe's
+    time in its second convolution. The layers of one backward on one device run one after another,
+    so one buffer per role, device and dtype serves them all (autograd runs each device's part of a
+    backward in its own thread).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
+
+    def take(self, role: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """An uninitialised ``shape`` tensor of ``like``'s dtype and device, valid until ``role`` is taken
+        again on that device."""
+        numel, key = math.prod(shape), (role, like.device, like.dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[key] = like.new_empty(numel)
+        return buffer[:numel].view(shape)
+
+
+def _ghost_is_cheaper(positions: int, fan_in: int, fan_out: int) -> bool:
+    """Ghost Gram matrices, O(T²(I + O)), against the per-example I×O block, O(T·I·O): 2T² ≤ I·O."""
+    return 2 * positions * positions <= fan_in * fan_out
+
+
+def _bmm(x: Tensor, y: Tensor, workspace: Workspace | None, role: str) -> Tensor:
+    """``torch.bmm(x, y)``, into the workspace's ``role`` buffer when there is one."""
+    out = None if workspace is None else workspace.take(role, (x.shape[0], x.shape[1], y.shape[2]), x)
+    return torch.bmm(x, y, out=out)
+
+
+def _sq_norms(x: Tensor) -> Tensor:
+    """Squared norm of each example's slice, ``(B, *)`` → ``(B,)``."""
+    return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
+
+
+def _by_position(t: Tensor) -> Tensor:
+    """A Linear layer's ``(B, *, F)`` input or output gradient as ``(B, T, F)`` (T = 1 for 2-D)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
+
+
+def _outer_sq_norms(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> Tensor:
+    """‖Σ_t g_t a_tᵀ‖²_F per example, ``(B, T, I)``, ``(B, T, O)`` → ``(B,)``; ghost Gram when 2T² ≤ I·O."""
+    # Reductions straight from the operands (vecdot, vector_norm): no squared temporary of the size of
+    # the Gram matrices or blocks, whose allocation per step costs more than the arithmetic on a CPU.
+    t, i, o = a.shape[1], a.shape[2], g.shape[2]
+    if t == 1:
+        return _sq_norms(a) * _sq_norms(g)
+    if _ghost_is_cheaper(t, i, o):
+        return torch.linalg.vecdot(_bmm(a, a.transpose(1, 2), workspace, "gram_a").flatten(1),
+                                   _bmm(g, g.transpose(1, 2), workspace, "gram_g").flatten(1))
+    return _sq_norms(_bmm(g.transpose(1, 2), a, workspace, "blocks"))
+
+
+def _outer_sums(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> tuple[Tensor, Tensor]:
+    """Σ_i and Σ_i (·)², elementwise, of the per-example blocks Σ_t g_t a_tᵀ, ``(b, T, I)``, ``(b, T, O)``
+    → two ``(O, I)``: ΔᵀA and (Δ²)ᵀ(A²) when T = 1."""
+    if a.shape[1] == 1:
+        a, g = a[:, 0], g[:, 0]
+        return g.t() @ a, g.square().t() @ a.square()
+    blocks = _bmm(g.transpose(1, 2), a, workspace, "blocks")
+    return blocks.sum(0), blocks.square_().sum(0)
+

@@ -1,0 +1,68 @@
+"""nn.Embedding: the per-example gradient is a segment sum of output-gradient rows over repeated tokens."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype
+from trainvitals.core.per_example.registry import PerExampleRule, Use, register_per_example_rule
+
+
+def _embedding_rows(module: nn.Embedding, uses: Sequence[Use]) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows of the per-example Embedding gradients, repeated tokens (in any of the uses) summed, without a
+    host sync.
+
+    Returns ``(rows, example, token)``: ``rows`` ``(N, D)`` with N = B·T (T: the positions of all uses;
+    rows beyond the distinct (example, token) pairs are zero), and the example and token index of each
+    row, ``(N,)``.
+    """
+    batch, vocab = uses[0].inputs.shape[0], module.num_embeddings
+    idx = torch.cat([u.inputs.reshape(batch, math.prod(u.inputs.shape[1:])) for u in uses], 1)
+    dtype = _accumulation_dtype(uses[0].grad_output)
+    g = torch.cat([u.grad_output.to(dtype).reshape(batch, math.prod(u.inputs.shape[1:]), module.embedding_dim)
+                   for u in uses], 1).reshape(idx.numel(), module.embedding_dim)
+    if module.padding_idx is not None:
+        g = g * (idx.reshape(-1, 1) != module.padding_idx)
+    key = (torch.arange(batch, device=idx.device).unsqueeze(1) * vocab + idx).reshape(-1)
+    sorted_key, order = key.sort()
+    first = torch.ones_like(sorted_key, dtype=torch.bool)
+    first[1:] = sorted_key[1:] != sorted_key[:-1]
+    segment = first.long().cumsum(0) - 1
+    rows = g.new_zeros(g.shape).index_add_(0, segment, g[order])
+    segment_key = torch.zeros_like(sorted_key).scatter_(0, segment, sorted_key)
+    return rows, segment_key // vocab, segment_key % vocab
+
+
+@register_per_example_rule(nn.Embedding)
+class EmbeddingRule(PerExampleRule):
+    """nn.Embedding (dense, without ``scale_grad_by_freq``, which couples the examples); a position table
+    looked up with ``(1, T)`` ids shared by the batch is measured per example."""
+
+    broadcast_batch = True
+
+    def feature_dims(self, module: nn.Module) -> int | None:
+        return 0
+
+    def unsupported(self, module: nn.Module) -> str | None:
+        if module.scale_grad_by_freq:
+            return "Embedding with scale_grad_by_freq couples the examples"
+        return "sparse Embedding" if module.sparse else None
+
+    def sq_norms(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None) -> Tensor:
+        rows, example, _ = _embedding_rows(module, uses)
+        return rows.new_zeros(uses[0].inputs.shape[0]).index_add_(0, example, rows.square().sum(1))
+
+    def sums(self, module: nn.Module, uses: Sequence[Use],
+             workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+        rows, _, token = _embedding_rows(module, uses)
+        zeros = rows.new_zeros(module.weight.shape)
+        return {"weight": (zeros.index_add(0, token, rows), zeros.index_add(0, token, rows.square()))}
+
+    def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
+        rows, example, token = _embedding_rows(module, uses)
+        out = rows.new_zeros(uses[0].inputs.shape[0], *module.weight.shape)
+        return {"weight": out.index_put_((example, token), rows, accumulate=True)}

@@ -1,0 +1,373 @@
+"""The hooks that gather per-example gradient statistics during backward, module by module.
+
+Units: the hooks see the gradient of whatever loss was back-propagated (divided by the accumulation
+steps, multiplied by an AMP scale, averaged over the batch or not); :class:`PerExampleGradients` takes
+a per-micro-batch factor that converts them to the example's own loss.
+
+Everything here stays on the device; nothing syncs with the host. No Lightning import.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype
+from trainvitals.core.per_example.fallback import vmap_per_example_grads
+from trainvitals.core.per_example.registry import Call, Use, _rule
+from trainvitals.core.per_example.tied import measure_tied
+
+
+def _recomputing() -> bool:
+    """Whether a forward runs inside a backward: ``torch.utils.checkpoint`` recomputing a segment."""
+    return torch._C._current_autograd_node() is not None
+
+
+@dataclass
+class PerExampleStep:
+    """What :class:`PerExampleGradients` gathered over the micro-batches of one optimizer step, in the
+    units of each example's own loss.
+
+    Attributes:
+        sq_norm_sum: ``()`` Σ_i ‖g_i‖² over the per-example-norm parameters, or ``None``.
+        sq_norms: the ``(b,)`` ‖g_i‖² of each micro-batch, in order (only when kept).
+        grad_sum: Σ_i g_i per per-example-norm parameter (qualified name), when requested.
+        sum_sq: Σ_i g_i² per per-example-norm parameter, when requested (from the same operands).
+        num_sub: examples of the ``vmap`` sub-batches.
+        sub_sq_norm_sum: ``()`` Σ_i ‖g_i‖² over the ``vmap`` parameters and the sub-batch examples.
+        sub_grad_sum: Σ_i g_i per ``vmap`` parameter over the sub-batch.
+        sub_sum_sq: Σ_i g_i² per ``vmap`` parameter over the sub-batch.
+        seen: modules whose output gradient arrived.
+        failed: modules that could not be measured this step, with the reason.
+    """
+
+    sq_norm_sum: Tensor | None = None
+    sq_norms: list[Tensor] = field(default_factory=list)
+    grad_sum: dict[str, Tensor] = field(default_factory=dict)
+    sum_sq: dict[str, Tensor] = field(default_factory=dict)
+    num_sub: int = 0
+    sub_sq_norm_sum: Tensor | None = None
+    sub_grad_sum: dict[str, Tensor] = field(default_factory=dict)
+    sub_sum_sq: dict[str, Tensor] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
+    into[name] = value if name not in into else into[name] + value
+
+
+class PerExampleGradients:
+    """Module hooks that gather per-example gradient statistics during backward.
+
+    For each module of ``per_example``, a forward hook keeps a reference to the input (autograd saves
+    it anyway) and puts a hook on the output; when the output gradients of all the module's calls in
+    the forward (its *uses*) have arrived, its rule (:mod:`.registry`) adds the per-example squared
+    norms (and, if requested, the per-coordinate sums of squares) into running device tensors, and the
+    references go. A module called several times is measured from all its uses together: its
+    per-example gradient is their sum. Modules that share a parameter (an embedding tied to the output
+    layer) are measured together (:mod:`.tied`). A
+    module recomputed in backward by ``torch.utils.checkpoint`` is measured once: from its first run,
+    or from the recomputation where the first run had no graph (reentrant checkpointing).
+
+    Modules of ``vmap`` keep the first ``sub_batch`` examples of their inputs and output gradients
+    until :meth:`end_micro_batch`, which computes their per-example gradients with
+    :func:`vmap_per_example_grads`.
+
+    Use: :meth:`attach`, then per micro-batch :meth:`begin_micro_batch`, forward + backward and
+    :meth:`end_micro_batch` with the factor that converts the back-propagated gradient to the examples'
+    own losses; :meth:`pop` at the optimizer step; :meth:`detach`. A ``vmap`` module that runs more than
+    once in a forward, or a module whose examples do not sit on dimension 0, is reported in
+    :attr:`PerExampleStep.failed`.
+
+    Args:
+        per_example: ``{name: module}`` with :func:`unsupported_reason` ``None``.
+        vmap: ``{name: module}`` for the ``torch.func`` fallback.
+        sub_batch: examples per micro-batch for the fallback, ≥ 2.
+    """
+
+    def __init__(self, per_example: Mapping[str, nn.Module], vmap: Mapping[str, nn.Module], sub_batch: int) -> None:
+        if sub_batch < 2:
+            raise ValueError(f"`sub_batch` must be >= 2, got {sub_batch}")
+        self.per_example, self.vmap, self.sub_batch = dict(per_example), dict(vmap), sub_batch
+        self._rules = {name: _rule(module) for name, module in self.per_example.items()}
+        self._names, self._groups = self._parameter_names()
+        self._handles: list[RemovableHandle] = []
+        self._workspace = Workspace()  # the conv patches and blocks of every layer and step
+        self._coordinates = False
+        self._keep_norms = False
+        self._replaying = False
+        self._reset_micro_batch()
+        self._step = PerExampleStep()
+
+    def _parameter_names(self) -> tuple[dict[int, str], dict[str, list[str]]]:
+        """Each measured parameter's qualified name (a tied one: its first owner's), and each module's
+        group: the modules measured together with it (itself, and those it shares a parameter with)."""
+        names: dict[int, str] = {}
+        owners: dict[int, list[str]] = {}
+        for name, module in self.per_example.items():
+            for local, p in self._rules[name].parameters(module).items():
+                names.setdefault(id(p), f"{name}.{local}" if name else local)
+                owners.setdefault(id(p), []).append(name)
+        parent = {name: name for name in self.per_example}  # union-find over the modules sharing a parameter
+
+        def root(name: str) -> str:
+            while parent[name] != name:
+                name = parent[name]
+            return name
+
+        for members in owners.values():
+            for other in members[1:]:
+                parent[root(other)] = root(members[0])
+        by_root: dict[str, list[str]] = {}
+        for name in self.per_example:
+            by_root.setdefault(root(name), []).append(name)
+        groups = {}
+        for members in by_root.values():
+            groups.update(dict.fromkeys(members, members))
+        return names, groups
+
+    def _reset_micro_batch(self) -> None:
+        self._sq: Tensor | None = None
+        self._grad_sum: dict[str, Tensor] = {}
+        self._sum_sq: dict[str, Tensor] = {}
+        self._pending: list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any], Tensor]] = []
+        self._calls: Counter[str] = Counter()
+        self._uses: dict[str, list[list[Any]]] = {}  # per module, its calls' [inputs, output gradient or None]
+        self._done: set[str] = set()  # modules whose uses were measured this micro-batch
+        self._batch_size: int | None = None  # examples in this micro-batch: told, else the first layer's rows
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self, coordinates: bool = False, keep_norms: bool = False) -> None:
+        """Install the hooks; ``coordinates``: also Σ_i g_i and Σ_i g_i²; ``keep_norms``: keep each ‖g_i‖²."""
+        self.detach()
+        self._coordinates, self._keep_norms = coordinates, keep_norms
+        for name, module in self.per_example.items():
+            hook = functools.partial(self._forward, name)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        for name, module in self.vmap.items():
+            hook = functools.partial(self._forward_vmap, name)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def begin_micro_batch(self) -> None:
+        """Start a micro-batch: what a forward without backward left (a training step that returned no
+        loss, a skipped batch) is dropped, so that the next forward's calls are not taken for more uses."""
+        self._reset_micro_batch()
+
+    def expect_batch(self, size: int) -> None:
+        """The coming micro-batch holds ``size`` examples: a layer whose input has another first dimension
+        (a position embedding called with ``arange(T)``, inputs flattened to ``(B·T, D)``) is reported in
+        :attr:`PerExampleStep.failed`, not measured. Untold, the first measured layer's rows count."""
+        self._batch_size = size
+
+    def _check_batch(self, name: str, batch: int) -> bool:
+        if self._batch_size is None:
+            self._batch_size = batch
+        if batch != self._batch_size:
+            self._step.failed[name] = f"first dimension {batch} is not the batch ({self._batch_size})"
+            return False
+        return True
+
+    def _check_call(self, name: str, output: Any, batch: int) -> bool:
+        if self._replaying or (_recomputing() and self._calls[name]) or not isinstance(output, Tensor) \
+                or not output.requires_grad:
+            return False
+        self._calls[name] += 1
+        if self._calls[name] > 1:
+            self._step.failed[name] = "runs more than once per forward"
+            return False
+        return self._check_batch(name, batch)
+
+    def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any) -> Tensor | None:
+        if self._replaying or name in self._step.failed:
+            return
+        rule, replaced = self._rules[name], None
+        if _recomputing() and (self._calls[name] or name in self._done):
+            return  # checkpointing's recomputation of a call measured from its first run
+        if rule.whole_call:
+            leaves = [t if isinstance(t, Tensor) and t.requires_grad else None for t in tree_leaves(output)]
+            tensors = [t for t in leaves if t is not None]
+            if not tensors:
+                return
+            inputs: Any = Call(args, kwargs)
+            batch = rule.batch_size(module, inputs)
+            if batch < 0:
+                self._step.failed[name] = "its input holds no batch of examples its rule can read (a PackedSequence?)"
+                return
+        else:
+            if not args or not isinstance(args[0], Tensor):
+                self._step.failed[name] = "its input was not passed positionally (e.g. `layer(input=x)`)"
+                return
+            if not isinstance(output, Tensor):
+                self._step.failed[name] = f"its output is a {type(output).__name__}, not the tensor its rule needs"
+                return
+            if not output.requires_grad:
+                return
+            inputs, batch = args[0], args[0].shape[0] if args[0].dim() else -1
+            if rule.broadcast_batch and batch == 1 and self._batch_size not in (None, 1) and inputs.dim() >= 2:
+                # Indices shared by the batch ((1, T) position ids): the output is broadcast against the
+                # examples, so it is handed on expanded, and its gradient arrives per example.
+                inputs = inputs.expand(self._batch_size, *inputs.shape[1:])
+                output = replaced = output.expand(self._batch_size, *output.shape[1:])
+                batch = self._batch_size
+            features = rule.feature_dims(module)
+            moved = features is not None and batch != self._batch_size and self._batch_size is not None \
+                and inputs.dim() - features >= 2 and inputs.shape[1] == self._batch_size
+            if moved:  # sequence-first (T, B, *): the positions lead, the examples are dimension 1
+                inputs, batch = inputs.movedim(1, 0), self._batch_size
+        if name in self._done:
+            self._step.failed[name] = "measured before its next call: runs in several checkpointed segments"
+            return
+        self._calls[name] += 1
+        if not self._check_batch(name, batch):
+            return
+        slot = [inputs, None]
+        self._uses.setdefault(name, []).append(slot)
+        if rule.whole_call:
+            hook = functools.partial(self._backward_call, name, slot, [t is not None for t in leaves])
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook)
+        else:
+            output.register_hook(functools.partial(self._backward_output, name, slot, moved))
+        return replaced
+
+    def _backward_output(self, name: str, slot: list[Any], moved: bool, grad_output: Tensor) -> None:
+        self._backward(name, slot, grad_output.movedim(1, 0) if moved else grad_output)
+
+    def _backward_call(self, name: str, slot: list[Any], present: list[bool], grads: Any) -> None:
+        if all(g is None for g in grads):  # the loss uses none of the call's outputs: no contribution
+            self._uses[name].remove(slot)
+            self._calls[name] -= 1
+            return
+        it = iter(grads)
+        self._backward(name, slot, tuple(next(it) if p else None for p in present))
+
+    def _flush(self) -> None:
+        """Measure the groups with uses left at the end of a backward: calls whose outputs the loss did
+        not use (their gradient is 0), a tied module this forward did not call."""
+        for name in list(self._uses):
+            if name in self._uses and any(s[1] is not None for s in self._uses[name]):
+                self._measure(self._groups[name])
+        self._uses.clear()
+
+    @torch.no_grad()  # a backward with create_graph=True runs hooks in grad mode; nothing here is differentiated
+    def _backward(self, name: str, slot: list[Any], grad_output: Any) -> None:
+        if name in self._step.failed or name in self._done:
+            return
+        slot[1] = grad_output
+        group = self._groups[name]
+        if all(self._calls[m] and all(s[1] is not None for s in self._uses.get(m, [])) for m in group):
+            self._measure(group)
+
+    @torch.no_grad()  # also when flushed after the backward
+    def _measure(self, group: list[str]) -> None:
+        """The statistics of ``group``'s uses whose output gradient arrived (the others contribute 0)."""
+        uses = {m: [Use(*s) for s in self._uses.pop(m, []) if s[1] is not None] for m in group}
+        self._done.update(group)
+        uses = {m: u for m, u in uses.items() if u}
+        if not uses:
+            return
+        try:
+            if len(group) == 1:
+                ((name, module_uses),) = uses.items()
+                module, rule = self.per_example[name], self._rules[name]
+                sq = rule.sq_norms(module, module_uses, self._workspace)
+                sums = {self._qualified(name, local, module): value for local, value in
+                        (rule.sums(module, module_uses, self._workspace) if self._coordinates else {}).items()}
+            else:
+                sq, sums = measure_tied({m: (self.per_example[m], self._rules[m], u) for m, u in uses.items()},
+                                        self._names, self._coordinates, self._workspace)
+        except Exception as err:  # noqa: BLE001 - raised into the user's backward, it would end the run
+            for name in uses:
+                self._step.failed[name] = f"per-example norms failed: {type(err).__name__}: {err}"
+            return
+        self._sq = sq if self._sq is None else self._sq + sq
+        for qualified, (total, total_sq) in sums.items():
+            _add(self._grad_sum, qualified, total)
+            _add(self._sum_sq, qualified, total_sq)
+        self._step.seen.update(group)  # a tied member this forward did not call has its gradient here
+
+    def _qualified(self, name: str, local: str, module: nn.Module) -> str:
+        return self._names[id(self._rules[name].parameters(module)[local])]
+
+    def _forward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      output: Any) -> None:
+        batch = next((a.shape[0] for a in args if isinstance(a, Tensor) and a.dim()), -1)
+        if not self._check_call(name, output, batch):
+            return
+        sub = min(self.sub_batch, batch)
+        kept = tuple(a[:sub] if isinstance(a, Tensor) and a.dim() and a.shape[0] == batch else a for a in args)
+        output.register_hook(functools.partial(self._backward_vmap, name, module, kept, kwargs, sub))
+
+    def _backward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       sub: int, grad_output: Tensor) -> None:
+        if self._calls[name] <= 1:
+            self._pending.append((name, module, args, kwargs, grad_output[:sub]))
+
+    def end_micro_batch(self, unit: Tensor | float) -> None:
+        """Close a micro-batch: run the fallback, convert to own-loss units and add to the step.
+
+        Args:
+            unit: ``()`` tensor or float u with g_i = u × (the back-propagated per-example gradient),
+                e.g. (accumulation steps × batch size for a mean loss) / AMP loss scale.
+        """
+        self._flush()
+        step = self._step
+        unit_sq = unit * unit
+        if self._sq is not None:
+            sq = self._sq * unit_sq
+            step.sq_norm_sum = sq.sum() if step.sq_norm_sum is None else step.sq_norm_sum + sq.sum()
+            if self._keep_norms:
+                step.sq_norms.append(sq)
+        for name, value in self._grad_sum.items():
+            _add(step.grad_sum, name, value * unit)
+        for name, value in self._sum_sq.items():
+            _add(step.sum_sq, name, value * unit_sq)
+        self._run_vmap(unit)
+        self._reset_micro_batch()
+
+    def _run_vmap(self, unit: Tensor | float) -> None:
+        step, sub = self._step, None
+        self._replaying = True
+        try:
+            for name, module, args, kwargs, grad_output in self._pending:
+                try:
+                    grads = vmap_per_example_grads(module, args, kwargs, grad_output.detach())
+                except Exception as err:  # noqa: BLE001 - any failure of torch.func means: not measurable
+                    step.failed[name] = f"torch.func failed: {type(err).__name__}: {err}"
+                    continue
+                step.seen.add(name)
+                sub = grad_output.shape[0]
+                for local, g in grads.items():
+                    g = g.to(_accumulation_dtype(g)) * unit
+                    qualified = f"{name}.{local}" if name else local
+                    sq = g.flatten(1).square().sum(1).sum()
+                    step.sub_sq_norm_sum = sq if step.sub_sq_norm_sum is None else step.sub_sq_norm_sum + sq
+                    _add(step.sub_grad_sum, qualified, g.sum(0))
+                    _add(step.sub_sum_sq, qualified, g.square().sum(0))
+        finally:
+            self._replaying = False
+        if sub is not None:
+            step.num_sub += sub
+
+    def pop(self) -> PerExampleStep:
+        """The step's statistics; starts a new step."""
+        step, self._step = self._step, PerExampleStep()
+        self._reset_micro_batch()
+        return step

@@ -1,0 +1,167 @@
+"""Layers y_t = W a_t (+ b) at positions t, and nn.Linear.
+
+g_i's weight block is Σ_t δ_{i,t} a_{i,t}ᵀ, where a_{i,t} is the layer input and δ_{i,t} = ∂L/∂y_{i,t}
+the output gradient at position t of example i (T = 1 for a plain 2-D input). Its squared norm needs
+no per-example gradient (Goodfellow 2015, "Efficient Per-Example Gradient Computations"; the sequence
+case: Li et al. 2022, "ghost clipping"; Gray et al. 2023–2024 and CerebrasResearch/nanoGNS):
+
+    ‖Σ_t δ_t a_tᵀ‖²_F = Σ_{t,s} (a_t·a_s)(δ_t·δ_s) = ⟨A Aᵀ, Δ Δᵀ⟩_F            (the "ghost norm")
+
+which costs O(T²(I + O)) per example against O(T·I·O) for materialising the I×O block; the cheaper of
+the two is used per layer (ghost when 2T² ≤ I·O). A layer used several times in a forward has the
+positions of all its uses: its per-example gradient is the sum of theirs, one sum over the positions
+of all uses, so the ghost norm has the cross terms between uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from trainvitals.core.per_example import _common
+from trainvitals.core.per_example._common import (
+    Workspace,
+    _accumulation_dtype,
+    _bmm,
+    _by_position,
+    _outer_sq_norms,
+    _outer_sums,
+    _trainable,
+)
+from trainvitals.core.per_example.registry import PerExampleRule, Use, register_per_example_rule
+
+
+class OuterProductRule(PerExampleRule):
+    """A layer y_t = W a_t (+ b): subclasses say what the positions t, activations a_t and output
+    gradients δ_t are, and how a ``(O, I)`` block maps to the weight's shape."""
+
+    def _gradients(self, module: nn.Module, use: Use) -> Tensor:
+        """The output gradients ``(B, T, O)`` (a view where it can be)."""
+        raise NotImplementedError
+
+    def _activations(self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype,
+                     workspace: Workspace | None) -> Tensor:
+        """The activations ``(b, T, I)`` of examples ``start:stop``, in ``dtype``."""
+        raise NotImplementedError
+
+    def _fan_in(self, module: nn.Module, use: Use) -> int:
+        raise NotImplementedError
+
+    def _copies_activations(self, module: nn.Module) -> bool:
+        """Whether :meth:`_activations` forms a new tensor (patches), not a view of the input."""
+        return False
+
+    def _as_weight(self, module: nn.Module, block: Tensor) -> Tensor:
+        """A ``(*, O, I)`` block in the shape of ``module.weight``."""
+        return block.reshape(*block.shape[:-2], *module.weight.shape)
+
+    def _groups(self, module: nn.Module, a: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """A grouped convolution's weight is one block per group, stacked along its first dimension: the
+        group's slice of the activations' and of the gradients' features (channel-major)."""
+        groups = getattr(module, "groups", 1)
+        if groups == 1:
+            return [(a, g)]
+        return list(zip(a.chunk(groups, -1), g.chunk(groups, -1)))
+
+    def _grouped_sums(self, module: nn.Module, a: Tensor, g: Tensor,
+                      workspace: Workspace | None) -> tuple[Tensor, Tensor]:
+        groups = self._groups(module, a, g)
+        if len(groups) == 1:
+            return _outer_sums(a, g, workspace)
+        total, total_sq = zip(*(_outer_sums(a_j, g_j, workspace) for a_j, g_j in groups))
+        return torch.cat(total), torch.cat(total_sq)
+
+    def _chunks(self, module: nn.Module, uses: Sequence[Use],
+                workspace: Workspace | None) -> Iterator[tuple[Tensor, Tensor]]:
+        """Activations ``(b, T, I)`` and output gradients ``(b, T, O)`` of consecutive chunks of b
+        examples, the positions of all ``uses`` side by side.
+
+        A chunk's largest temporary — a convolution's patches (T·I per example), the per-example
+        blocks (O·I) or a ghost Gram matrix (T²) — stays within ``_SCRATCH_BYTES`` (a ResNet's first
+        stage at 224×224 has ~7 MB of patches per example, a 768→3072 Linear 9 MB blocks).
+        """
+        dtype = _accumulation_dtype(uses[0].grad_output)
+        grads = [self._gradients(module, u) for u in uses]
+        batch, fan_in = grads[0].shape[0], self._fan_in(module, uses[0])
+        positions, fan_out = sum(g.shape[1] for g in grads), grads[0].shape[2]
+        copied = self._copies_activations(module) or len(uses) > 1
+        largest = max(positions * fan_in if copied else 0, fan_out * fan_in, positions * positions) \
+            if positions > 1 else 1
+        chunk = max(1, _common._SCRATCH_BYTES // (largest * dtype.itemsize))
+        # A single use takes the workspace's patch buffer; several are concatenated into a new tensor.
+        space = workspace if len(uses) == 1 else None
+        for start in range(0, max(batch, 1), chunk):  # an empty batch is one empty chunk
+            stop = start + chunk
+            a = [self._activations(module, u, start, stop, dtype, space) for u in uses]
+            g = [g[start:stop].to(dtype) for g in grads]
+            yield (a[0], g[0]) if len(uses) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
+
+    def _bias_grads(self, module: nn.Module, uses: Sequence[Use]) -> Tensor:
+        """Per-example bias gradients ``(B, O)``: the output gradients summed over positions and uses."""
+        dtype = _accumulation_dtype(uses[0].grad_output)
+        return functools.reduce(torch.add, [self._gradients(module, u).to(dtype).sum(1) for u in uses])
+
+    def sq_norms(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None) -> Tensor:
+        # A layer frozen after the sources were planned still gets its (zero) entry.
+        trainable = _trainable(module)
+        if "weight" in trainable:
+            sq = torch.cat([sum(_outer_sq_norms(a_j, g_j, workspace) for a_j, g_j in self._groups(module, a, g))
+                            for a, g in self._chunks(module, uses, workspace)])
+        else:
+            g = uses[0].grad_output
+            sq = g.new_zeros(self._gradients(module, uses[0]).shape[0], dtype=_accumulation_dtype(g))
+        return sq + self._bias_grads(module, uses).square().sum(1) if "bias" in trainable else sq
+
+    def sums(self, module: nn.Module, uses: Sequence[Use],
+             workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+        trainable, out = _trainable(module), {}
+        if "weight" in trainable:
+            parts = [self._grouped_sums(module, a, g, workspace) for a, g in self._chunks(module, uses, workspace)]
+            out["weight"] = tuple(self._as_weight(module, functools.reduce(torch.add, part)) for part in zip(*parts))
+        if "bias" in trainable:
+            bias = self._bias_grads(module, uses)
+            out["bias"] = (bias.sum(0), bias.square().sum(0))
+        return out  # type: ignore[return-value]
+
+    def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
+        trainable, out = _trainable(module), {}
+        if "weight" in trainable:
+            out["weight"] = self._as_weight(module, torch.cat(
+                [torch.cat([_bmm(g_j.transpose(1, 2), a_j, None, "blocks") for a_j, g_j in self._groups(module, a, g)], 1)
+                 for a, g in self._chunks(module, uses, None)]))
+        if "bias" in trainable:
+            out["bias"] = self._bias_grads(module, uses)
+        return out
+
+
+@register_per_example_rule(nn.Linear)
+class LinearRule(OuterProductRule):
+    """nn.Linear on ``(B, *, I)``: the positions are the middle dimensions."""
+
+    def feature_dims(self, module: nn.Module) -> int | None:
+        return 1
+
+    def _gradients(self, module: nn.Module, use: Use) -> Tensor:
+        return _by_position(use.grad_output)
+
+    def _activations(self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype,
+                     workspace: Workspace | None) -> Tensor:
+        return _by_position(use.inputs[start:stop]).to(dtype)
+
+    def _fan_in(self, module: nn.Module, use: Use) -> int:
+        return use.inputs.shape[-1]
+
+    def sq_norms(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None) -> Tensor:
+        if len(uses) > 1 or uses[0].inputs.dim() != 2:
+            return super().sq_norms(module, uses, workspace)
+        # The common case, in as few kernels as possible.
+        weight, bias = module.weight.requires_grad, module.bias is not None and module.bias.requires_grad
+        inputs, grad_output = uses[0]
+        dtype = _accumulation_dtype(grad_output)
+        g, a = grad_output.to(dtype), inputs.to(dtype)
+        a_sq = torch.linalg.vecdot(a, a) if weight else 0.0
+        return torch.linalg.vecdot(g, g) * (a_sq + (1.0 if bias else 0.0))
+

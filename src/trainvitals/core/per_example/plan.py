@@ -1,0 +1,164 @@
+"""Which source measures the per-example spread of each trainable parameter."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from trainvitals.core.per_example._common import _trainable
+from trainvitals.core.per_example.registry import rule_for, unsupported_reason
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """Which source measures the per-example spread of each trainable parameter.
+
+    Attributes:
+        per_example: modules (by qualified name) whose parameters get per-example norms in backward (1).
+        micro_batch: parameters (qualified names) measured from micro-batches and DDP ranks (2).
+        vmap: modules whose parameters get ``torch.func`` per-example gradients on a sub-batch (3).
+        uncovered: parameters measured by nothing, with the reason.
+        coupled: BatchNorm modules: they couple the examples of a (micro-)batch.
+    """
+
+    per_example: dict[str, nn.Module]
+    micro_batch: dict[str, nn.Parameter]
+    vmap: dict[str, nn.Module]
+    uncovered: dict[str, str]
+    coupled: tuple[str, ...]
+
+    def parameters(self, source: str) -> dict[str, nn.Parameter]:
+        """The trainable parameters of ``source`` (``"per_example"`` or ``"vmap"``), by qualified name; a
+        tied parameter once, under its first owner's name."""
+        out: dict[str, nn.Parameter] = {}
+        seen: set[int] = set()
+        for m, mod in getattr(self, source).items():
+            for n, p in (_measured_parameters(mod) if source == "per_example" else _trainable(mod)).items():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out[f"{m}.{n}" if m else n] = p
+        return out
+
+    def describe(self, model: nn.Module) -> str:
+        """One line naming each source, its layers and its share of the trainable parameters."""
+        total = sum(p.numel() for p in model.parameters() if p.requires_grad) or 1
+
+        def share(params: Iterable[nn.Parameter]) -> str:
+            unique = {id(p): p for p in params}  # a tied parameter appears under several names
+            return f"{sum(p.numel() for p in unique.values()) / total:.1%} of parameters"
+
+        def kinds(modules: Mapping[str, nn.Module]) -> str:
+            counts = Counter(type(m).__name__ for m in modules.values())
+            return ", ".join(f"{k}×{v}" for k, v in counts.items())
+
+        named = dict(model.named_parameters(remove_duplicate=False))
+        parts = []
+        if self.per_example:
+            parts.append(f"per-example norms in backward: {kinds(self.per_example)} "
+                         f"({share(self.parameters('per_example').values())})")
+        if self.micro_batch:
+            parts.append(f"micro-batches/ranks: {len(self.micro_batch)} tensors ({share(self.micro_batch.values())})")
+        if self.vmap:
+            parts.append(f"torch.func vmap on a sub-batch: {kinds(self.vmap)} "
+                         f"({share(self.parameters('vmap').values())})")
+        if self.uncovered:
+            reasons = sorted(set(self.uncovered.values()))
+            parts.append(f"not measured: {len(self.uncovered)} tensors "
+                         f"({share(named[n] for n in self.uncovered)}; {'; '.join(reasons)})")
+        return "; ".join(parts) if parts else "no trainable parameters"
+
+
+_CONTAINER_REASON = ("a parameter of a module whose forward also runs layers with weight matrices (torch.func would "
+                     "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it")
+
+
+def _measured_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """What ``module``'s rule measures (its own trainable parameters, or also a child's that its forward
+    uses without calling it); without a rule, its own."""
+    rule = rule_for(module)
+    return rule.parameters(module) if rule is not None else _trainable(module)
+
+
+def _qualified(name: str, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    return {f"{name}.{n}" if name else n: p for n, p in params.items()}
+
+
+def _units(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, nn.Parameter]]]:
+    """``(name, module, {qualified name: parameter})`` of each module that owns what it measures; a child
+    whose parameters its parent's rule measures is no unit of its own."""
+    units, covered = [], set()
+    for name, module in model.named_modules():
+        if name in covered:
+            continue
+        params = _measured_parameters(module)
+        covered.update(f"{name}.{local}".lstrip(".").rpartition(".")[0] for local in params if "." in local)
+        if params:
+            units.append((name, module, _qualified(name, params)))
+    return units
+
+
+def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = ()) -> SourcePlan:
+    """Assign each trainable parameter to a source: (1) per-example norms, else (2) micro-batches/ranks
+    when there are at least two gradient groups per step, else (3) ``torch.func`` when ``fallback``.
+
+    Modules that share a parameter (an embedding tied to the output layer) are measured together by (1)
+    when every one of them has a rule, else none of them by (1) or (3).
+
+    Args:
+        model: the model; each module's own parameters (``recurse=False``; with its rule's, also a
+            child's its forward uses without calling it) are assigned together.
+        groups_available: more than one micro-batch or rank per optimizer step.
+        fallback: allow (3).
+        exclude: module names that showed they cannot use (1) or (3) (parameters used outside their
+            forward, a failed rule); they go to (2) or are not measured.
+    """
+    excluded = set(exclude)
+    units = _units(model)
+    coupled = tuple(n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and unsupported_reason(m))
+    # What rules out torch.func as well as the rules; a layer type without a rule does not. Nor does a
+    # rule's unsupported configuration, except where the rule takes whole calls (tuple outputs, which
+    # the fallback does not follow) or measures a child (which the fallback would not see).
+    barred: dict[str, str | None] = {}
+    for name, module, params in units:
+        rule = rule_for(module)
+        whole = rule is not None and (rule.whole_call or set(params) != set(_qualified(name, _trainable(module))))
+        barred[name] = "excluded after a failed step" if name in excluded else \
+            unsupported_reason(module) if whole else None
+    reasons = {name: barred[name] or unsupported_reason(module) for name, module, _ in units}
+    owners: dict[int, list[str]] = {}
+    for name, _, params in units:
+        for p in params.values():
+            owners.setdefault(id(p), []).append(name)
+    tied = [names for names in owners.values() if len(names) > 1]
+    changed = True
+    while changed:  # a group of tied modules is measured by its rules together, or not by them at all
+        changed = False
+        for names in tied:
+            if any(reasons[n] for n in names) and not all(barred[n] for n in names):
+                for n in names:
+                    barred[n] = reasons[n] = "tied parameter"
+                changed = True
+    per_example, vmap, micro, uncovered = {}, {}, {}, {}
+    for name, module, qualified in units:
+        reason = reasons[name]
+        if reason is None:
+            per_example[name] = module
+        elif groups_available:
+            known = {id(p) for p in micro.values()}
+            micro.update({n: p for n, p in qualified.items() if id(p) not in known})
+        elif fallback and barred[name] is None and not isinstance(module, _BatchNorm):
+            # A model's own position table, a block's layer-scale: torch.func would re-run the whole
+            # subtree (the whole model, for the root) on every measured step. Weight matrices stand for
+            # its compute: a LayerNorm child is cheap to re-run, a Linear or a convolution is not.
+            if any(p.dim() >= 2 for child in module.children() for p in child.parameters()):
+                uncovered.update(dict.fromkeys(qualified, _CONTAINER_REASON))
+            else:
+                vmap[name] = module
+        else:
+            why = reason if not isinstance(module, _BatchNorm) else "BatchNorm couples the examples"
+            uncovered.update(dict.fromkeys(qualified, why if fallback else f"{why}, fallback off"))
+    return SourcePlan(per_example, micro, vmap, uncovered, coupled)

@@ -1,0 +1,236 @@
+"""The registry of per-example rules: which computation gives a layer type's per-example gradient
+statistics in the same backward, looked up by the module's type (as Opacus' ``register_grad_sampler``).
+
+A rule sees what the hooks captured of each call (a *use*) of its module in one forward: the input and
+the gradient of the back-propagated loss w.r.t. the output, batch first. A module called several times
+in a forward has several uses; its per-example gradient is the sum of theirs, so its squared norm
+has cross terms, which the rules compute exactly.
+
+Register a rule for a layer of your own with :func:`register_per_example_rule`: a function
+``(module, inputs, grad_output) -> {parameter name: (B, *parameter shape)}`` giving one use's
+per-example gradients is enough; a :class:`PerExampleRule` subclass can give the squared norms and
+per-coordinate sums more cheaply than from per-example gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from torch import Tensor, nn
+
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _sq_norms, _trainable
+
+
+class Call(NamedTuple):
+    """A module call's positional and keyword arguments, for rules with ``whole_call``."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class Use(NamedTuple):
+    """One call of a module in a forward, as its rule sees it.
+
+    Attributes:
+        inputs: the first positional argument, batch first; for a rule with ``whole_call``, the :class:`Call`.
+        grad_output: the gradient of the back-propagated loss w.r.t. the output, batch first; for a rule
+            with ``whole_call``, a tuple over the output's tensors (``None`` where the loss does not use one).
+    """
+
+    inputs: Any
+    grad_output: Any
+
+
+class PerExampleRule:
+    """How to get a layer type's per-example gradient statistics from its uses in one forward.
+
+    Subclasses implement :meth:`grads`, and may override :meth:`sq_norms` and :meth:`sums` with forms that
+    form no per-example gradient (ghost norms). Every method returns float32 (float64 for float64
+    operands), in the units of the output gradients.
+
+    Attributes:
+        whole_call: the rule needs every argument and every output gradient of a call (attention,
+            recurrent layers: tuple outputs), not the first input and the output's gradient.
+        broadcast_batch: a call on one row ``(1, *)`` while the batch has B > 1 examples (position ids
+            shared by the batch) is a lookup whose output is broadcast against the examples: the hooks
+            hand on the output expanded to B rows, for per-example output gradients.
+    """
+
+    whole_call = False
+    broadcast_batch = False
+
+    def unsupported(self, module: nn.Module) -> str | None:
+        """Why this ``module`` (its configuration) has no exact rule; ``None`` if it has."""
+        return None
+
+    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """The trainable parameters the rule measures, by name relative to ``module`` (its own, by default;
+        a rule may cover a child that its module's forward uses without calling it)."""
+        return _trainable(module)
+
+    def feature_dims(self, module: nn.Module) -> int | None:
+        """For a layer that treats every position alike, the trailing dimensions of its input that are
+        features (Linear: 1, Embedding: 0): a call on a sequence-first ``(T, B, *)`` input, B examples
+        on dimension 1, is measured with the examples moved first. ``None``: dimension 0 only.
+
+        With T = B the examples are taken to be on dimension 0: a sequence-first model with as many
+        positions as examples gets per-position norms."""
+        return None
+
+    def batch_size(self, module: nn.Module, call: Call) -> int:
+        """The examples of a ``whole_call`` rule's call (the first tensor argument's first dimension)."""
+        first = next((a for a in call.args if isinstance(a, Tensor)), None)
+        return first.shape[0] if first is not None and first.dim() else -1
+
+    def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
+        """Per-example gradients ``{name: (B, *shape)}`` of :meth:`parameters`, summed over ``uses``."""
+        raise NotImplementedError
+
+    def sq_norms(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None) -> Tensor:
+        """``(B,)``: Σ over :meth:`parameters` of ‖g_i‖², g_i summed over ``uses``."""
+        grads = self.grads(module, uses)
+        if not grads:
+            return _batch_zeros(uses)
+        return sum(_sq_norms(g.to(_accumulation_dtype(g))) for g in grads.values())  # type: ignore[return-value]
+
+    def sums(self, module: nn.Module, uses: Sequence[Use],
+             workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{name: (Σ_i g_i, Σ_i g_i²)}``, elementwise, each of the parameter's shape."""
+        out = {}
+        for name, g in self.grads(module, uses).items():
+            g = g.to(_accumulation_dtype(g))
+            out[name] = (g.sum(0), g.square().sum(0))
+        return out
+
+
+def _batch_zeros(uses: Sequence[Use]) -> Tensor:
+    grad = next(g for g in _output_grads(uses[0]) if g is not None)
+    return grad.new_zeros(grad.shape[0], dtype=_accumulation_dtype(grad))
+
+
+def _output_grads(use: Use) -> tuple[Tensor | None, ...]:
+    return use.grad_output if isinstance(use.grad_output, tuple) else (use.grad_output,)
+
+
+GradsFunction = Callable[[nn.Module, Any, Any], dict[str, Tensor]]
+
+
+class _FunctionRule(PerExampleRule):
+    """A rule from a function giving one use's per-example gradients."""
+
+    def __init__(self, function: GradsFunction, whole_call: bool) -> None:
+        self.function, self.whole_call = function, whole_call
+
+    def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
+        total: dict[str, Tensor] = {}
+        for use in uses:
+            for name, g in self.function(module, use.inputs, use.grad_output).items():
+                total[name] = g if name not in total else total[name] + g
+        return total
+
+
+_RULES: dict[type[nn.Module], PerExampleRule] = {}
+
+
+def register_per_example_rule(*module_types: type[nn.Module], whole_call: bool = False) -> Callable[[Any], Any]:
+    """Register a rule for ``module_types``: a decorator for a :class:`PerExampleRule` subclass or
+    instance, or for a function ``(module, inputs, grad_output) -> {name: (B, *shape)}``.
+
+    The rule also serves subclasses of those types that keep their ``forward``. A later registration
+    for a type replaces the earlier one.
+
+    Example::
+
+        @register_per_example_rule(Scale)
+        def scale_grads(module, inputs, grad_output):  # y = x * s over (B, *, D)
+            return {"scale": (inputs * grad_output).reshape(len(inputs), -1, inputs.shape[-1]).sum(1)}
+
+    Args:
+        module_types: ``nn.Module`` subclasses.
+        whole_call: a function rule gets a :class:`Call` of every argument and a tuple of the output
+            tensors' gradients instead of the first input and the output's gradient.
+
+    Raises:
+        TypeError: for a type that is not an ``nn.Module`` subclass, or a rule of no accepted kind.
+    """
+    for t in module_types:
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(f"`module_types` must be nn.Module subclasses, got {t!r}")
+
+    def decorator(rule: Any) -> Any:
+        if isinstance(rule, type) and issubclass(rule, PerExampleRule):
+            instance = rule()
+        elif isinstance(rule, PerExampleRule):
+            instance = rule
+        elif callable(rule):
+            instance = _FunctionRule(rule, whole_call)
+        else:
+            raise TypeError(f"a per-example rule must be a PerExampleRule or a function, got {rule!r}")
+        for t in module_types:
+            _RULES[t] = instance
+        return rule
+
+    return decorator
+
+
+def rule_for(module: nn.Module) -> PerExampleRule | None:
+    """The rule registered for ``module``'s type, or for the nearest base type whose ``forward`` it keeps
+    (a subclass with a ``forward`` of its own computes something else); ``None`` if there is none."""
+    kind = type(module)
+    for base in kind.__mro__:
+        rule = _RULES.get(base)
+        if rule is not None:
+            return rule if base is kind or kind.forward is base.forward else None
+    return None
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why ``module``'s parameters have no same-backward per-example rule here; ``None`` if they have."""
+    rule = rule_for(module)
+    if rule is None:
+        return f"{type(module).__name__} has no per-example identity"
+    return rule.unsupported(module)
+
+
+def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor,
+                         workspace: Workspace | None = None) -> Tensor:
+    """Σ over ``module``'s measured trainable parameters of ‖g_i‖², per example, from one backward pass.
+
+    Args:
+        module: a layer for which :func:`unsupported_reason` is ``None``.
+        inputs: its input, batch first: ``(B, *, I)`` (Linear), ``(B, C, *spatial)`` (Conv),
+            ``(B, *)`` indices (Embedding), ``(B, *, *normalized_shape)`` (LayerNorm); a :class:`Call`
+            for a rule with ``whole_call``.
+        grad_output: the gradient of the back-propagated loss w.r.t. its output, batch first.
+        workspace: buffers for the largest temporaries, kept between calls (none: fresh tensors).
+
+    Returns:
+        ``(B,)`` in float32 (float64 for float64 inputs), in the units of ``grad_output`` squared.
+    """
+    return _rule(module).sq_norms(module, [Use(inputs, grad_output)], workspace)
+
+
+def per_example_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor,
+                     workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    """(Σ_i g_i, Σ_i g_i²), elementwise, for each of ``module``'s measured trainable parameters (each of
+    the parameter's shape): the per-coordinate mean and variance of the per-example gradients.
+
+    Both sums come from the same operands, in float32 or wider: under bf16/fp16 autocast the
+    ``.grad`` that autograd computes is rounded differently, and its ḡ² against these Σg² would make
+    the variance of high-SNR coordinates (a difference of two nearly equal terms) rounding noise.
+
+    The arguments as in :func:`per_example_sq_norms`. Linear with 2-D inputs: ΔᵀA and (Δ²)ᵀ(A²), no
+    per-example tensor; Embedding: a segment sum; the other layers: their per-example gradients
+    ``(B, *shape)``, formed (in chunks of examples for convolutions) and summed (BackPACK's
+    BatchGrad / SumGradSquared).
+    """
+    return _rule(module).sums(module, [Use(inputs, grad_output)], workspace)
+
+
+def _rule(module: nn.Module) -> PerExampleRule:
+    rule = rule_for(module)
+    if rule is None:
+        raise TypeError(f"no per-example rule is registered for {type(module).__name__}")
+    return rule
+

@@ -1,0 +1,434 @@
+"""Each registered per-example rule against brute force (one backward per example, float64), and the
+registry's extension point: a rule for a layer of one's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trainvitals.core.per_example import (
+    PerExampleGradients,
+    PerExampleRule,
+    plan_sources,
+    register_per_example_rule,
+    rule_for,
+    unsupported_reason,
+)
+from trainvitals.core.per_example.registry import _RULES
+
+B = 5
+
+
+def per_example_truth(model: nn.Module, x: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: (B, *shape)}: ∇ of ℓ_i = ⟨model(x_i), weights_i⟩, one backward per example."""
+    grads: dict[str, list[torch.Tensor]] = {n: [] for n, p in model.named_parameters() if p.requires_grad}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        (model(x[i:i + 1]) * weights[i:i + 1]).sum().backward()
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                grads[n].append(p.grad.clone())
+    model.zero_grad()
+    return {n: torch.stack(g) for n, g in grads.items()}
+
+
+def measured(model: nn.Module, x: torch.Tensor, weights: torch.Tensor):
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    (model(x) * weights).sum().backward()
+    collector.end_micro_batch(1.0)
+    collector.detach()
+    return plan, collector.pop()
+
+
+def assert_matches(model: nn.Module, x: torch.Tensor) -> None:
+    torch.manual_seed(1)
+    model = model.double()
+    x = x.double() if x.is_floating_point() else x
+    weights = torch.randn_like(model(x))
+    truth = per_example_truth(model, x, weights)
+    plan, step = measured(model, x, weights)
+    assert not plan.uncovered and not step.failed
+    assert set(plan.parameters("per_example")) == set(truth)
+    expected = sum(g.flatten(1).square().sum(1) for g in truth.values())
+    torch.testing.assert_close(step.sq_norms[0], expected, rtol=1e-9, atol=1e-12)
+    for name, g in truth.items():
+        torch.testing.assert_close(step.grad_sum[name], g.sum(0), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(step.sum_sq[name], g.square().sum(0), rtol=1e-9, atol=1e-12)
+
+
+def eval_mode(module: nn.Module) -> nn.Module:
+    """Running statistics that are not the defaults (0 and 1), then eval mode."""
+    with torch.no_grad():
+        module.running_mean.uniform_(-1, 1)
+        module.running_var.uniform_(0.5, 2)
+    return module.eval()
+
+
+LAYERS = {
+    "conv3d": (lambda: nn.Conv3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=1, dilation=(1, 1, 2)), (B, 2, 4, 5, 5)),
+    "conv_transpose1d": (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), (B, 3, 5)),
+    "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 2, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)),
+                         (B, 3, 4, 4)),
+    "conv_transpose3d": (lambda: nn.ConvTranspose3d(2, 2, 2, stride=2, bias=False), (B, 2, 2, 3, 2)),
+    "conv2d_depthwise": (lambda: nn.Conv2d(4, 8, 3, padding=1, groups=4), (B, 4, 5, 5)),
+    "conv1d_groups_stride": (lambda: nn.Conv1d(6, 4, 3, stride=2, groups=2, padding_mode="circular", padding=1),
+                             (B, 6, 9)),
+    "conv_transpose2d_groups": (lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2), (B, 4, 3, 3)),
+    "group_norm": (lambda: nn.GroupNorm(2, 6), (B, 6, 3, 3)),
+    "instance_norm1d": (lambda: nn.InstanceNorm1d(3, affine=True), (B, 3, 7)),
+    "instance_norm2d_running_stats_eval": (lambda: eval_mode(nn.InstanceNorm2d(3, affine=True, track_running_stats=True)),
+                                           (B, 3, 4, 4)),
+    "instance_norm3d": (lambda: nn.InstanceNorm3d(2, affine=True), (B, 2, 3, 3, 2)),
+    "rms_norm": (lambda: nn.RMSNorm(6), (B, 4, 6)),
+    "rms_norm_eps_2d_shape": (lambda: nn.RMSNorm((3, 4), eps=1e-3), (B, 2, 3, 4)),
+    "batch_norm2d_eval": (lambda: eval_mode(nn.BatchNorm2d(3)), (B, 3, 4, 4)),
+    "batch_norm1d_eval": (lambda: eval_mode(nn.BatchNorm1d(4)), (B, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_rule_matches_brute_force(name):
+    make, shape = LAYERS[name]
+    torch.manual_seed(0)
+    layer = make()
+    assert_matches(nn.Sequential(layer, nn.Tanh()), torch.randn(shape))
+
+
+def test_batchnorm_in_training_mode_is_named_as_coupling_the_examples():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert plan.coupled == ("1",) and plan.uncovered["1.weight"].startswith("BatchNorm couples")
+    model.eval()
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert plan.coupled == () and set(plan.per_example) == {"0", "1"}
+
+
+def test_batchnorm_put_in_training_mode_after_planning_fails_not_measures():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).eval()
+    collector = PerExampleGradients(plan_sources(model, False, False).per_example, {}, 2)
+    collector.attach()
+    model.train()
+    model(torch.randn(4, 3)).sum().backward()
+    collector.end_micro_batch(1.0)
+    assert "couple the examples" in collector.pop().failed["1"]
+
+
+class Scale(nn.Module):
+    """A layer of one's own: y = x ⊙ s over (B, *, D)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class ScaledScale(Scale):
+    """Keeps Scale's forward: Scale's rule serves it."""
+
+
+class Shifted(Scale):
+    """A forward of its own: Scale's rule would be wrong for it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + 1.0) * self.scale
+
+
+@pytest.fixture
+def scale_rule():
+    yield
+    for kind in (Scale, ScaledScale):
+        _RULES.pop(kind, None)
+
+
+def test_a_rule_for_a_layer_of_ones_own_is_registered_without_editing_trainvitals(scale_rule):
+    model = nn.Sequential(nn.Linear(4, 4), Scale(4), nn.Linear(4, 2))
+    assert unsupported_reason(model[1]) == "Scale has no per-example identity"
+
+    @register_per_example_rule(Scale)
+    def scale_grads(module, inputs, grad_output):
+        return {"scale": (inputs * grad_output).reshape(len(inputs), -1, inputs.shape[-1]).sum(1)}
+
+    assert rule_for(ScaledScale(4)) is rule_for(Scale(4)) and rule_for(Shifted(4)) is None
+    assert_matches(model, torch.randn(B, 3, 4))  # (B, T, D): summed over T
+    assert_matches(nn.Sequential(ScaledScale(4), nn.Linear(4, 2)), torch.randn(B, 4))
+
+
+def test_a_rule_class_with_a_ghost_norm_of_its_own(scale_rule):
+    calls = []
+
+    @register_per_example_rule(Scale)
+    class ScaleRule(PerExampleRule):
+        def grads(self, module, uses):
+            return {"scale": sum((u.inputs * u.grad_output).reshape(len(u.inputs), -1, 3).sum(1) for u in uses)}
+
+        def sq_norms(self, module, uses, workspace=None):
+            calls.append(len(uses))
+            return super().sq_norms(module, uses, workspace)
+
+    assert_matches(nn.Sequential(Scale(3), nn.Tanh(), nn.Linear(3, 2)), torch.randn(B, 3))
+    assert calls == [1]
+
+
+def test_register_rejects_what_is_not_a_module_type_or_a_rule():
+    with pytest.raises(TypeError, match="module_types"):
+        register_per_example_rule(int)
+    with pytest.raises(TypeError, match="PerExampleRule or a function"):
+        register_per_example_rule(Scale)(3)
+
+
+class SharedLayers(nn.Module):
+    """Each layer called twice in a forward, the second output of ``unused`` left out of the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 4)
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens) + self.emb(tokens.flip(1))  # (B, T, 4)
+        h = self.norm(torch.tanh(self.proj(self.norm(h))))
+        h = self.proj(h)
+        c = self.conv(torch.tanh(self.conv(h.transpose(1, 2)))).transpose(1, 2)
+        self.unused(h)
+        return self.unused(c)
+
+
+def test_layers_called_several_times_are_measured_from_all_their_uses():
+    torch.manual_seed(0)
+    assert_matches(SharedLayers(), torch.randint(0, 7, (B, 5)))
+
+
+class TiedDecoder(nn.Module):
+    """A language model whose output layer is its token embedding (GPT-2, T5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(9, 6)
+        self.block = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 9, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(self.tokens(tokens))))
+
+
+def test_tied_embedding_and_output_layer_are_measured_together():
+    torch.manual_seed(0)
+    model = TiedDecoder()
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    assert set(plan.per_example) == {"tokens", "block", "head"} and "head.weight" not in plan.parameters("per_example")
+    tokens = torch.randint(0, 9, (B, 4))
+    tokens[0, :2] = 3  # a repeated token
+    assert_matches(model, tokens)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inner = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.LayerNorm(6), nn.Linear(6, 6))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_layer_recomputed_by_checkpointing_is_measured_once(reentrant):
+    torch.manual_seed(0)
+    x = torch.randn(B, 4)
+    if reentrant:
+        x.requires_grad_()  # reentrant checkpointing back-propagates only into inputs that require grad
+    assert_matches(Checkpointed(reentrant), x)
+
+
+def test_a_forward_without_backward_leaves_the_next_micro_batch_measured():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    collector = PerExampleGradients(plan_sources(model, False, False).per_example, {}, 2)
+    collector.attach(keep_norms=True)
+    x = torch.randn(B, 3, dtype=torch.float64)
+    collector.begin_micro_batch()
+    model(x)  # a training step that returns None: no backward
+    collector.begin_micro_batch()
+    model(x).sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed and step.sq_norms[0].shape == (B,)
+
+
+class Attention(nn.Module):
+    """Self- or cross-attention on batch-first ``(B, T, 6)`` inputs, whatever the layer's layout."""
+
+    def __init__(self, batch_first: bool = True, bias: bool = True, use_weights: bool = False, masks: bool = False,
+                 kdim: int | None = None) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(6, 2, bias=bias, batch_first=batch_first, kdim=kdim, vdim=kdim)
+        self.memory = nn.Linear(6, kdim) if kdim else None
+        self.use_weights, self.masks = use_weights, masks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kv = self.memory(x[:, :3]) if self.memory is not None else x
+        kwargs = {}
+        if self.masks:
+            t = x.shape[1]
+            kwargs["attn_mask"] = torch.ones(t, t, dtype=torch.bool).triu(1)  # causal
+            kwargs["key_padding_mask"] = torch.zeros(x.shape[0], t).index_fill_(1, torch.tensor([t - 1]), -1e4)
+        q, kv = (x, kv) if self.attn.batch_first else (x.transpose(0, 1), kv.transpose(0, 1))
+        out, weights = self.attn(q, kv, kv, need_weights=self.use_weights, **kwargs)
+        out = out if self.attn.batch_first else out.transpose(0, 1)
+        return out + weights.square().sum(-1, keepdim=True) if self.use_weights else out
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"batch_first": False}, {"bias": False}, {"use_weights": True}, {"masks": True, "batch_first": False},
+    {"kdim": 4},
+], ids=["default", "sequence-first", "no-bias", "weights-in-the-loss", "masks", "kdim-vdim"])
+def test_multihead_attention_matches_brute_force(options):
+    torch.manual_seed(0)
+    model = Attention(**options)
+    assert rule_for(model.attn) is not None and unsupported_reason(model.attn) is None
+    assert_matches(model, torch.randn(B, 4, 6))
+
+
+def test_multihead_attention_with_dropout_is_named_with_its_reason():
+    model = nn.Sequential(nn.MultiheadAttention(4, 2, dropout=0.1))
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert not plan.per_example and not plan.vmap  # torch.func would not see a tuple output either
+    assert set(plan.uncovered) == {"0.in_proj_weight", "0.in_proj_bias", "0.out_proj.weight", "0.out_proj.bias"}
+    assert "dropout" in plan.uncovered["0.in_proj_weight"]
+
+
+class Recurrent(nn.Module):
+    """A recurrent layer on batch-first ``(B, T, 3)``, the loss on its output and final states."""
+
+    def __init__(self, kind: type[nn.Module], batch_first: bool, initial_state: bool, **options) -> None:
+        super().__init__()
+        self.rnn = kind(3, 4, batch_first=batch_first, **options)
+        self.initial_state = initial_state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x if self.rnn.batch_first else x.transpose(0, 1)
+        states = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+        hx = None
+        if self.initial_state:
+            h0 = x[:, 0, :1].expand(-1, 4).unsqueeze(0).expand(states, -1, -1).contiguous()
+            hx = (h0, 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
+        out, final = self.rnn(seq, hx)
+        out = out if self.rnn.batch_first else out.transpose(0, 1)
+        h = final[0] if isinstance(final, tuple) else final
+        extra = final[1].sum(0) if isinstance(final, tuple) else 0.0
+        return torch.cat([out[:, -2], h.sum(0) + extra], 1)
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
+@pytest.mark.parametrize("options", [
+    {"batch_first": True, "initial_state": False},
+    {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
+    {"batch_first": True, "initial_state": True, "bias": False, "num_layers": 2},
+], ids=["one-layer", "two-layer-bidirectional-sequence-first", "no-bias"])
+def test_recurrent_layers_match_brute_force(kind, options):
+    torch.manual_seed(0)
+    assert_matches(Recurrent(kind, **options), torch.randn(B, 4, 3))
+
+
+class PaddedTiedDecoder(TiedDecoder):
+    """A padding row, an output bias, and the embedding called twice (its uses add up)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(9, 6, padding_idx=0)
+        self.head = nn.Linear(6, 9)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(self.tokens(tokens) + self.tokens(tokens.flip(1)))))
+
+
+def test_a_tied_embedding_and_output_layer_form_no_per_example_table(monkeypatch):
+    from trainvitals.core.per_example.embedding import EmbeddingRule
+    from trainvitals.core.per_example.linear import LinearRule
+
+    def formed(*_):
+        raise AssertionError("a per-example V×D gradient was formed")
+
+    monkeypatch.setattr(EmbeddingRule, "grads", formed)
+    monkeypatch.setattr(LinearRule, "grads", formed)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 9, (B, 4))
+    tokens[0, :2], tokens[1, -1] = 3, 0
+    assert_matches(PaddedTiedDecoder(), tokens)
+
+
+def test_other_tied_layers_add_their_per_example_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+    model[2].weight = model[0].weight  # a weight shared by two layers, each with a bias of its own
+    assert_matches(model, torch.randn(B, 3, 4))
+
+
+def test_a_packed_sequence_is_reported_not_measured():
+    lstm = nn.LSTM(3, 4, batch_first=True)
+    collector = PerExampleGradients({"lstm": lstm}, {}, 2)
+    collector.attach()
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(B, 4, 3), [4, 3, 3, 2, 1], batch_first=True)
+    lstm(packed)[0].data.sum().backward()
+    collector.end_micro_batch(1.0)
+    assert "PackedSequence" in collector.pop().failed["lstm"]
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_the_torch_func_fallback_measures_a_checkpointed_layer_once(reentrant):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Tanh()).double()
+    x = torch.randn(B, 3, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(B, 4, dtype=torch.float64)
+    truth = per_example_truth(model, x.detach(), weights)["1.scale"]
+    collector = PerExampleGradients({}, {"1": model[1]}, sub_batch=B)
+    collector.attach(coordinates=True)
+    (torch.utils.checkpoint.checkpoint(model, x, use_reentrant=reentrant) * weights).sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed and step.seen == {"1"} and step.num_sub == B
+    torch.testing.assert_close(step.sub_sum_sq["1.scale"], truth.square().sum(0))
+
+
+class SequenceFirst(nn.Module):
+    """PyTorch's word-language-model layout: the model runs on ``(T, B)``, its data is batch-first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.norm = nn.Embedding(7, 4), nn.LayerNorm(4)
+        self.rnn, self.decoder = nn.GRU(4, 5), nn.Linear(5, 7)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        output, _ = self.rnn(self.norm(self.encoder(tokens.t())))  # (T, B, 5)
+        return self.decoder(output).transpose(0, 1)
+
+
+def test_sequence_first_layers_are_measured_with_the_examples_on_dimension_1():
+    torch.manual_seed(0)
+    model = SequenceFirst().double()
+    tokens = torch.randint(0, 7, (B, 3))
+    weights = torch.randn(B, 3, 7, dtype=torch.float64)
+    truth = per_example_truth(model, tokens, weights)
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    collector.expect_batch(B)  # told, as the probe tells it: the first layer's first dimension is T
+    (model(tokens) * weights).sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed
+    torch.testing.assert_close(step.sq_norms[0], sum(g.flatten(1).square().sum(1) for g in truth.values()))
+    for name, g in truth.items():
+        torch.testing.assert_close(step.sum_sq[name], g.square().sum(0))

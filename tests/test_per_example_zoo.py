@@ -1,0 +1,81 @@
+"""The per-example rules on whole architectures (tests/zoo.py): one backward with PerExampleGradients
+attached against a brute-force loop over the examples and ALL trainable parameters, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from zoo import ZOO, ResNet
+
+from trainvitals.core.noise import gradient_snr, per_example_estimates
+from trainvitals.core.per_example import PerExampleGradients, plan_sources
+
+B = 4
+RTOL = 1e-5
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.allclose(a, b, rtol=RTOL, atol=RTOL * float(b.abs().max()) + 1e-300))
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_statistics_match_brute_force_over_all_parameters(name):
+    entry = ZOO[name]
+    torch.manual_seed(0)
+    model = entry.make().double()
+    x, y = entry.batch(B)
+    x = x.double() if x.is_floating_point() else x
+    y = y.double() if y.is_floating_point() else y
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # a tied tensor once
+
+    per_example = {n: [] for n in params}
+    for i in range(B):
+        model.zero_grad()
+        entry.loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+        for n, p in params.items():
+            per_example[n].append(p.grad.clone())
+    g = {n: torch.stack(v) for n, v in per_example.items()}
+    flat = torch.cat([v.flatten(1) for v in g.values()], 1)
+
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    measured = plan.parameters("per_example")
+    share = sum(p.numel() for p in measured.values()) / sum(p.numel() for p in params.values())
+    assert share >= 0.99, plan.describe(model)
+    assert set(measured) == set(params), plan.uncovered  # the brute force covers every parameter
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    collector.begin_micro_batch()
+    collector.expect_batch(B)
+    model.zero_grad()
+    entry.loss(model(x), y).backward()
+    collector.end_micro_batch(float(B))
+    collector.detach()
+    step = collector.pop()
+    assert not step.failed and step.seen == set(plan.per_example)
+
+    # ‖g_i‖² of each example over every parameter
+    assert close(step.sq_norms[0], flat.square().sum(1))
+    # tr(Σ) (Bessel) and ‖G‖², from Σ_i ‖g_i‖² and ‖ḡ‖² of the batch gradient (a mean loss: .grad is ḡ)
+    mean_sq = sum(p.grad.square().sum() for p in params.values())
+    grad_sq_norm, trace_cov = per_example_estimates(step.sq_norm_sum, mean_sq, B)
+    mean = flat.mean(0)
+    true_trace = (flat - mean).square().sum() / (B - 1)
+    assert close(trace_cov, true_trace) and close(grad_sq_norm, mean.square().sum() - true_trace / B)
+    # per-layer GSNR from the per-coordinate sums Σ g and Σ g²
+    layers: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for n in params:
+        ours = gradient_snr(step.grad_sum[n] / B, step.sum_sq[n], B).flatten()
+        truth = gradient_snr(g[n].mean(0), g[n].square().sum(0), B).flatten()
+        layers.setdefault(n.rpartition(".")[0], []).append((ours, truth))
+    for layer, parts in layers.items():
+        ours, truth = (torch.cat(p).mean() for p in zip(*parts))
+        assert close(ours, truth), layer
+
+
+def test_a_batchnorm_model_in_training_mode_is_named_as_coupling_the_examples():
+    model = ResNet(nn.BatchNorm2d)
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert plan.coupled == ("bn1", "layer1.bn1", "layer1.bn2", "layer2.bn1", "layer2.bn2", "layer2.downsample.1")
+    assert all(why.startswith("BatchNorm couples the examples") for why in plan.uncovered.values())
+    assert {n.rpartition(".")[0] for n in plan.uncovered} == set(plan.coupled)

@@ -1,0 +1,276 @@
+"""A zoo of tiny models written the way public libraries write them (nanoGPT/HF GPT-2, HF BERT,
+torchvision's ResNet, timm's ViT and MLP-Mixer, PyTorch's word-language-model example, a U-Net), for
+testing the per-example rules on whole architectures.
+
+Each entry makes a model, a batch ``(x, y)`` of B examples and a loss whose ``reduction="mean"`` over
+the batch is the mean of the examples' own losses (token and pixel losses: each example has as many
+terms as every other). A position table is an ``nn.Embedding`` looked up with ``(1, T)`` ids as in HF
+GPT-2 and BERT; one stored as a bare ``nn.Parameter`` (timm's ``pos_embed``) has no per-example rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+VOCAB, T, D = 11, 6, 16
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention: one Linear for q, k, v, scaled dot-product attention, an output Linear."""
+
+    def __init__(self, dim: int, heads: int, causal: bool = True) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.heads, self.causal = heads, causal
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class PreLNBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, causal: bool) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(dim), CausalSelfAttention(dim, heads, causal)
+        self.ln_2, self.mlp = nn.LayerNorm(dim), Mlp(dim, 4 * dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A pre-LN decoder whose output layer is its token embedding (GPT-2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(T, D)
+        self.h = nn.ModuleList(PreLNBlock(D, 2, causal=True) for _ in range(2))
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.register_buffer("position_ids", torch.arange(T).unsqueeze(0), persistent=False)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.wte(idx) + self.wpe(self.position_ids[:, :idx.shape[1]])
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class BertLayer(nn.Module):
+    """Post-LN: attention (nn.MultiheadAttention) and feed-forward, each followed by add & LayerNorm."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.attention_norm = nn.LayerNorm(dim)
+        self.intermediate, self.output = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.output_norm = nn.LayerNorm(dim)
+
+    def forward(self, x: Tensor, padding: Tensor) -> Tensor:
+        attended, _ = self.attention(x, x, x, key_padding_mask=padding, need_weights=False)
+        x = self.attention_norm(x + attended)
+        return self.output_norm(x + self.output(F.gelu(self.intermediate(x))))
+
+
+class Bert(nn.Module):
+    """A BERT-style encoder classifying from its [CLS] token through a tanh pooler; token 0 is padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(VOCAB, D, padding_idx=0)
+        self.position_embeddings = nn.Embedding(T, D)
+        self.embeddings_norm = nn.LayerNorm(D)
+        self.layers = nn.ModuleList(BertLayer(D, 2) for _ in range(2))
+        self.pooler, self.classifier = nn.Linear(D, D), nn.Linear(D, 3)
+        self.register_buffer("position_ids", torch.arange(T).unsqueeze(0), persistent=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.word_embeddings(tokens) + self.position_embeddings(self.position_ids[:, :tokens.shape[1]])
+        x = self.embeddings_norm(x)
+        for layer in self.layers:
+            x = layer(x, tokens == 0)
+        return self.classifier(torch.tanh(self.pooler(x[:, 0])))
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet block: conv-norm-relu-conv-norm, a 1×1 projection when the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), norm(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), norm(cout)
+        self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout)) \
+            if stride != 1 or cin != cout else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class ResNet(nn.Module):
+    def __init__(self, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, 1, 1, bias=False), norm(8)
+        self.layer1, self.layer2 = BasicBlock(8, 8, 1, norm), BasicBlock(8, 16, 2, norm)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.layer2(self.layer1(F.relu(self.bn1(self.conv1(x)))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet_batchnorm_eval() -> nn.Module:
+    """With BatchNorm: in eval mode (running statistics), each example on its own."""
+    model = ResNet(nn.BatchNorm2d)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.uniform_(-0.2, 0.2)
+            module.running_var.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+class LSTMClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 8, padding_idx=0)
+        self.lstm = nn.LSTM(8, 12, num_layers=2, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(2 * 12, 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        _, (h, _) = self.lstm(self.embedding(tokens))
+        return self.fc(torch.cat([h[-2], h[-1]], 1))
+
+
+class GRULanguageModel(nn.Module):
+    """PyTorch's word-language-model example: encoder, GRU and decoder on sequence-first ``(T, B)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Embedding(VOCAB, 10)
+        self.rnn = nn.GRU(10, 12, num_layers=2)
+        self.decoder = nn.Linear(12, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        output, _ = self.rnn(self.encoder(tokens.t()))  # (T, B, H)
+        return self.decoder(output).transpose(0, 1)  # (B, T, VOCAB)
+
+
+class ViT(nn.Module):
+    """timm's VisionTransformer without a class token (global average pooling): patch Conv2d, a learned
+    position table, pre-LN blocks, final LayerNorm, head."""
+
+    def __init__(self, image: int = 8, patch: int = 4) -> None:
+        super().__init__()
+        patches = (image // patch) ** 2
+        self.patch_embed = nn.Conv2d(3, D, patch, patch)
+        self.pos_embed = nn.Embedding(patches, D)
+        self.blocks = nn.Sequential(*(PreLNBlock(D, 2, causal=False) for _ in range(2)))
+        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, 4)
+        self.register_buffer("position_ids", torch.arange(patches).unsqueeze(0), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)  # (B, N, D)
+        x = self.blocks(x + self.pos_embed(self.position_ids))
+        return self.head(self.norm(x).mean(1))
+
+
+class MixerBlock(nn.Module):
+    def __init__(self, tokens: int, dim: int) -> None:
+        super().__init__()
+        self.norm1, self.mlp_tokens = nn.RMSNorm(dim), Mlp(tokens, 2 * tokens)
+        self.norm2, self.mlp_channels = nn.RMSNorm(dim), Mlp(dim, 2 * dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.mlp_tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.mlp_channels(self.norm2(x))
+
+
+class Mixer(nn.Module):
+    """timm's MLP-Mixer with RMSNorm: patch Conv2d stem, token- and channel-mixing MLPs."""
+
+    def __init__(self, image: int = 8, patch: int = 2) -> None:
+        super().__init__()
+        tokens = (image // patch) ** 2
+        self.stem = nn.Conv2d(3, D, patch, patch)
+        self.blocks = nn.Sequential(*(MixerBlock(tokens, D) for _ in range(2)))
+        self.norm, self.head = nn.RMSNorm(D), nn.Linear(D, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.blocks(self.stem(x).flatten(2).transpose(1, 2))
+        return self.head(self.norm(x).mean(1))
+
+
+def double_conv(cin: int, cout: int) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.ReLU(),
+                         nn.Conv2d(cout, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.ReLU())
+
+
+class UNet(nn.Module):
+    """A two-level U-Net: down by max-pooling, up by ConvTranspose2d, skip connections concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inc, self.down = double_conv(2, 4), double_conv(4, 8)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.dec, self.outc = double_conv(8, 4), nn.Conv2d(4, 1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        skip = self.inc(x)
+        up = self.up(self.down(F.max_pool2d(skip, 2)))
+        return self.outc(self.dec(torch.cat([skip, up], 1)))
+
+
+def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@dataclass(frozen=True)
+class Entry:
+    make: Callable[[], nn.Module]
+    batch: Callable[[int], tuple[Tensor, Tensor]]
+    loss: Callable[[Tensor, Tensor], Tensor]  # reduction="mean": the mean of the examples' own losses
+
+
+def _tokens(b: int, labels: int | None = None) -> tuple[Tensor, Tensor]:
+    x = torch.randint(1, VOCAB, (b, T))
+    x[0, :3] = 5  # a repeated token
+    x[1, -2:] = 0  # padding (the padding row of the tables that have one)
+    return x, torch.randint(0, labels, (b,)) if labels else torch.randint(0, VOCAB, (b, T))
+
+
+def _images(b: int, channels: int = 3, labels: int = 4) -> tuple[Tensor, Tensor]:
+    return torch.randn(b, channels, 8, 8), torch.randint(0, labels, (b,))
+
+
+ZOO: dict[str, Entry] = {
+    "gpt_tied": Entry(GPT, _tokens, token_loss),
+    "bert_multihead_attention": Entry(Bert, lambda b: _tokens(b, 3), F.cross_entropy),
+    "resnet_batchnorm_eval": Entry(resnet_batchnorm_eval, _images, F.cross_entropy),
+    "resnet_groupnorm": Entry(lambda: ResNet(lambda c: nn.GroupNorm(2, c)), _images, F.cross_entropy),
+    "lstm_classifier": Entry(LSTMClassifier, lambda b: _tokens(b, 3), F.cross_entropy),
+    "gru_language_model": Entry(GRULanguageModel, _tokens, token_loss),
+    "vit": Entry(ViT, _images, F.cross_entropy),
+    "mixer_rmsnorm": Entry(Mixer, _images, F.cross_entropy),
+    "unet_conv_transpose": Entry(UNet, lambda b: (torch.randn(b, 2, 8, 8), torch.randn(b, 1, 8, 8)), F.mse_loss),
+}
