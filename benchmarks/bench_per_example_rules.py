@@ -1,0 +1,680 @@
+"""Per-example squared gradient norms ‖g_i‖², layer by layer and end to end: trainvitals' rules against
+the layer's own forward + backward, Opacus and BackPACK, in one process.
+
+Tools, each on its own copy of the layer or model, timed interleaved (bare, forward, trainvitals,
+Opacus, Opacus ghost, BackPACK, bare, ...):
+
+- ``bare``: forward + backward (the input requires grad, as inside a network), ``.grad`` set to None;
+- ``forward``: the forward alone (with its graph), so that the layer's own backward = bare − forward;
+- ``trainvitals``: + :class:`~trainvitals.core.per_example.PerExampleGradients` (the squared norms of
+  every step, no per-coordinate sums), as ``BatchVarianceProbe`` runs it;
+- ``opacus``: Opacus' ``GradSampleModule`` (per-example gradients ``p.grad_sample``, their squared
+  norms summed over parameters); layers without an Opacus grad sampler go through its functorch path;
+- ``opacus_ghost``: Opacus' ``GradSampleModuleFastGradientClipping`` with ghost clipping: the norms
+  only (ghost norms for Linear and Embedding, per-example gradients reduced at once for the others);
+- ``backpack``: BackPACK's ``BatchL2Grad`` on ``extend``-ed modules, where BackPACK has the layer.
+
+Per layer: the median over repetitions of each tool's CPU time per step (``time.process_time``, one
+torch thread) as a ratio to the same repetition's bare step, and its extra time as a ratio to the
+layer's own backward. Exactness: the largest relative difference of the tool's ‖g_i‖² from a
+brute-force loop (one backward per example), everything in float64.
+
+End to end: a plain training loop (forward, mean cross-entropy, backward, Adam step) on the demo's
+digits CNN and small models of the layer families, the per-example norms of every parameter. Last, the
+digits CNN's conv path: its second convolution's rule by part against its weight-gradient floor (and
+a candidate form), and a measured step's extra time by part of the collector.
+
+Opacus and BackPACK are not dependencies of trainvitals: ``pip install -e .[bench]`` (both with
+``--no-deps`` where they would replace torch).
+
+    python benchmarks/bench_per_example_rules.py --out per_example_rules.json   # ~5 min on one core
+    python benchmarks/bench_per_example_rules.py --quick                        # smoke run, < 1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from _common import machine_line, markdown_table, median, write_json
+from trainvitals.core.per_example import PerExampleGradients, Use, Workspace, plan_sources, rule_for
+from trainvitals.core.per_example._common import _bmm, _sq_norms
+from trainvitals.core.per_example.conv import _conv_patches
+
+try:
+    from opacus import GradSampleModule
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+except ImportError:  # the table says "not installed"
+    GradSampleModule = GradSampleModuleFastGradientClipping = None
+try:
+    from backpack import backpack as backpack_context
+    from backpack import extend
+    from backpack.extensions import BatchL2Grad
+except ImportError:
+    extend = None
+
+TOOLS = ("bare", "forward", "trainvitals", "opacus", "opacus_ghost", "backpack")
+PEERS = ("trainvitals", "opacus", "opacus_ghost", "backpack")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layers and models
+
+#: name: (make the layer, input shape, integer inputs below this bound or None). Shapes of small real
+#: layers: the digits CNN's second convolution, a ResNet stage at 16×16, a decoder's upsampling, a
+#: transformer block's projections and norms on 64 tokens.
+LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] = {
+    "Linear 4→4, (64, 4): the per-step constant": (lambda: nn.Linear(4, 4), (64, 4), None),
+    "Linear 256→256, (64, 256)": (lambda: nn.Linear(256, 256), (64, 256), None),
+    "Linear 128→512, tokens (32, 64, 128)": (lambda: nn.Linear(128, 512), (32, 64, 128), None),
+    "Conv1d 16→32 k5, (32, 16, 128)": (lambda: nn.Conv1d(16, 32, 5, padding=2), (32, 16, 128), None),
+    "Conv2d 16→32 k3, (64, 16, 8, 8) (digits CNN conv 2)": (lambda: nn.Conv2d(16, 32, 3, padding=1), (64, 16, 8, 8), None),
+    "Conv2d 32→64 k3, (32, 32, 16, 16)": (lambda: nn.Conv2d(32, 64, 3, padding=1), (32, 32, 16, 16), None),
+    "Conv3d 8→16 k3, (16, 8, 8, 8, 8)": (lambda: nn.Conv3d(8, 16, 3, padding=1), (16, 8, 8, 8, 8), None),
+    "ConvTranspose1d 32→16 k4 s2, (32, 32, 64)": (lambda: nn.ConvTranspose1d(32, 16, 4, stride=2, padding=1),
+                                                  (32, 32, 64), None),
+    "ConvTranspose2d 32→16 k4 s2, (32, 32, 8, 8)": (lambda: nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1),
+                                                    (32, 32, 8, 8), None),
+    "ConvTranspose3d 16→8 k4 s2, (8, 16, 4, 4, 4)": (lambda: nn.ConvTranspose3d(16, 8, 4, stride=2, padding=1),
+                                                     (8, 16, 4, 4, 4), None),
+    "GroupNorm 8×64, (32, 64, 16, 16)": (lambda: nn.GroupNorm(8, 64), (32, 64, 16, 16), None),
+    "InstanceNorm2d 64 affine, (32, 64, 16, 16)": (lambda: nn.InstanceNorm2d(64, affine=True), (32, 64, 16, 16), None),
+    "LayerNorm 256, (32, 64, 256)": (lambda: nn.LayerNorm(256), (32, 64, 256), None),
+    "RMSNorm 256, (32, 64, 256)": (lambda: nn.RMSNorm(256), (32, 64, 256), None),
+    "Embedding 10000×128, (32, 64) tokens": (lambda: nn.Embedding(10000, 128), (32, 64), 10000),
+}
+QUICK_LAYERS = ("Linear 256→256, (64, 256)", "Conv2d 16→32 k3, (64, 16, 8, 8) (digits CNN conv 2)",
+                "ConvTranspose2d 32→16 k4 s2, (32, 32, 8, 8)", "GroupNorm 8×64, (32, 64, 16, 16)",
+                "Embedding 10000×128, (32, 64) tokens")
+
+
+def digits_cnn() -> nn.Module:
+    """The demo's DigitsCNN as a plain module (the same layers, without Lightning)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+    )
+
+
+def groupnorm_cnn() -> nn.Module:
+    """A small ResNet-like stem for 32×32 images with GroupNorm (the per-example-friendly BatchNorm)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.GroupNorm(8, 64), nn.ReLU(),
+        nn.Conv2d(64, 64, 3, stride=2, padding=1), nn.GroupNorm(8, 64), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+    )
+
+
+class TokenMLP(nn.Module):
+    """Token classifier: Embedding → (LayerNorm, Linear 4× MLP, residual) ×2 → RMSNorm → mean → Linear."""
+
+    def __init__(self, vocab: int = 2000, width: int = 128, classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                                  nn.Linear(4 * width, width)) for _ in range(2))
+        self.norm, self.head = nn.RMSNorm(width), nn.Linear(width, classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h).mean(1))
+
+
+class ConvAutoencoder(nn.Module):
+    """16×16 images: Conv1d/2d down with InstanceNorm, ConvTranspose2d up; a 10-way head on the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = nn.Sequential(nn.Conv2d(1, 16, 3, stride=2, padding=1), nn.InstanceNorm2d(16, affine=True),
+                                    nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU())
+        self.decode = nn.Sequential(nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1), nn.ReLU(),
+                                    nn.ConvTranspose2d(16, 4, 4, stride=2, padding=1))
+        self.head = nn.Linear(4 * 16 * 16, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.decode(self.encode(x)).flatten(1))
+
+
+#: name: (make the model, input shape, integer inputs below this bound or None, batch).
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] = {
+    "digits CNN (demo), batch 64": (digits_cnn, (64, 1, 8, 8), None),
+    "GroupNorm CNN 32×32, batch 32": (groupnorm_cnn, (32, 3, 32, 32), None),
+    "token MLP, Embedding/LayerNorm/RMSNorm, (32, 64) tokens": (TokenMLP, (32, 64), 2000),
+    "conv autoencoder, InstanceNorm/ConvTranspose2d, batch 32": (ConvAutoencoder, (32, 1, 16, 16), None),
+}
+
+
+def make_input(shape: tuple[int, ...], vocab: int | None, dtype: torch.dtype, seed: int) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if vocab is not None:
+        return torch.randint(vocab, shape, generator=g)
+    return torch.randn(shape, generator=g, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tools: each turns (module, reduction) into a step ``run(x, target) -> (B,) ‖g_i‖² or None``
+
+Loss = Callable[[Tensor, Tensor], Tensor]
+
+
+def dot_loss(out: Tensor, weights: Tensor) -> Tensor:
+    """Σ_i ℓ_i with ℓ_i = ⟨out_i, weights_i⟩: a layer's own backward seeded with ``weights``."""
+    return (out * weights).sum()
+
+
+def mean_cross_entropy(out: Tensor, labels: Tensor) -> Tensor:
+    return F.cross_entropy(out, labels)
+
+
+class Tool:
+    """One way of getting the per-example squared norms (or, for ``bare`` and ``forward``, none)."""
+
+    name = ""
+
+    def prepare(self, module: nn.Module, loss: Loss, mean: bool) -> Callable[[Tensor, Tensor], Tensor | None] | str:
+        """A step function, or why this tool has none for ``module``."""
+        raise NotImplementedError
+
+
+def _clear(module: nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+def _requiring_grad(x: Tensor) -> Tensor:
+    return x.detach().requires_grad_(True) if x.is_floating_point() else x
+
+
+class Bare(Tool):
+    name = "bare"
+
+    def prepare(self, module, loss, mean):
+        def run(x, target):
+            _clear(module)
+            loss(module(_requiring_grad(x)), target).backward()
+        return run
+
+
+class Forward(Tool):
+    name = "forward"
+
+    def prepare(self, module, loss, mean):
+        def run(x, target):
+            loss(module(_requiring_grad(x)), target)  # the graph is built and freed, not run
+        return run
+
+
+class TrainVitals(Tool):
+    name = "trainvitals"
+
+    def prepare(self, module, loss, mean):
+        plan = plan_sources(module, groups_available=False, fallback=False)
+        if plan.uncovered:
+            return "not covered: " + "; ".join(sorted(set(plan.uncovered.values())))
+        collector = PerExampleGradients(plan.per_example, {}, 2)
+        collector.attach(keep_norms=True)
+
+        def run(x, target):
+            _clear(module)
+            collector.begin_micro_batch()
+            loss(module(_requiring_grad(x)), target).backward()
+            collector.end_micro_batch(float(x.shape[0]) if mean else 1.0)
+            step = collector.pop()
+            if step.failed:
+                raise RuntimeError(f"trainvitals failed: {step.failed}")
+            return step.sq_norms[0]
+        return run
+
+
+class Opacus(Tool):
+    name = "opacus"
+
+    def prepare(self, module, loss, mean):
+        if GradSampleModule is None:
+            return "not installed"
+        wrapped = GradSampleModule(module, loss_reduction="mean" if mean else "sum", strict=False)
+
+        def run(x, target):
+            wrapped.zero_grad(set_to_none=True)
+            loss(wrapped(_requiring_grad(x)), target).backward()
+            return sum(p.grad_sample.flatten(1).square().sum(1) for p in module.parameters() if p.requires_grad)
+        return run
+
+
+class OpacusGhost(Tool):
+    name = "opacus_ghost"
+
+    def prepare(self, module, loss, mean):
+        if GradSampleModuleFastGradientClipping is None:
+            return "not installed"
+        wrapped = GradSampleModuleFastGradientClipping(module, loss_reduction="mean" if mean else "sum",
+                                                       strict=False, use_ghost_clipping=True)
+
+        def run(x, target):
+            wrapped.zero_grad(set_to_none=True)
+            loss(wrapped(_requiring_grad(x)), target).backward()
+            return wrapped.get_norm_sample().square()
+        return run
+
+
+class BackPACK(Tool):
+    name = "backpack"
+
+    def prepare(self, module, loss, mean):
+        if extend is None:
+            return "not installed"
+        extended = extend(module)
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def run(x, target):
+            _clear(module)
+            with backpack_context(BatchL2Grad()):
+                loss(extended(_requiring_grad(x)), target).backward()
+            missing = [p for p in params if not hasattr(p, "batch_l2")]
+            if missing:
+                raise RuntimeError(f"BackPACK has no BatchL2Grad for {len(missing)} of the parameters")
+            # BackPACK's individual gradients are those of the batch loss: (1/B) ∇ℓ_i for a mean.
+            sq = sum(p.batch_l2 for p in params)
+            return sq * x.shape[0] ** 2 if mean else sq
+        return run
+
+
+TOOL_CLASSES = {t.name: t for t in (Bare, Forward, TrainVitals, Opacus, OpacusGhost, BackPACK)}
+
+
+def brute_force_sq_norms(module: nn.Module, loss: Loss, x: Tensor, target: Tensor) -> Tensor:
+    """‖g_i‖² of each example's own loss, one backward per example (``loss`` summed over the example)."""
+    out = []
+    for i in range(x.shape[0]):
+        _clear(module)
+        xi, ti = x[i:i + 1], target[i:i + 1]
+        value = loss(module(_requiring_grad(xi)), ti)
+        value.backward()
+        out.append(sum(p.grad.double().square().sum() for p in module.parameters() if p.grad is not None))
+    _clear(module)
+    return torch.stack(out)
+
+
+def _silenced(fn: Callable[[], Any]) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn()
+
+
+def exactness(make: Callable[[], nn.Module], shape: tuple[int, ...], vocab: int | None, loss: Loss, mean: bool,
+              target: Callable[[Tensor], Tensor], batch: int) -> dict[str, Any]:
+    """Per tool: max_i |s_i − t_i| / t_i of its ‖g_i‖² against the brute-force loop in float64 on ``batch``
+    examples (the tool run in float64; in float32, flagged, where it fails in float64); a string where
+    the tool has no result."""
+    torch.manual_seed(0)
+    reference = make().double()
+    x = make_input((batch, *shape[1:]), vocab, torch.float64, seed=1)
+    t = target(x)
+    t = t.double() if t.is_floating_point() else t
+    truth = brute_force_sq_norms(reference, loss, x, t)  # a one-example mean is the example's own loss
+    out: dict[str, Any] = {}
+    for name in PEERS:
+        for dtype in (torch.float64, torch.float32):
+            module = copy.deepcopy(reference).to(dtype)
+            xd = x.to(dtype) if x.is_floating_point() else x
+            td = t.to(dtype) if t.is_floating_point() else t
+            try:
+                run = _silenced(lambda: TOOL_CLASSES[name]().prepare(module, loss, mean))
+                if isinstance(run, str):
+                    out[name] = run
+                    break
+                sq = _silenced(lambda: run(xd, td))
+                error = ((sq.double() - truth).abs() / truth).max().item()
+                out[name] = error if dtype == torch.float64 else f"float32 only: {error:.0e}"
+                break
+            except Exception as err:  # noqa: BLE001 - a peer that cannot run this layer: say why in the table
+                if dtype == torch.float64:
+                    out[name] = f"fails in float64: {type(err).__name__}: {str(err)[:70]}"
+                else:
+                    out[name] = f"fails: {type(err).__name__}: {str(err)[:70]}"
+    return out
+
+
+def timings(make: Callable[[], nn.Module], shape: tuple[int, ...], vocab: int | None, loss: Loss, mean: bool,
+            target: Callable[[Tensor], Tensor], repetitions: int, seconds: float, optimizer: bool,
+            exact: dict[str, Any]) -> dict[str, Any]:
+    """CPU seconds per step of each tool that runs (float32): ``repetitions`` interleaved rounds of
+    ~``seconds`` each (at least one step)."""
+    torch.manual_seed(0)
+    base = make()
+    x = make_input(shape, vocab, torch.float32, seed=2)
+    t = target(x)
+    runs: dict[str, Callable[[], Any]] = {}
+    for name in TOOLS:
+        reason = exact.get(name)
+        if isinstance(reason, str) and not reason.startswith(("float32 only", "fails in float64")):
+            continue
+        module = copy.deepcopy(base)
+        step = _silenced(lambda: TOOL_CLASSES[name]().prepare(module, loss, mean))
+        if isinstance(step, str):
+            continue
+        opt = torch.optim.Adam(module.parameters(), lr=1e-4) if optimizer and name != "forward" else None
+
+        def run(step=step, opt=opt) -> None:
+            step(x, t)
+            if opt is not None:
+                opt.step()
+
+        try:
+            _silenced(run)  # warm-up: first-call allocations, oneDNN primitive caches
+        except Exception as err:  # noqa: BLE001
+            exact[name] = f"fails in float32: {type(err).__name__}: {str(err)[:70]}"
+            continue
+        runs[name] = run
+    steps = {}
+    for name, run in runs.items():
+        start = time.process_time()
+        _silenced(run)
+        steps[name] = max(1, math.ceil(seconds / max(time.process_time() - start, 1e-5)))
+    per_step: dict[str, list[float]] = {name: [] for name in runs}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(repetitions):
+            for name, run in runs.items():
+                start = time.process_time()
+                for _ in range(steps[name]):
+                    run()
+                per_step[name].append((time.process_time() - start) / steps[name])
+    return {"steps_per_repetition": steps, "seconds": per_step}
+
+
+def summarise(result: dict[str, Any]) -> dict[str, Any]:
+    """Median ms/step, median ratio to bare, median extra / own backward (bare − forward), per tool."""
+    sec = result["seconds"]
+    bare = sec["bare"]
+    out: dict[str, Any] = {"bare_ms": 1e3 * median(bare)}
+    if "forward" in sec:
+        backward = [b - f for b, f in zip(bare, sec["forward"])]
+        out["backward_ms"] = 1e3 * median(backward)
+    for name in PEERS:
+        if name not in sec:
+            continue
+        ratios = [s / b for s, b in zip(sec[name], bare)]
+        entry = {"ms": 1e3 * median(sec[name]), "ratio": median(ratios), "range": (min(ratios), max(ratios))}
+        if "forward" in sec:
+            entry["extra_per_backward"] = median([(s - b) / (b - f) for s, b, f in zip(sec[name], bare, sec["forward"])])
+        out[name] = entry
+    return out
+
+
+def _cell(summary: dict[str, Any], name: str, per_backward: bool) -> str:
+    if name not in summary:
+        return "—"
+    s = summary[name]
+    if per_backward and "extra_per_backward" in s:
+        return f"{s['ratio']:.2f} (+{s['extra_per_backward']:.2f})"
+    return f"{s['ratio']:.2f}"
+
+
+def _error_cell(error: Any) -> str:
+    if isinstance(error, float):
+        return f"{error:.0e}"
+    if isinstance(error, str) and error.startswith("float32 only: "):
+        return error.removeprefix("float32 only: ") + " (f32)"
+    return "—"
+
+
+def table(results: dict[str, dict[str, Any]], per_backward: bool) -> str:
+    headers = ["", "bare ms/step"] + (["own bwd ms", "trainvitals +ms"] if per_backward else []) + \
+        ["trainvitals", "Opacus GradSampleModule", "Opacus ghost clipping", "BackPACK BatchL2Grad",
+         "max rel. err trainvitals / Opacus / ghost / BackPACK"]
+    rows = []
+    for label, r in results.items():
+        s, e = r["summary"], r["exactness"]
+        row = [label, f"{s['bare_ms']:.3f}"]
+        if per_backward:
+            row.append(f"{s.get('backward_ms', float('nan')):.3f}")
+            extra = s["trainvitals"]["ms"] - s["bare_ms"] if "trainvitals" in s else float("nan")
+            row.append(f"{extra:.3f}")
+        row += [_cell(s, n, per_backward) for n in PEERS]
+        row.append(" / ".join(_error_cell(e.get(n)) for n in PEERS))
+        rows.append(row)
+    return markdown_table(headers, rows)
+
+
+def reasons(results: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for label, r in results.items():
+        for name, value in r["exactness"].items():
+            if isinstance(value, str) and not value.startswith("float32 only"):
+                lines.append(f"- {label}, {name}: {value}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The conv path: where the second convolution's per-example time goes
+
+def padded_width_sq_norms(conv: nn.Conv2d, x: Tensor, g: Tensor, patches: Tensor, blocks: Tensor) -> Tensor:
+    """A candidate form of the conv rule (stride 1, zero padding p, no dilation): the receptive fields
+    taken over the padded width, H·(W + 2p) positions, where each (channel, kernel offset) row of the
+    patches is one contiguous run of the padded input (one long copy, not H·W-sized pieces); the output
+    gradient is zero at the 2p extra columns, so the blocks are exact at 1 + 2p/W times the FLOPs."""
+    (kh, kw), (ph, pw) = conv.kernel_size, conv.padding
+    b, c, h, w = x.shape
+    wide = w + 2 * pw
+    positions = h * wide
+    xp = F.pad(x, (pw, pw, ph, ph + 1))  # one more row keeps the last kernel offset's run in range
+    stride = xp.stride()
+    runs = xp.as_strided((b, c, kh, kw, positions), (stride[0], stride[1], wide, 1, 1))
+    patches = patches[: runs.numel()].view(b, c * kh * kw, positions)
+    patches.view(runs.shape).copy_(runs)
+    gp = F.pad(g, (0, 2 * pw)).flatten(2)
+    out = blocks[: b * g.shape[1] * c * kh * kw].view(b, g.shape[1], c * kh * kw)
+    torch.bmm(gp, patches.transpose(1, 2), out=out)
+    return _sq_norms(out) + g.flatten(2).sum(2).square().sum(1)
+
+
+def conv_profile(repetitions: int, seconds: float) -> dict[str, float]:
+    """Milliseconds (median CPU time) of the per-example rule of the digits CNN's second convolution and
+    of its parts, on the input and output gradient of a real step (batch 64), against the layer's own
+    backward and weight gradient (oneDNN's ``convolution_backward``)."""
+    torch.manual_seed(0)
+    model = digits_cnn()
+    conv = model[2]
+    x = torch.randn(64, 1, 8, 8)
+    captured: dict[str, Tensor] = {}
+
+    def capture(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
+        captured["x"] = args[0].detach()
+        out.register_hook(lambda g: captured.__setitem__("g", g))
+
+    handle = conv.register_forward_hook(capture)
+    F.cross_entropy(model(x), torch.randint(10, (64,))).backward()
+    handle.remove()
+    inputs, grad = captured["x"], captured["g"] * 64  # own-loss units, as the probe scales them later
+    rule, ws = rule_for(conv), Workspace()
+    use = [Use(inputs, grad)]
+    patches = _conv_patches(conv, inputs, torch.float32, ws)
+    g = grad.flatten(2).transpose(1, 2)
+    blocks = _bmm(g.transpose(1, 2), patches, ws, "blocks")
+    w = conv.weight.detach()
+    wide_patches, wide_blocks = torch.empty(64 * 16 * 9 * 80), torch.empty(64 * 32 * 16 * 9)
+    padded = F.pad(inputs, (1, 1, 1, 2))
+    wide_runs = padded.as_strided((64, 16, 3, 3, 80), (padded.stride(0), padded.stride(1), 10, 1, 1))
+    exact = rule.sq_norms(conv, use, ws)
+    candidate = padded_width_sq_norms(conv, inputs, grad, wide_patches, wide_blocks)
+    if not torch.allclose(candidate, exact, rtol=1e-5):
+        raise RuntimeError("the padded-width form does not give the rule's norms")
+    args = (conv.stride, conv.padding, conv.dilation, False, [0, 0], 1)
+    parts: dict[str, Callable[[], Any]] = {
+        "own backward (input + weight + bias grads)":
+            lambda: torch.ops.aten.convolution_backward(grad, inputs, w, [w.shape[0]], *args, [True, True, True]),
+        "own weight gradient (oneDNN, the FLOP floor)":
+            lambda: torch.ops.aten.convolution_backward(grad, inputs, w, None, *args, [False, True, False]),
+        "trainvitals rule: sq_norms (all of it)": lambda: rule.sq_norms(conv, use, ws),
+        "  patches: strided window copy (T·I per example)": lambda: _conv_patches(conv, inputs, torch.float32, ws),
+        "  per-example blocks: bmm (B × O×T · T×I)": lambda: _bmm(g.transpose(1, 2), patches, ws, "blocks"),
+        "  ‖block‖²: vector_norm": lambda: _sq_norms(blocks),
+        "  bias: Σ_t δ, ‖·‖²": lambda: g.sum(1).square().sum(1),
+        "candidate: patches over the padded width (+25% FLOPs, long runs)":
+            lambda: padded_width_sq_norms(conv, inputs, grad, wide_patches, wide_blocks),
+        "  its copy of the patches": lambda: wide_patches[:wide_runs.numel()].view(wide_runs.shape).copy_(wide_runs),
+        "ghost alternative: two Gram bmm + vecdot": lambda: torch.linalg.vecdot(
+            torch.bmm(patches, patches.transpose(1, 2)).flatten(1), torch.bmm(g, g.transpose(1, 2)).flatten(1)),
+    }
+    for fn in parts.values():
+        fn()
+    n = {}
+    for name, fn in parts.items():
+        start = time.process_time()
+        fn()
+        n[name] = max(5, math.ceil(seconds / max(time.process_time() - start, 1e-6)))
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    with torch.no_grad():
+        for _ in range(repetitions):
+            for name, fn in parts.items():
+                start = time.process_time()
+                for _ in range(n[name]):
+                    fn()
+                times[name].append((time.process_time() - start) / n[name])
+    out = {name: 1e3 * median(t) for name, t in times.items()}
+    b, t, i, o = inputs.shape[0], grad.shape[2] * grad.shape[3], patches.shape[2], grad.shape[1]
+    out["weight-gradient MFLOP (2·B·T·I·O)"] = 2 * b * t * i * o / 1e6
+    return out
+
+
+def step_breakdown(repetitions: int, steps: int) -> dict[str, float]:
+    """CPU ms per step of the digits CNN's plain loop, bare and with trainvitals, and of the collector's
+    parts within the measured steps: each layer's rule (with its bookkeeping in ``_measure``), the forward
+    hooks, the backward hooks outside the rules, and the per-step calls. The rest of the extra time is
+    autograd's (its tensor hooks) and the cache the per-example work evicts from the bare step's data."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 1, 8, 8), torch.randint(10, (64,))
+    bare_model, model = digits_cnn(), digits_cnn()
+    model.load_state_dict(bare_model.state_dict())
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    spent: dict[str, float] = {}
+
+    def timed(key: Callable[..., str], inner: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any) -> Any:
+            start = time.process_time()
+            try:
+                return inner(*args)
+            finally:
+                spent[key(*args)] = spent.get(key(*args), 0.0) + time.process_time() - start
+        return wrapper
+
+    def layer(group: Any) -> str:
+        return "rule + bookkeeping, " + ", ".join(f"{n} {type(model[int(n)]).__name__}" for n in group.members)
+
+    collector._measure = timed(layer, collector._measure)  # looked up on the instance by the hooks
+    collector._backward = timed(lambda *_: "backward hooks (with the rules)", collector._backward)
+    collector._forward = timed(lambda *_: "forward hooks", collector._forward)
+    for name in ("begin_micro_batch", "end_micro_batch", "pop"):
+        setattr(collector, name, timed(lambda *_, name=name: name, getattr(collector, name)))
+    collector.attach(keep_norms=True)
+    optimizers = {m: torch.optim.Adam(m.parameters(), lr=1e-4) for m in (bare_model, model)}
+
+    def bare() -> None:
+        _clear(bare_model)
+        F.cross_entropy(bare_model(x), y).backward()
+        optimizers[bare_model].step()
+
+    def measured() -> None:
+        _clear(model)
+        collector.begin_micro_batch()
+        F.cross_entropy(model(x), y).backward()
+        collector.end_micro_batch(64.0)
+        collector.pop()
+        optimizers[model].step()
+
+    for _ in range(10):
+        bare(), measured()
+    spent.clear()
+    seconds: dict[str, list[float]] = {"bare": [], "trainvitals": []}
+    for _ in range(repetitions):
+        for name, run in (("bare", bare), ("trainvitals", measured)):
+            start = time.process_time()
+            for _ in range(steps):
+                run()
+            seconds[name].append((time.process_time() - start) / steps)
+    per_step = {k: 1e3 * v / (repetitions * steps) for k, v in spent.items()}
+    rules = sum(v for k, v in per_step.items() if k.startswith("rule"))
+    per_step["backward hooks (with the rules)"] -= rules
+    out = {"bare step": 1e3 * median(seconds["bare"]), "trainvitals step": 1e3 * median(seconds["trainvitals"])}
+    out["extra"] = out["trainvitals step"] - out["bare step"]
+    out.update(sorted(per_step.items(), key=lambda kv: -kv[1]))
+    out = {k.replace("backward hooks (with the rules)", "backward hooks outside the rules"): v for k, v in out.items()}
+    out["not in the collector's calls (autograd, cache)"] = out["extra"] - sum(per_step.values())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repetitions", type=int, default=7, help="interleaved rounds per layer or model")
+    parser.add_argument("--seconds", type=float, default=0.06, help="CPU seconds of bare steps per round")
+    parser.add_argument("--exact-batch", type=int, default=8, help="examples in the float64 exactness check")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 5 layers, 2 models, 3 rounds (< 1 min)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    layers, models = LAYERS, MODELS
+    if args.quick:
+        args.repetitions, args.seconds = 3, 0.02
+        layers = {k: LAYERS[k] for k in QUICK_LAYERS}
+        models = {k: MODELS[k] for k in list(MODELS)[:2]}
+    print(f"# Per-example squared norms ({machine_line()}; CPU time, {args.repetitions} interleaved rounds)")
+
+    layer_results: dict[str, dict[str, Any]] = {}
+    for label, (make, shape, vocab) in layers.items():
+        def weights(x: Tensor, make=make) -> Tensor:
+            torch.manual_seed(3)
+            with torch.no_grad():
+                probe = make().to(x.dtype if x.is_floating_point() else torch.float32)
+                return torch.randn_like(probe(x))
+        exact = exactness(make, shape, vocab, dot_loss, False, weights, args.exact_batch)
+        result = timings(make, shape, vocab, dot_loss, False, weights, args.repetitions, args.seconds, False, exact)
+        layer_results[label] = {"exactness": exact, "summary": summarise(result), **result}
+        print(f"  {label}: done", flush=True)
+    print("\n## Layers: step time / bare step (extra time / the layer's own backward); exactness in float64\n")
+    print(table(layer_results, per_backward=True))
+    print("\n" + reasons(layer_results))
+
+    model_results: dict[str, dict[str, Any]] = {}
+    for label, (make, shape, vocab) in models.items():
+        labels = (lambda x: torch.randint(10, (x.shape[0],), generator=torch.Generator().manual_seed(4)))
+        exact = exactness(make, shape, vocab, mean_cross_entropy, True, labels, args.exact_batch)
+        result = timings(make, shape, vocab, mean_cross_entropy, True, labels, args.repetitions, args.seconds,
+                         True, exact)
+        model_results[label] = {"exactness": exact, "summary": summarise(result), **result}
+        print(f"  {label}: done", flush=True)
+    print("\n## End to end: a plain loop's step (forward, mean cross-entropy, backward, Adam) / the bare step\n")
+    print(table(model_results, per_backward=False))
+    print("\n" + reasons(model_results))
+
+    profile = conv_profile(args.repetitions, args.seconds / 2)
+    print("\n## The digits CNN's second convolution (B 64, T 64, I 144, O 32): CPU ms\n")
+    print(markdown_table(["", "ms"], [[k, f"{v:.3f}"] for k, v in profile.items()]))
+    breakdown = step_breakdown(args.repetitions, 10 if args.quick else 50)
+    print("\n## The digits CNN's plain-loop step with trainvitals, by part: CPU ms per step\n")
+    print(markdown_table(["", "ms"], [[k, f"{v:.3f}"] for k, v in breakdown.items()]))
+    write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions,
+                          "layers": {k: {"exactness": v["exactness"], "summary": v["summary"]} for k, v in layer_results.items()},
+                          "models": {k: {"exactness": v["exactness"], "summary": v["summary"]} for k, v in model_results.items()},
+                          "conv_profile": profile, "step_breakdown": breakdown})
+
+
+if __name__ == "__main__":
+    main()
