@@ -24,8 +24,9 @@ digits CNN and small models of the layer families, the per-example norms of ever
 digits CNN's conv path: its second convolution's rule by part against its weight-gradient floor (and
 a candidate form), and a measured step's extra time by part of the collector.
 
-Opacus and BackPACK are not dependencies of trainvitals: ``pip install -e .[bench]`` (both with
-``--no-deps`` where they would replace torch).
+Opacus and BackPACK are not dependencies of trainvitals (the ``bench`` extra lists them):
+``pip install --no-deps opacus backpack-for-pytorch einops unfoldNd opt_einsum`` keeps one's torch,
+which BackPACK's torchvision requirement would replace. A tool that is not installed is left out.
 
     python benchmarks/bench_per_example_rules.py --out per_example_rules.json   # ~5 min on one core
     python benchmarks/bench_per_example_rules.py --quick                        # smoke run, < 1 min
