@@ -246,6 +246,20 @@ class BatchVarianceProbe(Callback):
 
     # ------------------------------------------------------------------ setup
 
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        rank_zero_info(f"trainvitals BatchVarianceProbe: {self.summary_line()}")
+
+    def summary_line(self) -> str:
+        """One line for the end of fit: the run's noise scale (:attr:`gradient_noise`), or why there is none."""
+        count = int(self.noise.count)
+        if count == 0:
+            return f"no measurement ({self.noise_source.invalid or self.sources or 'not set up'})."
+        summary = self.gradient_noise.host_summary()
+        scale = (f"B_simple = {summary['b_simple']:.4g} examples (relative error {summary['b_simple_rel_err']:.2f})"
+                 if summary["reliable"] else f"no reliable B_simple ({summary['why']})")
+        return f"{scale} at an effective batch of {summary['batch_size']}, from {count} measured optimizer steps."
+
     def summary_markdown(self) -> str:
         """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""
         rows = [("sources", self.sources or "not set up"),
