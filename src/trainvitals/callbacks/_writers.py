@@ -86,21 +86,26 @@ def note_unrecorded(trainer: "pl.Trainer", callback: object) -> None:
     metrics: a run that shows no chart should not look like a run that measured nothing."""
     if not trainer.loggers:
         _notices.info(f"trainvitals {type(callback).__name__}: the Trainer has no logger (logger=False), so none of "
-                      "its metrics are recorded; pass a logger (a TensorBoardLogger for text panels and the dashboard) "
-                      "to keep them.")
+                      "its metrics are recorded (they still reach trainer.callback_metrics); pass a logger (a "
+                      "TensorBoardLogger for text panels and the dashboard) to keep them.")
 
 
-def tensorboard_writers(trainer: "pl.Trainer", what: str) -> list:
-    """The ``SummaryWriter`` of each TensorBoardLogger, on global rank zero only.
+def tensorboard_loggers(trainer: "pl.Trainer", what: str) -> list[TensorBoardLogger]:
+    """The TensorBoardLoggers, on global rank zero only.
 
     When there are loggers but none is a TensorBoardLogger, says once that ``what`` is skipped.
     """
     if trainer.global_rank != 0:
         return []
-    writers = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-    if trainer.loggers and not writers:
-        _notices.info(f"trainvitals: {what} need a TensorBoardLogger; the loggers in use get scalars only.")
-    return writers
+    loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+    if trainer.loggers and not loggers:
+        _notices.info(f"trainvitals: for {what} you need a TensorBoardLogger; the loggers in use get scalars only.")
+    return loggers
+
+
+def tensorboard_writers(trainer: "pl.Trainer", what: str) -> list:
+    """The ``SummaryWriter`` of each TensorBoardLogger, on global rank zero only (see :func:`tensorboard_loggers`)."""
+    return [lg.experiment for lg in tensorboard_loggers(trainer, what)]
 
 
 def log_histogram(trainer: "pl.Trainer", tag: str, values: Tensor, step: int) -> None:
