@@ -48,6 +48,45 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+def _launch(p, tmp_path: Path):
+    return p.chromium.launch_persistent_context(
+        str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+        viewport={"width": 1300, "height": 2050},  # TensorBoard scrolls inside the page: the viewport is the picture
+    )
+
+
+def test_html_report_opens_offline_without_errors(tmp_path: Path) -> None:
+    from test_html_report import write_report
+
+    _, page_text = write_report(tmp_path)
+    with sync_api.sync_playwright() as p:
+        context = _launch(p, tmp_path)
+        try:
+            requests: list[str] = []
+            errors: list[str] = []
+            # Everything but the file itself is refused and recorded: the page must need nothing else.
+            context.route(re.compile(r"^(?!file:|data:).*"), lambda route: (requests.append(route.request.url),
+                                                                             route.abort()))
+            page = context.new_page()
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto((tmp_path / "report.html").as_uri())
+            page.wait_for_load_state("load")
+            images = page.locator("figure img")
+            assert images.count() == 5
+            for i in range(images.count()):
+                assert images.nth(i).evaluate("img => img.complete && img.naturalWidth > 300")
+            assert "1 parameter(s) got no gradient" in page.locator("ul.findings").inner_text()
+            assert errors == [] and requests == []
+            shot = tmp_path / "report.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 10_000
+            if os.environ.get("TRAINVITALS_REPORT_SCREENSHOT"):
+                shutil.copyfile(shot, ROOT / os.environ["TRAINVITALS_REPORT_SCREENSHOT"])
+        finally:
+            context.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
