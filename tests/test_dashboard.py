@@ -22,7 +22,7 @@ from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.callbacks.dashboard import TrainvitalsDashboard, progress_bar_values
-from trainvitals.dashboard.layout import BAND_CHART, CATEGORY, GRAD_NORM_CHART, trainvitals_layout
+from trainvitals.dashboard.layout import BAND_CATEGORY, BAND_CHART, CATEGORY, GRAD_NORM_CHART, trainvitals_layout
 from trainvitals.dashboard.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
@@ -57,7 +57,7 @@ def chart_tags(layout: layout_pb2.Layout, acc: EventAccumulator) -> dict[str, li
     """Which logged scalar tags each chart picks up, matched the way TensorBoard matches."""
     scalars = acc.Tags()["scalars"]
     picked = {}
-    for chart in layout.category[0].chart:
+    for chart in (chart for category in layout.category for chart in category.chart):
         if chart.WhichOneof("content") == "margin":  # exact tags: value, lower, upper
             (series,) = chart.margin.series
             picked[chart.title] = [t for t in (series.value, series.lower, series.upper) if t in scalars]
@@ -69,13 +69,12 @@ def chart_tags(layout: layout_pb2.Layout, acc: EventAccumulator) -> dict[str, li
 def test_layout_is_written_once_as_tensorboards_custom_scalars(monitored) -> None:
     _, acc = monitored
     layout = read_layout(acc)
-    assert [c.title for c in layout.category] == [CATEGORY]
+    assert [c.title for c in layout.category] == [BAND_CATEGORY, CATEGORY]
+    (band,) = layout.category[0].chart
+    assert band.title == BAND_CHART and band.WhichOneof("content") == "margin"
     # One per-layer chart per top-level module of the digits CNN.
-    assert [c.title for c in layout.category[0].chart] == list(trainvitals_layout(groups=["features", "head"])[CATEGORY])
-    for chart in layout.category[0].chart:
-        if chart.title == BAND_CHART:
-            assert chart.WhichOneof("content") == "margin"
-            continue
+    assert [c.title for c in layout.category[1].chart] == list(trainvitals_layout(groups=["features", "head"])[CATEGORY])
+    for chart in layout.category[1].chart:
         assert chart.WhichOneof("content") == "multiline"
         for regex in chart.multiline.tag:
             re.compile(regex)
@@ -189,7 +188,7 @@ def test_the_layout_follows_the_loggers_prefix(tmp_path: Path) -> None:
     assert picked["per-layer gradient norm: head"] and all(t.startswith("fold1-grad_norm/head.") for t in
                                                             picked["per-layer gradient norm: head"])
     # Unprefixed tags are not picked up: the regexes are anchored at the prefix.
-    assert not any(re.match(rx, "grad_norm/total") for rx in read_layout(acc).category[0].chart[1].multiline.tag)
+    assert not any(re.match(rx, "grad_norm/total") for rx in read_layout(acc).category[1].chart[0].multiline.tag)
 
 
 def test_every_callback_says_one_line_at_fit_end(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

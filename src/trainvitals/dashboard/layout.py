@@ -24,6 +24,9 @@ from typing import Any
 from trainvitals.dashboard.tags import MEMORY_BYTES, OPTIMIZER_INFIX, PER_LAYER_GRAD_NORM, grad_norm
 
 CATEGORY = "trainvitals"
+BAND_CATEGORY = "trainvitals: the gradient norm in its noise band"
+"""The margin chart's own category: TensorBoard draws a category's margin charts after its multiline ones, so
+the chart that says most comes first only in a category of its own."""
 MAX_LAYER_CHARTS = 8
 """Beyond this many top-level modules, the per-layer norms share one chart (the histograms tab shows them too)."""
 
@@ -33,7 +36,6 @@ BAND_CHART = "gradient norm in its noise band (shaded: noise floor to band edge)
 
 def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
     charts: dict[str, list[Any]] = {
-        BAND_CHART: ["Margin", ["grad_norm/total", "grad_norm/noise_floor", "grad_norm/band_edge"]],
         GRAD_NORM_CHART: [
             "Multiline",
             [grad_norm("total"), grad_norm("clipped_total"), grad_norm("noise_floor"), grad_norm("noise_floor_se"),
@@ -89,11 +91,10 @@ def trainvitals_layout(prefix: str = "", join_char: str = "-", groups: Sequence[
     upper series. The ``lr-.+`` line is Lightning's ``LearningRateMonitor``; everything else a trainvitals
     callback's.
     """
-    head = re.escape(prefix + join_char) if prefix else ""
-    charts = {title: [kind, [head + tag if kind == "Multiline" else (prefix + join_char if prefix else "") + tag
-                             for tag in tags]]
-              for title, (kind, tags) in _charts(groups).items()}
-    return {CATEGORY: charts}
+    head = prefix + join_char if prefix else ""
+    band = {BAND_CHART: ["Margin", [head + tag for tag in ("grad_norm/total", "grad_norm/noise_floor", "grad_norm/band_edge")]]}
+    charts = {title: [kind, [re.escape(head) + tag for tag in tags]] for title, (kind, tags) in _charts(groups).items()}
+    return {BAND_CATEGORY: band, CATEGORY: charts}
 
 
 def layer_groups(module_names: Sequence[str]) -> list[str]:
