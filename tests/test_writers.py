@@ -3,6 +3,7 @@ the same values in ``trainer.callback_metrics`` for Lightning's own callbacks.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,7 +15,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
-from _models import Regressor, loader, regression_data
+from _models import ReleaseProcessGroup, Regressor, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.callbacks._writers import log_scalars
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
@@ -97,3 +98,34 @@ def test_lightning_checkpoint_and_early_stopping_monitor_a_trainvitals_metric(tm
     assert stopping.stopped_epoch == 0 and trainer.current_epoch == 1
     assert float(checkpoint.best_model_score) == pytest.approx(min(seen.seen.values()), rel=1e-6)
     assert Path(checkpoint.best_model_path).is_file()
+
+
+class _MetricsPerRank(pl.Callback):
+    """Writes what each rank's ``trainer.callback_metrics`` held for the monitor's tag to ``<dir>/rank<k>.json``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.seen: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if "grad_norm/total" in trainer.callback_metrics:
+            self.seen.append(float(trainer.callback_metrics["grad_norm/total"]))
+
+    def on_train_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        stopping = next(cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping))
+        Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(
+            {"seen": self.seen, "epoch": trainer.current_epoch, "stopped_epoch": stopping.stopped_epoch}))
+
+
+@pytest.mark.slow
+def test_early_stopping_on_a_trainvitals_metric_under_ddp(tmp_path: Path) -> None:
+    callbacks = [GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), _MetricsPerRank(str(tmp_path)),
+                 EarlyStopping(monitor="grad_norm/total", mode="min", stopping_threshold=1e9,
+                               check_on_train_epoch_end=True), ReleaseProcessGroup()]
+    trainer = pl.Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=4,
+                                          log_every_n_steps=1))
+    trainer.fit(Regressor(), loader(regression_data(n=64), batch_size=8))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # Every rank has the value (the norm of the all-reduced gradient: the same on both), and both stop together.
+    assert len(ranks[0]["seen"]) == 4 and ranks[0]["seen"] == pytest.approx(ranks[1]["seen"], rel=1e-6)
+    assert ranks[0]["stopped_epoch"] == ranks[1]["stopped_epoch"] == 0 and ranks[0]["epoch"] == ranks[1]["epoch"] == 1
