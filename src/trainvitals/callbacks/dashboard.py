@@ -70,11 +70,10 @@ class TrainvitalsDashboard(Callback):
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if not self.diagnosis:
-            return
-        for name, markdown in diagnoses(trainer).items():
-            log_text(trainer, f"{DIAGNOSIS_TAG}/{name}", markdown, trainer.global_step)
-            self._panels += 1
+        if self.diagnosis:
+            for name, markdown in diagnoses(trainer).items():
+                log_text(trainer, f"{DIAGNOSIS_TAG}/{name}", markdown, trainer.global_step)
+                self._panels += 1
         rank_zero_info(f"trainvitals TrainvitalsDashboard: {self.summary_line(trainer)}")
 
     def summary_line(self, trainer: "pl.Trainer") -> str:
@@ -82,8 +81,9 @@ class TrainvitalsDashboard(Callback):
         logdirs = [lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
         if not logdirs:
             return "no TensorBoardLogger, so no dashboard or diagnosis panels."
-        return (f"{self._panels} diagnosis panel(s) first in the Text tab ({DIAGNOSIS_TAG}/...), the charts in Custom "
-                f"Scalars: tensorboard --logdir {logdirs[0]}")
+        panels = (f"{self._panels} diagnosis panel(s) first in the Text tab ({DIAGNOSIS_TAG}/...)" if self.diagnosis
+                  else "no diagnosis panels (diagnosis=False)")
+        return f"{panels}, the charts in Custom Scalars: tensorboard --logdir {logdirs[0]}"
 
 
 def diagnoses(trainer: "pl.Trainer") -> dict[str, str]:
