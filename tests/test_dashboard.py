@@ -194,7 +194,7 @@ def test_the_layout_follows_the_loggers_prefix(tmp_path: Path) -> None:
 def test_every_callback_says_one_line_at_fit_end(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     callbacks = [GraphIntegrityCallback(verbose=False), GradNormMonitor(), BatchVarianceProbe(),
                  GradNormEarlyStopping(patience=1000), LRScalingAdvisor(verbose=False),
-                 MemoryTopologyProfiler(every_n_steps=2, verbose=False), TrainvitalsDashboard(progress_bar=False)]
+                 MemoryTopologyProfiler(measure_every_n_steps=2, verbose=False), TrainvitalsDashboard(progress_bar=False)]
     with caplog.at_level("INFO"):
         fit(tmp_path, *callbacks, accumulate_grad_batches=1)
     fit_end = [r.getMessage() for r in caplog.records if r.funcName == "on_fit_end"]
