@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from trainvitals.dashboard.tags import MEMORY_BYTES, OPTIMIZER_INFIX, PER_LAYER_GRAD_NORM, grad_norm
+from trainvitals.dashboard.tags import MEMORY_BYTES, OPTIMIZER_INFIX, PER_LAYER_GRAD_NORM, grad_norm, with_prefix
 
 CATEGORY = "trainvitals"
 BAND_CATEGORY = "trainvitals: the gradient norm in its noise band"
@@ -32,6 +32,8 @@ MAX_LAYER_CHARTS = 8
 
 GRAD_NORM_CHART = "gradient norm vs noise floor"
 BAND_CHART = "gradient norm in its noise band (shaded: noise floor to band edge)"
+BAND_TAGS = ("grad_norm/total", "grad_norm/noise_floor", "grad_norm/band_edge")
+"""The margin chart's value, lower and upper series: exact tags (single optimizer), not regexes."""
 
 
 def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
@@ -91,9 +93,10 @@ def trainvitals_layout(prefix: str = "", join_char: str = "-", groups: Sequence[
     upper series. The ``lr-.+`` line is Lightning's ``LearningRateMonitor``; everything else a trainvitals
     callback's.
     """
-    head = prefix + join_char if prefix else ""
-    band = {BAND_CHART: ["Margin", [head + tag for tag in ("grad_norm/total", "grad_norm/noise_floor", "grad_norm/band_edge")]]}
-    charts = {title: [kind, [re.escape(head) + tag for tag in tags]] for title, (kind, tags) in _charts(groups).items()}
+    exact = prefix + join_char if prefix else ""
+    band = {BAND_CHART: ["Margin", [exact + tag for tag in BAND_TAGS]]}
+    charts = {title: [kind, [with_prefix(tag, prefix, join_char) for tag in tags]]
+              for title, (kind, tags) in _charts(groups).items()}
     return {BAND_CATEGORY: band, CATEGORY: charts}
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import functools
 import re
 
-TRAINVITALS_ROOTS = ("grad_norm", "grad_noise", "lr_scaling", "graph", "memory", "trainvitals")
-"""The first component of every tag a trainvitals callback writes."""
+TRAINVITALS_ROOTS = ("grad_norm", "grad_noise", "lr_scaling", "graph", "memory", "trainvitals", "diagnosis")
+"""The first component of every tag a trainvitals callback writes (``diagnosis``: TrainvitalsDashboard's
+end-of-fit panels, :data:`DIAGNOSIS_TAG`)."""
 
 TRAINVITALS_PREFIXES = tuple(f"{root}/" for root in TRAINVITALS_ROOTS)
 
