@@ -183,7 +183,7 @@ def test_the_layout_follows_the_loggers_prefix(tmp_path: Path) -> None:
     trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
     acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0}).Reload()
     picked = chart_tags(read_layout(acc), acc)
-    assert picked[GRAD_NORM_CHART] == ["fold1-grad_norm/total", "fold1-grad_norm/noise_floor"]
+    assert picked[GRAD_NORM_CHART] == ["fold1-grad_norm/total", "fold1-grad_norm/noise_floor", "fold1-grad_norm/noise_floor_se"]
     assert picked[BAND_CHART] == ["fold1-grad_norm/total", "fold1-grad_norm/noise_floor", "fold1-grad_norm/band_edge"]
     assert picked["per-layer gradient norm: head"] and all(t.startswith("fold1-grad_norm/head.") for t in
                                                             picked["per-layer gradient norm: head"])
