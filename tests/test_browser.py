@@ -139,7 +139,8 @@ def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
     # The callbacks of the digits example log at least these; the other charts wait for theirs.
     for title in (GRAD_NORM_CHART, BAND_CHART, "in the noise band (1 = yes)", "B_simple vs effective batch (examples)",
                   "per-layer gradient norm: features", "per-layer gradient norm: head", "per-layer GSNR: head",
-                  "gradient noise: tr(Σ), per example", "gradient noise: ‖G‖², the true gradient's squared norm",
+                  "gradient noise: tr(Σ) per example, and its standard error",
+                  "gradient noise: ‖G‖², the true gradient's squared norm, and its standard error",
                   "memory by category (bytes)", "saved activations per module (bytes)", "integrity counters",
                   "learning rate and its suggestion"):
         assert expected[title] > 0, title
