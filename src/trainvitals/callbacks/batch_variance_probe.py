@@ -273,7 +273,8 @@ class BatchVarianceProbe(Callback):
             rows.append(("probe's estimate", f"invalid: {self.noise_source.invalid}"))
         rows += self.gradient_noise.summary_rows()
         if self.last_outliers:
-            rows.append((f"largest per-example gradients ({'dataset row' if self.outlier_rows else 'position in batch'}: ‖g_i‖)",
+            which = "dataset row" if self.outlier_rows else "position in batch"
+            rows.append((f"largest per-example gradients ({which}: ‖g_i‖)",
                          ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])))
         return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 

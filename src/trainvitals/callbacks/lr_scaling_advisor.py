@@ -226,8 +226,8 @@ class LRScalingAdvisor(Callback):
             return "no advice: the per-device batch size is unknown (pass batch_size=)."
         noise = [a.noise_scale for a in self.advices.values() if a is not None and a.noise_scale is not None]
         scale = f", noise scale B̂ = {noise[0]:.4g}" if noise else ", no noise scale (rules without it)"
-        return (f"lr advice for {len(self.advices)} optimizer(s) at an effective batch of {self.effective_batch}{scale}: "
-                "the Text tab's lr_scaling/advice, or trainvitals report.")
+        return (f"lr advice for {len(self.advices)} optimizer(s) at an effective batch of {self.effective_batch}"
+                f"{scale}: the Text tab's lr_scaling/advice, or trainvitals report.")
 
     def summary_markdown(self) -> str:
         """The latest report as markdown (the end-of-training table after ``fit``); ``""`` before any.

@@ -348,8 +348,9 @@ class MemoryTopologyProfiler(Callback):
         if self.last is None:
             return "no step profiled."
         last = self.last
-        return (f"model state {format_bytes(last.state.total)}, saved activations {format_bytes(last.activations.total_bytes)} "
-                f"per micro-batch of {last.batch_size}; {len(self.findings) or 'no'} graph(s) outliving their step.")
+        return (f"model state {format_bytes(last.state.total)}, saved activations "
+                f"{format_bytes(last.activations.total_bytes)} per micro-batch of {last.batch_size}; "
+                f"{len(self.findings) or 'no'} graph(s) outliving their step.")
 
     def summary_markdown(self) -> str:
         """The latest profiled step as markdown: categories, saved bytes per module, ranked advice, findings."""
