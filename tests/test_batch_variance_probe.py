@@ -374,6 +374,44 @@ def test_outlying_examples_are_reported_by_index():
     assert torch.allclose(torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth.values)
 
 
+class IndexedClassifier(Classifier):
+    """A dict batch that carries each example's dataset row under ``index``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step((batch["x"], batch["y"]), batch_idx)
+
+
+def test_outliers_are_dataset_rows_from_the_batch_index_or_a_sequential_sampler():
+    data = classification_data("mlp", 16)
+    module = Classifier(network("mlp"))
+    norms = sum(g.flatten(1).square().sum(1) for g in brute_force(module.net, *data.tensors).values()).sqrt()
+    truth = torch.topk(norms, 2).indices.tolist()  # the dataset rows of the two largest, by brute force
+
+    # Sequential, in batches of 8 (2 micro-batches per step): step 0 sees rows 0..15 in order.
+    probe = BatchVarianceProbe(histogram_every_n_steps=1, top_k=2)
+    fit(module, data, [probe], batch_size=8, steps=1, accumulate=2)
+    assert probe.outlier_rows and [i for i, _ in probe.last_outliers] == truth
+
+    # Shuffled, with the row in the batch.
+    rows = [{"x": x, "y": y, "index": i} for i, (x, y) in enumerate(zip(*data.tensors))]
+    probe = BatchVarianceProbe(histogram_every_n_steps=1, top_k=2)
+    trainer = pl.Trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[probe], logger=RecordingLogger(),
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                         accelerator="cpu", devices=1, num_sanity_val_steps=0, precision="64-true")
+    trainer.fit(IndexedClassifier(module.net), DataLoader(rows, batch_size=8, shuffle=True,
+                                                          generator=torch.Generator().manual_seed(3)))
+    assert probe.outlier_rows and [i for i, _ in probe.last_outliers] == truth
+    assert probe.last_outliers[0][1] == pytest.approx(float(norms[truth[0]]), rel=1e-9)
+
+    # Shuffled without it: positions, and the panel says so.
+    probe = BatchVarianceProbe(histogram_every_n_steps=1, top_k=2)
+    trainer = pl.Trainer(max_steps=1, callbacks=[probe], logger=RecordingLogger(), enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                         num_sanity_val_steps=0, precision="64-true")
+    trainer.fit(module, DataLoader(data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    assert not probe.outlier_rows and "position in batch" in probe.summary_markdown()
+
+
 @pytest.mark.parametrize("every", [1, 3])
 def test_beta_is_a_decay_per_optimizer_step_at_any_cadence(every):
     """Measuring every n steps, a measurement enters with decay β^n: the EMAs span ~1/(1 − β) optimizer

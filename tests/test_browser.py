@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainvitals.dashboard.layout import CATEGORY, TRAINVITALS_LAYOUT
+from test_dashboard import chart_tags, read_layout
+from trainvitals.dashboard.layout import BAND_CHART, GRAD_NORM_CHART
 
 pytestmark = pytest.mark.browser
 
@@ -31,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-GRAD_NORM_CHART = "gradient norm vs noise floor (use the log-scale toggle)"
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]'")
 if CHROMIUM is None:
@@ -40,12 +40,52 @@ if CHROMIUM is None:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    logdir = tmp_path_factory.mktemp("logs")
+    # TensorBoard shows its --logdir in the sidebar: a relative "runs", as the README's command has it.
+    logdir = tmp_path_factory.mktemp("logs") / "runs"
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "digits_cnn.py"), "--logdir", str(logdir),
                            "--max-epochs", "2"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (run,) = logdir.glob("digits_cnn/version_*")
     return run
+
+
+def _launch(p, tmp_path: Path):
+    return p.chromium.launch_persistent_context(
+        str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+        viewport={"width": 1300, "height": 2900},  # TensorBoard scrolls inside the page: the viewport is the picture
+    )
+
+
+def test_html_report_opens_offline_without_errors(run_dir: Path, tmp_path: Path) -> None:
+    from trainvitals.dashboard.report import EXIT_OK, main
+
+    assert main([str(run_dir.parents[1]), "--format", "html", "--output", str(tmp_path / "report.html")]) == EXIT_OK
+    with sync_api.sync_playwright() as p:
+        context = _launch(p, tmp_path)
+        try:
+            requests: list[str] = []
+            errors: list[str] = []
+            # Everything but the file itself is refused and recorded: the page must need nothing else.
+            context.route(re.compile(r"^(?!file:|data:).*"), lambda route: (requests.append(route.request.url),
+                                                                             route.abort()))
+            page = context.new_page()
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto((tmp_path / "report.html").as_uri())
+            page.wait_for_load_state("load")
+            images = page.locator("figure img")
+            assert images.count() == 5
+            for i in range(images.count()):
+                assert images.nth(i).evaluate("img => img.complete && img.naturalWidth > 300")
+            assert "noise scale and batch size" in page.locator("ul.findings").inner_text()
+            assert errors == [] and requests == []
+            shot = tmp_path / "report.png"
+            page.screenshot(path=str(shot))  # the first screen: findings and plots
+            assert shot.stat().st_size > 10_000
+            if os.environ.get("TRAINVITALS_REPORT_SCREENSHOT"):
+                shutil.copyfile(shot, ROOT / os.environ["TRAINVITALS_REPORT_SCREENSHOT"])
+        finally:
+            context.close()
 
 
 def _free_port() -> int:
@@ -59,9 +99,9 @@ def tensorboard_url(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     port = _free_port()
     log = (tmp_path_factory.mktemp("tb") / "tensorboard.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir.parents[1]), "--host", "127.0.0.1",
+        [sys.executable, "-m", "tensorboard.main", "--logdir", run_dir.parents[1].name, "--host", "127.0.0.1",
          "--port", str(port), "--load_fast", "false"],
-        stdout=log, stderr=subprocess.STDOUT,
+        stdout=log, stderr=subprocess.STDOUT, cwd=run_dir.parents[2],
     )
     url = f"http://127.0.0.1:{port}/"
     try:
@@ -82,10 +122,14 @@ def tensorboard_url(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def expected_matches(run_dir: Path) -> dict[str, int]:
-    """How many logged scalar tags each chart should show, matched as TensorBoard's server matches."""
-    tags = EventAccumulator(str(run_dir)).Reload().Tags()["scalars"]
-    return {title: sum(1 for t in tags if any(re.match(rx, t) for rx in regexes))
-            for title, (_, regexes) in TRAINVITALS_LAYOUT[CATEGORY].items()}
+    """How many logged scalar tags each chart of the written layout shows, matched as TensorBoard's server matches."""
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    return {title: len(tags) for title, tags in chart_tags(read_layout(acc), acc).items()}
+
+
+# A line's bounding box outside its plot's: TensorBoard clipped part of it (outliers ignored, a fixed domain).
+OUTSIDE = """line => { const a = line.getBoundingClientRect(), b = line.ownerSVGElement.getBoundingClientRect();
+    return a.top < b.top - 1 || a.bottom > b.bottom + 1 }"""
 
 
 def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
@@ -93,32 +137,54 @@ def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
 ) -> None:
     expected = expected_matches(run_dir)
     # The callbacks of the digits example log at least these; the other charts wait for theirs.
-    for title in (GRAD_NORM_CHART, "in the noise band (1 = yes)", "B_simple vs effective batch (examples)",
-                  "per-layer gradient norm", "per-layer GSNR", "memory by category (bytes)",
-                  "saved activations per module (bytes)", "integrity counters", "learning rate and its suggestion"):
+    for title in (GRAD_NORM_CHART, BAND_CHART, "in the noise band (1 = yes)", "B_simple vs effective batch (examples)",
+                  "per-layer gradient norm: features", "per-layer gradient norm: head", "per-layer GSNR: head",
+                  "gradient noise: tr(Σ) per example, and its standard error",
+                  "gradient noise: ‖G‖², the true gradient's squared norm, and its standard error",
+                  "memory by category (bytes)", "saved activations per module (bytes)", "integrity counters",
+                  "learning rate and its suggestion"):
         assert expected[title] > 0, title
+    assert expected[BAND_CHART] == 3  # the norm, the floor and the band's edge
 
     with sync_api.sync_playwright() as p:
-        context = p.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1300, "height": 2050},  # TensorBoard scrolls inside the page: the viewport is the picture
-        )
+        context = _launch(p, tmp_path)
         try:
             page = context.new_page()
             page.goto(tensorboard_url + "#custom_scalars")
-            cards = page.locator("tf-custom-scalar-multi-line-chart-card")
+            cards = page.locator("tf-custom-scalar-multi-line-chart-card, tf-custom-scalar-margin-chart-card")
             sync_api.expect(cards).to_have_count(len(expected), timeout=60_000)
-            by_title = {cards.nth(i).locator("tf-card-heading .heading-label").text_content().strip(): cards.nth(i)
+            by_title = {cards.nth(i).locator("tf-card-heading .heading-label").first.text_content().strip(): cards.nth(i)
                         for i in range(len(expected))}
-            assert list(by_title) == list(expected)
+            assert set(by_title) == set(expected)
+            # TensorBoard clips each chart to its central values by default, and scales it to the smoothed
+            # lines: both off, so every logged point is in view.
+            outliers = page.get_by_role("checkbox", name="Ignore outliers in chart scaling")
+            outliers.uncheck()
+            sync_api.expect(outliers).not_to_be_checked()
+            smoothing = page.locator("tf-smoothing-input input")
+            smoothing.fill("0")
+            smoothing.press("Enter")
+            # A chart computes its y range when its data loads: reload (TensorBoard keeps both settings).
+            page.wait_for_timeout(500)
+            page.reload()
+            sync_api.expect(cards).to_have_count(len(expected), timeout=60_000)
+            sync_api.expect(outliers).not_to_be_checked()
+            by_title = {cards.nth(i).locator("tf-card-heading .heading-label").first.text_content().strip(): cards.nth(i)
+                        for i in range(len(expected))}
             for title, n in expected.items():
                 card = by_title[title]
-                sync_api.expect(card.locator(".matches-text")).to_have_text(f"Matches ({n})", timeout=30_000)
                 lines = card.locator("path.line")
-                if n:  # a path through the first point: "M x,y" then "L x,y" per further point
-                    sync_api.expect(lines.first).to_have_attribute("d", re.compile(r"^M-?[\d.]+,-?[\d.]+"), timeout=30_000)
-                else:
+                if title != BAND_CHART:
+                    sync_api.expect(card.locator(".matches-text")).to_have_text(f"Matches ({n})", timeout=30_000)
+                if not n:
                     assert lines.count() == 0, title
+                    continue
+                # A path through the first point: "M x,y" then "L x,y" per further point (a counter logged once: one).
+                sync_api.expect(lines.first).to_have_attribute("d", re.compile(r"^M-?[\d.]+,-?[\d.]+"), timeout=30_000)
+                page.wait_for_timeout(300)  # the range follows once every series of the chart has loaded
+                clipped = [i for i in range(lines.count()) if lines.nth(i).evaluate(OUTSIDE)]
+                assert not clipped, f"{title}: lines {clipped} leave the plot"
+            sync_api.expect(by_title[BAND_CHART].locator("path.area")).to_have_count(1)
 
             grad_norm = by_title[GRAD_NORM_CHART]
             sync_api.expect(grad_norm.locator("path.line").first).to_have_attribute("d", re.compile(r"^M[^L]+(L[^L]+){10}"))
@@ -126,10 +192,20 @@ def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
             sync_api.expect(grad_norm.locator('paper-icon-button[title="Toggle y-axis log scale"]')).to_have_attribute("selected", "")
             assert grad_norm.locator("tf-line-chart-data-loader").evaluate("e => e.logScaleActive") is True
 
+            # No temporary folder on the picture: the sidebar names the relative --logdir only.
+            assert str(run_dir.parents[2]) not in page.locator("body").inner_text()
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
             if os.environ.get("TRAINVITALS_SCREENSHOT"):
                 shutil.copyfile(shot, ROOT / os.environ["TRAINVITALS_SCREENSHOT"])
+
+            # The Text tab opens on the diagnoses: their group comes first, and open.
+            page.goto(tensorboard_url + "#text")
+            views = page.locator("tf-text-dashboard tf-category-paginated-view")
+            sync_api.expect(views.filter(has_text="diagnosis/GradNormMonitor")).to_have_count(1, timeout=60_000)
+            groups = views.evaluate_all(
+                "views => views.map(v => [v.category && v.category.name, v.opened]).filter(([name]) => name)")
+            assert groups[0] == ["diagnosis", True], groups
         finally:
             context.close()

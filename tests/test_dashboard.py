@@ -22,7 +22,7 @@ from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.callbacks.dashboard import TrainvitalsDashboard, progress_bar_values
-from trainvitals.dashboard.layout import CATEGORY, TRAINVITALS_LAYOUT
+from trainvitals.dashboard.layout import BAND_CATEGORY, BAND_CHART, CATEGORY, GRAD_NORM_CHART, trainvitals_layout
 from trainvitals.dashboard.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
@@ -56,16 +56,25 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> tuple[pl.Trainer, Eve
 def chart_tags(layout: layout_pb2.Layout, acc: EventAccumulator) -> dict[str, list[str]]:
     """Which logged scalar tags each chart picks up, matched the way TensorBoard matches."""
     scalars = acc.Tags()["scalars"]
-    return {chart.title: [t for t in scalars if any(re.match(rx, t) for rx in chart.multiline.tag)]
-            for chart in layout.category[0].chart}
+    picked = {}
+    for chart in (chart for category in layout.category for chart in category.chart):
+        if chart.WhichOneof("content") == "margin":  # exact tags: value, lower, upper
+            (series,) = chart.margin.series
+            picked[chart.title] = [t for t in (series.value, series.lower, series.upper) if t in scalars]
+        else:
+            picked[chart.title] = [t for t in scalars if any(re.match(rx, t) for rx in chart.multiline.tag)]
+    return picked
 
 
 def test_layout_is_written_once_as_tensorboards_custom_scalars(monitored) -> None:
     _, acc = monitored
     layout = read_layout(acc)
-    assert [c.title for c in layout.category] == [CATEGORY]
-    assert [c.title for c in layout.category[0].chart] == list(TRAINVITALS_LAYOUT[CATEGORY])
-    for chart in layout.category[0].chart:
+    assert [c.title for c in layout.category] == [BAND_CATEGORY, CATEGORY]
+    (band,) = layout.category[0].chart
+    assert band.title == BAND_CHART and band.WhichOneof("content") == "margin"
+    # One per-layer chart per top-level module of the digits CNN.
+    assert [c.title for c in layout.category[1].chart] == list(trainvitals_layout(groups=["features", "head"])[CATEGORY])
+    for chart in layout.category[1].chart:
         assert chart.WhichOneof("content") == "multiline"
         for regex in chart.multiline.tag:
             re.compile(regex)
@@ -74,17 +83,19 @@ def test_layout_is_written_once_as_tensorboards_custom_scalars(monitored) -> Non
 def test_charts_pick_up_what_the_callbacks_log(monitored) -> None:
     trainer, acc = monitored
     picked = chart_tags(read_layout(acc), acc)
-    assert picked["gradient norm vs noise floor (use the log-scale toggle)"] == ["grad_norm/total", "grad_norm/noise_floor",
-                                                                                 "grad_norm/noise_floor_se"]
+    assert picked[GRAD_NORM_CHART] == ["grad_norm/total", "grad_norm/noise_floor", "grad_norm/noise_floor_se"]
+    assert picked[BAND_CHART] == ["grad_norm/total", "grad_norm/noise_floor", "grad_norm/band_edge"]
     assert picked["in the noise band (1 = yes)"] == ["grad_norm/in_noise_band"]
     assert picked["B_simple vs effective batch (examples)"] == ["grad_noise/b_simple"]  # the run's one B_simple
     layers = {name for name, m in trainer.lightning_module.named_modules() if list(m.parameters(recurse=False))}
-    assert sorted(picked["per-layer gradient norm"]) == sorted(f"grad_norm/{m}" for m in layers)
+    for group in ("features", "head"):
+        assert sorted(picked[f"per-layer gradient norm: {group}"]) == sorted(
+            f"grad_norm/{m}" for m in layers if m.startswith(group + "."))
     assert sorted(picked["integrity counters"]) == ["grad_norm/amp_skipped_steps", "grad_norm/nonfinite_steps",
                                                      "grad_norm/spike_steps"]
     # Every scalar a trainvitals callback logged lands on some chart.
     on_charts = {t for tags in picked.values() for t in tags}
-    assert set(acc.Tags()["scalars"]) - on_charts == {"grad_norm/band_streak", "train/loss", "epoch"}
+    assert set(acc.Tags()["scalars"]) - on_charts == {"train/loss", "epoch"}
 
 
 @pytest.mark.parametrize(
@@ -161,3 +172,37 @@ def test_without_tensorboard_nothing_breaks(tmp_path: Path) -> None:
     trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
     assert "grad_norm" in trainer.progress_bar_metrics and "noise_band" not in trainer.progress_bar_metrics
     assert not list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_the_layout_follows_the_loggers_prefix(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    logger = TensorBoardLogger(str(tmp_path), name="run", prefix="fold1", default_hp_metric=False)
+    trainer = pl.Trainer(**trainer_kwargs(logger=logger, max_steps=4, accumulate_grad_batches=2, log_every_n_steps=2,
+                                          limit_val_batches=0, callbacks=[GradNormMonitor(), GradNormEarlyStopping(),
+                                                                          TrainvitalsDashboard(progress_bar=False)]))
+    trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    picked = chart_tags(read_layout(acc), acc)
+    assert picked[GRAD_NORM_CHART] == ["fold1-grad_norm/total", "fold1-grad_norm/noise_floor", "fold1-grad_norm/noise_floor_se"]
+    assert picked[BAND_CHART] == ["fold1-grad_norm/total", "fold1-grad_norm/noise_floor", "fold1-grad_norm/band_edge"]
+    assert picked["per-layer gradient norm: head"] and all(t.startswith("fold1-grad_norm/head.") for t in
+                                                            picked["per-layer gradient norm: head"])
+    # Unprefixed tags are not picked up: the regexes are anchored at the prefix.
+    assert not any(re.match(rx, "grad_norm/total") for rx in read_layout(acc).category[1].chart[0].multiline.tag)
+
+
+def test_every_callback_says_one_line_at_fit_end(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    callbacks = [GraphIntegrityCallback(verbose=False), GradNormMonitor(), BatchVarianceProbe(),
+                 GradNormEarlyStopping(patience=1000), LRScalingAdvisor(verbose=False),
+                 MemoryTopologyProfiler(measure_every_n_steps=2, verbose=False), TrainvitalsDashboard(progress_bar=False)]
+    with caplog.at_level("INFO"):
+        fit(tmp_path, *callbacks, accumulate_grad_batches=1)
+    fit_end = [r.getMessage() for r in caplog.records if r.funcName == "on_fit_end"]
+    said = {type(cb).__name__: [m for m in fit_end if m.startswith(f"trainvitals {type(cb).__name__}: ")] for cb in callbacks}
+    assert len(fit_end) == len(callbacks)
+    assert all(len(lines) == 1 and "\n" not in lines[0] for lines in said.values()), said
+    assert said["GraphIntegrityCallback"][0].endswith("clean: no findings in 1 graph walk(s) and 3 gradient check(s).")
+    # The stopper says why it did not stop: 6 steps are fewer than its min_steps of 100.
+    assert "did not stop the run: the run ended after 6 optimizer steps, before min_steps=100" in said["GradNormEarlyStopping"][0]
+    assert "6 steps measured" in said["GradNormMonitor"][0]
+    assert "from 6 measured optimizer steps" in said["BatchVarianceProbe"][0]

@@ -17,7 +17,7 @@ def test_demo_stops_in_the_noise_band_and_logs_the_dashboard(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "why it stopped:    stopped at optimizer step" in out and "noise band" in out
     assert "smoothed:          E‖ḡ‖ ≈" in out
-    assert f"tensorboard --logdir {tmp_path}" in out
+    assert f"tensorboard --logdir {tmp_path}" in out and "on 1 torch thread, --threads" in out
     events = EventAccumulator(str(tmp_path / "digits" / "version_0"), size_guidance={"scalars": 0, "histograms": 0})
     events.Reload()
     tags = events.Tags()
@@ -47,3 +47,17 @@ def test_demo_stops_in_the_noise_band_and_logs_the_dashboard(tmp_path, capsys):
 def test_report_of_a_missing_folder_exits_2(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_summary_comes_first_and_the_diagnoses_are_plain_text() -> None:
+    from trainvitals.demo.run import DemoResult, format_summary
+
+    result = DemoResult(steps=910, epochs=40, stop_reason="stopped at optimizer step 909", grad_norm=0.36,
+                        noise_floor=0.39, smoothed_ratio=1.09, band_edge=1.1, val_acc=0.986, log_dir="runs/digits/version_0",
+                        seconds=31.0, threads=1,
+                        diagnoses={"GradNormMonitor": "| optimizer | steps |\n|---|---:|\n| 0 | 910 |"})
+    out = format_summary(result, "runs")
+    assert out.startswith("trainvitals demo — digits CNN\n  optimizer steps:   910 (40 epochs, 31 s on 1 torch thread")
+    assert "GradNormMonitor\n===============\noptimizer  steps\n---------  -----\n0            910" in out
+    assert "|" not in out and "**" not in out
+    assert format_summary(result, "runs", details=False).count("\n") == 7

@@ -241,9 +241,13 @@ def test_text_and_markdown_formats(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "## run `run`: CRITICAL" in markdown
     assert "### memory\n\n| measure | value |\n|---|---|\n| activations | 3.00 MiB |\n| parameters | 156.25 KiB |" in markdown
     assert "- **critical** (integrity): 2 parameter(s) got no gradient" in markdown
-    # A callback's own markdown is passed through whole: as is in markdown, indented under its title in text.
+    # A callback's own markdown is passed through whole in markdown; in text, as plain text under its title
+    # with its table aligned, and the findings come before the sections.
     assert f"### lr scaling advice\n\n{advice}\n" in markdown
-    assert "  lr scaling advice\n    - **effective batch** 64\n\n    | optimizer | lr now |\n" in text
+    assert ("  lr scaling advice\n    - effective batch 64\n\n    optimizer  lr now\n    ---------  ------\n"
+            "    Adam       0.001\n") in text
+    assert text.index("[critical] integrity") < text.index("  convergence\n") and "|" not in text
+    assert markdown.index("### findings") < markdown.index("### convergence")
 
 
 def test_infinite_noise_scale_stays_valid_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -303,7 +307,7 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     status, _, err = report(capsys, str(tmp_path), "--format", "yaml")
     assert status == 2 and "invalid choice: 'yaml'" in err
     status, out, _ = report(capsys, "--help")
-    assert status == 0 and "--format {text,markdown,json}" in out
+    assert status == 0 and "--format {text,markdown,json,html}" in out
 
 
 @pytest.mark.parametrize(("extra", "words"), [

@@ -25,7 +25,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from test_report import HEALTHY, STEPS, report, report_json, write_run
 from trainvitals.dashboard.report import EXIT_CRITICAL, EXIT_DAMAGED, EXIT_NO_DATA, EXIT_OK, main, read_runs
-from trainvitals.dashboard.tags import grad_norm, split_prefix, with_prefix
+from trainvitals.dashboard.tags import DIAGNOSIS_TAG, grad_norm, split_prefix, with_prefix
 
 # A run that went NaN for good at step 85: critical (non-finite gradients), whatever else.
 DIVERGED = {**HEALTHY, "grad_norm/total": HEALTHY["grad_norm/total"][:-3] + [math.nan] * 3,
@@ -145,7 +145,7 @@ def test_a_resumed_run_reads_the_files_after_a_damaged_one(tmp_path: Path, capsy
 
 def test_critical_beats_damaged_beats_nothing_measured(tmp_path: Path, capsys, diverged_file: bytes) -> None:
     write_run(tmp_path / "a_healthy", HEALTHY)
-    write_run(tmp_path / "b_empty", {}, {"trainvitals/diagnosis/GradNormMonitor": "No optimizer step was measured."})
+    write_run(tmp_path / "b_empty", {}, {"diagnosis/GradNormMonitor": "No optimizer step was measured."})
     assert report(capsys, str(tmp_path))[0] == EXIT_NO_DATA
     write_run(tmp_path / "c_cut", HEALTHY)
     cut = event_file(tmp_path / "c_cut")
@@ -450,7 +450,7 @@ def test_a_fit_that_did_not_end_is_named(tmp_path: Path, capsys) -> None:
     path = event_file(tmp_path / "lightning_logs" / "version_0")
     data = path.read_bytes()
     cut = next(start for start, end in records(data) if any(
-        v.tag.startswith("trainvitals/diagnosis/") for v in event_pb2.Event.FromString(data[start + 12:end - 4]).summary.value))
+        v.tag.startswith(f"{DIAGNOSIS_TAG}/") for v in event_pb2.Event.FromString(data[start + 12:end - 4]).summary.value))
     path.write_bytes(data[:cut])
     status, text, _ = report(capsys, str(tmp_path))
     assert status == EXIT_OK  # nothing in the format says the file was cut

@@ -1,16 +1,24 @@
-"""The shared writer: one TensorBoard event per logging step, read back with TensorBoard's own reader."""
+"""The shared writer: one TensorBoard event per logging step, read back with TensorBoard's own reader;
+the same values in ``trainer.callback_metrics`` for Lightning's own callbacks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
+import lightning.pytorch as pl
+import pytest
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
-from conftest import RecordingLogger
+from _models import ReleaseProcessGroup, Regressor, loader, regression_data
+from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.callbacks._writers import log_scalars
+from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 
 
 def _events(log_dir: str) -> list:
@@ -52,3 +60,72 @@ def test_a_tensorboard_logger_that_overrides_log_metrics_keeps_it(tmp_path: Path
     log_scalars(SimpleNamespace(loggers=[tensorboard], global_rank=0), {"a": torch.tensor(1.0)}, step=3)
     tensorboard.experiment.flush()
     assert [v.tag for e in _events(tensorboard.log_dir) for v in e.summary.value] == ["renamed/a"]
+
+
+class _Seen(pl.Callback):
+    """What ``trainer.callback_metrics`` holds at the end of each batch, after the trainvitals callbacks."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if "grad_norm/total" in trainer.callback_metrics:
+            self.seen[trainer.global_step - 1] = float(trainer.callback_metrics["grad_norm/total"])
+
+
+def test_lightning_checkpoint_and_early_stopping_monitor_a_trainvitals_metric(tmp_path: Path) -> None:
+    recording, seen = RecordingLogger(), _Seen()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="grad_norm/total", mode="min", every_n_train_steps=1,
+                                 save_top_k=1)
+    # A threshold every norm is under: EarlyStopping stops at the first epoch end it checks.
+    stopping = EarlyStopping(monitor="grad_norm/total", mode="min", stopping_threshold=1e9, check_on_train_epoch_end=True)
+    model = Regressor()
+    trainer = pl.Trainer(**trainer_kwargs(
+        logger=recording, max_epochs=5, log_every_n_steps=3, enable_checkpointing=True,
+        callbacks=[GradNormMonitor(histogram_every_n_steps=0), seen, checkpoint, stopping]))
+    trainer.fit(model, loader(regression_data(n=64), batch_size=8))
+
+    logged = dict(recording.series["grad_norm/total"])
+    assert {0, 3, 6} <= set(logged)  # 8 steps, one epoch, every third (and the monitor's last step)
+    # At each logged step Lightning sees the value just logged (the module's brute-force norm of that
+    # step); between them, the last one logged.
+    assert len(seen.seen) == 8
+    for step, value in seen.seen.items():
+        assert value == pytest.approx(logged[max(s for s in (0, 3, 6) if s <= step)], rel=1e-6)
+    assert list(logged.values()) == pytest.approx([model.reference_norms[s] for s in logged], rel=1e-5)
+    # The monitor logs the last step at train end: that too reaches callback_metrics.
+    assert float(trainer.callback_metrics["grad_norm/total"]) == pytest.approx(logged[7], rel=1e-6)
+    assert stopping.stopped_epoch == 0 and trainer.current_epoch == 1
+    assert float(checkpoint.best_model_score) == pytest.approx(min(seen.seen.values()), rel=1e-6)
+    assert Path(checkpoint.best_model_path).is_file()
+
+
+class _MetricsPerRank(pl.Callback):
+    """Writes what each rank's ``trainer.callback_metrics`` held for the monitor's tag to ``<dir>/rank<k>.json``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.seen: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if "grad_norm/total" in trainer.callback_metrics:
+            self.seen.append(float(trainer.callback_metrics["grad_norm/total"]))
+
+    def on_train_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        stopping = next(cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping))
+        Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(
+            {"seen": self.seen, "epoch": trainer.current_epoch, "stopped_epoch": stopping.stopped_epoch}))
+
+
+@pytest.mark.slow
+def test_early_stopping_on_a_trainvitals_metric_under_ddp(tmp_path: Path) -> None:
+    callbacks = [GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), _MetricsPerRank(str(tmp_path)),
+                 EarlyStopping(monitor="grad_norm/total", mode="min", stopping_threshold=1e9,
+                               check_on_train_epoch_end=True), ReleaseProcessGroup()]
+    trainer = pl.Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=4,
+                                          log_every_n_steps=1))
+    trainer.fit(Regressor(), loader(regression_data(n=64), batch_size=8))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # Every rank has the value (the norm of the all-reduced gradient: the same on both), and both stop together.
+    assert len(ranks[0]["seen"]) == 4 and ranks[0]["seen"] == pytest.approx(ranks[1]["seen"], rel=1e-6)
+    assert ranks[0]["stopped_epoch"] == ranks[1]["stopped_epoch"] == 0 and ranks[0]["epoch"] == ranks[1]["epoch"] == 1

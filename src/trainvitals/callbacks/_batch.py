@@ -1,9 +1,14 @@
 """How many examples a batch holds, as Lightning counts them, without failing where Lightning cannot tell;
-and what Lightning divides a micro-batch's loss by."""
+what Lightning divides a micro-batch's loss by; which dataset rows a batch holds, where that is known."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import BatchSampler, SequentialSampler
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -23,3 +28,29 @@ def loss_divisor(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> int:
     """What Lightning divides each micro-batch's loss by before backward: ``accumulate_grad_batches``
     under automatic optimization; 1 under manual optimization (``manual_backward`` divides by nothing)."""
     return trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+
+
+INDEX_KEYS = ("index", "indices", "idx")
+"""Keys of a dict batch that name each example's dataset row: a 1-D integer tensor, one per example."""
+
+
+def dataset_rows(trainer: "pl.Trainer", batch: Any, batch_idx: int, size: int) -> Tensor | None:
+    """The dataset row of each of the ``size`` examples of a training batch, where it can be known.
+
+    From the batch itself (a dict with an :data:`INDEX_KEYS` entry, kept on its device: no sync), else from
+    the sampler's order when that is fixed: one process, a ``SequentialSampler`` batched by a plain
+    ``BatchSampler``, so that batch ``batch_idx`` holds rows ``batch_idx * batch_size`` on. ``None``
+    otherwise (a shuffled or distributed sampler: the order is not recorded).
+    """
+    if isinstance(batch, Mapping):
+        for key in INDEX_KEYS:
+            rows = batch.get(key)
+            if isinstance(rows, Tensor) and rows.ndim == 1 and len(rows) == size and not rows.is_floating_point():
+                return rows
+    if trainer.world_size != 1:
+        return None
+    loader = getattr(trainer, "train_dataloader", None)
+    sampler = getattr(loader, "batch_sampler", None)
+    if type(sampler) is BatchSampler and isinstance(sampler.sampler, SequentialSampler):
+        return torch.arange(batch_idx * sampler.batch_size, batch_idx * sampler.batch_size + size)
+    return None

@@ -1,9 +1,10 @@
 """Writing to the Trainer's loggers: scalars to every logger, histograms, text and images to TensorBoard.
 
 Callbacks measure on the device and call these only on a logging step; :func:`log_scalars` moves all
-values of one step to the host in a single transfer and gives a TensorBoardLogger all of them as one
-event. Loggers that cannot take histograms, text or
-images (CSVLogger, ...) are skipped with one notice per kind, never an error.
+values of one step to the host in a single transfer, gives a TensorBoardLogger all of them as one
+event, and puts them in ``trainer.callback_metrics`` so that Lightning's own callbacks
+(``ModelCheckpoint(monitor=...)``, ``EarlyStopping(monitor=...)``) can use them. Loggers that cannot
+take histograms, text or images (CSVLogger, ...) are skipped with one notice per kind, never an error.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def log_scalars(trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], st
     Tensors are stacked and copied to the host in one transfer, whatever their number.
     ``finite_only`` leaves out NaN and ±inf: estimates that are not defined yet (a ratio over an
     estimate that is still ≤ 0), which would otherwise stretch a chart's axis to infinity.
+    The values also go to ``trainer.callback_metrics`` under the same names (no logger prefix), on
+    every rank, with or without loggers: :func:`feed_callback_metrics`.
     """
     tensor_keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
     values = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
@@ -39,6 +42,7 @@ def log_scalars(trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], st
         values.update(zip(tensor_keys, stacked.cpu().tolist()))
     if finite_only:
         values = {k: v for k, v in values.items() if math.isfinite(v)}
+    feed_callback_metrics(trainer, values)
     for logger in trainer.loggers:
         # A subclass that overrides log_metrics (to filter, rename, ...) keeps its own way.
         if isinstance(logger, TensorBoardLogger) and type(logger).log_metrics is TensorBoardLogger.log_metrics:
@@ -46,6 +50,19 @@ def log_scalars(trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], st
         else:
             logger.log_metrics(values, step=step)
     return values
+
+
+def feed_callback_metrics(trainer: "pl.Trainer", values: Mapping[str, float]) -> None:
+    """Put ``values`` into ``trainer.callback_metrics`` as CPU float32 tensors, as ``self.log`` would.
+
+    Written into the logger connector's dict, which ``trainer.callback_metrics`` returns and Lightning
+    only adds to during a fit: ``pl_module.log`` is refused in some of the hooks that log (``on_train_end``,
+    ``on_exception``) and would make each value a device tensor again, and reading the public property
+    recomputes the module's own logged results (a collective for ``sync_dist`` values).
+    """
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is not None:
+        connector._callback_metrics.update({k: torch.tensor(v, dtype=torch.float32) for k, v in values.items()})
 
 
 def _write_tensorboard_scalars(
@@ -69,21 +86,26 @@ def note_unrecorded(trainer: "pl.Trainer", callback: object) -> None:
     metrics: a run that shows no chart should not look like a run that measured nothing."""
     if not trainer.loggers:
         _notices.info(f"trainvitals {type(callback).__name__}: the Trainer has no logger (logger=False), so none of "
-                      "its metrics are recorded; pass a logger (a TensorBoardLogger for text panels and the dashboard) "
-                      "to keep them.")
+                      "its metrics are recorded (they still reach trainer.callback_metrics); pass a logger (a "
+                      "TensorBoardLogger for text panels and the dashboard) to keep them.")
 
 
-def tensorboard_writers(trainer: "pl.Trainer", what: str) -> list:
-    """The ``SummaryWriter`` of each TensorBoardLogger, on global rank zero only.
+def tensorboard_loggers(trainer: "pl.Trainer", what: str) -> list[TensorBoardLogger]:
+    """The TensorBoardLoggers, on global rank zero only.
 
     When there are loggers but none is a TensorBoardLogger, says once that ``what`` is skipped.
     """
     if trainer.global_rank != 0:
         return []
-    writers = [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-    if trainer.loggers and not writers:
-        _notices.info(f"trainvitals: {what} need a TensorBoardLogger; the loggers in use get scalars only.")
-    return writers
+    loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+    if trainer.loggers and not loggers:
+        _notices.info(f"trainvitals: for {what} you need a TensorBoardLogger; the loggers in use get scalars only.")
+    return loggers
+
+
+def tensorboard_writers(trainer: "pl.Trainer", what: str) -> list:
+    """The ``SummaryWriter`` of each TensorBoardLogger, on global rank zero only (see :func:`tensorboard_loggers`)."""
+    return [lg.experiment for lg in tensorboard_loggers(trainer, what)]
 
 
 def log_histogram(trainer: "pl.Trainer", tag: str, values: Tensor, step: int) -> None:

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, 
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
 from trainvitals.callbacks._amp import loss_scale
-from trainvitals.callbacks._batch import batch_size, loss_divisor
+from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
@@ -106,7 +106,9 @@ class BatchVarianceProbe(Callback):
     ``grad_noise/batch_grad_var/micro_batch`` and ``.../full_batch`` (tr Σ / b and tr Σ / B), and with
     ``per_coordinate`` ``grad_noise/gsnr/<module>`` and ``grad_noise/eb_criterion`` over the parameters
     of sources 1 and 3. Every ``histogram_every_n_steps``: a histogram ``grad_noise/per_example_grad_norm``
-    and a text panel ``grad_noise/outliers`` with the ``top_k`` largest by index in this process's batch.
+    and a text panel ``grad_noise/outliers`` with the ``top_k`` largest, by dataset row where the batch
+    carries it or the sampler's order is fixed (``callbacks._batch.dataset_rows``), else by position in
+    this process's batch.
 
     Public attributes for other callbacks: :attr:`noise` (updated at most once per optimizer step, in
     ``on_before_optimizer_step``; ``noise.count`` stays 0 until a valid measurement) and
@@ -221,6 +223,9 @@ class BatchVarianceProbe(Callback):
         self.noise = self.noise_source.ema
         self.noise_error = self.noise_source.error
         self.last_outliers: list[tuple[int, float]] = []
+        """(dataset row, or position in the batch without :attr:`outlier_rows`, and ‖g_i‖) of the last outliers."""
+        self.outlier_rows = False
+        self._rows: list[Tensor | None] = []
         self._enabled = False
         self._excluded: set[str] = set()
         self._failed: set[str] = set()  # layers that failed on this rank, not yet excluded (DDP: until a logging step)
@@ -246,6 +251,20 @@ class BatchVarianceProbe(Callback):
 
     # ------------------------------------------------------------------ setup
 
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        rank_zero_info(f"trainvitals BatchVarianceProbe: {self.summary_line()}")
+
+    def summary_line(self) -> str:
+        """One line for the end of fit: the run's noise scale (:attr:`gradient_noise`), or why there is none."""
+        count = int(self.noise.count)
+        if count == 0:
+            return f"no measurement ({self.noise_source.invalid or self.sources or 'not set up'})."
+        summary = self.gradient_noise.host_summary()
+        scale = (f"B_simple = {summary['b_simple']:.4g} examples (relative error {summary['b_simple_rel_err']:.2f})"
+                 if summary["reliable"] else f"no reliable B_simple ({summary['why']})")
+        return f"{scale} at an effective batch of {summary['batch_size']}, from {count} measured optimizer steps."
+
     def summary_markdown(self) -> str:
         """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""
         rows = [("sources", self.sources or "not set up"),
@@ -254,7 +273,8 @@ class BatchVarianceProbe(Callback):
             rows.append(("probe's estimate", f"invalid: {self.noise_source.invalid}"))
         rows += self.gradient_noise.summary_rows()
         if self.last_outliers:
-            rows.append(("largest per-example gradients (index: ‖g_i‖)",
+            which = "dataset row" if self.outlier_rows else "position in batch"
+            rows.append((f"largest per-example gradients ({which}: ‖g_i‖)",
                          ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])))
         return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
@@ -335,7 +355,8 @@ class BatchVarianceProbe(Callback):
     # ------------------------------------------------------------------ per micro-batch
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *_: Any) -> None:
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int = 0, *_: Any) -> None:
         if not self._enabled:
             return
         step = trainer.global_step
@@ -349,6 +370,8 @@ class BatchVarianceProbe(Callback):
             self._batch_size = size or 0
             if size:
                 self._collector.expect_batch(size)
+            if self._histogram_every is not None and step % self._histogram_every == 0:
+                self._rows.append(dataset_rows(trainer, batch, batch_idx, size) if size else None)
 
     def _begin_step(self, step: int) -> None:
         self._open_step = step
@@ -356,6 +379,7 @@ class BatchVarianceProbe(Callback):
         assert plan is not None and collector is not None
         self._measuring = step % self.measure_every_n_steps == 0 and bool(plan.per_example or plan.micro_batch or plan.vmap)
         self._micro_sizes = []
+        self._rows: list[Tensor | None] = []  # each micro-batch's dataset rows, on the steps that keep norms
         self._unsized = False
         self._detach_hooks()
         if not self._measuring:
@@ -657,12 +681,22 @@ class BatchVarianceProbe(Callback):
             return
         top = torch.topk(norms, min(self.top_k, norms.numel()))
         median = norms.median()
-        rows = torch.stack([top.values, top.values / median.clamp_min(1e-30)]).cpu().tolist()
-        self.last_outliers = list(zip(top.indices.cpu().tolist(), rows[0]))
-        table = "\n".join(f"| {i} | {v:.4g} | {r:.3g} |" for i, v, r in zip(top.indices.tolist(), rows[0], rows[1]))
+        known = self._rows and all(r is not None for r in self._rows)
+        rows_all = torch.cat([r.to(norms.device) for r in self._rows]) if known else None  # type: ignore[union-attr]
+        mapped = rows_all is not None and rows_all.numel() == norms.numel()
+        which = rows_all[top.indices] if mapped else top.indices  # type: ignore[index]
+        values = torch.stack([top.values, top.values / median.clamp_min(1e-30)]).cpu().tolist()
+        ids = which.cpu().tolist()
+        self.outlier_rows = bool(mapped)
+        self.last_outliers = list(zip(ids, values[0]))
+        table = "\n".join(f"| {i} | {v:.4g} | {r:.3g} |" for i, v, r in zip(ids, values[0], values[1]))
+        column = "dataset row" if mapped else "position in this process's batch of the step"
+        how = ("" if mapped else " The dataset rows are unknown (a shuffled or distributed sampler): give the batch an "
+               "`index` entry (a dict batch) to see them.")
         log_text(trainer, "grad_noise/outliers",
-                 "Largest per-example gradient norms (index within this process's batch of the step)\n\n"
-                 "| example | ‖g_i‖ | × median |\n|---|---|---|\n" + table, step)
+                 f"**Largest per-example gradient norms at optimizer step {step}.** Look at these examples first: a "
+                 f"mislabelled, corrupt or duplicated example has a gradient far larger than the others'.{how}\n\n"
+                 f"| {column} | ‖g_i‖ | × median |\n|---:|---:|---:|\n" + table, step)
 
     # ------------------------------------------------------------------ teardown and state
 

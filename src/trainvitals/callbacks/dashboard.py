@@ -8,22 +8,26 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from trainvitals._validation import check_bool
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._writers import log_text, note_unrecorded, tensorboard_writers
+from trainvitals.callbacks._writers import log_text, note_unrecorded, tensorboard_loggers
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.core.estimate import GradientNoise
-from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
+from trainvitals.dashboard.layout import layer_groups, trainvitals_layout
 from trainvitals.dashboard.tags import DIAGNOSIS_TAG
 
 
 class TrainvitalsDashboard(Callback):
     """Write the trainvitals layout at fit start, the callbacks' diagnoses at fit end; feed the progress bar.
 
-    - At fit start, on global rank zero, each TensorBoardLogger gets :data:`TRAINVITALS_LAYOUT`.
-    - At fit end, each trainvitals callback gets a text panel ``trainvitals/diagnosis/<class name>``
+    - At fit start, on global rank zero, each TensorBoardLogger gets the layout of
+      :func:`~trainvitals.dashboard.layout.trainvitals_layout`: one per-layer chart per top-level module, the
+      tags behind the logger's ``prefix`` (``TensorBoardLogger(prefix="train")`` writes ``train-grad_norm/...``).
+    - At fit end, each trainvitals callback gets a text panel ``diagnosis/<class name>`` (the Text tab's first group)
       with its end-of-run markdown (its ``summary_markdown()``).
     - On the Trainer's logging steps (``log_every_n_steps`` optimizer steps), the progress bar shows
       ``grad_norm`` (GradNormMonitor's latest total norm) and ``noise_band``: 1 when the smoothed
@@ -43,12 +47,16 @@ class TrainvitalsDashboard(Callback):
         self.progress_bar = check_bool("progress_bar", progress_bar)
         self.diagnosis = check_bool("diagnosis", diagnosis)
         self._shown_at: int | None = None
+        self._panels = 0
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._panels = 0
         note_unrecorded(trainer, self)
-        for writer in tensorboard_writers(trainer, "the custom-scalars dashboard"):
-            writer.add_custom_scalars(TRAINVITALS_LAYOUT)
+        groups = layer_groups([name for name, m in pl_module.named_modules()
+                               if next(m.parameters(recurse=False), None) is not None])
+        for logger in tensorboard_loggers(trainer, "the custom-scalars dashboard"):
+            logger.experiment.add_custom_scalars(trainvitals_layout(logger._prefix, logger.LOGGER_JOIN_CHAR, groups))
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
@@ -62,10 +70,20 @@ class TrainvitalsDashboard(Callback):
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if not self.diagnosis:
-            return
-        for name, markdown in diagnoses(trainer).items():
-            log_text(trainer, f"{DIAGNOSIS_TAG}/{name}", markdown, trainer.global_step)
+        if self.diagnosis:
+            for name, markdown in diagnoses(trainer).items():
+                log_text(trainer, f"{DIAGNOSIS_TAG}/{name}", markdown, trainer.global_step)
+                self._panels += 1
+        rank_zero_info(f"trainvitals TrainvitalsDashboard: {self.summary_line(trainer)}")
+
+    def summary_line(self, trainer: "pl.Trainer") -> str:
+        """One line for the end of fit: where the dashboard and the diagnoses went."""
+        logdirs = [lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        if not logdirs:
+            return "no TensorBoardLogger, so no dashboard or diagnosis panels."
+        panels = (f"{self._panels} diagnosis panel(s) first in the Text tab ({DIAGNOSIS_TAG}/...)" if self.diagnosis
+                  else "no diagnosis panels (diagnosis=False)")
+        return f"{panels}, the charts in Custom Scalars: tensorboard --logdir {logdirs[0]}"
 
 
 def diagnoses(trainer: "pl.Trainer") -> dict[str, str]:

@@ -12,6 +12,7 @@ stop the run. The two can be used together or apart.
 
 from __future__ import annotations
 
+import math
 import operator
 from enum import Enum
 from typing import Any
@@ -94,7 +95,8 @@ class GradNormEarlyStopping(Callback):
     (``reduce_boolean_decision``): all ranks stop at the same step.
 
     Logged at the Trainer's logging cadence and at the stopping step (step = optimizer step):
-    ``grad_norm/in_noise_band`` (0/1, while the estimate is decisive), ``grad_norm/band_streak`` (steps);
+    ``grad_norm/in_noise_band`` (0/1, while the estimate is decisive), ``grad_norm/band_streak`` (steps),
+    ``grad_norm/band_edge`` (sqrt(1 + margin) × the noise floor: where the band ends for the norm);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
     <trainvitals.core.estimate.GradientNoise.metrics>`: ``grad_norm/noise_floor`` in the units of
     ``.grad`` beside the monitor's ``grad_norm/total``, ``grad_noise/b_simple`` and its
@@ -237,6 +239,8 @@ class GradNormEarlyStopping(Callback):
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._detach()
+        if self.stop_reason is StopReason.NOT_STOPPED or not self.verbose:  # a verbose stop has said it when it stopped
+            rank_zero_info(f"trainvitals GradNormEarlyStopping: {self.summary_line()}")
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -424,8 +428,11 @@ class GradNormEarlyStopping(Callback):
             if self._logs_estimate or final:  # at the stop, whoever logs it otherwise has not logged this step
                 metrics.update(self.gradient_noise.metrics(estimate))
             # NaN (left out) while the estimate cannot decide: the band is then not measured, not "out".
-            metrics["grad_norm/in_noise_band"] = torch.where(
-                self.gradient_noise.decisive(estimate).to(in_condition.device), in_condition.double(), float("nan"))
+            decisive = self.gradient_noise.decisive(estimate).to(in_condition.device)
+            metrics["grad_norm/in_noise_band"] = torch.where(decisive, in_condition.double(), float("nan"))
+            # Where the band ends for the norm: E‖ḡ‖² = ‖G‖² + tr Σ/B ≤ (1 + margin) tr Σ/B.
+            metrics["grad_norm/band_edge"] = torch.where(
+                decisive, estimate.noise_floor.to(in_condition.device) * math.sqrt(1.0 + self.margin), float("nan"))
         log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
 
     def _say_caveat(self, trainer: "pl.Trainer", step: int) -> None:
@@ -479,6 +486,26 @@ class GradNormEarlyStopping(Callback):
         return (f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
                 f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.{again}")
 
+
+    def summary_line(self) -> str:
+        """One line for the end of fit: the stop, or why there was none (no noise source, an estimate that
+        cannot decide, too few steps, or how far from the band's edge the run ended)."""
+        if self.stop_reason is not StopReason.NOT_STOPPED:
+            return self.describe_stop()
+        why = f"{int(self._streak)} step(s) in a row in the condition at the end, of the {self.patience} it needs"
+        if self.mode == "noise_band":
+            summary = self.gradient_noise.host_summary()
+            if self._source is None:
+                why = f"no noise estimate, so no noise band: measurable with {MEASURABLE_BY}"
+            elif not summary["decisive"]:
+                why = f"the noise estimate cannot decide ({summary['why']}); " + why
+            elif self.margin > 0 and summary["trace_cov"] > 0 and summary["batch_size"]:
+                ratio = summary["grad_sq_norm"] * summary["batch_size"] / (self.margin * summary["trace_cov"])
+                why += (f"; at the end the smoothed ‖G‖² is {ratio:.2f}× the band's edge {self.margin:g}·tr(Σ)/B"
+                        if ratio > 0 else "; at the end the smoothed ‖G‖² is ≤ 0, inside the band")
+        if self.steps < self.min_steps:
+            why = f"the run ended after {self.steps} optimizer steps, before min_steps={self.min_steps}; " + why
+        return f"did not stop the run: {why}."
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: the rule, the stop, and the noise estimates it decided on."""

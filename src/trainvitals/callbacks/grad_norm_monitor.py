@@ -278,6 +278,22 @@ class GradNormMonitor(Callback):
         # Tracks are built lazily (they need the optimizer), so the state waits until then.
         self._restored = {int(k): v for k, v in state_dict.items()}
 
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        rank_zero_info(f"trainvitals GradNormMonitor: {self.summary_line()}")
+
+    def summary_line(self) -> str:
+        """One line for the end of fit: per optimizer, the steps measured, the last norm and the counters."""
+        parts = []
+        for index, track in self._tracks.items():
+            self._read_back(track)
+            if track.last_read is not None:
+                c = track.counts
+                parts.append(f"{'optimizer ' + str(index) + ': ' if len(self._tracks) > 1 else ''}{track.steps} steps "
+                             f"measured, last ‖g‖ {track.last_read[1]:.4g}, non-finite {c['nonfinite_steps']}, "
+                             f"AMP-skipped {c['amp_skipped_steps']}, spikes {c['spike_steps']}")
+        return "; ".join(parts) or "no optimizer step was measured."
+
     def summary_markdown(self) -> str:
         """End-of-run markdown: per optimizer, the last total norm, its largest groups, and the counters."""
         lines = ["| optimizer | steps | last ‖g‖ | largest groups (last step) | non-finite | AMP-skipped | spikes |",

@@ -60,6 +60,7 @@ from trainvitals.callbacks.integrity_checks.zero_lr import ZeroLrCheck
 from trainvitals.core.findings import Finding, FindingKind
 from trainvitals.core.graph import first_tensor, sequence_mark, walk_graph
 from trainvitals.core.integrity import listed
+from trainvitals.dashboard.terminal import markdown_to_text
 
 _MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before they are counted on the device
 
@@ -314,6 +315,18 @@ class GraphIntegrityCallback(Callback):
                 raise GraphIntegrityError("trainvitals GraphIntegrityCallback: another rank found a graph problem.")
             raise GraphIntegrityError(f"trainvitals GraphIntegrityCallback [{pending.kind.value}]: {pending.message}")
 
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        rank_zero_info(f"trainvitals GraphIntegrityCallback: {self.summary_line()}")
+
+    def summary_line(self) -> str:
+        """One line for the end of fit: how much was checked, and the findings by kind."""
+        checked = f"{self._walks} graph walk(s) and {self._grad_checks} gradient check(s)"
+        if not self.findings:
+            return f"clean: no findings in {checked}."
+        kinds = sorted({f.kind.value for f in self.findings})
+        return f"{len(self.findings)} finding(s) in {checked} ({', '.join(kinds)}): the Text tab's graph/findings."
+
     def summary_markdown(self) -> str:
         """The findings as a markdown table (step, kind, names, message), or a clean bill of health."""
         if not self.findings:
@@ -331,7 +344,7 @@ class GraphIntegrityCallback(Callback):
         table = self.summary_markdown()
         log_text(trainer, "graph/findings", table, step=trainer.global_step)
         if self.verbose:
-            rank_zero_info(f"trainvitals GraphIntegrityCallback: findings\n{table}")
+            rank_zero_info(f"trainvitals GraphIntegrityCallback: findings\n{markdown_to_text(table)}")
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -49,6 +49,7 @@ from trainvitals.core.lr_scaling import (
 )
 from trainvitals.core.estimate import Z90, GradientNoise
 from trainvitals.core.per_example import detect_loss_reduction
+from trainvitals.dashboard.terminal import markdown_to_text
 
 REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescaled
 
@@ -213,7 +214,20 @@ class LRScalingAdvisor(Callback):
         log_text(trainer, "lr_scaling/advice", self._report, max(trainer.global_step - 1, 0))
         if self.verbose:
             rank_zero_info(f"trainvitals LRScalingAdvisor: advice after {trainer.global_step} optimizer steps\n"
-                           f"{self._report}")
+                           f"{markdown_to_text(self._report)}")
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        rank_zero_info(f"trainvitals LRScalingAdvisor: {self.summary_line()}")
+
+    def summary_line(self) -> str:
+        """One line for the end of fit: what the advice is for, and where it is."""
+        if not self._report:
+            return "no advice: the per-device batch size is unknown (pass batch_size=)."
+        noise = [a.noise_scale for a in self.advices.values() if a is not None and a.noise_scale is not None]
+        scale = f", noise scale B̂ = {noise[0]:.4g}" if noise else ", no noise scale (rules without it)"
+        return (f"lr advice for {len(self.advices)} optimizer(s) at an effective batch of {self.effective_batch}"
+                f"{scale}: the Text tab's lr_scaling/advice, or trainvitals report.")
 
     def summary_markdown(self) -> str:
         """The latest report as markdown (the end-of-training table after ``fit``); ``""`` before any.

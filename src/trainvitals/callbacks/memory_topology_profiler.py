@@ -32,6 +32,7 @@ from trainvitals.core.memory.leaks import GraphLeakFinding, HeldGraphTracker, gr
 from trainvitals.core.memory.recorder import ROOT, SavedTensorRecorder
 from trainvitals.core.memory.remedies import Remedy, rank_remedies
 from trainvitals.core.memory.storage import byte_unit, element_bytes, format_bytes, model_state_bytes, tensors_in
+from trainvitals.dashboard.terminal import markdown_to_text
 
 _SNAPSHOT_MAX_ENTRIES = 100_000  # alloc/free events kept by the snapshot's ring buffer (a few KB each)
 
@@ -323,7 +324,7 @@ class MemoryTopologyProfiler(Callback):
         self._release()
         table = self.summary_markdown()
         if self.verbose:
-            rank_zero_info(table)
+            rank_zero_info(markdown_to_text(table))
         step = trainer.global_step
         log_text(trainer, "memory/report", table, step)
         picture = self.picture() if tensorboard_writers(trainer, "images") else None
@@ -337,6 +338,19 @@ class MemoryTopologyProfiler(Callback):
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._release()
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        rank_zero_info(f"trainvitals MemoryTopologyProfiler: {self.summary_line()}")
+
+    def summary_line(self) -> str:
+        """One line for the end of fit: the last profiled step's state and saved activations, and the findings."""
+        if self.last is None:
+            return "no step profiled."
+        last = self.last
+        return (f"model state {format_bytes(last.state.total)}, saved activations "
+                f"{format_bytes(last.activations.total_bytes)} per micro-batch of {last.batch_size}; "
+                f"{len(self.findings) or 'no'} graph(s) outliving their step.")
 
     def summary_markdown(self) -> str:
         """The latest profiled step as markdown: categories, saved bytes per module, ranked advice, findings."""

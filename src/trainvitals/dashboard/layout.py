@@ -2,40 +2,71 @@
 
 TensorBoard's Custom Scalars dashboard draws charts whose lines are picked by tag regexes (matched
 from the start of the tag with Python's ``re.match``); the layout is a ``layout_pb2.Layout`` written
-once into the event file under the ``custom_scalars__config__`` tag. :data:`TRAINVITALS_LAYOUT` is
-that layout: the story of a run on one page, whichever callbacks were attached — a chart whose tags
-were never logged stays empty and harmless.
+once into the event file under the ``custom_scalars__config__`` tag. :func:`trainvitals_layout` builds
+it: the story of a run on one page, whichever callbacks were attached — a chart whose tags were never
+logged stays empty and harmless.
 
-The layout proto has no y-scale field: the log scale of the gradient-norm chart is the chart's own
-"Toggle y-axis log scale" button (the browser test turns it on for the README screenshot).
+Readable at a glance within what the plugin offers: every line of a chart takes the run's colour, so a
+chart holds one quantity (or lines of one scale that are told apart by the chart itself: the norm inside
+its band is a margin chart, the shaded band from the noise floor to the band's edge); quantities whose
+scales differ by orders of magnitude (tr(Σ) ~100, ‖G‖² ~0.01) get a chart each; the per-layer norms get
+one chart per top-level module. The layout proto has no y-scale field: the log scale is the chart's own
+"Toggle y-axis log scale" button, and TensorBoard's "Ignore outliers in chart scaling" (on by default, in
+the settings) clips a chart's extremes — the README says when to turn it off.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
-from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, grad_norm
+from trainvitals.dashboard.tags import MEMORY_BYTES, OPTIMIZER_INFIX, PER_LAYER_GRAD_NORM, grad_norm, with_prefix
 
 CATEGORY = "trainvitals"
+BAND_CATEGORY = "trainvitals: the gradient norm in its noise band"
+"""The margin chart's own category: TensorBoard draws a category's margin charts after its multiline ones, so
+the chart that says most comes first only in a category of its own."""
+MAX_LAYER_CHARTS = 8
+"""Beyond this many top-level modules, the per-layer norms share one chart (the histograms tab shows them too)."""
 
-TRAINVITALS_LAYOUT: dict[str, dict[str, list[Any]]] = {
-    CATEGORY: {
-        "gradient norm vs noise floor (use the log-scale toggle)": [
+GRAD_NORM_CHART = "gradient norm vs noise floor"
+BAND_CHART = "gradient norm in its noise band (shaded: noise floor to band edge)"
+BAND_TAGS = ("grad_norm/total", "grad_norm/noise_floor", "grad_norm/band_edge")
+"""The margin chart's value, lower and upper series: exact tags (single optimizer), not regexes."""
+
+
+def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
+    charts: dict[str, list[Any]] = {
+        GRAD_NORM_CHART: [
             "Multiline",
             [grad_norm("total"), grad_norm("clipped_total"), grad_norm("noise_floor"), grad_norm("noise_floor_se"),
              grad_norm("measured_total")],
         ],
         "in the noise band (1 = yes)": ["Multiline", [grad_norm("in_noise_band")]],
+        "steps in a row in the noise band (the stop comes at its patience)": ["Multiline", [grad_norm("band_streak")]],
         "B_simple vs effective batch (examples)": [
             "Multiline",
             [r"grad_noise/b_simple$", r"lr_scaling/(?:effective_batch|b_noise)$"],
         ],
-        "per-layer gradient norm": ["Multiline", [PER_LAYER_GRAD_NORM]],
-        "per-layer GSNR": ["Multiline", [r"grad_noise/gsnr/.+"]],
-        "gradient noise: tr(Σ), ‖G‖², evidence criterion": [
-            "Multiline",
-            [r"grad_noise/(?:trace_cov|grad_sq_norm)(?:_se)?$", r"grad_noise/(?:eb_criterion|coverage|b_simple_rel_err|b_simple_unreliable)$"],
-        ],
+        "gradient noise: tr(Σ) per example, and its standard error": ["Multiline", [r"grad_noise/trace_cov(?:_se)?$"]],
+        "gradient noise: ‖G‖², the true gradient's squared norm, and its standard error": [
+            "Multiline", [r"grad_noise/grad_sq_norm(?:_se)?$"]],
+        "gradient noise: evidence-based criterion (stop when > 0)": ["Multiline", [r"grad_noise/eb_criterion$"]],
+        "noise estimate: coverage, B_simple's relative error, unreliable (1 = yes)": [
+            "Multiline", [r"grad_noise/(?:coverage|b_simple_rel_err|b_simple_unreliable)$"]],
+    }
+    if 0 < len(groups) <= MAX_LAYER_CHARTS:
+        for group in groups:
+            module = re.escape(group)
+            charts[f"per-layer gradient norm: {group}"] = [
+                "Multiline", [rf"grad_norm/{OPTIMIZER_INFIX}{module}(?:\.[^/]+)?$"]]
+        for group in groups:
+            charts[f"per-layer GSNR: {group}"] = ["Multiline", [rf"grad_noise/gsnr/{re.escape(group)}(?:\.[^/]+)?$"]]
+    else:
+        charts["per-layer gradient norm"] = ["Multiline", [PER_LAYER_GRAD_NORM]]
+        charts["per-layer GSNR"] = ["Multiline", [r"grad_noise/gsnr/.+"]]
+    charts.update({
         "memory by category (bytes)": ["Multiline", [MEMORY_BYTES]],
         "saved activations per module (bytes)": ["Multiline", [r"memory/activations/.+"]],
         "integrity counters": [
@@ -44,9 +75,35 @@ TRAINVITALS_LAYOUT: dict[str, dict[str, list[Any]]] = {
         ],
         "learning rate and its suggestion": ["Multiline", [r"lr-.+", r"lr_scaling/(?:lr|suggested_lr_[^/]+)/.+"]],
         "steps and examples over their minimum": ["Multiline", [r"lr_scaling/(?:steps|examples)_over_min$"]],
-    }
-}
-"""``SummaryWriter.add_custom_scalars`` layout: {category: {chart title: ["Multiline", [tag regexes]]}}.
+    })
+    return charts
 
-The ``lr-.+`` line is Lightning's ``LearningRateMonitor``; everything else is a trainvitals callback.
-"""
+
+def trainvitals_layout(prefix: str = "", join_char: str = "-", groups: Sequence[str] = ()) -> dict[str, dict[str, list[Any]]]:
+    """``SummaryWriter.add_custom_scalars`` layout: {category: {chart title: [kind, tags]}}.
+
+    Args:
+        prefix: the TensorBoardLogger's ``prefix``; its tags are ``<prefix><join_char><tag>``, and so
+            are the layout's regexes (and the margin chart's exact tags).
+        join_char: the logger's ``LOGGER_JOIN_CHAR`` (Lightning's is ``"-"``).
+        groups: top-level module names with parameters (``features``, ``head``): one per-layer chart
+            each, up to :data:`MAX_LAYER_CHARTS`; empty for one chart of every layer.
+
+    A ``"Multiline"`` chart lists tag regexes; a ``"Margin"`` chart the exact tags of its value, lower and
+    upper series. The ``lr-.+`` line is Lightning's ``LearningRateMonitor``; everything else a trainvitals
+    callback's.
+    """
+    exact = prefix + join_char if prefix else ""
+    band = {BAND_CHART: ["Margin", [exact + tag for tag in BAND_TAGS]]}
+    charts = {title: [kind, [with_prefix(tag, prefix, join_char) for tag in tags]]
+              for title, (kind, tags) in _charts(groups).items()}
+    return {BAND_CATEGORY: band, CATEGORY: charts}
+
+
+def layer_groups(module_names: Sequence[str]) -> list[str]:
+    """The top-level groups of the named modules that hold parameters, in order (``features.0`` → ``features``)."""
+    return list(dict.fromkeys(name.split(".", 1)[0] for name in module_names if name))
+
+
+TRAINVITALS_LAYOUT = trainvitals_layout()
+"""The layout without a logger prefix and with one per-layer chart: what a model-less reader expects."""

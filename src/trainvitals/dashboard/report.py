@@ -63,11 +63,12 @@ from trainvitals.dashboard.tags import (
     grad_norm,
     split_prefix,
 )
+from trainvitals.dashboard.terminal import format_table, markdown_to_text
 
 EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED = 0, 1, 2, 3
 SEVERITY = (EXIT_OK, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_CRITICAL)
 """Exit statuses from the least to the most severe: the command exits with its runs' most severe."""
-FORMATS = ("text", "markdown", "json")
+FORMATS = ("text", "markdown", "json", "html")
 
 BAND_WINDOW = 10
 """Logged steps over which the fraction in the noise band is taken: one step is in it about half the
@@ -658,38 +659,52 @@ def _spikes(run: Run, report: RunReport) -> None:
 
 # ------------------------------------------------------------------------------------------- rendering
 def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) -> str:
-    """The reports as ``text``, ``markdown`` or ``json``; ``skipped`` names runs without trainvitals data."""
+    """The reports as ``text``, ``markdown`` or ``json``; ``skipped`` names runs without trainvitals data.
+
+    ``html`` needs the runs' series for its plots: :func:`trainvitals.dashboard.html.render_html`."""
     if fmt == "json":
         return json.dumps(_json_safe({
             "critical": any(r.critical for r in reports),
             "runs": [{**asdict(r), "critical": r.critical, "status": r.status} for r in reports],
             "skipped_runs": list(skipped),
         }), indent=2, allow_nan=False) + "\n"
-    markdown = fmt == "markdown"
-    out: list[str] = []
-    for r in reports:
-        status = r.status
-        step = f", last logged optimizer step {r.last_step}" if r.last_step is not None else ""
-        out.append(f"## run `{r.run}`: {status}{step}" if markdown else f"run {r.run}: {status}{step}")
-        for title, rows in r.sections.items():
-            if not rows:
-                continue
-            if markdown:
-                out += ["", f"### {title}", "", "| measure | value |", "|---|---|"]
-                out += [f"| {row.label} | {_cell(_fmt(row))} |" for row in rows]
-            else:
-                width = max(len(row.label) for row in rows)
-                out += ["", f"  {title}"] + [f"    {row.label:<{width}}  {_fmt(row)}" for row in rows]
-        out += (["", "### findings", ""] if markdown else ["", "  findings"]) if r.findings else []
-        for f in r.findings:
-            out.append(f"- **{f.severity}** ({f.section}): {f.message}" if markdown
-                       else f"    [{f.severity}] {f.section}: {f.message}")
-        for title, text in r.panels.items():
-            out += ["", f"### {title}", "", text] if markdown else ["", f"  {title}", textwrap.indent(text, "    ")]
-        out.append("")
+    render_run = _markdown_run if fmt == "markdown" else _text_run
+    out = [line for r in reports for line in render_run(r)]
     if skipped:
         out.append(f"runs without trainvitals metrics, not reported: {', '.join(skipped)}")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _status(r: RunReport) -> str:
+    step = f", last logged optimizer step {r.last_step}" if r.last_step is not None else ""
+    return r.status + step
+
+
+def _markdown_run(r: RunReport) -> list[str]:
+    """One run in markdown: the findings first, a table per section, the callbacks' panels as they wrote them."""
+    out = [f"## run `{r.run}`: {_status(r)}"]
+    if r.findings:
+        out += ["", "### findings", ""] + [f"- **{f.severity}** ({f.section}): {f.message}" for f in r.findings]
+    for title, rows in r.sections.items():
+        if rows:
+            out += ["", f"### {title}", "", "| measure | value |", "|---|---|"]
+            out += [f"| {row.label} | {_cell(_fmt(row))} |" for row in rows]
+    for title, text in r.panels.items():
+        out += ["", f"### {title}", "", text]
+    return out + [""]
+
+
+def _text_run(r: RunReport) -> list[str]:
+    """One run for a terminal: the findings first, then aligned sections, then the panels as plain text."""
+    out = [f"run {r.run}: {_status(r)}"]
+    if r.findings:
+        out += ["", "  findings"] + [f"    [{f.severity}] {f.section}: {f.message}" for f in r.findings]
+    for title, rows in r.sections.items():
+        if rows:
+            out += ["", f"  {title}"] + format_table([[row.label, _fmt(row)] for row in rows], indent="    ")
+    for title, text in r.panels.items():
+        out += ["", f"  {title}", textwrap.indent(markdown_to_text(text), "    ")]
+    return out + [""]
 
 
 def _json_safe(obj: Any) -> Any:
@@ -729,7 +744,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """LOGDIR, ``--format`` and ``--separator``, on ``parser`` (the ``trainvitals report`` subcommand's, or
     :func:`main`'s)."""
     parser.add_argument("logdir", metavar="LOGDIR", help="the TensorBoard log folder")
-    parser.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    parser.add_argument("--format", choices=FORMATS, default="text",
+                        help="output format (default: text); html is one self-contained page with plots")
+    parser.add_argument("--output", "-o", metavar="FILE", help="write the report to FILE instead of stdout")
     parser.add_argument("--separator", default=LOGGER_JOIN_CHAR, metavar="SEP",
                         help="what a logger with a prefix puts between it and a tag: its LOGGER_JOIN_CHAR "
                              f"(default: {LOGGER_JOIN_CHAR!r}, Lightning's)")
@@ -751,7 +768,16 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_NO_DATA
     reports = [assess(r) for r in ours]
-    _write(render(reports, args.format, skipped=skipped))
+    if args.format == "html":
+        from trainvitals.dashboard.html import render_html  # matplotlib: imported for this format only
+
+        text = render_html(list(zip(ours, reports)), skipped)
+    else:
+        text = render(reports, args.format, skipped=skipped)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        _write(text)
     return max((r.exit_status for r in reports), key=SEVERITY.index)
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import functools
 import re
 
-TRAINVITALS_ROOTS = ("grad_norm", "grad_noise", "lr_scaling", "graph", "memory", "trainvitals")
-"""The first component of every tag a trainvitals callback writes."""
+TRAINVITALS_ROOTS = ("grad_norm", "grad_noise", "lr_scaling", "graph", "memory", "trainvitals", "diagnosis")
+"""The first component of every tag a trainvitals callback writes (``diagnosis``: TrainvitalsDashboard's
+end-of-fit panels, :data:`DIAGNOSIS_TAG`)."""
 
 TRAINVITALS_PREFIXES = tuple(f"{root}/" for root in TRAINVITALS_ROOTS)
 
@@ -37,6 +38,7 @@ GRAD_NORM_SUMMARIES = (
     "noise_floor",
     "noise_floor_se",
     "measured_total",
+    "band_edge",
     "in_noise_band",
     "band_streak",
     "nonfinite_steps",
@@ -61,8 +63,10 @@ MEMORY_BYTES = r"memory/[^/]+_bytes$"
 ``trainvitals.core.memory.categories.MEMORY_CATEGORIES`` (parameters, gradients, optimizer state, inputs,
 saved activations, held after backward; CUDA peaks and temporaries)."""
 
-DIAGNOSIS_TAG = "trainvitals/diagnosis"
-"""Text panels ``trainvitals/diagnosis/<callback class>`` hold each callback's end-of-run markdown."""
+DIAGNOSIS_TAG = "diagnosis"
+"""Text panels ``diagnosis/<callback class>`` hold each callback's end-of-run markdown. TensorBoard's Text tab
+groups panels by the tag's first component in name order: ``diagnosis`` comes before every other group
+(``grad_noise``, ``grad_norm``, ``graph``, ``lr_scaling``, ``memory``), so the diagnoses are what it shows first."""
 
 
 def with_prefix(pattern: str, prefix: str = "", separator: str = LOGGER_JOIN_CHAR) -> str:

@@ -15,4 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-steps", type=int, default=100, help="no stop before this many optimizer steps")
     parser.add_argument("--log-every-n-steps", type=int, default=5, help="logging cadence, in optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and shuffling (the split is fixed)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or model summary")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads; the digits CNN is too small to gain from more, and on a busy "
+                             "machine several threads spin on each other's cores (see the README's timing)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, model summary or diagnosis tables")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
@@ -22,6 +23,7 @@ from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.callbacks.dashboard import TrainvitalsDashboard, diagnoses
+from trainvitals.dashboard.terminal import markdown_to_text
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
 
@@ -40,6 +42,7 @@ class DemoResult:
     val_acc: float | None
     log_dir: str
     seconds: float
+    threads: int
     diagnoses: dict[str, str]
 
 
@@ -63,7 +66,8 @@ def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
 
 
 def run_demo(args: argparse.Namespace) -> DemoResult:
-    """Train, log to ``args.logdir`` with TensorBoard, and return the summary numbers."""
+    """Train with ``args.threads`` torch threads, log to ``args.logdir`` with TensorBoard, return the summary numbers."""
+    torch.set_num_threads(args.threads)
     pl.seed_everything(args.seed, workers=True, verbose=False)
     logger = TensorBoardLogger(args.logdir, name="digits", default_hp_metric=False)
     callbacks = build_callbacks(args)
@@ -104,20 +108,22 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
         val_acc=float(metrics["val/acc"]) if "val/acc" in metrics else None,
         log_dir=str(Path(logger.log_dir)),
         seconds=seconds,
+        threads=torch.get_num_threads(),
         diagnoses=diagnoses(trainer),
     )
 
 
 def format_summary(result: DemoResult, logdir: str, details: bool = True) -> str:
+    """The short summary; with ``details``, each callback's diagnosis after it, as aligned plain text."""
     def num(x: float | None, fmt: str) -> str:
         return "n/a" if x is None else format(x, fmt)
 
     ratio = (f" ({result.grad_norm / result.noise_floor:.2f}× the floor)"
              if result.grad_norm is not None and result.noise_floor else "")
-    sections = [f"## {name}\n\n{markdown}" for name, markdown in result.diagnoses.items()] if details else []
-    return "\n\n".join(sections + ["\n".join([
+    threads = f"{result.threads} torch thread{'s' if result.threads != 1 else ''}, --threads"
+    summary = "\n".join([
         "trainvitals demo — digits CNN",
-        f"  optimizer steps:   {result.steps} ({result.epochs} epochs, {result.seconds:.0f} s)",
+        f"  optimizer steps:   {result.steps} ({result.epochs} epochs, {result.seconds:.0f} s on {threads})",
         f"  why it stopped:    {result.stop_reason}",
         f"  final grad norm:   {num(result.grad_norm, '.4f')} at the last step vs noise floor "
         f"{num(result.noise_floor, '.4f')}{ratio}",
@@ -125,12 +131,17 @@ def format_summary(result: DemoResult, logdir: str, details: bool = True) -> str
         f"on; the band ends at {result.band_edge:.2f}×)",
         f"  val accuracy:      {num(result.val_acc, '.4f')}",
         f"  logs:              {result.log_dir}",
-        f"  look at it:        tensorboard --logdir {logdir}",
-    ])])
+        f"  look at it:        tensorboard --logdir {logdir}   or   trainvitals report {logdir} --format html "
+        "--output report.html",
+    ])
+    if not details:
+        return summary
+    sections = [f"{name}\n{'=' * len(name)}\n{markdown_to_text(markdown)}" for name, markdown in result.diagnoses.items()]
+    return "\n\n".join([summary, "Diagnoses (also the first panels of TensorBoard's Text tab, diagnosis/...)", *sections])
 
 
 def main(args: argparse.Namespace) -> int:
-    for name in ("max_epochs", "batch_size", "accumulate", "log_every_n_steps"):
+    for name in ("max_epochs", "batch_size", "accumulate", "log_every_n_steps", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     with _quiet_lightning(args.quiet):

@@ -1,0 +1,303 @@
+"""``trainvitals report LOGDIR --format html``: one self-contained HTML file per report.
+
+The same findings, sections and callback panels as the text report, with matplotlib plots of what the
+run logged: the gradient norm in its noise band (log scale), B_simple with its error band against the
+effective batch, the per-layer norms over steps as a heatmap, memory by category and module, and the lr
+suggestions per batch size. Images are inline base64 PNGs and the style sheet is inline: the file opens
+without a network and sends no request.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trainvitals.dashboard.report import Run, RunReport, _fmt, _status
+from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, grad_norm
+
+Series = list[tuple[int, float]]
+
+STYLE = """
+body { font: 15px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; padding: 0 1em; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 2px solid #ddd; padding-bottom: .2em; margin-top: 2em; }
+h3 { margin-top: 1.4em; } .ok { color: #1a7f37; } .critical { color: #c62828; }
+ul.findings li { margin: .3em 0; } .sev { font-weight: 600; text-transform: uppercase; font-size: .8em;
+  padding: .1em .4em; border-radius: 3px; margin-right: .4em; }
+.sev.critical { background: #fdecea; } .sev.warning { background: #fff4e5; color: #8a5300; }
+.sev.note { background: #eef3fb; color: #1f4e99; }
+table { border-collapse: collapse; margin: .6em 0; } td, th { border: 1px solid #ddd; padding: .25em .6em;
+  text-align: left; vertical-align: top; } th { background: #f6f8fa; } td.num { text-align: right; }
+.plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(480px, 1fr)); gap: 1em; }
+figure { margin: 0; } figure img { width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { font-size: .9em; color: #555; } details { margin: .5em 0; } summary { cursor: pointer; font-weight: 600; }
+code { background: #f6f8fa; padding: 0 .2em; border-radius: 3px; }
+"""
+
+
+def render_html(runs: Sequence[tuple[Run, RunReport]], skipped: Sequence[str] = ()) -> str:
+    """The HTML page of the reports; ``runs`` pairs each run's data (for the plots) with its report."""
+    body = ["<h1>trainvitals report</h1>"]
+    for run, report in runs:
+        body += _run_html(run, report)
+    if skipped:
+        body.append(f"<p>Runs without trainvitals metrics, not reported: {html.escape(', '.join(skipped))}</p>")
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+            f"<title>trainvitals report</title><style>{STYLE}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def _run_html(run: Run, report: RunReport) -> list[str]:
+    state = "critical" if report.critical else "ok"
+    out = [f"<h2>run <code>{html.escape(report.run)}</code>: <span class=\"{state}\">{html.escape(_status(report))}</span></h2>"]
+    if report.findings:
+        out.append("<h3>findings</h3><ul class=\"findings\">")
+        out += [f"<li><span class=\"sev {html.escape(f.severity)}\">{html.escape(f.severity)}</span>"
+                f"<b>{html.escape(f.section)}</b>: {html.escape(f.message)}</li>" for f in report.findings]
+        out.append("</ul>")
+    figures = [fig for fig in (plot(run) for plot in PLOTS) if fig is not None]
+    if figures:
+        out.append("<h3>plots</h3><div class=\"plots\">")
+        out += [f"<figure><img alt=\"{html.escape(caption)}\" src=\"data:image/png;base64,{png}\">"
+                f"<figcaption>{html.escape(caption)}</figcaption></figure>" for png, caption in figures]
+        out.append("</div>")
+    for title, rows in report.sections.items():
+        if rows:
+            out.append(f"<h3>{html.escape(title)}</h3><table><tr><th>measure</th><th>value</th></tr>")
+            out += [f"<tr><td>{html.escape(row.label)}</td><td class=\"{'num' if isinstance(row.value, float) else ''}\">"
+                    f"{html.escape(_fmt(row))}</td></tr>" for row in rows]
+            out.append("</table>")
+    for title, text in report.panels.items():
+        out.append(f"<details open><summary>{html.escape(title)}</summary>{markdown_to_html(text)}</details>")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- markdown
+_SEPARATOR = re.compile(r"^\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$")
+
+
+def markdown_to_html(markdown: str) -> str:
+    """The callbacks' markdown (pipe tables, headings, bullets, ``**bold**``, ```code```) as escaped HTML."""
+    out: list[str] = []
+    lines = markdown.splitlines()
+    i, in_list = 0, False
+    while i < len(lines):
+        line = lines[i].strip()
+        if in_list and not line.startswith("- "):
+            out.append("</ul>")
+            in_list = False
+        if line.startswith("|"):
+            j = i
+            while j < len(lines) and lines[j].strip().startswith("|"):
+                j += 1
+            out.append(_table_html([lines[k].strip() for k in range(i, j)]))
+            i = j
+            continue
+        heading = re.match(r"^(#{1,6})\s+(.*)$", line)
+        if heading:
+            level = min(6, len(heading.group(1)) + 2)
+            out.append(f"<h{level}>{_inline(heading.group(2))}</h{level}>")
+        elif line.startswith("- "):
+            if not in_list:
+                out.append("<ul>")
+                in_list = True
+            out.append(f"<li>{_inline(line[2:])}</li>")
+        elif line:
+            out.append(f"<p>{_inline(line)}</p>")
+        i += 1
+    if in_list:
+        out.append("</ul>")
+    return "\n".join(out)
+
+
+def _inline(text: str) -> str:
+    text = html.escape(text.replace("\\|", "|")).replace("&lt;br&gt;", "<br>")
+    text = re.sub(r"`([^`]*)`", r"<code>\1</code>", text)
+    return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
+
+
+def _table_html(lines: list[str]) -> str:
+    rows = [[c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))] for line in lines]
+    right: list[bool] = []
+    header = None
+    if len(lines) >= 2 and _SEPARATOR.match(lines[1]):
+        right = [c.endswith(":") and not c.startswith(":") for c in rows[1]]
+        header, rows = rows[0], rows[2:]
+    cls = lambda k: " class=\"num\"" if k < len(right) and right[k] else ""  # noqa: E731
+    out = ["<table>"]
+    if header and any(header):
+        out.append("<tr>" + "".join(f"<th>{_inline(c)}</th>" for c in header) + "</tr>")
+    out += ["<tr>" + "".join(f"<td{cls(k)}>{_inline(c)}</td>" for k, c in enumerate(r)) + "</tr>" for r in rows]
+    return "\n".join(out + ["</table>"])
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def _png(draw: Callable[[Any], None], size: tuple[float, float] = (7.0, 3.6)) -> str:
+    """A base64 PNG of what ``draw(ax)`` puts on one matplotlib axis (the Agg backend: no display needed)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, dpi=100, layout="constrained")
+    draw(fig.subplots())
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _first(run: Run, *patterns: str) -> Series | None:
+    """The first logged series matching one of ``patterns`` (tried in order), finite values only."""
+    for pattern in patterns:
+        matching = run.matching(pattern)
+        if matching:
+            return [(s, v) for s, v in matching[min(matching)] if math.isfinite(v)]
+    return None
+
+
+def _xy(series: Series) -> tuple[list[int], list[float]]:
+    return [s for s, _ in series], [v for _, v in series]
+
+
+def _aligned(base: Series, other: Series | None) -> list[float] | None:
+    """``other``'s value at each step of ``base`` (None where it has none)."""
+    if other is None:
+        return None
+    by_step = dict(other)
+    return [by_step.get(s, math.nan) for s, _ in base]
+
+
+def _norm_in_band(run: Run) -> tuple[str, str] | None:
+    total = _first(run, grad_norm("total"))
+    if not total:
+        return None
+    floor = _first(run, grad_norm("noise_floor"), r"grad_noise/noise_floor$")
+    edge = _first(run, grad_norm("band_edge"))
+    clipped = _first(run, grad_norm("clipped_total"))
+
+    def draw(ax: Any) -> None:
+        ax.plot(*_xy(total), color="#1f77b4", lw=1.2, label="‖g‖, total gradient norm")
+        if clipped:
+            ax.plot(*_xy(clipped), color="#9467bd", lw=0.8, label="‖g‖ after clipping")
+        if floor:
+            ax.plot(*_xy(floor), color="#d62728", lw=1.2, label="noise floor sqrt(tr Σ/B)")
+        if floor and edge:
+            upper = _aligned(floor, edge)
+            ax.fill_between(_xy(floor)[0], _xy(floor)[1], upper, color="#d62728", alpha=0.15, label="noise band")
+        ax.set_yscale("log")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("gradient norm")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+
+    return _png(draw), "The gradient norm against its noise floor (log scale); shaded, the noise band up to its edge."
+
+
+def _b_simple(run: Run) -> tuple[str, str] | None:
+    b_simple = _first(run, r"grad_noise/b_simple$", grad_norm("b_simple"))
+    if not b_simple:
+        return None
+    rel_err = _first(run, r"grad_noise/b_simple_rel_err$")
+    batch = _first(run, r"lr_scaling/effective_batch$")
+
+    def draw(ax: Any) -> None:
+        steps, values = _xy(b_simple)
+        ax.plot(steps, values, color="#2ca02c", lw=1.2, label="B_simple = tr Σ / ‖G‖²")
+        errors = _aligned(b_simple, rel_err)
+        if errors is not None:
+            lower = [v * (1 - e) if math.isfinite(e) else math.nan for v, e in zip(values, errors)]
+            upper = [v * (1 + e) if math.isfinite(e) else math.nan for v, e in zip(values, errors)]
+            ax.fill_between(steps, [max(x, 1e-12) for x in lower], upper, color="#2ca02c", alpha=0.2,
+                            label="± one standard error")
+        if batch:
+            ax.plot(*_xy(batch), color="black", lw=1, ls="--", label="effective batch B")
+        positive = [v for v in values if v > 0]
+        if positive and max(positive) / min(positive) > 30:
+            ax.set_yscale("log")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("examples")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+
+    return _png(draw), "The gradient noise scale B_simple against the effective batch: below it, steps are noise-dominated."
+
+
+def _layer_heatmap(run: Run) -> tuple[str, str] | None:
+    layers = {tag.removeprefix("grad_norm/"): series for tag, series in sorted(run.matching(PER_LAYER_GRAD_NORM).items())}
+    if not layers:
+        return None
+    steps = sorted({s for series in layers.values() for s, _ in series})
+    column = {s: k for k, s in enumerate(steps)}
+    grid = [[math.nan] * len(steps) for _ in layers]
+    for row, series in enumerate(layers.values()):
+        for s, v in series:
+            if math.isfinite(v) and v > 0:
+                grid[row][column[s]] = math.log10(v)
+
+    def draw(ax: Any) -> None:
+        image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
+                          extent=(steps[0], steps[-1], len(layers) - 0.5, -0.5))
+        ax.set_yticks(range(len(layers)), list(layers), fontsize=8)
+        ax.set_xlabel("optimizer step")
+        ax.figure.colorbar(image, ax=ax, label="log10 ‖g‖ of the layer")
+
+    height = max(2.5, 0.3 * len(layers) + 1.2)
+    return _png(draw, (7.0, height)), "Per-layer gradient norms over the steps (log10): which layer carries the gradient."
+
+
+def _memory(run: Run) -> tuple[str, str] | None:
+    categories = {tag.removeprefix("memory/").removesuffix("_bytes").replace("_", " "): series[-1][1]
+                  for tag, series in run.matching(MEMORY_BYTES).items() if series[-1][1] > 0}
+    modules = {tag.removeprefix("memory/activations/"): series[-1][1]
+               for tag, series in run.matching(r"memory/activations/.+").items() if series[-1][1] > 0}
+    bars = [(f"module {k}", v) for k, v in sorted(modules.items(), key=lambda kv: kv[1])]
+    bars += [(k, v) for k, v in sorted(categories.items(), key=lambda kv: kv[1])]
+    if not bars:
+        return None
+
+    def draw(ax: Any) -> None:
+        labels, values = zip(*bars)
+        colors = ["#ff7f0e" if label.startswith("module ") else "#1f77b4" for label in labels]
+        ax.barh(range(len(bars)), [v / 2**10 for v in values], color=colors)
+        ax.set_yticks(range(len(bars)), labels, fontsize=8)
+        ax.set_xlabel("KiB (last profiled step)")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3, axis="x")
+
+    return (_png(draw, (7.0, max(2.5, 0.28 * len(bars) + 1.0))),
+            "Memory by category (blue) and the activations each module saves for backward (orange).")
+
+
+def _lr_suggestions(run: Run) -> tuple[str, str] | None:
+    suggested: dict[str, dict[float, float]] = {}
+    for tag, series in run.matching(r"lr_scaling/suggested_lr_x([0-9.]+)/(.+)$").items():
+        factor, optimizer = re.match(r"lr_scaling/suggested_lr_x([0-9.]+)/(.+)$", tag).groups()  # type: ignore[union-attr]
+        if math.isfinite(series[-1][1]):
+            suggested.setdefault(optimizer, {})[float(factor)] = series[-1][1]
+    batch = run.last(r"lr_scaling/effective_batch$")
+    if not suggested:
+        return None
+
+    def draw(ax: Any) -> None:
+        for optimizer, by_factor in sorted(suggested.items()):
+            now = run.last(rf"lr_scaling/lr/{re.escape(optimizer)}$")
+            points = sorted({**by_factor, **({1.0: now} if now is not None else {})}.items())
+            xs = [f * batch if batch else f for f, _ in points]
+            line = ax.plot(xs, [lr for _, lr in points], marker="o", label=optimizer)[0]
+            if now is not None:
+                ax.plot([batch if batch else 1.0], [now], marker="*", ms=14, color=line.get_color(), ls="none")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("effective batch (examples)" if batch else "batch multiple")
+        ax.set_ylabel("learning rate")
+        ax.legend(fontsize=8, title="★ now")
+        ax.grid(alpha=0.3, which="both")
+
+    return _png(draw), "The lr LRScalingAdvisor suggests for each batch size (★: the current batch and lr)."
+
+
+PLOTS: tuple[Callable[[Run], tuple[str, str] | None], ...] = (_norm_in_band, _b_simple, _layer_heatmap, _memory,
+                                                             _lr_suggestions)
+"""Each returns ``(base64 PNG, caption)``, or None when the run did not log what it plots."""

@@ -1,0 +1,59 @@
+"""``trainvitals report --format html``: one self-contained page with the text report's findings and plots."""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+
+import pytest
+
+from test_report import HEALTHY, STEPS, write_run
+from trainvitals.dashboard.html import markdown_to_html
+from trainvitals.dashboard.report import EXIT_CRITICAL, main
+
+pytest.importorskip("matplotlib")
+
+RUN = {
+    **HEALTHY,
+    "grad_norm/band_edge": 0.1 * 1.2**0.5,
+    "grad_noise/b_simple": [150.0 + s for s in STEPS],
+    "grad_noise/b_simple_rel_err": 0.2,
+    "grad_norm/head.1": [0.05 * (1 + s) for s in STEPS],
+    "lr_scaling/lr/Adam": 1e-3,
+    "lr_scaling/suggested_lr_x2/Adam": 1.4e-3,
+    "lr_scaling/suggested_lr_x0.5/Adam": 7e-4,
+    "graph/unused_params": 1.0,
+}
+
+
+def write_report(tmp_path: Path) -> tuple[int, str]:
+    write_run(tmp_path / "logs" / "run", RUN, {"lr_scaling/advice": "- **effective batch** 64\n\n| optimizer | lr now |\n"
+                                                                    "|---|---:|\n| Adam | 0.001 |"})
+    out = tmp_path / "report.html"
+    status = main([str(tmp_path / "logs"), "--format", "html", "--output", str(out)])
+    return status, out.read_text(encoding="utf-8")
+
+
+def test_html_report_has_the_findings_and_one_inline_png_per_plot(tmp_path: Path) -> None:
+    status, page = write_report(tmp_path)
+    assert status == EXIT_CRITICAL  # the same exit status as the text report: an unused parameter
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "1 parameter(s) got no gradient" in page and "CRITICAL" in page
+    images = re.findall(r'<img alt="([^"]*)" src="data:image/png;base64,([^"]+)"', page)
+    # norm in its band, B_simple, per-layer heatmap, memory, lr suggestions
+    assert len(images) == 5
+    for _, data in images:
+        assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
+    # Nothing to fetch: no URL other than the inline images.
+    assert not re.search(r'(?:src|href)="(?!data:)', page) and "http" not in page.replace("http-equiv", "")
+    # The callback's panel is rendered, not shown as markdown.
+    assert "<td class=\"num\">0.001</td>" in page and "**" not in page
+
+
+def test_markdown_to_html_escapes_and_renders_tables() -> None:
+    rendered = markdown_to_html("## Memory\n| a | b |\n|---|---:|\n| `x<y` | 1 |\n- **bold** & more")
+    assert rendered.splitlines() == [
+        "<h4>Memory</h4>", "<table>", "<tr><th>a</th><th>b</th></tr>",
+        '<tr><td><code>x&lt;y</code></td><td class="num">1</td></tr>', "</table>",
+        "<ul>", "<li><b>bold</b> &amp; more</li>", "</ul>"]
