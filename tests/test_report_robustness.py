@@ -455,3 +455,24 @@ def test_a_fit_that_did_not_end_is_named(tmp_path: Path, capsys) -> None:
     status, text, _ = report(capsys, str(tmp_path))
     assert status == EXIT_OK  # nothing in the format says the file was cut
     assert "[warning] event files: no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start" in text
+
+
+def test_diagnosis_panels_of_earlier_versions_count_as_the_fit_end(tmp_path: Path, capsys) -> None:
+    """Event files written before the panels moved to ``diagnosis/`` hold them under ``trainvitals/diagnosis/``."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
+
+    def write(folder: Path, panel: str) -> None:
+        writer = SummaryWriter(str(folder))
+        writer.add_custom_scalars(TRAINVITALS_LAYOUT)
+        for step in range(3):
+            writer.add_scalar("grad_norm/total", 1.0, step)
+        writer.add_text(f"{panel}/GradNormMonitor", "done", 3)
+        writer.close()
+
+    write(tmp_path / "old", "trainvitals/diagnosis")
+    write(tmp_path / "none", "elsewhere")
+    _, doc = report_json(capsys, tmp_path)
+    warned = {run["run"]: any("no end-of-fit diagnosis" in f["message"] for f in run["findings"]) for run in doc["runs"]}
+    assert warned == {"old": False, "none": True}

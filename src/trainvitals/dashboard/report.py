@@ -55,7 +55,7 @@ from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE
 from trainvitals.core.findings import INTEGRITY, critical_counters, last_window_counters
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.tags import (
-    DIAGNOSIS_TAG,
+    DIAGNOSIS_PREFIXES,
     LOGGER_JOIN_CHAR,
     MEMORY_BYTES,
     TEXT_SUFFIX,
@@ -433,7 +433,7 @@ def assess(run: Run) -> RunReport:
             "warning", EVENT_FILES, "nothing measured: no trainvitals scalar" + (" in the part read" if run.damage else "")
             + ", so no optimizer step was logged — an empty train dataloader (limit_train_batches=0), max_steps=0, "
             "or step logging off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."))
-    if report.measured and run.layout and not any(tag.startswith(f"{DIAGNOSIS_TAG}/") for tag in run.texts):
+    if report.measured and run.layout and not any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts):
         report.findings.append(Finding(
             "warning", EVENT_FILES, "no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start but "
             "no diagnosis panel at fit end, so the fit is still running, was killed or crashed, or an event file "

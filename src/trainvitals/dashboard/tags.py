@@ -68,6 +68,9 @@ DIAGNOSIS_TAG = "diagnosis"
 groups panels by the tag's first component in name order: ``diagnosis`` comes before every other group
 (``grad_noise``, ``grad_norm``, ``graph``, ``lr_scaling``, ``memory``), so the diagnoses are what it shows first."""
 
+DIAGNOSIS_PREFIXES = (f"{DIAGNOSIS_TAG}/", "trainvitals/diagnosis/")
+"""Where the diagnosis panels are, in event files of this version and of earlier ones (``trainvitals/diagnosis/``)."""
+
 
 def with_prefix(pattern: str, prefix: str = "", separator: str = LOGGER_JOIN_CHAR) -> str:
     """The tag regex ``pattern`` (matched from the tag's start) for a logger that prefixes its keys with
