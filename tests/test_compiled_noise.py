@@ -148,3 +148,18 @@ def test_plan_sources_leaves_a_compiled_region_to_micro_batches_or_names_it():
     assert list(grouped.per_example) == ["0", "2"] and list(grouped.micro_batch) == ["1.1.weight", "1.1.bias"]
     whole = plan_sources(model, groups_available=False, fallback=True, compiled=[""])  # a compiled training step
     assert not whole.per_example and len(whole.uncovered) == 6
+
+
+def test_a_compiled_training_step_without_micro_batches_is_not_measured_and_says_why():
+    """Nothing is left for a source: the probe warns once, why and what would measure it, and estimates nothing."""
+    data = classification_data("mlp", 16)
+    fresh()
+    fit(compiled("training_step", network("mlp")), data, [], batch_size=4, steps=2)
+    plain = graphs()
+    fresh()
+    probe = BatchVarianceProbe(loss_reduction="mean", histogram_every_n_steps=0)
+    with pytest.warns(UserWarning, match="cannot measure") as record:
+        fit(compiled("training_step", network("mlp")), data, [probe], batch_size=4, steps=2)
+    warned = [str(w.message) for w in record if "BatchVarianceProbe" in str(w.message)]
+    assert len(warned) == 1 and COMPILED_REASON in warned[0]
+    assert graphs() == plain and int(probe.noise.count) == 0 and probe.noise_source.param_share == 0.0
