@@ -32,6 +32,7 @@ from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise
+from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
     eb_criterion,
@@ -90,6 +91,11 @@ class BatchVarianceProbe(Callback):
     independent draws (their addends of the batch gradient largely cancel), so with micro-batches or
     ranks every parameter is measured from those instead, and without them the probe's estimate is
     marked invalid and decides nothing. A micro-batch with few values per channel is warned about.
+
+    Under ``torch.compile`` the probe puts no module hook inside a compiled region (a compiled training
+    step or submodule: :func:`~trainvitals.core.memory.compiled_modules`), where it would break the graph,
+    and says so in the sources line: the region's parameters are measured from micro-batches and ranks
+    (tensor hooks on parameters break nothing), else named as not measured.
 
     The probe feeds its estimate into the run's one :class:`~trainvitals.core.estimate.GradientNoise`
     (:attr:`gradient_noise`), shared with GradNormEarlyStopping's micro-batch source, and logs that
@@ -189,6 +195,7 @@ class BatchVarianceProbe(Callback):
         self._reduction = "mean"
         self._bn_values: dict[str, int] = {}
         self._batchnorms: dict[str, torch.nn.Module] = {}
+        self._compiled_batchnorms: dict[str, torch.nn.Module] = {}
         self._bn_handles: list[Any] = []
         self.logs_noise_estimate = False
         self.gradient_noise = GradientNoise(max_rel_err=max_rel_err)
@@ -311,12 +318,18 @@ class BatchVarianceProbe(Callback):
     def _make_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._detach_hooks()
         groups = self._groups_per_step(trainer) >= 2
-        self._plan = plan_sources(pl_module, groups, self.fallback, self._excluded)
+        regions, hooked = compiled_modules(pl_module)
+        compiled = ["" if c == ROOT else c for c in regions]
+        self._plan = plan_sources(pl_module, groups, self.fallback, self._excluded, compiled)
         if self._plan.coupled and groups:  # independent micro-batches instead of coupled examples
             self._plan = plan_sources(pl_module, groups, self.fallback,
-                                      {*self._excluded, *self._plan.per_example, *self._plan.vmap})
+                                      {*self._excluded, *self._plan.per_example, *self._plan.vmap}, compiled)
         self._collector = PerExampleGradients(self._plan.per_example, self._plan.vmap, self.fallback_sub_batch)
-        self._batchnorms = {n: m for n, m in pl_module.named_modules() if n in self._plan.coupled}
+        # A forward pre-hook counts a BatchNorm's values; inside a compiled region its mode is read instead.
+        hookable = {id(m) for m in hooked}
+        coupled = {n: m for n, m in pl_module.named_modules() if n in self._plan.coupled}
+        self._batchnorms = {n: m for n, m in coupled.items() if id(m) in hookable}
+        self._compiled_batchnorms = {n: m for n, m in coupled.items() if id(m) not in hookable}
         self._plan_params = {"per_example": list(self._plan.parameters("per_example").values()),
                              "micro_batch": list(self._plan.micro_batch.values()),
                              "vmap": list(self._plan.parameters("vmap").values())}
@@ -331,6 +344,10 @@ class BatchVarianceProbe(Callback):
                              "independent draws" + (", so every parameter is measured from micro-batches and ranks"
                                                     if self._plan.micro_batch else
                                                     "; in training mode the per-example estimate is invalid"))
+        if regions:
+            what = "the training step" if ROOT in regions else ", ".join(f"`{c}`" for c in regions)
+            self.sources += (f". {what} runs under torch.compile: the probe puts no hook inside it, since a hook "
+                             "there breaks the compiled graph")
         if not (self._plan.per_example or self._plan.micro_batch or self._plan.vmap):
             reasons = sorted(set(self._plan.uncovered.values())) or ["the model has no trainable parameters"]
             self._cannot_measure("no parameter has a source (one micro-batch per step on one device): "
@@ -445,9 +462,10 @@ class BatchVarianceProbe(Callback):
         micro_sum, _ = self._micro.pop()
         self._detach_hooks()
         self._check_batchnorm(trainer)
-        if self._bn_values and (self._plan.per_example or self._plan.vmap):
+        training = [*self._bn_values, *(n for n, m in self._compiled_batchnorms.items() if m.training)]
+        if training and (self._plan.per_example or self._plan.vmap):
             self.noise_source.invalidate(
-                f"per-example gradients through BatchNorm in training mode ({', '.join(self._bn_values)}) are not "
+                f"per-example gradients through BatchNorm in training mode ({', '.join(training)}) are not "
                 "independent draws: BatchNorm couples the examples, and their addends of the batch gradient cancel")
         problem = self._problem(result)
         if problem:

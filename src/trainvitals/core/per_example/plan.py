@@ -72,6 +72,8 @@ class SourcePlan:
         return "; ".join(parts) if parts else "no trainable parameters"
 
 
+COMPILED_REASON = ("runs under torch.compile, where a hook would break the compiled graph; accumulate_grad_batches "
+                   ">= 2 or >= 2 devices measure it")
 _CONTAINER_REASON = ("a parameter of a module whose forward also runs layers with weight matrices (torch.func would "
                      "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it")
 
@@ -101,7 +103,8 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, nn.Paramete
     return units
 
 
-def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = ()) -> SourcePlan:
+def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = (),
+                 compiled: Iterable[str] = ()) -> SourcePlan:
     """Assign each trainable parameter to a source: (1) per-example norms, else (2) micro-batches/ranks
     when there are at least two gradient groups per step, else (3) ``torch.func`` when ``fallback``.
 
@@ -115,8 +118,15 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
         fallback: allow (3).
         exclude: module names that showed they cannot use (1) or (3) (parameters used outside their
             forward, a failed rule); they go to (2) or are not measured.
+        compiled: modules (``""``: the model) whose calls run under ``torch.compile``, with everything inside
+            them: (1) and (3) would hook inside their compiled graphs, so they go to (2) or are not measured.
     """
     excluded = set(exclude)
+    regions = tuple(compiled)
+
+    def inside(name: str) -> bool:
+        return any(c == "" or name == c or name.startswith(c + ".") for c in regions)
+
     units = _units(model)
     coupled = tuple(n for n, m in model.named_modules() if isinstance(m, _BatchNorm) and unsupported_reason(m))
     # What rules out torch.func as well as the rules; a layer type without a rule does not. Nor does a
@@ -126,7 +136,7 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
     for name, module, params in units:
         rule = rule_for(module)
         whole = rule is not None and (rule.whole_call or set(params) != set(_qualified(name, _trainable(module))))
-        barred[name] = "excluded after a failed step" if name in excluded else \
+        barred[name] = "excluded after a failed step" if name in excluded else COMPILED_REASON if inside(name) else \
             unsupported_reason(module) if whole else None
     reasons = {name: barred[name] or unsupported_reason(module) for name, module, _ in units}
     owners: dict[int, list[str]] = {}
@@ -150,6 +160,8 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
         elif groups_available:
             known = {id(p) for p in micro.values()}
             micro.update({n: p for n, p in qualified.items() if id(p) not in known})
+        elif reason == COMPILED_REASON:
+            uncovered.update(dict.fromkeys(qualified, reason))
         elif fallback and barred[name] is None and not isinstance(module, _BatchNorm):
             # A model's own position table, a block's layer-scale: torch.func would re-run the whole
             # subtree (the whole model, for the root) on every measured step. Weight matrices stand for
