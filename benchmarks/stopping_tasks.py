@@ -328,27 +328,26 @@ def run_rows(runs: list[TaskRun]) -> list[list[Any]]:
 
 
 def _counts(runs: list[TaskRun], name: str) -> list[str]:
-    """Of ``runs``: within tolerance (and by which test), saving steps, both; median fraction of steps saved."""
-    def n(test: Callable[[TaskRun], bool]) -> str:
-        return f"{sum(test(r) for r in runs)}/{len(runs)}"
+    """Of ``runs``: within tolerance (by the loss, by the metric), saving steps, both; median fraction saved."""
+    def n(test: Callable[[TaskRun], bool]) -> int:
+        return sum(test(r) for r in runs)
 
+    by_loss = n(lambda r: r.outcome(name)["val_loss"] <= (1 + LOSS_TOLERANCE) * r.best["val_loss"])
+    by_metric = n(lambda r: r.outcome(name)["metric"] >= r.best["metric"] - METRIC_TOLERANCE)
     saved = median([1 - r.outcome(name)["step"] / r.epochs[-1]["step"] for r in runs])
-    return [n(lambda r: r.within_tolerance(name)),
-            n(lambda r: r.outcome(name)["val_loss"] <= (1 + LOSS_TOLERANCE) * r.best["val_loss"]),
-            n(lambda r: r.outcome(name)["metric"] >= r.best["metric"] - METRIC_TOLERANCE),
-            n(lambda r: r.saves_steps(name)), n(lambda r: r.within_tolerance(name) and r.saves_steps(name)),
-            f"{saved:.0%}"]
+    return [f"{n(lambda r: r.within_tolerance(name))}/{len(runs)} ({by_loss}, {by_metric})",
+            f"{n(lambda r: r.saves_steps(name))}/{len(runs)}",
+            f"{n(lambda r: r.within_tolerance(name) and r.saves_steps(name))}/{len(runs)}", f"{saved:.0%}"]
 
 
-COUNT_HEADERS = ["within tol.", "loss ≤ +2%", "metric ≥ −1", "saves steps", "tol. and saves", "median saved"]
+COUNT_HEADERS = ["within tol. (loss, metric)", "saves steps", "tol. and saves", "median saved"]
 
 
-def summary_rows(runs: list[TaskRun], names: dict[str, str], per_task: bool = True) -> list[list[Any]]:
-    """One row per stopper (``names``: label -> stopper) and group: each task, each optimizer over all tasks, all."""
-    groups = [(task, [r for r in runs if r.task == task]) for task in dict.fromkeys(r.task for r in runs)] if per_task else []
-    groups += [(f"all tasks, {o}", [r for r in runs if r.optimizer == o]) for o in dict.fromkeys(r.optimizer for r in runs)]
-    groups.append(("**all**", runs))
-    return [[group, label, *_counts(mine, name)] for group, mine in groups for label, name in names.items()]
+def groups(runs: list[TaskRun], per_task: bool = True) -> list[tuple[str, list[TaskRun]]]:
+    """Each task's runs (``per_task``), each optimizer's over all tasks, and all runs, labelled."""
+    out = [(task, [r for r in runs if r.task == task]) for task in dict.fromkeys(r.task for r in runs)] if per_task else []
+    out += [(f"all tasks, {o}", [r for r in runs if r.optimizer == o]) for o in dict.fromkeys(r.optimizer for r in runs)]
+    return [*out, ("**all**", runs)]
 
 
 def main() -> None:
@@ -392,13 +391,17 @@ def main() -> None:
           f"and metric > {METRIC_TOLERANCE:g} point below the best epoch's).\n")
     print(markdown_table(["task", "optimizer", "seed", "budget (steps)", "best epoch: step · val loss · metric",
                           "noise_band", "val_loss"], run_rows(runs)))
-    print(f"\n## Summary over {len(args.optimizers)} optimizers × seeds {args.seeds}\n")
-    print(markdown_table(["runs", "stopper", *COUNT_HEADERS], summary_rows(runs, {m: m for m in METHODS})))
+    print(f"\n## Summary over {len(args.optimizers)} optimizers × seeds {args.seeds} (loss, metric: "
+          f"runs within tolerance by each test)\n")
+    headers = ["runs", *(f"{m}: {h}" for m in METHODS for h in COUNT_HEADERS)]
+    print(markdown_table(headers, [[g, *(c for m in METHODS for c in _counts(mine, m))] for g, mine in groups(runs)]))
     if band_grid:
         names = {"noise_band (defaults)": "noise_band", **{band_name(m, p): band_name(m, p) for m, p in band_grid},
                  f"EarlyStopping(val_loss, patience {ES_PATIENCE})": "val_loss"}
         print("\n## Noise-band sweep\n")
-        print(markdown_table(["runs", "stopper", *COUNT_HEADERS], summary_rows(runs, names, per_task=False)))
+        print(markdown_table(["runs", "stopper", *COUNT_HEADERS],
+                             [[g, label, *_counts(mine, name)] for g, mine in groups(runs, per_task=False)
+                              for label, name in names.items()]))
     write_json(args.out, {"machine": machine_line(), "args": vars(args), "runs": [asdict(r) for r in runs]})
 
 
