@@ -151,7 +151,8 @@ class ShadowStops(Callback):
         epochs: after each training epoch, ``{"step": ..., **evaluate(module)}``.
     """
 
-    def __init__(self, stoppers: dict[str, Callback], evaluate: Callable[[pl.LightningModule], dict[str, float]]) -> None:
+    def __init__(self, stoppers: dict[str, Callback],
+                 evaluate: Callable[[pl.LightningModule], dict[str, float]]) -> None:
         self.stoppers = stoppers
         self.evaluate = evaluate
         self.stops: dict[str, dict[str, float]] = {}
@@ -162,7 +163,8 @@ class ShadowStops(Callback):
             return
         for name, cb in self.stoppers.items():
             if name not in self.stops and stopped(cb):
-                self.stops[name] = {"step": trainer.global_step, "epoch": trainer.current_epoch, **self.evaluate(pl_module)}
+                self.stops[name] = {"step": trainer.global_step, "epoch": trainer.current_epoch,
+                                    **self.evaluate(pl_module)}
         trainer.should_stop = False
 
     @override

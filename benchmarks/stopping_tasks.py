@@ -114,7 +114,8 @@ def logistic_data(n: int = 4000, features: int = 20) -> Split:
 
 
 def pulse_data(n: int = 2000, length: int = 64) -> Split:
-    """Noisy 1-D signals holding a square pulse (class 1), a triangle (class 2) or neither (class 0) at a random place."""
+    """Noisy 1-D signals ``(n, 1, length)`` holding a square pulse (class 1), a triangle (class 2) or neither
+    (class 0) at a random place."""
     g = torch.Generator().manual_seed(SPLIT_SEED)
     x = torch.randn(n, 1, length, generator=g)
     y = torch.randint(0, 3, (n,), generator=g)
@@ -309,12 +310,11 @@ METHODS = ("noise_band", "val_loss")
 
 
 def _cell(run: TaskRun, name: str) -> str:
-    """``step (saved %) · Δloss % · Δmetric``; ``—`` for a stopper that never fired."""
-    stop, best, full = run.outcome(name), run.best, run.epochs[-1]["step"]
-    if run.stops.get(name) is None:
-        return f"— · {100 * (stop['val_loss'] / best['val_loss'] - 1):+.1f}% · {stop['metric'] - best['metric']:+.1f}"
-    return (f"{stop['step']:.0f} ({1 - stop['step'] / full:.0%}) · {100 * (stop['val_loss'] / best['val_loss'] - 1):+.1f}% · "
-            f"{stop['metric'] - best['metric']:+.1f}{'' if run.within_tolerance(name) else ' ✗'}")
+    """``step (saved %) · Δ val loss % · Δ metric``, ``—`` for the step of a stopper that never fired; ✗ out of tolerance."""
+    stop, best = run.outcome(name), run.best
+    at = "—" if run.stops.get(name) is None else f"{stop['step']:.0f} ({1 - stop['step'] / run.epochs[-1]['step']:.0%})"
+    change = f"{100 * (stop['val_loss'] / best['val_loss'] - 1):+.1f}% · {stop['metric'] - best['metric']:+.1f}"
+    return f"{at} · {change}{'' if run.within_tolerance(name) else ' ✗'}"
 
 
 def run_rows(runs: list[TaskRun]) -> list[list[Any]]:
@@ -345,8 +345,9 @@ COUNT_HEADERS = ["within tol. (loss, metric)", "saves steps", "tol. and saves", 
 
 def groups(runs: list[TaskRun], per_task: bool = True) -> list[tuple[str, list[TaskRun]]]:
     """Each task's runs (``per_task``), each optimizer's over all tasks, and all runs, labelled."""
-    out = [(task, [r for r in runs if r.task == task]) for task in dict.fromkeys(r.task for r in runs)] if per_task else []
-    out += [(f"all tasks, {o}", [r for r in runs if r.optimizer == o]) for o in dict.fromkeys(r.optimizer for r in runs)]
+    tasks, optimizers = dict.fromkeys(r.task for r in runs), dict.fromkeys(r.optimizer for r in runs)
+    out = [(task, [r for r in runs if r.task == task]) for task in tasks] if per_task else []
+    out += [(f"all tasks, {o}", [r for r in runs if r.optimizer == o]) for o in optimizers]
     return [*out, ("**all**", runs)]
 
 
@@ -356,7 +357,8 @@ def main() -> None:
                         help=f"any of {list(TASKS)}")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--optimizers", nargs="+", choices=("adam", "sgd"), default=["adam", "sgd"])
-    parser.add_argument("--margins", nargs="+", type=float, help="sweep: noise band margins (default patience unless --patiences)")
+    parser.add_argument("--margins", nargs="+", type=float,
+                        help="sweep: noise band margins (at the default patience unless --patiences)")
     parser.add_argument("--patiences", nargs="+", type=int, help="sweep: noise band patiences")
     parser.add_argument("--quick", action="store_true", help="smoke run: seed 0, a quarter of each budget")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0 keeps torch's default")
