@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: a 6M-parameter MLP, a per-step timer, statistics and tables.
+"""Shared pieces of the benchmarks: a 6M-parameter MLP, a per-step timer, shadow stops, statistics and tables.
 
 Benchmarks are scripts, never timed tests: they print markdown tables and can write JSON. Run them as
 ``python benchmarks/<script>.py``; the script's folder is then on ``sys.path`` and ``import _common``
@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, EarlyStopping
 
 # 49 Linear(350 → 350) layers with biases: 49 · (350² + 350) = 6,019,650 parameters in 98 tensors.
 MLP_DEPTH = 49
@@ -119,6 +119,66 @@ class StepTimer(Callback):
             self.cpu_seconds.append(cpu - self._last[3])
         self._last = (epoch, trainer.global_step, wall, cpu)
         self._batches += 1
+
+
+def stopped(callback: Callback) -> bool:
+    """Whether a stopper (GradNormEarlyStopping or Lightning's EarlyStopping) has asked to stop."""
+    from trainvitals import GradNormEarlyStopping
+
+    if isinstance(callback, GradNormEarlyStopping):
+        return callback.stopped_step is not None
+    if isinstance(callback, EarlyStopping):
+        return callback.stopped_epoch > 0
+    raise TypeError(f"unknown stopper {type(callback).__name__}")
+
+
+class ShadowStops(Callback):
+    """Records each stopper's first stop, then clears ``trainer.should_stop`` so the run goes on.
+
+    One fixed-budget fit then serves every stopper attached to it: none of them changes the training,
+    so each recorded stop is the one a fit with that stopper alone would make, as long as ``evaluate``
+    draws nothing from the global RNG (compute on validation tensors, not through a DataLoader, whose
+    iterator draws a seed). Must come after the stoppers in the callback list (hooks run in list order).
+    A Lightning ``EarlyStopping`` must decide in ``on_validation_end`` (``check_on_train_epoch_end=False``):
+    Lightning calls its ``on_train_epoch_end`` after every other callback's, where this guard cannot see it.
+
+    Args:
+        stoppers: the stoppers by name.
+        evaluate: the validation numbers of the module's current weights, e.g. ``{"val_loss": ...}``.
+
+    Attributes:
+        stops: name -> ``{"step": optimizer steps run, "epoch": ..., **evaluate(module)}`` at its first stop.
+        epochs: after each training epoch, ``{"step": ..., **evaluate(module)}``.
+    """
+
+    def __init__(self, stoppers: dict[str, Callback],
+                 evaluate: Callable[[pl.LightningModule], dict[str, float]]) -> None:
+        self.stoppers = stoppers
+        self.evaluate = evaluate
+        self.stops: dict[str, dict[str, float]] = {}
+        self.epochs: list[dict[str, float]] = []
+
+    def _collect(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if not trainer.should_stop:
+            return
+        for name, cb in self.stoppers.items():
+            if name not in self.stops and stopped(cb):
+                self.stops[name] = {"step": trainer.global_step, "epoch": trainer.current_epoch,
+                                    **self.evaluate(pl_module)}
+        trainer.should_stop = False
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        self._collect(trainer, pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.epochs.append({"step": trainer.global_step, **self.evaluate(pl_module)})
+        self._collect(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._collect(trainer, pl_module)
 
 
 def time_hook(callback: Callback, hook: str) -> list[float]:

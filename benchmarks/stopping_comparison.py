@@ -36,12 +36,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from typing_extensions import override
+import torch.nn.functional as F
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 
-from _common import machine_line, markdown_table, median, quiet_lightning, write_json
+from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, write_json
 from trainvitals.callbacks.grad_norm_early_stopping import DEFAULT_MARGIN, DEFAULT_PATIENCE, GradNormEarlyStopping
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
@@ -66,7 +66,7 @@ class Run:
     seed: int
     epoch_steps: list[int] = field(default_factory=list)  # optimizer steps after each epoch
     epoch_val_acc: list[float] = field(default_factory=list)
-    epoch_val_loss: list[float] = field(default_factory=list)
+    epoch_val_loss: list[float] = field(default_factory=list)  # full-batch cross-entropy
     stops: dict[str, Stop | None] = field(default_factory=dict)  # None: never stopped
     real_stops: dict[str, Stop] = field(default_factory=dict)  # from --real
     seconds: float = 0.0
@@ -74,57 +74,19 @@ class Run:
 
 def val_accuracy(model: pl.LightningModule, val: tuple[torch.Tensor, torch.Tensor]) -> float:
     """Accuracy on the whole validation set in one batch; draws nothing from the RNG."""
+    return evaluate(model, val)["val_acc"]
+
+
+def evaluate(model: pl.LightningModule, val: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    """Accuracy and mean cross-entropy on the whole validation set in one batch; draws nothing from the RNG."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        acc = (model(val[0]).argmax(-1) == val[1]).double().mean().item()
+        logits = model(val[0])
+        result = {"val_acc": (logits.argmax(-1) == val[1]).double().mean().item(),
+                  "val_loss": F.cross_entropy(logits, val[1]).item()}
     model.train(was_training)
-    return acc
-
-
-def _stopped(callback: Callback) -> bool:
-    if isinstance(callback, GradNormEarlyStopping):
-        return callback.stopped_step is not None
-    if isinstance(callback, EarlyStopping):
-        return callback.stopped_epoch > 0
-    raise TypeError(f"unknown stopper {type(callback).__name__}")
-
-
-class ShadowStops(Callback):
-    """Records each stopper's first stop, then clears ``trainer.should_stop`` so the run goes on.
-
-    Must come after the stoppers in the callback list (hooks run in list order). Also records the
-    validation accuracy and loss after every epoch.
-    """
-
-    def __init__(self, stoppers: dict[str, Callback], val: tuple[torch.Tensor, torch.Tensor], run: Run) -> None:
-        self.stoppers = stoppers
-        self.val = val
-        self.run = run
-
-    def _collect(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if not trainer.should_stop:
-            return
-        for name, cb in self.stoppers.items():
-            if name not in self.run.stops and _stopped(cb):
-                self.run.stops[name] = Stop(trainer.global_step, val_accuracy(pl_module, self.val), trainer.current_epoch)
-        trainer.should_stop = False
-
-    @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
-        self._collect(trainer, pl_module)
-
-    @override
-    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.run.epoch_steps.append(trainer.global_step)
-        # The same computation as at a stop (Lightning's val/acc is a float32 mean of batch means).
-        self.run.epoch_val_acc.append(val_accuracy(pl_module, self.val))
-        self.run.epoch_val_loss.append(float(trainer.callback_metrics["val/loss"]))
-        self._collect(trainer, pl_module)
-
-    @override
-    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._collect(trainer, pl_module)
+    return result
 
 
 def make_stoppers(args: argparse.Namespace, band_grid: list[tuple[float, int]]) -> dict[str, Callback]:
@@ -169,9 +131,14 @@ def run_one(args: argparse.Namespace, optimizer: str, seed: int, band_grid: list
     run = Run(optimizer, seed)
     val = validation_tensors()
     stoppers = make_stoppers(args, band_grid)
+    shadow = ShadowStops(stoppers, lambda model: evaluate(model, val))
     start = time.perf_counter()
-    fit(args, optimizer, seed, [*stoppers.values(), ShadowStops(stoppers, val, run)])
+    fit(args, optimizer, seed, [*stoppers.values(), shadow])
     run.seconds = time.perf_counter() - start
+    run.epoch_steps = [e["step"] for e in shadow.epochs]
+    run.epoch_val_acc = [e["val_acc"] for e in shadow.epochs]
+    run.epoch_val_loss = [e["val_loss"] for e in shadow.epochs]
+    run.stops = {name: Stop(s["step"], s["val_acc"], s["epoch"]) for name, s in shadow.stops.items()}
     if len(run.epoch_val_acc) != args.max_epochs:
         raise RuntimeError(f"the fixed run ended after {len(run.epoch_val_acc)} epochs: a stop escaped ShadowStops")
     for name in stoppers:
