@@ -186,6 +186,29 @@ def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeyp
                 assert rel_close(sums[n][0], g.sum(0), 1e-10) and rel_close(sums[n][1], g.square().sum(0), 1e-10), n
 
 
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "sequence"])
+def test_coordinate_sums_of_selected_rows_match_brute_force(kind):
+    """Sums of a few rows of some parameters (the probe's coordinate budget), over two micro-batches:
+    only those parameters get sums, each of the selected rows' shape, equal to brute force's rows."""
+    model, x, y = make_case(kind)
+    per_example = brute_force(model, x, y)
+    names = list(per_example)
+    rows = {n: slice(1, min(3, per_example[n].shape[1])) for n in names if n != names[1]}  # Embedding: vocab rows
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, PER_EXAMPLE_LAYERS)}
+    collector = PerExampleGradients(modules, {}, 2)
+    collector.attach(coordinates=rows)
+    for half in (slice(0, B // 2), slice(B // 2, B)):
+        F.cross_entropy(model(x[half]), y[half]).backward()
+        collector.end_micro_batch(float(B // 2))
+    collector.detach()
+    step = collector.pop()
+    assert set(step.grad_sum) == set(step.sum_sq) == set(rows)
+    for n, r in rows.items():
+        g = per_example[n][:, r]
+        assert step.grad_sum[n].shape == g.shape[1:], n
+        assert rel_close(step.grad_sum[n], g.sum(0)) and rel_close(step.sum_sq[n], g.square().sum(0)), n
+
+
 @pytest.mark.parametrize("kind", ["cnn", "sequence"])
 def test_a_backward_that_creates_the_graph_gives_the_same_statistics(kind):
     """A backward with create_graph=True (Hessian-based optimizers, gradient penalties) runs the hooks

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -56,11 +56,16 @@ class EmbeddingRule(PerExampleRule):
         rows, example, _ = _embedding_rows(module, uses)
         return rows.new_zeros(uses[0].inputs.shape[0]).index_add_(0, example, rows.square().sum(1))
 
-    def sums(self, module: nn.Module, uses: Sequence[Use],
-             workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
-        rows, _, token = _embedding_rows(module, uses)
-        zeros = rows.new_zeros(module.weight.shape)
-        return {"weight": (zeros.index_add(0, token, rows), zeros.index_add(0, token, rows.square()))}
+    def sums(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None,
+             rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+        if rows is not None and "weight" not in rows:
+            return {}
+        grad_rows, _, token = _embedding_rows(module, uses)
+        start, stop, _ = (slice(None) if rows is None else rows["weight"]).indices(module.num_embeddings)
+        inside = (token >= start) & (token < stop)  # the table's rows [start, stop) only
+        grad_rows, token = grad_rows * inside.unsqueeze(1), (token - start).clamp(0, max(stop - start - 1, 0))
+        zeros = grad_rows.new_zeros(stop - start, module.embedding_dim)
+        return {"weight": (zeros.index_add(0, token, grad_rows), zeros.index_add(0, token, grad_rows.square()))}
 
     def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
         rows, example, token = _embedding_rows(module, uses)

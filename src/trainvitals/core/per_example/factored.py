@@ -3,7 +3,7 @@ recurrent layers' input and hidden-state weights, each Σ_t δ_t a_tᵀ over pos
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -46,15 +46,19 @@ class FactoredRule(PerExampleRule):
         assert total is not None, "a factored rule measures at least one parameter"
         return total
 
-    def sums(self, module: nn.Module, uses: Sequence[Use],
-             workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    def sums(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None,
+             rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
         params, out = self.parameters(module), {}
         for name, factor in self._factors(module, uses).items():
+            if rows is not None and name not in rows:
+                continue
             if isinstance(factor, list):
                 total, total_sq = zip(*(_outer_sums(o.a, o.g, workspace) for o in factor))
                 out[name] = (torch.cat(total).view(params[name].shape), torch.cat(total_sq).view(params[name].shape))
             else:
                 out[name] = (factor.sum(0), factor.square().sum(0))
+            if rows is not None:  # all rows computed, the selected ones kept
+                out[name] = (out[name][0][rows[name]].clone(), out[name][1][rows[name]].clone())
         return out
 
     def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:

@@ -62,7 +62,11 @@ class PerExampleStep:
 
 
 def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
-    into[name] = value if name not in into else into[name] + value
+    """``into[name] += value``, in place after the first: a running sum of a large layer is never copied."""
+    if name in into:
+        into[name].add_(value)
+    else:
+        into[name] = value
 
 
 class PerExampleGradients:
@@ -102,7 +106,7 @@ class PerExampleGradients:
         self._names, self._groups = self._parameter_names()
         self._handles: list[RemovableHandle] = []
         self._workspace = Workspace()  # the conv patches and blocks of every layer and step
-        self._coordinates = False
+        self._coordinates: dict[str, slice] = {}  # qualified parameter name: its rows to sum
         self._keep_norms = False
         self._replaying = False
         self._reset_micro_batch()
@@ -149,10 +153,14 @@ class PerExampleGradients:
     def attached(self) -> bool:
         return bool(self._handles)
 
-    def attach(self, coordinates: bool = False, keep_norms: bool = False) -> None:
-        """Install the hooks; ``coordinates``: also Σ_i g_i and Σ_i g_i²; ``keep_norms``: keep each ‖g_i‖²."""
+    def attach(self, coordinates: bool | Mapping[str, slice] = False, keep_norms: bool = False) -> None:
+        """Install the hooks; ``coordinates``: also Σ_i g_i and Σ_i g_i², of every measured parameter
+        (``True``) or of the rows ``coordinates[name]`` along dimension 0 of the parameters it names
+        (qualified names, as in :attr:`PerExampleStep.grad_sum`); ``keep_norms``: keep each ‖g_i‖²."""
         self.detach()
-        self._coordinates, self._keep_norms = coordinates, keep_norms
+        if coordinates is True:
+            coordinates = dict.fromkeys(self._names.values(), slice(None))
+        self._coordinates, self._keep_norms = dict(coordinates or {}), keep_norms
         for name, module in self.per_example.items():
             hook = functools.partial(self._forward, name)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -288,11 +296,17 @@ class PerExampleGradients:
                 ((name, module_uses),) = uses.items()
                 module, rule = self.per_example[name], self._rules[name]
                 sq = rule.sq_norms(module, module_uses, self._workspace)
+                rows = {local: self._coordinates[q] for local in rule.parameters(module)
+                        if (q := self._qualified(name, local, module)) in self._coordinates}
                 sums = {self._qualified(name, local, module): value for local, value in
-                        (rule.sums(module, module_uses, self._workspace) if self._coordinates else {}).items()}
+                        (rule.sums(module, module_uses, self._workspace, rows) if rows else {}).items()}
             else:
+                wanted = any(self._qualified(m, local, self.per_example[m]) in self._coordinates
+                             for m in uses for local in self._rules[m].parameters(self.per_example[m]))
                 sq, sums = measure_tied({m: (self.per_example[m], self._rules[m], u) for m, u in uses.items()},
-                                        self._names, self._coordinates, self._workspace)
+                                        self._names, wanted, self._workspace)
+                sums = {q: (total[self._coordinates[q]].clone(), total_sq[self._coordinates[q]].clone())
+                        for q, (total, total_sq) in sums.items() if q in self._coordinates}
         except Exception as err:  # noqa: BLE001 - raised into the user's backward, it would end the run
             for name in uses:
                 self._step.failed[name] = f"per-example norms failed: {type(err).__name__}: {err}"
@@ -335,10 +349,10 @@ class PerExampleGradients:
             step.sq_norm_sum = sq.sum() if step.sq_norm_sum is None else step.sq_norm_sum + sq.sum()
             if self._keep_norms:
                 step.sq_norms.append(sq)
-        for name, value in self._grad_sum.items():
-            _add(step.grad_sum, name, value * unit)
+        for name, value in self._grad_sum.items():  # in place: the micro-batch's sums are let go below
+            _add(step.grad_sum, name, value.mul_(unit))
         for name, value in self._sum_sq.items():
-            _add(step.sum_sq, name, value * unit_sq)
+            _add(step.sum_sq, name, value.mul_(unit_sq))
         self._run_vmap(unit)
         self._reset_micro_batch()
 

@@ -16,7 +16,7 @@ of all uses, so the ghost norm has the cross terms between uses.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -55,8 +55,8 @@ class OuterProductRule(PerExampleRule):
         return False
 
     def _as_weight(self, module: nn.Module, block: Tensor) -> Tensor:
-        """A ``(*, O, I)`` block in the shape of ``module.weight``."""
-        return block.reshape(*block.shape[:-2], *module.weight.shape)
+        """A ``(*, O, I)`` block in the shape of ``module.weight``, or of its first O rows."""
+        return block.reshape(*block.shape[:-2], -1, *module.weight.shape[1:])
 
     def _groups(self, module: nn.Module, a: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]]:
         """A grouped convolution's weight is one block per group, stacked along its first dimension: the
@@ -115,14 +115,21 @@ class OuterProductRule(PerExampleRule):
             sq = g.new_zeros(self._gradients(module, uses[0]).shape[0], dtype=_accumulation_dtype(g))
         return sq + self._bias_grads(module, uses).square().sum(1) if "bias" in trainable else sq
 
-    def sums(self, module: nn.Module, uses: Sequence[Use],
-             workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    def sums(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None,
+             rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
         trainable, out = _trainable(module), {}
-        if "weight" in trainable:
-            parts = [self._grouped_sums(module, a, g, workspace) for a, g in self._chunks(module, uses, workspace)]
-            out["weight"] = tuple(self._as_weight(module, functools.reduce(torch.add, part)) for part in zip(*parts))
-        if "bias" in trainable:
-            bias = self._bias_grads(module, uses)
+        rows = {n: slice(None) for n in trainable} if rows is None else rows
+        if "weight" in trainable and "weight" in rows:
+            r = rows["weight"]
+            if getattr(module, "groups", 1) == 1:  # the weight's rows are the output features: slice those
+                parts = [_outer_sums(a, g[..., r], workspace) for a, g in self._chunks(module, uses, workspace)]
+                out["weight"] = tuple(self._as_weight(module, functools.reduce(torch.add, part)) for part in zip(*parts))
+            else:
+                parts = [self._grouped_sums(module, a, g, workspace) for a, g in self._chunks(module, uses, workspace)]
+                out["weight"] = tuple(self._as_weight(module, functools.reduce(torch.add, part))[r].clone()
+                                      for part in zip(*parts))
+        if "bias" in trainable and "bias" in rows:
+            bias = self._bias_grads(module, uses)[:, rows["bias"]]
             out["bias"] = (bias.sum(0), bias.square().sum(0))
         return out  # type: ignore[return-value]
 

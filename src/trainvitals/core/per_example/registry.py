@@ -14,7 +14,7 @@ per-coordinate sums more cheaply than from per-example gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor, nn
@@ -94,12 +94,16 @@ class PerExampleRule:
             return _batch_zeros(uses)
         return sum(_sq_norms(g.to(_accumulation_dtype(g))) for g in grads.values())  # type: ignore[return-value]
 
-    def sums(self, module: nn.Module, uses: Sequence[Use],
-             workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
-        """``{name: (Σ_i g_i, Σ_i g_i²)}``, elementwise, each of the parameter's shape."""
+    def sums(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None,
+             rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{name: (Σ_i g_i, Σ_i g_i²)}``, elementwise, each of the parameter's shape; with ``rows``, only
+        the parameters it names, each only the rows ``rows[name]`` of its dimension 0 (a bounded share of
+        a large layer; a rule that cannot compute fewer rows computes all and keeps those)."""
         out = {}
         for name, g in self.grads(module, uses).items():
-            g = g.to(_accumulation_dtype(g))
+            if rows is not None and name not in rows:
+                continue
+            g = g.to(_accumulation_dtype(g))[:, slice(None) if rows is None else rows[name]]
             out[name] = (g.sum(0), g.square().sum(0))
         return out
 
@@ -211,8 +215,8 @@ def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor,
     return _rule(module).sq_norms(module, [Use(inputs, grad_output)], workspace)
 
 
-def per_example_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor,
-                     workspace: Workspace | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+def per_example_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor, workspace: Workspace | None = None,
+                     rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
     """(Σ_i g_i, Σ_i g_i²), elementwise, for each of ``module``'s measured trainable parameters (each of
     the parameter's shape): the per-coordinate mean and variance of the per-example gradients.
 
@@ -220,12 +224,12 @@ def per_example_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor,
     ``.grad`` that autograd computes is rounded differently, and its ḡ² against these Σg² would make
     the variance of high-SNR coordinates (a difference of two nearly equal terms) rounding noise.
 
-    The arguments as in :func:`per_example_sq_norms`. Linear with 2-D inputs: ΔᵀA and (Δ²)ᵀ(A²), no
+    The arguments as in :func:`per_example_sq_norms`; ``rows`` as in :meth:`PerExampleRule.sums`. Linear with 2-D inputs: ΔᵀA and (Δ²)ᵀ(A²), no
     per-example tensor; Embedding: a segment sum; the other layers: their per-example gradients
     ``(B, *shape)``, formed (in chunks of examples for convolutions) and summed (BackPACK's
     BatchGrad / SumGradSquared).
     """
-    return _rule(module).sums(module, [Use(inputs, grad_output)], workspace)
+    return _rule(module).sums(module, [Use(inputs, grad_output)], workspace, rows)
 
 
 def _rule(module: nn.Module) -> PerExampleRule:
