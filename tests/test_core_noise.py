@@ -6,7 +6,15 @@ import math
 import pytest
 import torch
 
-from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, NoiseScaleEMA, two_batch_size_estimates
+from trainvitals.core import noise as noise_module
+from trainvitals.core.noise import (
+    BiasCorrectedEMA,
+    MicroBatchSquaredNorms,
+    NoiseScaleEMA,
+    eb_criterion_of_snr_sums,
+    gradient_snr_sum,
+    two_batch_size_estimates,
+)
 
 
 def test_per_example_estimate_is_the_bessel_corrected_variance():
@@ -125,3 +133,19 @@ def test_micro_batch_hooks_take_any_float_dtype(dtype):
     micro.end_micro_batch()
     total, count = micro.pop()
     assert count == 1 and total.dtype == torch.float64 and total.item() == pytest.approx(9.0)
+
+
+def test_gradient_snr_sum_in_chunks_matches_the_whole_tensor(monkeypatch):
+    """Σ_d GSNR_d in chunks of a few coordinates, in float32, against the float64 formula on the whole
+    tensor; and the EB criterion of those sums against Mahsereci et al.'s Eq. 7 written out."""
+    g = torch.Generator().manual_seed(0)
+    per_example = torch.randn(8, 5, 7, generator=g, dtype=torch.float64) + torch.linspace(-1, 1, 7, dtype=torch.float64)
+    grad_sum, sum_sq = per_example.sum(0), per_example.square().sum(0)
+    snr = per_example.mean(0).square() / (per_example.var(0) + 1e-5)
+    monkeypatch.setattr(noise_module, "SNR_CHUNK", 3)
+    total = gradient_snr_sum(grad_sum.float(), sum_sq.float(), 8)
+    assert total.dtype == torch.float64 and math.isclose(float(total), float(snr.sum()), rel_tol=1e-5)
+    exact = gradient_snr_sum(grad_sum, sum_sq, 8)
+    assert math.isclose(float(exact), float(snr.sum()), rel_tol=1e-12)
+    eb = eb_criterion_of_snr_sums([exact, exact], [8, 8], 2 * snr.numel())
+    assert math.isclose(float(eb), 1 - 8 * float(snr.mean()), rel_tol=1e-12)

@@ -24,6 +24,7 @@ Everything here stays on the device; nothing syncs with the host.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -86,6 +87,30 @@ def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, eps: floa
     return mean_grad.square() / (coordinate_variance(mean_grad, sum_sq, num_examples) + eps)
 
 
+SNR_CHUNK = 2**20  # coordinates per chunk of :func:`gradient_snr_sum`: a few MiB of temporaries at any size
+
+
+def gradient_snr_sum(grad_sum: Tensor, sum_sq: Tensor, num_examples: int, eps: float = GSNR_EPS) -> Tensor:
+    """Σ_d ḡ_d²/(σ̂_d² + ε) over the coordinates of Σ_i g_i and Σ_i g_i² of B examples: ``()`` float64.
+
+    Computed in chunks of :data:`SNR_CHUNK` coordinates in the sums' own dtype, each chunk's sum in
+    float64: temporaries of a few MiB however large the layer, no float64 copy of it. float32 is exact
+    enough here: the variance's cancellation (Σg² − Bḡ²) is already in the float32 sums, and one more
+    rounding of each term adds a relative error of ~1e-7 to it.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=grad_sum.device)
+    for g, s in zip(grad_sum.reshape(-1).split(SNR_CHUNK), sum_sq.reshape(-1).split(SNR_CHUNK)):
+        total += gradient_snr(g / num_examples, s, num_examples, eps).sum(dtype=torch.float64)
+    return total
+
+
+def eb_criterion_of_snr_sums(snr_sums: Iterable[Tensor], num_examples: Iterable[int], num_coordinates: int) -> Tensor:
+    """The evidence-based stopping criterion 1 − (1/D) Σ_d B ḡ_d²/(σ̂_d² + ε) (Mahsereci et al. 2017, Eq. 7)
+    from each part's :func:`gradient_snr_sum` and its B; D = ``num_coordinates`` of all parts. ``()`` float64."""
+    total = functools.reduce(torch.add, (n * s for s, n in zip(snr_sums, num_examples)))
+    return 1.0 - total / num_coordinates
+
+
 def eb_criterion(
     mean_grads: Iterable[Tensor], sum_sqs: Iterable[Tensor], num_examples: Iterable[int], eps: float = GSNR_EPS
 ) -> Tensor:
@@ -101,14 +126,12 @@ def eb_criterion(
     Returns:
         ``()`` float64.
     """
-    total, count = None, 0
-    for mean_grad, sum_sq, n in zip(mean_grads, sum_sqs, num_examples):
-        part = (n * gradient_snr(mean_grad.double(), sum_sq.double(), n, eps)).sum()
-        total = part if total is None else total + part
-        count += mean_grad.numel()
-    if total is None:
+    parts = [(gradient_snr_sum(mean_grad * n, sum_sq, n, eps), n, mean_grad.numel())
+             for mean_grad, sum_sq, n in zip(mean_grads, sum_sqs, num_examples)]
+    if not parts:
         raise ValueError("`mean_grads` must not be empty")
-    return 1.0 - total / count
+    snr_sums, counts, sizes = zip(*parts)
+    return eb_criterion_of_snr_sums(snr_sums, counts, sum(sizes))
 
 
 def sub_batch_estimates(
