@@ -26,6 +26,7 @@ from trainvitals.callbacks import grad_norm_monitor as monitor_module
 from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.core.noise import NoiseScaleEMA
+from trainvitals.core.per_example import PerExampleGradients
 
 
 def last_logged(logger: RecordingLogger) -> dict[str, float]:
@@ -122,7 +123,8 @@ def rel(a: float, b: float) -> float:
 @pytest.mark.parametrize(
     "kwargs",
     [{"measure_every_n_steps": 0}, {"log_every_n_steps": 0}, {"histogram_every_n_steps": -1}, {"ema_beta": 1.0},
-     {"loss_reduction": "token"}, {"fallback_sub_batch": 1}, {"max_rel_err": 0.0}, {"top_k": -1}],
+     {"loss_reduction": "token"}, {"fallback_sub_batch": 1}, {"max_rel_err": 0.0}, {"top_k": -1},
+     {"coordinate_budget": 0}],
 )
 def test_constructor_rejects(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
@@ -149,6 +151,77 @@ def test_estimates_match_brute_force_in_training(kind):
     assert rel(logged["grad_noise/eb_criterion"], float(1 - 8 * snr_all.mean())) < 1e-5
     assert math.isclose(logged["grad_norm/noise_floor"], math.sqrt(float(trace) / 8), rel_tol=1e-5)
     assert math.isclose(logged["grad_noise/batch_grad_var/full_batch"], float(trace) / 8, rel_tol=1e-5)
+
+
+def layer_gsnr(per_example: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each layer's mean over its coordinates of ḡ²/(unbiased variance + 1e-5), by GSNR tag."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for n, g in per_example.items():
+        parts.setdefault(f"grad_noise/gsnr/net.{n.rpartition('.')[0]}", []).append(
+            (g.mean(0).square() / (g.var(0) + 1e-5)).flatten())
+    return {tag: float(torch.cat(p).mean()) for tag, p in parts.items()}
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+def test_a_coordinate_budget_rotates_through_the_layers_exactly(tmp_path):
+    """lr = 0 and one batch: every step has the same per-example gradients, so a layer's GSNR gathered
+    over the rows of consecutive logging steps must equal its one-step value. The mlp's 122 coordinates
+    at a budget of 30: a pass of at most ⌈122/30⌉ = 5 logging steps logs every layer once, the EB
+    criterion never; a fit resumed in the middle of a pass completes the pass with the same values."""
+    data = classification_data("mlp", 8)
+    module = Classifier(network("mlp"))
+    truth = layer_gsnr(brute_force_estimates(module.net, *data.tensors)[2])
+    logger = RecordingLogger()
+    probe = BatchVarianceProbe(coordinate_budget=30)
+    trainer = fit(module, data, [probe], batch_size=8, steps=10, logger=logger)
+    assert "grad_noise/eb_criterion" not in logger.series
+    for tag, value in truth.items():
+        steps = [step for step, _ in logger.series[tag]]
+        gaps = [later - earlier for earlier, later in zip([-1, *steps], steps)]
+        assert len(steps) >= 2 and max(gaps) <= math.ceil(122 / 30), tag
+        assert all(rel(v, value) < 1e-6 for v in logger.values(tag)), tag
+
+    first = Classifier(network("mlp"))  # checkpointed at step 3, where net.2's pass has begun (see the docstring)
+    trainer = fit(first, data, [BatchVarianceProbe(coordinate_budget=30)], batch_size=8, steps=3, logger=RecordingLogger())
+    state = next(c for c in trainer.callbacks if isinstance(c, BatchVarianceProbe)).state_dict()
+    assert state["coordinate_cursor"] > 0 and "grad_noise/gsnr/net.2" in state["gsnr_partial"]
+    path = tmp_path / "mid_pass.ckpt"
+    trainer.save_checkpoint(path)
+    resumed_logger = RecordingLogger()
+    pl.Trainer(max_steps=4, callbacks=[BatchVarianceProbe(coordinate_budget=30)], logger=resumed_logger,
+               log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+               accelerator="cpu", devices=1, precision="64-true").fit(
+        Classifier(network("mlp")), DataLoader(data, batch_size=8), ckpt_path=path)
+    assert [step for step, _ in resumed_logger.series["grad_noise/gsnr/net.2"]] == [3]
+    assert rel(resumed_logger.values("grad_noise/gsnr/net.2")[0], truth["grad_noise/gsnr/net.2"]) < 1e-6
+
+
+def test_the_collector_holds_at_most_the_coordinate_budget(monkeypatch):
+    """The per-coordinate sums a step holds (Σg and Σg², two micro-batches added in place) stay within the
+    budget rounded up to a row, on a model 8× over it; at the default budget, which covers this model,
+    they are the whole model's. Every layer's GSNR is still logged within a pass."""
+    held: list[int] = []
+    pop = PerExampleGradients.pop
+
+    def record(self: PerExampleGradients) -> Any:
+        step = pop(self)
+        held.append(sum(v.numel() for v in [*step.grad_sum.values(), *step.sum_sq.values()]))
+        return step
+
+    monkeypatch.setattr(PerExampleGradients, "pop", record)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3)).double()
+    total = sum(p.numel() for p in net.parameters())
+    data = classification_data("mlp", 64)
+    data = TensorDataset(torch.randn(64, 64, dtype=torch.float64), data.tensors[1])
+    logger = RecordingLogger()
+    fit(Classifier(net), data, [BatchVarianceProbe(coordinate_budget=1000)], batch_size=8, steps=10, accumulate=2,
+        logger=logger)
+    assert len(held) == 10 and 0 < min(held) and max(held) <= 2 * (1000 + 63)
+    assert {f"grad_noise/gsnr/net.{i}" for i in (0, 2, 4)} <= set(logger.series)
+    held.clear()
+    fit(Classifier(net), data, [BatchVarianceProbe()], batch_size=8, steps=2, accumulate=2)
+    assert held == [2 * total] * 2
 
 
 @pytest.mark.parametrize("told", [False, True])

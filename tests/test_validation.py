@@ -90,6 +90,7 @@ SPECS: dict[str, dict[str, Spec]] = {
         "ema_beta": Float(0.0, 1.0, high_open=True),
         "loss_reduction": Choice("auto", "mean", "sum"),
         "per_coordinate": Bool(),
+        "coordinate_budget": Int(1),
         "fallback": Bool(),
         "fallback_sub_batch": Int(2),
         "max_rel_err": Float(0.0, low_open=True),

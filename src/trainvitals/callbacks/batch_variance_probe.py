@@ -35,8 +35,8 @@ from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
-    eb_criterion,
-    gradient_snr,
+    eb_criterion_of_snr_sums,
+    gradient_snr_sum,
     per_example_estimates,
     sub_batch_estimates,
     two_batch_size_estimates,
@@ -51,6 +51,7 @@ from trainvitals.core.per_example import (
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
 BATCHNORM_MIN_VALUES = 8  # below this many values per channel, BatchNorm's batch statistics are mostly noise
+COORDINATE_BUDGET = 2**21  # per-coordinate sums per logging step: 16 MiB of float32 Σg and Σg²
 
 
 @dataclass
@@ -62,6 +63,11 @@ class _StepSums:
     examples: int
     valid: Tensor | bool  # every rank measured all its examples
     failed: set[str]  # layers to exclude from now on
+
+
+def _gsnr_key(parameter: str) -> str:
+    """The GSNR tag of a parameter's module (qualified names)."""
+    return f"grad_noise/gsnr/{parameter.rpartition('.')[0] or '(root)'}"
 
 
 class BatchVarianceProbe(Callback):
@@ -111,10 +117,10 @@ class BatchVarianceProbe(Callback):
     step, in the units of ``.grad``, beside GradNormMonitor's ``grad_norm/total``),
     ``grad_noise/batch_grad_var/micro_batch`` and ``.../full_batch`` (tr Σ / b and tr Σ / B), and with
     ``per_coordinate`` ``grad_noise/gsnr/<module>`` and ``grad_noise/eb_criterion`` over the parameters
-    of sources 1 and 3. Every ``histogram_every_n_steps``: a histogram ``grad_noise/per_example_grad_norm``
-    and a text panel ``grad_noise/outliers`` with the ``top_k`` largest, by dataset row where the batch
-    carries it or the sampler's order is fixed (``callbacks._batch.dataset_rows``), else by position in
-    this process's batch.
+    of sources 1 and 3 (those of source 1 within ``coordinate_budget``). Every ``histogram_every_n_steps``:
+    a histogram ``grad_noise/per_example_grad_norm`` and a text panel ``grad_noise/outliers`` with the
+    ``top_k`` largest, by dataset row where the batch carries it or the sampler's order is fixed
+    (``callbacks._batch.dataset_rows``), else by position in this process's batch.
 
     Public attributes for other callbacks: :attr:`noise` (updated at most once per optimizer step, in
     ``on_before_optimizer_step``; ``noise.count`` stays 0 until a valid measurement) and
@@ -135,6 +141,16 @@ class BatchVarianceProbe(Callback):
         loss_reduction: ``"auto"`` (read from the loss's autograd graph), ``"mean"`` or ``"sum"`` over the
             examples of a micro-batch.
         per_coordinate: compute GSNR and the EB criterion on logging steps.
+        coordinate_budget: coordinates of the per-example-norm layers whose per-coordinate sums one
+            logging step collects (≥ 1), rounded up to whole rows of a parameter's dimension 0. The
+            sums cost 8 bytes per coordinate (float32 Σg and Σg², plus as much again while a
+            micro-batch's are added in): the default 2**21 holds 16 MiB, ≤ 10 % of a bare run's peak
+            memory for a 50M-parameter model; a model within the budget is covered at every logging
+            step. Over it, successive logging steps take successive rows, in the plan's parameter
+            order, and a layer's GSNR is logged at the logging step that completes its pass: every
+            ⌈coordinates / budget⌉ logging steps, its rows from consecutive logging steps. The EB
+            criterion, one step's sum over all coordinates, is then not logged (said once, with the
+            budget that would log it).
         fallback: allow source 3.
         fallback_sub_batch: examples per step for source 3 (≥ 2).
         max_rel_err: relative standard error of B_simple above which it is flagged unreliable and gives
@@ -156,6 +172,7 @@ class BatchVarianceProbe(Callback):
         ema_beta: float = 0.98,
         loss_reduction: str = "auto",
         per_coordinate: bool = True,
+        coordinate_budget: int = COORDINATE_BUDGET,
         fallback: bool = True,
         fallback_sub_batch: int = 16,
         max_rel_err: float = 0.5,
@@ -173,6 +190,7 @@ class BatchVarianceProbe(Callback):
         self.ema_beta = check_float("ema_beta", ema_beta, 0.0, 1.0, high_open=True)
         self.loss_reduction = check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
         self.per_coordinate = check_bool("per_coordinate", per_coordinate)
+        self.coordinate_budget = check_int("coordinate_budget", coordinate_budget, 1)
         self.fallback = check_bool("fallback", fallback)
         self.fallback_sub_batch = check_int("fallback_sub_batch", fallback_sub_batch, 2)
         self.max_rel_err = check_float("max_rel_err", max_rel_err, 0.0, low_open=True)
@@ -239,6 +257,10 @@ class BatchVarianceProbe(Callback):
         self._open_step = -1
         self._measuring = False
         self._finalized_step = -1
+        self._coordinate_cursor = 0  # the first coordinate of the next logging step's selection
+        self._selection: dict[str, slice] = {}
+        self._step_coordinates: dict[str, tuple[int, bool, bool]] = {}  # per GSNR key: coordinates, starts, ends
+        self._gsnr_partial: dict[str, tuple[float, int]] = {}  # per GSNR key: Σ GSNR and coordinates of the pass
         self._micro_sizes: list[int] = []
         self._unsized = False  # a micro-batch of this step whose size Lightning cannot tell
         self._stated_reduction = ""
@@ -334,6 +356,22 @@ class BatchVarianceProbe(Callback):
                              "micro_batch": list(self._plan.micro_batch.values()),
                              "vmap": list(self._plan.parameters("vmap").values())}
         self.sources = self._plan.describe(pl_module)
+        self._coordinate_cursor, self._gsnr_partial = 0, {}
+        self._module_coordinates: dict[str, int] = {}  # per GSNR key: its parameters' coordinates
+        self._module_parameters: dict[str, tuple[str, str]] = {}  # per GSNR key: its first and last parameter
+        for name, p in {**self._plan.parameters("per_example"), **self._plan.parameters("vmap")}.items():
+            if not p.numel():
+                continue
+            key = _gsnr_key(name)
+            self._module_coordinates[key] = self._module_coordinates.get(key, 0) + p.numel()
+            self._module_parameters[key] = (self._module_parameters.get(key, (name,))[0], name)
+        coordinates = sum(p.numel() for p in self._plan_params["per_example"])
+        if self.per_coordinate and coordinates > self.coordinate_budget:
+            rank_zero_info(f"trainvitals BatchVarianceProbe: per-coordinate sums of {self.coordinate_budget:,} of the "
+                           f"{coordinates:,} coordinates per logging step: each layer's GSNR is logged once a pass over "
+                           f"its rows ends (a pass: {math.ceil(coordinates / self.coordinate_budget)} logging steps), the EB "
+                           f"criterion not at all; coordinate_budget={coordinates} would log it at every logging step, "
+                           f"holding {16 * coordinates / 2**20:,.1f} MiB of sums while they are added up")
         trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
         measured = {id(p): p for ps in self._plan_params.values() for p in ps}
         self.noise_source.param_share = (sum(p.numel() for p in measured.values())
@@ -401,7 +439,9 @@ class BatchVarianceProbe(Callback):
         self._detach_hooks()
         if not self._measuring:
             return
-        collector.attach(coordinates=self.per_coordinate and is_logging_step(step, self._log_every),
+        coordinates = self.per_coordinate and is_logging_step(step, self._log_every)
+        self._selection = self._select_coordinates() if coordinates else {}
+        collector.attach(coordinates=self._selection,
                          keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
         self._micro.attach(plan.micro_batch.values())
         self._bn_values = {}
@@ -630,39 +670,94 @@ class BatchVarianceProbe(Callback):
 
     # ------------------------------------------------------------------ logging
 
-    @staticmethod
-    def _coordinate_stats(trainer: "pl.Trainer", per_example: dict[str, torch.nn.Parameter], result: PerExampleStep,
-                          examples: int) -> dict[str, Tensor]:
-        # Every parameter of the plan, in its order, zeros where this rank has no sums (a layer that failed
+    def _select_coordinates(self) -> dict[str, slice]:
+        """The rows (dimension 0) of the per-example-norm parameters whose per-coordinate sums this
+        logging step collects: all of them within ``coordinate_budget``; otherwise whole rows from the
+        cursor on until the budget is reached (rounded up to a whole row), the cursor moving on by as
+        many and back to the first parameter after the last (a pass takes ⌈coordinates / budget⌉
+        logging steps, every one on all ranks alike)."""
+        assert self._plan is not None
+        params = {n: p for n, p in self._plan.parameters("per_example").items() if p.numel()}
+        total = sum(p.numel() for p in params.values())
+        if total <= self.coordinate_budget:
+            return {n: slice(None) for n in params}
+        cursor = self._coordinate_cursor if self._coordinate_cursor < total else 0
+        selection, left, offset = {}, self.coordinate_budget, 0
+        for name, p in params.items():
+            offset += p.numel()
+            if offset <= cursor:
+                continue
+            rows, row_size = p.shape[0], p.numel() // p.shape[0]
+            first = max(cursor - (offset - p.numel()), 0) // row_size
+            take = min(rows - first, -(-left // row_size))
+            selection[name] = slice(first, first + take)
+            left -= take * row_size
+            if left <= 0:
+                cursor = offset - p.numel() + (first + take) * row_size
+                break
+        self._coordinate_cursor = cursor if left <= 0 else 0
+        return selection
+
+    def _coordinate_stats(self, trainer: "pl.Trainer", result: PerExampleStep, examples: int) -> dict[str, Tensor]:
+        """Σ_d GSNR_d per module over this step's coordinates (``grad_noise/gsnr/<module>``: a sum here,
+        a mean once :meth:`_complete_gsnr` has a module's pass), and ``grad_noise/eb_criterion`` when
+        they are all the measured ones. Per parameter, in the sums' dtype (:func:`gradient_snr_sum`):
+        no copy of the sums beyond one bucket of the selected ones for DDP's all-reduce."""
+        assert self._plan is not None
+        self._step_coordinates = {}
+        params = self._plan.parameters("per_example")
+        # Every selected parameter, in its order, zeros where this rank has no sums (a layer that failed
         # here): the ranks' collectives must match; such a step is invalid and its GSNR is not logged.
-        names = list(per_example) if result.sum_sq else []
-        grad_sums = [result.grad_sum[n].double() if n in result.grad_sum else
-                     torch.zeros_like(per_example[n], dtype=torch.float64) for n in names]
-        sum_sqs = [result.sum_sq[n].double() if n in result.sum_sq else
-                   torch.zeros_like(per_example[n], dtype=torch.float64) for n in names]
-        if names and trainer.world_size > 1:  # the sums over every rank's examples, in one collective
+        selection = self._selection if result.sum_sq or trainer.world_size > 1 else {}
+
+        def zeros(name: str) -> Tensor:
+            p = params[name]
+            return torch.zeros_like(p[selection[name]], dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+
+        grad_sums = [result.grad_sum[n] if n in result.grad_sum else zeros(n) for n in selection]
+        sum_sqs = [result.sum_sq[n] if n in result.sum_sq else zeros(n) for n in selection]
+        if selection and trainer.world_size > 1:  # the sums over every rank's examples, in one collective
             parts = grad_sums + sum_sqs
             flat = trainer.strategy.reduce(torch.cat([v.flatten() for v in parts]), reduce_op="sum")
             parts = [f.view_as(v) for f, v in zip(flat.split([v.numel() for v in parts]), parts)]
-            grad_sums, sum_sqs = parts[:len(names)], parts[len(names):]
-        means = [total / examples for total in grad_sums]
-        sums, counts = sum_sqs, [examples] * len(names)
-        modules = [name.rpartition(".")[0] for name in names]
+            grad_sums, sum_sqs = parts[:len(selection)], parts[len(selection):]
+        snr_sums = [gradient_snr_sum(g, s, examples) for g, s in zip(grad_sums, sum_sqs)]
+        counts, sizes = [examples] * len(selection), [g.numel() for g in grad_sums]
+        whole = sum(sizes) == sum(p.numel() for p in params.values())
+        rows = dict(selection)
         if result.num_sub >= 2:
             for name, value in result.sub_sum_sq.items():
-                means.append(result.sub_grad_sum[name].double() / result.num_sub)
-                sums.append(value.double())
+                snr_sums.append(gradient_snr_sum(result.sub_grad_sum[name], value, result.num_sub))
                 counts.append(result.num_sub)
-                modules.append(name.rpartition(".")[0])
-        if not means:
-            return {}
-        out: dict[str, Tensor] = {"grad_noise/eb_criterion": eb_criterion(means, sums, counts)}
-        per_module: dict[str, list[Tensor]] = {}
-        for mean, total, n, module in zip(means, sums, counts, modules):
-            per_module.setdefault(module, []).append(gradient_snr(mean, total, n).flatten())
-        for module, parts in per_module.items():
-            out[f"grad_noise/gsnr/{module or '(root)'}"] = torch.cat(parts).mean()
+                sizes.append(value.numel())
+                rows[name] = slice(None)
+        out: dict[str, Tensor] = {}
+        for (name, r), snr_sum, size in zip(rows.items(), snr_sums, sizes):
+            # A module's pass starts with its first parameter's first row and ends with its last one's last.
+            key = _gsnr_key(name)
+            head, tail = self._module_parameters[key]
+            first = name == head and r.start in (None, 0)
+            last = name == tail and (r.stop is None or r.stop >= params[name].shape[0])
+            before = self._step_coordinates.get(key)
+            out[key] = snr_sum if before is None else out[key] + snr_sum
+            self._step_coordinates[key] = (size, first, last) if before is None else (before[0] + size, before[1], last)
+        if whole and snr_sums:
+            out["grad_noise/eb_criterion"] = eb_criterion_of_snr_sums(snr_sums, counts, sum(sizes))
         return out
+
+    def _complete_gsnr(self, values: dict[str, float]) -> dict[str, float]:
+        """``values`` with each module's GSNR sum replaced by its mean over the module at the step that
+        ends the module's pass, and left out before that (kept in :attr:`_gsnr_partial`). A pass that
+        lost a step (invalid, not finite, not logged) or that did not start with this fit is not logged."""
+        for key, (size, first, last) in self._step_coordinates.items():
+            value = values.pop(key, math.nan)
+            total, count = (0.0, 0) if first else self._gsnr_partial.pop(key, (math.nan, 0))
+            total, count = total + value, count + size
+            if not last:
+                self._gsnr_partial[key] = (total, count)
+            elif math.isfinite(total) and count == self._module_coordinates[key]:
+                values[key] = total / count
+        return values
 
     def _log(self, trainer: "pl.Trainer", result: PerExampleStep, valid: Tensor | bool, examples: int,
              step: int) -> None:
@@ -675,8 +770,9 @@ class BatchVarianceProbe(Callback):
             "grad_noise/batch_grad_var/micro_batch": estimate.trace_cov / self._micro_batch_size,
             "grad_noise/batch_grad_var/full_batch": estimate.trace_cov / (estimate.batch_size or batch),
         }
+        self._step_coordinates = {}
         if self.per_coordinate and self._plan is not None:
-            metrics.update(self._coordinate_stats(trainer, self._plan.parameters("per_example"), result, examples))
+            metrics.update(self._coordinate_stats(trainer, result, examples))
         keys = list(metrics)
         device = self.noise.count.device
         host = torch.stack([metrics[k].detach().double().reshape(()).to(device) for k in keys]
@@ -687,7 +783,7 @@ class BatchVarianceProbe(Callback):
         valid_now = valid_now and not self.noise_source.invalid  # GSNR and EB are per-example statistics
         values = {k: v for k, v in values.items() if math.isfinite(v)
                   and (valid_now or not k.startswith(("grad_noise/gsnr/", "grad_noise/eb_criterion")))}
-        log_scalars(trainer, values, step)
+        log_scalars(trainer, self._complete_gsnr(values), step)
         disagreement = self.gradient_noise.disagreement()
         if disagreement:
             rank_zero_warn(f"trainvitals BatchVarianceProbe: {disagreement}.")
@@ -732,10 +828,13 @@ class BatchVarianceProbe(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"noise": self.noise.state_dict(), "noise_error": self.noise_error.state_dict(),
                 "effective_batch_size": self.effective_batch_size, "grad_scale": self.grad_scale,
-                "source": self.noise_source.state_dict()}
+                "source": self.noise_source.state_dict(), "coordinate_cursor": self._coordinate_cursor,
+                "gsnr_partial": {k: list(v) for k, v in self._gsnr_partial.items()}}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.noise_source.load_state_dict(state_dict.get("source", {
             "noise": state_dict.get("noise", {}), "error": state_dict.get("noise_error", {}),
             "effective_batch_size": state_dict.get("effective_batch_size"), "unit_scale": state_dict.get("grad_scale", 1.0)}))
+        self._coordinate_cursor = int(state_dict.get("coordinate_cursor", 0))
+        self._gsnr_partial = {k: (float(total), int(count)) for k, (total, count) in state_dict.get("gsnr_partial", {}).items()}
