@@ -11,7 +11,9 @@ and a logging step costs at most 1.5 × a bare step. With a GPU, ``torch.cuda.ma
 is reported too (``--device cuda``).
 
 Step time is the median wall time of an optimizer step (its two micro-batch iterations, after the first
-``--warmup`` iterations; StepTimer of ``_common``), one torch thread.
+``--warmup`` iterations; StepTimer of ``_common``), one torch thread, and the median process CPU time
+of the same steps: on a shared machine the wall-clock ratios swing with the other processes' load,
+the CPU-time ratios much less.
 
     python benchmarks/bench_memory_overhead.py              # ~2-4 min on 2 CPU cores
     python benchmarks/bench_memory_overhead.py --width 1024 --depth 6 --steps 6   # smoke run
@@ -59,10 +61,11 @@ CALLBACKS: dict[str, Callable[[], list[pl.Callback]]] = {
 }
 
 
-def per_step_seconds(timer: StepTimer) -> list[float]:
-    """Wall seconds of each whole optimizer step (its micro-batch iterations added up), complete ones only."""
+def per_step_seconds(timer: StepTimer, cpu: bool = False) -> list[float]:
+    """Wall (or process CPU) seconds of each whole optimizer step (its micro-batch iterations added up),
+    complete ones only."""
     steps: dict[int, list[float]] = {}
-    for step, seconds in zip(timer.steps, timer.seconds):
+    for step, seconds in zip(timer.steps, timer.cpu_seconds if cpu else timer.seconds):
         steps.setdefault(step, []).append(seconds)
     return [sum(s) for s in steps.values() if len(s) == 2]
 
@@ -93,6 +96,7 @@ def child(args: argparse.Namespace) -> None:
         "parameters": sum(p.numel() for p in model.parameters()),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step_s": median(per_step_seconds(timer)),
+        "cpu_step_s": median(per_step_seconds(timer, cpu=True)),
     }
     if device.type == "cuda":
         result["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -127,13 +131,14 @@ def main() -> None:
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"{variant}: {results[-1]}", file=sys.stderr, flush=True)
     bare = next((r for r in results if r["variant"] == "bare"), None)
-    headers = ["variant", "peak RSS (MB)", "vs bare", "logging step (s)", "vs bare"]
+    headers = ["variant", "peak RSS (MB)", "vs bare", "logging step (s)", "vs bare", "CPU s", "vs bare"]
     if args.device != "cpu":
         headers += ["CUDA peak (MB)", "vs bare"]
     rows = []
     for r in results:
         row = [r["variant"], f"{r['peak_rss_mb']:,.0f}", f"{r['peak_rss_mb'] / bare['peak_rss_mb']:.3f}" if bare else "",
-               f"{r['step_s']:.3f}", f"{r['step_s'] / bare['step_s']:.2f}" if bare else ""]
+               f"{r['step_s']:.3f}", f"{r['step_s'] / bare['step_s']:.2f}" if bare else "",
+               f"{r['cpu_step_s']:.3f}", f"{r['cpu_step_s'] / bare['cpu_step_s']:.2f}" if bare else ""]
         if "cuda_peak_mb" in r:
             row += [f"{r['cuda_peak_mb']:,.0f}", f"{r['cuda_peak_mb'] / bare['cuda_peak_mb']:.3f}" if bare else ""]
         rows.append(row)
