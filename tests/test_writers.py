@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
@@ -17,7 +18,7 @@ from tensorboard.backend.event_processing.event_file_loader import LegacyEventFi
 
 from _models import ReleaseProcessGroup, Regressor, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
-from trainvitals.callbacks._writers import log_scalars
+from trainvitals.callbacks._writers import histogram_summary, log_scalars
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 
 
@@ -129,3 +130,22 @@ def test_early_stopping_on_a_trainvitals_metric_under_ddp(tmp_path: Path) -> Non
     # Every rank has the value (the norm of the all-reduced gradient: the same on both), and both stop together.
     assert len(ranks[0]["seen"]) == 4 and ranks[0]["seen"] == pytest.approx(ranks[1]["seen"], rel=1e-6)
     assert ranks[0]["stopped_epoch"] == ranks[1]["stopped_epoch"] == 0 and ranks[0]["epoch"] == ranks[1]["epoch"] == 1
+
+
+def test_histogram_summary_counts_every_finite_value_of_several_tensors() -> None:
+    """Bounded-memory histogram of a group's gradients against numpy on their concatenation."""
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(40, 7, generator=g), 3 * torch.randn(13, generator=g), torch.randn(5, 5, generator=g).half()]
+    parts[1][4] = float("nan")
+    parts[0][2, 3] = float("inf")
+    summary = histogram_summary(parts, bins=16)
+    flat = np.concatenate([p.float().reshape(-1).numpy() for p in parts])
+    flat = flat[np.isfinite(flat)].astype(np.float64)
+    counts, edges = np.histogram(flat, bins=16, range=(flat.min(), flat.max()))
+    assert summary["num"] == flat.size == sum(summary["bucket_counts"])
+    assert (summary["min"], summary["max"]) == pytest.approx((flat.min(), flat.max()))
+    assert summary["bucket_limits"] == pytest.approx(edges[1:].tolist())
+    assert np.abs(np.array(summary["bucket_counts"]) - counts).sum() <= 2  # float32 edge rounding at most
+    assert summary["sum"] == pytest.approx(flat.sum(), rel=1e-5)
+    assert summary["sum_squares"] == pytest.approx((flat**2).sum(), rel=1e-5)
+    assert histogram_summary([torch.full((3,), float("nan"))]) is None

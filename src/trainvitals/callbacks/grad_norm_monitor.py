@@ -412,7 +412,7 @@ class GradNormMonitor(Callback):
         for i in present:
             by_group.setdefault(int(track.groups.index[i]), []).append(track.params[i].grad.reshape(-1))
         for g, grads in by_group.items():
-            log_histogram(trainer, self._tag(trainer, f"hist/{track.groups.names[g]}", index), torch.cat(grads), step)
+            log_histogram(trainer, self._tag(trainer, f"hist/{track.groups.names[g]}", index), grads, step)
         group_norms = grouped_norms(track.latest, track.groups, self.norm_type)
         log_histogram(trainer, self._tag(trainer, "hist/group_norms", index), group_norms, step)
 
