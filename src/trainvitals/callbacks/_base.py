@@ -134,8 +134,10 @@ class TrainvitalsCallback(Callback):
 
     # ------------------------------------------------------------------ messages
     def message(self, text: str) -> str:
-        """``text`` with this callback's prefix: ``trainvitals <Callback>: text``."""
-        return f"trainvitals {type(self).__name__}: {text}"
+        """``text`` with this callback's prefix: ``trainvitals <Callback>: text``, the trainvitals class
+        named (also in a user's subclass of it)."""
+        name = next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("trainvitals."))
+        return f"trainvitals {name}: {text}"
 
     # The stack levels point a warning at the hook that gave it, past these helpers and Lightning's.
     def info(self, text: str, once: bool = False) -> None:
