@@ -11,8 +11,7 @@ gradient noise scale B̂, and says what lr other batch sizes need (docs/science.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,12 +20,12 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.seed import isolate_rng
 
 from trainvitals._validation import check_bool, check_int, renamed_arguments
 from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
+from trainvitals.callbacks._rerun import rerun_quietly
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.core.lr_scaling import (
     LRAdvice,
@@ -243,10 +242,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
         through ``trainer.strategy.training_step`` so wrappers (DDP, FSDP) and the precision context
         apply as in the real step; every rank runs it, so any collective inside matches.
         """
-        buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
-        modes = [(m, m.training) for m in pl_module.modules()]
         try:
-            with isolate_rng(), torch.no_grad(), _muted_logging(pl_module):
+            with rerun_quietly(pl_module), torch.no_grad():
                 pl_module.eval()
                 single = _loss_of(trainer.strategy.training_step(batch, batch_idx))
                 doubled = _loss_of(trainer.strategy.training_step(_doubled(batch), batch_idx))
@@ -254,12 +251,6 @@ class LRScalingAdvisor(TrainvitalsCallback):
         except Exception as err:  # user code run speculatively must not break the run
             self.warn(f"could not probe the loss reduction ({type(err).__name__}: {err}); skipping it.")
             return
-        finally:
-            for module, training in modes:
-                module.train(training)
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
         self.loss_reduction = classify_loss_reduction(loss, loss_doubled)
         self.loss_ratio = loss_doubled / loss if loss else math.nan
 
@@ -443,14 +434,3 @@ def _loss_of(output: Any) -> Tensor:
 def _doubled(batch: Any) -> Any:
     """The batch concatenated with itself along the first dimension (0-d tensors kept)."""
     return apply_to_collection(batch, Tensor, lambda t: torch.cat([t, t]) if t.dim() > 0 else t)
-
-
-@contextmanager
-def _muted_logging(pl_module: "pl.LightningModule") -> Iterator[None]:
-    """``self.log``/``self.log_dict`` as no-ops, so the probe's extra ``training_step`` calls log nothing."""
-    pl_module.log = lambda *_, **__: None  # type: ignore[method-assign]
-    pl_module.log_dict = lambda *_, **__: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del pl_module.log, pl_module.log_dict
