@@ -24,6 +24,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._base import TrainvitalsCallback
@@ -493,4 +494,4 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
             rows.append(("noise source", source))
             rows += self.gradient_noise.summary_rows()
-        return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+        return "\n".join(markdown_table(("", ""), rows))

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_choice, check_int, renamed_arguments
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
 from trainvitals.callbacks._base import TrainvitalsCallback
@@ -286,8 +287,7 @@ class GradNormMonitor(TrainvitalsCallback):
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: per optimizer, the last total norm, its largest groups, and the counters."""
-        lines = ["| optimizer | steps | last ‖g‖ | largest groups (last step) | non-finite | AMP-skipped | spikes |",
-                 "|---|---:|---:|---|---:|---:|---:|"]
+        rows = []
         for index, track in self._tracks.items():
             self._read_back(track)
             if track.last_read is None:
@@ -295,9 +295,12 @@ class GradNormMonitor(TrainvitalsCallback):
             _, total, group_norms = track.last_read
             largest = ", ".join(f"`{name}` {value:.3g}" for name, value in _largest(group_norms))
             counts = track.counts
-            lines.append(f"| {index} | {track.steps} | {total:.4g} | {largest}"
-                         f" | {counts['nonfinite_steps']} | {counts['amp_skipped_steps']} | {counts['spike_steps']} |")
-        return "\n".join(lines) if len(lines) > 2 else "No optimizer step was measured."
+            rows.append((index, track.steps, f"{total:.4g}", largest, counts["nonfinite_steps"],
+                         counts["amp_skipped_steps"], counts["spike_steps"]))
+        if not rows:
+            return "No optimizer step was measured."
+        return "\n".join(markdown_table(("optimizer", "steps", "last ‖g‖", "largest groups (last step)", "non-finite",
+                                         "AMP-skipped", "spikes"), rows, align="lrrlrrr"))
 
     # ------------------------------------------------------------------ helpers
     def _track(self, index: int, pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> _Track:

@@ -43,6 +43,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_callable, check_int
 from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._writers import log_scalars, log_text
@@ -319,11 +320,8 @@ class GraphIntegrityCallback(TrainvitalsCallback):
                 f"**Graph integrity: clean bill of health.** No findings in {self._walks} graph walk(s) and "
                 f"{self._grad_checks} gradient check(s)."
             )
-        rows = ["| step | kind | names | finding |", "|---:|---|---|---|"]
-        for f in self.findings:
-            cells = (str(f.step), f.kind.value, listed(f.names), f.message)
-            rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
-        return "\n".join(rows)
+        rows = [(f.step, f.kind.value, listed(f.names), f.message) for f in self.findings]
+        return "\n".join(markdown_table(("step", "kind", "names", "finding"), rows, align="r"))
 
     def _publish(self, trainer: "pl.Trainer") -> None:
         table = self.summary_markdown()

@@ -24,6 +24,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_int, renamed_arguments
 from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._writers import log_image, log_scalars, log_text, tensorboard_writers
@@ -353,9 +354,9 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
 
     def _modules_markdown(self, last: StepMemory) -> list[str]:
         total = last.activations.total_bytes or 1
-        rows = [f"| `{name}` | {nbytes:,} | {100 * nbytes / total:.1f}% |"
+        rows = [(f"`{name}`", f"{nbytes:,}", f"{100 * nbytes / total:.1f}%")
                 for name, nbytes in list(last.activations.by_module.items())[: self.max_modules_shown]]
-        return ["", "### Saved for backward, by module", "| module | bytes | share |", "|---|---:|---:|", *rows]
+        return ["", "### Saved for backward, by module", *markdown_table(("module", "bytes", "share"), rows, align="lrr")]
 
     def _advice_markdown(self, last: StepMemory) -> list[str]:
         if last.budget_bytes is None:
@@ -369,10 +370,10 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
             what = f"{r.kind} of `{r.target}`" if r.target else r.kind
             extra = f"+{100 * r.extra_compute:.1f}% step time" if r.extra_compute is not None else ""
             batch = "" if r.largest_batch is None else f"{r.largest_batch}"
-            rows.append(f"| {rank} | {what} | {format_bytes(r.bytes_freed)} | {batch} | {extra} | {r.note} |")
+            rows.append((rank, what, format_bytes(r.bytes_freed), batch, extra, r.note))
+        headers = ("#", "remedy", "lowers the peak by", "largest batch after", "extra compute", "note")
         return ["", "### Advice, the most bytes off the step's peak first", budget, "",
-                "| # | remedy | lowers the peak by | largest batch after | extra compute | note |",
-                "|---|---|---:|---:|---:|---|", *rows]
+                *markdown_table(headers, rows, align="llrrrl")]
 
     def picture(self) -> np.ndarray | None:
         """Saved bytes per module of the latest profiled step as an ``(H, W, 3)`` uint8 bar chart.
