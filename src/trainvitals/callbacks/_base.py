@@ -120,17 +120,9 @@ class TrainvitalsCallback(Callback):
             return
         for op in REDUCTIONS:
             names = [n for n, s in self._states.items() if s.dist_reduce_fx == op]
-            if not names:
-                continue
-            values = [getattr(self, n) for n in names]
-            packed = torch.cat([v.detach().double().reshape(-1) for v in values])
-            if op in ("sum", "mean"):
-                packed = trainer.strategy.reduce(packed, reduce_op=op)
-            else:
-                gathered = trainer.strategy.all_gather(packed).reshape(-1, packed.numel())
-                packed = gathered.amax(0) if op == "max" else gathered.amin(0)
-            for name, value, part in zip(names, values, packed.split([v.numel() for v in values])):
-                setattr(self, name, part.reshape(value.shape).to(value.dtype))
+            if names:
+                for name, value in zip(names, reduce_packed(trainer, [getattr(self, n) for n in names], op)):
+                    setattr(self, name, value)
 
     # ------------------------------------------------------------------ messages
     def message(self, text: str) -> str:
@@ -164,6 +156,19 @@ class TrainvitalsCallback(Callback):
     @functools.cached_property
     def _warning_cache(self) -> WarningCache:
         return WarningCache()
+
+
+def reduce_packed(trainer: "pl.Trainer", tensors: list[Tensor], op: str = "sum") -> list[Tensor]:
+    """``tensors`` combined over ranks by ``op`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``) in one
+    collective, packed as float64 and given back in their shapes and dtypes. Every rank must call it
+    with the same shapes."""
+    packed = torch.cat([t.detach().to(torch.float64).reshape(-1) for t in tensors])
+    if op in ("sum", "mean"):
+        packed = trainer.strategy.reduce(packed, reduce_op=op)
+    else:
+        gathered = trainer.strategy.all_gather(packed).reshape(-1, packed.numel())
+        packed = gathered.amax(0) if op == "max" else gathered.amin(0)
+    return [part.reshape(t.shape).to(t.dtype) for t, part in zip(tensors, packed.split([t.numel() for t in tensors]))]
 
 
 def _fresh(default: Any) -> Any:

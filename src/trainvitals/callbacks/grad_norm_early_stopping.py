@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.callbacks._amp import loss_scale
-from trainvitals.callbacks._base import TrainvitalsCallback
+from trainvitals.callbacks._base import TrainvitalsCallback, reduce_packed
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._stopping import can_stop_now
@@ -362,10 +362,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if world > 1:  # the mean over ranks, and whether every rank had the same usable micro-batches
             shape = torch.tensor([float(usable), float(n_local), float(micro_batch_size)], dtype=torch.float64,
                                  device=mean_sq.device)
-            packed = trainer.strategy.reduce(torch.cat([mean_sq.reshape(1), shape, shape.square()]), reduce_op="sum")
-            mean_sq = packed[0] / world
+            summed, shapes, squares = reduce_packed(trainer, [mean_sq, shape, shape.square()])
+            mean_sq = summed / world
             # Σx = W·x and Σx² = W·x² on every rank hold only when all ranks have the same x.
-            valid = valid & (packed[1:4] == world * shape).all() & (packed[4:] == world * shape.square()).all()
+            valid = valid & (shapes == world * shape).all() & (squares == world * shape.square()).all()
         if not usable:
             return
         # An epoch's last window can hold fewer than A micro-batches; Lightning still divides by A.
