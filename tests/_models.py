@@ -63,6 +63,25 @@ class Regressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class Classifier(pl.LightningModule):
+    """``net`` under cross-entropy (``reduction`` over the batch) and plain SGD at ``lr`` (0: the
+    parameters stay where they are, so every step measures the same model)."""
+
+    def __init__(self, net: nn.Module, reduction: str = "mean", lr: float = 0.0) -> None:
+        super().__init__()
+        self.net, self.reduction, self.lr = net, reduction, lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y, reduction=self.reduction)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
 class ReleaseProcessGroup(pl.Callback):
     """Destroys the process group when a ``ddp_spawn`` fit is done, before the worker process exits.
 

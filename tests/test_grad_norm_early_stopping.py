@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-from _models import Regressor, ReleaseProcessGroup, loader, regression_data
+from _models import Classifier, Regressor, ReleaseProcessGroup, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
 from trainvitals.callbacks import grad_norm_monitor as monitor_module
@@ -428,19 +428,6 @@ def test_fused_optimizer_under_a_grad_scaler_is_measured_unscaled():
 
 
 # ---------------------------------------------------------------- the run's one estimate, on models outside the closed forms
-class _Classifier(pl.LightningModule):
-    def __init__(self, net: nn.Module, lr: float = 0.05) -> None:
-        super().__init__()
-        self.net, self.lr = net, lr
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-
 def _batchnorm_cnn() -> nn.Module:
     return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
 
@@ -463,7 +450,7 @@ def test_a_batchnorm_cnn_on_one_device_is_not_stopped_by_a_broken_estimate():
     probe, stopper = BatchVarianceProbe(), GradNormEarlyStopping(min_steps=0, patience=5)
     logger = RecordingLogger()
     with pytest.warns(UserWarning) as record:
-        trainer = _fit(_Classifier(_batchnorm_cnn()), [probe, stopper], DataLoader(_images(16 * 300), batch_size=16),
+        trainer = _fit(Classifier(_batchnorm_cnn(), lr=0.05), [probe, stopper], DataLoader(_images(16 * 300), batch_size=16),
                        logger=logger, max_epochs=1, log_every_n_steps=10)
     assert trainer.global_step == 300 and stopper.stopped_step is None
     (caveat,) = _caveats(record)
@@ -479,7 +466,7 @@ def test_a_batchnorm_cnn_with_accumulation_is_decided_by_the_micro_batches():
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _fit(_Classifier(_batchnorm_cnn()), [probe, stopper], DataLoader(_images(16 * 4 * 40), batch_size=16),
+        _fit(Classifier(_batchnorm_cnn(), lr=0.05), [probe, stopper], DataLoader(_images(16 * 4 * 40), batch_size=16),
              max_epochs=1, accumulate_grad_batches=4, log_every_n_steps=1)
     assert not _caveats(record) and not probe.noise_source.invalid
     assert not probe._plan.per_example and "measured from micro-batches and ranks" in probe.sources
@@ -514,7 +501,7 @@ def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
     advisor, logger = LRScalingAdvisor(verbose=False, detect_loss_reduction=False), RecordingLogger()
     with pytest.warns(UserWarning) as record:
-        trainer = _fit(_Classifier(_Attention()), [GradNormMonitor(), probe, stopper, advisor],
+        trainer = _fit(Classifier(_Attention(), lr=0.05), [GradNormMonitor(), probe, stopper, advisor],
                        DataLoader(_tokens(16 * 30), batch_size=16), logger=logger, max_epochs=1, log_every_n_steps=5)
     assert trainer.global_step == 30 and stopper.stopped_step is None
     (caveat,) = _caveats(record)
@@ -530,7 +517,7 @@ def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _fit(_Classifier(_Attention()), [probe, stopper], DataLoader(_tokens(16 * 2 * 30), batch_size=16),
+        _fit(Classifier(_Attention(), lr=0.05), [probe, stopper], DataLoader(_tokens(16 * 2 * 30), batch_size=16),
              max_epochs=1, accumulate_grad_batches=2, log_every_n_steps=5)
     summary = stopper.gradient_noise.host_summary()
     assert not _caveats(record) and summary["coverage"] == pytest.approx(1.0) and summary["param_share"] == 1.0

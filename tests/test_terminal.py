@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from trainvitals._markdown import markdown_table
+from trainvitals.dashboard.html import markdown_to_html
 from trainvitals.dashboard.terminal import format_table, markdown_to_text
 
 
@@ -27,3 +29,11 @@ def test_a_long_last_column_wraps_under_itself() -> None:
     assert all(len(line) <= 40 for line in lines) and len(lines) > 1
     assert lines[0].startswith("  key  word") and all(line.startswith(" " * 7 + "word") for line in lines[1:])
     assert " ".join(line.strip().removeprefix("key").strip() for line in lines) == ("word " * 30).strip()
+
+
+def test_a_written_table_escapes_bars_and_line_breaks_and_reads_back() -> None:
+    table = markdown_table(("key", "n", ""), [("a|b", 12, "two\nlines"), ("c", 3, "")], align="lr")
+    assert table == ["| key | n | |", "|---|---:|---|", "| a\\|b | 12 | two<br>lines |", "| c | 3 | |"]
+    assert markdown_to_text("\n".join(table)).splitlines() == [
+        "key   n", "---  --  ---------", "a|b  12  two lines", "c     3"]
+    assert "<td>a|b</td>" in markdown_to_html("\n".join(table)) and "two<br>lines" in markdown_to_html("\n".join(table))

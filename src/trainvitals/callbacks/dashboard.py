@@ -7,13 +7,12 @@ from typing import Any
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from trainvitals._validation import check_bool
+from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._writers import log_text, note_unrecorded, tensorboard_loggers
+from trainvitals.callbacks._writers import log_text, tensorboard_loggers
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.core.estimate import GradientNoise
@@ -21,7 +20,7 @@ from trainvitals.dashboard.layout import layer_groups, trainvitals_layout
 from trainvitals.dashboard.tags import DIAGNOSIS_TAG
 
 
-class TrainvitalsDashboard(Callback):
+class TrainvitalsDashboard(TrainvitalsCallback):
     """Write the trainvitals layout at fit start, the callbacks' diagnoses at fit end; feed the progress bar.
 
     - At fit start, on global rank zero, each TensorBoardLogger gets the layout of
@@ -44,15 +43,14 @@ class TrainvitalsDashboard(Callback):
     """
 
     def __init__(self, progress_bar: bool = True, diagnosis: bool = True) -> None:
+        super().__init__()
         self.progress_bar = check_bool("progress_bar", progress_bar)
         self.diagnosis = check_bool("diagnosis", diagnosis)
         self._shown_at: int | None = None
-        self._panels = 0
+        self.add_state("_panels", 0, persistent=False)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._panels = 0
-        note_unrecorded(trainer, self)
         groups = layer_groups([name for name, m in pl_module.named_modules()
                                if next(m.parameters(recurse=False), None) is not None])
         for logger in tensorboard_loggers(trainer, "the custom-scalars dashboard"):
@@ -74,7 +72,7 @@ class TrainvitalsDashboard(Callback):
             for name, markdown in diagnoses(trainer).items():
                 log_text(trainer, f"{DIAGNOSIS_TAG}/{name}", markdown, trainer.global_step)
                 self._panels += 1
-        rank_zero_info(f"trainvitals TrainvitalsDashboard: {self.summary_line(trainer)}")
+        self.info(self.summary_line(trainer))
 
     def summary_line(self, trainer: "pl.Trainer") -> str:
         """One line for the end of fit: where the dashboard and the diagnoses went."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import operator
 from enum import Enum
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,15 +23,15 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.callbacks._amp import loss_scale
+from trainvitals.callbacks._base import TrainvitalsCallback, reduce_packed
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._stopping import can_stop_now
-from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
+from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
@@ -60,7 +61,7 @@ class StopReason(Enum):
     RELATIVE = "gradient norm below a fraction of its early value"
 
 
-class GradNormEarlyStopping(Callback):
+class GradNormEarlyStopping(TrainvitalsCallback):
     r"""Stop training when the gradient norm stays in its noise band (or below a threshold).
 
     Modes:
@@ -135,6 +136,7 @@ class GradNormEarlyStopping(Callback):
         check_every_n_steps: int = DEFAULT_CHECK_EVERY_N_STEPS,
         verbose: bool = True,
     ) -> None:
+        super().__init__()
         self.mode = check_choice("mode", mode, MODES)
         self.margin = check_float("margin", margin, 0.0)
         self.patience = check_int("patience", patience, 1)
@@ -145,10 +147,8 @@ class GradNormEarlyStopping(Callback):
         self.ema_beta = check_float("ema_beta", ema_beta, 0.0, 1.0, high_open=True)
         self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
         self.verbose = check_bool("verbose", verbose)
-        # Lightning reads the key in every hook call (profiler names): build it once.
-        self._state_key = self._generate_state_key(mode=mode, margin=margin, patience=patience, min_steps=min_steps,
-                                                   threshold=threshold, fraction=fraction,
-                                                   reference_steps=reference_steps, ema_beta=ema_beta)
+        self.key_state_by(mode=mode, margin=margin, patience=patience, min_steps=min_steps, threshold=threshold,
+                          fraction=fraction, reference_steps=reference_steps, ema_beta=ema_beta)
 
         self._micro = MicroBatchSquaredNorms()
         self._source: Any = None  # "hooks", a probe callback, or None
@@ -157,46 +157,36 @@ class GradNormEarlyStopping(Callback):
         self._params: list[torch.nn.Parameter] = []
         self._pending: tuple[int, Tensor, Tensor] | None = None  # (step, total norm, step valid)
         self._warned_no_source = False
-        self._warnings = WarningCache()
         self._logs_estimate = True
         self.gradient_noise = GradientNoise()
         """The run's one noise estimate, shared with a BatchVarianceProbe; the band is decided on it."""
-        self._reset()
 
-    def _reset(self) -> None:
-        """The state of a run that has not taken a step yet."""
-        self.noise_source = NoiseSource("micro_batch", self.ema_beta)
-        """This callback's source of :attr:`gradient_noise`: micro-batches and ranks."""
-        self.noise = self.noise_source.ema
-        """Smoothed ‖G‖² and tr(Σ) of the micro-batches and ranks alone, in ``.grad`` units."""
-        self._said_caveat = False
-        self.effective_batch_size: int | None = None
-        """Examples per optimizer step over all ranks, once seen."""
-        self.steps = 0
-        self.stop_reason = StopReason.NOT_STOPPED
-        self.stopped_step: int | None = None
-        self.stopped_again_step: int | None = None
-        """``trainer.global_step`` at which a fit resumed from a checkpoint written after the stop was stopped."""
-        self._reference = BiasCorrectedEMA(self.ema_beta)
-        self._streak = torch.zeros((), dtype=torch.long)
+        # The state of a run that has not taken a step yet.
+        # This callback's source of :attr:`gradient_noise`: micro-batches and ranks.
+        self.add_state("noise_source", partial(NoiseSource, "micro_batch", self.ema_beta), key="source")
+        self.add_state("_reference", partial(BiasCorrectedEMA, self.ema_beta), key="reference")
+        self.add_state("_streak", torch.zeros((), dtype=torch.long), key="streak")
         # Set once the streak has reached the patience: a streak that completes and breaks between two
         # host checks must still stop the run.
-        self._done = torch.zeros((), dtype=torch.bool)
+        self.add_state("_done", torch.zeros((), dtype=torch.bool), key="done")
+        self.add_state("steps", 0)
+        self.add_state("stop_reason", StopReason.NOT_STOPPED)
+        self.add_state("stopped_step", None)
+        self.add_state("_said_caveat", False, persistent=False)
+        # Examples per optimizer step over all ranks, once seen.
+        self.add_state("effective_batch_size", None, persistent=False)
+        # ``trainer.global_step`` at which a fit resumed from a checkpoint written after the stop was stopped.
+        self.add_state("stopped_again_step", None, persistent=False)
 
     @property
-    def state_key(self) -> str:
-        return self._state_key
+    def noise(self) -> BiasCorrectedEMA:
+        """Smoothed ‖G‖² and tr(Σ) of the micro-batches and ranks alone, in ``.grad`` units."""
+        return self.noise_source.ema
 
     # ------------------------------------------------------------------ hooks
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage == "fit":
-            note_unrecorded(trainer, self)
-            # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
-            # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
-            # for validate/test with a checkpoint does not carry into a later fit.
-            self._reset()
-            self.gradient_noise = find_gradient_noise(trainer.callbacks)
+    def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.gradient_noise = find_gradient_noise(trainer.callbacks)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -204,8 +194,8 @@ class GradNormEarlyStopping(Callback):
         self._params, self._micro_sizes, self._pending = [], [], None
         self._detach()
         if self.mode == "noise_band" and not pl_module.automatic_optimization:
-            rank_zero_warn("trainvitals GradNormEarlyStopping: mode='noise_band' needs automatic optimization; "
-                           "it will not stop this run.")
+            self.warn("mode='noise_band' needs automatic optimization; "
+                      "it will not stop this run.")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -218,9 +208,9 @@ class GradNormEarlyStopping(Callback):
         trainer.should_stop = True
         self.stopped_again_step = trainer.global_step
         if self.verbose:
-            rank_zero_info(f"trainvitals GradNormEarlyStopping: resumed from a checkpoint written after its stop at "
-                           f"optimizer step {self.stopped_step}; stopping again. To train on, change its arguments "
-                           "(a new patience or margin starts afresh) or leave it out.")
+            self.info(f"resumed from a checkpoint written after its stop at optimizer step {self.stopped_step}; "
+                      "stopping again. To train on, change its arguments (a new patience or margin starts afresh) "
+                      "or leave it out.")
 
     def _warn_if_it_cannot_fire(self, trainer: "pl.Trainer") -> None:
         """Say once when the fit ends before the first step the stopper could stop at: ``min_steps`` (and, in
@@ -230,17 +220,17 @@ class GradNormEarlyStopping(Callback):
         earliest = -(-(uncounted + self.patience) // self.check_every_n_steps) * self.check_every_n_steps
         total = trainer.estimated_stepping_batches  # max_steps, or max_epochs × steps per epoch
         if total < earliest:
-            rank_zero_warn(f"trainvitals GradNormEarlyStopping: this fit ends after {total:g} optimizer steps, but the "
-                           f"stopper cannot stop before {earliest} (min_steps {self.min_steps}"
-                           + (f", reference_steps {self.reference_steps}" if self.mode == "relative" else "")
-                           + f", then patience {self.patience}, read every {self.check_every_n_steps} steps): it "
-                           "will not stop this run. Lower min_steps or patience, or train longer.")
+            self.warn(f"this fit ends after {total:g} optimizer steps, but the stopper cannot stop before {earliest} "
+                      f"(min_steps {self.min_steps}"
+                      + (f", reference_steps {self.reference_steps}" if self.mode == "relative" else "")
+                      + f", then patience {self.patience}, read every {self.check_every_n_steps} steps): it "
+                      "will not stop this run. Lower min_steps or patience, or train longer.")
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._detach()
         if self.stop_reason is StopReason.NOT_STOPPED or not self.verbose:  # a verbose stop has said it when it stopped
-            rank_zero_info(f"trainvitals GradNormEarlyStopping: {self.summary_line()}")
+            self.info(self.summary_line())
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -303,26 +293,12 @@ class GradNormEarlyStopping(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "noise": self.noise.state_dict(),
-            "source": self.noise_source.state_dict(),
-            "reference": self._reference.state_dict(),
-            "streak": int(self._streak),
-            "done": bool(self._done),
-            "steps": self.steps,
-            "stop_reason": self.stop_reason.name,
-            "stopped_step": self.stopped_step,
-        }
+        return {"noise": self.noise.state_dict(), **super().state_dict()}  # "noise": read by older versions
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.noise_source.load_state_dict(state_dict.get("source", {"noise": state_dict.get("noise", {})}))
-        self._reference.load_state_dict(state_dict.get("reference", {}))
-        self._streak = torch.tensor(int(state_dict.get("streak", 0)))
-        self._done = torch.tensor(bool(state_dict.get("done", False)))
-        self.steps = int(state_dict.get("steps", 0))
-        self.stop_reason = StopReason[state_dict.get("stop_reason", "NOT_STOPPED")]
-        self.stopped_step = state_dict.get("stopped_step")
+        # A checkpoint from before the noise sources holds the micro-batch EMA alone, under "noise".
+        super().load_state_dict({"source": {"noise": state_dict.get("noise", {})}, **state_dict})
 
     # ------------------------------------------------------------------ helpers
     def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -346,15 +322,14 @@ class GradNormEarlyStopping(Callback):
                             None)
         if self._source is None and not self._warned_no_source:
             self._warned_no_source = True
-            rank_zero_warn(
-                "trainvitals GradNormEarlyStopping: mode='noise_band' has no noise source: it needs "
-                "accumulate_grad_batches >= 2, or >= 2 devices, or a BatchVarianceProbe among the callbacks. "
-                "It will not stop on the noise band while that lasts."
+            self.warn(
+                "mode='noise_band' has no noise source: it needs accumulate_grad_batches >= 2, or >= 2 devices, "
+                "or a BatchVarianceProbe among the callbacks. It will not stop on the noise band while that lasts."
             )
 
     def _warn_unsized(self) -> None:
-        self._warnings.warn("trainvitals GradNormEarlyStopping: cannot tell how many examples a micro-batch "
-                            "holds (Lightning's extract_batch_size fails on it): no noise estimate from such steps.")
+        self.warn("cannot tell how many examples a micro-batch holds (Lightning's extract_batch_size fails on it): "
+                  "no noise estimate from such steps.", once=True)
 
     def _detach(self) -> None:
         self._micro.detach()
@@ -387,10 +362,10 @@ class GradNormEarlyStopping(Callback):
         if world > 1:  # the mean over ranks, and whether every rank had the same usable micro-batches
             shape = torch.tensor([float(usable), float(n_local), float(micro_batch_size)], dtype=torch.float64,
                                  device=mean_sq.device)
-            packed = trainer.strategy.reduce(torch.cat([mean_sq.reshape(1), shape, shape.square()]), reduce_op="sum")
-            mean_sq = packed[0] / world
+            summed, shapes, squares = reduce_packed(trainer, [mean_sq, shape, shape.square()])
+            mean_sq = summed / world
             # Σx = W·x and Σx² = W·x² on every rank hold only when all ranks have the same x.
-            valid = valid & (packed[1:4] == world * shape).all() & (packed[4:] == world * shape.square()).all()
+            valid = valid & (shapes == world * shape).all() & (squares == world * shape.square()).all()
         if not usable:
             return
         # An epoch's last window can hold fewer than A micro-batches; Lightning still divides by A.
@@ -441,13 +416,13 @@ class GradNormEarlyStopping(Callback):
         why = "" if self._said_caveat else self.gradient_noise.host_summary()["why"]
         if why and not why.startswith(("not measured", "B_simple unreliable")):
             self._said_caveat = True
-            message = (f"trainvitals GradNormEarlyStopping: the noise estimate cannot decide: {why}. It will not stop "
-                       f"on the noise band while that lasts; measurable with {MEASURABLE_BY}.")
-            rank_zero_warn(message)
-            log_text(trainer, "grad_noise/caveat", message, step)
+            caveat = (f"the noise estimate cannot decide: {why}. It will not stop on the noise band while that "
+                      f"lasts; measurable with {MEASURABLE_BY}.")
+            self.warn(caveat)
+            log_text(trainer, "grad_noise/caveat", self.message(caveat), step)
         disagreement = self.gradient_noise.disagreement()
         if disagreement:
-            rank_zero_warn(f"trainvitals GradNormEarlyStopping: {disagreement}.")
+            self.warn(f"{disagreement}.")
 
     def _check(self, trainer: "pl.Trainer", step: int) -> bool:
         """Stop the run when every rank agrees; returns whether it stopped it now.
@@ -466,7 +441,7 @@ class GradNormEarlyStopping(Callback):
                             "relative": StopReason.RELATIVE}[self.mode]
         message = self.describe_stop()
         if self.verbose:
-            rank_zero_info(f"trainvitals GradNormEarlyStopping: {message}")
+            self.info(message)
         log_text(trainer, "grad_norm/stop_reason", message, step)
         return True
 
@@ -519,4 +494,4 @@ class GradNormEarlyStopping(Callback):
             source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
             rows.append(("noise source", source))
             rows += self.gradient_noise.summary_rows()
-        return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+        return "\n".join(markdown_table(("", ""), rows))

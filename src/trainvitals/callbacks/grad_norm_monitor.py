@@ -19,15 +19,15 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_choice, check_int, renamed_arguments
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
+from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
 from trainvitals.callbacks._stopping import stopped_early
-from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
+from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.core.norms import (
     GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type,
 )
@@ -101,7 +101,7 @@ class _Track:
         return norms.new_zeros(len(self.params)).index_copy_(0, self.present_index, norms)
 
 
-class GradNormMonitor(Callback):
+class GradNormMonitor(TrainvitalsCallback):
     r"""Log the gradient norm, per layer and in total, once per optimizer step.
 
     Logged (step = ``trainer.global_step`` of the optimizer step; with several optimizers every tag
@@ -146,24 +146,25 @@ class GradNormMonitor(Callback):
         ema_beta: float = 0.98,
         spike_warmup_steps: int = 20,
     ) -> None:
+        super().__init__()
         self.norm_type = validate_norm_type(norm_type)
         self.grouping = check_choice("grouping", grouping, GROUPINGS)
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1, none_ok=True)
         self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps, 0)
         self.spike_factor, self.ema_beta, self.spike_warmup_steps = SpikeDetector.check_arguments(
             spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps"))
-        # Lightning reads the key in every hook call (profiler names): build it once, with the argument
-        # names it had before the renaming, so that older checkpoints still load.
-        self._state_key = self._generate_state_key(norm_type=self.norm_type, grouping=grouping,
-                                                   spike_factor=spike_factor, spike_ema_beta=ema_beta)
-        self._tracks: dict[int, _Track] = {}
-        self._restored: dict[int, dict[str, Any]] = {}
-        self._clip_pending: tuple[int, int] | None = None  # (optimizer index, step) to measure after clipping
+        # The argument names it had before the renaming, so that older checkpoints still load.
+        self.key_state_by(norm_type=self.norm_type, grouping=grouping, spike_factor=spike_factor,
+                          spike_ema_beta=ema_beta)
+        # Tracks are built lazily (they need the optimizer): their state is saved by :meth:`state_dict`, and
+        # a loaded one waits in ``_restored`` until then.
+        self._tracks: dict[int, _Track]
+        self.add_state("_tracks", {}, persistent=False)
+        self._restored: dict[int, dict[str, Any]]
+        self.add_state("_restored", {}, persistent=False)
+        self._clip_pending: tuple[int, int] | None  # (optimizer index, step) to measure after clipping
+        self.add_state("_clip_pending", None, persistent=False)
         self._amp_scaler = False  # a GradScaler skips non-finite steps: they are calibration, not divergence
-
-    @property
-    def state_key(self) -> str:
-        return self._state_key
 
     @property
     def last_total(self) -> dict[int, Tensor]:
@@ -186,15 +187,6 @@ class GradNormMonitor(Callback):
         return None if index is None else track.latest.to(index.device)[index].square().sum()
 
     # ------------------------------------------------------------------ hooks
-    @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage == "fit":
-            note_unrecorded(trainer, self)
-            # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it
-            # loads a checkpoint's callback states, so a resumed fit's ``load_state_dict`` fills
-            # ``_restored`` after this, and a state loaded for validate/test does not carry into a fit.
-            self._tracks, self._restored, self._clip_pending = {}, {}, None
-
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._amp_scaler = grad_scaler(trainer) is not None
@@ -275,12 +267,11 @@ class GradNormMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Tracks are built lazily (they need the optimizer), so the state waits until then.
         self._restored = {int(k): v for k, v in state_dict.items()}
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        rank_zero_info(f"trainvitals GradNormMonitor: {self.summary_line()}")
+        self.info(self.summary_line())
 
     def summary_line(self) -> str:
         """One line for the end of fit: per optimizer, the steps measured, the last norm and the counters."""
@@ -296,8 +287,7 @@ class GradNormMonitor(Callback):
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: per optimizer, the last total norm, its largest groups, and the counters."""
-        lines = ["| optimizer | steps | last ‖g‖ | largest groups (last step) | non-finite | AMP-skipped | spikes |",
-                 "|---|---:|---:|---|---:|---:|---:|"]
+        rows = []
         for index, track in self._tracks.items():
             self._read_back(track)
             if track.last_read is None:
@@ -305,9 +295,12 @@ class GradNormMonitor(Callback):
             _, total, group_norms = track.last_read
             largest = ", ".join(f"`{name}` {value:.3g}" for name, value in _largest(group_norms))
             counts = track.counts
-            lines.append(f"| {index} | {track.steps} | {total:.4g} | {largest}"
-                         f" | {counts['nonfinite_steps']} | {counts['amp_skipped_steps']} | {counts['spike_steps']} |")
-        return "\n".join(lines) if len(lines) > 2 else "No optimizer step was measured."
+            rows.append((index, track.steps, f"{total:.4g}", largest, counts["nonfinite_steps"],
+                         counts["amp_skipped_steps"], counts["spike_steps"]))
+        if not rows:
+            return "No optimizer step was measured."
+        return "\n".join(markdown_table(("optimizer", "steps", "last ‖g‖", "largest groups (last step)", "non-finite",
+                                         "AMP-skipped", "spikes"), rows, align="lrrlrrr"))
 
     # ------------------------------------------------------------------ helpers
     def _track(self, index: int, pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> _Track:
@@ -396,15 +389,15 @@ class GradNormMonitor(Callback):
         if track.nonfinite is not None and not track.warned_nonfinite:
             track.warned_nonfinite = True
             at, layers = track.nonfinite
-            rank_zero_warn(
-                f"trainvitals GradNormMonitor: non-finite gradient (inf/NaN) at optimizer step {at}; first in: "
+            self.warn(
+                f"non-finite gradient (inf/NaN) at optimizer step {at}; first in: "
                 f"{', '.join(layers[:5]) or 'unknown'}. Without a GradScaler this is divergence: lower the lr, "
                 "check the loss for log(0)/division by zero, or enable gradient clipping."
             )
         if track.spike is not None and track.counts["spike_steps"] > track.reported_spikes:
             track.reported_spikes = track.counts["spike_steps"]
             at, message = track.spike
-            rank_zero_info(f"trainvitals GradNormMonitor: {message}")
+            self.info(message)
             log_text(trainer, tag("spikes"), message, at)
 
     def _log_histograms(self, trainer: "pl.Trainer", index: int, track: _Track, present: tuple[int, ...], step: int) -> None:

@@ -42,11 +42,11 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_callable, check_int
-from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
+from trainvitals.callbacks._base import TrainvitalsCallback
+from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.callbacks.integrity_checks.anomaly import AnomalyModeCheck
 from trainvitals.callbacks.integrity_checks.autograd_errors import AutogradErrorCheck
 from trainvitals.callbacks.integrity_checks.base import HOOKS, Check, Fit, overriding
@@ -69,7 +69,7 @@ class GraphIntegrityError(RuntimeError):
     """Raised by :class:`GraphIntegrityCallback` with ``strict=True`` at the first finding."""
 
 
-class GraphIntegrityCallback(Callback):
+class GraphIntegrityCallback(TrainvitalsCallback):
     r"""Check the autograd graph behind each loss and diagnose autograd errors.
 
     Cost: every step, a few attribute reads and one ``loss.detach()`` kept for a finiteness check that
@@ -131,21 +131,21 @@ class GraphIntegrityCallback(Callback):
         self.batch_input = check_callable("batch_input", batch_input, none_ok=True) or first_tensor
         self.strict = check_bool("strict", strict)
         self.verbose = check_bool("verbose", verbose)
-        # Lightning reads the key in every hook call (profiler names): build it once.
-        self._state_key = self._generate_state_key(
-            check_every_n_steps=check_every_n_steps, dead_after_steps=dead_after_steps
-        )
+        self.key_state_by(check_every_n_steps=check_every_n_steps, dead_after_steps=dead_after_steps)
 
         self._raise_at_batch_start = False
-        self._reset()
+        self.add_state("_walks", 0, key="walks")
+        self.add_state("_grad_checks", 0, key="grad_checks")
+        self.reset()
 
-    def _reset(self) -> None:
-        """The state of a fit that has not started: the findings, the check window, every check's state."""
+    @override
+    def reset(self) -> None:
+        """The state of a fit that has not started: the counts, the findings, the check window, every
+        check's state (their keys are merged into the callback's in :meth:`state_dict`)."""
+        super().reset()
         self._fit = Fit(self.strict, self.dead_after_steps)
         self._checks = self._build_checks()
         self._hooks = {hook: overriding(self._checks, hook) for hook in HOOKS}
-        self._walks = 0
-        self._grad_checks = 0
 
     def _build_checks(self) -> list[Check]:
         """The checks, in the order their hooks are called (the order of findings within a hook)."""
@@ -176,20 +176,6 @@ class GraphIntegrityCallback(Callback):
     def counts(self) -> dict[FindingKind, int]:
         """Per kind, how many times it was found in this fit."""
         return self._fit.counts
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._state_key
-
-    @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage == "fit":
-            note_unrecorded(trainer, self)
-            # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
-            # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
-            # for validate/test with a checkpoint does not carry into a later fit.
-            self._reset()
 
     # ------------------------------------------------------------------------------------ the hooks
 
@@ -312,12 +298,12 @@ class GraphIntegrityCallback(Callback):
         if trainer.strategy.reduce_boolean_decision(fit.pending is not None, all=False):
             pending, fit.pending = fit.pending, None
             if pending is None:
-                raise GraphIntegrityError("trainvitals GraphIntegrityCallback: another rank found a graph problem.")
+                raise GraphIntegrityError(self.message("another rank found a graph problem."))
             raise GraphIntegrityError(f"trainvitals GraphIntegrityCallback [{pending.kind.value}]: {pending.message}")
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        rank_zero_info(f"trainvitals GraphIntegrityCallback: {self.summary_line()}")
+        self.info(self.summary_line())
 
     def summary_line(self) -> str:
         """One line for the end of fit: how much was checked, and the findings by kind."""
@@ -334,17 +320,14 @@ class GraphIntegrityCallback(Callback):
                 f"**Graph integrity: clean bill of health.** No findings in {self._walks} graph walk(s) and "
                 f"{self._grad_checks} gradient check(s)."
             )
-        rows = ["| step | kind | names | finding |", "|---:|---|---|---|"]
-        for f in self.findings:
-            cells = (str(f.step), f.kind.value, listed(f.names), f.message)
-            rows.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
-        return "\n".join(rows)
+        rows = [(f.step, f.kind.value, listed(f.names), f.message) for f in self.findings]
+        return "\n".join(markdown_table(("step", "kind", "names", "finding"), rows, align="r"))
 
     def _publish(self, trainer: "pl.Trainer") -> None:
         table = self.summary_markdown()
         log_text(trainer, "graph/findings", table, step=trainer.global_step)
         if self.verbose:
-            rank_zero_info(f"trainvitals GraphIntegrityCallback: findings\n{markdown_to_text(table)}")
+            self.info(f"findings\n{markdown_to_text(table)}")
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -364,15 +347,14 @@ class GraphIntegrityCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = {**self._fit.state_dict(), "walks": self._walks, "grad_checks": self._grad_checks}
+        state = {**self._fit.state_dict(), **super().state_dict()}
         for check in self._checks:
             state.update(check.state_dict())
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
         self._fit.load_state_dict(state_dict)
-        self._walks = int(state_dict.get("walks", 0))
-        self._grad_checks = int(state_dict.get("grad_checks", 0))
         for check in self._checks:
             check.load_state_dict(state_dict)

@@ -11,8 +11,7 @@ gradient noise scale B̂, and says what lr other batch sizes need (docs/science.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,14 +20,13 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.seed import isolate_rng
 
 from trainvitals._validation import check_bool, check_int, renamed_arguments
+from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
+from trainvitals.callbacks._rerun import rerun_quietly
+from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.core.lr_scaling import (
     LRAdvice,
     advice_table,
@@ -54,7 +52,7 @@ from trainvitals.dashboard.terminal import markdown_to_text
 REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescaled
 
 
-class LRScalingAdvisor(Callback):
+class LRScalingAdvisor(TrainvitalsCallback):
     r"""Report the effective batch, each lr's family and the lr other batch sizes need.
 
     Reports at fit start (the first training batch), before every ``log_every_n_steps``-th optimizer
@@ -132,6 +130,7 @@ class LRScalingAdvisor(Callback):
         detect_loss_reduction: bool = True,
         verbose: bool = True,
     ) -> None:
+        super().__init__()
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1, none_ok=True)
         self.target_batch_sizes = validate_batch_sizes("target_batch_sizes", target_batch_sizes)
         self.reference = None if reference is None else _validate_reference(reference)
@@ -148,28 +147,19 @@ class LRScalingAdvisor(Callback):
         """``"mean"``, ``"sum"`` or ``"unsure"`` once probed; ``None`` when not probed."""
         self.loss_ratio: float | None = None
         """Loss on the batch twice over / loss on the batch, once probed: 1 for a mean, 2 for a sum."""
-        self.summed_terms: int | None = None
+        self.summed_terms: int | None
         """For a summed loss, the values it adds up (examples × tokens for a per-token loss), read from the
         first backward's graph; ``None`` until then or where the graph does not tell."""
+        self.add_state("summed_terms", None, persistent=False)
         self.advices: dict[str, LRAdvice | None] = {}
         """The latest advice per param group name; ``None`` for a group whose lr is 0 now."""
         self._report = ""
-        self._started = False
-        self._graph_read = False
-        self._logged_step = -1  # the optimizer step the scalars were last logged at
+        self.add_state("_started", False, persistent=False)
+        self.add_state("_graph_read", False, persistent=False)
+        self.add_state("_logged_step", -1, persistent=False)  # the optimizer step the scalars were last logged at
         self._reference_problems: list[str] = []
 
     # ------------------------------------------------------------------ hooks
-    @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit":
-            return
-        note_unrecorded(trainer, self)
-        self._started = False
-        self._logged_step = -1
-        self.summed_terms = None
-        self._graph_read = False
-
     @override
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
@@ -190,8 +180,8 @@ class LRScalingAdvisor(Callback):
         self._report = self._advise(trainer, step)
         log_text(trainer, "lr_scaling/advice", self._report, step)
         if self.reference is not None and self._reference_problems:
-            rank_zero_warn(
-                f"trainvitals LRScalingAdvisor: the effective batch is {self.effective_batch} but the lr was tuned at batch "
+            self.warn(
+                f"the effective batch is {self.effective_batch} but the lr was tuned at batch "
                 f"{self.reference[0]}; " + "; ".join(self._reference_problems) + "."
             )
 
@@ -213,12 +203,11 @@ class LRScalingAdvisor(Callback):
         self._report = self._advise(trainer, None)
         log_text(trainer, "lr_scaling/advice", self._report, max(trainer.global_step - 1, 0))
         if self.verbose:
-            rank_zero_info(f"trainvitals LRScalingAdvisor: advice after {trainer.global_step} optimizer steps\n"
-                           f"{markdown_to_text(self._report)}")
+            self.info(f"advice after {trainer.global_step} optimizer steps\n{markdown_to_text(self._report)}")
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        rank_zero_info(f"trainvitals LRScalingAdvisor: {self.summary_line()}")
+        self.info(self.summary_line())
 
     def summary_line(self) -> str:
         """One line for the end of fit: what the advice is for, and where it is."""
@@ -240,8 +229,7 @@ class LRScalingAdvisor(Callback):
     def _infer_batch_size(self, batch: Any) -> int | None:
         size = batch_size(batch)
         if size is None:
-            rank_zero_warn("trainvitals LRScalingAdvisor: cannot infer the per-device batch size; "
-                           "pass `batch_size=`. No advice this run.")
+            self.warn("cannot infer the per-device batch size; pass `batch_size=`. No advice this run.")
         return size
 
     def _probe_loss_reduction(
@@ -254,24 +242,15 @@ class LRScalingAdvisor(Callback):
         through ``trainer.strategy.training_step`` so wrappers (DDP, FSDP) and the precision context
         apply as in the real step; every rank runs it, so any collective inside matches.
         """
-        buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
-        modes = [(m, m.training) for m in pl_module.modules()]
         try:
-            with isolate_rng(), torch.no_grad(), _muted_logging(pl_module):
+            with rerun_quietly(pl_module), torch.no_grad():
                 pl_module.eval()
                 single = _loss_of(trainer.strategy.training_step(batch, batch_idx))
                 doubled = _loss_of(trainer.strategy.training_step(_doubled(batch), batch_idx))
             loss, loss_doubled = torch.stack([single.double(), doubled.double()]).cpu().tolist()
         except Exception as err:  # user code run speculatively must not break the run
-            rank_zero_warn(f"trainvitals LRScalingAdvisor: could not probe the loss reduction "
-                           f"({type(err).__name__}: {err}); skipping it.")
+            self.warn(f"could not probe the loss reduction ({type(err).__name__}: {err}); skipping it.")
             return
-        finally:
-            for module, training in modes:
-                module.train(training)
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
         self.loss_reduction = classify_loss_reduction(loss, loss_doubled)
         self.loss_ratio = loss_doubled / loss if loss else math.nan
 
@@ -455,14 +434,3 @@ def _loss_of(output: Any) -> Tensor:
 def _doubled(batch: Any) -> Any:
     """The batch concatenated with itself along the first dimension (0-d tensors kept)."""
     return apply_to_collection(batch, Tensor, lambda t: torch.cat([t, t]) if t.dim() > 0 else t)
-
-
-@contextmanager
-def _muted_logging(pl_module: "pl.LightningModule") -> Iterator[None]:
-    """``self.log``/``self.log_dict`` as no-ops, so the probe's extra ``training_step`` calls log nothing."""
-    pl_module.log = lambda *_, **__: None  # type: ignore[method-assign]
-    pl_module.log_dict = lambda *_, **__: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del pl_module.log, pl_module.log_dict

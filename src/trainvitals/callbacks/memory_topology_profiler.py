@@ -22,11 +22,12 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_int, renamed_arguments
-from trainvitals.callbacks._writers import log_image, log_scalars, log_text, note_unrecorded, tensorboard_writers
+from trainvitals.callbacks._base import TrainvitalsCallback
+from trainvitals.callbacks._writers import log_image, log_scalars, log_text, tensorboard_writers
 from trainvitals.core.memory.categories import AllocatorStats, StepMemory, category_markdown, category_metrics
 from trainvitals.core.memory.leaks import GraphLeakFinding, HeldGraphTracker, graph_holders
 from trainvitals.core.memory.recorder import ROOT, SavedTensorRecorder
@@ -49,7 +50,7 @@ class _Pending:
     micro_batches: int = 1  # batches started for this optimizer step (gradient accumulation)
 
 
-class MemoryTopologyProfiler(Callback):
+class MemoryTopologyProfiler(TrainvitalsCallback):
     """Profile the memory of a training step every ``measure_every_n_steps`` optimizer steps and the first ones.
 
     A profiled step records the forward (from ``on_train_batch_start`` to the first
@@ -142,56 +143,45 @@ class MemoryTopologyProfiler(Callback):
         self.max_modules_shown = check_int("max_modules_shown", max_modules_shown, 1)
         self.strict = check_bool("strict", strict)
         self.verbose = check_bool("verbose", verbose)
-        # Lightning reads the key in every hook call (profiler names): build it once, with the argument
-        # names it had before the renaming, so that older checkpoints still load.
-        self._state_key = self._generate_state_key(every_n_steps=measure_every_n_steps, first_steps=first_steps)
+        # The argument names it had before the renaming, so that older checkpoints still load.
+        self.key_state_by(every_n_steps=measure_every_n_steps, first_steps=first_steps)
 
-        self._reset()
+        # What a fit that has not started knows.
+        self.findings: list[GraphLeakFinding]
+        """Graphs kept alive across steps, the latest observation of each; survives a resume."""
+        self.add_state("findings", [], persistent=False)  # saved as dicts by state_dict
+        self.remedies: list[Remedy]
+        """The remedies of the latest profiled step, the most bytes off the step's peak first."""
+        self.add_state("remedies", [], persistent=False)
+        self.last: StepMemory | None
+        """The latest profiled step's bytes."""
+        self.add_state("last", None, persistent=False)
+        self.last_metrics: dict[str, float]
+        """The latest profiled step's logged numbers."""
+        self.add_state("last_metrics", {}, persistent=False)
+        self.add_state("_last_profiled_step", -1, key="last_profiled_step")
+        # Steps profiled so far in this run; a resumed fit continues the count.
+        self.add_state("_profiled_steps", 0, key="profiled_steps")
+        self.add_state("_last_step", -1, persistent=False)  # the step of `last`
+        self.add_state("_tracker", HeldGraphTracker, persistent=False)
+        # Modules whose forward is timed (for the cost of checkpointing them): all on the first
+        # profiled step, then the previous step's checkpointing candidates (CUDA events are not free).
+        self._timed: set[str] | None
+        self.add_state("_timed", None, persistent=False)
+
         self._pending: _Pending | None = None
         self._device = torch.device("cpu")
         self._budget: int | None = self.memory_budget_bytes
         self._snapshot_path: str | None = None
-        self._notices = WarningCache()
-
-    def _reset(self) -> None:
-        """What a fit that has not started knows."""
-        self.findings: list[GraphLeakFinding] = []
-        """Graphs kept alive across steps, the latest observation of each; survives a resume."""
-        self.remedies: list[Remedy] = []
-        """The remedies of the latest profiled step, the most bytes off the step's peak first."""
-        self.last: StepMemory | None = None
-        """The latest profiled step's bytes."""
-        self.last_metrics: dict[str, float] = {}
-        """The latest profiled step's logged numbers."""
-        self._last_profiled_step = -1
-        self._profiled_steps = 0  # steps profiled so far in this run; a resumed fit continues the count
-        self._last_step = -1  # the step of `last`
-        self._tracker = HeldGraphTracker()
-        # Modules whose forward is timed (for the cost of checkpointing them): all on the first
-        # profiled step, then the previous step's checkpointing candidates (CUDA events are not free).
-        self._timed: set[str] | None = None
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._state_key
 
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit":
-            return
-        note_unrecorded(trainer, self)
-        # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
-        # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
-        # for validate/test with a checkpoint does not carry into a later fit.
-        self._reset()
+    def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._device = trainer.strategy.root_device
         cuda = self._device.type == "cuda"
         if self._budget is None and cuda:
             self._budget = torch.cuda.get_device_properties(self._device).total_memory
         if self.snapshot_steps and not cuda:
-            self._notices.warn("trainvitals MemoryTopologyProfiler: `snapshot_steps` needs CUDA; no memory snapshot on "
-                               f"{self._device.type}.")
+            self.warn(f"`snapshot_steps` needs CUDA; no memory snapshot on {self._device.type}.", once=True)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -220,10 +210,10 @@ class MemoryTopologyProfiler(Callback):
         tensors = list(tensors_in(batch))
         sizes = [t.shape[0] for t in tensors if t.ndim > 0]
         if not sizes:
-            self._gap("no tensor with a batch dimension in the batch; no batch-size advice")
+            self.cannot_measure("no tensor with a batch dimension in the batch; no batch-size advice.")
         elif len(set(sizes)) > 1:
-            self._notices.warn(f"trainvitals MemoryTopologyProfiler: batch tensors disagree on the batch size {sorted(set(sizes))};"
-                               f" scaling by the first, {sizes[0]}.")
+            self.warn(f"batch tensors disagree on the batch size {sorted(set(sizes))}; scaling by the first, {sizes[0]}.",
+                      once=True)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
             torch.cuda.reset_peak_memory_stats(self._device)
@@ -232,11 +222,12 @@ class MemoryTopologyProfiler(Callback):
         if recorder.compiled:
             whole = ROOT in recorder.compiled  # Lightning compiles the training step
             what = "the training step" if whole else ", ".join(f"`{n}`" for n in recorder.compiled)
-            self._notices.info(
-                f"trainvitals MemoryTopologyProfiler: {what} runs under torch.compile; the profiler steps aside "
-                "inside it, since a hook there would break the compiled graph and change what it saves. Its saved "
-                "tensors are counted as a whole, without a per-module breakdown or checkpointing advice inside"
-                + (", and without mixed-precision advice (autocast cannot be read there)." if whole else "."))
+            self.info(
+                f"{what} runs under torch.compile; the profiler steps aside inside it, since a hook there would "
+                "break the compiled graph and change what it saves. Its saved tensors are counted as a whole, "
+                "without a per-module breakdown or checkpointing advice inside"
+                + (", and without mixed-precision advice (autocast cannot be read there)." if whole else "."),
+                once=True)
         self._pending = _Pending(step, sizes[0] if sizes else 0, element_bytes(tensors), time.perf_counter(),
                                  recorder.__enter__())
 
@@ -264,8 +255,8 @@ class MemoryTopologyProfiler(Callback):
         report = pending.recorder.report()
         held = self._tracker.update(pending.step, pending.recorder.held())
         if report.uncounted:
-            self._gap(f"{report.uncounted} saved tensors have no storage (sparse or wrapper subclasses) and are "
-                      "not counted")
+            self.cannot_measure(f"{report.uncounted} saved tensors have no storage (sparse or wrapper subclasses) "
+                                "and are not counted.")
         state = model_state_bytes(pl_module.parameters(), trainer.optimizers, pl_module.buffers())
         self._last_step = pending.step
         allocator = AllocatorStats.read(self._device) if cuda else None
@@ -289,22 +280,15 @@ class MemoryTopologyProfiler(Callback):
             finding = GraphLeakFinding(pending.step, held.held_bytes, held.step_bytes, held.first_step,
                                        tuple(graph_holders(pl_module)))
             if not self.findings:
-                rank_zero_warn(f"trainvitals MemoryTopologyProfiler: {finding.message}")
+                self.warn(finding.message)
             self.findings = [finding]
-
-    def _gap(self, what: str) -> None:
-        message = f"trainvitals MemoryTopologyProfiler: {what}."
-        if self.strict:
-            raise RuntimeError(message)
-        self._notices.warn(message)
 
     def _dump_snapshot(self) -> None:
         assert self._snapshot_path is not None
         with torch.cuda.device(self._device):
             torch.cuda.memory._dump_snapshot(self._snapshot_path)
         self._stop_snapshot()
-        rank_zero_info(f"trainvitals MemoryTopologyProfiler: memory snapshot written to {self._snapshot_path}; open it at "
-                       "https://pytorch.org/memory_viz")
+        self.info(f"memory snapshot written to {self._snapshot_path}; open it at https://pytorch.org/memory_viz")
 
     def _stop_snapshot(self) -> None:
         if self._snapshot_path is not None:
@@ -341,7 +325,7 @@ class MemoryTopologyProfiler(Callback):
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        rank_zero_info(f"trainvitals MemoryTopologyProfiler: {self.summary_line()}")
+        self.info(self.summary_line())
 
     def summary_line(self) -> str:
         """One line for the end of fit: the last profiled step's state and saved activations, and the findings."""
@@ -370,9 +354,9 @@ class MemoryTopologyProfiler(Callback):
 
     def _modules_markdown(self, last: StepMemory) -> list[str]:
         total = last.activations.total_bytes or 1
-        rows = [f"| `{name}` | {nbytes:,} | {100 * nbytes / total:.1f}% |"
+        rows = [(f"`{name}`", f"{nbytes:,}", f"{100 * nbytes / total:.1f}%")
                 for name, nbytes in list(last.activations.by_module.items())[: self.max_modules_shown]]
-        return ["", "### Saved for backward, by module", "| module | bytes | share |", "|---|---:|---:|", *rows]
+        return ["", "### Saved for backward, by module", *markdown_table(("module", "bytes", "share"), rows, align="lrr")]
 
     def _advice_markdown(self, last: StepMemory) -> list[str]:
         if last.budget_bytes is None:
@@ -386,10 +370,10 @@ class MemoryTopologyProfiler(Callback):
             what = f"{r.kind} of `{r.target}`" if r.target else r.kind
             extra = f"+{100 * r.extra_compute:.1f}% step time" if r.extra_compute is not None else ""
             batch = "" if r.largest_batch is None else f"{r.largest_batch}"
-            rows.append(f"| {rank} | {what} | {format_bytes(r.bytes_freed)} | {batch} | {extra} | {r.note} |")
+            rows.append((rank, what, format_bytes(r.bytes_freed), batch, extra, r.note))
+        headers = ("#", "remedy", "lowers the peak by", "largest batch after", "extra compute", "note")
         return ["", "### Advice, the most bytes off the step's peak first", budget, "",
-                "| # | remedy | lowers the peak by | largest batch after | extra compute | note |",
-                "|---|---|---:|---:|---:|---|", *rows]
+                *markdown_table(headers, rows, align="llrrrl")]
 
     def picture(self) -> np.ndarray | None:
         """Saved bytes per module of the latest profiled step as an ``(H, W, 3)`` uint8 bar chart.
@@ -403,8 +387,7 @@ class MemoryTopologyProfiler(Callback):
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
         except ImportError:
-            self._notices.info("trainvitals MemoryTopologyProfiler: the picture needs matplotlib (pip install matplotlib); "
-                               "skipped.")
+            self.info("the picture needs matplotlib (pip install matplotlib); skipped.", once=True)
             return None
         items = list(self.last.activations.by_module.items())[: self.max_modules_shown][::-1]
         scale, unit = byte_unit(max(nbytes for _, nbytes in items))
@@ -421,12 +404,10 @@ class MemoryTopologyProfiler(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"last_profiled_step": self._last_profiled_step, "profiled_steps": self._profiled_steps,
-                "findings": [dataclasses.asdict(f) for f in self.findings]}
+        return {**super().state_dict(), "findings": [dataclasses.asdict(f) for f in self.findings]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_profiled_step = int(state_dict.get("last_profiled_step", -1))
-        self._profiled_steps = int(state_dict.get("profiled_steps", 0))
+        super().load_state_dict(state_dict)
         self.findings = [GraphLeakFinding(**{**f, "holders": tuple(f.get("holders", ()))})
                          for f in state_dict.get("findings", [])]

@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_float, check_int
 
 FAMILIES = ("sgd", "adam", "unsure")
@@ -417,24 +418,17 @@ def advice_table(advices: Mapping[str, LRAdvice]) -> str:
         return "no optimizer to advise on"
     first = next(iter(advices.values()))
     labels = [s.label for s in first.suggestions]
-    lines = [
-        "| optimizer | family | lr now | rule | " + " | ".join(labels) + " |",
-        "|---|---|---|---|" + "---|" * len(labels),
-    ]
+    rows = []
     for name, adv in advices.items():
         lr_at = {s.label: s.lr for s in adv.suggestions}
-        cells = [_fmt(lr_at.get(label)) for label in labels]
-        lines.append(f"| {name} | {FAMILY_LABELS[adv.family]} | {adv.lr:.3g} | {adv.rule} | " + " | ".join(cells) + " |")
+        rows.append([name, FAMILY_LABELS[adv.family], f"{adv.lr:.3g}", adv.rule,
+                     *(_fmt(lr_at.get(label)) for label in labels)])
+    lines = markdown_table(["optimizer", "family", "lr now", "rule", *labels], rows)
     if first.noise_scale is not None:
         steps = [first.steps_over_min] + [s.steps_over_min for s in first.suggestions]
         examples = [first.examples_over_min] + [s.examples_over_min for s in first.suggestions]
-        lines += [
-            "",
-            "| batch | " + " | ".join([f"{first.batch_size:.4g} (now)"] + labels) + " |",
-            "|---|---|" + "---|" * len(labels),
-            "| steps S/S_min | " + " | ".join(map(_fmt, steps)) + " |",
-            "| examples E/E_min | " + " | ".join(map(_fmt, examples)) + " |",
-        ]
+        lines += ["", *markdown_table(["batch", f"{first.batch_size:.4g} (now)", *labels],
+                                      [["steps S/S_min", *map(_fmt, steps)], ["examples E/E_min", *map(_fmt, examples)]])]
     by_note: dict[tuple[str, str], list[str]] = {}  # one line per (target, note), naming the groups it is for
     for name, adv in advices.items():
         for s in adv.suggestions:

@@ -51,6 +51,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
+from trainvitals._markdown import markdown_table
 from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE
 from trainvitals.core.findings import INTEGRITY, critical_counters, last_window_counters
 from trainvitals.core.memory import format_bytes
@@ -687,8 +688,7 @@ def _markdown_run(r: RunReport) -> list[str]:
         out += ["", "### findings", ""] + [f"- **{f.severity}** ({f.section}): {f.message}" for f in r.findings]
     for title, rows in r.sections.items():
         if rows:
-            out += ["", f"### {title}", "", "| measure | value |", "|---|---|"]
-            out += [f"| {row.label} | {_cell(_fmt(row))} |" for row in rows]
+            out += ["", f"### {title}", "", *markdown_table(("measure", "value"), [(row.label, _fmt(row)) for row in rows])]
     for title, text in r.panels.items():
         out += ["", f"### {title}", "", text]
     return out + [""]
@@ -728,10 +728,6 @@ def _fmt(row: Row) -> str:
         return format_bytes(v)
     text = f"{v:.4g}"
     return f"{text} {row.unit}" if row.unit else text
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", "<br>")
 
 
 # ---------------------------------------------------------------------------------------------- command

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -17,6 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import trainvitals
+from trainvitals.callbacks._rerun import rerun_quietly
 from trainvitals.core.findings import Finding, FindingKind
 from trainvitals.core.graph import GraphWalk, tensor_names
 from trainvitals.core.integrity import Rerun
@@ -152,31 +152,11 @@ class Fit:
         """Run ``training_step`` on the current batch again under a :class:`GraphTracer`; returns the
         tracer and the loss the step returned.
 
-        Used only when the step is failing anyway; logging is silenced and the random stream restored.
+        Used only when the step is failing anyway; it leaves no trace (:func:`rerun_quietly`).
         """
-        pl_module.log, pl_module.log_dict = _ignore, _ignore  # type: ignore[method-assign]
-        try:
-            with isolated_rng(pl_module), torch.enable_grad(), GraphTracer(pl_module, _SKIP_DIRS) as tracer:
-                output = pl_module.training_step(self.batch, self.batch_idx)
-        finally:
-            del pl_module.log, pl_module.log_dict
+        with rerun_quietly(pl_module), torch.enable_grad(), GraphTracer(pl_module, _SKIP_DIRS) as tracer:
+            output = pl_module.training_step(self.batch, self.batch_idx)
         return tracer, output.get("loss") if isinstance(output, dict) else output
-
-
-def _ignore(*_: Any, **__: Any) -> None:
-    """Stands in for ``self.log`` while a step is re-run for a diagnosis."""
-
-
-@contextmanager
-def isolated_rng(pl_module: "pl.LightningModule") -> Iterator[None]:
-    """An extra forward must not shift the run's random stream (dropout, data augmentation)."""
-    device = pl_module.device
-    if device.type == "cpu":
-        with torch.random.fork_rng(devices=[]):
-            yield
-    else:
-        with torch.random.fork_rng(devices=[device], device_type=device.type):
-            yield
 
 
 class Check:

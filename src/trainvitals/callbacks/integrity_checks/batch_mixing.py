@@ -10,7 +10,8 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from trainvitals.callbacks.integrity_checks.base import Check, Fit, isolated_rng
+from trainvitals.callbacks._rerun import rerun_quietly
+from trainvitals.callbacks.integrity_checks.base import Check, Fit
 from trainvitals.core.findings import FindingKind
 from trainvitals.core.graph import batch_mixing, batchnorm_in_eval
 from trainvitals.core.integrity import SHOWN, listed
@@ -36,7 +37,7 @@ class BatchMixingCheck(Check):
             return
         self._done = True
         x = self.batch_input(batch)
-        with isolated_rng(pl_module), batchnorm_in_eval(pl_module) as switched:
+        with rerun_quietly(pl_module), batchnorm_in_eval(pl_module) as switched:
             try:
                 if x is None:
                     raise ValueError("the batch holds no tensor")

@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 
+from trainvitals._markdown import markdown_table
 from trainvitals.core.memory.recorder import SavedTensorReport
 from trainvitals.core.memory.storage import ModelStateBytes, format_bytes
 
@@ -156,9 +157,9 @@ class MemoryCategory:
     def tag(self) -> str:
         return f"memory/{self.key}_bytes" if self.unit == "bytes" else f"memory/{self.key}"
 
-    def markdown_row(self, value: float) -> str:
-        shown = f" {format_bytes(value)} " if self.unit == "bytes" else " "
-        return f"| {self.label} | {value:,.0f} |{shown}|"
+    def markdown_cells(self, value: float) -> tuple[str, str, str]:
+        """Its row of the table: label, value, value in binary units (bytes rows only)."""
+        return self.label, f"{value:,.0f}", format_bytes(value) if self.unit == "bytes" else ""
 
 
 def _allocator(read: Callable[[AllocatorStats], int]) -> Callable[[StepMemory], float | None]:
@@ -198,5 +199,5 @@ def category_metrics(memory: StepMemory) -> dict[str, float]:
 
 def category_markdown(memory: StepMemory) -> list[str]:
     """The categories as a markdown table: label, value, value in binary units (bytes rows)."""
-    rows = [category.markdown_row(value) for category, value in measured_categories(memory)]
-    return ["| category | bytes | |", "|---|---:|---:|", *rows]
+    rows = [category.markdown_cells(value) for category, value in measured_categories(memory)]
+    return markdown_table(("category", "bytes", ""), rows, align="lrr")

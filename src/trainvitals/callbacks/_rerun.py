@@ -1,0 +1,41 @@
+"""Running a LightningModule's code once more, for a measurement or a diagnosis, without leaving a trace."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.seed import isolate_rng
+
+
+@contextmanager
+def rerun_quietly(pl_module: "pl.LightningModule") -> Iterator[None]:
+    """Around an extra ``training_step`` (or forward) that a callback runs: inside, ``self.log`` and
+    ``self.log_dict`` do nothing; on the way out the random streams (Python's, NumPy's, torch's on the
+    CPU and on the module's device: dropout, data augmentation), the buffers (BatchNorm's running
+    statistics) and every module's train/eval mode are as they were.
+    """
+    device = pl_module.device
+    buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
+    modes = [(m, m.training) for m in pl_module.modules()]
+    device_rng = (nullcontext() if device.type == "cpu"
+                  else torch.random.fork_rng(devices=[device], device_type=device.type))
+    pl_module.log = pl_module.log_dict = _ignore  # type: ignore[method-assign]
+    try:
+        with isolate_rng(include_cuda=False), device_rng:
+            yield
+    finally:
+        del pl_module.log, pl_module.log_dict
+        for module, training in modes:
+            module.train(training)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+def _ignore(*_: Any, **__: Any) -> None:
+    """Stands in for ``self.log`` while the module's code runs again."""
