@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -362,6 +363,20 @@ def test_old_argument_names_warn_and_still_work(cls, old, new, value):
 ])
 def test_state_keys_keep_the_names_older_checkpoints_were_saved_under(cls, key):
     assert getattr(trainvitals, cls)().state_key == key
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), [
+    ("GradNormEarlyStopping", {"patience": 30, "min_steps": 20, "margin": 1}),
+    ("GradNormMonitor", {"spike_factor": 5}),
+    ("BatchVarianceProbe", {"measure_every_n_steps": 10}),
+    ("GraphIntegrityCallback", {"check_every_n_steps": 50}),
+    ("MemoryTopologyProfiler", {"first_steps": 3}),
+])
+def test_equal_values_from_a_config_give_the_same_state_key(cls, kwargs):
+    """A value accepted in another type (2.0 for 2, numpy scalars) keys the state as the value itself does:
+    a resume from a config that spells it otherwise must find the callback's saved state."""
+    spelled = {k: np.float64(v) if isinstance(v, int) else np.int64(v) for k, v in kwargs.items()}
+    assert getattr(trainvitals, cls)(**spelled).state_key == getattr(trainvitals, cls)(**kwargs).state_key
 
 
 def test_histogram_off_is_zero_everywhere():

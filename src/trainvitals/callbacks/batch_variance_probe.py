@@ -198,7 +198,7 @@ class BatchVarianceProbe(Callback):
         self.strict = check_bool("strict", strict)
         # Lightning reads the key in every hook call (profiler names): build it once, with the argument
         # names it had before the renaming, so that older checkpoints still load.
-        self._state_key = self._generate_state_key(every_n_steps=measure_every_n_steps, beta=ema_beta)
+        self._state_key = self._generate_state_key(every_n_steps=self.measure_every_n_steps, beta=self.ema_beta)
 
         self.sources = ""
         self._warnings = WarningCache()

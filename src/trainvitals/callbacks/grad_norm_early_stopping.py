@@ -147,8 +147,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.ema_beta = check_float("ema_beta", ema_beta, 0.0, 1.0, high_open=True)
         self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
         self.verbose = check_bool("verbose", verbose)
-        self.key_state_by(mode=mode, margin=margin, patience=patience, min_steps=min_steps, threshold=threshold,
-                          fraction=fraction, reference_steps=reference_steps, ema_beta=ema_beta)
+        self.key_state_by(mode=self.mode, margin=self.margin, patience=self.patience, min_steps=self.min_steps,
+                          threshold=self.threshold, fraction=self.fraction, reference_steps=self.reference_steps,
+                          ema_beta=self.ema_beta)
 
         self._micro = MicroBatchSquaredNorms()
         self._source: Any = None  # "hooks", a probe callback, or None

@@ -154,8 +154,8 @@ class GradNormMonitor(TrainvitalsCallback):
         self.spike_factor, self.ema_beta, self.spike_warmup_steps = SpikeDetector.check_arguments(
             spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps"))
         # The argument names it had before the renaming, so that older checkpoints still load.
-        self.key_state_by(norm_type=self.norm_type, grouping=grouping, spike_factor=spike_factor,
-                          spike_ema_beta=ema_beta)
+        self.key_state_by(norm_type=self.norm_type, grouping=self.grouping, spike_factor=self.spike_factor,
+                          spike_ema_beta=self.ema_beta)
         # Tracks are built lazily (they need the optimizer): their state is saved by :meth:`state_dict`, and
         # a loaded one waits in ``_restored`` until then.
         self._tracks: dict[int, _Track]

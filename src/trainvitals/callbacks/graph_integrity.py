@@ -131,7 +131,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         self.batch_input = check_callable("batch_input", batch_input, none_ok=True) or first_tensor
         self.strict = check_bool("strict", strict)
         self.verbose = check_bool("verbose", verbose)
-        self.key_state_by(check_every_n_steps=check_every_n_steps, dead_after_steps=dead_after_steps)
+        self.key_state_by(check_every_n_steps=self.check_every_n_steps, dead_after_steps=self.dead_after_steps)
 
         self._raise_at_batch_start = False
         self.add_state("_walks", 0, key="walks")

@@ -144,7 +144,7 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         self.strict = check_bool("strict", strict)
         self.verbose = check_bool("verbose", verbose)
         # The argument names it had before the renaming, so that older checkpoints still load.
-        self.key_state_by(every_n_steps=measure_every_n_steps, first_steps=first_steps)
+        self.key_state_by(every_n_steps=self.measure_every_n_steps, first_steps=self.first_steps)
 
         # What a fit that has not started knows.
         self.findings: list[GraphLeakFinding]
