@@ -31,6 +31,11 @@ def _recomputing() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
+def _recomputing_task() -> int | None:
+    """The backward that recomputes this forward (checkpointing), ``None`` outside a backward."""
+    return torch._C._current_graph_task_id() if _recomputing() else None
+
+
 @dataclass
 class PerExampleStep:
     """What :class:`PerExampleGradients` gathered over the micro-batches of one optimizer step, in the
@@ -148,6 +153,8 @@ class PerExampleGradients:
         self._uses: dict[str, list[list[Any]]] = {}  # per module, its calls' [inputs, output gradient or None]
         self._done: set[str] = set()  # modules whose uses were measured this micro-batch
         self._batch_size: int | None = None  # examples in this micro-batch: told, else the first layer's rows
+        self._tasks: dict[int, set[str]] = {}  # per backward (graph task) reaching the hooks, the modules it reached
+        self._creating: set[int] = set()  # those run with create_graph=True
 
     @property
     def attached(self) -> bool:
@@ -248,17 +255,40 @@ class PerExampleGradients:
             return
         slot = [inputs, None]
         self._uses.setdefault(name, []).append(slot)
+        task = _recomputing_task()
         if rule.whole_call:
-            hook = functools.partial(self._backward_call, name, slot, [t is not None for t in leaves])
+            hook = functools.partial(self._backward_call, name, slot, task, [t is not None for t in leaves])
             torch.autograd.graph.register_multi_grad_hook(tensors, hook)
         else:
-            output.register_hook(functools.partial(self._backward_output, name, slot, moved))
+            output.register_hook(functools.partial(self._backward_output, name, slot, task, moved))
         return replaced
 
-    def _backward_output(self, name: str, slot: list[Any], moved: bool, grad_output: Tensor) -> None:
+    def _note_backward(self, name: str, task: int | None) -> None:
+        """Record which backward reached ``name``: ``task``, the backward that recomputes a checkpointed
+        call (its reentrant backward is part of that one), else the running one."""
+        task = torch._C._current_graph_task_id() if task is None else task
+        self._tasks.setdefault(task, set()).add(name)
+        if torch.is_grad_enabled():  # hooks run in grad mode only under create_graph=True
+            self._creating.add(task)
+
+    def _check_backwards(self) -> None:
+        """Fail the modules that a backward before the micro-batch's last one reached (a
+        ``torch.autograd.grad`` inside the training step): the rules measured that backward's gradients, and a
+        gradient penalty's term reaches the weights through double-backward nodes that no hook sees."""
+        for task, names in list(self._tasks.items())[:-1]:
+            why = ("the training step differentiates its own gradients (create_graph=True: a gradient penalty?): "
+                   "per-example norms do not see that term" if task in self._creating else
+                   "its output was differentiated by a backward before the loss's (torch.autograd.grad in the "
+                   "training step?)")
+            for name in names:
+                self._step.failed.setdefault(name, why)
+
+    def _backward_output(self, name: str, slot: list[Any], task: int | None, moved: bool, grad_output: Tensor) -> None:
+        self._note_backward(name, task)
         self._backward(name, slot, grad_output.movedim(1, 0) if moved else grad_output)
 
-    def _backward_call(self, name: str, slot: list[Any], present: list[bool], grads: Any) -> None:
+    def _backward_call(self, name: str, slot: list[Any], task: int | None, present: list[bool], grads: Any) -> None:
+        self._note_backward(name, task)
         if all(g is None for g in grads):  # the loss uses none of the call's outputs: no contribution
             self._uses[name].remove(slot)
             self._calls[name] -= 1
@@ -327,11 +357,13 @@ class PerExampleGradients:
             return
         sub = min(self.sub_batch, batch)
         kept = tuple(a[:sub] if isinstance(a, Tensor) and a.dim() and a.shape[0] == batch else a for a in args)
-        output.register_hook(functools.partial(self._backward_vmap, name, module, kept, kwargs, sub))
+        task = _recomputing_task()
+        output.register_hook(functools.partial(self._backward_vmap, name, module, kept, kwargs, sub, task))
 
     def _backward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                       sub: int, grad_output: Tensor) -> None:
-        if self._calls[name] <= 1:
+                       sub: int, task: int | None, grad_output: Tensor) -> None:
+        self._note_backward(name, task)
+        if self._calls[name] <= 1 and all(p[0] != name for p in self._pending):
             self._pending.append((name, module, args, kwargs, grad_output[:sub]))
 
     def end_micro_batch(self, unit: Tensor | float) -> None:
@@ -342,6 +374,7 @@ class PerExampleGradients:
                 e.g. (accumulation steps × batch size for a mean loss) / AMP loss scale.
         """
         self._flush()
+        self._check_backwards()
         step = self._step
         unit_sq = unit * unit
         if self._sq is not None:
@@ -361,6 +394,8 @@ class PerExampleGradients:
         self._replaying = True
         try:
             for name, module, args, kwargs, grad_output in self._pending:
+                if name in step.failed:
+                    continue
                 try:
                     grads = vmap_per_example_grads(module, args, kwargs, grad_output.detach())
                 except Exception as err:  # noqa: BLE001 - any failure of torch.func means: not measurable
