@@ -870,3 +870,25 @@ def test_a_gpt_with_tied_embeddings_is_measured_per_example_end_to_end():
     assert _probe_warnings(record) == [] and not probe._excluded
     assert probe.sources.startswith("per-example norms in backward") and "(100.0% of parameters)" in probe.sources
     assert len(logger.values("grad_noise/trace_cov")) == 3 and len(logger.values("grad_noise/gsnr/net.wte")) == 3
+
+
+class DirectWeightNet(nn.Module):
+    """``proj`` is called, and its weight also used outside its call (`x @ proj.weight.T`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.proj(x)) + torch.tanh(x @ self.proj.weight.T))
+
+
+def test_a_layer_whose_per_example_gradients_do_not_add_up_is_measured_from_micro_batches():
+    torch.manual_seed(0)
+    probe = BatchVarianceProbe()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(DirectWeightNet().double()), classification_data("mlp", 64), [probe], batch_size=8, steps=2,
+            accumulate=2)
+    assert [m for m in _probe_warnings(record) if "net.proj: its per-example gradients do not add up" in m]
+    assert probe._excluded == {"net.proj"} and set(probe._plan.micro_batch) == {"net.proj.weight", "net.proj.bias"}

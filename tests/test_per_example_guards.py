@@ -3,20 +3,27 @@ each case here gave wrong per-example norms while every layer counted as covered
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainvitals.core.per_example import PerExampleGradients, plan_sources
+from trainvitals.core.per_example import PerExampleGradients, plan_sources, register_per_example_rule
+from trainvitals.core.per_example.registry import _RULES
 
 B = 4
 
 
-def collect(model: nn.Module, loss_of) -> tuple[PerExampleGradients, object]:
-    """One micro-batch through ``loss_of(model)`` and its backward, with every coverable layer hooked."""
+def collect(model: nn.Module, loss_of, then=None) -> tuple[PerExampleGradients, object]:
+    """One micro-batch through ``loss_of(model)`` and its backward, with every coverable layer hooked
+    (and ``then(model)`` run after the hooks are attached)."""
     plan = plan_sources(model, groups_available=False, fallback=False)
     collector = PerExampleGradients(plan.per_example, {}, 2)
     collector.attach(coordinates=True, keep_norms=True)
+    if then is not None:
+        then(model)
     collector.begin_micro_batch()
     model.zero_grad()
     loss_of(model).backward()
@@ -69,3 +76,102 @@ def test_an_autograd_grad_before_the_loss_backward_leaves_its_layers_unmeasured(
 
     _, step = collect(net, loss_of)
     assert set(step.failed) == {"0", "2"} and all("before the loss's" in why for why in step.failed.values())
+
+
+class DirectWeight(nn.Module):
+    """``proj`` is called, and its weight also used outside its call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(3, 3), nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.proj(x)) + torch.tanh(x @ self.proj.weight.T))
+
+
+class Standardised(nn.Conv2d):
+    """Weight standardisation in ``_conv_forward``: not the convolution the Conv2d rule differentiates."""
+
+    def _conv_forward(self, x, weight, bias):
+        return super()._conv_forward(x, (weight - weight.mean((1, 2, 3), keepdim=True)), bias)
+
+
+def _scale_output_grad(model: nn.Module) -> None:
+    """A user's hook, after the probe's, doubles the gradient the layer's weights get."""
+    model[0].register_forward_hook(lambda m, a, out: out.register_hook(lambda g: 2 * g) and None)
+
+
+def _weight_norm(model: nn.Module) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.nn.utils.weight_norm(model[0])
+    with torch.no_grad():
+        model[0].weight_g.mul_(1.5)  # as after a step: g is no longer ‖v‖
+    return model
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+UNBALANCED = {  # the model, its input's shape, the layer to name, what to do once the hooks are attached
+    "weight used outside its call": (DirectWeight, (B, 3), "proj", None),
+    "old weight_norm pre-hook": (lambda: _weight_norm(_mlp()), (B, 3), "0", None),
+    "hook rescaling the output gradient": (_mlp, (B, 3), "0", _scale_output_grad),
+    "Conv2d subclass overriding _conv_forward": (
+        lambda: nn.Sequential(Standardised(2, 3, 3), nn.Flatten(), nn.Linear(3 * 16, 1)), (B, 2, 6, 6), "0", None),
+}
+
+
+@pytest.mark.parametrize("case", list(UNBALANCED))
+def test_a_layer_whose_per_example_gradients_miss_part_of_its_gradient_is_named(case):
+    make, shape, layer, then = UNBALANCED[case]
+    torch.manual_seed(0)
+    model = make().double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    collector, step = collect(model, lambda m: m(x).square().mean(), then)
+    failed = {**step.failed, **collector.unbalanced(step, 1.0 / B)}
+    assert set(failed) == {layer} and "do not add up" in failed[layer]
+
+
+def test_the_sums_of_an_exact_rule_add_up_to_the_gradient_over_micro_batches():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 4), nn.LayerNorm(4), nn.Linear(4, 2), nn.Tanh(), nn.Linear(2, 1)).double()
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True)
+    model.zero_grad()
+    for _ in range(2):  # accumulating: .grad = ½ the batch mean of each micro-batch
+        collector.begin_micro_batch()
+        (model(torch.randint(0, 7, (B, 3))).square().mean() / 2).backward()
+        collector.end_micro_batch(2.0 * B)
+    step = collector.pop()
+    assert not step.failed and collector.unbalanced(step, 1.0 / (2 * B)) == {}
+    assert collector.unbalanced(step, 1.01 / (2 * B)).keys() == set(plan.per_example)
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["a frozen parameter", "a parameter missed"])
+def test_a_function_rule_whose_parameters_are_not_the_modules_is_named(frozen):
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale, self.shift = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale + self.shift
+
+    @register_per_example_rule(Scale)
+    def scale_grads(module, inputs, grad_output):
+        grads = {"scale": inputs * grad_output}
+        return {**grads, "shift": grad_output} if frozen else grads
+
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 3), Scale()).double()
+        if frozen:
+            model[1].shift.requires_grad_(False)
+        x = torch.randn(B, 2, dtype=torch.float64)
+        _, step = collect(model, lambda m: m(x).square().mean())
+        assert set(step.failed) == {"1"} and "trainable parameters are" in step.failed["1"]
+    finally:
+        del _RULES[Scale]

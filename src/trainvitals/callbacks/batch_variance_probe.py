@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
-from trainvitals.callbacks._amp import loss_scale
+from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
@@ -501,6 +501,7 @@ class BatchVarianceProbe(Callback):
         result = self._collector.pop()
         micro_sum, _ = self._micro.pop()
         self._detach_hooks()
+        self._check_sums(trainer, pl_module, result, optimizer)
         self._check_batchnorm(trainer)
         training = [*self._bn_values, *(n for n, m in self._compiled_batchnorms.items() if m.training)]
         if training and (self._plan.per_example or self._plan.vmap):
@@ -518,6 +519,20 @@ class BatchVarianceProbe(Callback):
             self._excluded.update(failed)
             self._failed.difference_update(failed)
             self._make_plan(trainer, pl_module)
+
+    def _check_sums(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
+                    optimizer: torch.optim.Optimizer) -> None:
+        """On a step with per-coordinate sums, fail the layers whose per-example gradients do not add up to
+        their ``.grad``: on one device (the ``.grad`` of several is averaged over ranks), with all micro-batches
+        measured and of one size (else the step is left out anyway)."""
+        assert self._collector is not None
+        sizes = self._micro_sizes
+        if not result.grad_sum or trainer.world_size != 1 or self._unsized or len(set(sizes)) != 1 or 0 in sizes or \
+                len(sizes) != trainer.accumulate_grad_batches or not pl_module.automatic_optimization:
+            return
+        to_grad: Tensor | float = self._grad_units(trainer, pl_module) / sum(self._micro_sizes)
+        scale = scale_left_in_grads(trainer, optimizer)
+        result.failed.update(self._collector.unbalanced(result, to_grad if scale is None else scale * to_grad))
 
     def _check_batchnorm(self, trainer: "pl.Trainer") -> None:
         small = {n: v for n, v in self._bn_values.items() if v < BATCHNORM_MIN_VALUES}

@@ -10,6 +10,7 @@ Everything here stays on the device; nothing syncs with the host. No Lightning i
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class PerExampleStep:
         sub_sum_sq: Σ_i g_i² per ``vmap`` parameter over the sub-batch.
         seen: modules whose output gradient arrived.
         failed: modules that could not be measured this step, with the reason.
+        dtypes: the dtype of each measured module's output gradients (the precision of its rule's operands).
     """
 
     sq_norm_sum: Tensor | None = None
@@ -64,6 +66,7 @@ class PerExampleStep:
     sub_sum_sq: dict[str, Tensor] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
 
 def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
@@ -72,6 +75,21 @@ def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
         into[name].add_(value)
     else:
         into[name] = value
+
+
+def _as_tuple(grad_output: Any) -> tuple[Any, ...]:
+    return grad_output if isinstance(grad_output, tuple) else (grad_output,)
+
+
+def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    """How far a layer's Σ_i g_i may stray from its ``.grad`` by rounding alone (relative, in norm): the
+    rule and autograd sum the same products in other orders; on CUDA float32 matmuls and convolutions may
+    run in TF32."""
+    if dtype == torch.float64:
+        return 1e-6
+    if dtype == torch.float32:
+        return 1e-2 if device.type == "cuda" else 1e-3
+    return 1e-1
 
 
 class PerExampleGradients:
@@ -342,10 +360,58 @@ class PerExampleGradients:
                 self._step.failed[name] = f"per-example norms failed: {type(err).__name__}: {err}"
             return
         self._sq = sq if self._sq is None else self._sq + sq
+        for name, module_uses in uses.items():
+            grads = [g for use in module_uses for g in _as_tuple(use.grad_output) if g is not None]
+            self._step.dtypes.setdefault(name, grads[0].dtype if grads else sq.dtype)
         for qualified, (total, total_sq) in sums.items():
             _add(self._grad_sum, qualified, total)
             _add(self._sum_sq, qualified, total_sq)
         self._step.seen.update(group)  # a tied member this forward did not call has its gradient here
+
+    def unbalanced(self, step: PerExampleStep, to_grad: Tensor | float) -> dict[str, str]:
+        """The modules whose per-example gradients do not add up to their parameters' ``.grad``, with why:
+        the strongest check that a rule saw the whole gradient. Needs the sums (``attach(coordinates=True)``)
+        of a step whose backwards all ran with the hooks; ``to_grad``: ``.grad`` over Σ_i g_i (e.g. the
+        gradient units over the examples, for a mean loss 1/B). Non-finite gradients (an AMP step that
+        overflowed) are not judged. One host sync."""
+        checked = [n for n in self.per_example if n in step.seen and n not in step.failed and n in step.dtypes]
+        if not step.grad_sum or not checked:
+            return {}
+        params = {q: p for n in checked for q, p in self._qualified_parameters(n).items()}
+        names = list(params)
+        actual = [params[q].grad if params[q].grad is not None else torch.zeros_like(params[q]) for q in names]
+        expected = [step.grad_sum[q] * to_grad if q in step.grad_sum else torch.zeros_like(actual[i])
+                    for i, q in enumerate(names)]
+        actual = [a.to(e.dtype) for a, e in zip(actual, expected)]
+        diff = torch._foreach_norm(torch._foreach_sub(expected, actual))
+        scale = [torch.maximum(a, e) for a, e in zip(torch._foreach_norm(actual), torch._foreach_norm(expected))]
+        values = torch.stack([*diff, *scale]).double().tolist()
+        err = dict(zip(names, values[:len(names)]))
+        ref = dict(zip(names, values[len(names):]))
+        out = {}
+        for name in checked:
+            local = self._qualified_parameters(name)
+            e = math.sqrt(sum(err[q] ** 2 for q in local))
+            r = math.sqrt(sum(ref[q] ** 2 for q in local))
+            device = next(iter(local.values())).device if local else torch.device("cpu")
+            if local and math.isfinite(e) and math.isfinite(r) and e > _tolerance(step.dtypes[name], device) * r:
+                out[name] = (f"its per-example gradients do not add up to its parameters' gradient (relative error "
+                             f"{e / r:.2g}): its weight is used outside its own call (`x @ layer.weight.T`, a tied "
+                             "`F.linear(h, embed.weight)`), a forward pre-hook reparametrises it (weight_norm, "
+                             "spectral_norm, pruning), a hook rescales its output gradient, or its rule misses a "
+                             "parameter")
+        return out
+
+    def _qualified_parameters(self, name: str) -> dict[str, nn.Parameter]:
+        """``name``'s trainable parameters by their qualified names; the ones its rule does not measure
+        under their own names (their Σ_i g_i is 0)."""
+        module = self.per_example[name]
+        measured = self._rules[name].parameters(module)
+        out = {self._names[id(p)]: p for p in measured.values()}
+        for local, p in module.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in self._names:
+                out[f"{name}.{local}" if name else local] = p
+        return out
 
     def _qualified(self, name: str, local: str, module: nn.Module) -> str:
         return self._names[id(self._rules[name].parameters(module)[local])]

@@ -131,6 +131,9 @@ class _FunctionRule(PerExampleRule):
         for use in uses:
             for name, g in self.function(module, use.inputs, use.grad_output).items():
                 total[name] = g if name not in total else total[name] + g
+        if set(total) != set(self.parameters(module)):
+            raise ValueError(f"the rule gives gradients of {sorted(total)}, but {type(module).__name__}'s trainable "
+                             f"parameters are {sorted(self.parameters(module))}")
         return total
 
 
