@@ -175,3 +175,52 @@ def test_a_function_rule_whose_parameters_are_not_the_modules_is_named(frozen):
         assert set(step.failed) == {"1"} and "trainable parameters are" in step.failed["1"]
     finally:
         del _RULES[Scale]
+
+
+class CheckpointedTwice(nn.Module):
+    """``shared`` called outside a reentrant checkpoint and inside it, or one block in three segments."""
+
+    def __init__(self, segments: bool) -> None:
+        super().__init__()
+        self.segments = segments
+        self.norm, self.shared, self.out = nn.LayerNorm(6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(self.norm(h)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x if self.segments else torch.tanh(self.shared(x))
+        for _ in range(3 if self.segments else 1):
+            h = h + torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+        return self.out(h.mean(1))
+
+
+def per_example_sq_norms(model: nn.Module, x: torch.Tensor, loss_of) -> torch.Tensor:
+    """‖g_i‖² over every trainable parameter, one backward per example."""
+    rows = []
+    for i in range(len(x)):
+        model.zero_grad()
+        loss_of(model, x[i:i + 1]).backward()
+        rows.append(sum(p.grad.square().sum() for p in model.parameters()))
+    return torch.stack(rows)
+
+
+def test_a_layer_called_inside_and_before_a_reentrant_checkpoint_is_measured_from_both_calls():
+    torch.manual_seed(0)
+    model = CheckpointedTwice(segments=False).double()
+    x = torch.randn(B, 5, 6, dtype=torch.float64, requires_grad=True)
+
+    def loss_of(m, x):
+        return m(x).square().sum()
+
+    _, step = collect(model, lambda m: loss_of(m, x) / B)
+    assert not step.failed
+    torch.testing.assert_close(step.sq_norms[0], per_example_sq_norms(model, x, loss_of), rtol=1e-9, atol=0)
+
+
+def test_a_layer_in_several_reentrant_checkpointed_segments_is_named_not_measured():
+    torch.manual_seed(0)
+    model = CheckpointedTwice(segments=True).double()
+    x = torch.randn(B, 5, 6, dtype=torch.float64, requires_grad=True)
+    _, step = collect(model, lambda m: m(x).square().mean())
+    assert set(step.failed) == {"norm", "shared"} and "several checkpointed segments" in step.failed["shared"]

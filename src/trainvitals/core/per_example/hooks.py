@@ -32,6 +32,13 @@ def _recomputing() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
+def _reentrant_recomputation() -> bool:
+    """Whether a forward is reentrant checkpointing's recomputation, the only run of its calls with a graph
+    (non-reentrant checkpointing recomputes calls whose first run had one)."""
+    node = torch._C._current_autograd_node()
+    return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
+
+
 def _recomputing_task() -> int | None:
     """The backward that recomputes this forward (checkpointing), ``None`` outside a backward."""
     return torch._C._current_graph_task_id() if _recomputing() else None
@@ -103,7 +110,8 @@ class PerExampleGradients:
     per-example gradient is their sum. Modules that share a parameter (an embedding tied to the output
     layer) are measured together (:mod:`.tied`). A
     module recomputed in backward by ``torch.utils.checkpoint`` is measured once: from its first run,
-    or from the recomputation where the first run had no graph (reentrant checkpointing).
+    or from the recomputation where the first run had no graph (reentrant checkpointing); one whose
+    reentrant recomputation comes after it was measured (several segments) is reported as not measured.
 
     Modules of ``vmap`` keep the first ``sub_batch`` examples of their inputs and output gradients
     until :meth:`end_micro_batch`, which computes their per-example gradients with
@@ -232,8 +240,8 @@ class PerExampleGradients:
         if self._replaying or name in self._step.failed:
             return
         rule, replaced = self._rules[name], None
-        if _recomputing() and (self._calls[name] or name in self._done):
-            return  # checkpointing's recomputation of a call measured from its first run
+        if _recomputing() and not _reentrant_recomputation():
+            return  # non-reentrant checkpointing's recomputation of a call measured from its first run
         if rule.whole_call:
             leaves = [t if isinstance(t, Tensor) and t.requires_grad else None for t in tree_leaves(output)]
             tensors = [t for t in leaves if t is not None]
@@ -266,7 +274,8 @@ class PerExampleGradients:
             if moved:  # sequence-first (T, B, *): the positions lead, the examples are dimension 1
                 inputs, batch = inputs.movedim(1, 0), self._batch_size
         if name in self._done:
-            self._step.failed[name] = "measured before its next call: runs in several checkpointed segments"
+            self._step.failed[name] = ("measured before reentrant checkpointing recomputed another of its calls: it "
+                                       "runs in several checkpointed segments, or inside one and after it")
             return
         self._calls[name] += 1
         if not self._check_batch(name, batch):
