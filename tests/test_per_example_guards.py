@@ -224,3 +224,45 @@ def test_a_layer_in_several_reentrant_checkpointed_segments_is_named_not_measure
     x = torch.randn(B, 5, 6, dtype=torch.float64, requires_grad=True)
     _, step = collect(model, lambda m: m(x).square().mean())
     assert set(step.failed) == {"norm", "shared"} and "several checkpointed segments" in step.failed["shared"]
+
+
+class Positions(nn.Module):
+    """Token and position tables; ``use`` says what the forward does with the position table's output."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.use = use
+        self.tok, self.pos, self.head = nn.Embedding(9, 4), nn.Embedding(B, 4), nn.Linear(4, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, t = tokens.shape
+        if self.use == "arange":  # nanoGPT: wpe(torch.arange(T)), here with T = B
+            pos = self.pos(torch.arange(t))
+        else:
+            pos = self.pos(torch.arange(t).unsqueeze(0))  # HF: (1, T) position ids
+            if self.use == "view":
+                pos = pos.view(t, 4)
+            elif self.use == "repeat":
+                pos = pos.repeat(b, 1, 1)
+            elif self.use == "in-place":
+                pos = pos.mul_(2.0)
+        return self.head(torch.tanh(self.tok(tokens) + pos)).mean(1)
+
+
+@pytest.mark.parametrize("use", ["broadcast", "view", "repeat", "in-place", "arange"])
+def test_a_lookup_shared_by_the_batch_is_named_and_its_output_left_as_it_is(use):
+    torch.manual_seed(0)
+    model = Positions(use).double()
+    tokens = torch.randint(0, 9, (B, B))
+    expected = model(tokens)
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True)
+    collector.expect_batch(B)
+    out = model(tokens)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.square().mean().backward()
+    collector.end_micro_batch(float(B))
+    step = collector.pop()
+    assert set(step.failed) == {"pos"} and "shared by the batch" in step.failed["pos"]
+    assert step.seen == {"tok", "head"} and collector.unbalanced(step, 1.0 / B) == {}

@@ -5,7 +5,8 @@ testing the per-example rules on whole architectures.
 Each entry makes a model, a batch ``(x, y)`` of B examples and a loss whose ``reduction="mean"`` over
 the batch is the mean of the examples' own losses (token and pixel losses: each example has as many
 terms as every other). A position table is an ``nn.Embedding`` looked up with ``(1, T)`` ids as in HF
-GPT-2 and BERT; one stored as a bare ``nn.Parameter`` (timm's ``pos_embed``) has no per-example rule.
+GPT-2 and BERT (named as not measured: its gradient arrives summed over the examples); one stored as a
+bare ``nn.Parameter`` (timm's ``pos_embed``) has no per-example rule.
 """
 
 from __future__ import annotations
@@ -250,6 +251,7 @@ class Entry:
     make: Callable[[], nn.Module]
     batch: Callable[[int], tuple[Tensor, Tensor]]
     loss: Callable[[Tensor, Tensor], Tensor]  # reduction="mean": the mean of the examples' own losses
+    shared_lookup: str | None = None  # the position table looked up with ids shared by the batch: not measured
 
 
 def _tokens(b: int, labels: int | None = None) -> tuple[Tensor, Tensor]:
@@ -264,13 +266,13 @@ def _images(b: int, channels: int = 3, labels: int = 4) -> tuple[Tensor, Tensor]
 
 
 ZOO: dict[str, Entry] = {
-    "gpt_tied": Entry(GPT, _tokens, token_loss),
-    "bert_multihead_attention": Entry(Bert, lambda b: _tokens(b, 3), F.cross_entropy),
+    "gpt_tied": Entry(GPT, _tokens, token_loss, "wpe"),
+    "bert_multihead_attention": Entry(Bert, lambda b: _tokens(b, 3), F.cross_entropy, "position_embeddings"),
     "resnet_batchnorm_eval": Entry(resnet_batchnorm_eval, _images, F.cross_entropy),
     "resnet_groupnorm": Entry(lambda: ResNet(lambda c: nn.GroupNorm(2, c)), _images, F.cross_entropy),
     "lstm_classifier": Entry(LSTMClassifier, lambda b: _tokens(b, 3), F.cross_entropy),
     "gru_language_model": Entry(GRULanguageModel, _tokens, token_loss),
-    "vit": Entry(ViT, _images, F.cross_entropy),
+    "vit": Entry(ViT, _images, F.cross_entropy, "pos_embed"),
     "mixer_rmsnorm": Entry(Mixer, _images, F.cross_entropy),
     "unet_conv_transpose": Entry(UNet, lambda b: (torch.randn(b, 2, 8, 8), torch.randn(b, 1, 8, 8)), F.mse_loss),
 }

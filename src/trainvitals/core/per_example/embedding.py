@@ -40,7 +40,7 @@ def _embedding_rows(module: nn.Embedding, uses: Sequence[Use]) -> tuple[Tensor, 
 @register_per_example_rule(nn.Embedding)
 class EmbeddingRule(PerExampleRule):
     """nn.Embedding (dense, without ``scale_grad_by_freq``, which couples the examples); a position table
-    looked up with ``(1, T)`` ids shared by the batch is measured per example."""
+    looked up with ids shared by the batch (``(1, T)``, ``arange(T)``) is not measured here."""
 
     broadcast_batch = True
 

@@ -39,6 +39,21 @@ def _reentrant_recomputation() -> bool:
     return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
 
 
+def _shared_by_batch(indices: Tensor, batch: int | None) -> bool:
+    """Whether a lookup's indices are shared by the ``batch`` examples rather than theirs: one row ``(1, *)``,
+    or ``arange(batch)`` (nanoGPT's ``wpe(torch.arange(T))`` with T = B; a rare 1-D call of B integer indices
+    is compared on the device, one sync).
+
+    Its output would have to be replaced by one expanded to the examples for per-example gradients; a
+    diagnostic never changes the model's outputs."""
+    if batch in (None, 1) or indices.is_floating_point():
+        return False
+    if indices.dim() >= 2:
+        return indices.shape[0] == 1
+    return indices.dim() == 1 and indices.shape[0] == batch and \
+        bool((indices == torch.arange(batch, device=indices.device)).all())
+
+
 def _recomputing_task() -> int | None:
     """The backward that recomputes this forward (checkpointing), ``None`` outside a backward."""
     return torch._C._current_graph_task_id() if _recomputing() else None
@@ -236,10 +251,10 @@ class PerExampleGradients:
         return self._check_batch(name, batch)
 
     def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 output: Any) -> Tensor | None:
+                 output: Any) -> None:
         if self._replaying or name in self._step.failed:
             return
-        rule, replaced = self._rules[name], None
+        rule = self._rules[name]
         if _recomputing() and not _reentrant_recomputation():
             return  # non-reentrant checkpointing's recomputation of a call measured from its first run
         if rule.whole_call:
@@ -262,12 +277,11 @@ class PerExampleGradients:
             if not output.requires_grad:
                 return
             inputs, batch = args[0], args[0].shape[0] if args[0].dim() else -1
-            if rule.broadcast_batch and batch == 1 and self._batch_size not in (None, 1) and inputs.dim() >= 2:
-                # Indices shared by the batch ((1, T) position ids): the output is broadcast against the
-                # examples, so it is handed on expanded, and its gradient arrives per example.
-                inputs = inputs.expand(self._batch_size, *inputs.shape[1:])
-                output = replaced = output.expand(self._batch_size, *output.shape[1:])
-                batch = self._batch_size
+            if rule.broadcast_batch and _shared_by_batch(inputs, self._batch_size):
+                self._step.failed[name] = (
+                    "a lookup shared by the batch's examples (position ids (1, T) or arange(T)): its output is "
+                    "broadcast against the examples, so its gradient arrives summed over them")
+                return
             features = rule.feature_dims(module)
             moved = features is not None and batch != self._batch_size and self._batch_size is not None \
                 and inputs.dim() - features >= 2 and inputs.shape[1] == self._batch_size
@@ -288,7 +302,6 @@ class PerExampleGradients:
             torch.autograd.graph.register_multi_grad_hook(tensors, hook)
         else:
             output.register_hook(functools.partial(self._backward_output, name, slot, task, moved))
-        return replaced
 
     def _note_backward(self, name: str, task: int | None) -> None:
         """Record which backward reached ``name``: ``task``, the backward that recomputes a checkpointed

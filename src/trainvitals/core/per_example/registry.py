@@ -52,9 +52,9 @@ class PerExampleRule:
     Attributes:
         whole_call: the rule needs every argument and every output gradient of a call (attention,
             recurrent layers: tuple outputs), not the first input and the output's gradient.
-        broadcast_batch: a call on one row ``(1, *)`` while the batch has B > 1 examples (position ids
-            shared by the batch) is a lookup whose output is broadcast against the examples: the hooks
-            hand on the output expanded to B rows, for per-example output gradients.
+        broadcast_batch: a call on indices shared by the batch's B > 1 examples (one row ``(1, *)`` of
+            position ids, or ``arange(B)``) is a lookup whose output is broadcast against the examples:
+            its gradient arrives summed over them, and the hooks report it as not measured.
     """
 
     whole_call = False
