@@ -78,6 +78,7 @@ LAYERS = {
                              (B, 6, 9)),
     "conv_transpose2d_groups": (lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2), (B, 4, 3, 3)),
     "group_norm": (lambda: nn.GroupNorm(2, 6), (B, 6, 3, 3)),
+    "group_norm_2d": (lambda: nn.GroupNorm(2, 6), (B, 6)),
     "instance_norm1d": (lambda: nn.InstanceNorm1d(3, affine=True), (B, 3, 7)),
     "instance_norm2d_running_stats_eval": (lambda: eval_mode(nn.InstanceNorm2d(3, affine=True, track_running_stats=True)),
                                            (B, 3, 4, 4)),

@@ -27,8 +27,8 @@ def _over_positions(module: nn.Module, t: Tensor) -> Tensor:
 
 
 def _per_channel(t: Tensor) -> Tensor:
-    """``(B, C, *)`` → ``(B, C)``, summed over the positions."""
-    return t.flatten(2).sum(2)
+    """``(B, C, *)`` → ``(B, C)``, summed over the positions (a ``(B, C)`` input has none)."""
+    return t.flatten(2).sum(2) if t.dim() > 2 else t
 
 
 class AffineNormRule(PerExampleRule):
@@ -112,7 +112,7 @@ class BatchNormRule(AffineNormRule):
         return (x - module.running_mean.view(shape)) * (module.running_var.view(shape) + module.eps).rsqrt()
 
     def _to_parameter(self, module: nn.Module, t: Tensor) -> Tensor:
-        return _per_channel(t) if t.dim() > 2 else t
+        return _per_channel(t)
 
 
 @register_per_example_rule(nn.RMSNorm)
