@@ -266,3 +266,30 @@ def test_a_lookup_shared_by_the_batch_is_named_and_its_output_left_as_it_is(use)
     step = collector.pop()
     assert set(step.failed) == {"pos"} and "shared by the batch" in step.failed["pos"]
     assert step.seen == {"tok", "head"} and collector.unbalanced(step, 1.0 / B) == {}
+
+
+def test_a_fallback_layer_with_a_tuple_output_is_named_for_that():
+    """nn.LSTMCell in a loop: its ``(h, c)`` output was skipped unsaid, then blamed on gradients "outside
+    its own forward"."""
+
+    class Cell(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell, self.out = nn.LSTMCell(3, 4), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = c = x.new_zeros(x.shape[0], 4)
+            for t in range(x.shape[1]):
+                h, c = self.cell(x[:, t], (h, c))
+            return self.out(h)
+
+    torch.manual_seed(0)
+    model = Cell().double()
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert set(plan.vmap) == {"cell"}
+    collector = PerExampleGradients(plan.per_example, plan.vmap, 2)
+    collector.attach()
+    model(torch.randn(B, 3, 3, dtype=torch.float64)).square().mean().backward()
+    collector.end_micro_batch(float(B))
+    step = collector.pop()
+    assert set(step.failed) == {"cell"} and "its output is a tuple" in step.failed["cell"]

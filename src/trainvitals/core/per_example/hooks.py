@@ -241,8 +241,14 @@ class PerExampleGradients:
         return True
 
     def _check_call(self, name: str, output: Any, batch: int) -> bool:
-        if self._replaying or (_recomputing() and self._calls[name]) or not isinstance(output, Tensor) \
-                or not output.requires_grad:
+        if self._replaying or (_recomputing() and self._calls[name]):
+            return False
+        if not isinstance(output, Tensor):
+            if any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(output)):
+                self._step.failed[name] = (f"its output is a {type(output).__name__}, not the one tensor the "
+                                           "torch.func fallback differentiates")
+            return False
+        if not output.requires_grad:
             return False
         self._calls[name] += 1
         if self._calls[name] > 1:
