@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune
 from torch import nn
 
 from trainvitals.core.per_example import PerExampleGradients, plan_sources, register_per_example_rule
@@ -16,11 +17,11 @@ from trainvitals.core.per_example.registry import _RULES
 B = 4
 
 
-def collect(model: nn.Module, loss_of, then=None) -> tuple[PerExampleGradients, object]:
-    """One micro-batch through ``loss_of(model)`` and its backward, with every coverable layer hooked
-    (and ``then(model)`` run after the hooks are attached)."""
+def collect(model: nn.Module, loss_of, then=None, layers=None) -> tuple[PerExampleGradients, object]:
+    """One micro-batch through ``loss_of(model)`` and its backward, with every coverable layer hooked, or
+    ``layers`` (and ``then(model)`` run after the hooks are attached)."""
     plan = plan_sources(model, groups_available=False, fallback=False)
-    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector = PerExampleGradients(plan.per_example if layers is None else layers, {}, 2)
     collector.attach(coordinates=True, keep_norms=True)
     if then is not None:
         then(model)
@@ -118,8 +119,6 @@ UNBALANCED = {  # the model, its input's shape, the layer to name, what to do on
     "weight used outside its call": (DirectWeight, (B, 3), "proj", None),
     "old weight_norm pre-hook": (lambda: _weight_norm(_mlp()), (B, 3), "0", None),
     "hook rescaling the output gradient": (_mlp, (B, 3), "0", _scale_output_grad),
-    "Conv2d subclass overriding _conv_forward": (
-        lambda: nn.Sequential(Standardised(2, 3, 3), nn.Flatten(), nn.Linear(3 * 16, 1)), (B, 2, 6, 6), "0", None),
 }
 
 
@@ -129,9 +128,21 @@ def test_a_layer_whose_per_example_gradients_miss_part_of_its_gradient_is_named(
     torch.manual_seed(0)
     model = make().double()
     x = torch.randn(*shape, dtype=torch.float64)
-    collector, step = collect(model, lambda m: m(x).square().mean(), then)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}  # the plan leaves weight_norm out
+    collector, step = collect(model, lambda m: m(x).square().mean(), then, layers)
     failed = {**step.failed, **collector.unbalanced(step, 1.0 / B)}
     assert set(failed) == {layer} and "do not add up" in failed[layer]
+
+
+def test_a_reparametrised_layer_or_one_overriding_its_forward_path_has_no_rule():
+    model = nn.ModuleDict({"norm": _weight_norm(_mlp())[0], "spectral": torch.nn.utils.spectral_norm(nn.Linear(3, 3)),
+                           "pruned": torch.nn.utils.prune.l1_unstructured(nn.Linear(3, 3), "weight", 0.5),
+                           "standardised": Standardised(2, 3, 3), "plain": nn.Conv2d(2, 3, 3)})
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    assert set(plan.per_example) == {"plain"}
+    assert "weight_norm" in plan.uncovered["norm.weight_g"] and "spectral_norm" in plan.uncovered["spectral.weight_orig"]
+    assert "pruning" in plan.uncovered["pruned.weight_orig"]
+    assert "no per-example identity" in plan.uncovered["standardised.weight"]
 
 
 def test_the_sums_of_an_exact_rule_add_up_to_the_gradient_over_micro_batches():

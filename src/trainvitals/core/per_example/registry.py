@@ -181,14 +181,34 @@ def register_per_example_rule(*module_types: type[nn.Module], whole_call: bool =
     return decorator
 
 
+_FORWARD_PATH = ("forward", "_conv_forward")  # the methods a built-in layer's forward computes through
+
+
 def rule_for(module: nn.Module) -> PerExampleRule | None:
-    """The rule registered for ``module``'s type, or for the nearest base type whose ``forward`` it keeps
-    (a subclass with a ``forward`` of its own computes something else); ``None`` if there is none."""
+    """The rule registered for ``module``'s type, or for the nearest base type whose forward path
+    (``forward``, a convolution's ``_conv_forward``) it keeps: a subclass overriding one computes something
+    else (weight standardisation); ``None`` if there is none."""
     kind = type(module)
     for base in kind.__mro__:
         rule = _RULES.get(base)
         if rule is not None:
-            return rule if base is kind or kind.forward is base.forward else None
+            keeps = all(getattr(kind, m) is getattr(base, m) for m in _FORWARD_PATH if hasattr(base, m))
+            return rule if base is kind or keeps else None
+    return None
+
+
+def _reparametrised(module: nn.Module) -> str | None:
+    """The torch.nn.utils reparametrisation a forward pre-hook of ``module`` applies (its parameters are then
+    ``weight_g``/``weight_v`` or ``weight_orig``, the weight a function of them), else ``None``."""
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    kinds = {WeightNorm: "weight_norm", SpectralNorm: "spectral_norm", BasePruningMethod: "pruning"}
+    for hook in module._forward_pre_hooks.values():
+        for kind, what in kinds.items():
+            if isinstance(hook, kind):
+                return what
     return None
 
 
@@ -197,6 +217,10 @@ def unsupported_reason(module: nn.Module) -> str | None:
     rule = rule_for(module)
     if rule is None:
         return f"{type(module).__name__} has no per-example identity"
+    reparametrisation = _reparametrised(module)
+    if reparametrisation is not None:
+        return (f"{type(module).__name__} reparametrised by torch.nn.utils' {reparametrisation} (a forward "
+                "pre-hook): its rule differentiates the weight, not the parameters it is computed from")
     return rule.unsupported(module)
 
 
