@@ -304,3 +304,23 @@ def test_a_fallback_layer_with_a_tuple_output_is_named_for_that():
     collector.end_micro_batch(float(B))
     step = collector.pop()
     assert set(step.failed) == {"cell"} and "its output is a tuple" in step.failed["cell"]
+
+
+def test_under_bf16_autocast_a_tied_layer_is_not_taken_for_one_that_does_not_add_up():
+    """The tied token table's own operands are float32 (Embedding is not autocast), its output layer's
+    bf16: its .grad is rounded as the half-precision part is."""
+    from zoo import GPT, VOCAB
+
+    torch.manual_seed(0)
+    model = GPT()
+    tokens = torch.randint(0, VOCAB, (B, 6))
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True)
+    collector.expect_batch(B)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens)
+    F.cross_entropy(logits.float().flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+    collector.end_micro_batch(float(B))
+    step = collector.pop()
+    assert set(step.failed) == {"wpe"} and collector.unbalanced(step, 1.0 / B) == {}
