@@ -324,3 +324,18 @@ def test_under_bf16_autocast_a_tied_layer_is_not_taken_for_one_that_does_not_add
     collector.end_micro_batch(float(B))
     step = collector.pop()
     assert set(step.failed) == {"wpe"} and collector.unbalanced(step, 1.0 / B) == {}
+
+
+def test_the_check_compares_the_rows_summed_under_a_coordinate_budget():
+    torch.manual_seed(0)
+    model = DirectWeight().double()
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    x = torch.randn(B, 3, dtype=torch.float64)
+    for rows, expected in (({"proj.weight": slice(1, 3)}, {"proj"}), ({"out.weight": slice(0, 1)}, set())):
+        collector.attach(coordinates=rows)
+        model.zero_grad()
+        model(x).square().mean().backward()
+        collector.end_micro_batch(float(B))
+        step = collector.pop()
+        assert set(collector.unbalanced(step, 1.0 / B)) == expected

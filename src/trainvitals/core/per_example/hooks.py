@@ -400,14 +400,20 @@ class PerExampleGradients:
         """The modules whose per-example gradients do not add up to their parameters' ``.grad``, with why:
         the strongest check that a rule saw the whole gradient. Needs the sums (``attach(coordinates=True)``)
         of a step whose backwards all ran with the hooks; ``to_grad``: ``.grad`` over Σ_i g_i (e.g. the
-        gradient units over the examples, for a mean loss 1/B). Non-finite gradients (an AMP step that
+        gradient units over the examples, for a mean loss 1/B). Only the rows summed (``attach``'s
+        ``coordinates``) are compared, and the layers with some. Non-finite gradients (an AMP step that
         overflowed) are not judged. One host sync."""
-        checked = [n for n in self.per_example if n in step.seen and n not in step.failed and n in step.dtypes]
+        checked = [n for n in self.per_example if n in step.seen and n not in step.failed and n in step.dtypes
+                   and any(q in self._coordinates for q in self._qualified_parameters(n))]
         if not step.grad_sum or not checked:
             return {}
-        params = {q: p for n in checked for q, p in self._qualified_parameters(n).items()}
+        measured = set(self._names.values())
+        params = {q: p for n in checked for q, p in self._qualified_parameters(n).items()
+                  if q in self._coordinates or q not in measured}  # Σ_i g_i of a parameter the rule skips: 0
         names = list(params)
-        actual = [params[q].grad if params[q].grad is not None else torch.zeros_like(params[q]) for q in names]
+        rows = [self._coordinates.get(q, slice(None)) for q in names]
+        actual = [(params[q].grad if params[q].grad is not None else torch.zeros_like(params[q]))[r]
+                  for q, r in zip(names, rows)]
         expected = [step.grad_sum[q] * to_grad if q in step.grad_sum else torch.zeros_like(actual[i])
                     for i, q in enumerate(names)]
         actual = [a.to(e.dtype) for a, e in zip(actual, expected)]
@@ -422,7 +428,7 @@ class PerExampleGradients:
         ref = dict(zip(names, values[len(names):]))
         out = {}
         for name in checked:
-            local = self._qualified_parameters(name)
+            local = [q for q in self._qualified_parameters(name) if q in params]
             e = math.sqrt(sum(err[q] ** 2 for q in local))
             r = math.sqrt(sum(ref[q] ** 2 for q in local))
             if local and math.isfinite(e) and math.isfinite(r) and e > tolerance * r:
