@@ -206,6 +206,35 @@ def test_recorder_removes_its_hooks_and_survives_a_failing_forward():
     assert rec.report().total_bytes == before
 
 
+def test_a_forward_that_raises_inside_the_step_leaves_the_module_stack_right():
+    """Module hooks are per module without ``always_call`` (Dynamo recompiles on those): a child whose
+    forward raised, caught by its parent, is dropped when the parent's call ends; later saves go to the
+    module that makes them."""
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fails, self.act = Fails(), nn.Tanh()
+
+        def forward(self, x):
+            try:
+                self.fails(x)
+            except ValueError:
+                pass
+            return self.act(x)
+
+    model = nn.Sequential(Parent(), nn.Sigmoid())
+    x = torch.randn(3, 5, requires_grad=True)
+    with SavedTensorRecorder(model) as rec:
+        y = model(x * 2)  # noqa: F841 (the graph keeps the saves)
+    assert rec._stack == []
+    assert rec.report().by_module == {"0.act": 3 * 5 * 4, "1": 3 * 5 * 4}
+    assert set(rec.report().module_calls) == {"(root)", "0", "0.act", "1"}
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_savings_match_real_checkpointing(use_reentrant):
     class Checkpointed(nn.Module):
