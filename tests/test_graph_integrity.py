@@ -1036,6 +1036,23 @@ def test_state_survives_a_checkpoint(tmp_path: Path):
     assert resumed.state_dict()["findings"] == json.loads(json.dumps(resumed.state_dict()["findings"]))
 
 
+def test_a_resumed_fit_counts_lr_zero_as_the_uninterrupted_one(tmp_path: Path):
+    """The lr 0 check filed a fit-start finding again at each resumed fit; its streak of steps at 0 now
+    goes through the checkpoint, so the resumed fit finds what the uninterrupted one does."""
+    def run(steps, *callbacks, **kwargs):
+        cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[cb, *callbacks], enable_checkpointing=bool(
+                callbacks))).fit(ZeroLrBody(), data(), **kwargs)
+        return [(f.names, f.step) for f in cb.findings], cb.counts
+
+    uninterrupted = run(14)
+    assert uninterrupted[1] == {K.ZERO_LR: 2}
+    run(6, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1, filename="mid"))
+    assert run(14, ckpt_path=tmp_path / "mid.ckpt") == uninterrupted
+
+
 # ---------------------------------------------------------------------------------- torch.compile
 
 
