@@ -447,6 +447,14 @@ class UnusedAndDead(Net):
         return F.cross_entropy(self.head(h) + torch.relu(self.blocked(h) - 1e4), y)
 
 
+@pytest.mark.parametrize(("dead_after_steps", "said"), [(1, "1 optimizer step in a row"), (2, "2 optimizer steps in a row")])
+def test_the_streak_messages_count_their_steps_in_words(dead_after_steps, said):
+    cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=dead_after_steps, verbose=False)
+    fit(UnusedAndDead(), cb, steps=2)
+    assert f"at {said}:" in finding(cb, K.UNUSED_PARAMS).message
+    assert f"at {said}:" in finding(cb, K.DEAD_PARAMS).message
+
+
 def test_unused_and_dead_parameters_are_told_apart(recording_logger: RecordingLogger):
     cb = GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=2)
     fit(UnusedAndDead(), cb, steps=2, logger=recording_logger)
