@@ -455,6 +455,26 @@ def test_the_streak_messages_count_their_steps_in_words(dead_after_steps, said):
     assert f"at {said}:" in finding(cb, K.DEAD_PARAMS).message
 
 
+class SparseAndComplex(Net):
+    """A sparse embedding gradient and a complex parameter's gradient, which aminmax cannot reduce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 8, sparse=True)
+        self.phase = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+
+    def forward(self, x):
+        h = torch.relu(self.body(x)) + self.embed(x.abs().long().clamp(max=4)).mean(1)
+        return self.head(h) * self.phase.abs()
+
+
+def test_sparse_and_complex_gradients_are_checked_without_killing_the_fit():
+    model = SparseAndComplex()
+    cb = every_step(verbose=False)
+    fit(model, cb, steps=3)
+    assert cb.counts == {} and model.embed.weight.grad.is_sparse
+
+
 def test_unused_and_dead_parameters_are_told_apart(recording_logger: RecordingLogger):
     cb = GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=2)
     fit(UnusedAndDead(), cb, steps=2, logger=recording_logger)
