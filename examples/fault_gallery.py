@@ -138,7 +138,7 @@ def default_callbacks() -> list[pl.Callback]:
     """All trainvitals callbacks, checking at every step: the runs are a few steps long."""
     return [
         GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
-        BatchVarianceProbe(log_every_n_steps=1, histogram_every_n_steps=None),
+        BatchVarianceProbe(log_every_n_steps=1, histogram_every_n_steps=0),
         GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=3),
         MemoryTopologyProfiler(measure_every_n_steps=1),
         LRScalingAdvisor(verbose=False),

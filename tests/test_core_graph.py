@@ -280,3 +280,16 @@ def test_all_zero_per_tensor_without_underflow():
     tensors = [torch.zeros(3), torch.full((2,), 1e-30), half, bf16]
     assert all_zero(tensors).tolist() == [True, False, True, False]
     assert all_zero([]).numel() == 0
+
+
+def test_all_zero_reads_sparse_complex_and_empty_tensors():
+    """aminmax has no sparse or complex kernel: a sparse or complex gradient crashed the fit."""
+    cancelling = torch.sparse_coo_tensor([[0, 0]], [1.0, -1.0], (4,))  # duplicates that sum to zero
+    sparse = [torch.zeros(4).to_sparse(), torch.tensor([0.0, 2.0, 0.0]).to_sparse(), cancelling,
+              torch.eye(3).to_sparse_csr(), torch.zeros(2, 2).to_sparse_csr()]
+    assert all_zero(sparse).tolist() == [t.to_dense().eq(0).all().item() for t in sparse] == [
+        True, False, True, False, True]
+    complex_ = [torch.zeros(3, dtype=torch.complex64), torch.tensor([0j, 1e-30j], dtype=torch.complex64),
+                torch.tensor([0j, 2 + 0j])]
+    assert all_zero(complex_).tolist() == [True, False, False]
+    assert all_zero([torch.zeros(0), torch.ones(0, 3), torch.ones(1)]).tolist() == [True, True, False]

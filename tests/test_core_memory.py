@@ -37,7 +37,7 @@ from trainvitals.core.memory import (
     whole_forward_modules,
 )
 from trainvitals.core.memory import categories, remedies
-from trainvitals.core.memory.categories import AllocatorStats, category_markdown, category_metrics
+from trainvitals.core.memory.categories import AllocatorStats, MemoryCategory, category_markdown, category_metrics
 from trainvitals.core.memory.recorder import SavedTensorReport, compiled_modules
 from trainvitals.core.memory.remedies import Remedy
 from trainvitals.dashboard.tags import MEMORY_BYTES
@@ -204,6 +204,35 @@ def test_recorder_removes_its_hooks_and_survives_a_failing_forward():
     before = rec.report().total_bytes
     model[0](torch.randn(1, 2, requires_grad=True)).sum()  # saves its input, but not through the recorder
     assert rec.report().total_bytes == before
+
+
+def test_a_forward_that_raises_inside_the_step_leaves_the_module_stack_right():
+    """Module hooks are per module without ``always_call`` (Dynamo recompiles on those): a child whose
+    forward raised, caught by its parent, is dropped when the parent's call ends; later saves go to the
+    module that makes them."""
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fails, self.act = Fails(), nn.Tanh()
+
+        def forward(self, x):
+            try:
+                self.fails(x)
+            except ValueError:
+                pass
+            return self.act(x)
+
+    model = nn.Sequential(Parent(), nn.Sigmoid())
+    x = torch.randn(3, 5, requires_grad=True)
+    with SavedTensorRecorder(model) as rec:
+        y = model(x * 2)  # noqa: F841 (the graph keeps the saves)
+    assert rec._stack == []
+    assert rec.report().by_module == {"0.act": 3 * 5 * 4, "1": 3 * 5 * 4}
+    assert set(rec.report().module_calls) == {"(root)", "0", "0.act", "1"}
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
@@ -744,6 +773,41 @@ def test_a_registered_remedy_rule_is_ranked_with_the_built_in_ones(monkeypatch):
     ranked = rank_remedies(memory)
     assert [(r.kind, r.bytes_freed) for r in ranked] == [("optimizer state", 2000), ("gradient offload", 1000)]
     assert ranked[1].largest_batch == (10**4 - 3000) * 4 // 100
+
+
+def test_a_failing_rule_or_category_is_warned_once_and_left_out_and_registering_is_guarded(monkeypatch):
+    """A registered rule or a category measure that raised killed the fit; a rule registered twice was
+    listed twice; a category with a built-in's key silently replaced its tag."""
+    state = ModelStateBytes(parameters=1000, gradients=1000, optimizer_state=2000)
+    memory = StepMemory(state, 100, SavedTensorReport(total_bytes=0, by_module={}, storages={}), 4)
+    monkeypatch.setattr(remedies, "REMEDY_RULES", list(remedies.REMEDY_RULES))
+    monkeypatch.setattr(categories, "MEMORY_CATEGORIES", list(categories.MEMORY_CATEGORIES))
+    monkeypatch.setattr(categories, "_FAILED", set())
+    expected = [(r.kind, r.bytes_freed) for r in rank_remedies(memory)]
+    plain = category_metrics(memory)
+
+    def extra(memory, top_k):
+        return [Remedy("extra", "", 10, None, None, "")]
+
+    def broken(memory, top_k):
+        return [Remedy("broken", "", memory.state.nonexistent, None, None, "")]
+
+    for rule in (extra, extra, broken):
+        remedies.register_remedy(rule)
+    assert remedies.REMEDY_RULES.count(extra) == 1
+    row = MemoryCategory("scratch", "scratch", lambda m: 1 / 0, "fixed")
+    assert categories.register_category(row) is categories.register_category(row)
+    assert categories.MEMORY_CATEGORIES.count(row) == 1
+    with pytest.raises(ValueError, match="'activations' exists"):
+        categories.register_category(MemoryCategory("activations", "again", lambda m: 5, "batch"))
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(2):
+            assert [(r.kind, r.bytes_freed) for r in rank_remedies(memory)] == [*expected, ("extra", 10)]
+            assert category_metrics(memory) == plain and memory.fixed_bytes == 4000
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2
+    assert "remedy rule" in messages[0] and "broken" in messages[0] and "AttributeError" in messages[0]
+    assert "memory category 'scratch'" in messages[1] and "ZeroDivisionError" in messages[1]
 
 
 def test_a_compiled_submodule_gets_no_hooks_and_its_saves_go_to_its_wrapper():

@@ -447,6 +447,34 @@ class UnusedAndDead(Net):
         return F.cross_entropy(self.head(h) + torch.relu(self.blocked(h) - 1e4), y)
 
 
+@pytest.mark.parametrize(("dead_after_steps", "said"), [(1, "1 optimizer step in a row"), (2, "2 optimizer steps in a row")])
+def test_the_streak_messages_count_their_steps_in_words(dead_after_steps, said):
+    cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=dead_after_steps, verbose=False)
+    fit(UnusedAndDead(), cb, steps=2)
+    assert f"at {said}:" in finding(cb, K.UNUSED_PARAMS).message
+    assert f"at {said}:" in finding(cb, K.DEAD_PARAMS).message
+
+
+class SparseAndComplex(Net):
+    """A sparse embedding gradient and a complex parameter's gradient, which aminmax cannot reduce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 8, sparse=True)
+        self.phase = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+
+    def forward(self, x):
+        h = torch.relu(self.body(x)) + self.embed(x.abs().long().clamp(max=4)).mean(1)
+        return self.head(h) * self.phase.abs()
+
+
+def test_sparse_and_complex_gradients_are_checked_without_killing_the_fit():
+    model = SparseAndComplex()
+    cb = every_step(verbose=False)
+    fit(model, cb, steps=3)
+    assert cb.counts == {} and model.embed.weight.grad.is_sparse
+
+
 def test_unused_and_dead_parameters_are_told_apart(recording_logger: RecordingLogger):
     cb = GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=2)
     fit(UnusedAndDead(), cb, steps=2, logger=recording_logger)
@@ -759,16 +787,21 @@ class ZeroLrBody(Net):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def test_a_param_group_at_lr_zero_is_named_with_its_modules_at_fit_start():
+def test_a_param_group_at_lr_zero_is_named_with_its_modules_after_ten_steps_at_zero():
+    """Judged on the lr read at the optimizer steps, never at fit start: a group at exactly 0 for
+    max(dead_after_steps, 10) steps in a row is reported when a complete window closes (that of step 10,
+    the first with ten steps at 0 behind it), then at each later window."""
     model = ZeroLrBody()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False)
-    caught = fit(model, cb, steps=4)
+    caught = fit(model, cb, steps=14)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed == {"head.weight", "head.bias"}  # what the finding claims: the body's group never moves
     f = finding(cb, K.ZERO_LR)
-    assert f.names == ("optimizer 0 param group 0", "body") and f.step == 0
-    assert cb.counts[K.ZERO_LR] == 1 + 4 // 2  # at fit start, then in each window (one checked step each)
+    assert f.names == ("optimizer 0 param group 0", "body") and f.step == 10
+    assert "lr exactly 0 at each of its last 11 optimizer steps" in f.message
+    assert "warm-up" in f.message and "requires_grad=False" in f.message
+    assert cb.counts[K.ZERO_LR] == 2  # the windows of steps 10 and 12
     assert sum("[zero_lr]" in m and "module `body`" in m for m in caught) == 1
     assert any("| zero_lr | `optimizer 0 param group 0`, `body` |" in row for row in cb.summary_markdown().splitlines())
 
@@ -776,16 +809,62 @@ def test_a_param_group_at_lr_zero_is_named_with_its_modules_at_fit_start():
 @pytest.mark.parametrize(
     ("schedule", "found_at"),
     [
-        (lambda step: 1.0 if step < 4 else 0.0, 5),  # 0 from step 4 on: the window of steps 4-5 finds it
-        (lambda step: min(1.0, step / 2), None),  # a warm-up from 0: at 0 for one step of its window only
+        (lambda step: 1.0 if step < 4 else 0.0, 13),  # 0 from step 4 on: ten steps at 0 by step 13
+        (lambda step: min(1.0, step / 2), None),  # a warm-up from 0: at 0 for one step only
     ],
 )
 def test_a_scheduled_lr_is_judged_over_whole_windows_at_zero(schedule, found_at):
     cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=2, verbose=False)
-    fit(ZeroLrBody(body_lr=0.1, schedule=schedule), cb, steps=8)
+    fit(ZeroLrBody(body_lr=0.1, schedule=schedule), cb, steps=16)
     found = [(f.names, f.step) for f in cb.findings if f.kind is K.ZERO_LR]
     assert found == ([] if found_at is None else [(("optimizer 0 param group 0", "body"), found_at)])
-    assert cb.counts.get(K.ZERO_LR, 0) == (0 if found_at is None else 2)  # the windows of steps 4-5 and 6-7
+    assert cb.counts.get(K.ZERO_LR, 0) == (0 if found_at is None else 2)  # the windows of steps 12-13 and 14-15
+
+
+class WarmsUpFromZero(Net):
+    """Built at lr 0, its lr set before each step by the model (nanoGPT's get_lr), no Lightning scheduler;
+    ``steps_at_zero``: the warm-up's first steps at exactly 0."""
+
+    def __init__(self, steps_at_zero: int = 1) -> None:
+        super().__init__()
+        self.steps_at_zero = steps_at_zero
+
+    def on_train_batch_start(self, batch, batch_idx):
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = 0.1 * min(1.0, max(0, self.trainer.global_step - self.steps_at_zero + 1) / 4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_warm_up_from_zero_set_by_hand_is_not_reported_and_strict_does_not_raise_on_lr_zero(strict):
+    """An optimizer built at lr 0 whose lr a hook sets was reported at fit start ("no lr scheduler
+    changes it"), and strict=True raised there. Only what was read at the steps counts; lr 0 (also a way
+    to keep a group fixed) is never fatal under strict."""
+    cb = GraphIntegrityCallback(check_every_n_steps=1, dead_after_steps=1, strict=strict, verbose=False)
+    fit(WarmsUpFromZero(), cb, steps=12)
+    assert K.ZERO_LR not in cb.counts
+    # A warm-up that stays at exactly 0 for twelve steps spends them: reported, and still not raised.
+    cb = GraphIntegrityCallback(check_every_n_steps=1, dead_after_steps=1, strict=strict, verbose=False)
+    fit(WarmsUpFromZero(steps_at_zero=12), cb, steps=14)
+    f = finding(cb, K.ZERO_LR)
+    assert (f.step, cb.counts[K.ZERO_LR]) == (9, 3)  # steps 9, 10 and 11 close a window with ten or more at 0
+    assert f.names[:2] == ("optimizer 0 param group 0", "body")
+
+
+@pytest.mark.parametrize("schedule", [dict(interval="epoch"), dict(interval="step", frequency=4)])
+def test_a_warm_up_from_zero_stepped_every_few_steps_is_not_reported(schedule):
+    """A LambdaLR warm-up from 0 stepped per epoch (4 steps) or every 4 steps was reported at step 2."""
+    class Warm(ZeroLrBody):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, k / 2))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, **schedule}}
+
+    cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=2, verbose=False)
+    fit(Warm(), cb, steps=14)
+    assert K.ZERO_LR not in cb.counts
 
 
 # ---------------------------------------------------------------------------------- in-place errors
@@ -983,6 +1062,23 @@ def test_state_survives_a_checkpoint(tmp_path: Path):
     assert set(finding(resumed, K.UNUSED_PARAMS).names) == {"aux.weight", "aux.bias"}
     assert set(finding(resumed, K.DEAD_PARAMS).names) == {"blocked.weight", "blocked.bias"}
     assert resumed.state_dict()["findings"] == json.loads(json.dumps(resumed.state_dict()["findings"]))
+
+
+def test_a_resumed_fit_counts_lr_zero_as_the_uninterrupted_one(tmp_path: Path):
+    """The lr 0 check filed a fit-start finding again at each resumed fit; its streak of steps at 0 now
+    goes through the checkpoint, so the resumed fit finds what the uninterrupted one does."""
+    def run(steps, *callbacks, **kwargs):
+        cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[cb, *callbacks], enable_checkpointing=bool(
+                callbacks))).fit(ZeroLrBody(), data(), **kwargs)
+        return [(f.names, f.step) for f in cb.findings], cb.counts
+
+    uninterrupted = run(14)
+    assert uninterrupted[1] == {K.ZERO_LR: 2}
+    run(6, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1, filename="mid"))
+    assert run(14, ckpt_path=tmp_path / "mid.ckpt") == uninterrupted
 
 
 # ---------------------------------------------------------------------------------- torch.compile

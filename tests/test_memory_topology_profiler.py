@@ -172,6 +172,59 @@ def test_a_compiled_model_keeps_its_graphs_and_its_saved_bytes_under_the_profile
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in trainer.lightning_module.modules())
 
 
+class CompiledHelper(Classifier):
+    """The network run by a compiled method that is not ``forward``."""
+
+    @torch.compile(backend="aot_eager")
+    def encode(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.encode(x), y)
+
+
+class CompiledFunction(Classifier):
+    """The network run by a compiled function that calls the submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = torch.compile(lambda x: self.net(x), backend="aot_eager")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.encode(x), y)
+
+
+@pytest.mark.parametrize("model", [CompiledHelper, CompiledFunction])
+@pytest.mark.parametrize("measure_every_n_steps", [1, 2])
+def test_a_compiled_helper_keeps_its_graphs_under_the_profiler(model, measure_every_n_steps):
+    """A compiled method or function that calls submodules is not seen as a compiled module: the profiler's
+    hooks on those submodules broke its graph at each call (a disabled function) and the fit ran
+    uncompiled. The hooks step aside while Dynamo traces: no break, the graph without the profiler (and
+    one more, cached, for the steps without hooks), its saved bytes as one block outside every hooked
+    module, with the loss's (log_softmax's output and nll_loss's total weight)."""
+    import torch._dynamo
+
+    def compiled_fit(*callbacks):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        walk = SavedByTheCompiledGraph()
+        Trainer(**trainer_kwargs(callbacks=[*callbacks, walk], max_steps=4)).fit(model(), classification_loader())
+        counters = torch._dynamo.utils.counters
+        return walk.bytes, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+    plain_bytes, plain_graphs, plain_breaks = compiled_fit()
+    profiler = MemoryTopologyProfiler(first_steps=1, measure_every_n_steps=measure_every_n_steps, verbose=False)
+    walked, graphs, breaks = compiled_fit(profiler)
+    assert plain_graphs == 1 and breaks == plain_breaks == 0
+    assert graphs == (1 if measure_every_n_steps == 1 else 2)
+    assert walked == plain_bytes and plain_bytes[-1] > 0
+    total = plain_bytes[-1] + B * C * F32 + F32
+    assert profiler.last.activations.by_module == {OUTSIDE: total}
+
+
 def test_schedule_first_steps_and_every_n_and_accumulation():
     logger = RecordingLogger()
     fit(Classifier(optimizer="sgd"), MemoryTopologyProfiler(every_n_steps=4, first_steps=2), logger, max_steps=10)

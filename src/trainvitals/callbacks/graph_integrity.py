@@ -9,8 +9,9 @@ finds them:
 - on a schedule, in a check window: a walk of the first batch's graph (unreachable parameters and why,
   leaves in no optimizer, nodes of an earlier step), then ``dead_after_steps`` checked optimizer steps
   (parameters without a gradient or with an exactly zero one all window long, frozen parameters an
-  optimizer changes, param groups at lr 0 all window long — at fit start without a scheduler —; under
-  manual optimization, leftover gradients and steps before their backward);
+  optimizer changes; under manual optimization, leftover gradients and steps before their backward);
+- at every optimizer step, the lr of each param group: one at exactly 0 for at least
+  ``max(dead_after_steps, 10)`` steps in a row is reported when a check window closes;
 - on an exception: a diagnosis of autograd's three classic errors, added to the exception as a note.
 
 Findings go to :attr:`GraphIntegrityCallback.findings`, a warning once per kind (rank zero), and a
@@ -105,7 +106,8 @@ class GraphIntegrityCallback(TrainvitalsCallback):
             mode run in eval mode for this check (it says so).
         batch_input: maps a batch to the model's input for that check; default: the first tensor of
             the batch. The model is called as ``pl_module(x)``.
-        strict: raise :class:`GraphIntegrityError` at the first finding instead of warning.
+        strict: raise :class:`GraphIntegrityError` at the first finding instead of warning; a param group
+            at lr 0 is only reported (it may be kept fixed on purpose).
         verbose: print the findings table at fit end (it goes to TensorBoard either way).
 
     Raises:

@@ -91,13 +91,16 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
     the budget afterwards.
 
     Under ``torch.compile`` the profiler puts no hook inside a compiled region (it would break the graph
-    and change what it saves) and says so once: the region's saved tensors are counted as a whole, the
-    graphs and the saved bytes are those of the same compiled model without the profiler.
+    and change what it saves) and, for a compiled module or training step, says so once: the region's
+    saved tensors are counted as a whole, the graphs and the saved bytes are those of the same compiled
+    model without the profiler. Inside a compiled helper (a method or function that calls submodules) its
+    module hooks do nothing; Dynamo compiles the helper twice (with and without
+    them), both cached, when some steps are profiled and others not.
 
     Numbers are per rank (each rank measures its own batch); rank zero logs its own. Nothing is
     exchanged between ranks. The profiler keeps only weak references to what a step saved, so it
-    never keeps a graph alive. A profiled step costs a pack hook per saved tensor, two process-wide
-    module hooks, forward timing of the modules to advise on (all modules at the first profiled step;
+    never keeps a graph alive. A profiled step costs a pack hook per saved tensor, two hooks per
+    module, forward timing of the modules to advise on (all modules at the first profiled step;
     CUDA events) and, on CUDA, two device syncs; other steps cost two comparisons. Under manual
     optimization the recorded forward is what runs before the first ``manual_backward``.
 

@@ -28,6 +28,8 @@ class KindSpec:
         critical: the report's message for a run in which the kind's :attr:`FindingKind.report_tag` was
             above zero (``{n}``: its value); ``None``: not critical.
         last_window: the report reads that tag's last value, not its largest.
+        strict: ``strict=True`` raises on it. Not :attr:`critical` (the report's verdict on a finished run):
+            a kind that is also a deliberate choice (lr 0 to keep a group fixed) is only reported.
         section: the report's section.
     """
 
@@ -35,6 +37,7 @@ class KindSpec:
     metric: str | None = None
     critical: str | None = None
     last_window: bool = False
+    strict: bool = True
     section: str = INTEGRITY
 
 
@@ -115,7 +118,7 @@ class FindingKind(str, enum.Enum):
     SECOND_BACKWARD = KindSpec("second_backward", critical=_AUTOGRAD_ERROR)
     INPLACE_MODIFIED = KindSpec("inplace_modified", critical=_AUTOGRAD_ERROR)
     # Not critical: lr=0 is also a way to freeze a part of the model on purpose.
-    ZERO_LR = KindSpec("zero_lr")
+    ZERO_LR = KindSpec("zero_lr", strict=False)
 
 
 @dataclass(frozen=True)

@@ -449,9 +449,21 @@ def all_zero(tensors: Sequence[Tensor]) -> Tensor:
     """``(P,)`` bool on the tensors' device: whether each tensor is exactly zero (NaN is not), no host sync.
 
     One ``aminmax`` per tensor: exact, where a norm could underflow to zero (a float32 sum of squares
-    does below about 1e-23), and on CPU faster than the fused 1-norm or an fp64 2-norm.
+    does below about 1e-23), and on CPU faster than the fused 1-norm or an fp64 2-norm. A sparse tensor
+    is read from its (coalesced) stored values, a complex one from its real and imaginary parts; an
+    empty one is zero.
     """
     if not tensors:
         return torch.zeros(0, dtype=torch.bool)
-    lows, highs = zip(*(t.aminmax() for t in tensors))
+    values = [_real_values(t) for t in tensors]
+    lows, highs = zip(*(v.aminmax() if v.numel() else (v.new_zeros(()),) * 2 for v in values))
     return torch.stack(lows).eq(0) & torch.stack(highs).eq(0)
+
+
+def _real_values(t: Tensor) -> Tensor:
+    """The real numbers stored in ``t``: a sparse tensor's values (duplicates summed), complex as pairs."""
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce().values()
+    elif t.layout != torch.strided:  # compressed sparse layouts (CSR, CSC, BSR, BSC)
+        t = t.values()
+    return torch.view_as_real(t) if t.is_complex() else t

@@ -49,6 +49,11 @@ def listed(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
 
 
+def counted(n: int, noun: str) -> str:
+    """``"1 optimizer step"``, ``"3 optimizer steps"``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _node_types(nodes: Sequence[Node]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(type(n).__name__ for n in nodes))
 

@@ -84,7 +84,7 @@ class Fit:
         if warn and kind not in self.warned:
             self.warned.add(kind)
             rank_zero_warn(f"trainvitals GraphIntegrityCallback [{kind.value}]: {message}")
-        if self.strict and self.pending is None:
+        if self.strict and kind.spec.strict and self.pending is None:
             self.pending = finding
         return finding
 

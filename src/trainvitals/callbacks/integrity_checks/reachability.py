@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 from trainvitals.callbacks.integrity_checks.base import Check, Fit
 from trainvitals.core.findings import FindingKind
 from trainvitals.core.graph import GraphWalk
-from trainvitals.core.integrity import GradientStreaks, listed, unreached_reasons
+from trainvitals.core.integrity import GradientStreaks, counted, listed, unreached_reasons
 
 
 def _ddp_without_unused_search(trainer: "pl.Trainer") -> bool:
@@ -108,7 +108,8 @@ class ReachabilityCheck(Check):
             fit.record(
                 FindingKind.UNUSED_PARAMS,
                 unused,
-                f"{len(unused)} parameter(s) got no gradient (`.grad` is None) at {n} optimizer steps in a row: "
+                f"{len(unused)} parameter(s) got no gradient (`.grad` is None) at {counted(n, 'optimizer step')} "
+                "in a row: "
                 f"{listed(unused)}. They are not in the loss's graph; the optimizer skips them. A branch taken only "
                 "on some batches (an expert that got no tokens) looks the same for a while: if these train later, "
                 "raise dead_after_steps.",
@@ -118,7 +119,7 @@ class ReachabilityCheck(Check):
             fit.record(
                 FindingKind.DEAD_PARAMS,
                 dead,
-                f"{len(dead)} parameter(s) had a gradient of exactly zero at {n} optimizer steps in a row: "
+                f"{len(dead)} parameter(s) had a gradient of exactly zero at {counted(n, 'optimizer step')} in a row: "
                 f"{listed(dead)}. They are in the graph but the gradient is blocked (a ReLU or clamp of values "
                 "that are always negative, a multiplication by zero, a saturated activation)."
                 + (" In a torch.compile'd region, a parameter whose output does not reach the loss also gets a "

@@ -43,6 +43,7 @@ from trainvitals.core.memory.categories import (
     category_metrics,
     largest_batch,
     measured_categories,
+    register_category,
 )
 from trainvitals.core.memory.checkpointing import (
     checkpoint_peak,
@@ -86,6 +87,6 @@ __all__ = [
     "SavedTensorReport", "StepMemory", "StorageKey", "byte_unit", "category_markdown", "category_metrics",
     "checkpoint_peak", "checkpoint_savings", "compiled_modules", "element_bytes", "format_bytes", "graph_holders",
     "largest_batch", "measured_categories", "mixed_precision_savings", "model_state_bytes", "rank_remedies",
-    "register_remedy", "storage_key", "storage_keys", "storage_nbytes", "tensors_in",
+    "register_category", "register_remedy", "storage_key", "storage_keys", "storage_nbytes", "tensors_in",
     "transformer_layer_activation_bytes", "unique_storage_bytes", "whole_forward_modules",
 ]

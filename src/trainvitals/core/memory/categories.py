@@ -4,12 +4,14 @@ Each row of :data:`MEMORY_CATEGORIES` names a category once: its logged tag (``m
 or ``memory/<key>`` for a count), its label in the markdown table, how to read it from a
 :class:`StepMemory`, and whether it is part of the step's footprint — fixed (independent of the
 batch) or growing with it — for the largest-batch advice and the CUDA temporaries. Adding a category
-is one row here (and a field on :class:`StepMemory` if the number is new); the profiler's scalars,
-its table and the dashboard's ``memory/*_bytes`` charts follow.
+is one row here, or :func:`register_category` from outside (and a field on :class:`StepMemory` if the
+number is new); the profiler's scalars, its table and the dashboard's ``memory/*_bytes`` charts follow.
+A ``measure`` that raises is warned about once, naming the category, and left out.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -102,7 +104,7 @@ class StepMemory:
 
     def footprint_bytes(self, footprint: Literal["fixed", "batch"]) -> int:
         """The sum of the measured categories of that footprint (negative values count as 0)."""
-        values = (category.measure(self) for category in MEMORY_CATEGORIES if category.footprint == footprint)
+        values = (_measure(category, self) for category in MEMORY_CATEGORIES if category.footprint == footprint)
         return sum(max(0, value) for value in values if value is not None)
 
     @property
@@ -186,9 +188,43 @@ MEMORY_CATEGORIES: list[MemoryCategory] = [
 """The memory categories, in the order of the markdown table."""
 
 
+def register_category(category: MemoryCategory) -> MemoryCategory:
+    """Add ``category`` to :data:`MEMORY_CATEGORIES` (again: nothing changes).
+
+    Raises:
+        ValueError: if another category has its key (its tag would overwrite that one's).
+    """
+    if category in MEMORY_CATEGORIES:
+        return category
+    if any(c.key == category.key for c in MEMORY_CATEGORIES):
+        raise ValueError(f"`category`: a memory category with key {category.key!r} exists already")
+    MEMORY_CATEGORIES.append(category)
+    return category
+
+
+_FAILED: set[str] = set()  # categories and remedy rules whose failure was warned about
+
+
+def warn_failure_once(what: str, error: Exception) -> None:
+    """Warn, once per ``what`` (a category or remedy rule) in the process, that it raised and is left out."""
+    if what not in _FAILED:
+        _FAILED.add(what)
+        warnings.warn(f"trainvitals MemoryTopologyProfiler: {what} raised {error!r}; left out, the profiler "
+                      "carries on.", RuntimeWarning, stacklevel=3)
+
+
+def _measure(category: MemoryCategory, memory: StepMemory) -> float | None:
+    """``category.measure(memory)``, ``None`` (not measured) when it raises."""
+    try:
+        return category.measure(memory)
+    except Exception as error:  # a user's category: a diagnostic never kills the run
+        warn_failure_once(f"memory category {category.key!r}", error)
+        return None
+
+
 def measured_categories(memory: StepMemory) -> list[tuple[MemoryCategory, float]]:
     """Every category ``memory`` measures, with its value, in table order."""
-    values = ((category, category.measure(memory)) for category in MEMORY_CATEGORIES)
+    values = ((category, _measure(category, memory)) for category in MEMORY_CATEGORIES)
     return [(category, value) for category, value in values if value is not None]
 
 

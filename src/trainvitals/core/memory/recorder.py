@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterable
@@ -26,6 +27,21 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """A hook that runs inside a ``torch.compile``'d model as plain Python: Dynamo would otherwise trace it,
     guard on the module name it handles and recompile it per module until its limit, warning each time."""
     return torch.compiler.disable(hook, recursive=True)
+
+
+def _module_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A module hook that does nothing while Dynamo traces (a constant branch: no graph break, whatever
+    is compiled, a helper method or a function calling submodules included) and otherwise runs eagerly:
+    a compiled region's saves then go to the hooked module around it."""
+    eager = _eager(hook)
+
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        return eager(*args, **kwargs)
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -100,12 +116,12 @@ class SavedTensorRecorder:
     ``save_on_cpu``) the inner hooks take the saves: what they keep elsewhere is not counted, which
     for checkpointing is the point; the checkpoint's saved inputs are.
 
-    A module whose call runs under ``torch.compile`` (:func:`compiled_modules`, listed in
-    :attr:`compiled`) gets no hooks inside: Dynamo would break its graph at each (they are not to be
-    traced), and the broken graph saves other tensors than the one that runs without the recorder.
-    What such a region saves is counted as a whole, owned by the innermost hooked module around it (the
-    pack hook runs where the compiled code saves, which breaks nothing); the other modules are then
-    hooked one by one instead of process-wide.
+    Nothing it does breaks or recompiles a ``torch.compile``'d graph, whatever is compiled (a model, a
+    module's call, a helper method or a function calling submodules): its module hooks return at once
+    while Dynamo traces (the broken graph would save other tensors than the one that runs without the
+    recorder). What a compiled region saves is counted as a whole, owned by the innermost hooked module
+    around it (the pack hook runs where the compiled code saves, which breaks nothing). A module whose
+    call runs compiled (:func:`compiled_modules`, listed in :attr:`compiled`) gets no hooks inside.
 
     Args:
         module: the model whose modules are followed; names are ``module.named_modules()`` names.
@@ -164,13 +180,10 @@ class SavedTensorRecorder:
     def __enter__(self) -> SavedTensorRecorder:
         if self._hooks is not None:
             raise RuntimeError("this SavedTensorRecorder is already active")
-        if self.compiled:
-            self._handles = [handle for m in self._hooked for handle in (
-                m.register_forward_pre_hook(self._enter_module),
-                m.register_forward_hook(self._leave_module, always_call=True))]
-        else:  # Two process-wide hooks, filtered to the model's modules, cost the same for any model size.
-            self._handles = [nn.modules.module.register_module_forward_pre_hook(self._enter_module),
-                             nn.modules.module.register_module_forward_hook(self._leave_module, always_call=True)]
+        # Hooks on the model's modules, not process-wide: Dynamo guards on the process-wide hook dicts (and on
+        # ``always_call`` hooks) inside any compiled region, and would recompile it at each profiled step.
+        self._handles = [handle for m in self._hooked for handle in (
+            m.register_forward_pre_hook(self._enter_module), m.register_forward_hook(self._leave_module))]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         return self
@@ -192,12 +205,14 @@ class SavedTensorRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for stack in (self._stack, self._autocast, self._call_starts, self._starts):  # calls a raise left open
+            stack.clear()
 
     @property
     def active(self) -> bool:
         return self._hooks is not None
 
-    @_eager
+    @_module_hook
     def _enter_module(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         name = self._names.get(id(module))
         if name is None:
@@ -227,11 +242,16 @@ class SavedTensorRecorder:
         else:
             self._starts.append(time.perf_counter())
 
-    @_eager
+    @_module_hook
     def _leave_module(self, module: nn.Module, *_: Any) -> None:
-        if id(module) not in self._names:
+        name = self._names.get(id(module))
+        if name is None or name not in self._stack:
             return
-        name = self._stack.pop()
+        # Calls whose forward raised (caught inside the step) left no forward hook call: dropped here.
+        while self._stack[-1] != name:
+            for stack in (self._stack, self._autocast, self._call_starts, self._starts):
+                stack.pop()
+        self._stack.pop()
         device_type, _ = self._autocast.pop()
         # Back in the training step, where the loss may be computed; not after a call without grad (a frozen
         # teacher run in float32), which saves nothing.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainvitals.core.memory.categories import StepMemory
+from trainvitals.core.memory.categories import StepMemory, warn_failure_once
 from trainvitals.core.memory.checkpointing import checkpoint_peak, checkpoint_savings, whole_forward_modules
 from trainvitals.core.memory.recorder import ROOT, SavedTensorReport
 from trainvitals.core.memory.storage import format_bytes
@@ -60,9 +60,19 @@ REMEDY_RULES: list[RemedyRule] = []
 
 
 def register_remedy(rule: RemedyRule) -> RemedyRule:
-    """Add ``rule`` to :data:`REMEDY_RULES` (usable as a decorator)."""
-    REMEDY_RULES.append(rule)
+    """Add ``rule`` to :data:`REMEDY_RULES` (usable as a decorator); again: nothing changes."""
+    if rule not in REMEDY_RULES:
+        REMEDY_RULES.append(rule)
     return rule
+
+
+def _run(rule: RemedyRule, memory: StepMemory, top_k: int) -> list[Remedy]:
+    """``rule``'s remedies; none when it raises (warned once, naming it)."""
+    try:
+        return list(rule(memory, top_k))
+    except Exception as error:  # a user's rule: a diagnostic never kills the run
+        warn_failure_once(f"remedy rule {getattr(rule, '__qualname__', repr(rule))!r}", error)
+        return []
 
 
 def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
@@ -75,7 +85,7 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
     """
     if top_k < 0:
         raise ValueError(f"`top_k` must be >= 0, got {top_k}")
-    remedies = [remedy for rule in REMEDY_RULES for remedy in rule(memory, top_k) if remedy.bytes_freed > 0]
+    remedies = [remedy for rule in REMEDY_RULES for remedy in _run(rule, memory, top_k) if remedy.bytes_freed > 0]
     return sorted(remedies, key=lambda r: -r.bytes_freed)
 
 
