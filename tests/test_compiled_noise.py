@@ -163,3 +163,33 @@ def test_a_compiled_training_step_without_micro_batches_is_not_measured_and_says
     warned = [str(w.message) for w in record if "BatchVarianceProbe" in str(w.message)]
     assert len(warned) == 1 and COMPILED_REASON in warned[0]
     assert graphs() == plain and int(probe.noise.count) == 0 and probe.noise_source.param_share == 0.0
+
+
+class CompiledHelper(Classifier):
+    """The network run by a compiled method that is not ``forward``: no compiled module to step aside for."""
+
+    @torch.compile(backend="aot_eager")
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.encode(x), y)
+
+
+def test_a_compiled_helper_keeps_its_graphs_under_the_probe() -> None:
+    """The probe's module hooks return at once while Dynamo traces: the helper's graph stays whole, and the
+    layers it runs are named as not seen (measured from micro-batches here) instead of breaking it."""
+    data = classification_data("mlp", 48)
+
+    def compiled_fit(*callbacks):
+        fresh()
+        fit(CompiledHelper(network("mlp")), data, list(callbacks), batch_size=8, steps=3, accumulate=2)
+        return graphs()
+
+    plain = compiled_fit()
+    probe = BatchVarianceProbe(measure_every_n_steps=1, loss_reduction="mean")
+    with pytest.warns(UserWarning, match="torch.compile'd function"):
+        probed = compiled_fit(probe, GradNormEarlyStopping(min_steps=0, verbose=False))
+    assert plain == (1, 0)
+    assert probed[1] == 0 and probed[0] <= 2  # hooks present or not: at most one more cached graph

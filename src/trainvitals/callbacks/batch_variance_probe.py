@@ -553,7 +553,8 @@ class BatchVarianceProbe(Callback):
         for name, module in {**self._plan.per_example, **self._plan.vmap}.items():
             if name not in result.seen and name not in result.failed and \
                     any(p.grad is not None for p in module.parameters(recurse=False)):
-                result.failed[name] = "its parameters got gradients outside its own forward"
+                result.failed[name] = ("its parameters got gradients outside its own forward (used directly, or "
+                                       "called from a torch.compile'd function, where the probe puts no hook)")
         if result.failed:
             return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items()) + \
                 " (from the next step on, these layers are measured another way if they can be)"

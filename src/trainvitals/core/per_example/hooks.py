@@ -258,6 +258,8 @@ class PerExampleGradients:
 
     def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # a hook's work inside a compiled function would break its graph: the call goes unseen
         if self._replaying or name in self._step.failed:
             return
         rule = self._rules[name]
@@ -455,6 +457,8 @@ class PerExampleGradients:
 
     def _forward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         batch = next((a.shape[0] for a in args if isinstance(a, Tensor) and a.dim()), -1)
         if not self._check_call(name, output, batch):
             return
