@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
+from _models import Regressor, loader, regression_data
 from trainvitals.dashboard.report import EXIT_CRITICAL, EXIT_NO_DATA, EXIT_OK, main
 
 STEPS = range(0, 100, 5)
@@ -322,3 +323,40 @@ def test_noise_verdicts_carry_the_estimates_caveat(tmp_path: Path, capsys: pytes
     assert not any(m.startswith("B = 64 < B_simple") for m in messages)  # no batch verdict
     if "partial" in words:  # nor a noise-band verdict on a partly measured model
         assert not any("in its noise band" in m for m in messages)
+
+
+class _DivergesAt(Regressor):
+    """Every loss from optimizer step ``at`` on is NaN: the run diverged for good."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.nan if self.global_step >= self.at else loss
+
+
+@pytest.mark.parametrize("callback", ["stopper", "probe"])
+def test_a_diverged_run_watched_by_the_stopper_or_the_probe_alone_is_critical(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], callback: str) -> None:
+    """Without GradNormMonitor the callback that sees every step's gradient counts the non-finite ones
+    under the monitor's tag: 10 finite steps, then NaN ones, logged every 5 — the last log, at step 20,
+    counts steps 10 to 20."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from conftest import trainer_kwargs
+    from trainvitals import BatchVarianceProbe, GradNormEarlyStopping
+
+    watcher = GradNormEarlyStopping(min_steps=0, patience=5) if callback == "stopper" else BatchVarianceProbe()
+    accumulate = 2 if callback == "stopper" else 1  # the stopper's noise source: micro-batches
+    Trainer(**trainer_kwargs(callbacks=[watcher], max_steps=24, log_every_n_steps=5, accumulate_grad_batches=accumulate,
+                             logger=TensorBoardLogger(str(tmp_path), name="r", version=0))).fit(
+        _DivergesAt(10), loader(regression_data(n=192), 8))
+    status, data = report_json(capsys, tmp_path)
+    (run,) = data["runs"]
+    assert status == EXIT_CRITICAL and run["status"] == "CRITICAL"
+    assert rows(run, "spikes and non-finite steps")["nonfinite steps"] == 11
+    assert any("diverged" in f["message"] for f in run["findings"] if f["section"] == "convergence")
+    assert not any("noise band" in f["message"] for f in run["findings"] if f["section"] == "convergence")

@@ -29,6 +29,7 @@ from trainvitals._validation import check_bool, check_choice, check_float, check
 from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
+from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
@@ -97,6 +98,8 @@ class GradNormEarlyStopping(Callback):
     Logged at the Trainer's logging cadence and at the stopping step (step = optimizer step):
     ``grad_norm/in_noise_band`` (0/1, while the estimate is decisive), ``grad_norm/band_streak`` (steps),
     ``grad_norm/band_edge`` (sqrt(1 + margin) × the noise floor: where the band ends for the norm);
+    without a GradNormMonitor, ``grad_norm/nonfinite_steps`` (``amp_skipped_steps`` under a GradScaler) as the
+    monitor counts them (:class:`~trainvitals.callbacks._nonfinite.NonfiniteCounter`);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
     <trainvitals.core.estimate.GradientNoise.metrics>`: ``grad_norm/noise_floor`` in the units of
     ``.grad`` beside the monitor's ``grad_norm/total``, ``grad_noise/b_simple`` and its
@@ -173,6 +176,8 @@ class GradNormEarlyStopping(Callback):
         self.effective_batch_size: int | None = None
         """Examples per optimizer step over all ranks, once seen."""
         self.steps = 0
+        self.nonfinite = NonfiniteCounter()
+        """Steps with non-finite gradients, which the streak skips: logged when no GradNormMonitor logs them."""
         self.stop_reason = StopReason.NOT_STOPPED
         self.stopped_step: int | None = None
         self.stopped_again_step: int | None = None
@@ -291,6 +296,7 @@ class GradNormEarlyStopping(Callback):
         self._streak = self._streak.to(total.device)
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
         self._done = self._done.to(total.device) | (self._streak >= self.patience)
+        self.nonfinite.add(valid)
         self.steps += 1
         every = logging_every(trainer)
         logged = is_logging_step(step, every)
@@ -310,6 +316,7 @@ class GradNormEarlyStopping(Callback):
             "streak": int(self._streak),
             "done": bool(self._done),
             "steps": self.steps,
+            "nonfinite_steps": int(self.nonfinite.count),
             "stop_reason": self.stop_reason.name,
             "stopped_step": self.stopped_step,
         }
@@ -321,6 +328,7 @@ class GradNormEarlyStopping(Callback):
         self._streak = torch.tensor(int(state_dict.get("streak", 0)))
         self._done = torch.tensor(bool(state_dict.get("done", False)))
         self.steps = int(state_dict.get("steps", 0))
+        self.nonfinite.count = torch.tensor(int(state_dict.get("nonfinite_steps", 0)))
         self.stop_reason = StopReason[state_dict.get("stop_reason", "NOT_STOPPED")]
         self.stopped_step = state_dict.get("stopped_step")
 
@@ -422,7 +430,7 @@ class GradNormEarlyStopping(Callback):
         return self.gradient_noise.estimate().noise_floor
 
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor, final: bool = False) -> None:
-        metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak}
+        metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak, **self.nonfinite.metrics(trainer, self)}
         if self.mode == "noise_band" and self._source is not None:
             estimate = self.gradient_noise.estimate()
             if self._logs_estimate or final:  # at the stop, whoever logs it otherwise has not logged this step
