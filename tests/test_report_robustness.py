@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +25,9 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from torch.utils.tensorboard import SummaryWriter
 
 from test_report import HEALTHY, STEPS, report, report_json, write_run
-from trainvitals.dashboard.report import EXIT_CRITICAL, EXIT_DAMAGED, EXIT_NO_DATA, EXIT_OK, main, read_runs
+from trainvitals.dashboard.report import (
+    EXIT_CRITICAL, EXIT_DAMAGED, EXIT_NO_DATA, EXIT_OK, EXIT_UNWRITTEN, main, read_runs,
+)
 from trainvitals.dashboard.tags import DIAGNOSIS_TAG, grad_norm, split_prefix, with_prefix
 
 # A run that went NaN for good at step 85: critical (non-finite gradients), whatever else.
@@ -476,3 +479,43 @@ def test_diagnosis_panels_of_earlier_versions_count_as_the_fit_end(tmp_path: Pat
     _, doc = report_json(capsys, tmp_path)
     warned = {run["run"]: any("no end-of-fit diagnosis" in f["message"] for f in run["findings"]) for run in doc["runs"]}
     assert warned == {"old": False, "none": True}
+
+
+def _report_process(logdir: Path, **popen: object) -> subprocess.CompletedProcess[str]:
+    """``python -m trainvitals report logdir`` with its stdout as ``popen`` sets it; stderr captured."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-m", "trainvitals", "report", str(logdir)], stderr=subprocess.PIPE,
+                               text=True, env=env, **popen)  # type: ignore[call-overload]
+    if process.stdout is not None:
+        process.stdout.close()  # the reader quits before the report is written (| head)
+    _, err = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, "", err)
+
+
+@pytest.mark.parametrize("stdout", ["closed pipe", "closed", "full"])
+def test_an_unwritable_stdout_gives_no_traceback(tmp_path: Path, stdout: str) -> None:
+    """A reader that quits is no error (the report's own status); a stdout that cannot take the report is
+    status 4 with one line on stderr — never a traceback, never 1 (a critical finding)."""
+    write_run(tmp_path / "run", HEALTHY)
+    if stdout == "full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    if stdout == "closed pipe":
+        done = _report_process(tmp_path, stdout=subprocess.PIPE)
+    elif stdout == "closed":
+        done = _report_process(tmp_path, pass_fds=(), preexec_fn=lambda: os.close(1))
+    else:
+        with open("/dev/full", "w") as full:
+            done = _report_process(tmp_path, stdout=full)
+    assert "Traceback" not in done.stderr
+    if stdout == "closed pipe":
+        assert (done.returncode, done.stderr) == (EXIT_OK, "")
+    else:
+        assert done.returncode == EXIT_UNWRITTEN
+        assert done.stderr.startswith("trainvitals report: the report cannot be written to stdout")
+
+
+def test_an_output_file_that_cannot_be_written_is_status_4(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", HEALTHY)
+    status, out, err = report(capsys, str(tmp_path), "-o", str(tmp_path / "missing" / "report.txt"))
+    assert (status, out) == (EXIT_UNWRITTEN, "")
+    assert "missing/report.txt" in err and "No such file or directory" in err

@@ -23,7 +23,10 @@ Exit status, for CI — the most severe over the runs, in this order:
 - 2: nothing to report: LOGDIR missing, no event files under it, or event files without trainvitals
   metrics (another tool's, or a run without trainvitals callbacks); a run with trainvitals panels but no
   trainvitals scalar (nothing measured: an empty train dataloader, ``max_steps=0``); also a usage error;
-- 0: every run read whole and measured, no critical finding.
+- 0: every run read whole and measured, no critical finding;
+- 4: the report could not be written (``--output`` in a missing folder, a full disk, a closed stdout): one
+  line on stderr says why. A reader that quits early (``| head``, ``less``) is no error: the status is then
+  the report's own.
 
 File and folder names that are not UTF-8 are shown with the odd bytes escaped (``run\\xff``).
 No Lightning import here: the command starts in about two seconds, most of it importing torch.
@@ -32,6 +35,7 @@ No Lightning import here: the command starts in about two seconds, most of it im
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -65,7 +69,7 @@ from trainvitals.dashboard.tags import (
 )
 from trainvitals.dashboard.terminal import format_table, markdown_to_text
 
-EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED = 0, 1, 2, 3
+EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_UNWRITTEN = 0, 1, 2, 3, 4
 SEVERITY = (EXIT_OK, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_CRITICAL)
 """Exit statuses from the least to the most severe: the command exits with its runs' most severe."""
 FORMATS = ("text", "markdown", "json", "html")
@@ -737,7 +741,7 @@ def _cell(text: str) -> str:
 # ---------------------------------------------------------------------------------------------- command
 DESCRIPTION = ("Health report of the training runs under LOGDIR, read from their TensorBoard event files. "
                "Exit status: 0 healthy, 1 a critical finding, 3 an event file read only in part, "
-               "2 nothing to report (or nothing measured).")
+               "2 nothing to report (or nothing measured) or a usage error, 4 the report could not be written.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -774,20 +778,37 @@ def run(args: argparse.Namespace) -> int:
         text = render_html(list(zip(ours, reports)), skipped)
     else:
         text = render(reports, args.format, skipped=skipped)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-    else:
-        _write(text)
-    return max((r.exit_status for r in reports), key=SEVERITY.index)
+    status = max((r.exit_status for r in reports), key=SEVERITY.index)
+    try:
+        if args.output:
+            Path(args.output).write_text(text, encoding="utf-8")
+        else:
+            _write(text)
+    except BrokenPipeError:
+        # The reader quit (head, less): the Python docs' recipe, so that the exit's flush fails quietly too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError as err:
+        where = printable(args.output) if args.output else "stdout"
+        print(f"trainvitals report: the report cannot be written to {where}: {err.strerror or err}.", file=sys.stderr)
+        return EXIT_UNWRITTEN
+    return status
 
 
 def _write(text: str) -> None:
-    """``text`` to stdout; characters its encoding lacks (a run name under LANG=C) as escapes, not a traceback."""
+    """``text`` to stdout, flushed (a full disk fails here, not at exit); characters its encoding lacks (a run
+    name under LANG=C) as escapes, not a traceback.
+
+    Raises:
+        OSError: when stdout is closed or cannot take the text (BrokenPipeError: the reader quit).
+    """
+    if sys.stdout is None:  # started with stdout closed (>&-)
+        raise OSError(errno.EBADF, "stdout is closed")
     try:
         sys.stdout.write(text)
     except UnicodeEncodeError:
         encoding = sys.stdout.encoding or "ascii"
         sys.stdout.write(text.encode(encoding, "backslashreplace").decode(encoding))
+    sys.stdout.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
