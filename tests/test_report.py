@@ -360,3 +360,27 @@ def test_a_diverged_run_watched_by_the_stopper_or_the_probe_alone_is_critical(
     assert rows(run, "spikes and non-finite steps")["nonfinite steps"] == 11
     assert any("diverged" in f["message"] for f in run["findings"] if f["section"] == "convergence")
     assert not any("noise band" in f["message"] for f in run["findings"] if f["section"] == "convergence")
+
+
+def test_a_stop_on_the_band_is_the_band_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The stopper stopped on the band (every step of its patience in it) while the few logged flags were
+    mostly out: the verdict is the stop's, not "not in its noise band yet"."""
+    from trainvitals.callbacks.grad_norm_early_stopping import StopReason
+    from trainvitals.dashboard.report import BAND_STOP
+
+    assert BAND_STOP == StopReason.NOISE_BAND.value
+    stop = f"stopped at optimizer step 95 (after 96 steps): {BAND_STOP} (‖G‖² ≤ 0.2·tr(Σ)/B) for 10 consecutive steps."
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/in_noise_band": [float(s >= 85) for s in STEPS]},
+              {"grad_norm/stop_reason": stop})
+    _, data = report_json(capsys, tmp_path)
+    verdicts = [f["message"] for f in data["runs"][0]["findings"] if f["section"] == "convergence"]
+    assert verdicts[0] == stop
+    assert verdicts[1].startswith("in its noise band: GradNormEarlyStopping stopped the run on it")
+    assert not any("not in its noise band" in v for v in verdicts)
+
+
+def test_a_norm_below_its_floor_never_stands_out_of_the_noise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/total": 0.05, "grad_norm/in_noise_band": 0.0})
+    _, data = report_json(capsys, tmp_path)
+    (verdict,) = [f["message"] for f in data["runs"][0]["findings"] if "noise band yet" in f["message"]]
+    assert "0.50× the noise floor" in verdict and "stands out" not in verdict

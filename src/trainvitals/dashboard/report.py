@@ -78,6 +78,9 @@ BAND_WINDOW = 10
 """Logged steps over which the fraction in the noise band is taken: one step is in it about half the
 time from noise alone at a stationary point (docs/science.md §3), so a single flag says little."""
 
+BAND_STOP = "gradient norm in its noise band"
+"""How GradNormEarlyStopping's stop panel names a stop on the noise band (its ``StopReason.NOISE_BAND``)."""
+
 SPIKES, EVENT_FILES = "spikes and non-finite steps", "event files"
 
 CRITICAL_COUNTERS = (
@@ -566,15 +569,22 @@ def _convergence(run: Run, report: RunReport) -> None:
             report.findings.append(Finding(
                 "note", title, "no noise estimate, so no noise band: it needs accumulate_grad_batches >= 2, "
                 ">= 2 devices, or a BatchVarianceProbe; a fixed norm threshold is no substitute."))
+    elif stop and BAND_STOP in stop:  # every step of its patience was in the band; the logged flags sample a few
+        report.findings.append(Finding(
+            "note", title, f"in its noise band: GradNormEarlyStopping stopped the run on it{error}; the band flags "
+            f"logged meanwhile ({in_band:.0%} of the last {len(recent)}) sample single steps."))
     elif in_band >= 0.5:
         report.findings.append(Finding(
             "note", title, f"in its noise band ({in_band:.0%} of the last {len(recent)} logged steps){error}: "
             "the gradient norm sits at its noise floor, further steps mostly move within noise."))
     else:
-        ratio = f" (the last norm is {total / floor:.2f}× the noise floor)" if total is not None and floor else ""
+        ratio = total / floor if total is not None and floor else None
+        said = f" (the last norm is {ratio:.2f}× the noise floor)" if ratio is not None else ""
+        why = ("the band is decided on the smoothed estimates, not on one norm" if ratio is not None and ratio <= 1
+               else "the true gradient still stands out of the noise")
         report.findings.append(Finding(
-            "note", title, f"not in its noise band yet: {in_band:.0%} of the last {len(recent)} logged steps were in it{ratio}{error}; "
-            "the true gradient still stands out of the noise."))
+            "note", title, f"not in its noise band yet: {in_band:.0%} of the last {len(recent)} logged steps were in it{said}{error}; "
+            f"{why}."))
 
 
 def _partial(run: Run) -> str:
