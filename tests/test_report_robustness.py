@@ -519,3 +519,13 @@ def test_an_output_file_that_cannot_be_written_is_status_4(tmp_path: Path, capsy
     status, out, err = report(capsys, str(tmp_path), "-o", str(tmp_path / "missing" / "report.txt"))
     assert (status, out) == (EXIT_UNWRITTEN, "")
     assert "missing/report.txt" in err and "No such file or directory" in err
+
+
+def test_an_empty_logdir_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trainvitals report ""`` (an unset variable) is refused, not a report on the current folder."""
+    write_run(tmp_path / "run", HEALTHY)
+    monkeypatch.chdir(tmp_path)
+    status, out, err = report(capsys, "")
+    assert (status, out) == (EXIT_NO_DATA, "")
+    assert err.startswith("trainvitals report: LOGDIR is empty")

@@ -768,6 +768,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Report on ``args.logdir`` in ``args.format``; returns the exit status (see the module docstring)."""
+    if not args.logdir:  # Path("") is the current folder: a variable left unset, not a choice
+        print("trainvitals report: LOGDIR is empty: give the TensorBoard log folder (the one passed to --logdir).",
+              file=sys.stderr)
+        return EXIT_NO_DATA
     try:
         runs = read_runs(args.logdir, args.separator)
     except ReportError as err:
