@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from torch.utils.tensorboard import SummaryWriter
 
@@ -52,8 +52,8 @@ def records(data: bytes) -> list[tuple[int, int]]:
 
 
 def tensorboard_last_step(path: Path) -> int | None:
-    """The last step of a summary TensorBoard's own loader yields before it stops."""
-    steps = [e.step for e in EventFileLoader(str(path)).Load() if e.HasField("summary")]
+    """The last step of a scalar TensorBoard's own loader yields before it stops."""
+    steps = [e.step for e in LegacyEventFileLoader(str(path)).Load() if any(v.HasField("simple_value") for v in e.summary.value)]
     return steps[-1] if steps else None
 
 
@@ -90,7 +90,7 @@ def test_a_flipped_byte_skips_one_record_and_reads_on(tmp_path: Path, capsys, di
     assert run["status"] == "CRITICAL" and run["read_in_part"] is True and run["last_step"] == STEPS[-1]
     (message,) = damage_findings(run)
     assert message.startswith(f"run/{path.name} is damaged at byte {start:,} of {len(damaged):,} "
-                              f"(a record's data fails its checksum; read whole up to step {tensorboard_last_step(path)})")
+                              f"(a record's data fails its checksum; read whole up to logged optimizer step {tensorboard_last_step(path)})")
     assert f"{end - start:,} bytes in 1 stretch(es) could not be read" in message
 
 
@@ -121,7 +121,7 @@ def test_a_truncated_file_is_read_in_part_never_ok(tmp_path: Path, capsys, diver
     assert last is not None and last < STEPS[-1]
     assert text.startswith(f"run run: read in part, last logged optimizer step {last}\n")
     assert (f"[warning] event files: run/{path.name} is damaged at byte {start:,} of {(start + end) // 2:,} "
-            f"(the file ends inside a record: cut short, or still being written; read whole up to step {last}): "
+            f"(the file ends inside a record: cut short, or still being written; read whole up to logged optimizer step {last}): "
             "the rest of the file is not in this report.") in text
 
 
@@ -131,7 +131,7 @@ def test_a_damaged_run_is_reported_even_without_trainvitals_tags(tmp_path: Path,
     status, text, _ = report(capsys, str(tmp_path))
     assert status == EXIT_DAMAGED
     assert "events.out.tfevents.123.host is damaged at byte 0 of 1,050 (" in text
-    assert "no step read before it" in text and "nothing measured" in text
+    assert "no logged step read before it" in text and "nothing measured" in text
 
 
 def test_a_resumed_run_reads_the_files_after_a_damaged_one(tmp_path: Path, capsys, diverged_file: bytes) -> None:
@@ -531,3 +531,18 @@ def test_an_empty_logdir_is_a_usage_error(tmp_path: Path, capsys: pytest.Capture
     status, out, err = report(capsys, "")
     assert (status, out) == (EXIT_NO_DATA, "")
     assert err.startswith("trainvitals report: LOGDIR is empty")
+
+
+def test_the_damage_names_the_last_logged_optimizer_step_not_a_panel_s(tmp_path: Path, capsys) -> None:
+    """Text panels carry the fit's end step (24), past the last logged scalar (20): the damage and the
+    status line name the same step."""
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in (10, 20):
+        writer.add_scalar("grad_norm/total", 1.0, step)
+    writer.add_text("grad_norm/stop_reason", "did not stop", 24)
+    writer.close()
+    path = event_file(tmp_path / "run")
+    path.write_bytes(path.read_bytes() + b"\x01" * 5)  # cut inside a record's header
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_DAMAGED and text.startswith("run run: read in part, last logged optimizer step 20\n")
+    assert "read whole up to logged optimizer step 20)" in text

@@ -108,7 +108,8 @@ class Damage:
 
     ``file`` is the file's path under LOGDIR (``/`` at the end: a folder that could not be listed);
     ``first`` the offset of the first damaged byte, ``lost`` the bytes not read as events over ``regions``
-    damaged stretches; ``last_step`` the last step read before the first one, ``reason`` what was wrong there.
+    damaged stretches; ``last_step`` the last step of a scalar read before the first one (the report's "last
+    logged optimizer step"; text panels carry the fit's end step), ``reason`` what was wrong there.
     """
 
     file: str
@@ -132,7 +133,8 @@ class Damage:
             return f"{self.file}: {self.reason}."
         if not self.size:  # never opened
             return f"{self.file}: {self.reason}, so nothing of it is in this report."
-        read = f"read whole up to step {self.last_step}" if self.last_step is not None else "no step read before it"
+        read = (f"read whole up to logged optimizer step {self.last_step}" if self.last_step is not None
+                else "no logged step read before it")
         where = f"at byte {self.first:,} of {self.size:,} ({self.reason}; {read})"
         if self.regions == 1 and self.first + self.lost == self.size:
             return f"{self.file} is damaged {where}: the rest of the file is not in this report."
@@ -373,7 +375,7 @@ def _feed(acc: event_accumulator.EventAccumulator, data: bytes, found: Damage) -
         acc._ProcessEvent(event)
     except Exception as err:  # a checksummed record can still hold values TensorBoard rejects
         return f"an event TensorBoard cannot take ({type(err).__name__})"
-    if found.regions == 0 and event.HasField("summary"):
+    if found.regions == 0 and any(v.HasField("simple_value") for v in event.summary.value):
         found.last_step = event.step
     return None
 
