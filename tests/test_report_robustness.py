@@ -546,3 +546,32 @@ def test_the_damage_names_the_last_logged_optimizer_step_not_a_panel_s(tmp_path:
     status, text, _ = report(capsys, str(tmp_path))
     assert status == EXIT_DAMAGED and text.startswith("run run: read in part, last logged optimizer step 20\n")
     assert "read whole up to logged optimizer step 20)" in text
+
+
+@pytest.mark.parametrize("junk", ["zeros", "random"])
+def test_junk_after_damage_is_skipped_without_a_checksum_per_byte(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, junk: str) -> None:
+    """A crash that leaves 256 KiB of zeros or junk after a damaged length: only offsets whose length fits
+    in the file are checksummed, so the resync costs a handful of checksums, not one per byte."""
+    import random
+
+    from trainvitals.dashboard import report as report_module
+
+    write_run(tmp_path / "run", HEALTHY)
+    path = event_file(tmp_path / "run")
+    data = path.read_bytes()
+    fill = bytes(256 * 1024) if junk == "zeros" else random.Random(0).randbytes(256 * 1024)
+    path.write_bytes(data + b"\xff" * 12 + fill)  # a length that fails its checksum, then the fill
+    calls = []
+
+    def counting(chunk: bytes) -> int:
+        calls.append(len(chunk))
+        return masked_crc32c(chunk)
+
+    monkeypatch.setattr(report_module, "masked_crc32c", counting)
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_DAMAGED
+    (message,) = damage_findings(doc["runs"][0])
+    assert message.startswith(f"run/{path.name} is damaged at byte {len(data):,} of {len(data) + 12 + len(fill):,} "
+                              "(a record's length fails its checksum;")
+    assert len(calls) < 2 * len(records(data)) + 100  # the records read whole, and a few candidates
