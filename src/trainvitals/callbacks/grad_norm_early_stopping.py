@@ -517,12 +517,14 @@ class GradNormEarlyStopping(Callback):
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: the rule, the stop, and the noise estimates it decided on."""
+        streak = int(self._streak)
         rows = [("rule", {"noise_band": f"noise band, margin {self.margin:g}", "threshold": f"‖g‖ < {self.threshold:g}",
                           "relative": f"‖g‖ < {self.fraction:g} × early value"}[self.mode]
                  + f", patience {self.patience} steps, min_steps {self.min_steps}"),
                 ("stop", self.describe_stop()),
                 ("optimizer steps seen", str(self.steps)),
-                ("in-condition streak", f"{int(self._streak)} of {self.patience} steps")]
+                ("in-condition streak", f"{streak} of {self.patience} steps" if streak <= self.patience
+                 else f"reached {self.patience} ({streak} steps in a row)")]
         if self.mode == "noise_band":
             source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
             rows.append(("noise source", source))
