@@ -575,3 +575,14 @@ def test_junk_after_damage_is_skipped_without_a_checksum_per_byte(
     assert message.startswith(f"run/{path.name} is damaged at byte {len(data):,} of {len(data) + 12 + len(fill):,} "
                               "(a record's length fails its checksum;")
     assert len(calls) < 2 * len(records(data)) + 100  # the records read whole, and a few candidates
+
+
+def test_a_wrong_separator_gets_a_hint(tmp_path: Path, capsys) -> None:
+    """Prefixed with "::" but read with the default "-": nothing measured, and the hint names "::"."""
+    write_run(tmp_path / "run", {f"train::{tag}": value for tag, value in HEALTHY.items()},
+              {"grad_norm/stop_reason": "did not stop"})
+    status, out, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_NO_DATA and "nothing measured" in out
+    assert "look like a logger's prefixed ones: give its separator with --separator '::'." in out
+    status, out, _ = report(capsys, str(tmp_path), "--separator", "::")
+    assert status == EXIT_OK and "--separator" not in out

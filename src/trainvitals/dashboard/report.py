@@ -65,6 +65,7 @@ from trainvitals.dashboard.tags import (
     MEMORY_BYTES,
     TEXT_SUFFIX,
     TRAINVITALS_PREFIXES,
+    TRAINVITALS_ROOTS,
     grad_norm,
     split_prefix,
 )
@@ -457,7 +458,8 @@ def assess(run: Run) -> RunReport:
         report.findings.append(Finding(
             "warning", EVENT_FILES, "nothing measured: no trainvitals scalar" + (" in the part read" if run.damage else "")
             + ", so no optimizer step was logged — an empty train dataloader (limit_train_batches=0), max_steps=0, "
-            "or step logging off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."))
+            "or step logging off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."
+            + _separator_hint(run)))
     if report.measured and run.layout and not any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts):
         report.findings.append(Finding(
             "warning", EVENT_FILES, "no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start but "
@@ -474,6 +476,18 @@ def assess(run: Run) -> RunReport:
             "critical", SPIKES, f"GradNormEarlyStopping counted none of the optimizer steps after step {since}: "
             "each had non-finite (inf/NaN) gradients (or a GradScaler skipped it), the run diverged"))
     return report
+
+
+_OTHER_SEPARATOR = re.compile(rf"^.*?\w(\W+)(?:{'|'.join(TRAINVITALS_ROOTS)})/")
+
+
+def _separator_hint(run: Run) -> str:
+    """When scalars look like a prefixed logger's trainvitals tags under another separator, which one."""
+    for tag in sorted(run.scalars):
+        if match := _OTHER_SEPARATOR.match(tag):
+            return (f" But scalars such as `{tag}` look like a logger's prefixed ones: give its separator with "
+                    f"--separator {match.group(1)!r}.")
+    return ""
 
 
 def _panel(run: Run, report: RunReport, title: str, tag: str) -> None:
