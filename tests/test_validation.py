@@ -443,6 +443,16 @@ def test_an_integer_too_long_to_print_is_still_named():
         trainvitals.GradNormEarlyStopping(margin=10**5000)
 
 
+@pytest.mark.parametrize("cls, old, new", [("BatchVarianceProbe", "every_n_steps", "measure_every_n_steps"),
+                                           ("LRScalingAdvisor", "every_n_steps", "log_every_n_steps"),
+                                           ("GradNormMonitor", "spike_ema_beta", "ema_beta")])
+def test_a_bad_value_under_a_deprecated_name_names_both(cls: str, old: str, new: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(TypeError, match=rf"^`{old}` \(now `{new}`\) must be "):
+            getattr(trainvitals, cls)(**{old: "bad"})
+
+
 def test_target_batch_sizes_are_counts() -> None:
     """Each target is an example count as every count is: 2.5, 10**30 and 1e300 are refused, 2.0 is 2."""
     for bad in ([2.5], [64, 10**30], [1e300]):
