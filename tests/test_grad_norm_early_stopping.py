@@ -217,6 +217,14 @@ def _summary_rows(stopper):
     return dict(line.strip("| ").split(" | ", 1) for line in stopper.summary_markdown().splitlines()[2:])
 
 
+def test_a_streak_past_the_patience_reads_as_reached():
+    """The host reads the streak every 5 steps: with patience 2 it stands at 5 at the stop (step 4)."""
+    stopper = _stopping(patience=2, check_every_n_steps=5)
+    _fit(Regressor(), [stopper], loader(regression_data(), 8), max_epochs=1)
+    assert stopper.stopped_step == 4 and int(stopper._streak) == 5
+    assert _summary_rows(stopper)["in-condition streak"] == "reached 2 (5 steps in a row)"
+
+
 @pytest.mark.parametrize("how", ["model_checkpoint", "save_checkpoint"])
 def test_a_fit_resumed_after_the_stop_stops_again(tmp_path, caplog, how):
     """8 optimizer steps an epoch; the stop at step 5 ends epoch 0 after 6 steps. A checkpoint written then

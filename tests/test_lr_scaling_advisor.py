@@ -374,3 +374,19 @@ def test_reference_is_compared_with_the_configured_lr_not_the_scheduled_one(recw
     fit(Model(groups=(0.04,), **{schedule: True}), [advisor], batch_size=16, max_steps=3)
     assert _reference_warnings(recwarn) == []
     assert "(lr now 0.04)" in advisor.summary_markdown()
+
+
+def test_a_reference_naming_no_group_is_said_once_at_fit_start() -> None:
+    """``{"Adam": 0.1}`` on an SGD model names none of its groups: one warning, and the advice says it."""
+    import warnings as _warnings
+
+    from _models import Regressor
+
+    advisor = LRScalingAdvisor(reference=(64, {"Adam": 0.1}), verbose=False)
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        Trainer(**trainer_kwargs(callbacks=[advisor], max_steps=3, log_every_n_steps=1)).fit(
+            Regressor(), loader(regression_data(), 8))
+    said = [w for w in caught if "none of the optimizers' parameter groups" in str(w.message)]
+    assert len(said) == 1 and "'Adam'" in str(said[0].message)
+    assert "none of the optimizers' parameter groups" in advisor.summary_markdown()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
+from _models import Regressor, loader, regression_data
 from trainvitals.dashboard.report import EXIT_CRITICAL, EXIT_NO_DATA, EXIT_OK, main
 
 STEPS = range(0, 100, 5)
@@ -322,3 +323,64 @@ def test_noise_verdicts_carry_the_estimates_caveat(tmp_path: Path, capsys: pytes
     assert not any(m.startswith("B = 64 < B_simple") for m in messages)  # no batch verdict
     if "partial" in words:  # nor a noise-band verdict on a partly measured model
         assert not any("in its noise band" in m for m in messages)
+
+
+class _DivergesAt(Regressor):
+    """Every loss from optimizer step ``at`` on is NaN: the run diverged for good."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.nan if self.global_step >= self.at else loss
+
+
+@pytest.mark.parametrize("callback", ["stopper", "probe"])
+def test_a_diverged_run_watched_by_the_stopper_or_the_probe_alone_is_critical(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], callback: str) -> None:
+    """Without GradNormMonitor the callback that sees every step's gradient counts the non-finite ones
+    under the monitor's tag: 10 finite steps, then NaN ones, logged every 5 — the last log, at step 20,
+    counts steps 10 to 20."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from conftest import trainer_kwargs
+    from trainvitals import BatchVarianceProbe, GradNormEarlyStopping
+
+    watcher = GradNormEarlyStopping(min_steps=0, patience=5) if callback == "stopper" else BatchVarianceProbe()
+    accumulate = 2 if callback == "stopper" else 1  # the stopper's noise source: micro-batches
+    Trainer(**trainer_kwargs(callbacks=[watcher], max_steps=24, log_every_n_steps=5, accumulate_grad_batches=accumulate,
+                             logger=TensorBoardLogger(str(tmp_path), name="r", version=0))).fit(
+        _DivergesAt(10), loader(regression_data(n=192), 8))
+    status, data = report_json(capsys, tmp_path)
+    (run,) = data["runs"]
+    assert status == EXIT_CRITICAL and run["status"] == "CRITICAL"
+    assert rows(run, "spikes and non-finite steps")["nonfinite steps"] == 11
+    assert any("diverged" in f["message"] for f in run["findings"] if f["section"] == "convergence")
+    assert not any("noise band" in f["message"] for f in run["findings"] if f["section"] == "convergence")
+
+
+def test_a_stop_on_the_band_is_the_band_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The stopper stopped on the band (every step of its patience in it) while the few logged flags were
+    mostly out: the verdict is the stop's, not "not in its noise band yet"."""
+    from trainvitals.callbacks.grad_norm_early_stopping import StopReason
+    from trainvitals.dashboard.report import BAND_STOP
+
+    assert BAND_STOP == StopReason.NOISE_BAND.value
+    stop = f"stopped at optimizer step 95 (after 96 steps): {BAND_STOP} (‖G‖² ≤ 0.2·tr(Σ)/B) for 10 consecutive steps."
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/in_noise_band": [float(s >= 85) for s in STEPS]},
+              {"grad_norm/stop_reason": stop})
+    _, data = report_json(capsys, tmp_path)
+    verdicts = [f["message"] for f in data["runs"][0]["findings"] if f["section"] == "convergence"]
+    assert verdicts[0] == stop
+    assert verdicts[1].startswith("in its noise band: GradNormEarlyStopping stopped the run on it")
+    assert not any("not in its noise band" in v for v in verdicts)
+
+
+def test_a_norm_below_its_floor_never_stands_out_of_the_noise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/total": 0.05, "grad_norm/in_noise_band": 0.0})
+    _, data = report_json(capsys, tmp_path)
+    (verdict,) = [f["message"] for f in data["runs"][0]["findings"] if "noise band yet" in f["message"]]
+    assert "0.50× the noise floor" in verdict and "stands out" not in verdict

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -19,12 +20,14 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from torch.utils.tensorboard import SummaryWriter
 
 from test_report import HEALTHY, STEPS, report, report_json, write_run
-from trainvitals.dashboard.report import EXIT_CRITICAL, EXIT_DAMAGED, EXIT_NO_DATA, EXIT_OK, main, read_runs
+from trainvitals.dashboard.report import (
+    EXIT_CRITICAL, EXIT_DAMAGED, EXIT_NO_DATA, EXIT_OK, EXIT_UNWRITTEN, main, read_runs,
+)
 from trainvitals.dashboard.tags import DIAGNOSIS_TAG, grad_norm, split_prefix, with_prefix
 
 # A run that went NaN for good at step 85: critical (non-finite gradients), whatever else.
@@ -49,8 +52,8 @@ def records(data: bytes) -> list[tuple[int, int]]:
 
 
 def tensorboard_last_step(path: Path) -> int | None:
-    """The last step of a summary TensorBoard's own loader yields before it stops."""
-    steps = [e.step for e in EventFileLoader(str(path)).Load() if e.HasField("summary")]
+    """The last step of a scalar TensorBoard's own loader yields before it stops."""
+    steps = [e.step for e in LegacyEventFileLoader(str(path)).Load() if any(v.HasField("simple_value") for v in e.summary.value)]
     return steps[-1] if steps else None
 
 
@@ -87,7 +90,7 @@ def test_a_flipped_byte_skips_one_record_and_reads_on(tmp_path: Path, capsys, di
     assert run["status"] == "CRITICAL" and run["read_in_part"] is True and run["last_step"] == STEPS[-1]
     (message,) = damage_findings(run)
     assert message.startswith(f"run/{path.name} is damaged at byte {start:,} of {len(damaged):,} "
-                              f"(a record's data fails its checksum; read whole up to step {tensorboard_last_step(path)})")
+                              f"(a record's data fails its checksum; read whole up to logged optimizer step {tensorboard_last_step(path)})")
     assert f"{end - start:,} bytes in 1 stretch(es) could not be read" in message
 
 
@@ -118,7 +121,7 @@ def test_a_truncated_file_is_read_in_part_never_ok(tmp_path: Path, capsys, diver
     assert last is not None and last < STEPS[-1]
     assert text.startswith(f"run run: read in part, last logged optimizer step {last}\n")
     assert (f"[warning] event files: run/{path.name} is damaged at byte {start:,} of {(start + end) // 2:,} "
-            f"(the file ends inside a record: cut short, or still being written; read whole up to step {last}): "
+            f"(the file ends inside a record: cut short, or still being written; read whole up to logged optimizer step {last}): "
             "the rest of the file is not in this report.") in text
 
 
@@ -128,7 +131,7 @@ def test_a_damaged_run_is_reported_even_without_trainvitals_tags(tmp_path: Path,
     status, text, _ = report(capsys, str(tmp_path))
     assert status == EXIT_DAMAGED
     assert "events.out.tfevents.123.host is damaged at byte 0 of 1,050 (" in text
-    assert "no step read before it" in text and "nothing measured" in text
+    assert "no logged step read before it" in text and "nothing measured" in text
 
 
 def test_a_resumed_run_reads_the_files_after_a_damaged_one(tmp_path: Path, capsys, diverged_file: bytes) -> None:
@@ -411,7 +414,9 @@ def test_a_nan_run_with_the_stopper_alone_is_critical(tmp_path: Path, capsys) ->
     assert status == EXIT_CRITICAL
     messages = [f["message"] for f in doc["runs"][0]["findings"]]
     assert not any(m.startswith("in its noise band") for m in messages)
-    assert any(m.startswith("GradNormEarlyStopping counted none of the optimizer steps after step 8:") for m in messages)
+    # The stopper counts the non-finite steps (from 9 on) under the monitor's tag.
+    assert any(m.startswith("non-finite (inf/NaN) gradients on ") for m in messages)
+    assert any(m.startswith("the run diverged") for m in messages)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -476,3 +481,108 @@ def test_diagnosis_panels_of_earlier_versions_count_as_the_fit_end(tmp_path: Pat
     _, doc = report_json(capsys, tmp_path)
     warned = {run["run"]: any("no end-of-fit diagnosis" in f["message"] for f in run["findings"]) for run in doc["runs"]}
     assert warned == {"old": False, "none": True}
+
+
+def _report_process(logdir: Path, **popen: object) -> subprocess.CompletedProcess[str]:
+    """``python -m trainvitals report logdir`` with its stdout as ``popen`` sets it; stderr captured."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-m", "trainvitals", "report", str(logdir)], stderr=subprocess.PIPE,
+                               text=True, env=env, **popen)  # type: ignore[call-overload]
+    if process.stdout is not None:
+        process.stdout.close()  # the reader quits before the report is written (| head)
+    _, err = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, "", err)
+
+
+@pytest.mark.parametrize("stdout", ["closed pipe", "closed", "full"])
+def test_an_unwritable_stdout_gives_no_traceback(tmp_path: Path, stdout: str) -> None:
+    """A reader that quits is no error (the report's own status); a stdout that cannot take the report is
+    status 4 with one line on stderr — never a traceback, never 1 (a critical finding)."""
+    write_run(tmp_path / "run", HEALTHY)
+    if stdout == "full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    if stdout == "closed pipe":
+        done = _report_process(tmp_path, stdout=subprocess.PIPE)
+    elif stdout == "closed":
+        done = _report_process(tmp_path, pass_fds=(), preexec_fn=lambda: os.close(1))
+    else:
+        with open("/dev/full", "w") as full:
+            done = _report_process(tmp_path, stdout=full)
+    assert "Traceback" not in done.stderr
+    if stdout == "closed pipe":
+        assert (done.returncode, done.stderr) == (EXIT_OK, "")
+    else:
+        assert done.returncode == EXIT_UNWRITTEN
+        assert done.stderr.startswith("trainvitals report: the report cannot be written to stdout")
+
+
+def test_an_output_file_that_cannot_be_written_is_status_4(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", HEALTHY)
+    status, out, err = report(capsys, str(tmp_path), "-o", str(tmp_path / "missing" / "report.txt"))
+    assert (status, out) == (EXIT_UNWRITTEN, "")
+    assert "missing/report.txt" in err and "No such file or directory" in err
+
+
+def test_an_empty_logdir_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trainvitals report ""`` (an unset variable) is refused, not a report on the current folder."""
+    write_run(tmp_path / "run", HEALTHY)
+    monkeypatch.chdir(tmp_path)
+    status, out, err = report(capsys, "")
+    assert (status, out) == (EXIT_NO_DATA, "")
+    assert err.startswith("trainvitals report: LOGDIR is empty")
+
+
+def test_the_damage_names_the_last_logged_optimizer_step_not_a_panel_s(tmp_path: Path, capsys) -> None:
+    """Text panels carry the fit's end step (24), past the last logged scalar (20): the damage and the
+    status line name the same step."""
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in (10, 20):
+        writer.add_scalar("grad_norm/total", 1.0, step)
+    writer.add_text("grad_norm/stop_reason", "did not stop", 24)
+    writer.close()
+    path = event_file(tmp_path / "run")
+    path.write_bytes(path.read_bytes() + b"\x01" * 5)  # cut inside a record's header
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_DAMAGED and text.startswith("run run: read in part, last logged optimizer step 20\n")
+    assert "read whole up to logged optimizer step 20)" in text
+
+
+@pytest.mark.parametrize("junk", ["zeros", "random"])
+def test_junk_after_damage_is_skipped_without_a_checksum_per_byte(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, junk: str) -> None:
+    """A crash that leaves 256 KiB of zeros or junk after a damaged length: only offsets whose length fits
+    in the file are checksummed, so the resync costs a handful of checksums, not one per byte."""
+    import random
+
+    from trainvitals.dashboard import report as report_module
+
+    write_run(tmp_path / "run", HEALTHY)
+    path = event_file(tmp_path / "run")
+    data = path.read_bytes()
+    fill = bytes(256 * 1024) if junk == "zeros" else random.Random(0).randbytes(256 * 1024)
+    path.write_bytes(data + b"\xff" * 12 + fill)  # a length that fails its checksum, then the fill
+    calls = []
+
+    def counting(chunk: bytes) -> int:
+        calls.append(len(chunk))
+        return masked_crc32c(chunk)
+
+    monkeypatch.setattr(report_module, "masked_crc32c", counting)
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_DAMAGED
+    (message,) = damage_findings(doc["runs"][0])
+    assert message.startswith(f"run/{path.name} is damaged at byte {len(data):,} of {len(data) + 12 + len(fill):,} "
+                              "(a record's length fails its checksum;")
+    assert len(calls) < 2 * len(records(data)) + 100  # the records read whole, and a few candidates
+
+
+def test_a_wrong_separator_gets_a_hint(tmp_path: Path, capsys) -> None:
+    """Prefixed with "::" but read with the default "-": nothing measured, and the hint names "::"."""
+    write_run(tmp_path / "run", {f"train::{tag}": value for tag, value in HEALTHY.items()},
+              {"grad_norm/stop_reason": "did not stop"})
+    status, out, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_NO_DATA and "nothing measured" in out
+    assert "look like a logger's prefixed ones: give its separator with --separator '::'." in out
+    status, out, _ = report(capsys, str(tmp_path), "--separator", "::")
+    assert status == EXIT_OK and "--separator" not in out

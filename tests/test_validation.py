@@ -160,7 +160,9 @@ def _wrong_type(spec: Spec) -> st.SearchStrategy[Any]:
         return st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.tuples(st.integers(1, 9)),
                          st.tuples(st.integers(1, 9), st.floats(0.1, 1), st.integers()),
                          st.tuples(st.text(max_size=2), st.floats(0.1, 1)),
-                         st.tuples(st.integers(1, 9), st.booleans()))
+                         st.tuples(st.integers(1, 9), st.booleans()),
+                         st.tuples(st.integers(1, 9), st.dictionaries(st.integers(), st.floats(0.1, 1), min_size=1,
+                                                                      max_size=2)))
     raise AssertionError(spec.kind)
 
 
@@ -198,14 +200,16 @@ def _wrong_value(spec: Spec) -> st.SearchStrategy[Any]:
         return st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(-math.inf),
                          st.text(max_size=4).filter(lambda s: s.lower() != "inf"), st.sampled_from(["2", "l2"]))
     if spec.kind == "batch_sizes":
-        return st.lists(st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(math.inf)), min_size=1,
-                        max_size=3).flatmap(lambda bad: st.permutations([64, *bad]))
+        bad_count = st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(math.inf), st.integers(max_value=0),
+                              st.sampled_from([2.5, 10**30, 1e300, MAX_INT + 1]))
+        return st.lists(bad_count, min_size=1, max_size=3).flatmap(lambda bad: st.permutations([64, *bad]))
     if spec.kind == "reference":
         return st.one_of(st.tuples(st.integers(max_value=0), st.floats(0.1, 1)),
                          st.tuples(st.floats(1.1, 9.9).filter(lambda x: not x.is_integer()), st.floats(0.1, 1)),
                          st.tuples(st.integers(1, 99), st.one_of(st.floats(max_value=0.0), st.just(math.nan))),
                          st.tuples(st.integers(1, 99), st.dictionaries(st.text(max_size=3), st.floats(max_value=0.0),
-                                                                        min_size=1, max_size=2)))
+                                                                        min_size=1, max_size=2)),
+                         st.tuples(st.integers(1, 99), st.just({})))
     return st.nothing()
 
 
@@ -227,10 +231,12 @@ def _valid(spec: Spec) -> st.SearchStrategy[Any]:
     if spec.kind == "norm_type":
         return st.one_of(st.floats(min_value=0.0, exclude_min=True, allow_nan=False), st.just("inf"), st.integers(1, 9))
     if spec.kind == "batch_sizes":
-        return st.lists(st.floats(1e-3, 1e9), max_size=3)
+        ints = st.integers(1, MAX_INT)
+        return st.lists(st.one_of(ints, st.integers(1, 10**9).map(float)), max_size=3)
     if spec.kind == "reference":
         return st.tuples(st.integers(1, 10**6), st.one_of(st.floats(1e-9, 10.0),
-                                                          st.dictionaries(st.text(max_size=3), st.floats(1e-9, 1.0))))
+                                                          st.dictionaries(st.text(max_size=3), st.floats(1e-9, 1.0),
+                                                                                          min_size=1)))
     raise AssertionError(spec.kind)
 
 
@@ -450,3 +456,29 @@ def test_an_integer_too_long_to_print_is_still_named():
         trainvitals.GradNormEarlyStopping(patience=10**5000)
     with pytest.raises(ValueError, match="`margin` must be a finite number >= 0"):
         trainvitals.GradNormEarlyStopping(margin=10**5000)
+
+
+@pytest.mark.parametrize("cls, old, new", [("BatchVarianceProbe", "every_n_steps", "measure_every_n_steps"),
+                                           ("LRScalingAdvisor", "every_n_steps", "log_every_n_steps"),
+                                           ("GradNormMonitor", "spike_ema_beta", "ema_beta")])
+def test_a_bad_value_under_a_deprecated_name_names_both(cls: str, old: str, new: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(TypeError, match=rf"^`{old}` \(now `{new}`\) must be "):
+            getattr(trainvitals, cls)(**{old: "bad"})
+
+
+def test_target_batch_sizes_are_counts() -> None:
+    """Each target is an example count as every count is: 2.5, 10**30 and 1e300 are refused, 2.0 is 2."""
+    for bad in ([2.5], [64, 10**30], [1e300]):
+        with pytest.raises(ValueError, match=r"^`target_batch_sizes` must be an integer in \[1, 10\*\*15\], got "):
+            trainvitals.LRScalingAdvisor(target_batch_sizes=bad)
+    sizes = trainvitals.LRScalingAdvisor(target_batch_sizes=[2.0, 128]).target_batch_sizes
+    assert sizes == (2, 128) and all(type(b) is int for b in sizes)
+
+
+def test_a_reference_mapping_is_non_empty_with_str_names() -> None:
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        trainvitals.LRScalingAdvisor(reference=(64, {}))
+    with pytest.raises(TypeError, match=r"group name \(str\)"):
+        trainvitals.LRScalingAdvisor(reference=(64, {3: 0.1}))

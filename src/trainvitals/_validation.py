@@ -143,11 +143,13 @@ def check_callable(name: str, value: Any, none_ok: bool = False) -> Callable[...
 
 def renamed_arguments(**old_to_new: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Let ``__init__`` take each old keyword argument for one release, with a DeprecationWarning
-    naming the new one; passing both is a TypeError. The signature shown is the new one."""
+    naming the new one; passing both is a TypeError. The signature shown is the new one. A bad value
+    passed under the old name is refused naming both: "`every_n_steps` (now `measure_every_n_steps`) must be…"."""
 
     def decorate(init: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(init)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> T:
+            used = {}
             for old, new in old_to_new.items():
                 if old not in kwargs:
                     continue
@@ -156,7 +158,15 @@ def renamed_arguments(**old_to_new: str) -> Callable[[Callable[..., T]], Callabl
                 warnings.warn(f"{type(self).__name__}(`{old}`=...) is deprecated and will be removed in the "
                               f"next release: use `{new}`", DeprecationWarning, stacklevel=2)
                 kwargs[new] = kwargs.pop(old)
-            return init(self, *args, **kwargs)
+                used[f"`{new}`"] = f"`{old}` (now `{new}`)"
+            try:
+                return init(self, *args, **kwargs)
+            except (TypeError, ValueError) as err:
+                text = str(err)
+                said = next((name for name in used if text.startswith(name + " ")), None)
+                if said is None:
+                    raise
+                raise type(err)(used[said] + text[len(said):]) from None
 
         return wrapper
 

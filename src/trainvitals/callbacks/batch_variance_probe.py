@@ -29,6 +29,7 @@ from trainvitals._validation import check_bool, check_choice, check_float, check
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
+from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise
@@ -108,7 +109,9 @@ class BatchVarianceProbe(Callback):
     combined estimate.
 
     Logged every ``log_every_n_steps`` optimizer steps (a multiple of ``measure_every_n_steps``), once a valid
-    measurement exists, of the combined estimate in the units of ``.grad``: ``grad_noise/trace_cov``,
+    measurement exists (and from the first measured step, without GradNormMonitor, ``grad_norm/nonfinite_steps``:
+    measured steps whose gradient held inf/NaN, ``amp_skipped_steps`` under a GradScaler), of the combined
+    estimate in the units of ``.grad``: ``grad_noise/trace_cov``,
     ``grad_noise/grad_sq_norm`` (the EMAs) and their ``..._se`` (standard errors),
     ``grad_noise/b_simple`` (only when EMA(‖G‖²) > 0), ``grad_noise/b_simple_rel_err``,
     ``grad_noise/b_simple_unreliable`` (1 when ‖G‖² ≤ 0, the relative error exceeds ``max_rel_err`` or
@@ -248,6 +251,8 @@ class BatchVarianceProbe(Callback):
         self.noise = self.noise_source.ema
         self.noise_error = self.noise_source.error
         self.last_outliers: list[tuple[int, float]] = []
+        self.nonfinite = NonfiniteCounter()
+        """Measured steps whose gradient was non-finite: logged when no GradNormMonitor logs such steps."""
         """(dataset row, or position in the batch without :attr:`outlier_rows`, and ‖g_i‖) of the last outliers."""
         self.outlier_rows = False
         self._rows: list[Tensor | None] = []
@@ -583,6 +588,7 @@ class BatchVarianceProbe(Callback):
             return sums.failed
         grad_sq_norm, trace_cov, valid, covered, total = self._estimates(trainer, pl_module, optimizer, result, sums)
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
+        self.nonfinite.add(torch.isfinite(total))
         whole = not pl_module.automatic_optimization or len(self._micro_sizes) == trainer.accumulate_grad_batches
         if whole or self.effective_batch_size is None:
             self.effective_batch_size = sums.examples
@@ -590,6 +596,7 @@ class BatchVarianceProbe(Callback):
         step = trainer.global_step
         if is_logging_step(step, self._log_every):
             self._log(trainer, result, valid, sums.examples, step)
+            log_scalars(trainer, self.nonfinite.metrics(trainer, self), step)
         if result.sq_norms:
             self._log_per_example_norms(trainer, result.sq_norms, step)
         return sums.failed
@@ -845,7 +852,8 @@ class BatchVarianceProbe(Callback):
         return {"noise": self.noise.state_dict(), "noise_error": self.noise_error.state_dict(),
                 "effective_batch_size": self.effective_batch_size, "grad_scale": self.grad_scale,
                 "source": self.noise_source.state_dict(), "coordinate_cursor": self._coordinate_cursor,
-                "gsnr_partial": {k: list(v) for k, v in self._gsnr_partial.items()}}
+                "gsnr_partial": {k: list(v) for k, v in self._gsnr_partial.items()},
+                "nonfinite_steps": int(self.nonfinite.count)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -853,4 +861,5 @@ class BatchVarianceProbe(Callback):
             "noise": state_dict.get("noise", {}), "error": state_dict.get("noise_error", {}),
             "effective_batch_size": state_dict.get("effective_batch_size"), "unit_scale": state_dict.get("grad_scale", 1.0)}))
         self._coordinate_cursor = int(state_dict.get("coordinate_cursor", 0))
+        self.nonfinite.count = torch.tensor(int(state_dict.get("nonfinite_steps", 0)))
         self._gsnr_partial = {k: (float(total), int(count)) for k, (total, count) in state_dict.get("gsnr_partial", {}).items()}

@@ -30,6 +30,7 @@ from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._base import TrainvitalsCallback, reduce_packed
 from trainvitals.callbacks._batch import batch_size
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
+from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
@@ -98,6 +99,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     Logged at the Trainer's logging cadence and at the stopping step (step = optimizer step):
     ``grad_norm/in_noise_band`` (0/1, while the estimate is decisive), ``grad_norm/band_streak`` (steps),
     ``grad_norm/band_edge`` (sqrt(1 + margin) × the noise floor: where the band ends for the norm);
+    without a GradNormMonitor, ``grad_norm/nonfinite_steps`` (``amp_skipped_steps`` under a GradScaler) as the
+    monitor counts them (:class:`~trainvitals.callbacks._nonfinite.NonfiniteCounter`);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
     <trainvitals.core.estimate.GradientNoise.metrics>`: ``grad_norm/noise_floor`` in the units of
     ``.grad`` beside the monitor's ``grad_norm/total``, ``grad_noise/b_simple`` and its
@@ -167,6 +170,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.add_state("noise_source", partial(NoiseSource, "micro_batch", self.ema_beta), key="source")
         self.add_state("_reference", partial(BiasCorrectedEMA, self.ema_beta), key="reference")
         self.add_state("_streak", torch.zeros((), dtype=torch.long), key="streak")
+        self.add_state("nonfinite", NonfiniteCounter, persistent=False)
+        """Steps with non-finite gradients, which the streak skips: logged when no GradNormMonitor logs them;
+        saved as ``nonfinite_steps``."""
         # Set once the streak has reached the patience: a streak that completes and breaks between two
         # host checks must still stop the run.
         self.add_state("_done", torch.zeros((), dtype=torch.bool), key="done")
@@ -282,6 +288,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._streak = self._streak.to(total.device)
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
         self._done = self._done.to(total.device) | (self._streak >= self.patience)
+        self.nonfinite.add(valid)
         self.steps += 1
         every = logging_every(trainer)
         logged = is_logging_step(step, every)
@@ -294,12 +301,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"noise": self.noise.state_dict(), **super().state_dict()}  # "noise": read by older versions
+        # "noise": read by older versions
+        return {"noise": self.noise.state_dict(), "nonfinite_steps": int(self.nonfinite.count), **super().state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # A checkpoint from before the noise sources holds the micro-batch EMA alone, under "noise".
         super().load_state_dict({"source": {"noise": state_dict.get("noise", {})}, **state_dict})
+        self.nonfinite.count = torch.tensor(int(state_dict.get("nonfinite_steps", 0)))
 
     # ------------------------------------------------------------------ helpers
     def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -398,7 +407,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         return self.gradient_noise.estimate().noise_floor
 
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor, final: bool = False) -> None:
-        metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak}
+        metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak, **self.nonfinite.metrics(trainer, self)}
         if self.mode == "noise_band" and self._source is not None:
             estimate = self.gradient_noise.estimate()
             if self._logs_estimate or final:  # at the stop, whoever logs it otherwise has not logged this step
@@ -485,12 +494,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: the rule, the stop, and the noise estimates it decided on."""
+        streak = int(self._streak)
         rows = [("rule", {"noise_band": f"noise band, margin {self.margin:g}", "threshold": f"‖g‖ < {self.threshold:g}",
                           "relative": f"‖g‖ < {self.fraction:g} × early value"}[self.mode]
                  + f", patience {self.patience} steps, min_steps {self.min_steps}"),
                 ("stop", self.describe_stop()),
                 ("optimizer steps seen", str(self.steps)),
-                ("in-condition streak", f"{int(self._streak)} of {self.patience} steps")]
+                ("in-condition streak", f"{streak} of {self.patience} steps" if streak <= self.patience
+                 else f"reached {self.patience} ({streak} steps in a row)")]
         if self.mode == "noise_band":
             source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
             rows.append(("noise source", source))

@@ -158,6 +158,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         self.add_state("_graph_read", False, persistent=False)
         self.add_state("_logged_step", -1, persistent=False)  # the optimizer step the scalars were last logged at
         self._reference_problems: list[str] = []
+        self._reference_unmatched = ""  # a reference mapping that names none of the parameter groups
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -179,6 +180,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
             self._probe_loss_reduction(trainer, pl_module, batch, batch_idx)
         self._report = self._advise(trainer, step)
         log_text(trainer, "lr_scaling/advice", self._report, step)
+        if self._reference_unmatched:
+            rank_zero_warn(f"trainvitals LRScalingAdvisor: {self._reference_unmatched}.")
         if self.reference is not None and self._reference_problems:
             self.warn(
                 f"the effective batch is {self.effective_batch} but the lr was tuned at batch "
@@ -371,11 +374,17 @@ class LRScalingAdvisor(TrainvitalsCallback):
         self, groups: list[tuple[str, str, dict[str, Any]]], batch: int, noise_scale: float | None
     ) -> list[str]:
         """Each group's lr against the one suggested from ``reference``; the mismatches go to
-        ``_reference_problems`` for the fit-start warning."""
+        ``_reference_problems`` for the fit-start warning, a mapping naming no group to ``_reference_unmatched``."""
         self._reference_problems = []
         if self.reference is None:
             return []
         ref_batch, ref_lr = self.reference
+        names = [name for name, _, _ in groups]
+        if isinstance(ref_lr, Mapping) and not set(ref_lr) & set(names):
+            self._reference_unmatched = (f"`reference` gives the lr of {', '.join(map(repr, ref_lr))}, none of the "
+                                         f"optimizers' parameter groups ({', '.join(map(repr, names))}): no advice "
+                                         "from it; name the groups as the advice lists them")
+            return [f"**reference**: {self._reference_unmatched}."]
         lines = []
         for name, family, group in groups:
             tuned_lr = ref_lr.get(name) if isinstance(ref_lr, Mapping) else ref_lr
@@ -399,7 +408,8 @@ def _validate_reference(reference: Any) -> tuple[int, float | dict[str, float]]:
 
     TypeError for a value that is not such a pair (or holds a non-number), ValueError for one out of range.
     """
-    message = (f"`reference` must be (effective_batch >= 1, lr > 0 or a mapping of group name to lr > 0), "
+    message = (f"`reference` must be (effective_batch >= 1, lr > 0 or a non-empty mapping of group name (str) to "
+               f"lr > 0), "
                f"got {reference!r}")
     if isinstance(reference, (str, bytes)) or not isinstance(reference, Sequence) or len(reference) != 2:
         raise TypeError(message)
@@ -407,7 +417,11 @@ def _validate_reference(reference: Any) -> tuple[int, float | dict[str, float]]:
     try:
         batch = check_positive_int("reference", batch)
         if isinstance(lr, Mapping):
-            return batch, {str(name): check_positive("reference", value) for name, value in lr.items()}
+            if not lr:
+                raise ValueError("empty mapping")
+            if not all(isinstance(name, str) for name in lr):
+                raise TypeError("a group name that is not a str")
+            return batch, {name: check_positive("reference", value) for name, value in lr.items()}
         return batch, check_positive("reference", lr)
     except (TypeError, ValueError) as err:
         raise type(err)(message) from None

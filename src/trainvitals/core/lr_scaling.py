@@ -68,12 +68,19 @@ def validate_noise_scale(noise_scale: float | None) -> float | None:
     return check_float("noise_scale", noise_scale, 0.0, low_open=True, none_ok=True)
 
 
-def validate_batch_sizes(name: str, batch_sizes: Sequence[float]) -> tuple[float, ...]:
-    """Each entry as a float, finite and > 0; TypeError (not a sequence of numbers) or ValueError (a zero
-    included) naming ``name`` otherwise."""
+def validate_batch_sizes(name: str, batch_sizes: Sequence[int]) -> tuple[int, ...]:
+    """Each entry an example count, as every count is checked (:func:`~trainvitals._validation.check_int`,
+    in [1, 10**15]); TypeError (not a sequence of numbers) or ValueError naming ``name`` otherwise."""
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
-        raise TypeError(f"`{name}` must be a sequence of finite numbers > 0, got {batch_sizes!r}")
-    return tuple(check_positive(name, b) for b in batch_sizes)
+        raise TypeError(f"`{name}` must be a sequence of integers in [1, 10**15], got {batch_sizes!r}")
+    return tuple(check_int(name, b, 1) for b in batch_sizes)  # type: ignore[misc]
+
+
+def _validate_multiples(multiples: Sequence[float]) -> tuple[float, ...]:
+    """Each multiple of the batch as a float, finite and > 0; TypeError or ValueError naming ``multiples``."""
+    if isinstance(multiples, (str, bytes)) or not isinstance(multiples, Sequence):
+        raise TypeError(f"`multiples` must be a sequence of finite numbers > 0, got {multiples!r}")
+    return tuple(check_positive("multiples", m) for m in multiples)
 
 
 def optimizer_family(optimizer_class: type | str) -> str:
@@ -294,7 +301,7 @@ def advise(
     lr = check_positive("lr", lr)
     rule = rule_for(family, validate_noise_scale(noise_scale))
     targets = validate_batch_sizes("target_batch_sizes", target_batch_sizes)
-    scales = validate_batch_sizes("multiples", multiples)
+    scales = _validate_multiples(multiples)
     if betas is not None and not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
         raise ValueError(f"`betas` must be two numbers in [0, 1), got {betas!r}")
     if eps is not None and not (math.isfinite(eps) and eps >= 0.0):

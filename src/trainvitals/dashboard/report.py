@@ -23,7 +23,10 @@ Exit status, for CI — the most severe over the runs, in this order:
 - 2: nothing to report: LOGDIR missing, no event files under it, or event files without trainvitals
   metrics (another tool's, or a run without trainvitals callbacks); a run with trainvitals panels but no
   trainvitals scalar (nothing measured: an empty train dataloader, ``max_steps=0``); also a usage error;
-- 0: every run read whole and measured, no critical finding.
+- 0: every run read whole and measured, no critical finding;
+- 4: the report could not be written (``--output`` in a missing folder, a full disk, a closed stdout): one
+  line on stderr says why. A reader that quits early (``| head``, ``less``) is no error: the status is then
+  the report's own.
 
 File and folder names that are not UTF-8 are shown with the odd bytes escaped (``run\\xff``).
 No Lightning import here: the command starts in about two seconds, most of it importing torch.
@@ -32,6 +35,7 @@ No Lightning import here: the command starts in about two seconds, most of it im
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -45,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 from google.protobuf import message
 from tensorboard.backend.event_processing import event_accumulator, io_wrapper
 from tensorboard.compat.proto import event_pb2
@@ -61,12 +66,13 @@ from trainvitals.dashboard.tags import (
     MEMORY_BYTES,
     TEXT_SUFFIX,
     TRAINVITALS_PREFIXES,
+    TRAINVITALS_ROOTS,
     grad_norm,
     split_prefix,
 )
 from trainvitals.dashboard.terminal import format_table, markdown_to_text
 
-EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED = 0, 1, 2, 3
+EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_UNWRITTEN = 0, 1, 2, 3, 4
 SEVERITY = (EXIT_OK, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_CRITICAL)
 """Exit statuses from the least to the most severe: the command exits with its runs' most severe."""
 FORMATS = ("text", "markdown", "json", "html")
@@ -74,6 +80,9 @@ FORMATS = ("text", "markdown", "json", "html")
 BAND_WINDOW = 10
 """Logged steps over which the fraction in the noise band is taken: one step is in it about half the
 time from noise alone at a stationary point (docs/science.md §3), so a single flag says little."""
+
+BAND_STOP = "gradient norm in its noise band"
+"""How GradNormEarlyStopping's stop panel names a stop on the noise band (its ``StopReason.NOISE_BAND``)."""
 
 SPIKES, EVENT_FILES = "spikes and non-finite steps", "event files"
 
@@ -102,7 +111,8 @@ class Damage:
 
     ``file`` is the file's path under LOGDIR (``/`` at the end: a folder that could not be listed);
     ``first`` the offset of the first damaged byte, ``lost`` the bytes not read as events over ``regions``
-    damaged stretches; ``last_step`` the last step read before the first one, ``reason`` what was wrong there.
+    damaged stretches; ``last_step`` the last step of a scalar read before the first one (the report's "last
+    logged optimizer step"; text panels carry the fit's end step), ``reason`` what was wrong there.
     """
 
     file: str
@@ -126,7 +136,8 @@ class Damage:
             return f"{self.file}: {self.reason}."
         if not self.size:  # never opened
             return f"{self.file}: {self.reason}, so nothing of it is in this report."
-        read = f"read whole up to step {self.last_step}" if self.last_step is not None else "no step read before it"
+        read = (f"read whole up to logged optimizer step {self.last_step}" if self.last_step is not None
+                else "no logged step read before it")
         where = f"at byte {self.first:,} of {self.size:,} ({self.reason}; {read})"
         if self.regions == 1 and self.first + self.lost == self.size:
             return f"{self.file} is damaged {where}: the rest of the file is not in this report."
@@ -367,20 +378,35 @@ def _feed(acc: event_accumulator.EventAccumulator, data: bytes, found: Damage) -
         acc._ProcessEvent(event)
     except Exception as err:  # a checksummed record can still hold values TensorBoard rejects
         return f"an event TensorBoard cannot take ({type(err).__name__})"
-    if found.regions == 0 and event.HasField("summary"):
+    if found.regions == 0 and any(v.HasField("simple_value") for v in event.summary.value):
         found.last_step = event.step
     return None
 
 
 def _next_record(f: BinaryIO, start: int, size: int) -> int:
-    """The first offset from ``start`` where 12 bytes are a length and its valid checksum; ``size`` if none."""
-    chunk = 1 << 16
+    """The first offset from ``start`` where 12 bytes are a length that fits in the rest of the file and its
+    valid checksum; ``size`` if none.
+
+    Only offsets whose length fits (and, for a length of 0, whose checksum is that of 0) are checksummed, the
+    test done on whole chunks at once: zeros or junk after a crash are skipped at the speed of reading them.
+    """
+    chunk = 1 << 20
+    zero = masked_crc32c(bytes(8))
     for base in range(start, size, chunk):
         f.seek(base)
-        buf = f.read(chunk + _HEADER.size - 1)
-        for i in range(len(buf) - _HEADER.size + 1):
-            if masked_crc32c(buf[i:i + 8]) == _CRC.unpack_from(buf, i + 8)[0]:
-                return base + i
+        buf = np.frombuffer(f.read(chunk + _HEADER.size - 1), dtype=np.uint8)
+        n = len(buf) - _HEADER.size + 1
+        if n <= 0:
+            break
+        length, crc = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
+        for k in range(8):
+            length |= buf[k:k + n].astype(np.uint64) << np.uint64(8 * k)
+        for k in range(4):
+            crc |= buf[8 + k:8 + k + n].astype(np.uint64) << np.uint64(8 * k)
+        room = np.maximum(size - base - np.arange(n, dtype=np.int64) - _HEADER.size - _CRC.size, 0).astype(np.uint64)
+        for i in np.flatnonzero((length <= room) & ((length != 0) | (crc == zero))):
+            if masked_crc32c(buf[i:i + 8].tobytes()) == int(crc[i]):
+                return base + int(i)
     return size
 
 
@@ -433,7 +459,8 @@ def assess(run: Run) -> RunReport:
         report.findings.append(Finding(
             "warning", EVENT_FILES, "nothing measured: no trainvitals scalar" + (" in the part read" if run.damage else "")
             + ", so no optimizer step was logged — an empty train dataloader (limit_train_batches=0), max_steps=0, "
-            "or step logging off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."))
+            "or step logging off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."
+            + _separator_hint(run)))
     if report.measured and run.layout and not any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts):
         report.findings.append(Finding(
             "warning", EVENT_FILES, "no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start but "
@@ -450,6 +477,18 @@ def assess(run: Run) -> RunReport:
             "critical", SPIKES, f"GradNormEarlyStopping counted none of the optimizer steps after step {since}: "
             "each had non-finite (inf/NaN) gradients (or a GradScaler skipped it), the run diverged"))
     return report
+
+
+_OTHER_SEPARATOR = re.compile(rf"^.*?\w(\W+)(?:{'|'.join(TRAINVITALS_ROOTS)})/")
+
+
+def _separator_hint(run: Run) -> str:
+    """When scalars look like a prefixed logger's trainvitals tags under another separator, which one."""
+    for tag in sorted(run.scalars):
+        if match := _OTHER_SEPARATOR.match(tag):
+            return (f" But scalars such as `{tag}` look like a logger's prefixed ones: give its separator with "
+                    f"--separator {match.group(1)!r}.")
+    return ""
 
 
 def _panel(run: Run, report: RunReport, title: str, tag: str) -> None:
@@ -563,15 +602,22 @@ def _convergence(run: Run, report: RunReport) -> None:
             report.findings.append(Finding(
                 "note", title, "no noise estimate, so no noise band: it needs accumulate_grad_batches >= 2, "
                 ">= 2 devices, or a BatchVarianceProbe; a fixed norm threshold is no substitute."))
+    elif stop and BAND_STOP in stop:  # every step of its patience was in the band; the logged flags sample a few
+        report.findings.append(Finding(
+            "note", title, f"in its noise band: GradNormEarlyStopping stopped the run on it{error}; the band flags "
+            f"logged meanwhile ({in_band:.0%} of the last {len(recent)}) sample single steps."))
     elif in_band >= 0.5:
         report.findings.append(Finding(
             "note", title, f"in its noise band ({in_band:.0%} of the last {len(recent)} logged steps){error}: "
             "the gradient norm sits at its noise floor, further steps mostly move within noise."))
     else:
-        ratio = f" (the last norm is {total / floor:.2f}× the noise floor)" if total is not None and floor else ""
+        ratio = total / floor if total is not None and floor else None
+        said = f" (the last norm is {ratio:.2f}× the noise floor)" if ratio is not None else ""
+        why = ("the band is decided on the smoothed estimates, not on one norm" if ratio is not None and ratio <= 1
+               else "the true gradient still stands out of the noise")
         report.findings.append(Finding(
-            "note", title, f"not in its noise band yet: {in_band:.0%} of the last {len(recent)} logged steps were in it{ratio}{error}; "
-            "the true gradient still stands out of the noise."))
+            "note", title, f"not in its noise band yet: {in_band:.0%} of the last {len(recent)} logged steps were in it{said}{error}; "
+            f"{why}."))
 
 
 def _partial(run: Run) -> str:
@@ -733,7 +779,7 @@ def _fmt(row: Row) -> str:
 # ---------------------------------------------------------------------------------------------- command
 DESCRIPTION = ("Health report of the training runs under LOGDIR, read from their TensorBoard event files. "
                "Exit status: 0 healthy, 1 a critical finding, 3 an event file read only in part, "
-               "2 nothing to report (or nothing measured).")
+               "2 nothing to report (or nothing measured) or a usage error, 4 the report could not be written.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -750,6 +796,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Report on ``args.logdir`` in ``args.format``; returns the exit status (see the module docstring)."""
+    if not args.logdir:  # Path("") is the current folder: a variable left unset, not a choice
+        print("trainvitals report: LOGDIR is empty: give the TensorBoard log folder (the one passed to --logdir).",
+              file=sys.stderr)
+        return EXIT_NO_DATA
     try:
         runs = read_runs(args.logdir, args.separator)
     except ReportError as err:
@@ -770,20 +820,37 @@ def run(args: argparse.Namespace) -> int:
         text = render_html(list(zip(ours, reports)), skipped)
     else:
         text = render(reports, args.format, skipped=skipped)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-    else:
-        _write(text)
-    return max((r.exit_status for r in reports), key=SEVERITY.index)
+    status = max((r.exit_status for r in reports), key=SEVERITY.index)
+    try:
+        if args.output:
+            Path(args.output).write_text(text, encoding="utf-8")
+        else:
+            _write(text)
+    except BrokenPipeError:
+        # The reader quit (head, less): the Python docs' recipe, so that the exit's flush fails quietly too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError as err:
+        where = printable(args.output) if args.output else "stdout"
+        print(f"trainvitals report: the report cannot be written to {where}: {err.strerror or err}.", file=sys.stderr)
+        return EXIT_UNWRITTEN
+    return status
 
 
 def _write(text: str) -> None:
-    """``text`` to stdout; characters its encoding lacks (a run name under LANG=C) as escapes, not a traceback."""
+    """``text`` to stdout, flushed (a full disk fails here, not at exit); characters its encoding lacks (a run
+    name under LANG=C) as escapes, not a traceback.
+
+    Raises:
+        OSError: when stdout is closed or cannot take the text (BrokenPipeError: the reader quit).
+    """
+    if sys.stdout is None:  # started with stdout closed (>&-)
+        raise OSError(errno.EBADF, "stdout is closed")
     try:
         sys.stdout.write(text)
     except UnicodeEncodeError:
         encoding = sys.stdout.encoding or "ascii"
         sys.stdout.write(text.encode(encoding, "backslashreplace").decode(encoding))
+    sys.stdout.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
