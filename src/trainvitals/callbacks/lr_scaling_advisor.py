@@ -181,7 +181,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         self._report = self._advise(trainer, step)
         log_text(trainer, "lr_scaling/advice", self._report, step)
         if self._reference_unmatched:
-            rank_zero_warn(f"trainvitals LRScalingAdvisor: {self._reference_unmatched}.")
+            self.warn(f"{self._reference_unmatched}.")
         if self.reference is not None and self._reference_problems:
             self.warn(
                 f"the effective batch is {self.effective_batch} but the lr was tuned at batch "
