@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainvitals.core.estimate import Z90, GradientNoise, NoiseSource
+from trainvitals.core.estimate import COUPLING_Z, Z90, GradientNoise, NoiseSource
 from trainvitals.core.noise import per_example_estimates, two_batch_size_estimates
 
 D, SIGMA, B, MICRO = 8, 0.5, 64, 16
@@ -179,10 +179,82 @@ def test_two_sources_that_disagree_beyond_their_errors_are_named_once():
         for k in range(20):
             src.update(torch.tensor(level + 0.01 * (-1) ** k), torch.tensor(10.0 + 0.1 * (-1) ** k))
     message = noise.disagreement()
-    assert "per_example and micro_batch disagree on ‖G‖²" in message
+    # The micro-batch source is independent by construction: it decides, the per-example one is dropped.
+    assert "per_example is dropped" in message and "disagrees with the micro-batch/rank source on ‖G‖²" in message
+    assert noise.estimate().sources == ("micro_batch",) and a.invalid
     assert noise.disagreement() == ""  # once
     noise.attach(b)  # the same source again (a new epoch): still said once
     assert noise.disagreement() == ""
+
+
+def test_two_sources_other_than_micro_batches_that_disagree_are_named_once_and_kept():
+    noise = GradientNoise()
+    a, b = NoiseSource("per_example", 0.5), NoiseSource("probe", 0.5)
+    for src, level in ((a, 1.0), (b, 3.0)):
+        noise.attach(src)
+        for k in range(20):
+            src.update(torch.tensor(level + 0.01 * (-1) ** k), torch.tensor(10.0 + 0.1 * (-1) ** k))
+    assert "per_example and probe disagree on ‖G‖²" in noise.disagreement()
+    assert noise.disagreement() == "" and noise.estimate().sources == ("per_example", "probe")
+
+
+def coupled_step(d: torch.Tensor, gen: torch.Generator, inflate: float) -> tuple[tuple, tuple]:
+    """Per-example and micro-batch estimates of one step where the per-example addends are coupled: each is
+    its example's gradient with its deviation from the batch mean scaled by ``inflate`` (their sum, the batch
+    gradient, unchanged), as batch statistics or in-batch negatives do; the micro-batch means are the true ones."""
+    x = torch.randn(B, D, generator=gen, dtype=torch.float64)
+    eps = SIGMA * torch.randn(B, generator=gen, dtype=torch.float64)
+    g = (x @ d - eps)[:, None] * x
+    mean = g.mean(0)
+    coupled = mean + inflate * (g - mean)
+    batch_sq = mean.square().sum()
+    micro_means = g.view(B // MICRO, MICRO, D).mean(1)
+    return (per_example_estimates(coupled.square().sum(), batch_sq, B),
+            two_batch_size_estimates(micro_means.square().sum(1).mean(), batch_sq, B // MICRO, MICRO))
+
+
+def test_a_per_example_source_below_zero_beyond_its_error_is_coupled_and_never_in_the_band():
+    gen = torch.Generator().manual_seed(3)
+    d = torch.full((D,), 0.02, dtype=torch.float64)
+    noise, src = GradientNoise(), NoiseSource("probe", 0.9)
+    src.effective_batch_size = B
+    noise.attach(src)
+    for _ in range(40):
+        src.update(*coupled_step(d, gen, 2.0)[0])
+    assert not bool(noise.in_noise_band(1e6))  # before any logging step's check: not "G ≈ 0"
+    est = noise.estimate()
+    assert float(est.grad_sq_norm) < -COUPLING_Z * float(est.grad_sq_norm_se)
+    message = noise.disagreement()
+    assert "probe is dropped" in message and "batch statistics" in message and "in-batch negatives" in message
+    assert src.invalid and noise.estimate().count == 0 and noise.disagreement() == ""
+
+
+def test_an_independent_per_example_source_at_g_zero_stays_valid():
+    gen = torch.Generator().manual_seed(4)
+    noise, src = GradientNoise(), NoiseSource("probe", 0.9)
+    src.effective_batch_size = B
+    noise.attach(src)
+    for _ in range(60):
+        src.update(*coupled_step(torch.zeros(D, dtype=torch.float64), gen, 1.0)[0])
+    assert noise.disagreement() == "" and not src.invalid and bool(noise.in_noise_band(0.2))
+
+
+def test_a_coupled_per_example_source_is_dropped_for_the_micro_batches():
+    gen = torch.Generator().manual_seed(6)
+    d = torch.full((D,), 0.2, dtype=torch.float64)
+    noise, per, micro = GradientNoise(), NoiseSource("probe", 0.9), NoiseSource("micro_batch", 0.9)
+    for src in (per, micro):
+        src.effective_batch_size = B
+        noise.attach(src)
+    for _ in range(60):
+        per_example, micro_batch = coupled_step(d, gen, 1.5)
+        per.update(*per_example)
+        micro.update(*micro_batch)
+    message = noise.disagreement()
+    assert "probe is dropped" in message and "independent by construction" in message and "BatchNorm" in message
+    truth = linear_regression_truth(d)[1]
+    est = noise.estimate()
+    assert est.sources == ("micro_batch",) and abs(float(est.trace_cov) - truth) < 4 * float(est.trace_cov_se)
 
 
 def test_the_per_step_band_is_the_full_estimates_band():

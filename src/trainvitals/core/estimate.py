@@ -26,6 +26,16 @@ Combining rule (:meth:`GradientNoise.estimate`):
    most about a tenth); noise-aware advice also needs B_simple's relative error ≤ ``max_rel_err``
    (default 0.5: the lr suggestions then stay within about ×1.5 either way).
 
+5. Coupled examples. A per-example source assumes independent examples; batch statistics (BatchNorm, or
+   ``F.batch_norm(training=True)`` in a custom module) or a loss coupling the examples (in-batch negatives,
+   as in a contrastive InfoNCE loss) break that without any module saying so. Two signs give it away, checked
+   on logging steps (:meth:`GradientNoise.disagreement`) once a source has :data:`MIN_MEASUREMENTS`: its EMA
+   ‖G‖² is below zero by more than :data:`COUPLING_Z` standard errors (independent examples give
+   E[‖G‖²_est] = ‖G‖² ≥ 0; a negative value within its error is a legitimate "G ≈ 0"), or it disagrees with
+   the micro-batch/rank source beyond :data:`AGREEMENT_Z` standard errors. The micro-batches are independent
+   by construction, so that source decides: the other is marked invalid, dropped, and said once. Between
+   logging steps the band never holds on a ‖G‖² below zero beyond its error.
+
 Consecutive steps are treated as independent, so while the run moves the errors also contain the
 drift of the true values (they are not smaller than the sampling error). Everything stays on the
 device; the host reads values only through :meth:`GradientNoise.host_summary` and
@@ -52,6 +62,14 @@ WEIGHTS_REFRESH = 50
 AGREEMENT_Z = 3.0
 """Two sources disagree when their estimates differ by more than this many combined standard errors: the
 check runs at every logging step, so a single test's 2 would raise false alarms over a long run."""
+COUPLING_Z = 3.0
+"""A per-example source's EMA ‖G‖² this many standard errors below zero shows coupled examples."""
+MIN_MEASUREMENTS = 20
+"""Updates a source needs before its errors are trusted: to be found coupled, and to decide or advise."""
+INDEPENDENT = "micro_batch"
+"""The source whose draws are independent by construction (micro-batches and ranks): it decides disagreements."""
+COUPLING_CAUSES = ("batch statistics (BatchNorm, or F.batch_norm in training mode in a custom module) or a loss "
+                   "coupling the examples (in-batch negatives, as in a contrastive InfoNCE loss)")
 
 
 class NoiseSource:
@@ -165,7 +183,7 @@ class GradientNoise:
         self.sources: dict[str, NoiseSource] = {}
         self._said_disagreement = False
         # The last full estimate's weights and coverage, for the per-step band (see in_noise_band).
-        self._cached: tuple[tuple[int, ...], Tensor, Tensor, Tensor] | None = None
+        self._cached: tuple[tuple[int, ...], Tensor, Tensor, Tensor, Tensor] | None = None
         self._stale = 0  # band calls since that estimate
 
     def attach(self, source: NoiseSource) -> None:
@@ -225,7 +243,7 @@ class GradientNoise:
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf")))
         coverage = torch.where(seen, share, 0.0).max()
-        self._cached, self._stale = (tuple(id(src) for src in chosen), g_w, s_w, coverage), 0
+        self._cached, self._stale = (tuple(id(src) for src in chosen), g_w, s_w, coverage, grad_se), 0
         param_share = min(src.param_share for src in chosen)
         last = chosen[0].last_covered_sq_norm
         measured = last.to(device).sqrt() * chosen[0].unit_scale if param_share < 1 and last is not None else None
@@ -249,26 +267,31 @@ class GradientNoise:
         leaves the estimate unbiased."""
         if estimate is not None:
             est = estimate
-            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size)
+            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size,
+                              est.grad_sq_norm_se)
         chosen = self.valid_sources()
         if not chosen:
             return torch.zeros((), dtype=torch.bool, device=device)
         self._stale += 1
         if self._cached is None or self._cached[0] != tuple(id(src) for src in chosen) or self._stale > WEIGHTS_REFRESH:
             est = self.estimate()
-            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size)
-        _, g_w, s_w, coverage = self._cached
+            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size,
+                              est.grad_sq_norm_se)
+        _, g_w, s_w, coverage, grad_se = self._cached
         first = chosen[0].ema.count.device
         pairs = torch.stack([src.ema.values.to(first) * src.unit_scale**2 for src in chosen])  # (k, 2): ‖G‖², S
         counts = torch.stack([src.ema.count.to(first) for src in chosen])
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
-        return self._band(margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), coverage, batch)
+        return self._band(margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), coverage, batch,
+                          grad_se)
 
     def _band(self, margin: float, grad: Tensor, trace: Tensor, count: Tensor, coverage: Tensor,
-              batch: int | None) -> Tensor:
+              batch: int | None, grad_se: Tensor) -> Tensor:
         if batch is None:
             return torch.zeros((), dtype=torch.bool, device=count.device)
-        return (count > 0) & (coverage >= self.min_coverage) & (trace > 0) & (grad <= margin * trace / batch)
+        uncoupled = grad >= -COUPLING_Z * grad_se.to(grad.device)  # below zero beyond its error: coupled (rule 5)
+        return ((count > 0) & (coverage >= self.min_coverage) & (trace > 0) & uncoupled
+                & (grad <= margin * trace / batch))
 
     def metrics(self, estimate: NoiseEstimate | None = None) -> dict[str, Tensor]:
         """The run's one floor and one B_simple, with their errors and the coverage, as tags (device), and
@@ -317,30 +340,53 @@ class GradientNoise:
         return ""
 
     def disagreement(self) -> str:
-        """Once per run: a sentence naming two sources whose ‖G‖² or tr(Σ) differ by more than
-        :data:`AGREEMENT_Z` combined standard errors; ``""`` otherwise (and after the first time)."""
+        """Check the valid sources for coupled examples and against each other (module docstring, rule 5), on
+        logging steps (one transfer). Returns what to say, ``""`` when nothing new: a per-example source found
+        coupled, or disagreeing with the micro-batch/rank source, is invalidated and named once; two other
+        sources that disagree are named once per run and stay weighted by their variances."""
         chosen = self.valid_sources()
-        if self._said_disagreement or len(chosen) < 2:
+        if not chosen:
             return ""
+        device = chosen[0].ema.count.device
         parts = []
         for src in chosen:
             var_s, var_g, _ = src.error.mean_covariance(src.ema)
             u2 = src.unit_scale**2
-            device = chosen[0].ema.count.device
             parts.append(torch.stack([src.ema.grad_sq_norm * u2, var_g.sqrt() * u2, src.ema.trace_cov * u2,
-                                      var_s.sqrt() * u2]).to(device))
+                                      var_s.sqrt() * u2, src.ema.count.double()]).to(device))
         rows = torch.stack(parts).cpu().tolist()  # one transfer
+        said = []
+        for src, (g, g_se, _, _, count) in zip(chosen, rows):
+            if src.name != INDEPENDENT and count >= MIN_MEASUREMENTS and g < -COUPLING_Z * g_se:
+                src.invalidate(f"its ‖G‖² {g:.3g} ± {g_se:.2g} is below zero by more than {COUPLING_Z:g} standard "
+                               f"errors, which independent examples cannot give: the examples are coupled, likely by "
+                               f"{COUPLING_CAUSES}")
+                said.append(f"the noise source {src.name} is dropped from the estimate: {src.invalid}")
         for i in range(len(chosen)):
             for j in range(i + 1, len(chosen)):
+                first, second, a, b = chosen[i], chosen[j], rows[i], rows[j]
+                if first.invalid or second.invalid:
+                    continue
                 for what, k in (("‖G‖²", 0), ("tr(Σ)", 2)):
-                    a, b = rows[i], rows[j]
                     se = math.hypot(a[k + 1], b[k + 1])
-                    if math.isfinite(se) and abs(a[k] - b[k]) > AGREEMENT_Z * se:
+                    if not (math.isfinite(se) and abs(a[k] - b[k]) > AGREEMENT_Z * se):
+                        continue
+                    values = f"{a[k]:.4g} ± {a[k + 1]:.2g} vs {b[k]:.4g} ± {b[k + 1]:.2g}"
+                    if INDEPENDENT in (first.name, second.name) and min(a[4], b[4]) >= MIN_MEASUREMENTS:
+                        other = second if first.name == INDEPENDENT else first
+                        other.invalidate(f"it disagrees with the micro-batch/rank source on {what} ({first.name} vs "
+                                         f"{second.name}: {values}, beyond {AGREEMENT_Z:g} standard errors); the "
+                                         f"micro-batches are independent by construction, so the examples are likely "
+                                         f"coupled by {COUPLING_CAUSES}")
+                        said.append(f"the noise source {other.name} is dropped from the estimate: {other.invalid}")
+                        break
+                    if not self._said_disagreement and INDEPENDENT not in (first.name, second.name):
                         self._said_disagreement = True
-                        return (f"the sources {chosen[i].name} and {chosen[j].name} disagree on {what}: "
-                                f"{a[k]:.4g} ± {a[k + 1]:.2g} vs {b[k]:.4g} ± {b[k + 1]:.2g} (beyond {AGREEMENT_Z:g} "
-                                "standard errors); the combined estimate weights them by their variances")
-        return ""
+                        said.append(f"the sources {first.name} and {second.name} disagree on {what}: {values} (beyond "
+                                    f"{AGREEMENT_Z:g} standard errors); the combined estimate weights them by their "
+                                    "variances")
+                        break
+        return "; ".join(said)
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """End-of-run (measure, value) rows of the combined estimate (host floats)."""
