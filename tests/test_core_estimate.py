@@ -277,3 +277,28 @@ def test_the_per_step_band_is_the_full_estimates_band():
             grad, trace = float(full.grad_sq_norm), float(full.trace_cov)
             near = abs(grad - margin * trace / B) < 0.05 * abs(grad) + 1e-12  # stale weights may tip a tie
             assert near or lean == bool(noise.in_noise_band(margin, full)), (step, margin)
+
+
+def test_coverage_of_the_norm_does_not_bound_the_unmeasured_noise_when_the_signal_dominates():
+    """Closed form: the measured part has ‖G‖² 1, tr Σ 8 at B = 64 (B_simple 8 ≪ B: signal-dominated), so
+    E‖ḡ_m‖² = 1.125; at 95% coverage the other 5% of ‖ḡ‖² may be pure noise, tr Σ_u = B·0.05·‖ḡ‖², 47% of
+    the measured tr Σ: not decisive, though the old 90%-of-‖ḡ‖² rule passed it."""
+    noise, src = GradientNoise(), NoiseSource("probe", 0.5, param_share=0.9)
+    src.effective_batch_size = 64
+    noise.attach(src)
+    for _ in range(30):
+        src.update(torch.tensor(1.0), torch.tensor(8.0), covered_sq_norm=torch.tensor(0.95), total_sq_norm=torch.tensor(1.0))
+    total = (1.0 + 8.0 / 64) / 0.95
+    worst = 64 * 0.05 * total / 8.0
+    h = noise.host_summary()
+    assert h["coverage"] == pytest.approx(0.95) and h["unmeasured_trace_share"] == pytest.approx(worst)
+    assert not h["decisive"] and h["why"].startswith("partial") and "0.47×" in h["why"]
+    assert not bool(noise.in_noise_band(1e6)) and not bool(noise.decisive())
+    # Noise-dominated (B/B_simple = 0.08): the same coverage bounds the unmeasured tr Σ to 5.7% of the measured.
+    quiet, src = GradientNoise(), NoiseSource("probe", 0.5, param_share=0.9)
+    src.effective_batch_size = 64
+    quiet.attach(src)
+    for _ in range(30):
+        src.update(torch.tensor(0.01), torch.tensor(8.0), covered_sq_norm=torch.tensor(0.95), total_sq_norm=torch.tensor(1.0))
+    h = quiet.host_summary()
+    assert h["unmeasured_trace_share"] == pytest.approx(0.05 / 0.95 * (1 + 64 * 0.01 / 8.0)) and h["decisive"]

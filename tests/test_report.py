@@ -312,6 +312,8 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 @pytest.mark.parametrize(("extra", "words"), [
     ({"grad_noise/coverage": 0.43}, "partial: the noise estimate covers 43% of ‖ḡ‖²"),
+    ({"grad_noise/coverage": 0.95, "grad_noise/unmeasured_trace_share": 0.47},
+     "partial: the noise estimate covers 95% of ‖ḡ‖², but the unmeasured parameters may hold up to 0.47× the measured tr Σ"),
     ({"grad_noise/b_simple_rel_err": 3.0}, "B_simple = 200 is unreliable (relative error 3)"),
 ])
 def test_noise_verdicts_carry_the_estimates_caveat(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra, words) -> None:

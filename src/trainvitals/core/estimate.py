@@ -22,8 +22,12 @@ Combining rule (:meth:`GradientNoise.estimate`):
    covariance of (S̄, Ḡ), added the same way; the noise floor sqrt(tr Σ/B) has half tr(Σ)'s relative
    error.
 4. The estimate is *decisive* (a noise-band stop, noise-aware lr advice) only when it covers at least
-   ``min_coverage`` of ‖ḡ‖² (default 0.9: the uncovered rest could then change ‖G‖² or tr Σ by at
-   most about a tenth); noise-aware advice also needs B_simple's relative error ≤ ``max_rel_err``
+   ``min_coverage`` of ‖ḡ‖² (default 0.9) and the tr(Σ) it cannot see is bounded by a tenth of what it
+   measured (:data:`MAX_UNMEASURED_TRACE`). A share of ‖ḡ‖² does not bound tr(Σ) by itself: ‖ḡ‖² =
+   ‖G‖² + tr Σ/B is signal-dominated when B > B_simple, and the unmeasured parameters' part u‖ḡ‖²
+   (u = 1 − coverage) can hold up to B·u·‖ḡ‖² of tr Σ (their E‖ḡ_u‖² ≥ tr Σ_u/B). With the measured
+   part's ‖ḡ_m‖² = c‖ḡ‖² ≈ ‖G‖² + tr Σ/B (c the coverage), that bound is, as a share of the measured tr Σ,
+   (u/c)·(1 + B/B_simple): ``unmeasured_trace_share``. Noise-aware advice also needs B_simple's relative error ≤ ``max_rel_err``
    (default 0.5: the lr suggestions then stay within about ×1.5 either way).
 
 5. Coupled examples. A per-example source assumes independent examples; batch statistics (BatchNorm, or
@@ -57,6 +61,8 @@ Z90 = 1.6448536269514722
 """Half-width of a two-sided 90% normal interval, in standard errors."""
 DEFAULT_MIN_COVERAGE = 0.9
 DEFAULT_MAX_REL_ERR = 0.5
+MAX_UNMEASURED_TRACE = 0.1
+"""Bound on the unmeasured parameters' tr(Σ), as a share of the measured tr(Σ), for a decisive estimate."""
 WEIGHTS_REFRESH = 50
 """The per-step band reuses the inverse-variance weights of a full estimate at most this many calls old."""
 AGREEMENT_Z = 3.0
@@ -141,6 +147,8 @@ class NoiseEstimate:
 
     ``*_se`` are standard errors (``inf`` before two updates); ``b_simple`` is ``inf`` while ‖G‖² ≤ 0.
     ``coverage`` is the share of ‖ḡ‖² measured, ``param_share`` that of the parameters (host float);
+    ``unmeasured_trace_share`` bounds the unmeasured parameters' tr(Σ) as a share of the measured one
+    (module docstring, rule 4; 0 when all are measured);
     ``measured_norm`` is ‖ḡ‖ over the measured parameters at the last measurement, the norm to set the
     floor against when they are not all (``None`` when they are).
     """
@@ -154,6 +162,7 @@ class NoiseEstimate:
     noise_floor: Tensor
     noise_floor_se: Tensor
     coverage: Tensor
+    unmeasured_trace_share: Tensor
     count: Tensor
     measured_norm: Tensor | None
     param_share: float
@@ -214,7 +223,7 @@ class GradientNoise:
         if not chosen:
             zero = torch.zeros((), dtype=torch.float64, device=device)
             inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
-            return NoiseEstimate(zero, inf, zero, inf, inf, inf, zero, inf, zero,
+            return NoiseEstimate(zero, inf, zero, inf, inf, inf, zero, inf, zero, inf,
                                  torch.zeros((), dtype=torch.long, device=device), None, 0.0, None, ())
         device = chosen[0].ema.count.device
         per = []
@@ -243,17 +252,26 @@ class GradientNoise:
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf")))
         coverage = torch.where(seen, share, 0.0).max()
-        self._cached, self._stale = (tuple(id(src) for src in chosen), g_w, s_w, coverage, grad_se), 0
+        # Rule 4: the unmeasured tr Σ ≤ B·u·‖ḡ‖², over the measured tr Σ; B·‖G‖²/tr Σ = B/B_simple.
+        signal = torch.where(trace > 0, (batch or math.inf) * grad.clamp_min(0.0) / trace.clamp_min(1e-300),
+                             torch.full_like(trace, float("inf")))
+        unmeasured = torch.where(coverage >= 1.0, torch.zeros_like(coverage),
+                                 (1.0 - coverage) / coverage.clamp_min(1e-300) * (1.0 + signal))
+        covers = (coverage >= self.min_coverage) & (unmeasured <= MAX_UNMEASURED_TRACE)
+        self._cached, self._stale = (tuple(id(src) for src in chosen), g_w, s_w, covers, grad_se), 0
         param_share = min(src.param_share for src in chosen)
         last = chosen[0].last_covered_sq_norm
         measured = last.to(device).sqrt() * chosen[0].unit_scale if param_share < 1 and last is not None else None
-        return NoiseEstimate(grad, grad_se, trace, trace_se, b_simple, rel_err, floor, floor_se, coverage,
+        return NoiseEstimate(grad, grad_se, trace, trace_se, b_simple, rel_err, floor, floor_se, coverage, unmeasured,
                              count.max(), measured, param_share, batch, tuple(src.name for src in chosen))
 
     def decisive(self, estimate: NoiseEstimate | None = None) -> Tensor:
-        """``()`` bool: a measured estimate covering at least ``min_coverage`` of ‖ḡ‖² (no sync)."""
+        """``()`` bool: a measured estimate covering enough of the model (module docstring, rule 4; no sync)."""
         est = estimate or self.estimate()
-        return (est.count > 0) & (est.coverage >= self.min_coverage)
+        return (est.count > 0) & self._covers(est)
+
+    def _covers(self, est: NoiseEstimate) -> Tensor:
+        return (est.coverage >= self.min_coverage) & (est.unmeasured_trace_share <= MAX_UNMEASURED_TRACE)
 
     def in_noise_band(self, margin: float, estimate: NoiseEstimate | None = None,
                       device: torch.device | None = None) -> Tensor:
@@ -267,7 +285,7 @@ class GradientNoise:
         leaves the estimate unbiased."""
         if estimate is not None:
             est = estimate
-            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size,
+            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, self._covers(est), est.batch_size,
                               est.grad_sq_norm_se)
         chosen = self.valid_sources()
         if not chosen:
@@ -275,32 +293,35 @@ class GradientNoise:
         self._stale += 1
         if self._cached is None or self._cached[0] != tuple(id(src) for src in chosen) or self._stale > WEIGHTS_REFRESH:
             est = self.estimate()
-            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size,
+            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, self._covers(est), est.batch_size,
                               est.grad_sq_norm_se)
-        _, g_w, s_w, coverage, grad_se = self._cached
+        _, g_w, s_w, covers, grad_se = self._cached
         first = chosen[0].ema.count.device
         pairs = torch.stack([src.ema.values.to(first) * src.unit_scale**2 for src in chosen])  # (k, 2): ‖G‖², S
         counts = torch.stack([src.ema.count.to(first) for src in chosen])
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
-        return self._band(margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), coverage, batch,
+        return self._band(margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), covers, batch,
                           grad_se)
 
-    def _band(self, margin: float, grad: Tensor, trace: Tensor, count: Tensor, coverage: Tensor,
+    def _band(self, margin: float, grad: Tensor, trace: Tensor, count: Tensor, covers: Tensor,
               batch: int | None, grad_se: Tensor) -> Tensor:
         if batch is None:
             return torch.zeros((), dtype=torch.bool, device=count.device)
         uncoupled = grad >= -COUPLING_Z * grad_se.to(grad.device)  # below zero beyond its error: coupled (rule 5)
-        return ((count > 0) & (coverage >= self.min_coverage) & (trace > 0) & uncoupled
+        return ((count > 0) & covers.to(count.device) & (trace > 0) & uncoupled
                 & (grad <= margin * trace / batch))
 
     def metrics(self, estimate: NoiseEstimate | None = None) -> dict[str, Tensor]:
         """The run's one floor and one B_simple, with their errors and the coverage, as tags (device), and
-        for a partly measured model ``grad_norm/measured_total``, the norm of the parameters the floor covers;
+        for a partly measured model ``grad_norm/measured_total``, the norm of the parameters the floor covers,
+        and ``grad_noise/unmeasured_trace_share``, the bound on the tr(Σ) it cannot see (rule 4);
         ``grad_noise/b_simple_unreliable`` is 1 where no noise-aware advice follows (not decisive, ‖G‖² ≤ 0,
         or a relative error above ``max_rel_err``)."""
         est = estimate or self.estimate()
         reliable = self.decisive(est) & (est.grad_sq_norm > 0) & (est.b_simple_rel_err <= self.max_rel_err)
-        measured = {} if est.measured_norm is None else {"grad_norm/measured_total": est.measured_norm}
+        measured = ({} if est.measured_norm is None else
+                    {"grad_norm/measured_total": est.measured_norm,
+                     "grad_noise/unmeasured_trace_share": est.unmeasured_trace_share})
         return {**measured, "grad_norm/noise_floor": est.noise_floor,
                 "grad_noise/b_simple_unreliable": (~reliable).double(), "grad_norm/noise_floor_se": est.noise_floor_se,
                 "grad_noise/b_simple": est.b_simple, "grad_noise/b_simple_rel_err": est.b_simple_rel_err,
@@ -313,11 +334,12 @@ class GradientNoise:
         ``why`` a sentence when it is not both."""
         est = self.estimate()
         keys = ("grad_sq_norm", "grad_sq_norm_se", "trace_cov", "trace_cov_se", "b_simple", "b_simple_rel_err",
-                "noise_floor", "noise_floor_se", "coverage", "count")
+                "noise_floor", "noise_floor_se", "coverage", "unmeasured_trace_share", "count")
         values = torch.stack([getattr(est, k).double().reshape(()).to(est.count.device) for k in keys]).cpu().tolist()
         out: dict[str, Any] = dict(zip(keys, values))
         out.update(param_share=est.param_share, batch_size=est.batch_size, sources=est.sources)
-        out["decisive"] = out["count"] > 0 and out["coverage"] >= self.min_coverage
+        out["decisive"] = (out["count"] > 0 and out["coverage"] >= self.min_coverage
+                           and out["unmeasured_trace_share"] <= MAX_UNMEASURED_TRACE)
         out["reliable"] = out["decisive"] and out["b_simple_rel_err"] <= self.max_rel_err
         out["why"] = self.why_not(out)
         return out
@@ -333,6 +355,11 @@ class GradientNoise:
         if summary["coverage"] < self.min_coverage:
             return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² "
                     f"({summary['param_share']:.0%} of the parameters), below {self.min_coverage:.0%}")
+        if not summary["unmeasured_trace_share"] <= MAX_UNMEASURED_TRACE:
+            return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² "
+                    f"({summary['param_share']:.0%} of the parameters), but the unmeasured parameters may hold up to "
+                    f"{summary['unmeasured_trace_share']:.2g}× the measured tr(Σ) (their share of ‖ḡ‖² bounds it only by "
+                    f"B·(1 − coverage)·‖ḡ‖²), above {MAX_UNMEASURED_TRACE:g}")
         rel = summary["b_simple_rel_err"]
         if not rel <= self.max_rel_err:
             what = "‖G‖² ≤ 0 (signal lost in noise)" if summary["grad_sq_norm"] <= 0 else f"relative error {rel:.2f}"

@@ -51,7 +51,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
-from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE
+from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE, MAX_UNMEASURED_TRACE
 from trainvitals.core.findings import INTEGRITY, critical_counters, last_window_counters
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.tags import (
@@ -576,9 +576,13 @@ def _convergence(run: Run, report: RunReport) -> None:
 def _partial(run: Run) -> str:
     """"partial: …" when the run's noise estimate covered too little of ‖ḡ‖² to decide; else ""."""
     coverage = run.last(r"grad_noise/coverage$")
-    if coverage is None or coverage >= DEFAULT_MIN_COVERAGE:
-        return ""
-    return f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖² (a decision needs {DEFAULT_MIN_COVERAGE:.0%})"
+    unmeasured = run.last(r"grad_noise/unmeasured_trace_share$")
+    if coverage is not None and coverage < DEFAULT_MIN_COVERAGE:
+        return f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖² (a decision needs {DEFAULT_MIN_COVERAGE:.0%})"
+    if coverage is not None and unmeasured is not None and not unmeasured <= MAX_UNMEASURED_TRACE:
+        return (f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖², but the unmeasured parameters may hold up "
+                f"to {unmeasured:.2g}× the measured tr Σ (a decision needs ≤ {MAX_UNMEASURED_TRACE:g})")
+    return ""
 
 
 def _noise_scale(run: Run, report: RunReport) -> None:
