@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainvitals.core.estimate import COUPLING_Z, Z90, GradientNoise, NoiseSource
+from trainvitals.core.estimate import COUPLING_Z, GATE_Z, Z90, GradientNoise, NoiseSource
 from trainvitals.core.noise import per_example_estimates, two_batch_size_estimates
 
 D, SIGMA, B, MICRO = 8, 0.5, 64, 16
@@ -77,6 +77,17 @@ def test_the_combined_90_percent_interval_covers_the_truth_and_the_sources_agree
     assert sorted(errors)[len(errors) // 2] > 0.2
 
 
+def truncated_lower_bound(x: float, k: float) -> float:
+    """The μ at which P(X ≥ x | X ≥ k) = 5% for X ~ N(μ, 1), by bisection on the normal tail."""
+    def tail(t: float) -> float:
+        return 0.5 * math.erfc(t / math.sqrt(2))
+    lo, hi = 0.0, x
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if tail(x - mid) / tail(k - mid) > 0.05 else (mid, hi)
+    return hi
+
+
 def test_one_source_states_its_own_error_and_b_simple_by_the_delta_method():
     gen = torch.Generator().manual_seed(3)
     d = torch.full((D,), 0.2, dtype=torch.float64)
@@ -91,7 +102,14 @@ def test_one_source_states_its_own_error_and_b_simple_by_the_delta_method():
     assert float(est.trace_cov) == pytest.approx(float(src.ema.trace_cov))
     assert float(est.trace_cov_se) == pytest.approx(math.sqrt(float(var_s)))
     assert float(est.grad_sq_norm_se) == pytest.approx(math.sqrt(float(var_g)))
-    assert float(est.b_simple_rel_err) == pytest.approx(float(src.error.relative_error(src.ema)))
+    # The delta method's, or wider: the range's ends, ‖G‖²'s lower one given that it passed the gate.
+    delta = float(src.error.relative_error(src.ema))
+    g, g_se, s, s_se = (float(est.grad_sq_norm), float(est.grad_sq_norm_se), float(est.trace_cov),
+                        float(est.trace_cov_se))
+    g_low = truncated_lower_bound(g / g_se, GATE_Z) * g_se
+    b = s / g
+    ends = max((s + Z90 * s_se) / g_low / b - 1, 1 - (s - Z90 * s_se) / (g + Z90 * g_se) / b) / Z90
+    assert float(est.b_simple_rel_err) == pytest.approx(max(delta, ends), rel=1e-6) and ends > delta
     assert float(est.noise_floor) == pytest.approx(math.sqrt(float(src.ema.trace_cov) / B))
     assert float(est.noise_floor_se) == pytest.approx(float(est.noise_floor) * float(est.trace_cov_se)
                                                       / (2 * float(est.trace_cov)))
@@ -120,7 +138,8 @@ def test_a_negative_grad_sq_norm_from_valid_examples_is_in_the_band():
     noise, src = GradientNoise(), NoiseSource("per_example", 0.9)
     src.effective_batch_size = 8
     noise.attach(src)
-    src.update(torch.tensor(-0.2), torch.tensor(3.0))
+    for k in range(20):  # a decision needs 20 measurements
+        src.update(torch.tensor(-0.2 + 0.5 * (-1) ** k), torch.tensor(3.0))
     assert bool(noise.in_noise_band(0.2))
 
 
@@ -137,7 +156,8 @@ def test_partial_coverage_is_not_decisive_and_like_is_compared_with_like():
     assert not bool(noise.in_noise_band(1.0))
     # A source over all parameters takes precedence: sources over different parameters are not averaged.
     noise.attach(whole)
-    whole.update(torch.tensor(-0.1), torch.tensor(2.5))
+    for k in range(20):
+        whole.update(torch.tensor(-0.1 + 0.3 * (-1) ** k), torch.tensor(2.5))
     h = noise.host_summary()
     assert h["sources"] == ("micro_batch",) and h["coverage"] == 1.0 and h["decisive"]
     assert h["trace_cov"] == pytest.approx(2.5) and bool(noise.in_noise_band(1.0))
@@ -302,3 +322,49 @@ def test_coverage_of_the_norm_does_not_bound_the_unmeasured_noise_when_the_signa
         src.update(torch.tensor(0.01), torch.tensor(8.0), covered_sq_norm=torch.tensor(0.95), total_sq_norm=torch.tensor(1.0))
     h = quiet.host_summary()
     assert h["unmeasured_trace_share"] == pytest.approx(0.05 / 0.95 * (1 + 64 * 0.01 / 8.0)) and h["decisive"]
+
+
+def _population(offset: float) -> tuple[torch.Tensor, float, float]:
+    """Per-example gradients of a linear regression at ``offset`` from its optimum (D + 1 coordinates): the
+    population of the noisy calibration, its ‖G‖² and tr Σ by brute force."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, D, generator=gen, dtype=torch.float64)
+    w = torch.randn(D, generator=gen, dtype=torch.float64)
+    y = x @ w + 0.5 * torch.randn(20000, generator=gen, dtype=torch.float64)
+    r = x @ (w + offset) - y
+    g = torch.cat([2 * r[:, None] * x, 2 * r[:, None]], 1)
+    mean = g.mean(0)
+    return g, float(mean @ mean), float((g - mean).square().sum(1).mean())
+
+
+def _sampled_summary(g: torch.Tensor, steps: int, batch: int, gen: torch.Generator) -> dict:
+    noise, src = GradientNoise(), NoiseSource("probe", 0.98)
+    src.effective_batch_size = batch
+    noise.attach(src)
+    for _ in range(steps):
+        b = g[torch.randint(0, len(g), (batch,), generator=gen)]
+        src.update(*per_example_estimates(b.square().sum(), b.mean(0).square().sum(), batch))
+    return noise.host_summary()
+
+
+def test_few_measurements_never_decide():
+    g, _, _ = _population(0.3)
+    h = _sampled_summary(g, 19, 16, torch.Generator().manual_seed(1))
+    assert not h["decisive"] and not h["reliable"] and h["why"].startswith("not measured enough yet")
+    assert _sampled_summary(g, 20, 16, torch.Generator().manual_seed(1))["decisive"]
+
+
+def test_the_reliability_gate_does_not_select_underestimates_when_noise_dominates():
+    """B = 16 at a true B_simple of 370: no run may pass as reliable on a lucky ‖G‖²; where runs pass (a true
+    B_simple of 39), the stated 90% range B_simple·(1 ± z·rel_err) holds the truth in ≥ 85% of them."""
+    gen = torch.Generator().manual_seed(2)
+    g, g2, trace = _population(0.03)
+    assert trace / g2 == pytest.approx(370, rel=0.01)
+    noisy = [_sampled_summary(g, 100, 16, gen) for _ in range(60)]
+    assert sum(h["reliable"] for h in noisy) <= 1
+    g, g2, trace = _population(0.1)
+    passed = [h for h in (_sampled_summary(g, 100, 16, gen) for _ in range(60)) if h["reliable"]]
+    assert len(passed) >= 15
+    truth = trace / g2
+    covered = [abs(h["b_simple"] - truth) <= Z90 * h["b_simple_rel_err"] * h["b_simple"] for h in passed]
+    assert sum(covered) >= 0.85 * len(passed)

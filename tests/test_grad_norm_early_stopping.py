@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from _models import Regressor, ReleaseProcessGroup, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
+from trainvitals.core.estimate import MIN_MEASUREMENTS
 from trainvitals.callbacks import grad_norm_monitor as monitor_module
 
 
@@ -485,7 +486,8 @@ def test_a_batchnorm_cnn_with_accumulation_is_decided_by_the_micro_batches():
     assert not probe._plan.per_example and "measured from micro-batches and ranks" in probe.sources
     summary = stopper.gradient_noise.host_summary()
     assert summary["decisive"] and set(summary["sources"]) == {"micro_batch", "probe"}
-    assert stopper.stopped_step == 4  # a decisive estimate stops as before (the margin puts every step in the band)
+    # A decisive estimate (from its 20th measurement, step 19) stops after its patience: every step is in the band.
+    assert stopper.stopped_step == MIN_MEASUREMENTS - 1 + 4
 
 
 class _Attention(nn.Module):
@@ -534,7 +536,7 @@ def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
              max_epochs=1, accumulate_grad_batches=2, log_every_n_steps=5)
     summary = stopper.gradient_noise.host_summary()
     assert not _caveats(record) and summary["coverage"] == pytest.approx(1.0) and summary["param_share"] == 1.0
-    assert stopper.stopped_step == 4
+    assert stopper.stopped_step == MIN_MEASUREMENTS - 1 + 4
 
 
 def test_no_host_sync_on_steps_that_log_nothing(monkeypatch):

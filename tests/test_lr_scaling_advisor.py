@@ -181,7 +181,7 @@ def test_no_noise_aware_advice_from_an_unreliable_or_partial_estimate(case):
     assert "lr_scaling/b_noise" not in logger.series
     assert logger.values("lr_scaling/suggested_lr_x2/SGD")[0] == pytest.approx(0.2)  # the classic linear rule
     why = {"unreliable": "B_simple unreliable", "partial": "partial: the estimate covers 40%",
-           "one step": "B_simple unreliable"}[case]
+           "one step": "not measured enough yet"}[case]
     assert f"not used ({why}" in advisor.summary_markdown()
 
 

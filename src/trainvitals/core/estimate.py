@@ -27,8 +27,19 @@ Combining rule (:meth:`GradientNoise.estimate`):
    ‖G‖² + tr Σ/B is signal-dominated when B > B_simple, and the unmeasured parameters' part u‖ḡ‖²
    (u = 1 − coverage) can hold up to B·u·‖ḡ‖² of tr Σ (their E‖ḡ_u‖² ≥ tr Σ_u/B). With the measured
    part's ‖ḡ_m‖² = c‖ḡ‖² ≈ ‖G‖² + tr Σ/B (c the coverage), that bound is, as a share of the measured tr Σ,
-   (u/c)·(1 + B/B_simple): ``unmeasured_trace_share``. Noise-aware advice also needs B_simple's relative error ≤ ``max_rel_err``
-   (default 0.5: the lr suggestions then stay within about ×1.5 either way).
+   (u/c)·(1 + B/B_simple): ``unmeasured_trace_share``. Nothing is decisive before :data:`MIN_MEASUREMENTS`
+   updates: the errors come from the spread of the updates, and with a few of them they are themselves
+   too uncertain (90% intervals covered the truth in 71–86% of trials with 3–10). Noise-aware advice also
+   needs B_simple's relative error ≤ ``max_rel_err`` (default 0.5: the lr suggestions then stay within
+   about ×1.5 either way), judged conservatively: when noise dominates, the runs whose ‖G‖² came out
+   high are those that look precise, so B_simple's error is taken from the ends of the intervals,
+   B_simple ∈ [(tr Σ − z·σ_S)/(‖G‖² + z·σ_G), (tr Σ + z·σ_S)/G_low] (z = :data:`Z90`). ‖G‖² must pass a gate,
+   ‖G‖² ≥ :data:`GATE_Z`·σ_G, and G_low is its 95% lower bound *given* that it passed (a truncated normal:
+   P(X ≥ ‖G‖² | X ≥ GATE_Z·σ_G) = 5%), so the runs that pass because their ‖G‖² came out high get a wide
+   range; ``b_simple_rel_err`` is the larger of the delta method's and of that range's ends' distances from
+   B_simple, in units of z (B_simple·(1 ± z·rel_err) contains the range), ``inf`` below the gate. On the
+   noisy linear regression (B = 16, B_simple 370) no run passes; where runs pass, ≥ 85% of the ranges hold
+   the truth (tests/test_core_estimate.py).
 
 5. Coupled examples. A per-example source assumes independent examples; batch statistics (BatchNorm, or
    ``F.batch_norm(training=True)`` in a custom module) or a loss coupling the examples (in-batch negatives,
@@ -63,6 +74,8 @@ DEFAULT_MIN_COVERAGE = 0.9
 DEFAULT_MAX_REL_ERR = 0.5
 MAX_UNMEASURED_TRACE = 0.1
 """Bound on the unmeasured parameters' tr(Σ), as a share of the measured tr(Σ), for a decisive estimate."""
+GATE_Z = Z90 + 2.0
+"""‖G‖² must stand this many standard errors above zero before B_simple's error is judged at all."""
 WEIGHTS_REFRESH = 50
 """The per-step band reuses the inverse-variance weights of a full estimate at most this many calls old."""
 AGREEMENT_Z = 3.0
@@ -145,7 +158,8 @@ class NoiseSource:
 class NoiseEstimate:
     """The run's combined estimate, ``()`` float64 tensors on the device, in ``.grad`` units.
 
-    ``*_se`` are standard errors (``inf`` before two updates); ``b_simple`` is ``inf`` while ‖G‖² ≤ 0.
+    ``*_se`` are standard errors (``inf`` before two updates); ``b_simple`` is ``inf`` while ‖G‖² ≤ 0, and its
+    relative error (module docstring, rule 4) ``inf`` while ‖G‖² is below the gate.
     ``coverage`` is the share of ‖ḡ‖² measured, ``param_share`` that of the parameters (host float);
     ``unmeasured_trace_share`` bounds the unmeasured parameters' tr(Σ) as a share of the measured one
     (module docstring, rule 4; 0 when all are measured);
@@ -247,7 +261,14 @@ class GradientNoise:
                     + g_w.square() * var_g / grad.square().clamp_min(1e-300)
                     - 2 * s_w * g_w * cov / (trace * grad).clamp_min(1e-300))
         rel_err = _bound(torch.ones_like(part_var), part_var.clamp_min(0.0).sqrt(), mask=(s_w > 0) | (g_w > 0))
-        rel_err = torch.where(positive, rel_err, torch.full_like(rel_err, float("inf")))
+        # Conservatively (rule 4): the range from the ends of tr Σ's interval and of ‖G‖²'s, its lower end
+        # given that ‖G‖² passed the gate (the runs that pass when noise dominates are those that came out high).
+        grad_low = _selected_lower_bound(grad, grad_se)
+        high = (trace + Z90 * trace_se) / grad_low.clamp_min(1e-300)
+        low = (trace - Z90 * trace_se).clamp_min(0.0) / (grad + Z90 * grad_se).clamp_min(1e-300)
+        ends = torch.maximum(high / b_simple.clamp_min(1e-300) - 1.0, 1.0 - low / b_simple.clamp_min(1e-300)) / Z90
+        rel_err = torch.where(positive & (grad_low > 0), torch.maximum(rel_err, ends),
+                              torch.full_like(rel_err, float("inf")))
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf")))
@@ -268,7 +289,7 @@ class GradientNoise:
     def decisive(self, estimate: NoiseEstimate | None = None) -> Tensor:
         """``()`` bool: a measured estimate covering enough of the model (module docstring, rule 4; no sync)."""
         est = estimate or self.estimate()
-        return (est.count > 0) & self._covers(est)
+        return (est.count >= MIN_MEASUREMENTS) & self._covers(est)
 
     def _covers(self, est: NoiseEstimate) -> Tensor:
         return (est.coverage >= self.min_coverage) & (est.unmeasured_trace_share <= MAX_UNMEASURED_TRACE)
@@ -276,7 +297,8 @@ class GradientNoise:
     def in_noise_band(self, margin: float, estimate: NoiseEstimate | None = None,
                       device: torch.device | None = None) -> Tensor:
         """``()`` bool: ‖G‖² ≤ margin · tr(Σ)/B on a decisive estimate. A negative ‖G‖² from valid
-        sources counts (G ≈ 0); no valid source, no measurement or partial coverage never does.
+        sources within its error counts (G ≈ 0); no valid source, fewer than :data:`MIN_MEASUREMENTS`
+        or partial coverage never does.
 
         Without ``estimate`` (the stopper, every step) the sources' current EMAs are combined with the
         weights and coverage of the last full :meth:`estimate` (taken on logging steps, and at least
@@ -308,7 +330,7 @@ class GradientNoise:
         if batch is None:
             return torch.zeros((), dtype=torch.bool, device=count.device)
         uncoupled = grad >= -COUPLING_Z * grad_se.to(grad.device)  # below zero beyond its error: coupled (rule 5)
-        return ((count > 0) & covers.to(count.device) & (trace > 0) & uncoupled
+        return ((count >= MIN_MEASUREMENTS) & covers.to(count.device) & (trace > 0) & uncoupled
                 & (grad <= margin * trace / batch))
 
     def metrics(self, estimate: NoiseEstimate | None = None) -> dict[str, Tensor]:
@@ -338,7 +360,7 @@ class GradientNoise:
         values = torch.stack([getattr(est, k).double().reshape(()).to(est.count.device) for k in keys]).cpu().tolist()
         out: dict[str, Any] = dict(zip(keys, values))
         out.update(param_share=est.param_share, batch_size=est.batch_size, sources=est.sources)
-        out["decisive"] = (out["count"] > 0 and out["coverage"] >= self.min_coverage
+        out["decisive"] = (out["count"] >= MIN_MEASUREMENTS and out["coverage"] >= self.min_coverage
                            and out["unmeasured_trace_share"] <= MAX_UNMEASURED_TRACE)
         out["reliable"] = out["decisive"] and out["b_simple_rel_err"] <= self.max_rel_err
         out["why"] = self.why_not(out)
@@ -360,10 +382,15 @@ class GradientNoise:
                     f"({summary['param_share']:.0%} of the parameters), but the unmeasured parameters may hold up to "
                     f"{summary['unmeasured_trace_share']:.2g}× the measured tr(Σ) (their share of ‖ḡ‖² bounds it only by "
                     f"B·(1 − coverage)·‖ḡ‖²), above {MAX_UNMEASURED_TRACE:g}")
+        if summary["count"] < MIN_MEASUREMENTS:
+            return (f"not measured enough yet: {summary['count']:.0f} of the {MIN_MEASUREMENTS} measurements its errors "
+                    "need to be trusted")
         rel = summary["b_simple_rel_err"]
         if not rel <= self.max_rel_err:
-            what = "‖G‖² ≤ 0 (signal lost in noise)" if summary["grad_sq_norm"] <= 0 else f"relative error {rel:.2f}"
-            return f"B_simple unreliable: {what}, above the bound {self.max_rel_err:g}"
+            what = (f"relative error {rel:.2g}, above the bound {self.max_rel_err:g}" if math.isfinite(rel)
+                    else "‖G‖² ≤ 0 (signal lost in noise)" if summary["grad_sq_norm"] <= 0
+                    else f"‖G‖² is not {GATE_Z:.3g} standard errors above zero (signal not resolved from noise)")
+            return f"B_simple unreliable: {what}"
         return ""
 
     def disagreement(self) -> str:
@@ -431,6 +458,21 @@ class GradientNoise:
         if h["why"]:
             rows.append(("caveat", h["why"]))
         return rows
+
+
+def _selected_lower_bound(grad: Tensor, se: Tensor, iterations: int = 40) -> Tensor:
+    """``()`` 95% lower bound on ‖G‖² from ``grad`` ± ``se`` given that it passed the gate grad ≥ k·se
+    (k = :data:`GATE_Z`): the μ with P(X ≥ grad | X ≥ k·se; X ~ N(μ, se²)) = 5% (a truncated normal, by
+    bisection on the device); 0 (no bound) below the gate or when no μ > 0 gives that."""
+    x = grad / se.clamp_min(1e-300)
+    target = math.log(0.05)
+    lo, hi = torch.zeros_like(x), x.clamp_min(0.0)
+    for _ in range(iterations):  # log P(X ≥ x | X ≥ k) rises with μ
+        mid = (lo + hi) / 2
+        above = torch.special.log_ndtr(mid - x) - torch.special.log_ndtr(mid - GATE_Z) > target
+        lo, hi = torch.where(above, lo, mid), torch.where(above, mid, hi)
+    found = torch.special.log_ndtr(-x) - torch.special.log_ndtr(-torch.full_like(x, GATE_Z)) < target
+    return torch.where(torch.isfinite(x) & (x >= GATE_Z) & found, hi * se, torch.zeros_like(grad))
 
 
 def _weights(var: Tensor, seen: Tensor) -> Tensor:

@@ -601,7 +601,8 @@ def _noise_scale(run: Run, report: RunReport) -> None:
     if b_simple is not None and partial:
         report.findings.append(Finding("note", title, f"{partial}: no batch-size verdict, and no noise-aware lr advice."))
     elif b_simple is not None and (unreliable == 1 or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR):
-        what = f"relative error {rel_err:.2g}" if rel_err is not None and math.isfinite(rel_err) else "no error bar yet"
+        what = f"relative error {rel_err:.2g}" if rel_err is not None and math.isfinite(rel_err) else (
+            "no finite error bar: too few measurements, or ‖G‖² not resolved from zero")
         report.findings.append(Finding(
             "note", title, f"B_simple = {b_simple:.3g} is unreliable ({what}): no batch-size verdict; the lr advice "
             "follows the classic rules."))
