@@ -147,8 +147,9 @@ def test_estimates_match_brute_force_in_training(kind):
         assert rel(logged[f"grad_noise/gsnr/net.{layer}"], float(snr.mean())) < 1e-5
     snr_all = torch.cat([(g.mean(0).square() / (g.var(0) + 1e-5)).flatten() for g in per_example.values()])
     assert rel(logged["grad_noise/eb_criterion"], float(1 - 8 * snr_all.mean())) < 1e-5
-    assert math.isclose(logged["grad_norm/noise_floor"], math.sqrt(float(trace) / 8), rel_tol=1e-5)
-    assert math.isclose(logged["grad_noise/batch_grad_var/full_batch"], float(trace) / 8, rel_tol=1e-5)
+    # The floor's tr Σ is that of the 8 training examples (finite-population correction, N = 8): S·7/8.
+    assert math.isclose(logged["grad_norm/noise_floor"], math.sqrt(float(trace) * 7 / 8 / 8), rel_tol=1e-5)
+    assert math.isclose(logged["grad_noise/batch_grad_var/full_batch"], float(trace) * 7 / 8 / 8, rel_tol=1e-5)
 
 
 @pytest.mark.parametrize("told", [False, True])

@@ -368,3 +368,33 @@ def test_the_reliability_gate_does_not_select_underestimates_when_noise_dominate
     truth = trace / g2
     covered = [abs(h["b_simple"] - truth) <= Z90 * h["b_simple_rel_err"] * h["b_simple"] for h in passed]
     assert sum(covered) >= 0.85 * len(passed)
+
+
+def test_the_finite_population_correction_against_brute_force_on_a_small_dataset():
+    """Batches of 16 drawn without replacement from N = 48 examples (a shuffled epoch): uncorrected,
+    E[‖G‖²_est] = ‖G‖² − S/N; with N given, ‖G‖² and tr Σ of the N examples (brute force) are recovered."""
+    gen = torch.Generator().manual_seed(8)
+    n, batch = 48, 16
+    x = torch.randn(n, D, generator=gen, dtype=torch.float64)
+    eps = SIGMA * torch.randn(n, generator=gen, dtype=torch.float64)
+    g = (x @ torch.full((D,), 0.15, dtype=torch.float64) - eps)[:, None] * x
+    mean = g.mean(0)
+    g2, trace = float(mean @ mean), float((g - mean).square().sum(1).mean())
+    raw, corrected = GradientNoise(), GradientNoise()
+    corrected.population = n
+    for noise in (raw, corrected):
+        src = NoiseSource("probe", 0.999)
+        src.effective_batch_size = batch
+        noise.attach(src)
+    for _ in range(1500):
+        for perm in torch.randperm(n, generator=gen).view(n // batch, batch):
+            b = g[perm]
+            est = per_example_estimates(b.square().sum(), b.mean(0).square().sum(), batch)
+            for noise in (raw, corrected):
+                noise.sources["probe"].update(*est)
+    fixed, biased = corrected.estimate(), raw.estimate()
+    assert abs(float(fixed.grad_sq_norm) - g2) < 4 * float(fixed.grad_sq_norm_se)
+    assert abs(float(fixed.trace_cov) - trace) < 4 * float(fixed.trace_cov_se)
+    bias = float(biased.grad_sq_norm) - g2
+    assert bias < -4 * float(biased.grad_sq_norm_se)
+    assert bias == pytest.approx(-trace / (n - 1), rel=0.25)  # − S/N with S = N tr Σ/(N − 1)

@@ -31,7 +31,7 @@ from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
-from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise
+from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
@@ -527,6 +527,7 @@ class BatchVarianceProbe(Callback):
             return sums.failed
         grad_sq_norm, trace_cov, valid, covered, total = self._estimates(trainer, pl_module, optimizer, result, sums)
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
+        self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         whole = not pl_module.automatic_optimization or len(self._micro_sizes) == trainer.accumulate_grad_batches
         if whole or self.effective_batch_size is None:
             self.effective_batch_size = sums.examples

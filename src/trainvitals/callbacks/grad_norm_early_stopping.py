@@ -32,7 +32,7 @@ from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
-from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise
+from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
 
 MODES = ("noise_band", "threshold", "relative")
@@ -398,6 +398,7 @@ class GradNormEarlyStopping(Callback):
         n = n_local * world
         grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, micro_batch_size)
         self.noise_source.update(grad_sq, trace, valid)
+        self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         # The band is judged at a whole step's batch: an epoch's short last window does not change it.
         if n_local == accumulate or self.effective_batch_size is None:
             self.effective_batch_size = self.noise_source.effective_batch_size = n * micro_batch_size

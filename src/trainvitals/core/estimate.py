@@ -51,6 +51,13 @@ Combining rule (:meth:`GradientNoise.estimate`):
    by construction, so that source decides: the other is marked invalid, dropped, and said once. Between
    logging steps the band never holds on a ‖G‖² below zero beyond its error.
 
+6. Finite population. Drawing a batch without replacement from N examples (a shuffled epoch) shrinks
+   the batch mean's variance by (N − B)/(N − 1), and the estimators above, made for independent draws,
+   then give E[‖G‖²_est] = ‖G‖² − S/N and E[S_est] = S = N·tr Σ/(N − 1), for per-example and micro-batch
+   sources alike (the finite-population correction of survey sampling, Cochran 1977, *Sampling
+   Techniques*, §2.5). With N known (:attr:`GradientNoise.population`) each source is corrected:
+   ‖G‖² = ‖G‖²_est + S_est/N, tr Σ = S_est·(N − 1)/N, their variances carried along.
+
 Consecutive steps are treated as independent, so while the run moves the errors also contain the
 drift of the true values (they are not smaller than the sampling error). Everything stays on the
 device; the host reads values only through :meth:`GradientNoise.host_summary` and
@@ -191,6 +198,9 @@ class GradientNoise:
     find it among the Trainer's callbacks); each owns, resets and saves its own :class:`NoiseSource`
     and attaches it here.
 
+    :attr:`population` is the number N of training examples when each epoch draws them without
+    replacement (a shuffled or sequential DataLoader, a DistributedSampler); ``None`` otherwise.
+
     Args:
         min_coverage: share of ‖ḡ‖² the estimate must cover to be decisive, in (0, 1].
         max_rel_err: B_simple's relative standard error above which no noise-aware advice is given (> 0).
@@ -204,6 +214,7 @@ class GradientNoise:
         self.min_coverage = min_coverage
         self.max_rel_err = max_rel_err
         self.sources: dict[str, NoiseSource] = {}
+        self.population: int | None = None  # N, when the examples are drawn without replacement (rule 6)
         self._said_disagreement = False
         # The last full estimate's weights and coverage, for the per-step band (see in_noise_band).
         self._cached: tuple[tuple[int, ...], Tensor, Tensor, Tensor, Tensor] | None = None
@@ -242,10 +253,7 @@ class GradientNoise:
         device = chosen[0].ema.count.device
         per = []
         for src in chosen:
-            u2 = src.unit_scale**2
-            var_s, var_g, cov = (v.to(device) for v in src.error.mean_covariance(src.ema))
-            per.append((src.ema.grad_sq_norm.to(device) * u2, src.ema.trace_cov.to(device) * u2,
-                        var_g * u2**2, var_s * u2**2, cov * u2**2, src.ema.count.to(device), src.norm_share.to(device)))
+            per.append((*self._moments(src, device), src.ema.count.to(device), src.norm_share.to(device)))
         g, s, var_g, var_s, cov, count, share = (torch.stack(parts) for parts in zip(*per))
         seen = count > 0
         g_w, s_w = _weights(var_g, seen), _weights(var_s, seen)
@@ -286,6 +294,17 @@ class GradientNoise:
         return NoiseEstimate(grad, grad_se, trace, trace_se, b_simple, rel_err, floor, floor_se, coverage, unmeasured,
                              count.max(), measured, param_share, batch, tuple(src.name for src in chosen))
 
+    def _moments(self, src: NoiseSource, device: torch.device) -> tuple[Tensor, ...]:
+        """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov) in ``.grad`` units, with the finite-population
+        correction (module docstring, rule 6) when :attr:`population` is known."""
+        u2 = src.unit_scale**2
+        var_s, var_g, cov = (v.to(device) * u2**2 for v in src.error.mean_covariance(src.ema))
+        g, t = src.ema.grad_sq_norm.to(device) * u2, src.ema.trace_cov.to(device) * u2
+        if self.population is None:
+            return g, t, var_g, var_s, cov
+        n, c = self.population, (self.population - 1) / self.population
+        return (g + t / n, t * c, var_g + 2 * cov / n + var_s / n**2, var_s * c**2, c * (cov + var_s / n))
+
     def decisive(self, estimate: NoiseEstimate | None = None) -> Tensor:
         """``()`` bool: a measured estimate covering enough of the model (module docstring, rule 4; no sync)."""
         est = estimate or self.estimate()
@@ -320,6 +339,9 @@ class GradientNoise:
         _, g_w, s_w, covers, grad_se = self._cached
         first = chosen[0].ema.count.device
         pairs = torch.stack([src.ema.values.to(first) * src.unit_scale**2 for src in chosen])  # (k, 2): ‖G‖², S
+        if self.population is not None:  # rule 6, as in _moments
+            pairs = torch.stack([pairs[:, 0] + pairs[:, 1] / self.population,
+                                 pairs[:, 1] * (self.population - 1) / self.population], 1)
         counts = torch.stack([src.ema.count.to(first) for src in chosen])
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
         return self._band(margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), covers, batch,
@@ -404,10 +426,8 @@ class GradientNoise:
         device = chosen[0].ema.count.device
         parts = []
         for src in chosen:
-            var_s, var_g, _ = src.error.mean_covariance(src.ema)
-            u2 = src.unit_scale**2
-            parts.append(torch.stack([src.ema.grad_sq_norm * u2, var_g.sqrt() * u2, src.ema.trace_cov * u2,
-                                      var_s.sqrt() * u2, src.ema.count.double()]).to(device))
+            g, t, var_g, var_s, _ = self._moments(src, device)
+            parts.append(torch.stack([g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double()]))
         rows = torch.stack(parts).cpu().tolist()  # one transfer
         said = []
         for src, (g, g_se, _, _, count) in zip(chosen, rows):
@@ -488,6 +508,26 @@ def _bound(weights: Tensor, sd: Tensor, mask: Tensor | None = None) -> Tensor:
     """Σ_k w_k σ_k over the sources with weight (an upper bound on the standard error for any correlation)."""
     use = weights > 0 if mask is None else mask
     return torch.where(use, weights * sd, 0.0).sum()
+
+
+def population_of(loader: Any) -> int | None:
+    """N, the dataset's length, when ``loader`` draws every example once per epoch (sequential, shuffled
+    without replacement, a DistributedSampler): what :attr:`GradientNoise.population` corrects for; ``None``
+    for sampling with replacement, another sampler, or a dataset without a length."""
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+    if not isinstance(loader, DataLoader):
+        return None
+    sampler = loader.sampler
+    if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None):
+        return None
+    if not isinstance(sampler, (RandomSampler, SequentialSampler, DistributedSampler)):
+        return None
+    try:
+        n = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return n if n >= 2 else None
 
 
 def find_gradient_noise(callbacks: Any) -> GradientNoise:
