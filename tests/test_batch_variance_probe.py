@@ -799,3 +799,12 @@ def test_a_gpt_with_tied_embeddings_is_measured_per_example_end_to_end():
     assert _probe_warnings(record) == [] and not probe._excluded
     assert probe.sources.startswith("per-example norms in backward") and "(100.0% of parameters)" in probe.sources
     assert len(logger.values("grad_noise/trace_cov")) == 3 and len(logger.values("grad_noise/gsnr/net.wte")) == 3
+
+
+def test_a_short_last_batch_does_not_change_the_effective_batch():
+    """40 examples in batches of 16 (drop_last=False): the third step has 8; the floor stays at B = 16."""
+    logger, probe = RecordingLogger(), BatchVarianceProbe(histogram_every_n_steps=None)
+    fit(Classifier(network("mlp")), classification_data("mlp", 40), [probe], batch_size=16, steps=3, logger=logger)
+    assert probe.effective_batch_size == 16
+    (step, floor), (_, trace) = logger.series["grad_norm/noise_floor"][-1], logger.series["grad_noise/trace_cov"][-1]
+    assert step == 2 and floor == pytest.approx(math.sqrt(trace / 16), rel=1e-9)

@@ -529,7 +529,9 @@ class BatchVarianceProbe(Callback):
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         whole = not pl_module.automatic_optimization or len(self._micro_sizes) == trainer.accumulate_grad_batches
-        if whole or self.effective_batch_size is None:
+        # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
+        short = trainer.is_last_batch and self.effective_batch_size is not None and sums.examples < self.effective_batch_size
+        if (whole and not short) or self.effective_batch_size is None:
             self.effective_batch_size = sums.examples
             self.grad_scale = self._grad_units(trainer, pl_module)
         step = trainer.global_step
