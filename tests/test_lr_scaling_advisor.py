@@ -192,7 +192,7 @@ def test_a_reliable_estimate_comes_with_its_range():
     rel_err = float(source.gradient_noise.estimate().b_simple_rel_err)
     assert 0 < rel_err < 0.5 and logger.values("lr_scaling/b_noise")
     report = advisor.summary_markdown()
-    assert f"± {rel_err:.0%}, 90% range" in report and "over B̂'s 90% range the suggested lr spans ×0.5 (4)" in report
+    assert f"± {100 * rel_err:.2g}%, 90% range" in report and "over B̂'s 90% range the suggested lr spans ×0.5 (4)" in report
 
 
 def test_given_noise_scale_and_listed_targets():

@@ -324,3 +324,10 @@ def test_noise_verdicts_carry_the_estimates_caveat(tmp_path: Path, capsys: pytes
     assert not any(m.startswith("B = 64 < B_simple") for m in messages)  # no batch verdict
     if "partial" in words:  # nor a noise-band verdict on a partly measured model
         assert not any("in its noise band" in m for m in messages)
+
+
+def test_a_small_relative_error_keeps_two_significant_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", {**HEALTHY, "grad_noise/b_simple_rel_err": 0.0041})
+    _, doc = report_json(capsys, tmp_path)
+    messages = " ".join(f["message"] for f in doc["runs"][0]["findings"])
+    assert "B_simple = 200 (± 0.41%)" in messages and "± 0%" not in messages

@@ -333,7 +333,7 @@ class LRScalingAdvisor(Callback):
             metrics.update({"lr_scaling/b_noise": noise_scale, "lr_scaling/steps_over_min": steps,
                             "lr_scaling/examples_over_min": examples})
             spread = "" if rel_err is None else (
-                f" ± {rel_err:.0%}, 90% range {noise_scale * max(1 - Z90 * rel_err, 0.0):.4g}–"
+                f" ± {100 * rel_err:.2g}%, 90% range {noise_scale * max(1 - Z90 * rel_err, 0.0):.4g}–"
                 f"{noise_scale * (1 + Z90 * rel_err):.4g}")
             lines.append(f"**noise scale** B̂ = {noise_scale:.4g} examples{spread} ({source}): balanced batch ≈ "
                          f"{noise_scale:.4g}; now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}")

@@ -545,7 +545,7 @@ def _convergence(run: Run, report: RunReport) -> None:
     caveat = run.text("grad_noise/caveat")
     if caveat:
         report.findings.append(Finding("note", title, caveat.removeprefix("trainvitals GradNormEarlyStopping: ")))
-    error = (f" (noise floor ± {floor_se / floor:.0%})" if floor and floor_se is not None and math.isfinite(floor_se)
+    error = (f" (noise floor ± {100 * floor_se / floor:.2g}%)" if floor and floor_se is not None and math.isfinite(floor_se)
              else "")
     if _diverged(run):
         report.findings.append(Finding(
@@ -607,7 +607,7 @@ def _noise_scale(run: Run, report: RunReport) -> None:
             "note", title, f"B_simple = {b_simple:.3g} is unreliable ({what}): no batch-size verdict; the lr advice "
             "follows the classic rules."))
     elif b_simple is not None and batch and math.isfinite(b_simple):
-        spread = f" (± {rel_err:.0%})" if rel_err is not None else " (its error was not logged)"
+        spread = f" (± {100 * rel_err:.2g}%)" if rel_err is not None else " (its error was not logged)"
         if batch < b_simple:
             message = (f"B = {batch:g} < B_simple = {b_simple:.3g}{spread}: each step is noise-dominated; a batch near "
                        "B_simple balances steps against examples.")
