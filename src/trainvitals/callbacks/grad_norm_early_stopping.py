@@ -179,6 +179,10 @@ class GradNormEarlyStopping(Callback):
         """``trainer.global_step`` at which a fit resumed from a checkpoint written after the stop was stopped."""
         self._reference = BiasCorrectedEMA(self.ema_beta)
         self._streak = torch.zeros((), dtype=torch.long)
+        # Whether a counted step was out of the condition before the streak completed: a band that held from
+        # the first counted step says the batch is noise-dominated, not that the run converged.
+        self._left = torch.zeros((), dtype=torch.bool)
+        self.from_start = ""  # the sentence saying so at a stop, "" otherwise
         # Set once the streak has reached the patience: a streak that completes and breaks between two
         # host checks must still stop the run.
         self._done = torch.zeros((), dtype=torch.bool)
@@ -290,6 +294,9 @@ class GradNormEarlyStopping(Callback):
         counts = valid if self.steps >= self.min_steps else torch.zeros_like(valid)
         self._streak = self._streak.to(total.device)
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
+        decided = self.gradient_noise.band_decisive if self.mode == "noise_band" else None
+        decided = counts if decided is None else counts & decided.to(total.device)
+        self._left = self._left.to(total.device) | (decided & ~in_condition & ~self._done.to(total.device))
         self._done = self._done.to(total.device) | (self._streak >= self.patience)
         self.steps += 1
         every = logging_every(trainer)
@@ -308,6 +315,8 @@ class GradNormEarlyStopping(Callback):
             "source": self.noise_source.state_dict(),
             "reference": self._reference.state_dict(),
             "streak": int(self._streak),
+            "left": bool(self._left),
+            "from_start": self.from_start,
             "done": bool(self._done),
             "steps": self.steps,
             "stop_reason": self.stop_reason.name,
@@ -319,6 +328,8 @@ class GradNormEarlyStopping(Callback):
         self.noise_source.load_state_dict(state_dict.get("source", {"noise": state_dict.get("noise", {})}))
         self._reference.load_state_dict(state_dict.get("reference", {}))
         self._streak = torch.tensor(int(state_dict.get("streak", 0)))
+        self._left = torch.tensor(bool(state_dict.get("left", True)))
+        self.from_start = str(state_dict.get("from_start", ""))
         self._done = torch.tensor(bool(state_dict.get("done", False)))
         self.steps = int(state_dict.get("steps", 0))
         self.stop_reason = StopReason[state_dict.get("stop_reason", "NOT_STOPPED")]
@@ -465,6 +476,12 @@ class GradNormEarlyStopping(Callback):
         self.stopped_step = step
         self.stop_reason = {"noise_band": StopReason.NOISE_BAND, "threshold": StopReason.THRESHOLD,
                             "relative": StopReason.RELATIVE}[self.mode]
+        if self.mode == "noise_band" and not bool(self._left):
+            b_simple = self.gradient_noise.host_summary()["b_simple"]
+            self.from_start = (
+                f" It was in its noise band from the start: the batch ({self.effective_batch_size}) is far below "
+                f"B_simple ({b_simple:.3g}): every step is noise-dominated — a larger batch (near B_simple) or a "
+                "larger learning rate would show whether the model learns — this is not convergence.")
         message = self.describe_stop()
         if self.verbose:
             rank_zero_info(f"trainvitals GradNormEarlyStopping: {message}")
@@ -485,7 +502,7 @@ class GradNormEarlyStopping(Callback):
                  f" A fit resumed from a checkpoint written after that stop was stopped again at its start "
                  f"(optimizer step {self.stopped_again_step}).")
         return (f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
-                f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.{again}")
+                f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.{self.from_start}{again}")
 
 
     def summary_line(self) -> str:

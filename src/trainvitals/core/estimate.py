@@ -219,6 +219,7 @@ class GradientNoise:
         # The last full estimate's weights and coverage, for the per-step band (see in_noise_band).
         self._cached: tuple[tuple[int, ...], Tensor, Tensor, Tensor, Tensor] | None = None
         self._stale = 0  # band calls since that estimate
+        self.band_decisive: Tensor | None = None  # whether the last in_noise_band call could decide (device)
 
     def attach(self, source: NoiseSource) -> None:
         """Feed the estimate from ``source`` (replacing one of the same name: a new fit's fresh source,
@@ -352,8 +353,8 @@ class GradientNoise:
         if batch is None:
             return torch.zeros((), dtype=torch.bool, device=count.device)
         uncoupled = grad >= -COUPLING_Z * grad_se.to(grad.device)  # below zero beyond its error: coupled (rule 5)
-        return ((count >= MIN_MEASUREMENTS) & covers.to(count.device) & (trace > 0) & uncoupled
-                & (grad <= margin * trace / batch))
+        self.band_decisive = (count >= MIN_MEASUREMENTS) & covers.to(count.device)
+        return self.band_decisive & (trace > 0) & uncoupled & (grad <= margin * trace / batch)
 
     def metrics(self, estimate: NoiseEstimate | None = None) -> dict[str, Tensor]:
         """The run's one floor and one B_simple, with their errors and the coverage, as tags (device), and
