@@ -331,3 +331,11 @@ def test_a_small_relative_error_keeps_two_significant_digits(tmp_path: Path, cap
     _, doc = report_json(capsys, tmp_path)
     messages = " ".join(f["message"] for f in doc["runs"][0]["findings"])
     assert "B_simple = 200 (± 0.41%)" in messages and "± 0%" not in messages
+
+
+def test_a_dropped_noise_source_reaches_the_report_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    said = "the noise source probe is dropped from the estimate: it disagrees with the micro-batch/rank source"
+    write_run(tmp_path / "run", HEALTHY, texts={"grad_noise/sources_check": said})
+    _, doc = report_json(capsys, tmp_path)
+    found = [f for f in doc["runs"][0]["findings"] if said in f["message"]]
+    assert len(found) == 1 and found[0]["severity"] == "warning"

@@ -31,7 +31,7 @@ from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
-from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise, population_of
+from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
@@ -694,6 +694,7 @@ class BatchVarianceProbe(Callback):
         disagreement = self.gradient_noise.disagreement()
         if disagreement:
             rank_zero_warn(f"trainvitals BatchVarianceProbe: {disagreement}.")
+            log_text(trainer, SOURCES_CHECK, disagreement, step)
 
     def _log_per_example_norms(self, trainer: "pl.Trainer", sq_norms: list[Tensor], step: int) -> None:
         norms = torch.cat(sq_norms).clamp_min(0.0).sqrt()

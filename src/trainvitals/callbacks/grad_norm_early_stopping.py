@@ -32,7 +32,7 @@ from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
-from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise, population_of
+from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
 
 MODES = ("noise_band", "threshold", "relative")
@@ -460,6 +460,7 @@ class GradNormEarlyStopping(Callback):
         disagreement = self.gradient_noise.disagreement()
         if disagreement:
             rank_zero_warn(f"trainvitals GradNormEarlyStopping: {disagreement}.")
+            log_text(trainer, SOURCES_CHECK, disagreement, step)
 
     def _check(self, trainer: "pl.Trainer", step: int) -> bool:
         """Stop the run when every rank agrees; returns whether it stopped it now.

@@ -94,6 +94,8 @@ MIN_MEASUREMENTS = 20
 """Updates a source needs before its errors are trusted: to be found coupled, and to decide or advise."""
 INDEPENDENT = "micro_batch"
 """The source whose draws are independent by construction (micro-batches and ranks): it decides disagreements."""
+SOURCES_CHECK = "grad_noise/sources_check"
+"""Text tag of what :meth:`GradientNoise.disagreement` said (a source dropped, two that disagree), for the report."""
 COUPLING_CAUSES = ("batch statistics (BatchNorm, or F.batch_norm in training mode in a custom module) or a loss "
                    "coupling the examples (in-batch negatives, as in a contrastive InfoNCE loss)")
 

@@ -51,7 +51,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
-from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE, MAX_UNMEASURED_TRACE
+from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE, MAX_UNMEASURED_TRACE, SOURCES_CHECK
 from trainvitals.core.findings import INTEGRITY, critical_counters, last_window_counters
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.tags import (
@@ -597,6 +597,9 @@ def _noise_scale(run: Run, report: RunReport) -> None:
     rows += [Row(tag.removeprefix("lr_scaling/"), series[-1][1]) for tag, series in sorted(run.matching(
         r"lr_scaling/(?!effective_batch$).+").items())]
     report.sections[title] = rows
+    checked = run.text(SOURCES_CHECK)
+    if checked:  # said once by the callbacks: a noise source dropped, or two that disagree
+        report.findings.append(Finding("warning", title, f"noise sources: {checked}."))
     partial = _partial(run)
     if b_simple is not None and partial:
         report.findings.append(Finding("note", title, f"{partial}: no batch-size verdict, and no noise-aware lr advice."))
