@@ -488,6 +488,8 @@ def test_a_batchnorm_cnn_with_accumulation_is_decided_by_the_micro_batches():
     assert summary["decisive"] and set(summary["sources"]) == {"micro_batch", "probe"}
     # A decisive estimate (from its 20th measurement, step 19) stops after its patience: every step is in the band.
     assert stopper.stopped_step == MIN_MEASUREMENTS - 1 + 4
+    markdown = stopper.summary_markdown()  # one line of sources, the estimate's
+    assert markdown.count("noise source") == 1 and "| noise sources | " in markdown
     # In the band from its first counted step: the stop says the batch is noise-dominated, not converged.
     reason = stopper.describe_stop()
     assert "in its noise band from the start: the batch (64) is far below B_simple" in reason

@@ -534,8 +534,6 @@ class GradNormEarlyStopping(Callback):
                 ("stop", self.describe_stop()),
                 ("optimizer steps seen", str(self.steps)),
                 ("in-condition streak", f"{int(self._streak)} of {self.patience} steps")]
-        if self.mode == "noise_band":
-            source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
-            rows.append(("noise source", source))
+        if self.mode == "noise_band":  # the run's one estimate, with the sources it combines
             rows += self.gradient_noise.summary_rows()
         return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
