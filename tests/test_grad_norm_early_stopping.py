@@ -588,3 +588,19 @@ def test_no_host_sync_on_steps_that_log_nothing(monkeypatch):
         # of the step at on_train_batch_end.
         quiet = [(step, what) for step, what in reads if step % 8 not in (0, 1)]
         assert quiet == [], (accumulate, quiet[:5])
+
+
+def test_what_would_make_it_measurable_names_only_what_applies():
+    from types import SimpleNamespace
+
+    from trainvitals import BatchVarianceProbe
+    from trainvitals.callbacks.grad_norm_early_stopping import measurable_by
+
+    plain = SimpleNamespace(lightning_module=torch.nn.Linear(2, 2), callbacks=[BatchVarianceProbe()])
+    said = measurable_by(plain)
+    assert "accumulate_grad_batches >= 2" in said and "BatchNorm" not in said and "BatchVarianceProbe" not in said
+    frozen = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).eval()
+    assert "BatchNorm" not in measurable_by(SimpleNamespace(lightning_module=frozen, callbacks=[]))
+    training = SimpleNamespace(lightning_module=frozen.train(), callbacks=[])
+    said = measurable_by(training)
+    assert "instead of BatchNorm" in said and ", or a BatchVarianceProbe" in said

@@ -48,9 +48,19 @@ DEFAULT_PATIENCE = 30
 DEFAULT_MIN_STEPS = 100
 # The host reads the on-device streak every this many steps: one sync per 10 steps, a stop at most 9 late.
 DEFAULT_CHECK_EVERY_N_STEPS = 10
-MEASURABLE_BY = ("accumulate_grad_batches >= 2 or >= 2 devices (micro-batches and ranks are independent draws "
-                 "whatever the layers), GroupNorm or LayerNorm instead of BatchNorm, or a BatchVarianceProbe on a "
-                 "model whose layers do not mix the examples")
+
+
+def measurable_by(trainer: Any) -> str:
+    """What would make the noise measurable in this run: BatchNorm and a probe are named only where they apply."""
+    parts = ["accumulate_grad_batches >= 2 or >= 2 devices (micro-batches and ranks are independent draws "
+             "whatever the layers)"]
+    module = getattr(trainer, "lightning_module", None)
+    if module is not None and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+                                  for m in module.modules()):
+        parts.append("GroupNorm or LayerNorm instead of BatchNorm")
+    if not any(type(cb).__name__ == "BatchVarianceProbe" for cb in getattr(trainer, "callbacks", [])):
+        parts.append("a BatchVarianceProbe on a model whose layers do not mix the examples")
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + ", or " + parts[-1]
 
 
 class StopReason(Enum):
@@ -170,6 +180,7 @@ class GradNormEarlyStopping(Callback):
         self.noise = self.noise_source.ema
         """Smoothed ‖G‖² and tr(Σ) of the micro-batches and ranks alone, in ``.grad`` units."""
         self._said_caveat = False
+        self._measurable_by = measurable_by(None)
         self.effective_batch_size: int | None = None
         """Examples per optimizer step over all ranks, once seen."""
         self.steps = 0
@@ -355,6 +366,7 @@ class GradNormEarlyStopping(Callback):
         self._source = next((cb for cb in trainer.callbacks
                              if cb is not self and getattr(cb, "noise_source", None) in self.gradient_noise.sources.values()),
                             None)
+        self._measurable_by = measurable_by(trainer)
         if self._source is None and not self._warned_no_source:
             self._warned_no_source = True
             rank_zero_warn(
@@ -454,7 +466,7 @@ class GradNormEarlyStopping(Callback):
         if why and not why.startswith(("not measured", "B_simple unreliable")):
             self._said_caveat = True
             message = (f"trainvitals GradNormEarlyStopping: the noise estimate cannot decide: {why}. It will not stop "
-                       f"on the noise band while that lasts; measurable with {MEASURABLE_BY}.")
+                       f"on the noise band while that lasts; measurable with {measurable_by(trainer)}.")
             rank_zero_warn(message)
             log_text(trainer, "grad_noise/caveat", message, step)
         disagreement = self.gradient_noise.disagreement()
@@ -515,7 +527,7 @@ class GradNormEarlyStopping(Callback):
         if self.mode == "noise_band":
             summary = self.gradient_noise.host_summary()
             if self._source is None:
-                why = f"no noise estimate, so no noise band: measurable with {MEASURABLE_BY}"
+                why = f"no noise estimate, so no noise band: measurable with {self._measurable_by}"
             elif not summary["decisive"]:
                 why = f"the noise estimate cannot decide ({summary['why']}); " + why
             elif self.margin > 0 and summary["trace_cov"] > 0 and summary["batch_size"]:
