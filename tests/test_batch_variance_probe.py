@@ -149,8 +149,9 @@ def test_estimates_match_brute_force_in_training(kind):
         assert rel(logged[f"grad_noise/gsnr/net.{layer}"], float(snr.mean())) < 1e-5
     snr_all = torch.cat([(g.mean(0).square() / (g.var(0) + 1e-5)).flatten() for g in per_example.values()])
     assert rel(logged["grad_noise/eb_criterion"], float(1 - 8 * snr_all.mean())) < 1e-5
-    assert math.isclose(logged["grad_norm/noise_floor"], math.sqrt(float(trace) / 8), rel_tol=1e-5)
-    assert math.isclose(logged["grad_noise/batch_grad_var/full_batch"], float(trace) / 8, rel_tol=1e-5)
+    # The floor's tr Σ is that of the 8 training examples (finite-population correction, N = 8): S·7/8.
+    assert math.isclose(logged["grad_norm/noise_floor"], math.sqrt(float(trace) * 7 / 8 / 8), rel_tol=1e-5)
+    assert math.isclose(logged["grad_noise/batch_grad_var/full_batch"], float(trace) * 7 / 8 / 8, rel_tol=1e-5)
 
 
 def layer_gsnr(per_example: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -499,7 +500,8 @@ def test_logged_tags_and_cadence():
     fit(Classifier(network("mlp")), classification_data("mlp", 80), [probe], batch_size=8, steps=9, logger=logger)
     assert [step for step, _ in logger.series["grad_noise/trace_cov"]] == [0, 4, 8]
     tags = set(last_logged(logger))
-    assert {"grad_noise/trace_cov", "grad_noise/grad_sq_norm", "grad_noise/b_simple_rel_err",
+    # No grad_noise/b_simple_rel_err: it is infinite (not logged) while ‖G‖² is below the reliability gate.
+    assert {"grad_noise/trace_cov", "grad_noise/grad_sq_norm",
             "grad_noise/b_simple_unreliable", "grad_norm/noise_floor", "grad_noise/batch_grad_var/micro_batch",
             "grad_noise/batch_grad_var/full_batch", "grad_noise/eb_criterion", "grad_noise/gsnr/net.0"} <= tags
     assert all(math.isfinite(v) for series in logger.series.values() for _, v in series)
@@ -895,3 +897,13 @@ def test_a_layer_whose_per_example_gradients_do_not_add_up_is_measured_from_micr
             accumulate=2)
     assert [m for m in _probe_warnings(record) if "net.proj: its per-example gradients do not add up" in m]
     assert probe._excluded == {"net.proj"} and set(probe._plan.micro_batch) == {"net.proj.weight", "net.proj.bias"}
+
+
+
+def test_a_short_last_batch_does_not_change_the_effective_batch():
+    """40 examples in batches of 16 (drop_last=False): the third step has 8; the floor stays at B = 16."""
+    logger, probe = RecordingLogger(), BatchVarianceProbe(histogram_every_n_steps=None)
+    fit(Classifier(network("mlp")), classification_data("mlp", 40), [probe], batch_size=16, steps=3, logger=logger)
+    assert probe.effective_batch_size == 16
+    (step, floor), (_, trace) = logger.series["grad_norm/noise_floor"][-1], logger.series["grad_noise/trace_cov"][-1]
+    assert step == 2 and floor == pytest.approx(math.sqrt(trace / 16), rel=1e-9)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainvitals.core.estimate import Z90, GradientNoise, NoiseSource
+from trainvitals.core.estimate import COUPLING_Z, GATE_Z, Z90, GradientNoise, NoiseSource
 from trainvitals.core.noise import per_example_estimates, two_batch_size_estimates
 
 D, SIGMA, B, MICRO = 8, 0.5, 64, 16
@@ -77,6 +77,17 @@ def test_the_combined_90_percent_interval_covers_the_truth_and_the_sources_agree
     assert sorted(errors)[len(errors) // 2] > 0.2
 
 
+def truncated_lower_bound(x: float, k: float) -> float:
+    """The μ at which P(X ≥ x | X ≥ k) = 5% for X ~ N(μ, 1), by bisection on the normal tail."""
+    def tail(t: float) -> float:
+        return 0.5 * math.erfc(t / math.sqrt(2))
+    lo, hi = 0.0, x
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if tail(x - mid) / tail(k - mid) > 0.05 else (mid, hi)
+    return hi
+
+
 def test_one_source_states_its_own_error_and_b_simple_by_the_delta_method():
     gen = torch.Generator().manual_seed(3)
     d = torch.full((D,), 0.2, dtype=torch.float64)
@@ -91,7 +102,14 @@ def test_one_source_states_its_own_error_and_b_simple_by_the_delta_method():
     assert float(est.trace_cov) == pytest.approx(float(src.ema.trace_cov))
     assert float(est.trace_cov_se) == pytest.approx(math.sqrt(float(var_s)))
     assert float(est.grad_sq_norm_se) == pytest.approx(math.sqrt(float(var_g)))
-    assert float(est.b_simple_rel_err) == pytest.approx(float(src.error.relative_error(src.ema)))
+    # The delta method's, or wider: the range's ends, ‖G‖²'s lower one given that it passed the gate.
+    delta = float(src.error.relative_error(src.ema))
+    g, g_se, s, s_se = (float(est.grad_sq_norm), float(est.grad_sq_norm_se), float(est.trace_cov),
+                        float(est.trace_cov_se))
+    g_low = truncated_lower_bound(g / g_se, GATE_Z) * g_se
+    b = s / g
+    ends = max((s + Z90 * s_se) / g_low / b - 1, 1 - (s - Z90 * s_se) / (g + Z90 * g_se) / b) / Z90
+    assert float(est.b_simple_rel_err) == pytest.approx(max(delta, ends), rel=1e-6) and ends > delta
     assert float(est.noise_floor) == pytest.approx(math.sqrt(float(src.ema.trace_cov) / B))
     assert float(est.noise_floor_se) == pytest.approx(float(est.noise_floor) * float(est.trace_cov_se)
                                                       / (2 * float(est.trace_cov)))
@@ -120,7 +138,8 @@ def test_a_negative_grad_sq_norm_from_valid_examples_is_in_the_band():
     noise, src = GradientNoise(), NoiseSource("per_example", 0.9)
     src.effective_batch_size = 8
     noise.attach(src)
-    src.update(torch.tensor(-0.2), torch.tensor(3.0))
+    for k in range(20):  # a decision needs 20 measurements
+        src.update(torch.tensor(-0.2 + 0.5 * (-1) ** k), torch.tensor(3.0))
     assert bool(noise.in_noise_band(0.2))
 
 
@@ -137,7 +156,8 @@ def test_partial_coverage_is_not_decisive_and_like_is_compared_with_like():
     assert not bool(noise.in_noise_band(1.0))
     # A source over all parameters takes precedence: sources over different parameters are not averaged.
     noise.attach(whole)
-    whole.update(torch.tensor(-0.1), torch.tensor(2.5))
+    for k in range(20):
+        whole.update(torch.tensor(-0.1 + 0.3 * (-1) ** k), torch.tensor(2.5))
     h = noise.host_summary()
     assert h["sources"] == ("micro_batch",) and h["coverage"] == 1.0 and h["decisive"]
     assert h["trace_cov"] == pytest.approx(2.5) and bool(noise.in_noise_band(1.0))
@@ -179,10 +199,82 @@ def test_two_sources_that_disagree_beyond_their_errors_are_named_once():
         for k in range(20):
             src.update(torch.tensor(level + 0.01 * (-1) ** k), torch.tensor(10.0 + 0.1 * (-1) ** k))
     message = noise.disagreement()
-    assert "per_example and micro_batch disagree on ‖G‖²" in message
+    # The micro-batch source is independent by construction: it decides, the per-example one is dropped.
+    assert "per_example is dropped" in message and "disagrees with the micro-batch/rank source on ‖G‖²" in message
+    assert noise.estimate().sources == ("micro_batch",) and a.invalid
     assert noise.disagreement() == ""  # once
     noise.attach(b)  # the same source again (a new epoch): still said once
     assert noise.disagreement() == ""
+
+
+def test_two_sources_other_than_micro_batches_that_disagree_are_named_once_and_kept():
+    noise = GradientNoise()
+    a, b = NoiseSource("per_example", 0.5), NoiseSource("probe", 0.5)
+    for src, level in ((a, 1.0), (b, 3.0)):
+        noise.attach(src)
+        for k in range(20):
+            src.update(torch.tensor(level + 0.01 * (-1) ** k), torch.tensor(10.0 + 0.1 * (-1) ** k))
+    assert "per_example and probe disagree on ‖G‖²" in noise.disagreement()
+    assert noise.disagreement() == "" and noise.estimate().sources == ("per_example", "probe")
+
+
+def coupled_step(d: torch.Tensor, gen: torch.Generator, inflate: float) -> tuple[tuple, tuple]:
+    """Per-example and micro-batch estimates of one step where the per-example addends are coupled: each is
+    its example's gradient with its deviation from the batch mean scaled by ``inflate`` (their sum, the batch
+    gradient, unchanged), as batch statistics or in-batch negatives do; the micro-batch means are the true ones."""
+    x = torch.randn(B, D, generator=gen, dtype=torch.float64)
+    eps = SIGMA * torch.randn(B, generator=gen, dtype=torch.float64)
+    g = (x @ d - eps)[:, None] * x
+    mean = g.mean(0)
+    coupled = mean + inflate * (g - mean)
+    batch_sq = mean.square().sum()
+    micro_means = g.view(B // MICRO, MICRO, D).mean(1)
+    return (per_example_estimates(coupled.square().sum(), batch_sq, B),
+            two_batch_size_estimates(micro_means.square().sum(1).mean(), batch_sq, B // MICRO, MICRO))
+
+
+def test_a_per_example_source_below_zero_beyond_its_error_is_coupled_and_never_in_the_band():
+    gen = torch.Generator().manual_seed(3)
+    d = torch.full((D,), 0.02, dtype=torch.float64)
+    noise, src = GradientNoise(), NoiseSource("probe", 0.9)
+    src.effective_batch_size = B
+    noise.attach(src)
+    for _ in range(40):
+        src.update(*coupled_step(d, gen, 2.0)[0])
+    assert not bool(noise.in_noise_band(1e6))  # before any logging step's check: not "G ≈ 0"
+    est = noise.estimate()
+    assert float(est.grad_sq_norm) < -COUPLING_Z * float(est.grad_sq_norm_se)
+    message = noise.disagreement()
+    assert "probe is dropped" in message and "batch statistics" in message and "in-batch negatives" in message
+    assert src.invalid and noise.estimate().count == 0 and noise.disagreement() == ""
+
+
+def test_an_independent_per_example_source_at_g_zero_stays_valid():
+    gen = torch.Generator().manual_seed(4)
+    noise, src = GradientNoise(), NoiseSource("probe", 0.9)
+    src.effective_batch_size = B
+    noise.attach(src)
+    for _ in range(60):
+        src.update(*coupled_step(torch.zeros(D, dtype=torch.float64), gen, 1.0)[0])
+    assert noise.disagreement() == "" and not src.invalid and bool(noise.in_noise_band(0.2))
+
+
+def test_a_coupled_per_example_source_is_dropped_for_the_micro_batches():
+    gen = torch.Generator().manual_seed(6)
+    d = torch.full((D,), 0.2, dtype=torch.float64)
+    noise, per, micro = GradientNoise(), NoiseSource("probe", 0.9), NoiseSource("micro_batch", 0.9)
+    for src in (per, micro):
+        src.effective_batch_size = B
+        noise.attach(src)
+    for _ in range(60):
+        per_example, micro_batch = coupled_step(d, gen, 1.5)
+        per.update(*per_example)
+        micro.update(*micro_batch)
+    message = noise.disagreement()
+    assert "probe is dropped" in message and "independent by construction" in message and "BatchNorm" in message
+    truth = linear_regression_truth(d)[1]
+    est = noise.estimate()
+    assert est.sources == ("micro_batch",) and abs(float(est.trace_cov) - truth) < 4 * float(est.trace_cov_se)
 
 
 def test_the_per_step_band_is_the_full_estimates_band():
@@ -205,3 +297,104 @@ def test_the_per_step_band_is_the_full_estimates_band():
             grad, trace = float(full.grad_sq_norm), float(full.trace_cov)
             near = abs(grad - margin * trace / B) < 0.05 * abs(grad) + 1e-12  # stale weights may tip a tie
             assert near or lean == bool(noise.in_noise_band(margin, full)), (step, margin)
+
+
+def test_coverage_of_the_norm_does_not_bound_the_unmeasured_noise_when_the_signal_dominates():
+    """Closed form: the measured part has ‖G‖² 1, tr Σ 8 at B = 64 (B_simple 8 ≪ B: signal-dominated), so
+    E‖ḡ_m‖² = 1.125; at 95% coverage the other 5% of ‖ḡ‖² may be pure noise, tr Σ_u = B·0.05·‖ḡ‖², 47% of
+    the measured tr Σ: not decisive, though the old 90%-of-‖ḡ‖² rule passed it."""
+    noise, src = GradientNoise(), NoiseSource("probe", 0.5, param_share=0.9)
+    src.effective_batch_size = 64
+    noise.attach(src)
+    for _ in range(30):
+        src.update(torch.tensor(1.0), torch.tensor(8.0), covered_sq_norm=torch.tensor(0.95), total_sq_norm=torch.tensor(1.0))
+    total = (1.0 + 8.0 / 64) / 0.95
+    worst = 64 * 0.05 * total / 8.0
+    h = noise.host_summary()
+    assert h["coverage"] == pytest.approx(0.95) and h["unmeasured_trace_share"] == pytest.approx(worst)
+    assert not h["decisive"] and h["why"].startswith("partial") and "0.47×" in h["why"]
+    assert not bool(noise.in_noise_band(1e6)) and not bool(noise.decisive())
+    # Noise-dominated (B/B_simple = 0.08): the same coverage bounds the unmeasured tr Σ to 5.7% of the measured.
+    quiet, src = GradientNoise(), NoiseSource("probe", 0.5, param_share=0.9)
+    src.effective_batch_size = 64
+    quiet.attach(src)
+    for _ in range(30):
+        src.update(torch.tensor(0.01), torch.tensor(8.0), covered_sq_norm=torch.tensor(0.95), total_sq_norm=torch.tensor(1.0))
+    h = quiet.host_summary()
+    assert h["unmeasured_trace_share"] == pytest.approx(0.05 / 0.95 * (1 + 64 * 0.01 / 8.0)) and h["decisive"]
+
+
+def _population(offset: float) -> tuple[torch.Tensor, float, float]:
+    """Per-example gradients of a linear regression at ``offset`` from its optimum (D + 1 coordinates): the
+    population of the noisy calibration, its ‖G‖² and tr Σ by brute force."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, D, generator=gen, dtype=torch.float64)
+    w = torch.randn(D, generator=gen, dtype=torch.float64)
+    y = x @ w + 0.5 * torch.randn(20000, generator=gen, dtype=torch.float64)
+    r = x @ (w + offset) - y
+    g = torch.cat([2 * r[:, None] * x, 2 * r[:, None]], 1)
+    mean = g.mean(0)
+    return g, float(mean @ mean), float((g - mean).square().sum(1).mean())
+
+
+def _sampled_summary(g: torch.Tensor, steps: int, batch: int, gen: torch.Generator) -> dict:
+    noise, src = GradientNoise(), NoiseSource("probe", 0.98)
+    src.effective_batch_size = batch
+    noise.attach(src)
+    for _ in range(steps):
+        b = g[torch.randint(0, len(g), (batch,), generator=gen)]
+        src.update(*per_example_estimates(b.square().sum(), b.mean(0).square().sum(), batch))
+    return noise.host_summary()
+
+
+def test_few_measurements_never_decide():
+    g, _, _ = _population(0.3)
+    h = _sampled_summary(g, 19, 16, torch.Generator().manual_seed(1))
+    assert not h["decisive"] and not h["reliable"] and h["why"].startswith("not measured enough yet")
+    assert _sampled_summary(g, 20, 16, torch.Generator().manual_seed(1))["decisive"]
+
+
+def test_the_reliability_gate_does_not_select_underestimates_when_noise_dominates():
+    """B = 16 at a true B_simple of 370: no run may pass as reliable on a lucky ‖G‖²; where runs pass (a true
+    B_simple of 39), the stated 90% range B_simple·(1 ± z·rel_err) holds the truth in ≥ 85% of them."""
+    gen = torch.Generator().manual_seed(2)
+    g, g2, trace = _population(0.03)
+    assert trace / g2 == pytest.approx(370, rel=0.01)
+    noisy = [_sampled_summary(g, 100, 16, gen) for _ in range(60)]
+    assert sum(h["reliable"] for h in noisy) <= 1
+    g, g2, trace = _population(0.1)
+    passed = [h for h in (_sampled_summary(g, 100, 16, gen) for _ in range(60)) if h["reliable"]]
+    assert len(passed) >= 15
+    truth = trace / g2
+    covered = [abs(h["b_simple"] - truth) <= Z90 * h["b_simple_rel_err"] * h["b_simple"] for h in passed]
+    assert sum(covered) >= 0.85 * len(passed)
+
+
+def test_the_finite_population_correction_against_brute_force_on_a_small_dataset():
+    """Batches of 16 drawn without replacement from N = 48 examples (a shuffled epoch): uncorrected,
+    E[‖G‖²_est] = ‖G‖² − S/N; with N given, ‖G‖² and tr Σ of the N examples (brute force) are recovered."""
+    gen = torch.Generator().manual_seed(8)
+    n, batch = 48, 16
+    x = torch.randn(n, D, generator=gen, dtype=torch.float64)
+    eps = SIGMA * torch.randn(n, generator=gen, dtype=torch.float64)
+    g = (x @ torch.full((D,), 0.15, dtype=torch.float64) - eps)[:, None] * x
+    mean = g.mean(0)
+    g2, trace = float(mean @ mean), float((g - mean).square().sum(1).mean())
+    raw, corrected = GradientNoise(), GradientNoise()
+    corrected.population = n
+    for noise in (raw, corrected):
+        src = NoiseSource("probe", 0.999)
+        src.effective_batch_size = batch
+        noise.attach(src)
+    for _ in range(1500):
+        for perm in torch.randperm(n, generator=gen).view(n // batch, batch):
+            b = g[perm]
+            est = per_example_estimates(b.square().sum(), b.mean(0).square().sum(), batch)
+            for noise in (raw, corrected):
+                noise.sources["probe"].update(*est)
+    fixed, biased = corrected.estimate(), raw.estimate()
+    assert abs(float(fixed.grad_sq_norm) - g2) < 4 * float(fixed.grad_sq_norm_se)
+    assert abs(float(fixed.trace_cov) - trace) < 4 * float(fixed.trace_cov_se)
+    bias = float(biased.grad_sq_norm) - g2
+    assert bias < -4 * float(biased.grad_sq_norm_se)
+    assert bias == pytest.approx(-trace / (n - 1), rel=0.25)  # − S/N with S = N tr Σ/(N − 1)

@@ -32,7 +32,8 @@ def fit(tmp_path: Path, *callbacks: pl.Callback, **overrides) -> tuple[pl.Traine
     """A few accumulated optimizer steps of the digits CNN, logged to TensorBoard under tmp_path."""
     pl.seed_everything(0, verbose=False)  # B_simple is logged once EMA(‖G‖²) > 0: at which steps depends on the init
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
-    kwargs = trainer_kwargs(logger=logger, max_steps=6, accumulate_grad_batches=2, log_every_n_steps=2,
+    # 24 steps: the noise estimate decides after MIN_MEASUREMENTS (20) measurements.
+    kwargs = trainer_kwargs(logger=logger, max_steps=24, accumulate_grad_batches=2, log_every_n_steps=2,
                             limit_val_batches=0, callbacks=list(callbacks))
     kwargs.update(overrides)
     trainer = pl.Trainer(**kwargs)
@@ -120,12 +121,12 @@ def test_progress_bar_shows_the_latest_norm_and_band(monitored) -> None:
     trainer, acc = monitored
     shown = trainer.progress_bar_metrics
     monitor = next(cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor))
-    # The last logging step of 6 steps with log_every_n_steps=2 is step 4; the bar keeps that value.
+    # The last logging step of 24 steps with log_every_n_steps=2 is step 22; the bar keeps that value.
     logged = dict((e.step, e.value) for e in acc.Scalars("grad_norm/total"))
-    assert shown["grad_norm"] == pytest.approx(logged[4], rel=1e-6)
-    assert float(monitor.last_total[0]) != pytest.approx(logged[4])  # step 5 ran after it; the bar did not sync for it
+    assert shown["grad_norm"] == pytest.approx(logged[22], rel=1e-6)
+    assert float(monitor.last_total[0]) != pytest.approx(logged[22])  # step 5 ran after it; the bar did not sync for it
     band = dict((e.step, e.value) for e in acc.Scalars("grad_norm/in_noise_band"))
-    assert shown["noise_band"] == band[4]
+    assert shown["noise_band"] == band[22]
     assert "grad_norm" not in trainer.logged_metrics  # progress bar only: the monitor owns the logged tag
 
 
@@ -133,9 +134,9 @@ def test_progress_bar_band_follows_the_stopper_fed_by_a_probe(tmp_path: Path) ->
     # No accumulation, one device: the stopper's noise comes from the probe.
     stopper = GradNormEarlyStopping(patience=1000)
     trainer, acc = fit(tmp_path, BatchVarianceProbe(histogram_every_n_steps=None), stopper, TrainvitalsDashboard(),
-                       accumulate_grad_batches=1, max_steps=9, log_every_n_steps=4)
+                       accumulate_grad_batches=1, max_steps=25, log_every_n_steps=4)
     band = {e.step: e.value for e in acc.Scalars("grad_norm/in_noise_band")}
-    assert trainer.progress_bar_metrics["noise_band"] == band[8]
+    assert trainer.progress_bar_metrics["noise_band"] == band[24]
     assert int(stopper.noise.count) == 0  # the stopper's own estimate is empty: the band came from the probe
 
 
@@ -144,7 +145,8 @@ def test_noise_band_uses_the_stoppers_margin(margin: float | None, in_band: floa
     probe = BatchVarianceProbe()
     probe.effective_batch_size = 64
     # ‖G‖² = 0.5 · tr(Σ)/B: in the band with margin 1 (B <= B_simple), not with margin 0.2.
-    probe.noise.update(torch.tensor(0.5 * 6.4 / 64), torch.tensor(6.4))
+    for _ in range(20):  # a decision needs 20 measurements
+        probe.noise.update(torch.tensor(0.5 * 6.4 / 64), torch.tensor(6.4))
     callbacks = [probe] + ([GradNormEarlyStopping(margin=margin)] if margin is not None else [])
     assert progress_bar_values(SimpleNamespace(callbacks=callbacks)) == {"noise_band": in_band}
 
@@ -153,7 +155,7 @@ def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:
     callbacks = [GradNormEarlyStopping(patience=1000), LRScalingAdvisor(verbose=False),
                  MemoryTopologyProfiler(every_n_steps=2), GraphIntegrityCallback(), GradNormMonitor(),
                  TrainvitalsDashboard(progress_bar=False)]
-    trainer, acc = fit(tmp_path, *callbacks)
+    trainer, acc = fit(tmp_path, *callbacks, max_steps=6)
     expected = {type(cb).__name__: cb.summary_markdown() for cb in callbacks[:5]}
     for name, markdown in expected.items():
         (event,) = acc.Tensors(f"{DIAGNOSIS_TAG}/{name}/text_summary")
@@ -177,7 +179,7 @@ def test_without_tensorboard_nothing_breaks(tmp_path: Path) -> None:
 def test_the_layout_follows_the_loggers_prefix(tmp_path: Path) -> None:
     pl.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(str(tmp_path), name="run", prefix="fold1", default_hp_metric=False)
-    trainer = pl.Trainer(**trainer_kwargs(logger=logger, max_steps=4, accumulate_grad_batches=2, log_every_n_steps=2,
+    trainer = pl.Trainer(**trainer_kwargs(logger=logger, max_steps=24, accumulate_grad_batches=2, log_every_n_steps=2,
                                           limit_val_batches=0, callbacks=[GradNormMonitor(), GradNormEarlyStopping(),
                                                                           TrainvitalsDashboard(progress_bar=False)]))
     trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
@@ -196,7 +198,7 @@ def test_every_callback_says_one_line_at_fit_end(tmp_path: Path, caplog: pytest.
                  GradNormEarlyStopping(patience=1000), LRScalingAdvisor(verbose=False),
                  MemoryTopologyProfiler(measure_every_n_steps=2, verbose=False), TrainvitalsDashboard(progress_bar=False)]
     with caplog.at_level("INFO"):
-        fit(tmp_path, *callbacks, accumulate_grad_batches=1)
+        fit(tmp_path, *callbacks, accumulate_grad_batches=1, max_steps=6)
     fit_end = [r.getMessage() for r in caplog.records if r.funcName == "on_fit_end"]
     said = {type(cb).__name__: [m for m in fit_end if m.startswith(f"trainvitals {type(cb).__name__}: ")] for cb in callbacks}
     assert len(fit_end) == len(callbacks)

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from _models import Classifier, Regressor, ReleaseProcessGroup, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
+from trainvitals.core.estimate import MIN_MEASUREMENTS
 from trainvitals.callbacks import grad_norm_monitor as monitor_module
 
 
@@ -480,7 +481,14 @@ def test_a_batchnorm_cnn_with_accumulation_is_decided_by_the_micro_batches():
     assert not probe._plan.per_example and "measured from micro-batches and ranks" in probe.sources
     summary = stopper.gradient_noise.host_summary()
     assert summary["decisive"] and set(summary["sources"]) == {"micro_batch", "probe"}
-    assert stopper.stopped_step == 4  # a decisive estimate stops as before (the margin puts every step in the band)
+    # A decisive estimate (from its 20th measurement, step 19) stops after its patience: every step is in the band.
+    assert stopper.stopped_step == MIN_MEASUREMENTS - 1 + 4
+    markdown = stopper.summary_markdown()  # one line of sources, the estimate's
+    assert markdown.count("noise source") == 1 and "| noise sources | " in markdown
+    # In the band from its first counted step: the stop says the batch is noise-dominated, not converged.
+    reason = stopper.describe_stop()
+    assert "in its noise band from the start: the batch (64) is far below B_simple" in reason
+    assert "this is not convergence" in reason
 
 
 class _Attention(nn.Module):
@@ -529,7 +537,7 @@ def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
              max_epochs=1, accumulate_grad_batches=2, log_every_n_steps=5)
     summary = stopper.gradient_noise.host_summary()
     assert not _caveats(record) and summary["coverage"] == pytest.approx(1.0) and summary["param_share"] == 1.0
-    assert stopper.stopped_step == 4
+    assert stopper.stopped_step == MIN_MEASUREMENTS - 1 + 4
 
 
 def test_no_host_sync_on_steps_that_log_nothing(monkeypatch):
@@ -575,3 +583,19 @@ def test_no_host_sync_on_steps_that_log_nothing(monkeypatch):
         # of the step at on_train_batch_end.
         quiet = [(step, what) for step, what in reads if step % 8 not in (0, 1)]
         assert quiet == [], (accumulate, quiet[:5])
+
+
+def test_what_would_make_it_measurable_names_only_what_applies():
+    from types import SimpleNamespace
+
+    from trainvitals import BatchVarianceProbe
+    from trainvitals.callbacks.grad_norm_early_stopping import measurable_by
+
+    plain = SimpleNamespace(lightning_module=torch.nn.Linear(2, 2), callbacks=[BatchVarianceProbe()])
+    said = measurable_by(plain)
+    assert "accumulate_grad_batches >= 2" in said and "BatchNorm" not in said and "BatchVarianceProbe" not in said
+    frozen = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).eval()
+    assert "BatchNorm" not in measurable_by(SimpleNamespace(lightning_module=frozen, callbacks=[]))
+    training = SimpleNamespace(lightning_module=frozen.train(), callbacks=[])
+    said = measurable_by(training)
+    assert "instead of BatchNorm" in said and ", or a BatchVarianceProbe" in said

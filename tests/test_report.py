@@ -313,6 +313,8 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 @pytest.mark.parametrize(("extra", "words"), [
     ({"grad_noise/coverage": 0.43}, "partial: the noise estimate covers 43% of ‖ḡ‖²"),
+    ({"grad_noise/coverage": 0.95, "grad_noise/unmeasured_trace_share": 0.47},
+     "partial: the noise estimate covers 95% of ‖ḡ‖², but the unmeasured parameters may hold up to 0.47× the measured tr Σ"),
     ({"grad_noise/b_simple_rel_err": 3.0}, "B_simple = 200 is unreliable (relative error 3)"),
 ])
 def test_noise_verdicts_carry_the_estimates_caveat(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra, words) -> None:
@@ -384,3 +386,18 @@ def test_a_norm_below_its_floor_never_stands_out_of_the_noise(tmp_path: Path, ca
     _, data = report_json(capsys, tmp_path)
     (verdict,) = [f["message"] for f in data["runs"][0]["findings"] if "noise band yet" in f["message"]]
     assert "0.50× the noise floor" in verdict and "stands out" not in verdict
+
+
+def test_a_small_relative_error_keeps_two_significant_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", {**HEALTHY, "grad_noise/b_simple_rel_err": 0.0041})
+    _, doc = report_json(capsys, tmp_path)
+    messages = " ".join(f["message"] for f in doc["runs"][0]["findings"])
+    assert "B_simple = 200 (± 0.41%)" in messages and "± 0%" not in messages
+
+
+def test_a_dropped_noise_source_reaches_the_report_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    said = "the noise source probe is dropped from the estimate: it disagrees with the micro-batch/rank source"
+    write_run(tmp_path / "run", HEALTHY, texts={"grad_noise/sources_check": said})
+    _, doc = report_json(capsys, tmp_path)
+    found = [f for f in doc["runs"][0]["findings"] if said in f["message"]]
+    assert len(found) == 1 and found[0]["severity"] == "warning"

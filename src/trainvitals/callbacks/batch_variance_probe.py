@@ -32,7 +32,7 @@ from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
-from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise
+from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
@@ -589,8 +589,11 @@ class BatchVarianceProbe(Callback):
         grad_sq_norm, trace_cov, valid, covered, total = self._estimates(trainer, pl_module, optimizer, result, sums)
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         self.nonfinite.add(torch.isfinite(total))
+        self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         whole = not pl_module.automatic_optimization or len(self._micro_sizes) == trainer.accumulate_grad_batches
-        if whole or self.effective_batch_size is None:
+        # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
+        short = trainer.is_last_batch and self.effective_batch_size is not None and sums.examples < self.effective_batch_size
+        if (whole and not short) or self.effective_batch_size is None:
             self.effective_batch_size = sums.examples
             self.grad_scale = self._grad_units(trainer, pl_module)
         step = trainer.global_step
@@ -810,6 +813,7 @@ class BatchVarianceProbe(Callback):
         disagreement = self.gradient_noise.disagreement()
         if disagreement:
             rank_zero_warn(f"trainvitals BatchVarianceProbe: {disagreement}.")
+            log_text(trainer, SOURCES_CHECK, disagreement, step)
 
     def _log_per_example_norms(self, trainer: "pl.Trainer", sq_norms: list[Tensor], step: int) -> None:
         norms = torch.cat(sq_norms).clamp_min(0.0).sqrt()

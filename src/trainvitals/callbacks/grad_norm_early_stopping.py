@@ -34,7 +34,7 @@ from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
-from trainvitals.core.estimate import GradientNoise, NoiseSource, find_gradient_noise
+from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
 
 MODES = ("noise_band", "threshold", "relative")
@@ -50,9 +50,19 @@ DEFAULT_PATIENCE = 30
 DEFAULT_MIN_STEPS = 100
 # The host reads the on-device streak every this many steps: one sync per 10 steps, a stop at most 9 late.
 DEFAULT_CHECK_EVERY_N_STEPS = 10
-MEASURABLE_BY = ("accumulate_grad_batches >= 2 or >= 2 devices (micro-batches and ranks are independent draws "
-                 "whatever the layers), GroupNorm or LayerNorm instead of BatchNorm, or a BatchVarianceProbe on a "
-                 "model whose layers do not mix the examples")
+
+
+def measurable_by(trainer: Any) -> str:
+    """What would make the noise measurable in this run: BatchNorm and a probe are named only where they apply."""
+    parts = ["accumulate_grad_batches >= 2 or >= 2 devices (micro-batches and ranks are independent draws "
+             "whatever the layers)"]
+    module = getattr(trainer, "lightning_module", None)
+    if module is not None and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+                                  for m in module.modules()):
+        parts.append("GroupNorm or LayerNorm instead of BatchNorm")
+    if not any(type(cb).__name__ == "BatchVarianceProbe" for cb in getattr(trainer, "callbacks", [])):
+        parts.append("a BatchVarianceProbe on a model whose layers do not mix the examples")
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + ", or " + parts[-1]
 
 
 class StopReason(Enum):
@@ -173,6 +183,12 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.add_state("nonfinite", NonfiniteCounter, persistent=False)
         """Steps with non-finite gradients, which the streak skips: logged when no GradNormMonitor logs them;
         saved as ``nonfinite_steps``."""
+        self.add_state("_measurable_by", partial(measurable_by, None), persistent=False)
+        # Whether a counted step was out of the condition before the streak completed: a band that held from
+        # the first counted step says the batch is noise-dominated, not that the run converged.
+        self.add_state("_left", torch.zeros((), dtype=torch.bool), key="left")
+        self.add_state("from_start", "")
+        """The sentence saying, at a stop, that the band held from the start; "" otherwise."""
         # Set once the streak has reached the patience: a streak that completes and breaks between two
         # host checks must still stop the run.
         self.add_state("_done", torch.zeros((), dtype=torch.bool), key="done")
@@ -287,6 +303,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         counts = valid if self.steps >= self.min_steps else torch.zeros_like(valid)
         self._streak = self._streak.to(total.device)
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
+        decided = self.gradient_noise.band_decisive if self.mode == "noise_band" else None
+        decided = counts if decided is None else counts & decided.to(total.device)
+        self._left = self._left.to(total.device) | (decided & ~in_condition & ~self._done.to(total.device))
         self._done = self._done.to(total.device) | (self._streak >= self.patience)
         self.nonfinite.add(valid)
         self.steps += 1
@@ -309,6 +328,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         # A checkpoint from before the noise sources holds the micro-batch EMA alone, under "noise".
         super().load_state_dict({"source": {"noise": state_dict.get("noise", {})}, **state_dict})
         self.nonfinite.count = torch.tensor(int(state_dict.get("nonfinite_steps", 0)))
+        if "left" not in state_dict:  # a checkpoint from before the flag: do not claim "from the start"
+            self._left = torch.ones((), dtype=torch.bool)
 
     # ------------------------------------------------------------------ helpers
     def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -330,6 +351,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._source = next((cb for cb in trainer.callbacks
                              if cb is not self and getattr(cb, "noise_source", None) in self.gradient_noise.sources.values()),
                             None)
+        self._measurable_by = measurable_by(trainer)
         if self._source is None and not self._warned_no_source:
             self._warned_no_source = True
             self.warn(
@@ -383,6 +405,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         n = n_local * world
         grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, micro_batch_size)
         self.noise_source.update(grad_sq, trace, valid)
+        self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         # The band is judged at a whole step's batch: an epoch's short last window does not change it.
         if n_local == accumulate or self.effective_batch_size is None:
             self.effective_batch_size = self.noise_source.effective_batch_size = n * micro_batch_size
@@ -427,12 +450,13 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if why and not why.startswith(("not measured", "B_simple unreliable")):
             self._said_caveat = True
             caveat = (f"the noise estimate cannot decide: {why}. It will not stop on the noise band while that "
-                      f"lasts; measurable with {MEASURABLE_BY}.")
+                      f"lasts; measurable with {measurable_by(trainer)}.")
             self.warn(caveat)
             log_text(trainer, "grad_noise/caveat", self.message(caveat), step)
         disagreement = self.gradient_noise.disagreement()
         if disagreement:
             self.warn(f"{disagreement}.")
+            log_text(trainer, SOURCES_CHECK, disagreement, step)
 
     def _check(self, trainer: "pl.Trainer", step: int) -> bool:
         """Stop the run when every rank agrees; returns whether it stopped it now.
@@ -449,6 +473,12 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.stopped_step = step
         self.stop_reason = {"noise_band": StopReason.NOISE_BAND, "threshold": StopReason.THRESHOLD,
                             "relative": StopReason.RELATIVE}[self.mode]
+        if self.mode == "noise_band" and not bool(self._left):
+            b_simple = self.gradient_noise.host_summary()["b_simple"]
+            self.from_start = (
+                f" It was in its noise band from the start: the batch ({self.effective_batch_size}) is far below "
+                f"B_simple ({b_simple:.3g}): every step is noise-dominated — a larger batch (near B_simple) or a "
+                "larger learning rate would show whether the model learns — this is not convergence.")
         message = self.describe_stop()
         if self.verbose:
             self.info(message)
@@ -469,7 +499,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                  f" A fit resumed from a checkpoint written after that stop was stopped again at its start "
                  f"(optimizer step {self.stopped_again_step}).")
         return (f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
-                f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.{again}")
+                f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.{self.from_start}{again}")
 
 
     def summary_line(self) -> str:
@@ -481,7 +511,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.mode == "noise_band":
             summary = self.gradient_noise.host_summary()
             if self._source is None:
-                why = f"no noise estimate, so no noise band: measurable with {MEASURABLE_BY}"
+                why = f"no noise estimate, so no noise band: measurable with {self._measurable_by}"
             elif not summary["decisive"]:
                 why = f"the noise estimate cannot decide ({summary['why']}); " + why
             elif self.margin > 0 and summary["trace_cov"] > 0 and summary["batch_size"]:
@@ -502,8 +532,6 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 ("optimizer steps seen", str(self.steps)),
                 ("in-condition streak", f"{streak} of {self.patience} steps" if streak <= self.patience
                  else f"reached {self.patience} ({streak} steps in a row)")]
-        if self.mode == "noise_band":
-            source = {None: "none", "hooks": "micro-batches / ranks"}.get(self._source, type(self._source).__name__)
-            rows.append(("noise source", source))
+        if self.mode == "noise_band":  # the run's one estimate, with the sources it combines
             rows += self.gradient_noise.summary_rows()
         return "\n".join(markdown_table(("", ""), rows))

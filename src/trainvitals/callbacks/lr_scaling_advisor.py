@@ -91,7 +91,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
     (``trainer.global_step``), as LearningRateMonitor logs the lr that step uses; B̂ is then the one
     measured up to the step before:
     ``lr_scaling/effective_batch`` (examples); with
-    B̂, ``lr_scaling/b_noise`` (examples), ``lr_scaling/steps_over_min``,
+    B̂, ``lr_scaling/b_noise`` (examples; only a given ``noise_scale``: a measured B̂ is the run's
+    ``grad_noise/b_simple``), ``lr_scaling/steps_over_min``,
     ``lr_scaling/examples_over_min``; per param group ``<name>`` (``SGD``, ``Adam/pg2``, named as by
     ``LearningRateMonitor``), ``lr_scaling/lr/<name>`` and ``lr_scaling/suggested_lr_<key>/<name>``
     with key ``x0.5``, ``x2``, ``x4``, ``x8`` or ``b<size>`` for a listed size (not for an unsure
@@ -312,10 +313,11 @@ class LRScalingAdvisor(TrainvitalsCallback):
                          "for Adam-like")
         else:
             steps, examples = steps_over_min(batch, noise_scale), examples_over_min(batch, noise_scale)
-            metrics.update({"lr_scaling/b_noise": noise_scale, "lr_scaling/steps_over_min": steps,
-                            "lr_scaling/examples_over_min": examples})
+            # One B_simple per run: a measured B̂ is the estimate's own, logged as grad_noise/b_simple.
+            given = {"lr_scaling/b_noise": noise_scale} if source == "given" else {}
+            metrics.update({**given, "lr_scaling/steps_over_min": steps, "lr_scaling/examples_over_min": examples})
             spread = "" if rel_err is None else (
-                f" ± {rel_err:.0%}, 90% range {noise_scale * max(1 - Z90 * rel_err, 0.0):.4g}–"
+                f" ± {100 * rel_err:.2g}%, 90% range {noise_scale * max(1 - Z90 * rel_err, 0.0):.4g}–"
                 f"{noise_scale * (1 + Z90 * rel_err):.4g}")
             lines.append(f"**noise scale** B̂ = {noise_scale:.4g} examples{spread} ({source}): balanced batch ≈ "
                          f"{noise_scale:.4g}; now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}")

@@ -22,9 +22,41 @@ Combining rule (:meth:`GradientNoise.estimate`):
    covariance of (S̄, Ḡ), added the same way; the noise floor sqrt(tr Σ/B) has half tr(Σ)'s relative
    error.
 4. The estimate is *decisive* (a noise-band stop, noise-aware lr advice) only when it covers at least
-   ``min_coverage`` of ‖ḡ‖² (default 0.9: the uncovered rest could then change ‖G‖² or tr Σ by at
-   most about a tenth); noise-aware advice also needs B_simple's relative error ≤ ``max_rel_err``
-   (default 0.5: the lr suggestions then stay within about ×1.5 either way).
+   ``min_coverage`` of ‖ḡ‖² (default 0.9) and the tr(Σ) it cannot see is bounded by a tenth of what it
+   measured (:data:`MAX_UNMEASURED_TRACE`). A share of ‖ḡ‖² does not bound tr(Σ) by itself: ‖ḡ‖² =
+   ‖G‖² + tr Σ/B is signal-dominated when B > B_simple, and the unmeasured parameters' part u‖ḡ‖²
+   (u = 1 − coverage) can hold up to B·u·‖ḡ‖² of tr Σ (their E‖ḡ_u‖² ≥ tr Σ_u/B). With the measured
+   part's ‖ḡ_m‖² = c‖ḡ‖² ≈ ‖G‖² + tr Σ/B (c the coverage), that bound is, as a share of the measured tr Σ,
+   (u/c)·(1 + B/B_simple): ``unmeasured_trace_share``. Nothing is decisive before :data:`MIN_MEASUREMENTS`
+   updates: the errors come from the spread of the updates, and with a few of them they are themselves
+   too uncertain (90% intervals covered the truth in 71–86% of trials with 3–10). Noise-aware advice also
+   needs B_simple's relative error ≤ ``max_rel_err`` (default 0.5: the lr suggestions then stay within
+   about ×1.5 either way), judged conservatively: when noise dominates, the runs whose ‖G‖² came out
+   high are those that look precise, so B_simple's error is taken from the ends of the intervals,
+   B_simple ∈ [(tr Σ − z·σ_S)/(‖G‖² + z·σ_G), (tr Σ + z·σ_S)/G_low] (z = :data:`Z90`). ‖G‖² must pass a gate,
+   ‖G‖² ≥ :data:`GATE_Z`·σ_G, and G_low is its 95% lower bound *given* that it passed (a truncated normal:
+   P(X ≥ ‖G‖² | X ≥ GATE_Z·σ_G) = 5%), so the runs that pass because their ‖G‖² came out high get a wide
+   range; ``b_simple_rel_err`` is the larger of the delta method's and of that range's ends' distances from
+   B_simple, in units of z (B_simple·(1 ± z·rel_err) contains the range), ``inf`` below the gate. On the
+   noisy linear regression (B = 16, B_simple 370) no run passes; where runs pass, ≥ 85% of the ranges hold
+   the truth (tests/test_core_estimate.py).
+
+5. Coupled examples. A per-example source assumes independent examples; batch statistics (BatchNorm, or
+   ``F.batch_norm(training=True)`` in a custom module) or a loss coupling the examples (in-batch negatives,
+   as in a contrastive InfoNCE loss) break that without any module saying so. Two signs give it away, checked
+   on logging steps (:meth:`GradientNoise.disagreement`) once a source has :data:`MIN_MEASUREMENTS`: its EMA
+   ‖G‖² is below zero by more than :data:`COUPLING_Z` standard errors (independent examples give
+   E[‖G‖²_est] = ‖G‖² ≥ 0; a negative value within its error is a legitimate "G ≈ 0"), or it disagrees with
+   the micro-batch/rank source beyond :data:`AGREEMENT_Z` standard errors. The micro-batches are independent
+   by construction, so that source decides: the other is marked invalid, dropped, and said once. Between
+   logging steps the band never holds on a ‖G‖² below zero beyond its error.
+
+6. Finite population. Drawing a batch without replacement from N examples (a shuffled epoch) shrinks
+   the batch mean's variance by (N − B)/(N − 1), and the estimators above, made for independent draws,
+   then give E[‖G‖²_est] = ‖G‖² − S/N and E[S_est] = S = N·tr Σ/(N − 1), for per-example and micro-batch
+   sources alike (the finite-population correction of survey sampling, Cochran 1977, *Sampling
+   Techniques*, §2.5). With N known (:attr:`GradientNoise.population`) each source is corrected:
+   ‖G‖² = ‖G‖²_est + S_est/N, tr Σ = S_est·(N − 1)/N, their variances carried along.
 
 Consecutive steps are treated as independent, so while the run moves the errors also contain the
 drift of the true values (they are not smaller than the sampling error). Everything stays on the
@@ -47,11 +79,25 @@ Z90 = 1.6448536269514722
 """Half-width of a two-sided 90% normal interval, in standard errors."""
 DEFAULT_MIN_COVERAGE = 0.9
 DEFAULT_MAX_REL_ERR = 0.5
+MAX_UNMEASURED_TRACE = 0.1
+"""Bound on the unmeasured parameters' tr(Σ), as a share of the measured tr(Σ), for a decisive estimate."""
+GATE_Z = Z90 + 2.0
+"""‖G‖² must stand this many standard errors above zero before B_simple's error is judged at all."""
 WEIGHTS_REFRESH = 50
 """The per-step band reuses the inverse-variance weights of a full estimate at most this many calls old."""
 AGREEMENT_Z = 3.0
 """Two sources disagree when their estimates differ by more than this many combined standard errors: the
 check runs at every logging step, so a single test's 2 would raise false alarms over a long run."""
+COUPLING_Z = 3.0
+"""A per-example source's EMA ‖G‖² this many standard errors below zero shows coupled examples."""
+MIN_MEASUREMENTS = 20
+"""Updates a source needs before its errors are trusted: to be found coupled, and to decide or advise."""
+INDEPENDENT = "micro_batch"
+"""The source whose draws are independent by construction (micro-batches and ranks): it decides disagreements."""
+SOURCES_CHECK = "grad_noise/sources_check"
+"""Text tag of what :meth:`GradientNoise.disagreement` said (a source dropped, two that disagree), for the report."""
+COUPLING_CAUSES = ("batch statistics (BatchNorm, or F.batch_norm in training mode in a custom module) or a loss "
+                   "coupling the examples (in-batch negatives, as in a contrastive InfoNCE loss)")
 
 
 class NoiseSource:
@@ -121,8 +167,11 @@ class NoiseSource:
 class NoiseEstimate:
     """The run's combined estimate, ``()`` float64 tensors on the device, in ``.grad`` units.
 
-    ``*_se`` are standard errors (``inf`` before two updates); ``b_simple`` is ``inf`` while ‖G‖² ≤ 0.
+    ``*_se`` are standard errors (``inf`` before two updates); ``b_simple`` is ``inf`` while ‖G‖² ≤ 0, and its
+    relative error (module docstring, rule 4) ``inf`` while ‖G‖² is below the gate.
     ``coverage`` is the share of ‖ḡ‖² measured, ``param_share`` that of the parameters (host float);
+    ``unmeasured_trace_share`` bounds the unmeasured parameters' tr(Σ) as a share of the measured one
+    (module docstring, rule 4; 0 when all are measured);
     ``measured_norm`` is ‖ḡ‖ over the measured parameters at the last measurement, the norm to set the
     floor against when they are not all (``None`` when they are).
     """
@@ -136,6 +185,7 @@ class NoiseEstimate:
     noise_floor: Tensor
     noise_floor_se: Tensor
     coverage: Tensor
+    unmeasured_trace_share: Tensor
     count: Tensor
     measured_norm: Tensor | None
     param_share: float
@@ -150,6 +200,9 @@ class GradientNoise:
     find it among the Trainer's callbacks); each owns, resets and saves its own :class:`NoiseSource`
     and attaches it here.
 
+    :attr:`population` is the number N of training examples when each epoch draws them without
+    replacement (a shuffled or sequential DataLoader, a DistributedSampler); ``None`` otherwise.
+
     Args:
         min_coverage: share of ‖ḡ‖² the estimate must cover to be decisive, in (0, 1].
         max_rel_err: B_simple's relative standard error above which no noise-aware advice is given (> 0).
@@ -163,10 +216,12 @@ class GradientNoise:
         self.min_coverage = min_coverage
         self.max_rel_err = max_rel_err
         self.sources: dict[str, NoiseSource] = {}
+        self.population: int | None = None  # N, when the examples are drawn without replacement (rule 6)
         self._said_disagreement = False
         # The last full estimate's weights and coverage, for the per-step band (see in_noise_band).
-        self._cached: tuple[tuple[int, ...], Tensor, Tensor, Tensor] | None = None
+        self._cached: tuple[tuple[int, ...], Tensor, Tensor, Tensor, Tensor] | None = None
         self._stale = 0  # band calls since that estimate
+        self.band_decisive: Tensor | None = None  # whether the last in_noise_band call could decide (device)
 
     def attach(self, source: NoiseSource) -> None:
         """Feed the estimate from ``source`` (replacing one of the same name: a new fit's fresh source,
@@ -196,15 +251,12 @@ class GradientNoise:
         if not chosen:
             zero = torch.zeros((), dtype=torch.float64, device=device)
             inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
-            return NoiseEstimate(zero, inf, zero, inf, inf, inf, zero, inf, zero,
+            return NoiseEstimate(zero, inf, zero, inf, inf, inf, zero, inf, zero, inf,
                                  torch.zeros((), dtype=torch.long, device=device), None, 0.0, None, ())
         device = chosen[0].ema.count.device
         per = []
         for src in chosen:
-            u2 = src.unit_scale**2
-            var_s, var_g, cov = (v.to(device) for v in src.error.mean_covariance(src.ema))
-            per.append((src.ema.grad_sq_norm.to(device) * u2, src.ema.trace_cov.to(device) * u2,
-                        var_g * u2**2, var_s * u2**2, cov * u2**2, src.ema.count.to(device), src.norm_share.to(device)))
+            per.append((*self._moments(src, device), src.ema.count.to(device), src.norm_share.to(device)))
         g, s, var_g, var_s, cov, count, share = (torch.stack(parts) for parts in zip(*per))
         seen = count > 0
         g_w, s_w = _weights(var_g, seen), _weights(var_s, seen)
@@ -220,27 +272,55 @@ class GradientNoise:
                     + g_w.square() * var_g / grad.square().clamp_min(1e-300)
                     - 2 * s_w * g_w * cov / (trace * grad).clamp_min(1e-300))
         rel_err = _bound(torch.ones_like(part_var), part_var.clamp_min(0.0).sqrt(), mask=(s_w > 0) | (g_w > 0))
-        rel_err = torch.where(positive, rel_err, torch.full_like(rel_err, float("inf")))
+        # Conservatively (rule 4): the range from the ends of tr Σ's interval and of ‖G‖²'s, its lower end
+        # given that ‖G‖² passed the gate (the runs that pass when noise dominates are those that came out high).
+        grad_low = _selected_lower_bound(grad, grad_se)
+        high = (trace + Z90 * trace_se) / grad_low.clamp_min(1e-300)
+        low = (trace - Z90 * trace_se).clamp_min(0.0) / (grad + Z90 * grad_se).clamp_min(1e-300)
+        ends = torch.maximum(high / b_simple.clamp_min(1e-300) - 1.0, 1.0 - low / b_simple.clamp_min(1e-300)) / Z90
+        rel_err = torch.where(positive & (grad_low > 0), torch.maximum(rel_err, ends),
+                              torch.full_like(rel_err, float("inf")))
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf")))
         coverage = torch.where(seen, share, 0.0).max()
-        self._cached, self._stale = (tuple(id(src) for src in chosen), g_w, s_w, coverage), 0
+        # Rule 4: the unmeasured tr Σ ≤ B·u·‖ḡ‖², over the measured tr Σ; B·‖G‖²/tr Σ = B/B_simple.
+        signal = torch.where(trace > 0, (batch or math.inf) * grad.clamp_min(0.0) / trace.clamp_min(1e-300),
+                             torch.full_like(trace, float("inf")))
+        unmeasured = torch.where(coverage >= 1.0, torch.zeros_like(coverage),
+                                 (1.0 - coverage) / coverage.clamp_min(1e-300) * (1.0 + signal))
+        covers = (coverage >= self.min_coverage) & (unmeasured <= MAX_UNMEASURED_TRACE)
+        self._cached, self._stale = (tuple(id(src) for src in chosen), g_w, s_w, covers, grad_se), 0
         param_share = min(src.param_share for src in chosen)
         last = chosen[0].last_covered_sq_norm
         measured = last.to(device).sqrt() * chosen[0].unit_scale if param_share < 1 and last is not None else None
-        return NoiseEstimate(grad, grad_se, trace, trace_se, b_simple, rel_err, floor, floor_se, coverage,
+        return NoiseEstimate(grad, grad_se, trace, trace_se, b_simple, rel_err, floor, floor_se, coverage, unmeasured,
                              count.max(), measured, param_share, batch, tuple(src.name for src in chosen))
 
+    def _moments(self, src: NoiseSource, device: torch.device) -> tuple[Tensor, ...]:
+        """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov) in ``.grad`` units, with the finite-population
+        correction (module docstring, rule 6) when :attr:`population` is known."""
+        u2 = src.unit_scale**2
+        var_s, var_g, cov = (v.to(device) * u2**2 for v in src.error.mean_covariance(src.ema))
+        g, t = src.ema.grad_sq_norm.to(device) * u2, src.ema.trace_cov.to(device) * u2
+        if self.population is None:
+            return g, t, var_g, var_s, cov
+        n, c = self.population, (self.population - 1) / self.population
+        return (g + t / n, t * c, var_g + 2 * cov / n + var_s / n**2, var_s * c**2, c * (cov + var_s / n))
+
     def decisive(self, estimate: NoiseEstimate | None = None) -> Tensor:
-        """``()`` bool: a measured estimate covering at least ``min_coverage`` of ‖ḡ‖² (no sync)."""
+        """``()`` bool: a measured estimate covering enough of the model (module docstring, rule 4; no sync)."""
         est = estimate or self.estimate()
-        return (est.count > 0) & (est.coverage >= self.min_coverage)
+        return (est.count >= MIN_MEASUREMENTS) & self._covers(est)
+
+    def _covers(self, est: NoiseEstimate) -> Tensor:
+        return (est.coverage >= self.min_coverage) & (est.unmeasured_trace_share <= MAX_UNMEASURED_TRACE)
 
     def in_noise_band(self, margin: float, estimate: NoiseEstimate | None = None,
                       device: torch.device | None = None) -> Tensor:
         """``()`` bool: ‖G‖² ≤ margin · tr(Σ)/B on a decisive estimate. A negative ‖G‖² from valid
-        sources counts (G ≈ 0); no valid source, no measurement or partial coverage never does.
+        sources within its error counts (G ≈ 0); no valid source, fewer than :data:`MIN_MEASUREMENTS`
+        or partial coverage never does.
 
         Without ``estimate`` (the stopper, every step) the sources' current EMAs are combined with the
         weights and coverage of the last full :meth:`estimate` (taken on logging steps, and at least
@@ -249,35 +329,46 @@ class GradientNoise:
         leaves the estimate unbiased."""
         if estimate is not None:
             est = estimate
-            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size)
+            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, self._covers(est), est.batch_size,
+                              est.grad_sq_norm_se)
         chosen = self.valid_sources()
         if not chosen:
             return torch.zeros((), dtype=torch.bool, device=device)
         self._stale += 1
         if self._cached is None or self._cached[0] != tuple(id(src) for src in chosen) or self._stale > WEIGHTS_REFRESH:
             est = self.estimate()
-            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, est.coverage, est.batch_size)
-        _, g_w, s_w, coverage = self._cached
+            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, self._covers(est), est.batch_size,
+                              est.grad_sq_norm_se)
+        _, g_w, s_w, covers, grad_se = self._cached
         first = chosen[0].ema.count.device
         pairs = torch.stack([src.ema.values.to(first) * src.unit_scale**2 for src in chosen])  # (k, 2): ‖G‖², S
+        if self.population is not None:  # rule 6, as in _moments
+            pairs = torch.stack([pairs[:, 0] + pairs[:, 1] / self.population,
+                                 pairs[:, 1] * (self.population - 1) / self.population], 1)
         counts = torch.stack([src.ema.count.to(first) for src in chosen])
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
-        return self._band(margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), coverage, batch)
+        return self._band(margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), covers, batch,
+                          grad_se)
 
-    def _band(self, margin: float, grad: Tensor, trace: Tensor, count: Tensor, coverage: Tensor,
-              batch: int | None) -> Tensor:
+    def _band(self, margin: float, grad: Tensor, trace: Tensor, count: Tensor, covers: Tensor,
+              batch: int | None, grad_se: Tensor) -> Tensor:
         if batch is None:
             return torch.zeros((), dtype=torch.bool, device=count.device)
-        return (count > 0) & (coverage >= self.min_coverage) & (trace > 0) & (grad <= margin * trace / batch)
+        uncoupled = grad >= -COUPLING_Z * grad_se.to(grad.device)  # below zero beyond its error: coupled (rule 5)
+        self.band_decisive = (count >= MIN_MEASUREMENTS) & covers.to(count.device)
+        return self.band_decisive & (trace > 0) & uncoupled & (grad <= margin * trace / batch)
 
     def metrics(self, estimate: NoiseEstimate | None = None) -> dict[str, Tensor]:
         """The run's one floor and one B_simple, with their errors and the coverage, as tags (device), and
-        for a partly measured model ``grad_norm/measured_total``, the norm of the parameters the floor covers;
+        for a partly measured model ``grad_norm/measured_total``, the norm of the parameters the floor covers,
+        and ``grad_noise/unmeasured_trace_share``, the bound on the tr(Σ) it cannot see (rule 4);
         ``grad_noise/b_simple_unreliable`` is 1 where no noise-aware advice follows (not decisive, ‖G‖² ≤ 0,
         or a relative error above ``max_rel_err``)."""
         est = estimate or self.estimate()
         reliable = self.decisive(est) & (est.grad_sq_norm > 0) & (est.b_simple_rel_err <= self.max_rel_err)
-        measured = {} if est.measured_norm is None else {"grad_norm/measured_total": est.measured_norm}
+        measured = ({} if est.measured_norm is None else
+                    {"grad_norm/measured_total": est.measured_norm,
+                     "grad_noise/unmeasured_trace_share": est.unmeasured_trace_share})
         return {**measured, "grad_norm/noise_floor": est.noise_floor,
                 "grad_noise/b_simple_unreliable": (~reliable).double(), "grad_norm/noise_floor_se": est.noise_floor_se,
                 "grad_noise/b_simple": est.b_simple, "grad_noise/b_simple_rel_err": est.b_simple_rel_err,
@@ -290,11 +381,12 @@ class GradientNoise:
         ``why`` a sentence when it is not both."""
         est = self.estimate()
         keys = ("grad_sq_norm", "grad_sq_norm_se", "trace_cov", "trace_cov_se", "b_simple", "b_simple_rel_err",
-                "noise_floor", "noise_floor_se", "coverage", "count")
+                "noise_floor", "noise_floor_se", "coverage", "unmeasured_trace_share", "count")
         values = torch.stack([getattr(est, k).double().reshape(()).to(est.count.device) for k in keys]).cpu().tolist()
         out: dict[str, Any] = dict(zip(keys, values))
         out.update(param_share=est.param_share, batch_size=est.batch_size, sources=est.sources)
-        out["decisive"] = out["count"] > 0 and out["coverage"] >= self.min_coverage
+        out["decisive"] = (out["count"] >= MIN_MEASUREMENTS and out["coverage"] >= self.min_coverage
+                           and out["unmeasured_trace_share"] <= MAX_UNMEASURED_TRACE)
         out["reliable"] = out["decisive"] and out["b_simple_rel_err"] <= self.max_rel_err
         out["why"] = self.why_not(out)
         return out
@@ -310,37 +402,68 @@ class GradientNoise:
         if summary["coverage"] < self.min_coverage:
             return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² "
                     f"({summary['param_share']:.0%} of the parameters), below {self.min_coverage:.0%}")
+        if not summary["unmeasured_trace_share"] <= MAX_UNMEASURED_TRACE:
+            return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² "
+                    f"({summary['param_share']:.0%} of the parameters), but the unmeasured parameters may hold up to "
+                    f"{summary['unmeasured_trace_share']:.2g}× the measured tr(Σ) (their share of ‖ḡ‖² bounds it only by "
+                    f"B·(1 − coverage)·‖ḡ‖²), above {MAX_UNMEASURED_TRACE:g}")
+        if summary["count"] < MIN_MEASUREMENTS:
+            return (f"not measured enough yet: {summary['count']:.0f} of the {MIN_MEASUREMENTS} measurements its errors "
+                    "need to be trusted")
         rel = summary["b_simple_rel_err"]
         if not rel <= self.max_rel_err:
-            what = "‖G‖² ≤ 0 (signal lost in noise)" if summary["grad_sq_norm"] <= 0 else f"relative error {rel:.2f}"
-            return f"B_simple unreliable: {what}, above the bound {self.max_rel_err:g}"
+            what = (f"relative error {rel:.2g}, above the bound {self.max_rel_err:g}" if math.isfinite(rel)
+                    else "‖G‖² ≤ 0 (signal lost in noise)" if summary["grad_sq_norm"] <= 0
+                    else f"‖G‖² is not {GATE_Z:.3g} standard errors above zero (signal not resolved from noise)")
+            return f"B_simple unreliable: {what}"
         return ""
 
     def disagreement(self) -> str:
-        """Once per run: a sentence naming two sources whose ‖G‖² or tr(Σ) differ by more than
-        :data:`AGREEMENT_Z` combined standard errors; ``""`` otherwise (and after the first time)."""
+        """Check the valid sources for coupled examples and against each other (module docstring, rule 5), on
+        logging steps (one transfer). Returns what to say, ``""`` when nothing new: a per-example source found
+        coupled, or disagreeing with the micro-batch/rank source, is invalidated and named once; two other
+        sources that disagree are named once per run and stay weighted by their variances."""
         chosen = self.valid_sources()
-        if self._said_disagreement or len(chosen) < 2:
+        if not chosen:
             return ""
+        device = chosen[0].ema.count.device
         parts = []
         for src in chosen:
-            var_s, var_g, _ = src.error.mean_covariance(src.ema)
-            u2 = src.unit_scale**2
-            device = chosen[0].ema.count.device
-            parts.append(torch.stack([src.ema.grad_sq_norm * u2, var_g.sqrt() * u2, src.ema.trace_cov * u2,
-                                      var_s.sqrt() * u2]).to(device))
+            g, t, var_g, var_s, _ = self._moments(src, device)
+            parts.append(torch.stack([g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double()]))
         rows = torch.stack(parts).cpu().tolist()  # one transfer
+        said = []
+        for src, (g, g_se, _, _, count) in zip(chosen, rows):
+            if src.name != INDEPENDENT and count >= MIN_MEASUREMENTS and g < -COUPLING_Z * g_se:
+                src.invalidate(f"its ‖G‖² {g:.3g} ± {g_se:.2g} is below zero by more than {COUPLING_Z:g} standard "
+                               f"errors, which independent examples cannot give: the examples are coupled, likely by "
+                               f"{COUPLING_CAUSES}")
+                said.append(f"the noise source {src.name} is dropped from the estimate: {src.invalid}")
         for i in range(len(chosen)):
             for j in range(i + 1, len(chosen)):
+                first, second, a, b = chosen[i], chosen[j], rows[i], rows[j]
+                if first.invalid or second.invalid:
+                    continue
                 for what, k in (("‖G‖²", 0), ("tr(Σ)", 2)):
-                    a, b = rows[i], rows[j]
                     se = math.hypot(a[k + 1], b[k + 1])
-                    if math.isfinite(se) and abs(a[k] - b[k]) > AGREEMENT_Z * se:
+                    if not (math.isfinite(se) and abs(a[k] - b[k]) > AGREEMENT_Z * se):
+                        continue
+                    values = f"{a[k]:.4g} ± {a[k + 1]:.2g} vs {b[k]:.4g} ± {b[k + 1]:.2g}"
+                    if INDEPENDENT in (first.name, second.name) and min(a[4], b[4]) >= MIN_MEASUREMENTS:
+                        other = second if first.name == INDEPENDENT else first
+                        other.invalidate(f"it disagrees with the micro-batch/rank source on {what} ({first.name} vs "
+                                         f"{second.name}: {values}, beyond {AGREEMENT_Z:g} standard errors); the "
+                                         f"micro-batches are independent by construction, so the examples are likely "
+                                         f"coupled by {COUPLING_CAUSES}")
+                        said.append(f"the noise source {other.name} is dropped from the estimate: {other.invalid}")
+                        break
+                    if not self._said_disagreement and INDEPENDENT not in (first.name, second.name):
                         self._said_disagreement = True
-                        return (f"the sources {chosen[i].name} and {chosen[j].name} disagree on {what}: "
-                                f"{a[k]:.4g} ± {a[k + 1]:.2g} vs {b[k]:.4g} ± {b[k + 1]:.2g} (beyond {AGREEMENT_Z:g} "
-                                "standard errors); the combined estimate weights them by their variances")
-        return ""
+                        said.append(f"the sources {first.name} and {second.name} disagree on {what}: {values} (beyond "
+                                    f"{AGREEMENT_Z:g} standard errors); the combined estimate weights them by their "
+                                    "variances")
+                        break
+        return "; ".join(said)
 
     def summary_rows(self) -> list[tuple[str, str]]:
         """End-of-run (measure, value) rows of the combined estimate (host floats)."""
@@ -360,6 +483,21 @@ class GradientNoise:
         return rows
 
 
+def _selected_lower_bound(grad: Tensor, se: Tensor, iterations: int = 40) -> Tensor:
+    """``()`` 95% lower bound on ‖G‖² from ``grad`` ± ``se`` given that it passed the gate grad ≥ k·se
+    (k = :data:`GATE_Z`): the μ with P(X ≥ grad | X ≥ k·se; X ~ N(μ, se²)) = 5% (a truncated normal, by
+    bisection on the device); 0 (no bound) below the gate or when no μ > 0 gives that."""
+    x = grad / se.clamp_min(1e-300)
+    target = math.log(0.05)
+    lo, hi = torch.zeros_like(x), x.clamp_min(0.0)
+    for _ in range(iterations):  # log P(X ≥ x | X ≥ k) rises with μ
+        mid = (lo + hi) / 2
+        above = torch.special.log_ndtr(mid - x) - torch.special.log_ndtr(mid - GATE_Z) > target
+        lo, hi = torch.where(above, lo, mid), torch.where(above, mid, hi)
+    found = torch.special.log_ndtr(-x) - torch.special.log_ndtr(-torch.full_like(x, GATE_Z)) < target
+    return torch.where(torch.isfinite(x) & (x >= GATE_Z) & found, hi * se, torch.zeros_like(grad))
+
+
 def _weights(var: Tensor, seen: Tensor) -> Tensor:
     """Normalised inverse-variance weights over the sources ``seen``; equal weights among them while none
     has a finite variance (a single update each)."""
@@ -373,6 +511,26 @@ def _bound(weights: Tensor, sd: Tensor, mask: Tensor | None = None) -> Tensor:
     """Σ_k w_k σ_k over the sources with weight (an upper bound on the standard error for any correlation)."""
     use = weights > 0 if mask is None else mask
     return torch.where(use, weights * sd, 0.0).sum()
+
+
+def population_of(loader: Any) -> int | None:
+    """N, the dataset's length, when ``loader`` draws every example once per epoch (sequential, shuffled
+    without replacement, a DistributedSampler): what :attr:`GradientNoise.population` corrects for; ``None``
+    for sampling with replacement, another sampler, or a dataset without a length."""
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+    if not isinstance(loader, DataLoader):
+        return None
+    sampler = loader.sampler
+    if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None):
+        return None
+    if not isinstance(sampler, (RandomSampler, SequentialSampler, DistributedSampler)):
+        return None
+    try:
+        n = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return n if n >= 2 else None
 
 
 def find_gradient_noise(callbacks: Any) -> GradientNoise:

@@ -53,8 +53,8 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
         "gradient noise: ‖G‖², the true gradient's squared norm, and its standard error": [
             "Multiline", [r"grad_noise/grad_sq_norm(?:_se)?$"]],
         "gradient noise: evidence-based criterion (stop when > 0)": ["Multiline", [r"grad_noise/eb_criterion$"]],
-        "noise estimate: coverage, B_simple's relative error, unreliable (1 = yes)": [
-            "Multiline", [r"grad_noise/(?:coverage|b_simple_rel_err|b_simple_unreliable)$"]],
+        "noise estimate: coverage, unmeasured tr(Σ) bound, B_simple's relative error, unreliable (1 = yes)": [
+            "Multiline", [r"grad_noise/(?:coverage|unmeasured_trace_share|b_simple_rel_err|b_simple_unreliable)$"]],
     }
     if 0 < len(groups) <= MAX_LAYER_CHARTS:
         for group in groups:

@@ -57,7 +57,7 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
 from trainvitals._markdown import markdown_table
-from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE
+from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE, MAX_UNMEASURED_TRACE, SOURCES_CHECK
 from trainvitals.core.findings import INTEGRITY, critical_counters, last_window_counters
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.tags import (
@@ -585,7 +585,7 @@ def _convergence(run: Run, report: RunReport) -> None:
     caveat = run.text("grad_noise/caveat")
     if caveat:
         report.findings.append(Finding("note", title, caveat.removeprefix("trainvitals GradNormEarlyStopping: ")))
-    error = (f" (noise floor ± {floor_se / floor:.0%})" if floor and floor_se is not None and math.isfinite(floor_se)
+    error = (f" (noise floor ± {100 * floor_se / floor:.2g}%)" if floor and floor_se is not None and math.isfinite(floor_se)
              else "")
     if _diverged(run):
         report.findings.append(Finding(
@@ -623,9 +623,13 @@ def _convergence(run: Run, report: RunReport) -> None:
 def _partial(run: Run) -> str:
     """"partial: …" when the run's noise estimate covered too little of ‖ḡ‖² to decide; else ""."""
     coverage = run.last(r"grad_noise/coverage$")
-    if coverage is None or coverage >= DEFAULT_MIN_COVERAGE:
-        return ""
-    return f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖² (a decision needs {DEFAULT_MIN_COVERAGE:.0%})"
+    unmeasured = run.last(r"grad_noise/unmeasured_trace_share$")
+    if coverage is not None and coverage < DEFAULT_MIN_COVERAGE:
+        return f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖² (a decision needs {DEFAULT_MIN_COVERAGE:.0%})"
+    if coverage is not None and unmeasured is not None and not unmeasured <= MAX_UNMEASURED_TRACE:
+        return (f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖², but the unmeasured parameters may hold up "
+                f"to {unmeasured:.2g}× the measured tr Σ (a decision needs ≤ {MAX_UNMEASURED_TRACE:g})")
+    return ""
 
 
 def _noise_scale(run: Run, report: RunReport) -> None:
@@ -640,16 +644,20 @@ def _noise_scale(run: Run, report: RunReport) -> None:
     rows += [Row(tag.removeprefix("lr_scaling/"), series[-1][1]) for tag, series in sorted(run.matching(
         r"lr_scaling/(?!effective_batch$).+").items())]
     report.sections[title] = rows
+    checked = run.text(SOURCES_CHECK)
+    if checked:  # said once by the callbacks: a noise source dropped, or two that disagree
+        report.findings.append(Finding("warning", title, f"noise sources: {checked}."))
     partial = _partial(run)
     if b_simple is not None and partial:
         report.findings.append(Finding("note", title, f"{partial}: no batch-size verdict, and no noise-aware lr advice."))
     elif b_simple is not None and (unreliable == 1 or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR):
-        what = f"relative error {rel_err:.2g}" if rel_err is not None and math.isfinite(rel_err) else "no error bar yet"
+        what = f"relative error {rel_err:.2g}" if rel_err is not None and math.isfinite(rel_err) else (
+            "no finite error bar: too few measurements, or ‖G‖² not resolved from zero")
         report.findings.append(Finding(
             "note", title, f"B_simple = {b_simple:.3g} is unreliable ({what}): no batch-size verdict; the lr advice "
             "follows the classic rules."))
     elif b_simple is not None and batch and math.isfinite(b_simple):
-        spread = f" (± {rel_err:.0%})" if rel_err is not None else " (its error was not logged)"
+        spread = f" (± {100 * rel_err:.2g}%)" if rel_err is not None else " (its error was not logged)"
         if batch < b_simple:
             message = (f"B = {batch:g} < B_simple = {b_simple:.3g}{spread}: each step is noise-dominated; a batch near "
                        "B_simple balances steps against examples.")
