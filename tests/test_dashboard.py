@@ -85,7 +85,10 @@ def test_charts_pick_up_what_the_callbacks_log(monitored) -> None:
     trainer, acc = monitored
     picked = chart_tags(read_layout(acc), acc)
     assert picked[GRAD_NORM_CHART] == ["grad_norm/total", "grad_norm/noise_floor", "grad_norm/noise_floor_se"]
-    assert picked[BAND_CHART] == ["grad_norm/total", "grad_norm/noise_floor", "grad_norm/band_edge"]
+    assert picked[BAND_CHART] == ["grad_norm/band_norm", "grad_norm/band_floor", "grad_norm/band_edge"]
+    # TensorBoard draws a margin chart only where its value, lower and upper series have the same steps.
+    band_steps = [[e.step for e in acc.Scalars(tag)] for tag in picked[BAND_CHART]]
+    assert band_steps[0] and band_steps[0] == band_steps[1] == band_steps[2]
     assert picked["in the noise band (1 = yes)"] == ["grad_norm/in_noise_band"]
     assert picked["B_simple vs effective batch (examples)"] == ["grad_noise/b_simple"]  # the run's one B_simple
     layers = {name for name, m in trainer.lightning_module.named_modules() if list(m.parameters(recurse=False))}
@@ -186,7 +189,7 @@ def test_the_layout_follows_the_loggers_prefix(tmp_path: Path) -> None:
     acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0}).Reload()
     picked = chart_tags(read_layout(acc), acc)
     assert picked[GRAD_NORM_CHART] == ["fold1-grad_norm/total", "fold1-grad_norm/noise_floor", "fold1-grad_norm/noise_floor_se"]
-    assert picked[BAND_CHART] == ["fold1-grad_norm/total", "fold1-grad_norm/noise_floor", "fold1-grad_norm/band_edge"]
+    assert picked[BAND_CHART] == ["fold1-grad_norm/band_norm", "fold1-grad_norm/band_floor", "fold1-grad_norm/band_edge"]
     assert picked["per-layer gradient norm: head"] and all(t.startswith("fold1-grad_norm/head.") for t in
                                                             picked["per-layer gradient norm: head"])
     # Unprefixed tags are not picked up: the regexes are anchored at the prefix.

@@ -312,11 +312,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         every = logging_every(trainer)
         logged = is_logging_step(step, every)
         if logged:
-            self._log(trainer, step, in_condition)
+            self._log(trainer, step, total, in_condition)
         if self.steps % self.check_every_n_steps == 0 and self.mode == "noise_band" and self._source is not None:
             self._say_caveat(trainer, step)
         if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and every and not logged:
-            self._log(trainer, step, in_condition, final=True)  # the chart ends where the run stopped
+            self._log(trainer, step, total, in_condition, final=True)  # the chart ends where the run stopped
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -429,7 +429,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         GradNormMonitor's ``grad_norm/total``), ``()`` float64; 0 before the first estimate."""
         return self.gradient_noise.estimate().noise_floor
 
-    def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor, final: bool = False) -> None:
+    def _log(self, trainer: "pl.Trainer", step: int, total: Tensor, in_condition: Tensor, final: bool = False) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak, **self.nonfinite.metrics(trainer, self)}
         if self.mode == "noise_band" and self._source is not None:
             estimate = self.gradient_noise.estimate()
@@ -438,9 +438,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             # NaN (left out) while the estimate cannot decide: the band is then not measured, not "out".
             decisive = self.gradient_noise.decisive(estimate).to(in_condition.device)
             metrics["grad_norm/in_noise_band"] = torch.where(decisive, in_condition.double(), float("nan"))
-            # Where the band ends for the norm: E‖ḡ‖² = ‖G‖² + tr Σ/B ≤ (1 + margin) tr Σ/B.
-            metrics["grad_norm/band_edge"] = torch.where(
-                decisive, estimate.noise_floor.to(in_condition.device) * math.sqrt(1.0 + self.margin), float("nan"))
+            # The margin chart's three series, logged together (TensorBoard draws it only where their steps
+            # agree): the norm judged, the floor and where the band ends for the norm, E‖ḡ‖² = ‖G‖² + tr Σ/B
+            # ≤ (1 + margin) tr Σ/B; all left out while the estimate cannot decide.
+            floor = estimate.noise_floor.to(in_condition.device)
+            nan = torch.full_like(floor, float("nan"))
+            metrics["grad_norm/band_norm"] = torch.where(decisive, total.to(floor), nan)
+            metrics["grad_norm/band_floor"] = torch.where(decisive, floor, nan)
+            metrics["grad_norm/band_edge"] = torch.where(decisive, floor * math.sqrt(1.0 + self.margin), nan)
         log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
 
     def _say_caveat(self, trainer: "pl.Trainer", step: int) -> None:

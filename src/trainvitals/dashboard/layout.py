@@ -32,8 +32,9 @@ MAX_LAYER_CHARTS = 8
 
 GRAD_NORM_CHART = "gradient norm vs noise floor"
 BAND_CHART = "gradient norm in its noise band (shaded: noise floor to band edge)"
-BAND_TAGS = ("grad_norm/total", "grad_norm/noise_floor", "grad_norm/band_edge")
-"""The margin chart's value, lower and upper series: exact tags (single optimizer), not regexes."""
+BAND_TAGS = ("grad_norm/band_norm", "grad_norm/band_floor", "grad_norm/band_edge")
+"""The margin chart's value, lower and upper series, which GradNormEarlyStopping logs at the same steps (a margin
+chart whose three series' steps differ is not drawn): exact tags (single optimizer), not regexes."""
 
 
 def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:

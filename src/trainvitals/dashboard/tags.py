@@ -38,6 +38,8 @@ GRAD_NORM_SUMMARIES = (
     "noise_floor",
     "noise_floor_se",
     "measured_total",
+    "band_norm",
+    "band_floor",
     "band_edge",
     "in_noise_band",
     "band_streak",
