@@ -599,3 +599,21 @@ def test_what_would_make_it_measurable_names_only_what_applies():
     training = SimpleNamespace(lightning_module=frozen.train(), callbacks=[])
     said = measurable_by(training)
     assert "instead of BatchNorm" in said and ", or a BatchVarianceProbe" in said
+
+
+def test_a_noise_band_stop_resumed_still_names_its_estimate(tmp_path):
+    """Resumed after a stop on the band, no batch runs: the summary still names the restored estimate and
+    its sources, not "no noise source"."""
+    d = 10
+    first = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1, verbose=False)
+    trainer = _fit(LinearRegression(torch.zeros(d)), [first], regression_stream(400, 16, d, torch.zeros(d), 1.0),
+                   max_epochs=1, accumulate_grad_batches=4)
+    assert first.stopped_step is not None
+    path = tmp_path / "stopped.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1, verbose=False)
+    Trainer(**trainer_kwargs(callbacks=[resumed], logger=False, max_epochs=3, accumulate_grad_batches=4)).fit(
+        LinearRegression(torch.zeros(d)), regression_stream(400, 16, d, torch.zeros(d), 1.0), ckpt_path=str(path))
+    text = resumed.summary_markdown()
+    assert resumed.stopped_again_step is not None and "no noise source" not in text
+    assert "micro_batch" in text and "B_simple" in text

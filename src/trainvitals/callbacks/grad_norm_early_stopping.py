@@ -230,6 +230,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             return
         trainer.should_stop = True
         self.stopped_again_step = trainer.global_step
+        self._choose_source(trainer, pl_module)  # no batch runs: the summary still names the restored estimate
         if self.verbose:
             self.info(f"resumed from a checkpoint written after its stop at optimizer step {self.stopped_step}; "
                       "stopping again. To train on, change its arguments (a new patience or margin starts afresh) "
