@@ -421,16 +421,17 @@ def test_a_nan_run_with_the_stopper_alone_is_critical(tmp_path: Path, capsys) ->
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_nan_between_logging_steps_gets_no_band_verdict(tmp_path: Path, capsys) -> None:
-    """NaN from step 8, logged every 5 steps: the first interval after the last finite norm (5) is only
-    partly non-finite; the stopper's band flag after it is its last one from before."""
+    """NaN from step 28, logged every 5 steps: the first interval after the last finite norm (25) is only
+    partly non-finite; the stopper's band flag after it (decisive from its 20th measurement on) is its last
+    one from before."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
     from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 
     stopper = GradNormEarlyStopping(min_steps=0, patience=1000, margin=50.0, verbose=False)
-    _fit(TensorBoardLogger(tmp_path), inf_at_step=8, n=128, callbacks=[GradNormMonitor(), stopper],
-         accumulate_grad_batches=2, max_steps=16, log_every_n_steps=5)
+    _fit(TensorBoardLogger(tmp_path), inf_at_step=28, n=128, callbacks=[GradNormMonitor(), stopper],
+         accumulate_grad_batches=2, max_steps=36, log_every_n_steps=5)
     (run,) = read_runs(tmp_path)
     assert run.scalars["grad_norm/in_noise_band"][-1][1] == 1.0  # what the old report took as the verdict
     status, doc = report_json(capsys, tmp_path)
