@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from _models import Scale
 from trainvitals.core.per_example import _common as per_example_module
 from trainvitals.core.noise import (
     NoiseScaleEMA,
@@ -34,17 +35,6 @@ from trainvitals.core.per_example import (
 )
 
 B = 6
-
-
-class Scale(nn.Module):
-    """A layer with no per-example identity: y = x ⊙ s."""
-
-    def __init__(self, features: int) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
 
 
 class SequenceModel(nn.Module):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from _models import Scale
 from trainvitals.core.per_example import (
     PerExampleGradients,
     PerExampleRule,
@@ -115,17 +116,6 @@ def test_batchnorm_put_in_training_mode_after_planning_fails_not_measures():
     model(torch.randn(4, 3)).sum().backward()
     collector.end_micro_batch(1.0)
     assert "couple the examples" in collector.pop().failed["1"]
-
-
-class Scale(nn.Module):
-    """A layer of one's own: y = x ⊙ s over (B, *, D)."""
-
-    def __init__(self, features: int) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
 
 
 class ScaledScale(Scale):
