@@ -513,10 +513,11 @@ class PerExampleGradients:
                 for local, g in grads.items():
                     g = g.to(_accumulation_dtype(g)) * unit
                     qualified = f"{name}.{local}" if name else local
-                    sq = g.flatten(1).square().sum(1).sum()
+                    squares = g.square()
+                    sq = squares.sum()
                     step.sub_sq_norm_sum = sq if step.sub_sq_norm_sum is None else step.sub_sq_norm_sum + sq
                     _add(step.sub_grad_sum, qualified, g.sum(0))
-                    _add(step.sub_sum_sq, qualified, g.square().sum(0))
+                    _add(step.sub_sum_sq, qualified, squares.sum(0))
         finally:
             self._replaying = False
         if sub is not None:
