@@ -119,3 +119,42 @@ class Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.scale
+
+
+class GAN(pl.LightningModule):
+    """GAN-shaped manual optimization: a generator and a discriminator, each with its own optimizer.
+
+    The generator's loss goes through the discriminator. ``zero_disc=False`` leaves the
+    discriminator's gradient of its own loss in ``.grad`` when the generator's backward adds to it;
+    ``detach_fake=False`` sends the discriminator's loss back into the generator. ``reference[k]``
+    holds the brute-force gradient norm optimizer k stepped on, one per step.
+    """
+
+    def __init__(self, d: int = 4, zero_disc: bool = True, detach_fake: bool = True) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.zero_disc, self.detach_fake = zero_disc, detach_fake
+        self.gen = nn.Sequential(nn.Linear(d, d))
+        self.disc = nn.Sequential(nn.Linear(d, 1))
+        self.reference: dict[int, list[float]] = {0: [], 1: []}
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        fake = self.gen(x)
+        d_fake = self.disc(fake.detach() if self.detach_fake else fake)
+        d_loss = F.softplus(-self.disc(x)).mean() + F.softplus(d_fake).mean()
+        if self.zero_disc:
+            opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        self.reference[1].append(flat_grad_norm(self.disc.parameters()))
+        opt_d.step()
+        g_loss = F.softplus(-self.disc(fake)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        self.reference[0].append(flat_grad_norm(self.gen.parameters()))
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.gen.parameters(), lr=0.01),
+                torch.optim.SGD(self.disc.parameters(), lr=0.01))

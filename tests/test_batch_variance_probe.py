@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning.pytorch as pl
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins import MixedPrecision
-from _models import ReleaseProcessGroup
+from _models import GAN, ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
 
@@ -797,34 +797,11 @@ def test_the_batch_is_sized_from_the_batch_not_from_the_first_layer_that_runs():
     assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-6
 
 
-class TwoOptimizers(pl.LightningModule):
-    """Manual optimization, GAN-style: two optimizers step on two losses in one batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.gen, self.critic = nn.Linear(5, 5), nn.Linear(5, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        x, _ = batch
-        opt_gen, opt_critic = self.optimizers()
-        critic_loss = self.critic(self.gen(x).detach()).mean() - self.critic(x).mean()
-        opt_critic.zero_grad()
-        self.manual_backward(critic_loss)
-        opt_critic.step()
-        opt_gen.zero_grad()
-        self.manual_backward(-self.critic(self.gen(x)).mean())
-        opt_gen.step()
-
-    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [torch.optim.SGD(self.gen.parameters(), lr=0.01), torch.optim.SGD(self.critic.parameters(), lr=0.01)]
-
-
 def test_two_optimizers_are_named_as_the_reason_nothing_is_measured():
     probe, logger = BatchVarianceProbe(), RecordingLogger()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(TwoOptimizers(), as_float32(classification_data("mlp", 32)), [probe], batch_size=8, steps=6,
+        fit(GAN(d=5), as_float32(classification_data("mlp", 32)), [probe], batch_size=8, steps=6,
             precision="32-true", logger=logger)
     (message,) = _probe_warnings(record)
     assert "the run has 2 optimizers" in message

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 import lightning.pytorch as pl
-from _models import Regressor, flat_grad_norm, loader, regression_data
+from _models import GAN, Regressor, flat_grad_norm, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
 from trainvitals.callbacks.grad_norm_monitor import MAX_PENDING_STEPS
@@ -181,42 +181,14 @@ def test_a_module_named_total_keeps_its_own_tag():
     assert logger.values("grad_norm/total (layer)")[-1] == pytest.approx(model.total_layer_norm, rel=1e-6)
 
 
-class TwoOptimizers(pl.LightningModule):
-    """GAN-style manual optimisation: a generator and a discriminator, each with its own optimizer."""
-
-    def __init__(self):
-        super().__init__()
-        self.automatic_optimization = False
-        self.generator = nn.Linear(6, 6)
-        self.discriminator = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1))
-        self.reference = {0: [], 1: []}
-
-    def training_step(self, batch, batch_idx):
-        x, _ = batch
-        opt_g, opt_d = self.optimizers()
-        d_loss = self.discriminator(self.generator(x).detach()).mean() - self.discriminator(x).mean()
-        opt_d.zero_grad()
-        self.manual_backward(d_loss)
-        self.reference[1].append(flat_grad_norm(self.discriminator.parameters()))
-        opt_d.step()
-        g_loss = -self.discriminator(self.generator(x)).mean()
-        opt_g.zero_grad()
-        self.manual_backward(g_loss)
-        self.reference[0].append(flat_grad_norm(self.generator.parameters()))
-        opt_g.step()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.generator.parameters(), lr=0.01), torch.optim.SGD(self.discriminator.parameters(), lr=0.01)
-
-
 def test_manual_optimization_two_optimizers_one_total_each():
     logger = RecordingLogger()
-    model = TwoOptimizers()
+    model = GAN(d=6)
     fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger, max_steps=6)
     assert logger.values("grad_norm/optimizer_0/total") == pytest.approx(model.reference[0], rel=1e-6)
     assert logger.values("grad_norm/optimizer_1/total") == pytest.approx(model.reference[1], rel=1e-6)
-    assert "grad_norm/optimizer_0/generator" in logger.series
-    assert "grad_norm/optimizer_1/discriminator.2" in logger.series
+    assert "grad_norm/optimizer_0/gen.0" in logger.series
+    assert "grad_norm/optimizer_1/disc.0" in logger.series
 
 
 def test_compiled_module_gives_the_eager_norms():

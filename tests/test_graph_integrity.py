@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-from _models import free_port
+from _models import GAN, free_port
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.callbacks import graph_integrity
 from trainvitals.callbacks.graph_integrity import FindingKind, GraphIntegrityCallback, GraphIntegrityError
@@ -587,44 +587,15 @@ def test_frozen_parameter_that_still_changes_is_named_with_the_cause(set_to_none
     assert not torch.equal(before, model.body.weight)
 
 
-class TwoOptimizers(pl.LightningModule):
-    """A GAN-shaped pair: the generator's loss goes through the discriminator."""
-
-    def __init__(self, zero_disc: bool = True, detach_fake: bool = True) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.zero_disc, self.detach_fake = zero_disc, detach_fake
-        self.gen = nn.Sequential(nn.Linear(4, 4))
-        self.disc = nn.Sequential(nn.Linear(4, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, _ = batch
-        opt_g, opt_d = self.optimizers()
-        fake = self.gen(x)
-        d_fake = self.disc(fake.detach() if self.detach_fake else fake)
-        d_loss = F.softplus(-self.disc(x)).mean() + F.softplus(d_fake).mean()
-        if self.zero_disc:
-            opt_d.zero_grad()
-        self.manual_backward(d_loss)
-        opt_d.step()
-        g_loss = F.softplus(-self.disc(fake)).mean()
-        opt_g.zero_grad()
-        self.manual_backward(g_loss)
-        opt_g.step()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.gen.parameters(), lr=0.01), torch.optim.SGD(self.disc.parameters(), lr=0.01)
-
-
 def test_two_optimizers_clean():
     cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=2)
-    fit(TwoOptimizers(), cb, steps=8)
+    fit(GAN(), cb, steps=8)
     assert cb.findings == []
 
 
 def test_gradient_left_over_from_another_loss_is_a_leak():
     cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=2)
-    fit(TwoOptimizers(zero_disc=False), cb, steps=8)
+    fit(GAN(zero_disc=False), cb, steps=8)
     f = finding(cb, K.GRAD_LEAK)
     assert f.names == ("disc.0.weight", "disc.0.bias")
     assert f.message.startswith("Optimizer 1 (SGD")
@@ -931,7 +902,7 @@ class InplaceAfterAStep(ManualNet):
     [
         # The default schedule walks at step 0 only: the running total is named from the error alone.
         (lambda: CarriedState(detach=False, total=True), K.SECOND_BACKWARD, ("hidden",), "created in an earlier step"),
-        (lambda: TwoOptimizers(detach_fake=False), K.SECOND_BACKWARD, ("gen.0",), "`fake.detach()`"),
+        (lambda: GAN(detach_fake=False), K.SECOND_BACKWARD, ("gen.0",), "`fake.detach()`"),
         (StepBetweenForwardAndBackward, K.INPLACE_MODIFIED, ("head.weight",),
          "optimizer 0 (SGD).step() updated it in place after the forward"),
         (InplaceOnSaved, K.INPLACE_MODIFIED, ("sigmoid", "mul_"), "saved for backward by `sigmoid` at test_graph_"),
