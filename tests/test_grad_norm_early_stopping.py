@@ -330,6 +330,18 @@ def test_ddp_ranks_agree_on_norms_and_stop_at_the_same_step(tmp_path):
     assert ranks[0]["batch"] == 32  # 2 ranks × 16
 
 
+def test_the_ranks_step_shape_is_copied_to_the_device_only_when_it_changes():
+    """Under DDP each step all-reduces (usable, micro-batches, micro-batch size): the same values reuse one
+    device tensor instead of a host-to-device copy per step; new ones (an epoch's short last window) are new."""
+    stopper = GradNormEarlyStopping()
+    shape, square = stopper._step_shape((1.0, 4.0, 16.0), torch.device("cpu"))
+    assert shape.tolist() == [1.0, 4.0, 16.0] and square.tolist() == [1.0, 16.0, 256.0]
+    again = stopper._step_shape((1.0, 4.0, 16.0), torch.device("cpu"))
+    assert again[0] is shape and again[1] is square
+    short = stopper._step_shape((1.0, 3.0, 16.0), torch.device("cpu"))
+    assert short[0] is not shape and short[0].tolist() == [1.0, 3.0, 16.0] and short[1].tolist() == [1.0, 9.0, 256.0]
+
+
 @pytest.mark.slow
 def test_ddp_a_fit_resumed_after_the_stop_stops_again_on_every_rank(tmp_path):
     d = 10
