@@ -171,6 +171,41 @@ def test_with_a_monitor_the_stopper_reads_its_total_instead_of_measuring_again(o
     assert len(calls) == (0 if order == "monitor first" else trainer.global_step)
 
 
+def test_without_a_monitor_the_stopper_and_the_probe_share_one_norm_per_step(monkeypatch):
+    """Both ask for ‖.grad‖² over the same trainable parameters at each step: one fused pass, and both get
+    the norm of that step's gradient (brute force), not an earlier one's."""
+    from trainvitals import BatchVarianceProbe
+
+    taken, seen = [], []
+    measure = monitor_module._fused_grad_sq_norm
+
+    def counted(trainer, optimizer, params):
+        taken.append(trainer.global_step)
+        return measure(trainer, optimizer, params)
+
+    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", counted)
+    ask = monitor_module.grad_sq_norm
+
+    def asked(trainer, optimizer, params):
+        value = ask(trainer, optimizer, params)
+        brute = sum(p.grad.double().square().sum() for p in params if p.grad is not None)
+        seen.append((trainer.global_step, float(value), float(brute)))
+        return value
+
+    from trainvitals.callbacks import batch_variance_probe as probe_module
+    from trainvitals.callbacks import grad_norm_early_stopping as stopper_module
+
+    monkeypatch.setattr(stopper_module, "grad_sq_norm", asked)
+    monkeypatch.setattr(probe_module, "grad_sq_norm", asked)
+    probe = BatchVarianceProbe(histogram_every_n_steps=None)
+    stopper = GradNormEarlyStopping(min_steps=0, check_every_n_steps=4)
+    trainer = _fit(Regressor(autocast=False), [probe, stopper], loader(regression_data(n=8 * 12), 8), max_epochs=1)
+    assert trainer.global_step == 12 and taken == list(range(12))
+    assert [step for step, _, _ in seen] == [step for step in range(12) for _ in range(2)]
+    for _, value, brute in seen:
+        assert value == pytest.approx(brute, rel=1e-5)  # float32 gradients
+
+
 def test_skipped_amp_steps_do_not_count_toward_convergence():
     from lightning.pytorch.plugins.precision import MixedPrecision
 
