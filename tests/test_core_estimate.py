@@ -174,6 +174,43 @@ def test_units_of_each_source_are_converted_to_those_of_grad():
     assert float(est.noise_floor) == pytest.approx(math.sqrt(32.0 / 16))
 
 
+def test_the_estimate_is_cached_until_a_source_changes():
+    """Two calls with nothing new in between (the stopper's and the probe's logs of one step) return one
+    object; an update, a restore, a new unit or population, an invalid source each give a fresh one, equal
+    to what an uncached GradientNoise computes from the same sources."""
+    noise, sources = GradientNoise(), [NoiseSource("probe", 0.9), NoiseSource("micro_batch", 0.9)]
+    for src in sources:
+        src.effective_batch_size = 16
+        noise.attach(src)
+        src.update(torch.tensor(0.5), torch.tensor(2.0))
+    first = noise.estimate()
+    assert noise.estimate() is first
+
+    def fresh(est):
+        other = GradientNoise()
+        other.population = noise.population
+        for src in noise.sources.values():
+            other.attach(src)
+        expected = other.estimate()
+        assert est is not first and est.sources == expected.sources
+        for name in ("grad_sq_norm", "trace_cov", "b_simple", "noise_floor", "count"):
+            assert float(getattr(est, name)) == float(getattr(expected, name)), name
+        return est
+
+    sources[0].update(torch.tensor(0.7), torch.tensor(3.0))
+    first = fresh(noise.estimate())
+    assert float(first.count) == 2 and noise.estimate() is first
+    sources[1].unit_scale = 2.0
+    first = fresh(noise.estimate())
+    noise.population = 100
+    first = fresh(noise.estimate())
+    sources[1].load_state_dict(sources[0].state_dict())
+    first = fresh(noise.estimate())
+    sources[0].invalidate("coupled")
+    est = fresh(noise.estimate())
+    assert est.sources == ("micro_batch",) and noise.estimate() is est
+
+
 def test_state_round_trips():
     src = NoiseSource("probe", 0.9, 0.5)
     src.unit_scale, src.effective_batch_size = 2.0, 32

@@ -171,6 +171,41 @@ def test_with_a_monitor_the_stopper_reads_its_total_instead_of_measuring_again(o
     assert len(calls) == (0 if order == "monitor first" else trainer.global_step)
 
 
+def test_without_a_monitor_the_stopper_and_the_probe_share_one_norm_per_step(monkeypatch):
+    """Both ask for ‖.grad‖² over the same trainable parameters at each step: one fused pass, and both get
+    the norm of that step's gradient (brute force), not an earlier one's."""
+    from trainvitals import BatchVarianceProbe
+
+    taken, seen = [], []
+    measure = monitor_module._fused_grad_sq_norm
+
+    def counted(trainer, optimizer, params):
+        taken.append(trainer.global_step)
+        return measure(trainer, optimizer, params)
+
+    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", counted)
+    ask = monitor_module.grad_sq_norm
+
+    def asked(trainer, optimizer, params):
+        value = ask(trainer, optimizer, params)
+        brute = sum(p.grad.double().square().sum() for p in params if p.grad is not None)
+        seen.append((trainer.global_step, float(value), float(brute)))
+        return value
+
+    from trainvitals.callbacks import batch_variance_probe as probe_module
+    from trainvitals.callbacks import grad_norm_early_stopping as stopper_module
+
+    monkeypatch.setattr(stopper_module, "grad_sq_norm", asked)
+    monkeypatch.setattr(probe_module, "grad_sq_norm", asked)
+    probe = BatchVarianceProbe(histogram_every_n_steps=None)
+    stopper = GradNormEarlyStopping(min_steps=0, check_every_n_steps=4)
+    trainer = _fit(Regressor(autocast=False), [probe, stopper], loader(regression_data(n=8 * 12), 8), max_epochs=1)
+    assert trainer.global_step == 12 and taken == list(range(12))
+    assert [step for step, _, _ in seen] == [step for step in range(12) for _ in range(2)]
+    for _, value, brute in seen:
+        assert value == pytest.approx(brute, rel=1e-5)  # float32 gradients
+
+
 def test_skipped_amp_steps_do_not_count_toward_convergence():
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -328,6 +363,18 @@ def test_ddp_ranks_agree_on_norms_and_stop_at_the_same_step(tmp_path):
     assert ranks[0]["stopped_step"] is not None
     assert ranks[0]["stopped_step"] == ranks[1]["stopped_step"] and ranks[0]["global_step"] == ranks[1]["global_step"]
     assert ranks[0]["batch"] == 32  # 2 ranks × 16
+
+
+def test_the_ranks_step_shape_is_copied_to_the_device_only_when_it_changes():
+    """Under DDP each step all-reduces (usable, micro-batches, micro-batch size): the same values reuse one
+    device tensor instead of a host-to-device copy per step; new ones (an epoch's short last window) are new."""
+    stopper = GradNormEarlyStopping()
+    shape, square = stopper._step_shape((1.0, 4.0, 16.0), torch.device("cpu"))
+    assert shape.tolist() == [1.0, 4.0, 16.0] and square.tolist() == [1.0, 16.0, 256.0]
+    again = stopper._step_shape((1.0, 4.0, 16.0), torch.device("cpu"))
+    assert again[0] is shape and again[1] is square
+    short = stopper._step_shape((1.0, 3.0, 16.0), torch.device("cpu"))
+    assert short[0] is not shape and short[0].tolist() == [1.0, 3.0, 16.0] and short[1].tolist() == [1.0, 9.0, 256.0]
 
 
 @pytest.mark.slow

@@ -279,6 +279,64 @@ def test_a_lookup_shared_by_the_batch_is_named_and_its_output_left_as_it_is(use)
     assert step.seen == {"tok", "head"} and collector.unbalanced(step, 1.0 / B) == {}
 
 
+class Lookup(nn.Module):
+    """A recommender's item table, looked up with one id per example: ``(B,)`` integer ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items, self.head = nn.Embedding(9, 3), nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.items(ids)))
+
+
+@pytest.mark.parametrize("ids", [[3, 7, 3, 1], list(range(B))])
+def test_per_example_ids_are_compared_with_arange_without_a_host_read_until_decided(monkeypatch, ids):
+    """1-D ids of B integers are told from ``arange(B)`` on the device: nothing reads the host in the hooks
+    or at ``pop(decide=False)``; ``decide`` then fails a lookup of ``arange(B)`` as its forward did before,
+    and the statistics are the brute force's over what is measured."""
+    torch.manual_seed(0)
+    model, x = Lookup().double(), torch.tensor(ids)
+    collector = PerExampleGradients(plan_sources(model, groups_available=False, fallback=False).per_example, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for _ in range(2):  # two micro-batches of one step
+        collector.begin_micro_batch()
+        collector.expect_batch(B)
+        model(x).square().mean().backward()
+        collector.end_micro_batch(float(B))
+    step = collector.pop(decide=False)
+    monkeypatch.undo()
+    assert reads == [] and set(step.undecided) == {"items"}
+
+    collector.decide(step)
+    shared = ids == list(range(B))
+    assert not step.undecided and set(step.failed) == ({"items"} if shared else set())
+    assert not shared or "shared by the batch" in step.failed["items"]
+    assert step.seen == ({"head"} if shared else {"items", "head"})
+    measured = {n: p for n, p in model.named_parameters() if not (shared and n.startswith("items"))}
+    assert set(step.grad_sum) == set(measured)
+    per_example = []
+    for i in range(B):  # each example's own loss out_i²
+        model.zero_grad()
+        model(x[i:i + 1]).square().sum().backward()
+        per_example.append(torch.cat([p.grad.flatten() for p in measured.values()]))
+    flat = torch.stack(per_example)
+    for sq in step.sq_norms:
+        torch.testing.assert_close(sq, flat.square().sum(1), rtol=1e-9, atol=0)
+    offsets = [0, *torch.tensor([p.numel() for p in measured.values()]).cumsum(0).tolist()]
+    for (name, p), start, end in zip(measured.items(), offsets, offsets[1:]):
+        torch.testing.assert_close(step.grad_sum[name].flatten(), 2 * flat[:, start:end].sum(0), rtol=1e-9, atol=1e-12)
+
+
 def test_a_fallback_layer_with_a_tuple_output_is_named_for_that():
     """nn.LSTMCell in a loop: its ``(h, c)`` output was skipped unsaid, then blamed on gradients "outside
     its own forward"."""

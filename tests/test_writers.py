@@ -149,3 +149,19 @@ def test_histogram_summary_counts_every_finite_value_of_several_tensors() -> Non
     assert summary["sum"] == pytest.approx(flat.sum(), rel=1e-5)
     assert summary["sum_squares"] == pytest.approx((flat**2).sum(), rel=1e-5)
     assert histogram_summary([torch.full((3,), float("nan"))]) is None
+
+
+def test_histogram_summary_reads_the_host_three_times_whatever_the_tensors(monkeypatch) -> None:
+    """Which tensors hold non-finite values, the range, and the counts with Σv and Σv²: one read each."""
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    summary = histogram_summary([torch.randn(30), torch.randn(4, 5), torch.tensor([1.0, float("inf")])], bins=8)
+    monkeypatch.undo()
+    assert reads == ["tolist"] * 3 and summary["num"] == 51 and sum(summary["bucket_counts"]) == 51

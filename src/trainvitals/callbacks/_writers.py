@@ -128,19 +128,19 @@ def histogram_summary(values: Sequence[Tensor], bins: int = HISTOGRAM_BINS) -> d
     parts = [p.float() for p in parts if p.numel()]
     if not parts:
         return None
-    lo = float(torch.stack([p.min() for p in parts]).min())
-    hi = float(torch.stack([p.max() for p in parts]).max())
+    lo, hi = torch.stack([torch.stack([p.min() for p in parts]).min(),
+                          torch.stack([p.max() for p in parts]).max()]).tolist()
     width_hi = hi if hi > lo else lo + 1.0
-    counts = torch.zeros(bins, dtype=torch.float64, device=parts[0].device)
-    stats = torch.zeros(2, dtype=torch.float64, device=parts[0].device)
+    totals = torch.zeros(bins + 2, dtype=torch.float64, device=parts[0].device)  # the counts, Σv, Σv²: one transfer
+    counts = totals[:bins]
     for p in parts:
         counts += torch.histc(p, bins=bins, min=lo, max=width_hi).double()
-        stats[0] += p.sum().double()
-        stats[1] += torch.linalg.vector_norm(p).double() ** 2
-    counts_host, (total, squares) = counts.cpu().numpy(), stats.cpu().tolist()
+        totals[bins] += p.sum().double()
+        totals[bins + 1] += torch.linalg.vector_norm(p).double() ** 2
+    *counts_host, total, squares = totals.tolist()
     limits = np.linspace(lo, width_hi, bins + 1)[1:]
     return {"min": lo, "max": hi, "num": int(sum(p.numel() for p in parts)), "sum": total, "sum_squares": squares,
-            "bucket_limits": limits.tolist(), "bucket_counts": counts_host.tolist()}
+            "bucket_limits": limits.tolist(), "bucket_counts": counts_host}
 
 
 def log_histogram(trainer: "pl.Trainer", tag: str, values: Tensor | Sequence[Tensor], step: int) -> None:

@@ -170,6 +170,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._micro_sizes: list[int | None] = []  # None: a batch Lightning cannot size
         self._params: list[torch.nn.Parameter] = []
         self._pending: tuple[int, Tensor, Tensor] | None = None  # (step, total norm, step valid)
+        self._shape: tuple[Any, tuple[Tensor, Tensor]] | None = None  # see _step_shape
         self._warned_no_source = False
         self._logs_estimate = True
         self.gradient_noise = GradientNoise()
@@ -393,12 +394,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if scale is not None:
             mean_sq = mean_sq / scale.to(mean_sq.device).double() ** 2
         if world > 1:  # the mean over ranks, and whether every rank had the same usable micro-batches
-            shape = torch.tensor([float(usable), float(n_local), float(micro_batch_size)], dtype=torch.float64,
-                                 device=mean_sq.device)
-            summed, shapes, squares = reduce_packed(trainer, [mean_sq, shape, shape.square()])
+            shape, shape_sq = self._step_shape((float(usable), float(n_local), float(micro_batch_size)), mean_sq.device)
+            summed, shapes, squares = reduce_packed(trainer, [mean_sq, shape, shape_sq])
             mean_sq = summed / world
             # Σx = W·x and Σx² = W·x² on every rank hold only when all ranks have the same x.
-            valid = valid & (shapes == world * shape).all() & (squares == world * shape.square()).all()
+            valid = valid & (shapes == world * shape).all() & (squares == world * shape_sq).all()
         if not usable:
             return
         # An epoch's last window can hold fewer than A micro-batches; Lightning still divides by A.
@@ -410,6 +410,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         # The band is judged at a whole step's batch: an epoch's short last window does not change it.
         if n_local == accumulate or self.effective_batch_size is None:
             self.effective_batch_size = self.noise_source.effective_batch_size = n * micro_batch_size
+
+    def _step_shape(self, values: tuple[float, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+        """``values`` and their squares as float64 tensors on ``device``: copied from the host only when they
+        change (an epoch's short last window, and back), not at every step."""
+        if self._shape is None or self._shape[0] != (values, device):
+            shape = torch.tensor(values, dtype=torch.float64, device=device)
+            self._shape = ((values, device), (shape, shape.square()))
+        return self._shape[1]
 
     def _update_condition(self, total: Tensor, valid: Tensor) -> Tensor:
         """Whether this step is in the stop condition (``()`` bool); in ``relative`` mode also feeds the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -427,6 +428,10 @@ def _optimizer_index(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) ->
     return 0
 
 
+_TAKEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, Tensor | None]] = weakref.WeakKeyDictionary()
+"""Per optimizer, the last fused ‖g‖² :func:`grad_sq_norm` took, and of what (trainer, step, parameters)."""
+
+
 def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
                  params: list[torch.nn.Parameter]) -> Tensor | None:
     """‖g‖₂² over ``params`` of the gradient ``optimizer`` is about to use — accumulated, averaged over
@@ -435,7 +440,9 @@ def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
 
     For the callbacks that need it in ``on_before_optimizer_step`` (the stopper, the probe): read from a
     GradNormMonitor (p = 2) that measured the step — one placed before the caller — instead of a
-    second pass over the gradients, else one fused norm.
+    second pass over the gradients, else one fused norm, taken once per step for the same trainable
+    parameters (the stopper and the probe both ask; the key is the same on every rank, so that a sharded
+    norm's collective is joined by all or none).
     """
     index = _optimizer_index(trainer, optimizer)
     for callback in trainer.callbacks:
@@ -443,7 +450,13 @@ def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
             measured = callback.sq_norm_at(trainer.global_step, params, index)
             if measured is not None:
                 return measured
-    return _fused_grad_sq_norm(trainer, optimizer, params)
+    key = (id(trainer), trainer.global_step, frozenset(id(p) for p in params if p.requires_grad))
+    taken = _TAKEN.get(optimizer)
+    if taken is not None and taken[0] == key:
+        return taken[1]
+    sq_norm = _fused_grad_sq_norm(trainer, optimizer, params)
+    _TAKEN[optimizer] = (key, sq_norm)
+    return sq_norm
 
 
 def _fused_grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,

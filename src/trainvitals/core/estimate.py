@@ -66,6 +66,7 @@ device; the host reads values only through :meth:`GradientNoise.host_summary` an
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,7 @@ SOURCES_CHECK = "grad_noise/sources_check"
 """Text tag of what :meth:`GradientNoise.disagreement` said (a source dropped, two that disagree), for the report."""
 COUPLING_CAUSES = ("batch statistics (BatchNorm, or F.batch_norm in training mode in a custom module) or a loss "
                    "coupling the examples (in-batch negatives, as in a contrastive InfoNCE loss)")
+_VERSIONS = itertools.count()  # NoiseSource.version: unique over all sources, so a new one never matches an old key
 
 
 class NoiseSource:
@@ -113,6 +115,7 @@ class NoiseSource:
         unit_scale: the factor from the source's gradient units to those of ``.grad`` (host float).
         effective_batch_size: examples per optimizer step, once seen.
         invalid: why the source does not estimate sampling noise; ``""`` while valid.
+        version: changes with every update or restore (what :meth:`GradientNoise.estimate` caches on).
     """
 
     def __init__(self, name: str, beta: float, param_share: float = 1.0) -> None:
@@ -125,11 +128,13 @@ class NoiseSource:
         self.unit_scale = 1.0
         self.effective_batch_size: int | None = None
         self.invalid = ""
+        self.version = next(_VERSIONS)
 
     def update(self, grad_sq_norm: Tensor, trace_cov: Tensor, valid: Tensor | bool = True,
                covered_sq_norm: Tensor | None = None, total_sq_norm: Tensor | None = None) -> None:
         """One step's ``(‖G‖²_est, S_est)``; with ``covered_sq_norm`` and ``total_sq_norm`` (‖ḡ‖² over the
         measured parameters and over all, any common units) also the share of ‖ḡ‖² it covers. No sync."""
+        self.version = next(_VERSIONS)
         self.ema.update(grad_sq_norm, trace_cov, valid)
         self.error.update(grad_sq_norm, trace_cov, valid)
         if covered_sq_norm is not None and total_sq_norm is not None:
@@ -154,6 +159,7 @@ class NoiseSource:
                 "invalid": self.invalid}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version = next(_VERSIONS)
         self.ema.load_state_dict(state.get("noise", {}))
         self.error.load_state_dict(state.get("error", {}))
         if "norms" in state:
@@ -221,6 +227,7 @@ class GradientNoise:
         # The last full estimate's weights and coverage, for the per-step band (see in_noise_band).
         self._cached: tuple[tuple[int, ...], Tensor, Tensor, Tensor, Tensor] | None = None
         self._stale = 0  # band calls since that estimate
+        self._last: tuple[tuple[Any, ...], NoiseEstimate] | None = None  # that estimate, and what it was made of
         self.band_decisive: Tensor | None = None  # whether the last in_noise_band call could decide (device)
 
     def attach(self, source: NoiseSource) -> None:
@@ -246,13 +253,21 @@ class GradientNoise:
 
     def estimate(self, device: torch.device | None = None) -> NoiseEstimate:
         """The combination of :meth:`valid_sources` (module docstring, rule 2–3); zeros, ``inf`` errors and a
-        count of 0 (on ``device``, default CPU: no copy) when there is none."""
+        count of 0 (on ``device``, default CPU: no copy) when there is none.
+
+        Cached: until a source is updated, restored or reconfigured, a call returns the last one's object
+        (the stopper and the probe both log the estimate at a logging step); treat it as read-only."""
         chosen = self.valid_sources()
         if not chosen:
             zero = torch.zeros((), dtype=torch.float64, device=device)
             inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
             return NoiseEstimate(zero, inf, zero, inf, inf, inf, zero, inf, zero, inf,
                                  torch.zeros((), dtype=torch.long, device=device), None, 0.0, None, ())
+        key = (tuple((src.version, src.unit_scale, src.effective_batch_size, src.param_share) for src in chosen),
+               self.population, self.min_coverage)
+        if self._last is not None and self._last[0] == key:
+            self._stale = 0  # as a fresh estimate would: _cached holds this one's weights
+            return self._last[1]
         device = chosen[0].ema.count.device
         per = []
         for src in chosen:
@@ -294,8 +309,10 @@ class GradientNoise:
         param_share = min(src.param_share for src in chosen)
         last = chosen[0].last_covered_sq_norm
         measured = last.to(device).sqrt() * chosen[0].unit_scale if param_share < 1 and last is not None else None
-        return NoiseEstimate(grad, grad_se, trace, trace_se, b_simple, rel_err, floor, floor_se, coverage, unmeasured,
-                             count.max(), measured, param_share, batch, tuple(src.name for src in chosen))
+        est = NoiseEstimate(grad, grad_se, trace, trace_se, b_simple, rel_err, floor, floor_se, coverage, unmeasured,
+                            count.max(), measured, param_share, batch, tuple(src.name for src in chosen))
+        self._last = (key, est)
+        return est
 
     def _moments(self, src: NoiseSource, device: torch.device) -> tuple[Tensor, ...]:
         """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov) in ``.grad`` units, with the finite-population

@@ -4,7 +4,9 @@ Units: the hooks see the gradient of whatever loss was back-propagated (divided 
 steps, multiplied by an AMP scale, averaged over the batch or not); :class:`PerExampleGradients` takes
 a per-micro-batch factor that converts them to the example's own loss.
 
-Everything here stays on the device; nothing syncs with the host. No Lightning import.
+Everything here stays on the device: only :meth:`PerExampleGradients.decide` (where a lookup's ids were
+compared on the device) and :meth:`PerExampleGradients.unbalanced` read on the host, once each. No
+Lightning import.
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ def _reentrant_recomputation() -> bool:
     return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
 
 
-def _shared_by_batch(indices: Tensor, batch: int | None) -> bool:
+#: Why a lookup shared by the batch's examples is not measured.
+SHARED_LOOKUP = ("a lookup shared by the batch's examples (position ids (1, T) or arange(T)): its output is "
+                 "broadcast against the examples, so its gradient arrives summed over them")
+
+
+def _shared_by_batch(indices: Tensor, batch: int | None) -> bool | Tensor:
     """Whether a lookup's indices are shared by the ``batch`` examples rather than theirs: one row ``(1, *)``,
-    or ``arange(batch)`` (nanoGPT's ``wpe(torch.arange(T))`` with T = B; a rare 1-D call of B integer indices
-    is compared on the device, one sync).
+    or ``arange(batch)`` (nanoGPT's ``wpe(torch.arange(T))`` with T = B). A 1-D call of B integer indices
+    (nanoGPT's with T = B, or a recommender's per-example ids) is compared on the device: the answer is a
+    ``()`` bool tensor, read when the step is decided.
 
     Its output would have to be replaced by one expanded to the examples for per-example gradients; a
     diagnostic never changes the model's outputs."""
@@ -50,8 +58,9 @@ def _shared_by_batch(indices: Tensor, batch: int | None) -> bool:
         return False
     if indices.dim() >= 2:
         return indices.shape[0] == 1
-    return indices.dim() == 1 and indices.shape[0] == batch and \
-        bool((indices == torch.arange(batch, device=indices.device)).all())
+    if indices.dim() != 1 or indices.shape[0] != batch:
+        return False
+    return (indices == torch.arange(batch, device=indices.device)).all()
 
 
 def _recomputing_task() -> int | None:
@@ -74,6 +83,9 @@ class PerExampleStep:
         sub_grad_sum: Σ_i g_i per ``vmap`` parameter over the sub-batch.
         sub_sum_sq: Σ_i g_i² per ``vmap`` parameter over the sub-batch.
         seen: modules whose output gradient arrived.
+        undecided: per lookup called with 1-D ids of B integers, a ``()`` bool tensor on its device: whether
+            they were ``arange(B)`` (shared by the examples) in some call so far. Its statistics count 0 from
+            that call on; :meth:`PerExampleGradients.decide` reads them and fails those that were.
         failed: modules that could not be measured this step, with the reason.
         dtypes: the dtype of each measured module's output gradients (the precision of its rule's operands).
     """
@@ -87,6 +99,7 @@ class PerExampleStep:
     sub_grad_sum: dict[str, Tensor] = field(default_factory=dict)
     sub_sum_sq: dict[str, Tensor] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
+    undecided: dict[str, Tensor] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
@@ -285,10 +298,16 @@ class PerExampleGradients:
             if not output.requires_grad:
                 return
             inputs, batch = args[0], args[0].shape[0] if args[0].dim() else -1
-            if rule.broadcast_batch and _shared_by_batch(inputs, self._batch_size):
-                self._step.failed[name] = (
-                    "a lookup shared by the batch's examples (position ids (1, T) or arange(T)): its output is "
-                    "broadcast against the examples, so its gradient arrives summed over them")
+            shared = rule.broadcast_batch and _shared_by_batch(inputs, self._batch_size)
+            if isinstance(shared, Tensor):
+                if len(self._groups[name]) > 1:
+                    shared = bool(shared)  # a tied lookup's statistics are summed with its partners': one sync
+                else:
+                    prior = self._step.undecided.get(name)
+                    self._step.undecided[name] = shared if prior is None else prior | shared
+                    shared = False
+            if shared:
+                self._step.failed[name] = SHARED_LOOKUP
                 return
             features = rule.feature_dims(module)
             moved = features is not None and batch != self._batch_size and self._batch_size is not None \
@@ -378,6 +397,11 @@ class PerExampleGradients:
                         if (q := self._qualified(name, local, module)) in self._coordinates}
                 sums = {self._qualified(name, local, module): value for local, value in
                         (rule.sums(module, module_uses, self._workspace, rows) if rows else {}).items()}
+                shared = self._step.undecided.get(name)
+                if shared is not None:  # ids arange(B) in some call so far: nothing counts (see decide)
+                    sq = torch.where(shared, 0.0, sq)
+                    sums = {q: (torch.where(shared, 0.0, total), torch.where(shared, 0.0, total_sq))
+                            for q, (total, total_sq) in sums.items()}
             else:
                 wanted = any(self._qualified(m, local, self.per_example[m]) in self._coordinates
                              for m in uses for local in self._rules[m].parameters(self.per_example[m]))
@@ -523,8 +547,27 @@ class PerExampleGradients:
         if sub is not None:
             step.num_sub += sub
 
-    def pop(self) -> PerExampleStep:
-        """The step's statistics; starts a new step."""
+    def decide(self, step: PerExampleStep) -> None:
+        """Read ``step``'s undecided lookups (one sync, none without any): those called with ``arange(B)``
+        are failed and their statistics (0 since) dropped, as if failed in their forward."""
+        if not step.undecided:
+            return
+        names, device = list(step.undecided), next(iter(step.undecided.values())).device
+        shared = torch.stack([step.undecided[n].to(device) for n in names]).tolist()
+        step.undecided = {}
+        for name in (n for n, s in zip(names, shared) if s):
+            step.failed[name] = SHARED_LOOKUP
+            step.seen.discard(name)
+            step.dtypes.pop(name, None)
+            for qualified in self._qualified_parameters(name):
+                step.grad_sum.pop(qualified, None)
+                step.sum_sq.pop(qualified, None)
+
+    def pop(self, decide: bool = True) -> PerExampleStep:
+        """The step's statistics; starts a new step. ``decide``: :meth:`decide` it (a sync where a lookup's
+        ids were compared on the device); ``False`` leaves that to the caller, at a step that reads anyway."""
         step, self._step = self._step, PerExampleStep()
         self._reset_micro_batch()
+        if decide:
+            self.decide(step)
         return step
