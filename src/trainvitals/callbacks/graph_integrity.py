@@ -145,7 +145,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         """The state of a fit that has not started: the counts, the findings, the check window, every
         check's state (their keys are merged into the callback's in :meth:`state_dict`)."""
         super().reset()
-        self._fit = Fit(self.strict, self.dead_after_steps)
+        self._fit = Fit(self.strict, self.dead_after_steps, self.message)
         self._checks = self._build_checks()
         self._hooks = {hook: overriding(self._checks, hook) for hook in HOOKS}
 
@@ -301,7 +301,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
             pending, fit.pending = fit.pending, None
             if pending is None:
                 raise GraphIntegrityError(self.message("another rank found a graph problem."))
-            raise GraphIntegrityError(f"trainvitals GraphIntegrityCallback [{pending.kind.value}]: {pending.message}")
+            raise GraphIntegrityError(self.message(pending.message, pending.kind.value))
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
