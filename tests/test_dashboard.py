@@ -197,11 +197,13 @@ def test_the_layout_follows_the_loggers_prefix(tmp_path: Path) -> None:
 
 
 def test_every_callback_says_one_line_at_fit_end(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    callbacks = [GraphIntegrityCallback(verbose=False), GradNormMonitor(), BatchVarianceProbe(),
-                 GradNormEarlyStopping(patience=1000), LRScalingAdvisor(verbose=False),
-                 MemoryTopologyProfiler(measure_every_n_steps=2, verbose=False), TrainvitalsDashboard(progress_bar=False)]
+    """By default: one line each at fit end, and no table on the console (they go to TensorBoard and the report)."""
+    callbacks = [GraphIntegrityCallback(), GradNormMonitor(), BatchVarianceProbe(),
+                 GradNormEarlyStopping(patience=1000), LRScalingAdvisor(),
+                 MemoryTopologyProfiler(measure_every_n_steps=2), TrainvitalsDashboard(progress_bar=False)]
     with caplog.at_level("INFO"):
         fit(tmp_path, *callbacks, accumulate_grad_batches=1, max_steps=6)
+    assert [r.getMessage() for r in caplog.records if "\n" in r.getMessage()] == []
     fit_end = [r.getMessage() for r in caplog.records if r.funcName == "on_fit_end"]
     said = {type(cb).__name__: [m for m in fit_end if m.startswith(f"trainvitals {type(cb).__name__}: ")] for cb in callbacks}
     assert len(fit_end) == len(callbacks)

@@ -404,7 +404,7 @@ def test_under_accumulation_the_cost_of_checkpointing_counts_every_micro_batch()
 def test_fit_end_table_and_picture_in_tensorboard(tmp_path, caplog):
     pytest.importorskip("matplotlib")
     logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
-    profiler = MemoryTopologyProfiler(first_steps=1)
+    profiler = MemoryTopologyProfiler(first_steps=1, verbose=True)
     with caplog.at_level("INFO"):
         fit(Classifier(body=_body()), profiler, logger, max_steps=2)
     table = profiler.summary_markdown()

@@ -108,7 +108,9 @@ class GraphIntegrityCallback(TrainvitalsCallback):
             the batch. The model is called as ``pl_module(x)``.
         strict: raise :class:`GraphIntegrityError` at the first finding instead of warning; a param group
             at lr 0 is only reported (it may be kept fixed on purpose).
-        verbose: print the findings table at fit end (it goes to TensorBoard either way).
+        verbose: also print the findings table at the end of training. By default the terminal gets
+            the one line at fit end; the table goes to TensorBoard (``graph/findings``), ``trainvitals
+            report`` and :meth:`summary_markdown`.
 
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range (named in the message).
@@ -123,7 +125,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         check_batch_independence: bool = False,
         batch_input: Callable[[Any], Tensor] | None = None,
         strict: bool = False,
-        verbose: bool = True,
+        verbose: bool = False,
     ) -> None:
         super().__init__()
         self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)

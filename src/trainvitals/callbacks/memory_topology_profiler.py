@@ -119,7 +119,9 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
             own the most saved bytes); each logged scalar costs a logger write.
         strict: raise when a step cannot be measured fully (saved tensors without a storage, no batch
             size) instead of warning once.
-        verbose: print the table at the end of training (it goes to TensorBoard either way).
+        verbose: also print the table at the end of training. By default the terminal gets the one
+            line at fit end; the table goes to TensorBoard (``memory/report``), ``trainvitals report``
+            and :meth:`summary_markdown`.
 
     Raises:
         TypeError: if an argument has the wrong type, ValueError if it is out of range, naming it.
@@ -135,7 +137,7 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         snapshot_steps: int = 0,
         max_modules_shown: int = 20,
         strict: bool = False,
-        verbose: bool = True,
+        verbose: bool = False,
     ) -> None:
         super().__init__()
         self.measure_every_n_steps = check_int("measure_every_n_steps", measure_every_n_steps, 1)
