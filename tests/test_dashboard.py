@@ -164,7 +164,7 @@ def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:
         (event,) = acc.Tensors(f"{DIAGNOSIS_TAG}/{name}/text_summary")
         assert event.step == trainer.global_step == 6
         assert tensor_util.make_ndarray(event.tensor_proto).item().decode() == markdown
-    assert "| lr now |" in expected["LRScalingAdvisor"] and "## Memory topology" in expected["MemoryTopologyProfiler"]
+    assert "| lr now |" in expected["LRScalingAdvisor"] and "### Saved for backward" in expected["MemoryTopologyProfiler"]
     assert "did not stop the run" in expected["GradNormEarlyStopping"]
     assert expected["GradNormMonitor"].startswith("| optimizer | steps | last ‖g‖ |")
     assert expected["GraphIntegrityCallback"].startswith("**Graph integrity: clean bill of health.**")

@@ -22,7 +22,6 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_int, renamed_arguments
@@ -313,7 +312,7 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         self._release()
         table = self.summary_markdown()
         if self.verbose:
-            rank_zero_info(markdown_to_text(table))
+            self.info(f"memory at the last profiled step\n{markdown_to_text(table)}")
         step = trainer.global_step
         log_text(trainer, "memory/report", table, step)
         picture = self.picture() if tensorboard_writers(trainer, "images") else None
@@ -342,8 +341,11 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
                 f"{len(self.findings) or 'no'} graph(s) outliving their step.")
 
     def summary_markdown(self) -> str:
-        """The latest profiled step as markdown: categories, saved bytes per module, ranked advice, findings."""
-        lines = ["## Memory topology"]
+        """The latest profiled step as markdown: categories, saved bytes per module, ranked advice, findings.
+
+        No title of its own: where it goes names it (the panel ``diagnosis/MemoryTopologyProfiler``, the
+        report's memory table, the demo's section)."""
+        lines = []
         if self.last is None:
             lines.append("No step profiled yet.")
         else:
