@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -401,3 +402,25 @@ def test_a_dropped_noise_source_reaches_the_report_once(tmp_path: Path, capsys: 
     _, doc = report_json(capsys, tmp_path)
     found = [f for f in doc["runs"][0]["findings"] if said in f["message"]]
     assert len(found) == 1 and found[0]["severity"] == "warning"
+
+
+def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """LRScalingAdvisor's and GraphIntegrityCallback's tags read as words; each value is the one logged."""
+    logged = {"lr_scaling/b_noise": 400.0, "lr_scaling/steps_over_min": 1 + 400 / 64, "lr_scaling/examples_over_min":
+              1 + 64 / 400, "lr_scaling/lr/SGD": 0.1, "lr_scaling/suggested_lr_x2/SGD": 0.2,
+              "lr_scaling/suggested_lr_b100/SGD": 0.15, "graph/unoptimized_params": 3.0, "graph/unregistered_params": 2.0,
+              "graph/dead_params": 0.0}
+    write_run(tmp_path / "run", {**HEALTHY, **logged})
+    _, doc = report_json(capsys, tmp_path)
+    noise = rows(doc["runs"][0], "noise scale and batch size")
+    assert noise["noise scale B̂ (given)"] == 400
+    assert noise["steps over the fewest, S/S_min = 1 + B̂/B"] == pytest.approx(1 + 400 / 64)
+    assert noise["examples over the fewest, E/E_min = 1 + B/B̂"] == pytest.approx(1 + 64 / 400)
+    assert noise["lr now, SGD"] == pytest.approx(0.1)
+    assert noise["suggested lr at ×2 (B = 128), SGD"] == pytest.approx(0.2)  # the effective batch is 64
+    assert noise["suggested lr at B = 100, SGD"] == pytest.approx(0.15)
+    assert list(rows(doc["runs"][0], "integrity").items()) == [
+        ("parameters with an exactly zero gradient", 0), ("tensors with a gradient in no optimizer", 3),
+        ("of those, not registered on the module", 2)]
+    _, text, _ = report(capsys, str(tmp_path))
+    assert not re.search(r"\b(b_noise|steps_over_min|suggested_lr|unoptimized_params|dead_params)\b", text)

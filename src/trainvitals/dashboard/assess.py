@@ -295,8 +295,8 @@ def _noise_scale(run: Run, report: RunReport) -> None:
     batch = run.last(r"lr_scaling/effective_batch$")
     rows = [Row("B_simple = tr Σ / ‖G‖²", b_simple, "examples"), Row("B_simple relative error", rel_err),
             Row("share of ‖ḡ‖² measured", coverage), Row("effective batch B", batch, "examples")]
-    rows += [Row(tag.removeprefix("lr_scaling/"), series[-1][1]) for tag, series in sorted(run.matching(
-        r"lr_scaling/(?!effective_batch$).+").items())]
+    rows += [Row(_lr_label(tag.removeprefix("lr_scaling/"), batch), series[-1][1]) for tag, series in sorted(
+        run.matching(r"lr_scaling/(?!effective_batch$).+").items())]
     report.sections[title] = rows
     checked = run.text(SOURCES_CHECK)
     if checked:  # said once by the callbacks: a noise source dropped, or two that disagree
@@ -325,11 +325,50 @@ def _noise_scale(run: Run, report: RunReport) -> None:
     _panel(run, report, "lr scaling advice", "lr_scaling/advice")
 
 
+_LR_LABELS = {
+    "b_noise": "noise scale B̂ (given)",
+    "steps_over_min": "steps over the fewest, S/S_min = 1 + B̂/B",
+    "examples_over_min": "examples over the fewest, E/E_min = 1 + B/B̂",
+}
+_SUGGESTED_LR = re.compile(r"suggested_lr_(?:x(?P<factor>[0-9.]+)|b(?P<size>[0-9]+))/(?P<group>.+)$")
+
+
+def _lr_label(key: str, batch: float | None) -> str:
+    """The label of ``lr_scaling/<key>`` (LRScalingAdvisor's tags): ``lr/SGD`` is "lr now, SGD",
+    ``suggested_lr_x2/SGD`` "suggested lr at ×2 (B = 128), SGD" at an effective batch of 64."""
+    if key in _LR_LABELS:
+        return _LR_LABELS[key]
+    if key.startswith("lr/"):
+        return f"lr now, {key.removeprefix('lr/')}"
+    if match := _SUGGESTED_LR.match(key):
+        factor, size, group = match["factor"], match["size"], match["group"]
+        if size is not None:
+            return f"suggested lr at B = {size}, {group}"
+        at = f" (B = {float(factor) * batch:g})" if batch else ""
+        return f"suggested lr at ×{factor}{at}, {group}"
+    return key.replace("_", " ")
+
+
+_INTEGRITY_LABELS = {
+    "unused_params": "parameters without a gradient",
+    "dead_params": "parameters with an exactly zero gradient",
+    "unoptimized_params": "tensors with a gradient in no optimizer",
+    "unregistered_params": "of those, not registered on the module",
+    "leaked_graphs": "losses reaching an earlier step's graph",
+    "nonfinite_losses": "non-finite losses",
+}
+"""GraphIntegrityCallback's counts per check window, ``graph/<metric>`` (callbacks/integrity_checks/), as labelled
+here and in this order; another metric is shown after them, its name as words."""
+
+
 def _integrity(run: Run, report: RunReport) -> None:
     title = INTEGRITY
     # The per-kind finding counts (graph/findings_<kind>) are left to the findings panel.
-    report.sections[title] = [Row(tag.removeprefix("graph/"), series[-1][1])
-                              for tag, series in sorted(run.matching(r"graph/(?!findings_).+").items())]
+    order = list(_INTEGRITY_LABELS)
+    metrics = sorted(((tag.removeprefix("graph/"), series[-1][1]) for tag, series in run.matching(
+        r"graph/(?!findings_).+").items()), key=lambda m: (order.index(m[0]) if m[0] in order else len(order), m[0]))
+    report.sections[title] = [Row(_INTEGRITY_LABELS.get(metric, metric.replace("_", " ")), value)
+                              for metric, value in metrics]
     _panel(run, report, "integrity findings", "graph/findings")
 
 
