@@ -424,3 +424,30 @@ def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pyt
         ("of those, not registered on the module", 2)]
     _, text, _ = report(capsys, str(tmp_path))
     assert not re.search(r"\b(b_noise|steps_over_min|suggested_lr|unoptimized_params|dead_params)\b", text)
+
+
+CAVEAT = ("trainvitals GradNormEarlyStopping: the noise estimate cannot decide: no valid noise source (micro_batch: "
+          "fewer than 2 micro-batches). It will not stop on the noise band while that lasts.")
+
+
+@pytest.mark.parametrize(("scalars", "texts", "said"), [
+    ({}, {}, "not stopped: in the noise band on 6 of 20 logged steps; the logged streak in its condition reached 26 "
+     "step(s) in a row, short of its patience or before min_steps"),
+    ({"grad_norm/in_noise_band": 0.0}, {}, "not stopped: never in the noise band, on any of the 20 logged steps"),
+    ({"grad_norm/in_noise_band": None}, {"grad_noise/caveat": CAVEAT},
+     "not stopped: the noise estimate cannot decide: no valid noise source (micro_batch: fewer than 2 micro-batches)"),
+    ({"grad_norm/in_noise_band": None, "grad_noise/coverage": 0.5}, {},
+     "not stopped: partial: the noise estimate covers 50% of ‖ḡ‖²"),
+    ({"grad_norm/in_noise_band": None, "grad_norm/noise_floor": None}, {},
+     "not stopped: no noise estimate was logged, so no noise band"),
+    ({"grad_norm/in_noise_band": None}, {}, "not stopped: no noise-band flag was logged (the estimate had fewer than 20"),
+    ({"grad_norm/band_streak": None}, {}, "no stop rule: no GradNormEarlyStopping logged"),
+])
+def test_the_stop_row_says_why_the_stopper_did_not_stop(tmp_path: Path, capsys: pytest.CaptureFixture[str], scalars,
+                                                         texts, said) -> None:
+    # HEALTHY is in the band from step 70 (6 of the 20 logged steps): a streak of 26 steps at step 95.
+    logged = {**HEALTHY, "grad_norm/band_streak": [float(s - 69) if s >= 70 else 0.0 for s in STEPS]}
+    logged = {tag: value for tag, value in {**logged, **scalars}.items() if value is not None}
+    write_run(tmp_path / "run", logged, texts)
+    _, doc = report_json(capsys, tmp_path)
+    assert rows(doc["runs"][0], "convergence")["stop"].startswith(said)

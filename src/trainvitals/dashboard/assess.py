@@ -11,7 +11,13 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from trainvitals.core.estimate import DEFAULT_MAX_REL_ERR, DEFAULT_MIN_COVERAGE, MAX_UNMEASURED_TRACE, SOURCES_CHECK
+from trainvitals.core.estimate import (
+    DEFAULT_MAX_REL_ERR,
+    DEFAULT_MIN_COVERAGE,
+    MAX_UNMEASURED_TRACE,
+    MIN_MEASUREMENTS,
+    SOURCES_CHECK,
+)
 from trainvitals.core.findings import INTEGRITY, critical_counters, last_window_counters
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.events import Run
@@ -232,7 +238,7 @@ def _convergence(run: Run, report: RunReport) -> None:
         Row("noise floor standard error", floor_se),
         Row("norm / noise floor", total / floor if total is not None and floor else None),
         Row(f"fraction in the noise band, last {len(recent)} logged steps", in_band),
-        Row("stop", stop),
+        Row("stop", stop or _not_stopped(run, partial)),
     ]
     if stop:
         report.findings.append(Finding("note", title, stop))
@@ -272,6 +278,33 @@ def _convergence(run: Run, report: RunReport) -> None:
         report.findings.append(Finding(
             "note", title, f"not in its noise band yet: {in_band:.0%} of the last {len(recent)} logged steps were in it{said}{error}; "
             f"{why}."))
+
+
+def _not_stopped(run: Run, partial: str) -> str:
+    """Why GradNormEarlyStopping did not stop the run, from what it logged (a stop it writes as text): no
+    stopper, a diverged run, never in the band, too short a streak, no valid source, partial coverage."""
+    streaks = [v for series in run.matching(grad_norm("band_streak")).values() for _, v in series if math.isfinite(v)]
+    if not streaks:
+        return "no stop rule: no GradNormEarlyStopping logged (grad_norm/band_streak)"
+    if _diverged(run):
+        return "not stopped: the run diverged, and the stopper counts no step with non-finite gradients"
+    streak = f"the logged streak in its condition reached {max(streaks):g} step(s) in a row"
+    flags = [v for series in run.matching(grad_norm("in_noise_band")).values() for _, v in series]
+    if flags and not any(flags):
+        return f"not stopped: never in the noise band, on any of the {len(flags)} logged steps"
+    if flags:
+        return (f"not stopped: in the noise band on {sum(flags):g} of {len(flags)} logged steps; {streak}, short of "
+                "its patience or before min_steps")
+    caveat = run.text("grad_noise/caveat")
+    if caveat:  # the stopper's own words: no valid source, partial coverage
+        return "not stopped: " + caveat.removeprefix("trainvitals GradNormEarlyStopping: ")
+    if partial:
+        return f"not stopped: {partial}"
+    if run.last(grad_norm("noise_floor")) is None:
+        return ("not stopped: no noise estimate was logged, so no noise band (it needs accumulate_grad_batches >= 2, "
+                f">= 2 devices, or a BatchVarianceProbe); {streak}")
+    return (f"not stopped: no noise-band flag was logged (the estimate had fewer than {MIN_MEASUREMENTS} measurements, "
+            f"or the rule is a threshold or relative one); {streak}")
 
 
 def _partial(run: Run) -> str:
