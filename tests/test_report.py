@@ -451,3 +451,34 @@ def test_the_stop_row_says_why_the_stopper_did_not_stop(tmp_path: Path, capsys: 
     write_run(tmp_path / "run", logged, texts)
     _, doc = report_json(capsys, tmp_path)
     assert rows(doc["runs"][0], "convergence")["stop"].startswith(said)
+
+
+def test_sections_and_the_lr_advice_say_their_step_when_it_is_not_the_last(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The advice is written at fit end (step 99), after the last logging step (95): it says its step, which its
+    B̂ is of; the sections, read at the last logged step, need not."""
+    write_run(tmp_path / "run", HEALTHY)
+    writer = SummaryWriter(str(tmp_path / "run"))
+    writer.add_text("lr_scaling/advice", "- noise scale B̂ = 210", 99)
+    writer.close()
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    assert run["last_step"] == 95
+    assert run["steps"] == {"convergence": 95, "noise scale and batch size": 95, "lr scaling advice": 99, "memory": 95,
+                            "spikes and non-finite steps": 95}
+    _, text, _ = report(capsys, str(tmp_path))
+    assert "\n  lr scaling advice, as of optimizer step 99\n    - noise scale B̂ = 210\n" in text
+    assert "\n  noise scale and batch size\n" in text and "\n  convergence\n" in text
+    _, markdown, _ = report(capsys, str(tmp_path), "--format", "markdown")
+    assert "### lr scaling advice, as of optimizer step 99\n" in markdown
+    _, page, _ = report(capsys, str(tmp_path), "--format", "html")
+    assert "<summary>lr scaling advice, as of optimizer step 99</summary>" in page
+
+
+def test_a_section_logged_before_the_last_step_says_when(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", {tag: v for tag, v in HEALTHY.items() if not tag.startswith("memory/")})
+    writer = SummaryWriter(str(tmp_path / "run"))
+    writer.add_scalar("memory/parameters_bytes", 160_000.0, 2)
+    writer.close()
+    _, text, _ = report(capsys, str(tmp_path))
+    assert "\n  memory, as of optimizer step 2\n    parameters  156.25 KiB\n" in text

@@ -85,6 +85,10 @@ class RunReport:
     findings: list[Finding] = field(default_factory=list)
     panels: dict[str, str] = field(default_factory=dict)
     """The callbacks' own end-of-run markdown (lr advice, integrity findings, memory table), by title."""
+    steps: dict[str, int] = field(default_factory=dict)
+    """The optimizer step each section's values and the lr advice are of, by title. The callbacks log at
+    their own cadences (a section shows the last value of each series) and the advice at fit end, so they
+    may speak of different steps: a title whose step is not :attr:`last_step` is shown with it."""
     read_in_part: bool = False
     """An event file of the run is damaged: what was logged in the part not read is not in the report."""
     measured: bool = True
@@ -151,11 +155,22 @@ def _separator_hint(run: Run) -> str:
     return ""
 
 
-def _panel(run: Run, report: RunReport, title: str, tag: str) -> None:
-    """Pass a callback's end-of-run markdown (the text panel ``tag``) through to the report, if logged."""
+def _panel(run: Run, report: RunReport, title: str, tag: str, dated: bool = False) -> None:
+    """Pass a callback's end-of-run markdown (the text panel ``tag``) through to the report, if logged;
+    ``dated``: its numbers are those of the step it was written at, kept in ``report.steps``."""
     text = run.text(tag)
     if text:
         report.panels[title] = text
+        if dated:
+            report.steps[title] = run.texts[tag][-1][0]
+
+
+def _as_of(run: Run, report: RunReport, title: str, *patterns: str) -> None:
+    """``report.steps[title]``: the latest step among the last values of the series matching ``patterns``,
+    those the section ``title`` shows."""
+    steps = [series[-1][0] for pattern in patterns for series in run.matching(pattern).values() if series]
+    if steps:
+        report.steps[title] = max(steps)
 
 
 def _counter(run: Run, pattern: str, last: bool = False) -> float:
@@ -232,6 +247,8 @@ def _convergence(run: Run, report: RunReport) -> None:
     recent = [v for _, v in band[min(band)][-BAND_WINDOW:]] if band else []
     in_band = sum(recent) / len(recent) if recent else None
     stop = run.text("grad_norm/stop_reason")
+    _as_of(run, report, title, *(grad_norm(n) for n in ("measured_total", "total", "noise_floor", "noise_floor_se",
+                                                       "in_noise_band")))
     report.sections[title] = [
         Row("gradient norm, last", total),
         Row("noise floor sqrt(tr Σ/B), last", floor),
@@ -326,6 +343,7 @@ def _noise_scale(run: Run, report: RunReport) -> None:
     unreliable = run.last(r"grad_noise/b_simple_unreliable$")
     coverage = run.last(r"grad_noise/coverage$")
     batch = run.last(r"lr_scaling/effective_batch$")
+    _as_of(run, report, title, r"grad_noise/(b_simple|b_simple_rel_err|coverage)$", r"lr_scaling/")
     rows = [Row("B_simple = tr Σ / ‖G‖²", b_simple, "examples"), Row("B_simple relative error", rel_err),
             Row("share of ‖ḡ‖² measured", coverage), Row("effective batch B", batch, "examples")]
     rows += [Row(_lr_label(tag.removeprefix("lr_scaling/"), batch), series[-1][1]) for tag, series in sorted(
@@ -355,7 +373,7 @@ def _noise_scale(run: Run, report: RunReport) -> None:
     if _diverged(run) and run.matching(r"lr_scaling/"):
         report.findings.append(Finding(
             "note", title, "the run diverged: find the cause (or lower the lr) before following any lr-scaling advice."))
-    _panel(run, report, "lr scaling advice", "lr_scaling/advice")
+    _panel(run, report, "lr scaling advice", "lr_scaling/advice", dated=True)
 
 
 _LR_LABELS = {
@@ -400,6 +418,7 @@ def _integrity(run: Run, report: RunReport) -> None:
     order = list(_INTEGRITY_LABELS)
     metrics = sorted(((tag.removeprefix("graph/"), series[-1][1]) for tag, series in run.matching(
         r"graph/(?!findings_).+").items()), key=lambda m: (order.index(m[0]) if m[0] in order else len(order), m[0]))
+    _as_of(run, report, title, r"graph/(?!findings_).+")
     report.sections[title] = [Row(_INTEGRITY_LABELS.get(metric, metric.replace("_", " ")), value)
                               for metric, value in metrics]
     _panel(run, report, "integrity findings", "graph/findings")
@@ -409,6 +428,7 @@ def _memory(run: Run, report: RunReport) -> None:
     title = "memory"
     categories = sorted(((series[-1][1], tag.removeprefix("memory/").removesuffix("_bytes"))
                          for tag, series in run.matching(MEMORY_BYTES).items()), reverse=True)
+    _as_of(run, report, title, MEMORY_BYTES, r"memory/activations/.+")
     rows = [Row(category.replace("_", " "), value, "bytes") for value, category in categories]
     per_module = sorted(((series[-1][1], tag.removeprefix("memory/activations/"))
                          for tag, series in run.matching(r"memory/activations/.+").items()), reverse=True)
@@ -427,6 +447,7 @@ def _spikes(run: Run, report: RunReport) -> None:
     title = SPIKES
     names = [n for n in ("nonfinite_steps", "amp_skipped_steps", "spike_steps") if run.matching(grad_norm(n))]
     counters = {name: _counter(run, grad_norm(name)) for name in names}
+    _as_of(run, report, title, *(grad_norm(name) for name in names))
     report.sections[title] = [Row(name.replace("_", " "), value, "steps") for name, value in counters.items()]
     if counters.get("amp_skipped_steps", 0) > 0:
         report.findings.append(Finding(

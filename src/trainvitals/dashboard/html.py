@@ -19,7 +19,7 @@ from typing import Any
 
 from trainvitals.dashboard.assess import RunReport
 from trainvitals.dashboard.events import Run
-from trainvitals.dashboard.render import format_value, status_line
+from trainvitals.dashboard.render import format_value, heading, status_line
 from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, grad_norm
 
 Series = list[tuple[int, float]]
@@ -70,12 +70,12 @@ def _run_html(run: Run, report: RunReport) -> list[str]:
         out.append("</div>")
     for title, rows in report.sections.items():
         if rows:
-            out.append(f"<h3>{html.escape(title)}</h3><table><tr><th>measure</th><th>value</th></tr>")
+            out.append(f"<h3>{html.escape(heading(report, title))}</h3><table><tr><th>measure</th><th>value</th></tr>")
             out += [f"<tr><td>{html.escape(row.label)}</td><td class=\"{'num' if isinstance(row.value, float) else ''}\">"
                     f"{html.escape(format_value(row))}</td></tr>" for row in rows]
             out.append("</table>")
     for title, text in report.panels.items():
-        out.append(f"<details open><summary>{html.escape(title)}</summary>{markdown_to_html(text)}</details>")
+        out.append(f"<details open><summary>{html.escape(heading(report, title))}</summary>{markdown_to_html(text)}</details>")
     return out
 
 

@@ -38,6 +38,13 @@ def status_line(r: RunReport) -> str:
     return r.status + step
 
 
+def heading(r: RunReport, title: str) -> str:
+    """A section's or panel's title, with the step its numbers are of when that is not the run's last logged
+    step (:attr:`RunReport.steps`)."""
+    step = r.steps.get(title)
+    return title if step is None or step == r.last_step else f"{title}, as of optimizer step {step}"
+
+
 def _markdown_run(r: RunReport) -> list[str]:
     """One run in markdown: the findings first, a table per section, the callbacks' panels as they wrote them."""
     out = [f"## run `{r.run}`: {status_line(r)}"]
@@ -45,9 +52,10 @@ def _markdown_run(r: RunReport) -> list[str]:
         out += ["", "### findings", ""] + [f"- **{f.severity}** ({f.section}): {f.message}" for f in r.findings]
     for title, rows in r.sections.items():
         if rows:
-            out += ["", f"### {title}", "", *markdown_table(("measure", "value"), [(row.label, format_value(row)) for row in rows])]
+            out += ["", f"### {heading(r, title)}", "",
+                    *markdown_table(("measure", "value"), [(row.label, format_value(row)) for row in rows])]
     for title, text in r.panels.items():
-        out += ["", f"### {title}", "", text]
+        out += ["", f"### {heading(r, title)}", "", text]
     return out + [""]
 
 
@@ -58,9 +66,10 @@ def _text_run(r: RunReport) -> list[str]:
         out += ["", "  findings"] + [f"    [{f.severity}] {f.section}: {f.message}" for f in r.findings]
     for title, rows in r.sections.items():
         if rows:
-            out += ["", f"  {title}"] + format_table([[row.label, format_value(row)] for row in rows], indent="    ")
+            out += ["", f"  {heading(r, title)}"] + format_table([[row.label, format_value(row)] for row in rows],
+                                                                  indent="    ")
     for title, text in r.panels.items():
-        out += ["", f"  {title}", textwrap.indent(markdown_to_text(text), "    ")]
+        out += ["", f"  {heading(r, title)}", textwrap.indent(markdown_to_text(text), "    ")]
     return out + [""]
 
 
