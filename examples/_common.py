@@ -37,13 +37,13 @@ def all_callbacks(every_n_steps: int, min_steps: int, verbose: bool) -> list[pl.
     Args:
         every_n_steps: optimizer steps between histograms and between memory profiles.
         min_steps: optimizer steps before GradNormEarlyStopping may stop the run.
-        verbose: let the callbacks print their end-of-run tables.
+        verbose: let the stopper say its stop when it stops (the tables are in the report printed after the fit).
     """
     return [
         GradNormMonitor(histogram_every_n_steps=every_n_steps),
         BatchVarianceProbe(histogram_every_n_steps=every_n_steps),
         GradNormEarlyStopping(min_steps=min_steps, verbose=verbose),
-        LRScalingAdvisor(verbose=verbose),
+        LRScalingAdvisor(),
         GraphIntegrityCallback(),
         MemoryTopologyProfiler(measure_every_n_steps=every_n_steps),
         LearningRateMonitor(logging_interval="step"),

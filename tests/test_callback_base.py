@@ -96,6 +96,7 @@ def test_messages_name_the_trainvitals_class_and_cannot_measure_warns_once_or_ra
         pass
 
     assert Mine().message("x") == "trainvitals GraphIntegrityCallback: x"
+    assert Mine().message("x", "loss_no_grad") == "trainvitals GraphIntegrityCallback [loss_no_grad]: x"
     profiler = MemoryTopologyProfiler()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

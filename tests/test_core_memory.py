@@ -748,6 +748,7 @@ def test_the_category_table_drives_the_cuda_rows_and_the_temporaries(monkeypatch
         "memory/temporaries_bytes": 9900, "memory/alloc_retries": 2, "memory/ooms": 0,
     }
     table = category_markdown(memory)
+    assert table[0] == "| category | bytes | binary units |"  # every column named
     assert "| CUDA temporaries | 9,900 | 9.67 KiB |" in table and "| CUDA allocator retries | 2 | |" in table
     # Categories that do not all coexist at the peak: negative temporaries, which the batch does not scale.
     crowded = dataclasses.replace(memory, allocator=AllocatorStats(5000, 8192, 0, 0))

@@ -128,9 +128,19 @@ def test_progress_bar_shows_the_latest_norm_and_band(monitored) -> None:
     logged = dict((e.step, e.value) for e in acc.Scalars("grad_norm/total"))
     assert shown["grad_norm"] == pytest.approx(logged[22], rel=1e-6)
     assert float(monitor.last_total[0]) != pytest.approx(logged[22])  # step 5 ran after it; the bar did not sync for it
-    band = dict((e.step, e.value) for e in acc.Scalars("grad_norm/in_noise_band"))
-    assert shown["noise_band"] == band[22]
+    assert_band_ratio(shown["band_ratio"], acc, 22, next(cb for cb in trainer.callbacks
+                                                         if isinstance(cb, GradNormEarlyStopping)).margin)
     assert "grad_norm" not in trainer.logged_metrics  # progress bar only: the monitor owns the logged tag
+
+
+def assert_band_ratio(shown: float, acc: EventAccumulator, step: int, margin: float) -> None:
+    """The bar's ratio is the logged smoothed ‖G‖² over margin · tr(Σ)/B = margin · floor², and ≤ 1 exactly when
+    the stopper logged the step in its band."""
+    logged = {tag: {e.step: e.value for e in acc.Scalars(tag)}[step]
+              for tag in ("grad_noise/grad_sq_norm", "grad_norm/noise_floor", "grad_norm/in_noise_band")}
+    assert shown == pytest.approx(logged["grad_noise/grad_sq_norm"] / (margin * logged["grad_norm/noise_floor"] ** 2),
+                                  rel=1e-5)
+    assert (shown <= 1) == bool(logged["grad_norm/in_noise_band"])
 
 
 def test_progress_bar_band_follows_the_stopper_fed_by_a_probe(tmp_path: Path) -> None:
@@ -138,20 +148,19 @@ def test_progress_bar_band_follows_the_stopper_fed_by_a_probe(tmp_path: Path) ->
     stopper = GradNormEarlyStopping(patience=1000)
     trainer, acc = fit(tmp_path, BatchVarianceProbe(histogram_every_n_steps=None), stopper, TrainvitalsDashboard(),
                        accumulate_grad_batches=1, max_steps=25, log_every_n_steps=4)
-    band = {e.step: e.value for e in acc.Scalars("grad_norm/in_noise_band")}
-    assert trainer.progress_bar_metrics["noise_band"] == band[24]
+    assert_band_ratio(trainer.progress_bar_metrics["band_ratio"], acc, 24, stopper.margin)
     assert int(stopper.noise.count) == 0  # the stopper's own estimate is empty: the band came from the probe
 
 
-@pytest.mark.parametrize(("margin", "in_band"), [(None, 1.0), (1.0, 1.0), (0.2, 0.0)])
-def test_noise_band_uses_the_stoppers_margin(margin: float | None, in_band: float) -> None:
+@pytest.mark.parametrize(("margin", "ratio"), [(None, 0.5), (1.0, 0.5), (0.2, 2.5)])
+def test_noise_band_uses_the_stoppers_margin(margin: float | None, ratio: float) -> None:
     probe = BatchVarianceProbe()
     probe.effective_batch_size = 64
     # ‖G‖² = 0.5 · tr(Σ)/B: in the band with margin 1 (B <= B_simple), not with margin 0.2.
     for _ in range(20):  # a decision needs 20 measurements
         probe.noise.update(torch.tensor(0.5 * 6.4 / 64), torch.tensor(6.4))
     callbacks = [probe] + ([GradNormEarlyStopping(margin=margin)] if margin is not None else [])
-    assert progress_bar_values(SimpleNamespace(callbacks=callbacks)) == {"noise_band": in_band}
+    assert progress_bar_values(SimpleNamespace(callbacks=callbacks)) == {"band_ratio": pytest.approx(ratio)}
 
 
 def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:
@@ -164,7 +173,7 @@ def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:
         (event,) = acc.Tensors(f"{DIAGNOSIS_TAG}/{name}/text_summary")
         assert event.step == trainer.global_step == 6
         assert tensor_util.make_ndarray(event.tensor_proto).item().decode() == markdown
-    assert "| lr now |" in expected["LRScalingAdvisor"] and "## Memory topology" in expected["MemoryTopologyProfiler"]
+    assert "| lr now |" in expected["LRScalingAdvisor"] and "### Saved for backward" in expected["MemoryTopologyProfiler"]
     assert "did not stop the run" in expected["GradNormEarlyStopping"]
     assert expected["GradNormMonitor"].startswith("| optimizer | steps | last ‖g‖ |")
     assert expected["GraphIntegrityCallback"].startswith("**Graph integrity: clean bill of health.**")
@@ -175,7 +184,7 @@ def test_without_tensorboard_nothing_breaks(tmp_path: Path) -> None:
     trainer = pl.Trainer(**trainer_kwargs(max_steps=2, limit_val_batches=0, default_root_dir=str(tmp_path),
                                           callbacks=[GradNormMonitor(), TrainvitalsDashboard()], log_every_n_steps=1))
     trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
-    assert "grad_norm" in trainer.progress_bar_metrics and "noise_band" not in trainer.progress_bar_metrics
+    assert "grad_norm" in trainer.progress_bar_metrics and "band_ratio" not in trainer.progress_bar_metrics
     assert not list(tmp_path.rglob("events.out.tfevents.*"))
 
 
@@ -197,11 +206,13 @@ def test_the_layout_follows_the_loggers_prefix(tmp_path: Path) -> None:
 
 
 def test_every_callback_says_one_line_at_fit_end(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    callbacks = [GraphIntegrityCallback(verbose=False), GradNormMonitor(), BatchVarianceProbe(),
-                 GradNormEarlyStopping(patience=1000), LRScalingAdvisor(verbose=False),
-                 MemoryTopologyProfiler(measure_every_n_steps=2, verbose=False), TrainvitalsDashboard(progress_bar=False)]
+    """By default: one line each at fit end, and no table on the console (they go to TensorBoard and the report)."""
+    callbacks = [GraphIntegrityCallback(), GradNormMonitor(), BatchVarianceProbe(),
+                 GradNormEarlyStopping(patience=1000), LRScalingAdvisor(),
+                 MemoryTopologyProfiler(measure_every_n_steps=2), TrainvitalsDashboard(progress_bar=False)]
     with caplog.at_level("INFO"):
         fit(tmp_path, *callbacks, accumulate_grad_batches=1, max_steps=6)
+    assert [r.getMessage() for r in caplog.records if "\n" in r.getMessage()] == []
     fit_end = [r.getMessage() for r in caplog.records if r.funcName == "on_fit_end"]
     said = {type(cb).__name__: [m for m in fit_end if m.startswith(f"trainvitals {type(cb).__name__}: ")] for cb in callbacks}
     assert len(fit_end) == len(callbacks)

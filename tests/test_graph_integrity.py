@@ -972,6 +972,7 @@ def test_batchnorm_runs_in_eval_mode_for_the_independence_check(caplog):
         fit(model, cb, steps=1)
     assert cb.findings == []
     assert "1 BatchNorm layer(s) in eval mode (`norm`)" in caplog.text
+    assert "trainvitals GraphIntegrityCallback: the batch-independence check ran 1 BatchNorm" in caplog.text
     assert model.norm.training and int(model.norm.num_batches_tracked) == 1  # the check did not update it
 
 
@@ -980,6 +981,7 @@ def test_batch_independence_that_cannot_run_says_so_and_carries_on():
     caught = fit(Net(), cb, steps=1)
     assert cb.findings == []
     assert any("could not check batch independence: ValueError: the input must be floating point" in m for m in caught)
+    assert any(m.startswith("trainvitals GraphIntegrityCallback: could not check") for m in caught)
 
 
 def test_strict_raises_at_the_first_finding():

@@ -330,7 +330,7 @@ def test_manual_optimization_is_advised_but_not_probed():
 # ---------------------------------------------------------------- logging
 def test_tensorboard_gets_scalars_and_the_advice_text(tmp_path, caplog):
     tb = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
-    advisor = LRScalingAdvisor(every_n_steps=2)
+    advisor = LRScalingAdvisor(every_n_steps=2, verbose=True)
     with caplog.at_level("INFO"):
         fit(Model(), [advisor], tb, max_steps=4)
     events = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "tensors": 0})

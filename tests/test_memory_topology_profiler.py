@@ -404,15 +404,21 @@ def test_under_accumulation_the_cost_of_checkpointing_counts_every_micro_batch()
 def test_fit_end_table_and_picture_in_tensorboard(tmp_path, caplog):
     pytest.importorskip("matplotlib")
     logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
-    profiler = MemoryTopologyProfiler(first_steps=1)
+    profiler = MemoryTopologyProfiler(first_steps=1, verbose=True)
     with caplog.at_level("INFO"):
         fit(Classifier(body=_body()), profiler, logger, max_steps=2)
     table = profiler.summary_markdown()
-    for heading in ("## Memory topology", "### Saved for backward, by module", "### Advice", "### Findings"):
+    for heading in ("### Saved for backward, by module", "### Advice", "### Findings"):
         assert heading in table
+    # No title of its own (the panel, the report and the demo name it), and no empty header cell.
+    assert table.startswith("Step 0, batch of 8 ")
+    lines = table.splitlines()
+    headers = [line for line, below in zip(lines, lines[1:]) if below.startswith("|--") or below.startswith("| --")]
+    assert len(headers) == 3 and all(cell.strip() for line in headers for cell in line.strip("|").split("|")), headers
     assert "`net.1.4`" in table and "activation checkpointing of `net.1`" in table
     assert "pass `memory_budget_bytes`" in table  # CPU without a budget: no batch advice
-    assert markdown_to_text(table) in caplog.text  # printed as plain text, the markdown goes to TensorBoard
+    # Printed as plain text with the callback's prefix, the markdown goes to TensorBoard.
+    assert f"trainvitals MemoryTopologyProfiler: memory at the last profiled step\n{markdown_to_text(table)}" in caplog.text
     events = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "tensors": 0}).Reload()
     assert "memory/saved_bytes_by_module" in events.Tags()["images"]
     assert any(tag.startswith("memory/report") for tag in events.Tags()["tensors"])
@@ -516,5 +522,5 @@ def test_verbose_false_keeps_the_table_off_the_console(caplog):
     profiler = MemoryTopologyProfiler(first_steps=1, verbose=False)
     with caplog.at_level("INFO"):
         fit(Classifier(body=_body()), profiler, max_steps=2)
-    assert "## Memory topology" in profiler.summary_markdown()
-    assert "## Memory topology" not in caplog.text
+    assert "### Saved for backward, by module" in profiler.summary_markdown()
+    assert "Saved for backward" not in caplog.text

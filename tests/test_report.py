@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -401,3 +402,83 @@ def test_a_dropped_noise_source_reaches_the_report_once(tmp_path: Path, capsys: 
     _, doc = report_json(capsys, tmp_path)
     found = [f for f in doc["runs"][0]["findings"] if said in f["message"]]
     assert len(found) == 1 and found[0]["severity"] == "warning"
+
+
+def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """LRScalingAdvisor's and GraphIntegrityCallback's tags read as words; each value is the one logged."""
+    logged = {"lr_scaling/b_noise": 400.0, "lr_scaling/steps_over_min": 1 + 400 / 64, "lr_scaling/examples_over_min":
+              1 + 64 / 400, "lr_scaling/lr/SGD": 0.1, "lr_scaling/suggested_lr_x2/SGD": 0.2,
+              "lr_scaling/suggested_lr_b100/SGD": 0.15, "graph/unoptimized_params": 3.0, "graph/unregistered_params": 2.0,
+              "graph/dead_params": 0.0}
+    write_run(tmp_path / "run", {**HEALTHY, **logged})
+    _, doc = report_json(capsys, tmp_path)
+    noise = rows(doc["runs"][0], "noise scale and batch size")
+    assert noise["noise scale B̂ (given)"] == 400
+    assert noise["steps over the fewest, S/S_min = 1 + B̂/B"] == pytest.approx(1 + 400 / 64)
+    assert noise["examples over the fewest, E/E_min = 1 + B/B̂"] == pytest.approx(1 + 64 / 400)
+    assert noise["lr now, SGD"] == pytest.approx(0.1)
+    assert noise["suggested lr at ×2 (B = 128), SGD"] == pytest.approx(0.2)  # the effective batch is 64
+    assert noise["suggested lr at B = 100, SGD"] == pytest.approx(0.15)
+    assert list(rows(doc["runs"][0], "integrity").items()) == [
+        ("parameters with an exactly zero gradient", 0), ("tensors with a gradient in no optimizer", 3),
+        ("of those, not registered on the module", 2)]
+    _, text, _ = report(capsys, str(tmp_path))
+    assert not re.search(r"\b(b_noise|steps_over_min|suggested_lr|unoptimized_params|dead_params)\b", text)
+
+
+CAVEAT = ("trainvitals GradNormEarlyStopping: the noise estimate cannot decide: no valid noise source (micro_batch: "
+          "fewer than 2 micro-batches). It will not stop on the noise band while that lasts.")
+
+
+@pytest.mark.parametrize(("scalars", "texts", "said"), [
+    ({}, {}, "not stopped: in the noise band on 6 of 20 logged steps; the logged streak in its condition reached 26 "
+     "step(s) in a row, short of its patience or before min_steps"),
+    ({"grad_norm/in_noise_band": 0.0}, {}, "not stopped: never in the noise band, on any of the 20 logged steps"),
+    ({"grad_norm/in_noise_band": None}, {"grad_noise/caveat": CAVEAT},
+     "not stopped: the noise estimate cannot decide: no valid noise source (micro_batch: fewer than 2 micro-batches)"),
+    ({"grad_norm/in_noise_band": None, "grad_noise/coverage": 0.5}, {},
+     "not stopped: partial: the noise estimate covers 50% of ‖ḡ‖²"),
+    ({"grad_norm/in_noise_band": None, "grad_norm/noise_floor": None}, {},
+     "not stopped: no noise estimate was logged, so no noise band"),
+    ({"grad_norm/in_noise_band": None}, {}, "not stopped: no noise-band flag was logged (the estimate had fewer than 20"),
+    ({"grad_norm/band_streak": None}, {}, "no stop rule: no GradNormEarlyStopping logged"),
+])
+def test_the_stop_row_says_why_the_stopper_did_not_stop(tmp_path: Path, capsys: pytest.CaptureFixture[str], scalars,
+                                                         texts, said) -> None:
+    # HEALTHY is in the band from step 70 (6 of the 20 logged steps): a streak of 26 steps at step 95.
+    logged = {**HEALTHY, "grad_norm/band_streak": [float(s - 69) if s >= 70 else 0.0 for s in STEPS]}
+    logged = {tag: value for tag, value in {**logged, **scalars}.items() if value is not None}
+    write_run(tmp_path / "run", logged, texts)
+    _, doc = report_json(capsys, tmp_path)
+    assert rows(doc["runs"][0], "convergence")["stop"].startswith(said)
+
+
+def test_sections_and_the_lr_advice_say_their_step_when_it_is_not_the_last(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The advice is written at fit end (step 99), after the last logging step (95): it says its step, which its
+    B̂ is of; the sections, read at the last logged step, need not."""
+    write_run(tmp_path / "run", HEALTHY)
+    writer = SummaryWriter(str(tmp_path / "run"))
+    writer.add_text("lr_scaling/advice", "- noise scale B̂ = 210", 99)
+    writer.close()
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    assert run["last_step"] == 95
+    assert run["steps"] == {"convergence": 95, "noise scale and batch size": 95, "lr scaling advice": 99, "memory": 95,
+                            "spikes and non-finite steps": 95}
+    _, text, _ = report(capsys, str(tmp_path))
+    assert "\n  lr scaling advice, as of optimizer step 99\n    - noise scale B̂ = 210\n" in text
+    assert "\n  noise scale and batch size\n" in text and "\n  convergence\n" in text
+    _, markdown, _ = report(capsys, str(tmp_path), "--format", "markdown")
+    assert "### lr scaling advice, as of optimizer step 99\n" in markdown
+    _, page, _ = report(capsys, str(tmp_path), "--format", "html")
+    assert "<summary>lr scaling advice, as of optimizer step 99</summary>" in page
+
+
+def test_a_section_logged_before_the_last_step_says_when(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "run", {tag: v for tag, v in HEALTHY.items() if not tag.startswith("memory/")})
+    writer = SummaryWriter(str(tmp_path / "run"))
+    writer.add_scalar("memory/parameters_bytes", 160_000.0, 2)
+    writer.close()
+    _, text, _ = report(capsys, str(tmp_path))
+    assert "\n  memory, as of optimizer step 2\n    parameters  156.25 KiB\n" in text

@@ -556,7 +556,7 @@ def test_junk_after_damage_is_skipped_without_a_checksum_per_byte(
     in the file are checksummed, so the resync costs a handful of checksums, not one per byte."""
     import random
 
-    from trainvitals.dashboard import report as report_module
+    from trainvitals.dashboard import events
 
     write_run(tmp_path / "run", HEALTHY)
     path = event_file(tmp_path / "run")
@@ -569,7 +569,7 @@ def test_junk_after_damage_is_skipped_without_a_checksum_per_byte(
         calls.append(len(chunk))
         return masked_crc32c(chunk)
 
-    monkeypatch.setattr(report_module, "masked_crc32c", counting)
+    monkeypatch.setattr(events, "masked_crc32c", counting)
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_DAMAGED
     (message,) = damage_findings(doc["runs"][0])

@@ -125,11 +125,12 @@ class TrainvitalsCallback(Callback):
                     setattr(self, name, value)
 
     # ------------------------------------------------------------------ messages
-    def message(self, text: str) -> str:
+    def message(self, text: str, tag: str | None = None) -> str:
         """``text`` with this callback's prefix: ``trainvitals <Callback>: text``, the trainvitals class
-        named (also in a user's subclass of it)."""
+        named (also in a user's subclass of it); with ``tag`` (a finding's kind),
+        ``trainvitals <Callback> [tag]: text``."""
         name = next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("trainvitals."))
-        return f"trainvitals {name}: {text}"
+        return f"trainvitals {name}{f' [{tag}]' if tag else ''}: {text}"
 
     # The stack levels point a warning at the hook that gave it, past these helpers and Lightning's.
     def info(self, text: str, once: bool = False) -> None:

@@ -29,10 +29,13 @@ class TrainvitalsDashboard(TrainvitalsCallback):
     - At fit end, each trainvitals callback gets a text panel ``diagnosis/<class name>`` (the Text tab's first group)
       with its end-of-run markdown (its ``summary_markdown()``).
     - On the Trainer's logging steps (``log_every_n_steps`` optimizer steps), the progress bar shows
-      ``grad_norm`` (GradNormMonitor's latest total norm) and ``noise_band``: 1 when the smoothed
-      ‖G‖² ≤ margin · tr(Σ)/B, with GradNormEarlyStopping's margin and noise estimate (its own, else
-      a BatchVarianceProbe's), as it decides; without a stopper, margin 1 (B ≤ B_simple). The values
-      are read from the device on those steps only (a few scalars), never on the others.
+      ``grad_norm`` (GradNormMonitor's latest total norm) and ``band_ratio``: the smoothed ‖G‖² over the
+      noise band's edge margin · tr(Σ)/B, with GradNormEarlyStopping's margin and noise estimate (its own,
+      else a BatchVarianceProbe's), while the estimate can decide; ≤ 1 is in the band. Without a stopper,
+      margin 1 (≤ 1: B ≤ B_simple). A number rather than the 0/1 band flag, which Lightning's progress
+      bar would show as a float (``0.000``). The values are read from the device on those steps only
+      (a few scalars), never on the others. The bar's ``v_num`` is the progress bar's own (its
+      ``get_metrics``), not this callback's.
 
     Args:
         progress_bar: show the two values in the progress bar.
@@ -94,7 +97,8 @@ def diagnoses(trainer: "pl.Trainer") -> dict[str, str]:
 
 
 def progress_bar_values(trainer: "pl.Trainer") -> dict[str, float]:
-    """The latest total gradient norm and noise-band flag as host floats; empty until measured."""
+    """The latest total gradient norm and the smoothed ‖G‖² over the band's edge margin · tr(Σ)/B, as host
+    floats; each left out until measured (the ratio: while the estimate can decide, with tr(Σ) > 0)."""
     values: dict[str, float] = {}
     monitor = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor)), None)
     if monitor is not None and 0 in monitor.last_total:
@@ -103,8 +107,9 @@ def progress_bar_values(trainer: "pl.Trainer") -> dict[str, float]:
     margin = stopper.margin if stopper is not None else 1.0
     noise = next((cb.gradient_noise for cb in trainer.callbacks
                   if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)), None)
-    if noise is not None:  # the run's one estimate, shown only while it can decide
+    if noise is not None and margin > 0:  # the run's one estimate, shown only while it can decide
         estimate = noise.estimate()
-        if bool(noise.decisive(estimate)):
-            values["noise_band"] = float(noise.in_noise_band(margin, estimate))
+        if estimate.batch_size and bool(noise.decisive(estimate) & (estimate.trace_cov > 0)):
+            edge = margin * estimate.trace_cov / estimate.batch_size
+            values["band_ratio"] = float(estimate.grad_sq_norm / edge)
     return values

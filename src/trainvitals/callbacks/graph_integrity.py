@@ -108,7 +108,9 @@ class GraphIntegrityCallback(TrainvitalsCallback):
             the batch. The model is called as ``pl_module(x)``.
         strict: raise :class:`GraphIntegrityError` at the first finding instead of warning; a param group
             at lr 0 is only reported (it may be kept fixed on purpose).
-        verbose: print the findings table at fit end (it goes to TensorBoard either way).
+        verbose: also print the findings table at the end of training. By default the terminal gets
+            the one line at fit end; the table goes to TensorBoard (``graph/findings``), ``trainvitals
+            report`` and :meth:`summary_markdown`.
 
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range (named in the message).
@@ -123,7 +125,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         check_batch_independence: bool = False,
         batch_input: Callable[[Any], Tensor] | None = None,
         strict: bool = False,
-        verbose: bool = True,
+        verbose: bool = False,
     ) -> None:
         super().__init__()
         self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
@@ -145,7 +147,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         """The state of a fit that has not started: the counts, the findings, the check window, every
         check's state (their keys are merged into the callback's in :meth:`state_dict`)."""
         super().reset()
-        self._fit = Fit(self.strict, self.dead_after_steps)
+        self._fit = Fit(self.strict, self.dead_after_steps, self.message)
         self._checks = self._build_checks()
         self._hooks = {hook: overriding(self._checks, hook) for hook in HOOKS}
 
@@ -301,7 +303,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
             pending, fit.pending = fit.pending, None
             if pending is None:
                 raise GraphIntegrityError(self.message("another rank found a graph problem."))
-            raise GraphIntegrityError(f"trainvitals GraphIntegrityCallback [{pending.kind.value}]: {pending.message}")
+            raise GraphIntegrityError(self.message(pending.message, pending.kind.value))
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

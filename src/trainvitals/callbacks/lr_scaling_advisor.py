@@ -97,8 +97,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
     ``LearningRateMonitor``), ``lr_scaling/lr/<name>`` and ``lr_scaling/suggested_lr_<key>/<name>``
     with key ``x0.5``, ``x2``, ``x4``, ``x8`` or ``b<size>`` for a listed size (not for an unsure
     family). TensorBoard text ``lr_scaling/advice`` at fit start and at the end (at the last step that
-    ran, with the latest B̂; no scalars there); the end report is also printed (``verbose``) and kept:
-    :meth:`summary_markdown`.
+    ran, with the latest B̂; no scalars there), kept as :meth:`summary_markdown`; the terminal gets one
+    line at fit end, and the report too with ``verbose=True``.
 
     The host reads B̂ and the lrs on reporting steps only; other steps cost one integer comparison.
 
@@ -111,7 +111,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
         noise_scale: a known B̂ in examples, used instead of any measured one.
         batch_size: per-device micro-batch in examples; default: inferred from the first batch.
         detect_loss_reduction: run the duplicated-batch probe on the first batch.
-        verbose: print the end report.
+        verbose: also print the end report at the end of training (by default the terminal gets the one
+            line at fit end; the report goes to TensorBoard and ``trainvitals report``).
 
     Raises:
         TypeError: naming an argument of the wrong type (a string for a number, a bool for a count).
@@ -129,7 +130,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         noise_scale: float | None = None,
         batch_size: int | None = None,
         detect_loss_reduction: bool = True,
-        verbose: bool = True,
+        verbose: bool = False,
     ) -> None:
         super().__init__()
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1, none_ok=True)

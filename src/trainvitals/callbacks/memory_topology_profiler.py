@@ -22,7 +22,6 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_int, renamed_arguments
@@ -119,7 +118,9 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
             own the most saved bytes); each logged scalar costs a logger write.
         strict: raise when a step cannot be measured fully (saved tensors without a storage, no batch
             size) instead of warning once.
-        verbose: print the table at the end of training (it goes to TensorBoard either way).
+        verbose: also print the table at the end of training. By default the terminal gets the one
+            line at fit end; the table goes to TensorBoard (``memory/report``), ``trainvitals report``
+            and :meth:`summary_markdown`.
 
     Raises:
         TypeError: if an argument has the wrong type, ValueError if it is out of range, naming it.
@@ -135,7 +136,7 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         snapshot_steps: int = 0,
         max_modules_shown: int = 20,
         strict: bool = False,
-        verbose: bool = True,
+        verbose: bool = False,
     ) -> None:
         super().__init__()
         self.measure_every_n_steps = check_int("measure_every_n_steps", measure_every_n_steps, 1)
@@ -311,7 +312,7 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         self._release()
         table = self.summary_markdown()
         if self.verbose:
-            rank_zero_info(markdown_to_text(table))
+            self.info(f"memory at the last profiled step\n{markdown_to_text(table)}")
         step = trainer.global_step
         log_text(trainer, "memory/report", table, step)
         picture = self.picture() if tensorboard_writers(trainer, "images") else None
@@ -340,8 +341,11 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
                 f"{len(self.findings) or 'no'} graph(s) outliving their step.")
 
     def summary_markdown(self) -> str:
-        """The latest profiled step as markdown: categories, saved bytes per module, ranked advice, findings."""
-        lines = ["## Memory topology"]
+        """The latest profiled step as markdown: categories, saved bytes per module, ranked advice, findings.
+
+        No title of its own: where it goes names it (the panel ``diagnosis/MemoryTopologyProfiler``, the
+        report's memory table, the demo's section)."""
+        lines = []
         if self.last is None:
             lines.append("No step profiled yet.")
         else:

@@ -17,7 +17,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainvitals.dashboard.report import Run, RunReport, _fmt, _status
+from trainvitals.dashboard.assess import RunReport
+from trainvitals.dashboard.events import Run
+from trainvitals.dashboard.render import format_value, heading, status_line
 from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, grad_norm
 
 Series = list[tuple[int, float]]
@@ -54,7 +56,7 @@ def render_html(runs: Sequence[tuple[Run, RunReport]], skipped: Sequence[str] = 
 
 def _run_html(run: Run, report: RunReport) -> list[str]:
     state = "critical" if report.critical else "ok"
-    out = [f"<h2>run <code>{html.escape(report.run)}</code>: <span class=\"{state}\">{html.escape(_status(report))}</span></h2>"]
+    out = [f"<h2>run <code>{html.escape(report.run)}</code>: <span class=\"{state}\">{html.escape(status_line(report))}</span></h2>"]
     if report.findings:
         out.append("<h3>findings</h3><ul class=\"findings\">")
         out += [f"<li><span class=\"sev {html.escape(f.severity)}\">{html.escape(f.severity)}</span>"
@@ -68,12 +70,12 @@ def _run_html(run: Run, report: RunReport) -> list[str]:
         out.append("</div>")
     for title, rows in report.sections.items():
         if rows:
-            out.append(f"<h3>{html.escape(title)}</h3><table><tr><th>measure</th><th>value</th></tr>")
+            out.append(f"<h3>{html.escape(heading(report, title))}</h3><table><tr><th>measure</th><th>value</th></tr>")
             out += [f"<tr><td>{html.escape(row.label)}</td><td class=\"{'num' if isinstance(row.value, float) else ''}\">"
-                    f"{html.escape(_fmt(row))}</td></tr>" for row in rows]
+                    f"{html.escape(format_value(row))}</td></tr>" for row in rows]
             out.append("</table>")
     for title, text in report.panels.items():
-        out.append(f"<details open><summary>{html.escape(title)}</summary>{markdown_to_html(text)}</details>")
+        out.append(f"<details open><summary>{html.escape(heading(report, title))}</summary>{markdown_to_html(text)}</details>")
     return out
 
 

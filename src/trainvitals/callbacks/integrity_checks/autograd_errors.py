@@ -43,7 +43,7 @@ class AutogradErrorCheck(Check):
         except Exception as err:  # a diagnosis must never replace the user's error
             names, message = (), f"the diagnosis itself failed ({type(err).__name__}: {err})"
         finding = fit.record(_ERROR_KIND[kind], names, message, warn=False)
-        note = f"trainvitals GraphIntegrityCallback [{finding.kind.value}]: {finding.message}"
+        note = fit.message(finding.message, finding.kind.value)
         if hasattr(exception, "add_note"):
             exception.add_note(note)
         else:  # Python < 3.11

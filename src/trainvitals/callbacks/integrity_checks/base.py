@@ -36,6 +36,8 @@ class Fit:
         findings: every problem found, the first time each (kind, names) was; ``counts``: per kind, how
             many times it was found; ``pending``: with ``strict``, the first finding not raised yet.
         dead_after_steps: the callback's argument: checked optimizer steps in a row that make a finding.
+        message: the callback's :meth:`~trainvitals.callbacks._base.TrainvitalsCallback.message`: a check's
+            text with the callback's prefix (and a finding's kind in brackets).
         names: ``id(tensor) -> name`` in the model (``tensor_names``).
         tracked: ``(name, parameter)`` of every parameter in an optimizer or registered on the model.
         opt_params: per optimizer (``trainer.optimizers`` order), its ``(name, parameter)`` pairs.
@@ -48,9 +50,10 @@ class Fit:
             ``last_loss``: the last loss handed to backward; ``stepped``: the optimizers that stepped in it.
     """
 
-    def __init__(self, strict: bool, dead_after_steps: int) -> None:
+    def __init__(self, strict: bool, dead_after_steps: int, message: Callable[[str, str | None], str]) -> None:
         self.strict = strict
         self.dead_after_steps = dead_after_steps
+        self.message = message
         self.findings: list[Finding] = []
         self.counts: dict[FindingKind, int] = {}
         self.warned: set[FindingKind] = set()  # kinds warned about (once each, rank zero)
@@ -83,7 +86,7 @@ class Fit:
             self.findings.append(finding)
         if warn and kind not in self.warned:
             self.warned.add(kind)
-            rank_zero_warn(f"trainvitals GraphIntegrityCallback [{kind.value}]: {message}")
+            rank_zero_warn(self.message(message, kind.value))
         if self.strict and kind.spec.strict and self.pending is None:
             self.pending = finding
         return finding

@@ -43,15 +43,14 @@ class BatchMixingCheck(Check):
                     raise ValueError("the batch holds no tensor")
                 mixing = batch_mixing(pl_module, x)
             except Exception as err:  # the model called on a guessed input: any failure means "cannot check"
-                rank_zero_warn(f"trainvitals GraphIntegrityCallback: could not check batch independence: "
-                               f"{type(err).__name__}: {err}")
+                rank_zero_warn(fit.message(f"could not check batch independence: {type(err).__name__}: {err}"))
                 return
         if switched:
-            rank_zero_info(
-                f"trainvitals GraphIntegrityCallback: the batch-independence check ran {len(switched)} BatchNorm layer(s) in eval mode "
+            rank_zero_info(fit.message(
+                f"the batch-independence check ran {len(switched)} BatchNorm layer(s) in eval mode "
                 f"({listed(switched)}): in training mode BatchNorm mixes examples through the batch statistics "
                 "by design."
-            )
+            ))
         mixed = {i: js for i, js in mixing.items() if js}
         if mixed:
             detail = "; ".join(f"output {i} depends on inputs {js[:SHOWN]}" for i, js in mixed.items())

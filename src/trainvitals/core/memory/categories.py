@@ -236,4 +236,4 @@ def category_metrics(memory: StepMemory) -> dict[str, float]:
 def category_markdown(memory: StepMemory) -> list[str]:
     """The categories as a markdown table: label, value, value in binary units (bytes rows)."""
     rows = [category.markdown_cells(value) for category, value in measured_categories(memory)]
-    return markdown_table(("category", "bytes", ""), rows, align="lrr")
+    return markdown_table(("category", "bytes", "binary units"), rows, align="lrr")

@@ -1,0 +1,98 @@
+"""``trainvitals report`` as text, markdown or JSON (``html``: :mod:`trainvitals.dashboard.html`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from trainvitals._markdown import markdown_table
+from trainvitals.core.memory import format_bytes
+from trainvitals.dashboard.assess import Row, RunReport
+from trainvitals.dashboard.terminal import format_table, markdown_to_text
+
+
+def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) -> str:
+    """The reports as ``text``, ``markdown`` or ``json``; ``skipped`` names runs without trainvitals data.
+
+    ``html`` needs the runs' series for its plots: :func:`trainvitals.dashboard.html.render_html`."""
+    if fmt == "json":
+        return json.dumps(_json_safe({
+            "critical": any(r.critical for r in reports),
+            "runs": [{**asdict(r), "critical": r.critical, "status": r.status} for r in reports],
+            "skipped_runs": list(skipped),
+        }), indent=2, allow_nan=False) + "\n"
+    render_run = _markdown_run if fmt == "markdown" else _text_run
+    out = [line for r in reports for line in render_run(r)]
+    if skipped:
+        out.append(f"runs without trainvitals metrics, not reported: {', '.join(skipped)}")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def status_line(r: RunReport) -> str:
+    """The run's status and its last logged optimizer step: the heading of its report in every format."""
+    step = f", last logged optimizer step {r.last_step}" if r.last_step is not None else ""
+    return r.status + step
+
+
+def heading(r: RunReport, title: str) -> str:
+    """A section's or panel's title, with the step its numbers are of when that is not the run's last logged
+    step (:attr:`RunReport.steps`)."""
+    step = r.steps.get(title)
+    return title if step is None or step == r.last_step else f"{title}, as of optimizer step {step}"
+
+
+def _markdown_run(r: RunReport) -> list[str]:
+    """One run in markdown: the findings first, a table per section, the callbacks' panels as they wrote them."""
+    out = [f"## run `{r.run}`: {status_line(r)}"]
+    if r.findings:
+        out += ["", "### findings", ""] + [f"- **{f.severity}** ({f.section}): {f.message}" for f in r.findings]
+    for title, rows in r.sections.items():
+        if rows:
+            out += ["", f"### {heading(r, title)}", "",
+                    *markdown_table(("measure", "value"), [(row.label, format_value(row)) for row in rows])]
+    for title, text in r.panels.items():
+        out += ["", f"### {heading(r, title)}", "", text]
+    return out + [""]
+
+
+def _text_run(r: RunReport) -> list[str]:
+    """One run for a terminal: the findings first, then aligned sections, then the panels as plain text."""
+    out = [f"run {r.run}: {status_line(r)}"]
+    if r.findings:
+        out += ["", "  findings"] + [f"    [{f.severity}] {f.section}: {f.message}" for f in r.findings]
+    for title, rows in r.sections.items():
+        if rows:
+            out += ["", f"  {heading(r, title)}"] + format_table([[row.label, format_value(row)] for row in rows],
+                                                                  indent="    ")
+    for title, text in r.panels.items():
+        out += ["", f"  {heading(r, title)}", textwrap.indent(markdown_to_text(text), "    ")]
+    return out + [""]
+
+
+def _json_safe(obj: Any) -> Any:
+    """``inf``/``nan`` (B_simple when ‖G‖² ≤ 0) as the strings ``"inf"``/``"nan"``: JSON has no such numbers."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def format_value(row: Row) -> str:
+    """A row's value as shown: ``n/a`` when not logged, bytes in binary units, a number to 4 digits."""
+    v = row.value
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    if row.unit == "bytes":
+        return format_bytes(v)
+    text = f"{v:.4g}"
+    return f"{text} {row.unit}" if row.unit else text
+
