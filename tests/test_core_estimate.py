@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainvitals.core.estimate import COUPLING_Z, GATE_Z, Z90, GradientNoise, NoiseSource
+from trainvitals.core.estimate import COUPLING_Z, GATE_Z, Z90, GradientNoise, NoiseSource, band_ratio
 from trainvitals.core.noise import per_example_estimates, two_batch_size_estimates
 
 D, SIGMA, B, MICRO = 8, 0.5, 64, 16
@@ -435,3 +435,11 @@ def test_the_finite_population_correction_against_brute_force_on_a_small_dataset
     bias = float(biased.grad_sq_norm) - g2
     assert bias < -4 * float(biased.grad_sq_norm_se)
     assert bias == pytest.approx(-trace / (n - 1), rel=0.25)  # − S/N with S = N tr Σ/(N − 1)
+
+
+def test_band_ratio_is_grad_sq_norm_over_the_band_edge():
+    assert band_ratio(0.5, 40.0, 64, 0.2) == pytest.approx(0.5 / (0.2 * 40.0 / 64))
+    ratio = band_ratio(torch.tensor(0.5), torch.tensor(40.0), 64, 0.2)
+    assert isinstance(ratio, torch.Tensor) and float(ratio) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="margin"):
+        band_ratio(0.5, 40.0, 64, 0.0)

@@ -15,7 +15,7 @@ from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._writers import log_text, tensorboard_loggers
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
-from trainvitals.core.estimate import GradientNoise
+from trainvitals.core.estimate import GradientNoise, band_ratio
 from trainvitals.dashboard.layout import layer_groups, trainvitals_layout
 from trainvitals.dashboard.tags import DIAGNOSIS_TAG
 
@@ -110,6 +110,6 @@ def progress_bar_values(trainer: "pl.Trainer") -> dict[str, float]:
     if noise is not None and margin > 0:  # the run's one estimate, shown only while it can decide
         estimate = noise.estimate()
         if estimate.batch_size and bool(noise.decisive(estimate) & (estimate.trace_cov > 0)):
-            edge = margin * estimate.trace_cov / estimate.batch_size
-            values["band_ratio"] = float(estimate.grad_sq_norm / edge)
+            values["band_ratio"] = float(band_ratio(estimate.grad_sq_norm, estimate.trace_cov, estimate.batch_size,
+                                                    margin))
     return values

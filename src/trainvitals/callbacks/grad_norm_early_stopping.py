@@ -34,7 +34,8 @@ from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._stopping import can_stop_now
 from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
-from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
+from trainvitals.core.estimate import (SOURCES_CHECK, GradientNoise, NoiseSource, band_ratio, find_gradient_noise,
+                                       population_of)
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
 
 MODES = ("noise_band", "threshold", "relative")
@@ -529,7 +530,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             elif not summary["decisive"]:
                 why = f"the noise estimate cannot decide ({summary['why']}); " + why
             elif self.margin > 0 and summary["trace_cov"] > 0 and summary["batch_size"]:
-                ratio = summary["grad_sq_norm"] * summary["batch_size"] / (self.margin * summary["trace_cov"])
+                ratio = band_ratio(summary["grad_sq_norm"], summary["trace_cov"], summary["batch_size"], self.margin)
                 why += (f"; at the end the smoothed ‖G‖² is {ratio:.2f}× the band's edge {self.margin:g}·tr(Σ)/B"
                         if ratio > 0 else "; at the end the smoothed ‖G‖² is ≤ 0, inside the band")
         if self.steps < self.min_steps:
@@ -548,4 +549,4 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                  else f"reached {self.patience} ({streak} steps in a row)")]
         if self.mode == "noise_band":  # the run's one estimate, with the sources it combines
             rows += self.gradient_noise.summary_rows()
-        return "\n".join(markdown_table(("", ""), rows))
+        return "\n".join(markdown_table(("quantity", "value"), rows))

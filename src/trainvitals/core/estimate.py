@@ -500,6 +500,16 @@ class GradientNoise:
         return rows
 
 
+def band_ratio(grad_sq_norm: Any, trace_cov: Any, batch_size: int, margin: float) -> Any:
+    """‖G‖² over the noise band's edge margin·tr(Σ)/B (≤ 1: inside the band), for floats or tensors alike.
+
+    Raises ``ValueError`` when margin, tr(Σ) or B is not positive (the band has no edge then).
+    """
+    if not (margin > 0 and batch_size > 0):
+        raise ValueError(f"band_ratio needs margin > 0 and batch_size > 0, got {margin!r} and {batch_size!r}")
+    return grad_sq_norm * batch_size / (margin * trace_cov)
+
+
 def _selected_lower_bound(grad: Tensor, se: Tensor, iterations: int = 40) -> Tensor:
     """``()`` 95% lower bound on ‖G‖² from ``grad`` ± ``se`` given that it passed the gate grad ≥ k·se
     (k = :data:`GATE_Z`): the μ with P(X ≥ grad | X ≥ k·se; X ~ N(μ, se²)) = 5% (a truncated normal, by
