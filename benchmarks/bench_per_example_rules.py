@@ -694,8 +694,8 @@ def step_breakdown(repetitions: int, steps: int) -> dict[str, float]:
                 spent[key(*args)] = spent.get(key(*args), 0.0) + time.process_time() - start
         return wrapper
 
-    def layer(group: Any) -> str:
-        return "rule + bookkeeping, " + ", ".join(f"{n} {type(model[int(n)]).__name__}" for n in group.members)
+    def layer(group: list[str]) -> str:
+        return "rule + bookkeeping, " + ", ".join(f"{n} {type(model[int(n)]).__name__}" for n in group)
 
     collector._measure = timed(layer, collector._measure)  # looked up on the instance by the hooks
     collector._backward = timed(lambda *_: "backward hooks (with the rules)", collector._backward)
