@@ -139,7 +139,8 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] =
 }
 QUICK_LAYERS = ("Linear 256→256, (64, 256)", "Conv2d 16→32 k3, (64, 16, 8, 8) (digits CNN conv 2)",
                 "ConvTranspose2d 32→16 k4 s2, (32, 32, 8, 8)", "GroupNorm 8×64, (32, 64, 16, 16)",
-                "Embedding 10000×128, (32, 64) tokens")
+                "Embedding 10000×128, (32, 64) tokens", "MultiheadAttention 128, 4 heads, sequence-first, (64, 32, 128)",
+                "LSTM 64→128, (32, 32, 64)")
 
 
 def digits_cnn() -> nn.Module:
@@ -746,7 +747,7 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=7, help="interleaved rounds per layer or model")
     parser.add_argument("--seconds", type=float, default=0.06, help="CPU seconds of bare steps per round")
     parser.add_argument("--exact-batch", type=int, default=8, help="examples in the float64 exactness check")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 5 layers, 2 models, 3 rounds (< 1 min)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 7 layers, 3 models, 3 rounds (< 1 min)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
     parser.add_argument("--only", action="append", default=[],
                         help="only the layers and models whose label contains this (repeatable); "
@@ -759,7 +760,7 @@ def main() -> None:
     if args.quick:
         args.repetitions, args.seconds = 3, 0.02
         layers = {k: LAYERS[k] for k in QUICK_LAYERS}
-        models = {k: MODELS[k] for k in list(MODELS)[:2]}
+        models = {k: MODELS[k] for k in (*list(MODELS)[:2], f"zoo gru_language_model, batch {ZOO_BATCH}")}
     if args.only:
         layers = {k: v for k, v in layers.items() if any(o in k for o in args.only)}
         models = {k: v for k, v in models.items() if any(o in k for o in args.only)}
