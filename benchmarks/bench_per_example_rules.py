@@ -9,7 +9,10 @@ Opacus, Opacus ghost, BackPACK, bare, ...):
 - ``trainvitals``: + :class:`~trainvitals.core.per_example.PerExampleGradients` (the squared norms of
   every step, no per-coordinate sums), as ``BatchVarianceProbe`` runs it;
 - ``opacus``: Opacus' ``GradSampleModule`` (per-example gradients ``p.grad_sample``, their squared
-  norms summed over parameters); layers without an Opacus grad sampler go through its functorch path;
+  norms summed over parameters); layers without an Opacus grad sampler go through its functorch path,
+  except nn.MultiheadAttention, RNN, LSTM and GRU, which Opacus does not support (its
+  ``ModuleValidator`` asks for its drop-in replacements): those are swapped for DPMultiheadAttention,
+  DPRNN, DPLSTM and DPGRU with the same weights, as ``ModuleValidator.fix`` would;
 - ``opacus_ghost``: Opacus' ``GradSampleModuleFastGradientClipping`` with ghost clipping: the norms
   only (ghost norms for Linear and Embedding, per-example gradients reduced at once for the others);
 - ``backpack``: BackPACK's ``BatchL2Grad`` on ``extend``-ed modules, where BackPACK has the layer.
@@ -19,8 +22,10 @@ torch thread) as a ratio to the same repetition's bare step, and its extra time 
 layer's own backward. Exactness: the largest relative difference of the tool's ‖g_i‖² from a
 brute-force loop (one backward per example), everything in float64.
 
-End to end: a plain training loop (forward, mean cross-entropy, backward, Adam step) on the demo's
-digits CNN and small models of the layer families, the per-example norms of every parameter. Last, the
+End to end: a plain training loop (forward, mean loss, backward, Adam step) on the demo's digits CNN,
+small models of the layer families and the test zoo's architectures (tests/zoo.py: GPT, BERT, ResNets,
+LSTM, GRU, ViT, MLP-Mixer, U-Net; their position tables frozen, which trainvitals names as not
+measured), the per-example norms of every parameter. Last, the
 digits CNN's conv path: its second convolution's rule by part against its weight-gradient floor (and
 a candidate form), and a measured step's extra time by part of the collector.
 
@@ -30,6 +35,7 @@ which BackPACK's torchvision requirement would replace. A tool that is not insta
 
     python benchmarks/bench_per_example_rules.py --out per_example_rules.json   # ~5 min on one core
     python benchmarks/bench_per_example_rules.py --quick                        # smoke run, < 1 min
+    python benchmarks/bench_per_example_rules.py --only LSTM --only digits      # rows whose label has either
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,9 +59,13 @@ from trainvitals.core.per_example import PerExampleGradients, Use, Workspace, pl
 from trainvitals.core.per_example._common import _bmm, _sq_norms
 from trainvitals.core.per_example.conv import _conv_patches
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from zoo import ZOO  # noqa: E402 - the test zoo's architectures, end to end
+
 try:
     from opacus import GradSampleModule
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 except ImportError:  # the table says "not installed"
     GradSampleModule = GradSampleModuleFastGradientClipping = None
 try:
@@ -70,9 +82,34 @@ PEERS = ("trainvitals", "opacus", "opacus_ghost", "backpack")
 # ----------------------------------------------------------------------------------------------------
 # Layers and models
 
+class SelfAttention(nn.Module):
+    """``attention(x, x, x)``'s output on a batch-first ``x`` (transposed for a sequence-first layer)."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.attention.batch_first:
+            x = x.transpose(0, 1)
+        out = self.attention(x, x, x, need_weights=False)[0]
+        return out if self.attention.batch_first else out.transpose(0, 1)
+
+
+class Outputs(nn.Module):
+    """A recurrent layer's output sequence (its first output)."""
+
+    def __init__(self, recurrent: nn.Module) -> None:
+        super().__init__()
+        self.recurrent = recurrent
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.recurrent(x)[0]
+
+
 #: name: (make the layer, input shape, integer inputs below this bound or None). Shapes of small real
 #: layers: the digits CNN's second convolution, a ResNet stage at 16×16, a decoder's upsampling, a
-#: transformer block's projections and norms on 64 tokens.
+#: transformer block's projections, attention and norms on 64 tokens, recurrent layers on 32 steps.
 LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] = {
     "Linear 4→4, (64, 4): the per-step constant": (lambda: nn.Linear(4, 4), (64, 4), None),
     "Linear 256→256, (64, 256)": (lambda: nn.Linear(256, 256), (64, 256), None),
@@ -92,10 +129,18 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] =
     "LayerNorm 256, (32, 64, 256)": (lambda: nn.LayerNorm(256), (32, 64, 256), None),
     "RMSNorm 256, (32, 64, 256)": (lambda: nn.RMSNorm(256), (32, 64, 256), None),
     "Embedding 10000×128, (32, 64) tokens": (lambda: nn.Embedding(10000, 128), (32, 64), 10000),
+    "MultiheadAttention 128, 4 heads, batch-first, (32, 64, 128)":
+        (lambda: SelfAttention(nn.MultiheadAttention(128, 4, batch_first=True)), (32, 64, 128), None),
+    "MultiheadAttention 128, 4 heads, sequence-first, (64, 32, 128)":
+        (lambda: SelfAttention(nn.MultiheadAttention(128, 4)), (32, 64, 128), None),
+    "RNN tanh 64→128, (32, 32, 64)": (lambda: Outputs(nn.RNN(64, 128, batch_first=True)), (32, 32, 64), None),
+    "LSTM 64→128, (32, 32, 64)": (lambda: Outputs(nn.LSTM(64, 128, batch_first=True)), (32, 32, 64), None),
+    "GRU 64→128, (32, 32, 64)": (lambda: Outputs(nn.GRU(64, 128, batch_first=True)), (32, 32, 64), None),
 }
 QUICK_LAYERS = ("Linear 256→256, (64, 256)", "Conv2d 16→32 k3, (64, 16, 8, 8) (digits CNN conv 2)",
                 "ConvTranspose2d 32→16 k4 s2, (32, 32, 8, 8)", "GroupNorm 8×64, (32, 64, 16, 16)",
-                "Embedding 10000×128, (32, 64) tokens")
+                "Embedding 10000×128, (32, 64) tokens", "MultiheadAttention 128, 4 heads, sequence-first, (64, 32, 128)",
+                "LSTM 64→128, (32, 32, 64)")
 
 
 def digits_cnn() -> nn.Module:
@@ -148,13 +193,9 @@ class ConvAutoencoder(nn.Module):
         return self.head(self.decode(self.encode(x)).flatten(1))
 
 
-#: name: (make the model, input shape, integer inputs below this bound or None, batch).
-MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] = {
-    "digits CNN (demo), batch 64": (digits_cnn, (64, 1, 8, 8), None),
-    "GroupNorm CNN 32×32, batch 32": (groupnorm_cnn, (32, 3, 32, 32), None),
-    "token MLP, Embedding/LayerNorm/RMSNorm, (32, 64) tokens": (TokenMLP, (32, 64), 2000),
-    "conv autoencoder, InstanceNorm/ConvTranspose2d, batch 32": (ConvAutoencoder, (32, 1, 16, 16), None),
-}
+#: A batch of ``examples`` (None: the benchmark's batch) with float inputs in ``dtype``, from ``seed``:
+#: the input and the loss's target.
+Data = Callable[[int | None, torch.dtype, int], tuple[Tensor, Tensor]]
 
 
 def make_input(shape: tuple[int, ...], vocab: int | None, dtype: torch.dtype, seed: int) -> Tensor:
@@ -162,6 +203,60 @@ def make_input(shape: tuple[int, ...], vocab: int | None, dtype: torch.dtype, se
     if vocab is not None:
         return torch.randint(vocab, shape, generator=g)
     return torch.randn(shape, generator=g, dtype=dtype)
+
+
+def layer_data(make: Callable[[], nn.Module], shape: tuple[int, ...], vocab: int | None) -> Data:
+    """Inputs of ``shape`` and weights w_i of the layer's loss Σ_i ⟨y_i, w_i⟩, of its output's shape."""
+    def data(examples, dtype, seed):
+        x = make_input((examples or shape[0], *shape[1:]), vocab, dtype, seed)
+        torch.manual_seed(3)
+        with torch.no_grad():
+            probe = make().to(x.dtype if x.is_floating_point() else torch.float32)
+            return x, torch.randn_like(probe(x))
+    return data
+
+
+def labelled(shape: tuple[int, ...], vocab: int | None = None) -> Data:
+    """Inputs of ``shape`` and one of 10 labels each."""
+    def data(examples, dtype, seed):
+        x = make_input((examples or shape[0], *shape[1:]), vocab, dtype, seed)
+        return x, torch.randint(10, (x.shape[0],), generator=torch.Generator().manual_seed(4))
+    return data
+
+
+def zoo_model(name: str) -> Callable[[], nn.Module]:
+    """The zoo's model, its position table frozen if it has one looked up with ids shared by the batch
+    (trainvitals names it as not measured; frozen, every tool measures the same parameters)."""
+    entry = ZOO[name]
+
+    def make() -> nn.Module:
+        model = entry.make()
+        if entry.shared_lookup:
+            model.get_submodule(entry.shared_lookup).requires_grad_(False)
+        return model
+    return make
+
+
+def zoo_data(name: str, batch: int) -> Data:
+    def data(examples, dtype, seed):
+        torch.manual_seed(seed)
+        return tuple(t.to(dtype) if t.is_floating_point() else t  # type: ignore[return-value]
+                     for t in ZOO[name].batch(examples or batch))
+    return data
+
+
+ZOO_BATCH = 32
+
+#: name: (make the model, its data, its loss: a mean over the examples of their own losses).
+MODELS: dict[str, tuple[Callable[[], nn.Module], Data, Callable[[Tensor, Tensor], Tensor]]] = {
+    "digits CNN (demo), batch 64": (digits_cnn, labelled((64, 1, 8, 8)), F.cross_entropy),
+    "GroupNorm CNN 32×32, batch 32": (groupnorm_cnn, labelled((32, 3, 32, 32)), F.cross_entropy),
+    "token MLP, Embedding/LayerNorm/RMSNorm, (32, 64) tokens": (TokenMLP, labelled((32, 64), 2000), F.cross_entropy),
+    "conv autoencoder, InstanceNorm/ConvTranspose2d, batch 32":
+        (ConvAutoencoder, labelled((32, 1, 16, 16)), F.cross_entropy),
+    **{f"zoo {name}, batch {ZOO_BATCH}": (zoo_model(name), zoo_data(name, ZOO_BATCH), entry.loss)
+       for name, entry in ZOO.items()},
+}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -173,10 +268,6 @@ Loss = Callable[[Tensor, Tensor], Tensor]
 def dot_loss(out: Tensor, weights: Tensor) -> Tensor:
     """Σ_i ℓ_i with ℓ_i = ⟨out_i, weights_i⟩: a layer's own backward seeded with ``weights``."""
     return (out * weights).sum()
-
-
-def mean_cross_entropy(out: Tensor, labels: Tensor) -> Tensor:
-    return F.cross_entropy(out, labels)
 
 
 class Tool:
@@ -230,6 +321,7 @@ class TrainVitals(Tool):
         def run(x, target):
             _clear(module)
             collector.begin_micro_batch()
+            collector.expect_batch(x.shape[0])  # as the probe does: a sequence-first layer's batch is dim 1
             loss(module(_requiring_grad(x)), target).backward()
             collector.end_micro_batch(float(x.shape[0]) if mean else 1.0)
             step = collector.pop()
@@ -239,13 +331,41 @@ class TrainVitals(Tool):
         return run
 
 
+def opacus_layers(module: nn.Module) -> bool:
+    """Swap in Opacus' drop-in replacements (same weights) for the layers its ``ModuleValidator`` rejects:
+    nn.MultiheadAttention, LSTM, GRU (``ModuleValidator.fix``'s) and RNN (DPRNN, which it has no fixer
+    for); whether the batch is then first (Opacus' ``batch_first``: no sequence-first layer)."""
+    batch_first = True
+    for name, child in list(module.named_modules()):
+        if isinstance(child, nn.MultiheadAttention):
+            new = DPMultiheadAttention(child.embed_dim, child.num_heads, dropout=child.dropout,
+                                       bias=child.in_proj_bias is not None, add_bias_kv=child.bias_k is not None,
+                                       add_zero_attn=child.add_zero_attn, kdim=child.kdim, vdim=child.vdim,
+                                       batch_first=child.batch_first)
+        elif isinstance(child, (nn.RNN, nn.LSTM, nn.GRU)):
+            kind = {nn.RNN: DPRNN, nn.LSTM: DPLSTM, nn.GRU: DPGRU}[type(child)]
+            extra = {"nonlinearity": child.nonlinearity} if isinstance(child, nn.RNN) else {}
+            new = kind(child.input_size, child.hidden_size, num_layers=child.num_layers, bias=child.bias,
+                       batch_first=child.batch_first, dropout=child.dropout, bidirectional=child.bidirectional,
+                       **extra)
+        else:
+            continue
+        batch_first &= child.batch_first
+        new.to(next(child.parameters()).dtype).load_state_dict(child.state_dict())
+        parent, _, attribute = name.rpartition(".")
+        setattr(module.get_submodule(parent), attribute, new)
+    return batch_first
+
+
 class Opacus(Tool):
     name = "opacus"
 
     def prepare(self, module, loss, mean):
         if GradSampleModule is None:
             return "not installed"
-        wrapped = GradSampleModule(module, loss_reduction="mean" if mean else "sum", strict=False)
+        batch_first = opacus_layers(module)
+        wrapped = GradSampleModule(module, batch_first=batch_first, loss_reduction="mean" if mean else "sum",
+                                   strict=False)
 
         def run(x, target):
             wrapped.zero_grad(set_to_none=True)
@@ -262,7 +382,9 @@ class OpacusGhost(Tool):
     def prepare(self, module, loss, mean):
         if GradSampleModuleFastGradientClipping is None:
             return "not installed"
-        wrapped = GradSampleModuleFastGradientClipping(module, loss_reduction="mean" if mean else "sum",
+        batch_first = opacus_layers(module)
+        wrapped = GradSampleModuleFastGradientClipping(module, batch_first=batch_first,
+                                                       loss_reduction="mean" if mean else "sum",
                                                        strict=False, use_ghost_clipping=True)
 
         def run(x, target):
@@ -316,15 +438,13 @@ def _silenced(fn: Callable[[], Any]) -> Any:
         return fn()
 
 
-def exactness(make: Callable[[], nn.Module], shape: tuple[int, ...], vocab: int | None, loss: Loss, mean: bool,
-              target: Callable[[Tensor], Tensor], batch: int) -> dict[str, Any]:
+def exactness(make: Callable[[], nn.Module], data: Data, loss: Loss, mean: bool, batch: int) -> dict[str, Any]:
     """Per tool: max_i |s_i − t_i| / t_i of its ‖g_i‖² against the brute-force loop in float64 on ``batch``
     examples (the tool run in float64; in float32, flagged, where it fails in float64); a string where
     the tool has no result."""
     torch.manual_seed(0)
     reference = make().double()
-    x = make_input((batch, *shape[1:]), vocab, torch.float64, seed=1)
-    t = target(x)
+    x, t = data(batch, torch.float64, 1)
     t = t.double() if t.is_floating_point() else t
     truth = brute_force_sq_norms(reference, loss, x, t)  # a one-example mean is the example's own loss
     out: dict[str, Any] = {}
@@ -350,15 +470,13 @@ def exactness(make: Callable[[], nn.Module], shape: tuple[int, ...], vocab: int 
     return out
 
 
-def timings(make: Callable[[], nn.Module], shape: tuple[int, ...], vocab: int | None, loss: Loss, mean: bool,
-            target: Callable[[Tensor], Tensor], repetitions: int, seconds: float, optimizer: bool,
-            exact: dict[str, Any]) -> dict[str, Any]:
+def timings(make: Callable[[], nn.Module], data: Data, loss: Loss, mean: bool, repetitions: int, seconds: float,
+            optimizer: bool, exact: dict[str, Any]) -> dict[str, Any]:
     """CPU seconds per step of each tool that runs (float32): ``repetitions`` interleaved rounds of
     ~``seconds`` each (at least one step)."""
     torch.manual_seed(0)
     base = make()
-    x = make_input(shape, vocab, torch.float32, seed=2)
-    t = target(x)
+    x, t = data(None, torch.float32, 2)
     runs: dict[str, Callable[[], Any]] = {}
     for name in TOOLS:
         if optimizer and name == "forward":  # the backward alone is a layer's measure, not a model's
@@ -577,8 +695,8 @@ def step_breakdown(repetitions: int, steps: int) -> dict[str, float]:
                 spent[key(*args)] = spent.get(key(*args), 0.0) + time.process_time() - start
         return wrapper
 
-    def layer(group: Any) -> str:
-        return "rule + bookkeeping, " + ", ".join(f"{n} {type(model[int(n)]).__name__}" for n in group.members)
+    def layer(group: list[str]) -> str:
+        return "rule + bookkeeping, " + ", ".join(f"{n} {type(model[int(n)]).__name__}" for n in group)
 
     collector._measure = timed(layer, collector._measure)  # looked up on the instance by the hooks
     collector._backward = timed(lambda *_: "backward hooks (with the rules)", collector._backward)
@@ -629,8 +747,11 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=7, help="interleaved rounds per layer or model")
     parser.add_argument("--seconds", type=float, default=0.06, help="CPU seconds of bare steps per round")
     parser.add_argument("--exact-batch", type=int, default=8, help="examples in the float64 exactness check")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 5 layers, 2 models, 3 rounds (< 1 min)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 7 layers, 3 models, 3 rounds (< 1 min)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
+    parser.add_argument("--only", action="append", default=[],
+                        help="only the layers and models whose label contains this (repeatable); "
+                             "the conv-path sections run only with none or with 'digits'")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if args.threads:
@@ -639,18 +760,17 @@ def main() -> None:
     if args.quick:
         args.repetitions, args.seconds = 3, 0.02
         layers = {k: LAYERS[k] for k in QUICK_LAYERS}
-        models = {k: MODELS[k] for k in list(MODELS)[:2]}
+        models = {k: MODELS[k] for k in (*list(MODELS)[:2], f"zoo gru_language_model, batch {ZOO_BATCH}")}
+    if args.only:
+        layers = {k: v for k, v in layers.items() if any(o in k for o in args.only)}
+        models = {k: v for k, v in models.items() if any(o in k for o in args.only)}
     print(f"# Per-example squared norms ({machine_line()}; CPU time, {args.repetitions} interleaved rounds)")
 
     layer_results: dict[str, dict[str, Any]] = {}
     for label, (make, shape, vocab) in layers.items():
-        def weights(x: Tensor, make=make) -> Tensor:
-            torch.manual_seed(3)
-            with torch.no_grad():
-                probe = make().to(x.dtype if x.is_floating_point() else torch.float32)
-                return torch.randn_like(probe(x))
-        exact = exactness(make, shape, vocab, dot_loss, False, weights, args.exact_batch)
-        result = timings(make, shape, vocab, dot_loss, False, weights, args.repetitions, args.seconds, False, exact)
+        data = layer_data(make, shape, vocab)
+        exact = exactness(make, data, dot_loss, False, args.exact_batch)
+        result = timings(make, data, dot_loss, False, args.repetitions, args.seconds, False, exact)
         layer_results[label] = {"exactness": exact, "summary": summarise(result), **result}
         print(f"  {label}: done", flush=True)
     print("\n## Layers: step time / bare step (extra time / the layer's own backward); exactness in float64\n")
@@ -658,23 +778,23 @@ def main() -> None:
     print("\n" + reasons(layer_results))
 
     model_results: dict[str, dict[str, Any]] = {}
-    for label, (make, shape, vocab) in models.items():
-        labels = (lambda x: torch.randint(10, (x.shape[0],), generator=torch.Generator().manual_seed(4)))
-        exact = exactness(make, shape, vocab, mean_cross_entropy, True, labels, args.exact_batch)
-        result = timings(make, shape, vocab, mean_cross_entropy, True, labels, args.repetitions, args.seconds,
-                         True, exact)
+    for label, (make, data, loss) in models.items():
+        exact = exactness(make, data, loss, True, args.exact_batch)
+        result = timings(make, data, loss, True, args.repetitions, args.seconds, True, exact)
         model_results[label] = {"exactness": exact, "summary": summarise(result), **result}
         print(f"  {label}: done", flush=True)
-    print("\n## End to end: a plain loop's step (forward, mean cross-entropy, backward, Adam) / the bare step\n")
+    print("\n## End to end: a plain loop's step (forward, mean loss, backward, Adam) / the bare step\n")
     print(table(model_results, per_backward=False))
     print("\n" + reasons(model_results))
 
-    profile = conv_profile(args.repetitions, args.seconds / 2)
-    print("\n## The digits CNN's second convolution (B 64, T 64, I 144, O 32): CPU ms\n")
-    print(markdown_table(["", "ms"], [[k, f"{v:.3f}"] for k, v in profile.items()]))
-    breakdown = step_breakdown(args.repetitions, 10 if args.quick else 50)
-    print("\n## The digits CNN's plain-loop step with trainvitals, by part: CPU ms per step\n")
-    print(markdown_table(["", "ms"], [[k, f"{v:.3f}"] for k, v in breakdown.items()]))
+    profile, breakdown = {}, {}
+    if not args.only or "digits" in args.only:
+        profile = conv_profile(args.repetitions, args.seconds / 2)
+        print("\n## The digits CNN's second convolution (B 64, T 64, I 144, O 32): CPU ms\n")
+        print(markdown_table(["", "ms"], [[k, f"{v:.3f}"] for k, v in profile.items()]))
+        breakdown = step_breakdown(args.repetitions, 10 if args.quick else 50)
+        print("\n## The digits CNN's plain-loop step with trainvitals, by part: CPU ms per step\n")
+        print(markdown_table(["", "ms"], [[k, f"{v:.3f}"] for k, v in breakdown.items()]))
     write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions,
                           "layers": {k: {"exactness": v["exactness"], "summary": v["summary"]} for k, v in layer_results.items()},
                           "models": {k: {"exactness": v["exactness"], "summary": v["summary"]} for k, v in model_results.items()},
