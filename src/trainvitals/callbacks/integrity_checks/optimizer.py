@@ -1,4 +1,4 @@
-"""Who the optimizers train: leaves outside every optimizer, frozen parameters inside one."""
+"""Who the optimizers train: leaves outside every optimizer, frozen parameters inside one, parameters in several."""
 
 from __future__ import annotations
 
@@ -99,3 +99,33 @@ class FrozenParamsCheck(Check):
                 + ". Set its `.grad` to None when freezing it, or remove it from the optimizer.",
             )
         self._versions = []
+
+
+class SharedByOptimizersCheck(Check):
+    """At fit start: parameters that are in more than one optimizer. Each optimizer's step moves them,
+    with its own lr and its own state (momentum, Adam's moments), from whatever ``.grad`` holds then."""
+
+    kinds = (FindingKind.SHARED_BY_OPTIMIZERS,)
+
+    def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        owners: dict[int, tuple[str, list[int]]] = {}
+        for k, named in enumerate(fit.opt_params):
+            for name, p in named:
+                name, ks = owners.setdefault(id(p), (name, []))
+                if k not in ks:
+                    ks.append(k)
+        shared: dict[tuple[int, ...], list[str]] = {}
+        for name, ks in owners.values():
+            if len(ks) > 1:
+                shared.setdefault(tuple(ks), []).append(name)
+        for ks, names in shared.items():
+            optimizers = " and ".join(fit.optimizer(trainer, k) for k in ks)
+            fit.record(
+                FindingKind.SHARED_BY_OPTIMIZERS,
+                tuple(names),
+                f"{listed(names)} are in {optimizers}: each of their steps moves them, with its own lr and state "
+                "(momentum, Adam's moments), from what `.grad` holds at that step. Two optimizers both built from "
+                "`self.parameters()` (a GAN, an actor-critic) step the discriminator with the generator's gradient "
+                "too. Unless that is meant, build each optimizer from its own module's parameters "
+                "(`self.gen.parameters()`).",
+            )
