@@ -1080,6 +1080,23 @@ def test_a_resumed_fit_counts_lr_zero_as_the_uninterrupted_one(tmp_path: Path):
     assert run(14, ckpt_path=tmp_path / "mid.ckpt") == uninterrupted
 
 
+@pytest.mark.parametrize(("make", "kind"), [(lambda: FrozenInOptimizer(False), K.FROZEN_IN_OPTIMIZER),
+                                            (GANBothOnAllParameters, K.SHARED_BY_OPTIMIZERS)])
+def test_a_resumed_fit_does_not_file_a_fit_start_finding_again(tmp_path: Path, make, kind):
+    def run(steps, *callbacks, **kwargs):
+        cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[cb, *callbacks], enable_checkpointing=bool(
+                callbacks))).fit(make(), data(), **kwargs)
+        return [(f.kind, f.names, f.step) for f in cb.findings], cb.counts
+
+    uninterrupted = run(8)
+    assert uninterrupted[1][kind] == 1
+    run(4, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="mid"))
+    assert run(8, ckpt_path=tmp_path / "mid.ckpt") == uninterrupted
+
+
 # ---------------------------------------------------------------------------------- torch.compile
 
 

@@ -60,7 +60,8 @@ class UnoptimizedLeavesCheck(Check):
 
 
 class FrozenParamsCheck(Check):
-    """At fit start: parameters with ``requires_grad=False`` in an optimizer; at each checked step, their
+    """At fit start (not again when a fit resumes): parameters with ``requires_grad=False`` in an optimizer;
+    at each checked step, their
     version, so that one the step changed is reported at the batch end with the cause."""
 
     kinds = (FindingKind.FROZEN_IN_OPTIMIZER, FindingKind.FROZEN_CHANGED)
@@ -71,7 +72,7 @@ class FrozenParamsCheck(Check):
     def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         for k, named in enumerate(fit.opt_params):
             frozen = tuple(n for n, p in named if not p.requires_grad)
-            if frozen:
+            if frozen and not fit.found(FindingKind.FROZEN_IN_OPTIMIZER, frozen):
                 fit.record(
                     FindingKind.FROZEN_IN_OPTIMIZER,
                     frozen,
@@ -102,7 +103,7 @@ class FrozenParamsCheck(Check):
 
 
 class SharedByOptimizersCheck(Check):
-    """At fit start: parameters that are in more than one optimizer. Each optimizer's step moves them,
+    """At fit start (not again when a fit resumes): parameters that are in more than one optimizer. Each optimizer's step moves them,
     with its own lr and its own state (momentum, Adam's moments), from whatever ``.grad`` holds then."""
 
     kinds = (FindingKind.SHARED_BY_OPTIMIZERS,)
@@ -119,6 +120,8 @@ class SharedByOptimizersCheck(Check):
             if len(ks) > 1:
                 shared.setdefault(tuple(ks), []).append(name)
         for ks, names in shared.items():
+            if fit.found(FindingKind.SHARED_BY_OPTIMIZERS, tuple(names)):
+                continue  # a resumed fit: found before its checkpoint
             optimizers = " and ".join(fit.optimizer(trainer, k) for k in ks)
             fit.record(
                 FindingKind.SHARED_BY_OPTIMIZERS,
