@@ -170,6 +170,9 @@ def test_register_rejects_what_is_not_a_module_type_or_a_rule():
         register_per_example_rule(int)
     with pytest.raises(TypeError, match="PerExampleRule or a function"):
         register_per_example_rule(Scale)(3)
+    with pytest.raises(TypeError, match="`whole_call`.*set `whole_call = True` on the class"):
+        register_per_example_rule(Scale, whole_call=True)(PerExampleRule)  # was ignored: the rule saw the first input
+    assert Scale not in _RULES
 
 
 class SharedLayers(nn.Module):
