@@ -103,8 +103,9 @@ class FrozenParamsCheck(Check):
 
 
 class SharedByOptimizersCheck(Check):
-    """At fit start (not again when a fit resumes): parameters that are in more than one optimizer. Each optimizer's step moves them,
-    with its own lr and its own state (momentum, Adam's moments), from whatever ``.grad`` holds then."""
+    """At fit start (not again when a fit resumes): parameters that are in more than one optimizer. Each
+    optimizer's step moves them, with its own lr and its own state (momentum, Adam's moments), from whatever
+    ``.grad`` holds then."""
 
     kinds = (FindingKind.SHARED_BY_OPTIMIZERS,)
 
