@@ -170,6 +170,9 @@ def test_register_rejects_what_is_not_a_module_type_or_a_rule():
         register_per_example_rule(int)
     with pytest.raises(TypeError, match="PerExampleRule or a function"):
         register_per_example_rule(Scale)(3)
+    with pytest.raises(TypeError, match="`whole_call`.*set `whole_call = True` on the class"):
+        register_per_example_rule(Scale, whole_call=True)(PerExampleRule)  # was ignored: the rule saw the first input
+    assert Scale not in _RULES
 
 
 class SharedLayers(nn.Module):
@@ -423,3 +426,84 @@ def test_sequence_first_layers_are_measured_with_the_examples_on_dimension_1():
     torch.testing.assert_close(step.sq_norms[0], sum(g.flatten(1).square().sum(1) for g in truth.values()))
     for name, g in truth.items():
         torch.testing.assert_close(step.sum_sq[name], g.square().sum(0))
+
+
+# ------------------------------------------------------------- a two-input layer of one's own (whole_call)
+
+
+class Bilinear2(nn.Module):
+    """y_k = x1ᵀ W_k x2 + b_k over (B, *, D1) and (B, *, D2): two inputs, so its rule needs the whole call."""
+
+    def __init__(self, d1: int, d2: int, out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out, d1, d2) / (d1 * d2) ** 0.5)
+        self.bias = nn.Parameter(torch.randn(out))
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("...i,kij,...j->...k", x1, self.weight, x2) + self.bias
+
+
+class TwoTowers(nn.Module):
+    """Two towers mixed by a Bilinear2 that runs twice, its inputs swapped: its per-example gradient is the
+    sum of both calls', cross terms included. ``x`` is (B, D) or (B, T, D)."""
+
+    def __init__(self, d: int = 4, h: int = 3) -> None:
+        super().__init__()
+        self.left, self.right = nn.Linear(d, h), nn.Linear(d, h)
+        self.mix = Bilinear2(h, h, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.tanh(self.left(x)), torch.tanh(self.right(x))
+        return self.mix(a, b) + torch.tanh(self.mix(b, a))
+
+
+def _flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(B, T, D): the examples first, every position between, the features last."""
+    return tuple(t.reshape(len(t), -1, t.shape[-1]) for t in tensors)
+
+
+def bilinear_grads(module, call, grad_outputs):
+    x1, x2, (g,) = *call.args, grad_outputs
+    x1, x2, g = _flat(x1, x2, g)
+    return {"weight": torch.einsum("btk,bti,btj->bkij", g, x1, x2), "bias": g.sum(1)}
+
+
+class BilinearGhostRule(PerExampleRule):
+    """‖Σ_t g_t ⊗ x1_t ⊗ x2_t‖² = Σ_{t,s} (g_t·g_s)(x1_t·x1_s)(x2_t·x2_s), the positions of every use together:
+    Gram matrices of (B, T, T), no (B, out, d1, d2) per-example gradient."""
+
+    whole_call = True
+    norm_calls = 0
+
+    def grads(self, module, uses):
+        total = [bilinear_grads(module, u.inputs, u.grad_output) for u in uses]
+        return {name: sum(t[name] for t in total) for name in ("weight", "bias")}
+
+    def sq_norms(self, module, uses, workspace=None):
+        type(self).norm_calls += 1
+        x1, x2, g = (torch.cat(parts, 1) for parts in zip(*(_flat(*u.inputs.args, u.grad_output[0]) for u in uses)))
+        gram = lambda t: t @ t.transpose(1, 2)  # noqa: E731
+        return (gram(g) * gram(x1) * gram(x2)).sum((1, 2)) + g.sum(1).square().sum(1)
+
+
+@pytest.fixture
+def bilinear_rule():
+    yield
+    _RULES.pop(Bilinear2, None)
+
+
+@pytest.mark.parametrize("shape", [(B, 4), (B, 3, 4)], ids=["per-example", "per-position"])
+def test_a_two_input_layer_of_ones_own_gets_a_whole_call_function_rule(bilinear_rule, shape):
+    assert unsupported_reason(Bilinear2(3, 3, 2)) == "Bilinear2 has no per-example identity"
+    register_per_example_rule(Bilinear2, whole_call=True)(bilinear_grads)
+    torch.manual_seed(0)
+    assert_matches(TwoTowers(), torch.randn(shape))
+
+
+@pytest.mark.parametrize("shape", [(B, 4), (B, 3, 4)], ids=["per-example", "per-position"])
+def test_a_two_input_layer_with_a_ghost_norm_rule_class(bilinear_rule, shape):
+    register_per_example_rule(Bilinear2)(BilinearGhostRule)
+    calls = BilinearGhostRule.norm_calls
+    torch.manual_seed(0)
+    assert_matches(TwoTowers(), torch.randn(shape))
+    assert BilinearGhostRule.norm_calls == calls + 1  # one call, both uses together

@@ -593,6 +593,32 @@ def test_two_optimizers_clean():
     assert cb.findings == []
 
 
+class GANBothOnAllParameters(GAN):
+    """Both optimizers built from ``self.parameters()``: the generator's step also moves the discriminator."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01), torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_parameters_in_two_optimizers_are_named_once_and_strict_does_not_raise(recording_logger: RecordingLogger):
+    cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=2, strict=True)
+    caught = fit(GANBothOnAllParameters(), cb, steps=4, logger=recording_logger)
+    assert [f.kind for f in cb.findings if f.kind is K.SHARED_BY_OPTIMIZERS] == [K.SHARED_BY_OPTIMIZERS]
+    f = finding(cb, K.SHARED_BY_OPTIMIZERS)
+    assert f.names == ("gen.0.weight", "gen.0.bias", "disc.0.weight", "disc.0.bias") and f.step == 0
+    assert f.message.startswith("`gen.0.weight`, `gen.0.bias`, `disc.0.weight`, `disc.0.bias` are in optimizer 0 "
+                                "(SGD) and optimizer 1 (Adam)")
+    assert sum("[shared_by_optimizers]" in m for m in caught) == 1
+    assert recording_logger.values(K.SHARED_BY_OPTIMIZERS.counter)[-1] == 1
+    assert any("| shared_by_optimizers |" in row for row in cb.summary_markdown().splitlines())
+
+
+def test_optimizers_over_their_own_modules_share_nothing():
+    cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=2)
+    fit(GAN(), cb, steps=4)
+    assert K.SHARED_BY_OPTIMIZERS not in cb.counts
+
+
 def test_gradient_left_over_from_another_loss_is_a_leak():
     cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=2)
     fit(GAN(zero_disc=False), cb, steps=8)
@@ -1052,6 +1078,23 @@ def test_a_resumed_fit_counts_lr_zero_as_the_uninterrupted_one(tmp_path: Path):
     assert uninterrupted[1] == {K.ZERO_LR: 2}
     run(6, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1, filename="mid"))
     assert run(14, ckpt_path=tmp_path / "mid.ckpt") == uninterrupted
+
+
+@pytest.mark.parametrize(("make", "kind"), [(lambda: FrozenInOptimizer(False), K.FROZEN_IN_OPTIMIZER),
+                                            (GANBothOnAllParameters, K.SHARED_BY_OPTIMIZERS)])
+def test_a_resumed_fit_does_not_file_a_fit_start_finding_again(tmp_path: Path, make, kind):
+    def run(steps, *callbacks, **kwargs):
+        cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[cb, *callbacks], enable_checkpointing=bool(
+                callbacks))).fit(make(), data(), **kwargs)
+        return [(f.kind, f.names, f.step) for f in cb.findings], cb.counts
+
+    uninterrupted = run(8)
+    assert uninterrupted[1][kind] == 1
+    run(4, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="mid"))
+    assert run(8, ckpt_path=tmp_path / "mid.ckpt") == uninterrupted
 
 
 # ---------------------------------------------------------------------------------- torch.compile

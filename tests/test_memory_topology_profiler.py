@@ -371,6 +371,32 @@ def test_a_new_category_row_reaches_the_scalars_the_table_the_tags_and_the_budge
                for regex in regexes)
 
 
+class FrozenFirstLayer(Classifier):
+    """The first Linear frozen (a pretrained feature layer), left out of the optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.net[0].requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+def test_frozen_parameters_are_a_row_of_their_own_inside_the_parameters():
+    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=100_000)
+    fit(FrozenFirstLayer(), profiler, logger, max_steps=1)
+    frozen, trainable = F32 * (D * H + H), F32 * (H * C + C)
+    assert logger.values("memory/frozen_parameters_bytes") == [frozen]
+    assert logger.values("memory/parameters_bytes") == [frozen + trainable]
+    # No gradient and no momentum for the frozen layer; the fixed footprint counts its bytes once.
+    assert logger.values("memory/gradients_bytes") == logger.values("memory/optimizer_state_bytes") == [trainable]
+    assert profiler.last.fixed_bytes == frozen + 3 * trainable
+    assert f"| of which frozen (no gradient, no optimizer state) | {frozen:,} | {frozen} B |" in (
+        profiler.summary_markdown().splitlines())
+    assert re.match(MEMORY_BYTES, "memory/frozen_parameters_bytes")
+    # A model without frozen parameters logs no such row (test_logged_bytes_match_the_hand_count).
+
+
 class Masked(Classifier):
     """A 40,000-byte buffer: model state, the same at any batch size."""
 

@@ -5,6 +5,7 @@ layers kept in a plain Python list, a hidden state carried across steps: each ei
 before anyone notices or fails with an error that names no culprit. :class:`GraphIntegrityCallback`
 finds them:
 
+- at fit start: frozen parameters in an optimizer, parameters in more than one optimizer;
 - before backward, every step: the loss (no ``grad_fn`` and why, not a scalar, not finite);
 - on a schedule, in a check window: a walk of the first batch's graph (unreachable parameters and why,
   leaves in no optimizer, nodes of an earlier step), then ``dead_after_steps`` checked optimizer steps
@@ -54,7 +55,11 @@ from trainvitals.callbacks.integrity_checks.base import HOOKS, Check, Fit, overr
 from trainvitals.callbacks.integrity_checks.batch_mixing import BatchMixingCheck
 from trainvitals.callbacks.integrity_checks.loss import LossCheck
 from trainvitals.callbacks.integrity_checks.manual import GradLeakCheck, StepOrderCheck
-from trainvitals.callbacks.integrity_checks.optimizer import FrozenParamsCheck, UnoptimizedLeavesCheck
+from trainvitals.callbacks.integrity_checks.optimizer import (
+    FrozenParamsCheck,
+    SharedByOptimizersCheck,
+    UnoptimizedLeavesCheck,
+)
 from trainvitals.callbacks.integrity_checks.reachability import ReachabilityCheck
 from trainvitals.callbacks.integrity_checks.stale_graph import StaleGraphCheck
 from trainvitals.callbacks.integrity_checks.zero_lr import ZeroLrCheck
@@ -160,6 +165,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
             StaleGraphCheck(),
             UnoptimizedLeavesCheck(),
             FrozenParamsCheck(),
+            SharedByOptimizersCheck(),
             GradLeakCheck(),
             StepOrderCheck(reachability.streaks),
             ZeroLrCheck(),

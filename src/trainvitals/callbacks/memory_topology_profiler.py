@@ -57,7 +57,8 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
     optimizer step is done, logs in bytes (per rank, from rank zero; the categories are the rows of
     :data:`~trainvitals.core.memory.categories.MEMORY_CATEGORIES`):
 
-    - ``memory/parameters_bytes``, ``memory/buffers_bytes``, ``memory/gradients_bytes``,
+    - ``memory/parameters_bytes`` (and of those ``memory/frozen_parameters_bytes``, the ones without
+      ``requires_grad``, when there are any), ``memory/buffers_bytes``, ``memory/gradients_bytes``,
       ``memory/optimizer_state_bytes`` (every tensor in ``optimizer.state``), ``memory/inputs_bytes``
       (the batch's own elements), ``memory/parameter_copies_bytes`` (the 16-bit parameter copies that
       autocast saves: batch-independent),

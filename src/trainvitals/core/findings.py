@@ -89,6 +89,8 @@ class FindingKind(str, enum.Enum):
         "plain Python list?) or left out of configure_optimizers; they never train",
     )
     FROZEN_IN_OPTIMIZER = KindSpec("frozen_in_optimizer")
+    # Not critical, never raised: a module shared by two optimizers on purpose (an encoder trained by two losses).
+    SHARED_BY_OPTIMIZERS = KindSpec("shared_by_optimizers", strict=False)
     STALE_GRAPH = KindSpec(
         "stale_graph",
         metric="leaked_graphs",

@@ -13,7 +13,9 @@ check (module)                     finds
 (reachability)                     without / with a zero gradient all window long, what DDP makes of them
 ``StaleGraphCheck`` (stale_graph)  a loss that reaches nodes of an earlier step
 ``UnoptimizedLeavesCheck``,        leaves in no optimizer (unregistered?), frozen parameters in an
-``FrozenParamsCheck`` (optimizer)  optimizer, and those it still changes
+``FrozenParamsCheck``,             optimizer, and those it still changes; parameters in more than one
+``SharedByOptimizersCheck``        optimizer
+(optimizer)
 ``GradLeakCheck``,                 manual optimization: leftover gradients, a step before the
 ``StepOrderCheck`` (manual)        backward of its gradients
 ``ZeroLrCheck`` (zero_lr)          a param group at lr 0 whose parameters require grad (silently frozen)

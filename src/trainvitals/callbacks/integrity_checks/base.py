@@ -91,6 +91,11 @@ class Fit:
             self.pending = finding
         return finding
 
+    def found(self, kind: FindingKind, names: tuple[str, ...]) -> bool:
+        """This fit has a finding of ``kind`` naming ``names`` already (a resumed fit: restored from its
+        checkpoint). A check that looks once per fit, at its start, files only what is not."""
+        return any(f.kind is kind and f.names == names for f in self.findings)
+
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Build the fit-time maps: names, and which optimizer owns which parameter."""
         self.names = tensor_names(pl_module)

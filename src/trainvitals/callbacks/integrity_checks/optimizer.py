@@ -1,4 +1,4 @@
-"""Who the optimizers train: leaves outside every optimizer, frozen parameters inside one."""
+"""Who the optimizers train: leaves outside every optimizer, frozen parameters inside one, parameters in several."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ class UnoptimizedLeavesCheck(Check):
 
 
 class FrozenParamsCheck(Check):
-    """At fit start: parameters with ``requires_grad=False`` in an optimizer; at each checked step, their
+    """At fit start (not again when a fit resumes): parameters with ``requires_grad=False`` in an optimizer;
+    at each checked step, their
     version, so that one the step changed is reported at the batch end with the cause."""
 
     kinds = (FindingKind.FROZEN_IN_OPTIMIZER, FindingKind.FROZEN_CHANGED)
@@ -71,7 +72,7 @@ class FrozenParamsCheck(Check):
     def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         for k, named in enumerate(fit.opt_params):
             frozen = tuple(n for n, p in named if not p.requires_grad)
-            if frozen:
+            if frozen and not fit.found(FindingKind.FROZEN_IN_OPTIMIZER, frozen):
                 fit.record(
                     FindingKind.FROZEN_IN_OPTIMIZER,
                     frozen,
@@ -99,3 +100,36 @@ class FrozenParamsCheck(Check):
                 + ". Set its `.grad` to None when freezing it, or remove it from the optimizer.",
             )
         self._versions = []
+
+
+class SharedByOptimizersCheck(Check):
+    """At fit start (not again when a fit resumes): parameters that are in more than one optimizer. Each
+    optimizer's step moves them, with its own lr and its own state (momentum, Adam's moments), from whatever
+    ``.grad`` holds then."""
+
+    kinds = (FindingKind.SHARED_BY_OPTIMIZERS,)
+
+    def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        owners: dict[int, tuple[str, list[int]]] = {}
+        for k, named in enumerate(fit.opt_params):
+            for name, p in named:
+                name, ks = owners.setdefault(id(p), (name, []))
+                if k not in ks:
+                    ks.append(k)
+        shared: dict[tuple[int, ...], list[str]] = {}
+        for name, ks in owners.values():
+            if len(ks) > 1:
+                shared.setdefault(tuple(ks), []).append(name)
+        for ks, names in shared.items():
+            if fit.found(FindingKind.SHARED_BY_OPTIMIZERS, tuple(names)):
+                continue  # a resumed fit: found before its checkpoint
+            optimizers = " and ".join(fit.optimizer(trainer, k) for k in ks)
+            fit.record(
+                FindingKind.SHARED_BY_OPTIMIZERS,
+                tuple(names),
+                f"{listed(names)} are in {optimizers}: each of their steps moves them, with its own lr and state "
+                "(momentum, Adam's moments), from what `.grad` holds at that step. Two optimizers both built from "
+                "`self.parameters()` (a GAN, an actor-critic) step the discriminator with the generator's gradient "
+                "too. Unless that is meant, build each optimizer from its own module's parameters "
+                "(`self.gen.parameters()`).",
+            )

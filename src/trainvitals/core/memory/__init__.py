@@ -3,7 +3,8 @@ steps, and the arithmetic of the remedies (docs/science.md §5).
 
 Categories, all in bytes and all counted by storage, so that views and tied weights count once:
 
-- parameters, buffers, gradients and optimizer state (every tensor in ``optimizer.state``);
+- parameters (and, of them, the frozen ones: no gradient, no optimizer state), buffers, gradients and
+  optimizer state (every tensor in ``optimizer.state``);
 - inputs: the tensors of the batch, their own elements (a batch sliced from a dataset that lives on
   the device is the slice, not the dataset);
 - saved activations: what autograd keeps for backward, seen through

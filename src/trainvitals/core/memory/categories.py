@@ -170,6 +170,9 @@ def _allocator(read: Callable[[AllocatorStats], int]) -> Callable[[StepMemory], 
 
 MEMORY_CATEGORIES: list[MemoryCategory] = [
     MemoryCategory("parameters", "parameters", lambda m: m.state.parameters, "fixed"),
+    # Part of the parameters row, so not a footprint row; left out for a model without frozen parameters.
+    MemoryCategory("frozen_parameters", "of which frozen (no gradient, no optimizer state)",
+                   lambda m: m.state.frozen_parameters or None),
     MemoryCategory("buffers", "buffers", lambda m: m.state.buffers, "fixed"),
     MemoryCategory("gradients", "gradients", lambda m: m.state.gradients, "fixed"),
     MemoryCategory("optimizer_state", "optimizer state", lambda m: m.state.optimizer_state, "fixed"),

@@ -96,12 +96,15 @@ class ModelStateBytes:
             moments (2 × parameter bytes) plus a 4-byte ``step`` tensor per parameter, SGD with
             momentum one buffer (1 ×), plain SGD nothing.
         buffers: distinct buffer storages not shared with a parameter (BatchNorm statistics, masks).
+        frozen_parameters: of :attr:`parameters`, the storages no parameter with ``requires_grad`` views (a
+            frozen backbone, a LoRA base): no gradient, no optimizer state; not in :attr:`total` again.
     """
 
     parameters: int
     gradients: int
     optimizer_state: int
     buffers: int = 0
+    frozen_parameters: int = 0
 
     @property
     def total(self) -> int:
@@ -117,8 +120,10 @@ def model_state_bytes(
     state = [t for opt in optimizers for per_param in opt.state.values() for t in tensors_in(per_param)]
     param_keys = storage_keys(params)
     own_buffers = [b for b in buffers if storage_key(b) not in param_keys]
+    trainable_keys = storage_keys(p for p in params if p.requires_grad)
+    frozen = [p for p in params if not p.requires_grad and storage_key(p) not in trainable_keys]
     return ModelStateBytes(unique_storage_bytes(params), unique_storage_bytes(grads), unique_storage_bytes(state),
-                           unique_storage_bytes(own_buffers))
+                           unique_storage_bytes(own_buffers), unique_storage_bytes(frozen))
 
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")

@@ -156,10 +156,12 @@ def register_per_example_rule(*module_types: type[nn.Module], whole_call: bool =
     Args:
         module_types: ``nn.Module`` subclasses.
         whole_call: a function rule gets a :class:`Call` of every argument and a tuple of the output
-            tensors' gradients instead of the first input and the output's gradient.
+            tensors' gradients instead of the first input and the output's gradient. A
+            :class:`PerExampleRule` says it with its own ``whole_call`` attribute.
 
     Raises:
-        TypeError: for a type that is not an ``nn.Module`` subclass, or a rule of no accepted kind.
+        TypeError: for a type that is not an ``nn.Module`` subclass, a rule of no accepted kind, or
+            ``whole_call=True`` with a :class:`PerExampleRule` whose ``whole_call`` is False.
     """
     for t in module_types:
         if not (isinstance(t, type) and issubclass(t, nn.Module)):
@@ -174,6 +176,9 @@ def register_per_example_rule(*module_types: type[nn.Module], whole_call: bool =
             instance = _FunctionRule(rule, whole_call)
         else:
             raise TypeError(f"a per-example rule must be a PerExampleRule or a function, got {rule!r}")
+        if whole_call and not instance.whole_call:  # a rule class says it itself; the argument is the function's
+            raise TypeError(f"`whole_call`: {type(instance).__name__} is a PerExampleRule with whole_call = False; "
+                            "set `whole_call = True` on the class instead")
         for t in module_types:
             _RULES[t] = instance
         return rule
