@@ -9,14 +9,16 @@ from torch import nn
 
 from _models import Scale
 from trainvitals.core.per_example import (
+    PER_EXAMPLE_LAYERS,
     PerExampleGradients,
     PerExampleRule,
     plan_sources,
     register_per_example_rule,
+    registered_types,
     rule_for,
+    unregister_per_example_rule,
     unsupported_reason,
 )
-from trainvitals.core.per_example.registry import _RULES
 
 B = 5
 
@@ -132,8 +134,7 @@ class Shifted(Scale):
 @pytest.fixture
 def scale_rule():
     yield
-    for kind in (Scale, ScaledScale):
-        _RULES.pop(kind, None)
+    unregister_per_example_rule(Scale, ScaledScale)
 
 
 def test_a_rule_for_a_layer_of_ones_own_is_registered_without_editing_trainvitals(scale_rule):
@@ -172,7 +173,7 @@ def test_register_rejects_what_is_not_a_module_type_or_a_rule():
         register_per_example_rule(Scale)(3)
     with pytest.raises(TypeError, match="`whole_call`.*set `whole_call = True` on the class"):
         register_per_example_rule(Scale, whole_call=True)(PerExampleRule)  # was ignored: the rule saw the first input
-    assert Scale not in _RULES
+    assert Scale not in registered_types()
 
 
 class SharedLayers(nn.Module):
@@ -489,7 +490,7 @@ class BilinearGhostRule(PerExampleRule):
 @pytest.fixture
 def bilinear_rule():
     yield
-    _RULES.pop(Bilinear2, None)
+    unregister_per_example_rule(Bilinear2)
 
 
 @pytest.mark.parametrize("shape", [(B, 4), (B, 3, 4)], ids=["per-example", "per-position"])
@@ -507,3 +508,17 @@ def test_a_two_input_layer_with_a_ghost_norm_rule_class(bilinear_rule, shape):
     torch.manual_seed(0)
     assert_matches(TwoTowers(), torch.randn(shape))
     assert BilinearGhostRule.norm_calls == calls + 1  # one call, both uses together
+
+
+def test_unregistering_a_rule_sends_the_layer_to_the_base_types_rule():
+    class Wide(nn.Linear):
+        """Keeps Linear's forward: Linear's rule serves it until it has its own."""
+
+    own = PerExampleRule()
+    register_per_example_rule(Wide)(own)
+    try:
+        assert rule_for(Wide(2, 2)) is own and Wide in registered_types()
+    finally:
+        unregister_per_example_rule(Wide)
+    assert Wide not in registered_types() and rule_for(Wide(2, 2)) is rule_for(nn.Linear(2, 2))
+    assert nn.Linear in PER_EXAMPLE_LAYERS and Wide not in PER_EXAMPLE_LAYERS

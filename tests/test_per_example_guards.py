@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import torch.nn.utils.prune
 from torch import nn
 
-from trainvitals.core.per_example import PerExampleGradients, plan_sources, register_per_example_rule
-from trainvitals.core.per_example.registry import _RULES
+from trainvitals.core.per_example import (PerExampleGradients, plan_sources, register_per_example_rule,
+                                         unregister_per_example_rule)
 
 B = 4
 
@@ -185,7 +185,7 @@ def test_a_function_rule_whose_parameters_are_not_the_modules_is_named(frozen):
         _, step = collect(model, lambda m: m(x).square().mean())
         assert set(step.failed) == {"1"} and "trainable parameters are" in step.failed["1"]
     finally:
-        del _RULES[Scale]
+        unregister_per_example_rule(Scale)
 
 
 class CheckpointedTwice(nn.Module):

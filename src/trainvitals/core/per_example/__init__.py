@@ -21,8 +21,6 @@ mean or a sum over examples.
 Everything here stays on the device; nothing syncs with the host. No Lightning import.
 """
 
-from torch import nn
-
 from trainvitals.core.per_example import (  # noqa: F401 - register their rules
     attention,
     conv,
@@ -43,20 +41,18 @@ from trainvitals.core.per_example.registry import (
     per_example_sq_norms,
     per_example_sums,
     register_per_example_rule,
+    registered_types,
     rule_for,
+    unregister_per_example_rule,
     unsupported_reason,
 )
 
-#: The torch layers with a built-in rule.
-PER_EXAMPLE_LAYERS = (
-    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm,
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.MultiheadAttention,
-    nn.RNN, nn.LSTM, nn.GRU,
-)
+#: The torch layers with a built-in rule, as the family files above registered them.
+PER_EXAMPLE_LAYERS = tuple(t for t in registered_types() if t.__module__.startswith("torch."))
 
 __all__ = [
     "PER_EXAMPLE_LAYERS", "Call", "LossReduction", "PerExampleGradients", "PerExampleRule", "PerExampleStep",
     "SourcePlan", "Use", "Workspace", "detect_loss_reduction", "per_example_sq_norms", "per_example_sums",
-    "plan_sources", "register_per_example_rule", "rule_for", "unsupported_reason", "vmap_per_example_grads",
+    "plan_sources", "register_per_example_rule", "registered_types", "rule_for", "unregister_per_example_rule",
+    "unsupported_reason", "vmap_per_example_grads",
 ]

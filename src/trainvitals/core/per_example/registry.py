@@ -186,6 +186,18 @@ def register_per_example_rule(*module_types: type[nn.Module], whole_call: bool =
     return decorator
 
 
+def unregister_per_example_rule(*module_types: type[nn.Module]) -> None:
+    """Remove the rules registered for ``module_types`` (a type without one is ignored): its layers then
+    fall back to ``torch.func`` per-example gradients, or to a rule registered for a base type."""
+    for t in module_types:
+        _RULES.pop(t, None)
+
+
+def registered_types() -> tuple[type[nn.Module], ...]:
+    """The module types that have a registered rule, in registration order."""
+    return tuple(_RULES)
+
+
 _FORWARD_PATH = ("forward", "_conv_forward")  # the methods a built-in layer's forward computes through
 
 
