@@ -33,11 +33,10 @@ from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
+from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
-    eb_criterion_of_snr_sums,
-    gradient_snr_sum,
     per_example_estimates,
     sub_batch_estimates,
     two_batch_size_estimates,
@@ -64,11 +63,6 @@ class _StepSums:
     examples: int
     valid: Tensor | bool  # every rank measured all its examples
     failed: set[str]  # layers to exclude from now on
-
-
-def _gsnr_key(parameter: str) -> str:
-    """The GSNR tag of a parameter's module (qualified names)."""
-    return f"grad_noise/gsnr/{parameter.rpartition('.')[0] or '(root)'}"
 
 
 class BatchVarianceProbe(Callback):
@@ -207,6 +201,7 @@ class BatchVarianceProbe(Callback):
         self._warnings = WarningCache()
         self._plan: SourcePlan | None = None
         self._plan_params: dict[str, list[torch.nn.Parameter]] = {}
+        self._coordinates = ModuleCoordinates({}, {}, self.coordinate_budget)
         self._collector: PerExampleGradients | None = None
         self._micro = MicroBatchSquaredNorms()
         self._log_every: int | None = 1
@@ -264,7 +259,6 @@ class BatchVarianceProbe(Callback):
         self._finalized_step = -1
         self._coordinate_cursor = 0  # the first coordinate of the next logging step's selection
         self._selection: dict[str, slice] = {}
-        self._step_coordinates: dict[str, tuple[int, bool, bool]] = {}  # per GSNR key: coordinates, starts, ends
         self._gsnr_partial: dict[str, tuple[float, int]] = {}  # per GSNR key: Σ GSNR and coordinates of the pass
         self._micro_sizes: list[int] = []
         self._unsized = False  # a micro-batch of this step whose size Lightning cannot tell
@@ -362,21 +356,15 @@ class BatchVarianceProbe(Callback):
                              "vmap": list(self._plan.parameters("vmap").values())}
         self.sources = self._plan.describe(pl_module)
         self._coordinate_cursor, self._gsnr_partial = 0, {}
-        self._module_coordinates: dict[str, int] = {}  # per GSNR key: its parameters' coordinates
-        self._module_parameters: dict[str, tuple[str, str]] = {}  # per GSNR key: its first and last parameter
-        for name, p in {**self._plan.parameters("per_example"), **self._plan.parameters("vmap")}.items():
-            if not p.numel():
-                continue
-            key = _gsnr_key(name)
-            self._module_coordinates[key] = self._module_coordinates.get(key, 0) + p.numel()
-            self._module_parameters[key] = (self._module_parameters.get(key, (name,))[0], name)
-        coordinates = sum(p.numel() for p in self._plan_params["per_example"])
+        self._coordinates = ModuleCoordinates(self._plan.parameters("per_example"), self._plan.parameters("vmap"),
+                                              self.coordinate_budget)
+        coordinates = self._coordinates.per_example_coordinates
         if self.per_coordinate and coordinates > self.coordinate_budget:
-            rank_zero_info(f"trainvitals BatchVarianceProbe: per-coordinate sums of {self.coordinate_budget:,} of the "
-                           f"{coordinates:,} coordinates per logging step: each layer's GSNR is logged once a pass over "
-                           f"its rows ends (a pass: {math.ceil(coordinates / self.coordinate_budget)} logging steps), the EB "
-                           f"criterion not at all; coordinate_budget={coordinates} would log it at every logging step, "
-                           f"holding {16 * coordinates / 2**20:,.1f} MiB of sums while they are added up")
+            rank_zero_info(f"trainvitals BatchVarianceProbe: per-coordinate sums of {self.coordinate_budget:,} of the {coordinates:,} coordinates per logging "
+                      f"step: each layer's GSNR is logged once a pass over its rows ends (a pass: "
+                      f"{self._coordinates.passes} logging steps), the EB criterion not at all; "
+                      f"coordinate_budget={coordinates} would log it at every logging step, holding "
+                      f"{16 * coordinates / 2**20:,.1f} MiB of sums while they are added up")
         trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
         measured = {id(p): p for ps in self._plan_params.values() for p in ps}
         self.noise_source.param_share = (sum(p.numel() for p in measured.values())
@@ -445,7 +433,9 @@ class BatchVarianceProbe(Callback):
         if not self._measuring:
             return
         coordinates = self.per_coordinate and is_logging_step(step, self._log_every)
-        self._selection = self._select_coordinates() if coordinates else {}
+        self._selection = {}
+        if coordinates:
+            self._selection, self._coordinate_cursor = self._coordinates.select(self._coordinate_cursor)
         collector.attach(coordinates=self._selection,
                          keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
         self._micro.attach(plan.micro_batch.values())
@@ -696,94 +686,17 @@ class BatchVarianceProbe(Callback):
 
     # ------------------------------------------------------------------ logging
 
-    def _select_coordinates(self) -> dict[str, slice]:
-        """The rows (dimension 0) of the per-example-norm parameters whose per-coordinate sums this
-        logging step collects: all of them within ``coordinate_budget``; otherwise whole rows from the
-        cursor on until the budget is reached (rounded up to a whole row), the cursor moving on by as
-        many and back to the first parameter after the last (a pass takes ⌈coordinates / budget⌉
-        logging steps, every one on all ranks alike)."""
-        assert self._plan is not None
-        params = {n: p for n, p in self._plan.parameters("per_example").items() if p.numel()}
-        total = sum(p.numel() for p in params.values())
-        if total <= self.coordinate_budget:
-            return {n: slice(None) for n in params}
-        cursor = self._coordinate_cursor if self._coordinate_cursor < total else 0
-        selection, left, offset = {}, self.coordinate_budget, 0
-        for name, p in params.items():
-            offset += p.numel()
-            if offset <= cursor:
-                continue
-            rows, row_size = p.shape[0], p.numel() // p.shape[0]
-            first = max(cursor - (offset - p.numel()), 0) // row_size
-            take = min(rows - first, -(-left // row_size))
-            selection[name] = slice(first, first + take)
-            left -= take * row_size
-            if left <= 0:
-                cursor = offset - p.numel() + (first + take) * row_size
-                break
-        self._coordinate_cursor = cursor if left <= 0 else 0
-        return selection
-
-    def _coordinate_stats(self, trainer: "pl.Trainer", result: PerExampleStep, examples: int) -> dict[str, Tensor]:
-        """Σ_d GSNR_d per module over this step's coordinates (``grad_noise/gsnr/<module>``: a sum here,
-        a mean once :meth:`_complete_gsnr` has a module's pass), and ``grad_noise/eb_criterion`` when
-        they are all the measured ones. Per parameter, in the sums' dtype (:func:`gradient_snr_sum`):
-        no copy of the sums beyond one bucket of the selected ones for DDP's all-reduce."""
-        assert self._plan is not None
-        self._step_coordinates = {}
-        params = self._plan.parameters("per_example")
-        # Every selected parameter, in its order, zeros where this rank has no sums (a layer that failed
-        # here): the ranks' collectives must match; such a step is invalid and its GSNR is not logged.
+    def _coordinate_stats(self, trainer: "pl.Trainer", result: PerExampleStep,
+                          examples: int) -> tuple[dict[str, Tensor], StepCoordinates]:
+        """Σ_d GSNR_d per module over this step's coordinates, :data:`EB_CRITERION` when they are all the
+        measured ones (:meth:`ModuleCoordinates.snr_sums`), over every rank's examples."""
+        # Every selected parameter, zeros where this rank has no sums (a layer that failed here): the ranks'
+        # collectives must match; such a step is invalid and its GSNR is not logged.
         selection = self._selection if result.sum_sq or trainer.world_size > 1 else {}
-
-        def zeros(name: str) -> Tensor:
-            p = params[name]
-            return torch.zeros_like(p[selection[name]], dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
-
-        grad_sums = [result.grad_sum[n] if n in result.grad_sum else zeros(n) for n in selection]
-        sum_sqs = [result.sum_sq[n] if n in result.sum_sq else zeros(n) for n in selection]
-        if selection and trainer.world_size > 1:  # the sums over every rank's examples, in one collective
-            parts = grad_sums + sum_sqs
-            flat = trainer.strategy.reduce(torch.cat([v.flatten() for v in parts]), reduce_op="sum")
-            parts = [f.view_as(v) for f, v in zip(flat.split([v.numel() for v in parts]), parts)]
-            grad_sums, sum_sqs = parts[:len(selection)], parts[len(selection):]
-        snr_sums = [gradient_snr_sum(g, s, examples) for g, s in zip(grad_sums, sum_sqs)]
-        counts, sizes = [examples] * len(selection), [g.numel() for g in grad_sums]
-        whole = sum(sizes) == sum(p.numel() for p in params.values())
-        rows = dict(selection)
-        if result.num_sub >= 2:
-            for name, value in result.sub_sum_sq.items():
-                snr_sums.append(gradient_snr_sum(result.sub_grad_sum[name], value, result.num_sub))
-                counts.append(result.num_sub)
-                sizes.append(value.numel())
-                rows[name] = slice(None)
-        out: dict[str, Tensor] = {}
-        for (name, r), snr_sum, size in zip(rows.items(), snr_sums, sizes):
-            # A module's pass starts with its first parameter's first row and ends with its last one's last.
-            key = _gsnr_key(name)
-            head, tail = self._module_parameters[key]
-            first = name == head and r.start in (None, 0)
-            last = name == tail and (r.stop is None or r.stop >= params[name].shape[0])
-            before = self._step_coordinates.get(key)
-            out[key] = snr_sum if before is None else out[key] + snr_sum
-            self._step_coordinates[key] = (size, first, last) if before is None else (before[0] + size, before[1], last)
-        if whole and snr_sums:
-            out["grad_noise/eb_criterion"] = eb_criterion_of_snr_sums(snr_sums, counts, sum(sizes))
-        return out
-
-    def _complete_gsnr(self, values: dict[str, float]) -> dict[str, float]:
-        """``values`` with each module's GSNR sum replaced by its mean over the module at the step that
-        ends the module's pass, and left out before that (kept in :attr:`_gsnr_partial`). A pass that
-        lost a step (invalid, not finite, not logged) or that did not start with this fit is not logged."""
-        for key, (size, first, last) in self._step_coordinates.items():
-            value = values.pop(key, math.nan)
-            total, count = (0.0, 0) if first else self._gsnr_partial.pop(key, (math.nan, 0))
-            total, count = total + value, count + size
-            if not last:
-                self._gsnr_partial[key] = (total, count)
-            elif math.isfinite(total) and count == self._module_coordinates[key]:
-                values[key] = total / count
-        return values
+        reduce = (lambda flat: trainer.strategy.reduce(flat, reduce_op="sum")) if trainer.world_size > 1 else None
+        grad_sums, sum_sqs = self._coordinates.selected_sums(selection, result.grad_sum, result.sum_sq, reduce)
+        return self._coordinates.snr_sums(selection, grad_sums, sum_sqs, examples, result.sub_grad_sum,
+                                          result.sub_sum_sq, result.num_sub)
 
     def _log(self, trainer: "pl.Trainer", result: PerExampleStep, valid: Tensor | bool, examples: int,
              step: int) -> None:
@@ -796,9 +709,10 @@ class BatchVarianceProbe(Callback):
             "grad_noise/batch_grad_var/micro_batch": estimate.trace_cov / self._micro_batch_size,
             "grad_noise/batch_grad_var/full_batch": estimate.trace_cov / (estimate.batch_size or batch),
         }
-        self._step_coordinates = {}
+        coordinates: StepCoordinates = {}
         if self.per_coordinate and self._plan is not None:
-            metrics.update(self._coordinate_stats(trainer, result, examples))
+            snr_sums, coordinates = self._coordinate_stats(trainer, result, examples)
+            metrics.update(snr_sums)
         keys = list(metrics)
         device = self.noise.count.device
         host = torch.stack([metrics[k].detach().double().reshape(()).to(device) for k in keys]
@@ -808,8 +722,9 @@ class BatchVarianceProbe(Callback):
             return
         valid_now = valid_now and not self.noise_source.invalid  # GSNR and EB are per-example statistics
         values = {k: v for k, v in values.items() if math.isfinite(v)
-                  and (valid_now or not k.startswith(("grad_noise/gsnr/", "grad_noise/eb_criterion")))}
-        log_scalars(trainer, self._complete_gsnr(values), step)
+                  and (valid_now or not k.startswith((GSNR_TAG, EB_CRITERION)))}
+        values, self._gsnr_partial = self._coordinates.complete_passes(values, coordinates, self._gsnr_partial)
+        log_scalars(trainer, values, step)
         disagreement = self.gradient_noise.disagreement()
         if disagreement:
             rank_zero_warn(f"trainvitals BatchVarianceProbe: {disagreement}.")
