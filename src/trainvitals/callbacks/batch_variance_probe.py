@@ -21,22 +21,24 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
+from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
-from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
+from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import (
     MicroBatchSquaredNorms,
+    NoiseScaleEMA,
+    NoiseScaleError,
     per_example_estimates,
     sub_batch_estimates,
     two_batch_size_estimates,
@@ -65,7 +67,7 @@ class _StepSums:
     failed: set[str]  # layers to exclude from now on
 
 
-class BatchVarianceProbe(Callback):
+class BatchVarianceProbe(TrainvitalsCallback):
     r"""Gradient noise of the mini-batch gradient: tr(Σ), ‖G‖², B_simple, noise floor, GSNR, EB criterion.
 
     Per-example gradients are those of each example's own loss ℓ_i: a loss reduced by ``mean`` over
@@ -193,12 +195,10 @@ class BatchVarianceProbe(Callback):
         self.max_rel_err = check_float("max_rel_err", max_rel_err, 0.0, low_open=True)
         self.top_k = check_int("top_k", top_k, 0)
         self.strict = check_bool("strict", strict)
-        # Lightning reads the key in every hook call (profiler names): build it once, with the argument
-        # names it had before the renaming, so that older checkpoints still load.
-        self._state_key = self._generate_state_key(every_n_steps=self.measure_every_n_steps, beta=self.ema_beta)
+        # The argument names it had before the renaming, so that older checkpoints still load.
+        self.key_state_by(every_n_steps=self.measure_every_n_steps, beta=self.ema_beta)
 
         self.sources = ""
-        self._warnings = WarningCache()
         self._plan: SourcePlan | None = None
         self._plan_params: dict[str, list[torch.nn.Parameter]] = {}
         self._coordinates = ModuleCoordinates({}, {}, self.coordinate_budget)
@@ -216,8 +216,41 @@ class BatchVarianceProbe(Callback):
         self.logs_noise_estimate = False
         self.gradient_noise = GradientNoise(max_rel_err=max_rel_err)
         """The run's one noise estimate, shared with GradNormEarlyStopping."""
-        self._reset()
+
+        # The state of a fit that has not started: no estimate, no step open, no layer excluded.
+        beta = self.ema_beta**self.measure_every_n_steps
+        self.add_state("noise_source", functools.partial(NoiseSource, "probe", beta), key="source")
+        """This probe's source of :attr:`gradient_noise`, in the units of each example's own loss."""
+        self.add_state("nonfinite", NonfiniteCounter, persistent=False)
+        """Measured steps whose gradient was non-finite: logged when no GradNormMonitor logs such steps;
+        saved as ``nonfinite_steps``."""
+        self.add_state("last_outliers", [], persistent=False)
+        """(dataset row, or position in the batch without :attr:`outlier_rows`, and ‖g_i‖) of the last outliers."""
+        self.add_state("outlier_rows", False, persistent=False)
+        self.add_state("_rows", [], persistent=False)  # each micro-batch's dataset rows, on the steps that keep norms
+        self.add_state("_enabled", False, persistent=False)
+        self.add_state("_excluded", set(), persistent=False)
+        self.add_state("_failed", set(), persistent=False)  # failed here, not yet excluded (DDP: until a logging step)
+        self.add_state("_open_step", -1, persistent=False)
+        self.add_state("_measuring", False, persistent=False)
+        self.add_state("_finalized_step", -1, persistent=False)
+        self.add_state("_coordinate_cursor", 0, key="coordinate_cursor")  # the next logging step's first coordinate
+        self.add_state("_selection", {}, persistent=False)
+        self.add_state("_gsnr_partial", {}, key="gsnr_partial")  # per GSNR key: Σ GSNR and coordinates of the pass
+        self.add_state("_micro_sizes", [], persistent=False)
+        self.add_state("_unsized", False, persistent=False)  # a micro-batch whose size Lightning cannot tell
+        self.add_state("_stated_reduction", "", persistent=False)
         self.gradient_noise.attach(self.noise_source)
+
+    @property
+    def noise(self) -> NoiseScaleEMA:
+        """The probe's smoothed ‖G‖² and tr(Σ), in the units of each example's own loss."""
+        return self.noise_source.ema
+
+    @property
+    def noise_error(self) -> NoiseScaleError:
+        """The sampling variance of :attr:`noise`."""
+        return self.noise_source.error
 
     @property
     def effective_batch_size(self) -> int | None:
@@ -237,32 +270,11 @@ class BatchVarianceProbe(Callback):
     def grad_scale(self, value: float) -> None:
         self.noise_source.unit_scale = value
 
-    def _reset(self) -> None:
-        """The state of a fit that has not started: no estimate, no step open, no layer excluded, no hook
-        (a fit that failed on its first step leaves none of its own behind)."""
+    @override
+    def reset(self) -> None:
+        """Also removes the hooks: a fit that failed on its first step leaves none of its own behind."""
         self._detach_hooks()
-        self.noise_source = NoiseSource("probe", self.ema_beta**self.measure_every_n_steps)
-        """This probe's source of :attr:`gradient_noise`, in the units of each example's own loss."""
-        self.noise = self.noise_source.ema
-        self.noise_error = self.noise_source.error
-        self.last_outliers: list[tuple[int, float]] = []
-        self.nonfinite = NonfiniteCounter()
-        """Measured steps whose gradient was non-finite: logged when no GradNormMonitor logs such steps."""
-        """(dataset row, or position in the batch without :attr:`outlier_rows`, and ‖g_i‖) of the last outliers."""
-        self.outlier_rows = False
-        self._rows: list[Tensor | None] = []
-        self._enabled = False
-        self._excluded: set[str] = set()
-        self._failed: set[str] = set()  # layers that failed on this rank, not yet excluded (DDP: until a logging step)
-        self._open_step = -1
-        self._measuring = False
-        self._finalized_step = -1
-        self._coordinate_cursor = 0  # the first coordinate of the next logging step's selection
-        self._selection: dict[str, slice] = {}
-        self._gsnr_partial: dict[str, tuple[float, int]] = {}  # per GSNR key: Σ GSNR and coordinates of the pass
-        self._micro_sizes: list[int] = []
-        self._unsized = False  # a micro-batch of this step whose size Lightning cannot tell
-        self._stated_reduction = ""
+        super().reset()
 
     def _detach_hooks(self) -> None:
         if self._collector is not None:
@@ -272,16 +284,11 @@ class BatchVarianceProbe(Callback):
             handle.remove()
         self._bn_handles = []
 
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._state_key
-
     # ------------------------------------------------------------------ setup
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        rank_zero_info(f"trainvitals BatchVarianceProbe: {self.summary_line()}")
+        self.info(self.summary_line())
 
     def summary_line(self) -> str:
         """One line for the end of fit: the run's noise scale (:attr:`gradient_noise`), or why there is none."""
@@ -304,17 +311,10 @@ class BatchVarianceProbe(Callback):
             which = "dataset row" if self.outlier_rows else "position in batch"
             rows.append((f"largest per-example gradients ({which}: ‖g_i‖)",
                          ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])))
-        return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+        return "\n".join(markdown_table(("", ""), rows))
 
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit":
-            return
-        note_unrecorded(trainer, self)
-        # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
-        # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
-        # for validate/test with a checkpoint does not carry into a later fit.
-        self._reset()
+    def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.gradient_noise = find_gradient_noise(trainer.callbacks)
         self.gradient_noise.max_rel_err = self.max_rel_err
         self.logs_noise_estimate = False
@@ -328,7 +328,7 @@ class BatchVarianceProbe(Callback):
         self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
-        rank_zero_info(f"trainvitals BatchVarianceProbe: sources: {self.sources}")
+        self.info(f"sources: {self.sources}")
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.measure_every_n_steps) * self.measure_every_n_steps
@@ -360,7 +360,7 @@ class BatchVarianceProbe(Callback):
                                               self.coordinate_budget)
         coordinates = self._coordinates.per_example_coordinates
         if self.per_coordinate and coordinates > self.coordinate_budget:
-            rank_zero_info(f"trainvitals BatchVarianceProbe: per-coordinate sums of {self.coordinate_budget:,} of the {coordinates:,} coordinates per logging "
+            self.info(f"per-coordinate sums of {self.coordinate_budget:,} of the {coordinates:,} coordinates per logging "
                       f"step: each layer's GSNR is logged once a pass over its rows ends (a pass: "
                       f"{self._coordinates.passes} logging steps), the EB criterion not at all; "
                       f"coordinate_budget={coordinates} would log it at every logging step, holding "
@@ -395,10 +395,7 @@ class BatchVarianceProbe(Callback):
                                  "different losses)")
 
     def _cannot_measure(self, why: str) -> None:
-        message = f"trainvitals BatchVarianceProbe: cannot measure: {why}. Such steps are left out."
-        if self.strict:
-            raise RuntimeError(message)
-        self._warnings.warn(message)
+        self.cannot_measure(f"cannot measure: {why}. Such steps are left out.")
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -458,17 +455,15 @@ class BatchVarianceProbe(Callback):
         if reduction == "auto":
             found = detect_loss_reduction(loss, self._batch_size, accumulation)
             if found is None:
-                self._warnings.warn("trainvitals BatchVarianceProbe: could not tell from the loss's graph whether "
-                                    "it is a mean or a sum over examples; assuming a mean. Pass `loss_reduction=` "
-                                    "to say which: B_simple does not depend on it, tr(Σ), ‖G‖² and the noise floor "
-                                    "do.")
+                self.warn("could not tell from the loss's graph whether it is a mean or a sum over examples; "
+                          "assuming a mean. Pass `loss_reduction=` to say which: B_simple does not depend on it, "
+                          "tr(Σ), ‖G‖² and the noise floor do.", once=True)
             reduction = found.kind if found is not None else "mean"
         if reduction != self._stated_reduction:
             self._stated_reduction = reduction
             how = "as told" if self.loss_reduction != "auto" else "read from the loss's graph"
-            rank_zero_info(f"trainvitals BatchVarianceProbe: the loss is a {reduction} over the examples ({how}); "
-                           "per-example gradients are those of each example's own loss"
-                           + (", B × its share of the batch mean" if reduction == "mean" else ""))
+            self.info(f"the loss is a {reduction} over the examples ({how}); per-example gradients are those of "
+                      "each example's own loss" + (", B × its share of the batch mean" if reduction == "mean" else ""))
         self._reduction = reduction
         scale = loss_scale(trainer)
         per_loss = self._batch_size if reduction == "mean" else 1
@@ -537,8 +532,8 @@ class BatchVarianceProbe(Callback):
         accumulation = (f" Under gradient accumulation BatchNorm sees one micro-batch of {self._batch_size}, "
                         f"not the {self._batch_size * trainer.accumulate_grad_batches} examples of the step."
                         if trainer.accumulate_grad_batches > 1 else "")
-        self._warnings.warn(f"trainvitals BatchVarianceProbe: BatchNorm in training mode normalises {where} over too few values for meaningful "
-                            "statistics: over 2 values every feature becomes ±1, over 1 it fails." + accumulation)
+        self.warn(f"BatchNorm in training mode normalises {where} over too few values for meaningful statistics: "
+                  "over 2 values every feature becomes ±1, over 1 it fails." + accumulation, once=True)
 
     def _problem(self, result: PerExampleStep) -> str:
         """Why this step's measurement is unusable ("" if it is); failed modules are added to ``result.failed``."""
@@ -727,7 +722,7 @@ class BatchVarianceProbe(Callback):
         log_scalars(trainer, values, step)
         disagreement = self.gradient_noise.disagreement()
         if disagreement:
-            rank_zero_warn(f"trainvitals BatchVarianceProbe: {disagreement}.")
+            self.warn(f"{disagreement}.")
             log_text(trainer, SOURCES_CHECK, disagreement, step)
 
     def _log_per_example_norms(self, trainer: "pl.Trainer", sq_norms: list[Tensor], step: int) -> None:
@@ -745,14 +740,15 @@ class BatchVarianceProbe(Callback):
         ids = which.cpu().tolist()
         self.outlier_rows = bool(mapped)
         self.last_outliers = list(zip(ids, values[0]))
-        table = "\n".join(f"| {i} | {v:.4g} | {r:.3g} |" for i, v, r in zip(ids, values[0], values[1]))
         column = "dataset row" if mapped else "position in this process's batch of the step"
+        table = markdown_table((column, "‖g_i‖", "× median"),
+                               [(i, f"{v:.4g}", f"{r:.3g}") for i, v, r in zip(ids, values[0], values[1])], align="rrr")
         how = ("" if mapped else " The dataset rows are unknown (a shuffled or distributed sampler): give the batch an "
                "`index` entry (a dict batch) to see them.")
         log_text(trainer, "grad_noise/outliers",
                  f"**Largest per-example gradient norms at optimizer step {step}.** Look at these examples first: a "
                  f"mislabelled, corrupt or duplicated example has a gradient far larger than the others'.{how}\n\n"
-                 f"| {column} | ‖g_i‖ | × median |\n|---:|---:|---:|\n" + table, step)
+                 + "\n".join(table), step)
 
     # ------------------------------------------------------------------ teardown and state
 
@@ -768,17 +764,16 @@ class BatchVarianceProbe(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        # The entries before the estimate's sources: read by older versions.
         return {"noise": self.noise.state_dict(), "noise_error": self.noise_error.state_dict(),
                 "effective_batch_size": self.effective_batch_size, "grad_scale": self.grad_scale,
-                "source": self.noise_source.state_dict(), "coordinate_cursor": self._coordinate_cursor,
-                "gsnr_partial": {k: list(v) for k, v in self._gsnr_partial.items()},
-                "nonfinite_steps": int(self.nonfinite.count)}
+                "nonfinite_steps": int(self.nonfinite.count), **super().state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.noise_source.load_state_dict(state_dict.get("source", {
-            "noise": state_dict.get("noise", {}), "error": state_dict.get("noise_error", {}),
-            "effective_batch_size": state_dict.get("effective_batch_size"), "unit_scale": state_dict.get("grad_scale", 1.0)}))
-        self._coordinate_cursor = int(state_dict.get("coordinate_cursor", 0))
+        # A checkpoint from before the estimate's sources holds the probe's source in those entries.
+        older = {"noise": state_dict.get("noise", {}), "error": state_dict.get("noise_error", {}),
+                 "effective_batch_size": state_dict.get("effective_batch_size"),
+                 "unit_scale": state_dict.get("grad_scale", 1.0)}
+        super().load_state_dict({"source": older, **state_dict})
         self.nonfinite.count = torch.tensor(int(state_dict.get("nonfinite_steps", 0)))
-        self._gsnr_partial = {k: (float(total), int(count)) for k, (total, count) in state_dict.get("gsnr_partial", {}).items()}
