@@ -31,7 +31,7 @@ from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
-from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
+from trainvitals.callbacks.grad_norm_monitor import grad_sq_norms
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.core.memory import ROOT, compiled_modules
@@ -52,6 +52,7 @@ from trainvitals.core.per_example import (
 )
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
+SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of the class docstring
 BATCHNORM_MIN_VALUES = 8  # below this many values per channel, BatchNorm's batch statistics are mostly noise
 COORDINATE_BUDGET = 2**21  # per-coordinate sums per logging step: 16 MiB of float32 Σg and Σg²
 
@@ -201,6 +202,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.sources = ""
         self._plan: SourcePlan | None = None
         self._plan_params: dict[str, list[torch.nn.Parameter]] = {}
+        # The optimizer, its parameter count, its parameters by source then the others, and the sources' sizes.
+        self._norm_order: tuple[torch.optim.Optimizer, int, list[torch.nn.Parameter], list[int]] | None = None
         self._coordinates = ModuleCoordinates({}, {}, self.coordinate_budget)
         self._collector: PerExampleGradients | None = None
         self._micro = MicroBatchSquaredNorms()
@@ -351,6 +354,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         coupled = {n: m for n, m in pl_module.named_modules() if n in self._plan.coupled}
         self._batchnorms = {n: m for n, m in coupled.items() if id(m) in hookable}
         self._compiled_batchnorms = {n: m for n, m in coupled.items() if id(m) not in hookable}
+        self._norm_order = None
         self._plan_params = {"per_example": list(self._plan.parameters("per_example").values()),
                              "micro_batch": list(self._plan.micro_batch.values()),
                              "vmap": list(self._plan.parameters("vmap").values())}
@@ -563,7 +567,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
                  micro_sum: Tensor | None, optimizer: torch.optim.Optimizer, valid_here: bool) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
 
-        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norm`).
+        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norms`).
         """
         if not self._micro_sizes:
             return set(self._failed) if trainer.world_size == 1 else set()
@@ -633,12 +637,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         groups = len(self._micro_sizes) * trainer.world_size
         to_mean = 1 / self._grad_units(trainer, pl_module)
 
-        def batch_sq_norm(source: str) -> Tensor:
-            return self._batch_sq_norm(trainer, optimizer, self._plan_params[source]) * to_mean**2
-
+        batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in self._batch_sq_norms(trainer, optimizer).items()}
         estimates, valid = [], sums.valid
-        batch_sq = {source: batch_sq_norm(source) for source in ("per_example", "micro_batch", "vmap")
-                    if self._plan_params[source]}
         if plan.per_example:
             estimates.append(per_example_estimates(sums.sq_norm_sum, batch_sq["per_example"], sums.examples))
         if plan.micro_batch and groups < 2:  # an epoch's last accumulation window can hold one micro-batch
@@ -653,10 +653,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
             estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
                                                  result.num_sub, batch_sq["vmap"], sums.examples))
         zero = torch.zeros((), dtype=torch.float64, device=sums.sq_norm_sum.device)
-        covered = functools.reduce(torch.add, batch_sq.values(), zero)
-        all_params = [p for group in optimizer.param_groups for p in group["params"]]
-        whole = self.noise_source.param_share >= 1.0 or not all_params  # no second pass over the gradients
-        total = covered if whole else self._batch_sq_norm(trainer, optimizer, all_params) * to_mean**2
+        covered = batch_sq["per_example"] + batch_sq["micro_batch"] + batch_sq["vmap"]
+        total = covered + batch_sq["other"]
         if not estimates:
             return zero, zero, valid, covered, total
         grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates))
@@ -672,12 +670,22 @@ class BatchVarianceProbe(TrainvitalsCallback):
         per_loss = 1 if self._reduction == "mean" else self._micro_batch_size
         return len(self._micro_sizes) * per_loss / loss_divisor(trainer, pl_module)
 
-    @staticmethod
-    def _batch_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
-                       params: list[torch.nn.Parameter]) -> Tensor:
-        """‖.grad‖² over ``params``: the accumulated, rank-averaged gradient, AMP scale undone (0-d float64)."""
-        sq_norm = grad_sq_norm(trainer, optimizer, params)
-        return sq_norm if sq_norm is not None else torch.zeros((), dtype=torch.float64, device=params[0].device)
+    def _batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``): the
+        accumulated, rank-averaged gradient, AMP scale undone (0-d float64 each), summed by source from one
+        pass over the gradients (none after a GradNormMonitor that measured the step)."""
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        if self._norm_order is None or self._norm_order[:2] != (optimizer, count):  # one list: the monitor's index cache
+            measured = [p for source in SOURCES for p in self._plan_params[source]]
+            ids = {id(p) for p in measured}
+            other = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ids]
+            self._norm_order = (optimizer, count, measured + other,
+                                [*(len(self._plan_params[source]) for source in SOURCES), len(other)])
+        params, sizes = self._norm_order[2:]
+        sq_norms = grad_sq_norms(trainer, optimizer, params) if params else None
+        if sq_norms is None:  # no gradient at all
+            sq_norms = torch.zeros(len(params), dtype=torch.float64, device=trainer.strategy.root_device)
+        return dict(zip((*SOURCES, "other"), (part.sum() for part in sq_norms.split(sizes))))
 
     # ------------------------------------------------------------------ logging
 
