@@ -649,7 +649,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if plan.vmap and result.num_sub < 2:
             valid = False
         elif plan.vmap:
-            sub_mean_sq = sum(v.double().square().sum() for v in result.sub_grad_sum.values()) / result.num_sub**2
+            sub_sums = list(result.sub_grad_sum.values())  # ‖Σ_i g_i‖² of each parameter, in one fused kernel
+            sub_sq = torch.stack(torch._foreach_norm(sub_sums, 2, dtype=torch.float64)).square().sum() if sub_sums else 0.0
+            sub_mean_sq = sub_sq / result.num_sub**2
             estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
                                                  result.num_sub, batch_sq["vmap"], sums.examples))
         zero = torch.zeros((), dtype=torch.float64, device=sums.sq_norm_sum.device)
