@@ -30,30 +30,20 @@ from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
+from trainvitals.callbacks._probe_sources import ProbeSources
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
-from trainvitals.callbacks.grad_norm_monitor import grad_sq_norms
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
-from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import (
-    MicroBatchSquaredNorms,
     NoiseScaleEMA,
     NoiseScaleError,
     per_example_estimates,
     sub_batch_estimates,
     two_batch_size_estimates,
 )
-from trainvitals.core.per_example import (
-    PerExampleGradients,
-    PerExampleStep,
-    SourcePlan,
-    detect_loss_reduction,
-    plan_sources,
-)
+from trainvitals.core.per_example import PerExampleStep, SourcePlan, detect_loss_reduction
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
-SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of the class docstring
-BATCHNORM_MIN_VALUES = 8  # below this many values per channel, BatchNorm's batch statistics are mostly noise
 COORDINATE_BUDGET = 2**21  # per-coordinate sums per logging step: 16 MiB of float32 Σg and Σg²
 
 
@@ -200,22 +190,13 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.key_state_by(every_n_steps=self.measure_every_n_steps, beta=self.ema_beta)
 
         self.sources = ""
-        self._plan: SourcePlan | None = None
-        self._plan_params: dict[str, list[torch.nn.Parameter]] = {}
-        # The optimizer, its parameter count, its parameters by source then the others, and the sources' sizes.
-        self._norm_order: tuple[torch.optim.Optimizer, int, list[torch.nn.Parameter], list[int]] | None = None
+        self._sources: ProbeSources | None = None  # the plan's, and their hooks
         self._coordinates = ModuleCoordinates({}, {}, self.coordinate_budget)
-        self._collector: PerExampleGradients | None = None
-        self._micro = MicroBatchSquaredNorms()
         self._log_every: int | None = 1
         self._histogram_every: int | None = None
         self._batch_size = 0
         self._unit: Tensor | float = 1.0
         self._reduction = "mean"
-        self._bn_values: dict[str, int] = {}
-        self._batchnorms: dict[str, torch.nn.Module] = {}
-        self._compiled_batchnorms: dict[str, torch.nn.Module] = {}
-        self._bn_handles: list[Any] = []
         self.logs_noise_estimate = False
         self.gradient_noise = GradientNoise(max_rel_err=max_rel_err)
         """The run's one noise estimate, shared with GradNormEarlyStopping."""
@@ -280,12 +261,12 @@ class BatchVarianceProbe(TrainvitalsCallback):
         super().reset()
 
     def _detach_hooks(self) -> None:
-        if self._collector is not None:
-            self._collector.detach()
-        self._micro.detach()
-        for handle in self._bn_handles:
-            handle.remove()
-        self._bn_handles = []
+        if self._sources is not None:
+            self._sources.detach()
+
+    @property
+    def _plan(self) -> SourcePlan | None:
+        return None if self._sources is None else self._sources.plan
 
     # ------------------------------------------------------------------ setup
 
@@ -341,26 +322,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
 
     def _make_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._detach_hooks()
-        groups = self._groups_per_step(trainer) >= 2
-        regions, hooked = compiled_modules(pl_module)
-        compiled = ["" if c == ROOT else c for c in regions]
-        self._plan = plan_sources(pl_module, groups, self.fallback, self._excluded, compiled)
-        if self._plan.coupled and groups:  # independent micro-batches instead of coupled examples
-            self._plan = plan_sources(pl_module, groups, self.fallback,
-                                      {*self._excluded, *self._plan.per_example, *self._plan.vmap}, compiled)
-        self._collector = PerExampleGradients(self._plan.per_example, self._plan.vmap, self.fallback_sub_batch)
-        # A forward pre-hook counts a BatchNorm's values; inside a compiled region its mode is read instead.
-        hookable = {id(m) for m in hooked}
-        coupled = {n: m for n, m in pl_module.named_modules() if n in self._plan.coupled}
-        self._batchnorms = {n: m for n, m in coupled.items() if id(m) in hookable}
-        self._compiled_batchnorms = {n: m for n, m in coupled.items() if id(m) not in hookable}
-        self._norm_order = None
-        self._plan_params = {"per_example": list(self._plan.parameters("per_example").values()),
-                             "micro_batch": list(self._plan.micro_batch.values()),
-                             "vmap": list(self._plan.parameters("vmap").values())}
-        self.sources = self._plan.describe(pl_module)
+        self._sources = sources = ProbeSources(pl_module, self._groups_per_step(trainer) >= 2, self.fallback,
+                                               self._excluded, self.fallback_sub_batch)
+        self.sources, self.noise_source.param_share = sources.description, sources.param_share
         self._coordinate_cursor, self._gsnr_partial = 0, {}
-        self._coordinates = ModuleCoordinates(self._plan.parameters("per_example"), self._plan.parameters("vmap"),
+        self._coordinates = ModuleCoordinates(sources.plan.parameters("per_example"), sources.plan.parameters("vmap"),
                                               self.coordinate_budget)
         coordinates = self._coordinates.per_example_coordinates
         if self.per_coordinate and coordinates > self.coordinate_budget:
@@ -369,24 +335,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
                       f"{self._coordinates.passes} logging steps), the EB criterion not at all; "
                       f"coordinate_budget={coordinates} would log it at every logging step, holding "
                       f"{16 * coordinates / 2**20:,.1f} MiB of sums while they are added up")
-        trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
-        measured = {id(p): p for ps in self._plan_params.values() for p in ps}
-        self.noise_source.param_share = (sum(p.numel() for p in measured.values())
-                                         / max(sum(p.numel() for p in trainable.values()), 1))
-        if self._plan.coupled:
-            self.sources += (f". BatchNorm ({', '.join(self._plan.coupled)}) couples the examples of each "
-                             "micro-batch: their gradients are the addends of a coupled batch gradient, not "
-                             "independent draws" + (", so every parameter is measured from micro-batches and ranks"
-                                                    if self._plan.micro_batch else
-                                                    "; in training mode the per-example estimate is invalid"))
-        if regions:
-            what = "the training step" if ROOT in regions else ", ".join(f"`{c}`" for c in regions)
-            self.sources += (f". {what} runs under torch.compile: the probe puts no hook inside it, since a hook "
-                             "there breaks the compiled graph")
-        if not (self._plan.per_example or self._plan.micro_batch or self._plan.vmap):
-            reasons = sorted(set(self._plan.uncovered.values())) or ["the model has no trainable parameters"]
-            self._cannot_measure("no parameter has a source (one micro-batch per step on one device): "
-                                 + "; ".join(reasons))
+        if not sources.measures:
+            self._cannot_measure(sources.unmeasured_reason())
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -412,21 +362,21 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if step != self._open_step:
             self._begin_step(step)
         if self._measuring:
-            assert self._collector is not None
-            self._collector.begin_micro_batch()  # a batch skipped before (training_step returned None) left its forward
+            assert self._sources is not None
+            self._sources.collector.begin_micro_batch()  # a batch skipped before (training_step returned None) left its forward
             size = batch_size(batch)
             self._unsized = self._unsized or size is None
             self._batch_size = size or 0
             if size:
-                self._collector.expect_batch(size)
+                self._sources.collector.expect_batch(size)
             if self._histogram_every is not None and step % self._histogram_every == 0:
                 self._rows.append(dataset_rows(trainer, batch, batch_idx, size) if size else None)
 
     def _begin_step(self, step: int) -> None:
         self._open_step = step
-        plan, collector = self._plan, self._collector
-        assert plan is not None and collector is not None
-        self._measuring = step % self.measure_every_n_steps == 0 and bool(plan.per_example or plan.micro_batch or plan.vmap)
+        sources = self._sources
+        assert sources is not None
+        self._measuring = step % self.measure_every_n_steps == 0 and sources.measures
         self._micro_sizes = []
         self._rows: list[Tensor | None] = []  # each micro-batch's dataset rows, on the steps that keep norms
         self._unsized = False
@@ -437,20 +387,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._selection = {}
         if coordinates:
             self._selection, self._coordinate_cursor = self._coordinates.select(self._coordinate_cursor)
-        collector.attach(coordinates=self._selection,
-                         keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
-        self._micro.attach(plan.micro_batch.values())
-        self._bn_values = {}
-        self._bn_handles = [m.register_forward_pre_hook(functools.partial(self._record_batchnorm, name))
-                            for name, m in self._batchnorms.items()]
-
-    def _record_batchnorm(self, name: str, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        if module.training:
-            self._bn_values[name] = args[0].numel() // max(args[0].shape[1], 1)
+        sources.attach(self._selection, keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
-        # An empty batch leaves its step out (`_problem`); a loss without a graph reaches no layer, and
+        # An empty batch leaves its step out (`ProbeSources.problem`); a loss without a graph reaches no layer, and
         # its backward fails on its own (GraphIntegrityCallback says why): no reduction to read.
         if not self._measuring or not self._batch_size or loss.grad_fn is None:
             return
@@ -477,9 +418,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not self._measuring:
             return
-        assert self._collector is not None
-        self._collector.end_micro_batch(self._unit)
-        self._micro.end_micro_batch()
+        assert self._sources is not None
+        self._sources.collector.end_micro_batch(self._unit)
+        self._sources.micro.end_micro_batch()
         self._micro_sizes.append(self._batch_size)
 
     # ------------------------------------------------------------------ per optimizer step
@@ -491,18 +432,19 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if not self._measuring or self._finalized_step == step:
             return
         self._finalized_step = step
-        assert self._collector is not None and self._plan is not None
-        result = self._collector.pop()
-        micro_sum, _ = self._micro.pop()
+        sources = self._sources
+        assert sources is not None
+        result = sources.collector.pop()
+        micro_sum, _ = sources.micro.pop()
         self._detach_hooks()
         self._check_sums(trainer, pl_module, result, optimizer)
-        self._check_batchnorm(trainer)
-        training = [*self._bn_values, *(n for n, m in self._compiled_batchnorms.items() if m.training)]
-        if training and (self._plan.per_example or self._plan.vmap):
-            self.noise_source.invalidate(
-                f"per-example gradients through BatchNorm in training mode ({', '.join(training)}) are not "
-                "independent draws: BatchNorm couples the examples, and their addends of the batch gradient cancel")
-        problem = self._problem(result)
+        few = sources.few_batchnorm_values(self._batch_size, trainer.accumulate_grad_batches)
+        if few:
+            self.warn(few, once=True)
+        coupling = sources.coupling()
+        if coupling:
+            self.noise_source.invalidate(coupling)
+        problem = sources.problem(result, self._micro_sizes, self._unsized)
         if problem:
             self._cannot_measure(problem)
         self._failed.update(result.failed)
@@ -519,55 +461,20 @@ class BatchVarianceProbe(TrainvitalsCallback):
         """On a step with per-coordinate sums, fail the layers whose per-example gradients do not add up to
         their ``.grad``: on one device (the ``.grad`` of several is averaged over ranks), with all micro-batches
         measured and of one size (else the step is left out anyway)."""
-        assert self._collector is not None
+        assert self._sources is not None
         sizes = self._micro_sizes
         if not result.grad_sum or trainer.world_size != 1 or self._unsized or len(set(sizes)) != 1 or 0 in sizes or \
                 len(sizes) != trainer.accumulate_grad_batches or not pl_module.automatic_optimization:
             return
         to_grad: Tensor | float = self._grad_units(trainer, pl_module) / sum(self._micro_sizes)
         scale = scale_left_in_grads(trainer, optimizer)
-        result.failed.update(self._collector.unbalanced(result, to_grad if scale is None else scale * to_grad))
-
-    def _check_batchnorm(self, trainer: "pl.Trainer") -> None:
-        small = {n: v for n, v in self._bn_values.items() if v < BATCHNORM_MIN_VALUES}
-        if not small:
-            return
-        where = ", ".join(f"{n} ({v} values per channel)" for n, v in small.items())
-        accumulation = (f" Under gradient accumulation BatchNorm sees one micro-batch of {self._batch_size}, "
-                        f"not the {self._batch_size * trainer.accumulate_grad_batches} examples of the step."
-                        if trainer.accumulate_grad_batches > 1 else "")
-        self.warn(f"BatchNorm in training mode normalises {where} over too few values for meaningful statistics: "
-                  "over 2 values every feature becomes ±1, over 1 it fails." + accumulation, once=True)
-
-    def _problem(self, result: PerExampleStep) -> str:
-        """Why this step's measurement is unusable ("" if it is); failed modules are added to ``result.failed``."""
-        assert self._plan is not None
-        if not self._micro_sizes:  # no backward ran (training_step returned None): nothing to measure, no fault
-            return ""
-        for name, module in {**self._plan.per_example, **self._plan.vmap}.items():
-            if name not in result.seen and name not in result.failed and \
-                    any(p.grad is not None for p in module.parameters(recurse=False)):
-                result.failed[name] = ("its parameters got gradients outside its own forward (used directly, or "
-                                       "called from a torch.compile'd function, where the probe puts no hook)")
-        if result.failed:
-            return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items()) + \
-                " (from the next step on, these layers are measured another way if they can be)"
-        if self._unsized:
-            return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it): "
-                    "put the examples on dimension 0 of the batch's tensors")
-        if 0 in self._micro_sizes:
-            return "an empty micro-batch"
-        if (self._plan.per_example or self._plan.vmap) and not result.seen:
-            return "the backward reached none of the measured layers (a loss without a graph?)"
-        if len(set(self._micro_sizes)) > 1:
-            return f"micro-batches of unequal sizes {self._micro_sizes}"
-        return ""
+        result.failed.update(self._sources.collector.unbalanced(result, to_grad if scale is None else scale * to_grad))
 
     def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
                  micro_sum: Tensor | None, optimizer: torch.optim.Optimizer, valid_here: bool) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
 
-        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norms`).
+        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`ProbeSources.batch_sq_norms`).
         """
         if not self._micro_sizes:
             return set(self._failed) if trainer.world_size == 1 else set()
@@ -631,13 +538,13 @@ class BatchVarianceProbe(TrainvitalsCallback):
         estimate over its own parameters (McCandlish et al. 2018, Eq. A.2), added up, since tr(Σ) and ‖G‖²
         are sums over parameters; and the batch gradient's squared norm over the measured parameters and
         over all of the optimizer's, for the coverage."""
-        plan = self._plan
-        assert plan is not None
+        assert self._sources is not None
+        plan = self._sources.plan
         b = self._micro_batch_size
         groups = len(self._micro_sizes) * trainer.world_size
         to_mean = 1 / self._grad_units(trainer, pl_module)
 
-        batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in self._batch_sq_norms(trainer, optimizer).items()}
+        batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in self._sources.batch_sq_norms(trainer, optimizer).items()}
         estimates, valid = [], sums.valid
         if plan.per_example:
             estimates.append(per_example_estimates(sums.sq_norm_sum, batch_sq["per_example"], sums.examples))
@@ -664,30 +571,13 @@ class BatchVarianceProbe(TrainvitalsCallback):
 
     @property
     def _micro_batch_size(self) -> int:
-        return self._micro_sizes[0] or 1  # 0: an empty micro-batch, in a step `_problem` has left out
+        return self._micro_sizes[0] or 1  # 0: an empty micro-batch, in a step left out (`ProbeSources.problem`)
 
     def _grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float:
         """This step's ``.grad`` over the mean of its per-example gradients: the accumulated, rank-averaged,
         unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum."""
         per_loss = 1 if self._reduction == "mean" else self._micro_batch_size
         return len(self._micro_sizes) * per_loss / loss_divisor(trainer, pl_module)
-
-    def _batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
-        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``): the
-        accumulated, rank-averaged gradient, AMP scale undone (0-d float64 each), summed by source from one
-        pass over the gradients (none after a GradNormMonitor that measured the step)."""
-        count = sum(len(group["params"]) for group in optimizer.param_groups)
-        if self._norm_order is None or self._norm_order[:2] != (optimizer, count):  # one list: the monitor's index cache
-            measured = [p for source in SOURCES for p in self._plan_params[source]]
-            ids = {id(p) for p in measured}
-            other = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ids]
-            self._norm_order = (optimizer, count, measured + other,
-                                [*(len(self._plan_params[source]) for source in SOURCES), len(other)])
-        params, sizes = self._norm_order[2:]
-        sq_norms = grad_sq_norms(trainer, optimizer, params) if params else None
-        if sq_norms is None:  # no gradient at all
-            sq_norms = torch.zeros(len(params), dtype=torch.float64, device=trainer.strategy.root_device)
-        return dict(zip((*SOURCES, "other"), (part.sum() for part in sq_norms.split(sizes))))
 
     # ------------------------------------------------------------------ logging
 
