@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,31 +30,15 @@ from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._probe_sources import ProbeSources
+from trainvitals.callbacks._probe_step import grad_units, micro_batch_size, step_estimates, sum_over_ranks
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
-from trainvitals.core.noise import (
-    NoiseScaleEMA,
-    NoiseScaleError,
-    per_example_estimates,
-    sub_batch_estimates,
-    two_batch_size_estimates,
-)
+from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
 from trainvitals.core.per_example import PerExampleStep, SourcePlan, detect_loss_reduction
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
 COORDINATE_BUDGET = 2**21  # per-coordinate sums per logging step: 16 MiB of float32 Σg and Σg²
-
-
-@dataclass
-class _StepSums:
-    """An optimizer step's sums over the examples of every rank."""
-
-    sq_norm_sum: Tensor  # () Σ_i ‖g_i‖² of the per-example-norm layers, own-loss units
-    micro_sum: Tensor  # () Σ_j ‖g_j‖² of the micro-batch gradients, as back-propagated
-    examples: int
-    valid: Tensor | bool  # every rank measured all its examples
-    failed: set[str]  # layers to exclude from now on
 
 
 class BatchVarianceProbe(TrainvitalsCallback):
@@ -478,11 +461,17 @@ class BatchVarianceProbe(TrainvitalsCallback):
         """
         if not self._micro_sizes:
             return set(self._failed) if trainer.world_size == 1 else set()
-        sums = self._sum_over_ranks(trainer, result, micro_sum, valid_here)
+        assert self._sources is not None
+        plan = self._sources.plan
+        sums = sum_over_ranks(trainer, result, micro_sum, self._micro_sizes, valid_here, [*plan.per_example, *plan.vmap],
+                              self._failed, read_failures=is_logging_step(trainer.global_step, self._log_every))
         if sums.examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
             return sums.failed
-        grad_sq_norm, trace_cov, valid, covered, total = self._estimates(trainer, pl_module, optimizer, result, sums)
+        to_mean = 1 / self._grad_units(trainer, pl_module)
+        batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in self._sources.batch_sq_norms(trainer, optimizer).items()}
+        grad_sq_norm, trace_cov, valid, covered, total = step_estimates(
+            plan, batch_sq, result, sums, len(self._micro_sizes) * trainer.world_size, self._micro_batch_size, self._unit)
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         self.nonfinite.add(torch.isfinite(total))
         self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
@@ -500,84 +489,12 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._log_per_example_norms(trainer, result.sq_norms, step)
         return sums.failed
 
-    def _sum_over_ranks(self, trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Tensor | None,
-                        valid_here: bool) -> _StepSums:
-        """This step's sums: this rank's on one process; under DDP every rank's, in one collective.
-
-        A layer can fail on one rank only (a branch taken by some ranks' data): the collective also
-        counts each layer's failures over the ranks, read at the next logging step, which syncs anyway;
-        until then a failure on any rank invalidates the steps. On one process, a failure here is
-        excluded at once.
-        """
-        device = trainer.strategy.root_device
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        sq_norm_sum = (result.sq_norm_sum if result.sq_norm_sum is not None else zero).to(device, torch.float64)
-        micro_sum = (micro_sum if micro_sum is not None else zero).to(device, torch.float64)
-        local_examples = sum(self._micro_sizes)
-        if trainer.world_size == 1:
-            return _StepSums(sq_norm_sum, micro_sum, local_examples, valid_here, set(self._failed))
-        assert self._plan is not None
-        layers = [*self._plan.per_example, *self._plan.vmap]
-        flags = torch.zeros(len(layers), dtype=torch.float64, device=device)  # filled on the device: no copy
-        for i in (i for i, n in enumerate(layers) if n in self._failed):
-            flags[i] = 1.0
-        packed = trainer.strategy.reduce(torch.cat([torch.stack([
-            sq_norm_sum, micro_sum,
-            torch.full((), float(local_examples), dtype=torch.float64, device=device),
-            torch.full((), 0.0 if valid_here else 1.0, dtype=torch.float64, device=device),
-        ]), flags]), reduce_op="sum")
-        examples = local_examples * trainer.world_size
-        failed = set()
-        if is_logging_step(trainer.global_step, self._log_every) and layers:
-            failed = {n for n, count in zip(layers, packed[4:].tolist()) if count > 0}
-        return _StepSums(packed[0], packed[1], examples, (packed[3] == 0) & (packed[2] == examples), failed)
-
-    def _estimates(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
-                   result: PerExampleStep, sums: _StepSums) -> tuple[Tensor, Tensor, Tensor | bool, Tensor, Tensor]:
-        """``(‖G‖², tr(Σ), valid, ‖ḡ‖² measured, ‖ḡ‖² all)`` of the step in per-example units: each source's
-        estimate over its own parameters (McCandlish et al. 2018, Eq. A.2), added up, since tr(Σ) and ‖G‖²
-        are sums over parameters; and the batch gradient's squared norm over the measured parameters and
-        over all of the optimizer's, for the coverage."""
-        assert self._sources is not None
-        plan = self._sources.plan
-        b = self._micro_batch_size
-        groups = len(self._micro_sizes) * trainer.world_size
-        to_mean = 1 / self._grad_units(trainer, pl_module)
-
-        batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in self._sources.batch_sq_norms(trainer, optimizer).items()}
-        estimates, valid = [], sums.valid
-        if plan.per_example:
-            estimates.append(per_example_estimates(sums.sq_norm_sum, batch_sq["per_example"], sums.examples))
-        if plan.micro_batch and groups < 2:  # an epoch's last accumulation window can hold one micro-batch
-            valid = False
-        elif plan.micro_batch:
-            group_mean = sums.micro_sum * (self._unit / b) ** 2 / groups
-            estimates.append(two_batch_size_estimates(group_mean, batch_sq["micro_batch"], groups, b))
-        if plan.vmap and result.num_sub < 2:
-            valid = False
-        elif plan.vmap:
-            sub_sums = list(result.sub_grad_sum.values())  # ‖Σ_i g_i‖² of each parameter, in one fused kernel
-            sub_sq = torch.stack(torch._foreach_norm(sub_sums, 2, dtype=torch.float64)).square().sum() if sub_sums else 0.0
-            sub_mean_sq = sub_sq / result.num_sub**2
-            estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
-                                                 result.num_sub, batch_sq["vmap"], sums.examples))
-        zero = torch.zeros((), dtype=torch.float64, device=sums.sq_norm_sum.device)
-        covered = batch_sq["per_example"] + batch_sq["micro_batch"] + batch_sq["vmap"]
-        total = covered + batch_sq["other"]
-        if not estimates:
-            return zero, zero, valid, covered, total
-        grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates))
-        return grad_sq_norm, trace_cov, valid, covered, total
-
     @property
     def _micro_batch_size(self) -> int:
-        return self._micro_sizes[0] or 1  # 0: an empty micro-batch, in a step left out (`ProbeSources.problem`)
+        return micro_batch_size(self._micro_sizes)
 
     def _grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float:
-        """This step's ``.grad`` over the mean of its per-example gradients: the accumulated, rank-averaged,
-        unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum."""
-        per_loss = 1 if self._reduction == "mean" else self._micro_batch_size
-        return len(self._micro_sizes) * per_loss / loss_divisor(trainer, pl_module)
+        return grad_units(trainer, pl_module, self._micro_sizes, self._reduction)
 
     # ------------------------------------------------------------------ logging
 
