@@ -35,6 +35,7 @@ from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
+from trainvitals.core.outliers import largest_examples
 from trainvitals.core.per_example import PerExampleStep, SourcePlan, detect_loss_reduction
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
@@ -547,25 +548,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         log_histogram(trainer, "grad_noise/per_example_grad_norm", norms, step)
         if self.top_k == 0:
             return
-        top = torch.topk(norms, min(self.top_k, norms.numel()))
-        median = norms.median()
-        known = self._rows and all(r is not None for r in self._rows)
-        rows_all = torch.cat([r.to(norms.device) for r in self._rows]) if known else None  # type: ignore[union-attr]
-        mapped = rows_all is not None and rows_all.numel() == norms.numel()
-        which = rows_all[top.indices] if mapped else top.indices  # type: ignore[index]
-        values = torch.stack([top.values, top.values / median.clamp_min(1e-30)]).cpu().tolist()
-        ids = which.cpu().tolist()
-        self.outlier_rows = bool(mapped)
-        self.last_outliers = list(zip(ids, values[0]))
-        column = "dataset row" if mapped else "position in this process's batch of the step"
-        table = markdown_table((column, "‖g_i‖", "× median"),
-                               [(i, f"{v:.4g}", f"{r:.3g}") for i, v, r in zip(ids, values[0], values[1])], align="rrr")
-        how = ("" if mapped else " The dataset rows are unknown (a shuffled or distributed sampler): give the batch an "
-               "`index` entry (a dict batch) to see them.")
-        log_text(trainer, "grad_noise/outliers",
-                 f"**Largest per-example gradient norms at optimizer step {step}.** Look at these examples first: a "
-                 f"mislabelled, corrupt or duplicated example has a gradient far larger than the others'.{how}\n\n"
-                 + "\n".join(table), step)
+        outliers = largest_examples(norms, self._rows, self.top_k)
+        self.outlier_rows, self.last_outliers = outliers.by_row, list(zip(outliers.ids, outliers.norms))
+        log_text(trainer, "grad_noise/outliers", outliers.markdown(step), step)
 
     # ------------------------------------------------------------------ teardown and state
 
