@@ -1,5 +1,5 @@
 """BatchVarianceProbe's sources for one plan: which source measures each parameter, the hooks that measure
-them, what keeps a step's measurement from being used, and the batch gradient's norm by source.
+them, what keeps a step's measurement from being used, and which parameters' batch gradient each covers.
 
 A plan is made at fit start and again when layers fail (:func:`~trainvitals.core.per_example.plan_sources`);
 each plan gets a fresh :class:`ProbeSources`, whose hooks are on the model only during a measured step.
@@ -15,7 +15,6 @@ from torch import Tensor
 
 import lightning.pytorch as pl
 
-from trainvitals.callbacks.grad_norm_monitor import grad_sq_norms
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import MicroBatchSquaredNorms
 from trainvitals.core.per_example import PerExampleGradients, PerExampleStep, plan_sources
@@ -63,8 +62,8 @@ class ProbeSources:
         self.params = {"per_example": list(plan.parameters("per_example").values()),
                        "micro_batch": list(plan.micro_batch.values()),
                        "vmap": list(plan.parameters("vmap").values())}
-        # The optimizer, its parameter count, its parameters by source then the others, and the sources' sizes.
-        self._norm_order: tuple[torch.optim.Optimizer, int, list[torch.nn.Parameter], list[int]] | None = None
+        # The optimizer and its parameter count, and :meth:`norm_layout` for them.
+        self._norm_layout: tuple[torch.optim.Optimizer, int, list[torch.nn.Parameter], Tensor, str | None] | None = None
         trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
         measured = {id(p): p for ps in self.params.values() for p in ps}
         self.param_share = sum(p.numel() for p in measured.values()) / max(sum(p.numel() for p in trainable.values()), 1)
@@ -156,19 +155,19 @@ class ProbeSources:
         return ""
 
     # ------------------------------------------------------------------ the batch gradient
-    def batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
-        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``): the
-        accumulated, rank-averaged gradient, AMP scale undone (0-d float64 each), summed by source from one
-        pass over the gradients (none after a GradNormMonitor that measured the step)."""
+    def norm_layout(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Parameter], Tensor, str | None]:
+        """The parameters whose ‖.grad‖² a step reads — the optimizer's, in its order (the list the stopper
+        asks for, so that both read one pass), then measured ones it does not hold —, the position in
+        ``(*SOURCES, "other")`` of each, on their device (built once per optimizer and parameter count: no
+        host-to-device copy per step), and the one source measuring all of them, if one does."""
         count = sum(len(group["params"]) for group in optimizer.param_groups)
-        if self._norm_order is None or self._norm_order[:2] != (optimizer, count):  # one list: the monitor's index cache
-            measured = [p for source in SOURCES for p in self.params[source]]
-            ids = {id(p) for p in measured}
-            other = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ids]
-            self._norm_order = (optimizer, count, measured + other,
-                                [*(len(self.params[source]) for source in SOURCES), len(other)])
-        params, sizes = self._norm_order[2:]
-        sq_norms = grad_sq_norms(trainer, optimizer, params) if params else None
-        if sq_norms is None:  # no gradient at all
-            sq_norms = torch.zeros(len(params), dtype=torch.float64, device=trainer.strategy.root_device)
-        return dict(zip((*SOURCES, "other"), (part.sum() for part in sq_norms.split(sizes))))
+        if self._norm_layout is None or self._norm_layout[:2] != (optimizer, count):
+            source_of = {id(p): i for i, source in enumerate(SOURCES) for p in self.params[source]}
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            held = {id(p) for p in params}
+            params += [p for source in SOURCES for p in self.params[source] if id(p) not in held]
+            where = [source_of.get(id(p), len(SOURCES)) for p in params]
+            device = params[0].device if params else None
+            whole = SOURCES[where[0]] if where and where[0] < len(SOURCES) and len(set(where)) == 1 else None
+            self._norm_layout = (optimizer, count, params, torch.tensor(where, dtype=torch.long, device=device), whole)
+        return self._norm_layout[2:]

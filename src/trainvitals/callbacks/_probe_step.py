@@ -83,7 +83,7 @@ def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExa
 
     Each source's estimate over its own parameters, added up, since tr(Σ) and ‖G‖² are sums over
     parameters. ``batch_sq``: ‖ḡ‖² in per-example units over each source's parameters and the others'
-    (:meth:`~trainvitals.callbacks._probe_sources.ProbeSources.batch_sq_norms`); ``groups`` micro-batches
+    (BatchVarianceProbe's ``_batch_sq_norms``); ``groups`` micro-batches
     of ``group_size`` examples over all ranks, whose back-propagated gradients are ``unit`` × the mean of
     their examples' own-loss gradients.
     """

@@ -29,9 +29,10 @@ from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
-from trainvitals.callbacks._probe_sources import ProbeSources
+from trainvitals.callbacks._probe_sources import SOURCES, ProbeSources
 from trainvitals.callbacks._probe_step import grad_units, micro_batch_size, step_estimates, sum_over_ranks
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
+from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
@@ -312,13 +313,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._coordinate_cursor, self._gsnr_partial = 0, {}
         self._coordinates = ModuleCoordinates(sources.plan.parameters("per_example"), sources.plan.parameters("vmap"),
                                               self.coordinate_budget)
-        coordinates = self._coordinates.per_example_coordinates
-        if self.per_coordinate and coordinates > self.coordinate_budget:
-            self.info(f"per-coordinate sums of {self.coordinate_budget:,} of the {coordinates:,} coordinates per logging "
-                      f"step: each layer's GSNR is logged once a pass over its rows ends (a pass: "
-                      f"{self._coordinates.passes} logging steps), the EB criterion not at all; "
-                      f"coordinate_budget={coordinates} would log it at every logging step, holding "
-                      f"{16 * coordinates / 2**20:,.1f} MiB of sums while they are added up")
+        if self.per_coordinate and self._coordinates.budget_note():
+            self.info(self._coordinates.budget_note())
         if not sources.measures:
             self._cannot_measure(sources.unmeasured_reason())
 
@@ -458,7 +454,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
                  micro_sum: Tensor | None, optimizer: torch.optim.Optimizer, valid_here: bool) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
 
-        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`ProbeSources.batch_sq_norms`).
+        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norms`).
         """
         if not self._micro_sizes:
             return set(self._failed) if trainer.world_size == 1 else set()
@@ -470,7 +466,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._cannot_measure("a step of 1 example has no spread to measure")
             return sums.failed
         to_mean = 1 / self._grad_units(trainer, pl_module)
-        batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in self._sources.batch_sq_norms(trainer, optimizer).items()}
+        batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in self._batch_sq_norms(trainer, optimizer).items()}
         grad_sq_norm, trace_cov, valid, covered, total = step_estimates(
             plan, batch_sq, result, sums, len(self._micro_sizes) * trainer.world_size, self._micro_batch_size, self._unit)
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
@@ -489,6 +485,22 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if result.sq_norms:
             self._log_per_example_norms(trainer, result.sq_norms, step)
         return sums.failed
+
+    def _batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``): the accumulated,
+        rank-averaged gradient, AMP scale undone (0-d float64 each), from one pass over the gradients per step
+        (shared with the stopper; none after a GradNormMonitor that measured the step), summed by source."""
+        assert self._sources is not None
+        params, where, whole = self._sources.norm_layout(optimizer)
+        zero = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
+        if whole is not None:  # one source measures every parameter: its part is the total
+            total = grad_sq_norm(trainer, optimizer, params)
+            return {**dict.fromkeys((*SOURCES, "other"), zero), whole: zero if total is None else total}
+        sq_norms = grad_sq_norms(trainer, optimizer, params) if params else None
+        parts = zero.new_zeros(len(SOURCES) + 1)
+        if sq_norms is not None:
+            parts = parts.to(sq_norms.device).index_add_(0, where.to(sq_norms.device), sq_norms)
+        return dict(zip((*SOURCES, "other"), parts.unbind()))
 
     @property
     def _micro_batch_size(self) -> int:

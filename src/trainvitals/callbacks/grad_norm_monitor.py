@@ -429,7 +429,7 @@ def _optimizer_index(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) ->
 
 
 _TAKEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, Tensor | None]] = weakref.WeakKeyDictionary()
-"""Per optimizer, the last fused ‖g‖² :func:`grad_sq_norm` took, and of what (trainer, step, parameters)."""
+"""Per optimizer, the last fused ‖g‖² :func:`grad_sq_norms` took, and of what (trainer, step, parameters)."""
 
 
 def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
@@ -451,14 +451,15 @@ def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
 def grad_sq_norms(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
                   params: list[torch.nn.Parameter]) -> Tensor | None:
     """The ``(P,)`` ‖g‖₂² of each of ``params`` that :func:`grad_sq_norm` sums (0 for one without gradient):
-    a caller that needs sums over several subsets takes them from one pass."""
+    a caller that needs sums over several subsets takes them from one pass, the same one as a caller
+    asking for the same list at the same step."""
     index = _optimizer_index(trainer, optimizer)
     for callback in trainer.callbacks:
         if isinstance(callback, GradNormMonitor):
             measured = callback.sq_norms_at(trainer.global_step, params, index)
             if measured is not None:
                 return measured
-    key = (id(trainer), trainer.global_step, frozenset(id(p) for p in params if p.requires_grad))
+    key = (id(trainer), trainer.global_step, tuple(id(p) for p in params))  # in order: the norms are per parameter
     taken = _TAKEN.get(optimizer)
     if taken is not None and taken[0] == key:
         return taken[1]

@@ -7,7 +7,7 @@ per-example-norm parameters, whole rows of dimension 0, and successive logging s
 rows in the parameters' order (a *pass* over a module spans the logging steps from its first row to its
 last). A sub-batch's parameters (torch.func) have their sums at every logging step. The EB criterion
 (Mahsereci et al. 2017, Eq. 7) is one step's sum over every measured coordinate: only when a step has
-them all. Nothing here syncs with the host but :func:`complete_passes`, on host floats.
+them all. Nothing here syncs with the host but :meth:`ModuleCoordinates.complete_passes`, on host floats.
 """
 
 from __future__ import annotations
@@ -57,10 +57,15 @@ class ModuleCoordinates:
                 self.bounds[key] = (self.bounds.get(key, (name,))[0], name)
         self.per_example_coordinates = sum(p.numel() for p in self.per_example.values())
 
-    @property
-    def passes(self) -> int:
-        """Logging steps a pass over every per-example-norm coordinate takes."""
-        return math.ceil(self.per_example_coordinates / self.budget)
+    def budget_note(self) -> str:
+        """What the budget leaves out, said once at fit start ("" within it)."""
+        coordinates = self.per_example_coordinates
+        if coordinates <= self.budget:
+            return ""
+        return (f"per-coordinate sums of {self.budget:,} of the {coordinates:,} coordinates per logging step: each "
+                f"layer's GSNR is logged once a pass over its rows ends (a pass: {math.ceil(coordinates / self.budget)} "
+                f"logging steps), the EB criterion not at all; coordinate_budget={coordinates} would log it at every "
+                f"logging step, holding {16 * coordinates / 2**20:,.1f} MiB of sums while they are added up")
 
     def select(self, cursor: int) -> tuple[dict[str, slice], int]:
         """The rows (dimension 0) of the per-example-norm parameters whose sums a logging step collects,
