@@ -5,7 +5,7 @@ and its estimate of ‖G‖² and tr(Σ), each source's over its own parameters 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -65,16 +65,30 @@ def sum_over_ranks(trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Ten
     return StepSums(packed[0], packed[1], examples, (packed[3] == 0) & (packed[2] == examples), failed)
 
 
-def micro_batch_size(sizes: list[int]) -> int:
-    """The examples of the step's first micro-batch; 1 for an empty one, in a step left out anyway."""
-    return sizes[0] or 1
+@dataclass
+class MicroBatches:
+    """The micro-batches of the optimizer step being measured, on this rank."""
 
+    sizes: list[int] = field(default_factory=list)  # the examples of each that ran backward
+    unsized: bool = False  # one of them Lightning cannot size
+    rows: list[Tensor | None] = field(default_factory=list)  # their dataset rows, on the steps that keep norms
 
-def grad_units(trainer: "pl.Trainer", pl_module: "pl.LightningModule", sizes: list[int], reduction: str) -> float:
-    """The step's ``.grad`` over the mean of its per-example gradients: the accumulated, rank-averaged,
-    unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum."""
-    per_loss = 1 if reduction == "mean" else micro_batch_size(sizes)
-    return len(sizes) * per_loss / loss_divisor(trainer, pl_module)
+    @property
+    def size(self) -> int:
+        """The first one's examples; 1 for an empty one, in a step left out anyway."""
+        return self.sizes[0] or 1
+
+    def grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", reduction: str) -> float:
+        """The step's ``.grad`` over the mean of its per-example gradients: the accumulated, rank-averaged,
+        unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum."""
+        per_loss = 1 if reduction == "mean" else self.size
+        return len(self.sizes) * per_loss / loss_divisor(trainer, pl_module)
+
+    def whole_window(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+        """Whether ``.grad`` is the mean of these micro-batches alone: all of an accumulation window, sized and
+        equal, on one device (the ``.grad`` of several is averaged over ranks), under automatic optimization."""
+        return (trainer.world_size == 1 and not self.unsized and len(set(self.sizes)) == 1 and 0 not in self.sizes
+                and len(self.sizes) == trainer.accumulate_grad_batches and pl_module.automatic_optimization)
 
 
 def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExampleStep, sums: StepSums,

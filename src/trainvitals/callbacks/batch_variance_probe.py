@@ -30,7 +30,7 @@ from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._probe_sources import SOURCES, ProbeSources
-from trainvitals.callbacks._probe_step import grad_units, micro_batch_size, step_estimates, sum_over_ranks
+from trainvitals.callbacks._probe_step import MicroBatches, step_estimates, sum_over_ranks
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
@@ -196,7 +196,6 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("last_outliers", [], persistent=False)
         """(dataset row, or position in the batch without :attr:`outlier_rows`, and ‖g_i‖) of the last outliers."""
         self.add_state("outlier_rows", False, persistent=False)
-        self.add_state("_rows", [], persistent=False)  # each micro-batch's dataset rows, on the steps that keep norms
         self.add_state("_enabled", False, persistent=False)
         self.add_state("_excluded", set(), persistent=False)
         self.add_state("_failed", set(), persistent=False)  # failed here, not yet excluded (DDP: until a logging step)
@@ -206,8 +205,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("_coordinate_cursor", 0, key="coordinate_cursor")  # the next logging step's first coordinate
         self.add_state("_selection", {}, persistent=False)
         self.add_state("_gsnr_partial", {}, key="gsnr_partial")  # per GSNR key: Σ GSNR and coordinates of the pass
-        self.add_state("_micro_sizes", [], persistent=False)
-        self.add_state("_unsized", False, persistent=False)  # a micro-batch whose size Lightning cannot tell
+        self.add_state("_batches", MicroBatches, persistent=False)  # those of the step being measured
         self.add_state("_stated_reduction", "", persistent=False)
         self.gradient_noise.attach(self.noise_source)
 
@@ -345,21 +343,19 @@ class BatchVarianceProbe(TrainvitalsCallback):
             assert self._sources is not None
             self._sources.collector.begin_micro_batch()  # a batch skipped before (training_step returned None) left its forward
             size = batch_size(batch)
-            self._unsized = self._unsized or size is None
+            self._batches.unsized |= size is None
             self._batch_size = size or 0
             if size:
                 self._sources.collector.expect_batch(size)
             if self._histogram_every is not None and step % self._histogram_every == 0:
-                self._rows.append(dataset_rows(trainer, batch, batch_idx, size) if size else None)
+                self._batches.rows.append(dataset_rows(trainer, batch, batch_idx, size) if size else None)
 
     def _begin_step(self, step: int) -> None:
         self._open_step = step
         sources = self._sources
         assert sources is not None
         self._measuring = step % self.measure_every_n_steps == 0 and sources.measures
-        self._micro_sizes = []
-        self._rows: list[Tensor | None] = []  # each micro-batch's dataset rows, on the steps that keep norms
-        self._unsized = False
+        self._batches = MicroBatches()
         self._detach_hooks()
         if not self._measuring:
             return
@@ -401,7 +397,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         assert self._sources is not None
         self._sources.collector.end_micro_batch(self._unit)
         self._sources.micro.end_micro_batch()
-        self._micro_sizes.append(self._batch_size)
+        self._batches.sizes.append(self._batch_size)
 
     # ------------------------------------------------------------------ per optimizer step
 
@@ -424,7 +420,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         coupling = sources.coupling()
         if coupling:
             self.noise_source.invalidate(coupling)
-        problem = sources.problem(result, self._micro_sizes, self._unsized)
+        problem = sources.problem(result, self._batches.sizes, self._batches.unsized)
         if problem:
             self._cannot_measure(problem)
         self._failed.update(result.failed)
@@ -442,11 +438,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         their ``.grad``: on one device (the ``.grad`` of several is averaged over ranks), with all micro-batches
         measured and of one size (else the step is left out anyway)."""
         assert self._sources is not None
-        sizes = self._micro_sizes
-        if not result.grad_sum or trainer.world_size != 1 or self._unsized or len(set(sizes)) != 1 or 0 in sizes or \
-                len(sizes) != trainer.accumulate_grad_batches or not pl_module.automatic_optimization:
+        if not result.grad_sum or not self._batches.whole_window(trainer, pl_module):
             return
-        to_grad: Tensor | float = self._grad_units(trainer, pl_module) / sum(self._micro_sizes)
+        to_grad: Tensor | float = self._grad_units(trainer, pl_module) / sum(self._batches.sizes)
         scale = scale_left_in_grads(trainer, optimizer)
         result.failed.update(self._sources.collector.unbalanced(result, to_grad if scale is None else scale * to_grad))
 
@@ -456,11 +450,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
 
         ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norms`).
         """
-        if not self._micro_sizes:
+        if not self._batches.sizes:
             return set(self._failed) if trainer.world_size == 1 else set()
         assert self._sources is not None
         plan = self._sources.plan
-        sums = sum_over_ranks(trainer, result, micro_sum, self._micro_sizes, valid_here, [*plan.per_example, *plan.vmap],
+        sums = sum_over_ranks(trainer, result, micro_sum, self._batches.sizes, valid_here, [*plan.per_example, *plan.vmap],
                               self._failed, read_failures=is_logging_step(trainer.global_step, self._log_every))
         if sums.examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
@@ -468,11 +462,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
         to_mean = 1 / self._grad_units(trainer, pl_module)
         batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in self._batch_sq_norms(trainer, optimizer).items()}
         grad_sq_norm, trace_cov, valid, covered, total = step_estimates(
-            plan, batch_sq, result, sums, len(self._micro_sizes) * trainer.world_size, self._micro_batch_size, self._unit)
+            plan, batch_sq, result, sums, len(self._batches.sizes) * trainer.world_size, self._batches.size, self._unit)
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         self.nonfinite.add(torch.isfinite(total))
         self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
-        whole = not pl_module.automatic_optimization or len(self._micro_sizes) == trainer.accumulate_grad_batches
+        whole = not pl_module.automatic_optimization or len(self._batches.sizes) == trainer.accumulate_grad_batches
         # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
         short = trainer.is_last_batch and self.effective_batch_size is not None and sums.examples < self.effective_batch_size
         if (whole and not short) or self.effective_batch_size is None:
@@ -502,12 +496,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
             parts = parts.to(sq_norms.device).index_add_(0, where.to(sq_norms.device), sq_norms)
         return dict(zip((*SOURCES, "other"), parts.unbind()))
 
-    @property
-    def _micro_batch_size(self) -> int:
-        return micro_batch_size(self._micro_sizes)
-
     def _grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float:
-        return grad_units(trainer, pl_module, self._micro_sizes, self._reduction)
+        return self._batches.grad_units(trainer, pl_module, self._reduction)
 
     # ------------------------------------------------------------------ logging
 
@@ -531,7 +521,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         estimate = self.gradient_noise.estimate()
         metrics: dict[str, Tensor] = {
             **self.gradient_noise.metrics(estimate),
-            "grad_noise/batch_grad_var/micro_batch": estimate.trace_cov / self._micro_batch_size,
+            "grad_noise/batch_grad_var/micro_batch": estimate.trace_cov / self._batches.size,
             "grad_noise/batch_grad_var/full_batch": estimate.trace_cov / (estimate.batch_size or batch),
         }
         coordinates: StepCoordinates = {}
@@ -560,7 +550,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         log_histogram(trainer, "grad_noise/per_example_grad_norm", norms, step)
         if self.top_k == 0:
             return
-        outliers = largest_examples(norms, self._rows, self.top_k)
+        outliers = largest_examples(norms, self._batches.rows, self.top_k)
         self.outlier_rows, self.last_outliers = outliers.by_row, list(zip(outliers.ids, outliers.norms))
         log_text(trainer, "grad_noise/outliers", outliers.markdown(step), step)
 
