@@ -569,6 +569,24 @@ def test_with_a_monitor_the_probe_reads_its_norms_instead_of_measuring_again(pre
     assert estimates["probe first"] == pytest.approx(estimates["alone"], rel=1e-9)
 
 
+def test_a_partly_measured_model_reads_the_gradient_norms_once_per_step(monkeypatch):
+    """A layer no source measures (no rule, no fallback, one micro-batch): the coverage is ‖ḡ‖² over the
+    measured parameters over ‖ḡ‖² over all of them, both from one fused norm per step."""
+    calls = []
+    measure = monitor_module._fused_grad_sq_norm
+    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), Scale(7), nn.Tanh(), nn.Linear(7, 3)).double()
+    probe, recorder = BatchVarianceProbe(ema_beta=0.0, fallback=False, histogram_every_n_steps=0), Recorder()
+    fit(Classifier(net, lr=0.1), classification_data("mlp", 32), [probe, recorder], batch_size=8, steps=3)
+    assert len(calls) == 3 and "not measured" in probe.sources
+    grad = recorder.grads[-1]  # the parameters in order: 0.weight, 0.bias, 1.scale, 3.weight, 3.bias
+    scale = slice(7 * 5 + 7, 7 * 5 + 7 + 7)
+    covered = grad.square().sum() - grad[scale].square().sum()
+    assert rel(float(probe.noise_source.last_covered_sq_norm), float(covered)) < 1e-12
+    assert rel(float(probe.noise_source.norm_share), float(covered / grad.square().sum())) < 1e-12
+
+
 def test_a_new_fit_starts_afresh():
     """A second fold with the same probe must not be decided on the first fold's estimates (the
     stopper takes its noise band from ``probe.noise`` when there is no accumulation). A resumed fit

@@ -149,3 +149,14 @@ def test_gradient_snr_sum_in_chunks_matches_the_whole_tensor(monkeypatch):
     assert math.isclose(float(exact), float(snr.sum()), rel_tol=1e-12)
     eb = eb_criterion_of_snr_sums([exact, exact], [8, 8], 2 * snr.numel())
     assert math.isclose(float(eb), 1 - 8 * float(snr.mean()), rel_tol=1e-12)
+
+
+def test_the_sub_batch_mean_squared_norm_is_the_norm_of_the_concatenated_mean():
+    """‖(1/n) Σ_i g_i‖² over parameters of mixed dtypes, against the float64 concatenation."""
+    torch.manual_seed(0)
+    sums = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.randn(2, 2).bfloat16()]
+    flat = torch.cat([s.double().flatten() for s in sums]) / 6
+    result = noise_module.sub_batch_mean_sq_norm(sums, 6)
+    assert result.dtype == torch.float64 and result.dim() == 0
+    assert float(result) == pytest.approx(float(flat.square().sum()), rel=1e-12)
+    assert float(noise_module.sub_batch_mean_sq_norm([], 6)) == 0.0

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,57 +20,30 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
+from trainvitals._markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
+from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
-from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text, note_unrecorded
-from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
+from trainvitals.callbacks._probe_sources import SOURCES, ProbeSources
+from trainvitals.callbacks._probe_step import MicroBatches, step_estimates, sum_over_ranks
+from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
+from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
-from trainvitals.core.memory import ROOT, compiled_modules
-from trainvitals.core.noise import (
-    MicroBatchSquaredNorms,
-    eb_criterion_of_snr_sums,
-    gradient_snr_sum,
-    per_example_estimates,
-    sub_batch_estimates,
-    two_batch_size_estimates,
-)
-from trainvitals.core.per_example import (
-    PerExampleGradients,
-    PerExampleStep,
-    SourcePlan,
-    detect_loss_reduction,
-    plan_sources,
-)
+from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
+from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
+from trainvitals.core.outliers import largest_examples
+from trainvitals.core.per_example import PerExampleStep, SourcePlan, detect_loss_reduction
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
-BATCHNORM_MIN_VALUES = 8  # below this many values per channel, BatchNorm's batch statistics are mostly noise
 COORDINATE_BUDGET = 2**21  # per-coordinate sums per logging step: 16 MiB of float32 Σg and Σg²
 
 
-@dataclass
-class _StepSums:
-    """An optimizer step's sums over the examples of every rank."""
-
-    sq_norm_sum: Tensor  # () Σ_i ‖g_i‖² of the per-example-norm layers, own-loss units
-    micro_sum: Tensor  # () Σ_j ‖g_j‖² of the micro-batch gradients, as back-propagated
-    examples: int
-    valid: Tensor | bool  # every rank measured all its examples
-    failed: set[str]  # layers to exclude from now on
-
-
-def _gsnr_key(parameter: str) -> str:
-    """The GSNR tag of a parameter's module (qualified names)."""
-    return f"grad_noise/gsnr/{parameter.rpartition('.')[0] or '(root)'}"
-
-
-class BatchVarianceProbe(Callback):
+class BatchVarianceProbe(TrainvitalsCallback):
     r"""Gradient noise of the mini-batch gradient: tr(Σ), ‖G‖², B_simple, noise floor, GSNR, EB criterion.
 
     Per-example gradients are those of each example's own loss ℓ_i: a loss reduced by ``mean`` over
@@ -199,30 +171,53 @@ class BatchVarianceProbe(Callback):
         self.max_rel_err = check_float("max_rel_err", max_rel_err, 0.0, low_open=True)
         self.top_k = check_int("top_k", top_k, 0)
         self.strict = check_bool("strict", strict)
-        # Lightning reads the key in every hook call (profiler names): build it once, with the argument
-        # names it had before the renaming, so that older checkpoints still load.
-        self._state_key = self._generate_state_key(every_n_steps=self.measure_every_n_steps, beta=self.ema_beta)
+        # The argument names it had before the renaming, so that older checkpoints still load.
+        self.key_state_by(every_n_steps=self.measure_every_n_steps, beta=self.ema_beta)
 
         self.sources = ""
-        self._warnings = WarningCache()
-        self._plan: SourcePlan | None = None
-        self._plan_params: dict[str, list[torch.nn.Parameter]] = {}
-        self._collector: PerExampleGradients | None = None
-        self._micro = MicroBatchSquaredNorms()
+        self._sources: ProbeSources | None = None  # the plan's, and their hooks
+        self._coordinates = ModuleCoordinates({}, {}, self.coordinate_budget)
         self._log_every: int | None = 1
         self._histogram_every: int | None = None
         self._batch_size = 0
         self._unit: Tensor | float = 1.0
         self._reduction = "mean"
-        self._bn_values: dict[str, int] = {}
-        self._batchnorms: dict[str, torch.nn.Module] = {}
-        self._compiled_batchnorms: dict[str, torch.nn.Module] = {}
-        self._bn_handles: list[Any] = []
         self.logs_noise_estimate = False
         self.gradient_noise = GradientNoise(max_rel_err=max_rel_err)
         """The run's one noise estimate, shared with GradNormEarlyStopping."""
-        self._reset()
+
+        # The state of a fit that has not started: no estimate, no step open, no layer excluded.
+        beta = self.ema_beta**self.measure_every_n_steps
+        self.add_state("noise_source", functools.partial(NoiseSource, "probe", beta), key="source")
+        """This probe's source of :attr:`gradient_noise`, in the units of each example's own loss."""
+        self.add_state("nonfinite", NonfiniteCounter, persistent=False)
+        """Measured steps whose gradient was non-finite: logged when no GradNormMonitor logs such steps;
+        saved as ``nonfinite_steps``."""
+        self.add_state("last_outliers", [], persistent=False)
+        """(dataset row, or position in the batch without :attr:`outlier_rows`, and ‖g_i‖) of the last outliers."""
+        self.add_state("outlier_rows", False, persistent=False)
+        self.add_state("_enabled", False, persistent=False)
+        self.add_state("_excluded", set(), persistent=False)
+        self.add_state("_failed", set(), persistent=False)  # failed here, not yet excluded (DDP: until a logging step)
+        self.add_state("_open_step", -1, persistent=False)
+        self.add_state("_measuring", False, persistent=False)
+        self.add_state("_finalized_step", -1, persistent=False)
+        self.add_state("_coordinate_cursor", 0, key="coordinate_cursor")  # the next logging step's first coordinate
+        self.add_state("_selection", {}, persistent=False)
+        self.add_state("_gsnr_partial", {}, key="gsnr_partial")  # per GSNR key: Σ GSNR and coordinates of the pass
+        self.add_state("_batches", MicroBatches, persistent=False)  # those of the step being measured
+        self.add_state("_stated_reduction", "", persistent=False)
         self.gradient_noise.attach(self.noise_source)
+
+    @property
+    def noise(self) -> NoiseScaleEMA:
+        """The probe's smoothed ‖G‖² and tr(Σ), in the units of each example's own loss."""
+        return self.noise_source.ema
+
+    @property
+    def noise_error(self) -> NoiseScaleError:
+        """The sampling variance of :attr:`noise`."""
+        return self.noise_source.error
 
     @property
     def effective_batch_size(self) -> int | None:
@@ -242,52 +237,25 @@ class BatchVarianceProbe(Callback):
     def grad_scale(self, value: float) -> None:
         self.noise_source.unit_scale = value
 
-    def _reset(self) -> None:
-        """The state of a fit that has not started: no estimate, no step open, no layer excluded, no hook
-        (a fit that failed on its first step leaves none of its own behind)."""
+    @override
+    def reset(self) -> None:
+        """Also removes the hooks: a fit that failed on its first step leaves none of its own behind."""
         self._detach_hooks()
-        self.noise_source = NoiseSource("probe", self.ema_beta**self.measure_every_n_steps)
-        """This probe's source of :attr:`gradient_noise`, in the units of each example's own loss."""
-        self.noise = self.noise_source.ema
-        self.noise_error = self.noise_source.error
-        self.last_outliers: list[tuple[int, float]] = []
-        self.nonfinite = NonfiniteCounter()
-        """Measured steps whose gradient was non-finite: logged when no GradNormMonitor logs such steps."""
-        """(dataset row, or position in the batch without :attr:`outlier_rows`, and ‖g_i‖) of the last outliers."""
-        self.outlier_rows = False
-        self._rows: list[Tensor | None] = []
-        self._enabled = False
-        self._excluded: set[str] = set()
-        self._failed: set[str] = set()  # layers that failed on this rank, not yet excluded (DDP: until a logging step)
-        self._open_step = -1
-        self._measuring = False
-        self._finalized_step = -1
-        self._coordinate_cursor = 0  # the first coordinate of the next logging step's selection
-        self._selection: dict[str, slice] = {}
-        self._step_coordinates: dict[str, tuple[int, bool, bool]] = {}  # per GSNR key: coordinates, starts, ends
-        self._gsnr_partial: dict[str, tuple[float, int]] = {}  # per GSNR key: Σ GSNR and coordinates of the pass
-        self._micro_sizes: list[int] = []
-        self._unsized = False  # a micro-batch of this step whose size Lightning cannot tell
-        self._stated_reduction = ""
+        super().reset()
 
     def _detach_hooks(self) -> None:
-        if self._collector is not None:
-            self._collector.detach()
-        self._micro.detach()
-        for handle in self._bn_handles:
-            handle.remove()
-        self._bn_handles = []
+        if self._sources is not None:
+            self._sources.detach()
 
     @property
-    @override
-    def state_key(self) -> str:
-        return self._state_key
+    def _plan(self) -> SourcePlan | None:
+        return None if self._sources is None else self._sources.plan
 
     # ------------------------------------------------------------------ setup
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        rank_zero_info(f"trainvitals BatchVarianceProbe: {self.summary_line()}")
+        self.info(self.summary_line())
 
     def summary_line(self) -> str:
         """One line for the end of fit: the run's noise scale (:attr:`gradient_noise`), or why there is none."""
@@ -310,17 +278,10 @@ class BatchVarianceProbe(Callback):
             which = "dataset row" if self.outlier_rows else "position in batch"
             rows.append((f"largest per-example gradients ({which}: ‖g_i‖)",
                          ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])))
-        return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+        return "\n".join(markdown_table(("", ""), rows))
 
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit":
-            return
-        note_unrecorded(trainer, self)
-        # A new fit (another fold, another model) starts afresh: Lightning calls ``setup`` before it loads a
-        # checkpoint's callback states, so a resumed fit gets its state back after this, and a state loaded
-        # for validate/test with a checkpoint does not carry into a later fit.
-        self._reset()
+    def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.gradient_noise = find_gradient_noise(trainer.callbacks)
         self.gradient_noise.max_rel_err = self.max_rel_err
         self.logs_noise_estimate = False
@@ -334,7 +295,7 @@ class BatchVarianceProbe(Callback):
         self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
-        rank_zero_info(f"trainvitals BatchVarianceProbe: sources: {self.sources}")
+        self.info(f"sources: {self.sources}")
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.measure_every_n_steps) * self.measure_every_n_steps
@@ -344,57 +305,16 @@ class BatchVarianceProbe(Callback):
 
     def _make_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._detach_hooks()
-        groups = self._groups_per_step(trainer) >= 2
-        regions, hooked = compiled_modules(pl_module)
-        compiled = ["" if c == ROOT else c for c in regions]
-        self._plan = plan_sources(pl_module, groups, self.fallback, self._excluded, compiled)
-        if self._plan.coupled and groups:  # independent micro-batches instead of coupled examples
-            self._plan = plan_sources(pl_module, groups, self.fallback,
-                                      {*self._excluded, *self._plan.per_example, *self._plan.vmap}, compiled)
-        self._collector = PerExampleGradients(self._plan.per_example, self._plan.vmap, self.fallback_sub_batch)
-        # A forward pre-hook counts a BatchNorm's values; inside a compiled region its mode is read instead.
-        hookable = {id(m) for m in hooked}
-        coupled = {n: m for n, m in pl_module.named_modules() if n in self._plan.coupled}
-        self._batchnorms = {n: m for n, m in coupled.items() if id(m) in hookable}
-        self._compiled_batchnorms = {n: m for n, m in coupled.items() if id(m) not in hookable}
-        self._plan_params = {"per_example": list(self._plan.parameters("per_example").values()),
-                             "micro_batch": list(self._plan.micro_batch.values()),
-                             "vmap": list(self._plan.parameters("vmap").values())}
-        self.sources = self._plan.describe(pl_module)
+        self._sources = sources = ProbeSources(pl_module, self._groups_per_step(trainer) >= 2, self.fallback,
+                                               self._excluded, self.fallback_sub_batch)
+        self.sources, self.noise_source.param_share = sources.description, sources.param_share
         self._coordinate_cursor, self._gsnr_partial = 0, {}
-        self._module_coordinates: dict[str, int] = {}  # per GSNR key: its parameters' coordinates
-        self._module_parameters: dict[str, tuple[str, str]] = {}  # per GSNR key: its first and last parameter
-        for name, p in {**self._plan.parameters("per_example"), **self._plan.parameters("vmap")}.items():
-            if not p.numel():
-                continue
-            key = _gsnr_key(name)
-            self._module_coordinates[key] = self._module_coordinates.get(key, 0) + p.numel()
-            self._module_parameters[key] = (self._module_parameters.get(key, (name,))[0], name)
-        coordinates = sum(p.numel() for p in self._plan_params["per_example"])
-        if self.per_coordinate and coordinates > self.coordinate_budget:
-            rank_zero_info(f"trainvitals BatchVarianceProbe: per-coordinate sums of {self.coordinate_budget:,} of the "
-                           f"{coordinates:,} coordinates per logging step: each layer's GSNR is logged once a pass over "
-                           f"its rows ends (a pass: {math.ceil(coordinates / self.coordinate_budget)} logging steps), the EB "
-                           f"criterion not at all; coordinate_budget={coordinates} would log it at every logging step, "
-                           f"holding {16 * coordinates / 2**20:,.1f} MiB of sums while they are added up")
-        trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
-        measured = {id(p): p for ps in self._plan_params.values() for p in ps}
-        self.noise_source.param_share = (sum(p.numel() for p in measured.values())
-                                         / max(sum(p.numel() for p in trainable.values()), 1))
-        if self._plan.coupled:
-            self.sources += (f". BatchNorm ({', '.join(self._plan.coupled)}) couples the examples of each "
-                             "micro-batch: their gradients are the addends of a coupled batch gradient, not "
-                             "independent draws" + (", so every parameter is measured from micro-batches and ranks"
-                                                    if self._plan.micro_batch else
-                                                    "; in training mode the per-example estimate is invalid"))
-        if regions:
-            what = "the training step" if ROOT in regions else ", ".join(f"`{c}`" for c in regions)
-            self.sources += (f". {what} runs under torch.compile: the probe puts no hook inside it, since a hook "
-                             "there breaks the compiled graph")
-        if not (self._plan.per_example or self._plan.micro_batch or self._plan.vmap):
-            reasons = sorted(set(self._plan.uncovered.values())) or ["the model has no trainable parameters"]
-            self._cannot_measure("no parameter has a source (one micro-batch per step on one device): "
-                                 + "; ".join(reasons))
+        self._coordinates = ModuleCoordinates(sources.plan.parameters("per_example"), sources.plan.parameters("vmap"),
+                                              self.coordinate_budget)
+        if self.per_coordinate and self._coordinates.budget_note():
+            self.info(self._coordinates.budget_note())
+        if not sources.measures:
+            self._cannot_measure(sources.unmeasured_reason())
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -407,10 +327,7 @@ class BatchVarianceProbe(Callback):
                                  "different losses)")
 
     def _cannot_measure(self, why: str) -> None:
-        message = f"trainvitals BatchVarianceProbe: cannot measure: {why}. Such steps are left out."
-        if self.strict:
-            raise RuntimeError(message)
-        self._warnings.warn(message)
+        self.cannot_measure(f"cannot measure: {why}. Such steps are left out.")
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -423,43 +340,34 @@ class BatchVarianceProbe(Callback):
         if step != self._open_step:
             self._begin_step(step)
         if self._measuring:
-            assert self._collector is not None
-            self._collector.begin_micro_batch()  # a batch skipped before (training_step returned None) left its forward
+            assert self._sources is not None
+            self._sources.collector.begin_micro_batch()  # a batch skipped before (training_step returned None) left its forward
             size = batch_size(batch)
-            self._unsized = self._unsized or size is None
+            self._batches.unsized |= size is None
             self._batch_size = size or 0
             if size:
-                self._collector.expect_batch(size)
+                self._sources.collector.expect_batch(size)
             if self._histogram_every is not None and step % self._histogram_every == 0:
-                self._rows.append(dataset_rows(trainer, batch, batch_idx, size) if size else None)
+                self._batches.rows.append(dataset_rows(trainer, batch, batch_idx, size) if size else None)
 
     def _begin_step(self, step: int) -> None:
         self._open_step = step
-        plan, collector = self._plan, self._collector
-        assert plan is not None and collector is not None
-        self._measuring = step % self.measure_every_n_steps == 0 and bool(plan.per_example or plan.micro_batch or plan.vmap)
-        self._micro_sizes = []
-        self._rows: list[Tensor | None] = []  # each micro-batch's dataset rows, on the steps that keep norms
-        self._unsized = False
+        sources = self._sources
+        assert sources is not None
+        self._measuring = step % self.measure_every_n_steps == 0 and sources.measures
+        self._batches = MicroBatches()
         self._detach_hooks()
         if not self._measuring:
             return
         coordinates = self.per_coordinate and is_logging_step(step, self._log_every)
-        self._selection = self._select_coordinates() if coordinates else {}
-        collector.attach(coordinates=self._selection,
-                         keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
-        self._micro.attach(plan.micro_batch.values())
-        self._bn_values = {}
-        self._bn_handles = [m.register_forward_pre_hook(functools.partial(self._record_batchnorm, name))
-                            for name, m in self._batchnorms.items()]
-
-    def _record_batchnorm(self, name: str, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        if module.training:
-            self._bn_values[name] = args[0].numel() // max(args[0].shape[1], 1)
+        self._selection = {}
+        if coordinates:
+            self._selection, self._coordinate_cursor = self._coordinates.select(self._coordinate_cursor)
+        sources.attach(self._selection, keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
-        # An empty batch leaves its step out (`_problem`); a loss without a graph reaches no layer, and
+        # An empty batch leaves its step out (`ProbeSources.problem`); a loss without a graph reaches no layer, and
         # its backward fails on its own (GraphIntegrityCallback says why): no reduction to read.
         if not self._measuring or not self._batch_size or loss.grad_fn is None:
             return
@@ -468,17 +376,15 @@ class BatchVarianceProbe(Callback):
         if reduction == "auto":
             found = detect_loss_reduction(loss, self._batch_size, accumulation)
             if found is None:
-                self._warnings.warn("trainvitals BatchVarianceProbe: could not tell from the loss's graph whether "
-                                    "it is a mean or a sum over examples; assuming a mean. Pass `loss_reduction=` "
-                                    "to say which: B_simple does not depend on it, tr(Σ), ‖G‖² and the noise floor "
-                                    "do.")
+                self.warn("could not tell from the loss's graph whether it is a mean or a sum over examples; "
+                          "assuming a mean. Pass `loss_reduction=` to say which: B_simple does not depend on it, "
+                          "tr(Σ), ‖G‖² and the noise floor do.", once=True)
             reduction = found.kind if found is not None else "mean"
         if reduction != self._stated_reduction:
             self._stated_reduction = reduction
             how = "as told" if self.loss_reduction != "auto" else "read from the loss's graph"
-            rank_zero_info(f"trainvitals BatchVarianceProbe: the loss is a {reduction} over the examples ({how}); "
-                           "per-example gradients are those of each example's own loss"
-                           + (", B × its share of the batch mean" if reduction == "mean" else ""))
+            self.info(f"the loss is a {reduction} over the examples ({how}); per-example gradients are those of "
+                      "each example's own loss" + (", B × its share of the batch mean" if reduction == "mean" else ""))
         self._reduction = reduction
         scale = loss_scale(trainer)
         per_loss = self._batch_size if reduction == "mean" else 1
@@ -488,10 +394,10 @@ class BatchVarianceProbe(Callback):
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not self._measuring:
             return
-        assert self._collector is not None
-        self._collector.end_micro_batch(self._unit)
-        self._micro.end_micro_batch()
-        self._micro_sizes.append(self._batch_size)
+        assert self._sources is not None
+        self._sources.collector.end_micro_batch(self._unit)
+        self._sources.micro.end_micro_batch()
+        self._batches.sizes.append(self._batch_size)
 
     # ------------------------------------------------------------------ per optimizer step
 
@@ -502,18 +408,19 @@ class BatchVarianceProbe(Callback):
         if not self._measuring or self._finalized_step == step:
             return
         self._finalized_step = step
-        assert self._collector is not None and self._plan is not None
-        result = self._collector.pop()
-        micro_sum, _ = self._micro.pop()
+        sources = self._sources
+        assert sources is not None
+        result = sources.collector.pop()
+        micro_sum, _ = sources.micro.pop()
         self._detach_hooks()
         self._check_sums(trainer, pl_module, result, optimizer)
-        self._check_batchnorm(trainer)
-        training = [*self._bn_values, *(n for n, m in self._compiled_batchnorms.items() if m.training)]
-        if training and (self._plan.per_example or self._plan.vmap):
-            self.noise_source.invalidate(
-                f"per-example gradients through BatchNorm in training mode ({', '.join(training)}) are not "
-                "independent draws: BatchNorm couples the examples, and their addends of the batch gradient cancel")
-        problem = self._problem(result)
+        few = sources.few_batchnorm_values(self._batch_size, trainer.accumulate_grad_batches)
+        if few:
+            self.warn(few, once=True)
+        coupling = sources.coupling()
+        if coupling:
+            self.noise_source.invalidate(coupling)
+        problem = sources.problem(result, self._batches.sizes, self._batches.unsized)
         if problem:
             self._cannot_measure(problem)
         self._failed.update(result.failed)
@@ -530,67 +437,36 @@ class BatchVarianceProbe(Callback):
         """On a step with per-coordinate sums, fail the layers whose per-example gradients do not add up to
         their ``.grad``: on one device (the ``.grad`` of several is averaged over ranks), with all micro-batches
         measured and of one size (else the step is left out anyway)."""
-        assert self._collector is not None
-        sizes = self._micro_sizes
-        if not result.grad_sum or trainer.world_size != 1 or self._unsized or len(set(sizes)) != 1 or 0 in sizes or \
-                len(sizes) != trainer.accumulate_grad_batches or not pl_module.automatic_optimization:
+        assert self._sources is not None
+        if not result.grad_sum or not self._batches.whole_window(trainer, pl_module):
             return
-        to_grad: Tensor | float = self._grad_units(trainer, pl_module) / sum(self._micro_sizes)
+        to_grad: Tensor | float = self._grad_units(trainer, pl_module) / sum(self._batches.sizes)
         scale = scale_left_in_grads(trainer, optimizer)
-        result.failed.update(self._collector.unbalanced(result, to_grad if scale is None else scale * to_grad))
-
-    def _check_batchnorm(self, trainer: "pl.Trainer") -> None:
-        small = {n: v for n, v in self._bn_values.items() if v < BATCHNORM_MIN_VALUES}
-        if not small:
-            return
-        where = ", ".join(f"{n} ({v} values per channel)" for n, v in small.items())
-        accumulation = (f" Under gradient accumulation BatchNorm sees one micro-batch of {self._batch_size}, "
-                        f"not the {self._batch_size * trainer.accumulate_grad_batches} examples of the step."
-                        if trainer.accumulate_grad_batches > 1 else "")
-        self._warnings.warn(f"trainvitals BatchVarianceProbe: BatchNorm in training mode normalises {where} over too few values for meaningful "
-                            "statistics: over 2 values every feature becomes ±1, over 1 it fails." + accumulation)
-
-    def _problem(self, result: PerExampleStep) -> str:
-        """Why this step's measurement is unusable ("" if it is); failed modules are added to ``result.failed``."""
-        assert self._plan is not None
-        if not self._micro_sizes:  # no backward ran (training_step returned None): nothing to measure, no fault
-            return ""
-        for name, module in {**self._plan.per_example, **self._plan.vmap}.items():
-            if name not in result.seen and name not in result.failed and \
-                    any(p.grad is not None for p in module.parameters(recurse=False)):
-                result.failed[name] = ("its parameters got gradients outside its own forward (used directly, or "
-                                       "called from a torch.compile'd function, where the probe puts no hook)")
-        if result.failed:
-            return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items()) + \
-                " (from the next step on, these layers are measured another way if they can be)"
-        if self._unsized:
-            return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it): "
-                    "put the examples on dimension 0 of the batch's tensors")
-        if 0 in self._micro_sizes:
-            return "an empty micro-batch"
-        if (self._plan.per_example or self._plan.vmap) and not result.seen:
-            return "the backward reached none of the measured layers (a loss without a graph?)"
-        if len(set(self._micro_sizes)) > 1:
-            return f"micro-batches of unequal sizes {self._micro_sizes}"
-        return ""
+        result.failed.update(self._sources.collector.unbalanced(result, to_grad if scale is None else scale * to_grad))
 
     def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
                  micro_sum: Tensor | None, optimizer: torch.optim.Optimizer, valid_here: bool) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
 
-        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norm`).
+        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norms`).
         """
-        if not self._micro_sizes:
+        if not self._batches.sizes:
             return set(self._failed) if trainer.world_size == 1 else set()
-        sums = self._sum_over_ranks(trainer, result, micro_sum, valid_here)
+        assert self._sources is not None
+        plan = self._sources.plan
+        sums = sum_over_ranks(trainer, result, micro_sum, self._batches.sizes, valid_here, [*plan.per_example, *plan.vmap],
+                              self._failed, read_failures=is_logging_step(trainer.global_step, self._log_every))
         if sums.examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
             return sums.failed
-        grad_sq_norm, trace_cov, valid, covered, total = self._estimates(trainer, pl_module, optimizer, result, sums)
+        to_mean = 1 / self._grad_units(trainer, pl_module)
+        batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in self._batch_sq_norms(trainer, optimizer).items()}
+        grad_sq_norm, trace_cov, valid, covered, total = step_estimates(
+            plan, batch_sq, result, sums, len(self._batches.sizes) * trainer.world_size, self._batches.size, self._unit)
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         self.nonfinite.add(torch.isfinite(total))
         self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
-        whole = not pl_module.automatic_optimization or len(self._micro_sizes) == trainer.accumulate_grad_batches
+        whole = not pl_module.automatic_optimization or len(self._batches.sizes) == trainer.accumulate_grad_batches
         # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
         short = trainer.is_last_batch and self.effective_batch_size is not None and sums.examples < self.effective_batch_size
         if (whole and not short) or self.effective_batch_size is None:
@@ -604,186 +480,38 @@ class BatchVarianceProbe(Callback):
             self._log_per_example_norms(trainer, result.sq_norms, step)
         return sums.failed
 
-    def _sum_over_ranks(self, trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Tensor | None,
-                        valid_here: bool) -> _StepSums:
-        """This step's sums: this rank's on one process; under DDP every rank's, in one collective.
-
-        A layer can fail on one rank only (a branch taken by some ranks' data): the collective also
-        counts each layer's failures over the ranks, read at the next logging step, which syncs anyway;
-        until then a failure on any rank invalidates the steps. On one process, a failure here is
-        excluded at once.
-        """
-        device = trainer.strategy.root_device
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        sq_norm_sum = (result.sq_norm_sum if result.sq_norm_sum is not None else zero).to(device, torch.float64)
-        micro_sum = (micro_sum if micro_sum is not None else zero).to(device, torch.float64)
-        local_examples = sum(self._micro_sizes)
-        if trainer.world_size == 1:
-            return _StepSums(sq_norm_sum, micro_sum, local_examples, valid_here, set(self._failed))
-        assert self._plan is not None
-        layers = [*self._plan.per_example, *self._plan.vmap]
-        flags = torch.zeros(len(layers), dtype=torch.float64, device=device)  # filled on the device: no copy
-        for i in (i for i, n in enumerate(layers) if n in self._failed):
-            flags[i] = 1.0
-        packed = trainer.strategy.reduce(torch.cat([torch.stack([
-            sq_norm_sum, micro_sum,
-            torch.full((), float(local_examples), dtype=torch.float64, device=device),
-            torch.full((), 0.0 if valid_here else 1.0, dtype=torch.float64, device=device),
-        ]), flags]), reduce_op="sum")
-        examples = local_examples * trainer.world_size
-        failed = set()
-        if is_logging_step(trainer.global_step, self._log_every) and layers:
-            failed = {n for n, count in zip(layers, packed[4:].tolist()) if count > 0}
-        return _StepSums(packed[0], packed[1], examples, (packed[3] == 0) & (packed[2] == examples), failed)
-
-    def _estimates(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer,
-                   result: PerExampleStep, sums: _StepSums) -> tuple[Tensor, Tensor, Tensor | bool, Tensor, Tensor]:
-        """``(‖G‖², tr(Σ), valid, ‖ḡ‖² measured, ‖ḡ‖² all)`` of the step in per-example units: each source's
-        estimate over its own parameters (McCandlish et al. 2018, Eq. A.2), added up, since tr(Σ) and ‖G‖²
-        are sums over parameters; and the batch gradient's squared norm over the measured parameters and
-        over all of the optimizer's, for the coverage."""
-        plan = self._plan
-        assert plan is not None
-        b = self._micro_batch_size
-        groups = len(self._micro_sizes) * trainer.world_size
-        to_mean = 1 / self._grad_units(trainer, pl_module)
-
-        def batch_sq_norm(source: str) -> Tensor:
-            return self._batch_sq_norm(trainer, optimizer, self._plan_params[source]) * to_mean**2
-
-        estimates, valid = [], sums.valid
-        batch_sq = {source: batch_sq_norm(source) for source in ("per_example", "micro_batch", "vmap")
-                    if self._plan_params[source]}
-        if plan.per_example:
-            estimates.append(per_example_estimates(sums.sq_norm_sum, batch_sq["per_example"], sums.examples))
-        if plan.micro_batch and groups < 2:  # an epoch's last accumulation window can hold one micro-batch
-            valid = False
-        elif plan.micro_batch:
-            group_mean = sums.micro_sum * (self._unit / b) ** 2 / groups
-            estimates.append(two_batch_size_estimates(group_mean, batch_sq["micro_batch"], groups, b))
-        if plan.vmap and result.num_sub < 2:
-            valid = False
-        elif plan.vmap:
-            sub_mean_sq = sum(v.double().square().sum() for v in result.sub_grad_sum.values()) / result.num_sub**2
-            estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
-                                                 result.num_sub, batch_sq["vmap"], sums.examples))
-        zero = torch.zeros((), dtype=torch.float64, device=sums.sq_norm_sum.device)
-        covered = functools.reduce(torch.add, batch_sq.values(), zero)
-        all_params = [p for group in optimizer.param_groups for p in group["params"]]
-        whole = self.noise_source.param_share >= 1.0 or not all_params  # no second pass over the gradients
-        total = covered if whole else self._batch_sq_norm(trainer, optimizer, all_params) * to_mean**2
-        if not estimates:
-            return zero, zero, valid, covered, total
-        grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates))
-        return grad_sq_norm, trace_cov, valid, covered, total
-
-    @property
-    def _micro_batch_size(self) -> int:
-        return self._micro_sizes[0] or 1  # 0: an empty micro-batch, in a step `_problem` has left out
+    def _batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``): the accumulated,
+        rank-averaged gradient, AMP scale undone (0-d float64 each), from one pass over the gradients per step
+        (shared with the stopper; none after a GradNormMonitor that measured the step), summed by source."""
+        assert self._sources is not None
+        params, where, whole = self._sources.norm_layout(optimizer)
+        zero = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
+        if whole is not None:  # one source measures every parameter: its part is the total
+            total = grad_sq_norm(trainer, optimizer, params)
+            return {**dict.fromkeys((*SOURCES, "other"), zero), whole: zero if total is None else total}
+        sq_norms = grad_sq_norms(trainer, optimizer, params) if params else None
+        parts = zero.new_zeros(len(SOURCES) + 1)
+        if sq_norms is not None:
+            parts = parts.to(sq_norms.device).index_add_(0, where.to(sq_norms.device), sq_norms)
+        return dict(zip((*SOURCES, "other"), parts.unbind()))
 
     def _grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float:
-        """This step's ``.grad`` over the mean of its per-example gradients: the accumulated, rank-averaged,
-        unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum."""
-        per_loss = 1 if self._reduction == "mean" else self._micro_batch_size
-        return len(self._micro_sizes) * per_loss / loss_divisor(trainer, pl_module)
-
-    @staticmethod
-    def _batch_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
-                       params: list[torch.nn.Parameter]) -> Tensor:
-        """‖.grad‖² over ``params``: the accumulated, rank-averaged gradient, AMP scale undone (0-d float64)."""
-        sq_norm = grad_sq_norm(trainer, optimizer, params)
-        return sq_norm if sq_norm is not None else torch.zeros((), dtype=torch.float64, device=params[0].device)
+        return self._batches.grad_units(trainer, pl_module, self._reduction)
 
     # ------------------------------------------------------------------ logging
 
-    def _select_coordinates(self) -> dict[str, slice]:
-        """The rows (dimension 0) of the per-example-norm parameters whose per-coordinate sums this
-        logging step collects: all of them within ``coordinate_budget``; otherwise whole rows from the
-        cursor on until the budget is reached (rounded up to a whole row), the cursor moving on by as
-        many and back to the first parameter after the last (a pass takes ⌈coordinates / budget⌉
-        logging steps, every one on all ranks alike)."""
-        assert self._plan is not None
-        params = {n: p for n, p in self._plan.parameters("per_example").items() if p.numel()}
-        total = sum(p.numel() for p in params.values())
-        if total <= self.coordinate_budget:
-            return {n: slice(None) for n in params}
-        cursor = self._coordinate_cursor if self._coordinate_cursor < total else 0
-        selection, left, offset = {}, self.coordinate_budget, 0
-        for name, p in params.items():
-            offset += p.numel()
-            if offset <= cursor:
-                continue
-            rows, row_size = p.shape[0], p.numel() // p.shape[0]
-            first = max(cursor - (offset - p.numel()), 0) // row_size
-            take = min(rows - first, -(-left // row_size))
-            selection[name] = slice(first, first + take)
-            left -= take * row_size
-            if left <= 0:
-                cursor = offset - p.numel() + (first + take) * row_size
-                break
-        self._coordinate_cursor = cursor if left <= 0 else 0
-        return selection
-
-    def _coordinate_stats(self, trainer: "pl.Trainer", result: PerExampleStep, examples: int) -> dict[str, Tensor]:
-        """Σ_d GSNR_d per module over this step's coordinates (``grad_noise/gsnr/<module>``: a sum here,
-        a mean once :meth:`_complete_gsnr` has a module's pass), and ``grad_noise/eb_criterion`` when
-        they are all the measured ones. Per parameter, in the sums' dtype (:func:`gradient_snr_sum`):
-        no copy of the sums beyond one bucket of the selected ones for DDP's all-reduce."""
-        assert self._plan is not None
-        self._step_coordinates = {}
-        params = self._plan.parameters("per_example")
-        # Every selected parameter, in its order, zeros where this rank has no sums (a layer that failed
-        # here): the ranks' collectives must match; such a step is invalid and its GSNR is not logged.
+    def _coordinate_stats(self, trainer: "pl.Trainer", result: PerExampleStep,
+                          examples: int) -> tuple[dict[str, Tensor], StepCoordinates]:
+        """Σ_d GSNR_d per module over this step's coordinates, :data:`EB_CRITERION` when they are all the
+        measured ones (:meth:`ModuleCoordinates.snr_sums`), over every rank's examples."""
+        # Every selected parameter, zeros where this rank has no sums (a layer that failed here): the ranks'
+        # collectives must match; such a step is invalid and its GSNR is not logged.
         selection = self._selection if result.sum_sq or trainer.world_size > 1 else {}
-
-        def zeros(name: str) -> Tensor:
-            p = params[name]
-            return torch.zeros_like(p[selection[name]], dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
-
-        grad_sums = [result.grad_sum[n] if n in result.grad_sum else zeros(n) for n in selection]
-        sum_sqs = [result.sum_sq[n] if n in result.sum_sq else zeros(n) for n in selection]
-        if selection and trainer.world_size > 1:  # the sums over every rank's examples, in one collective
-            parts = grad_sums + sum_sqs
-            flat = trainer.strategy.reduce(torch.cat([v.flatten() for v in parts]), reduce_op="sum")
-            parts = [f.view_as(v) for f, v in zip(flat.split([v.numel() for v in parts]), parts)]
-            grad_sums, sum_sqs = parts[:len(selection)], parts[len(selection):]
-        snr_sums = [gradient_snr_sum(g, s, examples) for g, s in zip(grad_sums, sum_sqs)]
-        counts, sizes = [examples] * len(selection), [g.numel() for g in grad_sums]
-        whole = sum(sizes) == sum(p.numel() for p in params.values())
-        rows = dict(selection)
-        if result.num_sub >= 2:
-            for name, value in result.sub_sum_sq.items():
-                snr_sums.append(gradient_snr_sum(result.sub_grad_sum[name], value, result.num_sub))
-                counts.append(result.num_sub)
-                sizes.append(value.numel())
-                rows[name] = slice(None)
-        out: dict[str, Tensor] = {}
-        for (name, r), snr_sum, size in zip(rows.items(), snr_sums, sizes):
-            # A module's pass starts with its first parameter's first row and ends with its last one's last.
-            key = _gsnr_key(name)
-            head, tail = self._module_parameters[key]
-            first = name == head and r.start in (None, 0)
-            last = name == tail and (r.stop is None or r.stop >= params[name].shape[0])
-            before = self._step_coordinates.get(key)
-            out[key] = snr_sum if before is None else out[key] + snr_sum
-            self._step_coordinates[key] = (size, first, last) if before is None else (before[0] + size, before[1], last)
-        if whole and snr_sums:
-            out["grad_noise/eb_criterion"] = eb_criterion_of_snr_sums(snr_sums, counts, sum(sizes))
-        return out
-
-    def _complete_gsnr(self, values: dict[str, float]) -> dict[str, float]:
-        """``values`` with each module's GSNR sum replaced by its mean over the module at the step that
-        ends the module's pass, and left out before that (kept in :attr:`_gsnr_partial`). A pass that
-        lost a step (invalid, not finite, not logged) or that did not start with this fit is not logged."""
-        for key, (size, first, last) in self._step_coordinates.items():
-            value = values.pop(key, math.nan)
-            total, count = (0.0, 0) if first else self._gsnr_partial.pop(key, (math.nan, 0))
-            total, count = total + value, count + size
-            if not last:
-                self._gsnr_partial[key] = (total, count)
-            elif math.isfinite(total) and count == self._module_coordinates[key]:
-                values[key] = total / count
-        return values
+        reduce = (lambda flat: trainer.strategy.reduce(flat, reduce_op="sum")) if trainer.world_size > 1 else None
+        grad_sums, sum_sqs = self._coordinates.selected_sums(selection, result.grad_sum, result.sum_sq, reduce)
+        return self._coordinates.snr_sums(selection, grad_sums, sum_sqs, examples, result.sub_grad_sum,
+                                          result.sub_sum_sq, result.num_sub)
 
     def _log(self, trainer: "pl.Trainer", result: PerExampleStep, valid: Tensor | bool, examples: int,
              step: int) -> None:
@@ -793,12 +521,13 @@ class BatchVarianceProbe(Callback):
         estimate = self.gradient_noise.estimate()
         metrics: dict[str, Tensor] = {
             **self.gradient_noise.metrics(estimate),
-            "grad_noise/batch_grad_var/micro_batch": estimate.trace_cov / self._micro_batch_size,
+            "grad_noise/batch_grad_var/micro_batch": estimate.trace_cov / self._batches.size,
             "grad_noise/batch_grad_var/full_batch": estimate.trace_cov / (estimate.batch_size or batch),
         }
-        self._step_coordinates = {}
+        coordinates: StepCoordinates = {}
         if self.per_coordinate and self._plan is not None:
-            metrics.update(self._coordinate_stats(trainer, result, examples))
+            snr_sums, coordinates = self._coordinate_stats(trainer, result, examples)
+            metrics.update(snr_sums)
         keys = list(metrics)
         device = self.noise.count.device
         host = torch.stack([metrics[k].detach().double().reshape(()).to(device) for k in keys]
@@ -808,11 +537,12 @@ class BatchVarianceProbe(Callback):
             return
         valid_now = valid_now and not self.noise_source.invalid  # GSNR and EB are per-example statistics
         values = {k: v for k, v in values.items() if math.isfinite(v)
-                  and (valid_now or not k.startswith(("grad_noise/gsnr/", "grad_noise/eb_criterion")))}
-        log_scalars(trainer, self._complete_gsnr(values), step)
+                  and (valid_now or not k.startswith((GSNR_TAG, EB_CRITERION)))}
+        values, self._gsnr_partial = self._coordinates.complete_passes(values, coordinates, self._gsnr_partial)
+        log_scalars(trainer, values, step)
         disagreement = self.gradient_noise.disagreement()
         if disagreement:
-            rank_zero_warn(f"trainvitals BatchVarianceProbe: {disagreement}.")
+            self.warn(f"{disagreement}.")
             log_text(trainer, SOURCES_CHECK, disagreement, step)
 
     def _log_per_example_norms(self, trainer: "pl.Trainer", sq_norms: list[Tensor], step: int) -> None:
@@ -820,24 +550,9 @@ class BatchVarianceProbe(Callback):
         log_histogram(trainer, "grad_noise/per_example_grad_norm", norms, step)
         if self.top_k == 0:
             return
-        top = torch.topk(norms, min(self.top_k, norms.numel()))
-        median = norms.median()
-        known = self._rows and all(r is not None for r in self._rows)
-        rows_all = torch.cat([r.to(norms.device) for r in self._rows]) if known else None  # type: ignore[union-attr]
-        mapped = rows_all is not None and rows_all.numel() == norms.numel()
-        which = rows_all[top.indices] if mapped else top.indices  # type: ignore[index]
-        values = torch.stack([top.values, top.values / median.clamp_min(1e-30)]).cpu().tolist()
-        ids = which.cpu().tolist()
-        self.outlier_rows = bool(mapped)
-        self.last_outliers = list(zip(ids, values[0]))
-        table = "\n".join(f"| {i} | {v:.4g} | {r:.3g} |" for i, v, r in zip(ids, values[0], values[1]))
-        column = "dataset row" if mapped else "position in this process's batch of the step"
-        how = ("" if mapped else " The dataset rows are unknown (a shuffled or distributed sampler): give the batch an "
-               "`index` entry (a dict batch) to see them.")
-        log_text(trainer, "grad_noise/outliers",
-                 f"**Largest per-example gradient norms at optimizer step {step}.** Look at these examples first: a "
-                 f"mislabelled, corrupt or duplicated example has a gradient far larger than the others'.{how}\n\n"
-                 f"| {column} | ‖g_i‖ | × median |\n|---:|---:|---:|\n" + table, step)
+        outliers = largest_examples(norms, self._batches.rows, self.top_k)
+        self.outlier_rows, self.last_outliers = outliers.by_row, list(zip(outliers.ids, outliers.norms))
+        log_text(trainer, "grad_noise/outliers", outliers.markdown(step), step)
 
     # ------------------------------------------------------------------ teardown and state
 
@@ -853,17 +568,16 @@ class BatchVarianceProbe(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        # The entries before the estimate's sources: read by older versions.
         return {"noise": self.noise.state_dict(), "noise_error": self.noise_error.state_dict(),
                 "effective_batch_size": self.effective_batch_size, "grad_scale": self.grad_scale,
-                "source": self.noise_source.state_dict(), "coordinate_cursor": self._coordinate_cursor,
-                "gsnr_partial": {k: list(v) for k, v in self._gsnr_partial.items()},
-                "nonfinite_steps": int(self.nonfinite.count)}
+                "nonfinite_steps": int(self.nonfinite.count), **super().state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.noise_source.load_state_dict(state_dict.get("source", {
-            "noise": state_dict.get("noise", {}), "error": state_dict.get("noise_error", {}),
-            "effective_batch_size": state_dict.get("effective_batch_size"), "unit_scale": state_dict.get("grad_scale", 1.0)}))
-        self._coordinate_cursor = int(state_dict.get("coordinate_cursor", 0))
+        # A checkpoint from before the estimate's sources holds the probe's source in those entries.
+        older = {"noise": state_dict.get("noise", {}), "error": state_dict.get("noise_error", {}),
+                 "effective_batch_size": state_dict.get("effective_batch_size"),
+                 "unit_scale": state_dict.get("grad_scale", 1.0)}
+        super().load_state_dict({"source": older, **state_dict})
         self.nonfinite.count = torch.tensor(int(state_dict.get("nonfinite_steps", 0)))
-        self._gsnr_partial = {k: (float(total), int(count)) for k, (total, count) in state_dict.get("gsnr_partial", {}).items()}

@@ -71,7 +71,7 @@ class _Track:
     # rebuilding the index tensor every step would be a host-to-device copy per step.
     present: tuple[int, ...] = ()
     present_index: Tensor | None = None
-    # Index tensors of parameter subsets other callbacks read (:meth:`GradNormMonitor.sq_norm_at`), by
+    # Index tensors of parameter subsets other callbacks read (:meth:`GradNormMonitor.sq_norms_at`), by
     # list identity: (the list, the params they index, the index).
     subsets: dict[int, tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], Tensor | None]] = field(
         default_factory=dict)
@@ -175,9 +175,9 @@ class GradNormMonitor(TrainvitalsCallback):
         """
         return {i: combine_norms(t.latest, self.norm_type) for i, t in self._tracks.items() if t.latest is not None}
 
-    def sq_norm_at(self, step: int, params: list[torch.nn.Parameter], optimizer_index: int = 0) -> Tensor | None:
-        """Σ ‖grad‖₂² over ``params`` as measured at optimizer step ``step`` — accumulated, unscaled,
-        before clipping; 0 for a parameter without gradient — as a 0-d float64 tensor on the gradients'
+    def sq_norms_at(self, step: int, params: list[torch.nn.Parameter], optimizer_index: int = 0) -> Tensor | None:
+        """‖grad‖₂² of each of ``params`` as measured at optimizer step ``step`` — accumulated, unscaled,
+        before clipping; 0 for a parameter without gradient — as a ``(P,)`` float64 tensor on the gradients'
         device, so that another callback needs no second pass over them. ``None`` when this monitor
         did not measure that step (yet), measures a p ≠ 2 norm, or does not follow all of ``params``.
         """
@@ -185,7 +185,7 @@ class GradNormMonitor(TrainvitalsCallback):
         if self.norm_type != 2.0 or track is None or track.latest is None or track.latest_step != step:
             return None
         index = track.positions(params)
-        return None if index is None else track.latest.to(index.device)[index].square().sum()
+        return None if index is None else track.latest.to(index.device)[index].square()
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -429,7 +429,7 @@ def _optimizer_index(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) ->
 
 
 _TAKEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, Tensor | None]] = weakref.WeakKeyDictionary()
-"""Per optimizer, the last fused ‖g‖² :func:`grad_sq_norm` took, and of what (trainer, step, parameters)."""
+"""Per optimizer, the last fused ‖g‖² :func:`grad_sq_norms` took, and of what (trainer, step, parameters)."""
 
 
 def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
@@ -444,13 +444,22 @@ def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
     parameters (the stopper and the probe both ask; the key is the same on every rank, so that a sharded
     norm's collective is joined by all or none).
     """
+    sq_norms = grad_sq_norms(trainer, optimizer, params)
+    return None if sq_norms is None else sq_norms.sum()
+
+
+def grad_sq_norms(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
+                  params: list[torch.nn.Parameter]) -> Tensor | None:
+    """The ``(P,)`` ‖g‖₂² of each of ``params`` that :func:`grad_sq_norm` sums (0 for one without gradient):
+    a caller that needs sums over several subsets takes them from one pass, the same one as a caller
+    asking for the same list at the same step."""
     index = _optimizer_index(trainer, optimizer)
     for callback in trainer.callbacks:
         if isinstance(callback, GradNormMonitor):
-            measured = callback.sq_norm_at(trainer.global_step, params, index)
+            measured = callback.sq_norms_at(trainer.global_step, params, index)
             if measured is not None:
                 return measured
-    key = (id(trainer), trainer.global_step, frozenset(id(p) for p in params if p.requires_grad))
+    key = (id(trainer), trainer.global_step, tuple(id(p) for p in params))  # in order: the norms are per parameter
     taken = _TAKEN.get(optimizer)
     if taken is not None and taken[0] == key:
         return taken[1]
@@ -461,14 +470,19 @@ def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
 
 def _fused_grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
                         params: list[torch.nn.Parameter]) -> Tensor | None:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads and not holds_shards(trainer):
+    """:func:`grad_sq_norms` from one fused norm over the gradients."""
+    present = [i for i, p in enumerate(params) if p.grad is not None]
+    if not present and not holds_shards(trainer):
         return None
-    local = combine_norms(per_tensor_norms(grads), 2.0) if grads else \
-        torch.zeros((), dtype=torch.float64, device=params[0].device)
-    sq_norm = reduce_shard_norms(trainer, local, 2.0).square()
+    if len(present) == len(params):
+        norms = per_tensor_norms([p.grad for p in params])
+    else:  # 0 for a parameter without gradient, placed without an index tensor (a host-to-device copy)
+        zero = torch.zeros((), dtype=torch.float64, device=params[0].device)
+        found = dict(zip(present, per_tensor_norms([params[i].grad for i in present]).unbind())) if present else {}
+        norms = torch.stack([found.get(i, zero) for i in range(len(params))])
+    sq_norms = reduce_shard_norms(trainer, norms, 2.0).square()
     scale = scale_left_in_grads(trainer, optimizer)  # an optimizer that unscales in its own step
-    return sq_norm if scale is None else sq_norm / scale.to(sq_norm).square()
+    return sq_norms if scale is None else sq_norms / scale.to(sq_norms).square()
 
 
 def _clips(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:

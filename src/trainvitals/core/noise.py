@@ -164,6 +164,14 @@ def sub_batch_estimates(
     return batch_sq_norm - trace_cov / batch_size, trace_cov
 
 
+def sub_batch_mean_sq_norm(grad_sums: list[Tensor], num_sub: int) -> Tensor:
+    """``()`` float64 ‖ḡ_n‖² = ‖(1/n) Σ_i g_i‖² over parameters, from each parameter's Σ_i g_i over the n
+    examples of a sub-batch (any dtypes): one fused norm kernel over the list, accumulated in float64."""
+    if not grad_sums:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(torch._foreach_norm(grad_sums, 2, dtype=torch.float64)).square().sum() / num_sub**2
+
+
 def per_example_estimates(sq_norm_sum: Tensor, batch_sq_norm: Tensor, num_examples: int) -> tuple[Tensor, Tensor]:
     """‖G‖² and tr(Σ) from Σ_i ‖g_i‖² and ‖ḡ‖² of the same B examples (McCandlish et al. 2018, Eq. A.2, b = 1)."""
     return two_batch_size_estimates(sq_norm_sum / num_examples, batch_sq_norm, num_examples, 1)

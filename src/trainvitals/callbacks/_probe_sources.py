@@ -1,0 +1,173 @@
+"""BatchVarianceProbe's sources for one plan: which source measures each parameter, the hooks that measure
+them, what keeps a step's measurement from being used, and which parameters' batch gradient each covers.
+
+A plan is made at fit start and again when layers fail (:func:`~trainvitals.core.per_example.plan_sources`);
+each plan gets a fresh :class:`ProbeSources`, whose hooks are on the model only during a measured step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import lightning.pytorch as pl
+
+from trainvitals.core.memory import ROOT, compiled_modules
+from trainvitals.core.noise import MicroBatchSquaredNorms
+from trainvitals.core.per_example import PerExampleGradients, PerExampleStep, plan_sources
+
+SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
+BATCHNORM_MIN_VALUES = 8  # below this many values per channel, BatchNorm's batch statistics are mostly noise
+
+
+class ProbeSources:
+    """The sources of one plan over ``pl_module`` and their hooks.
+
+    Args:
+        pl_module: the model.
+        groups: whether a step has at least two micro-batches or ranks.
+        fallback: allow torch.func per-example gradients (source 3).
+        excluded: layers measured another way (they failed per example).
+        fallback_sub_batch: examples per step for source 3.
+
+    Attributes:
+        plan: the :class:`~trainvitals.core.per_example.SourcePlan`.
+        params: each source's parameters (a tied one once).
+        description: the sources line, with what BatchNorm and torch.compile change.
+        param_share: the measured parameters' share of the trainable ones.
+        bn_values: values per channel of each BatchNorm in training mode at this step's forwards.
+    """
+
+    def __init__(self, pl_module: "pl.LightningModule", groups: bool, fallback: bool, excluded: set[str],
+                 fallback_sub_batch: int) -> None:
+        regions, hooked = compiled_modules(pl_module)
+        compiled = ["" if c == ROOT else c for c in regions]
+        self.plan = plan_sources(pl_module, groups, fallback, excluded, compiled)
+        if self.plan.coupled and groups:  # independent micro-batches instead of coupled examples
+            self.plan = plan_sources(pl_module, groups, fallback,
+                                     {*excluded, *self.plan.per_example, *self.plan.vmap}, compiled)
+        plan = self.plan
+        self.collector = PerExampleGradients(plan.per_example, plan.vmap, fallback_sub_batch)
+        self.micro = MicroBatchSquaredNorms()
+        # A forward pre-hook counts a BatchNorm's values; inside a compiled region its mode is read instead.
+        hookable = {id(m) for m in hooked}
+        coupled = {n: m for n, m in pl_module.named_modules() if n in plan.coupled}
+        self._batchnorms = {n: m for n, m in coupled.items() if id(m) in hookable}
+        self._compiled_batchnorms = {n: m for n, m in coupled.items() if id(m) not in hookable}
+        self._bn_handles: list[Any] = []
+        self.bn_values: dict[str, int] = {}
+        self.params = {"per_example": list(plan.parameters("per_example").values()),
+                       "micro_batch": list(plan.micro_batch.values()),
+                       "vmap": list(plan.parameters("vmap").values())}
+        # The optimizer and its parameter count, and :meth:`norm_layout` for them.
+        self._norm_layout: tuple[torch.optim.Optimizer, int, list[torch.nn.Parameter], Tensor, str | None] | None = None
+        trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
+        measured = {id(p): p for ps in self.params.values() for p in ps}
+        self.param_share = sum(p.numel() for p in measured.values()) / max(sum(p.numel() for p in trainable.values()), 1)
+        self.description = plan.describe(pl_module)
+        if plan.coupled:
+            self.description += (f". BatchNorm ({', '.join(plan.coupled)}) couples the examples of each "
+                                 "micro-batch: their gradients are the addends of a coupled batch gradient, not "
+                                 "independent draws" + (", so every parameter is measured from micro-batches and "
+                                                        "ranks" if plan.micro_batch else
+                                                        "; in training mode the per-example estimate is invalid"))
+        if regions:
+            what = "the training step" if ROOT in regions else ", ".join(f"`{c}`" for c in regions)
+            self.description += (f". {what} runs under torch.compile: the probe puts no hook inside it, since a "
+                                 "hook there breaks the compiled graph")
+
+    @property
+    def measures(self) -> bool:
+        """Whether any parameter has a source."""
+        return bool(self.plan.per_example or self.plan.micro_batch or self.plan.vmap)
+
+    def unmeasured_reason(self) -> str:
+        """Why no parameter has a source."""
+        reasons = sorted(set(self.plan.uncovered.values())) or ["the model has no trainable parameters"]
+        return "no parameter has a source (one micro-batch per step on one device): " + "; ".join(reasons)
+
+    # ------------------------------------------------------------------ hooks of a measured step
+    def attach(self, coordinates: dict[str, slice], keep_norms: bool) -> None:
+        self.collector.attach(coordinates=coordinates, keep_norms=keep_norms)
+        self.micro.attach(self.plan.micro_batch.values())
+        self.bn_values = {}
+        self._bn_handles = [m.register_forward_pre_hook(functools.partial(self._record_batchnorm, name))
+                            for name, m in self._batchnorms.items()]
+
+    def detach(self) -> None:
+        self.collector.detach()
+        self.micro.detach()
+        for handle in self._bn_handles:
+            handle.remove()
+        self._bn_handles = []
+
+    def _record_batchnorm(self, name: str, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if module.training:
+            self.bn_values[name] = args[0].numel() // max(args[0].shape[1], 1)
+
+    # ------------------------------------------------------------------ what a step's measurement lacks
+    def coupling(self) -> str:
+        """Why this step's per-example gradients are not independent draws (BatchNorm in training mode), or ""."""
+        training = [*self.bn_values, *(n for n, m in self._compiled_batchnorms.items() if m.training)]
+        if not training or not (self.plan.per_example or self.plan.vmap):
+            return ""
+        return (f"per-example gradients through BatchNorm in training mode ({', '.join(training)}) are not "
+                "independent draws: BatchNorm couples the examples, and their addends of the batch gradient cancel")
+
+    def few_batchnorm_values(self, micro_batch: int, accumulate: int) -> str:
+        """The warning for BatchNorms that normalise over too few values at this step, or ""."""
+        small = {n: v for n, v in self.bn_values.items() if v < BATCHNORM_MIN_VALUES}
+        if not small:
+            return ""
+        where = ", ".join(f"{n} ({v} values per channel)" for n, v in small.items())
+        accumulation = (f" Under gradient accumulation BatchNorm sees one micro-batch of {micro_batch}, "
+                        f"not the {micro_batch * accumulate} examples of the step." if accumulate > 1 else "")
+        return (f"BatchNorm in training mode normalises {where} over too few values for meaningful statistics: "
+                "over 2 values every feature becomes ±1, over 1 it fails." + accumulation)
+
+    def problem(self, result: PerExampleStep, micro_sizes: list[int], unsized: bool) -> str:
+        """Why this step's measurement is unusable ("" if it is); failed modules are added to ``result.failed``.
+
+        ``micro_sizes``: the examples of each micro-batch that ran backward; ``unsized``: one of them
+        could not be sized."""
+        if not micro_sizes:  # no backward ran (training_step returned None): nothing to measure, no fault
+            return ""
+        for name, module in {**self.plan.per_example, **self.plan.vmap}.items():
+            if name not in result.seen and name not in result.failed and \
+                    any(p.grad is not None for p in module.parameters(recurse=False)):
+                result.failed[name] = ("its parameters got gradients outside its own forward (used directly, or "
+                                       "called from a torch.compile'd function, where the probe puts no hook)")
+        if result.failed:
+            return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items()) + \
+                " (from the next step on, these layers are measured another way if they can be)"
+        if unsized:
+            return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it): "
+                    "put the examples on dimension 0 of the batch's tensors")
+        if 0 in micro_sizes:
+            return "an empty micro-batch"
+        if (self.plan.per_example or self.plan.vmap) and not result.seen:
+            return "the backward reached none of the measured layers (a loss without a graph?)"
+        if len(set(micro_sizes)) > 1:
+            return f"micro-batches of unequal sizes {micro_sizes}"
+        return ""
+
+    # ------------------------------------------------------------------ the batch gradient
+    def norm_layout(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Parameter], Tensor, str | None]:
+        """The parameters whose ‖.grad‖² a step reads — the optimizer's, in its order (the list the stopper
+        asks for, so that both read one pass), then measured ones it does not hold —, the position in
+        ``(*SOURCES, "other")`` of each, on their device (built once per optimizer and parameter count: no
+        host-to-device copy per step), and the one source measuring all of them, if one does."""
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        if self._norm_layout is None or self._norm_layout[:2] != (optimizer, count):
+            source_of = {id(p): i for i, source in enumerate(SOURCES) for p in self.params[source]}
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            held = {id(p) for p in params}
+            params += [p for source in SOURCES for p in self.params[source] if id(p) not in held]
+            where = [source_of.get(id(p), len(SOURCES)) for p in params]
+            device = params[0].device if params else None
+            whole = SOURCES[where[0]] if where and where[0] < len(SOURCES) and len(set(where)) == 1 else None
+            self._norm_layout = (optimizer, count, params, torch.tensor(where, dtype=torch.long, device=device), whole)
+        return self._norm_layout[2:]

@@ -1,0 +1,124 @@
+"""One measured optimizer step of BatchVarianceProbe: its sums over the ranks, the units of its ``.grad``,
+and its estimate of ‖G‖² and tr(Σ), each source's over its own parameters (McCandlish et al. 2018, Eq. A.2).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+import lightning.pytorch as pl
+
+from trainvitals.callbacks._batch import loss_divisor
+from trainvitals.core.noise import (
+    per_example_estimates,
+    sub_batch_estimates,
+    sub_batch_mean_sq_norm,
+    two_batch_size_estimates,
+)
+from trainvitals.core.per_example import PerExampleStep, SourcePlan
+
+
+@dataclass
+class StepSums:
+    """An optimizer step's sums over the examples of every rank."""
+
+    sq_norm_sum: Tensor  # () Σ_i ‖g_i‖² of the per-example-norm layers, own-loss units
+    micro_sum: Tensor  # () Σ_j ‖g_j‖² of the micro-batch gradients, as back-propagated
+    examples: int
+    valid: Tensor | bool  # every rank measured all its examples
+    failed: set[str]  # layers to exclude from now on
+
+
+def sum_over_ranks(trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Tensor | None, sizes: list[int],
+                   valid_here: bool, layers: list[str], failed_here: set[str], read_failures: bool) -> StepSums:
+    """This step's sums: this rank's on one process; under DDP every rank's, in one collective.
+
+    ``sizes``: the examples of this rank's micro-batches; ``layers``: the per-example and torch.func
+    layers, of which ``failed_here`` failed on this rank. A layer can fail on one rank only (a branch
+    taken by some ranks' data): the collective also counts each layer's failures over the ranks, read
+    when ``read_failures`` (a logging step, which syncs anyway); until then a failure on any rank
+    invalidates the steps. On one process, a failure here is excluded at once.
+    """
+    device = trainer.strategy.root_device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sq_norm_sum = (result.sq_norm_sum if result.sq_norm_sum is not None else zero).to(device, torch.float64)
+    micro_sum = (micro_sum if micro_sum is not None else zero).to(device, torch.float64)
+    local_examples = sum(sizes)
+    if trainer.world_size == 1:
+        return StepSums(sq_norm_sum, micro_sum, local_examples, valid_here, set(failed_here))
+    flags = torch.zeros(len(layers), dtype=torch.float64, device=device)  # filled on the device: no copy
+    for i in (i for i, n in enumerate(layers) if n in failed_here):
+        flags[i] = 1.0
+    packed = trainer.strategy.reduce(torch.cat([torch.stack([
+        sq_norm_sum, micro_sum,
+        torch.full((), float(local_examples), dtype=torch.float64, device=device),
+        torch.full((), 0.0 if valid_here else 1.0, dtype=torch.float64, device=device),
+    ]), flags]), reduce_op="sum")
+    examples = local_examples * trainer.world_size
+    failed = set()
+    if read_failures and layers:
+        failed = {n for n, count in zip(layers, packed[4:].tolist()) if count > 0}
+    return StepSums(packed[0], packed[1], examples, (packed[3] == 0) & (packed[2] == examples), failed)
+
+
+@dataclass
+class MicroBatches:
+    """The micro-batches of the optimizer step being measured, on this rank."""
+
+    sizes: list[int] = field(default_factory=list)  # the examples of each that ran backward
+    unsized: bool = False  # one of them Lightning cannot size
+    rows: list[Tensor | None] = field(default_factory=list)  # their dataset rows, on the steps that keep norms
+
+    @property
+    def size(self) -> int:
+        """The first one's examples; 1 for an empty one, in a step left out anyway."""
+        return self.sizes[0] or 1
+
+    def grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", reduction: str) -> float:
+        """The step's ``.grad`` over the mean of its per-example gradients: the accumulated, rank-averaged,
+        unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum."""
+        per_loss = 1 if reduction == "mean" else self.size
+        return len(self.sizes) * per_loss / loss_divisor(trainer, pl_module)
+
+    def whole_window(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+        """Whether ``.grad`` is the mean of these micro-batches alone: all of an accumulation window, sized and
+        equal, on one device (the ``.grad`` of several is averaged over ranks), under automatic optimization."""
+        return (trainer.world_size == 1 and not self.unsized and len(set(self.sizes)) == 1 and 0 not in self.sizes
+                and len(self.sizes) == trainer.accumulate_grad_batches and pl_module.automatic_optimization)
+
+
+def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExampleStep, sums: StepSums,
+                   groups: int, group_size: int, unit: Tensor | float) -> tuple[Tensor, Tensor, Tensor | bool, Tensor, Tensor]:
+    """``(‖G‖², tr(Σ), valid, ‖ḡ‖² measured, ‖ḡ‖² all)`` of the step in per-example units.
+
+    Each source's estimate over its own parameters, added up, since tr(Σ) and ‖G‖² are sums over
+    parameters. ``batch_sq``: ‖ḡ‖² in per-example units over each source's parameters and the others'
+    (BatchVarianceProbe's ``_batch_sq_norms``); ``groups`` micro-batches
+    of ``group_size`` examples over all ranks, whose back-propagated gradients are ``unit`` × the mean of
+    their examples' own-loss gradients.
+    """
+    estimates, valid = [], sums.valid
+    if plan.per_example:
+        estimates.append(per_example_estimates(sums.sq_norm_sum, batch_sq["per_example"], sums.examples))
+    if plan.micro_batch and groups < 2:  # an epoch's last accumulation window can hold one micro-batch
+        valid = False
+    elif plan.micro_batch:
+        group_mean = sums.micro_sum * (unit / group_size) ** 2 / groups
+        estimates.append(two_batch_size_estimates(group_mean, batch_sq["micro_batch"], groups, group_size))
+    if plan.vmap and result.num_sub < 2:
+        valid = False
+    elif plan.vmap:
+        sub_mean_sq = sub_batch_mean_sq_norm(list(result.sub_grad_sum.values()), result.num_sub)
+        estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
+                                             result.num_sub, batch_sq["vmap"], sums.examples))
+    covered = batch_sq["per_example"] + batch_sq["micro_batch"] + batch_sq["vmap"]
+    total = covered + batch_sq["other"]
+    if not estimates:
+        zero = torch.zeros((), dtype=torch.float64, device=sums.sq_norm_sum.device)
+        return zero, zero, valid, covered, total
+    grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates))
+    return grad_sq_norm, trace_cov, valid, covered, total
