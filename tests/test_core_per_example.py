@@ -182,6 +182,18 @@ def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeyp
                 assert rel_close(sums[n][0], g.sum(0), 1e-10) and rel_close(sums[n][1], g.square().sum(0), 1e-10), n
 
 
+def test_workspace_views_follow_their_buffer():
+    """A shape taken again is the same view; after a larger request grows the buffer, every shape is a view
+    of the new one (no stale view of the old)."""
+    workspace, like = Workspace(), torch.zeros(1)
+    small = workspace.take("role", (2, 3), like)
+    assert workspace.take("role", (2, 3), like) is small
+    large = workspace.take("role", (4, 5), like)
+    again = workspace.take("role", (2, 3), like)
+    assert again is not small and again.data_ptr() == large.data_ptr()
+    assert workspace.take("role", (2, 3), torch.zeros(1, dtype=torch.float64)).dtype == torch.float64
+
+
 @pytest.mark.parametrize("conv, shape", [
     (nn.Conv2d(3, 4, 3, padding=1), (8, 8)),
     (nn.Conv2d(2, 3, (2, 5), padding="same", dilation=(3, 2)), (7, 3)),  # shifts past the row's end

@@ -112,7 +112,8 @@ class ConvRule(OuterProductRule):
 
     def _activations(self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype,
                      workspace: Workspace | None) -> Tensor:
-        return _conv_patches(module, use.inputs[start:stop], dtype, workspace)
+        return _conv_patches(module, use.inputs if start == 0 and stop >= len(use.inputs) else
+                             use.inputs[start:stop], dtype, workspace)
 
     def _fan_in(self, module: nn.Module, use: Use) -> int:
         return module.in_channels * math.prod(module.kernel_size)
