@@ -604,6 +604,13 @@ def padded_width_sq_norms(conv: nn.Conv2d, x: Tensor, g: Tensor, patches: Tensor
     return _sq_norms(out) + g.flatten(2).sum(2).square().sum(1)
 
 
+def window_patches(conv: nn.Conv2d, x: Tensor, workspace: Workspace) -> Tensor:
+    """The patches as :func:`_conv_patches` forms them for a convolution without "same" width: a copy of the
+    strided window view of the padded input (runs of W)."""
+    windows = F.pad(x, conv._reversed_padding_repeated_twice).unfold(2, 3, 1).unfold(3, 3, 1).movedim((2, 3), (-2, -1))
+    return workspace.take("window", windows.shape, windows).copy_(windows)
+
+
 def conv_profile(repetitions: int, seconds: float) -> dict[str, float]:
     """Milliseconds (median CPU time) of the per-example rule of the digits CNN's second convolution and
     of its parts, on the input and output gradient of a real step (batch 64), against the layer's own
@@ -642,7 +649,8 @@ def conv_profile(repetitions: int, seconds: float) -> dict[str, float]:
         "own weight gradient (oneDNN, the FLOP floor)":
             lambda: torch.ops.aten.convolution_backward(grad, inputs, w, None, *args, [False, True, False]),
         "trainvitals rule: sq_norms (all of it)": lambda: rule.sq_norms(conv, use, ws),
-        "  patches: strided window copy (T·I per example)": lambda: _conv_patches(conv, inputs, torch.float32, ws),
+        "  patches: shifted contiguous copies (T·I per example)": lambda: _conv_patches(conv, inputs, torch.float32, ws),
+        "  (the copy of the strided window view, other convolutions' form)": lambda: window_patches(conv, inputs, ws),
         "  per-example blocks: bmm (B × O×T · T×I)": lambda: _bmm(g.transpose(1, 2), patches, ws, "blocks"),
         "  ‖block‖²: vector_norm": lambda: _sq_norms(blocks),
         "  bias: Σ_t δ, ‖·‖²": lambda: g.sum(1).square().sum(1),

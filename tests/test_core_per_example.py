@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from _models import Scale
 from trainvitals.core.per_example import _common as per_example_module
+from trainvitals.core.per_example import conv as conv_module
 from trainvitals.core.noise import (
     NoiseScaleEMA,
     NoiseScaleError,
@@ -150,6 +151,11 @@ def test_per_example_statistics_match_brute_force(kind, scratch_bytes, monkeypat
     (nn.Conv2d(8, 16, 2, padding=1, padding_mode="circular"), (2, 2)),  # ghost (2T² ≤ I·O)
     (nn.Conv1d(4, 3, 5, padding="same", padding_mode="replicate"), (9,)),
     (nn.Conv1d(4, 3, 3, stride=2, dilation=2), (11,)),  # ghost
+    # stride 1 with the trailing sizes kept: shifted patches (the first spatial size may change)
+    (nn.Conv2d(3, 4, (3, 5), padding=(0, 2)), (6, 5)),
+    (nn.Conv2d(2, 3, 4, padding="same", dilation=(1, 2)), (5, 3)),  # uneven padding, shifts past the row
+    (nn.Conv3d(2, 3, 3, padding=1), (3, 4, 3)),
+    (nn.Conv1d(4, 3, 5, padding=1, dilation=2), (12,)),
 ])
 @pytest.mark.parametrize("scratch_bytes", [None, 1], ids=["one-chunk", "chunks-of-one-example"])
 def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeypatch):
@@ -174,6 +180,35 @@ def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeyp
             sums = per_example_sums(conv, x, grad_output, buffers)
             for n, g in per_example.items():
                 assert rel_close(sums[n][0], g.sum(0), 1e-10) and rel_close(sums[n][1], g.square().sum(0), 1e-10), n
+
+
+def test_workspace_views_follow_their_buffer():
+    """A shape taken again is the same view; after a larger request grows the buffer, every shape is a view
+    of the new one (no stale view of the old)."""
+    workspace, like = Workspace(), torch.zeros(1)
+    small = workspace.take("role", (2, 3), like)
+    assert workspace.take("role", (2, 3), like) is small
+    large = workspace.take("role", (4, 5), like)
+    again = workspace.take("role", (2, 3), like)
+    assert again is not small and again.data_ptr() == large.data_ptr()
+    assert workspace.take("role", (2, 3), torch.zeros(1, dtype=torch.float64)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("conv, shape", [
+    (nn.Conv2d(3, 4, 3, padding=1), (8, 8)),
+    (nn.Conv2d(2, 3, (2, 5), padding="same", dilation=(3, 2)), (7, 3)),  # shifts past the row's end
+    (nn.Conv2d(2, 3, (3, 1), padding=(4, 0), dilation=(2, 1)), (1, 5)),  # more output rows than input rows
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_shifted_patches_are_im2col(conv, shape, dtype):
+    """The stride-1 "same"-width patches, from shifted copies of the input, are F.unfold's bit for bit."""
+    x = torch.randn(3, conv.in_channels, *shape)
+    assert conv_module._shifted_patches(conv, x, dtype, None) is not None
+    expected = F.unfold(F.pad(x, conv._reversed_padding_repeated_twice).to(dtype), conv.kernel_size,
+                        dilation=conv.dilation).transpose(1, 2)
+    workspace = Workspace()
+    for buffers in (None, workspace, workspace):
+        assert torch.equal(conv_module._conv_patches(conv, x, dtype, buffers), expected)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn", "sequence"])

@@ -34,15 +34,24 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
+        self._views: dict[tuple[str, torch.device, torch.dtype], dict[tuple[int, ...], Tensor]] = {}
 
     def take(self, role: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         """An uninitialised ``shape`` tensor of ``like``'s dtype and device, valid until ``role`` is taken
-        again on that device."""
-        numel, key = math.prod(shape), (role, like.device, like.dtype)
-        buffer = self._buffers.get(key)
+        again on that device. The same shape again is the same view (no operations on the step's path)."""
+        key = (role, like.device, like.dtype)
+        views = self._views.setdefault(key, {})
+        view = views.get(shape)
+        if view is not None:
+            return view
+        numel, buffer = math.prod(shape), self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = self._buffers[key] = like.new_empty(numel)
-        return buffer[:numel].view(shape)
+            views.clear()
+        elif len(views) >= 64:  # shapes that keep changing (sequence lengths): a bounded cache
+            views.clear()
+        view = views[tuple(shape)] = buffer[:numel].view(shape)
+        return view
 
 
 def _ghost_is_cheaper(positions: int, fan_in: int, fan_out: int) -> bool:

@@ -393,8 +393,10 @@ class PerExampleGradients:
                 ((name, module_uses),) = uses.items()
                 module, rule = self.per_example[name], self._rules[name]
                 sq = rule.sq_norms(module, module_uses, self._workspace)
-                rows = {local: self._coordinates[q] for local in rule.parameters(module)
-                        if (q := self._qualified(name, local, module)) in self._coordinates}
+                rows = {}  # the rows to sum of each parameter: none without coordinates (no name lookups)
+                if self._coordinates:
+                    rows = {local: self._coordinates[q] for local in rule.parameters(module)
+                            if (q := self._qualified(name, local, module)) in self._coordinates}
                 sums = {self._qualified(name, local, module): value for local, value in
                         (rule.sums(module, module_uses, self._workspace, rows) if rows else {}).items()}
                 shared = self._step.undecided.get(name)

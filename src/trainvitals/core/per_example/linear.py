@@ -96,7 +96,7 @@ class OuterProductRule(PerExampleRule):
         for start in range(0, max(batch, 1), chunk):  # an empty batch is one empty chunk
             stop = start + chunk
             a = [self._activations(module, u, start, stop, dtype, space) for u in uses]
-            g = [g[start:stop].to(dtype) for g in grads]
+            g = [(g if chunk >= batch else g[start:stop]).to(dtype) for g in grads]
             yield (a[0], g[0]) if len(uses) == 1 else (torch.cat(a, 1), torch.cat(g, 1))
 
     def _bias_grads(self, module: nn.Module, uses: Sequence[Use]) -> Tensor:
@@ -108,8 +108,10 @@ class OuterProductRule(PerExampleRule):
         # A layer frozen after the sources were planned still gets its (zero) entry.
         trainable = _trainable(module)
         if "weight" in trainable:
-            sq = torch.cat([sum(_outer_sq_norms(a_j, g_j, workspace) for a_j, g_j in self._groups(module, a, g))
-                            for a, g in self._chunks(module, uses, workspace)])
+            parts = [functools.reduce(torch.add, [_outer_sq_norms(a_j, g_j, workspace)
+                                                  for a_j, g_j in self._groups(module, a, g)])
+                     for a, g in self._chunks(module, uses, workspace)]
+            sq = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
             g = uses[0].grad_output
             sq = g.new_zeros(self._gradients(module, uses[0]).shape[0], dtype=_accumulation_dtype(g))
