@@ -138,9 +138,10 @@ def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
     expected = expected_matches(run_dir)
     # The callbacks of the digits example log at least these; the other charts wait for theirs.
     for title in (GRAD_NORM_CHART, BAND_CHART, "in the noise band (1 = yes)", "B_simple vs effective batch (examples)",
-                  "per-layer gradient norm: features", "per-layer gradient norm: head", "per-layer GSNR: head",
+                  "per-layer gradient norm: features", "per-layer gradient norm: head", "per-layer GSNR",
                   "gradient noise: tr(Σ) per example, and its standard error",
                   "gradient noise: ‖G‖², the true gradient's squared norm, and its standard error",
+                  "batch-gradient variance at the micro-batch and the full batch (Var ∝ 1/B)",
                   "memory by category (bytes)", "saved activations per module (bytes)", "integrity counters",
                   "learning rate and its suggestion"):
         assert expected[title] > 0, title

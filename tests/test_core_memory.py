@@ -496,6 +496,30 @@ def test_largest_batch_and_remedies_closed_form():
         assert checkpointing.extra_compute == pytest.approx(0.2)
 
 
+def test_for_equal_bytes_the_cheaper_checkpoint_ranks_first():
+    class Nested(nn.Module):  # net.1 adds nothing saved to net.1.1: checkpointing either frees the same bytes
+        def __init__(self):
+            super().__init__()
+            inner = nn.Sequential(nn.GELU(), nn.Linear(32, 32), nn.GELU())
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.Sequential(nn.Identity(), inner), nn.Linear(32, 2))
+
+        def forward(self, x):
+            return self.net(x)
+
+    x = torch.randn(16, 8)
+    _, report, _ = record(Nested(), x, exclude=[x])
+    assert checkpoint_savings(report)["net.1"] == checkpoint_savings(report)["net.1.1"] > 0
+    assert checkpoint_peak(report, "net.1") == checkpoint_peak(report, "net.1.1")
+    # The outer module's forward takes 4× the inner one's: 80% of a 0.05 s step against 20%.
+    timed = dataclasses.replace(report, forward_seconds={"net.1": 0.04, "net.1.1": 0.01})
+    state = ModelStateBytes(parameters=1000, gradients=1000, optimizer_state=0)
+    memory = StepMemory(state, 0, timed, 16, step_seconds=0.05)
+    ranked = [(r.target, r.extra_compute) for r in rank_remedies(memory, top_k=2) if r.kind == "activation checkpointing"]
+    assert ranked == [("net.1.1", pytest.approx(0.2)), ("net.1", pytest.approx(0.8))]
+    (only,) = [r.target for r in rank_remedies(memory, top_k=1) if r.kind == "activation checkpointing"]
+    assert only == "net.1.1"
+
+
 def test_helpers():
     t = torch.zeros(3)
     assert list(tensors_in({"a": [t, (t, 1)], "b": "x"})) == [t, t]

@@ -102,6 +102,51 @@ def test_charts_pick_up_what_the_callbacks_log(monitored) -> None:
     assert set(acc.Tags()["scalars"]) - on_charts == {"train/loss", "epoch"}
 
 
+class TiedLM(pl.LightningModule):
+    """A parameter on the LightningModule itself (learned positions) and an output layer tied to the embedding."""
+
+    def __init__(self, vocab: int = 12, width: int = 8, length: int = 6) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, width)
+        self.pos = torch.nn.Parameter(0.02 * torch.randn(1, length, width))
+        self.body = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
+        logits = self.head(self.body(self.tok(batch[:, :-1]) + self.pos))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_every_gradient_tag_is_on_a_chart_and_no_chart_is_empty(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    trainer = pl.Trainer(**trainer_kwargs(
+        logger=logger, max_steps=24, accumulate_grad_batches=2, log_every_n_steps=2, limit_val_batches=0,
+        callbacks=[GradNormMonitor(histogram_every_n_steps=0), BatchVarianceProbe(histogram_every_n_steps=None),
+                   GradNormEarlyStopping(patience=1000), TrainvitalsDashboard(progress_bar=False)]))
+    data = torch.utils.data.DataLoader(torch.randint(0, 12, (256, 7)), batch_size=8, shuffle=True)
+    trainer.fit(TiedLM(), data)
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    picked = chart_tags(read_layout(acc), acc)
+    # The root parameter has a chart of its own; the tied head none: its weight is the embedding's, logged as `tok`.
+    assert [t for t in picked if t.startswith("per-layer gradient norm")] == [
+        f"per-layer gradient norm: {group}" for group in ("pos", "tok", "body")]
+    assert picked["per-layer gradient norm: pos"] == ["grad_norm/pos"]
+    assert sorted(picked["batch-gradient variance at the micro-batch and the full batch (Var ∝ 1/B)"]) == [
+        "grad_noise/batch_grad_var/full_batch", "grad_noise/batch_grad_var/micro_batch"]
+    assert picked["per-layer GSNR"]
+    gradient_tags = {t for t in acc.Tags()["scalars"] if t.startswith(("grad_norm/", "grad_noise/"))}
+    assert gradient_tags - {t for tags in picked.values() for t in tags} == set()
+    # Empty: the charts of callbacks this fit did not attach, and no other.
+    assert {title for title, tags in picked.items() if not tags} == {
+        "memory by category (bytes)", "saved activations per module (bytes)", "learning rate and its suggestion",
+        "steps and examples over their minimum"}
+
+
 @pytest.mark.parametrize(
     ("tag", "is_layer"),
     [

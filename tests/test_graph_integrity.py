@@ -803,6 +803,32 @@ def test_a_param_group_at_lr_zero_is_named_with_its_modules_after_ten_steps_at_z
     assert any("| zero_lr | `optimizer 0 param group 0`, `body` |" in row for row in cb.summary_markdown().splitlines())
 
 
+class ZeroLrBodyHeadLeftOut(ZeroLrBody):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.body.parameters(), lr=0.0)
+
+
+def test_the_fit_end_line_states_the_headline_finding():
+    cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False)
+    fit(ZeroLrBody(), cb, steps=14)
+    message = finding(cb, K.ZERO_LR).message
+    what, _, fix = message.partition(" did not change. ")
+    assert fix.startswith("A warm-up")  # the message's second sentence: the line leaves it to the table
+    line = cb.summary_line()
+    assert line.startswith("1 finding(s) in ") and line.endswith(
+        f"(zero_lr); first of them, at step 10 [zero_lr]: {what} did not change. The full table: the Text tab's "
+        "graph/findings, or trainvitals report.")
+
+    # A body at lr 0 and a head in no optimizer: the head's finding breaks the run, so it is the headline.
+    cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False)
+    fit(ZeroLrBodyHeadLeftOut(), cb, steps=14)
+    leaves = finding(cb, K.UNOPTIMIZED_LEAVES)
+    assert {K.ZERO_LR, K.UNOPTIMIZED_LEAVES} <= kinds(cb)
+    line = cb.summary_line()
+    assert f"; first breaking the run, at step {leaves.step} [unoptimized_leaves]: " in line
+    assert "`head.weight`" in line and "[zero_lr]" not in line
+
+
 @pytest.mark.parametrize(
     ("schedule", "found_at"),
     [

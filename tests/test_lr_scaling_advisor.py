@@ -221,6 +221,29 @@ def test_param_groups_unknown_optimizers_and_zero_lr():
     assert advisor.advices["SGD"] is not None
 
 
+def test_the_fit_end_line_states_the_advice():
+    advisor = LRScalingAdvisor(verbose=False)
+    fit(Model(optimizer=torch.optim.Adam, groups=(1e-3,)), [_NoiseSource(0.01, 10.0), advisor], batch_size=8)
+    gain = (1 + 1000 / 8) / (1 + 1000 / 16)  # B̂ = 10 / 0.01 examples, from batch 8 to 16
+    assert advisor.summary_line() == (
+        f"at an effective batch of 8 (noise scale B̂ = 1000, below it): Adam lr 0.001 → {1e-3 * math.sqrt(gain):.3g} "
+        "at batch 16 (noise-aware rule); the full table is the Text tab's lr_scaling/advice, or trainvitals report.")
+
+    advisor = LRScalingAdvisor(noise_scale=4.0, verbose=False)
+    fit(Model(groups=(0.1, 0.01)), [advisor], batch_size=8)
+    assert advisor.summary_line().startswith(
+        f"at an effective batch of 8 (noise scale B̂ = 4, above it: more batch buys little): SGD/pg1 (and 1 more "
+        f"group(s)) lr 0.1 → {0.1 * (1 + 4 / 8) / (1 + 4 / 16):.3g} at batch 16 (noise-aware rule); ")
+
+    advisor = LRScalingAdvisor(verbose=False)
+    fit(Model(groups=(0.1,)), [advisor], batch_size=8)
+    assert "(no usable noise scale: classic rules): SGD lr 0.1 → 0.2 at batch 16 (linear rule)" in advisor.summary_line()
+
+    advisor = LRScalingAdvisor(verbose=False)
+    fit(Model(optimizer=torch.optim.Adagrad), [advisor], batch_size=8)
+    assert "Adagrad lr 0.01: no scaling rule for its family (unsure)" in advisor.summary_line()
+
+
 # ---------------------------------------------------------------- reference
 def _reference_warnings(recwarn) -> list[str]:
     return [str(w.message) for w in recwarn if "lr was tuned at batch" in str(w.message)]

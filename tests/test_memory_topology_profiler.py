@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as pl
 from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
-from trainvitals.dashboard.terminal import markdown_to_text
+from trainvitals.dashboard.terminal import inline, markdown_to_text
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.core.memory import OUTSIDE, checkpoint_savings
 from trainvitals.core.memory import categories
@@ -449,6 +449,19 @@ def test_fit_end_table_and_picture_in_tensorboard(tmp_path, caplog):
     assert "memory/saved_bytes_by_module" in events.Tags()["images"]
     assert any(tag.startswith("memory/report") for tag in events.Tags()["tensors"])
     assert "memory/activations/net.1.4" in events.Tags()["scalars"]
+
+
+def test_each_remedy_is_one_line_of_the_table_and_its_note_one_line_below_it():
+    profiler = MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=2**20, verbose=False)
+    fit(Classifier(body=_body()), profiler, max_steps=1)
+    assert len(profiler.remedies) >= 3 and any(len(r.note) > 60 for r in profiler.remedies)
+    text = markdown_to_text(profiler.summary_markdown())
+    advice = text.split("Advice, the most bytes off the step's peak first", 1)[1].split("Findings", 1)[0].splitlines()
+    rows = [line for line in advice if line[:1].isdigit()]
+    assert [line.split()[0] for line in rows] == [str(i) for i in range(1, len(profiler.remedies) + 1)]
+    for rank, remedy in enumerate(profiler.remedies, 1):
+        assert f"- {rank}: {inline(remedy.note)}" in advice  # the whole note, on one line
+    assert not [line for line in advice if line.startswith(" ")]  # no row wrapped under itself
 
 
 def test_without_matplotlib_the_picture_is_skipped_with_one_notice(monkeypatch, caplog):

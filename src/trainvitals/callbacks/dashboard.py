@@ -54,8 +54,7 @@ class TrainvitalsDashboard(TrainvitalsCallback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        groups = layer_groups([name for name, m in pl_module.named_modules()
-                               if next(m.parameters(recurse=False), None) is not None])
+        groups = layer_groups([name for name, _ in pl_module.named_parameters()])
         for logger in tensorboard_loggers(trainer, "the custom-scalars dashboard"):
             logger.experiment.add_custom_scalars(trainvitals_layout(logger._prefix, logger.LOGGER_JOIN_CHAR, groups))
 

@@ -36,6 +36,7 @@ step tracer) and :mod:`trainvitals.core.integrity` (streaks, reasons, diagnoses)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -316,12 +317,17 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         self.info(self.summary_line())
 
     def summary_line(self) -> str:
-        """One line for the end of fit: how much was checked, and the findings by kind."""
+        """One line for the end of fit: how much was checked, the findings by kind, and the headline one in words:
+        the first of a kind that breaks a run (the report's critical ones), else the first."""
         checked = f"{self._walks} graph walk(s) and {self._grad_checks} gradient check(s)"
         if not self.findings:
             return f"clean: no findings in {checked}."
         kinds = sorted({f.kind.value for f in self.findings})
-        return f"{len(self.findings)} finding(s) in {checked} ({', '.join(kinds)}): the Text tab's graph/findings."
+        critical = [f for f in self.findings if f.kind.spec.critical is not None]
+        first = (critical or self.findings)[0]
+        return (f"{len(self.findings)} finding(s) in {checked} ({', '.join(kinds)}); first "
+                f"{'breaking the run' if critical else 'of them'}, at step {first.step} [{first.kind.value}]: "
+                f"{_first_sentence(first.message)} The full table: the Text tab's graph/findings, or trainvitals report.")
 
     def summary_markdown(self) -> str:
         """The findings as a markdown table (step, kind, names, message), or a clean bill of health."""
@@ -368,3 +374,12 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         self._fit.load_state_dict(state_dict)
         for check in self._checks:
             check.load_state_dict(state_dict)
+
+
+_SENTENCE_END = re.compile(r"(?<=[\w)`'\]])\.\s+(?=[A-Z])")
+
+
+def _first_sentence(message: str) -> str:
+    """A finding's first sentence, with its full stop: what is wrong, before the why and the fix."""
+    head = _SENTENCE_END.split(message.strip(), maxsplit=1)[0].rstrip(".")
+    return head + "."

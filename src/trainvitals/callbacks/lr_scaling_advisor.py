@@ -215,13 +215,22 @@ class LRScalingAdvisor(TrainvitalsCallback):
         self.info(self.summary_line())
 
     def summary_line(self) -> str:
-        """One line for the end of fit: what the advice is for, and where it is."""
+        """One line for the end of fit: the first optimizer's advice in words, then where the full table is."""
         if not self._report:
             return "no advice: the per-device batch size is unknown (pass batch_size=)."
-        noise = [a.noise_scale for a in self.advices.values() if a is not None and a.noise_scale is not None]
-        scale = f", noise scale B̂ = {noise[0]:.4g}" if noise else ", no noise scale (rules without it)"
-        return (f"lr advice for {len(self.advices)} optimizer(s) at an effective batch of {self.effective_batch}"
-                f"{scale}: the Text tab's lr_scaling/advice, or trainvitals report.")
+        named = [(name, adv) for name, adv in self.advices.items() if adv is not None]
+        if not named:
+            return (f"no lr advice at an effective batch of {self.effective_batch}: the lr is 0 for every "
+                    "parameter group (nothing to scale).")
+        name, adv = named[0]
+        if adv.noise_scale is None:
+            scale = "no usable noise scale: classic rules"
+        else:
+            side = "above it: more batch buys little" if adv.batch_size > adv.noise_scale else "below it"
+            scale = f"noise scale B̂ = {adv.noise_scale:.4g}, {side}"
+        more = f" (and {len(named) - 1} more group(s))" if len(named) > 1 else ""
+        return (f"at an effective batch of {self.effective_batch} ({scale}): {name}{more} {_headline(adv)}; "
+                "the full table is the Text tab's lr_scaling/advice, or trainvitals report.")
 
     def summary_markdown(self) -> str:
         """The latest report as markdown (the end-of-training table after ``fit``); ``""`` before any.
@@ -451,3 +460,14 @@ def _loss_of(output: Any) -> Tensor:
 def _doubled(batch: Any) -> Any:
     """The batch concatenated with itself along the first dimension (0-d tensors kept)."""
     return apply_to_collection(batch, Tensor, lambda t: torch.cat([t, t]) if t.dim() > 0 else t)
+
+
+def _headline(adv: LRAdvice) -> str:
+    """An optimizer's advice in a few words: its rule and the lr it suggests at the first larger batch."""
+    if adv.rule == "none":
+        return f"lr {adv.lr:.3g}: no scaling rule for its family (unsure); keep the lr and sweep it"
+    larger = [s for s in adv.suggestions if s.lr is not None and s.batch_size > adv.batch_size]
+    pick = (larger or [s for s in adv.suggestions if s.lr is not None])[:1]
+    if not pick:
+        return f"lr {adv.lr:.3g}, {adv.rule} rule"
+    return f"lr {adv.lr:.3g} → {pick[0].lr:.3g} at batch {pick[0].batch_size:.4g} ({adv.rule} rule)"

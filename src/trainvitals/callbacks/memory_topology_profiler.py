@@ -373,15 +373,18 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
             budget = (f"Budget {format_bytes(last.budget_bytes)}: the largest batch that fits is "
                       f"{last.largest_batch()} (fixed {format_bytes(last.fixed_bytes)}, "
                       f"{format_bytes(last.scaling_bytes / max(last.batch_size, 1))} per example).")
-        rows = []
+        # The notes are a sentence each: under the table, where they keep a line of their own in a terminal
+        # rather than wrapping in a last column narrowed by the others.
+        rows, notes = [], []
         for rank, r in enumerate(self.remedies, 1):
             what = f"{r.kind} of `{r.target}`" if r.target else r.kind
             extra = f"+{100 * r.extra_compute:.1f}% step time" if r.extra_compute is not None else ""
             batch = "" if r.largest_batch is None else f"{r.largest_batch}"
-            rows.append((rank, what, format_bytes(r.bytes_freed), batch, extra, r.note))
-        headers = ("#", "remedy", "lowers the peak by", "largest batch after", "extra compute", "note")
-        return ["", "### Advice, the most bytes off the step's peak first", budget, "",
-                *markdown_table(headers, rows, align="llrrrl")]
+            rows.append((rank, what, format_bytes(r.bytes_freed), batch, extra))
+            notes.append(f"- **{rank}**: {r.note}")
+        headers = ("#", "remedy", "lowers the peak by", "largest batch after", "extra compute")
+        return ["", "### Advice, the most bytes off the step's peak first, the cheapest first among equals", budget,
+                "", *markdown_table(headers, rows, align="llrrr"), *([""] + notes if notes else [])]
 
     def picture(self) -> np.ndarray | None:
         """Saved bytes per module of the latest profiled step as an ``(H, W, 3)`` uint8 bar chart.

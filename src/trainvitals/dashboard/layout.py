@@ -10,7 +10,8 @@ Readable at a glance within what the plugin offers: every line of a chart takes 
 chart holds one quantity (or lines of one scale that are told apart by the chart itself: the norm inside
 its band is a margin chart, the shaded band from the noise floor to the band's edge); quantities whose
 scales differ by orders of magnitude (tr(Σ) ~100, ‖G‖² ~0.01) get a chart each; the per-layer norms get
-one chart per top-level module. The layout proto has no y-scale field: the log scale is the chart's own
+one chart per top-level module (a parameter of the LightningModule itself is one), the per-layer GSNR one chart:
+which layers have a GSNR the probe's sources decide during the fit, not the module tree at its start. The layout proto has no y-scale field: the log scale is the chart's own
 "Toggle y-axis log scale" button, and TensorBoard's "Ignore outliers in chart scaling" (on by default, in
 the settings) clips a chart's extremes — the README says when to turn it off.
 """
@@ -21,6 +22,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from trainvitals.core.norms import group_name
 from trainvitals.dashboard.tags import MEMORY_BYTES, OPTIMIZER_INFIX, PER_LAYER_GRAD_NORM, grad_norm, with_prefix
 
 CATEGORY = "trainvitals"
@@ -53,6 +55,8 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
         "gradient noise: tr(Σ) per example, and its standard error": ["Multiline", [r"grad_noise/trace_cov(?:_se)?$"]],
         "gradient noise: ‖G‖², the true gradient's squared norm, and its standard error": [
             "Multiline", [r"grad_noise/grad_sq_norm(?:_se)?$"]],
+        "batch-gradient variance at the micro-batch and the full batch (Var ∝ 1/B)": [
+            "Multiline", [r"grad_noise/batch_grad_var/(?:micro_batch|full_batch)$"]],
         "gradient noise: evidence-based criterion (stop when > 0)": ["Multiline", [r"grad_noise/eb_criterion$"]],
         "noise estimate: coverage, unmeasured tr(Σ) bound, B_simple's relative error, unreliable (1 = yes)": [
             "Multiline", [r"grad_noise/(?:coverage|unmeasured_trace_share|b_simple_rel_err|b_simple_unreliable)$"]],
@@ -62,11 +66,9 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
             module = re.escape(group)
             charts[f"per-layer gradient norm: {group}"] = [
                 "Multiline", [rf"grad_norm/{OPTIMIZER_INFIX}{module}(?:\.[^/]+)?$"]]
-        for group in groups:
-            charts[f"per-layer GSNR: {group}"] = ["Multiline", [rf"grad_noise/gsnr/{re.escape(group)}(?:\.[^/]+)?$"]]
     else:
         charts["per-layer gradient norm"] = ["Multiline", [PER_LAYER_GRAD_NORM]]
-        charts["per-layer GSNR"] = ["Multiline", [r"grad_noise/gsnr/.+"]]
+    charts["per-layer GSNR"] = ["Multiline", [r"grad_noise/gsnr/.+"]]
     charts.update({
         "memory by category (bytes)": ["Multiline", [MEMORY_BYTES]],
         "saved activations per module (bytes)": ["Multiline", [r"memory/activations/.+"]],
@@ -87,8 +89,9 @@ def trainvitals_layout(prefix: str = "", join_char: str = "-", groups: Sequence[
         prefix: the TensorBoardLogger's ``prefix``; its tags are ``<prefix><join_char><tag>``, and so
             are the layout's regexes (and the margin chart's exact tags).
         join_char: the logger's ``LOGGER_JOIN_CHAR`` (Lightning's is ``"-"``).
-        groups: top-level module names with parameters (``features``, ``head``): one per-layer chart
-            each, up to :data:`MAX_LAYER_CHARTS`; empty for one chart of every layer.
+        groups: the top-level groups of the parameters (``features``, ``head``, a root parameter ``pos``), as
+            :func:`layer_groups` names them: one per-layer norm chart each, up to :data:`MAX_LAYER_CHARTS`;
+            empty for one chart of every layer.
 
     A ``"Multiline"`` chart lists tag regexes; a ``"Margin"`` chart the exact tags of its value, lower and
     upper series. The ``lr-.+`` line is Lightning's ``LearningRateMonitor``; everything else a trainvitals
@@ -101,9 +104,14 @@ def trainvitals_layout(prefix: str = "", join_char: str = "-", groups: Sequence[
     return {BAND_CATEGORY: band, CATEGORY: charts}
 
 
-def layer_groups(module_names: Sequence[str]) -> list[str]:
-    """The top-level groups of the named modules that hold parameters, in order (``features.0`` → ``features``)."""
-    return list(dict.fromkeys(name.split(".", 1)[0] for name in module_names if name))
+def layer_groups(parameter_names: Sequence[str]) -> list[str]:
+    """The top-level groups of the named parameters, in order (``features.0.weight`` → ``features``; a parameter
+    of the root module, ``pos``, is its own), named as GradNormMonitor names them.
+
+    Pass ``named_parameters()``'s names: it lists a shared tensor once, under its first name, as GradNormMonitor
+    does, so an output layer tied to the embedding gets no chart of its own that would stay empty.
+    """
+    return list(dict.fromkeys(group_name(name, "block") for name in parameter_names))
 
 
 TRAINVITALS_LAYOUT = trainvitals_layout()

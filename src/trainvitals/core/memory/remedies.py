@@ -75,10 +75,15 @@ def _run(rule: RemedyRule, memory: StepMemory, top_k: int) -> list[Remedy]:
         return []
 
 
+def _rank(remedy: Remedy) -> tuple[int, float]:
+    """The most bytes off the peak first; for equal bytes the least extra step time (unmeasured: last)."""
+    return -remedy.bytes_freed, math.inf if remedy.extra_compute is None else remedy.extra_compute
+
+
 def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
-    """Every rule's remedies, the most bytes off the step's peak first; remedies that free nothing are
-    left out. The built-in rules: :func:`activation_checkpointing`, :func:`mixed_precision`,
-    :func:`optimizer_state`.
+    """Every rule's remedies, the most bytes off the step's peak first and, for equal bytes, the cheapest
+    first; remedies that free nothing are left out. The built-in rules: :func:`activation_checkpointing`,
+    :func:`mixed_precision`, :func:`optimizer_state`.
 
     Raises:
         ValueError: if ``top_k < 0``.
@@ -86,26 +91,27 @@ def rank_remedies(memory: StepMemory, top_k: int = 3) -> list[Remedy]:
     if top_k < 0:
         raise ValueError(f"`top_k` must be >= 0, got {top_k}")
     remedies = [remedy for rule in REMEDY_RULES for remedy in _run(rule, memory, top_k) if remedy.bytes_freed > 0]
-    return sorted(remedies, key=lambda r: -r.bytes_freed)
+    return sorted(remedies, key=_rank)
 
 
 @register_remedy
 def activation_checkpointing(memory: StepMemory, top_k: int) -> list[Remedy]:
-    """Checkpointing of the ``top_k`` modules that lower the step's peak of saved activations the most
-    (what :func:`checkpoint_savings` frees after forward, less what :func:`checkpoint_peak` holds again
-    in backward; the root and :func:`whole_forward_modules` left out; for cost, only the ``4 · top_k``
-    that free the most after forward are weighed, so a better one behind many may be missed)."""
+    """Checkpointing of the ``top_k`` modules that lower the step's peak of saved activations the most, the
+    cheapest first among equals (what :func:`checkpoint_savings` frees after forward, less what
+    :func:`checkpoint_peak` holds again in backward; the root and :func:`whole_forward_modules` left out; for
+    cost, only the ``4 · top_k`` that free the most after forward are weighed, so a better one behind many may
+    be missed)."""
     report = memory.activations
     skip = whole_forward_modules(report) | {ROOT}
     # The peaks cost a pass over the storages each: only for the modules that free the most after forward.
     freeing = sorted(((n, b) for n, b in checkpoint_savings(report).items() if b > 0 and n not in skip),
                      key=lambda kv: -kv[1])[:4 * top_k]
-    lowered = []
+    remedies = []
     for name, freed in freeing:
         peak = checkpoint_peak(report, name)
-        lowered.append((report.total_bytes - max(peak, report.total_bytes - freed), name, freed, peak))
-    remedies = []
-    for reduction, name, freed, peak in sorted((c for c in lowered if c[0] > 0), key=lambda c: -c[0])[:top_k]:
+        reduction = report.total_bytes - max(peak, report.total_bytes - freed)
+        if reduction <= 0:
+            continue
         seconds = report.forward_seconds.get(name)
         extra = seconds * memory.micro_batches / memory.step_seconds if seconds is not None and memory.step_seconds \
             else None
@@ -116,7 +122,7 @@ def activation_checkpointing(memory: StepMemory, top_k: int) -> list[Remedy]:
             note += f", holding {format_bytes(peak)} of saved tensors then"
         remedies.append(Remedy("activation checkpointing", name, reduction,
                                memory.largest_batch(scaling_freed=freed, activations_peak=peak), extra, note))
-    return remedies
+    return sorted(remedies, key=_rank)[:top_k]
 
 
 @register_remedy
