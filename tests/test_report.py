@@ -453,6 +453,59 @@ def test_the_stop_row_says_why_the_stopper_did_not_stop(tmp_path: Path, capsys: 
     assert rows(doc["runs"][0], "convergence")["stop"].startswith(said)
 
 
+def stopper_panel(stop: str, streak: str, seen: int) -> str:
+    """GradNormEarlyStopping's end-of-fit table as TrainvitalsDashboard logs it (the rows the report reads)."""
+    from trainvitals._markdown import markdown_table
+
+    return "\n".join(markdown_table(("quantity", "value"), [
+        ("rule", "noise band, margin 0.2, patience 30 steps, min_steps 100"), ("stop", stop),
+        ("optimizer steps seen", str(seen)), ("in-condition streak", streak), ("noise sources", "probe")]))
+
+
+@pytest.mark.parametrize(("stop", "streak", "verdict", "said"), [
+    ("GradNormEarlyStopping did not stop the run: 27 step(s) in a row in the condition at the end, of the 30 it "
+     "needs; at the end the smoothed ‖G‖² is 0.89× the band's edge 0.2·tr(Σ)/B.", "27 of 30 steps",
+     "in its noise band at the end, for 27 step(s) in a row, short of the 30",
+     "not stopped: 27 step(s) in a row in the condition at the end, of the 30 it needs; at the end the smoothed"),
+    # An older table says only that it did not stop: its streak is the reason.
+    ("GradNormEarlyStopping did not stop the run.", "27 of 30 steps", "in its noise band at the end, for 27 step(s)",
+     "not stopped: 27 of 30 steps in a row in its condition at the end, over 288 optimizer steps"),
+    ("GradNormEarlyStopping did not stop the run: the run ended after 60 optimizer steps, before min_steps=100; 0 "
+     "step(s) in a row in the condition at the end, of the 30 it needs.", "0 of 30 steps",
+     "no noise-band verdict: the run ended before the stopper's min_steps",
+     "not stopped: the run ended after 60 optimizer steps, before min_steps=100"),
+])
+def test_the_stop_verdict_is_the_stoppers_own_at_fit_end(tmp_path: Path, capsys: pytest.CaptureFixture[str], stop,
+                                                         streak, verdict, said) -> None:
+    """Logged every 50 steps, the 5 band flags were all out while the stopper, counting every step, ended 27 steps
+    into the band: the report's verdict and stop row are the stopper's, and name how few flags it saw."""
+    flags = [0.0] * len(STEPS)
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/in_noise_band": flags, "grad_norm/band_streak": 0.0},
+              {"diagnosis/GradNormEarlyStopping": stopper_panel(stop, streak, 288)})
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    assert rows(run, "convergence")["stop"].startswith(said)
+    notes = [f["message"] for f in run["findings"] if f["section"] == "convergence"]
+    assert any(m.startswith(verdict) and "logged on 20 of its 288 steps" in m for m in notes), notes
+    assert not any("never in the noise band" in m or "not in its noise band yet" in m for m in notes)
+
+
+def test_a_handful_of_band_flags_says_how_few(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without the stopper's table (a fit that did not end), a verdict from 5 logged flags says they are 5 single
+    steps, not a share of the time."""
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in range(0, 250, 50):
+        for tag, value in {"grad_norm/total": 0.08, "grad_norm/noise_floor": 0.44, "grad_norm/in_noise_band": 0.0,
+                           "grad_norm/band_streak": 0.0}.items():
+            writer.add_scalar(tag, value, step)
+    writer.close()
+    _, doc = report_json(capsys, tmp_path)
+    notes = [f["message"] for f in doc["runs"][0]["findings"] if f["section"] == "convergence"]
+    (verdict,) = [m for m in notes if "noise band" in m]
+    assert verdict.startswith("not in its noise band yet: 0 of only 5 logged steps were in it")
+    assert "Only 5 band flag(s) were logged, each of one step" in verdict and "0%" not in verdict
+
+
 def test_sections_and_the_lr_advice_say_their_step_when_it_is_not_the_last(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The advice is written at fit end (step 99), after the last logging step (95): it says its step, which its

@@ -28,6 +28,7 @@ from trainvitals.dashboard.tags import (
     TRAINVITALS_ROOTS,
     grad_norm,
 )
+from trainvitals.dashboard.terminal import inline, table_cells
 
 EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_UNWRITTEN = 0, 1, 2, 3, 4
 SEVERITY = (EXIT_OK, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_CRITICAL)
@@ -244,9 +245,11 @@ def _convergence(run: Run, report: RunReport) -> None:
     floor_se = run.last(grad_norm("noise_floor_se"))
     partial = _partial(run)
     band = run.matching(grad_norm("in_noise_band"))
-    recent = [v for _, v in band[min(band)][-BAND_WINDOW:]] if band else []
+    flags = [v for _, v in band[min(band)]] if band else []
+    recent = flags[-BAND_WINDOW:]
     in_band = sum(recent) / len(recent) if recent else None
-    stop = run.text("grad_norm/stop_reason")
+    end = _stopper_end(run)
+    stop = run.text("grad_norm/stop_reason") or (end.get("stop") if end and not _end_reason(end) else None)
     _as_of(run, report, title, *(grad_norm(n) for n in ("measured_total", "total", "noise_floor", "noise_floor_se",
                                                        "in_noise_band")))
     report.sections[title] = [
@@ -255,7 +258,7 @@ def _convergence(run: Run, report: RunReport) -> None:
         Row("noise floor standard error", floor_se),
         Row("norm / noise floor", total / floor if total is not None and floor else None),
         Row(f"fraction in the noise band, last {len(recent)} logged steps", in_band),
-        Row("stop", stop or _not_stopped(run, partial)),
+        Row("stop", stop or (f"not stopped: {_end_reason(end)}" if end else _not_stopped(run, partial))),
     ]
     if stop:
         report.findings.append(Finding("note", title, stop))
@@ -270,6 +273,8 @@ def _convergence(run: Run, report: RunReport) -> None:
             "the noise estimates come from before, so they say nothing of convergence."))
     elif partial:
         report.findings.append(Finding("note", title, f"{partial}: no noise-band verdict on the whole model."))
+    elif end and not stop and end.get("rule", "").startswith("noise band"):
+        report.findings.append(Finding("note", title, _end_verdict(end, flags, error)))
     elif in_band is None:
         if total is not None and floor:
             report.findings.append(Finding(
@@ -285,16 +290,82 @@ def _convergence(run: Run, report: RunReport) -> None:
             f"logged meanwhile ({in_band:.0%} of the last {len(recent)}) sample single steps."))
     elif in_band >= 0.5:
         report.findings.append(Finding(
-            "note", title, f"in its noise band ({in_band:.0%} of the last {len(recent)} logged steps){error}: "
-            "the gradient norm sits at its noise floor, further steps mostly move within noise."))
+            "note", title, f"in its noise band ({_share_in_band(recent)}){error}: "
+            "the gradient norm sits at its noise floor, further steps mostly move within noise."
+            + _few_flags(recent)))
     else:
         ratio = total / floor if total is not None and floor else None
         said = f" (the last norm is {ratio:.2f}× the noise floor)" if ratio is not None else ""
         why = ("the band is decided on the smoothed estimates, not on one norm" if ratio is not None and ratio <= 1
                else "the true gradient still stands out of the noise")
         report.findings.append(Finding(
-            "note", title, f"not in its noise band yet: {in_band:.0%} of the last {len(recent)} logged steps were in it{said}{error}; "
-            f"{why}."))
+            "note", title, f"not in its noise band yet: {_share_in_band(recent)} in it{said}{error}; {why}."
+            + _few_flags(recent)))
+
+
+def _share_in_band(flags: list[float]) -> str:
+    """How many of the last logged band flags were set, in words: a share only over :data:`BAND_WINDOW` of them."""
+    if len(flags) == 1:
+        return f"its only logged step {'was' if flags[0] else 'was not'}"
+    if len(flags) < BAND_WINDOW:
+        return f"{sum(flags):g} of only {len(flags)} logged steps were"
+    return f"{sum(flags) / len(flags):.0%} of the last {len(flags)} logged steps were"
+
+
+def _few_flags(flags: list[float]) -> str:
+    """A caveat when fewer than :data:`BAND_WINDOW` band flags were logged: each samples one step."""
+    if len(flags) >= BAND_WINDOW:
+        return ""
+    return (f" Only {len(flags)} band flag(s) were logged, each of one step, and GradNormEarlyStopping's end-of-fit "
+            "table, which counts every step, was not (the fit did not end): too few to say for how long.")
+
+
+STOPPER_PANELS = tuple(f"{prefix}GradNormEarlyStopping" for prefix in DIAGNOSIS_PREFIXES)
+NOT_STOPPED = "GradNormEarlyStopping did not stop the run"
+
+
+def _stopper_end(run: Run) -> dict[str, str]:
+    """GradNormEarlyStopping's end-of-fit table (its diagnosis panel), ``quantity -> value``; ``{}`` when it
+    was not logged (no stopper, or a fit that did not end). It counts every step, the logged flags sample a few."""
+    text = next((run.text(tag) for tag in STOPPER_PANELS if run.text(tag)), None)
+    rows = [table_cells(line) for line in (text or "").splitlines()[2:] if line.lstrip().startswith("|")]
+    return {inline(row[0]): inline(row[1]) for row in rows if len(row) == 2}
+
+
+def _end_reason(end: dict[str, str]) -> str:
+    """Why the stopper did not stop the run, in its own end-of-fit words; "" when it stopped it. An older
+    table says only that it did not: its streak row is the reason then."""
+    stop = end.get("stop", "")
+    if not stop.startswith(NOT_STOPPED):
+        return ""
+    why = stop.removeprefix(NOT_STOPPED).lstrip(":. ").rstrip(".")
+    seen = end.get("optimizer steps seen")
+    return why or (f"{end.get('in-condition streak', '?')} in a row in its condition at the end"
+                   + (f", over {seen} optimizer steps" if seen else ""))
+
+
+_STREAK = re.compile(r"(\d+) of (\d+) steps")
+
+
+def _end_verdict(end: dict[str, str], flags: list[float], error: str) -> str:
+    """The noise-band verdict at the end of a fit the stopper did not stop, from its streak (every step
+    counted), with its reason; the logged band flags are named with how many there were; ``error``: the
+    floor's, said after the verdict."""
+    why = _end_reason(end)
+    streak = _STREAK.match(end.get("in-condition streak", ""))
+    if "before min_steps" in why:
+        lead = "no noise-band verdict: the run ended before the stopper's min_steps, so it counted no step"
+    elif streak and int(streak[1]) > 0:
+        lead = (f"in its noise band at the end, for {streak[1]} step(s) in a row, short of the {streak[2]} it takes "
+                "to stop")
+    elif streak:
+        lead = "not in its noise band at the end (the last step the stopper counted was outside it)"
+    else:
+        lead = "no noise-band verdict from the stopper's table"
+    seen = end.get("optimizer steps seen")
+    sampled = (f"; the band flag was logged on {len(flags)} of its {seen} steps ({sum(flags):g} in the band), single "
+               "steps that say little on their own" if flags and seen else "")
+    return f"{lead}{error}. GradNormEarlyStopping at fit end: {why}{sampled}."
 
 
 def _not_stopped(run: Run, partial: str) -> str:
@@ -308,7 +379,8 @@ def _not_stopped(run: Run, partial: str) -> str:
     streak = f"the logged streak in its condition reached {max(streaks):g} step(s) in a row"
     flags = [v for series in run.matching(grad_norm("in_noise_band")).values() for _, v in series]
     if flags and not any(flags):
-        return f"not stopped: never in the noise band, on any of the {len(flags)} logged steps"
+        return (f"not stopped: never in the noise band, on any of the {len(flags)} logged steps (the steps in between "
+                "were not logged, and the stopper's end-of-fit table, which counts them, was not either)")
     if flags:
         return (f"not stopped: in the noise band on {sum(flags):g} of {len(flags)} logged steps; {streak}, short of "
                 "its patience or before min_steps")
