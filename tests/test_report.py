@@ -535,3 +535,35 @@ def test_a_section_logged_before_the_last_step_says_when(tmp_path: Path, capsys:
     writer.close()
     _, text, _ = report(capsys, str(tmp_path))
     assert "\n  memory, as of optimizer step 2\n    parameters  156.25 KiB\n" in text
+
+
+def test_a_section_takes_its_rows_from_one_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """B_simple is logged to step 95, its error only while finite (to step 50), S/S_min only while B̂ was reliable
+    (to step 30), one module's saved bytes only at step 10: each older row says its step, and the verdict does
+    not set the step-95 B_simple against the step-50 error."""
+    logged = {tag: v for tag, v in HEALTHY.items() if tag != "grad_noise/b_simple_rel_err"}
+    write_run(tmp_path / "run", {**logged, "grad_noise/b_simple": [300.0 + s for s in STEPS]})
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in STEPS:
+        if step <= 50:
+            writer.add_scalar("grad_noise/b_simple_rel_err", 2.0 + step, step)
+        if step <= 30:
+            writer.add_scalar("lr_scaling/steps_over_min", 1 + step / 10, step)
+    writer.add_scalar("memory/activations/old", 5 * 2**20, 10)
+    writer.close()
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    assert run["steps"]["noise scale and batch size"] == 95
+    noise = {row["label"]: (row["value"], row["step"]) for row in run["sections"]["noise scale and batch size"]}
+    assert noise["B_simple = tr Σ / ‖G‖²"] == (395.0, None)
+    assert noise["B_simple relative error"] == (52.0, 50)
+    assert noise["steps over the fewest, S/S_min = 1 + B̂/B"] == (4.0, 30)
+    assert noise["effective batch B"] == (64.0, None)
+    memory = {row["label"]: (row["value"], row["step"]) for row in run["sections"]["memory"]}
+    assert memory["saved by old"] == (5 * 2**20, 10) and list(memory)[-1] == "saved by old"  # after the step's rows
+    (verdict,) = [f["message"] for f in run["findings"] if "B_simple = 395" in f["message"]]
+    assert "(its error was not logged with it) at optimizer step 95" in verdict and "5200%" not in verdict
+    _, text, _ = report(capsys, str(tmp_path))
+    assert re.search(r"B_simple relative error +52 \(at optimizer step 50\)\n", text)
+    assert re.search(r"S/S_min = 1 \+ B̂/B +4 \(at optimizer step 30\)\n", text)
+    assert re.search(r"saved by old +5.00 MiB \(at optimizer step 10\)\n", text)

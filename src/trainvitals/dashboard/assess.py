@@ -60,11 +60,16 @@ unused in one window and trains in the next)."""
 
 @dataclass
 class Row:
-    """One line of a section: a label, a value and its unit (``bytes``, ``examples``, ``steps`` or empty)."""
+    """One line of a section: a label, a value and its unit (``bytes``, ``examples``, ``steps`` or empty).
+
+    A section's rows are of one step, its own (:attr:`RunReport.steps`); ``step`` is the step of a value not
+    logged at it (a callback with another cadence, a value logged only while it was valid), shown with it.
+    """
 
     label: str
     value: float | str | None
     unit: str = ""
+    step: int | None = None
 
 
 @dataclass
@@ -87,9 +92,9 @@ class RunReport:
     panels: dict[str, str] = field(default_factory=dict)
     """The callbacks' own end-of-run markdown (lr advice, integrity findings, memory table), by title."""
     steps: dict[str, int] = field(default_factory=dict)
-    """The optimizer step each section's values and the lr advice are of, by title. The callbacks log at
-    their own cadences (a section shows the last value of each series) and the advice at fit end, so they
-    may speak of different steps: a title whose step is not :attr:`last_step` is shown with it."""
+    """The optimizer step each section's values and the lr advice are of, by title: a section's is the last
+    step of its anchor series (a row not logged then carries its own, :attr:`Row.step`), the advice's the step
+    it was written at (fit end). A title whose step is not :attr:`last_step` is shown with it."""
     read_in_part: bool = False
     """An event file of the run is damaged: what was logged in the part not read is not in the report."""
     measured: bool = True
@@ -166,12 +171,56 @@ def _panel(run: Run, report: RunReport, title: str, tag: str, dated: bool = Fals
             report.steps[title] = run.texts[tag][-1][0]
 
 
-def _as_of(run: Run, report: RunReport, title: str, *patterns: str) -> None:
-    """``report.steps[title]``: the latest step among the last values of the series matching ``patterns``,
-    those the section ``title`` shows."""
-    steps = [series[-1][0] for pattern in patterns for series in run.matching(pattern).values() if series]
-    if steps:
-        report.steps[title] = max(steps)
+def _as_of(run: Run, report: RunReport, title: str, *patterns: str) -> int | None:
+    """The section ``title``'s step, kept in ``report.steps[title]``: the last step of the first of ``patterns``
+    (its anchor) that was logged; None when none was."""
+    for pattern in patterns:
+        series = [s for s in run.matching(pattern).values() if s]
+        if series:
+            report.steps[title] = step = max(s[-1][0] for s in series)
+            return step
+    return None
+
+
+def _at(series: list[tuple[int, float]] | None, step: int | None) -> tuple[float | None, int | None]:
+    """``series``' value at the section's ``step``, and None; else its last value and that value's own step."""
+    if not series:
+        return None, None
+    value = next((v for s, v in reversed(series) if s == step), None)
+    if value is not None or step is None:
+        return (value, None) if value is not None else (series[-1][1], None)
+    return series[-1][1], series[-1][0]
+
+
+def _first_series(run: Run, *patterns: str) -> list[tuple[int, float]] | None:
+    """The first series (tags sorted) of the first of ``patterns`` that matches one, as :meth:`Run.last` picks."""
+    for pattern in patterns:
+        matching = run.matching(pattern)
+        if matching:
+            return matching[min(matching)]
+    return None
+
+
+def _row(run: Run, step: int | None, label: str, *patterns: str, unit: str = "") -> Row:
+    """The row ``label`` of a section at ``step``, from the first of ``patterns`` logged (:func:`_at`)."""
+    return _series_row(label, _first_series(run, *patterns), step, unit)
+
+
+def _series_row(label: str, series: list[tuple[int, float]] | None, step: int | None, unit: str = "") -> Row:
+    """The row ``label`` of a section at ``step``: ``series``' value there, else its last with its own step."""
+    value, own = _at(series, step)
+    return Row(label, value, unit, own)
+
+
+def _ratio_row(label: str, top: list[tuple[int, float]] | None, bottom: list[tuple[int, float]] | None,
+               step: int | None) -> Row:
+    """``top / bottom`` at the last step both were logged at (its own step when not the section's ``step``)."""
+    by_step = dict(bottom or [])
+    both = [(s, v / by_step[s]) for s, v in (top or []) if by_step.get(s)]
+    if not both:
+        return Row(label, None)
+    at, value = both[-1]
+    return Row(label, value, step=None if at == step else at)
 
 
 def _counter(run: Run, pattern: str, last: bool = False) -> float:
@@ -239,10 +288,18 @@ def _rose_every_step(series: list[tuple[int, float]], since: int, least: int) ->
 def _convergence(run: Run, report: RunReport) -> None:
     title = "convergence"
     # Like with like: a partly measured model's floor is set against the norm of the measured parameters.
-    total = run.last(grad_norm("measured_total"))
-    total = run.last(grad_norm("total")) if total is None else total
-    floor = run.last(grad_norm("noise_floor"))  # the run's one floor (core/estimate.py)
-    floor_se = run.last(grad_norm("noise_floor_se"))
+    norm = grad_norm("measured_total") if run.matching(grad_norm("measured_total")) else grad_norm("total")
+    step = _as_of(run, report, title, norm, grad_norm("noise_floor"), grad_norm("in_noise_band"))
+    rows = [_row(run, step, "gradient norm, last", norm),
+            _row(run, step, "noise floor sqrt(tr Σ/B), last", grad_norm("noise_floor")),  # the run's one floor
+            _row(run, step, "noise floor standard error", grad_norm("noise_floor_se"))]
+    total = rows[0].value
+    ratio_row = _ratio_row("norm / noise floor", _first_series(run, norm), _first_series(run, grad_norm("noise_floor")),
+                           step)
+    ratio = ratio_row.value if isinstance(ratio_row.value, float) else None
+    said_at = f" at optimizer step {ratio_row.step}" if ratio_row.step is not None else ""
+    error_row = _ratio_row("", _first_series(run, grad_norm("noise_floor_se")), _first_series(run, grad_norm("noise_floor")),
+                           step)
     partial = _partial(run)
     band = run.matching(grad_norm("in_noise_band"))
     flags = [v for _, v in band[min(band)]] if band else []
@@ -250,13 +307,8 @@ def _convergence(run: Run, report: RunReport) -> None:
     in_band = sum(recent) / len(recent) if recent else None
     end = _stopper_end(run)
     stop = run.text("grad_norm/stop_reason") or (end.get("stop") if end and not _end_reason(end) else None)
-    _as_of(run, report, title, *(grad_norm(n) for n in ("measured_total", "total", "noise_floor", "noise_floor_se",
-                                                       "in_noise_band")))
     report.sections[title] = [
-        Row("gradient norm, last", total),
-        Row("noise floor sqrt(tr Σ/B), last", floor),
-        Row("noise floor standard error", floor_se),
-        Row("norm / noise floor", total / floor if total is not None and floor else None),
+        *rows, ratio_row,
         Row(f"fraction in the noise band, last {len(recent)} logged steps", in_band),
         Row("stop", stop or (f"not stopped: {_end_reason(end)}" if end else _not_stopped(run, partial))),
     ]
@@ -265,8 +317,8 @@ def _convergence(run: Run, report: RunReport) -> None:
     caveat = run.text("grad_noise/caveat")
     if caveat:
         report.findings.append(Finding("note", title, caveat.removeprefix("trainvitals GradNormEarlyStopping: ")))
-    error = (f" (noise floor ± {100 * floor_se / floor:.2g}%)" if floor and floor_se is not None and math.isfinite(floor_se)
-             else "")
+    error = (f" (noise floor ± {100 * error_row.value:.2g}%)"
+             if isinstance(error_row.value, float) and math.isfinite(error_row.value) else "")
     if _diverged(run):
         report.findings.append(Finding(
             "note", title, "the run diverged (non-finite gradients or losses): the last finite gradient norm and "
@@ -276,9 +328,9 @@ def _convergence(run: Run, report: RunReport) -> None:
     elif end and not stop and end.get("rule", "").startswith("noise band"):
         report.findings.append(Finding("note", title, _end_verdict(end, flags, error)))
     elif in_band is None:
-        if total is not None and floor:
+        if ratio is not None:
             report.findings.append(Finding(
-                "note", title, f"the last gradient norm is {total / floor:.2f}× its noise floor{error}; GradNormEarlyStopping "
+                "note", title, f"the last gradient norm is {ratio:.2f}× its noise floor{said_at}{error}; GradNormEarlyStopping "
                 "would log whether the run is in its noise band."))
         elif total is not None:
             report.findings.append(Finding(
@@ -294,8 +346,7 @@ def _convergence(run: Run, report: RunReport) -> None:
             "the gradient norm sits at its noise floor, further steps mostly move within noise."
             + _few_flags(recent)))
     else:
-        ratio = total / floor if total is not None and floor else None
-        said = f" (the last norm is {ratio:.2f}× the noise floor)" if ratio is not None else ""
+        said = f" (the last norm is {ratio:.2f}× the noise floor{said_at})" if ratio is not None else ""
         why = ("the band is decided on the smoothed estimates, not on one norm" if ratio is not None and ratio <= 1
                else "the true gradient still stands out of the noise")
         report.findings.append(Finding(
@@ -410,16 +461,21 @@ def _partial(run: Run) -> str:
 
 def _noise_scale(run: Run, report: RunReport) -> None:
     title = "noise scale and batch size"
-    b_simple = run.last(r"grad_noise/b_simple$")  # the run's one B_simple (core/estimate.py)
-    rel_err = run.last(r"grad_noise/b_simple_rel_err$")
-    unreliable = run.last(r"grad_noise/b_simple_unreliable$")
-    coverage = run.last(r"grad_noise/coverage$")
-    batch = run.last(r"lr_scaling/effective_batch$")
-    _as_of(run, report, title, r"grad_noise/(b_simple|b_simple_rel_err|coverage)$", r"lr_scaling/")
-    rows = [Row("B_simple = tr Σ / ‖G‖²", b_simple, "examples"), Row("B_simple relative error", rel_err),
-            Row("share of ‖ḡ‖² measured", coverage), Row("effective batch B", batch, "examples")]
-    rows += [Row(_lr_label(tag.removeprefix("lr_scaling/"), batch), series[-1][1]) for tag, series in sorted(
-        run.matching(r"lr_scaling/(?!effective_batch$).+").items())]
+    step = _as_of(run, report, title, r"grad_noise/b_simple$", r"lr_scaling/effective_batch$", r"lr_scaling/")
+    rows = [_row(run, step, "B_simple = tr Σ / ‖G‖²", r"grad_noise/b_simple$", unit="examples"),  # the run's one
+            _row(run, step, "B_simple relative error", r"grad_noise/b_simple_rel_err$"),
+            _row(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$"),
+            _row(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples")]
+    b_simple_row, error_row, _, batch_row = rows
+    # The verdict's numbers are of the section's step, B_simple's last: an error of another step is not its.
+    b_simple = b_simple_row.value if b_simple_row.step is None else None
+    rel_err = error_row.value if error_row.step is None else None
+    batches = {v for _, v in _first_series(run, r"lr_scaling/effective_batch$") or []}
+    batch = batch_row.value if batch_row.step is None or len(batches) == 1 else None  # one batch all along: its own
+    unreliable = _at(_first_series(run, r"grad_noise/b_simple_unreliable$"), step)
+    at = f" at optimizer step {step}"
+    rows += [_series_row(_lr_label(tag.removeprefix("lr_scaling/"), batch_row.value), series, step)
+             for tag, series in sorted(run.matching(r"lr_scaling/(?!effective_batch$).+").items())]
     report.sections[title] = rows
     checked = run.text(SOURCES_CHECK)
     if checked:  # said once by the callbacks: a noise source dropped, or two that disagree
@@ -427,14 +483,14 @@ def _noise_scale(run: Run, report: RunReport) -> None:
     partial = _partial(run)
     if b_simple is not None and partial:
         report.findings.append(Finding("note", title, f"{partial}: no batch-size verdict, and no noise-aware lr advice."))
-    elif b_simple is not None and (unreliable == 1 or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR):
+    elif b_simple is not None and (unreliable == (1, None) or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR):
         what = f"relative error {rel_err:.2g}" if rel_err is not None and math.isfinite(rel_err) else (
             "no finite error bar: too few measurements, or ‖G‖² not resolved from zero")
         report.findings.append(Finding(
-            "note", title, f"B_simple = {b_simple:.3g} is unreliable ({what}): no batch-size verdict; the lr advice "
+            "note", title, f"B_simple = {b_simple:.3g} is unreliable ({what}){at}: no batch-size verdict; the lr advice "
             "follows the classic rules."))
     elif b_simple is not None and batch and math.isfinite(b_simple):
-        spread = f" (± {100 * rel_err:.2g}%)" if rel_err is not None else " (its error was not logged)"
+        spread = (f" (± {100 * rel_err:.2g}%)" if rel_err is not None else " (its error was not logged with it)") + at
         if batch < b_simple:
             message = (f"B = {batch:g} < B_simple = {b_simple:.3g}{spread}: each step is noise-dominated; a batch near "
                        "B_simple balances steps against examples.")
@@ -488,23 +544,23 @@ def _integrity(run: Run, report: RunReport) -> None:
     title = INTEGRITY
     # The per-kind finding counts (graph/findings_<kind>) are left to the findings panel.
     order = list(_INTEGRITY_LABELS)
-    metrics = sorted(((tag.removeprefix("graph/"), series[-1][1]) for tag, series in run.matching(
+    step = _as_of(run, report, title, r"graph/(?!findings_).+")
+    metrics = sorted(((tag.removeprefix("graph/"), series) for tag, series in run.matching(
         r"graph/(?!findings_).+").items()), key=lambda m: (order.index(m[0]) if m[0] in order else len(order), m[0]))
-    _as_of(run, report, title, r"graph/(?!findings_).+")
-    report.sections[title] = [Row(_INTEGRITY_LABELS.get(metric, metric.replace("_", " ")), value)
-                              for metric, value in metrics]
+    report.sections[title] = [_series_row(_INTEGRITY_LABELS.get(metric, metric.replace("_", " ")), series, step)
+                              for metric, series in metrics]
     _panel(run, report, "integrity findings", "graph/findings")
 
 
 def _memory(run: Run, report: RunReport) -> None:
     title = "memory"
-    categories = sorted(((series[-1][1], tag.removeprefix("memory/").removesuffix("_bytes"))
-                         for tag, series in run.matching(MEMORY_BYTES).items()), reverse=True)
-    _as_of(run, report, title, MEMORY_BYTES, r"memory/activations/.+")
-    rows = [Row(category.replace("_", " "), value, "bytes") for value, category in categories]
-    per_module = sorted(((series[-1][1], tag.removeprefix("memory/activations/"))
-                         for tag, series in run.matching(r"memory/activations/.+").items()), reverse=True)
-    rows += [Row(f"saved by {module}", value, "bytes") for value, module in per_module[:5]]
+    step = _as_of(run, report, title, MEMORY_BYTES, r"memory/activations/.+")
+    categories = sorted(((*_at(series, step), tag.removeprefix("memory/").removesuffix("_bytes"))
+                         for tag, series in run.matching(MEMORY_BYTES).items()), key=_largest_first, reverse=True)
+    rows = [Row(category.replace("_", " "), value, "bytes", own) for value, own, category in categories]
+    per_module = sorted(((*_at(series, step), tag.removeprefix("memory/activations/"))
+                         for tag, series in run.matching(r"memory/activations/.+").items()), key=_largest_first, reverse=True)
+    rows += [Row(f"saved by {module}", value, "bytes", own) for value, own, module in per_module[:5]]
     report.sections[title] = rows
     _panel(run, report, "memory table", "memory/report")
     held = [v for _, v in run.scalars.get("memory/held_saved_bytes", [])]
@@ -513,6 +569,12 @@ def _memory(run: Run, report: RunReport) -> None:
             "critical", title, f"a computation graph outlives its step: {format_bytes(held[-1])} of saved tensors "
             f"still held after backward, up from {format_bytes(held[-2])} at the previous profiled step "
             "(total += loss, a hidden state not detached, retain_graph=True)"))
+
+
+def _largest_first(row: tuple[float, int | None, str]) -> tuple[bool, float, str]:
+    """A sort key (reversed) for memory rows: those of the section's step first, each group the largest first."""
+    value, own, name = row
+    return own is None, value, name
 
 
 def _spikes(run: Run, report: RunReport) -> None:

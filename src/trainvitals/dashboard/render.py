@@ -85,14 +85,16 @@ def _json_safe(obj: Any) -> Any:
 
 
 def format_value(row: Row) -> str:
-    """A row's value as shown: ``n/a`` when not logged, bytes in binary units, a number to 4 digits."""
+    """A row's value as shown: ``n/a`` when not logged, bytes in binary units, a number to 4 digits; with its
+    own step when it is not its section's."""
     v = row.value
     if v is None:
         return "n/a"
     if isinstance(v, str):
-        return v
-    if row.unit == "bytes":
-        return format_bytes(v)
-    text = f"{v:.4g}"
-    return f"{text} {row.unit}" if row.unit else text
+        text = v
+    elif row.unit == "bytes":
+        text = format_bytes(v)
+    else:
+        text = f"{v:.4g} {row.unit}" if row.unit else f"{v:.4g}"
+    return text if row.step is None else f"{text} (at optimizer step {row.step})"
 
