@@ -567,3 +567,18 @@ def test_a_section_takes_its_rows_from_one_step(tmp_path: Path, capsys: pytest.C
     assert re.search(r"B_simple relative error +52 \(at optimizer step 50\)\n", text)
     assert re.search(r"S/S_min = 1 \+ B̂/B +4 \(at optimizer step 30\)\n", text)
     assert re.search(r"saved by old +5.00 MiB \(at optimizer step 10\)\n", text)
+
+
+def test_an_integrity_finding_that_is_not_critical_is_in_the_findings(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A param group at lr 0 (zero_lr, not critical: it may be meant) reaches the findings list, in words."""
+    from trainvitals.core.findings import FindingKind
+
+    write_run(tmp_path / "run", {**HEALTHY, FindingKind.ZERO_LR.counter: [0.0] * 10 + [1.0] * 10},
+              {"graph/findings": "| step | kind | names | finding |\n|---|---|---|---|\n| 52 | zero_lr | g | lr 0 |"})
+    status, doc = report_json(capsys, tmp_path)
+    (found,) = [f for f in doc["runs"][0]["findings"] if f["section"] == "integrity"]
+    assert status == EXIT_OK and found["severity"] == "warning"
+    assert found["message"].startswith("a param group at lr exactly 0 whose parameters require grad: they do not "
+                                       "train (found 1 time(s))")
+    assert "zero_lr" not in found["message"]

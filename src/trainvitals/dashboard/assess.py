@@ -18,7 +18,7 @@ from trainvitals.core.estimate import (
     MIN_MEASUREMENTS,
     SOURCES_CHECK,
 )
-from trainvitals.core.findings import INTEGRITY, critical_counters, last_window_counters
+from trainvitals.core.findings import INTEGRITY, critical_counters, last_window_counters, warning_counters
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.events import Run
 from trainvitals.dashboard.tags import (
@@ -142,6 +142,11 @@ def assess(run: Run) -> RunReport:
         n = _counter(run, pattern, last=pattern in LAST_WINDOW)
         if n > 0:
             report.findings.append(Finding("critical", title, message.format(n=f"{n:g}")))
+    for title, pattern, message in warning_counters():
+        n = _counter(run, pattern)
+        if n > 0:
+            report.findings.append(Finding("warning", title, f"{message} (found {n:g} time(s)): the integrity findings "
+                                           "say where, and what to do"))
     if (since := _uncounted_since(run)) is not None:
         report.findings.append(Finding(
             "critical", SPIKES, f"GradNormEarlyStopping counted none of the optimizer steps after step {since}: "
