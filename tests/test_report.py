@@ -582,3 +582,23 @@ def test_an_integrity_finding_that_is_not_critical_is_in_the_findings(
     assert found["message"].startswith("a param group at lr exactly 0 whose parameters require grad: they do not "
                                        "train (found 1 time(s))")
     assert "zero_lr" not in found["message"]
+
+
+def test_a_crashed_run_does_not_ask_for_callbacks_it_had(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The fit crashed after one logged step (a layout, no end-of-fit diagnosis): the stopper was attached but had
+    logged no band flag, or nothing at all; the report says the run ended, not "add GradNormEarlyStopping"."""
+    from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
+
+    for name, stopper in (("with_streak", True), ("without", False)):
+        writer = SummaryWriter(str(tmp_path / name))
+        writer.add_custom_scalars(TRAINVITALS_LAYOUT)
+        writer.add_scalar("grad_norm/total", 1.1, 0)
+        writer.add_scalar("grad_norm/noise_floor", 0.8, 0)
+        if stopper:
+            writer.add_scalar("grad_norm/band_streak", 0.0, 0)
+        writer.close()
+    _, doc = report_json(capsys, tmp_path)
+    for run in doc["runs"]:
+        text = " ".join([f["message"] for f in run["findings"]] + [str(r["value"]) for r in run["sections"]["convergence"]])
+        assert "would log whether" not in text and "band_streak" not in text and "no stop rule" not in text
+        assert "the fit ended after optimizer step 0 (the last logged)" in text

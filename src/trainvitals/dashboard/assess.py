@@ -131,7 +131,7 @@ def assess(run: Run) -> RunReport:
             + ", so no optimizer step was logged — an empty train dataloader (limit_train_batches=0), max_steps=0, "
             "or step logging off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."
             + _separator_hint(run)))
-    if report.measured and run.layout and not any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts):
+    if report.measured and _ended_early(run):
         report.findings.append(Finding(
             "warning", EVENT_FILES, "no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start but "
             "no diagnosis panel at fit end, so the fit is still running, was killed or crashed, or an event file "
@@ -152,6 +152,18 @@ def assess(run: Run) -> RunReport:
             "critical", SPIKES, f"GradNormEarlyStopping counted none of the optimizer steps after step {since}: "
             "each had non-finite (inf/NaN) gradients (or a GradScaler skipped it), the run diverged"))
     return report
+
+
+def _ended_early(run: Run) -> bool:
+    """Whether TrainvitalsDashboard wrote its layout at fit start but no diagnosis at fit end: the fit crashed,
+    was killed or is still running."""
+    return run.layout and not any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts)
+
+
+def _logged_steps(run: Run) -> str:
+    """"after optimizer step N (the last logged)": how far the run's trainvitals scalars go."""
+    steps = [s for series in run.scalars.values() for s, _ in series]  # as RunReport.last_step
+    return f"after optimizer step {max(steps)} (the last logged)" if steps else "before its first logged step"
 
 
 _OTHER_SEPARATOR = re.compile(rf"^.*?\w(\W+)(?:{'|'.join(TRAINVITALS_ROOTS)})/")
@@ -334,9 +346,15 @@ def _convergence(run: Run, report: RunReport) -> None:
         report.findings.append(Finding("note", title, _end_verdict(end, flags, error)))
     elif in_band is None:
         if ratio is not None:
+            if _ended_early(run):
+                why = f"no noise-band flag was logged: the fit ended {_logged_steps(run)}, without its end-of-fit diagnosis"
+            elif run.matching(grad_norm("band_streak")):  # the stopper was there
+                why = (f"GradNormEarlyStopping logged no noise-band flag: its estimate had fewer than {MIN_MEASUREMENTS} "
+                       "measurements, or its rule is a threshold or relative one")
+            else:
+                why = "GradNormEarlyStopping would log whether the run is in its noise band"
             report.findings.append(Finding(
-                "note", title, f"the last gradient norm is {ratio:.2f}× its noise floor{said_at}{error}; GradNormEarlyStopping "
-                "would log whether the run is in its noise band."))
+                "note", title, f"the last gradient norm is {ratio:.2f}× its noise floor{said_at}{error}; {why}."))
         elif total is not None:
             report.findings.append(Finding(
                 "note", title, "no noise estimate, so no noise band: it needs accumulate_grad_batches >= 2, "
@@ -429,7 +447,12 @@ def _not_stopped(run: Run, partial: str) -> str:
     stopper, a diverged run, never in the band, too short a streak, no valid source, partial coverage."""
     streaks = [v for series in run.matching(grad_norm("band_streak")).values() for _, v in series if math.isfinite(v)]
     if not streaks:
-        return "no stop rule: no GradNormEarlyStopping logged (grad_norm/band_streak)"
+        if _ended_early(run):
+            return (f"nothing logged by a stopper yet: the fit ended {_logged_steps(run)}, before GradNormEarlyStopping "
+                    "(if it was attached) logged")
+        if any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts):
+            return "no stop rule: the fit ended with no GradNormEarlyStopping diagnosis, so none was attached"
+        return "no stop rule: no GradNormEarlyStopping logged anything (not attached, or the fit ended before it logged)"
     if _diverged(run):
         return "not stopped: the run diverged, and the stopper counts no step with non-finite gradients"
     streak = f"the logged streak in its condition reached {max(streaks):g} step(s) in a row"
@@ -440,6 +463,9 @@ def _not_stopped(run: Run, partial: str) -> str:
     if flags:
         return (f"not stopped: in the noise band on {sum(flags):g} of {len(flags)} logged steps; {streak}, short of "
                 "its patience or before min_steps")
+    if not flags and _ended_early(run):
+        return (f"not stopped: the fit ended {_logged_steps(run)} without its end-of-fit diagnosis, before a "
+                f"noise-band flag was logged; {streak}")
     caveat = run.text("grad_noise/caveat")
     if caveat:  # the stopper's own words: no valid source, partial coverage
         return "not stopped: " + caveat.removeprefix("trainvitals GradNormEarlyStopping: ")
