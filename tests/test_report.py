@@ -602,3 +602,23 @@ def test_a_crashed_run_does_not_ask_for_callbacks_it_had(tmp_path: Path, capsys:
         text = " ".join([f["message"] for f in run["findings"]] + [str(r["value"]) for r in run["sections"]["convergence"]])
         assert "would log whether" not in text and "band_streak" not in text and "no stop rule" not in text
         assert "the fit ended after optimizer step 0 (the last logged)" in text
+
+
+def test_a_run_that_logged_nothing_is_no_clean_bill_and_no_failure_beside_others(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that crashed before its first step left only the integrity panel (an older callback's "clean bill" of
+    0 walks): it says nothing was logged, shows no empty sections, and the folder's status is the other run's."""
+    old_panel = ("**Graph integrity: clean bill of health.** No findings in 0 graph walk(s) and 0 gradient check(s).")
+    write_run(tmp_path / "a_crashed", {}, {"graph/findings": old_panel})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_NO_DATA  # alone, nothing to report
+    write_run(tmp_path / "b_healthy", HEALTHY)
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_OK
+    crashed = doc["runs"][0]
+    assert crashed["status"] == "nothing measured" and not any(crashed["sections"].values())
+    assert "nothing logged (the run may have ended before its first step" in crashed["findings"][0]["message"]
+    assert "clean bill" not in crashed["panels"]["integrity findings"]
+    assert "nothing checked" in crashed["panels"]["integrity findings"]
+    _, text, _ = report(capsys, str(tmp_path))
+    assert "clean bill" not in text and "n/a" not in text.split("run b_healthy")[0]

@@ -63,7 +63,7 @@ from trainvitals.callbacks.integrity_checks.optimizer import (
 from trainvitals.callbacks.integrity_checks.reachability import ReachabilityCheck
 from trainvitals.callbacks.integrity_checks.stale_graph import StaleGraphCheck
 from trainvitals.callbacks.integrity_checks.zero_lr import ZeroLrCheck
-from trainvitals.core.findings import Finding, FindingKind
+from trainvitals.core.findings import NOTHING_CHECKED, Finding, FindingKind
 from trainvitals.core.graph import first_tensor, sequence_mark, walk_graph
 from trainvitals.core.integrity import listed
 from trainvitals.dashboard.terminal import markdown_to_text
@@ -318,13 +318,19 @@ class GraphIntegrityCallback(TrainvitalsCallback):
     def summary_line(self) -> str:
         """One line for the end of fit: how much was checked, and the findings by kind."""
         checked = f"{self._walks} graph walk(s) and {self._grad_checks} gradient check(s)"
+        if not self.findings and not (self._walks or self._grad_checks):
+            return ("nothing checked: no graph walk and no gradient check ran (the run may have ended before its "
+                    "first step).")
         if not self.findings:
             return f"clean: no findings in {checked}."
         kinds = sorted({f.kind.value for f in self.findings})
         return f"{len(self.findings)} finding(s) in {checked} ({', '.join(kinds)}): the Text tab's graph/findings."
 
     def summary_markdown(self) -> str:
-        """The findings as a markdown table (step, kind, names, message), or a clean bill of health."""
+        """The findings as a markdown table (step, kind, names, message), or a clean bill of health (of at least
+        one walk or gradient check: else :data:`~trainvitals.core.findings.NOTHING_CHECKED`)."""
+        if not self.findings and not (self._walks or self._grad_checks):
+            return NOTHING_CHECKED
         if not self.findings:
             return (
                 f"**Graph integrity: clean bill of health.** No findings in {self._walks} graph walk(s) and "

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 INTEGRITY = "integrity"
 """The report's section for the integrity findings."""
 
+NOTHING_CHECKED = ("**Graph integrity: nothing checked.** No graph walk and no gradient check ran, so no verdict: "
+                   "nothing logged (the run may have ended before its first step).")
+"""GraphIntegrityCallback's end-of-fit markdown when it checked nothing: not a clean bill of health."""
+
 
 @dataclass(frozen=True)
 class KindSpec:

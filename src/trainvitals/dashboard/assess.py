@@ -18,7 +18,13 @@ from trainvitals.core.estimate import (
     MIN_MEASUREMENTS,
     SOURCES_CHECK,
 )
-from trainvitals.core.findings import INTEGRITY, critical_counters, last_window_counters, warning_counters
+from trainvitals.core.findings import (
+    INTEGRITY,
+    NOTHING_CHECKED,
+    critical_counters,
+    last_window_counters,
+    warning_counters,
+)
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.events import Run
 from trainvitals.dashboard.tags import (
@@ -114,7 +120,8 @@ class RunReport:
 
     @property
     def exit_status(self) -> int:
-        """This run's exit status (module docstring); the command exits with the most severe of its runs."""
+        """This run's exit status (module docstring); the command exits with the most severe of its runs, those
+        that measured nothing left out when another did."""
         return {"CRITICAL": EXIT_CRITICAL, "read in part": EXIT_DAMAGED, "nothing measured": EXIT_NO_DATA}.get(
             self.status, EXIT_OK)
 
@@ -128,15 +135,16 @@ def assess(run: Run) -> RunReport:
     if not report.measured:
         report.findings.append(Finding(
             "warning", EVENT_FILES, "nothing measured: no trainvitals scalar" + (" in the part read" if run.damage else "")
-            + ", so no optimizer step was logged — an empty train dataloader (limit_train_batches=0), max_steps=0, "
-            "or step logging off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."
+            + ", so no optimizer step was logged — nothing logged (the run may have ended before its first step: it "
+            "crashed or was killed), an empty train dataloader (limit_train_batches=0), max_steps=0, or step logging "
+            "off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."
             + _separator_hint(run)))
     if report.measured and _ended_early(run):
         report.findings.append(Finding(
             "warning", EVENT_FILES, "no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start but "
             "no diagnosis panel at fit end, so the fit is still running, was killed or crashed, or an event file "
             "was cut at a record's end (which its format cannot tell); whatever came after is not in this report."))
-    for section in (_convergence, _noise_scale, _integrity, _memory, _spikes):
+    for section in (_convergence, _noise_scale, _integrity, _memory, _spikes) if report.measured else (_integrity,):
         section(run, report)
     for title, pattern, message in CRITICAL_COUNTERS:
         n = _counter(run, pattern, last=pattern in LAST_WINDOW)
@@ -571,6 +579,9 @@ _INTEGRITY_LABELS = {
 here and in this order; another metric is shown after them, its name as words."""
 
 
+_CHECKED_NOTHING = re.compile(r"clean bill of health\.\*\* No findings in 0 graph walk\(s\) and 0 gradient check\(s\)")
+
+
 def _integrity(run: Run, report: RunReport) -> None:
     title = INTEGRITY
     # The per-kind finding counts (graph/findings_<kind>) are left to the findings panel.
@@ -581,6 +592,8 @@ def _integrity(run: Run, report: RunReport) -> None:
     report.sections[title] = [_series_row(_INTEGRITY_LABELS.get(metric, metric.replace("_", " ")), series, step)
                               for metric, series in metrics]
     _panel(run, report, "integrity findings", "graph/findings")
+    if _CHECKED_NOTHING.search(report.panels.get("integrity findings", "")):  # an older callback's clean bill of nothing
+        report.panels["integrity findings"] = NOTHING_CHECKED
 
 
 def _memory(run: Run, report: RunReport) -> None:
