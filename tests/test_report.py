@@ -216,7 +216,7 @@ def test_growing_held_graph_is_critical(tmp_path: Path, capsys: pytest.CaptureFi
     (finding,) = [f for f in leak["findings"] if f["severity"] == "critical"]
     assert finding["section"] == "memory"
     assert "2.00 MiB of saved tensors still held after backward, up from 1.00 MiB" in finding["message"]
-    assert rows(leak, "memory")["held saved"] == 2 * 2**20
+    assert rows(leak, "memory")["held after backward"] == 2 * 2**20
 
 
 def test_amp_skips_and_spikes_are_not_critical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,11 +237,11 @@ def test_text_and_markdown_formats(tmp_path: Path, capsys: pytest.CaptureFixture
     assert status == EXIT_CRITICAL
     assert text.startswith("run run: CRITICAL, last logged optimizer step 95")
     assert "[critical] integrity: 2 parameter(s) got no gradient" in text
-    assert "parameters           156.25 KiB" in text
+    assert "    saved activations    3.00 MiB\n    parameters           156.25 KiB\n" in text
     status, markdown, _ = report(capsys, str(tmp_path), "--format", "markdown")
     assert status == EXIT_CRITICAL
     assert "## run `run`: CRITICAL" in markdown
-    assert "### memory\n\n| measure | value |\n|---|---|\n| activations | 3.00 MiB |\n| parameters | 156.25 KiB |" in markdown
+    assert "### memory\n\n| measure | value |\n|---|---|\n| saved activations | 3.00 MiB |\n| parameters | 156.25 KiB |" in markdown
     assert "- **critical** (integrity): 2 parameter(s) got no gradient" in markdown
     # A callback's own markdown is passed through whole in markdown; in text, as plain text under its title
     # with its table aligned, and the findings come before the sections.
@@ -360,7 +360,7 @@ def test_a_diverged_run_watched_by_the_stopper_or_the_probe_alone_is_critical(
     status, data = report_json(capsys, tmp_path)
     (run,) = data["runs"]
     assert status == EXIT_CRITICAL and run["status"] == "CRITICAL"
-    assert rows(run, "spikes and non-finite steps")["nonfinite steps"] == 11
+    assert rows(run, "spikes and non-finite steps")["steps with non-finite gradients"] == 11
     assert any("diverged" in f["message"] for f in run["findings"] if f["section"] == "convergence")
     assert not any("noise band" in f["message"] for f in run["findings"] if f["section"] == "convergence")
 
@@ -622,3 +622,28 @@ def test_a_run_that_logged_nothing_is_no_clean_bill_and_no_failure_beside_others
     assert "nothing checked" in crashed["panels"]["integrity findings"]
     _, text, _ = report(capsys, str(tmp_path))
     assert "clean bill" not in text and "n/a" not in text.split("run b_healthy")[0]
+
+
+@pytest.mark.parametrize(("flags", "label", "value"), [
+    ([], "fraction in the noise band", "no band flag logged"),
+    ([0.0], "in the noise band on its only logged step", "no"),
+    ([1.0, 0.0, 1.0], "in the noise band, of only 3 logged steps", "2 (too few for a share)"),
+    ([1.0] * 6 + [0.0] * 4, "fraction in the noise band, last 10 logged steps", "60.0%"),
+])
+def test_rows_say_in_words_what_was_logged(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags, label,
+                                           value) -> None:
+    """Too few band flags for a share are counted in words; shares are percents; labels are words, not tags."""
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in range(10):
+        for tag, v in {"grad_norm/total": 1.0, "grad_noise/coverage": 0.5, "memory/held_saved_bytes": 0.0,
+                       "grad_norm/nonfinite_steps": 0.0, "grad_norm/amp_skipped_steps": 0.0}.items():
+            writer.add_scalar(tag, v, step)
+    for step, flag in zip(range(10 - len(flags), 10), flags):
+        writer.add_scalar("grad_norm/in_noise_band", flag, step)
+    writer.close()
+    _, text, _ = report(capsys, str(tmp_path))
+    assert re.search(rf"\n    {re.escape(label)} +{re.escape(value)}\n", text), text
+    assert re.search(r"\n    share of ‖ḡ‖² measured +50.0%\n", text)
+    assert "held after backward" in text and "steps with non-finite gradients" in text
+    assert "steps a GradScaler skipped" in text
+    assert not re.search(r"held saved|nonfinite steps|amp skipped|last [01] logged|% of the last 1 ", text)

@@ -25,7 +25,7 @@ from trainvitals.core.findings import (
     last_window_counters,
     warning_counters,
 )
-from trainvitals.core.memory import format_bytes
+from trainvitals.core.memory import MEMORY_CATEGORIES, format_bytes
 from trainvitals.dashboard.events import Run
 from trainvitals.dashboard.tags import (
     DIAGNOSIS_PREFIXES,
@@ -66,7 +66,8 @@ unused in one window and trains in the next)."""
 
 @dataclass
 class Row:
-    """One line of a section: a label, a value and its unit (``bytes``, ``examples``, ``steps`` or empty).
+    """One line of a section: a label, a value and its unit (``bytes``, ``examples``, ``steps``, ``share``: a
+    fraction shown as a percent, or empty).
 
     A section's rows are of one step, its own (:attr:`RunReport.steps`); ``step`` is the step of a value not
     logged at it (a callback with another cadence, a value logged only while it was valid), shown with it.
@@ -334,7 +335,7 @@ def _convergence(run: Run, report: RunReport) -> None:
     stop = run.text("grad_norm/stop_reason") or (end.get("stop") if end and not _end_reason(end) else None)
     report.sections[title] = [
         *rows, ratio_row,
-        Row(f"fraction in the noise band, last {len(recent)} logged steps", in_band),
+        _band_row(recent),
         Row("stop", stop or (f"not stopped: {_end_reason(end)}" if end else _not_stopped(run, partial))),
     ]
     if stop:
@@ -370,10 +371,10 @@ def _convergence(run: Run, report: RunReport) -> None:
     elif stop and BAND_STOP in stop:  # every step of its patience was in the band; the logged flags sample a few
         report.findings.append(Finding(
             "note", title, f"in its noise band: GradNormEarlyStopping stopped the run on it{error}; the band flags "
-            f"logged meanwhile ({in_band:.0%} of the last {len(recent)}) sample single steps."))
+            f"logged meanwhile ({_share_in_band(recent)} in it) sample single steps."))
     elif in_band >= 0.5:
         report.findings.append(Finding(
-            "note", title, f"in its noise band ({_share_in_band(recent)}){error}: "
+            "note", title, f"in its noise band ({_share_in_band(recent, verb=False)}){error}: "
             "the gradient norm sits at its noise floor, further steps mostly move within noise."
             + _few_flags(recent)))
     else:
@@ -385,13 +386,27 @@ def _convergence(run: Run, report: RunReport) -> None:
             + _few_flags(recent)))
 
 
-def _share_in_band(flags: list[float]) -> str:
-    """How many of the last logged band flags were set, in words: a share only over :data:`BAND_WINDOW` of them."""
+def _band_row(flags: list[float]) -> Row:
+    """The last logged band flags' row: a share over :data:`BAND_WINDOW` or more of them, else a count in words."""
+    label = "fraction in the noise band"
+    if not flags:
+        return Row(label, "no band flag logged")
     if len(flags) == 1:
-        return f"its only logged step {'was' if flags[0] else 'was not'}"
+        return Row("in the noise band on its only logged step", "yes" if flags[0] else "no")
     if len(flags) < BAND_WINDOW:
-        return f"{sum(flags):g} of only {len(flags)} logged steps were"
-    return f"{sum(flags) / len(flags):.0%} of the last {len(flags)} logged steps were"
+        return Row(f"in the noise band, of only {len(flags)} logged steps", f"{sum(flags):g} (too few for a share)")
+    return Row(f"{label}, last {len(flags)} logged steps", sum(flags) / len(flags), "share")
+
+
+def _share_in_band(flags: list[float], verb: bool = True) -> str:
+    """How many of the last logged band flags were set, in words (``verb``: with "was"/"were"): a share only
+    over :data:`BAND_WINDOW` of them."""
+    if len(flags) == 1:
+        return "its only logged step" + ((" was" if flags[0] else " was not") if verb else "")
+    were = " were" if verb else ""
+    if len(flags) < BAND_WINDOW:
+        return f"{sum(flags):g} of only {len(flags)} logged steps{were}"
+    return f"{sum(flags) / len(flags):.0%} of the last {len(flags)} logged steps{were}"
 
 
 def _few_flags(flags: list[float]) -> str:
@@ -503,7 +518,7 @@ def _noise_scale(run: Run, report: RunReport) -> None:
     step = _as_of(run, report, title, r"grad_noise/b_simple$", r"lr_scaling/effective_batch$", r"lr_scaling/")
     rows = [_row(run, step, "B_simple = tr Σ / ‖G‖²", r"grad_noise/b_simple$", unit="examples"),  # the run's one
             _row(run, step, "B_simple relative error", r"grad_noise/b_simple_rel_err$"),
-            _row(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$"),
+            _row(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$", unit="share"),
             _row(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples")]
     b_simple_row, error_row, _, batch_row = rows
     # The verdict's numbers are of the section's step, B_simple's last: an error of another step is not its.
@@ -601,7 +616,7 @@ def _memory(run: Run, report: RunReport) -> None:
     step = _as_of(run, report, title, MEMORY_BYTES, r"memory/activations/.+")
     categories = sorted(((*_at(series, step), tag.removeprefix("memory/").removesuffix("_bytes"))
                          for tag, series in run.matching(MEMORY_BYTES).items()), key=_largest_first, reverse=True)
-    rows = [Row(category.replace("_", " "), value, "bytes", own) for value, own, category in categories]
+    rows = [Row(memory_label(category), value, "bytes", own) for value, own, category in categories]
     per_module = sorted(((*_at(series, step), tag.removeprefix("memory/activations/"))
                          for tag, series in run.matching(r"memory/activations/.+").items()), key=_largest_first, reverse=True)
     rows += [Row(f"saved by {module}", value, "bytes", own) for value, own, module in per_module[:5]]
@@ -615,18 +630,31 @@ def _memory(run: Run, report: RunReport) -> None:
             "(total += loss, a hidden state not detached, retain_graph=True)"))
 
 
+def memory_label(key: str) -> str:
+    """The words for ``memory/<key>_bytes``: its category's label (the profiler's table), else the key as words."""
+    return next((c.label for c in MEMORY_CATEGORIES if c.key == key), key.replace("_", " "))
+
+
 def _largest_first(row: tuple[float, int | None, str]) -> tuple[bool, float, str]:
     """A sort key (reversed) for memory rows: those of the section's step first, each group the largest first."""
     value, own, name = row
     return own is None, value, name
 
 
+_SPIKE_LABELS = {
+    "nonfinite_steps": "steps with non-finite gradients",
+    "amp_skipped_steps": "steps a GradScaler skipped",
+    "spike_steps": "gradient-norm spikes",
+}
+"""GradNormMonitor's counters, ``grad_norm/<name>``, as the spikes section labels them."""
+
+
 def _spikes(run: Run, report: RunReport) -> None:
     title = SPIKES
-    names = [n for n in ("nonfinite_steps", "amp_skipped_steps", "spike_steps") if run.matching(grad_norm(n))]
+    names = [n for n in _SPIKE_LABELS if run.matching(grad_norm(n))]
     counters = {name: _counter(run, grad_norm(name)) for name in names}
     _as_of(run, report, title, *(grad_norm(name) for name in names))
-    report.sections[title] = [Row(name.replace("_", " "), value, "steps") for name, value in counters.items()]
+    report.sections[title] = [Row(_SPIKE_LABELS[name], value, "steps") for name, value in counters.items()]
     if counters.get("amp_skipped_steps", 0) > 0:
         report.findings.append(Finding(
             "note", title, f"the GradScaler skipped {counters['amp_skipped_steps']:g} step(s) with inf/NaN "

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainvitals.dashboard.assess import RunReport
+from trainvitals.dashboard.assess import RunReport, memory_label
 from trainvitals.dashboard.events import Run
 from trainvitals.dashboard.render import format_value, heading, status_line
 from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, grad_norm
@@ -274,7 +274,7 @@ def _layer_heatmap(run: Run) -> tuple[str, str] | None:
 
 
 def _memory(run: Run) -> tuple[str, str] | None:
-    categories = {tag.removeprefix("memory/").removesuffix("_bytes").replace("_", " "): series[-1][1]
+    categories = {memory_label(tag.removeprefix("memory/").removesuffix("_bytes")): series[-1][1]
                   for tag, series in run.matching(MEMORY_BYTES).items() if series[-1][1] > 0}
     modules = {tag.removeprefix("memory/activations/"): series[-1][1]
                for tag, series in run.matching(r"memory/activations/.+").items() if series[-1][1] > 0}

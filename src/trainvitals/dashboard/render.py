@@ -85,8 +85,8 @@ def _json_safe(obj: Any) -> Any:
 
 
 def format_value(row: Row) -> str:
-    """A row's value as shown: ``n/a`` when not logged, bytes in binary units, a number to 4 digits; with its
-    own step when it is not its section's."""
+    """A row's value as shown: ``n/a`` when not logged, bytes in binary units, a share as a percent, a number
+    to 4 digits; with its own step when it is not its section's."""
     v = row.value
     if v is None:
         return "n/a"
@@ -94,6 +94,8 @@ def format_value(row: Row) -> str:
         text = v
     elif row.unit == "bytes":
         text = format_bytes(v)
+    elif row.unit == "share":
+        text = f"{v:.1%}"
     else:
         text = f"{v:.4g} {row.unit}" if row.unit else f"{v:.4g}"
     return text if row.step is None else f"{text} (at optimizer step {row.step})"
