@@ -490,6 +490,23 @@ def test_the_stop_verdict_is_the_stoppers_own_at_fit_end(tmp_path: Path, capsys:
     assert not any("never in the noise band" in m or "not in its noise band yet" in m for m in notes)
 
 
+def test_an_estimate_that_cannot_decide_is_no_verdict_at_fit_end(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A BatchNorm CNN on one device: no valid noise source, so the stopper's streak stays 0. An older table
+    (no reason in its stop row) reads as its caveat, not as "not in its noise band"."""
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/band_streak": 0.0, "grad_norm/in_noise_band": 0.0},
+              {"diagnosis/GradNormEarlyStopping": stopper_panel("GradNormEarlyStopping did not stop the run.",
+                                                                "0 of 30 steps", 276),
+               "grad_noise/caveat": CAVEAT})
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    assert rows(run, "convergence")["stop"] == "not stopped: " + CAVEAT.removeprefix(
+        "trainvitals GradNormEarlyStopping: ").rstrip(".")
+    notes = [f["message"] for f in run["findings"] if f["section"] == "convergence"]
+    assert any(m.startswith("no noise-band verdict: the noise estimate could not decide.") for m in notes), notes
+    assert not any("not in its noise band" in m for m in notes)
+
+
 def test_a_handful_of_band_flags_says_how_few(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Without the stopper's table (a fit that did not end), a verdict from 5 logged flags says they are 5 single
     steps, not a share of the time."""

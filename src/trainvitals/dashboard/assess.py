@@ -332,17 +332,17 @@ def _convergence(run: Run, report: RunReport) -> None:
     recent = flags[-BAND_WINDOW:]
     in_band = sum(recent) / len(recent) if recent else None
     end = _stopper_end(run)
+    caveat = (run.text("grad_noise/caveat") or "").removeprefix("trainvitals GradNormEarlyStopping: ")
     stop = run.text("grad_norm/stop_reason") or (end.get("stop") if end and not _end_reason(end) else None)
     report.sections[title] = [
         *rows, ratio_row,
         _band_row(recent),
-        Row("stop", stop or (f"not stopped: {_end_reason(end)}" if end else _not_stopped(run, partial))),
+        Row("stop", stop or (f"not stopped: {_end_reason(end, caveat)}" if end else _not_stopped(run, partial))),
     ]
     if stop:
         report.findings.append(Finding("note", title, stop))
-    caveat = run.text("grad_noise/caveat")
     if caveat:
-        report.findings.append(Finding("note", title, caveat.removeprefix("trainvitals GradNormEarlyStopping: ")))
+        report.findings.append(Finding("note", title, caveat))
     error = (f" (noise floor ± {100 * error_row.value:.2g}%)"
              if isinstance(error_row.value, float) and math.isfinite(error_row.value) else "")
     if _diverged(run):
@@ -352,7 +352,7 @@ def _convergence(run: Run, report: RunReport) -> None:
     elif partial:
         report.findings.append(Finding("note", title, f"{partial}: no noise-band verdict on the whole model."))
     elif end and not stop and end.get("rule", "").startswith("noise band"):
-        report.findings.append(Finding("note", title, _end_verdict(end, flags, error)))
+        report.findings.append(Finding("note", title, _end_verdict(end, flags, error, caveat)))
     elif in_band is None:
         if ratio is not None:
             if _ended_early(run):
@@ -429,32 +429,40 @@ def _stopper_end(run: Run) -> dict[str, str]:
     return {inline(row[0]): inline(row[1]) for row in rows if len(row) == 2}
 
 
-def _end_reason(end: dict[str, str]) -> str:
+def _end_reason(end: dict[str, str], caveat: str = "") -> str:
     """Why the stopper did not stop the run, in its own end-of-fit words; "" when it stopped it. An older
-    table says only that it did not: its streak row is the reason then."""
+    table says only that it did not: its streak row is the reason then, or with no streak, its ``caveat``
+    (why its estimate cannot decide)."""
     stop = end.get("stop", "")
     if not stop.startswith(NOT_STOPPED):
         return ""
     why = stop.removeprefix(NOT_STOPPED).lstrip(":. ").rstrip(".")
+    if why:
+        return why
+    streak = end.get("in-condition streak", "?")
+    if caveat and streak.startswith("0 "):
+        return caveat.rstrip(".")
     seen = end.get("optimizer steps seen")
-    return why or (f"{end.get('in-condition streak', '?')} in a row in its condition at the end"
-                   + (f", over {seen} optimizer steps" if seen else ""))
+    return f"{streak} in a row in its condition at the end" + (f", over {seen} optimizer steps" if seen else "")
 
 
 _STREAK = re.compile(r"(\d+) of (\d+) steps")
 
 
-def _end_verdict(end: dict[str, str], flags: list[float], error: str) -> str:
+def _end_verdict(end: dict[str, str], flags: list[float], error: str, caveat: str) -> str:
     """The noise-band verdict at the end of a fit the stopper did not stop, from its streak (every step
     counted), with its reason; the logged band flags are named with how many there were; ``error``: the
-    floor's, said after the verdict."""
-    why = _end_reason(end)
+    floor's, said after the verdict; ``caveat``: why the estimate could not decide, if it said so."""
+    why = _end_reason(end, caveat)
     streak = _STREAK.match(end.get("in-condition streak", ""))
     if "before min_steps" in why:
         lead = "no noise-band verdict: the run ended before the stopper's min_steps, so it counted no step"
     elif streak and int(streak[1]) > 0:
         lead = (f"in its noise band at the end, for {streak[1]} step(s) in a row, short of the {streak[2]} it takes "
                 "to stop")
+    elif caveat or "cannot decide" in why or "no noise estimate" in why:
+        lead = "no noise-band verdict: the noise estimate could not decide"
+        error = ""
     elif streak:
         lead = "not in its noise band at the end (the last step the stopper counted was outside it)"
     else:
