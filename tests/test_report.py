@@ -664,3 +664,19 @@ def test_rows_say_in_words_what_was_logged(tmp_path: Path, capsys: pytest.Captur
     assert "held after backward" in text and "steps with non-finite gradients" in text
     assert "steps a GradScaler skipped" in text
     assert not re.search(r"held saved|nonfinite steps|amp skipped|last [01] logged|% of the last 1 ", text)
+
+
+def test_the_lr_advice_says_its_step_when_b_simple_is_of_another(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The advice (written at step 95, the last) and B_simple (last logged at step 90) are of different steps:
+    both say theirs, so their B̂ and B_simple need not agree."""
+    write_run(tmp_path / "run", {tag: v for tag, v in HEALTHY.items() if not tag.startswith("grad_noise/")},
+              {"lr_scaling/advice": "- noise scale B̂ = 210"})
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in STEPS[:-1]:
+        writer.add_scalar("grad_noise/b_simple", 200.0, step)
+        writer.add_scalar("grad_noise/b_simple_rel_err", 0.1, step)
+    writer.close()
+    _, text, _ = report(capsys, str(tmp_path))
+    assert "\n  lr scaling advice, as of optimizer step 95\n" in text
+    assert "B = 64 < B_simple = 200 (± 10%) at optimizer step 90" in text

@@ -38,11 +38,17 @@ def status_line(r: RunReport) -> str:
     return r.status + step
 
 
+_SET_AGAINST = {"lr scaling advice": "noise scale and batch size"}
+"""Panels whose numbers are read beside a section's (the advice's B̂ beside B_simple): a step that differs from
+that section's is shown too."""
+
+
 def heading(r: RunReport, title: str) -> str:
     """A section's or panel's title, with the step its numbers are of when that is not the run's last logged
-    step (:attr:`RunReport.steps`)."""
+    step (:attr:`RunReport.steps`), or not the step of the section it is read beside (:data:`_SET_AGAINST`)."""
     step = r.steps.get(title)
-    return title if step is None or step == r.last_step else f"{title}, as of optimizer step {step}"
+    beside = r.steps.get(_SET_AGAINST.get(title, ""), step)
+    return title if step is None or step == r.last_step == beside else f"{title}, as of optimizer step {step}"
 
 
 def _markdown_run(r: RunReport) -> list[str]:
