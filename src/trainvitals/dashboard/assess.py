@@ -413,8 +413,8 @@ def _few_flags(flags: list[float]) -> str:
     """A caveat when fewer than :data:`BAND_WINDOW` band flags were logged: each samples one step."""
     if len(flags) >= BAND_WINDOW:
         return ""
-    return (f" Only {len(flags)} band flag(s) were logged, each of one step, and GradNormEarlyStopping's end-of-fit "
-            "table, which counts every step, was not (the fit did not end): too few to say for how long.")
+    return (f" Only {len(flags)} band flag(s) were logged, each of one step, and no end-of-fit table of "
+            "GradNormEarlyStopping, which counts every step: too few to say for how long.")
 
 
 STOPPER_PANELS = tuple(f"{prefix}GradNormEarlyStopping" for prefix in DIAGNOSIS_PREFIXES)
