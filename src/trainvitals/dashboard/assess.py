@@ -431,18 +431,20 @@ def _stopper_end(run: Run) -> dict[str, str]:
 
 def _end_reason(end: dict[str, str], caveat: str = "") -> str:
     """Why the stopper did not stop the run, in its own end-of-fit words; "" when it stopped it. An older
-    table says only that it did not: its streak row is the reason then, or with no streak, its ``caveat``
-    (why its estimate cannot decide)."""
+    table says only that it did not: the reason is then a run shorter than its min_steps, or with no streak its
+    ``caveat`` (why its estimate cannot decide), else its streak."""
     stop = end.get("stop", "")
     if not stop.startswith(NOT_STOPPED):
         return ""
     why = stop.removeprefix(NOT_STOPPED).lstrip(":. ").rstrip(".")
     if why:
         return why
-    streak = end.get("in-condition streak", "?")
+    streak, seen = end.get("in-condition streak", "?"), end.get("optimizer steps seen", "")
+    least = re.search(r"min_steps (\d+)", end.get("rule", ""))
+    if least and seen.isdigit() and int(seen) < int(least[1]):  # the stopper's own words for it
+        return f"the run ended after {seen} optimizer steps, before min_steps={least[1]}"
     if caveat and streak.startswith("0 "):
         return caveat.rstrip(".")
-    seen = end.get("optimizer steps seen")
     return f"{streak} in a row in its condition at the end" + (f", over {seen} optimizer steps" if seen else "")
 
 
