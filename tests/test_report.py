@@ -490,6 +490,7 @@ def test_the_stop_verdict_is_the_stoppers_own_at_fit_end(tmp_path: Path, capsys:
     _, doc = report_json(capsys, tmp_path)
     (run,) = doc["runs"]
     assert rows(run, "convergence")["stop"].startswith(said)
+    assert [r["step"] for r in run["sections"]["convergence"] if r["label"] == "stop"] == [None]  # written at step 95
     notes = [f["message"] for f in run["findings"] if f["section"] == "convergence"]
     assert any(m.startswith(verdict) and f"logged on 20 of its {seen} steps" in m for m in notes), notes
     assert not any("never in the noise band" in m or "not in its noise band yet" in m for m in notes)

@@ -337,7 +337,8 @@ def _convergence(run: Run, report: RunReport) -> None:
     report.sections[title] = [
         *rows, ratio_row,
         _band_row(recent),
-        Row("stop", stop or (f"not stopped: {_end_reason(end, caveat)}" if end else _not_stopped(run, partial))),
+        Row("stop", stop) if stop else Row("stop", f"not stopped: {_end_reason(end, caveat)}", step=_stopper_end_step(
+            run, step)) if end else Row("stop", _not_stopped(run, partial)),
     ]
     if stop:
         report.findings.append(Finding("note", title, stop))
@@ -427,6 +428,12 @@ def _stopper_end(run: Run) -> dict[str, str]:
     text = next((run.text(tag) for tag in STOPPER_PANELS if run.text(tag)), None)
     rows = [table_cells(line) for line in (text or "").splitlines()[2:] if line.lstrip().startswith("|")]
     return {inline(row[0]): inline(row[1]) for row in rows if len(row) == 2}
+
+
+def _stopper_end_step(run: Run, step: int | None) -> int | None:
+    """The step the stopper's end-of-fit table was written at (fit end), when it is not the section's ``step``."""
+    at = next((run.texts[tag][-1][0] for tag in STOPPER_PANELS if run.texts.get(tag)), None)
+    return None if at == step else at
 
 
 def _end_reason(end: dict[str, str], caveat: str = "") -> str:
