@@ -312,6 +312,16 @@ def test_says_once_when_the_fit_is_too_short_for_it_to_stop(kwargs, fit_kwargs, 
     assert sum("cannot stop before" in str(w.message) for w in record) == 1
 
 
+def test_the_summary_table_says_why_it_did_not_stop():
+    """The end-of-fit table's stop row gives the reason, as the fit-end line does: a run shorter than min_steps."""
+    stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, min_steps=100, patience=5, check_every_n_steps=1)
+    with pytest.warns(UserWarning, match="cannot stop before"):
+        _fit(Regressor(), [stopper], loader(regression_data(), 8), max_steps=6)
+    stop = _summary_rows(stopper)["stop"]
+    assert stop == f"GradNormEarlyStopping {stopper.summary_line()}"
+    assert "did not stop the run: the run ended after 6 optimizer steps, before min_steps=100" in stop
+
+
 def test_no_such_word_when_the_fit_is_long_enough(recwarn):
     stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, min_steps=10, patience=5, check_every_n_steps=5)
     trainer = _fit(Regressor(), [stopper], loader(regression_data(), 8), max_steps=15)

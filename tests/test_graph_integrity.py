@@ -1067,6 +1067,15 @@ def test_a_new_fit_starts_with_a_clean_record():
     assert cb.findings == [] and cb.counts == {} and "clean bill of health" in cb.summary_markdown()
 
 
+def test_nothing_checked_is_no_clean_bill_of_health():
+    """Before any walk or gradient check (a fit that ended before its first step) there is no verdict."""
+    from trainvitals.core.findings import NOTHING_CHECKED
+
+    cb = GraphIntegrityCallback()
+    assert cb.summary_markdown() == NOTHING_CHECKED and "clean" not in cb.summary_markdown()
+    assert cb.summary_line().startswith("nothing checked: no graph walk and no gradient check ran")
+
+
 def test_state_survives_a_checkpoint(tmp_path: Path):
     cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=3)
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="mid")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import math
 import re
 from pathlib import Path
 
@@ -57,3 +58,29 @@ def test_markdown_to_html_escapes_and_renders_tables() -> None:
         "<h4>Memory</h4>", "<table>", "<tr><th>a</th><th>b</th></tr>",
         '<tr><td><code>x&lt;y</code></td><td class="num">1</td></tr>', "</table>",
         "<ul>", "<li><b>bold</b> &amp; more</li>", "</ul>"]
+
+
+def test_a_run_of_one_logged_step_plots_without_warnings_and_marks_a_bare_b_simple(
+        tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    """One logged step: every plot is drawn (points, an x range around the step) without matplotlib's identical-
+    xlims warning; B_simple without a finite error is shown as not yet reliable, not as a precise line."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "logs" / "run"))
+    for tag, value in {"grad_norm/total": 1.1, "grad_norm/noise_floor": 0.8, "grad_norm/head.1": 0.5,
+                       "grad_noise/b_simple": 74.0, "grad_noise/b_simple_rel_err": math.inf,
+                       "lr_scaling/effective_batch": 64.0}.items():
+        writer.add_scalar(tag, value, 0)
+    writer.close()
+    out = tmp_path / "report.html"
+    main([str(tmp_path / "logs"), "--format", "html", "--output", str(out)])
+    page = out.read_text(encoding="utf-8")
+    assert not [w for w in recwarn if "xlims" in str(w.message) or "matplotlib" in w.filename], list(recwarn)
+    captions = re.findall(r"<figcaption>([^<]*)</figcaption>", page)
+    assert len(captions) == 3  # norm in its band, B_simple, per-layer heatmap
+    assert "Hollow points (1 of 1 logged steps): no error bar, B_simple not yet reliable there." in captions[1]
+
+
+def test_b_simple_with_an_error_bar_everywhere_has_no_hollow_points(tmp_path: Path) -> None:
+    _, page = write_report(tmp_path)
+    assert "Hollow points" not in page

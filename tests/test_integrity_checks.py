@@ -26,6 +26,10 @@ def test_the_checks_state_keys_do_not_collide():
     assert set(callback.state_dict()) == own | set(keys)
 
 
+def test_the_report_lists_every_kind_found_critical_or_as_a_warning():
+    assert all((kind.spec.critical is None) != (kind.spec.warning is None) for kind in FindingKind)
+
+
 def test_the_report_judges_each_critical_kind_by_one_row_and_no_other_kind():
     integrity = [(pattern, message) for section, pattern, message in CRITICAL_COUNTERS if section == "integrity"]
     for kind in FindingKind:

@@ -216,7 +216,7 @@ def test_growing_held_graph_is_critical(tmp_path: Path, capsys: pytest.CaptureFi
     (finding,) = [f for f in leak["findings"] if f["severity"] == "critical"]
     assert finding["section"] == "memory"
     assert "2.00 MiB of saved tensors still held after backward, up from 1.00 MiB" in finding["message"]
-    assert rows(leak, "memory")["held saved"] == 2 * 2**20
+    assert rows(leak, "memory")["held after backward"] == 2 * 2**20
 
 
 def test_amp_skips_and_spikes_are_not_critical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,11 +237,11 @@ def test_text_and_markdown_formats(tmp_path: Path, capsys: pytest.CaptureFixture
     assert status == EXIT_CRITICAL
     assert text.startswith("run run: CRITICAL, last logged optimizer step 95")
     assert "[critical] integrity: 2 parameter(s) got no gradient" in text
-    assert "parameters           156.25 KiB" in text
+    assert "    saved activations    3.00 MiB\n    parameters           156.25 KiB\n" in text
     status, markdown, _ = report(capsys, str(tmp_path), "--format", "markdown")
     assert status == EXIT_CRITICAL
     assert "## run `run`: CRITICAL" in markdown
-    assert "### memory\n\n| measure | value |\n|---|---|\n| activations | 3.00 MiB |\n| parameters | 156.25 KiB |" in markdown
+    assert "### memory\n\n| measure | value |\n|---|---|\n| saved activations | 3.00 MiB |\n| parameters | 156.25 KiB |" in markdown
     assert "- **critical** (integrity): 2 parameter(s) got no gradient" in markdown
     # A callback's own markdown is passed through whole in markdown; in text, as plain text under its title
     # with its table aligned, and the findings come before the sections.
@@ -360,7 +360,7 @@ def test_a_diverged_run_watched_by_the_stopper_or_the_probe_alone_is_critical(
     status, data = report_json(capsys, tmp_path)
     (run,) = data["runs"]
     assert status == EXIT_CRITICAL and run["status"] == "CRITICAL"
-    assert rows(run, "spikes and non-finite steps")["nonfinite steps"] == 11
+    assert rows(run, "spikes and non-finite steps")["steps with non-finite gradients"] == 11
     assert any("diverged" in f["message"] for f in run["findings"] if f["section"] == "convergence")
     assert not any("noise band" in f["message"] for f in run["findings"] if f["section"] == "convergence")
 
@@ -453,6 +453,82 @@ def test_the_stop_row_says_why_the_stopper_did_not_stop(tmp_path: Path, capsys: 
     assert rows(doc["runs"][0], "convergence")["stop"].startswith(said)
 
 
+def stopper_panel(stop: str, streak: str, seen: int) -> str:
+    """GradNormEarlyStopping's end-of-fit table as TrainvitalsDashboard logs it (the rows the report reads)."""
+    from trainvitals._markdown import markdown_table
+
+    return "\n".join(markdown_table(("quantity", "value"), [
+        ("rule", "noise band, margin 0.2, patience 30 steps, min_steps 100"), ("stop", stop),
+        ("optimizer steps seen", str(seen)), ("in-condition streak", streak), ("noise sources", "probe")]))
+
+
+@pytest.mark.parametrize(("stop", "streak", "verdict", "said"), [
+    ("GradNormEarlyStopping did not stop the run: 27 step(s) in a row in the condition at the end, of the 30 it "
+     "needs; at the end the smoothed ‖G‖² is 0.89× the band's edge 0.2·tr(Σ)/B.", "27 of 30 steps",
+     "in its noise band at the end, for 27 step(s) in a row, short of the 30",
+     "not stopped: 27 step(s) in a row in the condition at the end, of the 30 it needs; at the end the smoothed"),
+    # An older table says only that it did not stop: its streak is the reason.
+    ("GradNormEarlyStopping did not stop the run.", "27 of 30 steps", "in its noise band at the end, for 27 step(s)",
+     "not stopped: 27 of 30 steps in a row in its condition at the end, over 288 optimizer steps"),
+    ("GradNormEarlyStopping did not stop the run: the run ended after 60 optimizer steps, before min_steps=100; 0 "
+     "step(s) in a row in the condition at the end, of the 30 it needs.", "0 of 30 steps",
+     "no noise-band verdict: the run ended before the stopper's min_steps",
+     "not stopped: the run ended after 60 optimizer steps, before min_steps=100"),
+    # An older table of a run shorter than min_steps: its rule and steps seen say so.
+    ("GradNormEarlyStopping did not stop the run.", "0 of 30 steps",
+     "no noise-band verdict: the run ended before the stopper's min_steps",
+     "not stopped: the run ended after 60 optimizer steps, before min_steps=100"),
+])
+def test_the_stop_verdict_is_the_stoppers_own_at_fit_end(tmp_path: Path, capsys: pytest.CaptureFixture[str], stop,
+                                                         streak, verdict, said) -> None:
+    """Logged every 50 steps, the 5 band flags were all out while the stopper, counting every step, ended 27 steps
+    into the band: the report's verdict and stop row are the stopper's, and name how few flags it saw."""
+    flags = [0.0] * len(STEPS)
+    seen = 60 if "min_steps" in said else 288
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/in_noise_band": flags, "grad_norm/band_streak": 0.0},
+              {"diagnosis/GradNormEarlyStopping": stopper_panel(stop, streak, seen)})
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    assert rows(run, "convergence")["stop"].startswith(said)
+    assert [r["step"] for r in run["sections"]["convergence"] if r["label"] == "stop"] == [None]  # written at step 95
+    notes = [f["message"] for f in run["findings"] if f["section"] == "convergence"]
+    assert any(m.startswith(verdict) and f"logged on 20 of its {seen} steps" in m for m in notes), notes
+    assert not any("never in the noise band" in m or "not in its noise band yet" in m for m in notes)
+
+
+def test_an_estimate_that_cannot_decide_is_no_verdict_at_fit_end(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A BatchNorm CNN on one device: no valid noise source, so the stopper's streak stays 0. An older table
+    (no reason in its stop row) reads as its caveat, not as "not in its noise band"."""
+    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/band_streak": 0.0, "grad_norm/in_noise_band": 0.0},
+              {"diagnosis/GradNormEarlyStopping": stopper_panel("GradNormEarlyStopping did not stop the run.",
+                                                                "0 of 30 steps", 276),
+               "grad_noise/caveat": CAVEAT})
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    assert rows(run, "convergence")["stop"] == "not stopped: " + CAVEAT.removeprefix(
+        "trainvitals GradNormEarlyStopping: ").rstrip(".")
+    notes = [f["message"] for f in run["findings"] if f["section"] == "convergence"]
+    assert any(m.startswith("no noise-band verdict: the noise estimate could not decide.") for m in notes), notes
+    assert not any("not in its noise band" in m for m in notes)
+
+
+def test_a_handful_of_band_flags_says_how_few(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without the stopper's table (a fit that did not end), a verdict from 5 logged flags says they are 5 single
+    steps, not a share of the time."""
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in range(0, 250, 50):
+        for tag, value in {"grad_norm/total": 0.08, "grad_norm/noise_floor": 0.44, "grad_norm/in_noise_band": 0.0,
+                           "grad_norm/band_streak": 0.0}.items():
+            writer.add_scalar(tag, value, step)
+    writer.close()
+    _, doc = report_json(capsys, tmp_path)
+    notes = [f["message"] for f in doc["runs"][0]["findings"] if f["section"] == "convergence"]
+    (verdict,) = [m for m in notes if "noise band" in m]
+    assert verdict.startswith("not in its noise band yet: 0 of only 5 logged steps were in it")
+    assert "Only 5 band flag(s) were logged, each of one step" in verdict and "0%" not in verdict
+
+
 def test_sections_and_the_lr_advice_say_their_step_when_it_is_not_the_last(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The advice is written at fit end (step 99), after the last logging step (95): it says its step, which its
@@ -482,3 +558,131 @@ def test_a_section_logged_before_the_last_step_says_when(tmp_path: Path, capsys:
     writer.close()
     _, text, _ = report(capsys, str(tmp_path))
     assert "\n  memory, as of optimizer step 2\n    parameters  156.25 KiB\n" in text
+
+
+def test_a_section_takes_its_rows_from_one_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """B_simple is logged to step 95, its error only while finite (to step 50), S/S_min only while B̂ was reliable
+    (to step 30), one module's saved bytes only at step 10: each older row says its step, and the verdict does
+    not set the step-95 B_simple against the step-50 error."""
+    logged = {tag: v for tag, v in HEALTHY.items() if tag != "grad_noise/b_simple_rel_err"}
+    write_run(tmp_path / "run", {**logged, "grad_noise/b_simple": [300.0 + s for s in STEPS]})
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in STEPS:
+        if step <= 50:
+            writer.add_scalar("grad_noise/b_simple_rel_err", 2.0 + step, step)
+        if step <= 30:
+            writer.add_scalar("lr_scaling/steps_over_min", 1 + step / 10, step)
+    writer.add_scalar("memory/activations/old", 5 * 2**20, 10)
+    writer.close()
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    assert run["steps"]["noise scale and batch size"] == 95
+    noise = {row["label"]: (row["value"], row["step"]) for row in run["sections"]["noise scale and batch size"]}
+    assert noise["B_simple = tr Σ / ‖G‖²"] == (395.0, None)
+    assert noise["B_simple relative error"] == (52.0, 50)
+    assert noise["steps over the fewest, S/S_min = 1 + B̂/B"] == (4.0, 30)
+    assert noise["effective batch B"] == (64.0, None)
+    memory = {row["label"]: (row["value"], row["step"]) for row in run["sections"]["memory"]}
+    assert memory["saved by old"] == (5 * 2**20, 10) and list(memory)[-1] == "saved by old"  # after the step's rows
+    (verdict,) = [f["message"] for f in run["findings"] if "B_simple = 395" in f["message"]]
+    assert "(its error was not logged with it) at optimizer step 95" in verdict and "5200%" not in verdict
+    _, text, _ = report(capsys, str(tmp_path))
+    assert re.search(r"B_simple relative error +52 \(at optimizer step 50\)\n", text)
+    assert re.search(r"S/S_min = 1 \+ B̂/B +4 \(at optimizer step 30\)\n", text)
+    assert re.search(r"saved by old +5.00 MiB \(at optimizer step 10\)\n", text)
+
+
+def test_an_integrity_finding_that_is_not_critical_is_in_the_findings(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A param group at lr 0 (zero_lr, not critical: it may be meant) reaches the findings list, in words."""
+    from trainvitals.core.findings import FindingKind
+
+    write_run(tmp_path / "run", {**HEALTHY, FindingKind.ZERO_LR.counter: [0.0] * 10 + [1.0] * 10},
+              {"graph/findings": "| step | kind | names | finding |\n|---|---|---|---|\n| 52 | zero_lr | g | lr 0 |"})
+    status, doc = report_json(capsys, tmp_path)
+    (found,) = [f for f in doc["runs"][0]["findings"] if f["section"] == "integrity"]
+    assert status == EXIT_OK and found["severity"] == "warning"
+    assert found["message"].startswith("a param group at lr exactly 0 whose parameters require grad: they do not "
+                                       "train (found 1 time(s))")
+    assert "zero_lr" not in found["message"]
+
+
+def test_a_crashed_run_does_not_ask_for_callbacks_it_had(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The fit crashed after one logged step (a layout, no end-of-fit diagnosis): the stopper was attached but had
+    logged no band flag, or nothing at all; the report says the run ended, not "add GradNormEarlyStopping"."""
+    from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
+
+    for name, stopper in (("with_streak", True), ("without", False)):
+        writer = SummaryWriter(str(tmp_path / name))
+        writer.add_custom_scalars(TRAINVITALS_LAYOUT)
+        writer.add_scalar("grad_norm/total", 1.1, 0)
+        writer.add_scalar("grad_norm/noise_floor", 0.8, 0)
+        if stopper:
+            writer.add_scalar("grad_norm/band_streak", 0.0, 0)
+        writer.close()
+    _, doc = report_json(capsys, tmp_path)
+    for run in doc["runs"]:
+        text = " ".join([f["message"] for f in run["findings"]] + [str(r["value"]) for r in run["sections"]["convergence"]])
+        assert "would log whether" not in text and "band_streak" not in text and "no stop rule" not in text
+        assert "the fit ended after optimizer step 0 (the last logged)" in text
+
+
+def test_a_run_that_logged_nothing_is_no_clean_bill_and_no_failure_beside_others(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that crashed before its first step left only the integrity panel (an older callback's "clean bill" of
+    0 walks): it says nothing was logged, shows no empty sections, and the folder's status is the other run's."""
+    old_panel = ("**Graph integrity: clean bill of health.** No findings in 0 graph walk(s) and 0 gradient check(s).")
+    write_run(tmp_path / "a_crashed", {}, {"graph/findings": old_panel})
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_NO_DATA  # alone, nothing to report
+    write_run(tmp_path / "b_healthy", HEALTHY)
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_OK
+    crashed = doc["runs"][0]
+    assert crashed["status"] == "nothing measured" and not any(crashed["sections"].values())
+    assert "nothing logged (the run may have ended before its first step" in crashed["findings"][0]["message"]
+    assert "clean bill" not in crashed["panels"]["integrity findings"]
+    assert "nothing checked" in crashed["panels"]["integrity findings"]
+    _, text, _ = report(capsys, str(tmp_path))
+    assert "clean bill" not in text and "n/a" not in text.split("run b_healthy")[0]
+
+
+@pytest.mark.parametrize(("flags", "label", "value"), [
+    ([], "fraction in the noise band", "no band flag logged"),
+    ([0.0], "in the noise band on its only logged step", "no"),
+    ([1.0, 0.0, 1.0], "in the noise band, of only 3 logged steps", "2 (too few for a share)"),
+    ([1.0] * 6 + [0.0] * 4, "fraction in the noise band, last 10 logged steps", "60.0%"),
+])
+def test_rows_say_in_words_what_was_logged(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags, label,
+                                           value) -> None:
+    """Too few band flags for a share are counted in words; shares are percents; labels are words, not tags."""
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in range(10):
+        for tag, v in {"grad_norm/total": 1.0, "grad_noise/coverage": 0.5, "memory/held_saved_bytes": 0.0,
+                       "grad_norm/nonfinite_steps": 0.0, "grad_norm/amp_skipped_steps": 0.0}.items():
+            writer.add_scalar(tag, v, step)
+    for step, flag in zip(range(10 - len(flags), 10), flags):
+        writer.add_scalar("grad_norm/in_noise_band", flag, step)
+    writer.close()
+    _, text, _ = report(capsys, str(tmp_path))
+    assert re.search(rf"\n    {re.escape(label)} +{re.escape(value)}\n", text), text
+    assert re.search(r"\n    share of ‖ḡ‖² measured +50.0%\n", text)
+    assert "held after backward" in text and "steps with non-finite gradients" in text
+    assert "steps a GradScaler skipped" in text
+    assert not re.search(r"held saved|nonfinite steps|amp skipped|last [01] logged|% of the last 1 ", text)
+
+
+def test_the_lr_advice_says_its_step_when_b_simple_is_of_another(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The advice (written at step 95, the last) and B_simple (last logged at step 90) are of different steps:
+    both say theirs, so their B̂ and B_simple need not agree."""
+    write_run(tmp_path / "run", {tag: v for tag, v in HEALTHY.items() if not tag.startswith("grad_noise/")},
+              {"lr_scaling/advice": "- noise scale B̂ = 210"})
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in STEPS[:-1]:
+        writer.add_scalar("grad_noise/b_simple", 200.0, step)
+        writer.add_scalar("grad_noise/b_simple_rel_err", 0.1, step)
+    writer.close()
+    _, text, _ = report(capsys, str(tmp_path))
+    assert "\n  lr scaling advice, as of optimizer step 95\n" in text
+    assert "B = 64 < B_simple = 200 (± 10%) at optimizer step 90" in text

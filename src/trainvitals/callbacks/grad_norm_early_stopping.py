@@ -503,9 +503,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         return True
 
     def describe_stop(self) -> str:
-        """A one-line, human-readable reason for the stop (or that there was none)."""
+        """A one-line, human-readable reason for the stop, or why there was none (:meth:`summary_line`)."""
         if self.stop_reason is StopReason.NOT_STOPPED:
-            return "GradNormEarlyStopping did not stop the run."
+            return f"GradNormEarlyStopping {self.summary_line()}"
         detail = {
             StopReason.NOISE_BAND: f"‖G‖² ≤ {self.margin:g}·tr(Σ)/B",
             StopReason.THRESHOLD: f"‖g‖ < {self.threshold:g}",

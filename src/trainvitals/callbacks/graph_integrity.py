@@ -64,7 +64,7 @@ from trainvitals.callbacks.integrity_checks.optimizer import (
 from trainvitals.callbacks.integrity_checks.reachability import ReachabilityCheck
 from trainvitals.callbacks.integrity_checks.stale_graph import StaleGraphCheck
 from trainvitals.callbacks.integrity_checks.zero_lr import ZeroLrCheck
-from trainvitals.core.findings import Finding, FindingKind
+from trainvitals.core.findings import NOTHING_CHECKED, Finding, FindingKind
 from trainvitals.core.graph import first_tensor, sequence_mark, walk_graph
 from trainvitals.core.integrity import listed
 from trainvitals.dashboard.terminal import markdown_to_text
@@ -320,6 +320,9 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         """One line for the end of fit: how much was checked, the findings by kind, and the headline one in words:
         the first of a kind that breaks a run (the report's critical ones), else the first."""
         checked = f"{self._walks} graph walk(s) and {self._grad_checks} gradient check(s)"
+        if not self.findings and not (self._walks or self._grad_checks):
+            return ("nothing checked: no graph walk and no gradient check ran (the run may have ended before its "
+                    "first step).")
         if not self.findings:
             return f"clean: no findings in {checked}."
         kinds = sorted({f.kind.value for f in self.findings})
@@ -330,7 +333,10 @@ class GraphIntegrityCallback(TrainvitalsCallback):
                 f"{_first_sentence(first.message)} The full table: the Text tab's graph/findings, or trainvitals report.")
 
     def summary_markdown(self) -> str:
-        """The findings as a markdown table (step, kind, names, message), or a clean bill of health."""
+        """The findings as a markdown table (step, kind, names, message), or a clean bill of health (of at least
+        one walk or gradient check: else :data:`~trainvitals.core.findings.NOTHING_CHECKED`)."""
+        if not self.findings and not (self._walks or self._grad_checks):
+            return NOTHING_CHECKED
         if not self.findings:
             return (
                 f"**Graph integrity: clean bill of health.** No findings in {self._walks} graph walk(s) and "

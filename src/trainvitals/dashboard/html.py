@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainvitals.dashboard.assess import RunReport
+from trainvitals.dashboard.assess import RunReport, memory_label
 from trainvitals.dashboard.events import Run
 from trainvitals.dashboard.render import format_value, heading, status_line
 from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, grad_norm
@@ -163,6 +163,19 @@ def _xy(series: Series) -> tuple[list[int], list[float]]:
     return [s for s, _ in series], [v for _, v in series]
 
 
+def _marker(series: Series) -> dict[str, Any]:
+    """A point marker for a series of one logged step, which a line alone does not draw."""
+    return {"marker": "o"} if len(series) == 1 else {}
+
+
+def _one_step(ax: Any, *series: Series | None) -> None:
+    """An x range around the step when every series is of that one step: matplotlib's own would be empty."""
+    steps = {s for points in series if points for s, _ in points}
+    if len(steps) == 1:
+        (step,) = steps
+        ax.set_xlim(step - 1, step + 1)
+
+
 def _aligned(base: Series, other: Series | None) -> list[float] | None:
     """``other``'s value at each step of ``base`` (None where it has none)."""
     if other is None:
@@ -180,14 +193,15 @@ def _norm_in_band(run: Run) -> tuple[str, str] | None:
     clipped = _first(run, grad_norm("clipped_total"))
 
     def draw(ax: Any) -> None:
-        ax.plot(*_xy(total), color="#1f77b4", lw=1.2, label="‖g‖, total gradient norm")
+        ax.plot(*_xy(total), color="#1f77b4", lw=1.2, label="‖g‖, total gradient norm", **_marker(total))
         if clipped:
-            ax.plot(*_xy(clipped), color="#9467bd", lw=0.8, label="‖g‖ after clipping")
+            ax.plot(*_xy(clipped), color="#9467bd", lw=0.8, label="‖g‖ after clipping", **_marker(clipped))
         if floor:
-            ax.plot(*_xy(floor), color="#d62728", lw=1.2, label="noise floor sqrt(tr Σ/B)")
+            ax.plot(*_xy(floor), color="#d62728", lw=1.2, label="noise floor sqrt(tr Σ/B)", **_marker(floor))
         if floor and edge:
             upper = _aligned(floor, edge)
             ax.fill_between(_xy(floor)[0], _xy(floor)[1], upper, color="#d62728", alpha=0.15, label="noise band")
+        _one_step(ax, total, clipped, floor)
         ax.set_yscale("log")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("gradient norm")
@@ -203,18 +217,23 @@ def _b_simple(run: Run) -> tuple[str, str] | None:
         return None
     rel_err = _first(run, r"grad_noise/b_simple_rel_err$")
     batch = _first(run, r"lr_scaling/effective_batch$")
+    steps, values = _xy(b_simple)
+    errors = _aligned(b_simple, rel_err) or [math.nan] * len(values)  # logged only while finite
+    bare = [(s, v) for s, v, e in zip(steps, values, errors) if not math.isfinite(e)]
 
     def draw(ax: Any) -> None:
-        steps, values = _xy(b_simple)
-        ax.plot(steps, values, color="#2ca02c", lw=1.2, label="B_simple = tr Σ / ‖G‖²")
-        errors = _aligned(b_simple, rel_err)
-        if errors is not None:
+        ax.plot(steps, values, color="#2ca02c", lw=1.2, label="B_simple = tr Σ / ‖G‖²", **_marker(b_simple))
+        if len(bare) < len(values):
             lower = [v * (1 - e) if math.isfinite(e) else math.nan for v, e in zip(values, errors)]
             upper = [v * (1 + e) if math.isfinite(e) else math.nan for v, e in zip(values, errors)]
             ax.fill_between(steps, [max(x, 1e-12) for x in lower], upper, color="#2ca02c", alpha=0.2,
                             label="± one standard error")
+        if bare:
+            ax.plot(*_xy(bare), ls="none", marker="o", mfc="none", color="#2ca02c",
+                    label="no error bar: not yet reliable")
         if batch:
-            ax.plot(*_xy(batch), color="black", lw=1, ls="--", label="effective batch B")
+            ax.plot(*_xy(batch), color="black", lw=1, ls="--", label="effective batch B", **_marker(batch))
+        _one_step(ax, b_simple, batch)
         positive = [v for v in values if v > 0]
         if positive and max(positive) / min(positive) > 30:
             ax.set_yscale("log")
@@ -223,7 +242,11 @@ def _b_simple(run: Run) -> tuple[str, str] | None:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
 
-    return _png(draw), "The gradient noise scale B_simple against the effective batch: below it, steps are noise-dominated."
+    caption = "The gradient noise scale B_simple against the effective batch: below it, steps are noise-dominated."
+    if bare:
+        caption += (f" Hollow points ({len(bare)} of {len(values)} logged steps): no error bar, B_simple not yet "
+                    "reliable there.")
+    return _png(draw), caption
 
 
 def _layer_heatmap(run: Run) -> tuple[str, str] | None:
@@ -231,6 +254,7 @@ def _layer_heatmap(run: Run) -> tuple[str, str] | None:
     if not layers:
         return None
     steps = sorted({s for series in layers.values() for s, _ in series})
+    first, last = (steps[0], steps[-1]) if len(steps) > 1 else (steps[0] - 0.5, steps[0] + 0.5)  # one column
     column = {s: k for k, s in enumerate(steps)}
     grid = [[math.nan] * len(steps) for _ in layers]
     for row, series in enumerate(layers.values()):
@@ -240,7 +264,7 @@ def _layer_heatmap(run: Run) -> tuple[str, str] | None:
 
     def draw(ax: Any) -> None:
         image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
-                          extent=(steps[0], steps[-1], len(layers) - 0.5, -0.5))
+                          extent=(first, last, len(layers) - 0.5, -0.5))
         ax.set_yticks(range(len(layers)), list(layers), fontsize=8)
         ax.set_xlabel("optimizer step")
         ax.figure.colorbar(image, ax=ax, label="log10 ‖g‖ of the layer")
@@ -250,7 +274,7 @@ def _layer_heatmap(run: Run) -> tuple[str, str] | None:
 
 
 def _memory(run: Run) -> tuple[str, str] | None:
-    categories = {tag.removeprefix("memory/").removesuffix("_bytes").replace("_", " "): series[-1][1]
+    categories = {memory_label(tag.removeprefix("memory/").removesuffix("_bytes")): series[-1][1]
                   for tag, series in run.matching(MEMORY_BYTES).items() if series[-1][1] > 0}
     modules = {tag.removeprefix("memory/activations/"): series[-1][1]
                for tag, series in run.matching(r"memory/activations/.+").items() if series[-1][1] > 0}

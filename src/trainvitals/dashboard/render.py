@@ -38,11 +38,17 @@ def status_line(r: RunReport) -> str:
     return r.status + step
 
 
+_SET_AGAINST = {"lr scaling advice": "noise scale and batch size"}
+"""Panels whose numbers are read beside a section's (the advice's B̂ beside B_simple): a step that differs from
+that section's is shown too."""
+
+
 def heading(r: RunReport, title: str) -> str:
     """A section's or panel's title, with the step its numbers are of when that is not the run's last logged
-    step (:attr:`RunReport.steps`)."""
+    step (:attr:`RunReport.steps`), or not the step of the section it is read beside (:data:`_SET_AGAINST`)."""
     step = r.steps.get(title)
-    return title if step is None or step == r.last_step else f"{title}, as of optimizer step {step}"
+    beside = r.steps.get(_SET_AGAINST.get(title, ""), step)
+    return title if step is None or step == r.last_step == beside else f"{title}, as of optimizer step {step}"
 
 
 def _markdown_run(r: RunReport) -> list[str]:
@@ -85,14 +91,18 @@ def _json_safe(obj: Any) -> Any:
 
 
 def format_value(row: Row) -> str:
-    """A row's value as shown: ``n/a`` when not logged, bytes in binary units, a number to 4 digits."""
+    """A row's value as shown: ``n/a`` when not logged, bytes in binary units, a share as a percent, a number
+    to 4 digits; with its own step when it is not its section's."""
     v = row.value
     if v is None:
         return "n/a"
     if isinstance(v, str):
-        return v
-    if row.unit == "bytes":
-        return format_bytes(v)
-    text = f"{v:.4g}"
-    return f"{text} {row.unit}" if row.unit else text
+        text = v
+    elif row.unit == "bytes":
+        text = format_bytes(v)
+    elif row.unit == "share":
+        text = f"{v:.1%}"
+    else:
+        text = f"{v:.4g} {row.unit}" if row.unit else f"{v:.4g}"
+    return text if row.step is None else f"{text} (at optimizer step {row.step})"
 

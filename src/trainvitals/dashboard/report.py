@@ -9,7 +9,8 @@ metrics gets five sections — convergence, noise scale and batch size, integrit
 non-finite steps — and a list of findings; a damaged event file is one of them, naming the file, where the
 damage starts and the last step read whole before it.
 
-Exit status, for CI — the most severe over the runs, in this order:
+Exit status, for CI — the most severe over the runs, in this order (a run that measured nothing counts only
+when no run did):
 
 - 1: a critical finding in some run (:data:`CRITICAL_COUNTERS`), in the part of its files that was read:
   non-finite gradients (outside a GradScaler's calibration) or losses, a loss without ``grad_fn`` or that
@@ -21,9 +22,11 @@ Exit status, for CI — the most severe over the runs, in this order:
   or still writing), with a record that fails its checksum or is no event, or unreadable, or a folder that
   cannot be listed; what was logged in the unread part may hold anything;
 - 2: nothing to report: LOGDIR missing, no event files under it, or event files without trainvitals
-  metrics (another tool's, or a run without trainvitals callbacks); a run with trainvitals panels but no
-  trainvitals scalar (nothing measured: an empty train dataloader, ``max_steps=0``); also a usage error;
-- 0: every run read whole and measured, no critical finding;
+  metrics (another tool's, or a run without trainvitals callbacks); runs with trainvitals panels but no
+  trainvitals scalar (nothing measured: a run that ended before its first step, an empty train dataloader,
+  ``max_steps=0``), when no run under LOGDIR measured anything — beside runs that did, such a run is reported
+  and their status is the command's; also a usage error;
+- 0: every run read whole, no critical finding, at least one run measured;
 - 4: the report could not be written (``--output`` in a missing folder, a full disk, a closed stdout): one
   line on stderr says why. A reader that quits early (``| head``, ``less``) is no error: the status is then
   the report's own.
@@ -73,7 +76,7 @@ FORMATS = ("text", "markdown", "json", "html")
 
 DESCRIPTION = ("Health report of the training runs under LOGDIR, read from their TensorBoard event files. "
                "Exit status: 0 healthy, 1 a critical finding, 3 an event file read only in part, "
-               "2 nothing to report (or nothing measured) or a usage error, 4 the report could not be written.")
+               "2 nothing to report (or no run measured anything) or a usage error, 4 the report could not be written.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
         text = render_html(list(zip(ours, reports)), skipped)
     else:
         text = render(reports, args.format, skipped=skipped)
-    status = max((r.exit_status for r in reports), key=SEVERITY.index)
+    # A run that measured nothing (it ended before its first step) beside runs that did is one of their findings.
+    statuses = [r.exit_status for r in reports if r.exit_status != EXIT_NO_DATA] or [EXIT_NO_DATA]
+    status = max(statuses, key=SEVERITY.index)
     try:
         if args.output:
             Path(args.output).write_text(text, encoding="utf-8")

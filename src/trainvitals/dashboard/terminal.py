@@ -31,7 +31,7 @@ def markdown_to_text(markdown: str) -> str:
             j = i
             while j < len(lines) and lines[j].lstrip().startswith("|"):
                 j += 1
-            out += format_table([_cells(line) for line in lines[i:j]])
+            out += format_table([table_cells(line) for line in lines[i:j]])
             i = j
             continue
         heading = _HEADING.match(lines[i])
@@ -88,7 +88,7 @@ def format_table(rows: Sequence[Sequence[str]], indent: str = "", width: int = W
     return lines
 
 
-def _cells(line: str) -> list[str]:
+def table_cells(line: str) -> list[str]:
     """The cells of a markdown table row (``\\|`` is a literal bar inside a cell)."""
     body = line.strip()
     body = body[1:] if body.startswith("|") else body
