@@ -436,6 +436,29 @@ def test_batchnorm_micro_batch_warning_and_the_deviation_it_causes():
     assert deviation[32] < deviation[16] < deviation[8] < deviation[4] and deviation[32] > 1e-3
 
 
+def _batchnorm_fit(accumulate: int, monkeypatch: pytest.MonkeyPatch, **probe_args: Any) -> tuple[Any, ...]:
+    """A BatchNorm MLP fitted with a probe and a stopper: (probe, its info lines, the warnings, the logger)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    probe, stopper, logger = BatchVarianceProbe(**probe_args), GradNormEarlyStopping(min_steps=0), RecordingLogger()
+    said: list[str] = []
+    monkeypatch.setattr(probe, "info", lambda text, once=False: said.append(text))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(net), as_float32(classification_data("mlp", 64)), [probe, stopper], batch_size=8,
+            steps=24 // accumulate, accumulate=accumulate, precision="32-true", logger=logger)
+    return probe, said, [str(w.message) for w in record], logger
+
+
+def test_the_end_line_names_the_probes_batch_when_no_source_is_valid(monkeypatch):
+    """With no valid source the estimate has no batch: the end line gives the probe's own, never None, and the
+    reason follows as one sentence, without parentheses nested in parentheses."""
+    probe, _, _, _ = _batchnorm_fit(1, monkeypatch)
+    line = probe.summary_line()
+    assert line.startswith("no reliable B_simple at an effective batch of 8 from 24 measured optimizer steps: ")
+    assert "None" not in line and "((" not in line and "))" not in line and "no valid noise source" in line
+
+
 def test_outlying_examples_are_reported_by_index():
     data = classification_data("mlp", 16)
     data.tensors[1][11] = (data.tensors[1][11] + 1) % 3  # a wrong label: a large gradient

@@ -261,11 +261,16 @@ class BatchVarianceProbe(TrainvitalsCallback):
         """One line for the end of fit: the run's noise scale (:attr:`gradient_noise`), or why there is none."""
         count = int(self.noise.count)
         if count == 0:
-            return f"no measurement ({self.noise_source.invalid or self.sources or 'not set up'})."
+            return f"no measurement: {self.noise_source.invalid or self.sources or 'not set up'}."
         summary = self.gradient_noise.host_summary()
-        scale = (f"B_simple = {summary['b_simple']:.4g} examples (relative error {summary['b_simple_rel_err']:.2f})"
-                 if summary["reliable"] else f"no reliable B_simple ({summary['why']})")
-        return f"{scale} at an effective batch of {summary['batch_size']}, from {count} measured optimizer steps."
+        # The estimate's batch is its valid sources'; with none valid, the probe's own.
+        batch = summary["batch_size"] or self.effective_batch_size
+        at = f" at an effective batch of {batch}" if batch else ""
+        if summary["reliable"]:
+            return (f"B_simple = {summary['b_simple']:.4g} examples (relative error {summary['b_simple_rel_err']:.2f})"
+                    f"{at}, from {count} measured optimizer steps.")
+        return f"no reliable B_simple{at} from {count} measured optimizer steps: " \
+            f"{summary['why'].removeprefix('B_simple unreliable: ')}."
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""
