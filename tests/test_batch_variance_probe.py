@@ -459,6 +459,19 @@ def test_the_end_line_names_the_probes_batch_when_no_source_is_valid(monkeypatch
     assert "None" not in line and "((" not in line and "))" not in line and "no valid noise source" in line
 
 
+def test_batchnorm_on_one_device_is_explained_once_and_referred_to_briefly(monkeypatch):
+    """The full explanation, with what would measure the noise, is one warning; the sources line, the stopper's
+    caveat and both end-of-fit lines refer to it in brief, and the end line names the batch, never None."""
+    probe, said, warned, _ = _batchnorm_fit(1, monkeypatch)
+    full = [w for w in warned if "normalises each example with its micro-batch's statistics" in w]
+    assert len(full) == 1 and "(net.1)" in full[0] and "GroupNorm or LayerNorm instead of BatchNorm" in full[0]
+    caveat = next(w for w in warned if "cannot decide" in w)
+    texts = [said[0], caveat, probe.summary_line()]
+    assert all("couples the examples, and" not in t and "normalises each example" not in t for t in texts)
+    assert all(t.count("(") <= t.count(")") and "((" not in t and "))" not in t for t in texts)
+    assert "BatchNorm in training mode" in caveat and "accumulate_grad_batches >= 2" in caveat
+
+
 def test_outlying_examples_are_reported_by_index():
     data = classification_data("mlp", 16)
     data.tensors[1][11] = (data.tensors[1][11] + 1) % 3  # a wrong label: a large gradient

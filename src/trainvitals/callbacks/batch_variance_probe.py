@@ -29,7 +29,7 @@ from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
-from trainvitals.callbacks._probe_sources import SOURCES, ProbeSources
+from trainvitals.callbacks._probe_sources import COUPLED, SOURCES, ProbeSources
 from trainvitals.callbacks._probe_step import MicroBatches, step_estimates, sum_over_ranks
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
@@ -422,9 +422,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
         few = sources.few_batchnorm_values(self._batch_size, trainer.accumulate_grad_batches)
         if few:
             self.warn(few, once=True)
-        coupling = sources.coupling()
-        if coupling:
-            self.noise_source.invalidate(coupling)
+        coupled = sources.coupling()
+        if coupled and not self.noise_source.invalid:
+            self.warn(sources.coupling_warning(coupled) + ".", once=True)
+        if coupled:
+            self.noise_source.invalidate(COUPLED)
         problem = sources.problem(result, self._batches.sizes, self._batches.unsized)
         if problem:
             self._cannot_measure(problem)
