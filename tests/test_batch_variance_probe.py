@@ -459,6 +459,27 @@ def test_the_end_line_names_the_probes_batch_when_no_source_is_valid(monkeypatch
     assert "None" not in line and "((" not in line and "))" not in line and "no valid noise source" in line
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_with_batchnorm_the_fit_start_line_says_gsnr_and_eb_are_not_logged(accumulate, monkeypatch):
+    """Per-layer GSNR and the EB criterion need independent per-example gradients: with BatchNorm in training
+    mode they are never logged (an EarlyStopping on eb_criterion finds no key), and the first line says so."""
+    probe, said, _, logger = _batchnorm_fit(accumulate, monkeypatch)
+    first = said[0]
+    assert first.startswith("sources: ") and "grad_noise/gsnr/* and grad_noise/eb_criterion are not logged" in first
+    assert ("measured from micro-batches and ranks" if accumulate > 1 else "while BatchNorm is in training mode") in first
+    assert not [tag for tag in logger.series if tag.startswith(("grad_noise/gsnr", "grad_noise/eb_criterion"))]
+    _, said, _, logger = _batchnorm_fit(accumulate, monkeypatch, per_coordinate=False)
+    assert "not logged" not in said[0]  # turned off by the user: nothing to explain
+
+
+def test_without_batchnorm_the_fit_start_line_promises_nothing_missing(monkeypatch):
+    probe, logger = BatchVarianceProbe(), RecordingLogger()
+    said: list[str] = []
+    monkeypatch.setattr(probe, "info", lambda text, once=False: said.append(text))
+    fit(Classifier(network("mlp")), classification_data("mlp", 32), [probe], batch_size=8, steps=2, logger=logger)
+    assert "not logged" not in said[0] and "grad_noise/eb_criterion" in logger.series
+
+
 def test_batchnorm_on_one_device_is_explained_once_and_referred_to_briefly(monkeypatch):
     """The full explanation, with what would measure the noise, is one warning; the sources line, the stopper's
     caveat and both end-of-fit lines refer to it in brief, and the end line names the batch, never None."""

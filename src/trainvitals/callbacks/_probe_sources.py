@@ -116,6 +116,17 @@ class ProbeSources:
         training = [*self.bn_values, *(n for n, m in self._compiled_batchnorms.items() if m.training)]
         return training if self.plan.per_example or self.plan.vmap else []
 
+    def coordinates_note(self) -> str:
+        """Why the plan will log no per-layer GSNR nor EB criterion (they need independent per-example
+        gradients), or ""."""
+        what = "grad_noise/gsnr/* and grad_noise/eb_criterion"
+        if not (self.plan.per_example or self.plan.vmap):
+            return (f"{what} are not logged: they need per-example gradients, and every parameter is measured from "
+                    "micro-batches and ranks" if self.plan.micro_batch else f"{what} are not logged: nothing is measured")
+        if self.plan.coupled:
+            return f"{what} are not logged while BatchNorm is in training mode: they need independent per-example gradients"
+        return ""
+
     @staticmethod
     def coupling_warning(batchnorms: list[str]) -> str:
         """The one full explanation of a per-example estimate through BatchNorm in training mode, with the fix."""

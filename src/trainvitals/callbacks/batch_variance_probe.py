@@ -300,7 +300,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
-        self.info(f"sources: {self.sources}")
+        assert self._sources is not None
+        note = self._sources.coordinates_note() if self.per_coordinate else ""
+        self.info(f"sources: {self.sources}" + (f"; {note}" if note else ""))
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.measure_every_n_steps) * self.measure_every_n_steps
