@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from _models import GAN, ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
+from test_per_example_guards import Lookup
 
 from trainvitals import GradNormMonitor
 from trainvitals.callbacks import grad_norm_monitor as monitor_module
@@ -204,8 +206,8 @@ def test_the_collector_holds_at_most_the_coordinate_budget(monkeypatch):
     held: list[int] = []
     pop = PerExampleGradients.pop
 
-    def record(self: PerExampleGradients) -> Any:
-        step = pop(self)
+    def record(self: PerExampleGradients, *args: Any, **kwargs: Any) -> Any:
+        step = pop(self, *args, **kwargs)
         held.append(sum(v.numel() for v in [*step.grad_sum.values(), *step.sum_sq.values()]))
         return step
 
@@ -491,6 +493,68 @@ def test_batchnorm_on_one_device_is_explained_once_and_referred_to_briefly(monke
     assert all("couples the examples, and" not in t and "normalises each example" not in t for t in texts)
     assert all(t.count("(") <= t.count(")") and "((" not in t and "))" not in t for t in texts)
     assert "BatchNorm in training mode" in caveat and "accumulate_grad_batches >= 2" in caveat
+
+
+class LookupRegression(pl.LightningModule):
+    """A recommender: one item id per example, looked up in a table ((B,) integer ids), regressed on a target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Lookup().double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, y = batch
+        return (self.net(ids).squeeze(-1) - y).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_per_example_ids_cost_no_host_read_between_logging_steps(monkeypatch, shared):
+    """1-D ids of B integers are told from arange(B) on the device: the probe reads the host only at logging
+    steps (every 4th), where it decides them. Per-example ids are measured at every step; ids arange(B), a table
+    shared by the batch (here from step 1 on), make the steps until the next logging step invalid on the device,
+    that one is left out as failed, and the lookup is excluded from then on."""
+    torch.manual_seed(0)
+    n = 8 * 12
+    ids = torch.randint(0, 9, (n,))
+    if shared:
+        ids[8:] = torch.arange(8).repeat(11)
+    data = TensorDataset(ids, torch.randn(n, dtype=torch.float64))
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, log_every_n_steps=4)
+    reads: list[tuple[int, str]] = []
+    inside: dict[str, int | None] = {"step": None}
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            # detect_loss_reduction reads autograd's CPU scalars (a Python divisor): no device sync.
+            if inside["step"] is not None and not sys._getframe(1).f_code.co_filename.endswith("loss_reduction.py"):
+                reads.append((inside["step"], _name))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"):
+        original = getattr(probe, hook)
+
+        def wrapped(trainer, *args, _original=original, **kwargs):
+            inside["step"] = trainer.global_step
+            try:
+                return _original(trainer, *args, **kwargs)
+            finally:
+                inside["step"] = None
+
+        setattr(probe, hook, wrapped)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(LookupRegression(), data, [probe], batch_size=8, steps=12)
+    monkeypatch.undo()
+    assert {step for step, _ in reads} <= {0, 4, 8} and reads
+    assert ("net.items" in probe._excluded) == shared
+    assert any("shared by the batch" in str(w.message) for w in record) == shared
+    # Shared: steps 1-3 invalid undecided, step 4 decided and left out, steps 5-11 without the lookup.
+    assert int(probe.noise.count) == (1 + 7 if shared else 12)
 
 
 def test_outlying_examples_are_reported_by_index():

@@ -417,7 +417,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._finalized_step = step
         sources = self._sources
         assert sources is not None
-        result = sources.collector.pop()
+        result = sources.collector.pop(decide=False)
+        if is_logging_step(step, self._log_every) or self._log_every is None:
+            # Lookups whose 1-D ids were compared with arange(B) on the device: read where the step syncs anyway;
+            # until then a shared one makes the step invalid on the device (`sum_over_ranks`).
+            sources.collector.decide(result)
         micro_sum, _ = sources.micro.pop()
         self._detach_hooks()
         self._check_sums(trainer, pl_module, result, optimizer)
