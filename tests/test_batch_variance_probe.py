@@ -467,7 +467,7 @@ def test_with_batchnorm_the_fit_start_line_says_gsnr_and_eb_are_not_logged(accum
     mode they are never logged (an EarlyStopping on eb_criterion finds no key), and the first line says so."""
     probe, said, _, logger = _batchnorm_fit(accumulate, monkeypatch)
     first = said[0]
-    assert first.startswith("sources: ") and "grad_noise/gsnr/* and grad_noise/eb_criterion are not logged" in first
+    assert first.startswith("sources planned") and "grad_noise/gsnr/* and grad_noise/eb_criterion are not logged" in first
     assert ("measured from micro-batches and ranks" if accumulate > 1 else "while BatchNorm is in training mode") in first
     assert not [tag for tag in logger.series if tag.startswith(("grad_noise/gsnr", "grad_noise/eb_criterion"))]
     _, said, _, logger = _batchnorm_fit(accumulate, monkeypatch, per_coordinate=False)
@@ -926,7 +926,7 @@ def test_the_batch_is_sized_from_the_batch_not_from_the_first_layer_that_runs():
         warnings.simplefilter("always")
         fit(Classifier(net), data, [probe], batch_size=8, steps=3)
     (message,) = _probe_warnings(record)
-    assert "pos: first dimension 6 is not the batch (8)" in message and "tok" not in message
+    assert "pos: it is looked up with 6 ids for a batch of 8" in message and "tok" not in message
     assert "not measured: 1 tensors" in probe.sources
     x, y = data.tensors
     per_example = brute_force(net, x[16:24], y[16:24])  # the last step's batch; lr = 0 keeps the weights
@@ -967,6 +967,32 @@ def test_a_skipped_batch_leaves_per_example_measurement_intact(accumulate):
     assert set(probe._plan.per_example) == {"net.0", "net.2", "net.4"}
     steps = [step for step, _ in logger.series["grad_noise/gsnr/net.0"]]
     assert steps[-1] == 3 and len(steps) >= 3  # per-example statistics logged after the skipped batch too
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_position_table_is_said_in_plain_words_with_where_it_goes_and_the_coverage_left(accumulate, monkeypatch):
+    """The fit-start line is the planned coverage; the position table, found shared by the batch at the first
+    step, is warned about once: why in words, where it is measured from then on, and what the sources cover."""
+    torch.manual_seed(0)
+    probe = BatchVarianceProbe()
+    said: list[str] = []
+    monkeypatch.setattr(probe, "info", lambda text, once=False: said.append(text))
+    data = classification_data("sequence", 48)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(PositionFirst().double()), data, [probe], batch_size=8, steps=3, accumulate=accumulate)
+    assert said[0].startswith("sources planned") and "Embedding×2" in said[0] and "(100.0% of parameters)" in said[0]
+    (message,) = _probe_warnings(record)
+    assert "net.pos: it is looked up with 6 ids for a batch of 8, not one per example" in message
+    assert "shared by all examples in the batch" in message and "first dimension" not in message
+    if accumulate > 1:
+        assert "From the next step on it is measured from micro-batches and ranks" in message
+        assert "micro-batches/ranks: 1 tensors" in message
+    else:
+        assert "left to micro-batches and ranks, which this run does not have" in message
+        assert "not measured: 1 tensors" in message
+    assert "the sources now are per-example norms in backward: Embedding×1, Linear×1 (" in message
+    assert probe._excluded == {"net.pos"} and "Embedding×1" in probe.sources
 
 
 class LanguageModel(Classifier):

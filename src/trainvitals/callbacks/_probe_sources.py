@@ -161,8 +161,7 @@ class ProbeSources:
                 result.failed[name] = ("its parameters got gradients outside its own forward (used directly, or "
                                        "called from a torch.compile'd function, where the probe puts no hook)")
         if result.failed:
-            return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items()) + \
-                " (from the next step on, these layers are measured another way if they can be)"
+            return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items())
         if unsized:
             return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it): "
                     "put the examples on dimension 0 of the batch's tensors")

@@ -198,7 +198,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("outlier_rows", False, persistent=False)
         self.add_state("_enabled", False, persistent=False)
         self.add_state("_excluded", set(), persistent=False)
-        self.add_state("_failed", set(), persistent=False)  # failed here, not yet excluded (DDP: until a logging step)
+        self.add_state("_failed", {}, persistent=False)  # failed here, not yet excluded (DDP: until a logging step): why
         self.add_state("_open_step", -1, persistent=False)
         self.add_state("_measuring", False, persistent=False)
         self.add_state("_finalized_step", -1, persistent=False)
@@ -302,7 +302,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._make_plan(trainer, pl_module)
         assert self._sources is not None
         note = self._sources.coordinates_note() if self.per_coordinate else ""
-        self.info(f"sources: {self.sources}" + (f"; {note}" if note else ""))
+        # Planned: a layer found not measurable per example at a step is moved to another source, and said then.
+        self.info(f"sources planned (a layer found not measurable per example at a step moves to another source, "
+                  f"said then): {self.sources}" + (f"; {note}" if note else ""))
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.measure_every_n_steps) * self.measure_every_n_steps
@@ -434,16 +436,35 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if coupled:
             self.noise_source.invalidate(COUPLED)
         problem = sources.problem(result, self._batches.sizes, self._batches.unsized)
-        if problem:
+        if problem and not result.failed:  # failed layers are said where they are moved (`_move_failed`)
             self._cannot_measure(problem)
         self._failed.update(result.failed)
         # Measured even when this rank saw a problem: every rank must join the same all-reduce, which also
         # says which layers failed on any rank, so that every rank excludes the same ones.
         failed = self._measure(trainer, pl_module, result, micro_sum, optimizer, valid_here=not problem)
         if failed:
-            self._excluded.update(failed)
-            self._failed.difference_update(failed)
-            self._make_plan(trainer, pl_module)
+            self._move_failed(trainer, pl_module, failed)
+
+    def _move_failed(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", failed: set[str]) -> None:
+        """Exclude the layers that failed per example, plan again, and say why, where each goes and what the
+        sources now cover."""
+        reasons = {name: self._failed.pop(name, "it failed on another rank") for name in sorted(failed)}
+        self._excluded.update(failed)
+        self._make_plan(trainer, pl_module)
+        assert self._plan is not None
+        plan = self._plan
+
+        def where(name: str) -> str:
+            if name in plan.vmap:
+                return "it is measured by torch.func on a sub-batch"
+            if any(not name or p == name or p.startswith(f"{name}.") for p in plan.micro_batch):
+                return "it is measured from micro-batches and ranks"
+            return ("it is left to micro-batches and ranks, which this run does not have (accumulate_grad_batches "
+                    ">= 2 or >= 2 devices)")
+
+        said = "; ".join(f"{name or '(root)'}: {why}. From the next step on {where(name)}" for name, why in reasons.items())
+        self.cannot_measure(f"cannot measure per example: {said}. Steps with it are left out; the sources now "
+                            f"are {self.sources}.")
 
     def _check_sums(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
                     optimizer: torch.optim.Optimizer) -> None:
@@ -468,7 +489,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         assert self._sources is not None
         plan = self._sources.plan
         sums = sum_over_ranks(trainer, result, micro_sum, self._batches.sizes, valid_here, [*plan.per_example, *plan.vmap],
-                              self._failed, read_failures=is_logging_step(trainer.global_step, self._log_every))
+                              set(self._failed), read_failures=is_logging_step(trainer.global_step, self._log_every))
         if sums.examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
             return sums.failed
