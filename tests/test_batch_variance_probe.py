@@ -467,8 +467,8 @@ def test_with_batchnorm_the_fit_start_line_says_gsnr_and_eb_are_not_logged(accum
     mode they are never logged (an EarlyStopping on eb_criterion finds no key), and the first line says so."""
     probe, said, _, logger = _batchnorm_fit(accumulate, monkeypatch)
     first = said[0]
-    assert first.startswith("sources planned") and "grad_noise/gsnr/* and grad_noise/eb_criterion are not logged" in first
-    assert ("measured from micro-batches and ranks" if accumulate > 1 else "while BatchNorm is in training mode") in first
+    assert first.startswith("planned sources") and "grad_noise/gsnr/* and grad_noise/eb_criterion, which need" in first
+    assert ("measured from micro-batches and ranks" if accumulate > 1 else "not logged while BatchNorm is in training mode") in first
     assert not [tag for tag in logger.series if tag.startswith(("grad_noise/gsnr", "grad_noise/eb_criterion"))]
     _, said, _, logger = _batchnorm_fit(accumulate, monkeypatch, per_coordinate=False)
     assert "not logged" not in said[0]  # turned off by the user: nothing to explain
@@ -981,7 +981,7 @@ def test_a_position_table_is_said_in_plain_words_with_where_it_goes_and_the_cove
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fit(Classifier(PositionFirst().double()), data, [probe], batch_size=8, steps=3, accumulate=accumulate)
-    assert said[0].startswith("sources planned") and "Embedding×2" in said[0] and "(100.0% of parameters)" in said[0]
+    assert said[0].startswith("planned sources") and "Embedding×2" in said[0] and "(100.0% of parameters)" in said[0]
     (message,) = _probe_warnings(record)
     assert "net.pos: it is looked up with 6 ids for a batch of 8, not one per example" in message
     assert "shared by all examples in the batch" in message and "first dimension" not in message

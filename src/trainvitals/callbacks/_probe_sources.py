@@ -121,10 +121,9 @@ class ProbeSources:
         gradients), or ""."""
         what = "grad_noise/gsnr/* and grad_noise/eb_criterion"
         if not (self.plan.per_example or self.plan.vmap):
-            return (f"{what} are not logged: they need per-example gradients, and every parameter is measured from "
-                    "micro-batches and ranks" if self.plan.micro_batch else f"{what} are not logged: nothing is measured")
+            return f"{what}, which need per-example gradients, are not logged"
         if self.plan.coupled:
-            return f"{what} are not logged while BatchNorm is in training mode: they need independent per-example gradients"
+            return f"{what}, which need independent per-example gradients, are not logged while BatchNorm is in training mode"
         return ""
 
     @staticmethod

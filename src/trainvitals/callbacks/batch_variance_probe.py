@@ -302,9 +302,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._make_plan(trainer, pl_module)
         assert self._sources is not None
         note = self._sources.coordinates_note() if self.per_coordinate else ""
-        # Planned: a layer found not measurable per example at a step is moved to another source, and said then.
-        self.info(f"sources planned (a layer found not measurable per example at a step moves to another source, "
-                  f"said then): {self.sources}" + (f"; {note}" if note else ""))
+        self.info(f"planned sources (a layer found not measurable per example is moved at its first step, and said): "
+                  f"{self.sources}" + (f"; {note}" if note else ""))
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.measure_every_n_steps) * self.measure_every_n_steps
