@@ -136,6 +136,20 @@ class ProbeSources:
                 ">= 2 or >= 2 devices measure the noise (micro-batches and ranks are independent draws whatever the "
                 "layers), and so does GroupNorm or LayerNorm instead of BatchNorm")
 
+    def moved(self, reasons: dict[str, str]) -> str:
+        """What to say of layers that failed per example (``reasons``: why each) once this plan excludes them:
+        why, where each is measured from the next step on, and what the sources now cover."""
+        def where(name: str) -> str:
+            if name in self.plan.vmap:
+                return "it is measured by torch.func on a sub-batch"
+            if any(not name or p == name or p.startswith(f"{name}.") for p in self.plan.micro_batch):
+                return "it is measured from micro-batches and ranks"
+            return ("it is left to micro-batches and ranks, which this run does not have (accumulate_grad_batches "
+                    ">= 2 or >= 2 devices)")
+
+        said = "; ".join(f"{name or '(root)'}: {why}. From the next step on {where(name)}" for name, why in reasons.items())
+        return f"cannot measure per example: {said}. Steps with it are left out; the sources now are {self.description}."
+
     def few_batchnorm_values(self, micro_batch: int, accumulate: int) -> str:
         """The warning for BatchNorms that normalise over too few values at this step, or ""."""
         small = {n: v for n, v in self.bn_values.items() if v < BATCHNORM_MIN_VALUES}

@@ -266,11 +266,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
         # The estimate's batch is its valid sources'; with none valid, the probe's own.
         batch = summary["batch_size"] or self.effective_batch_size
         at = f" at an effective batch of {batch}" if batch else ""
-        if summary["reliable"]:
-            return (f"B_simple = {summary['b_simple']:.4g} examples (relative error {summary['b_simple_rel_err']:.2f})"
-                    f"{at}, from {count} measured optimizer steps.")
-        return f"no reliable B_simple{at} from {count} measured optimizer steps: " \
-            f"{summary['why'].removeprefix('B_simple unreliable: ')}."
+        scale = (f"B_simple = {summary['b_simple']:.4g} examples (relative error {summary['b_simple_rel_err']:.2f})"
+                 if summary["reliable"] else "no reliable B_simple")
+        why = "" if summary["reliable"] else ": " + summary["why"].removeprefix("B_simple unreliable: ")
+        return f"{scale}{at} from {count} measured optimizer steps{why}."
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""
@@ -300,8 +299,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
-        assert self._sources is not None
-        note = self._sources.coordinates_note() if self.per_coordinate else ""
+        note = self._sources.coordinates_note() if self.per_coordinate and self._sources is not None else ""
         self.info(f"planned sources (a layer found not measurable per example is moved at its first step, and said): "
                   f"{self.sources}" + (f"; {note}" if note else ""))
 
@@ -420,8 +418,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         assert sources is not None
         result = sources.collector.pop(decide=False)
         if is_logging_step(step, self._log_every) or self._log_every is None:
-            # Lookups whose 1-D ids were compared with arange(B) on the device: read where the step syncs anyway;
-            # until then a shared one makes the step invalid on the device (`sum_over_ranks`).
+            # 1-D ids compared with arange(B) on the device, read at a step that syncs anyway (else: `sum_over_ranks`)
             sources.collector.decide(result)
         micro_sum, _ = sources.micro.pop()
         self._detach_hooks()
@@ -429,10 +426,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         few = sources.few_batchnorm_values(self._batch_size, trainer.accumulate_grad_batches)
         if few:
             self.warn(few, once=True)
-        coupled = sources.coupling()
-        if coupled and not self.noise_source.invalid:
-            self.warn(sources.coupling_warning(coupled) + ".", once=True)
-        if coupled:
+        if coupled := sources.coupling():
+            if not self.noise_source.invalid:
+                self.warn(sources.coupling_warning(coupled) + ".", once=True)
             self.noise_source.invalidate(COUPLED)
         problem = sources.problem(result, self._batches.sizes, self._batches.unsized)
         if problem and not result.failed:  # failed layers are said where they are moved (`_move_failed`)
@@ -445,25 +441,12 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._move_failed(trainer, pl_module, failed)
 
     def _move_failed(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", failed: set[str]) -> None:
-        """Exclude the layers that failed per example, plan again, and say why, where each goes and what the
-        sources now cover."""
+        """Exclude the layers that failed per example, plan again, and say why, where each goes and the coverage."""
         reasons = {name: self._failed.pop(name, "it failed on another rank") for name in sorted(failed)}
         self._excluded.update(failed)
         self._make_plan(trainer, pl_module)
-        assert self._plan is not None
-        plan = self._plan
-
-        def where(name: str) -> str:
-            if name in plan.vmap:
-                return "it is measured by torch.func on a sub-batch"
-            if any(not name or p == name or p.startswith(f"{name}.") for p in plan.micro_batch):
-                return "it is measured from micro-batches and ranks"
-            return ("it is left to micro-batches and ranks, which this run does not have (accumulate_grad_batches "
-                    ">= 2 or >= 2 devices)")
-
-        said = "; ".join(f"{name or '(root)'}: {why}. From the next step on {where(name)}" for name, why in reasons.items())
-        self.cannot_measure(f"cannot measure per example: {said}. Steps with it are left out; the sources now "
-                            f"are {self.sources}.")
+        assert self._sources is not None
+        self.cannot_measure(self._sources.moved(reasons))
 
     def _check_sums(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
                     optimizer: torch.optim.Optimizer) -> None:
