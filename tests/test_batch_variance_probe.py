@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from _models import GAN, ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
+from test_per_example_guards import Lookup
 
 from trainvitals import GradNormMonitor
 from trainvitals.callbacks import grad_norm_monitor as monitor_module
@@ -204,8 +206,8 @@ def test_the_collector_holds_at_most_the_coordinate_budget(monkeypatch):
     held: list[int] = []
     pop = PerExampleGradients.pop
 
-    def record(self: PerExampleGradients) -> Any:
-        step = pop(self)
+    def record(self: PerExampleGradients, *args: Any, **kwargs: Any) -> Any:
+        step = pop(self, *args, **kwargs)
         held.append(sum(v.numel() for v in [*step.grad_sum.values(), *step.sum_sq.values()]))
         return step
 
@@ -434,6 +436,125 @@ def test_batchnorm_micro_batch_warning_and_the_deviation_it_causes():
     deviation = {m: float((accumulated_gradient(m) - full).norm() / full.norm()) for m in (32, 16, 8, 4)}
     print(f"BatchNorm: ‖accumulated − full-batch gradient‖/‖full‖ by micro-batch size: {deviation}")
     assert deviation[32] < deviation[16] < deviation[8] < deviation[4] and deviation[32] > 1e-3
+
+
+def _batchnorm_fit(accumulate: int, monkeypatch: pytest.MonkeyPatch, **probe_args: Any) -> tuple[Any, ...]:
+    """A BatchNorm MLP fitted with a probe and a stopper: (probe, its info lines, the warnings, the logger)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    probe, stopper, logger = BatchVarianceProbe(**probe_args), GradNormEarlyStopping(min_steps=0), RecordingLogger()
+    said: list[str] = []
+    monkeypatch.setattr(probe, "info", lambda text, once=False: said.append(text))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(net), as_float32(classification_data("mlp", 64)), [probe, stopper], batch_size=8,
+            steps=24 // accumulate, accumulate=accumulate, precision="32-true", logger=logger)
+    return probe, said, [str(w.message) for w in record], logger
+
+
+def test_the_end_line_names_the_probes_batch_when_no_source_is_valid(monkeypatch):
+    """With no valid source the estimate has no batch: the end line gives the probe's own, never None, and the
+    reason follows as one sentence, without parentheses nested in parentheses."""
+    probe, _, _, _ = _batchnorm_fit(1, monkeypatch)
+    line = probe.summary_line()
+    assert line.startswith("no reliable B_simple at an effective batch of 8 from 24 measured optimizer steps: ")
+    assert "None" not in line and "((" not in line and "))" not in line and "no valid noise source" in line
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_with_batchnorm_the_fit_start_line_says_gsnr_and_eb_are_not_logged(accumulate, monkeypatch):
+    """Per-layer GSNR and the EB criterion need independent per-example gradients: with BatchNorm in training
+    mode they are never logged (an EarlyStopping on eb_criterion finds no key), and the first line says so."""
+    probe, said, _, logger = _batchnorm_fit(accumulate, monkeypatch)
+    first = said[0]
+    assert first.startswith("planned sources") and "grad_noise/gsnr/* and grad_noise/eb_criterion, which need" in first
+    assert ("measured from micro-batches and ranks" if accumulate > 1 else "not logged while BatchNorm is in training mode") in first
+    assert not [tag for tag in logger.series if tag.startswith(("grad_noise/gsnr", "grad_noise/eb_criterion"))]
+    _, said, _, logger = _batchnorm_fit(accumulate, monkeypatch, per_coordinate=False)
+    assert "not logged" not in said[0]  # turned off by the user: nothing to explain
+
+
+def test_without_batchnorm_the_fit_start_line_promises_nothing_missing(monkeypatch):
+    probe, logger = BatchVarianceProbe(), RecordingLogger()
+    said: list[str] = []
+    monkeypatch.setattr(probe, "info", lambda text, once=False: said.append(text))
+    fit(Classifier(network("mlp")), classification_data("mlp", 32), [probe], batch_size=8, steps=2, logger=logger)
+    assert "not logged" not in said[0] and "grad_noise/eb_criterion" in logger.series
+
+
+def test_batchnorm_on_one_device_is_explained_once_and_referred_to_briefly(monkeypatch):
+    """The full explanation, with what would measure the noise, is one warning; the sources line, the stopper's
+    caveat and both end-of-fit lines refer to it in brief, and the end line names the batch, never None."""
+    probe, said, warned, _ = _batchnorm_fit(1, monkeypatch)
+    full = [w for w in warned if "normalises each example with its micro-batch's statistics" in w]
+    assert len(full) == 1 and "(net.1)" in full[0] and "GroupNorm or LayerNorm instead of BatchNorm" in full[0]
+    caveat = next(w for w in warned if "cannot decide" in w)
+    texts = [said[0], caveat, probe.summary_line()]
+    assert all("couples the examples, and" not in t and "normalises each example" not in t for t in texts)
+    assert all(t.count("(") <= t.count(")") and "((" not in t and "))" not in t for t in texts)
+    assert "BatchNorm in training mode" in caveat and "accumulate_grad_batches >= 2" in caveat
+
+
+class LookupRegression(pl.LightningModule):
+    """A recommender: one item id per example, looked up in a table ((B,) integer ids), regressed on a target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Lookup().double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, y = batch
+        return (self.net(ids).squeeze(-1) - y).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_per_example_ids_cost_no_host_read_between_logging_steps(monkeypatch, shared):
+    """1-D ids of B integers are told from arange(B) on the device: the probe reads the host only at logging
+    steps (every 4th), where it decides them. Per-example ids are measured at every step; ids arange(B), a table
+    shared by the batch (here from step 1 on), make the steps until the next logging step invalid on the device,
+    that one is left out as failed, and the lookup is excluded from then on."""
+    torch.manual_seed(0)
+    n = 8 * 12
+    ids = torch.randint(0, 9, (n,))
+    if shared:
+        ids[8:] = torch.arange(8).repeat(11)
+    data = TensorDataset(ids, torch.randn(n, dtype=torch.float64))
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, log_every_n_steps=4)
+    reads: list[tuple[int, str]] = []
+    inside: dict[str, int | None] = {"step": None}
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            # detect_loss_reduction reads autograd's CPU scalars (a Python divisor): no device sync.
+            if inside["step"] is not None and not sys._getframe(1).f_code.co_filename.endswith("loss_reduction.py"):
+                reads.append((inside["step"], _name))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"):
+        original = getattr(probe, hook)
+
+        def wrapped(trainer, *args, _original=original, **kwargs):
+            inside["step"] = trainer.global_step
+            try:
+                return _original(trainer, *args, **kwargs)
+            finally:
+                inside["step"] = None
+
+        setattr(probe, hook, wrapped)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(LookupRegression(), data, [probe], batch_size=8, steps=12)
+    monkeypatch.undo()
+    assert {step for step, _ in reads} <= {0, 4, 8} and reads
+    assert ("net.items" in probe._excluded) == shared
+    assert any("shared by the batch" in str(w.message) for w in record) == shared
+    # Shared: steps 1-3 invalid undecided, step 4 decided and left out, steps 5-11 without the lookup.
+    assert int(probe.noise.count) == (1 + 7 if shared else 12)
 
 
 def test_outlying_examples_are_reported_by_index():
@@ -805,7 +926,7 @@ def test_the_batch_is_sized_from_the_batch_not_from_the_first_layer_that_runs():
         warnings.simplefilter("always")
         fit(Classifier(net), data, [probe], batch_size=8, steps=3)
     (message,) = _probe_warnings(record)
-    assert "pos: first dimension 6 is not the batch (8)" in message and "tok" not in message
+    assert "pos: it is looked up with 6 ids for a batch of 8" in message and "tok" not in message
     assert "not measured: 1 tensors" in probe.sources
     x, y = data.tensors
     per_example = brute_force(net, x[16:24], y[16:24])  # the last step's batch; lr = 0 keeps the weights
@@ -846,6 +967,32 @@ def test_a_skipped_batch_leaves_per_example_measurement_intact(accumulate):
     assert set(probe._plan.per_example) == {"net.0", "net.2", "net.4"}
     steps = [step for step, _ in logger.series["grad_noise/gsnr/net.0"]]
     assert steps[-1] == 3 and len(steps) >= 3  # per-example statistics logged after the skipped batch too
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_position_table_is_said_in_plain_words_with_where_it_goes_and_the_coverage_left(accumulate, monkeypatch):
+    """The fit-start line is the planned coverage; the position table, found shared by the batch at the first
+    step, is warned about once: why in words, where it is measured from then on, and what the sources cover."""
+    torch.manual_seed(0)
+    probe = BatchVarianceProbe()
+    said: list[str] = []
+    monkeypatch.setattr(probe, "info", lambda text, once=False: said.append(text))
+    data = classification_data("sequence", 48)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(PositionFirst().double()), data, [probe], batch_size=8, steps=3, accumulate=accumulate)
+    assert said[0].startswith("planned sources") and "Embedding×2" in said[0] and "(100.0% of parameters)" in said[0]
+    (message,) = _probe_warnings(record)
+    assert "net.pos: it is looked up with 6 ids for a batch of 8, not one per example" in message
+    assert "shared by all examples in the batch" in message and "first dimension" not in message
+    if accumulate > 1:
+        assert "From the next step on it is measured from micro-batches and ranks" in message
+        assert "micro-batches/ranks: 1 tensors" in message
+    else:
+        assert "left to micro-batches and ranks, which this run does not have" in message
+        assert "not measured: 1 tensors" in message
+    assert "the sources now are per-example norms in backward: Embedding×1, Linear×1 (" in message
+    assert probe._excluded == {"net.pos"} and "Embedding×1" in probe.sources
 
 
 class LanguageModel(Classifier):

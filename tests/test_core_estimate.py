@@ -443,3 +443,21 @@ def test_band_ratio_is_grad_sq_norm_over_the_band_edge():
     assert isinstance(ratio, torch.Tensor) and float(ratio) == pytest.approx(4.0)
     with pytest.raises(ValueError, match="margin"):
         band_ratio(0.5, 40.0, 64, 0.0)
+
+
+@pytest.mark.parametrize(("seed", "said"), [(0, "not yet measurable"), (3, "≤ 0")])
+def test_an_unresolved_b_simple_is_said_in_words_not_internal_numbers(seed, said):
+    """Below the gate (seed 0: ‖G‖² within its error of zero) or at ‖G‖² ≤ 0 (seed 3), B_simple's relative error
+    is the marker ``inf``: the caveat and the table say why in words, never ``inf`` nor the gate's constant."""
+    gen = torch.Generator().manual_seed(seed)
+    noise, src = GradientNoise(), NoiseSource("probe", 0.98)
+    src.effective_batch_size = 16
+    noise.attach(src)
+    for _ in range(30):
+        src.update(0.2 + torch.randn((), generator=gen, dtype=torch.float64),
+                   10.0 + torch.randn((), generator=gen, dtype=torch.float64))
+    h = noise.host_summary()
+    assert h["decisive"] and math.isinf(h["b_simple_rel_err"]) and (h["grad_sq_norm"] > 0) == (seed == 0)
+    text = " ".join(f"{k} {v}" for k, v in noise.summary_rows())
+    assert said in h["why"] and said in text
+    assert f"{GATE_Z:.3g}" not in text and "inf" not in text.replace("B_simple", "")

@@ -552,6 +552,28 @@ def test_a_tied_parameter_counts_once_in_the_coverage_line():
     assert shares and all(0 < s <= 100 for s in shares)
 
 
+class OwnTable(nn.Module):
+    """A model's own position table beside a Linear child: torch.func would re-run the child, so it is not measured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.proj = nn.Parameter(torch.zeros(4)), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x + self.table)
+
+
+def test_the_coverage_line_nests_no_parentheses():
+    """The unmeasured parameters' reasons hold parentheses of their own: they follow the share, not inside it."""
+    model = OwnTable()
+    line = plan_sources(model, groups_available=False, fallback=True).describe(model)
+    depth = deepest = 0
+    for char in line:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        deepest = max(deepest, depth)
+    assert "not measured: 1 tensors (" in line and "torch.func would" in line and deepest == 1, line
+
+
 class Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -656,6 +656,13 @@ def test_what_would_make_it_measurable_names_only_what_applies():
     training = SimpleNamespace(lightning_module=frozen.train(), callbacks=[])
     said = measurable_by(training)
     assert "instead of BatchNorm" in said and ", or a BatchVarianceProbe" in said
+    # A probe is attached but BatchNorm in training mode makes its per-example source invalid: said, not advised.
+    probed = SimpleNamespace(lightning_module=frozen, callbacks=[BatchVarianceProbe()])
+    said = measurable_by(probed)
+    assert said.startswith("the attached BatchVarianceProbe's per-example source is invalid here (BatchNorm in "
+                           "training mode); measurable with accumulate_grad_batches >= 2")
+    assert "instead of BatchNorm" in said and ", or a BatchVarianceProbe" not in said
+    assert measurable_by(probed, say_probe=False).startswith("measurable with accumulate_grad_batches >= 2")
 
 
 def test_a_noise_band_stop_resumed_still_names_its_estimate(tmp_path):

@@ -86,6 +86,21 @@ def test_healthy_run_reads_back_what_was_logged(tmp_path: Path, capsys: pytest.C
     assert "B = 64 < B_simple = 200 (± 10%)" in messages
 
 
+@pytest.mark.parametrize("in_band", [0.0, None])
+def test_the_band_verdict_is_one_sentence_with_the_floors_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                 in_band: float | None) -> None:
+    """The norm's ratio to the floor and the floor's error read as one sentence, not "(…) (…)" side by side."""
+    run = {**HEALTHY, "grad_norm/noise_floor_se": 0.1 * 0.083}
+    if in_band is not None:
+        run["grad_norm/in_noise_band"] = in_band
+    write_run(tmp_path / "a", run)
+    _, doc = report_json(capsys, tmp_path)
+    (verdict,) = [f["message"] for f in doc["runs"][0]["findings"] if "noise band" in f["message"]]
+    assert "noise floor ± 8.3%" in verdict and ") (" not in verdict
+    assert verdict.startswith("not in its noise band yet: 0% of the last 10 logged steps were in it; the last norm is "
+                              if in_band is not None else "in its noise band (60% of the last 10 logged steps; noise")
+
+
 def test_descending_run_and_runs_without_a_band(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_run(tmp_path / "a", {**HEALTHY, "grad_norm/in_noise_band": 0.0})
     write_run(tmp_path / "b", {"grad_norm/total": 1.0})

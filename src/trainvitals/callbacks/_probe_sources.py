@@ -20,6 +20,8 @@ from trainvitals.core.noise import MicroBatchSquaredNorms
 from trainvitals.core.per_example import PerExampleGradients, PerExampleStep, plan_sources
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
+COUPLED = "per-example gradients through BatchNorm in training mode are not independent draws"
+"""The probe's estimate's invalidity under BatchNorm, in brief (:meth:`ProbeSources.coupling_warning` says it fully)."""
 BATCHNORM_MIN_VALUES = 8  # below this many values per channel, BatchNorm's batch statistics are mostly noise
 
 
@@ -69,11 +71,10 @@ class ProbeSources:
         self.param_share = sum(p.numel() for p in measured.values()) / max(sum(p.numel() for p in trainable.values()), 1)
         self.description = plan.describe(pl_module)
         if plan.coupled:
-            self.description += (f". BatchNorm ({', '.join(plan.coupled)}) couples the examples of each "
-                                 "micro-batch: their gradients are the addends of a coupled batch gradient, not "
-                                 "independent draws" + (", so every parameter is measured from micro-batches and "
-                                                        "ranks" if plan.micro_batch else
-                                                        "; in training mode the per-example estimate is invalid"))
+            self.description += (f". BatchNorm ({', '.join(plan.coupled)}) couples the examples" +
+                                 (", so every parameter is measured from micro-batches and ranks" if plan.micro_batch
+                                  else ": in training mode the per-example estimate is invalid (a warning at the "
+                                       "first such step says what would measure it)"))
         if regions:
             what = "the training step" if ROOT in regions else ", ".join(f"`{c}`" for c in regions)
             self.description += (f". {what} runs under torch.compile: the probe puts no hook inside it, since a "
@@ -109,13 +110,45 @@ class ProbeSources:
             self.bn_values[name] = args[0].numel() // max(args[0].shape[1], 1)
 
     # ------------------------------------------------------------------ what a step's measurement lacks
-    def coupling(self) -> str:
-        """Why this step's per-example gradients are not independent draws (BatchNorm in training mode), or ""."""
+    def coupling(self) -> list[str]:
+        """The BatchNorms in training mode at this step, through which per-example gradients are measured (they
+        are then not independent draws: :meth:`coupling_warning`), or none."""
         training = [*self.bn_values, *(n for n, m in self._compiled_batchnorms.items() if m.training)]
-        if not training or not (self.plan.per_example or self.plan.vmap):
-            return ""
-        return (f"per-example gradients through BatchNorm in training mode ({', '.join(training)}) are not "
-                "independent draws: BatchNorm couples the examples, and their addends of the batch gradient cancel")
+        return training if self.plan.per_example or self.plan.vmap else []
+
+    def coordinates_note(self) -> str:
+        """Why the plan will log no per-layer GSNR nor EB criterion (they need independent per-example
+        gradients), or ""."""
+        what = "grad_noise/gsnr/* and grad_noise/eb_criterion"
+        if not (self.plan.per_example or self.plan.vmap):
+            return f"{what}, which need per-example gradients, are not logged"
+        if self.plan.coupled:
+            return f"{what}, which need independent per-example gradients, are not logged while BatchNorm is in training mode"
+        return ""
+
+    @staticmethod
+    def coupling_warning(batchnorms: list[str]) -> str:
+        """The one full explanation of a per-example estimate through BatchNorm in training mode, with the fix."""
+        return (f"per-example gradients through BatchNorm in training mode ({', '.join(batchnorms)}) are not "
+                "independent draws: BatchNorm normalises each example with its micro-batch's statistics, which couples "
+                "the examples, and their addends of the batch gradient cancel. The probe's estimate is invalid from "
+                "here on (no B_simple, noise floor, noise band, GSNR or EB criterion from it); accumulate_grad_batches "
+                ">= 2 or >= 2 devices measure the noise (micro-batches and ranks are independent draws whatever the "
+                "layers), and so does GroupNorm or LayerNorm instead of BatchNorm")
+
+    def moved(self, reasons: dict[str, str]) -> str:
+        """What to say of layers that failed per example (``reasons``: why each) once this plan excludes them:
+        why, where each is measured from the next step on, and what the sources now cover."""
+        def where(name: str) -> str:
+            if name in self.plan.vmap:
+                return "it is measured by torch.func on a sub-batch"
+            if any(not name or p == name or p.startswith(f"{name}.") for p in self.plan.micro_batch):
+                return "it is measured from micro-batches and ranks"
+            return ("it is left to micro-batches and ranks, which this run does not have (accumulate_grad_batches "
+                    ">= 2 or >= 2 devices)")
+
+        said = "; ".join(f"{name or '(root)'}: {why}. From the next step on {where(name)}" for name, why in reasons.items())
+        return f"cannot measure per example: {said}. Steps with it are left out; the sources now are {self.description}."
 
     def few_batchnorm_values(self, micro_batch: int, accumulate: int) -> str:
         """The warning for BatchNorms that normalise over too few values at this step, or ""."""
@@ -141,8 +174,7 @@ class ProbeSources:
                 result.failed[name] = ("its parameters got gradients outside its own forward (used directly, or "
                                        "called from a torch.compile'd function, where the probe puts no hook)")
         if result.failed:
-            return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items()) + \
-                " (from the next step on, these layers are measured another way if they can be)"
+            return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items())
         if unsized:
             return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it): "
                     "put the examples on dimension 0 of the batch's tensors")

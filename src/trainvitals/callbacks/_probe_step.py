@@ -41,22 +41,32 @@ def sum_over_ranks(trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Ten
     layers, of which ``failed_here`` failed on this rank. A layer can fail on one rank only (a branch
     taken by some ranks' data): the collective also counts each layer's failures over the ranks, read
     when ``read_failures`` (a logging step, which syncs anyway); until then a failure on any rank
-    invalidates the steps. On one process, a failure here is excluded at once.
+    invalidates the steps. On one process, a failure here is excluded at once. A lookup whose ids are
+    still compared with ``arange(B)`` on the device (``result.undecided``, decided at a logging step)
+    counts as failed where they were, without a read: the step is then invalid on the device.
     """
     device = trainer.strategy.root_device
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sq_norm_sum = (result.sq_norm_sum if result.sq_norm_sum is not None else zero).to(device, torch.float64)
     micro_sum = (micro_sum if micro_sum is not None else zero).to(device, torch.float64)
     local_examples = sum(sizes)
+    undecided = {n: shared.to(device) for n, shared in result.undecided.items() if n not in failed_here}
+    valid: Tensor | bool = valid_here
+    if undecided and valid_here:
+        valid = ~torch.stack(list(undecided.values())).any()
     if trainer.world_size == 1:
-        return StepSums(sq_norm_sum, micro_sum, local_examples, valid_here, set(failed_here))
+        return StepSums(sq_norm_sum, micro_sum, local_examples, valid, set(failed_here))
     flags = torch.zeros(len(layers), dtype=torch.float64, device=device)  # filled on the device: no copy
-    for i in (i for i, n in enumerate(layers) if n in failed_here):
-        flags[i] = 1.0
+    for i, name in enumerate(layers):
+        if name in failed_here:
+            flags[i] = 1.0
+        elif name in undecided:
+            flags[i] = undecided[name].double()
+    invalid_here = (~valid).double() if isinstance(valid, Tensor) else torch.full(
+        (), 0.0 if valid else 1.0, dtype=torch.float64, device=device)
     packed = trainer.strategy.reduce(torch.cat([torch.stack([
         sq_norm_sum, micro_sum,
-        torch.full((), float(local_examples), dtype=torch.float64, device=device),
-        torch.full((), 0.0 if valid_here else 1.0, dtype=torch.float64, device=device),
+        torch.full((), float(local_examples), dtype=torch.float64, device=device), invalid_here,
     ]), flags]), reduce_op="sum")
     examples = local_examples * trainer.world_size
     failed = set()

@@ -29,7 +29,7 @@ from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
-from trainvitals.callbacks._probe_sources import SOURCES, ProbeSources
+from trainvitals.callbacks._probe_sources import COUPLED, SOURCES, ProbeSources
 from trainvitals.callbacks._probe_step import MicroBatches, step_estimates, sum_over_ranks
 from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
@@ -198,7 +198,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("outlier_rows", False, persistent=False)
         self.add_state("_enabled", False, persistent=False)
         self.add_state("_excluded", set(), persistent=False)
-        self.add_state("_failed", set(), persistent=False)  # failed here, not yet excluded (DDP: until a logging step)
+        self.add_state("_failed", {}, persistent=False)  # failed here, not yet excluded (DDP: until a logging step): why
         self.add_state("_open_step", -1, persistent=False)
         self.add_state("_measuring", False, persistent=False)
         self.add_state("_finalized_step", -1, persistent=False)
@@ -261,11 +261,15 @@ class BatchVarianceProbe(TrainvitalsCallback):
         """One line for the end of fit: the run's noise scale (:attr:`gradient_noise`), or why there is none."""
         count = int(self.noise.count)
         if count == 0:
-            return f"no measurement ({self.noise_source.invalid or self.sources or 'not set up'})."
+            return f"no measurement: {self.noise_source.invalid or self.sources or 'not set up'}."
         summary = self.gradient_noise.host_summary()
+        # The estimate's batch is its valid sources'; with none valid, the probe's own.
+        batch = summary["batch_size"] or self.effective_batch_size
+        at = f" at an effective batch of {batch}" if batch else ""
         scale = (f"B_simple = {summary['b_simple']:.4g} examples (relative error {summary['b_simple_rel_err']:.2f})"
-                 if summary["reliable"] else f"no reliable B_simple ({summary['why']})")
-        return f"{scale} at an effective batch of {summary['batch_size']}, from {count} measured optimizer steps."
+                 if summary["reliable"] else "no reliable B_simple")
+        why = "" if summary["reliable"] else ": " + summary["why"].removeprefix("B_simple unreliable: ")
+        return f"{scale}{at} from {count} measured optimizer steps{why}."
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""
@@ -295,7 +299,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
-        self.info(f"sources: {self.sources}")
+        note = self._sources.coordinates_note() if self.per_coordinate and self._sources is not None else ""
+        self.info(f"planned sources (a layer found not measurable per example is moved at its first step, and said): "
+                  f"{self.sources}" + (f"; {note}" if note else ""))
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.measure_every_n_steps) * self.measure_every_n_steps
@@ -410,27 +416,37 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._finalized_step = step
         sources = self._sources
         assert sources is not None
-        result = sources.collector.pop()
+        result = sources.collector.pop(decide=False)
+        if is_logging_step(step, self._log_every) or self._log_every is None:
+            # 1-D ids compared with arange(B) on the device, read at a step that syncs anyway (else: `sum_over_ranks`)
+            sources.collector.decide(result)
         micro_sum, _ = sources.micro.pop()
         self._detach_hooks()
         self._check_sums(trainer, pl_module, result, optimizer)
         few = sources.few_batchnorm_values(self._batch_size, trainer.accumulate_grad_batches)
         if few:
             self.warn(few, once=True)
-        coupling = sources.coupling()
-        if coupling:
-            self.noise_source.invalidate(coupling)
+        if coupled := sources.coupling():
+            if not self.noise_source.invalid:
+                self.warn(sources.coupling_warning(coupled) + ".", once=True)
+            self.noise_source.invalidate(COUPLED)
         problem = sources.problem(result, self._batches.sizes, self._batches.unsized)
-        if problem:
+        if problem and not result.failed:  # failed layers are said where they are moved (`_move_failed`)
             self._cannot_measure(problem)
         self._failed.update(result.failed)
         # Measured even when this rank saw a problem: every rank must join the same all-reduce, which also
         # says which layers failed on any rank, so that every rank excludes the same ones.
         failed = self._measure(trainer, pl_module, result, micro_sum, optimizer, valid_here=not problem)
         if failed:
-            self._excluded.update(failed)
-            self._failed.difference_update(failed)
-            self._make_plan(trainer, pl_module)
+            self._move_failed(trainer, pl_module, failed)
+
+    def _move_failed(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", failed: set[str]) -> None:
+        """Exclude the layers that failed per example, plan again, and say why, where each goes and the coverage."""
+        reasons = {name: self._failed.pop(name, "it failed on another rank") for name in sorted(failed)}
+        self._excluded.update(failed)
+        self._make_plan(trainer, pl_module)
+        assert self._sources is not None
+        self.cannot_measure(self._sources.moved(reasons))
 
     def _check_sums(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
                     optimizer: torch.optim.Optimizer) -> None:
@@ -455,7 +471,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         assert self._sources is not None
         plan = self._sources.plan
         sums = sum_over_ranks(trainer, result, micro_sum, self._batches.sizes, valid_here, [*plan.per_example, *plan.vmap],
-                              self._failed, read_failures=is_logging_step(trainer.global_step, self._log_every))
+                              set(self._failed), read_failures=is_logging_step(trainer.global_step, self._log_every))
         if sums.examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
             return sums.failed

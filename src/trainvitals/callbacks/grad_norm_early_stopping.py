@@ -55,17 +55,23 @@ DEFAULT_MIN_STEPS = 100
 DEFAULT_CHECK_EVERY_N_STEPS = 10
 
 
-def measurable_by(trainer: Any) -> str:
-    """What would make the noise measurable in this run: BatchNorm and a probe are named only where they apply."""
+def measurable_by(trainer: Any, say_probe: bool = True) -> str:
+    """"measurable with …": what would make the noise measurable in this run, BatchNorm and a probe named only
+    where they apply; with ``say_probe``, after why an attached probe does not measure it (BatchNorm)."""
     parts = ["accumulate_grad_batches >= 2 or >= 2 devices (micro-batches and ranks are independent draws "
              "whatever the layers)"]
     module = getattr(trainer, "lightning_module", None)
-    if module is not None and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
-                                  for m in module.modules()):
+    batchnorm = module is not None and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+                                           for m in module.modules())
+    if batchnorm:
         parts.append("GroupNorm or LayerNorm instead of BatchNorm")
-    if not any(type(cb).__name__ == "BatchVarianceProbe" for cb in getattr(trainer, "callbacks", [])):
+    probe = any(type(cb).__name__ == "BatchVarianceProbe" for cb in getattr(trainer, "callbacks", []))
+    if not probe:
         parts.append("a BatchVarianceProbe on a model whose layers do not mix the examples")
-    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + ", or " + parts[-1]
+    options = "measurable with " + (parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + ", or " + parts[-1])
+    if say_probe and probe and batchnorm:
+        return f"the attached BatchVarianceProbe's per-example source is invalid here (BatchNorm in training mode); {options}"
+    return options
 
 
 class StopReason(Enum):
@@ -359,10 +365,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._measurable_by = measurable_by(trainer)
         if self._source is None and not self._warned_no_source:
             self._warned_no_source = True
-            self.warn(
-                "mode='noise_band' has no noise source: it needs accumulate_grad_batches >= 2, or >= 2 devices, "
-                "or a BatchVarianceProbe among the callbacks. It will not stop on the noise band while that lasts."
-            )
+            self.warn(f"mode='noise_band' has no noise source: {self._measurable_by}. It will not stop on the noise "
+                      "band while that lasts.")
 
     def _warn_unsized(self) -> None:
         self.warn("cannot tell how many examples a micro-batch holds (Lightning's extract_batch_size fails on it): "
@@ -467,7 +471,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if why and not why.startswith(("not measured", "B_simple unreliable")):
             self._said_caveat = True
             caveat = (f"the noise estimate cannot decide: {why}. It will not stop on the noise band while that "
-                      f"lasts; measurable with {measurable_by(trainer)}.")
+                      f"lasts; {measurable_by(trainer, say_probe=False)}.")
             self.warn(caveat)
             log_text(trainer, "grad_noise/caveat", self.message(caveat), step)
         disagreement = self.gradient_noise.disagreement()
@@ -528,9 +532,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.mode == "noise_band":
             summary = self.gradient_noise.host_summary()
             if self._source is None:
-                why = f"no noise estimate, so no noise band: measurable with {self._measurable_by}"
+                why = f"no noise estimate, so no noise band: {self._measurable_by}"
             elif not summary["decisive"]:
-                why = f"the noise estimate cannot decide ({summary['why']}); " + why
+                why = f"the noise estimate cannot decide: {summary['why']}; " + why
             elif self.margin > 0 and summary["trace_cov"] > 0 and summary["batch_size"]:
                 ratio = band_ratio(summary["grad_sq_norm"], summary["trace_cov"], summary["batch_size"], self.margin)
                 why += (f"; at the end the smoothed ‖G‖² is {ratio:.2f}× the band's edge {self.margin:g}·tr(Σ)/B"

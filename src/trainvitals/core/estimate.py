@@ -249,7 +249,7 @@ class GradientNoise:
         return [s for s in valid if s.param_share >= widest - 1e-9]
 
     def invalid_reasons(self) -> list[str]:
-        return [f"{s.name}: {s.invalid}" for s in self.sources.values() if s.invalid]
+        return [f"the {s.name} source is invalid: {s.invalid}" for s in self.sources.values() if s.invalid]
 
     def estimate(self, device: torch.device | None = None) -> NoiseEstimate:
         """The combination of :meth:`valid_sources` (module docstring, rule 2–3); zeros, ``inf`` errors and a
@@ -413,25 +413,28 @@ class GradientNoise:
         if not self.sources:
             return "no noise source"
         if not self.valid_sources():
-            return "no valid noise source (" + "; ".join(self.invalid_reasons()) + ")"
+            return "; ".join(["no valid noise source", *self.invalid_reasons()])
         if summary["count"] == 0:
             return "not measured yet"
         if summary["coverage"] < self.min_coverage:
-            return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² "
-                    f"({summary['param_share']:.0%} of the parameters), below {self.min_coverage:.0%}")
+            return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² and "
+                    f"{summary['param_share']:.0%} of the parameters, below the {self.min_coverage:.0%} of ‖ḡ‖² it needs")
         if not summary["unmeasured_trace_share"] <= MAX_UNMEASURED_TRACE:
-            return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² "
-                    f"({summary['param_share']:.0%} of the parameters), but the unmeasured parameters may hold up to "
-                    f"{summary['unmeasured_trace_share']:.2g}× the measured tr(Σ) (their share of ‖ḡ‖² bounds it only by "
-                    f"B·(1 − coverage)·‖ḡ‖²), above {MAX_UNMEASURED_TRACE:g}")
+            return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² and "
+                    f"{summary['param_share']:.0%} of the parameters, but the unmeasured parameters may hold up to "
+                    f"{summary['unmeasured_trace_share']:.2g}× the measured tr(Σ), above {MAX_UNMEASURED_TRACE:g}: "
+                    "their share of ‖ḡ‖² bounds their tr(Σ) only by B·(1 − coverage)·‖ḡ‖²")
         if summary["count"] < MIN_MEASUREMENTS:
             return (f"not measured enough yet: {summary['count']:.0f} of the {MIN_MEASUREMENTS} measurements its errors "
                     "need to be trusted")
         rel = summary["b_simple_rel_err"]
         if not rel <= self.max_rel_err:
-            what = (f"relative error {rel:.2g}, above the bound {self.max_rel_err:g}" if math.isfinite(rel)
-                    else "‖G‖² ≤ 0 (signal lost in noise)" if summary["grad_sq_norm"] <= 0
-                    else f"‖G‖² is not {GATE_Z:.3g} standard errors above zero (signal not resolved from noise)")
+            what = (f"its relative error {rel:.2g} is above the bound {self.max_rel_err:g}" if math.isfinite(rel)
+                    else "the smoothed ‖G‖² is ≤ 0: the gradient's signal is lost in its noise"
+                    if summary["grad_sq_norm"] <= 0
+                    else "not yet measurable: the smoothed ‖G‖², the gradient's signal, is still within its error "
+                         "bars of zero, so B_simple has no upper bound yet; more measured steps or a larger batch "
+                         "resolve it")
             return f"B_simple unreliable: {what}"
         return ""
 
@@ -492,12 +495,20 @@ class GradientNoise:
         rows += [("effective batch B", f"{batch} examples" if batch else "unknown"),
                  ("‖G‖² (EMA, `.grad` units)", f"{h['grad_sq_norm']:.4g} ± {h['grad_sq_norm_se']:.2g}"),
                  ("tr(Σ) (EMA, `.grad` units)", f"{h['trace_cov']:.4g} ± {h['trace_cov_se']:.2g}"),
-                 ("B_simple = tr(Σ)/‖G‖²", f"{h['b_simple']:.4g} examples (relative error {h['b_simple_rel_err']:.2g})"),
+                 ("B_simple = tr(Σ)/‖G‖²", _b_simple_cell(h["b_simple"], h["b_simple_rel_err"])),
                  ("noise floor sqrt(tr(Σ)/B), in `.grad` units", f"{h['noise_floor']:.4g} ± {h['noise_floor_se']:.2g}"),
                  ("coverage", f"{h['coverage']:.1%} of ‖ḡ‖², {h['param_share']:.1%} of the parameters")]
         if h["why"]:
             rows.append(("caveat", h["why"]))
         return rows
+
+
+def _b_simple_cell(b_simple: float, rel_err: float) -> str:
+    """B_simple and its relative error in words where either is not a number yet (``inf`` marks that)."""
+    if not math.isfinite(b_simple):
+        return "none yet: the smoothed ‖G‖² is ≤ 0"
+    error = f"relative error {rel_err:.2g}" if math.isfinite(rel_err) else "its error not yet measurable"
+    return f"{b_simple:.4g} examples ({error})"
 
 
 def band_ratio(grad_sq_norm: Any, trace_cov: Any, batch_size: int, margin: float) -> Any:

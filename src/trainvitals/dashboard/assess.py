@@ -344,8 +344,9 @@ def _convergence(run: Run, report: RunReport) -> None:
         report.findings.append(Finding("note", title, stop))
     if caveat:
         report.findings.append(Finding("note", title, caveat))
-    error = (f" (noise floor ± {100 * error_row.value:.2g}%)"
-             if isinstance(error_row.value, float) and math.isfinite(error_row.value) else "")
+    floor_error = (f"noise floor ± {100 * error_row.value:.2g}%"
+                   if isinstance(error_row.value, float) and math.isfinite(error_row.value) else "")
+    error = f" ({floor_error})" if floor_error else ""
     if _diverged(run):
         report.findings.append(Finding(
             "note", title, "the run diverged (non-finite gradients or losses): the last finite gradient norm and "
@@ -375,11 +376,11 @@ def _convergence(run: Run, report: RunReport) -> None:
             f"logged meanwhile ({_share_in_band(recent)} in it) sample single steps."))
     elif in_band >= 0.5:
         report.findings.append(Finding(
-            "note", title, f"in its noise band ({_share_in_band(recent, verb=False)}){error}: "
+            "note", title, f"in its noise band ({'; '.join(filter(None, [_share_in_band(recent, verb=False), floor_error]))}): "
             "the gradient norm sits at its noise floor, further steps mostly move within noise."
             + _few_flags(recent)))
     else:
-        said = f" (the last norm is {ratio:.2f}× the noise floor{said_at})" if ratio is not None else ""
+        said = f"; the last norm is {ratio:.2f}× the noise floor{said_at}" if ratio is not None else ""
         why = ("the band is decided on the smoothed estimates, not on one norm" if ratio is not None and ratio <= 1
                else "the true gradient still stands out of the noise")
         report.findings.append(Finding(

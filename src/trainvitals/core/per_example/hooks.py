@@ -46,6 +46,12 @@ SHARED_LOOKUP = ("a lookup shared by the batch's examples (position ids (1, T) o
                  "broadcast against the examples, so its gradient arrives summed over them")
 
 
+#: Why a lookup with 1-D ids of another length than the batch is not measured (a position table, most often).
+POSITION_IDS = ("it is looked up with {ids} ids for a batch of {batch}, not one per example: a position table "
+                "looked up with arange(T) is shared by all examples in the batch, so its gradient arrives summed "
+                "over them")
+
+
 def _shared_by_batch(indices: Tensor, batch: int | None) -> bool | Tensor:
     """Whether a lookup's indices are shared by the ``batch`` examples rather than theirs: one row ``(1, *)``,
     or ``arange(batch)`` (nanoGPT's ``wpe(torch.arange(T))`` with T = B). A 1-D call of B integer indices
@@ -308,6 +314,10 @@ class PerExampleGradients:
                     shared = False
             if shared:
                 self._step.failed[name] = SHARED_LOOKUP
+                return
+            if rule.broadcast_batch and inputs.dim() == 1 and not inputs.is_floating_point() \
+                    and self._batch_size is not None and batch != self._batch_size:
+                self._step.failed[name] = POSITION_IDS.format(ids=batch, batch=self._batch_size)
                 return
             features = rule.feature_dims(module)
             moved = features is not None and batch != self._batch_size and self._batch_size is not None \

@@ -67,8 +67,8 @@ class SourcePlan:
                          f"({share(self.parameters('vmap').values())})")
         if self.uncovered:
             reasons = sorted(set(self.uncovered.values()))
-            parts.append(f"not measured: {len(self.uncovered)} tensors "
-                         f"({share(named[n] for n in self.uncovered)}; {'; '.join(reasons)})")
+            parts.append(f"not measured: {len(self.uncovered)} tensors ({share(named[n] for n in self.uncovered)}): "
+                         f"{'; '.join(reasons)}")
         return "; ".join(parts) if parts else "no trainable parameters"
 
 
