@@ -17,7 +17,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainvitals.dashboard.assess import RunReport, memory_label
+from trainvitals.dashboard.assess import memory_label
+from trainvitals.dashboard.report_model import RunReport
 from trainvitals.dashboard.events import Run
 from trainvitals.dashboard.render import format_value, heading, status_line
 from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, grad_norm

@@ -11,7 +11,7 @@ from typing import Any
 
 from trainvitals._markdown import markdown_table
 from trainvitals.core.memory import format_bytes
-from trainvitals.dashboard.assess import Row, RunReport
+from trainvitals.dashboard.report_model import Row, RunReport
 from trainvitals.dashboard.terminal import format_table, markdown_to_text
 
 

@@ -47,7 +47,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainvitals.dashboard.assess import (
+from trainvitals.dashboard.assess import assess
+from trainvitals.dashboard.report_model import (
     BAND_STOP,
     CRITICAL_COUNTERS,
     EXIT_CRITICAL,
@@ -60,7 +61,6 @@ from trainvitals.dashboard.assess import (
     Finding,
     Row,
     RunReport,
-    assess,
 )
 from trainvitals.dashboard.events import Damage, ReportError, Run, printable, read_runs
 from trainvitals.dashboard.render import render

@@ -1,0 +1,380 @@
+"""The report's convergence and noise-scale sections: the band verdict, read from the stopper's own end-of-fit
+table where it wrote one, and B_simple against the batch — each of one step, and only from a valid estimate."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from trainvitals.core.estimate import (
+    DEFAULT_MAX_REL_ERR,
+    DEFAULT_MIN_COVERAGE,
+    MAX_UNMEASURED_TRACE,
+    MIN_MEASUREMENTS,
+    SOURCES_CHECK,
+)
+from trainvitals.dashboard.events import Run
+from trainvitals.dashboard.report_model import (
+    BAND_STOP,
+    BAND_WINDOW,
+    Finding,
+    Row,
+    RunReport,
+    as_of,
+    counter,
+    ended_early,
+    first_series,
+    logged_steps,
+    panel,
+    ratio_row_at,
+    row_at,
+    series_row,
+    value_at,
+)
+from trainvitals.dashboard.tags import DIAGNOSIS_PREFIXES, grad_norm
+from trainvitals.dashboard.terminal import inline, table_cells
+
+
+_LR_LABELS = {
+    "b_noise": "noise scale B̂ (given)",
+    "steps_over_min": "steps over the fewest, S/S_min = 1 + B̂/B",
+    "examples_over_min": "examples over the fewest, E/E_min = 1 + B/B̂",
+}
+_SUGGESTED_LR = re.compile(r"suggested_lr_(?:x(?P<factor>[0-9.]+)|b(?P<size>[0-9]+))/(?P<group>.+)$")
+
+
+def _lr_label(key: str, batch: float | None) -> str:
+    """The label of ``lr_scaling/<key>`` (LRScalingAdvisor's tags): ``lr/SGD`` is "lr now, SGD",
+    ``suggested_lr_x2/SGD`` "suggested lr at ×2 (B = 128), SGD" at an effective batch of 64."""
+    if key in _LR_LABELS:
+        return _LR_LABELS[key]
+    if key.startswith("lr/"):
+        return f"lr now, {key.removeprefix('lr/')}"
+    if match := _SUGGESTED_LR.match(key):
+        factor, size, group = match["factor"], match["size"], match["group"]
+        if size is not None:
+            return f"suggested lr at B = {size}, {group}"
+        at = f" (B = {float(factor) * batch:g})" if batch else ""
+        return f"suggested lr at ×{factor}{at}, {group}"
+    return key.replace("_", " ")
+
+
+def _diverged(run: Run) -> bool:
+    """Whether the run ended diverged. With GradNormMonitor's series: (nearly) every step after its last
+    finite norm was non-finite — counted as non-finite, or under a GradScaler as skipped (at least two:
+    one skip is calibration). A NaN the run trained on from is not the end. A non-finite loss makes the
+    gradient non-finite too, so the loss counter decides only without the monitor: GraphIntegrityCallback
+    logs it when a check window closes, which says nothing of when the loss was non-finite. Without both,
+    GradNormEarlyStopping's streak standing still at the end (:func:`uncounted_since`): its band flag is then
+    the last one of before, and says nothing either."""
+    finite = [step for series in run.matching(grad_norm("total")).values() for step, v in series if math.isfinite(v)]
+    counters = {1: run.matching(grad_norm("nonfinite_steps")), 2: run.matching(grad_norm("amp_skipped_steps"))}
+    if not (finite or counters[1] or counters[2]):
+        return counter(run, r"graph/nonfinite_losses$") > 0 or uncounted_since(run) is not None
+    since = max(finite, default=-1)
+    return any(_rose_every_step(series, since, least) for least, matching in counters.items()
+               for series in matching.values())
+
+
+def uncounted_since(run: Run) -> int | None:
+    """The logged step after which GradNormEarlyStopping counted no step, when that holds for (at least
+    two) steps at the end and neither GradNormMonitor nor GraphIntegrityCallback tells non-finite steps.
+
+    A step it counts adds one to its streak or resets it to 0: a streak ``n > 0`` logged again as ``n``
+    at most ``n`` steps later means no step in between was counted — each had a non-finite gradient (or
+    was skipped by a GradScaler), and the band flag and noise estimates logged meanwhile are from before.
+    """
+    if run.matching(grad_norm("total")) or run.matching(grad_norm("nonfinite_steps")) or \
+            counter(run, r"graph/nonfinite_losses$") > 0:
+        return None
+    for series in run.matching(grad_norm("band_streak")).values():
+        last, n = series[-1]
+        since = last
+        for step, count in reversed(series[:-1]):
+            if count != n or since - step > n:
+                break
+            since = step
+        if n > 0 and last - since >= 2:
+            return since
+    return None
+
+
+def _rose_every_step(series: list[tuple[int, float]], since: int, least: int) -> bool:
+    """A step counter rose by at least ``least`` and by (nearly) every step logged after ``since``, or by
+    every step of its last logged interval after ``since``: a NaN that began between two logging steps
+    leaves the first interval after the last finite norm only partly non-finite."""
+    before = max((count for step, count in series if step <= since), default=0.0)
+    step, count = series[-1]
+    if step <= since:
+        return False
+    if count - before >= max(least, step - since - 1):
+        return True
+    if len(series) < 2:
+        return False
+    previous, then = series[-2]
+    return previous >= since and count - then >= max(least, step - previous)
+
+
+def convergence_section(run: Run, report: RunReport) -> None:
+    title = "convergence"
+    # Like with like: a partly measured model's floor is set against the norm of the measured parameters.
+    norm = grad_norm("measured_total") if run.matching(grad_norm("measured_total")) else grad_norm("total")
+    step = as_of(run, report, title, norm, grad_norm("noise_floor"), grad_norm("in_noise_band"))
+    rows = [row_at(run, step, "gradient norm, last", norm),
+            row_at(run, step, "noise floor sqrt(tr Σ/B), last", grad_norm("noise_floor")),  # the run's one floor
+            row_at(run, step, "noise floor standard error", grad_norm("noise_floor_se"))]
+    total = rows[0].value
+    ratio_row = ratio_row_at("norm / noise floor", first_series(run, norm), first_series(run, grad_norm("noise_floor")),
+                           step)
+    ratio = ratio_row.value if isinstance(ratio_row.value, float) else None
+    said_at = f" at optimizer step {ratio_row.step}" if ratio_row.step is not None else ""
+    error_row = ratio_row_at("", first_series(run, grad_norm("noise_floor_se")), first_series(run, grad_norm("noise_floor")),
+                           step)
+    partial = _partial(run)
+    band = run.matching(grad_norm("in_noise_band"))
+    flags = [v for _, v in band[min(band)]] if band else []
+    recent = flags[-BAND_WINDOW:]
+    in_band = sum(recent) / len(recent) if recent else None
+    end = _stopper_end(run)
+    caveat = (run.text("grad_noise/caveat") or "").removeprefix("trainvitals GradNormEarlyStopping: ")
+    stop = run.text("grad_norm/stop_reason") or (end.get("stop") if end and not _end_reason(end) else None)
+    report.sections[title] = [
+        *rows, ratio_row,
+        _band_row(recent),
+        Row("stop", stop) if stop else Row("stop", f"not stopped: {_end_reason(end, caveat)}", step=_stopper_end_step(
+            run, step)) if end else Row("stop", _not_stopped(run, partial)),
+    ]
+    if stop:
+        report.findings.append(Finding("note", title, stop))
+    if caveat:
+        report.findings.append(Finding("note", title, caveat))
+    floor_error = (f"noise floor ± {100 * error_row.value:.2g}%"
+                   if isinstance(error_row.value, float) and math.isfinite(error_row.value) else "")
+    error = f" ({floor_error})" if floor_error else ""
+    if _diverged(run):
+        report.findings.append(Finding(
+            "note", title, "the run diverged (non-finite gradients or losses): the last finite gradient norm and "
+            "the noise estimates come from before, so they say nothing of convergence."))
+    elif partial:
+        report.findings.append(Finding("note", title, f"{partial}: no noise-band verdict on the whole model."))
+    elif end and not stop and end.get("rule", "").startswith("noise band"):
+        report.findings.append(Finding("note", title, _end_verdict(end, flags, error, caveat)))
+    elif in_band is None:
+        if ratio is not None:
+            if ended_early(run):
+                why = f"no noise-band flag was logged: the fit ended {logged_steps(run)}, without its end-of-fit diagnosis"
+            elif run.matching(grad_norm("band_streak")):  # the stopper was there
+                why = (f"GradNormEarlyStopping logged no noise-band flag: its estimate had fewer than {MIN_MEASUREMENTS} "
+                       "measurements, or its rule is a threshold or relative one")
+            else:
+                why = "GradNormEarlyStopping would log whether the run is in its noise band"
+            report.findings.append(Finding(
+                "note", title, f"the last gradient norm is {ratio:.2f}× its noise floor{said_at}{error}; {why}."))
+        elif total is not None:
+            report.findings.append(Finding(
+                "note", title, "no noise estimate, so no noise band: it needs accumulate_grad_batches >= 2, "
+                ">= 2 devices, or a BatchVarianceProbe; a fixed norm threshold is no substitute."))
+    elif stop and BAND_STOP in stop:  # every step of its patience was in the band; the logged flags sample a few
+        report.findings.append(Finding(
+            "note", title, f"in its noise band: GradNormEarlyStopping stopped the run on it{error}; the band flags "
+            f"logged meanwhile ({_share_in_band(recent)} in it) sample single steps."))
+    elif in_band >= 0.5:
+        report.findings.append(Finding(
+            "note", title, f"in its noise band ({'; '.join(filter(None, [_share_in_band(recent, verb=False), floor_error]))}): "
+            "the gradient norm sits at its noise floor, further steps mostly move within noise."
+            + _few_flags(recent)))
+    else:
+        said = f"; the last norm is {ratio:.2f}× the noise floor{said_at}" if ratio is not None else ""
+        why = ("the band is decided on the smoothed estimates, not on one norm" if ratio is not None and ratio <= 1
+               else "the true gradient still stands out of the noise")
+        report.findings.append(Finding(
+            "note", title, f"not in its noise band yet: {_share_in_band(recent)} in it{said}{error}; {why}."
+            + _few_flags(recent)))
+
+
+def _band_row(flags: list[float]) -> Row:
+    """The last logged band flags' row: a share over :data:`BAND_WINDOW` or more of them, else a count in words."""
+    label = "fraction in the noise band"
+    if not flags:
+        return Row(label, "no band flag logged")
+    if len(flags) == 1:
+        return Row("in the noise band on its only logged step", "yes" if flags[0] else "no")
+    if len(flags) < BAND_WINDOW:
+        return Row(f"in the noise band, of only {len(flags)} logged steps", f"{sum(flags):g} (too few for a share)")
+    return Row(f"{label}, last {len(flags)} logged steps", sum(flags) / len(flags), "share")
+
+
+def _share_in_band(flags: list[float], verb: bool = True) -> str:
+    """How many of the last logged band flags were set, in words (``verb``: with "was"/"were"): a share only
+    over :data:`BAND_WINDOW` of them."""
+    if len(flags) == 1:
+        return "its only logged step" + ((" was" if flags[0] else " was not") if verb else "")
+    were = " were" if verb else ""
+    if len(flags) < BAND_WINDOW:
+        return f"{sum(flags):g} of only {len(flags)} logged steps{were}"
+    return f"{sum(flags) / len(flags):.0%} of the last {len(flags)} logged steps{were}"
+
+
+def _few_flags(flags: list[float]) -> str:
+    """A caveat when fewer than :data:`BAND_WINDOW` band flags were logged: each samples one step."""
+    if len(flags) >= BAND_WINDOW:
+        return ""
+    return (f" Only {len(flags)} band flag(s) were logged, each of one step, and no end-of-fit table of "
+            "GradNormEarlyStopping, which counts every step: too few to say for how long.")
+
+
+STOPPER_PANELS = tuple(f"{prefix}GradNormEarlyStopping" for prefix in DIAGNOSIS_PREFIXES)
+NOT_STOPPED = "GradNormEarlyStopping did not stop the run"
+
+
+def _stopper_end(run: Run) -> dict[str, str]:
+    """GradNormEarlyStopping's end-of-fit table (its diagnosis panel), ``quantity -> value``; ``{}`` when it
+    was not logged (no stopper, or a fit that did not end). It counts every step, the logged flags sample a few."""
+    text = next((run.text(tag) for tag in STOPPER_PANELS if run.text(tag)), None)
+    rows = [table_cells(line) for line in (text or "").splitlines()[2:] if line.lstrip().startswith("|")]
+    return {inline(row[0]): inline(row[1]) for row in rows if len(row) == 2}
+
+
+def _stopper_end_step(run: Run, step: int | None) -> int | None:
+    """The step the stopper's end-of-fit table was written at (fit end), when it is not the section's ``step``."""
+    at = next((run.texts[tag][-1][0] for tag in STOPPER_PANELS if run.texts.get(tag)), None)
+    return None if at == step else at
+
+
+def _end_reason(end: dict[str, str], caveat: str = "") -> str:
+    """Why the stopper did not stop the run, in its own end-of-fit words; "" when it stopped it. An older
+    table says only that it did not: the reason is then a run shorter than its min_steps, or with no streak its
+    ``caveat`` (why its estimate cannot decide), else its streak."""
+    stop = end.get("stop", "")
+    if not stop.startswith(NOT_STOPPED):
+        return ""
+    why = stop.removeprefix(NOT_STOPPED).lstrip(":. ").rstrip(".")
+    if why:
+        return why
+    streak, seen = end.get("in-condition streak", "?"), end.get("optimizer steps seen", "")
+    least = re.search(r"min_steps (\d+)", end.get("rule", ""))
+    if least and seen.isdigit() and int(seen) < int(least[1]):  # the stopper's own words for it
+        return f"the run ended after {seen} optimizer steps, before min_steps={least[1]}"
+    if caveat and streak.startswith("0 "):
+        return caveat.rstrip(".")
+    return f"{streak} in a row in its condition at the end" + (f", over {seen} optimizer steps" if seen else "")
+
+
+_STREAK = re.compile(r"(\d+) of (\d+) steps")
+
+
+def _end_verdict(end: dict[str, str], flags: list[float], error: str, caveat: str) -> str:
+    """The noise-band verdict at the end of a fit the stopper did not stop, from its streak (every step
+    counted), with its reason; the logged band flags are named with how many there were; ``error``: the
+    floor's, said after the verdict; ``caveat``: why the estimate could not decide, if it said so."""
+    why = _end_reason(end, caveat)
+    streak = _STREAK.match(end.get("in-condition streak", ""))
+    if "before min_steps" in why:
+        lead = "no noise-band verdict: the run ended before the stopper's min_steps, so it counted no step"
+    elif streak and int(streak[1]) > 0:
+        lead = (f"in its noise band at the end, for {streak[1]} step(s) in a row, short of the {streak[2]} it takes "
+                "to stop")
+    elif caveat or "cannot decide" in why or "no noise estimate" in why:
+        lead = "no noise-band verdict: the noise estimate could not decide"
+        error = ""
+    elif streak:
+        lead = "not in its noise band at the end (the last step the stopper counted was outside it)"
+    else:
+        lead = "no noise-band verdict from the stopper's table"
+    seen = end.get("optimizer steps seen")
+    sampled = (f"; the band flag was logged on {len(flags)} of its {seen} steps ({sum(flags):g} in the band), single "
+               "steps that say little on their own" if flags and seen else "")
+    return f"{lead}{error}. GradNormEarlyStopping at fit end: {why}{sampled}."
+
+
+def _not_stopped(run: Run, partial: str) -> str:
+    """Why GradNormEarlyStopping did not stop the run, from what it logged (a stop it writes as text): no
+    stopper, a diverged run, never in the band, too short a streak, no valid source, partial coverage."""
+    streaks = [v for series in run.matching(grad_norm("band_streak")).values() for _, v in series if math.isfinite(v)]
+    if not streaks:
+        if ended_early(run):
+            return (f"nothing logged by a stopper yet: the fit ended {logged_steps(run)}, before GradNormEarlyStopping "
+                    "(if it was attached) logged")
+        if any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts):
+            return "no stop rule: the fit ended with no GradNormEarlyStopping diagnosis, so none was attached"
+        return "no stop rule: no GradNormEarlyStopping logged anything (not attached, or the fit ended before it logged)"
+    if _diverged(run):
+        return "not stopped: the run diverged, and the stopper counts no step with non-finite gradients"
+    streak = f"the logged streak in its condition reached {max(streaks):g} step(s) in a row"
+    flags = [v for series in run.matching(grad_norm("in_noise_band")).values() for _, v in series]
+    if flags and not any(flags):
+        return (f"not stopped: never in the noise band, on any of the {len(flags)} logged steps (the steps in between "
+                "were not logged, and the stopper's end-of-fit table, which counts them, was not either)")
+    if flags:
+        return (f"not stopped: in the noise band on {sum(flags):g} of {len(flags)} logged steps; {streak}, short of "
+                "its patience or before min_steps")
+    if not flags and ended_early(run):
+        return (f"not stopped: the fit ended {logged_steps(run)} without its end-of-fit diagnosis, before a "
+                f"noise-band flag was logged; {streak}")
+    caveat = run.text("grad_noise/caveat")
+    if caveat:  # the stopper's own words: no valid source, partial coverage
+        return "not stopped: " + caveat.removeprefix("trainvitals GradNormEarlyStopping: ")
+    if partial:
+        return f"not stopped: {partial}"
+    if run.last(grad_norm("noise_floor")) is None:
+        return ("not stopped: no noise estimate was logged, so no noise band (it needs accumulate_grad_batches >= 2, "
+                f">= 2 devices, or a BatchVarianceProbe); {streak}")
+    return (f"not stopped: no noise-band flag was logged (the estimate had fewer than {MIN_MEASUREMENTS} measurements, "
+            f"or the rule is a threshold or relative one); {streak}")
+
+
+def _partial(run: Run) -> str:
+    """"partial: …" when the run's noise estimate covered too little of ‖ḡ‖² to decide; else ""."""
+    coverage = run.last(r"grad_noise/coverage$")
+    unmeasured = run.last(r"grad_noise/unmeasured_trace_share$")
+    if coverage is not None and coverage < DEFAULT_MIN_COVERAGE:
+        return f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖² (a decision needs {DEFAULT_MIN_COVERAGE:.0%})"
+    if coverage is not None and unmeasured is not None and not unmeasured <= MAX_UNMEASURED_TRACE:
+        return (f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖², but the unmeasured parameters may hold up "
+                f"to {unmeasured:.2g}× the measured tr Σ (a decision needs ≤ {MAX_UNMEASURED_TRACE:g})")
+    return ""
+
+
+def noise_scale_section(run: Run, report: RunReport) -> None:
+    title = "noise scale and batch size"
+    step = as_of(run, report, title, r"grad_noise/b_simple$", r"lr_scaling/effective_batch$", r"lr_scaling/")
+    rows = [row_at(run, step, "B_simple = tr Σ / ‖G‖²", r"grad_noise/b_simple$", unit="examples"),  # the run's one
+            row_at(run, step, "B_simple relative error", r"grad_noise/b_simple_rel_err$"),
+            row_at(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$", unit="share"),
+            row_at(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples")]
+    b_simple_row, error_row, _, batch_row = rows
+    # The verdict's numbers are of the section's step, B_simple's last: an error of another step is not its.
+    b_simple = b_simple_row.value if b_simple_row.step is None else None
+    rel_err = error_row.value if error_row.step is None else None
+    batches = {v for _, v in first_series(run, r"lr_scaling/effective_batch$") or []}
+    batch = batch_row.value if batch_row.step is None or len(batches) == 1 else None  # one batch all along: its own
+    unreliable = value_at(first_series(run, r"grad_noise/b_simple_unreliable$"), step)
+    at = f" at optimizer step {step}"
+    rows += [series_row(_lr_label(tag.removeprefix("lr_scaling/"), batch_row.value), series, step)
+             for tag, series in sorted(run.matching(r"lr_scaling/(?!effective_batch$).+").items())]
+    report.sections[title] = rows
+    checked = run.text(SOURCES_CHECK)
+    if checked:  # said once by the callbacks: a noise source dropped, or two that disagree
+        report.findings.append(Finding("warning", title, f"noise sources: {checked}."))
+    partial = _partial(run)
+    if b_simple is not None and partial:
+        report.findings.append(Finding("note", title, f"{partial}: no batch-size verdict, and no noise-aware lr advice."))
+    elif b_simple is not None and (unreliable == (1, None) or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR):
+        what = f"relative error {rel_err:.2g}" if rel_err is not None and math.isfinite(rel_err) else (
+            "no finite error bar: too few measurements, or ‖G‖² not resolved from zero")
+        report.findings.append(Finding(
+            "note", title, f"B_simple = {b_simple:.3g} is unreliable ({what}){at}: no batch-size verdict; the lr advice "
+            "follows the classic rules."))
+    elif b_simple is not None and batch and math.isfinite(b_simple):
+        spread = (f" (± {100 * rel_err:.2g}%)" if rel_err is not None else " (its error was not logged with it)") + at
+        if batch < b_simple:
+            message = (f"B = {batch:g} < B_simple = {b_simple:.3g}{spread}: each step is noise-dominated; a batch near "
+                       "B_simple balances steps against examples.")
+        else:
+            message = (f"B = {batch:g} >= B_simple = {b_simple:.3g}{spread}: beyond the noise scale a larger batch buys "
+                       "few steps for its examples.")
+        report.findings.append(Finding("note", title, message))
+    if _diverged(run) and run.matching(r"lr_scaling/"):
+        report.findings.append(Finding(
+            "note", title, "the run diverged: find the cause (or lower the lr) before following any lr-scaling advice."))
+    panel(run, report, "lr scaling advice", "lr_scaling/advice", dated=True)

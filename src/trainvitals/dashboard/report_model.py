@@ -1,0 +1,181 @@
+"""What ``trainvitals report`` makes of a run — its rows, findings, sections' steps and exit status — and the
+helpers every section reads its series with (a value at the section's step, else the last with its own)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trainvitals.core.findings import critical_counters, last_window_counters
+from trainvitals.dashboard.events import Run
+from trainvitals.dashboard.tags import DIAGNOSIS_PREFIXES, grad_norm
+
+EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_UNWRITTEN = 0, 1, 2, 3, 4
+SEVERITY = (EXIT_OK, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_CRITICAL)
+"""Exit statuses from the least to the most severe: the command exits with its runs' most severe."""
+
+BAND_WINDOW = 10
+"""Logged steps over which the fraction in the noise band is taken: one step is in it about half the
+time from noise alone at a stationary point (docs/science.md §3), so a single flag says little."""
+
+BAND_STOP = "gradient norm in its noise band"
+"""How GradNormEarlyStopping's stop panel names a stop on the noise band (its ``StopReason.NOISE_BAND``)."""
+
+SPIKES, EVENT_FILES = "spikes and non-finite steps", "event files"
+
+CRITICAL_COUNTERS = (
+    (SPIKES, grad_norm("nonfinite_steps"), "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler"),
+    *critical_counters(),
+)
+"""(section, tag regex, message): a counter is critical when its largest value (summed over optimizers) is > 0.
+
+The integrity rows come from the finding kinds' table (:class:`~trainvitals.core.findings.FindingKind`).
+The largest, not the last: GraphIntegrityCallback's counts are per check window, and a problem seen in
+any window is a problem — except those read in the last window only (:data:`LAST_WINDOW`)."""
+
+LAST_WINDOW = last_window_counters()
+"""Counters read in the last check window only (unused parameters: a branch taken only on some batches goes
+unused in one window and trains in the next)."""
+
+
+@dataclass
+class Row:
+    """One line of a section: a label, a value and its unit (``bytes``, ``examples``, ``steps``, ``share``: a
+    fraction shown as a percent, or empty).
+
+    A section's rows are of one step, its own (:attr:`RunReport.steps`); ``step`` is the step of a value not
+    logged at it (a callback with another cadence, a value logged only while it was valid), shown with it.
+    """
+
+    label: str
+    value: float | str | None
+    unit: str = ""
+    step: int | None = None
+
+
+@dataclass
+class Finding:
+    """A conclusion: ``critical`` fails CI, ``warning`` deserves a look, ``note`` is information."""
+
+    severity: str
+    section: str
+    message: str
+
+
+@dataclass
+class RunReport:
+    """The health report of one run."""
+
+    run: str
+    last_step: int | None
+    sections: dict[str, list[Row]] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    panels: dict[str, str] = field(default_factory=dict)
+    """The callbacks' own end-of-run markdown (lr advice, integrity findings, memory table), by title."""
+    steps: dict[str, int] = field(default_factory=dict)
+    """The optimizer step each section's values and the lr advice are of, by title: a section's is the last
+    step of its anchor series (a row not logged then carries its own, :attr:`Row.step`), the advice's the step
+    it was written at (fit end). A title whose step is not :attr:`last_step` is shown with it."""
+    read_in_part: bool = False
+    """An event file of the run is damaged: what was logged in the part not read is not in the report."""
+    measured: bool = True
+    """Whether the run holds any trainvitals scalar, i.e. whether any optimizer step was measured."""
+
+    @property
+    def critical(self) -> bool:
+        """Whether any finding is critical: the report's exit status is then 1."""
+        return any(f.severity == "critical" for f in self.findings)
+
+    @property
+    def status(self) -> str:
+        """``CRITICAL``, ``read in part``, ``nothing measured`` or ``ok``: the first that holds."""
+        if self.critical:
+            return "CRITICAL"
+        return "read in part" if self.read_in_part else "ok" if self.measured else "nothing measured"
+
+    @property
+    def exit_status(self) -> int:
+        """This run's exit status (module docstring); the command exits with the most severe of its runs, those
+        that measured nothing left out when another did."""
+        return {"CRITICAL": EXIT_CRITICAL, "read in part": EXIT_DAMAGED, "nothing measured": EXIT_NO_DATA}.get(
+            self.status, EXIT_OK)
+
+
+def panel(run: Run, report: RunReport, title: str, tag: str, dated: bool = False) -> None:
+    """Pass a callback's end-of-run markdown (the text panel ``tag``) through to the report, if logged;
+    ``dated``: its numbers are those of the step it was written at, kept in ``report.steps``."""
+    text = run.text(tag)
+    if text:
+        report.panels[title] = text
+        if dated:
+            report.steps[title] = run.texts[tag][-1][0]
+
+
+def as_of(run: Run, report: RunReport, title: str, *patterns: str) -> int | None:
+    """The section ``title``'s step, kept in ``report.steps[title]``: the last step of the first of ``patterns``
+    (its anchor) that was logged; None when none was."""
+    for pattern in patterns:
+        series = [s for s in run.matching(pattern).values() if s]
+        if series:
+            report.steps[title] = step = max(s[-1][0] for s in series)
+            return step
+    return None
+
+
+def value_at(series: list[tuple[int, float]] | None, step: int | None) -> tuple[float | None, int | None]:
+    """``series``' value at the section's ``step``, and None; else its last value and that value's own step."""
+    if not series:
+        return None, None
+    value = next((v for s, v in reversed(series) if s == step), None)
+    if value is not None or step is None:
+        return (value, None) if value is not None else (series[-1][1], None)
+    return series[-1][1], series[-1][0]
+
+
+def first_series(run: Run, *patterns: str) -> list[tuple[int, float]] | None:
+    """The first series (tags sorted) of the first of ``patterns`` that matches one, as :meth:`Run.last` picks."""
+    for pattern in patterns:
+        matching = run.matching(pattern)
+        if matching:
+            return matching[min(matching)]
+    return None
+
+
+def row_at(run: Run, step: int | None, label: str, *patterns: str, unit: str = "") -> Row:
+    """The row ``label`` of a section at ``step``, from the first of ``patterns`` logged (:func:`value_at`)."""
+    return series_row(label, first_series(run, *patterns), step, unit)
+
+
+def series_row(label: str, series: list[tuple[int, float]] | None, step: int | None, unit: str = "") -> Row:
+    """The row ``label`` of a section at ``step``: ``series``' value there, else its last with its own step."""
+    value, own = value_at(series, step)
+    return Row(label, value, unit, own)
+
+
+def ratio_row_at(label: str, top: list[tuple[int, float]] | None, bottom: list[tuple[int, float]] | None,
+               step: int | None) -> Row:
+    """``top / bottom`` at the last step both were logged at (its own step when not the section's ``step``)."""
+    by_step = dict(bottom or [])
+    both = [(s, v / by_step[s]) for s, v in (top or []) if by_step.get(s)]
+    if not both:
+        return Row(label, None)
+    at, value = both[-1]
+    return Row(label, value, step=None if at == step else at)
+
+
+def counter(run: Run, pattern: str, last: bool = False) -> float:
+    """A counter's largest (``last``: last) finite value, summed over the series that match (one per optimizer)."""
+    values = [[v for _, v in series if math.isfinite(v)] for series in run.matching(pattern).values()]
+    return sum((v[-1] if last else max(v)) for v in values if v)
+
+
+def ended_early(run: Run) -> bool:
+    """Whether TrainvitalsDashboard wrote its layout at fit start but no diagnosis at fit end: the fit crashed,
+    was killed or is still running."""
+    return run.layout and not any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts)
+
+
+def logged_steps(run: Run) -> str:
+    """"after optimizer step N (the last logged)": how far the run's trainvitals scalars go."""
+    steps = [s for series in run.scalars.values() for s, _ in series]  # as RunReport.last_step
+    return f"after optimizer step {max(steps)} (the last logged)" if steps else "before its first logged step"
