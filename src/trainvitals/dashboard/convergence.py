@@ -40,6 +40,8 @@ _LR_LABELS = {
     "steps_over_min": "steps over the fewest, S/S_min = 1 + B̂/B",
     "examples_over_min": "examples over the fewest, E/E_min = 1 + B/B̂",
 }
+_FROM_B_HAT = ("steps_over_min", "examples_over_min")
+"""LRScalingAdvisor's ratios computed from its B̂: shown only beside the B_simple of their own step."""
 _SUGGESTED_LR = re.compile(r"suggested_lr_(?:x(?P<factor>[0-9.]+)|b(?P<size>[0-9]+))/(?P<group>.+)$")
 
 
@@ -352,7 +354,13 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     at = f" at optimizer step {step}"
     rows += [series_row(_lr_label(tag.removeprefix("lr_scaling/"), batch_row.value), series, step)
              for tag, series in sorted(run.matching(r"lr_scaling/(?!effective_batch$).+").items())]
-    report.sections[title] = rows
+    # A B_simple error or a ratio of another step was computed from a B̂ not shown here: left out, not dated.
+    stale = {error_row.label} | {_LR_LABELS[k] for k in _FROM_B_HAT}
+    report.sections[title] = [r for r in rows if r.step is None or r.label not in stale]
+    panel(run, report, "lr scaling advice", "lr_scaling/advice", dated=True)
+    advice_step = report.steps.get("lr scaling advice")
+    classic = ("the lr advice follows the classic rules" if advice_step in (None, step) else
+               f"the lr advice, written at optimizer step {advice_step}, says which rule it followed then")
     checked = run.text(SOURCES_CHECK)
     if checked:  # said once by the callbacks: a noise source dropped, or two that disagree
         report.findings.append(Finding("warning", title, f"noise sources: {checked}."))
@@ -363,8 +371,7 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
         what = f"relative error {rel_err:.2g}" if rel_err is not None and math.isfinite(rel_err) else (
             "no finite error bar: too few measurements, or ‖G‖² not resolved from zero")
         report.findings.append(Finding(
-            "note", title, f"B_simple = {b_simple:.3g} is unreliable ({what}){at}: no batch-size verdict; the lr advice "
-            "follows the classic rules."))
+            "note", title, f"B_simple = {b_simple:.3g} is unreliable ({what}){at}: no batch-size verdict; {classic}."))
     elif b_simple is not None and batch and math.isfinite(b_simple):
         spread = (f" (± {100 * rel_err:.2g}%)" if rel_err is not None else " (its error was not logged with it)") + at
         if batch < b_simple:
@@ -377,4 +384,3 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     if _diverged(run) and run.matching(r"lr_scaling/"):
         report.findings.append(Finding(
             "note", title, "the run diverged: find the cause (or lower the lr) before following any lr-scaling advice."))
-    panel(run, report, "lr scaling advice", "lr_scaling/advice", dated=True)
