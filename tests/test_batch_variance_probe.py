@@ -927,7 +927,7 @@ def test_the_batch_is_sized_from_the_batch_not_from_the_first_layer_that_runs():
         fit(Classifier(net), data, [probe], batch_size=8, steps=3)
     (message,) = _probe_warnings(record)
     assert "pos: it is looked up with 6 ids for a batch of 8" in message and "tok" not in message
-    assert "not measured: 1 tensors" in probe.sources
+    assert "not measured: 1 tensor" in probe.sources
     x, y = data.tensors
     per_example = brute_force(net, x[16:24], y[16:24])  # the last step's batch; lr = 0 keeps the weights
     flat = torch.cat([g.flatten(1) for n, g in per_example.items() if not n.startswith("pos.")], 1)
@@ -990,7 +990,7 @@ def test_a_position_table_is_said_in_plain_words_with_where_it_goes_and_the_cove
         assert "micro-batches/ranks: 1 tensors" in message
     else:
         assert "left to micro-batches and ranks, which this run does not have" in message
-        assert "not measured: 1 tensors" in message
+        assert "not measured: 1 tensor" in message
     assert "the sources now are per-example norms in backward: Embedding×1, Linear×1 (" in message
     assert probe._excluded == {"net.pos"} and "Embedding×1" in probe.sources
 
@@ -1015,7 +1015,7 @@ def test_a_gpt_with_tied_embeddings_is_measured_per_example_end_to_end():
     # measured per example from the next step on.
     (message,) = _probe_warnings(record)
     assert "net.wpe: a lookup shared by the batch's examples" in message and probe._excluded == {"net.wpe"}
-    assert probe.sources.startswith("per-example norms in backward") and "not measured: 1 tensors" in probe.sources
+    assert probe.sources.startswith("per-example norms in backward") and "not measured: 1 tensor" in probe.sources
     assert len(logger.values("grad_noise/trace_cov")) == 2 and len(logger.values("grad_noise/gsnr/net.wte")) == 2
 
 

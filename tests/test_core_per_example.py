@@ -571,7 +571,7 @@ def test_the_coverage_line_nests_no_parentheses():
     for char in line:
         depth += {"(": 1, ")": -1}.get(char, 0)
         deepest = max(deepest, depth)
-    assert "not measured: 1 tensors (" in line and "torch.func would" in line and deepest == 1, line
+    assert "not measured: 1 tensor (" in line and "torch.func would" in line and deepest == 1, line
 
 
 class Attention(nn.Module):
@@ -592,3 +592,12 @@ def test_multihead_attention_is_planned_for_per_example_norms(groups_available):
     attention_params = {"attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight", "attn.out_proj.bias"}
     assert attention_params < set(plan.parameters("per_example")) and not plan.uncovered
     assert "MultiheadAttention×1" in plan.describe(model)
+
+
+def test_the_coverage_line_names_the_tensors_it_leaves_out():
+    """Each reason with the tensors it keeps out, by name: a position table and BatchNorm's affine pair."""
+    model = nn.Sequential(OwnTable(), nn.BatchNorm1d(4))
+    line = plan_sources(model, groups_available=False, fallback=True).describe(model)
+    assert "not measured: 3 tensors" in line, line
+    assert "`0.table`: " in line and "`1.weight`, `1.bias`: BatchNorm couples the examples" in line, line
+    assert line.count("BatchNorm couples the examples") == 1, line

@@ -71,10 +71,11 @@ class ProbeSources:
         self.param_share = sum(p.numel() for p in measured.values()) / max(sum(p.numel() for p in trainable.values()), 1)
         self.description = plan.describe(pl_module)
         if plan.coupled:
-            self.description += (f". BatchNorm ({', '.join(plan.coupled)}) couples the examples" +
-                                 (", so every parameter is measured from micro-batches and ranks" if plan.micro_batch
-                                  else ": in training mode the per-example estimate is invalid (a warning at the "
-                                       "first such step says what would measure it)"))
+            layers = ", ".join(plan.coupled)  # the plan's coverage line gives the reason once, for its own tensors
+            self.description += (f". BatchNorm ({layers}) couples the examples, so every parameter is measured from "
+                                 "micro-batches and ranks" if plan.micro_batch else
+                                 f". Because of BatchNorm ({layers}), the per-example estimate is invalid in training "
+                                 "mode: a warning at the first such step says what would measure it")
         if regions:
             what = "the training step" if ROOT in regions else ", ".join(f"`{c}`" for c in regions)
             self.description += (f". {what} runs under torch.compile: the probe puts no hook inside it, since a "
