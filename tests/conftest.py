@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -65,3 +66,43 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu")
+"""The Tensor methods that read a value on the host: on a device each is a sync."""
+
+
+class HostReads:
+    """Counts host reads of tensors (:data:`HOST_READS`) made while :attr:`watching` is set, as
+    ``(watching, method)`` in :attr:`reads`; installed on ``torch.Tensor`` with ``monkeypatch``.
+
+    Autograd's CPU scalars that ``detect_loss_reduction`` reads (a Python divisor, no device sync) are not
+    counted.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads: list[tuple[Any, str]] = []
+        self.watching: Any = None
+        for name in HOST_READS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, _name=name, **kwargs):
+                if self.watching is not None and not sys._getframe(1).f_code.co_filename.endswith("loss_reduction.py"):
+                    self.reads.append((self.watching, _name))
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def watch(self, callback: Any, hooks: tuple[str, ...]) -> None:
+        """Watch ``callback``'s ``hooks``: inside each, :attr:`watching` is the trainer's ``global_step``."""
+        for hook in hooks:
+            original = getattr(callback, hook)
+
+            def wrapped(trainer, *args, _original=original, **kwargs):
+                self.watching = trainer.global_step
+                try:
+                    return _original(trainer, *args, **kwargs)
+                finally:
+                    self.watching = None
+
+            setattr(callback, hook, wrapped)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins import MixedPrecision
 from _models import GAN, ReleaseProcessGroup
-from conftest import RecordingLogger, trainer_kwargs
+from conftest import HostReads, RecordingLogger, trainer_kwargs
 from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
 from test_per_example_guards import Lookup
 
@@ -523,34 +522,13 @@ def test_per_example_ids_cost_no_host_read_between_logging_steps(monkeypatch, sh
         ids[8:] = torch.arange(8).repeat(11)
     data = TensorDataset(ids, torch.randn(n, dtype=torch.float64))
     probe = BatchVarianceProbe(histogram_every_n_steps=0, log_every_n_steps=4)
-    reads: list[tuple[int, str]] = []
-    inside: dict[str, int | None] = {"step": None}
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            # detect_loss_reduction reads autograd's CPU scalars (a Python divisor): no device sync.
-            if inside["step"] is not None and not sys._getframe(1).f_code.co_filename.endswith("loss_reduction.py"):
-                reads.append((inside["step"], _name))
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"):
-        original = getattr(probe, hook)
-
-        def wrapped(trainer, *args, _original=original, **kwargs):
-            inside["step"] = trainer.global_step
-            try:
-                return _original(trainer, *args, **kwargs)
-            finally:
-                inside["step"] = None
-
-        setattr(probe, hook, wrapped)
+    host = HostReads(monkeypatch)
+    host.watch(probe, ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fit(LookupRegression(), data, [probe], batch_size=8, steps=12)
     monkeypatch.undo()
-    assert {step for step, _ in reads} <= {0, 4, 8} and reads
+    assert {step for step, _ in host.reads} <= {0, 4, 8} and host.reads
     assert ("net.items" in probe._excluded) == shared
     assert any("shared by the batch" in str(w.message) for w in record) == shared
     # Shared: steps 1-3 invalid undecided, step 4 decided and left out, steps 5-11 without the lookup.

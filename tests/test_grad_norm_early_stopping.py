@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
 from _models import Classifier, Regressor, ReleaseProcessGroup, loader, regression_data
-from conftest import RecordingLogger, trainer_kwargs
+from conftest import HostReads, RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
 from trainvitals.core.estimate import MIN_MEASUREMENTS
 from trainvitals.callbacks import grad_norm_monitor as monitor_module
@@ -600,45 +600,21 @@ def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
 def test_no_host_sync_on_steps_that_log_nothing(monkeypatch):
     """Between logging and check steps, the stopper and the probe feeding the one estimate never read a
     tensor on the host (counted on CPU by wrapping Tensor's host reads inside their hooks)."""
-    import sys
-
     from trainvitals import BatchVarianceProbe
 
     probe = BatchVarianceProbe(histogram_every_n_steps=None, per_coordinate=False)
     stopper = GradNormEarlyStopping(min_steps=0, check_every_n_steps=8)
-    reads: list[tuple[int, str]] = []
-    inside = {"step": None}
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            if inside["step"] is not None:
-                # detect_loss_reduction reads autograd's CPU scalars (a Python divisor): no device sync.
-                if not sys._getframe(1).f_code.co_filename.endswith("loss_reduction.py"):
-                    reads.append((inside["step"], _name))
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    host = HostReads(monkeypatch)
     for callback in (probe, stopper):
-        for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-                     "on_train_batch_end"):
-            original = getattr(callback, hook)
-
-            def wrapped(trainer, *args, _original=original, **kwargs):
-                inside["step"] = trainer.global_step
-                try:
-                    return _original(trainer, *args, **kwargs)
-                finally:
-                    inside["step"] = None
-
-            setattr(callback, hook, wrapped)
+        host.watch(callback, ("on_train_batch_start", "on_before_backward", "on_after_backward",
+                              "on_before_optimizer_step", "on_train_batch_end"))
     for accumulate in (1, 2):
-        reads.clear()
+        host.reads.clear()
         _fit(Regressor(autocast=False), [probe, stopper], loader(regression_data(n=8 * 2 * 17), 8), max_epochs=1,
              accumulate_grad_batches=accumulate, log_every_n_steps=8)
         # Logging steps 0, 8, 16 and the checks after every 8th step may read; ``global_step`` is one ahead
         # of the step at on_train_batch_end.
-        quiet = [(step, what) for step, what in reads if step % 8 not in (0, 1)]
+        quiet = [(step, what) for step, what in host.reads if step % 8 not in (0, 1)]
         assert quiet == [], (accumulate, quiet[:5])
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import torch.nn.utils.prune
 from torch import nn
 
+from conftest import HostReads
 from trainvitals.core.per_example import (PerExampleGradients, plan_sources, register_per_example_rule,
                                          unregister_per_example_rule)
 
@@ -299,15 +300,8 @@ def test_per_example_ids_are_compared_with_arange_without_a_host_read_until_deci
     model, x = Lookup().double(), torch.tensor(ids)
     collector = PerExampleGradients(plan_sources(model, groups_available=False, fallback=False).per_example, {}, 2)
     collector.attach(coordinates=True, keep_norms=True)
-    reads: list[str] = []
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            reads.append(_name)
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    host = HostReads(monkeypatch)
+    host.watching = "collector"
     for _ in range(2):  # two micro-batches of one step
         collector.begin_micro_batch()
         collector.expect_batch(B)
@@ -315,7 +309,7 @@ def test_per_example_ids_are_compared_with_arange_without_a_host_read_until_deci
         collector.end_micro_batch(float(B))
     step = collector.pop(decide=False)
     monkeypatch.undo()
-    assert reads == [] and set(step.undecided) == {"items"}
+    assert host.reads == [] and set(step.undecided) == {"items"}
 
     collector.decide(step)
     shared = ids == list(range(B))
