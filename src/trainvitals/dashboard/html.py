@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from trainvitals.dashboard.assess import memory_label
-from trainvitals.dashboard.report_model import RunReport
 from trainvitals.dashboard.events import Run
 from trainvitals.dashboard.render import format_value, heading, status_line
+from trainvitals.dashboard.report_model import RunReport, first_series
 from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, grad_norm
+from trainvitals.dashboard.terminal import table_cells
 
 Series = list[tuple[int, float]]
 
@@ -125,7 +126,7 @@ def _inline(text: str) -> str:
 
 
 def _table_html(lines: list[str]) -> str:
-    rows = [[c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))] for line in lines]
+    rows = [table_cells(line) for line in lines]
     right: list[bool] = []
     header = None
     if len(lines) >= 2 and _SEPARATOR.match(lines[1]):
@@ -153,11 +154,8 @@ def _png(draw: Callable[[Any], None], size: tuple[float, float] = (7.0, 3.6)) ->
 
 def _first(run: Run, *patterns: str) -> Series | None:
     """The first logged series matching one of ``patterns`` (tried in order), finite values only."""
-    for pattern in patterns:
-        matching = run.matching(pattern)
-        if matching:
-            return [(s, v) for s, v in matching[min(matching)] if math.isfinite(v)]
-    return None
+    series = first_series(run, *patterns)
+    return None if series is None else [(s, v) for s, v in series if math.isfinite(v)]
 
 
 def _xy(series: Series) -> tuple[list[int], list[float]]:
