@@ -133,8 +133,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
     error_row = ratio_row_at("", first_series(run, grad_norm("noise_floor_se")), first_series(run, grad_norm("noise_floor")),
                            step)
     partial = _partial(run)
-    band = run.matching(grad_norm("in_noise_band"))
-    flags = [v for _, v in band[min(band)]] if band else []
+    flags = [v for _, v in first_series(run, grad_norm("in_noise_band")) or []]
     recent = flags[-BAND_WINDOW:]
     in_band = sum(recent) / len(recent) if recent else None
     end = _stopper_end(run)
@@ -144,7 +143,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
         *rows, ratio_row,
         _band_row(recent),
         Row("stop", stop) if stop else Row("stop", f"not stopped: {_end_reason(end, caveat)}", step=_stopper_end_step(
-            run, step)) if end else Row("stop", _not_stopped(run, partial)),
+            run, step)) if end else Row("stop", _not_stopped(run, partial, caveat)),
     ]
     if stop:
         report.findings.append(Finding("note", title, stop))
@@ -229,17 +228,23 @@ STOPPER_PANELS = tuple(f"{prefix}GradNormEarlyStopping" for prefix in DIAGNOSIS_
 NOT_STOPPED = "GradNormEarlyStopping did not stop the run"
 
 
+def _stopper_panel(run: Run) -> tuple[int, str] | None:
+    """GradNormEarlyStopping's end-of-fit table (its diagnosis panel) as (step written at, markdown), if logged."""
+    tag = next((tag for tag in STOPPER_PANELS if run.texts.get(tag)), None)
+    return None if tag is None else run.texts[tag][-1]
+
+
 def _stopper_end(run: Run) -> dict[str, str]:
-    """GradNormEarlyStopping's end-of-fit table (its diagnosis panel), ``quantity -> value``; ``{}`` when it
-    was not logged (no stopper, or a fit that did not end). It counts every step, the logged flags sample a few."""
-    text = next((run.text(tag) for tag in STOPPER_PANELS if run.text(tag)), None)
-    rows = [table_cells(line) for line in (text or "").splitlines()[2:] if line.lstrip().startswith("|")]
+    """GradNormEarlyStopping's end-of-fit table, ``quantity -> value``; ``{}`` when it was not logged (no
+    stopper, or a fit that did not end). It counts every step, the logged flags sample a few."""
+    text = (_stopper_panel(run) or (0, ""))[1]
+    rows = [table_cells(line) for line in text.splitlines()[2:] if line.lstrip().startswith("|")]
     return {inline(row[0]): inline(row[1]) for row in rows if len(row) == 2}
 
 
 def _stopper_end_step(run: Run, step: int | None) -> int | None:
     """The step the stopper's end-of-fit table was written at (fit end), when it is not the section's ``step``."""
-    at = next((run.texts[tag][-1][0] for tag in STOPPER_PANELS if run.texts.get(tag)), None)
+    at = (_stopper_panel(run) or (None, ""))[0]
     return None if at == step else at
 
 
@@ -289,7 +294,7 @@ def _end_verdict(end: dict[str, str], flags: list[float], error: str, caveat: st
     return f"{lead}{error}. GradNormEarlyStopping at fit end: {why}{sampled}."
 
 
-def _not_stopped(run: Run, partial: str) -> str:
+def _not_stopped(run: Run, partial: str, caveat: str) -> str:
     """Why GradNormEarlyStopping did not stop the run, from what it logged (a stop it writes as text): no
     stopper, a diverged run, never in the band, too short a streak, no valid source, partial coverage."""
     streaks = [v for series in run.matching(grad_norm("band_streak")).values() for _, v in series if math.isfinite(v)]
@@ -310,12 +315,11 @@ def _not_stopped(run: Run, partial: str) -> str:
     if flags:
         return (f"not stopped: in the noise band on {sum(flags):g} of {len(flags)} logged steps; {streak}, short of "
                 "its patience or before min_steps")
-    if not flags and ended_early(run):
+    if ended_early(run):
         return (f"not stopped: the fit ended {logged_steps(run)} without its end-of-fit diagnosis, before a "
                 f"noise-band flag was logged; {streak}")
-    caveat = run.text("grad_noise/caveat")
     if caveat:  # the stopper's own words: no valid source, partial coverage
-        return "not stopped: " + caveat.removeprefix("trainvitals GradNormEarlyStopping: ")
+        return "not stopped: " + caveat
     if partial:
         return f"not stopped: {partial}"
     if run.last(grad_norm("noise_floor")) is None:
