@@ -182,7 +182,6 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._batch_size = 0
         self._unit: Tensor | float = 1.0
         self._reduction = "mean"
-        self.logs_noise_estimate = False
         self.gradient_noise = GradientNoise(max_rel_err=max_rel_err)
         """The run's one noise estimate, shared with GradNormEarlyStopping."""
 
@@ -248,6 +247,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._sources.detach()
 
     @property
+    def logs_noise_estimate(self) -> bool:  # this fit's probe logs the run's one estimate: the stopper does not
+        return self._enabled
+
+    @property
     def _plan(self) -> SourcePlan | None:
         return None if self._sources is None else self._sources.plan
 
@@ -273,8 +276,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""
-        rows = [("sources", self.sources or "not set up"),
-                ("measurements", f"{int(self.noise.count)} optimizer steps")]
+        rows = [("sources", self.sources or "not set up"), ("measurements", f"{int(self.noise.count)} optimizer steps")]
         if self.noise_source.invalid:
             rows.append(("probe's estimate", f"invalid: {self.noise_source.invalid}"))
         rows += self.gradient_noise.summary_rows()
@@ -288,12 +290,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
     def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.gradient_noise = find_gradient_noise(trainer.callbacks)
         self.gradient_noise.max_rel_err = self.max_rel_err
-        self.logs_noise_estimate = False
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
             self._cannot_measure(f"strategy {type(trainer.strategy).__name__} is not supported "
                                  "(single device and DDP are)")
             return
-        self._enabled = self.logs_noise_estimate = True
+        self._enabled = True
         self.gradient_noise.attach(self.noise_source)
         every = logging_every(trainer, self.log_every_n_steps)
         self._log_every = self._round_up(every) if every else None
@@ -326,7 +327,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Optimizers exist from here on, not in ``setup``.
         if self._enabled and len(trainer.optimizers) > 1:
-            self._enabled = self.logs_noise_estimate = False
+            self._enabled = False
             self.gradient_noise.detach(self.noise_source.name)
             self._cannot_measure(f"the run has {len(trainer.optimizers)} optimizers, and the probe measures the "
                                  "gradient of one optimizer's step (a GAN's generator and discriminator step on "
@@ -521,8 +522,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
                           examples: int) -> tuple[dict[str, Tensor], StepCoordinates]:
         """Σ_d GSNR_d per module over this step's coordinates, :data:`EB_CRITERION` when they are all the
         measured ones (:meth:`ModuleCoordinates.snr_sums`), over every rank's examples."""
-        # Every selected parameter, zeros where this rank has no sums (a layer that failed here): the ranks'
-        # collectives must match; such a step is invalid and its GSNR is not logged.
+        # Zeros where this rank has no sums (a failed layer): the ranks' collectives must match; the step is invalid.
         selection = self._selection if result.sum_sq or trainer.world_size > 1 else {}
         reduce = (lambda flat: trainer.strategy.reduce(flat, reduce_op="sum")) if trainer.world_size > 1 else None
         grad_sums, sum_sqs = self._coordinates.selected_sums(selection, result.grad_sum, result.sum_sq, reduce)
