@@ -12,6 +12,7 @@ from torch import Tensor
 
 import lightning.pytorch as pl
 
+from trainvitals.callbacks._base import reduce_packed
 from trainvitals.callbacks._batch import loss_divisor
 from trainvitals.core.noise import (
     per_example_estimates,
@@ -64,15 +65,14 @@ def sum_over_ranks(trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Ten
             flags[i] = undecided[name].double()
     invalid_here = (~valid).double() if isinstance(valid, Tensor) else torch.full(
         (), 0.0 if valid else 1.0, dtype=torch.float64, device=device)
-    packed = trainer.strategy.reduce(torch.cat([torch.stack([
-        sq_norm_sum, micro_sum,
-        torch.full((), float(local_examples), dtype=torch.float64, device=device), invalid_here,
-    ]), flags]), reduce_op="sum")
+    sq, micro, seen, invalid, counts = reduce_packed(trainer, [
+        sq_norm_sum, micro_sum, torch.full((), float(local_examples), dtype=torch.float64, device=device),
+        invalid_here, flags])
     examples = local_examples * trainer.world_size
     failed = set()
     if read_failures and layers:
-        failed = {n for n, count in zip(layers, packed[4:].tolist()) if count > 0}
-    return StepSums(packed[0], packed[1], examples, (packed[3] == 0) & (packed[2] == examples), failed)
+        failed = {n for n, count in zip(layers, counts.tolist()) if count > 0}
+    return StepSums(sq, micro, examples, (invalid == 0) & (seen == examples), failed)
 
 
 @dataclass
