@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from trainvitals.core.integrity import counted, listed
 from trainvitals.core.per_example._common import _trainable
 from trainvitals.core.per_example.registry import rule_for, unsupported_reason
 
@@ -65,23 +66,14 @@ class SourcePlan:
         if self.vmap:
             parts.append(f"torch.func vmap on a sub-batch: {kinds(self.vmap)} "
                          f"({share(self.parameters('vmap').values())})")
-        if self.uncovered:  # each reason with the tensors it keeps out, named up to MAX_NAMED
+        if self.uncovered:  # each reason with the tensors it keeps out, by name (the first few)
             by_reason: dict[str, list[str]] = {}
             for name, why in self.uncovered.items():
                 by_reason.setdefault(why, []).append(name)
-            reasons = "; ".join(f"{_named(names)}: {why}" for why, names in sorted(by_reason.items()))
-            tensors = "1 tensor" if len(self.uncovered) == 1 else f"{len(self.uncovered)} tensors"
+            reasons = "; ".join(f"{listed(names)}: {why}" for why, names in sorted(by_reason.items()))
+            tensors = counted(len(self.uncovered), "tensor")
             parts.append(f"not measured: {tensors} ({share(named[n] for n in self.uncovered)}), {reasons}")
         return "; ".join(parts) if parts else "no trainable parameters"
-
-
-MAX_NAMED = 4
-"""How many tensors the coverage line names for one reason before it says how many more."""
-
-
-def _named(names: list[str]) -> str:
-    shown = ", ".join(f"`{n}`" for n in names[:MAX_NAMED])
-    return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
 
 
 COMPILED_REASON = ("runs under torch.compile, where a hook would break the compiled graph; accumulate_grad_batches "
