@@ -5,8 +5,9 @@ steps, multiplied by an AMP scale, averaged over the batch or not); :class:`PerE
 a per-micro-batch factor that converts them to the example's own loss.
 
 Everything here stays on the device: only :meth:`PerExampleGradients.decide` (where a lookup's ids were
-compared on the device) and :meth:`PerExampleGradients.unbalanced` read on the host, once each. No
-Lightning import.
+compared on the device) and :meth:`PerExampleGradients.unbalanced` read on the host, once each — and a
+tied lookup called with 1-D ids of B integers, whose statistics are summed with its partners', once per
+call. No Lightning import.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _trainable
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
-from trainvitals.core.per_example.registry import Call, Use, _rule
+from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
 from trainvitals.core.per_example.tied import measure_tied
 
 
@@ -116,10 +117,6 @@ def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
         into[name].add_(value)
     else:
         into[name] = value
-
-
-def _as_tuple(grad_output: Any) -> tuple[Any, ...]:
-    return grad_output if isinstance(grad_output, tuple) else (grad_output,)
 
 
 def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
@@ -427,7 +424,7 @@ class PerExampleGradients:
             return
         self._sq = sq if self._sq is None else self._sq + sq
         for name, module_uses in uses.items():
-            grads = [g for use in module_uses for g in _as_tuple(use.grad_output) if g is not None]
+            grads = [g for use in module_uses for g in _output_grads(use) if g is not None]
             self._step.dtypes.setdefault(name, grads[0].dtype if grads else sq.dtype)
         for qualified, (total, total_sq) in sums.items():
             _add(self._grad_sum, qualified, total)
@@ -483,8 +480,8 @@ class PerExampleGradients:
         module = self.per_example[name]
         measured = self._rules[name].parameters(module)
         out = {self._names[id(p)]: p for p in measured.values()}
-        for local, p in module.named_parameters(recurse=False):
-            if p.requires_grad and id(p) not in self._names:
+        for local, p in _trainable(module).items():
+            if id(p) not in self._names:
                 out[f"{name}.{local}" if name else local] = p
         return out
 
