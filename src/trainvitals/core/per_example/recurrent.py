@@ -105,20 +105,20 @@ class RecurrentRule(FactoredRule):
                     finals_h.append(h)
                     finals_c.append(c)
                     outputs.append(torch.stack(hs, 1))  # type: ignore[arg-type]
-                    pieces.append((suffix, layer_input, gi, previous, gh_steps, list(order)))
+                    pieces.append((suffix, layer_input, gi, previous, gh_steps))
                 layer_input = torch.cat(outputs, -1)
             results = [layer_input, torch.stack(finals_h)] + ([torch.stack(finals_c)] if lstm else [])
             seeds = [g.to(dtype) if g is not None else None for g in grads]
             if seeds[0] is not None and not module.batch_first:
                 seeds[0] = seeds[0].transpose(0, 1)
             used = [(r, s) for r, s in zip(results, seeds) if s is not None]
-            wrt = [t for _, _, gi, _, gh_steps, _ in pieces for t in (gi, *gh_steps)]
+            wrt = [t for _, _, gi, _, gh_steps in pieces for t in (gi, *gh_steps)]
             d_wrt = torch.autograd.grad([r for r, _ in used], wrt, [s for _, s in used],
                                         allow_unused=True, materialize_grads=True)
         out: dict[str, Factor] = {}
         trainable = self.parameters(module)
         position = 0
-        for suffix, layer_input, _, previous, gh_steps, _ in pieces:
+        for suffix, layer_input, _, previous, gh_steps in pieces:
             d_gi = d_wrt[position]
             d_gh = torch.stack(d_wrt[position + 1:position + 1 + len(gh_steps)], 1)  # (B, T, G·H), in `previous`' order
             position += 1 + len(gh_steps)
