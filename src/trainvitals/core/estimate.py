@@ -330,6 +330,11 @@ class GradientNoise:
         est = estimate or self.estimate()
         return (est.count >= MIN_MEASUREMENTS) & self._covers(est)
 
+    def reliable(self, estimate: NoiseEstimate | None = None) -> Tensor:
+        """``()`` bool: decisive, ‖G‖² > 0 and B_simple's relative error ≤ ``max_rel_err`` (no sync)."""
+        est = estimate or self.estimate()
+        return self.decisive(est) & (est.grad_sq_norm > 0) & (est.b_simple_rel_err <= self.max_rel_err)
+
     def _covers(self, est: NoiseEstimate) -> Tensor:
         return (est.coverage >= self.min_coverage) & (est.unmeasured_trace_share <= MAX_UNMEASURED_TRACE)
 
@@ -382,7 +387,7 @@ class GradientNoise:
         ``grad_noise/b_simple_unreliable`` is 1 where no noise-aware advice follows (not decisive, ‖G‖² ≤ 0,
         or a relative error above ``max_rel_err``)."""
         est = estimate or self.estimate()
-        reliable = self.decisive(est) & (est.grad_sq_norm > 0) & (est.b_simple_rel_err <= self.max_rel_err)
+        reliable = self.reliable(est)
         measured = ({} if est.measured_norm is None else
                     {"grad_norm/measured_total": est.measured_norm,
                      "grad_noise/unmeasured_trace_share": est.unmeasured_trace_share})
@@ -399,12 +404,13 @@ class GradientNoise:
         est = self.estimate()
         keys = ("grad_sq_norm", "grad_sq_norm_se", "trace_cov", "trace_cov_se", "b_simple", "b_simple_rel_err",
                 "noise_floor", "noise_floor_se", "coverage", "unmeasured_trace_share", "count")
-        values = torch.stack([getattr(est, k).double().reshape(()).to(est.count.device) for k in keys]).cpu().tolist()
+        device = est.count.device
+        flags = [self.decisive(est), self.reliable(est)]  # the device's own tests, read in the same transfer
+        values = torch.stack([getattr(est, k).double().reshape(()).to(device) for k in keys]
+                             + [f.to(device, torch.float64) for f in flags]).cpu().tolist()
         out: dict[str, Any] = dict(zip(keys, values))
         out.update(param_share=est.param_share, batch_size=est.batch_size, sources=est.sources)
-        out["decisive"] = (out["count"] >= MIN_MEASUREMENTS and out["coverage"] >= self.min_coverage
-                           and out["unmeasured_trace_share"] <= MAX_UNMEASURED_TRACE)
-        out["reliable"] = out["decisive"] and out["b_simple_rel_err"] <= self.max_rel_err
+        out["decisive"], out["reliable"] = (bool(v) for v in values[len(keys):])
         out["why"] = self.why_not(out)
         return out
 
