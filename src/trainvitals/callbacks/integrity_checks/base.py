@@ -80,7 +80,7 @@ class Fit:
     def record(self, kind: FindingKind, names: tuple[str, ...], message: str, warn: bool = True) -> Finding:
         """Count a finding of ``kind`` naming ``names``; keep it if new, warn once per kind; returns the kept one."""
         self.counts[kind] = self.counts.get(kind, 0) + 1
-        finding = next((f for f in self.findings if f.kind is kind and f.names == names), None)
+        finding = self._existing(kind, names)
         if finding is None:
             finding = Finding(kind, names, message, self.step)
             self.findings.append(finding)
@@ -94,7 +94,10 @@ class Fit:
     def found(self, kind: FindingKind, names: tuple[str, ...]) -> bool:
         """This fit has a finding of ``kind`` naming ``names`` already (a resumed fit: restored from its
         checkpoint). A check that looks once per fit, at its start, files only what is not."""
-        return any(f.kind is kind and f.names == names for f in self.findings)
+        return self._existing(kind, names) is not None
+
+    def _existing(self, kind: FindingKind, names: tuple[str, ...]) -> Finding | None:
+        return next((f for f in self.findings if f.kind is kind and f.names == names), None)
 
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Build the fit-time maps: names, and which optimizer owns which parameter."""
