@@ -49,5 +49,6 @@ def largest_examples(norms: Tensor, rows: list[Tensor | None], top_k: int) -> Ou
     rows_all = torch.cat([r.to(norms.device) for r in rows]) if known else None  # type: ignore[union-attr]
     by_row = rows_all is not None and rows_all.numel() == norms.numel()
     which = rows_all[top.indices] if by_row else top.indices  # type: ignore[index]
-    values = torch.stack([top.values, top.values / norms.median().clamp_min(1e-30)]).cpu().tolist()
-    return Outliers(which.cpu().tolist(), values[0], values[1], bool(by_row))
+    ratio = top.values / norms.median().clamp_min(1e-30)
+    ids, values, ratios = torch.stack([which.to(torch.float64), top.values.double(), ratio.double()]).cpu().tolist()
+    return Outliers([int(i) for i in ids], values, ratios, bool(by_row))  # float64 holds ids exactly below 2**53
