@@ -31,7 +31,7 @@ from trainvitals.dashboard.report_model import (
     series_row,
     value_at,
 )
-from trainvitals.dashboard.tags import DIAGNOSIS_PREFIXES, grad_norm
+from trainvitals.dashboard.tags import DIAGNOSIS_PREFIXES, SUGGESTED_LR, grad_norm
 from trainvitals.dashboard.terminal import inline, table_cells
 
 
@@ -42,7 +42,6 @@ _LR_LABELS = {
 }
 _FROM_B_HAT = ("steps_over_min", "examples_over_min")
 """LRScalingAdvisor's ratios computed from its B̂: shown only beside the B_simple of their own step."""
-_SUGGESTED_LR = re.compile(r"suggested_lr_(?:x(?P<factor>[0-9.]+)|b(?P<size>[0-9]+))/(?P<group>.+)$")
 
 
 def _lr_label(key: str, batch: float | None) -> str:
@@ -52,7 +51,7 @@ def _lr_label(key: str, batch: float | None) -> str:
         return _LR_LABELS[key]
     if key.startswith("lr/"):
         return f"lr now, {key.removeprefix('lr/')}"
-    if match := _SUGGESTED_LR.match(key):
+    if match := SUGGESTED_LR.match(key):
         factor, size, group = match["factor"], match["size"], match["group"]
         if size is not None:
             return f"suggested lr at B = {size}, {group}"

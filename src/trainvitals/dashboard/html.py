@@ -21,7 +21,7 @@ from trainvitals.dashboard.assess import memory_label
 from trainvitals.dashboard.events import Run
 from trainvitals.dashboard.render import format_value, heading, status_line
 from trainvitals.dashboard.report_model import RunReport, first_series
-from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, grad_norm
+from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, SUGGESTED_LR, grad_norm
 from trainvitals.dashboard.terminal import table_cells
 
 Series = list[tuple[int, float]]
@@ -297,10 +297,10 @@ def _memory(run: Run) -> tuple[str, str] | None:
 
 def _lr_suggestions(run: Run) -> tuple[str, str] | None:
     suggested: dict[str, dict[float, float]] = {}
-    for tag, series in run.matching(r"lr_scaling/suggested_lr_x([0-9.]+)/(.+)$").items():
-        factor, optimizer = re.match(r"lr_scaling/suggested_lr_x([0-9.]+)/(.+)$", tag).groups()  # type: ignore[union-attr]
-        if math.isfinite(series[-1][1]):
-            suggested.setdefault(optimizer, {})[float(factor)] = series[-1][1]
+    for tag, series in run.matching(r"lr_scaling/suggested_lr_x[0-9.]+/.+$").items():
+        match = SUGGESTED_LR.match(tag.removeprefix("lr_scaling/"))
+        if match and match["factor"] and math.isfinite(series[-1][1]):
+            suggested.setdefault(match["group"], {})[float(match["factor"])] = series[-1][1]
     batch = run.last(r"lr_scaling/effective_batch$")
     if not suggested:
         return None

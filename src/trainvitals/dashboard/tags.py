@@ -65,6 +65,9 @@ MEMORY_BYTES = r"memory/[^/]+_bytes$"
 ``trainvitals.core.memory.categories.MEMORY_CATEGORIES`` (parameters, gradients, optimizer state, inputs,
 saved activations, held after backward; CUDA peaks and temporaries)."""
 
+SUGGESTED_LR = re.compile(r"suggested_lr_(?:x(?P<factor>[0-9.]+)|b(?P<size>[0-9]+))/(?P<group>.+)$")
+"""LRScalingAdvisor's suggested lr under ``lr_scaling/``: at ×factor of the batch, or at batch size B, per group."""
+
 DIAGNOSIS_TAG = "diagnosis"
 """Text panels ``diagnosis/<callback class>`` hold each callback's end-of-run markdown. TensorBoard's Text tab
 groups panels by the tag's first component in name order: ``diagnosis`` comes before every other group
