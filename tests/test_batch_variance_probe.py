@@ -1008,9 +1008,11 @@ class DirectWeightNet(nn.Module):
         return self.out(torch.tanh(self.proj(x)) + torch.tanh(x @ self.proj.weight.T))
 
 
-def test_a_layer_whose_per_example_gradients_do_not_add_up_is_measured_from_micro_batches():
+@pytest.mark.parametrize("per_coordinate", [True, False])
+def test_a_layer_whose_per_example_gradients_do_not_add_up_is_measured_from_micro_batches(per_coordinate):
+    """The check runs whether or not GSNR is asked for."""
     torch.manual_seed(0)
-    probe = BatchVarianceProbe()
+    probe = BatchVarianceProbe(per_coordinate=per_coordinate)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fit(Classifier(DirectWeightNet().double()), classification_data("mlp", 64), [probe], batch_size=8, steps=2,

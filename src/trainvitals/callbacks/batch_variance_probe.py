@@ -115,7 +115,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
             GradNormEarlyStopping's do. Formerly ``beta``.
         loss_reduction: ``"auto"`` (read from the loss's autograd graph), ``"mean"`` or ``"sum"`` over the
             examples of a micro-batch.
-        per_coordinate: compute GSNR and the EB criterion on logging steps.
+        per_coordinate: compute GSNR and the EB criterion on logging steps. (Their sums are formed either way
+            there and at a fit's first step, to check that per-example gradients add up to ``.grad``.)
         coordinate_budget: coordinates of the per-example-norm layers whose per-coordinate sums one
             logging step collects (≥ 1), rounded up to whole rows of a parameter's dimension 0. The
             sums cost 8 bytes per coordinate (float32 Σg and Σg², plus as much again while a
@@ -203,6 +204,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("_finalized_step", -1, persistent=False)
         self.add_state("_coordinate_cursor", 0, key="coordinate_cursor")  # the next logging step's first coordinate
         self.add_state("_selection", {}, persistent=False)
+        self.add_state("_sums_checked", False, persistent=False)  # this fit has had a step with the sums check
         self.add_state("_gsnr_partial", {}, key="gsnr_partial")  # per GSNR key: Σ GSNR and coordinates of the pass
         self.add_state("_batches", MicroBatches, persistent=False)  # those of the step being measured
         self.add_state("_stated_reduction", "", persistent=False)
@@ -366,9 +368,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._detach_hooks()
         if not self._measuring:
             return
-        coordinates = self.per_coordinate and is_logging_step(step, self._log_every)
         self._selection = {}
-        if coordinates:
+        if is_logging_step(step, self._log_every) or not self._sums_checked:  # GSNR's sums, and the sums check's
             self._selection, self._coordinate_cursor = self._coordinates.select(self._coordinate_cursor)
         sources.attach(self._selection, keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
 
@@ -451,12 +452,12 @@ class BatchVarianceProbe(TrainvitalsCallback):
 
     def _check_sums(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
                     optimizer: torch.optim.Optimizer) -> None:
-        """On a step with per-coordinate sums, fail the layers whose per-example gradients do not add up to
-        their ``.grad``: on one device (the ``.grad`` of several is averaged over ranks), with all micro-batches
-        measured and of one size (else the step is left out anyway)."""
+        """On a step with per-coordinate sums, fail the layers whose per-example gradients do not add up to their
+        ``.grad``: on one device (ranks average ``.grad``), with all micro-batches measured and of one size."""
         assert self._sources is not None
         if not result.grad_sum or not self._batches.whole_window(trainer, pl_module):
             return
+        self._sums_checked = True
         to_grad: Tensor | float = self._grad_units(trainer, pl_module) / sum(self._batches.sizes)
         scale = scale_left_in_grads(trainer, optimizer)
         result.failed.update(self._sources.collector.unbalanced(result, to_grad if scale is None else scale * to_grad))
