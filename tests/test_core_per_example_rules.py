@@ -62,6 +62,48 @@ def assert_matches(model: nn.Module, x: torch.Tensor) -> None:
         torch.testing.assert_close(step.sum_sq[name], g.square().sum(0), rtol=1e-9, atol=1e-12)
 
 
+def same_graph_truth(model: nn.Module, x: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: (B, *shape)}: ∇ of ℓ_i = ⟨model(x)_i, weights_i⟩ through ONE forward of the whole batch, so that
+    each example's gradient sees that forward's own dropout masks."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out = model(x)
+    per_example = [torch.autograd.grad((out[i] * weights[i]).sum(), list(params.values()), retain_graph=True,
+                                       allow_unused=True, materialize_grads=True) for i in range(x.shape[0])]
+    return {n: torch.stack([g[k] for g in per_example]) for k, n in enumerate(params)}
+
+
+def assert_matches_same_graph(model: nn.Module, x: torch.Tensor, seed: int = 3) -> None:
+    """As :func:`assert_matches`, for a model that draws random masks in training: the truth and the measured
+    forward draw them from the same seed (the outputs are compared), and the generator is left as the
+    forward left it."""
+    torch.manual_seed(1)
+    model = model.double().train()
+    x = x.double() if x.is_floating_point() else x
+    weights = torch.randn_like(model(x))
+    torch.manual_seed(seed)
+    truth = same_graph_truth(model, x, weights)
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    torch.manual_seed(seed)
+    out = model(x)
+    state = torch.get_rng_state()
+    (out * weights).sum().backward()
+    collector.end_micro_batch(1.0)
+    collector.detach()
+    step = collector.pop()
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(seed)
+    assert torch.equal(model(x), out)  # the truth's forward drew these masks too
+    assert not plan.uncovered and not step.failed
+    assert set(plan.parameters("per_example")) == set(truth)
+    expected = sum(g.flatten(1).square().sum(1) for g in truth.values())
+    torch.testing.assert_close(step.sq_norms[0], expected, rtol=1e-9, atol=1e-12)
+    for name, g in truth.items():
+        torch.testing.assert_close(step.grad_sum[name], g.sum(0), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(step.sum_sq[name], g.square().sum(0), rtol=1e-9, atol=1e-12)
+
+
 def eval_mode(module: nn.Module) -> nn.Module:
     """Running statistics that are not the defaults (0 and 1), then eval mode."""
     with torch.no_grad():
@@ -334,6 +376,54 @@ class Recurrent(nn.Module):
 def test_recurrent_layers_match_brute_force(kind, options):
     torch.manual_seed(0)
     assert_matches(Recurrent(kind, **options), torch.randn(B, 4, 3))
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
+@pytest.mark.parametrize("options", [
+    {"batch_first": True, "initial_state": False, "num_layers": 3},
+    {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
+], ids=["three-layer", "two-layer-bidirectional-sequence-first"])
+def test_recurrent_layers_with_dropout_between_layers_match_the_same_forward(kind, options):
+    torch.manual_seed(0)
+    assert_matches_same_graph(Recurrent(kind, dropout=0.4, **options), torch.randn(B, 4, 3))
+
+
+def float32_dropout_sums(model: nn.Module, x: torch.Tensor) -> dict[str, str]:
+    """What the sums check says of a float32 step: whether the per-example gradients add up to ``.grad``."""
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True)
+    model.zero_grad()
+    model(x).square().sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed
+    return collector.unbalanced(step, 1.0)
+
+
+def test_recurrent_dropout_in_float32_draws_the_forward_masks(monkeypatch):
+    """float32 takes other kernels (oneDNN for the LSTM); masks from another state do not add up."""
+    from trainvitals.core.per_example.recurrent import RecurrentRule
+
+    torch.manual_seed(0)
+    x = torch.randn(B, 6, 3)
+    for kind in (nn.LSTM, nn.GRU):
+        model = Recurrent(kind, batch_first=True, initial_state=False, num_layers=3, dropout=0.5)
+        assert float32_dropout_sums(model, x) == {}
+    monkeypatch.setattr(RecurrentRule, "before_call", lambda *_: torch.Generator().manual_seed(123).get_state())
+    assert set(float32_dropout_sums(model, x)) == {"rnn"}
+
+
+def test_recurrent_dropout_without_the_generator_state_says_so():
+    from trainvitals.core.per_example import per_example_sq_norms
+    from trainvitals.core.per_example.registry import Call
+
+    lstm = nn.LSTM(3, 4, num_layers=2, dropout=0.5, batch_first=True)
+    out, (h, c) = lstm(torch.randn(B, 4, 3))
+    with pytest.raises(RuntimeError, match="state before the forward was not kept"):
+        per_example_sq_norms(lstm, Call((torch.randn(B, 4, 3),), {}), (torch.ones_like(out), None, None))
+    assert per_example_sq_norms(lstm.eval(), Call((torch.randn(B, 4, 3),), {}),
+                                (torch.ones_like(out), None, None)).shape == (B,)
 
 
 class PaddedTiedDecoder(TiedDecoder):

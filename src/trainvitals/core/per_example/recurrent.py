@@ -6,11 +6,21 @@ gi = W_ih x_t + b_ih and gh = W_hh h_{t−1} + b_hh are the pre-activations the 
 the recurrence from the saved input and initial state with autograd, one time step at a time, for
 those gradients (``torch.func.vmap`` does not batch the fused recurrent kernels), and measures each
 weight by ghost norms.
+
+Dropout between layers (training, ``num_layers > 1``) is recomputed with the forward's own masks on CPU:
+torch's CPU recurrence (aten's ``_rnn_impl``, and oneDNN's for float32 LSTMs) draws each of them as
+``empty_like(layer_output).bernoulli_(1 - p)`` from the default generator, the layers' outputs time-major
+``(T, B, D)``, one after another and nothing else in between. A forward pre-hook keeps the generator's
+state (:meth:`RecurrentRule.before_call`), and the rule draws the same masks again from a copy of it,
+leaving the generator where it is. Should a torch version draw otherwise, the probe's check that the
+per-example gradients add up to ``.grad`` fails the layer. cuDNN draws its masks from a state of its own:
+not measured on CUDA.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +29,15 @@ from torch import Tensor, nn
 from trainvitals.core.per_example._common import _accumulation_dtype
 from trainvitals.core.per_example.factored import Factor, FactoredRule, Outer, _stack_uses
 from trainvitals.core.per_example.registry import Call, Use, register_per_example_rule
+
+#: Why a recurrent layer with dropout between its layers is not measured on a GPU.
+CUDNN_DROPOUT = ("dropout between recurrent layers on CUDA: cuDNN draws its masks from a random state of its own, "
+                 "which the recomputation cannot draw again")
+
+
+def _drops_out(module: nn.Module) -> bool:
+    """Whether a call of ``module`` now applies dropout to the outputs of all but its last layer."""
+    return module.training and module.dropout > 0 and module.num_layers > 1
 
 
 def _cell(module: nn.Module, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -41,16 +60,21 @@ def _cell(module: nn.Module, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None
 class RecurrentRule(FactoredRule):
     """nn.RNN (tanh or relu), nn.LSTM and nn.GRU: any number of layers, bidirectional, batch-first or
     not, with or without biases and an initial state, the output and final states used by the loss
-    or not. Not: PackedSequence inputs, an LSTM's ``proj_size``, dropout between layers."""
+    or not, dropout between layers on CPU. Not: PackedSequence inputs, an LSTM's ``proj_size``."""
 
     whole_call = True
 
     def unsupported(self, module: nn.Module) -> str | None:
         if getattr(module, "proj_size", 0):
             return "LSTM with proj_size"
-        if module.dropout > 0 and module.num_layers > 1:
-            return "dropout between recurrent layers (its random masks cannot be recomputed)"
         return None
+
+    def before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+        """The CPU generator's state, which the call's dropout masks between layers are drawn from."""
+        x = args[0] if args else kwargs.get("input")
+        if not _drops_out(module) or not isinstance(x, Tensor) or x.device.type != "cpu":
+            return None
+        return torch.get_rng_state()
 
     def batch_size(self, module: nn.Module, call: Call) -> int:
         x = call.args[0] if call.args else call.kwargs.get("input")
@@ -61,17 +85,37 @@ class RecurrentRule(FactoredRule):
     def _factors(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Factor]:
         return _stack_uses([self._use_factors(module, use) for use in uses])
 
+    @staticmethod
+    def _masks(module: nn.Module, call: Call, shape: tuple[int, ...], dtype: torch.dtype) -> list[Tensor]:
+        """The forward's dropout masks of the outputs of all but the last layer, each ``shape`` (time-major,
+        as drawn) in the forward's ``dtype``, scaled by 1 / (1 − p) as ``at::dropout`` scales them."""
+        if call.state is None:
+            x = call.args[0] if call.args else call.kwargs.get("input")
+            raise RuntimeError(CUDNN_DROPOUT if isinstance(x, Tensor) and x.is_cuda else
+                               "dropout between recurrent layers: the random generator's state before the forward "
+                               "was not kept, so its masks cannot be drawn again")
+        keep = 1 - module.dropout
+        if keep == 0:  # at::dropout draws nothing at p = 1
+            return [torch.zeros(shape, dtype=dtype) for _ in range(module.num_layers - 1)]
+        generator = torch.Generator()
+        generator.set_state(call.state)
+        return [torch.empty(shape, dtype=dtype).bernoulli_(keep, generator=generator).div_(keep)
+                for _ in range(module.num_layers - 1)]
+
     @torch.no_grad()
     def _use_factors(self, module: nn.Module, use: Use) -> dict[str, Factor]:
-        if module.training and module.dropout > 0 and module.num_layers > 1:
-            raise RuntimeError("dropout between recurrent layers is random: the recomputation would not see its masks")
-        args, kwargs = use.inputs
+        args, kwargs = use.inputs[:2]
         grads = use.grad_output
-        dtype = _accumulation_dtype(next(g for g in grads if g is not None))
+        first = next(g for g in grads if g is not None)
+        dtype = _accumulation_dtype(first)
         x = args[0].to(dtype)
         x = x if module.batch_first else x.transpose(0, 1)  # (B, T, I)
         batch, steps = x.shape[:2]
         directions, hidden = 2 if module.bidirectional else 1, module.hidden_size
+        masks = []
+        if _drops_out(module):  # (T, B, D) as drawn, to (B, T, D)
+            drawn = self._masks(module, use.inputs, (steps, batch, directions * hidden), first.dtype)
+            masks = [m.to(dtype).transpose(0, 1) for m in drawn]
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
         lstm = isinstance(module, nn.LSTM)
         if hx is None:
@@ -107,6 +151,8 @@ class RecurrentRule(FactoredRule):
                     outputs.append(torch.stack(hs, 1))  # type: ignore[arg-type]
                     pieces.append((suffix, layer_input, gi, previous, gh_steps))
                 layer_input = torch.cat(outputs, -1)
+                if layer < len(masks):
+                    layer_input = layer_input * masks[layer]
             results = [layer_input, torch.stack(finals_h)] + ([torch.stack(finals_c)] if lstm else [])
             seeds = [g.to(dtype) if g is not None else None for g in grads]
             if seeds[0] is not None and not module.batch_first:
