@@ -461,14 +461,82 @@ def test_other_tied_layers_add_their_per_example_gradients():
     assert_matches(model, torch.randn(B, 3, 4))
 
 
-def test_a_packed_sequence_is_reported_not_measured():
-    lstm = nn.LSTM(3, 4, batch_first=True)
-    collector = PerExampleGradients({"lstm": lstm}, {}, 2)
-    collector.attach()
-    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(B, 4, 3), [4, 3, 3, 2, 1], batch_first=True)
-    lstm(packed)[0].data.sum().backward()
-    collector.end_micro_batch(1.0)
-    assert "PackedSequence" in collector.pop().failed["lstm"]
+class Packed(nn.Module):
+    """A recurrent layer on sequences of their own ``lengths``, padded ``(B, T, 3)`` and packed as a text
+    classifier packs them; the loss on the padded output and the final states."""
+
+    def __init__(self, kind: type[nn.Module], lengths: list[int], enforce_sorted: bool = False,
+                 batch_first: bool = True, initial_state: bool = False, **options) -> None:
+        super().__init__()
+        self.rnn = kind(3, 4, batch_first=batch_first, **options)
+        self.lengths, self.enforce_sorted, self.initial_state = lengths, enforce_sorted, initial_state
+
+    def _initial(self, x: torch.Tensor):
+        if not self.initial_state:
+            return None
+        states = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+        h0 = x[:, 0, :1].expand(-1, 4).unsqueeze(0).expand(states, -1, -1).contiguous()
+        return (h0, 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
+
+    def _head(self, out: torch.Tensor, final, steps: int) -> torch.Tensor:
+        out = nn.functional.pad(out, (0, 0, 0, steps - out.shape[1]))  # (B, T, D), zeros past the end
+        h = final[0] if isinstance(final, tuple) else final
+        extra = final[1].sum(0) if isinstance(final, tuple) else 0.0
+        return torch.cat([out.flatten(1), h.sum(0) + extra], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.rnn.batch_first
+        packed = nn.utils.rnn.pack_padded_sequence(x if first else x.transpose(0, 1), self.lengths,
+                                                   batch_first=first, enforce_sorted=self.enforce_sorted)
+        out, final = self.rnn(packed, self._initial(x))
+        return self._head(nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0], final, x.shape[1])
+
+    def alone(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Example ``i`` alone, a plain sequence of its own length: no packing."""
+        first, seq = self.rnn.batch_first, x[i:i + 1, :self.lengths[i]]
+        out, final = self.rnn(seq if first else seq.transpose(0, 1), self._initial(x[i:i + 1]))
+        return self._head(out if first else out.transpose(0, 1), final, x.shape[1])
+
+
+def assert_packed_matches(model: Packed, x: torch.Tensor) -> None:
+    """As :func:`assert_matches`, the truth each example alone at its own length."""
+    torch.manual_seed(1)
+    model, x = model.double(), x.double()
+    weights = torch.randn_like(model(x))
+    grads: dict[str, list[torch.Tensor]] = {n: [] for n, p in model.named_parameters() if p.requires_grad}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        (model.alone(x, i) * weights[i:i + 1]).sum().backward()
+        for n, p in model.named_parameters():
+            grads[n].append(p.grad.clone())
+    model.zero_grad()
+    truth = {n: torch.stack(g) for n, g in grads.items()}
+    plan, step = measured(model, x, weights)
+    assert not plan.uncovered and not step.failed
+    expected = sum(g.flatten(1).square().sum(1) for g in truth.values())
+    torch.testing.assert_close(step.sq_norms[0], expected, rtol=1e-9, atol=1e-12)  # in the batch's order
+    for name, g in truth.items():
+        torch.testing.assert_close(step.grad_sum[name], g.sum(0), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(step.sum_sq[name], g.square().sum(0), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
+@pytest.mark.parametrize("options", [
+    {"lengths": [4, 2, 4, 1, 3]},
+    {"lengths": [4, 4, 3, 2, 1], "enforce_sorted": True, "batch_first": False, "initial_state": True,
+     "num_layers": 2, "bidirectional": True},
+    {"lengths": [2, 4, 1, 3, 3], "initial_state": True, "num_layers": 3, "bias": False},
+], ids=["unsorted", "sorted-two-layer-bidirectional-sequence-first", "three-layer-no-bias"])
+def test_packed_sequences_match_each_sequence_alone(kind, options):
+    torch.manual_seed(0)
+    assert_packed_matches(Packed(kind, **options), torch.randn(B, 4, 3))
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_packed_sequences_with_dropout_between_layers_match_the_same_forward(kind):
+    torch.manual_seed(0)
+    model = Packed(kind, [4, 2, 4, 1, 3], initial_state=True, num_layers=3, bidirectional=True, dropout=0.4)
+    assert_matches_same_graph(model, torch.randn(B, 4, 3))
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])

@@ -297,7 +297,7 @@ class PerExampleGradients:
             inputs: Any = Call(args, kwargs, self._before.pop(name, None))
             batch = rule.batch_size(module, inputs)
             if batch < 0:
-                self._step.failed[name] = "its input holds no batch of examples its rule can read (a PackedSequence?)"
+                self._step.failed[name] = "its input holds no batch of examples its rule can read (an unbatched input?)"
                 return
         else:
             if not args or not isinstance(args[0], Tensor):

@@ -7,6 +7,10 @@ the recurrence from the saved input and initial state with autograd, one time st
 those gradients (``torch.func.vmap`` does not batch the fused recurrent kernels), and measures each
 weight by ghost norms.
 
+A PackedSequence is recomputed padded, batch-first, in the batch's own order (``unsorted_indices``): past
+its end a sequence keeps its state, so the forward direction ends and the backward one starts at each
+sequence's own last step, and the padding's steps get no gradient.
+
 Dropout between layers (training, ``num_layers > 1``) is recomputed with the forward's own masks on CPU:
 torch's CPU recurrence (aten's ``_rnn_impl``, and oneDNN's for float32 LSTMs) draws each of them as
 ``empty_like(layer_output).bernoulli_(1 - p)`` from the default generator, the layers' outputs time-major
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from trainvitals.core.per_example._common import _accumulation_dtype
 from trainvitals.core.per_example.factored import Factor, FactoredRule, Outer, _stack_uses
@@ -33,6 +38,33 @@ from trainvitals.core.per_example.registry import Call, Use, register_per_exampl
 #: Why a recurrent layer with dropout between its layers is not measured on a GPU.
 CUDNN_DROPOUT = ("dropout between recurrent layers on CUDA: cuDNN draws its masks from a random state of its own, "
                  "which the recomputation cannot draw again")
+
+
+def _input(call: Call) -> Any:
+    """The call's input sequences: a tensor or a PackedSequence."""
+    return call.args[0] if call.args else call.kwargs.get("input")
+
+
+class _Layout:
+    """How a call's sequences lie: ``(B, T, *)``, ``(T, B, *)`` or packed (time-major, the examples sorted by
+    length, ``batch_sizes`` of them at each step)."""
+
+    def __init__(self, x: Tensor | PackedSequence, batch_first: bool) -> None:
+        self.packed = x if isinstance(x, PackedSequence) else None
+        self.batch_first = batch_first
+
+    def batched(self, t: Tensor) -> Tensor:
+        """A per-step tensor laid out as the input (a packed one: as its ``data``) as ``(B, T, *)``, in the
+        order of the batch's examples, zeros past each sequence's end; no host sync."""
+        if self.packed is None:
+            return t if self.batch_first else t.transpose(0, 1)
+        padded, _ = pad_packed_sequence(PackedSequence(t, self.packed.batch_sizes), batch_first=True)
+        order = self.packed.unsorted_indices  # pad_packed_sequence would move it to the host to reorder lengths
+        return padded if order is None else padded.index_select(0, order)
+
+    def drawn(self, mask: Tensor) -> Tensor:
+        """A dropout mask as ``at::dropout`` drew it for a layer's output (time-major, or packed) as ``(B, T, D)``."""
+        return mask.transpose(0, 1) if self.packed is None else self.batched(mask)
 
 
 def _drops_out(module: nn.Module) -> bool:
@@ -60,7 +92,8 @@ def _cell(module: nn.Module, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None
 class RecurrentRule(FactoredRule):
     """nn.RNN (tanh or relu), nn.LSTM and nn.GRU: any number of layers, bidirectional, batch-first or
     not, with or without biases and an initial state, the output and final states used by the loss
-    or not, dropout between layers on CPU. Not: PackedSequence inputs, an LSTM's ``proj_size``."""
+    or not, PackedSequence inputs (sorted or not), dropout between layers on CPU. Not: an LSTM's
+    ``proj_size``."""
 
     whole_call = True
 
@@ -71,15 +104,18 @@ class RecurrentRule(FactoredRule):
 
     def before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
         """The CPU generator's state, which the call's dropout masks between layers are drawn from."""
-        x = args[0] if args else kwargs.get("input")
+        x = _input(Call(args, kwargs))
+        x = x.data if isinstance(x, PackedSequence) else x
         if not _drops_out(module) or not isinstance(x, Tensor) or x.device.type != "cpu":
             return None
         return torch.get_rng_state()
 
     def batch_size(self, module: nn.Module, call: Call) -> int:
-        x = call.args[0] if call.args else call.kwargs.get("input")
+        x = _input(call)
+        if isinstance(x, PackedSequence):
+            return int(x.batch_sizes[0])  # the longest sequences' step has them all; batch_sizes lives on the CPU
         if not isinstance(x, Tensor) or x.dim() != 3:
-            return -1  # a PackedSequence, an unbatched sequence: not batch-first examples
+            return -1  # an unbatched sequence
         return x.shape[0 if module.batch_first else 1]
 
     def _factors(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Factor]:
@@ -90,7 +126,8 @@ class RecurrentRule(FactoredRule):
         """The forward's dropout masks of the outputs of all but the last layer, each ``shape`` (time-major,
         as drawn) in the forward's ``dtype``, scaled by 1 / (1 − p) as ``at::dropout`` scales them."""
         if call.state is None:
-            x = call.args[0] if call.args else call.kwargs.get("input")
+            x = _input(call)
+            x = x.data if isinstance(x, PackedSequence) else x
             raise RuntimeError(CUDNN_DROPOUT if isinstance(x, Tensor) and x.is_cuda else
                                "dropout between recurrent layers: the random generator's state before the forward "
                                "was not kept, so its masks cannot be drawn again")
@@ -104,20 +141,26 @@ class RecurrentRule(FactoredRule):
 
     @torch.no_grad()
     def _use_factors(self, module: nn.Module, use: Use) -> dict[str, Factor]:
-        args, kwargs = use.inputs[:2]
-        grads = use.grad_output
+        call: Call = use.inputs
+        lstm = isinstance(module, nn.LSTM)
+        grads = use.grad_output  # the output's (a PackedSequence's: its data's), then the final states'
+        grad_output, grad_finals = grads[0], grads[-2:] if lstm else grads[-1:]
         first = next(g for g in grads if g is not None)
         dtype = _accumulation_dtype(first)
-        x = args[0].to(dtype)
-        x = x if module.batch_first else x.transpose(0, 1)  # (B, T, I)
+        x = _input(call)
+        layout = _Layout(x, module.batch_first)
+        data = (x.data if layout.packed is not None else x).to(dtype)
+        x = layout.batched(data)  # (B, T, I)
         batch, steps = x.shape[:2]
+        valid = layout.batched(data.new_ones(data.shape[0])) > 0 if layout.packed is not None else None  # (B, T)
         directions, hidden = 2 if module.bidirectional else 1, module.hidden_size
         masks = []
-        if _drops_out(module):  # (T, B, D) as drawn, to (B, T, D)
-            drawn = self._masks(module, use.inputs, (steps, batch, directions * hidden), first.dtype)
-            masks = [m.to(dtype).transpose(0, 1) for m in drawn]
+        if _drops_out(module):
+            shape = data.shape[:1] if layout.packed is not None else (steps, batch)
+            drawn = self._masks(module, call, (*shape, directions * hidden), first.dtype)
+            masks = [layout.drawn(m.to(dtype)) for m in drawn]
+        args, kwargs = call.args, call.kwargs
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
-        lstm = isinstance(module, nn.LSTM)
         if hx is None:
             zeros = x.new_zeros(module.num_layers * directions, batch, hidden)
             h0, c0 = zeros, zeros if lstm else None
@@ -144,7 +187,12 @@ class RecurrentRule(FactoredRule):
                         gh = F.linear(h, weight_hh, bias_hh)
                         previous.append(h)
                         gh_steps.append(gh)
-                        h, c = _cell(module, gi[:, t], gh, h, c)
+                        new_h, new_c = _cell(module, gi[:, t], gh, h, c)
+                        if valid is not None:  # past its end a sequence keeps its state: its last, or the initial one
+                            inside = valid[:, t, None]
+                            new_h = torch.where(inside, new_h, h)
+                            new_c = torch.where(inside, new_c, c) if lstm else None
+                        h, c = new_h, new_c
                         hs[t] = h
                     finals_h.append(h)
                     finals_c.append(c)
@@ -154,10 +202,9 @@ class RecurrentRule(FactoredRule):
                 if layer < len(masks):
                     layer_input = layer_input * masks[layer]
             results = [layer_input, torch.stack(finals_h)] + ([torch.stack(finals_c)] if lstm else [])
-            seeds = [g.to(dtype) if g is not None else None for g in grads]
-            if seeds[0] is not None and not module.batch_first:
-                seeds[0] = seeds[0].transpose(0, 1)
-            used = [(r, s) for r, s in zip(results, seeds) if s is not None]
+            seeds = [layout.batched(grad_output) if grad_output is not None else None]
+            seeds += [g.to(dtype) if g is not None else None for g in grad_finals]
+            used = [(r, s.to(dtype)) for r, s in zip(results, seeds) if s is not None]
             wrt = [t for _, _, gi, _, gh_steps in pieces for t in (gi, *gh_steps)]
             d_wrt = torch.autograd.grad([r for r, _ in used], wrt, [s for _, s in used],
                                         allow_unused=True, materialize_grads=True)
