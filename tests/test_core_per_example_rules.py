@@ -345,6 +345,16 @@ def test_multihead_attention_with_dropout_is_named_with_its_reason():
     assert "dropout" in plan.uncovered["0.in_proj_weight"]
 
 
+def initial_states(rnn: nn.Module, x: torch.Tensor, states: int):
+    """Initial states that depend on each example's input (an LSTM's h of its projection's size)."""
+    def state(size: int) -> torch.Tensor:
+        return x[:, 0, :1].expand(-1, size).unsqueeze(0).expand(states, -1, -1).contiguous()
+
+    if isinstance(rnn, nn.LSTM):
+        return state(rnn.proj_size or rnn.hidden_size), 0.5 * state(rnn.hidden_size)
+    return state(rnn.hidden_size)
+
+
 class Recurrent(nn.Module):
     """A recurrent layer on batch-first ``(B, T, 3)``, the loss on its output and final states."""
 
@@ -358,13 +368,11 @@ class Recurrent(nn.Module):
         states = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
         hx = None
         if self.initial_state:
-            h0 = x[:, 0, :1].expand(-1, 4).unsqueeze(0).expand(states, -1, -1).contiguous()
-            hx = (h0, 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
+            hx = initial_states(self.rnn, x, states)
         out, final = self.rnn(seq, hx)
         out = out if self.rnn.batch_first else out.transpose(0, 1)
-        h = final[0] if isinstance(final, tuple) else final
-        extra = final[1].sum(0) if isinstance(final, tuple) else 0.0
-        return torch.cat([out[:, -2], h.sum(0) + extra], 1)
+        states = final if isinstance(final, tuple) else (final,)  # an LSTM's h (of its projection's size), c
+        return torch.cat([out[:, -2], *(state.sum(0) for state in states)], 1)
 
 
 @pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
@@ -426,6 +434,20 @@ def test_recurrent_dropout_without_the_generator_state_says_so():
                                 (torch.ones_like(out), None, None)).shape == (B,)
 
 
+@pytest.mark.parametrize("options", [
+    {"batch_first": True, "initial_state": False},
+    {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
+    {"batch_first": True, "initial_state": True, "bias": False, "num_layers": 3, "dropout": 0.3},
+], ids=["one-layer", "two-layer-bidirectional-sequence-first", "dropout"])
+def test_lstm_with_projections_matches_brute_force(options):
+    torch.manual_seed(0)
+    model = Recurrent(nn.LSTM, proj_size=2, **options)
+    check = assert_matches_same_graph if options.get("dropout") else assert_matches
+    check(model, torch.randn(B, 4, 3))
+    packed = Packed(nn.LSTM, [4, 2, 4, 1, 3], initial_state=True, num_layers=2, bidirectional=True, proj_size=3)
+    assert_packed_matches(packed, torch.randn(B, 4, 3))
+
+
 class PaddedTiedDecoder(TiedDecoder):
     """A padding row, an output bias, and the embedding called twice (its uses add up)."""
 
@@ -475,14 +497,12 @@ class Packed(nn.Module):
         if not self.initial_state:
             return None
         states = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
-        h0 = x[:, 0, :1].expand(-1, 4).unsqueeze(0).expand(states, -1, -1).contiguous()
-        return (h0, 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
+        return initial_states(self.rnn, x, states)
 
     def _head(self, out: torch.Tensor, final, steps: int) -> torch.Tensor:
         out = nn.functional.pad(out, (0, 0, 0, steps - out.shape[1]))  # (B, T, D), zeros past the end
-        h = final[0] if isinstance(final, tuple) else final
-        extra = final[1].sum(0) if isinstance(final, tuple) else 0.0
-        return torch.cat([out.flatten(1), h.sum(0) + extra], 1)
+        states = final if isinstance(final, tuple) else (final,)
+        return torch.cat([out.flatten(1), *(state.sum(0) for state in states)], 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         first = self.rnn.batch_first

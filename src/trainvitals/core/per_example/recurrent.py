@@ -2,7 +2,8 @@
 
 For layer l and direction d, ``weight_ih`` gets Σ_t δgi_t x_tᵀ and ``weight_hh`` Σ_t δgh_t h_{t−1}ᵀ, where
 gi = W_ih x_t + b_ih and gh = W_hh h_{t−1} + b_hh are the pre-activations the cell equations combine
-(torch's documentation of each layer) and δ their gradients; the biases get Σ_t δ. The rule recomputes
+(torch's documentation of each layer) and δ their gradients; the biases get Σ_t δ; an LSTM's
+projection ``weight_hr`` Σ_t δh_t (o_t ⊙ tanh c_t)ᵀ. The rule recomputes
 the recurrence from the saved input and initial state with autograd, one time step at a time, for
 those gradients (``torch.func.vmap`` does not batch the fused recurrent kernels), and measures each
 weight by ghost norms.
@@ -92,15 +93,10 @@ def _cell(module: nn.Module, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None
 class RecurrentRule(FactoredRule):
     """nn.RNN (tanh or relu), nn.LSTM and nn.GRU: any number of layers, bidirectional, batch-first or
     not, with or without biases and an initial state, the output and final states used by the loss
-    or not, PackedSequence inputs (sorted or not), dropout between layers on CPU. Not: an LSTM's
-    ``proj_size``."""
+    or not, PackedSequence inputs (sorted or not), an LSTM's ``proj_size``, dropout between layers on
+    CPU (not on CUDA: :data:`CUDNN_DROPOUT`)."""
 
     whole_call = True
-
-    def unsupported(self, module: nn.Module) -> str | None:
-        if getattr(module, "proj_size", 0):
-            return "LSTM with proj_size"
-        return None
 
     def before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
         """The CPU generator's state, which the call's dropout masks between layers are drawn from."""
@@ -154,19 +150,21 @@ class RecurrentRule(FactoredRule):
         batch, steps = x.shape[:2]
         valid = layout.batched(data.new_ones(data.shape[0])) > 0 if layout.packed is not None else None  # (B, T)
         directions, hidden = 2 if module.bidirectional else 1, module.hidden_size
+        projected = getattr(module, "proj_size", 0)  # an LSTM's h_t = W_hr (o_t ⊙ tanh c_t), of that size
+        state_size = projected or hidden
         masks = []
         if _drops_out(module):
             shape = data.shape[:1] if layout.packed is not None else (steps, batch)
-            drawn = self._masks(module, call, (*shape, directions * hidden), first.dtype)
+            drawn = self._masks(module, call, (*shape, directions * state_size), first.dtype)
             masks = [layout.drawn(m.to(dtype)) for m in drawn]
         args, kwargs = call.args, call.kwargs
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
         if hx is None:
-            zeros = x.new_zeros(module.num_layers * directions, batch, hidden)
-            h0, c0 = zeros, zeros if lstm else None
+            h0 = x.new_zeros(module.num_layers * directions, batch, state_size)
+            c0 = x.new_zeros(module.num_layers * directions, batch, hidden) if lstm else None
         else:
             h0, c0 = (hx[0].to(dtype), hx[1].to(dtype)) if lstm else (hx.to(dtype), None)
-        pieces = []  # per layer and direction: (suffix, layer input, gi, previous hidden states, gh)
+        pieces = []  # per layer and direction: (suffix, layer input, gi, previous hidden states, gh, cells, projections)
         finals_h, finals_c = [], []
         with torch.enable_grad():
             layer_input = x
@@ -182,12 +180,17 @@ class RecurrentRule(FactoredRule):
                     h, c = h0[state], c0[state] if lstm else None
                     order = range(steps - 1, -1, -1) if direction else range(steps)
                     hs: list[Tensor | None] = [None] * steps
-                    previous, gh_steps = [], []
+                    previous, gh_steps, cells, projections = [], [], [], []
+                    weight_hr = getattr(module, f"weight_hr{suffix}").to(dtype) if projected else None
                     for t in order:
                         gh = F.linear(h, weight_hh, bias_hh)
                         previous.append(h)
                         gh_steps.append(gh)
                         new_h, new_c = _cell(module, gi[:, t], gh, h, c)
+                        if weight_hr is not None:
+                            cells.append(new_h)
+                            new_h = F.linear(new_h, weight_hr)
+                            projections.append(new_h)
                         if valid is not None:  # past its end a sequence keeps its state: its last, or the initial one
                             inside = valid[:, t, None]
                             new_h = torch.where(inside, new_h, h)
@@ -197,7 +200,7 @@ class RecurrentRule(FactoredRule):
                     finals_h.append(h)
                     finals_c.append(c)
                     outputs.append(torch.stack(hs, 1))  # type: ignore[arg-type]
-                    pieces.append((suffix, layer_input, gi, previous, gh_steps))
+                    pieces.append((suffix, layer_input, gi, previous, gh_steps, cells, projections))
                 layer_input = torch.cat(outputs, -1)
                 if layer < len(masks):
                     layer_input = layer_input * masks[layer]
@@ -205,21 +208,25 @@ class RecurrentRule(FactoredRule):
             seeds = [layout.batched(grad_output) if grad_output is not None else None]
             seeds += [g.to(dtype) if g is not None else None for g in grad_finals]
             used = [(r, s.to(dtype)) for r, s in zip(results, seeds) if s is not None]
-            wrt = [t for _, _, gi, _, gh_steps in pieces for t in (gi, *gh_steps)]
+            wrt = [t for _, _, gi, _, gh_steps, _, projections in pieces for t in (gi, *gh_steps, *projections)]
             d_wrt = torch.autograd.grad([r for r, _ in used], wrt, [s for _, s in used],
                                         allow_unused=True, materialize_grads=True)
         out: dict[str, Factor] = {}
         trainable = self.parameters(module)
         position = 0
-        for suffix, layer_input, _, previous, gh_steps in pieces:
+        for suffix, layer_input, _, previous, gh_steps, cells, projections in pieces:
             d_gi = d_wrt[position]
-            d_gh = torch.stack(d_wrt[position + 1:position + 1 + len(gh_steps)], 1)  # (B, T, G·H), in `previous`' order
-            position += 1 + len(gh_steps)
+            steps_at = position + 1  # the per-step gradients, each list in `previous`' order
+            d_gh = torch.stack(d_wrt[steps_at:steps_at + len(gh_steps)], 1)  # (B, T, G·H)
+            position = steps_at + len(gh_steps) + len(projections)
             factors: dict[str, Factor] = {
                 f"weight_ih{suffix}": [Outer(layer_input.detach(), d_gi)],
                 f"weight_hh{suffix}": [Outer(torch.stack(previous, 1).detach(), d_gh)],
                 f"bias_ih{suffix}": d_gi.sum(1),
                 f"bias_hh{suffix}": d_gh.sum(1),
             }
+            if projections:
+                d_projections = torch.stack(d_wrt[steps_at + len(gh_steps):position], 1)  # (B, T, P)
+                factors[f"weight_hr{suffix}"] = [Outer(torch.stack(cells, 1).detach(), d_projections)]
             out.update({n: f for n, f in factors.items() if n in trainable})
         return out
