@@ -46,6 +46,12 @@ def _input(call: Call) -> Any:
     return call.args[0] if call.args else call.kwargs.get("input")
 
 
+def _steps(call: Call) -> Any:
+    """The tensor of the call's input steps (a PackedSequence's ``data``)."""
+    x = _input(call)
+    return x.data if isinstance(x, PackedSequence) else x
+
+
 class _Layout:
     """How a call's sequences lie: ``(B, T, *)``, ``(T, B, *)`` or packed (time-major, the examples sorted by
     length, ``batch_sizes`` of them at each step)."""
@@ -100,8 +106,7 @@ class RecurrentRule(FactoredRule):
 
     def before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
         """The CPU generator's state, which the call's dropout masks between layers are drawn from."""
-        x = _input(Call(args, kwargs))
-        x = x.data if isinstance(x, PackedSequence) else x
+        x = _steps(Call(args, kwargs))
         if not _drops_out(module) or not isinstance(x, Tensor) or x.device.type != "cpu":
             return None
         return torch.get_rng_state()
@@ -122,8 +127,7 @@ class RecurrentRule(FactoredRule):
         """The forward's dropout masks of the outputs of all but the last layer, each ``shape`` (time-major,
         as drawn) in the forward's ``dtype``, scaled by 1 / (1 − p) as ``at::dropout`` scales them."""
         if call.state is None:
-            x = _input(call)
-            x = x.data if isinstance(x, PackedSequence) else x
+            x = _steps(call)
             raise RuntimeError(CUDNN_DROPOUT if isinstance(x, Tensor) and x.is_cuda else
                                "dropout between recurrent layers: the random generator's state before the forward "
                                "was not kept, so its masks cannot be drawn again")
@@ -143,9 +147,8 @@ class RecurrentRule(FactoredRule):
         grad_output, grad_finals = grads[0], grads[-2:] if lstm else grads[-1:]
         first = next(g for g in grads if g is not None)
         dtype = _accumulation_dtype(first)
-        x = _input(call)
-        layout = _Layout(x, module.batch_first)
-        data = (x.data if layout.packed is not None else x).to(dtype)
+        layout = _Layout(_input(call), module.batch_first)
+        data = _steps(call).to(dtype)
         x = layout.batched(data)  # (B, T, I)
         batch, steps = x.shape[:2]
         valid = layout.batched(data.new_ones(data.shape[0])) > 0 if layout.packed is not None else None  # (B, T)
@@ -164,7 +167,7 @@ class RecurrentRule(FactoredRule):
             c0 = x.new_zeros(module.num_layers * directions, batch, hidden) if lstm else None
         else:
             h0, c0 = (hx[0].to(dtype), hx[1].to(dtype)) if lstm else (hx.to(dtype), None)
-        pieces = []  # per layer and direction: (suffix, layer input, gi, previous hidden states, gh, cells, projections)
+        pieces = []  # per layer and direction: suffix, layer input, gi, previous hidden states, gh, cells, projections
         finals_h, finals_c = [], []
         with torch.enable_grad():
             layer_input = x
