@@ -20,7 +20,8 @@ Opacus, Opacus ghost, BackPACK, bare, ...):
 Per layer: the median over repetitions of each tool's CPU time per step (``time.process_time``, one
 torch thread) as a ratio to the same repetition's bare step, and its extra time as a ratio to the
 layer's own backward. Exactness: the largest relative difference of the tool's ‖g_i‖² from a
-brute-force loop (one backward per example), everything in float64.
+brute-force loop (one backward per example; with dropout, each example's loss through one forward of
+the batch, its masks drawn from the seed the tool's forward draws from), everything in float64.
 
 End to end: a plain training loop (forward, mean loss, backward, Adam step) on the demo's digits CNN,
 small models of the layer families and the test zoo's architectures (tests/zoo.py: GPT, BERT, ResNets,
@@ -107,6 +108,17 @@ class Outputs(nn.Module):
         return self.recurrent(x)[0]
 
 
+class PackedOutputs(Outputs):
+    """A recurrent layer on its input packed at each example's own length (8 to T steps, a function of the
+    example's first value, so that an example alone gets its length too), the output padded back."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        lengths = 8 + (x[:, 0, 0].detach().abs() * 1000).long().cpu() % (x.shape[1] - 7)
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return nn.utils.rnn.pad_packed_sequence(self.recurrent(packed)[0], batch_first=True,
+                                                total_length=x.shape[1])[0]
+
+
 #: name: (make the layer, input shape, integer inputs below this bound or None). Shapes of small real
 #: layers: the digits CNN's second convolution, a ResNet stage at 16×16, a decoder's upsampling, a
 #: transformer block's projections, attention and norms on 64 tokens, recurrent layers on 32 steps.
@@ -136,6 +148,10 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] =
     "RNN tanh 64→128, (32, 32, 64)": (lambda: Outputs(nn.RNN(64, 128, batch_first=True)), (32, 32, 64), None),
     "LSTM 64→128, (32, 32, 64)": (lambda: Outputs(nn.LSTM(64, 128, batch_first=True)), (32, 32, 64), None),
     "GRU 64→128, (32, 32, 64)": (lambda: Outputs(nn.GRU(64, 128, batch_first=True)), (32, 32, 64), None),
+    "LSTM 64→128, 2 layers, dropout 0.2 between, (32, 32, 64)":
+        (lambda: Outputs(nn.LSTM(64, 128, 2, batch_first=True, dropout=0.2)), (32, 32, 64), None),
+    "LSTM 64→128, packed (32, 8 to 32, 64)":
+        (lambda: PackedOutputs(nn.LSTM(64, 128, batch_first=True)), (32, 32, 64), None),
 }
 QUICK_LAYERS = ("Linear 256→256, (64, 256)", "Conv2d 16→32 k3, (64, 16, 8, 8) (digits CNN conv 2)",
                 "ConvTranspose2d 32→16 k4 s2, (32, 32, 8, 8)", "GroupNorm 8×64, (32, 64, 16, 16)",
@@ -419,8 +435,28 @@ class BackPACK(Tool):
 TOOL_CLASSES = {t.name: t for t in (Bare, Forward, TrainVitals, Opacus, OpacusGhost, BackPACK)}
 
 
+#: The seed a model that draws dropout masks runs from, in the brute force and in each tool's measured step.
+DROPOUT_SEED = 5
+
+
+def draws_masks(module: nn.Module) -> bool:
+    """Whether ``module`` applies dropout in training (nn.Dropout, a recurrent layer's between its layers)."""
+    return module.training and any(
+        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+        or isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1 for m in module.modules())
+
+
 def brute_force_sq_norms(module: nn.Module, loss: Loss, x: Tensor, target: Tensor) -> Tensor:
-    """‖g_i‖² of each example's own loss, one backward per example (``loss`` summed over the example)."""
+    """‖g_i‖² of each example's own loss, one backward per example (``loss`` summed over the example); for a
+    model that draws dropout masks, each example's loss through one forward of the batch from
+    :data:`DROPOUT_SEED`, the masks the tools' forwards draw from it too."""
+    if draws_masks(module):
+        params = [p for p in module.parameters() if p.requires_grad]
+        torch.manual_seed(DROPOUT_SEED)
+        y = module(_requiring_grad(x))
+        return torch.stack([sum(g.double().square().sum() for g in torch.autograd.grad(
+            loss(y[i:i + 1], target[i:i + 1]), params, retain_graph=True, allow_unused=True, materialize_grads=True))
+            for i in range(x.shape[0])])
     out = []
     for i in range(x.shape[0]):
         _clear(module)
@@ -458,6 +494,7 @@ def exactness(make: Callable[[], nn.Module], data: Data, loss: Loss, mean: bool,
                 if isinstance(run, str):
                     out[name] = run
                     break
+                torch.manual_seed(DROPOUT_SEED)  # a model that draws dropout masks: the brute force's
                 sq = _silenced(lambda: run(xd, td))
                 error = ((sq.double() - truth).abs() / truth).max().item()
                 out[name] = error if dtype == torch.float64 else f"float32 only: {error:.0e}"

@@ -1029,3 +1029,47 @@ def test_a_short_last_batch_does_not_change_the_effective_batch():
     assert probe.effective_batch_size == 16
     (step, floor), (_, trace) = logger.series["grad_norm/noise_floor"][-1], logger.series["grad_noise/trace_cov"][-1]
     assert step == 2 and floor == pytest.approx(math.sqrt(trace / 16), rel=1e-9)
+
+
+class TokenModel(Classifier):
+    """A model of tokens, its loss by the zoo entry's (the mean of the examples' own losses)."""
+
+    def __init__(self, net: nn.Module, loss: Any) -> None:
+        super().__init__(net)
+        self.loss = loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.loss(self(x), y)
+
+
+class RngAtBatchStart(pl.Callback):
+    """The default generator's state as the training step begins: the forward's dropout masks come from it."""
+
+    def on_train_batch_start(self, *_: Any) -> None:
+        self.state = torch.get_rng_state()
+
+
+@pytest.mark.parametrize("name", ["word_language_model_dropout", "lstm_classifier_packed"])
+def test_a_real_recurrent_model_is_measured_per_example(name):
+    """PyTorch's word_language_model (dropout between the LSTM's layers) and a packed LSTM classifier: their
+    LSTM per example in backward, the estimates those of each example's gradient through the fit's forward."""
+    from zoo import ZOO
+
+    entry = ZOO[name]
+    torch.manual_seed(0)
+    net = entry.make().double()
+    x, y = entry.batch(8)
+    probe, rng = BatchVarianceProbe(beta=0.0), RngAtBatchStart()
+    fit(TokenModel(net, entry.loss), TensorDataset(x, y), [probe, rng], batch_size=8, steps=1)
+    lstm = next(f"net.{n}" for n, m in net.named_modules() if isinstance(m, nn.LSTM))
+    assert lstm in probe._plan.per_example and not probe._excluded and "per-example norms in backward" in probe.sources
+    params = [p for p in net.parameters() if p.requires_grad]  # lr 0: as in the fit's step
+    torch.set_rng_state(rng.state)
+    out = net(x)
+    per_example = [torch.cat([g.flatten() for g in torch.autograd.grad(entry.loss(out[i:i + 1], y[i:i + 1]), params,
+                                                                        retain_graph=True)]) for i in range(8)]
+    flat = torch.stack(per_example)
+    trace = (flat - flat.mean(0)).square().sum() / 7
+    assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-5
+    assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-5

@@ -62,6 +62,48 @@ def assert_matches(model: nn.Module, x: torch.Tensor) -> None:
         torch.testing.assert_close(step.sum_sq[name], g.square().sum(0), rtol=1e-9, atol=1e-12)
 
 
+def same_graph_truth(model: nn.Module, x: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: (B, *shape)}: ∇ of ℓ_i = ⟨model(x)_i, weights_i⟩ through ONE forward of the whole batch, so that
+    each example's gradient sees that forward's own dropout masks."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out = model(x)
+    per_example = [torch.autograd.grad((out[i] * weights[i]).sum(), list(params.values()), retain_graph=True,
+                                       allow_unused=True, materialize_grads=True) for i in range(x.shape[0])]
+    return {n: torch.stack([g[k] for g in per_example]) for k, n in enumerate(params)}
+
+
+def assert_matches_same_graph(model: nn.Module, x: torch.Tensor, seed: int = 3) -> None:
+    """As :func:`assert_matches`, for a model that draws random masks in training: the truth and the measured
+    forward draw them from the same seed (the outputs are compared), and the generator is left as the
+    forward left it."""
+    torch.manual_seed(1)
+    model = model.double().train()
+    x = x.double() if x.is_floating_point() else x
+    weights = torch.randn_like(model(x))
+    torch.manual_seed(seed)
+    truth = same_graph_truth(model, x, weights)
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    torch.manual_seed(seed)
+    out = model(x)
+    state = torch.get_rng_state()
+    (out * weights).sum().backward()
+    collector.end_micro_batch(1.0)
+    collector.detach()
+    step = collector.pop()
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(seed)
+    assert torch.equal(model(x), out)  # the truth's forward drew these masks too
+    assert not plan.uncovered and not step.failed
+    assert set(plan.parameters("per_example")) == set(truth)
+    expected = sum(g.flatten(1).square().sum(1) for g in truth.values())
+    torch.testing.assert_close(step.sq_norms[0], expected, rtol=1e-9, atol=1e-12)
+    for name, g in truth.items():
+        torch.testing.assert_close(step.grad_sum[name], g.sum(0), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(step.sum_sq[name], g.square().sum(0), rtol=1e-9, atol=1e-12)
+
+
 def eval_mode(module: nn.Module) -> nn.Module:
     """Running statistics that are not the defaults (0 and 1), then eval mode."""
     with torch.no_grad():
@@ -303,6 +345,16 @@ def test_multihead_attention_with_dropout_is_named_with_its_reason():
     assert "dropout" in plan.uncovered["0.in_proj_weight"]
 
 
+def initial_states(rnn: nn.Module, x: torch.Tensor, states: int):
+    """Initial states that depend on each example's input (an LSTM's h of its projection's size)."""
+    def state(size: int) -> torch.Tensor:
+        return x[:, 0, :1].expand(-1, size).unsqueeze(0).expand(states, -1, -1).contiguous()
+
+    if isinstance(rnn, nn.LSTM):
+        return state(rnn.proj_size or rnn.hidden_size), 0.5 * state(rnn.hidden_size)
+    return state(rnn.hidden_size)
+
+
 class Recurrent(nn.Module):
     """A recurrent layer on batch-first ``(B, T, 3)``, the loss on its output and final states."""
 
@@ -316,13 +368,11 @@ class Recurrent(nn.Module):
         states = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
         hx = None
         if self.initial_state:
-            h0 = x[:, 0, :1].expand(-1, 4).unsqueeze(0).expand(states, -1, -1).contiguous()
-            hx = (h0, 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
+            hx = initial_states(self.rnn, x, states)
         out, final = self.rnn(seq, hx)
         out = out if self.rnn.batch_first else out.transpose(0, 1)
-        h = final[0] if isinstance(final, tuple) else final
-        extra = final[1].sum(0) if isinstance(final, tuple) else 0.0
-        return torch.cat([out[:, -2], h.sum(0) + extra], 1)
+        states = final if isinstance(final, tuple) else (final,)  # an LSTM's h (of its projection's size), c
+        return torch.cat([out[:, -2], *(state.sum(0) for state in states)], 1)
 
 
 @pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
@@ -334,6 +384,68 @@ class Recurrent(nn.Module):
 def test_recurrent_layers_match_brute_force(kind, options):
     torch.manual_seed(0)
     assert_matches(Recurrent(kind, **options), torch.randn(B, 4, 3))
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
+@pytest.mark.parametrize("options", [
+    {"batch_first": True, "initial_state": False, "num_layers": 3},
+    {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
+], ids=["three-layer", "two-layer-bidirectional-sequence-first"])
+def test_recurrent_layers_with_dropout_between_layers_match_the_same_forward(kind, options):
+    torch.manual_seed(0)
+    assert_matches_same_graph(Recurrent(kind, dropout=0.4, **options), torch.randn(B, 4, 3))
+
+
+def float32_dropout_sums(model: nn.Module, x: torch.Tensor) -> dict[str, str]:
+    """What the sums check says of a float32 step: whether the per-example gradients add up to ``.grad``."""
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True)
+    model.zero_grad()
+    model(x).square().sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed
+    return collector.unbalanced(step, 1.0)
+
+
+def test_recurrent_dropout_in_float32_draws_the_forward_masks(monkeypatch):
+    """float32 takes other kernels (oneDNN for the LSTM); masks from another state do not add up."""
+    from trainvitals.core.per_example.recurrent import RecurrentRule
+
+    torch.manual_seed(0)
+    x = torch.randn(B, 6, 3)
+    for kind in (nn.LSTM, nn.GRU):
+        model = Recurrent(kind, batch_first=True, initial_state=False, num_layers=3, dropout=0.5)
+        assert float32_dropout_sums(model, x) == {}
+    monkeypatch.setattr(RecurrentRule, "before_call", lambda *_: torch.Generator().manual_seed(123).get_state())
+    assert set(float32_dropout_sums(model, x)) == {"rnn"}
+
+
+def test_recurrent_dropout_without_the_generator_state_says_so():
+    from trainvitals.core.per_example import per_example_sq_norms
+    from trainvitals.core.per_example.registry import Call
+
+    lstm = nn.LSTM(3, 4, num_layers=2, dropout=0.5, batch_first=True)
+    out, (h, c) = lstm(torch.randn(B, 4, 3))
+    with pytest.raises(RuntimeError, match="state before the forward was not kept"):
+        per_example_sq_norms(lstm, Call((torch.randn(B, 4, 3),), {}), (torch.ones_like(out), None, None))
+    assert per_example_sq_norms(lstm.eval(), Call((torch.randn(B, 4, 3),), {}),
+                                (torch.ones_like(out), None, None)).shape == (B,)
+
+
+@pytest.mark.parametrize("options", [
+    {"batch_first": True, "initial_state": False},
+    {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
+    {"batch_first": True, "initial_state": True, "bias": False, "num_layers": 3, "dropout": 0.3},
+], ids=["one-layer", "two-layer-bidirectional-sequence-first", "dropout"])
+def test_lstm_with_projections_matches_brute_force(options):
+    torch.manual_seed(0)
+    model = Recurrent(nn.LSTM, proj_size=2, **options)
+    check = assert_matches_same_graph if options.get("dropout") else assert_matches
+    check(model, torch.randn(B, 4, 3))
+    packed = Packed(nn.LSTM, [4, 2, 4, 1, 3], initial_state=True, num_layers=2, bidirectional=True, proj_size=3)
+    assert_packed_matches(packed, torch.randn(B, 4, 3))
 
 
 class PaddedTiedDecoder(TiedDecoder):
@@ -371,14 +483,80 @@ def test_other_tied_layers_add_their_per_example_gradients():
     assert_matches(model, torch.randn(B, 3, 4))
 
 
-def test_a_packed_sequence_is_reported_not_measured():
-    lstm = nn.LSTM(3, 4, batch_first=True)
-    collector = PerExampleGradients({"lstm": lstm}, {}, 2)
-    collector.attach()
-    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(B, 4, 3), [4, 3, 3, 2, 1], batch_first=True)
-    lstm(packed)[0].data.sum().backward()
-    collector.end_micro_batch(1.0)
-    assert "PackedSequence" in collector.pop().failed["lstm"]
+class Packed(nn.Module):
+    """A recurrent layer on sequences of their own ``lengths``, padded ``(B, T, 3)`` and packed as a text
+    classifier packs them; the loss on the padded output and the final states."""
+
+    def __init__(self, kind: type[nn.Module], lengths: list[int], enforce_sorted: bool = False,
+                 batch_first: bool = True, initial_state: bool = False, **options) -> None:
+        super().__init__()
+        self.rnn = kind(3, 4, batch_first=batch_first, **options)
+        self.lengths, self.enforce_sorted, self.initial_state = lengths, enforce_sorted, initial_state
+
+    def _initial(self, x: torch.Tensor):
+        if not self.initial_state:
+            return None
+        states = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+        return initial_states(self.rnn, x, states)
+
+    def _head(self, out: torch.Tensor, final, steps: int) -> torch.Tensor:
+        out = nn.functional.pad(out, (0, 0, 0, steps - out.shape[1]))  # (B, T, D), zeros past the end
+        states = final if isinstance(final, tuple) else (final,)
+        return torch.cat([out.flatten(1), *(state.sum(0) for state in states)], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.rnn.batch_first
+        packed = nn.utils.rnn.pack_padded_sequence(x if first else x.transpose(0, 1), self.lengths,
+                                                   batch_first=first, enforce_sorted=self.enforce_sorted)
+        out, final = self.rnn(packed, self._initial(x))
+        return self._head(nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0], final, x.shape[1])
+
+    def alone(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Example ``i`` alone, a plain sequence of its own length: no packing."""
+        first, seq = self.rnn.batch_first, x[i:i + 1, :self.lengths[i]]
+        out, final = self.rnn(seq if first else seq.transpose(0, 1), self._initial(x[i:i + 1]))
+        return self._head(out if first else out.transpose(0, 1), final, x.shape[1])
+
+
+def assert_packed_matches(model: Packed, x: torch.Tensor) -> None:
+    """As :func:`assert_matches`, the truth each example alone at its own length."""
+    torch.manual_seed(1)
+    model, x = model.double(), x.double()
+    weights = torch.randn_like(model(x))
+    grads: dict[str, list[torch.Tensor]] = {n: [] for n, p in model.named_parameters() if p.requires_grad}
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        (model.alone(x, i) * weights[i:i + 1]).sum().backward()
+        for n, p in model.named_parameters():
+            grads[n].append(p.grad.clone())
+    model.zero_grad()
+    truth = {n: torch.stack(g) for n, g in grads.items()}
+    plan, step = measured(model, x, weights)
+    assert not plan.uncovered and not step.failed
+    expected = sum(g.flatten(1).square().sum(1) for g in truth.values())
+    torch.testing.assert_close(step.sq_norms[0], expected, rtol=1e-9, atol=1e-12)  # in the batch's order
+    for name, g in truth.items():
+        torch.testing.assert_close(step.grad_sum[name], g.sum(0), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(step.sum_sq[name], g.square().sum(0), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
+@pytest.mark.parametrize("options", [
+    {"lengths": [4, 2, 4, 1, 3]},
+    {"lengths": [4, 4, 3, 2, 1], "enforce_sorted": True, "batch_first": False, "initial_state": True,
+     "num_layers": 2, "bidirectional": True},
+    {"lengths": [2, 4, 1, 3, 3], "initial_state": True, "num_layers": 3, "bias": False},
+], ids=["unsorted", "sorted-two-layer-bidirectional-sequence-first", "three-layer-no-bias"])
+def test_packed_sequences_match_each_sequence_alone(kind, options):
+    torch.manual_seed(0)
+    assert_packed_matches(Packed(kind, **options), torch.randn(B, 4, 3))
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_packed_sequences_with_dropout_between_layers_match_the_same_forward(kind):
+    torch.manual_seed(0)
+    model = Packed(kind, [4, 2, 4, 1, 3], initial_state=True, num_layers=3, bidirectional=True, dropout=0.4)
+    assert_matches_same_graph(model, torch.randn(B, 4, 3))
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])

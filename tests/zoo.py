@@ -6,7 +6,9 @@ Each entry makes a model, a batch ``(x, y)`` of B examples and a loss whose ``re
 the batch is the mean of the examples' own losses (token and pixel losses: each example has as many
 terms as every other). A position table is an ``nn.Embedding`` looked up with ``(1, T)`` ids as in HF
 GPT-2 and BERT (named as not measured: its gradient arrives summed over the examples); one stored as a
-bare ``nn.Parameter`` (timm's ``pos_embed``) has no per-example rule.
+bare ``nn.Parameter`` (timm's ``pos_embed``) has no per-example rule. An entry with dropout in training
+(``random``) has its brute force through one forward of the batch: each example's loss differentiated
+alone, so that it sees the masks the measured forward draws from the same seed.
 """
 
 from __future__ import annotations
@@ -177,6 +179,45 @@ class GRULanguageModel(nn.Module):
         return self.decoder(output).transpose(0, 1)  # (B, T, VOCAB)
 
 
+class RNNModel(nn.Module):
+    """PyTorch's word_language_model example as it writes it: dropout on the embeddings, between the
+    LSTM's layers and on its output, the decoder tied to the encoder; sequence-first ``(T, B)`` inside."""
+
+    def __init__(self, ntoken: int = VOCAB, ninp: int = 12, nhid: int = 12, nlayers: int = 2, dropout: float = 0.2,
+                 tie_weights: bool = True) -> None:
+        super().__init__()
+        self.ntoken = ntoken
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(ntoken, ninp)
+        self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout)
+        self.decoder = nn.Linear(nhid, ntoken)
+        if tie_weights:
+            self.decoder.weight = self.encoder.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        emb = self.drop(self.encoder(tokens.t()))
+        output, _ = self.rnn(emb)  # the example's init_hidden: zeros
+        decoded = self.decoder(self.drop(output))
+        return F.log_softmax(decoded, dim=-1).transpose(0, 1)  # (B, T, VOCAB)
+
+
+class PackedLSTMClassifier(nn.Module):
+    """A text classifier on padded token ids: each sequence packed at its own length (0 pads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 8, padding_idx=0)
+        self.lstm = nn.LSTM(8, 12, num_layers=2, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(2 * 12, 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        lengths = (tokens != 0).sum(1).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(self.embedding(tokens), lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        _, (h, _) = self.lstm(packed)
+        return self.fc(torch.cat([h[-2], h[-1]], 1))
+
+
 class ViT(nn.Module):
     """timm's VisionTransformer without a class token (global average pooling): patch Conv2d, a learned
     position table, pre-LN blocks, final LayerNorm, head."""
@@ -252,6 +293,7 @@ class Entry:
     batch: Callable[[int], tuple[Tensor, Tensor]]
     loss: Callable[[Tensor, Tensor], Tensor]  # reduction="mean": the mean of the examples' own losses
     shared_lookup: str | None = None  # the position table looked up with ids shared by the batch: not measured
+    random: bool = False  # draws dropout masks in training: the truth is each example's loss in one forward
 
 
 def _tokens(b: int, labels: int | None = None) -> tuple[Tensor, Tensor]:
@@ -259,6 +301,14 @@ def _tokens(b: int, labels: int | None = None) -> tuple[Tensor, Tensor]:
     x[0, :3] = 5  # a repeated token
     x[1, -2:] = 0  # padding (the padding row of the tables that have one)
     return x, torch.randint(0, labels, (b,)) if labels else torch.randint(0, VOCAB, (b, T))
+
+
+def _padded_tokens(b: int, labels: int = 3) -> tuple[Tensor, Tensor]:
+    """Token ids padded with 0 at the end, each sequence of its own length (1 to T)."""
+    x = torch.randint(1, VOCAB, (b, T))
+    lengths = torch.tensor([T, 2, T - 1, 1, 4, T - 3])[torch.arange(b) % 6]
+    x[torch.arange(T) >= lengths[:, None]] = 0
+    return x, torch.randint(0, labels, (b,))
 
 
 def _images(b: int, channels: int = 3, labels: int = 4) -> tuple[Tensor, Tensor]:
@@ -272,6 +322,8 @@ ZOO: dict[str, Entry] = {
     "resnet_groupnorm": Entry(lambda: ResNet(lambda c: nn.GroupNorm(2, c)), _images, F.cross_entropy),
     "lstm_classifier": Entry(LSTMClassifier, lambda b: _tokens(b, 3), F.cross_entropy),
     "gru_language_model": Entry(GRULanguageModel, _tokens, token_loss),
+    "word_language_model_dropout": Entry(RNNModel, _tokens, token_loss, random=True),
+    "lstm_classifier_packed": Entry(PackedLSTMClassifier, _padded_tokens, F.cross_entropy),
     "vit": Entry(ViT, _images, F.cross_entropy, "pos_embed"),
     "mixer_rmsnorm": Entry(Mixer, _images, F.cross_entropy),
     "unet_conv_transpose": Entry(UNet, lambda b: (torch.randn(b, 2, 8, 8), torch.randn(b, 1, 8, 8)), F.mse_loss),

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _trainable
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
-from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
+from trainvitals.core.per_example.registry import Call, PerExampleRule, Use, _output_grads, _rule
 from trainvitals.core.per_example.tied import measure_tied
 
 
@@ -171,6 +171,7 @@ class PerExampleGradients:
         self._coordinates: dict[str, slice] = {}  # qualified parameter name: its rows to sum
         self._keep_norms = False
         self._replaying = False
+        self._before: dict[str, Any] = {}  # per module, what its rule kept before its latest call
         self._reset_micro_batch()
         self._step = PerExampleStep()
 
@@ -228,6 +229,9 @@ class PerExampleGradients:
         for name, module in self.per_example.items():
             hook = functools.partial(self._forward, name)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            if type(self._rules[name]).before_call is not PerExampleRule.before_call:
+                hook = functools.partial(self._before_call, name)
+                self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         for name, module in self.vmap.items():
             hook = functools.partial(self._forward_vmap, name)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -272,6 +276,10 @@ class PerExampleGradients:
             return False
         return self._check_batch(name, batch)
 
+    def _before_call(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.compiler.is_compiling():
+            self._before[name] = self._rules[name].before_call(module, args, kwargs)
+
     def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -286,10 +294,10 @@ class PerExampleGradients:
             tensors = [t for t in leaves if t is not None]
             if not tensors:
                 return
-            inputs: Any = Call(args, kwargs)
+            inputs: Any = Call(args, kwargs, self._before.pop(name, None))
             batch = rule.batch_size(module, inputs)
             if batch < 0:
-                self._step.failed[name] = "its input holds no batch of examples its rule can read (a PackedSequence?)"
+                self._step.failed[name] = "its input holds no batch of examples its rule can read (an unbatched input?)"
                 return
         else:
             if not args or not isinstance(args[0], Tensor):

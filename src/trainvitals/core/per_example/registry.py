@@ -23,10 +23,12 @@ from trainvitals.core.per_example._common import Workspace, _accumulation_dtype,
 
 
 class Call(NamedTuple):
-    """A module call's positional and keyword arguments, for rules with ``whole_call``."""
+    """A module call's positional and keyword arguments, for rules with ``whole_call``, and what its rule's
+    :meth:`PerExampleRule.before_call` kept from just before it."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    state: Any = None
 
 
 class Use(NamedTuple):
@@ -62,6 +64,12 @@ class PerExampleRule:
 
     def unsupported(self, module: nn.Module) -> str | None:
         """Why this ``module`` (its configuration) has no exact rule; ``None`` if it has."""
+        return None
+
+    def before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What a ``whole_call`` rule needs from just before a call of ``module`` (the random generator's
+        state its dropout masks are drawn from), handed to it as :attr:`Call.state`; ``None``: nothing.
+        A rule that overrides this gets a forward pre-hook."""
         return None
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
