@@ -494,6 +494,20 @@ def test_batchnorm_on_one_device_is_explained_once_and_referred_to_briefly(monke
     assert "BatchNorm in training mode" in caveat and "accumulate_grad_batches >= 2" in caveat
 
 
+class StepValues(pl.Callback):
+    """The probe's estimate and coverage right after its measurement of optimizer step ``step`` (read outside the
+    probe's hooks): that step's values under ``ema_beta=0``, and at the first step under any (bias correction)."""
+
+    def __init__(self, step: int = 0) -> None:
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
+        probe = next(c for c in trainer.callbacks if isinstance(c, BatchVarianceProbe))
+        if trainer.global_step == self.step:
+            self.values = (float(probe.noise.trace_cov), float(probe.noise.grad_sq_norm),
+                           float(probe.noise_source.norm_share), sorted(v for _, v in probe.last_outliers))
+
+
 class LookupRegression(pl.LightningModule):
     """A recommender: one item id per example, looked up in a table ((B,) integer ids), regressed on a target."""
 
@@ -513,26 +527,41 @@ class LookupRegression(pl.LightningModule):
 def test_per_example_ids_cost_no_host_read_between_logging_steps(monkeypatch, shared):
     """1-D ids of B integers are told from arange(B) on the device: the probe reads the host only at logging
     steps (every 4th), where it decides them. Per-example ids are measured at every step; ids arange(B), a table
-    shared by the batch (here from step 1 on), make the steps until the next logging step invalid on the device,
-    that one is left out as failed, and the lookup is excluded from then on."""
+    shared by the batch (here from step 1 on), leave the lookup out of the steps until the next logging step on
+    the device (its parameters counted as not measured, as after the re-plan), that one decides it, and the
+    lookup is excluded from then on: every step is measured."""
     torch.manual_seed(0)
     n = 8 * 12
     ids = torch.randint(0, 9, (n,))
     if shared:
         ids[8:] = torch.arange(8).repeat(11)
     data = TensorDataset(ids, torch.randn(n, dtype=torch.float64))
-    probe = BatchVarianceProbe(histogram_every_n_steps=0, log_every_n_steps=4)
+    probe, second = BatchVarianceProbe(histogram_every_n_steps=0, log_every_n_steps=4, ema_beta=0.0), StepValues(2)
     host = HostReads(monkeypatch)
     host.watch(probe, ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"))
+    module = LookupRegression()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(LookupRegression(), data, [probe], batch_size=8, steps=12)
+        fit(module, data, [probe, second], batch_size=8, steps=12)
     monkeypatch.undo()
     assert {step for step, _ in host.reads} <= {0, 4, 8} and host.reads
     assert ("net.items" in probe._excluded) == shared
     assert any("shared by the batch" in str(w.message) for w in record) == shared
-    # Shared: steps 1-3 invalid undecided, step 4 decided and left out, steps 5-11 without the lookup.
-    assert int(probe.noise.count) == (1 + 7 if shared else 12)
+    assert int(probe.noise.count) == 12
+    # Step 2, undecided on the host: over the head alone when shared, as brute force says (lr = 0).
+    net, x, y = module.net, *data.tensors
+    per_example = []
+    for i in range(16, 24):
+        net.zero_grad()
+        (net(x[i:i + 1]).squeeze(-1) - y[i:i + 1]).square().sum().backward()
+        per_example.append(torch.cat([p.grad.flatten() for name, p in net.named_parameters()
+                                      if not (shared and name.startswith("items"))]))
+    flat = torch.stack(per_example)
+    trace = (flat - flat.mean(0)).square().sum() / 7
+    trace_cov, grad_sq_norm, coverage, _ = second.values
+    assert rel(trace_cov, float(trace)) < 1e-9
+    assert rel(grad_sq_norm, float(flat.mean(0).square().sum() - trace / 8)) < 1e-9
+    assert (coverage < 1 - 1e-6) == shared
 
 
 def test_outlying_examples_are_reported_by_index():
@@ -863,6 +892,25 @@ def test_ddp_a_layer_that_fails_on_one_rank_is_excluded_on_every_rank(tmp_path):
     assert ranks[0]["count"] == 12 - 3  # steps 2-4 invalid: rank 0 failed from step 2, shared at step 4
 
 
+@pytest.mark.slow
+def test_ddp_the_step_that_finds_a_shared_position_table_on_every_rank_is_measured(tmp_path):
+    """Set aside on every rank, the position table leaves the first step measured over the other layers on
+    each (the ranks agree without a read), and the ranks measure it from then on."""
+    from zoo import VOCAB
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (16 * 10, 6))
+    pl.Trainer(
+        strategy="ddp_spawn", accelerator="cpu", devices=2, max_steps=10, logger=False, log_every_n_steps=5,
+        callbacks=[BatchVarianceProbe(), RankReport(str(tmp_path)), ReleaseProcessGroup()], enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
+    ).fit(LanguageModel(PositionedGPT("hf", 6)),
+          datamodule=InterleavedRanks(TensorDataset(tokens, tokens.roll(-1, 1)), batch_size=8))
+    ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["count"] == 10
+    assert "micro-batches/ranks: 1 tensors" in ranks[0]["sources"]
+
+
 def test_a_window_of_one_micro_batch_is_left_out_not_fatal():
     """9 batches with accumulate_grad_batches=2: the epoch's last optimizer step has one micro-batch, no
     spread between micro-batches to measure the layer without a per-example identity from."""
@@ -990,11 +1038,84 @@ def test_a_gpt_with_tied_embeddings_is_measured_per_example_end_to_end():
         fit(LanguageModel(GPT().double()), TensorDataset(tokens, tokens.roll(-1, 1)), [probe], batch_size=8, steps=3,
             logger=logger)
     # The position table, looked up with ids shared by the batch, is named once and left out; the rest is
-    # measured per example from the next step on.
+    # measured per example from the first step on, the GSNR of the tied table too, but no EB criterion at the
+    # first step, which lacks the position table's coordinates.
     (message,) = _probe_warnings(record)
     assert "net.wpe: a lookup shared by the batch's examples" in message and probe._excluded == {"net.wpe"}
     assert probe.sources.startswith("per-example norms in backward") and "not measured: 1 tensor" in probe.sources
-    assert len(logger.values("grad_noise/trace_cov")) == 2 and len(logger.values("grad_noise/gsnr/net.wte")) == 2
+    assert len(logger.values("grad_noise/trace_cov")) == 3 and len(logger.values("grad_noise/gsnr/net.wte")) == 3
+    assert [step for step, _ in logger.series["grad_noise/eb_criterion"]] == [1, 2]
+
+
+class PositionedGPT(nn.Module):
+    """GPT-2 with its position table looked up as HF writes it (``position_ids = arange(T).unsqueeze(0)``,
+    (1, T)) or as nanoGPT does (``wpe(arange(T))``, 1-D: with T = B told from per-example ids on the device)."""
+
+    def __init__(self, style: str, t: int) -> None:
+        super().__init__()
+        from zoo import D, VOCAB, PreLNBlock
+
+        self.style = style
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(t, D)
+        self.h = nn.ModuleList(PreLNBlock(D, 2, causal=True) for _ in range(2))
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(positions.unsqueeze(0) if self.style == "hf" else positions)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+@pytest.mark.parametrize(("style", "accumulate"), [("hf", 1), ("hf", 2), ("nanogpt", 1), ("nanogpt T=B", 1)])
+def test_the_step_that_finds_a_shared_position_table_is_measured_without_it(style, accumulate, monkeypatch):
+    """A position table shared by the batch is found at the first step, which is measured over the other
+    layers (its ‖g_i‖², tr(Σ) and ‖G‖² those of a per-example loop over them, the coverage without wpe),
+    not thrown away: every step of the fit enters the estimate. With T = B its ids are compared on the
+    device and decided at the logging step, with no host read between logging steps."""
+    from zoo import VOCAB
+
+    torch.manual_seed(0)
+    b, t, steps = 8, 8 if style == "nanogpt T=B" else 6, 25
+    net = PositionedGPT(style.split()[0], t).double()
+    tokens = torch.randint(0, VOCAB, (b * accumulate * steps, t))
+    probe = BatchVarianceProbe(log_every_n_steps=5, histogram_every_n_steps=steps, top_k=b * accumulate)
+    first = StepValues()
+    host = HostReads(monkeypatch)
+    host.watch(probe, ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(LanguageModel(net), TensorDataset(tokens, tokens.roll(-1, 1)), [probe, first], batch_size=b,
+            steps=steps, accumulate=accumulate)
+    monkeypatch.undo()
+    assert {step for step, _ in host.reads} <= set(range(0, steps, 5))
+    (message,) = _probe_warnings(record)
+    assert message.startswith("trainvitals BatchVarianceProbe: cannot measure per example: net.wpe: ")
+    assert ("the steps it failed in are measured over the other layers, its parameters counted as not measured"
+            in message)
+    assert probe._excluded == {"net.wpe"}
+    assert int(probe.noise.count) == steps and int(probe.gradient_noise.estimate().count) == steps
+
+    n = b * accumulate  # the first step's examples; lr = 0 keeps the weights
+    x, y = tokens[:n], tokens[:n].roll(-1, 1)
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name, _ in net.named_parameters()}
+    for i in range(n):  # each example's own loss: the mean over its tokens
+        net.zero_grad()
+        F.cross_entropy(net(x[i:i + 1]).flatten(0, 1), y[i:i + 1].flatten()).backward()
+        for name, p in net.named_parameters():
+            grads[name].append(p.grad.clone())
+    flat = torch.cat([torch.stack(g).flatten(1) for name, g in grads.items() if name != "wpe.weight"], 1)
+    everything = torch.cat([torch.stack(g).flatten(1) for g in grads.values()], 1)
+    trace = (flat - flat.mean(0)).square().sum() / (n - 1)
+    trace_cov, grad_sq_norm, coverage, norms = first.values
+    assert rel(trace_cov, float(trace)) < 1e-5
+    assert rel(grad_sq_norm, float(flat.mean(0).square().sum() - trace / n)) < 1e-5
+    assert rel(coverage, float(flat.mean(0).square().sum() / everything.mean(0).square().sum())) < 1e-5 < 1 - coverage
+    torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64), flat.norm(dim=1).sort().values,
+                               rtol=1e-5, atol=0)
 
 
 class DirectWeightNet(nn.Module):

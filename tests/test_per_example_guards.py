@@ -331,6 +331,51 @@ def test_per_example_ids_are_compared_with_arange_without_a_host_read_until_deci
         torch.testing.assert_close(step.grad_sum[name].flatten(), 2 * flat[:, start:end].sum(0), rtol=1e-9, atol=1e-12)
 
 
+class Gated(nn.Module):
+    """``gate`` called positionally, or by keyword (which its rule cannot read), as ``keyword`` says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.head = nn.Linear(3, 3), nn.Linear(3, 1)
+        self.keyword = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.gate(input=x) if self.keyword else self.gate(x)))
+
+
+@pytest.mark.parametrize(("case", "aside"), [
+    ("arange in both", {"items"}), ("arange in the second", set()),  # its first micro-batch counted
+    ("keyword in both", {"gate"}), ("keyword in the second", set()),
+])
+def test_a_failed_layer_is_set_aside_only_when_none_of_its_statistics_were_counted(case, aside):
+    """Over a step's two micro-batches: a layer that failed before its rule ran in every one leaves the sums
+    exactly the other layers' (those of a per-example loop over them); one that failed after a micro-batch was
+    counted cannot be taken out of them."""
+    torch.manual_seed(0)
+    lookup = "arange" in case
+    model, failing = (Lookup(), "items") if lookup else (Gated(), "gate")
+    model = model.double()
+    first = torch.arange(B) if case == "arange in both" else torch.tensor([3, 7, 3, 1])
+    inputs = [first, torch.arange(B)] if lookup else [torch.randn(B, 3, dtype=torch.float64)] * 2
+    collector = PerExampleGradients(plan_sources(model, groups_available=False, fallback=False).per_example, {}, 2)
+    collector.attach(keep_norms=True)
+    for k, x in enumerate(inputs):
+        model.keyword = not lookup and (case == "keyword in both" or k == 1)
+        collector.begin_micro_batch()
+        collector.expect_batch(B)
+        model(x).square().mean().backward()
+        collector.end_micro_batch(float(B))
+    step = collector.pop()
+    assert set(step.failed) == {failing} and collector.set_aside(step) == aside
+    for x, sq in zip(inputs, step.sq_norms if aside else []):
+        truth = []
+        for i in range(B):  # each example's own loss out_i², over the other layers
+            model.zero_grad()
+            model(x[i:i + 1]).square().sum().backward()
+            truth.append(sum(p.grad.square().sum() for n, p in model.named_parameters() if not n.startswith(failing)))
+        torch.testing.assert_close(sq, torch.stack(truth), rtol=1e-9, atol=0)
+
+
 def test_a_fallback_layer_with_a_tuple_output_is_named_for_that():
     """nn.LSTMCell in a loop: its ``(h, c)`` output was skipped unsaid, then blamed on gradients "outside
     its own forward"."""

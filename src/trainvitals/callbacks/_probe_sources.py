@@ -40,6 +40,8 @@ class ProbeSources:
         params: each source's parameters (a tied one once).
         description: the sources line, with what BatchNorm and torch.compile change.
         param_share: the measured parameters' share of the trainable ones.
+        layers: the modules of sources 1 and 3, in that order (a step's failures and set-aside layers index them).
+        layer_params: each of those modules' parameters by qualified name (a tied one under its first owner).
         bn_values: values per channel of each BatchNorm in training mode at this step's forwards.
     """
 
@@ -61,11 +63,14 @@ class ProbeSources:
         self._compiled_batchnorms = {n: m for n, m in coupled.items() if id(m) not in hookable}
         self._bn_handles: list[Any] = []
         self.bn_values: dict[str, int] = {}
+        self.layer_params = {**plan.layer_parameters("per_example"), **plan.layer_parameters("vmap")}
+        self.layers = list(self.layer_params)
         self.params = {"per_example": list(plan.parameters("per_example").values()),
                        "micro_batch": list(plan.micro_batch.values()),
                        "vmap": list(plan.parameters("vmap").values())}
         # The optimizer and its parameter count, and :meth:`norm_layout` for them.
-        self._norm_layout: tuple[torch.optim.Optimizer, int, list[torch.nn.Parameter], Tensor, str | None] | None = None
+        self._norm_layout: tuple[torch.optim.Optimizer, int, list[torch.nn.Parameter], Tensor, str | None,
+                                 Tensor] | None = None
         trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
         measured = {id(p): p for ps in self.params.values() for p in ps}
         self.param_share = sum(p.numel() for p in measured.values()) / max(sum(p.numel() for p in trainable.values()), 1)
@@ -137,9 +142,10 @@ class ProbeSources:
                 ">= 2 or >= 2 devices measure the noise (micro-batches and ranks are independent draws whatever the "
                 "layers), and so does GroupNorm or LayerNorm instead of BatchNorm")
 
-    def moved(self, reasons: dict[str, str]) -> str:
+    def moved(self, reasons: dict[str, str], aside: set[str], ranks: int) -> str:
         """What to say of layers that failed per example (``reasons``: why each) once this plan excludes them:
-        why, where each is measured from the next step on, and what the sources now cover."""
+        why, what became of the steps they failed in (``aside``: those this one was measured without, on this
+        rank of ``ranks``), where each is measured from the next step on, and what the sources now cover."""
         def where(name: str) -> str:
             if name in self.plan.vmap:
                 return "it is measured by torch.func on a sub-batch"
@@ -148,8 +154,15 @@ class ProbeSources:
             return ("it is left to micro-batches and ranks, which this run does not have (accumulate_grad_batches "
                     ">= 2 or >= 2 devices)")
 
-        said = "; ".join(f"{name or '(root)'}: {why}. From the next step on {where(name)}" for name, why in reasons.items())
-        return f"cannot measure per example: {said}. Steps with it are left out; the sources now are {self.description}."
+        def then(name: str) -> str:
+            if name not in aside:
+                return "the steps it failed in are left out"
+            return ("the steps it failed in are measured over the other layers, its parameters counted as not "
+                    "measured" + (", where it failed so on every rank (else left out)" if ranks > 1 else ""))
+
+        said = "; ".join(f"{name or '(root)'}: {why}; {then(name)}. From the next step on {where(name)}"
+                         for name, why in reasons.items())
+        return f"cannot measure per example: {said}; the sources now are {self.description}."
 
     def few_batchnorm_values(self, micro_batch: int, accumulate: int) -> str:
         """The warning for BatchNorms that normalise over too few values at this step, or ""."""
@@ -162,45 +175,57 @@ class ProbeSources:
         return (f"BatchNorm in training mode normalises {where} over too few values for meaningful statistics: "
                 "over 2 values every feature becomes ±1, over 1 it fails." + accumulation)
 
-    def problem(self, result: PerExampleStep, micro_sizes: list[int], unsized: bool) -> str:
-        """Why this step's measurement is unusable ("" if it is); failed modules are added to ``result.failed``.
+    def problem(self, result: PerExampleStep, micro_sizes: list[int], unsized: bool) -> tuple[str, set[str]]:
+        """Why this step's measurement is unusable ("" if it is), and the failed layers it is measured without
+        (:meth:`~trainvitals.core.per_example.PerExampleGradients.set_aside`: their parameters count as not
+        measured, as they will from the next plan on; none when nothing would be left); failed modules are
+        added to ``result.failed``.
 
         ``micro_sizes``: the examples of each micro-batch that ran backward; ``unsized``: one of them
         could not be sized."""
         if not micro_sizes:  # no backward ran (training_step returned None): nothing to measure, no fault
-            return ""
+            return "", set()
         for name, module in {**self.plan.per_example, **self.plan.vmap}.items():
             if name not in result.seen and name not in result.failed and \
                     any(p.grad is not None for p in module.parameters(recurse=False)):
                 result.failed[name] = ("its parameters got gradients outside its own forward (used directly, or "
                                        "called from a torch.compile'd function, where the probe puts no hook)")
-        if result.failed:
-            return "; ".join(f"{n or '(root)'}: {why}" for n, why in result.failed.items())
+        aside = self.collector.set_aside(result)
+        if not self.plan.micro_batch and aside.issuperset(self.layers):
+            aside = set()  # no layer left to measure the step
+        failed = {n: why for n, why in result.failed.items() if n not in aside}
+        if failed:
+            return "; ".join(f"{n or '(root)'}: {why}" for n, why in failed.items()), aside
         if unsized:
             return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it): "
-                    "put the examples on dimension 0 of the batch's tensors")
+                    "put the examples on dimension 0 of the batch's tensors"), aside
         if 0 in micro_sizes:
-            return "an empty micro-batch"
-        if (self.plan.per_example or self.plan.vmap) and not result.seen:
-            return "the backward reached none of the measured layers (a loss without a graph?)"
+            return "an empty micro-batch", aside
+        if set(self.layers) - aside and not result.seen:
+            return "the backward reached none of the measured layers (a loss without a graph?)", aside
         if len(set(micro_sizes)) > 1:
-            return f"micro-batches of unequal sizes {micro_sizes}"
-        return ""
+            return f"micro-batches of unequal sizes {micro_sizes}", aside
+        return "", aside
 
     # ------------------------------------------------------------------ the batch gradient
-    def norm_layout(self, optimizer: torch.optim.Optimizer) -> tuple[list[torch.nn.Parameter], Tensor, str | None]:
+    def norm_layout(self, optimizer: torch.optim.Optimizer
+                    ) -> tuple[list[torch.nn.Parameter], Tensor, str | None, Tensor]:
         """The parameters whose ‖.grad‖² a step reads — the optimizer's, in its order (the list the stopper
         asks for, so that both read one pass), then measured ones it does not hold —, the position in
         ``(*SOURCES, "other")`` of each, on their device (built once per optimizer and parameter count: no
-        host-to-device copy per step), and the one source measuring all of them, if one does."""
+        host-to-device copy per step), the one source measuring all of them, if one does, and the position
+        of each in :attr:`layers` (``len(layers)`` for a parameter of source 2 or of none)."""
         count = sum(len(group["params"]) for group in optimizer.param_groups)
         if self._norm_layout is None or self._norm_layout[:2] != (optimizer, count):
             source_of = {id(p): i for i, source in enumerate(SOURCES) for p in self.params[source]}
+            layer_of = {id(p): i for i, layer in enumerate(self.layers) for p in self.layer_params[layer].values()}
             params = [p for group in optimizer.param_groups for p in group["params"]]
             held = {id(p) for p in params}
             params += [p for source in SOURCES for p in self.params[source] if id(p) not in held]
             where = [source_of.get(id(p), len(SOURCES)) for p in params]
+            layers = [layer_of.get(id(p), len(self.layers)) for p in params]
             device = params[0].device if params else None
             whole = SOURCES[where[0]] if where and where[0] < len(SOURCES) and len(set(where)) == 1 else None
-            self._norm_layout = (optimizer, count, params, torch.tensor(where, dtype=torch.long, device=device), whole)
+            self._norm_layout = (optimizer, count, params, torch.tensor(where, dtype=torch.long, device=device), whole,
+                                 torch.tensor(layers, dtype=torch.long, device=device))
         return self._norm_layout[2:]

@@ -32,19 +32,23 @@ class StepSums:
     examples: int
     valid: Tensor | bool  # every rank measured all its examples
     failed: set[str]  # layers to exclude from now on
+    aside: Tensor | None = None  # (layers,) bool: those this step is measured without, the same on every rank
 
 
 def sum_over_ranks(trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Tensor | None, sizes: list[int],
-                   valid_here: bool, layers: list[str], failed_here: set[str], read_failures: bool) -> StepSums:
+                   valid_here: bool, layers: list[str], failed_here: set[str], aside_here: set[str],
+                   read_failures: bool) -> StepSums:
     """This step's sums: this rank's on one process; under DDP every rank's, in one collective.
 
     ``sizes``: the examples of this rank's micro-batches; ``layers``: the per-example and torch.func
-    layers, of which ``failed_here`` failed on this rank. A layer can fail on one rank only (a branch
+    layers, of which ``failed_here`` failed on this rank and ``aside_here`` failed at this step without a
+    trace in its sums (``valid_here`` does not count them). A layer can fail on one rank only (a branch
     taken by some ranks' data): the collective also counts each layer's failures over the ranks, read
     when ``read_failures`` (a logging step, which syncs anyway); until then a failure on any rank
-    invalidates the steps. On one process, a failure here is excluded at once. A lookup whose ids are
-    still compared with ``arange(B)`` on the device (``result.undecided``, decided at a logging step)
-    counts as failed where they were, without a read: the step is then invalid on the device.
+    invalidates the steps, except one set aside on every rank: the step is measured without that layer.
+    On one process, a failure here is excluded at once. A lookup whose ids are still compared with
+    ``arange(B)`` on the device (``result.undecided``, decided at a logging step) counts as failed where
+    they were, without a read, and is set aside on the device unless some of its statistics were counted.
     """
     device = trainer.strategy.root_device
     zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -52,12 +56,21 @@ def sum_over_ranks(trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Ten
     micro_sum = (micro_sum if micro_sum is not None else zero).to(device, torch.float64)
     local_examples = sum(sizes)
     undecided = {n: shared.to(device) for n, shared in result.undecided.items() if n not in failed_here}
+    counted = [undecided[n] & c.to(device) for n, c in result.undecided_counted.items() if n in undecided]
     valid: Tensor | bool = valid_here
-    if undecided and valid_here:
-        valid = ~torch.stack(list(undecided.values())).any()
+    if counted and valid_here:
+        valid = ~torch.stack(counted).any()
+    aside = None
+    if aside_here or undecided or trainer.world_size > 1:
+        aside = torch.zeros(len(layers), dtype=torch.bool, device=device)  # filled on the device: no copy
+        for i, name in enumerate(layers):
+            if name in aside_here:
+                aside[i] = True
+            elif name in undecided:
+                aside[i] = undecided[name]
     if trainer.world_size == 1:
-        return StepSums(sq_norm_sum, micro_sum, local_examples, valid, set(failed_here))
-    flags = torch.zeros(len(layers), dtype=torch.float64, device=device)  # filled on the device: no copy
+        return StepSums(sq_norm_sum, micro_sum, local_examples, valid, set(failed_here), aside)
+    flags = torch.zeros(len(layers), dtype=torch.float64, device=device)
     for i, name in enumerate(layers):
         if name in failed_here:
             flags[i] = 1.0
@@ -65,14 +78,16 @@ def sum_over_ranks(trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Ten
             flags[i] = undecided[name].double()
     invalid_here = (~valid).double() if isinstance(valid, Tensor) else torch.full(
         (), 0.0 if valid else 1.0, dtype=torch.float64, device=device)
-    sq, micro, seen, invalid, counts = reduce_packed(trainer, [
+    sq, micro, seen, invalid, counts, asides = reduce_packed(trainer, [
         sq_norm_sum, micro_sum, torch.full((), float(local_examples), dtype=torch.float64, device=device),
-        invalid_here, flags])
+        invalid_here, flags, aside.double()])
     examples = local_examples * trainer.world_size
     failed = set()
     if read_failures and layers:
         failed = {n for n, count in zip(layers, counts.tolist()) if count > 0}
-    return StepSums(sq, micro, examples, (invalid == 0) & (seen == examples), failed)
+    everywhere = asides == trainer.world_size  # set aside on some ranks only: those ranks' sums lack what others hold
+    agreed = ~((asides > 0) & ~everywhere).any()
+    return StepSums(sq, micro, examples, (invalid == 0) & (seen == examples) & agreed, failed, everywhere)
 
 
 @dataclass
@@ -102,14 +117,16 @@ class MicroBatches:
 
 
 def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExampleStep, sums: StepSums,
-                   groups: int, group_size: int, unit: Tensor | float) -> tuple[Tensor, Tensor, Tensor | bool, Tensor, Tensor]:
+                   groups: int, group_size: int, unit: Tensor | float,
+                   aside: set[str]) -> tuple[Tensor, Tensor, Tensor | bool, Tensor, Tensor]:
     """``(‖G‖², tr(Σ), valid, ‖ḡ‖² measured, ‖ḡ‖² all)`` of the step in per-example units.
 
     Each source's estimate over its own parameters, added up, since tr(Σ) and ‖G‖² are sums over
     parameters. ``batch_sq``: ‖ḡ‖² in per-example units over each source's parameters and the others'
-    (BatchVarianceProbe's ``_batch_sq_norms``); ``groups`` micro-batches
-    of ``group_size`` examples over all ranks, whose back-propagated gradients are ``unit`` × the mean of
-    their examples' own-loss gradients.
+    (BatchVarianceProbe's ``_batch_sq_norms``, with the layers set aside among the others); ``groups``
+    micro-batches of ``group_size`` examples over all ranks, whose back-propagated gradients are ``unit`` ×
+    the mean of their examples' own-loss gradients; ``aside``: the layers this step is measured without (a
+    torch.func source with all of them aside has no sub-batch, and nothing to measure).
     """
     estimates, valid = [], sums.valid
     if plan.per_example:
@@ -119,9 +136,10 @@ def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExa
     elif plan.micro_batch:
         group_mean = sums.micro_sum * (unit / group_size) ** 2 / groups
         estimates.append(two_batch_size_estimates(group_mean, batch_sq["micro_batch"], groups, group_size))
-    if plan.vmap and result.num_sub < 2:
+    vmap = set(plan.vmap) - aside
+    if vmap and result.num_sub < 2:
         valid = False
-    elif plan.vmap:
+    elif vmap:
         sub_mean_sq = sub_batch_mean_sq_norm(list(result.sub_grad_sum.values()), result.num_sub)
         estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
                                              result.num_sub, batch_sq["vmap"], sums.examples))

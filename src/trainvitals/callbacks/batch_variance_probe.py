@@ -65,7 +65,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
        layers with weight matrices (a model's own position table): the re-run would be that subtree.
 
     The parts add up: tr(Σ) and ‖G‖² are sums over parameters, over the measured ones only: the share
-    of the parameters and of ‖ḡ‖² they cover goes with the estimate. BatchNorm in training mode makes
+    of the parameters and of ‖ḡ‖² they cover goes with the estimate. A layer found not measurable per
+    example at a step (a position table looked up with ids shared by the batch) is moved from the next
+    step on; that step is measured over the other layers, its parameters not measured per example, where
+    none of its statistics had entered the sums (else the step is left out). BatchNorm in training mode makes
     every example's gradient depend on the whole micro-batch: per-example gradients are then not
     independent draws (their addends of the batch gradient largely cancel), so with micro-batches or
     ranks every parameter is measured from those instead, and without them the probe's estimate is
@@ -432,23 +435,26 @@ class BatchVarianceProbe(TrainvitalsCallback):
             if not self.noise_source.invalid:
                 self.warn(sources.coupling_warning(coupled) + ".", once=True)
             self.noise_source.invalidate(COUPLED)
-        problem = sources.problem(result, self._batches.sizes, self._batches.unsized)
-        if problem and not result.failed:  # failed layers are said where they are moved (`_move_failed`)
+        problem, aside = sources.problem(result, self._batches.sizes, self._batches.unsized)
+        if problem and set(result.failed) <= aside:  # failed layers are said where they are moved (`_move_failed`)
             self._cannot_measure(problem)
         self._failed.update(result.failed)
         # Measured even when this rank saw a problem: every rank must join the same all-reduce, which also
-        # says which layers failed on any rank, so that every rank excludes the same ones.
-        failed = self._measure(trainer, pl_module, result, micro_sum, optimizer, valid_here=not problem)
+        # says which layers failed on any rank, so that every rank excludes the same ones. A layer set aside
+        # is measured as the next plan will: its parameters among those not measured per example.
+        failed = self._measure(trainer, pl_module, result, micro_sum, optimizer, not problem, aside)
         if failed:
-            self._move_failed(trainer, pl_module, failed)
+            self._move_failed(trainer, pl_module, failed, set() if problem else aside)
 
-    def _move_failed(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", failed: set[str]) -> None:
-        """Exclude the layers that failed per example, plan again, and say why, where each goes and the coverage."""
+    def _move_failed(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", failed: set[str],
+                     aside: set[str]) -> None:
+        """Exclude the layers that failed per example, plan again, and say why, what became of the steps they
+        failed in (``aside``: the layers this one was measured without), where each goes and the coverage."""
         reasons = {name: self._failed.pop(name, "it failed on another rank") for name in sorted(failed)}
         self._excluded.update(failed)
         self._make_plan(trainer, pl_module)
         assert self._sources is not None
-        self.cannot_measure(self._sources.moved(reasons))
+        self.cannot_measure(self._sources.moved(reasons, aside, trainer.world_size))
 
     def _check_sums(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
                     optimizer: torch.optim.Optimizer) -> None:
@@ -463,24 +469,29 @@ class BatchVarianceProbe(TrainvitalsCallback):
         result.failed.update(self._sources.collector.unbalanced(result, to_grad if scale is None else scale * to_grad))
 
     def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
-                 micro_sum: Tensor | None, optimizer: torch.optim.Optimizer, valid_here: bool) -> set[str]:
+                 micro_sum: Tensor | None, optimizer: torch.optim.Optimizer, valid_here: bool,
+                 aside: set[str]) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
 
         ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norms`).
+        ``aside``: the layers that failed here without a trace in the sums, measured as not measured per example.
         """
         if not self._batches.sizes:
             return set(self._failed) if trainer.world_size == 1 else set()
-        assert self._sources is not None
-        plan = self._sources.plan
-        sums = sum_over_ranks(trainer, result, micro_sum, self._batches.sizes, valid_here, [*plan.per_example, *plan.vmap],
-                              set(self._failed), read_failures=is_logging_step(trainer.global_step, self._log_every))
+        sources = self._sources
+        assert sources is not None
+        sums = sum_over_ranks(trainer, result, micro_sum, self._batches.sizes, valid_here, sources.layers,
+                              set(self._failed), aside,
+                              read_failures=is_logging_step(trainer.global_step, self._log_every))
         if sums.examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
             return sums.failed
         to_mean = 1 / self._grad_units(trainer, pl_module)
-        batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in self._batch_sq_norms(trainer, optimizer).items()}
+        batch_sq = {part: sq_norm * to_mean**2
+                    for part, sq_norm in self._batch_sq_norms(trainer, optimizer, sums.aside).items()}
         grad_sq_norm, trace_cov, valid, covered, total = step_estimates(
-            plan, batch_sq, result, sums, len(self._batches.sizes) * trainer.world_size, self._batches.size, self._unit)
+            sources.plan, batch_sq, result, sums, len(self._batches.sizes) * trainer.world_size, self._batches.size,
+            self._unit, aside)
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         self.nonfinite.add(torch.isfinite(total))
         self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
@@ -492,25 +503,30 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self.grad_scale = self._grad_units(trainer, pl_module)
         step = trainer.global_step
         if is_logging_step(step, self._log_every):
-            self._log(trainer, result, valid, sums.examples, step)
+            self._log(trainer, result, valid, sums.examples, step, sums.failed)
             log_scalars(trainer, self.nonfinite.metrics(trainer, self), step)
         if result.sq_norms:
             self._log_per_example_norms(trainer, result.sq_norms, step)
         return sums.failed
 
-    def _batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
-        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``): the accumulated,
-        rank-averaged gradient, AMP scale undone (0-d float64 each), from one pass over the gradients per step
-        (shared with the stopper; none after a GradNormMonitor that measured the step), summed by source."""
+    def _batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
+                        aside: Tensor | None) -> dict[str, Tensor]:
+        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``, with those of
+        the layers ``aside`` marks, a ``(layers,)`` bool on the device): the accumulated, rank-averaged gradient,
+        AMP scale undone (0-d float64 each), from one pass over the gradients per step (shared with the
+        stopper; none after a GradNormMonitor that measured the step), summed by source."""
         assert self._sources is not None
-        params, where, whole = self._sources.norm_layout(optimizer)
+        params, where, whole, layer_of = self._sources.norm_layout(optimizer)
         zero = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
-        if whole is not None:  # one source measures every parameter: its part is the total
+        if whole is not None and aside is None:  # one source measures every parameter: its part is the total
             total = grad_sq_norm(trainer, optimizer, params)
             return {**dict.fromkeys((*SOURCES, "other"), zero), whole: zero if total is None else total}
         sq_norms = grad_sq_norms(trainer, optimizer, params) if params else None
         parts = zero.new_zeros(len(SOURCES) + 1)
         if sq_norms is not None:
+            if aside is not None:  # a layer's position len(layers) (source 2, or none) is never aside
+                outside = torch.cat([aside, aside.new_zeros(1)]).to(where.device)[layer_of]
+                where = torch.where(outside, len(SOURCES), where)
             parts = parts.to(sq_norms.device).index_add_(0, where.to(sq_norms.device), sq_norms)
         return dict(zip((*SOURCES, "other"), parts.unbind()))
 
@@ -519,21 +535,27 @@ class BatchVarianceProbe(TrainvitalsCallback):
 
     # ------------------------------------------------------------------ logging
 
-    def _coordinate_stats(self, trainer: "pl.Trainer", result: PerExampleStep,
-                          examples: int) -> tuple[dict[str, Tensor], StepCoordinates]:
+    def _coordinate_stats(self, trainer: "pl.Trainer", result: PerExampleStep, examples: int,
+                          failed: set[str]) -> tuple[dict[str, Tensor], StepCoordinates]:
         """Σ_d GSNR_d per module over this step's coordinates, :data:`EB_CRITERION` when they are all the
-        measured ones (:meth:`ModuleCoordinates.snr_sums`), over every rank's examples."""
-        # Zeros where this rank has no sums (a failed layer): the ranks' collectives must match; the step is invalid.
-        selection = self._selection if result.sum_sq or trainer.world_size > 1 else {}
+        measured ones (:meth:`ModuleCoordinates.snr_sums`), over every rank's examples; without the layers
+        ``failed`` on some rank (the same on every rank), which a step measured without them has no sums of."""
+        # Zeros where this rank has no sums (a layer failed here only): the ranks' collectives must match; the
+        # step is invalid.
+        assert self._sources is not None
+        left_out = {q for name in failed for member in self._sources.collector.group(name)
+                    for q in self._sources.layer_params.get(member, {})}
+        selection = {q: rows for q, rows in self._selection.items() if q not in left_out}
+        selection = selection if result.sum_sq or trainer.world_size > 1 else {}
         reduce = (lambda flat: trainer.strategy.reduce(flat, reduce_op="sum")) if trainer.world_size > 1 else None
         grad_sums, sum_sqs = self._coordinates.selected_sums(selection, result.grad_sum, result.sum_sq, reduce)
         return self._coordinates.snr_sums(selection, grad_sums, sum_sqs, examples, result.sub_grad_sum,
                                           result.sub_sum_sq, result.num_sub)
 
     def _log(self, trainer: "pl.Trainer", result: PerExampleStep, valid: Tensor | bool, examples: int,
-             step: int) -> None:
+             step: int, failed: set[str]) -> None:
         """The EMAs at the run's batch (:attr:`effective_batch_size`), the per-coordinate statistics of this
-        step's ``examples``."""
+        step's ``examples`` over the layers that did not fail (``failed``)."""
         batch = self.effective_batch_size or examples
         estimate = self.gradient_noise.estimate()
         metrics: dict[str, Tensor] = {
@@ -543,7 +565,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         }
         coordinates: StepCoordinates = {}
         if self.per_coordinate and self._plan is not None:
-            snr_sums, coordinates = self._coordinate_stats(trainer, result, examples)
+            snr_sums, coordinates = self._coordinate_stats(trainer, result, examples, failed)
             metrics.update(snr_sums)
         keys = list(metrics)
         device = self.noise.count.device

@@ -93,6 +93,9 @@ class PerExampleStep:
         undecided: per lookup called with 1-D ids of B integers, a ``()`` bool tensor on its device: whether
             they were ``arange(B)`` (shared by the examples) in some call so far. Its statistics count 0 from
             that call on; :meth:`PerExampleGradients.decide` reads them and fails those that were.
+        undecided_counted: per such lookup, a ``()`` bool tensor: whether some of its statistics were counted
+            (a micro-batch measured before its ids were found ``arange(B)``): then, shared, it cannot be set
+            aside (:meth:`PerExampleGradients.set_aside`).
         failed: modules that could not be measured this step, with the reason.
         dtypes: the dtype of each measured module's output gradients (the precision of its rule's operands).
     """
@@ -107,6 +110,7 @@ class PerExampleStep:
     sub_sum_sq: dict[str, Tensor] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
     undecided: dict[str, Tensor] = field(default_factory=dict)
+    undecided_counted: dict[str, Tensor] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
@@ -416,6 +420,8 @@ class PerExampleGradients:
                         (rule.sums(module, module_uses, self._workspace, rows) if rows else {}).items()}
                 shared = self._step.undecided.get(name)
                 if shared is not None:  # ids arange(B) in some call so far: nothing counts (see decide)
+                    counted = self._step.undecided_counted.get(name)
+                    self._step.undecided_counted[name] = ~shared if counted is None else counted | ~shared
                     sq = torch.where(shared, 0.0, sq)
                     sums = {q: (torch.where(shared, 0.0, total), torch.where(shared, 0.0, total_sq))
                             for q, (total, total_sq) in sums.items()}
@@ -566,19 +572,43 @@ class PerExampleGradients:
 
     def decide(self, step: PerExampleStep) -> None:
         """Read ``step``'s undecided lookups (one sync, none without any): those called with ``arange(B)``
-        are failed and their statistics (0 since) dropped, as if failed in their forward."""
+        are failed and their statistics (0 since) dropped, as if failed in their forward — unless some were
+        counted before (an earlier micro-batch's other ids): those stay seen, so the step is not set aside."""
         if not step.undecided:
             return
         names, device = list(step.undecided), next(iter(step.undecided.values())).device
-        shared = torch.stack([step.undecided[n].to(device) for n in names]).tolist()
-        step.undecided = {}
-        for name in (n for n, s in zip(names, shared) if s):
+        false = torch.zeros((), dtype=torch.bool, device=device)
+        flags = torch.stack([torch.stack([step.undecided[n].to(device),
+                                          step.undecided_counted.get(n, false).to(device)]) for n in names]).tolist()
+        step.undecided, step.undecided_counted = {}, {}
+        for name, (shared, counted) in zip(names, flags):
+            if not shared:
+                continue
             step.failed[name] = SHARED_LOOKUP
-            step.seen.discard(name)
+            if not counted:
+                step.seen.discard(name)
             step.dtypes.pop(name, None)
             for qualified in self._qualified_parameters(name):
                 step.grad_sum.pop(qualified, None)
                 step.sum_sq.pop(qualified, None)
+
+    def set_aside(self, step: PerExampleStep) -> set[str]:
+        """The failed modules that ``step`` can be measured without, with the modules they share a parameter
+        with: none of the group's statistics were counted (it failed before its rule ran in every micro-batch:
+        a lookup shared by the batch, an input or output its rule cannot read, a rule or torch.func that
+        raised), so the sums are exactly the other modules' and its parameters count as not measured. A
+        failure after some of its statistics were counted (a later micro-batch, sums that do not add up, a
+        backward before the loss's, a tied partner measured without it) leaves them in the sums: not here."""
+        aside: set[str] = set()
+        for name in step.failed:
+            group = self.group(name)
+            if not step.seen.intersection(group):
+                aside.update(group)
+        return aside
+
+    def group(self, name: str) -> list[str]:
+        """The modules measured together with ``name``: itself and those it shares a parameter with."""
+        return self._groups.get(name, [name])
 
     def pop(self, decide: bool = True) -> PerExampleStep:
         """The step's statistics; starts a new step. ``decide``: :meth:`decide` it (a sync where a lookup's

@@ -35,13 +35,19 @@ class SourcePlan:
     def parameters(self, source: str) -> dict[str, nn.Parameter]:
         """The trainable parameters of ``source`` (``"per_example"`` or ``"vmap"``), by qualified name; a
         tied parameter once, under its first owner's name."""
-        out: dict[str, nn.Parameter] = {}
+        return {q: p for params in self.layer_parameters(source).values() for q, p in params.items()}
+
+    def layer_parameters(self, source: str) -> dict[str, dict[str, nn.Parameter]]:
+        """:meth:`parameters` by module: each of ``source``'s modules' parameters by qualified name, a tied
+        one under its first owner only."""
+        out: dict[str, dict[str, nn.Parameter]] = {}
         seen: set[int] = set()
         for m, mod in getattr(self, source).items():
+            out[m] = {}
             for n, p in (_measured_parameters(mod) if source == "per_example" else _trainable(mod)).items():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    out[f"{m}.{n}" if m else n] = p
+                    out[m][f"{m}.{n}" if m else n] = p
         return out
 
     def describe(self, model: nn.Module) -> str:
