@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _trainable
+from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
 from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
 from trainvitals.core.per_example.tied import measure_tied
@@ -40,34 +41,6 @@ def _reentrant_recomputation() -> bool:
     (non-reentrant checkpointing recomputes calls whose first run had one)."""
     node = torch._C._current_autograd_node()
     return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
-
-
-#: Why a lookup shared by the batch's examples is not measured.
-SHARED_LOOKUP = ("a lookup shared by the batch's examples (position ids (1, T) or arange(T)): its output is "
-                 "broadcast against the examples, so its gradient arrives summed over them")
-
-
-#: Why a lookup with 1-D ids of another length than the batch is not measured (a position table, most often).
-POSITION_IDS = ("it is looked up with {ids} ids for a batch of {batch}, not one per example: a position table "
-                "looked up with arange(T) is shared by all examples in the batch, so its gradient arrives summed "
-                "over them")
-
-
-def _shared_by_batch(indices: Tensor, batch: int | None) -> bool | Tensor:
-    """Whether a lookup's indices are shared by the ``batch`` examples rather than theirs: one row ``(1, *)``,
-    or ``arange(batch)`` (nanoGPT's ``wpe(torch.arange(T))`` with T = B). A 1-D call of B integer indices
-    (nanoGPT's with T = B, or a recommender's per-example ids) is compared on the device: the answer is a
-    ``()`` bool tensor, read when the step is decided.
-
-    Its output would have to be replaced by one expanded to the examples for per-example gradients; a
-    diagnostic never changes the model's outputs."""
-    if batch in (None, 1) or indices.is_floating_point():
-        return False
-    if indices.dim() >= 2:
-        return indices.shape[0] == 1
-    if indices.dim() != 1 or indices.shape[0] != batch:
-        return False
-    return (indices == torch.arange(batch, device=indices.device)).all()
 
 
 def _recomputing_task() -> int | None:
