@@ -110,7 +110,9 @@ class PerExampleGradients:
     it anyway) and puts a hook on the output; when the output gradients of all the module's calls in
     the forward (its *uses*) have arrived, its rule (:mod:`.registry`) adds the per-example squared
     norms (and, if requested, the per-coordinate sums of squares) into running device tensors, and the
-    references go. A module called several times is measured from all its uses together: its
+    references go. A ``whole_call`` rule with a :meth:`~.registry.PerExampleRule.capture` is entered in a
+    forward pre-hook and gets, in place of the call's outputs, the tensors it kept from inside the forward.
+    A module called several times is measured from all its uses together: its
     per-example gradient is their sum. Modules that share a parameter (an embedding tied to the output
     layer) are measured together (:mod:`.tied`). A
     module recomputed in backward by ``torch.utils.checkpoint`` is measured once: from its first run,
@@ -140,6 +142,7 @@ class PerExampleGradients:
         self._rules = {name: _rule(module) for name, module in self.per_example.items()}
         self._names, self._groups = self._parameter_names()
         self._handles: list[RemovableHandle] = []
+        self._captures: dict[str, list[Any]] = {}  # per module, the captures of its calls still running
         self._workspace = Workspace()  # the conv patches and blocks of every layer and step
         self._coordinates: dict[str, slice] = {}  # qualified parameter name: its rows to sum
         self._keep_norms = False
@@ -199,8 +202,12 @@ class PerExampleGradients:
             coordinates = dict.fromkeys(self._names.values(), slice(None))
         self._coordinates, self._keep_norms = dict(coordinates or {}), keep_norms
         for name, module in self.per_example.items():
+            whole_call = self._rules[name].whole_call  # a capture is left also when the forward raises
+            if whole_call:
+                pre_hook = functools.partial(self._enter_capture, name)
+                self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             hook = functools.partial(self._forward, name)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=whole_call))
         for name, module in self.vmap.items():
             hook = functools.partial(self._forward_vmap, name)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -245,22 +252,40 @@ class PerExampleGradients:
             return False
         return self._check_batch(name, batch)
 
+    def _enter_capture(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Enter the rule's :meth:`~.registry.PerExampleRule.capture` of this call, if it has one and the call
+        may be measured; one entry per call (``None`` for none), left by :meth:`_forward`."""
+        if torch.compiler.is_compiling():
+            return
+        capture = None
+        if not (self._replaying or name in self._step.failed or not torch.is_grad_enabled()
+                or (_recomputing() and not _reentrant_recomputation())):
+            capture = self._rules[name].capture(module, Call(args, kwargs))
+        if capture is not None:
+            capture.__enter__()
+        self._captures.setdefault(name, []).append(capture)
+
     def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
         if torch.compiler.is_compiling():
             return  # a hook's work inside a compiled function would break its graph: the call goes unseen
+        rule = self._rules[name]
+        capture = self._captures[name].pop() if rule.whole_call and self._captures.get(name) else None
+        if capture is not None:
+            capture.__exit__(None, None, None)
         if self._replaying or name in self._step.failed:
             return
-        rule = self._rules[name]
         if _recomputing() and not _reentrant_recomputation():
             return  # non-reentrant checkpointing's recomputation of a call measured from its first run
         if rule.whole_call:
-            leaves = [t if isinstance(t, Tensor) and t.requires_grad else None for t in tree_leaves(output)]
+            leaves = [t if isinstance(t, Tensor) and t.requires_grad else None
+                      for t in (capture.tensors if capture is not None else tree_leaves(output))]
             tensors = [t for t in leaves if t is not None]
             if not tensors:
                 return
-            inputs: Any = Call(args, kwargs)
-            batch = rule.batch_size(module, inputs)
+            call = Call(args, kwargs)
+            inputs: Any = capture.inputs if capture is not None else call
+            batch = rule.batch_size(module, call)
             if batch < 0:
                 self._step.failed[name] = "its input holds no batch of examples its rule can read (a PackedSequence?)"
                 return

@@ -33,13 +33,38 @@ class Use(NamedTuple):
     """One call of a module in a forward, as its rule sees it.
 
     Attributes:
-        inputs: the first positional argument, batch first; for a rule with ``whole_call``, the :class:`Call`.
+        inputs: the first positional argument, batch first; for a rule with ``whole_call``, the :class:`Call`;
+            for one with a :meth:`PerExampleRule.capture`, its :attr:`Capture.inputs`.
         grad_output: the gradient of the back-propagated loss w.r.t. the output, batch first; for a rule
-            with ``whole_call``, a tuple over the output's tensors (``None`` where the loss does not use one).
+            with ``whole_call``, a tuple over the output's tensors (``None`` where the loss does not use one);
+            for one with a capture, over its :attr:`Capture.tensors`.
     """
 
     inputs: Any
     grad_output: Any
+
+
+class Capture:
+    """What a rule keeps of one call of its module from inside the module's forward
+    (:meth:`PerExampleRule.capture`): the hooks enter it in the module's forward pre-hook and leave it in
+    its forward hook (also when the forward raises), on the thread that runs the forward.
+
+    Attributes (read after it is left):
+        inputs: the call's :attr:`Use.inputs` for the rule.
+        tensors: tensors the forward computed whose gradients the rule needs, in place of the call's
+            outputs: :attr:`Use.grad_output` is the tuple of their gradients (``None`` for one that does not
+            require grad or that the loss does not reach). They arrive during backward, after the
+            gradients of the module's outputs, when the last of them is computed.
+    """
+
+    inputs: Any = None
+    tensors: tuple[Tensor | None, ...] = ()
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 class PerExampleRule:
@@ -82,6 +107,12 @@ class PerExampleRule:
         """The examples of a ``whole_call`` rule's call (the first tensor argument's first dimension)."""
         first = next((a for a in call.args if isinstance(a, Tensor)), None)
         return first.shape[0] if first is not None and first.dim() else -1
+
+    def capture(self, module: nn.Module, call: Call) -> Capture | None:
+        """For a ``whole_call`` rule that measures from tensors inside its module's forward (attention's
+        projections, whose inputs and output gradients its outputs do not show): a :class:`Capture` of
+        this ``call``; ``None`` (the default): the call's arguments and output gradients."""
+        return None
 
     def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
         """Per-example gradients ``{name: (B, *shape)}`` of :meth:`parameters`, summed over ``uses``."""
