@@ -265,9 +265,10 @@ class Attention(nn.Module):
     """Self- or cross-attention on batch-first ``(B, T, 6)`` inputs, whatever the layer's layout."""
 
     def __init__(self, batch_first: bool = True, bias: bool = True, use_weights: bool = False, masks: bool = False,
-                 kdim: int | None = None) -> None:
+                 kdim: int | None = None, dropout: float = 0.0, add_zero_attn: bool = False) -> None:
         super().__init__()
-        self.attn = nn.MultiheadAttention(6, 2, bias=bias, batch_first=batch_first, kdim=kdim, vdim=kdim)
+        self.attn = nn.MultiheadAttention(6, 2, bias=bias, batch_first=batch_first, kdim=kdim, vdim=kdim,
+                                          dropout=dropout, add_zero_attn=add_zero_attn)
         self.memory = nn.Linear(6, kdim) if kdim else None
         self.use_weights, self.masks = use_weights, masks
 
@@ -284,10 +285,14 @@ class Attention(nn.Module):
         return out + weights.square().sum(-1, keepdim=True) if self.use_weights else out
 
 
-@pytest.mark.parametrize("options", [
-    {}, {"batch_first": False}, {"bias": False}, {"use_weights": True}, {"masks": True, "batch_first": False},
-    {"kdim": 4},
-], ids=["default", "sequence-first", "no-bias", "weights-in-the-loss", "masks", "kdim-vdim"])
+ATTENTION_OPTIONS = {
+    "default": {}, "sequence-first": {"batch_first": False}, "no-bias": {"bias": False},
+    "weights-in-the-loss": {"use_weights": True}, "masks": {"masks": True, "batch_first": False},
+    "kdim-vdim": {"kdim": 4}, "zero-attention": {"add_zero_attn": True},
+}
+
+
+@pytest.mark.parametrize("options", list(ATTENTION_OPTIONS.values()), ids=list(ATTENTION_OPTIONS))
 def test_multihead_attention_matches_brute_force(options):
     torch.manual_seed(0)
     model = Attention(**options)
@@ -295,12 +300,120 @@ def test_multihead_attention_matches_brute_force(options):
     assert_matches(model, torch.randn(B, 4, 6))
 
 
-def test_multihead_attention_with_dropout_is_named_with_its_reason():
-    model = nn.Sequential(nn.MultiheadAttention(4, 2, dropout=0.1))
+def assert_matches_in_one_graph(model: nn.Module, x: torch.Tensor) -> None:
+    """Against each example's gradient through the batch's own graph (one forward, its dropout masks drawn
+    once): ∇ of ℓ_i = ⟨model(x)_i, weights_i⟩ by ``torch.autograd.grad`` per example, in float64."""
+    torch.manual_seed(1)
+    model = model.double().train()
+    x = x.double()
+    assert not torch.equal(model(x), model(x))  # dropout draws masks: one forward per example would not do
+    weights = torch.randn_like(model(x))
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    assert not plan.uncovered
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    collector.expect_batch(len(x))  # sequence-first layers: the examples on dimension 1
+    terms = (model(x) * weights).flatten(1).sum(1)
+    terms.sum().backward(retain_graph=True)
+    collector.end_micro_batch(1.0)
+    collector.detach()
+    step = collector.pop()
+    assert not step.failed
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert set(plan.parameters("per_example")) == set(params)
+    per_example = [torch.autograd.grad(terms[i], list(params.values()), retain_graph=True) for i in range(len(x))]
+    truth = {n: torch.stack([g[j] for g in per_example]) for j, n in enumerate(params)}
+    expected = sum(g.flatten(1).square().sum(1) for g in truth.values())
+    torch.testing.assert_close(step.sq_norms[0], expected, rtol=1e-9, atol=1e-12)
+    for name, g in truth.items():
+        torch.testing.assert_close(step.grad_sum[name], g.sum(0), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(step.sum_sq[name], g.square().sum(0), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", list(ATTENTION_OPTIONS.values()), ids=list(ATTENTION_OPTIONS))
+def test_multihead_attention_with_dropout_matches_each_examples_gradient_in_its_graph(options):
+    torch.manual_seed(0)
+    assert_matches_in_one_graph(Attention(dropout=0.3, **options), torch.randn(B, 4, 6))
+
+
+class Transformer(nn.Module):
+    """nn.TransformerEncoderLayer or nn.TransformerDecoderLayer at their defaults (dropout 0.1, sequence-first)
+    on batch-first ``(B, T, 8)`` inputs; the decoder's memory is a Linear of the first positions."""
+
+    def __init__(self, decoder: bool, norm_first: bool = False) -> None:
+        super().__init__()
+        kind = nn.TransformerDecoderLayer if decoder else nn.TransformerEncoderLayer
+        self.layer = kind(8, 2, dim_feedforward=16, norm_first=norm_first)
+        self.memory = nn.Linear(8, 8) if decoder else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.transpose(0, 1)
+        if self.memory is None:
+            return self.layer(x).transpose(0, 1)
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[0], dtype=x.dtype)
+        return self.layer(x, self.memory(x[:3]), tgt_mask=causal).transpose(0, 1)
+
+
+@pytest.mark.parametrize("decoder, norm_first", [(False, False), (False, True), (True, False)],
+                         ids=["encoder", "encoder-norm-first", "decoder"])
+def test_transformer_layers_at_their_defaults_match_each_examples_gradient_in_its_graph(decoder, norm_first):
+    torch.manual_seed(0)
+    assert_matches_in_one_graph(Transformer(decoder, norm_first), torch.randn(B, 6, 8))  # T ≠ B: see feature_dims
+
+
+class CheckpointedAttention(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant, self.inner = reentrant, Attention(dropout=0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def test_attention_with_dropout_recomputed_by_checkpointing_is_measured_from_its_masks():
+    """Checkpointing recomputes the masks from the saved RNG state; the non-reentrant kind is measured from the
+    first run, the reentrant kind from the recomputation (the first ran without a graph): the same numbers."""
+    torch.manual_seed(0)
+    x = torch.randn(B, 4, 6)
+    assert_matches_in_one_graph(CheckpointedAttention(reentrant=False), x)  # autograd.grad: non-reentrant only
+    steps = []
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = CheckpointedAttention(reentrant).double()
+        plan = plan_sources(model, groups_available=False, fallback=False)
+        collector = PerExampleGradients(plan.per_example, {}, 2)
+        collector.attach(keep_norms=True)
+        torch.manual_seed(1)
+        model(x.double().requires_grad_()).square().sum().backward()
+        collector.end_micro_batch(1.0)
+        steps.append(collector.pop())
+    assert not steps[0].failed and not steps[1].failed
+    torch.testing.assert_close(steps[1].sq_norms[0], steps[0].sq_norms[0], rtol=1e-12, atol=0)
+
+
+def test_multihead_attention_with_bias_kv_is_named_with_its_reason():
+    model = nn.Sequential(nn.MultiheadAttention(4, 2, add_bias_kv=True))
     plan = plan_sources(model, groups_available=False, fallback=True)
     assert not plan.per_example and not plan.vmap  # torch.func would not see a tuple output either
-    assert set(plan.uncovered) == {"0.in_proj_weight", "0.in_proj_bias", "0.out_proj.weight", "0.out_proj.bias"}
-    assert "dropout" in plan.uncovered["0.in_proj_weight"]
+    assert set(plan.uncovered) == {"0.in_proj_weight", "0.in_proj_bias", "0.bias_k", "0.bias_v", "0.out_proj.weight",
+                                   "0.out_proj.bias"}
+    assert "add_bias_kv" in plan.uncovered["0.in_proj_weight"]
+
+
+def test_a_forward_that_raises_inside_a_capture_leaves_no_mode_behind():
+    model = Attention(dropout=0.1).double()
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach()
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # inside F.multi_head_attention_forward
+        model.attn(torch.randn(B, 4, 6, dtype=torch.float64), torch.randn(B, 4, 5, dtype=torch.float64),
+                   torch.randn(B, 4, 5, dtype=torch.float64))
+    assert torch._C._len_torch_function_stack() == 0
+    x = torch.randn(B, 4, 6, dtype=torch.float64)
+    model(x).sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed and step.sq_norms == [] and step.sq_norm_sum is not None
 
 
 class Recurrent(nn.Module):
