@@ -1,5 +1,6 @@
 """The per-example rules on whole architectures (tests/zoo.py): one backward with PerExampleGradients
-attached against a brute-force loop over the examples and ALL trainable parameters, in float64."""
+attached against a brute-force loop over the examples and ALL trainable parameters, in float64 (a model with
+dropout: each example's own loss differentiated through the batch's graph, whose masks the rules saw)."""
 
 from __future__ import annotations
 
@@ -29,14 +30,14 @@ def test_zoo_statistics_match_brute_force_over_all_parameters(name):
     y = y.double() if y.is_floating_point() else y
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # a tied tensor once
 
-    per_example = {n: [] for n in params}
-    for i in range(B):
-        model.zero_grad()
-        entry.loss(model(x[i:i + 1]), y[i:i + 1]).backward()
-        for n, p in params.items():
-            per_example[n].append(p.grad.clone())
-    g = {n: torch.stack(v) for n, v in per_example.items()}
-    flat = torch.cat([v.flatten(1) for v in g.values()], 1)
+    if not entry.dropout:  # one forward and backward per example
+        per_example = {n: [] for n in params}
+        for i in range(B):
+            model.zero_grad()
+            entry.loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+            for n, p in params.items():
+                per_example[n].append(p.grad.clone())
+        g = {n: torch.stack(v) for n, v in per_example.items()}
 
     plan = plan_sources(model, groups_available=False, fallback=False)
     measured = plan.parameters("per_example")
@@ -48,10 +49,16 @@ def test_zoo_statistics_match_brute_force_over_all_parameters(name):
     collector.begin_micro_batch()
     collector.expect_batch(B)
     model.zero_grad()
-    entry.loss(model(x), y).backward()
+    output = model(x)
+    entry.loss(output, y).backward(retain_graph=entry.dropout)
     collector.end_micro_batch(float(B))
     collector.detach()
     step = collector.pop()
+    if entry.dropout:  # each example's own loss through the batch's graph: the masks its forward drew
+        assert not torch.equal(output, model(x))  # the next forward draws other masks
+        in_graph = [torch.autograd.grad(entry.loss(output[i:i + 1], y[i:i + 1]), list(params.values()),
+                                        retain_graph=True) for i in range(B)]
+        g = {n: torch.stack([grads[j] for grads in in_graph]) for j, n in enumerate(params)}
     # A position table looked up with ids shared by the batch is named, not measured: the rest is.
     shared = {n for n, why in step.failed.items() if why.startswith("a lookup shared by the batch's examples")}
     assert set(step.failed) == shared and step.seen == set(plan.per_example) - shared

@@ -11,6 +11,7 @@ bare ``nn.Parameter`` (timm's ``pos_embed``) has no per-example rule.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -177,6 +178,26 @@ class GRULanguageModel(nn.Module):
         return self.decoder(output).transpose(0, 1)  # (B, T, VOCAB)
 
 
+class TransformerLanguageModel(nn.Module):
+    """PyTorch's word-language-model example's TransformerModel: sinusoidal positions, nn.TransformerEncoder of
+    nn.TransformerEncoderLayer at its defaults (dropout 0.1 in attention, feed-forward and residuals; post-LN;
+    sequence-first) under a causal mask, a decoder Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Embedding(VOCAB, D)
+        position = torch.arange(T).unsqueeze(1) * torch.exp(torch.arange(0, D, 2) * (-math.log(10000.0) / D))
+        self.register_buffer("pe", torch.stack([position.sin(), position.cos()], -1).flatten(1).unsqueeze(1))
+        self.dropout = nn.Dropout(0.1)
+        self.transformer = nn.TransformerEncoder(nn.TransformerEncoderLayer(D, 2, 2 * D), 2, enable_nested_tensor=False)
+        self.decoder = nn.Linear(D, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.dropout(self.encoder(tokens.t()) * math.sqrt(D) + self.pe[:tokens.shape[1]])  # (T, B, D)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], dtype=x.dtype)
+        return self.decoder(self.transformer(x, mask=mask, is_causal=True)).transpose(0, 1)  # (B, T, VOCAB)
+
+
 class ViT(nn.Module):
     """timm's VisionTransformer without a class token (global average pooling): patch Conv2d, a learned
     position table, pre-LN blocks, final LayerNorm, head."""
@@ -252,6 +273,7 @@ class Entry:
     batch: Callable[[int], tuple[Tensor, Tensor]]
     loss: Callable[[Tensor, Tensor], Tensor]  # reduction="mean": the mean of the examples' own losses
     shared_lookup: str | None = None  # the position table looked up with ids shared by the batch: not measured
+    dropout: bool = False  # in training mode it draws masks: an example's gradient is taken in the batch's graph
 
 
 def _tokens(b: int, labels: int | None = None) -> tuple[Tensor, Tensor]:
@@ -272,6 +294,7 @@ ZOO: dict[str, Entry] = {
     "resnet_groupnorm": Entry(lambda: ResNet(lambda c: nn.GroupNorm(2, c)), _images, F.cross_entropy),
     "lstm_classifier": Entry(LSTMClassifier, lambda b: _tokens(b, 3), F.cross_entropy),
     "gru_language_model": Entry(GRULanguageModel, _tokens, token_loss),
+    "transformer_dropout": Entry(TransformerLanguageModel, _tokens, token_loss, dropout=True),
     "vit": Entry(ViT, _images, F.cross_entropy, "pos_embed"),
     "mixer_rmsnorm": Entry(Mixer, _images, F.cross_entropy),
     "unet_conv_transpose": Entry(UNet, lambda b: (torch.randn(b, 2, 8, 8), torch.randn(b, 1, 8, 8)), F.mse_loss),
