@@ -29,8 +29,8 @@ _BIASES = ("in_proj_bias", "out_proj.bias")
 
 class _Projection(NamedTuple):
     """One ``F.linear`` of the forward: the parameters it used (a weight's rows from ``start``, a bias's
-    entries from ``bias_start``), its input ``a``, positions first, ``(T, B, I)`` or ``(T·B, I)``, and
-    its output features."""
+    entries from ``bias_start``), its input ``a`` as ``(T, B, I)`` (the forward's are sequence-first, the
+    context flattened to ``(T·B, I)``), and its output features."""
 
     weight: str
     start: int
@@ -40,18 +40,18 @@ class _Projection(NamedTuple):
     features: int
 
 
-def _rows(t: Tensor | None, params: dict[int, tuple[str, Tensor]]) -> tuple[str, int] | None:
+def _rows(t: Tensor | None, params: dict[int, str]) -> tuple[str, int] | None:
     """Which parameter ``t`` is, or the rows of one it is a view of (``chunk``/``split`` along dimension 0),
     with the first row; ``None`` for any other tensor."""
     if t is None:
         return None
     if id(t) in params:
-        return params[id(t)][0], 0
+        return params[id(t)], 0
     base = t._base
     if base is None or id(base) not in params or t.stride() != base.stride():
         return None
     offset = t.storage_offset() - base.storage_offset()
-    return params[id(base)][0], offset // base.stride(0)
+    return params[id(base)], offset // base.stride(0)
 
 
 class _Projections(TorchFunctionMode, Capture):
@@ -63,12 +63,13 @@ class _Projections(TorchFunctionMode, Capture):
     the mode popped while it runs; the mode runs it again with itself pushed (``redispatch_function``
     skips the dispatch that would come back here), so that the linears inside it are seen."""
 
-    def __init__(self, module: nn.MultiheadAttention) -> None:
+    def __init__(self, module: nn.MultiheadAttention, batch: int) -> None:
         super().__init__()
         named = {**dict(module.named_parameters(recurse=False)), "out_proj.weight": module.out_proj.weight,
                  "out_proj.bias": module.out_proj.bias}
-        self._weights = {id(p): (n, p) for n in _WEIGHTS if (p := named.get(n)) is not None}
-        self._biases = {id(p): (n, p) for n in _BIASES if (p := named.get(n)) is not None}
+        self._weights = {id(p): n for n in _WEIGHTS if (p := named.get(n)) is not None}
+        self._biases = {id(p): n for n in _BIASES if (p := named.get(n)) is not None}
+        self._batch = batch
         self.inputs: list[_Projection] = []
         self.tensors: tuple[Tensor | None, ...] = ()
 
@@ -85,7 +86,8 @@ class _Projections(TorchFunctionMode, Capture):
             if rows is not None:
                 bias_rows = _rows(bias, self._biases) or (None, 0)
                 a = kwargs.get("input", args[0] if args else None)
-                self.inputs.append(_Projection(*rows, *bias_rows, a, out.shape[-1]))
+                self.inputs.append(_Projection(*rows, *bias_rows, a.reshape(-1, self._batch, a.shape[-1]),
+                                               out.shape[-1]))
                 self.tensors = (*self.tensors, out)
         return out
 
@@ -113,8 +115,9 @@ class MultiheadAttentionRule(FactoredRule):
         query = call.kwargs.get("query", call.args[0] if call.args else None)
         return query.shape[0 if module.batch_first else 1] if isinstance(query, Tensor) and query.dim() == 3 else -1
 
-    def capture(self, module: nn.Module, call: Call) -> Capture:
-        return _Projections(module)
+    def capture(self, module: nn.Module, call: Call) -> Capture | None:
+        batch = self.batch_size(module, call)
+        return _Projections(module, batch) if batch > 0 else None
 
     def _factors(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Factor]:
         return _stack_uses(_common_blocks([self._use_factors(module, use) for use in uses]))
@@ -124,12 +127,11 @@ class MultiheadAttentionRule(FactoredRule):
         """The blocks of one call: ``{weight: [(first row, Outer)]}`` in row order, ``{bias: (B, n)}``."""
         projections, grads = use.inputs, use.grad_output
         dtype = _accumulation_dtype(next(g for g in grads if g is not None))
-        batch = next(p.a.shape[1] for p in projections if p.a.dim() == 3)  # the query's (T, B, E)
         trainable, blocks, biases = self.parameters(module), {}, {}
         for p, g in zip(projections, grads):
-            a = p.a.reshape(-1, batch, p.a.shape[-1]).transpose(0, 1).to(dtype)  # (B, T, I)
+            a = p.a.transpose(0, 1).to(dtype)  # (B, T, I)
             g = a.new_zeros(*a.shape[:2], p.features) if g is None \
-                else g.reshape(-1, batch, g.shape[-1]).transpose(0, 1).to(dtype)
+                else g.reshape(-1, a.shape[0], p.features).transpose(0, 1).to(dtype)
             if p.weight in trainable:
                 blocks.setdefault(p.weight, []).append((p.start, Outer(a, g)))
             if p.bias in trainable:
