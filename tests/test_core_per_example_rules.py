@@ -10,6 +10,7 @@ from torch import nn
 from _models import Scale
 from trainvitals.core.per_example import (
     PER_EXAMPLE_LAYERS,
+    Capture,
     PerExampleGradients,
     PerExampleRule,
     plan_sources,
@@ -635,3 +636,50 @@ def test_unregistering_a_rule_sends_the_layer_to_the_base_types_rule():
         unregister_per_example_rule(Wide)
     assert Wide not in registered_types() and rule_for(Wide(2, 2)) is rule_for(nn.Linear(2, 2))
     assert nn.Linear in PER_EXAMPLE_LAYERS and Wide not in PER_EXAMPLE_LAYERS
+
+
+class Gate(nn.Module):
+    """y = x ⊙ tanh(F.linear(x, W)): the weight's gradient is that of a linear inside the forward, which the
+    layer's input and output gradient do not give."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tanh(torch.nn.functional.linear(x, self.weight))
+
+
+class Linears(torch.overrides.TorchFunctionMode, Capture):
+    """Every ``F.linear`` of the call: its input and its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs, self.tensors = [], ()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.linear:
+            self.inputs.append(args[0])
+            self.tensors = (*self.tensors, out)
+        return out
+
+
+class GateRule(PerExampleRule):
+    whole_call = True
+
+    def capture(self, module, call):
+        return Linears()
+
+    def grads(self, module, uses):
+        return {"weight": sum(torch.einsum("bto,bti->boi", g, a) for use in uses
+                              for a, g in zip(use.inputs, use.grad_output))}
+
+
+def test_a_rule_of_ones_own_measures_from_a_capture_of_its_forward():
+    register_per_example_rule(Gate)(GateRule)
+    try:
+        torch.manual_seed(0)
+        assert_matches(nn.Sequential(Gate(3), nn.Tanh(), Gate(3)), torch.randn(B, 4, 3))
+    finally:
+        unregister_per_example_rule(Gate)

@@ -9,7 +9,8 @@ has cross terms, which the rules compute exactly.
 Register a rule for a layer of your own with :func:`register_per_example_rule`: a function
 ``(module, inputs, grad_output) -> {parameter name: (B, *parameter shape)}`` giving one use's
 per-example gradients is enough; a :class:`PerExampleRule` subclass can give the squared norms and
-per-coordinate sums more cheaply than from per-example gradients.
+per-coordinate sums more cheaply than from per-example gradients, and, with a :class:`Capture`, measure
+from tensors inside the module's forward.
 """
 
 from __future__ import annotations
