@@ -401,6 +401,13 @@ def test_multihead_attention_with_bias_kv_is_named_with_its_reason():
     assert "add_bias_kv" in plan.uncovered["0.in_proj_weight"]
 
 
+def test_without_redispatch_function_attention_is_named_not_measured(monkeypatch):
+    from trainvitals.core.per_example import attention
+
+    monkeypatch.setattr(attention, "_redispatch", None)  # a torch before torch.overrides.redispatch_function
+    assert "redispatch_function" in unsupported_reason(nn.MultiheadAttention(4, 2))
+
+
 def test_a_forward_that_raises_inside_a_capture_leaves_no_mode_behind():
     model = Attention(dropout=0.1).double()
     plan = plan_sources(model, groups_available=False, fallback=False)
