@@ -48,10 +48,10 @@ def _rows(t: Tensor | None, params: dict[int, str]) -> tuple[str, int] | None:
     if id(t) in params:
         return params[id(t)], 0
     base = t._base
-    if base is None or id(base) not in params or t.stride() != base.stride():
+    if base is None or id(base) not in params or t.stride() != base.stride() or t.shape[1:] != base.shape[1:]:
         return None
-    offset = t.storage_offset() - base.storage_offset()
-    return params[id(base)], offset // base.stride(0)
+    row, within = divmod(t.storage_offset() - base.storage_offset(), base.stride(0))
+    return (params[id(base)], row) if within == 0 else None
 
 
 class _Projections(TorchFunctionMode, Capture):
