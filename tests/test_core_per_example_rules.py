@@ -362,6 +362,24 @@ def test_transformer_layers_at_their_defaults_match_each_examples_gradient_in_it
     assert_matches_in_one_graph(Transformer(decoder, norm_first), torch.randn(B, 6, 8))  # T ≠ B: see feature_dims
 
 
+class SelfThenCross(nn.Module):
+    """One layer called twice: self-attention (q, k, v in one F.linear), then cross-attention to the first
+    positions (q and k = v in two), so its uses' blocks of in_proj_weight are split at other rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True, dropout=0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn(x, x, x, need_weights=False)[0]
+        return self.attn(h, x[:, :2], x[:, :2], need_weights=False)[0]
+
+
+def test_attention_called_as_self_and_cross_attention_is_measured_from_both_uses():
+    torch.manual_seed(0)
+    assert_matches_in_one_graph(SelfThenCross(), torch.randn(B, 4, 6))
+
+
 class CheckpointedAttention(nn.Module):
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
