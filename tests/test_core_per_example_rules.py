@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from _models import Scale
+from conftest import HostReads
 from trainvitals.core.per_example import (
     PER_EXAMPLE_LAYERS,
     Capture,
@@ -408,6 +409,28 @@ def test_attention_with_dropout_recomputed_by_checkpointing_is_measured_from_its
         steps.append(collector.pop())
     assert not steps[0].failed and not steps[1].failed
     torch.testing.assert_close(steps[1].sq_norms[0], steps[0].sq_norms[0], rtol=1e-12, atol=0)
+
+
+def test_the_capture_reads_nothing_on_the_host(monkeypatch):
+    """A step of a TransformerEncoderLayer with dropout, measured and added up (no pop): the collector adds no
+    host read (a sync on a device) to those the layer's own forward and backward make."""
+    torch.manual_seed(0)
+    model = Transformer(decoder=False).double()
+    x = torch.randn(B, 6, 8, dtype=torch.float64)
+    collector = PerExampleGradients(plan_sources(model, groups_available=False, fallback=False).per_example, {}, 2)
+    host = HostReads(monkeypatch)
+    counts = []
+    for attached in (False, True):
+        if attached:
+            collector.attach(coordinates=True, keep_norms=True)
+            collector.expect_batch(B)
+        host.watching, host.reads = "step", []
+        model(x).square().sum().backward()
+        if attached:
+            collector.end_micro_batch(1.0)
+        host.watching = None
+        counts.append(len(host.reads))
+    assert counts[1] == counts[0] and collector.pop().sq_norms[0].shape == (B,)
 
 
 def test_multihead_attention_with_bias_kv_is_named_with_its_reason():
