@@ -20,8 +20,9 @@ Opacus, Opacus ghost, BackPACK, bare, ...):
 Per layer: the median over repetitions of each tool's CPU time per step (``time.process_time``, one
 torch thread) as a ratio to the same repetition's bare step, and its extra time as a ratio to the
 layer's own backward. Exactness: the largest relative difference of the tool's ‖g_i‖² from a
-brute-force loop (one backward per example; with dropout, each example's loss through one forward of
-the batch, its masks drawn from the seed the tool's forward draws from), everything in float64.
+brute-force loop (one backward per example through one forward of the batch, from the same RNG state as
+the tool's forward: dropout's masks are the same where the tool's forward computes as the layer's does),
+everything in float64.
 
 End to end: a plain training loop (forward, mean loss, backward, Adam step) on the demo's digits CNN,
 small models of the layer families and the test zoo's architectures (tests/zoo.py: GPT, BERT, ResNets,
@@ -145,6 +146,8 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] =
         (lambda: SelfAttention(nn.MultiheadAttention(128, 4, batch_first=True)), (32, 64, 128), None),
     "MultiheadAttention 128, 4 heads, sequence-first, (64, 32, 128)":
         (lambda: SelfAttention(nn.MultiheadAttention(128, 4)), (32, 64, 128), None),
+    "MultiheadAttention 128, 4 heads, dropout 0.1, batch-first, (32, 64, 128)":
+        (lambda: SelfAttention(nn.MultiheadAttention(128, 4, dropout=0.1, batch_first=True)), (32, 64, 128), None),
     "RNN tanh 64→128, (32, 32, 64)": (lambda: Outputs(nn.RNN(64, 128, batch_first=True)), (32, 32, 64), None),
     "LSTM 64→128, (32, 32, 64)": (lambda: Outputs(nn.LSTM(64, 128, batch_first=True)), (32, 32, 64), None),
     "GRU 64→128, (32, 32, 64)": (lambda: Outputs(nn.GRU(64, 128, batch_first=True)), (32, 32, 64), None),
@@ -435,36 +438,16 @@ class BackPACK(Tool):
 TOOL_CLASSES = {t.name: t for t in (Bare, Forward, TrainVitals, Opacus, OpacusGhost, BackPACK)}
 
 
-#: The seed a model that draws dropout masks runs from, in the brute force and in each tool's measured step.
-DROPOUT_SEED = 5
-
-
-def draws_masks(module: nn.Module) -> bool:
-    """Whether ``module`` applies dropout in training (nn.Dropout, a recurrent layer's between its layers)."""
-    return module.training and any(
-        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-        or isinstance(m, nn.RNNBase) and m.dropout > 0 and m.num_layers > 1 for m in module.modules())
-
-
 def brute_force_sq_norms(module: nn.Module, loss: Loss, x: Tensor, target: Tensor) -> Tensor:
-    """‖g_i‖² of each example's own loss, one backward per example (``loss`` summed over the example); for a
-    model that draws dropout masks, each example's loss through one forward of the batch from
-    :data:`DROPOUT_SEED`, the masks the tools' forwards draw from it too."""
-    if draws_masks(module):
-        params = [p for p in module.parameters() if p.requires_grad]
-        torch.manual_seed(DROPOUT_SEED)
-        y = module(_requiring_grad(x))
-        return torch.stack([sum(g.double().square().sum() for g in torch.autograd.grad(
-            loss(y[i:i + 1], target[i:i + 1]), params, retain_graph=True, allow_unused=True, materialize_grads=True))
-            for i in range(x.shape[0])])
+    """‖g_i‖² of each example's own loss (``loss`` of its rows of the output), one backward per example
+    through the batch's one forward: a dropout layer's masks are the ones that forward drew."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    output = module(_requiring_grad(x))
     out = []
     for i in range(x.shape[0]):
-        _clear(module)
-        xi, ti = x[i:i + 1], target[i:i + 1]
-        value = loss(module(_requiring_grad(xi)), ti)
-        value.backward()
-        out.append(sum(p.grad.double().square().sum() for p in module.parameters() if p.grad is not None))
-    _clear(module)
+        grads = torch.autograd.grad(loss(output[i:i + 1], target[i:i + 1]), params, retain_graph=True,
+                                    allow_unused=True)
+        out.append(sum(g.double().square().sum() for g in grads if g is not None))
     return torch.stack(out)
 
 
@@ -482,6 +465,7 @@ def exactness(make: Callable[[], nn.Module], data: Data, loss: Loss, mean: bool,
     reference = make().double()
     x, t = data(batch, torch.float64, 1)
     t = t.double() if t.is_floating_point() else t
+    torch.manual_seed(1)  # each tool's forward below draws the same dropout masks as this one
     truth = brute_force_sq_norms(reference, loss, x, t)  # a one-example mean is the example's own loss
     out: dict[str, Any] = {}
     for name in PEERS:
@@ -494,7 +478,7 @@ def exactness(make: Callable[[], nn.Module], data: Data, loss: Loss, mean: bool,
                 if isinstance(run, str):
                     out[name] = run
                     break
-                torch.manual_seed(DROPOUT_SEED)  # a model that draws dropout masks: the brute force's
+                torch.manual_seed(1)
                 sq = _silenced(lambda: run(xd, td))
                 error = ((sq.double() - truth).abs() / truth).max().item()
                 out[name] = error if dtype == torch.float64 else f"float32 only: {error:.0e}"

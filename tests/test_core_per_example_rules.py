@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from _models import Scale
+from conftest import HostReads
 from trainvitals.core.per_example import (
     PER_EXAMPLE_LAYERS,
+    Capture,
     PerExampleGradients,
     PerExampleRule,
     plan_sources,
@@ -307,9 +309,10 @@ class Attention(nn.Module):
     """Self- or cross-attention on batch-first ``(B, T, 6)`` inputs, whatever the layer's layout."""
 
     def __init__(self, batch_first: bool = True, bias: bool = True, use_weights: bool = False, masks: bool = False,
-                 kdim: int | None = None) -> None:
+                 kdim: int | None = None, dropout: float = 0.0, add_zero_attn: bool = False) -> None:
         super().__init__()
-        self.attn = nn.MultiheadAttention(6, 2, bias=bias, batch_first=batch_first, kdim=kdim, vdim=kdim)
+        self.attn = nn.MultiheadAttention(6, 2, bias=bias, batch_first=batch_first, kdim=kdim, vdim=kdim,
+                                          dropout=dropout, add_zero_attn=add_zero_attn)
         self.memory = nn.Linear(6, kdim) if kdim else None
         self.use_weights, self.masks = use_weights, masks
 
@@ -326,10 +329,14 @@ class Attention(nn.Module):
         return out + weights.square().sum(-1, keepdim=True) if self.use_weights else out
 
 
-@pytest.mark.parametrize("options", [
-    {}, {"batch_first": False}, {"bias": False}, {"use_weights": True}, {"masks": True, "batch_first": False},
-    {"kdim": 4},
-], ids=["default", "sequence-first", "no-bias", "weights-in-the-loss", "masks", "kdim-vdim"])
+ATTENTION_OPTIONS = {
+    "default": {}, "sequence-first": {"batch_first": False}, "no-bias": {"bias": False},
+    "weights-in-the-loss": {"use_weights": True}, "masks": {"masks": True, "batch_first": False},
+    "kdim-vdim": {"kdim": 4}, "zero-attention": {"add_zero_attn": True},
+}
+
+
+@pytest.mark.parametrize("options", list(ATTENTION_OPTIONS.values()), ids=list(ATTENTION_OPTIONS))
 def test_multihead_attention_matches_brute_force(options):
     torch.manual_seed(0)
     model = Attention(**options)
@@ -337,12 +344,167 @@ def test_multihead_attention_matches_brute_force(options):
     assert_matches(model, torch.randn(B, 4, 6))
 
 
-def test_multihead_attention_with_dropout_is_named_with_its_reason():
-    model = nn.Sequential(nn.MultiheadAttention(4, 2, dropout=0.1))
+def assert_matches_in_one_graph(model: nn.Module, x: torch.Tensor) -> None:
+    """Against each example's gradient through the batch's own graph (one forward, its dropout masks drawn
+    once): ∇ of ℓ_i = ⟨model(x)_i, weights_i⟩ by ``torch.autograd.grad`` per example, in float64."""
+    torch.manual_seed(1)
+    model = model.double().train()
+    x = x.double()
+    assert not torch.equal(model(x), model(x))  # dropout draws masks: one forward per example would not do
+    weights = torch.randn_like(model(x))
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    assert not plan.uncovered
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    collector.expect_batch(len(x))  # sequence-first layers: the examples on dimension 1
+    terms = (model(x) * weights).flatten(1).sum(1)
+    terms.sum().backward(retain_graph=True)
+    collector.end_micro_batch(1.0)
+    collector.detach()
+    step = collector.pop()
+    assert not step.failed
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert set(plan.parameters("per_example")) == set(params)
+    per_example = [torch.autograd.grad(terms[i], list(params.values()), retain_graph=True) for i in range(len(x))]
+    truth = {n: torch.stack([g[j] for g in per_example]) for j, n in enumerate(params)}
+    expected = sum(g.flatten(1).square().sum(1) for g in truth.values())
+    torch.testing.assert_close(step.sq_norms[0], expected, rtol=1e-9, atol=1e-12)
+    for name, g in truth.items():
+        torch.testing.assert_close(step.grad_sum[name], g.sum(0), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(step.sum_sq[name], g.square().sum(0), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", list(ATTENTION_OPTIONS.values()), ids=list(ATTENTION_OPTIONS))
+def test_multihead_attention_with_dropout_matches_each_examples_gradient_in_its_graph(options):
+    torch.manual_seed(0)
+    assert_matches_in_one_graph(Attention(dropout=0.3, **options), torch.randn(B, 4, 6))
+
+
+class Transformer(nn.Module):
+    """nn.TransformerEncoderLayer or nn.TransformerDecoderLayer at their defaults (dropout 0.1, sequence-first)
+    on batch-first ``(B, T, 8)`` inputs; the decoder's memory is a Linear of the first positions."""
+
+    def __init__(self, decoder: bool, norm_first: bool = False) -> None:
+        super().__init__()
+        kind = nn.TransformerDecoderLayer if decoder else nn.TransformerEncoderLayer
+        self.layer = kind(8, 2, dim_feedforward=16, norm_first=norm_first)
+        self.memory = nn.Linear(8, 8) if decoder else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.transpose(0, 1)
+        if self.memory is None:
+            return self.layer(x).transpose(0, 1)
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[0], dtype=x.dtype)
+        return self.layer(x, self.memory(x[:3]), tgt_mask=causal).transpose(0, 1)
+
+
+@pytest.mark.parametrize("decoder, norm_first", [(False, False), (False, True), (True, False)],
+                         ids=["encoder", "encoder-norm-first", "decoder"])
+def test_transformer_layers_at_their_defaults_match_each_examples_gradient_in_its_graph(decoder, norm_first):
+    torch.manual_seed(0)
+    assert_matches_in_one_graph(Transformer(decoder, norm_first), torch.randn(B, 6, 8))  # T ≠ B: see feature_dims
+
+
+class SelfThenCross(nn.Module):
+    """One layer called twice: self-attention (q, k, v in one F.linear), then cross-attention to the first
+    positions (q and k = v in two), so its uses' blocks of in_proj_weight are split at other rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True, dropout=0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn(x, x, x, need_weights=False)[0]
+        return self.attn(h, x[:, :2], x[:, :2], need_weights=False)[0]
+
+
+def test_attention_called_as_self_and_cross_attention_is_measured_from_both_uses():
+    torch.manual_seed(0)
+    assert_matches_in_one_graph(SelfThenCross(), torch.randn(B, 4, 6))
+
+
+class CheckpointedAttention(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant, self.inner = reentrant, Attention(dropout=0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def test_attention_with_dropout_recomputed_by_checkpointing_is_measured_from_its_masks():
+    """Checkpointing recomputes the masks from the saved RNG state; the non-reentrant kind is measured from the
+    first run, the reentrant kind from the recomputation (the first ran without a graph): the same numbers."""
+    torch.manual_seed(0)
+    x = torch.randn(B, 4, 6)
+    assert_matches_in_one_graph(CheckpointedAttention(reentrant=False), x)  # autograd.grad: non-reentrant only
+    steps = []
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = CheckpointedAttention(reentrant).double()
+        plan = plan_sources(model, groups_available=False, fallback=False)
+        collector = PerExampleGradients(plan.per_example, {}, 2)
+        collector.attach(keep_norms=True)
+        torch.manual_seed(1)
+        model(x.double().requires_grad_()).square().sum().backward()
+        collector.end_micro_batch(1.0)
+        steps.append(collector.pop())
+    assert not steps[0].failed and not steps[1].failed
+    torch.testing.assert_close(steps[1].sq_norms[0], steps[0].sq_norms[0], rtol=1e-12, atol=0)
+
+
+def test_the_capture_reads_nothing_on_the_host(monkeypatch):
+    """A step of a TransformerEncoderLayer with dropout, measured and added up (no pop): the collector adds no
+    host read (a sync on a device) to those the layer's own forward and backward make."""
+    torch.manual_seed(0)
+    model = Transformer(decoder=False).double()
+    x = torch.randn(B, 6, 8, dtype=torch.float64)
+    collector = PerExampleGradients(plan_sources(model, groups_available=False, fallback=False).per_example, {}, 2)
+    host = HostReads(monkeypatch)
+    counts = []
+    for attached in (False, True):
+        if attached:
+            collector.attach(coordinates=True, keep_norms=True)
+            collector.expect_batch(B)
+        host.watching, host.reads = "step", []
+        model(x).square().sum().backward()
+        if attached:
+            collector.end_micro_batch(1.0)
+        host.watching = None
+        counts.append(len(host.reads))
+    assert counts[1] == counts[0] and collector.pop().sq_norms[0].shape == (B,)
+
+
+def test_multihead_attention_with_bias_kv_is_named_with_its_reason():
+    model = nn.Sequential(nn.MultiheadAttention(4, 2, add_bias_kv=True))
     plan = plan_sources(model, groups_available=False, fallback=True)
     assert not plan.per_example and not plan.vmap  # torch.func would not see a tuple output either
-    assert set(plan.uncovered) == {"0.in_proj_weight", "0.in_proj_bias", "0.out_proj.weight", "0.out_proj.bias"}
-    assert "dropout" in plan.uncovered["0.in_proj_weight"]
+    assert set(plan.uncovered) == {"0.in_proj_weight", "0.in_proj_bias", "0.bias_k", "0.bias_v", "0.out_proj.weight",
+                                   "0.out_proj.bias"}
+    assert "add_bias_kv" in plan.uncovered["0.in_proj_weight"]
+
+
+def test_without_redispatch_function_attention_is_named_not_measured(monkeypatch):
+    from trainvitals.core.per_example import attention
+
+    monkeypatch.setattr(attention, "_redispatch", None)  # a torch before torch.overrides.redispatch_function
+    assert "redispatch_function" in unsupported_reason(nn.MultiheadAttention(4, 2))
+
+
+def test_a_forward_that_raises_inside_a_capture_leaves_no_mode_behind():
+    model = Attention(dropout=0.1).double()
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach()
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # inside F.multi_head_attention_forward
+        model.attn(torch.randn(B, 4, 6, dtype=torch.float64), torch.randn(B, 4, 5, dtype=torch.float64),
+                   torch.randn(B, 4, 5, dtype=torch.float64))
+    assert torch._C._len_torch_function_stack() == 0
+    x = torch.randn(B, 4, 6, dtype=torch.float64)
+    model(x).sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed and step.sq_norms == [] and step.sq_norm_sum is not None
 
 
 def initial_states(rnn: nn.Module, x: torch.Tensor, states: int):
@@ -411,14 +573,18 @@ def float32_dropout_sums(model: nn.Module, x: torch.Tensor) -> dict[str, str]:
 
 def test_recurrent_dropout_in_float32_draws_the_forward_masks(monkeypatch):
     """float32 takes other kernels (oneDNN for the LSTM); masks from another state do not add up."""
-    from trainvitals.core.per_example.recurrent import RecurrentRule
+    from trainvitals.core.per_example import recurrent
 
     torch.manual_seed(0)
     x = torch.randn(B, 6, 3)
     for kind in (nn.LSTM, nn.GRU):
         model = Recurrent(kind, batch_first=True, initial_state=False, num_layers=3, dropout=0.5)
         assert float32_dropout_sums(model, x) == {}
-    monkeypatch.setattr(RecurrentRule, "before_call", lambda *_: torch.Generator().manual_seed(123).get_state())
+    def wrong_state(capture):  # the generator's state of another forward
+        capture.inputs = capture._call._replace(state=torch.Generator().manual_seed(123).get_state())
+        return capture
+
+    monkeypatch.setattr(recurrent._GeneratorState, "__enter__", wrong_state)
     assert set(float32_dropout_sums(model, x)) == {"rnn"}
 
 
@@ -700,3 +866,50 @@ def test_unregistering_a_rule_sends_the_layer_to_the_base_types_rule():
         unregister_per_example_rule(Wide)
     assert Wide not in registered_types() and rule_for(Wide(2, 2)) is rule_for(nn.Linear(2, 2))
     assert nn.Linear in PER_EXAMPLE_LAYERS and Wide not in PER_EXAMPLE_LAYERS
+
+
+class Gate(nn.Module):
+    """y = x ⊙ tanh(F.linear(x, W)): the weight's gradient is that of a linear inside the forward, which the
+    layer's input and output gradient do not give."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tanh(torch.nn.functional.linear(x, self.weight))
+
+
+class Linears(torch.overrides.TorchFunctionMode, Capture):
+    """Every ``F.linear`` of the call: its input and its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs, self.tensors = [], ()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.linear:
+            self.inputs.append(args[0])
+            self.tensors = (*self.tensors, out)
+        return out
+
+
+class GateRule(PerExampleRule):
+    whole_call = True
+
+    def capture(self, module, call):
+        return Linears()
+
+    def grads(self, module, uses):
+        return {"weight": sum(torch.einsum("bto,bti->boi", g, a) for use in uses
+                              for a, g in zip(use.inputs, use.grad_output))}
+
+
+def test_a_rule_of_ones_own_measures_from_a_capture_of_its_forward():
+    register_per_example_rule(Gate)(GateRule)
+    try:
+        torch.manual_seed(0)
+        assert_matches(nn.Sequential(Gate(3), nn.Tanh(), Gate(3)), torch.randn(B, 4, 3))
+    finally:
+        unregister_per_example_rule(Gate)

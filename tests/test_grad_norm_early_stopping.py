@@ -552,8 +552,8 @@ class _Attention(nn.Module):
     def __init__(self, vocab: int = 12, dim: int = 16) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        # Dropout keeps attention (most of the parameters) from per-example norms: a partly measured model.
-        self.attention = nn.MultiheadAttention(dim, 2, batch_first=True, dropout=0.1)
+        # add_bias_kv keeps attention (most of the parameters) from per-example norms: a partly measured model.
+        self.attention = nn.MultiheadAttention(dim, 2, batch_first=True, add_bias_kv=True)
         self.head = nn.Linear(dim, 3)
 
     def forward(self, tokens):

@@ -13,6 +13,7 @@ alone, so that it sees the masks the measured forward draws from the same seed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -218,6 +219,26 @@ class PackedLSTMClassifier(nn.Module):
         return self.fc(torch.cat([h[-2], h[-1]], 1))
 
 
+class TransformerLanguageModel(nn.Module):
+    """PyTorch's word-language-model example's TransformerModel: sinusoidal positions, nn.TransformerEncoder of
+    nn.TransformerEncoderLayer at its defaults (dropout 0.1 in attention, feed-forward and residuals; post-LN;
+    sequence-first) under a causal mask, a decoder Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Embedding(VOCAB, D)
+        position = torch.arange(T).unsqueeze(1) * torch.exp(torch.arange(0, D, 2) * (-math.log(10000.0) / D))
+        self.register_buffer("pe", torch.stack([position.sin(), position.cos()], -1).flatten(1).unsqueeze(1))
+        self.dropout = nn.Dropout(0.1)
+        self.transformer = nn.TransformerEncoder(nn.TransformerEncoderLayer(D, 2, 2 * D), 2, enable_nested_tensor=False)
+        self.decoder = nn.Linear(D, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.dropout(self.encoder(tokens.t()) * math.sqrt(D) + self.pe[:tokens.shape[1]])  # (T, B, D)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], dtype=x.dtype)
+        return self.decoder(self.transformer(x, mask=mask, is_causal=True)).transpose(0, 1)  # (B, T, VOCAB)
+
+
 class ViT(nn.Module):
     """timm's VisionTransformer without a class token (global average pooling): patch Conv2d, a learned
     position table, pre-LN blocks, final LayerNorm, head."""
@@ -324,6 +345,7 @@ ZOO: dict[str, Entry] = {
     "gru_language_model": Entry(GRULanguageModel, _tokens, token_loss),
     "word_language_model_dropout": Entry(RNNModel, _tokens, token_loss, random=True),
     "lstm_classifier_packed": Entry(PackedLSTMClassifier, _padded_tokens, F.cross_entropy),
+    "transformer_dropout": Entry(TransformerLanguageModel, _tokens, token_loss, random=True),
     "vit": Entry(ViT, _images, F.cross_entropy, "pos_embed"),
     "mixer_rmsnorm": Entry(Mixer, _images, F.cross_entropy),
     "unet_conv_transpose": Entry(UNet, lambda b: (torch.randn(b, 2, 8, 8), torch.randn(b, 1, 8, 8)), F.mse_loss),

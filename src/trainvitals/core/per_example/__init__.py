@@ -36,6 +36,7 @@ from trainvitals.core.per_example.loss_reduction import LossReduction, detect_lo
 from trainvitals.core.per_example.plan import SourcePlan, plan_sources
 from trainvitals.core.per_example.registry import (
     Call,
+    Capture,
     PerExampleRule,
     Use,
     per_example_sq_norms,
@@ -51,8 +52,8 @@ from trainvitals.core.per_example.registry import (
 PER_EXAMPLE_LAYERS = tuple(t for t in registered_types() if t.__module__.startswith("torch."))
 
 __all__ = [
-    "PER_EXAMPLE_LAYERS", "Call", "LossReduction", "PerExampleGradients", "PerExampleRule", "PerExampleStep",
-    "SourcePlan", "Use", "Workspace", "detect_loss_reduction", "per_example_sq_norms", "per_example_sums",
-    "plan_sources", "register_per_example_rule", "registered_types", "rule_for", "unregister_per_example_rule",
-    "unsupported_reason", "vmap_per_example_grads",
+    "PER_EXAMPLE_LAYERS", "Call", "Capture", "LossReduction", "PerExampleGradients", "PerExampleRule",
+    "PerExampleStep", "SourcePlan", "Use", "Workspace", "detect_loss_reduction", "per_example_sq_norms",
+    "per_example_sums", "plan_sources", "register_per_example_rule", "registered_types", "rule_for",
+    "unregister_per_example_rule", "unsupported_reason", "vmap_per_example_grads",
 ]

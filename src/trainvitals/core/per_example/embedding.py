@@ -12,6 +12,34 @@ from trainvitals.core.per_example._common import Workspace, _accumulation_dtype
 from trainvitals.core.per_example.registry import PerExampleRule, Use, register_per_example_rule
 
 
+#: Why a lookup shared by the batch's examples is not measured.
+SHARED_LOOKUP = ("a lookup shared by the batch's examples (position ids (1, T) or arange(T)): its output is "
+                 "broadcast against the examples, so its gradient arrives summed over them")
+
+
+#: Why a lookup with 1-D ids of another length than the batch is not measured (a position table, most often).
+POSITION_IDS = ("it is looked up with {ids} ids for a batch of {batch}, not one per example: a position table "
+                "looked up with arange(T) is shared by all examples in the batch, so its gradient arrives summed "
+                "over them")
+
+
+def _shared_by_batch(indices: Tensor, batch: int | None) -> bool | Tensor:
+    """Whether a lookup's indices are shared by the ``batch`` examples rather than theirs: one row ``(1, *)``,
+    or ``arange(batch)`` (nanoGPT's ``wpe(torch.arange(T))`` with T = B). A 1-D call of B integer indices
+    (nanoGPT's with T = B, or a recommender's per-example ids) is compared on the device: the answer is a
+    ``()`` bool tensor, read when the step is decided.
+
+    Its output would have to be replaced by one expanded to the examples for per-example gradients; a
+    diagnostic never changes the model's outputs."""
+    if batch in (None, 1) or indices.is_floating_point():
+        return False
+    if indices.dim() >= 2:
+        return indices.shape[0] == 1
+    if indices.dim() != 1 or indices.shape[0] != batch:
+        return False
+    return (indices == torch.arange(batch, device=indices.device)).all()
+
+
 def _embedding_rows(module: nn.Embedding, uses: Sequence[Use]) -> tuple[Tensor, Tensor, Tensor]:
     """Rows of the per-example Embedding gradients, repeated tokens (in any of the uses) summed, without a
     host sync.

@@ -25,8 +25,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _trainable
+from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
-from trainvitals.core.per_example.registry import Call, PerExampleRule, Use, _output_grads, _rule
+from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
 from trainvitals.core.per_example.tied import measure_tied
 
 
@@ -40,34 +41,6 @@ def _reentrant_recomputation() -> bool:
     (non-reentrant checkpointing recomputes calls whose first run had one)."""
     node = torch._C._current_autograd_node()
     return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
-
-
-#: Why a lookup shared by the batch's examples is not measured.
-SHARED_LOOKUP = ("a lookup shared by the batch's examples (position ids (1, T) or arange(T)): its output is "
-                 "broadcast against the examples, so its gradient arrives summed over them")
-
-
-#: Why a lookup with 1-D ids of another length than the batch is not measured (a position table, most often).
-POSITION_IDS = ("it is looked up with {ids} ids for a batch of {batch}, not one per example: a position table "
-                "looked up with arange(T) is shared by all examples in the batch, so its gradient arrives summed "
-                "over them")
-
-
-def _shared_by_batch(indices: Tensor, batch: int | None) -> bool | Tensor:
-    """Whether a lookup's indices are shared by the ``batch`` examples rather than theirs: one row ``(1, *)``,
-    or ``arange(batch)`` (nanoGPT's ``wpe(torch.arange(T))`` with T = B). A 1-D call of B integer indices
-    (nanoGPT's with T = B, or a recommender's per-example ids) is compared on the device: the answer is a
-    ``()`` bool tensor, read when the step is decided.
-
-    Its output would have to be replaced by one expanded to the examples for per-example gradients; a
-    diagnostic never changes the model's outputs."""
-    if batch in (None, 1) or indices.is_floating_point():
-        return False
-    if indices.dim() >= 2:
-        return indices.shape[0] == 1
-    if indices.dim() != 1 or indices.shape[0] != batch:
-        return False
-    return (indices == torch.arange(batch, device=indices.device)).all()
 
 
 def _recomputing_task() -> int | None:
@@ -141,7 +114,9 @@ class PerExampleGradients:
     it anyway) and puts a hook on the output; when the output gradients of all the module's calls in
     the forward (its *uses*) have arrived, its rule (:mod:`.registry`) adds the per-example squared
     norms (and, if requested, the per-coordinate sums of squares) into running device tensors, and the
-    references go. A module called several times is measured from all its uses together: its
+    references go. A ``whole_call`` rule with a :meth:`~.registry.PerExampleRule.capture` is entered in a
+    forward pre-hook and gets, in place of the call's outputs, the tensors it kept from inside the forward.
+    A module called several times is measured from all its uses together: its
     per-example gradient is their sum. Modules that share a parameter (an embedding tied to the output
     layer) are measured together (:mod:`.tied`). A
     module recomputed in backward by ``torch.utils.checkpoint`` is measured once: from its first run,
@@ -171,11 +146,11 @@ class PerExampleGradients:
         self._rules = {name: _rule(module) for name, module in self.per_example.items()}
         self._names, self._groups = self._parameter_names()
         self._handles: list[RemovableHandle] = []
+        self._captures: dict[str, list[Any]] = {}  # per module, the captures of its calls still running
         self._workspace = Workspace()  # the conv patches and blocks of every layer and step
         self._coordinates: dict[str, slice] = {}  # qualified parameter name: its rows to sum
         self._keep_norms = False
         self._replaying = False
-        self._before: dict[str, Any] = {}  # per module, what its rule kept before its latest call
         self._reset_micro_batch()
         self._step = PerExampleStep()
 
@@ -231,11 +206,12 @@ class PerExampleGradients:
             coordinates = dict.fromkeys(self._names.values(), slice(None))
         self._coordinates, self._keep_norms = dict(coordinates or {}), keep_norms
         for name, module in self.per_example.items():
+            whole_call = self._rules[name].whole_call  # a capture is left also when the forward raises
+            if whole_call:
+                pre_hook = functools.partial(self._enter_capture, name)
+                self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             hook = functools.partial(self._forward, name)
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-            if type(self._rules[name]).before_call is not PerExampleRule.before_call:
-                hook = functools.partial(self._before_call, name)
-                self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=whole_call))
         for name, module in self.vmap.items():
             hook = functools.partial(self._forward_vmap, name)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
@@ -280,26 +256,40 @@ class PerExampleGradients:
             return False
         return self._check_batch(name, batch)
 
-    def _before_call(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not torch.compiler.is_compiling():
-            self._before[name] = self._rules[name].before_call(module, args, kwargs)
+    def _enter_capture(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Enter the rule's :meth:`~.registry.PerExampleRule.capture` of this call, if it has one and the call
+        may be measured; one entry per call (``None`` for none), left by :meth:`_forward`."""
+        if torch.compiler.is_compiling():
+            return
+        capture = None
+        if not (self._replaying or name in self._step.failed or not torch.is_grad_enabled()
+                or (_recomputing() and not _reentrant_recomputation())):
+            capture = self._rules[name].capture(module, Call(args, kwargs))
+        if capture is not None:
+            capture.__enter__()
+        self._captures.setdefault(name, []).append(capture)
 
     def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
         if torch.compiler.is_compiling():
             return  # a hook's work inside a compiled function would break its graph: the call goes unseen
+        rule = self._rules[name]
+        capture = self._captures[name].pop() if rule.whole_call and self._captures.get(name) else None
+        if capture is not None:
+            capture.__exit__(None, None, None)
         if self._replaying or name in self._step.failed:
             return
-        rule = self._rules[name]
         if _recomputing() and not _reentrant_recomputation():
             return  # non-reentrant checkpointing's recomputation of a call measured from its first run
         if rule.whole_call:
-            leaves = [t if isinstance(t, Tensor) and t.requires_grad else None for t in tree_leaves(output)]
+            leaves = [t if isinstance(t, Tensor) and t.requires_grad else None
+                      for t in (tree_leaves(output) if capture is None or capture.tensors is None else capture.tensors)]
             tensors = [t for t in leaves if t is not None]
             if not tensors:
                 return
-            inputs: Any = Call(args, kwargs, self._before.pop(name, None))
-            batch = rule.batch_size(module, inputs)
+            call = Call(args, kwargs)
+            inputs: Any = capture.inputs if capture is not None and capture.inputs is not None else call
+            batch = rule.batch_size(module, call)
             if batch < 0:
                 self._step.failed[name] = "its input holds no batch of examples its rule can read (an unbatched input?)"
                 return

@@ -16,7 +16,7 @@ Dropout between layers (training, ``num_layers > 1``) is recomputed with the for
 torch's CPU recurrence (aten's ``_rnn_impl``, and oneDNN's for float32 LSTMs) draws each of them as
 ``empty_like(layer_output).bernoulli_(1 - p)`` from the default generator, the layers' outputs time-major
 ``(T, B, D)``, one after another and nothing else in between. A forward pre-hook keeps the generator's
-state (:meth:`RecurrentRule.before_call`), and the rule draws the same masks again from a copy of it,
+state (:meth:`RecurrentRule.capture`), and the rule draws the same masks again from a copy of it,
 leaving the generator where it is. Should a torch version draw otherwise, the probe's check that the
 per-example gradients add up to ``.grad`` fails the layer. cuDNN draws its masks from a state of its own:
 not measured on CUDA.
@@ -34,7 +34,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from trainvitals.core.per_example._common import _accumulation_dtype
 from trainvitals.core.per_example.factored import Factor, FactoredRule, Outer, _stack_uses
-from trainvitals.core.per_example.registry import Call, Use, register_per_example_rule
+from trainvitals.core.per_example.registry import Call, Capture, Use, register_per_example_rule
 
 #: Why a recurrent layer with dropout between its layers is not measured on a GPU.
 CUDNN_DROPOUT = ("dropout between recurrent layers on CUDA: cuDNN draws its masks from a random state of its own, "
@@ -79,6 +79,17 @@ def _drops_out(module: nn.Module) -> bool:
     return module.training and module.dropout > 0 and module.num_layers > 1
 
 
+class _GeneratorState(Capture):
+    """The call, with the default generator's state as it entered the forward."""
+
+    def __init__(self, call: Call) -> None:
+        self._call = call
+
+    def __enter__(self) -> Capture:
+        self.inputs = self._call._replace(state=torch.get_rng_state())
+        return self
+
+
 def _cell(module: nn.Module, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """One time step from the pre-activations: the new hidden state (and cell state, for an LSTM)."""
     if isinstance(module, nn.LSTM):
@@ -104,12 +115,12 @@ class RecurrentRule(FactoredRule):
 
     whole_call = True
 
-    def before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
-        """The CPU generator's state, which the call's dropout masks between layers are drawn from."""
-        x = _steps(Call(args, kwargs))
+    def capture(self, module: nn.Module, call: Call) -> Capture | None:
+        """The CPU generator's state before the call, which its dropout masks between layers are drawn from."""
+        x = _steps(call)
         if not _drops_out(module) or not isinstance(x, Tensor) or x.device.type != "cpu":
             return None
-        return torch.get_rng_state()
+        return _GeneratorState(call)
 
     def batch_size(self, module: nn.Module, call: Call) -> int:
         x = _input(call)

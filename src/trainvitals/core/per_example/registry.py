@@ -9,7 +9,8 @@ has cross terms, which the rules compute exactly.
 Register a rule for a layer of your own with :func:`register_per_example_rule`: a function
 ``(module, inputs, grad_output) -> {parameter name: (B, *parameter shape)}`` giving one use's
 per-example gradients is enough; a :class:`PerExampleRule` subclass can give the squared norms and
-per-coordinate sums more cheaply than from per-example gradients.
+per-coordinate sums more cheaply than from per-example gradients, and, with a :class:`Capture`, measure
+from tensors inside the module's forward.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from trainvitals.core.per_example._common import Workspace, _accumulation_dtype,
 
 class Call(NamedTuple):
     """A module call's positional and keyword arguments, for rules with ``whole_call``, and what its rule's
-    :meth:`PerExampleRule.before_call` kept from just before it."""
+    :class:`Capture` kept from just before it (``state``: the random generator's, for recurrent dropout)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
@@ -35,13 +36,38 @@ class Use(NamedTuple):
     """One call of a module in a forward, as its rule sees it.
 
     Attributes:
-        inputs: the first positional argument, batch first; for a rule with ``whole_call``, the :class:`Call`.
+        inputs: the first positional argument, batch first; for a rule with ``whole_call``, the :class:`Call`;
+            for one with a :meth:`PerExampleRule.capture`, its :attr:`Capture.inputs`.
         grad_output: the gradient of the back-propagated loss w.r.t. the output, batch first; for a rule
-            with ``whole_call``, a tuple over the output's tensors (``None`` where the loss does not use one).
+            with ``whole_call``, a tuple over the output's tensors (``None`` where the loss does not use one);
+            for one with a capture, over its :attr:`Capture.tensors`.
     """
 
     inputs: Any
     grad_output: Any
+
+
+class Capture:
+    """What a rule keeps of one call of its module from inside the module's forward
+    (:meth:`PerExampleRule.capture`): the hooks enter it in the module's forward pre-hook and leave it in
+    its forward hook (also when the forward raises), on the thread that runs the forward.
+
+    Attributes (read after it is left):
+        inputs: the call's :attr:`Use.inputs` for the rule; ``None``: the :class:`Call`.
+        tensors: tensors the forward computed whose gradients the rule needs, in place of the call's
+            outputs: :attr:`Use.grad_output` is the tuple of their gradients (``None`` for one that does not
+            require grad or that the loss does not reach). They arrive during backward, after the
+            gradients of the module's outputs, when the last of them is computed. ``None``: the outputs'.
+    """
+
+    inputs: Any = None
+    tensors: tuple[Tensor | None, ...] | None = None
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 class PerExampleRule:
@@ -66,12 +92,6 @@ class PerExampleRule:
         """Why this ``module`` (its configuration) has no exact rule; ``None`` if it has."""
         return None
 
-    def before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """What a ``whole_call`` rule needs from just before a call of ``module`` (the random generator's
-        state its dropout masks are drawn from), handed to it as :attr:`Call.state`; ``None``: nothing.
-        A rule that overrides this gets a forward pre-hook."""
-        return None
-
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """The trainable parameters the rule measures, by name relative to ``module`` (its own, by default;
         a rule may cover a child that its module's forward uses without calling it)."""
@@ -90,6 +110,12 @@ class PerExampleRule:
         """The examples of a ``whole_call`` rule's call (the first tensor argument's first dimension)."""
         first = next((a for a in call.args if isinstance(a, Tensor)), None)
         return first.shape[0] if first is not None and first.dim() else -1
+
+    def capture(self, module: nn.Module, call: Call) -> Capture | None:
+        """For a ``whole_call`` rule that measures from tensors inside its module's forward (attention's
+        projections, whose inputs and output gradients its outputs do not show): a :class:`Capture` of
+        this ``call``; ``None`` (the default): the call's arguments and output gradients."""
+        return None
 
     def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
         """Per-example gradients ``{name: (B, *shape)}`` of :meth:`parameters`, summed over ``uses``."""
