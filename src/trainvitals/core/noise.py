@@ -222,7 +222,7 @@ class BiasCorrectedEMA:
 
     @property
     def value(self) -> Tensor:
-        correction = 1.0 - torch.pow(self.beta, self.count)
+        correction = 1.0 - torch.pow(self.beta, self.count.to(self._ema.dtype))  # an integer power would be float32
         return torch.where(self.count > 0, self._ema / correction, 0.0)
 
     def state_dict(self) -> dict[str, Any]:
