@@ -26,7 +26,7 @@ from trainvitals import GradNormMonitor
 from trainvitals.callbacks import grad_norm_monitor as monitor_module
 from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
-from trainvitals.core.noise import NoiseScaleEMA
+from trainvitals.core.noise import NoiseScaleEMA, gradient_snr
 from trainvitals.core.per_example import PerExampleGradients
 
 
@@ -146,21 +146,26 @@ def test_estimates_match_brute_force_in_training(kind):
     logged = last_logged(logger)
     for layer in {n.rpartition(".")[0] for n in per_example}:
         parts = [per_example[n] for n in per_example if n.rpartition(".")[0] == layer]
-        snr = torch.cat([(g.mean(0).square() / (g.var(0) + 1e-5)).flatten() for g in parts])
+        snr = torch.cat([brute_gsnr(g).flatten() for g in parts])
         assert rel(logged[f"grad_noise/gsnr/net.{layer}"], float(snr.mean())) < 1e-5
-    snr_all = torch.cat([(g.mean(0).square() / (g.var(0) + 1e-5)).flatten() for g in per_example.values()])
+    snr_all = torch.cat([brute_gsnr(g).flatten() for g in per_example.values()])
     assert rel(logged["grad_noise/eb_criterion"], float(1 - 8 * snr_all.mean())) < 1e-5
     # The floor's tr Σ is that of the 8 training examples (finite-population correction, N = 8): S·7/8.
     assert math.isclose(logged["grad_norm/noise_floor"], math.sqrt(float(trace) * 7 / 8 / 8), rel_tol=1e-5)
     assert math.isclose(logged["grad_noise/batch_grad_var/full_batch"], float(trace) * 7 / 8 / 8, rel_tol=1e-5)
 
 
+def brute_gsnr(g: torch.Tensor) -> torch.Tensor:
+    """GSNR_d of one parameter from its per-example gradients ``(B, *shape)`` themselves: ḡ_d²/σ̂_d², σ̂_d² floored
+    as ``core.noise.gradient_snr`` floors it (tested against the closed form in test_core_noise)."""
+    return gradient_snr(g.mean(0), g.square().sum(0), g.shape[0])
+
+
 def layer_gsnr(per_example: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Each layer's mean over its coordinates of ḡ²/(unbiased variance + 1e-5), by GSNR tag."""
+    """Each layer's mean over its coordinates of :func:`brute_gsnr`, by GSNR tag."""
     parts: dict[str, list[torch.Tensor]] = {}
     for n, g in per_example.items():
-        parts.setdefault(f"grad_noise/gsnr/net.{n.rpartition('.')[0]}", []).append(
-            (g.mean(0).square() / (g.var(0) + 1e-5)).flatten())
+        parts.setdefault(f"grad_noise/gsnr/net.{n.rpartition('.')[0]}", []).append(brute_gsnr(g).flatten())
     return {tag: float(torch.cat(p).mean()) for tag, p in parts.items()}
 
 

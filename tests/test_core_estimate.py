@@ -361,6 +361,35 @@ def test_coverage_of_the_norm_does_not_bound_the_unmeasured_noise_when_the_signa
     assert h["unmeasured_trace_share"] == pytest.approx(0.05 / 0.95 * (1 + 64 * 0.01 / 8.0)) and h["decisive"]
 
 
+def test_the_unmeasured_noise_bound_holds_for_batches_drawn_without_replacement():
+    """Worst case, brute force: 8 examples, batches of 4 drawn without replacement; 2 unmeasured coordinates
+    are pure noise (mean 0 over the population). E‖ḡ_m‖², E‖ḡ_u‖² and E of the estimators over all 70 batches;
+    the unmeasured tr Σ is then exactly the bound, which without the factor (N − B)/(N − 1) = 4/7 is too small
+    (0.66 against 0.92 here)."""
+    import itertools
+
+    g = torch.Generator().manual_seed(0)
+    grads = torch.randn(8, 5, generator=g, dtype=torch.float64)
+    grads[:, :3] += 0.4
+    grads[:, 3:] -= grads[:, 3:].mean(0)
+    batches = [list(b) for b in itertools.combinations(range(8), 4)]
+    mean_sq = [grads[b].mean(0).square() for b in batches]
+    measured, unmeasured = (sum(float(m[part].sum()) for m in mean_sq) / len(batches) for part in (slice(0, 3), slice(3, 5)))
+    # the estimators over the measured part: the unmeasured coordinates' share of ‖ḡ‖² is what coverage leaves out
+    pairs_m = [per_example_estimates(grads[b][:, :3].square().sum(), grads[b][:, :3].mean(0).square().sum(), 4)
+               for b in batches]
+    g_m, s_m = (sum(float(p[i]) for p in pairs_m) / len(pairs_m) for i in (0, 1))
+    noise, src = GradientNoise(), NoiseSource("probe", 0.5, param_share=0.6)
+    src.effective_batch_size, noise.population = 4, 8
+    noise.attach(src)
+    for _ in range(30):
+        src.update(*(torch.tensor(v, dtype=torch.float64) for v in (g_m, s_m)),
+                   covered_sq_norm=torch.tensor(measured, dtype=torch.float64),
+                   total_sq_norm=torch.tensor(measured + unmeasured, dtype=torch.float64))
+    true_share = float(((grads[:, 3:] ** 2).sum(1)).mean() / ((grads[:, :3] - grads[:, :3].mean(0)) ** 2).sum(1).mean())
+    assert noise.host_summary()["unmeasured_trace_share"] == pytest.approx(true_share, rel=1e-9)
+
+
 def _population(offset: float) -> tuple[torch.Tensor, float, float]:
     """Per-example gradients of a linear regression at ``offset`` from its optimum (D + 1 coordinates): the
     population of the noisy calibration, its ‖G‖² and tr Σ by brute force."""

@@ -135,9 +135,8 @@ def test_per_example_statistics_match_brute_force(kind, scratch_bytes, monkeypat
     g2, trace = per_example_estimates(step.sq_norm_sum, batch_sq, B)
     assert rel_close(trace, truth_trace) and rel_close(g2, truth_g2)
 
-    # per-layer GSNR and the EB criterion, with the unbiased per-coordinate variance and ε = 1e-5
-    variance = {n: g.var(0, unbiased=True) for n, g in per_example.items()}
-    snr = {n: per_example[n].mean(0).square() / (variance[n] + 1e-5) for n in per_example}
+    # per-layer GSNR and the EB criterion from the examples' own mean and Σg² (the formula: test_core_noise)
+    snr = {n: gradient_snr(g.mean(0), g.square().sum(0), B) for n, g in per_example.items()}
     for n in per_example:
         assert rel_close(gradient_snr(mean_grad[n], step.sum_sq[n], B), snr[n]), n
     truth_eb = 1 - B * sum(s.sum() for s in snr.values()) / sum(s.numel() for s in snr.values())

@@ -32,9 +32,6 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-GSNR_EPS = 1e-5  # Cockpit's ε in the variance denominator (quantities/early_stopping.py, mean_gsnr.py)
-
-
 def two_batch_size_estimates(
     group_sq_norm_mean: Tensor, batch_sq_norm: Tensor, num_groups: int, group_size: int
 ) -> tuple[Tensor, Tensor]:
@@ -77,21 +74,27 @@ def coordinate_variance(mean_grad: Tensor, sum_sq: Tensor, num_examples: int) ->
     return ((sum_sq - num_examples * mean_grad.square()) / (num_examples - 1)).clamp_min(0.0)
 
 
-def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, eps: float = GSNR_EPS) -> Tensor:
-    """Per-coordinate gradient signal-to-noise ratio ḡ_d²/(σ̂_d² + ε) (Liu et al. 2020), the shape of ``mean_grad``.
+def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, level: Tensor | None = None) -> Tensor:
+    """Per-coordinate gradient signal-to-noise ratio ḡ_d²/σ̂_d² (Liu et al. 2020), the shape of ``mean_grad``.
 
-    σ̂_d² is the unbiased variance of :func:`coordinate_variance` (Cockpit's MeanGSNR uses the biased
-    one); ε = 1e-5 as in Cockpit, in squared per-example gradient units. Average over a layer's
-    coordinates for the layer's GSNR.
+    σ̂_d² is the unbiased variance of :func:`coordinate_variance` (Cockpit's MeanGSNR uses the biased one),
+    floored at the parameter's rounding level eps · mean_d Σ_i g_{i,d}²/(B − 1) (``level``: that mean, by
+    default over ``sum_sq``): the ratio stays scale-invariant (a loss multiplied by c leaves it as it is,
+    unlike Cockpit's absolute ε = 1e-5), and a coordinate whose gradients are rounding noise (a key bias,
+    which softmax makes 0) or that no example reaches has GSNR ≈ 0. Average over a layer's coordinates
+    for the layer's GSNR.
     """
-    return mean_grad.square() / (coordinate_variance(mean_grad, sum_sq, num_examples) + eps)
+    finfo = torch.finfo(sum_sq.dtype)
+    level = sum_sq.mean(dtype=torch.float64) if level is None else level
+    floor = (level * (finfo.eps / (num_examples - 1))).to(sum_sq.dtype).clamp_min(finfo.tiny)
+    return mean_grad.square() / torch.maximum(coordinate_variance(mean_grad, sum_sq, num_examples), floor)
 
 
 SNR_CHUNK = 2**20  # coordinates per chunk of :func:`gradient_snr_sum`: a few MiB of temporaries at any size
 
 
-def gradient_snr_sum(grad_sum: Tensor, sum_sq: Tensor, num_examples: int, eps: float = GSNR_EPS) -> Tensor:
-    """Σ_d ḡ_d²/(σ̂_d² + ε) over the coordinates of Σ_i g_i and Σ_i g_i² of B examples: ``()`` float64.
+def gradient_snr_sum(grad_sum: Tensor, sum_sq: Tensor, num_examples: int) -> Tensor:
+    """Σ_d ḡ_d²/σ̂_d² (:func:`gradient_snr`) over the coordinates of Σ_i g_i and Σ_i g_i² of B examples: ``()`` float64.
 
     Computed in chunks of :data:`SNR_CHUNK` coordinates in the sums' own dtype, each chunk's sum in
     float64: temporaries of a few MiB however large the layer, no float64 copy of it. float32 is exact
@@ -99,25 +102,27 @@ def gradient_snr_sum(grad_sum: Tensor, sum_sq: Tensor, num_examples: int, eps: f
     rounding of each term adds a relative error of ~1e-7 to it.
     """
     total = torch.zeros((), dtype=torch.float64, device=grad_sum.device)
+    level = sum_sq.mean(dtype=torch.float64)
     for g, s in zip(grad_sum.reshape(-1).split(SNR_CHUNK), sum_sq.reshape(-1).split(SNR_CHUNK)):
-        total += gradient_snr(g / num_examples, s, num_examples, eps).sum(dtype=torch.float64)
+        total += gradient_snr(g / num_examples, s, num_examples, level).sum(dtype=torch.float64)
     return total
 
 
 def eb_criterion_of_snr_sums(snr_sums: Iterable[Tensor], num_examples: Iterable[int], num_coordinates: int) -> Tensor:
-    """The evidence-based stopping criterion 1 − (1/D) Σ_d B ḡ_d²/(σ̂_d² + ε) (Mahsereci et al. 2017, Eq. 7)
+    """The evidence-based stopping criterion 1 − (1/D) Σ_d B ḡ_d²/σ̂_d² (Mahsereci et al. 2017, Eq. 7)
     from each part's :func:`gradient_snr_sum` and its B; D = ``num_coordinates`` of all parts. ``()`` float64."""
     total = functools.reduce(torch.add, (n * s for s, n in zip(snr_sums, num_examples)))
     return 1.0 - total / num_coordinates
 
 
 def eb_criterion(
-    mean_grads: Iterable[Tensor], sum_sqs: Iterable[Tensor], num_examples: Iterable[int], eps: float = GSNR_EPS
+    mean_grads: Iterable[Tensor], sum_sqs: Iterable[Tensor], num_examples: Iterable[int]
 ) -> Tensor:
-    """The evidence-based stopping criterion 1 − (1/D) Σ_d B ḡ_d²/(σ̂_d² + ε) (Mahsereci et al. 2017, Eq. 7).
+    """The evidence-based stopping criterion 1 − (1/D) Σ_d B ḡ_d²/σ̂_d² (Mahsereci et al. 2017, Eq. 7), σ̂_d² floored
+    as in :func:`gradient_snr`.
 
-    Positive: the batch gradient is indistinguishable from noise, stop. ε as in Cockpit's
-    ``quantities/early_stopping.py``. Parts may come from different numbers of examples B.
+    Positive: the batch gradient is indistinguishable from noise, stop. Parts may come from different numbers
+    of examples B.
 
     Args:
         mean_grads, sum_sqs: per parameter, ḡ and Σ_i g_i², matching shapes.
@@ -126,7 +131,7 @@ def eb_criterion(
     Returns:
         ``()`` float64.
     """
-    parts = [(gradient_snr_sum(mean_grad * n, sum_sq, n, eps), n, mean_grad.numel())
+    parts = [(gradient_snr_sum(mean_grad * n, sum_sq, n), n, mean_grad.numel())
              for mean_grad, sum_sq, n in zip(mean_grads, sum_sqs, num_examples)]
     if not parts:
         raise ValueError("`mean_grads` must not be empty")
@@ -217,7 +222,7 @@ class BiasCorrectedEMA:
 
     @property
     def value(self) -> Tensor:
-        correction = 1.0 - torch.pow(self.beta, self.count)
+        correction = 1.0 - torch.pow(self.beta, self.count.to(self._ema.dtype))  # an integer power would be float32
         return torch.where(self.count > 0, self._ema / correction, 0.0)
 
     def state_dict(self) -> dict[str, Any]:
