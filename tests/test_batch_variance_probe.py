@@ -313,7 +313,8 @@ def test_fallback_sources_match_their_formulas(source):
     precision, tolerance = ("32-true", 1e-4) if source == "micro_batches" else ("64-true", 1e-6)
     fit(module, as_float32(data) if precision == "32-true" else data, [probe], batch_size=batch_size, steps=1,
         accumulate=accumulate, precision=precision)
-    assert ("micro-batches/ranks" if source == "micro_batches" else "torch.func vmap") in probe.sources
+    assert ("micro-batches/ranks" if source == "micro_batches" else "torch.func vmap on a sub-batch of 4 examples") \
+        in probe.sources
     per_example = brute_force(module.net.double(), *data.tensors)
     linear = torch.cat([g.flatten(1) for n, g in per_example.items() if not n.startswith("0.")], 1)
     trace = (linear - linear.mean(0)).square().sum() / 15
@@ -1146,6 +1147,28 @@ def test_the_step_that_finds_a_shared_position_table_is_measured_without_it(styl
     assert rel(coverage, float(flat.mean(0).square().sum() / everything.mean(0).square().sum())) < 1e-5 < 1 - coverage
     torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64), flat.norm(dim=1).sort().values,
                                rtol=1e-5, atol=0)
+
+
+class NoisyScale(nn.Module):
+    """A layer of one's own with dropout inside its forward: torch.func cannot draw the batch's masks again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x * self.weight, 0.5, self.training)
+
+
+def test_a_random_forward_measured_by_torch_func_is_named_with_what_would_make_it_exact():
+    probe = BatchVarianceProbe()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(nn.Sequential(NoisyScale(), nn.Linear(5, 3)).double()), classification_data("mlp", 16), [probe],
+            batch_size=8, steps=2)
+    (message,) = [m for m in _probe_warnings(record) if "net.0" in m]
+    assert "draws random numbers" in message and "nn.Dropout module outside it" in message
+    assert "randomness flag" not in message and probe._excluded == {"net.0"}
 
 
 class DirectWeightNet(nn.Module):

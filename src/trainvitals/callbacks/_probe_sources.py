@@ -74,7 +74,7 @@ class ProbeSources:
         trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
         measured = {id(p): p for ps in self.params.values() for p in ps}
         self.param_share = sum(p.numel() for p in measured.values()) / max(sum(p.numel() for p in trainable.values()), 1)
-        self.description = plan.describe(pl_module)
+        self.description = plan.describe(pl_module, fallback_sub_batch)
         if plan.coupled:
             layers = ", ".join(plan.coupled)  # the plan's coverage line gives the reason once, for its own tensors
             self.description += (f". BatchNorm ({layers}) couples the examples, so every parameter is measured from "
@@ -148,7 +148,7 @@ class ProbeSources:
         rank of ``ranks``), where each is measured from the next step on, and what the sources now cover."""
         def where(name: str) -> str:
             if name in self.plan.vmap:
-                return "it is measured by torch.func on a sub-batch"
+                return f"it is measured by torch.func on a sub-batch of {self.collector.sub_batch} examples"
             if any(not name or p == name or p.startswith(f"{name}.") for p in self.plan.micro_batch):
                 return "it is measured from micro-batches and ranks"
             return ("it is left to micro-batches and ranks, which this run does not have (accumulate_grad_batches "

@@ -11,6 +11,11 @@ from torch import Tensor, nn
 from trainvitals.core.per_example._common import _trainable
 
 
+#: Why a module whose forward draws random numbers has no torch.func per-example gradients.
+RANDOM_FORWARD = ("its forward draws random numbers (F.dropout inside it?), which torch.func cannot draw per example "
+                  "as the batch's forward drew them; dropout as an nn.Dropout module outside it would leave it exact")
+
+
 def vmap_per_example_grads(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_output: Tensor
 ) -> dict[str, Tensor]:
@@ -31,6 +36,9 @@ def vmap_per_example_grads(
 
     Returns:
         ``{local parameter name: (B, *parameter shape)}``.
+
+    Raises:
+        RuntimeError: :data:`RANDOM_FORWARD` for a forward that draws random numbers; torch.func's own otherwise.
     """
     params = {n: p.detach() for n, p in _trainable(module).items()}
     batch = grad_output.shape[0]
@@ -42,4 +50,9 @@ def vmap_per_example_grads(
         _, pullback = torch.func.vjp(lambda q: torch.func.functional_call(module, q, batched, dict(kwargs)), params)
         return pullback(grad.unsqueeze(0))[0]
 
-    return torch.func.vmap(one_example, in_dims=(*in_dims, 0))(*args, grad_output)
+    try:
+        return torch.func.vmap(one_example, in_dims=(*in_dims, 0))(*args, grad_output)
+    except RuntimeError as err:
+        if "randomness" in str(err):
+            raise RuntimeError(RANDOM_FORWARD) from err
+        raise

@@ -50,8 +50,9 @@ class SourcePlan:
                     out[m][f"{m}.{n}" if m else n] = p
         return out
 
-    def describe(self, model: nn.Module) -> str:
-        """One line naming each source, its layers and its share of the trainable parameters."""
+    def describe(self, model: nn.Module, sub_batch: int | None = None) -> str:
+        """One line naming each source, its layers and its share of the trainable parameters (with ``sub_batch``,
+        the examples per step of the torch.func source)."""
         total = sum(p.numel() for p in model.parameters() if p.requires_grad) or 1
 
         def share(params: Iterable[nn.Parameter]) -> str:
@@ -70,7 +71,8 @@ class SourcePlan:
         if self.micro_batch:
             parts.append(f"micro-batches/ranks: {len(self.micro_batch)} tensors ({share(self.micro_batch.values())})")
         if self.vmap:
-            parts.append(f"torch.func vmap on a sub-batch: {kinds(self.vmap)} "
+            of = f" of {sub_batch} examples" if sub_batch else ""
+            parts.append(f"torch.func vmap on a sub-batch{of}: {kinds(self.vmap)} "
                          f"({share(self.parameters('vmap').values())})")
         if self.uncovered:  # each reason with the tensors it keeps out, by name (the first few)
             by_reason: dict[str, list[str]] = {}
