@@ -4,13 +4,18 @@ every trainable parameter, in float64 (core.per_example.layout)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+import lightning.pytorch as pl
+from conftest import HostReads, RecordingLogger
+from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
 from trainvitals.core.per_example import Layouts, PerExampleGradients, plan_sources
 
 B, V, D = 5, 11, 8
@@ -237,3 +242,85 @@ def test_a_relative_position_bias_at_T_other_than_B_is_named_as_shared():
     assert set(step.failed) == {"bias"}
     assert "ids (7, 7) have no dimension of the batch (5)" in step.failed["bias"]
     assert "relative-position bias" in step.failed["bias"]
+
+
+# ------------------------------------------------------------------ in training
+class LM(pl.LightningModule):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return per_example_losses(self.net, *batch).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def probe_fit(net: nn.Module, ids: torch.Tensor, y: torch.Tensor, steps: int = 1, **options: Any):
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, **options)
+    trainer = pl.Trainer(max_steps=steps, callbacks=[probe], logger=RecordingLogger(), log_every_n_steps=1,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                         accelerator="cpu", devices=1, num_sanity_val_steps=0, precision="64-true")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(LM(net), DataLoader(TensorDataset(ids, y), batch_size=ids.shape[0] // steps))
+    return probe, trainer, [str(w.message) for w in record if "trainvitals" in str(w.message)]
+
+
+def true_trace(net: nn.Module, ids: torch.Tensor, y: torch.Tensor, skip: tuple[str, ...] = ()) -> float:
+    g = brute_force(net, ids, y, skip)
+    return float((g - g.mean(0)).square().sum() / (g.shape[0] - 1))
+
+
+@pytest.mark.parametrize("copy, sequence_first", [(False, None), (True, True), (True, None)],
+                         ids=["batch-view", "override", "no-evidence"])
+def test_the_probe_measures_a_sequence_first_model_at_T_equal_B(copy, sequence_first):
+    """tr(Σ) of Embedding → Linear on (T, B), T = B, against brute force: exact when the ids are the batch's,
+    transposed, or with ``sequence_first=True``; without either, taken batch-first and said once."""
+    net = make(TinySequenceFirst, copy)
+    ids, y = data(net, B)
+    probe, _, said = probe_fit(net, ids, y, sequence_first=sequence_first)
+    assumed = [m for m in said if "taken batch-first" in m]
+    if copy and sequence_first is None:
+        assert len(assumed) == 1 and "net.emb, net.dec" in assumed[0] and "sequence_first=True" in assumed[0]
+    else:
+        assert not assumed
+        assert abs(float(probe.noise.trace_cov) / true_trace(net, ids, y) - 1) < 1e-5
+
+
+def test_a_batch_first_gpt_at_T_equal_B_is_measured_without_a_warning_or_host_read(monkeypatch):
+    """nanoGPT with block = batch: its token ids are the batch's, which shows every layer batch-first. Exact,
+    no layout warning, and no host read but at logging steps (every 2nd)."""
+    net = make(GPT, B)
+    ids, y = data(net, B, b=2 * B)
+    truth = true_trace(net, ids[B:], y[B:], skip=("wpe",))  # the second step, without the position table
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, log_every_n_steps=2, ema_beta=0.0)
+    host = HostReads(monkeypatch)
+    host.watch(probe, ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"))
+    trainer = pl.Trainer(max_steps=2, callbacks=[probe], logger=RecordingLogger(), enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                         num_sanity_val_steps=0, precision="64-true")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(LM(net), DataLoader(TensorDataset(ids, y), batch_size=B))
+    monkeypatch.undo()
+    assert {step for step, _ in host.reads} <= {0}
+    said = [str(w.message) for w in record if "trainvitals" in str(w.message)]
+    assert not [m for m in said if "batch-first" in m or "sequence_first" in m], said
+    assert set(probe._excluded) == {"net.wpe"}  # the position table, arange(T): shared by the batch
+    assert not probe._layouts.assumed
+    assert abs(float(probe.noise.trace_cov) / truth - 1) < 1e-5  # ema_beta 0: the last step's
+
+
+def test_the_probe_keeps_its_layouts_over_re_plans_and_starts_afresh_each_fit():
+    net = make(TinySequenceFirst)
+    ids, y = data(net, B)
+    probe, trainer, _ = probe_fit(net, ids, y)
+    layouts = probe._layouts
+    assert probe._sources.collector.layouts is layouts and layouts._seen == {"net.emb": {1}}
+    probe._make_plan(trainer, trainer.lightning_module)
+    assert probe._sources.collector.layouts is layouts and layouts._seen == {"net.emb": {1}}
+    probe.setup(trainer, trainer.lightning_module, "fit")
+    assert probe._layouts is not layouts and probe._sources.collector.layouts is probe._layouts
+    assert not probe._layouts._seen
