@@ -5,6 +5,7 @@ every trainable parameter, in float64 (core.per_example.layout)."""
 from __future__ import annotations
 
 import warnings
+from collections import UserDict
 from typing import Any
 
 import pytest
@@ -196,6 +197,51 @@ def test_a_sequence_first_model_at_T_equal_B_is_exact_with_evidence(how):
         longer, y_longer = data(model, B + 1)
         assert_exact(collect(model, longer, y_longer, layouts), brute_force(model, longer, y_longer))
     assert_exact(collect(model, ids, y, layouts, batch=(ids, y)), brute_force(model, ids, y))
+    assert not layouts.assumed
+
+
+def test_a_batch_first_gpt_at_T_equal_B_is_shown_by_its_token_ids_in_any_batch_container():
+    """nanoGPT with block = batch: the token ids are the batch's (here in a ``UserDict``, as an HF
+    ``BatchEncoding``), which shows every other layer batch-first; exact, nothing assumed."""
+    model = make(GPT, B)
+    ids, y = data(model, B)
+    layouts = Layouts(model)
+    step = collect(model, ids, y, layouts, batch=UserDict(input_ids=ids, labels=y))
+    assert set(step.failed) == {"wpe"}  # looked up with arange(T): shared by the batch
+    step.failed.clear()
+    assert_exact(step, brute_force(model, ids, y, skip=("wpe",)))
+    assert not layouts.assumed and layouts._seen == {"wte": {0}}
+
+
+def test_a_channels_last_layer_with_H_equal_B_is_not_taken_for_a_sequence():
+    """ConvNeXt's block: LayerNorm and Linear on (B, H, W, C) with H = B, beside a sequence-first LSTM that
+    declares the other layout: batch-first, exact, nothing assumed."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.norm, self.fc = nn.Conv2d(2, D, 3, padding=1), nn.LayerNorm(D), nn.Linear(D, 3)
+            self.rnn = nn.LSTM(3, 3)  # unused by the forward: its batch_first=False is all it says
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.norm(self.conv(x).permute(0, 2, 3, 1))).mean((1, 2))
+
+    model = make(Block)
+    x, y = torch.randn(B, 2, B, 3, dtype=torch.float64), torch.randint(0, 3, (B,))
+    layouts = Layouts(model)
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients({n: m for n, m in plan.per_example.items() if n != "rnn"}, {}, 2, layouts)
+    collector.attach(keep_norms=True)
+    collector.begin_micro_batch()
+    collector.expect_batch(B)
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    collector.end_micro_batch(1.0)
+    collector.detach()
+    step = collector.pop()
+    params = [p for n, p in model.named_parameters() if not n.startswith("rnn")]
+    truth = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)]) for i in range(B)])
+    assert_exact(step, truth)
     assert not layouts.assumed
 
 

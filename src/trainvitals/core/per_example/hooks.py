@@ -316,7 +316,7 @@ class PerExampleGradients:
                 return
             features, moved = rule.feature_dims(module), False
             if features is not None and self._batch_size is not None and inputs.dim() - features >= 2:
-                examples = self.layouts.examples(name, inputs, self._batch_size, rule.broadcast_batch,
+                examples = self.layouts.examples(name, inputs, features, self._batch_size, rule.broadcast_batch,
                                                  tied=len(self._groups[name]) > 1)
                 if examples.failed:
                     self._step.failed[name] = examples.failed

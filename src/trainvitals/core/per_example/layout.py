@@ -16,7 +16,9 @@ per-position norms with no error. The evidence, in this order (:meth:`Layouts.ex
 5. what the other layers' own evidence (2, 3) showed this fit, when it agrees.
 
 Evidence that disagrees fails the layer for the step, saying the shape and the fix; without any, the input
-is taken batch-first and the layer is listed in :attr:`Layouts.assumed`, to be said once. Square ``(B, B)`` ids
+is taken batch-first and the layer is listed in :attr:`Layouts.assumed`, to be said once. An input with more
+dimensions before its features, ``(B, H, W, C)`` into a channels-last Linear or LayerNorm with H = B, is not a
+sequence: 4 and 5 do not apply, and without 1–3 it is batch-first, unsaid. Square ``(B, B)`` ids
 of an embedding not shown per example by 1–3 are also compared on the device with relative-position
 buckets (T5's bias: constant along each diagonal), which are shared by the batch. Host-side only (shapes,
 strides, storages), but for that comparison, read where a logging step decides the step.
@@ -24,12 +26,13 @@ strides, storages), but for that comparison, read where a logging step decides t
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 
 #: The modules whose layout is that of the attention layers inside them (they pass their input straight in).
 _TRANSFORMER_BLOCKS = (nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer,
@@ -92,6 +95,23 @@ def _view_dim(inputs: Tensor, batch: list[weakref.ref[Tensor]]) -> int | None:
     return None
 
 
+def _tensors(batch: Any) -> Iterator[Tensor]:
+    """The tensors of a batch: in its mappings (a dict, an HF ``BatchEncoding``), sequences and dataclasses."""
+    todo, seen = [batch], set()
+    while todo:
+        item = todo.pop()
+        if isinstance(item, Tensor):
+            yield item
+        elif id(item) not in seen and not isinstance(item, (str, bytes)):
+            seen.add(id(item))
+            if isinstance(item, Mapping):
+                todo.extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                todo.extend(item)
+            elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+                todo.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+
+
 def _relative_positions(ids: Tensor) -> Tensor:
     """``()`` bool: whether square 2-D ids are constant along each diagonal and not constant, as buckets of the
     relative position j − i are."""
@@ -117,6 +137,7 @@ class Layouts:
         self.assumed: dict[str, tuple[tuple[int, ...], int]] = {}
         self._said: set[str] = set()
         self._seen: dict[str, set[int]] = {}  # per layer, the examples' dimensions its own evidence showed
+        self._showing: dict[int, dict[str, None]] = {}  # per dimension, the layers whose evidence showed it
         self._batch: list[weakref.ref[Tensor]] = []
         self._scopes: dict[str, dict[str, int]] = {}  # per module: it and its children that declare, their dim
         if model is not None:
@@ -134,8 +155,12 @@ class Layouts:
     def see_batch(self, batch: Any, size: int) -> None:
         """The coming micro-batch's tensors of ``size`` examples (weakly held): a layer fed a view of one shows
         its layout."""
-        self._batch = [weakref.ref(t) for t in tree_leaves(batch)
-                       if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[0] == size]
+        self._batch = [weakref.ref(t) for t in _tensors(batch) if t.dim() >= 2 and t.shape[0] == size]
+
+    def _show(self, name: str, dim: int) -> Examples:
+        self._seen.setdefault(name, set()).add(dim)
+        self._showing.setdefault(dim, {})[name] = None
+        return Examples(dim, shown=True)
 
     def _scope(self, name: str) -> dict[str, int]:
         """The declaring modules of ``name``'s nearest enclosing module (itself first) that has any."""
@@ -146,22 +171,24 @@ class Layouts:
                 return {}
             name = name.rpartition(".")[0]
 
-    def examples(self, name: str, inputs: Tensor, batch: int, lookup: bool = False, tied: bool = False) -> Examples:
-        """Where the examples of layer ``name``'s call on ``inputs`` (at least 2 dimensions before the features)
-        are, for a batch of ``batch``; ``lookup``: an embedding's ids; ``tied``: it shares its parameter."""
+    def examples(self, name: str, inputs: Tensor, features: int, batch: int, lookup: bool = False,
+                 tied: bool = False) -> Examples:
+        """Where the examples of layer ``name``'s call on ``inputs`` are, for a batch of ``batch``; ``features``:
+        its trailing feature dimensions (at least 2 before them); ``lookup``: an embedding's ids; ``tied``: it
+        shares its parameter."""
         first, second = inputs.shape[0] == batch, inputs.shape[1] == batch
         if first != second:
-            self._seen.setdefault(name, set()).add(int(second))
-            return Examples(int(second), shown=True)
+            return self._show(name, int(second))
         if not first:
             return Examples(failed=NO_BATCH.format(shape=tuple(inputs.shape), batch=batch) if lookup else None)
-        found = self._ambiguous(name, inputs, batch)
+        found = self._ambiguous(name, inputs, batch, sequence=inputs.dim() - features == 2)
         if lookup and not found.shown and not tied and inputs.dim() == 2 and not found.failed:
             return Examples(found.dim, relative=_relative_positions(inputs))
         return found
 
-    def _ambiguous(self, name: str, inputs: Tensor, batch: int) -> Examples:
-        """Examples for an input with the batch on both of its first two dimensions: the evidence in order."""
+    def _ambiguous(self, name: str, inputs: Tensor, batch: int, sequence: bool) -> Examples:
+        """Examples for an input with the batch on both of its first two dimensions: the evidence in order
+        (``sequence``: ``(·, ·, *features)``, which 4 and 5 may say sequence-first)."""
         def fail(why: str) -> Examples:
             return Examples(failed=AMBIGUOUS.format(shape=tuple(inputs.shape), batch=batch, why=why))
 
@@ -169,25 +196,23 @@ class Layouts:
             return Examples(int(self.sequence_first))
         view = _view_dim(inputs, self._batch)
         if view is not None:
-            self._seen.setdefault(name, set()).add(view)
-            return Examples(view, shown=True)
+            return self._show(name, view)
         own = self._seen.get(name, set())
         if len(own) > 1:
             return fail("its own calls had the examples first at some steps and second at others")
         if own:
             return Examples(next(iter(own)), shown=True)
+        if not sequence:
+            return Examples(0)
         declared = self._scope(name)
         if len(set(declared.values())) == 1:
             return Examples(next(iter(declared.values())))
-        others: dict[int, list[str]] = {}
-        for layer, dims in self._seen.items():
-            for dim in dims:
-                others.setdefault(dim, []).append(layer)
+        others = self._showing
         if len(others) == 1:
             return Examples(next(iter(others)))
         if others:
             return fail("the other layers' inputs showed both layouts (" + "; ".join(
-                f"{_LAYOUTS[d]}: {', '.join(sorted(others[d])[:3])}" for d in sorted(others)) + ")")
+                f"{_LAYOUTS[d]}: {', '.join(list(others[d])[:3])}" for d in sorted(others)) + ")")
         if declared:
             return fail("the batch_first modules around it disagree (" + ", ".join(
                 f"{m or 'the model'}: {_LAYOUTS[d]}" for m, d in sorted(declared.items())) + ")")
