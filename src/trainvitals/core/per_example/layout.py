@@ -86,7 +86,8 @@ def _view_dim(inputs: Tensor, batch: list[weakref.ref[Tensor]]) -> int | None:
         storage = inputs.untyped_storage().data_ptr()
         for ref in batch:
             t = ref()
-            if t is not None and t.device == inputs.device and t.untyped_storage().data_ptr() == storage:
+            if t is not None and t.device == inputs.device and t.stride(0) \
+                    and t.untyped_storage().data_ptr() == storage:
                 dims = [d for d in (0, 1) if inputs.stride(d) == t.stride(0)]
                 if len(dims) == 1:
                     return dims[0]
