@@ -1,5 +1,6 @@
 """Tensor helpers the per-example rules share: accumulation dtype, reused buffers, squared norms and the
-sums of outer products Σ_t δ_t a_tᵀ that Linear, convolutions and attention projections reduce to."""
+sums of outer products Σ_t δ_t a_tᵀ that Linear, convolutions and attention projections reduce to; the
+running sums and the rounding tolerance of the hooks' sums check."""
 
 from __future__ import annotations
 
@@ -107,3 +108,11 @@ def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
     if dtype == torch.float32:
         return 1e-2 if device.type == "cuda" else 1e-3
     return 1e-1
+
+
+def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
+    """``into[name] += value``, in place after the first: a running sum of a large layer is never copied."""
+    if name in into:
+        into[name].add_(value)
+    else:
+        into[name] = value

@@ -24,29 +24,13 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _tolerance, _trainable
+from trainvitals.core.per_example._checkpoint import _recomputing, _recomputing_task, _reentrant_recomputation
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _tolerance, _trainable
 from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
 from trainvitals.core.per_example.layout import Layouts
 from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
 from trainvitals.core.per_example.tied import measure_tied
-
-
-def _recomputing() -> bool:
-    """Whether a forward runs inside a backward: ``torch.utils.checkpoint`` recomputing a segment."""
-    return torch._C._current_autograd_node() is not None
-
-
-def _reentrant_recomputation() -> bool:
-    """Whether a forward is reentrant checkpointing's recomputation, the only run of its calls with a graph
-    (non-reentrant checkpointing recomputes calls whose first run had one)."""
-    node = torch._C._current_autograd_node()
-    return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
-
-
-def _recomputing_task() -> int | None:
-    """The backward that recomputes this forward (checkpointing), ``None`` outside a backward."""
-    return torch._C._current_graph_task_id() if _recomputing() else None
 
 
 @dataclass
@@ -88,14 +72,6 @@ class PerExampleStep:
     undecided_counted: dict[str, Tensor] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
-
-
-def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
-    """``into[name] += value``, in place after the first: a running sum of a large layer is never copied."""
-    if name in into:
-        into[name].add_(value)
-    else:
-        into[name] = value
 
 
 class PerExampleGradients:
