@@ -46,8 +46,8 @@ class Spec:
     context: dict[str, Any] = field(default_factory=dict)  # other arguments a valid draw needs
 
 
-def Bool() -> Spec:
-    return Spec("bool")
+def Bool(none_ok: bool = False) -> Spec:
+    return Spec("bool", none_ok=none_ok)
 
 
 def Int(low: int, high: int = MAX_INT, none_ok: bool = False, none_deprecated: bool = False, **context: Any) -> Spec:
@@ -96,6 +96,7 @@ SPECS: dict[str, dict[str, Spec]] = {
         "fallback_sub_batch": Int(2),
         "max_rel_err": Float(0.0, low_open=True),
         "top_k": Int(0),
+        "sequence_first": Bool(none_ok=True),
         "strict": Bool(),
     },
     "LRScalingAdvisor": {
@@ -216,7 +217,7 @@ def _wrong_value(spec: Spec) -> st.SearchStrategy[Any]:
 def _valid(spec: Spec) -> st.SearchStrategy[Any]:
     none = [st.none()] if spec.none_ok else []
     if spec.kind == "bool":
-        return st.booleans()
+        return st.one_of(st.booleans(), *none)
     if spec.kind == "int":
         ints = st.integers(int(spec.low), int(spec.high))
         return st.one_of(ints, ints.map(float), st.sampled_from([int(spec.low), int(spec.high)]), *none)
@@ -260,7 +261,7 @@ def _assert_message(err: Exception, name: str, spec: Spec) -> None:
         assert all(repr(c) in message for c in spec.choices), message
     elif spec.kind == "bool":
         assert "bool" in message, message
-    if spec.none_ok and spec.kind in ("int", "float"):
+    if spec.none_ok and spec.kind in ("int", "float", "bool"):
         assert "or None" in message, message
 
 

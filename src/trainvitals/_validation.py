@@ -42,10 +42,12 @@ def _refuse(error: type[Exception], name: str, accepts: str, value: Any, none_ok
     return error(f"`{name}` must be {accepts}{' or None' if none_ok else ''}, got {_got(value)}")
 
 
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is ``True`` or ``False``; TypeError naming ``name`` otherwise."""
+def check_bool(name: str, value: Any, none_ok: bool = False) -> bool | None:
+    """``value`` if it is ``True`` or ``False`` (or ``None`` when ``none_ok``); TypeError naming ``name`` otherwise."""
+    if value is None and none_ok:
+        return None
     if not isinstance(value, bool):
-        raise _refuse(TypeError, name, "a bool (True or False)", value, False)
+        raise _refuse(TypeError, name, "a bool (True or False)", value, none_ok)
     return value
 
 

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import MicroBatchSquaredNorms
-from trainvitals.core.per_example import PerExampleGradients, PerExampleStep, plan_sources
+from trainvitals.core.per_example import Layouts, PerExampleGradients, PerExampleStep, plan_sources
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
 COUPLED = "per-example gradients through BatchNorm in training mode are not independent draws"
@@ -34,6 +34,7 @@ class ProbeSources:
         fallback: allow torch.func per-example gradients (source 3).
         excluded: layers measured another way (they failed per example).
         fallback_sub_batch: examples per step for source 3.
+        layouts: the fit's evidence on which dimension holds the examples where T = B (kept over its plans).
 
     Attributes:
         plan: the :class:`~trainvitals.core.per_example.SourcePlan`.
@@ -46,7 +47,7 @@ class ProbeSources:
     """
 
     def __init__(self, pl_module: "pl.LightningModule", groups: bool, fallback: bool, excluded: set[str],
-                 fallback_sub_batch: int) -> None:
+                 fallback_sub_batch: int, layouts: Layouts) -> None:
         regions, hooked = compiled_modules(pl_module)
         compiled = ["" if c == ROOT else c for c in regions]
         self.plan = plan_sources(pl_module, groups, fallback, excluded, compiled)
@@ -54,7 +55,8 @@ class ProbeSources:
             self.plan = plan_sources(pl_module, groups, fallback,
                                      {*excluded, *self.plan.per_example, *self.plan.vmap}, compiled)
         plan = self.plan
-        self.collector = PerExampleGradients(plan.per_example, plan.vmap, fallback_sub_batch)
+        layouts.declare(pl_module)
+        self.collector = PerExampleGradients(plan.per_example, plan.vmap, fallback_sub_batch, layouts)
         self.micro = MicroBatchSquaredNorms()
         # A forward pre-hook counts a BatchNorm's values; inside a compiled region its mode is read instead.
         hookable = {id(m) for m in hooked}

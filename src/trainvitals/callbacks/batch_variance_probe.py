@@ -37,7 +37,7 @@ from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource,
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
 from trainvitals.core.outliers import largest_examples
-from trainvitals.core.per_example import PerExampleStep, SourcePlan, detect_loss_reduction
+from trainvitals.core.per_example import Layouts, PerExampleStep, SourcePlan, detect_loss_reduction
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
 COORDINATE_BUDGET = 2**21  # per-coordinate sums per logging step: 16 MiB of float32 Σg and Σg²
@@ -135,6 +135,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
         max_rel_err: relative standard error of B_simple above which it is flagged unreliable and gives
             no noise-aware advice (> 0; 0.5 keeps the advised lrs within about ×1.5).
         top_k: outlying examples reported per histogram (≥ 0).
+        sequence_first: where a Linear, Embedding or norm layer's input has the batch on both of its first two
+            dimensions (T = B): ``True``, sequence-first ``(T, B, ...)``; ``False``, batch-first ``(B, T, ...)``;
+            ``None``, from the evidence of :mod:`trainvitals.core.per_example.layout` (the model's ``batch_first``
+            modules, an input that is a view of the batch, the layer's steps with T ≠ B), else batch-first, said once.
         strict: raise instead of warning when the probe cannot measure.
 
     Raises:
@@ -156,6 +160,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         fallback_sub_batch: int = 16,
         max_rel_err: float = 0.5,
         top_k: int = 5,
+        sequence_first: bool | None = None,
         strict: bool = False,
     ) -> None:
         super().__init__()
@@ -174,6 +179,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.fallback_sub_batch = check_int("fallback_sub_batch", fallback_sub_batch, 2)
         self.max_rel_err = check_float("max_rel_err", max_rel_err, 0.0, low_open=True)
         self.top_k = check_int("top_k", top_k, 0)
+        self.sequence_first = check_bool("sequence_first", sequence_first, none_ok=True)
         self.strict = check_bool("strict", strict)
         # The argument names it had before the renaming, so that older checkpoints still load.
         self.key_state_by(every_n_steps=self.measure_every_n_steps, beta=self.ema_beta)
@@ -211,6 +217,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("_gsnr_partial", {}, key="gsnr_partial")  # per GSNR key: Σ GSNR and coordinates of the pass
         self.add_state("_batches", MicroBatches, persistent=False)  # those of the step being measured
         self.add_state("_stated_reduction", "", persistent=False)
+        # Which dimension holds the examples where T = B: what the fit's calls showed, kept over its plans.
+        self.add_state("_layouts", functools.partial(Layouts, sequence_first=self.sequence_first), persistent=False)
         self.gradient_noise.attach(self.noise_source)
 
     @property
@@ -318,7 +326,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
     def _make_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._detach_hooks()
         self._sources = sources = ProbeSources(pl_module, self._groups_per_step(trainer) >= 2, self.fallback,
-                                               self._excluded, self.fallback_sub_batch)
+                                               self._excluded, self.fallback_sub_batch, self._layouts)
         self.sources, self.noise_source.param_share = sources.description, sources.param_share
         self._coordinate_cursor, self._gsnr_partial = 0, {}
         self._coordinates = ModuleCoordinates(sources.plan.parameters("per_example"), sources.plan.parameters("vmap"),
@@ -358,7 +366,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._batches.unsized |= size is None
             self._batch_size = size or 0
             if size:
-                self._sources.collector.expect_batch(size)
+                self._sources.collector.expect_batch(size, batch)
             if self._histogram_every is not None and step % self._histogram_every == 0:
                 self._batches.rows.append(dataset_rows(trainer, batch, batch_idx, size) if size else None)
 
@@ -422,6 +430,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         sources = self._sources
         assert sources is not None
         result = sources.collector.pop(decide=False)
+        if note := self._layouts.assumed_note():
+            self.warn(note + ".", once=True)
         if is_logging_step(step, self._log_every) or self._log_every is None:
             # 1-D ids compared with arange(B) on the device, read at a step that syncs anyway (else: `sum_over_ranks`)
             sources.collector.decide(result)

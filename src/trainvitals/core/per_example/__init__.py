@@ -32,6 +32,7 @@ from trainvitals.core.per_example import (  # noqa: F401 - register their rules
 from trainvitals.core.per_example._common import Workspace
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
 from trainvitals.core.per_example.hooks import PerExampleGradients, PerExampleStep
+from trainvitals.core.per_example.layout import Layouts
 from trainvitals.core.per_example.loss_reduction import LossReduction, detect_loss_reduction
 from trainvitals.core.per_example.plan import SourcePlan, plan_sources
 from trainvitals.core.per_example.registry import (
@@ -52,7 +53,7 @@ from trainvitals.core.per_example.registry import (
 PER_EXAMPLE_LAYERS = tuple(t for t in registered_types() if t.__module__.startswith("torch."))
 
 __all__ = [
-    "PER_EXAMPLE_LAYERS", "Call", "Capture", "LossReduction", "PerExampleGradients", "PerExampleRule",
+    "PER_EXAMPLE_LAYERS", "Call", "Capture", "Layouts", "LossReduction", "PerExampleGradients", "PerExampleRule",
     "PerExampleStep", "SourcePlan", "Use", "Workspace", "detect_loss_reduction", "per_example_sq_norms",
     "per_example_sums", "plan_sources", "register_per_example_rule", "registered_types", "rule_for",
     "unregister_per_example_rule", "unsupported_reason", "vmap_per_example_grads",

@@ -13,8 +13,9 @@ from trainvitals.core.per_example.registry import PerExampleRule, Use, register_
 
 
 #: Why a lookup shared by the batch's examples is not measured.
-SHARED_LOOKUP = ("a lookup shared by the batch's examples (position ids (1, T) or arange(T)): its output is "
-                 "broadcast against the examples, so its gradient arrives summed over them")
+SHARED_LOOKUP = ("a lookup shared by the batch's examples (position ids (1, T) or arange(T), relative-position "
+                 "buckets (T, T)): its output is broadcast against the examples, so its gradient arrives summed "
+                 "over them")
 
 
 #: Why a lookup with 1-D ids of another length than the batch is not measured (a position table, most often).

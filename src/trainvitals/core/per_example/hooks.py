@@ -24,28 +24,13 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _trainable
+from trainvitals.core.per_example._checkpoint import _recomputing, _recomputing_task, _reentrant_recomputation
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _tolerance, _trainable
 from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
+from trainvitals.core.per_example.layout import Layouts
 from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
 from trainvitals.core.per_example.tied import measure_tied
-
-
-def _recomputing() -> bool:
-    """Whether a forward runs inside a backward: ``torch.utils.checkpoint`` recomputing a segment."""
-    return torch._C._current_autograd_node() is not None
-
-
-def _reentrant_recomputation() -> bool:
-    """Whether a forward is reentrant checkpointing's recomputation, the only run of its calls with a graph
-    (non-reentrant checkpointing recomputes calls whose first run had one)."""
-    node = torch._C._current_autograd_node()
-    return node is not None and type(node).__name__ == "CheckpointFunctionBackward"
-
-
-def _recomputing_task() -> int | None:
-    """The backward that recomputes this forward (checkpointing), ``None`` outside a backward."""
-    return torch._C._current_graph_task_id() if _recomputing() else None
 
 
 @dataclass
@@ -63,8 +48,9 @@ class PerExampleStep:
         sub_grad_sum: Σ_i g_i per ``vmap`` parameter over the sub-batch.
         sub_sum_sq: Σ_i g_i² per ``vmap`` parameter over the sub-batch.
         seen: modules whose output gradient arrived.
-        undecided: per lookup called with 1-D ids of B integers, a ``()`` bool tensor on its device: whether
-            they were ``arange(B)`` (shared by the examples) in some call so far. Its statistics count 0 from
+        undecided: per lookup called with 1-D ids of B integers or ``(B, B)`` ids, a ``()`` bool tensor on its
+            device: whether they were ``arange(B)`` or relative-position buckets (:mod:`.layout`), shared by the
+            examples, in some call so far. Its statistics count 0 from
             that call on; :meth:`PerExampleGradients.decide` reads them and fails those that were.
         undecided_counted: per such lookup, a ``()`` bool tensor: whether some of its statistics were counted
             (a micro-batch measured before its ids were found ``arange(B)``): then, shared, it cannot be set
@@ -86,25 +72,6 @@ class PerExampleStep:
     undecided_counted: dict[str, Tensor] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
-
-
-def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
-    """``into[name] += value``, in place after the first: a running sum of a large layer is never copied."""
-    if name in into:
-        into[name].add_(value)
-    else:
-        into[name] = value
-
-
-def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
-    """How far a layer's Σ_i g_i may stray from its ``.grad`` by rounding alone (relative, in norm): the
-    rule and autograd sum the same products in other orders; on CUDA float32 matmuls and convolutions may
-    run in TF32."""
-    if dtype == torch.float64:
-        return 1e-6
-    if dtype == torch.float32:
-        return 1e-2 if device.type == "cuda" else 1e-3
-    return 1e-1
 
 
 class PerExampleGradients:
@@ -137,12 +104,16 @@ class PerExampleGradients:
         per_example: ``{name: module}`` with :func:`unsupported_reason` ``None``.
         vmap: ``{name: module}`` for the ``torch.func`` fallback.
         sub_batch: examples per micro-batch for the fallback, ≥ 2.
+        layouts: which dimension holds the examples of an input with the batch on both of its first two
+            (:class:`~.layout.Layouts`, kept over a fit's collectors); ``None``: a fresh one, without the model's.
     """
 
-    def __init__(self, per_example: Mapping[str, nn.Module], vmap: Mapping[str, nn.Module], sub_batch: int) -> None:
+    def __init__(self, per_example: Mapping[str, nn.Module], vmap: Mapping[str, nn.Module], sub_batch: int,
+                 layouts: Layouts | None = None) -> None:
         if sub_batch < 2:
             raise ValueError(f"`sub_batch` must be >= 2, got {sub_batch}")
         self.per_example, self.vmap, self.sub_batch = dict(per_example), dict(vmap), sub_batch
+        self.layouts = Layouts() if layouts is None else layouts
         self._rules = {name: _rule(module) for name, module in self.per_example.items()}
         self._names, self._groups = self._parameter_names()
         self._handles: list[RemovableHandle] = []
@@ -226,11 +197,13 @@ class PerExampleGradients:
         loss, a skipped batch) is dropped, so that the next forward's calls are not taken for more uses."""
         self._reset_micro_batch()
 
-    def expect_batch(self, size: int) -> None:
+    def expect_batch(self, size: int, batch: Any = None) -> None:
         """The coming micro-batch holds ``size`` examples: a layer whose input has another first dimension
         (a position embedding called with ``arange(T)``, inputs flattened to ``(B·T, D)``) is reported in
-        :attr:`PerExampleStep.failed`, not measured. Untold, the first measured layer's rows count."""
+        :attr:`PerExampleStep.failed`, not measured. Untold, the first measured layer's rows count. ``batch``:
+        its tensors, whose views show a layer's layout (:mod:`.layout`)."""
         self._batch_size = size
+        self.layouts.see_batch(batch, size)
 
     def _check_batch(self, name: str, batch: int) -> bool:
         if self._batch_size is None:
@@ -308,8 +281,7 @@ class PerExampleGradients:
                 if len(self._groups[name]) > 1:
                     shared = bool(shared)  # a tied lookup's statistics are summed with its partners': one sync
                 else:
-                    prior = self._step.undecided.get(name)
-                    self._step.undecided[name] = shared if prior is None else prior | shared
+                    self._undecided(name, shared)
                     shared = False
             if shared:
                 self._step.failed[name] = SHARED_LOOKUP
@@ -318,9 +290,16 @@ class PerExampleGradients:
                     and self._batch_size is not None and batch != self._batch_size:
                 self._step.failed[name] = POSITION_IDS.format(ids=batch, batch=self._batch_size)
                 return
-            features = rule.feature_dims(module)
-            moved = features is not None and batch != self._batch_size and self._batch_size is not None \
-                and inputs.dim() - features >= 2 and inputs.shape[1] == self._batch_size
+            features, moved = rule.feature_dims(module), False
+            if features is not None and self._batch_size is not None and inputs.dim() - features >= 2:
+                examples = self.layouts.examples(name, inputs, features, self._batch_size, rule.broadcast_batch,
+                                                 tied=len(self._groups[name]) > 1)
+                if examples.failed:
+                    self._step.failed[name] = examples.failed
+                    return
+                if examples.relative is not None:  # (B, B) ids, perhaps relative-position buckets
+                    self._undecided(name, examples.relative)
+                moved = examples.dim == 1
             if moved:  # sequence-first (T, B, *): the positions lead, the examples are dimension 1
                 inputs, batch = inputs.movedim(1, 0), self._batch_size
         if name in self._done:
@@ -338,6 +317,11 @@ class PerExampleGradients:
             torch.autograd.graph.register_multi_grad_hook(tensors, hook)
         else:
             output.register_hook(functools.partial(self._backward_output, name, slot, task, moved))
+
+    def _undecided(self, name: str, shared: Tensor) -> None:
+        """Whether ``name``'s ids are shared by the batch, compared on the device: read in :meth:`decide`."""
+        prior = self._step.undecided.get(name)
+        self._step.undecided[name] = shared if prior is None else prior | shared
 
     def _note_backward(self, name: str, task: int | None) -> None:
         """Record which backward reached ``name``: ``task``, the backward that recomputes a checkpointed

@@ -102,8 +102,9 @@ class PerExampleRule:
         features (Linear: 1, Embedding: 0): a call on a sequence-first ``(T, B, *)`` input, B examples
         on dimension 1, is measured with the examples moved first. ``None``: dimension 0 only.
 
-        With T = B the examples are taken to be on dimension 0: a sequence-first model with as many
-        positions as examples gets per-position norms."""
+        With T = B the shape cannot tell: the dimension comes from evidence (:mod:`.layout`: the user's
+        ``sequence_first``, a view of the batch, the layer's calls with T ≠ B, the model's ``batch_first``
+        modules), else batch-first, said once."""
         return None
 
     def batch_size(self, module: nn.Module, call: Call) -> int:
