@@ -33,6 +33,8 @@ def vmap_per_example_grads(
         ``{local parameter name: (B, *parameter shape)}``.
     """
     params = {n: p.detach() for n, p in _trainable(module).items()}
+    args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)  # no graph back into the forward's
+    kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
     batch = grad_output.shape[0]
     in_dims = tuple(0 if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == batch else None for a in args)
 
