@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _trainable
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _tolerance, _trainable
 from trainvitals.core.per_example.fallback import vmap_per_example_grads
 from trainvitals.core.per_example.registry import Call, PerExampleRule, Use, _output_grads, _rule
 from trainvitals.core.per_example.tied import measure_tied
@@ -117,17 +117,6 @@ def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:
         into[name].add_(value)
     else:
         into[name] = value
-
-
-def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
-    """How far a layer's Σ_i g_i may stray from its ``.grad`` by rounding alone (relative, in norm): the
-    rule and autograd sum the same products in other orders; on CUDA float32 matmuls and convolutions may
-    run in TF32."""
-    if dtype == torch.float64:
-        return 1e-6
-    if dtype == torch.float32:
-        return 1e-2 if device.type == "cuda" else 1e-3
-    return 1e-1
 
 
 class PerExampleGradients:
