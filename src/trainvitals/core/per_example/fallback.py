@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import _trainable
+from trainvitals.core.per_example._common import _accumulation_dtype, _trainable
 
 
 def vmap_per_example_grads(
@@ -45,3 +45,22 @@ def vmap_per_example_grads(
         return pullback(grad.unsqueeze(0))[0]
 
     return torch.func.vmap(one_example, in_dims=(*in_dims, 0))(*args, grad_output)
+
+
+def batch_slice(args: tuple[Any, ...], batch: int, start: int, stop: int) -> tuple[Any, ...]:
+    """``args`` with the examples ``start:stop`` of each tensor whose first dimension is the ``batch``."""
+    return tuple(a[start:stop] if isinstance(a, Tensor) and a.dim() and a.shape[0] == batch else a for a in args)
+
+
+def vmap_sq_norms(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_output: Tensor,
+                  start: int, chunk: int) -> Tensor:
+    """``(B - start,)`` ‖g_i‖² over ``module``'s own trainable parameters of the examples ``start:`` of the
+    ``(B, *)`` ``grad_output``'s batch, by :func:`vmap_per_example_grads` on ``chunk`` examples at a time
+    (memory of ``chunk`` × its parameter count), in float32 or float64."""
+    batch, parts = grad_output.shape[0], []
+    for lo in range(start, batch, chunk):
+        hi = min(lo + chunk, batch)
+        grads = vmap_per_example_grads(module, batch_slice(args, batch, lo, hi), kwargs, grad_output[lo:hi])
+        parts.append(sum((g.to(_accumulation_dtype(g)).flatten(1).square().sum(1) for g in grads.values()),
+                         torch.zeros(hi - lo, dtype=_accumulation_dtype(grad_output), device=grad_output.device)))
+    return torch.cat(parts) if parts else grad_output.new_zeros(0, dtype=_accumulation_dtype(grad_output))
