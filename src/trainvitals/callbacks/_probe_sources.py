@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import MicroBatchSquaredNorms
+from trainvitals.core.outliers import norm_coverage
 from trainvitals.core.per_example import PerExampleGradients, PerExampleStep, plan_sources
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
@@ -40,6 +41,7 @@ class ProbeSources:
         params: each source's parameters (a tied one once).
         description: the sources line, with what BatchNorm and torch.compile change.
         param_share: the measured parameters' share of the trainable ones.
+        norm_coverage: which parameters the kept per-example norms are over (sources 1 and 3).
         bn_values: values per channel of each BatchNorm in training mode at this step's forwards.
     """
 
@@ -69,6 +71,7 @@ class ProbeSources:
         trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
         measured = {id(p): p for ps in self.params.values() for p in ps}
         self.param_share = sum(p.numel() for p in measured.values()) / max(sum(p.numel() for p in trainable.values()), 1)
+        self.norm_coverage = norm_coverage(pl_module, [*self.params["per_example"], *self.params["vmap"]])
         self.description = plan.describe(pl_module)
         if plan.coupled:
             layers = ", ".join(plan.coupled)  # the plan's coverage line gives the reason once, for its own tensors
