@@ -140,3 +140,79 @@ def test_a_parameter_nothing_measures_is_named_with_the_share_covered(tmp_path):
     assert probe.outlier_coverage == label and f"({label})" in probe.summary_markdown()
     histogram = logged(str(tmp_path))["grad_noise/per_example_grad_norm"][-1]
     assert histogram.metadata.summary_description == f"Each example's gradient norm ‖g_i‖, {label}."
+
+
+def test_batchnorm_in_training_mode_logs_no_norms_and_says_why_once(tmp_path):
+    torch.manual_seed(0)
+    module, (x, y) = Net(batchnorm=True).double(), data()
+    probe, warned = fit_probe(module, x, y, str(tmp_path), steps=3)
+    tags = logged(str(tmp_path))
+    assert "grad_noise/per_example_grad_norm" not in tags and "grad_noise/outliers/text_summary" not in tags
+    assert not probe.last_outliers and "largest per-example" not in probe.summary_markdown()
+    said = [w for w in warned if "no per-example gradient norms" in w]
+    assert said == ["trainvitals BatchVarianceProbe: no per-example gradient norms (histogram, outliers panel) at "
+                    "steps where BatchNorm is in training mode (n), which couples the examples: none has a gradient "
+                    "of its own."]
+
+
+def test_batchnorm_in_eval_mode_is_measured_and_its_norms_logged(tmp_path):
+    """Frozen statistics (BatchNorm in eval mode, its affine trained): examples are independent again."""
+
+    class FrozenStatistics(Net):
+        def on_train_epoch_start(self) -> None:
+            self.n.eval()
+
+    torch.manual_seed(0)
+    module, (x, y) = FrozenStatistics(batchnorm=True).double(), data()
+    module.n.eval()
+    truth = brute_force_norms(module, x, y)
+    probe, warned = fit_probe(module, x, y, str(tmp_path))
+    assert not [w for w in warned if "no per-example gradient norms" in w]
+    order = torch.argsort(truth, descending=True).tolist()
+    assert [r for r, _ in probe.last_outliers] == order and probe.outlier_coverage == "over all trainable parameters"
+    assert torch.allclose(torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order],
+                          rtol=1e-9)
+
+
+class Recommender(pl.LightningModule):
+    """One item id per example, looked up in a table ((B,) integer ids), regressed on a target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items, self.head = nn.Embedding(9, 3), nn.Linear(3, 1)
+
+    def per_example(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.head(torch.tanh(self.items(ids))).squeeze(-1) - y).square()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.per_example(*batch).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_lookup_shared_by_the_batch_at_a_histogram_step_leaves_that_step_out_then_is_named(tmp_path):
+    """Ids arange(B) at step 1 (between logging steps, 0 and 4) are read at that histogram step: its norms, which
+    would lack the table, are not logged; from step 2 on the table is named as what the norms leave out."""
+    torch.manual_seed(0)
+    ids = torch.cat([torch.randint(0, 9, (8,)), torch.arange(8).repeat(2)])
+    y = torch.randn(24, dtype=torch.float64)
+    module = Recommender().double()
+    probe = BatchVarianceProbe(histogram_every_n_steps=1, log_every_n_steps=4, top_k=8)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pl.Trainer(max_steps=3, callbacks=[probe], logger=TensorBoardLogger(str(tmp_path), name="", version=""),
+                   enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                   accelerator="cpu", devices=1, precision="64-true").fit(module, DataLoader(TensorDataset(ids, y),
+                                                                                           batch_size=8))
+    panels = logged(str(tmp_path))["grad_noise/outliers/text_summary"]
+    assert [panel_rows(p)[0].split(",")[0].rsplit(" ", 1)[1] for p in panels] == ["0", "2"]
+    assert any("no per-example gradient norms (histogram, outliers panel) at steps where a layer is not measured "
+               "per example (items)" in str(w.message) for w in record)
+    heading, rows = panel_rows(panels[-1])
+    assert f"over {4 / 31:.1%} of parameters (not: `items`)" in heading
+    truth = brute_force_norms(module, ids[16:], y[16:], skip=("items.weight",))
+    order = torch.argsort(truth, descending=True)
+    assert [r for r, _ in probe.last_outliers] == (order + 16).tolist()
+    assert torch.allclose(torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order],
+                          rtol=1e-9)

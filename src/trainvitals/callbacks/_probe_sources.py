@@ -120,6 +120,15 @@ class ProbeSources:
         training = [*self.bn_values, *(n for n, m in self._compiled_batchnorms.items() if m.training)]
         return training if self.plan.per_example or self.plan.vmap else []
 
+    def norms_invalid(self, result: PerExampleStep) -> str:
+        """Why this step's kept ‖g_i‖ are not the examples' gradient norms over :attr:`norm_coverage`, or ""."""
+        if coupled := self.coupling():
+            return (f"BatchNorm is in training mode ({', '.join(coupled)}), which couples the examples: none has a "
+                    "gradient of its own")
+        if result.failed:
+            return f"a layer is not measured per example ({', '.join(n or '(root)' for n in result.failed)})"
+        return ""
+
     def coordinates_note(self) -> str:
         """Why the plan will log no per-layer GSNR nor EB criterion (they need independent per-example
         gradients), or ""."""

@@ -92,7 +92,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
     ``grad_noise/batch_grad_var/micro_batch`` and ``.../full_batch`` (tr Σ / b and tr Σ / B), and with
     ``per_coordinate`` ``grad_noise/gsnr/<module>`` and ``grad_noise/eb_criterion`` over the parameters
     of sources 1 and 3 (those of source 1 within ``coordinate_budget``). Every ``histogram_every_n_steps``,
-    a histogram ``grad_noise/per_example_grad_norm`` of each example's
+    except while BatchNorm trains (said once): a histogram ``grad_noise/per_example_grad_norm`` of each example's
     ‖g_i‖ over the parameters of sources 1 and 3, and a text panel ``grad_noise/outliers`` with the ``top_k``
     largest, both saying which parameters they cover; by dataset row where the batch carries it or the sampler's
     order is fixed (``callbacks._batch.dataset_rows``), else by position in this process's batch.
@@ -420,7 +420,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         sources = self._sources
         assert sources is not None
         result = sources.collector.pop(decide=False)
-        if is_logging_step(step, self._log_every) or self._log_every is None:
+        if is_logging_step(step, self._log_every) or self._log_every is None or result.sq_norms:
             # 1-D ids compared with arange(B) on the device, read at a step that syncs anyway (else: `sum_over_ranks`)
             sources.collector.decide(result)
         micro_sum, _ = sources.micro.pop()
@@ -564,7 +564,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
             log_text(trainer, SOURCES_CHECK, disagreement, step)
 
     def _log_norms(self, trainer: "pl.Trainer", sources: ProbeSources, result: PerExampleStep, step: int) -> None:
-        if outliers := log_per_example_norms(trainer, result.sq_norms, self._batches.rows, self.top_k,
+        if why := sources.norms_invalid(result):
+            self.warn(f"no per-example gradient norms (histogram, outliers panel) at steps where {why}.", once=True)
+        elif outliers := log_per_example_norms(trainer, result.sq_norms, self._batches.rows, self.top_k,
                                                sources.norm_coverage, step):
             self.outlier_rows, self.outlier_coverage = outliers.by_row, outliers.coverage
             self.last_outliers = list(zip(outliers.ids, outliers.norms))
