@@ -34,14 +34,16 @@ class Model(nn.Module):
         self.body = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4))
         self.head = nn.Linear(4, 2)
         self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.block = nn.Sequential(nn.Linear(4, 4))
+        self.block.gamma = nn.Parameter(torch.ones(4))  # a block's layer scale: its own name, not the block's
 
 
 def test_the_coverage_names_what_the_norms_leave_out_and_counts_batchnorm():
     model = Model()
     linears = [*model.body[0].parameters(), *model.body[2].parameters()]
-    total = 7 * 4 + 2 * 20 + 4 * 4 + 10  # the trainable ones: the frozen layer is no part of the whole
-    assert norm_coverage(model, linears) == (f"over {40 / total:.1%} of parameters (not: 4 BatchNorm tensors, "
-                                             "`wpe`, `head`)")
+    total = 7 * 4 + 2 * 20 + 4 * 4 + 10 + 24  # the trainable ones: the frozen layer is no part of the whole
+    assert norm_coverage(model, [*linears, *model.block[0].parameters()]) == (
+        f"over {60 / total:.1%} of parameters (not: 4 BatchNorm tensors, `wpe`, `head`, `block.gamma`)")
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert norm_coverage(model, trainable) == WHOLE == "over all trainable parameters"
     assert norm_coverage(model, trainable[1:]) == f"over {1 - 28 / total:.1%} of parameters (not: `wpe`)"

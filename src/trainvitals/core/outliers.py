@@ -21,7 +21,7 @@ WHOLE = "over all trainable parameters"
 def norm_coverage(model: nn.Module, measured: Iterable[nn.Parameter]) -> str:
     """What per-example norms over ``measured`` cover of ``model``'s trainable parameters: :data:`WHOLE`, else
     ``"over 9.7% of parameters (not: 12 BatchNorm tensors, `wpe`)"``: the share of the parameter count, and
-    the others by module (a parameter of the model itself by name), BatchNorm's counted."""
+    the others by layer (a module without parameterised children), else by name, BatchNorm's counted."""
     trainable = {id(p): p for p in model.parameters() if p.requires_grad}
     missing = trainable.keys() - {id(p) for p in measured}
     if not missing:
@@ -29,14 +29,15 @@ def norm_coverage(model: nn.Module, measured: Iterable[nn.Parameter]) -> str:
     share = 1 - sum(trainable[i].numel() for i in missing) / sum(p.numel() for p in trainable.values())
     batchnorm, names = 0, []
     for name, module in model.named_modules():
+        layer = name and not any(True for child in module.children() for _ in child.parameters())
         for qualified, p in module.named_parameters(prefix=name, recurse=False):
             if id(p) not in missing:
                 continue
             missing.discard(id(p))  # a tied parameter under its first owner
             if isinstance(module, _BatchNorm):
                 batchnorm += 1
-            elif (name or qualified) not in names:
-                names.append(name or qualified)
+            elif (name if layer else qualified) not in names:
+                names.append(name if layer else qualified)
     percent = f"{share:.1%}"
     parts = [counted(batchnorm, "BatchNorm tensor")] if batchnorm else []
     parts += [listed(names)] if names else []
