@@ -216,3 +216,23 @@ def test_a_lookup_shared_by_the_batch_at_a_histogram_step_leaves_that_step_out_t
     assert [r for r, _ in probe.last_outliers] == (order + 16).tolist()
     assert torch.allclose(torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order],
                           rtol=1e-9)
+
+
+@pytest.mark.parametrize("histograms", [1, 0])
+def test_with_batchnorm_and_micro_batches_the_first_line_says_no_norms_are_logged(tmp_path, monkeypatch, histograms):
+    """Micro-batches measure every parameter (BatchNorm couples the examples): no per-example norms at all, which
+    the fit's first line says when histograms are on."""
+    torch.manual_seed(0)
+    module, (x, y) = Net(batchnorm=True).double(), data()
+    probe = BatchVarianceProbe(histogram_every_n_steps=histograms)
+    said: list[str] = []
+    monkeypatch.setattr(probe, "info", lambda text, once=False: said.append(text))
+    pl.Trainer(max_steps=2, accumulate_grad_batches=2, callbacks=[probe],
+               logger=TensorBoardLogger(str(tmp_path), name="", version=""), enable_progress_bar=False,
+               enable_checkpointing=False, enable_model_summary=False, accelerator="cpu", devices=1,
+               precision="64-true").fit(module, DataLoader(TensorDataset(x, y), batch_size=B // 2))
+    assert "measured from micro-batches and ranks" in said[0]
+    note = ("no per-example gradient norms (grad_noise/per_example_grad_norm, grad_noise/outliers), as no parameter is "
+            "measured per example")
+    assert (note in said[0]) == bool(histograms)
+    assert "grad_noise/per_example_grad_norm" not in logged(str(tmp_path)) and not probe.last_outliers

@@ -129,6 +129,15 @@ class ProbeSources:
             return f"a layer is not measured per example ({', '.join(n or '(root)' for n in result.failed)})"
         return ""
 
+    def notes(self, coordinates: bool, norms: bool) -> str:
+        """What the plan will not log for want of per-example gradients, of the per-coordinate statistics (when
+        ``coordinates``) and the per-example norms (when ``norms``: histograms are on), or ""."""
+        lacking = not (self.plan.per_example or self.plan.vmap)
+        said = [self.coordinates_note() if coordinates else "",
+                "no per-example gradient norms (grad_noise/per_example_grad_norm, grad_noise/outliers), as no parameter "
+                "is measured per example" if norms and lacking else ""]
+        return "; ".join(n for n in said if n)
+
     def coordinates_note(self) -> str:
         """Why the plan will log no per-layer GSNR nor EB criterion (they need independent per-example
         gradients), or ""."""

@@ -303,7 +303,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
-        note = self._sources.coordinates_note() if self.per_coordinate and self._sources is not None else ""
+        note = self._sources.notes(self.per_coordinate, self._histogram_every is not None) if self._sources else ""
         self.info(f"planned sources (a layer found not measurable per example is moved at its first step, and said): "
                   f"{self.sources}" + (f"; {note}" if note else ""))
 
