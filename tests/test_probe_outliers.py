@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.util.tensor_util import make_ndarray
 
@@ -140,6 +141,10 @@ def test_a_parameter_nothing_measures_is_named_with_the_share_covered(tmp_path):
     assert probe.outlier_coverage == label and f"({label})" in probe.summary_markdown()
     histogram = logged(str(tmp_path))["grad_noise/per_example_grad_norm"][-1]
     assert histogram.metadata.summary_description == f"Each example's gradient norm ‖g_i‖, {label}."
+    legacy = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})  # as `trainvitals report` reads
+    legacy.Reload()
+    assert len(legacy.Histograms("grad_noise/per_example_grad_norm")) == 1
+    assert legacy.SummaryMetadata("grad_noise/per_example_grad_norm").plugin_data.plugin_name == "histograms"
 
 
 def test_batchnorm_in_training_mode_logs_no_norms_and_says_why_once(tmp_path):

@@ -22,6 +22,7 @@ from lightning.fabric.utilities.logger import _add_prefix  # what the logger its
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.plugins.histogram.metadata import create_summary_metadata
 from torch.utils.tensorboard.summary import histogram_raw
 
 _notices = WarningCache()
@@ -156,7 +157,8 @@ def log_histogram(trainer: "pl.Trainer", tag: str, values: Tensor | Sequence[Ten
     if summary is None:
         return
     event = histogram_raw(tag, **summary)
-    event.value[0].metadata.summary_description = description
+    if description:  # with the plugin's name, which readers of the legacy format expect beside any metadata
+        event.value[0].metadata.CopyFrom(create_summary_metadata(display_name=tag, description=description))
     for w in writers:
         w._get_file_writer().add_summary(event, step)
 
