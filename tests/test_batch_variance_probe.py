@@ -1104,7 +1104,7 @@ class PositionedGPT(nn.Module):
 @pytest.mark.parametrize(("style", "accumulate"), [("hf", 1), ("hf", 2), ("nanogpt", 1), ("nanogpt T=B", 1)])
 def test_the_step_that_finds_a_shared_position_table_is_measured_without_it(style, accumulate, monkeypatch):
     """A position table shared by the batch is found at the first step, which is measured over the other
-    layers (its ‖g_i‖², tr(Σ) and ‖G‖² those of a per-example loop over them, the coverage without wpe),
+    layers (its tr(Σ) and ‖G‖² those of a per-example loop over them, the coverage without wpe),
     not thrown away: every step of the fit enters the estimate. With T = B its ids are compared on the
     device and decided at the logging step, with no host read between logging steps."""
     from zoo import VOCAB
@@ -1145,8 +1145,7 @@ def test_the_step_that_finds_a_shared_position_table_is_measured_without_it(styl
     assert rel(trace_cov, float(trace)) < 1e-5
     assert rel(grad_sq_norm, float(flat.mean(0).square().sum() - trace / n)) < 1e-5
     assert rel(coverage, float(flat.mean(0).square().sum() / everything.mean(0).square().sum())) < 1e-5 < 1 - coverage
-    torch.testing.assert_close(torch.tensor(norms, dtype=torch.float64), flat.norm(dim=1).sort().values,
-                               rtol=1e-5, atol=0)
+    assert norms == []  # no per-example norms panel on a step a layer failed in: its coverage line would not hold
 
 
 class NoisyScale(nn.Module):

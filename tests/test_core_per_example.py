@@ -344,6 +344,36 @@ def test_vmap_fallback_matches_brute_force():
     assert torch.allclose(direct["scale"], torch.ones(2, 6, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("sub_batch", [2, 4, 8])
+def test_kept_norms_add_the_vmap_layers_over_every_example(sub_batch):
+    """With ``keep_norms`` the kept ‖g_i‖² are over every measured parameter, the torch.func layers' too, for
+    every example (in chunks of the sub-batch past it); the sub-batch's statistics and the per-example-norm
+    layers' Σ_i ‖g_i‖² stay what they are without."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 6), Scale(6), nn.PReLU(6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(B, 4, dtype=torch.float64), torch.randint(0, 3, (B,))
+    per_example = brute_force(model, x, y)
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    steps = []
+    for keep in (True, False):
+        collector = PerExampleGradients(plan.per_example, plan.vmap, sub_batch=sub_batch)
+        collector.attach(coordinates=True, keep_norms=keep)
+        model.zero_grad()
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        collector.end_micro_batch(1.0)
+        collector.detach()
+        steps.append(collector.pop())
+    kept, plain = steps
+    assert not kept.failed and len(kept.sq_norms) == 1 and not plain.sq_norms
+    assert rel_close(kept.sq_norms[0], sum(g.flatten(1).square().sum(1) for g in per_example.values()), 1e-10)
+    rules = sum(g.square().sum() for n, g in per_example.items() if n.startswith(("0.", "4.")))
+    assert rel_close(kept.sq_norm_sum, rules, 1e-10) and rel_close(plain.sq_norm_sum, rules, 1e-10)
+    assert kept.num_sub == plain.num_sub == min(sub_batch, B)
+    assert rel_close(kept.sub_sq_norm_sum, plain.sub_sq_norm_sum, 1e-12)
+    for n in plain.sub_grad_sum:
+        assert rel_close(kept.sub_grad_sum[n], plain.sub_grad_sum[n], 1e-12), n
+
+
 def test_sub_batch_estimates_are_the_per_example_ones_on_the_whole_batch():
     torch.manual_seed(2)
     g = torch.randn(8, 5, dtype=torch.float64) + 1.0

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import MicroBatchSquaredNorms
+from trainvitals.core.outliers import norm_coverage
 from trainvitals.core.per_example import Layouts, PerExampleGradients, PerExampleStep, plan_sources
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
@@ -43,6 +44,7 @@ class ProbeSources:
         param_share: the measured parameters' share of the trainable ones.
         layers: the modules of sources 1 and 3, in that order (a step's failures and set-aside layers index them).
         layer_params: each of those modules' parameters by qualified name (a tied one under its first owner).
+        norm_coverage: which parameters the kept per-example norms are over (sources 1 and 3).
         bn_values: values per channel of each BatchNorm in training mode at this step's forwards.
     """
 
@@ -76,6 +78,7 @@ class ProbeSources:
         trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
         measured = {id(p): p for ps in self.params.values() for p in ps}
         self.param_share = sum(p.numel() for p in measured.values()) / max(sum(p.numel() for p in trainable.values()), 1)
+        self.norm_coverage = norm_coverage(pl_module, [*self.params["per_example"], *self.params["vmap"]])
         self.description = plan.describe(pl_module, fallback_sub_batch)
         if plan.coupled:
             layers = ", ".join(plan.coupled)  # the plan's coverage line gives the reason once, for its own tensors
@@ -123,6 +126,24 @@ class ProbeSources:
         are then not independent draws: :meth:`coupling_warning`), or none."""
         training = [*self.bn_values, *(n for n, m in self._compiled_batchnorms.items() if m.training)]
         return training if self.plan.per_example or self.plan.vmap else []
+
+    def norms_invalid(self, result: PerExampleStep) -> str:
+        """Why this step's kept ‖g_i‖ are not the examples' gradient norms over :attr:`norm_coverage`, or ""."""
+        if coupled := self.coupling():
+            return (f"BatchNorm is in training mode ({', '.join(coupled)}), which couples the examples: none has a "
+                    "gradient of its own")
+        if result.failed:
+            return f"a layer is not measured per example ({', '.join(n or '(root)' for n in result.failed)})"
+        return ""
+
+    def notes(self, coordinates: bool, norms: bool) -> str:
+        """What the plan will not log for want of per-example gradients, of the per-coordinate statistics (when
+        ``coordinates``) and the per-example norms (when ``norms``: histograms are on), or ""."""
+        lacking = not (self.plan.per_example or self.plan.vmap)
+        said = [self.coordinates_note() if coordinates else "",
+                "no per-example gradient norms (grad_noise/per_example_grad_norm, grad_noise/outliers), as no parameter "
+                "is measured per example" if norms and lacking else ""]
+        return "; ".join(n for n in said if n)
 
     def coordinates_note(self) -> str:
         """Why the plan will log no per-layer GSNR nor EB criterion (they need independent per-example

@@ -14,13 +14,17 @@ import lightning.pytorch as pl
 
 from trainvitals.callbacks._base import reduce_packed
 from trainvitals.callbacks._batch import loss_divisor
+from trainvitals.callbacks._writers import log_histogram, log_text
 from trainvitals.core.noise import (
     per_example_estimates,
     sub_batch_estimates,
     sub_batch_mean_sq_norm,
     two_batch_size_estimates,
 )
+from trainvitals.core.outliers import Outliers, largest_examples
 from trainvitals.core.per_example import PerExampleStep, SourcePlan
+
+PER_EXAMPLE_NORMS, OUTLIERS = "grad_noise/per_example_grad_norm", "grad_noise/outliers"
 
 
 @dataclass
@@ -150,3 +154,17 @@ def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExa
         return zero, zero, valid, covered, total
     grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates))
     return grad_sq_norm, trace_cov, valid, covered, total
+
+
+def log_per_example_norms(trainer: "pl.Trainer", sq_norms: list[Tensor], rows: list[Tensor | None], top_k: int,
+                          coverage: str, step: int) -> Outliers | None:
+    """The histogram :data:`PER_EXAMPLE_NORMS` of a step's ‖g_i‖ (each micro-batch's ``(b,)`` ‖g_i‖² in
+    ``sq_norms``, over the parameters ``coverage`` says) and, with ``top_k`` ≥ 1, the panel :data:`OUTLIERS` of
+    the largest, by ``rows`` where known; returns those."""
+    norms = torch.cat(sq_norms).clamp_min(0.0).sqrt()
+    log_histogram(trainer, PER_EXAMPLE_NORMS, norms, step, f"Each example's gradient norm ‖g_i‖, {coverage}.")
+    if top_k == 0:
+        return None
+    outliers = largest_examples(norms, rows, top_k, coverage)
+    log_text(trainer, OUTLIERS, outliers.markdown(step), step)
+    return outliers

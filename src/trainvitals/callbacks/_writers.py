@@ -22,6 +22,8 @@ from lightning.fabric.utilities.logger import _add_prefix  # what the logger its
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.plugins.histogram.metadata import create_summary_metadata
+from torch.utils.tensorboard.summary import histogram_raw
 
 _notices = WarningCache()
 
@@ -143,17 +145,22 @@ def histogram_summary(values: Sequence[Tensor], bins: int = HISTOGRAM_BINS) -> d
             "bucket_limits": limits.tolist(), "bucket_counts": counts_host}
 
 
-def log_histogram(trainer: "pl.Trainer", tag: str, values: Tensor | Sequence[Tensor], step: int) -> None:
+def log_histogram(trainer: "pl.Trainer", tag: str, values: Tensor | Sequence[Tensor], step: int,
+                  description: str = "") -> None:
     """A TensorBoard histogram of ``values`` (a tensor or several, any shapes; non-finite entries dropped),
-    in bounded memory (:func:`histogram_summary`)."""
+    in bounded memory (:func:`histogram_summary`); ``description``: markdown TensorBoard shows with the tag
+    (the first step's, as it keeps a tag's first metadata)."""
     writers = tensorboard_writers(trainer, "histograms")
     if not writers:
         return
     summary = histogram_summary([values] if isinstance(values, Tensor) else values)
     if summary is None:
         return
+    event = histogram_raw(tag, **summary)
+    if description:  # with the plugin's name, which readers of the legacy format expect beside any metadata
+        event.value[0].metadata.CopyFrom(create_summary_metadata(display_name=tag, description=description))
     for w in writers:
-        w.add_histogram_raw(tag, global_step=step, **summary)
+        w._get_file_writer().add_summary(event, step)
 
 
 def log_text(trainer: "pl.Trainer", tag: str, markdown: str, step: int) -> None:

@@ -30,13 +30,12 @@ from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._probe_sources import COUPLED, SOURCES, ProbeSources
-from trainvitals.callbacks._probe_step import MicroBatches, step_estimates, sum_over_ranks
-from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
+from trainvitals.callbacks._probe_step import MicroBatches, log_per_example_norms, step_estimates, sum_over_ranks
+from trainvitals.callbacks._writers import log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
-from trainvitals.core.outliers import largest_examples
 from trainvitals.core.per_example import Layouts, PerExampleStep, SourcePlan, detect_loss_reduction
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
@@ -95,10 +94,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
     step, in the units of ``.grad``, beside GradNormMonitor's ``grad_norm/total``),
     ``grad_noise/batch_grad_var/micro_batch`` and ``.../full_batch`` (tr Σ / b and tr Σ / B), and with
     ``per_coordinate`` ``grad_noise/gsnr/<module>`` and ``grad_noise/eb_criterion`` over the parameters
-    of sources 1 and 3 (those of source 1 within ``coordinate_budget``). Every ``histogram_every_n_steps``:
-    a histogram ``grad_noise/per_example_grad_norm`` and a text panel ``grad_noise/outliers`` with the
-    ``top_k`` largest, by dataset row where the batch carries it or the sampler's order is fixed
-    (``callbacks._batch.dataset_rows``), else by position in this process's batch.
+    of sources 1 and 3 (those of source 1 within ``coordinate_budget``). Every ``histogram_every_n_steps``,
+    except while BatchNorm trains (said once): a histogram ``grad_noise/per_example_grad_norm`` of each example's
+    ‖g_i‖ over the parameters of sources 1 and 3, and a text panel ``grad_noise/outliers`` with the ``top_k``
+    largest, both saying which parameters they cover; by dataset row where the batch carries it or the sampler's
+    order is fixed (``callbacks._batch.dataset_rows``), else by position in this process's batch.
 
     Public attributes for other callbacks: :attr:`noise` (updated at most once per optimizer step, in
     ``on_before_optimizer_step``; ``noise.count`` stays 0 until a valid measurement) and
@@ -205,6 +205,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("last_outliers", [], persistent=False)
         """(dataset row, or position in the batch without :attr:`outlier_rows`, and ‖g_i‖) of the last outliers."""
         self.add_state("outlier_rows", False, persistent=False)
+        self.add_state("outlier_coverage", "", persistent=False)  # which parameters their norms are over
         self.add_state("_enabled", False, persistent=False)
         self.add_state("_excluded", set(), persistent=False)
         self.add_state("_failed", {}, persistent=False)  # failed here, not yet excluded (DDP: until a logging step): why
@@ -295,8 +296,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         rows += self.gradient_noise.summary_rows()
         if self.last_outliers:
             which = "dataset row" if self.outlier_rows else "position in batch"
-            rows.append((f"largest per-example gradients ({which}: ‖g_i‖)",
-                         ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])))
+            largest = ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])
+            rows.append((f"largest per-example gradients ({which}: ‖g_i‖)", f"{largest} ({self.outlier_coverage})"))
         return "\n".join(markdown_table(("", ""), rows))
 
     @override
@@ -313,7 +314,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._log_every = self._round_up(every) if every else None
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
-        note = self._sources.coordinates_note() if self.per_coordinate and self._sources is not None else ""
+        note = self._sources.notes(self.per_coordinate, self._histogram_every is not None) if self._sources else ""
         self.info(f"planned sources (a layer found not measurable per example is moved at its first step, and said): "
                   f"{self.sources}" + (f"; {note}" if note else ""))
 
@@ -432,7 +433,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         result = sources.collector.pop(decide=False)
         if note := self._layouts.assumed_note():
             self.warn(note + ".", once=True)
-        if is_logging_step(step, self._log_every) or self._log_every is None:
+        if is_logging_step(step, self._log_every) or self._log_every is None or result.sq_norms:
             # 1-D ids compared with arange(B) on the device, read at a step that syncs anyway (else: `sum_over_ranks`)
             sources.collector.decide(result)
         micro_sum, _ = sources.micro.pop()
@@ -516,7 +517,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._log(trainer, result, valid, sums.examples, step, sums.failed)
             log_scalars(trainer, self.nonfinite.metrics(trainer, self), step)
         if result.sq_norms:
-            self._log_per_example_norms(trainer, result.sq_norms, step)
+            self._log_norms(trainer, self._sources, result, step)
         return sums.failed
 
     def _batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
@@ -594,14 +595,13 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self.warn(f"{disagreement}.")
             log_text(trainer, SOURCES_CHECK, disagreement, step)
 
-    def _log_per_example_norms(self, trainer: "pl.Trainer", sq_norms: list[Tensor], step: int) -> None:
-        norms = torch.cat(sq_norms).clamp_min(0.0).sqrt()
-        log_histogram(trainer, "grad_noise/per_example_grad_norm", norms, step)
-        if self.top_k == 0:
-            return
-        outliers = largest_examples(norms, self._batches.rows, self.top_k)
-        self.outlier_rows, self.last_outliers = outliers.by_row, list(zip(outliers.ids, outliers.norms))
-        log_text(trainer, "grad_noise/outliers", outliers.markdown(step), step)
+    def _log_norms(self, trainer: "pl.Trainer", sources: ProbeSources, result: PerExampleStep, step: int) -> None:
+        if why := sources.norms_invalid(result):
+            self.warn(f"no per-example gradient norms (histogram, outliers panel) at steps where {why}.", once=True)
+        elif outliers := log_per_example_norms(trainer, result.sq_norms, self._batches.rows, self.top_k,
+                                               sources.norm_coverage, step):
+            self.outlier_rows, self.outlier_coverage = outliers.by_row, outliers.coverage
+            self.last_outliers = list(zip(outliers.ids, outliers.norms))
 
     # ------------------------------------------------------------------ teardown and state
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import _trainable
+from trainvitals.core.per_example._common import _accumulation_dtype, _trainable
 
 
 #: Why a module whose forward draws random numbers has no torch.func per-example gradients.
@@ -41,6 +41,8 @@ def vmap_per_example_grads(
         RuntimeError: :data:`RANDOM_FORWARD` for a forward that draws random numbers; torch.func's own otherwise.
     """
     params = {n: p.detach() for n, p in _trainable(module).items()}
+    args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)  # no graph back into the forward's
+    kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
     batch = grad_output.shape[0]
     in_dims = tuple(0 if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == batch else None for a in args)
 
@@ -56,3 +58,22 @@ def vmap_per_example_grads(
         if "randomness" in str(err):
             raise RuntimeError(RANDOM_FORWARD) from err
         raise
+
+
+def batch_slice(args: tuple[Any, ...], batch: int, start: int, stop: int) -> tuple[Any, ...]:
+    """``args`` with the examples ``start:stop`` of each tensor whose first dimension is the ``batch``."""
+    return tuple(a[start:stop] if isinstance(a, Tensor) and a.dim() and a.shape[0] == batch else a for a in args)
+
+
+def vmap_sq_norms(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_output: Tensor,
+                  start: int, chunk: int) -> Tensor:
+    """``(B - start,)`` ‖g_i‖² over ``module``'s own trainable parameters of the examples ``start:`` of the
+    ``(B, *)`` ``grad_output``'s batch, by :func:`vmap_per_example_grads` on ``chunk`` examples at a time
+    (memory of ``chunk`` × its parameter count), in float32 or float64."""
+    batch, parts = grad_output.shape[0], []
+    for lo in range(start, batch, chunk):
+        hi = min(lo + chunk, batch)
+        grads = vmap_per_example_grads(module, batch_slice(args, batch, lo, hi), kwargs, grad_output[lo:hi])
+        parts.append(sum((g.to(_accumulation_dtype(g)).flatten(1).square().sum(1) for g in grads.values()),
+                         torch.zeros(hi - lo, dtype=_accumulation_dtype(grad_output), device=grad_output.device)))
+    return torch.cat(parts) if parts else grad_output.new_zeros(0, dtype=_accumulation_dtype(grad_output))

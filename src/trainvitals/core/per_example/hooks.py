@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from trainvitals.core.per_example._checkpoint import _recomputing, _recomputing_task, _reentrant_recomputation
 from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _tolerance, _trainable
 from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
-from trainvitals.core.per_example.fallback import vmap_per_example_grads
+from trainvitals.core.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
 from trainvitals.core.per_example.layout import Layouts
 from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
 from trainvitals.core.per_example.tied import measure_tied
@@ -40,7 +40,8 @@ class PerExampleStep:
 
     Attributes:
         sq_norm_sum: ``()`` Σ_i ‖g_i‖² over the per-example-norm parameters, or ``None``.
-        sq_norms: the ``(b,)`` ‖g_i‖² of each micro-batch, in order (only when kept).
+        sq_norms: the ``(b,)`` ‖g_i‖² of each micro-batch, in order, over the per-example-norm and the ``vmap``
+            parameters (only when kept: then ``vmap`` layers measure every example, not only the sub-batch's).
         grad_sum: Σ_i g_i per per-example-norm parameter (qualified name), when requested.
         sum_sq: Σ_i g_i² per per-example-norm parameter, when requested (from the same operands).
         num_sub: examples of the ``vmap`` sub-batches.
@@ -154,6 +155,7 @@ class PerExampleGradients:
 
     def _reset_micro_batch(self) -> None:
         self._sq: Tensor | None = None
+        self._vmap_sq: Tensor | None = None  # kept norms only: (b,) ‖g_i‖² of the vmap layers, as back-propagated
         self._grad_sum: dict[str, Tensor] = {}
         self._sum_sq: dict[str, Tensor] = {}
         self._pending: list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any], Tensor]] = []
@@ -484,7 +486,7 @@ class PerExampleGradients:
         if not self._check_call(name, output, batch):
             return
         sub = min(self.sub_batch, batch)
-        kept = tuple(a[:sub] if isinstance(a, Tensor) and a.dim() and a.shape[0] == batch else a for a in args)
+        kept = args if self._keep_norms else batch_slice(args, batch, 0, sub)
         task = _recomputing_task()
         output.register_hook(functools.partial(self._backward_vmap, name, module, kept, kwargs, sub, task))
 
@@ -492,7 +494,12 @@ class PerExampleGradients:
                        sub: int, task: int | None, grad_output: Tensor) -> None:
         self._note_backward(name, task)
         if self._calls[name] <= 1 and all(p[0] != name for p in self._pending):
-            self._pending.append((name, module, args, kwargs, grad_output[:sub]))
+            self._pending.append((name, module, args, kwargs, grad_output if self._keep_norms else grad_output[:sub]))
+
+    def _add_vmap_sq(self, start: int, sq: Tensor) -> None:
+        if self._vmap_sq is None:
+            self._vmap_sq = sq.new_zeros(self._batch_size or start + sq.shape[0])
+        self._vmap_sq[start:start + sq.shape[0]] += sq
 
     def end_micro_batch(self, unit: Tensor | float) -> None:
         """Close a micro-batch: run the fallback, convert to own-loss units and add to the step.
@@ -505,16 +512,17 @@ class PerExampleGradients:
         self._check_backwards()
         step = self._step
         unit_sq = unit * unit
+        self._run_vmap(unit)  # first: its sub-batch adds to the kept norms
         if self._sq is not None:
             sq = self._sq * unit_sq
             step.sq_norm_sum = sq.sum() if step.sq_norm_sum is None else step.sq_norm_sum + sq.sum()
-            if self._keep_norms:
-                step.sq_norms.append(sq)
+        kept = [t for t in (self._sq, self._vmap_sq) if t is not None]
+        if self._keep_norms and kept:
+            step.sq_norms.append(functools.reduce(torch.add, kept) * unit_sq)
         for name, value in self._grad_sum.items():  # in place: the micro-batch's sums are let go below
             _add(step.grad_sum, name, value.mul_(unit))
         for name, value in self._sum_sq.items():
             _add(step.sum_sq, name, value.mul_(unit_sq))
-        self._run_vmap(unit)
         self._reset_micro_batch()
 
     def _run_vmap(self, unit: Tensor | float) -> None:
@@ -524,15 +532,22 @@ class PerExampleGradients:
             for name, module, args, kwargs, grad_output in self._pending:
                 if name in step.failed:
                     continue
+                batch, n = grad_output.shape[0], min(self.sub_batch, grad_output.shape[0])
                 try:
-                    grads = vmap_per_example_grads(module, args, kwargs, grad_output.detach())
+                    grads = vmap_per_example_grads(module, batch_slice(args, batch, 0, n), kwargs,
+                                                   grad_output[:n].detach())
+                    if self._keep_norms:  # every example's ‖g_i‖², the sub-batch's from `grads` below
+                        self._add_vmap_sq(n, vmap_sq_norms(module, args, kwargs, grad_output.detach(), n, n))
                 except Exception as err:  # noqa: BLE001 - any failure of torch.func means: not measurable
                     step.failed[name] = f"torch.func failed: {type(err).__name__}: {err}"
                     continue
                 step.seen.add(name)
-                sub = grad_output.shape[0]
+                sub = n
                 for local, g in grads.items():
-                    g = g.to(_accumulation_dtype(g)) * unit
+                    g = g.to(_accumulation_dtype(g))
+                    if self._keep_norms:
+                        self._add_vmap_sq(0, g.flatten(1).square().sum(1))
+                    g = g * unit
                     qualified = f"{name}.{local}" if name else local
                     squares = g.square()
                     sq = squares.sum()
