@@ -15,6 +15,7 @@ from torch import Tensor
 
 import lightning.pytorch as pl
 
+from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import MicroBatchSquaredNorms
 from trainvitals.core.outliers import norm_coverage
@@ -252,3 +253,27 @@ class ProbeSources:
             self._norm_layout = (optimizer, count, params, torch.tensor(where, dtype=torch.long, device=device), whole,
                                  torch.tensor(layers, dtype=torch.long, device=device))
         return self._norm_layout[2:]
+
+    def params_of(self, layers: set[str]) -> set[str]:
+        """The qualified names of the parameters of ``layers`` and of the layers they share a parameter with."""
+        return {q for name in layers for member in self.collector.group(name) for q in self.layer_params.get(member, {})}
+
+    def batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
+                       aside: Tensor | None) -> dict[str, Tensor]:
+        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``, with those of
+        the layers ``aside`` marks, a ``(layers,)`` bool on the device): the accumulated, rank-averaged gradient,
+        AMP scale undone (0-d float64 each), from one pass over the gradients per step (shared with the
+        stopper; none after a GradNormMonitor that measured the step), summed by source."""
+        params, where, whole, layer_of = self.norm_layout(optimizer)
+        zero = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
+        if whole is not None and aside is None:  # one source measures every parameter: its part is the total
+            total = grad_sq_norm(trainer, optimizer, params)
+            return {**dict.fromkeys((*SOURCES, "other"), zero), whole: zero if total is None else total}
+        sq_norms = grad_sq_norms(trainer, optimizer, params) if params else None
+        parts = zero.new_zeros(len(SOURCES) + 1)
+        if sq_norms is not None:
+            if aside is not None:  # a layer's position len(layers) (source 2, or none) is never aside
+                outside = torch.cat([aside, aside.new_zeros(1)]).to(where.device)[layer_of]
+                where = torch.where(outside, len(SOURCES), where)
+            parts = parts.to(sq_norms.device).index_add_(0, where.to(sq_norms.device), sq_norms)
+        return dict(zip((*SOURCES, "other"), parts.unbind()))

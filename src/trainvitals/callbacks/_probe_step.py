@@ -21,6 +21,7 @@ from trainvitals.core.noise import (
     sub_batch_mean_sq_norm,
     two_batch_size_estimates,
 )
+from trainvitals.core.gsnr import ModuleCoordinates, StepCoordinates
 from trainvitals.core.outliers import Outliers, largest_examples
 from trainvitals.core.per_example import PerExampleStep, SourcePlan
 
@@ -154,6 +155,21 @@ def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExa
         return zero, zero, valid, covered, total
     grad_sq_norm, trace_cov = (functools.reduce(torch.add, parts) for parts in zip(*estimates))
     return grad_sq_norm, trace_cov, valid, covered, total
+
+
+def coordinate_stats(trainer: "pl.Trainer", coordinates: ModuleCoordinates, selection: dict[str, slice],
+                     result: PerExampleStep, examples: int, left_out: set[str]) -> tuple[dict[str, Tensor], StepCoordinates]:
+    """Σ_d GSNR_d per module over this step's ``selection`` of coordinates, :data:`~trainvitals.core.gsnr.EB_CRITERION` when they are
+    all the measured ones (:meth:`ModuleCoordinates.snr_sums`), over every rank's examples; without the
+    parameters ``left_out`` (of layers failed on some rank, the same on every rank), which have no sums."""
+    # Zeros where this rank has no sums (a layer failed here only): the ranks' collectives must match; the
+    # step is invalid.
+    selection = {q: rows for q, rows in selection.items() if q not in left_out}
+    selection = selection if result.sum_sq or trainer.world_size > 1 else {}
+    reduce = (lambda flat: trainer.strategy.reduce(flat, reduce_op="sum")) if trainer.world_size > 1 else None
+    grad_sums, sum_sqs = coordinates.selected_sums(selection, result.grad_sum, result.sum_sq, reduce)
+    return coordinates.snr_sums(selection, grad_sums, sum_sqs, examples, result.sub_grad_sum, result.sub_sum_sq,
+                                result.num_sub)
 
 
 def log_per_example_norms(trainer: "pl.Trainer", sq_norms: list[Tensor], rows: list[Tensor | None], top_k: int,

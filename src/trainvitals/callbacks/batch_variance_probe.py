@@ -29,10 +29,10 @@ from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
-from trainvitals.callbacks._probe_sources import COUPLED, SOURCES, ProbeSources
-from trainvitals.callbacks._probe_step import MicroBatches, log_per_example_norms, step_estimates, sum_over_ranks
+from trainvitals.callbacks._probe_sources import COUPLED, ProbeSources
+from trainvitals.callbacks._probe_step import (MicroBatches, coordinate_stats, log_per_example_norms, step_estimates,
+                                               sum_over_ranks)
 from trainvitals.callbacks._writers import log_scalars, log_text
-from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
@@ -484,7 +484,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
                  aside: set[str]) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
 
-        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`_batch_sq_norms`).
+        ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`ProbeSources.batch_sq_norms`).
         ``aside``: the layers that failed here without a trace in the sums, measured as not measured per example.
         """
         if not self._batches.sizes:
@@ -499,7 +499,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
             return sums.failed
         to_mean = 1 / self._grad_units(trainer, pl_module)
         batch_sq = {part: sq_norm * to_mean**2
-                    for part, sq_norm in self._batch_sq_norms(trainer, optimizer, sums.aside).items()}
+                    for part, sq_norm in self._sources.batch_sq_norms(trainer, optimizer, sums.aside).items()}
         grad_sq_norm, trace_cov, valid, covered, total = step_estimates(
             sources.plan, batch_sq, result, sums, len(self._batches.sizes) * trainer.world_size, self._batches.size,
             self._unit, aside)
@@ -520,48 +520,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._log_norms(trainer, self._sources, result, step)
         return sums.failed
 
-    def _batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
-                        aside: Tensor | None) -> dict[str, Tensor]:
-        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``, with those of
-        the layers ``aside`` marks, a ``(layers,)`` bool on the device): the accumulated, rank-averaged gradient,
-        AMP scale undone (0-d float64 each), from one pass over the gradients per step (shared with the
-        stopper; none after a GradNormMonitor that measured the step), summed by source."""
-        assert self._sources is not None
-        params, where, whole, layer_of = self._sources.norm_layout(optimizer)
-        zero = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
-        if whole is not None and aside is None:  # one source measures every parameter: its part is the total
-            total = grad_sq_norm(trainer, optimizer, params)
-            return {**dict.fromkeys((*SOURCES, "other"), zero), whole: zero if total is None else total}
-        sq_norms = grad_sq_norms(trainer, optimizer, params) if params else None
-        parts = zero.new_zeros(len(SOURCES) + 1)
-        if sq_norms is not None:
-            if aside is not None:  # a layer's position len(layers) (source 2, or none) is never aside
-                outside = torch.cat([aside, aside.new_zeros(1)]).to(where.device)[layer_of]
-                where = torch.where(outside, len(SOURCES), where)
-            parts = parts.to(sq_norms.device).index_add_(0, where.to(sq_norms.device), sq_norms)
-        return dict(zip((*SOURCES, "other"), parts.unbind()))
-
     def _grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float:
         return self._batches.grad_units(trainer, pl_module, self._reduction)
 
     # ------------------------------------------------------------------ logging
-
-    def _coordinate_stats(self, trainer: "pl.Trainer", result: PerExampleStep, examples: int,
-                          failed: set[str]) -> tuple[dict[str, Tensor], StepCoordinates]:
-        """Σ_d GSNR_d per module over this step's coordinates, :data:`EB_CRITERION` when they are all the
-        measured ones (:meth:`ModuleCoordinates.snr_sums`), over every rank's examples; without the layers
-        ``failed`` on some rank (the same on every rank), which a step measured without them has no sums of."""
-        # Zeros where this rank has no sums (a layer failed here only): the ranks' collectives must match; the
-        # step is invalid.
-        assert self._sources is not None
-        left_out = {q for name in failed for member in self._sources.collector.group(name)
-                    for q in self._sources.layer_params.get(member, {})}
-        selection = {q: rows for q, rows in self._selection.items() if q not in left_out}
-        selection = selection if result.sum_sq or trainer.world_size > 1 else {}
-        reduce = (lambda flat: trainer.strategy.reduce(flat, reduce_op="sum")) if trainer.world_size > 1 else None
-        grad_sums, sum_sqs = self._coordinates.selected_sums(selection, result.grad_sum, result.sum_sq, reduce)
-        return self._coordinates.snr_sums(selection, grad_sums, sum_sqs, examples, result.sub_grad_sum,
-                                          result.sub_sum_sq, result.num_sub)
 
     def _log(self, trainer: "pl.Trainer", result: PerExampleStep, valid: Tensor | bool, examples: int,
              step: int, failed: set[str]) -> None:
@@ -576,7 +538,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         }
         coordinates: StepCoordinates = {}
         if self.per_coordinate and self._plan is not None:
-            snr_sums, coordinates = self._coordinate_stats(trainer, result, examples, failed)
+            assert self._sources is not None
+            snr_sums, coordinates = coordinate_stats(trainer, self._coordinates, self._selection, result, examples,
+                                                     self._sources.params_of(failed))
             metrics.update(snr_sums)
         keys = list(metrics)
         device = self.noise.count.device

@@ -30,6 +30,7 @@ from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, 
 from trainvitals.core.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
 from trainvitals.core.per_example.layout import Layouts
 from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
+from trainvitals.core.per_example.sums_check import UNBALANCED, sum_errors
 from trainvitals.core.per_example.tied import measure_tied
 
 
@@ -435,33 +436,18 @@ class PerExampleGradients:
         measured = set(self._names.values())
         params = {q: p for n in checked for q, p in self._qualified_parameters(n).items()
                   if q in self._coordinates or q not in measured}  # Σ_i g_i of a parameter the rule skips: 0
-        names = list(params)
-        rows = [self._coordinates.get(q, slice(None)) for q in names]
-        actual = [(params[q].grad if params[q].grad is not None else torch.zeros_like(params[q]))[r]
-                  for q, r in zip(names, rows)]
-        expected = [step.grad_sum[q] * to_grad if q in step.grad_sum else torch.zeros_like(actual[i])
-                    for i, q in enumerate(names)]
-        actual = [a.to(e.dtype) for a, e in zip(actual, expected)]
-        diff = torch._foreach_norm(torch._foreach_sub(expected, actual))
-        scale = [torch.maximum(a, e) for a, e in zip(torch._foreach_norm(actual), torch._foreach_norm(expected))]
-        values = torch.stack([*diff, *scale]).double().tolist()
+        err, ref = sum_errors(params, self._coordinates, step.grad_sum, to_grad)
         # The loosest over the step: under autocast a layer's weight gradient may come partly from another's
         # half-precision operands (a tied output layer, a recurrent layer's casts).
         device = next(iter(params.values())).device
         tolerance = max(_tolerance(dtype, device) for dtype in step.dtypes.values())
-        err = dict(zip(names, values[:len(names)]))
-        ref = dict(zip(names, values[len(names):]))
         out = {}
         for name in checked:
             local = [q for q in self._qualified_parameters(name) if q in params]
             e = math.sqrt(sum(err[q] ** 2 for q in local))
             r = math.sqrt(sum(ref[q] ** 2 for q in local))
             if local and math.isfinite(e) and math.isfinite(r) and e > tolerance * r:
-                out[name] = (f"its per-example gradients do not add up to its parameters' gradient (relative error "
-                             f"{e / r:.2g}): its weight is used outside its own call (`x @ layer.weight.T`, a tied "
-                             "`F.linear(h, embed.weight)`), a forward pre-hook reparametrises it (weight_norm, "
-                             "spectral_norm, pruning), a hook rescales its output gradient, or its rule misses a "
-                             "parameter")
+                out[name] = UNBALANCED.format(error=e / r)
         return out
 
     def _qualified_parameters(self, name: str) -> dict[str, nn.Parameter]:
