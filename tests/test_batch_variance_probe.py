@@ -848,49 +848,42 @@ def test_a_layer_called_with_a_keyword_input_is_skipped_not_fatal():
     assert trainer.global_step == 3
 
 
-def test_multihead_attention_is_measured_per_example():
-    class Attention(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
-            self.head = nn.Linear(4, 3)
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 3)
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
 
+
+class Encoder(nn.Module):
+    """nn.TransformerEncoderLayer at its default dropout (0.1, attention's too), batch-first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=16, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(1))
+
+
+@pytest.mark.parametrize(("model", "layers"), [(Attention, "MultiheadAttention×1, Linear×1"),
+                                               (Encoder, "MultiheadAttention×2, Linear×5, LayerNorm×4")])
+def test_multihead_attention_is_measured_per_example(model, layers):
+    """Also inside nn.TransformerEncoder, whose dropout draws masks in training: attention is measured from what
+    the forward computed, and each step's Σ_i g_i adds up to the batch gradient (the probe's check)."""
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(32, 5, 4, dtype=torch.float64), torch.randint(0, 3, (32,)))
     probe, logger = BatchVarianceProbe(), RecordingLogger()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(Classifier(Attention()), data, [probe], batch_size=8, steps=3, logger=logger)
+        fit(Classifier(model()), data, [probe], batch_size=8, steps=3, logger=logger)
     assert _probe_warnings(record) == []
-    assert "per-example norms in backward: MultiheadAttention×1, Linear×1 (100.0% of parameters)" in probe.sources
-    assert len(logger.values("grad_noise/trace_cov")) == 3
-
-
-def test_transformer_encoder_with_its_default_dropout_is_measured_per_example():
-    """nn.TransformerEncoderLayer draws attention dropout masks (0.1) in training: its attention is measured from
-    what the forward computed, and each step's Σ_i g_i adds up to the batch gradient (the probe's check)."""
-    class Encoder(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
-            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-            self.head = nn.Linear(8, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.encoder(x).mean(1))
-
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(32, 5, 8, dtype=torch.float64), torch.randint(0, 3, (32,)))
-    probe, logger = BatchVarianceProbe(), RecordingLogger()
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        fit(Classifier(Encoder()), data, [probe], batch_size=8, steps=3, logger=logger)
-    assert _probe_warnings(record) == []
-    assert ("per-example norms in backward: MultiheadAttention×2, Linear×5, LayerNorm×4 (100.0% of parameters)"
-            in probe.sources), probe.sources
+    assert f"per-example norms in backward: {layers} (100.0% of parameters)" in probe.sources, probe.sources
     assert not probe._excluded and len(logger.values("grad_noise/trace_cov")) == 3
 
 

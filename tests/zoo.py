@@ -202,14 +202,8 @@ class RNNModel(nn.Module):
         return F.log_softmax(decoded, dim=-1).transpose(0, 1)  # (B, T, VOCAB)
 
 
-class PackedLSTMClassifier(nn.Module):
-    """A text classifier on padded token ids: each sequence packed at its own length (0 pads)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, 8, padding_idx=0)
-        self.lstm = nn.LSTM(8, 12, num_layers=2, batch_first=True, bidirectional=True)
-        self.fc = nn.Linear(2 * 12, 3)
+class PackedLSTMClassifier(LSTMClassifier):
+    """The LSTM classifier on padded token ids, each sequence packed at its own length (0 pads)."""
 
     def forward(self, tokens: Tensor) -> Tensor:
         lengths = (tokens != 0).sum(1).cpu()
