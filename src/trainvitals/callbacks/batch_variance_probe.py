@@ -224,7 +224,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
 
     @property
     def noise(self) -> NoiseScaleEMA:
-        """The probe's smoothed ‖G‖² and tr(Σ), in the units of each example's own loss."""
+        """The probe's smoothed ‖G‖² and tr(Σ) for independent draws, in each example's own-loss units (the logged
+        ``gradient_noise.estimate()`` also corrects for drawing without replacement from a known N)."""
         return self.noise_source.ema
 
     @property
