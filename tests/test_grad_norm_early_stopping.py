@@ -192,7 +192,7 @@ def test_without_a_monitor_the_stopper_and_the_probe_share_one_norm_per_step(mon
         seen.append((trainer.global_step, float(value), float(brute)))
         return value
 
-    from trainvitals.callbacks import batch_variance_probe as probe_module
+    from trainvitals.callbacks import _probe_sources as probe_module
     from trainvitals.callbacks import grad_norm_early_stopping as stopper_module
 
     monkeypatch.setattr(stopper_module, "grad_sq_norm", asked)
