@@ -370,3 +370,91 @@ def test_the_probe_keeps_its_layouts_over_re_plans_and_starts_afresh_each_fit():
     probe.setup(trainer, trainer.lightning_module, "fit")
     assert probe._layouts is not layouts and probe._sources.collector.layouts is probe._layouts
     assert not probe._layouts._seen
+
+
+# ------------------------------------------------------------------ layouts mixed in one model
+class Tagger(nn.Module):
+    """A tagger whose embedding, projection, LayerNorm and head are batch-first around a ``batch_first=False``
+    encoder (``encoder``: ``"transformer"``, ``"lstm"``), transposed in and out; ``outside_first``: the
+    embedding and head run sequence-first around a ``batch_first=True`` encoder instead."""
+
+    def __init__(self, encoder: str = "transformer", outside_first: bool = False) -> None:
+        super().__init__()
+        self.encoder, self.outside_first = encoder, outside_first
+        self.emb, self.proj = nn.Embedding(V, D), nn.Linear(D, D)
+        if encoder == "lstm":
+            self.enc = nn.LSTM(D, D, batch_first=outside_first)
+        else:
+            layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=outside_first)
+            self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.proj(self.emb(ids.t() if self.outside_first else ids)).permute(1, 0, 2)
+        x = self.enc(x)[0] if self.encoder == "lstm" else self.enc(x)
+        x = x.permute(1, 0, 2).cumsum(int(not self.outside_first))  # back to the outside layout, mixed in time
+        out = self.head(self.norm(x))
+        return out.transpose(0, 1) if self.outside_first else out
+
+
+@pytest.mark.parametrize("encoder", ["transformer", "lstm"])
+def test_a_batch_first_tagger_around_a_sequence_first_encoder_fails_its_outside_layers_at_T_equal_B(encoder):
+    """The encoder's batch_first speaks for the layers inside it only: the projection, LayerNorm and head beside
+    it (no evidence of their own, the embedding shown batch-first, the encoder sequence-first) are not measured,
+    with the mixed evidence named; the embedding and the encoder are exact."""
+    model = make(Tagger, encoder)
+    ids, y = data(model, B)
+    layouts = Layouts(model)
+    step = collect(model, ids, y, layouts, batch=(ids, y))
+    assert set(step.failed) == {"proj", "norm", "head"}, step.failed
+    why = step.failed["head"]
+    assert "mixed" in why and "enc: sequence-first" in why and "batch-first: emb" in why and "(5, 5, 8)" in why
+    step.failed.clear()
+    assert_exact(step, brute_force(model, ids, y, skip=("proj", "norm", "head")))
+    assert not layouts.assumed
+
+
+@pytest.mark.parametrize("encoder", ["transformer", "lstm"])
+def test_sequence_first_false_measures_the_mixed_tagger_exactly_inside_and_out(encoder):
+    """``sequence_first=False`` says the layout outside the encoder; the layers inside a transformer encoder keep
+    its own (sequence-first), said once: every layer exact."""
+    model = make(Tagger, encoder)
+    ids, y = data(model, B)
+    layouts = Layouts(model, sequence_first=False)
+    assert_exact(collect(model, ids, y, layouts, batch=(ids, y)), brute_force(model, ids, y))
+    notes, refuted = layouts.notes()
+    assert not refuted and len(notes) == 1
+    assert "sequence_first=False differs from the batch_first of enc:" in notes[0] and "(sequence-first)" in notes[0]
+    assert layouts.notes() == ([], False)  # once
+
+
+def test_layers_taken_from_the_declared_modules_alone_are_said_once_and_not_with_the_batch_s_ids():
+    """Embedding and decoder beside a sequence-first LSTM, at T = B: with no input showing a layout they are taken
+    as the LSTM declares (exact here), said once with the override that would say otherwise; with the ids a view of
+    the batch (transposed), shown, and nothing said, in training too."""
+    model = make(WordLM)
+    ids, y = data(model, B)
+    layouts = Layouts(model)
+    assert_exact(collect(model, ids, y, layouts), brute_force(model, ids, y))
+    notes, _ = layouts.notes()
+    assert len(notes) == 1 and "encoder, decoder" in notes[0] and "taken sequence-first" in notes[0]
+    assert "sequence_first=False" in notes[0] and layouts.notes() == ([], False)
+    layouts = Layouts(model)
+    assert_exact(collect(model, ids, y, layouts, batch=(ids, y)), brute_force(model, ids, y))
+    assert layouts.notes() == ([], False)
+    probe, _, said = probe_fit(model, ids, y)
+    assert not [m for m in said if "taken" in m or "sequence_first" in m], said
+    assert abs(float(probe.noise.trace_cov) / true_trace(model, ids, y) - 1) < 1e-6
+
+
+def test_a_declared_batch_first_encoder_keeps_its_layout_under_sequence_first_true():
+    """Sequence-first embedding and head around a ``batch_first=True`` encoder with ``sequence_first=True``: the
+    override holds outside, the encoder's own layout inside (not the override's), exact, and the difference
+    said once."""
+    model = make(Tagger, "transformer", True)
+    ids, y = data(model, B)
+    layouts = Layouts(model, sequence_first=True)
+    assert_exact(collect(model, ids, y, layouts, batch=(ids, y)), brute_force(model, ids, y))
+    notes, _ = layouts.notes()
+    assert len(notes) == 1 and "sequence_first=True differs from the batch_first of enc:" in notes[0]
+    assert "keep their own layout (batch-first)" in notes[0]
