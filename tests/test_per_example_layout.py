@@ -458,3 +458,42 @@ def test_a_declared_batch_first_encoder_keeps_its_layout_under_sequence_first_tr
     notes, _ = layouts.notes()
     assert len(notes) == 1 and "sequence_first=True differs from the batch_first of enc:" in notes[0]
     assert "keep their own layout (batch-first)" in notes[0]
+
+
+def test_the_probe_measures_the_mixed_tagger_over_the_layers_it_can_and_says_which_it_cannot():
+    """In training: tr(Σ) over the embedding and encoder against brute force, the three outside layers excluded
+    and said; with ``sequence_first=False``, every parameter, exact."""
+    net = make(Tagger)
+    ids, y = data(net, B)
+    probe, _, said = probe_fit(net, ids, y)
+    assert probe._excluded == {"net.proj", "net.norm", "net.head"}
+    assert [m for m in said if "mixed" in m and "net.head" in m]
+    assert abs(float(probe.noise.trace_cov) / true_trace(net, ids, y, skip=("proj", "norm", "head")) - 1) < 1e-6
+    probe, _, said = probe_fit(net, ids, y, sequence_first=False)
+    assert not probe._excluded and len([m for m in said if "differs from the batch_first" in m]) == 1
+    assert abs(float(probe.noise.trace_cov) / true_trace(net, ids, y) - 1) < 1e-6
+
+
+def test_a_layout_assumed_at_T_equal_B_and_refuted_later_restarts_the_estimate():
+    """Steps of T = B (taken batch-first, said), then T = B + 2 (the shape shows sequence-first): said once, the
+    first step's per-position numbers dropped; the estimate is the second step's, exact."""
+    net = make(TinySequenceFirst, True)
+    ids, y = data(net, B + 2, b=2 * B)
+    cut = iter([B, B + 2])
+
+    def collate(rows):
+        t = next(cut)
+        return torch.stack([r[0][:t] for r in rows]), torch.stack([r[1][:t] for r in rows])
+
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, ema_beta=0.5)
+    trainer = pl.Trainer(max_steps=2, callbacks=[probe], logger=RecordingLogger(), log_every_n_steps=1,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                         accelerator="cpu", devices=1, num_sanity_val_steps=0, precision="64-true")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(LM(net), DataLoader(TensorDataset(ids, y), batch_size=B, collate_fn=collate))
+    said = [str(w.message) for w in record if "trainvitals" in str(w.message)]
+    restarts = [m for m in said if "restarts" in m]
+    assert len(restarts) == 1 and "net.emb, net.dec" in restarts[0] and "(7, 5)" in restarts[0]
+    assert int(probe.noise.count) == 1
+    assert abs(float(probe.noise.trace_cov) / true_trace(net, ids[B:], y[B:]) - 1) < 1e-6

@@ -16,6 +16,7 @@ from torch import Tensor
 import lightning.pytorch as pl
 
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
+from trainvitals.core.estimate import NoiseSource
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import MicroBatchSquaredNorms
 from trainvitals.core.outliers import norm_coverage
@@ -277,3 +278,13 @@ class ProbeSources:
                 where = torch.where(outside, len(SOURCES), where)
             parts = parts.to(sq_norms.device).index_add_(0, where.to(sq_norms.device), sq_norms)
         return dict(zip((*SOURCES, "other"), parts.unbind()))
+
+
+def layout_notes(layouts: Layouts, source: NoiseSource) -> list[str]:
+    """What the fit's layout evidence has not said yet (:meth:`~trainvitals.core.per_example.Layouts.notes`);
+    where it refuted the layout earlier steps were measured with, ``source``'s estimate restarts without them."""
+    notes, refuted = layouts.notes()
+    if refuted:
+        fresh = NoiseSource(source.name, source.ema.beta).state_dict()
+        source.load_state_dict({k: fresh[k] for k in ("noise", "error", "norms")})
+    return notes

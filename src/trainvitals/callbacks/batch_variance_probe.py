@@ -29,7 +29,7 @@ from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
-from trainvitals.callbacks._probe_sources import COUPLED, ProbeSources
+from trainvitals.callbacks._probe_sources import COUPLED, ProbeSources, layout_notes
 from trainvitals.callbacks._probe_step import (MicroBatches, coordinate_stats, log_per_example_norms, step_estimates,
                                                sum_over_ranks)
 from trainvitals.callbacks._writers import log_scalars, log_text
@@ -431,7 +431,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         sources = self._sources
         assert sources is not None
         result = sources.collector.pop(decide=False)
-        if note := self._layouts.assumed_note():
+        for note in layout_notes(self._layouts, self.noise_source):
             self.warn(note + ".", once=True)
         if is_logging_step(step, self._log_every) or self._log_every is None or result.sq_norms:
             # 1-D ids compared with arange(B) on the device, read at a step that syncs anyway (else: `sum_over_ranks`)
