@@ -497,3 +497,68 @@ def test_a_layout_assumed_at_T_equal_B_and_refuted_later_restarts_the_estimate()
     assert len(restarts) == 1 and "net.emb, net.dec" in restarts[0] and "(7, 5)" in restarts[0]
     assert int(probe.noise.count) == 1
     assert abs(float(probe.noise.trace_cov) / true_trace(net, ids[B:], y[B:]) - 1) < 1e-6
+
+
+# ------------------------------------------------------------------ a loader yielding (T, B) batches
+class TimeMajorLM(pl.LightningModule):
+    """word_language_model's training on batchify's ``(T, B)`` batches: Embedding → LSTM (batch_first=False) →
+    Linear, the loss the mean over every token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rnn, self.dec = nn.Embedding(V, D), nn.LSTM(D, 6), nn.Linear(6, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.rnn(self.emb(ids))[0])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, y = batch
+        return F.cross_entropy(self(ids).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def time_major_fit(t: int, **options: Any):
+    lm = TimeMajorLM().double()
+    g = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(0, V, (B, t), generator=g), torch.randint(0, V, (B, t), generator=g)
+    loader = DataLoader(TensorDataset(ids, y), batch_size=B,
+                        collate_fn=lambda rows: tuple(torch.stack(c).t().contiguous() for c in zip(*rows)))
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, **options)
+    trainer = pl.Trainer(max_steps=1, callbacks=[probe], logger=RecordingLogger(), log_every_n_steps=1,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                         accelerator="cpu", devices=1, num_sanity_val_steps=0, precision="64-true")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(lm, loader)
+    params = [p for p in lm.parameters()]
+    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(F.cross_entropy(
+        lm(ids[i:i + 1].t()).flatten(0, 1), y[i:i + 1].t().flatten()), params)]) for i in range(B)])
+    truth = float((g - g.mean(0)).square().sum() / (B - 1))
+    return probe, truth, [str(w.message) for w in record if "trainvitals" in str(w.message)]
+
+
+@pytest.mark.parametrize("t", [B, B + 2])
+def test_a_loader_of_T_B_batches_is_measured_with_sequence_first_true(t):
+    """``sequence_first=True`` reads the batch size from dimension 1 of the batch: B examples, exact."""
+    probe, truth, _ = time_major_fit(t, sequence_first=True)
+    assert probe.effective_batch_size == B and not probe._excluded
+    assert abs(float(probe.noise.trace_cov) / truth - 1) < 1e-6
+
+
+def test_a_loader_of_T_B_batches_without_the_flag_leaves_the_step_out_and_says_the_fix():
+    """Without it, the LSTM (batch_first=False) sees the batch size read from dimension 0 on its dimension 0:
+    time steps would be counted as examples. The step is left out, nothing excluded, the fix said."""
+    probe, _, said = time_major_fit(B + 2)
+    assert int(probe.noise.count) == 0 and not probe._excluded
+    fix = [m for m in said if "(T, B) batches" in m]
+    assert len(fix) == 1 and "rnn declares its examples on dimension 1" in fix[0] and "sequence_first=True" in fix[0]
+
+
+def test_the_batch_size_of_a_sequence_first_batch_is_its_dimension_1():
+    from trainvitals.callbacks._batch import batch_size
+    ids, lengths = torch.zeros(7, 3), torch.zeros(3)
+    assert batch_size((ids, lengths), True) == 3 and batch_size((ids, lengths)) == 7
+    assert batch_size({"lengths": lengths, "ids": ids}, True) == 3 and batch_size([lengths], True) == 3

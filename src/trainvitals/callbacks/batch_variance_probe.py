@@ -136,9 +136,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
             no noise-aware advice (> 0; 0.5 keeps the advised lrs within about ×1.5).
         top_k: outlying examples reported per histogram (≥ 0).
         sequence_first: where a Linear, Embedding or norm layer's input has the batch on both of its first two
-            dimensions (T = B): ``True``, sequence-first ``(T, B, ...)``; ``False``, batch-first ``(B, T, ...)``;
-            ``None``, from the evidence of :mod:`trainvitals.core.per_example.layout` (the model's ``batch_first``
-            modules, an input that is a view of the batch, the layer's steps with T ≠ B), else batch-first, said once.
+            dimensions (T = B), outside the modules whose ``batch_first`` says it: ``True``, sequence-first
+            ``(T, B, ...)``, and so are the loader's batches (the batch size is their dimension 1); ``False``,
+            batch-first ``(B, T, ...)``; ``None``, from the evidence of :mod:`trainvitals.core.per_example.layout`
+            (the model's ``batch_first`` modules, an input that is a view of the batch, the layer's steps with
+            T ≠ B, the other layers'), else batch-first, said once.
         strict: raise instead of warning when the probe cannot measure.
 
     Raises:
@@ -363,7 +365,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if self._measuring:
             assert self._sources is not None
             self._sources.collector.begin_micro_batch()  # a batch skipped before (training_step returned None) left its forward
-            size = batch_size(batch)
+            size = batch_size(batch, self.sequence_first)
             self._batches.unsized |= size is None
             self._batch_size = size or 0
             if size:

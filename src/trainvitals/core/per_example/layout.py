@@ -22,7 +22,9 @@ per-position norms with no error. The evidence, in this order (:meth:`Layouts.ex
 Evidence that disagrees fails the layer for the step, saying the shape and the fix; without any, the input
 is taken batch-first and the layer is listed in :attr:`Layouts.assumed`, to be said once. A layer taken by 5 or
 without evidence whose own input later shows the other layout is listed in :attr:`Layouts.refuted`: the steps
-measured so far measured per-position gradients (the probe restarts its estimate).
+measured so far measured per-position gradients (the probe restarts its estimate). A module that declares its
+examples on one dimension but is fed the batch size on the other (a loader yielding ``(T, B)`` batches read as
+``(B, T)``) is recorded by :meth:`Layouts.see_declared`: the step is not measured (:meth:`Layouts.misread`).
 An input with more dimensions before its features, ``(B, H, W, C)`` into a channels-last Linear or LayerNorm
 with H = B, is not a sequence: 1 and 5 do not apply, and without 2–4 it is batch-first, unsaid. Square ``(B, B)``
 ids of an embedding not shown per example by 2–4 are also compared on the device with relative-position
@@ -162,8 +164,9 @@ class Layouts:
         self._seen: dict[str, set[int]] = {}  # per layer, the examples' dimensions its own evidence showed
         self._showing: dict[int, dict[str, None]] = {}  # per dimension, the layers whose evidence showed it
         self._taken: dict[str, int] = {}  # layers measured without evidence of their own: the dimension taken
+        self._misread: dict[str, tuple[tuple[int, ...], int]] = {}  # see_declared's, until misread() reads it
         self._batch: list[tuple[weakref.ref[Tensor], int]] = []
-        self._size = 0
+        self._size, self._other = 0, set()
         if model is not None:
             self.declare(model)
 
@@ -175,7 +178,33 @@ class Layouts:
         """The coming micro-batch's tensors of ``size`` examples (weakly held): a layer fed a view of one shows
         its layout. Their examples are on dimension 1 under ``sequence_first=True``, else 0."""
         dim, self._size = int(bool(self.sequence_first)), size
-        self._batch = [(weakref.ref(t), dim) for t in batch_tensors(batch) if t.dim() >= 2 and t.shape[dim] == size]
+        tensors = [t for t in batch_tensors(batch) if t.dim() >= 2]
+        self._batch = [(weakref.ref(t), dim) for t in tensors if t.shape[dim] == size]
+        self._other = {t.shape[1 - dim] for t in tensors}  # the sizes a batch read on the wrong dimension would have
+
+    def see_declared(self, name: str, inputs: Any) -> None:
+        """A declaring module's batched input: with the batch size the probe read on the other dimension than the
+        one it declares, and on its own a size that the batch's tensors have on their other dimension, the batch
+        was read on the wrong dimension (:meth:`misread`)."""
+        dim = self.declaring.get(name)
+        if dim is not None and isinstance(inputs, Tensor) and inputs.dim() >= 3 and self._size \
+                and inputs.shape[1 - dim] == self._size != inputs.shape[dim] and inputs.shape[dim] in self._other:
+            self._misread.setdefault(name, (tuple(inputs.shape), dim))
+
+    def misread(self) -> str:
+        """Why the step's examples are not the batch's dimension the probe read (from :meth:`see_declared`), or
+        ""; cleared for the next step."""
+        if not self._misread:
+            return ""
+        name, (shape, dim) = next(iter(self._misread.items()))
+        self._misread = {}
+        read = int(bool(self.sequence_first))
+        fix = ("The loader seems to yield batch-first (B, T) batches: drop sequence_first=True, which reads the batch "
+               "size from dimension 1" if read else "The loader seems to yield (T, B) batches: pass "
+               "sequence_first=True, which reads the batch size from their dimension 1")
+        return (f"{name or 'the model'} declares its examples on dimension {dim} (batch_first={not dim}), but its "
+                f"input {shape} has the batch size read from dimension {read} of the loader's batches ({self._size}) "
+                f"on dimension {1 - dim} and not on {dim}: time steps would be counted as examples. {fix}")
 
     def _show(self, name: str, dim: int, shape: tuple[int, ...]) -> Examples:
         if self._taken.get(name, dim) != dim:
