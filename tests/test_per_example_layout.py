@@ -370,3 +370,195 @@ def test_the_probe_keeps_its_layouts_over_re_plans_and_starts_afresh_each_fit():
     probe.setup(trainer, trainer.lightning_module, "fit")
     assert probe._layouts is not layouts and probe._sources.collector.layouts is probe._layouts
     assert not probe._layouts._seen
+
+
+# ------------------------------------------------------------------ layouts mixed in one model
+class Tagger(nn.Module):
+    """A tagger whose embedding, projection, LayerNorm and head are batch-first around a ``batch_first=False``
+    encoder (``encoder``: ``"transformer"``, ``"lstm"``), transposed in and out; ``outside_first``: the
+    embedding and head run sequence-first around a ``batch_first=True`` encoder instead."""
+
+    def __init__(self, encoder: str = "transformer", outside_first: bool = False) -> None:
+        super().__init__()
+        self.encoder, self.outside_first = encoder, outside_first
+        self.emb, self.proj = nn.Embedding(V, D), nn.Linear(D, D)
+        if encoder == "lstm":
+            self.enc = nn.LSTM(D, D, batch_first=outside_first)
+        else:
+            layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=outside_first)
+            self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.proj(self.emb(ids.t() if self.outside_first else ids)).permute(1, 0, 2)
+        x = self.enc(x)[0] if self.encoder == "lstm" else self.enc(x)
+        x = x.permute(1, 0, 2).cumsum(int(not self.outside_first))  # back to the outside layout, mixed in time
+        out = self.head(self.norm(x))
+        return out.transpose(0, 1) if self.outside_first else out
+
+
+@pytest.mark.parametrize("encoder", ["transformer", "lstm"])
+def test_a_batch_first_tagger_around_a_sequence_first_encoder_fails_its_outside_layers_at_T_equal_B(encoder):
+    """The encoder's batch_first speaks for the layers inside it only: the projection, LayerNorm and head beside
+    it (no evidence of their own, the embedding shown batch-first, the encoder sequence-first) are not measured,
+    with the mixed evidence named; the embedding and the encoder are exact."""
+    model = make(Tagger, encoder)
+    ids, y = data(model, B)
+    layouts = Layouts(model)
+    step = collect(model, ids, y, layouts, batch=(ids, y))
+    assert set(step.failed) == {"proj", "norm", "head"}, step.failed
+    why = step.failed["head"]
+    assert "mixed" in why and "enc: sequence-first" in why and "batch-first: emb" in why and "(5, 5, 8)" in why
+    step.failed.clear()
+    assert_exact(step, brute_force(model, ids, y, skip=("proj", "norm", "head")))
+    assert not layouts.assumed
+
+
+@pytest.mark.parametrize("encoder", ["transformer", "lstm"])
+def test_sequence_first_false_measures_the_mixed_tagger_exactly_inside_and_out(encoder):
+    """``sequence_first=False`` says the layout outside the encoder; the layers inside a transformer encoder keep
+    its own (sequence-first), said once: every layer exact."""
+    model = make(Tagger, encoder)
+    ids, y = data(model, B)
+    layouts = Layouts(model, sequence_first=False)
+    assert_exact(collect(model, ids, y, layouts, batch=(ids, y)), brute_force(model, ids, y))
+    notes, refuted = layouts.notes()
+    assert not refuted and len(notes) == 1
+    assert "sequence_first=False differs from the batch_first of enc:" in notes[0] and "(sequence-first)" in notes[0]
+    assert layouts.notes() == ([], False)  # once
+
+
+def test_layers_taken_from_the_declared_modules_alone_are_said_once_and_not_with_the_batch_s_ids():
+    """Embedding and decoder beside a sequence-first LSTM, at T = B: with no input showing a layout they are taken
+    as the LSTM declares (exact here), said once with the override that would say otherwise; with the ids a view of
+    the batch (transposed), shown, and nothing said, in training too."""
+    model = make(WordLM)
+    ids, y = data(model, B)
+    layouts = Layouts(model)
+    assert_exact(collect(model, ids, y, layouts), brute_force(model, ids, y))
+    notes, _ = layouts.notes()
+    assert len(notes) == 1 and "encoder, decoder" in notes[0] and "taken sequence-first" in notes[0]
+    assert "sequence_first=False" in notes[0] and layouts.notes() == ([], False)
+    layouts = Layouts(model)
+    assert_exact(collect(model, ids, y, layouts, batch=(ids, y)), brute_force(model, ids, y))
+    assert layouts.notes() == ([], False)
+    probe, _, said = probe_fit(model, ids, y)
+    assert not [m for m in said if "taken" in m or "sequence_first" in m], said
+    assert abs(float(probe.noise.trace_cov) / true_trace(model, ids, y) - 1) < 1e-6
+
+
+def test_a_declared_batch_first_encoder_keeps_its_layout_under_sequence_first_true():
+    """Sequence-first embedding and head around a ``batch_first=True`` encoder with ``sequence_first=True``: the
+    override holds outside, the encoder's own layout inside (not the override's), exact, and the difference
+    said once."""
+    model = make(Tagger, "transformer", True)
+    ids, y = data(model, B)
+    layouts = Layouts(model, sequence_first=True)
+    assert_exact(collect(model, ids, y, layouts, batch=(ids, y)), brute_force(model, ids, y))
+    notes, _ = layouts.notes()
+    assert len(notes) == 1 and "sequence_first=True differs from the batch_first of enc:" in notes[0]
+    assert "keep their own layout (batch-first)" in notes[0]
+
+
+def test_the_probe_measures_the_mixed_tagger_over_the_layers_it_can_and_says_which_it_cannot():
+    """In training: tr(Σ) over the embedding and encoder against brute force, the three outside layers excluded
+    and said; with ``sequence_first=False``, every parameter, exact."""
+    net = make(Tagger)
+    ids, y = data(net, B)
+    probe, _, said = probe_fit(net, ids, y)
+    assert probe._excluded == {"net.proj", "net.norm", "net.head"}
+    assert [m for m in said if "mixed" in m and "net.head" in m]
+    assert abs(float(probe.noise.trace_cov) / true_trace(net, ids, y, skip=("proj", "norm", "head")) - 1) < 1e-6
+    probe, _, said = probe_fit(net, ids, y, sequence_first=False)
+    assert not probe._excluded and len([m for m in said if "differs from the batch_first" in m]) == 1
+    assert abs(float(probe.noise.trace_cov) / true_trace(net, ids, y) - 1) < 1e-6
+
+
+def test_a_layout_assumed_at_T_equal_B_and_refuted_later_restarts_the_estimate():
+    """Steps of T = B (taken batch-first, said), then T = B + 2 (the shape shows sequence-first): said once, the
+    first step's per-position numbers dropped; the estimate is the second step's, exact."""
+    net = make(TinySequenceFirst, True)
+    ids, y = data(net, B + 2, b=2 * B)
+    cut = iter([B, B + 2])
+
+    def collate(rows):
+        t = next(cut)
+        return torch.stack([r[0][:t] for r in rows]), torch.stack([r[1][:t] for r in rows])
+
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, ema_beta=0.5)
+    trainer = pl.Trainer(max_steps=2, callbacks=[probe], logger=RecordingLogger(), log_every_n_steps=1,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                         accelerator="cpu", devices=1, num_sanity_val_steps=0, precision="64-true")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(LM(net), DataLoader(TensorDataset(ids, y), batch_size=B, collate_fn=collate))
+    said = [str(w.message) for w in record if "trainvitals" in str(w.message)]
+    restarts = [m for m in said if "restarts" in m]
+    assert len(restarts) == 1 and "net.emb, net.dec" in restarts[0] and "(7, 5)" in restarts[0]
+    assert int(probe.noise.count) == 1
+    assert abs(float(probe.noise.trace_cov) / true_trace(net, ids[B:], y[B:]) - 1) < 1e-6
+
+
+# ------------------------------------------------------------------ a loader yielding (T, B) batches
+class TimeMajorLM(pl.LightningModule):
+    """word_language_model's training on batchify's ``(T, B)`` batches: Embedding → LSTM (batch_first=False) →
+    Linear, the loss the mean over every token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.rnn, self.dec = nn.Embedding(V, D), nn.LSTM(D, 6), nn.Linear(6, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.rnn(self.emb(ids))[0])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, y = batch
+        return F.cross_entropy(self(ids).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def time_major_fit(t: int, **options: Any):
+    lm = TimeMajorLM().double()
+    g = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(0, V, (B, t), generator=g), torch.randint(0, V, (B, t), generator=g)
+    loader = DataLoader(TensorDataset(ids, y), batch_size=B,
+                        collate_fn=lambda rows: tuple(torch.stack(c).t().contiguous() for c in zip(*rows)))
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, **options)
+    trainer = pl.Trainer(max_steps=1, callbacks=[probe], logger=RecordingLogger(), log_every_n_steps=1,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                         accelerator="cpu", devices=1, num_sanity_val_steps=0, precision="64-true")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(lm, loader)
+    params = [p for p in lm.parameters()]
+    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(F.cross_entropy(
+        lm(ids[i:i + 1].t()).flatten(0, 1), y[i:i + 1].t().flatten()), params)]) for i in range(B)])
+    truth = float((g - g.mean(0)).square().sum() / (B - 1))
+    return probe, truth, [str(w.message) for w in record if "trainvitals" in str(w.message)]
+
+
+@pytest.mark.parametrize("t", [B, B + 2])
+def test_a_loader_of_T_B_batches_is_measured_with_sequence_first_true(t):
+    """``sequence_first=True`` reads the batch size from dimension 1 of the batch: B examples, exact."""
+    probe, truth, _ = time_major_fit(t, sequence_first=True)
+    assert probe.effective_batch_size == B and not probe._excluded
+    assert abs(float(probe.noise.trace_cov) / truth - 1) < 1e-6
+
+
+def test_a_loader_of_T_B_batches_without_the_flag_leaves_the_step_out_and_says_the_fix():
+    """Without it, the LSTM (batch_first=False) sees the batch size read from dimension 0 on its dimension 0:
+    time steps would be counted as examples. The step is left out, nothing excluded, the fix said."""
+    probe, _, said = time_major_fit(B + 2)
+    assert int(probe.noise.count) == 0 and not probe._excluded
+    fix = [m for m in said if "(T, B) batches" in m]
+    assert len(fix) == 1 and "rnn declares its examples on dimension 1" in fix[0] and "sequence_first=True" in fix[0]
+
+
+def test_the_batch_size_of_a_sequence_first_batch_is_its_dimension_1():
+    from trainvitals.callbacks._batch import batch_size
+    ids, lengths = torch.zeros(7, 3), torch.zeros(3)
+    assert batch_size((ids, lengths), True) == 3 and batch_size((ids, lengths)) == 7
+    assert batch_size({"lengths": lengths, "ids": ids}, True) == 3 and batch_size([lengths], True) == 3

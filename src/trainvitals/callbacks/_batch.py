@@ -13,11 +13,16 @@ from torch.utils.data import BatchSampler, SequentialSampler
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from trainvitals.core.per_example.layout import batch_tensors
 
-def batch_size(batch: Any) -> int | None:
+
+def batch_size(batch: Any, sequence_first: bool | None = False) -> int | None:
     """The first dimension of the batch's first tensor (``lightning.pytorch.utilities.data.extract_batch_size``),
     or ``None`` where Lightning cannot tell: it raises ``MisconfigurationException`` for a batch without a
-    tensor it can find, ``RecursionError`` for one that contains itself."""
+    tensor it can find, ``RecursionError`` for one that contains itself. ``sequence_first``: the batch is
+    ``(T, B, ...)``: the second dimension of its first tensor of two or more dimensions (without one, as unset)."""
+    if sequence_first and (size := next((t.shape[1] for t in batch_tensors(batch) if t.dim() >= 2), None)):
+        return size
     try:
         return extract_batch_size(batch)
     except Exception:  # a diagnostic must not end the run over a batch it cannot size

@@ -16,6 +16,7 @@ from torch import Tensor
 import lightning.pytorch as pl
 
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
+from trainvitals.core.estimate import NoiseSource
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import MicroBatchSquaredNorms
 from trainvitals.core.outliers import norm_coverage
@@ -66,7 +67,9 @@ class ProbeSources:
         coupled = {n: m for n, m in pl_module.named_modules() if n in plan.coupled}
         self._batchnorms = {n: m for n, m in coupled.items() if id(m) in hookable}
         self._compiled_batchnorms = {n: m for n, m in coupled.items() if id(m) not in hookable}
-        self._bn_handles: list[Any] = []
+        # The modules that declare a layout see whether the batch was read on their examples' dimension.
+        self._declaring = {n: m for n, m in pl_module.named_modules() if n in layouts.declaring and id(m) in hookable}
+        self._hooks: list[Any] = []
         self.bn_values: dict[str, int] = {}
         self.layer_params = {**plan.layer_parameters("per_example"), **plan.layer_parameters("vmap")}
         self.layers = list(self.layer_params)
@@ -107,19 +110,25 @@ class ProbeSources:
         self.collector.attach(coordinates=coordinates, keep_norms=keep_norms)
         self.micro.attach(self.plan.micro_batch.values())
         self.bn_values = {}
-        self._bn_handles = [m.register_forward_pre_hook(functools.partial(self._record_batchnorm, name))
-                            for name, m in self._batchnorms.items()]
+        self._hooks = [m.register_forward_pre_hook(functools.partial(self._record_batchnorm, name))
+                       for name, m in self._batchnorms.items()]
+        self._hooks += [m.register_forward_pre_hook(functools.partial(self._record_declared, name), with_kwargs=True)
+                        for name, m in self._declaring.items()]
 
     def detach(self) -> None:
         self.collector.detach()
         self.micro.detach()
-        for handle in self._bn_handles:
+        for handle in self._hooks:
             handle.remove()
-        self._bn_handles = []
+        self._hooks = []
 
     def _record_batchnorm(self, name: str, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if module.training:
             self.bn_values[name] = args[0].numel() // max(args[0].shape[1], 1)
+
+    def _record_declared(self, name: str, module: torch.nn.Module, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> None:
+        self.collector.layouts.see_declared(name, args[0] if args else next(iter(kwargs.values()), None))
 
     # ------------------------------------------------------------------ what a step's measurement lacks
     def coupling(self) -> list[str]:
@@ -206,9 +215,13 @@ class ProbeSources:
         added to ``result.failed``.
 
         ``micro_sizes``: the examples of each micro-batch that ran backward; ``unsized``: one of them
-        could not be sized."""
+        could not be sized. A batch read on the wrong dimension (:meth:`~trainvitals.core.per_example.Layouts.misread`)
+        is the step's problem, and no layer's: none is failed for it."""
         if not micro_sizes:  # no backward ran (training_step returned None): nothing to measure, no fault
             return "", set()
+        if misread := self.collector.layouts.misread():  # every layer failing so is the batch's fault, not its own
+            result.failed.clear()
+            return misread, set()
         for name, module in {**self.plan.per_example, **self.plan.vmap}.items():
             if name not in result.seen and name not in result.failed and \
                     any(p.grad is not None for p in module.parameters(recurse=False)):
@@ -277,3 +290,13 @@ class ProbeSources:
                 where = torch.where(outside, len(SOURCES), where)
             parts = parts.to(sq_norms.device).index_add_(0, where.to(sq_norms.device), sq_norms)
         return dict(zip((*SOURCES, "other"), parts.unbind()))
+
+
+def layout_notes(layouts: Layouts, source: NoiseSource) -> list[str]:
+    """What the fit's layout evidence has not said yet (:meth:`~trainvitals.core.per_example.Layouts.notes`);
+    where it refuted the layout earlier steps were measured with, ``source``'s estimate restarts without them."""
+    notes, refuted = layouts.notes()
+    if refuted:
+        fresh = NoiseSource(source.name, source.ema.beta).state_dict()
+        source.load_state_dict({k: fresh[k] for k in ("noise", "error", "norms")})
+    return notes

@@ -29,7 +29,7 @@ from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.callbacks._cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
-from trainvitals.callbacks._probe_sources import COUPLED, ProbeSources
+from trainvitals.callbacks._probe_sources import COUPLED, ProbeSources, layout_notes
 from trainvitals.callbacks._probe_step import (MicroBatches, coordinate_stats, log_per_example_norms, step_estimates,
                                                sum_over_ranks)
 from trainvitals.callbacks._writers import log_scalars, log_text
@@ -136,9 +136,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
             no noise-aware advice (> 0; 0.5 keeps the advised lrs within about ×1.5).
         top_k: outlying examples reported per histogram (≥ 0).
         sequence_first: where a Linear, Embedding or norm layer's input has the batch on both of its first two
-            dimensions (T = B): ``True``, sequence-first ``(T, B, ...)``; ``False``, batch-first ``(B, T, ...)``;
-            ``None``, from the evidence of :mod:`trainvitals.core.per_example.layout` (the model's ``batch_first``
-            modules, an input that is a view of the batch, the layer's steps with T ≠ B), else batch-first, said once.
+            dimensions (T = B), outside the modules whose ``batch_first`` says it: ``True``, sequence-first
+            ``(T, B, ...)``, and so are the loader's batches (the batch size is their dimension 1); ``False``,
+            batch-first ``(B, T, ...)``; ``None``, from the evidence of :mod:`trainvitals.core.per_example.layout`
+            (the model's ``batch_first`` modules, an input that is a view of the batch, the layer's steps with
+            T ≠ B, the other layers'), else batch-first, said once.
         strict: raise instead of warning when the probe cannot measure.
 
     Raises:
@@ -364,7 +366,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if self._measuring:
             assert self._sources is not None
             self._sources.collector.begin_micro_batch()  # a batch skipped before (training_step returned None) left its forward
-            size = batch_size(batch)
+            size = batch_size(batch, self.sequence_first)
             self._batches.unsized |= size is None
             self._batch_size = size or 0
             if size:
@@ -432,7 +434,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         sources = self._sources
         assert sources is not None
         result = sources.collector.pop(decide=False)
-        if note := self._layouts.assumed_note():
+        for note in layout_notes(self._layouts, self.noise_source):
             self.warn(note + ".", once=True)
         if is_logging_step(step, self._log_every) or self._log_every is None or result.sq_norms:
             # 1-D ids compared with arange(B) on the device, read at a step that syncs anyway (else: `sum_over_ranks`)

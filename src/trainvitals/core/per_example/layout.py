@@ -5,21 +5,29 @@ An input ``(B, T, *)`` is batch-first, ``(T, B, *)`` sequence-first; a first dim
 and a second equal to it says sequence-first. With T = B the shape cannot tell, and the wrong guess gives
 per-position norms with no error. The evidence, in this order (:meth:`Layouts.examples`):
 
-1. ``sequence_first``, the user's word (BatchVarianceProbe's argument);
-2. the input is a view of a tensor of the batch (the ids a model takes from its batch, transposed or not):
-   the dimension whose stride is that tensor's first;
-3. the layer's own calls this fit whose shape told (T ≠ B: another step, a short last batch);
-4. the ``batch_first`` of the modules that carry one (nn.MultiheadAttention, nn.RNN/LSTM/GRU, nn.Transformer;
-   nn.TransformerEncoder/Decoder and their layers, their attention's) among the layer's nearest enclosing
-   module and its children: the Linear and LayerNorm layers of an nn.TransformerEncoderLayer get its
-   attention's layout, an embedding and a decoder beside a sequence-first LSTM the LSTM's;
-5. what the other layers' own evidence (2, 3) showed this fit, when it agrees.
+1. the ``batch_first`` of the nearest module around the layer that declares one (nn.MultiheadAttention,
+   nn.RNN/LSTM/GRU, nn.Transformer; nn.TransformerEncoder/Decoder and their layers, their attention's): it
+   determines the input of the layers inside it (an nn.TransformerEncoderLayer's Linear and LayerNorm layers),
+   and only theirs. It wins over ``sequence_first``; where that says otherwise, :meth:`Layouts.notes` says so once;
+2. ``sequence_first``, the user's word (BatchVarianceProbe's argument), for every other layer;
+3. the input is a view of a tensor of the batch (the ids a model takes from its batch, transposed or not):
+   the dimension whose stride is that tensor's examples';
+4. the layer's own calls this fit whose shape told (T ≠ B: another step, a short last batch);
+5. the model's evidence, when all of it says one layout: the layouts the other layers' own evidence (3, 4)
+   showed this fit and those the model's ``batch_first`` modules declare (a decoder beside a sequence-first
+   LSTM, with ids that show nothing: the declared layouts alone are said once, :attr:`Layouts.inferred`). Mixed
+   evidence (a batch-first embedding and head around a ``batch_first=False`` encoder) does not say which a layer
+   outside the encoder gets: it fails.
 
 Evidence that disagrees fails the layer for the step, saying the shape and the fix; without any, the input
-is taken batch-first and the layer is listed in :attr:`Layouts.assumed`, to be said once. An input with more
-dimensions before its features, ``(B, H, W, C)`` into a channels-last Linear or LayerNorm with H = B, is not a
-sequence: 4 and 5 do not apply, and without 1–3 it is batch-first, unsaid. Square ``(B, B)`` ids
-of an embedding not shown per example by 1–3 are also compared on the device with relative-position
+is taken batch-first and the layer is listed in :attr:`Layouts.assumed`, to be said once. A layer taken by 5 or
+without evidence whose own input later shows the other layout is listed in :attr:`Layouts.refuted`: the steps
+measured so far measured per-position gradients (the probe restarts its estimate). A module that declares its
+examples on one dimension but is fed the batch size on the other (a loader yielding ``(T, B)`` batches read as
+``(B, T)``) is recorded by :meth:`Layouts.see_declared`: the step is not measured (:meth:`Layouts.misread`).
+An input with more dimensions before its features, ``(B, H, W, C)`` into a channels-last Linear or LayerNorm
+with H = B, is not a sequence: 1 and 5 do not apply, and without 2–4 it is batch-first, unsaid. Square ``(B, B)``
+ids of an embedding not shown per example by 2–4 are also compared on the device with relative-position
 buckets (T5's bias: constant along each diagonal), which are shared by the batch. Host-side only (shapes,
 strides, storages), but for that comparison, read where a logging step decides the step.
 """
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,15 +88,15 @@ def _declared(module: nn.Module) -> int | None:
     return None
 
 
-def _view_dim(inputs: Tensor, batch: list[weakref.ref[Tensor]]) -> int | None:
+def _view_dim(inputs: Tensor, batch: list[tuple[weakref.ref[Tensor], int]]) -> int | None:
     """The dimension (0 or 1) of ``inputs`` that is the examples' dimension of a batch tensor it is a view of."""
     try:
         storage = inputs.untyped_storage().data_ptr()
-        for ref in batch:
+        for ref, dim in batch:
             t = ref()
-            if t is not None and t.device == inputs.device and t.stride(0) \
+            if t is not None and t.device == inputs.device and t.stride(dim) \
                     and t.untyped_storage().data_ptr() == storage:
-                dims = [d for d in (0, 1) if inputs.stride(d) == t.stride(0)]
+                dims = [d for d in (0, 1) if inputs.stride(d) == t.stride(dim)]
                 if len(dims) == 1:
                     return dims[0]
     except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass, a fake tensor)
@@ -96,8 +104,9 @@ def _view_dim(inputs: Tensor, batch: list[weakref.ref[Tensor]]) -> int | None:
     return None
 
 
-def _tensors(batch: Any) -> Iterator[Tensor]:
-    """The tensors of a batch: in its mappings (a dict, an HF ``BatchEncoding``), sequences and dataclasses."""
+def batch_tensors(batch: Any) -> Iterator[Tensor]:
+    """The tensors of a batch, in order: in its mappings (a dict, an HF ``BatchEncoding``), sequences and
+    dataclasses."""
     todo, seen = [batch], set()
     while todo:
         item = todo.pop()
@@ -106,11 +115,17 @@ def _tensors(batch: Any) -> Iterator[Tensor]:
         elif id(item) not in seen and not isinstance(item, (str, bytes)):
             seen.add(id(item))
             if isinstance(item, Mapping):
-                todo.extend(item.values())
+                todo.extend(reversed(list(item.values())))
             elif isinstance(item, (list, tuple)):
-                todo.extend(item)
+                todo.extend(reversed(item))
             elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-                todo.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+                todo.extend(getattr(item, f.name) for f in reversed(dataclasses.fields(item)))
+
+
+def _outermost(names: Iterable[str]) -> list[str]:
+    """The modules among ``names`` that are inside none of the others ("": the model), sorted."""
+    names = sorted(names)
+    return [m for m in names if not any(n != m and (not n or m.startswith(f"{n}.")) for n in names)]
 
 
 def _relative_positions(ids: Tensor) -> Tensor:
@@ -127,49 +142,85 @@ class Layouts:
     Args:
         model: the model whose ``batch_first`` modules declare a layout (:meth:`declare`); ``None``: none.
         sequence_first: ``True``/``False``: an input with the batch on both of its first two dimensions is
-            sequence-first / batch-first; ``None``: from the evidence.
+            sequence-first / batch-first, outside the modules that declare a layout, and the batch's tensors
+            hold the examples on dimension 1 / 0 (:meth:`see_batch`); ``None``: from the evidence.
 
     Attributes:
         assumed: layers taken batch-first without evidence, with their input's shape and the batch.
+        inferred: layers taken as every ``batch_first`` module of the model declares, with nothing shown (no
+            module around them, no layer's input), with their input's shape and the batch.
+        refuted: layers taken one way without evidence of their own whose input then showed the other, with
+            that input's shape; not yet said by :meth:`notes`.
+        declaring: the modules that declare a layout, by name, with their examples' dimension.
     """
 
     def __init__(self, model: nn.Module | None = None, sequence_first: bool | None = None) -> None:
         self.sequence_first = sequence_first
         self.assumed: dict[str, tuple[tuple[int, ...], int]] = {}
+        self.inferred: dict[str, tuple[tuple[int, ...], int]] = {}
+        self.refuted: dict[str, tuple[int, ...]] = {}
+        self.declaring: dict[str, int] = {}
         self._said: set[str] = set()
         self._seen: dict[str, set[int]] = {}  # per layer, the examples' dimensions its own evidence showed
         self._showing: dict[int, dict[str, None]] = {}  # per dimension, the layers whose evidence showed it
-        self._batch: list[weakref.ref[Tensor]] = []
-        self._scopes: dict[str, dict[str, int]] = {}  # per module: it and its children that declare, their dim
+        self._taken: dict[str, int] = {}  # layers measured without evidence of their own: the dimension taken
+        self._misread: dict[str, tuple[tuple[int, ...], int]] = {}  # see_declared's, until misread() reads it
+        self._batch: list[tuple[weakref.ref[Tensor], int]] = []
+        self._size, self._other = 0, set()
         if model is not None:
             self.declare(model)
 
     def declare(self, model: nn.Module) -> None:
         """Read the layouts ``model``'s modules declare (names as in ``model.named_modules()``)."""
-        self._scopes = {}
-        for name, module in model.named_modules():
-            dim = _declared(module)
-            if dim is not None:
-                for scope in {name, name.rpartition(".")[0]}:  # itself, and its parent's children ("a": the model's)
-                    self._scopes.setdefault(scope, {})[name] = dim
+        self.declaring = {name: dim for name, module in model.named_modules() if (dim := _declared(module)) is not None}
 
     def see_batch(self, batch: Any, size: int) -> None:
         """The coming micro-batch's tensors of ``size`` examples (weakly held): a layer fed a view of one shows
-        its layout."""
-        self._batch = [weakref.ref(t) for t in _tensors(batch) if t.dim() >= 2 and t.shape[0] == size]
+        its layout. Their examples are on dimension 1 under ``sequence_first=True``, else 0."""
+        dim, self._size = int(bool(self.sequence_first)), size
+        tensors = [t for t in batch_tensors(batch) if t.dim() >= 2]
+        self._batch = [(weakref.ref(t), dim) for t in tensors if t.shape[dim] == size]
+        self._other = {t.shape[1 - dim] for t in tensors}  # the sizes a batch read on the wrong dimension would have
 
-    def _show(self, name: str, dim: int) -> Examples:
+    def see_declared(self, name: str, inputs: Any) -> None:
+        """A declaring module's batched input: with the batch size the probe read on the other dimension than the
+        one it declares, and on its own a size that the batch's tensors have on their other dimension, the batch
+        was read on the wrong dimension (:meth:`misread`)."""
+        dim = self.declaring.get(name)
+        if dim is not None and isinstance(inputs, Tensor) and inputs.dim() >= 3 and self._size \
+                and inputs.shape[1 - dim] == self._size != inputs.shape[dim] and inputs.shape[dim] in self._other:
+            self._misread.setdefault(name, (tuple(inputs.shape), dim))
+
+    def misread(self) -> str:
+        """Why the step's examples are not the batch's dimension the probe read (from :meth:`see_declared`), or
+        ""; cleared for the next step."""
+        if not self._misread:
+            return ""
+        name, (shape, dim) = next(iter(self._misread.items()))
+        self._misread = {}
+        read = int(bool(self.sequence_first))
+        fix = ("The loader seems to yield batch-first (B, T) batches: drop sequence_first=True, which reads the batch "
+               "size from dimension 1" if read else "The loader seems to yield (T, B) batches: pass "
+               "sequence_first=True, which reads the batch size from their dimension 1")
+        return (f"{name or 'the model'} declares its examples on dimension {dim} (batch_first={not dim}), but its "
+                f"input {shape} has the batch size read from dimension {read} of the loader's batches ({self._size}) "
+                f"on dimension {1 - dim} and not on {dim}: time steps would be counted as examples. {fix}")
+
+    def _show(self, name: str, dim: int, shape: tuple[int, ...]) -> Examples:
+        if self._taken.get(name, dim) != dim:
+            self.refuted[name] = shape
+        self._taken.pop(name, None)
         self._seen.setdefault(name, set()).add(dim)
         self._showing.setdefault(dim, {})[name] = None
         return Examples(dim, shown=True)
 
-    def _scope(self, name: str) -> dict[str, int]:
-        """The declaring modules of ``name``'s nearest enclosing module (itself first) that has any."""
+    def _inside(self, name: str) -> tuple[str, int] | None:
+        """The nearest module around layer ``name`` (itself first) that declares a layout, and its dimension."""
         while True:
-            if name in self._scopes:
-                return self._scopes[name]
+            if name in self.declaring:
+                return name, self.declaring[name]
             if not name:
-                return {}
+                return None
             name = name.rpartition(".")[0]
 
     def examples(self, name: str, inputs: Tensor, features: int, batch: int, lookup: bool = False,
@@ -179,7 +230,7 @@ class Layouts:
         shares its parameter."""
         first, second = inputs.shape[0] == batch, inputs.shape[1] == batch
         if first != second:
-            return self._show(name, int(second))
+            return self._show(name, int(second), tuple(inputs.shape))
         if not first:
             return Examples(failed=NO_BATCH.format(shape=tuple(inputs.shape), batch=batch) if lookup else None)
         found = self._ambiguous(name, inputs, batch, sequence=inputs.dim() - features == 2)
@@ -189,15 +240,18 @@ class Layouts:
 
     def _ambiguous(self, name: str, inputs: Tensor, batch: int, sequence: bool) -> Examples:
         """Examples for an input with the batch on both of its first two dimensions: the evidence in order
-        (``sequence``: ``(·, ·, *features)``, which 4 and 5 may say sequence-first)."""
+        (``sequence``: ``(·, ·, *features)``, which 1 and 5 may say sequence-first)."""
         def fail(why: str) -> Examples:
             return Examples(failed=AMBIGUOUS.format(shape=tuple(inputs.shape), batch=batch, why=why))
 
+        inside = self._inside(name) if sequence else None
+        if inside is not None:
+            return Examples(inside[1])
         if self.sequence_first is not None:
             return Examples(int(self.sequence_first))
         view = _view_dim(inputs, self._batch)
         if view is not None:
-            return self._show(name, view)
+            return self._show(name, view, tuple(inputs.shape))
         own = self._seen.get(name, set())
         if len(own) > 1:
             return fail("its own calls had the examples first at some steps and second at others")
@@ -205,33 +259,64 @@ class Layouts:
             return Examples(next(iter(own)), shown=True)
         if not sequence:
             return Examples(0)
-        declared = self._scope(name)
-        if len(set(declared.values())) == 1:
-            return Examples(next(iter(declared.values())))
-        others = self._showing
-        if len(others) == 1:
-            return Examples(next(iter(others)))
-        if others:
-            return fail("the other layers' inputs showed both layouts (" + "; ".join(
-                f"{_LAYOUTS[d]}: {', '.join(list(others[d])[:3])}" for d in sorted(others)) + ")")
-        if declared:
-            return fail("the batch_first modules around it disagree (" + ", ".join(
-                f"{m or 'the model'}: {_LAYOUTS[d]}" for m, d in sorted(declared.items())) + ")")
-        self.assumed.setdefault(name, (tuple(inputs.shape), batch))
-        return Examples(0)
+        dims = set(self._showing) | set(self.declaring.values())
+        if len(dims) > 1:
+            return fail(f"the model's evidence is mixed and none is the layer's own ({self._evidence()})")
+        if not self._showing:  # nothing shown: taken by assumption, or from modules that do not determine its input
+            (self.inferred if dims else self.assumed).setdefault(name, (tuple(inputs.shape), batch))
+        self._taken[name] = dim = dims.pop() if dims else 0
+        return Examples(dim)
 
-    def assumed_note(self) -> str | None:
-        """The layers taken batch-first without evidence that no note has named yet, in one sentence; ``None``
-        without any. Each is named once."""
-        new = {n: v for n, v in self.assumed.items() if n not in self._said}
+    def _evidence(self) -> str:
+        """The model's evidence in words: the declared layouts, the layouts the layers' inputs showed."""
+        declared = ", ".join(f"{m or 'the model'}: {_LAYOUTS[self.declaring[m]]}" for m in _outermost(self.declaring))
+        shown = "; ".join(f"{_LAYOUTS[d]}: {', '.join(list(self._showing[d])[:3])}" for d in sorted(self._showing))
+        return "; and ".join(([f"the batch_first modules say {declared}"] if declared else [])
+                             + ([f"the layers' inputs showed {shown}"] if shown else []))
+
+    def notes(self) -> tuple[list[str], bool]:
+        """What the fit's evidence has to say that it has not said yet, each once (:meth:`assumed_note`,
+        :attr:`inferred`, the modules whose layout overrules ``sequence_first``, :attr:`refuted`), and whether
+        layers were refuted: the steps measured so far measured them wrong."""
+        said = [note] if (note := self.assumed_note()) else []
+        if inferred := self._unsaid("inferred", self.inferred):
+            dim = next(iter(self.declaring.values()))
+            said.append(f"{inferred}, outside every batch_first module and no layer's input showing a layout: they "
+                        f"are taken {_LAYOUTS[dim]}, as the model's batch_first modules declare. If they are "
+                        f"{_LAYOUTS[1 - dim]}, pass sequence_first={not dim}")
+        if self.sequence_first is not None and "overruled" not in self._said:
+            self._said.add("overruled")
+            if outer := _outermost([m for m, d in self.declaring.items() if d != int(self.sequence_first)]):
+                said.append(f"sequence_first={self.sequence_first} differs from the batch_first of "
+                            f"{', '.join(m or 'the model' for m in outer)}: they and the layers inside them keep their "
+                            f"own layout ({_LAYOUTS[1 - int(self.sequence_first)]}), the other layers are taken as "
+                            "sequence_first says")
+        refuted, self.refuted = self.refuted, {}
+        if refuted:
+            names = list(refuted)[:5]
+            said.append(f"{', '.join(names)}{' and more' if len(refuted) > 5 else ''}, taken without evidence of their "
+                        f"own at earlier steps, showed the other layout since (e.g. {refuted[names[0]]}, a batch of "
+                        f"{self._size}): the steps measured so far counted positions as examples, and the per-example "
+                        "estimate restarts from this step")
+        return said, bool(refuted)
+
+    def _unsaid(self, kind: str, layers: dict[str, tuple[tuple[int, ...], int]]) -> str:
+        """"the inputs of ... have the batch on both ..." for ``layers`` not yet said as ``kind``, or ""."""
+        new = {n: v for n, v in layers.items() if f"{kind} {n}" not in self._said}
         if not new:
-            return None
-        self._said.update(new)
+            return ""
+        self._said.update(f"{kind} {n}" for n in new)
         shown = list(new)[:5]  # in the order of the forward
         more = f" and {len(new) - len(shown)} more" if len(new) > len(shown) else ""
         shape, batch = new[shown[0]]
         return (f"the inputs of {', '.join(shown)}{more} have the batch on both of their first two dimensions "
-                f"(e.g. {shape}, a batch of {batch}) and nothing in the model says which holds the examples (no "
-                "batch_first module, no input taken from the batch, no step whose sequence length differs from "
-                "the batch size): they are taken batch-first (B, T, ...). If they are sequence-first (T, B, ...), "
-                "pass sequence_first=True")
+                f"(e.g. {shape}, a batch of {batch})")
+
+    def assumed_note(self) -> str | None:
+        """The layers taken batch-first without evidence that no note has named yet, in one sentence; ``None``
+        without any. Each is named once."""
+        if not (said := self._unsaid("assumed", self.assumed)):
+            return None
+        return (f"{said} and nothing in the model says which holds the examples (no batch_first module, no input "
+                "taken from the batch, no step whose sequence length differs from the batch size): they are taken "
+                "batch-first (B, T, ...). If they are sequence-first (T, B, ...), pass sequence_first=True")
