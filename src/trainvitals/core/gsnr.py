@@ -28,6 +28,12 @@ GSNR_TAG = "grad_noise/gsnr/"  # + the module's qualified name
 StepCoordinates = dict[str, tuple[int, bool, bool]]
 
 
+def _precision(parameter: Tensor) -> torch.dtype:
+    """The dtype a parameter's per-example gradients are formed in (float32 under half-precision autocast
+    too): its eps floors their variance, whatever the dtype of their sums."""
+    return torch.float64 if parameter.dtype == torch.float64 else torch.float32
+
+
 def gsnr_key(parameter: str) -> str:
     """The GSNR tag of a parameter's module (qualified names)."""
     return GSNR_TAG + (parameter.rpartition('.')[0] or "(root)")
@@ -119,12 +125,13 @@ class ModuleCoordinates:
         ``grad_sums``/``sum_sqs``: over ``examples`` examples, of the ``selection``
         (:meth:`selected_sums`); ``sub_*``: over the ``num_sub`` examples of a sub-batch (left out below 2).
         """
-        snr = [gradient_snr_sum(g, s, examples) for g, s in zip(grad_sums, sum_sqs)]
+        snr = [gradient_snr_sum(g, s, examples, _precision(self.per_example[n]))
+               for n, g, s in zip(selection, grad_sums, sum_sqs)]
         counts, sizes, rows = [examples] * len(snr), [g.numel() for g in grad_sums], dict(selection)
         whole = sum(sizes) == self.per_example_coordinates
         if num_sub >= 2:
             for name, value in sub_sum_sq.items():
-                snr.append(gradient_snr_sum(sub_grad_sum[name], value, num_sub))
+                snr.append(gradient_snr_sum(sub_grad_sum[name], value, num_sub, _precision(self.sub_batch[name])))
                 counts.append(num_sub)
                 sizes.append(value.numel())
                 rows[name] = slice(None)
