@@ -93,7 +93,7 @@ def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, level: Te
     return mean_grad.square() / torch.maximum(coordinate_variance(mean_grad, sum_sq, num_examples), floor)
 
 
-SNR_CHUNK = 2**20  # coordinates per chunk of :func:`gradient_snr_sum`: a few MiB of temporaries at any size
+SNR_CHUNK = 2**19  # coordinates per chunk of :func:`gradient_snr_sum`: a few MiB of temporaries at any size
 
 
 def gradient_snr_sum(grad_sum: Tensor, sum_sq: Tensor, num_examples: int,
