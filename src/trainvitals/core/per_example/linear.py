@@ -126,7 +126,8 @@ class OuterProductRule(PerExampleRule):
             r, total = rows["weight"], None
             ungrouped = getattr(module, "groups", 1) == 1  # the weight's rows are the output features: slice those
             for a, g in self._chunks(module, uses, workspace):  # a running sum: one chunk's sums held at a time
-                part = _outer_sums(a, g[..., r], workspace) if ungrouped else self._grouped_sums(module, a, g, workspace)
+                part = (_outer_sums(a, g[..., r], workspace) if ungrouped
+                        else self._grouped_sums(module, a, g, workspace))
                 total = part if total is None else (total[0].add_(part[0]), total[1].add_(part[1]))
             assert total is not None, "an empty batch is one empty chunk"
             out["weight"] = tuple(self._as_weight(module, t) if ungrouped else self._as_weight(module, t)[r].clone()
