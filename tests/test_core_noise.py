@@ -152,11 +152,13 @@ def test_gradient_snr_sum_in_chunks_matches_the_whole_tensor(monkeypatch):
     assert math.isclose(float(eb), 1 - 8 * float(snr.mean()), rel_tol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_gradient_snr_is_unchanged_by_the_loss_scale_and_bounded_where_examples_agree(dtype):
+@pytest.mark.parametrize(("dtype", "sums_dtype"), [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                                  (torch.float32, torch.float64)])
+def test_gradient_snr_is_unchanged_by_the_loss_scale_and_bounded_where_examples_agree(dtype, sums_dtype):
     """GSNR_d = ḡ_d²/σ̂_d² is scale-free: per-example gradients × 1e-4 (a loss × 1e-4) give the same ratios. A
     coordinate no example reaches has GSNR 0; one where all examples agree exactly is bounded by ≈ 1/eps; one
-    whose gradients are rounding noise against the rest of the parameter's has GSNR ≈ 0."""
+    whose gradients are rounding noise against the rest of the parameter's has GSNR ≈ 0. The eps is that of
+    the gradients' ``dtype``, also with float64 sums of float32 gradients (the per-example rules')."""
     g = torch.Generator().manual_seed(1)
     per_example = torch.randn(8, 6, generator=g, dtype=torch.float64) + 0.3
     per_example[:, 4] = 0.0  # a dead unit
@@ -165,10 +167,12 @@ def test_gradient_snr_is_unchanged_by_the_loss_scale_and_bounded_where_examples_
     per_example = torch.cat([per_example, eps * torch.randn(8, 1, generator=g, dtype=torch.float64)], 1)
     truth = per_example[:, :4].mean(0).square() / per_example[:, :4].var(0)
     for scale in (1.0, 1e-4):
-        scaled = (per_example * scale).to(dtype)
-        snr = gradient_snr(scaled.mean(0), scaled.square().sum(0), 8).double()
+        scaled = (per_example * scale).to(dtype).to(sums_dtype)
+        snr = gradient_snr(scaled.mean(0), scaled.square().sum(0), 8, precision=dtype).double()
         assert torch.allclose(snr[:4], truth, rtol=1e-12 if dtype == torch.float64 else 1e-4)
         assert snr[4] == 0 and 0.01 / eps < snr[5] <= 10 / eps and snr[6] < 1e-6
+        if sums_dtype != dtype:  # the sums' eps would leave the agreeing coordinate ~1e9 times higher
+            assert gradient_snr(scaled.mean(0), scaled.square().sum(0), 8)[5] > 1e6 / eps
 
 
 def test_the_sub_batch_mean_squared_norm_is_the_norm_of_the_concatenated_mean():

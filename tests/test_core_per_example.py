@@ -181,6 +181,30 @@ def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeyp
                 assert rel_close(sums[n][0], g.sum(0), 1e-10) and rel_close(sums[n][1], g.square().sum(0), 1e-10), n
 
 
+@pytest.mark.parametrize("scratch_bytes, row_in_place", [(None, None), (1, None), (None, 1)],
+                         ids=["one-chunk", "chunks-of-one-row", "in-place"])
+def test_moments_are_float64_sums_of_the_values(scratch_bytes, row_in_place, monkeypatch):
+    """Σv and Σv² of float32 values in float64 (their squares exact): from one float64 copy, from chunks of one row,
+    or added in place row by row; into a table's rows by index; a float64 input left as it was."""
+    for name, value in (("_SCRATCH_BYTES", scratch_bytes), ("_ROW_IN_PLACE", row_in_place)):
+        if value is not None:
+            monkeypatch.setattr(per_example_module, name, value)
+    values = 1 + 1e-4 * torch.randn(7, 3, 5, generator=torch.Generator().manual_seed(0))
+    wide = values.double()
+    total, total_sq = per_example_module._moments(values)
+    assert total.dtype == total_sq.dtype == torch.float64
+    torch.testing.assert_close(total, wide.sum(0), rtol=1e-14, atol=0)
+    torch.testing.assert_close(total_sq, wide.square().sum(0), rtol=1e-14, atol=0)
+    index = torch.tensor([2, 0, 2, 1, 0, 2, 2])
+    total, total_sq = per_example_module._moments(values.flatten(1), index, 4)
+    zeros = torch.zeros(4, 15, dtype=torch.float64)
+    torch.testing.assert_close(total, zeros.index_add(0, index, wide.flatten(1)), rtol=1e-14, atol=0)
+    torch.testing.assert_close(total_sq, zeros.index_add(0, index, wide.flatten(1).square()), rtol=1e-14, atol=0)
+    kept = wide.clone()
+    per_example_module._moments(wide)
+    assert torch.equal(wide, kept)
+
+
 def test_workspace_views_follow_their_buffer():
     """A shape taken again is the same view; after a larger request grows the buffer, every shape is a view
     of the new one (no stale view of the old)."""
@@ -313,6 +337,47 @@ def test_under_bf16_autocast_the_coordinate_variance_comes_from_one_set_of_opera
     assert ((from_grad - truth).abs() / truth).max() > 10  # what the mean from .grad gave
 
 
+def test_gsnr_of_nearly_equal_float32_examples_is_that_of_float64_statistics():
+    """Float32 per-example gradients that agree to ~1e-3 (GSNR up to ~1e6): each coordinate's GSNR and the EB
+    criterion from the collector's sums match float64 statistics of a float32 per-example loop's gradients. The
+    operands are dyadic with few bits, so every float32 gradient here is exact, the rules' and autograd's the
+    same numbers: a difference can only come from the sums. float32 sums of them are ~10 % off."""
+    torch.manual_seed(0)
+    n, positions = 8, 3
+    emb, lin = nn.Embedding(16, 4), nn.Linear(4, 3)  # a Linear on (n, 3, 4): per-example blocks
+    with torch.no_grad():
+        emb.weight.copy_(1 + torch.randint(-8, 9, (16, 4)) / 2**12)  # rows nearly equal, 13 bits
+        lin.weight.copy_(torch.randint(-8, 9, (3, 4)) / 8)
+        lin.bias.copy_(torch.randint(-8, 9, (3,)) / 8)
+    model, c = nn.Sequential(emb, lin), torch.randint(-4, 5, (positions, 3)) / 4  # c: ∂(loss)/∂(output)
+    tokens = torch.randint(0, 16, (n, positions))
+    params = dict(model.named_parameters())
+    grads = [torch.autograd.grad((model(tokens[i:i + 1]) * c).sum(), list(params.values())) for i in range(n)]
+    per_example = {k: torch.stack([g[j] for g in grads]) for j, k in enumerate(params)}  # float32
+    collector = PerExampleGradients({"0": emb, "1": lin}, {}, 2)
+    collector.attach(coordinates=True)
+    (model(tokens) * c).sum((1, 2)).mean().backward()
+    collector.end_micro_batch(float(n))
+    step = collector.pop()
+    assert not step.failed and all(step.sum_sq[k].dtype == torch.float64 for k in params)
+
+    def snr(total, total_sq):
+        return gradient_snr(total / n, total_sq, n, precision=torch.float32)
+
+    truth = {k: snr(g.double().sum(0), g.double().square().sum(0)) for k, g in per_example.items()}
+    for k, g in per_example.items():
+        torch.testing.assert_close(snr(step.grad_sum[k], step.sum_sq[k]), truth[k], rtol=1e-9, atol=0)
+    weight = per_example["1.weight"].double()
+    floor = torch.finfo(torch.float32).eps * weight.square().sum(0).mean() / (n - 1)
+    assert truth["1.weight"][weight.var(0) > floor].min() > 1e5  # high GSNR, not held at the floor
+    truth_eb = eb_criterion([g.double().mean(0) for g in per_example.values()],
+                            [g.double().square().sum(0) for g in per_example.values()], [n] * 3, torch.float32)
+    eb = eb_criterion([step.grad_sum[k] / n for k in params], [step.sum_sq[k] for k in params], [n] * 3, torch.float32)
+    assert abs(float(eb) - float(truth_eb)) < 1e-9 * abs(float(truth_eb))
+    single = snr(weight.float().sum(0), weight.float().square().sum(0)).double()  # float32 sums
+    assert ((single - truth["1.weight"]).abs() / truth["1.weight"]).max() > 1e-2
+
+
 @pytest.mark.parametrize("kind", ["mlp", "sequence"])
 def test_mean_and_sum_reduction_give_the_same_statistics(kind):
     model, x, y = make_case(kind)
@@ -438,9 +503,9 @@ def test_ghost_norms_materialise_no_per_example_gradient():
     bare = allocated(False)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert 0 < allocated(True) - bare < 0.1 * batch * parameter_bytes
-    # Σ_i g_i and Σ_i g_i² for 2-D Linear inputs: ΔᵀA and (Δ²)ᵀ(A²), a few parameter-sized tensors each
-    # whatever the batch (this counter also counts views), not the B parameter-sized per-example gradients
-    assert allocated(True, coordinates=True) - bare < 0.25 * batch * parameter_bytes
+    # Σ_i g_i and Σ_i g_i² for 2-D Linear inputs: ΔᵀA and (Δ²)ᵀ(A²), a few parameter-sized float64 tensors
+    # each whatever the batch (this counter also counts views), not the B parameter-sized per-example gradients
+    assert allocated(True, coordinates=True) - bare < 0.25 * batch * 2 * parameter_bytes
 
 
 @pytest.mark.parametrize(

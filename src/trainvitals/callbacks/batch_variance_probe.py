@@ -39,7 +39,7 @@ from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
 from trainvitals.core.per_example import Layouts, PerExampleStep, SourcePlan, detect_loss_reduction
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
-COORDINATE_BUDGET = 2**21  # per-coordinate sums per logging step: 16 MiB of float32 Σg and Σg²
+COORDINATE_BUDGET = 2**20  # per-coordinate sums per logging step: 16 MiB of float64 Σg and Σg²
 
 
 class BatchVarianceProbe(TrainvitalsCallback):
@@ -122,8 +122,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
             there and at a fit's first step, to check that per-example gradients add up to ``.grad``.)
         coordinate_budget: coordinates of the per-example-norm layers whose per-coordinate sums one
             logging step collects (≥ 1), rounded up to whole rows of a parameter's dimension 0. The
-            sums cost 8 bytes per coordinate (float32 Σg and Σg², plus as much again while a
-            micro-batch's are added in): the default 2**21 holds 16 MiB, ≤ 10 % of a bare run's peak
+            sums cost 16 bytes per coordinate (float64 Σg and Σg², plus as much again while a
+            micro-batch's are added in): the default 2**20 holds 16 MiB, ≤ 10 % of a bare run's peak
             memory for a 50M-parameter model; a model within the budget is covered at every logging
             step. Over it, successive logging steps take successive rows, in the plan's parameter
             order, and a layer's GSNR is logged at the logging step that completes its pass: every

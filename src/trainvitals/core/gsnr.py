@@ -2,7 +2,8 @@
 
 A module's GSNR is the mean over its coordinates d of ḡ_d²/σ̂_d² (Liu et al. 2020), from the
 per-coordinate sums Σ_i g_i and Σ_i g_i² (:func:`~trainvitals.core.noise.gradient_snr_sum`). Those sums
-cost 8 bytes a coordinate: a logging step collects them for at most ``budget`` coordinates of the
+are float64 (the variance of nearly equal float32 gradients cancels in float32 sums) and cost 16 bytes a
+coordinate: a logging step collects them for at most ``budget`` coordinates of the
 per-example-norm parameters, whole rows of dimension 0, and successive logging steps take successive
 rows in the parameters' order (a *pass* over a module spans the logging steps from its first row to its
 last). A sub-batch's parameters (torch.func) have their sums at every logging step. The EB criterion
@@ -26,6 +27,12 @@ GSNR_TAG = "grad_noise/gsnr/"  # + the module's qualified name
 
 # Per GSNR key, what one step's sums hold: (coordinates, whether they start the module's pass, whether they end it).
 StepCoordinates = dict[str, tuple[int, bool, bool]]
+
+
+def _precision(parameter: Tensor) -> torch.dtype:
+    """The dtype a parameter's per-example gradients are formed in (float32 under half-precision autocast
+    too): its eps floors their variance, whatever the dtype of their sums."""
+    return torch.float64 if parameter.dtype == torch.float64 else torch.float32
 
 
 def gsnr_key(parameter: str) -> str:
@@ -65,7 +72,7 @@ class ModuleCoordinates:
         return (f"per-coordinate sums of {self.budget:,} of the {coordinates:,} coordinates per logging step: each "
                 f"layer's GSNR is logged once a pass over its rows ends (a pass: {math.ceil(coordinates / self.budget)} "
                 f"logging steps), the EB criterion not at all; coordinate_budget={coordinates} would log it at every "
-                f"logging step, holding {16 * coordinates / 2**20:,.1f} MiB of sums while they are added up")
+                f"logging step, holding {32 * coordinates / 2**20:,.1f} MiB of sums while they are added up")
 
     def select(self, cursor: int) -> tuple[dict[str, slice], int]:
         """The rows (dimension 0) of the per-example-norm parameters whose sums a logging step collects,
@@ -97,9 +104,7 @@ class ModuleCoordinates:
         (over ranks) in one call on their concatenation."""
 
         def zeros(name: str) -> Tensor:
-            p = self.per_example[name]
-            dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-            return torch.zeros_like(p[selection[name]], dtype=dtype)
+            return torch.zeros_like(self.per_example[name][selection[name]], dtype=torch.float64)
 
         grad_sums = [grad_sum[n] if n in grad_sum else zeros(n) for n in selection]
         sum_sqs = [sum_sq[n] if n in sum_sq else zeros(n) for n in selection]
@@ -119,12 +124,13 @@ class ModuleCoordinates:
         ``grad_sums``/``sum_sqs``: over ``examples`` examples, of the ``selection``
         (:meth:`selected_sums`); ``sub_*``: over the ``num_sub`` examples of a sub-batch (left out below 2).
         """
-        snr = [gradient_snr_sum(g, s, examples) for g, s in zip(grad_sums, sum_sqs)]
+        snr = [gradient_snr_sum(g, s, examples, _precision(self.per_example[n]))
+               for n, g, s in zip(selection, grad_sums, sum_sqs)]
         counts, sizes, rows = [examples] * len(snr), [g.numel() for g in grad_sums], dict(selection)
         whole = sum(sizes) == self.per_example_coordinates
         if num_sub >= 2:
             for name, value in sub_sum_sq.items():
-                snr.append(gradient_snr_sum(sub_grad_sum[name], value, num_sub))
+                snr.append(gradient_snr_sum(sub_grad_sum[name], value, num_sub, _precision(self.sub_batch[name])))
                 counts.append(num_sub)
                 sizes.append(value.numel())
                 rows[name] = slice(None)

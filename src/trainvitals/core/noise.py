@@ -74,37 +74,42 @@ def coordinate_variance(mean_grad: Tensor, sum_sq: Tensor, num_examples: int) ->
     return ((sum_sq - num_examples * mean_grad.square()) / (num_examples - 1)).clamp_min(0.0)
 
 
-def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, level: Tensor | None = None) -> Tensor:
+def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, level: Tensor | None = None,
+                 precision: torch.dtype | None = None) -> Tensor:
     """Per-coordinate gradient signal-to-noise ratio ḡ_d²/σ̂_d² (Liu et al. 2020), the shape of ``mean_grad``.
 
     σ̂_d² is the unbiased variance of :func:`coordinate_variance` (Cockpit's MeanGSNR uses the biased one),
     floored at the parameter's rounding level eps · mean_d Σ_i g_{i,d}²/(B − 1) (``level``: that mean, by
-    default over ``sum_sq``): the ratio stays scale-invariant (a loss multiplied by c leaves it as it is,
-    unlike Cockpit's absolute ε = 1e-5), and a coordinate whose gradients are rounding noise (a key bias,
-    which softmax makes 0) or that no example reaches has GSNR ≈ 0. Average over a layer's coordinates
-    for the layer's GSNR.
+    default over ``sum_sq``; eps: that of ``precision``, the dtype the per-example gradients were formed in,
+    by default ``sum_sq``'s — float64 sums of float32 gradients, as the per-example rules give, pass
+    float32, whose rounding the gradients carry): the ratio stays scale-invariant (a loss multiplied by c
+    leaves it as it is, unlike Cockpit's absolute ε = 1e-5), and a coordinate whose gradients are rounding
+    noise (a key bias, which softmax makes 0) or that no example reaches has GSNR ≈ 0. Average over a
+    layer's coordinates for the layer's GSNR.
     """
-    finfo = torch.finfo(sum_sq.dtype)
+    eps = torch.finfo(sum_sq.dtype if precision is None else precision).eps
     level = sum_sq.mean(dtype=torch.float64) if level is None else level
-    floor = (level * (finfo.eps / (num_examples - 1))).to(sum_sq.dtype).clamp_min(finfo.tiny)
+    floor = (level * (eps / (num_examples - 1))).to(sum_sq.dtype).clamp_min(torch.finfo(sum_sq.dtype).tiny)
     return mean_grad.square() / torch.maximum(coordinate_variance(mean_grad, sum_sq, num_examples), floor)
 
 
-SNR_CHUNK = 2**20  # coordinates per chunk of :func:`gradient_snr_sum`: a few MiB of temporaries at any size
+SNR_CHUNK = 2**19  # coordinates per chunk of :func:`gradient_snr_sum`: a few MiB of temporaries at any size
 
 
-def gradient_snr_sum(grad_sum: Tensor, sum_sq: Tensor, num_examples: int) -> Tensor:
-    """Σ_d ḡ_d²/σ̂_d² (:func:`gradient_snr`) over the coordinates of Σ_i g_i and Σ_i g_i² of B examples: ``()`` float64.
+def gradient_snr_sum(grad_sum: Tensor, sum_sq: Tensor, num_examples: int,
+                     precision: torch.dtype | None = None) -> Tensor:
+    """Σ_d ḡ_d²/σ̂_d² (:func:`gradient_snr`, ``precision`` as there) over the coordinates of Σ_i g_i and
+    Σ_i g_i² of B examples: ``()`` float64.
 
     Computed in chunks of :data:`SNR_CHUNK` coordinates in the sums' own dtype, each chunk's sum in
-    float64: temporaries of a few MiB however large the layer, no float64 copy of it. float32 is exact
-    enough here: the variance's cancellation (Σg² − Bḡ²) is already in the float32 sums, and one more
-    rounding of each term adds a relative error of ~1e-7 to it.
+    float64: temporaries of a few MiB however large the layer. The variance's cancellation (Σg² − Bḡ²)
+    is as exact as the sums: float32 sums leave rounding noise of the size of σ̂_d² where the examples
+    nearly agree (the per-example rules' sums are float64).
     """
     total = torch.zeros((), dtype=torch.float64, device=grad_sum.device)
     level = sum_sq.mean(dtype=torch.float64)
     for g, s in zip(grad_sum.reshape(-1).split(SNR_CHUNK), sum_sq.reshape(-1).split(SNR_CHUNK)):
-        total += gradient_snr(g / num_examples, s, num_examples, level).sum(dtype=torch.float64)
+        total += gradient_snr(g / num_examples, s, num_examples, level, precision).sum(dtype=torch.float64)
     return total
 
 
@@ -116,10 +121,11 @@ def eb_criterion_of_snr_sums(snr_sums: Iterable[Tensor], num_examples: Iterable[
 
 
 def eb_criterion(
-    mean_grads: Iterable[Tensor], sum_sqs: Iterable[Tensor], num_examples: Iterable[int]
+    mean_grads: Iterable[Tensor], sum_sqs: Iterable[Tensor], num_examples: Iterable[int],
+    precision: torch.dtype | None = None,
 ) -> Tensor:
     """The evidence-based stopping criterion 1 − (1/D) Σ_d B ḡ_d²/σ̂_d² (Mahsereci et al. 2017, Eq. 7), σ̂_d² floored
-    as in :func:`gradient_snr`.
+    as in :func:`gradient_snr` (``precision`` as there).
 
     Positive: the batch gradient is indistinguishable from noise, stop. Parts may come from different numbers
     of examples B.
@@ -127,11 +133,12 @@ def eb_criterion(
     Args:
         mean_grads, sum_sqs: per parameter, ḡ and Σ_i g_i², matching shapes.
         num_examples: per parameter, the B its statistics come from.
+        precision: the dtype the per-example gradients were formed in (default: each ``sum_sq``'s).
 
     Returns:
         ``()`` float64.
     """
-    parts = [(gradient_snr_sum(mean_grad * n, sum_sq, n), n, mean_grad.numel())
+    parts = [(gradient_snr_sum(mean_grad * n, sum_sq, n, precision), n, mean_grad.numel())
              for mean_grad, sum_sq, n in zip(mean_grads, sum_sqs, num_examples)]
     if not parts:
         raise ValueError("`mean_grads` must not be empty")

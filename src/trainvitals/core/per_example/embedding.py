@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _moments
 from trainvitals.core.per_example.registry import PerExampleRule, Use, register_per_example_rule
 
 
@@ -93,8 +93,7 @@ class EmbeddingRule(PerExampleRule):
         start, stop, _ = (slice(None) if rows is None else rows["weight"]).indices(module.num_embeddings)
         inside = (token >= start) & (token < stop)  # the table's rows [start, stop) only
         grad_rows, token = grad_rows * inside.unsqueeze(1), (token - start).clamp(0, max(stop - start - 1, 0))
-        zeros = grad_rows.new_zeros(stop - start, module.embedding_dim)
-        return {"weight": (zeros.index_add(0, token, grad_rows), zeros.index_add(0, token, grad_rows.square()))}
+        return {"weight": _moments(grad_rows, token, stop - start)}
 
     def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
         rows, example, token = _embedding_rows(module, uses)

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from trainvitals.core.per_example._common import (
     Workspace,
     _bmm,
+    _moments,
     _outer_sq_norms,
     _outer_sums,
     _sq_norms,
@@ -56,7 +57,7 @@ class FactoredRule(PerExampleRule):
                 total, total_sq = zip(*(_outer_sums(o.a, o.g, workspace) for o in factor))
                 out[name] = (torch.cat(total).view(params[name].shape), torch.cat(total_sq).view(params[name].shape))
             else:
-                out[name] = (factor.sum(0), factor.square().sum(0))
+                out[name] = _moments(factor)
             if rows is not None:  # all rows computed, the selected ones kept
                 out[name] = (out[name][0][rows[name]].clone(), out[name][1][rows[name]].clone())
         return out

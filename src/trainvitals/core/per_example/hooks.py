@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from trainvitals.core.per_example._checkpoint import _recomputing, _recomputing_task, _reentrant_recomputation
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _tolerance, _trainable
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _moments, _tolerance, _trainable
 from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.core.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
 from trainvitals.core.per_example.layout import Layouts
@@ -498,7 +498,8 @@ class PerExampleGradients:
         self._check_backwards()
         step = self._step
         unit_sq = unit * unit
-        self._run_vmap(unit)  # first: its sub-batch adds to the kept norms
+        wide = unit.double() if isinstance(unit, Tensor) else unit  # u² of the float64 sums: not rounded to float32
+        self._run_vmap(wide)  # first: its sub-batch adds to the kept norms
         if self._sq is not None:
             sq = self._sq * unit_sq
             step.sq_norm_sum = sq.sum() if step.sq_norm_sum is None else step.sq_norm_sum + sq.sum()
@@ -506,9 +507,9 @@ class PerExampleGradients:
         if self._keep_norms and kept:
             step.sq_norms.append(functools.reduce(torch.add, kept) * unit_sq)
         for name, value in self._grad_sum.items():  # in place: the micro-batch's sums are let go below
-            _add(step.grad_sum, name, value.mul_(unit))
+            _add(step.grad_sum, name, value.mul_(wide))
         for name, value in self._sum_sq.items():
-            _add(step.sum_sq, name, value.mul_(unit_sq))
+            _add(step.sum_sq, name, value.mul_(wide * wide))
         self._reset_micro_batch()
 
     def _run_vmap(self, unit: Tensor | float) -> None:
@@ -531,15 +532,14 @@ class PerExampleGradients:
                 sub = n
                 for local, g in grads.items():
                     g = g.to(_accumulation_dtype(g))
+                    squares = g.flatten(1).square().sum(1)
                     if self._keep_norms:
-                        self._add_vmap_sq(0, g.flatten(1).square().sum(1))
-                    g = g * unit
-                    qualified = f"{name}.{local}" if name else local
-                    squares = g.square()
-                    sq = squares.sum()
+                        self._add_vmap_sq(0, squares)
+                    sq = squares.sum() * (unit * unit)
                     step.sub_sq_norm_sum = sq if step.sub_sq_norm_sum is None else step.sub_sq_norm_sum + sq
-                    _add(step.sub_grad_sum, qualified, g.sum(0))
-                    _add(step.sub_sum_sq, qualified, squares.sum(0))
+                    qualified, (total, total_sq) = (f"{name}.{local}" if name else local), _moments(g)
+                    _add(step.sub_grad_sum, qualified, total.mul_(unit))
+                    _add(step.sub_sum_sq, qualified, total_sq.mul_(unit * unit))
         finally:
             self._replaying = False
         if sub is not None:

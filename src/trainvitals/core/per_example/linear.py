@@ -27,6 +27,7 @@ from trainvitals.core.per_example._common import (
     _accumulation_dtype,
     _bmm,
     _by_position,
+    _moments,
     _outer_sq_norms,
     _outer_sums,
     _trainable,
@@ -122,17 +123,17 @@ class OuterProductRule(PerExampleRule):
         trainable, out = _trainable(module), {}
         rows = {n: slice(None) for n in trainable} if rows is None else rows
         if "weight" in trainable and "weight" in rows:
-            r = rows["weight"]
-            if getattr(module, "groups", 1) == 1:  # the weight's rows are the output features: slice those
-                parts = [_outer_sums(a, g[..., r], workspace) for a, g in self._chunks(module, uses, workspace)]
-                out["weight"] = tuple(self._as_weight(module, functools.reduce(torch.add, part)) for part in zip(*parts))
-            else:
-                parts = [self._grouped_sums(module, a, g, workspace) for a, g in self._chunks(module, uses, workspace)]
-                out["weight"] = tuple(self._as_weight(module, functools.reduce(torch.add, part))[r].clone()
-                                      for part in zip(*parts))
+            r, total = rows["weight"], None
+            ungrouped = getattr(module, "groups", 1) == 1  # the weight's rows are the output features: slice those
+            for a, g in self._chunks(module, uses, workspace):  # a running sum: one chunk's sums held at a time
+                part = (_outer_sums(a, g[..., r], workspace) if ungrouped
+                        else self._grouped_sums(module, a, g, workspace))
+                total = part if total is None else (total[0].add_(part[0]), total[1].add_(part[1]))
+            assert total is not None, "an empty batch is one empty chunk"
+            out["weight"] = tuple(self._as_weight(module, t) if ungrouped else self._as_weight(module, t)[r].clone()
+                                  for t in total)
         if "bias" in trainable and "bias" in rows:
-            bias = self._bias_grads(module, uses)[:, rows["bias"]]
-            out["bias"] = (bias.sum(0), bias.square().sum(0))
+            out["bias"] = _moments(self._bias_grads(module, uses)[:, rows["bias"]])
         return out  # type: ignore[return-value]
 
     def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:

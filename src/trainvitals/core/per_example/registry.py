@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _sq_norms, _trainable
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _moments, _sq_norms, _trainable
 
 
 class Call(NamedTuple):
@@ -74,8 +74,9 @@ class PerExampleRule:
     """How to get a layer type's per-example gradient statistics from its uses in one forward.
 
     Subclasses implement :meth:`grads`, and may override :meth:`sq_norms` and :meth:`sums` with forms that
-    form no per-example gradient (ghost norms). Every method returns float32 (float64 for float64
-    operands), in the units of the output gradients.
+    form no per-example gradient (ghost norms). :meth:`grads` and :meth:`sq_norms` return float32 (float64
+    for float64 operands), :meth:`sums` float64 (:func:`~._common._moments`: the per-example values, formed
+    in float32, summed and squared exactly), all in the units of the output gradients.
 
     Attributes:
         whole_call: the rule needs every argument and every output gradient of a call (attention,
@@ -131,15 +132,14 @@ class PerExampleRule:
 
     def sums(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None,
              rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
-        """``{name: (Σ_i g_i, Σ_i g_i²)}``, elementwise, each of the parameter's shape; with ``rows``, only
+        """``{name: (Σ_i g_i, Σ_i g_i²)}``, elementwise, float64, each of the parameter's shape; with ``rows``, only
         the parameters it names, each only the rows ``rows[name]`` of its dimension 0 (a bounded share of
         a large layer; a rule that cannot compute fewer rows computes all and keeps those)."""
         out = {}
         for name, g in self.grads(module, uses).items():
             if rows is not None and name not in rows:
                 continue
-            g = g.to(_accumulation_dtype(g))[:, slice(None) if rows is None else rows[name]]
-            out[name] = (g.sum(0), g.square().sum(0))
+            out[name] = _moments(g[:, slice(None) if rows is None else rows[name]])
         return out
 
 
@@ -299,9 +299,10 @@ def per_example_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor, wor
     """(Σ_i g_i, Σ_i g_i²), elementwise, for each of ``module``'s measured trainable parameters (each of
     the parameter's shape): the per-coordinate mean and variance of the per-example gradients.
 
-    Both sums come from the same operands, in float32 or wider: under bf16/fp16 autocast the
-    ``.grad`` that autograd computes is rounded differently, and its ḡ² against these Σg² would make
-    the variance of high-SNR coordinates (a difference of two nearly equal terms) rounding noise.
+    Both sums come from the same operands, in float32 or wider, and are float64: under bf16/fp16
+    autocast the ``.grad`` that autograd computes is rounded differently, and its ḡ² against these Σg²,
+    or float32 sums, would make the variance of high-SNR coordinates (a difference of two nearly equal
+    terms) rounding noise.
 
     The arguments as in :func:`per_example_sq_norms`; ``rows`` as in :meth:`PerExampleRule.sums`. Linear with 2-D inputs: ΔᵀA and (Δ²)ᵀ(A²), no
     per-example tensor; Embedding: a segment sum; the other layers: their per-example gradients

@@ -22,8 +22,11 @@ def sum_errors(params: Mapping[str, nn.Parameter], rows: Mapping[str, slice], gr
     names = list(params)
     actual = [(params[q].grad if params[q].grad is not None else torch.zeros_like(params[q]))[rows.get(q, slice(None))]
               for q in names]
-    expected = [grad_sum[q] * to_grad if q in grad_sum else torch.zeros_like(actual[i]) for i, q in enumerate(names)]
-    actual = [a.to(e.dtype) for a, e in zip(actual, expected)]
+    # Compared in the gradients' precision, at least float32: the float64 sums' would double the temporaries.
+    dtypes = [torch.promote_types(a.dtype, torch.float32) for a in actual]
+    expected = [grad_sum[q].to(d) * to_grad if q in grad_sum else torch.zeros_like(a, dtype=d)
+                for q, a, d in zip(names, actual, dtypes)]
+    actual = [a.to(d) for a, d in zip(actual, dtypes)]
     diff = torch._foreach_norm(torch._foreach_sub(expected, actual))
     scale = [torch.maximum(a, e) for a, e in zip(torch._foreach_norm(actual), torch._foreach_norm(expected))]
     values = torch.stack([*diff, *scale]).double().tolist()

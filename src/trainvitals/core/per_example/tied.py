@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _by_position, _sq_norms
+from trainvitals.core.per_example import _common
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _by_position, _moments, _sq_norms
 from trainvitals.core.per_example.embedding import EmbeddingRule
 from trainvitals.core.per_example.linear import LinearRule
 from trainvitals.core.per_example.registry import PerExampleRule, Use
@@ -44,7 +45,7 @@ def measure_tied(members: Mapping[str, tuple[nn.Module, PerExampleRule, Sequence
             g = g.to(_accumulation_dtype(g))
             grads[qualified] = g if qualified not in grads else grads[qualified] + g
     sq = sum(_sq_norms(g) for g in grads.values())
-    return sq, ({n: (g.sum(0), g.square().sum(0)) for n, g in grads.items()} if coordinates else {})  # type: ignore[return-value]
+    return sq, ({n: _moments(g) for n, g in grads.items()} if coordinates else {})  # type: ignore[return-value]
 
 
 def _embedding_and_output_layer(members: Mapping[str, tuple[nn.Module, PerExampleRule, Sequence[Use]]]):
@@ -77,7 +78,13 @@ def _embedding_and_linear(emb: nn.Embedding, emb_uses: Sequence[Use], lin: nn.Li
         return sq, {}
     emb_sums, lin_sums = emb_rule.sums(emb, emb_uses), lin_rule.sums(lin, lin_uses, workspace)
     (e_sum, e_sq), (l_sum, l_sq) = emb_sums["weight"], lin_sums["weight"]
-    cross = e_sq.new_zeros(emb.weight.shape).index_add_(0, tokens.reshape(-1), (gamma * rows).flatten(0, 1))
+    # Σ_i E_i ⊙ L_i, the products exact in float64 (as the members' sums), in chunks of rows.
+    cross, at = e_sq.new_zeros(emb.weight.shape), tokens.reshape(-1)
+    gamma, rows = gamma.flatten(0, 1), rows.flatten(0, 1)
+    chunk = max(1, _common._SCRATCH_BYTES // (8 * emb.embedding_dim))
+    for start in range(0, len(at), chunk):
+        part = slice(start, start + chunk)
+        cross.index_add_(0, at[part], gamma[part].double() * rows[part])
     sums = {names[id(emb.weight)]: (e_sum + l_sum, e_sq + l_sq + 2 * cross)}
     if "bias" in lin_sums:
         sums[names[id(lin.bias)]] = lin_sums["bias"]
