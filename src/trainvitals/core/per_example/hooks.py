@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.core.per_example._checkpoint import _recomputing, _recomputing_task, _reentrant_recomputation
+from trainvitals.core.per_example._checkpoint import (
+    _recomputing, _recomputing_task, _reentrant_recomputation, register_all_grads_hook)
 from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _tolerance, _trainable
 from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.core.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
@@ -317,7 +318,7 @@ class PerExampleGradients:
         task = _recomputing_task()
         if rule.whole_call:
             hook = functools.partial(self._backward_call, name, slot, task, [t is not None for t in leaves])
-            torch.autograd.graph.register_multi_grad_hook(tensors, hook)
+            register_all_grads_hook(tensors, hook)
         else:
             output.register_hook(functools.partial(self._backward_output, name, slot, task, moved))
 
