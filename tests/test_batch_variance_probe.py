@@ -1239,3 +1239,21 @@ def test_a_real_recurrent_model_is_measured_per_example(name):
     trace = (flat - flat.mean(0)).square().sum() / 7
     assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-5
     assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-5
+
+
+def test_a_batch_holding_a_list_of_examples_is_sized_by_the_list():
+    """Variable-length sequences collated as a list beside their labels (for pack_sequence): B is the list's
+    length where the other tensors agree; not told where nothing beside the list sizes it."""
+    from trainvitals.callbacks._batch import batch_size
+
+    def sequences(*lengths: int) -> list[torch.Tensor]:
+        return [torch.zeros(n, 2) for n in lengths]
+
+    assert batch_size((sequences(5, 3, 7), torch.zeros(3))) == 3
+    assert batch_size({"x": sequences(4, 4, 4), "y": torch.zeros(3, 2)}) == 3  # equal lengths, 3 labels
+    assert batch_size((sequences(5, 3, 7), torch.zeros(5))) is None  # the labels count something else
+    assert batch_size(sequences(5, 3, 7)) is None  # alone it looks as a tuple of batch tensors would
+    assert batch_size([torch.zeros(4, 2), torch.zeros(4)]) == 4  # the batch's own tensors
+    assert batch_size([torch.zeros(2, 3), torch.zeros(2, 3)]) == 2
+    assert batch_size((torch.zeros(8, 3), torch.zeros(5))) == 8  # no list of examples: Lightning's first
+

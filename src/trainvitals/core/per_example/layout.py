@@ -22,6 +22,9 @@ sequence: 4 and 5 do not apply, and without 1–3 it is batch-first, unsaid. Squ
 of an embedding not shown per example by 1–3 are also compared on the device with relative-position
 buckets (T5's bias: constant along each diagonal), which are shared by the batch. Host-side only (shapes,
 strides, storages), but for that comparison, read where a logging step decides the step.
+
+A batch given as a list of examples (variable-length sequences for pack_sequence, beside their labels) counts
+one example a tensor of the list (:func:`listed_examples`).
 """
 
 from __future__ import annotations
@@ -96,12 +99,13 @@ def _view_dim(inputs: Tensor, batch: list[weakref.ref[Tensor]]) -> int | None:
     return None
 
 
-def _tensors(batch: Any) -> Iterator[Tensor]:
-    """The tensors of a batch: in its mappings (a dict, an HF ``BatchEncoding``), sequences and dataclasses."""
+def _tensors(batch: Any, lists: bool = False) -> Iterator[Any]:
+    """The tensors of a batch: in its mappings (a dict, an HF ``BatchEncoding``), sequences and dataclasses;
+    ``lists``: a list of examples (:func:`_example_list`) as one item, not its tensors."""
     todo, seen = [batch], set()
     while todo:
         item = todo.pop()
-        if isinstance(item, Tensor):
+        if isinstance(item, Tensor) or (lists and _example_list(item)):
             yield item
         elif id(item) not in seen and not isinstance(item, (str, bytes)):
             seen.add(id(item))
@@ -111,6 +115,29 @@ def _tensors(batch: Any) -> Iterator[Tensor]:
                 todo.extend(item)
             elif dataclasses.is_dataclass(item) and not isinstance(item, type):
                 todo.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+
+
+def _example_list(item: Any) -> bool:
+    """Whether ``item`` may be a list of examples: a list or tuple of two or more tensors with the same dimensions
+    after the first (variable-length sequences, for pad_sequence or pack_sequence)."""
+    return (isinstance(item, (list, tuple)) and len(item) > 1 and all(isinstance(t, Tensor) and t.dim() for t in item)
+            and len({t.shape[1:] for t in item}) == 1)
+
+
+def listed_examples(batch: Any) -> tuple[int | None, list[Tensor]] | None:
+    """A batch whose tensors disagree on their first dimension, read with its lists of examples
+    (:func:`_example_list`) counting one example a tensor: where every other tensor has a row per example (the
+    labels), their number and the lists' tensors; ``(None, [])`` where nothing beside a list of tensors of differing
+    first dimensions says that its length counts the examples (a tuple of batch tensors looks the same). ``None``
+    where the first dimensions agree, or no list of examples reads them otherwise."""
+    parts = list(_tensors(batch, lists=True))
+    lists = [p for p in parts if not isinstance(p, Tensor)]
+    others = {p.shape[0] if p.dim() else 1 for p in parts if isinstance(p, Tensor)}
+    if not lists or len(others.union(t.shape[0] for items in lists for t in items)) < 2:
+        return None
+    if others and others == {len(items) for items in lists}:
+        return len(lists[0]), [t for items in lists for t in items]
+    return (None, []) if any(len({t.shape[0] for t in items}) > 1 for items in lists) else None
 
 
 def _relative_positions(ids: Tensor) -> Tensor:
