@@ -29,7 +29,7 @@ from trainvitals.core.per_example._checkpoint import (
 from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _tolerance, _trainable
 from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.core.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
-from trainvitals.core.per_example.layout import Layouts
+from trainvitals.core.per_example.layout import ONE_EXAMPLE, Layouts
 from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
 from trainvitals.core.per_example.sums_check import UNBALANCED, sum_errors
 from trainvitals.core.per_example.tied import measure_tied
@@ -280,6 +280,9 @@ class PerExampleGradients:
             if not output.requires_grad:
                 return
             inputs, batch = args[0], args[0].shape[0] if args[0].dim() else -1
+            if self.layouts.one_example(name, inputs):
+                self._step.failed[name] = ONE_EXAMPLE.format(batch=self._batch_size)
+                return
             shared = rule.broadcast_batch and _shared_by_batch(inputs, self._batch_size)
             if isinstance(shared, Tensor):
                 if len(self._groups[name]) > 1:

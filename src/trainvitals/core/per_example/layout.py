@@ -24,7 +24,8 @@ buckets (T5's bias: constant along each diagonal), which are shared by the batch
 strides, storages), but for that comparison, read where a logging step decides the step.
 
 A batch given as a list of examples (variable-length sequences for pack_sequence, beside their labels) counts
-one example a tensor of the list (:func:`listed_examples`).
+one example a tensor of the list (:func:`listed_examples`); a layer fed one of them, or two tensors of a list as
+long as the batch in one forward, is called per example and is not measured (:data:`ONE_EXAMPLE`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ AMBIGUOUS = ("its input {shape} has the batch ({batch}) on both of its first two
 NO_BATCH = ("its ids {shape} have no dimension of the batch ({batch}): not one lookup per example but one shared by "
             "the batch (a relative-position bias looked up with (T, T) buckets?), whose gradient arrives summed "
             "over the examples")
+
+
+#: Why a layer called on one example of a batch given as a list of examples is not measured.
+ONE_EXAMPLE = ("it is called on one example at a time (a tensor of the batch's list of {batch} examples): its rule "
+               "reads the examples from a dimension of one call's input. Pad the list (pad_sequence) or pack it "
+               "(pack_sequence) before this layer to have it measured")
 
 
 @dataclass(frozen=True)
@@ -167,6 +174,9 @@ class Layouts:
         self._seen: dict[str, set[int]] = {}  # per layer, the examples' dimensions its own evidence showed
         self._showing: dict[int, dict[str, None]] = {}  # per dimension, the layers whose evidence showed it
         self._batch: list[weakref.ref[Tensor]] = []
+        self._lists: list[list[weakref.ref[Tensor]]] = []  # the batch's lists of as many tensors as examples
+        self._listed = False  # the batch is a list of examples beside their labels (listed_examples)
+        self._fed: dict[tuple[str, int], set[int]] = {}  # per layer and list, the tensors of it the layer was fed
         self._scopes: dict[str, dict[str, int]] = {}  # per module: it and its children that declare, their dim
         if model is not None:
             self.declare(model)
@@ -182,8 +192,36 @@ class Layouts:
 
     def see_batch(self, batch: Any, size: int) -> None:
         """The coming micro-batch's tensors of ``size`` examples (weakly held): a layer fed a view of one shows
-        its layout."""
-        self._batch = [weakref.ref(t) for t in _tensors(batch) if t.dim() >= 2 and t.shape[0] == size]
+        its layout; one fed a tensor of a list of ``size`` of them may be called per example (:meth:`one_example`)."""
+        lists = [items for items in _tensors(batch, lists=True) if not isinstance(items, Tensor) and len(items) == size]
+        listed = listed_examples(batch)
+        self._listed = listed is not None and listed[0] == size
+        self._lists = [[weakref.ref(t) for t in items] for items in lists]
+        self._fed = {}
+        examples = {id(t) for items in lists for t in items} if self._listed else set()
+        self._batch = [weakref.ref(t) for t in _tensors(batch)
+                       if t.dim() >= 2 and t.shape[0] == size and id(t) not in examples]
+
+    def one_example(self, name: str, inputs: Tensor) -> bool:
+        """Whether layer ``name`` is called per example (:data:`ONE_EXAMPLE`), its rule taking positions for
+        examples: fed (a view of) a tensor of a batch given as a list of examples (:func:`listed_examples`), or
+        fed two tensors of one list of the batch's size in a forward (the list's tensors hold as many rows as
+        there are examples: a list of examples, or of the batch's tensors, each fed to a layer of its own)."""
+        if not self._lists:
+            return False
+        try:
+            storage, start = inputs.untyped_storage().data_ptr(), inputs.data_ptr()
+            for k, refs in enumerate(self._lists):
+                for i, ref in enumerate(refs):  # the tensor whose memory the input begins in (one storage split?)
+                    t = ref()
+                    if t is not None and t.device == inputs.device and t.untyped_storage().data_ptr() == storage \
+                            and t.data_ptr() <= start < t.data_ptr() + max(t.nbytes, 1):
+                        fed = self._fed.setdefault((name, k), set())
+                        fed.add(i)
+                        return self._listed or len(fed) > 1
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass, a fake tensor)
+            pass
+        return False
 
     def _show(self, name: str, dim: int) -> Examples:
         self._seen.setdefault(name, set()).add(dim)
