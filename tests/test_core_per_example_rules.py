@@ -598,6 +598,26 @@ def test_recurrent_layers_recomputed_by_checkpointing_match_the_same_forward(kin
     assert_step_is(plan, step, truth)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_recurrent_dropout_recomputed_with_other_masks_is_caught_or_exact(reentrant):
+    """``preserve_rng_state=False``: the recomputation draws other masks than the forward. Reentrant checkpointing
+    differentiates the recomputation alone, measured with its own masks: the sums add up to ``.grad``. The
+    non-reentrant kind is measured from the forward's masks, the gradient has the recomputation's: named."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(3, 4, 2, dropout=0.4, batch_first=True).double()
+    model = nn.ModuleDict({"rnn": rnn})
+    collector = PerExampleGradients(plan_sources(model, groups_available=False, fallback=False).per_example, {}, 2)
+    collector.attach(coordinates=True)
+    x = torch.randn(B, 4, 3, dtype=torch.float64, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(rnn, x, use_reentrant=reentrant, preserve_rng_state=False)[0]
+    out.square().sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed and step.seen == {"rnn"}
+    unbalanced = collector.unbalanced(step, 1.0)
+    assert unbalanced == {} if reentrant else "preserve_rng_state=False" in unbalanced["rnn"]
+
+
 def float32_dropout_sums(model: nn.Module, x: torch.Tensor) -> dict[str, str]:
     """What the sums check says of a float32 step: whether the per-example gradients add up to ``.grad``."""
     plan = plan_sources(model, groups_available=False, fallback=False)
