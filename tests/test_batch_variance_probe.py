@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
@@ -1263,3 +1264,75 @@ def test_a_real_recurrent_model_is_measured_per_example(name):
     trace = (flat - flat.mean(0)).square().sum() / 7
     assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-5
     assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-5
+
+
+def test_a_batch_holding_a_list_of_examples_is_sized_by_the_list():
+    """Variable-length sequences collated as a list beside their labels (for pack_sequence): B is the list's
+    length where the other tensors agree; not told where nothing beside the list sizes it."""
+    from trainvitals.callbacks._batch import batch_size
+
+    def sequences(*lengths: int) -> list[torch.Tensor]:
+        return [torch.zeros(n, 2) for n in lengths]
+
+    assert batch_size((sequences(5, 3, 7), torch.zeros(3))) == 3
+    assert batch_size({"x": sequences(4, 4, 4), "y": torch.zeros(3, 2)}) == 3  # equal lengths, 3 labels
+    assert batch_size((sequences(5, 3, 7), torch.zeros(5))) is None  # the labels count something else
+    assert batch_size(sequences(5, 3, 7)) is None  # alone it looks as a tuple of batch tensors would
+    assert batch_size([torch.zeros(4, 2), torch.zeros(4)]) == 4  # the batch's own tensors
+    assert batch_size([torch.zeros(2, 3), torch.zeros(2, 3)]) == 2
+    assert batch_size((torch.zeros(8, 3), torch.zeros(5))) == 8  # no list of examples: Lightning's first
+
+
+class PackedClassifier(Classifier):
+    """An embedding called on each sequence of the batch's list (per example), the sequences packed into a
+    two-layer bidirectional LSTM with dropout between its layers, a head on its final states."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.ModuleDict({"emb": nn.Embedding(11, 4), "rnn": nn.LSTM(4, 3, 2, dropout=0.3,
+                                        bidirectional=True), "head": nn.Linear(6, 2)}).double())
+
+    def forward(self, sequences: list[torch.Tensor]) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_sequence([self.net.emb(s) for s in sequences], enforce_sorted=False)
+        _, (h, _) = self.net.rnn(packed)
+        return self.net.head(torch.cat([h[-2], h[-1]], -1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+
+def collate_list(items: list[tuple[torch.Tensor, torch.Tensor]],
+                 split: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The sequences as a list (``split``: views of one tensor), the labels stacked."""
+    sequences = [s for s, _ in items]
+    if split:
+        sequences = list(torch.cat(sequences).split([len(s) for s in sequences]))
+    return sequences, torch.stack([y for _, y in items])
+
+
+@pytest.mark.parametrize(("lengths", "split"), [([3, 6, 2, 5], False), ([4, 4, 4, 4], False), ([4, 4, 4, 4], True)],
+                         ids=["varied", "each-the-batch-size", "views-of-one-tensor"])
+def test_a_list_of_sequences_is_measured_with_the_embedding_called_per_example_named(lengths, split):
+    """B = 4 from the list; the embedding, fed one sequence a call, is named as called per example (also where
+    every sequence is 4 long, as long as the batch, and where they are views of one tensor), the LSTM and head
+    measured: their estimates those of each example's gradient through the fit's forward (dropout), one
+    backward each, float64."""
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(0, 11, (n,), generator=g), torch.randint(0, 2, (), generator=g)) for n in lengths]
+    torch.manual_seed(0)
+    module, probe, rng = PackedClassifier(), BatchVarianceProbe(beta=0.0), RngAtBatchStart()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pl.Trainer(**trainer_kwargs(callbacks=[probe, rng], max_steps=1, precision="64-true")).fit(module, DataLoader(
+            rows, batch_size=4, collate_fn=functools.partial(collate_list, split=split)))
+    said = " ".join(str(w.message) for w in caught)
+    assert probe.effective_batch_size == 4 and "net.emb: it is called on one example at a time" in said
+    assert "position table" not in said and probe._excluded == {"net.emb"}
+    sequences, labels = [s for s, _ in rows], torch.stack([y for _, y in rows])
+    params = [p for n, p in module.net.named_parameters() if not n.startswith("emb.")]
+    torch.set_rng_state(rng.state)
+    out = module(sequences)
+    flat = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
+        F.cross_entropy(out[i:i + 1], labels[i:i + 1]), params, retain_graph=True)]) for i in range(4)])
+    trace = (flat - flat.mean(0)).square().sum() / 3
+    assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-6
+    assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 4)) < 1e-6

@@ -559,6 +559,65 @@ def test_recurrent_layers_with_dropout_between_layers_match_the_same_forward(kin
     assert_matches_same_graph(Recurrent(kind, dropout=0.4, **options), torch.randn(B, 4, 3))
 
 
+class CheckpointedRecurrent(nn.Module):
+    """A recurrent layer checkpointed alone: the segment returns its outputs, so under reentrant checkpointing they
+    are the roots of the backward that recomputes it (the LSTM's output alone; a GRU's or RNN's output and final
+    state, two roots). ``reentrant=None``: not checkpointed (the truth's forward)."""
+
+    def __init__(self, kind: type[nn.Module], dropout: float) -> None:
+        super().__init__()
+        self.rnn = kind(3, 4, num_layers=2, dropout=dropout, batch_first=True)
+        self.head = nn.Linear(4, 2)
+        self.reentrant: bool | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reentrant is None:
+            out, final = self.rnn(x)
+        else:
+            out, final = torch.utils.checkpoint.checkpoint(self.rnn, x, use_reentrant=self.reentrant)
+        y = self.head(out).flatten(1)
+        return y if isinstance(final, tuple) else torch.cat([y, final.sum(0)], 1)
+
+
+@pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
+@pytest.mark.parametrize("dropout", [0.0, 0.4], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_recurrent_layers_recomputed_by_checkpointing_match_the_same_forward(kind, dropout, reentrant):
+    """Measured from the first run (non-reentrant) or the recomputation (reentrant), whose dropout masks are the
+    first run's (checkpointing restores the generator): the gradients of one forward without checkpointing
+    from the same seed (reentrant checkpointing does not take ``torch.autograd.grad``)."""
+    torch.manual_seed(0)
+    model = CheckpointedRecurrent(kind, dropout).double().train()
+    x = torch.randn(B, 4, 3, dtype=torch.float64, requires_grad=True)  # reentrant: only into inputs with grad
+    weights = torch.randn_like(model(x))
+    torch.manual_seed(3)
+    truth = same_graph_truth(model, x, weights)
+    model.reentrant = reentrant
+    torch.manual_seed(3)
+    plan, step = measured(model, x, weights)
+    assert_step_is(plan, step, truth)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_recurrent_dropout_recomputed_with_other_masks_is_caught_or_exact(reentrant):
+    """``preserve_rng_state=False``: the recomputation draws other masks than the forward. Reentrant checkpointing
+    differentiates the recomputation alone, measured with its own masks: the sums add up to ``.grad``. The
+    non-reentrant kind is measured from the forward's masks, the gradient has the recomputation's: named."""
+    torch.manual_seed(0)
+    rnn = nn.LSTM(3, 4, 2, dropout=0.4, batch_first=True).double()
+    model = nn.ModuleDict({"rnn": rnn})
+    collector = PerExampleGradients(plan_sources(model, groups_available=False, fallback=False).per_example, {}, 2)
+    collector.attach(coordinates=True)
+    x = torch.randn(B, 4, 3, dtype=torch.float64, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(rnn, x, use_reentrant=reentrant, preserve_rng_state=False)[0]
+    out.square().sum().backward()
+    collector.end_micro_batch(1.0)
+    step = collector.pop()
+    assert not step.failed and step.seen == {"rnn"}
+    unbalanced = collector.unbalanced(step, 1.0)
+    assert unbalanced == {} if reentrant else "preserve_rng_state=False" in unbalanced["rnn"]
+
+
 def float32_dropout_sums(model: nn.Module, x: torch.Tensor) -> dict[str, str]:
     """What the sums check says of a float32 step: whether the per-example gradients add up to ``.grad``."""
     plan = plan_sources(model, groups_available=False, fallback=False)

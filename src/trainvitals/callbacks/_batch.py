@@ -1,4 +1,5 @@
-"""How many examples a batch holds, as Lightning counts them, without failing where Lightning cannot tell;
+"""How many examples a batch holds, as Lightning counts them (a list of examples: its length), without failing
+where Lightning cannot tell;
 what Lightning divides a micro-batch's loss by; which dataset rows a batch holds, where that is known."""
 
 from __future__ import annotations
@@ -13,16 +14,23 @@ from torch.utils.data import BatchSampler, SequentialSampler
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from trainvitals.core.per_example.layout import batch_tensors
+from trainvitals.core.per_example.layout import batch_tensors, listed_examples
 
 
 def batch_size(batch: Any, sequence_first: bool | None = False) -> int | None:
-    """The first dimension of the batch's first tensor (``lightning.pytorch.utilities.data.extract_batch_size``),
-    or ``None`` where Lightning cannot tell: it raises ``MisconfigurationException`` for a batch without a
-    tensor it can find, ``RecursionError`` for one that contains itself. ``sequence_first``: the batch is
-    ``(T, B, ...)``: the second dimension of its first tensor of two or more dimensions (without one, as unset)."""
+    """The examples a batch holds: the first dimension of its first tensor
+    (``lightning.pytorch.utilities.data.extract_batch_size``); ``sequence_first``: the batch is ``(T, B, ...)``,
+    the second dimension of its first tensor of two or more dimensions (without one, as unset). Where its
+    tensors disagree and it holds a list of examples (variable-length sequences for pack_sequence) beside
+    tensors of a row each, the list's length (:func:`~trainvitals.core.per_example.layout.listed_examples`).
+    ``None`` where that cannot be told: a list of tensors of differing lengths that nothing beside it sizes
+    (Lightning would count the first one's rows), a batch without a tensor Lightning can find
+    (``MisconfigurationException``), one that contains itself (``RecursionError``)."""
     if sequence_first and (size := next((t.shape[1] for t in batch_tensors(batch) if t.dim() >= 2), None)):
         return size
+    listed = listed_examples(batch)
+    if listed is not None:
+        return listed[0]
     try:
         return extract_batch_size(batch)
     except Exception:  # a diagnostic must not end the run over a batch it cannot size

@@ -234,8 +234,9 @@ class ProbeSources:
         if failed:
             return "; ".join(f"{n or '(root)'}: {why}" for n, why in failed.items()), aside
         if unsized:
-            return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it): "
-                    "put the examples on dimension 0 of the batch's tensors"), aside
+            return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it), or the "
+                    "batch holds a list of tensors of differing lengths with no tensor of a row per example beside it: "
+                    "put the examples on dimension 0 of the batch's tensors, or pass the list's labels with it"), aside
         if 0 in micro_sizes:
             return "an empty micro-batch", aside
         if set(self.layers) - aside and not result.seen:

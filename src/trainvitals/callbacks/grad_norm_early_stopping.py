@@ -369,7 +369,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                       "band while that lasts.")
 
     def _warn_unsized(self) -> None:
-        self.warn("cannot tell how many examples a micro-batch holds (Lightning's extract_batch_size fails on it): "
+        self.warn("cannot tell how many examples a micro-batch holds (Lightning's extract_batch_size fails on it, or "
+                  "it holds a list of tensors of differing lengths with no tensor of a row per example beside it): "
                   "no noise estimate from such steps.", once=True)
 
     def _detach(self) -> None:

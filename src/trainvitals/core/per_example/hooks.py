@@ -24,11 +24,12 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.core.per_example._checkpoint import _recomputing, _recomputing_task, _reentrant_recomputation
+from trainvitals.core.per_example._checkpoint import (
+    _recomputing, _recomputing_task, _reentrant_recomputation, register_all_grads_hook)
 from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _moments, _tolerance, _trainable
 from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.core.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
-from trainvitals.core.per_example.layout import Layouts
+from trainvitals.core.per_example.layout import ONE_EXAMPLE, Layouts
 from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
 from trainvitals.core.per_example.sums_check import UNBALANCED, sum_errors
 from trainvitals.core.per_example.tied import measure_tied
@@ -279,6 +280,9 @@ class PerExampleGradients:
             if not output.requires_grad:
                 return
             inputs, batch = args[0], args[0].shape[0] if args[0].dim() else -1
+            if self.layouts.one_example(name, inputs):
+                self._step.failed[name] = ONE_EXAMPLE.format(batch=self._batch_size)
+                return
             shared = rule.broadcast_batch and _shared_by_batch(inputs, self._batch_size)
             if isinstance(shared, Tensor):
                 if len(self._groups[name]) > 1:
@@ -317,7 +321,7 @@ class PerExampleGradients:
         task = _recomputing_task()
         if rule.whole_call:
             hook = functools.partial(self._backward_call, name, slot, task, [t is not None for t in leaves])
-            torch.autograd.graph.register_multi_grad_hook(tensors, hook)
+            register_all_grads_hook(tensors, hook)
         else:
             output.register_hook(functools.partial(self._backward_output, name, slot, task, moved))
 

@@ -30,6 +30,10 @@ with H = B, is not a sequence: 1 and 5 do not apply, and without 2–4 it is bat
 ids of an embedding not shown per example by 2–4 are also compared on the device with relative-position
 buckets (T5's bias: constant along each diagonal), which are shared by the batch. Host-side only (shapes,
 strides, storages), but for that comparison, read where a logging step decides the step.
+
+A batch given as a list of examples (variable-length sequences for pack_sequence, beside their labels) counts
+one example a tensor of the list (:func:`listed_examples`); a layer fed one of them, or two tensors of a list as
+long as the batch in one forward, is called per example and is not measured (:data:`ONE_EXAMPLE`).
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ AMBIGUOUS = ("its input {shape} has the batch ({batch}) on both of its first two
 NO_BATCH = ("its ids {shape} have no dimension of the batch ({batch}): not one lookup per example but one shared by "
             "the batch (a relative-position bias looked up with (T, T) buckets?), whose gradient arrives summed "
             "over the examples")
+
+
+#: Why a layer called on one example of a batch given as a list of examples is not measured.
+ONE_EXAMPLE = ("it is called on one example at a time (a tensor of the batch's list of {batch} examples): its rule "
+               "reads the examples from a dimension of one call's input. Pad the list (pad_sequence) or pack it "
+               "(pack_sequence) before this layer to have it measured")
 
 
 @dataclass(frozen=True)
@@ -104,13 +114,13 @@ def _view_dim(inputs: Tensor, batch: list[tuple[weakref.ref[Tensor], int]]) -> i
     return None
 
 
-def batch_tensors(batch: Any) -> Iterator[Tensor]:
+def batch_tensors(batch: Any, lists: bool = False) -> Iterator[Any]:
     """The tensors of a batch, in order: in its mappings (a dict, an HF ``BatchEncoding``), sequences and
-    dataclasses."""
+    dataclasses; ``lists``: a list of examples (:func:`_example_list`) as one item, not its tensors."""
     todo, seen = [batch], set()
     while todo:
         item = todo.pop()
-        if isinstance(item, Tensor):
+        if isinstance(item, Tensor) or (lists and _example_list(item)):
             yield item
         elif id(item) not in seen and not isinstance(item, (str, bytes)):
             seen.add(id(item))
@@ -120,6 +130,29 @@ def batch_tensors(batch: Any) -> Iterator[Tensor]:
                 todo.extend(reversed(item))
             elif dataclasses.is_dataclass(item) and not isinstance(item, type):
                 todo.extend(getattr(item, f.name) for f in reversed(dataclasses.fields(item)))
+
+
+def _example_list(item: Any) -> bool:
+    """Whether ``item`` may be a list of examples: a list or tuple of two or more tensors with the same dimensions
+    after the first (variable-length sequences, for pad_sequence or pack_sequence)."""
+    return (isinstance(item, (list, tuple)) and len(item) > 1 and all(isinstance(t, Tensor) and t.dim() for t in item)
+            and len({t.shape[1:] for t in item}) == 1)
+
+
+def listed_examples(batch: Any) -> tuple[int | None, list[Tensor]] | None:
+    """A batch whose tensors disagree on their first dimension, read with its lists of examples
+    (:func:`_example_list`) counting one example a tensor: where every other tensor has a row per example (the
+    labels), their number and the lists' tensors; ``(None, [])`` where nothing beside a list of tensors of differing
+    first dimensions says that its length counts the examples (a tuple of batch tensors looks the same). ``None``
+    where the first dimensions agree, or no list of examples reads them otherwise."""
+    parts = list(batch_tensors(batch, lists=True))
+    lists = [p for p in parts if not isinstance(p, Tensor)]
+    others = {p.shape[0] if p.dim() else 1 for p in parts if isinstance(p, Tensor)}
+    if not lists or len(others.union(t.shape[0] for items in lists for t in items)) < 2:
+        return None
+    if others and others == {len(items) for items in lists}:
+        return len(lists[0]), [t for items in lists for t in items]
+    return (None, []) if any(len({t.shape[0] for t in items}) > 1 for items in lists) else None
 
 
 def _outermost(names: Iterable[str]) -> list[str]:
@@ -167,6 +200,9 @@ class Layouts:
         self._misread: dict[str, tuple[tuple[int, ...], int]] = {}  # see_declared's, until misread() reads it
         self._batch: list[tuple[weakref.ref[Tensor], int]] = []
         self._size, self._other = 0, set()
+        self._lists: list[list[weakref.ref[Tensor]]] = []  # the batch's lists of as many tensors as examples
+        self._listed = False  # the batch is a list of examples beside their labels (listed_examples)
+        self._fed: dict[tuple[str, int], set[int]] = {}  # per layer and list, the tensors of it the layer was fed
         if model is not None:
             self.declare(model)
 
@@ -176,11 +212,38 @@ class Layouts:
 
     def see_batch(self, batch: Any, size: int) -> None:
         """The coming micro-batch's tensors of ``size`` examples (weakly held): a layer fed a view of one shows
-        its layout. Their examples are on dimension 1 under ``sequence_first=True``, else 0."""
+        its layout. Their examples are on dimension 1 under ``sequence_first=True``, else 0. A layer fed a tensor of
+        a list of ``size`` of them may be called per example (:meth:`one_example`)."""
         dim, self._size = int(bool(self.sequence_first)), size
-        tensors = [t for t in batch_tensors(batch) if t.dim() >= 2]
+        lists = [items for items in batch_tensors(batch, lists=True) if not isinstance(items, Tensor) and len(items) == size]
+        listed = listed_examples(batch)
+        self._listed = listed is not None and listed[0] == size
+        self._lists, self._fed = [[weakref.ref(t) for t in items] for items in lists], {}
+        examples = {id(t) for items in lists for t in items} if self._listed else set()
+        tensors = [t for t in batch_tensors(batch) if t.dim() >= 2 and id(t) not in examples]
         self._batch = [(weakref.ref(t), dim) for t in tensors if t.shape[dim] == size]
         self._other = {t.shape[1 - dim] for t in tensors}  # the sizes a batch read on the wrong dimension would have
+
+    def one_example(self, name: str, inputs: Tensor) -> bool:
+        """Whether layer ``name`` is called per example (:data:`ONE_EXAMPLE`), its rule taking positions for
+        examples: fed (a view of) a tensor of a batch given as a list of examples (:func:`listed_examples`), or
+        fed two tensors of one list of the batch's size in a forward (the list's tensors hold as many rows as
+        there are examples: a list of examples, or of the batch's tensors, each fed to a layer of its own)."""
+        if not self._lists:
+            return False
+        try:
+            storage, start = inputs.untyped_storage().data_ptr(), inputs.data_ptr()
+            for k, refs in enumerate(self._lists):
+                for i, ref in enumerate(refs):  # the tensor whose memory the input begins in (one storage split?)
+                    t = ref()
+                    if t is not None and t.device == inputs.device and t.untyped_storage().data_ptr() == storage \
+                            and t.data_ptr() <= start < t.data_ptr() + max(t.nbytes, 1):
+                        fed = self._fed.setdefault((name, k), set())
+                        fed.add(i)
+                        return self._listed or len(fed) > 1
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass, a fake tensor)
+            pass
+        return False
 
     def see_declared(self, name: str, inputs: Any) -> None:
         """A declaring module's batched input: with the batch size the probe read on the other dimension than the

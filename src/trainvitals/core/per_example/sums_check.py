@@ -12,7 +12,8 @@ from torch import Tensor, nn
 UNBALANCED = ("its per-example gradients do not add up to its parameters' gradient (relative error {error:.2g}): its "
               "weight is used outside its own call (`x @ layer.weight.T`, a tied `F.linear(h, embed.weight)`), a "
               "forward pre-hook reparametrises it (weight_norm, spectral_norm, pruning), a hook rescales its output "
-              "gradient, or its rule misses a parameter")
+              "gradient, checkpointing recomputes it with other dropout masks than its forward drew "
+              "(use_reentrant=False with preserve_rng_state=False), or its rule misses a parameter")
 
 
 def sum_errors(params: Mapping[str, nn.Parameter], rows: Mapping[str, slice], grad_sum: Mapping[str, Tensor],
