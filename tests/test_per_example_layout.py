@@ -438,6 +438,7 @@ def test_layers_taken_from_the_declared_modules_alone_are_said_once_and_not_with
     assert_exact(collect(model, ids, y, layouts), brute_force(model, ids, y))
     notes, _ = layouts.notes()
     assert len(notes) == 1 and "encoder, decoder" in notes[0] and "taken sequence-first" in notes[0]
+    assert "as rnn declares (batch_first=False)" in notes[0]
     assert "sequence_first=False" in notes[0] and layouts.notes() == ([], False)
     layouts = Layouts(model)
     assert_exact(collect(model, ids, y, layouts, batch=(ids, y)), brute_force(model, ids, y))

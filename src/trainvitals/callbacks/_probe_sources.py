@@ -143,7 +143,8 @@ class ProbeSources:
             return (f"BatchNorm is in training mode ({', '.join(coupled)}), which couples the examples: none has a "
                     "gradient of its own")
         if result.failed:
-            return f"a layer is not measured per example ({', '.join(n or '(root)' for n in result.failed)})"
+            return (f"a layer failed per example ({', '.join(n or '(root)' for n in result.failed)}): the panel's "
+                    "coverage is the plan's; the steps after the plan is remade have them, over the layers left")
         return ""
 
     def notes(self, coordinates: bool, norms: bool) -> str:

@@ -344,9 +344,11 @@ class Layouts:
         said = [note] if (note := self.assumed_note()) else []
         if inferred := self._unsaid("inferred", self.inferred):
             dim = next(iter(self.declaring.values()))
-            said.append(f"{inferred}, outside every batch_first module and no layer's input showing a layout: they "
-                        f"are taken {_LAYOUTS[dim]}, as the model's batch_first modules declare. If they are "
-                        f"{_LAYOUTS[1 - dim]}, pass sequence_first={not dim}")
+            outer = _outermost(self.declaring)
+            modules = ", ".join(m or "the model" for m in outer) + (" declares" if len(outer) == 1 else " declare")
+            said.append(f"{inferred}, outside every module that declares its layout and no layer's input showing "
+                        f"one: they are taken {_LAYOUTS[dim]}, as {modules} (batch_first={not dim}). If they "
+                        f"are {_LAYOUTS[1 - dim]}, pass sequence_first={not dim}")
         if self.sequence_first is not None and "overruled" not in self._said:
             self._said.add("overruled")
             if outer := _outermost([m for m, d in self.declaring.items() if d != int(self.sequence_first)]):
