@@ -1011,6 +1011,33 @@ def test_the_batch_is_sized_from_the_batch_not_from_the_first_layer_that_runs():
     assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-6
 
 
+class ManualClassifier(Classifier):
+    """The classifier under manual optimization, where the sums check cannot compare with ``.grad``."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__(net)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+def test_per_coordinate_sums_are_formed_on_the_first_and_the_logging_steps_only():
+    """Also where the sums check cannot run (manual optimization): not on every step until it has."""
+    probe = BatchVarianceProbe(log_every_n_steps=3)
+    formed: list[bool] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, *_: Any) -> None:  # after the probe's, which selects the step's sums
+            formed.append(bool(probe._selection))
+
+    fit(ManualClassifier(network("mlp")), classification_data("mlp", 64), [probe, Record()], batch_size=8, steps=7)
+    assert formed == [True, False, False, True, False, False, True]
+
+
 def test_two_optimizers_are_named_as_the_reason_nothing_is_measured():
     probe, logger = BatchVarianceProbe(), RecordingLogger()
     with warnings.catch_warnings(record=True) as record:

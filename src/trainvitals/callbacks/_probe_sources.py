@@ -299,6 +299,5 @@ def layout_notes(layouts: Layouts, source: NoiseSource) -> list[str]:
     where it refuted the layout earlier steps were measured with, ``source``'s estimate restarts without them."""
     notes, refuted = layouts.notes()
     if refuted:
-        fresh = NoiseSource(source.name, source.ema.beta).state_dict()
-        source.load_state_dict({k: fresh[k] for k in ("noise", "error", "norms")})
+        source.restart()
     return notes

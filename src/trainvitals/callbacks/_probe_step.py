@@ -128,7 +128,7 @@ def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExa
 
     Each source's estimate over its own parameters, added up, since tr(Σ) and ‖G‖² are sums over
     parameters. ``batch_sq``: ‖ḡ‖² in per-example units over each source's parameters and the others'
-    (BatchVarianceProbe's ``_batch_sq_norms``, with the layers set aside among the others); ``groups``
+    (:meth:`ProbeSources.batch_sq_norms`, with the layers set aside among the others); ``groups``
     micro-batches of ``group_size`` examples over all ranks, whose back-propagated gradients are ``unit`` ×
     the mean of their examples' own-loss gradients; ``aside``: the layers this step is measured without (a
     torch.func source with all of them aside has no sub-batch, and nothing to measure).

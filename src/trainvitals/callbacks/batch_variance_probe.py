@@ -216,7 +216,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("_finalized_step", -1, persistent=False)
         self.add_state("_coordinate_cursor", 0, key="coordinate_cursor")  # the next logging step's first coordinate
         self.add_state("_selection", {}, persistent=False)
-        self.add_state("_sums_checked", False, persistent=False)  # this fit has had a step with the sums check
+        self.add_state("_sums_checked", False, persistent=False)  # this fit's first measured step formed the sums
         self.add_state("_gsnr_partial", {}, key="gsnr_partial")  # per GSNR key: Σ GSNR and coordinates of the pass
         self.add_state("_batches", MicroBatches, persistent=False)  # those of the step being measured
         self.add_state("_stated_reduction", "", persistent=False)
@@ -384,8 +384,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if not self._measuring:
             return
         self._selection = {}
-        if is_logging_step(step, self._log_every) or not self._sums_checked:  # GSNR's sums, and the sums check's
-            self._selection, self._coordinate_cursor = self._coordinates.select(self._coordinate_cursor)
+        logging = is_logging_step(step, self._log_every)
+        if logging or not self._sums_checked:  # GSNR's sums, and the sums check's (also a fit's first step)
+            self._selection, cursor = self._coordinates.select(self._coordinate_cursor)
+            self._coordinate_cursor, self._sums_checked = cursor if logging else self._coordinate_cursor, True
         sources.attach(self._selection, keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
 
     @override
@@ -477,7 +479,6 @@ class BatchVarianceProbe(TrainvitalsCallback):
         assert self._sources is not None
         if not result.grad_sum or not self._batches.whole_window(trainer, pl_module):
             return
-        self._sums_checked = True
         to_grad: Tensor | float = self._grad_units(trainer, pl_module) / sum(self._batches.sizes)
         scale = scale_left_in_grads(trainer, optimizer)
         result.failed.update(self._sources.collector.unbalanced(result, to_grad if scale is None else scale * to_grad))

@@ -143,6 +143,11 @@ class NoiseSource:
             self._norms.update(pair, valid)
             self.last_covered_sq_norm = pair[0]
 
+    def restart(self) -> None:
+        """Forget the updates so far (they measured the wrong thing); validity, units and batch size kept."""
+        fresh = NoiseSource(self.name, self.ema.beta).state_dict()
+        self.load_state_dict({k: fresh[k] for k in ("noise", "error", "norms")})
+
     def invalidate(self, reason: str) -> None:
         """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
         self.invalid = self.invalid or reason

@@ -18,7 +18,7 @@ gradients. :mod:`.hooks` gathers the statistics during backward; :mod:`.plan` as
 its source; :func:`detect_loss_reduction` (:mod:`.loss_reduction`) finds whether the batch loss was a
 mean or a sum over examples.
 
-Everything here stays on the device; nothing syncs with the host. No Lightning import.
+Everything here stays on the device but for the host reads :mod:`.hooks` names. No Lightning import.
 """
 
 from trainvitals.core.per_example import (  # noqa: F401 - register their rules

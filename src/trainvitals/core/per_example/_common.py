@@ -1,6 +1,6 @@
 """Tensor helpers the per-example rules share: accumulation dtype, reused buffers, squared norms and the
 sums of outer products Σ_t δ_t a_tᵀ that Linear, convolutions and attention projections reduce to; the
-running sums and the rounding tolerance of the hooks' sums check."""
+running sums the hooks keep."""
 
 from __future__ import annotations
 
@@ -129,17 +129,6 @@ def _outer_sums(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> tup
         a, g = a[:, 0].double(), g[:, 0].double()
         return g.t() @ a, g.square().t() @ a.square()
     return _moments(_bmm(g.transpose(1, 2), a, workspace, "blocks"))
-
-
-def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
-    """How far a layer's Σ_i g_i may stray from its ``.grad`` by rounding alone (relative, in norm): the
-    rule and autograd sum the same products in other orders; on CUDA float32 matmuls and convolutions may
-    run in TF32."""
-    if dtype == torch.float64:
-        return 1e-6
-    if dtype == torch.float32:
-        return 1e-2 if device.type == "cuda" else 1e-3
-    return 1e-1
 
 
 def _add(into: dict[str, Tensor], name: str, value: Tensor) -> None:

@@ -56,7 +56,12 @@ def _shifted_patches(module: nn.modules.conv._ConvNd, inputs: Tensor, dtype: tor
     copies = math.prod(kernel[1:])  # one per offset of the trailing dimensions
     shape = (copies, b, c, length)
     like = inputs if inputs.dtype == dtype else inputs.new_empty(0, dtype=dtype)
-    source = like.new_zeros(shape) if workspace is None else workspace.take("shifted", shape, like).zero_()
+    if workspace is None:
+        source = like.new_zeros(shape)
+    else:  # the body is copied over below: only the reads past either end need zeros
+        source = workspace.take("shifted", shape, like)
+        source[..., :before].zero_()
+        source[..., before + size:].zero_()
     body = source[..., before:before + size]
     body.copy_(inputs.reshape(1, b, c, size).expand(copies, b, c, size))
     grid = body.view(copies, b, c, *spatial)

@@ -66,13 +66,14 @@ def batch_slice(args: tuple[Any, ...], batch: int, start: int, stop: int) -> tup
 
 
 def vmap_sq_norms(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_output: Tensor,
-                  start: int, chunk: int) -> Tensor:
-    """``(B - start,)`` ‖g_i‖² over ``module``'s own trainable parameters of the examples ``start:`` of the
-    ``(B, *)`` ``grad_output``'s batch, by :func:`vmap_per_example_grads` on ``chunk`` examples at a time
-    (memory of ``chunk`` × its parameter count), in float32 or float64."""
+                  sub: int) -> Tensor:
+    """``(B - sub,)`` ‖g_i‖² over ``module``'s own trainable parameters of the examples past the first ``sub``
+    (the sub-batch measured already) of the ``(B, *)`` ``grad_output``'s batch, by
+    :func:`vmap_per_example_grads` on ``sub`` examples at a time (memory of ``sub`` × its parameter count),
+    in float32 or float64."""
     batch, parts = grad_output.shape[0], []
-    for lo in range(start, batch, chunk):
-        hi = min(lo + chunk, batch)
+    for lo in range(sub, batch, sub):
+        hi = min(lo + sub, batch)
         grads = vmap_per_example_grads(module, batch_slice(args, batch, lo, hi), kwargs, grad_output[lo:hi])
         parts.append(sum((g.to(_accumulation_dtype(g)).flatten(1).square().sum(1) for g in grads.values()),
                          torch.zeros(hi - lo, dtype=_accumulation_dtype(grad_output), device=grad_output.device)))

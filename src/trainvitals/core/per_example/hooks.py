@@ -26,12 +26,12 @@ from torch.utils.hooks import RemovableHandle
 
 from trainvitals.core.per_example._checkpoint import (
     _recomputing, _recomputing_task, _reentrant_recomputation, register_all_grads_hook)
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _moments, _tolerance, _trainable
+from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _moments, _trainable
 from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.core.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
 from trainvitals.core.per_example.layout import ONE_EXAMPLE, Layouts
 from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
-from trainvitals.core.per_example.sums_check import UNBALANCED, sum_errors
+from trainvitals.core.per_example.sums_check import UNBALANCED, sum_errors, tolerance
 from trainvitals.core.per_example.tied import measure_tied
 
 
@@ -100,8 +100,8 @@ class PerExampleGradients:
     Use: :meth:`attach`, then per micro-batch :meth:`begin_micro_batch`, forward + backward and
     :meth:`end_micro_batch` with the factor that converts the back-propagated gradient to the examples'
     own losses; :meth:`pop` at the optimizer step; :meth:`detach`. A ``vmap`` module that runs more than
-    once in a forward, or a module whose examples do not sit on dimension 0, is reported in
-    :attr:`PerExampleStep.failed`.
+    once in a forward, or a call whose examples' dimension :meth:`~.layout.Layouts.examples` cannot settle,
+    is reported in :attr:`PerExampleStep.failed`.
 
     Args:
         per_example: ``{name: module}`` with :func:`unsupported_reason` ``None``.
@@ -444,13 +444,13 @@ class PerExampleGradients:
         # The loosest over the step: under autocast a layer's weight gradient may come partly from another's
         # half-precision operands (a tied output layer, a recurrent layer's casts).
         device = next(iter(params.values())).device
-        tolerance = max(_tolerance(dtype, device) for dtype in step.dtypes.values())
+        bound = max(tolerance(dtype, device) for dtype in step.dtypes.values())
         out = {}
         for name in checked:
             local = [q for q in self._qualified_parameters(name) if q in params]
             e = math.sqrt(sum(err[q] ** 2 for q in local))
             r = math.sqrt(sum(ref[q] ** 2 for q in local))
-            if local and math.isfinite(e) and math.isfinite(r) and e > tolerance * r:
+            if local and math.isfinite(e) and math.isfinite(r) and e > bound * r:
                 out[name] = UNBALANCED.format(error=e / r)
         return out
 
@@ -528,7 +528,7 @@ class PerExampleGradients:
                     grads = vmap_per_example_grads(module, batch_slice(args, batch, 0, n), kwargs,
                                                    grad_output[:n].detach())
                     if self._keep_norms:  # every example's ‖g_i‖², the sub-batch's from `grads` below
-                        self._add_vmap_sq(n, vmap_sq_norms(module, args, kwargs, grad_output.detach(), n, n))
+                        self._add_vmap_sq(n, vmap_sq_norms(module, args, kwargs, grad_output.detach(), n))
                 except Exception as err:  # noqa: BLE001 - any failure of torch.func means: not measurable
                     step.failed[name] = f"torch.func failed: {type(err).__name__}: {err}"
                     continue

@@ -32,3 +32,14 @@ def sum_errors(params: Mapping[str, nn.Parameter], rows: Mapping[str, slice], gr
     scale = [torch.maximum(a, e) for a, e in zip(torch._foreach_norm(actual), torch._foreach_norm(expected))]
     values = torch.stack([*diff, *scale]).double().tolist()
     return dict(zip(names, values[:len(names)])), dict(zip(names, values[len(names):]))
+
+
+def tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    """How far a layer's Σ_i g_i may stray from its ``.grad`` by rounding alone (relative, in norm): the
+    rule and autograd sum the same products in other orders; on CUDA float32 matmuls and convolutions may
+    run in TF32."""
+    if dtype == torch.float64:
+        return 1e-6
+    if dtype == torch.float32:
+        return 1e-2 if device.type == "cuda" else 1e-3
+    return 1e-1
