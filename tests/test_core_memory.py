@@ -40,7 +40,7 @@ from trainvitals.core.memory import categories, remedies
 from trainvitals.core.memory.categories import AllocatorStats, MemoryCategory, category_markdown, category_metrics
 from trainvitals.core.memory.recorder import SavedTensorReport, compiled_modules
 from trainvitals.core.memory.remedies import Remedy
-from trainvitals.dashboard.tags import MEMORY_BYTES
+from trainvitals.tags import MEMORY_BYTES
 
 F32 = 4  # bytes per float32 element
 

@@ -23,7 +23,7 @@ from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.callbacks.dashboard import TrainvitalsDashboard, progress_bar_values
 from trainvitals.dashboard.layout import BAND_CATEGORY, BAND_CHART, CATEGORY, GRAD_NORM_CHART, trainvitals_layout
-from trainvitals.dashboard.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
+from trainvitals.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
 

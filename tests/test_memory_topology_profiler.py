@@ -21,13 +21,13 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as pl
 from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
-from trainvitals.dashboard.terminal import inline, markdown_to_text
+from trainvitals.text.terminal import inline, markdown_to_text
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.core.memory import OUTSIDE, checkpoint_savings
 from trainvitals.core.memory import categories
 from trainvitals.core.memory.categories import MemoryCategory
 from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
-from trainvitals.dashboard.tags import MEMORY_BYTES
+from trainvitals.tags import MEMORY_BYTES
 
 B, D, H, C = 8, 6, 16, 3  # batch, inputs, hidden units, classes
 F32, I64 = 4, 8

@@ -470,7 +470,7 @@ def test_the_stop_row_says_why_the_stopper_did_not_stop(tmp_path: Path, capsys: 
 
 def stopper_panel(stop: str, streak: str, seen: int) -> str:
     """GradNormEarlyStopping's end-of-fit table as TrainvitalsDashboard logs it (the rows the report reads)."""
-    from trainvitals._markdown import markdown_table
+    from trainvitals.text.markdown import markdown_table
 
     return "\n".join(markdown_table(("quantity", "value"), [
         ("rule", "noise band, margin 0.2, patience 30 steps, min_steps 100"), ("stop", stop),

@@ -28,7 +28,7 @@ from test_report import HEALTHY, STEPS, report, report_json, write_run
 from trainvitals.dashboard.report import (
     EXIT_CRITICAL, EXIT_DAMAGED, EXIT_NO_DATA, EXIT_OK, EXIT_UNWRITTEN, main, read_runs,
 )
-from trainvitals.dashboard.tags import DIAGNOSIS_TAG, grad_norm, split_prefix, with_prefix
+from trainvitals.tags import DIAGNOSIS_TAG, grad_norm, split_prefix, with_prefix
 
 # A run that went NaN for good at step 85: critical (non-finite gradients), whatever else.
 DIVERGED = {**HEALTHY, "grad_norm/total": HEALTHY["grad_norm/total"][:-3] + [math.nan] * 3,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from trainvitals._markdown import markdown_table
+from trainvitals.text.markdown import markdown_table
 from trainvitals.dashboard.html import markdown_to_html
-from trainvitals.dashboard.terminal import format_table, markdown_to_text
+from trainvitals.text.terminal import format_table, markdown_to_text
 
 
 def test_tables_are_aligned_with_their_markdown_alignment() -> None:

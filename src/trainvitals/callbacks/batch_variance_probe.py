@@ -22,7 +22,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from trainvitals._markdown import markdown_table
+from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
 from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
 from trainvitals.callbacks._base import TrainvitalsCallback

@@ -17,7 +17,7 @@ from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.core.estimate import GradientNoise, band_ratio
 from trainvitals.dashboard.layout import layer_groups, trainvitals_layout
-from trainvitals.dashboard.tags import DIAGNOSIS_TAG
+from trainvitals.tags import DIAGNOSIS_TAG
 
 
 class TrainvitalsDashboard(TrainvitalsCallback):

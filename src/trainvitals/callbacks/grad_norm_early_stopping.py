@@ -24,7 +24,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 
-from trainvitals._markdown import markdown_table
+from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.callbacks._amp import loss_scale
 from trainvitals.callbacks._base import TrainvitalsCallback, reduce_packed

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 
-from trainvitals._markdown import markdown_table
+from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_choice, check_int, renamed_arguments
 from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
 from trainvitals.callbacks._base import TrainvitalsCallback
@@ -33,7 +33,7 @@ from trainvitals.core.norms import (
     GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type,
 )
 from trainvitals.core.spikes import SpikeDetector
-from trainvitals.dashboard.tags import GRAD_NORM_SUMMARIES
+from trainvitals.tags import GRAD_NORM_SUMMARIES
 
 
 COUNTERS = ("nonfinite_steps", "amp_skipped_steps", "spike_steps")

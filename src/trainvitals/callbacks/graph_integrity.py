@@ -46,7 +46,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 
-from trainvitals._markdown import markdown_table
+from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_callable, check_int
 from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._writers import log_scalars, log_text
@@ -67,7 +67,7 @@ from trainvitals.callbacks.integrity_checks.zero_lr import ZeroLrCheck
 from trainvitals.core.findings import NOTHING_CHECKED, Finding, FindingKind
 from trainvitals.core.graph import first_tensor, sequence_mark, walk_graph
 from trainvitals.core.integrity import listed
-from trainvitals.dashboard.terminal import markdown_to_text
+from trainvitals.text.terminal import markdown_to_text
 
 _MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before they are counted on the device
 

@@ -47,7 +47,7 @@ from trainvitals.core.lr_scaling import (
 )
 from trainvitals.core.estimate import Z90, GradientNoise
 from trainvitals.core.per_example import detect_loss_reduction
-from trainvitals.dashboard.terminal import markdown_to_text
+from trainvitals.text.terminal import markdown_to_text
 
 REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescaled
 

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 
-from trainvitals._markdown import markdown_table
+from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_int, renamed_arguments
 from trainvitals.callbacks._base import TrainvitalsCallback
 from trainvitals.callbacks._writers import log_image, log_scalars, log_text, tensorboard_writers
@@ -32,7 +32,7 @@ from trainvitals.core.memory.leaks import GraphLeakFinding, HeldGraphTracker, gr
 from trainvitals.core.memory.recorder import ROOT, SavedTensorRecorder
 from trainvitals.core.memory.remedies import Remedy, rank_remedies
 from trainvitals.core.memory.storage import byte_unit, element_bytes, format_bytes, model_state_bytes, tensors_in
-from trainvitals.dashboard.terminal import markdown_to_text
+from trainvitals.text.terminal import markdown_to_text
 
 _SNAPSHOT_MAX_ENTRIES = 100_000  # alloc/free events kept by the snapshot's ring buffer (a few KB each)
 

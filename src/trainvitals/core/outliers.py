@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from trainvitals._markdown import markdown_table
+from trainvitals.text.markdown import markdown_table
 from trainvitals.core.integrity import counted, listed
 
 WHOLE = "over all trainable parameters"

@@ -29,7 +29,7 @@ from trainvitals.dashboard.report_model import (
     series_row,
     value_at,
 )
-from trainvitals.dashboard.tags import MEMORY_BYTES, TRAINVITALS_PREFIXES, TRAINVITALS_ROOTS, grad_norm
+from trainvitals.tags import MEMORY_BYTES, TRAINVITALS_PREFIXES, TRAINVITALS_ROOTS, grad_norm
 
 
 def assess(run: Run) -> RunReport:

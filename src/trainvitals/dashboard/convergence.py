@@ -31,8 +31,8 @@ from trainvitals.dashboard.report_model import (
     series_row,
     value_at,
 )
-from trainvitals.dashboard.tags import DIAGNOSIS_PREFIXES, SUGGESTED_LR, grad_norm
-from trainvitals.dashboard.terminal import inline, table_cells
+from trainvitals.tags import DIAGNOSIS_PREFIXES, SUGGESTED_LR, grad_norm
+from trainvitals.text.terminal import inline, table_cells
 
 
 _LR_LABELS = {

@@ -27,7 +27,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
-from trainvitals.dashboard.tags import LOGGER_JOIN_CHAR, TEXT_SUFFIX, TRAINVITALS_PREFIXES, split_prefix
+from trainvitals.tags import LOGGER_JOIN_CHAR, TEXT_SUFFIX, TRAINVITALS_PREFIXES, split_prefix
 
 
 class ReportError(Exception):
@@ -288,7 +288,7 @@ def _next_record(f: BinaryIO, start: int, size: int) -> int:
 
 
 def _by_prefix(run: Run, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:
-    """``run`` split by the prefix of its trainvitals scalars (:func:`~trainvitals.dashboard.tags.split_prefix`),
+    """``run`` split by the prefix of its trainvitals scalars (:func:`~trainvitals.tags.split_prefix`),
     the prefix taken off: one run per logger when loggers with different prefixes write to one folder.
 
     Every trainvitals callback writes to every logger, so the loggers' series are copies that must not be

@@ -21,8 +21,8 @@ from trainvitals.dashboard.assess import memory_label
 from trainvitals.dashboard.events import Run
 from trainvitals.dashboard.render import format_value, heading, status_line
 from trainvitals.dashboard.report_model import RunReport, first_series
-from trainvitals.dashboard.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, SUGGESTED_LR, grad_norm
-from trainvitals.dashboard.terminal import table_cells
+from trainvitals.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, SUGGESTED_LR, grad_norm
+from trainvitals.text.terminal import table_cells
 
 Series = list[tuple[int, float]]
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainvitals.core.norms import group_name
-from trainvitals.dashboard.tags import MEMORY_BYTES, OPTIMIZER_INFIX, PER_LAYER_GRAD_NORM, grad_norm, with_prefix
+from trainvitals.tags import MEMORY_BYTES, OPTIMIZER_INFIX, PER_LAYER_GRAD_NORM, grad_norm, with_prefix
 
 CATEGORY = "trainvitals"
 BAND_CATEGORY = "trainvitals: the gradient norm in its noise band"

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from trainvitals._markdown import markdown_table
+from trainvitals.text.markdown import markdown_table
 from trainvitals.core.memory import format_bytes
 from trainvitals.dashboard.report_model import Row, RunReport
-from trainvitals.dashboard.terminal import format_table, markdown_to_text
+from trainvitals.text.terminal import format_table, markdown_to_text
 
 
 def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) -> str:

@@ -64,7 +64,7 @@ from trainvitals.dashboard.report_model import (
 )
 from trainvitals.dashboard.events import Damage, ReportError, Run, printable, read_runs
 from trainvitals.dashboard.render import render
-from trainvitals.dashboard.tags import LOGGER_JOIN_CHAR
+from trainvitals.tags import LOGGER_JOIN_CHAR
 
 __all__ = [
     "BAND_STOP", "CRITICAL_COUNTERS", "DESCRIPTION", "EXIT_CRITICAL", "EXIT_DAMAGED", "EXIT_NO_DATA", "EXIT_OK",

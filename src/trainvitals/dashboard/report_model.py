@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from trainvitals.core.findings import critical_counters, last_window_counters
 from trainvitals.dashboard.events import Run
-from trainvitals.dashboard.tags import DIAGNOSIS_PREFIXES, grad_norm
+from trainvitals.tags import DIAGNOSIS_PREFIXES, grad_norm
 
 EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_UNWRITTEN = 0, 1, 2, 3, 4
 SEVERITY = (EXIT_OK, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_CRITICAL)

@@ -23,7 +23,7 @@ from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.callbacks.dashboard import TrainvitalsDashboard, diagnoses
-from trainvitals.dashboard.terminal import markdown_to_text
+from trainvitals.text.terminal import markdown_to_text
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
 

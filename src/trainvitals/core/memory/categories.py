@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from trainvitals._markdown import markdown_table
+from trainvitals.text.markdown import markdown_table
 from trainvitals.core.memory.recorder import SavedTensorReport
 from trainvitals.core.memory.storage import ModelStateBytes, format_bytes
 
