@@ -1296,7 +1296,7 @@ def test_a_real_recurrent_model_is_measured_per_example(name):
 def test_a_batch_holding_a_list_of_examples_is_sized_by_the_list():
     """Variable-length sequences collated as a list beside their labels (for pack_sequence): B is the list's
     length where the other tensors agree; not told where nothing beside the list sizes it."""
-    from trainvitals.callbacks._batch import batch_size
+    from trainvitals.plumbing.batch import batch_size
 
     def sequences(*lengths: int) -> list[torch.Tensor]:
         return [torch.zeros(n, 2) for n in lengths]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainvitals import GraphIntegrityCallback, MemoryTopologyProfiler
-from trainvitals.callbacks._base import TrainvitalsCallback
+from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.core.noise import BiasCorrectedEMA
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _models import free_port
-from trainvitals.callbacks._sharding import reduce_shard_norms
+from trainvitals.plumbing.sharding import reduce_shard_norms
 from trainvitals.core.norms import combine_norms, per_tensor_norms
 
 

@@ -19,7 +19,7 @@ from _models import GAN, Regressor, flat_grad_norm, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
 from trainvitals.callbacks.grad_norm_monitor import MAX_PENDING_STEPS
-from trainvitals.callbacks import _writers
+from trainvitals.plumbing import writers as _writers
 
 
 def fit(model, monitor, logger, *, batch_size=8, n=64, **overrides):

@@ -559,7 +559,7 @@ def test_a_loader_of_T_B_batches_without_the_flag_leaves_the_step_out_and_says_t
 
 
 def test_the_batch_size_of_a_sequence_first_batch_is_its_dimension_1():
-    from trainvitals.callbacks._batch import batch_size
+    from trainvitals.plumbing.batch import batch_size
     ids, lengths = torch.zeros(7, 3), torch.zeros(3)
     assert batch_size((ids, lengths), True) == 3 and batch_size((ids, lengths)) == 7
     assert batch_size({"lengths": lengths, "ids": ids}, True) == 3 and batch_size([lengths], True) == 3

@@ -413,7 +413,7 @@ def test_without_a_logger_each_callback_says_once_that_nothing_is_recorded(caplo
     from conftest import trainer_kwargs
     from lightning.pytorch import Trainer
 
-    from trainvitals.callbacks import _writers
+    from trainvitals.plumbing import writers as _writers
 
     _writers._notices.clear()  # the notices are once per process; earlier tests may have said them
     names = sorted(trainvitals.__all__)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 import lightning.pytorch as pl
 
-from trainvitals.callbacks._amp import grad_scaler
+from trainvitals.plumbing.amp import grad_scaler
 
 
 class NonfiniteCounter:

@@ -12,9 +12,9 @@ from torch import Tensor
 
 import lightning.pytorch as pl
 
-from trainvitals.callbacks._base import reduce_packed
-from trainvitals.callbacks._batch import loss_divisor
-from trainvitals.callbacks._writers import log_histogram, log_text
+from trainvitals.plumbing.base import reduce_packed
+from trainvitals.plumbing.batch import loss_divisor
+from trainvitals.plumbing.writers import log_histogram, log_text
 from trainvitals.core.noise import (
     per_example_estimates,
     sub_batch_estimates,

@@ -24,15 +24,15 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
-from trainvitals.callbacks._amp import loss_scale, scale_left_in_grads
-from trainvitals.callbacks._base import TrainvitalsCallback
-from trainvitals.callbacks._batch import batch_size, dataset_rows, loss_divisor
-from trainvitals.callbacks._cadence import is_logging_step, logging_every
+from trainvitals.plumbing.amp import loss_scale, scale_left_in_grads
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.batch import batch_size, dataset_rows, loss_divisor
+from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
 from trainvitals.callbacks._probe_sources import COUPLED, ProbeSources, layout_notes
 from trainvitals.callbacks._probe_step import (MicroBatches, coordinate_stats, log_per_example_norms, step_estimates,
                                                sum_over_ranks)
-from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError

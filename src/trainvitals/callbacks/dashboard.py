@@ -10,9 +10,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from trainvitals._validation import check_bool
-from trainvitals.callbacks._base import TrainvitalsCallback
-from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._writers import log_text, tensorboard_loggers
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.writers import log_text, tensorboard_loggers
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
 from trainvitals.core.estimate import GradientNoise, band_ratio

@@ -26,13 +26,13 @@ import lightning.pytorch as pl
 
 from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
-from trainvitals.callbacks._amp import loss_scale
-from trainvitals.callbacks._base import TrainvitalsCallback, reduce_packed
-from trainvitals.callbacks._batch import batch_size
-from trainvitals.callbacks._cadence import is_logging_step, logging_every
+from trainvitals.plumbing.amp import loss_scale
+from trainvitals.plumbing.base import TrainvitalsCallback, reduce_packed
+from trainvitals.plumbing.batch import batch_size
+from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.callbacks._nonfinite import NonfiniteCounter
-from trainvitals.callbacks._stopping import can_stop_now
-from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.plumbing.stopping import can_stop_now
+from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
 from trainvitals.core.estimate import (SOURCES_CHECK, GradientNoise, NoiseSource, band_ratio, find_gradient_noise,
                                        population_of)

@@ -23,12 +23,12 @@ import lightning.pytorch as pl
 
 from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_choice, check_int, renamed_arguments
-from trainvitals.callbacks._amp import grad_scaler, scale_left_in_grads
-from trainvitals.callbacks._base import TrainvitalsCallback
-from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._sharding import holds_shards, reduce_shard_norms
-from trainvitals.callbacks._stopping import stopped_early
-from trainvitals.callbacks._writers import log_histogram, log_scalars, log_text
+from trainvitals.plumbing.amp import grad_scaler, scale_left_in_grads
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.sharding import holds_shards, reduce_shard_norms
+from trainvitals.plumbing.stopping import stopped_early
+from trainvitals.plumbing.writers import log_histogram, log_scalars, log_text
 from trainvitals.core.norms import (
     GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type,
 )

@@ -48,8 +48,8 @@ import lightning.pytorch as pl
 
 from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_callable, check_int
-from trainvitals.callbacks._base import TrainvitalsCallback
-from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.callbacks.integrity_checks.anomaly import AnomalyModeCheck
 from trainvitals.callbacks.integrity_checks.autograd_errors import AutogradErrorCheck
 from trainvitals.callbacks.integrity_checks.base import HOOKS, Check, Fit, overriding

@@ -22,11 +22,11 @@ from typing_extensions import override
 import lightning.pytorch as pl
 
 from trainvitals._validation import check_bool, check_int, renamed_arguments
-from trainvitals.callbacks._base import TrainvitalsCallback
-from trainvitals.callbacks._batch import batch_size, loss_divisor
-from trainvitals.callbacks._cadence import is_logging_step, logging_every
-from trainvitals.callbacks._rerun import rerun_quietly
-from trainvitals.callbacks._writers import log_scalars, log_text
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.batch import batch_size, loss_divisor
+from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.rerun import rerun_quietly
+from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.core.lr_scaling import (
     LRAdvice,
     advice_table,

@@ -25,8 +25,8 @@ import lightning.pytorch as pl
 
 from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_int, renamed_arguments
-from trainvitals.callbacks._base import TrainvitalsCallback
-from trainvitals.callbacks._writers import log_image, log_scalars, log_text, tensorboard_writers
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.writers import log_image, log_scalars, log_text, tensorboard_writers
 from trainvitals.core.memory.categories import AllocatorStats, StepMemory, category_markdown, category_metrics
 from trainvitals.core.memory.leaks import GraphLeakFinding, HeldGraphTracker, graph_holders
 from trainvitals.core.memory.recorder import ROOT, SavedTensorRecorder

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import trainvitals
-from trainvitals.callbacks._rerun import rerun_quietly
+from trainvitals.plumbing.rerun import rerun_quietly
 from trainvitals.core.findings import Finding, FindingKind
 from trainvitals.core.graph import GraphWalk, tensor_names
 from trainvitals.core.integrity import Rerun
@@ -36,7 +36,7 @@ class Fit:
         findings: every problem found, the first time each (kind, names) was; ``counts``: per kind, how
             many times it was found; ``pending``: with ``strict``, the first finding not raised yet.
         dead_after_steps: the callback's argument: checked optimizer steps in a row that make a finding.
-        message: the callback's :meth:`~trainvitals.callbacks._base.TrainvitalsCallback.message`: a check's
+        message: the callback's :meth:`~trainvitals.plumbing.base.TrainvitalsCallback.message`: a check's
             text with the callback's prefix (and a finding's kind in brackets).
         names: ``id(tensor) -> name`` in the model (``tensor_names``).
         tracked: ``(name, parameter)`` of every parameter in an optimizer or registered on the model.

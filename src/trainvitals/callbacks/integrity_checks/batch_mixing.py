@@ -10,7 +10,7 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from trainvitals.callbacks._rerun import rerun_quietly
+from trainvitals.plumbing.rerun import rerun_quietly
 from trainvitals.callbacks.integrity_checks.base import Check, Fit
 from trainvitals.core.findings import FindingKind
 from trainvitals.core.graph import batch_mixing, batchnorm_in_eval

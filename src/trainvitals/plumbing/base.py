@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 
-from trainvitals.callbacks._writers import note_unrecorded
+from trainvitals.plumbing.writers import note_unrecorded
 
 REDUCTIONS = ("sum", "mean", "max", "min")
 
