@@ -56,7 +56,7 @@ from _common import (
     time_hook,
     write_json,
 )
-from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+from trainvitals.norms.monitor import GradNormMonitor
 
 VARIANTS = ("bare", "monitor", "reference", "monitor_unlogged", "reference_logger", "monitor_even_steps")
 NEVER = 10**9  # a logging cadence that a benchmark never reaches after step 0

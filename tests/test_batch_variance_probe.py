@@ -24,7 +24,7 @@ from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
 from test_per_example_guards import Lookup
 
 from trainvitals import GradNormMonitor
-from trainvitals.callbacks import grad_norm_monitor as monitor_module
+from trainvitals.norms import monitor as monitor_module
 from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.core.noise import NoiseScaleEMA, gradient_snr

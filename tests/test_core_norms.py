@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainvitals.core.norms import NormGroups, combine_norms, group_name, grouped_norms, per_tensor_norms, validate_norm_type
+from trainvitals.norms.fused import NormGroups, combine_norms, group_name, grouped_norms, per_tensor_norms, validate_norm_type
 
 
 def _grads():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainvitals.core.spikes import SpikeDetector
+from trainvitals.norms.spikes import SpikeDetector
 
 
 def _reference(values, factor, beta, warmup):

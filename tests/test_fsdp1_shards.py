@@ -20,7 +20,7 @@ from torch import nn
 
 from _models import free_port
 from trainvitals.plumbing.sharding import reduce_shard_norms
-from trainvitals.core.norms import combine_norms, per_tensor_norms
+from trainvitals.norms.fused import combine_norms, per_tensor_norms
 
 
 # Hybrid sharding: 2 "nodes" of 2 ranks; each node holds the model once, sharded over its 2 ranks.

@@ -19,7 +19,7 @@ from _models import Classifier, Regressor, ReleaseProcessGroup, loader, regressi
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
 from trainvitals.core.estimate import MIN_MEASUREMENTS
-from trainvitals.callbacks import grad_norm_monitor as monitor_module
+from trainvitals.norms import monitor as monitor_module
 
 
 class LinearRegression(pl.LightningModule):

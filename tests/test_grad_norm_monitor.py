@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from _models import GAN, Regressor, flat_grad_norm, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
-from trainvitals.callbacks.grad_norm_monitor import MAX_PENDING_STEPS
+from trainvitals.norms.monitor import MAX_PENDING_STEPS
 from trainvitals.plumbing import writers as _writers
 
 

@@ -331,7 +331,7 @@ def _fit(loggers, inf_at_step: int | None, n: int = 64, callbacks=None, max_step
     from torch.utils.data import DataLoader
 
     from _models import Regressor, regression_data
-    from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+    from trainvitals.norms.monitor import GradNormMonitor
 
     fit = pl.Trainer(max_steps=max_steps, logger=loggers, callbacks=callbacks or [GradNormMonitor()],
                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
@@ -361,7 +361,7 @@ def test_an_empty_train_dataloader_is_nothing_measured(tmp_path: Path, capsys) -
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from trainvitals.callbacks.dashboard import TrainvitalsDashboard
-    from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+    from trainvitals.norms.monitor import GradNormMonitor
 
     _fit(TensorBoardLogger(tmp_path), inf_at_step=None, n=0, callbacks=[GradNormMonitor(), TrainvitalsDashboard()])
     (run,) = read_runs(tmp_path)
@@ -427,7 +427,7 @@ def test_a_nan_between_logging_steps_gets_no_band_verdict(tmp_path: Path, capsys
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
-    from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+    from trainvitals.norms.monitor import GradNormMonitor
 
     stopper = GradNormEarlyStopping(min_steps=0, patience=1000, margin=50.0, verbose=False)
     _fit(TensorBoardLogger(tmp_path), inf_at_step=28, n=128, callbacks=[GradNormMonitor(), stopper],
@@ -448,7 +448,7 @@ def test_a_fit_that_did_not_end_is_named(tmp_path: Path, capsys) -> None:
     from tensorboard.compat.proto import event_pb2
 
     from trainvitals.callbacks.dashboard import TrainvitalsDashboard
-    from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+    from trainvitals.norms.monitor import GradNormMonitor
 
     _fit(TensorBoardLogger(tmp_path), inf_at_step=None, callbacks=[GradNormMonitor(), TrainvitalsDashboard()])
     status, text, _ = report(capsys, str(tmp_path))

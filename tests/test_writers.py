@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_file_loader import LegacyEventFi
 from _models import ReleaseProcessGroup, Regressor, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.plumbing.writers import histogram_summary, log_scalars
-from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+from trainvitals.norms.monitor import GradNormMonitor
 
 
 def _events(log_dir: str) -> list:

@@ -10,7 +10,7 @@ from typing import Any
 _EXPORTS = {
     "BatchVarianceProbe": "trainvitals.callbacks.batch_variance_probe",
     "GradNormEarlyStopping": "trainvitals.callbacks.grad_norm_early_stopping",
-    "GradNormMonitor": "trainvitals.callbacks.grad_norm_monitor",
+    "GradNormMonitor": "trainvitals.norms.monitor",
     "GraphIntegrityCallback": "trainvitals.callbacks.graph_integrity",
     "LRScalingAdvisor": "trainvitals.callbacks.lr_scaling_advisor",
     "MemoryTopologyProfiler": "trainvitals.callbacks.memory_topology_profiler",

@@ -15,7 +15,7 @@ from torch import Tensor
 
 import lightning.pytorch as pl
 
-from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm, grad_sq_norms
+from trainvitals.norms.monitor import grad_sq_norm, grad_sq_norms
 from trainvitals.core.estimate import NoiseSource
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import MicroBatchSquaredNorms

@@ -28,7 +28,7 @@ from trainvitals.plumbing.amp import loss_scale, scale_left_in_grads
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.callbacks._nonfinite import NonfiniteCounter
+from trainvitals.norms.nonfinite import NonfiniteCounter
 from trainvitals.callbacks._probe_sources import COUPLED, ProbeSources, layout_notes
 from trainvitals.callbacks._probe_step import (MicroBatches, coordinate_stats, log_per_example_norms, step_estimates,
                                                sum_over_ranks)

@@ -30,10 +30,10 @@ from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback, reduce_packed
 from trainvitals.plumbing.batch import batch_size
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.callbacks._nonfinite import NonfiniteCounter
+from trainvitals.norms.nonfinite import NonfiniteCounter
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import log_scalars, log_text
-from trainvitals.callbacks.grad_norm_monitor import grad_sq_norm
+from trainvitals.norms.monitor import grad_sq_norm
 from trainvitals.core.estimate import (SOURCES_CHECK, GradientNoise, NoiseSource, band_ratio, find_gradient_noise,
                                        population_of)
 from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
@@ -119,7 +119,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     ``grad_norm/in_noise_band`` (0/1, while the estimate is decisive), ``grad_norm/band_streak`` (steps),
     ``grad_norm/band_edge`` (sqrt(1 + margin) × the noise floor: where the band ends for the norm);
     without a GradNormMonitor, ``grad_norm/nonfinite_steps`` (``amp_skipped_steps`` under a GradScaler) as the
-    monitor counts them (:class:`~trainvitals.callbacks._nonfinite.NonfiniteCounter`);
+    monitor counts them (:class:`~trainvitals.norms.nonfinite.NonfiniteCounter`);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
     <trainvitals.core.estimate.GradientNoise.metrics>`: ``grad_norm/noise_floor`` in the units of
     ``.grad`` beside the monitor's ``grad_norm/total``, ``grad_noise/b_simple`` and its

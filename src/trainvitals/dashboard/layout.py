@@ -22,7 +22,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from trainvitals.core.norms import group_name
+from trainvitals.norms.fused import group_name
 from trainvitals.tags import MEMORY_BYTES, OPTIMIZER_INFIX, PER_LAYER_GRAD_NORM, grad_norm, with_prefix
 
 CATEGORY = "trainvitals"

@@ -29,10 +29,10 @@ from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import holds_shards, reduce_shard_norms
 from trainvitals.plumbing.stopping import stopped_early
 from trainvitals.plumbing.writers import log_histogram, log_scalars, log_text
-from trainvitals.core.norms import (
+from trainvitals.norms.fused import (
     GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type,
 )
-from trainvitals.core.spikes import SpikeDetector
+from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.tags import GRAD_NORM_SUMMARIES
 
 

@@ -30,7 +30,7 @@ class NonfiniteCounter:
 
     def metrics(self, trainer: "pl.Trainer", owner: Any) -> dict[str, Tensor]:
         """The counter under the monitor's tag, when ``owner`` is the callback that logs it (else empty)."""
-        from trainvitals.callbacks.grad_norm_monitor import GradNormMonitor
+        from trainvitals.norms.monitor import GradNormMonitor
 
         first = next((cb for cb in trainer.callbacks
                       if isinstance(cb, GradNormMonitor) or isinstance(getattr(cb, "nonfinite", None), NonfiniteCounter)),
