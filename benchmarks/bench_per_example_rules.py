@@ -6,7 +6,7 @@ Opacus, Opacus ghost, BackPACK, bare, ...):
 
 - ``bare``: forward + backward (the input requires grad, as inside a network), ``.grad`` set to None;
 - ``forward``: the forward alone (with its graph), so that the layer's own backward = bare − forward;
-- ``trainvitals``: + :class:`~trainvitals.core.per_example.PerExampleGradients` (the squared norms of
+- ``trainvitals``: + :class:`~trainvitals.per_example.PerExampleGradients` (the squared norms of
   every step, no per-coordinate sums), as ``BatchVarianceProbe`` runs it;
 - ``opacus``: Opacus' ``GradSampleModule`` (per-example gradients ``p.grad_sample``, their squared
   norms summed over parameters); layers without an Opacus grad sampler go through its functorch path,
@@ -57,9 +57,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from _common import machine_line, markdown_table, median, write_json
-from trainvitals.core.per_example import PerExampleGradients, Use, Workspace, plan_sources, rule_for
-from trainvitals.core.per_example._common import _bmm, _sq_norms
-from trainvitals.core.per_example.conv import _conv_patches
+from trainvitals.per_example import PerExampleGradients, Use, Workspace, plan_sources, rule_for
+from trainvitals.per_example.tensor_ops import _bmm, _sq_norms
+from trainvitals.per_example.rules.conv import _conv_patches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from zoo import ZOO  # noqa: E402 - the test zoo's architectures, end to end

@@ -28,7 +28,7 @@ from trainvitals.norms import monitor as monitor_module
 from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.core.noise import NoiseScaleEMA, gradient_snr
-from trainvitals.core.per_example import PerExampleGradients
+from trainvitals.per_example import PerExampleGradients
 
 
 def last_logged(logger: RecordingLogger) -> dict[str, float]:

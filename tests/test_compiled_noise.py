@@ -16,8 +16,8 @@ from test_batch_variance_probe import Classifier, brute_force_estimates, classif
 from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
 from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
 from trainvitals.core.memory import compiled_modules
-from trainvitals.core.per_example import plan_sources
-from trainvitals.core.per_example.plan import COMPILED_REASON
+from trainvitals.per_example import plan_sources
+from trainvitals.per_example.plan import COMPILED_REASON
 
 STEPS_ASIDE = "runs under torch.compile: the probe puts no hook inside it"
 

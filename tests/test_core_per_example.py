@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from _models import Scale
-from trainvitals.core.per_example import _common as per_example_module
-from trainvitals.core.per_example import conv as conv_module
+from trainvitals.per_example import tensor_ops as per_example_module
+from trainvitals.per_example.rules import conv as conv_module
 from trainvitals.core.noise import (
     NoiseScaleEMA,
     NoiseScaleError,
@@ -24,7 +24,7 @@ from trainvitals.core.noise import (
     per_example_estimates,
     sub_batch_estimates,
 )
-from trainvitals.core.per_example import (
+from trainvitals.per_example import (
     PER_EXAMPLE_LAYERS,
     PerExampleGradients,
     Workspace,

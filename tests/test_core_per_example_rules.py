@@ -9,7 +9,7 @@ from torch import nn
 
 from _models import Scale
 from conftest import HostReads
-from trainvitals.core.per_example import (
+from trainvitals.per_example import (
     PER_EXAMPLE_LAYERS,
     Capture,
     PerExampleGradients,
@@ -486,7 +486,7 @@ def test_multihead_attention_with_bias_kv_is_named_with_its_reason():
 
 
 def test_without_redispatch_function_attention_is_named_not_measured(monkeypatch):
-    from trainvitals.core.per_example import attention
+    from trainvitals.per_example.rules import attention
 
     monkeypatch.setattr(attention, "_redispatch", None)  # a torch before torch.overrides.redispatch_function
     assert "redispatch_function" in unsupported_reason(nn.MultiheadAttention(4, 2))
@@ -633,7 +633,7 @@ def float32_dropout_sums(model: nn.Module, x: torch.Tensor) -> dict[str, str]:
 
 def test_recurrent_dropout_in_float32_draws_the_forward_masks(monkeypatch):
     """float32 takes other kernels (oneDNN for the LSTM); masks from another state do not add up."""
-    from trainvitals.core.per_example import recurrent
+    from trainvitals.per_example.rules import recurrent
 
     torch.manual_seed(0)
     x = torch.randn(B, 6, 3)
@@ -649,8 +649,8 @@ def test_recurrent_dropout_in_float32_draws_the_forward_masks(monkeypatch):
 
 
 def test_recurrent_dropout_without_the_generator_state_says_so():
-    from trainvitals.core.per_example import per_example_sq_norms
-    from trainvitals.core.per_example.registry import Call
+    from trainvitals.per_example import per_example_sq_norms
+    from trainvitals.per_example.registry import Call
 
     lstm = nn.LSTM(3, 4, num_layers=2, dropout=0.5, batch_first=True)
     out, (h, c) = lstm(torch.randn(B, 4, 3))
@@ -688,8 +688,8 @@ class PaddedTiedDecoder(TiedDecoder):
 
 
 def test_a_tied_embedding_and_output_layer_form_no_per_example_table(monkeypatch):
-    from trainvitals.core.per_example.embedding import EmbeddingRule
-    from trainvitals.core.per_example.linear import LinearRule
+    from trainvitals.per_example.rules.embedding import EmbeddingRule
+    from trainvitals.per_example.rules.linear import LinearRule
 
     def formed(*_):
         raise AssertionError("a per-example V×D gradient was formed")

@@ -12,7 +12,7 @@ import torch.nn.utils.prune
 from torch import nn
 
 from conftest import HostReads
-from trainvitals.core.per_example import (PerExampleGradients, plan_sources, register_per_example_rule,
+from trainvitals.per_example import (PerExampleGradients, plan_sources, register_per_example_rule,
                                          unregister_per_example_rule)
 
 B = 4

@@ -11,7 +11,7 @@ from torch import nn
 from zoo import ZOO, ResNet
 
 from trainvitals.core.noise import gradient_snr, per_example_estimates
-from trainvitals.core.per_example import PerExampleGradients, plan_sources
+from trainvitals.per_example import PerExampleGradients, plan_sources
 
 B = 4
 RTOL = 1e-5

@@ -25,7 +25,7 @@ from trainvitals import (
     MemoryTopologyProfiler,
     TrainvitalsDashboard,
 )
-from trainvitals.core import per_example
+from trainvitals import per_example
 
 
 def every_callback() -> list[pl.Callback]:

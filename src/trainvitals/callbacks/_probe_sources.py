@@ -1,7 +1,7 @@
 """BatchVarianceProbe's sources for one plan: which source measures each parameter, the hooks that measure
 them, what keeps a step's measurement from being used, and which parameters' batch gradient each covers.
 
-A plan is made at fit start and again when layers fail (:func:`~trainvitals.core.per_example.plan_sources`);
+A plan is made at fit start and again when layers fail (:func:`~trainvitals.per_example.plan_sources`);
 each plan gets a fresh :class:`ProbeSources`, whose hooks are on the model only during a measured step.
 """
 
@@ -20,7 +20,7 @@ from trainvitals.core.estimate import NoiseSource
 from trainvitals.core.memory import ROOT, compiled_modules
 from trainvitals.core.noise import MicroBatchSquaredNorms
 from trainvitals.core.outliers import norm_coverage
-from trainvitals.core.per_example import Layouts, PerExampleGradients, PerExampleStep, plan_sources
+from trainvitals.per_example import Layouts, PerExampleGradients, PerExampleStep, plan_sources
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
 COUPLED = "per-example gradients through BatchNorm in training mode are not independent draws"
@@ -40,7 +40,7 @@ class ProbeSources:
         layouts: the fit's evidence on which dimension holds the examples where T = B (kept over its plans).
 
     Attributes:
-        plan: the :class:`~trainvitals.core.per_example.SourcePlan`.
+        plan: the :class:`~trainvitals.per_example.SourcePlan`.
         params: each source's parameters (a tied one once).
         description: the sources line, with what BatchNorm and torch.compile change.
         param_share: the measured parameters' share of the trainable ones.
@@ -211,12 +211,12 @@ class ProbeSources:
 
     def problem(self, result: PerExampleStep, micro_sizes: list[int], unsized: bool) -> tuple[str, set[str]]:
         """Why this step's measurement is unusable ("" if it is), and the failed layers it is measured without
-        (:meth:`~trainvitals.core.per_example.PerExampleGradients.set_aside`: their parameters count as not
+        (:meth:`~trainvitals.per_example.PerExampleGradients.set_aside`: their parameters count as not
         measured, as they will from the next plan on; none when nothing would be left); failed modules are
         added to ``result.failed``.
 
         ``micro_sizes``: the examples of each micro-batch that ran backward; ``unsized``: one of them
-        could not be sized. A batch read on the wrong dimension (:meth:`~trainvitals.core.per_example.Layouts.misread`)
+        could not be sized. A batch read on the wrong dimension (:meth:`~trainvitals.per_example.Layouts.misread`)
         is the step's problem, and no layer's: none is failed for it."""
         if not micro_sizes:  # no backward ran (training_step returned None): nothing to measure, no fault
             return "", set()
@@ -295,7 +295,7 @@ class ProbeSources:
 
 
 def layout_notes(layouts: Layouts, source: NoiseSource) -> list[str]:
-    """What the fit's layout evidence has not said yet (:meth:`~trainvitals.core.per_example.Layouts.notes`);
+    """What the fit's layout evidence has not said yet (:meth:`~trainvitals.per_example.Layouts.notes`);
     where it refuted the layout earlier steps were measured with, ``source``'s estimate restarts without them."""
     notes, refuted = layouts.notes()
     if refuted:

@@ -23,7 +23,7 @@ from trainvitals.core.noise import (
 )
 from trainvitals.core.gsnr import ModuleCoordinates, StepCoordinates
 from trainvitals.core.outliers import Outliers, largest_examples
-from trainvitals.core.per_example import PerExampleStep, SourcePlan
+from trainvitals.per_example import PerExampleStep, SourcePlan
 
 PER_EXAMPLE_NORMS, OUTLIERS = "grad_noise/per_example_grad_norm", "grad_noise/outliers"
 

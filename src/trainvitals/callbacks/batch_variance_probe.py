@@ -36,7 +36,7 @@ from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
 from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
-from trainvitals.core.per_example import Layouts, PerExampleStep, SourcePlan, detect_loss_reduction
+from trainvitals.per_example import Layouts, PerExampleStep, SourcePlan, detect_loss_reduction
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
 COORDINATE_BUDGET = 2**20  # per-coordinate sums per logging step: 16 MiB of float64 Σg and Σg²
@@ -53,7 +53,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
     Sources, chosen per parameter at fit start and named in one log line:
 
     1. per-example squared norms in the same backward, from saved activations and output gradients,
-       by the rules of :mod:`trainvitals.core.per_example` (Linear, convolutions, Embedding, the
+       by the rules of :mod:`trainvitals.per_example` (Linear, convolutions, Embedding, the
        normalisation layers, attention, recurrent layers, and any registered with
        ``register_per_example_rule``): the estimator with b = 1 over all examples of the step, all
        micro-batches and ranks;
@@ -138,7 +138,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         sequence_first: where a Linear, Embedding or norm layer's input has the batch on both of its first two
             dimensions (T = B), outside the modules whose ``batch_first`` says it: ``True``, sequence-first
             ``(T, B, ...)``, and so are the loader's batches (the batch size is their dimension 1); ``False``,
-            batch-first ``(B, T, ...)``; ``None``, from the evidence of :mod:`trainvitals.core.per_example.layout`
+            batch-first ``(B, T, ...)``; ``None``, from the evidence of :mod:`trainvitals.per_example.batch_dim`
             (the model's ``batch_first`` modules, an input that is a view of the batch, the layer's steps with
             T ≠ B, the other layers'), else batch-first, said once.
         strict: raise instead of warning when the probe cannot measure.

@@ -46,7 +46,7 @@ from trainvitals.core.lr_scaling import (
     validate_noise_scale,
 )
 from trainvitals.core.estimate import Z90, GradientNoise
-from trainvitals.core.per_example import detect_loss_reduction
+from trainvitals.per_example import detect_loss_reduction
 from trainvitals.text.terminal import markdown_to_text
 
 REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescaled

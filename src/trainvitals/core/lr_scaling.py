@@ -359,7 +359,7 @@ def loss_reduction_note(reduction: str, family: str, per_device_batch: int, lr: 
     Adam divides the scale out except against ε.
 
     Args:
-        terms: N when known (:func:`~trainvitals.core.per_example.detect_loss_reduction`); ``None``:
+        terms: N when known (:func:`~trainvitals.per_example.detect_loss_reduction`); ``None``:
             b, said to be a lower bound.
 
     Raises:

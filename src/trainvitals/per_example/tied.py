@@ -17,11 +17,11 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from trainvitals.core.per_example import _common
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _by_position, _moments, _sq_norms
-from trainvitals.core.per_example.embedding import EmbeddingRule
-from trainvitals.core.per_example.linear import LinearRule
-from trainvitals.core.per_example.registry import PerExampleRule, Use
+from trainvitals.per_example import tensor_ops as _common
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _by_position, _moments, _sq_norms
+from trainvitals.per_example.rules.embedding import EmbeddingRule
+from trainvitals.per_example.rules.linear import LinearRule
+from trainvitals.per_example.registry import PerExampleRule, Use
 
 Sums = dict[str, tuple[Tensor, Tensor]]
 

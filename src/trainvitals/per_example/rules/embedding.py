@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _moments
-from trainvitals.core.per_example.registry import PerExampleRule, Use, register_per_example_rule
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _moments
+from trainvitals.per_example.registry import PerExampleRule, Use, register_per_example_rule
 
 
 #: Why a lookup shared by the batch's examples is not measured.

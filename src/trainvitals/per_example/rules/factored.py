@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import (
+from trainvitals.per_example.tensor_ops import (
     Workspace,
     _bmm,
     _moments,
@@ -17,7 +17,7 @@ from trainvitals.core.per_example._common import (
     _outer_sums,
     _sq_norms,
 )
-from trainvitals.core.per_example.registry import PerExampleRule, Use
+from trainvitals.per_example.registry import PerExampleRule, Use
 
 
 class Outer(NamedTuple):

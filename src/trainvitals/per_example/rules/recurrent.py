@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from trainvitals.core.per_example._common import _accumulation_dtype
-from trainvitals.core.per_example.factored import Factor, FactoredRule, Outer, _stack_uses
-from trainvitals.core.per_example.registry import Call, Capture, Use, register_per_example_rule
+from trainvitals.per_example.tensor_ops import _accumulation_dtype
+from trainvitals.per_example.rules.factored import Factor, FactoredRule, Outer, _stack_uses
+from trainvitals.per_example.registry import Call, Capture, Use, register_per_example_rule
 
 #: Why a recurrent layer with dropout between its layers is not measured on a GPU.
 CUDNN_DROPOUT = ("dropout between recurrent layers on CUDA: cuDNN draws its masks from a random state of its own, "

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from trainvitals.core.per_example._common import _accumulation_dtype, _trainable
-from trainvitals.core.per_example.factored import Factor, FactoredRule, Outer, _stack_uses
-from trainvitals.core.per_example.registry import Call, Capture, Use, register_per_example_rule
+from trainvitals.per_example.tensor_ops import _accumulation_dtype, _trainable
+from trainvitals.per_example.rules.factored import Factor, FactoredRule, Outer, _stack_uses
+from trainvitals.per_example.registry import Call, Capture, Use, register_per_example_rule
 
 _redispatch = getattr(torch.overrides, "redispatch_function", None)
 _WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight")

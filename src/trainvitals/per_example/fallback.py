@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import _accumulation_dtype, _trainable
+from trainvitals.per_example.tensor_ops import _accumulation_dtype, _trainable
 
 
 #: Why a module whose forward draws random numbers has no torch.func per-example gradients.

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _moments, _sq_norms, _trainable
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _moments, _sq_norms, _trainable
 
 
 class Call(NamedTuple):

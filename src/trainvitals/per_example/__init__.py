@@ -21,7 +21,7 @@ mean or a sum over examples.
 Everything here stays on the device but for the host reads :mod:`.hooks` names. No Lightning import.
 """
 
-from trainvitals.core.per_example import (  # noqa: F401 - register their rules
+from trainvitals.per_example.rules import (  # noqa: F401 - register their rules
     attention,
     conv,
     embedding,
@@ -29,13 +29,13 @@ from trainvitals.core.per_example import (  # noqa: F401 - register their rules
     normalization,
     recurrent,
 )
-from trainvitals.core.per_example._common import Workspace
-from trainvitals.core.per_example.fallback import vmap_per_example_grads
-from trainvitals.core.per_example.hooks import PerExampleGradients, PerExampleStep
-from trainvitals.core.per_example.layout import Layouts
-from trainvitals.core.per_example.loss_reduction import LossReduction, detect_loss_reduction
-from trainvitals.core.per_example.plan import SourcePlan, plan_sources
-from trainvitals.core.per_example.registry import (
+from trainvitals.per_example.tensor_ops import Workspace
+from trainvitals.per_example.fallback import vmap_per_example_grads
+from trainvitals.per_example.hooks import PerExampleGradients, PerExampleStep
+from trainvitals.per_example.batch_dim import Layouts
+from trainvitals.per_example.loss_reduction import LossReduction, detect_loss_reduction
+from trainvitals.per_example.plan import SourcePlan, plan_sources
+from trainvitals.per_example.registry import (
     Call,
     Capture,
     PerExampleRule,

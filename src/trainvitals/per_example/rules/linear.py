@@ -21,8 +21,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from trainvitals.core.per_example import _common
-from trainvitals.core.per_example._common import (
+from trainvitals.per_example import tensor_ops as _common
+from trainvitals.per_example.tensor_ops import (
     Workspace,
     _accumulation_dtype,
     _bmm,
@@ -32,7 +32,7 @@ from trainvitals.core.per_example._common import (
     _outer_sums,
     _trainable,
 )
-from trainvitals.core.per_example.registry import PerExampleRule, Use, register_per_example_rule
+from trainvitals.per_example.registry import PerExampleRule, Use, register_per_example_rule
 
 
 class OuterProductRule(PerExampleRule):

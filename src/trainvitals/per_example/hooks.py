@@ -24,15 +24,15 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.core.per_example._checkpoint import (
+from trainvitals.per_example.checkpointing import (
     _recomputing, _recomputing_task, _reentrant_recomputation, register_all_grads_hook)
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype, _add, _moments, _trainable
-from trainvitals.core.per_example.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
-from trainvitals.core.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
-from trainvitals.core.per_example.layout import ONE_EXAMPLE, Layouts
-from trainvitals.core.per_example.registry import Call, Use, _output_grads, _rule
-from trainvitals.core.per_example.sums_check import UNBALANCED, sum_errors, tolerance
-from trainvitals.core.per_example.tied import measure_tied
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _add, _moments, _trainable
+from trainvitals.per_example.rules.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
+from trainvitals.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
+from trainvitals.per_example.batch_dim import ONE_EXAMPLE, Layouts
+from trainvitals.per_example.registry import Call, Use, _output_grads, _rule
+from trainvitals.per_example.sums_check import UNBALANCED, sum_errors, tolerance
+from trainvitals.per_example.tied import measure_tied
 
 
 @dataclass

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import _accumulation_dtype, _trainable
-from trainvitals.core.per_example.registry import PerExampleRule, Use, register_per_example_rule
+from trainvitals.per_example.tensor_ops import _accumulation_dtype, _trainable
+from trainvitals.per_example.registry import PerExampleRule, Use, register_per_example_rule
 
 
 def _standardized(x: Tensor, dims: tuple[int, ...], eps: float) -> Tensor:

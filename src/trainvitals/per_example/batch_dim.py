@@ -1,5 +1,5 @@
 """Which dimension of a layer's input holds the examples, for a rule that treats every position alike
-(:meth:`~trainvitals.core.per_example.registry.PerExampleRule.feature_dims`: Linear, Embedding, the norm layers).
+(:meth:`~trainvitals.per_example.registry.PerExampleRule.feature_dims`: Linear, Embedding, the norm layers).
 
 An input ``(B, T, *)`` is batch-first, ``(T, B, *)`` sequence-first; a first dimension other than the batch B
 and a second equal to it says sequence-first. With T = B the shape cannot tell, and the wrong guess gives

@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from trainvitals.core.integrity import counted, listed
-from trainvitals.core.per_example._common import _trainable
-from trainvitals.core.per_example.registry import rule_for, unsupported_reason
+from trainvitals.per_example.tensor_ops import _trainable
+from trainvitals.per_example.registry import rule_for, unsupported_reason
 
 
 @dataclass(frozen=True)

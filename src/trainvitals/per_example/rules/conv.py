@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainvitals.core.per_example._common import Workspace, _accumulation_dtype
-from trainvitals.core.per_example.linear import OuterProductRule
-from trainvitals.core.per_example.registry import Use, register_per_example_rule
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype
+from trainvitals.per_example.rules.linear import OuterProductRule
+from trainvitals.per_example.registry import Use, register_per_example_rule
 
 
 def _shifted_patches(module: nn.modules.conv._ConvNd, inputs: Tensor, dtype: torch.dtype,
