@@ -47,7 +47,7 @@ from _common import (
     run_overhead,
     write_json,
 )
-from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
+from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
 

@@ -42,7 +42,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 
 from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, write_json
-from trainvitals.callbacks.grad_norm_early_stopping import DEFAULT_MARGIN, DEFAULT_PATIENCE, GradNormEarlyStopping
+from trainvitals.noise.stopper import DEFAULT_MARGIN, DEFAULT_PATIENCE, GradNormEarlyStopping
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
 

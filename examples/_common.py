@@ -11,8 +11,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
-from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+from trainvitals.noise.probe import BatchVarianceProbe
+from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor

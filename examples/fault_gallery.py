@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import trainvitals
-from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
+from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor

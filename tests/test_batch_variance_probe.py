@@ -25,9 +25,9 @@ from test_per_example_guards import Lookup
 
 from trainvitals import GradNormMonitor
 from trainvitals.norms import monitor as monitor_module
-from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
-from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
-from trainvitals.core.noise import NoiseScaleEMA, gradient_snr
+from trainvitals.noise.probe import BatchVarianceProbe
+from trainvitals.noise.stopper import GradNormEarlyStopping
+from trainvitals.noise.estimators import NoiseScaleEMA, gradient_snr
 from trainvitals.per_example import PerExampleGradients
 
 

@@ -12,7 +12,7 @@ import torch
 
 from trainvitals import GraphIntegrityCallback, MemoryTopologyProfiler
 from trainvitals.plumbing.base import TrainvitalsCallback
-from trainvitals.core.noise import BiasCorrectedEMA
+from trainvitals.noise.estimators import BiasCorrectedEMA
 
 
 class Phase(Enum):

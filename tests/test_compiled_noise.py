@@ -13,8 +13,8 @@ from torch import nn
 import lightning.pytorch as pl
 from test_batch_variance_probe import Classifier, brute_force_estimates, classification_data, fit, network, rel
 
-from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
-from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+from trainvitals.noise.probe import BatchVarianceProbe
+from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.core.memory import compiled_modules
 from trainvitals.per_example import plan_sources
 from trainvitals.per_example.plan import COMPILED_REASON

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from trainvitals.core.estimate import COUPLING_Z, GATE_Z, Z90, GradientNoise, NoiseSource, band_ratio
-from trainvitals.core.noise import per_example_estimates, two_batch_size_estimates
+from trainvitals.noise.estimate import COUPLING_Z, GATE_Z, Z90, GradientNoise, NoiseSource, band_ratio
+from trainvitals.noise.estimators import per_example_estimates, two_batch_size_estimates
 
 D, SIGMA, B, MICRO = 8, 0.5, 64, 16
 

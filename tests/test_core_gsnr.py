@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from trainvitals.core.gsnr import EB_CRITERION, ModuleCoordinates, gsnr_key
+from trainvitals.noise.gsnr import EB_CRITERION, ModuleCoordinates, gsnr_key
 
 
 def _examples(shapes: dict[str, tuple[int, ...]], n: int = 6) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from trainvitals.core.lr_scaling import (
     param_group_labels,
     steps_over_min,
 )
-from trainvitals.core.noise import NoiseScaleEMA, two_batch_size_estimates
+from trainvitals.noise.estimators import NoiseScaleEMA, two_batch_size_estimates
 
 
 # ---------------------------------------------------------------- the rules

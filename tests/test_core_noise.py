@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from trainvitals.core import noise as noise_module
-from trainvitals.core.noise import (
+from trainvitals.noise import estimators as noise_module
+from trainvitals.noise.estimators import (
     BiasCorrectedEMA,
     MicroBatchSquaredNorms,
     NoiseScaleEMA,

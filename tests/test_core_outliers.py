@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainvitals.core.outliers import WHOLE, largest_examples, norm_coverage
+from trainvitals.noise.outliers import WHOLE, largest_examples, norm_coverage
 
 
 def test_the_largest_norms_by_dataset_row_with_their_ratio_to_the_median():

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from _models import Scale
 from trainvitals.per_example import tensor_ops as per_example_module
 from trainvitals.per_example.rules import conv as conv_module
-from trainvitals.core.noise import (
+from trainvitals.noise.estimators import (
     NoiseScaleEMA,
     NoiseScaleError,
     coordinate_variance,

@@ -15,8 +15,8 @@ from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 from tensorboard.util import tensor_util
 
 from conftest import trainer_kwargs
-from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
-from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+from trainvitals.noise.probe import BatchVarianceProbe
+from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor

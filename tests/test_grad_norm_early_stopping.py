@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from _models import Classifier, Regressor, ReleaseProcessGroup, loader, regression_data
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
-from trainvitals.core.estimate import MIN_MEASUREMENTS
+from trainvitals.noise.estimate import MIN_MEASUREMENTS
 from trainvitals.norms import monitor as monitor_module
 
 
@@ -192,8 +192,8 @@ def test_without_a_monitor_the_stopper_and_the_probe_share_one_norm_per_step(mon
         seen.append((trainer.global_step, float(value), float(brute)))
         return value
 
-    from trainvitals.callbacks import _probe_sources as probe_module
-    from trainvitals.callbacks import grad_norm_early_stopping as stopper_module
+    from trainvitals.noise import probe_sources as probe_module
+    from trainvitals.noise import stopper as stopper_module
 
     monkeypatch.setattr(stopper_module, "grad_sq_norm", asked)
     monkeypatch.setattr(probe_module, "grad_sq_norm", asked)
@@ -622,7 +622,7 @@ def test_what_would_make_it_measurable_names_only_what_applies():
     from types import SimpleNamespace
 
     from trainvitals import BatchVarianceProbe
-    from trainvitals.callbacks.grad_norm_early_stopping import measurable_by
+    from trainvitals.noise.stopper import measurable_by
 
     plain = SimpleNamespace(lightning_module=torch.nn.Linear(2, 2), callbacks=[BatchVarianceProbe()])
     said = measurable_by(plain)

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from _models import ReleaseProcessGroup, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
-from trainvitals.core.estimate import GradientNoise, NoiseSource
+from trainvitals.noise.estimate import GradientNoise, NoiseSource
 
 D = 6
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
 from conftest import HostReads, RecordingLogger
-from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
+from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.per_example import Layouts, PerExampleGradients, plan_sources
 
 B, V, D = 5, 11, 8

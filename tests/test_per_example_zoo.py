@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from zoo import ZOO, ResNet
 
-from trainvitals.core.noise import gradient_snr, per_example_estimates
+from trainvitals.noise.estimators import gradient_snr, per_example_estimates
 from trainvitals.per_example import PerExampleGradients, plan_sources
 
 B = 4

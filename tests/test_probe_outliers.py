@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.util.tensor_util import make_ndarray
 
-from trainvitals.callbacks.batch_variance_probe import BatchVarianceProbe
+from trainvitals.noise.probe import BatchVarianceProbe
 
 B = 12
 

@@ -383,7 +383,7 @@ def test_a_diverged_run_watched_by_the_stopper_or_the_probe_alone_is_critical(
 def test_a_stop_on_the_band_is_the_band_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The stopper stopped on the band (every step of its patience in it) while the few logged flags were
     mostly out: the verdict is the stop's, not "not in its noise band yet"."""
-    from trainvitals.callbacks.grad_norm_early_stopping import StopReason
+    from trainvitals.noise.stopper import StopReason
     from trainvitals.dashboard.report import BAND_STOP
 
     assert BAND_STOP == StopReason.NOISE_BAND.value

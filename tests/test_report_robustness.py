@@ -404,7 +404,7 @@ def test_a_stopper_alone_tells_divergence_by_its_frozen_streak(
 def test_a_nan_run_with_the_stopper_alone_is_critical(tmp_path: Path, capsys) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+    from trainvitals.noise.stopper import GradNormEarlyStopping
 
     # A wide band: in it from the first steps on, so that the last flag before NaN is 1.
     stopper = GradNormEarlyStopping(min_steps=0, patience=1000, margin=50.0, verbose=False)
@@ -426,7 +426,7 @@ def test_a_nan_between_logging_steps_gets_no_band_verdict(tmp_path: Path, capsys
     one from before."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+    from trainvitals.noise.stopper import GradNormEarlyStopping
     from trainvitals.norms.monitor import GradNormMonitor
 
     stopper = GradNormEarlyStopping(min_steps=0, patience=1000, margin=50.0, verbose=False)

@@ -8,8 +8,8 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "BatchVarianceProbe": "trainvitals.callbacks.batch_variance_probe",
-    "GradNormEarlyStopping": "trainvitals.callbacks.grad_norm_early_stopping",
+    "BatchVarianceProbe": "trainvitals.noise.probe",
+    "GradNormEarlyStopping": "trainvitals.noise.stopper",
     "GradNormMonitor": "trainvitals.norms.monitor",
     "GraphIntegrityCallback": "trainvitals.callbacks.graph_integrity",
     "LRScalingAdvisor": "trainvitals.callbacks.lr_scaling_advisor",

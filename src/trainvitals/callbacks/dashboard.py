@@ -13,9 +13,9 @@ from trainvitals._validation import check_bool
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.writers import log_text, tensorboard_loggers
-from trainvitals.callbacks.grad_norm_early_stopping import GradNormEarlyStopping
+from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
-from trainvitals.core.estimate import GradientNoise, band_ratio
+from trainvitals.noise.estimate import GradientNoise, band_ratio
 from trainvitals.dashboard.layout import layer_groups, trainvitals_layout
 from trainvitals.tags import DIAGNOSIS_TAG
 

@@ -45,7 +45,7 @@ from trainvitals.core.lr_scaling import (
     validate_batch_sizes,
     validate_noise_scale,
 )
-from trainvitals.core.estimate import Z90, GradientNoise
+from trainvitals.noise.estimate import Z90, GradientNoise
 from trainvitals.per_example import detect_loss_reduction
 from trainvitals.text.terminal import markdown_to_text
 
@@ -77,7 +77,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
       or with ``detect_loss_reduction=False``.
 
     B̂ is ``noise_scale`` if given, else B_simple of the run's one noise estimate
-    (:class:`~trainvitals.core.estimate.GradientNoise`, attribute ``gradient_noise`` of
+    (:class:`~trainvitals.noise.estimate.GradientNoise`, attribute ``gradient_noise`` of
     GradNormEarlyStopping and BatchVarianceProbe), used only when it is decisive (it covers ≥ 90% of
     ‖ḡ‖²) and reliable (relative standard error ≤ the estimate's ``max_rel_err``, BatchVarianceProbe's
     argument, 0.5 by default). Otherwise the classic rules, with the reason. A measured B̂ comes with its

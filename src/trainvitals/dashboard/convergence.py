@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 
-from trainvitals.core.estimate import (
+from trainvitals.noise.estimate import (
     DEFAULT_MAX_REL_ERR,
     DEFAULT_MIN_COVERAGE,
     MAX_UNMEASURED_TRACE,

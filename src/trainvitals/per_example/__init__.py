@@ -1,6 +1,6 @@
 """Per-example gradient statistics computed in the same backward pass, without per-example gradients.
 
-Notation as in :mod:`trainvitals.core.noise` and docs/science.md §3: per-example gradient g_i = ∇ℓ_i of
+Notation as in :mod:`trainvitals.noise.estimators` and docs/science.md §3: per-example gradient g_i = ∇ℓ_i of
 each example's own (un-averaged) loss, B examples, batch gradient ḡ = (1/B) Σ_i g_i.
 
 Each layer type has a rule in the registry (:mod:`.registry`), one file per layer family: Linear

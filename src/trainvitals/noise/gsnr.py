@@ -1,7 +1,7 @@
 """Per-module gradient signal-to-noise ratios and the EB criterion, within a coordinate budget.
 
 A module's GSNR is the mean over its coordinates d of ḡ_d²/σ̂_d² (Liu et al. 2020), from the
-per-coordinate sums Σ_i g_i and Σ_i g_i² (:func:`~trainvitals.core.noise.gradient_snr_sum`). Those sums
+per-coordinate sums Σ_i g_i and Σ_i g_i² (:func:`~trainvitals.noise.estimators.gradient_snr_sum`). Those sums
 are float64 (the variance of nearly equal float32 gradients cancels in float32 sums) and cost 16 bytes a
 coordinate: a logging step collects them for at most ``budget`` coordinates of the
 per-example-norm parameters, whole rows of dimension 0, and successive logging steps take successive
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainvitals.core.noise import eb_criterion_of_snr_sums, gradient_snr_sum
+from trainvitals.noise.estimators import eb_criterion_of_snr_sums, gradient_snr_sum
 
 EB_CRITERION = "grad_noise/eb_criterion"
 GSNR_TAG = "grad_noise/gsnr/"  # + the module's qualified name

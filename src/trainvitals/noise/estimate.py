@@ -1,8 +1,8 @@
 """One gradient-noise estimate per run, with standard errors, from every source that measured it.
 
 Each source (micro-batches and ranks; per-example norms; a ``torch.func`` sub-batch) keeps its own
-bias-corrected EMAs of ‖G‖²_est and S_est ≈ tr(Σ) (:class:`~trainvitals.core.noise.NoiseScaleEMA`)
-and of their second moments (:class:`~trainvitals.core.noise.NoiseScaleError`): the spread of the
+bias-corrected EMAs of ‖G‖²_est and S_est ≈ tr(Σ) (:class:`~trainvitals.noise.estimators.NoiseScaleEMA`)
+and of their second moments (:class:`~trainvitals.noise.estimators.NoiseScaleError`): the spread of the
 per-step estimates about their EMA gives the sampling variance of each EMA mean. A source states
 which parameters it covers (share of the trainable parameters and, per step, of ‖ḡ‖²) and can be
 marked invalid: one that is known not to estimate sampling noise (per-example gradients through a
@@ -75,7 +75,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainvitals.core.noise import BiasCorrectedEMA, NoiseScaleEMA, NoiseScaleError
+from trainvitals.noise.estimators import BiasCorrectedEMA, NoiseScaleEMA, NoiseScaleError
 
 Z90 = 1.6448536269514722
 """Half-width of a two-sided 90% normal interval, in standard errors."""

@@ -34,9 +34,9 @@ from trainvitals.norms.nonfinite import NonfiniteCounter
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.norms.monitor import grad_sq_norm
-from trainvitals.core.estimate import (SOURCES_CHECK, GradientNoise, NoiseSource, band_ratio, find_gradient_noise,
+from trainvitals.noise.estimate import (SOURCES_CHECK, GradientNoise, NoiseSource, band_ratio, find_gradient_noise,
                                        population_of)
-from trainvitals.core.noise import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
+from trainvitals.noise.estimators import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
 
 MODES = ("noise_band", "threshold", "relative")
 
@@ -90,7 +90,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
       when ‖G‖² ≤ ``margin`` · tr(Σ)/B, i.e. E‖ḡ_B‖ ≤ sqrt(1 + margin) × noise floor. ``margin = 1``
       is B ≤ B_simple (the gradient noise scale); with Cockpit's norm test θ² = tr Σ/(B‖G‖² + tr Σ)
       the band is θ ≥ 1/sqrt(1 + margin), so B ≤ B_simple is θ ≥ 1/√2. The estimate is the run's one
-      :class:`~trainvitals.core.estimate.GradientNoise` (:attr:`gradient_noise`), shared with a
+      :class:`~trainvitals.noise.estimate.GradientNoise` (:attr:`gradient_noise`), shared with a
       BatchVarianceProbe: the micro-batches of gradient accumulation and the DDP ranks (a tensor hook
       reads each micro-batch's gradient before it is summed into ``.grad``) feed it, and so do the
       probe's per-example norms, each source with its own sampling variance. A source that does not
@@ -121,7 +121,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     without a GradNormMonitor, ``grad_norm/nonfinite_steps`` (``amp_skipped_steps`` under a GradScaler) as the
     monitor counts them (:class:`~trainvitals.norms.nonfinite.NonfiniteCounter`);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
-    <trainvitals.core.estimate.GradientNoise.metrics>`: ``grad_norm/noise_floor`` in the units of
+    <trainvitals.noise.estimate.GradientNoise.metrics>`: ``grad_norm/noise_floor`` in the units of
     ``.grad`` beside the monitor's ``grad_norm/total``, ``grad_noise/b_simple`` and its
     ``grad_noise/b_simple_rel_err``, ``grad_noise/coverage`` …); on stopping, the text panel
     ``grad_norm/stop_reason``; once, a text ``grad_noise/caveat`` saying why the estimate cannot decide.

@@ -15,14 +15,14 @@ import lightning.pytorch as pl
 from trainvitals.plumbing.base import reduce_packed
 from trainvitals.plumbing.batch import loss_divisor
 from trainvitals.plumbing.writers import log_histogram, log_text
-from trainvitals.core.noise import (
+from trainvitals.noise.estimators import (
     per_example_estimates,
     sub_batch_estimates,
     sub_batch_mean_sq_norm,
     two_batch_size_estimates,
 )
-from trainvitals.core.gsnr import ModuleCoordinates, StepCoordinates
-from trainvitals.core.outliers import Outliers, largest_examples
+from trainvitals.noise.gsnr import ModuleCoordinates, StepCoordinates
+from trainvitals.noise.outliers import Outliers, largest_examples
 from trainvitals.per_example import PerExampleStep, SourcePlan
 
 PER_EXAMPLE_NORMS, OUTLIERS = "grad_noise/per_example_grad_norm", "grad_noise/outliers"
@@ -159,7 +159,7 @@ def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExa
 
 def coordinate_stats(trainer: "pl.Trainer", coordinates: ModuleCoordinates, selection: dict[str, slice],
                      result: PerExampleStep, examples: int, left_out: set[str]) -> tuple[dict[str, Tensor], StepCoordinates]:
-    """Σ_d GSNR_d per module over this step's ``selection`` of coordinates, :data:`~trainvitals.core.gsnr.EB_CRITERION` when they are
+    """Σ_d GSNR_d per module over this step's ``selection`` of coordinates, :data:`~trainvitals.noise.gsnr.EB_CRITERION` when they are
     all the measured ones (:meth:`ModuleCoordinates.snr_sums`), over every rank's examples; without the
     parameters ``left_out`` (of layers failed on some rank, the same on every rank), which have no sums."""
     # Zeros where this rank has no sums (a layer failed here only): the ranks' collectives must match; the

@@ -16,10 +16,10 @@ from torch import Tensor
 import lightning.pytorch as pl
 
 from trainvitals.norms.monitor import grad_sq_norm, grad_sq_norms
-from trainvitals.core.estimate import NoiseSource
+from trainvitals.noise.estimate import NoiseSource
 from trainvitals.core.memory import ROOT, compiled_modules
-from trainvitals.core.noise import MicroBatchSquaredNorms
-from trainvitals.core.outliers import norm_coverage
+from trainvitals.noise.estimators import MicroBatchSquaredNorms
+from trainvitals.noise.outliers import norm_coverage
 from trainvitals.per_example import Layouts, PerExampleGradients, PerExampleStep, plan_sources
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring

@@ -1,7 +1,7 @@
 """BatchVarianceProbe: how noisy the mini-batch gradient is, and what that says about the batch size.
 
 Measures tr(Σ) and ‖G‖² (McCandlish et al. 2018, App. A.1; docs/science.md §3) every ``measure_every_n_steps``
-optimizer steps, feeds them into the run's one :class:`~trainvitals.core.estimate.GradientNoise` (read by
+optimizer steps, feeds them into the run's one :class:`~trainvitals.noise.estimate.GradientNoise` (read by
 the noise-band stopper and the learning-rate advisor), and logs the simple noise scale B_simple, the noise
 floor, the variance of the batch gradient at the micro-batch and at the full batch (Var ∝ 1/B),
 per-layer gradient signal-to-noise ratios and the evidence-based criterion (Mahsereci et al. 2017),
@@ -29,13 +29,13 @@ from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.norms.nonfinite import NonfiniteCounter
-from trainvitals.callbacks._probe_sources import COUPLED, ProbeSources, layout_notes
-from trainvitals.callbacks._probe_step import (MicroBatches, coordinate_stats, log_per_example_norms, step_estimates,
+from trainvitals.noise.probe_sources import COUPLED, ProbeSources, layout_notes
+from trainvitals.noise.probe_step import (MicroBatches, coordinate_stats, log_per_example_norms, step_estimates,
                                                sum_over_ranks)
 from trainvitals.plumbing.writers import log_scalars, log_text
-from trainvitals.core.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
-from trainvitals.core.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
-from trainvitals.core.noise import NoiseScaleEMA, NoiseScaleError
+from trainvitals.noise.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
+from trainvitals.noise.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
+from trainvitals.noise.estimators import NoiseScaleEMA, NoiseScaleError
 from trainvitals.per_example import Layouts, PerExampleStep, SourcePlan, detect_loss_reduction
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
@@ -78,7 +78,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
     and says so in the sources line: the region's parameters are measured from micro-batches and ranks
     (tensor hooks on parameters break nothing), else named as not measured.
 
-    The probe feeds its estimate into the run's one :class:`~trainvitals.core.estimate.GradientNoise`
+    The probe feeds its estimate into the run's one :class:`~trainvitals.noise.estimate.GradientNoise`
     (:attr:`gradient_noise`), shared with GradNormEarlyStopping's micro-batch source, and logs that
     combined estimate.
 

@@ -15,7 +15,7 @@ b examples each (micro-batches, DDP ranks, or single examples with b = 1) and B 
 
 Single-step estimates are noisy (‖G‖²_est is often negative), so they are smoothed with two separate
 bias-corrected EMAs and only the ratio of the EMAs is reported: B_simple = EMA(S)/EMA(‖G‖²) (Eq. 2.9).
-These are one source's estimates; :mod:`trainvitals.core.estimate` combines the sources of a run.
+These are one source's estimates; :mod:`trainvitals.noise.estimate` combines the sources of a run.
 
 Per coordinate d, from ḡ_d and Σ_i g_{i,d}²: the unbiased variance σ̂_d², the gradient signal-to-noise
 ratio ḡ_d²/σ̂_d² (Liu et al. 2020) and the evidence-based criterion (Mahsereci et al. 2017, Eq. 7).
