@@ -30,7 +30,7 @@ import trainvitals
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
-from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
+from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.dashboard.report import RunReport, assess, read_runs
 from trainvitals.demo.data import DigitsDataModule

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainvitals.core.lr_scaling import (
+from trainvitals.lr_scaling.rules import (
     advice_table,
     advise,
     classify_loss_reduction,

@@ -18,7 +18,7 @@ from torch import nn
 import lightning.pytorch as pl
 from _models import ReleaseProcessGroup, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
-from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
+from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.noise.estimate import GradientNoise, NoiseSource
 
 D = 6

@@ -12,7 +12,7 @@ _EXPORTS = {
     "GradNormEarlyStopping": "trainvitals.noise.stopper",
     "GradNormMonitor": "trainvitals.norms.monitor",
     "GraphIntegrityCallback": "trainvitals.callbacks.graph_integrity",
-    "LRScalingAdvisor": "trainvitals.callbacks.lr_scaling_advisor",
+    "LRScalingAdvisor": "trainvitals.lr_scaling.advisor",
     "MemoryTopologyProfiler": "trainvitals.callbacks.memory_topology_profiler",
     "TrainvitalsDashboard": "trainvitals.callbacks.dashboard",
 }

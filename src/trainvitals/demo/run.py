@@ -20,7 +20,7 @@ from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
-from trainvitals.callbacks.lr_scaling_advisor import LRScalingAdvisor
+from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.callbacks.dashboard import TrainvitalsDashboard, diagnoses
 from trainvitals.text.terminal import markdown_to_text

@@ -5,7 +5,7 @@ A step is lr × gradient, and the right lr depends on how noisy the gradient is.
 not fit the optimizer, is a common silent mistake. The advisor reads the effective batch, each
 param group's lr and optimizer family, and (when a noise-measuring callback runs alongside) the
 gradient noise scale B̂, and says what lr other batch sizes need (docs/science.md §4,
-:mod:`trainvitals.core.lr_scaling`).
+:mod:`trainvitals.lr_scaling.rules`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from trainvitals.plumbing.batch import batch_size, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.rerun import rerun_quietly
 from trainvitals.plumbing.writers import log_scalars, log_text
-from trainvitals.core.lr_scaling import (
+from trainvitals.lr_scaling.rules import (
     LRAdvice,
     advice_table,
     advise,
