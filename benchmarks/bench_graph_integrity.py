@@ -58,8 +58,8 @@ from _common import (
     run_overhead,
     write_json,
 )
-from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
-from trainvitals.core.graph import walk_graph
+from trainvitals.integrity.callback import GraphIntegrityCallback
+from trainvitals.integrity.graph import walk_graph
 from trainvitals.demo.data import DigitsDataModule, load_digits_tensors
 from trainvitals.demo.model import DigitsCNN
 

@@ -29,7 +29,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 import trainvitals
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.norms.monitor import GradNormMonitor
-from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
+from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
 from trainvitals.dashboard.report import RunReport, assess, read_runs

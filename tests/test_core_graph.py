@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainvitals.core.graph import (
+from trainvitals.integrity.graph import (
     AutogradError,
     all_zero,
     anomaly_location,
@@ -25,7 +25,7 @@ from trainvitals.core.graph import (
     user_location,
     walk_graph,
 )
-from trainvitals.core.tracer import Cut, GraphTracer, describe_cut
+from trainvitals.integrity.tracer import Cut, GraphTracer, describe_cut
 
 
 def mlp() -> nn.Sequential:

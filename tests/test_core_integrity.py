@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from trainvitals.core.graph import InplaceInfo, sequence_mark, tensor_names, walk_graph
-from trainvitals.core.tracer import GraphTracer
-from trainvitals.core.integrity import (
+from trainvitals.integrity.graph import InplaceInfo, sequence_mark, tensor_names, walk_graph
+from trainvitals.integrity.tracer import GraphTracer
+from trainvitals.integrity.diagnoses import (
     GradientStreaks,
     describe_stale_graph,
     diagnose_inplace,

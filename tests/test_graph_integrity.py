@@ -21,9 +21,9 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from _models import GAN, free_port
 from conftest import RecordingLogger, trainer_kwargs
-from trainvitals.callbacks import graph_integrity
-from trainvitals.callbacks.graph_integrity import FindingKind, GraphIntegrityCallback, GraphIntegrityError
-from trainvitals.core.graph import walk_graph
+from trainvitals.integrity import callback as graph_integrity
+from trainvitals.integrity.callback import FindingKind, GraphIntegrityCallback, GraphIntegrityError
+from trainvitals.integrity.graph import walk_graph
 
 K = FindingKind
 
@@ -1069,7 +1069,7 @@ def test_a_new_fit_starts_with_a_clean_record():
 
 def test_nothing_checked_is_no_clean_bill_of_health():
     """Before any walk or gradient check (a fit that ended before its first step) there is no verdict."""
-    from trainvitals.core.findings import NOTHING_CHECKED
+    from trainvitals.integrity.findings import NOTHING_CHECKED
 
     cb = GraphIntegrityCallback()
     assert cb.summary_markdown() == NOTHING_CHECKED and "clean" not in cb.summary_markdown()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from trainvitals.callbacks.graph_integrity import GraphIntegrityCallback
-from trainvitals.core.findings import FindingKind
+from trainvitals.integrity.callback import GraphIntegrityCallback
+from trainvitals.integrity.findings import FindingKind
 from trainvitals.dashboard.report import CRITICAL_COUNTERS, LAST_WINDOW
 
 

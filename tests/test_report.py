@@ -609,7 +609,7 @@ def test_a_section_takes_its_rows_from_one_step(tmp_path: Path, capsys: pytest.C
 def test_an_integrity_finding_that_is_not_critical_is_in_the_findings(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A param group at lr 0 (zero_lr, not critical: it may be meant) reaches the findings list, in words."""
-    from trainvitals.core.findings import FindingKind
+    from trainvitals.integrity.findings import FindingKind
 
     write_run(tmp_path / "run", {**HEALTHY, FindingKind.ZERO_LR.counter: [0.0] * 10 + [1.0] * 10},
               {"graph/findings": "| step | kind | names | finding |\n|---|---|---|---|\n| 52 | zero_lr | g | lr 0 |"})

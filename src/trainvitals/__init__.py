@@ -11,7 +11,7 @@ _EXPORTS = {
     "BatchVarianceProbe": "trainvitals.noise.probe",
     "GradNormEarlyStopping": "trainvitals.noise.stopper",
     "GradNormMonitor": "trainvitals.norms.monitor",
-    "GraphIntegrityCallback": "trainvitals.callbacks.graph_integrity",
+    "GraphIntegrityCallback": "trainvitals.integrity.callback",
     "LRScalingAdvisor": "trainvitals.lr_scaling.advisor",
     "MemoryTopologyProfiler": "trainvitals.callbacks.memory_topology_profiler",
     "TrainvitalsDashboard": "trainvitals.callbacks.dashboard",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from trainvitals.core.findings import INTEGRITY, NOTHING_CHECKED, warning_counters
+from trainvitals.integrity.findings import INTEGRITY, NOTHING_CHECKED, warning_counters
 from trainvitals.core.memory import MEMORY_CATEGORIES, format_bytes
 from trainvitals.dashboard.convergence import convergence_section, noise_scale_section, uncounted_since
 from trainvitals.dashboard.events import Run

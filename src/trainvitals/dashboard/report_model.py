@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from trainvitals.core.findings import critical_counters, last_window_counters
+from trainvitals.integrity.findings import critical_counters, last_window_counters
 from trainvitals.dashboard.events import Run
 from trainvitals.tags import DIAGNOSIS_PREFIXES, grad_norm
 
@@ -29,7 +29,7 @@ CRITICAL_COUNTERS = (
 )
 """(section, tag regex, message): a counter is critical when its largest value (summed over optimizers) is > 0.
 
-The integrity rows come from the finding kinds' table (:class:`~trainvitals.core.findings.FindingKind`).
+The integrity rows come from the finding kinds' table (:class:`~trainvitals.integrity.findings.FindingKind`).
 The largest, not the last: GraphIntegrityCallback's counts are per check window, and a problem seen in
 any window is a problem — except those read in the last window only (:data:`LAST_WINDOW`)."""
 

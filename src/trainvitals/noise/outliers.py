@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from trainvitals.text.markdown import markdown_table
-from trainvitals.core.integrity import counted, listed
+from trainvitals.integrity.diagnoses import counted, listed
 
 WHOLE = "over all trainable parameters"
 """What :func:`norm_coverage` says of norms over every trainable parameter."""

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.core.graph import is_view_op
+from trainvitals.integrity.graph import is_view_op
 from trainvitals.core.memory.storage import StorageKey, storage_key, storage_keys, storage_nbytes, tensors_in
 
 ROOT = "(root)"

@@ -6,10 +6,10 @@ from torch import Tensor, nn
 
 import lightning.pytorch as pl
 
-from trainvitals.callbacks.integrity_checks.base import Check, Fit
-from trainvitals.core.findings import FindingKind
-from trainvitals.core.graph import GraphWalk
-from trainvitals.core.integrity import frozen_change_causes, listed
+from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.findings import FindingKind
+from trainvitals.integrity.graph import GraphWalk
+from trainvitals.integrity.diagnoses import frozen_change_causes, listed
 
 
 class UnoptimizedLeavesCheck(Check):

@@ -6,10 +6,10 @@ from torch import Tensor
 
 import lightning.pytorch as pl
 
-from trainvitals.callbacks.integrity_checks.base import Check, Fit
-from trainvitals.core.findings import FindingKind
-from trainvitals.core.graph import GraphWalk
-from trainvitals.core.integrity import describe_stale_graph
+from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.findings import FindingKind
+from trainvitals.integrity.graph import GraphWalk
+from trainvitals.integrity.diagnoses import describe_stale_graph
 
 
 class StaleGraphCheck(Check):

@@ -1,11 +1,11 @@
 """What the graph checks conclude, in plain words: the analysis behind each finding and diagnosis.
 
-:mod:`trainvitals.core.graph` walks and traces the autograd graph; this module turns what it sees into
+:mod:`trainvitals.integrity.graph` walks and traces the autograd graph; this module turns what it sees into
 answers: which parameters went a run of optimizer steps without a gradient or with an exactly zero one
 (:class:`GradientStreaks`), why a parameter is out of the loss's reach (:func:`unreached_reasons`), why
 a frozen parameter still changed (:func:`frozen_change_causes`), what carries a graph across steps
 (:func:`describe_stale_graph`), and why a loss has no ``grad_fn`` (:func:`why_no_grad`). The three
-``diagnose_*`` functions explain autograd's classic errors (:class:`~trainvitals.core.graph.AutogradError`)
+``diagnose_*`` functions explain autograd's classic errors (:class:`~trainvitals.integrity.graph.AutogradError`)
 by naming the tensor, module and operation behind them; :func:`stepped_parameter` finds the parameter
 an optimizer step changed under a saved tensor. :func:`listed` spells out the first :data:`SHOWN` names.
 
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import Node
 
-from trainvitals.core.graph import (
+from trainvitals.integrity.graph import (
     AutogradError,
     created_before,
     InplaceInfo,
@@ -35,7 +35,7 @@ from trainvitals.core.graph import (
     saved_tensor_errors,
     walk_graph,
 )
-from trainvitals.core.tracer import GraphTracer, describe_cut
+from trainvitals.integrity.tracer import GraphTracer, describe_cut
 
 SHOWN = 5  # names spelled out in a message; a finding keeps them all
 
@@ -195,12 +195,12 @@ def frozen_change_causes(param: Tensor, optimizer: torch.optim.Optimizer) -> lis
 def describe_stale_graph(
     root: nn.Module, stale: Sequence[Node], before: int | None
 ) -> tuple[tuple[str, ...], str]:
-    """What carries a graph across steps, from the stale nodes of :func:`~trainvitals.core.graph.walk_graph`.
+    """What carries a graph across steps, from the stale nodes of :func:`~trainvitals.integrity.graph.walk_graph`.
 
     Args:
         root: the model whose plain attributes may hold the carried tensor.
         stale: the nodes created before the step's mark that the loss reaches.
-        before: the step's :func:`~trainvitals.core.graph.sequence_mark`.
+        before: the step's :func:`~trainvitals.integrity.graph.sequence_mark`.
 
     Returns:
         The module attributes that carry the graph over (else the stale nodes' types), and a message
@@ -236,7 +236,7 @@ def why_no_grad(
 
     Tries the cheap explanations first: a leaf built from a value, grad mode off now (so call this
     where the loss was computed), a model with every parameter frozen; then ``rerun``, whose trace
-    names the operation and line that cut the graph (:func:`~trainvitals.core.tracer.describe_cut`).
+    names the operation and line that cut the graph (:func:`~trainvitals.integrity.tracer.describe_cut`).
 
     Args:
         loss: the tensor without ``grad_fn``.
@@ -313,7 +313,7 @@ def diagnose_second_backward(
         loss: the last loss handed to backward, if any.
         earlier: the ``grad_fn`` of the losses back-propagated before it in this step.
         root: the model; ``names``: its ``id(tensor) -> name`` (``tensor_names``).
-        before: the step's :func:`~trainvitals.core.graph.sequence_mark`.
+        before: the step's :func:`~trainvitals.integrity.graph.sequence_mark`.
 
     Returns:
         The names it points at (attributes or modules) and the message.
@@ -361,7 +361,7 @@ def stepped_parameter(
     shape (or its transpose: ``Linear`` saves ``weight.t()``) and its version now.
 
     Args:
-        info: the parsed error (:func:`~trainvitals.core.graph.parse_inplace_error`).
+        info: the parsed error (:func:`~trainvitals.integrity.graph.parse_inplace_error`).
         near: tensors to try first (the leaves nearest the node whose saved tensor changed).
         stepped: ``(parameter, label of its optimizer)`` for every parameter an optimizer step of this
             batch changed, in the model's order.
@@ -399,7 +399,7 @@ def diagnose_inplace(
         error: the exception; its message gives the tensor's shape and versions.
         loss: the last loss handed to backward, if any: its graph is searched for the node.
         root: the model; ``names``: its ``id(tensor) -> name`` (``tensor_names``).
-        before: the step's :func:`~trainvitals.core.graph.sequence_mark`.
+        before: the step's :func:`~trainvitals.integrity.graph.sequence_mark`.
         stepped: as for :func:`stepped_parameter`; labels read like ``"optimizer 0 (SGD)"``.
         rerun: re-runs the step under a tracer; ``None`` where that is not possible.
 

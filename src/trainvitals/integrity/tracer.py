@@ -4,7 +4,7 @@
 ``saved_tensors_hooks``, and records where a value left the autograd graph (``.item()``,
 ``.detach()``, ``torch.no_grad()``, a non-differentiable op) and which in-place operation changed a
 tensor autograd had saved. :func:`describe_cut` says why a traced loss has no ``grad_fn``.
-:mod:`trainvitals.core.integrity` uses both for its diagnoses; :mod:`trainvitals.core.graph` has the
+:mod:`trainvitals.integrity.diagnoses` uses both for its diagnoses; :mod:`trainvitals.integrity.graph` has the
 cheap walks that run during training.
 """
 
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from trainvitals.core.graph import module_names, user_location
+from trainvitals.integrity.graph import module_names, user_location
 
 
 class Cut(enum.Enum):

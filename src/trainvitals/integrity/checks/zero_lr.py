@@ -8,10 +8,10 @@ import torch
 
 import lightning.pytorch as pl
 
-from trainvitals.callbacks.integrity_checks.base import Check, Fit
-from trainvitals.core.findings import FindingKind
-from trainvitals.core.graph import owner_module
-from trainvitals.core.integrity import listed
+from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.findings import FindingKind
+from trainvitals.integrity.graph import owner_module
+from trainvitals.integrity.diagnoses import listed
 
 
 MIN_ZERO_LR_STEPS = 10

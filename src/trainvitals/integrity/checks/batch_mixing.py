@@ -11,10 +11,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from trainvitals.plumbing.rerun import rerun_quietly
-from trainvitals.callbacks.integrity_checks.base import Check, Fit
-from trainvitals.core.findings import FindingKind
-from trainvitals.core.graph import batch_mixing, batchnorm_in_eval
-from trainvitals.core.integrity import SHOWN, listed
+from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.findings import FindingKind
+from trainvitals.integrity.graph import batch_mixing, batchnorm_in_eval
+from trainvitals.integrity.diagnoses import SHOWN, listed
 
 
 class BatchMixingCheck(Check):

@@ -1,8 +1,8 @@
-"""GraphIntegrityCallback's checks, one class each (:class:`~trainvitals.callbacks.integrity_checks.base.Check`).
+"""GraphIntegrityCallback's checks, one class each (:class:`~trainvitals.integrity.checks.base.Check`).
 
 Each check owns the hooks it needs, its state and the messages of its finding kinds; the callback
 runs the check windows and calls every check's hooks in turn. The kinds themselves, with their
-counters and what the report makes of them, are one table: :class:`~trainvitals.core.findings.FindingKind`.
+counters and what the report makes of them, are one table: :class:`~trainvitals.integrity.findings.FindingKind`.
 
 =================================  ===================================================================
 check (module)                     finds

@@ -14,7 +14,7 @@ operations inside it.
 
 The rest gathers the evidence behind autograd's classic errors: which node's saved tensors were freed
 or modified in place (:func:`saved_tensor_errors`), and where the user's code is (:func:`user_location`);
-:mod:`trainvitals.core.tracer` re-runs a step to see more, and :mod:`trainvitals.core.integrity` turns
+:mod:`trainvitals.integrity.tracer` re-runs a step to see more, and :mod:`trainvitals.integrity.diagnoses` turns
 that evidence into diagnoses.
 """
 

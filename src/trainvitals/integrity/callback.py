@@ -27,11 +27,11 @@ for ``dead_after_steps`` steps in a row), ``graph/nonfinite_losses`` (summed ove
 and ``graph/unregistered_params`` (leaves that get gradients but are in no optimizer / not registered
 on the module); and ``graph/findings_<kind>``, how many times each kind was found so far.
 
-Each check is a class in :mod:`trainvitals.callbacks.integrity_checks` (its hooks, state, finding kinds
+Each check is a class in :mod:`trainvitals.integrity.checks` (its hooks, state, finding kinds
 and messages, listed there); this module runs the check windows, calls the checks' hooks in turn, and logs and raises
-what they find. The finding kinds are one table, :class:`~trainvitals.core.findings.FindingKind`. The
-analysis is torch-only: :mod:`trainvitals.core.graph` (walks), :mod:`trainvitals.core.tracer` (the
-step tracer) and :mod:`trainvitals.core.integrity` (streaks, reasons, diagnoses).
+what they find. The finding kinds are one table, :class:`~trainvitals.integrity.findings.FindingKind`. The
+analysis is torch-only: :mod:`trainvitals.integrity.graph` (walks), :mod:`trainvitals.integrity.tracer` (the
+step tracer) and :mod:`trainvitals.integrity.diagnoses` (streaks, reasons, diagnoses).
 """
 
 from __future__ import annotations
@@ -50,23 +50,23 @@ from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_callable, check_int
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.writers import log_scalars, log_text
-from trainvitals.callbacks.integrity_checks.anomaly import AnomalyModeCheck
-from trainvitals.callbacks.integrity_checks.autograd_errors import AutogradErrorCheck
-from trainvitals.callbacks.integrity_checks.base import HOOKS, Check, Fit, overriding
-from trainvitals.callbacks.integrity_checks.batch_mixing import BatchMixingCheck
-from trainvitals.callbacks.integrity_checks.loss import LossCheck
-from trainvitals.callbacks.integrity_checks.manual import GradLeakCheck, StepOrderCheck
-from trainvitals.callbacks.integrity_checks.optimizer import (
+from trainvitals.integrity.checks.anomaly import AnomalyModeCheck
+from trainvitals.integrity.checks.autograd_errors import AutogradErrorCheck
+from trainvitals.integrity.checks.base import HOOKS, Check, Fit, overriding
+from trainvitals.integrity.checks.batch_mixing import BatchMixingCheck
+from trainvitals.integrity.checks.loss import LossCheck
+from trainvitals.integrity.checks.manual import GradLeakCheck, StepOrderCheck
+from trainvitals.integrity.checks.optimizer import (
     FrozenParamsCheck,
     SharedByOptimizersCheck,
     UnoptimizedLeavesCheck,
 )
-from trainvitals.callbacks.integrity_checks.reachability import ReachabilityCheck
-from trainvitals.callbacks.integrity_checks.stale_graph import StaleGraphCheck
-from trainvitals.callbacks.integrity_checks.zero_lr import ZeroLrCheck
-from trainvitals.core.findings import NOTHING_CHECKED, Finding, FindingKind
-from trainvitals.core.graph import first_tensor, sequence_mark, walk_graph
-from trainvitals.core.integrity import listed
+from trainvitals.integrity.checks.reachability import ReachabilityCheck
+from trainvitals.integrity.checks.stale_graph import StaleGraphCheck
+from trainvitals.integrity.checks.zero_lr import ZeroLrCheck
+from trainvitals.integrity.findings import NOTHING_CHECKED, Finding, FindingKind
+from trainvitals.integrity.graph import first_tensor, sequence_mark, walk_graph
+from trainvitals.integrity.diagnoses import listed
 from trainvitals.text.terminal import markdown_to_text
 
 _MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before they are counted on the device
@@ -334,7 +334,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
 
     def summary_markdown(self) -> str:
         """The findings as a markdown table (step, kind, names, message), or a clean bill of health (of at least
-        one walk or gradient check: else :data:`~trainvitals.core.findings.NOTHING_CHECKED`)."""
+        one walk or gradient check: else :data:`~trainvitals.integrity.findings.NOTHING_CHECKED`)."""
         if not self.findings and not (self._walks or self._grad_checks):
             return NOTHING_CHECKED
         if not self.findings:

@@ -10,10 +10,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lightning.pytorch as pl
 
-from trainvitals.callbacks.integrity_checks.base import Check, Fit
-from trainvitals.core.findings import FindingKind
-from trainvitals.core.graph import GraphWalk
-from trainvitals.core.integrity import GradientStreaks, counted, listed, unreached_reasons
+from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.findings import FindingKind
+from trainvitals.integrity.graph import GraphWalk
+from trainvitals.integrity.diagnoses import GradientStreaks, counted, listed, unreached_reasons
 
 
 def _ddp_without_unused_search(trainer: "pl.Trainer") -> bool:

@@ -7,10 +7,10 @@ from torch import Tensor
 
 import lightning.pytorch as pl
 
-from trainvitals.callbacks.integrity_checks.base import Check, Fit
-from trainvitals.core.findings import FindingKind
-from trainvitals.core.graph import all_zero
-from trainvitals.core.integrity import GradientStreaks, listed
+from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.findings import FindingKind
+from trainvitals.integrity.graph import all_zero
+from trainvitals.integrity.diagnoses import GradientStreaks, listed
 
 
 class GradLeakCheck(Check):

@@ -8,14 +8,14 @@ import torch
 
 import lightning.pytorch as pl
 
-from trainvitals.callbacks.integrity_checks.base import Check, Fit
+from trainvitals.integrity.checks.base import Check, Fit
 
 
 class AnomalyModeCheck(Check):
     """Runs the batches that start before optimizer step ``steps`` under ``torch.autograd`` anomaly
     detection (NaN checks on), restoring the previous mode at the batch's end (or when the fit fails,
     after the diagnoses, which quote the forward tracebacks anomaly mode records). Files no finding:
-    autograd raises, and :class:`~trainvitals.callbacks.integrity_checks.autograd_errors.AutogradErrorCheck`
+    autograd raises, and :class:`~trainvitals.integrity.checks.autograd_errors.AutogradErrorCheck`
     explains.
 
     Args:

@@ -17,10 +17,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import trainvitals
 from trainvitals.plumbing.rerun import rerun_quietly
-from trainvitals.core.findings import Finding, FindingKind
-from trainvitals.core.graph import GraphWalk, tensor_names
-from trainvitals.core.integrity import Rerun
-from trainvitals.core.tracer import GraphTracer
+from trainvitals.integrity.findings import Finding, FindingKind
+from trainvitals.integrity.graph import GraphWalk, tensor_names
+from trainvitals.integrity.diagnoses import Rerun
+from trainvitals.integrity.tracer import GraphTracer
 
 # A diagnosis points at the user's code: frames in Lightning and trainvitals are not the culprit.
 _SKIP_DIRS = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__))
@@ -29,7 +29,7 @@ _SKIP_DIRS = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__
 class Fit:
     """What the checks of one fit share: the findings, who owns which parameter, the check window, the batch.
 
-    :class:`~trainvitals.callbacks.graph_integrity.GraphIntegrityCallback` keeps it up to date before
+    :class:`~trainvitals.integrity.callback.GraphIntegrityCallback` keeps it up to date before
     it calls the checks' hooks; checks read it and file findings with :meth:`record`.
 
     Attributes:
@@ -173,7 +173,7 @@ class Fit:
 class Check:
     """One integrity check: the hooks it needs, its state, its finding kinds and their messages.
 
-    :class:`~trainvitals.callbacks.graph_integrity.GraphIntegrityCallback` calls each hook of the
+    :class:`~trainvitals.integrity.callback.GraphIntegrityCallback` calls each hook of the
     checks that override it, in the order of its checks, with the shared :class:`Fit` first. The
     hooks are Lightning's, and four of the callback's schedule: a check window opens
     (``on_window_open``), a loss of its first batch was walked (``on_walk``), the window closes

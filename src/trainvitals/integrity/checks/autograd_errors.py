@@ -5,10 +5,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from trainvitals.callbacks.integrity_checks.base import Check, Fit
-from trainvitals.core.findings import FindingKind
-from trainvitals.core.graph import AutogradError, classify_autograd_error
-from trainvitals.core.integrity import diagnose_inplace, diagnose_no_grad, diagnose_second_backward
+from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.findings import FindingKind
+from trainvitals.integrity.graph import AutogradError, classify_autograd_error
+from trainvitals.integrity.diagnoses import diagnose_inplace, diagnose_no_grad, diagnose_second_backward
 
 _ERROR_KIND = {
     AutogradError.NO_GRAD: FindingKind.NO_GRAD_ERROR,
