@@ -53,7 +53,7 @@ from _common import (
     random_regression_loader,
     write_json,
 )
-from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
+from trainvitals.memory.profiler import MemoryTopologyProfiler
 from trainvitals.demo.data import load_digits_tensors
 from trainvitals.demo.model import DigitsCNN
 

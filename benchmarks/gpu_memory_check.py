@@ -44,8 +44,8 @@ from _common import (
     random_regression_loader,
     write_json,
 )
-from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
-from trainvitals.core.memory import SavedTensorRecorder
+from trainvitals.memory.profiler import MemoryTopologyProfiler
+from trainvitals.memory import SavedTensorRecorder
 
 B = 64  # the batch of random_regression_loader
 F32 = 4

@@ -31,7 +31,7 @@ from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
-from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
+from trainvitals.memory.profiler import MemoryTopologyProfiler
 from trainvitals.dashboard.report import RunReport, assess, read_runs
 from trainvitals.demo.data import DigitsDataModule
 

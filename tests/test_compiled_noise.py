@@ -15,7 +15,7 @@ from test_batch_variance_probe import Classifier, brute_force_estimates, classif
 
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.core.memory import compiled_modules
+from trainvitals.memory import compiled_modules
 from trainvitals.per_example import plan_sources
 from trainvitals.per_example.plan import COMPILED_REASON
 

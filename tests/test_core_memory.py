@@ -13,7 +13,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from trainvitals.core.memory import (
+from trainvitals.memory import (
     OUTSIDE,
     ROOT,
     GraphLeakFinding,
@@ -36,10 +36,10 @@ from trainvitals.core.memory import (
     unique_storage_bytes,
     whole_forward_modules,
 )
-from trainvitals.core.memory import categories, remedies
-from trainvitals.core.memory.categories import AllocatorStats, MemoryCategory, category_markdown, category_metrics
-from trainvitals.core.memory.recorder import SavedTensorReport, compiled_modules
-from trainvitals.core.memory.remedies import Remedy
+from trainvitals.memory import categories, remedies
+from trainvitals.memory.categories import AllocatorStats, MemoryCategory, category_markdown, category_metrics
+from trainvitals.memory.recorder import SavedTensorReport, compiled_modules
+from trainvitals.memory.remedies import Remedy
 from trainvitals.tags import MEMORY_BYTES
 
 F32 = 4  # bytes per float32 element

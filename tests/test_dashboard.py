@@ -20,7 +20,7 @@ from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
-from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
+from trainvitals.memory.profiler import MemoryTopologyProfiler
 from trainvitals.callbacks.dashboard import TrainvitalsDashboard, progress_bar_values
 from trainvitals.dashboard.layout import BAND_CATEGORY, BAND_CHART, CATEGORY, GRAD_NORM_CHART, trainvitals_layout
 from trainvitals.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM

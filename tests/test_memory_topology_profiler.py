@@ -22,10 +22,10 @@ import lightning.pytorch as pl
 from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.text.terminal import inline, markdown_to_text
-from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
-from trainvitals.core.memory import OUTSIDE, checkpoint_savings
-from trainvitals.core.memory import categories
-from trainvitals.core.memory.categories import MemoryCategory
+from trainvitals.memory.profiler import MemoryTopologyProfiler
+from trainvitals.memory import OUTSIDE, checkpoint_savings
+from trainvitals.memory import categories
+from trainvitals.memory.categories import MemoryCategory
 from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
 from trainvitals.tags import MEMORY_BYTES
 

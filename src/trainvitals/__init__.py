@@ -13,7 +13,7 @@ _EXPORTS = {
     "GradNormMonitor": "trainvitals.norms.monitor",
     "GraphIntegrityCallback": "trainvitals.integrity.callback",
     "LRScalingAdvisor": "trainvitals.lr_scaling.advisor",
-    "MemoryTopologyProfiler": "trainvitals.callbacks.memory_topology_profiler",
+    "MemoryTopologyProfiler": "trainvitals.memory.profiler",
     "TrainvitalsDashboard": "trainvitals.callbacks.dashboard",
 }
 

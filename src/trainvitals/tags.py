@@ -62,7 +62,7 @@ PER_LAYER_GRAD_NORM = rf"grad_norm/{OPTIMIZER_INFIX}(?!(?:{'|'.join(GRAD_NORM_SU
 
 MEMORY_BYTES = r"memory/[^/]+_bytes$"
 """MemoryTopologyProfiler's byte counts by category, logged as ``memory/<key>_bytes``: one for each bytes row of
-``trainvitals.core.memory.categories.MEMORY_CATEGORIES`` (parameters, gradients, optimizer state, inputs,
+``trainvitals.memory.categories.MEMORY_CATEGORIES`` (parameters, gradients, optimizer state, inputs,
 saved activations, held after backward; CUDA peaks and temporaries)."""
 
 SUGGESTED_LR = re.compile(r"suggested_lr_(?:x(?P<factor>[0-9.]+)|b(?P<size>[0-9]+))/(?P<group>.+)$")

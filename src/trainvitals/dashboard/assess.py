@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from trainvitals.integrity.findings import INTEGRITY, NOTHING_CHECKED, warning_counters
-from trainvitals.core.memory import MEMORY_CATEGORIES, format_bytes
+from trainvitals.memory import MEMORY_CATEGORIES, format_bytes
 from trainvitals.dashboard.convergence import convergence_section, noise_scale_section, uncounted_since
 from trainvitals.dashboard.events import Run
 from trainvitals.dashboard.report_model import (

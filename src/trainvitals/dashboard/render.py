@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from trainvitals.text.markdown import markdown_table
-from trainvitals.core.memory import format_bytes
+from trainvitals.memory import format_bytes
 from trainvitals.dashboard.report_model import Row, RunReport
 from trainvitals.text.terminal import format_table, markdown_to_text
 

@@ -21,7 +21,7 @@ from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
-from trainvitals.callbacks.memory_topology_profiler import MemoryTopologyProfiler
+from trainvitals.memory.profiler import MemoryTopologyProfiler
 from trainvitals.callbacks.dashboard import TrainvitalsDashboard, diagnoses
 from trainvitals.text.terminal import markdown_to_text
 from trainvitals.demo.data import DigitsDataModule

@@ -74,7 +74,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
     marked invalid and decides nothing. A micro-batch with few values per channel is warned about.
 
     Under ``torch.compile`` the probe puts no module hook inside a compiled region (a compiled training
-    step or submodule: :func:`~trainvitals.core.memory.compiled_modules`), where it would break the graph,
+    step or submodule: :func:`~trainvitals.memory.compiled_modules`), where it would break the graph,
     and says so in the sources line: the region's parameters are measured from micro-batches and ranks
     (tensor hooks on parameters break nothing), else named as not measured.
 

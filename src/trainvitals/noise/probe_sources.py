@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 
 from trainvitals.norms.monitor import grad_sq_norm, grad_sq_norms
 from trainvitals.noise.estimate import NoiseSource
-from trainvitals.core.memory import ROOT, compiled_modules
+from trainvitals.memory import ROOT, compiled_modules
 from trainvitals.noise.estimators import MicroBatchSquaredNorms
 from trainvitals.noise.outliers import norm_coverage
 from trainvitals.per_example import Layouts, PerExampleGradients, PerExampleStep, plan_sources

@@ -35,7 +35,7 @@ recorder), :mod:`.checkpointing` (what checkpointing a module frees and holds ag
 the budget), :mod:`.remedies` (the registered remedies, ranked).
 """
 
-from trainvitals.core.memory.categories import (
+from trainvitals.memory.categories import (
     MEMORY_CATEGORIES,
     AllocatorStats,
     MemoryCategory,
@@ -46,14 +46,14 @@ from trainvitals.core.memory.categories import (
     measured_categories,
     register_category,
 )
-from trainvitals.core.memory.checkpointing import (
+from trainvitals.memory.checkpointing import (
     checkpoint_peak,
     checkpoint_savings,
     transformer_layer_activation_bytes,
     whole_forward_modules,
 )
-from trainvitals.core.memory.leaks import GraphLeakFinding, HeldGraph, HeldGraphTracker, graph_holders
-from trainvitals.core.memory.recorder import (
+from trainvitals.memory.leaks import GraphLeakFinding, HeldGraph, HeldGraphTracker, graph_holders
+from trainvitals.memory.recorder import (
     OUTSIDE,
     ROOT,
     SavedStorage,
@@ -61,14 +61,14 @@ from trainvitals.core.memory.recorder import (
     SavedTensorReport,
     compiled_modules,
 )
-from trainvitals.core.memory.remedies import (
+from trainvitals.memory.remedies import (
     REMEDY_RULES,
     Remedy,
     mixed_precision_savings,
     rank_remedies,
     register_remedy,
 )
-from trainvitals.core.memory.storage import (
+from trainvitals.memory.storage import (
     ModelStateBytes,
     StorageKey,
     byte_unit,

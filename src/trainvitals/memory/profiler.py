@@ -27,11 +27,11 @@ from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_int, renamed_arguments
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.writers import log_image, log_scalars, log_text, tensorboard_writers
-from trainvitals.core.memory.categories import AllocatorStats, StepMemory, category_markdown, category_metrics
-from trainvitals.core.memory.leaks import GraphLeakFinding, HeldGraphTracker, graph_holders
-from trainvitals.core.memory.recorder import ROOT, SavedTensorRecorder
-from trainvitals.core.memory.remedies import Remedy, rank_remedies
-from trainvitals.core.memory.storage import byte_unit, element_bytes, format_bytes, model_state_bytes, tensors_in
+from trainvitals.memory.categories import AllocatorStats, StepMemory, category_markdown, category_metrics
+from trainvitals.memory.leaks import GraphLeakFinding, HeldGraphTracker, graph_holders
+from trainvitals.memory.recorder import ROOT, SavedTensorRecorder
+from trainvitals.memory.remedies import Remedy, rank_remedies
+from trainvitals.memory.storage import byte_unit, element_bytes, format_bytes, model_state_bytes, tensors_in
 from trainvitals.text.terminal import markdown_to_text
 
 _SNAPSHOT_MAX_ENTRIES = 100_000  # alloc/free events kept by the snapshot's ring buffer (a few KB each)
@@ -53,9 +53,9 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
     """Profile the memory of a training step every ``measure_every_n_steps`` optimizer steps and the first ones.
 
     A profiled step records the forward (from ``on_train_batch_start`` to the first
-    ``on_before_backward``) with a :class:`~trainvitals.core.memory.SavedTensorRecorder` and, once the
+    ``on_before_backward``) with a :class:`~trainvitals.memory.SavedTensorRecorder` and, once the
     optimizer step is done, logs in bytes (per rank, from rank zero; the categories are the rows of
-    :data:`~trainvitals.core.memory.categories.MEMORY_CATEGORIES`):
+    :data:`~trainvitals.memory.categories.MEMORY_CATEGORIES`):
 
     - ``memory/parameters_bytes`` (and of those ``memory/frozen_parameters_bytes``, the ones without
       ``requires_grad``, when there are any), ``memory/buffers_bytes``, ``memory/gradients_bytes``,

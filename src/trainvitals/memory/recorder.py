@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from trainvitals.integrity.graph import is_view_op
-from trainvitals.core.memory.storage import StorageKey, storage_key, storage_keys, storage_nbytes, tensors_in
+from trainvitals.memory.storage import StorageKey, storage_key, storage_keys, storage_nbytes, tensors_in
 
 ROOT = "(root)"
 """Label of the root module's own forward (ops not inside any child module)."""

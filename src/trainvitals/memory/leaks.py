@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from trainvitals.core.memory.recorder import any_alive
-from trainvitals.core.memory.storage import StorageKey, format_bytes, tensors_in
+from trainvitals.memory.recorder import any_alive
+from trainvitals.memory.storage import StorageKey, format_bytes, tensors_in
 
 @dataclass(frozen=True)
 class HeldGraph:

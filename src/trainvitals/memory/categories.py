@@ -19,8 +19,8 @@ from typing import Literal
 import torch
 
 from trainvitals.text.markdown import markdown_table
-from trainvitals.core.memory.recorder import SavedTensorReport
-from trainvitals.core.memory.storage import ModelStateBytes, format_bytes
+from trainvitals.memory.recorder import SavedTensorReport
+from trainvitals.memory.storage import ModelStateBytes, format_bytes
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class StepMemory:
         micro_batches: forwards in that time (gradient accumulation): checkpointing recomputes a
             module in each.
         held_bytes: saved tensors of profiled steps still held after this step's backward
-            (:class:`~trainvitals.core.memory.leaks.HeldGraph`).
+            (:class:`~trainvitals.memory.leaks.HeldGraph`).
         allocator: the CUDA allocator's peaks and counters, ``None`` off CUDA.
     """
 
@@ -128,7 +128,7 @@ class StepMemory:
     def largest_batch(self, fixed_freed: int = 0, scaling_freed: int = 0, activations_peak: int = 0) -> int | None:
         """The largest batch under the budget once ``fixed_freed`` / ``scaling_freed`` bytes are freed and
         with saved activations of at least ``activations_peak`` bytes at some point of the step (a
-        checkpointed module's recompute, :func:`~trainvitals.core.memory.checkpointing.checkpoint_peak`);
+        checkpointed module's recompute, :func:`~trainvitals.memory.checkpointing.checkpoint_peak`);
         ``None`` without a budget or a batch size."""
         scaling = max(self.scaling_bytes - scaling_freed,
                       self.scaling_bytes - self.activations.total_bytes + activations_peak)

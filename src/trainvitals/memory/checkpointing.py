@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainvitals.core.memory.recorder import OUTSIDE, ROOT, SavedTensorReport
+from trainvitals.memory.recorder import OUTSIDE, ROOT, SavedTensorReport
 
 def _enclosing(name: str) -> list[str]:
     """``name`` and the modules around it, innermost first, ending with :data:`ROOT`."""

@@ -1,7 +1,7 @@
 """Ways to lower a step's memory, ranked by the bytes they take off its peak.
 
 Each remedy is a rule in :data:`REMEDY_RULES`, added with :func:`register_remedy`: a function of the
-step's :class:`~trainvitals.core.memory.categories.StepMemory` and ``top_k`` that returns its
+step's :class:`~trainvitals.memory.categories.StepMemory` and ``top_k`` that returns its
 :class:`Remedy` entries. :func:`rank_remedies` runs every rule and ranks what they return.
 """
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from trainvitals.core.memory.categories import StepMemory, warn_failure_once
-from trainvitals.core.memory.checkpointing import checkpoint_peak, checkpoint_savings, whole_forward_modules
-from trainvitals.core.memory.recorder import ROOT, SavedTensorReport
-from trainvitals.core.memory.storage import format_bytes
+from trainvitals.memory.categories import StepMemory, warn_failure_once
+from trainvitals.memory.checkpointing import checkpoint_peak, checkpoint_savings, whole_forward_modules
+from trainvitals.memory.recorder import ROOT, SavedTensorReport
+from trainvitals.memory.storage import format_bytes
 
 
 def mixed_precision_savings(report: SavedTensorReport) -> int:
