@@ -17,8 +17,8 @@ from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory.profiler import MemoryTopologyProfiler
-from trainvitals.dashboard import report
-from trainvitals.callbacks.dashboard import TrainvitalsDashboard
+from trainvitals.report import command as report
+from trainvitals.tensorboard.dashboard import TrainvitalsDashboard
 
 
 def example_parser(doc: str) -> argparse.ArgumentParser:

@@ -32,7 +32,7 @@ from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory.profiler import MemoryTopologyProfiler
-from trainvitals.dashboard.report import RunReport, assess, read_runs
+from trainvitals.report.command import RunReport, assess, read_runs
 from trainvitals.demo.data import DigitsDataModule
 
 from _common import example_parser

@@ -24,7 +24,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from test_dashboard import chart_tags, read_layout
-from trainvitals.dashboard.layout import BAND_CHART, GRAD_NORM_CHART
+from trainvitals.tensorboard.layout import BAND_CHART, GRAD_NORM_CHART
 
 pytestmark = pytest.mark.browser
 
@@ -57,7 +57,7 @@ def _launch(p, tmp_path: Path):
 
 
 def test_html_report_opens_offline_without_errors(run_dir: Path, tmp_path: Path) -> None:
-    from trainvitals.dashboard.report import EXIT_OK, main
+    from trainvitals.report.command import EXIT_OK, main
 
     assert main([str(run_dir.parents[1]), "--format", "html", "--output", str(tmp_path / "report.html")]) == EXIT_OK
     with sync_api.sync_playwright() as p:

@@ -21,8 +21,8 @@ from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory.profiler import MemoryTopologyProfiler
-from trainvitals.callbacks.dashboard import TrainvitalsDashboard, progress_bar_values
-from trainvitals.dashboard.layout import BAND_CATEGORY, BAND_CHART, CATEGORY, GRAD_NORM_CHART, trainvitals_layout
+from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, progress_bar_values
+from trainvitals.tensorboard.layout import BAND_CATEGORY, BAND_CHART, CATEGORY, GRAD_NORM_CHART, trainvitals_layout
 from trainvitals.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from test_report import HEALTHY, STEPS, write_run
-from trainvitals.dashboard.html import markdown_to_html
-from trainvitals.dashboard.report import EXIT_CRITICAL, main
+from trainvitals.report.html import markdown_to_html
+from trainvitals.report.command import EXIT_CRITICAL, main
 
 pytest.importorskip("matplotlib")
 

@@ -6,7 +6,7 @@ import re
 
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.integrity.findings import FindingKind
-from trainvitals.dashboard.report import CRITICAL_COUNTERS, LAST_WINDOW
+from trainvitals.report.command import CRITICAL_COUNTERS, LAST_WINDOW
 
 
 def every_check() -> list:

@@ -26,7 +26,7 @@ from trainvitals.memory.profiler import MemoryTopologyProfiler
 from trainvitals.memory import OUTSIDE, checkpoint_savings
 from trainvitals.memory import categories
 from trainvitals.memory.categories import MemoryCategory
-from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
+from trainvitals.tensorboard.layout import TRAINVITALS_LAYOUT
 from trainvitals.tags import MEMORY_BYTES
 
 B, D, H, C = 8, 6, 16, 3  # batch, inputs, hidden units, classes

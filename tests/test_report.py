@@ -15,7 +15,7 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from _models import Regressor, loader, regression_data
-from trainvitals.dashboard.report import EXIT_CRITICAL, EXIT_NO_DATA, EXIT_OK, main
+from trainvitals.report.command import EXIT_CRITICAL, EXIT_NO_DATA, EXIT_OK, main
 
 STEPS = range(0, 100, 5)
 
@@ -384,7 +384,7 @@ def test_a_stop_on_the_band_is_the_band_verdict(tmp_path: Path, capsys: pytest.C
     """The stopper stopped on the band (every step of its patience in it) while the few logged flags were
     mostly out: the verdict is the stop's, not "not in its noise band yet"."""
     from trainvitals.noise.stopper import StopReason
-    from trainvitals.dashboard.report import BAND_STOP
+    from trainvitals.report.command import BAND_STOP
 
     assert BAND_STOP == StopReason.NOISE_BAND.value
     stop = f"stopped at optimizer step 95 (after 96 steps): {BAND_STOP} (‖G‖² ≤ 0.2·tr(Σ)/B) for 10 consecutive steps."
@@ -624,7 +624,7 @@ def test_an_integrity_finding_that_is_not_critical_is_in_the_findings(
 def test_a_crashed_run_does_not_ask_for_callbacks_it_had(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The fit crashed after one logged step (a layout, no end-of-fit diagnosis): the stopper was attached but had
     logged no band flag, or nothing at all; the report says the run ended, not "add GradNormEarlyStopping"."""
-    from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
+    from trainvitals.tensorboard.layout import TRAINVITALS_LAYOUT
 
     for name, stopper in (("with_streak", True), ("without", False)):
         writer = SummaryWriter(str(tmp_path / name))

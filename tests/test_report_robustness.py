@@ -25,7 +25,7 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from torch.utils.tensorboard import SummaryWriter
 
 from test_report import HEALTHY, STEPS, report, report_json, write_run
-from trainvitals.dashboard.report import (
+from trainvitals.report.command import (
     EXIT_CRITICAL, EXIT_DAMAGED, EXIT_NO_DATA, EXIT_OK, EXIT_UNWRITTEN, main, read_runs,
 )
 from trainvitals.tags import DIAGNOSIS_TAG, grad_norm, split_prefix, with_prefix
@@ -360,7 +360,7 @@ def test_lightning_loggers_with_prefix_sub_dir_and_versions(tmp_path: Path, caps
 def test_an_empty_train_dataloader_is_nothing_measured(tmp_path: Path, capsys) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from trainvitals.callbacks.dashboard import TrainvitalsDashboard
+    from trainvitals.tensorboard.dashboard import TrainvitalsDashboard
     from trainvitals.norms.monitor import GradNormMonitor
 
     _fit(TensorBoardLogger(tmp_path), inf_at_step=None, n=0, callbacks=[GradNormMonitor(), TrainvitalsDashboard()])
@@ -447,7 +447,7 @@ def test_a_fit_that_did_not_end_is_named(tmp_path: Path, capsys) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.compat.proto import event_pb2
 
-    from trainvitals.callbacks.dashboard import TrainvitalsDashboard
+    from trainvitals.tensorboard.dashboard import TrainvitalsDashboard
     from trainvitals.norms.monitor import GradNormMonitor
 
     _fit(TensorBoardLogger(tmp_path), inf_at_step=None, callbacks=[GradNormMonitor(), TrainvitalsDashboard()])
@@ -467,7 +467,7 @@ def test_diagnosis_panels_of_earlier_versions_count_as_the_fit_end(tmp_path: Pat
     """Event files written before the panels moved to ``diagnosis/`` hold them under ``trainvitals/diagnosis/``."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from trainvitals.dashboard.layout import TRAINVITALS_LAYOUT
+    from trainvitals.tensorboard.layout import TRAINVITALS_LAYOUT
 
     def write(folder: Path, panel: str) -> None:
         writer = SummaryWriter(str(folder))
@@ -556,7 +556,7 @@ def test_junk_after_damage_is_skipped_without_a_checksum_per_byte(
     in the file are checksummed, so the resync costs a handful of checksums, not one per byte."""
     import random
 
-    from trainvitals.dashboard import events
+    from trainvitals.report import events
 
     write_run(tmp_path / "run", HEALTHY)
     path = event_file(tmp_path / "run")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trainvitals.text.markdown import markdown_table
-from trainvitals.dashboard.html import markdown_to_html
+from trainvitals.report.html import markdown_to_html
 from trainvitals.text.terminal import format_table, markdown_to_text
 
 

@@ -14,7 +14,7 @@ _EXPORTS = {
     "GraphIntegrityCallback": "trainvitals.integrity.callback",
     "LRScalingAdvisor": "trainvitals.lr_scaling.advisor",
     "MemoryTopologyProfiler": "trainvitals.memory.profiler",
-    "TrainvitalsDashboard": "trainvitals.callbacks.dashboard",
+    "TrainvitalsDashboard": "trainvitals.tensorboard.dashboard",
 }
 
 __all__ = sorted(_EXPORTS)

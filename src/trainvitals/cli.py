@@ -7,7 +7,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainvitals.dashboard import report
+    from trainvitals.report import command as report
     from trainvitals.demo.options import add_arguments as add_demo_arguments
 
     parser = argparse.ArgumentParser(prog="trainvitals", description="Vital signs of a training run.")

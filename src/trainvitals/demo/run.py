@@ -22,7 +22,7 @@ from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory.profiler import MemoryTopologyProfiler
-from trainvitals.callbacks.dashboard import TrainvitalsDashboard, diagnoses
+from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, diagnoses
 from trainvitals.text.terminal import markdown_to_text
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN

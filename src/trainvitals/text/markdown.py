@@ -1,5 +1,5 @@
 """Markdown pipe tables: the one way trainvitals writes them (the callbacks' diagnoses, core's advice tables,
-``trainvitals report``). Pure Python; :mod:`trainvitals.text.terminal` and :mod:`~trainvitals.dashboard.html`
+``trainvitals report``). Pure Python; :mod:`trainvitals.text.terminal` and :mod:`~trainvitals.report.html`
 read them back.
 """
 

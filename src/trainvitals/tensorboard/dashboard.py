@@ -16,7 +16,7 @@ from trainvitals.plumbing.writers import log_text, tensorboard_loggers
 from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.noise.estimate import GradientNoise, band_ratio
-from trainvitals.dashboard.layout import layer_groups, trainvitals_layout
+from trainvitals.tensorboard.layout import layer_groups, trainvitals_layout
 from trainvitals.tags import DIAGNOSIS_TAG
 
 
@@ -24,7 +24,7 @@ class TrainvitalsDashboard(TrainvitalsCallback):
     """Write the trainvitals layout at fit start, the callbacks' diagnoses at fit end; feed the progress bar.
 
     - At fit start, on global rank zero, each TensorBoardLogger gets the layout of
-      :func:`~trainvitals.dashboard.layout.trainvitals_layout`: one per-layer chart per top-level module, the
+      :func:`~trainvitals.tensorboard.layout.trainvitals_layout`: one per-layer chart per top-level module, the
       tags behind the logger's ``prefix`` (``TensorBoardLogger(prefix="train")`` writes ``train-grad_norm/...``).
     - At fit end, each trainvitals callback gets a text panel ``diagnosis/<class name>`` (the Text tab's first group)
       with its end-of-run markdown (its ``summary_markdown()``).

@@ -1,4 +1,4 @@
-"""``trainvitals report`` as text, markdown or JSON (``html``: :mod:`trainvitals.dashboard.html`)."""
+"""``trainvitals report`` as text, markdown or JSON (``html``: :mod:`trainvitals.report.html`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import Any
 
 from trainvitals.text.markdown import markdown_table
 from trainvitals.memory import format_bytes
-from trainvitals.dashboard.report_model import Row, RunReport
+from trainvitals.report.model import Row, RunReport
 from trainvitals.text.terminal import format_table, markdown_to_text
 
 
 def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) -> str:
     """The reports as ``text``, ``markdown`` or ``json``; ``skipped`` names runs without trainvitals data.
 
-    ``html`` needs the runs' series for its plots: :func:`trainvitals.dashboard.html.render_html`."""
+    ``html`` needs the runs' series for its plots: :func:`trainvitals.report.html.render_html`."""
     if fmt == "json":
         return json.dumps(_json_safe({
             "critical": any(r.critical for r in reports),

@@ -12,9 +12,9 @@ import re
 
 from trainvitals.integrity.findings import INTEGRITY, NOTHING_CHECKED, warning_counters
 from trainvitals.memory import MEMORY_CATEGORIES, format_bytes
-from trainvitals.dashboard.convergence import convergence_section, noise_scale_section, uncounted_since
-from trainvitals.dashboard.events import Run
-from trainvitals.dashboard.report_model import (
+from trainvitals.report.convergence import convergence_section, noise_scale_section, uncounted_since
+from trainvitals.report.events import Run
+from trainvitals.report.model import (
     CRITICAL_COUNTERS,
     EVENT_FILES,
     LAST_WINDOW,

@@ -13,8 +13,8 @@ from trainvitals.noise.estimate import (
     MIN_MEASUREMENTS,
     SOURCES_CHECK,
 )
-from trainvitals.dashboard.events import Run
-from trainvitals.dashboard.report_model import (
+from trainvitals.report.events import Run
+from trainvitals.report.model import (
     BAND_STOP,
     BAND_WINDOW,
     Finding,

@@ -17,10 +17,10 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainvitals.dashboard.assess import memory_label
-from trainvitals.dashboard.events import Run
-from trainvitals.dashboard.render import format_value, heading, status_line
-from trainvitals.dashboard.report_model import RunReport, first_series
+from trainvitals.report.assess import memory_label
+from trainvitals.report.events import Run
+from trainvitals.report.render import format_value, heading, status_line
+from trainvitals.report.model import RunReport, first_series
 from trainvitals.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, SUGGESTED_LR, grad_norm
 from trainvitals.text.terminal import table_cells
 

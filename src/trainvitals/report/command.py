@@ -47,8 +47,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainvitals.dashboard.assess import assess
-from trainvitals.dashboard.report_model import (
+from trainvitals.report.assess import assess
+from trainvitals.report.model import (
     BAND_STOP,
     CRITICAL_COUNTERS,
     EXIT_CRITICAL,
@@ -62,8 +62,8 @@ from trainvitals.dashboard.report_model import (
     Row,
     RunReport,
 )
-from trainvitals.dashboard.events import Damage, ReportError, Run, printable, read_runs
-from trainvitals.dashboard.render import render
+from trainvitals.report.events import Damage, ReportError, Run, printable, read_runs
+from trainvitals.report.render import render
 from trainvitals.tags import LOGGER_JOIN_CHAR
 
 __all__ = [
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NO_DATA
     reports = [assess(r) for r in ours]
     if args.format == "html":
-        from trainvitals.dashboard.html import render_html  # matplotlib: imported for this format only
+        from trainvitals.report.html import render_html  # matplotlib: imported for this format only
 
         text = render_html(list(zip(ours, reports)), skipped)
     else:

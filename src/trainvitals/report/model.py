@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from trainvitals.integrity.findings import critical_counters, last_window_counters
-from trainvitals.dashboard.events import Run
+from trainvitals.report.events import Run
 from trainvitals.tags import DIAGNOSIS_PREFIXES, grad_norm
 
 EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_UNWRITTEN = 0, 1, 2, 3, 4
