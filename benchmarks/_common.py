@@ -18,14 +18,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, EarlyStopping
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
-
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, EarlyStopping
 
 # 49 Linear(350 → 350) layers with biases: 49 · (350² + 350) = 6,019,650 parameters in 98 tensors.
 MLP_DEPTH = 49
@@ -151,8 +150,9 @@ class ShadowStops(Callback):
         epochs: after each training epoch, ``{"step": ..., **evaluate(module)}``.
     """
 
-    def __init__(self, stoppers: dict[str, Callback],
-                 evaluate: Callable[[pl.LightningModule], dict[str, float]]) -> None:
+    def __init__(
+        self, stoppers: dict[str, Callback], evaluate: Callable[[pl.LightningModule], dict[str, float]]
+    ) -> None:
         self.stoppers = stoppers
         self.evaluate = evaluate
         self.stops: dict[str, dict[str, float]] = {}
@@ -163,8 +163,11 @@ class ShadowStops(Callback):
             return
         for name, cb in self.stoppers.items():
             if name not in self.stops and stopped(cb):
-                self.stops[name] = {"step": trainer.global_step, "epoch": trainer.current_epoch,
-                                    **self.evaluate(pl_module)}
+                self.stops[name] = {
+                    "step": trainer.global_step,
+                    "epoch": trainer.current_epoch,
+                    **self.evaluate(pl_module),
+                }
         trainer.should_stop = False
 
     @override
@@ -202,8 +205,9 @@ def time_hook(callback: Callback, hook: str) -> list[float]:
     return seconds
 
 
-def add_timing_arguments(parser: argparse.ArgumentParser, repetitions: int = 7, mlp_steps: int = 60,
-                         cnn_steps: int = 200) -> None:
+def add_timing_arguments(
+    parser: argparse.ArgumentParser, repetitions: int = 7, mlp_steps: int = 60, cnn_steps: int = 200
+) -> None:
     """The options every overhead benchmark shares; apply them with :func:`apply_timing_arguments`.
 
     ``--repetitions``, ``--warmup``, ``--mlp-steps``, ``--cnn-steps``, ``--models``, ``--threads``, ``--out``.
@@ -213,8 +217,12 @@ def add_timing_arguments(parser: argparse.ArgumentParser, repetitions: int = 7, 
     parser.add_argument("--mlp-steps", type=int, default=mlp_steps, help="timed steps per MLP fit")
     parser.add_argument("--cnn-steps", type=int, default=cnn_steps, help="timed steps per CNN fit")
     parser.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch.set_num_threads; 0 keeps torch's default (multi-threaded steps are erratic on a shared CPU)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads; 0 keeps torch's default (multi-threaded steps are erratic on a shared CPU)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
 
 
@@ -251,8 +259,13 @@ def interleaved(variants: dict[str, Callable[[], Any]], repetitions: int) -> dic
     return results
 
 
-def ratio_row(runs: dict[str, list[dict[str, float]]], variant: str, key: str = "{clock}_s",
-              clocks: Sequence[str] = ("wall", "cpu"), baseline: str = "bare") -> dict[str, Any]:
+def ratio_row(
+    runs: dict[str, list[dict[str, float]]],
+    variant: str,
+    key: str = "{clock}_s",
+    clocks: Sequence[str] = ("wall", "cpu"),
+    baseline: str = "bare",
+) -> dict[str, Any]:
     """One variant's repetitions summarised against the baseline's, repetition by repetition.
 
     ``runs[name]`` holds one dict per repetition (from :func:`interleaved`) with a step time in
@@ -301,9 +314,13 @@ def machine_line() -> str:
     return f"torch {torch.__version__}, lightning {pl.__version__}, CPU, torch threads {torch.get_num_threads()}"
 
 
-def run_overhead(args: argparse.Namespace, models: dict[str, tuple[Any, ...]],
-                 bench_model: Callable[..., dict[str, Any]], format_rows: Callable[[dict[str, Any]], str],
-                 after: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+def run_overhead(
+    args: argparse.Namespace,
+    models: dict[str, tuple[Any, ...]],
+    bench_model: Callable[..., dict[str, Any]],
+    format_rows: Callable[[dict[str, Any]], str],
+    after: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
     """Run ``bench_model(label, *models[label], args)`` for each of ``args.models`` and print its ratio table."""
     results = []
     for label in args.models:

@@ -31,10 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 import lightning.pytorch as pl
-
+import torch
 from _common import (
     StepTimer,
     WideMLP,
@@ -47,9 +45,10 @@ from _common import (
     run_overhead,
     write_json,
 )
-from trainvitals.noise.probe import BatchVarianceProbe
+
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
+from trainvitals.noise.probe import BatchVarianceProbe
 
 VARIANTS = {"bare": None, "every_1": 1, "every_10": 10}
 WINDOW = 10
@@ -59,7 +58,7 @@ PROBE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward"
 
 def window_mean(seconds: list[float]) -> float:
     """Median over consecutive ``WINDOW``-iteration windows of their mean iteration time."""
-    windows = [seconds[i:i + WINDOW] for i in range(0, len(seconds) - WINDOW + 1, WINDOW)]
+    windows = [seconds[i : i + WINDOW] for i in range(0, len(seconds) - WINDOW + 1, WINDOW)]
     return median([sum(w) / WINDOW for w in windows])
 
 
@@ -81,16 +80,29 @@ def hook_seconds_by_step(callback: pl.Callback, hooks: tuple[str, ...]) -> dict[
     return seconds
 
 
-def timed_fit(every: int | None, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any],
-              steps: int, warmup: int) -> dict[str, float]:
+def timed_fit(
+    every: int | None,
+    make_model: Callable[[], pl.LightningModule],
+    make_data: Callable[[], Any],
+    steps: int,
+    warmup: int,
+) -> dict[str, float]:
     pl.seed_everything(0, verbose=False)
     timer = StepTimer(warmup)
     probe = [BatchVarianceProbe(measure_every_n_steps=every, histogram_every_n_steps=0)] if every else []
     hooks = hook_seconds_by_step(probe[0], PROBE_HOOKS) if probe else {}
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=warmup + steps + 1, logger=False, callbacks=[timer, *probe],
-        log_every_n_steps=50, limit_val_batches=0, num_sanity_val_steps=0,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=warmup + steps + 1,
+        logger=False,
+        callbacks=[timer, *probe],
+        log_every_n_steps=50,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     data = make_data()
     gc.collect()
@@ -109,10 +121,17 @@ def timed_fit(every: int | None, make_model: Callable[[], pl.LightningModule], m
     return result
 
 
-def bench_model(label: str, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any],
-                steps: int, args: argparse.Namespace) -> dict[str, Any]:
-    variants = {name: (lambda every=every: timed_fit(every, make_model, make_data, steps, args.warmup))
-                for name, every in VARIANTS.items()}
+def bench_model(
+    label: str,
+    make_model: Callable[[], pl.LightningModule],
+    make_data: Callable[[], Any],
+    steps: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    variants = {
+        name: (lambda every=every: timed_fit(every, make_model, make_data, steps, args.warmup))
+        for name, every in VARIANTS.items()
+    }
     runs = interleaved(variants, args.repetitions)
     rows = []
     for name in VARIANTS:
@@ -129,8 +148,12 @@ def bench_model(label: str, make_model: Callable[[], pl.LightningModule], make_d
         if every and every > 1:
             ratios = [r["paired_ratio"] for r in runs[name]]
             idle = median([r["idle_hooks_s"] for r in runs[name]]) / bare_cpu_s
-            paired[name] = {"measured_step_ratio": median(ratios), "range": (min(ratios), max(ratios)),
-                            "idle_hooks_fraction": idle, "amortised": 1 + (median(ratios) - 1) / every + idle}
+            paired[name] = {
+                "measured_step_ratio": median(ratios),
+                "range": (min(ratios), max(ratios)),
+                "idle_hooks_fraction": idle,
+                "amortised": 1 + (median(ratios) - 1) / every + idle,
+            }
     return {"model": label, "runs": runs, "rows": rows, "paired": paired}
 
 
@@ -143,10 +166,12 @@ def format_rows(result: dict[str, Any]) -> str:
         ["variant", "wall ms/step", "wall ratio", "wall range", "CPU ms/step", "CPU ratio", "CPU range", "steps timed"],
         [[r["variant"], *cells(r, "wall"), *cells(r, "cpu"), r["steps_timed"]] for r in result["rows"]],
     )
-    lines = [f"\n{name}, paired within each fit: measured step / other steps {p['measured_step_ratio']:.3f} "
-             f"[{p['range'][0]:.3f}–{p['range'][1]:.3f}], the probe's hooks on the other steps "
-             f"{p['idle_hooks_fraction']:.2%} of a bare step; amortised {p['amortised']:.3f}"
-             for name, p in result["paired"].items()]
+    lines = [
+        f"\n{name}, paired within each fit: measured step / other steps {p['measured_step_ratio']:.3f} "
+        f"[{p['range'][0]:.3f}–{p['range'][1]:.3f}], the probe's hooks on the other steps "
+        f"{p['idle_hooks_fraction']:.2%} of a bare step; amortised {p['amortised']:.3f}"
+        for name, p in result["paired"].items()
+    ]
     return table + "".join(lines)
 
 
@@ -157,8 +182,12 @@ def main() -> None:
     parser.add_argument("--mlp-steps", type=int, default=60, help="timed steps per MLP fit")
     parser.add_argument("--cnn-steps", type=int, default=200, help="timed steps per CNN fit")
     parser.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch.set_num_threads; 0 keeps torch's default (multi-threaded steps are erratic on a shared CPU)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads; 0 keeps torch's default (multi-threaded steps are erratic on a shared CPU)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if args.threads:
@@ -170,8 +199,10 @@ def main() -> None:
     }
     print(f"# BatchVarianceProbe overhead ({machine_line()}; {args.repetitions} repetitions, interleaved)")
     results = run_overhead(args, models, bench_model, format_rows)
-    write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup,
-                          "results": results})
+    write_json(
+        args.out,
+        {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup, "results": results},
+    )
 
 
 if __name__ == "__main__":

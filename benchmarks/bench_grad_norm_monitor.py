@@ -33,14 +33,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
-from typing_extensions import override
-
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities.grads import grad_norm
-
 from _common import (
     StepTimer,
     add_timing_arguments,
@@ -56,6 +49,12 @@ from _common import (
     time_hook,
     write_json,
 )
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.grads import grad_norm
+from torch import Tensor
+from typing_extensions import override
+
 from trainvitals.norms.monitor import GradNormMonitor
 
 VARIANTS = ("bare", "monitor", "reference", "monitor_unlogged", "reference_logger", "monitor_even_steps")
@@ -110,8 +109,13 @@ def _callback(variant: str) -> Callback | None:
 
 
 def timed_fit(
-    variant: str, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any], steps: int, warmup: int,
-    logdir: str, last_totals: dict[str, float],
+    variant: str,
+    make_model: Callable[[], pl.LightningModule],
+    make_data: Callable[[], Any],
+    steps: int,
+    warmup: int,
+    logdir: str,
+    last_totals: dict[str, float],
 ) -> dict[str, float]:
     """One fit of ``warmup + steps`` optimizer steps (plus the epoch-boundary iterations); its step times."""
     pl.seed_everything(0, verbose=False)
@@ -119,11 +123,17 @@ def timed_fit(
     extra = _callback(variant)
     hook_seconds = time_hook(extra, "on_before_optimizer_step") if extra is not None else []
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=warmup + steps + 1,
+        accelerator="cpu",
+        devices=1,
+        max_steps=warmup + steps + 1,
         logger=TensorBoardLogger(logdir, name=variant, default_hp_metric=False),
         callbacks=[timer] + ([extra] if extra is not None else []),
-        log_every_n_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     model = make_model()
     data = make_data()
@@ -138,11 +148,16 @@ def timed_fit(
     if total is not None:
         last_totals[variant] = float(total)
     return {
-        "wall_median_s": median(timer.seconds), "wall_mean_s": sum(timer.seconds) / len(timer.seconds),
-        "cpu_median_s": median(timer.cpu_seconds), "cpu_mean_s": sum(timer.cpu_seconds) / len(timer.cpu_seconds),
+        "wall_median_s": median(timer.seconds),
+        "wall_mean_s": sum(timer.seconds) / len(timer.seconds),
+        "cpu_median_s": median(timer.cpu_seconds),
+        "cpu_mean_s": sum(timer.cpu_seconds) / len(timer.cpu_seconds),
         # the hook runs once per optimizer step, from step 0; EvenStepsMonitor's odd steps do nothing
-        "hook_cpu_median_s": median([t for i, t in enumerate(hook_seconds) if i >= warmup and (
-            variant != "monitor_even_steps" or i % 2 == 0)]) if hook_seconds else 0.0,
+        "hook_cpu_median_s": median(
+            [t for i, t in enumerate(hook_seconds) if i >= warmup and (variant != "monitor_even_steps" or i % 2 == 0)]
+        )
+        if hook_seconds
+        else 0.0,
         "n": len(timer.seconds),
         **({"paired_ratio": _even_over_odd(timer)} if variant == "monitor_even_steps" else {}),
     }
@@ -173,15 +188,28 @@ def bench_model(
 
 def format_rows(result: dict[str, Any]) -> str:
     table = markdown_table(
-        ["variant", "wall ms/step", "wall ratio", "wall ratio range", "CPU ms/step", "CPU ratio", "CPU ratio range",
-         "hook CPU ms/step", "steps timed/fit"],
-        [[r["variant"], *ratio_cells(r, "wall"), *ratio_cells(r, "cpu"), f"{r['hook_cpu_ms']:.3f}", r["steps_timed"]]
-         for r in result["rows"]],
+        [
+            "variant",
+            "wall ms/step",
+            "wall ratio",
+            "wall ratio range",
+            "CPU ms/step",
+            "CPU ratio",
+            "CPU ratio range",
+            "hook CPU ms/step",
+            "steps timed/fit",
+        ],
+        [
+            [r["variant"], *ratio_cells(r, "wall"), *ratio_cells(r, "cpu"), f"{r['hook_cpu_ms']:.3f}", r["steps_timed"]]
+            for r in result["rows"]
+        ],
     )
     paired = [r["paired_ratio"] for r in result["runs"].get("monitor_even_steps", [])]
     if paired:
-        table += (f"\nmonitor_even_steps, paired within each fit: measured-and-logged step / other step "
-                  f"{median(paired):.3f} [{min(paired):.3f}–{max(paired):.3f}]")
+        table += (
+            f"\nmonitor_even_steps, paired within each fit: measured-and-logged step / other step "
+            f"{median(paired):.3f} [{min(paired):.3f}–{max(paired):.3f}]"
+        )
     return table
 
 
@@ -190,8 +218,10 @@ def print_norm_agreement(result: dict[str, Any]) -> None:
     totals = result["last_total_norm"]
     if "monitor" in totals and "reference" in totals:
         rel = abs(totals["monitor"] - totals["reference"]) / max(abs(totals["reference"]), 1e-30)
-        print(f"\nlast-step total norm: monitor {totals['monitor']:.6g}, grad_norm {totals['reference']:.6g} "
-              f"(relative difference {rel:.1e})")
+        print(
+            f"\nlast-step total norm: monitor {totals['monitor']:.6g}, grad_norm {totals['reference']:.6g} "
+            f"(relative difference {rel:.1e})"
+        )
 
 
 def main() -> None:
@@ -205,8 +235,10 @@ def main() -> None:
     models = overhead_models(args)
     print(f"# GradNormMonitor overhead ({machine_line()}; {args.repetitions} repetitions, interleaved)")
     results = run_overhead(args, models, bench_model, format_rows, after=print_norm_agreement)
-    write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup,
-                          "results": results})
+    write_json(
+        args.out,
+        {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup, "results": results},
+    )
 
 
 if __name__ == "__main__":

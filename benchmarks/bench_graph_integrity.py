@@ -39,13 +39,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
-from typing_extensions import override
-
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
-
+import torch
 from _common import (
     StepTimer,
     WideMLP,
@@ -58,10 +53,14 @@ from _common import (
     run_overhead,
     write_json,
 )
-from trainvitals.integrity.callback import GraphIntegrityCallback
-from trainvitals.integrity.graph import walk_graph
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from typing_extensions import override
+
 from trainvitals.demo.data import DigitsDataModule, load_digits_tensors
 from trainvitals.demo.model import DigitsCNN
+from trainvitals.integrity.callback import GraphIntegrityCallback
+from trainvitals.integrity.graph import walk_graph
 
 VARIANTS = ("bare", "control", "default", "every_step")
 
@@ -92,8 +91,14 @@ class ThreadClock(Callback):
         self.batches -= self.warmup
 
 
-HOOKS = ("on_train_start", "on_train_batch_start", "on_before_backward", "on_before_optimizer_step",
-         "on_train_batch_end", "on_train_end")
+HOOKS = (
+    "on_train_start",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_train_end",
+)
 
 
 def time_hooks(callback: Callback) -> dict[str, float]:
@@ -107,6 +112,7 @@ def time_hooks(callback: Callback) -> dict[str, float]:
                 return hook(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - start
+
         return wrapper
 
     for name in HOOKS:
@@ -123,7 +129,11 @@ def _callback(variant: str) -> GraphIntegrityCallback | None:
 
 
 def timed_fit(
-    variant: str, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any], steps: int, warmup: int,
+    variant: str,
+    make_model: Callable[[], pl.LightningModule],
+    make_data: Callable[[], Any],
+    steps: int,
+    warmup: int,
     logdir: str,
 ) -> dict[str, float]:
     """One fit of ``warmup + steps`` optimizer steps (plus the epoch-boundary iterations); its step times."""
@@ -132,11 +142,17 @@ def timed_fit(
     extra = _callback(variant)
     spent = time_hooks(extra) if extra is not None else {}
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=warmup + steps + 1,
+        accelerator="cpu",
+        devices=1,
+        max_steps=warmup + steps + 1,
         logger=TensorBoardLogger(logdir, name=variant, default_hp_metric=False),
         callbacks=[timer, clock] + ([extra] if extra is not None else []),
-        log_every_n_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     model, data = make_model(), make_data()
     gc.collect()
@@ -146,9 +162,13 @@ def timed_fit(
         trainer.fit(model, train_dataloaders=data)
     if extra is not None and extra.findings:
         raise RuntimeError(f"the benchmark models must be clean, got {extra.summary_markdown()}")
-    return {"cpu_s": clock.seconds / clock.batches,
-            "mean_s": sum(timer.seconds) / len(timer.seconds), "n": clock.batches,
-            "hook_s": sum(spent.values()) / (clock.batches + warmup), "hooks": spent}
+    return {
+        "cpu_s": clock.seconds / clock.batches,
+        "mean_s": sum(timer.seconds) / len(timer.seconds),
+        "n": clock.batches,
+        "hook_s": sum(spent.values()) / (clock.batches + warmup),
+        "hooks": spent,
+    }
 
 
 def bench_model(
@@ -164,16 +184,18 @@ def bench_model(
     rows = []
     for v in args.variants:
         ratios = {k: [r[k] / b[k] for r, b in zip(runs[v], runs["bare"])] for k in ("cpu_s", "mean_s")}
-        rows.append({
-            "variant": v,
-            "cpu_ms_per_step_min": 1e3 * min(r["cpu_s"] for r in runs[v]),
-            "ratio_cpu_min": min(r["cpu_s"] for r in runs[v]) / min(r["cpu_s"] for r in runs["bare"]),
-            "ratio_cpu": median(ratios["cpu_s"]),
-            "ratio_cpu_range": (min(ratios["cpu_s"]), max(ratios["cpu_s"])),
-            "ratio_wall_mean_step": median(ratios["mean_s"]),
-            "hook_us_per_step_min": 1e6 * min(r["hook_s"] for r in runs[v]),
-            "steps_timed": runs[v][0]["n"],
-        })
+        rows.append(
+            {
+                "variant": v,
+                "cpu_ms_per_step_min": 1e3 * min(r["cpu_s"] for r in runs[v]),
+                "ratio_cpu_min": min(r["cpu_s"] for r in runs[v]) / min(r["cpu_s"] for r in runs["bare"]),
+                "ratio_cpu": median(ratios["cpu_s"]),
+                "ratio_cpu_range": (min(ratios["cpu_s"]), max(ratios["cpu_s"])),
+                "ratio_wall_mean_step": median(ratios["mean_s"]),
+                "hook_us_per_step_min": 1e6 * min(r["hook_s"] for r in runs[v]),
+                "steps_timed": runs[v][0]["n"],
+            }
+        )
     return {"model": label, "runs": runs, "rows": rows}
 
 
@@ -191,17 +213,40 @@ def walk_cost(
         walk_graph(loss, before=0)
         times.append(time.perf_counter() - start)
     us = 1e6 * median(times)
-    return {"model": label, "nodes": len(walk.nodes), "leaves": len(walk.leaves), "us_per_walk": us,
-            "us_per_node": us / len(walk.nodes)}
+    return {
+        "model": label,
+        "nodes": len(walk.nodes),
+        "leaves": len(walk.leaves),
+        "us_per_walk": us,
+        "us_per_node": us / len(walk.nodes),
+    }
 
 
 def format_rows(result: dict[str, Any]) -> str:
     return markdown_table(
-        ["variant", "CPU ms/step (min)", "ratio of min CPU", "CPU ratio (median)", "range", "wall ratio (median)",
-         "µs/step in hooks (min)", "steps timed/fit"],
-        [[r["variant"], f"{r['cpu_ms_per_step_min']:.2f}", f"{r['ratio_cpu_min']:.3f}", f"{r['ratio_cpu']:.3f}",
-          f"{r['ratio_cpu_range'][0]:.3f}–{r['ratio_cpu_range'][1]:.3f}", f"{r['ratio_wall_mean_step']:.3f}",
-          f"{r['hook_us_per_step_min']:.0f}", r["steps_timed"]] for r in result["rows"]],
+        [
+            "variant",
+            "CPU ms/step (min)",
+            "ratio of min CPU",
+            "CPU ratio (median)",
+            "range",
+            "wall ratio (median)",
+            "µs/step in hooks (min)",
+            "steps timed/fit",
+        ],
+        [
+            [
+                r["variant"],
+                f"{r['cpu_ms_per_step_min']:.2f}",
+                f"{r['ratio_cpu_min']:.3f}",
+                f"{r['ratio_cpu']:.3f}",
+                f"{r['ratio_cpu_range'][0]:.3f}–{r['ratio_cpu_range'][1]:.3f}",
+                f"{r['ratio_wall_mean_step']:.3f}",
+                f"{r['hook_us_per_step_min']:.0f}",
+                r["steps_timed"],
+            ]
+            for r in result["rows"]
+        ],
     )
 
 
@@ -214,8 +259,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--walk-calls", type=int, default=200, help="walks timed per model")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch.set_num_threads; 0 keeps torch's default (erratic on a shared CPU)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads; 0 keeps torch's default (erratic on a shared CPU)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if "bare" not in args.variants:
@@ -234,12 +283,26 @@ def main() -> None:
     print(f"# GraphIntegrityCallback overhead ({machine_line()}; {args.repetitions} repetitions, interleaved)")
     walks = [walk_cost(label, models[label][0](), batches[label], args.walk_calls) for label in args.models]
     print("\n## one graph walk (median)\n")
-    print(markdown_table(["model", "nodes", "leaves", "µs/walk", "µs/node"],
-                         [[w["model"], w["nodes"], w["leaves"], f"{w['us_per_walk']:.1f}", f"{w['us_per_node']:.3f}"]
-                          for w in walks]))
+    print(
+        markdown_table(
+            ["model", "nodes", "leaves", "µs/walk", "µs/node"],
+            [
+                [w["model"], w["nodes"], w["leaves"], f"{w['us_per_walk']:.1f}", f"{w['us_per_node']:.3f}"]
+                for w in walks
+            ],
+        )
+    )
     results = run_overhead(args, models, bench_model, format_rows)
-    write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup,
-                          "walks": walks, "results": results})
+    write_json(
+        args.out,
+        {
+            "machine": machine_line(),
+            "repetitions": args.repetitions,
+            "warmup": args.warmup,
+            "walks": walks,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -30,13 +30,12 @@ import tempfile
 import warnings
 from collections.abc import Callable
 
+import lightning.pytorch as pl
 import torch
+from _common import StepTimer, WideMLP, machine_line, markdown_table, median, quiet_lightning, write_json
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
-
-from _common import StepTimer, WideMLP, machine_line, markdown_table, median, quiet_lightning, write_json
 from trainvitals import (
     BatchVarianceProbe,
     GradNormEarlyStopping,
@@ -56,8 +55,15 @@ CALLBACKS: dict[str, Callable[[], list[pl.Callback]]] = {
     "GraphIntegrityCallback": lambda: [GraphIntegrityCallback()],
     "MemoryTopologyProfiler": lambda: [MemoryTopologyProfiler()],
     "TrainvitalsDashboard": lambda: [TrainvitalsDashboard()],
-    "all": lambda: [GraphIntegrityCallback(), GradNormMonitor(), BatchVarianceProbe(), GradNormEarlyStopping(),
-                    LRScalingAdvisor(), MemoryTopologyProfiler(), TrainvitalsDashboard()],
+    "all": lambda: [
+        GraphIntegrityCallback(),
+        GradNormMonitor(),
+        BatchVarianceProbe(),
+        GradNormEarlyStopping(),
+        LRScalingAdvisor(),
+        MemoryTopologyProfiler(),
+        TrainvitalsDashboard(),
+    ],
 }
 
 
@@ -83,10 +89,16 @@ def child(args: argparse.Namespace) -> None:
     timer = StepTimer(warmup=args.warmup)
     with tempfile.TemporaryDirectory() as logdir:
         trainer = pl.Trainer(
-            accelerator="cuda" if device.type == "cuda" else "cpu", devices=1, max_steps=args.steps,
-            accumulate_grad_batches=2, logger=TensorBoardLogger(logdir), log_every_n_steps=1,
-            callbacks=[timer, *CALLBACKS[args.child]()], enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cuda" if device.type == "cuda" else "cpu",
+            devices=1,
+            max_steps=args.steps,
+            accumulate_grad_batches=2,
+            logger=TensorBoardLogger(logdir),
+            log_every_n_steps=1,
+            callbacks=[timer, *CALLBACKS[args.child]()],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -105,7 +117,9 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=int, default=2900, help="features of each Linear (default ~50.5M parameters at depth 6)")
+    parser.add_argument(
+        "--width", type=int, default=2900, help="features of each Linear (default ~50.5M parameters at depth 6)"
+    )
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
@@ -121,9 +135,24 @@ def main() -> None:
         return
     results = []
     for variant in args.variants:
-        cmd = [sys.executable, __file__, "--child", variant, "--width", str(args.width), "--depth", str(args.depth),
-               "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--device", args.device]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            variant,
+            "--width",
+            str(args.width),
+            "--depth",
+            str(args.depth),
+            "--batch-size",
+            str(args.batch_size),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--device",
+            args.device,
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{variant}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -136,14 +165,22 @@ def main() -> None:
         headers += ["CUDA peak (MB)", "vs bare"]
     rows = []
     for r in results:
-        row = [r["variant"], f"{r['peak_rss_mb']:,.0f}", f"{r['peak_rss_mb'] / bare['peak_rss_mb']:.3f}" if bare else "",
-               f"{r['step_s']:.3f}", f"{r['step_s'] / bare['step_s']:.2f}" if bare else "",
-               f"{r['cpu_step_s']:.3f}", f"{r['cpu_step_s'] / bare['cpu_step_s']:.2f}" if bare else ""]
+        row = [
+            r["variant"],
+            f"{r['peak_rss_mb']:,.0f}",
+            f"{r['peak_rss_mb'] / bare['peak_rss_mb']:.3f}" if bare else "",
+            f"{r['step_s']:.3f}",
+            f"{r['step_s'] / bare['step_s']:.2f}" if bare else "",
+            f"{r['cpu_step_s']:.3f}",
+            f"{r['cpu_step_s'] / bare['cpu_step_s']:.2f}" if bare else "",
+        ]
         if "cuda_peak_mb" in r:
             row += [f"{r['cuda_peak_mb']:,.0f}", f"{r['cuda_peak_mb'] / bare['cuda_peak_mb']:.3f}" if bare else ""]
         rows.append(row)
     params = results[0]["parameters"] if results else 0
-    print(f"\n{params / 1e6:.1f}M parameters, batch {args.batch_size} × 2 micro-batches, every step logged; {machine_line()}\n")
+    print(
+        f"\n{params / 1e6:.1f}M parameters, batch {args.batch_size} × 2 micro-batches, every step logged; {machine_line()}\n"
+    )
     print(markdown_table(headers, rows))
     write_json(args.out, {"machine": machine_line(), "results": results})
 

@@ -32,16 +32,12 @@ import gc
 import tempfile
 import time
 import warnings
-from types import SimpleNamespace
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
-import torch
-from torch.utils.data import DataLoader, TensorDataset
-
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
-
+import torch
 from _common import (
     StepTimer,
     WideMLP,
@@ -53,9 +49,12 @@ from _common import (
     random_regression_loader,
     write_json,
 )
-from trainvitals.memory.profiler import MemoryTopologyProfiler
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
+
 from trainvitals.demo.data import load_digits_tensors
 from trainvitals.demo.model import DigitsCNN
+from trainvitals.memory.profiler import MemoryTopologyProfiler
 
 PROFILERS: dict[str, Callable[[], list[pl.Callback]]] = {
     "bare": lambda: [],
@@ -79,9 +78,16 @@ def step_times(
     """Per-iteration seconds of one fit of ``warmup + steps`` optimizer steps with ``variant``'s callbacks."""
     timer = StepTimer(warmup)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=warmup + steps + 1, callbacks=[timer, *PROFILERS[variant]()],
-        logger=TensorBoardLogger(logdir, name=variant, default_hp_metric=False), log_every_n_steps=1,
-        limit_val_batches=0, num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=warmup + steps + 1,
+        callbacks=[timer, *PROFILERS[variant]()],
+        logger=TensorBoardLogger(logdir, name=variant, default_hp_metric=False),
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     gc.collect()
@@ -145,21 +151,41 @@ def main() -> None:
     for label in args.models:
         make_model, make_data, steps = models[label]
         with tempfile.TemporaryDirectory() as logdir:
-            runs = interleaved({v: (lambda v=v: step_times(v, make_model(), make_data(), steps, args.warmup, logdir))
-                                for v in PROFILERS}, args.repetitions)
+            runs = interleaved(
+                {
+                    v: (lambda v=v: step_times(v, make_model(), make_data(), steps, args.warmup, logdir))
+                    for v in PROFILERS
+                },
+                args.repetitions,
+            )
         summary = summarise(runs, args.warmup, idle_s)
         results.append({"model": label, "summary": summary, "runs": runs})
-        print(f"\n## {label}: ms per step (median) " +
-              ", ".join(f"{v} {ms:.2f}" for v, ms in summary["ms_per_step"].items()) + "\n")
-        print(markdown_table(["ratio", "median over repetitions", "range", "target"], [
-            [name, f"{summary[key]['median']:.3f}", "–".join(f"{x:.3f}" for x in summary[key]["range"]), target]
-            for name, key, target in (("profiled / unprofiled step (paired)", "profiled_step", "≤ 1.5"),
-                                      ("unprofiled step / bare", "unprofiled_step", "≈ 1"),
-                                      ("default schedule / bare (mean step)", "default_mean_step", "≤ 1.03"))]))
-        print(f"\nidle hooks: {100 * summary['idle_hooks_fraction']:.4f}% of a bare step; amortised at every "
-              f"{DEFAULT_EVERY_N} steps, derived: {summary['amortised_derived']:.4f} (≤ 1.03)")
-    write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup,
-                          "results": results})
+        print(
+            f"\n## {label}: ms per step (median) "
+            + ", ".join(f"{v} {ms:.2f}" for v, ms in summary["ms_per_step"].items())
+            + "\n"
+        )
+        print(
+            markdown_table(
+                ["ratio", "median over repetitions", "range", "target"],
+                [
+                    [name, f"{summary[key]['median']:.3f}", "–".join(f"{x:.3f}" for x in summary[key]["range"]), target]
+                    for name, key, target in (
+                        ("profiled / unprofiled step (paired)", "profiled_step", "≤ 1.5"),
+                        ("unprofiled step / bare", "unprofiled_step", "≈ 1"),
+                        ("default schedule / bare (mean step)", "default_mean_step", "≤ 1.03"),
+                    )
+                ],
+            )
+        )
+        print(
+            f"\nidle hooks: {100 * summary['idle_hooks_fraction']:.4f}% of a bare step; amortised at every "
+            f"{DEFAULT_EVERY_N} steps, derived: {summary['amortised_derived']:.4f} (≤ 1.03)"
+        )
+    write_json(
+        args.out,
+        {"machine": machine_line(), "repetitions": args.repetitions, "warmup": args.warmup, "results": results},
+    )
 
 
 if __name__ == "__main__":

@@ -54,12 +54,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import machine_line, markdown_table, median, write_json
 from torch import Tensor, nn
 
-from _common import machine_line, markdown_table, median, write_json
 from trainvitals.per_example import PerExampleGradients, Use, Workspace, plan_sources, rule_for
-from trainvitals.per_example.tensor_ops import _bmm, _sq_norms
 from trainvitals.per_example.rules.conv import _conv_patches
+from trainvitals.per_example.tensor_ops import _bmm, _sq_norms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from zoo import ZOO  # noqa: E402 - the test zoo's architectures, end to end
@@ -83,6 +83,7 @@ PEERS = ("trainvitals", "opacus", "opacus_ghost", "backpack")
 
 # ----------------------------------------------------------------------------------------------------
 # Layers and models
+
 
 class SelfAttention(nn.Module):
     """``attention(x, x, x)``'s output on a batch-first ``x`` (transposed for a sequence-first layer)."""
@@ -116,8 +117,7 @@ class PackedOutputs(Outputs):
     def forward(self, x: Tensor) -> Tensor:
         lengths = 8 + (x[:, 0, 0].detach().abs() * 1000).long().cpu() % (x.shape[1] - 7)
         packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
-        return nn.utils.rnn.pad_packed_sequence(self.recurrent(packed)[0], batch_first=True,
-                                                total_length=x.shape[1])[0]
+        return nn.utils.rnn.pad_packed_sequence(self.recurrent(packed)[0], batch_first=True, total_length=x.shape[1])[0]
 
 
 #: name: (make the layer, input shape, integer inputs below this bound or None). Shapes of small real
@@ -128,55 +128,103 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] =
     "Linear 256→256, (64, 256)": (lambda: nn.Linear(256, 256), (64, 256), None),
     "Linear 128→512, tokens (32, 64, 128)": (lambda: nn.Linear(128, 512), (32, 64, 128), None),
     "Conv1d 16→32 k5, (32, 16, 128)": (lambda: nn.Conv1d(16, 32, 5, padding=2), (32, 16, 128), None),
-    "Conv2d 16→32 k3, (64, 16, 8, 8) (digits CNN conv 2)": (lambda: nn.Conv2d(16, 32, 3, padding=1), (64, 16, 8, 8), None),
+    "Conv2d 16→32 k3, (64, 16, 8, 8) (digits CNN conv 2)": (
+        lambda: nn.Conv2d(16, 32, 3, padding=1),
+        (64, 16, 8, 8),
+        None,
+    ),
     "Conv2d 32→64 k3, (32, 32, 16, 16)": (lambda: nn.Conv2d(32, 64, 3, padding=1), (32, 32, 16, 16), None),
     "Conv3d 8→16 k3, (16, 8, 8, 8, 8)": (lambda: nn.Conv3d(8, 16, 3, padding=1), (16, 8, 8, 8, 8), None),
-    "ConvTranspose1d 32→16 k4 s2, (32, 32, 64)": (lambda: nn.ConvTranspose1d(32, 16, 4, stride=2, padding=1),
-                                                  (32, 32, 64), None),
-    "ConvTranspose2d 32→16 k4 s2, (32, 32, 8, 8)": (lambda: nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1),
-                                                    (32, 32, 8, 8), None),
-    "ConvTranspose3d 16→8 k4 s2, (8, 16, 4, 4, 4)": (lambda: nn.ConvTranspose3d(16, 8, 4, stride=2, padding=1),
-                                                     (8, 16, 4, 4, 4), None),
+    "ConvTranspose1d 32→16 k4 s2, (32, 32, 64)": (
+        lambda: nn.ConvTranspose1d(32, 16, 4, stride=2, padding=1),
+        (32, 32, 64),
+        None,
+    ),
+    "ConvTranspose2d 32→16 k4 s2, (32, 32, 8, 8)": (
+        lambda: nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1),
+        (32, 32, 8, 8),
+        None,
+    ),
+    "ConvTranspose3d 16→8 k4 s2, (8, 16, 4, 4, 4)": (
+        lambda: nn.ConvTranspose3d(16, 8, 4, stride=2, padding=1),
+        (8, 16, 4, 4, 4),
+        None,
+    ),
     "GroupNorm 8×64, (32, 64, 16, 16)": (lambda: nn.GroupNorm(8, 64), (32, 64, 16, 16), None),
     "InstanceNorm2d 64 affine, (32, 64, 16, 16)": (lambda: nn.InstanceNorm2d(64, affine=True), (32, 64, 16, 16), None),
     "LayerNorm 256, (32, 64, 256)": (lambda: nn.LayerNorm(256), (32, 64, 256), None),
     "RMSNorm 256, (32, 64, 256)": (lambda: nn.RMSNorm(256), (32, 64, 256), None),
     "Embedding 10000×128, (32, 64) tokens": (lambda: nn.Embedding(10000, 128), (32, 64), 10000),
-    "MultiheadAttention 128, 4 heads, batch-first, (32, 64, 128)":
-        (lambda: SelfAttention(nn.MultiheadAttention(128, 4, batch_first=True)), (32, 64, 128), None),
-    "MultiheadAttention 128, 4 heads, sequence-first, (64, 32, 128)":
-        (lambda: SelfAttention(nn.MultiheadAttention(128, 4)), (32, 64, 128), None),
-    "MultiheadAttention 128, 4 heads, dropout 0.1, batch-first, (32, 64, 128)":
-        (lambda: SelfAttention(nn.MultiheadAttention(128, 4, dropout=0.1, batch_first=True)), (32, 64, 128), None),
+    "MultiheadAttention 128, 4 heads, batch-first, (32, 64, 128)": (
+        lambda: SelfAttention(nn.MultiheadAttention(128, 4, batch_first=True)),
+        (32, 64, 128),
+        None,
+    ),
+    "MultiheadAttention 128, 4 heads, sequence-first, (64, 32, 128)": (
+        lambda: SelfAttention(nn.MultiheadAttention(128, 4)),
+        (32, 64, 128),
+        None,
+    ),
+    "MultiheadAttention 128, 4 heads, dropout 0.1, batch-first, (32, 64, 128)": (
+        lambda: SelfAttention(nn.MultiheadAttention(128, 4, dropout=0.1, batch_first=True)),
+        (32, 64, 128),
+        None,
+    ),
     "RNN tanh 64→128, (32, 32, 64)": (lambda: Outputs(nn.RNN(64, 128, batch_first=True)), (32, 32, 64), None),
     "LSTM 64→128, (32, 32, 64)": (lambda: Outputs(nn.LSTM(64, 128, batch_first=True)), (32, 32, 64), None),
     "GRU 64→128, (32, 32, 64)": (lambda: Outputs(nn.GRU(64, 128, batch_first=True)), (32, 32, 64), None),
-    "LSTM 64→128, 2 layers, dropout 0.2 between, (32, 32, 64)":
-        (lambda: Outputs(nn.LSTM(64, 128, 2, batch_first=True, dropout=0.2)), (32, 32, 64), None),
-    "LSTM 64→128, packed (32, 8 to 32, 64)":
-        (lambda: PackedOutputs(nn.LSTM(64, 128, batch_first=True)), (32, 32, 64), None),
+    "LSTM 64→128, 2 layers, dropout 0.2 between, (32, 32, 64)": (
+        lambda: Outputs(nn.LSTM(64, 128, 2, batch_first=True, dropout=0.2)),
+        (32, 32, 64),
+        None,
+    ),
+    "LSTM 64→128, packed (32, 8 to 32, 64)": (
+        lambda: PackedOutputs(nn.LSTM(64, 128, batch_first=True)),
+        (32, 32, 64),
+        None,
+    ),
 }
-QUICK_LAYERS = ("Linear 256→256, (64, 256)", "Conv2d 16→32 k3, (64, 16, 8, 8) (digits CNN conv 2)",
-                "ConvTranspose2d 32→16 k4 s2, (32, 32, 8, 8)", "GroupNorm 8×64, (32, 64, 16, 16)",
-                "Embedding 10000×128, (32, 64) tokens", "MultiheadAttention 128, 4 heads, sequence-first, (64, 32, 128)",
-                "LSTM 64→128, (32, 32, 64)")
+QUICK_LAYERS = (
+    "Linear 256→256, (64, 256)",
+    "Conv2d 16→32 k3, (64, 16, 8, 8) (digits CNN conv 2)",
+    "ConvTranspose2d 32→16 k4 s2, (32, 32, 8, 8)",
+    "GroupNorm 8×64, (32, 64, 16, 16)",
+    "Embedding 10000×128, (32, 64) tokens",
+    "MultiheadAttention 128, 4 heads, sequence-first, (64, 32, 128)",
+    "LSTM 64→128, (32, 32, 64)",
+)
 
 
 def digits_cnn() -> nn.Module:
     """The demo's DigitsCNN as a plain module (the same layers, without Lightning)."""
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
     )
 
 
 def groupnorm_cnn() -> nn.Module:
     """A small ResNet-like stem for 32×32 images with GroupNorm (the per-example-friendly BatchNorm)."""
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.GroupNorm(8, 64), nn.ReLU(),
-        nn.Conv2d(64, 64, 3, stride=2, padding=1), nn.GroupNorm(8, 64), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.GroupNorm(8, 32),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, stride=2, padding=1),
+        nn.GroupNorm(8, 64),
+        nn.ReLU(),
+        nn.Conv2d(64, 64, 3, stride=2, padding=1),
+        nn.GroupNorm(8, 64),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
     )
 
 
@@ -186,8 +234,10 @@ class TokenMLP(nn.Module):
     def __init__(self, vocab: int = 2000, width: int = 128, classes: int = 10) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                                                  nn.Linear(4 * width, width)) for _ in range(2))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(2)
+        )
         self.norm, self.head = nn.RMSNorm(width), nn.Linear(width, classes)
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -202,10 +252,18 @@ class ConvAutoencoder(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.encode = nn.Sequential(nn.Conv2d(1, 16, 3, stride=2, padding=1), nn.InstanceNorm2d(16, affine=True),
-                                    nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU())
-        self.decode = nn.Sequential(nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1), nn.ReLU(),
-                                    nn.ConvTranspose2d(16, 4, 4, stride=2, padding=1))
+        self.encode = nn.Sequential(
+            nn.Conv2d(1, 16, 3, stride=2, padding=1),
+            nn.InstanceNorm2d(16, affine=True),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.ReLU(),
+        )
+        self.decode = nn.Sequential(
+            nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1),
+            nn.ReLU(),
+            nn.ConvTranspose2d(16, 4, 4, stride=2, padding=1),
+        )
         self.head = nn.Linear(4 * 16 * 16, 10)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -226,20 +284,24 @@ def make_input(shape: tuple[int, ...], vocab: int | None, dtype: torch.dtype, se
 
 def layer_data(make: Callable[[], nn.Module], shape: tuple[int, ...], vocab: int | None) -> Data:
     """Inputs of ``shape`` and weights w_i of the layer's loss Σ_i ⟨y_i, w_i⟩, of its output's shape."""
+
     def data(examples, dtype, seed):
         x = make_input((examples or shape[0], *shape[1:]), vocab, dtype, seed)
         torch.manual_seed(3)
         with torch.no_grad():
             probe = make().to(x.dtype if x.is_floating_point() else torch.float32)
             return x, torch.randn_like(probe(x))
+
     return data
 
 
 def labelled(shape: tuple[int, ...], vocab: int | None = None) -> Data:
     """Inputs of ``shape`` and one of 10 labels each."""
+
     def data(examples, dtype, seed):
         x = make_input((examples or shape[0], *shape[1:]), vocab, dtype, seed)
         return x, torch.randint(10, (x.shape[0],), generator=torch.Generator().manual_seed(4))
+
     return data
 
 
@@ -253,14 +315,18 @@ def zoo_model(name: str) -> Callable[[], nn.Module]:
         if entry.shared_lookup:
             model.get_submodule(entry.shared_lookup).requires_grad_(False)
         return model
+
     return make
 
 
 def zoo_data(name: str, batch: int) -> Data:
     def data(examples, dtype, seed):
         torch.manual_seed(seed)
-        return tuple(t.to(dtype) if t.is_floating_point() else t  # type: ignore[return-value]
-                     for t in ZOO[name].batch(examples or batch))
+        return tuple(
+            t.to(dtype) if t.is_floating_point() else t  # type: ignore[return-value]
+            for t in ZOO[name].batch(examples or batch)
+        )
+
     return data
 
 
@@ -271,10 +337,15 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Data, Callable[[Tensor, Tensor]
     "digits CNN (demo), batch 64": (digits_cnn, labelled((64, 1, 8, 8)), F.cross_entropy),
     "GroupNorm CNN 32×32, batch 32": (groupnorm_cnn, labelled((32, 3, 32, 32)), F.cross_entropy),
     "token MLP, Embedding/LayerNorm/RMSNorm, (32, 64) tokens": (TokenMLP, labelled((32, 64), 2000), F.cross_entropy),
-    "conv autoencoder, InstanceNorm/ConvTranspose2d, batch 32":
-        (ConvAutoencoder, labelled((32, 1, 16, 16)), F.cross_entropy),
-    **{f"zoo {name}, batch {ZOO_BATCH}": (zoo_model(name), zoo_data(name, ZOO_BATCH), entry.loss)
-       for name, entry in ZOO.items()},
+    "conv autoencoder, InstanceNorm/ConvTranspose2d, batch 32": (
+        ConvAutoencoder,
+        labelled((32, 1, 16, 16)),
+        F.cross_entropy,
+    ),
+    **{
+        f"zoo {name}, batch {ZOO_BATCH}": (zoo_model(name), zoo_data(name, ZOO_BATCH), entry.loss)
+        for name, entry in ZOO.items()
+    },
 }
 
 
@@ -315,6 +386,7 @@ class Bare(Tool):
         def run(x, target):
             _clear(module)
             loss(module(_requiring_grad(x)), target).backward()
+
         return run
 
 
@@ -324,6 +396,7 @@ class Forward(Tool):
     def prepare(self, module, loss, mean):
         def run(x, target):
             loss(module(_requiring_grad(x)), target)  # the graph is built and freed, not run
+
         return run
 
 
@@ -347,6 +420,7 @@ class TrainVitals(Tool):
             if step.failed:
                 raise RuntimeError(f"trainvitals failed: {step.failed}")
             return step.sq_norms[0]
+
         return run
 
 
@@ -357,16 +431,30 @@ def opacus_layers(module: nn.Module) -> bool:
     batch_first = True
     for name, child in list(module.named_modules()):
         if isinstance(child, nn.MultiheadAttention):
-            new = DPMultiheadAttention(child.embed_dim, child.num_heads, dropout=child.dropout,
-                                       bias=child.in_proj_bias is not None, add_bias_kv=child.bias_k is not None,
-                                       add_zero_attn=child.add_zero_attn, kdim=child.kdim, vdim=child.vdim,
-                                       batch_first=child.batch_first)
+            new = DPMultiheadAttention(
+                child.embed_dim,
+                child.num_heads,
+                dropout=child.dropout,
+                bias=child.in_proj_bias is not None,
+                add_bias_kv=child.bias_k is not None,
+                add_zero_attn=child.add_zero_attn,
+                kdim=child.kdim,
+                vdim=child.vdim,
+                batch_first=child.batch_first,
+            )
         elif isinstance(child, (nn.RNN, nn.LSTM, nn.GRU)):
             kind = {nn.RNN: DPRNN, nn.LSTM: DPLSTM, nn.GRU: DPGRU}[type(child)]
             extra = {"nonlinearity": child.nonlinearity} if isinstance(child, nn.RNN) else {}
-            new = kind(child.input_size, child.hidden_size, num_layers=child.num_layers, bias=child.bias,
-                       batch_first=child.batch_first, dropout=child.dropout, bidirectional=child.bidirectional,
-                       **extra)
+            new = kind(
+                child.input_size,
+                child.hidden_size,
+                num_layers=child.num_layers,
+                bias=child.bias,
+                batch_first=child.batch_first,
+                dropout=child.dropout,
+                bidirectional=child.bidirectional,
+                **extra,
+            )
         else:
             continue
         batch_first &= child.batch_first
@@ -383,8 +471,9 @@ class Opacus(Tool):
         if GradSampleModule is None:
             return "not installed"
         batch_first = opacus_layers(module)
-        wrapped = GradSampleModule(module, batch_first=batch_first, loss_reduction="mean" if mean else "sum",
-                                   strict=False)
+        wrapped = GradSampleModule(
+            module, batch_first=batch_first, loss_reduction="mean" if mean else "sum", strict=False
+        )
 
         def run(x, target):
             wrapped.zero_grad(set_to_none=True)
@@ -392,6 +481,7 @@ class Opacus(Tool):
             # A norm straight from the operand (as trainvitals' rules take theirs): a squared copy of a
             # (B, *shape) gradient costs more than Opacus' own work on a wide Linear.
             return sum(_sq_norms(p.grad_sample) for p in module.parameters() if p.requires_grad)
+
         return run
 
 
@@ -402,14 +492,19 @@ class OpacusGhost(Tool):
         if GradSampleModuleFastGradientClipping is None:
             return "not installed"
         batch_first = opacus_layers(module)
-        wrapped = GradSampleModuleFastGradientClipping(module, batch_first=batch_first,
-                                                       loss_reduction="mean" if mean else "sum",
-                                                       strict=False, use_ghost_clipping=True)
+        wrapped = GradSampleModuleFastGradientClipping(
+            module,
+            batch_first=batch_first,
+            loss_reduction="mean" if mean else "sum",
+            strict=False,
+            use_ghost_clipping=True,
+        )
 
         def run(x, target):
             wrapped.zero_grad(set_to_none=True)
             loss(wrapped(_requiring_grad(x)), target).backward()
             return wrapped.get_norm_sample().square()
+
         return run
 
 
@@ -432,6 +527,7 @@ class BackPACK(Tool):
             # BackPACK's individual gradients are those of the batch loss: (1/B) ∇ℓ_i for a mean.
             sq = sum(p.batch_l2 for p in params)
             return sq * x.shape[0] ** 2 if mean else sq
+
         return run
 
 
@@ -445,8 +541,9 @@ def brute_force_sq_norms(module: nn.Module, loss: Loss, x: Tensor, target: Tenso
     output = module(_requiring_grad(x))
     out = []
     for i in range(x.shape[0]):
-        grads = torch.autograd.grad(loss(output[i:i + 1], target[i:i + 1]), params, retain_graph=True,
-                                    allow_unused=True)
+        grads = torch.autograd.grad(
+            loss(output[i : i + 1], target[i : i + 1]), params, retain_graph=True, allow_unused=True
+        )
         out.append(sum(g.double().square().sum() for g in grads if g is not None))
     return torch.stack(out)
 
@@ -491,8 +588,16 @@ def exactness(make: Callable[[], nn.Module], data: Data, loss: Loss, mean: bool,
     return out
 
 
-def timings(make: Callable[[], nn.Module], data: Data, loss: Loss, mean: bool, repetitions: int, seconds: float,
-            optimizer: bool, exact: dict[str, Any]) -> dict[str, Any]:
+def timings(
+    make: Callable[[], nn.Module],
+    data: Data,
+    loss: Loss,
+    mean: bool,
+    repetitions: int,
+    seconds: float,
+    optimizer: bool,
+    exact: dict[str, Any],
+) -> dict[str, Any]:
     """CPU seconds per step of each tool that runs (float32): ``repetitions`` interleaved rounds of
     ~``seconds`` each (at least one step)."""
     torch.manual_seed(0)
@@ -553,7 +658,9 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         ratios = [s / b for s, b in zip(sec[name], bare)]
         entry = {"ms": 1e3 * median(sec[name]), "ratio": median(ratios), "range": (min(ratios), max(ratios))}
         if "forward" in sec:
-            entry["extra_per_backward"] = median([(s - b) / (b - f) for s, b, f in zip(sec[name], bare, sec["forward"])])
+            entry["extra_per_backward"] = median(
+                [(s - b) / (b - f) for s, b, f in zip(sec[name], bare, sec["forward"])]
+            )
         out[name] = entry
     return out
 
@@ -576,9 +683,17 @@ def _error_cell(error: Any) -> str:
 
 
 def table(results: dict[str, dict[str, Any]], per_backward: bool) -> str:
-    headers = ["", "bare ms/step"] + (["own bwd ms", "trainvitals +ms"] if per_backward else []) + \
-        ["trainvitals", "Opacus GradSampleModule", "Opacus ghost clipping", "BackPACK BatchL2Grad",
-         "max rel. err trainvitals / Opacus / ghost / BackPACK"]
+    headers = (
+        ["", "bare ms/step"]
+        + (["own bwd ms", "trainvitals +ms"] if per_backward else [])
+        + [
+            "trainvitals",
+            "Opacus GradSampleModule",
+            "Opacus ghost clipping",
+            "BackPACK BatchL2Grad",
+            "max rel. err trainvitals / Opacus / ghost / BackPACK",
+        ]
+    )
     rows = []
     for label, r in results.items():
         s, e = r["summary"], r["exactness"]
@@ -604,6 +719,7 @@ def reasons(results: dict[str, dict[str, Any]]) -> str:
 
 # ----------------------------------------------------------------------------------------------------
 # The conv path: where the second convolution's per-example time goes
+
 
 def padded_width_sq_norms(conv: nn.Conv2d, x: Tensor, g: Tensor, patches: Tensor, blocks: Tensor) -> Tensor:
     """A candidate form of the conv rule (stride 1, zero padding p, no dilation): the receptive fields
@@ -665,21 +781,27 @@ def conv_profile(repetitions: int, seconds: float) -> dict[str, float]:
         raise RuntimeError("the padded-width form does not give the rule's norms")
     args = (conv.stride, conv.padding, conv.dilation, False, [0, 0], 1)
     parts: dict[str, Callable[[], Any]] = {
-        "own backward (input + weight + bias grads)":
-            lambda: torch.ops.aten.convolution_backward(grad, inputs, w, [w.shape[0]], *args, [True, True, True]),
-        "own weight gradient (oneDNN, the FLOP floor)":
-            lambda: torch.ops.aten.convolution_backward(grad, inputs, w, None, *args, [False, True, False]),
+        "own backward (input + weight + bias grads)": lambda: torch.ops.aten.convolution_backward(
+            grad, inputs, w, [w.shape[0]], *args, [True, True, True]
+        ),
+        "own weight gradient (oneDNN, the FLOP floor)": lambda: torch.ops.aten.convolution_backward(
+            grad, inputs, w, None, *args, [False, True, False]
+        ),
         "trainvitals rule: sq_norms (all of it)": lambda: rule.sq_norms(conv, use, ws),
-        "  patches: shifted contiguous copies (T·I per example)": lambda: _conv_patches(conv, inputs, torch.float32, ws),
+        "  patches: shifted contiguous copies (T·I per example)": lambda: _conv_patches(
+            conv, inputs, torch.float32, ws
+        ),
         "  (the copy of the strided window view, other convolutions' form)": lambda: window_patches(conv, inputs, ws),
         "  per-example blocks: bmm (B × O×T · T×I)": lambda: _bmm(g.transpose(1, 2), patches, ws, "blocks"),
         "  ‖block‖²: vector_norm": lambda: _sq_norms(blocks),
         "  bias: Σ_t δ, ‖·‖²": lambda: g.sum(1).square().sum(1),
-        "candidate: patches over the padded width (+25% FLOPs, long runs)":
-            lambda: padded_width_sq_norms(conv, inputs, grad, wide_patches, wide_blocks),
-        "  its copy of the patches": lambda: wide_patches[:wide_runs.numel()].view(wide_runs.shape).copy_(wide_runs),
+        "candidate: patches over the padded width (+25% FLOPs, long runs)": lambda: padded_width_sq_norms(
+            conv, inputs, grad, wide_patches, wide_blocks
+        ),
+        "  its copy of the patches": lambda: wide_patches[: wide_runs.numel()].view(wide_runs.shape).copy_(wide_runs),
         "ghost alternative: two Gram bmm + vecdot": lambda: torch.linalg.vecdot(
-            torch.bmm(patches, patches.transpose(1, 2)).flatten(1), torch.bmm(g, g.transpose(1, 2)).flatten(1)),
+            torch.bmm(patches, patches.transpose(1, 2)).flatten(1), torch.bmm(g, g.transpose(1, 2)).flatten(1)
+        ),
     }
     for fn in parts.values():
         fn()
@@ -722,6 +844,7 @@ def step_breakdown(repetitions: int, steps: int) -> dict[str, float]:
                 return inner(*args)
             finally:
                 spent[key(*args)] = spent.get(key(*args), 0.0) + time.process_time() - start
+
         return wrapper
 
     def layer(group: list[str]) -> str:
@@ -771,6 +894,7 @@ def step_breakdown(repetitions: int, steps: int) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------------------------------
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repetitions", type=int, default=7, help="interleaved rounds per layer or model")
@@ -778,9 +902,13 @@ def main() -> None:
     parser.add_argument("--exact-batch", type=int, default=8, help="examples in the float64 exactness check")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 7 layers, 3 models, 3 rounds (< 1 min)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
-    parser.add_argument("--only", action="append", default=[],
-                        help="only the layers and models whose label contains this (repeatable); "
-                             "the conv-path sections run only with none or with 'digits'")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="only the layers and models whose label contains this (repeatable); "
+        "the conv-path sections run only with none or with 'digits'",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if args.threads:
@@ -824,10 +952,17 @@ def main() -> None:
         breakdown = step_breakdown(args.repetitions, 10 if args.quick else 50)
         print("\n## The digits CNN's plain-loop step with trainvitals, by part: CPU ms per step\n")
         print(markdown_table(["", "ms"], [[k, f"{v:.3f}"] for k, v in breakdown.items()]))
-    write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions,
-                          "layers": {k: {"exactness": v["exactness"], "summary": v["summary"]} for k, v in layer_results.items()},
-                          "models": {k: {"exactness": v["exactness"], "summary": v["summary"]} for k, v in model_results.items()},
-                          "conv_profile": profile, "step_breakdown": breakdown})
+    write_json(
+        args.out,
+        {
+            "machine": machine_line(),
+            "repetitions": args.repetitions,
+            "layers": {k: {"exactness": v["exactness"], "summary": v["summary"]} for k, v in layer_results.items()},
+            "models": {k: {"exactness": v["exactness"], "summary": v["summary"]} for k, v in model_results.items()},
+            "conv_profile": profile,
+            "step_breakdown": breakdown,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -28,12 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-
-import lightning.pytorch as pl
-from lightning.pytorch.loggers import CSVLogger
-
 from _common import (
     MLP_DEPTH,
     MLP_WIDTH,
@@ -44,8 +41,10 @@ from _common import (
     random_regression_loader,
     write_json,
 )
-from trainvitals.memory.profiler import MemoryTopologyProfiler
+from lightning.pytorch.loggers import CSVLogger
+
 from trainvitals.memory import SavedTensorRecorder
+from trainvitals.memory.profiler import MemoryTopologyProfiler
 
 B = 64  # the batch of random_regression_loader
 F32 = 4
@@ -79,14 +78,25 @@ def check_saved_bytes_against_the_allocator(device: torch.device) -> None:
         loss = F.mse_loss(model(x), y)
     report = recorder.report()
     grown = torch.cuda.memory_allocated(device) - before
-    check("saved activations on CUDA = hand count", report.total_bytes == HAND_COUNT,
-          measured=report.total_bytes, hand_count=HAND_COUNT)
+    check(
+        "saved activations on CUDA = hand count",
+        report.total_bytes == HAND_COUNT,
+        measured=report.total_bytes,
+        hand_count=HAND_COUNT,
+    )
     # Left allocated by the forward: the saved tensors and the 0-d loss (a 512-byte block); the
     # Linear outputs that a ReLU consumed are not saved, so already freed.
-    check("allocator growth over the forward ≈ saved bytes (10%)", abs(grown - report.total_bytes) <= 0.10 * grown,
-          allocator_growth=grown, saved=report.total_bytes)
-    check("CUDA-event module times", report.forward_seconds.get("net", 0.0) > 0,
-          net_forward_ms=round(1e3 * report.forward_seconds.get("net", 0.0), 4))
+    check(
+        "allocator growth over the forward ≈ saved bytes (10%)",
+        abs(grown - report.total_bytes) <= 0.10 * grown,
+        allocator_growth=grown,
+        saved=report.total_bytes,
+    )
+    check(
+        "CUDA-event module times",
+        report.forward_seconds.get("net", 0.0) > 0,
+        net_forward_ms=round(1e3 * report.forward_seconds.get("net", 0.0), 4),
+    )
     del loss
 
 
@@ -98,9 +108,17 @@ def metrics_rows(logger: CSVLogger) -> list[dict[str, float]]:
 def check_fit(device: torch.device, logdir: str) -> None:
     profiler = MemoryTopologyProfiler(measure_every_n_steps=1, snapshot_steps=2)
     logger = CSVLogger(logdir, name="fit")
-    trainer = pl.Trainer(accelerator="gpu", devices=[device.index or 0], max_steps=4, logger=logger,
-                         callbacks=[profiler], enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=[device.index or 0],
+        max_steps=4,
+        logger=logger,
+        callbacks=[profiler],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(AdamMLP(), random_regression_loader(8))
     rows = [r for r in metrics_rows(logger) if "memory/activations_bytes" in r]
     steps = [int(r["step"]) for r in rows]
@@ -111,39 +129,73 @@ def check_fit(device: torch.device, logdir: str) -> None:
         state = r["memory/optimizer_state_bytes"]
         inputs, acts, peak = r["memory/inputs_bytes"], r["memory/activations_bytes"], r["memory/peak_allocated_bytes"]
         check(f"step {step}: activations = hand count", acts == HAND_COUNT, activations=int(acts))
-        check(f"step {step}: peak ≥ what coexists", peak >= params + inputs + acts and peak >= params + grads + state,
-              peak=int(peak), forward_end=int(params + inputs + acts), optimizer_step=int(params + grads + state))
-        check(f"step {step}: reserved ≥ allocated", r["memory/peak_reserved_bytes"] >= peak,
-              reserved=int(r["memory/peak_reserved_bytes"]))
+        check(
+            f"step {step}: peak ≥ what coexists",
+            peak >= params + inputs + acts and peak >= params + grads + state,
+            peak=int(peak),
+            forward_end=int(params + inputs + acts),
+            optimizer_step=int(params + grads + state),
+        )
+        check(
+            f"step {step}: reserved ≥ allocated",
+            r["memory/peak_reserved_bytes"] >= peak,
+            reserved=int(r["memory/peak_reserved_bytes"]),
+        )
         known = params + grads + state + inputs + acts
-        check(f"step {step}: temporaries = peak − categories", r["memory/temporaries_bytes"] == peak - known,
-              temporaries=int(r["memory/temporaries_bytes"]))
-        check(f"step {step}: no OOM", r["memory/ooms"] == 0, ooms=int(r["memory/ooms"]),
-              alloc_retries=int(r["memory/alloc_retries"]))
+        check(
+            f"step {step}: temporaries = peak − categories",
+            r["memory/temporaries_bytes"] == peak - known,
+            temporaries=int(r["memory/temporaries_bytes"]),
+        )
+        check(
+            f"step {step}: no OOM",
+            r["memory/ooms"] == 0,
+            ooms=int(r["memory/ooms"]),
+            alloc_retries=int(r["memory/alloc_retries"]),
+        )
     total = torch.cuda.get_device_properties(device).total_memory
-    check("default budget = device memory, largest batch logged",
-          profiler.last is not None and profiler.last.budget_bytes == total and "memory/largest_batch" in rows[-1],
-          budget=total, largest_batch=int(rows[-1].get("memory/largest_batch", -1)))
+    check(
+        "default budget = device memory, largest batch logged",
+        profiler.last is not None and profiler.last.budget_bytes == total and "memory/largest_batch" in rows[-1],
+        budget=total,
+        largest_batch=int(rows[-1].get("memory/largest_batch", -1)),
+    )
     snapshot = Path(trainer.log_dir or logdir) / "memory_snapshot_rank0.pickle"
     content = pickle.loads(snapshot.read_bytes()) if snapshot.exists() else {}
-    check("snapshot written and readable", isinstance(content, dict) and {"segments", "device_traces"} <= set(content),
-          path=str(snapshot), size_bytes=snapshot.stat().st_size if snapshot.exists() else 0)
+    check(
+        "snapshot written and readable",
+        isinstance(content, dict) and {"segments", "device_traces"} <= set(content),
+        path=str(snapshot),
+        size_bytes=snapshot.stat().st_size if snapshot.exists() else 0,
+    )
     print("\n" + profiler.summary_markdown() + "\n")
 
 
 def check_overhead(device: torch.device, steps: int, warmup: int) -> None:
     timer = StepTimer(warmup)
-    trainer = pl.Trainer(accelerator="gpu", devices=[device.index or 0], max_steps=warmup + steps + 1, logger=False,
-                         callbacks=[timer, MemoryTopologyProfiler(measure_every_n_steps=2, first_steps=0)],
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0)
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=[device.index or 0],
+        max_steps=warmup + steps + 1,
+        logger=False,
+        callbacks=[timer, MemoryTopologyProfiler(measure_every_n_steps=2, first_steps=0)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(WideMLP(), random_regression_loader(warmup + steps + 2))
     # StepTimer's interval j is optimizer step warmup + j; the even steps are profiled.
     profiled = [t for j, t in enumerate(timer.seconds) if (warmup + j) % 2 == 0]
     others = [t for j, t in enumerate(timer.seconds) if (warmup + j) % 2 == 1]
     ratio = median(profiled) / median(others)
-    check("profiled / unprofiled step ≤ 1.5", ratio <= 1.5, ratio=round(ratio, 3),
-          profiled_ms=round(1e3 * median(profiled), 3), unprofiled_ms=round(1e3 * median(others), 3))
+    check(
+        "profiled / unprofiled step ≤ 1.5",
+        ratio <= 1.5,
+        ratio=round(ratio, 3),
+        profiled_ms=round(1e3 * median(profiled), 3),
+        unprofiled_ms=round(1e3 * median(others), 3),
+    )
     amortised = 1 + (ratio - 1) / 50
     check("amortised at every 50 steps ≤ 1.03", amortised <= 1.03, amortised=round(amortised, 4))
 

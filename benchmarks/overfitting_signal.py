@@ -20,14 +20,12 @@ import json
 import sys
 import time
 
-import torch
-from torch.utils.data import DataLoader, TensorDataset
-
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-
+import torch
 from _common import ShadowStops, quiet_lightning
-from stopping_tasks import TASKS, TaskModule, evaluate, make_stoppers, LOSS_TOLERANCE, METRIC_TOLERANCE
+from lightning.pytorch.callbacks import Callback
+from stopping_tasks import LOSS_TOLERANCE, METRIC_TOLERANCE, TASKS, TaskModule, evaluate, make_stoppers
+from torch.utils.data import DataLoader, TensorDataset
 
 
 class DisparityRecorder(Callback):
@@ -40,8 +38,9 @@ class DisparityRecorder(Callback):
         self.steps, self.epochs = [], []
 
     def _flat(self, module):
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).double()
-                          for p in module.parameters()])
+        return torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).double() for p in module.parameters()]
+        )
 
     def on_after_backward(self, trainer, module):
         flat = self._flat(module)
@@ -55,14 +54,25 @@ class DisparityRecorder(Callback):
             return
         d = torch.pdist(g)
         mean = g.mean(0)
-        self.steps.append({"step": trainer.global_step + 1, "gd": d.mean().item(), "trace_b": (d.square().mean() / 2).item(),
-                           "gbar_sq": mean.square().sum().item(), "k": len(g)})
+        self.steps.append(
+            {
+                "step": trainer.global_step + 1,
+                "gd": d.mean().item(),
+                "trace_b": (d.square().mean() / 2).item(),
+                "gbar_sq": mean.square().sum().item(),
+                "k": len(g),
+            }
+        )
 
     def on_train_batch_end(self, trainer, module, *_):
         if self.steps and self.steps[-1]["step"] == trainer.global_step and "est_trace" not in self.steps[-1]:
             s = self.stopper.gradient_noise.host_summary()
-            self.steps[-1].update(est_trace=s.get("trace_cov"), est_grad=s.get("grad_sq_norm"),
-                                  est_b=s.get("b_simple"), decisive=s.get("decisive"))
+            self.steps[-1].update(
+                est_trace=s.get("trace_cov"),
+                est_grad=s.get("grad_sq_norm"),
+                est_b=s.get("b_simple"),
+                decisive=s.get("decisive"),
+            )
 
     def on_train_epoch_end(self, trainer, module):
         self.epochs.append({"step": trainer.global_step, "train_loss": evaluate(module, self.train)["val_loss"]})
@@ -99,12 +109,29 @@ def run(task, optimizer, seed, epochs=None):
     stoppers = make_stoppers([])
     shadow = ShadowStops(stoppers, lambda m: evaluate(m, val))
     probe = DisparityRecorder(stoppers["noise_band"], (xt, yt))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs or task.max_epochs, accumulate_grad_batches=4, logger=False,
-                         callbacks=[*stoppers.values(), shadow, probe], deterministic=True, num_sanity_val_steps=0,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs or task.max_epochs,
+        accumulate_grad_batches=4,
+        logger=False,
+        callbacks=[*stoppers.values(), shadow, probe],
+        deterministic=True,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, train_dataloaders=train, val_dataloaders=DataLoader(TensorDataset(*val), batch_size=len(val[1])))
-    return {"task": task.name, "optimizer": optimizer, "seed": seed, "epochs": shadow.epochs, "train": probe.epochs,
-            "steps": probe.steps, "stops": {k: shadow.stops.get(k) for k in stoppers}}
+    return {
+        "task": task.name,
+        "optimizer": optimizer,
+        "seed": seed,
+        "epochs": shadow.epochs,
+        "train": probe.epochs,
+        "steps": probe.steps,
+        "stops": {k: shadow.stops.get(k) for k in stoppers},
+    }
 
 
 def analyse(r):
@@ -129,17 +156,28 @@ def analyse(r):
         e, b = ep[i], ep[best]
         return e["val_loss"] <= (1 + LOSS_TOLERANCE) * b["val_loss"] or e["metric"] >= b["metric"] - METRIC_TOLERANCE
 
-    out = {"run": f"{r['task']} {r['optimizer']} s{r['seed']}", "best_epoch": best + 1, "epochs": n,
-           "val_rise_end_%": 100 * (val[-1] / val[best] - 1),
-           "argmin_gd": min(range(n), key=lambda i: gd_ep[i]) + 1,
-           "argmin_est_trace": min(range(n), key=lambda i: est_tr[i] if est_tr[i] == est_tr[i] else float("inf")) + 1,
-           "rho(gd,val)": spearman(gd_ep, val), "rho(gd,gap)": spearman(gd_ep, gap),
-           "argmin_B": min(range(n), key=lambda i: est_invb[i] if est_invb[i] == est_invb[i] else float("inf")) + 1,
-           "rho(gd,val)|after_best": spearman(gd_ep[best:], val[best:]) if n - best > 3 else float("nan"),
-           "gd_end/min": gd_ep[-1] / min(gd_ep), "gap_end/gap_best": gap[-1] / gap[best] if gap[best] else float("nan")}
+    out = {
+        "run": f"{r['task']} {r['optimizer']} s{r['seed']}",
+        "best_epoch": best + 1,
+        "epochs": n,
+        "val_rise_end_%": 100 * (val[-1] / val[best] - 1),
+        "argmin_gd": min(range(n), key=lambda i: gd_ep[i]) + 1,
+        "argmin_est_trace": min(range(n), key=lambda i: est_tr[i] if est_tr[i] == est_tr[i] else float("inf")) + 1,
+        "rho(gd,val)": spearman(gd_ep, val),
+        "rho(gd,gap)": spearman(gd_ep, gap),
+        "argmin_B": min(range(n), key=lambda i: est_invb[i] if est_invb[i] == est_invb[i] else float("inf")) + 1,
+        "rho(gd,val)|after_best": spearman(gd_ep[best:], val[best:]) if n - best > 3 else float("nan"),
+        "gd_end/min": gd_ep[-1] / min(gd_ep),
+        "gap_end/gap_best": gap[-1] / gap[best] if gap[best] else float("nan"),
+    }
     start = next((i for i in range(n) if ep[i]["step"] >= 100), n)
-    for name, series, s0 in (("GD-ES", gd_ep, 0), ("GD-ES100", gd_ep, start), ("trS-ES100", est_tr, start),
-                             ("B-ES100", est_invb, start), ("valES", val, 0)):
+    for name, series, s0 in (
+        ("GD-ES", gd_ep, 0),
+        ("GD-ES100", gd_ep, start),
+        ("trS-ES100", est_tr, start),
+        ("B-ES100", est_invb, start),
+        ("valES", val, 0),
+    ):
         clean = [v if v == v else float("inf") for v in series]
         i = es(clean, start=s0)
         out[name] = "—" if i is None else f"ep{i + 1}{'' if tol(i) else '✗'}"
@@ -154,8 +192,8 @@ def main():
     names = [a for a in sys.argv[1:] if a != "--quick"] or ["synthetic pulses 1-D CNN", "stdlib chars GRU"]
     results = []
     for name in names:
-        for seed in ((0,) if quick else (0, 1)):
-            for opt in (("adam",) if quick else ("adam", "sgd")):
+        for seed in (0,) if quick else (0, 1):
+            for opt in ("adam",) if quick else ("adam", "sgd"):
                 t = time.perf_counter()
                 results.append(run(TASKS[name], opt, seed, 8 if quick else None))
                 print(f"[{name} {opt} {seed}: {time.perf_counter() - t:.0f} s]", flush=True)
@@ -168,7 +206,9 @@ def main():
         print("| " + " | ".join(f"{row[k]:.2f}" if isinstance(row[k], float) else str(row[k]) for k in keys) + " |")
     for name in ("GD-ES", "GD-ES100", "trS-ES100", "B-ES100", "valES"):
         ok = [row[name + "_ok"] for row in rows]
-        print(f"{name}: within tol {sum(a for a, _ in ok)}/{len(ok)}, stops {sum(b for _, b in ok)}, both {sum(a and b for a, b in ok)}")
+        print(
+            f"{name}: within tol {sum(a for a, _ in ok)}/{len(ok)}, stops {sum(b for _, b in ok)}, both {sum(a and b for a, b in ok)}"
+        )
 
 
 if __name__ == "__main__":

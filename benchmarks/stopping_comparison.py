@@ -35,16 +35,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-
-import lightning.pytorch as pl
+from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, write_json
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 
-from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, write_json
-from trainvitals.noise.stopper import DEFAULT_MARGIN, DEFAULT_PATIENCE, GradNormEarlyStopping
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
+from trainvitals.noise.stopper import DEFAULT_MARGIN, DEFAULT_PATIENCE, GradNormEarlyStopping
 
 METHODS = ("noise_band", "threshold", "val_loss", "fixed")
 
@@ -83,8 +82,10 @@ def evaluate(model: pl.LightningModule, val: tuple[torch.Tensor, torch.Tensor]) 
     model.eval()
     with torch.no_grad():
         logits = model(val[0])
-        result = {"val_acc": (logits.argmax(-1) == val[1]).double().mean().item(),
-                  "val_loss": F.cross_entropy(logits, val[1]).item()}
+        result = {
+            "val_acc": (logits.argmax(-1) == val[1]).double().mean().item(),
+            "val_loss": F.cross_entropy(logits, val[1]).item(),
+        }
     model.train(was_training)
     return result
 
@@ -99,8 +100,9 @@ def make_stoppers(args: argparse.Namespace, band_grid: list[tuple[float, int]]) 
     # Checked after each validation (once per epoch) rather than in on_train_epoch_end, the same decision
     # at the same step: Lightning calls EarlyStopping's on_train_epoch_end after every other callback's,
     # where the ShadowStops guard could not see it.
-    stoppers["val_loss"] = EarlyStopping(monitor="val/loss", mode="min", patience=args.es_patience,
-                                         check_on_train_epoch_end=False)
+    stoppers["val_loss"] = EarlyStopping(
+        monitor="val/loss", mode="min", patience=args.es_patience, check_on_train_epoch_end=False
+    )
     return stoppers
 
 
@@ -108,14 +110,24 @@ def band_name(margin: float, patience: int) -> str:
     return f"noise_band(margin={margin:g}, patience={patience})"
 
 
-def fit(args: argparse.Namespace, optimizer: str, seed: int, callbacks: list[Callback]) -> tuple[pl.Trainer, DigitsCNN, DigitsDataModule]:
+def fit(
+    args: argparse.Namespace, optimizer: str, seed: int, callbacks: list[Callback]
+) -> tuple[pl.Trainer, DigitsCNN, DigitsDataModule]:
     pl.seed_everything(seed, workers=True, verbose=False)
     data = DigitsDataModule(batch_size=args.batch_size)
     model = DigitsCNN(lr=args.lr[optimizer], optimizer=optimizer)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
-        logger=False, callbacks=callbacks, deterministic=True, num_sanity_val_steps=0,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=args.max_epochs,
+        accumulate_grad_batches=args.accumulate,
+        logger=False,
+        callbacks=callbacks,
+        deterministic=True,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model, datamodule=data)
     return trainer, model, data
@@ -173,11 +185,18 @@ def comparison_rows(runs: list[Run], args: argparse.Namespace) -> list[list[Any]
             steps, acc = outcome(run, method, args)
             name = default_band(args) if method == "noise_band" else method
             fired = method == "fixed" or run.stops.get(name) is not None
-            rows.append([
-                run.optimizer, run.seed, method if fired else f"{method} (never stopped)", steps,
-                f"{1 - steps / full:+.0%}", f"{100 * acc:.2f}", f"{100 * (acc - best):+.2f}",
-                f"{100 * best:.2f} @ {run.epoch_steps[best_epoch]}",
-            ])
+            rows.append(
+                [
+                    run.optimizer,
+                    run.seed,
+                    method if fired else f"{method} (never stopped)",
+                    steps,
+                    f"{1 - steps / full:+.0%}",
+                    f"{100 * acc:.2f}",
+                    f"{100 * (acc - best):+.2f}",
+                    f"{100 * best:.2f} @ {run.epoch_steps[best_epoch]}",
+                ]
+            )
     return rows
 
 
@@ -189,11 +208,17 @@ def summary_rows(runs: list[Run], args: argparse.Namespace) -> list[list[Any]]:
             results = [outcome(r, method, args) for r in mine]
             saved = [1 - s / r.epoch_steps[-1] for (s, _), r in zip(results, mine)]
             gaps = [100 * (a - max(r.epoch_val_acc)) for (_, a), r in zip(results, mine)]
-            rows.append([
-                optimizer, method, f"{median([s for s, _ in results]):.0f}", f"{median(saved):+.0%}",
-                f"{statistics.mean(100 * a for _, a in results):.2f}", f"{statistics.mean(gaps):+.2f}",
-                f"{min(gaps):+.2f}",
-            ])
+            rows.append(
+                [
+                    optimizer,
+                    method,
+                    f"{median([s for s, _ in results]):.0f}",
+                    f"{median(saved):+.0%}",
+                    f"{statistics.mean(100 * a for _, a in results):.2f}",
+                    f"{statistics.mean(gaps):+.2f}",
+                    f"{min(gaps):+.2f}",
+                ]
+            )
     return rows
 
 
@@ -203,8 +228,10 @@ def target_line(runs: list[Run], args: argparse.Namespace) -> str:
     for run in runs:
         steps, acc = outcome(run, "noise_band", args)
         met += (max(run.epoch_val_acc) - acc <= 0.01) and (steps <= 0.7 * run.epoch_steps[-1])
-    return (f"target (noise_band within 1 point of the fixed run's best val acc with >= 30% fewer steps): "
-            f"met in {met} of {len(runs)} runs")
+    return (
+        f"target (noise_band within 1 point of the fixed run's best val acc with >= 30% fewer steps): "
+        f"met in {met} of {len(runs)} runs"
+    )
 
 
 def sweep_rows(runs: list[Run], band_grid: list[tuple[float, int]], args: argparse.Namespace) -> list[list[Any]]:
@@ -216,10 +243,16 @@ def sweep_rows(runs: list[Run], band_grid: list[tuple[float, int]], args: argpar
             stops = [r.stops[band_name(margin, patience)] for r in mine]
             fired = [(s, r) for s, r in zip(stops, mine) if s is not None]
             steps = [s.steps if s else r.epoch_steps[-1] for s, r in zip(stops, mine)]
-            gaps = [100 * ((s.val_acc if s else r.epoch_val_acc[-1]) - max(r.epoch_val_acc)) for s, r in zip(stops, mine)]
+            gaps = [
+                100 * ((s.val_acc if s else r.epoch_val_acc[-1]) - max(r.epoch_val_acc)) for s, r in zip(stops, mine)
+            ]
             ok = sum(g >= -1.0 and n <= 0.7 * r.epoch_steps[-1] for g, n, r in zip(gaps, steps, mine))
-            row += [f"{len(fired)}/{len(mine)}", " ".join(str(n) for n in steps),
-                    f"{statistics.mean(gaps):+.2f} (worst {min(gaps):+.2f})", f"{ok}/{len(mine)}"]
+            row += [
+                f"{len(fired)}/{len(mine)}",
+                " ".join(str(n) for n in steps),
+                f"{statistics.mean(gaps):+.2f} (worst {min(gaps):+.2f})",
+                f"{ok}/{len(mine)}",
+            ]
         rows.append(row)
     return rows
 
@@ -244,7 +277,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="examples per micro-batch")
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per optimizer step")
     parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="noise band margin of (a)")
-    parser.add_argument("--patience", type=int, default=DEFAULT_PATIENCE, help="noise band patience of (a), optimizer steps")
+    parser.add_argument(
+        "--patience", type=int, default=DEFAULT_PATIENCE, help="noise band patience of (a), optimizer steps"
+    )
     parser.add_argument("--min-steps", type=int, default=0, help="min_steps of (a) and (b)")
     parser.add_argument("--threshold", type=float, default=1e-3, help="gradient norm threshold of (b)")
     parser.add_argument("--es-patience", type=int, default=5, help="EarlyStopping patience of (c), epochs")
@@ -270,29 +305,57 @@ def main() -> None:
             print(f"[{optimizer} seed {seed}: {runs[-1].seconds:.0f} s]", flush=True)
 
     effective = args.batch_size * args.accumulate
-    print(f"\n# Stopping on the digits demo ({machine_line()}; effective batch {effective} = "
-          f"{args.accumulate}×{args.batch_size}; adam lr {args.adam_lr:g}, sgd lr {args.sgd_lr:g} momentum 0.9; "
-          f"seeds {args.seeds}; budget {args.max_epochs} epochs)")
-    print(f"\n(a) = {default_band(args)}, min_steps {args.min_steps}; (b) threshold {args.threshold:g}; "
-          f"(c) EarlyStopping(val/loss, patience {args.es_patience}); steps = optimizer steps.\n")
-    print(markdown_table(
-        ["optimizer", "seed", "method", "steps", "saved vs fixed", "val acc at stop %", "Δ vs best of fixed", "fixed: best @ step"],
-        comparison_rows(runs, args)))
-    print(f"\n## Summary over {len(args.seeds)} seeds (steps: median; accuracies: mean; Δ: points vs the fixed run's best)\n")
-    print(markdown_table(["optimizer", "method", "steps", "saved", "val acc %", "mean Δ", "worst Δ"], summary_rows(runs, args)))
+    print(
+        f"\n# Stopping on the digits demo ({machine_line()}; effective batch {effective} = "
+        f"{args.accumulate}×{args.batch_size}; adam lr {args.adam_lr:g}, sgd lr {args.sgd_lr:g} momentum 0.9; "
+        f"seeds {args.seeds}; budget {args.max_epochs} epochs)"
+    )
+    print(
+        f"\n(a) = {default_band(args)}, min_steps {args.min_steps}; (b) threshold {args.threshold:g}; "
+        f"(c) EarlyStopping(val/loss, patience {args.es_patience}); steps = optimizer steps.\n"
+    )
+    print(
+        markdown_table(
+            [
+                "optimizer",
+                "seed",
+                "method",
+                "steps",
+                "saved vs fixed",
+                "val acc at stop %",
+                "Δ vs best of fixed",
+                "fixed: best @ step",
+            ],
+            comparison_rows(runs, args),
+        )
+    )
+    print(
+        f"\n## Summary over {len(args.seeds)} seeds (steps: median; accuracies: mean; Δ: points vs the fixed run's best)\n"
+    )
+    print(
+        markdown_table(
+            ["optimizer", "method", "steps", "saved", "val acc %", "mean Δ", "worst Δ"], summary_rows(runs, args)
+        )
+    )
     print("\n" + target_line(runs, args))
     if len(band_grid) > 1:
         headers = ["margin", "patience"]
         for optimizer in args.optimizers:
-            headers += [f"{optimizer}: stopped", f"{optimizer}: steps per seed", f"{optimizer}: Δ acc (points)",
-                        f"{optimizer}: target met"]
+            headers += [
+                f"{optimizer}: stopped",
+                f"{optimizer}: steps per seed",
+                f"{optimizer}: Δ acc (points)",
+                f"{optimizer}: target met",
+            ]
         print(f"\n## Noise-band sweep (seeds {args.seeds}; a run that never stopped counts the full budget)\n")
         print(markdown_table(headers, sweep_rows(runs, sorted(band_grid), args)))
     if args.real:
         print("\n## Shadow stops vs real stopping fits (steps / val acc %)\n")
         print(markdown_table(["optimizer", "seed", "stopper", "shadow", "real"], real_rows(runs, args)))
-    write_json(args.out, {"machine": machine_line(), "args": {k: v for k, v in vars(args).items()},
-                          "runs": [asdict(r) for r in runs]})
+    write_json(
+        args.out,
+        {"machine": machine_line(), "args": {k: v for k, v in vars(args).items()}, "runs": [asdict(r) for r in runs]},
+    )
 
 
 if __name__ == "__main__":

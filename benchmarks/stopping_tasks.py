@@ -34,15 +34,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, write_json
+from lightning.pytorch.callbacks import Callback, EarlyStopping
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, EarlyStopping
-
-from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, write_json
 from trainvitals import GradNormEarlyStopping
 
 SPLIT_SEED = 0  # every split and synthetic data set is fixed; --seeds change initialisation and shuffling
@@ -123,7 +122,7 @@ def pulse_data(n: int = 2000, length: int = 64) -> Split:
     shapes = {1: torch.ones(8), 2: torch.tensor([0.25, 0.5, 0.75, 1.0, 1.0, 0.75, 0.5, 0.25])}
     for i in range(n):
         if int(y[i]) in shapes:
-            x[i, 0, start[i]:start[i] + 8] += 2.0 * shapes[int(y[i])]
+            x[i, 0, start[i] : start[i] + 8] += 2.0 * shapes[int(y[i])]
     return _split(x, y)
 
 
@@ -151,8 +150,9 @@ def char_data() -> Split:
 
 # ---------------------------------------------------------------------- networks
 def mlp(features: int, hidden: int, out: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, out))
+    return nn.Sequential(
+        nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, out)
+    )
 
 
 class CharGRU(nn.Module):
@@ -169,8 +169,15 @@ class CharGRU(nn.Module):
 
 
 def pulse_cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv1d(1, 16, 5, padding=2), nn.ReLU(), nn.Conv1d(16, 16, 5, padding=2), nn.ReLU(),
-                         nn.AdaptiveMaxPool1d(1), nn.Flatten(), nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Conv1d(1, 16, 5, padding=2),
+        nn.ReLU(),
+        nn.Conv1d(16, 16, 5, padding=2),
+        nn.ReLU(),
+        nn.AdaptiveMaxPool1d(1),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    )
 
 
 def _vocab_size() -> int:
@@ -178,22 +185,68 @@ def _vocab_size() -> int:
     return int(max(xt.max(), xv.max())) + 1
 
 
-TASKS: dict[str, Task] = {t.name: t for t in [
-    Task("breast_cancer MLP", "classification", lambda: sklearn_data("load_breast_cancer"), lambda: mlp(30, 64, 2),
-         {"adam": 1e-3, "sgd": 0.01}, max_epochs=100),
-    Task("wine MLP", "classification", lambda: sklearn_data("load_wine"), lambda: mlp(13, 32, 3),
-         {"adam": 1e-3, "sgd": 0.01}, max_epochs=150, micro_batch=8),
-    Task("diabetes MLP (regression)", "regression", lambda: sklearn_data("load_diabetes", regression=True),
-         lambda: mlp(10, 64, 1), {"adam": 1e-3, "sgd": 0.005}, max_epochs=150),
-    Task("digits MLP", "classification", lambda: sklearn_data("load_digits"), lambda: mlp(64, 128, 10),
-         {"adam": 1e-3, "sgd": 0.02}, max_epochs=40),
-    Task("synthetic logistic regression", "classification", logistic_data, lambda: nn.Linear(20, 2),
-         {"adam": 1e-2, "sgd": 0.05}, max_epochs=20),
-    Task("synthetic pulses 1-D CNN", "classification", pulse_data, pulse_cnn,
-         {"adam": 3e-3, "sgd": 0.02}, max_epochs=30),
-    Task("stdlib chars GRU", "classification", char_data, lambda: CharGRU(_vocab_size()),
-         {"adam": 3e-3, "sgd": 0.5}, max_epochs=40),
-]}
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in [
+        Task(
+            "breast_cancer MLP",
+            "classification",
+            lambda: sklearn_data("load_breast_cancer"),
+            lambda: mlp(30, 64, 2),
+            {"adam": 1e-3, "sgd": 0.01},
+            max_epochs=100,
+        ),
+        Task(
+            "wine MLP",
+            "classification",
+            lambda: sklearn_data("load_wine"),
+            lambda: mlp(13, 32, 3),
+            {"adam": 1e-3, "sgd": 0.01},
+            max_epochs=150,
+            micro_batch=8,
+        ),
+        Task(
+            "diabetes MLP (regression)",
+            "regression",
+            lambda: sklearn_data("load_diabetes", regression=True),
+            lambda: mlp(10, 64, 1),
+            {"adam": 1e-3, "sgd": 0.005},
+            max_epochs=150,
+        ),
+        Task(
+            "digits MLP",
+            "classification",
+            lambda: sklearn_data("load_digits"),
+            lambda: mlp(64, 128, 10),
+            {"adam": 1e-3, "sgd": 0.02},
+            max_epochs=40,
+        ),
+        Task(
+            "synthetic logistic regression",
+            "classification",
+            logistic_data,
+            lambda: nn.Linear(20, 2),
+            {"adam": 1e-2, "sgd": 0.05},
+            max_epochs=20,
+        ),
+        Task(
+            "synthetic pulses 1-D CNN",
+            "classification",
+            pulse_data,
+            pulse_cnn,
+            {"adam": 3e-3, "sgd": 0.02},
+            max_epochs=30,
+        ),
+        Task(
+            "stdlib chars GRU",
+            "classification",
+            char_data,
+            lambda: CharGRU(_vocab_size()),
+            {"adam": 3e-3, "sgd": 0.5},
+            max_epochs=40,
+        ),
+    ]
+}
 
 
 # ---------------------------------------------------------------------- training
@@ -261,8 +314,10 @@ class TaskRun:
 
     def within_tolerance(self, name: str) -> bool:
         stop, best = self.outcome(name), self.best
-        return (stop["val_loss"] <= (1 + LOSS_TOLERANCE) * best["val_loss"]
-                or stop["metric"] >= best["metric"] - METRIC_TOLERANCE)
+        return (
+            stop["val_loss"] <= (1 + LOSS_TOLERANCE) * best["val_loss"]
+            or stop["metric"] >= best["metric"] - METRIC_TOLERANCE
+        )
 
     def saves_steps(self, name: str) -> bool:
         return self.outcome(name)["step"] < self.epochs[-1]["step"]
@@ -277,8 +332,9 @@ def make_stoppers(band_grid: list[tuple[float, int]]) -> dict[str, Callback]:
     stoppers: dict[str, Callback] = {"noise_band": GradNormEarlyStopping(verbose=False)}
     for margin, patience in band_grid:
         stoppers[band_name(margin, patience)] = GradNormEarlyStopping(margin=margin, patience=patience, verbose=False)
-    stoppers["val_loss"] = EarlyStopping(monitor="val_loss", mode="min", patience=ES_PATIENCE,
-                                         check_on_train_epoch_end=False)
+    stoppers["val_loss"] = EarlyStopping(
+        monitor="val_loss", mode="min", patience=ES_PATIENCE, check_on_train_epoch_end=False
+    )
     return stoppers
 
 
@@ -291,9 +347,17 @@ def run_one(task: Task, optimizer: str, seed: int, max_epochs: int, band_grid: l
     stoppers = make_stoppers(band_grid)
     shadow = ShadowStops(stoppers, lambda m: evaluate(m, val))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=max_epochs, accumulate_grad_batches=4, logger=False,
-        callbacks=[*stoppers.values(), shadow], deterministic=True, num_sanity_val_steps=0,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=max_epochs,
+        accumulate_grad_batches=4,
+        logger=False,
+        callbacks=[*stoppers.values(), shadow],
+        deterministic=True,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     start = time.perf_counter()
     trainer.fit(model, train_dataloaders=train, val_dataloaders=DataLoader(TensorDataset(*val), batch_size=len(val[1])))
@@ -321,23 +385,34 @@ def run_rows(runs: list[TaskRun]) -> list[list[Any]]:
     rows = []
     for run in runs:
         best = run.best
-        rows.append([run.task, run.optimizer, run.seed, run.epochs[-1]["step"],
-                     f"{best['step']:.0f} · {best['val_loss']:.4g} · {best['metric']:.1f}",
-                     *(_cell(run, m) for m in METHODS)])
+        rows.append(
+            [
+                run.task,
+                run.optimizer,
+                run.seed,
+                run.epochs[-1]["step"],
+                f"{best['step']:.0f} · {best['val_loss']:.4g} · {best['metric']:.1f}",
+                *(_cell(run, m) for m in METHODS),
+            ]
+        )
     return rows
 
 
 def _counts(runs: list[TaskRun], name: str) -> list[str]:
     """Of ``runs``: within tolerance (by the loss, by the metric), saving steps, both; median fraction saved."""
+
     def n(test: Callable[[TaskRun], bool]) -> int:
         return sum(test(r) for r in runs)
 
     by_loss = n(lambda r: r.outcome(name)["val_loss"] <= (1 + LOSS_TOLERANCE) * r.best["val_loss"])
     by_metric = n(lambda r: r.outcome(name)["metric"] >= r.best["metric"] - METRIC_TOLERANCE)
     saved = median([1 - r.outcome(name)["step"] / r.epochs[-1]["step"] for r in runs])
-    return [f"{n(lambda r: r.within_tolerance(name))}/{len(runs)} ({by_loss}, {by_metric})",
-            f"{n(lambda r: r.saves_steps(name))}/{len(runs)}",
-            f"{n(lambda r: r.within_tolerance(name) and r.saves_steps(name))}/{len(runs)}", f"{saved:.0%}"]
+    return [
+        f"{n(lambda r: r.within_tolerance(name))}/{len(runs)} ({by_loss}, {by_metric})",
+        f"{n(lambda r: r.saves_steps(name))}/{len(runs)}",
+        f"{n(lambda r: r.within_tolerance(name) and r.saves_steps(name))}/{len(runs)}",
+        f"{saved:.0%}",
+    ]
 
 
 COUNT_HEADERS = ["within tol. (loss, metric)", "saves steps", "tol. and saves", "median saved"]
@@ -353,12 +428,17 @@ def groups(runs: list[TaskRun], per_task: bool = True) -> list[tuple[str, list[T
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS), metavar="TASK",
-                        help=f"any of {list(TASKS)}")
+    parser.add_argument(
+        "--tasks", nargs="+", choices=list(TASKS), default=list(TASKS), metavar="TASK", help=f"any of {list(TASKS)}"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--optimizers", nargs="+", choices=("adam", "sgd"), default=["adam", "sgd"])
-    parser.add_argument("--margins", nargs="+", type=float,
-                        help="sweep: noise band margins (at the default patience unless --patiences)")
+    parser.add_argument(
+        "--margins",
+        nargs="+",
+        type=float,
+        help="sweep: noise band margins (at the default patience unless --patiences)",
+    )
     parser.add_argument("--patiences", nargs="+", type=int, help="sweep: noise band patiences")
     parser.add_argument("--quick", action="store_true", help="smoke run: seed 0, a quarter of each budget")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0 keeps torch's default")
@@ -385,25 +465,51 @@ def main() -> None:
                 print(f"[{name}, {optimizer}, seed {seed}: {runs[-1].seconds:.0f} s]", flush=True)
 
     print(f"\n# Stopping beyond the digits CNN ({machine_line()}; 4 micro-batches per step; seeds {args.seeds})")
-    print(f"\nnoise_band = GradNormEarlyStopping() at its defaults (margin {default.margin:g}, patience "
-          f"{default.patience}, min_steps {default.min_steps}, check_every_n_steps {default.check_every_n_steps}); "
-          f"val_loss = EarlyStopping(monitor='val_loss', patience={ES_PATIENCE}). Cells: stop step (steps saved) · "
-          f"val loss vs the best epoch's · metric (accuracy %, regression 100·R²) minus the best epoch's; "
-          f"— never stopped (last weights); ✗ outside tolerance (val loss > {100 * LOSS_TOLERANCE:g}% above "
-          f"and metric > {METRIC_TOLERANCE:g} point below the best epoch's).\n")
-    print(markdown_table(["task", "optimizer", "seed", "budget (steps)", "best epoch: step · val loss · metric",
-                          "noise_band", "val_loss"], run_rows(runs)))
-    print(f"\n## Summary over {len(args.optimizers)} optimizers × seeds {args.seeds} (loss, metric: "
-          f"runs within tolerance by each test)\n")
+    print(
+        f"\nnoise_band = GradNormEarlyStopping() at its defaults (margin {default.margin:g}, patience "
+        f"{default.patience}, min_steps {default.min_steps}, check_every_n_steps {default.check_every_n_steps}); "
+        f"val_loss = EarlyStopping(monitor='val_loss', patience={ES_PATIENCE}). Cells: stop step (steps saved) · "
+        f"val loss vs the best epoch's · metric (accuracy %, regression 100·R²) minus the best epoch's; "
+        f"— never stopped (last weights); ✗ outside tolerance (val loss > {100 * LOSS_TOLERANCE:g}% above "
+        f"and metric > {METRIC_TOLERANCE:g} point below the best epoch's).\n"
+    )
+    print(
+        markdown_table(
+            [
+                "task",
+                "optimizer",
+                "seed",
+                "budget (steps)",
+                "best epoch: step · val loss · metric",
+                "noise_band",
+                "val_loss",
+            ],
+            run_rows(runs),
+        )
+    )
+    print(
+        f"\n## Summary over {len(args.optimizers)} optimizers × seeds {args.seeds} (loss, metric: "
+        f"runs within tolerance by each test)\n"
+    )
     headers = ["runs", *(f"{m}: {h}" for m in METHODS for h in COUNT_HEADERS)]
     print(markdown_table(headers, [[g, *(c for m in METHODS for c in _counts(mine, m))] for g, mine in groups(runs)]))
     if band_grid:
-        names = {"noise_band (defaults)": "noise_band", **{band_name(m, p): band_name(m, p) for m, p in band_grid},
-                 f"EarlyStopping(val_loss, patience {ES_PATIENCE})": "val_loss"}
+        names = {
+            "noise_band (defaults)": "noise_band",
+            **{band_name(m, p): band_name(m, p) for m, p in band_grid},
+            f"EarlyStopping(val_loss, patience {ES_PATIENCE})": "val_loss",
+        }
         print("\n## Noise-band sweep\n")
-        print(markdown_table(["runs", "stopper", *COUNT_HEADERS],
-                             [[g, label, *_counts(mine, name)] for g, mine in groups(runs, per_task=False)
-                              for label, name in names.items()]))
+        print(
+            markdown_table(
+                ["runs", "stopper", *COUNT_HEADERS],
+                [
+                    [g, label, *_counts(mine, name)]
+                    for g, mine in groups(runs, per_task=False)
+                    for label, name in names.items()
+                ],
+            )
+        )
     write_json(args.out, {"machine": machine_line(), "args": vars(args), "runs": [asdict(r) for r in runs]})
 
 

@@ -5,18 +5,17 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-import torch
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from trainvitals.noise.probe import BatchVarianceProbe
-from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory.profiler import MemoryTopologyProfiler
+from trainvitals.noise.probe import BatchVarianceProbe
+from trainvitals.noise.stopper import GradNormEarlyStopping
+from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.report import command as report
 from trainvitals.tensorboard.dashboard import TrainvitalsDashboard
 
@@ -68,16 +67,30 @@ def run_example(doc: str, argv: list[str] | None, train: Callable[..., str], len
     return report.main([train(args.logdir, **{dest: getattr(args, dest)}, quiet=False)])
 
 
-def fit_example(module: pl.LightningModule, data: pl.LightningDataModule, logdir: str, name: str, every_n_steps: int,
-                min_steps: int, quiet: bool, **trainer_args: object) -> str:
+def fit_example(
+    module: pl.LightningModule,
+    data: pl.LightningDataModule,
+    logdir: str,
+    name: str,
+    every_n_steps: int,
+    min_steps: int,
+    quiet: bool,
+    **trainer_args: object,
+) -> str:
     """Fit ``module`` on one CPU with :func:`all_callbacks`, logging to TensorBoard; returns the run's log folder.
 
     ``trainer_args`` (the run's length, accumulation, logging cadence) go to the Trainer.
     """
     logger = TensorBoardLogger(logdir, name=name, default_hp_metric=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=logger,
-                         callbacks=all_callbacks(every_n_steps, min_steps, verbose=not quiet),
-                         enable_checkpointing=False, enable_progress_bar=not quiet, enable_model_summary=not quiet,
-                         **trainer_args)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=all_callbacks(every_n_steps, min_steps, verbose=not quiet),
+        enable_checkpointing=False,
+        enable_progress_bar=not quiet,
+        enable_model_summary=not quiet,
+        **trainer_args,
+    )
     trainer.fit(module, datamodule=data)
     return logger.log_dir

@@ -21,15 +21,12 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from _common import fit_example, run_example
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning.pytorch as pl
-
-
-from _common import fit_example, run_example
 
 STDLIB_MODULES = ("argparse.py", "textwrap.py", "fractions.py")
 """Pure-Python standard-library modules, about 150 kB of text together."""
@@ -115,8 +112,9 @@ class CharTransformer(pl.LightningModule):
         lr: AdamW learning rate.
     """
 
-    def __init__(self, vocab: int, context: int = 64, d_model: int = 64, heads: int = 4, layers: int = 2,
-                 lr: float = 3e-3) -> None:
+    def __init__(
+        self, vocab: int, context: int = 64, d_model: int = 64, heads: int = 4, layers: int = 2, lr: float = 3e-3
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.tokens = nn.Embedding(vocab, d_model)
@@ -145,14 +143,24 @@ class CharTransformer(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
 
 
-def train(logdir: str, max_steps: int = 300, batch_size: int = 32, context: int = 64, seed: int = 0,
-          quiet: bool = True) -> str:
+def train(
+    logdir: str, max_steps: int = 300, batch_size: int = 32, context: int = 64, seed: int = 0, quiet: bool = True
+) -> str:
     """Train the character transformer with trainvitals attached; returns the run's log folder."""
     pl.seed_everything(seed, workers=True, verbose=False)
     data = CharData(context=context, batch_size=batch_size)
-    return fit_example(CharTransformer(len(data.vocab), context=context), data, logdir, "char_transformer",
-                       every_n_steps=50, min_steps=150, quiet=quiet, max_steps=max_steps, log_every_n_steps=5,
-                       limit_val_batches=2)
+    return fit_example(
+        CharTransformer(len(data.vocab), context=context),
+        data,
+        logdir,
+        "char_transformer",
+        every_n_steps=50,
+        min_steps=150,
+        quiet=quiet,
+        max_steps=max_steps,
+        log_every_n_steps=5,
+        limit_val_batches=2,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

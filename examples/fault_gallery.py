@@ -19,24 +19,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from _common import example_parser
+from char_transformer import CharData
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
-
 import trainvitals
-from trainvitals.noise.probe import BatchVarianceProbe
-from trainvitals.norms.monitor import GradNormMonitor
+from trainvitals.demo.data import DigitsDataModule
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory.profiler import MemoryTopologyProfiler
+from trainvitals.noise.probe import BatchVarianceProbe
+from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.report.command import RunReport, assess, read_runs
-from trainvitals.demo.data import DigitsDataModule
-
-from _common import example_parser
-from char_transformer import CharData
 
 TRAINVITALS_DIR = str(Path(trainvitals.__file__).parent)
 
@@ -165,15 +163,31 @@ FAULTS = [
     Fault("detached_loss", "the logits are detached before the loss", DetachedLoss),
     Fault("unused_head", "a head is built and registered but never used in the loss", UnusedHead),
     Fault("layers_in_a_list", "hidden layers kept in a Python list instead of an nn.ModuleList", LayersInAList),
-    Fault("summed_loss_new_batch", "the loss is summed, not averaged, and the batch grew from 32 to 128 at the "
-          "same SGD lr", SummedLoss, data=lambda: DigitsDataModule(batch_size=128),
-          callbacks=lambda: [*default_callbacks()[:-1], LRScalingAdvisor(reference=(32, 0.1), verbose=False)]),
-    Fault("graph_kept_across_steps", "a running loss total kept as a tensor, with backward(retain_graph=True)",
-          GraphKeptAcrossSteps),
-    Fault("recurrent_state_not_detached", "a GRU's hidden state carried to the next batch without .detach()",
-          lambda: CharGRU(len(_char_data().vocab)), data=_char_data),
-    Fault("batchnorm_micro_batches", "BatchNorm with micro-batches of 2 under 32-step gradient accumulation",
-          BatchNormMLP, data=lambda: DigitsDataModule(batch_size=2), trainer={"accumulate_grad_batches": 32}),
+    Fault(
+        "summed_loss_new_batch",
+        "the loss is summed, not averaged, and the batch grew from 32 to 128 at the same SGD lr",
+        SummedLoss,
+        data=lambda: DigitsDataModule(batch_size=128),
+        callbacks=lambda: [*default_callbacks()[:-1], LRScalingAdvisor(reference=(32, 0.1), verbose=False)],
+    ),
+    Fault(
+        "graph_kept_across_steps",
+        "a running loss total kept as a tensor, with backward(retain_graph=True)",
+        GraphKeptAcrossSteps,
+    ),
+    Fault(
+        "recurrent_state_not_detached",
+        "a GRU's hidden state carried to the next batch without .detach()",
+        lambda: CharGRU(len(_char_data().vocab)),
+        data=_char_data,
+    ),
+    Fault(
+        "batchnorm_micro_batches",
+        "BatchNorm with micro-batches of 2 under 32-step gradient accumulation",
+        BatchNormMLP,
+        data=lambda: DigitsDataModule(batch_size=2),
+        trainer={"accumulate_grad_batches": 32},
+    ),
 ]
 
 
@@ -199,9 +213,19 @@ def run_fault(fault: Fault, logdir: str, max_steps: int = 6) -> Outcome:
     pl.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(logdir, name=fault.name, default_hp_metric=False)
     callbacks = fault.callbacks()
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
-                         log_every_n_steps=1, limit_val_batches=0, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, **fault.trainer)
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **fault.trainer,
+    )
     error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

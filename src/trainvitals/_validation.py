@@ -157,8 +157,12 @@ def renamed_arguments(**old_to_new: str) -> Callable[[Callable[..., T]], Callabl
                     continue
                 if new in kwargs:
                     raise TypeError(f"{type(self).__name__}() got both `{old}` and its new name `{new}`")
-                warnings.warn(f"{type(self).__name__}(`{old}`=...) is deprecated and will be removed in the "
-                              f"next release: use `{new}`", DeprecationWarning, stacklevel=2)
+                warnings.warn(
+                    f"{type(self).__name__}(`{old}`=...) is deprecated and will be removed in the "
+                    f"next release: use `{new}`",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
                 kwargs[new] = kwargs.pop(old)
                 used[f"`{new}`"] = f"`{old}` (now `{new}`)"
             try:
@@ -168,7 +172,7 @@ def renamed_arguments(**old_to_new: str) -> Callable[[Callable[..., T]], Callabl
                 said = next((name for name in used if text.startswith(name + " ")), None)
                 if said is None:
                     raise
-                raise type(err)(used[said] + text[len(said):]) from None
+                raise type(err)(used[said] + text[len(said) :]) from None
 
         return wrapper
 

@@ -7,13 +7,16 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainvitals.report import command as report
     from trainvitals.demo.options import add_arguments as add_demo_arguments
+    from trainvitals.report import command as report
 
     parser = argparse.ArgumentParser(prog="trainvitals", description="Vital signs of a training run.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a CNN on the bundled digits with trainvitals attached",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo = sub.add_parser(
+        "demo",
+        help="train a CNN on the bundled digits with trainvitals attached",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_demo_arguments(demo)
     report.add_arguments(sub.add_parser("report", help="health report of logged runs", description=report.DESCRIPTION))
     args = parser.parse_args(argv)

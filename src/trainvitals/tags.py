@@ -98,4 +98,4 @@ def split_prefix(tag: str, separator: str = LOGGER_JOIN_CHAR) -> tuple[str, str]
     if tag.startswith(TRAINVITALS_PREFIXES):
         return "", tag
     match = _prefixed(separator).match(tag)
-    return (match.group(1), tag[match.end():]) if match else ("", tag)
+    return (match.group(1), tag[match.end() :]) if match else ("", tag)

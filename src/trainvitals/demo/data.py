@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning.pytorch as pl
 
 VALIDATION_FRACTION = 0.2
 SPLIT_SEED = 0  # the split is fixed; --seed changes initialisation and shuffling only
@@ -46,8 +45,9 @@ class DigitsDataModule(pl.LightningDataModule):
         self.val_set = TensorDataset(images[val], labels[val])
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers)
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=self.num_workers
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256, num_workers=self.num_workers)

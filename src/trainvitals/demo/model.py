@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import lightning.pytorch as pl
 
 
 class DigitsCNN(pl.LightningModule):
@@ -25,8 +24,11 @@ class DigitsCNN(pl.LightningModule):
             raise ValueError(f"`optimizer` must be 'adam' or 'sgd', got {optimizer!r}")
         self.save_hyperparameters()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
 

@@ -16,16 +16,16 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from trainvitals.noise.probe import BatchVarianceProbe
-from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.norms.monitor import GradNormMonitor
+from trainvitals.demo.data import DigitsDataModule
+from trainvitals.demo.model import DigitsCNN
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory.profiler import MemoryTopologyProfiler
+from trainvitals.noise.probe import BatchVarianceProbe
+from trainvitals.noise.stopper import GradNormEarlyStopping
+from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, diagnoses
 from trainvitals.text.terminal import markdown_to_text
-from trainvitals.demo.data import DigitsDataModule
-from trainvitals.demo.model import DigitsCNN
 
 
 @dataclass
@@ -100,7 +100,9 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
     return DemoResult(
         steps=trainer.global_step,
         epochs=trainer.current_epoch,
-        stop_reason=stopper.describe_stop() if stopper.stopped_step is not None else f"reached max_epochs={args.max_epochs}",
+        stop_reason=stopper.describe_stop()
+        if stopper.stopped_step is not None
+        else f"reached max_epochs={args.max_epochs}",
         grad_norm=float(total) if total is not None else None,
         noise_floor=floor,
         smoothed_ratio=smoothed,
@@ -115,29 +117,39 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
 
 def format_summary(result: DemoResult, logdir: str, details: bool = True) -> str:
     """The short summary; with ``details``, each callback's diagnosis after it, as aligned plain text."""
+
     def num(x: float | None, fmt: str) -> str:
         return "n/a" if x is None else format(x, fmt)
 
-    ratio = (f" ({result.grad_norm / result.noise_floor:.2f}× the floor)"
-             if result.grad_norm is not None and result.noise_floor else "")
+    ratio = (
+        f" ({result.grad_norm / result.noise_floor:.2f}× the floor)"
+        if result.grad_norm is not None and result.noise_floor
+        else ""
+    )
     threads = f"{result.threads} torch thread{'s' if result.threads != 1 else ''}, --threads"
-    summary = "\n".join([
-        "trainvitals demo — digits CNN",
-        f"  optimizer steps:   {result.steps} ({result.epochs} epochs, {result.seconds:.0f} s on {threads})",
-        f"  why it stopped:    {result.stop_reason}",
-        f"  final grad norm:   {num(result.grad_norm, '.4f')} at the last step vs noise floor "
-        f"{num(result.noise_floor, '.4f')}{ratio}",
-        f"  smoothed:          E‖ḡ‖ ≈ {num(result.smoothed_ratio, '.2f')}× the floor (EMAs, what the stop is decided "
-        f"on; the band ends at {result.band_edge:.2f}×)",
-        f"  val accuracy:      {num(result.val_acc, '.4f')}",
-        f"  logs:              {result.log_dir}",
-        f"  look at it:        tensorboard --logdir {logdir}   or   trainvitals report {logdir} --format html "
-        "--output report.html",
-    ])
+    summary = "\n".join(
+        [
+            "trainvitals demo — digits CNN",
+            f"  optimizer steps:   {result.steps} ({result.epochs} epochs, {result.seconds:.0f} s on {threads})",
+            f"  why it stopped:    {result.stop_reason}",
+            f"  final grad norm:   {num(result.grad_norm, '.4f')} at the last step vs noise floor "
+            f"{num(result.noise_floor, '.4f')}{ratio}",
+            f"  smoothed:          E‖ḡ‖ ≈ {num(result.smoothed_ratio, '.2f')}× the floor (EMAs, what the stop is decided "
+            f"on; the band ends at {result.band_edge:.2f}×)",
+            f"  val accuracy:      {num(result.val_acc, '.4f')}",
+            f"  logs:              {result.log_dir}",
+            f"  look at it:        tensorboard --logdir {logdir}   or   trainvitals report {logdir} --format html "
+            "--output report.html",
+        ]
+    )
     if not details:
         return summary
-    sections = [f"{name}\n{'=' * len(name)}\n{markdown_to_text(markdown)}" for name, markdown in result.diagnoses.items()]
-    return "\n\n".join([summary, "Diagnoses (also the first panels of TensorBoard's Text tab, diagnosis/...)", *sections])
+    sections = [
+        f"{name}\n{'=' * len(name)}\n{markdown_to_text(markdown)}" for name, markdown in result.diagnoses.items()
+    ]
+    return "\n\n".join(
+        [summary, "Diagnoses (also the first panels of TensorBoard's Text tab, diagnosis/...)", *sections]
+    )
 
 
 def main(args: argparse.Namespace) -> int:

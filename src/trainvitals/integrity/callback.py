@@ -40,16 +40,12 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-import lightning.pytorch as pl
-
-from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_callable, check_int
-from trainvitals.plumbing.base import TrainvitalsCallback
-from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.integrity.checks.anomaly import AnomalyModeCheck
 from trainvitals.integrity.checks.autograd_errors import AutogradErrorCheck
 from trainvitals.integrity.checks.base import HOOKS, Check, Fit, overriding
@@ -64,9 +60,12 @@ from trainvitals.integrity.checks.optimizer import (
 from trainvitals.integrity.checks.reachability import ReachabilityCheck
 from trainvitals.integrity.checks.stale_graph import StaleGraphCheck
 from trainvitals.integrity.checks.zero_lr import ZeroLrCheck
+from trainvitals.integrity.diagnoses import listed
 from trainvitals.integrity.findings import NOTHING_CHECKED, Finding, FindingKind
 from trainvitals.integrity.graph import first_tensor, sequence_mark, walk_graph
-from trainvitals.integrity.diagnoses import listed
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.writers import log_scalars, log_text
+from trainvitals.text.markdown import markdown_table
 from trainvitals.text.terminal import markdown_to_text
 
 _MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before they are counted on the device
@@ -289,9 +288,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         return {k.counter: float(v) for k, v in self.counts.items()}
 
     @override
-    def on_exception(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._call("on_exception", trainer, pl_module, exception)
         self.teardown(trainer, pl_module, "fit")
         if self.counts:
@@ -321,16 +318,20 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         the first of a kind that breaks a run (the report's critical ones), else the first."""
         checked = f"{self._walks} graph walk(s) and {self._grad_checks} gradient check(s)"
         if not self.findings and not (self._walks or self._grad_checks):
-            return ("nothing checked: no graph walk and no gradient check ran (the run may have ended before its "
-                    "first step).")
+            return (
+                "nothing checked: no graph walk and no gradient check ran (the run may have ended before its "
+                "first step)."
+            )
         if not self.findings:
             return f"clean: no findings in {checked}."
         kinds = sorted({f.kind.value for f in self.findings})
         critical = [f for f in self.findings if f.kind.spec.critical is not None]
         first = (critical or self.findings)[0]
-        return (f"{len(self.findings)} finding(s) in {checked} ({', '.join(kinds)}); first "
-                f"{'breaking the run' if critical else 'of them'}, at step {first.step} [{first.kind.value}]: "
-                f"{_first_sentence(first.message)} The full table: the Text tab's graph/findings, or trainvitals report.")
+        return (
+            f"{len(self.findings)} finding(s) in {checked} ({', '.join(kinds)}); first "
+            f"{'breaking the run' if critical else 'of them'}, at step {first.step} [{first.kind.value}]: "
+            f"{_first_sentence(first.message)} The full table: the Text tab's graph/findings, or trainvitals report."
+        )
 
     def summary_markdown(self) -> str:
         """The findings as a markdown table (step, kind, names, message), or a clean bill of health (of at least

@@ -24,11 +24,11 @@ from torch.autograd.graph import Node
 
 from trainvitals.integrity.graph import (
     AutogradError,
-    created_before,
     InplaceInfo,
     all_zero,
     anomaly_location,
     attributes_reaching,
+    created_before,
     nearest_leaves,
     owner_module,
     parse_inplace_error,
@@ -192,9 +192,7 @@ def frozen_change_causes(param: Tensor, optimizer: torch.optim.Optimizer) -> lis
     return causes or ["the optimizer updates parameters regardless of requires_grad"]
 
 
-def describe_stale_graph(
-    root: nn.Module, stale: Sequence[Node], before: int | None
-) -> tuple[tuple[str, ...], str]:
+def describe_stale_graph(root: nn.Module, stale: Sequence[Node], before: int | None) -> tuple[tuple[str, ...], str]:
     """What carries a graph across steps, from the stale nodes of :func:`~trainvitals.integrity.graph.walk_graph`.
 
     Args:
@@ -210,7 +208,7 @@ def describe_stale_graph(
     return names, (
         f"The loss reaches {len(stale)} autograd node(s) created in an earlier step "
         f"({listed(_node_types(stale))}): {carried}. The earlier backward freed their saved tensors "
-        f"(\"backward through the graph a second time\"), or the graph grows every step. Detach the state "
+        f'("backward through the graph a second time"), or the graph grows every step. Detach the state '
         f"when carrying it over ({fix})."
     )
 
@@ -219,7 +217,8 @@ def _carried_state(root: nn.Module, stale: Sequence[Node], before: int | None) -
     """(names, "it is carried across steps in ...", the fix) for a graph reaching ``stale`` nodes."""
     attrs = attributes_reaching(root, set(stale), before)
     carried = (
-        f"it is carried across steps in {listed(attrs)}" if attrs
+        f"it is carried across steps in {listed(attrs)}"
+        if attrs
         else "it is carried across steps outside the module's attributes"
     )
     fix = f"`self.{attrs[0]} = {attrs[0].rpartition('.')[2]}.detach()`" if attrs else "`.detach()`"
@@ -338,12 +337,12 @@ def diagnose_second_backward(
             "training_step? Under automatic optimization Lightning runs backward itself: remove that call. If "
             "two backward passes through one graph are meant, pass retain_graph=True to the first."
         )
-    entry_nodes = list(dict.fromkeys(
-        c for n in walk.nodes - shared for c, _ in n.next_functions if c in shared
-    )) or [loss.grad_fn]
-    modules = tuple(dict.fromkeys(
-        owner_module(names.get(id(t), "?")) or "<root>" for n in entry_nodes for t in nearest_leaves(n)
-    ))
+    entry_nodes = list(dict.fromkeys(c for n in walk.nodes - shared for c, _ in n.next_functions if c in shared)) or [
+        loss.grad_fn
+    ]
+    modules = tuple(
+        dict.fromkeys(owner_module(names.get(id(t), "?")) or "<root>" for n in entry_nodes for t in nearest_leaves(n))
+    )
     return modules, (
         f"This loss shares {len(shared)} autograd node(s) with a loss back-propagated earlier in this step "
         f"(they enter at {listed(_node_types(entry_nodes))}, near module {listed(modules)}); that backward "

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 INTEGRITY = "integrity"
 """The report's section for the integrity findings."""
 
-NOTHING_CHECKED = ("**Graph integrity: nothing checked.** No graph walk and no gradient check ran, so no verdict: "
-                   "nothing logged (the run may have ended before its first step).")
+NOTHING_CHECKED = (
+    "**Graph integrity: nothing checked.** No graph walk and no gradient check ran, so no verdict: "
+    "nothing logged (the run may have ended before its first step)."
+)
 """GraphIntegrityCallback's end-of-fit markdown when it checked nothing: not a clean bill of health."""
 
 
@@ -137,8 +139,9 @@ class FindingKind(str, enum.Enum):
     INPLACE_MODIFIED = KindSpec("inplace_modified", critical=_AUTOGRAD_ERROR)
     # Not critical: lr=0 is also a way to freeze a part of the model on purpose.
     ZERO_LR = KindSpec(
-        "zero_lr", warning="a param group at lr exactly 0 whose parameters require grad: they do not train",
-        strict=False
+        "zero_lr",
+        warning="a param group at lr exactly 0 whose parameters require grad: they do not train",
+        strict=False,
     )
 
 
@@ -177,8 +180,11 @@ def critical_counters() -> tuple[tuple[str, str, str], ...]:
 
 def warning_counters() -> tuple[tuple[str, str, str], ...]:
     """``(section, counter regex, warning)`` for each kind that is not critical: the report lists a kind found."""
-    return tuple((kind.spec.section, re.escape(kind.counter) + "$", kind.spec.warning) for kind in FindingKind
-                 if kind.spec.critical is None and kind.spec.warning is not None)
+    return tuple(
+        (kind.spec.section, re.escape(kind.counter) + "$", kind.spec.warning)
+        for kind in FindingKind
+        if kind.spec.critical is None and kind.spec.warning is not None
+    )
 
 
 def last_window_counters() -> frozenset[str]:

@@ -287,15 +287,39 @@ class InplaceInfo:
         return is_view_op(self.producer)
 
 
-_VIEW_OPS = frozenset({"AsStrided", "T", "Transpose", "Permute", "View", "UnsafeView", "Expand", "Slice",
-                       "Select", "Unsqueeze", "Squeeze", "Alias", "ReshapeAlias", "Split", "SplitWithSizes",
-                       "UnsafeSplit", "UnsafeSplitWithSizes", "Unbind", "Narrow", "Diagonal", "Unfold"})
+_VIEW_OPS = frozenset(
+    {
+        "AsStrided",
+        "T",
+        "Transpose",
+        "Permute",
+        "View",
+        "UnsafeView",
+        "Expand",
+        "Slice",
+        "Select",
+        "Unsqueeze",
+        "Squeeze",
+        "Alias",
+        "ReshapeAlias",
+        "Split",
+        "SplitWithSizes",
+        "UnsafeSplit",
+        "UnsafeSplitWithSizes",
+        "Unbind",
+        "Narrow",
+        "Diagonal",
+        "Unfold",
+    }
+)
 
 
 def is_view_op(name: str) -> bool:
     """Whether an operation or autograd node name (``"T"``, ``"SplitBackward0"``) is a view: its output
     shares its input's storage (so a parameter's view is still the parameter's data)."""
     return re.sub(r"Backward\d*$", "", name) in _VIEW_OPS
+
+
 _INPLACE_RE = re.compile(
     r"\[[\w.]+ \[([\d, ]*)\]\], which is output \d+ of (\w+), is at version (\d+); expected version (\d+)"
 )

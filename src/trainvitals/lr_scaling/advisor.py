@@ -14,24 +14,19 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
-import lightning.pytorch as pl
-
 from trainvitals._validation import check_bool, check_int, renamed_arguments
-from trainvitals.plumbing.base import TrainvitalsCallback
-from trainvitals.plumbing.batch import batch_size, loss_divisor
-from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.plumbing.rerun import rerun_quietly
-from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.lr_scaling.rules import (
     LRAdvice,
     advice_table,
     advise,
     check_positive,
+    check_positive_int,
     classify_loss_reduction,
     effective_batch_size,
     examples_over_min,
@@ -39,7 +34,6 @@ from trainvitals.lr_scaling.rules import (
     lr_ratio,
     optimizer_family,
     param_group_labels,
-    check_positive_int,
     rule_for,
     steps_over_min,
     validate_batch_sizes,
@@ -47,6 +41,11 @@ from trainvitals.lr_scaling.rules import (
 )
 from trainvitals.noise.estimate import Z90, GradientNoise
 from trainvitals.per_example import detect_loss_reduction
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.batch import batch_size, loss_divisor
+from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.rerun import rerun_quietly
+from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.terminal import markdown_to_text
 
 REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescaled
@@ -170,8 +169,11 @@ class LRScalingAdvisor(TrainvitalsCallback):
         # Before the step runs: its lr is the one the scheduler set for it (LearningRateMonitor's point).
         step = trainer.global_step
         if self._started:
-            if (step != self._logged_step and self.per_device_batch is not None
-                    and is_logging_step(step, logging_every(trainer, self.log_every_n_steps))):
+            if (
+                step != self._logged_step
+                and self.per_device_batch is not None
+                and is_logging_step(step, logging_every(trainer, self.log_every_n_steps))
+            ):
                 self._report = self._advise(trainer, step)
             return
         self._started = True
@@ -220,8 +222,10 @@ class LRScalingAdvisor(TrainvitalsCallback):
             return "no advice: the per-device batch size is unknown (pass batch_size=)."
         named = [(name, adv) for name, adv in self.advices.items() if adv is not None]
         if not named:
-            return (f"no lr advice at an effective batch of {self.effective_batch}: the lr is 0 for every "
-                    "parameter group (nothing to scale).")
+            return (
+                f"no lr advice at an effective batch of {self.effective_batch}: the lr is 0 for every "
+                "parameter group (nothing to scale)."
+            )
         name, adv = named[0]
         if adv.noise_scale is None:
             scale = "no usable noise scale: classic rules"
@@ -229,8 +233,10 @@ class LRScalingAdvisor(TrainvitalsCallback):
             side = "above it: more batch buys little" if adv.batch_size > adv.noise_scale else "below it"
             scale = f"noise scale B̂ = {adv.noise_scale:.4g}, {side}"
         more = f" (and {len(named) - 1} more group(s))" if len(named) > 1 else ""
-        return (f"at an effective batch of {self.effective_batch} ({scale}): {name}{more} {_headline(adv)}; "
-                "the full table is the Text tab's lr_scaling/advice, or trainvitals report.")
+        return (
+            f"at an effective batch of {self.effective_batch} ({scale}): {name}{more} {_headline(adv)}; "
+            "the full table is the Text tab's lr_scaling/advice, or trainvitals report."
+        )
 
     def summary_markdown(self) -> str:
         """The latest report as markdown (the end-of-training table after ``fit``); ``""`` before any.
@@ -272,8 +278,14 @@ class LRScalingAdvisor(TrainvitalsCallback):
         """(B̂ in examples, where it came from or why there is none, its relative standard error)."""
         if self.noise_scale is not None:
             return self.noise_scale, "given", None
-        noise = next((cb.gradient_noise for cb in trainer.callbacks
-                      if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)), None)
+        noise = next(
+            (
+                cb.gradient_noise
+                for cb in trainer.callbacks
+                if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)
+            ),
+            None,
+        )
         if noise is None:
             return None, "not measured: no GradNormEarlyStopping or BatchVarianceProbe", None
         summary = noise.host_summary()  # reporting steps only: one transfer
@@ -291,8 +303,10 @@ class LRScalingAdvisor(TrainvitalsCallback):
         accumulate = int(min(trainer.accumulate_grad_batches, trainer.num_training_batches))
         assert self.per_device_batch is not None
         batch = effective_batch_size(self.per_device_batch, devices, nodes, accumulate)
-        how = (f"{self.per_device_batch} (per device) × {devices} (devices) × {nodes} (nodes) × {accumulate} "
-               f"(accumulate_grad_batches), {type(trainer.strategy).__name__}")
+        how = (
+            f"{self.per_device_batch} (per device) × {devices} (devices) × {nodes} (nodes) × {accumulate} "
+            f"(accumulate_grad_batches), {type(trainer.strategy).__name__}"
+        )
         return batch, how
 
     def _param_groups(self, trainer: "pl.Trainer") -> list[tuple[str, str, dict[str, Any]]]:
@@ -319,18 +333,26 @@ class LRScalingAdvisor(TrainvitalsCallback):
         metrics: dict[str, float] = {"lr_scaling/effective_batch": float(batch)}
         lines = [f"**effective batch** {batch} = {how}"]
         if noise_scale is None:
-            lines.append(f"**noise scale** not used ({source}): classic rules, linear for SGD-like and square root "
-                         "for Adam-like")
+            lines.append(
+                f"**noise scale** not used ({source}): classic rules, linear for SGD-like and square root for Adam-like"
+            )
         else:
             steps, examples = steps_over_min(batch, noise_scale), examples_over_min(batch, noise_scale)
             # One B_simple per run: a measured B̂ is the estimate's own, logged as grad_noise/b_simple.
             given = {"lr_scaling/b_noise": noise_scale} if source == "given" else {}
             metrics.update({**given, "lr_scaling/steps_over_min": steps, "lr_scaling/examples_over_min": examples})
-            spread = "" if rel_err is None else (
-                f" ± {100 * rel_err:.2g}%, 90% range {noise_scale * max(1 - Z90 * rel_err, 0.0):.4g}–"
-                f"{noise_scale * (1 + Z90 * rel_err):.4g}")
-            lines.append(f"**noise scale** B̂ = {noise_scale:.4g} examples{spread} ({source}): balanced batch ≈ "
-                         f"{noise_scale:.4g}; now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}")
+            spread = (
+                ""
+                if rel_err is None
+                else (
+                    f" ± {100 * rel_err:.2g}%, 90% range {noise_scale * max(1 - Z90 * rel_err, 0.0):.4g}–"
+                    f"{noise_scale * (1 + Z90 * rel_err):.4g}"
+                )
+            )
+            lines.append(
+                f"**noise scale** B̂ = {noise_scale:.4g} examples{spread} ({source}): balanced batch ≈ "
+                f"{noise_scale:.4g}; now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}"
+            )
 
         self.advices = {}
         for name, family, group in groups:
@@ -339,14 +361,22 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 self.advices[name] = None  # e.g. a warmup that starts at 0: nothing to scale yet
                 continue
             adam = family == "adam"
-            adv = advise(batch, lr, family, noise_scale, self.target_batch_sizes,
-                         betas=_betas(group) if adam else None, eps=_eps(group) if adam else None)
+            adv = advise(
+                batch,
+                lr,
+                family,
+                noise_scale,
+                self.target_batch_sizes,
+                betas=_betas(group) if adam else None,
+                eps=_eps(group) if adam else None,
+            )
             self.advices[name] = adv
             if noise_scale is not None and rel_err:
                 lines.append(self._range_line(name, adv, batch, lr, family, group, noise_scale, rel_err))
             metrics[f"lr_scaling/lr/{name}"] = lr
-            metrics.update({f"lr_scaling/suggested_lr_{s.key}/{name}": s.lr
-                            for s in adv.suggestions if s.lr is not None})
+            metrics.update(
+                {f"lr_scaling/suggested_lr_{s.key}/{name}": s.lr for s in adv.suggestions if s.lr is not None}
+            )
         idle = [name for name, adv in self.advices.items() if adv is None]
         if idle:
             lines.append(f"lr is 0 now for {', '.join(idle)}: nothing to scale")
@@ -358,16 +388,36 @@ class LRScalingAdvisor(TrainvitalsCallback):
         table = advice_table({name: adv for name, adv in self.advices.items() if adv is not None})
         return "\n".join(f"- {line}" for line in lines) + "\n\n" + table
 
-    def _range_line(self, name: str, adv: LRAdvice, batch: int, lr: float, family: str, group: dict[str, Any],
-                    noise_scale: float, rel_err: float) -> str:
+    def _range_line(
+        self,
+        name: str,
+        adv: LRAdvice,
+        batch: int,
+        lr: float,
+        family: str,
+        group: dict[str, Any],
+        noise_scale: float,
+        rel_err: float,
+    ) -> str:
         """Each suggested lr of ``name`` over B̂'s 90% range."""
         adam = family == "adam"
-        ends = [advise(batch, lr, family, noise_scale * f, self.target_batch_sizes,
-                       betas=_betas(group) if adam else None, eps=_eps(group) if adam else None)
-                for f in (max(1 - Z90 * rel_err, 1e-9), 1 + Z90 * rel_err)]
-        spans = [f"{s.label} {min(a.lr, b.lr):.3g}–{max(a.lr, b.lr):.3g}"
-                 for s, a, b in zip(adv.suggestions, ends[0].suggestions, ends[1].suggestions)
-                 if s.lr is not None and a.lr is not None and b.lr is not None]
+        ends = [
+            advise(
+                batch,
+                lr,
+                family,
+                noise_scale * f,
+                self.target_batch_sizes,
+                betas=_betas(group) if adam else None,
+                eps=_eps(group) if adam else None,
+            )
+            for f in (max(1 - Z90 * rel_err, 1e-9), 1 + Z90 * rel_err)
+        ]
+        spans = [
+            f"{s.label} {min(a.lr, b.lr):.3g}–{max(a.lr, b.lr):.3g}"
+            for s, a, b in zip(adv.suggestions, ends[0].suggestions, ends[1].suggestions)
+            if s.lr is not None and a.lr is not None and b.lr is not None
+        ]
         return f"{name}: over B̂'s 90% range the suggested lr spans " + (", ".join(spans) or "nothing")
 
     def _reduction_lines(self, groups: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
@@ -375,11 +425,19 @@ class LRScalingAdvisor(TrainvitalsCallback):
             return []
         notes: dict[str, list[str]] = {}
         for name, family, group in groups:
-            note = loss_reduction_note(self.loss_reduction, family, self.per_device_batch, float(group["lr"]),
-                                       _eps(group), terms=self.summed_terms)
+            note = loss_reduction_note(
+                self.loss_reduction,
+                family,
+                self.per_device_batch,
+                float(group["lr"]),
+                _eps(group),
+                terms=self.summed_terms,
+            )
             notes.setdefault(note, []).append(name)
-        head = (f"**loss reduction** {self.loss_reduction} (the first batch twice over gives "
-                f"{self.loss_ratio:.3g}× its loss)")
+        head = (
+            f"**loss reduction** {self.loss_reduction} (the first batch twice over gives "
+            f"{self.loss_ratio:.3g}× its loss)"
+        )
         return [head] + [f"{', '.join(names)}: {note}" for note, names in notes.items()]
 
     def _reference_lines(
@@ -393,9 +451,11 @@ class LRScalingAdvisor(TrainvitalsCallback):
         ref_batch, ref_lr = self.reference
         names = [name for name, _, _ in groups]
         if isinstance(ref_lr, Mapping) and not set(ref_lr) & set(names):
-            self._reference_unmatched = (f"`reference` gives the lr of {', '.join(map(repr, ref_lr))}, none of the "
-                                         f"optimizers' parameter groups ({', '.join(map(repr, names))}): no advice "
-                                         "from it; name the groups as the advice lists them")
+            self._reference_unmatched = (
+                f"`reference` gives the lr of {', '.join(map(repr, ref_lr))}, none of the "
+                f"optimizers' parameter groups ({', '.join(map(repr, names))}): no advice "
+                "from it; name the groups as the advice lists them"
+            )
             return [f"**reference**: {self._reference_unmatched}."]
         lines = []
         for name, family, group in groups:
@@ -407,8 +467,10 @@ class LRScalingAdvisor(TrainvitalsCallback):
             # it), else the lr before a scheduler (a warmup) changed it.
             lr = float(group.get("max_lr", group.get("initial_lr", group["lr"])))
             suggested, rule = tuned_lr * ratio, rule_for(family, noise_scale)
-            lines.append(f"**reference** {name}: tuned at batch {ref_batch} with lr {tuned_lr:.3g}; at batch {batch} "
-                         f"the {rule} rule suggests {suggested:.3g} (lr now {lr:.3g})")
+            lines.append(
+                f"**reference** {name}: tuned at batch {ref_batch} with lr {tuned_lr:.3g}; at batch {batch} "
+                f"the {rule} rule suggests {suggested:.3g} (lr now {lr:.3g})"
+            )
             if batch != ref_batch and abs(lr / suggested - 1.0) > REFERENCE_TOLERANCE:
                 state = "was not rescaled" if math.isclose(lr, tuned_lr, rel_tol=1e-9) else f"is {lr:.3g}"
                 self._reference_problems.append(f"{name}'s lr {state}: the {rule} rule suggests {suggested:.3g}")
@@ -420,9 +482,11 @@ def _validate_reference(reference: Any) -> tuple[int, float | dict[str, float]]:
 
     TypeError for a value that is not such a pair (or holds a non-number), ValueError for one out of range.
     """
-    message = (f"`reference` must be (effective_batch >= 1, lr > 0 or a non-empty mapping of group name (str) to "
-               f"lr > 0), "
-               f"got {reference!r}")
+    message = (
+        f"`reference` must be (effective_batch >= 1, lr > 0 or a non-empty mapping of group name (str) to "
+        f"lr > 0), "
+        f"got {reference!r}"
+    )
     if isinstance(reference, (str, bytes)) or not isinstance(reference, Sequence) or len(reference) != 2:
         raise TypeError(message)
     batch, lr = reference

@@ -23,8 +23,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_float, check_int
+from trainvitals.text.markdown import markdown_table
 
 FAMILIES = ("sgd", "adam", "unsure")
 FAMILY_LABELS = {"sgd": "SGD-like", "adam": "Adam-like", "unsure": "unsure"}
@@ -36,10 +36,23 @@ LARGE_ADAM_RATIO = 4.0  # from this batch ratio κ (or 1/κ) on, Adam's β and �
 
 # Names along the class hierarchy; a subclass of Adam is Adam-like. Anything else is "unsure".
 _SGD_LIKE = frozenset({"SGD", "FusedSGD"})
-_ADAM_LIKE = frozenset({
-    "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "SparseAdam",
-    "FusedAdam", "DeepSpeedCPUAdam", "Adam8bit", "AdamW8bit", "PagedAdam", "PagedAdamW",
-})
+_ADAM_LIKE = frozenset(
+    {
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "SparseAdam",
+        "FusedAdam",
+        "DeepSpeedCPUAdam",
+        "Adam8bit",
+        "AdamW8bit",
+        "PagedAdam",
+        "PagedAdamW",
+    }
+)
 
 # A duplicated batch leaves a mean loss unchanged and doubles a sum: log2 of the ratio is the
 # exponent k of loss ∝ B^k. Randomness drawn in the training step itself blurs it, hence the band.
@@ -233,8 +246,12 @@ class LRAdvice:
 
 
 def _notes(
-    family: str, ratio: float | None, batch: float, noise_scale: float | None,
-    betas: tuple[float, float] | None, eps: float | None,
+    family: str,
+    ratio: float | None,
+    batch: float,
+    noise_scale: float | None,
+    betas: tuple[float, float] | None,
+    eps: float | None,
 ) -> tuple[str, ...]:
     notes = []
     if noise_scale is not None and batch > noise_scale:
@@ -313,15 +330,24 @@ def advise(
     suggestions = []
     for key, label, target in rows:
         ratio = lr_ratio(batch, target, family, noise_scale)
-        suggestions.append(Suggestion(
-            key=key, label=label, batch_size=target, lr_ratio=ratio,
-            lr=None if ratio is None else lr * ratio,
-            steps_over_min=None if noise_scale is None else steps_over_min(target, noise_scale),
-            examples_over_min=None if noise_scale is None else examples_over_min(target, noise_scale),
-            notes=_notes(family, ratio, target, noise_scale, betas, eps),
-        ))
+        suggestions.append(
+            Suggestion(
+                key=key,
+                label=label,
+                batch_size=target,
+                lr_ratio=ratio,
+                lr=None if ratio is None else lr * ratio,
+                steps_over_min=None if noise_scale is None else steps_over_min(target, noise_scale),
+                examples_over_min=None if noise_scale is None else examples_over_min(target, noise_scale),
+                notes=_notes(family, ratio, target, noise_scale, betas, eps),
+            )
+        )
     return LRAdvice(
-        batch_size=batch, lr=lr, family=family, noise_scale=noise_scale, rule=rule,
+        batch_size=batch,
+        lr=lr,
+        family=family,
+        noise_scale=noise_scale,
+        rule=rule,
         steps_over_min=None if noise_scale is None else steps_over_min(batch, noise_scale),
         examples_over_min=None if noise_scale is None else examples_over_min(batch, noise_scale),
         balanced_batch=noise_scale,
@@ -350,8 +376,9 @@ def classify_loss_reduction(loss: float, loss_on_doubled_batch: float) -> str:
     return "unsure"
 
 
-def loss_reduction_note(reduction: str, family: str, per_device_batch: int, lr: float, eps: float | None = None,
-                        terms: int | None = None) -> str:
+def loss_reduction_note(
+    reduction: str, family: str, per_device_batch: int, lr: float, eps: float | None = None, terms: int | None = None
+) -> str:
     """What a loss reduction means for an optimizer family (docs/science.md §4, "Loss reduction").
 
     A loss summed over N terms has N× the gradient of their mean: N = b, the examples of a device's
@@ -381,13 +408,17 @@ def loss_reduction_note(reduction: str, family: str, per_device_batch: int, lr: 
     else:
         over = f"{n} terms ({b} examples × {n / b:g} each)"
     if family == "sgd":
-        return (f"loss summed over {over}: the gradient is {n}× that of their mean, so SGD steps with an effective "
-                f"lr of {n} × {lr:.3g} = {n * lr:.3g}; the sum already scales the step with the per-device batch, "
-                "so divide a suggested lr by b_new/b_old when the per-device batch changes")
+        return (
+            f"loss summed over {over}: the gradient is {n}× that of their mean, so SGD steps with an effective "
+            f"lr of {n} × {lr:.3g} = {n * lr:.3g}; the sum already scales the step with the per-device batch, "
+            "so divide a suggested lr by b_new/b_old when the per-device batch changes"
+        )
     if family == "adam":
         eps_part = f" = {eps / n:.3g}" if eps is not None else ""
-        return (f"loss summed over {over}: Adam divides the {n}× gradient scale out, except against ε: the "
-                f"effective ε is ε/{n}{eps_part}; the suggestions apply as they are")
+        return (
+            f"loss summed over {over}: Adam divides the {n}× gradient scale out, except against ε: the "
+            f"effective ε is ε/{n}{eps_part}; the suggestions apply as they are"
+        )
     return f"loss summed over {over}: the gradient is {n}× that of their mean; how this optimizer reacts is unknown"
 
 
@@ -428,14 +459,20 @@ def advice_table(advices: Mapping[str, LRAdvice]) -> str:
     rows = []
     for name, adv in advices.items():
         lr_at = {s.label: s.lr for s in adv.suggestions}
-        rows.append([name, FAMILY_LABELS[adv.family], f"{adv.lr:.3g}", adv.rule,
-                     *(_fmt(lr_at.get(label)) for label in labels)])
+        rows.append(
+            [name, FAMILY_LABELS[adv.family], f"{adv.lr:.3g}", adv.rule, *(_fmt(lr_at.get(label)) for label in labels)]
+        )
     lines = markdown_table(["optimizer", "family", "lr now", "rule", *labels], rows)
     if first.noise_scale is not None:
         steps = [first.steps_over_min] + [s.steps_over_min for s in first.suggestions]
         examples = [first.examples_over_min] + [s.examples_over_min for s in first.suggestions]
-        lines += ["", *markdown_table(["batch", f"{first.batch_size:.4g} (now)", *labels],
-                                      [["steps S/S_min", *map(_fmt, steps)], ["examples E/E_min", *map(_fmt, examples)]])]
+        lines += [
+            "",
+            *markdown_table(
+                ["batch", f"{first.batch_size:.4g} (now)", *labels],
+                [["steps S/S_min", *map(_fmt, steps)], ["examples E/E_min", *map(_fmt, examples)]],
+            ),
+        ]
     by_note: dict[tuple[str, str], list[str]] = {}  # one line per (target, note), naming the groups it is for
     for name, adv in advices.items():
         for s in adv.suggestions:

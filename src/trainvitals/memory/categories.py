@@ -18,9 +18,9 @@ from typing import Literal
 
 import torch
 
-from trainvitals.text.markdown import markdown_table
 from trainvitals.memory.recorder import SavedTensorReport
 from trainvitals.memory.storage import ModelStateBytes, format_bytes
+from trainvitals.text.markdown import markdown_table
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,12 @@ class AllocatorStats:
     @classmethod
     def read(cls, device: torch.device) -> AllocatorStats:
         stats = torch.cuda.memory_stats(device)
-        return cls(stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"], stats["num_alloc_retries"],
-                   stats["num_ooms"])
+        return cls(
+            stats["allocated_bytes.all.peak"],
+            stats["reserved_bytes.all.peak"],
+            stats["num_alloc_retries"],
+            stats["num_ooms"],
+        )
 
 
 def largest_batch(budget_bytes: int, fixed_bytes: int, scaling_bytes: int, batch_size: int) -> int:
@@ -130,8 +134,9 @@ class StepMemory:
         with saved activations of at least ``activations_peak`` bytes at some point of the step (a
         checkpointed module's recompute, :func:`~trainvitals.memory.checkpointing.checkpoint_peak`);
         ``None`` without a budget or a batch size."""
-        scaling = max(self.scaling_bytes - scaling_freed,
-                      self.scaling_bytes - self.activations.total_bytes + activations_peak)
+        scaling = max(
+            self.scaling_bytes - scaling_freed, self.scaling_bytes - self.activations.total_bytes + activations_peak
+        )
         if self.budget_bytes is None or scaling <= 0 or self.batch_size < 1:
             return None
         return largest_batch(self.budget_bytes, self.fixed_bytes - fixed_freed, scaling, self.batch_size)
@@ -171,15 +176,19 @@ def _allocator(read: Callable[[AllocatorStats], int]) -> Callable[[StepMemory], 
 MEMORY_CATEGORIES: list[MemoryCategory] = [
     MemoryCategory("parameters", "parameters", lambda m: m.state.parameters, "fixed"),
     # Part of the parameters row, so not a footprint row; left out for a model without frozen parameters.
-    MemoryCategory("frozen_parameters", "of which frozen (no gradient, no optimizer state)",
-                   lambda m: m.state.frozen_parameters or None),
+    MemoryCategory(
+        "frozen_parameters",
+        "of which frozen (no gradient, no optimizer state)",
+        lambda m: m.state.frozen_parameters or None,
+    ),
     MemoryCategory("buffers", "buffers", lambda m: m.state.buffers, "fixed"),
     MemoryCategory("gradients", "gradients", lambda m: m.state.gradients, "fixed"),
     MemoryCategory("optimizer_state", "optimizer state", lambda m: m.state.optimizer_state, "fixed"),
     MemoryCategory("inputs", "inputs (batch)", lambda m: m.inputs_bytes, "batch"),
     MemoryCategory("activations", "saved activations", lambda m: m.activations.total_bytes, "batch"),
-    MemoryCategory("parameter_copies", "parameter copies (autocast)", lambda m: m.activations.parameter_copy_bytes,
-                   "fixed"),
+    MemoryCategory(
+        "parameter_copies", "parameter copies (autocast)", lambda m: m.activations.parameter_copy_bytes, "fixed"
+    ),
     MemoryCategory("held_saved", "held after backward", lambda m: m.held_bytes),
     MemoryCategory("peak_allocated", "CUDA peak allocated", _allocator(lambda a: a.peak_allocated_bytes)),
     MemoryCategory("peak_reserved", "CUDA peak reserved", _allocator(lambda a: a.peak_reserved_bytes)),
@@ -212,8 +221,11 @@ def warn_failure_once(what: str, error: Exception) -> None:
     """Warn, once per ``what`` (a category or remedy rule) in the process, that it raised and is left out."""
     if what not in _FAILED:
         _FAILED.add(what)
-        warnings.warn(f"trainvitals MemoryTopologyProfiler: {what} raised {error!r}; left out, the profiler "
-                      "carries on.", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"trainvitals MemoryTopologyProfiler: {what} raised {error!r}; left out, the profiler carries on.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _measure(category: MemoryCategory, memory: StepMemory) -> float | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trainvitals.memory.recorder import OUTSIDE, ROOT, SavedTensorReport
 
+
 def _enclosing(name: str) -> list[str]:
     """``name`` and the modules around it, innermost first, ending with :data:`ROOT`."""
     if name in (ROOT, OUTSIDE):
@@ -72,14 +73,18 @@ def checkpoint_peak(report: SavedTensorReport, name: str) -> int:
         Bytes at the costliest call, to compare with ``total_bytes`` − :func:`checkpoint_savings`.
     """
     inputs = report.module_inputs.get(name, frozenset())
-    saves = {key: [(name in _enclosing(saver), index) for saver, index in zip(s.savers, s.saves)]
-             for key, s in report.storages.items()}  # (saved inside the module, save index)
+    saves = {
+        key: [(name in _enclosing(saver), index) for saver, index in zip(s.savers, s.saves)]
+        for key, s in report.storages.items()
+    }  # (saved inside the module, save index)
 
     def held(start: int, end: int) -> int:
-        return sum(s.nbytes for key, s in report.storages.items()
-                   if (key in inputs and s.saves[0] < start)
-                   or any((not inside and index < start) or (inside and start <= index < end)
-                          for inside, index in saves[key]))
+        return sum(
+            s.nbytes
+            for key, s in report.storages.items()
+            if (key in inputs and s.saves[0] < start)
+            or any((not inside and index < start) or (inside and start <= index < end) for inside, index in saves[key])
+        )
 
     peak = max((held(start, end) for start, end in report.module_calls.get(name, ((0, 0),))), default=0)
     return peak + sum(report.input_nbytes[key] for key in inputs if key not in report.storages)

@@ -10,6 +10,7 @@ from torch import nn
 from trainvitals.memory.recorder import any_alive
 from trainvitals.memory.storage import StorageKey, format_bytes, tensors_in
 
+
 @dataclass(frozen=True)
 class HeldGraph:
     """Saved tensors of profiled steps that are still referenced by a graph, at the end of a step.
@@ -71,8 +72,12 @@ class HeldGraphTracker:
         held_bytes = sum(nbytes for _, nbytes in alive.values())
         carried = sum(nbytes for s, nbytes in alive.values() if s < step)
         observation = HeldGraph(
-            step=step, held_bytes=held_bytes, carried_bytes=carried, step_bytes=held_bytes - carried,
-            first_step=min(self._steps) if self._steps else None, growing=held_bytes > self._previous_bytes,
+            step=step,
+            held_bytes=held_bytes,
+            carried_bytes=carried,
+            step_bytes=held_bytes - carried,
+            first_step=min(self._steps) if self._steps else None,
+            growing=held_bytes > self._previous_bytes,
         )
         self._previous_bytes = held_bytes
         return observation
@@ -103,13 +108,17 @@ class GraphLeakFinding:
 
     @property
     def message(self) -> str:
-        held_by = (f"held by {', '.join(f'`{h}`' for h in self.holders)}: keep a float (`.item()`) or "
-                   "`.detach()` it" if self.holders else
-                   "no module attribute holds a graph: look for a list or variable outside the model, or "
-                   "`backward(retain_graph=True)`")
-        return (f"a graph is kept alive across steps: {format_bytes(self.bytes_per_step)} of saved tensors per "
-                f"step are still held after backward, held since step {self.since_step} "
-                f"(≈ {format_bytes(self.estimated_bytes)} by step {self.step}); {held_by}")
+        held_by = (
+            f"held by {', '.join(f'`{h}`' for h in self.holders)}: keep a float (`.item()`) or `.detach()` it"
+            if self.holders
+            else "no module attribute holds a graph: look for a list or variable outside the model, or "
+            "`backward(retain_graph=True)`"
+        )
+        return (
+            f"a graph is kept alive across steps: {format_bytes(self.bytes_per_step)} of saved tensors per "
+            f"step are still held after backward, held since step {self.since_step} "
+            f"(≈ {format_bytes(self.estimated_bytes)} by step {self.step}); {held_by}"
+        )
 
 
 def graph_holders(module: nn.Module, prefix: str = "self") -> list[str]:

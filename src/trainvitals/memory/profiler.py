@@ -16,22 +16,21 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-import lightning.pytorch as pl
-
-from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_int, renamed_arguments
-from trainvitals.plumbing.base import TrainvitalsCallback
-from trainvitals.plumbing.writers import log_image, log_scalars, log_text, tensorboard_writers
 from trainvitals.memory.categories import AllocatorStats, StepMemory, category_markdown, category_metrics
 from trainvitals.memory.leaks import GraphLeakFinding, HeldGraphTracker, graph_holders
 from trainvitals.memory.recorder import ROOT, SavedTensorRecorder
 from trainvitals.memory.remedies import Remedy, rank_remedies
 from trainvitals.memory.storage import byte_unit, element_bytes, format_bytes, model_state_bytes, tensors_in
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.writers import log_image, log_scalars, log_text, tensorboard_writers
+from trainvitals.text.markdown import markdown_table
 from trainvitals.text.terminal import markdown_to_text
 
 _SNAPSHOT_MAX_ENTRIES = 100_000  # alloc/free events kept by the snapshot's ring buffer (a few KB each)
@@ -217,8 +216,10 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         if not sizes:
             self.cannot_measure("no tensor with a batch dimension in the batch; no batch-size advice.")
         elif len(set(sizes)) > 1:
-            self.warn(f"batch tensors disagree on the batch size {sorted(set(sizes))}; scaling by the first, {sizes[0]}.",
-                      once=True)
+            self.warn(
+                f"batch tensors disagree on the batch size {sorted(set(sizes))}; scaling by the first, {sizes[0]}.",
+                once=True,
+            )
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
             torch.cuda.reset_peak_memory_stats(self._device)
@@ -232,9 +233,11 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
                 "break the compiled graph and change what it saves. Its saved tensors are counted as a whole, "
                 "without a per-module breakdown or checkpointing advice inside"
                 + (", and without mixed-precision advice (autocast cannot be read there)." if whole else "."),
-                once=True)
-        self._pending = _Pending(step, sizes[0] if sizes else 0, element_bytes(tensors), time.perf_counter(),
-                                 recorder.__enter__())
+                once=True,
+            )
+        self._pending = _Pending(
+            step, sizes[0] if sizes else 0, element_bytes(tensors), time.perf_counter(), recorder.__enter__()
+        )
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
@@ -260,17 +263,29 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         report = pending.recorder.report()
         held = self._tracker.update(pending.step, pending.recorder.held())
         if report.uncounted:
-            self.cannot_measure(f"{report.uncounted} saved tensors have no storage (sparse or wrapper subclasses) "
-                                "and are not counted.")
+            self.cannot_measure(
+                f"{report.uncounted} saved tensors have no storage (sparse or wrapper subclasses) and are not counted."
+            )
         state = model_state_bytes(pl_module.parameters(), trainer.optimizers, pl_module.buffers())
         self._last_step = pending.step
         allocator = AllocatorStats.read(self._device) if cuda else None
-        self.last = StepMemory(state, pending.inputs_bytes, report, pending.batch_size, self._budget, seconds,
-                               pending.micro_batches, held.held_bytes, allocator)
+        self.last = StepMemory(
+            state,
+            pending.inputs_bytes,
+            report,
+            pending.batch_size,
+            self._budget,
+            seconds,
+            pending.micro_batches,
+            held.held_bytes,
+            allocator,
+        )
         metrics: dict[str, float] = {
             **category_metrics(self.last),
-            **{f"memory/activations/{name}": nbytes
-               for name, nbytes in list(report.by_module.items())[: self.max_modules_shown]},
+            **{
+                f"memory/activations/{name}": nbytes
+                for name, nbytes in list(report.by_module.items())[: self.max_modules_shown]
+            },
         }
         self.remedies = rank_remedies(self.last, self.top_k)
         self._timed = {r.target for r in self.remedies if r.target}
@@ -282,8 +297,9 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
             log_scalars(trainer, metrics, pending.step)
         if held.leaking:
             assert held.first_step is not None
-            finding = GraphLeakFinding(pending.step, held.held_bytes, held.step_bytes, held.first_step,
-                                       tuple(graph_holders(pl_module)))
+            finding = GraphLeakFinding(
+                pending.step, held.held_bytes, held.step_bytes, held.first_step, tuple(graph_holders(pl_module))
+            )
             if not self.findings:
                 self.warn(finding.message)
             self.findings = [finding]
@@ -337,9 +353,11 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         if self.last is None:
             return "no step profiled."
         last = self.last
-        return (f"model state {format_bytes(last.state.total)}, saved activations "
-                f"{format_bytes(last.activations.total_bytes)} per micro-batch of {last.batch_size}; "
-                f"{len(self.findings) or 'no'} graph(s) outliving their step.")
+        return (
+            f"model state {format_bytes(last.state.total)}, saved activations "
+            f"{format_bytes(last.activations.total_bytes)} per micro-batch of {last.batch_size}; "
+            f"{len(self.findings) or 'no'} graph(s) outliving their step."
+        )
 
     def summary_markdown(self) -> str:
         """The latest profiled step as markdown: categories, saved bytes per module, ranked advice, findings.
@@ -357,22 +375,33 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         return "\n".join(lines)
 
     def _categories_markdown(self, last: StepMemory) -> list[str]:
-        return [f"Step {self._last_step}, batch of {last.batch_size} (this rank, one micro-batch).", "",
-                *category_markdown(last)]
+        return [
+            f"Step {self._last_step}, batch of {last.batch_size} (this rank, one micro-batch).",
+            "",
+            *category_markdown(last),
+        ]
 
     def _modules_markdown(self, last: StepMemory) -> list[str]:
         total = last.activations.total_bytes or 1
-        rows = [(f"`{name}`", f"{nbytes:,}", f"{100 * nbytes / total:.1f}%")
-                for name, nbytes in list(last.activations.by_module.items())[: self.max_modules_shown]]
-        return ["", "### Saved for backward, by module", *markdown_table(("module", "bytes", "share"), rows, align="lrr")]
+        rows = [
+            (f"`{name}`", f"{nbytes:,}", f"{100 * nbytes / total:.1f}%")
+            for name, nbytes in list(last.activations.by_module.items())[: self.max_modules_shown]
+        ]
+        return [
+            "",
+            "### Saved for backward, by module",
+            *markdown_table(("module", "bytes", "share"), rows, align="lrr"),
+        ]
 
     def _advice_markdown(self, last: StepMemory) -> list[str]:
         if last.budget_bytes is None:
             budget = "No memory budget (pass `memory_budget_bytes` on CPU): no largest-batch advice."
         else:
-            budget = (f"Budget {format_bytes(last.budget_bytes)}: the largest batch that fits is "
-                      f"{last.largest_batch()} (fixed {format_bytes(last.fixed_bytes)}, "
-                      f"{format_bytes(last.scaling_bytes / max(last.batch_size, 1))} per example).")
+            budget = (
+                f"Budget {format_bytes(last.budget_bytes)}: the largest batch that fits is "
+                f"{last.largest_batch()} (fixed {format_bytes(last.fixed_bytes)}, "
+                f"{format_bytes(last.scaling_bytes / max(last.batch_size, 1))} per example)."
+            )
         # The notes are a sentence each: under the table, where they keep a line of their own in a terminal
         # rather than wrapping in a last column narrowed by the others.
         rows, notes = [], []
@@ -383,8 +412,14 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
             rows.append((rank, what, format_bytes(r.bytes_freed), batch, extra))
             notes.append(f"- **{rank}**: {r.note}")
         headers = ("#", "remedy", "lowers the peak by", "largest batch after", "extra compute")
-        return ["", "### Advice, the most bytes off the step's peak first, the cheapest first among equals", budget,
-                "", *markdown_table(headers, rows, align="llrrr"), *([""] + notes if notes else [])]
+        return [
+            "",
+            "### Advice, the most bytes off the step's peak first, the cheapest first among equals",
+            budget,
+            "",
+            *markdown_table(headers, rows, align="llrrr"),
+            *([""] + notes if notes else []),
+        ]
 
     def picture(self) -> np.ndarray | None:
         """Saved bytes per module of the latest profiled step as an ``(H, W, 3)`` uint8 bar chart.
@@ -407,8 +442,10 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         ax = fig.subplots()
         ax.barh([name for name, _ in items], [nbytes / scale for _, nbytes in items], color="tab:blue")
         ax.set_xlabel(f"saved for backward ({unit})")
-        ax.set_title(f"Saved activations by module, step {self._last_step} "
-                     f"(total {format_bytes(self.last.activations.total_bytes)})")
+        ax.set_title(
+            f"Saved activations by module, step {self._last_step} "
+            f"(total {format_bytes(self.last.activations.total_bytes)})"
+        )
         fig.tight_layout()
         canvas.draw()
         return np.asarray(canvas.buffer_rgba())[..., :3].copy()
@@ -420,5 +457,6 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.findings = [GraphLeakFinding(**{**f, "holders": tuple(f.get("holders", ()))})
-                         for f in state_dict.get("findings", [])]
+        self.findings = [
+            GraphLeakFinding(**{**f, "holders": tuple(f.get("holders", ()))}) for f in state_dict.get("findings", [])
+        ]

@@ -182,8 +182,11 @@ class SavedTensorRecorder:
             raise RuntimeError("this SavedTensorRecorder is already active")
         # Hooks on the model's modules, not process-wide: Dynamo guards on the process-wide hook dicts (and on
         # ``always_call`` hooks) inside any compiled region, and would recompile it at each profiled step.
-        self._handles = [handle for m in self._hooked for handle in (
-            m.register_forward_pre_hook(self._enter_module), m.register_forward_hook(self._leave_module))]
+        self._handles = [
+            handle
+            for m in self._hooked
+            for handle in (m.register_forward_pre_hook(self._enter_module), m.register_forward_hook(self._leave_module))
+        ]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         return self
@@ -287,8 +290,9 @@ class SavedTensorRecorder:
             self._saved[key] = SavedStorage(storage_nbytes(tensor), tensor.dtype, (saver,), (self._save_index,), under)
             self._refs[key] = []
         else:
-            self._saved[key] = dataclasses.replace(seen, savers=seen.savers + (saver,),
-                                                   saves=seen.saves + (self._save_index,))
+            self._saved[key] = dataclasses.replace(
+                seen, savers=seen.savers + (saver,), saves=seen.saves + (self._save_index,)
+            )
         self._save_index += 1
         self._refs[key].append(weakref.ref(packed))
         return packed
@@ -383,7 +387,8 @@ def compiled_modules(module: nn.Module) -> tuple[list[str], list[nn.Module]]:
         if any(c == ROOT or label.startswith(c + ".") for c in compiled):
             continue
         whole = getattr(m, "_compiled_call_impl", None) is not None or (
-            m is module and _dynamo_compiled(getattr(m, "training_step", None)))
+            m is module and _dynamo_compiled(getattr(m, "training_step", None))
+        )
         if whole or _dynamo_compiled(getattr(m, "forward", None)):
             compiled.append(label)
         if not whole:

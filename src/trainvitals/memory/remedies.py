@@ -104,8 +104,9 @@ def activation_checkpointing(memory: StepMemory, top_k: int) -> list[Remedy]:
     report = memory.activations
     skip = whole_forward_modules(report) | {ROOT}
     # The peaks cost a pass over the storages each: only for the modules that free the most after forward.
-    freeing = sorted(((n, b) for n, b in checkpoint_savings(report).items() if b > 0 and n not in skip),
-                     key=lambda kv: -kv[1])[:4 * top_k]
+    freeing = sorted(
+        ((n, b) for n, b in checkpoint_savings(report).items() if b > 0 and n not in skip), key=lambda kv: -kv[1]
+    )[: 4 * top_k]
     remedies = []
     for name, freed in freeing:
         peak = checkpoint_peak(report, name)
@@ -113,15 +114,28 @@ def activation_checkpointing(memory: StepMemory, top_k: int) -> list[Remedy]:
         if reduction <= 0:
             continue
         seconds = report.forward_seconds.get(name)
-        extra = seconds * memory.micro_batches / memory.step_seconds if seconds is not None and memory.step_seconds \
+        extra = (
+            seconds * memory.micro_batches / memory.step_seconds
+            if seconds is not None and memory.step_seconds
             else None
+        )
         # The reentrant variant recomputes nothing when the module's input needs no grad (the batch).
-        note = (f"call `{name}` through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: it frees "
-                f"{format_bytes(freed)} after forward; backward runs its forward again")
+        note = (
+            f"call `{name}` through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: it frees "
+            f"{format_bytes(freed)} after forward; backward runs its forward again"
+        )
         if peak > report.total_bytes - freed:
             note += f", holding {format_bytes(peak)} of saved tensors then"
-        remedies.append(Remedy("activation checkpointing", name, reduction,
-                               memory.largest_batch(scaling_freed=freed, activations_peak=peak), extra, note))
+        remedies.append(
+            Remedy(
+                "activation checkpointing",
+                name,
+                reduction,
+                memory.largest_batch(scaling_freed=freed, activations_peak=peak),
+                extra,
+                note,
+            )
+        )
     return sorted(remedies, key=_rank)[:top_k]
 
 
@@ -134,8 +148,16 @@ def mixed_precision(memory: StepMemory, top_k: int) -> list[Remedy]:
     sixteen_bit = sum(s.nbytes for s in report.storages.values() if s.dtype in (torch.float16, torch.bfloat16))
     if sixteen_bit >= 2 * halved:  # halved: half the float32 bytes saved outside autocast
         return []
-    return [Remedy("mixed precision", "", halved, memory.largest_batch(scaling_freed=halved), None,
-                   "bf16/fp16 autocast; an upper bound: some ops stay in fp32")]
+    return [
+        Remedy(
+            "mixed precision",
+            "",
+            halved,
+            memory.largest_batch(scaling_freed=halved),
+            None,
+            "bf16/fp16 autocast; an upper bound: some ops stay in fp32",
+        )
+    ]
 
 
 @register_remedy
@@ -143,6 +165,13 @@ def optimizer_state(memory: StepMemory, top_k: int) -> list[Remedy]:
     """The whole optimizer state, as with a stateless or sharded optimizer."""
     state = memory.state
     ratio = state.optimizer_state / state.parameters if state.parameters else math.nan
-    return [Remedy("optimizer state", "", state.optimizer_state, memory.largest_batch(fixed_freed=state.optimizer_state),
-                   None, f"{ratio:.2f} × parameter bytes (Adam 2×, SGD with momentum 1×, SGD 0); "
-                   "sharding it over N ranks keeps 1/N")]
+    return [
+        Remedy(
+            "optimizer state",
+            "",
+            state.optimizer_state,
+            memory.largest_batch(fixed_freed=state.optimizer_state),
+            None,
+            f"{ratio:.2f} × parameter bytes (Adam 2×, SGD with momentum 1×, SGD 0); sharding it over N ranks keeps 1/N",
+        )
+    ]

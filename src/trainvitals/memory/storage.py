@@ -122,8 +122,13 @@ def model_state_bytes(
     own_buffers = [b for b in buffers if storage_key(b) not in param_keys]
     trainable_keys = storage_keys(p for p in params if p.requires_grad)
     frozen = [p for p in params if not p.requires_grad and storage_key(p) not in trainable_keys]
-    return ModelStateBytes(unique_storage_bytes(params), unique_storage_bytes(grads), unique_storage_bytes(state),
-                           unique_storage_bytes(own_buffers), unique_storage_bytes(frozen))
+    return ModelStateBytes(
+        unique_storage_bytes(params),
+        unique_storage_bytes(grads),
+        unique_storage_bytes(state),
+        unique_storage_bytes(own_buffers),
+        unique_storage_bytes(frozen),
+    )
 
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")

@@ -28,7 +28,8 @@ Combining rule (:meth:`GradientNoise.estimate`):
    (u = 1 − coverage) can hold up to B·u·‖ḡ‖² of tr Σ (their E‖ḡ_u‖² ≥ tr Σ_u/B). With the measured
    part's ‖ḡ_m‖² = c‖ḡ‖² ≈ ‖G‖² + tr Σ/B (c the coverage), that bound is, as a share of the measured tr Σ,
    (u/c)·(1 + B/B_simple); drawn without replacement from N examples (rule 6) E‖ḡ_u‖² ≥ f·tr Σ_u/B with
-   f = (N − B)/(N − 1), and the bound is (u/c)·(1 + B/(f·B_simple)): ``unmeasured_trace_share``. Nothing is decisive before :data:`MIN_MEASUREMENTS`
+   f = (N − B)/(N − 1), and the bound is (u/c)·(1 + B/(f·B_simple)): ``unmeasured_trace_share``.
+   Nothing is decisive before :data:`MIN_MEASUREMENTS`
    updates: the errors come from the spread of the updates, and with a few of them they are themselves
    too uncertain (90% intervals covered the truth in 71–86% of trials with 3–10). Noise-aware advice also
    needs B_simple's relative error ≤ ``max_rel_err`` (default 0.5: the lr suggestions then stay within
@@ -98,8 +99,10 @@ INDEPENDENT = "micro_batch"
 """The source whose draws are independent by construction (micro-batches and ranks): it decides disagreements."""
 SOURCES_CHECK = "grad_noise/sources_check"
 """Text tag of what :meth:`GradientNoise.disagreement` said (a source dropped, two that disagree), for the report."""
-COUPLING_CAUSES = ("batch statistics (BatchNorm, or F.batch_norm in training mode in a custom module) or a loss "
-                   "coupling the examples (in-batch negatives, as in a contrastive InfoNCE loss)")
+COUPLING_CAUSES = (
+    "batch statistics (BatchNorm, or F.batch_norm in training mode in a custom module) or a loss "
+    "coupling the examples (in-batch negatives, as in a contrastive InfoNCE loss)"
+)
 _VERSIONS = itertools.count()  # NoiseSource.version: unique over all sources, so a new one never matches an old key
 
 
@@ -131,15 +134,23 @@ class NoiseSource:
         self.invalid = ""
         self.version = next(_VERSIONS)
 
-    def update(self, grad_sq_norm: Tensor, trace_cov: Tensor, valid: Tensor | bool = True,
-               covered_sq_norm: Tensor | None = None, total_sq_norm: Tensor | None = None) -> None:
+    def update(
+        self,
+        grad_sq_norm: Tensor,
+        trace_cov: Tensor,
+        valid: Tensor | bool = True,
+        covered_sq_norm: Tensor | None = None,
+        total_sq_norm: Tensor | None = None,
+    ) -> None:
         """One step's ``(‖G‖²_est, S_est)``; with ``covered_sq_norm`` and ``total_sq_norm`` (‖ḡ‖² over the
         measured parameters and over all, any common units) also the share of ‖ḡ‖² it covers. No sync."""
         self.version = next(_VERSIONS)
         self.ema.update(grad_sq_norm, trace_cov, valid)
         self.error.update(grad_sq_norm, trace_cov, valid)
         if covered_sq_norm is not None and total_sq_norm is not None:
-            pair = torch.stack([covered_sq_norm.detach().double(), total_sq_norm.detach().to(covered_sq_norm.device).double()])
+            pair = torch.stack(
+                [covered_sq_norm.detach().double(), total_sq_norm.detach().to(covered_sq_norm.device).double()]
+            )
             self._norms.update(pair, valid)
             self.last_covered_sq_norm = pair[0]
 
@@ -160,9 +171,14 @@ class NoiseSource:
         return torch.where(told, (covered / total.clamp_min(1e-300)).clamp(0.0, 1.0), torch.ones_like(covered))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"noise": self.ema.state_dict(), "error": self.error.state_dict(), "norms": self._norms.state_dict(),
-                "effective_batch_size": self.effective_batch_size, "unit_scale": self.unit_scale,
-                "invalid": self.invalid}
+        return {
+            "noise": self.ema.state_dict(),
+            "error": self.error.state_dict(),
+            "norms": self._norms.state_dict(),
+            "effective_batch_size": self.effective_batch_size,
+            "unit_scale": self.unit_scale,
+            "invalid": self.invalid,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = next(_VERSIONS)
@@ -267,10 +283,28 @@ class GradientNoise:
         if not chosen:
             zero = torch.zeros((), dtype=torch.float64, device=device)
             inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
-            return NoiseEstimate(zero, inf, zero, inf, inf, inf, zero, inf, zero, inf,
-                                 torch.zeros((), dtype=torch.long, device=device), None, 0.0, None, ())
-        key = (tuple((src.version, src.unit_scale, src.effective_batch_size, src.param_share) for src in chosen),
-               self.population, self.min_coverage)
+            return NoiseEstimate(
+                zero,
+                inf,
+                zero,
+                inf,
+                inf,
+                inf,
+                zero,
+                inf,
+                zero,
+                inf,
+                torch.zeros((), dtype=torch.long, device=device),
+                None,
+                0.0,
+                None,
+                (),
+            )
+        key = (
+            tuple((src.version, src.unit_scale, src.effective_batch_size, src.param_share) for src in chosen),
+            self.population,
+            self.min_coverage,
+        )
         if self._last is not None and self._last[0] == key:
             self._stale = 0  # as a fresh estimate would: _cached holds this one's weights
             return self._last[1]
@@ -289,9 +323,11 @@ class GradientNoise:
         positive = (grad > 0) & (trace > 0)
         b_simple = torch.where(grad > 0, trace / grad.clamp_min(1e-300), torch.full_like(grad, float("inf")))
         # δB/B = δS/S − δG/G, source by source: each part's variance from its own covariance of (S̄, Ḡ).
-        part_var = (s_w.square() * var_s / trace.square().clamp_min(1e-300)
-                    + g_w.square() * var_g / grad.square().clamp_min(1e-300)
-                    - 2 * s_w * g_w * cov / (trace * grad).clamp_min(1e-300))
+        part_var = (
+            s_w.square() * var_s / trace.square().clamp_min(1e-300)
+            + g_w.square() * var_g / grad.square().clamp_min(1e-300)
+            - 2 * s_w * g_w * cov / (trace * grad).clamp_min(1e-300)
+        )
         rel_err = _bound(torch.ones_like(part_var), part_var.clamp_min(0.0).sqrt(), mask=(s_w > 0) | (g_w > 0))
         # Conservatively (rule 4): the range from the ends of tr Σ's interval and of ‖G‖²'s, its lower end
         # given that ‖G‖² passed the gate (the runs that pass when noise dominates are those that came out high).
@@ -299,27 +335,48 @@ class GradientNoise:
         high = (trace + Z90 * trace_se) / grad_low.clamp_min(1e-300)
         low = (trace - Z90 * trace_se).clamp_min(0.0) / (grad + Z90 * grad_se).clamp_min(1e-300)
         ends = torch.maximum(high / b_simple.clamp_min(1e-300) - 1.0, 1.0 - low / b_simple.clamp_min(1e-300)) / Z90
-        rel_err = torch.where(positive & (grad_low > 0), torch.maximum(rel_err, ends),
-                              torch.full_like(rel_err, float("inf")))
+        rel_err = torch.where(
+            positive & (grad_low > 0), torch.maximum(rel_err, ends), torch.full_like(rel_err, float("inf"))
+        )
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
-        floor_se = torch.where(trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf")))
+        floor_se = torch.where(
+            trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf"))
+        )
         coverage = torch.where(seen, share, 0.0).max()
         # Rule 4: the unmeasured tr Σ ≤ B·u·‖ḡ‖²/f, over the measured tr Σ; B·‖G‖²/tr Σ = B/B_simple; f = (N − B)/(N − 1)
         # drawing B of N without replacement (rule 6), 1 with replacement (a full batch, f = 0, bounds nothing).
         kept = 1.0 if self.population is None or not batch else (self.population - batch) / max(self.population - 1, 1)
-        signal = torch.where((trace > 0) & (kept > 0),
-                             (batch or math.inf) * grad.clamp_min(0.0) / trace.clamp_min(1e-300) / max(kept, 1e-300),
-                             torch.full_like(trace, float("inf")))
-        unmeasured = torch.where(coverage >= 1.0, torch.zeros_like(coverage),
-                                 (1.0 - coverage) / coverage.clamp_min(1e-300) * (1.0 + signal))
+        signal = torch.where(
+            (trace > 0) & (kept > 0),
+            (batch or math.inf) * grad.clamp_min(0.0) / trace.clamp_min(1e-300) / max(kept, 1e-300),
+            torch.full_like(trace, float("inf")),
+        )
+        unmeasured = torch.where(
+            coverage >= 1.0, torch.zeros_like(coverage), (1.0 - coverage) / coverage.clamp_min(1e-300) * (1.0 + signal)
+        )
         covers = (coverage >= self.min_coverage) & (unmeasured <= MAX_UNMEASURED_TRACE)
         self._cached, self._stale = (tuple(id(src) for src in chosen), g_w, s_w, covers, grad_se), 0
         param_share = min(src.param_share for src in chosen)
         last = chosen[0].last_covered_sq_norm
         measured = last.to(device).sqrt() * chosen[0].unit_scale if param_share < 1 and last is not None else None
-        est = NoiseEstimate(grad, grad_se, trace, trace_se, b_simple, rel_err, floor, floor_se, coverage, unmeasured,
-                            count.max(), measured, param_share, batch, tuple(src.name for src in chosen))
+        est = NoiseEstimate(
+            grad,
+            grad_se,
+            trace,
+            trace_se,
+            b_simple,
+            rel_err,
+            floor,
+            floor_se,
+            coverage,
+            unmeasured,
+            count.max(),
+            measured,
+            param_share,
+            batch,
+            tuple(src.name for src in chosen),
+        )
         self._last = (key, est)
         return est
 
@@ -347,8 +404,9 @@ class GradientNoise:
     def _covers(self, est: NoiseEstimate) -> Tensor:
         return (est.coverage >= self.min_coverage) & (est.unmeasured_trace_share <= MAX_UNMEASURED_TRACE)
 
-    def in_noise_band(self, margin: float, estimate: NoiseEstimate | None = None,
-                      device: torch.device | None = None) -> Tensor:
+    def in_noise_band(
+        self, margin: float, estimate: NoiseEstimate | None = None, device: torch.device | None = None
+    ) -> Tensor:
         """``()`` bool: ‖G‖² ≤ margin · tr(Σ)/B on a decisive estimate. A negative ‖G‖² from valid
         sources within its error counts (G ≈ 0); no valid source, fewer than :data:`MIN_MEASUREMENTS`
         or partial coverage never does.
@@ -360,29 +418,53 @@ class GradientNoise:
         leaves the estimate unbiased."""
         if estimate is not None:
             est = estimate
-            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, self._covers(est), est.batch_size,
-                              est.grad_sq_norm_se)
+            return self._band(
+                margin,
+                est.grad_sq_norm,
+                est.trace_cov,
+                est.count,
+                self._covers(est),
+                est.batch_size,
+                est.grad_sq_norm_se,
+            )
         chosen = self.valid_sources()
         if not chosen:
             return torch.zeros((), dtype=torch.bool, device=device)
         self._stale += 1
         if self._cached is None or self._cached[0] != tuple(id(src) for src in chosen) or self._stale > WEIGHTS_REFRESH:
             est = self.estimate()
-            return self._band(margin, est.grad_sq_norm, est.trace_cov, est.count, self._covers(est), est.batch_size,
-                              est.grad_sq_norm_se)
+            return self._band(
+                margin,
+                est.grad_sq_norm,
+                est.trace_cov,
+                est.count,
+                self._covers(est),
+                est.batch_size,
+                est.grad_sq_norm_se,
+            )
         _, g_w, s_w, covers, grad_se = self._cached
         first = chosen[0].ema.count.device
         pairs = torch.stack([src.ema.values.to(first) * src.unit_scale**2 for src in chosen])  # (k, 2): ‖G‖², S
         if self.population is not None:  # rule 6, as in _moments
-            pairs = torch.stack([pairs[:, 0] + pairs[:, 1] / self.population,
-                                 pairs[:, 1] * (self.population - 1) / self.population], 1)
+            pairs = torch.stack(
+                [pairs[:, 0] + pairs[:, 1] / self.population, pairs[:, 1] * (self.population - 1) / self.population], 1
+            )
         counts = torch.stack([src.ema.count.to(first) for src in chosen])
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
-        return self._band(margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), covers, batch,
-                          grad_se)
+        return self._band(
+            margin, (g_w * pairs[:, 0]).sum(), (s_w * pairs[:, 1]).sum(), counts.max(), covers, batch, grad_se
+        )
 
-    def _band(self, margin: float, grad: Tensor, trace: Tensor, count: Tensor, covers: Tensor,
-              batch: int | None, grad_se: Tensor) -> Tensor:
+    def _band(
+        self,
+        margin: float,
+        grad: Tensor,
+        trace: Tensor,
+        count: Tensor,
+        covers: Tensor,
+        batch: int | None,
+        grad_se: Tensor,
+    ) -> Tensor:
         if batch is None:
             return torch.zeros((), dtype=torch.bool, device=count.device)
         uncoupled = grad >= -COUPLING_Z * grad_se.to(grad.device)  # below zero beyond its error: coupled (rule 5)
@@ -397,29 +479,58 @@ class GradientNoise:
         or a relative error above ``max_rel_err``)."""
         est = estimate or self.estimate()
         reliable = self.reliable(est)
-        measured = ({} if est.measured_norm is None else
-                    {"grad_norm/measured_total": est.measured_norm,
-                     "grad_noise/unmeasured_trace_share": est.unmeasured_trace_share})
-        return {**measured, "grad_norm/noise_floor": est.noise_floor,
-                "grad_noise/b_simple_unreliable": (~reliable).double(), "grad_norm/noise_floor_se": est.noise_floor_se,
-                "grad_noise/b_simple": est.b_simple, "grad_noise/b_simple_rel_err": est.b_simple_rel_err,
-                "grad_noise/trace_cov": est.trace_cov, "grad_noise/trace_cov_se": est.trace_cov_se,
-                "grad_noise/grad_sq_norm": est.grad_sq_norm, "grad_noise/grad_sq_norm_se": est.grad_sq_norm_se,
-                "grad_noise/coverage": est.coverage}
+        measured = (
+            {}
+            if est.measured_norm is None
+            else {
+                "grad_norm/measured_total": est.measured_norm,
+                "grad_noise/unmeasured_trace_share": est.unmeasured_trace_share,
+            }
+        )
+        return {
+            **measured,
+            "grad_norm/noise_floor": est.noise_floor,
+            "grad_noise/b_simple_unreliable": (~reliable).double(),
+            "grad_norm/noise_floor_se": est.noise_floor_se,
+            "grad_noise/b_simple": est.b_simple,
+            "grad_noise/b_simple_rel_err": est.b_simple_rel_err,
+            "grad_noise/trace_cov": est.trace_cov,
+            "grad_noise/trace_cov_se": est.trace_cov_se,
+            "grad_noise/grad_sq_norm": est.grad_sq_norm,
+            "grad_noise/grad_sq_norm_se": est.grad_sq_norm_se,
+            "grad_noise/coverage": est.coverage,
+        }
 
     def host_summary(self) -> dict[str, Any]:
         """The estimate as host floats (one transfer), with ``decisive`` and ``reliable`` flags and
         ``why`` a sentence when it is not both."""
         est = self.estimate()
-        keys = ("grad_sq_norm", "grad_sq_norm_se", "trace_cov", "trace_cov_se", "b_simple", "b_simple_rel_err",
-                "noise_floor", "noise_floor_se", "coverage", "unmeasured_trace_share", "count")
+        keys = (
+            "grad_sq_norm",
+            "grad_sq_norm_se",
+            "trace_cov",
+            "trace_cov_se",
+            "b_simple",
+            "b_simple_rel_err",
+            "noise_floor",
+            "noise_floor_se",
+            "coverage",
+            "unmeasured_trace_share",
+            "count",
+        )
         device = est.count.device
         flags = [self.decisive(est), self.reliable(est)]  # the device's own tests, read in the same transfer
-        values = torch.stack([getattr(est, k).double().reshape(()).to(device) for k in keys]
-                             + [f.to(device, torch.float64) for f in flags]).cpu().tolist()
+        values = (
+            torch.stack(
+                [getattr(est, k).double().reshape(()).to(device) for k in keys]
+                + [f.to(device, torch.float64) for f in flags]
+            )
+            .cpu()
+            .tolist()
+        )
         out: dict[str, Any] = dict(zip(keys, values))
         out.update(param_share=est.param_share, batch_size=est.batch_size, sources=est.sources)
-        out["decisive"], out["reliable"] = (bool(v) for v in values[len(keys):])
+        out["decisive"], out["reliable"] = (bool(v) for v in values[len(keys) :])
         out["why"] = self.why_not(out)
         return out
 
@@ -432,24 +543,33 @@ class GradientNoise:
         if summary["count"] == 0:
             return "not measured yet"
         if summary["coverage"] < self.min_coverage:
-            return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² and "
-                    f"{summary['param_share']:.0%} of the parameters, below the {self.min_coverage:.0%} of ‖ḡ‖² it needs")
+            return (
+                f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² and "
+                f"{summary['param_share']:.0%} of the parameters, below the {self.min_coverage:.0%} of ‖ḡ‖² it needs"
+            )
         if not summary["unmeasured_trace_share"] <= MAX_UNMEASURED_TRACE:
-            return (f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² and "
-                    f"{summary['param_share']:.0%} of the parameters, but the unmeasured parameters may hold up to "
-                    f"{summary['unmeasured_trace_share']:.2g}× the measured tr(Σ), above {MAX_UNMEASURED_TRACE:g}: "
-                    "their share of ‖ḡ‖² bounds their tr(Σ) only by B·(1 − coverage)·‖ḡ‖²")
+            return (
+                f"partial: the estimate covers {summary['coverage']:.0%} of ‖ḡ‖² and "
+                f"{summary['param_share']:.0%} of the parameters, but the unmeasured parameters may hold up to "
+                f"{summary['unmeasured_trace_share']:.2g}× the measured tr(Σ), above {MAX_UNMEASURED_TRACE:g}: "
+                "their share of ‖ḡ‖² bounds their tr(Σ) only by B·(1 − coverage)·‖ḡ‖²"
+            )
         if summary["count"] < MIN_MEASUREMENTS:
-            return (f"not measured enough yet: {summary['count']:.0f} of the {MIN_MEASUREMENTS} measurements its errors "
-                    "need to be trusted")
+            return (
+                f"not measured enough yet: {summary['count']:.0f} of the {MIN_MEASUREMENTS} measurements its errors "
+                "need to be trusted"
+            )
         rel = summary["b_simple_rel_err"]
         if not rel <= self.max_rel_err:
-            what = (f"its relative error {rel:.2g} is above the bound {self.max_rel_err:g}" if math.isfinite(rel)
-                    else "the smoothed ‖G‖² is ≤ 0: the gradient's signal is lost in its noise"
-                    if summary["grad_sq_norm"] <= 0
-                    else "not yet measurable: the smoothed ‖G‖², the gradient's signal, is still within its error "
-                         "bars of zero, so B_simple has no upper bound yet; more measured steps or a larger batch "
-                         "resolve it")
+            what = (
+                f"its relative error {rel:.2g} is above the bound {self.max_rel_err:g}"
+                if math.isfinite(rel)
+                else "the smoothed ‖G‖² is ≤ 0: the gradient's signal is lost in its noise"
+                if summary["grad_sq_norm"] <= 0
+                else "not yet measurable: the smoothed ‖G‖², the gradient's signal, is still within its error "
+                "bars of zero, so B_simple has no upper bound yet; more measured steps or a larger batch "
+                "resolve it"
+            )
             return f"B_simple unreliable: {what}"
         return ""
 
@@ -470,9 +590,11 @@ class GradientNoise:
         said = []
         for src, (g, g_se, _, _, count) in zip(chosen, rows):
             if src.name != INDEPENDENT and count >= MIN_MEASUREMENTS and g < -COUPLING_Z * g_se:
-                src.invalidate(f"its ‖G‖² {g:.3g} ± {g_se:.2g} is below zero by more than {COUPLING_Z:g} standard "
-                               f"errors, which independent examples cannot give: the examples are coupled, likely by "
-                               f"{COUPLING_CAUSES}")
+                src.invalidate(
+                    f"its ‖G‖² {g:.3g} ± {g_se:.2g} is below zero by more than {COUPLING_Z:g} standard "
+                    f"errors, which independent examples cannot give: the examples are coupled, likely by "
+                    f"{COUPLING_CAUSES}"
+                )
                 said.append(f"the noise source {src.name} is dropped from the estimate: {src.invalid}")
         for i in range(len(chosen)):
             for j in range(i + 1, len(chosen)):
@@ -486,17 +608,21 @@ class GradientNoise:
                     values = f"{a[k]:.4g} ± {a[k + 1]:.2g} vs {b[k]:.4g} ± {b[k + 1]:.2g}"
                     if INDEPENDENT in (first.name, second.name) and min(a[4], b[4]) >= MIN_MEASUREMENTS:
                         other = second if first.name == INDEPENDENT else first
-                        other.invalidate(f"it disagrees with the micro-batch/rank source on {what} ({first.name} vs "
-                                         f"{second.name}: {values}, beyond {AGREEMENT_Z:g} standard errors); the "
-                                         f"micro-batches are independent by construction, so the examples are likely "
-                                         f"coupled by {COUPLING_CAUSES}")
+                        other.invalidate(
+                            f"it disagrees with the micro-batch/rank source on {what} ({first.name} vs "
+                            f"{second.name}: {values}, beyond {AGREEMENT_Z:g} standard errors); the "
+                            f"micro-batches are independent by construction, so the examples are likely "
+                            f"coupled by {COUPLING_CAUSES}"
+                        )
                         said.append(f"the noise source {other.name} is dropped from the estimate: {other.invalid}")
                         break
                     if not self._said_disagreement and INDEPENDENT not in (first.name, second.name):
                         self._said_disagreement = True
-                        said.append(f"the sources {first.name} and {second.name} disagree on {what}: {values} (beyond "
-                                    f"{AGREEMENT_Z:g} standard errors); the combined estimate weights them by their "
-                                    "variances")
+                        said.append(
+                            f"the sources {first.name} and {second.name} disagree on {what}: {values} (beyond "
+                            f"{AGREEMENT_Z:g} standard errors); the combined estimate weights them by their "
+                            "variances"
+                        )
                         break
         return "; ".join(said)
 
@@ -507,12 +633,14 @@ class GradientNoise:
         if h["count"] == 0:
             return rows + [("estimate", h["why"])]
         batch = h["batch_size"]
-        rows += [("effective batch B", f"{batch} examples" if batch else "unknown"),
-                 ("‖G‖² (EMA, `.grad` units)", f"{h['grad_sq_norm']:.4g} ± {h['grad_sq_norm_se']:.2g}"),
-                 ("tr(Σ) (EMA, `.grad` units)", f"{h['trace_cov']:.4g} ± {h['trace_cov_se']:.2g}"),
-                 ("B_simple = tr(Σ)/‖G‖²", _b_simple_cell(h["b_simple"], h["b_simple_rel_err"])),
-                 ("noise floor sqrt(tr(Σ)/B), in `.grad` units", f"{h['noise_floor']:.4g} ± {h['noise_floor_se']:.2g}"),
-                 ("coverage", f"{h['coverage']:.1%} of ‖ḡ‖², {h['param_share']:.1%} of the parameters")]
+        rows += [
+            ("effective batch B", f"{batch} examples" if batch else "unknown"),
+            ("‖G‖² (EMA, `.grad` units)", f"{h['grad_sq_norm']:.4g} ± {h['grad_sq_norm_se']:.2g}"),
+            ("tr(Σ) (EMA, `.grad` units)", f"{h['trace_cov']:.4g} ± {h['trace_cov_se']:.2g}"),
+            ("B_simple = tr(Σ)/‖G‖²", _b_simple_cell(h["b_simple"], h["b_simple_rel_err"])),
+            ("noise floor sqrt(tr(Σ)/B), in `.grad` units", f"{h['noise_floor']:.4g} ± {h['noise_floor_se']:.2g}"),
+            ("coverage", f"{h['coverage']:.1%} of ‖ḡ‖², {h['param_share']:.1%} of the parameters"),
+        ]
         if h["why"]:
             rows.append(("caveat", h["why"]))
         return rows
@@ -591,8 +719,9 @@ def find_gradient_noise(callbacks: Any) -> GradientNoise:
     ``gradient_noise``), else a new one; sources no callback owns any more (attribute ``noise_source``)
     are dropped from it."""
     callbacks = list(callbacks)
-    found = next((cb.gradient_noise for cb in callbacks if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)),
-                 None)
+    found = next(
+        (cb.gradient_noise for cb in callbacks if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)), None
+    )
     noise = found if found is not None else GradientNoise()
     owned = {id(getattr(cb, "noise_source", None)) for cb in callbacks}
     for name in [n for n, s in noise.sources.items() if id(s) not in owned]:

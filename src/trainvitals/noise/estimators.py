@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+
 def two_batch_size_estimates(
     group_sq_norm_mean: Tensor, batch_sq_norm: Tensor, num_groups: int, group_size: int
 ) -> tuple[Tensor, Tensor]:
@@ -74,8 +75,13 @@ def coordinate_variance(mean_grad: Tensor, sum_sq: Tensor, num_examples: int) ->
     return ((sum_sq - num_examples * mean_grad.square()) / (num_examples - 1)).clamp_min(0.0)
 
 
-def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, level: Tensor | None = None,
-                 precision: torch.dtype | None = None) -> Tensor:
+def gradient_snr(
+    mean_grad: Tensor,
+    sum_sq: Tensor,
+    num_examples: int,
+    level: Tensor | None = None,
+    precision: torch.dtype | None = None,
+) -> Tensor:
     """Per-coordinate gradient signal-to-noise ratio ḡ_d²/σ̂_d² (Liu et al. 2020), the shape of ``mean_grad``.
 
     σ̂_d² is the unbiased variance of :func:`coordinate_variance` (Cockpit's MeanGSNR uses the biased one),
@@ -96,8 +102,9 @@ def gradient_snr(mean_grad: Tensor, sum_sq: Tensor, num_examples: int, level: Te
 SNR_CHUNK = 2**19  # coordinates per chunk of :func:`gradient_snr_sum`: a few MiB of temporaries at any size
 
 
-def gradient_snr_sum(grad_sum: Tensor, sum_sq: Tensor, num_examples: int,
-                     precision: torch.dtype | None = None) -> Tensor:
+def gradient_snr_sum(
+    grad_sum: Tensor, sum_sq: Tensor, num_examples: int, precision: torch.dtype | None = None
+) -> Tensor:
     """Σ_d ḡ_d²/σ̂_d² (:func:`gradient_snr`, ``precision`` as there) over the coordinates of Σ_i g_i and
     Σ_i g_i² of B examples: ``()`` float64.
 
@@ -121,7 +128,9 @@ def eb_criterion_of_snr_sums(snr_sums: Iterable[Tensor], num_examples: Iterable[
 
 
 def eb_criterion(
-    mean_grads: Iterable[Tensor], sum_sqs: Iterable[Tensor], num_examples: Iterable[int],
+    mean_grads: Iterable[Tensor],
+    sum_sqs: Iterable[Tensor],
+    num_examples: Iterable[int],
     precision: torch.dtype | None = None,
 ) -> Tensor:
     """The evidence-based stopping criterion 1 − (1/D) Σ_d B ḡ_d²/σ̂_d² (Mahsereci et al. 2017, Eq. 7), σ̂_d² floored
@@ -138,8 +147,10 @@ def eb_criterion(
     Returns:
         ``()`` float64.
     """
-    parts = [(gradient_snr_sum(mean_grad * n, sum_sq, n, precision), n, mean_grad.numel())
-             for mean_grad, sum_sq, n in zip(mean_grads, sum_sqs, num_examples)]
+    parts = [
+        (gradient_snr_sum(mean_grad * n, sum_sq, n, precision), n, mean_grad.numel())
+        for mean_grad, sum_sq, n in zip(mean_grads, sum_sqs, num_examples)
+    ]
     if not parts:
         raise ValueError("`mean_grads` must not be empty")
     snr_sums, counts, sizes = zip(*parts)
@@ -260,7 +271,9 @@ class NoiseScaleEMA:
         return self._ema.beta
 
     def update(self, grad_sq_norm: Tensor, trace_cov: Tensor, valid: Tensor | bool = True) -> None:
-        self._ema.update(torch.stack([grad_sq_norm.to(torch.float64), trace_cov.to(grad_sq_norm.device, torch.float64)]), valid)
+        self._ema.update(
+            torch.stack([grad_sq_norm.to(torch.float64), trace_cov.to(grad_sq_norm.device, torch.float64)]), valid
+        )
 
     @property
     def count(self) -> Tensor:
@@ -420,8 +433,9 @@ class NoiseScaleError:
         """``()`` relative standard error of ``noise.b_simple``; ``inf`` with fewer than two updates or ‖G‖² ≤ 0."""
         s, g = noise.trace_cov, noise.grad_sq_norm
         var_s, var_g, cov = self.mean_covariance(noise)
-        rel_var = (var_s / (s * s).clamp_min(1e-300) + var_g / (g * g).clamp_min(1e-300)
-                   - 2 * cov / (s * g).clamp_min(1e-300))
+        rel_var = (
+            var_s / (s * s).clamp_min(1e-300) + var_g / (g * g).clamp_min(1e-300) - 2 * cov / (s * g).clamp_min(1e-300)
+        )
         ok = (self._moments.count >= 2) & (g > 0) & (s > 0)
         return torch.where(ok, rel_var.clamp_min(0.0).sqrt(), torch.full_like(s, float("inf")))
 

@@ -37,7 +37,7 @@ def _precision(parameter: Tensor) -> torch.dtype:
 
 def gsnr_key(parameter: str) -> str:
     """The GSNR tag of a parameter's module (qualified names)."""
-    return GSNR_TAG + (parameter.rpartition('.')[0] or "(root)")
+    return GSNR_TAG + (parameter.rpartition(".")[0] or "(root)")
 
 
 @dataclass
@@ -69,10 +69,12 @@ class ModuleCoordinates:
         coordinates = self.per_example_coordinates
         if coordinates <= self.budget:
             return ""
-        return (f"per-coordinate sums of {self.budget:,} of the {coordinates:,} coordinates per logging step: each "
-                f"layer's GSNR is logged once a pass over its rows ends (a pass: {math.ceil(coordinates / self.budget)} "
-                f"logging steps), the EB criterion not at all; coordinate_budget={coordinates} would log it at every "
-                f"logging step, holding {32 * coordinates / 2**20:,.1f} MiB of sums while they are added up")
+        return (
+            f"per-coordinate sums of {self.budget:,} of the {coordinates:,} coordinates per logging step: each "
+            f"layer's GSNR is logged once a pass over its rows ends (a pass: {math.ceil(coordinates / self.budget)} "
+            f"logging steps), the EB criterion not at all; coordinate_budget={coordinates} would log it at every "
+            f"logging step, holding {32 * coordinates / 2**20:,.1f} MiB of sums while they are added up"
+        )
 
     def select(self, cursor: int) -> tuple[dict[str, slice], int]:
         """The rows (dimension 0) of the per-example-norm parameters whose sums a logging step collects,
@@ -97,8 +99,13 @@ class ModuleCoordinates:
                 return selection, offset - p.numel() + (first + take) * row_size
         return selection, 0
 
-    def selected_sums(self, selection: dict[str, slice], grad_sum: dict[str, Tensor], sum_sq: dict[str, Tensor],
-                      reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[list[Tensor], list[Tensor]]:
+    def selected_sums(
+        self,
+        selection: dict[str, slice],
+        grad_sum: dict[str, Tensor],
+        sum_sq: dict[str, Tensor],
+        reduce: Callable[[Tensor], Tensor] | None = None,
+    ) -> tuple[list[Tensor], list[Tensor]]:
         """Σ_i g_i and Σ_i g_i² of each selected parameter, in the selection's order, zeros where a step
         has none (a layer that failed: every rank must join the same collective); summed by ``reduce``
         (over ranks) in one call on their concatenation."""
@@ -113,19 +120,28 @@ class ModuleCoordinates:
         parts = grad_sums + sum_sqs
         flat = reduce(torch.cat([v.flatten() for v in parts]))
         parts = [f.view_as(v) for f, v in zip(flat.split([v.numel() for v in parts]), parts)]
-        return parts[:len(selection)], parts[len(selection):]
+        return parts[: len(selection)], parts[len(selection) :]
 
-    def snr_sums(self, selection: dict[str, slice], grad_sums: list[Tensor], sum_sqs: list[Tensor], examples: int,
-                 sub_grad_sum: dict[str, Tensor], sub_sum_sq: dict[str, Tensor],
-                 num_sub: int) -> tuple[dict[str, Tensor], StepCoordinates]:
+    def snr_sums(
+        self,
+        selection: dict[str, slice],
+        grad_sums: list[Tensor],
+        sum_sqs: list[Tensor],
+        examples: int,
+        sub_grad_sum: dict[str, Tensor],
+        sub_sum_sq: dict[str, Tensor],
+        num_sub: int,
+    ) -> tuple[dict[str, Tensor], StepCoordinates]:
         """Σ_d GSNR_d per module over one step's coordinates (``()`` float64 each, by GSNR key), with
         :data:`EB_CRITERION` when they are all the measured ones, and what each module's sum covers.
 
         ``grad_sums``/``sum_sqs``: over ``examples`` examples, of the ``selection``
         (:meth:`selected_sums`); ``sub_*``: over the ``num_sub`` examples of a sub-batch (left out below 2).
         """
-        snr = [gradient_snr_sum(g, s, examples, _precision(self.per_example[n]))
-               for n, g, s in zip(selection, grad_sums, sum_sqs)]
+        snr = [
+            gradient_snr_sum(g, s, examples, _precision(self.per_example[n]))
+            for n, g, s in zip(selection, grad_sums, sum_sqs)
+        ]
         counts, sizes, rows = [examples] * len(snr), [g.numel() for g in grad_sums], dict(selection)
         whole = sum(sizes) == self.per_example_coordinates
         if num_sub >= 2:
@@ -149,8 +165,9 @@ class ModuleCoordinates:
             out[EB_CRITERION] = eb_criterion_of_snr_sums(snr, counts, sum(sizes))
         return out, step
 
-    def complete_passes(self, values: dict[str, float], step: StepCoordinates,
-                        partial: dict[str, tuple[float, int]]) -> tuple[dict[str, float], dict[str, tuple[float, int]]]:
+    def complete_passes(
+        self, values: dict[str, float], step: StepCoordinates, partial: dict[str, tuple[float, int]]
+    ) -> tuple[dict[str, float], dict[str, tuple[float, int]]]:
         """``values`` (host floats) with each module's GSNR sum replaced by its mean over the module at the
         step that ends the module's pass, and left out before that; and the passes still open (Σ GSNR and
         coordinates so far, from ``partial``). A pass that lost a step (a value missing or not finite) or

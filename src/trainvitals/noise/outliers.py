@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from trainvitals.text.markdown import markdown_table
 from trainvitals.integrity.diagnoses import counted, listed
+from trainvitals.text.markdown import markdown_table
 
 WHOLE = "over all trainable parameters"
 """What :func:`norm_coverage` says of norms over every trainable parameter."""
@@ -65,14 +65,22 @@ class Outliers:
     def markdown(self, step: int) -> str:
         """The text panel: what to look at, and the table."""
         column = "dataset row" if self.by_row else "position in this process's batch of the step"
-        how = ("" if self.by_row else " The dataset rows are unknown (a shuffled or distributed sampler): give the "
-               "batch an `index` entry (a dict batch) to see them.")
-        table = markdown_table((column, "‖g_i‖", "× median"),
-                               [(i, f"{v:.4g}", f"{r:.3g}") for i, v, r in zip(self.ids, self.norms, self.ratios)],
-                               align="rrr")
-        return (f"**Largest per-example gradient norms at optimizer step {step}, {self.coverage}.** Look at these "
-                "examples first: a mislabelled, corrupt or duplicated example has a gradient far larger than the "
-                f"others'.{how}\n\n" + "\n".join(table))
+        how = (
+            ""
+            if self.by_row
+            else " The dataset rows are unknown (a shuffled or distributed sampler): give the "
+            "batch an `index` entry (a dict batch) to see them."
+        )
+        table = markdown_table(
+            (column, "‖g_i‖", "× median"),
+            [(i, f"{v:.4g}", f"{r:.3g}") for i, v, r in zip(self.ids, self.norms, self.ratios)],
+            align="rrr",
+        )
+        return (
+            f"**Largest per-example gradient norms at optimizer step {step}, {self.coverage}.** Look at these "
+            "examples first: a mislabelled, corrupt or duplicated example has a gradient far larger than the "
+            f"others'.{how}\n\n" + "\n".join(table)
+        )
 
 
 def largest_examples(norms: Tensor, rows: list[Tensor | None], top_k: int, coverage: str = WHOLE) -> Outliers:
@@ -86,4 +94,6 @@ def largest_examples(norms: Tensor, rows: list[Tensor | None], top_k: int, cover
     which = rows_all[top.indices] if by_row else top.indices  # type: ignore[index]
     ratio = top.values / norms.median().clamp_min(1e-30)
     ids, values, ratios = torch.stack([which.to(torch.float64), top.values.double(), ratio.double()]).cpu().tolist()
-    return Outliers([int(i) for i in ids], values, ratios, bool(by_row), coverage)  # float64 holds ids exactly below 2**53
+    return Outliers(
+        [int(i) for i in ids], values, ratios, bool(by_row), coverage
+    )  # float64 holds ids exactly below 2**53

@@ -15,28 +15,32 @@ import math
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor
 from typing_extensions import override
 
-import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
-from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
+from trainvitals.noise.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
+from trainvitals.noise.estimators import NoiseScaleEMA, NoiseScaleError
+from trainvitals.noise.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
+from trainvitals.noise.probe_sources import COUPLED, ProbeSources, layout_notes
+from trainvitals.noise.probe_step import (
+    MicroBatches,
+    coordinate_stats,
+    log_per_example_norms,
+    step_estimates,
+    sum_over_ranks,
+)
+from trainvitals.norms.nonfinite import NonfiniteCounter
+from trainvitals.per_example import Layouts, PerExampleStep, SourcePlan, detect_loss_reduction
 from trainvitals.plumbing.amp import loss_scale, scale_left_in_grads
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.norms.nonfinite import NonfiniteCounter
-from trainvitals.noise.probe_sources import COUPLED, ProbeSources, layout_notes
-from trainvitals.noise.probe_step import (MicroBatches, coordinate_stats, log_per_example_norms, step_estimates,
-                                               sum_over_ranks)
 from trainvitals.plumbing.writers import log_scalars, log_text
-from trainvitals.noise.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
-from trainvitals.noise.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
-from trainvitals.noise.estimators import NoiseScaleEMA, NoiseScaleError
-from trainvitals.per_example import Layouts, PerExampleStep, SourcePlan, detect_loss_reduction
+from trainvitals.text.markdown import markdown_table
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
 COORDINATE_BUDGET = 2**20  # per-coordinate sums per logging step: 16 MiB of float64 Σg and Σg²
@@ -167,8 +171,12 @@ class BatchVarianceProbe(TrainvitalsCallback):
     ) -> None:
         super().__init__()
         if histogram_every_n_steps is None:
-            warnings.warn("BatchVarianceProbe(histogram_every_n_steps=None) is deprecated and will be refused in "
-                          "the next release: use 0 to turn histograms off", DeprecationWarning, stacklevel=3)
+            warnings.warn(
+                "BatchVarianceProbe(histogram_every_n_steps=None) is deprecated and will be refused in "
+                "the next release: use 0 to turn histograms off",
+                DeprecationWarning,
+                stacklevel=3,
+            )
             histogram_every_n_steps = 0
         self.measure_every_n_steps = check_int("measure_every_n_steps", measure_every_n_steps, 1)
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1, none_ok=True)
@@ -210,7 +218,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("outlier_coverage", "", persistent=False)  # which parameters their norms are over
         self.add_state("_enabled", False, persistent=False)
         self.add_state("_excluded", set(), persistent=False)
-        self.add_state("_failed", {}, persistent=False)  # failed here, not yet excluded (DDP: until a logging step): why
+        self.add_state(
+            "_failed", {}, persistent=False
+        )  # failed here, not yet excluded (DDP: until a logging step): why
         self.add_state("_open_step", -1, persistent=False)
         self.add_state("_measuring", False, persistent=False)
         self.add_state("_finalized_step", -1, persistent=False)
@@ -286,8 +296,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
         # The estimate's batch is its valid sources'; with none valid, the probe's own.
         batch = summary["batch_size"] or self.effective_batch_size
         at = f" at an effective batch of {batch}" if batch else ""
-        scale = (f"B_simple = {summary['b_simple']:.4g} examples (relative error {summary['b_simple_rel_err']:.2f})"
-                 if summary["reliable"] else "no reliable B_simple")
+        scale = (
+            f"B_simple = {summary['b_simple']:.4g} examples (relative error {summary['b_simple_rel_err']:.2f})"
+            if summary["reliable"]
+            else "no reliable B_simple"
+        )
         why = "" if summary["reliable"] else ": " + summary["why"].removeprefix("B_simple unreliable: ")
         return f"{scale}{at} from {count} measured optimizer steps{why}."
 
@@ -308,8 +321,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.gradient_noise = find_gradient_noise(trainer.callbacks)
         self.gradient_noise.max_rel_err = self.max_rel_err
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
-            self._cannot_measure(f"strategy {type(trainer.strategy).__name__} is not supported "
-                                 "(single device and DDP are)")
+            self._cannot_measure(
+                f"strategy {type(trainer.strategy).__name__} is not supported (single device and DDP are)"
+            )
             return
         self._enabled = True
         self.gradient_noise.attach(self.noise_source)
@@ -318,8 +332,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self._histogram_every = self._round_up(self.histogram_every_n_steps) if self.histogram_every_n_steps else None
         self._make_plan(trainer, pl_module)
         note = self._sources.notes(self.per_coordinate, self._histogram_every is not None) if self._sources else ""
-        self.info(f"planned sources (a layer found not measurable per example is moved at its first step, and said): "
-                  f"{self.sources}" + (f"; {note}" if note else ""))
+        self.info(
+            f"planned sources (a layer found not measurable per example is moved at its first step, and said): "
+            f"{self.sources}" + (f"; {note}" if note else "")
+        )
 
     def _round_up(self, every: int) -> int:
         return math.ceil(every / self.measure_every_n_steps) * self.measure_every_n_steps
@@ -329,12 +345,19 @@ class BatchVarianceProbe(TrainvitalsCallback):
 
     def _make_plan(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._detach_hooks()
-        self._sources = sources = ProbeSources(pl_module, self._groups_per_step(trainer) >= 2, self.fallback,
-                                               self._excluded, self.fallback_sub_batch, self._layouts)
+        self._sources = sources = ProbeSources(
+            pl_module,
+            self._groups_per_step(trainer) >= 2,
+            self.fallback,
+            self._excluded,
+            self.fallback_sub_batch,
+            self._layouts,
+        )
         self.sources, self.noise_source.param_share = sources.description, sources.param_share
         self._coordinate_cursor, self._gsnr_partial = 0, {}
-        self._coordinates = ModuleCoordinates(sources.plan.parameters("per_example"), sources.plan.parameters("vmap"),
-                                              self.coordinate_budget)
+        self._coordinates = ModuleCoordinates(
+            sources.plan.parameters("per_example"), sources.plan.parameters("vmap"), self.coordinate_budget
+        )
         if self.per_coordinate and self._coordinates.budget_note():
             self.info(self._coordinates.budget_note())
         if not sources.measures:
@@ -346,9 +369,11 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if self._enabled and len(trainer.optimizers) > 1:
             self._enabled = False
             self.gradient_noise.detach(self.noise_source.name)
-            self._cannot_measure(f"the run has {len(trainer.optimizers)} optimizers, and the probe measures the "
-                                 "gradient of one optimizer's step (a GAN's generator and discriminator step on "
-                                 "different losses)")
+            self._cannot_measure(
+                f"the run has {len(trainer.optimizers)} optimizers, and the probe measures the "
+                "gradient of one optimizer's step (a GAN's generator and discriminator step on "
+                "different losses)"
+            )
 
     def _cannot_measure(self, why: str) -> None:
         self.cannot_measure(f"cannot measure: {why}. Such steps are left out.")
@@ -356,8 +381,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
     # ------------------------------------------------------------------ per micro-batch
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
-                             batch_idx: int = 0, *_: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int = 0, *_: Any
+    ) -> None:
         if not self._enabled:
             return
         step = trainer.global_step
@@ -388,7 +414,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if logging or not self._sums_checked:  # GSNR's sums, and the sums check's (also a fit's first step)
             self._selection, cursor = self._coordinates.select(self._coordinate_cursor)
             self._coordinate_cursor, self._sums_checked = cursor if logging else self._coordinate_cursor, True
-        sources.attach(self._selection, keep_norms=self._histogram_every is not None and step % self._histogram_every == 0)
+        sources.attach(
+            self._selection, keep_norms=self._histogram_every is not None and step % self._histogram_every == 0
+        )
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
@@ -401,15 +429,20 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if reduction == "auto":
             found = detect_loss_reduction(loss, self._batch_size, accumulation)
             if found is None:
-                self.warn("could not tell from the loss's graph whether it is a mean or a sum over examples; "
-                          "assuming a mean. Pass `loss_reduction=` to say which: B_simple does not depend on it, "
-                          "tr(Σ), ‖G‖² and the noise floor do.", once=True)
+                self.warn(
+                    "could not tell from the loss's graph whether it is a mean or a sum over examples; "
+                    "assuming a mean. Pass `loss_reduction=` to say which: B_simple does not depend on it, "
+                    "tr(Σ), ‖G‖² and the noise floor do.",
+                    once=True,
+                )
             reduction = found.kind if found is not None else "mean"
         if reduction != self._stated_reduction:
             self._stated_reduction = reduction
             how = "as told" if self.loss_reduction != "auto" else "read from the loss's graph"
-            self.info(f"the loss is a {reduction} over the examples ({how}); per-example gradients are those of "
-                      "each example's own loss" + (", B × its share of the batch mean" if reduction == "mean" else ""))
+            self.info(
+                f"the loss is a {reduction} over the examples ({how}); per-example gradients are those of "
+                "each example's own loss" + (", B × its share of the batch mean" if reduction == "mean" else "")
+            )
         self._reduction = reduction
         scale = loss_scale(trainer)
         per_loss = self._batch_size if reduction == "mean" else 1
@@ -427,8 +460,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
     # ------------------------------------------------------------------ per optimizer step
 
     @override
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                                 optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
         step = trainer.global_step
         if not self._measuring or self._finalized_step == step:
             return
@@ -462,8 +496,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if failed:
             self._move_failed(trainer, pl_module, failed, set() if problem else aside)
 
-    def _move_failed(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", failed: set[str],
-                     aside: set[str]) -> None:
+    def _move_failed(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", failed: set[str], aside: set[str]
+    ) -> None:
         """Exclude the layers that failed per example, plan again, and say why, what became of the steps they
         failed in (``aside``: the layers this one was measured without), where each goes and the coverage."""
         reasons = {name: self._failed.pop(name, "it failed on another rank") for name in sorted(failed)}
@@ -472,8 +507,13 @@ class BatchVarianceProbe(TrainvitalsCallback):
         assert self._sources is not None
         self.cannot_measure(self._sources.moved(reasons, aside, trainer.world_size))
 
-    def _check_sums(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
-                    optimizer: torch.optim.Optimizer) -> None:
+    def _check_sums(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        result: PerExampleStep,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
         """On a step with per-coordinate sums, fail the layers whose per-example gradients do not add up to their
         ``.grad``: on one device (ranks average ``.grad``), with all micro-batches measured and of one size."""
         assert self._sources is not None
@@ -483,9 +523,16 @@ class BatchVarianceProbe(TrainvitalsCallback):
         scale = scale_left_in_grads(trainer, optimizer)
         result.failed.update(self._sources.collector.unbalanced(result, to_grad if scale is None else scale * to_grad))
 
-    def _measure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", result: PerExampleStep,
-                 micro_sum: Tensor | None, optimizer: torch.optim.Optimizer, valid_here: bool,
-                 aside: set[str]) -> set[str]:
+    def _measure(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        result: PerExampleStep,
+        micro_sum: Tensor | None,
+        optimizer: torch.optim.Optimizer,
+        valid_here: bool,
+        aside: set[str],
+    ) -> set[str]:
         """Update the estimates (and log, at a logging step); returns the layers to exclude from now on.
 
         ``optimizer``: the one about to step; its parameters' ``.grad`` is the batch gradient (:meth:`ProbeSources.batch_sq_norms`).
@@ -495,24 +542,45 @@ class BatchVarianceProbe(TrainvitalsCallback):
             return set(self._failed) if trainer.world_size == 1 else set()
         sources = self._sources
         assert sources is not None
-        sums = sum_over_ranks(trainer, result, micro_sum, self._batches.sizes, valid_here, sources.layers,
-                              set(self._failed), aside,
-                              read_failures=is_logging_step(trainer.global_step, self._log_every))
+        sums = sum_over_ranks(
+            trainer,
+            result,
+            micro_sum,
+            self._batches.sizes,
+            valid_here,
+            sources.layers,
+            set(self._failed),
+            aside,
+            read_failures=is_logging_step(trainer.global_step, self._log_every),
+        )
         if sums.examples < 2:
             self._cannot_measure("a step of 1 example has no spread to measure")
             return sums.failed
         to_mean = 1 / self._grad_units(trainer, pl_module)
-        batch_sq = {part: sq_norm * to_mean**2
-                    for part, sq_norm in self._sources.batch_sq_norms(trainer, optimizer, sums.aside).items()}
+        batch_sq = {
+            part: sq_norm * to_mean**2
+            for part, sq_norm in self._sources.batch_sq_norms(trainer, optimizer, sums.aside).items()
+        }
         grad_sq_norm, trace_cov, valid, covered, total = step_estimates(
-            sources.plan, batch_sq, result, sums, len(self._batches.sizes) * trainer.world_size, self._batches.size,
-            self._unit, aside)
+            sources.plan,
+            batch_sq,
+            result,
+            sums,
+            len(self._batches.sizes) * trainer.world_size,
+            self._batches.size,
+            self._unit,
+            aside,
+        )
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         self.nonfinite.add(torch.isfinite(total))
         self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         whole = not pl_module.automatic_optimization or len(self._batches.sizes) == trainer.accumulate_grad_batches
         # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
-        short = trainer.is_last_batch and self.effective_batch_size is not None and sums.examples < self.effective_batch_size
+        short = (
+            trainer.is_last_batch
+            and self.effective_batch_size is not None
+            and sums.examples < self.effective_batch_size
+        )
         if (whole and not short) or self.effective_batch_size is None:
             self.effective_batch_size = sums.examples
             self.grad_scale = self._grad_units(trainer, pl_module)
@@ -529,8 +597,15 @@ class BatchVarianceProbe(TrainvitalsCallback):
 
     # ------------------------------------------------------------------ logging
 
-    def _log(self, trainer: "pl.Trainer", result: PerExampleStep, valid: Tensor | bool, examples: int,
-             step: int, failed: set[str]) -> None:
+    def _log(
+        self,
+        trainer: "pl.Trainer",
+        result: PerExampleStep,
+        valid: Tensor | bool,
+        examples: int,
+        step: int,
+        failed: set[str],
+    ) -> None:
         """The EMAs at the run's batch (:attr:`effective_batch_size`), the per-coordinate statistics of this
         step's ``examples`` over the layers that did not fail (``failed``)."""
         batch = self.effective_batch_size or examples
@@ -543,19 +618,29 @@ class BatchVarianceProbe(TrainvitalsCallback):
         coordinates: StepCoordinates = {}
         if self.per_coordinate and self._plan is not None:
             assert self._sources is not None
-            snr_sums, coordinates = coordinate_stats(trainer, self._coordinates, self._selection, result, examples,
-                                                     self._sources.params_of(failed))
+            snr_sums, coordinates = coordinate_stats(
+                trainer, self._coordinates, self._selection, result, examples, self._sources.params_of(failed)
+            )
             metrics.update(snr_sums)
         keys = list(metrics)
         device = self.noise.count.device
-        host = torch.stack([metrics[k].detach().double().reshape(()).to(device) for k in keys]
-                           + [estimate.count.double().to(device), torch.as_tensor(valid, dtype=torch.float64).to(device)]).cpu().tolist()
+        host = (
+            torch.stack(
+                [metrics[k].detach().double().reshape(()).to(device) for k in keys]
+                + [estimate.count.double().to(device), torch.as_tensor(valid, dtype=torch.float64).to(device)]
+            )
+            .cpu()
+            .tolist()
+        )
         values, (count, valid_now) = dict(zip(keys, host[:-2])), host[-2:]
         if count == 0:
             return
         valid_now = valid_now and not self.noise_source.invalid  # GSNR and EB are per-example statistics
-        values = {k: v for k, v in values.items() if math.isfinite(v)
-                  and (valid_now or not k.startswith((GSNR_TAG, EB_CRITERION)))}
+        values = {
+            k: v
+            for k, v in values.items()
+            if math.isfinite(v) and (valid_now or not k.startswith((GSNR_TAG, EB_CRITERION)))
+        }
         values, self._gsnr_partial = self._coordinates.complete_passes(values, coordinates, self._gsnr_partial)
         log_scalars(trainer, values, step)
         disagreement = self.gradient_noise.disagreement()
@@ -566,8 +651,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
     def _log_norms(self, trainer: "pl.Trainer", sources: ProbeSources, result: PerExampleStep, step: int) -> None:
         if why := sources.norms_invalid(result):
             self.warn(f"no per-example gradient norms (histogram, outliers panel) at steps where {why}.", once=True)
-        elif outliers := log_per_example_norms(trainer, result.sq_norms, self._batches.rows, self.top_k,
-                                               sources.norm_coverage, step):
+        elif outliers := log_per_example_norms(
+            trainer, result.sq_norms, self._batches.rows, self.top_k, sources.norm_coverage, step
+        ):
             self.outlier_rows, self.outlier_coverage = outliers.by_row, outliers.coverage
             self.last_outliers = list(zip(outliers.ids, outliers.norms))
 
@@ -586,15 +672,23 @@ class BatchVarianceProbe(TrainvitalsCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         # The entries before the estimate's sources: read by older versions.
-        return {"noise": self.noise.state_dict(), "noise_error": self.noise_error.state_dict(),
-                "effective_batch_size": self.effective_batch_size, "grad_scale": self.grad_scale,
-                "nonfinite_steps": int(self.nonfinite.count), **super().state_dict()}
+        return {
+            "noise": self.noise.state_dict(),
+            "noise_error": self.noise_error.state_dict(),
+            "effective_batch_size": self.effective_batch_size,
+            "grad_scale": self.grad_scale,
+            "nonfinite_steps": int(self.nonfinite.count),
+            **super().state_dict(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # A checkpoint from before the estimate's sources holds the probe's source in those entries.
-        older = {"noise": state_dict.get("noise", {}), "error": state_dict.get("noise_error", {}),
-                 "effective_batch_size": state_dict.get("effective_batch_size"),
-                 "unit_scale": state_dict.get("grad_scale", 1.0)}
+        older = {
+            "noise": state_dict.get("noise", {}),
+            "error": state_dict.get("noise_error", {}),
+            "effective_batch_size": state_dict.get("effective_batch_size"),
+            "unit_scale": state_dict.get("grad_scale", 1.0),
+        }
         super().load_state_dict({"source": older, **state_dict})
         self.nonfinite.count = torch.tensor(int(state_dict.get("nonfinite_steps", 0)))

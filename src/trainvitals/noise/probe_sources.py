@@ -10,16 +10,15 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-import lightning.pytorch as pl
-
-from trainvitals.norms.monitor import grad_sq_norm, grad_sq_norms
-from trainvitals.noise.estimate import NoiseSource
 from trainvitals.memory import ROOT, compiled_modules
+from trainvitals.noise.estimate import NoiseSource
 from trainvitals.noise.estimators import MicroBatchSquaredNorms
 from trainvitals.noise.outliers import norm_coverage
+from trainvitals.norms.monitor import grad_sq_norm, grad_sq_norms
 from trainvitals.per_example import Layouts, PerExampleGradients, PerExampleStep, plan_sources
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
@@ -50,14 +49,22 @@ class ProbeSources:
         bn_values: values per channel of each BatchNorm in training mode at this step's forwards.
     """
 
-    def __init__(self, pl_module: "pl.LightningModule", groups: bool, fallback: bool, excluded: set[str],
-                 fallback_sub_batch: int, layouts: Layouts) -> None:
+    def __init__(
+        self,
+        pl_module: "pl.LightningModule",
+        groups: bool,
+        fallback: bool,
+        excluded: set[str],
+        fallback_sub_batch: int,
+        layouts: Layouts,
+    ) -> None:
         regions, hooked = compiled_modules(pl_module)
         compiled = ["" if c == ROOT else c for c in regions]
         self.plan = plan_sources(pl_module, groups, fallback, excluded, compiled)
         if self.plan.coupled and groups:  # independent micro-batches instead of coupled examples
-            self.plan = plan_sources(pl_module, groups, fallback,
-                                     {*excluded, *self.plan.per_example, *self.plan.vmap}, compiled)
+            self.plan = plan_sources(
+                pl_module, groups, fallback, {*excluded, *self.plan.per_example, *self.plan.vmap}, compiled
+            )
         plan = self.plan
         layouts.declare(pl_module)
         self.collector = PerExampleGradients(plan.per_example, plan.vmap, fallback_sub_batch, layouts)
@@ -73,27 +80,37 @@ class ProbeSources:
         self.bn_values: dict[str, int] = {}
         self.layer_params = {**plan.layer_parameters("per_example"), **plan.layer_parameters("vmap")}
         self.layers = list(self.layer_params)
-        self.params = {"per_example": list(plan.parameters("per_example").values()),
-                       "micro_batch": list(plan.micro_batch.values()),
-                       "vmap": list(plan.parameters("vmap").values())}
+        self.params = {
+            "per_example": list(plan.parameters("per_example").values()),
+            "micro_batch": list(plan.micro_batch.values()),
+            "vmap": list(plan.parameters("vmap").values()),
+        }
         # The optimizer and its parameter count, and :meth:`norm_layout` for them.
-        self._norm_layout: tuple[torch.optim.Optimizer, int, list[torch.nn.Parameter], Tensor, str | None,
-                                 Tensor] | None = None
+        self._norm_layout: (
+            tuple[torch.optim.Optimizer, int, list[torch.nn.Parameter], Tensor, str | None, Tensor] | None
+        ) = None
         trainable = {id(p): p for p in pl_module.parameters() if p.requires_grad}
         measured = {id(p): p for ps in self.params.values() for p in ps}
-        self.param_share = sum(p.numel() for p in measured.values()) / max(sum(p.numel() for p in trainable.values()), 1)
+        self.param_share = sum(p.numel() for p in measured.values()) / max(
+            sum(p.numel() for p in trainable.values()), 1
+        )
         self.norm_coverage = norm_coverage(pl_module, [*self.params["per_example"], *self.params["vmap"]])
         self.description = plan.describe(pl_module, fallback_sub_batch)
         if plan.coupled:
             layers = ", ".join(plan.coupled)  # the plan's coverage line gives the reason once, for its own tensors
-            self.description += (f". BatchNorm ({layers}) couples the examples, so every parameter is measured from "
-                                 "micro-batches and ranks" if plan.micro_batch else
-                                 f". Because of BatchNorm ({layers}), the per-example estimate is invalid in training "
-                                 "mode: a warning at the first such step says what would measure it")
+            self.description += (
+                f". BatchNorm ({layers}) couples the examples, so every parameter is measured from "
+                "micro-batches and ranks"
+                if plan.micro_batch
+                else f". Because of BatchNorm ({layers}), the per-example estimate is invalid in training "
+                "mode: a warning at the first such step says what would measure it"
+            )
         if regions:
             what = "the training step" if ROOT in regions else ", ".join(f"`{c}`" for c in regions)
-            self.description += (f". {what} runs under torch.compile: the probe puts no hook inside it, since a "
-                                 "hook there breaks the compiled graph")
+            self.description += (
+                f". {what} runs under torch.compile: the probe puts no hook inside it, since a "
+                "hook there breaks the compiled graph"
+            )
 
     @property
     def measures(self) -> bool:
@@ -110,10 +127,14 @@ class ProbeSources:
         self.collector.attach(coordinates=coordinates, keep_norms=keep_norms)
         self.micro.attach(self.plan.micro_batch.values())
         self.bn_values = {}
-        self._hooks = [m.register_forward_pre_hook(functools.partial(self._record_batchnorm, name))
-                       for name, m in self._batchnorms.items()]
-        self._hooks += [m.register_forward_pre_hook(functools.partial(self._record_declared, name), with_kwargs=True)
-                        for name, m in self._declaring.items()]
+        self._hooks = [
+            m.register_forward_pre_hook(functools.partial(self._record_batchnorm, name))
+            for name, m in self._batchnorms.items()
+        ]
+        self._hooks += [
+            m.register_forward_pre_hook(functools.partial(self._record_declared, name), with_kwargs=True)
+            for name, m in self._declaring.items()
+        ]
 
     def detach(self) -> None:
         self.collector.detach()
@@ -126,8 +147,9 @@ class ProbeSources:
         if module.training:
             self.bn_values[name] = args[0].numel() // max(args[0].shape[1], 1)
 
-    def _record_declared(self, name: str, module: torch.nn.Module, args: tuple[Any, ...],
-                         kwargs: dict[str, Any]) -> None:
+    def _record_declared(
+        self, name: str, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         self.collector.layouts.see_declared(name, args[0] if args else next(iter(kwargs.values()), None))
 
     # ------------------------------------------------------------------ what a step's measurement lacks
@@ -140,20 +162,28 @@ class ProbeSources:
     def norms_invalid(self, result: PerExampleStep) -> str:
         """Why this step's kept ‖g_i‖ are not the examples' gradient norms over :attr:`norm_coverage`, or ""."""
         if coupled := self.coupling():
-            return (f"BatchNorm is in training mode ({', '.join(coupled)}), which couples the examples: none has a "
-                    "gradient of its own")
+            return (
+                f"BatchNorm is in training mode ({', '.join(coupled)}), which couples the examples: none has a "
+                "gradient of its own"
+            )
         if result.failed:
-            return (f"a layer failed per example ({', '.join(n or '(root)' for n in result.failed)}): the panel's "
-                    "coverage is the plan's; the steps after the plan is remade have them, over the layers left")
+            return (
+                f"a layer failed per example ({', '.join(n or '(root)' for n in result.failed)}): the panel's "
+                "coverage is the plan's; the steps after the plan is remade have them, over the layers left"
+            )
         return ""
 
     def notes(self, coordinates: bool, norms: bool) -> str:
         """What the plan will not log for want of per-example gradients, of the per-coordinate statistics (when
         ``coordinates``) and the per-example norms (when ``norms``: histograms are on), or ""."""
         lacking = not (self.plan.per_example or self.plan.vmap)
-        said = [self.coordinates_note() if coordinates else "",
-                "no per-example gradient norms (grad_noise/per_example_grad_norm, grad_noise/outliers), as no parameter "
-                "is measured per example" if norms and lacking else ""]
+        said = [
+            self.coordinates_note() if coordinates else "",
+            "no per-example gradient norms (grad_noise/per_example_grad_norm, grad_noise/outliers), as no parameter "
+            "is measured per example"
+            if norms and lacking
+            else "",
+        ]
         return "; ".join(n for n in said if n)
 
     def coordinates_note(self) -> str:
@@ -169,33 +199,42 @@ class ProbeSources:
     @staticmethod
     def coupling_warning(batchnorms: list[str]) -> str:
         """The one full explanation of a per-example estimate through BatchNorm in training mode, with the fix."""
-        return (f"per-example gradients through BatchNorm in training mode ({', '.join(batchnorms)}) are not "
-                "independent draws: BatchNorm normalises each example with its micro-batch's statistics, which couples "
-                "the examples, and their addends of the batch gradient cancel. The probe's estimate is invalid from "
-                "here on (no B_simple, noise floor, noise band, GSNR or EB criterion from it); accumulate_grad_batches "
-                ">= 2 or >= 2 devices measure the noise (micro-batches and ranks are independent draws whatever the "
-                "layers), and so does GroupNorm or LayerNorm instead of BatchNorm")
+        return (
+            f"per-example gradients through BatchNorm in training mode ({', '.join(batchnorms)}) are not "
+            "independent draws: BatchNorm normalises each example with its micro-batch's statistics, which couples "
+            "the examples, and their addends of the batch gradient cancel. The probe's estimate is invalid from "
+            "here on (no B_simple, noise floor, noise band, GSNR or EB criterion from it); accumulate_grad_batches "
+            ">= 2 or >= 2 devices measure the noise (micro-batches and ranks are independent draws whatever the "
+            "layers), and so does GroupNorm or LayerNorm instead of BatchNorm"
+        )
 
     def moved(self, reasons: dict[str, str], aside: set[str], ranks: int) -> str:
         """What to say of layers that failed per example (``reasons``: why each) once this plan excludes them:
         why, what became of the steps they failed in (``aside``: those this one was measured without, on this
         rank of ``ranks``), where each is measured from the next step on, and what the sources now cover."""
+
         def where(name: str) -> str:
             if name in self.plan.vmap:
                 return f"it is measured by torch.func on a sub-batch of {self.collector.sub_batch} examples"
             if any(not name or p == name or p.startswith(f"{name}.") for p in self.plan.micro_batch):
                 return "it is measured from micro-batches and ranks"
-            return ("it is left to micro-batches and ranks, which this run does not have (accumulate_grad_batches "
-                    ">= 2 or >= 2 devices)")
+            return (
+                "it is left to micro-batches and ranks, which this run does not have (accumulate_grad_batches "
+                ">= 2 or >= 2 devices)"
+            )
 
         def then(name: str) -> str:
             if name not in aside:
                 return "the steps it failed in are left out"
-            return ("the steps it failed in are measured over the other layers, its parameters counted as not "
-                    "measured" + (", where it failed so on every rank (else left out)" if ranks > 1 else ""))
+            return (
+                "the steps it failed in are measured over the other layers, its parameters counted as not "
+                "measured" + (", where it failed so on every rank (else left out)" if ranks > 1 else "")
+            )
 
-        said = "; ".join(f"{name or '(root)'}: {why}; {then(name)}. From the next step on {where(name)}"
-                         for name, why in reasons.items())
+        said = "; ".join(
+            f"{name or '(root)'}: {why}; {then(name)}. From the next step on {where(name)}"
+            for name, why in reasons.items()
+        )
         return f"cannot measure per example: {said}; the sources now are {self.description}."
 
     def few_batchnorm_values(self, micro_batch: int, accumulate: int) -> str:
@@ -204,10 +243,16 @@ class ProbeSources:
         if not small:
             return ""
         where = ", ".join(f"{n} ({v} values per channel)" for n, v in small.items())
-        accumulation = (f" Under gradient accumulation BatchNorm sees one micro-batch of {micro_batch}, "
-                        f"not the {micro_batch * accumulate} examples of the step." if accumulate > 1 else "")
-        return (f"BatchNorm in training mode normalises {where} over too few values for meaningful statistics: "
-                "over 2 values every feature becomes ±1, over 1 it fails." + accumulation)
+        accumulation = (
+            f" Under gradient accumulation BatchNorm sees one micro-batch of {micro_batch}, "
+            f"not the {micro_batch * accumulate} examples of the step."
+            if accumulate > 1
+            else ""
+        )
+        return (
+            f"BatchNorm in training mode normalises {where} over too few values for meaningful statistics: "
+            "over 2 values every feature becomes ±1, over 1 it fails." + accumulation
+        )
 
     def problem(self, result: PerExampleStep, micro_sizes: list[int], unsized: bool) -> tuple[str, set[str]]:
         """Why this step's measurement is unusable ("" if it is), and the failed layers it is measured without
@@ -224,10 +269,15 @@ class ProbeSources:
             result.failed.clear()
             return misread, set()
         for name, module in {**self.plan.per_example, **self.plan.vmap}.items():
-            if name not in result.seen and name not in result.failed and \
-                    any(p.grad is not None for p in module.parameters(recurse=False)):
-                result.failed[name] = ("its parameters got gradients outside its own forward (used directly, or "
-                                       "called from a torch.compile'd function, where the probe puts no hook)")
+            if (
+                name not in result.seen
+                and name not in result.failed
+                and any(p.grad is not None for p in module.parameters(recurse=False))
+            ):
+                result.failed[name] = (
+                    "its parameters got gradients outside its own forward (used directly, or "
+                    "called from a torch.compile'd function, where the probe puts no hook)"
+                )
         aside = self.collector.set_aside(result)
         if not self.plan.micro_batch and aside.issuperset(self.layers):
             aside = set()  # no layer left to measure the step
@@ -235,9 +285,11 @@ class ProbeSources:
         if failed:
             return "; ".join(f"{n or '(root)'}: {why}" for n, why in failed.items()), aside
         if unsized:
-            return ("Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it), or the "
-                    "batch holds a list of tensors of differing lengths with no tensor of a row per example beside it: "
-                    "put the examples on dimension 0 of the batch's tensors, or pass the list's labels with it"), aside
+            return (
+                "Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it), or the "
+                "batch holds a list of tensors of differing lengths with no tensor of a row per example beside it: "
+                "put the examples on dimension 0 of the batch's tensors, or pass the list's labels with it"
+            ), aside
         if 0 in micro_sizes:
             return "an empty micro-batch", aside
         if set(self.layers) - aside and not result.seen:
@@ -247,8 +299,9 @@ class ProbeSources:
         return "", aside
 
     # ------------------------------------------------------------------ the batch gradient
-    def norm_layout(self, optimizer: torch.optim.Optimizer
-                    ) -> tuple[list[torch.nn.Parameter], Tensor, str | None, Tensor]:
+    def norm_layout(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[list[torch.nn.Parameter], Tensor, str | None, Tensor]:
         """The parameters whose ‖.grad‖² a step reads — the optimizer's, in its order (the list the stopper
         asks for, so that both read one pass), then measured ones it does not hold —, the position in
         ``(*SOURCES, "other")`` of each, on their device (built once per optimizer and parameter count: no
@@ -265,16 +318,25 @@ class ProbeSources:
             layers = [layer_of.get(id(p), len(self.layers)) for p in params]
             device = params[0].device if params else None
             whole = SOURCES[where[0]] if where and where[0] < len(SOURCES) and len(set(where)) == 1 else None
-            self._norm_layout = (optimizer, count, params, torch.tensor(where, dtype=torch.long, device=device), whole,
-                                 torch.tensor(layers, dtype=torch.long, device=device))
+            self._norm_layout = (
+                optimizer,
+                count,
+                params,
+                torch.tensor(where, dtype=torch.long, device=device),
+                whole,
+                torch.tensor(layers, dtype=torch.long, device=device),
+            )
         return self._norm_layout[2:]
 
     def params_of(self, layers: set[str]) -> set[str]:
         """The qualified names of the parameters of ``layers`` and of the layers they share a parameter with."""
-        return {q for name in layers for member in self.collector.group(name) for q in self.layer_params.get(member, {})}
+        return {
+            q for name in layers for member in self.collector.group(name) for q in self.layer_params.get(member, {})
+        }
 
-    def batch_sq_norms(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
-                       aside: Tensor | None) -> dict[str, Tensor]:
+    def batch_sq_norms(
+        self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer, aside: Tensor | None
+    ) -> dict[str, Tensor]:
         """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``, with those of
         the layers ``aside`` marks, a ``(layers,)`` bool on the device): the accumulated, rank-averaged gradient,
         AMP scale undone (0-d float64 each), from one pass over the gradients per step (shared with the

@@ -7,14 +7,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-import lightning.pytorch as pl
-
-from trainvitals.plumbing.base import reduce_packed
-from trainvitals.plumbing.batch import loss_divisor
-from trainvitals.plumbing.writers import log_histogram, log_text
 from trainvitals.noise.estimators import (
     per_example_estimates,
     sub_batch_estimates,
@@ -24,6 +20,9 @@ from trainvitals.noise.estimators import (
 from trainvitals.noise.gsnr import ModuleCoordinates, StepCoordinates
 from trainvitals.noise.outliers import Outliers, largest_examples
 from trainvitals.per_example import PerExampleStep, SourcePlan
+from trainvitals.plumbing.base import reduce_packed
+from trainvitals.plumbing.batch import loss_divisor
+from trainvitals.plumbing.writers import log_histogram, log_text
 
 PER_EXAMPLE_NORMS, OUTLIERS = "grad_noise/per_example_grad_norm", "grad_noise/outliers"
 
@@ -40,9 +39,17 @@ class StepSums:
     aside: Tensor | None = None  # (layers,) bool: those this step is measured without, the same on every rank
 
 
-def sum_over_ranks(trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Tensor | None, sizes: list[int],
-                   valid_here: bool, layers: list[str], failed_here: set[str], aside_here: set[str],
-                   read_failures: bool) -> StepSums:
+def sum_over_ranks(
+    trainer: "pl.Trainer",
+    result: PerExampleStep,
+    micro_sum: Tensor | None,
+    sizes: list[int],
+    valid_here: bool,
+    layers: list[str],
+    failed_here: set[str],
+    aside_here: set[str],
+    read_failures: bool,
+) -> StepSums:
     """This step's sums: this rank's on one process; under DDP every rank's, in one collective.
 
     ``sizes``: the examples of this rank's micro-batches; ``layers``: the per-example and torch.func
@@ -81,11 +88,22 @@ def sum_over_ranks(trainer: "pl.Trainer", result: PerExampleStep, micro_sum: Ten
             flags[i] = 1.0
         elif name in undecided:
             flags[i] = undecided[name].double()
-    invalid_here = (~valid).double() if isinstance(valid, Tensor) else torch.full(
-        (), 0.0 if valid else 1.0, dtype=torch.float64, device=device)
-    sq, micro, seen, invalid, counts, asides = reduce_packed(trainer, [
-        sq_norm_sum, micro_sum, torch.full((), float(local_examples), dtype=torch.float64, device=device),
-        invalid_here, flags, aside.double()])
+    invalid_here = (
+        (~valid).double()
+        if isinstance(valid, Tensor)
+        else torch.full((), 0.0 if valid else 1.0, dtype=torch.float64, device=device)
+    )
+    sq, micro, seen, invalid, counts, asides = reduce_packed(
+        trainer,
+        [
+            sq_norm_sum,
+            micro_sum,
+            torch.full((), float(local_examples), dtype=torch.float64, device=device),
+            invalid_here,
+            flags,
+            aside.double(),
+        ],
+    )
     examples = local_examples * trainer.world_size
     failed = set()
     if read_failures and layers:
@@ -117,13 +135,26 @@ class MicroBatches:
     def whole_window(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
         """Whether ``.grad`` is the mean of these micro-batches alone: all of an accumulation window, sized and
         equal, on one device (the ``.grad`` of several is averaged over ranks), under automatic optimization."""
-        return (trainer.world_size == 1 and not self.unsized and len(set(self.sizes)) == 1 and 0 not in self.sizes
-                and len(self.sizes) == trainer.accumulate_grad_batches and pl_module.automatic_optimization)
+        return (
+            trainer.world_size == 1
+            and not self.unsized
+            and len(set(self.sizes)) == 1
+            and 0 not in self.sizes
+            and len(self.sizes) == trainer.accumulate_grad_batches
+            and pl_module.automatic_optimization
+        )
 
 
-def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExampleStep, sums: StepSums,
-                   groups: int, group_size: int, unit: Tensor | float,
-                   aside: set[str]) -> tuple[Tensor, Tensor, Tensor | bool, Tensor, Tensor]:
+def step_estimates(
+    plan: SourcePlan,
+    batch_sq: dict[str, Tensor],
+    result: PerExampleStep,
+    sums: StepSums,
+    groups: int,
+    group_size: int,
+    unit: Tensor | float,
+    aside: set[str],
+) -> tuple[Tensor, Tensor, Tensor | bool, Tensor, Tensor]:
     """``(‖G‖², tr(Σ), valid, ‖ḡ‖² measured, ‖ḡ‖² all)`` of the step in per-example units.
 
     Each source's estimate over its own parameters, added up, since tr(Σ) and ‖G‖² are sums over
@@ -146,8 +177,15 @@ def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExa
         valid = False
     elif vmap:
         sub_mean_sq = sub_batch_mean_sq_norm(list(result.sub_grad_sum.values()), result.num_sub)
-        estimates.append(sub_batch_estimates(result.sub_sq_norm_sum.double(), sub_mean_sq,  # type: ignore[union-attr]
-                                             result.num_sub, batch_sq["vmap"], sums.examples))
+        estimates.append(
+            sub_batch_estimates(
+                result.sub_sq_norm_sum.double(),
+                sub_mean_sq,  # type: ignore[union-attr]
+                result.num_sub,
+                batch_sq["vmap"],
+                sums.examples,
+            )
+        )
     covered = batch_sq["per_example"] + batch_sq["micro_batch"] + batch_sq["vmap"]
     total = covered + batch_sq["other"]
     if not estimates:
@@ -157,8 +195,14 @@ def step_estimates(plan: SourcePlan, batch_sq: dict[str, Tensor], result: PerExa
     return grad_sq_norm, trace_cov, valid, covered, total
 
 
-def coordinate_stats(trainer: "pl.Trainer", coordinates: ModuleCoordinates, selection: dict[str, slice],
-                     result: PerExampleStep, examples: int, left_out: set[str]) -> tuple[dict[str, Tensor], StepCoordinates]:
+def coordinate_stats(
+    trainer: "pl.Trainer",
+    coordinates: ModuleCoordinates,
+    selection: dict[str, slice],
+    result: PerExampleStep,
+    examples: int,
+    left_out: set[str],
+) -> tuple[dict[str, Tensor], StepCoordinates]:
     """Σ_d GSNR_d per module over this step's ``selection`` of coordinates, :data:`~trainvitals.noise.gsnr.EB_CRITERION` when they are
     all the measured ones (:meth:`ModuleCoordinates.snr_sums`), over every rank's examples; without the
     parameters ``left_out`` (of layers failed on some rank, the same on every rank), which have no sums."""
@@ -168,12 +212,14 @@ def coordinate_stats(trainer: "pl.Trainer", coordinates: ModuleCoordinates, sele
     selection = selection if result.sum_sq or trainer.world_size > 1 else {}
     reduce = (lambda flat: trainer.strategy.reduce(flat, reduce_op="sum")) if trainer.world_size > 1 else None
     grad_sums, sum_sqs = coordinates.selected_sums(selection, result.grad_sum, result.sum_sq, reduce)
-    return coordinates.snr_sums(selection, grad_sums, sum_sqs, examples, result.sub_grad_sum, result.sub_sum_sq,
-                                result.num_sub)
+    return coordinates.snr_sums(
+        selection, grad_sums, sum_sqs, examples, result.sub_grad_sum, result.sub_sum_sq, result.num_sub
+    )
 
 
-def log_per_example_norms(trainer: "pl.Trainer", sq_norms: list[Tensor], rows: list[Tensor | None], top_k: int,
-                          coverage: str, step: int) -> Outliers | None:
+def log_per_example_norms(
+    trainer: "pl.Trainer", sq_norms: list[Tensor], rows: list[Tensor | None], top_k: int, coverage: str, step: int
+) -> Outliers | None:
     """The histogram :data:`PER_EXAMPLE_NORMS` of a step's ‖g_i‖ (each micro-batch's ``(b,)`` ‖g_i‖² in
     ``sq_norms``, over the parameters ``coverage`` says) and, with ``top_k`` ≥ 1, the panel :data:`OUTLIERS` of
     the largest, by ``rows`` where known; returns those."""

@@ -18,25 +18,30 @@ from enum import Enum
 from functools import partial
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-import lightning.pytorch as pl
-
-from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
+from trainvitals.noise.estimate import (
+    SOURCES_CHECK,
+    GradientNoise,
+    NoiseSource,
+    band_ratio,
+    find_gradient_noise,
+    population_of,
+)
+from trainvitals.noise.estimators import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
+from trainvitals.norms.monitor import grad_sq_norm
+from trainvitals.norms.nonfinite import NonfiniteCounter
 from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback, reduce_packed
 from trainvitals.plumbing.batch import batch_size
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.norms.nonfinite import NonfiniteCounter
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import log_scalars, log_text
-from trainvitals.norms.monitor import grad_sq_norm
-from trainvitals.noise.estimate import (SOURCES_CHECK, GradientNoise, NoiseSource, band_ratio, find_gradient_noise,
-                                       population_of)
-from trainvitals.noise.estimators import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
+from trainvitals.text.markdown import markdown_table
 
 MODES = ("noise_band", "threshold", "relative")
 
@@ -56,13 +61,16 @@ DEFAULT_CHECK_EVERY_N_STEPS = 10
 
 
 def measurable_by(trainer: Any, say_probe: bool = True) -> str:
-    """"measurable with …": what would make the noise measurable in this run, BatchNorm and a probe named only
+    """ "measurable with …": what would make the noise measurable in this run, BatchNorm and a probe named only
     where they apply; with ``say_probe``, after why an attached probe does not measure it (BatchNorm)."""
-    parts = ["accumulate_grad_batches >= 2 or >= 2 devices (micro-batches and ranks are independent draws "
-             "whatever the layers)"]
+    parts = [
+        "accumulate_grad_batches >= 2 or >= 2 devices (micro-batches and ranks are independent draws "
+        "whatever the layers)"
+    ]
     module = getattr(trainer, "lightning_module", None)
-    batchnorm = module is not None and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
-                                           for m in module.modules())
+    batchnorm = module is not None and any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules()
+    )
     if batchnorm:
         parts.append("GroupNorm or LayerNorm instead of BatchNorm")
     probe = any(type(cb).__name__ == "BatchVarianceProbe" for cb in getattr(trainer, "callbacks", []))
@@ -169,9 +177,16 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.ema_beta = check_float("ema_beta", ema_beta, 0.0, 1.0, high_open=True)
         self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
         self.verbose = check_bool("verbose", verbose)
-        self.key_state_by(mode=self.mode, margin=self.margin, patience=self.patience, min_steps=self.min_steps,
-                          threshold=self.threshold, fraction=self.fraction, reference_steps=self.reference_steps,
-                          ema_beta=self.ema_beta)
+        self.key_state_by(
+            mode=self.mode,
+            margin=self.margin,
+            patience=self.patience,
+            min_steps=self.min_steps,
+            threshold=self.threshold,
+            fraction=self.fraction,
+            reference_steps=self.reference_steps,
+            ema_beta=self.ema_beta,
+        )
 
         self._micro = MicroBatchSquaredNorms()
         self._source: Any = None  # "hooks", a probe callback, or None
@@ -227,8 +242,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._params, self._micro_sizes, self._pending = [], [], None
         self._detach()
         if self.mode == "noise_band" and not pl_module.automatic_optimization:
-            self.warn("mode='noise_band' needs automatic optimization; "
-                      "it will not stop this run.")
+            self.warn("mode='noise_band' needs automatic optimization; it will not stop this run.")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -242,9 +256,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.stopped_again_step = trainer.global_step
         self._choose_source(trainer, pl_module)  # no batch runs: the summary still names the restored estimate
         if self.verbose:
-            self.info(f"resumed from a checkpoint written after its stop at optimizer step {self.stopped_step}; "
-                      "stopping again. To train on, change its arguments (a new patience or margin starts afresh) "
-                      "or leave it out.")
+            self.info(
+                f"resumed from a checkpoint written after its stop at optimizer step {self.stopped_step}; "
+                "stopping again. To train on, change its arguments (a new patience or margin starts afresh) "
+                "or leave it out."
+            )
 
     def _warn_if_it_cannot_fire(self, trainer: "pl.Trainer") -> None:
         """Say once when the fit ends before the first step the stopper could stop at: ``min_steps`` (and, in
@@ -254,11 +270,13 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         earliest = -(-(uncounted + self.patience) // self.check_every_n_steps) * self.check_every_n_steps
         total = trainer.estimated_stepping_batches  # max_steps, or max_epochs × steps per epoch
         if total < earliest:
-            self.warn(f"this fit ends after {total:g} optimizer steps, but the stopper cannot stop before {earliest} "
-                      f"(min_steps {self.min_steps}"
-                      + (f", reference_steps {self.reference_steps}" if self.mode == "relative" else "")
-                      + f", then patience {self.patience}, read every {self.check_every_n_steps} steps): it "
-                      "will not stop this run. Lower min_steps or patience, or train longer.")
+            self.warn(
+                f"this fit ends after {total:g} optimizer steps, but the stopper cannot stop before {earliest} "
+                f"(min_steps {self.min_steps}"
+                + (f", reference_steps {self.reference_steps}" if self.mode == "relative" else "")
+                + f", then patience {self.patience}, read every {self.check_every_n_steps} steps): it "
+                "will not stop this run. Lower min_steps or patience, or train longer."
+            )
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -346,7 +364,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Where this epoch's noise comes from: micro-batches/ranks (hooks), a probe, or nowhere."""
         self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
-        self._logs_estimate = not any(getattr(cb, "logs_noise_estimate", False) for cb in trainer.callbacks if cb is not self)
+        self._logs_estimate = not any(
+            getattr(cb, "logs_noise_estimate", False) for cb in trainer.callbacks if cb is not self
+        )
         if self.mode != "noise_band" or not pl_module.automatic_optimization:
             return
         if trainer.accumulate_grad_batches >= 2 or trainer.world_size >= 2:
@@ -359,19 +379,29 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             return
         self._detach()
         self.gradient_noise.detach(self.noise_source.name)
-        self._source = next((cb for cb in trainer.callbacks
-                             if cb is not self and getattr(cb, "noise_source", None) in self.gradient_noise.sources.values()),
-                            None)
+        self._source = next(
+            (
+                cb
+                for cb in trainer.callbacks
+                if cb is not self and getattr(cb, "noise_source", None) in self.gradient_noise.sources.values()
+            ),
+            None,
+        )
         self._measurable_by = measurable_by(trainer)
         if self._source is None and not self._warned_no_source:
             self._warned_no_source = True
-            self.warn(f"mode='noise_band' has no noise source: {self._measurable_by}. It will not stop on the noise "
-                      "band while that lasts.")
+            self.warn(
+                f"mode='noise_band' has no noise source: {self._measurable_by}. It will not stop on the noise "
+                "band while that lasts."
+            )
 
     def _warn_unsized(self) -> None:
-        self.warn("cannot tell how many examples a micro-batch holds (Lightning's extract_batch_size fails on it, or "
-                  "it holds a list of tensors of differing lengths with no tensor of a row per example beside it): "
-                  "no noise estimate from such steps.", once=True)
+        self.warn(
+            "cannot tell how many examples a micro-batch holds (Lightning's extract_batch_size fails on it, or "
+            "it holds a list of tensors of differing lengths with no tensor of a row per example beside it): "
+            "no noise estimate from such steps.",
+            once=True,
+        )
 
     def _detach(self) -> None:
         self._micro.detach()
@@ -397,8 +427,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         # and multiplied by the AMP loss scale s. A micro-batch's mean gradient is therefore seen·A/s.
         accumulate = trainer.accumulate_grad_batches
         scale = loss_scale(trainer)
-        mean_sq = (sum_sq.to(total.device) / n_local * accumulate**2 if usable
-                   else torch.zeros((), dtype=torch.float64, device=total.device))
+        mean_sq = (
+            sum_sq.to(total.device) / n_local * accumulate**2
+            if usable
+            else torch.zeros((), dtype=torch.float64, device=total.device)
+        )
         if scale is not None:
             mean_sq = mean_sq / scale.to(mean_sq.device).double() ** 2
         if world > 1:  # the mean over ranks, and whether every rank had the same usable micro-batches
@@ -471,8 +504,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         why = "" if self._said_caveat else self.gradient_noise.host_summary()["why"]
         if why and not why.startswith(("not measured", "B_simple unreliable")):
             self._said_caveat = True
-            caveat = (f"the noise estimate cannot decide: {why}. It will not stop on the noise band while that "
-                      f"lasts; {measurable_by(trainer, say_probe=False)}.")
+            caveat = (
+                f"the noise estimate cannot decide: {why}. It will not stop on the noise band while that "
+                f"lasts; {measurable_by(trainer, say_probe=False)}."
+            )
             self.warn(caveat)
             log_text(trainer, "grad_noise/caveat", self.message(caveat), step)
         disagreement = self.gradient_noise.disagreement()
@@ -493,14 +528,18 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             return False
         trainer.should_stop = True
         self.stopped_step = step
-        self.stop_reason = {"noise_band": StopReason.NOISE_BAND, "threshold": StopReason.THRESHOLD,
-                            "relative": StopReason.RELATIVE}[self.mode]
+        self.stop_reason = {
+            "noise_band": StopReason.NOISE_BAND,
+            "threshold": StopReason.THRESHOLD,
+            "relative": StopReason.RELATIVE,
+        }[self.mode]
         if self.mode == "noise_band" and not bool(self._left):
             b_simple = self.gradient_noise.host_summary()["b_simple"]
             self.from_start = (
                 f" It was in its noise band from the start: the batch ({self.effective_batch_size}) is far below "
                 f"B_simple ({b_simple:.3g}): every step is noise-dominated — a larger batch (near B_simple) or a "
-                "larger learning rate would show whether the model learns — this is not convergence.")
+                "larger learning rate would show whether the model learns — this is not convergence."
+            )
         message = self.describe_stop()
         if self.verbose:
             self.info(message)
@@ -517,12 +556,16 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             StopReason.RELATIVE: f"‖g‖ < {self.fraction:g} × its early value",
         }[self.stop_reason]
         assert self.stopped_step is not None
-        again = ("" if self.stopped_again_step is None else
-                 f" A fit resumed from a checkpoint written after that stop was stopped again at its start "
-                 f"(optimizer step {self.stopped_again_step}).")
-        return (f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
-                f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.{self.from_start}{again}")
-
+        again = (
+            ""
+            if self.stopped_again_step is None
+            else f" A fit resumed from a checkpoint written after that stop was stopped again at its start "
+            f"(optimizer step {self.stopped_again_step})."
+        )
+        return (
+            f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
+            f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.{self.from_start}{again}"
+        )
 
     def summary_line(self) -> str:
         """One line for the end of fit: the stop, or why there was none (no noise source, an estimate that
@@ -538,8 +581,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 why = f"the noise estimate cannot decide: {summary['why']}; " + why
             elif self.margin > 0 and summary["trace_cov"] > 0 and summary["batch_size"]:
                 ratio = band_ratio(summary["grad_sq_norm"], summary["trace_cov"], summary["batch_size"], self.margin)
-                why += (f"; at the end the smoothed ‖G‖² is {ratio:.2f}× the band's edge {self.margin:g}·tr(Σ)/B"
-                        if ratio > 0 else "; at the end the smoothed ‖G‖² is ≤ 0, inside the band")
+                why += (
+                    f"; at the end the smoothed ‖G‖² is {ratio:.2f}× the band's edge {self.margin:g}·tr(Σ)/B"
+                    if ratio > 0
+                    else "; at the end the smoothed ‖G‖² is ≤ 0, inside the band"
+                )
         if self.steps < self.min_steps:
             why = f"the run ended after {self.steps} optimizer steps, before min_steps={self.min_steps}; " + why
         return f"did not stop the run: {why}."
@@ -547,13 +593,25 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     def summary_markdown(self) -> str:
         """End-of-run markdown: the rule, the stop, and the noise estimates it decided on."""
         streak = int(self._streak)
-        rows = [("rule", {"noise_band": f"noise band, margin {self.margin:g}", "threshold": f"‖g‖ < {self.threshold:g}",
-                          "relative": f"‖g‖ < {self.fraction:g} × early value"}[self.mode]
-                 + f", patience {self.patience} steps, min_steps {self.min_steps}"),
-                ("stop", self.describe_stop()),
-                ("optimizer steps seen", str(self.steps)),
-                ("in-condition streak", f"{streak} of {self.patience} steps" if streak <= self.patience
-                 else f"reached {self.patience} ({streak} steps in a row)")]
+        rows = [
+            (
+                "rule",
+                {
+                    "noise_band": f"noise band, margin {self.margin:g}",
+                    "threshold": f"‖g‖ < {self.threshold:g}",
+                    "relative": f"‖g‖ < {self.fraction:g} × early value",
+                }[self.mode]
+                + f", patience {self.patience} steps, min_steps {self.min_steps}",
+            ),
+            ("stop", self.describe_stop()),
+            ("optimizer steps seen", str(self.steps)),
+            (
+                "in-condition streak",
+                f"{streak} of {self.patience} steps"
+                if streak <= self.patience
+                else f"reached {self.patience} ({streak} steps in a row)",
+            ),
+        ]
         if self.mode == "noise_band":  # the run's one estimate, with the sources it combines
             rows += self.gradient_noise.summary_rows()
         return "\n".join(markdown_table(("quantity", "value"), rows))

@@ -15,26 +15,29 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-import lightning.pytorch as pl
-
-from trainvitals.text.markdown import markdown_table
 from trainvitals._validation import check_choice, check_int, renamed_arguments
+from trainvitals.norms.fused import (
+    GROUPINGS,
+    NormGroups,
+    combine_norms,
+    grouped_norms,
+    per_tensor_norms,
+    validate_norm_type,
+)
+from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import grad_scaler, scale_left_in_grads
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import holds_shards, reduce_shard_norms
 from trainvitals.plumbing.stopping import stopped_early
 from trainvitals.plumbing.writers import log_histogram, log_scalars, log_text
-from trainvitals.norms.fused import (
-    GROUPINGS, NormGroups, combine_norms, grouped_norms, per_tensor_norms, validate_norm_type,
-)
-from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.tags import GRAD_NORM_SUMMARIES
-
+from trainvitals.text.markdown import markdown_table
 
 COUNTERS = ("nonfinite_steps", "amp_skipped_steps", "spike_steps")
 # Steps whose norms wait on the device for a logging step; a longer logging cadence reads them back
@@ -74,7 +77,8 @@ class _Track:
     # Index tensors of parameter subsets other callbacks read (:meth:`GradNormMonitor.sq_norms_at`), by
     # list identity: (the list, the params they index, the index).
     subsets: dict[int, tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], Tensor | None]] = field(
-        default_factory=dict)
+        default_factory=dict
+    )
 
     def positions(self, params: list[torch.nn.Parameter]) -> Tensor | None:
         """Where ``params`` sit in :attr:`params`, as an index tensor on the norms' device (cached per
@@ -153,10 +157,15 @@ class GradNormMonitor(TrainvitalsCallback):
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1, none_ok=True)
         self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps, 0)
         self.spike_factor, self.ema_beta, self.spike_warmup_steps = SpikeDetector.check_arguments(
-            spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps"))
+            spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
+        )
         # The argument names it had before the renaming, so that older checkpoints still load.
-        self.key_state_by(norm_type=self.norm_type, grouping=self.grouping, spike_factor=self.spike_factor,
-                          spike_ema_beta=self.ema_beta)
+        self.key_state_by(
+            norm_type=self.norm_type,
+            grouping=self.grouping,
+            spike_factor=self.spike_factor,
+            spike_ema_beta=self.ema_beta,
+        )
         # Tracks are built lazily (they need the optimizer): their state is saved by :meth:`state_dict`, and
         # a loaded one waits in ``_restored`` until then.
         self._tracks: dict[int, _Track]
@@ -281,9 +290,11 @@ class GradNormMonitor(TrainvitalsCallback):
             self._read_back(track)
             if track.last_read is not None:
                 c = track.counts
-                parts.append(f"{'optimizer ' + str(index) + ': ' if len(self._tracks) > 1 else ''}{track.steps} steps "
-                             f"measured, last ‖g‖ {track.last_read[1]:.4g}, non-finite {c['nonfinite_steps']}, "
-                             f"AMP-skipped {c['amp_skipped_steps']}, spikes {c['spike_steps']}")
+                parts.append(
+                    f"{'optimizer ' + str(index) + ': ' if len(self._tracks) > 1 else ''}{track.steps} steps "
+                    f"measured, last ‖g‖ {track.last_read[1]:.4g}, non-finite {c['nonfinite_steps']}, "
+                    f"AMP-skipped {c['amp_skipped_steps']}, spikes {c['spike_steps']}"
+                )
         return "; ".join(parts) or "no optimizer step was measured."
 
     def summary_markdown(self) -> str:
@@ -296,12 +307,26 @@ class GradNormMonitor(TrainvitalsCallback):
             _, total, group_norms = track.last_read
             largest = ", ".join(f"`{name}` {value:.3g}" for name, value in _largest(group_norms))
             counts = track.counts
-            rows.append((index, track.steps, f"{total:.4g}", largest, counts["nonfinite_steps"],
-                         counts["amp_skipped_steps"], counts["spike_steps"]))
+            rows.append(
+                (
+                    index,
+                    track.steps,
+                    f"{total:.4g}",
+                    largest,
+                    counts["nonfinite_steps"],
+                    counts["amp_skipped_steps"],
+                    counts["spike_steps"],
+                )
+            )
         if not rows:
             return "No optimizer step was measured."
-        return "\n".join(markdown_table(("optimizer", "steps", "last ‖g‖", "largest groups (last step)", "non-finite",
-                                         "AMP-skipped", "spikes"), rows, align="lrrlrrr"))
+        return "\n".join(
+            markdown_table(
+                ("optimizer", "steps", "last ‖g‖", "largest groups (last step)", "non-finite", "AMP-skipped", "spikes"),
+                rows,
+                align="lrrlrrr",
+            )
+        )
 
     # ------------------------------------------------------------------ helpers
     def _track(self, index: int, pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> _Track:
@@ -349,7 +374,7 @@ class GradNormMonitor(TrainvitalsCallback):
         track.pending = []
         totals = combine_norms(group_norms, self.norm_type)
         host = torch.cat([totals, group_norms[-1]]).tolist()  # one transfer: the totals, the last step's groups
-        totals_host, last_groups = host[: len(steps)], host[len(steps):]
+        totals_host, last_groups = host[: len(steps)], host[len(steps) :]
         track.last_read = (steps[-1], totals_host[-1], dict(zip(track.groups.names, last_groups)))
         nonfinite_row = spike_row = None
         for row, total in enumerate(totals_host):
@@ -367,15 +392,28 @@ class GradNormMonitor(TrainvitalsCallback):
         # Rare: a second transfer, for those steps' group norms only.
         found = {r: dict(zip(track.groups.names, values)) for r, values in zip(rows, group_norms[rows].tolist())}
         if nonfinite_row is not None:
-            track.nonfinite = (steps[nonfinite_row], [n for n, v in found[nonfinite_row].items() if not math.isfinite(v)])
+            track.nonfinite = (
+                steps[nonfinite_row],
+                [n for n, v in found[nonfinite_row].items() if not math.isfinite(v)],
+            )
         if spike_row is not None:
             at = steps[spike_row]
             layers = ", ".join(name for name, _ in _largest(found[spike_row]))
-            track.spike = (at, f"gradient-norm spike at optimizer step {at}: {spike_ratio:.1f}× its running average; "
-                               f"largest layers: {layers}")
+            track.spike = (
+                at,
+                f"gradient-norm spike at optimizer step {at}: {spike_ratio:.1f}× its running average; "
+                f"largest layers: {layers}",
+            )
 
-    def _log(self, trainer: "pl.Trainer", index: int, track: _Track, step: int, norms: bool = True,
-             extra: dict[str, Tensor] | None = None) -> None:
+    def _log(
+        self,
+        trainer: "pl.Trainer",
+        index: int,
+        track: _Track,
+        step: int,
+        norms: bool = True,
+        extra: dict[str, Tensor] | None = None,
+    ) -> None:
         """Write the counters (``norms``: and the last read-back step's total and group norms) and ``extra``
         in one call to the loggers; report news once."""
         tag = lambda name: self._tag(trainer, name, index)  # noqa: E731
@@ -401,7 +439,9 @@ class GradNormMonitor(TrainvitalsCallback):
             self.info(message)
             log_text(trainer, tag("spikes"), message, at)
 
-    def _log_histograms(self, trainer: "pl.Trainer", index: int, track: _Track, present: tuple[int, ...], step: int) -> None:
+    def _log_histograms(
+        self, trainer: "pl.Trainer", index: int, track: _Track, present: tuple[int, ...], step: int
+    ) -> None:
         by_group: dict[int, list[Tensor]] = {}
         for i in present:
             by_group.setdefault(int(track.groups.index[i]), []).append(track.params[i].grad.reshape(-1))
@@ -432,8 +472,9 @@ _TAKEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, Tensor | Non
 """Per optimizer, the last fused ‖g‖² :func:`grad_sq_norms` took, and of what (trainer, step, parameters)."""
 
 
-def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
-                 params: list[torch.nn.Parameter]) -> Tensor | None:
+def grad_sq_norm(
+    trainer: "pl.Trainer", optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+) -> Tensor | None:
     """‖g‖₂² over ``params`` of the gradient ``optimizer`` is about to use — accumulated, averaged over
     ranks, AMP scale undone, before clipping — as a 0-d float64 tensor on the gradients' device;
     ``None`` when none of them has a gradient (on a rank that holds no shard of them).
@@ -448,8 +489,9 @@ def grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
     return None if sq_norms is None else sq_norms.sum()
 
 
-def grad_sq_norms(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
-                  params: list[torch.nn.Parameter]) -> Tensor | None:
+def grad_sq_norms(
+    trainer: "pl.Trainer", optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+) -> Tensor | None:
     """The ``(P,)`` ‖g‖₂² of each of ``params`` that :func:`grad_sq_norm` sums (0 for one without gradient):
     a caller that needs sums over several subsets takes them from one pass, the same one as a caller
     asking for the same list at the same step."""
@@ -468,8 +510,9 @@ def grad_sq_norms(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
     return sq_norm
 
 
-def _fused_grad_sq_norm(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer,
-                        params: list[torch.nn.Parameter]) -> Tensor | None:
+def _fused_grad_sq_norm(
+    trainer: "pl.Trainer", optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+) -> Tensor | None:
     """:func:`grad_sq_norms` from one fused norm over the gradients."""
     present = [i for i, p in enumerate(params) if p.grad is not None]
     if not present and not holds_shards(trainer):

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
-
-import lightning.pytorch as pl
 
 from trainvitals.plumbing.amp import grad_scaler
 
@@ -32,9 +31,14 @@ class NonfiniteCounter:
         """The counter under the monitor's tag, when ``owner`` is the callback that logs it (else empty)."""
         from trainvitals.norms.monitor import GradNormMonitor
 
-        first = next((cb for cb in trainer.callbacks
-                      if isinstance(cb, GradNormMonitor) or isinstance(getattr(cb, "nonfinite", None), NonfiniteCounter)),
-                     None)
+        first = next(
+            (
+                cb
+                for cb in trainer.callbacks
+                if isinstance(cb, GradNormMonitor) or isinstance(getattr(cb, "nonfinite", None), NonfiniteCounter)
+            ),
+            None,
+        )
         if first is not owner or any(isinstance(cb, GradNormMonitor) for cb in trainer.callbacks):
             return {}
         name = "amp_skipped_steps" if grad_scaler(trainer) is not None else "nonfinite_steps"

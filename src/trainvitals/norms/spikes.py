@@ -34,13 +34,16 @@ class SpikeDetector:
         self.count = 0
 
     @staticmethod
-    def check_arguments(factor: float, beta: float, warmup_steps: int,
-                        names: tuple[str, str, str] = ("factor", "beta", "warmup_steps")) -> tuple[float, float, int]:
+    def check_arguments(
+        factor: float, beta: float, warmup_steps: int, names: tuple[str, str, str] = ("factor", "beta", "warmup_steps")
+    ) -> tuple[float, float, int]:
         """The arguments as (float, float, int); TypeError/ValueError naming the first invalid one by its
         name in ``names`` (a caller's own)."""
-        return (check_float(names[0], factor, 1.0, low_open=True),
-                check_float(names[1], beta, 0.0, 1.0, high_open=True),
-                check_int(names[2], warmup_steps, 0))
+        return (
+            check_float(names[0], factor, 1.0, low_open=True),
+            check_float(names[1], beta, 0.0, 1.0, high_open=True),
+            check_int(names[2], warmup_steps, 0),
+        )
 
     @property
     def average(self) -> float:

@@ -21,18 +21,9 @@ mean or a sum over examples.
 Everything here stays on the device but for the host reads :mod:`.hooks` names. No Lightning import.
 """
 
-from trainvitals.per_example.rules import (  # noqa: F401 - register their rules
-    attention,
-    conv,
-    embedding,
-    linear,
-    normalization,
-    recurrent,
-)
-from trainvitals.per_example.tensor_ops import Workspace
+from trainvitals.per_example.batch_dim import Layouts
 from trainvitals.per_example.fallback import vmap_per_example_grads
 from trainvitals.per_example.hooks import PerExampleGradients, PerExampleStep
-from trainvitals.per_example.batch_dim import Layouts
 from trainvitals.per_example.loss_reduction import LossReduction, detect_loss_reduction
 from trainvitals.per_example.plan import SourcePlan, plan_sources
 from trainvitals.per_example.registry import (
@@ -48,13 +39,39 @@ from trainvitals.per_example.registry import (
     unregister_per_example_rule,
     unsupported_reason,
 )
+from trainvitals.per_example.rules import (  # noqa: F401 - register their rules
+    attention,
+    conv,
+    embedding,
+    linear,
+    normalization,
+    recurrent,
+)
+from trainvitals.per_example.tensor_ops import Workspace
 
 #: The torch layers with a built-in rule, as the family files above registered them.
 PER_EXAMPLE_LAYERS = tuple(t for t in registered_types() if t.__module__.startswith("torch."))
 
 __all__ = [
-    "PER_EXAMPLE_LAYERS", "Call", "Capture", "Layouts", "LossReduction", "PerExampleGradients", "PerExampleRule",
-    "PerExampleStep", "SourcePlan", "Use", "Workspace", "detect_loss_reduction", "per_example_sq_norms",
-    "per_example_sums", "plan_sources", "register_per_example_rule", "registered_types", "rule_for",
-    "unregister_per_example_rule", "unsupported_reason", "vmap_per_example_grads",
+    "PER_EXAMPLE_LAYERS",
+    "Call",
+    "Capture",
+    "Layouts",
+    "LossReduction",
+    "PerExampleGradients",
+    "PerExampleRule",
+    "PerExampleStep",
+    "SourcePlan",
+    "Use",
+    "Workspace",
+    "detect_loss_reduction",
+    "per_example_sq_norms",
+    "per_example_sums",
+    "plan_sources",
+    "register_per_example_rule",
+    "registered_types",
+    "rule_for",
+    "unregister_per_example_rule",
+    "unsupported_reason",
+    "vmap_per_example_grads",
 ]

@@ -47,26 +47,36 @@ from typing import Any
 from torch import Tensor, nn
 
 #: The modules whose layout is that of the attention layers inside them (they pass their input straight in).
-_TRANSFORMER_BLOCKS = (nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer,
-                       nn.TransformerDecoderLayer)
+_TRANSFORMER_BLOCKS = (
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
 
 _LAYOUTS = ("batch-first", "sequence-first")  # indexed by the examples' dimension
 
 #: Why a call whose first two dimensions both equal the batch is not measured.
-AMBIGUOUS = ("its input {shape} has the batch ({batch}) on both of its first two dimensions, and {why}: which "
-             "holds the examples is not known. Say which with BatchVarianceProbe(sequence_first=True or False), or "
-             "begin with a step whose sequence length differs from the batch size (its shape shows the layout)")
+AMBIGUOUS = (
+    "its input {shape} has the batch ({batch}) on both of its first two dimensions, and {why}: which "
+    "holds the examples is not known. Say which with BatchVarianceProbe(sequence_first=True or False), or "
+    "begin with a step whose sequence length differs from the batch size (its shape shows the layout)"
+)
 
 #: Why a lookup with no dimension of the batch is not measured.
-NO_BATCH = ("its ids {shape} have no dimension of the batch ({batch}): not one lookup per example but one shared by "
-            "the batch (a relative-position bias looked up with (T, T) buckets?), whose gradient arrives summed "
-            "over the examples")
+NO_BATCH = (
+    "its ids {shape} have no dimension of the batch ({batch}): not one lookup per example but one shared by "
+    "the batch (a relative-position bias looked up with (T, T) buckets?), whose gradient arrives summed "
+    "over the examples"
+)
 
 
 #: Why a layer called on one example of a batch given as a list of examples is not measured.
-ONE_EXAMPLE = ("it is called on one example at a time (a tensor of the batch's list of {batch} examples): its rule "
-               "reads the examples from a dimension of one call's input. Pad the list (pad_sequence) or pack it "
-               "(pack_sequence) before this layer to have it measured")
+ONE_EXAMPLE = (
+    "it is called on one example at a time (a tensor of the batch's list of {batch} examples): its rule "
+    "reads the examples from a dimension of one call's input. Pad the list (pad_sequence) or pack it "
+    "(pack_sequence) before this layer to have it measured"
+)
 
 
 @dataclass(frozen=True)
@@ -104,8 +114,12 @@ def _view_dim(inputs: Tensor, batch: list[tuple[weakref.ref[Tensor], int]]) -> i
         storage = inputs.untyped_storage().data_ptr()
         for ref, dim in batch:
             t = ref()
-            if t is not None and t.device == inputs.device and t.stride(dim) \
-                    and t.untyped_storage().data_ptr() == storage:
+            if (
+                t is not None
+                and t.device == inputs.device
+                and t.stride(dim)
+                and t.untyped_storage().data_ptr() == storage
+            ):
                 dims = [d for d in (0, 1) if inputs.stride(d) == t.stride(dim)]
                 if len(dims) == 1:
                     return dims[0]
@@ -135,8 +149,12 @@ def batch_tensors(batch: Any, lists: bool = False) -> Iterator[Any]:
 def _example_list(item: Any) -> bool:
     """Whether ``item`` may be a list of examples: a list or tuple of two or more tensors with the same dimensions
     after the first (variable-length sequences, for pad_sequence or pack_sequence)."""
-    return (isinstance(item, (list, tuple)) and len(item) > 1 and all(isinstance(t, Tensor) and t.dim() for t in item)
-            and len({t.shape[1:] for t in item}) == 1)
+    return (
+        isinstance(item, (list, tuple))
+        and len(item) > 1
+        and all(isinstance(t, Tensor) and t.dim() for t in item)
+        and len({t.shape[1:] for t in item}) == 1
+    )
 
 
 def listed_examples(batch: Any) -> tuple[int | None, list[Tensor]] | None:
@@ -215,7 +233,9 @@ class Layouts:
         its layout. Their examples are on dimension 1 under ``sequence_first=True``, else 0. A layer fed a tensor of
         a list of ``size`` of them may be called per example (:meth:`one_example`)."""
         dim, self._size = int(bool(self.sequence_first)), size
-        lists = [items for items in batch_tensors(batch, lists=True) if not isinstance(items, Tensor) and len(items) == size]
+        lists = [
+            items for items in batch_tensors(batch, lists=True) if not isinstance(items, Tensor) and len(items) == size
+        ]
         listed = listed_examples(batch)
         self._listed = listed is not None and listed[0] == size
         self._lists, self._fed = [[weakref.ref(t) for t in items] for items in lists], {}
@@ -236,8 +256,12 @@ class Layouts:
             for k, refs in enumerate(self._lists):
                 for i, ref in enumerate(refs):  # the tensor whose memory the input begins in (one storage split?)
                     t = ref()
-                    if t is not None and t.device == inputs.device and t.untyped_storage().data_ptr() == storage \
-                            and t.data_ptr() <= start < t.data_ptr() + max(t.nbytes, 1):
+                    if (
+                        t is not None
+                        and t.device == inputs.device
+                        and t.untyped_storage().data_ptr() == storage
+                        and t.data_ptr() <= start < t.data_ptr() + max(t.nbytes, 1)
+                    ):
                         fed = self._fed.setdefault((name, k), set())
                         fed.add(i)
                         return self._listed or len(fed) > 1
@@ -250,8 +274,14 @@ class Layouts:
         one it declares, and on its own a size that the batch's tensors have on their other dimension, the batch
         was read on the wrong dimension (:meth:`misread`)."""
         dim = self.declaring.get(name)
-        if dim is not None and isinstance(inputs, Tensor) and inputs.dim() >= 3 and self._size \
-                and inputs.shape[1 - dim] == self._size != inputs.shape[dim] and inputs.shape[dim] in self._other:
+        if (
+            dim is not None
+            and isinstance(inputs, Tensor)
+            and inputs.dim() >= 3
+            and self._size
+            and inputs.shape[1 - dim] == self._size != inputs.shape[dim]
+            and inputs.shape[dim] in self._other
+        ):
             self._misread.setdefault(name, (tuple(inputs.shape), dim))
 
     def misread(self) -> str:
@@ -262,12 +292,18 @@ class Layouts:
         name, (shape, dim) = next(iter(self._misread.items()))
         self._misread = {}
         read = int(bool(self.sequence_first))
-        fix = ("The loader seems to yield batch-first (B, T) batches: drop sequence_first=True, which reads the batch "
-               "size from dimension 1" if read else "The loader seems to yield (T, B) batches: pass "
-               "sequence_first=True, which reads the batch size from their dimension 1")
-        return (f"{name or 'the model'} declares its examples on dimension {dim} (batch_first={not dim}), but its "
-                f"input {shape} has the batch size read from dimension {read} of the loader's batches ({self._size}) "
-                f"on dimension {1 - dim} and not on {dim}: time steps would be counted as examples. {fix}")
+        fix = (
+            "The loader seems to yield batch-first (B, T) batches: drop sequence_first=True, which reads the batch "
+            "size from dimension 1"
+            if read
+            else "The loader seems to yield (T, B) batches: pass "
+            "sequence_first=True, which reads the batch size from their dimension 1"
+        )
+        return (
+            f"{name or 'the model'} declares its examples on dimension {dim} (batch_first={not dim}), but its "
+            f"input {shape} has the batch size read from dimension {read} of the loader's batches ({self._size}) "
+            f"on dimension {1 - dim} and not on {dim}: time steps would be counted as examples. {fix}"
+        )
 
     def _show(self, name: str, dim: int, shape: tuple[int, ...]) -> Examples:
         if self._taken.get(name, dim) != dim:
@@ -286,8 +322,9 @@ class Layouts:
                 return None
             name = name.rpartition(".")[0]
 
-    def examples(self, name: str, inputs: Tensor, features: int, batch: int, lookup: bool = False,
-                 tied: bool = False) -> Examples:
+    def examples(
+        self, name: str, inputs: Tensor, features: int, batch: int, lookup: bool = False, tied: bool = False
+    ) -> Examples:
         """Where the examples of layer ``name``'s call on ``inputs`` are, for a batch of ``batch``; ``features``:
         its trailing feature dimensions (at least 2 before them); ``lookup``: an embedding's ids; ``tied``: it
         shares its parameter."""
@@ -304,6 +341,7 @@ class Layouts:
     def _ambiguous(self, name: str, inputs: Tensor, batch: int, sequence: bool) -> Examples:
         """Examples for an input with the batch on both of its first two dimensions: the evidence in order
         (``sequence``: ``(·, ·, *features)``, which 1 and 5 may say sequence-first)."""
+
         def fail(why: str) -> Examples:
             return Examples(failed=AMBIGUOUS.format(shape=tuple(inputs.shape), batch=batch, why=why))
 
@@ -334,8 +372,10 @@ class Layouts:
         """The model's evidence in words: the declared layouts, the layouts the layers' inputs showed."""
         declared = ", ".join(f"{m or 'the model'}: {_LAYOUTS[self.declaring[m]]}" for m in _outermost(self.declaring))
         shown = "; ".join(f"{_LAYOUTS[d]}: {', '.join(list(self._showing[d])[:3])}" for d in sorted(self._showing))
-        return "; and ".join(([f"the batch_first modules say {declared}"] if declared else [])
-                             + ([f"the layers' inputs showed {shown}"] if shown else []))
+        return "; and ".join(
+            ([f"the batch_first modules say {declared}"] if declared else [])
+            + ([f"the layers' inputs showed {shown}"] if shown else [])
+        )
 
     def notes(self) -> tuple[list[str], bool]:
         """What the fit's evidence has to say that it has not said yet, each once (:meth:`assumed_note`,
@@ -346,27 +386,33 @@ class Layouts:
             dim = next(iter(self.declaring.values()))
             outer = _outermost(self.declaring)
             modules = ", ".join(m or "the model" for m in outer) + (" declares" if len(outer) == 1 else " declare")
-            said.append(f"{inferred}, outside every module that declares its layout and no layer's input showing "
-                        f"one: they are taken {_LAYOUTS[dim]}, as {modules} (batch_first={not dim}). If they "
-                        f"are {_LAYOUTS[1 - dim]}, pass sequence_first={not dim}")
+            said.append(
+                f"{inferred}, outside every module that declares its layout and no layer's input showing "
+                f"one: they are taken {_LAYOUTS[dim]}, as {modules} (batch_first={not dim}). If they "
+                f"are {_LAYOUTS[1 - dim]}, pass sequence_first={not dim}"
+            )
         if self.sequence_first is not None and "overruled" not in self._said:
             self._said.add("overruled")
             if outer := _outermost([m for m, d in self.declaring.items() if d != int(self.sequence_first)]):
-                said.append(f"sequence_first={self.sequence_first} differs from the batch_first of "
-                            f"{', '.join(m or 'the model' for m in outer)}: they and the layers inside them keep their "
-                            f"own layout ({_LAYOUTS[1 - int(self.sequence_first)]}), the other layers are taken as "
-                            "sequence_first says")
+                said.append(
+                    f"sequence_first={self.sequence_first} differs from the batch_first of "
+                    f"{', '.join(m or 'the model' for m in outer)}: they and the layers inside them keep their "
+                    f"own layout ({_LAYOUTS[1 - int(self.sequence_first)]}), the other layers are taken as "
+                    "sequence_first says"
+                )
         refuted, self.refuted = self.refuted, {}
         if refuted:
             names = list(refuted)[:5]
-            said.append(f"{', '.join(names)}{' and more' if len(refuted) > 5 else ''}, taken without evidence of their "
-                        f"own at earlier steps, showed the other layout since (e.g. {refuted[names[0]]}, a batch of "
-                        f"{self._size}): the steps measured so far counted positions as examples, and the per-example "
-                        "estimate restarts from this step")
+            said.append(
+                f"{', '.join(names)}{' and more' if len(refuted) > 5 else ''}, taken without evidence of their "
+                f"own at earlier steps, showed the other layout since (e.g. {refuted[names[0]]}, a batch of "
+                f"{self._size}): the steps measured so far counted positions as examples, and the per-example "
+                "estimate restarts from this step"
+            )
         return said, bool(refuted)
 
     def _unsaid(self, kind: str, layers: dict[str, tuple[tuple[int, ...], int]]) -> str:
-        """"the inputs of ... have the batch on both ..." for ``layers`` not yet said as ``kind``, or ""."""
+        """ "the inputs of ... have the batch on both ..." for ``layers`` not yet said as ``kind``, or ""."""
         new = {n: v for n, v in layers.items() if f"{kind} {n}" not in self._said}
         if not new:
             return ""
@@ -374,14 +420,18 @@ class Layouts:
         shown = list(new)[:5]  # in the order of the forward
         more = f" and {len(new) - len(shown)} more" if len(new) > len(shown) else ""
         shape, batch = new[shown[0]]
-        return (f"the inputs of {', '.join(shown)}{more} have the batch on both of their first two dimensions "
-                f"(e.g. {shape}, a batch of {batch})")
+        return (
+            f"the inputs of {', '.join(shown)}{more} have the batch on both of their first two dimensions "
+            f"(e.g. {shape}, a batch of {batch})"
+        )
 
     def assumed_note(self) -> str | None:
         """The layers taken batch-first without evidence that no note has named yet, in one sentence; ``None``
         without any. Each is named once."""
         if not (said := self._unsaid("assumed", self.assumed)):
             return None
-        return (f"{said} and nothing in the model says which holds the examples (no batch_first module, no input "
-                "taken from the batch, no step whose sequence length differs from the batch size): they are taken "
-                "batch-first (B, T, ...). If they are sequence-first (T, B, ...), pass sequence_first=True")
+        return (
+            f"{said} and nothing in the model says which holds the examples (no batch_first module, no input "
+            "taken from the batch, no step whose sequence length differs from the batch size): they are taken "
+            "batch-first (B, T, ...). If they are sequence-first (T, B, ...), pass sequence_first=True"
+        )

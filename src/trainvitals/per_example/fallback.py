@@ -10,10 +10,11 @@ from torch import Tensor, nn
 
 from trainvitals.per_example.tensor_ops import _accumulation_dtype, _trainable
 
-
 #: Why a module whose forward draws random numbers has no torch.func per-example gradients.
-RANDOM_FORWARD = ("its forward draws random numbers (F.dropout inside it?), which torch.func cannot draw per example "
-                  "as the batch's forward drew them; dropout as an nn.Dropout module outside it would leave it exact")
+RANDOM_FORWARD = (
+    "its forward draws random numbers (F.dropout inside it?), which torch.func cannot draw per example "
+    "as the batch's forward drew them; dropout as an nn.Dropout module outside it would leave it exact"
+)
 
 
 def vmap_per_example_grads(
@@ -65,8 +66,9 @@ def batch_slice(args: tuple[Any, ...], batch: int, start: int, stop: int) -> tup
     return tuple(a[start:stop] if isinstance(a, Tensor) and a.dim() and a.shape[0] == batch else a for a in args)
 
 
-def vmap_sq_norms(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_output: Tensor,
-                  sub: int) -> Tensor:
+def vmap_sq_norms(
+    module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_output: Tensor, sub: int
+) -> Tensor:
     """``(B - sub,)`` ‖g_i‖² over ``module``'s own trainable parameters of the examples past the first ``sub``
     (the sub-batch measured already) of the ``(B, *)`` ``grad_output``'s batch, by
     :func:`vmap_per_example_grads` on ``sub`` examples at a time (memory of ``sub`` × its parameter count),
@@ -75,6 +77,10 @@ def vmap_sq_norms(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
     for lo in range(sub, batch, sub):
         hi = min(lo + sub, batch)
         grads = vmap_per_example_grads(module, batch_slice(args, batch, lo, hi), kwargs, grad_output[lo:hi])
-        parts.append(sum((g.to(_accumulation_dtype(g)).flatten(1).square().sum(1) for g in grads.values()),
-                         torch.zeros(hi - lo, dtype=_accumulation_dtype(grad_output), device=grad_output.device)))
+        parts.append(
+            sum(
+                (g.to(_accumulation_dtype(g)).flatten(1).square().sum(1) for g in grads.values()),
+                torch.zeros(hi - lo, dtype=_accumulation_dtype(grad_output), device=grad_output.device),
+            )
+        )
     return torch.cat(parts) if parts else grad_output.new_zeros(0, dtype=_accumulation_dtype(grad_output))

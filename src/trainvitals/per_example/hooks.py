@@ -24,14 +24,18 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from trainvitals.per_example.checkpointing import (
-    _recomputing, _recomputing_task, _reentrant_recomputation, register_all_grads_hook)
-from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _add, _moments, _trainable
-from trainvitals.per_example.rules.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
-from trainvitals.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
 from trainvitals.per_example.batch_dim import ONE_EXAMPLE, Layouts
+from trainvitals.per_example.checkpointing import (
+    _recomputing,
+    _recomputing_task,
+    _reentrant_recomputation,
+    register_all_grads_hook,
+)
+from trainvitals.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
 from trainvitals.per_example.registry import Call, Use, _output_grads, _rule
+from trainvitals.per_example.rules.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.per_example.sums_check import UNBALANCED, sum_errors, tolerance
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _add, _moments, _trainable
 from trainvitals.per_example.tied import measure_tied
 
 
@@ -111,8 +115,13 @@ class PerExampleGradients:
             (:class:`~.layout.Layouts`, kept over a fit's collectors); ``None``: a fresh one, without the model's.
     """
 
-    def __init__(self, per_example: Mapping[str, nn.Module], vmap: Mapping[str, nn.Module], sub_batch: int,
-                 layouts: Layouts | None = None) -> None:
+    def __init__(
+        self,
+        per_example: Mapping[str, nn.Module],
+        vmap: Mapping[str, nn.Module],
+        sub_batch: int,
+        layouts: Layouts | None = None,
+    ) -> None:
         if sub_batch < 2:
             raise ValueError(f"`sub_batch` must be >= 2, got {sub_batch}")
         self.per_example, self.vmap, self.sub_batch = dict(per_example), dict(vmap), sub_batch
@@ -222,8 +231,10 @@ class PerExampleGradients:
             return False
         if not isinstance(output, Tensor):
             if any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(output)):
-                self._step.failed[name] = (f"its output is a {type(output).__name__}, not the one tensor the "
-                                           "torch.func fallback differentiates")
+                self._step.failed[name] = (
+                    f"its output is a {type(output).__name__}, not the one tensor the "
+                    "torch.func fallback differentiates"
+                )
             return False
         if not output.requires_grad:
             return False
@@ -239,15 +250,20 @@ class PerExampleGradients:
         if torch.compiler.is_compiling():
             return
         capture = None
-        if not (self._replaying or name in self._step.failed or not torch.is_grad_enabled()
-                or (_recomputing() and not _reentrant_recomputation())):
+        if not (
+            self._replaying
+            or name in self._step.failed
+            or not torch.is_grad_enabled()
+            or (_recomputing() and not _reentrant_recomputation())
+        ):
             capture = self._rules[name].capture(module, Call(args, kwargs))
         if capture is not None:
             capture.__enter__()
         self._captures.setdefault(name, []).append(capture)
 
-    def _forward(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 output: Any) -> None:
+    def _forward(
+        self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
         if torch.compiler.is_compiling():
             return  # a hook's work inside a compiled function would break its graph: the call goes unseen
         rule = self._rules[name]
@@ -259,8 +275,10 @@ class PerExampleGradients:
         if _recomputing() and not _reentrant_recomputation():
             return  # non-reentrant checkpointing's recomputation of a call measured from its first run
         if rule.whole_call:
-            leaves = [t if isinstance(t, Tensor) and t.requires_grad else None
-                      for t in (tree_leaves(output) if capture is None or capture.tensors is None else capture.tensors)]
+            leaves = [
+                t if isinstance(t, Tensor) and t.requires_grad else None
+                for t in (tree_leaves(output) if capture is None or capture.tensors is None else capture.tensors)
+            ]
             tensors = [t for t in leaves if t is not None]
             if not tensors:
                 return
@@ -293,14 +311,20 @@ class PerExampleGradients:
             if shared:
                 self._step.failed[name] = SHARED_LOOKUP
                 return
-            if rule.broadcast_batch and inputs.dim() == 1 and not inputs.is_floating_point() \
-                    and self._batch_size is not None and batch != self._batch_size:
+            if (
+                rule.broadcast_batch
+                and inputs.dim() == 1
+                and not inputs.is_floating_point()
+                and self._batch_size is not None
+                and batch != self._batch_size
+            ):
                 self._step.failed[name] = POSITION_IDS.format(ids=batch, batch=self._batch_size)
                 return
             features, moved = rule.feature_dims(module), False
             if features is not None and self._batch_size is not None and inputs.dim() - features >= 2:
-                examples = self.layouts.examples(name, inputs, features, self._batch_size, rule.broadcast_batch,
-                                                 tied=len(self._groups[name]) > 1)
+                examples = self.layouts.examples(
+                    name, inputs, features, self._batch_size, rule.broadcast_batch, tied=len(self._groups[name]) > 1
+                )
                 if examples.failed:
                     self._step.failed[name] = examples.failed
                     return
@@ -310,8 +334,10 @@ class PerExampleGradients:
             if moved:  # sequence-first (T, B, *): the positions lead, the examples are dimension 1
                 inputs, batch = inputs.movedim(1, 0), self._batch_size
         if name in self._done:
-            self._step.failed[name] = ("measured before reentrant checkpointing recomputed another of its calls: it "
-                                       "runs in several checkpointed segments, or inside one and after it")
+            self._step.failed[name] = (
+                "measured before reentrant checkpointing recomputed another of its calls: it "
+                "runs in several checkpointed segments, or inside one and after it"
+            )
             return
         self._calls[name] += 1
         if not self._check_batch(name, batch):
@@ -343,10 +369,13 @@ class PerExampleGradients:
         ``torch.autograd.grad`` inside the training step): the rules measured that backward's gradients, and a
         gradient penalty's term reaches the weights through double-backward nodes that no hook sees."""
         for task, names in list(self._tasks.items())[:-1]:
-            why = ("the training step differentiates its own gradients (create_graph=True: a gradient penalty?): "
-                   "per-example norms do not see that term" if task in self._creating else
-                   "its output was differentiated by a backward before the loss's (torch.autograd.grad in the "
-                   "training step?)")
+            why = (
+                "the training step differentiates its own gradients (create_graph=True: a gradient penalty?): "
+                "per-example norms do not see that term"
+                if task in self._creating
+                else "its output was differentiated by a backward before the loss's (torch.autograd.grad in the "
+                "training step?)"
+            )
             for name in names:
                 self._step.failed.setdefault(name, why)
 
@@ -395,24 +424,41 @@ class PerExampleGradients:
                 sq = rule.sq_norms(module, module_uses, self._workspace)
                 rows = {}  # the rows to sum of each parameter: none without coordinates (no name lookups)
                 if self._coordinates:
-                    rows = {local: self._coordinates[q] for local in rule.parameters(module)
-                            if (q := self._qualified(name, local, module)) in self._coordinates}
-                sums = {self._qualified(name, local, module): value for local, value in
-                        (rule.sums(module, module_uses, self._workspace, rows) if rows else {}).items()}
+                    rows = {
+                        local: self._coordinates[q]
+                        for local in rule.parameters(module)
+                        if (q := self._qualified(name, local, module)) in self._coordinates
+                    }
+                sums = {
+                    self._qualified(name, local, module): value
+                    for local, value in (rule.sums(module, module_uses, self._workspace, rows) if rows else {}).items()
+                }
                 shared = self._step.undecided.get(name)
                 if shared is not None:  # ids arange(B) in some call so far: nothing counts (see decide)
                     counted = self._step.undecided_counted.get(name)
                     self._step.undecided_counted[name] = ~shared if counted is None else counted | ~shared
                     sq = torch.where(shared, 0.0, sq)
-                    sums = {q: (torch.where(shared, 0.0, total), torch.where(shared, 0.0, total_sq))
-                            for q, (total, total_sq) in sums.items()}
+                    sums = {
+                        q: (torch.where(shared, 0.0, total), torch.where(shared, 0.0, total_sq))
+                        for q, (total, total_sq) in sums.items()
+                    }
             else:
-                wanted = any(self._qualified(m, local, self.per_example[m]) in self._coordinates
-                             for m in uses for local in self._rules[m].parameters(self.per_example[m]))
-                sq, sums = measure_tied({m: (self.per_example[m], self._rules[m], u) for m, u in uses.items()},
-                                        self._names, wanted, self._workspace)
-                sums = {q: (total[self._coordinates[q]].clone(), total_sq[self._coordinates[q]].clone())
-                        for q, (total, total_sq) in sums.items() if q in self._coordinates}
+                wanted = any(
+                    self._qualified(m, local, self.per_example[m]) in self._coordinates
+                    for m in uses
+                    for local in self._rules[m].parameters(self.per_example[m])
+                )
+                sq, sums = measure_tied(
+                    {m: (self.per_example[m], self._rules[m], u) for m, u in uses.items()},
+                    self._names,
+                    wanted,
+                    self._workspace,
+                )
+                sums = {
+                    q: (total[self._coordinates[q]].clone(), total_sq[self._coordinates[q]].clone())
+                    for q, (total, total_sq) in sums.items()
+                    if q in self._coordinates
+                }
         except Exception as err:  # noqa: BLE001 - raised into the user's backward, it would end the run
             for name in uses:
                 self._step.failed[name] = f"per-example norms failed: {type(err).__name__}: {err}"
@@ -433,13 +479,23 @@ class PerExampleGradients:
         gradient units over the examples, for a mean loss 1/B). Only the rows summed (``attach``'s
         ``coordinates``) are compared, and the layers with some. Non-finite gradients (an AMP step that
         overflowed) are not judged. One host sync."""
-        checked = [n for n in self.per_example if n in step.seen and n not in step.failed and n in step.dtypes
-                   and any(q in self._coordinates for q in self._qualified_parameters(n))]
+        checked = [
+            n
+            for n in self.per_example
+            if n in step.seen
+            and n not in step.failed
+            and n in step.dtypes
+            and any(q in self._coordinates for q in self._qualified_parameters(n))
+        ]
         if not step.grad_sum or not checked:
             return {}
         measured = set(self._names.values())
-        params = {q: p for n in checked for q, p in self._qualified_parameters(n).items()
-                  if q in self._coordinates or q not in measured}  # Σ_i g_i of a parameter the rule skips: 0
+        params = {
+            q: p
+            for n in checked
+            for q, p in self._qualified_parameters(n).items()
+            if q in self._coordinates or q not in measured
+        }  # Σ_i g_i of a parameter the rule skips: 0
         err, ref = sum_errors(params, self._coordinates, step.grad_sum, to_grad)
         # The loosest over the step: under autocast a layer's weight gradient may come partly from another's
         # half-precision operands (a tied output layer, a recurrent layer's casts).
@@ -468,8 +524,9 @@ class PerExampleGradients:
     def _qualified(self, name: str, local: str, module: nn.Module) -> str:
         return self._names[id(self._rules[name].parameters(module)[local])]
 
-    def _forward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      output: Any) -> None:
+    def _forward_vmap(
+        self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
         if torch.compiler.is_compiling():
             return
         batch = next((a.shape[0] for a in args if isinstance(a, Tensor) and a.dim()), -1)
@@ -480,8 +537,16 @@ class PerExampleGradients:
         task = _recomputing_task()
         output.register_hook(functools.partial(self._backward_vmap, name, module, kept, kwargs, sub, task))
 
-    def _backward_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                       sub: int, task: int | None, grad_output: Tensor) -> None:
+    def _backward_vmap(
+        self,
+        name: str,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sub: int,
+        task: int | None,
+        grad_output: Tensor,
+    ) -> None:
         self._note_backward(name, task)
         if self._calls[name] <= 1 and all(p[0] != name for p in self._pending):
             self._pending.append((name, module, args, kwargs, grad_output if self._keep_norms else grad_output[:sub]))
@@ -489,7 +554,7 @@ class PerExampleGradients:
     def _add_vmap_sq(self, start: int, sq: Tensor) -> None:
         if self._vmap_sq is None:
             self._vmap_sq = sq.new_zeros(self._batch_size or start + sq.shape[0])
-        self._vmap_sq[start:start + sq.shape[0]] += sq
+        self._vmap_sq[start : start + sq.shape[0]] += sq
 
     def end_micro_batch(self, unit: Tensor | float) -> None:
         """Close a micro-batch: run the fallback, convert to own-loss units and add to the step.
@@ -525,8 +590,9 @@ class PerExampleGradients:
                     continue
                 batch, n = grad_output.shape[0], min(self.sub_batch, grad_output.shape[0])
                 try:
-                    grads = vmap_per_example_grads(module, batch_slice(args, batch, 0, n), kwargs,
-                                                   grad_output[:n].detach())
+                    grads = vmap_per_example_grads(
+                        module, batch_slice(args, batch, 0, n), kwargs, grad_output[:n].detach()
+                    )
                     if self._keep_norms:  # every example's ‖g_i‖², the sub-batch's from `grads` below
                         self._add_vmap_sq(n, vmap_sq_norms(module, args, kwargs, grad_output.detach(), n))
                 except Exception as err:  # noqa: BLE001 - any failure of torch.func means: not measurable
@@ -557,8 +623,12 @@ class PerExampleGradients:
             return
         names, device = list(step.undecided), next(iter(step.undecided.values())).device
         false = torch.zeros((), dtype=torch.bool, device=device)
-        flags = torch.stack([torch.stack([step.undecided[n].to(device),
-                                          step.undecided_counted.get(n, false).to(device)]) for n in names]).tolist()
+        flags = torch.stack(
+            [
+                torch.stack([step.undecided[n].to(device), step.undecided_counted.get(n, false).to(device)])
+                for n in names
+            ]
+        ).tolist()
         step.undecided, step.undecided_counted = {}, {}
         for name, (shared, counted) in zip(names, flags):
             if not shared:

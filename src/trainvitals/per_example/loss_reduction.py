@@ -8,15 +8,29 @@ from typing import Any
 
 from torch import Tensor
 
-_SCALAR_OPS = frozenset({
-    "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "AddBackward0", "SubBackward0",
-    "NegBackward0", "ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0",
-    "SqueezeBackward0", "SqueezeBackward1", "UnsqueezeBackward0",
-})
+_SCALAR_OPS = frozenset(
+    {
+        "MulBackward0",
+        "MulBackward1",
+        "DivBackward0",
+        "DivBackward1",
+        "AddBackward0",
+        "SubBackward0",
+        "NegBackward0",
+        "ToCopyBackward0",
+        "CloneBackward0",
+        "AliasBackward0",
+        "ViewBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "UnsqueezeBackward0",
+    }
+)
 _MEAN_OPS = frozenset({"MeanBackward0", "MeanBackward1"})
 _SUM_OPS = frozenset({"SumBackward0", "SumBackward1"})
 _REDUCTION_CODES = {1: "mean", 2: "sum"}  # at::Reduction, as saved by the loss nodes (NllLoss, MseLoss, ...)
 _MAX_GRAPH_NODES = 64
+
 
 @dataclass(frozen=True)
 class LossReduction:
@@ -31,10 +45,16 @@ class LossReduction:
 
 _NLL_OPS = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})  # input (N, C, *): one term per target
 # Loss functions whose reduction runs over every element of their input.
-_ELEMENTWISE_LOSS_OPS = frozenset({
-    "MseLossBackward0", "SmoothL1LossBackward0", "HuberLossBackward0", "BinaryCrossEntropyBackward0",
-    "BinaryCrossEntropyWithLogitsBackward0", "SoftMarginLossBackward0",
-})
+_ELEMENTWISE_LOSS_OPS = frozenset(
+    {
+        "MseLossBackward0",
+        "SmoothL1LossBackward0",
+        "HuberLossBackward0",
+        "BinaryCrossEntropyBackward0",
+        "BinaryCrossEntropyWithLogitsBackward0",
+        "SoftMarginLossBackward0",
+    }
+)
 
 
 def _loss_terms(node: Any) -> int | None:
@@ -80,8 +100,9 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
         if name in _MEAN_OPS or name in _SUM_OPS:
             sizes = node._saved_self_sym_sizes
             if sizes and sizes[0] % batch_size == 0:
-                is_mean = name in _MEAN_OPS or math.isinf(divisor) or (
-                    divisor >= batch_size and divisor % batch_size == 0)
+                is_mean = (
+                    name in _MEAN_OPS or math.isinf(divisor) or (divisor >= batch_size and divisor % batch_size == 0)
+                )
                 found.add(LossReduction("mean" if is_mean else "sum", sizes[0] if len(sizes) == 1 else None))
             continue
         code = getattr(node, "_saved_reduction", None)

@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from trainvitals.integrity.diagnoses import counted, listed
-from trainvitals.per_example.tensor_ops import _trainable
 from trainvitals.per_example.registry import rule_for, unsupported_reason
+from trainvitals.per_example.tensor_ops import _trainable
 
 
 @dataclass(frozen=True)
@@ -66,14 +66,17 @@ class SourcePlan:
         named = dict(model.named_parameters(remove_duplicate=False))
         parts = []
         if self.per_example:
-            parts.append(f"per-example norms in backward: {kinds(self.per_example)} "
-                         f"({share(self.parameters('per_example').values())})")
+            parts.append(
+                f"per-example norms in backward: {kinds(self.per_example)} "
+                f"({share(self.parameters('per_example').values())})"
+            )
         if self.micro_batch:
             parts.append(f"micro-batches/ranks: {len(self.micro_batch)} tensors ({share(self.micro_batch.values())})")
         if self.vmap:
             of = f" of {sub_batch} examples" if sub_batch else ""
-            parts.append(f"torch.func vmap on a sub-batch{of}: {kinds(self.vmap)} "
-                         f"({share(self.parameters('vmap').values())})")
+            parts.append(
+                f"torch.func vmap on a sub-batch{of}: {kinds(self.vmap)} ({share(self.parameters('vmap').values())})"
+            )
         if self.uncovered:  # each reason with the tensors it keeps out, by name (the first few)
             by_reason: dict[str, list[str]] = {}
             for name, why in self.uncovered.items():
@@ -84,10 +87,14 @@ class SourcePlan:
         return "; ".join(parts) if parts else "no trainable parameters"
 
 
-COMPILED_REASON = ("runs under torch.compile, where a hook would break the compiled graph; accumulate_grad_batches "
-                   ">= 2 or >= 2 devices measure it")
-_CONTAINER_REASON = ("a parameter of a module whose forward also runs layers with weight matrices (torch.func would "
-                     "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it")
+COMPILED_REASON = (
+    "runs under torch.compile, where a hook would break the compiled graph; accumulate_grad_batches "
+    ">= 2 or >= 2 devices measure it"
+)
+_CONTAINER_REASON = (
+    "a parameter of a module whose forward also runs layers with weight matrices (torch.func would "
+    "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it"
+)
 
 
 def _measured_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -115,8 +122,9 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, nn.Paramete
     return units
 
 
-def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = (),
-                 compiled: Iterable[str] = ()) -> SourcePlan:
+def plan_sources(
+    model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = (), compiled: Iterable[str] = ()
+) -> SourcePlan:
     """Assign each trainable parameter to a source: (1) per-example norms, else (2) micro-batches/ranks
     when there are at least two gradient groups per step, else (3) ``torch.func`` when ``fallback``.
 
@@ -148,8 +156,15 @@ def plan_sources(model: nn.Module, groups_available: bool, fallback: bool, exclu
     for name, module, params in units:
         rule = rule_for(module)
         whole = rule is not None and (rule.whole_call or set(params) != set(_qualified(name, _trainable(module))))
-        barred[name] = "excluded after a failed step" if name in excluded else COMPILED_REASON if inside(name) else \
-            unsupported_reason(module) if whole else None
+        barred[name] = (
+            "excluded after a failed step"
+            if name in excluded
+            else COMPILED_REASON
+            if inside(name)
+            else unsupported_reason(module)
+            if whole
+            else None
+        )
     reasons = {name: barred[name] or unsupported_reason(module) for name, module, _ in units}
     owners: dict[int, list[str]] = {}
     for name, _, params in units:

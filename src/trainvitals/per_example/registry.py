@@ -130,8 +130,13 @@ class PerExampleRule:
             return _batch_zeros(uses)
         return sum(_sq_norms(g.to(_accumulation_dtype(g))) for g in grads.values())  # type: ignore[return-value]
 
-    def sums(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None,
-             rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    def sums(
+        self,
+        module: nn.Module,
+        uses: Sequence[Use],
+        workspace: Workspace | None = None,
+        rows: Mapping[str, slice] | None = None,
+    ) -> dict[str, tuple[Tensor, Tensor]]:
         """``{name: (Σ_i g_i, Σ_i g_i²)}``, elementwise, float64, each of the parameter's shape; with ``rows``, only
         the parameters it names, each only the rows ``rows[name]`` of its dimension 0 (a bounded share of
         a large layer; a rule that cannot compute fewer rows computes all and keeps those)."""
@@ -167,8 +172,10 @@ class _FunctionRule(PerExampleRule):
             for name, g in self.function(module, use.inputs, use.grad_output).items():
                 total[name] = g if name not in total else total[name] + g
         if set(total) != set(self.parameters(module)):
-            raise ValueError(f"the rule gives gradients of {sorted(total)}, but {type(module).__name__}'s trainable "
-                             f"parameters are {sorted(self.parameters(module))}")
+            raise ValueError(
+                f"the rule gives gradients of {sorted(total)}, but {type(module).__name__}'s trainable "
+                f"parameters are {sorted(self.parameters(module))}"
+            )
         return total
 
 
@@ -212,8 +219,10 @@ def register_per_example_rule(*module_types: type[nn.Module], whole_call: bool =
         else:
             raise TypeError(f"a per-example rule must be a PerExampleRule or a function, got {rule!r}")
         if whole_call and not instance.whole_call:  # a rule class says it itself; the argument is the function's
-            raise TypeError(f"`whole_call`: {type(instance).__name__} is a PerExampleRule with whole_call = False; "
-                            "set `whole_call = True` on the class instead")
+            raise TypeError(
+                f"`whole_call`: {type(instance).__name__} is a PerExampleRule with whole_call = False; "
+                "set `whole_call = True` on the class instead"
+            )
         for t in module_types:
             _RULES[t] = instance
         return rule
@@ -271,13 +280,16 @@ def unsupported_reason(module: nn.Module) -> str | None:
         return f"{type(module).__name__} has no per-example identity"
     reparametrisation = _reparametrised(module)
     if reparametrisation is not None:
-        return (f"{type(module).__name__} reparametrised by torch.nn.utils' {reparametrisation} (a forward "
-                "pre-hook): its rule differentiates the weight, not the parameters it is computed from")
+        return (
+            f"{type(module).__name__} reparametrised by torch.nn.utils' {reparametrisation} (a forward "
+            "pre-hook): its rule differentiates the weight, not the parameters it is computed from"
+        )
     return rule.unsupported(module)
 
 
-def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor,
-                         workspace: Workspace | None = None) -> Tensor:
+def per_example_sq_norms(
+    module: nn.Module, inputs: Tensor, grad_output: Tensor, workspace: Workspace | None = None
+) -> Tensor:
     """Σ over ``module``'s measured trainable parameters of ‖g_i‖², per example, from one backward pass.
 
     Args:
@@ -294,8 +306,13 @@ def per_example_sq_norms(module: nn.Module, inputs: Tensor, grad_output: Tensor,
     return _rule(module).sq_norms(module, [Use(inputs, grad_output)], workspace)
 
 
-def per_example_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor, workspace: Workspace | None = None,
-                     rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+def per_example_sums(
+    module: nn.Module,
+    inputs: Tensor,
+    grad_output: Tensor,
+    workspace: Workspace | None = None,
+    rows: Mapping[str, slice] | None = None,
+) -> dict[str, tuple[Tensor, Tensor]]:
     """(Σ_i g_i, Σ_i g_i²), elementwise, for each of ``module``'s measured trainable parameters (each of
     the parameter's shape): the per-coordinate mean and variance of the per-example gradients.
 
@@ -304,7 +321,8 @@ def per_example_sums(module: nn.Module, inputs: Tensor, grad_output: Tensor, wor
     or float32 sums, would make the variance of high-SNR coordinates (a difference of two nearly equal
     terms) rounding noise.
 
-    The arguments as in :func:`per_example_sq_norms`; ``rows`` as in :meth:`PerExampleRule.sums`. Linear with 2-D inputs: ΔᵀA and (Δ²)ᵀ(A²), no
+    The arguments as in :func:`per_example_sq_norms`; ``rows`` as in :meth:`PerExampleRule.sums`.
+    Linear with 2-D inputs: ΔᵀA and (Δ²)ᵀ(A²), no
     per-example tensor; Embedding: a segment sum; the other layers: their per-example gradients
     ``(B, *shape)``, formed (in chunks of examples for convolutions) and summed (BackPACK's
     BatchGrad / SumGradSquared).
@@ -317,4 +335,3 @@ def _rule(module: nn.Module) -> PerExampleRule:
     if rule is None:
         raise TypeError(f"no per-example rule is registered for {type(module).__name__}")
     return rule
-

@@ -85,8 +85,10 @@ def _outer_sq_norms(a: Tensor, g: Tensor, workspace: Workspace | None = None) ->
     if t == 1:
         return _sq_norms(a) * _sq_norms(g)
     if _ghost_is_cheaper(t, i, o):
-        return torch.linalg.vecdot(_bmm(a, a.transpose(1, 2), workspace, "gram_a").flatten(1),
-                                   _bmm(g, g.transpose(1, 2), workspace, "gram_g").flatten(1))
+        return torch.linalg.vecdot(
+            _bmm(a, a.transpose(1, 2), workspace, "gram_a").flatten(1),
+            _bmm(g, g.transpose(1, 2), workspace, "gram_g").flatten(1),
+        )
     return _sq_norms(_bmm(g.transpose(1, 2), a, workspace, "blocks"))
 
 
@@ -110,12 +112,12 @@ def _moments(values: Tensor, index: Tensor | None = None, size: int = 0) -> tupl
         return total, total_sq
     chunk = max(1, _SCRATCH_BYTES // (8 * max(1, math.prod(row))))
     for start in range(0, values.shape[0], chunk):
-        wide = values[start:start + chunk].to(torch.float64, copy=True)
+        wide = values[start : start + chunk].to(torch.float64, copy=True)
         if index is None:
             total += wide.sum(0)
             total_sq += wide.square_().sum(0)
         else:
-            rows = index[start:start + chunk]
+            rows = index[start : start + chunk]
             total.index_add_(0, rows, wide)
             total_sq.index_add_(0, rows, wide.square_())
     return total, total_sq

@@ -18,16 +18,20 @@ import torch
 from torch import Tensor, nn
 
 from trainvitals.per_example import tensor_ops as _common
-from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _by_position, _moments, _sq_norms
+from trainvitals.per_example.registry import PerExampleRule, Use
 from trainvitals.per_example.rules.embedding import EmbeddingRule
 from trainvitals.per_example.rules.linear import LinearRule
-from trainvitals.per_example.registry import PerExampleRule, Use
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _by_position, _moments, _sq_norms
 
 Sums = dict[str, tuple[Tensor, Tensor]]
 
 
-def measure_tied(members: Mapping[str, tuple[nn.Module, PerExampleRule, Sequence[Use]]], names: Mapping[int, str],
-                 coordinates: bool, workspace: Workspace | None) -> tuple[Tensor, Sums]:
+def measure_tied(
+    members: Mapping[str, tuple[nn.Module, PerExampleRule, Sequence[Use]]],
+    names: Mapping[int, str],
+    coordinates: bool,
+    workspace: Workspace | None,
+) -> tuple[Tensor, Sums]:
     """``(B,)`` ‖g_i‖² over the members' parameters, and their per-coordinate sums when ``coordinates``.
 
     Args:
@@ -52,15 +56,22 @@ def _embedding_and_output_layer(members: Mapping[str, tuple[nn.Module, PerExampl
     if len(members) != 2:
         return None
     (emb, emb_rule, emb_uses), (lin, lin_rule, lin_uses) = sorted(
-        members.values(), key=lambda m: not isinstance(m[1], EmbeddingRule))
+        members.values(), key=lambda m: not isinstance(m[1], EmbeddingRule)
+    )
     if not (isinstance(emb_rule, EmbeddingRule) and isinstance(lin_rule, LinearRule)) or emb.weight is not lin.weight:
         return None
     return emb, emb_uses, lin, lin_uses
 
 
-def _embedding_and_linear(emb: nn.Embedding, emb_uses: Sequence[Use], lin: nn.Linear, lin_uses: Sequence[Use],
-                          names: Mapping[int, str], coordinates: bool,
-                          workspace: Workspace | None) -> tuple[Tensor, Sums]:
+def _embedding_and_linear(
+    emb: nn.Embedding,
+    emb_uses: Sequence[Use],
+    lin: nn.Linear,
+    lin_uses: Sequence[Use],
+    names: Mapping[int, str],
+    coordinates: bool,
+    workspace: Workspace | None,
+) -> tuple[Tensor, Sums]:
     emb_rule, lin_rule = EmbeddingRule(), LinearRule()
     dtype = _accumulation_dtype(lin_uses[0].grad_output)
     batch = emb_uses[0].inputs.shape[0]
@@ -72,8 +83,11 @@ def _embedding_and_linear(emb: nn.Embedding, emb_uses: Sequence[Use], lin: nn.Li
     delta = torch.cat([_by_position(u.grad_output).to(dtype) for u in lin_uses], 1)  # (B, T, V)
     at_tokens = delta.gather(2, tokens.unsqueeze(1).expand(-1, delta.shape[1], -1))  # (B, T, S): δ_t[tok_s]
     rows = torch.bmm(at_tokens.transpose(1, 2), h)  # (B, S, D): L_i[tok_s]
-    sq = emb_rule.sq_norms(emb, emb_uses) + lin_rule.sq_norms(lin, lin_uses, workspace) \
+    sq = (
+        emb_rule.sq_norms(emb, emb_uses)
+        + lin_rule.sq_norms(lin, lin_uses, workspace)
         + 2 * torch.linalg.vecdot(gamma.flatten(1), rows.flatten(1))
+    )
     if not coordinates:
         return sq, {}
     emb_sums, lin_sums = emb_rule.sums(emb, emb_uses), lin_rule.sums(lin, lin_uses, workspace)

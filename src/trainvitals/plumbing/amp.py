@@ -8,11 +8,10 @@ device tensor, never with ``GradScaler.get_scale()``, which would sync with the 
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from torch import Tensor
 
 
 def grad_scaler(trainer: "pl.Trainer") -> "torch.amp.GradScaler | None":

@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import torch
-from torch import Tensor
-from typing_extensions import override
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
 
 from trainvitals.plumbing.writers import note_unrecorded
 
@@ -69,8 +68,14 @@ class TrainvitalsCallback(Callback):
         return self._state_key if self._state_key is not None else super().state_key
 
     # ------------------------------------------------------------------ declared state
-    def add_state(self, name: str, default: Any, dist_reduce_fx: str | None = None, persistent: bool = True,
-                  key: str | None = None) -> None:
+    def add_state(
+        self,
+        name: str,
+        default: Any,
+        dist_reduce_fx: str | None = None,
+        persistent: bool = True,
+        key: str | None = None,
+    ) -> None:
         """Declare ``self.<name>`` and set it to ``default``.
 
         Args:

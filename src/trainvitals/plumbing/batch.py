@@ -7,12 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from torch.utils.data import BatchSampler, SequentialSampler
-
-import lightning.pytorch as pl
-from lightning.pytorch.utilities.data import extract_batch_size
 
 from trainvitals.per_example.batch_dim import batch_tensors, listed_examples
 

@@ -6,9 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
-import torch
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 
 
@@ -22,8 +21,9 @@ def rerun_quietly(pl_module: "pl.LightningModule") -> Iterator[None]:
     device = pl_module.device
     buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
     modes = [(m, m.training) for m in pl_module.modules()]
-    device_rng = (nullcontext() if device.type == "cpu"
-                  else torch.random.fork_rng(devices=[device], device_type=device.type))
+    device_rng = (
+        nullcontext() if device.type == "cpu" else torch.random.fork_rng(devices=[device], device_type=device.type)
+    )
     pl_module.log = pl_module.log_dict = _ignore  # type: ignore[method-assign]
     try:
         with isolate_rng(include_cuda=False), device_rng:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import math
 
-from torch import Tensor
-
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import FSDPStrategy
+from torch import Tensor
 
 
 def holds_shards(trainer: "pl.Trainer") -> bool:

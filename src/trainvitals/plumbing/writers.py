@@ -13,23 +13,23 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch import Tensor
-
-import lightning.pytorch as pl
 from lightning.fabric.utilities.logger import _add_prefix  # what the logger itself uses
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.histogram.metadata import create_summary_metadata
+from torch import Tensor
 from torch.utils.tensorboard.summary import histogram_raw
 
 _notices = WarningCache()
 
 
-def log_scalars(trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], step: int,
-                finite_only: bool = False) -> dict[str, float]:
+def log_scalars(
+    trainer: "pl.Trainer", metrics: Mapping[str, Tensor | float], step: int, finite_only: bool = False
+) -> dict[str, float]:
     """Write ``metrics`` to every logger at ``step`` (optimizer steps); returns them as floats.
 
     Tensors are stacked and copied to the host in one transfer, whatever their number.
@@ -88,9 +88,11 @@ def note_unrecorded(trainer: "pl.Trainer", callback: object) -> None:
     """Say once per callback class that a Trainer without loggers (``logger=False``) records none of its
     metrics: a run that shows no chart should not look like a run that measured nothing."""
     if not trainer.loggers:
-        _notices.info(f"trainvitals {type(callback).__name__}: the Trainer has no logger (logger=False), so none of "
-                      "its metrics are recorded (they still reach trainer.callback_metrics); pass a logger (a "
-                      "TensorBoardLogger for text panels and the dashboard) to keep them.")
+        _notices.info(
+            f"trainvitals {type(callback).__name__}: the Trainer has no logger (logger=False), so none of "
+            "its metrics are recorded (they still reach trainer.callback_metrics); pass a logger (a "
+            "TensorBoardLogger for text panels and the dashboard) to keep them."
+        )
 
 
 def tensorboard_loggers(trainer: "pl.Trainer", what: str) -> list[TensorBoardLogger]:
@@ -130,8 +132,9 @@ def histogram_summary(values: Sequence[Tensor], bins: int = HISTOGRAM_BINS) -> d
     parts = [p.float() for p in parts if p.numel()]
     if not parts:
         return None
-    lo, hi = torch.stack([torch.stack([p.min() for p in parts]).min(),
-                          torch.stack([p.max() for p in parts]).max()]).tolist()
+    lo, hi = torch.stack(
+        [torch.stack([p.min() for p in parts]).min(), torch.stack([p.max() for p in parts]).max()]
+    ).tolist()
     width_hi = hi if hi > lo else lo + 1.0
     totals = torch.zeros(bins + 2, dtype=torch.float64, device=parts[0].device)  # the counts, Σv, Σv²: one transfer
     counts = totals[:bins]
@@ -141,12 +144,20 @@ def histogram_summary(values: Sequence[Tensor], bins: int = HISTOGRAM_BINS) -> d
         totals[bins + 1] += torch.linalg.vector_norm(p).double() ** 2
     *counts_host, total, squares = totals.tolist()
     limits = np.linspace(lo, width_hi, bins + 1)[1:]
-    return {"min": lo, "max": hi, "num": int(sum(p.numel() for p in parts)), "sum": total, "sum_squares": squares,
-            "bucket_limits": limits.tolist(), "bucket_counts": counts_host}
+    return {
+        "min": lo,
+        "max": hi,
+        "num": int(sum(p.numel() for p in parts)),
+        "sum": total,
+        "sum_squares": squares,
+        "bucket_limits": limits.tolist(),
+        "bucket_counts": counts_host,
+    }
 
 
-def log_histogram(trainer: "pl.Trainer", tag: str, values: Tensor | Sequence[Tensor], step: int,
-                  description: str = "") -> None:
+def log_histogram(
+    trainer: "pl.Trainer", tag: str, values: Tensor | Sequence[Tensor], step: int, description: str = ""
+) -> None:
     """A TensorBoard histogram of ``values`` (a tensor or several, any shapes; non-finite entries dropped),
     in bounded memory (:func:`histogram_summary`); ``description``: markdown TensorBoard shows with the tag
     (the first step's, as it keeps a tag's first metadata)."""

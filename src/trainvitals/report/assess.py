@@ -35,22 +35,39 @@ from trainvitals.tags import MEMORY_BYTES, TRAINVITALS_PREFIXES, TRAINVITALS_ROO
 def assess(run: Run) -> RunReport:
     """The health report of ``run``: one section per vital sign, and the findings that follow."""
     steps = [s for series in run.scalars.values() for s, _ in series]
-    report = RunReport(run=run.name, last_step=max(steps) if steps else None, read_in_part=bool(run.damage),
-                       measured=any(tag.startswith(TRAINVITALS_PREFIXES) for tag in run.scalars))
+    report = RunReport(
+        run=run.name,
+        last_step=max(steps) if steps else None,
+        read_in_part=bool(run.damage),
+        measured=any(tag.startswith(TRAINVITALS_PREFIXES) for tag in run.scalars),
+    )
     report.findings += [Finding("warning", EVENT_FILES, d.describe()) for d in run.damage]
     if not report.measured:
-        report.findings.append(Finding(
-            "warning", EVENT_FILES, "nothing measured: no trainvitals scalar" + (" in the part read" if run.damage else "")
-            + ", so no optimizer step was logged — nothing logged (the run may have ended before its first step: it "
-            "crashed or was killed), an empty train dataloader (limit_train_batches=0), max_steps=0, or step logging "
-            "off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."
-            + _separator_hint(run)))
+        report.findings.append(
+            Finding(
+                "warning",
+                EVENT_FILES,
+                "nothing measured: no trainvitals scalar"
+                + (" in the part read" if run.damage else "")
+                + ", so no optimizer step was logged — nothing logged (the run may have ended before its first step: it "
+                "crashed or was killed), an empty train dataloader (limit_train_batches=0), max_steps=0, or step logging "
+                "off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."
+                + _separator_hint(run),
+            )
+        )
     if report.measured and ended_early(run):
-        report.findings.append(Finding(
-            "warning", EVENT_FILES, "no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start but "
-            "no diagnosis panel at fit end, so the fit is still running, was killed or crashed, or an event file "
-            "was cut at a record's end (which its format cannot tell); whatever came after is not in this report."))
-    for section in (convergence_section, noise_scale_section, _integrity, _memory, _spikes) if report.measured else (_integrity,):
+        report.findings.append(
+            Finding(
+                "warning",
+                EVENT_FILES,
+                "no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start but "
+                "no diagnosis panel at fit end, so the fit is still running, was killed or crashed, or an event file "
+                "was cut at a record's end (which its format cannot tell); whatever came after is not in this report.",
+            )
+        )
+    for section in (
+        (convergence_section, noise_scale_section, _integrity, _memory, _spikes) if report.measured else (_integrity,)
+    ):
         section(run, report)
     for title, pattern, message in CRITICAL_COUNTERS:
         n = counter(run, pattern, last=pattern in LAST_WINDOW)
@@ -59,12 +76,22 @@ def assess(run: Run) -> RunReport:
     for title, pattern, message in warning_counters():
         n = counter(run, pattern)
         if n > 0:
-            report.findings.append(Finding("warning", title, f"{message} (found {n:g} time(s)): the integrity findings "
-                                           "say where, and what to do"))
+            report.findings.append(
+                Finding(
+                    "warning",
+                    title,
+                    f"{message} (found {n:g} time(s)): the integrity findings say where, and what to do",
+                )
+            )
     if (since := uncounted_since(run)) is not None:
-        report.findings.append(Finding(
-            "critical", SPIKES, f"GradNormEarlyStopping counted none of the optimizer steps after step {since}: "
-            "each had non-finite (inf/NaN) gradients (or a GradScaler skipped it), the run diverged"))
+        report.findings.append(
+            Finding(
+                "critical",
+                SPIKES,
+                f"GradNormEarlyStopping counted none of the optimizer steps after step {since}: "
+                "each had non-finite (inf/NaN) gradients (or a GradScaler skipped it), the run diverged",
+            )
+        )
     return report
 
 
@@ -75,8 +102,10 @@ def _separator_hint(run: Run) -> str:
     """When scalars look like a prefixed logger's trainvitals tags under another separator, which one."""
     for tag in sorted(run.scalars):
         if match := _OTHER_SEPARATOR.match(tag):
-            return (f" But scalars such as `{tag}` look like a logger's prefixed ones: give its separator with "
-                    f"--separator {match.group(1)!r}.")
+            return (
+                f" But scalars such as `{tag}` look like a logger's prefixed ones: give its separator with "
+                f"--separator {match.group(1)!r}."
+            )
     return ""
 
 
@@ -100,32 +129,54 @@ def _integrity(run: Run, report: RunReport) -> None:
     # The per-kind finding counts (graph/findings_<kind>) are left to the findings panel.
     order = list(_INTEGRITY_LABELS)
     step = as_of(run, report, title, r"graph/(?!findings_).+")
-    metrics = sorted(((tag.removeprefix("graph/"), series) for tag, series in run.matching(
-        r"graph/(?!findings_).+").items()), key=lambda m: (order.index(m[0]) if m[0] in order else len(order), m[0]))
-    report.sections[title] = [series_row(_INTEGRITY_LABELS.get(metric, metric.replace("_", " ")), series, step)
-                              for metric, series in metrics]
+    metrics = sorted(
+        ((tag.removeprefix("graph/"), series) for tag, series in run.matching(r"graph/(?!findings_).+").items()),
+        key=lambda m: (order.index(m[0]) if m[0] in order else len(order), m[0]),
+    )
+    report.sections[title] = [
+        series_row(_INTEGRITY_LABELS.get(metric, metric.replace("_", " ")), series, step) for metric, series in metrics
+    ]
     panel(run, report, "integrity findings", "graph/findings")
-    if _CHECKED_NOTHING.search(report.panels.get("integrity findings", "")):  # an older callback's clean bill of nothing
+    if _CHECKED_NOTHING.search(
+        report.panels.get("integrity findings", "")
+    ):  # an older callback's clean bill of nothing
         report.panels["integrity findings"] = NOTHING_CHECKED
 
 
 def _memory(run: Run, report: RunReport) -> None:
     title = "memory"
     step = as_of(run, report, title, MEMORY_BYTES, r"memory/activations/.+")
-    categories = sorted(((*value_at(series, step), tag.removeprefix("memory/").removesuffix("_bytes"))
-                         for tag, series in run.matching(MEMORY_BYTES).items()), key=_largest_first, reverse=True)
+    categories = sorted(
+        (
+            (*value_at(series, step), tag.removeprefix("memory/").removesuffix("_bytes"))
+            for tag, series in run.matching(MEMORY_BYTES).items()
+        ),
+        key=_largest_first,
+        reverse=True,
+    )
     rows = [Row(memory_label(category), value, "bytes", own) for value, own, category in categories]
-    per_module = sorted(((*value_at(series, step), tag.removeprefix("memory/activations/"))
-                         for tag, series in run.matching(r"memory/activations/.+").items()), key=_largest_first, reverse=True)
+    per_module = sorted(
+        (
+            (*value_at(series, step), tag.removeprefix("memory/activations/"))
+            for tag, series in run.matching(r"memory/activations/.+").items()
+        ),
+        key=_largest_first,
+        reverse=True,
+    )
     rows += [Row(f"saved by {module}", value, "bytes", own) for value, own, module in per_module[:5]]
     report.sections[title] = rows
     panel(run, report, "memory table", "memory/report")
     held = [v for _, v in run.scalars.get("memory/held_saved_bytes", [])]
     if len(held) >= 2 and held[-1] > held[-2] > 0:
-        report.findings.append(Finding(
-            "critical", title, f"a computation graph outlives its step: {format_bytes(held[-1])} of saved tensors "
-            f"still held after backward, up from {format_bytes(held[-2])} at the previous profiled step "
-            "(total += loss, a hidden state not detached, retain_graph=True)"))
+        report.findings.append(
+            Finding(
+                "critical",
+                title,
+                f"a computation graph outlives its step: {format_bytes(held[-1])} of saved tensors "
+                f"still held after backward, up from {format_bytes(held[-2])} at the previous profiled step "
+                "(total += loss, a hidden state not detached, retain_graph=True)",
+            )
+        )
 
 
 def memory_label(key: str) -> str:
@@ -154,10 +205,20 @@ def _spikes(run: Run, report: RunReport) -> None:
     as_of(run, report, title, *(grad_norm(name) for name in names))
     report.sections[title] = [Row(_SPIKE_LABELS[name], value, "steps") for name, value in counters.items()]
     if counters.get("amp_skipped_steps", 0) > 0:
-        report.findings.append(Finding(
-            "note", title, f"the GradScaler skipped {counters['amp_skipped_steps']:g} step(s) with inf/NaN "
-            "gradients and lowered its scale: loss-scale calibration, not divergence."))
+        report.findings.append(
+            Finding(
+                "note",
+                title,
+                f"the GradScaler skipped {counters['amp_skipped_steps']:g} step(s) with inf/NaN "
+                "gradients and lowered its scale: loss-scale calibration, not divergence.",
+            )
+        )
     if counters.get("spike_steps", 0) > 0:
         latest = next((run.text(t) for t in sorted(run.texts) if re.match(grad_norm("spikes"), t)), None)
-        report.findings.append(Finding(
-            "warning", title, f"{counters['spike_steps']:g} gradient-norm spike(s)" + (f"; latest: {latest}" if latest else "")))
+        report.findings.append(
+            Finding(
+                "warning",
+                title,
+                f"{counters['spike_steps']:g} gradient-norm spike(s)" + (f"; latest: {latest}" if latest else ""),
+            )
+        )

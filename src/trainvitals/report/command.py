@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainvitals.report.assess import assess
+from trainvitals.report.events import Damage, ReportError, Run, printable, read_runs
 from trainvitals.report.model import (
     BAND_STOP,
     CRITICAL_COUNTERS,
@@ -62,40 +63,72 @@ from trainvitals.report.model import (
     Row,
     RunReport,
 )
-from trainvitals.report.events import Damage, ReportError, Run, printable, read_runs
 from trainvitals.report.render import render
 from trainvitals.tags import LOGGER_JOIN_CHAR
 
 __all__ = [
-    "BAND_STOP", "CRITICAL_COUNTERS", "DESCRIPTION", "EXIT_CRITICAL", "EXIT_DAMAGED", "EXIT_NO_DATA", "EXIT_OK",
-    "EXIT_UNWRITTEN", "FORMATS", "LAST_WINDOW", "SEVERITY", "Damage", "Finding", "ReportError", "Row", "Run",
-    "RunReport", "add_arguments", "assess", "main", "printable", "read_runs", "render", "run",
+    "BAND_STOP",
+    "CRITICAL_COUNTERS",
+    "DESCRIPTION",
+    "EXIT_CRITICAL",
+    "EXIT_DAMAGED",
+    "EXIT_NO_DATA",
+    "EXIT_OK",
+    "EXIT_UNWRITTEN",
+    "FORMATS",
+    "LAST_WINDOW",
+    "SEVERITY",
+    "Damage",
+    "Finding",
+    "ReportError",
+    "Row",
+    "Run",
+    "RunReport",
+    "add_arguments",
+    "assess",
+    "main",
+    "printable",
+    "read_runs",
+    "render",
+    "run",
 ]
 
 FORMATS = ("text", "markdown", "json", "html")
 
-DESCRIPTION = ("Health report of the training runs under LOGDIR, read from their TensorBoard event files. "
-               "Exit status: 0 healthy, 1 a critical finding, 3 an event file read only in part, "
-               "2 nothing to report (or no run measured anything) or a usage error, 4 the report could not be written.")
+DESCRIPTION = (
+    "Health report of the training runs under LOGDIR, read from their TensorBoard event files. "
+    "Exit status: 0 healthy, 1 a critical finding, 3 an event file read only in part, "
+    "2 nothing to report (or no run measured anything) or a usage error, 4 the report could not be written."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """LOGDIR, ``--format`` and ``--separator``, on ``parser`` (the ``trainvitals report`` subcommand's, or
     :func:`main`'s)."""
     parser.add_argument("logdir", metavar="LOGDIR", help="the TensorBoard log folder")
-    parser.add_argument("--format", choices=FORMATS, default="text",
-                        help="output format (default: text); html is one self-contained page with plots")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="text",
+        help="output format (default: text); html is one self-contained page with plots",
+    )
     parser.add_argument("--output", "-o", metavar="FILE", help="write the report to FILE instead of stdout")
-    parser.add_argument("--separator", default=LOGGER_JOIN_CHAR, metavar="SEP",
-                        help="what a logger with a prefix puts between it and a tag: its LOGGER_JOIN_CHAR "
-                             f"(default: {LOGGER_JOIN_CHAR!r}, Lightning's)")
+    parser.add_argument(
+        "--separator",
+        default=LOGGER_JOIN_CHAR,
+        metavar="SEP",
+        help="what a logger with a prefix puts between it and a tag: its LOGGER_JOIN_CHAR "
+        f"(default: {LOGGER_JOIN_CHAR!r}, Lightning's)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Report on ``args.logdir`` in ``args.format``; returns the exit status (see the module docstring)."""
     if not args.logdir:  # Path("") is the current folder: a variable left unset, not a choice
-        print("trainvitals report: LOGDIR is empty: give the TensorBoard log folder (the one passed to --logdir).",
-              file=sys.stderr)
+        print(
+            "trainvitals report: LOGDIR is empty: give the TensorBoard log folder (the one passed to --logdir).",
+            file=sys.stderr,
+        )
         return EXIT_NO_DATA
     try:
         runs = read_runs(args.logdir, args.separator)
@@ -106,9 +139,11 @@ def run(args: argparse.Namespace) -> int:
     ours = [r for r in runs if r.is_trainvitals or r.damage]
     skipped = [r.name for r in runs if not (r.is_trainvitals or r.damage)]
     if not ours:
-        print(f"trainvitals report: the event files under {printable(args.logdir)} ({len(runs)} run(s)) hold no "
-              "trainvitals metrics: they come from another tool, or from a run without trainvitals callbacks.",
-              file=sys.stderr)
+        print(
+            f"trainvitals report: the event files under {printable(args.logdir)} ({len(runs)} run(s)) hold no "
+            "trainvitals metrics: they come from another tool, or from a run without trainvitals callbacks.",
+            file=sys.stderr,
+        )
         return EXIT_NO_DATA
     reports = [assess(r) for r in ours]
     if args.format == "html":

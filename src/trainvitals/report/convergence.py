@@ -34,7 +34,6 @@ from trainvitals.report.model import (
 from trainvitals.tags import DIAGNOSIS_PREFIXES, SUGGESTED_LR, grad_norm
 from trainvitals.text.terminal import inline, table_cells
 
-
 _LR_LABELS = {
     "b_noise": "noise scale B̂ (given)",
     "steps_over_min": "steps over the fewest, S/S_min = 1 + B̂/B",
@@ -73,8 +72,9 @@ def _diverged(run: Run) -> bool:
     if not (finite or counters[1] or counters[2]):
         return counter(run, r"graph/nonfinite_losses$") > 0 or uncounted_since(run) is not None
     since = max(finite, default=-1)
-    return any(_rose_every_step(series, since, least) for least, matching in counters.items()
-               for series in matching.values())
+    return any(
+        _rose_every_step(series, since, least) for least, matching in counters.items() for series in matching.values()
+    )
 
 
 def uncounted_since(run: Run) -> int | None:
@@ -85,8 +85,11 @@ def uncounted_since(run: Run) -> int | None:
     at most ``n`` steps later means no step in between was counted — each had a non-finite gradient (or
     was skipped by a GradScaler), and the band flag and noise estimates logged meanwhile are from before.
     """
-    if run.matching(grad_norm("total")) or run.matching(grad_norm("nonfinite_steps")) or \
-            counter(run, r"graph/nonfinite_losses$") > 0:
+    if (
+        run.matching(grad_norm("total"))
+        or run.matching(grad_norm("nonfinite_steps"))
+        or counter(run, r"graph/nonfinite_losses$") > 0
+    ):
         return None
     for series in run.matching(grad_norm("band_streak")).values():
         last, n = series[-1]
@@ -121,16 +124,20 @@ def convergence_section(run: Run, report: RunReport) -> None:
     # Like with like: a partly measured model's floor is set against the norm of the measured parameters.
     norm = grad_norm("measured_total") if run.matching(grad_norm("measured_total")) else grad_norm("total")
     step = as_of(run, report, title, norm, grad_norm("noise_floor"), grad_norm("in_noise_band"))
-    rows = [row_at(run, step, "gradient norm, last", norm),
-            row_at(run, step, "noise floor sqrt(tr Σ/B), last", grad_norm("noise_floor")),  # the run's one floor
-            row_at(run, step, "noise floor standard error", grad_norm("noise_floor_se"))]
+    rows = [
+        row_at(run, step, "gradient norm, last", norm),
+        row_at(run, step, "noise floor sqrt(tr Σ/B), last", grad_norm("noise_floor")),  # the run's one floor
+        row_at(run, step, "noise floor standard error", grad_norm("noise_floor_se")),
+    ]
     total = rows[0].value
-    ratio_row = ratio_row_at("norm / noise floor", first_series(run, norm), first_series(run, grad_norm("noise_floor")),
-                           step)
+    ratio_row = ratio_row_at(
+        "norm / noise floor", first_series(run, norm), first_series(run, grad_norm("noise_floor")), step
+    )
     ratio = ratio_row.value if isinstance(ratio_row.value, float) else None
     said_at = f" at optimizer step {ratio_row.step}" if ratio_row.step is not None else ""
-    error_row = ratio_row_at("", first_series(run, grad_norm("noise_floor_se")), first_series(run, grad_norm("noise_floor")),
-                           step)
+    error_row = ratio_row_at(
+        "", first_series(run, grad_norm("noise_floor_se")), first_series(run, grad_norm("noise_floor")), step
+    )
     partial = _partial(run)
     flags = [v for _, v in first_series(run, grad_norm("in_noise_band")) or []]
     recent = flags[-BAND_WINDOW:]
@@ -139,22 +146,34 @@ def convergence_section(run: Run, report: RunReport) -> None:
     caveat = (run.text("grad_noise/caveat") or "").removeprefix("trainvitals GradNormEarlyStopping: ")
     stop = run.text("grad_norm/stop_reason") or (end.get("stop") if end and not _end_reason(end) else None)
     report.sections[title] = [
-        *rows, ratio_row,
+        *rows,
+        ratio_row,
         _band_row(recent),
-        Row("stop", stop) if stop else Row("stop", f"not stopped: {_end_reason(end, caveat)}", step=_stopper_end_step(
-            run, step)) if end else Row("stop", _not_stopped(run, partial, caveat)),
+        Row("stop", stop)
+        if stop
+        else Row("stop", f"not stopped: {_end_reason(end, caveat)}", step=_stopper_end_step(run, step))
+        if end
+        else Row("stop", _not_stopped(run, partial, caveat)),
     ]
     if stop:
         report.findings.append(Finding("note", title, stop))
     if caveat:
         report.findings.append(Finding("note", title, caveat))
-    floor_error = (f"noise floor ± {100 * error_row.value:.2g}%"
-                   if isinstance(error_row.value, float) and math.isfinite(error_row.value) else "")
+    floor_error = (
+        f"noise floor ± {100 * error_row.value:.2g}%"
+        if isinstance(error_row.value, float) and math.isfinite(error_row.value)
+        else ""
+    )
     error = f" ({floor_error})" if floor_error else ""
     if _diverged(run):
-        report.findings.append(Finding(
-            "note", title, "the run diverged (non-finite gradients or losses): the last finite gradient norm and "
-            "the noise estimates come from before, so they say nothing of convergence."))
+        report.findings.append(
+            Finding(
+                "note",
+                title,
+                "the run diverged (non-finite gradients or losses): the last finite gradient norm and "
+                "the noise estimates come from before, so they say nothing of convergence.",
+            )
+        )
     elif partial:
         report.findings.append(Finding("note", title, f"{partial}: no noise-band verdict on the whole model."))
     elif end and not stop and end.get("rule", "").startswith("noise band"):
@@ -164,32 +183,59 @@ def convergence_section(run: Run, report: RunReport) -> None:
             if ended_early(run):
                 why = f"no noise-band flag was logged: the fit ended {logged_steps(run)}, without its end-of-fit diagnosis"
             elif run.matching(grad_norm("band_streak")):  # the stopper was there
-                why = (f"GradNormEarlyStopping logged no noise-band flag: its estimate had fewer than {MIN_MEASUREMENTS} "
-                       "measurements, or its rule is a threshold or relative one")
+                why = (
+                    f"GradNormEarlyStopping logged no noise-band flag: its estimate had fewer than {MIN_MEASUREMENTS} "
+                    "measurements, or its rule is a threshold or relative one"
+                )
             else:
                 why = "GradNormEarlyStopping would log whether the run is in its noise band"
-            report.findings.append(Finding(
-                "note", title, f"the last gradient norm is {ratio:.2f}× its noise floor{said_at}{error}; {why}."))
+            report.findings.append(
+                Finding(
+                    "note", title, f"the last gradient norm is {ratio:.2f}× its noise floor{said_at}{error}; {why}."
+                )
+            )
         elif total is not None:
-            report.findings.append(Finding(
-                "note", title, "no noise estimate, so no noise band: it needs accumulate_grad_batches >= 2, "
-                ">= 2 devices, or a BatchVarianceProbe; a fixed norm threshold is no substitute."))
+            report.findings.append(
+                Finding(
+                    "note",
+                    title,
+                    "no noise estimate, so no noise band: it needs accumulate_grad_batches >= 2, "
+                    ">= 2 devices, or a BatchVarianceProbe; a fixed norm threshold is no substitute.",
+                )
+            )
     elif stop and BAND_STOP in stop:  # every step of its patience was in the band; the logged flags sample a few
-        report.findings.append(Finding(
-            "note", title, f"in its noise band: GradNormEarlyStopping stopped the run on it{error}; the band flags "
-            f"logged meanwhile ({_share_in_band(recent)} in it) sample single steps."))
+        report.findings.append(
+            Finding(
+                "note",
+                title,
+                f"in its noise band: GradNormEarlyStopping stopped the run on it{error}; the band flags "
+                f"logged meanwhile ({_share_in_band(recent)} in it) sample single steps.",
+            )
+        )
     elif in_band >= 0.5:
-        report.findings.append(Finding(
-            "note", title, f"in its noise band ({'; '.join(filter(None, [_share_in_band(recent, verb=False), floor_error]))}): "
-            "the gradient norm sits at its noise floor, further steps mostly move within noise."
-            + _few_flags(recent)))
+        report.findings.append(
+            Finding(
+                "note",
+                title,
+                f"in its noise band ({'; '.join(filter(None, [_share_in_band(recent, verb=False), floor_error]))}): "
+                "the gradient norm sits at its noise floor, further steps mostly move within noise."
+                + _few_flags(recent),
+            )
+        )
     else:
         said = f"; the last norm is {ratio:.2f}× the noise floor{said_at}" if ratio is not None else ""
-        why = ("the band is decided on the smoothed estimates, not on one norm" if ratio is not None and ratio <= 1
-               else "the true gradient still stands out of the noise")
-        report.findings.append(Finding(
-            "note", title, f"not in its noise band yet: {_share_in_band(recent)} in it{said}{error}; {why}."
-            + _few_flags(recent)))
+        why = (
+            "the band is decided on the smoothed estimates, not on one norm"
+            if ratio is not None and ratio <= 1
+            else "the true gradient still stands out of the noise"
+        )
+        report.findings.append(
+            Finding(
+                "note",
+                title,
+                f"not in its noise band yet: {_share_in_band(recent)} in it{said}{error}; {why}." + _few_flags(recent),
+            )
+        )
 
 
 def _band_row(flags: list[float]) -> Row:
@@ -219,8 +265,10 @@ def _few_flags(flags: list[float]) -> str:
     """A caveat when fewer than :data:`BAND_WINDOW` band flags were logged: each samples one step."""
     if len(flags) >= BAND_WINDOW:
         return ""
-    return (f" Only {len(flags)} band flag(s) were logged, each of one step, and no end-of-fit table of "
-            "GradNormEarlyStopping, which counts every step: too few to say for how long.")
+    return (
+        f" Only {len(flags)} band flag(s) were logged, each of one step, and no end-of-fit table of "
+        "GradNormEarlyStopping, which counts every step: too few to say for how long."
+    )
 
 
 STOPPER_PANELS = tuple(f"{prefix}GradNormEarlyStopping" for prefix in DIAGNOSIS_PREFIXES)
@@ -278,8 +326,9 @@ def _end_verdict(end: dict[str, str], flags: list[float], error: str, caveat: st
     if "before min_steps" in why:
         lead = "no noise-band verdict: the run ended before the stopper's min_steps, so it counted no step"
     elif streak and int(streak[1]) > 0:
-        lead = (f"in its noise band at the end, for {streak[1]} step(s) in a row, short of the {streak[2]} it takes "
-                "to stop")
+        lead = (
+            f"in its noise band at the end, for {streak[1]} step(s) in a row, short of the {streak[2]} it takes to stop"
+        )
     elif caveat or "cannot decide" in why or "no noise estimate" in why:
         lead = "no noise-band verdict: the noise estimate could not decide"
         error = ""
@@ -288,8 +337,12 @@ def _end_verdict(end: dict[str, str], flags: list[float], error: str, caveat: st
     else:
         lead = "no noise-band verdict from the stopper's table"
     seen = end.get("optimizer steps seen")
-    sampled = (f"; the band flag was logged on {len(flags)} of its {seen} steps ({sum(flags):g} in the band), single "
-               "steps that say little on their own" if flags and seen else "")
+    sampled = (
+        f"; the band flag was logged on {len(flags)} of its {seen} steps ({sum(flags):g} in the band), single "
+        "steps that say little on their own"
+        if flags and seen
+        else ""
+    )
     return f"{lead}{error}. GradNormEarlyStopping at fit end: {why}{sampled}."
 
 
@@ -299,54 +352,74 @@ def _not_stopped(run: Run, partial: str, caveat: str) -> str:
     streaks = [v for series in run.matching(grad_norm("band_streak")).values() for _, v in series if math.isfinite(v)]
     if not streaks:
         if ended_early(run):
-            return (f"nothing logged by a stopper yet: the fit ended {logged_steps(run)}, before GradNormEarlyStopping "
-                    "(if it was attached) logged")
+            return (
+                f"nothing logged by a stopper yet: the fit ended {logged_steps(run)}, before GradNormEarlyStopping "
+                "(if it was attached) logged"
+            )
         if any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts):
             return "no stop rule: the fit ended with no GradNormEarlyStopping diagnosis, so none was attached"
-        return "no stop rule: no GradNormEarlyStopping logged anything (not attached, or the fit ended before it logged)"
+        return (
+            "no stop rule: no GradNormEarlyStopping logged anything (not attached, or the fit ended before it logged)"
+        )
     if _diverged(run):
         return "not stopped: the run diverged, and the stopper counts no step with non-finite gradients"
     streak = f"the logged streak in its condition reached {max(streaks):g} step(s) in a row"
     flags = [v for series in run.matching(grad_norm("in_noise_band")).values() for _, v in series]
     if flags and not any(flags):
-        return (f"not stopped: never in the noise band, on any of the {len(flags)} logged steps (the steps in between "
-                "were not logged, and the stopper's end-of-fit table, which counts them, was not either)")
+        return (
+            f"not stopped: never in the noise band, on any of the {len(flags)} logged steps (the steps in between "
+            "were not logged, and the stopper's end-of-fit table, which counts them, was not either)"
+        )
     if flags:
-        return (f"not stopped: in the noise band on {sum(flags):g} of {len(flags)} logged steps; {streak}, short of "
-                "its patience or before min_steps")
+        return (
+            f"not stopped: in the noise band on {sum(flags):g} of {len(flags)} logged steps; {streak}, short of "
+            "its patience or before min_steps"
+        )
     if ended_early(run):
-        return (f"not stopped: the fit ended {logged_steps(run)} without its end-of-fit diagnosis, before a "
-                f"noise-band flag was logged; {streak}")
+        return (
+            f"not stopped: the fit ended {logged_steps(run)} without its end-of-fit diagnosis, before a "
+            f"noise-band flag was logged; {streak}"
+        )
     if caveat:  # the stopper's own words: no valid source, partial coverage
         return "not stopped: " + caveat
     if partial:
         return f"not stopped: {partial}"
     if run.last(grad_norm("noise_floor")) is None:
-        return ("not stopped: no noise estimate was logged, so no noise band (it needs accumulate_grad_batches >= 2, "
-                f">= 2 devices, or a BatchVarianceProbe); {streak}")
-    return (f"not stopped: no noise-band flag was logged (the estimate had fewer than {MIN_MEASUREMENTS} measurements, "
-            f"or the rule is a threshold or relative one); {streak}")
+        return (
+            "not stopped: no noise estimate was logged, so no noise band (it needs accumulate_grad_batches >= 2, "
+            f">= 2 devices, or a BatchVarianceProbe); {streak}"
+        )
+    return (
+        f"not stopped: no noise-band flag was logged (the estimate had fewer than {MIN_MEASUREMENTS} measurements, "
+        f"or the rule is a threshold or relative one); {streak}"
+    )
 
 
 def _partial(run: Run) -> str:
-    """"partial: …" when the run's noise estimate covered too little of ‖ḡ‖² to decide; else ""."""
+    """ "partial: …" when the run's noise estimate covered too little of ‖ḡ‖² to decide; else ""."""
     coverage = run.last(r"grad_noise/coverage$")
     unmeasured = run.last(r"grad_noise/unmeasured_trace_share$")
     if coverage is not None and coverage < DEFAULT_MIN_COVERAGE:
-        return f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖² (a decision needs {DEFAULT_MIN_COVERAGE:.0%})"
+        return (
+            f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖² (a decision needs {DEFAULT_MIN_COVERAGE:.0%})"
+        )
     if coverage is not None and unmeasured is not None and not unmeasured <= MAX_UNMEASURED_TRACE:
-        return (f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖², but the unmeasured parameters may hold up "
-                f"to {unmeasured:.2g}× the measured tr Σ (a decision needs ≤ {MAX_UNMEASURED_TRACE:g})")
+        return (
+            f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖², but the unmeasured parameters may hold up "
+            f"to {unmeasured:.2g}× the measured tr Σ (a decision needs ≤ {MAX_UNMEASURED_TRACE:g})"
+        )
     return ""
 
 
 def noise_scale_section(run: Run, report: RunReport) -> None:
     title = "noise scale and batch size"
     step = as_of(run, report, title, r"grad_noise/b_simple$", r"lr_scaling/effective_batch$", r"lr_scaling/")
-    rows = [row_at(run, step, "B_simple = tr Σ / ‖G‖²", r"grad_noise/b_simple$", unit="examples"),  # the run's one
-            row_at(run, step, "B_simple relative error", r"grad_noise/b_simple_rel_err$"),
-            row_at(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$", unit="share"),
-            row_at(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples")]
+    rows = [
+        row_at(run, step, "B_simple = tr Σ / ‖G‖²", r"grad_noise/b_simple$", unit="examples"),  # the run's one
+        row_at(run, step, "B_simple relative error", r"grad_noise/b_simple_rel_err$"),
+        row_at(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$", unit="share"),
+        row_at(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples"),
+    ]
     b_simple_row, error_row, _, batch_row = rows
     # The verdict's numbers are of the section's step, B_simple's last: an error of another step is not its.
     b_simple = b_simple_row.value if b_simple_row.step is None else None
@@ -355,35 +428,61 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     batch = batch_row.value if batch_row.step is None or len(batches) == 1 else None  # one batch all along: its own
     unreliable = value_at(first_series(run, r"grad_noise/b_simple_unreliable$"), step)
     at = f" at optimizer step {step}"
-    rows += [series_row(_lr_label(tag.removeprefix("lr_scaling/"), batch_row.value), series, step)
-             for tag, series in sorted(run.matching(r"lr_scaling/(?!effective_batch$).+").items())]
+    rows += [
+        series_row(_lr_label(tag.removeprefix("lr_scaling/"), batch_row.value), series, step)
+        for tag, series in sorted(run.matching(r"lr_scaling/(?!effective_batch$).+").items())
+    ]
     # A B_simple error or a ratio of another step was computed from a B̂ not shown here: left out, not dated.
     stale = {error_row.label} | {_LR_LABELS[k] for k in _FROM_B_HAT}
     report.sections[title] = [r for r in rows if r.step is None or r.label not in stale]
     panel(run, report, "lr scaling advice", "lr_scaling/advice", dated=True)
     advice_step = report.steps.get("lr scaling advice")
-    classic = ("the lr advice follows the classic rules" if advice_step in (None, step) else
-               f"the lr advice, written at optimizer step {advice_step}, says which rule it followed then")
+    classic = (
+        "the lr advice follows the classic rules"
+        if advice_step in (None, step)
+        else f"the lr advice, written at optimizer step {advice_step}, says which rule it followed then"
+    )
     checked = run.text(SOURCES_CHECK)
     if checked:  # said once by the callbacks: a noise source dropped, or two that disagree
         report.findings.append(Finding("warning", title, f"noise sources: {checked}."))
     partial = _partial(run)
     if b_simple is not None and partial:
-        report.findings.append(Finding("note", title, f"{partial}: no batch-size verdict, and no noise-aware lr advice."))
-    elif b_simple is not None and (unreliable == (1, None) or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR):
-        what = f"relative error {rel_err:.2g}" if rel_err is not None and math.isfinite(rel_err) else (
-            "no finite error bar: too few measurements, or ‖G‖² not resolved from zero")
-        report.findings.append(Finding(
-            "note", title, f"B_simple = {b_simple:.3g} is unreliable ({what}){at}: no batch-size verdict; {classic}."))
+        report.findings.append(
+            Finding("note", title, f"{partial}: no batch-size verdict, and no noise-aware lr advice.")
+        )
+    elif b_simple is not None and (
+        unreliable == (1, None) or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR
+    ):
+        what = (
+            f"relative error {rel_err:.2g}"
+            if rel_err is not None and math.isfinite(rel_err)
+            else ("no finite error bar: too few measurements, or ‖G‖² not resolved from zero")
+        )
+        report.findings.append(
+            Finding(
+                "note",
+                title,
+                f"B_simple = {b_simple:.3g} is unreliable ({what}){at}: no batch-size verdict; {classic}.",
+            )
+        )
     elif b_simple is not None and batch and math.isfinite(b_simple):
         spread = (f" (± {100 * rel_err:.2g}%)" if rel_err is not None else " (its error was not logged with it)") + at
         if batch < b_simple:
-            message = (f"B = {batch:g} < B_simple = {b_simple:.3g}{spread}: each step is noise-dominated; a batch near "
-                       "B_simple balances steps against examples.")
+            message = (
+                f"B = {batch:g} < B_simple = {b_simple:.3g}{spread}: each step is noise-dominated; a batch near "
+                "B_simple balances steps against examples."
+            )
         else:
-            message = (f"B = {batch:g} >= B_simple = {b_simple:.3g}{spread}: beyond the noise scale a larger batch buys "
-                       "few steps for its examples.")
+            message = (
+                f"B = {batch:g} >= B_simple = {b_simple:.3g}{spread}: beyond the noise scale a larger batch buys "
+                "few steps for its examples."
+            )
         report.findings.append(Finding("note", title, message))
     if _diverged(run) and run.matching(r"lr_scaling/"):
-        report.findings.append(Finding(
-            "note", title, "the run diverged: find the cause (or lower the lr) before following any lr-scaling advice."))
+        report.findings.append(
+            Finding(
+                "note",
+                title,
+                "the run diverged: find the cause (or lower the lr) before following any lr-scaling advice.",
+            )
+        )

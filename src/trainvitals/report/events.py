@@ -65,13 +65,18 @@ class Damage:
             return f"{self.file}: {self.reason}."
         if not self.size:  # never opened
             return f"{self.file}: {self.reason}, so nothing of it is in this report."
-        read = (f"read whole up to logged optimizer step {self.last_step}" if self.last_step is not None
-                else "no logged step read before it")
+        read = (
+            f"read whole up to logged optimizer step {self.last_step}"
+            if self.last_step is not None
+            else "no logged step read before it"
+        )
         where = f"at byte {self.first:,} of {self.size:,} ({self.reason}; {read})"
         if self.regions == 1 and self.first + self.lost == self.size:
             return f"{self.file} is damaged {where}: the rest of the file is not in this report."
-        return (f"{self.file} is damaged {where}: {self.lost:,} bytes in {self.regions} stretch(es) could not be "
-                "read, and what was logged in them is not in this report.")
+        return (
+            f"{self.file} is damaged {where}: {self.lost:,} bytes in {self.regions} stretch(es) could not be "
+            "read, and what was logged in them is not in this report."
+        )
 
 
 @dataclass
@@ -111,7 +116,6 @@ class Run:
         return any(t.startswith(TRAINVITALS_PREFIXES) for t in [*self.scalars, *self.texts])
 
 
-
 def read_runs(logdir: str | Path, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:
     """Every run under ``logdir``, in name order: one per folder holding event files, and one per logger
     prefix in a folder where loggers with different prefixes wrote (:func:`_by_prefix`); ``separator`` is
@@ -147,12 +151,29 @@ def read_runs(logdir: str | Path, separator: str = LOGGER_JOIN_CHAR) -> list[Run
             folders.append((Path(folder), events))
     if unlisted and os.fspath(unlisted[0].filename) == os.fspath(root):
         raise ReportError(f"{shown} cannot be listed: {unlisted[0].strerror}.")
-    runs = [view for folder, events in sorted(folders) for view in _by_prefix(_read_run(root, folder, events), separator)]
+    runs = [
+        view for folder, events in sorted(folders) for view in _by_prefix(_read_run(root, folder, events), separator)
+    ]
     for err in unlisted:
         name = _run_name(root, Path(os.fsdecode(err.filename)))
-        runs.append(Run(name=name, scalars={}, texts={}, damage=[Damage(
-            file=name + "/", size=0, lost=0, first=0, regions=1, last_step=None,
-            reason=f"the folder cannot be listed ({err.strerror}): event files in it are not read")]))
+        runs.append(
+            Run(
+                name=name,
+                scalars={},
+                texts={},
+                damage=[
+                    Damage(
+                        file=name + "/",
+                        size=0,
+                        lost=0,
+                        first=0,
+                        regions=1,
+                        last_step=None,
+                        reason=f"the folder cannot be listed ({err.strerror}): event files in it are not read",
+                    )
+                ],
+            )
+        )
     if not runs:
         raise ReportError(f"no TensorBoard event files (events.out.tfevents.*) under {shown}.")
     return runs
@@ -175,8 +196,13 @@ def _read_run(root: Path, folder: Path, files: list[str]) -> Run:
             continue
         name = tag[: -len(TEXT_SUFFIX)] if tag.endswith(TEXT_SUFFIX) else tag
         texts[name] = [(e.step, _decode_text(e.tensor_proto)) for e in acc.Tensors(tag)]
-    return Run(name=_run_name(root, folder), scalars=scalars, texts=texts, damage=damage,
-               layout="custom_scalars" in plugins.values())
+    return Run(
+        name=_run_name(root, folder),
+        scalars=scalars,
+        texts=texts,
+        damage=damage,
+        layout="custom_scalars" in plugins.values(),
+    )
 
 
 def _run_name(root: Path, path: Path) -> str:
@@ -277,12 +303,12 @@ def _next_record(f: BinaryIO, start: int, size: int) -> int:
             break
         length, crc = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
         for k in range(8):
-            length |= buf[k:k + n].astype(np.uint64) << np.uint64(8 * k)
+            length |= buf[k : k + n].astype(np.uint64) << np.uint64(8 * k)
         for k in range(4):
-            crc |= buf[8 + k:8 + k + n].astype(np.uint64) << np.uint64(8 * k)
+            crc |= buf[8 + k : 8 + k + n].astype(np.uint64) << np.uint64(8 * k)
         room = np.maximum(size - base - np.arange(n, dtype=np.int64) - _HEADER.size - _CRC.size, 0).astype(np.uint64)
         for i in np.flatnonzero((length <= room) & ((length != 0) | (crc == zero))):
-            if masked_crc32c(buf[i:i + 8].tobytes()) == int(crc[i]):
+            if masked_crc32c(buf[i : i + 8].tobytes()) == int(crc[i]):
                 return base + int(i)
     return size
 
@@ -312,8 +338,9 @@ def _by_prefix(run: Run, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:
         cut = len(prefix) + len(separator) if prefix else 0
         scalars = {tag[cut:]: series for tag, series in run.scalars.items() if owner(tag) == prefix}
         name = f"{run.name} (prefix {prefix})" if prefix else f"{run.name} (no prefix)"
-        views.append(Run(name=name, scalars=scalars, texts=run.texts, damage=run.damage, prefix=prefix,
-                         layout=run.layout))
+        views.append(
+            Run(name=name, scalars=scalars, texts=run.texts, damage=run.damage, prefix=prefix, layout=run.layout)
+        )
     return views
 
 
@@ -323,4 +350,3 @@ def _decode_text(proto: Any) -> str:
     except (TypeError, ValueError) as err:  # a checksummed record can still hold a malformed tensor
         return f"(a text panel TensorBoard cannot decode: {err})"
     return "\n".join(v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in array.reshape(-1))
-

@@ -19,8 +19,8 @@ from typing import Any
 
 from trainvitals.report.assess import memory_label
 from trainvitals.report.events import Run
-from trainvitals.report.render import format_value, heading, status_line
 from trainvitals.report.model import RunReport, first_series
+from trainvitals.report.render import format_value, heading, status_line
 from trainvitals.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, SUGGESTED_LR, grad_norm
 from trainvitals.text.terminal import table_cells
 
@@ -50,34 +50,50 @@ def render_html(runs: Sequence[tuple[Run, RunReport]], skipped: Sequence[str] = 
         body += _run_html(run, report)
     if skipped:
         body.append(f"<p>Runs without trainvitals metrics, not reported: {html.escape(', '.join(skipped))}</p>")
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>trainvitals report</title><style>{STYLE}</style></head><body>\n"
-            + "\n".join(body) + "\n</body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>trainvitals report</title><style>{STYLE}</style></head><body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
 
 
 def _run_html(run: Run, report: RunReport) -> list[str]:
     state = "critical" if report.critical else "ok"
-    out = [f"<h2>run <code>{html.escape(report.run)}</code>: <span class=\"{state}\">{html.escape(status_line(report))}</span></h2>"]
+    out = [
+        f'<h2>run <code>{html.escape(report.run)}</code>: <span class="{state}">{html.escape(status_line(report))}</span></h2>'
+    ]
     if report.findings:
-        out.append("<h3>findings</h3><ul class=\"findings\">")
-        out += [f"<li><span class=\"sev {html.escape(f.severity)}\">{html.escape(f.severity)}</span>"
-                f"<b>{html.escape(f.section)}</b>: {html.escape(f.message)}</li>" for f in report.findings]
+        out.append('<h3>findings</h3><ul class="findings">')
+        out += [
+            f'<li><span class="sev {html.escape(f.severity)}">{html.escape(f.severity)}</span>'
+            f"<b>{html.escape(f.section)}</b>: {html.escape(f.message)}</li>"
+            for f in report.findings
+        ]
         out.append("</ul>")
     figures = [fig for fig in (plot(run) for plot in PLOTS) if fig is not None]
     if figures:
-        out.append("<h3>plots</h3><div class=\"plots\">")
-        out += [f"<figure><img alt=\"{html.escape(caption)}\" src=\"data:image/png;base64,{png}\">"
-                f"<figcaption>{html.escape(caption)}</figcaption></figure>" for png, caption in figures]
+        out.append('<h3>plots</h3><div class="plots">')
+        out += [
+            f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{png}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+            for png, caption in figures
+        ]
         out.append("</div>")
     for title, rows in report.sections.items():
         if rows:
             out.append(f"<h3>{html.escape(heading(report, title))}</h3><table><tr><th>measure</th><th>value</th></tr>")
-            out += [f"<tr><td>{html.escape(row.label)}</td><td class=\"{'num' if isinstance(row.value, float) else ''}\">"
-                    f"{html.escape(format_value(row))}</td></tr>" for row in rows]
+            out += [
+                f'<tr><td>{html.escape(row.label)}</td><td class="{"num" if isinstance(row.value, float) else ""}">'
+                f"{html.escape(format_value(row))}</td></tr>"
+                for row in rows
+            ]
             out.append("</table>")
     for title, text in report.panels.items():
-        out.append(f"<details open><summary>{html.escape(heading(report, title))}</summary>{markdown_to_html(text)}</details>")
+        out.append(
+            f"<details open><summary>{html.escape(heading(report, title))}</summary>{markdown_to_html(text)}</details>"
+        )
     return out
 
 
@@ -132,7 +148,7 @@ def _table_html(lines: list[str]) -> str:
     if len(lines) >= 2 and _SEPARATOR.match(lines[1]):
         right = [c.endswith(":") and not c.startswith(":") for c in rows[1]]
         header, rows = rows[0], rows[2:]
-    cls = lambda k: " class=\"num\"" if k < len(right) and right[k] else ""  # noqa: E731
+    cls = lambda k: ' class="num"' if k < len(right) and right[k] else ""  # noqa: E731
     out = ["<table>"]
     if header and any(header):
         out.append("<tr>" + "".join(f"<th>{_inline(c)}</th>" for c in header) + "</tr>")
@@ -225,11 +241,13 @@ def _b_simple(run: Run) -> tuple[str, str] | None:
         if len(bare) < len(values):
             lower = [v * (1 - e) if math.isfinite(e) else math.nan for v, e in zip(values, errors)]
             upper = [v * (1 + e) if math.isfinite(e) else math.nan for v, e in zip(values, errors)]
-            ax.fill_between(steps, [max(x, 1e-12) for x in lower], upper, color="#2ca02c", alpha=0.2,
-                            label="± one standard error")
+            ax.fill_between(
+                steps, [max(x, 1e-12) for x in lower], upper, color="#2ca02c", alpha=0.2, label="± one standard error"
+            )
         if bare:
-            ax.plot(*_xy(bare), ls="none", marker="o", mfc="none", color="#2ca02c",
-                    label="no error bar: not yet reliable")
+            ax.plot(
+                *_xy(bare), ls="none", marker="o", mfc="none", color="#2ca02c", label="no error bar: not yet reliable"
+            )
         if batch:
             ax.plot(*_xy(batch), color="black", lw=1, ls="--", label="effective batch B", **_marker(batch))
         _one_step(ax, b_simple, batch)
@@ -243,13 +261,17 @@ def _b_simple(run: Run) -> tuple[str, str] | None:
 
     caption = "The gradient noise scale B_simple against the effective batch: below it, steps are noise-dominated."
     if bare:
-        caption += (f" Hollow points ({len(bare)} of {len(values)} logged steps): no error bar, B_simple not yet "
-                    "reliable there.")
+        caption += (
+            f" Hollow points ({len(bare)} of {len(values)} logged steps): no error bar, B_simple not yet "
+            "reliable there."
+        )
     return _png(draw), caption
 
 
 def _layer_heatmap(run: Run) -> tuple[str, str] | None:
-    layers = {tag.removeprefix("grad_norm/"): series for tag, series in sorted(run.matching(PER_LAYER_GRAD_NORM).items())}
+    layers = {
+        tag.removeprefix("grad_norm/"): series for tag, series in sorted(run.matching(PER_LAYER_GRAD_NORM).items())
+    }
     if not layers:
         return None
     steps = sorted({s for series in layers.values() for s, _ in series})
@@ -262,21 +284,30 @@ def _layer_heatmap(run: Run) -> tuple[str, str] | None:
                 grid[row][column[s]] = math.log10(v)
 
     def draw(ax: Any) -> None:
-        image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
-                          extent=(first, last, len(layers) - 0.5, -0.5))
+        image = ax.imshow(
+            grid, aspect="auto", interpolation="nearest", cmap="viridis", extent=(first, last, len(layers) - 0.5, -0.5)
+        )
         ax.set_yticks(range(len(layers)), list(layers), fontsize=8)
         ax.set_xlabel("optimizer step")
         ax.figure.colorbar(image, ax=ax, label="log10 ‖g‖ of the layer")
 
     height = max(2.5, 0.3 * len(layers) + 1.2)
-    return _png(draw, (7.0, height)), "Per-layer gradient norms over the steps (log10): which layer carries the gradient."
+    return _png(
+        draw, (7.0, height)
+    ), "Per-layer gradient norms over the steps (log10): which layer carries the gradient."
 
 
 def _memory(run: Run) -> tuple[str, str] | None:
-    categories = {memory_label(tag.removeprefix("memory/").removesuffix("_bytes")): series[-1][1]
-                  for tag, series in run.matching(MEMORY_BYTES).items() if series[-1][1] > 0}
-    modules = {tag.removeprefix("memory/activations/"): series[-1][1]
-               for tag, series in run.matching(r"memory/activations/.+").items() if series[-1][1] > 0}
+    categories = {
+        memory_label(tag.removeprefix("memory/").removesuffix("_bytes")): series[-1][1]
+        for tag, series in run.matching(MEMORY_BYTES).items()
+        if series[-1][1] > 0
+    }
+    modules = {
+        tag.removeprefix("memory/activations/"): series[-1][1]
+        for tag, series in run.matching(r"memory/activations/.+").items()
+        if series[-1][1] > 0
+    }
     bars = [(f"module {k}", v) for k, v in sorted(modules.items(), key=lambda kv: kv[1])]
     bars += [(k, v) for k, v in sorted(categories.items(), key=lambda kv: kv[1])]
     if not bars:
@@ -291,8 +322,10 @@ def _memory(run: Run) -> tuple[str, str] | None:
         ax.set_xscale("log")
         ax.grid(alpha=0.3, axis="x")
 
-    return (_png(draw, (7.0, max(2.5, 0.28 * len(bars) + 1.0))),
-            "Memory by category (blue) and the activations each module saves for backward (orange).")
+    return (
+        _png(draw, (7.0, max(2.5, 0.28 * len(bars) + 1.0))),
+        "Memory by category (blue) and the activations each module saves for backward (orange).",
+    )
 
 
 def _lr_suggestions(run: Run) -> tuple[str, str] | None:
@@ -323,6 +356,11 @@ def _lr_suggestions(run: Run) -> tuple[str, str] | None:
     return _png(draw), "The lr LRScalingAdvisor suggests for each batch size (★: the current batch and lr)."
 
 
-PLOTS: tuple[Callable[[Run], tuple[str, str] | None], ...] = (_norm_in_band, _b_simple, _layer_heatmap, _memory,
-                                                             _lr_suggestions)
+PLOTS: tuple[Callable[[Run], tuple[str, str] | None], ...] = (
+    _norm_in_band,
+    _b_simple,
+    _layer_heatmap,
+    _memory,
+    _lr_suggestions,
+)
 """Each returns ``(base64 PNG, caption)``, or None when the run did not log what it plots."""

@@ -24,7 +24,11 @@ BAND_STOP = "gradient norm in its noise band"
 SPIKES, EVENT_FILES = "spikes and non-finite steps", "event files"
 
 CRITICAL_COUNTERS = (
-    (SPIKES, grad_norm("nonfinite_steps"), "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler"),
+    (
+        SPIKES,
+        grad_norm("nonfinite_steps"),
+        "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler",
+    ),
     *critical_counters(),
 )
 """(section, tag regex, message): a counter is critical when its largest value (summed over optimizers) is > 0.
@@ -98,7 +102,8 @@ class RunReport:
         """This run's exit status (module docstring); the command exits with the most severe of its runs, those
         that measured nothing left out when another did."""
         return {"CRITICAL": EXIT_CRITICAL, "read in part": EXIT_DAMAGED, "nothing measured": EXIT_NO_DATA}.get(
-            self.status, EXIT_OK)
+            self.status, EXIT_OK
+        )
 
 
 def panel(run: Run, report: RunReport, title: str, tag: str, dated: bool = False) -> None:
@@ -152,8 +157,9 @@ def series_row(label: str, series: list[tuple[int, float]] | None, step: int | N
     return Row(label, value, unit, own)
 
 
-def ratio_row_at(label: str, top: list[tuple[int, float]] | None, bottom: list[tuple[int, float]] | None,
-               step: int | None) -> Row:
+def ratio_row_at(
+    label: str, top: list[tuple[int, float]] | None, bottom: list[tuple[int, float]] | None, step: int | None
+) -> Row:
     """``top / bottom`` at the last step both were logged at (its own step when not the section's ``step``)."""
     by_step = dict(bottom or [])
     both = [(s, v / by_step[s]) for s, v in (top or []) if by_step.get(s)]
@@ -176,6 +182,6 @@ def ended_early(run: Run) -> bool:
 
 
 def logged_steps(run: Run) -> str:
-    """"after optimizer step N (the last logged)": how far the run's trainvitals scalars go."""
+    """ "after optimizer step N (the last logged)": how far the run's trainvitals scalars go."""
     steps = [s for series in run.scalars.values() for s, _ in series]  # as RunReport.last_step
     return f"after optimizer step {max(steps)} (the last logged)" if steps else "before its first logged step"

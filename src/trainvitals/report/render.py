@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from trainvitals.text.markdown import markdown_table
 from trainvitals.memory import format_bytes
 from trainvitals.report.model import Row, RunReport
+from trainvitals.text.markdown import markdown_table
 from trainvitals.text.terminal import format_table, markdown_to_text
 
 
@@ -20,11 +20,20 @@ def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) 
 
     ``html`` needs the runs' series for its plots: :func:`trainvitals.report.html.render_html`."""
     if fmt == "json":
-        return json.dumps(_json_safe({
-            "critical": any(r.critical for r in reports),
-            "runs": [{**asdict(r), "critical": r.critical, "status": r.status} for r in reports],
-            "skipped_runs": list(skipped),
-        }), indent=2, allow_nan=False) + "\n"
+        return (
+            json.dumps(
+                _json_safe(
+                    {
+                        "critical": any(r.critical for r in reports),
+                        "runs": [{**asdict(r), "critical": r.critical, "status": r.status} for r in reports],
+                        "skipped_runs": list(skipped),
+                    }
+                ),
+                indent=2,
+                allow_nan=False,
+            )
+            + "\n"
+        )
     render_run = _markdown_run if fmt == "markdown" else _text_run
     out = [line for r in reports for line in render_run(r)]
     if skipped:
@@ -58,8 +67,12 @@ def _markdown_run(r: RunReport) -> list[str]:
         out += ["", "### findings", ""] + [f"- **{f.severity}** ({f.section}): {f.message}" for f in r.findings]
     for title, rows in r.sections.items():
         if rows:
-            out += ["", f"### {heading(r, title)}", "",
-                    *markdown_table(("measure", "value"), [(row.label, format_value(row)) for row in rows])]
+            out += [
+                "",
+                f"### {heading(r, title)}",
+                "",
+                *markdown_table(("measure", "value"), [(row.label, format_value(row)) for row in rows]),
+            ]
     for title, text in r.panels.items():
         out += ["", f"### {heading(r, title)}", "", text]
     return out + [""]
@@ -72,8 +85,9 @@ def _text_run(r: RunReport) -> list[str]:
         out += ["", "  findings"] + [f"    [{f.severity}] {f.section}: {f.message}" for f in r.findings]
     for title, rows in r.sections.items():
         if rows:
-            out += ["", f"  {heading(r, title)}"] + format_table([[row.label, format_value(row)] for row in rows],
-                                                                  indent="    ")
+            out += ["", f"  {heading(r, title)}"] + format_table(
+                [[row.label, format_value(row)] for row in rows], indent="    "
+            )
     for title, text in r.panels.items():
         out += ["", f"  {heading(r, title)}", textwrap.indent(markdown_to_text(text), "    ")]
     return out + [""]
@@ -105,4 +119,3 @@ def format_value(row: Row) -> str:
     else:
         text = f"{v:.4g} {row.unit}" if row.unit else f"{v:.4g}"
     return text if row.step is None else f"{text} (at optimizer step {row.step})"
-

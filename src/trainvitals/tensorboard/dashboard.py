@@ -4,20 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from typing_extensions import override
-
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
+from typing_extensions import override
 
 from trainvitals._validation import check_bool
+from trainvitals.noise.estimate import GradientNoise, band_ratio
+from trainvitals.noise.stopper import GradNormEarlyStopping
+from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.writers import log_text, tensorboard_loggers
-from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.norms.monitor import GradNormMonitor
-from trainvitals.noise.estimate import GradientNoise, band_ratio
-from trainvitals.tensorboard.layout import layer_groups, trainvitals_layout
 from trainvitals.tags import DIAGNOSIS_TAG
+from trainvitals.tensorboard.layout import layer_groups, trainvitals_layout
 
 
 class TrainvitalsDashboard(TrainvitalsCallback):
@@ -62,7 +61,12 @@ class TrainvitalsDashboard(TrainvitalsCallback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
         # global_step has advanced past the optimizer step this batch ran, if it ran one.
         step = trainer.global_step - 1
-        if not self.progress_bar or step < 0 or self._shown_at == step or not is_logging_step(step, logging_every(trainer)):
+        if (
+            not self.progress_bar
+            or step < 0
+            or self._shown_at == step
+            or not is_logging_step(step, logging_every(trainer))
+        ):
             return
         self._shown_at = step
         for name, value in progress_bar_values(trainer).items():
@@ -81,8 +85,11 @@ class TrainvitalsDashboard(TrainvitalsCallback):
         logdirs = [lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
         if not logdirs:
             return "no TensorBoardLogger, so no dashboard or diagnosis panels."
-        panels = (f"{self._panels} diagnosis panel(s) first in the Text tab ({DIAGNOSIS_TAG}/...)" if self.diagnosis
-                  else "no diagnosis panels (diagnosis=False)")
+        panels = (
+            f"{self._panels} diagnosis panel(s) first in the Text tab ({DIAGNOSIS_TAG}/...)"
+            if self.diagnosis
+            else "no diagnosis panels (diagnosis=False)"
+        )
         return f"{panels}, the charts in Custom Scalars: tensorboard --logdir {logdirs[0]}"
 
 
@@ -91,8 +98,11 @@ def diagnoses(trainer: "pl.Trainer") -> dict[str, str]:
 
     Every trainvitals callback with something to say at the end has ``summary_markdown() -> str``.
     """
-    return {type(cb).__name__: cb.summary_markdown() for cb in trainer.callbacks
-            if type(cb).__module__.startswith("trainvitals.") and callable(getattr(cb, "summary_markdown", None))}
+    return {
+        type(cb).__name__: cb.summary_markdown()
+        for cb in trainer.callbacks
+        if type(cb).__module__.startswith("trainvitals.") and callable(getattr(cb, "summary_markdown", None))
+    }
 
 
 def progress_bar_values(trainer: "pl.Trainer") -> dict[str, float]:
@@ -104,11 +114,18 @@ def progress_bar_values(trainer: "pl.Trainer") -> dict[str, float]:
         values["grad_norm"] = float(monitor.last_total[0])
     stopper = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormEarlyStopping)), None)
     margin = stopper.margin if stopper is not None else 1.0
-    noise = next((cb.gradient_noise for cb in trainer.callbacks
-                  if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)), None)
+    noise = next(
+        (
+            cb.gradient_noise
+            for cb in trainer.callbacks
+            if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)
+        ),
+        None,
+    )
     if noise is not None and margin > 0:  # the run's one estimate, shown only while it can decide
         estimate = noise.estimate()
         if estimate.batch_size and bool(noise.decisive(estimate) & (estimate.trace_cov > 0)):
-            values["band_ratio"] = float(band_ratio(estimate.grad_sq_norm, estimate.trace_cov, estimate.batch_size,
-                                                    margin))
+            values["band_ratio"] = float(
+                band_ratio(estimate.grad_sq_norm, estimate.trace_cov, estimate.batch_size, margin)
+            )
     return values

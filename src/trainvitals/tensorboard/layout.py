@@ -11,7 +11,8 @@ chart holds one quantity (or lines of one scale that are told apart by the chart
 its band is a margin chart, the shaded band from the noise floor to the band's edge); quantities whose
 scales differ by orders of magnitude (tr(Σ) ~100, ‖G‖² ~0.01) get a chart each; the per-layer norms get
 one chart per top-level module (a parameter of the LightningModule itself is one), the per-layer GSNR one chart:
-which layers have a GSNR the probe's sources decide during the fit, not the module tree at its start. The layout proto has no y-scale field: the log scale is the chart's own
+which layers have a GSNR the probe's sources decide during the fit, not the module tree at its start.
+The layout proto has no y-scale field: the log scale is the chart's own
 "Toggle y-axis log scale" button, and TensorBoard's "Ignore outliers in chart scaling" (on by default, in
 the settings) clips a chart's extremes — the README says when to turn it off.
 """
@@ -43,8 +44,13 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
     charts: dict[str, list[Any]] = {
         GRAD_NORM_CHART: [
             "Multiline",
-            [grad_norm("total"), grad_norm("clipped_total"), grad_norm("noise_floor"), grad_norm("noise_floor_se"),
-             grad_norm("measured_total")],
+            [
+                grad_norm("total"),
+                grad_norm("clipped_total"),
+                grad_norm("noise_floor"),
+                grad_norm("noise_floor_se"),
+                grad_norm("measured_total"),
+            ],
         ],
         "in the noise band (1 = yes)": ["Multiline", [grad_norm("in_noise_band")]],
         "steps in a row in the noise band (the stop comes at its patience)": ["Multiline", [grad_norm("band_streak")]],
@@ -54,35 +60,47 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
         ],
         "gradient noise: tr(Σ) per example, and its standard error": ["Multiline", [r"grad_noise/trace_cov(?:_se)?$"]],
         "gradient noise: ‖G‖², the true gradient's squared norm, and its standard error": [
-            "Multiline", [r"grad_noise/grad_sq_norm(?:_se)?$"]],
+            "Multiline",
+            [r"grad_noise/grad_sq_norm(?:_se)?$"],
+        ],
         "batch-gradient variance at the micro-batch and the full batch (Var ∝ 1/B)": [
-            "Multiline", [r"grad_noise/batch_grad_var/(?:micro_batch|full_batch)$"]],
+            "Multiline",
+            [r"grad_noise/batch_grad_var/(?:micro_batch|full_batch)$"],
+        ],
         "gradient noise: evidence-based criterion (stop when > 0)": ["Multiline", [r"grad_noise/eb_criterion$"]],
         "noise estimate: coverage, unmeasured tr(Σ) bound, B_simple's relative error, unreliable (1 = yes)": [
-            "Multiline", [r"grad_noise/(?:coverage|unmeasured_trace_share|b_simple_rel_err|b_simple_unreliable)$"]],
+            "Multiline",
+            [r"grad_noise/(?:coverage|unmeasured_trace_share|b_simple_rel_err|b_simple_unreliable)$"],
+        ],
     }
     if 0 < len(groups) <= MAX_LAYER_CHARTS:
         for group in groups:
             module = re.escape(group)
             charts[f"per-layer gradient norm: {group}"] = [
-                "Multiline", [rf"grad_norm/{OPTIMIZER_INFIX}{module}(?:\.[^/]+)?$"]]
+                "Multiline",
+                [rf"grad_norm/{OPTIMIZER_INFIX}{module}(?:\.[^/]+)?$"],
+            ]
     else:
         charts["per-layer gradient norm"] = ["Multiline", [PER_LAYER_GRAD_NORM]]
     charts["per-layer GSNR"] = ["Multiline", [r"grad_noise/gsnr/.+"]]
-    charts.update({
-        "memory by category (bytes)": ["Multiline", [MEMORY_BYTES]],
-        "saved activations per module (bytes)": ["Multiline", [r"memory/activations/.+"]],
-        "integrity counters": [
-            "Multiline",
-            [grad_norm("nonfinite_steps"), grad_norm("amp_skipped_steps"), grad_norm("spike_steps"), r"graph/.+"],
-        ],
-        "learning rate and its suggestion": ["Multiline", [r"lr-.+", r"lr_scaling/(?:lr|suggested_lr_[^/]+)/.+"]],
-        "steps and examples over their minimum": ["Multiline", [r"lr_scaling/(?:steps|examples)_over_min$"]],
-    })
+    charts.update(
+        {
+            "memory by category (bytes)": ["Multiline", [MEMORY_BYTES]],
+            "saved activations per module (bytes)": ["Multiline", [r"memory/activations/.+"]],
+            "integrity counters": [
+                "Multiline",
+                [grad_norm("nonfinite_steps"), grad_norm("amp_skipped_steps"), grad_norm("spike_steps"), r"graph/.+"],
+            ],
+            "learning rate and its suggestion": ["Multiline", [r"lr-.+", r"lr_scaling/(?:lr|suggested_lr_[^/]+)/.+"]],
+            "steps and examples over their minimum": ["Multiline", [r"lr_scaling/(?:steps|examples)_over_min$"]],
+        }
+    )
     return charts
 
 
-def trainvitals_layout(prefix: str = "", join_char: str = "-", groups: Sequence[str] = ()) -> dict[str, dict[str, list[Any]]]:
+def trainvitals_layout(
+    prefix: str = "", join_char: str = "-", groups: Sequence[str] = ()
+) -> dict[str, dict[str, list[Any]]]:
     """``SummaryWriter.add_custom_scalars`` layout: {category: {chart title: [kind, tags]}}.
 
     Args:
@@ -99,8 +117,10 @@ def trainvitals_layout(prefix: str = "", join_char: str = "-", groups: Sequence[
     """
     exact = prefix + join_char if prefix else ""
     band = {BAND_CHART: ["Margin", [exact + tag for tag in BAND_TAGS]]}
-    charts = {title: [kind, [with_prefix(tag, prefix, join_char) for tag in tags]]
-              for title, (kind, tags) in _charts(groups).items()}
+    charts = {
+        title: [kind, [with_prefix(tag, prefix, join_char) for tag in tags]]
+        for title, (kind, tags) in _charts(groups).items()
+    }
     return {BAND_CATEGORY: band, CATEGORY: charts}
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 import lightning.pytorch as pl
+import torch
 
 from trainvitals.integrity.checks.base import Check, Fit
 
@@ -26,7 +25,9 @@ class AnomalyModeCheck(Check):
         self.steps = steps
         self._previous: tuple[bool, bool] | None = None
 
-    def on_train_batch_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any) -> None:
+    def on_train_batch_start(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any
+    ) -> None:
         if fit.step < self.steps and self._previous is None:
             self._previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
             torch.set_anomaly_enabled(True, True)

@@ -6,9 +6,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.diagnoses import diagnose_inplace, diagnose_no_grad, diagnose_second_backward
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import AutogradError, classify_autograd_error
-from trainvitals.integrity.diagnoses import diagnose_inplace, diagnose_no_grad, diagnose_second_backward
 
 _ERROR_KIND = {
     AutogradError.NO_GRAD: FindingKind.NO_GRAD_ERROR,

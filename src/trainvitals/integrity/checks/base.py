@@ -8,19 +8,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.autograd.graph import Node
 
-import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
 import trainvitals
-from trainvitals.plumbing.rerun import rerun_quietly
+from trainvitals.integrity.diagnoses import Rerun
 from trainvitals.integrity.findings import Finding, FindingKind
 from trainvitals.integrity.graph import GraphWalk, tensor_names
-from trainvitals.integrity.diagnoses import Rerun
 from trainvitals.integrity.tracer import GraphTracer
+from trainvitals.plumbing.rerun import rerun_quietly
 
 # A diagnosis points at the user's code: frames in Lightning and trainvitals are not the culprit.
 _SKIP_DIRS = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__))
@@ -190,16 +189,22 @@ class Check:
     def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """The fit's maps are built; the first batch has not started."""
 
-    def on_train_batch_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any) -> None:
+    def on_train_batch_start(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any
+    ) -> None:
         """A batch starts (before a window opens at it)."""
 
     def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
         """A check window opens at this batch."""
 
-    def on_before_backward(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+    def on_before_backward(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor
+    ) -> None:
         """A loss goes to backward; no collective here (ranks may run different numbers of backwards)."""
 
-    def on_walk(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk) -> None:
+    def on_walk(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk
+    ) -> None:
         """A loss of a window's first batch was walked (``fit.mark`` separates this step's nodes)."""
 
     def on_before_optimizer_step(

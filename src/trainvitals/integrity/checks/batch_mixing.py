@@ -5,16 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
-
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
 
-from trainvitals.plumbing.rerun import rerun_quietly
 from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.diagnoses import SHOWN, listed
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import batch_mixing, batchnorm_in_eval
-from trainvitals.integrity.diagnoses import SHOWN, listed
+from trainvitals.plumbing.rerun import rerun_quietly
 
 
 class BatchMixingCheck(Check):
@@ -32,7 +31,9 @@ class BatchMixingCheck(Check):
         self.batch_input = batch_input
         self._done = False
 
-    def on_train_batch_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any) -> None:
+    def on_train_batch_start(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any
+    ) -> None:
         if self._done:
             return
         self._done = True
@@ -46,11 +47,13 @@ class BatchMixingCheck(Check):
                 rank_zero_warn(fit.message(f"could not check batch independence: {type(err).__name__}: {err}"))
                 return
         if switched:
-            rank_zero_info(fit.message(
-                f"the batch-independence check ran {len(switched)} BatchNorm layer(s) in eval mode "
-                f"({listed(switched)}): in training mode BatchNorm mixes examples through the batch statistics "
-                "by design."
-            ))
+            rank_zero_info(
+                fit.message(
+                    f"the batch-independence check ran {len(switched)} BatchNorm layer(s) in eval mode "
+                    f"({listed(switched)}): in training mode BatchNorm mixes examples through the batch statistics "
+                    "by design."
+                )
+            )
         mixed = {i: js for i, js in mixing.items() if js}
         if mixed:
             detail = "; ".join(f"output {i} depends on inputs {js[:SHOWN]}" for i, js in mixed.items())

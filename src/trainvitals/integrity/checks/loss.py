@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-import lightning.pytorch as pl
-
 from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.diagnoses import why_no_grad
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import GraphWalk
-from trainvitals.integrity.diagnoses import why_no_grad
 
 
 class LossCheck(Check):
@@ -32,11 +31,15 @@ class LossCheck(Check):
         self._pending: list[Tensor] = []
         self._nonfinite = torch.zeros((), dtype=torch.long)  # counted, not yet summed over ranks
 
-    def on_before_backward(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+    def on_before_backward(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor
+    ) -> None:
         if loss.grad_fn is None:
             names, why = why_no_grad(loss, pl_module, trainer.optimizers, fit.rerun_if_possible(trainer, pl_module))
             fit.record(
-                FindingKind.LOSS_NO_GRAD, names, f"The loss has no grad_fn, so backward cannot reach any parameter: {why}."
+                FindingKind.LOSS_NO_GRAD,
+                names,
+                f"The loss has no grad_fn, so backward cannot reach any parameter: {why}.",
             )
         # manual_backward(loss, gradient) of a non-scalar is legitimate; Lightning's own backward is not.
         elif pl_module.automatic_optimization and loss.numel() != 1:
@@ -52,12 +55,20 @@ class LossCheck(Check):
         if len(self._pending) >= self.max_pending:
             self._count(fit)
 
-    def on_walk(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk) -> None:
+    def on_walk(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk
+    ) -> None:
         # Under manual optimization a loss may train something else than the model (a latent code fitted by
         # its own optimizer, test-time adaptation); Lightning's own backward trains the model.
         trainable = {id(p) for _, p in fit.tracked if p.requires_grad}
-        if pl_module.automatic_optimization and trainable and walk.leaves and not walk.stale and not walk.opaque \
-                and not any(id(t) in trainable for t in walk.leaves):
+        if (
+            pl_module.automatic_optimization
+            and trainable
+            and walk.leaves
+            and not walk.stale
+            and not walk.opaque
+            and not any(id(t) in trainable for t in walk.leaves)
+        ):
             fit.record(
                 FindingKind.LOSS_NO_GRAD,
                 ("loss reaches no parameter",),

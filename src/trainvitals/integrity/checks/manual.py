@@ -3,14 +3,13 @@ steps before the backward that gives its parameters their gradients."""
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 from torch import Tensor
 
-import lightning.pytorch as pl
-
 from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.diagnoses import GradientStreaks, listed
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import all_zero
-from trainvitals.integrity.diagnoses import GradientStreaks, listed
 
 
 class GradLeakCheck(Check):
@@ -25,7 +24,9 @@ class GradLeakCheck(Check):
     def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
         self._stale_opts.clear()
 
-    def on_before_backward(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+    def on_before_backward(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor
+    ) -> None:
         """An optimizer that stepped is cleared once a backward starts with its gradients zeroed."""
         if not fit.window_open or pl_module.automatic_optimization:
             return

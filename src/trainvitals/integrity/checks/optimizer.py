@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 from torch import Tensor, nn
 
-import lightning.pytorch as pl
-
 from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.diagnoses import frozen_change_causes, listed
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import GraphWalk
-from trainvitals.integrity.diagnoses import frozen_change_causes, listed
 
 
 class UnoptimizedLeavesCheck(Check):
@@ -24,12 +23,13 @@ class UnoptimizedLeavesCheck(Check):
     def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
         self._unoptimized = self._unregistered = 0
 
-    def on_walk(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk) -> None:
+    def on_walk(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk
+    ) -> None:
         if not fit.opt_of:
             return
         unoptimized = [
-            t for t in walk.leaves
-            if id(t) not in fit.opt_of and (isinstance(t, nn.Parameter) or id(t) in fit.names)
+            t for t in walk.leaves if id(t) not in fit.opt_of and (isinstance(t, nn.Parameter) or id(t) in fit.names)
         ]
         if not unoptimized:
             return
@@ -48,8 +48,7 @@ class UnoptimizedLeavesCheck(Check):
         fit.record(
             FindingKind.UNOPTIMIZED_LEAVES,
             names,
-            f"{listed(names)} receive gradients but belong to no optimizer param group, so they never change: "
-            f"{why}.",
+            f"{listed(names)} receive gradients but belong to no optimizer param group, so they never change: {why}.",
         )
 
     def on_window_close(self, fit: Fit, trainer: "pl.Trainer", complete: bool) -> dict[str, float]:

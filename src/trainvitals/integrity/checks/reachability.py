@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-import lightning.pytorch as pl
-
 from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.diagnoses import GradientStreaks, counted, listed, unreached_reasons
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import GraphWalk
-from trainvitals.integrity.diagnoses import GradientStreaks, counted, listed, unreached_reasons
 
 
 def _ddp_without_unused_search(trainer: "pl.Trainer") -> bool:
@@ -60,7 +59,9 @@ class ReachabilityCheck(Check):
     def _note_forward(self, module: nn.Module, *_: Any) -> None:
         self._ran[id(module)] = self._ran.get(id(module), False) or torch.is_grad_enabled()
 
-    def on_walk(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk) -> None:
+    def on_walk(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk
+    ) -> None:
         self._walked = True
         self._compiled = self._compiled or any(type(n).__name__ == "CompiledFunctionBackward" for n in walk.nodes)
         self._reached.update(id(t) for t in walk.leaves)
@@ -92,9 +93,14 @@ class ReachabilityCheck(Check):
             FindingKind.UNREACHABLE_PARAMS,
             names,
             f"{len(names)} trainable parameter(s) cannot be reached from the loss and will get no gradient: "
-            + "; ".join(dict.fromkeys(reasons.values())) + "."
-            + (" This run's DDP (find_unused_parameters=False) waits for their gradients and fails at the next "
-               "step: strategy='ddp_find_unused_parameters_true', or remove or freeze them." if ddp else ""),
+            + "; ".join(dict.fromkeys(reasons.values()))
+            + "."
+            + (
+                " This run's DDP (find_unused_parameters=False) waits for their gradients and fails at the next "
+                "step: strategy='ddp_find_unused_parameters_true', or remove or freeze them."
+                if ddp
+                else ""
+            ),
         )
 
     def on_window_close(self, fit: Fit, trainer: "pl.Trainer", complete: bool) -> dict[str, float]:
@@ -122,12 +128,19 @@ class ReachabilityCheck(Check):
                 f"{len(dead)} parameter(s) had a gradient of exactly zero at {counted(n, 'optimizer step')} in a row: "
                 f"{listed(dead)}. They are in the graph but the gradient is blocked (a ReLU or clamp of values "
                 "that are always negative, a multiplication by zero, a saturated activation)."
-                + (" In a torch.compile'd region, a parameter whose output does not reach the loss also gets a "
-                   "gradient of zeros rather than none." if self._compiled else ""),
+                + (
+                    " In a torch.compile'd region, a parameter whose output does not reach the loss also gets a "
+                    "gradient of zeros rather than none."
+                    if self._compiled
+                    else ""
+                ),
             )
         if not complete:
             return {}
-        return {FindingKind.UNUSED_PARAMS.window_tag: float(len(unused)), FindingKind.DEAD_PARAMS.window_tag: float(len(dead))}
+        return {
+            FindingKind.UNUSED_PARAMS.window_tag: float(len(unused)),
+            FindingKind.DEAD_PARAMS.window_tag: float(len(dead)),
+        }
 
     @staticmethod
     def _predict_ddp(fit: Fit, trainer: "pl.Trainer", unused: tuple[str, ...]) -> None:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 from torch import Tensor
 
-import lightning.pytorch as pl
-
 from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.diagnoses import describe_stale_graph
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import GraphWalk
-from trainvitals.integrity.diagnoses import describe_stale_graph
 
 
 class StaleGraphCheck(Check):
@@ -24,7 +23,9 @@ class StaleGraphCheck(Check):
     def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
         self._leaked = 0
 
-    def on_walk(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk) -> None:
+    def on_walk(
+        self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk
+    ) -> None:
         if walk.stale:
             self._leaked += 1
             fit.record(FindingKind.STALE_GRAPH, *describe_stale_graph(pl_module, walk.stale, fit.mark))

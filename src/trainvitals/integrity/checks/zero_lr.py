@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
-import lightning.pytorch as pl
-
 from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.diagnoses import listed
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import owner_module
-from trainvitals.integrity.diagnoses import listed
-
 
 MIN_ZERO_LR_STEPS = 10
 """Fewest optimizer steps in a row at lr exactly 0 that are reported (or ``dead_after_steps``, if more): a
@@ -42,8 +40,11 @@ class ZeroLrCheck(Check):
             lr = group.get("lr")
             if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and not checked:
                 continue
-            if lr is not None and float(lr) == 0.0 and any(
-                    isinstance(p, torch.Tensor) and p.requires_grad for p in group["params"]):
+            if (
+                lr is not None
+                and float(lr) == 0.0
+                and any(isinstance(p, torch.Tensor) and p.requires_grad for p in group["params"])
+            ):
                 self._streak[k, g] = self._streak.get((k, g), 0) + 1
             else:
                 self._streak.pop((k, g), None)

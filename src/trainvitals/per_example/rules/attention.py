@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from trainvitals.per_example.tensor_ops import _accumulation_dtype, _trainable
-from trainvitals.per_example.rules.factored import Factor, FactoredRule, Outer, _stack_uses
 from trainvitals.per_example.registry import Call, Capture, Use, register_per_example_rule
+from trainvitals.per_example.rules.factored import Factor, FactoredRule, Outer, _stack_uses
+from trainvitals.per_example.tensor_ops import _accumulation_dtype, _trainable
 
 _redispatch = getattr(torch.overrides, "redispatch_function", None)
 _WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj.weight")
@@ -65,8 +65,11 @@ class _Projections(TorchFunctionMode, Capture):
 
     def __init__(self, module: nn.MultiheadAttention, batch: int) -> None:
         super().__init__()
-        named = {**dict(module.named_parameters(recurse=False)), "out_proj.weight": module.out_proj.weight,
-                 "out_proj.bias": module.out_proj.bias}
+        named = {
+            **dict(module.named_parameters(recurse=False)),
+            "out_proj.weight": module.out_proj.weight,
+            "out_proj.bias": module.out_proj.bias,
+        }
         self._weights = {id(p): n for n in _WEIGHTS if (p := named.get(n)) is not None}
         self._biases = {id(p): n for n in _BIASES if (p := named.get(n)) is not None}
         self._batch = batch
@@ -86,8 +89,9 @@ class _Projections(TorchFunctionMode, Capture):
             if rows is not None:
                 bias_rows = _rows(bias, self._biases) or (None, 0)
                 a = kwargs.get("input", args[0] if args else None)
-                self.inputs.append(_Projection(*rows, *bias_rows, a.reshape(-1, self._batch, a.shape[-1]),
-                                               out.shape[-1]))
+                self.inputs.append(
+                    _Projection(*rows, *bias_rows, a.reshape(-1, self._batch, a.shape[-1]), out.shape[-1])
+                )
                 self.tensors = (*self.tensors, out)
         return out
 
@@ -104,8 +108,10 @@ class MultiheadAttentionRule(FactoredRule):
         if module.bias_k is not None:
             return "nn.MultiheadAttention with add_bias_kv"
         if _redispatch is None:
-            return ("this torch has no torch.overrides.redispatch_function, which the rule needs to see the "
-                    "projections inside F.multi_head_attention_forward")
+            return (
+                "this torch has no torch.overrides.redispatch_function, which the rule needs to see the "
+                "projections inside F.multi_head_attention_forward"
+            )
         return None
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
@@ -130,8 +136,11 @@ class MultiheadAttentionRule(FactoredRule):
         trainable, blocks, biases = self.parameters(module), {}, {}
         for p, g in zip(projections, grads):
             a = p.a.transpose(0, 1).to(dtype)  # (B, T, I)
-            g = a.new_zeros(*a.shape[:2], p.features) if g is None \
+            g = (
+                a.new_zeros(*a.shape[:2], p.features)
+                if g is None
                 else g.reshape(-1, a.shape[0], p.features).transpose(0, 1).to(dtype)
+            )
             if p.weight in trainable:
                 blocks.setdefault(p.weight, []).append((p.start, Outer(a, g)))
             if p.bias in trainable:
@@ -153,6 +162,6 @@ def _common_blocks(per_use: list[dict[str, Any]]) -> list[dict[str, Factor]]:
             split = []
             for s, block in use[name]:
                 cuts = [c for c in starts if s <= c < s + block.g.shape[-1]] + [s + block.g.shape[-1]]
-                split += [Outer(block.a, block.g[..., lo - s:hi - s]) for lo, hi in zip(cuts, cuts[1:])]
+                split += [Outer(block.a, block.g[..., lo - s : hi - s]) for lo, hi in zip(cuts, cuts[1:])]
             use[name] = split
     return per_use

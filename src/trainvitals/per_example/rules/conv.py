@@ -21,13 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype
-from trainvitals.per_example.rules.linear import OuterProductRule
 from trainvitals.per_example.registry import Use, register_per_example_rule
+from trainvitals.per_example.rules.linear import OuterProductRule
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype
 
 
-def _shifted_patches(module: nn.modules.conv._ConvNd, inputs: Tensor, dtype: torch.dtype,
-                     workspace: Workspace | None) -> Tensor | None:
+def _shifted_patches(
+    module: nn.modules.conv._ConvNd, inputs: Tensor, dtype: torch.dtype, workspace: Workspace | None
+) -> Tensor | None:
     """The patches of :func:`_conv_patches`, ``(B, C, *kernel, T)``, for a zero-padded stride-1 convolution
     whose output keeps the input's sizes but the first spatial one ("same" padding); ``None`` for others.
 
@@ -41,13 +42,20 @@ def _shifted_patches(module: nn.modules.conv._ConvNd, inputs: Tensor, dtype: tor
     spatial, kernel, dilation = inputs.shape[2:], module.kernel_size, module.dilation
     n = len(spatial)
     padding = [module._reversed_padding_repeated_twice[2 * (n - 1 - j)] for j in range(n)]  # the leading side
-    out = [s + sum(module._reversed_padding_repeated_twice[2 * (n - 1 - j):2 * (n - j)]) - d * (k - 1)
-           for j, (s, d, k) in enumerate(zip(spatial, dilation, kernel))]
-    if (module.transposed or module.padding_mode != "zeros" or any(s != 1 for s in module.stride)
-            or list(spatial[1:]) != out[1:] or out[0] < 1):
+    out = [
+        s + sum(module._reversed_padding_repeated_twice[2 * (n - 1 - j) : 2 * (n - j)]) - d * (k - 1)
+        for j, (s, d, k) in enumerate(zip(spatial, dilation, kernel))
+    ]
+    if (
+        module.transposed
+        or module.padding_mode != "zeros"
+        or any(s != 1 for s in module.stride)
+        or list(spatial[1:]) != out[1:]
+        or out[0] < 1
+    ):
         return None
     b, c = inputs.shape[:2]
-    strides = [math.prod(spatial[j + 1:]) for j in range(n)]  # of the flattened input
+    strides = [math.prod(spatial[j + 1 :]) for j in range(n)]  # of the flattened input
     shifts = [[d * o - p for o in range(k)] for d, p, k in zip(dilation, padding, kernel)]
     size, positions = math.prod(spatial), math.prod(out)
     lowest, highest = (sum(f(s) * st for s, st in zip(shifts, strides)) for f in (min, max))
@@ -61,8 +69,8 @@ def _shifted_patches(module: nn.modules.conv._ConvNd, inputs: Tensor, dtype: tor
     else:  # the body is copied over below: only the reads past either end need zeros
         source = workspace.take("shifted", shape, like)
         source[..., :before].zero_()
-        source[..., before + size:].zero_()
-    body = source[..., before:before + size]
+        source[..., before + size :].zero_()
+    body = source[..., before : before + size]
     body.copy_(inputs.reshape(1, b, c, size).expand(copies, b, c, size))
     grid = body.view(copies, b, c, *spatial)
     for index, offsets in enumerate(itertools.product(*(range(k) for k in kernel[1:]))):
@@ -72,17 +80,24 @@ def _shifted_patches(module: nn.modules.conv._ConvNd, inputs: Tensor, dtype: tor
                 wrapped = [slice(None)] * n
                 wrapped[dim] = slice(0, s) if s > 0 else slice(max(spatial[dim] + s, 0), None)
                 grid[(index, slice(None), slice(None), *wrapped)].zero_()
-    per_copy = [math.prod(kernel[j + 1:]) for j in range(1, n)]  # copy index = Σ_j offset_j · per_copy_j
+    per_copy = [math.prod(kernel[j + 1 :]) for j in range(1, n)]  # copy index = Σ_j offset_j · per_copy_j
     view = source.as_strided(
         (b, c, *kernel, positions),
-        (c * length, length, dilation[0] * strides[0],
-         *(dilation[j] * strides[j] + per_copy[j - 1] * b * c * length for j in range(1, n)), 1),
-        before - sum(p * st for p, st in zip(padding, strides)))
+        (
+            c * length,
+            length,
+            dilation[0] * strides[0],
+            *(dilation[j] * strides[j] + per_copy[j - 1] * b * c * length for j in range(1, n)),
+            1,
+        ),
+        before - sum(p * st for p, st in zip(padding, strides)),
+    )
     return view.contiguous() if workspace is None else workspace.take("patches", view.shape, view).copy_(view)
 
 
-def _conv_patches(module: nn.modules.conv._ConvNd, inputs: Tensor, dtype: torch.dtype,
-                  workspace: Workspace | None = None) -> Tensor:
+def _conv_patches(
+    module: nn.modules.conv._ConvNd, inputs: Tensor, dtype: torch.dtype, workspace: Workspace | None = None
+) -> Tensor:
     """The receptive field of each output position of the convolution ``module`` describes (its kernel,
     stride, dilation and padding; for a transposed convolution, of the convolution it is the adjoint
     of) on ``inputs``, ``(B, T, I)`` with I = channels · kernel size in the order of the weight's
@@ -115,10 +130,12 @@ class ConvRule(OuterProductRule):
     def _gradients(self, module: nn.Module, use: Use) -> Tensor:
         return use.grad_output.flatten(2).transpose(1, 2)
 
-    def _activations(self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype,
-                     workspace: Workspace | None) -> Tensor:
-        return _conv_patches(module, use.inputs if start == 0 and stop >= len(use.inputs) else
-                             use.inputs[start:stop], dtype, workspace)
+    def _activations(
+        self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype, workspace: Workspace | None
+    ) -> Tensor:
+        return _conv_patches(
+            module, use.inputs if start == 0 and stop >= len(use.inputs) else use.inputs[start:stop], dtype, workspace
+        )
 
     def _fan_in(self, module: nn.Module, use: Use) -> int:
         return module.in_channels * math.prod(module.kernel_size)
@@ -135,8 +152,9 @@ class ConvTransposeRule(ConvRule):
     def _gradients(self, module: nn.Module, use: Use) -> Tensor:
         return use.inputs.flatten(2).transpose(1, 2)
 
-    def _activations(self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype,
-                     workspace: Workspace | None) -> Tensor:
+    def _activations(
+        self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype, workspace: Workspace | None
+    ) -> Tensor:
         return _conv_patches(module, use.grad_output[start:stop], dtype, workspace)
 
     def _fan_in(self, module: nn.Module, use: Use) -> int:

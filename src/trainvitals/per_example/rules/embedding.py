@@ -8,20 +8,23 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _moments
 from trainvitals.per_example.registry import PerExampleRule, Use, register_per_example_rule
-
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _moments
 
 #: Why a lookup shared by the batch's examples is not measured.
-SHARED_LOOKUP = ("a lookup shared by the batch's examples (position ids (1, T) or arange(T), relative-position "
-                 "buckets (T, T)): its output is broadcast against the examples, so its gradient arrives summed "
-                 "over them")
+SHARED_LOOKUP = (
+    "a lookup shared by the batch's examples (position ids (1, T) or arange(T), relative-position "
+    "buckets (T, T)): its output is broadcast against the examples, so its gradient arrives summed "
+    "over them"
+)
 
 
 #: Why a lookup with 1-D ids of another length than the batch is not measured (a position table, most often).
-POSITION_IDS = ("it is looked up with {ids} ids for a batch of {batch}, not one per example: a position table "
-                "looked up with arange(T) is shared by all examples in the batch, so its gradient arrives summed "
-                "over them")
+POSITION_IDS = (
+    "it is looked up with {ids} ids for a batch of {batch}, not one per example: a position table "
+    "looked up with arange(T) is shared by all examples in the batch, so its gradient arrives summed "
+    "over them"
+)
 
 
 def _shared_by_batch(indices: Tensor, batch: int | None) -> bool | Tensor:
@@ -52,8 +55,9 @@ def _embedding_rows(module: nn.Embedding, uses: Sequence[Use]) -> tuple[Tensor, 
     batch, vocab = uses[0].inputs.shape[0], module.num_embeddings
     idx = torch.cat([u.inputs.reshape(batch, math.prod(u.inputs.shape[1:])) for u in uses], 1)
     dtype = _accumulation_dtype(uses[0].grad_output)
-    g = torch.cat([u.grad_output.to(dtype).reshape(batch, math.prod(u.inputs.shape[1:]), module.embedding_dim)
-                   for u in uses], 1).reshape(idx.numel(), module.embedding_dim)
+    g = torch.cat(
+        [u.grad_output.to(dtype).reshape(batch, math.prod(u.inputs.shape[1:]), module.embedding_dim) for u in uses], 1
+    ).reshape(idx.numel(), module.embedding_dim)
     if module.padding_idx is not None:
         g = g * (idx.reshape(-1, 1) != module.padding_idx)
     key = (torch.arange(batch, device=idx.device).unsqueeze(1) * vocab + idx).reshape(-1)
@@ -85,8 +89,13 @@ class EmbeddingRule(PerExampleRule):
         rows, example, _ = _embedding_rows(module, uses)
         return rows.new_zeros(uses[0].inputs.shape[0]).index_add_(0, example, rows.square().sum(1))
 
-    def sums(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None,
-             rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    def sums(
+        self,
+        module: nn.Module,
+        uses: Sequence[Use],
+        workspace: Workspace | None = None,
+        rows: Mapping[str, slice] | None = None,
+    ) -> dict[str, tuple[Tensor, Tensor]]:
         if rows is not None and "weight" not in rows:
             return {}
         grad_rows, _, token = _embedding_rows(module, uses)

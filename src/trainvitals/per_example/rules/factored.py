@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from trainvitals.per_example.registry import PerExampleRule, Use
 from trainvitals.per_example.tensor_ops import (
     Workspace,
     _bmm,
@@ -17,7 +18,6 @@ from trainvitals.per_example.tensor_ops import (
     _outer_sums,
     _sq_norms,
 )
-from trainvitals.per_example.registry import PerExampleRule, Use
 
 
 class Outer(NamedTuple):
@@ -40,15 +40,23 @@ class FactoredRule(PerExampleRule):
     def sq_norms(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None) -> Tensor:
         total = None
         for factor in self._factors(module, uses).values():
-            parts = [_outer_sq_norms(o.a, o.g, workspace) for o in factor] if isinstance(factor, list) \
+            parts = (
+                [_outer_sq_norms(o.a, o.g, workspace) for o in factor]
+                if isinstance(factor, list)
                 else [_sq_norms(factor)]
+            )
             for part in parts:
                 total = part if total is None else total + part
         assert total is not None, "a factored rule measures at least one parameter"
         return total
 
-    def sums(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None,
-             rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    def sums(
+        self,
+        module: nn.Module,
+        uses: Sequence[Use],
+        workspace: Workspace | None = None,
+        rows: Mapping[str, slice] | None = None,
+    ) -> dict[str, tuple[Tensor, Tensor]]:
         params, out = self.parameters(module), {}
         for name, factor in self._factors(module, uses).items():
             if rows is not None and name not in rows:
@@ -79,9 +87,13 @@ def _stack_uses(per_use: list[dict[str, Factor]]) -> dict[str, Factor]:
     for name in per_use[0]:
         first = per_use[0][name]
         if isinstance(first, list):
-            out[name] = [Outer(torch.cat([u[name][i].a for u in per_use], 1),  # type: ignore[index]
-                               torch.cat([u[name][i].g for u in per_use], 1))  # type: ignore[index]
-                         for i in range(len(first))]
+            out[name] = [
+                Outer(
+                    torch.cat([u[name][i].a for u in per_use], 1),  # type: ignore[index]
+                    torch.cat([u[name][i].g for u in per_use], 1),
+                )  # type: ignore[index]
+                for i in range(len(first))
+            ]
         else:
             out[name] = sum(u[name] for u in per_use)  # type: ignore[assignment]
     return out

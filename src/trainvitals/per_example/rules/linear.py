@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from trainvitals.per_example import tensor_ops as _common
+from trainvitals.per_example.registry import PerExampleRule, Use, register_per_example_rule
 from trainvitals.per_example.tensor_ops import (
     Workspace,
     _accumulation_dtype,
@@ -32,7 +33,6 @@ from trainvitals.per_example.tensor_ops import (
     _outer_sums,
     _trainable,
 )
-from trainvitals.per_example.registry import PerExampleRule, Use, register_per_example_rule
 
 
 class OuterProductRule(PerExampleRule):
@@ -43,8 +43,9 @@ class OuterProductRule(PerExampleRule):
         """The output gradients ``(B, T, O)`` (a view where it can be)."""
         raise NotImplementedError
 
-    def _activations(self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype,
-                     workspace: Workspace | None) -> Tensor:
+    def _activations(
+        self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype, workspace: Workspace | None
+    ) -> Tensor:
         """The activations ``(b, T, I)`` of examples ``start:stop``, in ``dtype``."""
         raise NotImplementedError
 
@@ -67,16 +68,18 @@ class OuterProductRule(PerExampleRule):
             return [(a, g)]
         return list(zip(a.chunk(groups, -1), g.chunk(groups, -1)))
 
-    def _grouped_sums(self, module: nn.Module, a: Tensor, g: Tensor,
-                      workspace: Workspace | None) -> tuple[Tensor, Tensor]:
+    def _grouped_sums(
+        self, module: nn.Module, a: Tensor, g: Tensor, workspace: Workspace | None
+    ) -> tuple[Tensor, Tensor]:
         groups = self._groups(module, a, g)
         if len(groups) == 1:
             return _outer_sums(a, g, workspace)
         total, total_sq = zip(*(_outer_sums(a_j, g_j, workspace) for a_j, g_j in groups))
         return torch.cat(total), torch.cat(total_sq)
 
-    def _chunks(self, module: nn.Module, uses: Sequence[Use],
-                workspace: Workspace | None) -> Iterator[tuple[Tensor, Tensor]]:
+    def _chunks(
+        self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None
+    ) -> Iterator[tuple[Tensor, Tensor]]:
         """Activations ``(b, T, I)`` and output gradients ``(b, T, O)`` of consecutive chunks of b
         examples, the positions of all ``uses`` side by side.
 
@@ -89,8 +92,9 @@ class OuterProductRule(PerExampleRule):
         batch, fan_in = grads[0].shape[0], self._fan_in(module, uses[0])
         positions, fan_out = sum(g.shape[1] for g in grads), grads[0].shape[2]
         copied = self._copies_activations(module) or len(uses) > 1
-        largest = max(positions * fan_in if copied else 0, fan_out * fan_in, positions * positions) \
-            if positions > 1 else 1
+        largest = (
+            max(positions * fan_in if copied else 0, fan_out * fan_in, positions * positions) if positions > 1 else 1
+        )
         chunk = max(1, _common._SCRATCH_BYTES // (largest * dtype.itemsize))
         # A single use takes the workspace's patch buffer; several are concatenated into a new tensor.
         space = workspace if len(uses) == 1 else None
@@ -109,29 +113,39 @@ class OuterProductRule(PerExampleRule):
         # A layer frozen after the sources were planned still gets its (zero) entry.
         trainable = _trainable(module)
         if "weight" in trainable:
-            parts = [functools.reduce(torch.add, [_outer_sq_norms(a_j, g_j, workspace)
-                                                  for a_j, g_j in self._groups(module, a, g)])
-                     for a, g in self._chunks(module, uses, workspace)]
+            parts = [
+                functools.reduce(
+                    torch.add, [_outer_sq_norms(a_j, g_j, workspace) for a_j, g_j in self._groups(module, a, g)]
+                )
+                for a, g in self._chunks(module, uses, workspace)
+            ]
             sq = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
             g = uses[0].grad_output
             sq = g.new_zeros(self._gradients(module, uses[0]).shape[0], dtype=_accumulation_dtype(g))
         return sq + self._bias_grads(module, uses).square().sum(1) if "bias" in trainable else sq
 
-    def sums(self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None = None,
-             rows: Mapping[str, slice] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    def sums(
+        self,
+        module: nn.Module,
+        uses: Sequence[Use],
+        workspace: Workspace | None = None,
+        rows: Mapping[str, slice] | None = None,
+    ) -> dict[str, tuple[Tensor, Tensor]]:
         trainable, out = _trainable(module), {}
         rows = {n: slice(None) for n in trainable} if rows is None else rows
         if "weight" in trainable and "weight" in rows:
             r, total = rows["weight"], None
             ungrouped = getattr(module, "groups", 1) == 1  # the weight's rows are the output features: slice those
             for a, g in self._chunks(module, uses, workspace):  # a running sum: one chunk's sums held at a time
-                part = (_outer_sums(a, g[..., r], workspace) if ungrouped
-                        else self._grouped_sums(module, a, g, workspace))
+                part = (
+                    _outer_sums(a, g[..., r], workspace) if ungrouped else self._grouped_sums(module, a, g, workspace)
+                )
                 total = part if total is None else (total[0].add_(part[0]), total[1].add_(part[1]))
             assert total is not None, "an empty batch is one empty chunk"
-            out["weight"] = tuple(self._as_weight(module, t) if ungrouped else self._as_weight(module, t)[r].clone()
-                                  for t in total)
+            out["weight"] = tuple(
+                self._as_weight(module, t) if ungrouped else self._as_weight(module, t)[r].clone() for t in total
+            )
         if "bias" in trainable and "bias" in rows:
             out["bias"] = _moments(self._bias_grads(module, uses)[:, rows["bias"]])
         return out  # type: ignore[return-value]
@@ -139,9 +153,18 @@ class OuterProductRule(PerExampleRule):
     def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
         trainable, out = _trainable(module), {}
         if "weight" in trainable:
-            out["weight"] = self._as_weight(module, torch.cat(
-                [torch.cat([_bmm(g_j.transpose(1, 2), a_j, None, "blocks") for a_j, g_j in self._groups(module, a, g)], 1)
-                 for a, g in self._chunks(module, uses, None)]))
+            out["weight"] = self._as_weight(
+                module,
+                torch.cat(
+                    [
+                        torch.cat(
+                            [_bmm(g_j.transpose(1, 2), a_j, None, "blocks") for a_j, g_j in self._groups(module, a, g)],
+                            1,
+                        )
+                        for a, g in self._chunks(module, uses, None)
+                    ]
+                ),
+            )
         if "bias" in trainable:
             out["bias"] = self._bias_grads(module, uses)
         return out
@@ -157,8 +180,9 @@ class LinearRule(OuterProductRule):
     def _gradients(self, module: nn.Module, use: Use) -> Tensor:
         return _by_position(use.grad_output)
 
-    def _activations(self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype,
-                     workspace: Workspace | None) -> Tensor:
+    def _activations(
+        self, module: nn.Module, use: Use, start: int, stop: int, dtype: torch.dtype, workspace: Workspace | None
+    ) -> Tensor:
         return _by_position(use.inputs[start:stop]).to(dtype)
 
     def _fan_in(self, module: nn.Module, use: Use) -> int:
@@ -174,4 +198,3 @@ class LinearRule(OuterProductRule):
         g, a = grad_output.to(dtype), inputs.to(dtype)
         a_sq = torch.linalg.vecdot(a, a) if weight else 0.0
         return torch.linalg.vecdot(g, g) * (a_sq + (1.0 if bias else 0.0))
-

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from trainvitals.per_example.tensor_ops import _accumulation_dtype, _trainable
 from trainvitals.per_example.registry import PerExampleRule, Use, register_per_example_rule
+from trainvitals.per_example.tensor_ops import _accumulation_dtype, _trainable
 
 
 def _standardized(x: Tensor, dims: tuple[int, ...], eps: float) -> Tensor:
@@ -23,7 +23,7 @@ def _standardized(x: Tensor, dims: tuple[int, ...], eps: float) -> Tensor:
 def _over_positions(module: nn.Module, t: Tensor) -> Tensor:
     """``(B, *, *normalized_shape)`` → ``(B, *normalized_shape)`` (LayerNorm, RMSNorm)."""
     shape = tuple(module.normalized_shape)
-    return t.reshape(t.shape[0], math.prod(t.shape[1:t.dim() - len(shape)]), *shape).sum(1)
+    return t.reshape(t.shape[0], math.prod(t.shape[1 : t.dim() - len(shape)]), *shape).sum(1)
 
 
 def _per_channel(t: Tensor) -> Tensor:

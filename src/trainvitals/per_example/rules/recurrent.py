@@ -32,13 +32,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from trainvitals.per_example.tensor_ops import _accumulation_dtype
-from trainvitals.per_example.rules.factored import Factor, FactoredRule, Outer, _stack_uses
 from trainvitals.per_example.registry import Call, Capture, Use, register_per_example_rule
+from trainvitals.per_example.rules.factored import Factor, FactoredRule, Outer, _stack_uses
+from trainvitals.per_example.tensor_ops import _accumulation_dtype
 
 #: Why a recurrent layer with dropout between its layers is not measured on a GPU.
-CUDNN_DROPOUT = ("dropout between recurrent layers on CUDA: cuDNN draws its masks from a random state of its own, "
-                 "which the recomputation cannot draw again")
+CUDNN_DROPOUT = (
+    "dropout between recurrent layers on CUDA: cuDNN draws its masks from a random state of its own, "
+    "which the recomputation cannot draw again"
+)
 
 
 def _input(call: Call) -> Any:
@@ -139,16 +141,21 @@ class RecurrentRule(FactoredRule):
         as drawn) in the forward's ``dtype``, scaled by 1 / (1 − p) as ``at::dropout`` scales them."""
         if call.state is None:
             x = _steps(call)
-            raise RuntimeError(CUDNN_DROPOUT if isinstance(x, Tensor) and x.is_cuda else
-                               "dropout between recurrent layers: the random generator's state before the forward "
-                               "was not kept, so its masks cannot be drawn again")
+            raise RuntimeError(
+                CUDNN_DROPOUT
+                if isinstance(x, Tensor) and x.is_cuda
+                else "dropout between recurrent layers: the random generator's state before the forward "
+                "was not kept, so its masks cannot be drawn again"
+            )
         keep = 1 - module.dropout
         if keep == 0:  # at::dropout draws nothing at p = 1
             return [torch.zeros(shape, dtype=dtype) for _ in range(module.num_layers - 1)]
         generator = torch.Generator()
         generator.set_state(call.state)
-        return [torch.empty(shape, dtype=dtype).bernoulli_(keep, generator=generator).div_(keep)
-                for _ in range(module.num_layers - 1)]
+        return [
+            torch.empty(shape, dtype=dtype).bernoulli_(keep, generator=generator).div_(keep)
+            for _ in range(module.num_layers - 1)
+        ]
 
     @torch.no_grad()
     def _use_factors(self, module: nn.Module, use: Use) -> dict[str, Factor]:
@@ -187,8 +194,9 @@ class RecurrentRule(FactoredRule):
                 for direction in range(directions):
                     suffix = f"_l{layer}" + ("_reverse" if direction else "")
                     weight_ih, weight_hh = (getattr(module, f"weight_{k}{suffix}").to(dtype) for k in ("ih", "hh"))
-                    bias_ih, bias_hh = ((getattr(module, f"bias_{k}{suffix}").to(dtype) if module.bias else None)
-                                        for k in ("ih", "hh"))
+                    bias_ih, bias_hh = (
+                        (getattr(module, f"bias_{k}{suffix}").to(dtype) if module.bias else None) for k in ("ih", "hh")
+                    )
                     gi = F.linear(layer_input, weight_ih, bias_ih)  # (B, T, G·H), all steps at once
                     state = layer * directions + direction
                     h, c = h0[state], c0[state] if lstm else None
@@ -223,15 +231,16 @@ class RecurrentRule(FactoredRule):
             seeds += [g.to(dtype) if g is not None else None for g in grad_finals]
             used = [(r, s.to(dtype)) for r, s in zip(results, seeds) if s is not None]
             wrt = [t for _, _, gi, _, gh_steps, _, projections in pieces for t in (gi, *gh_steps, *projections)]
-            d_wrt = torch.autograd.grad([r for r, _ in used], wrt, [s for _, s in used],
-                                        allow_unused=True, materialize_grads=True)
+            d_wrt = torch.autograd.grad(
+                [r for r, _ in used], wrt, [s for _, s in used], allow_unused=True, materialize_grads=True
+            )
         out: dict[str, Factor] = {}
         trainable = self.parameters(module)
         position = 0
         for suffix, layer_input, _, previous, gh_steps, cells, projections in pieces:
             d_gi = d_wrt[position]
             steps_at = position + 1  # the per-step gradients, each list in `previous`' order
-            d_gh = torch.stack(d_wrt[steps_at:steps_at + len(gh_steps)], 1)  # (B, T, G·H)
+            d_gh = torch.stack(d_wrt[steps_at : steps_at + len(gh_steps)], 1)  # (B, T, G·H)
             position = steps_at + len(gh_steps) + len(projections)
             factors: dict[str, Factor] = {
                 f"weight_ih{suffix}": [Outer(layer_input.detach(), d_gi)],
@@ -240,7 +249,7 @@ class RecurrentRule(FactoredRule):
                 f"bias_hh{suffix}": d_gh.sum(1),
             }
             if projections:
-                d_projections = torch.stack(d_wrt[steps_at + len(gh_steps):position], 1)  # (B, T, P)
+                d_projections = torch.stack(d_wrt[steps_at + len(gh_steps) : position], 1)  # (B, T, P)
                 factors[f"weight_hr{suffix}"] = [Outer(torch.stack(cells, 1).detach(), d_projections)]
             out.update({n: f for n, f in factors.items() if n in trainable})
         return out
