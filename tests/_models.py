@@ -5,12 +5,11 @@ from __future__ import annotations
 import random
 import socket
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning.pytorch as pl
 
 
 def flat_grad_norm(params) -> float:
@@ -156,5 +155,4 @@ class GAN(pl.LightningModule):
         opt_g.step()
 
     def configure_optimizers(self):
-        return (torch.optim.SGD(self.gen.parameters(), lr=0.01),
-                torch.optim.SGD(self.disc.parameters(), lr=0.01))
+        return (torch.optim.SGD(self.gen.parameters(), lr=0.01), torch.optim.SGD(self.disc.parameters(), lr=0.01))

@@ -21,8 +21,15 @@ def test_demo_stops_in_the_noise_band_and_logs_the_dashboard(tmp_path, capsys):
     events = EventAccumulator(str(tmp_path / "digits" / "version_0"), size_guidance={"scalars": 0, "histograms": 0})
     events.Reload()
     tags = events.Tags()
-    assert {"grad_norm/total", "grad_norm/features.0", "grad_norm/head.3", "grad_norm/noise_floor",
-            "grad_noise/b_simple", "lr_scaling/effective_batch", "memory/activations_bytes"} <= set(tags["scalars"])
+    assert {
+        "grad_norm/total",
+        "grad_norm/features.0",
+        "grad_norm/head.3",
+        "grad_norm/noise_floor",
+        "grad_noise/b_simple",
+        "lr_scaling/effective_batch",
+        "memory/activations_bytes",
+    } <= set(tags["scalars"])
     assert "grad_norm/hist/features.0" in tags["histograms"]
     last_step = events.Scalars("grad_norm/total")[-1].step
     assert last_step < 60 * 23  # stopped before max_epochs (23 optimizer steps an epoch: 89 micro-batches by 4)
@@ -52,10 +59,20 @@ def test_report_of_a_missing_folder_exits_2(tmp_path, capsys):
 def test_the_summary_comes_first_and_the_diagnoses_are_plain_text() -> None:
     from trainvitals.demo.run import DemoResult, format_summary
 
-    result = DemoResult(steps=910, epochs=40, stop_reason="stopped at optimizer step 909", grad_norm=0.36,
-                        noise_floor=0.39, smoothed_ratio=1.09, band_edge=1.1, val_acc=0.986, log_dir="runs/digits/version_0",
-                        seconds=31.0, threads=1,
-                        diagnoses={"GradNormMonitor": "| optimizer | steps |\n|---|---:|\n| 0 | 910 |"})
+    result = DemoResult(
+        steps=910,
+        epochs=40,
+        stop_reason="stopped at optimizer step 909",
+        grad_norm=0.36,
+        noise_floor=0.39,
+        smoothed_ratio=1.09,
+        band_edge=1.1,
+        val_acc=0.986,
+        log_dir="runs/digits/version_0",
+        seconds=31.0,
+        threads=1,
+        diagnoses={"GradNormMonitor": "| optimizer | steps |\n|---|---:|\n| 0 | 910 |"},
+    )
     out = format_summary(result, "runs")
     assert out.startswith("trainvitals demo — digits CNN\n  optimizer steps:   910 (40 epochs, 31 s on 1 torch thread")
     assert "GradNormMonitor\n===============\noptimizer  steps\n---------  -----\n0            910" in out

@@ -29,8 +29,15 @@ def critical(outcome: Outcome) -> list[str]:
 
 
 def test_every_fault_is_in_the_gallery(outcomes: dict[str, Outcome]) -> None:
-    assert list(outcomes) == ["detached_loss", "unused_head", "layers_in_a_list", "summed_loss_new_batch",
-                              "graph_kept_across_steps", "recurrent_state_not_detached", "batchnorm_micro_batches"]
+    assert list(outcomes) == [
+        "detached_loss",
+        "unused_head",
+        "layers_in_a_list",
+        "summed_loss_new_batch",
+        "graph_kept_across_steps",
+        "recurrent_state_not_detached",
+        "batchnorm_micro_batches",
+    ]
 
 
 def test_detached_loss(outcomes: dict[str, Outcome]) -> None:
@@ -49,8 +56,10 @@ def test_unused_head(outcomes: dict[str, Outcome]) -> None:
     assert out.error is None
     assert {"unreachable_params", "unused_params", "ddp_unused"} <= kinds(out)
     assert "module `aux_head` never ran in forward" in dict(out.findings)["unreachable_params"]
-    assert critical(out) == ["2 parameter(s) got no gradient in the last check window: not in the loss's graph (an "
-                             "unused head, a detached branch)"]
+    assert critical(out) == [
+        "2 parameter(s) got no gradient in the last check window: not in the loss's graph (an "
+        "unused head, a detached branch)"
+    ]
 
 
 def test_layers_in_a_list(outcomes: dict[str, Outcome]) -> None:
@@ -64,8 +73,9 @@ def test_layers_in_a_list(outcomes: dict[str, Outcome]) -> None:
 def test_summed_loss_at_a_new_batch_size(outcomes: dict[str, Outcome]) -> None:
     out = outcomes["summed_loss_new_batch"]
     assert out.loss_reduction == "sum"
-    assert any("lr was tuned at batch 32; SGD's lr was not rescaled: the linear rule suggests 0.4" in w
-               for w in out.warnings)
+    assert any(
+        "lr was tuned at batch 32; SGD's lr was not rescaled: the linear rule suggests 0.4" in w for w in out.warnings
+    )
     assert "**loss reduction** sum" in out.report.panels["lr scaling advice"]
 
 

@@ -15,7 +15,9 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "walkthrough.ipyn
 def test_walkthrough_executes_and_checks_the_claims(tmp_path: Path) -> None:
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # A failing cell (one of the notebook's own asserts) raises CellExecutionError here.
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
 
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     stdout = "".join(o.text for o in outputs if o.output_type == "stream" and o.name == "stdout")

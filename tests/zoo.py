@@ -74,7 +74,7 @@ class GPT(nn.Module):
         self.register_buffer("position_ids", torch.arange(T).unsqueeze(0), persistent=False)
 
     def forward(self, idx: Tensor) -> Tensor:
-        x = self.wte(idx) + self.wpe(self.position_ids[:, :idx.shape[1]])
+        x = self.wte(idx) + self.wpe(self.position_ids[:, : idx.shape[1]])
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
@@ -109,7 +109,7 @@ class Bert(nn.Module):
         self.register_buffer("position_ids", torch.arange(T).unsqueeze(0), persistent=False)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        x = self.word_embeddings(tokens) + self.position_embeddings(self.position_ids[:, :tokens.shape[1]])
+        x = self.word_embeddings(tokens) + self.position_embeddings(self.position_ids[:, : tokens.shape[1]])
         x = self.embeddings_norm(x)
         for layer in self.layers:
             x = layer(x, tokens == 0)
@@ -123,8 +123,11 @@ class BasicBlock(nn.Module):
         super().__init__()
         self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), norm(cout)
         self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), norm(cout)
-        self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout)) \
-            if stride != 1 or cin != cout else None
+        self.downsample = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+            if stride != 1 or cin != cout
+            else None
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -184,8 +187,15 @@ class RNNModel(nn.Module):
     """PyTorch's word_language_model example as it writes it: dropout on the embeddings, between the
     LSTM's layers and on its output, the decoder tied to the encoder; sequence-first ``(T, B)`` inside."""
 
-    def __init__(self, ntoken: int = VOCAB, ninp: int = 12, nhid: int = 12, nlayers: int = 2, dropout: float = 0.2,
-                 tie_weights: bool = True) -> None:
+    def __init__(
+        self,
+        ntoken: int = VOCAB,
+        ninp: int = 12,
+        nhid: int = 12,
+        nlayers: int = 2,
+        dropout: float = 0.2,
+        tie_weights: bool = True,
+    ) -> None:
         super().__init__()
         self.ntoken = ntoken
         self.drop = nn.Dropout(dropout)
@@ -207,8 +217,9 @@ class PackedLSTMClassifier(LSTMClassifier):
 
     def forward(self, tokens: Tensor) -> Tensor:
         lengths = (tokens != 0).sum(1).cpu()
-        packed = nn.utils.rnn.pack_padded_sequence(self.embedding(tokens), lengths, batch_first=True,
-                                                   enforce_sorted=False)
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.embedding(tokens), lengths, batch_first=True, enforce_sorted=False
+        )
         _, (h, _) = self.lstm(packed)
         return self.fc(torch.cat([h[-2], h[-1]], 1))
 
@@ -228,7 +239,7 @@ class TransformerLanguageModel(nn.Module):
         self.decoder = nn.Linear(D, VOCAB)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        x = self.dropout(self.encoder(tokens.t()) * math.sqrt(D) + self.pe[:tokens.shape[1]])  # (T, B, D)
+        x = self.dropout(self.encoder(tokens.t()) * math.sqrt(D) + self.pe[: tokens.shape[1]])  # (T, B, D)
         mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], dtype=x.dtype)
         return self.decoder(self.transformer(x, mask=mask, is_causal=True)).transpose(0, 1)  # (B, T, VOCAB)
 
@@ -279,8 +290,14 @@ class Mixer(nn.Module):
 
 
 def double_conv(cin: int, cout: int) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.ReLU(),
-                         nn.Conv2d(cout, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.ReLU())
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1),
+        nn.GroupNorm(2, cout),
+        nn.ReLU(),
+        nn.Conv2d(cout, cout, 3, padding=1),
+        nn.GroupNorm(2, cout),
+        nn.ReLU(),
+    )
 
 
 class UNet(nn.Module):

@@ -38,6 +38,9 @@ def test_the_report_judges_each_critical_kind_by_one_row_and_no_other_kind():
         # A row matches no other tag the callback logs for the kind.
         others = {kind.counter, kind.report_tag} - {kind.report_tag}
         assert not [p for p, _ in integrity for tag in others if re.match(p, tag)], kind
-    last = {pattern for pattern, _ in integrity if any(
-        re.match(pattern, k.report_tag) for k in FindingKind if k.spec.last_window)}
+    last = {
+        pattern
+        for pattern, _ in integrity
+        if any(re.match(pattern, k.report_tag) for k in FindingKind if k.spec.last_window)
+    }
     assert last == LAST_WINDOW

@@ -6,8 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from trainvitals.integrity.graph import InplaceInfo, sequence_mark, tensor_names, walk_graph
-from trainvitals.integrity.tracer import GraphTracer
 from trainvitals.integrity.diagnoses import (
     GradientStreaks,
     describe_stale_graph,
@@ -20,6 +18,8 @@ from trainvitals.integrity.diagnoses import (
     unreached_reasons,
     why_no_grad,
 )
+from trainvitals.integrity.graph import InplaceInfo, sequence_mark, tensor_names, walk_graph
+from trainvitals.integrity.tracer import GraphTracer
 
 X = torch.randn(5, 3)
 
@@ -238,7 +238,7 @@ def test_why_no_grad_names_the_cut_from_the_rerun():
         return tracer, loss
 
     names, why = why_no_grad(detached, model, [], rerun)
-    assert names[0] == "detach" and names[-1].startswith("test_core_integrity.py:")
+    assert names[0] == "detach" and names[-1].startswith("test_diagnoses.py:")
     assert why.startswith("it was rebuilt from `.detach()`")
     names, why = why_no_grad(detached, model, [], raise_boom)
     assert (names, why) == ((), "the re-run to locate the cut failed (ValueError: boom)")
@@ -390,8 +390,9 @@ def test_an_inplace_op_on_a_saved_tensor_is_named_from_the_rerun():
     stepped = [(p, "optimizer 0 (SGD)") for p in model.parameters()]
     names, message = diagnose_inplace(error, loss, model, tensor_names(model), None, stepped, rerun)
     assert names == ("1", "sigmoid", "mul_")
-    assert message.startswith("A tensor of shape [5, 4] saved for backward by `sigmoid` in module `1` at "
-                              "test_core_integrity.py:")
-    assert "modified in place by `mul_` at test_core_integrity.py:" in message
+    assert message.startswith(
+        "A tensor of shape [5, 4] saved for backward by `sigmoid` in module `1` at test_diagnoses.py:"
+    )
+    assert "modified in place by `mul_` at test_diagnoses.py:" in message
     names, message = diagnose_inplace(error, loss, model, tensor_names(model), None, stepped, raise_boom)
     assert names == () and message.endswith("was modified in place (re-run failed: boom).")

@@ -8,19 +8,18 @@ import sys
 import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import GAN, free_port
+from conftest import RecordingLogger, trainer_kwargs
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
-
-from _models import GAN, free_port
-from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.integrity import callback as graph_integrity
 from trainvitals.integrity.callback import FindingKind, GraphIntegrityCallback, GraphIntegrityError
 from trainvitals.integrity.graph import walk_graph
@@ -100,8 +99,11 @@ def test_constructor_names_the_bad_argument(kwargs, name):
 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
-    [({"strict": 1}, "strict"), ({"check_batch_independence": "yes"}, "check_batch_independence"),
-     ({"batch_input": 3}, "batch_input")],
+    [
+        ({"strict": 1}, "strict"),
+        ({"check_batch_independence": "yes"}, "check_batch_independence"),
+        ({"batch_input": 3}, "batch_input"),
+    ],
 )
 def test_constructor_names_the_argument_of_the_wrong_type(kwargs, name):
     with pytest.raises(TypeError, match=f"`{name}`"):
@@ -117,8 +119,14 @@ def test_clean_model_gets_a_clean_bill_of_health(recording_logger: RecordingLogg
     assert cb.findings == []
     assert not [m for m in caught if "GraphIntegrityCallback" in m]
     assert "clean bill of health" in cb.summary_markdown()
-    for counter in ("unused_params", "dead_params", "nonfinite_losses", "leaked_graphs", "unregistered_params",
-                    "unoptimized_params"):
+    for counter in (
+        "unused_params",
+        "dead_params",
+        "nonfinite_losses",
+        "leaked_graphs",
+        "unregistered_params",
+        "unoptimized_params",
+    ):
         assert recording_logger.values(f"graph/{counter}") == [0.0, 0.0, 0.0]  # one window per step
     assert not torch.is_anomaly_enabled()
 
@@ -179,7 +187,7 @@ def test_loss_without_grad_fn_says_where_the_graph_was_cut(model, culprit, words
     f = finding(cb, K.LOSS_NO_GRAD)
     assert f.names[0] == culprit and words in f.message
     # The last name is the line in training_step that cut the graph (for no_grad: where it was entered).
-    assert f.names[-1].startswith("test_graph_integrity.py:") and f.names[-1].endswith(" in training_step")
+    assert f.names[-1].startswith("test_integrity_callback.py:") and f.names[-1].endswith(" in training_step")
     if model is NoGradLoss:
         assert f.names[1] == "head"  # the module whose op ran without grad, closest to the loss
     # The autograd error itself carries the diagnosis and propagates unchanged.
@@ -192,7 +200,9 @@ def test_a_wholly_frozen_model_is_named_as_the_cause():
     cb = GraphIntegrityCallback()
     fit_fails(model, cb, "element 0 of tensors does not require grad")
     f = finding(cb, K.LOSS_NO_GRAD)
-    assert f.names == ("every parameter frozen",) and "every parameter of the model has requires_grad=False" in f.message
+    assert (
+        f.names == ("every parameter frozen",) and "every parameter of the model has requires_grad=False" in f.message
+    )
 
 
 class NoGradClosureSGD(torch.optim.SGD):
@@ -447,7 +457,9 @@ class UnusedAndDead(Net):
         return F.cross_entropy(self.head(h) + torch.relu(self.blocked(h) - 1e4), y)
 
 
-@pytest.mark.parametrize(("dead_after_steps", "said"), [(1, "1 optimizer step in a row"), (2, "2 optimizer steps in a row")])
+@pytest.mark.parametrize(
+    ("dead_after_steps", "said"), [(1, "1 optimizer step in a row"), (2, "2 optimizer steps in a row")]
+)
 def test_the_streak_messages_count_their_steps_in_words(dead_after_steps, said):
     cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=dead_after_steps, verbose=False)
     fit(UnusedAndDead(), cb, steps=2)
@@ -515,9 +527,11 @@ class ReentrantCheckpoint(Net):
         return self.head(checkpoint(run, torch.relu(self.body(x)), use_reentrant=True))
 
 
-@pytest.mark.parametrize("make", [AuxEveryOtherStep, lambda: ReentrantCheckpoint("module"),
-                                  lambda: ReentrantCheckpoint("function")],
-                         ids=["aux-every-other-step", "checkpointed-module", "checkpointed-function"])
+@pytest.mark.parametrize(
+    "make",
+    [AuxEveryOtherStep, lambda: ReentrantCheckpoint("module"), lambda: ReentrantCheckpoint("function")],
+    ids=["aux-every-other-step", "checkpointed-module", "checkpointed-function"],
+)
 def test_parameters_the_first_walk_misses_but_that_train_are_not_reported(make):
     """One walk decides nothing: a parameter it misses is reported only after a window of steps without
     a gradient. strict=True would end these healthy runs otherwise."""
@@ -606,8 +620,9 @@ def test_parameters_in_two_optimizers_are_named_once_and_strict_does_not_raise(r
     assert [f.kind for f in cb.findings if f.kind is K.SHARED_BY_OPTIMIZERS] == [K.SHARED_BY_OPTIMIZERS]
     f = finding(cb, K.SHARED_BY_OPTIMIZERS)
     assert f.names == ("gen.0.weight", "gen.0.bias", "disc.0.weight", "disc.0.bias") and f.step == 0
-    assert f.message.startswith("`gen.0.weight`, `gen.0.bias`, `disc.0.weight`, `disc.0.bias` are in optimizer 0 "
-                                "(SGD) and optimizer 1 (Adam)")
+    assert f.message.startswith(
+        "`gen.0.weight`, `gen.0.bias`, `disc.0.weight`, `disc.0.bias` are in optimizer 0 (SGD) and optimizer 1 (Adam)"
+    )
     assert sum("[shared_by_optimizers]" in m for m in caught) == 1
     assert recording_logger.values(K.SHARED_BY_OPTIMIZERS.counter)[-1] == 1
     assert any("| shared_by_optimizers |" in row for row in cb.summary_markdown().splitlines())
@@ -756,8 +771,9 @@ class DelayedStepAlternatingHeads(ManualNet):
         self.manual_backward(F.cross_entropy(head(torch.relu(self.body(batch[0]))), batch[1]))
 
 
-@pytest.mark.parametrize("model", [ChunkedWithBranch, StepFirstAccumulation, SharedByTwoOptimizers,
-                                   DelayedStepAlternatingHeads])
+@pytest.mark.parametrize(
+    "model", [ChunkedWithBranch, StepFirstAccumulation, SharedByTwoOptimizers, DelayedStepAlternatingHeads]
+)
 @pytest.mark.parametrize("every", [3, 8])
 def test_manual_loops_whose_every_gradient_is_stepped_are_not_accused(model, every):
     cb = GraphIntegrityCallback(check_every_n_steps=every, dead_after_steps=2)
@@ -817,7 +833,8 @@ def test_the_fit_end_line_states_the_headline_finding():
     line = cb.summary_line()
     assert line.startswith("1 finding(s) in ") and line.endswith(
         f"(zero_lr); first of them, at step 10 [zero_lr]: {what} did not change. The full table: the Text tab's "
-        "graph/findings, or trainvitals report.")
+        "graph/findings, or trainvitals report."
+    )
 
     # A body at lr 0 and a head in no optimizer: the head's finding breaks the run, so it is the headline.
     cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False)
@@ -879,6 +896,7 @@ def test_a_warm_up_from_zero_set_by_hand_is_not_reported_and_strict_does_not_rai
 @pytest.mark.parametrize("schedule", [dict(interval="epoch"), dict(interval="step", frequency=4)])
 def test_a_warm_up_from_zero_stepped_every_few_steps_is_not_reported(schedule):
     """A LambdaLR warm-up from 0 stepped per epoch (4 steps) or every 4 steps was reported at step 2."""
+
     class Warm(ZeroLrBody):
         def configure_optimizers(self):
             opt = torch.optim.SGD(self.parameters(), lr=0.1)
@@ -955,17 +973,32 @@ class InplaceAfterAStep(ManualNet):
         # The default schedule walks at step 0 only: the running total is named from the error alone.
         (lambda: CarriedState(detach=False, total=True), K.SECOND_BACKWARD, ("hidden",), "created in an earlier step"),
         (lambda: GAN(detach_fake=False), K.SECOND_BACKWARD, ("gen.0",), "`fake.detach()`"),
-        (StepBetweenForwardAndBackward, K.INPLACE_MODIFIED, ("head.weight",),
-         "optimizer 0 (SGD).step() updated it in place after the forward"),
+        (
+            StepBetweenForwardAndBackward,
+            K.INPLACE_MODIFIED,
+            ("head.weight",),
+            "optimizer 0 (SGD).step() updated it in place after the forward",
+        ),
         (InplaceOnSaved, K.INPLACE_MODIFIED, ("sigmoid", "mul_"), "saved for backward by `sigmoid` at test_graph_"),
-        (InplaceModule, K.INPLACE_MODIFIED, ("net.1", "sigmoid", "net.2", "relu"),
-         "by `sigmoid` in module `net.1` at test_graph_integrity.py:"),
+        (
+            InplaceModule,
+            K.INPLACE_MODIFIED,
+            ("net.1", "sigmoid", "net.2", "relu"),
+            "by `sigmoid` in module `net.1` at test_integrity_callback.py:",
+        ),
         (TwiceSameLoss, K.SECOND_BACKWARD, (), "The same loss was back-propagated twice"),
         # Manual optimization: no re-run to name the op, but the step is not blamed.
         (InplaceAfterAStep, K.INPLACE_MODIFIED, (), "The tensor that SigmoidBackward0 saved as `result`"),
     ],
-    ids=["running-total", "shared-graph", "optimizer-step", "inplace-op", "inplace-module", "same-loss-twice",
-         "inplace-after-a-step"],
+    ids=[
+        "running-total",
+        "shared-graph",
+        "optimizer-step",
+        "inplace-op",
+        "inplace-module",
+        "same-loss-twice",
+        "inplace-after-a-step",
+    ],
 )
 def test_autograd_error_is_diagnosed_on_the_exception(make, kind, names, words):
     cb = GraphIntegrityCallback()
@@ -1101,12 +1134,14 @@ def test_state_survives_a_checkpoint(tmp_path: Path):
 def test_a_resumed_fit_counts_lr_zero_as_the_uninterrupted_one(tmp_path: Path):
     """The lr 0 check filed a fit-start finding again at each resumed fit; its streak of steps at 0 now
     goes through the checkpoint, so the resumed fit finds what the uninterrupted one does."""
+
     def run(steps, *callbacks, **kwargs):
         cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[cb, *callbacks], enable_checkpointing=bool(
-                callbacks))).fit(ZeroLrBody(), data(), **kwargs)
+            pl.Trainer(
+                **trainer_kwargs(max_steps=steps, callbacks=[cb, *callbacks], enable_checkpointing=bool(callbacks))
+            ).fit(ZeroLrBody(), data(), **kwargs)
         return [(f.names, f.step) for f in cb.findings], cb.counts
 
     uninterrupted = run(14)
@@ -1115,15 +1150,18 @@ def test_a_resumed_fit_counts_lr_zero_as_the_uninterrupted_one(tmp_path: Path):
     assert run(14, ckpt_path=tmp_path / "mid.ckpt") == uninterrupted
 
 
-@pytest.mark.parametrize(("make", "kind"), [(lambda: FrozenInOptimizer(False), K.FROZEN_IN_OPTIMIZER),
-                                            (GANBothOnAllParameters, K.SHARED_BY_OPTIMIZERS)])
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [(lambda: FrozenInOptimizer(False), K.FROZEN_IN_OPTIMIZER), (GANBothOnAllParameters, K.SHARED_BY_OPTIMIZERS)],
+)
 def test_a_resumed_fit_does_not_file_a_fit_start_finding_again(tmp_path: Path, make, kind):
     def run(steps, *callbacks, **kwargs):
         cb = GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[cb, *callbacks], enable_checkpointing=bool(
-                callbacks))).fit(make(), data(), **kwargs)
+            pl.Trainer(
+                **trainer_kwargs(max_steps=steps, callbacks=[cb, *callbacks], enable_checkpointing=bool(callbacks))
+            ).fit(make(), data(), **kwargs)
         return [(f.kind, f.names, f.step) for f in cb.findings], cb.counts
 
     uninterrupted = run(8)
@@ -1197,8 +1235,14 @@ class RecordsFindings(GraphIntegrityCallback):
 
 def _ddp_worker(rank: int, port: int, out: str, name: str) -> None:
     """One rank of a 2-process gloo group running the ``warn`` or the ``strict`` fit."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
     strict = name == "strict"
     folder = Path(out, name)
     folder.mkdir(exist_ok=True)

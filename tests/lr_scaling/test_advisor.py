@@ -6,18 +6,18 @@ from __future__ import annotations
 import json
 import math
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import ReleaseProcessGroup, loader, regression_data
+from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-import lightning.pytorch as pl
-from _models import ReleaseProcessGroup, loader, regression_data
-from conftest import RecordingLogger, trainer_kwargs
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.noise.estimate import GradientNoise, NoiseSource
 
@@ -33,9 +33,16 @@ class Model(pl.LightningModule):
     which eval mode does not turn off. The buffer ``seen`` counts the examples trained on.
     """
 
-    def __init__(self, optimizer: type = torch.optim.SGD, groups: tuple[float, ...] = (0.01,), reduction: str = "mean",
-                 gamma: float | None = None, warmup_from_zero: bool = False, one_cycle: bool = False,
-                 jitter: float = 0.0) -> None:
+    def __init__(
+        self,
+        optimizer: type = torch.optim.SGD,
+        groups: tuple[float, ...] = (0.01,),
+        reduction: str = "mean",
+        gamma: float | None = None,
+        warmup_from_zero: bool = False,
+        one_cycle: bool = False,
+        jitter: float = 0.0,
+    ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.BatchNorm1d(D), nn.Dropout(0.2), nn.Linear(D, 1))
         self.register_buffer("seen", torch.zeros((), dtype=torch.long))
@@ -55,8 +62,12 @@ class Model(pl.LightningModule):
         if len(self.groups) == 1:
             opt = self.optimizer(self.parameters(), lr=self.groups[0])
         else:
-            opt = self.optimizer([{"params": [linear.weight], "lr": self.groups[0]},
-                                  {"params": [linear.bias, *self.net[0].parameters()], "lr": self.groups[1]}])
+            opt = self.optimizer(
+                [
+                    {"params": [linear.weight], "lr": self.groups[0]},
+                    {"params": [linear.bias, *self.net[0].parameters()], "lr": self.groups[1]},
+                ]
+            )
         if self.gamma is not None:
             scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=self.gamma)
         elif self.warmup_from_zero:
@@ -99,8 +110,15 @@ class _DumpPerRank(Callback):
     def on_train_end(self, trainer, pl_module):
         advisor = next(cb for cb in trainer.callbacks if isinstance(cb, LRScalingAdvisor))
         with open(f"{self.out_dir}/rank{trainer.global_rank}.json", "w") as f:
-            json.dump({"effective": advisor.effective_batch, "per_device": advisor.per_device_batch,
-                       "reduction": advisor.loss_reduction, "report": advisor.summary_markdown()}, f)
+            json.dump(
+                {
+                    "effective": advisor.effective_batch,
+                    "per_device": advisor.per_device_batch,
+                    "reduction": advisor.loss_reduction,
+                    "report": advisor.summary_markdown(),
+                },
+                f,
+            )
 
 
 @pytest.mark.slow
@@ -134,8 +152,14 @@ def test_each_step_is_logged_once_with_the_lr_it_used(accumulate):
     same step, every step at most once, none at a step that never ran."""
     logger = RecordingLogger()
     monitor = LearningRateMonitor(logging_interval="step")
-    fit(Model(groups=(0.1,), gamma=0.5), [monitor, LRScalingAdvisor(log_every_n_steps=1, verbose=False)], logger,
-        max_steps=5, accumulate_grad_batches=accumulate, log_every_n_steps=1)
+    fit(
+        Model(groups=(0.1,), gamma=0.5),
+        [monitor, LRScalingAdvisor(log_every_n_steps=1, verbose=False)],
+        logger,
+        max_steps=5,
+        accumulate_grad_batches=accumulate,
+        log_every_n_steps=1,
+    )
     ours = logger.series["lr_scaling/lr/SGD"]
     assert [s for s, _ in ours] == [0, 1, 2, 3, 4]
     theirs = dict(logger.series["lr-SGD"])  # once per micro-batch under accumulation, the same value
@@ -146,22 +170,31 @@ def test_each_step_is_logged_once_with_the_lr_it_used(accumulate):
 class _NoiseSource(Callback):
     """A callback holding a measured estimate: ``steps`` pairs (‖G‖², tr Σ) with relative jitter ``jitter``."""
 
-    def __init__(self, grad_sq_norm: float | None, trace_cov: float | None, steps: int = 20, jitter: float = 0.0,
-                 param_share: float = 1.0) -> None:
+    def __init__(
+        self,
+        grad_sq_norm: float | None,
+        trace_cov: float | None,
+        steps: int = 20,
+        jitter: float = 0.0,
+        param_share: float = 1.0,
+    ) -> None:
         self.gradient_noise = GradientNoise()
         self.noise_source = NoiseSource("fake", 0.9, param_share)
         self.gradient_noise.attach(self.noise_source)
         if grad_sq_norm is not None:
             for k in range(steps):
                 sign = 1 if k % 2 else -1
-                self.noise_source.update(torch.tensor(grad_sq_norm * (1 + sign * jitter)), torch.tensor(trace_cov),
-                                         covered_sq_norm=torch.tensor(param_share), total_sq_norm=torch.tensor(1.0))
+                self.noise_source.update(
+                    torch.tensor(grad_sq_norm * (1 + sign * jitter)),
+                    torch.tensor(trace_cov),
+                    covered_sq_norm=torch.tensor(param_share),
+                    total_sq_norm=torch.tensor(1.0),
+                )
 
 
 def test_noise_scale_comes_from_a_callback_with_a_noise_estimate():
     logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
-    fit(Model(optimizer=torch.optim.Adam, groups=(1e-3,)), [_NoiseSource(0.01, 10.0), advisor],
-        logger, batch_size=8)
+    fit(Model(optimizer=torch.optim.Adam, groups=(1e-3,)), [_NoiseSource(0.01, 10.0), advisor], logger, batch_size=8)
     b_hat, b = 10.0 / 0.01, 8
     # One B_simple per run: the estimate's grad_noise/b_simple, no second series of the advisor's.
     assert "lr_scaling/b_noise" not in logger.series
@@ -175,14 +208,20 @@ def test_noise_scale_comes_from_a_callback_with_a_noise_estimate():
 
 @pytest.mark.parametrize("case", ["unreliable", "partial", "one step"])
 def test_no_noise_aware_advice_from_an_unreliable_or_partial_estimate(case):
-    source = {"unreliable": _NoiseSource(0.01, 10.0, jitter=5.0), "partial": _NoiseSource(0.01, 10.0, param_share=0.4),
-              "one step": _NoiseSource(0.01, 10.0, steps=1)}[case]
+    source = {
+        "unreliable": _NoiseSource(0.01, 10.0, jitter=5.0),
+        "partial": _NoiseSource(0.01, 10.0, param_share=0.4),
+        "one step": _NoiseSource(0.01, 10.0, steps=1),
+    }[case]
     logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
     fit(Model(groups=(0.1,)), [source, advisor], logger, batch_size=8)
     assert "lr_scaling/b_noise" not in logger.series
     assert logger.values("lr_scaling/suggested_lr_x2/SGD")[0] == pytest.approx(0.2)  # the classic linear rule
-    why = {"unreliable": "B_simple unreliable", "partial": "partial: the estimate covers 40%",
-           "one step": "not measured enough yet"}[case]
+    why = {
+        "unreliable": "B_simple unreliable",
+        "partial": "partial: the estimate covers 40%",
+        "one step": "not measured enough yet",
+    }[case]
     assert f"not used ({why}" in advisor.summary_markdown()
 
 
@@ -191,9 +230,14 @@ def test_a_reliable_estimate_comes_with_its_range():
     source = _NoiseSource(0.01, 10.0, steps=40, jitter=0.2)
     fit(Model(groups=(0.1,)), [source, advisor], logger, batch_size=8)
     rel_err = float(source.gradient_noise.estimate().b_simple_rel_err)
-    assert 0 < rel_err < 0.5 and logger.values("lr_scaling/steps_over_min") and "lr_scaling/b_noise" not in logger.series
+    assert (
+        0 < rel_err < 0.5 and logger.values("lr_scaling/steps_over_min") and "lr_scaling/b_noise" not in logger.series
+    )
     report = advisor.summary_markdown()
-    assert f"± {100 * rel_err:.2g}%, 90% range" in report and "over B̂'s 90% range the suggested lr spans ×0.5 (4)" in report
+    assert (
+        f"± {100 * rel_err:.2g}%, 90% range" in report
+        and "over B̂'s 90% range the suggested lr spans ×0.5 (4)" in report
+    )
 
 
 def test_given_noise_scale_and_listed_targets():
@@ -227,17 +271,21 @@ def test_the_fit_end_line_states_the_advice():
     gain = (1 + 1000 / 8) / (1 + 1000 / 16)  # B̂ = 10 / 0.01 examples, from batch 8 to 16
     assert advisor.summary_line() == (
         f"at an effective batch of 8 (noise scale B̂ = 1000, below it): Adam lr 0.001 → {1e-3 * math.sqrt(gain):.3g} "
-        "at batch 16 (noise-aware rule); the full table is the Text tab's lr_scaling/advice, or trainvitals report.")
+        "at batch 16 (noise-aware rule); the full table is the Text tab's lr_scaling/advice, or trainvitals report."
+    )
 
     advisor = LRScalingAdvisor(noise_scale=4.0, verbose=False)
     fit(Model(groups=(0.1, 0.01)), [advisor], batch_size=8)
     assert advisor.summary_line().startswith(
         f"at an effective batch of 8 (noise scale B̂ = 4, above it: more batch buys little): SGD/pg1 (and 1 more "
-        f"group(s)) lr 0.1 → {0.1 * (1 + 4 / 8) / (1 + 4 / 16):.3g} at batch 16 (noise-aware rule); ")
+        f"group(s)) lr 0.1 → {0.1 * (1 + 4 / 8) / (1 + 4 / 16):.3g} at batch 16 (noise-aware rule); "
+    )
 
     advisor = LRScalingAdvisor(verbose=False)
     fit(Model(groups=(0.1,)), [advisor], batch_size=8)
-    assert "(no usable noise scale: classic rules): SGD lr 0.1 → 0.2 at batch 16 (linear rule)" in advisor.summary_line()
+    assert (
+        "(no usable noise scale: classic rules): SGD lr 0.1 → 0.2 at batch 16 (linear rule)" in advisor.summary_line()
+    )
 
     advisor = LRScalingAdvisor(verbose=False)
     fit(Model(optimizer=torch.optim.Adagrad), [advisor], batch_size=8)
@@ -306,8 +354,12 @@ def test_a_loss_summed_over_tokens_scales_the_gradient_by_the_tokens():
     data = torch.utils.data.TensorDataset(torch.randint(0, 7, (16, 5)), torch.randint(0, 7, (16, 5)))
     model, advisor = TokenSum(), LRScalingAdvisor(verbose=False)
     tokens, targets = data.tensors[0][:8], data.tensors[1][:8]
-    grads = [torch.autograd.grad(F.cross_entropy(model.net(tokens).flatten(0, 1), targets.flatten(), reduction=r),
-                                 model.net[1].weight)[0] for r in ("sum", "mean")]
+    grads = [
+        torch.autograd.grad(
+            F.cross_entropy(model.net(tokens).flatten(0, 1), targets.flatten(), reduction=r), model.net[1].weight
+        )[0]
+        for r in ("sum", "mean")
+    ]
     factor = float(grads[0].norm() / grads[1].norm())
     trainer = Trainer(**trainer_kwargs(callbacks=[advisor], logger=False, max_steps=2))
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
@@ -372,11 +424,16 @@ def test_tensorboard_gets_scalars_and_the_advice_text(tmp_path, caplog):
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        (dict(log_every_n_steps=0), "log_every_n_steps"), (dict(log_every_n_steps=1.5), "log_every_n_steps"),
-        (dict(target_batch_sizes=(64, 0)), "target_batch_sizes"), (dict(target_batch_sizes=(-2,)), "target_batch_sizes"),
-        (dict(reference=(0, 0.1)), "reference"), (dict(reference=(64, 0.0)), "reference"),
-        (dict(reference=(64, -1e-3)), "reference"), (dict(reference=(64, {"SGD": 0})), "reference"),
-        (dict(noise_scale=0.0), "noise_scale"), (dict(noise_scale=-5), "noise_scale"),
+        (dict(log_every_n_steps=0), "log_every_n_steps"),
+        (dict(log_every_n_steps=1.5), "log_every_n_steps"),
+        (dict(target_batch_sizes=(64, 0)), "target_batch_sizes"),
+        (dict(target_batch_sizes=(-2,)), "target_batch_sizes"),
+        (dict(reference=(0, 0.1)), "reference"),
+        (dict(reference=(64, 0.0)), "reference"),
+        (dict(reference=(64, -1e-3)), "reference"),
+        (dict(reference=(64, {"SGD": 0})), "reference"),
+        (dict(noise_scale=0.0), "noise_scale"),
+        (dict(noise_scale=-5), "noise_scale"),
         (dict(batch_size=0), "batch_size"),
     ],
 )
@@ -410,7 +467,8 @@ def test_a_reference_naming_no_group_is_said_once_at_fit_start() -> None:
     with _warnings.catch_warnings(record=True) as caught:
         _warnings.simplefilter("always")
         Trainer(**trainer_kwargs(callbacks=[advisor], max_steps=3, log_every_n_steps=1)).fit(
-            Regressor(), loader(regression_data(), 8))
+            Regressor(), loader(regression_data(), 8)
+        )
     said = [w for w in caught if "none of the optimizers' parameter groups" in str(w.message)]
     assert len(said) == 1 and "'Adam'" in str(said[0].message)
     assert "none of the optimizers' parameter groups" in advisor.summary_markdown()

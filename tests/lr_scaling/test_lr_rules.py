@@ -71,10 +71,16 @@ def test_effective_batch_arithmetic():
 @pytest.mark.parametrize(
     ("optimizer", "family"),
     [
-        (torch.optim.SGD, "sgd"), (torch.optim.Adam, "adam"), (torch.optim.AdamW, "adam"),
-        (torch.optim.RMSprop, "adam"), (torch.optim.NAdam, "adam"), (torch.optim.Adagrad, "unsure"),
-        (torch.optim.LBFGS, "unsure"), (type("MyAdam", (torch.optim.Adam,), {}), "adam"),
-        ("Lion", "unsure"), ("SGD", "sgd"),
+        (torch.optim.SGD, "sgd"),
+        (torch.optim.Adam, "adam"),
+        (torch.optim.AdamW, "adam"),
+        (torch.optim.RMSprop, "adam"),
+        (torch.optim.NAdam, "adam"),
+        (torch.optim.Adagrad, "unsure"),
+        (torch.optim.LBFGS, "unsure"),
+        (type("MyAdam", (torch.optim.Adam,), {}), "adam"),
+        ("Lion", "unsure"),
+        ("SGD", "sgd"),
     ],
 )
 def test_optimizer_family(optimizer, family):
@@ -127,12 +133,19 @@ def test_advise_classic_and_unsure():
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        (dict(batch_size=0), "batch_size"), (dict(batch_size=-8), "batch_size"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(batch_size=-8), "batch_size"),
         (dict(batch_size=math.nan), "batch_size"),
-        (dict(lr=0.0), "lr"), (dict(lr=-0.1), "lr"), (dict(lr=math.inf), "lr"),
-        (dict(target_batch_sizes=(64, 0)), "target_batch_sizes"), (dict(target_batch_sizes=(-1,)), "target_batch_sizes"),
-        (dict(family="rmsprop"), "family"), (dict(noise_scale=0.0), "noise_scale"),
-        (dict(multiples=(0,)), "multiples"), (dict(betas=(0.9, 1.0)), "betas"), (dict(eps=-1.0), "eps"),
+        (dict(lr=0.0), "lr"),
+        (dict(lr=-0.1), "lr"),
+        (dict(lr=math.inf), "lr"),
+        (dict(target_batch_sizes=(64, 0)), "target_batch_sizes"),
+        (dict(target_batch_sizes=(-1,)), "target_batch_sizes"),
+        (dict(family="rmsprop"), "family"),
+        (dict(noise_scale=0.0), "noise_scale"),
+        (dict(multiples=(0,)), "multiples"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(eps=-1.0), "eps"),
     ],
 )
 def test_advise_rejects_bad_input(kwargs, name):
@@ -156,8 +169,17 @@ def test_effective_batch_rejects_bad_input():
 # ---------------------------------------------------------------- loss reduction, names, table
 @pytest.mark.parametrize(
     ("loss", "doubled", "expected"),
-    [(0.7, 0.7, "mean"), (0.7, 0.75, "mean"), (3.0, 6.0, "sum"), (-2.0, -4.0, "sum"), (1.0, 1.5, "unsure"),
-     (0.0, 0.0, "unsure"), (1.0, -1.0, "unsure"), (math.nan, 1.0, "unsure"), (1.0, math.inf, "unsure")],
+    [
+        (0.7, 0.7, "mean"),
+        (0.7, 0.75, "mean"),
+        (3.0, 6.0, "sum"),
+        (-2.0, -4.0, "sum"),
+        (1.0, 1.5, "unsure"),
+        (0.0, 0.0, "unsure"),
+        (1.0, -1.0, "unsure"),
+        (math.nan, 1.0, "unsure"),
+        (1.0, math.inf, "unsure"),
+    ],
 )
 def test_classify_loss_reduction(loss, doubled, expected):
     assert classify_loss_reduction(loss, doubled) == expected
@@ -184,10 +206,12 @@ def test_param_group_labels_follow_learning_rate_monitor():
 
 def test_advice_table():
     b_hat = 256.0
-    table = advice_table({
-        "SGD": advise(64, 0.1, "sgd", b_hat),
-        "Adagrad": advise(64, 0.01, "unsure", b_hat),
-    })
+    table = advice_table(
+        {
+            "SGD": advise(64, 0.1, "sgd", b_hat),
+            "Adagrad": advise(64, 0.01, "unsure", b_hat),
+        }
+    )
     lines = table.splitlines()
     assert lines[0].startswith("| optimizer | family | lr now | rule | ×0.5 (32) | ×2 (128)")
     assert "| SGD | SGD-like | 0.1 | noise-aware | 0.0556 | 0.167 | 0.25 | 0.333 |" in lines  # 0.1 × 5/(1 + 256/B)
@@ -214,14 +238,17 @@ def _train(x, y, optimizer: str, batch: int, lr: float, noise: NoiseScaleEMA | N
     for _ in range(5):
         order = torch.randperm(len(y), generator=gen)
         for i in range(0, len(y), batch):
-            idx = order[i:i + batch]
+            idx = order[i : i + batch]
             residual = x[idx] @ w - y[idx]
             opt.zero_grad()
             residual.square().mean().backward()
             if noise is not None:
                 per_example = 2 * residual.detach()[:, None] * x[idx]
-                noise.update(*two_batch_size_estimates(
-                    per_example.square().sum(1).mean(), per_example.mean(0).square().sum(), batch, 1))
+                noise.update(
+                    *two_batch_size_estimates(
+                        per_example.square().sum(1).mean(), per_example.mean(0).square().sum(), batch, 1
+                    )
+                )
             opt.step()
     with torch.no_grad():
         return (x @ w - y).square().mean().item()

@@ -22,21 +22,22 @@ from trainvitals.memory import (
     SavedTensorRecorder,
     StepMemory,
     byte_unit,
+    categories,
     checkpoint_peak,
     checkpoint_savings,
+    element_bytes,
     format_bytes,
     graph_holders,
     largest_batch,
     mixed_precision_savings,
     model_state_bytes,
     rank_remedies,
+    remedies,
     tensors_in,
     transformer_layer_activation_bytes,
-    element_bytes,
     unique_storage_bytes,
     whole_forward_modules,
 )
-from trainvitals.memory import categories, remedies
 from trainvitals.memory.categories import AllocatorStats, MemoryCategory, category_markdown, category_metrics
 from trainvitals.memory.recorder import SavedTensorReport, compiled_modules
 from trainvitals.memory.remedies import Remedy
@@ -164,7 +165,8 @@ def test_optimizer_state_bytes_after_the_first_step():
     n_tensors = len(list(model.parameters()))
     # exp_avg and exp_avg_sq per parameter, plus a 0-d float32 `step` per parameter.
     assert model_state_bytes(model.parameters(), [adam]) == ModelStateBytes(
-        param_bytes, param_bytes, 2 * param_bytes + F32 * n_tensors)
+        param_bytes, param_bytes, 2 * param_bytes + F32 * n_tensors
+    )
     model, sgd_momentum = stepped(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     assert model_state_bytes(model.parameters(), [sgd_momentum]).optimizer_state == param_bytes
     model, sgd = stepped(lambda p: torch.optim.SGD(p, lr=0.1))
@@ -210,6 +212,7 @@ def test_a_forward_that_raises_inside_the_step_leaves_the_module_stack_right():
     """Module hooks are per module without ``always_call`` (Dynamo recompiles on those): a child whose
     forward raised, caught by its parent, is dropped when the parent's call ends; later saves go to the
     module that makes them."""
+
     class Fails(nn.Module):
         def forward(self, x):
             raise ValueError("boom")
@@ -353,8 +356,11 @@ def test_the_peak_of_a_checkpointed_module_is_the_one_measured_with_real_checkpo
     all held again, next to what was saved before it: checkpointing the first block, which saves most,
     hardly lowers the step's peak."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh()),
-                          nn.Sequential(nn.Linear(64, 16), nn.Tanh()), nn.Linear(16, 2))
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh()),
+        nn.Sequential(nn.Linear(64, 16), nn.Tanh()),
+        nn.Linear(16, 2),
+    )
     x = torch.randn(16, 8, requires_grad=True)  # reentrant checkpointing recomputes only for inputs that need grad
     excluded = [x, *model.parameters()]
     _, report, _ = record(model, x, exclude=[x])
@@ -477,7 +483,10 @@ def test_largest_batch_and_remedies_closed_form():
     remedies = rank_remedies(memory, top_k=2)
     # Checkpointing net.1 frees 2 act after forward, but holds 3 of the 4 again in backward: the peak falls by 1.
     assert [(r.kind, r.target, r.bytes_freed) for r in remedies] == [
-        ("mixed precision", "", 2 * act), ("activation checkpointing", "net.1", act), ("optimizer state", "", 2000)]
+        ("mixed precision", "", 2 * act),
+        ("activation checkpointing", "net.1", act),
+        ("optimizer state", "", 2000),
+    ]
     # After forward 2 act stay saved (net.1's input, the last Linear's); but when backward reaches net.1,
     # the last Linear's is freed and net.1's forward runs again: its input and its two saves, 3 act, the peak.
     assert checkpoint_peak(report, "net.1") == 3 * act
@@ -514,7 +523,9 @@ def test_for_equal_bytes_the_cheaper_checkpoint_ranks_first():
     timed = dataclasses.replace(report, forward_seconds={"net.1": 0.04, "net.1.1": 0.01})
     state = ModelStateBytes(parameters=1000, gradients=1000, optimizer_state=0)
     memory = StepMemory(state, 0, timed, 16, step_seconds=0.05)
-    ranked = [(r.target, r.extra_compute) for r in rank_remedies(memory, top_k=2) if r.kind == "activation checkpointing"]
+    ranked = [
+        (r.target, r.extra_compute) for r in rank_remedies(memory, top_k=2) if r.kind == "activation checkpointing"
+    ]
     assert ranked == [("net.1.1", pytest.approx(0.2)), ("net.1", pytest.approx(0.8))]
     (only,) = [r.target for r in rank_remedies(memory, top_k=1) if r.kind == "activation checkpointing"]
     assert only == "net.1.1"
@@ -683,7 +694,9 @@ def test_float32_saved_by_the_loss_under_autocast_is_no_remedy():
     for report in (after, inside, distilled):
         assert sum(s.nbytes for s in report.storages.values() if s.dtype == torch.float32) >= 16 * 1000 * 4
         assert mixed_precision_savings(report) == 0
-        assert "mixed precision" not in {r.kind for r in rank_remedies(StepMemory(state, 0, report, 16, budget_bytes=2**20))}
+        assert "mixed precision" not in {
+            r.kind for r in rank_remedies(StepMemory(state, 0, report, 16, budget_bytes=2**20))
+        }
     del keep, kept
 
 
@@ -751,25 +764,44 @@ def test_a_zero_activation_is_not_taken_for_a_zero_initialised_frozen_parameter(
 def test_the_category_table_drives_the_cuda_rows_and_the_temporaries(monkeypatch):
     """The CUDA rows, off a CUDA device: temporaries are the allocator's peak less every footprint row,
     and grow with the batch only when positive."""
-    stats = {"allocated_bytes.all.peak": 20_000, "reserved_bytes.all.peak": 32_768, "num_alloc_retries": 2,
-             "num_ooms": 0, "allocated_bytes.all.current": 1}
+    stats = {
+        "allocated_bytes.all.peak": 20_000,
+        "reserved_bytes.all.peak": 32_768,
+        "num_alloc_retries": 2,
+        "num_ooms": 0,
+        "allocated_bytes.all.current": 1,
+    }
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
     assert AllocatorStats.read(torch.device("cuda", 0)) == AllocatorStats(20_000, 32_768, 2, 0)
     state = ModelStateBytes(parameters=1000, gradients=1000, optimizer_state=2000, buffers=100)
     report = SavedTensorReport(total_bytes=5000, by_module={}, storages={}, parameter_copy_bytes=300)
-    memory = StepMemory(state, 700, report, 4, budget_bytes=10**5, held_bytes=64,
-                        allocator=AllocatorStats(peak_allocated_bytes=20_000, peak_reserved_bytes=32_768,
-                                                 alloc_retries=2, ooms=0))
+    memory = StepMemory(
+        state,
+        700,
+        report,
+        4,
+        budget_bytes=10**5,
+        held_bytes=64,
+        allocator=AllocatorStats(peak_allocated_bytes=20_000, peak_reserved_bytes=32_768, alloc_retries=2, ooms=0),
+    )
     fixed, scaling = 1000 + 1000 + 2000 + 100 + 300, 700 + 5000
     assert memory.temporaries_bytes == 20_000 - fixed - scaling == 9900
     assert (memory.fixed_bytes, memory.scaling_bytes) == (fixed, scaling + 9900)
     assert memory.largest_batch() == (10**5 - fixed) * 4 // (scaling + 9900)
     assert category_metrics(memory) == {
-        "memory/parameters_bytes": 1000, "memory/buffers_bytes": 100, "memory/gradients_bytes": 1000,
-        "memory/optimizer_state_bytes": 2000, "memory/inputs_bytes": 700, "memory/activations_bytes": 5000,
-        "memory/parameter_copies_bytes": 300, "memory/held_saved_bytes": 64,
-        "memory/peak_allocated_bytes": 20_000, "memory/peak_reserved_bytes": 32_768,
-        "memory/temporaries_bytes": 9900, "memory/alloc_retries": 2, "memory/ooms": 0,
+        "memory/parameters_bytes": 1000,
+        "memory/buffers_bytes": 100,
+        "memory/gradients_bytes": 1000,
+        "memory/optimizer_state_bytes": 2000,
+        "memory/inputs_bytes": 700,
+        "memory/activations_bytes": 5000,
+        "memory/parameter_copies_bytes": 300,
+        "memory/held_saved_bytes": 64,
+        "memory/peak_allocated_bytes": 20_000,
+        "memory/peak_reserved_bytes": 32_768,
+        "memory/temporaries_bytes": 9900,
+        "memory/alloc_retries": 2,
+        "memory/ooms": 0,
     }
     table = category_markdown(memory)
     assert table[0] == "| category | bytes | binary units |"  # every column named
@@ -790,8 +822,10 @@ def test_a_registered_remedy_rule_is_ranked_with_the_built_in_ones(monkeypatch):
 
     def offload_gradients(memory, top_k):
         freed = memory.state.gradients
-        return [Remedy("gradient offload", "", freed, memory.largest_batch(fixed_freed=freed), None, "to the host"),
-                Remedy("nothing", "", 0, None, None, "frees nothing: left out")]
+        return [
+            Remedy("gradient offload", "", freed, memory.largest_batch(fixed_freed=freed), None, "to the host"),
+            Remedy("nothing", "", 0, None, None, "frees nothing: left out"),
+        ]
 
     monkeypatch.setattr(remedies, "REMEDY_RULES", list(remedies.REMEDY_RULES))
     assert remedies.register_remedy(offload_gradients) is offload_gradients

@@ -6,9 +6,12 @@ import csv
 import re
 import sys
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import ReleaseProcessGroup
+from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -18,16 +21,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning.pytorch as pl
-from _models import ReleaseProcessGroup
-from conftest import RecordingLogger, trainer_kwargs
-from trainvitals.text.terminal import inline, markdown_to_text
-from trainvitals.memory.profiler import MemoryTopologyProfiler
-from trainvitals.memory import OUTSIDE, checkpoint_savings
-from trainvitals.memory import categories
+from trainvitals.memory import OUTSIDE, categories, checkpoint_savings
 from trainvitals.memory.categories import MemoryCategory
-from trainvitals.tensorboard.layout import TRAINVITALS_LAYOUT
+from trainvitals.memory.profiler import MemoryTopologyProfiler
 from trainvitals.tags import MEMORY_BYTES
+from trainvitals.tensorboard.layout import TRAINVITALS_LAYOUT
+from trainvitals.text.terminal import inline, markdown_to_text
 
 B, D, H, C = 8, 6, 16, 3  # batch, inputs, hidden units, classes
 F32, I64 = 4, 8
@@ -106,8 +105,9 @@ def test_a_compiled_model_is_profiled_without_compiling_the_profilers_hooks():
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         logger = RecordingLogger()
-        trainer = Trainer(**trainer_kwargs(callbacks=[MemoryTopologyProfiler(every_n_steps=2)], logger=logger,
-                                           max_steps=steps))
+        trainer = Trainer(
+            **trainer_kwargs(callbacks=[MemoryTopologyProfiler(every_n_steps=2)], logger=logger, max_steps=steps)
+        )
         trainer.fit(torch.compile(Classifier(), backend="eager"), classification_loader())
         frames.append(torch._dynamo.utils.counters["frames"]["total"])
         resumed = " ".join(torch._dynamo.utils.counters["resumes"])
@@ -233,8 +233,13 @@ def test_schedule_first_steps_and_every_n_and_accumulation():
 
     # Under accumulation the step is complete (optimizer state and all) at the second micro-batch.
     logger = RecordingLogger()
-    fit(Classifier(), MemoryTopologyProfiler(every_n_steps=1, first_steps=0), logger, max_steps=3,
-        accumulate_grad_batches=2)
+    fit(
+        Classifier(),
+        MemoryTopologyProfiler(every_n_steps=1, first_steps=0),
+        logger,
+        max_steps=3,
+        accumulate_grad_batches=2,
+    )
     assert [step for step, _ in logger.series["memory/activations_bytes"]] == [0, 1, 2]
     assert logger.values("memory/optimizer_state_bytes")[0] == 2 * PARAM_BYTES + 4 * F32
 
@@ -291,6 +296,7 @@ class _OutputsMustDie(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, *_):
         self.refs.clear()
+
         def keep(_module, _args, out):
             self.refs.append(StorageWeakRef(out.untyped_storage()))
 
@@ -343,8 +349,12 @@ def test_checkpointing_the_advised_module_frees_the_predicted_bytes():
 def test_largest_batch_with_a_budget():
     budget = 100_000
     logger = RecordingLogger()
-    fit(Classifier(optimizer="sgd"), MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget), logger,
-        max_steps=1)
+    fit(
+        Classifier(optimizer="sgd"),
+        MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget),
+        logger,
+        max_steps=1,
+    )
     fixed = 3 * PARAM_BYTES  # parameters, gradients, momentum
     per_example = (ACTIVATION_BYTES + F32 * B * D + I64 * B) / B
     assert logger.values("memory/largest_batch") == [int((budget - fixed) / per_example)]
@@ -357,18 +367,28 @@ def test_a_new_category_row_reaches_the_scalars_the_table_the_tags_and_the_budge
     fit(Classifier(optimizer="sgd"), plain, max_steps=1)
     row = MemoryCategory("workspace", "workspace (reserved)", lambda m: 1000, footprint="fixed")
     monkeypatch.setattr(categories, "MEMORY_CATEGORIES", [*categories.MEMORY_CATEGORIES, row])
-    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget, verbose=False)
+    logger, profiler = (
+        RecordingLogger(),
+        MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget, verbose=False),
+    )
     fit(Classifier(optimizer="sgd"), profiler, logger, max_steps=1)
     fixed = 3 * PARAM_BYTES + 1000  # parameters, gradients, momentum, the workspace
     per_example = (ACTIVATION_BYTES + F32 * B * D + I64 * B) / B
     assert logger.values("memory/workspace_bytes") == [1000]
-    assert profiler.last_metrics == {**plain.last_metrics, "memory/workspace_bytes": 1000,
-                                     "memory/largest_batch": int((budget - fixed) / per_example)}
+    assert profiler.last_metrics == {
+        **plain.last_metrics,
+        "memory/workspace_bytes": 1000,
+        "memory/largest_batch": int((budget - fixed) / per_example),
+    }
     assert "| workspace (reserved) | 1,000 | 1000 B |" in profiler.summary_markdown().splitlines()
     # The report's memory rows and a dashboard chart take it by its tag.
     assert re.match(MEMORY_BYTES, row.tag)
-    assert any(re.match(regex, row.tag) for charts in TRAINVITALS_LAYOUT.values() for _, regexes in charts.values()
-               for regex in regexes)
+    assert any(
+        re.match(regex, row.tag)
+        for charts in TRAINVITALS_LAYOUT.values()
+        for _, regexes in charts.values()
+        for regex in regexes
+    )
 
 
 class FrozenFirstLayer(Classifier):
@@ -392,7 +412,8 @@ def test_frozen_parameters_are_a_row_of_their_own_inside_the_parameters():
     assert logger.values("memory/gradients_bytes") == logger.values("memory/optimizer_state_bytes") == [trainable]
     assert profiler.last.fixed_bytes == frozen + 3 * trainable
     assert f"| of which frozen (no gradient, no optimizer state) | {frozen:,} | {frozen} B |" in (
-        profiler.summary_markdown().splitlines())
+        profiler.summary_markdown().splitlines()
+    )
     assert re.match(MEMORY_BYTES, "memory/frozen_parameters_bytes")
     # A model without frozen parameters logs no such row (test_logged_bytes_match_the_hand_count).
 
@@ -410,10 +431,15 @@ def test_buffers_are_fixed_and_a_batch_sliced_from_a_resident_dataset_is_the_sli
     its storage: the batch is the slice, and the dataset is not a per-example cost."""
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, D, generator=g), torch.randint(0, C, (64,), generator=g)
-    slices = [(x[i:i + B], y[i:i + B]) for i in range(0, 64, B)]
+    slices = [(x[i : i + B], y[i : i + B]) for i in range(0, 64, B)]
     budget, logger = 100_000, RecordingLogger()
-    fit(Masked(), MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget), logger, max_steps=1,
-        loader=DataLoader(slices, batch_size=None))
+    fit(
+        Masked(),
+        MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget),
+        logger,
+        max_steps=1,
+        loader=DataLoader(slices, batch_size=None),
+    )
     assert logger.values("memory/buffers_bytes") == [F32 * 100 * 100]
     assert logger.values("memory/inputs_bytes") == [F32 * B * D + I64 * B]
     fixed = 3 * PARAM_BYTES + F32 * 100 * 100  # parameters, gradients, momentum, the buffer
@@ -444,7 +470,10 @@ def test_fit_end_table_and_picture_in_tensorboard(tmp_path, caplog):
     assert "`net.1.4`" in table and "activation checkpointing of `net.1`" in table
     assert "pass `memory_budget_bytes`" in table  # CPU without a budget: no batch advice
     # Printed as plain text with the callback's prefix, the markdown goes to TensorBoard.
-    assert f"trainvitals MemoryTopologyProfiler: memory at the last profiled step\n{markdown_to_text(table)}" in caplog.text
+    assert (
+        f"trainvitals MemoryTopologyProfiler: memory at the last profiled step\n{markdown_to_text(table)}"
+        in caplog.text
+    )
     events = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "tensors": 0}).Reload()
     assert "memory/saved_bytes_by_module" in events.Tags()["images"]
     assert any(tag.startswith("memory/report") for tag in events.Tags()["tensors"])
@@ -491,8 +520,13 @@ def test_state_survives_a_checkpoint(tmp_path):
 def test_a_resumed_fit_continues_the_schedule_and_does_not_profile_its_first_steps_again(tmp_path):
     def profiled_steps(max_steps, ckpt_path=None):
         logger = RecordingLogger()
-        trainer = Trainer(**trainer_kwargs(callbacks=[MemoryTopologyProfiler(measure_every_n_steps=5, first_steps=2)],
-                                           logger=logger, max_steps=max_steps))
+        trainer = Trainer(
+            **trainer_kwargs(
+                callbacks=[MemoryTopologyProfiler(measure_every_n_steps=5, first_steps=2)],
+                logger=logger,
+                max_steps=max_steps,
+            )
+        )
         trainer.fit(Classifier(optimizer="sgd"), classification_loader(), ckpt_path=ckpt_path)
         return trainer, [step for step, _ in logger.series.get("memory/activations_bytes", [])]
 
@@ -504,11 +538,17 @@ def test_a_resumed_fit_continues_the_schedule_and_does_not_profile_its_first_ste
     assert first == [0, 1, 5] and resumed == [10, 15] and uninterrupted == first + resumed
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"measure_every_n_steps": 0}, "measure_every_n_steps"), ({"first_steps": -1}, "first_steps"),
-    ({"memory_budget_bytes": 0}, "memory_budget_bytes"), ({"top_k": -1}, "top_k"),
-    ({"snapshot_steps": -1}, "snapshot_steps"), ({"max_modules_shown": 0}, "max_modules_shown"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"measure_every_n_steps": 0}, "measure_every_n_steps"),
+        ({"first_steps": -1}, "first_steps"),
+        ({"memory_budget_bytes": 0}, "memory_budget_bytes"),
+        ({"top_k": -1}, "top_k"),
+        ({"snapshot_steps": -1}, "snapshot_steps"),
+        ({"max_modules_shown": 0}, "max_modules_shown"),
+    ],
+)
 def test_invalid_arguments_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
         MemoryTopologyProfiler(**kwargs)
@@ -546,9 +586,15 @@ class _RankRecord(Callback):
 @pytest.mark.slow
 def test_ddp_per_rank_numbers_logged_from_rank_zero(tmp_path):
     logger = CSVLogger(tmp_path, name="csv")
-    trainer = Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=3, logger=logger,
-                                       callbacks=[MemoryTopologyProfiler(every_n_steps=1), _RankRecord(str(tmp_path)),
-                                                  ReleaseProcessGroup()]))
+    trainer = Trainer(
+        **trainer_kwargs(
+            strategy="ddp_spawn",
+            devices=2,
+            max_steps=3,
+            logger=logger,
+            callbacks=[MemoryTopologyProfiler(every_n_steps=1), _RankRecord(str(tmp_path)), ReleaseProcessGroup()],
+        )
+    )
     trainer.fit(Classifier(), classification_loader(n=64))
     # Each rank measures its own batch of B (the sampler splits the data, not the batch).
     assert [float((tmp_path / f"rank{r}.txt").read_text()) for r in (0, 1)] == [ACTIVATION_BYTES] * 2

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch._dynamo
+from test_probe import Classifier, brute_force_estimates, classification_data, fit, network, rel
 from torch import nn
 
-import lightning.pytorch as pl
-from test_batch_variance_probe import Classifier, brute_force_estimates, classification_data, fit, network, rel
-
+from trainvitals.memory import compiled_modules
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.memory import compiled_modules
 from trainvitals.per_example import plan_sources
 from trainvitals.per_example.plan import COMPILED_REASON
 
@@ -42,8 +41,9 @@ def fresh() -> None:
 
 def hooks_left(module: nn.Module) -> list[str]:
     """Modules and parameters of ``module`` that still carry a hook."""
-    return [n for n, m in module.named_modules() if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks] \
-        + [n for n, p in module.named_parameters() if p._backward_hooks]
+    return [n for n, m in module.named_modules() if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks] + [
+        n for n, p in module.named_parameters() if p._backward_hooks
+    ]
 
 
 class MicroBatchGradients(pl.Callback):
@@ -75,8 +75,7 @@ def test_a_compiled_model_keeps_its_graphs_under_the_probe_and_the_stopper(patte
     fresh()
     probe, stopper = BatchVarianceProbe(loss_reduction="mean", histogram_every_n_steps=0), GradNormEarlyStopping()
     with caplog.at_level("INFO"):
-        trainer = fit(compiled(pattern, network("mlp")), data, [probe, stopper],
-                      batch_size=4, steps=2, accumulate=2)
+        trainer = fit(compiled(pattern, network("mlp")), data, [probe, stopper], batch_size=4, steps=2, accumulate=2)
     assert graphs() == plain
     assert caplog.text.count(STEPS_ASIDE) == 1
     assert int(probe.noise.count) == 2 and probe.noise_source.param_share == 1.0
@@ -95,8 +94,10 @@ def test_a_compiled_model_is_measured_from_its_micro_batches(pattern):
     micro-batch gradients, read here from what each backward added to ``.grad``."""
     accumulate, b = 4, 4
     data = classification_data("mlp", accumulate * b)
-    probe, micro = BatchVarianceProbe(loss_reduction="mean", ema_beta=0.0, histogram_every_n_steps=0), \
-        MicroBatchGradients()
+    probe, micro = (
+        BatchVarianceProbe(loss_reduction="mean", ema_beta=0.0, histogram_every_n_steps=0),
+        MicroBatchGradients(),
+    )
     fresh()
     fit(compiled(pattern, network("mlp")), data, [probe, micro], batch_size=b, steps=1, accumulate=accumulate)
     assert graphs()[1] == 0

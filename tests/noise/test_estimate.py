@@ -67,8 +67,11 @@ def test_the_combined_90_percent_interval_covers_the_truth_and_the_sources_agree
         assert noise.disagreement() == "" or not agree
         # The combination sits between its sources and leans to the one with less variance (per-example).
         per, micro = (noise.sources[n].ema for n in ("per_example", "micro_batch"))
-        assert min(float(per.trace_cov), float(micro.trace_cov)) <= h["trace_cov"] <= max(
-            float(per.trace_cov), float(micro.trace_cov))
+        assert (
+            min(float(per.trace_cov), float(micro.trace_cov))
+            <= h["trace_cov"]
+            <= max(float(per.trace_cov), float(micro.trace_cov))
+        )
     print(f"90% intervals: ‖G‖² covered {covered_g}/40, tr Σ {covered_s}/40; sources agree {agree}/40")
     assert covered_g >= 34 and covered_s >= 34  # ≥ 85%
     assert agree >= 36
@@ -79,8 +82,10 @@ def test_the_combined_90_percent_interval_covers_the_truth_and_the_sources_agree
 
 def truncated_lower_bound(x: float, k: float) -> float:
     """The μ at which P(X ≥ x | X ≥ k) = 5% for X ~ N(μ, 1), by bisection on the normal tail."""
+
     def tail(t: float) -> float:
         return 0.5 * math.erfc(t / math.sqrt(2))
+
     lo, hi = 0.0, x
     for _ in range(200):
         mid = (lo + hi) / 2
@@ -104,15 +109,20 @@ def test_one_source_states_its_own_error_and_b_simple_by_the_delta_method():
     assert float(est.grad_sq_norm_se) == pytest.approx(math.sqrt(float(var_g)))
     # The delta method's, or wider: the range's ends, ‖G‖²'s lower one given that it passed the gate.
     delta = float(src.error.relative_error(src.ema))
-    g, g_se, s, s_se = (float(est.grad_sq_norm), float(est.grad_sq_norm_se), float(est.trace_cov),
-                        float(est.trace_cov_se))
+    g, g_se, s, s_se = (
+        float(est.grad_sq_norm),
+        float(est.grad_sq_norm_se),
+        float(est.trace_cov),
+        float(est.trace_cov_se),
+    )
     g_low = truncated_lower_bound(g / g_se, GATE_Z) * g_se
     b = s / g
     ends = max((s + Z90 * s_se) / g_low / b - 1, 1 - (s - Z90 * s_se) / (g + Z90 * g_se) / b) / Z90
     assert float(est.b_simple_rel_err) == pytest.approx(max(delta, ends), rel=1e-6) and ends > delta
     assert float(est.noise_floor) == pytest.approx(math.sqrt(float(src.ema.trace_cov) / B))
-    assert float(est.noise_floor_se) == pytest.approx(float(est.noise_floor) * float(est.trace_cov_se)
-                                                      / (2 * float(est.trace_cov)))
+    assert float(est.noise_floor_se) == pytest.approx(
+        float(est.noise_floor) * float(est.trace_cov_se) / (2 * float(est.trace_cov))
+    )
 
 
 def test_an_invalid_source_never_enters_and_none_left_is_said():
@@ -148,7 +158,9 @@ def test_partial_coverage_is_not_decisive_and_like_is_compared_with_like():
     part, whole = NoiseSource("probe", 0.9, param_share=0.43), NoiseSource("micro_batch", 0.9)
     part.effective_batch_size = whole.effective_batch_size = 8
     noise.attach(part)
-    part.update(torch.tensor(-0.1), torch.tensor(2.0), covered_sq_norm=torch.tensor(0.3), total_sq_norm=torch.tensor(1.0))
+    part.update(
+        torch.tensor(-0.1), torch.tensor(2.0), covered_sq_norm=torch.tensor(0.3), total_sq_norm=torch.tensor(1.0)
+    )
     h = noise.host_summary()
     assert h["coverage"] == pytest.approx(0.3) and not h["decisive"] and h["why"].startswith("partial")
     part.unit_scale = 2.0
@@ -215,8 +227,12 @@ def test_state_round_trips():
     src = NoiseSource("probe", 0.9, 0.5)
     src.unit_scale, src.effective_batch_size = 2.0, 32
     for k in range(5):
-        src.update(torch.tensor(1.0 + k), torch.tensor(3.0 - 0.1 * k), covered_sq_norm=torch.tensor(0.5),
-                   total_sq_norm=torch.tensor(1.0))
+        src.update(
+            torch.tensor(1.0 + k),
+            torch.tensor(3.0 - 0.1 * k),
+            covered_sq_norm=torch.tensor(0.5),
+            total_sq_norm=torch.tensor(1.0),
+        )
     src.invalidate("coupled")
     copy = NoiseSource("probe", 0.9, 0.5)
     copy.load_state_dict(src.state_dict())
@@ -266,8 +282,10 @@ def coupled_step(d: torch.Tensor, gen: torch.Generator, inflate: float) -> tuple
     coupled = mean + inflate * (g - mean)
     batch_sq = mean.square().sum()
     micro_means = g.view(B // MICRO, MICRO, D).mean(1)
-    return (per_example_estimates(coupled.square().sum(), batch_sq, B),
-            two_batch_size_estimates(micro_means.square().sum(1).mean(), batch_sq, B // MICRO, MICRO))
+    return (
+        per_example_estimates(coupled.square().sum(), batch_sq, B),
+        two_batch_size_estimates(micro_means.square().sum(1).mean(), batch_sq, B // MICRO, MICRO),
+    )
 
 
 def test_a_per_example_source_below_zero_beyond_its_error_is_coupled_and_never_in_the_band():
@@ -344,7 +362,9 @@ def test_coverage_of_the_norm_does_not_bound_the_unmeasured_noise_when_the_signa
     src.effective_batch_size = 64
     noise.attach(src)
     for _ in range(30):
-        src.update(torch.tensor(1.0), torch.tensor(8.0), covered_sq_norm=torch.tensor(0.95), total_sq_norm=torch.tensor(1.0))
+        src.update(
+            torch.tensor(1.0), torch.tensor(8.0), covered_sq_norm=torch.tensor(0.95), total_sq_norm=torch.tensor(1.0)
+        )
     total = (1.0 + 8.0 / 64) / 0.95
     worst = 64 * 0.05 * total / 8.0
     h = noise.host_summary()
@@ -356,7 +376,9 @@ def test_coverage_of_the_norm_does_not_bound_the_unmeasured_noise_when_the_signa
     src.effective_batch_size = 64
     quiet.attach(src)
     for _ in range(30):
-        src.update(torch.tensor(0.01), torch.tensor(8.0), covered_sq_norm=torch.tensor(0.95), total_sq_norm=torch.tensor(1.0))
+        src.update(
+            torch.tensor(0.01), torch.tensor(8.0), covered_sq_norm=torch.tensor(0.95), total_sq_norm=torch.tensor(1.0)
+        )
     h = quiet.host_summary()
     assert h["unmeasured_trace_share"] == pytest.approx(0.05 / 0.95 * (1 + 64 * 0.01 / 8.0)) and h["decisive"]
 
@@ -374,18 +396,24 @@ def test_the_unmeasured_noise_bound_holds_for_batches_drawn_without_replacement(
     grads[:, 3:] -= grads[:, 3:].mean(0)
     batches = [list(b) for b in itertools.combinations(range(8), 4)]
     mean_sq = [grads[b].mean(0).square() for b in batches]
-    measured, unmeasured = (sum(float(m[part].sum()) for m in mean_sq) / len(batches) for part in (slice(0, 3), slice(3, 5)))
+    measured, unmeasured = (
+        sum(float(m[part].sum()) for m in mean_sq) / len(batches) for part in (slice(0, 3), slice(3, 5))
+    )
     # the estimators over the measured part: the unmeasured coordinates' share of ‖ḡ‖² is what coverage leaves out
-    pairs_m = [per_example_estimates(grads[b][:, :3].square().sum(), grads[b][:, :3].mean(0).square().sum(), 4)
-               for b in batches]
+    pairs_m = [
+        per_example_estimates(grads[b][:, :3].square().sum(), grads[b][:, :3].mean(0).square().sum(), 4)
+        for b in batches
+    ]
     g_m, s_m = (sum(float(p[i]) for p in pairs_m) / len(pairs_m) for i in (0, 1))
     noise, src = GradientNoise(), NoiseSource("probe", 0.5, param_share=0.6)
     src.effective_batch_size, noise.population = 4, 8
     noise.attach(src)
     for _ in range(30):
-        src.update(*(torch.tensor(v, dtype=torch.float64) for v in (g_m, s_m)),
-                   covered_sq_norm=torch.tensor(measured, dtype=torch.float64),
-                   total_sq_norm=torch.tensor(measured + unmeasured, dtype=torch.float64))
+        src.update(
+            *(torch.tensor(v, dtype=torch.float64) for v in (g_m, s_m)),
+            covered_sq_norm=torch.tensor(measured, dtype=torch.float64),
+            total_sq_norm=torch.tensor(measured + unmeasured, dtype=torch.float64),
+        )
     true_share = float(((grads[:, 3:] ** 2).sum(1)).mean() / ((grads[:, :3] - grads[:, :3].mean(0)) ** 2).sum(1).mean())
     assert noise.host_summary()["unmeasured_trace_share"] == pytest.approx(true_share, rel=1e-9)
 
@@ -483,8 +511,10 @@ def test_an_unresolved_b_simple_is_said_in_words_not_internal_numbers(seed, said
     src.effective_batch_size = 16
     noise.attach(src)
     for _ in range(30):
-        src.update(0.2 + torch.randn((), generator=gen, dtype=torch.float64),
-                   10.0 + torch.randn((), generator=gen, dtype=torch.float64))
+        src.update(
+            0.2 + torch.randn((), generator=gen, dtype=torch.float64),
+            10.0 + torch.randn((), generator=gen, dtype=torch.float64),
+        )
     h = noise.host_summary()
     assert h["decisive"] and math.isinf(h["b_simple_rel_err"]) and (h["grad_sq_norm"] > 0) == (seed == 0)
     text = " ".join(f"{k} {v}" for k, v in noise.summary_rows())

@@ -152,8 +152,10 @@ def test_gradient_snr_sum_in_chunks_matches_the_whole_tensor(monkeypatch):
     assert math.isclose(float(eb), 1 - 8 * float(snr.mean()), rel_tol=1e-12)
 
 
-@pytest.mark.parametrize(("dtype", "sums_dtype"), [(torch.float64, torch.float64), (torch.float32, torch.float32),
-                                                  (torch.float32, torch.float64)])
+@pytest.mark.parametrize(
+    ("dtype", "sums_dtype"),
+    [(torch.float64, torch.float64), (torch.float32, torch.float32), (torch.float32, torch.float64)],
+)
 def test_gradient_snr_is_unchanged_by_the_loss_scale_and_bounded_where_examples_agree(dtype, sums_dtype):
     """GSNR_d = ḡ_d²/σ̂_d² is scale-free: per-example gradients × 1e-4 (a loss × 1e-4) give the same ratios. A
     coordinate no example reaches has GSNR 0; one where all examples agree exactly is bounded by ≈ 1/eps; one

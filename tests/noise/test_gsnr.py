@@ -56,8 +56,10 @@ def test_module_gsnr_over_a_pass_of_several_steps_is_the_brute_force_mean():
         values, partial = coordinates.complete_passes({k: float(v) for k, v in snr.items()}, step, partial)
         logged.update(values)
     assert not partial
-    expected = {"a": torch.cat([_brute_gsnr(grads["a.weight"]).flatten(), _brute_gsnr(grads["a.bias"])]).mean(),
-                "b": _brute_gsnr(grads["b.weight"]).mean()}
+    expected = {
+        "a": torch.cat([_brute_gsnr(grads["a.weight"]).flatten(), _brute_gsnr(grads["a.bias"])]).mean(),
+        "b": _brute_gsnr(grads["b.weight"]).mean(),
+    }
     assert logged.keys() == {gsnr_key("a.weight"), gsnr_key("b.weight")}
     for module, value in expected.items():
         assert math.isclose(logged[gsnr_key(f"{module}.weight")], float(value), rel_tol=1e-9)
@@ -69,11 +71,15 @@ def test_a_whole_step_gives_the_eb_criterion_and_a_lost_step_no_gsnr():
     n = 6
     coordinates = ModuleCoordinates({k: v[0] for k, v in grads.items()}, {"c.weight": sub["c.weight"][0]}, budget=100)
     selection, _ = coordinates.select(0)
-    sums = coordinates.selected_sums(selection, {k: g.sum(0) for k, g in grads.items()},
-                                     {k: g.square().sum(0) for k, g in grads.items()})
-    snr, step = coordinates.snr_sums(selection, *sums, n, {"c.weight": sub["c.weight"].sum(0)},
-                                     {"c.weight": sub["c.weight"].square().sum(0)}, 4)
-    snr_all = torch.cat([*(_brute_gsnr(g).flatten() * n for g in grads.values()), _brute_gsnr(sub["c.weight"]).flatten() * 4])
+    sums = coordinates.selected_sums(
+        selection, {k: g.sum(0) for k, g in grads.items()}, {k: g.square().sum(0) for k, g in grads.items()}
+    )
+    snr, step = coordinates.snr_sums(
+        selection, *sums, n, {"c.weight": sub["c.weight"].sum(0)}, {"c.weight": sub["c.weight"].square().sum(0)}, 4
+    )
+    snr_all = torch.cat(
+        [*(_brute_gsnr(g).flatten() * n for g in grads.values()), _brute_gsnr(sub["c.weight"]).flatten() * 4]
+    )
     assert math.isclose(float(snr[EB_CRITERION]), float(1 - snr_all.sum() / snr_all.numel()), rel_tol=1e-9)
     values, _ = coordinates.complete_passes({k: float(v) for k, v in snr.items()}, step, {})
     assert math.isclose(values[gsnr_key("c.weight")], float(_brute_gsnr(sub["c.weight"]).mean()), rel_tol=1e-9)
@@ -84,8 +90,17 @@ def test_a_whole_step_gives_the_eb_criterion_and_a_lost_step_no_gsnr():
     _, step = split.snr_sums(first, *split.selected_sums(first, {}, {}), n, {}, {}, 0)
     values, partial = split.complete_passes({}, step, {})
     second, _ = split.select(cursor)
-    snr, step = split.snr_sums(second, *split.selected_sums(second, {k: grads[k][:, r].sum(0) for k, r in second.items()},
-                                                            {k: grads[k][:, r].square().sum(0) for k, r in second.items()}),
-                               n, {}, {}, 0)
+    snr, step = split.snr_sums(
+        second,
+        *split.selected_sums(
+            second,
+            {k: grads[k][:, r].sum(0) for k, r in second.items()},
+            {k: grads[k][:, r].square().sum(0) for k, r in second.items()},
+        ),
+        n,
+        {},
+        {},
+        0,
+    )
     values, partial = split.complete_passes({k: float(v) for k, v in snr.items()}, step, partial)
     assert gsnr_key("a.weight") not in values and gsnr_key("a.weight") not in partial

@@ -43,7 +43,8 @@ def test_the_coverage_names_what_the_norms_leave_out_and_counts_batchnorm():
     linears = [*model.body[0].parameters(), *model.body[2].parameters()]
     total = 7 * 4 + 2 * 20 + 4 * 4 + 10 + 24  # the trainable ones: the frozen layer is no part of the whole
     assert norm_coverage(model, [*linears, *model.block[0].parameters()]) == (
-        f"over {60 / total:.1%} of parameters (not: 4 BatchNorm tensors, `wpe`, `head`, `block.gamma`)")
+        f"over {60 / total:.1%} of parameters (not: 4 BatchNorm tensors, `wpe`, `head`, `block.gamma`)"
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert norm_coverage(model, trainable) == WHOLE == "over all trainable parameters"
     assert norm_coverage(model, trainable[1:]) == f"over {1 - 28 / total:.1%} of parameters (not: `wpe`)"
@@ -57,6 +58,7 @@ def test_a_coverage_short_of_the_whole_never_reads_100_percent():
 def test_the_panel_says_what_it_covers():
     outliers = largest_examples(torch.tensor([1.0, 2.0]), [], 1, "over 50.0% of parameters (not: `wpe`)")
     assert outliers.coverage == "over 50.0% of parameters (not: `wpe`)"
-    assert outliers.markdown(3).startswith("**Largest per-example gradient norms at optimizer step 3, over 50.0% of "
-                                           "parameters (not: `wpe`).**")
+    assert outliers.markdown(3).startswith(
+        "**Largest per-example gradient norms at optimizer step 3, over 50.0% of parameters (not: `wpe`).**"
+    )
     assert largest_examples(torch.tensor([1.0]), [], 1).coverage == WHOLE

@@ -9,32 +9,34 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import GAN, ReleaseProcessGroup
+from conftest import HostReads, RecordingLogger, trainer_kwargs
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins import MixedPrecision
+from per_example.test_guards import Lookup
+from per_example.test_per_example_core import Scale, SequenceModel, brute_force, cnn, mlp
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lightning.pytorch as pl
-from lightning.pytorch import Trainer
-from lightning.pytorch.plugins import MixedPrecision
-from _models import GAN, ReleaseProcessGroup
-from conftest import HostReads, RecordingLogger, trainer_kwargs
-from test_core_per_example import Scale, SequenceModel, brute_force, cnn, mlp
-from test_per_example_guards import Lookup
-
 from trainvitals import GradNormMonitor
-from trainvitals.norms import monitor as monitor_module
+from trainvitals.noise.estimators import NoiseScaleEMA, gradient_snr
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.noise.estimators import NoiseScaleEMA, gradient_snr
+from trainvitals.norms import monitor as monitor_module
 from trainvitals.per_example import PerExampleGradients
 
 
 def last_logged(logger: RecordingLogger) -> dict[str, float]:
     """The last value of every ``grad_noise/*`` tag, and of the run's one noise floor."""
-    return {tag: series[-1][1] for tag, series in logger.series.items()
-            if tag.startswith(("grad_noise/", "grad_norm/noise_floor")) and series}
+    return {
+        tag: series[-1][1]
+        for tag, series in logger.series.items()
+        if tag.startswith(("grad_noise/", "grad_norm/noise_floor")) and series
+    }
 
 
 class Classifier(pl.LightningModule):
@@ -73,14 +75,34 @@ class Recorder(pl.Callback):
             self.true_values.append(self.truth(pl_module))
 
 
-def fit(module: pl.LightningModule, data: TensorDataset, callbacks: list, *, batch_size: int, steps: int,
-        accumulate: int = 1, precision: Any = "64-true", logger: RecordingLogger | None = None, **kwargs: Any) -> pl.Trainer:
+def fit(
+    module: pl.LightningModule,
+    data: TensorDataset,
+    callbacks: list,
+    *,
+    batch_size: int,
+    steps: int,
+    accumulate: int = 1,
+    precision: Any = "64-true",
+    logger: RecordingLogger | None = None,
+    **kwargs: Any,
+) -> pl.Trainer:
     plugins = [precision] if isinstance(precision, MixedPrecision) else []
     trainer = pl.Trainer(
-        max_steps=steps, accumulate_grad_batches=accumulate, callbacks=callbacks, logger=logger or RecordingLogger(),
-        log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-        accelerator="cpu", devices=1, num_sanity_val_steps=0, plugins=plugins,
-        precision=None if plugins else precision, **kwargs,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        callbacks=callbacks,
+        logger=logger or RecordingLogger(),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        plugins=plugins,
+        precision=None if plugins else precision,
+        **kwargs,
     )
     trainer.fit(module, DataLoader(data, batch_size=batch_size, shuffle=False))
     return trainer
@@ -124,9 +146,17 @@ def rel(a: float, b: float) -> float:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"measure_every_n_steps": 0}, {"log_every_n_steps": 0}, {"histogram_every_n_steps": -1}, {"ema_beta": 1.0},
-     {"loss_reduction": "token"}, {"fallback_sub_batch": 1}, {"max_rel_err": 0.0}, {"top_k": -1},
-     {"coordinate_budget": 0}],
+    [
+        {"measure_every_n_steps": 0},
+        {"log_every_n_steps": 0},
+        {"histogram_every_n_steps": -1},
+        {"ema_beta": 1.0},
+        {"loss_reduction": "token"},
+        {"fallback_sub_batch": 1},
+        {"max_rel_err": 0.0},
+        {"top_k": -1},
+        {"coordinate_budget": 0},
+    ],
 )
 def test_constructor_rejects(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
@@ -164,8 +194,15 @@ def test_float32_training_gives_the_gsnr_of_float64_statistics_where_examples_ne
     torch.manual_seed(0)
     x, y = 0.003 * torch.randn(8, 8), torch.zeros(8, dtype=torch.long)
     module, logger = Classifier(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))), RecordingLogger()
-    fit(module, TensorDataset(x, y), [BatchVarianceProbe(ema_beta=0.0)], batch_size=8, steps=1, precision="32-true",
-        logger=logger)
+    fit(
+        module,
+        TensorDataset(x, y),
+        [BatchVarianceProbe(ema_beta=0.0)],
+        batch_size=8,
+        steps=1,
+        precision="32-true",
+        logger=logger,
+    )
     params = dict(module.net.named_parameters())
     losses = F.cross_entropy(module.net(x), y, reduction="none")
     grads = [torch.autograd.grad(loss, list(params.values()), retain_graph=True) for loss in losses]
@@ -214,16 +251,26 @@ def test_a_coordinate_budget_rotates_through_the_layers_exactly(tmp_path):
         assert all(rel(v, value) < 1e-6 for v in logger.values(tag)), tag
 
     first = Classifier(network("mlp"))  # checkpointed at step 3, where net.2's pass has begun (see the docstring)
-    trainer = fit(first, data, [BatchVarianceProbe(coordinate_budget=30)], batch_size=8, steps=3, logger=RecordingLogger())
+    trainer = fit(
+        first, data, [BatchVarianceProbe(coordinate_budget=30)], batch_size=8, steps=3, logger=RecordingLogger()
+    )
     state = next(c for c in trainer.callbacks if isinstance(c, BatchVarianceProbe)).state_dict()
     assert state["coordinate_cursor"] > 0 and "grad_noise/gsnr/net.2" in state["gsnr_partial"]
     path = tmp_path / "mid_pass.ckpt"
     trainer.save_checkpoint(path)
     resumed_logger = RecordingLogger()
-    pl.Trainer(max_steps=4, callbacks=[BatchVarianceProbe(coordinate_budget=30)], logger=resumed_logger,
-               log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-               accelerator="cpu", devices=1, precision="64-true").fit(
-        Classifier(network("mlp")), DataLoader(data, batch_size=8), ckpt_path=path)
+    pl.Trainer(
+        max_steps=4,
+        callbacks=[BatchVarianceProbe(coordinate_budget=30)],
+        logger=resumed_logger,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+    ).fit(Classifier(network("mlp")), DataLoader(data, batch_size=8), ckpt_path=path)
     assert [step for step, _ in resumed_logger.series["grad_noise/gsnr/net.2"]] == [3]
     assert rel(resumed_logger.values("grad_noise/gsnr/net.2")[0], truth["grad_noise/gsnr/net.2"]) < 1e-6
 
@@ -247,8 +294,15 @@ def test_the_collector_holds_at_most_the_coordinate_budget(monkeypatch):
     data = classification_data("mlp", 64)
     data = TensorDataset(torch.randn(64, 64, dtype=torch.float64), data.tensors[1])
     logger = RecordingLogger()
-    fit(Classifier(net), data, [BatchVarianceProbe(coordinate_budget=1000)], batch_size=8, steps=10, accumulate=2,
-        logger=logger)
+    fit(
+        Classifier(net),
+        data,
+        [BatchVarianceProbe(coordinate_budget=1000)],
+        batch_size=8,
+        steps=10,
+        accumulate=2,
+        logger=logger,
+    )
     assert len(held) == 10 and 0 < min(held) and max(held) <= 2 * (1000 + 63)
     assert {f"grad_noise/gsnr/net.{i}" for i in (0, 2, 4)} <= set(logger.series)
     held.clear()
@@ -277,10 +331,18 @@ def test_the_one_noise_floor_is_in_the_units_of_the_gradient_norm_beside_it(accu
     for reduction in ("mean", "sum"):
         logger = RecordingLogger()
         callbacks = [GradNormMonitor(), BatchVarianceProbe(beta=0.5), GradNormEarlyStopping(ema_beta=0.5)]
-        fit(Classifier(network("mlp"), reduction), data, callbacks, batch_size=8 // accumulate, steps=3,
-            accumulate=accumulate, logger=logger)
-        runs[reduction] = {tag: logger.values(tag)[-1] for tag in
-                           ("grad_norm/total", "grad_norm/noise_floor", "grad_noise/trace_cov")}
+        fit(
+            Classifier(network("mlp"), reduction),
+            data,
+            callbacks,
+            batch_size=8 // accumulate,
+            steps=3,
+            accumulate=accumulate,
+            logger=logger,
+        )
+        runs[reduction] = {
+            tag: logger.values(tag)[-1] for tag in ("grad_norm/total", "grad_norm/noise_floor", "grad_noise/trace_cov")
+        }
         assert "grad_noise/noise_floor" not in logger.series and "grad_norm/b_simple" not in logger.series
     b = 8 // accumulate
     mean, summed = runs["mean"], runs["sum"]
@@ -314,7 +376,9 @@ def test_accumulation_is_not_noisier_than_the_equivalent_batch():
     spread = float((grads - grads.mean(0)).square().sum(1).mean()) * steps / (steps - 1)
     logged = last_logged(logger)
     assert 0.7 < spread / logged["grad_noise/batch_grad_var/full_batch"] < 1.4  # not 4: tr Σ/16
-    assert math.isclose(logged["grad_noise/batch_grad_var/micro_batch"], 4 * logged["grad_noise/batch_grad_var/full_batch"])
+    assert math.isclose(
+        logged["grad_noise/batch_grad_var/micro_batch"], 4 * logged["grad_noise/batch_grad_var/full_batch"]
+    )
 
 
 def _mixed_net() -> nn.Module:
@@ -336,10 +400,18 @@ def test_fallback_sources_match_their_formulas(source):
     accumulate, batch_size = (4, 4) if source == "micro_batches" else (1, 16)
     # float32: MicroBatchSquaredNorms (core/noise.py) takes fp32 norms and rejects float64 gradients
     precision, tolerance = ("32-true", 1e-4) if source == "micro_batches" else ("64-true", 1e-6)
-    fit(module, as_float32(data) if precision == "32-true" else data, [probe], batch_size=batch_size, steps=1,
-        accumulate=accumulate, precision=precision)
-    assert ("micro-batches/ranks" if source == "micro_batches" else "torch.func vmap on a sub-batch of 4 examples") \
-        in probe.sources
+    fit(
+        module,
+        as_float32(data) if precision == "32-true" else data,
+        [probe],
+        batch_size=batch_size,
+        steps=1,
+        accumulate=accumulate,
+        precision=precision,
+    )
+    assert (
+        "micro-batches/ranks" if source == "micro_batches" else "torch.func vmap on a sub-batch of 4 examples"
+    ) in probe.sources
     per_example = brute_force(module.net.double(), *data.tensors)
     linear = torch.cat([g.flatten(1) for n, g in per_example.items() if not n.startswith("0.")], 1)
     trace = (linear - linear.mean(0)).square().sum() / 15
@@ -386,7 +458,10 @@ def test_closed_form_linear_regression():
     for step, ((true_g2, true_trace), (g2, trace)) in enumerate(zip(recorder.true_values, history)):
         expected.update(torch.tensor(true_g2), torch.tensor(true_trace))
         if step >= 50:
-            worst = [max(worst[0], rel(g2, float(expected.grad_sq_norm))), max(worst[1], rel(trace, float(expected.trace_cov)))]
+            worst = [
+                max(worst[0], rel(g2, float(expected.grad_sq_norm))),
+                max(worst[1], rel(trace, float(expected.trace_cov))),
+            ]
     assert worst[0] < 0.1 and worst[1] < 0.1, worst
 
 
@@ -409,18 +484,26 @@ def test_unavailable_warns_once_and_logs_nothing(case):
         module, batch_size, probe = LeafLoss(network("mlp")), 8, BatchVarianceProbe()
     else:
         torch.manual_seed(0)
-        module, batch_size, probe = Classifier(nn.Sequential(Scale(5), nn.Tanh())), 8, BatchVarianceProbe(fallback=False)
+        module, batch_size, probe = (
+            Classifier(nn.Sequential(Scale(5), nn.Tanh())),
+            8,
+            BatchVarianceProbe(fallback=False),
+        )
     logger = RecordingLogger()
     data = TensorDataset(classification_data("mlp", 32).tensors[0], torch.randint(0, 3, (32,)))
-    stopper = GradNormEarlyStopping(mode="noise_band", patience=1, margin=1e6, min_steps=0, check_every_n_steps=1)  # would stop at once on any data
+    stopper = GradNormEarlyStopping(
+        mode="noise_band", patience=1, margin=1e6, min_steps=0, check_every_n_steps=1
+    )  # would stop at once on any data
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer = fit(module, data, [probe, stopper], batch_size=batch_size, steps=4, logger=logger)
     assert trainer.global_step == 4 and not trainer.should_stop
     (message,) = _probe_warnings(record)
     if case == "nothing_supported":  # the reason of the plan, not a guess at it
-        assert "no parameter has a source (one micro-batch per step on one device): Scale has no per-example " \
+        assert (
+            "no parameter has a source (one micro-batch per step on one device): Scale has no per-example "
             "identity, fallback off" in message
+        )
     assert last_logged(logger) == {}
     assert int(probe.noise.count) == 0 and not bool(probe.noise.in_noise_band(batch_size, 1.0))
     assert math.isfinite(float(probe.noise.trace_cov)) and math.isfinite(float(probe.noise.grad_sq_norm))
@@ -434,8 +517,9 @@ def test_an_empty_batch_is_left_out_with_a_warning(told):
     probe, logger = BatchVarianceProbe(loss_reduction=told), RecordingLogger()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        trainer = Trainer(**trainer_kwargs(callbacks=[probe], logger=logger, max_steps=3, log_every_n_steps=1,
-                                           precision="64-true"))
+        trainer = Trainer(
+            **trainer_kwargs(callbacks=[probe], logger=logger, max_steps=3, log_every_n_steps=1, precision="64-true")
+        )
         trainer.fit(Classifier(network("mlp"), reduction="sum"), batches)
     assert trainer.global_step == 3 and int(probe.noise.count) == 2
     assert any("an empty micro-batch" in w for w in _probe_warnings(record))
@@ -459,7 +543,7 @@ def test_batchnorm_micro_batch_warning_and_the_deviation_it_causes():
     def accumulated_gradient(micro: int) -> torch.Tensor:
         net.zero_grad()
         for chunk in range(0, 64, micro):
-            (F.cross_entropy(net(x[chunk:chunk + micro]), y[chunk:chunk + micro]) * micro / 64).backward()
+            (F.cross_entropy(net(x[chunk : chunk + micro]), y[chunk : chunk + micro]) * micro / 64).backward()
         return torch.cat([p.grad.flatten() for p in net.parameters()])
 
     full = accumulated_gradient(64)
@@ -477,8 +561,16 @@ def _batchnorm_fit(accumulate: int, monkeypatch: pytest.MonkeyPatch, **probe_arg
     monkeypatch.setattr(probe, "info", lambda text, once=False: said.append(text))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(Classifier(net), as_float32(classification_data("mlp", 64)), [probe, stopper], batch_size=8,
-            steps=24 // accumulate, accumulate=accumulate, precision="32-true", logger=logger)
+        fit(
+            Classifier(net),
+            as_float32(classification_data("mlp", 64)),
+            [probe, stopper],
+            batch_size=8,
+            steps=24 // accumulate,
+            accumulate=accumulate,
+            precision="32-true",
+            logger=logger,
+        )
     return probe, said, [str(w.message) for w in record], logger
 
 
@@ -498,7 +590,9 @@ def test_with_batchnorm_the_fit_start_line_says_gsnr_and_eb_are_not_logged(accum
     probe, said, _, logger = _batchnorm_fit(accumulate, monkeypatch)
     first = said[0]
     assert first.startswith("planned sources") and "grad_noise/gsnr/* and grad_noise/eb_criterion, which need" in first
-    assert ("measured from micro-batches and ranks" if accumulate > 1 else "not logged while BatchNorm is in training mode") in first
+    assert (
+        "measured from micro-batches and ranks" if accumulate > 1 else "not logged while BatchNorm is in training mode"
+    ) in first
     assert not [tag for tag in logger.series if tag.startswith(("grad_noise/gsnr", "grad_noise/eb_criterion"))]
     _, said, _, logger = _batchnorm_fit(accumulate, monkeypatch, per_coordinate=False)
     assert "not logged" not in said[0]  # turned off by the user: nothing to explain
@@ -535,8 +629,12 @@ class StepValues(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         probe = next(c for c in trainer.callbacks if isinstance(c, BatchVarianceProbe))
         if trainer.global_step == self.step:
-            self.values = (float(probe.noise.trace_cov), float(probe.noise.grad_sq_norm),
-                           float(probe.noise_source.norm_share), sorted(v for _, v in probe.last_outliers))
+            self.values = (
+                float(probe.noise.trace_cov),
+                float(probe.noise.grad_sq_norm),
+                float(probe.noise_source.norm_share),
+                sorted(v for _, v in probe.last_outliers),
+            )
 
 
 class LookupRegression(pl.LightningModule):
@@ -584,9 +682,12 @@ def test_per_example_ids_cost_no_host_read_between_logging_steps(monkeypatch, sh
     per_example = []
     for i in range(16, 24):
         net.zero_grad()
-        (net(x[i:i + 1]).squeeze(-1) - y[i:i + 1]).square().sum().backward()
-        per_example.append(torch.cat([p.grad.flatten() for name, p in net.named_parameters()
-                                      if not (shared and name.startswith("items"))]))
+        (net(x[i : i + 1]).squeeze(-1) - y[i : i + 1]).square().sum().backward()
+        per_example.append(
+            torch.cat(
+                [p.grad.flatten() for name, p in net.named_parameters() if not (shared and name.startswith("items"))]
+            )
+        )
     flat = torch.stack(per_example)
     trace = (flat - flat.mean(0)).square().sum() / 7
     trace_cov, grad_sq_norm, coverage, _ = second.values
@@ -628,19 +729,40 @@ def test_outliers_are_dataset_rows_from_the_batch_index_or_a_sequential_sampler(
     # Shuffled, with the row in the batch.
     rows = [{"x": x, "y": y, "index": i} for i, (x, y) in enumerate(zip(*data.tensors))]
     probe = BatchVarianceProbe(histogram_every_n_steps=1, top_k=2)
-    trainer = pl.Trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[probe], logger=RecordingLogger(),
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                         accelerator="cpu", devices=1, num_sanity_val_steps=0, precision="64-true")
-    trainer.fit(IndexedClassifier(module.net), DataLoader(rows, batch_size=8, shuffle=True,
-                                                          generator=torch.Generator().manual_seed(3)))
+    trainer = pl.Trainer(
+        max_steps=1,
+        accumulate_grad_batches=2,
+        callbacks=[probe],
+        logger=RecordingLogger(),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        precision="64-true",
+    )
+    trainer.fit(
+        IndexedClassifier(module.net),
+        DataLoader(rows, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3)),
+    )
     assert probe.outlier_rows and [i for i, _ in probe.last_outliers] == truth
     assert probe.last_outliers[0][1] == pytest.approx(float(norms[truth[0]]), rel=1e-9)
 
     # Shuffled without it: positions, and the panel says so.
     probe = BatchVarianceProbe(histogram_every_n_steps=1, top_k=2)
-    trainer = pl.Trainer(max_steps=1, callbacks=[probe], logger=RecordingLogger(), enable_progress_bar=False,
-                         enable_checkpointing=False, enable_model_summary=False, accelerator="cpu", devices=1,
-                         num_sanity_val_steps=0, precision="64-true")
+    trainer = pl.Trainer(
+        max_steps=1,
+        callbacks=[probe],
+        logger=RecordingLogger(),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        precision="64-true",
+    )
     trainer.fit(module, DataLoader(data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(3)))
     assert not probe.outlier_rows and "position in batch" in probe.summary_markdown()
 
@@ -660,9 +782,16 @@ def test_logged_tags_and_cadence():
     assert [step for step, _ in logger.series["grad_noise/trace_cov"]] == [0, 4, 8]
     tags = set(last_logged(logger))
     # No grad_noise/b_simple_rel_err: it is infinite (not logged) while ‖G‖² is below the reliability gate.
-    assert {"grad_noise/trace_cov", "grad_noise/grad_sq_norm",
-            "grad_noise/b_simple_unreliable", "grad_norm/noise_floor", "grad_noise/batch_grad_var/micro_batch",
-            "grad_noise/batch_grad_var/full_batch", "grad_noise/eb_criterion", "grad_noise/gsnr/net.0"} <= tags
+    assert {
+        "grad_noise/trace_cov",
+        "grad_noise/grad_sq_norm",
+        "grad_noise/b_simple_unreliable",
+        "grad_norm/noise_floor",
+        "grad_noise/batch_grad_var/micro_batch",
+        "grad_noise/batch_grad_var/full_batch",
+        "grad_noise/eb_criterion",
+        "grad_noise/gsnr/net.0",
+    } <= tags
     assert all(math.isfinite(v) for series in logger.series.values() for _, v in series)
     assert int(probe.noise.count) == 5
 
@@ -683,7 +812,8 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     assert restored.grad_scale == probe.grad_scale == 8.0  # .grad of a loss summed over 8 examples
     assert float(restored.noise.trace_cov) == pytest.approx(float(probe.noise.trace_cov), rel=1e-12)
     assert float(restored.noise_error.relative_error(restored.noise)) == pytest.approx(
-        float(probe.noise_error.relative_error(probe.noise)), rel=1e-12)
+        float(probe.noise_error.relative_error(probe.noise)), rel=1e-12
+    )
     BatchVarianceProbe().load_state_dict({})  # an older checkpoint without this state still loads
     older = BatchVarianceProbe(beta=0.9)  # one written before the estimate's sources: no "source" entry
     older.load_state_dict({k: v for k, v in state.items() if k != "source"})
@@ -691,9 +821,17 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     assert float(older.gradient_noise.estimate().trace_cov) == pytest.approx(64 * float(probe.noise.trace_cov))
 
     resumed = BatchVarianceProbe(beta=0.9)
-    pl.Trainer(max_steps=6, callbacks=[resumed], logger=False, enable_progress_bar=False, enable_checkpointing=False,
-               enable_model_summary=False, accelerator="cpu", devices=1, precision="64-true").fit(
-        Classifier(network("mlp"), "sum", lr=0.1), DataLoader(data, batch_size=8), ckpt_path=path)
+    pl.Trainer(
+        max_steps=6,
+        callbacks=[resumed],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+    ).fit(Classifier(network("mlp"), "sum", lr=0.1), DataLoader(data, batch_size=8), ckpt_path=path)
     assert int(resumed.noise.count) == 6
 
 
@@ -764,7 +902,10 @@ def test_a_new_fit_starts_afresh():
 def test_amp_loss_scale_is_undone(module):
     data = TensorDataset(classification_data("mlp", 16).tensors[0].float(), classification_data("mlp", 16).tensors[1])
     values = []
-    for precision in ("32-true", MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))):
+    for precision in (
+        "32-true",
+        MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12)),
+    ):
         probe = BatchVarianceProbe(beta=0.0)
         torch.manual_seed(0)
         fit(module(mlp()), data, [probe], batch_size=16, steps=1, precision=precision)
@@ -793,9 +934,13 @@ class RankReport(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         probe = next(c for c in trainer.callbacks if isinstance(c, BatchVarianceProbe))
-        report = {"trace_cov": float(probe.noise.trace_cov), "grad_sq_norm": float(probe.noise.grad_sq_norm),
-                  "count": int(probe.noise.count), "effective_batch_size": probe.effective_batch_size,
-                  "sources": probe.sources}
+        report = {
+            "trace_cov": float(probe.noise.trace_cov),
+            "grad_sq_norm": float(probe.noise.grad_sq_norm),
+            "count": int(probe.noise.count),
+            "effective_batch_size": probe.effective_batch_size,
+            "sources": probe.sources,
+        }
         Path(self.folder, f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
@@ -803,9 +948,16 @@ class RankReport(pl.Callback):
 def test_ddp_uses_rank_and_global_gradients_and_agrees_with_one_process(tmp_path):
     data, steps = as_float32(classification_data("mlp", 16 * 30, seed=5)), 30
     pl.Trainer(
-        strategy="ddp_spawn", accelerator="cpu", devices=2, max_steps=steps, logger=False,
-        callbacks=[BatchVarianceProbe(beta=0.9), RankReport(str(tmp_path)), ReleaseProcessGroup()], enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
+        strategy="ddp_spawn",
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        callbacks=[BatchVarianceProbe(beta=0.9), RankReport(str(tmp_path)), ReleaseProcessGroup()],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
     ).fit(Classifier(_mixed_net()), datamodule=InterleavedRanks(data, batch_size=8))
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]  # every rank holds the same value
@@ -844,8 +996,15 @@ def test_demo_cnn_runs_with_the_probe():
     probe = BatchVarianceProbe(log_every_n_steps=5, histogram_every_n_steps=5)
     logger = RecordingLogger()
     torch.manual_seed(0)
-    trainer = pl.Trainer(max_steps=10, callbacks=[probe], logger=logger, enable_progress_bar=False,
-                         enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = pl.Trainer(
+        max_steps=10,
+        callbacks=[probe],
+        logger=logger,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(DigitsCNN(), DigitsDataModule(batch_size=32))
     assert "Conv2d×2, Linear×2 (100.0% of parameters)" in probe.sources
     assert int(probe.noise.count) == 10 and probe.effective_batch_size == 32
@@ -896,8 +1055,10 @@ class Encoder(nn.Module):
         return self.head(self.encoder(x).mean(1))
 
 
-@pytest.mark.parametrize(("model", "layers"), [(Attention, "MultiheadAttention×1, Linear×1"),
-                                               (Encoder, "MultiheadAttention×2, Linear×5, LayerNorm×4")])
+@pytest.mark.parametrize(
+    ("model", "layers"),
+    [(Attention, "MultiheadAttention×1, Linear×1"), (Encoder, "MultiheadAttention×2, Linear×5, LayerNorm×4")],
+)
 def test_multihead_attention_is_measured_per_example(model, layers):
     """Also inside nn.TransformerEncoder, whose dropout draws masks in training: attention is measured from what
     the forward computed, and each step's Σ_i g_i adds up to the batch gradient (the probe's check)."""
@@ -931,9 +1092,17 @@ def test_ddp_a_layer_that_fails_on_one_rank_is_excluded_on_every_rank(tmp_path):
     every rank measures that layer from the ranks from then on."""
     data = as_float32(classification_data("mlp", 16 * 12, seed=6))
     pl.Trainer(
-        strategy="ddp_spawn_find_unused_parameters_true", accelerator="cpu", devices=2, max_steps=12, logger=False,
-        log_every_n_steps=4, callbacks=[BatchVarianceProbe(), RankReport(str(tmp_path)), ReleaseProcessGroup()],
-        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
+        strategy="ddp_spawn_find_unused_parameters_true",
+        accelerator="cpu",
+        devices=2,
+        max_steps=12,
+        logger=False,
+        log_every_n_steps=4,
+        callbacks=[BatchVarianceProbe(), RankReport(str(tmp_path)), ReleaseProcessGroup()],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
     ).fit(BranchOnOneRank(), datamodule=InterleavedRanks(data, batch_size=8))
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]
@@ -950,11 +1119,21 @@ def test_ddp_the_step_that_finds_a_shared_position_table_on_every_rank_is_measur
     torch.manual_seed(0)
     tokens = torch.randint(0, VOCAB, (16 * 10, 6))
     pl.Trainer(
-        strategy="ddp_spawn", accelerator="cpu", devices=2, max_steps=10, logger=False, log_every_n_steps=5,
-        callbacks=[BatchVarianceProbe(), RankReport(str(tmp_path)), ReleaseProcessGroup()], enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
-    ).fit(LanguageModel(PositionedGPT("hf", 6)),
-          datamodule=InterleavedRanks(TensorDataset(tokens, tokens.roll(-1, 1)), batch_size=8))
+        strategy="ddp_spawn",
+        accelerator="cpu",
+        devices=2,
+        max_steps=10,
+        logger=False,
+        log_every_n_steps=5,
+        callbacks=[BatchVarianceProbe(), RankReport(str(tmp_path)), ReleaseProcessGroup()],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    ).fit(
+        LanguageModel(PositionedGPT("hf", 6)),
+        datamodule=InterleavedRanks(TensorDataset(tokens, tokens.roll(-1, 1)), batch_size=8),
+    )
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["count"] == 10
     assert "micro-batches/ranks: 1 tensors" in ranks[0]["sources"]
@@ -965,8 +1144,9 @@ def test_a_window_of_one_micro_batch_is_left_out_not_fatal():
     spread between micro-batches to measure the layer without a per-example identity from."""
     data = as_float32(classification_data("mlp", 36))
     probe = BatchVarianceProbe(beta=0.0)
-    trainer = fit(Classifier(_mixed_net()), data, [probe], batch_size=4, steps=-1, accumulate=2, precision="32-true",
-                  max_epochs=1)
+    trainer = fit(
+        Classifier(_mixed_net()), data, [probe], batch_size=4, steps=-1, accumulate=2, precision="32-true", max_epochs=1
+    )
     assert trainer.global_step == 5
     assert "micro-batches/ranks" in probe.sources
     assert int(probe.noise.count) == 4
@@ -1042,8 +1222,15 @@ def test_two_optimizers_are_named_as_the_reason_nothing_is_measured():
     probe, logger = BatchVarianceProbe(), RecordingLogger()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(GAN(d=5), as_float32(classification_data("mlp", 32)), [probe], batch_size=8, steps=6,
-            precision="32-true", logger=logger)
+        fit(
+            GAN(d=5),
+            as_float32(classification_data("mlp", 32)),
+            [probe],
+            batch_size=8,
+            steps=6,
+            precision="32-true",
+            logger=logger,
+        )
     (message,) = _probe_warnings(record)
     assert "the run has 2 optimizers" in message
     assert last_logged(logger) == {} and int(probe.noise.count) == 0
@@ -1063,8 +1250,15 @@ def test_a_skipped_batch_leaves_per_example_measurement_intact(accumulate):
     probe, logger = BatchVarianceProbe(), RecordingLogger()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(SkipsOneBatch(network("mlp")), classification_data("mlp", 96), [probe], batch_size=8, steps=4,
-            accumulate=accumulate, logger=logger)
+        fit(
+            SkipsOneBatch(network("mlp")),
+            classification_data("mlp", 96),
+            [probe],
+            batch_size=8,
+            steps=4,
+            accumulate=accumulate,
+            logger=logger,
+        )
     assert not any("more than once" in m for m in _probe_warnings(record)) and not probe._excluded
     assert set(probe._plan.per_example) == {"net.0", "net.2", "net.4"}
     steps = [step for step, _ in logger.series["grad_noise/gsnr/net.0"]]
@@ -1111,8 +1305,14 @@ def test_a_gpt_with_tied_embeddings_is_measured_per_example_end_to_end():
     probe, logger = BatchVarianceProbe(), RecordingLogger()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(LanguageModel(GPT().double()), TensorDataset(tokens, tokens.roll(-1, 1)), [probe], batch_size=8, steps=3,
-            logger=logger)
+        fit(
+            LanguageModel(GPT().double()),
+            TensorDataset(tokens, tokens.roll(-1, 1)),
+            [probe],
+            batch_size=8,
+            steps=3,
+            logger=logger,
+        )
     # The position table, looked up with ids shared by the batch, is named once and left out; the rest is
     # measured per example from the first step on, the GSNR of the tied table too, but no EB criterion at the
     # first step, which lacks the position table's coordinates.
@@ -1129,7 +1329,7 @@ class PositionedGPT(nn.Module):
 
     def __init__(self, style: str, t: int) -> None:
         super().__init__()
-        from zoo import D, VOCAB, PreLNBlock
+        from zoo import VOCAB, D, PreLNBlock
 
         self.style = style
         self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(t, D)
@@ -1164,14 +1364,21 @@ def test_the_step_that_finds_a_shared_position_table_is_measured_without_it(styl
     host.watch(probe, ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(LanguageModel(net), TensorDataset(tokens, tokens.roll(-1, 1)), [probe, first], batch_size=b,
-            steps=steps, accumulate=accumulate)
+        fit(
+            LanguageModel(net),
+            TensorDataset(tokens, tokens.roll(-1, 1)),
+            [probe, first],
+            batch_size=b,
+            steps=steps,
+            accumulate=accumulate,
+        )
     monkeypatch.undo()
     assert {step for step, _ in host.reads} <= set(range(0, steps, 5))
     (message,) = _probe_warnings(record)
     assert message.startswith("trainvitals BatchVarianceProbe: cannot measure per example: net.wpe: ")
-    assert ("the steps it failed in are measured over the other layers, its parameters counted as not measured"
-            in message)
+    assert (
+        "the steps it failed in are measured over the other layers, its parameters counted as not measured" in message
+    )
     assert probe._excluded == {"net.wpe"}
     assert int(probe.noise.count) == steps and int(probe.gradient_noise.estimate().count) == steps
 
@@ -1180,7 +1387,7 @@ def test_the_step_that_finds_a_shared_position_table_is_measured_without_it(styl
     grads: dict[str, list[torch.Tensor]] = {name: [] for name, _ in net.named_parameters()}
     for i in range(n):  # each example's own loss: the mean over its tokens
         net.zero_grad()
-        F.cross_entropy(net(x[i:i + 1]).flatten(0, 1), y[i:i + 1].flatten()).backward()
+        F.cross_entropy(net(x[i : i + 1]).flatten(0, 1), y[i : i + 1].flatten()).backward()
         for name, p in net.named_parameters():
             grads[name].append(p.grad.clone())
     flat = torch.cat([torch.stack(g).flatten(1) for name, g in grads.items() if name != "wpe.weight"], 1)
@@ -1208,8 +1415,13 @@ def test_a_random_forward_measured_by_torch_func_is_named_with_what_would_make_i
     probe = BatchVarianceProbe()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(Classifier(nn.Sequential(NoisyScale(), nn.Linear(5, 3)).double()), classification_data("mlp", 16), [probe],
-            batch_size=8, steps=2)
+        fit(
+            Classifier(nn.Sequential(NoisyScale(), nn.Linear(5, 3)).double()),
+            classification_data("mlp", 16),
+            [probe],
+            batch_size=8,
+            steps=2,
+        )
     (message,) = [m for m in _probe_warnings(record) if "net.0" in m]
     assert "draws random numbers" in message and "nn.Dropout module outside it" in message
     assert "randomness flag" not in message and probe._excluded == {"net.0"}
@@ -1233,11 +1445,16 @@ def test_a_layer_whose_per_example_gradients_do_not_add_up_is_measured_from_micr
     probe = BatchVarianceProbe(per_coordinate=per_coordinate)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(Classifier(DirectWeightNet().double()), classification_data("mlp", 64), [probe], batch_size=8, steps=2,
-            accumulate=2)
+        fit(
+            Classifier(DirectWeightNet().double()),
+            classification_data("mlp", 64),
+            [probe],
+            batch_size=8,
+            steps=2,
+            accumulate=2,
+        )
     assert [m for m in _probe_warnings(record) if "net.proj: its per-example gradients do not add up" in m]
     assert probe._excluded == {"net.proj"} and set(probe._plan.micro_batch) == {"net.proj.weight", "net.proj.bias"}
-
 
 
 def test_a_short_last_batch_does_not_change_the_effective_batch():
@@ -1285,8 +1502,15 @@ def test_a_real_recurrent_model_is_measured_per_example(name):
     params = [p for p in net.parameters() if p.requires_grad]  # lr 0: as in the fit's step
     torch.set_rng_state(rng.state)
     out = net(x)
-    per_example = [torch.cat([g.flatten() for g in torch.autograd.grad(entry.loss(out[i:i + 1], y[i:i + 1]), params,
-                                                                        retain_graph=True)]) for i in range(8)]
+    per_example = [
+        torch.cat(
+            [
+                g.flatten()
+                for g in torch.autograd.grad(entry.loss(out[i : i + 1], y[i : i + 1]), params, retain_graph=True)
+            ]
+        )
+        for i in range(8)
+    ]
     flat = torch.stack(per_example)
     trace = (flat - flat.mean(0)).square().sum() / 7
     assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-5
@@ -1315,8 +1539,15 @@ class PackedClassifier(Classifier):
     two-layer bidirectional LSTM with dropout between its layers, a head on its final states."""
 
     def __init__(self) -> None:
-        super().__init__(nn.ModuleDict({"emb": nn.Embedding(11, 4), "rnn": nn.LSTM(4, 3, 2, dropout=0.3,
-                                        bidirectional=True), "head": nn.Linear(6, 2)}).double())
+        super().__init__(
+            nn.ModuleDict(
+                {
+                    "emb": nn.Embedding(11, 4),
+                    "rnn": nn.LSTM(4, 3, 2, dropout=0.3, bidirectional=True),
+                    "head": nn.Linear(6, 2),
+                }
+            ).double()
+        )
 
     def forward(self, sequences: list[torch.Tensor]) -> torch.Tensor:
         packed = nn.utils.rnn.pack_sequence([self.net.emb(s) for s in sequences], enforce_sorted=False)
@@ -1327,8 +1558,9 @@ class PackedClassifier(Classifier):
         return F.cross_entropy(self(batch[0]), batch[1])
 
 
-def collate_list(items: list[tuple[torch.Tensor, torch.Tensor]],
-                 split: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+def collate_list(
+    items: list[tuple[torch.Tensor, torch.Tensor]], split: bool
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The sequences as a list (``split``: views of one tensor), the labels stacked."""
     sequences = [s for s, _ in items]
     if split:
@@ -1336,8 +1568,11 @@ def collate_list(items: list[tuple[torch.Tensor, torch.Tensor]],
     return sequences, torch.stack([y for _, y in items])
 
 
-@pytest.mark.parametrize(("lengths", "split"), [([3, 6, 2, 5], False), ([4, 4, 4, 4], False), ([4, 4, 4, 4], True)],
-                         ids=["varied", "each-the-batch-size", "views-of-one-tensor"])
+@pytest.mark.parametrize(
+    ("lengths", "split"),
+    [([3, 6, 2, 5], False), ([4, 4, 4, 4], False), ([4, 4, 4, 4], True)],
+    ids=["varied", "each-the-batch-size", "views-of-one-tensor"],
+)
 def test_a_list_of_sequences_is_measured_with_the_embedding_called_per_example_named(lengths, split):
     """B = 4 from the list; the embedding, fed one sequence a call, is named as called per example (also where
     every sequence is 4 long, as long as the batch, and where they are views of one tensor), the LSTM and head
@@ -1349,8 +1584,9 @@ def test_a_list_of_sequences_is_measured_with_the_embedding_called_per_example_n
     module, probe, rng = PackedClassifier(), BatchVarianceProbe(beta=0.0), RngAtBatchStart()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pl.Trainer(**trainer_kwargs(callbacks=[probe, rng], max_steps=1, precision="64-true")).fit(module, DataLoader(
-            rows, batch_size=4, collate_fn=functools.partial(collate_list, split=split)))
+        pl.Trainer(**trainer_kwargs(callbacks=[probe, rng], max_steps=1, precision="64-true")).fit(
+            module, DataLoader(rows, batch_size=4, collate_fn=functools.partial(collate_list, split=split))
+        )
     said = " ".join(str(w.message) for w in caught)
     assert probe.effective_batch_size == 4 and "net.emb: it is called on one example at a time" in said
     assert "position table" not in said and probe._excluded == {"net.emb"}
@@ -1358,8 +1594,19 @@ def test_a_list_of_sequences_is_measured_with_the_embedding_called_per_example_n
     params = [p for n, p in module.net.named_parameters() if not n.startswith("emb.")]
     torch.set_rng_state(rng.state)
     out = module(sequences)
-    flat = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
-        F.cross_entropy(out[i:i + 1], labels[i:i + 1]), params, retain_graph=True)]) for i in range(4)])
+    flat = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.flatten()
+                    for g in torch.autograd.grad(
+                        F.cross_entropy(out[i : i + 1], labels[i : i + 1]), params, retain_graph=True
+                    )
+                ]
+            )
+            for i in range(4)
+        ]
+    )
     trace = (flat - flat.mean(0)).square().sum() / 3
     assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-6
     assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 4)) < 1e-6

@@ -8,17 +8,16 @@ import glob
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.util.tensor_util import make_ndarray
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals.noise.probe import BatchVarianceProbe
 
@@ -63,19 +62,33 @@ def brute_force_norms(module: Net, x: torch.Tensor, y: torch.Tensor, skip: tuple
     BatchNorm's statistics couple), in float64."""
     params = [p for n, p in module.named_parameters() if n not in skip]
     losses = module.per_example(x, y)
-    return torch.stack([sum(g.square().sum() for g in torch.autograd.grad(losses[i], params, retain_graph=True))
-                        for i in range(len(x))]).sqrt()
+    return torch.stack(
+        [
+            sum(g.square().sum() for g in torch.autograd.grad(losses[i], params, retain_graph=True))
+            for i in range(len(x))
+        ]
+    ).sqrt()
 
 
-def fit_probe(module: Net, x: torch.Tensor, y: torch.Tensor, log_dir: str, steps: int = 1,
-              **probe_args: Any) -> tuple[BatchVarianceProbe, list[str]]:
+def fit_probe(
+    module: Net, x: torch.Tensor, y: torch.Tensor, log_dir: str, steps: int = 1, **probe_args: Any
+) -> tuple[BatchVarianceProbe, list[str]]:
     probe = BatchVarianceProbe(histogram_every_n_steps=1, top_k=B, **probe_args)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        pl.Trainer(max_steps=steps, callbacks=[probe], logger=TensorBoardLogger(log_dir, name="", version=""),
-                   log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False,
-                   enable_model_summary=False, accelerator="cpu", devices=1, num_sanity_val_steps=0,
-                   precision="64-true").fit(module, DataLoader(TensorDataset(x, y), batch_size=B))
+        pl.Trainer(
+            max_steps=steps,
+            callbacks=[probe],
+            logger=TensorBoardLogger(log_dir, name="", version=""),
+            log_every_n_steps=1,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+            devices=1,
+            num_sanity_val_steps=0,
+            precision="64-true",
+        ).fit(module, DataLoader(TensorDataset(x, y), batch_size=B))
     return probe, [str(w.message) for w in record]
 
 
@@ -111,16 +124,20 @@ def test_a_torch_func_layer_is_in_the_norms_and_their_ranking(tmp_path, sub_batc
     heading, rows = panel_rows(logged(str(tmp_path))["grad_noise/outliers/text_summary"][-1])
     order = torch.argsort(truth, descending=True).tolist()
     assert [r for r, _ in rows] == order and [r for r, _ in probe.last_outliers] == order
-    assert torch.allclose(torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order],
-                          rtol=1e-9)
+    assert torch.allclose(
+        torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order], rtol=1e-9
+    )
     assert [v for _, v in rows] == pytest.approx(truth[order].tolist(), rel=1e-3)  # 4 significant digits
-    assert heading.startswith("**Largest per-example gradient norms at optimizer step 0, over all trainable "
-                              "parameters.**")
+    assert heading.startswith(
+        "**Largest per-example gradient norms at optimizer step 0, over all trainable parameters.**"
+    )
     assert "(over all trainable parameters)" in probe.summary_markdown()
     histogram = logged(str(tmp_path))["grad_noise/per_example_grad_norm"][-1]
     buckets = make_ndarray(histogram.tensor)  # (left, right, count) rows, as TensorBoard reads them
     assert buckets[:, 2].sum() == B and buckets[-1, 1] == pytest.approx(float(truth.max()), rel=1e-6)
-    assert histogram.metadata.summary_description == "Each example's gradient norm ‖g_i‖, over all trainable parameters."
+    assert (
+        histogram.metadata.summary_description == "Each example's gradient norm ‖g_i‖, over all trainable parameters."
+    )
 
 
 def test_a_parameter_nothing_measures_is_named_with_the_share_covered(tmp_path):
@@ -132,12 +149,15 @@ def test_a_parameter_nothing_measures_is_named_with_the_share_covered(tmp_path):
     total = sum(p.numel() for p in module.parameters())
     label = f"over {1 - 3 / total:.1%} of parameters (not: `pos`)"
     heading, rows = panel_rows(logged(str(tmp_path))["grad_noise/outliers/text_summary"][-1])
-    assert heading == f"**Largest per-example gradient norms at optimizer step 0, {label}.** Look at these examples " \
-                      "first: a mislabelled, corrupt or duplicated example has a gradient far larger than the others'."
+    assert (
+        heading == f"**Largest per-example gradient norms at optimizer step 0, {label}.** Look at these examples "
+        "first: a mislabelled, corrupt or duplicated example has a gradient far larger than the others'."
+    )
     order = torch.argsort(truth, descending=True).tolist()
     assert [r for r, _ in probe.last_outliers] == order
-    assert torch.allclose(torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order],
-                          rtol=1e-9)
+    assert torch.allclose(
+        torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order], rtol=1e-9
+    )
     assert probe.outlier_coverage == label and f"({label})" in probe.summary_markdown()
     histogram = logged(str(tmp_path))["grad_noise/per_example_grad_norm"][-1]
     assert histogram.metadata.summary_description == f"Each example's gradient norm ‖g_i‖, {label}."
@@ -155,9 +175,11 @@ def test_batchnorm_in_training_mode_logs_no_norms_and_says_why_once(tmp_path):
     assert "grad_noise/per_example_grad_norm" not in tags and "grad_noise/outliers/text_summary" not in tags
     assert not probe.last_outliers and "largest per-example" not in probe.summary_markdown()
     said = [w for w in warned if "no per-example gradient norms" in w]
-    assert said == ["trainvitals BatchVarianceProbe: no per-example gradient norms (histogram, outliers panel) at "
-                    "steps where BatchNorm is in training mode (n), which couples the examples: none has a gradient "
-                    "of its own."]
+    assert said == [
+        "trainvitals BatchVarianceProbe: no per-example gradient norms (histogram, outliers panel) at "
+        "steps where BatchNorm is in training mode (n), which couples the examples: none has a gradient "
+        "of its own."
+    ]
 
 
 def test_batchnorm_in_eval_mode_is_measured_and_its_norms_logged(tmp_path):
@@ -175,8 +197,9 @@ def test_batchnorm_in_eval_mode_is_measured_and_its_norms_logged(tmp_path):
     assert not [w for w in warned if "no per-example gradient norms" in w]
     order = torch.argsort(truth, descending=True).tolist()
     assert [r for r, _ in probe.last_outliers] == order and probe.outlier_coverage == "over all trainable parameters"
-    assert torch.allclose(torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order],
-                          rtol=1e-9)
+    assert torch.allclose(
+        torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order], rtol=1e-9
+    )
 
 
 class Recommender(pl.LightningModule):
@@ -206,21 +229,32 @@ def test_a_lookup_shared_by_the_batch_at_a_histogram_step_leaves_that_step_out_t
     probe = BatchVarianceProbe(histogram_every_n_steps=1, log_every_n_steps=4, top_k=8)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        pl.Trainer(max_steps=3, callbacks=[probe], logger=TensorBoardLogger(str(tmp_path), name="", version=""),
-                   enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                   accelerator="cpu", devices=1, precision="64-true").fit(module, DataLoader(TensorDataset(ids, y),
-                                                                                           batch_size=8))
+        pl.Trainer(
+            max_steps=3,
+            callbacks=[probe],
+            logger=TensorBoardLogger(str(tmp_path), name="", version=""),
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+            devices=1,
+            precision="64-true",
+        ).fit(module, DataLoader(TensorDataset(ids, y), batch_size=8))
     panels = logged(str(tmp_path))["grad_noise/outliers/text_summary"]
     assert [panel_rows(p)[0].split(",")[0].rsplit(" ", 1)[1] for p in panels] == ["0", "2"]
-    assert any("no per-example gradient norms (histogram, outliers panel) at steps where a layer failed per "
-               "example (items)" in str(w.message) for w in record)
+    assert any(
+        "no per-example gradient norms (histogram, outliers panel) at steps where a layer failed per "
+        "example (items)" in str(w.message)
+        for w in record
+    )
     heading, rows = panel_rows(panels[-1])
     assert f"over {4 / 31:.1%} of parameters (not: `items`)" in heading
     truth = brute_force_norms(module, ids[16:], y[16:], skip=("items.weight",))
     order = torch.argsort(truth, descending=True)
     assert [r for r, _ in probe.last_outliers] == (order + 16).tolist()
-    assert torch.allclose(torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order],
-                          rtol=1e-9)
+    assert torch.allclose(
+        torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order], rtol=1e-9
+    )
 
 
 @pytest.mark.parametrize("histograms", [1, 0])
@@ -232,12 +266,22 @@ def test_with_batchnorm_and_micro_batches_the_first_line_says_no_norms_are_logge
     probe = BatchVarianceProbe(histogram_every_n_steps=histograms)
     said: list[str] = []
     monkeypatch.setattr(probe, "info", lambda text, once=False: said.append(text))
-    pl.Trainer(max_steps=2, accumulate_grad_batches=2, callbacks=[probe],
-               logger=TensorBoardLogger(str(tmp_path), name="", version=""), enable_progress_bar=False,
-               enable_checkpointing=False, enable_model_summary=False, accelerator="cpu", devices=1,
-               precision="64-true").fit(module, DataLoader(TensorDataset(x, y), batch_size=B // 2))
+    pl.Trainer(
+        max_steps=2,
+        accumulate_grad_batches=2,
+        callbacks=[probe],
+        logger=TensorBoardLogger(str(tmp_path), name="", version=""),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+    ).fit(module, DataLoader(TensorDataset(x, y), batch_size=B // 2))
     assert "measured from micro-batches and ranks" in said[0]
-    note = ("no per-example gradient norms (grad_noise/per_example_grad_norm, grad_noise/outliers), as no parameter is "
-            "measured per example")
+    note = (
+        "no per-example gradient norms (grad_noise/per_example_grad_norm, grad_noise/outliers), as no parameter is "
+        "measured per example"
+    )
     assert (note in said[0]) == bool(histograms)
     assert "grad_noise/per_example_grad_norm" not in logged(str(tmp_path)) and not probe.last_outliers

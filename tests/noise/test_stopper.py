@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import json
-import warnings
 import math
+import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import Classifier, Regressor, ReleaseProcessGroup, loader, regression_data
+from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning.pytorch as pl
-from _models import Classifier, Regressor, ReleaseProcessGroup, loader, regression_data
-from conftest import HostReads, RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
 from trainvitals.noise.estimate import MIN_MEASUREMENTS
 from trainvitals.norms import monitor as monitor_module
@@ -89,8 +89,15 @@ def test_noise_band_stops_at_the_optimum_and_not_far_from_it(caplog):
     at_optimum = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1)
     logger = RecordingLogger()
     with caplog.at_level("INFO"):
-        trainer = _fit(LinearRegression(torch.zeros(d)), [at_optimum], regression_stream(400, 16, d, torch.zeros(d), 1.0),
-                       logger=logger, max_epochs=1, accumulate_grad_batches=4, log_every_n_steps=1)
+        trainer = _fit(
+            LinearRegression(torch.zeros(d)),
+            [at_optimum],
+            regression_stream(400, 16, d, torch.zeros(d), 1.0),
+            logger=logger,
+            max_epochs=1,
+            accumulate_grad_batches=4,
+            log_every_n_steps=1,
+        )
     assert at_optimum.stopped_step is not None and at_optimum.stopped_step >= 20 + 5 - 1
     assert trainer.global_step == at_optimum.stopped_step + 1
     assert sum("noise band" in r.message for r in caplog.records) == 1
@@ -99,8 +106,13 @@ def test_noise_band_stops_at_the_optimum_and_not_far_from_it(caplog):
     assert floors[-1] == pytest.approx(math.sqrt(4 * d / 64), rel=0.15)  # tr Σ = 4dσ² at δ = 0
 
     far = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1)
-    trainer = _fit(LinearRegression(torch.full((d,), 0.5)), [far], regression_stream(400, 16, d, torch.zeros(d), 1.0),
-                   max_epochs=1, accumulate_grad_batches=4)
+    trainer = _fit(
+        LinearRegression(torch.full((d,), 0.5)),
+        [far],
+        regression_stream(400, 16, d, torch.zeros(d), 1.0),
+        max_epochs=1,
+        accumulate_grad_batches=4,
+    )
     assert far.stopped_step is None and trainer.global_step == 100
 
 
@@ -110,8 +122,15 @@ def test_the_charts_end_at_the_stop_and_hold_no_infinite_value():
     optimum it often is), not logged as inf."""
     d, logger = 10, RecordingLogger()
     stopper = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1)
-    _fit(LinearRegression(torch.zeros(d)), [GradNormMonitor(), stopper], regression_stream(400, 16, d, torch.zeros(d), 1.0),
-         logger=logger, max_epochs=1, accumulate_grad_batches=4, log_every_n_steps=50)
+    _fit(
+        LinearRegression(torch.zeros(d)),
+        [GradNormMonitor(), stopper],
+        regression_stream(400, 16, d, torch.zeros(d), 1.0),
+        logger=logger,
+        max_epochs=1,
+        accumulate_grad_batches=4,
+        log_every_n_steps=50,
+    )
     stop = stopper.stopped_step
     assert stop is not None and stop % 50 != 0
     assert logger.series["grad_norm/band_streak"][-1] == (stop, 5)
@@ -123,8 +142,14 @@ def test_without_a_noise_source_it_says_so_once_logs_no_nan_and_never_stops():
     logger = RecordingLogger()
     stopper = GradNormEarlyStopping(patience=1, margin=1e9, min_steps=0)
     with pytest.warns(UserWarning, match="no noise source.*accumulate_grad_batches >= 2") as record:
-        trainer = _fit(Regressor(), [stopper, GradNormMonitor(log_every_n_steps=1)], loader(regression_data(), 8),
-                       logger=logger, max_epochs=3, log_every_n_steps=1)
+        trainer = _fit(
+            Regressor(),
+            [stopper, GradNormMonitor(log_every_n_steps=1)],
+            loader(regression_data(), 8),
+            logger=logger,
+            max_epochs=3,
+            log_every_n_steps=1,
+        )
     assert sum("no noise source" in str(w.message) for w in record) == 1
     assert trainer.global_step == 24 and stopper.stopped_step is None
     assert "grad_norm/noise_floor" not in logger.series
@@ -147,10 +172,15 @@ def test_threshold_mode_counts_patience_in_optimizer_steps():
 def test_relative_mode_stops_when_the_norm_has_fallen_below_a_fraction_of_its_early_value():
     d = 5
     # Noise-free regression: gradient descent shrinks the gradient geometrically.
-    stopper = GradNormEarlyStopping(mode="relative", fraction=0.01, reference_steps=3, patience=2, min_steps=0,
-                                    check_every_n_steps=1)
-    trainer = _fit(LinearRegression(torch.ones(d), lr=0.1), [stopper], regression_stream(300, 32, d, torch.zeros(d), 0.0),
-                   max_epochs=1)
+    stopper = GradNormEarlyStopping(
+        mode="relative", fraction=0.01, reference_steps=3, patience=2, min_steps=0, check_every_n_steps=1
+    )
+    trainer = _fit(
+        LinearRegression(torch.ones(d), lr=0.1),
+        [stopper],
+        regression_stream(300, 32, d, torch.zeros(d), 0.0),
+        max_epochs=1,
+    )
     assert stopper.stopped_step is not None and 10 < trainer.global_step < 300
 
 
@@ -160,12 +190,17 @@ def test_with_a_monitor_the_stopper_reads_its_total_instead_of_measuring_again(o
     measure = monitor_module._fused_grad_sq_norm  # the second pass over the gradients
     monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", lambda *a, **k: calls.append(1) or measure(*a, **k))
     d = 5
-    stopper = GradNormEarlyStopping(mode="relative", fraction=0.01, reference_steps=3, patience=2, min_steps=0,
-                                    check_every_n_steps=1)
+    stopper = GradNormEarlyStopping(
+        mode="relative", fraction=0.01, reference_steps=3, patience=2, min_steps=0, check_every_n_steps=1
+    )
     monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
     callbacks = {"monitor first": [monitor, stopper], "stopper first": [stopper, monitor], "stopper alone": [stopper]}
-    trainer = _fit(LinearRegression(torch.ones(d), lr=0.1), callbacks[order],
-                   regression_stream(300, 32, d, torch.zeros(d), 0.0), max_epochs=1)
+    trainer = _fit(
+        LinearRegression(torch.ones(d), lr=0.1),
+        callbacks[order],
+        regression_stream(300, 32, d, torch.zeros(d), 0.0),
+        max_epochs=1,
+    )
     # the same decision as measuring alone (noise-free descent: the norm falls below 1% at a fixed step)
     assert stopper.stopped_step == 23 and trainer.global_step == 24
     assert len(calls) == (0 if order == "monitor first" else trainer.global_step)
@@ -211,8 +246,13 @@ def test_skipped_amp_steps_do_not_count_toward_convergence():
 
     def stop_step(inf_at_step):
         stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=4, min_steps=0, check_every_n_steps=1)
-        _fit(Regressor(autocast=False, inf_at_step=inf_at_step), [stopper], loader(regression_data(), 8),
-             max_epochs=2, plugins=[MixedPrecision("16-mixed", "cpu")])
+        _fit(
+            Regressor(autocast=False, inf_at_step=inf_at_step),
+            [stopper],
+            loader(regression_data(), 8),
+            max_epochs=2,
+            plugins=[MixedPrecision("16-mixed", "cpu")],
+        )
         return stopper.stopped_step
 
     assert stop_step(None) == 3
@@ -225,8 +265,15 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     def run(epochs, callbacks, ckpt_path=None):
         # One epoch = 20 optimizer steps of 2 × 16 examples; resuming at an epoch boundary replays the same data.
         model = LinearRegression(torch.full((d,), 0.3), lr=0.01)
-        trainer = Trainer(**trainer_kwargs(callbacks=callbacks, max_epochs=epochs, accumulate_grad_batches=2,
-                                           enable_checkpointing=True, default_root_dir=tmp_path))
+        trainer = Trainer(
+            **trainer_kwargs(
+                callbacks=callbacks,
+                max_epochs=epochs,
+                accumulate_grad_batches=2,
+                enable_checkpointing=True,
+                default_root_dir=tmp_path,
+            )
+        )
         trainer.fit(model, regression_stream(40, 16, d, torch.zeros(d), 1.0), ckpt_path=ckpt_path)
 
     straight = GradNormEarlyStopping(patience=10**6)
@@ -245,8 +292,9 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
 
 
 def _stopping(**overrides):
-    return GradNormEarlyStopping(**{**dict(mode="threshold", threshold=1e9, patience=6, min_steps=0,
-                                          check_every_n_steps=1), **overrides})
+    return GradNormEarlyStopping(
+        **{**dict(mode="threshold", threshold=1e9, patience=6, min_steps=0, check_every_n_steps=1), **overrides}
+    )
 
 
 def _summary_rows(stopper):
@@ -268,8 +316,13 @@ def test_a_fit_resumed_after_the_stop_stops_again(tmp_path, caplog, how):
     with the same arguments, ends the fit before its first step, and the summary says what happened."""
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     first = _stopping()
-    trainer = _fit(Regressor(), [first, checkpoint] if how == "model_checkpoint" else [first],
-                   loader(regression_data(), 8), max_epochs=5, enable_checkpointing=how == "model_checkpoint")
+    trainer = _fit(
+        Regressor(),
+        [first, checkpoint] if how == "model_checkpoint" else [first],
+        loader(regression_data(), 8),
+        max_epochs=5,
+        enable_checkpointing=how == "model_checkpoint",
+    )
     assert first.stopped_step == 5 and trainer.global_step == 6
     path = tmp_path / "last.ckpt"
     if how == "save_checkpoint":
@@ -300,11 +353,18 @@ def test_a_fit_resumed_after_the_stop_stops_again(tmp_path, caplog, how):
     assert resumed.stopped_again_step is None and resumed.stopped_step == 5 and trainer.global_step == 6
 
 
-@pytest.mark.parametrize(("kwargs", "fit_kwargs", "earliest"), [
-    (dict(min_steps=100, patience=30), dict(max_steps=50), 130),
-    (dict(min_steps=10, patience=5, check_every_n_steps=10), dict(max_steps=19), 20),  # read at step 20 only
-    (dict(mode="relative", min_steps=0, reference_steps=12, patience=4), dict(max_epochs=1), 16),  # 8 steps an epoch
-])
+@pytest.mark.parametrize(
+    ("kwargs", "fit_kwargs", "earliest"),
+    [
+        (dict(min_steps=100, patience=30), dict(max_steps=50), 130),
+        (dict(min_steps=10, patience=5, check_every_n_steps=10), dict(max_steps=19), 20),  # read at step 20 only
+        (
+            dict(mode="relative", min_steps=0, reference_steps=12, patience=4),
+            dict(max_epochs=1),
+            16,
+        ),  # 8 steps an epoch
+    ],
+)
 def test_says_once_when_the_fit_is_too_short_for_it_to_stop(kwargs, fit_kwargs, earliest):
     stopper = GradNormEarlyStopping(**{"mode": "threshold", "check_every_n_steps": 1, **kwargs})
     with pytest.warns(UserWarning, match=f"cannot stop before {earliest} ") as record:
@@ -329,12 +389,20 @@ def test_no_such_word_when_the_fit_is_long_enough(recwarn):
     assert not [w for w in recwarn if "cannot stop before" in str(w.message)]
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"mode": "plateau"}, "mode"), ({"margin": -0.1}, "margin"), ({"patience": 0}, "patience"),
-    ({"min_steps": -1}, "min_steps"), ({"threshold": 0}, "threshold"), ({"fraction": 1.0}, "fraction"),
-    ({"reference_steps": 0}, "reference_steps"), ({"ema_beta": 1.0}, "ema_beta"),
-    ({"check_every_n_steps": 0}, "check_every_n_steps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"mode": "plateau"}, "mode"),
+        ({"margin": -0.1}, "margin"),
+        ({"patience": 0}, "patience"),
+        ({"min_steps": -1}, "min_steps"),
+        ({"threshold": 0}, "threshold"),
+        ({"fraction": 1.0}, "fraction"),
+        ({"reference_steps": 0}, "reference_steps"),
+        ({"ema_beta": 1.0}, "ema_beta"),
+        ({"check_every_n_steps": 0}, "check_every_n_steps"),
+    ],
+)
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         GradNormEarlyStopping(**kwargs)
@@ -354,19 +422,32 @@ class _RecordPerRank(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         stopper = next(cb for cb in trainer.callbacks if isinstance(cb, GradNormEarlyStopping))
         with open(f"{self.out_dir}/rank{trainer.global_rank}.json", "w") as f:
-            json.dump({"totals": self.totals, "stopped_step": stopper.stopped_step, "global_step": trainer.global_step,
-                       "batch": stopper.effective_batch_size, "stopped_again_step": stopper.stopped_again_step,
-                       "steps": stopper.steps, "summary": stopper.summary_markdown()}, f)
+            json.dump(
+                {
+                    "totals": self.totals,
+                    "stopped_step": stopper.stopped_step,
+                    "global_step": trainer.global_step,
+                    "batch": stopper.effective_batch_size,
+                    "stopped_again_step": stopper.stopped_again_step,
+                    "steps": stopper.steps,
+                    "summary": stopper.summary_markdown(),
+                },
+                f,
+            )
 
 
 @pytest.mark.slow
 def test_ddp_ranks_agree_on_norms_and_stop_at_the_same_step(tmp_path):
     d = 10
-    callbacks = [GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
-                 GradNormEarlyStopping(patience=3, margin=0.5, min_steps=10, check_every_n_steps=1),
-                 _RecordPerRank(str(tmp_path)), ReleaseProcessGroup()]
-    trainer = Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=1,
-                                       log_every_n_steps=1))
+    callbacks = [
+        GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
+        GradNormEarlyStopping(patience=3, margin=0.5, min_steps=10, check_every_n_steps=1),
+        _RecordPerRank(str(tmp_path)),
+        ReleaseProcessGroup(),
+    ]
+    trainer = Trainer(
+        **trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=1, log_every_n_steps=1)
+    )
     trainer.fit(LinearRegression(torch.zeros(d)), regression_stream(200, 16, d, torch.zeros(d), 1.0))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["totals"] == pytest.approx(ranks[1]["totals"], rel=1e-6)
@@ -394,15 +475,23 @@ def test_ddp_a_fit_resumed_after_the_stop_stops_again_on_every_rank(tmp_path):
     def run(name, ckpt_path=None):
         out = tmp_path / name
         out.mkdir()
-        callbacks = [GradNormMonitor(histogram_every_n_steps=0),
-                     GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=4, min_steps=0,
-                                           check_every_n_steps=1),
-                     ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True), _RecordPerRank(str(out)),
-                     ReleaseProcessGroup()]
-        trainer = Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=3,
-                                           enable_checkpointing=True))
-        trainer.fit(LinearRegression(torch.zeros(d), lr=0.01), regression_stream(40, 16, d, torch.zeros(d), 1.0),
-                    ckpt_path=ckpt_path)
+        callbacks = [
+            GradNormMonitor(histogram_every_n_steps=0),
+            GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=4, min_steps=0, check_every_n_steps=1),
+            ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True),
+            _RecordPerRank(str(out)),
+            ReleaseProcessGroup(),
+        ]
+        trainer = Trainer(
+            **trainer_kwargs(
+                strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=3, enable_checkpointing=True
+            )
+        )
+        trainer.fit(
+            LinearRegression(torch.zeros(d), lr=0.01),
+            regression_stream(40, 16, d, torch.zeros(d), 1.0),
+            ckpt_path=ckpt_path,
+        )
         return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     first = run("first")
@@ -444,8 +533,12 @@ def test_noise_source_follows_a_gradient_accumulation_scheduler(recwarn):
 
     d = 10
     stopper = GradNormEarlyStopping(patience=10**6)
-    _fit(LinearRegression(torch.full((d,), 0.5)), [GradientAccumulationScheduler({0: 4}), stopper],
-         regression_stream(80, 16, d, torch.zeros(d), 1.0), max_epochs=1)
+    _fit(
+        LinearRegression(torch.full((d,), 0.5)),
+        [GradientAccumulationScheduler({0: 4}), stopper],
+        regression_stream(80, 16, d, torch.zeros(d), 1.0),
+        max_epochs=1,
+    )
     assert not [w for w in recwarn if "no noise source" in str(w.message)]
     assert stopper.noise.count.item() == 20 and stopper.effective_batch_size == 64
 
@@ -487,9 +580,17 @@ def test_fused_optimizer_under_a_grad_scaler_is_measured_unscaled():
     d, results = 10, []
     for plugins in ([], [MixedPrecision("16-mixed", "cpu")]):
         stopper, monitor = GradNormEarlyStopping(patience=10**6), GradNormMonitor(log_every_n_steps=1)
-        _fit(FusedAdam(torch.full((d,), 0.5)), [monitor, stopper], regression_stream(40, 16, d, torch.zeros(d), 1.0),
-             max_epochs=1, accumulate_grad_batches=4, plugins=plugins)
-        results.append((monitor.last_total[0].item(), stopper.noise.grad_sq_norm.item(), stopper.noise.trace_cov.item()))
+        _fit(
+            FusedAdam(torch.full((d,), 0.5)),
+            [monitor, stopper],
+            regression_stream(40, 16, d, torch.zeros(d), 1.0),
+            max_epochs=1,
+            accumulate_grad_batches=4,
+            plugins=plugins,
+        )
+        results.append(
+            (monitor.last_total[0].item(), stopper.noise.grad_sq_norm.item(), stopper.noise.trace_cov.item())
+        )
     assert results[1] == pytest.approx(results[0], rel=1e-4)
 
 
@@ -516,8 +617,14 @@ def test_a_batchnorm_cnn_on_one_device_is_not_stopped_by_a_broken_estimate():
     probe, stopper = BatchVarianceProbe(), GradNormEarlyStopping(min_steps=0, patience=5)
     logger = RecordingLogger()
     with pytest.warns(UserWarning) as record:
-        trainer = _fit(Classifier(_batchnorm_cnn(), lr=0.05), [probe, stopper], DataLoader(_images(16 * 300), batch_size=16),
-                       logger=logger, max_epochs=1, log_every_n_steps=10)
+        trainer = _fit(
+            Classifier(_batchnorm_cnn(), lr=0.05),
+            [probe, stopper],
+            DataLoader(_images(16 * 300), batch_size=16),
+            logger=logger,
+            max_epochs=1,
+            log_every_n_steps=10,
+        )
     assert trainer.global_step == 300 and stopper.stopped_step is None
     (caveat,) = _caveats(record)
     assert "no valid noise source" in caveat and "BatchNorm" in caveat and "accumulate_grad_batches >= 2" in caveat
@@ -532,8 +639,14 @@ def test_a_batchnorm_cnn_with_accumulation_is_decided_by_the_micro_batches():
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _fit(Classifier(_batchnorm_cnn(), lr=0.05), [probe, stopper], DataLoader(_images(16 * 4 * 40), batch_size=16),
-             max_epochs=1, accumulate_grad_batches=4, log_every_n_steps=1)
+        _fit(
+            Classifier(_batchnorm_cnn(), lr=0.05),
+            [probe, stopper],
+            DataLoader(_images(16 * 4 * 40), batch_size=16),
+            max_epochs=1,
+            accumulate_grad_batches=4,
+            log_every_n_steps=1,
+        )
     assert not _caveats(record) and not probe.noise_source.invalid
     assert not probe._plan.per_example and "measured from micro-batches and ranks" in probe.sources
     summary = stopper.gradient_noise.host_summary()
@@ -574,8 +687,14 @@ def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
     advisor, logger = LRScalingAdvisor(verbose=False, detect_loss_reduction=False), RecordingLogger()
     with pytest.warns(UserWarning) as record:
-        trainer = _fit(Classifier(_Attention(), lr=0.05), [GradNormMonitor(), probe, stopper, advisor],
-                       DataLoader(_tokens(16 * 30), batch_size=16), logger=logger, max_epochs=1, log_every_n_steps=5)
+        trainer = _fit(
+            Classifier(_Attention(), lr=0.05),
+            [GradNormMonitor(), probe, stopper, advisor],
+            DataLoader(_tokens(16 * 30), batch_size=16),
+            logger=logger,
+            max_epochs=1,
+            log_every_n_steps=5,
+        )
     assert trainer.global_step == 30 and stopper.stopped_step is None
     (caveat,) = _caveats(record)
     summary = stopper.gradient_noise.host_summary()
@@ -590,8 +709,14 @@ def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _fit(Classifier(_Attention(), lr=0.05), [probe, stopper], DataLoader(_tokens(16 * 2 * 30), batch_size=16),
-             max_epochs=1, accumulate_grad_batches=2, log_every_n_steps=5)
+        _fit(
+            Classifier(_Attention(), lr=0.05),
+            [probe, stopper],
+            DataLoader(_tokens(16 * 2 * 30), batch_size=16),
+            max_epochs=1,
+            accumulate_grad_batches=2,
+            log_every_n_steps=5,
+        )
     summary = stopper.gradient_noise.host_summary()
     assert not _caveats(record) and summary["coverage"] == pytest.approx(1.0) and summary["param_share"] == 1.0
     assert stopper.stopped_step == MIN_MEASUREMENTS - 1 + 4
@@ -606,12 +731,26 @@ def test_no_host_sync_on_steps_that_log_nothing(monkeypatch):
     stopper = GradNormEarlyStopping(min_steps=0, check_every_n_steps=8)
     host = HostReads(monkeypatch)
     for callback in (probe, stopper):
-        host.watch(callback, ("on_train_batch_start", "on_before_backward", "on_after_backward",
-                              "on_before_optimizer_step", "on_train_batch_end"))
+        host.watch(
+            callback,
+            (
+                "on_train_batch_start",
+                "on_before_backward",
+                "on_after_backward",
+                "on_before_optimizer_step",
+                "on_train_batch_end",
+            ),
+        )
     for accumulate in (1, 2):
         host.reads.clear()
-        _fit(Regressor(autocast=False), [probe, stopper], loader(regression_data(n=8 * 2 * 17), 8), max_epochs=1,
-             accumulate_grad_batches=accumulate, log_every_n_steps=8)
+        _fit(
+            Regressor(autocast=False),
+            [probe, stopper],
+            loader(regression_data(n=8 * 2 * 17), 8),
+            max_epochs=1,
+            accumulate_grad_batches=accumulate,
+            log_every_n_steps=8,
+        )
         # Logging steps 0, 8, 16 and the checks after every 8th step may read; ``global_step`` is one ahead
         # of the step at on_train_batch_end.
         quiet = [(step, what) for step, what in host.reads if step % 8 not in (0, 1)]
@@ -635,8 +774,10 @@ def test_what_would_make_it_measurable_names_only_what_applies():
     # A probe is attached but BatchNorm in training mode makes its per-example source invalid: said, not advised.
     probed = SimpleNamespace(lightning_module=frozen, callbacks=[BatchVarianceProbe()])
     said = measurable_by(probed)
-    assert said.startswith("the attached BatchVarianceProbe's per-example source is invalid here (BatchNorm in "
-                           "training mode); measurable with accumulate_grad_batches >= 2")
+    assert said.startswith(
+        "the attached BatchVarianceProbe's per-example source is invalid here (BatchNorm in "
+        "training mode); measurable with accumulate_grad_batches >= 2"
+    )
     assert "instead of BatchNorm" in said and ", or a BatchVarianceProbe" not in said
     assert measurable_by(probed, say_probe=False).startswith("measurable with accumulate_grad_batches >= 2")
 
@@ -646,14 +787,20 @@ def test_a_noise_band_stop_resumed_still_names_its_estimate(tmp_path):
     its sources, not "no noise source"."""
     d = 10
     first = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1, verbose=False)
-    trainer = _fit(LinearRegression(torch.zeros(d)), [first], regression_stream(400, 16, d, torch.zeros(d), 1.0),
-                   max_epochs=1, accumulate_grad_batches=4)
+    trainer = _fit(
+        LinearRegression(torch.zeros(d)),
+        [first],
+        regression_stream(400, 16, d, torch.zeros(d), 1.0),
+        max_epochs=1,
+        accumulate_grad_batches=4,
+    )
     assert first.stopped_step is not None
     path = tmp_path / "stopped.ckpt"
     trainer.save_checkpoint(path)
     resumed = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1, verbose=False)
     Trainer(**trainer_kwargs(callbacks=[resumed], logger=False, max_epochs=3, accumulate_grad_batches=4)).fit(
-        LinearRegression(torch.zeros(d)), regression_stream(400, 16, d, torch.zeros(d), 1.0), ckpt_path=str(path))
+        LinearRegression(torch.zeros(d)), regression_stream(400, 16, d, torch.zeros(d), 1.0), ckpt_path=str(path)
+    )
     text = resumed.summary_markdown()
     assert resumed.stopped_again_step is not None and "no noise source" not in text
     assert "micro_batch" in text and "B_simple" in text

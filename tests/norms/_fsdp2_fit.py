@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 
 import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
-
 from _models import Regressor, loader, regression_data  # noqa: E402
 from conftest import RecordingLogger  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+
 from trainvitals import GradNormEarlyStopping, GradNormMonitor  # noqa: E402
 
 
@@ -50,14 +50,26 @@ def main(out: str, norm_type: float) -> None:
     monitor = GradNormMonitor(norm_type=norm_type, log_every_n_steps=1, histogram_every_n_steps=0)
     stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=3, min_steps=0, check_every_n_steps=1)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        max_steps=8, logger=logger, callbacks=[monitor, stopper], log_every_n_steps=1,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=8,
+        logger=logger,
+        callbacks=[monitor, stopper],
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
     )
     trainer.fit(model, loader(regression_data(64), 4))
-    result = {"series": dict(logger.series), "reference": model.reference_norms, "global_step": trainer.global_step,
-              "last_total": float(monitor.last_total[0]), "stopped_step": stopper.stopped_step,
-              "norm_type": sys.argv[2]}
+    result = {
+        "series": dict(logger.series),
+        "reference": model.reference_norms,
+        "global_step": trainer.global_step,
+        "last_total": float(monitor.last_total[0]),
+        "stopped_step": stopper.stopped_step,
+        "norm_type": sys.argv[2],
+    }
     Path(f"{out}.{trainer.global_rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()  # both files exist before rank 0, the test's child, returns
     # gloo's threads can abort the interpreter's shutdown ("terminate called without an active

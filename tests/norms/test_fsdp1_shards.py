@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _models import free_port
 from torch import nn
 
-from _models import free_port
-from trainvitals.plumbing.sharding import reduce_shard_norms
 from trainvitals.norms.fused import combine_norms, per_tensor_norms
-
+from trainvitals.plumbing.sharding import reduce_shard_norms
 
 # Hybrid sharding: 2 "nodes" of 2 ranks; each node holds the model once, sharded over its 2 ranks.
 NODES = {"FULL_SHARD": 1, "NO_SHARD": 1, "HYBRID_SHARD": 2}
@@ -29,9 +28,10 @@ RANKS_PER_NODE = 2
 
 
 def _rank(rank: int, mode: str, port: int, out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
 
     nodes = NODES[mode]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -39,8 +39,13 @@ def _rank(rank: int, mode: str, port: int, out: str) -> None:
     mesh = init_device_mesh("cpu", (nodes, RANKS_PER_NODE)) if nodes > 1 else None  # (replicate, shard)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
-    model = FSDP(net, use_orig_params=True, sharding_strategy=ShardingStrategy[mode], device_id=torch.device("cpu"),
-                 device_mesh=mesh)
+    model = FSDP(
+        net,
+        use_orig_params=True,
+        sharding_strategy=ShardingStrategy[mode],
+        device_id=torch.device("cpu"),
+        device_mesh=mesh,
+    )
     torch.manual_seed(1)
     nn.functional.mse_loss(model(torch.randn(4, 6)), torch.randn(4, 1)).backward()
     params = list(model.parameters())
@@ -56,8 +61,12 @@ def _rank(rank: int, mode: str, port: int, out: str) -> None:
     # The stopper's path: this rank's total.
     grads = [params[i].grad for i in present]
     local = combine_norms(per_tensor_norms(grads)) if grads else torch.zeros((), dtype=torch.float64)
-    result = {"present": len(present), "reference": full, "per_parameter": reduce_shard_norms(trainer, row).tolist(),
-              "total": reduce_shard_norms(trainer, local.reshape(1))[0].item()}
+    result = {
+        "present": len(present),
+        "reference": full,
+        "per_parameter": reduce_shard_norms(trainer, row).tolist(),
+        "total": reduce_shard_norms(trainer, local.reshape(1))[0].item(),
+    }
     Path(out, f"{mode}.{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     # FSDP keeps references to gloo's process group, whose threads can abort the interpreter's shutdown

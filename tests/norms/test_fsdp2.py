@@ -15,8 +15,9 @@ SCRIPT = Path(__file__).with_name("_fsdp2_fit.py")
 @pytest.fixture(scope="module", params=["2", "inf"])
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("fsdp2") / "rank"
-    done = subprocess.run([sys.executable, str(SCRIPT), str(out), request.param], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), request.param], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in (0, 1)]
 
@@ -30,8 +31,9 @@ def test_norms_are_those_of_the_full_gradient_not_of_a_shard(ranks):
     layers = [[v for _, v in logged[f"grad_norm/net.{i}"]] for i in (0, 2, 4)]
     for step, total in enumerate(totals):
         combined = [layer[step] for layer in layers]
-        assert total == pytest.approx(max(combined) if ranks[0]["norm_type"] == "inf" else
-                                      sum(v**2 for v in combined) ** 0.5, rel=1e-6)
+        assert total == pytest.approx(
+            max(combined) if ranks[0]["norm_type"] == "inf" else sum(v**2 for v in combined) ** 0.5, rel=1e-6
+        )
     # Both ranks measured the same full norm; only rank 0 writes to the logger.
     assert ranks[1]["last_total"] == pytest.approx(ranks[0]["last_total"], rel=1e-12)
     assert ranks[1]["series"] == {}

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from trainvitals.norms.fused import NormGroups, combine_norms, group_name, grouped_norms, per_tensor_norms, validate_norm_type
+from trainvitals.norms.fused import (
+    NormGroups,
+    combine_norms,
+    group_name,
+    grouped_norms,
+    per_tensor_norms,
+    validate_norm_type,
+)
 
 
 def _grads():
@@ -32,8 +39,12 @@ def test_groups_combine_to_the_total(p):
     groups = NormGroups.from_names(names, "module")
     assert groups.names == ("enc.0", "enc.1", "head", "scale")
     group_norms = grouped_norms(per_tensor_norms(grads, p), groups, p)
-    torch.testing.assert_close(group_norms[0], torch.linalg.vector_norm(torch.cat([grads[0].reshape(-1), grads[1]]).double(), p))
-    torch.testing.assert_close(combine_norms(group_norms, p), combine_norms(per_tensor_norms(grads, p), p), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        group_norms[0], torch.linalg.vector_norm(torch.cat([grads[0].reshape(-1), grads[1]]).double(), p)
+    )
+    torch.testing.assert_close(
+        combine_norms(group_norms, p), combine_norms(per_tensor_norms(grads, p), p), rtol=1e-6, atol=0
+    )
     if p == 2.0:
         total = combine_norms(group_norms, 2.0)
         assert torch.isclose(total**2, (group_norms**2).sum(), rtol=1e-6)

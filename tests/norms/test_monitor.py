@@ -5,18 +5,18 @@ from __future__ import annotations
 import copy
 import math
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import GAN, Regressor, flat_grad_norm, loader, regression_data
+from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-import lightning.pytorch as pl
-from _models import GAN, Regressor, flat_grad_norm, loader, regression_data
-from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
 from trainvitals.norms.monitor import MAX_PENDING_STEPS
 from trainvitals.plumbing import writers as _writers
@@ -32,8 +32,13 @@ def test_accumulated_norm_equals_one_pass_over_the_update_batch():
     model = Regressor(lr=0.1)
     initial = copy.deepcopy(model.net)
     logger = RecordingLogger()
-    fit(model, GradNormMonitor(log_every_n_steps=2, histogram_every_n_steps=0), logger,
-        accumulate_grad_batches=2, max_epochs=2)
+    fit(
+        model,
+        GradNormMonitor(log_every_n_steps=2, histogram_every_n_steps=0),
+        logger,
+        accumulate_grad_batches=2,
+        max_epochs=2,
+    )
 
     # Plain PyTorch: one forward/backward over the 16 examples of each update.
     net, data = initial, regression_data(64)
@@ -42,7 +47,7 @@ def test_accumulated_norm_equals_one_pass_over_the_update_batch():
     for _ in range(2):
         for i in range(0, 64, 16):
             opt.zero_grad()
-            F.mse_loss(net(data.tensors[0][i:i + 16]), data.tensors[1][i:i + 16]).backward()
+            F.mse_loss(net(data.tensors[0][i : i + 16]), data.tensors[1][i : i + 16]).backward()
             expected.append(flat_grad_norm(net.parameters()))
             opt.step()
     logged = logger.series["grad_norm/total"]
@@ -59,10 +64,13 @@ def test_per_layer_norms_combine_to_the_total():
         assert total**2 == pytest.approx(sum(logger.values(t)[step] ** 2 for t in layers), rel=1e-6)
 
 
-@pytest.mark.parametrize("grouping, tags", [
-    ("parameter", ["net.0.weight", "net.0.bias", "net.4.bias"]),
-    ("block", ["net"]),
-])
+@pytest.mark.parametrize(
+    "grouping, tags",
+    [
+        ("parameter", ["net.0.weight", "net.0.bias", "net.4.bias"]),
+        ("block", ["net"]),
+    ],
+)
 def test_groupings(grouping, tags):
     logger = RecordingLogger()
     model = Regressor()
@@ -76,8 +84,13 @@ def test_grad_scaler_norms_are_unscaled():
     scaled, plain = Regressor(autocast=False), Regressor(autocast=False)
     plain.load_state_dict(scaled.state_dict())
     log_amp, log_fp32 = RecordingLogger(), RecordingLogger()
-    amp_trainer = fit(scaled, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), log_amp,
-                      max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu")])
+    amp_trainer = fit(
+        scaled,
+        GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
+        log_amp,
+        max_epochs=1,
+        plugins=[MixedPrecision("16-mixed", "cpu")],
+    )
     assert amp_trainer.precision_plugin.scaler.get_scale() >= 2.0**15  # the loss really was scaled
     fit(plain, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), log_fp32, max_epochs=1)
     assert log_amp.values("grad_norm/total") == pytest.approx(log_fp32.values("grad_norm/total"), rel=1e-4)
@@ -86,8 +99,13 @@ def test_grad_scaler_norms_are_unscaled():
 def test_inf_step_under_grad_scaler_is_a_skip_not_divergence(recwarn):
     logger = RecordingLogger()
     model = Regressor(autocast=False, inf_at_step=2)
-    fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger,
-        max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu")])
+    fit(
+        model,
+        GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
+        logger,
+        max_epochs=1,
+        plugins=[MixedPrecision("16-mixed", "cpu")],
+    )
     assert logger.values("grad_norm/amp_skipped_steps")[-1] == 1
     assert logger.values("grad_norm/nonfinite_steps")[-1] == 0
     assert not [w for w in recwarn if "non-finite" in str(w.message)]
@@ -117,8 +135,13 @@ def test_nonfinite_gradient_without_scaler_is_counted_and_located():
 def test_total_is_the_pre_clip_norm_and_clipped_total_the_post_clip_norm():
     logger = RecordingLogger()
     model = Regressor()
-    fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger, max_steps=4,
-        gradient_clip_val=0.01)
+    fit(
+        model,
+        GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
+        logger,
+        max_steps=4,
+        gradient_clip_val=0.01,
+    )
     totals = logger.values("grad_norm/total")
     assert totals == pytest.approx(model.reference_norms, rel=1e-6)
     assert min(totals) > 0.05  # clipping really happened
@@ -152,8 +175,13 @@ class FailsAtStep(Regressor):
 def test_with_clipping_a_step_that_fails_in_the_optimizer_still_logs_its_norms():
     logger, model = RecordingLogger(), FailsAtStep(fail_at=3)
     with pytest.raises(FloatingPointError):
-        fit(model, GradNormMonitor(log_every_n_steps=3, histogram_every_n_steps=0), logger, max_steps=10,
-            gradient_clip_val=1.0)
+        fit(
+            model,
+            GradNormMonitor(log_every_n_steps=3, histogram_every_n_steps=0),
+            logger,
+            max_steps=10,
+            gradient_clip_val=1.0,
+        )
     assert [step for step, _ in logger.series["grad_norm/total"]] == [0, 3]
     assert logger.values("grad_norm/total")[-1] == pytest.approx(model.reference_norms[3], rel=1e-6)
     assert [step for step, _ in logger.series["grad_norm/clipped_total"]] == [0]
@@ -196,8 +224,12 @@ def test_compiled_module_gives_the_eager_norms():
     compiled.load_state_dict(eager.state_dict())
     log_eager, log_compiled = RecordingLogger(), RecordingLogger()
     fit(eager, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), log_eager, max_steps=4)
-    fit(torch.compile(compiled, backend="aot_eager"), GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
-        log_compiled, max_steps=4)
+    fit(
+        torch.compile(compiled, backend="aot_eager"),
+        GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
+        log_compiled,
+        max_steps=4,
+    )
     assert log_compiled.values("grad_norm/total") == pytest.approx(log_eager.values("grad_norm/total"), rel=1e-5)
     assert log_compiled.values("grad_norm/net.2") == pytest.approx(log_eager.values("grad_norm/net.2"), rel=1e-5)
 
@@ -207,7 +239,11 @@ def test_a_compiled_submodule_keeps_its_layer_names():
     model.net = torch.compile(model.net, backend="aot_eager")
     logger = RecordingLogger()
     fit(model, GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), logger, max_steps=2)
-    assert {t for t in logger.series if t.startswith("grad_norm/net")} == {"grad_norm/net.0", "grad_norm/net.2", "grad_norm/net.4"}
+    assert {t for t in logger.series if t.startswith("grad_norm/net")} == {
+        "grad_norm/net.0",
+        "grad_norm/net.2",
+        "grad_norm/net.4",
+    }
 
 
 def test_spike_is_reported_with_step_and_largest_layers(caplog):
@@ -218,8 +254,12 @@ def test_spike_is_reported_with_step_and_largest_layers(caplog):
 
     logger = RecordingLogger()
     with caplog.at_level("INFO"):
-        fit(Spiky(lr=0.0), GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0, spike_warmup_steps=10),
-            logger, max_steps=41)
+        fit(
+            Spiky(lr=0.0),
+            GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0, spike_warmup_steps=10),
+            logger,
+            max_steps=41,
+        )
     assert logger.values("grad_norm/spike_steps") == [0, 0, 0, 1, 1]
     reports = [r.message for r in caplog.records if "spike at optimizer step" in r.message]
     assert len(reports) == 1
@@ -243,7 +283,12 @@ def test_csv_logger_gets_scalars_and_a_single_notice_about_histograms(tmp_path, 
     csv = CSVLogger(tmp_path, name="csv")
     _writers._notices.clear()  # the notice is once per process; earlier tests may have had it
     with caplog.at_level("INFO"):
-        fit(Regressor(), GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=1), [csv, RecordingLogger()], max_steps=3)
+        fit(
+            Regressor(),
+            GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=1),
+            [csv, RecordingLogger()],
+            max_steps=3,
+        )
     text = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
     assert "grad_norm/total" in text.splitlines()[0]
     assert sum("need a TensorBoardLogger" in r.message for r in caplog.records) == 1
@@ -269,12 +314,19 @@ def test_state_round_trips(tmp_path):
     assert monitor.state_key == restored.state_key
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"norm_type": 0}, "norm_type"), ({"norm_type": "l2"}, "norm_type"), ({"grouping": "layer"}, "grouping"),
-    ({"log_every_n_steps": 0}, "log_every_n_steps"), ({"histogram_every_n_steps": -1}, "histogram_every_n_steps"),
-    ({"spike_factor": 1.0}, "spike_factor"), ({"ema_beta": 1.0}, "ema_beta"),
-    ({"spike_warmup_steps": -1}, "spike_warmup_steps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"norm_type": 0}, "norm_type"),
+        ({"norm_type": "l2"}, "norm_type"),
+        ({"grouping": "layer"}, "grouping"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"histogram_every_n_steps": -1}, "histogram_every_n_steps"),
+        ({"spike_factor": 1.0}, "spike_factor"),
+        ({"ema_beta": 1.0}, "ema_beta"),
+        ({"spike_warmup_steps": -1}, "spike_warmup_steps"),
+    ],
+)
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         GradNormMonitor(**kwargs)
@@ -336,8 +388,12 @@ def test_a_lasting_level_shift_is_followed_not_counted_as_spikes_forever():
             return loss * 10.0 if self.global_step >= 30 else loss
 
     logger = RecordingLogger()
-    fit(Shifts(lr=0.0), GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0, spike_factor=3.0,
-                                        spike_warmup_steps=10), logger, max_steps=200)
+    fit(
+        Shifts(lr=0.0),
+        GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0, spike_factor=3.0, spike_warmup_steps=10),
+        logger,
+        max_steps=200,
+    )
     spikes = logger.values("grad_norm/spike_steps")
     assert spikes[3] >= 1  # the shift is a spike at first
     assert spikes[-1] == spikes[-10] < 40  # then the running average has caught up
@@ -424,8 +480,12 @@ def test_a_nonfinite_step_just_before_a_regrouping_is_still_reported():
 
     logger = RecordingLogger()
     with pytest.warns(UserWarning, match=r"non-finite gradient \(inf/NaN\) at optimizer step 6; first in: net\.2"):
-        fit(NaNBeforeUnfreezing(lr=0.0), GradNormMonitor(log_every_n_steps=5, histogram_every_n_steps=0), logger,
-            max_epochs=2)
+        fit(
+            NaNBeforeUnfreezing(lr=0.0),
+            GradNormMonitor(log_every_n_steps=5, histogram_every_n_steps=0),
+            logger,
+            max_epochs=2,
+        )
     assert logger.series["grad_norm/nonfinite_steps"] == [(0, 0.0), (5, 0.0), (10, 1.0), (15, 1.0)]
 
 
@@ -438,8 +498,14 @@ def test_the_end_of_training_report_survives_a_checkpoint_in_between(tmp_path):
     logger = RecordingLogger()
     with pytest.warns(UserWarning, match=r"non-finite gradient.*step 6"):
         # ModelCheckpoint saves (and so reads the monitor's state) after step 7, before training ends.
-        fit(InfLate(lr=0.0), GradNormMonitor(log_every_n_steps=5, histogram_every_n_steps=0), logger, max_epochs=1,
-            enable_checkpointing=True, default_root_dir=tmp_path)
+        fit(
+            InfLate(lr=0.0),
+            GradNormMonitor(log_every_n_steps=5, histogram_every_n_steps=0),
+            logger,
+            max_epochs=1,
+            enable_checkpointing=True,
+            default_root_dir=tmp_path,
+        )
     assert logger.series["grad_norm/nonfinite_steps"] == [(0, 0.0), (5, 0.0), (7, 2.0)]  # the inf stays in .grad
 
 
@@ -481,7 +547,9 @@ def test_the_cadence_is_kept_unless_the_run_was_stopped_early(overrides, logged)
     stop_at = overrides.pop("stop_at", None)
     callbacks = [GradNormMonitor(log_every_n_steps=5)] + ([StopAt(stop_at)] if stop_at is not None else [])
     # 9 optimizer steps an epoch: the last step of a fit is never a logging step.
-    Trainer(**trainer_kwargs(callbacks=callbacks, logger=logger, **overrides)).fit(Regressor(), loader(regression_data(72), 8))
+    Trainer(**trainer_kwargs(callbacks=callbacks, logger=logger, **overrides)).fit(
+        Regressor(), loader(regression_data(72), 8)
+    )
     assert [step for step, _ in logger.series["grad_norm/total"]] == logged
 
 
@@ -504,10 +572,15 @@ class FirstGradients(pl.Callback):
 def test_lbfgs_closure_evaluations_are_one_step():
     """Lightning calls on_before_optimizer_step after each of LBFGS's closure evaluations (4 per step here):
     one total per optimizer step, that of its first evaluation, and one step counted."""
-    logger, first, monitor = RecordingLogger(), FirstGradients(), GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    logger, first, monitor = (
+        RecordingLogger(),
+        FirstGradients(),
+        GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
+    )
     stopper = GradNormEarlyStopping(mode="threshold", threshold=1e-12, min_steps=0, check_every_n_steps=1)
-    trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[first, monitor, stopper], logger=logger,
-                                          log_every_n_steps=1))
+    trainer = pl.Trainer(
+        **trainer_kwargs(max_steps=3, callbacks=[first, monitor, stopper], logger=logger, log_every_n_steps=1)
+    )
     trainer.fit(LBFGSRegressor(), loader(regression_data(), 16))
     assert [s for s, _ in logger.series["grad_norm/total"]] == [0, 1, 2]
     assert logger.values("grad_norm/total") == pytest.approx([first.norms[s] for s in range(3)], rel=1e-6)

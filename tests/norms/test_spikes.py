@@ -38,7 +38,9 @@ def test_no_spike_during_warmup_and_state_round_trips():
     assert restored.update(1000.0) == detector.update(1000.0)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"factor": 1.0}, "factor"), ({"beta": 1.0}, "beta"), ({"warmup_steps": -1}, "warmup_steps")])
+@pytest.mark.parametrize(
+    "kwargs, name", [({"factor": 1.0}, "factor"), ({"beta": 1.0}, "beta"), ({"warmup_steps": -1}, "warmup_steps")]
+)
 def test_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SpikeDetector(**{"factor": 3.0, "beta": 0.9, "warmup_steps": 0, **kwargs})

@@ -8,14 +8,14 @@ import warnings
 from collections import UserDict
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import HostReads, RecordingLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning.pytorch as pl
-from conftest import HostReads, RecordingLogger
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.per_example import Layouts, PerExampleGradients, plan_sources
 
@@ -115,8 +115,17 @@ def brute_force(model: nn.Module, ids: torch.Tensor, y: torch.Tensor, skip: tupl
     """``(B, P)``: each example's gradient alone through the model, over every trainable parameter not under
     ``skip``."""
     params = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith(skip)]
-    return torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
-        per_example_losses(model, ids[i:i + 1], y[i:i + 1])[0], params)]) for i in range(ids.shape[0])])
+    return torch.stack(
+        [
+            torch.cat(
+                [
+                    g.flatten()
+                    for g in torch.autograd.grad(per_example_losses(model, ids[i : i + 1], y[i : i + 1])[0], params)
+                ]
+            )
+            for i in range(ids.shape[0])
+        ]
+    )
 
 
 def collect(model: nn.Module, ids: torch.Tensor, y: torch.Tensor, layouts: Layouts, batch: Any = None):
@@ -156,8 +165,11 @@ def assert_exact(step, truth: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("t", [B, B + 2])
-@pytest.mark.parametrize("cls, args", [(SequenceFirstEncoder, ()), (SequenceFirstEncoder, (True,)), (WordLM, ())],
-                         ids=["transformer-sequence-first", "transformer-batch-first", "word-lm"])
+@pytest.mark.parametrize(
+    "cls, args",
+    [(SequenceFirstEncoder, ()), (SequenceFirstEncoder, (True,)), (WordLM, ())],
+    ids=["transformer-sequence-first", "transformer-batch-first", "word-lm"],
+)
 def test_the_model_s_batch_first_modules_give_the_layout_at_T_equal_B(cls, args, t):
     """nn.TransformerEncoder (its Linear and LayerNorm layers get its attention's layout, the embedding beside it
     too) and an embedding and decoder beside an LSTM, sequence-first or not, exact at T = B as at T ≠ B, with no
@@ -239,8 +251,14 @@ def test_a_channels_last_layer_with_H_equal_B_is_not_taken_for_a_sequence():
     collector.detach()
     step = collector.pop()
     params = [p for n, p in model.named_parameters() if not n.startswith("rnn")]
-    truth = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(
-        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)]) for i in range(B)])
+    truth = torch.stack(
+        [
+            torch.cat(
+                [g.flatten() for g in torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), params)]
+            )
+            for i in range(B)
+        ]
+    )
     assert_exact(step, truth)
     assert not layouts.assumed
 
@@ -305,9 +323,19 @@ class LM(pl.LightningModule):
 
 def probe_fit(net: nn.Module, ids: torch.Tensor, y: torch.Tensor, steps: int = 1, **options: Any):
     probe = BatchVarianceProbe(histogram_every_n_steps=0, **options)
-    trainer = pl.Trainer(max_steps=steps, callbacks=[probe], logger=RecordingLogger(), log_every_n_steps=1,
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                         accelerator="cpu", devices=1, num_sanity_val_steps=0, precision="64-true")
+    trainer = pl.Trainer(
+        max_steps=steps,
+        callbacks=[probe],
+        logger=RecordingLogger(),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        precision="64-true",
+    )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer.fit(LM(net), DataLoader(TensorDataset(ids, y), batch_size=ids.shape[0] // steps))
@@ -319,8 +347,9 @@ def true_trace(net: nn.Module, ids: torch.Tensor, y: torch.Tensor, skip: tuple[s
     return float((g - g.mean(0)).square().sum() / (g.shape[0] - 1))
 
 
-@pytest.mark.parametrize("copy, sequence_first", [(False, None), (True, True), (True, None)],
-                         ids=["batch-view", "override", "no-evidence"])
+@pytest.mark.parametrize(
+    "copy, sequence_first", [(False, None), (True, True), (True, None)], ids=["batch-view", "override", "no-evidence"]
+)
 def test_the_probe_measures_a_sequence_first_model_at_T_equal_B(copy, sequence_first):
     """tr(Σ) of Embedding → Linear on (T, B), T = B, against brute force: exact when the ids are the batch's,
     transposed, or with ``sequence_first=True``; without either, taken batch-first and said once."""
@@ -344,9 +373,18 @@ def test_a_batch_first_gpt_at_T_equal_B_is_measured_without_a_warning_or_host_re
     probe = BatchVarianceProbe(histogram_every_n_steps=0, log_every_n_steps=2, ema_beta=0.0)
     host = HostReads(monkeypatch)
     host.watch(probe, ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step"))
-    trainer = pl.Trainer(max_steps=2, callbacks=[probe], logger=RecordingLogger(), enable_progress_bar=False,
-                         enable_checkpointing=False, enable_model_summary=False, accelerator="cpu", devices=1,
-                         num_sanity_val_steps=0, precision="64-true")
+    trainer = pl.Trainer(
+        max_steps=2,
+        callbacks=[probe],
+        logger=RecordingLogger(),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        precision="64-true",
+    )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer.fit(LM(net), DataLoader(TensorDataset(ids, y), batch_size=B))
@@ -487,9 +525,19 @@ def test_a_layout_assumed_at_T_equal_B_and_refuted_later_restarts_the_estimate()
         return torch.stack([r[0][:t] for r in rows]), torch.stack([r[1][:t] for r in rows])
 
     probe = BatchVarianceProbe(histogram_every_n_steps=0, ema_beta=0.5)
-    trainer = pl.Trainer(max_steps=2, callbacks=[probe], logger=RecordingLogger(), log_every_n_steps=1,
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                         accelerator="cpu", devices=1, num_sanity_val_steps=0, precision="64-true")
+    trainer = pl.Trainer(
+        max_steps=2,
+        callbacks=[probe],
+        logger=RecordingLogger(),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        precision="64-true",
+    )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer.fit(LM(net), DataLoader(TensorDataset(ids, y), batch_size=B, collate_fn=collate))
@@ -525,18 +573,42 @@ def time_major_fit(t: int, **options: Any):
     lm = TimeMajorLM().double()
     g = torch.Generator().manual_seed(1)
     ids, y = torch.randint(0, V, (B, t), generator=g), torch.randint(0, V, (B, t), generator=g)
-    loader = DataLoader(TensorDataset(ids, y), batch_size=B,
-                        collate_fn=lambda rows: tuple(torch.stack(c).t().contiguous() for c in zip(*rows)))
+    loader = DataLoader(
+        TensorDataset(ids, y),
+        batch_size=B,
+        collate_fn=lambda rows: tuple(torch.stack(c).t().contiguous() for c in zip(*rows)),
+    )
     probe = BatchVarianceProbe(histogram_every_n_steps=0, **options)
-    trainer = pl.Trainer(max_steps=1, callbacks=[probe], logger=RecordingLogger(), log_every_n_steps=1,
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                         accelerator="cpu", devices=1, num_sanity_val_steps=0, precision="64-true")
+    trainer = pl.Trainer(
+        max_steps=1,
+        callbacks=[probe],
+        logger=RecordingLogger(),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        precision="64-true",
+    )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer.fit(lm, loader)
     params = [p for p in lm.parameters()]
-    g = torch.stack([torch.cat([d.flatten() for d in torch.autograd.grad(F.cross_entropy(
-        lm(ids[i:i + 1].t()).flatten(0, 1), y[i:i + 1].t().flatten()), params)]) for i in range(B)])
+    g = torch.stack(
+        [
+            torch.cat(
+                [
+                    d.flatten()
+                    for d in torch.autograd.grad(
+                        F.cross_entropy(lm(ids[i : i + 1].t()).flatten(0, 1), y[i : i + 1].t().flatten()), params
+                    )
+                ]
+            )
+            for i in range(B)
+        ]
+    )
     truth = float((g - g.mean(0)).square().sum() / (B - 1))
     return probe, truth, [str(w.message) for w in record if "trainvitals" in str(w.message)]
 
@@ -560,6 +632,7 @@ def test_a_loader_of_T_B_batches_without_the_flag_leaves_the_step_out_and_says_t
 
 def test_the_batch_size_of_a_sequence_first_batch_is_its_dimension_1():
     from trainvitals.plumbing.batch import batch_size
+
     ids, lengths = torch.zeros(7, 3), torch.zeros(3)
     assert batch_size((ids, lengths), True) == 3 and batch_size((ids, lengths)) == 7
     assert batch_size({"lengths": lengths, "ids": ids}, True) == 3 and batch_size([lengths], True) == 3

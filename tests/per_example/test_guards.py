@@ -9,11 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune
+from conftest import HostReads
 from torch import nn
 
-from conftest import HostReads
-from trainvitals.per_example import (PerExampleGradients, plan_sources, register_per_example_rule,
-                                         unregister_per_example_rule)
+from trainvitals.per_example import (
+    PerExampleGradients,
+    plan_sources,
+    register_per_example_rule,
+    unregister_per_example_rule,
+)
 
 B = 4
 
@@ -136,12 +140,20 @@ def test_a_layer_whose_per_example_gradients_miss_part_of_its_gradient_is_named(
 
 
 def test_a_reparametrised_layer_or_one_overriding_its_forward_path_has_no_rule():
-    model = nn.ModuleDict({"norm": _weight_norm(_mlp())[0], "spectral": torch.nn.utils.spectral_norm(nn.Linear(3, 3)),
-                           "pruned": torch.nn.utils.prune.l1_unstructured(nn.Linear(3, 3), "weight", 0.5),
-                           "standardised": Standardised(2, 3, 3), "plain": nn.Conv2d(2, 3, 3)})
+    model = nn.ModuleDict(
+        {
+            "norm": _weight_norm(_mlp())[0],
+            "spectral": torch.nn.utils.spectral_norm(nn.Linear(3, 3)),
+            "pruned": torch.nn.utils.prune.l1_unstructured(nn.Linear(3, 3), "weight", 0.5),
+            "standardised": Standardised(2, 3, 3),
+            "plain": nn.Conv2d(2, 3, 3),
+        }
+    )
     plan = plan_sources(model, groups_available=False, fallback=False)
     assert set(plan.per_example) == {"plain"}
-    assert "weight_norm" in plan.uncovered["norm.weight_g"] and "spectral_norm" in plan.uncovered["spectral.weight_orig"]
+    assert (
+        "weight_norm" in plan.uncovered["norm.weight_g"] and "spectral_norm" in plan.uncovered["spectral.weight_orig"]
+    )
     assert "pruning" in plan.uncovered["pruned.weight_orig"]
     assert "no per-example identity" in plan.uncovered["standardised.weight"]
 
@@ -212,7 +224,7 @@ def per_example_sq_norms(model: nn.Module, x: torch.Tensor, loss_of) -> torch.Te
     rows = []
     for i in range(len(x)):
         model.zero_grad()
-        loss_of(model, x[i:i + 1]).backward()
+        loss_of(model, x[i : i + 1]).backward()
         rows.append(sum(p.grad.square().sum() for p in model.parameters()))
     return torch.stack(rows)
 
@@ -321,13 +333,13 @@ def test_per_example_ids_are_compared_with_arange_without_a_host_read_until_deci
     per_example = []
     for i in range(B):  # each example's own loss out_i²
         model.zero_grad()
-        model(x[i:i + 1]).square().sum().backward()
+        model(x[i : i + 1]).square().sum().backward()
         per_example.append(torch.cat([p.grad.flatten() for p in measured.values()]))
     flat = torch.stack(per_example)
     for sq in step.sq_norms:
         torch.testing.assert_close(sq, flat.square().sum(1), rtol=1e-9, atol=0)
     offsets = [0, *torch.tensor([p.numel() for p in measured.values()]).cumsum(0).tolist()]
-    for (name, p), start, end in zip(measured.items(), offsets, offsets[1:]):
+    for name, start, end in zip(measured, offsets, offsets[1:]):
         torch.testing.assert_close(step.grad_sum[name].flatten(), 2 * flat[:, start:end].sum(0), rtol=1e-9, atol=1e-12)
 
 
@@ -343,10 +355,15 @@ class Gated(nn.Module):
         return self.head(torch.tanh(self.gate(input=x) if self.keyword else self.gate(x)))
 
 
-@pytest.mark.parametrize(("case", "aside"), [
-    ("arange in both", {"items"}), ("arange in the second", set()),  # its first micro-batch counted
-    ("keyword in both", {"gate"}), ("keyword in the second", set()),
-])
+@pytest.mark.parametrize(
+    ("case", "aside"),
+    [
+        ("arange in both", {"items"}),
+        ("arange in the second", set()),  # its first micro-batch counted
+        ("keyword in both", {"gate"}),
+        ("keyword in the second", set()),
+    ],
+)
 def test_a_failed_layer_is_set_aside_only_when_none_of_its_statistics_were_counted(case, aside):
     """Over a step's two micro-batches: a layer that failed before its rule ran in every one leaves the sums
     exactly the other layers' (those of a per-example loop over them); one that failed after a micro-batch was
@@ -371,7 +388,7 @@ def test_a_failed_layer_is_set_aside_only_when_none_of_its_statistics_were_count
         truth = []
         for i in range(B):  # each example's own loss out_i², over the other layers
             model.zero_grad()
-            model(x[i:i + 1]).square().sum().backward()
+            model(x[i : i + 1]).square().sum().backward()
             truth.append(sum(p.grad.square().sum() for n, p in model.named_parameters() if not n.startswith(failing)))
         torch.testing.assert_close(sq, torch.stack(truth), rtol=1e-9, atol=0)
 

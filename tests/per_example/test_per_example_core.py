@@ -8,13 +8,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import Scale
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from _models import Scale
-from trainvitals.per_example import tensor_ops as per_example_module
-from trainvitals.per_example.rules import conv as conv_module
 from trainvitals.noise.estimators import (
     NoiseScaleEMA,
     NoiseScaleError,
@@ -34,6 +32,8 @@ from trainvitals.per_example import (
     plan_sources,
     vmap_per_example_grads,
 )
+from trainvitals.per_example import tensor_ops as per_example_module
+from trainvitals.per_example.rules import conv as conv_module
 
 B = 6
 
@@ -64,9 +64,12 @@ def cnn() -> nn.Module:
     """Conv 2→4 on 6×6 (T = 36: per-example blocks), then conv 4→8 with stride 2
     and reflect padding (T = 9, 2T² ≤ I·O: ghost Gram matrices)."""
     return nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(4, 8, 3, stride=2, padding=1, padding_mode="reflect"), nn.ReLU(),
-        nn.Flatten(), nn.Linear(8 * 3 * 3, 3),
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, stride=2, padding=1, padding_mode="reflect"),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 3 * 3, 3),
     )
 
 
@@ -88,7 +91,7 @@ def brute_force(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str,
     grads: dict[str, list[torch.Tensor]] = {n: [] for n, _ in model.named_parameters()}
     for i in range(x.shape[0]):
         model.zero_grad()
-        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
         for n, p in model.named_parameters():
             grads[n].append(p.grad.clone())
     model.zero_grad()
@@ -135,7 +138,7 @@ def test_per_example_statistics_match_brute_force(kind, scratch_bytes, monkeypat
     g2, trace = per_example_estimates(step.sq_norm_sum, batch_sq, B)
     assert rel_close(trace, truth_trace) and rel_close(g2, truth_g2)
 
-    # per-layer GSNR and the EB criterion from the examples' own mean and Σg² (the formula: test_core_noise)
+    # per-layer GSNR and the EB criterion from the examples' own mean and Σg² (the formula: noise/test_estimators.py)
     snr = {n: gradient_snr(g.mean(0), g.square().sum(0), B) for n, g in per_example.items()}
     for n in per_example:
         assert rel_close(gradient_snr(mean_grad[n], step.sum_sq[n], B), snr[n]), n
@@ -144,18 +147,21 @@ def test_per_example_statistics_match_brute_force(kind, scratch_bytes, monkeypat
     assert rel_close(eb, truth_eb)
 
 
-@pytest.mark.parametrize("conv, shape", [
-    (nn.Conv2d(3, 5, 3, padding=1), (6, 6)),  # per-example blocks (2T² > I·O)
-    (nn.Conv2d(3, 5, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(2, 1), bias=False), (7, 6)),
-    (nn.Conv2d(8, 16, 2, padding=1, padding_mode="circular"), (2, 2)),  # ghost (2T² ≤ I·O)
-    (nn.Conv1d(4, 3, 5, padding="same", padding_mode="replicate"), (9,)),
-    (nn.Conv1d(4, 3, 3, stride=2, dilation=2), (11,)),  # ghost
-    # stride 1 with the trailing sizes kept: shifted patches (the first spatial size may change)
-    (nn.Conv2d(3, 4, (3, 5), padding=(0, 2)), (6, 5)),
-    (nn.Conv2d(2, 3, 4, padding="same", dilation=(1, 2)), (5, 3)),  # uneven padding, shifts past the row
-    (nn.Conv3d(2, 3, 3, padding=1), (3, 4, 3)),
-    (nn.Conv1d(4, 3, 5, padding=1, dilation=2), (12,)),
-])
+@pytest.mark.parametrize(
+    "conv, shape",
+    [
+        (nn.Conv2d(3, 5, 3, padding=1), (6, 6)),  # per-example blocks (2T² > I·O)
+        (nn.Conv2d(3, 5, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(2, 1), bias=False), (7, 6)),
+        (nn.Conv2d(8, 16, 2, padding=1, padding_mode="circular"), (2, 2)),  # ghost (2T² ≤ I·O)
+        (nn.Conv1d(4, 3, 5, padding="same", padding_mode="replicate"), (9,)),
+        (nn.Conv1d(4, 3, 3, stride=2, dilation=2), (11,)),  # ghost
+        # stride 1 with the trailing sizes kept: shifted patches (the first spatial size may change)
+        (nn.Conv2d(3, 4, (3, 5), padding=(0, 2)), (6, 5)),
+        (nn.Conv2d(2, 3, 4, padding="same", dilation=(1, 2)), (5, 3)),  # uneven padding, shifts past the row
+        (nn.Conv3d(2, 3, 3, padding=1), (3, 4, 3)),
+        (nn.Conv1d(4, 3, 5, padding=1, dilation=2), (12,)),
+    ],
+)
 @pytest.mark.parametrize("scratch_bytes", [None, 1], ids=["one-chunk", "chunks-of-one-example"])
 def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeypatch):
     if scratch_bytes is not None:
@@ -167,7 +173,7 @@ def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeyp
     grads = {n: [] for n, _ in conv.named_parameters()}
     for i in range(B):  # brute force: each example's own backward
         conv.zero_grad()
-        conv(x[i:i + 1]).backward(grad_output[i:i + 1])
+        conv(x[i : i + 1]).backward(grad_output[i : i + 1])
         for n, p in conv.named_parameters():
             grads[n].append(p.grad.clone())
     per_example = {n: torch.stack(g) for n, g in grads.items()}
@@ -181,8 +187,11 @@ def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeyp
                 assert rel_close(sums[n][0], g.sum(0), 1e-10) and rel_close(sums[n][1], g.square().sum(0), 1e-10), n
 
 
-@pytest.mark.parametrize("scratch_bytes, row_in_place", [(None, None), (1, None), (None, 1)],
-                         ids=["one-chunk", "chunks-of-one-row", "in-place"])
+@pytest.mark.parametrize(
+    "scratch_bytes, row_in_place",
+    [(None, None), (1, None), (None, 1)],
+    ids=["one-chunk", "chunks-of-one-row", "in-place"],
+)
 def test_moments_are_float64_sums_of_the_values(scratch_bytes, row_in_place, monkeypatch):
     """Σv and Σv² of float32 values in float64 (their squares exact): from one float64 copy, from chunks of one row,
     or added in place row by row; into a table's rows by index; a float64 input left as it was."""
@@ -217,18 +226,22 @@ def test_workspace_views_follow_their_buffer():
     assert workspace.take("role", (2, 3), torch.zeros(1, dtype=torch.float64)).dtype == torch.float64
 
 
-@pytest.mark.parametrize("conv, shape", [
-    (nn.Conv2d(3, 4, 3, padding=1), (8, 8)),
-    (nn.Conv2d(2, 3, (2, 5), padding="same", dilation=(3, 2)), (7, 3)),  # shifts past the row's end
-    (nn.Conv2d(2, 3, (3, 1), padding=(4, 0), dilation=(2, 1)), (1, 5)),  # more output rows than input rows
-])
+@pytest.mark.parametrize(
+    "conv, shape",
+    [
+        (nn.Conv2d(3, 4, 3, padding=1), (8, 8)),
+        (nn.Conv2d(2, 3, (2, 5), padding="same", dilation=(3, 2)), (7, 3)),  # shifts past the row's end
+        (nn.Conv2d(2, 3, (3, 1), padding=(4, 0), dilation=(2, 1)), (1, 5)),  # more output rows than input rows
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_shifted_patches_are_im2col(conv, shape, dtype):
     """The stride-1 "same"-width patches, from shifted copies of the input, are F.unfold's bit for bit."""
     x = torch.randn(3, conv.in_channels, *shape)
     assert conv_module._shifted_patches(conv, x, dtype, None) is not None
-    expected = F.unfold(F.pad(x, conv._reversed_padding_repeated_twice).to(dtype), conv.kernel_size,
-                        dilation=conv.dilation).transpose(1, 2)
+    expected = F.unfold(
+        F.pad(x, conv._reversed_padding_repeated_twice).to(dtype), conv.kernel_size, dilation=conv.dilation
+    ).transpose(1, 2)
     workspace = Workspace()
     for buffers in (None, workspace, workspace):
         assert torch.equal(conv_module._conv_patches(conv, x, dtype, buffers), expected)
@@ -277,9 +290,15 @@ def test_a_backward_that_creates_the_graph_gives_the_same_statistics(kind):
         assert rel_close(step.grad_sum[n], plain.grad_sum[n], 1e-12), n
 
 
-@pytest.mark.parametrize("layer, shape", [
-    (nn.Linear(5, 3), (5,)), (nn.Linear(5, 3), (4, 5)), (nn.Conv2d(2, 3, 3, padding=1), (2, 5, 5)),
-], ids=["linear", "linear-3d", "conv"])
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (nn.Linear(5, 3), (5,)),
+        (nn.Linear(5, 3), (4, 5)),
+        (nn.Conv2d(2, 3, 3, padding=1), (2, 5, 5)),
+    ],
+    ids=["linear", "linear-3d", "conv"],
+)
 @pytest.mark.parametrize("trainable", [("weight",), ("bias",), ()], ids=["weight", "bias", "neither"])
 def test_a_layer_frozen_after_planning_counts_only_its_trainable_parameters(layer, shape, trainable):
     torch.manual_seed(4)
@@ -291,16 +310,24 @@ def test_a_layer_frozen_after_planning_counts_only_its_trainable_parameters(laye
     truth = torch.zeros(B, dtype=torch.float64)
     for n in trainable:
         for i in range(B):  # brute force: each example's own gradient of the parameter
-            (grad,) = torch.autograd.grad(layer(x[i:i + 1]), getattr(layer, n), grad_output[i:i + 1])
+            (grad,) = torch.autograd.grad(layer(x[i : i + 1]), getattr(layer, n), grad_output[i : i + 1])
             truth[i] += grad.square().sum()
     sq = per_example_sq_norms(layer, x, grad_output)
     assert sq.shape == (B,) and rel_close(sq, truth, 1e-10)
 
 
-@pytest.mark.parametrize("layer, shape", [
-    (nn.Linear(5, 3), (5,)), (nn.Linear(5, 3), (4, 5)), (nn.Conv2d(2, 3, 3), (2, 5, 5)), (nn.Conv1d(2, 3, 3), (2, 5)),
-    (nn.LayerNorm(5), (4, 5)), (nn.Embedding(7, 3), (4,)),
-], ids=["linear", "linear-3d", "conv2d", "conv1d", "layernorm", "embedding"])
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (nn.Linear(5, 3), (5,)),
+        (nn.Linear(5, 3), (4, 5)),
+        (nn.Conv2d(2, 3, 3), (2, 5, 5)),
+        (nn.Conv1d(2, 3, 3), (2, 5)),
+        (nn.LayerNorm(5), (4, 5)),
+        (nn.Embedding(7, 3), (4,)),
+    ],
+    ids=["linear", "linear-3d", "conv2d", "conv1d", "layernorm", "embedding"],
+)
 def test_an_empty_batch_gives_empty_norms_and_zero_sums(layer, shape):
     x = torch.randint(0, 7, (0, *shape)) if isinstance(layer, nn.Embedding) else torch.randn(0, *shape)
     grad_output = torch.zeros_like(layer(x))
@@ -352,7 +379,7 @@ def test_gsnr_of_nearly_equal_float32_examples_is_that_of_float64_statistics():
     model, c = nn.Sequential(emb, lin), torch.randint(-4, 5, (positions, 3)) / 4  # c: ∂(loss)/∂(output)
     tokens = torch.randint(0, 16, (n, positions))
     params = dict(model.named_parameters())
-    grads = [torch.autograd.grad((model(tokens[i:i + 1]) * c).sum(), list(params.values())) for i in range(n)]
+    grads = [torch.autograd.grad((model(tokens[i : i + 1]) * c).sum(), list(params.values())) for i in range(n)]
     per_example = {k: torch.stack([g[j] for g in grads]) for j, k in enumerate(params)}  # float32
     collector = PerExampleGradients({"0": emb, "1": lin}, {}, 2)
     collector.attach(coordinates=True)
@@ -365,13 +392,17 @@ def test_gsnr_of_nearly_equal_float32_examples_is_that_of_float64_statistics():
         return gradient_snr(total / n, total_sq, n, precision=torch.float32)
 
     truth = {k: snr(g.double().sum(0), g.double().square().sum(0)) for k, g in per_example.items()}
-    for k, g in per_example.items():
+    for k in per_example:
         torch.testing.assert_close(snr(step.grad_sum[k], step.sum_sq[k]), truth[k], rtol=1e-9, atol=0)
     weight = per_example["1.weight"].double()
     floor = torch.finfo(torch.float32).eps * weight.square().sum(0).mean() / (n - 1)
     assert truth["1.weight"][weight.var(0) > floor].min() > 1e5  # high GSNR, not held at the floor
-    truth_eb = eb_criterion([g.double().mean(0) for g in per_example.values()],
-                            [g.double().square().sum(0) for g in per_example.values()], [n] * 3, torch.float32)
+    truth_eb = eb_criterion(
+        [g.double().mean(0) for g in per_example.values()],
+        [g.double().square().sum(0) for g in per_example.values()],
+        [n] * 3,
+        torch.float32,
+    )
     eb = eb_criterion([step.grad_sum[k] / n for k in params], [step.sum_sq[k] for k in params], [n] * 3, torch.float32)
     assert abs(float(eb) - float(truth_eb)) < 1e-9 * abs(float(truth_eb))
     single = snr(weight.float().sum(0), weight.float().square().sum(0)).double()  # float32 sums
@@ -460,7 +491,7 @@ def test_module_run_twice_is_measured_from_both_uses():
     truth = []
     for i in range(4):
         layer.zero_grad()
-        layer(torch.tanh(layer(x[i:i + 1]))).sum().backward()
+        layer(torch.tanh(layer(x[i : i + 1]))).sum().backward()
         truth.append(sum(p.grad.square().sum() for p in layer.parameters()))
     collector = PerExampleGradients({"layer": layer}, {}, 2)
     collector.attach(keep_norms=True)
@@ -515,7 +546,10 @@ def test_ghost_norms_materialise_no_per_example_gradient():
         (lambda x, y: F.cross_entropy(x, y, reduction="sum"), "sum"),
         (lambda x, y: F.cross_entropy(x, y, label_smoothing=0.1), "mean"),
         (lambda x, y: F.cross_entropy(x, torch.softmax(torch.randn(4, 3), 1)), "mean"),
-        (lambda x, y: F.mse_loss(x, torch.zeros(4, 3)) + 0.1 * x.new_ones(5, 5, requires_grad=True).square().sum(), "mean"),
+        (
+            lambda x, y: F.mse_loss(x, torch.zeros(4, 3)) + 0.1 * x.new_ones(5, 5, requires_grad=True).square().sum(),
+            "mean",
+        ),
         (lambda x, y: x.square().sum(1).mean(), "mean"),
         (lambda x, y: x.square().mean(1).sum(), "sum"),
         (lambda x, y: F.cross_entropy(x, y) / 2 * torch.tensor(1024.0), "mean"),  # Lightning's /A, an AMP scale
@@ -526,7 +560,10 @@ def test_ghost_norms_materialise_no_per_example_gradient():
         (lambda x, y: torch.logsumexp(x, 0).sum(), None),
         (lambda x, y: F.cross_entropy(x, y) + x.square().sum(), None),
         # Parts that agree on the kind over different numbers of terms: an auxiliary loss
-        (lambda x, y: F.cross_entropy(x, y, reduction="sum") + F.mse_loss(x, torch.zeros(4, 3), reduction="sum"), "sum"),
+        (
+            lambda x, y: F.cross_entropy(x, y, reduction="sum") + F.mse_loss(x, torch.zeros(4, 3), reduction="sum"),
+            "sum",
+        ),
         (lambda x, y: F.cross_entropy(x, y) + 0.1 * F.mse_loss(x, torch.zeros(4, 3)), "mean"),
     ],
 )
@@ -548,8 +585,13 @@ def test_detect_loss_reduction(make_loss, expected):
         # Not known: the mean of a (4, 5 · 3) soft-target cross-entropy divides by 4, of a grid by all
         (lambda x, y: F.cross_entropy(x.flatten(1), torch.softmax(x.flatten(1).detach(), 1), reduction="sum"), None),
         (lambda x, y: x.square().sum(), None),
-        (lambda x, y: F.cross_entropy(x[:, 0], y[:, 0], reduction="sum")  # 4 terms and 20: which mean?
-         + F.cross_entropy(x.flatten(0, 1), y.flatten(), reduction="sum"), None),
+        (
+            lambda x, y: (
+                F.cross_entropy(x[:, 0], y[:, 0], reduction="sum")  # 4 terms and 20: which mean?
+                + F.cross_entropy(x.flatten(0, 1), y.flatten(), reduction="sum")
+            ),
+            None,
+        ),
     ],
 )
 def test_detect_loss_reduction_counts_the_terms(make_loss, terms):

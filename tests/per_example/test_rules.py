@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from _models import Scale
 from conftest import HostReads
+from torch import nn
+
 from trainvitals.per_example import (
     PER_EXAMPLE_LAYERS,
     Capture,
@@ -32,7 +32,7 @@ def per_example_truth(model: nn.Module, x: torch.Tensor, weights: torch.Tensor) 
     grads: dict[str, list[torch.Tensor]] = {n: [] for n, p in model.named_parameters() if p.requires_grad}
     for i in range(x.shape[0]):
         model.zero_grad()
-        (model(x[i:i + 1]) * weights[i:i + 1]).sum().backward()
+        (model(x[i : i + 1]) * weights[i : i + 1]).sum().backward()
         for n, p in model.named_parameters():
             if p.requires_grad:
                 grads[n].append(p.grad.clone())
@@ -76,8 +76,16 @@ def same_graph_truth(model: nn.Module, x: torch.Tensor, weights: torch.Tensor) -
     each example's gradient sees that forward's own dropout masks."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     out = model(x)
-    per_example = [torch.autograd.grad((out[i] * weights[i]).sum(), list(params.values()), retain_graph=True,
-                                       allow_unused=True, materialize_grads=True) for i in range(x.shape[0])]
+    per_example = [
+        torch.autograd.grad(
+            (out[i] * weights[i]).sum(),
+            list(params.values()),
+            retain_graph=True,
+            allow_unused=True,
+            materialize_grads=True,
+        )
+        for i in range(x.shape[0])
+    ]
     return {n: torch.stack([g[k] for g in per_example]) for k, n in enumerate(params)}
 
 
@@ -118,18 +126,24 @@ def eval_mode(module: nn.Module) -> nn.Module:
 LAYERS = {
     "conv3d": (lambda: nn.Conv3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=1, dilation=(1, 1, 2)), (B, 2, 4, 5, 5)),
     "conv_transpose1d": (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), (B, 3, 5)),
-    "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 2, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)),
-                         (B, 3, 4, 4)),
+    "conv_transpose2d": (
+        lambda: nn.ConvTranspose2d(3, 2, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)),
+        (B, 3, 4, 4),
+    ),
     "conv_transpose3d": (lambda: nn.ConvTranspose3d(2, 2, 2, stride=2, bias=False), (B, 2, 2, 3, 2)),
     "conv2d_depthwise": (lambda: nn.Conv2d(4, 8, 3, padding=1, groups=4), (B, 4, 5, 5)),
-    "conv1d_groups_stride": (lambda: nn.Conv1d(6, 4, 3, stride=2, groups=2, padding_mode="circular", padding=1),
-                             (B, 6, 9)),
+    "conv1d_groups_stride": (
+        lambda: nn.Conv1d(6, 4, 3, stride=2, groups=2, padding_mode="circular", padding=1),
+        (B, 6, 9),
+    ),
     "conv_transpose2d_groups": (lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2), (B, 4, 3, 3)),
     "group_norm": (lambda: nn.GroupNorm(2, 6), (B, 6, 3, 3)),
     "group_norm_2d": (lambda: nn.GroupNorm(2, 6), (B, 6)),
     "instance_norm1d": (lambda: nn.InstanceNorm1d(3, affine=True), (B, 3, 7)),
-    "instance_norm2d_running_stats_eval": (lambda: eval_mode(nn.InstanceNorm2d(3, affine=True, track_running_stats=True)),
-                                           (B, 3, 4, 4)),
+    "instance_norm2d_running_stats_eval": (
+        lambda: eval_mode(nn.InstanceNorm2d(3, affine=True, track_running_stats=True)),
+        (B, 3, 4, 4),
+    ),
     "instance_norm3d": (lambda: nn.InstanceNorm3d(2, affine=True), (B, 2, 3, 3, 2)),
     "rms_norm": (lambda: nn.RMSNorm(6), (B, 4, 6)),
     "rms_norm_eps_2d_shape": (lambda: nn.RMSNorm((3, 4), eps=1e-3), (B, 2, 3, 4)),
@@ -309,11 +323,20 @@ def test_a_forward_without_backward_leaves_the_next_micro_batch_measured():
 class Attention(nn.Module):
     """Self- or cross-attention on batch-first ``(B, T, 6)`` inputs, whatever the layer's layout."""
 
-    def __init__(self, batch_first: bool = True, bias: bool = True, use_weights: bool = False, masks: bool = False,
-                 kdim: int | None = None, dropout: float = 0.0, add_zero_attn: bool = False) -> None:
+    def __init__(
+        self,
+        batch_first: bool = True,
+        bias: bool = True,
+        use_weights: bool = False,
+        masks: bool = False,
+        kdim: int | None = None,
+        dropout: float = 0.0,
+        add_zero_attn: bool = False,
+    ) -> None:
         super().__init__()
-        self.attn = nn.MultiheadAttention(6, 2, bias=bias, batch_first=batch_first, kdim=kdim, vdim=kdim,
-                                          dropout=dropout, add_zero_attn=add_zero_attn)
+        self.attn = nn.MultiheadAttention(
+            6, 2, bias=bias, batch_first=batch_first, kdim=kdim, vdim=kdim, dropout=dropout, add_zero_attn=add_zero_attn
+        )
         self.memory = nn.Linear(6, kdim) if kdim else None
         self.use_weights, self.masks = use_weights, masks
 
@@ -331,9 +354,13 @@ class Attention(nn.Module):
 
 
 ATTENTION_OPTIONS = {
-    "default": {}, "sequence-first": {"batch_first": False}, "no-bias": {"bias": False},
-    "weights-in-the-loss": {"use_weights": True}, "masks": {"masks": True, "batch_first": False},
-    "kdim-vdim": {"kdim": 4}, "zero-attention": {"add_zero_attn": True},
+    "default": {},
+    "sequence-first": {"batch_first": False},
+    "no-bias": {"bias": False},
+    "weights-in-the-loss": {"use_weights": True},
+    "masks": {"masks": True, "batch_first": False},
+    "kdim-vdim": {"kdim": 4},
+    "zero-attention": {"add_zero_attn": True},
 }
 
 
@@ -399,8 +426,11 @@ class Transformer(nn.Module):
         return self.layer(x, self.memory(x[:3]), tgt_mask=causal).transpose(0, 1)
 
 
-@pytest.mark.parametrize("decoder, norm_first", [(False, False), (False, True), (True, False)],
-                         ids=["encoder", "encoder-norm-first", "decoder"])
+@pytest.mark.parametrize(
+    "decoder, norm_first",
+    [(False, False), (False, True), (True, False)],
+    ids=["encoder", "encoder-norm-first", "decoder"],
+)
 def test_transformer_layers_at_their_defaults_match_each_examples_gradient_in_its_graph(decoder, norm_first):
     torch.manual_seed(0)
     assert_matches_in_one_graph(Transformer(decoder, norm_first), torch.randn(B, 6, 8))  # T ≠ B: see feature_dims
@@ -480,8 +510,14 @@ def test_multihead_attention_with_bias_kv_is_named_with_its_reason():
     model = nn.Sequential(nn.MultiheadAttention(4, 2, add_bias_kv=True))
     plan = plan_sources(model, groups_available=False, fallback=True)
     assert not plan.per_example and not plan.vmap  # torch.func would not see a tuple output either
-    assert set(plan.uncovered) == {"0.in_proj_weight", "0.in_proj_bias", "0.bias_k", "0.bias_v", "0.out_proj.weight",
-                                   "0.out_proj.bias"}
+    assert set(plan.uncovered) == {
+        "0.in_proj_weight",
+        "0.in_proj_bias",
+        "0.bias_k",
+        "0.bias_v",
+        "0.out_proj.weight",
+        "0.out_proj.bias",
+    }
     assert "add_bias_kv" in plan.uncovered["0.in_proj_weight"]
 
 
@@ -498,8 +534,11 @@ def test_a_forward_that_raises_inside_a_capture_leaves_no_mode_behind():
     collector = PerExampleGradients(plan.per_example, {}, 2)
     collector.attach()
     with pytest.raises(RuntimeError, match="cannot be multiplied"):  # inside F.multi_head_attention_forward
-        model.attn(torch.randn(B, 4, 6, dtype=torch.float64), torch.randn(B, 4, 5, dtype=torch.float64),
-                   torch.randn(B, 4, 5, dtype=torch.float64))
+        model.attn(
+            torch.randn(B, 4, 6, dtype=torch.float64),
+            torch.randn(B, 4, 5, dtype=torch.float64),
+            torch.randn(B, 4, 5, dtype=torch.float64),
+        )
     assert torch._C._len_torch_function_stack() == 0
     x = torch.randn(B, 4, 6, dtype=torch.float64)
     model(x).sum().backward()
@@ -510,6 +549,7 @@ def test_a_forward_that_raises_inside_a_capture_leaves_no_mode_behind():
 
 def initial_states(rnn: nn.Module, x: torch.Tensor, states: int):
     """Initial states that depend on each example's input (an LSTM's h of its projection's size)."""
+
     def state(size: int) -> torch.Tensor:
         return x[:, 0, :1].expand(-1, size).unsqueeze(0).expand(states, -1, -1).contiguous()
 
@@ -539,21 +579,29 @@ class Recurrent(nn.Module):
 
 
 @pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
-@pytest.mark.parametrize("options", [
-    {"batch_first": True, "initial_state": False},
-    {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
-    {"batch_first": True, "initial_state": True, "bias": False, "num_layers": 2},
-], ids=["one-layer", "two-layer-bidirectional-sequence-first", "no-bias"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_first": True, "initial_state": False},
+        {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
+        {"batch_first": True, "initial_state": True, "bias": False, "num_layers": 2},
+    ],
+    ids=["one-layer", "two-layer-bidirectional-sequence-first", "no-bias"],
+)
 def test_recurrent_layers_match_brute_force(kind, options):
     torch.manual_seed(0)
     assert_matches(Recurrent(kind, **options), torch.randn(B, 4, 3))
 
 
 @pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
-@pytest.mark.parametrize("options", [
-    {"batch_first": True, "initial_state": False, "num_layers": 3},
-    {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
-], ids=["three-layer", "two-layer-bidirectional-sequence-first"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_first": True, "initial_state": False, "num_layers": 3},
+        {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
+    ],
+    ids=["three-layer", "two-layer-bidirectional-sequence-first"],
+)
 def test_recurrent_layers_with_dropout_between_layers_match_the_same_forward(kind, options):
     torch.manual_seed(0)
     assert_matches_same_graph(Recurrent(kind, dropout=0.4, **options), torch.randn(B, 4, 3))
@@ -640,6 +688,7 @@ def test_recurrent_dropout_in_float32_draws_the_forward_masks(monkeypatch):
     for kind in (nn.LSTM, nn.GRU):
         model = Recurrent(kind, batch_first=True, initial_state=False, num_layers=3, dropout=0.5)
         assert float32_dropout_sums(model, x) == {}
+
     def wrong_state(capture):  # the generator's state of another forward
         capture.inputs = capture._call._replace(state=torch.Generator().manual_seed(123).get_state())
         return capture
@@ -656,15 +705,20 @@ def test_recurrent_dropout_without_the_generator_state_says_so():
     out, (h, c) = lstm(torch.randn(B, 4, 3))
     with pytest.raises(RuntimeError, match="state before the forward was not kept"):
         per_example_sq_norms(lstm, Call((torch.randn(B, 4, 3),), {}), (torch.ones_like(out), None, None))
-    assert per_example_sq_norms(lstm.eval(), Call((torch.randn(B, 4, 3),), {}),
-                                (torch.ones_like(out), None, None)).shape == (B,)
+    assert per_example_sq_norms(
+        lstm.eval(), Call((torch.randn(B, 4, 3),), {}), (torch.ones_like(out), None, None)
+    ).shape == (B,)
 
 
-@pytest.mark.parametrize("options", [
-    {"batch_first": True, "initial_state": False},
-    {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
-    {"batch_first": True, "initial_state": True, "bias": False, "num_layers": 3, "dropout": 0.3},
-], ids=["one-layer", "two-layer-bidirectional-sequence-first", "dropout"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_first": True, "initial_state": False},
+        {"batch_first": False, "initial_state": True, "num_layers": 2, "bidirectional": True},
+        {"batch_first": True, "initial_state": True, "bias": False, "num_layers": 3, "dropout": 0.3},
+    ],
+    ids=["one-layer", "two-layer-bidirectional-sequence-first", "dropout"],
+)
 def test_lstm_with_projections_matches_brute_force(options):
     torch.manual_seed(0)
     model = Recurrent(nn.LSTM, proj_size=2, **options)
@@ -713,8 +767,15 @@ class Packed(nn.Module):
     """A recurrent layer on sequences of their own ``lengths``, padded ``(B, T, 3)`` and packed as a text
     classifier packs them; the loss on the padded output and the final states."""
 
-    def __init__(self, kind: type[nn.Module], lengths: list[int], enforce_sorted: bool = False,
-                 batch_first: bool = True, initial_state: bool = False, **options) -> None:
+    def __init__(
+        self,
+        kind: type[nn.Module],
+        lengths: list[int],
+        enforce_sorted: bool = False,
+        batch_first: bool = True,
+        initial_state: bool = False,
+        **options,
+    ) -> None:
         super().__init__()
         self.rnn = kind(3, 4, batch_first=batch_first, **options)
         self.lengths, self.enforce_sorted, self.initial_state = lengths, enforce_sorted, initial_state
@@ -732,15 +793,16 @@ class Packed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         first = self.rnn.batch_first
-        packed = nn.utils.rnn.pack_padded_sequence(x if first else x.transpose(0, 1), self.lengths,
-                                                   batch_first=first, enforce_sorted=self.enforce_sorted)
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x if first else x.transpose(0, 1), self.lengths, batch_first=first, enforce_sorted=self.enforce_sorted
+        )
         out, final = self.rnn(packed, self._initial(x))
         return self._head(nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0], final, x.shape[1])
 
     def alone(self, x: torch.Tensor, i: int) -> torch.Tensor:
         """Example ``i`` alone, a plain sequence of its own length: no packing."""
-        first, seq = self.rnn.batch_first, x[i:i + 1, :self.lengths[i]]
-        out, final = self.rnn(seq if first else seq.transpose(0, 1), self._initial(x[i:i + 1]))
+        first, seq = self.rnn.batch_first, x[i : i + 1, : self.lengths[i]]
+        out, final = self.rnn(seq if first else seq.transpose(0, 1), self._initial(x[i : i + 1]))
         return self._head(out if first else out.transpose(0, 1), final, x.shape[1])
 
 
@@ -752,7 +814,7 @@ def assert_packed_matches(model: Packed, x: torch.Tensor) -> None:
     grads: dict[str, list[torch.Tensor]] = {n: [] for n, p in model.named_parameters() if p.requires_grad}
     for i in range(x.shape[0]):
         model.zero_grad()
-        (model.alone(x, i) * weights[i:i + 1]).sum().backward()
+        (model.alone(x, i) * weights[i : i + 1]).sum().backward()
         for n, p in model.named_parameters():
             grads[n].append(p.grad.clone())
     model.zero_grad()
@@ -767,12 +829,22 @@ def assert_packed_matches(model: Packed, x: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("kind", [nn.RNN, nn.LSTM, nn.GRU], ids=["rnn", "lstm", "gru"])
-@pytest.mark.parametrize("options", [
-    {"lengths": [4, 2, 4, 1, 3]},
-    {"lengths": [4, 4, 3, 2, 1], "enforce_sorted": True, "batch_first": False, "initial_state": True,
-     "num_layers": 2, "bidirectional": True},
-    {"lengths": [2, 4, 1, 3, 3], "initial_state": True, "num_layers": 3, "bias": False},
-], ids=["unsorted", "sorted-two-layer-bidirectional-sequence-first", "three-layer-no-bias"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"lengths": [4, 2, 4, 1, 3]},
+        {
+            "lengths": [4, 4, 3, 2, 1],
+            "enforce_sorted": True,
+            "batch_first": False,
+            "initial_state": True,
+            "num_layers": 2,
+            "bidirectional": True,
+        },
+        {"lengths": [2, 4, 1, 3, 3], "initial_state": True, "num_layers": 3, "bias": False},
+    ],
+    ids=["unsorted", "sorted-two-layer-bidirectional-sequence-first", "three-layer-no-bias"],
+)
 def test_packed_sequences_match_each_sequence_alone(kind, options):
     torch.manual_seed(0)
     assert_packed_matches(Packed(kind, **options), torch.randn(B, 4, 3))
@@ -962,8 +1034,11 @@ class GateRule(PerExampleRule):
         return Linears()
 
     def grads(self, module, uses):
-        return {"weight": sum(torch.einsum("bto,bti->boi", g, a) for use in uses
-                              for a, g in zip(use.inputs, use.grad_output))}
+        return {
+            "weight": sum(
+                torch.einsum("bto,bti->boi", g, a) for use in uses for a, g in zip(use.inputs, use.grad_output)
+            )
+        }
 
 
 def test_a_rule_of_ones_own_measures_from_a_capture_of_its_forward():

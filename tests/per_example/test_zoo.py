@@ -36,14 +36,19 @@ def test_zoo_statistics_match_brute_force_over_all_parameters(name):
         torch.manual_seed(1)
         out = model(x)
         for i in range(B):
-            grads = torch.autograd.grad(entry.loss(out[i:i + 1], y[i:i + 1]), list(params.values()),
-                                        retain_graph=True, allow_unused=True, materialize_grads=True)
+            grads = torch.autograd.grad(
+                entry.loss(out[i : i + 1], y[i : i + 1]),
+                list(params.values()),
+                retain_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
+            )
             for n, grad in zip(params, grads):
                 per_example[n].append(grad)
     else:
         for i in range(B):
             model.zero_grad()
-            entry.loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+            entry.loss(model(x[i : i + 1]), y[i : i + 1]).backward()
             for n, p in params.items():
                 per_example[n].append(p.grad.clone())
     g = {n: torch.stack(v) for n, v in per_example.items()}

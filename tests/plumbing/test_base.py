@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from trainvitals import GraphIntegrityCallback, MemoryTopologyProfiler
-from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.noise.estimators import BiasCorrectedEMA
+from trainvitals.plumbing.base import TrainvitalsCallback
 
 
 class Phase(Enum):
@@ -39,7 +39,8 @@ def _trainer(world_size: int = 1, other: dict[str, torch.Tensor] | None = None):
     rank's for that operation (its ``"max"`` for a gather)."""
     strategy = SimpleNamespace(
         reduce=lambda t, reduce_op: t + other[reduce_op] if reduce_op == "sum" else (t + other[reduce_op]) / 2,
-        all_gather=lambda t: torch.stack([t, other["max"]]))
+        all_gather=lambda t: torch.stack([t, other["max"]]),
+    )
     return SimpleNamespace(loggers=[object()], world_size=world_size, strategy=strategy)
 
 
@@ -79,8 +80,11 @@ def test_persistent_state_round_trips_under_its_keys_and_older_checkpoints_load(
 def test_states_with_a_reduction_are_combined_over_ranks_in_place() -> None:
     cb = Counting()
     cb.total, cb.average, cb.peak = torch.tensor([1.0, 2.0, 3.0]), torch.tensor(4.0), torch.tensor([5.0, -1.0])
-    other = {"sum": torch.tensor([10.0, 20.0, 30.0], dtype=torch.float64),
-             "mean": torch.tensor([8.0], dtype=torch.float64), "max": torch.tensor([2.0, 7.0], dtype=torch.float64)}
+    other = {
+        "sum": torch.tensor([10.0, 20.0, 30.0], dtype=torch.float64),
+        "mean": torch.tensor([8.0], dtype=torch.float64),
+        "max": torch.tensor([2.0, 7.0], dtype=torch.float64),
+    }
     cb.reduce_states(_trainer(world_size=2, other=other))
     assert cb.total.tolist() == [11.0, 22.0, 33.0] and cb.total.dtype == torch.float32
     assert float(cb.average) == 6.0 and cb.average.shape == ()

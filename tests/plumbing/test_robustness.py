@@ -7,15 +7,15 @@ import inspect
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import Regressor, loader, regression_data
+from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
-import lightning.pytorch as pl
-from _models import Regressor, loader, regression_data
-from conftest import RecordingLogger, trainer_kwargs
 from trainvitals import (
     BatchVarianceProbe,
     GradNormEarlyStopping,
@@ -24,27 +24,38 @@ from trainvitals import (
     LRScalingAdvisor,
     MemoryTopologyProfiler,
     TrainvitalsDashboard,
+    per_example,
 )
-from trainvitals import per_example
 
 
 def every_callback() -> list[pl.Callback]:
-    return [GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False), GradNormMonitor(),
-            BatchVarianceProbe(), GradNormEarlyStopping(), LRScalingAdvisor(verbose=False),
-            MemoryTopologyProfiler(every_n_steps=2, verbose=False), TrainvitalsDashboard()]
+    return [
+        GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1, verbose=False),
+        GradNormMonitor(),
+        BatchVarianceProbe(),
+        GradNormEarlyStopping(),
+        LRScalingAdvisor(verbose=False),
+        MemoryTopologyProfiler(every_n_steps=2, verbose=False),
+        TrainvitalsDashboard(),
+    ]
 
 
 def test_step_logging_turned_off_logs_no_step_scalars():
     """``Trainer(log_every_n_steps=0)`` turns step logging off (Lightning logs nothing then); a cadence of
     0 divided by nothing, and no callback logs per step."""
     logger = RecordingLogger()
-    trainer = Trainer(**trainer_kwargs(callbacks=every_callback(), logger=logger, max_steps=6, log_every_n_steps=0,
-                                       accumulate_grad_batches=2))
+    trainer = Trainer(
+        **trainer_kwargs(
+            callbacks=every_callback(), logger=logger, max_steps=6, log_every_n_steps=0, accumulate_grad_batches=2
+        )
+    )
     trainer.fit(Regressor(), loader(regression_data(), 8))
     assert trainer.global_step == 6
     assert not [tag for tag in logger.series if tag.startswith(("grad_norm/", "grad_noise/"))]
     # The advisor's report is a fit-level one: at the start and the end of the fit only.
-    advice_steps = {step for tag, series in logger.series.items() if tag.startswith("lr_scaling/") for step, _ in series}
+    advice_steps = {
+        step for tag, series in logger.series.items() if tag.startswith("lr_scaling/") for step, _ in series
+    }
     assert advice_steps <= {0, 6}
 
 
@@ -65,16 +76,19 @@ class PairsRegressor(Regressor):
 
 def test_a_batch_lightning_cannot_size_is_said_once_and_the_run_goes_on():
     data = regression_data()
-    batches = [Pairs(*data[i:i + 8]) for i in range(0, 64, 8)]
+    batches = [Pairs(*data[i : i + 8]) for i in range(0, 64, 8)]
     probe, stopper = BatchVarianceProbe(), GradNormEarlyStopping()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = Trainer(**trainer_kwargs(callbacks=[probe, stopper], logger=False, max_steps=4,
-                                           accumulate_grad_batches=2))
+        trainer = Trainer(
+            **trainer_kwargs(callbacks=[probe, stopper], logger=False, max_steps=4, accumulate_grad_batches=2)
+        )
         trainer.fit(PairsRegressor(), DataLoader(batches, batch_size=None))
     assert trainer.global_step == 4
     messages = [str(w.message) for w in caught]
-    assert sum("BatchVarianceProbe: cannot measure: Lightning cannot tell how many examples" in m for m in messages) == 1
+    assert (
+        sum("BatchVarianceProbe: cannot measure: Lightning cannot tell how many examples" in m for m in messages) == 1
+    )
     assert sum("GradNormEarlyStopping: cannot tell how many examples" in m for m in messages) == 1
     assert int(probe.noise.count) == 0 and int(stopper.noise.count) == 0
 
@@ -158,7 +172,9 @@ def test_a_checkpoint_loaded_for_validate_does_not_carry_into_the_next_fit(tmp_p
     trainer = Trainer(**trainer_kwargs(callbacks=callbacks, logger=False, max_steps=4))
     trainer.fit(Validated(), data)
     trainer.save_checkpoint(tmp_path / "fold1.ckpt")
-    Trainer(**trainer_kwargs(callbacks=callbacks, logger=False)).validate(Validated(), data, ckpt_path=tmp_path / "fold1.ckpt")
+    Trainer(**trainer_kwargs(callbacks=callbacks, logger=False)).validate(
+        Validated(), data, ckpt_path=tmp_path / "fold1.ckpt"
+    )
     Trainer(**trainer_kwargs(callbacks=callbacks, logger=False, max_steps=3)).fit(Validated(), data)
     graph, monitor, probe, stopper = callbacks[0], callbacks[1], callbacks[2], callbacks[3]
     assert int(probe.noise.count) == 3 and stopper.steps == 3 and monitor._tracks[0].steps == 3
@@ -170,7 +186,10 @@ def test_callbacks_whose_saved_state_means_different_things_have_different_state
     EMA decay or spike rule must not be restored into another."""
     pairs = [
         (GradNormEarlyStopping(ema_beta=0.9), GradNormEarlyStopping(ema_beta=0.99)),
-        (GradNormEarlyStopping(mode="relative", reference_steps=10), GradNormEarlyStopping(mode="relative", reference_steps=20)),
+        (
+            GradNormEarlyStopping(mode="relative", reference_steps=10),
+            GradNormEarlyStopping(mode="relative", reference_steps=20),
+        ),
         (GradNormMonitor(spike_factor=3.0), GradNormMonitor(spike_factor=10.0)),
         (GradNormMonitor(spike_ema_beta=0.9), GradNormMonitor(spike_ema_beta=0.99)),
     ]
@@ -222,6 +241,7 @@ def test_a_skipped_step_is_not_reported_as_a_fault():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         Trainer(**trainer_kwargs(callbacks=[probe], logger=False, max_epochs=1)).fit(
-            SkipsSomeBatches(), loader(regression_data(), 8))
+            SkipsSomeBatches(), loader(regression_data(), 8)
+        )
     assert not [w for w in caught if "BatchVarianceProbe: cannot measure" in str(w.message)]
     assert int(probe.noise.count) == 5  # 8 batches, those at 1, 4 and 7 skipped

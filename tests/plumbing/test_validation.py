@@ -22,12 +22,21 @@ from hypothesis import strategies as st
 import trainvitals
 from trainvitals._validation import MAX_INT, check_float, check_int
 
-BUDGET = settings(max_examples=40, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+BUDGET = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
-_WEIRD = st.one_of(st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
-                   st.complex_numbers(allow_nan=False, allow_infinity=False).filter(lambda z: z.imag != 0),
-                   st.just(object()), st.binary(max_size=2))
+_WEIRD = st.one_of(
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+    st.complex_numbers(allow_nan=False, allow_infinity=False).filter(lambda z: z.imag != 0),
+    st.just(object()),
+    st.binary(max_size=2),
+)
 
 
 @dataclass(frozen=True)
@@ -130,8 +139,9 @@ SPECS: dict[str, dict[str, Spec]] = {
     "TrainvitalsDashboard": {"progress_bar": Bool(), "diagnosis": Bool()},
 }
 
-ARGUMENTS = [(cls, name) for cls in trainvitals.__all__
-             for name in inspect.signature(getattr(trainvitals, cls)).parameters]
+ARGUMENTS = [
+    (cls, name) for cls in trainvitals.__all__ for name in inspect.signature(getattr(trainvitals, cls)).parameters
+]
 
 
 def test_every_argument_has_a_spec():
@@ -155,15 +165,24 @@ def _wrong_type(spec: Spec) -> st.SearchStrategy[Any]:
     if spec.kind == "norm_type":
         return st.one_of(st.booleans(), st.none(), _WEIRD)
     if spec.kind == "batch_sizes":
-        return st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.lists(st.text(min_size=1), min_size=1),
-                         st.lists(st.booleans(), min_size=1))
+        return st.one_of(
+            st.integers(),
+            st.floats(),
+            st.text(max_size=3),
+            st.lists(st.text(min_size=1), min_size=1),
+            st.lists(st.booleans(), min_size=1),
+        )
     if spec.kind == "reference":
-        return st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.tuples(st.integers(1, 9)),
-                         st.tuples(st.integers(1, 9), st.floats(0.1, 1), st.integers()),
-                         st.tuples(st.text(max_size=2), st.floats(0.1, 1)),
-                         st.tuples(st.integers(1, 9), st.booleans()),
-                         st.tuples(st.integers(1, 9), st.dictionaries(st.integers(), st.floats(0.1, 1), min_size=1,
-                                                                      max_size=2)))
+        return st.one_of(
+            st.integers(),
+            st.floats(),
+            st.text(max_size=3),
+            st.tuples(st.integers(1, 9)),
+            st.tuples(st.integers(1, 9), st.floats(0.1, 1), st.integers()),
+            st.tuples(st.text(max_size=2), st.floats(0.1, 1)),
+            st.tuples(st.integers(1, 9), st.booleans()),
+            st.tuples(st.integers(1, 9), st.dictionaries(st.integers(), st.floats(0.1, 1), min_size=1, max_size=2)),
+        )
     raise AssertionError(spec.kind)
 
 
@@ -171,11 +190,13 @@ def _outside(spec: Spec) -> st.SearchStrategy[float]:
     """Finite floats outside the spec's interval."""
     parts = []
     if spec.low is not None:
-        parts.append(st.floats(max_value=spec.low, exclude_max=not spec.low_open, allow_nan=False,
-                               allow_infinity=False))
+        parts.append(
+            st.floats(max_value=spec.low, exclude_max=not spec.low_open, allow_nan=False, allow_infinity=False)
+        )
     if spec.high is not None:
-        parts.append(st.floats(min_value=spec.high, exclude_min=not spec.high_open, allow_nan=False,
-                               allow_infinity=False))
+        parts.append(
+            st.floats(min_value=spec.high, exclude_min=not spec.high_open, allow_nan=False, allow_infinity=False)
+        )
     return st.one_of(parts) if parts else st.nothing()
 
 
@@ -184,7 +205,8 @@ def _wrong_value(spec: Spec) -> st.SearchStrategy[Any]:
     if spec.kind == "int":
         low, high = int(spec.low), int(min(spec.high, MAX_INT))
         return st.one_of(
-            st.integers(max_value=low - 1), st.integers(min_value=high + 1),
+            st.integers(max_value=low - 1),
+            st.integers(min_value=high + 1),
             st.sampled_from([10**30, 10**400, -(10**30)]).filter(lambda v: not low <= v <= high),
             st.floats(allow_nan=False, allow_infinity=False).filter(lambda x: not x.is_integer()),
             st.sampled_from([math.nan, math.inf, -math.inf]),
@@ -198,19 +220,33 @@ def _wrong_value(spec: Spec) -> st.SearchStrategy[Any]:
     if spec.kind == "choice":
         return st.text(max_size=8).filter(lambda s: s not in spec.choices)
     if spec.kind == "norm_type":
-        return st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(-math.inf),
-                         st.text(max_size=4).filter(lambda s: s.lower() != "inf"), st.sampled_from(["2", "l2"]))
+        return st.one_of(
+            st.floats(max_value=0.0),
+            st.just(math.nan),
+            st.just(-math.inf),
+            st.text(max_size=4).filter(lambda s: s.lower() != "inf"),
+            st.sampled_from(["2", "l2"]),
+        )
     if spec.kind == "batch_sizes":
-        bad_count = st.one_of(st.floats(max_value=0.0), st.just(math.nan), st.just(math.inf), st.integers(max_value=0),
-                              st.sampled_from([2.5, 10**30, 1e300, MAX_INT + 1]))
+        bad_count = st.one_of(
+            st.floats(max_value=0.0),
+            st.just(math.nan),
+            st.just(math.inf),
+            st.integers(max_value=0),
+            st.sampled_from([2.5, 10**30, 1e300, MAX_INT + 1]),
+        )
         return st.lists(bad_count, min_size=1, max_size=3).flatmap(lambda bad: st.permutations([64, *bad]))
     if spec.kind == "reference":
-        return st.one_of(st.tuples(st.integers(max_value=0), st.floats(0.1, 1)),
-                         st.tuples(st.floats(1.1, 9.9).filter(lambda x: not x.is_integer()), st.floats(0.1, 1)),
-                         st.tuples(st.integers(1, 99), st.one_of(st.floats(max_value=0.0), st.just(math.nan))),
-                         st.tuples(st.integers(1, 99), st.dictionaries(st.text(max_size=3), st.floats(max_value=0.0),
-                                                                        min_size=1, max_size=2)),
-                         st.tuples(st.integers(1, 99), st.just({})))
+        return st.one_of(
+            st.tuples(st.integers(max_value=0), st.floats(0.1, 1)),
+            st.tuples(st.floats(1.1, 9.9).filter(lambda x: not x.is_integer()), st.floats(0.1, 1)),
+            st.tuples(st.integers(1, 99), st.one_of(st.floats(max_value=0.0), st.just(math.nan))),
+            st.tuples(
+                st.integers(1, 99),
+                st.dictionaries(st.text(max_size=3), st.floats(max_value=0.0), min_size=1, max_size=2),
+            ),
+            st.tuples(st.integers(1, 99), st.just({})),
+        )
     return st.nothing()
 
 
@@ -222,8 +258,14 @@ def _valid(spec: Spec) -> st.SearchStrategy[Any]:
         ints = st.integers(int(spec.low), int(spec.high))
         return st.one_of(ints, ints.map(float), st.sampled_from([int(spec.low), int(spec.high)]), *none)
     if spec.kind == "float":
-        floats = st.floats(spec.low, spec.high, exclude_min=spec.low_open, exclude_max=spec.high_open,
-                           allow_nan=False, allow_infinity=False)
+        floats = st.floats(
+            spec.low,
+            spec.high,
+            exclude_min=spec.low_open,
+            exclude_max=spec.high_open,
+            allow_nan=False,
+            allow_infinity=False,
+        )
         return st.one_of(floats, *none)
     if spec.kind == "choice":
         return st.sampled_from(spec.choices)
@@ -235,9 +277,10 @@ def _valid(spec: Spec) -> st.SearchStrategy[Any]:
         ints = st.integers(1, MAX_INT)
         return st.lists(st.one_of(ints, st.integers(1, 10**9).map(float)), max_size=3)
     if spec.kind == "reference":
-        return st.tuples(st.integers(1, 10**6), st.one_of(st.floats(1e-9, 10.0),
-                                                          st.dictionaries(st.text(max_size=3), st.floats(1e-9, 1.0),
-                                                                                          min_size=1)))
+        return st.tuples(
+            st.integers(1, 10**6),
+            st.one_of(st.floats(1e-9, 10.0), st.dictionaries(st.text(max_size=3), st.floats(1e-9, 1.0), min_size=1)),
+        )
     raise AssertionError(spec.kind)
 
 
@@ -252,8 +295,9 @@ def _assert_message(err: Exception, name: str, spec: Spec) -> None:
     message = str(err)
     assert f"`{name}`" in message, message
     if spec.kind == "int":
-        assert f"[{int(spec.low)}, " in message and ("10**15" if spec.high >= MAX_INT else f"{int(spec.high)}]") \
-            in message, message
+        assert (
+            f"[{int(spec.low)}, " in message and ("10**15" if spec.high >= MAX_INT else f"{int(spec.high)}]") in message
+        ), message
     elif spec.kind == "float":
         for bound in (spec.low, spec.high):
             assert bound is None or f"{bound:g}" in message, message
@@ -283,8 +327,9 @@ def test_wrong_type_is_a_type_error_naming_the_argument(cls, name):
     check()
 
 
-@pytest.mark.parametrize(("cls", "name"), [(c, n) for c, n in ARGUMENTS
-                                           if SPECS[c][n].kind not in ("bool", "callable")])
+@pytest.mark.parametrize(
+    ("cls", "name"), [(c, n) for c, n in ARGUMENTS if SPECS[c][n].kind not in ("bool", "callable")]
+)
 def test_wrong_value_is_a_value_error_naming_the_argument(cls, name):
     @BUDGET
     @given(_wrong_value(SPECS[cls][name]))
@@ -362,23 +407,31 @@ def test_old_argument_names_warn_and_still_work(cls, old, new, value):
         getattr(trainvitals, cls)(**{old: value, new: value})
 
 
-@pytest.mark.parametrize(("cls", "key"), [
-    ("GradNormMonitor", "GradNormMonitor{'norm_type': 2.0, 'grouping': 'module', 'spike_factor': 5.0, "
-                        "'spike_ema_beta': 0.98}"),
-    ("BatchVarianceProbe", "BatchVarianceProbe{'every_n_steps': 1, 'beta': 0.98}"),
-    ("MemoryTopologyProfiler", "MemoryTopologyProfiler{'every_n_steps': 50, 'first_steps': 3}"),
-])
+@pytest.mark.parametrize(
+    ("cls", "key"),
+    [
+        (
+            "GradNormMonitor",
+            "GradNormMonitor{'norm_type': 2.0, 'grouping': 'module', 'spike_factor': 5.0, 'spike_ema_beta': 0.98}",
+        ),
+        ("BatchVarianceProbe", "BatchVarianceProbe{'every_n_steps': 1, 'beta': 0.98}"),
+        ("MemoryTopologyProfiler", "MemoryTopologyProfiler{'every_n_steps': 50, 'first_steps': 3}"),
+    ],
+)
 def test_state_keys_keep_the_names_older_checkpoints_were_saved_under(cls, key):
     assert getattr(trainvitals, cls)().state_key == key
 
 
-@pytest.mark.parametrize(("cls", "kwargs"), [
-    ("GradNormEarlyStopping", {"patience": 30, "min_steps": 20, "margin": 1}),
-    ("GradNormMonitor", {"spike_factor": 5}),
-    ("BatchVarianceProbe", {"measure_every_n_steps": 10}),
-    ("GraphIntegrityCallback", {"check_every_n_steps": 50}),
-    ("MemoryTopologyProfiler", {"first_steps": 3}),
-])
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        ("GradNormEarlyStopping", {"patience": 30, "min_steps": 20, "margin": 1}),
+        ("GradNormMonitor", {"spike_factor": 5}),
+        ("BatchVarianceProbe", {"measure_every_n_steps": 10}),
+        ("GraphIntegrityCallback", {"check_every_n_steps": 50}),
+        ("MemoryTopologyProfiler", {"first_steps": 3}),
+    ],
+)
 def test_equal_values_from_a_config_give_the_same_state_key(cls, kwargs):
     """A value accepted in another type (2.0 for 2, numpy scalars) keys the state as the value itself does:
     a resume from a config that spells it otherwise must find the callback's saved state."""
@@ -400,11 +453,19 @@ def test_measure_and_log_cadences_have_one_name_each():
     names = {cls: set(inspect.signature(getattr(trainvitals, cls)).parameters) for cls in trainvitals.__all__}
     assert not any({"every_n_steps", "beta", "spike_ema_beta"} & params for params in names.values())
     assert {cls for cls, params in names.items() if "log_every_n_steps" in params} == {
-        "GradNormMonitor", "BatchVarianceProbe", "LRScalingAdvisor"}
+        "GradNormMonitor",
+        "BatchVarianceProbe",
+        "LRScalingAdvisor",
+    }
     assert {cls for cls, params in names.items() if "measure_every_n_steps" in params} == {
-        "BatchVarianceProbe", "MemoryTopologyProfiler"}
+        "BatchVarianceProbe",
+        "MemoryTopologyProfiler",
+    }
     assert {cls for cls, params in names.items() if "ema_beta" in params} == {
-        "GradNormMonitor", "GradNormEarlyStopping", "BatchVarianceProbe"}
+        "GradNormMonitor",
+        "GradNormEarlyStopping",
+        "BatchVarianceProbe",
+    }
 
 
 # ------------------------------------------------------------------ no logger
@@ -424,9 +485,12 @@ def test_without_a_logger_each_callback_says_once_that_nothing_is_recorded(caplo
                 callback.verbose = False
         with caplog.at_level("INFO"):
             Trainer(**trainer_kwargs(callbacks=callbacks, logger=False, max_steps=2)).fit(
-                Regressor(), loader(regression_data(), 8))
+                Regressor(), loader(regression_data(), 8)
+            )
     for name in names:
-        said = [r.message for r in caplog.records if r.message.startswith(f"trainvitals {name}: the Trainer has no logger")]
+        said = [
+            r.message for r in caplog.records if r.message.startswith(f"trainvitals {name}: the Trainer has no logger")
+        ]
         assert len(said) == 1, (name, said)
         assert "none of its metrics are recorded" in said[0]
 
@@ -437,16 +501,19 @@ def test_the_largest_accepted_values_run_without_overflow():
     from conftest import trainer_kwargs
     from lightning.pytorch import Trainer
 
-    stopper = trainvitals.GradNormEarlyStopping(margin=10**30, patience=MAX_INT, min_steps=0, check_every_n_steps=1,
-                                                verbose=False)
+    stopper = trainvitals.GradNormEarlyStopping(
+        margin=10**30, patience=MAX_INT, min_steps=0, check_every_n_steps=1, verbose=False
+    )
     probe = trainvitals.BatchVarianceProbe(max_rel_err=10**30, top_k=MAX_INT, histogram_every_n_steps=1)
-    profiler = trainvitals.MemoryTopologyProfiler(top_k=2.0, max_modules_shown=MAX_INT, measure_every_n_steps=1,
-                                                  verbose=False)
+    profiler = trainvitals.MemoryTopologyProfiler(
+        top_k=2.0, max_modules_shown=MAX_INT, measure_every_n_steps=1, verbose=False
+    )
     monitor = trainvitals.GradNormMonitor(spike_factor=10**30, spike_warmup_steps=MAX_INT, log_every_n_steps=MAX_INT)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the stopper says it cannot stop in 4 steps
-        trainer = Trainer(**trainer_kwargs(callbacks=[monitor, stopper, probe, profiler], max_steps=4,
-                                           accumulate_grad_batches=2))
+        trainer = Trainer(
+            **trainer_kwargs(callbacks=[monitor, stopper, probe, profiler], max_steps=4, accumulate_grad_batches=2)
+        )
         trainer.fit(Regressor(), loader(regression_data(), 8))
     assert trainer.global_step == 4 and stopper.steps == 4 and stopper.stopped_step is None
     assert int(probe.noise.count) == 4 and profiler.top_k == 2
@@ -459,9 +526,14 @@ def test_an_integer_too_long_to_print_is_still_named():
         trainvitals.GradNormEarlyStopping(margin=10**5000)
 
 
-@pytest.mark.parametrize("cls, old, new", [("BatchVarianceProbe", "every_n_steps", "measure_every_n_steps"),
-                                           ("LRScalingAdvisor", "every_n_steps", "log_every_n_steps"),
-                                           ("GradNormMonitor", "spike_ema_beta", "ema_beta")])
+@pytest.mark.parametrize(
+    "cls, old, new",
+    [
+        ("BatchVarianceProbe", "every_n_steps", "measure_every_n_steps"),
+        ("LRScalingAdvisor", "every_n_steps", "log_every_n_steps"),
+        ("GradNormMonitor", "spike_ema_beta", "ema_beta"),
+    ],
+)
 def test_a_bad_value_under_a_deprecated_name_names_both(cls: str, old: str, new: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)

@@ -12,14 +12,14 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from _models import Regressor, ReleaseProcessGroup, loader, regression_data
+from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
-from _models import ReleaseProcessGroup, Regressor, loader, regression_data
-from conftest import RecordingLogger, trainer_kwargs
-from trainvitals.plumbing.writers import histogram_summary, log_scalars
 from trainvitals.norms.monitor import GradNormMonitor
+from trainvitals.plumbing.writers import histogram_summary, log_scalars
 
 
 def _events(log_dir: str) -> list:
@@ -40,7 +40,10 @@ def test_one_event_per_step_with_every_value_and_the_logger_prefix(tmp_path: Pat
     events = _events(tensorboard.log_dir)
     assert [e.step for e in events] == [7, 8]
     assert {v.tag: v.simple_value for v in events[0].summary.value} == {
-        "fold1-grad_norm/total": 3.5, "fold1-grad_norm/a": 0.25, "fold1-x": 2.0}
+        "fold1-grad_norm/total": 3.5,
+        "fold1-grad_norm/a": 0.25,
+        "fold1-x": 2.0,
+    }
     # Other loggers get the same values through their own log_metrics.
     assert recording.series["grad_norm/total"] == [(7, 3.5), (8, 1.0)]
 
@@ -76,14 +79,23 @@ class _Seen(pl.Callback):
 
 def test_lightning_checkpoint_and_early_stopping_monitor_a_trainvitals_metric(tmp_path: Path) -> None:
     recording, seen = RecordingLogger(), _Seen()
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="grad_norm/total", mode="min", every_n_train_steps=1,
-                                 save_top_k=1)
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path, monitor="grad_norm/total", mode="min", every_n_train_steps=1, save_top_k=1
+    )
     # A threshold every norm is under: EarlyStopping stops at the first epoch end it checks.
-    stopping = EarlyStopping(monitor="grad_norm/total", mode="min", stopping_threshold=1e9, check_on_train_epoch_end=True)
+    stopping = EarlyStopping(
+        monitor="grad_norm/total", mode="min", stopping_threshold=1e9, check_on_train_epoch_end=True
+    )
     model = Regressor()
-    trainer = pl.Trainer(**trainer_kwargs(
-        logger=recording, max_epochs=5, log_every_n_steps=3, enable_checkpointing=True,
-        callbacks=[GradNormMonitor(histogram_every_n_steps=0), seen, checkpoint, stopping]))
+    trainer = pl.Trainer(
+        **trainer_kwargs(
+            logger=recording,
+            max_epochs=5,
+            log_every_n_steps=3,
+            enable_checkpointing=True,
+            callbacks=[GradNormMonitor(histogram_every_n_steps=0), seen, checkpoint, stopping],
+        )
+    )
     trainer.fit(model, loader(regression_data(n=64), batch_size=8))
 
     logged = dict(recording.series["grad_norm/total"])
@@ -114,17 +126,22 @@ class _MetricsPerRank(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, *_: Any) -> None:
         stopping = next(cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping))
-        Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(
-            {"seen": self.seen, "epoch": trainer.current_epoch, "stopped_epoch": stopping.stopped_epoch}))
+        Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(
+            json.dumps({"seen": self.seen, "epoch": trainer.current_epoch, "stopped_epoch": stopping.stopped_epoch})
+        )
 
 
 @pytest.mark.slow
 def test_early_stopping_on_a_trainvitals_metric_under_ddp(tmp_path: Path) -> None:
-    callbacks = [GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0), _MetricsPerRank(str(tmp_path)),
-                 EarlyStopping(monitor="grad_norm/total", mode="min", stopping_threshold=1e9,
-                               check_on_train_epoch_end=True), ReleaseProcessGroup()]
-    trainer = pl.Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=4,
-                                          log_every_n_steps=1))
+    callbacks = [
+        GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
+        _MetricsPerRank(str(tmp_path)),
+        EarlyStopping(monitor="grad_norm/total", mode="min", stopping_threshold=1e9, check_on_train_epoch_end=True),
+        ReleaseProcessGroup(),
+    ]
+    trainer = pl.Trainer(
+        **trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=4, log_every_n_steps=1)
+    )
     trainer.fit(Regressor(), loader(regression_data(n=64), batch_size=8))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     # Every rank has the value (the norm of the all-reduced gradient: the same on both), and both stop together.

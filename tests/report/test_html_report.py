@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
-
 from test_report import HEALTHY, STEPS, write_run
-from trainvitals.report.html import markdown_to_html
+
 from trainvitals.report.command import EXIT_CRITICAL, main
+from trainvitals.report.html import markdown_to_html
 
 pytest.importorskip("matplotlib")
 
@@ -29,8 +29,11 @@ RUN = {
 
 
 def write_report(tmp_path: Path) -> tuple[int, str]:
-    write_run(tmp_path / "logs" / "run", RUN, {"lr_scaling/advice": "- **effective batch** 64\n\n| optimizer | lr now |\n"
-                                                                    "|---|---:|\n| Adam | 0.001 |"})
+    write_run(
+        tmp_path / "logs" / "run",
+        RUN,
+        {"lr_scaling/advice": "- **effective batch** 64\n\n| optimizer | lr now |\n|---|---:|\n| Adam | 0.001 |"},
+    )
     out = tmp_path / "report.html"
     status = main([str(tmp_path / "logs"), "--format", "html", "--output", str(out)])
     return status, out.read_text(encoding="utf-8")
@@ -49,27 +52,39 @@ def test_html_report_has_the_findings_and_one_inline_png_per_plot(tmp_path: Path
     # Nothing to fetch: no URL other than the inline images.
     assert not re.search(r'(?:src|href)="(?!data:)', page) and "http" not in page.replace("http-equiv", "")
     # The callback's panel is rendered, not shown as markdown.
-    assert "<td class=\"num\">0.001</td>" in page and "**" not in page
+    assert '<td class="num">0.001</td>' in page and "**" not in page
 
 
 def test_markdown_to_html_escapes_and_renders_tables() -> None:
     rendered = markdown_to_html("## Memory\n| a | b |\n|---|---:|\n| `x<y` | 1 |\n- **bold** & more")
     assert rendered.splitlines() == [
-        "<h4>Memory</h4>", "<table>", "<tr><th>a</th><th>b</th></tr>",
-        '<tr><td><code>x&lt;y</code></td><td class="num">1</td></tr>', "</table>",
-        "<ul>", "<li><b>bold</b> &amp; more</li>", "</ul>"]
+        "<h4>Memory</h4>",
+        "<table>",
+        "<tr><th>a</th><th>b</th></tr>",
+        '<tr><td><code>x&lt;y</code></td><td class="num">1</td></tr>',
+        "</table>",
+        "<ul>",
+        "<li><b>bold</b> &amp; more</li>",
+        "</ul>",
+    ]
 
 
 def test_a_run_of_one_logged_step_plots_without_warnings_and_marks_a_bare_b_simple(
-        tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    tmp_path: Path, recwarn: pytest.WarningsRecorder
+) -> None:
     """One logged step: every plot is drawn (points, an x range around the step) without matplotlib's identical-
     xlims warning; B_simple without a finite error is shown as not yet reliable, not as a precise line."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(tmp_path / "logs" / "run"))
-    for tag, value in {"grad_norm/total": 1.1, "grad_norm/noise_floor": 0.8, "grad_norm/head.1": 0.5,
-                       "grad_noise/b_simple": 74.0, "grad_noise/b_simple_rel_err": math.inf,
-                       "lr_scaling/effective_batch": 64.0}.items():
+    for tag, value in {
+        "grad_norm/total": 1.1,
+        "grad_norm/noise_floor": 0.8,
+        "grad_norm/head.1": 0.5,
+        "grad_noise/b_simple": 74.0,
+        "grad_noise/b_simple_rel_err": math.inf,
+        "lr_scaling/effective_batch": 64.0,
+    }.items():
         writer.add_scalar(tag, value, 0)
     writer.close()
     out = tmp_path / "report.html"

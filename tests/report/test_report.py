@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 
 import pytest
+from _models import Regressor, loader, regression_data
 from torch.utils.tensorboard import SummaryWriter
 
-from _models import Regressor, loader, regression_data
 from trainvitals.report.command import EXIT_CRITICAL, EXIT_NO_DATA, EXIT_OK, main
 
 STEPS = range(0, 100, 5)
@@ -87,8 +87,9 @@ def test_healthy_run_reads_back_what_was_logged(tmp_path: Path, capsys: pytest.C
 
 
 @pytest.mark.parametrize("in_band", [0.0, None])
-def test_the_band_verdict_is_one_sentence_with_the_floors_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                                 in_band: float | None) -> None:
+def test_the_band_verdict_is_one_sentence_with_the_floors_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], in_band: float | None
+) -> None:
     """The norm's ratio to the floor and the floor's error read as one sentence, not "(…) (…)" side by side."""
     run = {**HEALTHY, "grad_norm/noise_floor_se": 0.1 * 0.083}
     if in_band is not None:
@@ -97,8 +98,11 @@ def test_the_band_verdict_is_one_sentence_with_the_floors_error(tmp_path: Path, 
     _, doc = report_json(capsys, tmp_path)
     (verdict,) = [f["message"] for f in doc["runs"][0]["findings"] if "noise band" in f["message"]]
     assert "noise floor ± 8.3%" in verdict and ") (" not in verdict
-    assert verdict.startswith("not in its noise band yet: 0% of the last 10 logged steps were in it; the last norm is "
-                              if in_band is not None else "in its noise band (60% of the last 10 logged steps; noise")
+    assert verdict.startswith(
+        "not in its noise band yet: 0% of the last 10 logged steps were in it; the last norm is "
+        if in_band is not None
+        else "in its noise band (60% of the last 10 logged steps; noise"
+    )
 
 
 def test_descending_run_and_runs_without_a_band(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -136,8 +140,10 @@ def test_critical_counter_fails_ci(
     assert [(f["section"], words in f["message"]) for f in critical] == [(section, True)]
 
 
-@pytest.mark.parametrize(("counts", "critical"), [([0.0, 3.0] + [0.0] * (len(STEPS) - 2), False),
-                                                  ([0.0, 3.0] + [3.0] * (len(STEPS) - 2), True)])
+@pytest.mark.parametrize(
+    ("counts", "critical"),
+    [([0.0, 3.0] + [0.0] * (len(STEPS) - 2), False), ([0.0, 3.0] + [3.0] * (len(STEPS) - 2), True)],
+)
 def test_unused_parameters_are_critical_when_still_unused_at_the_end(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], counts: list[float], critical: bool
 ) -> None:
@@ -146,17 +152,24 @@ def test_unused_parameters_are_critical_when_still_unused_at_the_end(
     status, doc = report_json(capsys, tmp_path)
     assert (status == EXIT_CRITICAL) is critical
     messages = [f["message"] for f in doc["runs"][0]["findings"] if f["severity"] == "critical"]
-    assert [m.startswith("3 parameter(s) got no gradient in the last check window") for m in messages] == [True] * critical
+    assert [m.startswith("3 parameter(s) got no gradient in the last check window") for m in messages] == [
+        True
+    ] * critical
 
 
 @pytest.mark.parametrize("tag", ["grad_norm/nonfinite_steps", "graph/nonfinite_losses"])
-def test_a_diverged_run_gets_no_convergence_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str], tag: str) -> None:
+def test_a_diverged_run_gets_no_convergence_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tag: str
+) -> None:
     """After NaN the last finite norm and stale noise EMAs say nothing of convergence, nor does lr advice apply."""
     # The monitor logs no norm for a non-finite step: the last three are gaps in its chart. Without the
     # monitor, the loss counter decides.
     totals = HEALTHY["grad_norm/total"][:-3] + [math.nan] * 3
-    scalars = {**HEALTHY, "grad_norm/total": totals} if tag.startswith("grad_norm/") else \
-        {k: v for k, v in HEALTHY.items() if not k.startswith("grad_norm/")}
+    scalars = (
+        {**HEALTHY, "grad_norm/total": totals}
+        if tag.startswith("grad_norm/")
+        else {k: v for k, v in HEALTHY.items() if not k.startswith("grad_norm/")}
+    )
     # Steps are logged every 5: from the last finite norm on, every step non-finite.
     write_run(tmp_path / "run", {**scalars, tag: [0.0] * (len(STEPS) - 3) + [5.0, 10.0, 15.0]})
     _, doc = report_json(capsys, tmp_path)
@@ -166,10 +179,13 @@ def test_a_diverged_run_gets_no_convergence_verdict(tmp_path: Path, capsys: pyte
     assert not any("noise band" in m for m in notes)
 
 
-@pytest.mark.parametrize(("counts", "last_finite", "diverged"), [
-    ([3.0, 8.0, 13.0], 80, True),    # NaN from step 83 on: 3 of the 5 steps after the last finite norm
-    ([0.0, 0.0, 2.0], 90, False),    # the last interval partly non-finite: 2 of 5, as before
-])
+@pytest.mark.parametrize(
+    ("counts", "last_finite", "diverged"),
+    [
+        ([3.0, 8.0, 13.0], 80, True),  # NaN from step 83 on: 3 of the 5 steps after the last finite norm
+        ([0.0, 0.0, 2.0], 90, False),  # the last interval partly non-finite: 2 of 5, as before
+    ],
+)
 def test_a_nan_that_began_between_logging_steps_is_divergence(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], counts: list[float], last_finite: int, diverged: bool
 ) -> None:
@@ -177,15 +193,19 @@ def test_a_nan_that_began_between_logging_steps_is_divergence(
     not rise by every step (the NaN began between two logging steps), but its last interval must."""
     totals = [t if s <= last_finite else math.nan for s, t in zip(STEPS, HEALTHY["grad_norm/total"])]
     counter = [0.0] * (len(STEPS) - 3) + counts
-    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/total": totals, "grad_norm/nonfinite_steps": counter,
-                                 "grad_norm/in_noise_band": 1.0})
+    write_run(
+        tmp_path / "run",
+        {**HEALTHY, "grad_norm/total": totals, "grad_norm/nonfinite_steps": counter, "grad_norm/in_noise_band": 1.0},
+    )
     _, doc = report_json(capsys, tmp_path)
     notes = [f["message"] for f in doc["runs"][0]["findings"] if f["section"] == "convergence"]
     assert any(m.startswith("the run diverged (") for m in notes) is diverged
     assert any(m.startswith("in its noise band") for m in notes) is not diverged
 
 
-def test_a_non_finite_loss_counted_at_the_last_step_is_no_divergence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_non_finite_loss_counted_at_the_last_step_is_no_divergence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """GraphIntegrity flushes its loss counter at the end of training, logged one step past the last
     optimizer step, whose norm is finite."""
     scalars = {**HEALTHY, "graph/nonfinite_losses": [0.0] * len(STEPS)}
@@ -204,7 +224,7 @@ def test_a_grad_scaler_run_diverges_when_every_step_is_skipped(
     """Under a GradScaler a non-finite step is skipped, not counted as non-finite: one skip is calibration,
     every step skipped from the last finite norm on is a run that went NaN for good."""
     n = len(skips)
-    totals = HEALTHY["grad_norm/total"][:len(STEPS) - n] + [math.nan] * n if diverged else HEALTHY["grad_norm/total"]
+    totals = HEALTHY["grad_norm/total"][: len(STEPS) - n] + [math.nan] * n if diverged else HEALTHY["grad_norm/total"]
     counter = [0.0] * (len(STEPS) - n) + skips
     write_run(tmp_path / "run", {**HEALTHY, "grad_norm/total": totals, "grad_norm/amp_skipped_steps": counter})
     _, doc = report_json(capsys, tmp_path)
@@ -212,7 +232,9 @@ def test_a_grad_scaler_run_diverges_when_every_step_is_skipped(
     assert any(m.startswith("the run diverged (") for m in notes) is diverged
 
 
-def test_a_run_that_trains_on_after_a_non_finite_step_has_not_diverged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_that_trains_on_after_a_non_finite_step_has_not_diverged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_run(tmp_path / "run", {**HEALTHY, "grad_norm/nonfinite_steps": [0.0, 0.0, 1.0] + [1.0] * (len(STEPS) - 3)})
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_CRITICAL  # a non-finite step is still worth a look
@@ -236,11 +258,18 @@ def test_growing_held_graph_is_critical(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_amp_skips_and_spikes_are_not_critical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spike = "gradient-norm spike at optimizer step 55: 6.0× its running average; largest layers: head.1"
-    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/amp_skipped_steps": 4.0, "grad_norm/spike_steps": 1.0},
-              {"grad_norm/spikes": spike})
+    write_run(
+        tmp_path / "run",
+        {**HEALTHY, "grad_norm/amp_skipped_steps": 4.0, "grad_norm/spike_steps": 1.0},
+        {"grad_norm/spikes": spike},
+    )
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_OK
-    findings = {f["severity"]: f["message"] for f in doc["runs"][0]["findings"] if "GradScaler" in f["message"] or "spike" in f["message"]}
+    findings = {
+        f["severity"]: f["message"]
+        for f in doc["runs"][0]["findings"]
+        if "GradScaler" in f["message"] or "spike" in f["message"]
+    }
     assert "skipped 4 step(s)" in findings["note"]
     assert findings["warning"].endswith(spike)
 
@@ -256,13 +285,18 @@ def test_text_and_markdown_formats(tmp_path: Path, capsys: pytest.CaptureFixture
     status, markdown, _ = report(capsys, str(tmp_path), "--format", "markdown")
     assert status == EXIT_CRITICAL
     assert "## run `run`: CRITICAL" in markdown
-    assert "### memory\n\n| measure | value |\n|---|---|\n| saved activations | 3.00 MiB |\n| parameters | 156.25 KiB |" in markdown
+    assert (
+        "### memory\n\n| measure | value |\n|---|---|\n| saved activations | 3.00 MiB |\n| parameters | 156.25 KiB |"
+        in markdown
+    )
     assert "- **critical** (integrity): 2 parameter(s) got no gradient" in markdown
     # A callback's own markdown is passed through whole in markdown; in text, as plain text under its title
     # with its table aligned, and the findings come before the sections.
     assert f"### lr scaling advice\n\n{advice}\n" in markdown
-    assert ("  lr scaling advice\n    - effective batch 64\n\n    optimizer  lr now\n    ---------  ------\n"
-            "    Adam       0.001\n") in text
+    assert (
+        "  lr scaling advice\n    - effective batch 64\n\n    optimizer  lr now\n    ---------  ------\n"
+        "    Adam       0.001\n"
+    ) in text
     assert text.index("[critical] integrity") < text.index("  convergence\n") and "|" not in text
     assert markdown.index("### findings") < markdown.index("### convergence")
 
@@ -327,13 +361,20 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert status == 0 and "--format {text,markdown,json,html}" in out
 
 
-@pytest.mark.parametrize(("extra", "words"), [
-    ({"grad_noise/coverage": 0.43}, "partial: the noise estimate covers 43% of ‖ḡ‖²"),
-    ({"grad_noise/coverage": 0.95, "grad_noise/unmeasured_trace_share": 0.47},
-     "partial: the noise estimate covers 95% of ‖ḡ‖², but the unmeasured parameters may hold up to 0.47× the measured tr Σ"),
-    ({"grad_noise/b_simple_rel_err": 3.0}, "B_simple = 200 is unreliable (relative error 3)"),
-])
-def test_noise_verdicts_carry_the_estimates_caveat(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra, words) -> None:
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"grad_noise/coverage": 0.43}, "partial: the noise estimate covers 43% of ‖ḡ‖²"),
+        (
+            {"grad_noise/coverage": 0.95, "grad_noise/unmeasured_trace_share": 0.47},
+            "partial: the noise estimate covers 95% of ‖ḡ‖², but the unmeasured parameters may hold up to 0.47× the measured tr Σ",
+        ),
+        ({"grad_noise/b_simple_rel_err": 3.0}, "B_simple = 200 is unreliable (relative error 3)"),
+    ],
+)
+def test_noise_verdicts_carry_the_estimates_caveat(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra, words
+) -> None:
     write_run(tmp_path / "run", {**HEALTHY, **extra})
     status, doc = report_json(capsys, tmp_path)
     messages = [f["message"] for f in doc["runs"][0]["findings"]]
@@ -357,21 +398,28 @@ class _DivergesAt(Regressor):
 
 @pytest.mark.parametrize("callback", ["stopper", "probe"])
 def test_a_diverged_run_watched_by_the_stopper_or_the_probe_alone_is_critical(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], callback: str) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], callback: str
+) -> None:
     """Without GradNormMonitor the callback that sees every step's gradient counts the non-finite ones
     under the monitor's tag: 10 finite steps, then NaN ones, logged every 5 — the last log, at step 20,
     counts steps 10 to 20."""
+    from conftest import trainer_kwargs
     from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from conftest import trainer_kwargs
     from trainvitals import BatchVarianceProbe, GradNormEarlyStopping
 
     watcher = GradNormEarlyStopping(min_steps=0, patience=5) if callback == "stopper" else BatchVarianceProbe()
     accumulate = 2 if callback == "stopper" else 1  # the stopper's noise source: micro-batches
-    Trainer(**trainer_kwargs(callbacks=[watcher], max_steps=24, log_every_n_steps=5, accumulate_grad_batches=accumulate,
-                             logger=TensorBoardLogger(str(tmp_path), name="r", version=0))).fit(
-        _DivergesAt(10), loader(regression_data(n=192), 8))
+    Trainer(
+        **trainer_kwargs(
+            callbacks=[watcher],
+            max_steps=24,
+            log_every_n_steps=5,
+            accumulate_grad_batches=accumulate,
+            logger=TensorBoardLogger(str(tmp_path), name="r", version=0),
+        )
+    ).fit(_DivergesAt(10), loader(regression_data(n=192), 8))
     status, data = report_json(capsys, tmp_path)
     (run,) = data["runs"]
     assert status == EXIT_CRITICAL and run["status"] == "CRITICAL"
@@ -388,8 +436,11 @@ def test_a_stop_on_the_band_is_the_band_verdict(tmp_path: Path, capsys: pytest.C
 
     assert BAND_STOP == StopReason.NOISE_BAND.value
     stop = f"stopped at optimizer step 95 (after 96 steps): {BAND_STOP} (‖G‖² ≤ 0.2·tr(Σ)/B) for 10 consecutive steps."
-    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/in_noise_band": [float(s >= 85) for s in STEPS]},
-              {"grad_norm/stop_reason": stop})
+    write_run(
+        tmp_path / "run",
+        {**HEALTHY, "grad_norm/in_noise_band": [float(s >= 85) for s in STEPS]},
+        {"grad_norm/stop_reason": stop},
+    )
     _, data = report_json(capsys, tmp_path)
     verdicts = [f["message"] for f in data["runs"][0]["findings"] if f["section"] == "convergence"]
     assert verdicts[0] == stop
@@ -397,14 +448,18 @@ def test_a_stop_on_the_band_is_the_band_verdict(tmp_path: Path, capsys: pytest.C
     assert not any("not in its noise band" in v for v in verdicts)
 
 
-def test_a_norm_below_its_floor_never_stands_out_of_the_noise(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_norm_below_its_floor_never_stands_out_of_the_noise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_run(tmp_path / "run", {**HEALTHY, "grad_norm/total": 0.05, "grad_norm/in_noise_band": 0.0})
     _, data = report_json(capsys, tmp_path)
     (verdict,) = [f["message"] for f in data["runs"][0]["findings"] if "noise band yet" in f["message"]]
     assert "0.50× the noise floor" in verdict and "stands out" not in verdict
 
 
-def test_a_small_relative_error_keeps_two_significant_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_small_relative_error_keeps_two_significant_digits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_run(tmp_path / "run", {**HEALTHY, "grad_noise/b_simple_rel_err": 0.0041})
     _, doc = report_json(capsys, tmp_path)
     messages = " ".join(f["message"] for f in doc["runs"][0]["findings"])
@@ -421,10 +476,17 @@ def test_a_dropped_noise_source_reaches_the_report_once(tmp_path: Path, capsys: 
 
 def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """LRScalingAdvisor's and GraphIntegrityCallback's tags read as words; each value is the one logged."""
-    logged = {"lr_scaling/b_noise": 400.0, "lr_scaling/steps_over_min": 1 + 400 / 64, "lr_scaling/examples_over_min":
-              1 + 64 / 400, "lr_scaling/lr/SGD": 0.1, "lr_scaling/suggested_lr_x2/SGD": 0.2,
-              "lr_scaling/suggested_lr_b100/SGD": 0.15, "graph/unoptimized_params": 3.0, "graph/unregistered_params": 2.0,
-              "graph/dead_params": 0.0}
+    logged = {
+        "lr_scaling/b_noise": 400.0,
+        "lr_scaling/steps_over_min": 1 + 400 / 64,
+        "lr_scaling/examples_over_min": 1 + 64 / 400,
+        "lr_scaling/lr/SGD": 0.1,
+        "lr_scaling/suggested_lr_x2/SGD": 0.2,
+        "lr_scaling/suggested_lr_b100/SGD": 0.15,
+        "graph/unoptimized_params": 3.0,
+        "graph/unregistered_params": 2.0,
+        "graph/dead_params": 0.0,
+    }
     write_run(tmp_path / "run", {**HEALTHY, **logged})
     _, doc = report_json(capsys, tmp_path)
     noise = rows(doc["runs"][0], "noise scale and batch size")
@@ -435,31 +497,56 @@ def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pyt
     assert noise["suggested lr at ×2 (B = 128), SGD"] == pytest.approx(0.2)  # the effective batch is 64
     assert noise["suggested lr at B = 100, SGD"] == pytest.approx(0.15)
     assert list(rows(doc["runs"][0], "integrity").items()) == [
-        ("parameters with an exactly zero gradient", 0), ("tensors with a gradient in no optimizer", 3),
-        ("of those, not registered on the module", 2)]
+        ("parameters with an exactly zero gradient", 0),
+        ("tensors with a gradient in no optimizer", 3),
+        ("of those, not registered on the module", 2),
+    ]
     _, text, _ = report(capsys, str(tmp_path))
     assert not re.search(r"\b(b_noise|steps_over_min|suggested_lr|unoptimized_params|dead_params)\b", text)
 
 
-CAVEAT = ("trainvitals GradNormEarlyStopping: the noise estimate cannot decide: no valid noise source (micro_batch: "
-          "fewer than 2 micro-batches). It will not stop on the noise band while that lasts.")
+CAVEAT = (
+    "trainvitals GradNormEarlyStopping: the noise estimate cannot decide: no valid noise source (micro_batch: "
+    "fewer than 2 micro-batches). It will not stop on the noise band while that lasts."
+)
 
 
-@pytest.mark.parametrize(("scalars", "texts", "said"), [
-    ({}, {}, "not stopped: in the noise band on 6 of 20 logged steps; the logged streak in its condition reached 26 "
-     "step(s) in a row, short of its patience or before min_steps"),
-    ({"grad_norm/in_noise_band": 0.0}, {}, "not stopped: never in the noise band, on any of the 20 logged steps"),
-    ({"grad_norm/in_noise_band": None}, {"grad_noise/caveat": CAVEAT},
-     "not stopped: the noise estimate cannot decide: no valid noise source (micro_batch: fewer than 2 micro-batches)"),
-    ({"grad_norm/in_noise_band": None, "grad_noise/coverage": 0.5}, {},
-     "not stopped: partial: the noise estimate covers 50% of ‖ḡ‖²"),
-    ({"grad_norm/in_noise_band": None, "grad_norm/noise_floor": None}, {},
-     "not stopped: no noise estimate was logged, so no noise band"),
-    ({"grad_norm/in_noise_band": None}, {}, "not stopped: no noise-band flag was logged (the estimate had fewer than 20"),
-    ({"grad_norm/band_streak": None}, {}, "no stop rule: no GradNormEarlyStopping logged"),
-])
-def test_the_stop_row_says_why_the_stopper_did_not_stop(tmp_path: Path, capsys: pytest.CaptureFixture[str], scalars,
-                                                         texts, said) -> None:
+@pytest.mark.parametrize(
+    ("scalars", "texts", "said"),
+    [
+        (
+            {},
+            {},
+            "not stopped: in the noise band on 6 of 20 logged steps; the logged streak in its condition reached 26 "
+            "step(s) in a row, short of its patience or before min_steps",
+        ),
+        ({"grad_norm/in_noise_band": 0.0}, {}, "not stopped: never in the noise band, on any of the 20 logged steps"),
+        (
+            {"grad_norm/in_noise_band": None},
+            {"grad_noise/caveat": CAVEAT},
+            "not stopped: the noise estimate cannot decide: no valid noise source (micro_batch: fewer than 2 micro-batches)",
+        ),
+        (
+            {"grad_norm/in_noise_band": None, "grad_noise/coverage": 0.5},
+            {},
+            "not stopped: partial: the noise estimate covers 50% of ‖ḡ‖²",
+        ),
+        (
+            {"grad_norm/in_noise_band": None, "grad_norm/noise_floor": None},
+            {},
+            "not stopped: no noise estimate was logged, so no noise band",
+        ),
+        (
+            {"grad_norm/in_noise_band": None},
+            {},
+            "not stopped: no noise-band flag was logged (the estimate had fewer than 20",
+        ),
+        ({"grad_norm/band_streak": None}, {}, "no stop rule: no GradNormEarlyStopping logged"),
+    ],
+)
+def test_the_stop_row_says_why_the_stopper_did_not_stop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], scalars, texts, said
+) -> None:
     # HEALTHY is in the band from step 70 (6 of the 20 logged steps): a streak of 26 steps at step 95.
     logged = {**HEALTHY, "grad_norm/band_streak": [float(s - 69) if s >= 70 else 0.0 for s in STEPS]}
     logged = {tag: value for tag, value in {**logged, **scalars}.items() if value is not None}
@@ -472,36 +559,65 @@ def stopper_panel(stop: str, streak: str, seen: int) -> str:
     """GradNormEarlyStopping's end-of-fit table as TrainvitalsDashboard logs it (the rows the report reads)."""
     from trainvitals.text.markdown import markdown_table
 
-    return "\n".join(markdown_table(("quantity", "value"), [
-        ("rule", "noise band, margin 0.2, patience 30 steps, min_steps 100"), ("stop", stop),
-        ("optimizer steps seen", str(seen)), ("in-condition streak", streak), ("noise sources", "probe")]))
+    return "\n".join(
+        markdown_table(
+            ("quantity", "value"),
+            [
+                ("rule", "noise band, margin 0.2, patience 30 steps, min_steps 100"),
+                ("stop", stop),
+                ("optimizer steps seen", str(seen)),
+                ("in-condition streak", streak),
+                ("noise sources", "probe"),
+            ],
+        )
+    )
 
 
-@pytest.mark.parametrize(("stop", "streak", "verdict", "said"), [
-    ("GradNormEarlyStopping did not stop the run: 27 step(s) in a row in the condition at the end, of the 30 it "
-     "needs; at the end the smoothed ‖G‖² is 0.89× the band's edge 0.2·tr(Σ)/B.", "27 of 30 steps",
-     "in its noise band at the end, for 27 step(s) in a row, short of the 30",
-     "not stopped: 27 step(s) in a row in the condition at the end, of the 30 it needs; at the end the smoothed"),
-    # An older table says only that it did not stop: its streak is the reason.
-    ("GradNormEarlyStopping did not stop the run.", "27 of 30 steps", "in its noise band at the end, for 27 step(s)",
-     "not stopped: 27 of 30 steps in a row in its condition at the end, over 288 optimizer steps"),
-    ("GradNormEarlyStopping did not stop the run: the run ended after 60 optimizer steps, before min_steps=100; 0 "
-     "step(s) in a row in the condition at the end, of the 30 it needs.", "0 of 30 steps",
-     "no noise-band verdict: the run ended before the stopper's min_steps",
-     "not stopped: the run ended after 60 optimizer steps, before min_steps=100"),
-    # An older table of a run shorter than min_steps: its rule and steps seen say so.
-    ("GradNormEarlyStopping did not stop the run.", "0 of 30 steps",
-     "no noise-band verdict: the run ended before the stopper's min_steps",
-     "not stopped: the run ended after 60 optimizer steps, before min_steps=100"),
-])
-def test_the_stop_verdict_is_the_stoppers_own_at_fit_end(tmp_path: Path, capsys: pytest.CaptureFixture[str], stop,
-                                                         streak, verdict, said) -> None:
+@pytest.mark.parametrize(
+    ("stop", "streak", "verdict", "said"),
+    [
+        (
+            "GradNormEarlyStopping did not stop the run: 27 step(s) in a row in the condition at the end, of the 30 it "
+            "needs; at the end the smoothed ‖G‖² is 0.89× the band's edge 0.2·tr(Σ)/B.",
+            "27 of 30 steps",
+            "in its noise band at the end, for 27 step(s) in a row, short of the 30",
+            "not stopped: 27 step(s) in a row in the condition at the end, of the 30 it needs; at the end the smoothed",
+        ),
+        # An older table says only that it did not stop: its streak is the reason.
+        (
+            "GradNormEarlyStopping did not stop the run.",
+            "27 of 30 steps",
+            "in its noise band at the end, for 27 step(s)",
+            "not stopped: 27 of 30 steps in a row in its condition at the end, over 288 optimizer steps",
+        ),
+        (
+            "GradNormEarlyStopping did not stop the run: the run ended after 60 optimizer steps, before min_steps=100; 0 "
+            "step(s) in a row in the condition at the end, of the 30 it needs.",
+            "0 of 30 steps",
+            "no noise-band verdict: the run ended before the stopper's min_steps",
+            "not stopped: the run ended after 60 optimizer steps, before min_steps=100",
+        ),
+        # An older table of a run shorter than min_steps: its rule and steps seen say so.
+        (
+            "GradNormEarlyStopping did not stop the run.",
+            "0 of 30 steps",
+            "no noise-band verdict: the run ended before the stopper's min_steps",
+            "not stopped: the run ended after 60 optimizer steps, before min_steps=100",
+        ),
+    ],
+)
+def test_the_stop_verdict_is_the_stoppers_own_at_fit_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], stop, streak, verdict, said
+) -> None:
     """Logged every 50 steps, the 5 band flags were all out while the stopper, counting every step, ended 27 steps
     into the band: the report's verdict and stop row are the stopper's, and name how few flags it saw."""
     flags = [0.0] * len(STEPS)
     seen = 60 if "min_steps" in said else 288
-    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/in_noise_band": flags, "grad_norm/band_streak": 0.0},
-              {"diagnosis/GradNormEarlyStopping": stopper_panel(stop, streak, seen)})
+    write_run(
+        tmp_path / "run",
+        {**HEALTHY, "grad_norm/in_noise_band": flags, "grad_norm/band_streak": 0.0},
+        {"diagnosis/GradNormEarlyStopping": stopper_panel(stop, streak, seen)},
+    )
     _, doc = report_json(capsys, tmp_path)
     (run,) = doc["runs"]
     assert rows(run, "convergence")["stop"].startswith(said)
@@ -511,18 +627,26 @@ def test_the_stop_verdict_is_the_stoppers_own_at_fit_end(tmp_path: Path, capsys:
     assert not any("never in the noise band" in m or "not in its noise band yet" in m for m in notes)
 
 
-def test_an_estimate_that_cannot_decide_is_no_verdict_at_fit_end(tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_estimate_that_cannot_decide_is_no_verdict_at_fit_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A BatchNorm CNN on one device: no valid noise source, so the stopper's streak stays 0. An older table
     (no reason in its stop row) reads as its caveat, not as "not in its noise band"."""
-    write_run(tmp_path / "run", {**HEALTHY, "grad_norm/band_streak": 0.0, "grad_norm/in_noise_band": 0.0},
-              {"diagnosis/GradNormEarlyStopping": stopper_panel("GradNormEarlyStopping did not stop the run.",
-                                                                "0 of 30 steps", 276),
-               "grad_noise/caveat": CAVEAT})
+    write_run(
+        tmp_path / "run",
+        {**HEALTHY, "grad_norm/band_streak": 0.0, "grad_norm/in_noise_band": 0.0},
+        {
+            "diagnosis/GradNormEarlyStopping": stopper_panel(
+                "GradNormEarlyStopping did not stop the run.", "0 of 30 steps", 276
+            ),
+            "grad_noise/caveat": CAVEAT,
+        },
+    )
     _, doc = report_json(capsys, tmp_path)
     (run,) = doc["runs"]
     assert rows(run, "convergence")["stop"] == "not stopped: " + CAVEAT.removeprefix(
-        "trainvitals GradNormEarlyStopping: ").rstrip(".")
+        "trainvitals GradNormEarlyStopping: "
+    ).rstrip(".")
     notes = [f["message"] for f in run["findings"] if f["section"] == "convergence"]
     assert any(m.startswith("no noise-band verdict: the noise estimate could not decide.") for m in notes), notes
     assert not any("not in its noise band" in m for m in notes)
@@ -533,8 +657,12 @@ def test_a_handful_of_band_flags_says_how_few(tmp_path: Path, capsys: pytest.Cap
     steps, not a share of the time."""
     writer = SummaryWriter(str(tmp_path / "run"))
     for step in range(0, 250, 50):
-        for tag, value in {"grad_norm/total": 0.08, "grad_norm/noise_floor": 0.44, "grad_norm/in_noise_band": 0.0,
-                           "grad_norm/band_streak": 0.0}.items():
+        for tag, value in {
+            "grad_norm/total": 0.08,
+            "grad_norm/noise_floor": 0.44,
+            "grad_norm/in_noise_band": 0.0,
+            "grad_norm/band_streak": 0.0,
+        }.items():
             writer.add_scalar(tag, value, step)
     writer.close()
     _, doc = report_json(capsys, tmp_path)
@@ -545,7 +673,8 @@ def test_a_handful_of_band_flags_says_how_few(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_sections_and_the_lr_advice_say_their_step_when_it_is_not_the_last(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The advice is written at fit end (step 99), after the last logging step (95): it says its step, which its
     B̂ is of; the sections, read at the last logged step, need not."""
     write_run(tmp_path / "run", HEALTHY)
@@ -555,8 +684,13 @@ def test_sections_and_the_lr_advice_say_their_step_when_it_is_not_the_last(
     _, doc = report_json(capsys, tmp_path)
     (run,) = doc["runs"]
     assert run["last_step"] == 95
-    assert run["steps"] == {"convergence": 95, "noise scale and batch size": 95, "lr scaling advice": 99, "memory": 95,
-                            "spikes and non-finite steps": 95}
+    assert run["steps"] == {
+        "convergence": 95,
+        "noise scale and batch size": 95,
+        "lr scaling advice": 99,
+        "memory": 95,
+        "spikes and non-finite steps": 95,
+    }
     _, text, _ = report(capsys, str(tmp_path))
     assert "\n  lr scaling advice, as of optimizer step 99\n    - noise scale B̂ = 210\n" in text
     assert "\n  noise scale and batch size\n" in text and "\n  convergence\n" in text
@@ -607,17 +741,22 @@ def test_a_section_takes_its_rows_from_one_step(tmp_path: Path, capsys: pytest.C
 
 
 def test_an_integrity_finding_that_is_not_critical_is_in_the_findings(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A param group at lr 0 (zero_lr, not critical: it may be meant) reaches the findings list, in words."""
     from trainvitals.integrity.findings import FindingKind
 
-    write_run(tmp_path / "run", {**HEALTHY, FindingKind.ZERO_LR.counter: [0.0] * 10 + [1.0] * 10},
-              {"graph/findings": "| step | kind | names | finding |\n|---|---|---|---|\n| 52 | zero_lr | g | lr 0 |"})
+    write_run(
+        tmp_path / "run",
+        {**HEALTHY, FindingKind.ZERO_LR.counter: [0.0] * 10 + [1.0] * 10},
+        {"graph/findings": "| step | kind | names | finding |\n|---|---|---|---|\n| 52 | zero_lr | g | lr 0 |"},
+    )
     status, doc = report_json(capsys, tmp_path)
     (found,) = [f for f in doc["runs"][0]["findings"] if f["section"] == "integrity"]
     assert status == EXIT_OK and found["severity"] == "warning"
-    assert found["message"].startswith("a param group at lr exactly 0 whose parameters require grad: they do not "
-                                       "train (found 1 time(s))")
+    assert found["message"].startswith(
+        "a param group at lr exactly 0 whose parameters require grad: they do not train (found 1 time(s))"
+    )
     assert "zero_lr" not in found["message"]
 
 
@@ -636,16 +775,19 @@ def test_a_crashed_run_does_not_ask_for_callbacks_it_had(tmp_path: Path, capsys:
         writer.close()
     _, doc = report_json(capsys, tmp_path)
     for run in doc["runs"]:
-        text = " ".join([f["message"] for f in run["findings"]] + [str(r["value"]) for r in run["sections"]["convergence"]])
+        text = " ".join(
+            [f["message"] for f in run["findings"]] + [str(r["value"]) for r in run["sections"]["convergence"]]
+        )
         assert "would log whether" not in text and "band_streak" not in text and "no stop rule" not in text
         assert "the fit ended after optimizer step 0 (the last logged)" in text
 
 
 def test_a_run_that_logged_nothing_is_no_clean_bill_and_no_failure_beside_others(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A run that crashed before its first step left only the integrity panel (an older callback's "clean bill" of
     0 walks): it says nothing was logged, shows no empty sections, and the folder's status is the other run's."""
-    old_panel = ("**Graph integrity: clean bill of health.** No findings in 0 graph walk(s) and 0 gradient check(s).")
+    old_panel = "**Graph integrity: clean bill of health.** No findings in 0 graph walk(s) and 0 gradient check(s)."
     write_run(tmp_path / "a_crashed", {}, {"graph/findings": old_panel})
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_NO_DATA  # alone, nothing to report
@@ -661,19 +803,28 @@ def test_a_run_that_logged_nothing_is_no_clean_bill_and_no_failure_beside_others
     assert "clean bill" not in text and "n/a" not in text.split("run b_healthy")[0]
 
 
-@pytest.mark.parametrize(("flags", "label", "value"), [
-    ([], "fraction in the noise band", "no band flag logged"),
-    ([0.0], "in the noise band on its only logged step", "no"),
-    ([1.0, 0.0, 1.0], "in the noise band, of only 3 logged steps", "2 (too few for a share)"),
-    ([1.0] * 6 + [0.0] * 4, "fraction in the noise band, last 10 logged steps", "60.0%"),
-])
-def test_rows_say_in_words_what_was_logged(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags, label,
-                                           value) -> None:
+@pytest.mark.parametrize(
+    ("flags", "label", "value"),
+    [
+        ([], "fraction in the noise band", "no band flag logged"),
+        ([0.0], "in the noise band on its only logged step", "no"),
+        ([1.0, 0.0, 1.0], "in the noise band, of only 3 logged steps", "2 (too few for a share)"),
+        ([1.0] * 6 + [0.0] * 4, "fraction in the noise band, last 10 logged steps", "60.0%"),
+    ],
+)
+def test_rows_say_in_words_what_was_logged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags, label, value
+) -> None:
     """Too few band flags for a share are counted in words; shares are percents; labels are words, not tags."""
     writer = SummaryWriter(str(tmp_path / "run"))
     for step in range(10):
-        for tag, v in {"grad_norm/total": 1.0, "grad_noise/coverage": 0.5, "memory/held_saved_bytes": 0.0,
-                       "grad_norm/nonfinite_steps": 0.0, "grad_norm/amp_skipped_steps": 0.0}.items():
+        for tag, v in {
+            "grad_norm/total": 1.0,
+            "grad_noise/coverage": 0.5,
+            "memory/held_saved_bytes": 0.0,
+            "grad_norm/nonfinite_steps": 0.0,
+            "grad_norm/amp_skipped_steps": 0.0,
+        }.items():
             writer.add_scalar(tag, v, step)
     for step, flag in zip(range(10 - len(flags), 10), flags):
         writer.add_scalar("grad_norm/in_noise_band", flag, step)
@@ -686,12 +837,16 @@ def test_rows_say_in_words_what_was_logged(tmp_path: Path, capsys: pytest.Captur
     assert not re.search(r"held saved|nonfinite steps|amp skipped|last [01] logged|% of the last 1 ", text)
 
 
-def test_the_lr_advice_says_its_step_when_b_simple_is_of_another(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_lr_advice_says_its_step_when_b_simple_is_of_another(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The advice (written at step 95, the last) and B_simple (last logged at step 90) are of different steps:
     both say theirs, so their B̂ and B_simple need not agree."""
-    write_run(tmp_path / "run", {tag: v for tag, v in HEALTHY.items() if not tag.startswith("grad_noise/")},
-              {"lr_scaling/advice": "- noise scale B̂ = 210"})
+    write_run(
+        tmp_path / "run",
+        {tag: v for tag, v in HEALTHY.items() if not tag.startswith("grad_noise/")},
+        {"lr_scaling/advice": "- noise scale B̂ = 210"},
+    )
     writer = SummaryWriter(str(tmp_path / "run"))
     for step in STEPS[:-1]:
         writer.add_scalar("grad_noise/b_simple", 200.0, step)
@@ -703,7 +858,8 @@ def test_the_lr_advice_says_its_step_when_b_simple_is_of_another(tmp_path: Path,
 
 
 def test_an_unreliable_b_simple_does_not_speak_for_lr_advice_of_another_step(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """B_simple unreliable at its last logged step (95), the lr advice written at fit end (99): the finding does not
     say which rule that later advice followed, it points to the advice and its step."""
     write_run(tmp_path / "run", {**HEALTHY, "grad_noise/b_simple_rel_err": 5.0})

@@ -22,17 +22,26 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from test_report import HEALTHY, STEPS, report, report_json, write_run
 from torch.utils.tensorboard import SummaryWriter
 
-from test_report import HEALTHY, STEPS, report, report_json, write_run
 from trainvitals.report.command import (
-    EXIT_CRITICAL, EXIT_DAMAGED, EXIT_NO_DATA, EXIT_OK, EXIT_UNWRITTEN, main, read_runs,
+    EXIT_CRITICAL,
+    EXIT_DAMAGED,
+    EXIT_NO_DATA,
+    EXIT_OK,
+    EXIT_UNWRITTEN,
+    main,
+    read_runs,
 )
 from trainvitals.tags import DIAGNOSIS_TAG, grad_norm, split_prefix, with_prefix
 
 # A run that went NaN for good at step 85: critical (non-finite gradients), whatever else.
-DIVERGED = {**HEALTHY, "grad_norm/total": HEALTHY["grad_norm/total"][:-3] + [math.nan] * 3,
-            "grad_norm/nonfinite_steps": [0.0] * (len(STEPS) - 3) + [5.0, 10.0, 15.0]}
+DIVERGED = {
+    **HEALTHY,
+    "grad_norm/total": HEALTHY["grad_norm/total"][:-3] + [math.nan] * 3,
+    "grad_norm/nonfinite_steps": [0.0] * (len(STEPS) - 3) + [5.0, 10.0, 15.0],
+}
 
 
 def event_file(folder: Path) -> Path:
@@ -53,7 +62,11 @@ def records(data: bytes) -> list[tuple[int, int]]:
 
 def tensorboard_last_step(path: Path) -> int | None:
     """The last step of a scalar TensorBoard's own loader yields before it stops."""
-    steps = [e.step for e in LegacyEventFileLoader(str(path)).Load() if any(v.HasField("simple_value") for v in e.summary.value)]
+    steps = [
+        e.step
+        for e in LegacyEventFileLoader(str(path)).Load()
+        if any(v.HasField("simple_value") for v in e.summary.value)
+    ]
     return steps[-1] if steps else None
 
 
@@ -89,8 +102,10 @@ def test_a_flipped_byte_skips_one_record_and_reads_on(tmp_path: Path, capsys, di
     (run,) = doc["runs"]
     assert run["status"] == "CRITICAL" and run["read_in_part"] is True and run["last_step"] == STEPS[-1]
     (message,) = damage_findings(run)
-    assert message.startswith(f"run/{path.name} is damaged at byte {start:,} of {len(damaged):,} "
-                              f"(a record's data fails its checksum; read whole up to logged optimizer step {tensorboard_last_step(path)})")
+    assert message.startswith(
+        f"run/{path.name} is damaged at byte {start:,} of {len(damaged):,} "
+        f"(a record's data fails its checksum; read whole up to logged optimizer step {tensorboard_last_step(path)})"
+    )
     assert f"{end - start:,} bytes in 1 stretch(es) could not be read" in message
 
 
@@ -120,9 +135,11 @@ def test_a_truncated_file_is_read_in_part_never_ok(tmp_path: Path, capsys, diver
     last = tensorboard_last_step(path)
     assert last is not None and last < STEPS[-1]
     assert text.startswith(f"run run: read in part, last logged optimizer step {last}\n")
-    assert (f"[warning] event files: run/{path.name} is damaged at byte {start:,} of {(start + end) // 2:,} "
-            f"(the file ends inside a record: cut short, or still being written; read whole up to logged optimizer step {last}): "
-            "the rest of the file is not in this report.") in text
+    assert (
+        f"[warning] event files: run/{path.name} is damaged at byte {start:,} of {(start + end) // 2:,} "
+        f"(the file ends inside a record: cut short, or still being written; read whole up to logged optimizer step {last}): "
+        "the rest of the file is not in this report."
+    ) in text
 
 
 def test_a_damaged_run_is_reported_even_without_trainvitals_tags(tmp_path: Path, capsys) -> None:
@@ -220,7 +237,8 @@ def test_a_pipe_or_a_dangling_link_named_like_an_event_file_is_named(tmp_path: P
     assert damage_findings(doc["runs"][0]) == [
         "run/events.out.tfevents.8.link: the file cannot be read (No such file or directory), so nothing of it is "
         "in this report.",
-        "run/events.out.tfevents.9.fifo: not a regular file, so nothing of it is in this report."]
+        "run/events.out.tfevents.9.fifo: not a regular file, so nothing of it is in this report.",
+    ]
 
 
 @pytest.mark.parametrize("denied", ["b", ""])
@@ -245,7 +263,10 @@ def test_a_folder_that_cannot_be_listed_is_named(
     if denied:
         assert status == EXIT_DAMAGED and err == ""
         assert "run b: read in part\n" in out
-        assert "[warning] event files: b/: the folder cannot be listed (Permission denied): event files in it are not read." in out
+        assert (
+            "[warning] event files: b/: the folder cannot be listed (Permission denied): event files in it are not read."
+            in out
+        )
     else:
         assert status == EXIT_NO_DATA and out == "" and err.endswith("cannot be listed: Permission denied.\n")
 
@@ -272,7 +293,9 @@ def test_names_that_are_not_utf8_are_reported_escaped(tmp_path: Path, capsys) ->
     finally:
         sys.stdout = stdout
     assert status == EXIT_CRITICAL
-    assert text.startswith("run run\\xff: CRITICAL") and "events.out.tfevents.2.h\\xe9 is damaged at byte 0 of 5" in text
+    assert (
+        text.startswith("run run\\xff: CRITICAL") and "events.out.tfevents.2.h\\xe9 is damaged at byte 0 of 5" in text
+    )
 
 
 def test_a_missing_logdir_that_is_not_utf8_is_named(tmp_path: Path, capsys) -> None:
@@ -296,8 +319,11 @@ def test_prefix_helpers() -> None:
 
 
 def test_a_prefixed_nan_run_is_critical(tmp_path: Path, capsys) -> None:
-    write_run(tmp_path / "run", {f"train-{tag}": v for tag, v in DIVERGED.items()} | {"train-epoch": 0.0},
-              {"grad_norm/stop_reason": "not stopped"})
+    write_run(
+        tmp_path / "run",
+        {f"train-{tag}": v for tag, v in DIVERGED.items()} | {"train-epoch": 0.0},
+        {"grad_norm/stop_reason": "not stopped"},
+    )
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_CRITICAL
     (run,) = doc["runs"]
@@ -325,17 +351,32 @@ def test_a_logger_with_its_own_separator(tmp_path: Path, capsys) -> None:
     assert status == EXIT_CRITICAL and out.startswith("run run (prefix train): CRITICAL")
 
 
-def _fit(loggers, inf_at_step: int | None, n: int = 64, callbacks=None, max_steps: int = 12, log_every_n_steps: int = 2,
-         **trainer) -> None:
+def _fit(
+    loggers,
+    inf_at_step: int | None,
+    n: int = 64,
+    callbacks=None,
+    max_steps: int = 12,
+    log_every_n_steps: int = 2,
+    **trainer,
+) -> None:
     import lightning.pytorch as pl
+    from _models import Regressor, regression_data
     from torch.utils.data import DataLoader
 
-    from _models import Regressor, regression_data
     from trainvitals.norms.monitor import GradNormMonitor
 
-    fit = pl.Trainer(max_steps=max_steps, logger=loggers, callbacks=callbacks or [GradNormMonitor()],
-                     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                     log_every_n_steps=log_every_n_steps, accelerator="cpu", **trainer)
+    fit = pl.Trainer(
+        max_steps=max_steps,
+        logger=loggers,
+        callbacks=callbacks or [GradNormMonitor()],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=log_every_n_steps,
+        accelerator="cpu",
+        **trainer,
+    )
     fit.fit(Regressor(inf_at_step=inf_at_step), DataLoader(regression_data(n), batch_size=4))
 
 
@@ -345,14 +386,19 @@ def test_lightning_loggers_with_prefix_sub_dir_and_versions(tmp_path: Path, caps
     sub_dir) and a third in a folder of its own: every one of them reported critical."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    loggers = [TensorBoardLogger(tmp_path, name="exp", version="my run", sub_dir="fold/0", prefix="train"),
-               TensorBoardLogger(tmp_path, name="exp", version="my run", sub_dir="fold/0", prefix="tb"),
-               TensorBoardLogger(tmp_path, name="", version="v2", prefix="x-y")]
+    loggers = [
+        TensorBoardLogger(tmp_path, name="exp", version="my run", sub_dir="fold/0", prefix="train"),
+        TensorBoardLogger(tmp_path, name="exp", version="my run", sub_dir="fold/0", prefix="tb"),
+        TensorBoardLogger(tmp_path, name="", version="v2", prefix="x-y"),
+    ]
     _fit(loggers, inf_at_step=4)
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_CRITICAL
     assert [(r["run"], r["critical"]) for r in doc["runs"]] == [
-        ("exp/my run/fold/0 (prefix tb)", True), ("exp/my run/fold/0 (prefix train)", True), ("v2 (prefix x-y)", True)]
+        ("exp/my run/fold/0 (prefix tb)", True),
+        ("exp/my run/fold/0 (prefix train)", True),
+        ("v2 (prefix x-y)", True),
+    ]
 
 
 # -------------------------------------------------------------------------------- nothing measured, diverged
@@ -360,8 +406,8 @@ def test_lightning_loggers_with_prefix_sub_dir_and_versions(tmp_path: Path, caps
 def test_an_empty_train_dataloader_is_nothing_measured(tmp_path: Path, capsys) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from trainvitals.tensorboard.dashboard import TrainvitalsDashboard
     from trainvitals.norms.monitor import GradNormMonitor
+    from trainvitals.tensorboard.dashboard import TrainvitalsDashboard
 
     _fit(TensorBoardLogger(tmp_path), inf_at_step=None, n=0, callbacks=[GradNormMonitor(), TrainvitalsDashboard()])
     (run,) = read_runs(tmp_path)
@@ -372,18 +418,21 @@ def test_an_empty_train_dataloader_is_nothing_measured(tmp_path: Path, capsys) -
     assert "[warning] event files: nothing measured: no trainvitals scalar, so no optimizer step was logged" in text
 
 
-@pytest.mark.parametrize(("streak", "diverged"), [
-    ([0, 5, 10, 15, 20, 22, 22, 22], True),    # every step from 25 on uncounted: NaN, the flag stale
-    ([0, 5, 10, 15, 20, 25, 30, 35], False),   # in the band and counting
-    ([0, 0, 0, 0, 0, 0, 0, 0], False),         # out of the band: a reset and a frozen 0 look the same
-    ([0, 1, 2, 3, 3, 3, 3, 3], False),         # 3 at steps 15 and 20 can be a reset and 3 new steps
-])
+@pytest.mark.parametrize(
+    ("streak", "diverged"),
+    [
+        ([0, 5, 10, 15, 20, 22, 22, 22], True),  # every step from 25 on uncounted: NaN, the flag stale
+        ([0, 5, 10, 15, 20, 25, 30, 35], False),  # in the band and counting
+        ([0, 0, 0, 0, 0, 0, 0, 0], False),  # out of the band: a reset and a frozen 0 look the same
+        ([0, 1, 2, 3, 3, 3, 3, 3], False),  # 3 at steps 15 and 20 can be a reset and 3 new steps
+    ],
+)
 def test_a_stopper_alone_tells_divergence_by_its_frozen_streak(
     tmp_path: Path, capsys, streak: list[int], diverged: bool
 ) -> None:
     """Without GradNormMonitor and GraphIntegrityCallback the stopper's in-band flag after NaN is its last
     one from before; its streak, which a counted step moves, tells."""
-    steps = STEPS[::-1][:len(streak)][::-1]
+    steps = STEPS[::-1][: len(streak)][::-1]
     writer = SummaryWriter(str(tmp_path / "run"))
     for step, count in zip(steps, streak):
         writer.add_scalar("grad_norm/band_streak", count, step)
@@ -397,7 +446,8 @@ def test_a_stopper_alone_tells_divergence_by_its_frozen_streak(
     assert (status == EXIT_CRITICAL) is diverged
     if diverged:
         assert doc["runs"][0]["findings"][-1]["message"].startswith(
-            "GradNormEarlyStopping counted none of the optimizer steps after step 85: each had non-finite")
+            "GradNormEarlyStopping counted none of the optimizer steps after step 85: each had non-finite"
+        )
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -408,8 +458,9 @@ def test_a_nan_run_with_the_stopper_alone_is_critical(tmp_path: Path, capsys) ->
 
     # A wide band: in it from the first steps on, so that the last flag before NaN is 1.
     stopper = GradNormEarlyStopping(min_steps=0, patience=1000, margin=50.0, verbose=False)
-    _fit(TensorBoardLogger(tmp_path), inf_at_step=9, n=128, callbacks=[stopper], accumulate_grad_batches=2,
-         max_steps=16)
+    _fit(
+        TensorBoardLogger(tmp_path), inf_at_step=9, n=128, callbacks=[stopper], accumulate_grad_batches=2, max_steps=16
+    )
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_CRITICAL
     messages = [f["message"] for f in doc["runs"][0]["findings"]]
@@ -430,8 +481,15 @@ def test_a_nan_between_logging_steps_gets_no_band_verdict(tmp_path: Path, capsys
     from trainvitals.norms.monitor import GradNormMonitor
 
     stopper = GradNormEarlyStopping(min_steps=0, patience=1000, margin=50.0, verbose=False)
-    _fit(TensorBoardLogger(tmp_path), inf_at_step=28, n=128, callbacks=[GradNormMonitor(), stopper],
-         accumulate_grad_batches=2, max_steps=36, log_every_n_steps=5)
+    _fit(
+        TensorBoardLogger(tmp_path),
+        inf_at_step=28,
+        n=128,
+        callbacks=[GradNormMonitor(), stopper],
+        accumulate_grad_batches=2,
+        max_steps=36,
+        log_every_n_steps=5,
+    )
     (run,) = read_runs(tmp_path)
     assert run.scalars["grad_norm/in_noise_band"][-1][1] == 1.0  # what the old report took as the verdict
     status, doc = report_json(capsys, tmp_path)
@@ -447,16 +505,22 @@ def test_a_fit_that_did_not_end_is_named(tmp_path: Path, capsys) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.compat.proto import event_pb2
 
-    from trainvitals.tensorboard.dashboard import TrainvitalsDashboard
     from trainvitals.norms.monitor import GradNormMonitor
+    from trainvitals.tensorboard.dashboard import TrainvitalsDashboard
 
     _fit(TensorBoardLogger(tmp_path), inf_at_step=None, callbacks=[GradNormMonitor(), TrainvitalsDashboard()])
     status, text, _ = report(capsys, str(tmp_path))
     assert status == EXIT_OK and "end-of-fit" not in text
     path = event_file(tmp_path / "lightning_logs" / "version_0")
     data = path.read_bytes()
-    cut = next(start for start, end in records(data) if any(
-        v.tag.startswith(f"{DIAGNOSIS_TAG}/") for v in event_pb2.Event.FromString(data[start + 12:end - 4]).summary.value))
+    cut = next(
+        start
+        for start, end in records(data)
+        if any(
+            v.tag.startswith(f"{DIAGNOSIS_TAG}/")
+            for v in event_pb2.Event.FromString(data[start + 12 : end - 4]).summary.value
+        )
+    )
     path.write_bytes(data[:cut])
     status, text, _ = report(capsys, str(tmp_path))
     assert status == EXIT_OK  # nothing in the format says the file was cut
@@ -480,15 +544,25 @@ def test_diagnosis_panels_of_earlier_versions_count_as_the_fit_end(tmp_path: Pat
     write(tmp_path / "old", "trainvitals/diagnosis")
     write(tmp_path / "none", "elsewhere")
     _, doc = report_json(capsys, tmp_path)
-    warned = {run["run"]: any("no end-of-fit diagnosis" in f["message"] for f in run["findings"]) for run in doc["runs"]}
+    warned = {
+        run["run"]: any("no end-of-fit diagnosis" in f["message"] for f in run["findings"]) for run in doc["runs"]
+    }
     assert warned == {"old": False, "none": True}
 
 
 def _report_process(logdir: Path, **popen: object) -> subprocess.CompletedProcess[str]:
     """``python -m trainvitals report logdir`` with its stdout as ``popen`` sets it; stderr captured."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-m", "trainvitals", "report", str(logdir)], stderr=subprocess.PIPE,
-                               text=True, env=env, **popen)  # type: ignore[call-overload]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainvitals", "report", str(logdir)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **popen,
+    )  # type: ignore[call-overload]
     if process.stdout is not None:
         process.stdout.close()  # the reader quits before the report is written (| head)
     _, err = process.communicate(timeout=120)
@@ -524,8 +598,9 @@ def test_an_output_file_that_cannot_be_written_is_status_4(tmp_path: Path, capsy
     assert "missing/report.txt" in err and "No such file or directory" in err
 
 
-def test_an_empty_logdir_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_empty_logdir_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``trainvitals report ""`` (an unset variable) is refused, not a report on the current folder."""
     write_run(tmp_path / "run", HEALTHY)
     monkeypatch.chdir(tmp_path)
@@ -551,7 +626,8 @@ def test_the_damage_names_the_last_logged_optimizer_step_not_a_panel_s(tmp_path:
 
 @pytest.mark.parametrize("junk", ["zeros", "random"])
 def test_junk_after_damage_is_skipped_without_a_checksum_per_byte(
-        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, junk: str) -> None:
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, junk: str
+) -> None:
     """A crash that leaves 256 KiB of zeros or junk after a damaged length: only offsets whose length fits
     in the file are checksummed, so the resync costs a handful of checksums, not one per byte."""
     import random
@@ -573,15 +649,20 @@ def test_junk_after_damage_is_skipped_without_a_checksum_per_byte(
     status, doc = report_json(capsys, tmp_path)
     assert status == EXIT_DAMAGED
     (message,) = damage_findings(doc["runs"][0])
-    assert message.startswith(f"run/{path.name} is damaged at byte {len(data):,} of {len(data) + 12 + len(fill):,} "
-                              "(a record's length fails its checksum;")
+    assert message.startswith(
+        f"run/{path.name} is damaged at byte {len(data):,} of {len(data) + 12 + len(fill):,} "
+        "(a record's length fails its checksum;"
+    )
     assert len(calls) < 2 * len(records(data)) + 100  # the records read whole, and a few candidates
 
 
 def test_a_wrong_separator_gets_a_hint(tmp_path: Path, capsys) -> None:
     """Prefixed with "::" but read with the default "-": nothing measured, and the hint names "::"."""
-    write_run(tmp_path / "run", {f"train::{tag}": value for tag, value in HEALTHY.items()},
-              {"grad_norm/stop_reason": "did not stop"})
+    write_run(
+        tmp_path / "run",
+        {f"train::{tag}": value for tag, value in HEALTHY.items()},
+        {"grad_norm/stop_reason": "did not stop"},
+    )
     status, out, _ = report(capsys, str(tmp_path))
     assert status == EXIT_NO_DATA and "nothing measured" in out
     assert "look like a logger's prefixed ones: give its separator with --separator '::'." in out

@@ -1,6 +1,7 @@
 """The trainvitals dashboard in a real TensorBoard, looked at by a real browser.
 
-Runs the digits example for two epochs (its exit status is its report's: 0, healthy), starts ``tensorboard --logdir`` on 127.0.0.1, opens the
+Runs the digits example for two epochs (its exit status is its report's: 0, healthy), starts
+``tensorboard --logdir`` on 127.0.0.1, opens the
 Custom Scalars dashboard in Debian's headless Chromium through Playwright (no browser download), and
 checks each chart's DOM: its title, how many logged tags it matched, and that lines were drawn.
 
@@ -22,16 +23,24 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from test_dashboard import chart_tags, read_layout
+
 from trainvitals.tensorboard.layout import BAND_CHART, GRAD_NORM_CHART
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]'")
 if CHROMIUM is None:
@@ -42,8 +51,12 @@ if CHROMIUM is None:
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # TensorBoard shows its --logdir in the sidebar: a relative "runs", as the README's command has it.
     logdir = tmp_path_factory.mktemp("logs") / "runs"
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "digits_cnn.py"), "--logdir", str(logdir),
-                           "--max-epochs", "2"], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "digits_cnn.py"), "--logdir", str(logdir), "--max-epochs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (run,) = logdir.glob("digits_cnn/version_*")
     return run
@@ -51,7 +64,10 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _launch(p, tmp_path: Path):
     return p.chromium.launch_persistent_context(
-        str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+        str(tmp_path / "profile"),
+        executable_path=CHROMIUM,
+        headless=True,
+        args=CHROMIUM_ARGS,
         viewport={"width": 1300, "height": 2900},  # TensorBoard scrolls inside the page: the viewport is the picture
     )
 
@@ -66,8 +82,9 @@ def test_html_report_opens_offline_without_errors(run_dir: Path, tmp_path: Path)
             requests: list[str] = []
             errors: list[str] = []
             # Everything but the file itself is refused and recorded: the page must need nothing else.
-            context.route(re.compile(r"^(?!file:|data:).*"), lambda route: (requests.append(route.request.url),
-                                                                             route.abort()))
+            context.route(
+                re.compile(r"^(?!file:|data:).*"), lambda route: (requests.append(route.request.url), route.abort())
+            )
             page = context.new_page()
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
@@ -99,9 +116,22 @@ def tensorboard_url(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     port = _free_port()
     log = (tmp_path_factory.mktemp("tb") / "tensorboard.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", run_dir.parents[1].name, "--host", "127.0.0.1",
-         "--port", str(port), "--load_fast", "false"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=run_dir.parents[2],
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            run_dir.parents[1].name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load_fast",
+            "false",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=run_dir.parents[2],
     )
     url = f"http://127.0.0.1:{port}/"
     try:
@@ -137,13 +167,22 @@ def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
 ) -> None:
     expected = expected_matches(run_dir)
     # The callbacks of the digits example log at least these; the other charts wait for theirs.
-    for title in (GRAD_NORM_CHART, BAND_CHART, "in the noise band (1 = yes)", "B_simple vs effective batch (examples)",
-                  "per-layer gradient norm: features", "per-layer gradient norm: head", "per-layer GSNR",
-                  "gradient noise: tr(Σ) per example, and its standard error",
-                  "gradient noise: ‖G‖², the true gradient's squared norm, and its standard error",
-                  "batch-gradient variance at the micro-batch and the full batch (Var ∝ 1/B)",
-                  "memory by category (bytes)", "saved activations per module (bytes)", "integrity counters",
-                  "learning rate and its suggestion"):
+    for title in (
+        GRAD_NORM_CHART,
+        BAND_CHART,
+        "in the noise band (1 = yes)",
+        "B_simple vs effective batch (examples)",
+        "per-layer gradient norm: features",
+        "per-layer gradient norm: head",
+        "per-layer GSNR",
+        "gradient noise: tr(Σ) per example, and its standard error",
+        "gradient noise: ‖G‖², the true gradient's squared norm, and its standard error",
+        "batch-gradient variance at the micro-batch and the full batch (Var ∝ 1/B)",
+        "memory by category (bytes)",
+        "saved activations per module (bytes)",
+        "integrity counters",
+        "learning rate and its suggestion",
+    ):
         assert expected[title] > 0, title
     assert expected[BAND_CHART] == 3  # the norm, the floor and the band's edge
 
@@ -154,8 +193,10 @@ def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
             page.goto(tensorboard_url + "#custom_scalars")
             cards = page.locator("tf-custom-scalar-multi-line-chart-card, tf-custom-scalar-margin-chart-card")
             sync_api.expect(cards).to_have_count(len(expected), timeout=60_000)
-            by_title = {cards.nth(i).locator("tf-card-heading .heading-label").first.text_content().strip(): cards.nth(i)
-                        for i in range(len(expected))}
+            by_title = {
+                cards.nth(i).locator("tf-card-heading .heading-label").first.text_content().strip(): cards.nth(i)
+                for i in range(len(expected))
+            }
             assert set(by_title) == set(expected)
             # TensorBoard clips each chart to its central values by default, and scales it to the smoothed
             # lines: both off, so every logged point is in view.
@@ -170,8 +211,10 @@ def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
             page.reload()
             sync_api.expect(cards).to_have_count(len(expected), timeout=60_000)
             sync_api.expect(outliers).not_to_be_checked()
-            by_title = {cards.nth(i).locator("tf-card-heading .heading-label").first.text_content().strip(): cards.nth(i)
-                        for i in range(len(expected))}
+            by_title = {
+                cards.nth(i).locator("tf-card-heading .heading-label").first.text_content().strip(): cards.nth(i)
+                for i in range(len(expected))
+            }
             for title, n in expected.items():
                 card = by_title[title]
                 lines = card.locator("path.line")
@@ -188,9 +231,13 @@ def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
             sync_api.expect(by_title[BAND_CHART].locator("path.area")).to_have_count(1)
 
             grad_norm = by_title[GRAD_NORM_CHART]
-            sync_api.expect(grad_norm.locator("path.line").first).to_have_attribute("d", re.compile(r"^M[^L]+(L[^L]+){10}"))
+            sync_api.expect(grad_norm.locator("path.line").first).to_have_attribute(
+                "d", re.compile(r"^M[^L]+(L[^L]+){10}")
+            )
             grad_norm.locator('paper-icon-button[title="Toggle y-axis log scale"]').click()
-            sync_api.expect(grad_norm.locator('paper-icon-button[title="Toggle y-axis log scale"]')).to_have_attribute("selected", "")
+            sync_api.expect(grad_norm.locator('paper-icon-button[title="Toggle y-axis log scale"]')).to_have_attribute(
+                "selected", ""
+            )
             assert grad_norm.locator("tf-line-chart-data-loader").evaluate("e => e.logScaleActive") is True
 
             # No temporary folder on the picture: the sidebar names the relative --logdir only.
@@ -206,7 +253,8 @@ def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
             views = page.locator("tf-text-dashboard tf-category-paginated-view")
             sync_api.expect(views.filter(has_text="diagnosis/GradNormMonitor")).to_have_count(1, timeout=60_000)
             groups = views.evaluate_all(
-                "views => views.map(v => [v.category && v.category.name, v.opened]).filter(([name]) => name)")
+                "views => views.map(v => [v.category && v.category.name, v.opened]).filter(([name]) => name)"
+            )
             assert groups[0] == ["diagnosis", True], groups
         finally:
             context.close()

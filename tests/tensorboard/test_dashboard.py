@@ -9,23 +9,23 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+from conftest import trainer_kwargs
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 from tensorboard.util import tensor_util
 
-from conftest import trainer_kwargs
-from trainvitals.noise.probe import BatchVarianceProbe
-from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.norms.monitor import GradNormMonitor
+from trainvitals.demo.data import DigitsDataModule
+from trainvitals.demo.model import DigitsCNN
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory.profiler import MemoryTopologyProfiler
+from trainvitals.noise.probe import BatchVarianceProbe
+from trainvitals.noise.stopper import GradNormEarlyStopping
+from trainvitals.norms.monitor import GradNormMonitor
+from trainvitals.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
 from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, progress_bar_values
 from trainvitals.tensorboard.layout import BAND_CATEGORY, BAND_CHART, CATEGORY, GRAD_NORM_CHART, trainvitals_layout
-from trainvitals.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
-from trainvitals.demo.data import DigitsDataModule
-from trainvitals.demo.model import DigitsCNN
 
 
 def fit(tmp_path: Path, *callbacks: pl.Callback, **overrides) -> tuple[pl.Trainer, EventAccumulator]:
@@ -33,8 +33,14 @@ def fit(tmp_path: Path, *callbacks: pl.Callback, **overrides) -> tuple[pl.Traine
     pl.seed_everything(0, verbose=False)  # B_simple is logged once EMA(‖G‖²) > 0: at which steps depends on the init
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     # 24 steps: the noise estimate decides after MIN_MEASUREMENTS (20) measurements.
-    kwargs = trainer_kwargs(logger=logger, max_steps=24, accumulate_grad_batches=2, log_every_n_steps=2,
-                            limit_val_batches=0, callbacks=list(callbacks))
+    kwargs = trainer_kwargs(
+        logger=logger,
+        max_steps=24,
+        accumulate_grad_batches=2,
+        log_every_n_steps=2,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    )
     kwargs.update(overrides)
     trainer = pl.Trainer(**kwargs)
     trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
@@ -50,8 +56,13 @@ def read_layout(acc: EventAccumulator) -> layout_pb2.Layout:
 
 @pytest.fixture(scope="module")
 def monitored(tmp_path_factory: pytest.TempPathFactory) -> tuple[pl.Trainer, EventAccumulator]:
-    return fit(tmp_path_factory.mktemp("dash"), GradNormMonitor(histogram_every_n_steps=0),
-               GradNormEarlyStopping(patience=1000), TrainvitalsDashboard(), enable_progress_bar=True)
+    return fit(
+        tmp_path_factory.mktemp("dash"),
+        GradNormMonitor(histogram_every_n_steps=0),
+        GradNormEarlyStopping(patience=1000),
+        TrainvitalsDashboard(),
+        enable_progress_bar=True,
+    )
 
 
 def chart_tags(layout: layout_pb2.Layout, acc: EventAccumulator) -> dict[str, list[str]]:
@@ -74,7 +85,9 @@ def test_layout_is_written_once_as_tensorboards_custom_scalars(monitored) -> Non
     (band,) = layout.category[0].chart
     assert band.title == BAND_CHART and band.WhichOneof("content") == "margin"
     # One per-layer chart per top-level module of the digits CNN.
-    assert [c.title for c in layout.category[1].chart] == list(trainvitals_layout(groups=["features", "head"])[CATEGORY])
+    assert [c.title for c in layout.category[1].chart] == list(
+        trainvitals_layout(groups=["features", "head"])[CATEGORY]
+    )
     for chart in layout.category[1].chart:
         assert chart.WhichOneof("content") == "multiline"
         for regex in chart.multiline.tag:
@@ -94,9 +107,13 @@ def test_charts_pick_up_what_the_callbacks_log(monitored) -> None:
     layers = {name for name, m in trainer.lightning_module.named_modules() if list(m.parameters(recurse=False))}
     for group in ("features", "head"):
         assert sorted(picked[f"per-layer gradient norm: {group}"]) == sorted(
-            f"grad_norm/{m}" for m in layers if m.startswith(group + "."))
-    assert sorted(picked["integrity counters"]) == ["grad_norm/amp_skipped_steps", "grad_norm/nonfinite_steps",
-                                                     "grad_norm/spike_steps"]
+            f"grad_norm/{m}" for m in layers if m.startswith(group + ".")
+        )
+    assert sorted(picked["integrity counters"]) == [
+        "grad_norm/amp_skipped_steps",
+        "grad_norm/nonfinite_steps",
+        "grad_norm/spike_steps",
+    ]
     # Every scalar a trainvitals callback logged lands on some chart.
     on_charts = {t for tags in picked.values() for t in tags}
     assert set(acc.Tags()["scalars"]) - on_charts == {"train/loss", "epoch"}
@@ -124,27 +141,44 @@ class TiedLM(pl.LightningModule):
 def test_every_gradient_tag_is_on_a_chart_and_no_chart_is_empty(tmp_path: Path) -> None:
     pl.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
-    trainer = pl.Trainer(**trainer_kwargs(
-        logger=logger, max_steps=24, accumulate_grad_batches=2, log_every_n_steps=2, limit_val_batches=0,
-        callbacks=[GradNormMonitor(histogram_every_n_steps=0), BatchVarianceProbe(histogram_every_n_steps=None),
-                   GradNormEarlyStopping(patience=1000), TrainvitalsDashboard(progress_bar=False)]))
+    trainer = pl.Trainer(
+        **trainer_kwargs(
+            logger=logger,
+            max_steps=24,
+            accumulate_grad_batches=2,
+            log_every_n_steps=2,
+            limit_val_batches=0,
+            callbacks=[
+                GradNormMonitor(histogram_every_n_steps=0),
+                BatchVarianceProbe(histogram_every_n_steps=None),
+                GradNormEarlyStopping(patience=1000),
+                TrainvitalsDashboard(progress_bar=False),
+            ],
+        )
+    )
     data = torch.utils.data.DataLoader(torch.randint(0, 12, (256, 7)), batch_size=8, shuffle=True)
     trainer.fit(TiedLM(), data)
     acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0}).Reload()
     picked = chart_tags(read_layout(acc), acc)
     # The root parameter has a chart of its own; the tied head none: its weight is the embedding's, logged as `tok`.
     assert [t for t in picked if t.startswith("per-layer gradient norm")] == [
-        f"per-layer gradient norm: {group}" for group in ("pos", "tok", "body")]
+        f"per-layer gradient norm: {group}" for group in ("pos", "tok", "body")
+    ]
     assert picked["per-layer gradient norm: pos"] == ["grad_norm/pos"]
     assert sorted(picked["batch-gradient variance at the micro-batch and the full batch (Var ∝ 1/B)"]) == [
-        "grad_noise/batch_grad_var/full_batch", "grad_noise/batch_grad_var/micro_batch"]
+        "grad_noise/batch_grad_var/full_batch",
+        "grad_noise/batch_grad_var/micro_batch",
+    ]
     assert picked["per-layer GSNR"]
     gradient_tags = {t for t in acc.Tags()["scalars"] if t.startswith(("grad_norm/", "grad_noise/"))}
     assert gradient_tags - {t for tags in picked.values() for t in tags} == set()
     # Empty: the charts of callbacks this fit did not attach, and no other.
     assert {title for title, tags in picked.items() if not tags} == {
-        "memory by category (bytes)", "saved activations per module (bytes)", "learning rate and its suggestion",
-        "steps and examples over their minimum"}
+        "memory by category (bytes)",
+        "saved activations per module (bytes)",
+        "learning rate and its suggestion",
+        "steps and examples over their minimum",
+    }
 
 
 @pytest.mark.parametrize(
@@ -173,26 +207,40 @@ def test_progress_bar_shows_the_latest_norm_and_band(monitored) -> None:
     logged = dict((e.step, e.value) for e in acc.Scalars("grad_norm/total"))
     assert shown["grad_norm"] == pytest.approx(logged[22], rel=1e-6)
     assert float(monitor.last_total[0]) != pytest.approx(logged[22])  # step 5 ran after it; the bar did not sync for it
-    assert_band_ratio(shown["band_ratio"], acc, 22, next(cb for cb in trainer.callbacks
-                                                         if isinstance(cb, GradNormEarlyStopping)).margin)
+    assert_band_ratio(
+        shown["band_ratio"],
+        acc,
+        22,
+        next(cb for cb in trainer.callbacks if isinstance(cb, GradNormEarlyStopping)).margin,
+    )
     assert "grad_norm" not in trainer.logged_metrics  # progress bar only: the monitor owns the logged tag
 
 
 def assert_band_ratio(shown: float, acc: EventAccumulator, step: int, margin: float) -> None:
     """The bar's ratio is the logged smoothed ‖G‖² over margin · tr(Σ)/B = margin · floor², and ≤ 1 exactly when
     the stopper logged the step in its band."""
-    logged = {tag: {e.step: e.value for e in acc.Scalars(tag)}[step]
-              for tag in ("grad_noise/grad_sq_norm", "grad_norm/noise_floor", "grad_norm/in_noise_band")}
-    assert shown == pytest.approx(logged["grad_noise/grad_sq_norm"] / (margin * logged["grad_norm/noise_floor"] ** 2),
-                                  rel=1e-5)
+    logged = {
+        tag: {e.step: e.value for e in acc.Scalars(tag)}[step]
+        for tag in ("grad_noise/grad_sq_norm", "grad_norm/noise_floor", "grad_norm/in_noise_band")
+    }
+    assert shown == pytest.approx(
+        logged["grad_noise/grad_sq_norm"] / (margin * logged["grad_norm/noise_floor"] ** 2), rel=1e-5
+    )
     assert (shown <= 1) == bool(logged["grad_norm/in_noise_band"])
 
 
 def test_progress_bar_band_follows_the_stopper_fed_by_a_probe(tmp_path: Path) -> None:
     # No accumulation, one device: the stopper's noise comes from the probe.
     stopper = GradNormEarlyStopping(patience=1000)
-    trainer, acc = fit(tmp_path, BatchVarianceProbe(histogram_every_n_steps=None), stopper, TrainvitalsDashboard(),
-                       accumulate_grad_batches=1, max_steps=25, log_every_n_steps=4)
+    trainer, acc = fit(
+        tmp_path,
+        BatchVarianceProbe(histogram_every_n_steps=None),
+        stopper,
+        TrainvitalsDashboard(),
+        accumulate_grad_batches=1,
+        max_steps=25,
+        log_every_n_steps=4,
+    )
     assert_band_ratio(trainer.progress_bar_metrics["band_ratio"], acc, 24, stopper.margin)
     assert int(stopper.noise.count) == 0  # the stopper's own estimate is empty: the band came from the probe
 
@@ -209,16 +257,23 @@ def test_noise_band_uses_the_stoppers_margin(margin: float | None, ratio: float)
 
 
 def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:
-    callbacks = [GradNormEarlyStopping(patience=1000), LRScalingAdvisor(verbose=False),
-                 MemoryTopologyProfiler(every_n_steps=2), GraphIntegrityCallback(), GradNormMonitor(),
-                 TrainvitalsDashboard(progress_bar=False)]
+    callbacks = [
+        GradNormEarlyStopping(patience=1000),
+        LRScalingAdvisor(verbose=False),
+        MemoryTopologyProfiler(every_n_steps=2),
+        GraphIntegrityCallback(),
+        GradNormMonitor(),
+        TrainvitalsDashboard(progress_bar=False),
+    ]
     trainer, acc = fit(tmp_path, *callbacks, max_steps=6)
     expected = {type(cb).__name__: cb.summary_markdown() for cb in callbacks[:5]}
     for name, markdown in expected.items():
         (event,) = acc.Tensors(f"{DIAGNOSIS_TAG}/{name}/text_summary")
         assert event.step == trainer.global_step == 6
         assert tensor_util.make_ndarray(event.tensor_proto).item().decode() == markdown
-    assert "| lr now |" in expected["LRScalingAdvisor"] and "### Saved for backward" in expected["MemoryTopologyProfiler"]
+    assert (
+        "| lr now |" in expected["LRScalingAdvisor"] and "### Saved for backward" in expected["MemoryTopologyProfiler"]
+    )
     assert "did not stop the run" in expected["GradNormEarlyStopping"]
     assert expected["GradNormMonitor"].startswith("| optimizer | steps | last ‖g‖ |")
     assert expected["GraphIntegrityCallback"].startswith("**Graph integrity: clean bill of health.**")
@@ -226,8 +281,15 @@ def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:
 
 
 def test_without_tensorboard_nothing_breaks(tmp_path: Path) -> None:
-    trainer = pl.Trainer(**trainer_kwargs(max_steps=2, limit_val_batches=0, default_root_dir=str(tmp_path),
-                                          callbacks=[GradNormMonitor(), TrainvitalsDashboard()], log_every_n_steps=1))
+    trainer = pl.Trainer(
+        **trainer_kwargs(
+            max_steps=2,
+            limit_val_batches=0,
+            default_root_dir=str(tmp_path),
+            callbacks=[GradNormMonitor(), TrainvitalsDashboard()],
+            log_every_n_steps=1,
+        )
+    )
     trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
     assert "grad_norm" in trainer.progress_bar_metrics and "band_ratio" not in trainer.progress_bar_metrics
     assert not list(tmp_path.rglob("events.out.tfevents.*"))
@@ -236,34 +298,62 @@ def test_without_tensorboard_nothing_breaks(tmp_path: Path) -> None:
 def test_the_layout_follows_the_loggers_prefix(tmp_path: Path) -> None:
     pl.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(str(tmp_path), name="run", prefix="fold1", default_hp_metric=False)
-    trainer = pl.Trainer(**trainer_kwargs(logger=logger, max_steps=24, accumulate_grad_batches=2, log_every_n_steps=2,
-                                          limit_val_batches=0, callbacks=[GradNormMonitor(), GradNormEarlyStopping(),
-                                                                          TrainvitalsDashboard(progress_bar=False)]))
+    trainer = pl.Trainer(
+        **trainer_kwargs(
+            logger=logger,
+            max_steps=24,
+            accumulate_grad_batches=2,
+            log_every_n_steps=2,
+            limit_val_batches=0,
+            callbacks=[GradNormMonitor(), GradNormEarlyStopping(), TrainvitalsDashboard(progress_bar=False)],
+        )
+    )
     trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
     acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0}).Reload()
     picked = chart_tags(read_layout(acc), acc)
-    assert picked[GRAD_NORM_CHART] == ["fold1-grad_norm/total", "fold1-grad_norm/noise_floor", "fold1-grad_norm/noise_floor_se"]
-    assert picked[BAND_CHART] == ["fold1-grad_norm/band_norm", "fold1-grad_norm/band_floor", "fold1-grad_norm/band_edge"]
-    assert picked["per-layer gradient norm: head"] and all(t.startswith("fold1-grad_norm/head.") for t in
-                                                            picked["per-layer gradient norm: head"])
+    assert picked[GRAD_NORM_CHART] == [
+        "fold1-grad_norm/total",
+        "fold1-grad_norm/noise_floor",
+        "fold1-grad_norm/noise_floor_se",
+    ]
+    assert picked[BAND_CHART] == [
+        "fold1-grad_norm/band_norm",
+        "fold1-grad_norm/band_floor",
+        "fold1-grad_norm/band_edge",
+    ]
+    assert picked["per-layer gradient norm: head"] and all(
+        t.startswith("fold1-grad_norm/head.") for t in picked["per-layer gradient norm: head"]
+    )
     # Unprefixed tags are not picked up: the regexes are anchored at the prefix.
     assert not any(re.match(rx, "grad_norm/total") for rx in read_layout(acc).category[1].chart[0].multiline.tag)
 
 
 def test_every_callback_says_one_line_at_fit_end(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """By default: one line each at fit end, and no table on the console (they go to TensorBoard and the report)."""
-    callbacks = [GraphIntegrityCallback(), GradNormMonitor(), BatchVarianceProbe(),
-                 GradNormEarlyStopping(patience=1000), LRScalingAdvisor(),
-                 MemoryTopologyProfiler(measure_every_n_steps=2), TrainvitalsDashboard(progress_bar=False)]
+    callbacks = [
+        GraphIntegrityCallback(),
+        GradNormMonitor(),
+        BatchVarianceProbe(),
+        GradNormEarlyStopping(patience=1000),
+        LRScalingAdvisor(),
+        MemoryTopologyProfiler(measure_every_n_steps=2),
+        TrainvitalsDashboard(progress_bar=False),
+    ]
     with caplog.at_level("INFO"):
         fit(tmp_path, *callbacks, accumulate_grad_batches=1, max_steps=6)
     assert [r.getMessage() for r in caplog.records if "\n" in r.getMessage()] == []
     fit_end = [r.getMessage() for r in caplog.records if r.funcName == "on_fit_end"]
-    said = {type(cb).__name__: [m for m in fit_end if m.startswith(f"trainvitals {type(cb).__name__}: ")] for cb in callbacks}
+    said = {
+        type(cb).__name__: [m for m in fit_end if m.startswith(f"trainvitals {type(cb).__name__}: ")]
+        for cb in callbacks
+    }
     assert len(fit_end) == len(callbacks)
     assert all(len(lines) == 1 and "\n" not in lines[0] for lines in said.values()), said
     assert said["GraphIntegrityCallback"][0].endswith("clean: no findings in 1 graph walk(s) and 3 gradient check(s).")
     # The stopper says why it did not stop: 6 steps are fewer than its min_steps of 100.
-    assert "did not stop the run: the run ended after 6 optimizer steps, before min_steps=100" in said["GradNormEarlyStopping"][0]
+    assert (
+        "did not stop the run: the run ended after 6 optimizer steps, before min_steps=100"
+        in said["GradNormEarlyStopping"][0]
+    )
     assert "6 steps measured" in said["GradNormMonitor"][0]
     assert "from 6 measured optimizer steps" in said["BatchVarianceProbe"][0]

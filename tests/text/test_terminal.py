@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from trainvitals.text.markdown import markdown_table
 from trainvitals.report.html import markdown_to_html
+from trainvitals.text.markdown import markdown_table
 from trainvitals.text.terminal import format_table, markdown_to_text
 
 
 def test_tables_are_aligned_with_their_markdown_alignment() -> None:
-    markdown = "## Title\n\n| module | bytes |\n|---|---:|\n| `features.3` | 131,072 |\n| **head** | 4 |\n\n- **bold** words"
+    markdown = (
+        "## Title\n\n| module | bytes |\n|---|---:|\n| `features.3` | 131,072 |\n| **head** | 4 |\n\n- **bold** words"
+    )
     assert markdown_to_text(markdown).splitlines() == [
-        "Title", "=====", "",
+        "Title",
+        "=====",
+        "",
         "module        bytes",
         "----------  -------",
         "features.3  131,072",
@@ -35,5 +39,9 @@ def test_a_written_table_escapes_bars_and_line_breaks_and_reads_back() -> None:
     table = markdown_table(("key", "n", ""), [("a|b", 12, "two\nlines"), ("c", 3, "")], align="lr")
     assert table == ["| key | n | |", "|---|---:|---|", "| a\\|b | 12 | two<br>lines |", "| c | 3 | |"]
     assert markdown_to_text("\n".join(table)).splitlines() == [
-        "key   n", "---  --  ---------", "a|b  12  two lines", "c     3"]
+        "key   n",
+        "---  --  ---------",
+        "a|b  12  two lines",
+        "c     3",
+    ]
     assert "<td>a|b</td>" in markdown_to_html("\n".join(table)) and "two<br>lines" in markdown_to_html("\n".join(table))
