@@ -26,8 +26,8 @@ from trainvitals import GradNormMonitor
 from trainvitals.noise.estimators import NoiseScaleEMA, gradient_snr
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.norms import monitor as monitor_module
 from trainvitals.per_example import PerExampleGradients
+from trainvitals.plumbing.sharing import StepGradNorms
 
 
 def last_logged(logger: RecordingLogger) -> dict[str, float]:
@@ -847,8 +847,8 @@ def test_with_a_monitor_the_probe_reads_its_norms_instead_of_measuring_again(pre
     """The batch gradient's ‖ḡ‖² comes from a GradNormMonitor that measured the step first: the same
     estimates as measuring alone, in any order, also with the loss scale a fused optimizer leaves."""
     calls = []
-    measure = monitor_module._fused_grad_sq_norm  # the second pass over the gradients
-    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    measure = StepGradNorms._take  # a pass over the gradients
+    monkeypatch.setattr(StepGradNorms, "_take", lambda *a, **k: calls.append(1) or measure(*a, **k))
     data = classification_data("mlp", 48)
     if precision != "64-true":
         data = TensorDataset(data.tensors[0].float(), data.tensors[1])
@@ -861,7 +861,7 @@ def test_with_a_monitor_the_probe_reads_its_norms_instead_of_measuring_again(pre
         calls.clear()
         fit(FusedSGD(net, lr=0.1), data, callbacks, batch_size=8, steps=6, precision=precision)
         estimates[order] = (float(probe.noise.grad_sq_norm), float(probe.noise.trace_cov))
-        assert len(calls) == (0 if order == "monitor first" else 6), order
+        assert len(calls) == 6, order  # one pass a step, whoever asks first
     assert estimates["monitor first"] == pytest.approx(estimates["alone"], rel=1e-9)
     assert estimates["probe first"] == pytest.approx(estimates["alone"], rel=1e-9)
 
@@ -870,8 +870,8 @@ def test_a_partly_measured_model_reads_the_gradient_norms_once_per_step(monkeypa
     """A layer no source measures (no rule, no fallback, one micro-batch): the coverage is ‖ḡ‖² over the
     measured parameters over ‖ḡ‖² over all of them, both from one fused norm per step."""
     calls = []
-    measure = monitor_module._fused_grad_sq_norm
-    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    measure = StepGradNorms._take
+    monkeypatch.setattr(StepGradNorms, "_take", lambda *a, **k: calls.append(1) or measure(*a, **k))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 7), Scale(7), nn.Tanh(), nn.Linear(7, 3)).double()
     probe, recorder = BatchVarianceProbe(ema_beta=0.0, fallback=False, histogram_every_n_steps=0), Recorder()

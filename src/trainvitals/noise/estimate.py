@@ -224,8 +224,8 @@ class NoiseEstimate:
 class GradientNoise:
     """The run's one gradient-noise estimate, fed by every source present (module docstring).
 
-    Callbacks share one instance (:func:`find_gradient_noise`: the first to set up creates it, the others
-    find it among the Trainer's callbacks); each owns, resets and saves its own :class:`NoiseSource`
+    Callbacks share one instance per fit (``vitals.shared(GRADIENT_NOISE, GradientNoise)``,
+    :mod:`trainvitals.plumbing.sharing`); each owns, resets and saves its own :class:`NoiseSource`
     and attaches it here.
 
     :attr:`population` is the number N of training examples when each epoch draws them without
@@ -712,18 +712,3 @@ def population_of(loader: Any) -> int | None:
     except TypeError:
         return None
     return n if n >= 2 else None
-
-
-def find_gradient_noise(callbacks: Any) -> GradientNoise:
-    """The :class:`GradientNoise` of the first of ``callbacks`` that holds one (attribute
-    ``gradient_noise``), else a new one; sources no callback owns any more (attribute ``noise_source``)
-    are dropped from it."""
-    callbacks = list(callbacks)
-    found = next(
-        (cb.gradient_noise for cb in callbacks if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)), None
-    )
-    noise = found if found is not None else GradientNoise()
-    owned = {id(getattr(cb, "noise_source", None)) for cb in callbacks}
-    for name in [n for n, s in noise.sources.items() if id(s) not in owned]:
-        noise.detach(name)
-    return noise

@@ -22,7 +22,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
-from trainvitals.noise.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
+from trainvitals.noise.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, population_of
 from trainvitals.noise.estimators import NoiseScaleEMA, NoiseScaleError
 from trainvitals.noise.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.noise.probe_sources import COUPLED, ProbeSources, layout_notes
@@ -39,6 +39,14 @@ from trainvitals.plumbing.amp import loss_scale, scale_left_in_grads
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.sharing import (
+    GRAD_SQ_NORMS,
+    GRADIENT_NOISE,
+    NOISE_PROBE,
+    NOISE_TAGS,
+    NONFINITE_STEPS,
+    SUMMARY,
+)
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 
@@ -151,6 +159,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         TypeError: for an argument of the wrong type, ValueError for one out of range, naming it.
         RuntimeError: with ``strict``, when a step cannot be measured.
     """
+
+    provides = (GRADIENT_NOISE, NOISE_TAGS, NOISE_PROBE, SUMMARY)
+    reads = (GRAD_SQ_NORMS, NONFINITE_STEPS)
 
     @renamed_arguments(every_n_steps="measure_every_n_steps", beta="ema_beta")
     def __init__(
@@ -273,9 +284,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if self._sources is not None:
             self._sources.detach()
 
-    @property
-    def logs_noise_estimate(self) -> bool:  # this fit's probe logs the run's one estimate: the stopper does not
-        return self._enabled
+    def offers(self, name: str) -> bool:
+        """Whether it provides ``name`` now: the estimate's tags only while it measures (else the stopper logs them)."""
+        return name != NOISE_TAGS or self._enabled
 
     @property
     def _plan(self) -> SourcePlan | None:
@@ -318,7 +329,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
 
     @override
     def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.gradient_noise = find_gradient_noise(trainer.callbacks)
+        self.gradient_noise = self.vitals.shared(GRADIENT_NOISE, GradientNoise)
         self.gradient_noise.max_rel_err = self.max_rel_err
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
             self._cannot_measure(
@@ -559,7 +570,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         to_mean = 1 / self._grad_units(trainer, pl_module)
         batch_sq = {
             part: sq_norm * to_mean**2
-            for part, sq_norm in self._sources.batch_sq_norms(trainer, optimizer, sums.aside).items()
+            for part, sq_norm in self._sources.batch_sq_norms(
+                trainer, self.vitals.grad_norms, optimizer, sums.aside
+            ).items()
         }
         grad_sq_norm, trace_cov, valid, covered, total = step_estimates(
             sources.plan,

@@ -18,8 +18,8 @@ from trainvitals.memory import ROOT, compiled_modules
 from trainvitals.noise.estimate import NoiseSource
 from trainvitals.noise.estimators import MicroBatchSquaredNorms
 from trainvitals.noise.outliers import norm_coverage
-from trainvitals.norms.monitor import grad_sq_norm, grad_sq_norms
 from trainvitals.per_example import Layouts, PerExampleGradients, PerExampleStep, plan_sources
+from trainvitals.plumbing.sharing import StepGradNorms
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
 COUPLED = "per-example gradients through BatchNorm in training mode are not independent draws"
@@ -335,18 +335,18 @@ class ProbeSources:
         }
 
     def batch_sq_norms(
-        self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer, aside: Tensor | None
+        self, trainer: "pl.Trainer", grad_norms: StepGradNorms, optimizer: torch.optim.Optimizer, aside: Tensor | None
     ) -> dict[str, Tensor]:
         """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``, with those of
         the layers ``aside`` marks, a ``(layers,)`` bool on the device): the accumulated, rank-averaged gradient,
-        AMP scale undone (0-d float64 each), from one pass over the gradients per step (shared with the
-        stopper; none after a GradNormMonitor that measured the step), summed by source."""
+        AMP scale undone (0-d float64 each), from the step's one pass over the gradients (``grad_norms``, shared
+        with GradNormMonitor and the stopper), summed by source."""
         params, where, whole, layer_of = self.norm_layout(optimizer)
         zero = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
         if whole is not None and aside is None:  # one source measures every parameter: its part is the total
-            total = grad_sq_norm(trainer, optimizer, params)
+            total = grad_norms.sq_norm(trainer, optimizer, params)
             return {**dict.fromkeys((*SOURCES, "other"), zero), whole: zero if total is None else total}
-        sq_norms = grad_sq_norms(trainer, optimizer, params) if params else None
+        sq_norms = grad_norms.sq_norms(trainer, optimizer, params) if params else None
         parts = zero.new_zeros(len(SOURCES) + 1)
         if sq_norms is not None:
             if aside is not None:  # a layer's position len(layers) (source 2, or none) is never aside

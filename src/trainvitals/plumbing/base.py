@@ -11,6 +11,8 @@
   ``state_dict``/``load_state_dict`` round-trip the persistent ones (read with defaults, so older
   checkpoints load); :meth:`TrainvitalsCallback.reduce_states` combines the reducible ones over ranks in
   one collective per operation.
+- What a callback shares with the others is declared in ``provides`` and ``reads`` and resolved at
+  ``setup(stage="fit")`` into ``self.vitals`` (:mod:`trainvitals.plumbing.sharing`).
 - Messages carry the prefix ``trainvitals <Callback>:``; :meth:`TrainvitalsCallback.cannot_measure` warns
   once and carries on, or raises under ``strict=True``.
 """
@@ -21,7 +23,7 @@ import copy
 import functools
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -30,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, 
 from torch import Tensor
 from typing_extensions import override
 
+from trainvitals.plumbing.sharing import Vitals, connect
 from trainvitals.plumbing.writers import note_unrecorded
 
 REDUCTIONS = ("sum", "mean", "max", "min")
@@ -48,14 +51,18 @@ class TrainvitalsCallback(Callback):
 
     Subclasses call ``super().__init__()`` first, then :meth:`key_state_by` and :meth:`add_state`;
     ``strict`` (a class attribute here) makes :meth:`cannot_measure` raise. Per-fit setup beyond the
-    reset goes in :meth:`setup_fit`.
+    reset goes in :meth:`setup_fit`, where :attr:`vitals` is this fit's hub. ``provides`` and ``reads``
+    name what the subclass shares (the constants of :mod:`trainvitals.plumbing.sharing`).
     """
 
     strict: bool = False
+    provides: ClassVar[tuple[str, ...]] = ()
+    reads: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._states: dict[str, _State] = {}
         self._state_key: str | None = None
+        self.vitals = Vitals()  # this one alone until setup connects it
 
     # ------------------------------------------------------------------ state key
     def key_state_by(self, **arguments: Any) -> None:
@@ -103,6 +110,7 @@ class TrainvitalsCallback(Callback):
         if stage == "fit":
             note_unrecorded(trainer, self)
             self.reset()
+            connect(trainer, self)
             self.setup_fit(trainer, pl_module)
 
     def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
