@@ -8,6 +8,7 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
+    "ActivationMonitor": "trainvitals.activations.monitor",
     "BatchVarianceProbe": "trainvitals.noise.probe",
     "GradNormEarlyStopping": "trainvitals.noise.stopper",
     "GradNormMonitor": "trainvitals.norms.monitor",
@@ -15,6 +16,7 @@ _EXPORTS = {
     "LRScalingAdvisor": "trainvitals.lr_scaling.advisor",
     "MemoryTopologyProfiler": "trainvitals.memory.profiler",
     "TrainvitalsDashboard": "trainvitals.tensorboard.dashboard",
+    "UpdateMonitor": "trainvitals.updates.monitor",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,260 @@
+"""ActivationMonitor: what the layers put out — scale, extremes, tails, dead units, the first non-finite output.
+
+Every ``every_n_steps`` optimizer steps, forward hooks are put on the chosen modules for the forward of
+that step's first (micro-)batch and taken off at its ``on_train_batch_end``: the other steps run no hook
+at all. Each hooked output is reduced on its device to one row (:func:`~trainvitals.activations.stats.
+activation_stats`); the rows of the step are stacked and read back in one transfer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from trainvitals._validation import check_float, check_int
+from trainvitals.activations.stats import DEAD_TYPES, STATS, activation_stats, output_tensors
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.sharing import SUMMARY
+from trainvitals.plumbing.writers import log_scalars
+from trainvitals.text.markdown import markdown_table
+
+LOGGED = STATS[:-1]
+"""The statistics logged as ``activation/<stat>/<module>`` (``nonfinite`` is a finding, not a chart)."""
+
+
+class ActivationMonitor(TrainvitalsCallback):
+    r"""Log statistics of the chosen modules' outputs on one step in ``every_n_steps``.
+
+    Logged (step = ``trainer.global_step`` of the measured step):
+
+    ======================================  ===================================================================
+    ``activation/rms/<module>``             √(mean x²) over the output
+    ``activation/abs_max/<module>``         max |x|
+    ``activation/mean/<module>``            mean x
+    ``activation/kurtosis/<module>``        E[(x − μ)⁴]/σ⁴: 3 for a Gaussian, large for heavy-tailed outliers
+    ``activation/dead_fraction/<module>``   ReLU-family and GELU outputs (:data:`~trainvitals.activations.stats.
+                                            DEAD_TYPES`): share of units ≤ 0 for every example of the batch
+    ======================================  ===================================================================
+
+    A module whose output is a tuple, list or dict logs each floating tensor in it as ``<module>[i]``.
+    Dim 0 of an output is taken to be the batch. A module called several times in a forward is
+    measured at its first call. Functional activations (``F.relu`` inside a ``forward``) are not modules
+    and are not seen: use ``nn.ReLU`` layers for ``dead_fraction``.
+
+    Cost: none on the other steps (no hook installed). On a measured step each hooked output costs a few
+    fused reductions and one float32 temporary of its size; one host transfer for the step.
+
+    Findings (the summary, the report): units dead above ``dead_share`` at the last measured step;
+    activations growing — rms up at each of the last ``growth_steps`` measured steps and by
+    ``growth_factor``× or more across them; the first non-finite output (step, and the first module in
+    forward order that produced it, warned at once).
+
+    Args:
+        every_n_steps: cadence in optimizer steps; ``None`` uses the Trainer's ``log_every_n_steps``.
+        include_types: module classes to measure; ``None``: every leaf module (one without children).
+        name_filter: a regex; only modules whose qualified name it matches (``re.search``) are measured.
+        dead_share: a dead fraction above this share is a finding, in [0, 1).
+        growth_factor: growth across the last ``growth_steps`` measurements that is a finding, > 1.
+        growth_steps: consecutive increases that make a growth finding, ≥ 1.
+
+    Raises:
+        TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
+    """
+
+    provides = (SUMMARY,)
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        include_types: tuple[type[nn.Module], ...] | None = None,
+        name_filter: str | None = None,
+        dead_share: float = 0.5,
+        growth_factor: float = 4.0,
+        growth_steps: int = 3,
+    ) -> None:
+        super().__init__()
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, 1, none_ok=True)
+        if include_types is not None:
+            include_types = tuple(include_types) if isinstance(include_types, (tuple, list)) else (include_types,)
+            if not include_types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in include_types):
+                raise TypeError(f"`include_types` must be nn.Module classes or None, got {include_types!r}")
+        self.include_types = include_types
+        if name_filter is not None and not isinstance(name_filter, str):
+            raise TypeError(f"`name_filter` must be a regex string or None, got {name_filter!r}")
+        try:
+            self._name_filter = None if name_filter is None else re.compile(name_filter)
+        except re.error as err:
+            raise ValueError(f"`name_filter` must be a valid regex, got {name_filter!r}: {err}") from None
+        self.dead_share = check_float("dead_share", dead_share, 0.0, 1.0, high_open=True)
+        self.growth_factor = check_float("growth_factor", growth_factor, 1.0, low_open=True)
+        self.growth_steps = check_int("growth_steps", growth_steps, 1)
+        self.key_state_by(include_types=include_types and [t.__name__ for t in include_types], name_filter=name_filter)
+        self.steps: int
+        self.add_state("steps", 0)
+        self._history: dict[str, list[float]]  # rms of the last growth_steps + 1 measurements, per output
+        self.add_state("_history", {}, key="history")
+        self._last: dict[str, dict[str, float]]  # the last measured step's statistics, per output
+        self.add_state("_last", {}, key="last")
+        self._last_step: int | None
+        self.add_state("_last_step", None, key="last_step")
+        self._nonfinite: list[Any] | None  # [step, module] of the first non-finite output
+        self.add_state("_nonfinite", None, key="nonfinite")
+        self._modules: list[tuple[str, nn.Module]]
+        self.add_state("_modules", list, persistent=False)
+        self._handles: list[RemovableHandle]
+        self.add_state("_handles", list, persistent=False)
+        self._rows: dict[str, Tensor]  # this measured step's rows, in forward order
+        self.add_state("_rows", dict, persistent=False)
+        self._measuring: int | None
+        self.add_state("_measuring", None, persistent=False)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._modules = [(name, module) for name, module in pl_module.named_modules() if self._chosen(name, module)]
+        if not self._modules:
+            self.cannot_measure("no module matches `include_types`/`name_filter`: nothing is measured")
+
+    @override
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", _: Any, batch_idx: int
+    ) -> None:
+        if batch_idx % trainer.accumulate_grad_batches:
+            return  # not the first micro-batch of an optimizer step
+        measured = is_logging_step(self.steps, logging_every(trainer, self.every_n_steps))
+        self.steps += 1
+        if not measured or not self._modules:
+            return
+        self._measuring, self._rows = trainer.global_step, {}
+        self._handles = [
+            module.register_forward_hook(functools.partial(self._on_output, name, isinstance(module, DEAD_TYPES)))
+            for name, module in self._modules
+        ]
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        if self._measuring is None:
+            return
+        self._remove_hooks()
+        step, rows, self._measuring, self._rows = self._measuring, self._rows, None, {}
+        if rows:
+            device = next(iter(rows.values())).device  # a model split over devices: the rows gathered on one
+            host = torch.stack([row.to(device) for row in rows.values()]).tolist()  # one transfer
+            self._record(trainer, step, dict(zip(rows, host)))
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._remove_hooks()
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._remove_hooks()
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.info(self.summary_line())
+        for finding in self.findings():
+            self.warn(finding)
+
+    # ------------------------------------------------------------------ results
+    def findings(self) -> list[str]:
+        """Dead units, growing activations and the first non-finite output, one sentence each (class docstring)."""
+        found = []
+        if self._nonfinite is not None:
+            step, module = self._nonfinite
+            found.append(
+                f"non-finite activations (inf/NaN) at optimizer step {step}, first produced by `{module}` "
+                "(the first module in forward order whose output held them)"
+            )
+        dead = {k: v["dead_fraction"] for k, v in self._last.items() if v.get("dead_fraction", 0.0) > self.dead_share}
+        if dead:
+            found.append(
+                f"dead units above {self.dead_share:.0%} at step {self._last_step}: "
+                + ", ".join(f"`{k}` {v:.0%}" for k, v in dead.items())
+                + " — these units are ≤ 0 for every example, so no gradient flows through them: lower the lr, "
+                "check the initialisation and the biases, or use a leaky activation"
+            )
+        growing = [k for k, rms in self._history.items() if _growing(rms, self.growth_steps, self.growth_factor)]
+        if growing:
+            found.append(
+                f"activations growing over the last {self.growth_steps} measurements by ≥ {self.growth_factor:g}×: "
+                + ", ".join(f"`{k}`" for k in growing)
+            )
+        return found
+
+    def summary_line(self) -> str:
+        """One line for the end of fit: the outputs measured, the largest rms, the findings' count."""
+        if not self._last:
+            return "no step was measured."
+        name, stats = max(self._last.items(), key=lambda kv: _finite_or(kv[1]["rms"], -1.0))
+        return (
+            f"{len(self._last)} outputs measured at step {self._last_step}; largest rms `{name}` {stats['rms']:.3g}; "
+            f"{len(self.findings())} findings"
+        )
+
+    def summary_markdown(self) -> str:
+        """End-of-run markdown: the last measured step's statistics per output, then the findings."""
+        if not self._last:
+            return "No step was measured."
+        rows = [(name, *(f"{stats[k]:.3g}" for k in LOGGED)) for name, stats in self._last.items()]
+        lines = markdown_table(("output", "rms", "max |x|", "mean", "kurtosis", "dead"), rows, align="lrrrrr")
+        found = self.findings()
+        return "\n".join([f"Step {self._last_step}:", "", *lines, *(["", *(f"- {f}" for f in found)] if found else [])])
+
+    # ------------------------------------------------------------------ helpers
+    def _chosen(self, name: str, module: nn.Module) -> bool:
+        """Whether ``module`` (not the root) is measured: of ``include_types`` (default: a leaf), and matching
+        ``name_filter``."""
+        if not name or (self._name_filter is not None and not self._name_filter.search(name)):
+            return False
+        if self.include_types is None:
+            return next(module.children(), None) is None
+        return isinstance(module, self.include_types)
+
+    def _on_output(self, name: str, dead: bool, module: nn.Module, inputs: Any, output: Any) -> None:
+        tensors = output_tensors(output)
+        keys = [name] if len(tensors) == 1 else [f"{name}[{i}]" for i in range(len(tensors))]
+        for key, tensor in zip(keys, tensors):
+            if key not in self._rows and tensor.numel():
+                self._rows[key] = activation_stats(tensor, dead)
+
+    def _record(self, trainer: "pl.Trainer", step: int, rows: dict[str, list[float]]) -> None:
+        metrics = {}
+        for key, row in rows.items():
+            stats = dict(zip(STATS, row))
+            if stats.pop("nonfinite") and self._nonfinite is None:
+                self._nonfinite = [step, key]
+                self.warn(f"non-finite activations (inf/NaN) at optimizer step {step}, first produced by `{key}`")
+            metrics.update({f"activation/{stat}/{key}": value for stat, value in stats.items()})
+            self._last[key] = stats
+            history = self._history.setdefault(key, [])
+            history.append(stats["rms"])
+            del history[: -(self.growth_steps + 1)]
+        self._last_step = step
+        log_scalars(trainer, metrics, step, finite_only=True)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _growing(rms: list[float], steps: int, factor: float) -> bool:
+    """Whether ``rms`` (oldest first) rose at each of its last ``steps`` entries and by ``factor`` or more."""
+    if len(rms) < steps + 1 or not all(math.isfinite(v) for v in rms):
+        return False
+    window = rms[-(steps + 1) :]
+    return all(b > a for a, b in zip(window, window[1:])) and window[-1] >= factor * window[0] > 0.0
+
+
+def _finite_or(value: float, default: float) -> float:
+    return value if math.isfinite(value) else default
