@@ -266,7 +266,7 @@ class UpdateMonitor(TrainvitalsCallback):
                     (
                         index,
                         name,
-                        *(f"{last.get(k, math.nan):.3g}" for k in ("weight_norm", "norm", "ratio", "grad_cosine")),
+                        *(_cell(last.get(k, math.nan)) for k in ("weight_norm", "norm", "ratio", "grad_cosine")),
                     )
                 )
         if not rows:
@@ -346,7 +346,7 @@ class UpdateMonitor(TrainvitalsCallback):
             if math.isfinite(ratio):
                 record.measured += 1
                 record.above += ratio > high
-                record.below += ratio < low
+                record.below += 0.0 < ratio < low  # 0: not moving at all, a finding of its own
             if grad[g] > 0.0 and math.isfinite(grad[g]):
                 record.with_grad += 1
                 record.still += update[g] == 0.0
@@ -414,6 +414,11 @@ class UpdateMonitor(TrainvitalsCallback):
         if len(trainer.optimizers) > 1:
             return f"update/optimizer_{index}/{name}"
         return f"update/{name}"
+
+
+def _cell(value: float) -> str:
+    """A table cell: 3 significant digits, ``n/a`` for a value not defined (a cosine with a zero step)."""
+    return f"{value:.3g}" if math.isfinite(value) else "n/a"
 
 
 def _ratio(numerator: float, denominator: float) -> float:
