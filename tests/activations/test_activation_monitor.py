@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import copy
 import json
-import math
 
 import lightning.pytorch as pl
 import pytest
@@ -103,8 +103,8 @@ def test_a_healthy_relu_is_no_finding():
 
 def test_hooks_are_installed_for_the_measured_forward_only(monkeypatch):
     calls = []
-    original = activation_monitor.activation_stats
-    monkeypatch.setattr(activation_monitor, "activation_stats", lambda x, dead: calls.append(1) or original(x, dead))
+    original = activation_monitor.output_moments
+    monkeypatch.setattr(activation_monitor, "output_moments", lambda x, dead: calls.append(1) or original(x, dead))
     model = Net()
     hooked = []
 
@@ -185,21 +185,39 @@ def test_bad_arguments(kwargs, error, name):
 
 
 class _RecordPerRank(pl.Callback):
+    """Writes each rank's logged activation statistics and its first batch's inputs to ``<dir>/rank<k>.json``."""
+
     def __init__(self, out_dir):
         self.out_dir = out_dir
+        self.inputs = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.inputs is None:
+            self.inputs = batch[0].tolist()
 
     def on_train_end(self, trainer, pl_module):
         logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("activation/")}
         with open(f"{self.out_dir}/rank{trainer.global_rank}.json", "w") as f:
-            json.dump(logged, f)
+            json.dump({"logged": logged, "inputs": self.inputs}, f)
 
 
 @pytest.mark.slow
-def test_ddp_each_rank_measures_its_own_batch(tmp_path):
-    """Activations are per-rank data (each rank's own batch): the monitor logs each rank's, no collective."""
+def test_ddp_ranks_log_the_statistics_of_the_global_batch(tmp_path):
+    """Each rank sees 8 of the step's 16 examples; both log the moments of all 16, combined exactly."""
+    model = Net(relu_bias=-1.0)  # 3 of its 8 units dead over the 16 examples
+    body = copy.deepcopy(model.body)  # ddp_spawn loads the trained weights back into ``model``
     callbacks = [ActivationMonitor(every_n_steps=1), _RecordPerRank(str(tmp_path)), ReleaseProcessGroup()]
-    trainer = pl.Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_steps=2))
-    trainer.fit(Net(), loader(regression_data(64), 8))
+    trainer = pl.Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_steps=1))
+    trainer.fit(model, loader(regression_data(64), 8))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert set(ranks[0]) == set(ranks[1]) and "activation/rms/act" in ranks[0]
-    assert all(math.isfinite(v) for v in ranks[0].values())
+    assert ranks[0]["logged"] == pytest.approx(ranks[1]["logged"], rel=1e-12)
+    x = torch.tensor(ranks[0]["inputs"] + ranks[1]["inputs"])
+    assert x.shape == (16, 6)
+    with torch.no_grad():
+        body = body(x).double()
+    c = body - body.mean()
+    logged = ranks[0]["logged"]
+    assert logged["activation/rms/body"] == pytest.approx(body.square().mean().sqrt().item(), rel=1e-5)
+    assert logged["activation/kurtosis/body"] == pytest.approx(((c**4).mean() / (c**2).mean() ** 2).item(), rel=1e-4)
+    dead = 1.0 - (body > 0).any(0).double().mean().item()
+    assert logged["activation/dead_fraction/act"] == pytest.approx(dead) and 0.0 < dead < 1.0

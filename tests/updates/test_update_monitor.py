@@ -314,3 +314,17 @@ def test_ddp_ranks_log_identical_values(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert "update/ratio/body" in ranks[0] and "update/unit_step_norm/head" in ranks[0]
     assert ranks[0] == pytest.approx(ranks[1], rel=1e-12)
+
+
+def test_a_measurement_that_fails_warns_and_the_run_goes_on(monkeypatch):
+    def broken(before, params):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(update_monitor, "step_change", broken)
+    with pytest.warns(UserWarning, match="could not be measured.*no such kernel"):
+        trainer, _ = fit(Linear(), [UpdateMonitor(log_every_n_steps=1)], max_steps=3)
+    assert trainer.global_step == 3
+    strict = UpdateMonitor(log_every_n_steps=1)
+    strict.strict = True
+    with pytest.raises(RuntimeError, match="could not be measured"):
+        fit(Linear(), [strict], max_steps=1)

@@ -2,8 +2,9 @@
 
 Every ``every_n_steps`` optimizer steps, forward hooks are put on the chosen modules for the forward of
 that step's first (micro-)batch and taken off at its ``on_train_batch_end``: the other steps run no hook
-at all. Each hooked output is reduced on its device to one row (:func:`~trainvitals.activations.stats.
-activation_stats`); the rows of the step are stacked and read back in one transfer.
+at all. Each hooked output is reduced on its device to one row of moments
+(:func:`~trainvitals.activations.stats.output_moments`); the rows of the step are stacked, combined over
+ranks, and read back in one transfer.
 """
 
 from __future__ import annotations
@@ -20,15 +21,12 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from trainvitals._validation import check_float, check_int
-from trainvitals.activations.stats import DEAD_TYPES, STATS, activation_stats, output_tensors
-from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.activations.stats import DEAD_TYPES, STATS, combine_moments, finish, output_moments, output_tensors
+from trainvitals.plumbing.base import TrainvitalsCallback, reduce_packed
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharing import SUMMARY
 from trainvitals.plumbing.writers import log_scalars
 from trainvitals.text.markdown import markdown_table
-
-LOGGED = STATS[:-1]
-"""The statistics logged as ``activation/<stat>/<module>`` (``nonfinite`` is a finding, not a chart)."""
 
 
 class ActivationMonitor(TrainvitalsCallback):
@@ -51,7 +49,12 @@ class ActivationMonitor(TrainvitalsCallback):
     and are not seen: use ``nn.ReLU`` layers for ``dead_fraction``.
 
     Cost: none on the other steps (no hook installed). On a measured step each hooked output costs a few
-    fused reductions and one float32 temporary of its size; one host transfer for the step.
+    fused reductions and two float32 temporaries of its size; one host transfer for the step.
+
+    Distributed: the statistics are those of the global batch, identical on every rank: each rank's
+    count, mean and central sums are gathered and combined exactly (one all-gather), the dead units'
+    masks reduced by their maximum (one more), after a check that every rank hooked the same outputs
+    (a small all-gather and a host read); if they did not, each rank keeps its own, with one warning.
 
     Findings (the summary, the report): units dead above ``dead_share`` at the last measured step;
     activations growing — rms up at each of the last ``growth_steps`` measured steps and by
@@ -112,7 +115,7 @@ class ActivationMonitor(TrainvitalsCallback):
         self.add_state("_modules", list, persistent=False)
         self._handles: list[RemovableHandle]
         self.add_state("_handles", list, persistent=False)
-        self._rows: dict[str, Tensor]  # this measured step's rows, in forward order
+        self._rows: dict[str, tuple[Tensor, Tensor | None]]  # this measured step's moments and masks, in forward order
         self.add_state("_rows", dict, persistent=False)
         self._measuring: int | None
         self.add_state("_measuring", None, persistent=False)
@@ -147,9 +150,7 @@ class ActivationMonitor(TrainvitalsCallback):
         self._remove_hooks()
         step, rows, self._measuring, self._rows = self._measuring, self._rows, None, {}
         if rows:
-            device = next(iter(rows.values())).device  # a model split over devices: the rows gathered on one
-            host = torch.stack([row.to(device) for row in rows.values()]).tolist()  # one transfer
-            self._record(trainer, step, dict(zip(rows, host)))
+            self._record(trainer, step, dict(zip(rows, self._statistics(trainer, list(rows.values())).tolist())))
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -205,7 +206,7 @@ class ActivationMonitor(TrainvitalsCallback):
         """End-of-run markdown: the last measured step's statistics per output, then the findings."""
         if not self._last:
             return "No step was measured."
-        rows = [(name, *(f"{stats[k]:.3g}" for k in LOGGED)) for name, stats in self._last.items()]
+        rows = [(name, *(f"{stats[k]:.3g}" for k in STATS)) for name, stats in self._last.items()]
         lines = markdown_table(("output", "rms", "max |x|", "mean", "kurtosis", "dead"), rows, align="lrrrrr")
         found = self.findings()
         return "\n".join([f"Step {self._last_step}:", "", *lines, *(["", *(f"- {f}" for f in found)] if found else [])])
@@ -225,12 +226,36 @@ class ActivationMonitor(TrainvitalsCallback):
         keys = [name] if len(tensors) == 1 else [f"{name}[{i}]" for i in range(len(tensors))]
         for key, tensor in zip(keys, tensors):
             if key not in self._rows and tensor.numel():
-                self._rows[key] = activation_stats(tensor, dead)
+                self._rows[key] = output_moments(tensor, dead)
+
+    def _statistics(self, trainer: "pl.Trainer", rows: list[tuple[Tensor, Tensor | None]]) -> Tensor:
+        """``(K, 6)``: :data:`STATS` and the non-finite flag of each output, over every rank's batch."""
+        device = rows[0][0].device  # a model split over devices: gathered on the first output's
+        moments = torch.stack([row.to(device) for row, _ in rows])
+        masks = [mask.to(device) for _, mask in rows if mask is not None]
+        if trainer.world_size > 1 and self._ranks_agree(trainer, moments, masks):
+            moments = combine_moments(trainer.strategy.all_gather(moments).reshape(-1, *moments.shape))
+            if masks:
+                masks = reduce_packed(trainer, masks, "max")
+        dead = torch.full((len(rows),), math.nan, dtype=torch.float64, device=device)
+        where = [i for i, (_, mask) in enumerate(rows) if mask is not None]
+        if where:
+            dead[where] = 1.0 - torch.stack([mask.double().mean() for mask in masks])
+        return torch.cat([finish(moments), dead[:, None], moments[:, -1:]], dim=1)
+
+    def _ranks_agree(self, trainer: "pl.Trainer", moments: Tensor, masks: list[Tensor]) -> bool:
+        """Whether every rank hooked as many outputs, with as many units: else their rows cannot be combined."""
+        shape = torch.tensor([len(moments), sum(m.numel() for m in masks)], device=moments.device)
+        shapes = trainer.strategy.all_gather(shape).reshape(-1, 2).tolist()
+        if all(s == shapes[0] for s in shapes):
+            return True
+        self.cannot_measure("the ranks hooked different outputs this step: each rank logs its own batch's statistics")
+        return False
 
     def _record(self, trainer: "pl.Trainer", step: int, rows: dict[str, list[float]]) -> None:
         metrics = {}
         for key, row in rows.items():
-            stats = dict(zip(STATS, row))
+            stats = dict(zip((*STATS, "nonfinite"), row))
             if stats.pop("nonfinite") and self._nonfinite is None:
                 self._nonfinite = [step, key]
                 self.warn(f"non-finite activations (inf/NaN) at optimizer step {step}, first produced by `{key}`")

@@ -1,8 +1,11 @@
 """Statistics of one layer output, reduced on its device: scale, extremes, tails, dead units, non-finite entries.
 
-Torch only. :func:`activation_stats` turns an output tensor into one ``(len(STATS),)`` float32 row on
-the output's device, without reading anything on the host; a caller stacks the rows of a step and
-reads them back once. Its transient memory is one float32 copy of the output (the centred values).
+Torch only. :func:`output_moments` turns an output tensor into a ``(len(MOMENTS),)`` float64 row of
+sufficient statistics (count, mean and central sums about it, max |x|) and a ``(units,)`` mask of the
+units that were positive for some example, without reading anything on the host; rows of several ranks
+combine exactly (:func:`combine_moments`, Pébay 2008, eqs. 3.1–3.3, the pairwise update of central
+sums); :func:`finish` turns rows into the logged :data:`STATS`. Transient memory: two float32 copies of
+the output (the centred values, and their squares for the third moment).
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ import math
 import torch
 from torch import Tensor, nn
 
-STATS = ("rms", "abs_max", "mean", "kurtosis", "dead_fraction", "nonfinite")
-"""The row's entries, in order (``nonfinite``: 1.0 if the output holds inf/NaN, else 0.0)."""
+MOMENTS = ("count", "mean", "m2", "m3", "m4", "abs_max", "nonfinite")
+"""A row of :func:`output_moments`: n, μ, Σ(x−μ)², Σ(x−μ)³, Σ(x−μ)⁴, max |x|, 1.0 if inf/NaN were found."""
+
+STATS = ("rms", "abs_max", "mean", "kurtosis", "dead_fraction")
+"""What :func:`finish` gives per output (``dead_fraction`` NaN where not an activation of :data:`DEAD_TYPES`)."""
 
 DEAD_TYPES: tuple[type[nn.Module], ...] = (
     nn.ReLU,
@@ -33,36 +39,76 @@ DEAD_TYPES: tuple[type[nn.Module], ...] = (
 whose output is ≤ 0 for every example of a batch gets no gradient through the positive branch: dead."""
 
 
-def activation_stats(output: Tensor, dead: bool = False) -> Tensor:
-    """``(6,)`` float32 row of :data:`STATS` for ``output`` (any shape, dim 0 the batch), on its device.
+def output_moments(output: Tensor, dead: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``(7,)`` float64 row of :data:`MOMENTS` for ``output`` (any shape, dim 0 the batch), on its device,
+    and with ``dead`` (an output of at least 2 dims) the ``(output[0].numel(),)`` bool mask of the units
+    positive for at least one example; ``None`` otherwise.
 
-    - ``rms`` = √(mean x²), ``abs_max`` = max |x|, ``mean``;
-    - ``kurtosis`` = E[(x − μ)⁴] / E[(x − μ)²]² over all entries (Pearson's, 3 for a Gaussian), from
-      the centred values scaled by their largest magnitude, so that the fourth powers of float32 values
-      neither overflow nor underflow; NaN for a constant output;
-    - ``dead_fraction`` (only with ``dead``, for an output of at least 2 dims; else NaN): the share of
-      units — the entries of one example, ``output[0].numel()`` of them — that are ≤ 0 for every
-      example of the batch;
-    - ``nonfinite``: whether any entry is inf/NaN (the other entries are then NaN or inf).
+    The centred values are scaled by their largest magnitude before the powers are summed, so that the
+    fourth powers of float32 (or float16) values neither overflow nor underflow; the sums are scaled
+    back in float64.
     """
     x = output.detach()
     x = x.float() if x.dtype not in (torch.float32, torch.float64) else x
-    n = max(x.numel(), 1)
-    rms = torch.linalg.vector_norm(x) / math.sqrt(n)
-    abs_max = torch.linalg.vector_norm(x, math.inf)
     mean = x.mean()
     centred = x - mean
     scale = torch.linalg.vector_norm(centred, math.inf)
-    centred.div_(scale)
-    m2 = torch.linalg.vector_norm(centred).square() / n
-    m4 = torch.linalg.vector_norm(centred, 4.0).pow(4) / n
-    kurtosis = m4 / m2.square()
-    if dead and x.dim() >= 2:
-        dead_fraction = 1.0 - (x > 0).flatten(1).any(0).float().mean()
-    else:
-        dead_fraction = torch.full((), math.nan, device=x.device)
-    nonfinite = (~torch.isfinite(x)).any()
-    return torch.stack([v.float() for v in (rms, abs_max, mean, kurtosis, dead_fraction, nonfinite)])
+    centred.div_(torch.where(scale > 0, scale, torch.ones_like(scale)))
+    m2 = torch.linalg.vector_norm(centred).double().square()
+    m4 = torch.linalg.vector_norm(centred, 4.0).double().pow(4)
+    m3 = torch.dot(centred.reshape(-1), centred.square().reshape(-1)).double()
+    s = scale.double()
+    row = torch.stack(
+        [
+            torch.full((), float(x.numel()), dtype=torch.float64, device=x.device),  # a fill: no host-to-device copy
+            mean.double(),
+            m2 * s**2,
+            m3 * s**3,
+            m4 * s**4,
+            torch.linalg.vector_norm(x, math.inf).double(),
+            (~torch.isfinite(x)).any().double(),
+        ]
+    )
+    alive = (x > 0).flatten(1).any(0) if dead and x.dim() >= 2 else None
+    return row, alive
+
+
+def combine_moments(rows: Tensor) -> Tensor:
+    """``(R, K, 7)`` rows of R parts (ranks) → ``(K, 7)``, as if each output's parts had been one tensor:
+    counts add, means are count-weighted, central sums combine by Pébay's pairwise update (exact), the
+    max |x| and the non-finite flag take the maximum. A part of count 0 changes nothing."""
+    out = rows[0].clone()
+    for part in rows[1:]:
+        na, nb = out[:, 0], part[:, 0]
+        n = na + nb
+        safe = torch.where(n > 0, n, torch.ones_like(n))
+        delta = part[:, 1] - out[:, 1]
+        m2a, m3a, m4a = out[:, 2], out[:, 3], out[:, 4]
+        m2b, m3b, m4b = part[:, 2], part[:, 3], part[:, 4]
+        m2 = m2a + m2b + delta**2 * na * nb / safe
+        m3 = m3a + m3b + delta**3 * na * nb * (na - nb) / safe**2 + 3 * delta * (na * m2b - nb * m2a) / safe
+        m4 = (
+            m4a
+            + m4b
+            + delta**4 * na * nb * (na**2 - na * nb + nb**2) / safe**3
+            + 6 * delta**2 * (na**2 * m2b + nb**2 * m2a) / safe**2
+            + 4 * delta * (na * m3b - nb * m3a) / safe
+        )
+        mean = out[:, 1] + delta * nb / safe
+        out = torch.stack(
+            [n, mean, m2, m3, m4, torch.maximum(out[:, 5], part[:, 5]), torch.maximum(out[:, 6], part[:, 6])], dim=1
+        )
+    return out
+
+
+def finish(rows: Tensor) -> Tensor:
+    """``(K, 7)`` rows of :data:`MOMENTS` → ``(K, 4)``: rms = √(m2/n + μ²), max |x|, μ, and Pearson's kurtosis
+    n·m4/m2² (3 for a Gaussian; NaN for a constant output). The dead fraction comes from the masks."""
+    n = rows[:, 0].clamp_min(1.0)
+    mean, m2, m4 = rows[:, 1], rows[:, 2], rows[:, 4]
+    rms = (m2 / n + mean**2).sqrt()
+    kurtosis = torch.where(m2 > 0, n * m4 / m2.square(), torch.full_like(m2, math.nan))
+    return torch.stack([rms, rows[:, 5], mean, kurtosis], dim=1)
 
 
 def output_tensors(output: object) -> list[Tensor]:

@@ -223,24 +223,24 @@ class UpdateMonitor(TrainvitalsCallback):
         update-norm spikes (class docstring)."""
         low, high = self.ratio_range
         found = []
-        for index, track in self._tracks.items():
+        for index, track in sorted(self._tracks.items()):
             where = f" (optimizer {index})" if len(self._tracks) > 1 else ""
             still = [n for n, r in track.records.items() if r.with_grad and r.still == r.with_grad]
             if still:
                 found.append(
-                    f"layers that do not move{where}: {', '.join(still)} — Δθ = 0 at every logged step while "
+                    f"layers that do not move{where}: {_listed(still)} — Δθ = 0 at every logged step while "
                     "their gradient is not zero: lr 0 in their param group, or frozen by the optimizer"
                 )
             above = [n for n, r in track.records.items() if r.measured and r.above * 2 > r.measured]
             below = [n for n, r in track.records.items() if n not in still and r.measured and r.below * 2 > r.measured]
             if above:
                 found.append(
-                    f"update/weight ratio above {high:g} in most logged steps{where}: {', '.join(above)} — "
+                    f"update/weight ratio above {high:g} in most logged steps{where}: {_listed(above)} — "
                     "steps this large rewrite the layer each step: lower its lr"
                 )
             if below:
                 found.append(
-                    f"update/weight ratio below {low:g} in most logged steps{where}: {', '.join(below)} — "
+                    f"update/weight ratio below {low:g} in most logged steps{where}: {_listed(below)} — "
                     "the layer barely learns: its lr is too small for its weights' scale"
                 )
             if track.spike is not None:
@@ -252,14 +252,14 @@ class UpdateMonitor(TrainvitalsCallback):
         parts = [
             f"{'optimizer ' + str(i) + ': ' if len(self._tracks) > 1 else ''}{t.steps} steps, last ‖Δθ‖/‖θ‖ "
             f"{t.last_total_ratio:.3g}, skipped {t.skipped}, update-norm spikes {t.spike_steps}"
-            for i, t in self._tracks.items()
+            for i, t in sorted(self._tracks.items())
         ]
         return "; ".join(parts) or "no optimizer step was measured."
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: per group its last ‖θ‖, ‖Δθ‖, ratio and cosine; then the findings."""
         rows = []
-        for index, track in self._tracks.items():
+        for index, track in sorted(self._tracks.items()):
             for name, r in track.records.items():
                 last = r.last
                 rows.append(
@@ -285,8 +285,12 @@ class UpdateMonitor(TrainvitalsCallback):
         step, track.begun = track.begun, None
         track.steps += 1
         before, track.before = track.before, None
-        if before is not None:
+        if before is None:
+            return
+        try:
             self._measure(trainer, index, track, optimizer, before, step)
+        except (RuntimeError, TypeError, ValueError) as err:  # inside the optimizer's step: never end the run
+            self.cannot_measure(f"the update of optimizer {index} could not be measured ({type(err).__name__}: {err})")
 
     def _measure(
         self,
@@ -414,6 +418,12 @@ class UpdateMonitor(TrainvitalsCallback):
         if len(trainer.optimizers) > 1:
             return f"update/optimizer_{index}/{name}"
         return f"update/{name}"
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    """``names`` joined, the first ``most`` of them and how many more."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _cell(value: float) -> str:
