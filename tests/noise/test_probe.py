@@ -1212,7 +1212,7 @@ def test_per_coordinate_sums_are_formed_on_the_first_and_the_logging_steps_only(
 
     class Record(pl.Callback):
         def on_train_batch_start(self, *_: Any) -> None:  # after the probe's, which selects the step's sums
-            formed.append(bool(probe._selection))
+            formed.append(probe._step is not None and bool(probe._step.selection))
 
     fit(ManualClassifier(network("mlp")), classification_data("mlp", 64), [probe, Record()], batch_size=8, steps=7)
     assert formed == [True, False, False, True, False, False, True]
