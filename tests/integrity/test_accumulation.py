@@ -1,9 +1,10 @@
 """MicroBatchMeanCheck: a GRU LM whose length-bucketed micro-batches each average their own tokens under
 gradient accumulation is told so, with the counts and the fix; equal counts and a normalisation by the effective
-batch's tokens are not."""
+batch's tokens are not. The probe says one thing of the same loss's reduction."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import lightning.pytorch as pl
@@ -16,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.integrity.checks.accumulation import UNEVEN_MICRO_BATCH_MEANS
+from trainvitals.noise.probe import BatchVarianceProbe
 
 V, T, B, A = 12, 10, 4, 4  # vocabulary, longest sequence, examples per micro-batch, micro-batches per step
 PAD = -100
@@ -137,3 +139,31 @@ def test_a_smaller_last_micro_batch_of_a_mean_over_examples_is_lightnings_own_av
             Classifier(), DataLoader(data, batch_size=4)
         )
     assert cb.findings == []
+
+
+def test_the_probe_says_one_thing_of_the_reduction_of_a_token_mean_over_a_mask(caplog):
+    """A token mean over a padding mask keeps a number of tokens that is no multiple of the examples: read from
+    the graph as a mean over the examples, said once, and never also "could not tell"."""
+    probe, warned = BatchVarianceProbe(log_every_n_steps=1, histogram_every_n_steps=0), []
+    with caplog.at_level(logging.INFO):
+        fit(GRULM("masked_mean"), LENGTH_BUCKETED, callbacks=[probe], said=warned)
+    said = caplog.text + "\n".join(warned)
+    assert said.count("the loss is a mean over the examples (read from the loss's graph)") == 1
+    assert "could not tell" not in said
+
+
+def test_the_probe_that_cannot_read_the_reduction_says_it_assumes_one_and_nothing_else(caplog):
+    """A loss whose graph says nothing (a logsumexp over the batch): the warning that a mean is assumed, once,
+    and no "read from the loss's graph" however many micro-batches."""
+
+    class Unreadable(GRULM):
+        def training_step(self, batch, batch_idx):
+            logits = self.head(self.rnn(self.embed(batch["x"]))[0])
+            return torch.logsumexp(logits.flatten(), 0) / 100
+
+    probe, warned = BatchVarianceProbe(log_every_n_steps=1, histogram_every_n_steps=0), []
+    with caplog.at_level(logging.INFO):
+        fit(Unreadable(), LENGTH_BUCKETED, callbacks=[probe], said=warned)
+    said = caplog.text + "\n".join(warned)
+    assert said.count("could not tell from the loss's graph whether it is a mean or a sum") == 1
+    assert "read from the loss's graph" not in said
