@@ -194,3 +194,22 @@ def test_an_unregistered_check_leaves_the_tables():
     assert "constant_losses" not in window_labels()
     with pytest.raises(ValueError, match="constant_loss"):
         finding_kind("constant_loss")
+
+
+def test_the_report_reads_every_registered_kind_without_importing_lightning():
+    """`trainvitals report` imports the checks to read their kinds: none of them imports Lightning on import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from trainvitals.report.command import CRITICAL_COUNTERS\n"
+        "from trainvitals.integrity.checks import finding_kinds, registered_checks\n"
+        "loaded = [m for m in sys.modules if m == 'lightning' or m.startswith(('lightning.', 'lightning_fabric'))]\n"
+        "print(len(registered_checks()), len(finding_kinds()), loaded)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(
+        maxsplit=2
+    )
+    assert out[:2] == [str(len(registered_checks())), str(len(finding_kinds()))]
+    assert out[2].strip() == "[]"
