@@ -28,11 +28,13 @@ class MicroBatchMeanCheck(Check):
     r"""In the first optimizer step of each check window, under automatic optimization with
     ``accumulate_grad_batches`` = A >= 2: the graph of each micro-batch's loss says what it divides the sum
     of its terms by (:func:`~trainvitals.per_example.loss_reduction.detect_loss_reduction`: a mean's
-    elements, as many as ``logits[mask]`` selects, ``nll_loss``'s kept targets, a ``mask.sum()`` divisor). Lightning averages
-    the A micro-batch losses, so the step minimises :math:`\frac{1}{A}\sum_k \frac{1}{n_k}\sum_{t \in k}
-    \ell_t`: a term of micro-batch k weighs :math:`1/(A n_k)` rather than :math:`1/N`, :math:`N = \sum_k n_k`
-    (transformers#24725). Counts per example that differ between the step's micro-batches are a finding
-    when the window closes (counts held on the device are read there, with the window's other host syncs).
+    elements, as many as ``logits[mask]`` selects, ``nll_loss``'s kept targets, a ``mask.sum()``
+    divisor). Lightning averages the A micro-batch losses, so the step minimises
+    :math:`\frac{1}{A}\sum_k \frac{1}{n_k}\sum_{t \in k} \ell_t`: a term of micro-batch k weighs
+    :math:`1/(A n_k)` rather than :math:`1/N`, :math:`N = \sum_k n_k` (transformers#24725). Counts per
+    example that differ between the step's micro-batches are a finding when the window closes (counts held
+    on the device are read there, with the window's other host syncs). Cost: one walk of at most 64 graph
+    nodes per micro-batch of that step (about 10 µs), nothing at other steps.
 
     A mean over examples whose last micro-batch of an epoch is smaller weighs that one's examples more too:
     Lightning's own averaging, with the same count per example, so not reported. The counts are not saved:
@@ -44,11 +46,11 @@ class MicroBatchMeanCheck(Check):
     def __init__(self) -> None:
         self._reading = False  # the window's first optimizer step is under way
         # Per micro-batch: its examples and what its loss divides by; None: a loss divided by no count (a sum)
-        self._means: list[tuple[int, float | Tensor] | None] = []
+        self._counts: list[tuple[int, float | Tensor] | None] = []
 
     def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
         self._reading = trainer.accumulate_grad_batches >= 2
-        self._means = []
+        self._counts = []
 
     def on_before_backward(
         self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor
@@ -59,7 +61,7 @@ class MicroBatchMeanCheck(Check):
 
         examples = batch_size(fit.batch) if fit.batch is not None else None
         found = detect_loss_reduction(loss, examples, trainer.accumulate_grad_batches) if examples else None
-        self._means.append((examples, found.count) if found is not None and found.count is not None else None)
+        self._counts.append((examples, found.count) if found is not None and found.count is not None else None)
 
     def on_before_optimizer_step(
         self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", k: int, checked: bool
@@ -67,14 +69,14 @@ class MicroBatchMeanCheck(Check):
         self._reading = False  # one accumulation cycle is what the step's gradient averages
 
     def on_window_close(self, fit: Fit, trainer: "pl.Trainer", complete: bool) -> dict[str, float]:
-        means, self._means, self._reading = self._means, [], False
-        if len(means) < 2 or any(m is None for m in means):
+        counted, self._counts, self._reading = self._counts, [], False
+        if len(counted) < 2 or any(c is None for c in counted):
             return {}
-        counts = _read([count for _, count in means])
-        per_example = {count / examples for (examples, _), count in zip(means, counts)}
+        counts = _read([count for _, count in counted])
+        per_example = {count / examples for (examples, _), count in zip(counted, counts)}
         if len(per_example) < 2 or min(counts) <= 0:
             return {}
-        accumulation = len(means)
+        accumulation = len(counted)
         shown = ", ".join(f"{c:g}" for c in counts[:_SHOWN]) + (", ..." if len(counts) > _SHOWN else "")
         fit.record(
             UNEVEN_MICRO_BATCH_MEANS,

@@ -192,7 +192,7 @@ class Check:
     """One integrity check: the hooks it needs, its state, its finding kinds and their messages.
 
     :class:`~trainvitals.integrity.callback.GraphIntegrityCallback` calls each hook of the
-    checks that override it, in the order of their registration (:func:`register_check`), with the shared
+    checks that override it, in increasing registered ``order`` (:func:`register_check`), with the shared
     :class:`Fit` first. The hooks are Lightning's, and four of the callback's schedule: a check window opens
     (``on_window_open``), a loss of its first batch was walked (``on_walk``), the window closes
     (``on_window_close``), a point every rank reaches outside a close (``on_sync``). What survives a
