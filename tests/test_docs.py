@@ -15,7 +15,8 @@ So a recipe cannot drift from what it does. The rules, per fenced block:
 - ```text: program output or a diagram, not code. The README's demo output is checked against the
   labels :func:`trainvitals.demo.run.format_summary` prints.
 - A block is marked as not runnable by an HTML comment ``<!-- not run: why -->`` on the line before
-  its fence. Any other fence (no language, another language) fails the test.
+  its fence. Any other fence (no language, another language) fails the test, and so does an indented
+  code block (four spaces after a blank line), which would escape these rules.
 """
 
 from __future__ import annotations
@@ -149,8 +150,21 @@ def fit_and_check(trainer: pl.Trainer) -> None:
         assert names["GraphIntegrityCallback"].findings == []
 
 
+def indented_blocks(path: Path) -> list[int]:
+    """Lines (from 1) that open an indented code block: four spaces after a blank line, outside fences."""
+    found, fenced, previous = [], False, ""
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and not previous.strip() and re.match(r"    [^ \-*]", line):
+            found.append(number)
+        previous = line
+    return found
+
+
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_block_is_runnable_text_or_marked(path: Path) -> None:
+    assert not indented_blocks(path), "indented code blocks: fence them"
     setup = set(readme_commands())
     for block in blocks(path):
         assert block.language in {"python", "bash", "text"}, f"{block}: fence without a known language"
