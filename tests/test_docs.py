@@ -237,3 +237,13 @@ def test_the_readme_links_to_files_that_exist() -> None:
     assert targets
     missing = [t for t in targets if not t.startswith("http") and not (ROOT / t).exists()]
     assert not missing
+
+
+def test_the_docs_hook_shows_sphinx_roles_as_code() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sphinx_roles", ROOT / "docs" / "hooks" / "sphinx_roles.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    html = "the run's one :class:<code>~trainvitals.noise.estimate.GradientNoise</code>, see :mod:<code>.gsnr</code>"
+    assert hook.on_page_content(html) == "the run's one <code>GradientNoise</code>, see <code>.gsnr</code>"
