@@ -154,7 +154,7 @@ def test_a_registered_check_files_and_logs_in_a_fit(constant_loss_check):
             self.w = torch.nn.Parameter(torch.ones(()))
 
         def training_step(self, batch, batch_idx):
-            return self.w * 0 + 1.0  # reaches the parameter, never changes
+            return self.w - self.w.detach() + 1.0  # reaches the parameter (gradient 1), always 1.0
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
