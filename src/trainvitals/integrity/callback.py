@@ -20,9 +20,10 @@ markdown table at the end of fit (:meth:`GraphIntegrityCallback.summary_markdown
 as the text panel ``graph/findings``). ``strict=True`` raises :class:`GraphIntegrityError` at the first
 finding instead, on all ranks at the same step.
 
-Metrics, logged when a check window closes (step = ``trainer.global_step``), counts for that window:
-``graph/unused_params`` and ``graph/dead_params`` (parameters without / with an exactly zero gradient
-for ``dead_after_steps`` steps in a row), ``graph/nonfinite_losses`` (summed over ranks),
+Metrics, logged when a check window closes (at its last optimizer step, ``trainer.global_step - 1``, as every
+callback's step), counts for that window: ``graph/unused_params`` and ``graph/dead_params`` (parameters
+without / with an exactly zero gradient for ``dead_after_steps`` steps in a row), ``graph/nonfinite_losses``
+(summed over ranks),
 ``graph/leaked_graphs`` (walked losses that reach an earlier step's graph), ``graph/unoptimized_params``
 and ``graph/unregistered_params`` (leaves that get gradients but are in no optimizer / not registered
 on the module); and ``graph/findings_<kind>``, how many times each kind was found so far.
@@ -274,7 +275,8 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         fit.window_open = False
         complete = fit.window_left <= 0
         metrics = self._call("on_window_close", trainer, complete)
-        log_scalars(trainer, {**metrics, **self._count_metrics()}, step=trainer.global_step)
+        # At the last optimizer step the window checked, as every callback logs a step: global_step is past it.
+        log_scalars(trainer, {**metrics, **self._count_metrics()}, step=max(trainer.global_step - 1, 0))
 
     def _call(self, hook: str, *args: Any) -> dict[str, float]:
         """Call the checks' ``hook`` (those that override it, in order) with the Fit and ``args``; returns the
@@ -357,7 +359,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         if self._fit.window_open:
             self._close_window(trainer)
         elif any((metrics := self._call("on_sync", trainer)).values()):  # after the last window: still on the charts
-            log_scalars(trainer, {**metrics, **self._count_metrics()}, step=trainer.global_step)
+            log_scalars(trainer, {**metrics, **self._count_metrics()}, step=max(trainer.global_step - 1, 0))
         self._publish(trainer)
 
     @override
