@@ -7,10 +7,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainvitals import __version__
     from trainvitals.demo.options import add_arguments as add_demo_arguments
     from trainvitals.report import command as report
 
     parser = argparse.ArgumentParser(prog="trainvitals", description="Vital signs of a training run.")
+    parser.add_argument("--version", action="version", version=f"trainvitals {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
