@@ -872,3 +872,36 @@ def test_an_unreliable_b_simple_does_not_speak_for_lr_advice_of_another_step(
     assert "at optimizer step 95" in note and "classic rules" not in note
     assert "the lr advice, written at optimizer step 99" in note
     assert run["steps"]["lr scaling advice"] == 99
+
+
+def test_a_partial_estimate_says_so_and_what_its_data_show(tmp_path: Path, capsys) -> None:
+    """B_simple of 60% of ‖ḡ‖², without a finite relative error: its row says it is of the measured parameters
+    only; the tr Σ and ‖G‖² logged with it and their errors give B_simple's 90% lower end, and the unmeasured
+    parameters' bound on tr Σ is shown."""
+    from statistics import NormalDist
+
+    partial = {
+        **HEALTHY,
+        "grad_noise/coverage": 0.6,
+        "grad_noise/b_simple": 187.3,
+        "grad_noise/trace_cov": 100.0,
+        "grad_noise/trace_cov_se": 10.0,
+        "grad_noise/grad_sq_norm": 0.534,
+        "grad_noise/grad_sq_norm_se": 0.1,
+        "grad_noise/unmeasured_trace_share": 0.45,
+    }
+    del partial["grad_noise/b_simple_rel_err"]
+    write_run(tmp_path / "run", partial)
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    noise = rows(run, "noise scale and batch size")
+    assert "B_simple = tr Σ / ‖G‖²" not in noise  # not the model's
+    (label,) = [k for k in noise if k.startswith("B_simple = tr Σ / ‖G‖²")]
+    assert "partial" in label and noise[label] == pytest.approx(187.3)
+    z = NormalDist().inv_cdf(0.95)
+    (low,) = [v for k, v in noise.items() if "lower" in k]
+    assert low == pytest.approx((100.0 - z * 10.0) / (0.534 + z * 0.1), rel=1e-6)
+    assert noise["B_simple relative error"] is not None  # says why there is none
+    assert any("0.45" in str(v) for k, v in noise.items() if "unmeasured" in k)
+    (verdict,) = [f["message"] for f in run["findings"] if f["section"] == "noise scale and batch size"]
+    assert "partial" in verdict and "187" in verdict and f"{low:.3g}" in verdict and "B = 64" not in verdict
