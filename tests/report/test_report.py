@@ -924,6 +924,40 @@ def test_the_last_logged_step_is_the_callbacks_last_optimizer_step(tmp_path: Pat
     assert "last logged optimizer step 39" in text.splitlines()[0] and "integrity, as of" not in text
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_integrity_findings_read_as_blocks_in_a_terminal(tmp_path: Path, capsys) -> None:
+    """Each finding of GraphIntegrityCallback's table is its step and kind, then its text at the terminal's width:
+    the whole message in order, its names once."""
+    import lightning.pytorch as pl
+    from conftest import trainer_kwargs
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from torch import nn
+
+    from trainvitals.integrity.callback import GraphIntegrityCallback
+    from trainvitals.text.terminal import WIDTH
+
+    class UnusedHeads(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.never = nn.Linear(6, 3)
+            self.also_never = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+
+    integrity = GraphIntegrityCallback(check_every_n_steps=4)
+    fit = pl.Trainer(**trainer_kwargs(max_steps=8, logger=TensorBoardLogger(tmp_path), callbacks=[integrity]))
+    fit.fit(UnusedHeads(), loader(regression_data(64), 4))
+    assert len(integrity.findings) >= 2
+    _, text, _ = report(capsys, str(tmp_path))
+    panel = text.split("\n  integrity findings\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert all(len(line) <= WIDTH for line in panel)
+    starts = [i for i, line in enumerate(panel) if line.startswith("    step ")] + [len(panel)]
+    assert len(starts) - 1 == len(integrity.findings)
+    for finding, begin, end in zip(integrity.findings, starts, starts[1:]):
+        block = " ".join(line.strip() for line in panel[begin:end])
+        assert block.startswith(f"step {finding.step}, {finding.kind.value}")
+        assert " ".join(finding.message.replace("`", "").split()) in block
+        assert block.count(finding.names[0]) == 1
+
+
 def test_a_partial_estimate_says_so_and_what_its_data_show(tmp_path: Path, capsys) -> None:
     """B_simple of 60% of ‖ḡ‖², without a finite relative error: its row says it is of the measured parameters
     only; the tr Σ and ‖G‖² logged with it and their errors give B_simple's 90% lower end, and the unmeasured

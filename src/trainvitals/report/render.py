@@ -13,7 +13,7 @@ from trainvitals.memory import format_bytes
 from trainvitals.report.convergence import B_SIMPLE, B_SIMPLE_PARTIAL, NORM_OVER_FLOOR
 from trainvitals.report.model import Row, RunReport, exit_status
 from trainvitals.text.markdown import markdown_table
-from trainvitals.text.terminal import format_table, markdown_to_text
+from trainvitals.text.terminal import WIDTH, format_table, inline, markdown_to_text, table_cells
 
 EMPTY_RUNS = "runs whose event files are empty (0 bytes: not flushed yet, or the run died at once), not reported"
 
@@ -141,8 +141,33 @@ def _text_run(r: RunReport) -> list[str]:
                 [[row.label, format_value(row)] for row in rows], indent="    "
             )
     for title, text in r.panels.items():
-        out += ["", f"  {heading(r, title)}", textwrap.indent(markdown_to_text(text), "    ")]
+        out += ["", f"  {heading(r, title)}"]
+        out += _findings_text(text, "    ") or [textwrap.indent(markdown_to_text(text), "    ")]
     return out + [""]
+
+
+FINDINGS_HEADER = ["step", "kind", "names", "finding"]
+"""The columns of GraphIntegrityCallback's findings table (its ``summary_markdown``)."""
+
+
+def _findings_text(markdown: str, indent: str) -> list[str] | None:
+    """GraphIntegrityCallback's findings table for a terminal, one block a finding: "step N, kind: names", then
+    the finding wrapped at :data:`~trainvitals.text.terminal.WIDTH` under it — not a table whose last column wraps
+    into a narrow strip beside the names. Names the finding's text already lists are not said twice. None when
+    ``markdown`` is not that table alone."""
+    lines = [line for line in markdown.splitlines() if line.strip()]
+    if not all(line.lstrip().startswith("|") for line in lines):
+        return None
+    rows = [table_cells(line) for line in lines]
+    if len(rows) < 3 or [inline(c).lower() for c in rows[0]] != FINDINGS_HEADER or any(len(r) != 4 for r in rows):
+        return None
+    out: list[str] = []
+    wrap = {"width": WIDTH, "break_long_words": False, "break_on_hyphens": False}
+    for step, kind, names, finding in ([inline(c) for c in row] for row in rows[2:]):
+        head = f"step {step}, {kind}" + (f": {names}" if names and names not in finding else "")
+        out += textwrap.wrap(head, initial_indent=indent, subsequent_indent=indent + "    ", **wrap)
+        out += textwrap.wrap(finding, initial_indent=indent + "  ", subsequent_indent=indent + "  ", **wrap)
+    return out
 
 
 def _json_safe(obj: Any) -> Any:
