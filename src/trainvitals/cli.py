@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_demo_arguments(demo)
     report.add_arguments(sub.add_parser("report", help="health report of logged runs", description=report.DESCRIPTION))
-    args = parser.parse_args(argv)
+    args = report.parse(parser, argv)  # the exit status where argparse exits (--help, --version, a usage error)
+    if isinstance(args, int):
+        return args
     if args.command == "report":
         return report.run(args)
     from trainvitals.demo import run as demo_run

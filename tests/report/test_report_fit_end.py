@@ -23,6 +23,7 @@ from trainvitals.report.command import (
     EXIT_OK,
     EXIT_UNFINISHED,
     EXIT_UNWRITTEN,
+    main,
     read_runs,
 )
 from trainvitals.tags import FIT_END_TAG
@@ -152,6 +153,16 @@ def test_errors_are_json_on_stdout_under_format_json(tmp_path: Path, capsys) -> 
     assert status == doc["exit_status"] == EXIT_UNWRITTEN and "missing/report.json" in doc["error"]
     status, out, _ = report(capsys, str(tmp_path / "missing"))
     assert status == EXIT_NO_DATA and out == ""  # the text format keeps stdout for the report
+
+
+@pytest.mark.parametrize("argv", [["--format", "json"], ["--format=json", "x", "--separator"]])
+def test_a_usage_error_is_json_on_stdout_under_format_json(capsys, argv: list[str]) -> None:
+    """argparse's own message on stderr, and the same error as JSON on stdout, through either entry point."""
+    from trainvitals.cli import main as cli
+
+    for status, (out, err) in ((main(argv), capsys.readouterr()), (cli(["report", *argv]), capsys.readouterr())):
+        doc = json.loads(out)
+        assert status == doc["exit_status"] == EXIT_NO_DATA and doc["error"] in err and "usage" in err
 
 
 def test_an_empty_event_file_is_empty_not_another_tools(tmp_path: Path, capsys) -> None:

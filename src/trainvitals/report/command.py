@@ -51,7 +51,9 @@ The reading is :mod:`.events`, the verdicts :mod:`.assess`, the text, markdown a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import io
 import json
 import os
 import sys
@@ -104,6 +106,7 @@ __all__ = [
     "assess",
     "exit_status",
     "main",
+    "parse",
     "printable",
     "read_runs",
     "render",
@@ -200,10 +203,11 @@ def _nothing_to_report(logdir: str, empty: list[str], skipped: list[str]) -> str
     return f"nothing to report under {logdir}: " + "; ".join(said) + "."
 
 
-def _fail(args: argparse.Namespace, why: str, status: int, to_stdout: bool = True) -> int:
-    """``why`` on stderr, and as JSON on stdout under ``--format json`` (``to_stdout``: stdout can take it);
-    returns ``status``."""
-    print(f"trainvitals report: {why}", file=sys.stderr)
+def _fail(args: argparse.Namespace, why: str, status: int, to_stdout: bool = True, say: bool = True) -> int:
+    """``why`` on stderr (``say``), and as JSON on stdout under ``--format json`` (``to_stdout``: stdout can take
+    it); returns ``status``."""
+    if say:
+        print(f"trainvitals report: {why}", file=sys.stderr)
     if getattr(args, "format", None) == "json" and to_stdout:
         try:
             _write(json.dumps({"error": why, "exit_status": status}) + "\n")
@@ -233,8 +237,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``trainvitals report`` on its own command line; returns the exit status, 2 on a usage error."""
     parser = argparse.ArgumentParser(prog="trainvitals report", description=DESCRIPTION)
     add_arguments(parser)
+    args = parse(parser, argv)
+    return args if isinstance(args, int) else run(args)
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace | int:
+    """``parser.parse_args(argv)``, or the exit status where argparse exits: 0 after ``--help``/``--version``,
+    2 on a usage error — then, under ``--format json``, also ``{"error": ..., "exit_status": 2}`` on stdout."""
+    said = io.StringIO()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # --help (0) or a usage error (2): argparse has printed why
-        return int(exit_.code or 0)
-    return run(args)
+        with contextlib.redirect_stderr(said):
+            return parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse has written why, to `said`
+        sys.stderr.write(said.getvalue())
+        status = int(exit_.code or 0)
+        words = list(sys.argv[1:] if argv is None else argv)
+        if status and ("--format=json" in words or ("--format", "json") in zip(words, words[1:])):
+            error = said.getvalue().strip().splitlines()[-1:] or ["usage error"]
+            _fail(argparse.Namespace(format="json"), error[0], status, say=False)
+        return status
