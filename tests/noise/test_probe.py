@@ -219,7 +219,7 @@ def test_float32_training_gives_the_gsnr_of_float64_statistics_where_examples_ne
 
 def brute_gsnr(g: torch.Tensor) -> torch.Tensor:
     """GSNR_d of one parameter from its per-example gradients ``(B, *shape)`` themselves: ḡ_d²/σ̂_d², σ̂_d² floored
-    as ``core.noise.gradient_snr`` floors it (tested against the closed form in test_core_noise)."""
+    as ``noise.estimators.gradient_snr`` floors it (tested against the closed form in noise/test_estimators.py)."""
     return gradient_snr(g.mean(0), g.square().sum(0), g.shape[0])
 
 
@@ -1212,7 +1212,7 @@ def test_per_coordinate_sums_are_formed_on_the_first_and_the_logging_steps_only(
 
     class Record(pl.Callback):
         def on_train_batch_start(self, *_: Any) -> None:  # after the probe's, which selects the step's sums
-            formed.append(bool(probe._selection))
+            formed.append(probe._step is not None and bool(probe._step.selection))
 
     fit(ManualClassifier(network("mlp")), classification_data("mlp", 64), [probe, Record()], batch_size=8, steps=7)
     assert formed == [True, False, False, True, False, False, True]
