@@ -149,8 +149,10 @@ class ActivationMonitor(TrainvitalsCallback):
             return
         self._remove_hooks()
         step, rows, self._measuring, self._rows = self._measuring, self._rows, None, {}
-        if rows:
-            self._record(trainer, step, dict(zip(rows, self._statistics(trainer, list(rows.values())).tolist())))
+        if rows or trainer.world_size > 1:  # a rank that hooked nothing still joins the others' collectives
+            statistics = self._statistics(trainer, pl_module, list(rows.values()))
+            if rows:
+                self._record(trainer, step, dict(zip(rows, statistics.tolist())))
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -228,10 +230,13 @@ class ActivationMonitor(TrainvitalsCallback):
             if key not in self._rows and tensor.numel():
                 self._rows[key] = output_moments(tensor, dead)
 
-    def _statistics(self, trainer: "pl.Trainer", rows: list[tuple[Tensor, Tensor | None]]) -> Tensor:
+    def _statistics(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rows: list[tuple[Tensor, Tensor | None]]
+    ) -> Tensor:
         """``(K, 6)``: :data:`STATS` and the non-finite flag of each output, over every rank's batch."""
-        device = rows[0][0].device  # a model split over devices: gathered on the first output's
-        moments = torch.stack([row.to(device) for row, _ in rows])
+        device = rows[0][0].device if rows else pl_module.device  # a model over devices: gathered on one
+        moments = torch.stack([row.to(device) for row, _ in rows]) if rows else torch.zeros(0, 7, device=device)
+        moments = moments.to(torch.float64)
         masks = [mask.to(device) for _, mask in rows if mask is not None]
         if trainer.world_size > 1 and self._ranks_agree(trainer, moments, masks):
             moments = combine_moments(trainer.strategy.all_gather(moments).reshape(-1, *moments.shape))
