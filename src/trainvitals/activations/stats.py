@@ -5,7 +5,7 @@ sufficient statistics (count, mean and central sums about it, max |x|) and a ``(
 units that were positive for some example, without reading anything on the host; rows of several ranks
 combine exactly (:func:`combine_moments`, Pébay 2008, eqs. 3.1–3.3, the pairwise update of central
 sums); :func:`finish` turns rows into the logged :data:`STATS`. Transient memory: two float32 copies of
-the output (the centred values, and their squares for the third moment).
+the output (the centred values and their squares).
 """
 
 from __future__ import annotations
@@ -44,32 +44,32 @@ def output_moments(output: Tensor, dead: bool = False) -> tuple[Tensor, Tensor |
     and with ``dead`` (an output of at least 2 dims) the ``(output[0].numel(),)`` bool mask of the units
     positive for at least one example; ``None`` otherwise.
 
-    The centred values are scaled by their largest magnitude before the powers are summed, so that the
-    fourth powers of float32 (or float16) values neither overflow nor underflow; the sums are scaled
-    back in float64.
+    One pass for the mean, one for the extremes (``aminmax``: max |x|, whose non-finiteness is the flag,
+    and the scale of the centred values), then the centred values scaled by their largest magnitude
+    and their squares, reduced by three dot products (Σc², Σc³, Σc⁴): the fourth powers of float32 (or
+    float16) values neither overflow nor underflow; the sums are scaled back in float64.
     """
     x = output.detach()
     x = x.float() if x.dtype not in (torch.float32, torch.float64) else x
     mean = x.mean()
-    centred = x - mean
-    scale = torch.linalg.vector_norm(centred, math.inf)
-    centred.div_(torch.where(scale > 0, scale, torch.ones_like(scale)))
-    m2 = torch.linalg.vector_norm(centred).double().square()
-    m4 = torch.linalg.vector_norm(centred, 4.0).double().pow(4)
-    m3 = torch.dot(centred.reshape(-1), centred.square().reshape(-1)).double()
+    low, high = torch.aminmax(x)
+    abs_max = torch.maximum(high, -low)  # NaN when any entry is NaN, inf when one is infinite
+    scale = torch.maximum(high - mean, mean - low)
+    centred = (x - mean).div_(torch.where(scale > 0, scale, torch.ones_like(scale))).reshape(-1)
+    squares = centred.square()
     s = scale.double()
     row = torch.stack(
         [
             torch.full((), float(x.numel()), dtype=torch.float64, device=x.device),  # a fill: no host-to-device copy
             mean.double(),
-            m2 * s**2,
-            m3 * s**3,
-            m4 * s**4,
-            torch.linalg.vector_norm(x, math.inf).double(),
-            (~torch.isfinite(x)).any().double(),
+            torch.dot(centred, centred).double() * s**2,
+            torch.dot(squares, centred).double() * s**3,
+            torch.dot(squares, squares).double() * s**4,
+            abs_max.double(),
+            (~torch.isfinite(abs_max)).double(),
         ]
     )
-    alive = (x > 0).flatten(1).any(0) if dead and x.dim() >= 2 else None
+    alive = x.flatten(1).amax(0) > 0 if dead and x.dim() >= 2 else None
     return row, alive
 
 
