@@ -4,7 +4,8 @@ Variants, timed interleaved (bare, updates_idle, activations_idle, ..., bare, ..
 
 - ``bare``: the module alone;
 - ``updates_idle`` / ``activations_idle``: the callback with a cadence never reached after step 0 (which the
-  warm-up leaves out): the cost of a step that does not log (target ≤ 1.01);
+  warm-up leaves out): the cost of a step that does not log (target ≤ 1.01); its hooks' own thread CPU
+  time per step is given too, which the machine's drift between fits does not blur;
 - ``updates_50`` / ``activations_50``: at Lightning's default cadence, every 50 steps (target ≤ 1.02
   amortised). Between fits this machine's speed drifts by more than the 2% to resolve, so these are
   also read as 1 + (paired − 1)/50 + idle − 1, from the two pairs below;
@@ -43,6 +44,7 @@ from _common import (
     ratio_cells,
     ratio_row,
     run_overhead,
+    time_hook,
     write_json,
 )
 from lightning.pytorch.callbacks import Callback
@@ -50,6 +52,7 @@ from lightning.pytorch.callbacks import Callback
 from trainvitals import ActivationMonitor, UpdateMonitor
 
 NEVER = 10**9
+HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 VARIANTS = (
     "bare",
     "updates_idle",
@@ -78,6 +81,7 @@ def timed_fit(
     pl.seed_everything(0, verbose=False)
     timer = StepTimer(warmup)
     extra = _callback(variant)
+    hooks = [time_hook(extra, hook) for hook in HOOKS if extra is not None and hook in type(extra).__dict__]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -101,6 +105,8 @@ def timed_fit(
         "wall_median_s": median(timer.seconds),
         "cpu_median_s": median(timer.cpu_seconds),
         "n": len(timer.seconds),
+        # thread CPU time of the callback's per-step hooks, summed per step (after the warm-up)
+        "hook_cpu_s": sum(median(seconds[warmup:]) for seconds in hooks) if hooks else 0.0,
     }
     if variant.endswith("_even"):
         even = [t for step, t in zip(timer.steps, timer.cpu_seconds) if step % 2 == 0]
@@ -135,6 +141,8 @@ def bench_model(
     variants = {v: (lambda v=v: timed_fit(v, make_model, make_data, args.steps[label], args.warmup)) for v in VARIANTS}
     runs = interleaved(variants, args.repetitions)
     rows = [ratio_row(runs, v, key="{clock}_median_s") for v in VARIANTS]
+    for row in rows:
+        row["hook_cpu_us"] = 1e6 * median([r["hook_cpu_s"] for r in runs[row["variant"]]])
     paired = {v: [r["paired_ratio"] for r in runs[v]] for v in VARIANTS if v.endswith("_even")}
     idle = {row["variant"]: row["cpu_ratio"] for row in rows}
     amortised = {
@@ -153,8 +161,21 @@ def bench_model(
 
 def format_rows(result: dict[str, Any]) -> str:
     table = markdown_table(
-        ["variant", "wall ms/step", "wall ratio", "wall range", "CPU ms/step", "CPU ratio", "CPU range", "steps"],
-        [[r["variant"], *ratio_cells(r, "wall"), *ratio_cells(r, "cpu"), r["steps_timed"]] for r in result["rows"]],
+        [
+            "variant",
+            "wall ms/step",
+            "wall ratio",
+            "wall range",
+            "CPU ms/step",
+            "CPU ratio",
+            "CPU range",
+            "hooks CPU µs/step (median)",
+            "steps",
+        ],
+        [
+            [r["variant"], *ratio_cells(r, "wall"), *ratio_cells(r, "cpu"), f"{r['hook_cpu_us']:.1f}", r["steps_timed"]]
+            for r in result["rows"]
+        ],
     )
     lines = [table, ""]
     for variant, ratios in result["paired"].items():
