@@ -71,7 +71,7 @@ def _callback(variant: str) -> Callback | None:
     kind, cadence = variant.split("_")
     if kind == "updates":
         return UpdateMonitor(log_every_n_steps=every[cadence])
-    return ActivationMonitor(every_n_steps=every[cadence])
+    return ActivationMonitor(measure_every_n_steps=every[cadence])
 
 
 def timed_fit(

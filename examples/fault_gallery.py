@@ -154,7 +154,7 @@ def default_callbacks() -> list[pl.Callback]:
         GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=3),
         MemoryTopologyProfiler(measure_every_n_steps=1),
         UpdateMonitor(log_every_n_steps=1),
-        ActivationMonitor(every_n_steps=1),
+        ActivationMonitor(measure_every_n_steps=1),
         LRScalingAdvisor(verbose=False),
     ]
 

@@ -281,8 +281,9 @@ def test_hooks_are_removed_at_the_end_of_the_fit():
     [
         ({"grouping": "layer"}, ValueError, "grouping"),
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
-        ({"ratio_range": (1e-2, 1e-3)}, ValueError, "ratio_range"),
-        ({"ratio_range": 1e-3}, TypeError, "ratio_range"),
+        ({"usual_ratio": 0.0}, ValueError, "usual_ratio"),
+        ({"ratio_factor": 1.0}, ValueError, "ratio_factor"),
+        ({"ratio_factor": "100"}, TypeError, "ratio_factor"),
         ({"spike_factor": 1.0}, ValueError, "spike_factor"),
         ({"ema_beta": 1.0}, ValueError, "ema_beta"),
     ],

@@ -44,7 +44,7 @@ class DeadAndFrozen(pl.LightningModule):
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("runs")
-    callbacks = [UpdateMonitor(log_every_n_steps=2), ActivationMonitor(every_n_steps=2), TrainvitalsDashboard()]
+    callbacks = [UpdateMonitor(log_every_n_steps=2), ActivationMonitor(measure_every_n_steps=2), TrainvitalsDashboard()]
     trainer = pl.Trainer(
         **trainer_kwargs(callbacks=callbacks, logger=TensorBoardLogger(str(folder), name="dead"), max_steps=6)
     )

@@ -1,6 +1,6 @@
 """ActivationMonitor: what the layers put out — scale, extremes, tails, dead units, the first non-finite output.
 
-Every ``every_n_steps`` optimizer steps, forward hooks are put on the chosen modules for the forward of
+Every ``measure_every_n_steps`` optimizer steps, forward hooks are put on the chosen modules for the forward of
 that step's first (micro-)batch and taken off at its ``on_train_batch_end``: the other steps run no hook
 at all. Each hooked output is reduced on its device to one row of moments
 (:func:`~trainvitals.activations.stats.output_moments`); the rows of the step are stacked, combined over
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-import re
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from trainvitals._validation import check_float, check_int
+from trainvitals._validation import check_callable, check_float, check_int
 from trainvitals.activations.stats import DEAD_TYPES, STATS, combine_moments, finish, output_moments, output_tensors
 from trainvitals.plumbing.base import TrainvitalsCallback, reduce_packed
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
@@ -30,7 +30,7 @@ from trainvitals.text.markdown import markdown_table
 
 
 class ActivationMonitor(TrainvitalsCallback):
-    r"""Log statistics of the chosen modules' outputs on one step in ``every_n_steps``.
+    r"""Log statistics of the chosen modules' outputs on one step in ``measure_every_n_steps``.
 
     Logged (step = ``trainer.global_step`` of the measured step):
 
@@ -62,9 +62,10 @@ class ActivationMonitor(TrainvitalsCallback):
     forward order that produced it, warned at once).
 
     Args:
-        every_n_steps: cadence in optimizer steps; ``None`` uses the Trainer's ``log_every_n_steps``.
-        include_types: module classes to measure; ``None``: every leaf module (one without children).
-        name_filter: a regex; only modules whose qualified name it matches (``re.search``) are measured.
+        measure_every_n_steps: cadence in optimizer steps; ``None`` uses the Trainer's ``log_every_n_steps``.
+        modules: ``modules(name, module) -> bool`` chooses the measured modules by qualified name and
+            type, e.g. ``lambda name, m: isinstance(m, nn.ReLU)``; ``None``: every leaf module (one without
+            children). Under ``ddp_spawn`` it must be picklable (a module-level function).
         dead_share: a dead fraction above this share is a finding, in [0, 1).
         growth_factor: growth across the last ``growth_steps`` measurements that is a finding, > 1.
         growth_steps: consecutive increases that make a growth finding, ≥ 1.
@@ -77,30 +78,19 @@ class ActivationMonitor(TrainvitalsCallback):
 
     def __init__(
         self,
-        every_n_steps: int | None = None,
-        include_types: tuple[type[nn.Module], ...] | None = None,
-        name_filter: str | None = None,
+        measure_every_n_steps: int | None = None,
+        modules: Callable[[str, nn.Module], bool] | None = None,
         dead_share: float = 0.5,
         growth_factor: float = 4.0,
         growth_steps: int = 3,
     ) -> None:
         super().__init__()
-        self.every_n_steps = check_int("every_n_steps", every_n_steps, 1, none_ok=True)
-        if include_types is not None:
-            include_types = tuple(include_types) if isinstance(include_types, (tuple, list)) else (include_types,)
-            if not include_types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in include_types):
-                raise TypeError(f"`include_types` must be nn.Module classes or None, got {include_types!r}")
-        self.include_types = include_types
-        if name_filter is not None and not isinstance(name_filter, str):
-            raise TypeError(f"`name_filter` must be a regex string or None, got {name_filter!r}")
-        try:
-            self._name_filter = None if name_filter is None else re.compile(name_filter)
-        except re.error as err:
-            raise ValueError(f"`name_filter` must be a valid regex, got {name_filter!r}: {err}") from None
+        self.measure_every_n_steps = check_int("measure_every_n_steps", measure_every_n_steps, 1, none_ok=True)
+        self.modules = check_callable("modules", modules, none_ok=True)
         self.dead_share = check_float("dead_share", dead_share, 0.0, 1.0, high_open=True)
         self.growth_factor = check_float("growth_factor", growth_factor, 1.0, low_open=True)
         self.growth_steps = check_int("growth_steps", growth_steps, 1)
-        self.key_state_by(include_types=include_types and [t.__name__ for t in include_types], name_filter=name_filter)
+        self.key_state_by(measure_every_n_steps=self.measure_every_n_steps)
         self.steps: int
         self.add_state("steps", 0)
         self._history: dict[str, list[float]]  # rms of the last growth_steps + 1 measurements, per output
@@ -125,7 +115,7 @@ class ActivationMonitor(TrainvitalsCallback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._modules = [(name, module) for name, module in pl_module.named_modules() if self._chosen(name, module)]
         if not self._modules:
-            self.cannot_measure("no module matches `include_types`/`name_filter`: nothing is measured")
+            self.cannot_measure("`modules` chose no module of the model: nothing is measured")
 
     @override
     def on_train_batch_start(
@@ -133,7 +123,7 @@ class ActivationMonitor(TrainvitalsCallback):
     ) -> None:
         if batch_idx % trainer.accumulate_grad_batches:
             return  # not the first micro-batch of an optimizer step
-        measured = is_logging_step(self.steps, logging_every(trainer, self.every_n_steps))
+        measured = is_logging_step(self.steps, logging_every(trainer, self.measure_every_n_steps))
         self.steps += 1
         if not measured or not self._modules:
             return
@@ -215,13 +205,12 @@ class ActivationMonitor(TrainvitalsCallback):
 
     # ------------------------------------------------------------------ helpers
     def _chosen(self, name: str, module: nn.Module) -> bool:
-        """Whether ``module`` (not the root) is measured: of ``include_types`` (default: a leaf), and matching
-        ``name_filter``."""
-        if not name or (self._name_filter is not None and not self._name_filter.search(name)):
+        """Whether ``module`` (not the root) is measured: ``modules``' choice, by default a leaf."""
+        if not name:
             return False
-        if self.include_types is None:
+        if self.modules is None:
             return next(module.children(), None) is None
-        return isinstance(module, self.include_types)
+        return bool(self.modules(name, module))
 
     def _on_output(self, name: str, dead: bool, module: nn.Module, inputs: Any, output: Any) -> None:
         tensors = output_tensors(output)

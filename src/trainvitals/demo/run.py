@@ -64,7 +64,7 @@ def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
         LRScalingAdvisor(verbose=False),
         MemoryTopologyProfiler(memory_budget_bytes=256 * 2**20, verbose=False),
         UpdateMonitor(),
-        ActivationMonitor(every_n_steps=50),
+        ActivationMonitor(measure_every_n_steps=50),
         TrainvitalsDashboard(),
     ]
 

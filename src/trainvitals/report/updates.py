@@ -13,7 +13,8 @@ from trainvitals.tags import DIAGNOSIS_PREFIXES, activation, update
 
 UPDATES, ACTIVATIONS = "weight updates", "activations"
 USUAL_RATIO = (1e-5, 1e-1)
-"""UpdateMonitor's default ``ratio_range``: a group whose median ratio is outside it gets a finding."""
+"""UpdateMonitor's default usual range (``usual_ratio`` 1e-3 ÷ × ``ratio_factor`` 100): a group whose median
+ratio is outside it gets a finding."""
 DEAD_SHARE = 0.5
 """ActivationMonitor's default ``dead_share``: a dead fraction above it at the last measured step is a finding."""
 MAX_ROWS = 8

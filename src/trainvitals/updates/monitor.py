@@ -36,8 +36,8 @@ from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 from trainvitals.updates.measure import adam_unit_step_norms, descent_dots, is_adam_like, snapshot, step_change
 
-USUAL_RATIO_RANGE = (1e-5, 1e-1)
-"""``ratio_range``'s default: two decades either side of the ~1e-3 per step rule of thumb."""
+USUAL_RATIO = 1e-3
+"""``usual_ratio``'s default: the rule of thumb of ~1e-3 per step."""
 
 
 @dataclass
@@ -103,15 +103,16 @@ class UpdateMonitor(TrainvitalsCallback):
     transfer. Sharded FSDP parameters reduce their norms and dot products over the ranks, as the gradient
     norms do; every rank computes the same values and findings.
 
-    Findings (the summary, the report): groups whose ratio was outside ``ratio_range`` in more than half of
-    their logged steps; groups that did not move (Δθ = 0 at every logged step where their gradient was not
-    zero: lr 0 in their param group, or frozen by the optimizer); spikes of the total update norm
-    (``spike_factor`` × its running average over logged steps).
+    Findings (the summary, the report): groups whose ratio was more than ``ratio_factor`` times above or
+    below ``usual_ratio`` in more than half of their logged steps; groups that did not move (Δθ = 0 at
+    every logged step where their gradient was not zero: lr 0 in their param group, or frozen by the
+    optimizer); spikes of the total update norm (``spike_factor`` × its running average over logged steps).
 
     Args:
         grouping: ``"parameter"``, ``"module"`` or ``"block"``.
         log_every_n_steps: cadence in optimizer steps; ``None`` uses the Trainer's ``log_every_n_steps``.
-        ratio_range: ``(low, high)``, 0 < low < high: the usual range of the ratio.
+        usual_ratio: the usual ‖Δθ‖/‖θ‖ per step, > 0.
+        ratio_factor: how far from ``usual_ratio`` (either way) a ratio is unusual, > 1.
         spike_factor: an update norm above ``spike_factor`` × its EMA is a spike; > 1.
         ema_beta: decay of that EMA per logged step, in [0, 1).
         spike_warmup_steps: logged steps before spikes are looked for.
@@ -127,7 +128,8 @@ class UpdateMonitor(TrainvitalsCallback):
         self,
         grouping: str = "module",
         log_every_n_steps: int | None = None,
-        ratio_range: tuple[float, float] = USUAL_RATIO_RANGE,
+        usual_ratio: float = USUAL_RATIO,
+        ratio_factor: float = 100.0,
         spike_factor: float = 5.0,
         ema_beta: float = 0.9,
         spike_warmup_steps: int = 5,
@@ -135,11 +137,8 @@ class UpdateMonitor(TrainvitalsCallback):
         super().__init__()
         self.grouping = check_choice("grouping", grouping, GROUPINGS)
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1, none_ok=True)
-        if not isinstance(ratio_range, (tuple, list)) or len(ratio_range) != 2:
-            raise TypeError(f"`ratio_range` must be a pair (low, high), got {ratio_range!r}")
-        low = check_float("ratio_range", ratio_range[0], 0.0, low_open=True)
-        high = check_float("ratio_range", ratio_range[1], low, low_open=True)
-        self.ratio_range = (low, high)
+        self.usual_ratio = check_float("usual_ratio", usual_ratio, 0.0, low_open=True)
+        self.ratio_factor = check_float("ratio_factor", ratio_factor, 1.0, low_open=True)
         self.spike_factor, self.ema_beta, self.spike_warmup_steps = SpikeDetector.check_arguments(
             spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
         )
@@ -221,7 +220,7 @@ class UpdateMonitor(TrainvitalsCallback):
     def findings(self) -> list[str]:
         """What the logged steps say, one sentence each: ratios out of range, groups that do not move,
         update-norm spikes (class docstring)."""
-        low, high = self.ratio_range
+        low, high = self.usual_ratio / self.ratio_factor, self.usual_ratio * self.ratio_factor
         found = []
         for index, track in sorted(self._tracks.items()):
             where = f" (optimizer {index})" if len(self._tracks) > 1 else ""
@@ -333,7 +332,7 @@ class UpdateMonitor(TrainvitalsCallback):
         metrics: dict[str, float] = {tag("skipped_steps"): track.skipped, tag("total_norm"): total_update}
         track.last_total_ratio = _ratio(total_update, total_weight)
         metrics[tag("total_ratio")] = track.last_total_ratio
-        low, high = self.ratio_range
+        low, high = self.usual_ratio / self.ratio_factor, self.usual_ratio * self.ratio_factor
         for g, name in enumerate(track.groups.names):
             values_g = {
                 "weight_norm": weight[g],
