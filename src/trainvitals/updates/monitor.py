@@ -30,7 +30,7 @@ from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import scale_left_in_grads
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.plumbing.sharding import holds_shards, reduce_shard_norms
+from trainvitals.plumbing.sharding import reduce_shard_norms, reduce_shard_sums
 from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
@@ -304,8 +304,7 @@ class UpdateMonitor(TrainvitalsCallback):
         dots = descent_dots(before, [p.grad for p in track.params])
         if track.grad_scale is not None:
             dots = dots / track.grad_scale.to(dots)
-        if holds_shards(trainer):
-            dots = trainer.strategy.reduce(dots, reduce_op="sum")
+        dots = reduce_shard_sums(trainer, dots)
         rows = [weight, update]
         adam = is_adam_like(optimizer)
         if adam:
