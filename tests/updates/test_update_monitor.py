@@ -329,3 +329,26 @@ def test_a_measurement_that_fails_warns_and_the_run_goes_on(monkeypatch):
     strict.strict = True
     with pytest.raises(RuntimeError, match="could not be measured"):
         fit(Linear(), [strict], max_steps=1)
+
+
+def test_under_norm_clipping_the_step_is_lr_times_the_clip_and_keeps_the_gradient_direction():
+    lr, clip = 0.1, 0.1
+    weights = Weights()
+    _, logger = fit(Linear(), [UpdateMonitor(log_every_n_steps=1), weights], max_steps=3, gradient_clip_val=clip)
+    grads = [weights.norm(weights.grads, s) for s in range(3)]
+    assert min(grads) > 2 * clip  # every step was clipped
+    expected = [lr * clip * g / (g + 1e-6) for g in grads]  # torch's clip_grad_norm_: clip / (‖g‖ + 1e-6)
+    assert logger.values("update/total_norm") == pytest.approx(expected, rel=1e-4)
+    for group in ("body", "head"):
+        assert logger.values(f"update/grad_cosine/{group}") == pytest.approx([1.0] * 3, abs=1e-5)
+
+
+def test_under_value_clipping_no_cosine_is_logged():
+    _, logger = fit(
+        Linear(),
+        [UpdateMonitor(log_every_n_steps=1)],
+        max_steps=2,
+        gradient_clip_val=1e-3,
+        gradient_clip_algorithm="value",
+    )
+    assert "update/norm/body" in logger.series and "update/grad_cosine/body" not in logger.series

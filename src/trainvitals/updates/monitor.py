@@ -67,6 +67,7 @@ class _Track:
     before: list[Tensor] | None = None  # θ before a measured step (its copy), then −Δθ
     grad_norms: Tensor | None = None
     grad_scale: Tensor | None = None
+    clip: float | None = None  # the Trainer's norm clipping of this step (NaN: by value)
     records: dict[str, _Record] = field(default_factory=dict)
     spike: tuple[int, str] | None = None
     spike_steps: int = 0
@@ -93,9 +94,10 @@ class UpdateMonitor(TrainvitalsCallback):
     ==================================  ========================================================================
 
     ``<group>`` follows ``grouping`` as in :class:`~trainvitals.GradNormMonitor`. The gradient is the
-    step's shared one (:mod:`trainvitals.plumbing.sharing`: no second pass over it for its norms); the
-    cosine reads ``.grad`` after the step (for LBFGS, its last closure evaluation's). A ratio over
-    ‖θ‖ = 0, a cosine with a zero step or gradient, are not logged.
+    step's shared one (:mod:`trainvitals.plumbing.sharing`: no second pass over it for its norms), before
+    clipping; the cosine reads ``.grad`` after the step (for LBFGS, its last closure evaluation's), the
+    Trainer's clipping by norm undone (it keeps the direction) — with clipping by value it is not logged.
+    A ratio over ‖θ‖ = 0, a cosine with a zero step or gradient, are not logged.
 
     Cost: a step that does not log costs nothing (no copy, no host sync). A logging step's transient
     memory is **at most the bytes of the parameters the optimizer steps** (one copy, turned into −Δθ in
@@ -170,6 +172,7 @@ class UpdateMonitor(TrainvitalsCallback):
             return
         track.grad_norms = self.vitals.grad_norms.norms(trainer, optimizer, track.params)
         track.grad_scale = scale_left_in_grads(trainer, optimizer)
+        track.clip = _clip(trainer, pl_module)
         track.before = snapshot(track.params)
 
     @override
@@ -305,6 +308,12 @@ class UpdateMonitor(TrainvitalsCallback):
         if track.grad_scale is not None:
             dots = dots / track.grad_scale.to(dots)
         dots = reduce_shard_sums(trainer, dots)
+        if track.clip is not None and track.grad_norms is not None:
+            # ``.grad`` is the clipped gradient now: by norm, c·g with c = min(1, clip / (‖g‖ + 1e-6))
+            # (torch's clip_grad_norm_), the same direction, so ⟨−Δθ, g⟩ = ⟨−Δθ, c·g⟩ / c; by value, another
+            # direction, whose norm is not known here: no cosine.
+            coef = (track.clip / (combine_norms(track.grad_norms) + 1e-6)).clamp(max=1.0)
+            dots = dots / coef.to(dots)
         rows = [weight, update]
         adam = is_adam_like(optimizer)
         if adam:
@@ -427,6 +436,15 @@ def _listed(names: list[str], most: int = 8) -> str:
 def _cell(value: float) -> str:
     """A table cell: 3 significant digits, ``n/a`` for a value not defined (a cosine with a zero step)."""
     return f"{value:.3g}" if math.isfinite(value) else "n/a"
+
+
+def _clip(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float | None:
+    """The Trainer's gradient clipping of an automatic step: the norm clipped to, NaN when it clips by value
+    (the cosine is then not defined from the shared norms), ``None`` when it does not clip."""
+    if not pl_module.automatic_optimization or not trainer.gradient_clip_val:
+        return None
+    by_value = str(trainer.gradient_clip_algorithm or "norm").lower().endswith("value")
+    return math.nan if by_value else float(trainer.gradient_clip_val)
 
 
 def _ratio(numerator: float, denominator: float) -> float:
