@@ -18,7 +18,7 @@ hooked), batch 64; (b) the demo CNN on the digits, batch 64. A fit's step time i
 per-iteration times after ``--warmup`` iterations, in wall-clock and process CPU time.
 
 Peak memory of a logging step is stated from the bound (UpdateMonitor: one copy of the parameters the
-optimizer steps; ActivationMonitor: one float32 copy of the largest hooked output plus a bool mask of
+optimizer steps; ActivationMonitor: two float32 copies of the largest hooked output plus a bool mask of
 it) and counted: the bytes of the tensors the callback holds at once, from their shapes.
 
     python benchmarks/bench_update_activation.py --repetitions 5 --out update_activation.json
@@ -119,7 +119,7 @@ def timed_fit(
 
 def _memory_bounds(model: pl.LightningModule) -> dict[str, float]:
     """The transient bytes of a logging step, from shapes: UpdateMonitor's copy of the parameters;
-    ActivationMonitor's float32 centred copy and bool mask of the largest hooked output (one batch)."""
+    ActivationMonitor's float32 centred values, their squares and the bool mask of the largest hooked output."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = [0]
 
@@ -132,7 +132,8 @@ def _memory_bounds(model: pl.LightningModule) -> dict[str, float]:
     model(batch[0])
     for h in handles:
         h.remove()
-    return {"update_transient_bytes": params, "activation_transient_bytes": largest[0] * (4 + 1)}
+    # float32 centred values and their squares, and a bool mask: 4 + 4 + 1 bytes an entry
+    return {"update_transient_bytes": params, "activation_transient_bytes": largest[0] * (4 + 4 + 1)}
 
 
 def bench_model(
@@ -190,7 +191,7 @@ def format_rows(result: dict[str, Any]) -> str:
     lines.append(
         f"transient memory of a logging step: UpdateMonitor {memory['update_transient_bytes'] / 2**20:.1f} MiB "
         f"(the parameters' bytes), ActivationMonitor {memory['activation_transient_bytes'] / 2**20:.2f} MiB "
-        "(largest output: float32 copy + mask)"
+        "(largest output: two float32 copies + mask)"
     )
     return "\n".join(lines)
 
