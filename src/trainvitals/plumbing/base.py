@@ -4,13 +4,15 @@
   Lightning reads it in every hook call (profiler names), and two instances with other arguments keep
   their states apart in one checkpoint.
 - State is declared once, in the manner of torchmetrics' ``Metric.add_state``
-  (:meth:`TrainvitalsCallback.add_state`): its default (a value, copied, or a factory), whether it goes
-  into the checkpoint (under which key), and how ranks combine it. ``setup(stage="fit")`` resets every
-  declared state — Lightning loads a checkpoint's callback states after ``setup``, so a new fold starts
-  afresh, a resumed fit gets its state back, and a state loaded for validate stays out of a later fit —;
-  ``state_dict``/``load_state_dict`` round-trip the persistent ones (read with defaults, so older
-  checkpoints load); :meth:`TrainvitalsCallback.reduce_states` combines the reducible ones over ranks in
-  one collective per operation.
+  (:meth:`DeclaredState.add_state`): its default (a value, copied, or a factory), whether it goes into the
+  checkpoint (under which key), and how ranks combine it. It is the one way a callback holds per-fit
+  state: ``setup(stage="fit")`` resets every declared state — Lightning loads a checkpoint's callback
+  states after ``setup``, so a new fold starts afresh, a resumed fit gets its state back (and keeps it
+  through a fit that runs no step), and a state loaded for validate stays out of a later fit —;
+  ``state_dict``/``load_state_dict`` round-trip the persistent ones; :meth:`DeclaredState.reduce_states`
+  combines those declared with a ``dist_reduce_fx`` over ranks, in one collective per operation. A state
+  whose value is itself a :class:`DeclaredState` (an integrity check, an optimizer's track) is nested: saved
+  by its own declarations, reduced with its owner's.
 - Messages carry the prefix ``trainvitals <Callback>:``; :meth:`TrainvitalsCallback.cannot_measure` warns
   once and carries on, or raises under ``strict=True``.
 """
@@ -43,31 +45,17 @@ class _State:
     key: str
 
 
-class TrainvitalsCallback(Callback):
-    """A Lightning callback with a state key built once, declared state and prefixed messages.
+class DeclaredState:
+    """Holds its state as declarations (:meth:`add_state`), in the manner of torchmetrics' ``Metric``.
 
-    Subclasses call ``super().__init__()`` first, then :meth:`key_state_by` and :meth:`add_state`;
-    ``strict`` (a class attribute here) makes :meth:`cannot_measure` raise. Per-fit setup beyond the
-    reset goes in :meth:`setup_fit`.
+    ``state_dict`` saves the persistent states (a 0-d tensor as a number, an enum by name, an object with
+    ``state_dict`` — a nested :class:`DeclaredState` among them — by its state); ``load_state_dict`` reads
+    them back in the form of their current values, a key missing from the checkpoint leaving its default.
     """
 
-    strict: bool = False
+    def _declared(self) -> dict[str, _State]:
+        return self.__dict__.setdefault("_states", {})
 
-    def __init__(self) -> None:
-        self._states: dict[str, _State] = {}
-        self._state_key: str | None = None
-
-    # ------------------------------------------------------------------ state key
-    def key_state_by(self, **arguments: Any) -> None:
-        """Build the ``state_key`` from the arguments that make a saved state mean something else."""
-        self._state_key = self._generate_state_key(**arguments)
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._state_key if self._state_key is not None else super().state_key
-
-    # ------------------------------------------------------------------ declared state
     def add_state(
         self,
         name: str,
@@ -82,22 +70,82 @@ class TrainvitalsCallback(Callback):
             name: the attribute.
             default: its value at each reset, deep-copied; a callable is a factory called instead (a class
                 or a ``functools.partial``: the callback is pickled under ``ddp_spawn``).
-            dist_reduce_fx: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``: how :meth:`reduce_states`
-                combines a numeric tensor over ranks; ``None``: per rank.
-            persistent: saved by ``state_dict`` (a 0-d tensor as a number, an enum by name, an object
-                with ``state_dict`` by its state).
+            dist_reduce_fx: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``: how :meth:`reduce_states` combines
+                a numeric tensor over ranks; ``None``: no reduction (the state is the same on every rank, or
+                its rank's own).
+            persistent: saved by ``state_dict``.
             key: its key in the saved state; default ``name``.
+
+        Raises:
+            ValueError: an unknown ``dist_reduce_fx``, or one declared for a state that is not a tensor.
         """
         if dist_reduce_fx not in (None, *REDUCTIONS):
             raise ValueError(f"`dist_reduce_fx` must be one of {REDUCTIONS} or None, got {dist_reduce_fx!r}")
-        self._states[name] = _State(default, dist_reduce_fx, persistent, name if key is None else key)
-        setattr(self, name, _fresh(default))
+        value = _fresh(default)
+        if dist_reduce_fx is not None and not isinstance(value, Tensor):
+            raise ValueError(f"`dist_reduce_fx` needs a tensor state, got {type(value).__name__} for `{name}`")
+        self._declared()[name] = _State(default, dist_reduce_fx, persistent, name if key is None else key)
+        setattr(self, name, value)
 
     def reset(self) -> None:
         """Every declared state back to its default: a fit that has not started."""
-        for name, state in self._states.items():
+        for name, state in self._declared().items():
             setattr(self, name, _fresh(state.default))
 
+    def state_dict(self) -> dict[str, Any]:
+        return {s.key: _saved(getattr(self, name)) for name, s in self._declared().items() if s.persistent}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, s in self._declared().items():
+            if s.persistent and s.key in state_dict:
+                setattr(self, name, _loaded(getattr(self, name), state_dict[s.key]))
+
+    def reduce_states(self, trainer: "pl.Trainer") -> None:
+        """Combine the states declared with a ``dist_reduce_fx`` over ranks, in place, those of the nested
+        :class:`DeclaredState` values with them: one collective per operation, every rank calling (the
+        strategy's, which on one process gives the state back)."""
+        reducible = list(self._reducible())
+        for op in REDUCTIONS:
+            owned = [(owner, name) for owner, name, fx in reducible if fx == op]
+            if owned:
+                values = reduce_packed(trainer, [getattr(owner, name) for owner, name in owned], op)
+                for (owner, name), value in zip(owned, values):
+                    setattr(owner, name, value)
+
+    def _reducible(self) -> Any:
+        """(owner, attribute, operation) of every state with a reduction, nested ones included, in order."""
+        for name, s in self._declared().items():
+            value = getattr(self, name)
+            if s.dist_reduce_fx is not None:
+                yield self, name, s.dist_reduce_fx
+            elif isinstance(value, DeclaredState):
+                yield from value._reducible()
+
+
+class TrainvitalsCallback(DeclaredState, Callback):
+    """A Lightning callback with a state key built once, declared state and prefixed messages.
+
+    Subclasses call ``super().__init__()`` first, then :meth:`key_state_by` and :meth:`add_state`;
+    ``strict`` (a class attribute here) makes :meth:`cannot_measure` raise. Per-fit setup beyond the
+    reset goes in :meth:`setup_fit`.
+    """
+
+    strict: bool = False
+
+    def __init__(self) -> None:
+        self._state_key: str | None = None
+
+    # ------------------------------------------------------------------ state key
+    def key_state_by(self, **arguments: Any) -> None:
+        """Build the ``state_key`` from the arguments that make a saved state mean something else."""
+        self._state_key = self._generate_state_key(**arguments)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._state_key if self._state_key is not None else super().state_key
+
+    # ------------------------------------------------------------------ declared state
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
@@ -107,27 +155,6 @@ class TrainvitalsCallback(Callback):
 
     def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """After the reset in ``setup(stage="fit")``, before a checkpoint's state is loaded."""
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {s.key: _saved(getattr(self, name)) for name, s in self._states.items() if s.persistent}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for name, s in self._states.items():
-            if s.persistent and s.key in state_dict:
-                setattr(self, name, _loaded(getattr(self, name), state_dict[s.key]))
-
-    def reduce_states(self, trainer: "pl.Trainer") -> None:
-        """Combine the states declared with a ``dist_reduce_fx`` over ranks, in place: one collective per
-        operation, every rank calling (a no-op on one process)."""
-        if trainer.world_size == 1:
-            return
-        for op in REDUCTIONS:
-            names = [n for n, s in self._states.items() if s.dist_reduce_fx == op]
-            if names:
-                for name, value in zip(names, reduce_packed(trainer, [getattr(self, n) for n in names], op)):
-                    setattr(self, name, value)
 
     # ------------------------------------------------------------------ messages
     def message(self, text: str, tag: str | None = None) -> str:
@@ -188,7 +215,7 @@ def _saved(value: Any) -> Any:
         return value.name
     if callable(getattr(value, "state_dict", None)):
         return value.state_dict()
-    return value
+    return copy.deepcopy(value)  # a container: the checkpoint's, not the live one
 
 
 def _loaded(current: Any, saved: Any) -> Any:

@@ -38,16 +38,16 @@ class ReachabilityCheck(Check):
     kinds = (FindingKind.UNREACHABLE_PARAMS, FindingKind.UNUSED_PARAMS, FindingKind.DEAD_PARAMS, FindingKind.DDP_UNUSED)
 
     def __init__(self) -> None:
-        self.streaks = GradientStreaks()
-        self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
+        self.streaks: GradientStreaks
+        self.add_state("streaks", GradientStreaks)
+        self._unreached: dict[str, str]  # optimizer parameters the walk missed, by name: why, until confirmed
+        self.add_state("_unreached", {}, key="unreached")
         self._walked = False  # a loss of the walk batch was walked
-        self._compiled = False  # a walked loss went through a torch.compile'd region
+        self._compiled: bool  # a walked loss of this fit went through a torch.compile'd region
+        self.add_state("_compiled", False, persistent=False)
         self._reached: set[int] = set()
         self._ran: dict[int, bool] = {}
         self._hook: Any = None
-
-    def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._compiled = False
 
     def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
         self.streaks.clear()
@@ -169,10 +169,3 @@ class ReachabilityCheck(Check):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.streaks.state_dict(), "unreached": dict(self._unreached)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.streaks.load_state_dict(state)
-        self._unreached = dict(state.get("unreached", {}))

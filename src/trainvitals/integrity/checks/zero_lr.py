@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 import torch
 
@@ -31,7 +29,8 @@ class ZeroLrCheck(Check):
     kinds = (FindingKind.ZERO_LR,)
 
     def __init__(self) -> None:
-        self._streak: dict[tuple[int, int], int] = {}  # (optimizer, group) -> optimizer steps in a row at lr 0
+        self._streak: dict[tuple[int, int], int]  # (optimizer, group) -> optimizer steps in a row at lr 0
+        self.add_state("_streak", {}, key="streak")
 
     def on_before_optimizer_step(
         self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", k: int, checked: bool
@@ -70,9 +69,3 @@ class ZeroLrCheck(Check):
             "training goes on, too (end the run with it); if the group is meant to stay fixed, set "
             "`requires_grad=False` on its parameters, which also saves their gradients.",
         )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"zero_lr_streak": [[k, g, steps] for (k, g), steps in self._streak.items()]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._streak = {(int(k), int(g)): int(steps) for k, g, steps in state.get("zero_lr_streak", [])}
