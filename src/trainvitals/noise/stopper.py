@@ -188,26 +188,31 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             ema_beta=self.ema_beta,
         )
 
-        self._micro = MicroBatchSquaredNorms()
-        self._source: Any = None  # "hooks", a probe callback, or None
-        self._hooked: list[torch.nn.Parameter] = []
-        self._micro_sizes: list[int | None] = []  # None: a batch Lightning cannot size
-        self._params: list[torch.nn.Parameter] = []
-        self._pending: tuple[int, Tensor, Tensor] | None = None  # (step, total norm, step valid)
-        self._shape: tuple[Any, tuple[Tensor, Tensor]] | None = None  # see _step_shape
-        self._warned_no_source = False
-        self._logs_estimate = True
+        self._micro = MicroBatchSquaredNorms()  # the tensor hooks on the parameters, attached per epoch
         self.gradient_noise = GradientNoise()
         """The run's one noise estimate, shared with a BatchVarianceProbe; the band is decided on it."""
 
-        # The state of a run that has not taken a step yet.
+        # The state of a run that has not taken a step yet; this fit's, not saved:
+        self._source: Any  # "hooks", a probe callback, or None
+        self.add_state("_source", None, persistent=False)
+        self._hooked: list[torch.nn.Parameter]  # the parameters the hooks are on
+        self.add_state("_hooked", [], persistent=False)
+        self._micro_sizes: list[int | None]  # None: a batch Lightning cannot size
+        self.add_state("_micro_sizes", [], persistent=False)
+        self._params: list[torch.nn.Parameter]
+        self.add_state("_params", [], persistent=False)
+        self._pending: tuple[int, Tensor, Tensor] | None  # (step, total norm, step valid)
+        self.add_state("_pending", None, persistent=False)
+        self._shape: tuple[Any, tuple[Tensor, Tensor]] | None  # see _step_shape
+        self.add_state("_shape", None, persistent=False)
+        self.add_state("_warned_no_source", False, persistent=False)
+        self.add_state("_logs_estimate", True, persistent=False)
         # This callback's source of :attr:`gradient_noise`: micro-batches and ranks.
         self.add_state("noise_source", partial(NoiseSource, "micro_batch", self.ema_beta), key="source")
         self.add_state("_reference", partial(BiasCorrectedEMA, self.ema_beta), key="reference")
         self.add_state("_streak", torch.zeros((), dtype=torch.long), key="streak")
-        self.add_state("nonfinite", NonfiniteCounter, persistent=False)
-        """Steps with non-finite gradients, which the streak skips: logged when no GradNormMonitor logs them;
-        saved as ``nonfinite_steps``."""
+        self.add_state("nonfinite", NonfiniteCounter, key="nonfinite_steps")
+        """Steps with non-finite gradients, which the streak skips: logged when no GradNormMonitor logs them."""
         self.add_state("_measurable_by", partial(measurable_by, None), persistent=False)
         # Whether a counted step was out of the condition before the streak completed: a band that held from
         # the first counted step says the batch is noise-dominated, not that the run converged.
@@ -238,9 +243,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._warned_no_source = False
-        self._params, self._micro_sizes, self._pending = [], [], None
-        self._detach()
+        self._micro.detach()  # hooks an earlier fit that failed left behind
         if self.mode == "noise_band" and not pl_module.automatic_optimization:
             self.warn("mode='noise_band' needs automatic optimization; it will not stop this run.")
 
@@ -346,19 +349,6 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             self._say_caveat(trainer, step)
         if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and every and not logged:
             self._log(trainer, step, total, in_condition, final=True)  # the chart ends where the run stopped
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        # "noise": read by older versions
-        return {"noise": self.noise.state_dict(), "nonfinite_steps": int(self.nonfinite.count), **super().state_dict()}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # A checkpoint from before the noise sources holds the micro-batch EMA alone, under "noise".
-        super().load_state_dict({"source": {"noise": state_dict.get("noise", {})}, **state_dict})
-        self.nonfinite.count = torch.tensor(int(state_dict.get("nonfinite_steps", 0)))
-        if "left" not in state_dict:  # a checkpoint from before the flag: do not claim "from the start"
-            self._left = torch.ones((), dtype=torch.bool)
 
     # ------------------------------------------------------------------ helpers
     def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from trainvitals._validation import check_choice, check_int, renamed_arguments
+from trainvitals._validation import check_choice, check_int
 from trainvitals.norms.fused import (
     GROUPINGS,
     NormGroups,
@@ -133,14 +133,13 @@ class GradNormMonitor(TrainvitalsCallback):
             ``log_every_n_steps``. Steps that do not log do no host sync.
         histogram_every_n_steps: histogram cadence in optimizer steps; 0 turns histograms off.
         spike_factor: a total above ``spike_factor`` × EMA(total) is a spike; must be > 1.
-        ema_beta: decay of that EMA per optimizer step, in [0, 1) (formerly ``spike_ema_beta``, deprecated).
+        ema_beta: decay of that EMA per optimizer step, in [0, 1).
         spike_warmup_steps: steps before spikes are looked for (the EMA needs history).
 
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
 
-    @renamed_arguments(spike_ema_beta="ema_beta")
     def __init__(
         self,
         norm_type: float | int | str = 2.0,
@@ -159,12 +158,11 @@ class GradNormMonitor(TrainvitalsCallback):
         self.spike_factor, self.ema_beta, self.spike_warmup_steps = SpikeDetector.check_arguments(
             spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
         )
-        # The argument names it had before the renaming, so that older checkpoints still load.
         self.key_state_by(
             norm_type=self.norm_type,
             grouping=self.grouping,
             spike_factor=self.spike_factor,
-            spike_ema_beta=self.ema_beta,
+            ema_beta=self.ema_beta,
         )
         # Tracks are built lazily (they need the optimizer): their state is saved by :meth:`state_dict`, and
         # a loaded one waits in ``_restored`` until then.
@@ -174,7 +172,8 @@ class GradNormMonitor(TrainvitalsCallback):
         self.add_state("_restored", {}, persistent=False)
         self._clip_pending: tuple[int, int] | None  # (optimizer index, step) to measure after clipping
         self.add_state("_clip_pending", None, persistent=False)
-        self._amp_scaler = False  # a GradScaler skips non-finite steps: they are calibration, not divergence
+        # A GradScaler skips non-finite steps: they are calibration, not divergence.
+        self.add_state("_amp_scaler", False, persistent=False)
 
     @property
     def last_total(self) -> dict[int, Tensor]:
