@@ -814,7 +814,9 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     assert float(restored.noise_error.relative_error(restored.noise)) == pytest.approx(
         float(probe.noise_error.relative_error(probe.noise)), rel=1e-12
     )
-    assert float(restored.gradient_noise.estimate().trace_cov) == pytest.approx(64 * float(probe.noise.trace_cov))
+    # In .grad units (grad_scale² = 64), drawn without replacement from the 64 examples: × (N − 1)/N (rule 6).
+    assert restored.noise_source.population == 64
+    assert float(restored.gradient_noise.estimate().trace_cov) == pytest.approx(63 * float(probe.noise.trace_cov))
     assert set(state) == {"source", "nonfinite_steps", "coordinate_cursor", "gsnr_partial"}  # no older names
 
     resumed = BatchVarianceProbe(ema_beta=0.9)

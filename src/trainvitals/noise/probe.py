@@ -565,7 +565,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         )
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         self.nonfinite.add(torch.isfinite(total))
-        self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
+        self.noise_source.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         whole = not pl_module.automatic_optimization or len(self._batches.sizes) == trainer.accumulate_grad_batches
         # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
         short = (

@@ -244,6 +244,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._micro.detach()  # hooks an earlier fit that failed left behind
+        # Chosen again at the first batch (an epoch-start hook may change the accumulation); chosen here too, so
+        # that a fit that runs no step (a requeued job with nothing left) estimates with the sources it restored.
+        self._choose_source(trainer, pl_module, say=False)
         if self.mode == "noise_band" and not pl_module.automatic_optimization:
             self.warn("mode='noise_band' needs automatic optimization; it will not stop this run.")
 
@@ -257,7 +260,6 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             return
         trainer.should_stop = True
         self.stopped_again_step = trainer.global_step
-        self._choose_source(trainer, pl_module)  # no batch runs: the summary still names the restored estimate
         if self.verbose:
             self.info(
                 f"resumed from a checkpoint written after its stop at optimizer step {self.stopped_step}; "
@@ -351,8 +353,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             self._log(trainer, step, total, in_condition, final=True)  # the chart ends where the run stopped
 
     # ------------------------------------------------------------------ helpers
-    def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Where this epoch's noise comes from: micro-batches/ranks (hooks), a probe, or nowhere."""
+    def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", say: bool = True) -> None:
+        """Where this epoch's noise comes from: micro-batches/ranks (hooks), a probe, or nowhere (said once, with
+        ``say``)."""
         self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
         self._logs_estimate = not any(
             getattr(cb, "logs_noise_estimate", False) for cb in trainer.callbacks if cb is not self
@@ -378,7 +381,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             None,
         )
         self._measurable_by = measurable_by(trainer)
-        if self._source is None and not self._warned_no_source:
+        if self._source is None and say and not self._warned_no_source:
             self._warned_no_source = True
             self.warn(
                 f"mode='noise_band' has no noise source: {self._measurable_by}. It will not stop on the noise "
@@ -437,7 +440,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         n = n_local * world
         grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, micro_batch_size)
         self.noise_source.update(grad_sq, trace, valid)
-        self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
+        self.noise_source.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         # The band is judged at a whole step's batch: an epoch's short last window does not change it.
         if n_local == accumulate or self.effective_batch_size is None:
             self.effective_batch_size = self.noise_source.effective_batch_size = n * micro_batch_size
