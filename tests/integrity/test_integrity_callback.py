@@ -983,7 +983,7 @@ class InplaceAfterAStep(ManualNet):
             InplaceOnSaved,
             K.INPLACE_MODIFIED,
             ("sigmoid", "mul_"),
-            "saved for backward by `sigmoid` at test_integrity_callback.py:",
+            "saved for backward by `sigmoid` at test_integrity_callback.py",
         ),
         (
             InplaceModule,
