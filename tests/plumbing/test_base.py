@@ -12,7 +12,8 @@ import torch
 
 from trainvitals import GraphIntegrityCallback, MemoryTopologyProfiler
 from trainvitals.noise.estimators import BiasCorrectedEMA
-from trainvitals.plumbing.base import DeclaredState, TrainvitalsCallback
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.state import DeclaredState
 
 
 class Phase(Enum):

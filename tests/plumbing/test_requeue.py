@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from _models import Regressor, loader, regression_data
+from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
 
-from tests._models import Regressor, loader, regression_data
-from tests.conftest import RecordingLogger, trainer_kwargs
 from trainvitals import (
     BatchVarianceProbe,
     GradNormEarlyStopping,

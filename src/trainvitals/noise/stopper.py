@@ -36,9 +36,10 @@ from trainvitals.noise.estimators import BiasCorrectedEMA, MicroBatchSquaredNorm
 from trainvitals.norms.monitor import grad_sq_norm
 from trainvitals.norms.nonfinite import NonfiniteCounter
 from trainvitals.plumbing.amp import loss_scale
-from trainvitals.plumbing.base import TrainvitalsCallback, reduce_packed
+from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table

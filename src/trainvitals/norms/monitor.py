@@ -33,9 +33,10 @@ from trainvitals.norms.fused import (
 )
 from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import grad_scaler, scale_left_in_grads
-from trainvitals.plumbing.base import DeclaredState, TrainvitalsCallback
+from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import holds_shards, reduce_shard_norms
+from trainvitals.plumbing.state import DeclaredState
 from trainvitals.plumbing.stopping import stopped_early
 from trainvitals.plumbing.writers import log_histogram, log_scalars, log_text
 from trainvitals.tags import GRAD_NORM_SUMMARIES
