@@ -38,18 +38,15 @@ class LossCheck(Check):
     automatic optimization; on a walk, a loss whose graph reaches none of the model's parameters.
 
     Non-finite losses are counted on the device (one ``loss.detach()`` kept per backward, added up every
-    ``max_pending`` losses, a state declared with ``dist_reduce_fx="sum"``) and summed over ranks where
+    :data:`MAX_PENDING_LOSSES` losses, a state declared with ``dist_reduce_fx="sum"``) and summed over ranks where
     every rank calls: when a window closes, at a strict run's batch end, at the end of training. Logs
     ``graph/nonfinite_losses``.
-
-    Args:
-        max_pending: losses kept before they are counted on the device.
     """
 
     kinds = (LOSS_NO_GRAD, LOSS_NOT_SCALAR, LOSS_NOT_FINITE)
 
-    def __init__(self, max_pending: int = MAX_PENDING_LOSSES) -> None:
-        self.max_pending = max_pending
+    def __init__(self) -> None:
+        self.max_pending = MAX_PENDING_LOSSES
         self._pending: list[Tensor] = []
         self._nonfinite: Tensor  # this rank's count since the last sync
         self.add_state("_nonfinite", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum", persistent=False)
