@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from _models import ReleaseProcessGroup, loader, regression_data
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from test_producer import Clamp, Log
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals import GradNormMonitor, TrainingGuard
 from trainvitals.guard.callback import SKIP_BATCHES_FILE
+from trainvitals.report.events import read_runs
 
 LR, MOMENTUM = 0.05, 0.9
 
@@ -300,3 +301,14 @@ def test_ddp_a_nan_on_rank_1_only_gets_the_same_action_on_both_ranks(tmp_path):
     assert ranks[0]["global_step"] == ranks[1]["global_step"] == 8
     assert ranks[0]["unchanged"] and ranks[1]["unchanged"] and ranks[0]["weights"] == ranks[1]["weights"]
     assert ranks[0]["producer"] == ranks[1]["producer"] == "loss"  # rank 1's finding, told to rank 0
+
+
+def test_the_events_reach_tensorboard_as_scalars_and_a_panel(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
+    guard = TrainingGuard(on_nonfinite="skip", on_spike="skip", spike_warmup_steps=3)
+    _fit(Net(nan_at={4}, spike_at={8}), guard, logger=logger)
+    run = read_runs(logger.log_dir)[0]
+    assert run.is_trainvitals and run.scalars["guard/skipped_steps"] == [(4, 1.0), (8, 2.0), (12, 2.0)]
+    panel = run.text("guard/event_log")
+    assert panel.count("| skip |") == 2 and "| nonfinite |" in panel and "| spike |" in panel
+    assert json.loads((Path(logger.log_dir) / SKIP_BATCHES_FILE).read_text())[1]["batch_idx"] == 0  # 8 of 8

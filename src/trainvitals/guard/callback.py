@@ -67,7 +67,7 @@ class TrainingGuard(TrainvitalsCallback):
     Logged at each event (step = ``trainer.global_step``), and once at the end of fit:
 
     - ``guard/skipped_steps``, ``guard/rollbacks``, ``guard/events``: counts since the run began;
-    - ``guard/events`` (text panel): the latest events as a table;
+    - ``guard/event_log`` (text panel): the latest events as a table;
     - ``skip_batches.json`` in the logger's folder: every event as ``{global_step, epoch, batch_idx,
       loss, grad_norm, kind, action, detail}`` (non-finite numbers as strings), for a user to skip them.
 
@@ -357,7 +357,7 @@ class TrainingGuard(TrainvitalsCallback):
             if bad:
                 shown = ", ".join(f"`{n}`" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
                 return Producer("optimizer", shown)
-        held = self._step.get("batch")
+        held = self._step.pop("batch", None)  # searched once: the batch is not kept any longer
         if held is None:
             return None
         batch, batch_idx, rng = held
@@ -384,7 +384,7 @@ class TrainingGuard(TrainvitalsCallback):
         log_scalars(trainer, self._counters(), step)
         columns = ("global_step", "epoch", "batch_idx", "kind", "action", "loss", "grad_norm")
         rows = [[e[c] for c in columns] for e in self.events[-_PANEL_ROWS:]]
-        log_text(trainer, "guard/events", "\n".join(markdown_table(columns, rows, align="rrrllrr")), step)
+        log_text(trainer, "guard/event_log", "\n".join(markdown_table(columns, rows, align="rrrllrr")), step)
         if trainer.is_global_zero and self._folder:
             os.makedirs(self._folder, exist_ok=True)
             with open(os.path.join(self._folder, SKIP_BATCHES_FILE), "w") as f:
