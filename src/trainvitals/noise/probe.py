@@ -235,6 +235,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("_open_step", -1, persistent=False)
         self.add_state("_measuring", False, persistent=False)
         self.add_state("_finalized_step", -1, persistent=False)
+        self.add_state("_to_log", None, persistent=False)  # a logging step's (result, valid, examples, step, failed)
+        self.add_state("_to_move", None, persistent=False)  # the layers that failed at this step, and those set aside
         self.add_state("_coordinate_cursor", 0, key="coordinate_cursor")  # the next logging step's first coordinate
         self.add_state("_selection", {}, persistent=False)
         self.add_state("_sums_checked", False, persistent=False)  # this fit's first measured step formed the sums
@@ -504,8 +506,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         # says which layers failed on any rank, so that every rank excludes the same ones. A layer set aside
         # is measured as the next plan will: its parameters among those not measured per example.
         failed = self._measure(trainer, pl_module, result, micro_sum, optimizer, not problem, aside)
-        if failed:
-            self._move_failed(trainer, pl_module, failed, set() if problem else aside)
+        if failed:  # after this step's log (on_train_batch_end), which is over the plan it was measured with
+            self._to_move = (failed, set() if problem else aside)
 
     def _move_failed(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", failed: set[str], aside: set[str]
@@ -598,9 +600,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self.effective_batch_size = sums.examples
             self.grad_scale = self._grad_units(trainer, pl_module)
         step = trainer.global_step
-        if is_logging_step(step, self._log_every):
-            self._log(trainer, result, valid, sums.examples, step, sums.failed)
-            log_scalars(trainer, self.nonfinite.metrics(trainer, self), step)
+        if is_logging_step(step, self._log_every):  # once every source of the estimate has taken this step
+            self._to_log = (result, valid, sums.examples, step, sums.failed)
         if result.sq_norms:
             self._log_norms(trainer, self._sources, result, step)
         return sums.failed
@@ -609,6 +610,18 @@ class BatchVarianceProbe(TrainvitalsCallback):
         return self._batches.grad_units(trainer, pl_module, self._reduction)
 
     # ------------------------------------------------------------------ logging
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        # Every source updated the estimate in on_before_optimizer_step: logged now, it is the same estimate
+        # whatever the callbacks' order, computed once for all who read it at this step.
+        if self._to_log is not None:
+            (result, valid, examples, step, failed), self._to_log = self._to_log, None
+            self._log(trainer, result, valid, examples, step, failed)
+            log_scalars(trainer, self.nonfinite.metrics(trainer, self), step)
+        if self._to_move is not None:
+            (failed, aside), self._to_move = self._to_move, None
+            self._move_failed(trainer, pl_module, failed, aside)
 
     def _log(
         self,

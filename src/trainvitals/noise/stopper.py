@@ -337,7 +337,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._pending = None
         if self._source is not None and self._source != "hooks":
             self.effective_batch_size = getattr(self._source, "effective_batch_size", None)
-        in_condition = self._update_condition(total, valid)
+        every = logging_every(trainer)
+        logged = is_logging_step(step, every)
+        # On a logging step the band is judged on the full estimate the others log too (one for all of them).
+        in_condition = self._update_condition(total, valid, logged)
         counts = valid if self.steps >= self.min_steps else torch.zeros_like(valid)
         self._streak = self._streak.to(total.device)
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
@@ -347,8 +350,6 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._done = self._done.to(total.device) | (self._streak >= self.patience)
         self.nonfinite.add(valid)
         self.steps += 1
-        every = logging_every(trainer)
-        logged = is_logging_step(step, every)
         if logged:
             self._log(trainer, step, total, in_condition)
         if self.steps % self.check_every_n_steps == 0 and self.mode == "noise_band" and self._source is not None:
@@ -471,9 +472,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             self._shape = ((values, device), (shape, shape.square()))
         return self._shape[1]
 
-    def _update_condition(self, total: Tensor, valid: Tensor) -> Tensor:
+    def _update_condition(self, total: Tensor, valid: Tensor, full: bool) -> Tensor:
         """Whether this step is in the stop condition (``()`` bool); in ``relative`` mode also feeds the
-        early-training reference EMA."""
+        early-training reference EMA. ``full``: the band from the full estimate, not the cached weights'."""
         if self.mode == "threshold":
             return total < self.threshold
         if self.mode == "relative":
@@ -483,7 +484,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             return ~early & (total < self.fraction * reference)
         if self._source is None:
             return torch.zeros((), dtype=torch.bool, device=total.device)
-        return self.gradient_noise.in_noise_band(self.margin, device=total.device).to(total.device)
+        estimate = self.gradient_noise.estimate() if full else None
+        return self.gradient_noise.in_noise_band(self.margin, estimate, device=total.device).to(total.device)
 
     def noise_floor(self) -> Tensor:
         """The noise floor sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of

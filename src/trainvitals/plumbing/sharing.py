@@ -222,7 +222,7 @@ def connect(trainer: "pl.Trainer", callback: Any) -> Vitals:
     if hub is not None and id(callback) in hub._waiting:
         hub._waiting.discard(id(callback))
         return hub
-    members = [cb for cb in getattr(trainer, "callbacks", None) or [] if _shares(cb)]
+    members = [cb for cb in (trainer.callbacks if hasattr(trainer, "callbacks") else []) if _shares(cb)]
     if not any(cb is callback for cb in members):
         members.append(callback)
     default = Vitals()
