@@ -27,7 +27,7 @@ def test_rows_summed_over_ranks_give_the_mean_loss_the_common_norm_and_the_nonfi
     ]
     reading = unpack(torch.stack(rows).sum(0).tolist())
     assert math.isnan(reading.loss) and reading.grad_norm == pytest.approx(3.0)
-    assert reading.nonfinite_ranks == (1,) and reading.has_loss
+    assert reading.nonfinite_ranks == (1,) and reading.has_loss and reading.world_size == 3
     finite = unpack((rows[0] + rows[2] + pack(torch.tensor(0.5), sq_norm, 1, 3, cpu)).tolist())
     assert finite.loss == pytest.approx((1.5 + 0.5 + 2.5) / 3) and finite.nonfinite_ranks == ()
 
@@ -45,8 +45,9 @@ def test_nonfinite_comes_first_and_stays_out_of_the_averages():
     loss_spikes, norm_spikes = _detectors()
     for _ in range(3):
         assert classify(Reading(1.0, 2.0, ()), loss_spikes, norm_spikes) == (None, "")
-    kind, seen = classify(Reading(float("nan"), 2.0, (1,)), loss_spikes, norm_spikes)
-    assert kind == NONFINITE and "loss" in seen and "1" in seen
+    kind, seen = classify(Reading(float("nan"), 2.0, (1,), world_size=2), loss_spikes, norm_spikes)
+    assert kind == NONFINITE and "loss" in seen and "rank(s) 1" in seen
+    assert "rank" not in classify(Reading(float("nan"), 2.0, (0,)), loss_spikes, norm_spikes)[1]  # one process
     kind, seen = classify(Reading(1.0, float("inf"), ()), loss_spikes, norm_spikes)
     assert kind == NONFINITE and "gradient" in seen
     assert loss_spikes.count == norm_spikes.count == 3  # the non-finite values never entered an EMA
@@ -86,10 +87,13 @@ def test_the_budget_escalates_skip_to_rollback_to_stop_within_its_window():
     assert [choose(SPIKE, actions, budget, s, True) for s in (15, 16, 17)] == ["warn"] * 3
 
 
-def test_a_rollback_without_a_snapshot_is_a_skip():
-    budget = Budget(events=5, window=10)
-    assert choose(SPIKE, {NONFINITE: "skip", SPIKE: "rollback"}, budget, 0, False) == "skip"
+def test_without_a_snapshot_a_rollback_is_a_skip_and_an_escalated_one_a_stop():
+    budget = Budget(events=2, window=10)
+    actions = {NONFINITE: "skip", SPIKE: "rollback"}
+    assert choose(SPIKE, actions, budget, 0, False) == "skip"
     assert budget.spent == [(0, "skip")]
+    # A second skip spends the budget; the rollback it escalates to has no target: a stop.
+    assert [choose(NONFINITE, actions, budget, s, False) for s in (1, 2)] == ["skip", "stop"]
 
 
 def test_the_budget_keeps_few_steps_and_round_trips():

@@ -212,10 +212,11 @@ class TrainingGuard(TrainvitalsCallback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
         if self.lr_steps_left == 0:
             self._remove_lr_hook()
-        reason = self._step.pop("stop", None)
-        if reason is None:
+        stop = self._step.pop("stop", None)
+        if stop is None:
             return
-        path = os.path.join(self._folder, "checkpoints", f"guard-stop-step={trainer.global_step}.ckpt")
+        step, reason = stop
+        path = os.path.join(self._folder, "checkpoints", f"guard-stop-step={step}.ckpt")
         trainer.save_checkpoint(path)
         self.stop_reason = f"{reason}; checkpoint: {path}"
         trainer.should_stop = True
@@ -271,7 +272,7 @@ class TrainingGuard(TrainvitalsCallback):
             self.rollbacks += 1
             self.lr_steps_left = self.lr_factor_steps
         elif action == "stop":
-            self._step["stop"] = f"{seen} at optimizer step {step}"
+            self._step["stop"] = (step, f"{seen} at optimizer step {step}")
         else:
             self._scale_lr(optimizer)
         escalated = ACTIONS.index(action) > ACTIONS.index(self.actions[kind])

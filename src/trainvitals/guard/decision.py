@@ -37,12 +37,14 @@ class Reading:
         grad_norm: the total ‖g‖₂ of the optimizer's parameters (the averaged gradient; NaN if not finite).
         nonfinite_ranks: the ranks whose own loss was inf/NaN.
         has_loss: whether any rank had a loss this step (a ``training_step`` may return ``None``).
+        world_size: the number of ranks.
     """
 
     loss: float
     grad_norm: float
     nonfinite_ranks: tuple[int, ...]
     has_loss: bool = True
+    world_size: int = 1
 
 
 def pack(loss: Tensor | None, sq_norm: Tensor | None, rank: int, world_size: int, device: torch.device) -> Tensor:
@@ -70,6 +72,7 @@ def unpack(summed: list[float]) -> Reading:
         grad_norm=math.sqrt(sq_norm) if sq_norm >= 0 else math.nan,
         nonfinite_ranks=tuple(r for r, flag in enumerate(flags) if flag),
         has_loss=bool(with_loss),
+        world_size=len(flags),
     )
 
 
@@ -84,7 +87,8 @@ def classify(reading: Reading, loss_spikes: SpikeDetector, norm_spikes: SpikeDet
     loss_ok = math.isfinite(reading.loss) or not has_loss
     if not (loss_ok and math.isfinite(reading.grad_norm)):
         what = "loss" if not loss_ok else "gradient"
-        ranks = f" (on rank(s) {', '.join(map(str, reading.nonfinite_ranks))})" if reading.nonfinite_ranks else ""
+        shown = reading.nonfinite_ranks and reading.world_size > 1
+        ranks = f" (on rank(s) {', '.join(map(str, reading.nonfinite_ranks))})" if shown else ""
         return NONFINITE, f"non-finite {what}{ranks}: loss {reading.loss:.4g}, ‖g‖ {reading.grad_norm:.4g}"
     spikes = []
     if has_loss and (ratio := loss_spikes.update(reading.loss)) is not None:
@@ -135,9 +139,10 @@ class Budget:
 
 def choose(kind: str, actions: dict[str, str], budget: Budget, step: int, has_snapshot: bool) -> str:
     """The action for an event of ``kind`` at ``step``: the configured one, escalated by the budget, then
-    spent. A rollback without a snapshot yet (the first steps went wrong) is a skip."""
+    spent. Without a snapshot yet (the first steps went wrong) a rollback is a skip, and one escalated
+    from spent skips a stop: there is nothing to roll back to."""
     action = budget.escalate(actions[kind], step)
     if action == "rollback" and not has_snapshot:
-        action = "skip"
+        action = "skip" if actions[kind] == "rollback" else "stop"
     budget.spend(action, step)
     return action
