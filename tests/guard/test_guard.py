@@ -15,6 +15,7 @@ from _models import ReleaseProcessGroup, loader, regression_data
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 from test_producer import Clamp, Log
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -32,15 +33,19 @@ class Net(pl.LightningModule):
     gradients and lr at each optimizer step, after the callbacks' ``on_before_optimizer_step`` (the
     LightningModule's hook runs after theirs), i.e. what the optimizer is about to use."""
 
-    def __init__(self, nan_at=(), spike_at=(), nan_rank=None, d: int = 6) -> None:
+    def __init__(self, nan_at=(), spike_at=(), nan_rank=None, inf_grad_at=(), d: int = 6) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(d, 8), nn.Tanh(), nn.Linear(8, 1))
         self.nan_at, self.spike_at, self.nan_rank = set(nan_at), set(spike_at), nan_rank
+        self.inf_grad_at = set(inf_grad_at)  # a finite loss whose gradient is inf (an fp16 overflow, in effect)
         self.seen: dict[int, dict] = {}
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.mse_loss(self.net(x), y)
+        out = self.net(x)
+        if self.global_step in self.inf_grad_at:
+            out.register_hook(lambda g: g * float("inf"))
+        loss = F.mse_loss(out.float(), y)
         if self.global_step in self.nan_at and self.nan_rank in (None, self.global_rank):
             loss = loss * float("nan")
         if self.global_step in self.spike_at:
@@ -312,3 +317,22 @@ def test_the_events_reach_tensorboard_as_scalars_and_a_panel(tmp_path):
     panel = run.text("guard/event_log")
     assert panel.count("| skip |") == 2 and "| nonfinite |" in panel and "| spike |" in panel
     assert json.loads((Path(logger.log_dir) / SKIP_BATCHES_FILE).read_text())[1]["batch_idx"] == 0  # 8 of 8
+
+
+def _amp() -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+
+
+def test_under_a_grad_scaler_its_own_skip_is_respected_not_doubled():
+    # An inf gradient with a finite loss: the scaler's calibration, no event.
+    model, guard = Net(inf_grad_at={3}), TrainingGuard(on_nonfinite="skip")
+    trainer, said = _fit(model, guard, max_steps=6, plugins=[_amp()])
+    assert guard.events == [] and said == [] and trainer.precision_plugin.scaler.get_scale() == 2.0**7
+    assert _equal(model.seen[3]["weights"], model.seen[4]["weights"])  # the scaler skipped it
+    # A NaN loss: an event; the scaler skips the step, the guard leaves the gradients to it.
+    model, guard = Net(nan_at={3}), TrainingGuard(on_nonfinite="skip")
+    trainer, said = _fit(model, guard, max_steps=6, plugins=[_amp()])
+    assert [(e["global_step"], e["action"]) for e in guard.events] == [(3, "skip")] and guard.skipped_steps == 1
+    assert all(g is not None for g in model.seen[3]["grads"]) and "the GradScaler skips" in said[0]
+    assert _equal(model.seen[3]["weights"], model.seen[4]["weights"])
+    assert trainer.precision_plugin.scaler.get_scale() == 2.0**7  # backed off once
