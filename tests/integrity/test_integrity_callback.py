@@ -7,6 +7,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -22,9 +23,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals.integrity import callback as graph_integrity
 from trainvitals.integrity.callback import FindingKind, GraphIntegrityCallback, GraphIntegrityError
+from trainvitals.integrity.checks import finding_kinds
 from trainvitals.integrity.graph import walk_graph
 
-K = FindingKind
+K = SimpleNamespace(**{kind.value.upper(): kind for kind in finding_kinds()})
+"""The registered finding kinds by name: ``K.UNUSED_PARAMS``."""
 
 
 def data(n: int = 32, d: int = 4, batch_size: int = 8) -> DataLoader:
@@ -979,7 +982,12 @@ class InplaceAfterAStep(ManualNet):
             ("head.weight",),
             "optimizer 0 (SGD).step() updated it in place after the forward",
         ),
-        (InplaceOnSaved, K.INPLACE_MODIFIED, ("sigmoid", "mul_"), "saved for backward by `sigmoid` at test_graph_"),
+        (
+            InplaceOnSaved,
+            K.INPLACE_MODIFIED,
+            ("sigmoid", "mul_"),
+            "saved for backward by `sigmoid` at test_integrity_callback.py",
+        ),
         (
             InplaceModule,
             K.INPLACE_MODIFIED,

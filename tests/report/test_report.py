@@ -744,11 +744,11 @@ def test_an_integrity_finding_that_is_not_critical_is_in_the_findings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A param group at lr 0 (zero_lr, not critical: it may be meant) reaches the findings list, in words."""
-    from trainvitals.integrity.findings import FindingKind
+    from trainvitals.integrity.checks.zero_lr import ZERO_LR
 
     write_run(
         tmp_path / "run",
-        {**HEALTHY, FindingKind.ZERO_LR.counter: [0.0] * 10 + [1.0] * 10},
+        {**HEALTHY, ZERO_LR.counter: [0.0] * 10 + [1.0] * 10},
         {"graph/findings": "| step | kind | names | finding |\n|---|---|---|---|\n| 52 | zero_lr | g | lr 0 |"},
     )
     status, doc = report_json(capsys, tmp_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from trainvitals.integrity.checks import finding_kinds, window_labels
 from trainvitals.integrity.findings import INTEGRITY, NOTHING_CHECKED, warning_counters
 from trainvitals.memory import MEMORY_CATEGORIES, format_bytes
 from trainvitals.report.convergence import convergence_section, noise_scale_section, uncounted_since
@@ -73,7 +74,7 @@ def assess(run: Run) -> RunReport:
         n = counter(run, pattern, last=pattern in LAST_WINDOW)
         if n > 0:
             report.findings.append(Finding("critical", title, message.format(n=f"{n:g}")))
-    for title, pattern, message in warning_counters():
+    for title, pattern, message in warning_counters(finding_kinds()):
         n = counter(run, pattern)
         if n > 0:
             report.findings.append(
@@ -109,32 +110,22 @@ def _separator_hint(run: Run) -> str:
     return ""
 
 
-_INTEGRITY_LABELS = {
-    "unused_params": "parameters without a gradient",
-    "dead_params": "parameters with an exactly zero gradient",
-    "unoptimized_params": "tensors with a gradient in no optimizer",
-    "unregistered_params": "of those, not registered on the module",
-    "leaked_graphs": "losses reaching an earlier step's graph",
-    "nonfinite_losses": "non-finite losses",
-}
-"""GraphIntegrityCallback's counts per check window, ``graph/<metric>`` (callbacks/integrity_checks/), as labelled
-here and in this order; another metric is shown after them, its name as words."""
-
-
 _CHECKED_NOTHING = re.compile(r"clean bill of health\.\*\* No findings in 0 graph walk\(s\) and 0 gradient check\(s\)")
 
 
 def _integrity(run: Run, report: RunReport) -> None:
     title = INTEGRITY
-    # The per-kind finding counts (graph/findings_<kind>) are left to the findings panel.
-    order = list(_INTEGRITY_LABELS)
+    # The per-kind finding counts (graph/findings_<kind>) are left to the findings panel. The window metrics
+    # are labelled, and ordered, as the registered checks say; another one follows, its name as words.
+    labels = window_labels()
+    order = list(labels)
     step = as_of(run, report, title, r"graph/(?!findings_).+")
     metrics = sorted(
         ((tag.removeprefix("graph/"), series) for tag, series in run.matching(r"graph/(?!findings_).+").items()),
         key=lambda m: (order.index(m[0]) if m[0] in order else len(order), m[0]),
     )
     report.sections[title] = [
-        series_row(_INTEGRITY_LABELS.get(metric, metric.replace("_", " ")), series, step) for metric, series in metrics
+        series_row(labels.get(metric, metric.replace("_", " ")), series, step) for metric, series in metrics
     ]
     panel(run, report, "integrity findings", "graph/findings")
     if _CHECKED_NOTHING.search(

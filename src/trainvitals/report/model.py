@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trainvitals.integrity.checks import finding_kinds
 from trainvitals.integrity.findings import critical_counters, last_window_counters
 from trainvitals.report.events import Run
 from trainvitals.tags import DIAGNOSIS_PREFIXES, grad_norm
@@ -29,15 +30,15 @@ CRITICAL_COUNTERS = (
         grad_norm("nonfinite_steps"),
         "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler",
     ),
-    *critical_counters(),
+    *critical_counters(finding_kinds()),
 )
 """(section, tag regex, message): a counter is critical when its largest value (summed over optimizers) is > 0.
 
-The integrity rows come from the finding kinds' table (:class:`~trainvitals.integrity.findings.FindingKind`).
+The integrity rows come from the registered checks' finding kinds (:func:`~trainvitals.integrity.checks.finding_kinds`).
 The largest, not the last: GraphIntegrityCallback's counts are per check window, and a problem seen in
 any window is a problem — except those read in the last window only (:data:`LAST_WINDOW`)."""
 
-LAST_WINDOW = last_window_counters()
+LAST_WINDOW = last_window_counters(finding_kinds())
 """Counters read in the last check window only (unused parameters: a branch taken only on some batches goes
 unused in one window and trains in the next)."""
 

@@ -14,7 +14,7 @@ one chart per top-level module (a parameter of the LightningModule itself is one
 which layers have a GSNR the probe's sources decide during the fit, not the module tree at its start.
 The layout proto has no y-scale field: the log scale is the chart's own
 "Toggle y-axis log scale" button, and TensorBoard's "Ignore outliers in chart scaling" (on by default, in
-the settings) clips a chart's extremes — the README says when to turn it off.
+the settings) clips a chart's extremes — docs/callbacks/dashboard.md says when to turn it off.
 """
 
 from __future__ import annotations
