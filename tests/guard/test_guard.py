@@ -286,6 +286,7 @@ class _RecordPerRank(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         guard = next(cb for cb in trainer.callbacks if isinstance(cb, TrainingGuard))
         seen = pl_module.seen
+        seen.setdefault(5, {"weights": [p.detach() for p in pl_module.parameters()]})  # a fit stopped after step 4
         record = {
             "events": [(e["global_step"], e["kind"], e["action"]) for e in guard.events],
             "global_step": trainer.global_step,
@@ -297,13 +298,17 @@ class _RecordPerRank(pl.Callback):
 
 
 @pytest.mark.slow
-def test_ddp_a_nan_on_rank_1_only_gets_the_same_action_on_both_ranks(tmp_path):
-    callbacks = [TrainingGuard(on_nonfinite="skip"), _RecordPerRank(str(tmp_path)), ReleaseProcessGroup()]
-    trainer = pl.Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_steps=8))
-    trainer.fit(Net(nan_at={4}, nan_rank=1), loader(regression_data(64, 6), 8))
+@pytest.mark.parametrize("action", ["skip", "stop"])
+def test_ddp_a_nan_on_rank_1_only_gets_the_same_action_on_both_ranks(tmp_path, action):
+    callbacks = [TrainingGuard(on_nonfinite=action), _RecordPerRank(str(tmp_path)), ReleaseProcessGroup()]
+    kwargs = trainer_kwargs(
+        strategy="ddp_spawn", devices=2, callbacks=callbacks, max_steps=8, default_root_dir=tmp_path
+    )
+    pl.Trainer(**kwargs).fit(Net(nan_at={4}, nan_rank=1), loader(regression_data(64, 6), 8))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["events"] == ranks[1]["events"] == [[4, "nonfinite", "skip"]]
-    assert ranks[0]["global_step"] == ranks[1]["global_step"] == 8
+    assert ranks[0]["events"] == ranks[1]["events"] == [[4, "nonfinite", action]]
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == (8 if action == "skip" else 5)
+    assert (tmp_path / "checkpoints" / "guard-stop-step=4.ckpt").exists() == (action == "stop")
     assert ranks[0]["unchanged"] and ranks[1]["unchanged"] and ranks[0]["weights"] == ranks[1]["weights"]
     assert ranks[0]["producer"] == ranks[1]["producer"] == "loss"  # rank 1's finding, told to rank 0
 
