@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import ReleaseProcessGroup, loader, regression_data
+from _models import ReleaseProcessGroup, flat_grad_norm, loader, regression_data
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -38,6 +38,7 @@ class Net(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(d, 8), nn.Tanh(), nn.Linear(8, 1))
         self.nan_at, self.spike_at, self.nan_rank = set(nan_at), set(spike_at), nan_rank
         self.inf_grad_at = set(inf_grad_at)  # a finite loss whose gradient is inf (an fp16 overflow, in effect)
+        self.losses: dict[int, list[float]] = {}  # per optimizer step, its micro-batches' losses
         self.seen: dict[int, dict] = {}
 
     def training_step(self, batch, batch_idx):
@@ -50,6 +51,7 @@ class Net(pl.LightningModule):
             loss = loss * float("nan")
         if self.global_step in self.spike_at:
             loss = loss * 1000.0
+        self.losses.setdefault(self.global_step, []).append(loss.item())
         return loss
 
     def on_before_optimizer_step(self, optimizer):
@@ -117,6 +119,25 @@ def test_a_spike_with_rollback_restores_the_snapshot_and_the_lr_factor_applies()
     for w8, buf8, g8, w9 in zip(seen[8]["weights"], seen[8]["momentum"], seen[8]["grads"], seen[9]["weights"]):
         torch.testing.assert_close(w9, w8 - 0.5 * LR * (MOMENTUM * buf8 + g8))
     assert all(not opt._optimizer_step_post_hooks for opt in trainer.optimizers)  # nothing left installed
+
+
+def test_under_accumulation_an_event_reports_the_steps_mean_loss_and_its_gradient_norm():
+    class NormsBefore(pl.Callback):  # runs before the guard: the gradient it judged
+        def __init__(self) -> None:
+            self.norms: dict[int, float] = {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.norms[trainer.global_step] = flat_grad_norm(pl_module.parameters())
+
+    model, guard, before = Net(spike_at={4}), TrainingGuard(on_spike="skip", spike_warmup_steps=3), NormsBefore()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[before, guard], accumulate_grad_batches=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, loader(regression_data(64, 6), 8))
+    (event,) = guard.events
+    assert (event["global_step"], event["epoch"], event["batch_idx"]) == (4, 1, 1)  # the step's last micro-batch
+    assert event["loss"] == pytest.approx(sum(model.losses[4]) / 2)  # Lightning divides each by 2
+    assert event["grad_norm"] == pytest.approx(before.norms[4])
 
 
 def test_stop_writes_a_checkpoint_and_says_why(tmp_path):
