@@ -362,3 +362,25 @@ def test_under_a_grad_scaler_its_own_skip_is_respected_not_doubled():
     assert all(g is not None for g in model.seen[3]["grads"]) and "the GradScaler skips" in said[0]
     assert _equal(model.seen[3]["weights"], model.seen[4]["weights"])
     assert trainer.precision_plugin.scaler.get_scale() == 2.0**7  # backed off once
+
+
+def test_a_rollback_without_a_target_is_a_skip_not_a_crash():
+    class Unfreeze(pl.Callback):  # as BackboneFinetuning does: a parameter group added after the snapshot
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 5:
+                trainer.optimizers[0].add_param_group({"params": list(pl_module.extra.parameters())})
+
+    class WithFrozen(Net):
+        def __init__(self) -> None:
+            super().__init__(spike_at={6})
+            self.extra = nn.Linear(2, 2)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.net.parameters(), lr=LR, momentum=MOMENTUM)
+
+    model = WithFrozen()
+    guard = TrainingGuard(on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=4)
+    trainer, said = _fit(model, guard, max_steps=8, callbacks=[Unfreeze()])
+    assert trainer.global_step == 8 and [e["action"] for e in guard.events] == ["skip"] and guard.rollbacks == 0
+    assert _equal(model.seen[6]["weights"], model.seen[7]["weights"])
+    assert any("could not roll back" in s for s in said)

@@ -265,15 +265,20 @@ class TrainingGuard(TrainvitalsCallback):
         if action != "warn" and not (kind == NONFINITE and self._amp):  # the GradScaler skips a non-finite step
             for p in params:
                 p.grad = None
+        if action == "rollback":
+            try:
+                self.snapshot.restore(pl_module, trainer.optimizers)
+            except (RuntimeError, ValueError) as error:  # parameters added since (a backbone unfrozen): no target
+                self.cannot_measure(f"could not roll back to the snapshot ({error}); skipping the step instead")
+                action = "skip"
+            else:
+                self.rollbacks += 1
+                self.lr_steps_left = self.lr_factor_steps
         if action == "skip":
             self.skipped_steps += 1
-        elif action == "rollback":
-            self.snapshot.restore(pl_module, trainer.optimizers)
-            self.rollbacks += 1
-            self.lr_steps_left = self.lr_factor_steps
         elif action == "stop":
             self._step["stop"] = (step, f"{seen} at optimizer step {step}")
-        else:
+        elif action == "warn":
             self._scale_lr(optimizer)
         escalated = ACTIONS.index(action) > ACTIONS.index(self.actions[kind])
         doing = _DOING[action].format(snapshot=self.snapshot.step)
@@ -301,7 +306,11 @@ class TrainingGuard(TrainvitalsCallback):
     def _take_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int) -> None:
         every = self.snapshot_every_n_steps
         if every and (self.snapshot.step is None or step - self.snapshot.step >= every):
-            self.snapshot.take(step, pl_module, trainer.optimizers)
+            try:
+                self.snapshot.take(step, pl_module, trainer.optimizers)
+            except torch.OutOfMemoryError:  # on the device: the run goes on, with the older snapshot
+                self.cannot_measure("no memory for a snapshot on the device; snapshot_on='cpu' keeps it in host memory")
+                return
             self.snapshot_step = step
 
     def _scale_lr(self, optimizer: torch.optim.Optimizer) -> None:
@@ -387,9 +396,12 @@ class TrainingGuard(TrainvitalsCallback):
         rows = [[e[c] for c in columns] for e in self.events[-_PANEL_ROWS:]]
         log_text(trainer, "guard/event_log", "\n".join(markdown_table(columns, rows, align="rrrllrr")), step)
         if trainer.is_global_zero and self._folder:
-            os.makedirs(self._folder, exist_ok=True)
-            with open(os.path.join(self._folder, SKIP_BATCHES_FILE), "w") as f:
-                json.dump(self.events, f, indent=1)
+            try:
+                os.makedirs(self._folder, exist_ok=True)
+                with open(os.path.join(self._folder, SKIP_BATCHES_FILE), "w") as f:
+                    json.dump(self.events, f, indent=1)
+            except OSError as error:
+                self.cannot_measure(f"could not write {SKIP_BATCHES_FILE} in {self._folder}: {error}")
 
 
 def _number(x: float) -> float | str:
