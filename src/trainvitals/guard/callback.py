@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import os
 from typing import Any
 
@@ -154,7 +155,7 @@ class TrainingGuard(TrainvitalsCallback):
         self.add_state("stop_reason", None)
         self.snapshot: Snapshot
         self.add_state("snapshot", functools.partial(Snapshot, self.snapshot_on), persistent=snapshot_in_checkpoint)
-        self._step: dict[str, Any]  # this optimizer step: its loss, batch, RNG state, the step decided
+        self._step: dict[str, Any]  # scratch: the loss, batch and RNG state of this step, the last decided, the params
         self.add_state("_step", dict, persistent=False)
         self._lr: dict[str, Any]  # lrs scaled for this step, and the hook that puts them back after it
         self.add_state("_lr", dict, persistent=False)
@@ -190,7 +191,7 @@ class TrainingGuard(TrainvitalsCallback):
             return  # LBFGS evaluates its closure, and Lightning this hook, several times per step
         self._step["decided"] = step
         self._put_back_lr()
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        params = self._params_of(optimizer)
         sq_norm = self.vitals.grad_norms.sq_norm(trainer, optimizer, params)
         loss = self._step.pop("loss", None)
         device = next((t.device for t in (sq_norm, loss) if t is not None), pl_module.device)
@@ -302,6 +303,16 @@ class TrainingGuard(TrainvitalsCallback):
             + (f" The first inf/NaN was made by {producer.describe()}." if producer else "")
         )
         self._record(trainer, step)
+
+    def _params_of(self, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+        """The optimizer's parameters, as the same list while they stay the same: the hub then serves this
+        step's norms from its cached index instead of building one per step."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        held = self._step.get("params")
+        if held is not None and len(held) == len(params) and all(map(operator.is_, held, params)):
+            return held
+        self._step["params"] = params
+        return params
 
     def _take_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int) -> None:
         every = self.snapshot_every_n_steps
