@@ -59,11 +59,13 @@ class TrainingGuard(TrainvitalsCallback):
     gradients dropped (under a GradScaler a non-finite gradient is the scaler's own skip: a finite loss
     with it is calibration and no event, and the scaler's skip is not repeated); ``"rollback"`` — weights
     and optimizer state restored from the in-memory snapshot of the last clean step (taken every
-    ``snapshot_every_n_steps``), the lr multiplied by ``lr_factor`` for the ``lr_factor_steps`` steps
-    after; ``"stop"`` — the step skipped, a checkpoint written through the Trainer, the fit stopped. After
-    ``budget_events`` skips (or rollbacks) within ``budget_window`` steps, the next event gets the next
-    action: skip → rollback → stop. Every rank takes the same decision, from numbers reduced over ranks.
-    On the first non-finite step the module that produced the inf/NaN is named (:attr:`producer`).
+    ``snapshot_every_n_steps``; the batches since are not re-run, i.e. skipped, as PaLM does), the lr
+    multiplied by ``lr_factor`` for the ``lr_factor_steps`` steps after; ``"stop"`` — the step skipped, a
+    checkpoint written through the Trainer, the fit stopped. After ``budget_events`` skips (or rollbacks)
+    within ``budget_window`` steps, the next event gets the next action: skip → rollback → stop. Every
+    rank takes the same decision, from numbers reduced over ranks.
+    On each fit's first non-finite step the module that produced the inf/NaN is named (:attr:`producer`;
+    under gradient accumulation the step's last micro-batch is the one re-run).
 
     Logged at each event (step = ``trainer.global_step``), and once at the end of fit:
 
@@ -78,7 +80,8 @@ class TrainingGuard(TrainvitalsCallback):
         spike_factor: a value above ``spike_factor`` × its EMA is a spike; > 1.
         ema_beta: decay of the EMAs per optimizer step, in [0, 1).
         spike_warmup_steps: steps before spikes are looked for.
-        snapshot_every_n_steps: optimizer steps between snapshots (at a clean step); 0: none (a rollback is then a skip).
+        snapshot_every_n_steps: optimizer steps between snapshots (at a clean step); 0: none (a rollback is then
+            a skip, or a stop when the budget escalated to it).
         snapshot_on: ``"cpu"`` or ``"device"`` (the parameters'): where the snapshot is kept.
         lr_factor: lr multiplier after a rollback, in (0, 1].
         lr_factor_steps: optimizer steps the factor applies for after a rollback.
@@ -145,10 +148,10 @@ class TrainingGuard(TrainvitalsCallback):
         self.add_state("snapshot_step", None)
         self.lr_steps_left: int
         self.add_state("lr_steps_left", 0)
-        self.searched: bool
-        self.add_state("searched", False)
+        self.searched: bool  # the producer is searched on each fit's first non-finite step
+        self.add_state("searched", False, persistent=False)
         self.producer: Producer | None
-        """Where the run's first inf/NaN was made, once found."""
+        """Where this fit's first inf/NaN was made, once found."""
         self.add_state("producer", None, persistent=False)
         self.stop_reason: str | None
         """Why the guard stopped the fit, and where its checkpoint is; ``None`` if it did not."""
