@@ -78,3 +78,10 @@ def test_the_summary_comes_first_and_the_diagnoses_are_plain_text() -> None:
     assert "GradNormMonitor\n===============\noptimizer  steps\n---------  -----\n0            910" in out
     assert "|" not in out and "**" not in out
     assert format_summary(result, "runs", details=False).count("\n") == 7
+
+
+def test_version(capsys) -> None:
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.split() == ["trainvitals", version("trainvitals")]

@@ -13,11 +13,11 @@ markdown table at the end of fit (:meth:`GraphIntegrityCallback.summary_markdown
 as the text panel ``graph/findings``). ``strict=True`` raises :class:`GraphIntegrityError` at the first
 finding instead, on all ranks at the same step.
 
-Metrics, logged when a check window closes (step = ``trainer.global_step``): per kind of finding,
-``graph/findings_<kind>``, how many times it was found so far, and, for some, its count in that window,
-``graph/<metric>`` (:func:`~trainvitals.integrity.checks.finding_kinds` lists the kinds, each with its
-metric and what ``trainvitals report`` makes of it; :func:`~trainvitals.integrity.checks.window_labels`
-every window metric, in words).
+Metrics, logged when a check window closes (at its last optimizer step, ``trainer.global_step - 1``, as every
+callback's step): per kind of finding, ``graph/findings_<kind>``, how many times it was found so far, and,
+for some, its count in that window, ``graph/<metric>`` (:func:`~trainvitals.integrity.checks.finding_kinds`
+lists the kinds, each with its metric and what ``trainvitals report`` makes of it;
+:func:`~trainvitals.integrity.checks.window_labels` every window metric, in words).
 
 This module runs the check windows, calls the registered checks' hooks in turn, and logs and raises what
 they find. The analysis is torch-only: :mod:`trainvitals.integrity.graph` (walks),
@@ -234,7 +234,8 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         fit.window_open = False
         complete = fit.window_left <= 0
         metrics = self._call("on_window_close", trainer, complete)
-        log_scalars(trainer, {**metrics, **self._count_metrics()}, step=trainer.global_step)
+        # At the last optimizer step the window checked, as every callback logs a step: global_step is past it.
+        log_scalars(trainer, {**metrics, **self._count_metrics()}, step=max(trainer.global_step - 1, 0))
 
     def _call(self, hook: str, *args: Any) -> dict[str, float]:
         """Call the checks' ``hook`` (those that override it, in order) with the Fit and ``args``; returns the
@@ -317,7 +318,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         if self._fit.window_open:
             self._close_window(trainer)
         elif any((metrics := self._call("on_sync", trainer)).values()):  # after the last window: still on the charts
-            log_scalars(trainer, {**metrics, **self._count_metrics()}, step=trainer.global_step)
+            log_scalars(trainer, {**metrics, **self._count_metrics()}, step=max(trainer.global_step - 1, 0))
         self._publish(trainer)
 
     @override
