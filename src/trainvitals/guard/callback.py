@@ -113,22 +113,23 @@ class TrainingGuard(TrainvitalsCallback):
         snapshot_in_checkpoint: bool = False,
     ) -> None:
         super().__init__()
-        self.actions = {
-            NONFINITE: check_choice("on_nonfinite", on_nonfinite, ACTIONS),
-            SPIKE: check_choice("on_spike", on_spike, ACTIONS),
-        }
-        factor, beta, warmup = SpikeDetector.check_arguments(
-            spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
+        self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, ACTIONS)
+        self.on_spike = check_choice("on_spike", on_spike, ACTIONS)
+        self.actions = {NONFINITE: self.on_nonfinite, SPIKE: self.on_spike}
+        self.spike_factor, self.ema_beta, self.spike_warmup_steps = factor, beta, warmup = (
+            SpikeDetector.check_arguments(
+                spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
+            )
         )
         self.snapshot_every_n_steps = check_int("snapshot_every_n_steps", snapshot_every_n_steps, 0)
         self.snapshot_on = check_choice("snapshot_on", snapshot_on, WHERE)
         self.lr_factor = check_float("lr_factor", lr_factor, 0.0, 1.0, low_open=True)
         self.lr_factor_steps = check_int("lr_factor_steps", lr_factor_steps, 0)
-        events = check_int("budget_events", budget_events, 1)
-        window = check_int("budget_window", budget_window, 1)
+        self.budget_events = events = check_int("budget_events", budget_events, 1)
+        self.budget_window = window = check_int("budget_window", budget_window, 1)
         self.name_producer = check_bool("name_producer", name_producer)
-        check_bool("snapshot_in_checkpoint", snapshot_in_checkpoint)
-        self.key_state_by(on_nonfinite=on_nonfinite, on_spike=on_spike, spike_factor=factor)
+        self.snapshot_in_checkpoint = check_bool("snapshot_in_checkpoint", snapshot_in_checkpoint)
+        self.key_state_by(on_nonfinite=self.on_nonfinite, on_spike=self.on_spike, spike_factor=factor)
 
         self.skipped_steps: int
         self.add_state("skipped_steps", 0)
@@ -157,7 +158,9 @@ class TrainingGuard(TrainvitalsCallback):
         """Why the guard stopped the fit, and where its checkpoint is; ``None`` if it did not."""
         self.add_state("stop_reason", None)
         self.snapshot: Snapshot
-        self.add_state("snapshot", functools.partial(Snapshot, self.snapshot_on), persistent=snapshot_in_checkpoint)
+        self.add_state(
+            "snapshot", functools.partial(Snapshot, self.snapshot_on), persistent=self.snapshot_in_checkpoint
+        )
         self._step: dict[str, Any]  # scratch: the loss, batch and RNG state of this step, the last decided, the params
         self.add_state("_step", dict, persistent=False)
         self._lr: dict[str, Any]  # lrs scaled for this step, and the hook that puts them back after it
