@@ -116,11 +116,10 @@ class TrainingGuard(TrainvitalsCallback):
         self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, ACTIONS)
         self.on_spike = check_choice("on_spike", on_spike, ACTIONS)
         self.actions = {NONFINITE: self.on_nonfinite, SPIKE: self.on_spike}
-        self.spike_factor, self.ema_beta, self.spike_warmup_steps = factor, beta, warmup = (
-            SpikeDetector.check_arguments(
-                spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
-            )
+        factor, beta, warmup = SpikeDetector.check_arguments(
+            spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
         )
+        self.spike_factor, self.ema_beta, self.spike_warmup_steps = factor, beta, warmup
         self.snapshot_every_n_steps = check_int("snapshot_every_n_steps", snapshot_every_n_steps, 0)
         self.snapshot_on = check_choice("snapshot_on", snapshot_on, WHERE)
         self.lr_factor = check_float("lr_factor", lr_factor, 0.0, 1.0, low_open=True)
