@@ -27,6 +27,12 @@ from trainvitals.report.events import read_runs
 LR, MOMENTUM = 0.05, 0.9
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Without a logger the Trainer's folder is the working directory: skip_batches.json goes there."""
+    monkeypatch.chdir(tmp_path)
+
+
 class Net(pl.LightningModule):
     """MLP regression under SGD with momentum; the loss is made NaN (``nan_at``, on ``nan_rank`` only if set)
     or 1000× (``spike_at``) at those optimizer steps. ``seen[step]``: the weights, momentum buffers,
