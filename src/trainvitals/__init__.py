@@ -15,6 +15,7 @@ _EXPORTS = {
     "GraphIntegrityCallback": "trainvitals.integrity.callback",
     "LRScalingAdvisor": "trainvitals.lr_scaling.advisor",
     "MemoryTopologyProfiler": "trainvitals.memory.profiler",
+    "TrainingGuard": "trainvitals.guard.callback",
     "TrainvitalsDashboard": "trainvitals.tensorboard.dashboard",
     "UpdateMonitor": "trainvitals.updates.monitor",
 }

@@ -26,6 +26,7 @@ TRAINVITALS_ROOTS = (
     "lr_scaling",
     "graph",
     "memory",
+    "guard",
     "update",
     "activation",
     "trainvitals",

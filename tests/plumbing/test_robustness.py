@@ -35,7 +35,7 @@ def every_callback() -> list[pl.Callback]:
         BatchVarianceProbe(),
         GradNormEarlyStopping(),
         LRScalingAdvisor(verbose=False),
-        MemoryTopologyProfiler(every_n_steps=2, verbose=False),
+        MemoryTopologyProfiler(measure_every_n_steps=2, verbose=False),
         TrainvitalsDashboard(),
     ]
 
@@ -191,7 +191,7 @@ def test_callbacks_whose_saved_state_means_different_things_have_different_state
             GradNormEarlyStopping(mode="relative", reference_steps=20),
         ),
         (GradNormMonitor(spike_factor=3.0), GradNormMonitor(spike_factor=10.0)),
-        (GradNormMonitor(spike_ema_beta=0.9), GradNormMonitor(spike_ema_beta=0.99)),
+        (GradNormMonitor(ema_beta=0.9), GradNormMonitor(ema_beta=0.99)),
     ]
     for first, second in pairs:
         assert first.state_key != second.state_key

@@ -29,9 +29,9 @@ from trainvitals.noise.outliers import Outliers, largest_examples
 from trainvitals.noise.probe_sources import BATCHNORM_MIN_VALUES, COUPLED, SOURCES, ProbeSources
 from trainvitals.per_example import PerExampleStep, SourcePlan
 from trainvitals.plumbing.amp import loss_scale, scale_left_in_grads
-from trainvitals.plumbing.base import reduce_packed
 from trainvitals.plumbing.batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.plumbing.sharing import StepGradNorms
+from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.writers import log_histogram, log_text
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ class ProbeStep:
         )
         source.update(grad_sq_norm, trace_cov, valid, covered, total)
         probe.nonfinite.add(torch.isfinite(total))
-        probe.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
+        source.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         whole = not pl_module.automatic_optimization or len(self.sizes) == trainer.accumulate_grad_batches
         # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
         batch = source.effective_batch_size

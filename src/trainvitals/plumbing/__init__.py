@@ -1,7 +1,8 @@
 """The Lightning glue every trainvitals callback shares; no feature's math lives here.
 
-- :mod:`.base`: :class:`~trainvitals.plumbing.base.TrainvitalsCallback` — the state key, declared state
-  (reset, ``state_dict``, reduction over ranks), messages;
+- :mod:`.base`: :class:`~trainvitals.plumbing.base.TrainvitalsCallback` — the state key, declared state, messages;
+- :mod:`.state`: :class:`~trainvitals.plumbing.state.DeclaredState` — state declared with ``add_state`` (reset,
+  ``state_dict``, reduction over ranks), torch only, so that the integrity checks use it without Lightning;
 - :mod:`.sharing`: what the callbacks share in a fit, declared (``provides``, ``reads``) and resolved at
   setup — the step's gradient norms taken once, the run's noise estimate —, the one place that searches
   the Trainer's callback list;
