@@ -22,9 +22,10 @@ from typing_extensions import override
 
 from trainvitals._validation import check_callable, check_float, check_int
 from trainvitals.activations.stats import DEAD_TYPES, STATS, combine_moments, finish, output_moments, output_tensors
-from trainvitals.plumbing.base import TrainvitalsCallback, reduce_packed
+from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharing import SUMMARY
+from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.writers import log_scalars
 from trainvitals.text.markdown import markdown_table
 
