@@ -156,7 +156,7 @@ def test_an_amp_skipped_step_is_counted_not_logged_as_a_ratio():
     assert weights.delta_norm(2) == 0.0  # the step really was skipped
     assert logger.values("update/skipped_steps")[-1] == 1
     assert dict(logger.series["update/skipped_steps"])[2] == 1  # counted at the skipped step itself
-    assert monitor._tracks[0].steps == 8 and monitor._tracks[0].skipped == 1
+    assert monitor._tracks[0].state.steps == 8 and monitor._tracks[0].state.skipped == 1
     assert [s for s, _ in logger.series["update/total_norm"]] == steps
     assert logger.values("update/total_norm")[1] == pytest.approx(weights.delta_norm(1), rel=1e-4)
 
@@ -180,7 +180,7 @@ def test_lbfgs_closure_evaluations_make_one_exact_update():
     _, logger = fit(LBFGSLinear(), [monitor, weights], batch_size=16, max_steps=3)
     assert [s for s, _ in logger.series["update/total_norm"]] == [0, 1, 2]
     assert logger.values("update/total_norm") == pytest.approx([weights.delta_norm(s) for s in range(3)], rel=1e-6)
-    assert monitor._tracks[0].steps == 3 and monitor._tracks[0].skipped == 0
+    assert monitor._tracks[0].state.steps == 3 and monitor._tracks[0].state.skipped == 0
 
 
 def test_manual_optimization_two_optimizers_tags_per_optimizer():
@@ -247,26 +247,31 @@ def test_an_update_norm_spike_is_found():
 
     monitor = UpdateMonitor(log_every_n_steps=1, spike_warmup_steps=3)
     fit(Kick(optimizer=lambda p: torch.optim.SGD(p, lr=1e-3)), [monitor], max_steps=8)
-    assert monitor._tracks[0].spike_steps == 1
+    assert monitor._tracks[0].state.spike_steps == 1
     assert any("spike at optimizer step 7" in f for f in monitor.findings())
 
 
-def test_state_round_trips_and_a_resumed_fit_continues_the_cadence(tmp_path):
+def test_state_survives_a_requeued_fit_and_the_resumed_fit_continues_the_cadence(tmp_path):
     def optimizer(params):
         model_params = list(params)
         return torch.optim.SGD([{"params": model_params[:2], "lr": 0.1}, {"params": model_params[2:], "lr": 0.0}])
 
     monitor = UpdateMonitor(log_every_n_steps=3)
     trainer, _ = fit(Linear(optimizer=optimizer), [monitor], max_steps=4)
-    state = monitor.state_dict()
-    assert state["0"]["steps"] == 4 and state["0"]["records"]["body"]["measured"] == 2
-    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    state = monitor.state_dict()["tracks"]["0"]
+    assert state["steps"] == 4 and state["records"]["body"]["measured"] == 2 and state["records"]["head"]["still"] == 2
+    trainer.save_checkpoint(tmp_path / "first.ckpt")
+    # A requeued job: relaunched from the checkpoint with nothing left to run, it saves again.
+    requeued = UpdateMonitor(log_every_n_steps=3)
+    trainer, _ = fit(Linear(optimizer=optimizer), [requeued], max_steps=4, ckpt_path=tmp_path / "first.ckpt")
+    assert requeued.state_dict() == monitor.state_dict()
+    assert any("head" in f for f in requeued.findings())  # the findings' counts carried over
+    trainer.save_checkpoint(tmp_path / "second.ckpt")
     resumed = UpdateMonitor(log_every_n_steps=3)
-    _, logger = fit(Linear(optimizer=optimizer), [resumed], max_steps=7, ckpt_path=tmp_path / "last.ckpt")
-    assert resumed._tracks[0].steps == 7
+    _, logger = fit(Linear(optimizer=optimizer), [resumed], max_steps=7, ckpt_path=tmp_path / "second.ckpt")
+    assert resumed._tracks[0].state.steps == 7
     assert [s for s, _ in logger.series["update/total_ratio"]] == [6]  # the cadence goes on: steps 0, 3, then 6
-    assert resumed._tracks[0].records["head"].still == 3  # the findings' counts carried over
-    assert any("head" in f for f in resumed.findings())
+    assert resumed._tracks[0].state.records["head"]["still"] == 3
 
 
 def test_hooks_are_removed_at_the_end_of_the_fit():

@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,6 +34,7 @@ from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import reduce_shard_norms, reduce_shard_sums
 from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, SUMMARY
+from trainvitals.plumbing.state import DeclaredState, IndexedStates
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 from trainvitals.updates.measure import adam_unit_step_norms, descent_dots, is_adam_like, snapshot, step_change
@@ -40,38 +43,48 @@ USUAL_RATIO = 1e-3
 """``usual_ratio``'s default: the rule of thumb of ~1e-3 per step."""
 
 
-@dataclass
-class _Record:
-    """One group's logged steps, on the host: how often its ratio left the range, how often it stood still."""
+RECORD = ("measured", "above", "below", "with_grad", "still")
+"""A group's counts over its logged steps: ratios defined, above and below the usual range; steps with a
+non-zero gradient, and of those the steps where Δθ was exactly 0."""
 
-    measured: int = 0
-    above: int = 0
-    below: int = 0
-    with_grad: int = 0  # measured steps with a non-zero gradient
-    still: int = 0  # ... of which Δθ was exactly 0
-    last: dict[str, float] = field(default_factory=dict)
+
+class UpdateTrackState(DeclaredState):
+    """What one optimizer's track carries over a resume: its steps (skipped ones included), the skipped
+    steps, the update-norm spikes and their EMA, and each group's counts (:data:`RECORD`)."""
+
+    def __init__(self, spikes: Callable[[], SpikeDetector]) -> None:
+        self.steps: int
+        self.add_state("steps", 0)
+        self.skipped: int
+        self.add_state("skipped", 0)
+        self.spike_steps: int
+        self.add_state("spike_steps", 0)
+        self.spikes: SpikeDetector
+        self.add_state("spikes", spikes, key="ema")
+        self.records: dict[str, dict[str, int]]
+        self.add_state("records", dict)
+
+    def record(self, group: str) -> dict[str, int]:
+        return self.records.setdefault(group, dict.fromkeys(RECORD, 0))
 
 
 @dataclass
 class _Track:
-    """One optimizer: its parameters and groups, the step under way, and the host bookkeeping."""
+    """One optimizer: its parameters and groups, the step under way, and the host bookkeeping (:attr:`state`,
+    what a checkpoint keeps of it)."""
 
     params: list[torch.nn.Parameter]
     groups: NormGroups
-    spikes: SpikeDetector
+    state: UpdateTrackState
     optimizer: torch.optim.Optimizer | None = None
     handle: RemovableHandle | None = None
-    steps: int = 0  # optimizer steps begun, skipped ones included
-    skipped: int = 0
     begun: int | None = None  # global step of the step begun at on_before_optimizer_step, not yet taken
     before: list[Tensor] | None = None  # θ before a measured step (its copy), then −Δθ
     grad_norms: Tensor | None = None
     grad_scale: Tensor | None = None
     clip: float | None = None  # the Trainer's norm clipping of this step (NaN: by value)
-    records: dict[str, _Record] = field(default_factory=dict)
+    last: dict[str, dict[str, float]] = field(default_factory=dict)  # each group's values at the last logged step
     spike: tuple[int, str] | None = None
-    spike_steps: int = 0
-    last_step: int | None = None
     last_total_ratio: float = math.nan
 
 
@@ -145,10 +158,13 @@ class UpdateMonitor(TrainvitalsCallback):
             spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
         )
         self.key_state_by(grouping=self.grouping)
+        # Tracks are built at an optimizer's first step (they need its parameters); what a checkpoint keeps
+        # of them is declared apart, so that a loaded state is kept by a fit that builds no track.
+        self._track_states: IndexedStates
+        spikes = partial(SpikeDetector, self.spike_factor, self.ema_beta, self.spike_warmup_steps)
+        self.add_state("_track_states", partial(IndexedStates, partial(UpdateTrackState, spikes)), key="tracks")
         self._tracks: dict[int, _Track]
         self.add_state("_tracks", {}, persistent=False)
-        self._restored: dict[int, dict[str, Any]]
-        self.add_state("_restored", {}, persistent=False)
         self._trainer: pl.Trainer | None = None
 
     # ------------------------------------------------------------------ hooks
@@ -168,7 +184,7 @@ class UpdateMonitor(TrainvitalsCallback):
         if track.begun is not None:
             self._skip(trainer, index, track)  # the step before was never taken
         track.begun = step
-        if not is_logging_step(track.steps, logging_every(trainer, self.log_every_n_steps)):
+        if not is_logging_step(track.state.steps, logging_every(trainer, self.log_every_n_steps)):
             return
         track.grad_norms = self.vitals.grad_norms.norms(trainer, optimizer, track.params)
         track.grad_scale = scale_left_in_grads(trainer, optimizer)
@@ -202,39 +218,24 @@ class UpdateMonitor(TrainvitalsCallback):
         for finding in self.findings():
             self.warn(finding)
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            str(i): {
-                "steps": t.steps,
-                "skipped": t.skipped,
-                "spike_steps": t.spike_steps,
-                "ema": t.spikes.state_dict(),
-                "records": {name: {k: v for k, v in vars(r).items() if k != "last"} for name, r in t.records.items()},
-            }
-            for i, t in self._tracks.items()
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = {int(k): v for k, v in state_dict.items()}
-
     # ------------------------------------------------------------------ results
     def findings(self) -> list[str]:
         """What the logged steps say, one sentence each: ratios out of range, groups that do not move,
         update-norm spikes (class docstring)."""
         low, high = self.usual_ratio / self.ratio_factor, self.usual_ratio * self.ratio_factor
         found = []
-        for index, track in sorted(self._tracks.items()):
-            where = f" (optimizer {index})" if len(self._tracks) > 1 else ""
-            still = [n for n, r in track.records.items() if r.with_grad and r.still == r.with_grad]
+        states = self._track_states.by_index
+        for index, state in sorted(states.items()):
+            where = f" (optimizer {index})" if len(states) > 1 else ""
+            records = state.records
+            still = [n for n, r in records.items() if r["with_grad"] and r["still"] == r["with_grad"]]
             if still:
                 found.append(
                     f"layers that do not move{where}: {_listed(still)} — Δθ = 0 at every logged step while "
                     "their gradient is not zero: lr 0 in their param group, or frozen by the optimizer"
                 )
-            above = [n for n, r in track.records.items() if r.measured and r.above * 2 > r.measured]
-            below = [n for n, r in track.records.items() if n not in still and r.measured and r.below * 2 > r.measured]
+            above = [n for n, r in records.items() if r["measured"] and r["above"] * 2 > r["measured"]]
+            below = [n for n, r in records.items() if n not in still and r["below"] * 2 > r["measured"] > 0]
             if above:
                 found.append(
                     f"update/weight ratio above {high:g} in most logged steps{where}: {_listed(above)} — "
@@ -245,15 +246,16 @@ class UpdateMonitor(TrainvitalsCallback):
                     f"update/weight ratio below {low:g} in most logged steps{where}: {_listed(below)} — "
                     "the layer barely learns: its lr is too small for its weights' scale"
                 )
-            if track.spike is not None:
+            track = self._tracks.get(index)
+            if track is not None and track.spike is not None:
                 found.append(track.spike[1] + where)
         return found
 
     def summary_line(self) -> str:
         """One line for the end of fit: per optimizer, the steps seen, the last total ratio, skipped steps."""
         parts = [
-            f"{'optimizer ' + str(i) + ': ' if len(self._tracks) > 1 else ''}{t.steps} steps, last ‖Δθ‖/‖θ‖ "
-            f"{t.last_total_ratio:.3g}, skipped {t.skipped}, update-norm spikes {t.spike_steps}"
+            f"{'optimizer ' + str(i) + ': ' if len(self._tracks) > 1 else ''}{t.state.steps} steps, last ‖Δθ‖/‖θ‖ "
+            f"{t.last_total_ratio:.3g}, skipped {t.state.skipped}, update-norm spikes {t.state.spike_steps}"
             for i, t in sorted(self._tracks.items())
         ]
         return "; ".join(parts) or "no optimizer step was measured."
@@ -262,8 +264,7 @@ class UpdateMonitor(TrainvitalsCallback):
         """End-of-run markdown: per group its last ‖θ‖, ‖Δθ‖, ratio and cosine; then the findings."""
         rows = []
         for index, track in sorted(self._tracks.items()):
-            for name, r in track.records.items():
-                last = r.last
+            for name, last in track.last.items():
                 rows.append(
                     (
                         index,
@@ -285,7 +286,7 @@ class UpdateMonitor(TrainvitalsCallback):
         if track is None or track.begun is None or trainer is None:
             return  # a step Lightning did not begin (a user's own call of the bare optimizer)
         step, track.begun = track.begun, None
-        track.steps += 1
+        track.state.steps += 1
         before, track.before = track.before, None
         if before is None:
             return
@@ -337,7 +338,7 @@ class UpdateMonitor(TrainvitalsCallback):
         first, unit = rest[:2] if adam else ([], [])
         grad, dots = rest[-2:]
         tag = functools.partial(self._tag, trainer, index=index)
-        metrics: dict[str, float] = {tag("skipped_steps"): track.skipped, tag("total_norm"): total_update}
+        metrics: dict[str, float] = {tag("skipped_steps"): track.state.skipped, tag("total_norm"): total_update}
         track.last_total_ratio = _ratio(total_update, total_weight)
         metrics[tag("total_ratio")] = track.last_total_ratio
         low, high = self.usual_ratio / self.ratio_factor, self.usual_ratio * self.ratio_factor
@@ -351,20 +352,20 @@ class UpdateMonitor(TrainvitalsCallback):
             if adam:
                 values_g.update(exp_avg_norm=first[g], unit_step_norm=unit[g])
             metrics.update({tag(f"{key}/{name}"): value for key, value in values_g.items()})
-            record = track.records.setdefault(name, _Record())
-            record.last = values_g
+            record = track.state.record(name)
+            track.last[name] = values_g
             ratio = values_g["ratio"]
             if math.isfinite(ratio):
-                record.measured += 1
-                record.above += ratio > high
-                record.below += 0.0 < ratio < low  # 0: not moving at all, a finding of its own
+                record["measured"] += 1
+                record["above"] += ratio > high
+                record["below"] += 0.0 < ratio < low  # 0: not moving at all, a finding of its own
             if grad[g] > 0.0 and math.isfinite(grad[g]):
-                record.with_grad += 1
-                record.still += update[g] == 0.0
+                record["with_grad"] += 1
+                record["still"] += update[g] == 0.0
         track.last_step = step
         log_scalars(trainer, metrics, step, finite_only=True)
-        if math.isfinite(total_update) and (factor := track.spikes.update(total_update)) is not None:
-            track.spike_steps += 1
+        if math.isfinite(total_update) and (factor := track.state.spikes.update(total_update)) is not None:
+            track.state.spike_steps += 1
             largest = sorted(track.groups.names, key=lambda name: -update[track.groups.names.index(name)])[:3]
             track.spike = (
                 step,
@@ -377,11 +378,11 @@ class UpdateMonitor(TrainvitalsCallback):
     def _skip(self, trainer: "pl.Trainer", index: int, track: _Track) -> None:
         """The step begun at ``track.begun`` was not taken: counted (and logged, if it was a measured one)."""
         step, track.begun = track.begun, None
-        track.steps += 1
-        track.skipped += 1
+        track.state.steps += 1
+        track.state.skipped += 1
         if track.before is not None:
             track.before = None
-            log_scalars(trainer, {self._tag(trainer, "skipped_steps", index): track.skipped}, step)
+            log_scalars(trainer, {self._tag(trainer, "skipped_steps", index): track.state.skipped}, step)
 
     # ------------------------------------------------------------------ helpers
     def _track(self, index: int, pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> _Track:
@@ -395,13 +396,7 @@ class UpdateMonitor(TrainvitalsCallback):
         if track is not None:
             track.params, track.groups = params, groups
             return self._hooked(index, track, optimizer)
-        track = _Track(params, groups, SpikeDetector(self.spike_factor, self.ema_beta, self.spike_warmup_steps))
-        restored = self._restored.pop(index, None)
-        if restored is not None:
-            track.steps, track.skipped = int(restored.get("steps", 0)), int(restored.get("skipped", 0))
-            track.spike_steps = int(restored.get("spike_steps", 0))
-            track.spikes.load_state_dict(restored.get("ema", {}))
-            track.records = {name: _Record(**r) for name, r in restored.get("records", {}).items()}
+        track = _Track(params, groups, self._track_states.get(index))
         self._tracks[index] = track
         return self._hooked(index, track, optimizer)
 
