@@ -115,7 +115,7 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
         log_dir=str(Path(logger.log_dir)),
         seconds=seconds,
         threads=torch.get_num_threads(),
-        diagnoses=diagnoses(trainer),
+        diagnoses=diagnoses(stopper.vitals),
     )
 
 
