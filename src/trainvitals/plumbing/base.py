@@ -12,13 +12,16 @@
   checkpoints load); :meth:`TrainvitalsCallback.reduce_states` combines the reducible ones over ranks in
   one collective per operation.
 - Messages carry the prefix ``trainvitals <Callback>:``; :meth:`TrainvitalsCallback.cannot_measure` warns
-  once and carries on, or raises under ``strict=True``.
+  once and carries on, or raises under ``strict=True``. A warning with that prefix prints as its text alone
+  (:func:`format_warning`), as Lightning prints its own rank-zero warnings without the source line: it
+  reads as a message, not as a traceback.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -33,6 +36,8 @@ from typing_extensions import override
 from trainvitals.plumbing.writers import note_unrecorded
 
 REDUCTIONS = ("sum", "mean", "max", "min")
+PREFIX = "trainvitals "
+"""How every trainvitals message starts (:meth:`TrainvitalsCallback.message`)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,7 @@ class TrainvitalsCallback(Callback):
         named (also in a user's subclass of it); with ``tag`` (a finding's kind),
         ``trainvitals <Callback> [tag]: text``."""
         name = next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("trainvitals."))
-        return f"trainvitals {name}{f' [{tag}]' if tag else ''}: {text}"
+        return f"{PREFIX}{name}{f' [{tag}]' if tag else ''}: {text}"
 
     # The stack levels point a warning at the hook that gave it, past these helpers and Lightning's.
     def info(self, text: str, once: bool = False) -> None:
@@ -162,6 +167,25 @@ class TrainvitalsCallback(Callback):
     @functools.cached_property
     def _warning_cache(self) -> WarningCache:
         return WarningCache()
+
+
+def format_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """``warnings.formatwarning`` for trainvitals' messages: the text alone, one line per message.
+
+    Python prints ``file:line: UserWarning: text`` and the source line under it, so a message looks like a
+    traceback; Lightning's ``_custom_format_warning`` drops the source line of its own warnings. A message
+    with trainvitals' prefix names its callback already: it prints as ``text``; every other warning as the
+    formatter installed before (Lightning's, which hands the rest to Python's).
+    """
+    if str(message).startswith(PREFIX):
+        return f"{message}\n"
+    return _previous_format_warning(message, category, filename, lineno, line)
+
+
+_previous_format_warning = warnings.formatwarning
+warnings.formatwarning = format_warning
 
 
 def reduce_packed(trainer: "pl.Trainer", tensors: list[Tensor], op: str = "sum") -> list[Tensor]:
