@@ -217,6 +217,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("outlier_rows", False, persistent=False)
         self.add_state("outlier_coverage", "", persistent=False)  # which parameters their norms are over
         self.add_state("_enabled", False, persistent=False)
+        self.add_state("_disabled", "", persistent=False)  # why this fit measures nothing, if it does not
         self.add_state("_excluded", set(), persistent=False)
         self.add_state(
             "_failed", {}, persistent=False
@@ -291,7 +292,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         """One line for the end of fit: the run's noise scale (:attr:`gradient_noise`), or why there is none."""
         count = int(self.noise.count)
         if count == 0:
-            return f"no measurement: {self.noise_source.invalid or self.sources or 'not set up'}."
+            why = self._disabled or self.noise_source.invalid
+            return f"no measurement: {why}." if why else f"no step measured (planned sources: {self.sources})."
         summary = self.gradient_noise.host_summary()
         # The estimate's batch is its valid sources'; with none valid, the probe's own.
         batch = summary["batch_size"] or self.effective_batch_size
@@ -321,9 +323,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.gradient_noise = find_gradient_noise(trainer.callbacks)
         self.gradient_noise.max_rel_err = self.max_rel_err
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
-            self._cannot_measure(
-                f"strategy {type(trainer.strategy).__name__} is not supported (single device and DDP are)"
-            )
+            self._disable(f"strategy {type(trainer.strategy).__name__} is not supported (single device and DDP are)")
             return
         self._enabled = True
         self.gradient_noise.attach(self.noise_source)
@@ -352,6 +352,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._excluded,
             self.fallback_sub_batch,
             self._layouts,
+            self._batch_size,
         )
         self.sources, self.noise_source.param_share = sources.description, sources.param_share
         self._coordinate_cursor, self._gsnr_partial = 0, {}
@@ -367,13 +368,17 @@ class BatchVarianceProbe(TrainvitalsCallback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Optimizers exist from here on, not in ``setup``.
         if self._enabled and len(trainer.optimizers) > 1:
-            self._enabled = False
             self.gradient_noise.detach(self.noise_source.name)
-            self._cannot_measure(
+            self._disable(
                 f"the run has {len(trainer.optimizers)} optimizers, and the probe measures the "
                 "gradient of one optimizer's step (a GAN's generator and discriminator step on "
                 "different losses)"
             )
+
+    def _disable(self, why: str) -> None:
+        """Measure nothing in this fit, and say why now and at its end."""
+        self._enabled, self._disabled = False, why
+        self.cannot_measure(f"cannot measure: {why}; it measures nothing in this fit.")
 
     def _cannot_measure(self, why: str) -> None:
         self.cannot_measure(f"cannot measure: {why}. Such steps are left out.")
@@ -494,18 +499,32 @@ class BatchVarianceProbe(TrainvitalsCallback):
         # is measured as the next plan will: its parameters among those not measured per example.
         failed = self._measure(trainer, pl_module, result, micro_sum, optimizer, not problem, aside)
         if failed:
-            self._move_failed(trainer, pl_module, failed, set() if problem else aside)
+            # The step's kept norms (histogram, outliers) lack the failed layers: said with their cause, once.
+            norms_lost = bool(result.sq_norms) and bool(result.failed)
+            self._move_failed(trainer, pl_module, failed, set() if problem else aside, norms_lost)
 
     def _move_failed(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", failed: set[str], aside: set[str]
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        failed: set[str],
+        aside: set[str],
+        norms_lost: bool = False,
     ) -> None:
-        """Exclude the layers that failed per example, plan again, and say why, what became of the steps they
-        failed in (``aside``: the layers this one was measured without), where each goes and the coverage."""
+        """Exclude the layers that failed per example, plan again, and say in one message why, what became of
+        the steps they failed in (``aside``: the layers this one was measured without; ``norms_lost``: this
+        step's per-example norms are not logged), where each goes and the coverage."""
         reasons = {name: self._failed.pop(name, "it failed on another rank") for name in sorted(failed)}
         self._excluded.update(failed)
         self._make_plan(trainer, pl_module)
         assert self._sources is not None
-        self.cannot_measure(self._sources.moved(reasons, aside, trainer.world_size))
+        message = self._sources.moved(reasons, aside, trainer.world_size)
+        if norms_lost:
+            message += (
+                f" This step (optimizer step {trainer.global_step}) logs no per-example gradient norms (histogram, "
+                "outliers panel): they would lack the failed layers; the next steps' cover the layers left."
+            )
+        self.cannot_measure(message)
 
     def _check_sums(
         self,
@@ -649,7 +668,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
             log_text(trainer, SOURCES_CHECK, disagreement, step)
 
     def _log_norms(self, trainer: "pl.Trainer", sources: ProbeSources, result: PerExampleStep, step: int) -> None:
-        if why := sources.norms_invalid(result):
+        if result.failed:
+            return  # said after its cause, where the failed layers are moved (`_move_failed`)
+        if why := sources.norms_invalid():
             self.warn(f"no per-example gradient norms (histogram, outliers panel) at steps where {why}.", once=True)
         elif outliers := log_per_example_norms(
             trainer, result.sq_norms, self._batches.rows, self.top_k, sources.norm_coverage, step

@@ -58,6 +58,10 @@ DEFAULT_PATIENCE = 10
 DEFAULT_MIN_STEPS = 100
 # The host reads the on-device streak every this many steps: one sync per 10 steps, a stop at most 9 late.
 DEFAULT_CHECK_EVERY_N_STEPS = 10
+MANUAL = (
+    "mode='noise_band' needs automatic optimization (this LightningModule steps its optimizers itself, "
+    "automatic_optimization=False)"
+)
 
 
 def measurable_by(trainer: Any, say_probe: bool = True) -> str:
@@ -225,6 +229,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.add_state("effective_batch_size", None, persistent=False)
         # ``trainer.global_step`` at which a fit resumed from a checkpoint written after the stop was stopped.
         self.add_state("stopped_again_step", None, persistent=False)
+        self.add_state("_manual", False, persistent=False)  # noise_band under manual optimization: cannot stop
 
     @property
     def noise(self) -> BiasCorrectedEMA:
@@ -241,8 +246,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._warned_no_source = False
         self._params, self._micro_sizes, self._pending = [], [], None
         self._detach()
-        if self.mode == "noise_band" and not pl_module.automatic_optimization:
-            self.warn("mode='noise_band' needs automatic optimization; it will not stop this run.")
+        self._manual = self.mode == "noise_band" and not pl_module.automatic_optimization
+        if self._manual:
+            self.warn(MANUAL + "; it will not stop this run.")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -250,7 +256,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         # (same arguments: the state_key holds them). The run was over: it stops again before its first
         # step, as Lightning's EarlyStopping stops again at its first check.
         if not trainer.strategy.reduce_boolean_decision(self.stop_reason is not StopReason.NOT_STOPPED, all=False):
-            self._warn_if_it_cannot_fire(trainer)
+            if not self._manual:  # that it will not stop this run is said already, with its one cause
+                self._warn_if_it_cannot_fire(trainer)
             return
         trainer.should_stop = True
         self.stopped_again_step = trainer.global_step
@@ -573,6 +580,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
         why = f"{int(self._streak)} step(s) in a row in the condition at the end, of the {self.patience} it needs"
+        if self._manual:  # the one cause: min_steps and the noise sources do not matter then
+            return f"did not stop the run: {MANUAL}."
         if self.mode == "noise_band":
             summary = self.gradient_noise.host_summary()
             if self._source is None:
