@@ -9,8 +9,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from _models import GAN, loader, regression_data
+import torch
+from _models import GAN, Classifier, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
+from torch import nn
+from torch.utils.data import TensorDataset
 
 from trainvitals import (
     BatchVarianceProbe,
@@ -20,6 +23,7 @@ from trainvitals import (
     LRScalingAdvisor,
     MemoryTopologyProfiler,
 )
+from trainvitals.noise.estimate import GradientNoise
 from trainvitals.plumbing.base import TrainvitalsCallback
 
 
@@ -66,3 +70,26 @@ def test_a_gan_with_manual_optimization_hears_one_cause_per_callback_and_no_cont
     probe = of(said, "BatchVarianceProbe")
     assert [s for s in probe if "2 optimizers" in s] == probe[-2:]  # the warning, then the end line's cause
     assert probe[-1].startswith("trainvitals BatchVarianceProbe: no measurement")
+
+
+def test_under_batchnorm_with_accumulation_the_probe_and_the_micro_batches_are_one_source(said):
+    """BatchNorm couples a micro-batch's examples, so the probe measures every parameter from the micro-batches:
+    GradNormEarlyStopping's estimator on the same gradients. The run's estimate counts it once — the stopper's,
+    whose numbers it is — and names one source, where it named "probe, micro_batch"."""
+    net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    x = torch.randn(256, 6, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+    probe, stopper = BatchVarianceProbe(), GradNormEarlyStopping()
+    pl.Trainer(**trainer_kwargs(max_steps=8, accumulate_grad_batches=4), callbacks=[probe, stopper]).fit(
+        Classifier(net, lr=0.1), loader(data, 8)
+    )
+    assert int(probe.noise.count) == 8 and "micro-batches/ranks" in probe.sources  # it measured, from micro-batches
+    estimate = stopper.gradient_noise.estimate()
+    assert estimate.sources == ("micro_batch",)
+    alone = GradientNoise()
+    alone.attach(stopper.noise_source)
+    alone.population = stopper.gradient_noise.population
+    assert float(estimate.trace_cov) == float(alone.estimate().trace_cov) > 0
+    assert float(estimate.grad_sq_norm) == float(alone.estimate().grad_sq_norm)
+    rows = dict(r.strip("| ").split(" | ") for r in probe.summary_markdown().splitlines()[2:])
+    assert rows["noise sources"] == "micro_batch" and "micro_batch" in rows["probe's estimate"]

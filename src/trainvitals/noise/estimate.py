@@ -119,6 +119,9 @@ class NoiseSource:
         unit_scale: the factor from the source's gradient units to those of ``.grad`` (host float).
         effective_batch_size: examples per optimizer step, once seen.
         invalid: why the source does not estimate sampling noise; ``""`` while valid.
+        same_as: the name of a source that is the same estimator on the same gradients (a probe measuring every
+            parameter from micro-batches, as the stopper's ``micro_batch`` source does): while that one is valid,
+            this one stays out of the estimate, which would otherwise count one measurement twice.
         version: changes with every update or restore (what :meth:`GradientNoise.estimate` caches on).
     """
 
@@ -132,6 +135,7 @@ class NoiseSource:
         self.unit_scale = 1.0
         self.effective_batch_size: int | None = None
         self.invalid = ""
+        self.same_as: str | None = None
         self.version = next(_VERSIONS)
 
     def update(
@@ -263,12 +267,17 @@ class GradientNoise:
         self.sources.pop(name, None)
 
     def valid_sources(self) -> list[NoiseSource]:
-        """The valid sources over the largest share of the parameters (host only, no sync)."""
-        valid = [s for s in self.sources.values() if not s.invalid]
+        """The valid sources over the largest share of the parameters, each estimator once (host only, no sync)."""
+        valid = [s for s in self.sources.values() if not s.invalid and not self.shadowed(s)]
         if not valid:
             return []
         widest = max(s.param_share for s in valid)
         return [s for s in valid if s.param_share >= widest - 1e-9]
+
+    def shadowed(self, source: NoiseSource) -> bool:
+        """Whether ``source`` repeats another valid source's estimator (:attr:`NoiseSource.same_as`)."""
+        same = self.sources.get(source.same_as) if source.same_as else None
+        return same is not None and same is not source and not same.invalid
 
     def invalid_reasons(self) -> list[str]:
         return [f"the {s.name} source is invalid: {s.invalid}" for s in self.sources.values() if s.invalid]

@@ -22,7 +22,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
-from trainvitals.noise.estimate import SOURCES_CHECK, GradientNoise, NoiseSource, find_gradient_noise, population_of
+from trainvitals.noise.estimate import (
+    INDEPENDENT,
+    SOURCES_CHECK,
+    GradientNoise,
+    NoiseSource,
+    find_gradient_noise,
+    population_of,
+)
 from trainvitals.noise.estimators import NoiseScaleEMA, NoiseScaleError
 from trainvitals.noise.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.noise.probe_sources import COUPLED, ProbeSources, layout_notes
@@ -311,6 +318,14 @@ class BatchVarianceProbe(TrainvitalsCallback):
         rows = [("sources", self.sources or "not set up"), ("measurements", f"{int(self.noise.count)} optimizer steps")]
         if self.noise_source.invalid:
             rows.append(("probe's estimate", f"invalid: {self.noise_source.invalid}"))
+        elif self.gradient_noise.shadowed(self.noise_source):
+            rows.append(
+                (
+                    "probe's estimate",
+                    f"the same micro-batch estimator as the {INDEPENDENT} source (GradNormEarlyStopping's), "
+                    "counted once, as that source",
+                )
+            )
         rows += self.gradient_noise.summary_rows()
         if self.last_outliers:
             which = "dataset row" if self.outlier_rows else "position in batch"
@@ -355,6 +370,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._batch_size,
         )
         self.sources, self.noise_source.param_share = sources.description, sources.param_share
+        # Every parameter from micro-batches and ranks (BatchNorm under accumulation): the stopper's estimator.
+        only_micro = sources.plan.micro_batch and not (sources.plan.per_example or sources.plan.vmap)
+        self.noise_source.same_as = INDEPENDENT if only_micro else None
         self._coordinate_cursor, self._gsnr_partial = 0, {}
         self._coordinates = ModuleCoordinates(
             sources.plan.parameters("per_example"), sources.plan.parameters("vmap"), self.coordinate_budget
