@@ -129,7 +129,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     Logged at the Trainer's logging cadence and at the stopping step (step = optimizer step):
     ``grad_norm/in_noise_band`` (0/1, while the estimate is decisive), ``grad_norm/band_streak`` (steps),
-    ``grad_norm/band_edge`` (sqrt(1 + margin) × the noise floor: where the band ends for the norm);
+    ``grad_norm/band_norm`` (the smoothed norm sqrt(‖G‖² + tr Σ/B) the band is judged on), ``grad_norm/band_floor``
+    (the noise level sqrt(tr Σ/B), the RMS norm of pure noise) and ``grad_norm/band_edge`` (sqrt(1 + margin) ×
+    the noise level: where the band ends);
     without a GradNormMonitor, ``grad_norm/nonfinite_steps`` (``amp_skipped_steps`` under a GradScaler) as the
     monitor counts them (:class:`~trainvitals.norms.nonfinite.NonfiniteCounter`);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
@@ -348,11 +350,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         every = logging_every(trainer)
         logged = is_logging_step(step, every)
         if logged:
-            self._log(trainer, step, total, in_condition)
+            self._log(trainer, step, in_condition)
         if self.steps % self.check_every_n_steps == 0 and self.mode == "noise_band" and self._source is not None:
             self._say_caveat(trainer, step)
         if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and every and not logged:
-            self._log(trainer, step, total, in_condition, final=True)  # the chart ends where the run stopped
+            self._log(trainer, step, in_condition, final=True)  # the chart ends where the run stopped
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -486,7 +488,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         GradNormMonitor's ``grad_norm/total``), ``()`` float64; 0 before the first estimate."""
         return self.gradient_noise.estimate().noise_floor
 
-    def _log(self, trainer: "pl.Trainer", step: int, total: Tensor, in_condition: Tensor, final: bool = False) -> None:
+    def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor, final: bool = False) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak, **self.nonfinite.metrics(trainer, self)}
         if self.mode == "noise_band" and self._source is not None:
             estimate = self.gradient_noise.estimate()
@@ -496,11 +498,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             decisive = self.gradient_noise.decisive(estimate).to(in_condition.device)
             metrics["grad_norm/in_noise_band"] = torch.where(decisive, in_condition.double(), float("nan"))
             # The margin chart's three series, logged together (TensorBoard draws it only where their steps
-            # agree): the norm judged, the floor and where the band ends for the norm, E‖ḡ‖² = ‖G‖² + tr Σ/B
-            # ≤ (1 + margin) tr Σ/B; all left out while the estimate cannot decide.
+            # agree): the smoothed norm the band is judged on, sqrt(‖G‖² + tr Σ/B), the noise level and where
+            # the band ends, ‖G‖² ≤ margin·tr Σ/B ⇔ sqrt(‖G‖² + tr Σ/B) ≤ sqrt(1 + margin)·sqrt(tr Σ/B): the
+            # line is inside the shade when the step is in the band. The step's own norm scatters
+            # about it (below the noise level often). All left out while the estimate cannot decide.
             floor = estimate.noise_floor.to(in_condition.device)
             nan = torch.full_like(floor, float("nan"))
-            metrics["grad_norm/band_norm"] = torch.where(decisive, total.to(floor), nan)
+            smoothed = (estimate.grad_sq_norm.to(floor) + floor.square()).clamp_min(0.0).sqrt()
+            metrics["grad_norm/band_norm"] = torch.where(decisive, smoothed, nan)
             metrics["grad_norm/band_floor"] = torch.where(decisive, floor, nan)
             metrics["grad_norm/band_edge"] = torch.where(decisive, floor * math.sqrt(1.0 + self.margin), nan)
         log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
