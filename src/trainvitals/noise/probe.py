@@ -455,7 +455,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
                 self.warn(
                     "could not tell from the loss's graph whether it is a mean or a sum over examples; "
                     "assuming a mean. Pass `loss_reduction=` to say which: B_simple does not depend on it, "
-                    "tr(Σ), ‖G‖² and the noise floor do.",
+                    "tr(Σ), ‖G‖² and the noise level sqrt(tr Σ/B) do.",
                     once=True,
                 )
             reduction = found.kind if found is not None else "mean"

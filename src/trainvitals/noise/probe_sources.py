@@ -203,7 +203,7 @@ class ProbeSources:
             f"per-example gradients through BatchNorm in training mode ({', '.join(batchnorms)}) are not "
             "independent draws: BatchNorm normalises each example with its micro-batch's statistics, which couples "
             "the examples, and their addends of the batch gradient cancel. The probe's estimate is invalid from "
-            "here on (no B_simple, noise floor, noise band, GSNR or EB criterion from it); accumulate_grad_batches "
+            "here on (no B_simple, noise level, noise band, GSNR or EB criterion from it); accumulate_grad_batches "
             ">= 2 or >= 2 devices measure the noise (micro-batches and ranks are independent draws whatever the "
             "layers), and so does GroupNorm or LayerNorm instead of BatchNorm"
         )

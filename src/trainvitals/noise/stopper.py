@@ -1,9 +1,10 @@
 r"""GradNormEarlyStopping: stop when the gradient norm has entered its noise band.
 
 A mini-batch gradient never goes to zero: E‖ḡ_B‖² = ‖G‖² + tr(Σ)/B (McCandlish et al. 2018, Eq. A.1),
-so as the true gradient G vanishes, ‖ḡ_B‖ settles on the noise floor sqrt(tr(Σ)/B) and wanders in a
-band around it. A fixed threshold such as "‖g‖ < 1e-3" ignores that floor (and the loss reduction,
-loss scale and parametrisation that set the norm's size); the noise band does not.
+so as the true gradient G vanishes, the RMS of ‖ḡ_B‖ settles on the noise level sqrt(tr(Σ)/B) — the RMS
+norm of pure noise, not a lower bound: single steps fall below it often — and wanders in a band around
+it. A fixed threshold such as "‖g‖ < 1e-3" ignores that level (and the loss reduction, loss scale and
+parametrisation that set the norm's size); the noise band does not.
 
 This is its own callback rather than a mode of :class:`GradNormMonitor` because it needs what the
 monitor does not: a noise source (hooks on the parameters, or a BatchVarianceProbe) and the power to
@@ -99,7 +100,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     Modes:
 
     - ``"noise_band"`` (default): with smoothed estimates of ‖G‖² and tr(Σ), the run is in the band
-      when ‖G‖² ≤ ``margin`` · tr(Σ)/B, i.e. E‖ḡ_B‖ ≤ sqrt(1 + margin) × noise floor. ``margin = 1``
+      when ‖G‖² ≤ ``margin`` · tr(Σ)/B, i.e. the RMS sqrt(E‖ḡ_B‖²) ≤ sqrt(1 + margin) × the noise level
+      sqrt(tr Σ/B). ``margin = 1``
       is B ≤ B_simple (the gradient noise scale); with Cockpit's norm test θ² = tr Σ/(B‖G‖² + tr Σ)
       the band is θ ≥ 1/sqrt(1 + margin), so B ≤ B_simple is θ ≥ 1/√2. The estimate is the run's one
       :class:`~trainvitals.noise.estimate.GradientNoise` (:attr:`gradient_noise`), shared with a
@@ -113,8 +115,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
       later are followed); an epoch's ragged last accumulation window is left out of the estimate.
       A training step that also takes ``torch.autograd.grad`` with respect to the parameters
       (gradient penalties, SAM) biases the micro-batch estimate.
-    - ``"threshold"``: ‖ḡ‖ < ``threshold`` — the naive rule: the norm has a floor sqrt(tr Σ/B) that
-      may lie above any fixed threshold, and its scale changes with loss reduction (sum vs mean),
+    - ``"threshold"``: ‖ḡ‖ < ``threshold`` — the naive rule: the norm's RMS stays above the noise level
+      sqrt(tr Σ/B), which may lie above any fixed threshold, and its scale changes with loss reduction (sum vs mean),
       loss scaling and parametrisation.
     - ``"relative"``: ‖ḡ‖ < ``fraction`` × its EMA over the first ``reference_steps`` steps.
 
@@ -484,7 +486,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         return self.gradient_noise.in_noise_band(self.margin, device=total.device).to(total.device)
 
     def noise_floor(self) -> Tensor:
-        """The noise floor sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of
+        """The noise level sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of
         GradNormMonitor's ``grad_norm/total``), ``()`` float64; 0 before the first estimate."""
         return self.gradient_noise.estimate().noise_floor
 
