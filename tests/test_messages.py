@@ -93,3 +93,17 @@ def test_under_batchnorm_with_accumulation_the_probe_and_the_micro_batches_are_o
     assert float(estimate.grad_sq_norm) == float(alone.estimate().grad_sq_norm)
     rows = dict(r.strip("| ").split(" | ") for r in probe.summary_markdown().splitlines()[2:])
     assert rows["noise sources"] == "micro_batch" and "micro_batch" in rows["probe's estimate"]
+
+
+def test_an_epochs_ragged_last_window_is_left_out_without_a_warning(said):
+    """60 examples in micro-batches of 8 under accumulation of 4: each epoch ends on the window [8, 8, 8, 4].
+    Its step is left out of the probe's estimate, as the stopper leaves it out, and nobody is told that the
+    probe "cannot measure": nothing is wrong with the run."""
+    x = torch.randn(60, 6, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, (x[:, 0] > 0).long())
+    probe = BatchVarianceProbe()
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=2, accumulate_grad_batches=4), callbacks=[probe])
+    trainer.fit(Classifier(net), loader(data, 8))
+    assert trainer.global_step == 4 and int(probe.noise.count) == 2  # the two whole windows
+    assert not [s for s in of(said, "BatchVarianceProbe") if "cannot measure" in s]

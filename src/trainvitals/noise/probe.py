@@ -32,7 +32,7 @@ from trainvitals.noise.estimate import (
 )
 from trainvitals.noise.estimators import NoiseScaleEMA, NoiseScaleError
 from trainvitals.noise.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
-from trainvitals.noise.probe_sources import COUPLED, ProbeSources, layout_notes
+from trainvitals.noise.probe_sources import COUPLED, ProbeSources, layout_notes, unequal_sizes
 from trainvitals.noise.probe_step import (
     MicroBatches,
     coordinate_stats,
@@ -509,7 +509,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
                 self.warn(sources.coupling_warning(coupled) + ".", once=True)
             self.noise_source.invalidate(COUPLED)
         problem, aside = sources.problem(result, self._batches.sizes, self._batches.unsized)
-        if problem and set(result.failed) <= aside:  # failed layers are said where they are moved (`_move_failed`)
+        # An epoch's ragged last window is left out without a word, as the stopper leaves it out: no fault of
+        # the run's. Failed layers are said where they are moved (`_move_failed`).
+        ragged_end = trainer.is_last_batch and problem == unequal_sizes(self._batches.sizes)
+        if problem and set(result.failed) <= aside and not ragged_end:
             self._cannot_measure(problem)
         self._failed.update(result.failed)
         # Measured even when this rank saw a problem: every rank must join the same all-reduce, which also

@@ -296,7 +296,7 @@ class ProbeSources:
         if set(self.layers) - aside and not result.seen:
             return "the backward reached none of the measured layers (a loss without a graph?)", aside
         if len(set(micro_sizes)) > 1:
-            return f"micro-batches of unequal sizes {micro_sizes}", aside
+            return unequal_sizes(micro_sizes), aside
         return "", aside
 
     # ------------------------------------------------------------------ the batch gradient
@@ -364,3 +364,8 @@ def layout_notes(layouts: Layouts, source: NoiseSource) -> list[str]:
     if refuted:
         source.restart()
     return notes
+
+
+def unequal_sizes(micro_sizes: list[int]) -> str:
+    """The problem of a step whose micro-batches differ in size (an epoch's ragged last window, most often)."""
+    return f"micro-batches of unequal sizes {micro_sizes}"
