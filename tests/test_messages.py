@@ -107,3 +107,18 @@ def test_an_epochs_ragged_last_window_is_left_out_without_a_warning(said):
     trainer.fit(Classifier(net), loader(data, 8))
     assert trainer.global_step == 4 and int(probe.noise.count) == 2  # the two whole windows
     assert not [s for s in of(said, "BatchVarianceProbe") if "cannot measure" in s]
+
+
+def test_a_probe_that_measured_no_step_ends_on_the_cause_it_warned_of(said):
+    """Lightning's ManualOptimBoringModel trains on batches of one example: no spread to measure. The end
+    line gives that cause again, not the sources planned at fit start."""
+    from lightning.pytorch.demos.boring_classes import ManualOptimBoringModel
+
+    probe = BatchVarianceProbe()
+    pl.Trainer(**trainer_kwargs(max_steps=3, limit_val_batches=0), callbacks=[probe]).fit(ManualOptimBoringModel())
+    warned, end = of(said, "BatchVarianceProbe")[-2:]
+    assert (
+        "1 example" in warned
+        and end.startswith("trainvitals BatchVarianceProbe: no measurement")
+        and "1 example" in end
+    )

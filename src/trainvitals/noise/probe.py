@@ -225,6 +225,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("outlier_coverage", "", persistent=False)  # which parameters their norms are over
         self.add_state("_enabled", False, persistent=False)
         self.add_state("_disabled", "", persistent=False)  # why this fit measures nothing, if it does not
+        self.add_state("_left_out", "", persistent=False)  # why the last step left out was, for the end line
         self.add_state("_excluded", set(), persistent=False)
         self.add_state(
             "_failed", {}, persistent=False
@@ -299,7 +300,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         """One line for the end of fit: the run's noise scale (:attr:`gradient_noise`), or why there is none."""
         count = int(self.noise.count)
         if count == 0:
-            why = self._disabled or self.noise_source.invalid
+            why = self._disabled or self.noise_source.invalid or self._left_out
             return f"no measurement: {why}." if why else f"no step measured (planned sources: {self.sources})."
         summary = self.gradient_noise.host_summary()
         # The estimate's batch is its valid sources'; with none valid, the probe's own.
@@ -399,6 +400,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.cannot_measure(f"cannot measure: {why}; it measures nothing in this fit.")
 
     def _cannot_measure(self, why: str) -> None:
+        self._left_out = why
         self.cannot_measure(f"cannot measure: {why}. Such steps are left out.")
 
     # ------------------------------------------------------------------ per micro-batch
