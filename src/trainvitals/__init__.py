@@ -1,7 +1,7 @@
 """trainvitals: PyTorch Lightning callbacks that read a training run's vital signs.
 
-The callbacks are imported on first use (PEP 562), so that ``trainvitals report`` and the torch-only
-``trainvitals.core`` do not pay for importing Lightning.
+The callbacks are imported on first use (PEP 562), so that ``trainvitals report`` and the torch-only math of
+each feature folder do not pay for importing Lightning.
 """
 
 from importlib import import_module

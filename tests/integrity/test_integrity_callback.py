@@ -979,7 +979,12 @@ class InplaceAfterAStep(ManualNet):
             ("head.weight",),
             "optimizer 0 (SGD).step() updated it in place after the forward",
         ),
-        (InplaceOnSaved, K.INPLACE_MODIFIED, ("sigmoid", "mul_"), "saved for backward by `sigmoid` at test_graph_"),
+        (
+            InplaceOnSaved,
+            K.INPLACE_MODIFIED,
+            ("sigmoid", "mul_"),
+            "saved for backward by `sigmoid` at test_integrity_callback.py",
+        ),
         (
             InplaceModule,
             K.INPLACE_MODIFIED,

@@ -22,6 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="torch intra-op threads; the digits CNN is too small to gain from more, and on a busy "
-        "machine several threads spin on each other's cores (see the README's timing)",
+        "machine several threads spin on each other's cores (see docs/benchmarks.md)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar, model summary or diagnosis tables")

@@ -60,12 +60,12 @@ from trainvitals.integrity.checks.optimizer import (
 from trainvitals.integrity.checks.reachability import ReachabilityCheck
 from trainvitals.integrity.checks.stale_graph import StaleGraphCheck
 from trainvitals.integrity.checks.zero_lr import ZeroLrCheck
-from trainvitals.integrity.diagnoses import listed
 from trainvitals.integrity.findings import NOTHING_CHECKED, Finding, FindingKind
 from trainvitals.integrity.graph import first_tensor, sequence_mark, walk_graph
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
+from trainvitals.text.prose import listed
 from trainvitals.text.terminal import markdown_to_text
 
 _MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before they are counted on the device

@@ -7,7 +7,7 @@ a frozen parameter still changed (:func:`frozen_change_causes`), what carries a 
 (:func:`describe_stale_graph`), and why a loss has no ``grad_fn`` (:func:`why_no_grad`). The three
 ``diagnose_*`` functions explain autograd's classic errors (:class:`~trainvitals.integrity.graph.AutogradError`)
 by naming the tensor, module and operation behind them; :func:`stepped_parameter` finds the parameter
-an optimizer step changed under a saved tensor. :func:`listed` spells out the first :data:`SHOWN` names.
+an optimizer step changed under a saved tensor. :func:`~trainvitals.text.prose.listed` spells out the first few names.
 
 Names are the model's (``tensor_names``); messages are written for the person who wrote the training
 step, and end with the fix.
@@ -36,22 +36,10 @@ from trainvitals.integrity.graph import (
     walk_graph,
 )
 from trainvitals.integrity.tracer import GraphTracer, describe_cut
-
-SHOWN = 5  # names spelled out in a message; a finding keeps them all
+from trainvitals.text.prose import listed
 
 # Re-runs the failing training step under a GraphTracer; returns the tracer and the loss the step returned.
 Rerun = Callable[[], tuple[GraphTracer, Any]]
-
-
-def listed(names: Sequence[str]) -> str:
-    """``"`a`, `b`, `c`, `d`, `e` and 2 more"``: the first :data:`SHOWN` names, quoted, and a count of the rest."""
-    shown = ", ".join(f"`{n}`" for n in names[:SHOWN])
-    return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
-
-
-def counted(n: int, noun: str) -> str:
-    """``"1 optimizer step"``, ``"3 optimizer steps"``."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _node_types(nodes: Sequence[Node]) -> tuple[str, ...]:

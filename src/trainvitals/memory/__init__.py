@@ -32,7 +32,9 @@ Nothing here imports Lightning; nothing here syncs with the device except
 Layout: :mod:`.storage` (bytes by storage, model state, units), :mod:`.recorder` (the saved-tensor
 recorder), :mod:`.checkpointing` (what checkpointing a module frees and holds again), :mod:`.leaks`
 (graphs held across steps), :mod:`.categories` (the table of memory categories, the step record and
-the budget), :mod:`.remedies` (the registered remedies, ranked).
+the budget), :mod:`.remedies` (the registered remedies, ranked); the callback,
+:class:`~trainvitals.memory.profiler.MemoryTopologyProfiler`, in :mod:`.profiler` (not imported here: it
+imports Lightning).
 """
 
 from trainvitals.memory.categories import (

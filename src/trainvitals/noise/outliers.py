@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from trainvitals.integrity.diagnoses import counted, listed
 from trainvitals.text.markdown import markdown_table
+from trainvitals.text.prose import counted, listed
 
 WHOLE = "over all trainable parameters"
 """What :func:`norm_coverage` says of norms over every trainable parameter."""

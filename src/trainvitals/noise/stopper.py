@@ -46,7 +46,7 @@ from trainvitals.text.markdown import markdown_table
 
 MODES = ("noise_band", "threshold", "relative")
 
-# Chosen from benchmarks/stopping_tasks.py (README, "When to stop, beyond the digits CNN"; 7 tasks, 28 runs):
+# Chosen from benchmarks/stopping_tasks.py (docs/benchmarks.md; 7 tasks, 28 runs):
 # margin 0.2 with a patience of 10 optimizer steps is within tolerance of the best epoch in 24 runs and
 # within tolerance while saving steps in 17, as often as EarlyStopping on the validation loss (22, 17);
 # patience 30 gave 21 and 14. Margins 0.5 and 1 save steps more often but are within tolerance in 15–20,

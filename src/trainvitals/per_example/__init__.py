@@ -1,22 +1,25 @@
 """Per-example gradient statistics computed in the same backward pass, without per-example gradients.
 
 Notation as in :mod:`trainvitals.noise.estimators` and docs/science.md §3: per-example gradient g_i = ∇ℓ_i of
-each example's own (un-averaged) loss, B examples, batch gradient ḡ = (1/B) Σ_i g_i.
+each example's own (un-averaged) loss, B examples, batch gradient ḡ = (1/B) Σ_i g_i. A rule gives the
+per-example squared norms ‖g_i‖² and the per-coordinate sums Σ_i g_{i,d} and Σ_i g_{i,d}² (the mean and
+variance of each coordinate) from a layer's saved inputs and output gradients, both from the same operands.
 
-Each layer type has a rule in the registry (:mod:`.registry`), one file per layer family: Linear
-(:mod:`.linear`: ghost norms, Goodfellow 2015, Li et al. 2022), convolutions (:mod:`.conv`: im2col,
-Rochette et al. 2019), Embedding (:mod:`.embedding`: a segment sum over repeated tokens) and the
-normalisation layers (:mod:`.normalization`: ``(B, D)`` per-example vectors). A rule gives the
-per-example squared norms ‖g_i‖² and the per-coordinate sums Σ_i g_{i,d} and Σ_i g_{i,d}² (the mean
-and variance of each coordinate) from the saved inputs and output gradients. Both come from the same
-operands, so that the variance is not the rounding difference between them and a differently rounded
-``.grad``. :func:`register_per_example_rule` adds a rule for a layer of one's own.
+For a layer of one's own, the registry (:mod:`.registry`) is the public interface: :func:`register_per_example_rule`
+(a function giving one call's per-example gradients, or a :class:`PerExampleRule` with cheaper norms),
+:func:`unregister_per_example_rule`, what a rule sees of a call (:class:`Use`, :class:`Call`) and keeps from
+inside its forward (:class:`Capture`), and :func:`per_example_sq_norms` / :func:`per_example_sums` to run one.
 
-Layers without a rule fall back to :func:`vmap_per_example_grads` (:mod:`.fallback`): ``torch.func``
-per-example vector-Jacobian products of the module's own forward, seeded with the captured output
-gradients. :mod:`.hooks` gathers the statistics during backward; :mod:`.plan` assigns each parameter
-its source; :func:`detect_loss_reduction` (:mod:`.loss_reduction`) finds whether the batch loss was a
-mean or a sum over examples.
+- :mod:`.rules`: the built-in rules, one file a layer family — linear (ghost norms, Goodfellow 2015, Li et al.
+  2022), conv (im2col, Rochette et al. 2019), embedding (a segment sum over repeated tokens), normalization,
+  attention and recurrent (factored: their outer-product blocks); :data:`PER_EXAMPLE_LAYERS` lists the layers;
+- :mod:`.hooks`: the forward/backward hooks that gather the statistics during backward, module by module;
+- :mod:`.plan`: which source measures each parameter (per example, micro-batches/ranks, ``torch.func``);
+- :mod:`.fallback`: ``torch.func`` per-example gradients of any module (:func:`vmap_per_example_grads`);
+- :mod:`.batch_dim`: which dimension holds the examples where T = B; :mod:`.tied`: modules sharing a
+  parameter; :mod:`.checkpointing`: hooks under ``torch.utils.checkpoint``; :mod:`.sums_check`: per-example
+  gradients that must add up to ``.grad``; :mod:`.loss_reduction`: a mean or a sum over the examples, read
+  from the loss's graph (:func:`detect_loss_reduction`); :mod:`.tensor_ops`: shared buffers and dtypes.
 
 Everything here stays on the device but for the host reads :mod:`.hooks` names. No Lightning import.
 """

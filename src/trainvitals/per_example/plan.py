@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from trainvitals.integrity.diagnoses import counted, listed
 from trainvitals.per_example.registry import rule_for, unsupported_reason
 from trainvitals.per_example.tensor_ops import _trainable
+from trainvitals.text.prose import counted, listed
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,12 @@
+"""The Lightning glue every trainvitals callback shares; no feature's math lives here.
+
+- :mod:`.base`: :class:`~trainvitals.plumbing.base.TrainvitalsCallback` — the state key, declared state
+  (reset, ``state_dict``, reduction over ranks), messages;
+- :mod:`.writers`: scalars to every logger (and ``trainer.callback_metrics``) in one transfer a step,
+  histograms, text and images to TensorBoard;
+- :mod:`.cadence`: which optimizer steps log; :mod:`.stopping`: when a stop request ends the fit;
+- :mod:`.amp`: what the GradScaler has done to the gradients; :mod:`.sharding`: norms of the whole model
+  under FSDP;
+- :mod:`.batch`: a batch's size as Lightning counts it, and its dataset rows;
+- :mod:`.rerun`: an extra ``training_step`` or forward that logs nothing and restores RNG, buffers and modes.
+"""

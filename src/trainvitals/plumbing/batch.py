@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from trainvitals.per_example.batch_dim import batch_tensors, listed_examples
+from trainvitals.batch_structure import batch_tensors, listed_examples
 
 
 def batch_size(batch: Any, sequence_first: bool | None = False) -> int | None:
@@ -21,7 +21,7 @@ def batch_size(batch: Any, sequence_first: bool | None = False) -> int | None:
     (``lightning.pytorch.utilities.data.extract_batch_size``); ``sequence_first``: the batch is ``(T, B, ...)``,
     the second dimension of its first tensor of two or more dimensions (without one, as unset). Where its
     tensors disagree and it holds a list of examples (variable-length sequences for pack_sequence) beside
-    tensors of a row each, the list's length (:func:`~trainvitals.per_example.batch_dim.listed_examples`).
+    tensors of a row each, the list's length (:func:`~trainvitals.batch_structure.listed_examples`).
     ``None`` where that cannot be told: a list of tensors of differing lengths that nothing beside it sizes
     (Lightning would count the first one's rows), a batch without a tensor Lightning can find
     (``MisconfigurationException``), one that contains itself (``RecursionError``)."""

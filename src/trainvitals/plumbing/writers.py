@@ -75,7 +75,7 @@ def _write_tensorboard_scalars(
 
     ``TensorBoardLogger.log_metrics`` writes one event per scalar, and TensorBoard's event writer
     checksums each event in pure Python; for 9 scalars one event costs ~6× less CPU time
-    (README, Measurements). TensorBoard reads the values as the same scalar tags either way.
+    (docs/benchmarks.md). TensorBoard reads the values as the same scalar tags either way.
     """
     if trainer.global_rank != 0:  # as ``log_metrics``, which is rank-zero-only
         return

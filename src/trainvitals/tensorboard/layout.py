@@ -15,7 +15,7 @@ which layers have a GSNR the probe's sources decide during the fit, not the modu
 The layout proto has no y-scale field: the log scale is the chart's own
 "Toggle y-axis log scale" button, and TensorBoard's "Ignore outliers in chart scaling" (on by default, in
 the settings) clips a chart's extremes: the title of a chart it hides (a 0/1 flag, a streak of a few
-steps) says to turn it off.
+steps) says to turn it off; docs/callbacks/dashboard.md says when else.
 """
 
 from __future__ import annotations

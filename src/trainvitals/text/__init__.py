@@ -1,0 +1,6 @@
+"""Text the callbacks and the report write: one way to make each kind of it.
+
+- :mod:`.markdown`: markdown pipe tables (the diagnoses, the advice tables, the report);
+- :mod:`.terminal`: those tables as aligned plain text for a terminal (``trainvitals demo``, the report's text);
+- :mod:`.prose`: names and counts in a message's words (the first few names, a noun with its plural).
+"""

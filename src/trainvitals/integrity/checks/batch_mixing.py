@@ -10,10 +10,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from trainvitals.integrity.checks.base import Check, Fit
-from trainvitals.integrity.diagnoses import SHOWN, listed
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import batch_mixing, batchnorm_in_eval
 from trainvitals.plumbing.rerun import rerun_quietly
+from trainvitals.text.prose import SHOWN, listed
 
 
 class BatchMixingCheck(Check):

@@ -7,9 +7,10 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 from trainvitals.integrity.checks.base import Check, Fit
-from trainvitals.integrity.diagnoses import GradientStreaks, listed
+from trainvitals.integrity.diagnoses import GradientStreaks
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import all_zero
+from trainvitals.text.prose import listed
 
 
 class GradLeakCheck(Check):

@@ -6,9 +6,10 @@ import lightning.pytorch as pl
 from torch import Tensor, nn
 
 from trainvitals.integrity.checks.base import Check, Fit
-from trainvitals.integrity.diagnoses import frozen_change_causes, listed
+from trainvitals.integrity.diagnoses import frozen_change_causes
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import GraphWalk
+from trainvitals.text.prose import listed
 
 
 class UnoptimizedLeavesCheck(Check):

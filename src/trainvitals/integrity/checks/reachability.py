@@ -10,9 +10,10 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainvitals.integrity.checks.base import Check, Fit
-from trainvitals.integrity.diagnoses import GradientStreaks, counted, listed, unreached_reasons
+from trainvitals.integrity.diagnoses import GradientStreaks, unreached_reasons
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import GraphWalk
+from trainvitals.text.prose import counted, listed
 
 
 def _ddp_without_unused_search(trainer: "pl.Trainer") -> bool:

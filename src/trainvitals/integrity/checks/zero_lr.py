@@ -8,9 +8,9 @@ import lightning.pytorch as pl
 import torch
 
 from trainvitals.integrity.checks.base import Check, Fit
-from trainvitals.integrity.diagnoses import listed
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import owner_module
+from trainvitals.text.prose import listed
 
 MIN_ZERO_LR_STEPS = 10
 """Fewest optimizer steps in a row at lr exactly 0 that are reported (or ``dead_after_steps``, if more): a
