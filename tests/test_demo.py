@@ -38,7 +38,7 @@ def test_demo_stops_in_the_noise_band_and_logs_the_dashboard(tmp_path, capsys):
     assert not {"grad_noise/noise_floor", "grad_norm/b_simple"} & set(tags["scalars"])
     floors = events.Scalars("grad_norm/noise_floor")
     assert floors[-1].step == last_step and len({e.step for e in floors}) == len(floors)
-    printed_floor = float(re.search(r"noise level: +([0-9.]+)", out).group(1))
+    printed_floor = float(re.search(r"noise level sqrt\(tr Σ/B\) = ([0-9.]+)", out).group(1))
     assert floors[-1].value == pytest.approx(printed_floor, abs=1e-4)
     # Beside the last norm, the norm a batch gradient is expected to have: sqrt(‖G‖² + tr Σ/B), as logged.
     expected = events.Scalars("grad_noise/expected_batch_norm")
@@ -72,7 +72,6 @@ def test_the_summary_comes_last_and_the_diagnoses_are_plain_text() -> None:
         stop_reason="stopped at optimizer step 909",
         grad_norm=0.36,
         noise_floor=0.39,
-        expected_norm=0.41,
         smoothed_ratio=1.09,
         band_edge=1.1,
         val_acc=0.986,
@@ -80,6 +79,7 @@ def test_the_summary_comes_last_and_the_diagnoses_are_plain_text() -> None:
         seconds=31.0,
         threads=1,
         diagnoses={"GradNormMonitor": "| optimizer | steps |\n|---|---:|\n| 0 | 910 |"},
+        expected_norm=0.41,
     )
     out = format_summary(result, "runs")
     short = format_summary(result, "runs", details=False)
@@ -90,4 +90,5 @@ def test_the_summary_comes_last_and_the_diagnoses_are_plain_text() -> None:
     assert "GradNormMonitor\n===============\noptimizer  steps\n---------  -----\n0            910" in out
     assert out.index("GradNormMonitor") < out.index("trainvitals demo")
     assert "|" not in out and "**" not in out
-    assert "0.3600 at the last step vs expected 0.4100 (0.88× the expected)" in short and "0.3900" in short
+    assert "0.3600 at the last step vs expected 0.4100 (0.88× the expected)" in short
+    assert "1.09× the noise level sqrt(tr Σ/B) = 0.3900" in short and short.count("\n") == 7

@@ -37,7 +37,6 @@ class DemoResult:
     stop_reason: str
     grad_norm: float | None
     noise_floor: float | None  # the noise level sqrt(tr Σ/B): the RMS norm of a batch gradient of pure noise
-    expected_norm: float | None  # sqrt(‖G‖² + tr Σ/B): the RMS norm the batch gradient is expected to have
     smoothed_ratio: float | None  # sqrt(1 + EMA‖G‖² / (EMA tr Σ / B)): what the stop was decided on
     band_edge: float  # sqrt(1 + margin)
     val_acc: float | None
@@ -45,6 +44,7 @@ class DemoResult:
     seconds: float
     threads: int
     diagnoses: dict[str, str]
+    expected_norm: float | None = None  # sqrt(‖G‖² + tr Σ/B), the batch gradient's expected RMS norm; None: unmeasured
 
 
 def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
@@ -136,10 +136,10 @@ def format_summary(result: DemoResult, logdir: str, details: bool = True) -> str
             f"  optimizer steps:   {result.steps} ({result.epochs} epochs, {result.seconds:.0f} s on {threads})",
             f"  why it stopped:    {result.stop_reason}",
             f"  final grad norm:   {num(result.grad_norm, '.4f')} at the last step vs expected "
-            f"{num(result.expected_norm, '.4f')}{ratio}, an RMS: sqrt(‖G‖² + tr Σ/B), single steps scatter about it",
-            f"  noise level:       {num(result.noise_floor, '.4f')} = sqrt(tr Σ/B), the RMS norm of pure noise (G = 0)",
-            f"  smoothed:          E‖ḡ‖ ≈ {num(result.smoothed_ratio, '.2f')}× the noise level (EMAs, what the stop is "
-            f"decided on; the band ends at {result.band_edge:.2f}×)",
+            f"{num(result.expected_norm, '.4f')}{ratio}, the RMS sqrt(‖G‖² + tr Σ/B) single steps scatter about",
+            f"  smoothed:          E‖ḡ‖ ≈ {num(result.smoothed_ratio, '.2f')}× the noise level sqrt(tr Σ/B) = "
+            f"{num(result.noise_floor, '.4f')}, the RMS norm of pure noise (EMAs, what the stop is decided on; the band "
+            f"ends at {result.band_edge:.2f}×)",
             f"  val accuracy:      {num(result.val_acc, '.4f')}",
             f"  logs:              {result.log_dir}",
             f"  look at it:        tensorboard --logdir {logdir}   or   trainvitals report {logdir} --format html "
