@@ -22,7 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor, TrainvitalsDashboard
+from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor
 
 USE = """
 import lightning.pytorch as pl
@@ -58,9 +58,9 @@ import sys
 
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-# keep the checkpoint deepest into the noise band: band_ratio (TrainvitalsDashboard's progress-bar value) is
-# the smoothed ‖G‖² over the band's edge, ≤ 1 inside it; unlike the band streak it does not tie outside the band
-ModelCheckpoint(monitor="band_ratio", mode="min", every_n_train_steps=100)
+# keep the checkpoint deepest into the noise band: GradNormEarlyStopping's band_ratio is the smoothed ‖G‖² over
+# the band's edge, ≤ 1 inside it (inf until it can decide); unlike the band streak it does not tie outside the band
+ModelCheckpoint(monitor="grad_norm/band_ratio", mode="min", every_n_train_steps=100)
 # stop when the evidence-based criterion turns positive, checked at each epoch's end; patience=sys.maxsize:
 # on the threshold only, never because the criterion "did not improve" (Lightning's default patience is 3)
 EarlyStopping(
@@ -106,6 +106,12 @@ class Offset(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class ValidatedOffset(Offset):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", F.mse_loss(self.net(x), y))
 
 
 def offset_data(n: int) -> TensorDataset:
@@ -186,13 +192,13 @@ def test_the_checkpoint_recipe_keeps_the_best_by_a_metric_that_does_not_tie(tmp_
     streak = ModelCheckpoint(
         str(tmp_path / "streak"), monitor="grad_norm/band_streak", mode="max", every_n_train_steps=25
     )
-    seen = AtCheckpoints(25, ("band_ratio", "grad_norm/band_streak"))
+    seen = AtCheckpoints(25, ("grad_norm/band_ratio", "grad_norm/band_streak"))
     trainer = pl.Trainer(
         **trainer_kwargs(max_steps=150, accumulate_grad_batches=4, log_every_n_steps=5, enable_checkpointing=True),
-        callbacks=[GradNormMonitor(), GradNormEarlyStopping(), TrainvitalsDashboard(), seen, checkpoint, streak],
+        callbacks=[GradNormMonitor(), GradNormEarlyStopping(), seen, checkpoint, streak],
     )
     trainer.fit(Offset(), DataLoader(offset_data(256), batch_size=8))
-    ratios = {step: v["band_ratio"] for step, v in seen.values.items()}
+    ratios = {step: v["grad_norm/band_ratio"] for step, v in seen.values.items()}
     assert len(ratios) == 6 and min(ratios.values()) > 1  # never in the band (≤ 1)
     assert len(set(ratios.values())) == len(ratios)  # no two saves tie
     best = min(ratios, key=ratios.get)
@@ -200,6 +206,22 @@ def test_the_checkpoint_recipe_keeps_the_best_by_a_metric_that_does_not_tie(tmp_
     assert checkpoint.best_model_path.endswith(f"step={best}.ckpt")
     assert {v["grad_norm/band_streak"] for v in seen.values.values()} == {0.0}
     assert streak.best_model_path.endswith(f"step={min(ratios)}.ckpt")  # the former recipe: the first save
+
+
+def test_the_checkpoint_recipe_saves_on_a_run_the_band_cannot_judge(tmp_path, monkeypatch):
+    """No accumulation, no probe: no noise estimate, so no band. The monitored key is there all the same
+    (inf, the worst): ModelCheckpoint, which fails a fit whose monitored key is missing once validation has
+    run, saves and the run goes on."""
+    checkpoint = recipes(monkeypatch)[0]
+    checkpoint.dirpath, checkpoint._every_n_train_steps = str(tmp_path), 5
+    data = DataLoader(offset_data(64), batch_size=8)
+    trainer = pl.Trainer(
+        **trainer_kwargs(max_steps=20, log_every_n_steps=5, val_check_interval=4, enable_checkpointing=True),
+        callbacks=[GradNormEarlyStopping(), checkpoint],
+    )
+    trainer.fit(ValidatedOffset(), data, data)
+    assert trainer.global_step == 20 and float(trainer.callback_metrics["grad_norm/band_ratio"]) == float("inf")
+    assert checkpoint.best_model_path.endswith("step=5.ckpt")  # the first save; no later one is better
 
 
 def test_the_use_snippet_logs_charts_of_at_least_50_points_in_300_steps(tmp_path, monkeypatch):

@@ -41,10 +41,13 @@ from trainvitals.plumbing.base import TrainvitalsCallback, reduce_packed
 from trainvitals.plumbing.batch import batch_size
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.stopping import can_stop_now
-from trainvitals.plumbing.writers import log_scalars, log_text
+from trainvitals.plumbing.writers import feed_callback_metrics, log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 
 MODES = ("noise_band", "threshold", "relative")
+BAND_RATIO = "grad_norm/band_ratio"
+"""The smoothed ‖G‖² over the band's edge margin·tr(Σ)/B (≤ 1: in the band); +inf in ``callback_metrics`` while
+the estimate cannot decide."""
 
 # Chosen from benchmarks/stopping_tasks.py (docs/benchmarks.md; 7 tasks, 28 runs):
 # margin 0.2 with a patience of 10 optimizer steps is within tolerance of the best epoch in 24 runs and
@@ -133,7 +136,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     ``grad_norm/in_noise_band`` (0/1, while the estimate is decisive), ``grad_norm/band_streak`` (steps),
     ``grad_norm/band_norm`` (the smoothed norm sqrt(‖G‖² + tr Σ/B) the band is judged on), ``grad_norm/band_floor``
     (the noise level sqrt(tr Σ/B), the RMS norm of pure noise) and ``grad_norm/band_edge`` (sqrt(1 + margin) ×
-    the noise level: where the band ends);
+    the noise level: where the band ends); ``grad_norm/band_ratio`` (margin > 0), the smoothed ‖G‖² over the band's
+    edge margin·tr(Σ)/B, ≤ 1 in the band: it does not tie from save to save as the streak does outside the band,
+    so ``ModelCheckpoint(monitor="grad_norm/band_ratio", mode="min")`` keeps the checkpoint deepest into the band
+    (+inf in ``trainer.callback_metrics``, not logged, while the estimate cannot decide);
     without a GradNormMonitor, ``grad_norm/nonfinite_steps`` (``amp_skipped_steps`` under a GradScaler) as the
     monitor counts them (:class:`~trainvitals.norms.nonfinite.NonfiniteCounter`);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
@@ -510,7 +516,15 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             metrics["grad_norm/band_norm"] = torch.where(decisive, smoothed, nan)
             metrics["grad_norm/band_floor"] = torch.where(decisive, floor, nan)
             metrics["grad_norm/band_edge"] = torch.where(decisive, floor * math.sqrt(1.0 + self.margin), nan)
-        log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
+            if self.margin > 0 and estimate.batch_size:  # how deep into the band: a checkpoint's monitor
+                edge = self.margin * estimate.trace_cov.to(floor) / estimate.batch_size
+                ratio = estimate.grad_sq_norm.to(floor) / edge.clamp_min(1e-300)
+                metrics[BAND_RATIO] = torch.where(decisive & (edge > 0), ratio, nan)
+        logged = log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
+        if self.mode == "noise_band" and self.margin > 0 and BAND_RATIO not in logged:
+            # Not measured yet, or not measurable: the worst value for ModelCheckpoint(mode="min"), which
+            # needs the key at every save (a missing one fails the fit once validation has run).
+            feed_callback_metrics(trainer, {BAND_RATIO: math.inf})
 
     def _say_caveat(self, trainer: "pl.Trainer", step: int) -> None:
         """Once per fit: why the estimate cannot stop the run (no valid source, partial coverage), and two
