@@ -92,3 +92,10 @@ def test_the_summary_comes_last_and_the_diagnoses_are_plain_text() -> None:
     assert "|" not in out and "**" not in out
     assert "0.3600 at the last step vs expected 0.4100 (0.88× the expected)" in short
     assert "1.09× the noise level sqrt(tr Σ/B) = 0.3900" in short and short.count("\n") == 7
+
+
+def test_version(capsys) -> None:
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.split() == ["trainvitals", version("trainvitals")]

@@ -7,10 +7,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainvitals import __version__
     from trainvitals.demo.options import add_arguments as add_demo_arguments
     from trainvitals.report import command as report
 
     parser = argparse.ArgumentParser(prog="trainvitals", description="Vital signs of a training run.")
+    parser.add_argument("--version", action="version", version=f"trainvitals {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
@@ -19,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_demo_arguments(demo)
     report.add_arguments(sub.add_parser("report", help="health report of logged runs", description=report.DESCRIPTION))
-    args = parser.parse_args(argv)
+    args = report.parse(parser, argv)  # the exit status where argparse exits (--help, --version, a usage error)
+    if isinstance(args, int):
+        return args
     if args.command == "report":
         return report.run(args)
     from trainvitals.demo import run as demo_run

@@ -100,3 +100,13 @@ def split_prefix(tag: str, separator: str = LOGGER_JOIN_CHAR) -> tuple[str, str]
         return "", tag
     match = _prefixed(separator).match(tag)
     return (match.group(1), tag[match.end() :]) if match else ("", tag)
+
+
+FIT_END_TAG = "trainvitals/fit_end"
+"""TrainvitalsDashboard's text panel of how the fit ended, at ``trainer.global_step``: a line starting with
+:data:`FIT_ENDED` at fit end (Lightning's ``on_fit_end``, which a fit that raises never reaches), or with
+:data:`FIT_RAISED` and the exception's type when it raised (``on_exception``: an error, KeyboardInterrupt).
+A fit that was killed (SIGKILL, out of memory, preempted) or is still running leaves neither: its layout,
+written at fit start, is all there is."""
+
+FIT_ENDED, FIT_RAISED = "the fit ended", "the fit raised"

@@ -7,6 +7,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -22,9 +23,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals.integrity import callback as graph_integrity
 from trainvitals.integrity.callback import FindingKind, GraphIntegrityCallback, GraphIntegrityError
+from trainvitals.integrity.checks import finding_kinds
 from trainvitals.integrity.graph import walk_graph
 
-K = FindingKind
+K = SimpleNamespace(**{kind.value.upper(): kind for kind in finding_kinds()})
+"""The registered finding kinds by name: ``K.UNUSED_PARAMS``."""
 
 
 def data(n: int = 32, d: int = 4, batch_size: int = 8) -> DataLoader:
@@ -262,7 +265,7 @@ def test_a_non_finite_loss_after_the_last_check_window_is_still_logged(recording
     fit(NonFiniteLoss(), cb, steps=3, logger=recording_logger)
     assert K.LOSS_NOT_FINITE in kinds(cb)
     # Steps 1 and 2: the inf loss of step 1 leaves NaN weights behind.
-    assert recording_logger.series["graph/nonfinite_losses"][-1] == (3, 2.0)
+    assert recording_logger.series["graph/nonfinite_losses"][-1] == (2, 2.0)  # logged at the last optimizer step, 2
 
 
 class NeverUsedHead(Net):
@@ -278,7 +281,8 @@ def test_a_window_the_run_cuts_short_logs_no_unused_verdict(recording_logger: Re
     cb = GraphIntegrityCallback(check_every_n_steps=4, dead_after_steps=3)
     fit(NeverUsedHead(), cb, steps=steps, logger=recording_logger)
     assert [v for _, v in recording_logger.series["graph/unused_params"]] == [2.0, 2.0]
-    assert [s for s, _ in recording_logger.series["graph/nonfinite_losses"]][-1] == steps  # the last window logged
+    # The last window logged, at the run's last optimizer step.
+    assert [s for s, _ in recording_logger.series["graph/nonfinite_losses"]][-1] == steps - 1
 
 
 class VectorLoss(Net):

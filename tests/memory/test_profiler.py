@@ -391,6 +391,57 @@ def test_a_new_category_row_reaches_the_scalars_the_table_the_tags_and_the_budge
     )
 
 
+class KeptKeysAndValues(Classifier):
+    """Keeps its last batch's hidden keys and values, detached, for the next step (a Transformer-XL memory, a
+    KV cache): 2 · B · H floats that are no parameter, buffer, gradient or saved activation."""
+
+    def forward(self, x):
+        h = self.net[1](self.net[0](x))
+        self.kv_cache = (h.detach(), h.detach() * 2)
+        return self.net[2](h)
+
+
+@pytest.fixture
+def registered_categories():
+    """The categories registered in a test are taken back after it (the list itself: its readers hold it)."""
+    kept = list(categories.MEMORY_CATEGORIES)
+    yield
+    categories.MEMORY_CATEGORIES[:] = kept
+
+
+def test_a_kv_cache_category_is_one_registration_read_from_the_model(registered_categories):
+    """A category the step record does not hold is one file's register_category call: its measure reads the
+    profiled model (``StepMemory.model``); it reaches the scalars, the table (where it asked to be), the
+    largest-batch advice as bytes that grow with the batch, and the report's words."""
+    from trainvitals.memory import register_category, unique_storage_bytes
+    from trainvitals.report.assess import memory_label
+
+    kv_cache = register_category(
+        MemoryCategory(
+            "kv_cache", "KV cache", lambda m: unique_storage_bytes(getattr(m.model, "kv_cache", ())), footprint="batch"
+        ),
+        before="held_saved",
+    )
+    keys = [c.key for c in categories.MEMORY_CATEGORIES]
+    assert keys.index("kv_cache") == keys.index("held_saved") - 1
+    budget = 100_000
+    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=budget)
+    fit(KeptKeysAndValues(optimizer="sgd"), profiler, logger, max_steps=1)
+    kv_bytes = 2 * F32 * B * H  # by hand: keys and values, (B, H) floats each
+    assert logger.values("memory/kv_cache_bytes") == [kv_bytes]
+    fixed = 3 * PARAM_BYTES  # parameters, gradients, momentum
+    per_example = (ACTIVATION_BYTES + F32 * B * D + I64 * B + kv_bytes) / B
+    assert logger.values("memory/largest_batch") == [int((budget - fixed) / per_example)]
+    table = profiler.summary_markdown().splitlines()
+    row = next(i for i, line in enumerate(table) if line.startswith("| KV cache |"))
+    assert table[row] == f"| KV cache | {kv_bytes:,} | {kv_bytes / 1024:.2f} KiB |"
+    assert table[row + 1].startswith("| held after backward |")
+    assert memory_label("kv_cache") == "KV cache"
+    with pytest.raises(ValueError, match="`before`"):
+        register_category(MemoryCategory("other", "other", lambda m: 0), before="no_such_key")
+    assert kv_cache in categories.MEMORY_CATEGORIES
+
+
 class FrozenFirstLayer(Classifier):
     """The first Linear frozen (a pretrained feature layer), left out of the optimizer."""
 

@@ -602,6 +602,61 @@ def test_detect_loss_reduction_counts_the_terms(make_loss, terms):
     assert found is not None and found.terms == terms
 
 
+def _padded(lengths: list[int], T: int = 6, V: int = 3, pad: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (B, T, V) and targets with ``pad`` after each example's length."""
+    y = torch.randint(0, V, (len(lengths), T))
+    for b, n in enumerate(lengths):
+        y[b, n:] = pad
+    return torch.randn(len(lengths), T, V, requires_grad=True), y
+
+
+@pytest.mark.parametrize(
+    ("make_loss", "kind"),
+    [
+        (lambda x, y, m: F.cross_entropy(x[m], y[m]), "mean"),  # a token mean over a padding mask
+        (lambda x, y, m: F.cross_entropy(x.flatten(0, 1)[m.flatten()], y.flatten()[m.flatten()]), "mean"),
+        (lambda x, y, m: F.cross_entropy(x.transpose(1, 2), y.clamp(min=0), reduction="none")[m].mean(), "mean"),
+        (lambda x, y, m: torch.masked_select(x.square().sum(-1), m).mean(), "mean"),
+        (lambda x, y, m: F.cross_entropy(x[m], y[m], reduction="sum"), "sum"),
+    ],
+)
+def test_a_loss_over_the_masked_tokens_of_a_batch_reduces_over_the_tokens_kept(make_loss, kind):
+    """A loss over ``x[mask]`` reduces a selection of the batch's tokens (its leading dimension is no multiple
+    of B): read as a mean or a sum over exactly the tokens the mask keeps, the mean dividing by their number."""
+    lengths = [2, 3, 6, 2]  # 13 tokens kept: no multiple of the 4 examples
+    x, y = _padded(lengths)
+    found = detect_loss_reduction(make_loss(x, y, y != -100) / 2, batch_size=4, accumulation=2)
+    assert found is not None and (found.kind, found.terms) == (kind, 13)
+    assert (None if found.count is None else float(found.count)) == (13 if kind == "mean" else None)  # /A skipped
+    assert detect_loss_reduction(make_loss(x, y, y != -100), batch_size=5) is None  # not selected from a batch of 5
+
+
+@pytest.mark.parametrize(
+    ("make_loss", "count"),
+    [
+        (lambda x, y, m: F.cross_entropy(x.flatten(0, 1), y.flatten()), 2 + 3 + 6 + 2),  # ignore_index: kept targets
+        (lambda x, y, m: F.cross_entropy(x.transpose(1, 2), y), 2 + 3 + 6 + 2),
+        (
+            lambda x, y, m: (F.cross_entropy(x.transpose(1, 2), y.clamp(min=0), reduction="none") * m).sum() / m.sum(),
+            2 + 3 + 6 + 2,
+        ),
+        (lambda x, y, m: F.cross_entropy(x.transpose(1, 2), y.clamp(min=0)), 4 * 6),  # every token, padding too
+        (lambda x, y, m: x.square().mean(), 4 * 6 * 3),
+        (lambda x, y, m: x.square().sum((1, 2)).mean(), 4),
+        (lambda x, y, m: F.cross_entropy(x.transpose(1, 2), y.clamp(min=0), reduction="sum"), None),  # a sum
+        (lambda x, y, m: F.cross_entropy(x.transpose(1, 2), y.clamp(min=0), reduction="sum") / 7, 7),  # divided
+    ],
+)
+def test_a_mean_says_what_it_divides_by(make_loss, count):
+    """What a loss divides the sum of its terms by, against the hand count: ``nll_loss``'s kept targets
+    (``ignore_index`` left out), a ``mask.sum()`` divisor, a mean's elements; ``None`` for a sum divided by
+    nothing. Lightning's /A is not in it."""
+    x, y = _padded([2, 3, 6, 2])
+    found = detect_loss_reduction(make_loss(x, y, y != -100) / 2, batch_size=4, accumulation=2)
+    assert found is not None
+    assert (None if found.count is None else float(found.count)) == count
+
+
 def test_plan_sources():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Scale(4), nn.Linear(4, 4, bias=False), nn.Linear(4, 4))
     model[4].weight = model[3].weight  # tied between two layers with rules: measured together

@@ -744,11 +744,11 @@ def test_an_integrity_finding_that_is_not_critical_is_in_the_findings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A param group at lr 0 (zero_lr, not critical: it may be meant) reaches the findings list, in words."""
-    from trainvitals.integrity.findings import FindingKind
+    from trainvitals.integrity.checks.zero_lr import ZERO_LR
 
     write_run(
         tmp_path / "run",
-        {**HEALTHY, FindingKind.ZERO_LR.counter: [0.0] * 10 + [1.0] * 10},
+        {**HEALTHY, ZERO_LR.counter: [0.0] * 10 + [1.0] * 10},
         {"graph/findings": "| step | kind | names | finding |\n|---|---|---|---|\n| 52 | zero_lr | g | lr 0 |"},
     )
     status, doc = report_json(capsys, tmp_path)
@@ -796,7 +796,7 @@ def test_a_run_that_logged_nothing_is_no_clean_bill_and_no_failure_beside_others
     assert status == EXIT_OK
     crashed = doc["runs"][0]
     assert crashed["status"] == "nothing measured" and not any(crashed["sections"].values())
-    assert "nothing logged (the run may have ended before its first step" in crashed["findings"][0]["message"]
+    assert "the run may have ended before its first step" in crashed["findings"][0]["message"]
     assert "clean bill" not in crashed["panels"]["integrity findings"]
     assert "nothing checked" in crashed["panels"]["integrity findings"]
     _, text, _ = report(capsys, str(tmp_path))
@@ -872,3 +872,120 @@ def test_an_unreliable_b_simple_does_not_speak_for_lr_advice_of_another_step(
     assert "at optimizer step 95" in note and "classic rules" not in note
     assert "the lr advice, written at optimizer step 99" in note
     assert run["steps"]["lr scaling advice"] == 99
+
+
+def test_several_runs_get_an_overview_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One line per run, in the report's order, before the first run's report: its status, last step, stop and
+    the headline numbers as its own sections show them."""
+    stop = "stopped at optimizer step 95 (after 96 steps): in its noise band for 10 consecutive steps."
+    write_run(tmp_path / "a", HEALTHY, {"grad_norm/stop_reason": stop})
+    write_run(tmp_path / "b", {**HEALTHY, "grad_norm/nonfinite_steps": [0.0] * (len(STEPS) - 1) + [3.0]})
+    _, doc = report_json(capsys, tmp_path)
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == EXIT_CRITICAL and text.startswith("overview\n")
+    lines = text.splitlines()
+    first_run = lines.index("run a: ok, last logged optimizer step 95")
+    table = [line.split() for line in lines[1:first_run] if line.strip()]
+    assert [cells[0] for cells in table[2:]] == ["a", "b"]
+    for cells, run in zip(table[2:], doc["runs"]):
+        convergence, noise = rows(run, "convergence"), rows(run, "noise scale and batch size")
+        assert cells[1:3] == [run["status"], str(run["last_step"])]
+        assert f"{convergence['norm / noise floor']:.4g}" in cells and f"{noise['B_simple = tr Σ / ‖G‖²']:.4g}" in cells
+    assert "stopped at optimizer step 95 (after 96 steps)" in lines[3]
+    _, markdown, _ = report(capsys, str(tmp_path), "--format", "markdown")
+    assert markdown.startswith("## overview\n\n| run | status |")
+    _, text, _ = report(capsys, str(tmp_path / "a"))
+    assert text.startswith("run a: ok")  # one run: its own report is the overview
+
+
+def test_the_last_logged_step_is_the_callbacks_last_optimizer_step(tmp_path: Path, capsys) -> None:
+    """40 optimizer steps (0–39), an integrity window closing at the last one, and a metric of the model's own
+    logged at Lightning's count of steps taken (40): the last logged optimizer step is 39."""
+    import lightning.pytorch as pl
+    from conftest import trainer_kwargs
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals.integrity.callback import GraphIntegrityCallback
+    from trainvitals.norms.monitor import GradNormMonitor
+
+    class LogsTaken(Regressor):
+        def on_train_end(self) -> None:
+            self.logger.log_metrics({"steps_taken": float(self.global_step)}, step=self.global_step)
+
+    callbacks = [GradNormMonitor(), GraphIntegrityCallback(check_every_n_steps=10, dead_after_steps=10)]
+    fit = pl.Trainer(
+        **trainer_kwargs(max_steps=40, logger=TensorBoardLogger(tmp_path), callbacks=callbacks, log_every_n_steps=5)
+    )
+    fit.fit(LogsTaken(), loader(regression_data(160), 4))
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    assert run["last_step"] == 39 and run["steps"]["integrity"] == 39
+    status, text, _ = report(capsys, str(tmp_path))
+    assert "last logged optimizer step 39" in text.splitlines()[0] and "integrity, as of" not in text
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_integrity_findings_read_as_blocks_in_a_terminal(tmp_path: Path, capsys) -> None:
+    """Each finding of GraphIntegrityCallback's table is its step and kind, then its text at the terminal's width:
+    the whole message in order, its names once."""
+    import lightning.pytorch as pl
+    from conftest import trainer_kwargs
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from torch import nn
+
+    from trainvitals.integrity.callback import GraphIntegrityCallback
+    from trainvitals.text.terminal import WIDTH
+
+    class UnusedHeads(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.never = nn.Linear(6, 3)
+            self.also_never = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+
+    integrity = GraphIntegrityCallback(check_every_n_steps=4)
+    fit = pl.Trainer(**trainer_kwargs(max_steps=8, logger=TensorBoardLogger(tmp_path), callbacks=[integrity]))
+    fit.fit(UnusedHeads(), loader(regression_data(64), 4))
+    assert len(integrity.findings) >= 2
+    _, text, _ = report(capsys, str(tmp_path))
+    panel = text.split("\n  integrity findings\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert all(len(line) <= WIDTH for line in panel)
+    starts = [i for i, line in enumerate(panel) if line.startswith("    step ")] + [len(panel)]
+    assert len(starts) - 1 == len(integrity.findings)
+    for finding, begin, end in zip(integrity.findings, starts, starts[1:]):
+        block = " ".join(line.strip() for line in panel[begin:end])
+        assert block.startswith(f"step {finding.step}, {finding.kind.value}")
+        assert " ".join(finding.message.replace("`", "").split()) in block
+        assert block.count(finding.names[0]) == 1
+
+
+def test_a_partial_estimate_says_so_and_what_its_data_show(tmp_path: Path, capsys) -> None:
+    """B_simple of 60% of ‖ḡ‖², without a finite relative error: its row says it is of the measured parameters
+    only; the tr Σ and ‖G‖² logged with it and their errors give B_simple's 90% lower end, and the unmeasured
+    parameters' bound on tr Σ is shown."""
+    from statistics import NormalDist
+
+    partial = {
+        **HEALTHY,
+        "grad_noise/coverage": 0.6,
+        "grad_noise/b_simple": 187.3,
+        "grad_noise/trace_cov": 100.0,
+        "grad_noise/trace_cov_se": 10.0,
+        "grad_noise/grad_sq_norm": 0.534,
+        "grad_noise/grad_sq_norm_se": 0.1,
+        "grad_noise/unmeasured_trace_share": 0.45,
+    }
+    del partial["grad_noise/b_simple_rel_err"]
+    write_run(tmp_path / "run", partial)
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    noise = rows(run, "noise scale and batch size")
+    assert "B_simple = tr Σ / ‖G‖²" not in noise  # not the model's
+    (label,) = [k for k in noise if k.startswith("B_simple = tr Σ / ‖G‖²")]
+    assert "partial" in label and noise[label] == pytest.approx(187.3)
+    z = NormalDist().inv_cdf(0.95)
+    (low,) = [v for k, v in noise.items() if "lower" in k]
+    assert low == pytest.approx((100.0 - z * 10.0) / (0.534 + z * 0.1), rel=1e-6)
+    assert noise["B_simple relative error"] is not None  # says why there is none
+    assert any("0.45" in str(v) for k, v in noise.items() if "unmeasured" in k)
+    (verdict,) = [f["message"] for f in run["findings"] if f["section"] == "noise scale and batch size"]
+    assert "partial" in verdict and "187" in verdict and f"{low:.3g}" in verdict and "B = 64" not in verdict

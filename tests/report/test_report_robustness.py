@@ -30,6 +30,7 @@ from trainvitals.report.command import (
     EXIT_DAMAGED,
     EXIT_NO_DATA,
     EXIT_OK,
+    EXIT_UNFINISHED,
     EXIT_UNWRITTEN,
     main,
     read_runs,
@@ -216,10 +217,11 @@ def test_fuzz_damaged_event_files_never_read_as_healthy(mutation: tuple, diverge
         finally:
             sys.stdout, sys.stderr = stdout, stderr
     assert "Traceback" not in err.getvalue()
-    if not out.getvalue():  # a valid shorter file without a trainvitals tag: nothing to report
-        assert status == EXIT_NO_DATA and visible is not True
+    doc = json.loads(out.getvalue())
+    if "error" in doc:  # a valid shorter file without a trainvitals tag (or empty): nothing to report
+        assert status == doc["exit_status"] == EXIT_NO_DATA and visible is not True
         return
-    (run,) = json.loads(out.getvalue())["runs"]
+    (run,) = doc["runs"]
     if visible is not None:
         assert bool(damage_findings(run)) is visible and run["read_in_part"] is visible
     if run["read_in_part"]:
@@ -522,9 +524,11 @@ def test_a_fit_that_did_not_end_is_named(tmp_path: Path, capsys) -> None:
         )
     )
     path.write_bytes(data[:cut])
-    status, text, _ = report(capsys, str(tmp_path))
-    assert status == EXIT_OK  # nothing in the format says the file was cut
-    assert "[warning] event files: no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start" in text
+    # Nothing in the format says the file was cut: the layout without the fit's end reads as a fit that did not end.
+    status, doc = report_json(capsys, tmp_path)
+    assert status == EXIT_UNFINISHED
+    (run,) = doc["runs"]
+    assert run["status"] == "did not end" and [f["section"] for f in run["findings"]].count("fit") == 1
 
 
 def test_diagnosis_panels_of_earlier_versions_count_as_the_fit_end(tmp_path: Path, capsys) -> None:
@@ -544,10 +548,7 @@ def test_diagnosis_panels_of_earlier_versions_count_as_the_fit_end(tmp_path: Pat
     write(tmp_path / "old", "trainvitals/diagnosis")
     write(tmp_path / "none", "elsewhere")
     _, doc = report_json(capsys, tmp_path)
-    warned = {
-        run["run"]: any("no end-of-fit diagnosis" in f["message"] for f in run["findings"]) for run in doc["runs"]
-    }
-    assert warned == {"old": False, "none": True}
+    assert {run["run"]: run["fit_end"] for run in doc["runs"]} == {"old": "ended", "none": "did not end"}
 
 
 def _report_process(logdir: Path, **popen: object) -> subprocess.CompletedProcess[str]:

@@ -3,35 +3,26 @@
 Backpropagation only reaches what the graph connects. A detached loss, a head the loss never uses,
 layers kept in a plain Python list, a hidden state carried across steps: each either wastes hours
 before anyone notices or fails with an error that names no culprit. :class:`GraphIntegrityCallback`
-finds them:
-
-- at fit start: frozen parameters in an optimizer, parameters in more than one optimizer;
-- before backward, every step: the loss (no ``grad_fn`` and why, not a scalar, not finite);
-- on a schedule, in a check window: a walk of the first batch's graph (unreachable parameters and why,
-  leaves in no optimizer, nodes of an earlier step), then ``dead_after_steps`` checked optimizer steps
-  (parameters without a gradient or with an exactly zero one all window long, frozen parameters an
-  optimizer changes; under manual optimization, leftover gradients and steps before their backward);
-- at every optimizer step, the lr of each param group: one at exactly 0 for at least
-  ``max(dead_after_steps, 10)`` steps in a row is reported when a check window closes;
-- on an exception: a diagnosis of autograd's three classic errors, added to the exception as a note.
+finds them, with one check a class (:mod:`trainvitals.integrity.checks`, one file each, whose docstring
+says what it finds and logs): at fit start (optimizers), before each backward (the loss), on a schedule
+in a check window (a walk of its first batch's graph, then ``dead_after_steps`` checked optimizer steps),
+at optimizer steps, and on an exception (a diagnosis of autograd's classic errors, added to it as a note).
 
 Findings go to :attr:`GraphIntegrityCallback.findings`, a warning once per kind (rank zero), and a
 markdown table at the end of fit (:meth:`GraphIntegrityCallback.summary_markdown`, printed and logged
 as the text panel ``graph/findings``). ``strict=True`` raises :class:`GraphIntegrityError` at the first
 finding instead, on all ranks at the same step.
 
-Metrics, logged when a check window closes (step = ``trainer.global_step``), counts for that window:
-``graph/unused_params`` and ``graph/dead_params`` (parameters without / with an exactly zero gradient
-for ``dead_after_steps`` steps in a row), ``graph/nonfinite_losses`` (summed over ranks),
-``graph/leaked_graphs`` (walked losses that reach an earlier step's graph), ``graph/unoptimized_params``
-and ``graph/unregistered_params`` (leaves that get gradients but are in no optimizer / not registered
-on the module); and ``graph/findings_<kind>``, how many times each kind was found so far.
+Metrics, logged when a check window closes (at its last optimizer step, ``trainer.global_step - 1``, as every
+callback's step): per kind of finding, ``graph/findings_<kind>``, how many times it was found so far, and,
+for some, its count in that window, ``graph/<metric>`` (:func:`~trainvitals.integrity.checks.finding_kinds`
+lists the kinds, each with its metric and what ``trainvitals report`` makes of it;
+:func:`~trainvitals.integrity.checks.window_labels` every window metric, in words).
 
-Each check is a class in :mod:`trainvitals.integrity.checks` (its hooks, state, finding kinds
-and messages, listed there); this module runs the check windows, calls the checks' hooks in turn, and logs and raises
-what they find. The finding kinds are one table, :class:`~trainvitals.integrity.findings.FindingKind`. The
-analysis is torch-only: :mod:`trainvitals.integrity.graph` (walks), :mod:`trainvitals.integrity.tracer` (the
-step tracer) and :mod:`trainvitals.integrity.diagnoses` (streaks, reasons, diagnoses).
+This module runs the check windows, calls the registered checks' hooks in turn, and logs and raises what
+they find. The analysis is torch-only: :mod:`trainvitals.integrity.graph` (walks),
+:mod:`trainvitals.integrity.tracer` (the step tracer) and :mod:`trainvitals.integrity.diagnoses` (streaks,
+reasons, diagnoses).
 """
 
 from __future__ import annotations
@@ -46,33 +37,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_callable, check_int
-from trainvitals.integrity.checks.anomaly import AnomalyModeCheck
-from trainvitals.integrity.checks.autograd_errors import AutogradErrorCheck
+from trainvitals.integrity.checks import registered_checks
 from trainvitals.integrity.checks.base import HOOKS, Check, Fit, overriding
-from trainvitals.integrity.checks.batch_mixing import BatchMixingCheck
-from trainvitals.integrity.checks.loss import LossCheck
-from trainvitals.integrity.checks.manual import GradLeakCheck, StepOrderCheck
-from trainvitals.integrity.checks.optimizer import (
-    FrozenParamsCheck,
-    SharedByOptimizersCheck,
-    UnoptimizedLeavesCheck,
-)
-from trainvitals.integrity.checks.reachability import ReachabilityCheck
-from trainvitals.integrity.checks.stale_graph import StaleGraphCheck
-from trainvitals.integrity.checks.zero_lr import ZeroLrCheck
-from trainvitals.integrity.findings import NOTHING_CHECKED, Finding, FindingKind
+from trainvitals.integrity.findings import NOTHING_CHECKED, Finding, FindingKind, GraphIntegrityError
 from trainvitals.integrity.graph import first_tensor, sequence_mark, walk_graph
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 from trainvitals.text.prose import listed
 from trainvitals.text.terminal import markdown_to_text
-
-_MAX_PENDING_LOSSES = 1024  # losses kept for the finiteness check before they are counted on the device
-
-
-class GraphIntegrityError(RuntimeError):
-    """Raised by :class:`GraphIntegrityCallback` with ``strict=True`` at the first finding."""
 
 
 class GraphIntegrityCallback(TrainvitalsCallback):
@@ -157,25 +130,9 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         self._hooks = {hook: overriding(self._checks, hook) for hook in HOOKS}
 
     def _build_checks(self) -> list[Check]:
-        """The checks, in the order their hooks are called (the order of findings within a hook)."""
-        reachability = ReachabilityCheck()
-        checks: list[Check] = [
-            LossCheck(_MAX_PENDING_LOSSES),
-            reachability,
-            StaleGraphCheck(),
-            UnoptimizedLeavesCheck(),
-            FrozenParamsCheck(),
-            SharedByOptimizersCheck(),
-            GradLeakCheck(),
-            StepOrderCheck(reachability.streaks),
-            ZeroLrCheck(),
-            AutogradErrorCheck(ignore=GraphIntegrityError),
-        ]
-        if self.check_batch_independence:
-            checks.append(BatchMixingCheck(self.batch_input))
-        if self.detect_anomaly_steps:
-            checks.append(AnomalyModeCheck(self.detect_anomaly_steps))
-        return checks
+        """The registered checks this callback's arguments turn on, in their order: the order their hooks are
+        called in (the order of findings within a hook)."""
+        return [check for cls in registered_checks() if (check := cls.build(self)) is not None]
 
     @property
     def findings(self) -> list[Finding]:
@@ -274,7 +231,8 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         fit.window_open = False
         complete = fit.window_left <= 0
         metrics = self._call("on_window_close", trainer, complete)
-        log_scalars(trainer, {**metrics, **self._count_metrics()}, step=trainer.global_step)
+        # At the last optimizer step the window checked, as every callback logs a step: global_step is past it.
+        log_scalars(trainer, {**metrics, **self._count_metrics()}, step=max(trainer.global_step - 1, 0))
 
     def _call(self, hook: str, *args: Any) -> dict[str, float]:
         """Call the checks' ``hook`` (those that override it, in order) with the Fit and ``args``; returns the
@@ -325,7 +283,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         if not self.findings:
             return f"clean: no findings in {checked}."
         kinds = sorted({f.kind.value for f in self.findings})
-        critical = [f for f in self.findings if f.kind.spec.critical is not None]
+        critical = [f for f in self.findings if f.kind.critical is not None]
         first = (critical or self.findings)[0]
         return (
             f"{len(self.findings)} finding(s) in {checked} ({', '.join(kinds)}); first "
@@ -357,7 +315,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         if self._fit.window_open:
             self._close_window(trainer)
         elif any((metrics := self._call("on_sync", trainer)).values()):  # after the last window: still on the charts
-            log_scalars(trainer, {**metrics, **self._count_metrics()}, step=trainer.global_step)
+            log_scalars(trainer, {**metrics, **self._count_metrics()}, step=max(trainer.global_step - 1, 0))
         self._publish(trainer)
 
     @override

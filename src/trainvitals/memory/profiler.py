@@ -70,6 +70,8 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
       profiled step), ``memory/temporaries_bytes`` (peak allocated minus the categories above; negative
       when they do not all coexist at the peak), ``memory/alloc_retries`` and ``memory/ooms``
       (cumulative allocator counters);
+    - ``memory/<key>_bytes`` of each category registered besides
+      (:func:`~trainvitals.memory.categories.register_category`);
     - ``memory/largest_batch`` when there is a budget: the largest batch that fits it, with the
       activations, inputs and temporaries scaled with the batch.
 
@@ -279,6 +281,7 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
             pending.micro_batches,
             held.held_bytes,
             allocator,
+            pl_module,
         )
         metrics: dict[str, float] = {
             **category_metrics(self.last),

@@ -450,20 +450,23 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if not self._measuring or not self._batch_size or loss.grad_fn is None:
             return
         accumulation = loss_divisor(trainer, pl_module)
-        reduction = self.loss_reduction
+        reduction, how = self.loss_reduction, "as told"
         if reduction == "auto":
             found = detect_loss_reduction(loss, self._batch_size, accumulation)
-            if found is None:
-                self.warn(
-                    "could not tell from the loss's graph whether it is a mean or a sum over examples; "
-                    "assuming a mean. Pass `loss_reduction=` to say which: B_simple does not depend on it, "
-                    "tr(Σ), ‖G‖² and the noise level sqrt(tr Σ/B) do.",
-                    once=True,
-                )
-            reduction = found.kind if found is not None else "mean"
+            if found is not None:
+                reduction, how = found.kind, "read from the loss's graph"
+            else:  # the same loss as the graphs this fit read, or said to be assumed a mean: said once, either way
+                if not self._stated_reduction:
+                    self.warn(
+                        "could not tell from the loss's graph whether it is a mean or a sum over examples; "
+                        "assuming a mean. Pass `loss_reduction=` to say which: B_simple does not depend on it, "
+                        "tr(Σ), ‖G‖² and the noise level sqrt(tr Σ/B) do.",
+                        once=True,
+                    )
+                    self._stated_reduction = "mean"
+                reduction = self._stated_reduction
         if reduction != self._stated_reduction:
             self._stated_reduction = reduction
-            how = "as told" if self.loss_reduction != "auto" else "read from the loss's graph"
             self.info(
                 f"the loss is a {reduction} over the examples ({how}); per-example gradients are those of "
                 "each example's own loss" + (", B × its share of the batch mean" if reduction == "mean" else "")

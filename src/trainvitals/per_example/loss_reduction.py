@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -30,17 +30,30 @@ _MEAN_OPS = frozenset({"MeanBackward0", "MeanBackward1"})
 _SUM_OPS = frozenset({"SumBackward0", "SumBackward1"})
 _REDUCTION_CODES = {1: "mean", 2: "sum"}  # at::Reduction, as saved by the loss nodes (NllLoss, MseLoss, ...)
 _MAX_GRAPH_NODES = 64
+# A selection of a batch tensor's elements (``logits[mask]``, ``torch.masked_select``), and the operations that
+# keep its rows on the way to a loss function (``F.cross_entropy`` is ``nll_loss(log_softmax(x))``).
+_SELECT_OPS = frozenset({"IndexBackward0", "MaskedSelectBackward0"})
+_ROW_OPS = frozenset({"LogSoftmaxBackward0", "SoftmaxBackward0", "ToCopyBackward0", "CloneBackward0"})
+_MAX_SELECTION_DEPTH = 4
 
 
 @dataclass(frozen=True)
 class LossReduction:
     """How a loss reduces its terms: ``kind`` ``"mean"`` or ``"sum"``, over ``terms`` values (the examples
-    of a micro-batch, times the tokens or elements of each for a per-token or per-element loss) where
-    the graph says so, else ``None``. Targets an ``ignore_index`` leaves out (padding) are counted: read
-    from shapes, not values, so with padding ``terms`` is an upper bound."""
+    of a micro-batch, times the tokens or elements of each for a per-token or per-element loss; the
+    elements selected, for a loss over ``x[mask]``) where the graph says so, else ``None``. Targets an
+    ``ignore_index`` leaves out (padding) are counted: read from shapes, not values, so with padding
+    ``terms`` is an upper bound.
+
+    ``count``: what the loss divides the sum of its terms by, where the graph holds it: a mean's elements
+    (``nll_loss``: the total weight of the targets it kept) times the divisions on the way, a sum's divisions
+    (``mask.sum()``); a number, or a 0-d tensor on the loss's device, not read here so as not to sync.
+    ``None``: a sum divided by nothing, or not known.
+    """
 
     kind: str
     terms: int | None
+    count: float | Tensor | None = field(default=None, compare=False)
 
 
 _NLL_OPS = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})  # input (N, C, *): one term per target
@@ -65,12 +78,35 @@ def _loss_terms(node: Any) -> int | None:
     return math.prod(shape) if name in _ELEMENTWISE_LOSS_OPS else None
 
 
+def _selected_from_batch(node: Any, batch_size: int) -> bool:
+    """The input of reduction ``node`` is a selection (``x[mask]``) of a tensor whose leading dimension is a
+    multiple of ``batch_size``, through operations that keep its rows."""
+    for _ in range(_MAX_SELECTION_DEPTH):
+        node = node.next_functions[0][0] if node.next_functions else None
+        name = type(node).__name__
+        if name in _SELECT_OPS:
+            sizes = node._saved_self_sym_sizes if name == "IndexBackward0" else node._saved_self.shape
+            return bool(sizes) and sizes[0] % batch_size == 0
+        if name not in _ROW_OPS:
+            return False
+    return False
+
+
+def _times(count: float | Tensor | None, divisor: float | Tensor | None) -> float | Tensor | None:
+    """A mean's count times the divisions on the path from the loss (device tensors stay on the device)."""
+    if count is None or divisor is None:
+        return count if divisor is None else None
+    return count * divisor
+
+
 def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) -> LossReduction | None:
-    """Whether ``loss`` is a mean or a sum of the examples' own losses, and over how many terms.
+    """Whether ``loss`` is a mean or a sum of the examples' own losses, over how many terms, and what a mean
+    divides by.
 
     Walks the autograd graph down from ``loss`` through scalar operations (multiplications, divisions,
     additions, casts) to the first reductions over a tensor whose leading dimension is a multiple of
-    ``batch_size``: ``mean()``, ``sum()``, and the loss functions' ``reduction=`` argument. A ``sum()``
+    ``batch_size``, or over a selection of such a tensor's elements (``F.cross_entropy(logits[mask],
+    y[mask])``): ``mean()``, ``sum()``, and the loss functions' ``reduction=`` argument. A ``sum()``
     divided on the way by a multiple of ``batch_size`` counts as a mean (cross-entropy with probability
     targets). One division by ``accumulation`` is skipped (Lightning divides the loss by
     ``accumulate_grad_batches``); a division by a tensor counts as one by a count of elements
@@ -80,17 +116,23 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
     tensor; of a wider one (``(B, C)`` soft-target cross-entropy terms, a ``(B, T)`` token grid) it is
     not known, nor where the loss's parts reduce different numbers of terms.
 
+    The count a mean divides by is read where the graph holds it: the elements of a ``mean()``, a loss
+    function's input elements (``nll_loss``: the total weight of the targets it kept, ignored ones left
+    out), times the divisions on the way (a ``sum()`` divided by ``mask.sum()``: that tensor).
+
     Returns:
         The reduction, or ``None`` when the graph shows neither, or both (or the batch is empty).
     """
     if batch_size < 1:
         return None
-    found: set[LossReduction] = set()
-    stack: list[tuple[Any, float]] = [(loss.grad_fn, 1.0)]
+    found: list[LossReduction] = []
+    # (node, the product of the divisions above it: inf once one is by a device tensor, and that product with
+    # the device tensors kept as such, None when none)
+    stack: list[tuple[Any, float, float | Tensor | None]] = [(loss.grad_fn, 1.0, None)]
     skip_division = accumulation
     visited = 0
     while stack:
-        node, divisor = stack.pop()
+        node, divisor, by = stack.pop()
         visited += 1
         if node is None:
             continue
@@ -99,17 +141,24 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
         name = type(node).__name__
         if name in _MEAN_OPS or name in _SUM_OPS:
             sizes = node._saved_self_sym_sizes
-            if sizes and sizes[0] % batch_size == 0:
+            if sizes and (sizes[0] % batch_size == 0 or _selected_from_batch(node, batch_size)):
                 is_mean = (
                     name in _MEAN_OPS or math.isinf(divisor) or (divisor >= batch_size and divisor % batch_size == 0)
                 )
-                found.add(LossReduction("mean" if is_mean else "sum", sizes[0] if len(sizes) == 1 else None))
+                count = _times(float(math.prod(sizes)), by) if name in _MEAN_OPS else by
+                terms = sizes[0] if len(sizes) == 1 else None
+                found.append(LossReduction("mean" if is_mean else "sum", terms, count))
             continue
         code = getattr(node, "_saved_reduction", None)
         if code is not None:
             leading = node._saved_self.shape[0] if node._saved_self.dim() else 0
-            if code in _REDUCTION_CODES and leading % batch_size == 0 and leading > 0:
-                found.add(LossReduction(_REDUCTION_CODES[code], _loss_terms(node)))
+            from_batch = leading > 0 and (leading % batch_size == 0 or _selected_from_batch(node, batch_size))
+            if code in _REDUCTION_CODES and from_batch:
+                kind = _REDUCTION_CODES[code]
+                counted = getattr(node, "_saved_total_weight", None) if type(node).__name__ in _NLL_OPS else None
+                if counted is None and kind == "mean":
+                    counted = float(node._saved_self.numel())
+                found.append(LossReduction(kind, _loss_terms(node), _times(counted, by) if kind == "mean" else by))
             elif code not in _REDUCTION_CODES:
                 return None
             continue
@@ -118,7 +167,7 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
         other = getattr(node, "_saved_other", None) if name in ("DivBackward0", "DivBackward1") else None
         if isinstance(other, Tensor) and (other.device.type != "cpu" or other.numel() != 1):
             # By a device tensor: a count of elements (F.cross_entropy's label smoothing); reading it would sync.
-            divisor = math.inf
+            divisor, by = math.inf, _times(other.detach(), by) if by is not None else other.detach()
         elif other is not None:
             # By a Python number (recorded as DivBackward0 with a CPU scalar in recent torch, as
             # DivBackward1 before): reading it is no device sync.
@@ -126,7 +175,11 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
             if skip_division and value == skip_division:
                 skip_division = 0
             else:
-                divisor *= value
-        stack.extend((nxt, divisor) for nxt, _ in node.next_functions)
+                divisor, by = divisor * value, value if by is None else by * value
+        stack.extend((nxt, divisor, by) for nxt, _ in node.next_functions)
     kinds, terms = {f.kind for f in found}, {f.terms for f in found}
-    return LossReduction(kinds.pop(), terms.pop() if len(terms) == 1 else None) if len(kinds) == 1 else None
+    if len(kinds) != 1:
+        return None
+    # The count of one reduction only: the parts of a loss that adds several reduce over counts of their own.
+    count = found[0].count if len(found) == 1 else None
+    return LossReduction(kinds.pop(), terms.pop() if len(terms) == 1 else None, count)

@@ -10,38 +10,81 @@ from __future__ import annotations
 
 import re
 
+from trainvitals.integrity.checks import finding_kinds, window_labels
 from trainvitals.integrity.findings import INTEGRITY, NOTHING_CHECKED, warning_counters
 from trainvitals.memory import MEMORY_CATEGORIES, format_bytes
-from trainvitals.report.convergence import convergence_section, noise_scale_section, uncounted_since
+from trainvitals.report.convergence import convergence_section, noise_scale_section, stopper_stop, uncounted_since
 from trainvitals.report.events import Run
 from trainvitals.report.model import (
+    CRASHED,
     CRITICAL_COUNTERS,
+    ENDED,
     EVENT_FILES,
+    EXIT_CRASHED,
+    EXIT_UNFINISHED,
+    FIT,
     LAST_WINDOW,
     SPIKES,
+    UNFINISHED,
     Finding,
     Row,
     RunReport,
     as_of,
     counter,
-    ended_early,
+    fit_end,
+    last_logged_step,
     panel,
     series_row,
     value_at,
 )
-from trainvitals.tags import MEMORY_BYTES, TRAINVITALS_PREFIXES, TRAINVITALS_ROOTS, grad_norm
+from trainvitals.tags import FIT_RAISED, MEMORY_BYTES, TRAINVITALS_PREFIXES, TRAINVITALS_ROOTS, grad_norm
 
 
 def assess(run: Run) -> RunReport:
     """The health report of ``run``: one section per vital sign, and the findings that follow."""
-    steps = [s for series in run.scalars.values() for s, _ in series]
+    end, line = fit_end(run)
     report = RunReport(
         run=run.name,
-        last_step=max(steps) if steps else None,
+        last_step=last_logged_step(run),
         read_in_part=bool(run.damage),
         measured=any(tag.startswith(TRAINVITALS_PREFIXES) for tag in run.scalars),
+        fit_end=end,
     )
     report.findings += [Finding("warning", EVENT_FILES, d.describe()) for d in run.damage]
+    if end == CRASHED:
+        report.findings.append(
+            Finding(
+                "warning",
+                FIT,
+                f"the fit crashed: {line.removeprefix(FIT_RAISED).strip().rstrip('.')}, as TrainvitalsDashboard "
+                f"recorded it; what it would have logged after is not in this report (exit status {EXIT_CRASHED}).",
+            )
+        )
+    elif end == UNFINISHED:
+        report.findings.append(
+            Finding(
+                "warning",
+                FIT,
+                "the fit did not end: TrainvitalsDashboard wrote its layout at fit start but neither the end of fit "
+                "nor an exception, so the fit was killed (SIGKILL, out of memory, preempted) or is still running, or "
+                "an event file was cut at a record's end (which its format cannot tell); whatever came after is not "
+                f"in this report (exit status {EXIT_UNFINISHED}).",
+            )
+        )
+    stop = stopper_stop(run)
+    if not report.measured and stop and end == ENDED:
+        report.stopped_again = True
+        report.sections["convergence"] = [Row("stop", stop)]
+        report.findings.append(
+            Finding(
+                "note",
+                "convergence",
+                "this fit took no step: it resumed from a checkpoint written after GradNormEarlyStopping stopped "
+                "the run, and stopped again at its start, as the stopper's end-of-fit table says — the run was "
+                "over before this fit. Its measurements are in the log folder of the fit that stopped.",
+            )
+        )
+        return report
     if not report.measured:
         report.findings.append(
             Finding(
@@ -49,20 +92,11 @@ def assess(run: Run) -> RunReport:
                 EVENT_FILES,
                 "nothing measured: no trainvitals scalar"
                 + (" in the part read" if run.damage else "")
-                + ", so no optimizer step was logged — nothing logged (the run may have ended before its first step: it "
-                "crashed or was killed), an empty train dataloader (limit_train_batches=0), max_steps=0, or step logging "
-                "off (log_every_n_steps=0). Nothing here says whether the run trained or is healthy."
+                + ", so no optimizer step was logged — "
+                + ("" if end == ENDED else "the run may have ended before its first step (it crashed or was killed), ")
+                + "an empty train dataloader (limit_train_batches=0), max_steps=0, or step logging off "
+                "(log_every_n_steps=0). Nothing here says whether the run trained or is healthy."
                 + _separator_hint(run),
-            )
-        )
-    if report.measured and ended_early(run):
-        report.findings.append(
-            Finding(
-                "warning",
-                EVENT_FILES,
-                "no end-of-fit diagnosis: TrainvitalsDashboard wrote its layout at fit start but "
-                "no diagnosis panel at fit end, so the fit is still running, was killed or crashed, or an event file "
-                "was cut at a record's end (which its format cannot tell); whatever came after is not in this report.",
             )
         )
     for section in (
@@ -73,7 +107,7 @@ def assess(run: Run) -> RunReport:
         n = counter(run, pattern, last=pattern in LAST_WINDOW)
         if n > 0:
             report.findings.append(Finding("critical", title, message.format(n=f"{n:g}")))
-    for title, pattern, message in warning_counters():
+    for title, pattern, message in warning_counters(finding_kinds()):
         n = counter(run, pattern)
         if n > 0:
             report.findings.append(
@@ -109,32 +143,22 @@ def _separator_hint(run: Run) -> str:
     return ""
 
 
-_INTEGRITY_LABELS = {
-    "unused_params": "parameters without a gradient",
-    "dead_params": "parameters with an exactly zero gradient",
-    "unoptimized_params": "tensors with a gradient in no optimizer",
-    "unregistered_params": "of those, not registered on the module",
-    "leaked_graphs": "losses reaching an earlier step's graph",
-    "nonfinite_losses": "non-finite losses",
-}
-"""GraphIntegrityCallback's counts per check window, ``graph/<metric>`` (callbacks/integrity_checks/), as labelled
-here and in this order; another metric is shown after them, its name as words."""
-
-
 _CHECKED_NOTHING = re.compile(r"clean bill of health\.\*\* No findings in 0 graph walk\(s\) and 0 gradient check\(s\)")
 
 
 def _integrity(run: Run, report: RunReport) -> None:
     title = INTEGRITY
-    # The per-kind finding counts (graph/findings_<kind>) are left to the findings panel.
-    order = list(_INTEGRITY_LABELS)
+    # The per-kind finding counts (graph/findings_<kind>) are left to the findings panel. The window metrics
+    # are labelled, and ordered, as the registered checks say; another one follows, its name as words.
+    labels = window_labels()
+    order = list(labels)
     step = as_of(run, report, title, r"graph/(?!findings_).+")
     metrics = sorted(
         ((tag.removeprefix("graph/"), series) for tag, series in run.matching(r"graph/(?!findings_).+").items()),
         key=lambda m: (order.index(m[0]) if m[0] in order else len(order), m[0]),
     )
     report.sections[title] = [
-        series_row(_INTEGRITY_LABELS.get(metric, metric.replace("_", " ")), series, step) for metric, series in metrics
+        series_row(labels.get(metric, metric.replace("_", " ")), series, step) for metric, series in metrics
     ]
     panel(run, report, "integrity findings", "graph/findings")
     if _CHECKED_NOTHING.search(

@@ -12,6 +12,7 @@ from trainvitals.noise.estimate import (
     MAX_UNMEASURED_TRACE,
     MIN_MEASUREMENTS,
     SOURCES_CHECK,
+    Z90,
 )
 from trainvitals.report.events import Run
 from trainvitals.report.model import (
@@ -119,6 +120,10 @@ def _rose_every_step(series: list[tuple[int, float]], since: int, least: int) ->
     return previous >= since and count - then >= max(least, step - previous)
 
 
+NORM_OVER_FLOOR = "norm / noise floor"
+"""The convergence section's row of the last gradient norm over its noise floor."""
+
+
 def convergence_section(run: Run, report: RunReport) -> None:
     title = "convergence"
     # Like with like: a partly measured model's floor is set against the norm of the measured parameters.
@@ -131,7 +136,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
     ]
     total = rows[0].value
     ratio_row = ratio_row_at(
-        "norm / noise floor", first_series(run, norm), first_series(run, grad_norm("noise_floor")), step
+        NORM_OVER_FLOOR, first_series(run, norm), first_series(run, grad_norm("noise_floor")), step
     )
     ratio = ratio_row.value if isinstance(ratio_row.value, float) else None
     said_at = f" at optimizer step {ratio_row.step}" if ratio_row.step is not None else ""
@@ -144,7 +149,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
     in_band = sum(recent) / len(recent) if recent else None
     end = _stopper_end(run)
     caveat = (run.text("grad_noise/caveat") or "").removeprefix("trainvitals GradNormEarlyStopping: ")
-    stop = run.text("grad_norm/stop_reason") or (end.get("stop") if end and not _end_reason(end) else None)
+    stop = stopper_stop(run)
     report.sections[title] = [
         *rows,
         ratio_row,
@@ -281,6 +286,13 @@ def _stopper_panel(run: Run) -> tuple[int, str] | None:
     return None if tag is None else run.texts[tag][-1]
 
 
+def stopper_stop(run: Run) -> str | None:
+    """GradNormEarlyStopping's sentence for its stop (its stop panel, else the stop row of its end-of-fit table),
+    or None when it did not stop the run."""
+    end = _stopper_end(run)
+    return run.text("grad_norm/stop_reason") or (end.get("stop") if end and not _end_reason(end) else None)
+
+
 def _stopper_end(run: Run) -> dict[str, str]:
     """GradNormEarlyStopping's end-of-fit table, ``quantity -> value``; ``{}`` when it was not logged (no
     stopper, or a fit that did not end). It counts every step, the logged flags sample a few."""
@@ -411,11 +423,54 @@ def _partial(run: Run) -> str:
     return ""
 
 
+B_SIMPLE = "B_simple = tr Σ / ‖G‖²"
+"""The noise section's B_simple row; of a partial estimate, :data:`B_SIMPLE_PARTIAL`."""
+B_SIMPLE_PARTIAL = f"{B_SIMPLE}, of the measured parameters only (partial estimate)"
+
+
+def b_simple_lower_bound(trace: float, trace_se: float, grad: float, grad_se: float) -> float | None:
+    """The 90% lower end of B_simple, (tr Σ − z·σ_S)⁺ / (‖G‖² + z·σ_G) with z = :data:`Z90`: the low end of the
+    estimator's range (:mod:`trainvitals.noise.estimate`, rule 4), finite even where ‖G‖² is within its error of
+    0 and B_simple has no upper end (docs/science.md §3c: "B_simple ≥ x"); None when ‖G‖² + z·σ_G ≤ 0 (‖G‖²
+    below zero beyond its error: no range at all)."""
+    high = grad + Z90 * grad_se
+    return max(trace - Z90 * trace_se, 0.0) / high if high > 0 else None
+
+
+def _partial_rows(run: Run, step: int | None) -> list[Row]:
+    """What a partial estimate's data show, of the measured parameters: tr Σ and ‖G‖² with their standard errors,
+    B_simple's 90% lower end, and the bound on the tr Σ of the parameters it does not see; each row only if logged."""
+    values = {
+        key: value_at(first_series(run, rf"grad_noise/{key}$"), step)
+        for key in ("trace_cov", "trace_cov_se", "grad_sq_norm", "grad_sq_norm_se", "unmeasured_trace_share")
+    }
+    rows = []
+    for key, label in (("trace_cov", "tr Σ"), ("grad_sq_norm", "‖G‖²")):
+        (value, own), (se, se_own) = values[key], values[f"{key}_se"]
+        if value is not None:
+            shown = f"{value:.4g} ± {se:.2g} (standard error)" if se is not None and se_own == own else f"{value:.4g}"
+            rows.append(Row(f"{label} of the measured parameters", shown, step=own))
+    (trace, own), (trace_se, _), (grad, _), (grad_se, _) = (
+        values[k] for k in ("trace_cov", "trace_cov_se", "grad_sq_norm", "grad_sq_norm_se")
+    )
+    if None not in (trace, trace_se, grad, grad_se) and all(
+        values[k][1] == own for k in ("trace_cov_se", "grad_sq_norm", "grad_sq_norm_se")
+    ):
+        low = b_simple_lower_bound(trace, trace_se, grad, grad_se)
+        if low is not None:
+            rows.append(Row("B_simple of the measured parameters, 90% lower end", low, "examples", own))
+    share, own = values["unmeasured_trace_share"]
+    if share is not None:
+        rows.append(Row("tr Σ of the unmeasured parameters, at most", f"{share:.3g}× the measured tr Σ", step=own))
+    return rows
+
+
 def noise_scale_section(run: Run, report: RunReport) -> None:
     title = "noise scale and batch size"
     step = as_of(run, report, title, r"grad_noise/b_simple$", r"lr_scaling/effective_batch$", r"lr_scaling/")
+    partial = _partial(run)
     rows = [
-        row_at(run, step, "B_simple = tr Σ / ‖G‖²", r"grad_noise/b_simple$", unit="examples"),  # the run's one
+        row_at(run, step, B_SIMPLE_PARTIAL if partial else B_SIMPLE, r"grad_noise/b_simple$", unit="examples"),
         row_at(run, step, "B_simple relative error", r"grad_noise/b_simple_rel_err$"),
         row_at(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$", unit="share"),
         row_at(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples"),
@@ -424,10 +479,14 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     # The verdict's numbers are of the section's step, B_simple's last: an error of another step is not its.
     b_simple = b_simple_row.value if b_simple_row.step is None else None
     rel_err = error_row.value if error_row.step is None else None
+    if error_row.value is None and b_simple_row.value is not None:  # an infinite one is not logged
+        error_row.value = "none finite: too few measurements, or ‖G‖² not resolved from zero"
     batches = {v for _, v in first_series(run, r"lr_scaling/effective_batch$") or []}
     batch = batch_row.value if batch_row.step is None or len(batches) == 1 else None  # one batch all along: its own
     unreliable = value_at(first_series(run, r"grad_noise/b_simple_unreliable$"), step)
     at = f" at optimizer step {step}"
+    if partial:
+        rows[3:3] = _partial_rows(run, step)
     rows += [
         series_row(_lr_label(tag.removeprefix("lr_scaling/"), batch_row.value), series, step)
         for tag, series in sorted(run.matching(r"lr_scaling/(?!effective_batch$).+").items())
@@ -445,10 +504,16 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     checked = run.text(SOURCES_CHECK)
     if checked:  # said once by the callbacks: a noise source dropped, or two that disagree
         report.findings.append(Finding("warning", title, f"noise sources: {checked}."))
-    partial = _partial(run)
     if b_simple is not None and partial:
+        low = next((r for r in rows if r.label.endswith("90% lower end") and r.step is None), None)
+        ends = f" (≥ {low.value:.3g} at 90%)" if low is not None else ""
         report.findings.append(
-            Finding("note", title, f"{partial}: no batch-size verdict, and no noise-aware lr advice.")
+            Finding(
+                "note",
+                title,
+                f"{partial}: B_simple = {b_simple:.3g}{ends}{at} is of the measured parameters only, not of the model; "
+                "no batch-size verdict, and no noise-aware lr advice.",
+            )
         )
     elif b_simple is not None and (
         unreliable == (1, None) or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR

@@ -85,7 +85,8 @@ class Run:
 
     ``damage`` lists the event files read only in part; ``prefix`` is the logger's prefix taken off the
     scalar tags (``TensorBoardLogger(prefix="train")``), empty when it had none; ``layout`` whether the files
-    hold a custom-scalars layout (TrainvitalsDashboard writes it at fit start, its diagnoses at fit end).
+    hold a custom-scalars layout (TrainvitalsDashboard writes it at fit start, its diagnoses at fit end);
+    ``empty`` names its event files of 0 bytes (a writer that has not flushed yet, or a run that died at once).
     """
 
     name: str
@@ -94,6 +95,7 @@ class Run:
     damage: list[Damage] = field(default_factory=list)
     prefix: str = ""
     layout: bool = False
+    empty: list[str] = field(default_factory=list)
 
     def matching(self, pattern: str) -> dict[str, list[tuple[int, float]]]:
         """The scalar series whose tag matches ``pattern`` (``re.match``, as TensorBoard matches)."""
@@ -109,6 +111,11 @@ class Run:
         """Latest text of the panel ``tag``, or None."""
         entries = self.texts.get(tag)
         return entries[-1][1] if entries else None
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether every event file of the run is empty (0 bytes): nothing was written yet, by any tool."""
+        return bool(self.empty) and not (self.scalars or self.texts or self.damage or self.layout)
 
     @property
     def is_trainvitals(self) -> bool:
@@ -202,7 +209,17 @@ def _read_run(root: Path, folder: Path, files: list[str]) -> Run:
         texts=texts,
         damage=damage,
         layout="custom_scalars" in plugins.values(),
+        empty=[_run_name(root, Path(path)) for path in files if _is_empty(path)],
     )
+
+
+def _is_empty(path: str) -> bool:
+    """Whether ``path`` is a regular file of 0 bytes (one that cannot be read is a :class:`Damage`)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_size == 0
 
 
 def _run_name(root: Path, path: Path) -> str:
@@ -339,7 +356,15 @@ def _by_prefix(run: Run, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:
         scalars = {tag[cut:]: series for tag, series in run.scalars.items() if owner(tag) == prefix}
         name = f"{run.name} (prefix {prefix})" if prefix else f"{run.name} (no prefix)"
         views.append(
-            Run(name=name, scalars=scalars, texts=run.texts, damage=run.damage, prefix=prefix, layout=run.layout)
+            Run(
+                name=name,
+                scalars=scalars,
+                texts=run.texts,
+                damage=run.damage,
+                prefix=prefix,
+                layout=run.layout,
+                empty=run.empty,
+            )
         )
     return views
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from trainvitals.report.assess import memory_label
 from trainvitals.report.events import Run
-from trainvitals.report.model import RunReport, first_series
-from trainvitals.report.render import format_value, heading, status_line
+from trainvitals.report.model import EXIT_NO_DATA, EXIT_OK, RunReport, first_series
+from trainvitals.report.render import EMPTY_RUNS, format_value, heading, overview_markdown, status_line
 from trainvitals.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, SUGGESTED_LR, grad_norm
 from trainvitals.text.terminal import table_cells
 
@@ -43,13 +43,18 @@ code { background: #f6f8fa; padding: 0 .2em; border-radius: 3px; }
 """
 
 
-def render_html(runs: Sequence[tuple[Run, RunReport]], skipped: Sequence[str] = ()) -> str:
-    """The HTML page of the reports; ``runs`` pairs each run's data (for the plots) with its report."""
+def render_html(runs: Sequence[tuple[Run, RunReport]], skipped: Sequence[str] = (), empty: Sequence[str] = ()) -> str:
+    """The HTML page of the reports; ``runs`` pairs each run's data (for the plots) with its report; an
+    overview table first when there are several."""
     body = ["<h1>trainvitals report</h1>"]
+    if len(runs) > 1:
+        body.append(markdown_to_html("\n".join(overview_markdown([report for _, report in runs]))))
     for run, report in runs:
         body += _run_html(run, report)
     if skipped:
         body.append(f"<p>Runs without trainvitals metrics, not reported: {html.escape(', '.join(skipped))}</p>")
+    if empty:
+        body.append(f"<p>{html.escape(EMPTY_RUNS)}: {html.escape(', '.join(empty))}</p>")
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -60,7 +65,7 @@ def render_html(runs: Sequence[tuple[Run, RunReport]], skipped: Sequence[str] = 
 
 
 def _run_html(run: Run, report: RunReport) -> list[str]:
-    state = "critical" if report.critical else "ok"
+    state = "ok" if report.exit_status in (EXIT_OK, EXIT_NO_DATA) else "critical"  # a crash too, in red
     out = [
         f'<h2>run <code>{html.escape(report.run)}</code>: <span class="{state}">{html.escape(status_line(report))}</span></h2>'
     ]

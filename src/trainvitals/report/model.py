@@ -6,13 +6,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trainvitals.integrity.checks import finding_kinds
 from trainvitals.integrity.findings import critical_counters, last_window_counters
 from trainvitals.report.events import Run
-from trainvitals.tags import DIAGNOSIS_PREFIXES, grad_norm
+from trainvitals.tags import DIAGNOSIS_PREFIXES, FIT_END_TAG, FIT_RAISED, TRAINVITALS_PREFIXES, grad_norm
 
-EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_UNWRITTEN = 0, 1, 2, 3, 4
-SEVERITY = (EXIT_OK, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_CRITICAL)
+EXIT_OK, EXIT_CRITICAL, EXIT_NO_DATA, EXIT_DAMAGED, EXIT_UNWRITTEN, EXIT_CRASHED, EXIT_UNFINISHED = range(7)
+SEVERITY = (EXIT_OK, EXIT_NO_DATA, EXIT_UNFINISHED, EXIT_CRASHED, EXIT_DAMAGED, EXIT_CRITICAL)
 """Exit statuses from the least to the most severe: the command exits with its runs' most severe."""
+
+ENDED, CRASHED, UNFINISHED, UNKNOWN = "ended", "crashed", "did not end", "unknown"
+"""How a fit ended (:func:`fit_end`): normally, by an exception, not at all (killed, or still running), or unknown
+(no TrainvitalsDashboard: nothing marks either end)."""
 
 BAND_WINDOW = 10
 """Logged steps over which the fraction in the noise band is taken: one step is in it about half the
@@ -21,7 +26,7 @@ time from noise alone at a stationary point (docs/science.md §3), so a single f
 BAND_STOP = "gradient norm in its noise band"
 """How GradNormEarlyStopping's stop panel names a stop on the noise band (its ``StopReason.NOISE_BAND``)."""
 
-SPIKES, EVENT_FILES = "spikes and non-finite steps", "event files"
+SPIKES, EVENT_FILES, FIT = "spikes and non-finite steps", "event files", "fit"
 
 CRITICAL_COUNTERS = (
     (
@@ -29,15 +34,15 @@ CRITICAL_COUNTERS = (
         grad_norm("nonfinite_steps"),
         "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler",
     ),
-    *critical_counters(),
+    *critical_counters(finding_kinds()),
 )
 """(section, tag regex, message): a counter is critical when its largest value (summed over optimizers) is > 0.
 
-The integrity rows come from the finding kinds' table (:class:`~trainvitals.integrity.findings.FindingKind`).
+The integrity rows come from the registered checks' finding kinds (:func:`~trainvitals.integrity.checks.finding_kinds`).
 The largest, not the last: GraphIntegrityCallback's counts are per check window, and a problem seen in
 any window is a problem — except those read in the last window only (:data:`LAST_WINDOW`)."""
 
-LAST_WINDOW = last_window_counters()
+LAST_WINDOW = last_window_counters(finding_kinds())
 """Counters read in the last check window only (unused parameters: a branch taken only on some batches goes
 unused in one window and trains in the next)."""
 
@@ -84,6 +89,11 @@ class RunReport:
     """An event file of the run is damaged: what was logged in the part not read is not in the report."""
     measured: bool = True
     """Whether the run holds any trainvitals scalar, i.e. whether any optimizer step was measured."""
+    fit_end: str = UNKNOWN
+    """How the fit ended, as TrainvitalsDashboard recorded it (:func:`fit_end`)."""
+    stopped_again: bool = False
+    """The fit took no step: it resumed from a checkpoint written after GradNormEarlyStopping's stop, and stopped
+    again at its start (a requeued job that was over)."""
 
     @property
     def critical(self) -> bool:
@@ -92,18 +102,35 @@ class RunReport:
 
     @property
     def status(self) -> str:
-        """``CRITICAL``, ``read in part``, ``nothing measured`` or ``ok``: the first that holds."""
+        """``CRITICAL``, ``read in part``, ``crashed``, ``did not end``, ``stopped again``, ``ok`` or ``nothing
+        measured``: the first that holds."""
         if self.critical:
             return "CRITICAL"
-        return "read in part" if self.read_in_part else "ok" if self.measured else "nothing measured"
+        if self.read_in_part:
+            return "read in part"
+        if self.fit_end in (CRASHED, UNFINISHED):
+            return self.fit_end
+        if self.stopped_again:
+            return "stopped again"
+        return "ok" if self.measured else "nothing measured"
 
     @property
     def exit_status(self) -> int:
-        """This run's exit status (module docstring); the command exits with the most severe of its runs, those
-        that measured nothing left out when another did."""
-        return {"CRITICAL": EXIT_CRITICAL, "read in part": EXIT_DAMAGED, "nothing measured": EXIT_NO_DATA}.get(
-            self.status, EXIT_OK
-        )
+        """This run's exit status (:mod:`trainvitals.report.command`'s docstring)."""
+        return {
+            "CRITICAL": EXIT_CRITICAL,
+            "read in part": EXIT_DAMAGED,
+            CRASHED: EXIT_CRASHED,
+            UNFINISHED: EXIT_UNFINISHED,
+            "nothing measured": EXIT_NO_DATA,
+        }.get(self.status, EXIT_OK)
+
+
+def exit_status(reports: list[RunReport]) -> int:
+    """The command's exit status: the most severe of its runs', those that measured nothing left out when
+    another did (such a run is then one of the report's findings)."""
+    statuses = [r.exit_status for r in reports if r.exit_status != EXIT_NO_DATA] or [EXIT_NO_DATA]
+    return max(statuses, key=SEVERITY.index)
 
 
 def panel(run: Run, report: RunReport, title: str, tag: str, dated: bool = False) -> None:
@@ -175,13 +202,35 @@ def counter(run: Run, pattern: str, last: bool = False) -> float:
     return sum((v[-1] if last else max(v)) for v in values if v)
 
 
+def fit_end(run: Run) -> tuple[str, str]:
+    """How the run's fit ended, and TrainvitalsDashboard's line saying so (``""`` when it wrote none).
+
+    The dashboard's :data:`~trainvitals.tags.FIT_END_TAG` panel, the latest line (a fit resumed into the same
+    folder writes after the one before): :data:`ENDED` or :data:`CRASHED`. Without it, its diagnosis panels,
+    written at fit end only, mean :data:`ENDED`; its layout alone, written at fit start, :data:`UNFINISHED` (killed,
+    still running, or a file cut at a record's end, which the format cannot tell); no layout :data:`UNKNOWN`.
+    """
+    line = run.text(FIT_END_TAG)
+    if line:
+        return (CRASHED if line.startswith(FIT_RAISED) else ENDED), line
+    if any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts):
+        return ENDED, ""
+    return (UNFINISHED if run.layout else UNKNOWN), ""
+
+
 def ended_early(run: Run) -> bool:
-    """Whether TrainvitalsDashboard wrote its layout at fit start but no diagnosis at fit end: the fit crashed,
-    was killed or is still running."""
-    return run.layout and not any(tag.startswith(DIAGNOSIS_PREFIXES) for tag in run.texts)
+    """Whether the fit is known not to have ended normally: it crashed, was killed or is still running."""
+    return fit_end(run)[0] in (CRASHED, UNFINISHED)
+
+
+def last_logged_step(run: Run) -> int | None:
+    """The last optimizer step of a trainvitals scalar: the run's own metrics (Lightning's ``epoch``, a validation
+    loss) keep their own count, and say nothing of what the callbacks measured."""
+    steps = [s for tag, series in run.scalars.items() if tag.startswith(TRAINVITALS_PREFIXES) for s, _ in series]
+    return max(steps) if steps else None
 
 
 def logged_steps(run: Run) -> str:
     """ "after optimizer step N (the last logged)": how far the run's trainvitals scalars go."""
-    steps = [s for series in run.scalars.values() for s, _ in series]  # as RunReport.last_step
-    return f"after optimizer step {max(steps)} (the last logged)" if steps else "before its first logged step"
+    step = last_logged_step(run)
+    return f"after optimizer step {step} (the last logged)" if step is not None else "before its first logged step"

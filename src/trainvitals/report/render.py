@@ -10,13 +10,17 @@ from dataclasses import asdict
 from typing import Any
 
 from trainvitals.memory import format_bytes
-from trainvitals.report.model import Row, RunReport
+from trainvitals.report.convergence import B_SIMPLE, B_SIMPLE_PARTIAL, NORM_OVER_FLOOR
+from trainvitals.report.model import Row, RunReport, exit_status
 from trainvitals.text.markdown import markdown_table
-from trainvitals.text.terminal import format_table, markdown_to_text
+from trainvitals.text.terminal import WIDTH, format_table, inline, markdown_to_text, table_cells
+
+EMPTY_RUNS = "runs whose event files are empty (0 bytes: not flushed yet, or the run died at once), not reported"
 
 
-def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) -> str:
-    """The reports as ``text``, ``markdown`` or ``json``; ``skipped`` names runs without trainvitals data.
+def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = (), empty: Sequence[str] = ()) -> str:
+    """The reports as ``text``, ``markdown`` or ``json``; ``skipped`` names runs without trainvitals data, ``empty``
+    those whose event files are all empty. Several runs get an overview first (:func:`overview_rows`).
 
     ``html`` needs the runs' series for its plots: :func:`trainvitals.report.html.render_html`."""
     if fmt == "json":
@@ -25,8 +29,10 @@ def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) 
                 _json_safe(
                     {
                         "critical": any(r.critical for r in reports),
+                        "exit_status": exit_status(list(reports)),
                         "runs": [{**asdict(r), "critical": r.critical, "status": r.status} for r in reports],
                         "skipped_runs": list(skipped),
+                        "empty_runs": list(empty),
                     }
                 ),
                 indent=2,
@@ -35,10 +41,56 @@ def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = ()) 
             + "\n"
         )
     render_run = _markdown_run if fmt == "markdown" else _text_run
-    out = [line for r in reports for line in render_run(r)]
+    out = []
+    if len(reports) > 1:
+        if fmt == "markdown":
+            out += ["## overview", "", *overview_markdown(reports), ""]
+        else:
+            out += ["overview", *format_table([OVERVIEW, ["---"] * len(OVERVIEW), *overview_rows(reports)], "  "), ""]
+    out += [line for r in reports for line in render_run(r)]
     if skipped:
         out.append(f"runs without trainvitals metrics, not reported: {', '.join(skipped)}")
+    if empty:
+        out.append(f"{EMPTY_RUNS}: {', '.join(empty)}")
     return "\n".join(out).rstrip() + "\n"
+
+
+OVERVIEW = ("run", "status", "last step", "stop", "norm / noise floor", "B_simple", "findings")
+"""The overview's columns: a line per run, its sections' headline numbers (as the run's own report shows them)."""
+
+
+def overview_rows(reports: Sequence[RunReport]) -> list[list[str]]:
+    """One row per run under :data:`OVERVIEW`: its status, last logged step, how it stopped (the stop row's
+    words before their first colon), the last norm over its noise floor, B_simple, and its findings by severity."""
+
+    def cell(r: RunReport, section: str, label: str) -> str:
+        found = next((row for row in r.sections.get(section, []) if row.label.startswith(label)), None)
+        if found is None or found.value is None:
+            return "-"
+        shown = format_value(found)
+        return shown + " (partial)" if found.label == B_SIMPLE_PARTIAL else shown
+
+    def counts(r: RunReport) -> str:
+        n = {s: sum(f.severity == s for f in r.findings) for s in ("critical", "warning", "note")}
+        return ", ".join(f"{k} {s}" + ("s" if k > 1 and s != "critical" else "") for s, k in n.items() if k) or "none"
+
+    return [
+        [
+            r.run,
+            r.status,
+            "-" if r.last_step is None else str(r.last_step),
+            cell(r, "convergence", "stop").split(":", 1)[0],
+            cell(r, "convergence", NORM_OVER_FLOOR),
+            cell(r, "noise scale and batch size", B_SIMPLE),
+            counts(r),
+        ]
+        for r in reports
+    ]
+
+
+def overview_markdown(reports: Sequence[RunReport]) -> list[str]:
+    """The overview (:func:`overview_rows`) as a markdown table."""
+    return markdown_table(OVERVIEW, overview_rows(reports))
 
 
 def status_line(r: RunReport) -> str:
@@ -89,8 +141,33 @@ def _text_run(r: RunReport) -> list[str]:
                 [[row.label, format_value(row)] for row in rows], indent="    "
             )
     for title, text in r.panels.items():
-        out += ["", f"  {heading(r, title)}", textwrap.indent(markdown_to_text(text), "    ")]
+        out += ["", f"  {heading(r, title)}"]
+        out += _findings_text(text, "    ") or [textwrap.indent(markdown_to_text(text), "    ")]
     return out + [""]
+
+
+FINDINGS_HEADER = ["step", "kind", "names", "finding"]
+"""The columns of GraphIntegrityCallback's findings table (its ``summary_markdown``)."""
+
+
+def _findings_text(markdown: str, indent: str) -> list[str] | None:
+    """GraphIntegrityCallback's findings table for a terminal, one block a finding: "step N, kind: names", then
+    the finding wrapped at :data:`~trainvitals.text.terminal.WIDTH` under it — not a table whose last column wraps
+    into a narrow strip beside the names. Names the finding's text already lists are not said twice. None when
+    ``markdown`` is not that table alone."""
+    lines = [line for line in markdown.splitlines() if line.strip()]
+    if not all(line.lstrip().startswith("|") for line in lines):
+        return None
+    rows = [table_cells(line) for line in lines]
+    if len(rows) < 3 or [inline(c).lower() for c in rows[0]] != FINDINGS_HEADER or any(len(r) != 4 for r in rows):
+        return None
+    out: list[str] = []
+    wrap = {"width": WIDTH, "break_long_words": False, "break_on_hyphens": False}
+    for step, kind, names, finding in ([inline(c) for c in row] for row in rows[2:]):
+        head = f"step {step}, {kind}" + (f": {names}" if names and names not in finding else "")
+        out += textwrap.wrap(head, initial_indent=indent, subsequent_indent=indent + "    ", **wrap)
+        out += textwrap.wrap(finding, initial_indent=indent + "  ", subsequent_indent=indent + "  ", **wrap)
+    return out
 
 
 def _json_safe(obj: Any) -> Any:

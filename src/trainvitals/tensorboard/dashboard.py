@@ -15,7 +15,7 @@ from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.writers import log_text, tensorboard_loggers
-from trainvitals.tags import DIAGNOSIS_TAG
+from trainvitals.tags import DIAGNOSIS_TAG, FIT_END_TAG, FIT_ENDED, FIT_RAISED
 from trainvitals.tensorboard.layout import layer_groups, trainvitals_layout
 
 
@@ -27,6 +27,9 @@ class TrainvitalsDashboard(TrainvitalsCallback):
       tags behind the logger's ``prefix`` (``TensorBoardLogger(prefix="train")`` writes ``train-grad_norm/...``).
     - At fit end, each trainvitals callback gets a text panel ``diagnosis/<class name>`` (the Text tab's first group)
       with its end-of-run markdown (its ``summary_markdown()``).
+    - How the fit ended, in the text panel ``trainvitals/fit_end`` (:data:`~trainvitals.tags.FIT_END_TAG`): at fit
+      end, or from ``on_exception`` with the exception's type. ``trainvitals report`` reads it to tell a finished
+      fit from a crashed one, and one with the layout but neither line from one killed or still running.
     - On the Trainer's logging steps (``log_every_n_steps`` optimizer steps), the progress bar shows
       ``grad_norm`` (GradNormMonitor's latest total norm) and ``band_ratio``: the smoothed ‖G‖² over the
       noise band's edge margin · tr(Σ)/B, with GradNormEarlyStopping's margin and noise estimate (its own,
@@ -78,7 +81,18 @@ class TrainvitalsDashboard(TrainvitalsCallback):
             for name, markdown in diagnoses(trainer).items():
                 log_text(trainer, f"{DIAGNOSIS_TAG}/{name}", markdown, trainer.global_step)
                 self._panels += 1
+        log_text(
+            trainer, FIT_END_TAG, f"{FIT_ENDED} after {trainer.global_step} optimizer step(s).", trainer.global_step
+        )
         self.info(self.summary_line(trainer))
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        said = str(exception).strip().splitlines()
+        what = type(exception).__name__ + (f": {said[0][:200]}" if said else "")
+        log_text(
+            trainer, FIT_END_TAG, f"{FIT_RAISED} {what} (at optimizer step {trainer.global_step}).", trainer.global_step
+        )
 
     def summary_line(self, trainer: "pl.Trainer") -> str:
         """One line for the end of fit: where the dashboard and the diagnoses went."""

@@ -1,4 +1,12 @@
-"""What every integrity check is (:class:`Check`) and what the checks of one fit share (:class:`Fit`)."""
+"""What every integrity check is (:class:`Check`), how one is registered (:func:`register_check`), and what
+the checks of one fit share (:class:`Fit`).
+
+A check is one class in one file of this package: it declares its finding kinds
+(:class:`~trainvitals.integrity.findings.FindingKind`, their report rows) in that file and is registered
+with ``@register_check(order=...)``; the package imports every file in it, so the callback runs it and
+``trainvitals report`` reads its kinds. No Lightning import at import time (the report imports the checks);
+the hooks receive Lightning's objects.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +14,23 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn  # Lightning's own, without importing Lightning
 from torch import Tensor
 from torch.autograd.graph import Node
 
 import trainvitals
-from trainvitals.integrity.diagnoses import Rerun
+from trainvitals.integrity.diagnoses import GradientStreaks, Rerun
 from trainvitals.integrity.findings import Finding, FindingKind
 from trainvitals.integrity.graph import GraphWalk, tensor_names
 from trainvitals.integrity.tracer import GraphTracer
-from trainvitals.plumbing.rerun import rerun_quietly
 
-# A diagnosis points at the user's code: frames in Lightning and trainvitals are not the culprit.
-_SKIP_DIRS = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__))
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from trainvitals.integrity.callback import GraphIntegrityCallback
 
 
 class Fit:
@@ -43,6 +51,8 @@ class Fit:
         opt_of: ``id(parameter) -> index`` of its first optimizer.
         window_open, window_left, next_check: the check window: open, checked optimizer steps left in it,
             the optimizer step at which the next one opens.
+        streaks: the unused/dead gradient streaks of the window's checked steps (filled by
+            ``ReachabilityCheck``; a gradient that comes after its step ends one, ``StepOrderCheck``).
         walk_batch: this batch is the first of a window: its losses are walked.
         step: ``trainer.global_step`` when the batch started; ``mark``: its ``sequence_mark``.
         batch, batch_idx: the batch under way; ``losses``: the ``grad_fn`` of its losses so far;
@@ -67,6 +77,7 @@ class Fit:
         self.window_open = False
         self.window_left = 0
         self.next_check = 0
+        self.streaks = GradientStreaks()
         self.walk_batch = False
         self.step = 0
         self.mark: int | None = None
@@ -86,7 +97,7 @@ class Fit:
         if warn and kind not in self.warned:
             self.warned.add(kind)
             rank_zero_warn(self.message(message, kind.value))
-        if self.strict and kind.spec.strict and self.pending is None:
+        if self.strict and kind.strict and self.pending is None:
             self.pending = finding
         return finding
 
@@ -124,18 +135,20 @@ class Fit:
             "counts": {k.value: v for k, v in self.counts.items()},
             "findings": [{**asdict(f), "kind": f.kind.value, "names": list(f.names)} for f in self.findings],
             "warned": sorted(k.value for k in self.warned),
+            **self.streaks.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_check = int(state.get("next_check", 0))
         self.window_open = bool(state.get("window_open", False))
         self.window_left = int(state.get("window_left", 0))
-        self.counts = {FindingKind(k): int(v) for k, v in state.get("counts", {}).items()}
+        self.counts = {finding_kind(k): int(v) for k, v in state.get("counts", {}).items()}
         self.findings = [
-            Finding(FindingKind(f["kind"]), tuple(f["names"]), f["message"], int(f["step"]))
+            Finding(finding_kind(f["kind"]), tuple(f["names"]), f["message"], int(f["step"]))
             for f in state.get("findings", [])
         ]
-        self.warned = {FindingKind(k) for k in state.get("warned", [])}
+        self.warned = {finding_kind(k) for k in state.get("warned", [])}
+        self.streaks.load_state_dict(state)
 
     def end_batch(self) -> None:
         self.release_graph()
@@ -164,7 +177,13 @@ class Fit:
 
         Used only when the step is failing anyway; it leaves no trace (:func:`rerun_quietly`).
         """
-        with rerun_quietly(pl_module), torch.enable_grad(), GraphTracer(pl_module, _SKIP_DIRS) as tracer:
+        import lightning.pytorch as pl  # loaded by the fit already: only a failing step gets here
+
+        from trainvitals.plumbing.rerun import rerun_quietly
+
+        # A diagnosis points at the user's code: frames in Lightning and trainvitals are not the culprit.
+        skip = (os.path.dirname(pl.__file__), os.path.dirname(trainvitals.__file__))
+        with rerun_quietly(pl_module), torch.enable_grad(), GraphTracer(pl_module, skip) as tracer:
             output = pl_module.training_step(self.batch, self.batch_idx)
         return tracer, output.get("loss") if isinstance(output, dict) else output
 
@@ -173,18 +192,26 @@ class Check:
     """One integrity check: the hooks it needs, its state, its finding kinds and their messages.
 
     :class:`~trainvitals.integrity.callback.GraphIntegrityCallback` calls each hook of the
-    checks that override it, in the order of its checks, with the shared :class:`Fit` first. The
-    hooks are Lightning's, and four of the callback's schedule: a check window opens
+    checks that override it, in increasing registered ``order`` (:func:`register_check`), with the shared
+    :class:`Fit` first. The hooks are Lightning's, and four of the callback's schedule: a check window opens
     (``on_window_open``), a loss of its first batch was walked (``on_walk``), the window closes
     (``on_window_close``), a point every rank reaches outside a close (``on_sync``). What survives a
     resume goes through ``state_dict``, whose keys are merged with the other checks' into the
     callback's state (so they must be unique).
 
     Attributes:
-        kinds: the finding kinds this check files.
+        kinds: the finding kinds this check files (each filed by one check only).
+        metrics: ``(metric, label)`` of the window metrics ``graph/<metric>`` it logs besides its kinds' own,
+            with the report's words for them.
     """
 
     kinds: tuple[FindingKind, ...] = ()
+    metrics: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def build(cls, callback: GraphIntegrityCallback) -> Check | None:
+        """The check for a fit of ``callback`` (its arguments as attributes), ``None`` when they turn it off."""
+        return cls()
 
     def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """The fit's maps are built; the first batch has not started."""
@@ -247,3 +274,93 @@ HOOKS = tuple(name for name in vars(Check) if name.startswith("on_"))
 def overriding(checks: Sequence[Check], hook: str) -> list[Callable[..., Any]]:
     """The ``hook`` methods of the ``checks`` that override it, bound, in order: a step calls only those."""
     return [getattr(check, hook) for check in checks if getattr(type(check), hook) is not getattr(Check, hook)]
+
+
+_C = TypeVar("_C", bound=type[Check])
+_CHECKS: dict[int, type[Check]] = {}  # order -> check
+
+
+def register_check(order: int) -> Callable[[_C], _C]:
+    """Register a :class:`Check` subclass, and the finding kinds it lists, as the check at ``order``.
+
+    The callback builds the registered checks (:meth:`Check.build`) in increasing ``order``: the order
+    their hooks are called in, so the order their findings are filed in within a hook, and the order of
+    the report's rows. The built-in checks are at 10, 20, ...; a class registered again (a reloaded
+    module) replaces its earlier self.
+
+    Example::
+
+        CONSTANT_LOSS = FindingKind("constant_loss", warning="a loss that does not change")
+
+        @register_check(order=95)
+        class ConstantLossCheck(Check):
+            kinds = (CONSTANT_LOSS,)
+
+    Raises:
+        TypeError: if ``order`` is not an int or the decorated object is not a :class:`Check` subclass.
+        ValueError: if another check is registered at ``order``, or files one of its kinds' names.
+    """
+    if isinstance(order, bool) or not isinstance(order, int):
+        raise TypeError(f"`order` must be an int, got {order!r}")
+
+    def decorator(check: _C) -> _C:
+        if not (isinstance(check, type) and issubclass(check, Check)):
+            raise TypeError(f"register_check decorates a Check subclass, got {check!r}")
+        others = {o: c for o, c in _CHECKS.items() if not _same_class(c, check)}
+        if order in others:
+            raise ValueError(f"`order`: {others[order].__name__} is registered at {order} already")
+        taken = {kind.value: c for c in others.values() for kind in c.kinds}
+        for kind in check.kinds:
+            if kind.value in taken:
+                raise ValueError(f"{check.__name__}: kind {kind.value!r} is filed by {taken[kind.value].__name__}")
+        others[order] = check
+        _CHECKS.clear()
+        _CHECKS.update(sorted(others.items()))
+        return check
+
+    return decorator
+
+
+def unregister_check(check: type[Check]) -> None:
+    """Remove ``check`` (and its kinds) from the registry; one that is not registered is ignored."""
+    for order, registered in list(_CHECKS.items()):
+        if registered is check:
+            del _CHECKS[order]
+
+
+def _same_class(a: type, b: type) -> bool:
+    return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
+def registered_checks() -> tuple[type[Check], ...]:
+    """The registered checks, in their order."""
+    return tuple(_CHECKS.values())
+
+
+def finding_kinds() -> tuple[FindingKind, ...]:
+    """The registered checks' finding kinds: by check order, then as each check lists them."""
+    return tuple(kind for check in _CHECKS.values() for kind in check.kinds)
+
+
+def finding_kind(value: str) -> FindingKind:
+    """The registered kind named ``value`` (a checkpoint's findings name their kinds).
+
+    Raises:
+        ValueError: if no registered check files a kind of that name.
+    """
+    kind = next((k for k in finding_kinds() if k.value == value), None)
+    if kind is None:
+        raise ValueError(f"no registered integrity check files a finding kind {value!r}")
+    return kind
+
+
+def window_labels() -> dict[str, str]:
+    """``metric -> label`` of every window metric ``graph/<metric>`` the registered checks log, in their order:
+    each check's kinds' metrics, then its other :attr:`Check.metrics`."""
+    labels: dict[str, str] = {}
+    for check in _CHECKS.values():
+        for kind in check.kinds:
+            if kind.metric is not None:
+                labels[kind.metric] = kind.label or kind.metric.replace("_", " ")
+        labels.update(check.metrics)
+    return labels

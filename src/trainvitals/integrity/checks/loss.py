@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.checks.base import Check, Fit, register_check
 from trainvitals.integrity.diagnoses import why_no_grad
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import GraphWalk
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
+LOSS_NO_GRAD = FindingKind(
+    "loss_no_grad",
+    critical="the loss had no grad_fn or reached no parameter on {n} step(s): it was detached (.item(), "
+    ".detach(), torch.no_grad()), nothing trains",
+)
+LOSS_NOT_SCALAR = FindingKind("loss_not_scalar", warning="a loss that is not a scalar (left unreduced?)")
+LOSS_NOT_FINITE = FindingKind(
+    "loss_not_finite",
+    metric="nonfinite_losses",
+    label="non-finite losses",
+    critical="{n} non-finite loss value(s) in one check window",
+)
+
+MAX_PENDING_LOSSES = 1024
+"""Losses kept for the finiteness check before they are counted on the device."""
+
+
+@register_check(order=10)
 class LossCheck(Check):
     """Every step, before backward: a loss without ``grad_fn`` (and why), a non-scalar loss under
     automatic optimization; on a walk, a loss whose graph reaches none of the model's parameters.
@@ -24,9 +45,9 @@ class LossCheck(Check):
         max_pending: losses kept before they are counted on the device.
     """
 
-    kinds = (FindingKind.LOSS_NO_GRAD, FindingKind.LOSS_NOT_SCALAR, FindingKind.LOSS_NOT_FINITE)
+    kinds = (LOSS_NO_GRAD, LOSS_NOT_SCALAR, LOSS_NOT_FINITE)
 
-    def __init__(self, max_pending: int) -> None:
+    def __init__(self, max_pending: int = MAX_PENDING_LOSSES) -> None:
         self.max_pending = max_pending
         self._pending: list[Tensor] = []
         self._nonfinite = torch.zeros((), dtype=torch.long)  # counted, not yet summed over ranks
@@ -37,14 +58,14 @@ class LossCheck(Check):
         if loss.grad_fn is None:
             names, why = why_no_grad(loss, pl_module, trainer.optimizers, fit.rerun_if_possible(trainer, pl_module))
             fit.record(
-                FindingKind.LOSS_NO_GRAD,
+                LOSS_NO_GRAD,
                 names,
                 f"The loss has no grad_fn, so backward cannot reach any parameter: {why}.",
             )
         # manual_backward(loss, gradient) of a non-scalar is legitimate; Lightning's own backward is not.
         elif pl_module.automatic_optimization and loss.numel() != 1:
             fit.record(
-                FindingKind.LOSS_NOT_SCALAR,
+                LOSS_NOT_SCALAR,
                 (),
                 f"training_step returned a loss of shape {tuple(loss.shape)}, not a scalar: backward needs one "
                 "number. Reduce it (`.mean()` over the batch).",
@@ -70,7 +91,7 @@ class LossCheck(Check):
             and not any(id(t) in trainable for t in walk.leaves)
         ):
             fit.record(
-                FindingKind.LOSS_NO_GRAD,
+                LOSS_NO_GRAD,
                 ("loss reaches no parameter",),
                 f"The loss reaches none of the model's parameters: its graph ends in {len(walk.leaves)} tensor(s) "
                 "made in the step (a loss rebuilt from its value, `torch.tensor(loss.item(), requires_grad=True)`?). "
@@ -87,12 +108,12 @@ class LossCheck(Check):
         count = int(trainer.strategy.reduce(bad, reduce_op="sum").item())
         if count:
             fit.record(
-                FindingKind.LOSS_NOT_FINITE,
+                LOSS_NOT_FINITE,
                 (),
                 f"{count} loss value(s) were NaN or inf (summed over ranks) before step {trainer.global_step}. "
                 "Every gradient of such a step is NaN; set detect_anomaly_steps to find the op that made it.",
             )
-        return {FindingKind.LOSS_NOT_FINITE.window_tag: float(count)}
+        return {LOSS_NOT_FINITE.window_tag: float(count)}
 
     def _count(self, fit: Fit) -> Tensor:
         """Add the non-finite values among the losses kept so far to this rank's device count (no sync)."""

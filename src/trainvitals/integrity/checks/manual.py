@@ -3,21 +3,32 @@ steps before the backward that gives its parameters their gradients."""
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from typing import TYPE_CHECKING
+
 from torch import Tensor
 
-from trainvitals.integrity.checks.base import Check, Fit
-from trainvitals.integrity.diagnoses import GradientStreaks
+from trainvitals.integrity.checks.base import Check, Fit, register_check
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import all_zero
 from trainvitals.text.prose import listed
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
+GRAD_LEAK = FindingKind("grad_leak", warning="gradients left over from an earlier step (manual optimization)")
+STEP_BEFORE_BACKWARD = FindingKind(
+    "step_before_backward",
+    critical="an optimizer stepped before the backward that gives its parameters their gradients ({n}): they "
+    "never train",
+)
+
+
+@register_check(order=70)
 class GradLeakCheck(Check):
     """During a window: an optimizer that steps again before a backward started with its gradients zeroed
     (cleared by ``zero_grad``) stepped with gradients left over from before its previous step."""
 
-    kinds = (FindingKind.GRAD_LEAK,)
+    kinds = (GRAD_LEAK,)
 
     def __init__(self) -> None:
         self._stale_opts: set[int] = set()  # optimizers that stepped and were not cleared since
@@ -44,7 +55,7 @@ class GradLeakCheck(Check):
         if k in self._stale_opts:
             names = tuple(n for n, _ in fit.opt_params[k])
             fit.record(
-                FindingKind.GRAD_LEAK,
+                GRAD_LEAK,
                 names,
                 f"Optimizer {k} ({type(trainer.optimizers[k]).__name__}, parameters {listed(names)}) stepped with "
                 "gradients left over from before its previous step: no zero_grad cleared them, so the gradients of "
@@ -54,22 +65,19 @@ class GradLeakCheck(Check):
         self._stale_opts.add(k)
 
 
+@register_check(order=80)
 class StepOrderCheck(Check):
     """On every batch under manual optimization (an optimizer may step once in many batches; one attribute
     read per parameter and step): a parameter without ``.grad`` at its last optimizer step of the batch
     that holds one at the batch's end got it from a backward after every step: it is in the graph, not
-    unused (``streaks`` is told), and no step used its gradient. One batch may do that legitimately
+    unused (``fit.streaks`` is told), and no step used its gradient. One batch may do that legitimately
     (accumulation by hand that steps the previous window first); ``dead_after_steps`` of its stepping
-    batches in a row are a finding. The streaks are not saved: a resumed run counts them afresh.
-
-    Args:
-        streaks: the unused/dead streaks of the gradient check, which a late gradient ends.
+    batches in a row are a finding. Its own streaks are not saved: a resumed run counts them afresh.
     """
 
-    kinds = (FindingKind.STEP_BEFORE_BACKWARD,)
+    kinds = (STEP_BEFORE_BACKWARD,)
 
-    def __init__(self, streaks: GradientStreaks) -> None:
-        self.streaks = streaks
+    def __init__(self) -> None:
         # The trainable parameters without a .grad at their last optimizer step of this batch so far, with
         # that optimizer's index.
         self._gradless: dict[str, tuple[int, Tensor]] = {}
@@ -98,13 +106,13 @@ class StepOrderCheck(Check):
                 del self._late_streak[name]
         for name in late:
             self._late_streak[name] = self._late_streak.get(name, 0) + 1
-        self.streaks.got_gradient(tuple(late))
+        fit.streaks.got_gradient(tuple(late))
         n = fit.dead_after_steps
         flagged = [name for name in late if self._late_streak[name] == n]
         for k in dict.fromkeys(late[name] for name in flagged):
             names = tuple(name for name in flagged if late[name] == k)
             fit.record(
-                FindingKind.STEP_BEFORE_BACKWARD,
+                STEP_BEFORE_BACKWARD,
                 names,
                 f"Optimizer {k} ({type(trainer.optimizers[k]).__name__}) stepped before the backward that gives "
                 f"{listed(names)} their gradients, in {n} of its batches in a row: at its step their "

@@ -2,21 +2,43 @@
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+from typing import TYPE_CHECKING
+
 from torch import Tensor, nn
 
-from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.checks.base import Check, Fit, register_check
 from trainvitals.integrity.diagnoses import frozen_change_causes
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import GraphWalk
 from trainvitals.text.prose import listed
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
+UNOPTIMIZED_LEAVES = FindingKind(
+    "unoptimized_leaves",
+    metric="unoptimized_params",
+    label="tensors with a gradient in no optimizer",
+    critical="{n} tensor(s) get gradients but belong to no optimizer: unregistered on the module (layers in a "
+    "plain Python list?) or left out of configure_optimizers; they never train",
+)
+FROZEN_IN_OPTIMIZER = FindingKind(
+    "frozen_in_optimizer", warning="frozen parameters (requires_grad=False) in an optimizer"
+)
+FROZEN_CHANGED = FindingKind("frozen_changed", warning="frozen parameters that the optimizer still changes")
+# Not critical, never raised: a module shared by two optimizers on purpose (an encoder trained by two losses).
+SHARED_BY_OPTIMIZERS = FindingKind(
+    "shared_by_optimizers", warning="parameters stepped by more than one optimizer", strict=False
+)
+
+
+@register_check(order=40)
 class UnoptimizedLeavesCheck(Check):
     """On a walk: leaves that get gradients but belong to no optimizer param group, and whether they are
     registered on the module. Logs ``graph/unoptimized_params`` and, of those, ``graph/unregistered_params``."""
 
-    kinds = (FindingKind.UNOPTIMIZED_LEAVES,)
+    kinds = (UNOPTIMIZED_LEAVES,)
+    metrics = (("unregistered_params", "of those, not registered on the module"),)
 
     def __init__(self) -> None:
         self._unoptimized = self._unregistered = 0
@@ -47,24 +69,25 @@ class UnoptimizedLeavesCheck(Check):
             else "they are registered, but configure_optimizers left them out"
         )
         fit.record(
-            FindingKind.UNOPTIMIZED_LEAVES,
+            UNOPTIMIZED_LEAVES,
             names,
             f"{listed(names)} receive gradients but belong to no optimizer param group, so they never change: {why}.",
         )
 
     def on_window_close(self, fit: Fit, trainer: "pl.Trainer", complete: bool) -> dict[str, float]:
         return {
-            FindingKind.UNOPTIMIZED_LEAVES.window_tag: float(self._unoptimized),
+            UNOPTIMIZED_LEAVES.window_tag: float(self._unoptimized),
             "graph/unregistered_params": float(self._unregistered),
         }
 
 
+@register_check(order=50)
 class FrozenParamsCheck(Check):
     """At fit start (not again when a fit resumes): parameters with ``requires_grad=False`` in an optimizer;
     at each checked step, their
     version, so that one the step changed is reported at the batch end with the cause."""
 
-    kinds = (FindingKind.FROZEN_IN_OPTIMIZER, FindingKind.FROZEN_CHANGED)
+    kinds = (FROZEN_IN_OPTIMIZER, FROZEN_CHANGED)
 
     def __init__(self) -> None:
         self._versions: list[tuple[str, Tensor, int, int]] = []
@@ -72,9 +95,9 @@ class FrozenParamsCheck(Check):
     def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         for k, named in enumerate(fit.opt_params):
             frozen = tuple(n for n, p in named if not p.requires_grad)
-            if frozen and not fit.found(FindingKind.FROZEN_IN_OPTIMIZER, frozen):
+            if frozen and not fit.found(FROZEN_IN_OPTIMIZER, frozen):
                 fit.record(
-                    FindingKind.FROZEN_IN_OPTIMIZER,
+                    FROZEN_IN_OPTIMIZER,
                     frozen,
                     f"{listed(frozen)} are in {fit.optimizer(trainer, k)} but have "
                     "requires_grad=False: they get no gradient, yet momentum or weight decay still change them "
@@ -93,7 +116,7 @@ class FrozenParamsCheck(Check):
             if p._version == version:
                 continue
             fit.record(
-                FindingKind.FROZEN_CHANGED,
+                FROZEN_CHANGED,
                 (name,),
                 f"`{name}` has requires_grad=False but {fit.optimizer(trainer, k)} changed it: "
                 + "; ".join(frozen_change_causes(p, trainer.optimizers[k]))
@@ -102,12 +125,13 @@ class FrozenParamsCheck(Check):
         self._versions = []
 
 
+@register_check(order=60)
 class SharedByOptimizersCheck(Check):
     """At fit start (not again when a fit resumes): parameters that are in more than one optimizer. Each
     optimizer's step moves them, with its own lr and its own state (momentum, Adam's moments), from whatever
     ``.grad`` holds then."""
 
-    kinds = (FindingKind.SHARED_BY_OPTIMIZERS,)
+    kinds = (SHARED_BY_OPTIMIZERS,)
 
     def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         owners: dict[int, tuple[str, list[int]]] = {}
@@ -121,11 +145,11 @@ class SharedByOptimizersCheck(Check):
             if len(ks) > 1:
                 shared.setdefault(tuple(ks), []).append(name)
         for ks, names in shared.items():
-            if fit.found(FindingKind.SHARED_BY_OPTIMIZERS, tuple(names)):
+            if fit.found(SHARED_BY_OPTIMIZERS, tuple(names)):
                 continue  # a resumed fit: found before its checkpoint
             optimizers = " and ".join(fit.optimizer(trainer, k) for k in ks)
             fit.record(
-                FindingKind.SHARED_BY_OPTIMIZERS,
+                SHARED_BY_OPTIMIZERS,
                 tuple(names),
                 f"{listed(names)} are in {optimizers}: each of their steps moves them, with its own lr and state "
                 "(momentum, Adam's moments), from what `.grad` holds at that step. Two optimizers both built from "

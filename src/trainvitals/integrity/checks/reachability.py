@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainvitals.integrity.checks.base import Check, Fit
-from trainvitals.integrity.diagnoses import GradientStreaks, unreached_reasons
+from trainvitals.integrity.checks.base import Check, Fit, register_check
+from trainvitals.integrity.diagnoses import unreached_reasons
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import GraphWalk
 from trainvitals.text.prose import counted, listed
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+UNREACHABLE_PARAMS = FindingKind("unreachable_params", warning="parameters the loss cannot reach")
+# A branch taken only on some batches (an expert without tokens for a while) is unused in one window and
+# trains in the next: a parameter that never trains is still unused in the last one.
+UNUSED_PARAMS = FindingKind(
+    "unused_params",
+    metric="unused_params",
+    label="parameters without a gradient",
+    critical="{n} parameter(s) got no gradient in the last check window: not in the loss's graph (an unused "
+    "head, a detached branch)",
+    last_window=True,
+)
+DEAD_PARAMS = FindingKind(
+    "dead_params",
+    metric="dead_params",
+    label="parameters with an exactly zero gradient",
+    warning="parameters with an exactly zero gradient all check window long",
+)
+DDP_UNUSED = FindingKind("ddp_unused", warning="parameters DDP finds unused (find_unused_parameters)")
 
 
 def _ddp_without_unused_search(trainer: "pl.Trainer") -> bool:
@@ -22,6 +43,7 @@ def _ddp_without_unused_search(trainer: "pl.Trainer") -> bool:
     return isinstance(ddp, DistributedDataParallel) and not ddp.find_unused_parameters
 
 
+@register_check(order=20)
 class ReachabilityCheck(Check):
     """The walk of a window's first batch finds the trainable parameters the loss cannot reach, and why
     (a global module forward hook notes which modules ran, and with grad mode on). One batch does not
@@ -30,16 +52,15 @@ class ReachabilityCheck(Check):
     without a gradient; one outside every optimizer, or any under DDP with
     ``find_unused_parameters=False`` (whose next step fails on it), at once.
 
-    At each checked optimizer step the gradients of its parameters extend :attr:`streaks`: a parameter
+    At each checked optimizer step the gradients of its parameters extend ``fit.streaks``: a parameter
     without a gradient (unused) or with an exactly zero one (dead) for ``dead_after_steps`` steps in a
     row is reported when the window closes, with what DDP without the unused-parameter search would
     make of it. Logs ``graph/unused_params`` and ``graph/dead_params`` for complete windows.
     """
 
-    kinds = (FindingKind.UNREACHABLE_PARAMS, FindingKind.UNUSED_PARAMS, FindingKind.DEAD_PARAMS, FindingKind.DDP_UNUSED)
+    kinds = (UNREACHABLE_PARAMS, UNUSED_PARAMS, DEAD_PARAMS, DDP_UNUSED)
 
     def __init__(self) -> None:
-        self.streaks = GradientStreaks()
         self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
         self._walked = False  # a loss of the walk batch was walked
         self._compiled = False  # a walked loss went through a torch.compile'd region
@@ -51,7 +72,7 @@ class ReachabilityCheck(Check):
         self._compiled = False
 
     def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
-        self.streaks.clear()
+        fit.streaks.clear()
         self._walked = False
         self._reached.clear()
         self._ran.clear()
@@ -71,7 +92,7 @@ class ReachabilityCheck(Check):
         self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", k: int, checked: bool
     ) -> None:
         if checked:
-            self.streaks.update(k, fit.opt_params[k])
+            fit.streaks.update(k, fit.opt_params[k])
 
     def on_train_batch_end(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not fit.walk_batch:
@@ -91,7 +112,7 @@ class ReachabilityCheck(Check):
             return
         names = tuple(reasons)
         fit.record(
-            FindingKind.UNREACHABLE_PARAMS,
+            UNREACHABLE_PARAMS,
             names,
             f"{len(names)} trainable parameter(s) cannot be reached from the loss and will get no gradient: "
             + "; ".join(dict.fromkeys(reasons.values()))
@@ -108,12 +129,12 @@ class ReachabilityCheck(Check):
         n = fit.dead_after_steps
         # A window the end of the run cut short has no verdict on unused or dead parameters: its streaks
         # are shorter than n, and a 0 logged for it would read as "all parameters train".
-        unused, dead = self.streaks.at_least(n) if complete else ((), ())
+        unused, dead = fit.streaks.at_least(n) if complete else ((), ())
         self._record_unreachable(fit, {name: why for name, why in self._unreached.items() if name in unused})
         self._unreached = {}
         if unused:
             fit.record(
-                FindingKind.UNUSED_PARAMS,
+                UNUSED_PARAMS,
                 unused,
                 f"{len(unused)} parameter(s) got no gradient (`.grad` is None) at {counted(n, 'optimizer step')} "
                 "in a row: "
@@ -124,7 +145,7 @@ class ReachabilityCheck(Check):
             self._predict_ddp(fit, trainer, unused)
         if dead:
             fit.record(
-                FindingKind.DEAD_PARAMS,
+                DEAD_PARAMS,
                 dead,
                 f"{len(dead)} parameter(s) had a gradient of exactly zero at {counted(n, 'optimizer step')} in a row: "
                 f"{listed(dead)}. They are in the graph but the gradient is blocked (a ReLU or clamp of values "
@@ -139,8 +160,8 @@ class ReachabilityCheck(Check):
         if not complete:
             return {}
         return {
-            FindingKind.UNUSED_PARAMS.window_tag: float(len(unused)),
-            FindingKind.DEAD_PARAMS.window_tag: float(len(dead)),
+            UNUSED_PARAMS.window_tag: float(len(unused)),
+            DEAD_PARAMS.window_tag: float(len(dead)),
         }
 
     @staticmethod
@@ -154,7 +175,7 @@ class ReachabilityCheck(Check):
             else "Under DDP with find_unused_parameters=False (the default of strategy='ddp') the next step fails"
         )
         fit.record(
-            FindingKind.DDP_UNUSED,
+            DDP_UNUSED,
             unused,
             f"{now} with 'Expected to have finished reduction in the prior iteration': the reducer waits for "
             f"gradients of {listed(unused)} that never come. Fix: strategy='ddp_find_unused_parameters_true' "
@@ -172,8 +193,7 @@ class ReachabilityCheck(Check):
             self._hook = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.streaks.state_dict(), "unreached": dict(self._unreached)}
+        return {"unreached": dict(self._unreached)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.streaks.load_state_dict(state)
         self._unreached = dict(state.get("unreached", {}))

@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 
-from trainvitals.integrity.checks.base import Check, Fit
+from trainvitals.integrity.checks.base import Check, Fit, register_check
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import owner_module
 from trainvitals.text.prose import listed
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# Not critical: lr=0 is also a way to freeze a part of the model on purpose.
+ZERO_LR = FindingKind(
+    "zero_lr",
+    warning="a param group at lr exactly 0 whose parameters require grad: they do not train",
+    strict=False,
+)
 
 MIN_ZERO_LR_STEPS = 10
 """Fewest optimizer steps in a row at lr exactly 0 that are reported (or ``dead_after_steps``, if more): a
 warm-up that starts at 0, stepped per epoch or every few steps, spends a few."""
 
 
+@register_check(order=90)
 class ZeroLrCheck(Check):
     """A param group at ``lr == 0`` whose parameters require grad: they get a gradient every step (its
     compute and memory) but never change, since SGD's and Adam's steps, weight decay included, scale
@@ -28,7 +38,7 @@ class ZeroLrCheck(Check):
     checked steps only (a host sync), and its other steps are not counted.
     """
 
-    kinds = (FindingKind.ZERO_LR,)
+    kinds = (ZERO_LR,)
 
     def __init__(self) -> None:
         self._streak: dict[tuple[int, int], int] = {}  # (optimizer, group) -> optimizer steps in a row at lr 0
@@ -61,7 +71,7 @@ class ZeroLrCheck(Check):
         trainable = [p for p in trainer.optimizers[k].param_groups[g]["params"] if p.requires_grad]
         modules = tuple(dict.fromkeys(owner_module(fit.names.get(id(p), "?")) or "<root>" for p in trainable))
         fit.record(
-            FindingKind.ZERO_LR,
+            ZERO_LR,
             (f"optimizer {k} param group {g}", *modules),
             f"Param group {g} of {fit.optimizer(trainer, k)} had lr exactly 0 at each of its last {steps} "
             f"optimizer steps, yet its {len(trainable)} parameter(s) require grad (module {listed(modules)}): "

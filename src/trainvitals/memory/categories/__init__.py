@@ -2,11 +2,13 @@
 
 Each row of :data:`MEMORY_CATEGORIES` names a category once: its logged tag (``memory/<key>_bytes``,
 or ``memory/<key>`` for a count), its label in the markdown table, how to read it from a
-:class:`StepMemory`, and whether it is part of the step's footprint — fixed (independent of the
-batch) or growing with it — for the largest-batch advice and the CUDA temporaries. Adding a category
-is one row here, or :func:`register_category` from outside (and a field on :class:`StepMemory` if the
-number is new); the profiler's scalars, its table and the dashboard's ``memory/*_bytes`` charts follow.
-A ``measure`` that raises is warned about once, naming the category, and left out.
+:class:`StepMemory` (the step's numbers, and the profiled model for whatever they do not hold), and
+whether it is part of the step's footprint — fixed (independent of the batch) or growing with it — for
+the largest-batch advice and the CUDA temporaries. A category is one :func:`register_category` call: in a
+file of this package (every one is imported here, so a new file is all it takes; :mod:`.cuda` is one), or
+in a user's own module. The profiler's scalars, its table, the report's rows and the dashboard's
+``memory/*_bytes`` charts follow. A ``measure`` that raises is warned about once, naming the category,
+and left out.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import import_module
+from pkgutil import iter_modules
 from typing import Literal
 
 import torch
+from torch import nn
 
 from trainvitals.memory.recorder import SavedTensorReport
 from trainvitals.memory.storage import ModelStateBytes, format_bytes
@@ -94,6 +99,8 @@ class StepMemory:
         held_bytes: saved tensors of profiled steps still held after this step's backward
             (:class:`~trainvitals.memory.leaks.HeldGraph`).
         allocator: the CUDA allocator's peaks and counters, ``None`` off CUDA.
+        model: the profiled model, after the step's backward: where a category the step's numbers do not hold
+            reads its tensors (a KV cache kept on a module); ``None`` outside a fit.
     """
 
     state: ModelStateBytes
@@ -105,6 +112,7 @@ class StepMemory:
     micro_batches: int = 1
     held_bytes: int = 0
     allocator: AllocatorStats | None = None
+    model: nn.Module | None = None
 
     def footprint_bytes(self, footprint: Literal["fixed", "batch"]) -> int:
         """The sum of the measured categories of that footprint (negative values count as 0)."""
@@ -169,10 +177,6 @@ class MemoryCategory:
         return self.label, f"{value:,.0f}", format_bytes(value) if self.unit == "bytes" else ""
 
 
-def _allocator(read: Callable[[AllocatorStats], int]) -> Callable[[StepMemory], float | None]:
-    return lambda m: None if m.allocator is None else read(m.allocator)
-
-
 MEMORY_CATEGORIES: list[MemoryCategory] = [
     MemoryCategory("parameters", "parameters", lambda m: m.state.parameters, "fixed"),
     # Part of the parameters row, so not a footprint row; left out for a model without frozen parameters.
@@ -190,27 +194,37 @@ MEMORY_CATEGORIES: list[MemoryCategory] = [
         "parameter_copies", "parameter copies (autocast)", lambda m: m.activations.parameter_copy_bytes, "fixed"
     ),
     MemoryCategory("held_saved", "held after backward", lambda m: m.held_bytes),
-    MemoryCategory("peak_allocated", "CUDA peak allocated", _allocator(lambda a: a.peak_allocated_bytes)),
-    MemoryCategory("peak_reserved", "CUDA peak reserved", _allocator(lambda a: a.peak_reserved_bytes)),
-    # The rest of the peak: not a footprint row, since it is what the footprint rows leave out.
-    MemoryCategory("temporaries", "CUDA temporaries", lambda m: None if m.allocator is None else m.temporaries_bytes),
-    MemoryCategory("alloc_retries", "CUDA allocator retries", _allocator(lambda a: a.alloc_retries), unit="count"),
-    MemoryCategory("ooms", "CUDA OOMs", _allocator(lambda a: a.ooms), unit="count"),
 ]
-"""The memory categories, in the order of the markdown table."""
+"""The memory categories, in the order of the markdown table: the step record's own, then those registered
+(:func:`register_category`), each where it asked to be."""
 
 
-def register_category(category: MemoryCategory) -> MemoryCategory:
-    """Add ``category`` to :data:`MEMORY_CATEGORIES` (again: nothing changes).
+def register_category(category: MemoryCategory, before: str | None = None) -> MemoryCategory:
+    """Add ``category`` to :data:`MEMORY_CATEGORIES` (again: nothing changes), at the end of the table or
+    ``before`` the category of that key.
+
+    Example: the keys and values a model keeps from its last batch (``self.kv_cache``), a row of their own
+    that grows with the batch::
+
+        register_category(
+            MemoryCategory(
+                "kv_cache", "KV cache", lambda m: unique_storage_bytes(getattr(m.model, "kv_cache", ())), "batch"
+            ),
+            before="held_saved",
+        )
 
     Raises:
-        ValueError: if another category has its key (its tag would overwrite that one's).
+        ValueError: if another category has its key (its tag would overwrite that one's), or no category has
+            the key ``before``.
     """
     if category in MEMORY_CATEGORIES:
         return category
-    if any(c.key == category.key for c in MEMORY_CATEGORIES):
+    keys = [c.key for c in MEMORY_CATEGORIES]
+    if category.key in keys:
         raise ValueError(f"`category`: a memory category with key {category.key!r} exists already")
-    MEMORY_CATEGORIES.append(category)
+    if before is not None and before not in keys:
+        raise ValueError(f"`before`: no memory category has the key {before!r}")
+    MEMORY_CATEGORIES.insert(len(keys) if before is None else keys.index(before), category)
     return category
 
 
@@ -252,3 +266,7 @@ def category_markdown(memory: StepMemory) -> list[str]:
     """The categories as a markdown table: label, value, value in binary units (bytes rows)."""
     rows = [category.markdown_cells(value) for category, value in measured_categories(memory)]
     return markdown_table(("category", "bytes", "binary units"), rows, align="lrr")
+
+
+for _module in sorted(m.name for m in iter_modules(__path__)):
+    import_module(f"{__name__}.{_module}")  # each registers its categories
