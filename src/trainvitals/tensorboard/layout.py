@@ -66,6 +66,10 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
         ],
         IN_BAND_CHART: ["Multiline", [grad_norm("in_noise_band")]],
         STREAK_CHART: ["Multiline", [grad_norm("band_streak")]],
+        "smoothed ‖G‖² over the band's edge margin·tr Σ/B (≤ 1: in the noise band; a checkpoint's monitor)": [
+            "Multiline",
+            [grad_norm("band_ratio")],
+        ],
         "B_simple vs effective batch (examples)": [
             "Multiline",
             [r"grad_noise/b_simple$", r"lr_scaling/(?:effective_batch|b_noise)$"],
