@@ -17,17 +17,13 @@ got 0.5". ``None`` is accepted only where an argument's "or None" says what it m
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 MAX_INT = 10**15
 _MAX_INT_TEXT = "10**15"
-
-T = TypeVar("T")
 
 
 def _got(value: Any) -> str:
@@ -141,39 +137,3 @@ def check_callable(name: str, value: Any, none_ok: bool = False) -> Callable[...
     if not callable(value):
         raise _refuse(TypeError, name, "callable", value, none_ok)
     return value
-
-
-def renamed_arguments(**old_to_new: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Let ``__init__`` take each old keyword argument for one release, with a DeprecationWarning
-    naming the new one; passing both is a TypeError. The signature shown is the new one. A bad value
-    passed under the old name is refused naming both: "`every_n_steps` (now `measure_every_n_steps`) must be…"."""
-
-    def decorate(init: Callable[..., T]) -> Callable[..., T]:
-        @functools.wraps(init)
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> T:
-            used = {}
-            for old, new in old_to_new.items():
-                if old not in kwargs:
-                    continue
-                if new in kwargs:
-                    raise TypeError(f"{type(self).__name__}() got both `{old}` and its new name `{new}`")
-                warnings.warn(
-                    f"{type(self).__name__}(`{old}`=...) is deprecated and will be removed in the "
-                    f"next release: use `{new}`",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-                kwargs[new] = kwargs.pop(old)
-                used[f"`{new}`"] = f"`{old}` (now `{new}`)"
-            try:
-                return init(self, *args, **kwargs)
-            except (TypeError, ValueError) as err:
-                text = str(err)
-                said = next((name for name in used if text.startswith(name + " ")), None)
-                if said is None:
-                    raise
-                raise type(err)(used[said] + text[len(said) :]) from None
-
-        return wrapper
-
-    return decorate

@@ -41,12 +41,14 @@ def test_the_arguments_build_the_optional_checks_only_when_asked():
     ]
 
 
-def test_the_checks_state_keys_do_not_collide():
+def test_each_checks_state_is_saved_under_its_class_name():
     callback = GraphIntegrityCallback(check_batch_independence=True, detect_anomaly_steps=1)
-    own = set(callback._fit.state_dict()) | {"walks", "grad_checks"}
-    keys = [key for check in callback._checks for key in check.state_dict()]
-    assert len(keys) == len(set(keys)) and not own & set(keys)
-    assert set(callback.state_dict()) == own | set(keys)
+    state = callback.state_dict()
+    assert set(state) == {"walks", "grad_checks", "fit", "checks"}
+    assert state["fit"] == callback._fit.state_dict()
+    assert state["checks"] == {type(check).__name__: check.state_dict() for check in callback._checks}
+    assert len(state["checks"]) == len(callback._checks)  # one class a check
+    assert state["checks"]["ZeroLrCheck"] == {"streak": {}} and state["checks"]["BatchMixingCheck"] == {"done": False}
 
 
 @pytest.mark.parametrize(

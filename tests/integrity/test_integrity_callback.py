@@ -1137,7 +1137,7 @@ def test_state_survives_a_checkpoint(tmp_path: Path):
     assert resumed.counts[K.UNREACHABLE_PARAMS] == 1
     assert set(finding(resumed, K.UNUSED_PARAMS).names) == {"aux.weight", "aux.bias"}
     assert set(finding(resumed, K.DEAD_PARAMS).names) == {"blocked.weight", "blocked.bias"}
-    assert resumed.state_dict()["findings"] == json.loads(json.dumps(resumed.state_dict()["findings"]))
+    assert resumed.state_dict()["fit"]["findings"] == json.loads(json.dumps(resumed.state_dict()["fit"]["findings"]))
 
 
 def test_a_resumed_fit_counts_lr_zero_as_the_uninterrupted_one(tmp_path: Path):

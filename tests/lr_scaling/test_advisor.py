@@ -90,7 +90,7 @@ def fit(model: pl.LightningModule, callbacks, logger=None, batch_size: int = 8, 
 # ---------------------------------------------------------------- effective batch
 @pytest.mark.parametrize("accumulate", [1, 3])
 def test_effective_batch_on_a_single_device(accumulate):
-    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1)
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1)
     fit(Model(), [advisor], logger, batch_size=8, accumulate_grad_batches=accumulate)
     assert advisor.per_device_batch == 8
     assert advisor.effective_batch == 8 * accumulate
@@ -124,7 +124,11 @@ class _DumpPerRank(Callback):
 
 @pytest.mark.slow
 def test_effective_batch_under_ddp_spawn_with_accumulation(tmp_path):
-    callbacks = [LRScalingAdvisor(every_n_steps=1, verbose=False), _DumpPerRank(str(tmp_path)), ReleaseProcessGroup()]
+    callbacks = [
+        LRScalingAdvisor(log_every_n_steps=1, verbose=False),
+        _DumpPerRank(str(tmp_path)),
+        ReleaseProcessGroup(),
+    ]
     fit(Model(), callbacks, batch_size=4, strategy="ddp_spawn", devices=2, accumulate_grad_batches=2, max_steps=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank in ranks:
@@ -137,7 +141,7 @@ def test_effective_batch_under_ddp_spawn_with_accumulation(tmp_path):
 # ---------------------------------------------------------------- lrs, families, B̂
 def test_reports_follow_the_scheduled_lr_every_n_steps():
     logger = RecordingLogger()
-    fit(Model(groups=(0.1,), gamma=0.5), [LRScalingAdvisor(every_n_steps=2, verbose=False)], logger, max_steps=6)
+    fit(Model(groups=(0.1,), gamma=0.5), [LRScalingAdvisor(log_every_n_steps=2, verbose=False)], logger, max_steps=6)
     steps = [s for s, _ in logger.series["lr_scaling/effective_batch"]]
     assert steps == [0, 2, 4]  # fit start, then before every 2nd optimizer step; steps 0–5 ran
     expected = [0.1 * 0.5**s for s in steps]
@@ -194,7 +198,7 @@ class _NoiseSource(Callback):
 
 
 def test_noise_scale_comes_from_a_callback_with_a_noise_estimate():
-    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1, verbose=False)
     fit(Model(optimizer=torch.optim.Adam, groups=(1e-3,)), [_NoiseSource(0.01, 10.0), advisor], logger, batch_size=8)
     b_hat, b = 10.0 / 0.01, 8
     # One B_simple per run: the estimate's grad_noise/b_simple, no second series of the advisor's.
@@ -214,7 +218,7 @@ def test_no_noise_aware_advice_from_an_unreliable_or_partial_estimate(case):
         "partial": _NoiseSource(0.01, 10.0, param_share=0.4),
         "one step": _NoiseSource(0.01, 10.0, steps=1),
     }[case]
-    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1, verbose=False)
     fit(Model(groups=(0.1,)), [source, advisor], logger, batch_size=8)
     assert "lr_scaling/b_noise" not in logger.series
     assert logger.values("lr_scaling/suggested_lr_x2/SGD")[0] == pytest.approx(0.2)  # the classic linear rule
@@ -227,7 +231,7 @@ def test_no_noise_aware_advice_from_an_unreliable_or_partial_estimate(case):
 
 
 def test_a_reliable_estimate_comes_with_its_range():
-    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1, verbose=False)
     source = _NoiseSource(0.01, 10.0, steps=40, jitter=0.2)
     fit(Model(groups=(0.1,)), [source, advisor], logger, batch_size=8)
     rel_err = float(source.gradient_noise.estimate().b_simple_rel_err)
@@ -249,7 +253,7 @@ def test_given_noise_scale_and_listed_targets():
 
 
 def test_param_groups_unknown_optimizers_and_zero_lr():
-    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1, verbose=False)
     fit(Model(groups=(0.1, 0.01)), [advisor], logger)
     assert logger.values("lr_scaling/suggested_lr_x2/SGD/pg1")[0] == pytest.approx(0.2)
     assert logger.values("lr_scaling/suggested_lr_x2/SGD/pg2")[0] == pytest.approx(0.02)
@@ -260,7 +264,7 @@ def test_param_groups_unknown_optimizers_and_zero_lr():
     assert not [tag for tag in logger.series if tag.startswith("lr_scaling/suggested_lr")]
     assert "| Adagrad | unsure |" in advisor.summary_markdown()
 
-    logger, advisor = RecordingLogger(), LRScalingAdvisor(every_n_steps=1, verbose=False)
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1, verbose=False)
     fit(Model(warmup_from_zero=True), [advisor], logger, max_steps=3)
     assert [s for s, _ in logger.series["lr_scaling/lr/SGD"]][0] == 1  # nothing at step 0, where the lr is 0
     assert advisor.advices["SGD"] is not None
@@ -406,7 +410,7 @@ def test_manual_optimization_is_advised_but_not_probed():
 # ---------------------------------------------------------------- logging
 def test_tensorboard_gets_scalars_and_the_advice_text(tmp_path, caplog):
     tb = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
-    advisor = LRScalingAdvisor(every_n_steps=2, verbose=True)
+    advisor = LRScalingAdvisor(log_every_n_steps=2, verbose=True)
     with caplog.at_level("INFO"):
         fit(Model(), [advisor], tb, max_steps=4)
     events = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "tensors": 0})

@@ -76,7 +76,7 @@ def fit(model, profiler, logger=None, loader=None, extra_callbacks=(), **overrid
 
 def test_logged_bytes_match_the_hand_count():
     logger = RecordingLogger()
-    fit(Classifier(), MemoryTopologyProfiler(every_n_steps=100, first_steps=1), logger, max_steps=2)
+    fit(Classifier(), MemoryTopologyProfiler(measure_every_n_steps=100, first_steps=1), logger, max_steps=2)
     assert all([step for step, _ in values] == [0] for values in logger.series.values())
     first = {tag: values[0][1] for tag, values in logger.series.items()}
     assert first == {
@@ -106,7 +106,9 @@ def test_a_compiled_model_is_profiled_without_compiling_the_profilers_hooks():
         torch._dynamo.utils.counters.clear()
         logger = RecordingLogger()
         trainer = Trainer(
-            **trainer_kwargs(callbacks=[MemoryTopologyProfiler(every_n_steps=2)], logger=logger, max_steps=steps)
+            **trainer_kwargs(
+                callbacks=[MemoryTopologyProfiler(measure_every_n_steps=2)], logger=logger, max_steps=steps
+            )
         )
         trainer.fit(torch.compile(Classifier(), backend="eager"), classification_loader())
         frames.append(torch._dynamo.utils.counters["frames"]["total"])
@@ -227,7 +229,12 @@ def test_a_compiled_helper_keeps_its_graphs_under_the_profiler(model, measure_ev
 
 def test_schedule_first_steps_and_every_n_and_accumulation():
     logger = RecordingLogger()
-    fit(Classifier(optimizer="sgd"), MemoryTopologyProfiler(every_n_steps=4, first_steps=2), logger, max_steps=10)
+    fit(
+        Classifier(optimizer="sgd"),
+        MemoryTopologyProfiler(measure_every_n_steps=4, first_steps=2),
+        logger,
+        max_steps=10,
+    )
     assert [step for step, _ in logger.series["memory/activations_bytes"]] == [0, 1, 4, 8]
     assert set(logger.values("memory/optimizer_state_bytes")) == {PARAM_BYTES}  # SGD momentum: 1 ×
 
@@ -235,7 +242,7 @@ def test_schedule_first_steps_and_every_n_and_accumulation():
     logger = RecordingLogger()
     fit(
         Classifier(),
-        MemoryTopologyProfiler(every_n_steps=1, first_steps=0),
+        MemoryTopologyProfiler(measure_every_n_steps=1, first_steps=0),
         logger,
         max_steps=3,
         accumulate_grad_batches=2,
@@ -264,7 +271,7 @@ class RunningLoss(Classifier):
 
 def test_running_loss_leak_is_found_and_named():
     steps = 6
-    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(every_n_steps=1)
+    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(measure_every_n_steps=1)
     with pytest.warns(UserWarning, match=r"kept alive across steps.*`self\.running_loss`"):
         fit(RunningLoss(as_float=False), profiler, logger, max_steps=steps)
     held = logger.values("memory/held_saved_bytes")
@@ -280,7 +287,7 @@ def test_running_loss_leak_is_found_and_named():
 
 
 def test_running_loss_as_a_float_stays_flat_and_reports_nothing():
-    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(every_n_steps=1)
+    logger, profiler = RecordingLogger(), MemoryTopologyProfiler(measure_every_n_steps=1)
     fit(RunningLoss(as_float=True), profiler, logger, max_steps=6)
     # The retained graph of each step has no holder left by the step's end: it is freed with the loss.
     assert logger.values("memory/held_saved_bytes") == [0.0] * 6
@@ -310,7 +317,7 @@ class _OutputsMustDie(Callback):
 
 
 def test_profiler_holds_no_reference_after_a_step():
-    probe, profiler = _OutputsMustDie(), MemoryTopologyProfiler(every_n_steps=1)
+    probe, profiler = _OutputsMustDie(), MemoryTopologyProfiler(measure_every_n_steps=1)
     fit(Classifier(), profiler, extra_callbacks=[probe], max_steps=3)
     assert probe.checked == 3
     assert profiler._tracker._steps == {}  # nothing held, so not even weak references are kept
@@ -554,15 +561,15 @@ def test_without_matplotlib_the_picture_is_skipped_with_one_notice(monkeypatch, 
 
 
 def test_state_survives_a_checkpoint(tmp_path):
-    profiler = MemoryTopologyProfiler(every_n_steps=1)
+    profiler = MemoryTopologyProfiler(measure_every_n_steps=1)
     with pytest.warns(UserWarning, match="kept alive"):
         trainer = fit(RunningLoss(as_float=False), profiler, max_steps=3)
     path = tmp_path / "leak.ckpt"
     trainer.save_checkpoint(path)
-    restored = MemoryTopologyProfiler(every_n_steps=1)
+    restored = MemoryTopologyProfiler(measure_every_n_steps=1)
     restored.load_state_dict(torch.load(path, weights_only=False)["callbacks"][restored.state_key])
     assert restored.findings == profiler.findings and restored._last_profiled_step == 2
-    assert MemoryTopologyProfiler(every_n_steps=2).state_key != restored.state_key
+    assert MemoryTopologyProfiler(measure_every_n_steps=2).state_key != restored.state_key
     fresh = MemoryTopologyProfiler()
     fresh.load_state_dict({})  # an older checkpoint without the keys
     assert fresh.findings == []
@@ -613,7 +620,7 @@ class _Unbatched(Classifier):
 def test_unmeasurable_batch_warns_once_or_raises_when_strict():
     scalar_batches = DataLoader([torch.tensor(1.0)] * 8, batch_size=None)
     with pytest.warns(UserWarning, match="no tensor with a batch dimension"):
-        fit(_Unbatched(), MemoryTopologyProfiler(every_n_steps=1), max_steps=2, loader=scalar_batches)
+        fit(_Unbatched(), MemoryTopologyProfiler(measure_every_n_steps=1), max_steps=2, loader=scalar_batches)
     with pytest.raises(RuntimeError, match="no tensor with a batch dimension"):
         fit(_Unbatched(), MemoryTopologyProfiler(strict=True), max_steps=2, loader=scalar_batches)
 
@@ -643,7 +650,11 @@ def test_ddp_per_rank_numbers_logged_from_rank_zero(tmp_path):
             devices=2,
             max_steps=3,
             logger=logger,
-            callbacks=[MemoryTopologyProfiler(every_n_steps=1), _RankRecord(str(tmp_path)), ReleaseProcessGroup()],
+            callbacks=[
+                MemoryTopologyProfiler(measure_every_n_steps=1),
+                _RankRecord(str(tmp_path)),
+                ReleaseProcessGroup(),
+            ],
         )
     )
     trainer.fit(Classifier(), classification_loader(n=64))

@@ -200,7 +200,6 @@ def test_the_estimate_is_cached_until_a_source_changes():
 
     def fresh(est):
         other = GradientNoise()
-        other.population = noise.population
         for src in noise.sources.values():
             other.attach(src)
         expected = other.estimate()
@@ -214,7 +213,7 @@ def test_the_estimate_is_cached_until_a_source_changes():
     assert float(first.count) == 2 and noise.estimate() is first
     sources[1].unit_scale = 2.0
     first = fresh(noise.estimate())
-    noise.population = 100
+    sources[0].population = 100
     first = fresh(noise.estimate())
     sources[1].load_state_dict(sources[0].state_dict())
     first = fresh(noise.estimate())
@@ -406,7 +405,7 @@ def test_the_unmeasured_noise_bound_holds_for_batches_drawn_without_replacement(
     ]
     g_m, s_m = (sum(float(p[i]) for p in pairs_m) / len(pairs_m) for i in (0, 1))
     noise, src = GradientNoise(), NoiseSource("probe", 0.5, param_share=0.6)
-    src.effective_batch_size, noise.population = 4, 8
+    src.effective_batch_size, src.population = 4, 8
     noise.attach(src)
     for _ in range(30):
         src.update(
@@ -475,10 +474,10 @@ def test_the_finite_population_correction_against_brute_force_on_a_small_dataset
     mean = g.mean(0)
     g2, trace = float(mean @ mean), float((g - mean).square().sum(1).mean())
     raw, corrected = GradientNoise(), GradientNoise()
-    corrected.population = n
     for noise in (raw, corrected):
         src = NoiseSource("probe", 0.999)
         src.effective_batch_size = batch
+        src.population = n if noise is corrected else None
         noise.attach(src)
     for _ in range(1500):
         for perm in torch.randperm(n, generator=gen).view(n // batch, batch):

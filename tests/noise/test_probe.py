@@ -166,7 +166,7 @@ def test_constructor_rejects(kwargs):
 @pytest.mark.parametrize("kind", ["mlp", "cnn", "sequence"])
 def test_estimates_match_brute_force_in_training(kind):
     data = classification_data(kind, 8)
-    probe = BatchVarianceProbe(beta=0.0)  # β = 0: the EMA holds the last step's estimate
+    probe = BatchVarianceProbe(ema_beta=0.0)  # β = 0: the EMA holds the last step's estimate
     logger = RecordingLogger()
     module = Classifier(network(kind))
     fit(module, data, [probe], batch_size=8, steps=1, logger=logger)
@@ -315,7 +315,7 @@ def test_mean_and_sum_losses_give_the_same_statistics(told):
     data = classification_data("mlp", 32)
     results = []
     for reduction in ("mean", "sum"):
-        probe = BatchVarianceProbe(beta=0.5, loss_reduction=reduction if told else "auto")
+        probe = BatchVarianceProbe(ema_beta=0.5, loss_reduction=reduction if told else "auto")
         fit(Classifier(network("mlp"), reduction), data, [probe], batch_size=8, steps=3)
         results.append((float(probe.noise.trace_cov), float(probe.noise.grad_sq_norm)))
     assert rel(results[1][0], results[0][0]) < 1e-9 and rel(results[1][1], results[0][1]) < 1e-9
@@ -330,7 +330,7 @@ def test_the_one_noise_floor_is_in_the_units_of_the_gradient_norm_beside_it(accu
     runs = {}
     for reduction in ("mean", "sum"):
         logger = RecordingLogger()
-        callbacks = [GradNormMonitor(), BatchVarianceProbe(beta=0.5), GradNormEarlyStopping(ema_beta=0.5)]
+        callbacks = [GradNormMonitor(), BatchVarianceProbe(ema_beta=0.5), GradNormEarlyStopping(ema_beta=0.5)]
         fit(
             Classifier(network("mlp"), reduction),
             data,
@@ -356,7 +356,7 @@ def test_accumulated_gradient_is_the_batch_gradient_and_so_are_the_estimates():
     data = classification_data("mlp", 64)
     runs = []
     for accumulate, batch_size in ((4, 16), (1, 64)):
-        probe, recorder = BatchVarianceProbe(beta=0.0), Recorder()
+        probe, recorder = BatchVarianceProbe(ema_beta=0.0), Recorder()
         fit(Classifier(network("mlp")), data, [probe, recorder], batch_size=batch_size, steps=1, accumulate=accumulate)
         runs.append((recorder.grads[0], float(probe.noise.trace_cov), float(probe.noise.grad_sq_norm)))
         assert probe.effective_batch_size == 64
@@ -369,7 +369,7 @@ def test_accumulation_is_not_noisier_than_the_equivalent_batch():
     """The source article: 4 micro-batches of 16 have variance ∝ 1/16. Truth: tr Σ/64, like a batch of 64."""
     steps = 40
     data = classification_data("mlp", 64 * steps, seed=3)
-    probe, recorder = BatchVarianceProbe(beta=0.98, log_every_n_steps=steps - 1), Recorder()
+    probe, recorder = BatchVarianceProbe(ema_beta=0.98, log_every_n_steps=steps - 1), Recorder()
     logger = RecordingLogger()
     fit(Classifier(network("mlp")), data, [probe, recorder], batch_size=16, steps=steps, accumulate=4, logger=logger)
     grads = torch.stack(recorder.grads)
@@ -395,7 +395,7 @@ def as_float32(data: TensorDataset) -> TensorDataset:
 def test_fallback_sources_match_their_formulas(source):
     """A layer without a per-example identity: measured from micro-batch means (4 × 4) or torch.func (4 of 16)."""
     data = classification_data("mlp", 16)
-    probe = BatchVarianceProbe(beta=0.0, fallback_sub_batch=4)
+    probe = BatchVarianceProbe(ema_beta=0.0, fallback_sub_batch=4)
     module = Classifier(_mixed_net())
     accumulate, batch_size = (4, 4) if source == "micro_batches" else (1, 16)
     # float32: MicroBatchSquaredNorms (core/noise.py) takes fp32 norms and rejects float64 gradients
@@ -445,7 +445,7 @@ def test_closed_form_linear_regression():
         return r2, (d + 1) * r2 + d * sigma**2
 
     beta = 0.95
-    probe, recorder = BatchVarianceProbe(beta=beta), Recorder(truth)
+    probe, recorder = BatchVarianceProbe(ema_beta=beta), Recorder(truth)
     history = []
 
     class Watch(pl.Callback):
@@ -771,13 +771,13 @@ def test_outliers_are_dataset_rows_from_the_batch_index_or_a_sequential_sampler(
 def test_beta_is_a_decay_per_optimizer_step_at_any_cadence(every):
     """Measuring every n steps, a measurement enters with decay β^n: the EMAs span ~1/(1 − β) optimizer
     steps at any cadence, as GradNormEarlyStopping's, so the two estimates of one run can agree."""
-    probe = BatchVarianceProbe(every_n_steps=every, beta=0.9)
+    probe = BatchVarianceProbe(measure_every_n_steps=every, ema_beta=0.9)
     assert probe.noise.beta == pytest.approx(0.9**every)
 
 
 def test_logged_tags_and_cadence():
     logger = RecordingLogger()
-    probe = BatchVarianceProbe(every_n_steps=2, log_every_n_steps=3)  # rounded up to every 4 steps
+    probe = BatchVarianceProbe(measure_every_n_steps=2, log_every_n_steps=3)  # rounded up to every 4 steps
     fit(Classifier(network("mlp")), classification_data("mlp", 80), [probe], batch_size=8, steps=9, logger=logger)
     assert [step for step, _ in logger.series["grad_noise/trace_cov"]] == [0, 4, 8]
     tags = set(last_logged(logger))
@@ -799,14 +799,14 @@ def test_logged_tags_and_cadence():
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
 def test_state_round_trips_through_a_checkpoint(tmp_path):
     data = classification_data("mlp", 64)
-    probe = BatchVarianceProbe(beta=0.9)
+    probe = BatchVarianceProbe(ema_beta=0.9)
     trainer = fit(Classifier(network("mlp"), "sum", lr=0.1), data, [probe], batch_size=8, steps=4)
     path = tmp_path / "probe.ckpt"
     trainer.save_checkpoint(path)
     state = torch.load(path, weights_only=False)["callbacks"][probe.state_key]
-    assert probe.state_key == "BatchVarianceProbe{'every_n_steps': 1, 'beta': 0.9}"
+    assert probe.state_key == "BatchVarianceProbe{'measure_every_n_steps': 1, 'ema_beta': 0.9}"
 
-    restored = BatchVarianceProbe(beta=0.9)
+    restored = BatchVarianceProbe(ema_beta=0.9)
     restored.load_state_dict(state)
     assert int(restored.noise.count) == 4 and restored.effective_batch_size == 8
     assert restored.grad_scale == probe.grad_scale == 8.0  # .grad of a loss summed over 8 examples
@@ -814,13 +814,12 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     assert float(restored.noise_error.relative_error(restored.noise)) == pytest.approx(
         float(probe.noise_error.relative_error(probe.noise)), rel=1e-12
     )
-    BatchVarianceProbe().load_state_dict({})  # an older checkpoint without this state still loads
-    older = BatchVarianceProbe(beta=0.9)  # one written before the estimate's sources: no "source" entry
-    older.load_state_dict({k: v for k, v in state.items() if k != "source"})
-    assert int(older.noise.count) == 4 and older.effective_batch_size == 8 and older.grad_scale == 8.0
-    assert float(older.gradient_noise.estimate().trace_cov) == pytest.approx(64 * float(probe.noise.trace_cov))
+    # In .grad units (grad_scale² = 64), drawn without replacement from the 64 examples: × (N − 1)/N (rule 6).
+    assert restored.noise_source.population == 64
+    assert float(restored.gradient_noise.estimate().trace_cov) == pytest.approx(63 * float(probe.noise.trace_cov))
+    assert set(state) == {"source", "nonfinite_steps", "coordinate_cursor", "gsnr_partial"}  # no older names
 
-    resumed = BatchVarianceProbe(beta=0.9)
+    resumed = BatchVarianceProbe(ema_beta=0.9)
     pl.Trainer(
         max_steps=6,
         callbacks=[resumed],
@@ -855,7 +854,10 @@ def test_with_a_monitor_the_probe_reads_its_norms_instead_of_measuring_again(pre
         precision = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))
     estimates = {}
     for order in ("alone", "monitor first", "probe first"):
-        probe, monitor = BatchVarianceProbe(beta=0.5), GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+        probe, monitor = (
+            BatchVarianceProbe(ema_beta=0.5),
+            GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0),
+        )
         callbacks = {"alone": [probe], "monitor first": [monitor, probe], "probe first": [probe, monitor]}[order]
         net = network("mlp") if precision == "64-true" else network("mlp").float()
         calls.clear()
@@ -889,10 +891,10 @@ def test_a_new_fit_starts_afresh():
     stopper takes its noise band from ``probe.noise`` when there is no accumulation). A resumed fit
     continues its estimates: test_state_round_trips_through_a_checkpoint."""
     data = classification_data("mlp", 64)
-    reused = BatchVarianceProbe(beta=0.9)
+    reused = BatchVarianceProbe(ema_beta=0.9)
     fit(Classifier(network("mlp"), lr=0.1), data, [reused], batch_size=8, steps=5)
     fit(Classifier(network("mlp"), lr=0.1), data, [reused], batch_size=8, steps=8)
-    fresh = BatchVarianceProbe(beta=0.9)
+    fresh = BatchVarianceProbe(ema_beta=0.9)
     fit(Classifier(network("mlp"), lr=0.1), data, [fresh], batch_size=8, steps=8)
     assert int(reused.noise.count) == int(fresh.noise.count) == 8
     assert float(reused.noise.trace_cov) == pytest.approx(float(fresh.noise.trace_cov), rel=1e-12)
@@ -906,7 +908,7 @@ def test_amp_loss_scale_is_undone(module):
         "32-true",
         MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12)),
     ):
-        probe = BatchVarianceProbe(beta=0.0)
+        probe = BatchVarianceProbe(ema_beta=0.0)
         torch.manual_seed(0)
         fit(module(mlp()), data, [probe], batch_size=16, steps=1, precision=precision)
         values.append((float(probe.noise.trace_cov), float(probe.noise.grad_sq_norm)))
@@ -953,7 +955,7 @@ def test_ddp_uses_rank_and_global_gradients_and_agrees_with_one_process(tmp_path
         devices=2,
         max_steps=steps,
         logger=False,
-        callbacks=[BatchVarianceProbe(beta=0.9), RankReport(str(tmp_path)), ReleaseProcessGroup()],
+        callbacks=[BatchVarianceProbe(ema_beta=0.9), RankReport(str(tmp_path)), ReleaseProcessGroup()],
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -964,7 +966,7 @@ def test_ddp_uses_rank_and_global_gradients_and_agrees_with_one_process(tmp_path
     assert ranks[0]["count"] == steps and ranks[0]["effective_batch_size"] == 16
     assert "micro-batches/ranks" in ranks[0]["sources"]  # Scale: per-rank vs global gradient
 
-    single = BatchVarianceProbe(beta=0.9, fallback_sub_batch=16)
+    single = BatchVarianceProbe(ema_beta=0.9, fallback_sub_batch=16)
     module = Classifier(_mixed_net())
     fit(module, data, [single], batch_size=16, steps=steps, precision="32-true")
     assert "torch.func vmap" in single.sources
@@ -1143,7 +1145,7 @@ def test_a_window_of_one_micro_batch_is_left_out_not_fatal():
     """9 batches with accumulate_grad_batches=2: the epoch's last optimizer step has one micro-batch, no
     spread between micro-batches to measure the layer without a per-example identity from."""
     data = as_float32(classification_data("mlp", 36))
-    probe = BatchVarianceProbe(beta=0.0)
+    probe = BatchVarianceProbe(ema_beta=0.0)
     trainer = fit(
         Classifier(_mixed_net()), data, [probe], batch_size=4, steps=-1, accumulate=2, precision="32-true", max_epochs=1
     )
@@ -1176,7 +1178,7 @@ def test_the_batch_is_sized_from_the_batch_not_from_the_first_layer_that_runs():
     torch.manual_seed(0)
     net = PositionFirst().double()
     data = classification_data("sequence", 24)
-    probe = BatchVarianceProbe(beta=0.0)
+    probe = BatchVarianceProbe(ema_beta=0.0)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fit(Classifier(net), data, [probe], batch_size=8, steps=3)
@@ -1459,7 +1461,7 @@ def test_a_layer_whose_per_example_gradients_do_not_add_up_is_measured_from_micr
 
 def test_a_short_last_batch_does_not_change_the_effective_batch():
     """40 examples in batches of 16 (drop_last=False): the third step has 8; the floor stays at B = 16."""
-    logger, probe = RecordingLogger(), BatchVarianceProbe(histogram_every_n_steps=None)
+    logger, probe = RecordingLogger(), BatchVarianceProbe(histogram_every_n_steps=0)
     fit(Classifier(network("mlp")), classification_data("mlp", 40), [probe], batch_size=16, steps=3, logger=logger)
     assert probe.effective_batch_size == 16
     (step, floor), (_, trace) = logger.series["grad_norm/noise_floor"][-1], logger.series["grad_noise/trace_cov"][-1]
@@ -1495,7 +1497,7 @@ def test_a_real_recurrent_model_is_measured_per_example(name):
     torch.manual_seed(0)
     net = entry.make().double()
     x, y = entry.batch(8)
-    probe, rng = BatchVarianceProbe(beta=0.0), RngAtBatchStart()
+    probe, rng = BatchVarianceProbe(ema_beta=0.0), RngAtBatchStart()
     fit(TokenModel(net, entry.loss), TensorDataset(x, y), [probe, rng], batch_size=8, steps=1)
     lstm = next(f"net.{n}" for n, m in net.named_modules() if isinstance(m, nn.LSTM))
     assert lstm in probe._plan.per_example and not probe._excluded and "per-example norms in backward" in probe.sources
@@ -1581,7 +1583,7 @@ def test_a_list_of_sequences_is_measured_with_the_embedding_called_per_example_n
     g = torch.Generator().manual_seed(0)
     rows = [(torch.randint(0, 11, (n,), generator=g), torch.randint(0, 2, (), generator=g)) for n in lengths]
     torch.manual_seed(0)
-    module, probe, rng = PackedClassifier(), BatchVarianceProbe(beta=0.0), RngAtBatchStart()
+    module, probe, rng = PackedClassifier(), BatchVarianceProbe(ema_beta=0.0), RngAtBatchStart()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pl.Trainer(**trainer_kwargs(callbacks=[probe, rng], max_steps=1, precision="64-true")).fit(

@@ -232,7 +232,7 @@ def test_without_a_monitor_the_stopper_and_the_probe_share_one_norm_per_step(mon
 
     monkeypatch.setattr(stopper_module, "grad_sq_norm", asked)
     monkeypatch.setattr(probe_module, "grad_sq_norm", asked)
-    probe = BatchVarianceProbe(histogram_every_n_steps=None)
+    probe = BatchVarianceProbe(histogram_every_n_steps=0)
     stopper = GradNormEarlyStopping(min_steps=0, check_every_n_steps=4)
     trainer = _fit(Regressor(autocast=False), [probe, stopper], loader(regression_data(n=8 * 12), 8), max_epochs=1)
     assert trainer.global_step == 12 and taken == list(range(12))
@@ -635,7 +635,7 @@ def test_a_batchnorm_cnn_on_one_device_is_not_stopped_by_a_broken_estimate():
 def test_a_batchnorm_cnn_with_accumulation_is_decided_by_the_micro_batches():
     from trainvitals import BatchVarianceProbe
 
-    probe = BatchVarianceProbe(histogram_every_n_steps=None)
+    probe = BatchVarianceProbe(histogram_every_n_steps=0)
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -684,7 +684,7 @@ def _tokens(n: int, seed: int = 0) -> TensorDataset:
 def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
     from trainvitals import BatchVarianceProbe, LRScalingAdvisor
 
-    probe = BatchVarianceProbe(histogram_every_n_steps=None)
+    probe = BatchVarianceProbe(histogram_every_n_steps=0)
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
     advisor, logger = LRScalingAdvisor(verbose=False, detect_loss_reduction=False), RecordingLogger()
     with pytest.warns(UserWarning) as record:
@@ -706,7 +706,7 @@ def test_a_partly_measured_model_gets_no_band_stop_and_no_noise_aware_advice():
     (step, measured), (_, total) = logger.series["grad_norm/measured_total"][-1], logger.series["grad_norm/total"][-1]
     assert step == 25 and 0 < measured < total and "grad_norm/in_noise_band" not in logger.series
 
-    probe = BatchVarianceProbe(histogram_every_n_steps=None)
+    probe = BatchVarianceProbe(histogram_every_n_steps=0)
     stopper = GradNormEarlyStopping(min_steps=0, patience=5, margin=1e9, check_every_n_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -728,7 +728,7 @@ def test_no_host_sync_on_steps_that_log_nothing(monkeypatch):
     tensor on the host (counted on CPU by wrapping Tensor's host reads inside their hooks)."""
     from trainvitals import BatchVarianceProbe
 
-    probe = BatchVarianceProbe(histogram_every_n_steps=None, per_coordinate=False)
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, per_coordinate=False)
     stopper = GradNormEarlyStopping(min_steps=0, check_every_n_steps=8)
     host = HostReads(monkeypatch)
     for callback in (probe, stopper):

@@ -451,7 +451,7 @@ def test_rare_logging_reads_back_every_max_pending_steps_and_still_counts(monkey
     with pytest.warns(UserWarning, match=r"non-finite gradient.*first in: net\.0"):
         fit(NaNAt(lr=0.0), monitor, False, max_steps=2 * MAX_PENDING_STEPS + 10)
     assert [i for i, n in enumerate(transfers) if n] == [0, MAX_PENDING_STEPS, 2 * MAX_PENDING_STEPS]
-    assert monitor.state_dict()["0"]["nonfinite_steps"] == 2
+    assert monitor.state_dict()["tracks"]["0"]["counts"]["nonfinite_steps"] == 2
 
 
 def test_a_nonfinite_step_after_the_last_logging_step_is_logged_at_the_end():

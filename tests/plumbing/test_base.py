@@ -13,11 +13,20 @@ import torch
 from trainvitals import GraphIntegrityCallback, MemoryTopologyProfiler
 from trainvitals.noise.estimators import BiasCorrectedEMA
 from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.state import DeclaredState
 
 
 class Phase(Enum):
     START = "start"
     DONE = "done"
+
+
+class Window(DeclaredState):
+    """A nested state: its own declarations, one of them reduced."""
+
+    def __init__(self) -> None:
+        self.add_state("opened", 0)
+        self.add_state("bad", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum", persistent=False)
 
 
 class Counting(TrainvitalsCallback):
@@ -32,15 +41,20 @@ class Counting(TrainvitalsCallback):
         self.add_state("total", torch.zeros(3), dist_reduce_fx="sum")
         self.add_state("average", torch.zeros(()), dist_reduce_fx="mean")
         self.add_state("peak", torch.zeros(2), dist_reduce_fx="max")
+        self.add_state("window", Window)
 
 
 def _trainer(world_size: int = 1, other: dict[str, torch.Tensor] | None = None):
-    """A trainer with a logger; its strategy combines this rank's packed tensor with ``other[op]``, the other
-    rank's for that operation (its ``"max"`` for a gather)."""
-    strategy = SimpleNamespace(
-        reduce=lambda t, reduce_op: t + other[reduce_op] if reduce_op == "sum" else (t + other[reduce_op]) / 2,
-        all_gather=lambda t: torch.stack([t, other["max"]]),
-    )
+    """A trainer with a logger; with two ranks its strategy combines this rank's packed tensor with
+    ``other[op]``, the other rank's for that operation (its ``"max"`` for a gather); with one, it gives the
+    tensor back as a single-device strategy does."""
+    if world_size == 1:
+        strategy = SimpleNamespace(reduce=lambda t, reduce_op: t, all_gather=lambda t: t)
+    else:
+        strategy = SimpleNamespace(
+            reduce=lambda t, reduce_op: t + other[reduce_op] if reduce_op == "sum" else (t + other[reduce_op]) / 2,
+            all_gather=lambda t: torch.stack([t, other["max"]]),
+        )
     return SimpleNamespace(loggers=[object()], world_size=world_size, strategy=strategy)
 
 
@@ -50,31 +64,35 @@ def test_declared_state_resets_to_fresh_defaults_on_fit_setup_only() -> None:
     cb.steps, cb.phase = 5, Phase.DONE
     cb.seen.append(1)
     cb.ema.update(torch.tensor(2.0))
+    cb.window.opened = 3
     cb.setup(_trainer(), None, "validate")
-    assert cb.steps == 5 and cb.seen == [1]
+    assert cb.steps == 5 and cb.seen == [1] and cb.window.opened == 3
     cb.setup(_trainer(), None, "fit")
     assert cb.steps == 0 and cb.seen == [] and cb.phase is Phase.START and int(cb.ema.count) == 0
+    assert cb.window.opened == 0
     assert Counting().seen is not cb.seen  # each reset copies the default
 
 
-def test_persistent_state_round_trips_under_its_keys_and_older_checkpoints_load() -> None:
+def test_persistent_state_round_trips_under_its_keys_nested_ones_by_their_own_declarations() -> None:
     cb = Counting()
     cb.steps, cb.streak, cb.phase = 7, torch.tensor(4), Phase.DONE
     cb.ema.update(torch.tensor(2.0))
     cb.seen.append("not saved")
+    cb.window.opened, cb.window.bad = 2, torch.tensor(5)
     state = cb.state_dict()
-    assert set(state) == {"steps", "run", "phase", "ema", "total", "average", "peak"}
+    assert set(state) == {"steps", "run", "phase", "ema", "total", "average", "peak", "window"}
     assert state["run"] == 4 and type(state["run"]) is int and state["phase"] == "DONE"
-    assert state["ema"] == cb.ema.state_dict()
+    assert state["ema"] == cb.ema.state_dict() and state["window"] == {"opened": 2}
 
     restored = Counting()
     restored.load_state_dict(state)
     assert restored.steps == 7 and restored.phase is Phase.DONE and restored.seen == []
     assert restored.streak.dtype == torch.long and int(restored.streak) == 4
     assert float(restored.ema.value) == pytest.approx(2.0) and int(restored.ema.count) == 1
-    older = Counting()
-    older.load_state_dict({"steps": 2.0})  # a key missing and a number saved as a float
-    assert older.steps == 2 and type(older.steps) is int and older.phase is Phase.START
+    assert restored.window.opened == 2 and int(restored.window.bad) == 0
+    partial = Counting()
+    partial.load_state_dict({"steps": 2.0})  # a key missing keeps its default; a number saved as a float
+    assert partial.steps == 2 and type(partial.steps) is int and partial.phase is Phase.START
 
 
 def test_states_with_a_reduction_are_combined_over_ranks_in_place() -> None:
@@ -85,10 +103,13 @@ def test_states_with_a_reduction_are_combined_over_ranks_in_place() -> None:
         "mean": torch.tensor([8.0], dtype=torch.float64),
         "max": torch.tensor([2.0, 7.0], dtype=torch.float64),
     }
+    cb.window.bad = torch.tensor(3)
+    other["sum"] = torch.cat([other["sum"], torch.tensor([4.0], dtype=torch.float64)])  # the nested state's
     cb.reduce_states(_trainer(world_size=2, other=other))
     assert cb.total.tolist() == [11.0, 22.0, 33.0] and cb.total.dtype == torch.float32
     assert float(cb.average) == 6.0 and cb.average.shape == ()
     assert cb.peak.tolist() == [5.0, 7.0]
+    assert cb.window.bad.dtype == torch.long and int(cb.window.bad) == 7
     single = Counting()
     single.total = torch.ones(3)
     single.reduce_states(_trainer(world_size=1))
@@ -111,9 +132,11 @@ def test_messages_name_the_trainvitals_class_and_cannot_measure_warns_once_or_ra
         MemoryTopologyProfiler(strict=True).cannot_measure("no batch.")
 
 
-def test_an_unknown_reduction_is_refused() -> None:
+def test_an_unknown_reduction_or_one_of_a_state_that_is_no_tensor_is_refused() -> None:
     with pytest.raises(ValueError, match="dist_reduce_fx"):
         TrainvitalsCallback().add_state("x", torch.zeros(()), dist_reduce_fx="prod")
+    with pytest.raises(ValueError, match="dist_reduce_fx.*`x`"):
+        TrainvitalsCallback().add_state("x", 0, dist_reduce_fx="sum")
 
 
 def test_a_fit_prints_trainvitals_warnings_without_file_path_or_source_line() -> None:

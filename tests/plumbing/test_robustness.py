@@ -35,7 +35,7 @@ def every_callback() -> list[pl.Callback]:
         BatchVarianceProbe(),
         GradNormEarlyStopping(),
         LRScalingAdvisor(verbose=False),
-        MemoryTopologyProfiler(every_n_steps=2, verbose=False),
+        MemoryTopologyProfiler(measure_every_n_steps=2, verbose=False),
         TrainvitalsDashboard(),
     ]
 
@@ -149,7 +149,7 @@ class CollectiveSpy(pl.Callback):
 def test_collectives_happen_where_every_rank_calls_them(monkeypatch, strict):
     """Under DDP a collective that one rank calls more often than another hangs the job: none may run in a
     per-backward hook, where ranks can differ (here also when the pending losses are counted)."""
-    monkeypatch.setattr("trainvitals.integrity.callback._MAX_PENDING_LOSSES", 2)
+    monkeypatch.setattr("trainvitals.integrity.checks.loss.MAX_PENDING_LOSSES", 2)
     spy = CollectiveSpy()
     graph = GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=1, strict=strict, verbose=False)
     trainer = Trainer(**trainer_kwargs(callbacks=[spy, graph], logger=False, max_steps=7))
@@ -191,7 +191,7 @@ def test_callbacks_whose_saved_state_means_different_things_have_different_state
             GradNormEarlyStopping(mode="relative", reference_steps=20),
         ),
         (GradNormMonitor(spike_factor=3.0), GradNormMonitor(spike_factor=10.0)),
-        (GradNormMonitor(spike_ema_beta=0.9), GradNormMonitor(spike_ema_beta=0.99)),
+        (GradNormMonitor(ema_beta=0.9), GradNormMonitor(ema_beta=0.99)),
     ]
     for first, second in pairs:
         assert first.state_key != second.state_key

@@ -50,7 +50,6 @@ class Spec:
     high_open: bool = False
     allow_inf: bool = False
     none_ok: bool = False
-    none_deprecated: bool = False  # None still taken for one release, with a DeprecationWarning
     choices: tuple[str, ...] = ()
     context: dict[str, Any] = field(default_factory=dict)  # other arguments a valid draw needs
 
@@ -59,8 +58,8 @@ def Bool(none_ok: bool = False) -> Spec:
     return Spec("bool", none_ok=none_ok)
 
 
-def Int(low: int, high: int = MAX_INT, none_ok: bool = False, none_deprecated: bool = False, **context: Any) -> Spec:
-    return Spec("int", low, high, none_ok=none_ok, none_deprecated=none_deprecated, context=context)
+def Int(low: int, high: int = MAX_INT, none_ok: bool = False, **context: Any) -> Spec:
+    return Spec("int", low, high, none_ok=none_ok, context=context)
 
 
 def Float(low: float | None = None, high: float | None = None, **kw: Any) -> Spec:
@@ -96,7 +95,7 @@ SPECS: dict[str, dict[str, Spec]] = {
     "BatchVarianceProbe": {
         "measure_every_n_steps": Int(1),
         "log_every_n_steps": Int(1, none_ok=True),
-        "histogram_every_n_steps": Int(0, none_deprecated=True),
+        "histogram_every_n_steps": Int(0),
         "ema_beta": Float(0.0, 1.0, high_open=True),
         "loss_reduction": Choice("auto", "mean", "sum"),
         "per_coordinate": Bool(),
@@ -153,7 +152,7 @@ def test_every_argument_has_a_spec():
 # ------------------------------------------------------------------ what to draw
 def _wrong_type(spec: Spec) -> st.SearchStrategy[Any]:
     """Values of a type the argument never takes: TypeError."""
-    none = [] if spec.none_ok or spec.none_deprecated else [st.none()]
+    none = [] if spec.none_ok else [st.none()]
     if spec.kind == "bool":
         return st.one_of(st.integers(), st.floats(), st.text(max_size=3), _WEIRD, *none)
     if spec.kind in ("int", "float"):
@@ -287,7 +286,7 @@ def _valid(spec: Spec) -> st.SearchStrategy[Any]:
 def _build(cls: str, name: str, value: Any) -> Any:
     spec = SPECS[cls][name]
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)  # the new names must not warn
+        warnings.simplefilter("error", DeprecationWarning)  # nothing is deprecated before 1.0
         return getattr(trainvitals, cls)(**{**spec.context, name: value})
 
 
@@ -387,24 +386,20 @@ def test_norm_type_inf_string():
     assert trainvitals.GradNormMonitor(norm_type="INF").norm_type == math.inf
 
 
-# ------------------------------------------------------------------ one vocabulary, old names for one release
-RENAMED = [
-    ("GradNormMonitor", "spike_ema_beta", "ema_beta", 0.9),
-    ("BatchVarianceProbe", "every_n_steps", "measure_every_n_steps", 4),
-    ("BatchVarianceProbe", "beta", "ema_beta", 0.9),
-    ("LRScalingAdvisor", "every_n_steps", "log_every_n_steps", 7),
-    ("MemoryTopologyProfiler", "every_n_steps", "measure_every_n_steps", 4),
+# ------------------------------------------------------------------ one vocabulary, no old names before 1.0
+REMOVED = [
+    ("GradNormMonitor", "spike_ema_beta"),
+    ("BatchVarianceProbe", "every_n_steps"),
+    ("BatchVarianceProbe", "beta"),
+    ("LRScalingAdvisor", "every_n_steps"),
+    ("MemoryTopologyProfiler", "every_n_steps"),
 ]
 
 
-@pytest.mark.parametrize(("cls", "old", "new", "value"), RENAMED)
-def test_old_argument_names_warn_and_still_work(cls, old, new, value):
-    with pytest.warns(DeprecationWarning, match=f"`{old}`.*use `{new}`"):
-        instance = getattr(trainvitals, cls)(**{old: value})
-    assert getattr(instance, new) == value
-    assert instance.state_key == getattr(trainvitals, cls)(**{new: value}).state_key
-    with pytest.raises(TypeError, match=f"both `{old}` and its new name `{new}`"):
-        getattr(trainvitals, cls)(**{old: value, new: value})
+@pytest.mark.parametrize(("cls", "old"), REMOVED)
+def test_the_old_argument_names_are_refused(cls, old):
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+        getattr(trainvitals, cls)(**{old: 4})
 
 
 @pytest.mark.parametrize(
@@ -412,13 +407,13 @@ def test_old_argument_names_warn_and_still_work(cls, old, new, value):
     [
         (
             "GradNormMonitor",
-            "GradNormMonitor{'norm_type': 2.0, 'grouping': 'module', 'spike_factor': 5.0, 'spike_ema_beta': 0.98}",
+            "GradNormMonitor{'norm_type': 2.0, 'grouping': 'module', 'spike_factor': 5.0, 'ema_beta': 0.98}",
         ),
-        ("BatchVarianceProbe", "BatchVarianceProbe{'every_n_steps': 1, 'beta': 0.98}"),
-        ("MemoryTopologyProfiler", "MemoryTopologyProfiler{'every_n_steps': 50, 'first_steps': 3}"),
+        ("BatchVarianceProbe", "BatchVarianceProbe{'measure_every_n_steps': 1, 'ema_beta': 0.98}"),
+        ("MemoryTopologyProfiler", "MemoryTopologyProfiler{'measure_every_n_steps': 50, 'first_steps': 3}"),
     ],
 )
-def test_state_keys_keep_the_names_older_checkpoints_were_saved_under(cls, key):
+def test_state_keys_are_built_from_the_arguments_names(cls, key):
     assert getattr(trainvitals, cls)().state_key == key
 
 
@@ -439,12 +434,12 @@ def test_equal_values_from_a_config_give_the_same_state_key(cls, kwargs):
     assert getattr(trainvitals, cls)(**spelled).state_key == getattr(trainvitals, cls)(**kwargs).state_key
 
 
-def test_histogram_off_is_zero_everywhere():
+def test_histogram_off_is_zero_everywhere_and_none_is_refused():
     assert trainvitals.GradNormMonitor(histogram_every_n_steps=0).histogram_every_n_steps == 0
     assert trainvitals.BatchVarianceProbe(histogram_every_n_steps=0).histogram_every_n_steps == 0
-    with pytest.warns(DeprecationWarning, match="histogram_every_n_steps=None.*use 0"):
-        probe = trainvitals.BatchVarianceProbe(histogram_every_n_steps=None)
-    assert probe.histogram_every_n_steps == 0
+    for cls in (trainvitals.GradNormMonitor, trainvitals.BatchVarianceProbe):
+        with pytest.raises(TypeError, match="`histogram_every_n_steps` must be an integer"):
+            cls(histogram_every_n_steps=None)
 
 
 def test_measure_and_log_cadences_have_one_name_each():
@@ -524,21 +519,6 @@ def test_an_integer_too_long_to_print_is_still_named():
         trainvitals.GradNormEarlyStopping(patience=10**5000)
     with pytest.raises(ValueError, match="`margin` must be a finite number >= 0"):
         trainvitals.GradNormEarlyStopping(margin=10**5000)
-
-
-@pytest.mark.parametrize(
-    "cls, old, new",
-    [
-        ("BatchVarianceProbe", "every_n_steps", "measure_every_n_steps"),
-        ("LRScalingAdvisor", "every_n_steps", "log_every_n_steps"),
-        ("GradNormMonitor", "spike_ema_beta", "ema_beta"),
-    ],
-)
-def test_a_bad_value_under_a_deprecated_name_names_both(cls: str, old: str, new: str) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(TypeError, match=rf"^`{old}` \(now `{new}`\) must be "):
-            getattr(trainvitals, cls)(**{old: "bad"})
 
 
 def test_target_batch_sizes_are_counts() -> None:

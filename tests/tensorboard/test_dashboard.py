@@ -162,7 +162,7 @@ def test_every_gradient_tag_is_on_a_chart_and_no_chart_is_empty(tmp_path: Path) 
             limit_val_batches=0,
             callbacks=[
                 GradNormMonitor(histogram_every_n_steps=0),
-                BatchVarianceProbe(histogram_every_n_steps=None),
+                BatchVarianceProbe(histogram_every_n_steps=0),
                 GradNormEarlyStopping(patience=1000),
                 TrainvitalsDashboard(progress_bar=False),
             ],
@@ -246,7 +246,7 @@ def test_progress_bar_band_follows_the_stopper_fed_by_a_probe(tmp_path: Path) ->
     stopper = GradNormEarlyStopping(patience=1000)
     trainer, acc = fit(
         tmp_path,
-        BatchVarianceProbe(histogram_every_n_steps=None),
+        BatchVarianceProbe(histogram_every_n_steps=0),
         stopper,
         TrainvitalsDashboard(),
         accumulate_grad_batches=1,
@@ -272,7 +272,7 @@ def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:
     callbacks = [
         GradNormEarlyStopping(patience=1000),
         LRScalingAdvisor(verbose=False),
-        MemoryTopologyProfiler(every_n_steps=2),
+        MemoryTopologyProfiler(measure_every_n_steps=2),
         GraphIntegrityCallback(),
         GradNormMonitor(),
         TrainvitalsDashboard(progress_bar=False),

@@ -27,6 +27,7 @@ reasons, diagnoses).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +39,7 @@ from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_callable, check_int
 from trainvitals.integrity.checks import registered_checks
-from trainvitals.integrity.checks.base import HOOKS, Check, Fit, overriding
+from trainvitals.integrity.checks.base import HOOKS, Checks, Fit, overriding
 from trainvitals.integrity.findings import NOTHING_CHECKED, Finding, FindingKind, GraphIntegrityError
 from trainvitals.integrity.graph import first_tensor, sequence_mark, walk_graph
 from trainvitals.plumbing.base import TrainvitalsCallback
@@ -115,24 +116,26 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         self.verbose = check_bool("verbose", verbose)
         self.key_state_by(check_every_n_steps=self.check_every_n_steps, dead_after_steps=self.dead_after_steps)
 
-        self._raise_at_batch_start = False
+        # The state of a fit that has not started: the counts, the findings, the check window, the checks.
+        self.add_state("_raise_at_batch_start", False, persistent=False)
         self.add_state("_walks", 0, key="walks")
         self.add_state("_grad_checks", 0, key="grad_checks")
-        self.reset()
+        self._fit: Fit
+        self.add_state("_fit", functools.partial(Fit, self.strict, self.dead_after_steps, self.message), key="fit")
+        self._checks: Checks
+        self.add_state("_checks", self._build_checks, key="checks")
+        self._hooks = {hook: overriding(self._checks, hook) for hook in HOOKS}
 
     @override
     def reset(self) -> None:
-        """The state of a fit that has not started: the counts, the findings, the check window, every
-        check's state (their keys are merged into the callback's in :meth:`state_dict`)."""
+        """The declared state back to its defaults (new checks among them), and the hooks of the new checks."""
         super().reset()
-        self._fit = Fit(self.strict, self.dead_after_steps, self.message)
-        self._checks = self._build_checks()
         self._hooks = {hook: overriding(self._checks, hook) for hook in HOOKS}
 
-    def _build_checks(self) -> list[Check]:
+    def _build_checks(self) -> Checks:
         """The registered checks this callback's arguments turn on, in their order: the order their hooks are
         called in (the order of findings within a hook)."""
-        return [check for cls in registered_checks() if (check := cls.build(self)) is not None]
+        return Checks(check for cls in registered_checks() if (check := cls.build(self)) is not None)
 
     @property
     def findings(self) -> list[Finding]:
@@ -323,22 +326,6 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         for check in self._checks:
             check.teardown()
         self._fit.end_batch()
-
-    # ------------------------------------------------------------------------------------ state
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        state = {**self._fit.state_dict(), **super().state_dict()}
-        for check in self._checks:
-            state.update(check.state_dict())
-        return state
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._fit.load_state_dict(state_dict)
-        for check in self._checks:
-            check.load_state_dict(state_dict)
 
 
 _SENTENCE_END = re.compile(r"(?<=[\w)`'\]])\.\s+(?=[A-Z])")

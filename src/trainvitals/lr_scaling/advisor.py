@@ -20,7 +20,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
-from trainvitals._validation import check_bool, check_int, renamed_arguments
+from trainvitals._validation import check_bool, check_int
 from trainvitals.lr_scaling.rules import (
     LRAdvice,
     advice_table,
@@ -103,7 +103,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
 
     Args:
         log_every_n_steps: report cadence in optimizer steps, ≥ 1; ``None`` for the Trainer's
-            ``log_every_n_steps``. Formerly ``every_n_steps``.
+            ``log_every_n_steps``.
         target_batch_sizes: effective batch sizes (examples) to advise on besides ×½, ×2, ×4, ×8.
         reference: ``(effective_batch, lr)`` the lr was tuned at; ``lr`` a number or a mapping from
             group name to number.
@@ -120,7 +120,6 @@ class LRScalingAdvisor(TrainvitalsCallback):
             target, a malformed reference).
     """
 
-    @renamed_arguments(every_n_steps="log_every_n_steps")
     def __init__(
         self,
         log_every_n_steps: int | None = None,
@@ -140,26 +139,32 @@ class LRScalingAdvisor(TrainvitalsCallback):
         self.detect_loss_reduction = check_bool("detect_loss_reduction", detect_loss_reduction)
         self.verbose = check_bool("verbose", verbose)
 
-        self.per_device_batch: int | None = None
+        # Nothing is saved (the advice is rebuilt from the run's noise estimate and lrs); each fit starts afresh.
+        self.per_device_batch: int | None
         """Examples in one device's micro-batch, once seen."""
-        self.effective_batch: int | None = None
+        self.add_state("per_device_batch", None, persistent=False)
+        self.effective_batch: int | None
         """Examples per optimizer step over all replicas and accumulated micro-batches, once seen."""
-        self.loss_reduction: str | None = None
+        self.add_state("effective_batch", None, persistent=False)
+        self.loss_reduction: str | None
         """``"mean"``, ``"sum"`` or ``"unsure"`` once probed; ``None`` when not probed."""
-        self.loss_ratio: float | None = None
+        self.add_state("loss_reduction", None, persistent=False)
+        self.loss_ratio: float | None
         """Loss on the batch twice over / loss on the batch, once probed: 1 for a mean, 2 for a sum."""
+        self.add_state("loss_ratio", None, persistent=False)
         self.summed_terms: int | None
         """For a summed loss, the values it adds up (examples × tokens for a per-token loss), read from the
         first backward's graph; ``None`` until then or where the graph does not tell."""
         self.add_state("summed_terms", None, persistent=False)
-        self.advices: dict[str, LRAdvice | None] = {}
+        self.advices: dict[str, LRAdvice | None]
         """The latest advice per param group name; ``None`` for a group whose lr is 0 now."""
-        self._report = ""
+        self.add_state("advices", {}, persistent=False)
+        self.add_state("_report", "", persistent=False)
         self.add_state("_started", False, persistent=False)
         self.add_state("_graph_read", False, persistent=False)
         self.add_state("_logged_step", -1, persistent=False)  # the optimizer step the scalars were last logged at
-        self._reference_problems: list[str] = []
-        self._reference_unmatched = ""  # a reference mapping that names none of the parameter groups
+        self.add_state("_reference_problems", [], persistent=False)
+        self.add_state("_reference_unmatched", "", persistent=False)  # a reference mapping naming no param group
 
     # ------------------------------------------------------------------ hooks
     @override

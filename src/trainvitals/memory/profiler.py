@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from trainvitals._validation import check_bool, check_int, renamed_arguments
+from trainvitals._validation import check_bool, check_int
 from trainvitals.memory.categories import AllocatorStats, StepMemory, category_markdown, category_metrics
 from trainvitals.memory.leaks import GraphLeakFinding, HeldGraphTracker, graph_holders
 from trainvitals.memory.recorder import ROOT, SavedTensorRecorder
@@ -46,6 +46,16 @@ class _Pending:
     start: float  # perf_counter at the batch start
     recorder: SavedTensorRecorder
     micro_batches: int = 1  # batches started for this optimizer step (gradient accumulation)
+
+
+class LeakFindings(list):  # list[GraphLeakFinding]
+    """The profiler's graph-leak findings, saved as dicts: plain types, which any checkpoint loader reads."""
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(f) for f in self]
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        self[:] = [GraphLeakFinding(**{**f, "holders": tuple(f["holders"])}) for f in state]
 
 
 class MemoryTopologyProfiler(TrainvitalsCallback):
@@ -106,7 +116,7 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
     optimization the recorded forward is what runs before the first ``manual_backward``.
 
     Args:
-        measure_every_n_steps: profile every this many optimizer steps (formerly ``every_n_steps``).
+        measure_every_n_steps: profile every this many optimizer steps.
         first_steps: also profile the first this many steps of each fit (a leak shows from the second); a
             fit resumed from a checkpoint continues the count rather than profiling its first steps again.
         memory_budget_bytes: the memory one rank's step must fit, for the largest-batch advice;
@@ -128,7 +138,6 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         TypeError: if an argument has the wrong type, ValueError if it is out of range, naming it.
     """
 
-    @renamed_arguments(every_n_steps="measure_every_n_steps")
     def __init__(
         self,
         measure_every_n_steps: int = 50,
@@ -149,13 +158,12 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         self.max_modules_shown = check_int("max_modules_shown", max_modules_shown, 1)
         self.strict = check_bool("strict", strict)
         self.verbose = check_bool("verbose", verbose)
-        # The argument names it had before the renaming, so that older checkpoints still load.
-        self.key_state_by(every_n_steps=self.measure_every_n_steps, first_steps=self.first_steps)
+        self.key_state_by(measure_every_n_steps=self.measure_every_n_steps, first_steps=self.first_steps)
 
         # What a fit that has not started knows.
-        self.findings: list[GraphLeakFinding]
+        self.findings: LeakFindings
         """Graphs kept alive across steps, the latest observation of each; survives a resume."""
-        self.add_state("findings", [], persistent=False)  # saved as dicts by state_dict
+        self.add_state("findings", LeakFindings)
         self.remedies: list[Remedy]
         """The remedies of the latest profiled step, the most bytes off the step's peak first."""
         self.add_state("remedies", [], persistent=False)
@@ -174,11 +182,14 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         # profiled step, then the previous step's checkpointing candidates (CUDA events are not free).
         self._timed: set[str] | None
         self.add_state("_timed", None, persistent=False)
-
-        self._pending: _Pending | None = None
-        self._device = torch.device("cpu")
-        self._budget: int | None = self.memory_budget_bytes
-        self._snapshot_path: str | None = None
+        self._pending: _Pending | None  # the step being profiled
+        self.add_state("_pending", None, persistent=False)
+        self._device: torch.device
+        self.add_state("_device", torch.device("cpu"), persistent=False)
+        self._budget: int | None  # the argument, else (CUDA) the device's memory
+        self.add_state("_budget", self.memory_budget_bytes, persistent=False)
+        self._snapshot_path: str | None  # while the allocator's history is recorded
+        self.add_state("_snapshot_path", None, persistent=False)
 
     @override
     def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -305,7 +316,7 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
             )
             if not self.findings:
                 self.warn(finding.message)
-            self.findings = [finding]
+            self.findings[:] = [finding]
 
     def _dump_snapshot(self) -> None:
         assert self._snapshot_path is not None
@@ -457,14 +468,3 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         fig.tight_layout()
         canvas.draw()
         return np.asarray(canvas.buffer_rgba())[..., :3].copy()
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "findings": [dataclasses.asdict(f) for f in self.findings]}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self.findings = [
-            GraphLeakFinding(**{**f, "holders": tuple(f.get("holders", ()))}) for f in state_dict.get("findings", [])
-        ]

@@ -120,6 +120,8 @@ class NoiseSource:
         ema, error: the EMAs of the estimates and of their second moments, in the source's own units.
         unit_scale: the factor from the source's gradient units to those of ``.grad`` (host float).
         effective_batch_size: examples per optimizer step, once seen.
+        population: N, the training examples each epoch draws without replacement (rule 6), once seen; ``None``
+            otherwise. Saved with the source, so that a fit resumed with no step left corrects as the last did.
         invalid: why the source does not estimate sampling noise; ``""`` while valid.
         same_as: the name of a source that is the same estimator on the same gradients (a probe measuring every
             parameter from micro-batches, as the stopper's ``micro_batch`` source does): while that one is valid,
@@ -136,6 +138,7 @@ class NoiseSource:
         self.param_share = param_share
         self.unit_scale = 1.0
         self.effective_batch_size: int | None = None
+        self.population: int | None = None
         self.invalid = ""
         self.same_as: str | None = None
         self.version = next(_VERSIONS)
@@ -183,6 +186,7 @@ class NoiseSource:
             "norms": self._norms.state_dict(),
             "effective_batch_size": self.effective_batch_size,
             "unit_scale": self.unit_scale,
+            "population": self.population,
             "invalid": self.invalid,
         }
 
@@ -194,6 +198,7 @@ class NoiseSource:
             self._norms.load_state_dict(state["norms"])
         self.effective_batch_size = state.get("effective_batch_size", self.effective_batch_size)
         self.unit_scale = float(state.get("unit_scale", self.unit_scale))
+        self.population = state.get("population", self.population)
         self.invalid = str(state.get("invalid", self.invalid))
 
 
@@ -241,7 +246,8 @@ class GradientNoise:
     and attaches it here.
 
     :attr:`population` is the number N of training examples when each epoch draws them without
-    replacement (a shuffled or sequential DataLoader, a DistributedSampler); ``None`` otherwise.
+    replacement (a shuffled or sequential DataLoader, a DistributedSampler), as its sources saw it; ``None``
+    otherwise.
 
     Args:
         min_coverage: share of ‖ḡ‖² the estimate must cover to be decisive, in (0, 1].
@@ -256,7 +262,6 @@ class GradientNoise:
         self.min_coverage = min_coverage
         self.max_rel_err = max_rel_err
         self.sources: dict[str, NoiseSource] = {}
-        self.population: int | None = None  # N, when the examples are drawn without replacement (rule 6)
         self._said_disagreement = False
         # The last full estimate's weights and coverage, for the per-step band (see in_noise_band).
         self._cached: tuple[tuple[int, ...], Tensor, Tensor, Tensor, Tensor] | None = None
@@ -273,6 +278,11 @@ class GradientNoise:
 
     def detach(self, name: str) -> None:
         self.sources.pop(name, None)
+
+    @property
+    def population(self) -> int | None:
+        """N, when the examples are drawn without replacement (rule 6): the sources' (they see the same data)."""
+        return next((s.population for s in self.sources.values() if s.population is not None), None)
 
     def valid_sources(self) -> list[NoiseSource]:
         """The valid sources over the largest share of the parameters, each estimator once (host only, no sync)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor
 from typing_extensions import override
 
-from trainvitals._validation import check_bool, check_choice, check_float, check_int, renamed_arguments
+from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.noise.estimate import (
     INDEPENDENT,
     SOURCES_CHECK,
@@ -120,13 +119,13 @@ class BatchVarianceProbe(TrainvitalsCallback):
     describe a whole optimizer step: an epoch's shorter last accumulation window leaves them as they were.
 
     Args:
-        measure_every_n_steps: measure every this many optimizer steps (≥ 1; formerly ``every_n_steps``).
+        measure_every_n_steps: measure every this many optimizer steps (≥ 1).
         log_every_n_steps: log every this many optimizer steps; ``None``: the Trainer's. Rounded up to a
             multiple of ``measure_every_n_steps``.
         histogram_every_n_steps: per-example norm histograms every this many steps; 0: never.
         ema_beta: EMA decay per optimizer step, in [0, 1): a measurement every n steps enters with decay
             β^n, so the estimates average over about 1/(1 − β) optimizer steps at any cadence, as
-            GradNormEarlyStopping's do. Formerly ``beta``.
+            GradNormEarlyStopping's do.
         loss_reduction: ``"auto"`` (read from the loss's autograd graph), ``"mean"`` or ``"sum"`` over the
             examples of a micro-batch.
         per_coordinate: compute GSNR and the EB criterion on logging steps. (Their sums are formed either way
@@ -159,7 +158,6 @@ class BatchVarianceProbe(TrainvitalsCallback):
         RuntimeError: with ``strict``, when a step cannot be measured.
     """
 
-    @renamed_arguments(every_n_steps="measure_every_n_steps", beta="ema_beta")
     def __init__(
         self,
         measure_every_n_steps: int = 1,
@@ -177,14 +175,6 @@ class BatchVarianceProbe(TrainvitalsCallback):
         strict: bool = False,
     ) -> None:
         super().__init__()
-        if histogram_every_n_steps is None:
-            warnings.warn(
-                "BatchVarianceProbe(histogram_every_n_steps=None) is deprecated and will be refused in "
-                "the next release: use 0 to turn histograms off",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            histogram_every_n_steps = 0
         self.measure_every_n_steps = check_int("measure_every_n_steps", measure_every_n_steps, 1)
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, 1, none_ok=True)
         self.histogram_every_n_steps = check_int("histogram_every_n_steps", histogram_every_n_steps, 0)
@@ -198,27 +188,29 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.top_k = check_int("top_k", top_k, 0)
         self.sequence_first = check_bool("sequence_first", sequence_first, none_ok=True)
         self.strict = check_bool("strict", strict)
-        # The argument names it had before the renaming, so that older checkpoints still load.
-        self.key_state_by(every_n_steps=self.measure_every_n_steps, beta=self.ema_beta)
-
-        self.sources = ""
-        self._sources: ProbeSources | None = None  # the plan's, and their hooks
-        self._coordinates = ModuleCoordinates({}, {}, self.coordinate_budget)
-        self._log_every: int | None = 1
-        self._histogram_every: int | None = None
-        self._batch_size = 0
-        self._unit: Tensor | float = 1.0
-        self._reduction = "mean"
+        self.key_state_by(measure_every_n_steps=self.measure_every_n_steps, ema_beta=self.ema_beta)
         self.gradient_noise = GradientNoise(max_rel_err=max_rel_err)
         """The run's one noise estimate, shared with GradNormEarlyStopping."""
 
-        # The state of a fit that has not started: no estimate, no step open, no layer excluded.
+        # The state of a fit that has not started: no plan, no estimate, no step open, no layer excluded.
+        self._sources: ProbeSources | None  # the plan's, and their hooks (removed before a reset)
+        self.add_state("_sources", None, persistent=False)
+        self.sources: str
+        """The plan's sources, in words."""
+        self.add_state("sources", "", persistent=False)
+        self.add_state(
+            "_coordinates", functools.partial(ModuleCoordinates, {}, {}, self.coordinate_budget), persistent=False
+        )
+        self.add_state("_log_every", 1, persistent=False)
+        self.add_state("_histogram_every", None, persistent=False)
+        self.add_state("_batch_size", 0, persistent=False)  # the micro-batch's examples
+        self.add_state("_unit", 1.0, persistent=False)  # its per-example gradient units
+        self.add_state("_reduction", "mean", persistent=False)
         beta = self.ema_beta**self.measure_every_n_steps
         self.add_state("noise_source", functools.partial(NoiseSource, "probe", beta), key="source")
         """This probe's source of :attr:`gradient_noise`, in the units of each example's own loss."""
-        self.add_state("nonfinite", NonfiniteCounter, persistent=False)
-        """Measured steps whose gradient was non-finite: logged when no GradNormMonitor logs such steps;
-        saved as ``nonfinite_steps``."""
+        self.add_state("nonfinite", NonfiniteCounter, key="nonfinite_steps")
+        """Measured steps whose gradient was non-finite: logged when no GradNormMonitor logs such steps."""
         self.add_state("last_outliers", [], persistent=False)
         """(dataset row, or position in the batch without :attr:`outlier_rows`, and ‖g_i‖) of the last outliers."""
         self.add_state("outlier_rows", False, persistent=False)
@@ -618,7 +610,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         )
         self.noise_source.update(grad_sq_norm, trace_cov, valid, covered, total)
         self.nonfinite.add(torch.isfinite(total))
-        self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
+        self.noise_source.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         whole = not pl_module.automatic_optimization or len(self._batches.sizes) == trainer.accumulate_grad_batches
         # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
         short = (
@@ -715,27 +707,3 @@ class BatchVarianceProbe(TrainvitalsCallback):
         # Lightning does not call teardown after a failure: the hooks would stay on the model, and grow.
         self._detach_hooks()
         self._measuring = False
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        # The entries before the estimate's sources: read by older versions.
-        return {
-            "noise": self.noise.state_dict(),
-            "noise_error": self.noise_error.state_dict(),
-            "effective_batch_size": self.effective_batch_size,
-            "grad_scale": self.grad_scale,
-            "nonfinite_steps": int(self.nonfinite.count),
-            **super().state_dict(),
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # A checkpoint from before the estimate's sources holds the probe's source in those entries.
-        older = {
-            "noise": state_dict.get("noise", {}),
-            "error": state_dict.get("noise_error", {}),
-            "effective_batch_size": state_dict.get("effective_batch_size"),
-            "unit_scale": state_dict.get("grad_scale", 1.0),
-        }
-        super().load_state_dict({"source": older, **state_dict})
-        self.nonfinite.count = torch.tensor(int(state_dict.get("nonfinite_steps", 0)))

@@ -20,8 +20,8 @@ from trainvitals.noise.estimators import (
 from trainvitals.noise.gsnr import ModuleCoordinates, StepCoordinates
 from trainvitals.noise.outliers import Outliers, largest_examples
 from trainvitals.per_example import PerExampleStep, SourcePlan
-from trainvitals.plumbing.base import reduce_packed
 from trainvitals.plumbing.batch import loss_divisor
+from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.writers import log_histogram, log_text
 
 PER_EXAMPLE_NORMS, OUTLIERS = "grad_noise/per_example_grad_norm", "grad_noise/outliers"

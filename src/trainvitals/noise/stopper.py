@@ -37,9 +37,10 @@ from trainvitals.noise.estimators import BiasCorrectedEMA, MicroBatchSquaredNorm
 from trainvitals.norms.monitor import grad_sq_norm
 from trainvitals.norms.nonfinite import NonfiniteCounter
 from trainvitals.plumbing.amp import loss_scale
-from trainvitals.plumbing.base import TrainvitalsCallback, reduce_packed
+from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import feed_callback_metrics, log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
@@ -202,26 +203,31 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             ema_beta=self.ema_beta,
         )
 
-        self._micro = MicroBatchSquaredNorms()
-        self._source: Any = None  # "hooks", a probe callback, or None
-        self._hooked: list[torch.nn.Parameter] = []
-        self._micro_sizes: list[int | None] = []  # None: a batch Lightning cannot size
-        self._params: list[torch.nn.Parameter] = []
-        self._pending: tuple[int, Tensor, Tensor] | None = None  # (step, total norm, step valid)
-        self._shape: tuple[Any, tuple[Tensor, Tensor]] | None = None  # see _step_shape
-        self._warned_no_source = False
-        self._logs_estimate = True
+        self._micro = MicroBatchSquaredNorms()  # the tensor hooks on the parameters, attached per epoch
         self.gradient_noise = GradientNoise()
         """The run's one noise estimate, shared with a BatchVarianceProbe; the band is decided on it."""
 
-        # The state of a run that has not taken a step yet.
+        # The state of a run that has not taken a step yet; this fit's, not saved:
+        self._source: Any  # "hooks", a probe callback, or None
+        self.add_state("_source", None, persistent=False)
+        self._hooked: list[torch.nn.Parameter]  # the parameters the hooks are on
+        self.add_state("_hooked", [], persistent=False)
+        self._micro_sizes: list[int | None]  # None: a batch Lightning cannot size
+        self.add_state("_micro_sizes", [], persistent=False)
+        self._params: list[torch.nn.Parameter]
+        self.add_state("_params", [], persistent=False)
+        self._pending: tuple[int, Tensor, Tensor] | None  # (step, total norm, step valid)
+        self.add_state("_pending", None, persistent=False)
+        self._shape: tuple[Any, tuple[Tensor, Tensor]] | None  # see _step_shape
+        self.add_state("_shape", None, persistent=False)
+        self.add_state("_warned_no_source", False, persistent=False)
+        self.add_state("_logs_estimate", True, persistent=False)
         # This callback's source of :attr:`gradient_noise`: micro-batches and ranks.
         self.add_state("noise_source", partial(NoiseSource, "micro_batch", self.ema_beta), key="source")
         self.add_state("_reference", partial(BiasCorrectedEMA, self.ema_beta), key="reference")
         self.add_state("_streak", torch.zeros((), dtype=torch.long), key="streak")
-        self.add_state("nonfinite", NonfiniteCounter, persistent=False)
-        """Steps with non-finite gradients, which the streak skips: logged when no GradNormMonitor logs them;
-        saved as ``nonfinite_steps``."""
+        self.add_state("nonfinite", NonfiniteCounter, key="nonfinite_steps")
+        """Steps with non-finite gradients, which the streak skips: logged when no GradNormMonitor logs them."""
         self.add_state("_measurable_by", partial(measurable_by, None), persistent=False)
         # Whether a counted step was out of the condition before the streak completed: a band that held from
         # the first counted step says the batch is noise-dominated, not that the run converged.
@@ -253,9 +259,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._warned_no_source = False
-        self._params, self._micro_sizes, self._pending = [], [], None
-        self._detach()
+        self._micro.detach()  # hooks an earlier fit that failed left behind
+        # Chosen again at the first batch (an epoch-start hook may change the accumulation); chosen here too, so
+        # that a fit that runs no step (a requeued job with nothing left) estimates with the sources it restored.
+        self._choose_source(trainer, pl_module, say=False)
         self._manual = self.mode == "noise_band" and not pl_module.automatic_optimization
         if self._manual:
             self.warn(MANUAL + "; it will not stop this run.")
@@ -271,7 +278,6 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             return
         trainer.should_stop = True
         self.stopped_again_step = trainer.global_step
-        self._choose_source(trainer, pl_module)  # no batch runs: the summary still names the restored estimate
         if self.verbose:
             self.info(
                 f"resumed from a checkpoint written after its stop at optimizer step {self.stopped_step}; "
@@ -364,22 +370,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and every and not logged:
             self._log(trainer, step, in_condition, final=True)  # the chart ends where the run stopped
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        # "noise": read by older versions
-        return {"noise": self.noise.state_dict(), "nonfinite_steps": int(self.nonfinite.count), **super().state_dict()}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # A checkpoint from before the noise sources holds the micro-batch EMA alone, under "noise".
-        super().load_state_dict({"source": {"noise": state_dict.get("noise", {})}, **state_dict})
-        self.nonfinite.count = torch.tensor(int(state_dict.get("nonfinite_steps", 0)))
-        if "left" not in state_dict:  # a checkpoint from before the flag: do not claim "from the start"
-            self._left = torch.ones((), dtype=torch.bool)
-
     # ------------------------------------------------------------------ helpers
-    def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Where this epoch's noise comes from: micro-batches/ranks (hooks), a probe, or nowhere."""
+    def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", say: bool = True) -> None:
+        """Where this epoch's noise comes from: micro-batches/ranks (hooks), a probe, or nowhere (said once, with
+        ``say``)."""
         self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
         self._logs_estimate = not any(
             getattr(cb, "logs_noise_estimate", False) for cb in trainer.callbacks if cb is not self
@@ -405,7 +399,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             None,
         )
         self._measurable_by = measurable_by(trainer)
-        if self._source is None and not self._warned_no_source:
+        if self._source is None and say and not self._warned_no_source:
             self._warned_no_source = True
             self.warn(
                 f"mode='noise_band' has no noise source: {self._measurable_by}. It will not stop on the noise "
@@ -464,7 +458,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         n = n_local * world
         grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, micro_batch_size)
         self.noise_source.update(grad_sq, trace, valid)
-        self.gradient_noise.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
+        self.noise_source.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
         # The band is judged at a whole step's batch: an epoch's short last window does not change it.
         if n_local == accumulate or self.effective_batch_size is None:
             self.effective_batch_size = self.noise_source.effective_batch_size = n * micro_batch_size

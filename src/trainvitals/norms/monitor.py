@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 import operator
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from trainvitals._validation import check_choice, check_int, renamed_arguments
+from trainvitals._validation import check_choice, check_int
 from trainvitals.norms.fused import (
     GROUPINGS,
     NormGroups,
@@ -34,6 +36,7 @@ from trainvitals.plumbing.amp import grad_scaler, scale_left_in_grads
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import holds_shards, reduce_shard_norms
+from trainvitals.plumbing.state import DeclaredState
 from trainvitals.plumbing.stopping import stopped_early
 from trainvitals.plumbing.writers import log_histogram, log_scalars, log_text
 from trainvitals.tags import GRAD_NORM_SUMMARIES
@@ -46,16 +49,50 @@ MAX_PENDING_STEPS = 256
 _MAX_SUBSETS = 8  # parameter lists whose index tensors a track keeps for other callbacks
 
 
+class TrackState(DeclaredState):
+    """What one optimizer's track carries over a resume: its optimizer steps measured, the spike EMA, the
+    counters (:data:`COUNTERS`)."""
+
+    def __init__(self, spikes: Callable[[], SpikeDetector]) -> None:
+        self.steps: int
+        self.add_state("steps", 0)
+        self.spikes: SpikeDetector
+        self.add_state("spikes", spikes, key="ema")
+        self.counts: dict[str, int]
+        self.add_state("counts", dict.fromkeys(COUNTERS, 0))
+
+
+class TrackStates:
+    """The :class:`TrackState` of each optimizer index, one declared state of the monitor: a state loaded from
+    a checkpoint is the track's from then on, and saved again by a fit that runs no step."""
+
+    def __init__(self, spikes: Callable[[], SpikeDetector]) -> None:
+        self._spikes = spikes
+        self.by_index: dict[int, TrackState] = {}
+
+    def get(self, index: int) -> TrackState:
+        """Optimizer ``index``'s state, restored or fresh."""
+        if index not in self.by_index:
+            self.by_index[index] = TrackState(self._spikes)
+        return self.by_index[index]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {str(i): state.state_dict() for i, state in self.by_index.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for index, state in state_dict.items():
+            self.get(int(index)).load_state_dict(state)
+
+
 @dataclass
 class _Track:
-    """One optimizer's parameters and groups, its steps waiting on the device, and the host bookkeeping."""
+    """One optimizer's parameters and groups, its steps waiting on the device, and the host bookkeeping
+    (:attr:`state`, a :class:`TrackState`, what a checkpoint keeps of it)."""
 
     params: list[torch.nn.Parameter]
     groups: NormGroups
-    spikes: SpikeDetector
-    steps: int = 0
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
-    logged_counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))  # news: counts ≠ these
+    state: TrackState
+    logged_counts: dict[str, int] = field(init=False)  # news: counts ≠ these
     # Measured, not yet read back: (global step, (P,) per-tensor norms, 0 for a parameter without a
     # gradient). ``latest`` is the newest row, read back or not.
     pending: list[tuple[int, Tensor]] = field(default_factory=list)
@@ -69,7 +106,7 @@ class _Track:
     nonfinite: tuple[int, list[str]] | None = None
     spike: tuple[int, str] | None = None
     warned_nonfinite: bool = False
-    reported_spikes: int = 0
+    reported_spikes: int = field(init=False)
     # The positions of the parameters that currently have a gradient, cached on the gradients' device:
     # rebuilding the index tensor every step would be a host-to-device copy per step.
     present: tuple[int, ...] = ()
@@ -79,6 +116,27 @@ class _Track:
     subsets: dict[int, tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], Tensor | None]] = field(
         default_factory=dict
     )
+
+    def __post_init__(self) -> None:
+        # What the checkpoint's counters held was logged and reported by the fit that wrote it.
+        self.logged_counts = dict(self.counts)
+        self.reported_spikes = self.counts["spike_steps"]
+
+    @property
+    def steps(self) -> int:
+        return self.state.steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.state.steps = value
+
+    @property
+    def spikes(self) -> SpikeDetector:
+        return self.state.spikes
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.state.counts
 
     def positions(self, params: list[torch.nn.Parameter]) -> Tensor | None:
         """Where ``params`` sit in :attr:`params`, as an index tensor on the norms' device (cached per
@@ -133,14 +191,13 @@ class GradNormMonitor(TrainvitalsCallback):
             ``log_every_n_steps``. Steps that do not log do no host sync.
         histogram_every_n_steps: histogram cadence in optimizer steps; 0 turns histograms off.
         spike_factor: a total above ``spike_factor`` × EMA(total) is a spike; must be > 1.
-        ema_beta: decay of that EMA per optimizer step, in [0, 1) (formerly ``spike_ema_beta``, deprecated).
+        ema_beta: decay of that EMA per optimizer step, in [0, 1).
         spike_warmup_steps: steps before spikes are looked for (the EMA needs history).
 
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
 
-    @renamed_arguments(spike_ema_beta="ema_beta")
     def __init__(
         self,
         norm_type: float | int | str = 2.0,
@@ -159,22 +216,26 @@ class GradNormMonitor(TrainvitalsCallback):
         self.spike_factor, self.ema_beta, self.spike_warmup_steps = SpikeDetector.check_arguments(
             spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
         )
-        # The argument names it had before the renaming, so that older checkpoints still load.
         self.key_state_by(
             norm_type=self.norm_type,
             grouping=self.grouping,
             spike_factor=self.spike_factor,
-            spike_ema_beta=self.ema_beta,
+            ema_beta=self.ema_beta,
         )
-        # Tracks are built lazily (they need the optimizer): their state is saved by :meth:`state_dict`, and
-        # a loaded one waits in ``_restored`` until then.
+        # Tracks are built at an optimizer's first step (they need its parameters); what a checkpoint keeps
+        # of them is declared apart, so that a loaded state is kept by a fit that builds no track.
+        self._track_states: TrackStates
+        self.add_state(
+            "_track_states",
+            partial(TrackStates, partial(SpikeDetector, self.spike_factor, self.ema_beta, self.spike_warmup_steps)),
+            key="tracks",
+        )
         self._tracks: dict[int, _Track]
         self.add_state("_tracks", {}, persistent=False)
-        self._restored: dict[int, dict[str, Any]]
-        self.add_state("_restored", {}, persistent=False)
         self._clip_pending: tuple[int, int] | None  # (optimizer index, step) to measure after clipping
         self.add_state("_clip_pending", None, persistent=False)
-        self._amp_scaler = False  # a GradScaler skips non-finite steps: they are calibration, not divergence
+        # A GradScaler skips non-finite steps: they are calibration, not divergence.
+        self.add_state("_amp_scaler", False, persistent=False)
 
     @property
     def last_total(self) -> dict[int, Tensor]:
@@ -271,13 +332,9 @@ class GradNormMonitor(TrainvitalsCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        for track in self._tracks.values():
+        for track in self._tracks.values():  # the steps still on the device enter the counters first
             self._read_back(track)
-        return {str(i): {"steps": t.steps, "ema": t.spikes.state_dict(), **t.counts} for i, t in self._tracks.items()}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = {int(k): v for k, v in state_dict.items()}
+        return super().state_dict()
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -344,14 +401,7 @@ class GradNormMonitor(TrainvitalsCallback):
             track.params, track.groups, track.present_index = params, groups, None
             track.subsets.clear()
             return track
-        track = _Track(params, groups, SpikeDetector(self.spike_factor, self.ema_beta, self.spike_warmup_steps))
-        restored = self._restored.pop(index, None)
-        if restored is not None:
-            track.steps = int(restored.get("steps", 0))
-            track.spikes.load_state_dict(restored.get("ema", {}))
-            track.counts = {name: int(restored.get(name, 0)) for name in COUNTERS}
-            track.logged_counts = dict(track.counts)
-            track.reported_spikes = track.counts["spike_steps"]
+        track = _Track(params, groups, self._track_states.get(index))
         self._tracks[index] = track
         return track
 

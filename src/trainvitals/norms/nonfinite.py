@@ -27,6 +27,12 @@ class NonfiniteCounter:
         """One step seen; ``finite`` (``()`` bool) whether its gradient norm was finite."""
         self.count = self.count.to(finite.device) + (~finite).long()
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": int(self.count)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = torch.tensor(int(state["count"]))
+
     def metrics(self, trainer: "pl.Trainer", owner: Any) -> dict[str, Tensor]:
         """The counter under the monitor's tag, when ``owner`` is the callback that logs it (else empty)."""
         from trainvitals.norms.monitor import GradNormMonitor

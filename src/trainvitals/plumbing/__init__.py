@@ -1,7 +1,8 @@
 """The Lightning glue every trainvitals callback shares; no feature's math lives here.
 
-- :mod:`.base`: :class:`~trainvitals.plumbing.base.TrainvitalsCallback` — the state key, declared state
-  (reset, ``state_dict``, reduction over ranks), messages;
+- :mod:`.base`: :class:`~trainvitals.plumbing.base.TrainvitalsCallback` — the state key, declared state, messages;
+- :mod:`.state`: :class:`~trainvitals.plumbing.state.DeclaredState` — state declared with ``add_state`` (reset,
+  ``state_dict``, reduction over ranks), torch only, so that the integrity checks use it without Lightning;
 - :mod:`.writers`: scalars to every logger (and ``trainer.callback_metrics``) in one transfer a step,
   histograms, text and images to TensorBoard;
 - :mod:`.cadence`: which optimizer steps log; :mod:`.stopping`: when a stop request ends the fit;

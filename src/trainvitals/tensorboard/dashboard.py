@@ -51,7 +51,9 @@ class TrainvitalsDashboard(TrainvitalsCallback):
         super().__init__()
         self.progress_bar = check_bool("progress_bar", progress_bar)
         self.diagnosis = check_bool("diagnosis", diagnosis)
-        self._shown_at: int | None = None
+        # Nothing is saved: the panels and the progress bar are this fit's.
+        self._shown_at: int | None  # the optimizer step the progress bar last showed
+        self.add_state("_shown_at", None, persistent=False)
         self.add_state("_panels", 0, persistent=False)
 
     @override

@@ -26,6 +26,7 @@ from trainvitals.integrity.diagnoses import GradientStreaks, Rerun
 from trainvitals.integrity.findings import Finding, FindingKind
 from trainvitals.integrity.graph import GraphWalk, tensor_names
 from trainvitals.integrity.tracer import GraphTracer
+from trainvitals.plumbing.state import DeclaredState
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -188,16 +189,16 @@ class Fit:
         return tracer, output.get("loss") if isinstance(output, dict) else output
 
 
-class Check:
+class Check(DeclaredState):
     """One integrity check: the hooks it needs, its state, its finding kinds and their messages.
 
     :class:`~trainvitals.integrity.callback.GraphIntegrityCallback` calls each hook of the
     checks that override it, in increasing registered ``order`` (:func:`register_check`), with the shared
     :class:`Fit` first. The hooks are Lightning's, and four of the callback's schedule: a check window opens
     (``on_window_open``), a loss of its first batch was walked (``on_walk``), the window closes
-    (``on_window_close``), a point every rank reaches outside a close (``on_sync``). What survives a
-    resume goes through ``state_dict``, whose keys are merged with the other checks' into the
-    callback's state (so they must be unique).
+    (``on_window_close``), a point every rank reaches outside a close (``on_sync``). Its state is
+    declared (:meth:`~trainvitals.plumbing.state.DeclaredState.add_state`, in ``__init__``): the callback
+    builds its checks afresh for each fit and saves each check's persistent states under its class name.
 
     Attributes:
         kinds: the finding kinds this check files (each filed by one check only).
@@ -260,11 +261,18 @@ class Check:
     def teardown(self) -> None:
         """Remove whatever the check installed (hooks)."""
 
+
+class Checks(list):  # list[Check]
+    """A fit's checks in the order their hooks are called; one declared state of the callback, saved as
+    ``{check class name: its state}``."""
+
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {type(check).__name__: check.state_dict() for check in self}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Read this check's keys of the callback's state (with ``.get``: older checkpoints lack some)."""
+        for check in self:
+            if type(check).__name__ in state:
+                check.load_state_dict(state[type(check).__name__])
 
 
 HOOKS = tuple(name for name in vars(Check) if name.startswith("on_"))

@@ -42,7 +42,7 @@ class BatchMixingCheck(Check):
 
     def __init__(self, batch_input: Callable[[Any], Tensor | None]) -> None:
         self.batch_input = batch_input
-        self._done = False
+        self.add_state("_done", False, key="done")
 
     def on_train_batch_start(
         self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any
@@ -78,9 +78,3 @@ class BatchMixingCheck(Check):
                 f"Examples are mixed across the batch: {detail}. A `view`/`reshape` or `permute` that moves the "
                 "batch dimension is the usual cause (e.g. `x.view(C, B, ...)` on a `(B, C, ...)` tensor).",
             )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"independence_done": self._done}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._done = bool(state.get("independence_done", False))

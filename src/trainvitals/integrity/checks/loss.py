@@ -38,19 +38,18 @@ class LossCheck(Check):
     automatic optimization; on a walk, a loss whose graph reaches none of the model's parameters.
 
     Non-finite losses are counted on the device (one ``loss.detach()`` kept per backward, added up every
-    ``max_pending`` losses) and summed over ranks where every rank calls: when a window closes, at a
-    strict run's batch end, at the end of training. Logs ``graph/nonfinite_losses``.
-
-    Args:
-        max_pending: losses kept before they are counted on the device.
+    :data:`MAX_PENDING_LOSSES` losses, a state declared with ``dist_reduce_fx="sum"``) and summed over ranks where
+    every rank calls: when a window closes, at a strict run's batch end, at the end of training. Logs
+    ``graph/nonfinite_losses``.
     """
 
     kinds = (LOSS_NO_GRAD, LOSS_NOT_SCALAR, LOSS_NOT_FINITE)
 
-    def __init__(self, max_pending: int = MAX_PENDING_LOSSES) -> None:
-        self.max_pending = max_pending
+    def __init__(self) -> None:
+        self.max_pending = MAX_PENDING_LOSSES
         self._pending: list[Tensor] = []
-        self._nonfinite = torch.zeros((), dtype=torch.long)  # counted, not yet summed over ranks
+        self._nonfinite: Tensor  # this rank's count since the last sync
+        self.add_state("_nonfinite", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum", persistent=False)
 
     def on_before_backward(
         self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor
@@ -103,9 +102,10 @@ class LossCheck(Check):
 
     def on_sync(self, fit: Fit, trainer: "pl.Trainer") -> dict[str, float]:
         """The non-finite losses since the last sync, summed over ranks: one collective and host sync."""
-        bad = self._count(fit).to(torch.float32)
+        self._count(fit)
+        self.reduce_states(trainer)
+        count = int(self._nonfinite.item())
         self._nonfinite = torch.zeros_like(self._nonfinite)
-        count = int(trainer.strategy.reduce(bad, reduce_op="sum").item())
         if count:
             fit.record(
                 LOSS_NOT_FINITE,

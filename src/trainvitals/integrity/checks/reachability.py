@@ -61,15 +61,14 @@ class ReachabilityCheck(Check):
     kinds = (UNREACHABLE_PARAMS, UNUSED_PARAMS, DEAD_PARAMS, DDP_UNUSED)
 
     def __init__(self) -> None:
-        self._unreached: dict[str, str] = {}  # optimizer parameters the walk missed, by name: why, until confirmed
+        self._unreached: dict[str, str]  # optimizer parameters the walk missed, by name: why, until confirmed
+        self.add_state("_unreached", {}, key="unreached")
         self._walked = False  # a loss of the walk batch was walked
-        self._compiled = False  # a walked loss went through a torch.compile'd region
+        self._compiled: bool  # a walked loss of this fit went through a torch.compile'd region
+        self.add_state("_compiled", False, persistent=False)
         self._reached: set[int] = set()
         self._ran: dict[int, bool] = {}
         self._hook: Any = None
-
-    def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._compiled = False
 
     def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
         fit.streaks.clear()
@@ -191,9 +190,3 @@ class ReachabilityCheck(Check):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"unreached": dict(self._unreached)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._unreached = dict(state.get("unreached", {}))

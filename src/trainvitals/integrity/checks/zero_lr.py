@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,7 +41,8 @@ class ZeroLrCheck(Check):
     kinds = (ZERO_LR,)
 
     def __init__(self) -> None:
-        self._streak: dict[tuple[int, int], int] = {}  # (optimizer, group) -> optimizer steps in a row at lr 0
+        self._streak: dict[tuple[int, int], int]  # (optimizer, group) -> optimizer steps in a row at lr 0
+        self.add_state("_streak", {}, key="streak")
 
     def on_before_optimizer_step(
         self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", k: int, checked: bool
@@ -80,9 +81,3 @@ class ZeroLrCheck(Check):
             "training goes on, too (end the run with it); if the group is meant to stay fixed, set "
             "`requires_grad=False` on its parameters, which also saves their gradients.",
         )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"zero_lr_streak": [[k, g, steps] for (k, g), steps in self._streak.items()]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._streak = {(int(k), int(g)): int(steps) for k, g, steps in state.get("zero_lr_streak", [])}
