@@ -88,7 +88,6 @@ def test_under_batchnorm_with_accumulation_the_probe_and_the_micro_batches_are_o
     assert estimate.sources == ("micro_batch",)
     alone = GradientNoise()
     alone.attach(stopper.noise_source)
-    alone.population = stopper.gradient_noise.population
     assert float(estimate.trace_cov) == float(alone.estimate().trace_cov) > 0
     assert float(estimate.grad_sq_norm) == float(alone.estimate().grad_sq_norm)
     rows = dict(r.strip("| ").split(" | ") for r in probe.summary_markdown().splitlines()[2:])
