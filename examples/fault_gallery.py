@@ -29,6 +29,7 @@ from torch import nn
 
 import trainvitals
 from trainvitals.demo.data import DigitsDataModule
+from trainvitals.guard.callback import TrainingGuard
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory.profiler import MemoryTopologyProfiler
@@ -131,6 +132,25 @@ class BatchNormMLP(DigitsMLP):
         self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU())
 
 
+class CorruptBatch(DigitsMLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == 4:
+            x = x * 100.0  # the mistake: one shard's images arrive unnormalised
+        return F.cross_entropy(self(x), y)
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # the mistake: "log features" of a ReLU's output, which is 0 wherever it is off
+
+
+class LogOfRelu(DigitsMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), Log())
+
+
 # ------------------------------------------------------------------------------------------ the gallery
 def default_callbacks() -> list[pl.Callback]:
     """All trainvitals callbacks, checking at every step: the runs are a few steps long."""
@@ -187,6 +207,21 @@ FAULTS = [
         BatchNormMLP,
         data=lambda: DigitsDataModule(batch_size=2),
         trainer={"accumulate_grad_batches": 32},
+    ),
+    Fault(
+        "loss_spike",
+        "one batch arrives unnormalised (100× its inputs) and the loss jumps",
+        CorruptBatch,
+        callbacks=lambda: [
+            *default_callbacks(),
+            TrainingGuard(on_spike="rollback", spike_warmup_steps=2, snapshot_every_n_steps=1, lr_factor=0.5),
+        ],
+    ),
+    Fault(
+        "nan_from_a_log",
+        "the log of a ReLU's output, which is 0 wherever the unit is off",
+        LogOfRelu,
+        callbacks=lambda: [*default_callbacks(), TrainingGuard(on_nonfinite="skip", budget_events=2)],
     ),
 ]
 

@@ -37,6 +37,8 @@ def test_every_fault_is_in_the_gallery(outcomes: dict[str, Outcome]) -> None:
         "graph_kept_across_steps",
         "recurrent_state_not_detached",
         "batchnorm_micro_batches",
+        "loss_spike",
+        "nan_from_a_log",
     ]
 
 
@@ -100,6 +102,22 @@ def test_batchnorm_with_micro_batches_of_two(outcomes: dict[str, Outcome]) -> No
     (warning,) = [w for w in out.warnings if w.startswith("trainvitals BatchVarianceProbe: BatchNorm in training mode")]
     assert "body.2 (2 values per channel)" in warning
     assert "BatchNorm sees one micro-batch of 2, not the 64 examples of the step" in warning
+
+
+def test_loss_spike(outcomes: dict[str, Outcome]) -> None:
+    out = outcomes["loss_spike"]
+    assert out.error is None
+    (warning,) = [w for w in out.warnings if w.startswith("trainvitals TrainingGuard")]
+    assert "spike" in warning and "optimizer step 4" in warning and "snapshot of optimizer step 3" in warning
+
+
+def test_nan_from_a_log(outcomes: dict[str, Outcome]) -> None:
+    out = outcomes["nan_from_a_log"]
+    guard = [w for w in out.warnings if w.startswith("trainvitals TrainingGuard")]
+    # The layer that made the -inf is named, not the head it went through; two skips, then a stop.
+    assert "module `body.3` (LogBackward0) in forward" in guard[0] and "in [0, " in guard[0]
+    assert ["skipped" in w for w in guard[:2]] == [True, True] and "escalated" in guard[2]
+    assert "stopping the fit" in guard[3] and "guard-stop-step=2.ckpt" in guard[3]
 
 
 def test_the_healthy_base_model_is_not_accused(tmp_path: Path) -> None:

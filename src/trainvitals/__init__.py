@@ -14,6 +14,7 @@ _EXPORTS = {
     "GraphIntegrityCallback": "trainvitals.integrity.callback",
     "LRScalingAdvisor": "trainvitals.lr_scaling.advisor",
     "MemoryTopologyProfiler": "trainvitals.memory.profiler",
+    "TrainingGuard": "trainvitals.guard.callback",
     "TrainvitalsDashboard": "trainvitals.tensorboard.dashboard",
 }
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import re
 
-TRAINVITALS_ROOTS = ("grad_norm", "grad_noise", "lr_scaling", "graph", "memory", "trainvitals", "diagnosis")
+TRAINVITALS_ROOTS = ("grad_norm", "grad_noise", "lr_scaling", "graph", "memory", "guard", "trainvitals", "diagnosis")
 """The first component of every tag a trainvitals callback writes (``diagnosis``: TrainvitalsDashboard's
 end-of-fit panels, :data:`DIAGNOSIS_TAG`)."""
 

@@ -21,6 +21,8 @@ from torch import nn
 
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.noise.estimate import GradientNoise, NoiseSource
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.sharing import GRADIENT_NOISE
 
 D = 6
 
@@ -172,8 +174,10 @@ def test_each_step_is_logged_once_with_the_lr_it_used(accumulate):
     assert [s for s, _ in logger.series["lr_scaling/effective_batch"]] == [0, 1, 2, 3, 4]
 
 
-class _NoiseSource(Callback):
-    """A callback holding a measured estimate: ``steps`` pairs (‖G‖², tr Σ) with relative jitter ``jitter``."""
+class _NoiseSource(TrainvitalsCallback):
+    """A callback feeding the run's estimate: ``steps`` pairs (‖G‖², tr Σ) with relative jitter ``jitter``."""
+
+    provides = (GRADIENT_NOISE,)
 
     def __init__(
         self,
@@ -183,6 +187,7 @@ class _NoiseSource(Callback):
         jitter: float = 0.0,
         param_share: float = 1.0,
     ) -> None:
+        super().__init__()
         self.gradient_noise = GradientNoise()
         self.noise_source = NoiseSource("fake", 0.9, param_share)
         self.gradient_noise.attach(self.noise_source)
@@ -195,6 +200,10 @@ class _NoiseSource(Callback):
                     covered_sq_norm=torch.tensor(param_share),
                     total_sq_norm=torch.tensor(1.0),
                 )
+
+    def setup_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.gradient_noise = self.vitals.shared(GRADIENT_NOISE, GradientNoise)  # the fit's one estimate
+        self.gradient_noise.attach(self.noise_source)
 
 
 def test_noise_scale_comes_from_a_callback_with_a_noise_estimate():

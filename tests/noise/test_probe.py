@@ -26,8 +26,8 @@ from trainvitals import GradNormMonitor
 from trainvitals.noise.estimators import NoiseScaleEMA, gradient_snr
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.norms import monitor as monitor_module
 from trainvitals.per_example import PerExampleGradients
+from trainvitals.plumbing.sharing import StepGradNorms
 
 
 def last_logged(logger: RecordingLogger) -> dict[str, float]:
@@ -846,8 +846,8 @@ def test_with_a_monitor_the_probe_reads_its_norms_instead_of_measuring_again(pre
     """The batch gradient's ‖ḡ‖² comes from a GradNormMonitor that measured the step first: the same
     estimates as measuring alone, in any order, also with the loss scale a fused optimizer leaves."""
     calls = []
-    measure = monitor_module._fused_grad_sq_norm  # the second pass over the gradients
-    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    measure = StepGradNorms._take  # a pass over the gradients
+    monkeypatch.setattr(StepGradNorms, "_take", lambda *a, **k: calls.append(1) or measure(*a, **k))
     data = classification_data("mlp", 48)
     if precision != "64-true":
         data = TensorDataset(data.tensors[0].float(), data.tensors[1])
@@ -863,7 +863,7 @@ def test_with_a_monitor_the_probe_reads_its_norms_instead_of_measuring_again(pre
         calls.clear()
         fit(FusedSGD(net, lr=0.1), data, callbacks, batch_size=8, steps=6, precision=precision)
         estimates[order] = (float(probe.noise.grad_sq_norm), float(probe.noise.trace_cov))
-        assert len(calls) == (0 if order == "monitor first" else 6), order
+        assert len(calls) == 6, order  # one pass a step, whoever asks first
     assert estimates["monitor first"] == pytest.approx(estimates["alone"], rel=1e-9)
     assert estimates["probe first"] == pytest.approx(estimates["alone"], rel=1e-9)
 
@@ -872,8 +872,8 @@ def test_a_partly_measured_model_reads_the_gradient_norms_once_per_step(monkeypa
     """A layer no source measures (no rule, no fallback, one micro-batch): the coverage is ‖ḡ‖² over the
     measured parameters over ‖ḡ‖² over all of them, both from one fused norm per step."""
     calls = []
-    measure = monitor_module._fused_grad_sq_norm
-    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    measure = StepGradNorms._take
+    monkeypatch.setattr(StepGradNorms, "_take", lambda *a, **k: calls.append(1) or measure(*a, **k))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 7), Scale(7), nn.Tanh(), nn.Linear(7, 3)).double()
     probe, recorder = BatchVarianceProbe(ema_beta=0.0, fallback=False, histogram_every_n_steps=0), Recorder()
@@ -1214,7 +1214,7 @@ def test_per_coordinate_sums_are_formed_on_the_first_and_the_logging_steps_only(
 
     class Record(pl.Callback):
         def on_train_batch_start(self, *_: Any) -> None:  # after the probe's, which selects the step's sums
-            formed.append(bool(probe._selection))
+            formed.append(probe._step is not None and bool(probe._step.selection))
 
     fit(ManualClassifier(network("mlp")), classification_data("mlp", 64), [probe, Record()], batch_size=8, steps=7)
     assert formed == [True, False, False, True, False, False, True]

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
 from trainvitals.noise.estimate import MIN_MEASUREMENTS
-from trainvitals.norms import monitor as monitor_module
+from trainvitals.plumbing.sharing import StepGradNorms
 
 
 class LinearRegression(pl.LightningModule):
@@ -187,8 +187,8 @@ def test_relative_mode_stops_when_the_norm_has_fallen_below_a_fraction_of_its_ea
 @pytest.mark.parametrize("order", ["monitor first", "stopper first", "stopper alone"])
 def test_with_a_monitor_the_stopper_reads_its_total_instead_of_measuring_again(order, monkeypatch):
     calls = []
-    measure = monitor_module._fused_grad_sq_norm  # the second pass over the gradients
-    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    measure = StepGradNorms._take  # a pass over the gradients
+    monkeypatch.setattr(StepGradNorms, "_take", lambda *a, **k: calls.append(1) or measure(*a, **k))
     d = 5
     stopper = GradNormEarlyStopping(
         mode="relative", fraction=0.01, reference_steps=3, patience=2, min_steps=0, check_every_n_steps=1
@@ -203,7 +203,7 @@ def test_with_a_monitor_the_stopper_reads_its_total_instead_of_measuring_again(o
     )
     # the same decision as measuring alone (noise-free descent: the norm falls below 1% at a fixed step)
     assert stopper.stopped_step == 23 and trainer.global_step == 24
-    assert len(calls) == (0 if order == "monitor first" else trainer.global_step)
+    assert len(calls) == trainer.global_step  # one pass a step, whoever asks first
 
 
 def test_without_a_monitor_the_stopper_and_the_probe_share_one_norm_per_step(monkeypatch):
@@ -212,26 +212,20 @@ def test_without_a_monitor_the_stopper_and_the_probe_share_one_norm_per_step(mon
     from trainvitals import BatchVarianceProbe
 
     taken, seen = [], []
-    measure = monitor_module._fused_grad_sq_norm
+    measure, ask = StepGradNorms._take, StepGradNorms.sq_norm
 
-    def counted(trainer, optimizer, params):
+    def counted(self, trainer, optimizer, params, norm_type):
         taken.append(trainer.global_step)
-        return measure(trainer, optimizer, params)
+        return measure(self, trainer, optimizer, params, norm_type)
 
-    monkeypatch.setattr(monitor_module, "_fused_grad_sq_norm", counted)
-    ask = monitor_module.grad_sq_norm
-
-    def asked(trainer, optimizer, params):
-        value = ask(trainer, optimizer, params)
+    def asked(self, trainer, optimizer, params):
+        value = ask(self, trainer, optimizer, params)
         brute = sum(p.grad.double().square().sum() for p in params if p.grad is not None)
         seen.append((trainer.global_step, float(value), float(brute)))
         return value
 
-    from trainvitals.noise import probe_sources as probe_module
-    from trainvitals.noise import stopper as stopper_module
-
-    monkeypatch.setattr(stopper_module, "grad_sq_norm", asked)
-    monkeypatch.setattr(probe_module, "grad_sq_norm", asked)
+    monkeypatch.setattr(StepGradNorms, "_take", counted)
+    monkeypatch.setattr(StepGradNorms, "sq_norm", asked)
     probe = BatchVarianceProbe(histogram_every_n_steps=0)
     stopper = GradNormEarlyStopping(min_steps=0, check_every_n_steps=4)
     trainer = _fit(Regressor(autocast=False), [probe, stopper], loader(regression_data(n=8 * 12), 8), max_epochs=1)
@@ -759,28 +753,22 @@ def test_no_host_sync_on_steps_that_log_nothing(monkeypatch):
 
 
 def test_what_would_make_it_measurable_names_only_what_applies():
-    from types import SimpleNamespace
-
-    from trainvitals import BatchVarianceProbe
     from trainvitals.noise.stopper import measurable_by
 
-    plain = SimpleNamespace(lightning_module=torch.nn.Linear(2, 2), callbacks=[BatchVarianceProbe()])
-    said = measurable_by(plain)
+    said = measurable_by(torch.nn.Linear(2, 2), probe=True)
     assert "accumulate_grad_batches >= 2" in said and "BatchNorm" not in said and "BatchVarianceProbe" not in said
     frozen = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).eval()
-    assert "BatchNorm" not in measurable_by(SimpleNamespace(lightning_module=frozen, callbacks=[]))
-    training = SimpleNamespace(lightning_module=frozen.train(), callbacks=[])
-    said = measurable_by(training)
+    assert "BatchNorm" not in measurable_by(frozen, probe=False)
+    said = measurable_by(frozen.train(), probe=False)
     assert "instead of BatchNorm" in said and ", or a BatchVarianceProbe" in said
     # A probe is attached but BatchNorm in training mode makes its per-example source invalid: said, not advised.
-    probed = SimpleNamespace(lightning_module=frozen, callbacks=[BatchVarianceProbe()])
-    said = measurable_by(probed)
+    said = measurable_by(frozen, probe=True)
     assert said.startswith(
         "the attached BatchVarianceProbe's per-example source is invalid here (BatchNorm in "
         "training mode); measurable with accumulate_grad_batches >= 2"
     )
     assert "instead of BatchNorm" in said and ", or a BatchVarianceProbe" not in said
-    assert measurable_by(probed, say_probe=False).startswith("measurable with accumulate_grad_batches >= 2")
+    assert measurable_by(frozen, probe=True, say_probe=False).startswith("measurable with accumulate_grad_batches >= 2")
 
 
 def test_a_noise_band_stop_resumed_still_names_its_estimate(tmp_path):

@@ -136,6 +136,21 @@ SPECS: dict[str, dict[str, Spec]] = {
         "verbose": Bool(),
     },
     "TrainvitalsDashboard": {"progress_bar": Bool(), "diagnosis": Bool()},
+    "TrainingGuard": {
+        "on_nonfinite": Choice("warn", "skip", "rollback", "stop"),
+        "on_spike": Choice("warn", "skip", "rollback", "stop"),
+        "spike_factor": Float(1.0, low_open=True),
+        "ema_beta": Float(0.0, 1.0, high_open=True),
+        "spike_warmup_steps": Int(0),
+        "snapshot_every_n_steps": Int(0),
+        "snapshot_on": Choice("cpu", "device"),
+        "lr_factor": Float(0.0, 1.0, low_open=True),
+        "lr_factor_steps": Int(0),
+        "budget_events": Int(1),
+        "budget_window": Int(1),
+        "name_producer": Bool(),
+        "snapshot_in_checkpoint": Bool(),
+    },
 }
 
 ARGUMENTS = [
@@ -460,6 +475,7 @@ def test_measure_and_log_cadences_have_one_name_each():
         "GradNormMonitor",
         "GradNormEarlyStopping",
         "BatchVarianceProbe",
+        "TrainingGuard",
     }
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -20,9 +19,11 @@ from trainvitals.demo.model import DigitsCNN
 from trainvitals.integrity.callback import GraphIntegrityCallback
 from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory.profiler import MemoryTopologyProfiler
+from trainvitals.noise.estimate import GradientNoise
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
+from trainvitals.plumbing.sharing import GRADIENT_NOISE, Vitals
 from trainvitals.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
 from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, progress_bar_values
 from trainvitals.tensorboard.layout import (
@@ -265,7 +266,9 @@ def test_noise_band_uses_the_stoppers_margin(margin: float | None, ratio: float)
     for _ in range(20):  # a decision needs 20 measurements
         probe.noise.update(torch.tensor(0.5 * 6.4 / 64), torch.tensor(6.4))
     callbacks = [probe] + ([GradNormEarlyStopping(margin=margin)] if margin is not None else [])
-    assert progress_bar_values(SimpleNamespace(callbacks=callbacks)) == {"band_ratio": pytest.approx(ratio)}
+    vitals = Vitals(*callbacks)
+    vitals.shared(GRADIENT_NOISE, GradientNoise).attach(probe.noise_source)
+    assert progress_bar_values(vitals) == {"band_ratio": pytest.approx(ratio)}
 
 
 def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:

@@ -39,12 +39,13 @@ from trainvitals.lr_scaling.rules import (
     validate_batch_sizes,
     validate_noise_scale,
 )
-from trainvitals.noise.estimate import Z90, GradientNoise
+from trainvitals.noise.estimate import Z90
 from trainvitals.per_example import detect_loss_reduction
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.rerun import rerun_quietly
+from trainvitals.plumbing.sharing import GRADIENT_NOISE, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.terminal import markdown_to_text
 
@@ -119,6 +120,9 @@ class LRScalingAdvisor(TrainvitalsCallback):
             ``noise_scale`` or ``batch_size`` when out of range (a non-positive number, a zero
             target, a malformed reference).
     """
+
+    provides = (SUMMARY,)
+    reads = (GRADIENT_NOISE,)
 
     def __init__(
         self,
@@ -284,21 +288,15 @@ class LRScalingAdvisor(TrainvitalsCallback):
         self.loss_reduction = classify_loss_reduction(loss, loss_doubled)
         self.loss_ratio = loss_doubled / loss if loss else math.nan
 
-    def _measured_noise_scale(self, trainer: "pl.Trainer") -> tuple[float | None, str, float | None]:
-        """(B̂ in examples, where it came from or why there is none, its relative standard error)."""
+    def _measured_noise_scale(self, latest: bool) -> tuple[float | None, str, float | None]:
+        """(B̂ in examples, where it came from or why there is none, its relative standard error); ``latest``:
+        from the estimate the others logged at their last logging step (a reporting step), else a fresh one."""
         if self.noise_scale is not None:
             return self.noise_scale, "given", None
-        noise = next(
-            (
-                cb.gradient_noise
-                for cb in trainer.callbacks
-                if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)
-            ),
-            None,
-        )
+        noise = self.vitals.shared(GRADIENT_NOISE)
         if noise is None:
             return None, "not measured: no GradNormEarlyStopping or BatchVarianceProbe", None
-        summary = noise.host_summary()  # reporting steps only: one transfer
+        summary = noise.host_summary(noise.latest() if latest else None)  # reporting steps only: one transfer
         if not summary["reliable"]:
             return None, summary["why"], None
         return summary["b_simple"], "measured: " + ", ".join(summary["sources"]), summary["b_simple_rel_err"]
@@ -338,7 +336,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         report text."""
         batch, how = self._batch_breakdown(trainer)
         self.effective_batch = batch
-        noise_scale, source, rel_err = self._measured_noise_scale(trainer)
+        noise_scale, source, rel_err = self._measured_noise_scale(latest=step is not None)
         groups = self._param_groups(trainer)
         metrics: dict[str, float] = {"lr_scaling/effective_batch": float(batch)}
         lines = [f"**effective batch** {batch} = {how}"]

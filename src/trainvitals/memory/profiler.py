@@ -29,6 +29,7 @@ from trainvitals.memory.recorder import ROOT, SavedTensorRecorder
 from trainvitals.memory.remedies import Remedy, rank_remedies
 from trainvitals.memory.storage import byte_unit, element_bytes, format_bytes, model_state_bytes, tensors_in
 from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.sharing import SUMMARY
 from trainvitals.plumbing.writers import log_image, log_scalars, log_text, tensorboard_writers
 from trainvitals.text.markdown import markdown_table
 from trainvitals.text.terminal import markdown_to_text
@@ -137,6 +138,8 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
     Raises:
         TypeError: if an argument has the wrong type, ValueError if it is out of range, naming it.
     """
+
+    provides = (SUMMARY,)
 
     def __init__(
         self,

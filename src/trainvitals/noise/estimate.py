@@ -241,8 +241,8 @@ class NoiseEstimate:
 class GradientNoise:
     """The run's one gradient-noise estimate, fed by every source present (module docstring).
 
-    Callbacks share one instance (:func:`find_gradient_noise`: the first to set up creates it, the others
-    find it among the Trainer's callbacks); each owns, resets and saves its own :class:`NoiseSource`
+    Callbacks share one instance per fit (``vitals.shared(GRADIENT_NOISE, GradientNoise)``,
+    :mod:`trainvitals.plumbing.sharing`); each owns, resets and saves its own :class:`NoiseSource`
     and attaches it here.
 
     :attr:`population` is the number N of training examples when each epoch draws them without
@@ -336,6 +336,10 @@ class GradientNoise:
         if self._last is not None and self._last[0] == key:
             self._stale = 0  # as a fresh estimate would: _cached holds this one's weights
             return self._last[1]
+        self._last = (key, self._combine(chosen))
+        return self._last[1]
+
+    def _combine(self, chosen: list[NoiseSource]) -> NoiseEstimate:
         device = chosen[0].ema.count.device
         per = []
         for src in chosen:
@@ -389,7 +393,7 @@ class GradientNoise:
         param_share = min(src.param_share for src in chosen)
         last = chosen[0].last_covered_sq_norm
         measured = last.to(device).sqrt() * chosen[0].unit_scale if param_share < 1 and last is not None else None
-        est = NoiseEstimate(
+        return NoiseEstimate(
             grad,
             grad_se,
             trace,
@@ -407,8 +411,6 @@ class GradientNoise:
             batch,
             tuple(src.name for src in chosen),
         )
-        self._last = (key, est)
-        return est
 
     def _moments(self, src: NoiseSource, device: torch.device) -> tuple[Tensor, ...]:
         """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov) in ``.grad`` units, with the finite-population
@@ -534,10 +536,19 @@ class GradientNoise:
             "grad_noise/coverage": est.coverage,
         }
 
-    def host_summary(self) -> dict[str, Any]:
-        """The estimate as host floats (one transfer), with ``decisive`` and ``reliable`` flags and
-        ``why`` a sentence when it is not both."""
-        est = self.estimate()
+    def latest(self) -> NoiseEstimate:
+        """The last :meth:`estimate` computed, while its valid sources are still the ones; else a new one. For a
+        reader between steps (the lr advisor, before a step) that needs no fresher estimate than the one the
+        others logged: no second estimate per logging step."""
+        chosen = tuple(id(src) for src in self.valid_sources())
+        if self._last is not None and self._cached is not None and self._cached[0] == chosen:
+            return self._last[1]
+        return self.estimate()
+
+    def host_summary(self, estimate: NoiseEstimate | None = None) -> dict[str, Any]:
+        """The estimate (default: :meth:`estimate`) as host floats (one transfer), with ``decisive`` and
+        ``reliable`` flags and ``why`` a sentence when it is not both."""
+        est = estimate or self.estimate()
         keys = (
             "grad_sq_norm",
             "grad_sq_norm_se",
@@ -750,18 +761,3 @@ def population_of(loader: Any) -> int | None:
     except TypeError:
         return None
     return n if n >= 2 else None
-
-
-def find_gradient_noise(callbacks: Any) -> GradientNoise:
-    """The :class:`GradientNoise` of the first of ``callbacks`` that holds one (attribute
-    ``gradient_noise``), else a new one; sources no callback owns any more (attribute ``noise_source``)
-    are dropped from it."""
-    callbacks = list(callbacks)
-    found = next(
-        (cb.gradient_noise for cb in callbacks if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)), None
-    )
-    noise = found if found is not None else GradientNoise()
-    owned = {id(getattr(cb, "noise_source", None)) for cb in callbacks}
-    for name in [n for n, s in noise.sources.items() if id(s) not in owned]:
-        noise.detach(name)
-    return noise

@@ -1,5 +1,6 @@
 """BatchVarianceProbe's sources for one plan: which source measures each parameter, the hooks that measure
-them, what keeps a step's measurement from being used, and which parameters' batch gradient each covers.
+them, what to say of them, and which parameters' batch gradient each covers (a measured step itself:
+:mod:`trainvitals.noise.probe_step`).
 
 A plan is made at fit start and again when layers fail (:func:`~trainvitals.per_example.plan_sources`);
 each plan gets a fresh :class:`ProbeSources`, whose hooks are on the model only during a measured step.
@@ -15,11 +16,9 @@ import torch
 from torch import Tensor
 
 from trainvitals.memory import ROOT, compiled_modules
-from trainvitals.noise.estimate import NoiseSource
 from trainvitals.noise.estimators import MicroBatchSquaredNorms
 from trainvitals.noise.outliers import norm_coverage
-from trainvitals.norms.monitor import grad_sq_norm, grad_sq_norms
-from trainvitals.per_example import Layouts, PerExampleGradients, PerExampleStep, plan_sources
+from trainvitals.per_example import Layouts, PerExampleGradients, plan_sources
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
 COUPLED = "per-example gradients through BatchNorm in training mode are not independent draws"
@@ -238,67 +237,6 @@ class ProbeSources:
         )
         return f"cannot measure per example: {said}; the sources now are {self.description}."
 
-    def few_batchnorm_values(self, micro_batch: int, accumulate: int) -> str:
-        """The warning for BatchNorms that normalise over too few values at this step, or ""."""
-        small = {n: v for n, v in self.bn_values.items() if v < BATCHNORM_MIN_VALUES}
-        if not small:
-            return ""
-        where = ", ".join(f"{n} ({v} values per channel)" for n, v in small.items())
-        accumulation = (
-            f" Under gradient accumulation BatchNorm sees one micro-batch of {micro_batch}, "
-            f"not the {micro_batch * accumulate} examples of the step."
-            if accumulate > 1
-            else ""
-        )
-        return (
-            f"BatchNorm in training mode normalises {where} over too few values for meaningful statistics: "
-            "over 2 values every feature becomes ±1, over 1 it fails." + accumulation
-        )
-
-    def problem(self, result: PerExampleStep, micro_sizes: list[int], unsized: bool) -> tuple[str, set[str]]:
-        """Why this step's measurement is unusable ("" if it is), and the failed layers it is measured without
-        (:meth:`~trainvitals.per_example.PerExampleGradients.set_aside`: their parameters count as not
-        measured, as they will from the next plan on; none when nothing would be left); failed modules are
-        added to ``result.failed``.
-
-        ``micro_sizes``: the examples of each micro-batch that ran backward; ``unsized``: one of them
-        could not be sized. A batch read on the wrong dimension (:meth:`~trainvitals.per_example.Layouts.misread`)
-        is the step's problem, and no layer's: none is failed for it."""
-        if not micro_sizes:  # no backward ran (training_step returned None): nothing to measure, no fault
-            return "", set()
-        if misread := self.collector.layouts.misread():  # every layer failing so is the batch's fault, not its own
-            result.failed.clear()
-            return misread, set()
-        for name, module in {**self.plan.per_example, **self.plan.vmap}.items():
-            if (
-                name not in result.seen
-                and name not in result.failed
-                and any(p.grad is not None for p in module.parameters(recurse=False))
-            ):
-                result.failed[name] = (
-                    "its parameters got gradients outside its own forward (used directly, or "
-                    "called from a torch.compile'd function, where the probe puts no hook)"
-                )
-        aside = self.collector.set_aside(result)
-        if not self.plan.micro_batch and aside.issuperset(self.layers):
-            aside = set()  # no layer left to measure the step
-        failed = {n: why for n, why in result.failed.items() if n not in aside}
-        if failed:
-            return "; ".join(f"{n or '(root)'}: {why}" for n, why in failed.items()), aside
-        if unsized:
-            return (
-                "Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it), or the "
-                "batch holds a list of tensors of differing lengths with no tensor of a row per example beside it: "
-                "put the examples on dimension 0 of the batch's tensors, or pass the list's labels with it"
-            ), aside
-        if 0 in micro_sizes:
-            return "an empty micro-batch", aside
-        if set(self.layers) - aside and not result.seen:
-            return "the backward reached none of the measured layers (a loss without a graph?)", aside
-        if len(set(micro_sizes)) > 1:
-            return unequal_sizes(micro_sizes), aside
-        return "", aside
-
     # ------------------------------------------------------------------ the batch gradient
     def norm_layout(
         self, optimizer: torch.optim.Optimizer
@@ -334,38 +272,3 @@ class ProbeSources:
         return {
             q for name in layers for member in self.collector.group(name) for q in self.layer_params.get(member, {})
         }
-
-    def batch_sq_norms(
-        self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer, aside: Tensor | None
-    ) -> dict[str, Tensor]:
-        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``, with those of
-        the layers ``aside`` marks, a ``(layers,)`` bool on the device): the accumulated, rank-averaged gradient,
-        AMP scale undone (0-d float64 each), from one pass over the gradients per step (shared with the
-        stopper; none after a GradNormMonitor that measured the step), summed by source."""
-        params, where, whole, layer_of = self.norm_layout(optimizer)
-        zero = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
-        if whole is not None and aside is None:  # one source measures every parameter: its part is the total
-            total = grad_sq_norm(trainer, optimizer, params)
-            return {**dict.fromkeys((*SOURCES, "other"), zero), whole: zero if total is None else total}
-        sq_norms = grad_sq_norms(trainer, optimizer, params) if params else None
-        parts = zero.new_zeros(len(SOURCES) + 1)
-        if sq_norms is not None:
-            if aside is not None:  # a layer's position len(layers) (source 2, or none) is never aside
-                outside = torch.cat([aside, aside.new_zeros(1)]).to(where.device)[layer_of]
-                where = torch.where(outside, len(SOURCES), where)
-            parts = parts.to(sq_norms.device).index_add_(0, where.to(sq_norms.device), sq_norms)
-        return dict(zip((*SOURCES, "other"), parts.unbind()))
-
-
-def layout_notes(layouts: Layouts, source: NoiseSource) -> list[str]:
-    """What the fit's layout evidence has not said yet (:meth:`~trainvitals.per_example.Layouts.notes`);
-    where it refuted the layout earlier steps were measured with, ``source``'s estimate restarts without them."""
-    notes, refuted = layouts.notes()
-    if refuted:
-        source.restart()
-    return notes
-
-
-def unequal_sizes(micro_sizes: list[int]) -> str:
-    """The problem of a step whose micro-batches differ in size (an epoch's ragged last window, most often)."""
-    return f"micro-batches of unequal sizes {micro_sizes}"

@@ -1,16 +1,23 @@
-"""One measured optimizer step of BatchVarianceProbe: its sums over the ranks, the units of its ``.grad``,
-and its estimate of ‖G‖² and tr(Σ), each source's over its own parameters (McCandlish et al. 2018, Eq. A.2).
+"""One measured optimizer step of BatchVarianceProbe, top to bottom: its micro-batches, what keeps it from being
+used, its sums over the ranks, the units of its ``.grad``, and its estimate of ‖G‖² and tr(Σ), each source's over
+its own parameters (McCandlish et al. 2018, Eq. A.2); then what it logs.
+
+:class:`ProbeStep` is opened at a measured step's first micro-batch, fed by each micro-batch's hooks, and finished
+by one call in ``on_before_optimizer_step`` (:meth:`ProbeStep.finish`); the probe logs what it leaves at
+``on_train_batch_end``, once every source of the run's estimate has taken the step.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from trainvitals.noise.estimate import population_of
 from trainvitals.noise.estimators import (
     per_example_estimates,
     sub_batch_estimates,
@@ -19,10 +26,16 @@ from trainvitals.noise.estimators import (
 )
 from trainvitals.noise.gsnr import ModuleCoordinates, StepCoordinates
 from trainvitals.noise.outliers import Outliers, largest_examples
+from trainvitals.noise.probe_sources import BATCHNORM_MIN_VALUES, COUPLED, SOURCES, ProbeSources
 from trainvitals.per_example import PerExampleStep, SourcePlan
-from trainvitals.plumbing.batch import loss_divisor
+from trainvitals.plumbing.amp import loss_scale, scale_left_in_grads
+from trainvitals.plumbing.batch import batch_size, dataset_rows, loss_divisor
+from trainvitals.plumbing.sharing import StepGradNorms
 from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.writers import log_histogram, log_text
+
+if TYPE_CHECKING:
+    from trainvitals.noise.probe import BatchVarianceProbe
 
 PER_EXAMPLE_NORMS, OUTLIERS = "grad_noise/per_example_grad_norm", "grad_noise/outliers"
 
@@ -37,6 +50,282 @@ class StepSums:
     valid: Tensor | bool  # every rank measured all its examples
     failed: set[str]  # layers to exclude from now on
     aside: Tensor | None = None  # (layers,) bool: those this step is measured without, the same on every rank
+
+
+@dataclass
+class Finished:
+    """What a finished step leaves for the probe's ``on_train_batch_end``: its log (at a logging step) and the
+    layers to move out of the per-example sources."""
+
+    result: PerExampleStep
+    valid: Tensor | bool
+    examples: int  # over all ranks
+    measured: bool  # the estimate was updated from it
+    failed: set[str]  # layers to exclude from now on
+    aside: set[str]  # of those, the ones this step was measured without
+
+
+class ProbeStep:
+    """One measured optimizer step, read top to bottom: opened at its first micro-batch (the plan's hooks
+    attached), fed by each micro-batch (:meth:`begin_micro_batch`, :meth:`set_unit`, :meth:`end_micro_batch`),
+    finished by one call in ``on_before_optimizer_step`` (:meth:`finish`).
+
+    Args:
+        step: the optimizer step.
+        sources: the plan's sources and their hooks.
+        selection: the coordinates whose per-coordinate sums it collects (GSNR, the sums check).
+        keep_norms: keep each example's ‖g_i‖² (a histogram step), and the micro-batches' dataset rows.
+        logging: a logging step.
+        decide: decide 1-D ids on the host at this step (a step that syncs anyway).
+    """
+
+    def __init__(
+        self,
+        step: int,
+        sources: ProbeSources,
+        selection: dict[str, slice],
+        keep_norms: bool,
+        logging: bool,
+        decide: bool,
+    ) -> None:
+        self.step, self.sources, self.selection = step, sources, selection
+        self.keep_norms, self.logging, self.decide = keep_norms, logging, decide
+        self.sizes: list[int] = []  # the examples of each micro-batch that ran backward
+        self.unsized = False  # one of them Lightning cannot size
+        self.rows: list[Tensor | None] = []  # their dataset rows, on the steps that keep norms
+        self.batch_size = 0  # the current micro-batch's examples (0: unsized or empty)
+        self.unit: Tensor | float = 1.0  # its back-propagated gradient over the mean of its examples' own-loss ones
+        self.reduction = "mean"
+        sources.attach(selection, keep_norms=keep_norms)
+
+    @property
+    def size(self) -> int:
+        """The first micro-batch's examples; 1 for an empty one, in a step left out anyway."""
+        return self.sizes[0] or 1
+
+    # ------------------------------------------------------------------ each micro-batch
+    def begin_micro_batch(self, trainer: "pl.Trainer", batch: Any, batch_idx: int, sequence_first: bool | None) -> None:
+        collector = self.sources.collector
+        collector.begin_micro_batch()  # a batch skipped before (training_step returned None) left its forward
+        size = batch_size(batch, sequence_first)
+        self.unsized |= size is None
+        self.batch_size = size or 0
+        if size:
+            collector.expect_batch(size, batch)
+        if self.keep_norms:
+            self.rows.append(dataset_rows(trainer, batch, batch_idx, size) if size else None)
+
+    def set_unit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", reduction: str) -> None:
+        """The micro-batch's loss is a ``reduction`` over its examples: per-example gradients are those of each
+        example's own loss, B × its share of a mean; Lightning's division by the accumulation and the AMP loss
+        scale undone."""
+        self.reduction = reduction
+        scale = loss_scale(trainer)
+        per_loss = self.batch_size if reduction == "mean" else 1
+        self.unit = loss_divisor(trainer, pl_module) * per_loss / (1.0 if scale is None else scale)
+
+    def end_micro_batch(self) -> None:
+        self.sources.collector.end_micro_batch(self.unit)
+        self.sources.micro.end_micro_batch()
+        self.sizes.append(self.batch_size)
+
+    # ------------------------------------------------------------------ the step
+    def finish(
+        self,
+        probe: BatchVarianceProbe,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        optimizer: torch.optim.Optimizer,
+    ) -> Finished:
+        """Close the step, update ``probe``'s noise source from it, say what is wrong with it (once each), and
+        return what the probe logs and moves at ``on_train_batch_end``.
+
+        Measured even when this rank saw a problem: every rank must join the same all-reduce, which also says
+        which layers failed on any rank, so that every rank excludes the same ones. A layer set aside is measured
+        as the next plan will: its parameters among those not measured per example.
+        """
+        sources, source = self.sources, probe.noise_source
+        result = sources.collector.pop(decide=False)
+        notes, refuted = sources.collector.layouts.notes()
+        if refuted:  # the layout earlier steps were measured with was wrong: the estimate restarts without them
+            source.restart()
+        for note in notes:
+            probe.warn(note + ".", once=True)
+        if self.decide or result.sq_norms:
+            # 1-D ids compared with arange(B) on the device, read at a step that syncs anyway (else: `sum_over_ranks`)
+            sources.collector.decide(result)
+        micro_sum, _ = sources.micro.pop()
+        sources.detach()
+        self._check_sums(trainer, pl_module, result, optimizer)
+        if few := self._few_batchnorm_values(trainer.accumulate_grad_batches):
+            probe.warn(few, once=True)
+        if coupled := sources.coupling():
+            if not source.invalid:
+                probe.warn(sources.coupling_warning(coupled) + ".", once=True)
+            source.invalidate(COUPLED)
+        problem, aside = self._problem(result)
+        # An epoch's ragged last window is left out without a word, as the stopper leaves it out: no fault of
+        # the run's. Failed layers are said where they are moved.
+        ragged_end = trainer.is_last_batch and problem == unequal_sizes(self.sizes)
+        if problem and set(result.failed) <= aside and not ragged_end:
+            probe._cannot_measure(problem)
+        probe._failed.update(result.failed)
+        if not self.sizes:
+            failed = set(probe._failed) if trainer.world_size == 1 else set()
+            return Finished(result, False, 0, False, failed, set() if problem else aside)
+        sums = sum_over_ranks(
+            trainer,
+            result,
+            micro_sum,
+            self.sizes,
+            not problem,
+            sources.layers,
+            set(probe._failed),
+            aside,
+            read_failures=self.logging,
+        )
+        moved_aside = set() if problem else aside
+        if sums.examples < 2:
+            probe._cannot_measure("a step of 1 example has no spread to measure")
+            return Finished(result, False, sums.examples, False, sums.failed, moved_aside)
+        to_mean = 1 / self.grad_units(trainer, pl_module)
+        parts = self._batch_sq_norms(trainer, probe.vitals.grad_norms, optimizer, sums.aside)
+        batch_sq = {part: sq_norm * to_mean**2 for part, sq_norm in parts.items()}
+        grad_sq_norm, trace_cov, valid, covered, total = step_estimates(
+            sources.plan,
+            batch_sq,
+            result,
+            sums,
+            len(self.sizes) * trainer.world_size,
+            self.size,
+            self.unit,
+            aside,
+        )
+        source.update(grad_sq_norm, trace_cov, valid, covered, total)
+        probe.nonfinite.add(torch.isfinite(total))
+        source.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
+        whole = not pl_module.automatic_optimization or len(self.sizes) == trainer.accumulate_grad_batches
+        # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
+        batch = source.effective_batch_size
+        short = trainer.is_last_batch and batch is not None and sums.examples < batch
+        if (whole and not short) or batch is None:
+            source.effective_batch_size = sums.examples
+            source.unit_scale = self.grad_units(trainer, pl_module)
+        return Finished(result, valid, sums.examples, True, sums.failed, moved_aside)
+
+    def grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float:
+        """The step's ``.grad`` over the mean of its per-example gradients: the accumulated, rank-averaged,
+        unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum."""
+        per_loss = 1 if self.reduction == "mean" else self.size
+        return len(self.sizes) * per_loss / loss_divisor(trainer, pl_module)
+
+    def _check_sums(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        result: PerExampleStep,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        """On a step with per-coordinate sums, fail the layers whose per-example gradients do not add up to their
+        ``.grad``: on one device (ranks average ``.grad``), with all micro-batches measured and of one size."""
+        if not result.grad_sum or not self._whole_window(trainer, pl_module):
+            return
+        to_grad: Tensor | float = self.grad_units(trainer, pl_module) / sum(self.sizes)
+        scale = scale_left_in_grads(trainer, optimizer)
+        result.failed.update(self.sources.collector.unbalanced(result, to_grad if scale is None else scale * to_grad))
+
+    def _whole_window(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+        """Whether ``.grad`` is the mean of these micro-batches alone: all of an accumulation window, sized and
+        equal, on one device (the ``.grad`` of several is averaged over ranks), under automatic optimization."""
+        return (
+            trainer.world_size == 1
+            and not self.unsized
+            and len(set(self.sizes)) == 1
+            and 0 not in self.sizes
+            and len(self.sizes) == trainer.accumulate_grad_batches
+            and pl_module.automatic_optimization
+        )
+
+    def _few_batchnorm_values(self, accumulate: int) -> str:
+        """The warning for BatchNorms that normalise over too few values at this step, or ""."""
+        small = {n: v for n, v in self.sources.bn_values.items() if v < BATCHNORM_MIN_VALUES}
+        if not small:
+            return ""
+        where = ", ".join(f"{n} ({v} values per channel)" for n, v in small.items())
+        accumulation = (
+            f" Under gradient accumulation BatchNorm sees one micro-batch of {self.batch_size}, "
+            f"not the {self.batch_size * accumulate} examples of the step."
+            if accumulate > 1
+            else ""
+        )
+        return (
+            f"BatchNorm in training mode normalises {where} over too few values for meaningful statistics: "
+            "over 2 values every feature becomes ±1, over 1 it fails." + accumulation
+        )
+
+    def _problem(self, result: PerExampleStep) -> tuple[str, set[str]]:
+        """Why this step's measurement is unusable ("" if it is), and the failed layers it is measured without
+        (:meth:`~trainvitals.per_example.PerExampleGradients.set_aside`: their parameters count as not
+        measured, as they will from the next plan on; none when nothing would be left); failed modules are
+        added to ``result.failed``. A batch read on the wrong dimension
+        (:meth:`~trainvitals.per_example.Layouts.misread`) is the step's problem, and no layer's: none is failed
+        for it."""
+        sources, sizes = self.sources, self.sizes
+        if not sizes:  # no backward ran (training_step returned None): nothing to measure, no fault
+            return "", set()
+        if misread := sources.collector.layouts.misread():  # every layer failing so is the batch's fault
+            result.failed.clear()
+            return misread, set()
+        for name, module in {**sources.plan.per_example, **sources.plan.vmap}.items():
+            if (
+                name not in result.seen
+                and name not in result.failed
+                and any(p.grad is not None for p in module.parameters(recurse=False))
+            ):
+                result.failed[name] = (
+                    "its parameters got gradients outside its own forward (used directly, or "
+                    "called from a torch.compile'd function, where the probe puts no hook)"
+                )
+        aside = sources.collector.set_aside(result)
+        if not sources.plan.micro_batch and aside.issuperset(sources.layers):
+            aside = set()  # no layer left to measure the step
+        failed = {n: why for n, why in result.failed.items() if n not in aside}
+        if failed:
+            return "; ".join(f"{n or '(root)'}: {why}" for n, why in failed.items()), aside
+        if self.unsized:
+            return (
+                "Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it), or the "
+                "batch holds a list of tensors of differing lengths with no tensor of a row per example beside it: "
+                "put the examples on dimension 0 of the batch's tensors, or pass the list's labels with it"
+            ), aside
+        if 0 in sizes:
+            return "an empty micro-batch", aside
+        if set(sources.layers) - aside and not result.seen:
+            return "the backward reached none of the measured layers (a loss without a graph?)", aside
+        if len(set(sizes)) > 1:
+            return unequal_sizes(sizes), aside
+        return "", aside
+
+    def _batch_sq_norms(
+        self, trainer: "pl.Trainer", grad_norms: StepGradNorms, optimizer: torch.optim.Optimizer, aside: Tensor | None
+    ) -> dict[str, Tensor]:
+        """‖.grad‖² over each source's parameters and over the optimizer's others (``"other"``, with those of
+        the layers ``aside`` marks, a ``(layers,)`` bool on the device): the accumulated, rank-averaged gradient,
+        AMP scale undone (0-d float64 each), from the step's one pass over the gradients (``grad_norms``, shared
+        with GradNormMonitor and the stopper), summed by source (:meth:`ProbeSources.norm_layout`)."""
+        params, where, whole, layer_of = self.sources.norm_layout(optimizer)
+        zero = torch.zeros((), dtype=torch.float64, device=trainer.strategy.root_device)
+        if whole is not None and aside is None:  # one source measures every parameter: its part is the total
+            total = grad_norms.sq_norm(trainer, optimizer, params)
+            return {**dict.fromkeys((*SOURCES, "other"), zero), whole: zero if total is None else total}
+        sq_norms = grad_norms.sq_norms(trainer, optimizer, params) if params else None
+        parts = zero.new_zeros(len(SOURCES) + 1)
+        if sq_norms is not None:
+            if aside is not None:  # a layer's position len(layers) (source 2, or none) is never aside
+                outside = torch.cat([aside, aside.new_zeros(1)]).to(where.device)[layer_of]
+                where = torch.where(outside, len(SOURCES), where)
+            parts = parts.to(sq_norms.device).index_add_(0, where.to(sq_norms.device), sq_norms)
+        return dict(zip((*SOURCES, "other"), parts.unbind()))
 
 
 def sum_over_ranks(
@@ -113,38 +402,6 @@ def sum_over_ranks(
     return StepSums(sq, micro, examples, (invalid == 0) & (seen == examples) & agreed, failed, everywhere)
 
 
-@dataclass
-class MicroBatches:
-    """The micro-batches of the optimizer step being measured, on this rank."""
-
-    sizes: list[int] = field(default_factory=list)  # the examples of each that ran backward
-    unsized: bool = False  # one of them Lightning cannot size
-    rows: list[Tensor | None] = field(default_factory=list)  # their dataset rows, on the steps that keep norms
-
-    @property
-    def size(self) -> int:
-        """The first one's examples; 1 for an empty one, in a step left out anyway."""
-        return self.sizes[0] or 1
-
-    def grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", reduction: str) -> float:
-        """The step's ``.grad`` over the mean of its per-example gradients: the accumulated, rank-averaged,
-        unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum."""
-        per_loss = 1 if reduction == "mean" else self.size
-        return len(self.sizes) * per_loss / loss_divisor(trainer, pl_module)
-
-    def whole_window(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
-        """Whether ``.grad`` is the mean of these micro-batches alone: all of an accumulation window, sized and
-        equal, on one device (the ``.grad`` of several is averaged over ranks), under automatic optimization."""
-        return (
-            trainer.world_size == 1
-            and not self.unsized
-            and len(set(self.sizes)) == 1
-            and 0 not in self.sizes
-            and len(self.sizes) == trainer.accumulate_grad_batches
-            and pl_module.automatic_optimization
-        )
-
-
 def step_estimates(
     plan: SourcePlan,
     batch_sq: dict[str, Tensor],
@@ -159,7 +416,7 @@ def step_estimates(
 
     Each source's estimate over its own parameters, added up, since tr(Σ) and ‖G‖² are sums over
     parameters. ``batch_sq``: ‖ḡ‖² in per-example units over each source's parameters and the others'
-    (:meth:`ProbeSources.batch_sq_norms`, with the layers set aside among the others); ``groups``
+    (:meth:`ProbeStep._batch_sq_norms`, with the layers set aside among the others); ``groups``
     micro-batches of ``group_size`` examples over all ranks, whose back-propagated gradients are ``unit`` ×
     the mean of their examples' own-loss gradients; ``aside``: the layers this step is measured without (a
     torch.func source with all of them aside has no sub-batch, and nothing to measure).
@@ -230,3 +487,8 @@ def log_per_example_norms(
     outliers = largest_examples(norms, rows, top_k, coverage)
     log_text(trainer, OUTLIERS, outliers.markdown(step), step)
     return outliers
+
+
+def unequal_sizes(sizes: list[int]) -> str:
+    """The problem of a step whose micro-batches differ in size (an epoch's ragged last window, most often)."""
+    return f"micro-batches of unequal sizes {sizes}"

@@ -30,16 +30,23 @@ from trainvitals.noise.estimate import (
     GradientNoise,
     NoiseSource,
     band_ratio,
-    find_gradient_noise,
     population_of,
 )
 from trainvitals.noise.estimators import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
-from trainvitals.norms.monitor import grad_sq_norm
 from trainvitals.norms.nonfinite import NonfiniteCounter
 from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.sharing import (
+    GRAD_SQ_NORMS,
+    GRADIENT_NOISE,
+    NOISE_BAND,
+    NOISE_PROBE,
+    NOISE_TAGS,
+    NONFINITE_STEPS,
+    SUMMARY,
+)
 from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import feed_callback_metrics, log_scalars, log_text
@@ -69,20 +76,19 @@ MANUAL = (
 )
 
 
-def measurable_by(trainer: Any, say_probe: bool = True) -> str:
-    """ "measurable with …": what would make the noise measurable in this run, BatchNorm and a probe named only
-    where they apply; with ``say_probe``, after why an attached probe does not measure it (BatchNorm)."""
+def measurable_by(module: Any, probe: bool, say_probe: bool = True) -> str:
+    """ "measurable with …": what would make the noise of ``module``'s run measurable, BatchNorm and a probe named
+    only where they apply (``probe``: one is attached); with ``say_probe``, after why an attached probe does not
+    measure it (BatchNorm)."""
     parts = [
         "accumulate_grad_batches >= 2 or >= 2 devices (micro-batches and ranks are independent draws "
         "whatever the layers)"
     ]
-    module = getattr(trainer, "lightning_module", None)
     batchnorm = module is not None and any(
         isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules()
     )
     if batchnorm:
         parts.append("GroupNorm or LayerNorm instead of BatchNorm")
-    probe = any(type(cb).__name__ == "BatchVarianceProbe" for cb in getattr(trainer, "callbacks", []))
     if not probe:
         parts.append("a BatchVarianceProbe on a model whose layers do not mix the examples")
     options = "measurable with " + (parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + ", or " + parts[-1])
@@ -124,8 +130,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
       loss scaling and parametrisation.
     - ``"relative"``: ‖ḡ‖ < ``fraction`` × its EMA over the first ``reference_steps`` steps.
 
-    ‖ḡ‖ is the L2 norm of the whole accumulated, unscaled, pre-clip gradient; after a
-    GradNormMonitor (p = 2) in the callback list it is the total the monitor measured at that step.
+    ‖ḡ‖ is the L2 norm of the whole accumulated, unscaled, pre-clip gradient, from the step's one pass over
+    the gradients that a GradNormMonitor (p = 2) and a BatchVarianceProbe read too.
 
     The condition must hold for ``patience`` consecutive optimizer steps, not before ``min_steps``;
     steps with non-finite gradients (including those a GradScaler skips) neither count nor reset.
@@ -167,6 +173,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
+
+    provides = (GRADIENT_NOISE, NOISE_BAND, SUMMARY)
+    reads = (GRAD_SQ_NORMS, NONFINITE_STEPS, NOISE_TAGS, NOISE_PROBE)
 
     def __init__(
         self,
@@ -228,7 +237,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.add_state("_streak", torch.zeros((), dtype=torch.long), key="streak")
         self.add_state("nonfinite", NonfiniteCounter, key="nonfinite_steps")
         """Steps with non-finite gradients, which the streak skips: logged when no GradNormMonitor logs them."""
-        self.add_state("_measurable_by", partial(measurable_by, None), persistent=False)
+        self.add_state("_measurable_by", partial(measurable_by, None, False), persistent=False)
         # Whether a counted step was out of the condition before the streak completed: a band that held from
         # the first counted step says the batch is noise-dominated, not that the run converged.
         self.add_state("_left", torch.zeros((), dtype=torch.bool), key="left")
@@ -255,7 +264,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     # ------------------------------------------------------------------ hooks
     @override
     def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.gradient_noise = find_gradient_noise(trainer.callbacks)
+        self.gradient_noise = self.vitals.shared(GRADIENT_NOISE, GradientNoise)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -333,7 +342,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     ) -> None:
         if self._pending is not None and self._pending[0] == trainer.global_step:
             return  # a closure evaluated again in the same step (LBFGS): the first counts, as the monitor's
-        sq_norm = grad_sq_norm(trainer, optimizer, self._params)
+        sq_norm = self.vitals.grad_norms.sq_norm(trainer, optimizer, self._params)
         if sq_norm is None:
             return
         total = sq_norm.sqrt()
@@ -351,7 +360,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._pending = None
         if self._source is not None and self._source != "hooks":
             self.effective_batch_size = getattr(self._source, "effective_batch_size", None)
-        in_condition = self._update_condition(total, valid)
+        every = logging_every(trainer)
+        logged = is_logging_step(step, every)
+        # On a logging step the band is judged on the full estimate the others log too (one for all of them).
+        in_condition = self._update_condition(total, valid, logged)
         counts = valid if self.steps >= self.min_steps else torch.zeros_like(valid)
         self._streak = self._streak.to(total.device)
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
@@ -361,8 +373,6 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._done = self._done.to(total.device) | (self._streak >= self.patience)
         self.nonfinite.add(valid)
         self.steps += 1
-        every = logging_every(trainer)
-        logged = is_logging_step(step, every)
         if logged:
             self._log(trainer, step, in_condition)
         if self.steps % self.check_every_n_steps == 0 and self.mode == "noise_band" and self._source is not None:
@@ -375,9 +385,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         """Where this epoch's noise comes from: micro-batches/ranks (hooks), a probe, or nowhere (said once, with
         ``say``)."""
         self._params = [p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
-        self._logs_estimate = not any(
-            getattr(cb, "logs_noise_estimate", False) for cb in trainer.callbacks if cb is not self
-        )
+        self._logs_estimate = self.vitals.speaker(NOISE_TAGS) is self
         if self.mode != "noise_band" or not pl_module.automatic_optimization:
             return
         if trainer.accumulate_grad_batches >= 2 or trainer.world_size >= 2:
@@ -393,18 +401,22 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._source = next(
             (
                 cb
-                for cb in trainer.callbacks
+                for cb in self.vitals.providers(GRADIENT_NOISE)
                 if cb is not self and getattr(cb, "noise_source", None) in self.gradient_noise.sources.values()
             ),
             None,
         )
-        self._measurable_by = measurable_by(trainer)
+        self._measurable_by = self._what_measures(trainer)
         if self._source is None and say and not self._warned_no_source:
             self._warned_no_source = True
             self.warn(
                 f"mode='noise_band' has no noise source: {self._measurable_by}. It will not stop on the noise "
                 "band while that lasts."
             )
+
+    def _what_measures(self, trainer: "pl.Trainer", say_probe: bool = True) -> str:
+        probe = self.vitals.provider(NOISE_PROBE) is not None
+        return measurable_by(getattr(trainer, "lightning_module", None), probe, say_probe)
 
     def _warn_unsized(self) -> None:
         self.warn(
@@ -471,9 +483,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             self._shape = ((values, device), (shape, shape.square()))
         return self._shape[1]
 
-    def _update_condition(self, total: Tensor, valid: Tensor) -> Tensor:
+    def _update_condition(self, total: Tensor, valid: Tensor, full: bool) -> Tensor:
         """Whether this step is in the stop condition (``()`` bool); in ``relative`` mode also feeds the
-        early-training reference EMA."""
+        early-training reference EMA. ``full``: the band from the full estimate, not the cached weights'."""
         if self.mode == "threshold":
             return total < self.threshold
         if self.mode == "relative":
@@ -483,7 +495,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             return ~early & (total < self.fraction * reference)
         if self._source is None:
             return torch.zeros((), dtype=torch.bool, device=total.device)
-        return self.gradient_noise.in_noise_band(self.margin, device=total.device).to(total.device)
+        estimate = self.gradient_noise.estimate() if full else None
+        return self.gradient_noise.in_noise_band(self.margin, estimate, device=total.device).to(total.device)
 
     def noise_floor(self) -> Tensor:
         """The noise level sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of
@@ -528,7 +541,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             self._said_caveat = True
             caveat = (
                 f"the noise estimate cannot decide: {why}. It will not stop on the noise band while that "
-                f"lasts; {measurable_by(trainer, say_probe=False)}."
+                f"lasts; {self._what_measures(trainer, say_probe=False)}."
             )
             self.warn(caveat)
             log_text(trainer, "grad_noise/caveat", self.message(caveat), step)

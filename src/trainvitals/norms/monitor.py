@@ -2,7 +2,8 @@
 
 Measured once per optimizer step in ``on_before_optimizer_step``, where Lightning hands over the whole
 accumulated gradient, already unscaled by the AMP GradScaler and not yet clipped (docs/science.md §1).
-A step costs one fused norm over the gradients; the per-tensor norms stay on the device until a
+A step costs one fused norm over the gradients, shared with the other callbacks that read the step's
+norms (:class:`~trainvitals.plumbing.sharing.StepGradNorms`); the per-tensor norms stay on the device until a
 logging step, which groups the steps of its window in one batch, reads them back in one transfer and
 does the bookkeeping (non-finite steps, spikes) on the host.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import math
 import operator
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,10 +32,11 @@ from trainvitals.norms.fused import (
     validate_norm_type,
 )
 from trainvitals.norms.spikes import SpikeDetector
-from trainvitals.plumbing.amp import grad_scaler, scale_left_in_grads
+from trainvitals.plumbing.amp import grad_scaler
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.plumbing.sharding import holds_shards, reduce_shard_norms
+from trainvitals.plumbing.sharding import reduce_shard_norms
+from trainvitals.plumbing.sharing import GRAD_NORM, GRAD_SQ_NORMS, NONFINITE_STEPS, SUMMARY
 from trainvitals.plumbing.state import DeclaredState
 from trainvitals.plumbing.stopping import stopped_early
 from trainvitals.plumbing.writers import log_histogram, log_scalars, log_text
@@ -46,7 +47,6 @@ COUNTERS = ("nonfinite_steps", "amp_skipped_steps", "spike_steps")
 # Steps whose norms wait on the device for a logging step; a longer logging cadence reads them back
 # (one transfer, nothing logged) every this many steps.
 MAX_PENDING_STEPS = 256
-_MAX_SUBSETS = 8  # parameter lists whose index tensors a track keeps for other callbacks
 
 
 class TrackState(DeclaredState):
@@ -107,15 +107,6 @@ class _Track:
     spike: tuple[int, str] | None = None
     warned_nonfinite: bool = False
     reported_spikes: int = field(init=False)
-    # The positions of the parameters that currently have a gradient, cached on the gradients' device:
-    # rebuilding the index tensor every step would be a host-to-device copy per step.
-    present: tuple[int, ...] = ()
-    present_index: Tensor | None = None
-    # Index tensors of parameter subsets other callbacks read (:meth:`GradNormMonitor.sq_norms_at`), by
-    # list identity: (the list, the params they index, the index).
-    subsets: dict[int, tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], Tensor | None]] = field(
-        default_factory=dict
-    )
 
     def __post_init__(self) -> None:
         # What the checkpoint's counters held was logged and reported by the fit that wrote it.
@@ -137,31 +128,6 @@ class _Track:
     @property
     def counts(self) -> dict[str, int]:
         return self.state.counts
-
-    def positions(self, params: list[torch.nn.Parameter]) -> Tensor | None:
-        """Where ``params`` sit in :attr:`params`, as an index tensor on the norms' device (cached per
-        list object); ``None`` if one of them is not followed here."""
-        cached = self.subsets.get(id(params))
-        if cached is not None and cached[0] is params and cached[1] is self.params:
-            return cached[2]
-        if len(self.subsets) >= _MAX_SUBSETS:  # a caller that rebuilds its list (each epoch) must not pile them up
-            self.subsets.clear()
-        where = {id(p): i for i, p in enumerate(self.params)}
-        index = None
-        if all(id(p) in where for p in params):
-            index = torch.tensor([where[id(p)] for p in params], dtype=torch.long, device=self.params[0].device)
-        self.subsets[id(params)] = (params, self.params, index)
-        return index
-
-    def row(self, present: tuple[int, ...], norms: Tensor) -> Tensor:
-        """Per-tensor norms of the ``present`` parameters placed in a ``(P,)`` row (0 for the others)."""
-        if len(present) == len(self.params):
-            return norms
-        if not present:  # an FSDP rank whose shard holds no gradient still joins the all-reduce
-            return torch.zeros(len(self.params), dtype=torch.float64, device=self.params[0].device)
-        if present != self.present or self.present_index is None or self.present_index.device != norms.device:
-            self.present, self.present_index = present, torch.tensor(present, device=norms.device)
-        return norms.new_zeros(len(self.params)).index_copy_(0, self.present_index, norms)
 
 
 class GradNormMonitor(TrainvitalsCallback):
@@ -197,6 +163,9 @@ class GradNormMonitor(TrainvitalsCallback):
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
+
+    provides = (GRAD_NORM, NONFINITE_STEPS, SUMMARY)
+    reads = (GRAD_SQ_NORMS,)
 
     def __init__(
         self,
@@ -245,18 +214,6 @@ class GradNormMonitor(TrainvitalsCallback):
         """
         return {i: combine_norms(t.latest, self.norm_type) for i, t in self._tracks.items() if t.latest is not None}
 
-    def sq_norms_at(self, step: int, params: list[torch.nn.Parameter], optimizer_index: int = 0) -> Tensor | None:
-        """‖grad‖₂² of each of ``params`` as measured at optimizer step ``step`` — accumulated, unscaled,
-        before clipping; 0 for a parameter without gradient — as a ``(P,)`` float64 tensor on the gradients'
-        device, so that another callback needs no second pass over them. ``None`` when this monitor
-        did not measure that step (yet), measures a p ≠ 2 norm, or does not follow all of ``params``.
-        """
-        track = self._tracks.get(optimizer_index)
-        if self.norm_type != 2.0 or track is None or track.latest is None or track.latest_step != step:
-            return None
-        index = track.positions(params)
-        return None if index is None else track.latest.to(index.device)[index].square()
-
     # ------------------------------------------------------------------ hooks
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -270,14 +227,9 @@ class GradNormMonitor(TrainvitalsCallback):
         track = self._track(index, pl_module, optimizer)
         if track.latest_step == trainer.global_step:
             return  # LBFGS evaluates its closure, and Lightning this hook, several times per step: the first counts
-        present = tuple(i for i, p in enumerate(track.params) if p.grad is not None)
-        if not present and not holds_shards(trainer):
+        norms = self.vitals.grad_norms.norms(trainer, optimizer, track.params, self.norm_type)
+        if norms is None:
             return
-        norms = track.row(present, per_tensor_norms([track.params[i].grad for i in present], self.norm_type))
-        norms = reduce_shard_norms(trainer, norms, self.norm_type)
-        scale = scale_left_in_grads(trainer, optimizer)
-        if scale is not None:  # a fused optimizer will unscale in its step; report unscaled norms
-            norms = norms / scale.to(norms)
         step = trainer.global_step
         track.latest, track.latest_step = norms, step
         track.pending.append((step, norms))
@@ -290,7 +242,7 @@ class GradNormMonitor(TrainvitalsCallback):
         elif logs:
             self._log(trainer, index, track, step)
         if self.histogram_every_n_steps and track.steps % self.histogram_every_n_steps == 0 and trainer.is_global_zero:
-            self._log_histograms(trainer, index, track, present, step)
+            self._log_histograms(trainer, index, track, step)
         track.steps += 1
 
     @override
@@ -398,8 +350,7 @@ class GradNormMonitor(TrainvitalsCallback):
         groups = NormGroups.from_names(param_names, self.grouping)
         if track is not None:
             self._read_back(track)  # its rows have the old parameters' columns
-            track.params, track.groups, track.present_index = params, groups, None
-            track.subsets.clear()
+            track.params, track.groups = params, groups
             return track
         track = _Track(params, groups, self._track_states.get(index))
         self._tracks[index] = track
@@ -489,12 +440,11 @@ class GradNormMonitor(TrainvitalsCallback):
             self.info(message)
             log_text(trainer, tag("spikes"), message, at)
 
-    def _log_histograms(
-        self, trainer: "pl.Trainer", index: int, track: _Track, present: tuple[int, ...], step: int
-    ) -> None:
+    def _log_histograms(self, trainer: "pl.Trainer", index: int, track: _Track, step: int) -> None:
         by_group: dict[int, list[Tensor]] = {}
-        for i in present:
-            by_group.setdefault(int(track.groups.index[i]), []).append(track.params[i].grad.reshape(-1))
+        for i, p in enumerate(track.params):
+            if p.grad is not None:
+                by_group.setdefault(int(track.groups.index[i]), []).append(p.grad.reshape(-1))
         for g, grads in by_group.items():
             log_histogram(trainer, self._tag(trainer, f"hist/{track.groups.names[g]}", index), grads, step)
         group_norms = grouped_norms(track.latest, track.groups, self.norm_type)
@@ -516,66 +466,6 @@ def _optimizer_index(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) ->
         if opt is optimizer:
             return i
     return 0
-
-
-_TAKEN: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, Tensor | None]] = weakref.WeakKeyDictionary()
-"""Per optimizer, the last fused ‖g‖² :func:`grad_sq_norms` took, and of what (trainer, step, parameters)."""
-
-
-def grad_sq_norm(
-    trainer: "pl.Trainer", optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-) -> Tensor | None:
-    """‖g‖₂² over ``params`` of the gradient ``optimizer`` is about to use — accumulated, averaged over
-    ranks, AMP scale undone, before clipping — as a 0-d float64 tensor on the gradients' device;
-    ``None`` when none of them has a gradient (on a rank that holds no shard of them).
-
-    For the callbacks that need it in ``on_before_optimizer_step`` (the stopper, the probe): read from a
-    GradNormMonitor (p = 2) that measured the step — one placed before the caller — instead of a
-    second pass over the gradients, else one fused norm, taken once per step for the same trainable
-    parameters (the stopper and the probe both ask; the key is the same on every rank, so that a sharded
-    norm's collective is joined by all or none).
-    """
-    sq_norms = grad_sq_norms(trainer, optimizer, params)
-    return None if sq_norms is None else sq_norms.sum()
-
-
-def grad_sq_norms(
-    trainer: "pl.Trainer", optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-) -> Tensor | None:
-    """The ``(P,)`` ‖g‖₂² of each of ``params`` that :func:`grad_sq_norm` sums (0 for one without gradient):
-    a caller that needs sums over several subsets takes them from one pass, the same one as a caller
-    asking for the same list at the same step."""
-    index = _optimizer_index(trainer, optimizer)
-    for callback in trainer.callbacks:
-        if isinstance(callback, GradNormMonitor):
-            measured = callback.sq_norms_at(trainer.global_step, params, index)
-            if measured is not None:
-                return measured
-    key = (id(trainer), trainer.global_step, tuple(id(p) for p in params))  # in order: the norms are per parameter
-    taken = _TAKEN.get(optimizer)
-    if taken is not None and taken[0] == key:
-        return taken[1]
-    sq_norm = _fused_grad_sq_norm(trainer, optimizer, params)
-    _TAKEN[optimizer] = (key, sq_norm)
-    return sq_norm
-
-
-def _fused_grad_sq_norm(
-    trainer: "pl.Trainer", optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-) -> Tensor | None:
-    """:func:`grad_sq_norms` from one fused norm over the gradients."""
-    present = [i for i, p in enumerate(params) if p.grad is not None]
-    if not present and not holds_shards(trainer):
-        return None
-    if len(present) == len(params):
-        norms = per_tensor_norms([p.grad for p in params])
-    else:  # 0 for a parameter without gradient, placed without an index tensor (a host-to-device copy)
-        zero = torch.zeros((), dtype=torch.float64, device=params[0].device)
-        found = dict(zip(present, per_tensor_norms([params[i].grad for i in present]).unbind())) if present else {}
-        norms = torch.stack([found.get(i, zero) for i in range(len(params))])
-    sq_norms = reduce_shard_norms(trainer, norms, 2.0).square()
-    scale = scale_left_in_grads(trainer, optimizer)  # an optimizer that unscales in its own step
-    return sq_norms if scale is None else sq_norms / scale.to(sq_norms).square()
 
 
 def _clips(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:

@@ -1,9 +1,10 @@
 """A count of optimizer steps whose gradient held inf/NaN, for the callbacks that see it without GradNormMonitor.
 
 GradNormMonitor owns ``grad_norm/nonfinite_steps`` (``grad_norm/amp_skipped_steps`` under a GradScaler, which
-skips such steps as loss-scale calibration). Without one, the first of the callbacks in the list holding a
-:class:`NonfiniteCounter` (GradNormEarlyStopping, BatchVarianceProbe) logs the same tags, so that a run
-that diverged reads as diverged in ``trainvitals report`` whichever of them watched it.
+skips such steps as loss-scale calibration). Without one, the first of the callbacks that read
+:data:`~trainvitals.plumbing.sharing.NONFINITE_STEPS` (GradNormEarlyStopping, BatchVarianceProbe, each holding a
+:class:`NonfiniteCounter`) logs the same tags, so that a run that diverged reads as diverged in
+``trainvitals report`` whichever of them watched it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from trainvitals.plumbing.amp import grad_scaler
+from trainvitals.plumbing.sharing import NONFINITE_STEPS
 
 
 class NonfiniteCounter:
@@ -34,18 +36,9 @@ class NonfiniteCounter:
         self.count = torch.tensor(int(state["count"]))
 
     def metrics(self, trainer: "pl.Trainer", owner: Any) -> dict[str, Tensor]:
-        """The counter under the monitor's tag, when ``owner`` is the callback that logs it (else empty)."""
-        from trainvitals.norms.monitor import GradNormMonitor
-
-        first = next(
-            (
-                cb
-                for cb in trainer.callbacks
-                if isinstance(cb, GradNormMonitor) or isinstance(getattr(cb, "nonfinite", None), NonfiniteCounter)
-            ),
-            None,
-        )
-        if first is not owner or any(isinstance(cb, GradNormMonitor) for cb in trainer.callbacks):
+        """The counter under the monitor's tag, when ``owner`` is the callback that logs it (its hub's
+        :meth:`~trainvitals.plumbing.sharing.Vitals.speaker`), else empty."""
+        if owner.vitals.speaker(NONFINITE_STEPS) is not owner:
             return {}
         name = "amp_skipped_steps" if grad_scaler(trainer) is not None else "nonfinite_steps"
         return {f"grad_norm/{name}": self.count}

@@ -3,6 +3,9 @@
 - :mod:`.base`: :class:`~trainvitals.plumbing.base.TrainvitalsCallback` — the state key, declared state, messages;
 - :mod:`.state`: :class:`~trainvitals.plumbing.state.DeclaredState` — state declared with ``add_state`` (reset,
   ``state_dict``, reduction over ranks), torch only, so that the integrity checks use it without Lightning;
+- :mod:`.sharing`: what the callbacks share in a fit, declared (``provides``, ``reads``) and resolved at
+  setup — the step's gradient norms taken once, the run's noise estimate —, the one place that searches
+  the Trainer's callback list;
 - :mod:`.writers`: scalars to every logger (and ``trainer.callback_metrics``) in one transfer a step,
   histograms, text and images to TensorBoard;
 - :mod:`.cadence`: which optimizer steps log; :mod:`.stopping`: when a stop request ends the fit;

@@ -12,6 +12,8 @@
   round-trip the persistent ones; ``reduce_states`` combines those declared with a ``dist_reduce_fx`` over
   ranks, in one collective per operation. A state whose value is itself a ``DeclaredState`` (an integrity
   check, an optimizer's track) is nested: saved by its own declarations, reduced with its owner's.
+- What a callback shares with the others is declared in ``provides`` and ``reads`` and resolved at
+  ``setup(stage="fit")`` into ``self.vitals`` (:mod:`trainvitals.plumbing.sharing`).
 - Messages carry the prefix ``trainvitals <Callback>:``; :meth:`TrainvitalsCallback.cannot_measure` warns
   once and carries on, or raises under ``strict=True``. A warning with that prefix prints as its text alone
   (:func:`format_warning`), as Lightning prints its own rank-zero warnings without the source line: it
@@ -22,13 +24,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from trainvitals.plumbing.sharing import Vitals, connect
 from trainvitals.plumbing.state import DeclaredState
 from trainvitals.plumbing.writers import note_unrecorded
 
@@ -41,13 +44,17 @@ class TrainvitalsCallback(DeclaredState, Callback):
 
     Subclasses call ``super().__init__()`` first, then :meth:`key_state_by` and :meth:`add_state`;
     ``strict`` (a class attribute here) makes :meth:`cannot_measure` raise. Per-fit setup beyond the
-    reset goes in :meth:`setup_fit`.
+    reset goes in :meth:`setup_fit`, where :attr:`vitals` is this fit's hub. ``provides`` and ``reads``
+    name what the subclass shares (the constants of :mod:`trainvitals.plumbing.sharing`).
     """
 
     strict: bool = False
+    provides: ClassVar[tuple[str, ...]] = ()
+    reads: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._state_key: str | None = None
+        self.vitals = Vitals()  # this one alone until setup connects it
 
     # ------------------------------------------------------------------ state key
     def key_state_by(self, **arguments: Any) -> None:
@@ -65,6 +72,7 @@ class TrainvitalsCallback(DeclaredState, Callback):
         if stage == "fit":
             note_unrecorded(trainer, self)
             self.reset()
+            connect(trainer, self)
             self.setup_fit(trainer, pl_module)
 
     def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -9,11 +9,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from trainvitals._validation import check_bool
-from trainvitals.noise.estimate import GradientNoise, band_ratio
-from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.norms.monitor import GradNormMonitor
+from trainvitals.noise.estimate import band_ratio
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.sharing import GRAD_NORM, GRADIENT_NOISE, NOISE_BAND, SUMMARY, Vitals
 from trainvitals.plumbing.writers import log_text, tensorboard_loggers
 from trainvitals.tags import DIAGNOSIS_TAG, FIT_END_TAG, FIT_ENDED, FIT_RAISED
 from trainvitals.tensorboard.layout import layer_groups, trainvitals_layout
@@ -47,6 +46,8 @@ class TrainvitalsDashboard(TrainvitalsCallback):
         TypeError: if an argument is not a bool, naming it.
     """
 
+    reads = (GRAD_NORM, NOISE_BAND, GRADIENT_NOISE, SUMMARY)
+
     def __init__(self, progress_bar: bool = True, diagnosis: bool = True) -> None:
         super().__init__()
         self.progress_bar = check_bool("progress_bar", progress_bar)
@@ -74,13 +75,13 @@ class TrainvitalsDashboard(TrainvitalsCallback):
         ):
             return
         self._shown_at = step
-        for name, value in progress_bar_values(trainer).items():
+        for name, value in progress_bar_values(self.vitals).items():
             pl_module.log(name, value, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.diagnosis:
-            for name, markdown in diagnoses(trainer).items():
+            for name, markdown in diagnoses(self.vitals).items():
                 log_text(trainer, f"{DIAGNOSIS_TAG}/{name}", markdown, trainer.global_step)
                 self._panels += 1
         log_text(
@@ -109,35 +110,22 @@ class TrainvitalsDashboard(TrainvitalsCallback):
         return f"{panels}, the charts in Custom Scalars: tensorboard --logdir {logdirs[0]}"
 
 
-def diagnoses(trainer: "pl.Trainer") -> dict[str, str]:
-    """{callback class name: its end-of-run markdown} for the Trainer's trainvitals callbacks.
-
-    Every trainvitals callback with something to say at the end has ``summary_markdown() -> str``.
-    """
-    return {
-        type(cb).__name__: cb.summary_markdown()
-        for cb in trainer.callbacks
-        if type(cb).__module__.startswith("trainvitals.") and callable(getattr(cb, "summary_markdown", None))
-    }
+def diagnoses(vitals: Vitals) -> dict[str, str]:
+    """{callback class name: its end-of-run markdown (``summary_markdown()``)} for the callbacks providing
+    :data:`~trainvitals.plumbing.sharing.SUMMARY`."""
+    return {type(cb).__name__: cb.summary_markdown() for cb in vitals.providers(SUMMARY)}
 
 
-def progress_bar_values(trainer: "pl.Trainer") -> dict[str, float]:
+def progress_bar_values(vitals: Vitals) -> dict[str, float]:
     """The latest total gradient norm and the smoothed ‖G‖² over the band's edge margin · tr(Σ)/B, as host
     floats; each left out until measured (the ratio: while the estimate can decide, with tr(Σ) > 0)."""
     values: dict[str, float] = {}
-    monitor = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormMonitor)), None)
+    monitor = vitals.provider(GRAD_NORM)
     if monitor is not None and 0 in monitor.last_total:
         values["grad_norm"] = float(monitor.last_total[0])
-    stopper = next((cb for cb in trainer.callbacks if isinstance(cb, GradNormEarlyStopping)), None)
+    stopper = vitals.provider(NOISE_BAND)
     margin = stopper.margin if stopper is not None else 1.0
-    noise = next(
-        (
-            cb.gradient_noise
-            for cb in trainer.callbacks
-            if isinstance(getattr(cb, "gradient_noise", None), GradientNoise)
-        ),
-        None,
-    )
+    noise = vitals.shared(GRADIENT_NOISE)
     if noise is not None and margin > 0:  # the run's one estimate, shown only while it can decide
         estimate = noise.estimate()
         if estimate.batch_size and bool(noise.decisive(estimate) & (estimate.trace_cov > 0)):

@@ -1,0 +1,190 @@
+"""Training-step overhead of TrainingGuard with no event, and the one-off costs of a snapshot and a producer search.
+
+Variants, timed interleaved in one process, every one with the same TensorBoardLogger and
+``Trainer(log_every_n_steps=1)``:
+
+- ``bare``: the module alone;
+- ``guard``: + ``TrainingGuard(snapshot_every_n_steps=0)``: the loss kept at backward, the step's gradient
+  norm (the hub's fused pass: the guard is its only reader here), the one host read of the decision, the
+  spike rule;
+- ``monitor`` and ``monitor_guard``: GradNormMonitor alone, and with the guard reading its norm (the
+  guard's cost when the norm is shared);
+- opt-in ``guard_snapshot_cpu`` / ``guard_snapshot_device``: + a snapshot every ``--snapshot-every`` steps.
+
+Then, on the same model, one-off costs timed directly (median of ``--repetitions``): a snapshot to the
+CPU and on the device (``Snapshot.take``), and the producer search (``find_producer``: one forward and
+backward with the finiteness hooks) against a plain forward and backward.
+
+    python benchmarks/bench_training_guard.py --repetitions 7 --out training_guard.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from _common import (
+    StepTimer,
+    add_timing_arguments,
+    apply_timing_arguments,
+    interleaved,
+    machine_line,
+    markdown_table,
+    median,
+    overhead_models,
+    ratio_cells,
+    ratio_row,
+    run_overhead,
+    time_hook,
+    write_json,
+)
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from trainvitals.guard.callback import TrainingGuard
+from trainvitals.guard.producer import find_producer
+from trainvitals.guard.snapshot import Snapshot
+from trainvitals.norms.monitor import GradNormMonitor
+
+VARIANTS = ("bare", "guard", "monitor", "monitor_guard", "guard_snapshot_cpu", "guard_snapshot_device")
+
+
+def _callbacks(variant: str, snapshot_every: int) -> list[Callback]:
+    callbacks: list[Callback] = []
+    if variant.startswith("monitor"):
+        callbacks.append(GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0))
+    if "guard" in variant:
+        every = snapshot_every if "snapshot" in variant else 0
+        where = "device" if variant.endswith("device") else "cpu"
+        callbacks.append(TrainingGuard(snapshot_every_n_steps=every, snapshot_on=where))
+    return callbacks
+
+
+def timed_fit(
+    variant: str, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any], args: argparse.Namespace
+) -> dict[str, float]:
+    """One fit of ``warmup + steps`` optimizer steps; its median step times and the guard's hook time."""
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer(args.warmup)
+    extra = _callbacks(variant, args.snapshot_every)
+    guards = [cb for cb in extra if isinstance(cb, TrainingGuard)]
+    hook_seconds = time_hook(guards[0], "on_before_optimizer_step") if guards else []
+    with tempfile.TemporaryDirectory() as logdir:
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=args.warmup + args.steps["mlp"] + 1,
+            logger=TensorBoardLogger(logdir, name=variant, default_hp_metric=False),
+            callbacks=[timer, *extra],
+            log_every_n_steps=1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        model, data = make_model(), make_data()
+        gc.collect()
+        trainer.fit(model, train_dataloaders=data)
+    return {
+        "wall_median_s": median(timer.seconds),
+        "cpu_median_s": median(timer.cpu_seconds),
+        "hook_cpu_median_s": median(hook_seconds[args.warmup :]) if hook_seconds else 0.0,
+        "n": len(timer.seconds),
+    }
+
+
+def one_off_costs(make_model: Callable[[], pl.LightningModule], args: argparse.Namespace) -> dict[str, float]:
+    """Median seconds of a snapshot (CPU, device), a producer search and a plain forward + backward."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    x, y = torch.randn(64, model.net[0].in_features), torch.randn(64, model.net[-1].out_features)
+
+    def forward_backward() -> None:
+        opt.zero_grad()
+        F.mse_loss(model.net(x), y).backward()
+
+    forward_backward()
+    opt.step()  # momentum buffers exist: the snapshot copies them too
+    timings: dict[str, list[float]] = {"snapshot_cpu": [], "snapshot_device": [], "search": [], "forward_backward": []}
+    snapshots = {"snapshot_cpu": Snapshot("cpu"), "snapshot_device": Snapshot("device")}
+    for rep in range(args.repetitions + 1):
+        for name, snapshot in snapshots.items():
+            start = time.perf_counter()
+            snapshot.take(rep, model, [opt])
+            timings[name].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        forward_backward()
+        timings["forward_backward"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        find_producer(model.net, lambda: F.mse_loss(model.net(x), y))
+        timings["search"].append(time.perf_counter() - start)
+    # The first snapshot allocates its copies; later ones copy into them (what a run pays every N steps).
+    costs = {name: median(values[1:]) for name, values in timings.items()}
+    costs["snapshot_mib"] = snapshots["snapshot_cpu"].nbytes / 2**20
+    return costs
+
+
+def bench_model(
+    label: str, make_model: Callable[[], pl.LightningModule], make_data: Callable[[], Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    variants = {v: (lambda v=v: timed_fit(v, make_model, make_data, args)) for v in args.variants}
+    runs = interleaved(variants, args.repetitions)
+    rows = [ratio_row(runs, v, key="{clock}_median_s") for v in args.variants]
+    for row in rows:
+        row["hook_cpu_ms"] = 1e3 * median([r["hook_cpu_median_s"] for r in runs[row["variant"]]])
+    return {"model": label, "runs": runs, "rows": rows, "one_off": one_off_costs(make_model, args)}
+
+
+def format_rows(result: dict[str, Any]) -> str:
+    table = markdown_table(
+        [
+            "variant",
+            "wall ms/step",
+            "wall ratio",
+            "wall range",
+            "CPU ms/step",
+            "CPU ratio",
+            "CPU range",
+            "guard hook ms",
+        ],
+        [
+            [r["variant"], *ratio_cells(r, "wall"), *ratio_cells(r, "cpu"), f"{r['hook_cpu_ms']:.3f}"]
+            for r in result["rows"]
+        ],
+    )
+    c = result["one_off"]
+    return (
+        f"{table}\n\none-off, wall ms (median): snapshot of {c['snapshot_mib']:.1f} MiB to the CPU "
+        f"{1e3 * c['snapshot_cpu']:.2f}, on the device {1e3 * c['snapshot_device']:.2f}; producer search "
+        f"{1e3 * c['search']:.2f} against a plain forward + backward {1e3 * c['forward_backward']:.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_timing_arguments(parser)
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=["bare", "guard", "monitor", "monitor_guard"]
+    )
+    parser.add_argument("--snapshot-every", type=int, default=10, help="snapshot cadence of the snapshot variants")
+    args = parser.parse_args()
+    args.models = ["mlp"]  # the one-off costs need the MLP's layers
+    if "bare" not in args.variants:
+        args.variants = ["bare"] + args.variants
+    apply_timing_arguments(args)
+    models = {"mlp": overhead_models(args)["mlp"]}
+    print(f"# TrainingGuard overhead ({machine_line()}; {args.repetitions} repetitions, interleaved)")
+    results = run_overhead(args, models, bench_model, format_rows)
+    write_json(args.out, {"machine": machine_line(), "repetitions": args.repetitions, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,435 @@
+"""TrainingGuard: answer a loss or gradient-norm spike, or an inf/NaN, instead of only counting it.
+
+The callback is a thin adapter over :mod:`trainvitals.guard.decision` (what a step says, what to do),
+:mod:`trainvitals.guard.snapshot` (the rollback target) and :mod:`trainvitals.guard.producer` (which
+module made the first inf/NaN). It reads the step's total gradient norm from the fit's shared
+measurements (:mod:`trainvitals.plumbing.sharing`): no pass of its own over the gradients.
+
+Cost: a skip must be known before the optimizer steps, so each optimizer step reads its decision back
+to the host — one transfer of a ``(3 + world_size,)`` vector (after one all-reduce of it under DDP),
+as a GradScaler does for its own skip. Besides that: the loss kept on the device at each backward,
+the spike rule in Python floats, and a snapshot every ``snapshot_every_n_steps``. The producer search
+(one extra forward and backward of the bad batch, hooks removed after) runs once, on the first
+non-finite step.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import operator
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from trainvitals._validation import check_bool, check_choice, check_float, check_int
+from trainvitals.guard.decision import ACTIONS, NONFINITE, SPIKE, Budget, Reading, choose, classify, pack, unpack
+from trainvitals.guard.producer import Producer, find_producer, nonfinite_tensors, optimizer_state_tensors
+from trainvitals.guard.snapshot import WHERE, Snapshot
+from trainvitals.norms.spikes import SpikeDetector
+from trainvitals.plumbing.amp import grad_scaler, loss_scale
+from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.rerun import rerun_quietly
+from trainvitals.plumbing.sharing import GRAD_SQ_NORMS
+from trainvitals.plumbing.writers import log_scalars, log_text
+from trainvitals.text.markdown import markdown_table
+
+SKIP_BATCHES_FILE = "skip_batches.json"
+_PANEL_ROWS = 20  # events shown in the text panel, newest last
+
+_DOING = {
+    "warn": "the step is applied (action warn)",
+    "skip": "this optimizer step is skipped, its gradients dropped",
+    "rollback": "weights and optimizer state are rolled back to the snapshot of optimizer step {snapshot}",
+    "stop": "the step is skipped and the fit stops after a checkpoint",
+}
+
+
+class TrainingGuard(TrainvitalsCallback):
+    r"""Watch each optimizer step's loss and total gradient norm and act on an inf/NaN or a spike.
+
+    An event is a non-finite loss or gradient (``"nonfinite"``) or a value above ``spike_factor`` × its
+    winsorized EMA (``"spike"``, :class:`~trainvitals.norms.spikes.SpikeDetector`; a loss spike needs a
+    positive loss). Its action, per kind: ``"warn"``; ``"skip"`` — the optimizer step is not applied, the
+    gradients dropped (under a GradScaler a non-finite gradient is the scaler's own skip: a finite loss
+    with it is calibration and no event, and the scaler's skip is not repeated); ``"rollback"`` — weights
+    and optimizer state restored from the in-memory snapshot of the last clean step (taken every
+    ``snapshot_every_n_steps``; the batches since are not re-run, i.e. skipped, as PaLM does), the lr
+    multiplied by ``lr_factor`` for the ``lr_factor_steps`` steps after; ``"stop"`` — the step skipped, a
+    checkpoint written through the Trainer, the fit stopped. After ``budget_events`` skips (or rollbacks)
+    within ``budget_window`` steps, the next event gets the next action: skip → rollback → stop. Every
+    rank takes the same decision, from numbers reduced over ranks.
+    On each fit's first non-finite step the module that produced the inf/NaN is named (:attr:`producer`;
+    under gradient accumulation the step's last micro-batch is the one re-run).
+
+    Logged at each event (step = ``trainer.global_step``), and once at the end of fit:
+
+    - ``guard/skipped_steps``, ``guard/rollbacks``, ``guard/events``: counts since the run began;
+    - ``guard/event_log`` (text panel): the latest events as a table;
+    - ``skip_batches.json`` in the logger's folder: every event as ``{global_step, epoch, batch_idx,
+      loss, grad_norm, kind, action, detail}`` (non-finite numbers as strings), for a user to skip them.
+
+    Args:
+        on_nonfinite: action for an inf/NaN loss or gradient: one of ``"warn"``, ``"skip"``, ``"rollback"``, ``"stop"``.
+        on_spike: action for a spike, same choices.
+        spike_factor: a value above ``spike_factor`` × its EMA is a spike; > 1.
+        ema_beta: decay of the EMAs per optimizer step, in [0, 1).
+        spike_warmup_steps: steps before spikes are looked for.
+        snapshot_every_n_steps: optimizer steps between snapshots (at a clean step); 0: none (a rollback is then
+            a skip, or a stop when the budget escalated to it).
+        snapshot_on: ``"cpu"`` or ``"device"`` (the parameters'): where the snapshot is kept.
+        lr_factor: lr multiplier after a rollback, in (0, 1].
+        lr_factor_steps: optimizer steps the factor applies for after a rollback.
+        budget_events: skips (or rollbacks) allowed within ``budget_window`` before escalating; ≥ 1.
+        budget_window: the budget's window in optimizer steps; ≥ 1.
+        name_producer: on the first non-finite step, re-run the batch to name the module that made the inf/NaN.
+        snapshot_in_checkpoint: also save the snapshot itself in checkpoints (default: only its step).
+
+    Raises:
+        TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
+    """
+
+    reads = (GRAD_SQ_NORMS,)
+
+    def __init__(
+        self,
+        on_nonfinite: str = "skip",
+        on_spike: str = "warn",
+        spike_factor: float = 5.0,
+        ema_beta: float = 0.98,
+        spike_warmup_steps: int = 20,
+        snapshot_every_n_steps: int = 100,
+        snapshot_on: str = "cpu",
+        lr_factor: float = 1.0,
+        lr_factor_steps: int = 0,
+        budget_events: int = 3,
+        budget_window: int = 1000,
+        name_producer: bool = True,
+        snapshot_in_checkpoint: bool = False,
+    ) -> None:
+        super().__init__()
+        self.on_nonfinite = check_choice("on_nonfinite", on_nonfinite, ACTIONS)
+        self.on_spike = check_choice("on_spike", on_spike, ACTIONS)
+        self.actions = {NONFINITE: self.on_nonfinite, SPIKE: self.on_spike}
+        factor, beta, warmup = SpikeDetector.check_arguments(
+            spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
+        )
+        self.spike_factor, self.ema_beta, self.spike_warmup_steps = factor, beta, warmup
+        self.snapshot_every_n_steps = check_int("snapshot_every_n_steps", snapshot_every_n_steps, 0)
+        self.snapshot_on = check_choice("snapshot_on", snapshot_on, WHERE)
+        self.lr_factor = check_float("lr_factor", lr_factor, 0.0, 1.0, low_open=True)
+        self.lr_factor_steps = check_int("lr_factor_steps", lr_factor_steps, 0)
+        self.budget_events = events = check_int("budget_events", budget_events, 1)
+        self.budget_window = window = check_int("budget_window", budget_window, 1)
+        self.name_producer = check_bool("name_producer", name_producer)
+        self.snapshot_in_checkpoint = check_bool("snapshot_in_checkpoint", snapshot_in_checkpoint)
+        self.key_state_by(on_nonfinite=self.on_nonfinite, on_spike=self.on_spike, spike_factor=factor)
+
+        self.skipped_steps: int
+        self.add_state("skipped_steps", 0)
+        self.rollbacks: int
+        self.add_state("rollbacks", 0)
+        self.events: list[dict[str, Any]]
+        """Every event of the run, as written to ``skip_batches.json``."""
+        self.add_state("events", [])
+        self.budget: Budget
+        self.add_state("budget", functools.partial(Budget, events, window))
+        self.loss_spikes: SpikeDetector
+        self.add_state("loss_spikes", functools.partial(SpikeDetector, factor, beta, warmup))
+        self.norm_spikes: SpikeDetector
+        self.add_state("norm_spikes", functools.partial(SpikeDetector, factor, beta, warmup))
+        self.snapshot_step: int | None
+        """The optimizer step of the latest snapshot (kept across a resume; the snapshot only when asked)."""
+        self.add_state("snapshot_step", None)
+        self.lr_steps_left: int
+        self.add_state("lr_steps_left", 0)
+        self.searched: bool  # the producer is searched on each fit's first non-finite step
+        self.add_state("searched", False, persistent=False)
+        self.producer: Producer | None
+        """Where this fit's first inf/NaN was made, once found."""
+        self.add_state("producer", None, persistent=False)
+        self.stop_reason: str | None
+        """Why the guard stopped the fit, and where its checkpoint is; ``None`` if it did not."""
+        self.add_state("stop_reason", None)
+        self.snapshot: Snapshot
+        self.add_state(
+            "snapshot", functools.partial(Snapshot, self.snapshot_on), persistent=self.snapshot_in_checkpoint
+        )
+        self._step: dict[str, Any]  # scratch: the loss, batch and RNG state of this step, the last decided, the params
+        self.add_state("_step", dict, persistent=False)
+        self._lr: dict[str, Any]  # lrs scaled for this step, and the hook that puts them back after it
+        self.add_state("_lr", dict, persistent=False)
+        self._amp = False
+        self._folder = ""
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._amp = grad_scaler(trainer) is not None
+        self._folder = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank, once
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
+        self._step["batch_idx"] = i
+        if self.name_producer and not self.searched:  # references and the RNG state: no copy of the batch
+            self._step["batch"] = (batch, i, _rng_state(pl_module.device))
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        loss = loss.detach()
+        scale = loss_scale(trainer)  # the GradScaler's scale is in the loss here
+        loss = loss if scale is None else loss / scale.to(loss)
+        held = self._step.get("loss")
+        self._step["loss"] = loss if held is None else held + loss  # the micro-batches' (normalised) losses
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
+        step = trainer.global_step
+        if self._step.get("decided") == step:
+            return  # LBFGS evaluates its closure, and Lightning this hook, several times per step
+        self._step["decided"] = step
+        self._put_back_lr()
+        params = self._params_of(optimizer)
+        sq_norm = self.vitals.grad_norms.sq_norm(trainer, optimizer, params)
+        loss = self._step.pop("loss", None)
+        device = next((t.device for t in (sq_norm, loss) if t is not None), pl_module.device)
+        row = pack(loss, sq_norm, trainer.global_rank, trainer.world_size, device)
+        if trainer.world_size > 1:
+            row = trainer.strategy.reduce(row, reduce_op="sum")
+        reading = unpack(row.tolist())  # the step's one host read: a skip must be known before the step
+        kind, seen = classify(reading, self.loss_spikes, self.norm_spikes)
+        if kind == NONFINITE and self._amp and math.isfinite(reading.loss):
+            return  # the GradScaler skips this step and lowers its scale: calibration
+        if kind is None:
+            self._take_snapshot(trainer, pl_module, step)
+            self._scale_lr(optimizer)
+        else:
+            self._act(trainer, pl_module, optimizer, params, step, kind, seen, reading)
+        self._step["last"] = (step, kind)
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        if self.lr_steps_left == 0:
+            self._remove_lr_hook()
+        stop = self._step.pop("stop", None)
+        if stop is None:
+            return
+        step, reason = stop
+        path = os.path.join(self._folder, "checkpoints", f"guard-stop-step={step}.ckpt")
+        trainer.save_checkpoint(path)
+        self.stop_reason = f"{reason}; checkpoint: {path}"
+        trainer.should_stop = True
+        self.warn(f"stopping the fit: {self.stop_reason}")
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._put_back_lr()
+        self._remove_lr_hook()
+        log_scalars(trainer, self._counters(), trainer.global_step)
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._put_back_lr()
+        self._remove_lr_hook()
+        self._step = {}
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.info(self.summary_line())
+
+    def summary_line(self) -> str:
+        """One line for the end of fit: events, skips, rollbacks, the producer of the first inf/NaN."""
+        producer = f"; first inf/NaN made by {self.producer.describe()}" if self.producer else ""
+        return (
+            f"{len(self.events)} event(s): {self.skipped_steps} step(s) skipped, {self.rollbacks} rollback(s)"
+            f"{'; stopped: ' + self.stop_reason if self.stop_reason else ''}{producer}"
+        )
+
+    # ------------------------------------------------------------------ actions
+    def _act(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        step: int,
+        kind: str,
+        seen: str,
+        reading: Reading,
+    ) -> None:
+        producer = None
+        if kind == NONFINITE and self.name_producer and not self.searched:
+            producer = self._search(trainer, pl_module, optimizer)  # before the weights change
+        action = choose(kind, self.actions, self.budget, step, self.snapshot.step is not None)
+        if action != "warn" and not (kind == NONFINITE and self._amp):  # the GradScaler skips a non-finite step
+            for p in params:
+                p.grad = None
+        if action == "rollback":
+            try:
+                self.snapshot.restore(pl_module, trainer.optimizers)
+            except (RuntimeError, ValueError) as error:  # parameters added since (a backbone unfrozen): no target
+                self.cannot_measure(f"could not roll back to the snapshot ({error}); skipping the step instead")
+                action = "skip"
+            else:
+                self.rollbacks += 1
+                self.lr_steps_left = self.lr_factor_steps
+        if action == "skip":
+            self.skipped_steps += 1
+        elif action == "stop":
+            self._step["stop"] = (step, f"{seen} at optimizer step {step}")
+        elif action == "warn":
+            self._scale_lr(optimizer)
+        escalated = ACTIONS.index(action) > ACTIONS.index(self.actions[kind])
+        doing = _DOING[action].format(snapshot=self.snapshot.step)
+        if kind == NONFINITE and self._amp and action != "warn":
+            doing += " (the GradScaler skips the optimizer step itself)"
+        event = {
+            "global_step": step,
+            "epoch": trainer.current_epoch,
+            "batch_idx": self._step.get("batch_idx"),
+            "loss": _number(reading.loss),
+            "grad_norm": _number(reading.grad_norm),
+            "kind": kind,
+            "action": action,
+            "detail": seen + (f"; made by {producer.describe()}" if producer else ""),
+        }
+        self.events.append(event)
+        budget = f" ({self.budget.events} skips/rollbacks in {self.budget.window} steps spent: escalated)"
+        self.warn(
+            f"{seen} at optimizer step {step} (epoch {event['epoch']}, batch {event['batch_idx']}); "
+            f"{doing}{budget if escalated else ''}."
+            + (f" The first inf/NaN was made by {producer.describe()}." if producer else "")
+        )
+        self._record(trainer, step)
+
+    def _params_of(self, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+        """The optimizer's parameters, as the same list while they stay the same: the hub then serves this
+        step's norms from its cached index instead of building one per step."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        held = self._step.get("params")
+        if held is not None and len(held) == len(params) and all(map(operator.is_, held, params)):
+            return held
+        self._step["params"] = params
+        return params
+
+    def _take_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int) -> None:
+        every = self.snapshot_every_n_steps
+        if every and (self.snapshot.step is None or step - self.snapshot.step >= every):
+            try:
+                self.snapshot.take(step, pl_module, trainer.optimizers)
+            except torch.OutOfMemoryError:  # on the device: the run goes on, with the older snapshot
+                self.cannot_measure("no memory for a snapshot on the device; snapshot_on='cpu' keeps it in host memory")
+                return
+            self.snapshot_step = step
+
+    def _scale_lr(self, optimizer: torch.optim.Optimizer) -> None:
+        """For ``lr_factor_steps`` steps after a rollback: this step's lrs × ``lr_factor``, put back right after
+        the optimizer's step (a post-step hook, before any scheduler reads them)."""
+        if self.lr_steps_left <= 0:
+            return
+        self.lr_steps_left -= 1
+        if self.lr_factor == 1.0:
+            return
+        self._lr["saved"] = [(g, g["lr"]) for g in optimizer.param_groups]
+        for group, lr in self._lr["saved"]:
+            group["lr"] = lr * self.lr_factor
+        if "hook" not in self._lr:
+            self._lr["hook"] = optimizer.register_step_post_hook(lambda *_: self._put_back_lr())
+
+    def _put_back_lr(self) -> None:
+        for group, lr in self._lr.pop("saved", []):  # also a step the GradScaler skipped: no post-step hook ran
+            group["lr"] = lr
+
+    def _remove_lr_hook(self) -> None:
+        hook = self._lr.pop("hook", None)
+        if hook is not None:
+            hook.remove()
+
+    # ------------------------------------------------------------------ the producer
+    def _search(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> Producer | None:
+        """The producer of this step's inf/NaN, agreed over ranks (the first rank that found one; every rank
+        searches its own batch, then one gather)."""
+        self.searched = True
+        found = None
+        try:
+            found = self._search_here(trainer, pl_module, optimizer)
+        except Exception as error:  # a diagnostic never ends the run
+            self.cannot_measure(f"could not search for the producer of the inf/NaN: {type(error).__name__}: {error}")
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, found)
+            found = next((f for f in gathered if f is not None), None)
+        self.producer = found
+        return found
+
+    def _search_here(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> Producer | None:
+        names = dict((p, n) for n, p in pl_module.named_parameters())
+        last = self._step.get("last")
+        if last is not None and last[0] == trainer.global_step - 1 and last[1] is None:
+            # The previous step was clean and applied: non-finite weights now are that optimizer step's doing.
+            bad = nonfinite_tensors(pl_module.named_parameters())
+            bad += nonfinite_tensors(optimizer_state_tensors(optimizer, names))
+            if bad:
+                shown = ", ".join(f"`{n}`" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+                return Producer("optimizer", shown)
+        held = self._step.pop("batch", None)  # searched once: the batch is not kept any longer
+        if held is None:
+            return None
+        batch, batch_idx, rng = held
+
+        def run() -> Tensor | None:
+            _set_rng_state(rng, pl_module.device)
+            with trainer.precision_plugin.train_step_context():
+                out = pl_module.training_step(batch, batch_idx)
+            return out.get("loss") if isinstance(out, dict) else out
+
+        with rerun_quietly(pl_module):
+            return find_producer(pl_module, run)
+
+    # ------------------------------------------------------------------ records
+    def _counters(self) -> dict[str, float]:
+        return {
+            "guard/skipped_steps": self.skipped_steps,
+            "guard/rollbacks": self.rollbacks,
+            "guard/events": len(self.events),
+        }
+
+    def _record(self, trainer: "pl.Trainer", step: int) -> None:
+        """The counters to the loggers, the events to the text panel and to ``skip_batches.json`` (rank zero)."""
+        log_scalars(trainer, self._counters(), step)
+        columns = ("global_step", "epoch", "batch_idx", "kind", "action", "loss", "grad_norm")
+        rows = [[e[c] for c in columns] for e in self.events[-_PANEL_ROWS:]]
+        log_text(trainer, "guard/event_log", "\n".join(markdown_table(columns, rows, align="rrrllrr")), step)
+        if trainer.is_global_zero and self._folder:
+            try:
+                os.makedirs(self._folder, exist_ok=True)
+                with open(os.path.join(self._folder, SKIP_BATCHES_FILE), "w") as f:
+                    json.dump(self.events, f, indent=1)
+            except OSError as error:
+                self.cannot_measure(f"could not write {SKIP_BATCHES_FILE} in {self._folder}: {error}")
+
+
+def _number(x: float) -> float | str:
+    """``x``, or its name when it is not finite (JSON has no inf/NaN)."""
+    return x if math.isfinite(x) else str(x)
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

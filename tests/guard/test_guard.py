@@ -1,0 +1,392 @@
+"""TrainingGuard in fits: skip, rollback with an lr factor, stop, the producer of a NaN, DDP, resume, cost."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from _models import ReleaseProcessGroup, flat_grad_norm, loader, regression_data
+from conftest import HostReads, RecordingLogger, trainer_kwargs
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from test_producer import Clamp, Log
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainvitals import GradNormMonitor, TrainingGuard
+from trainvitals.guard.callback import SKIP_BATCHES_FILE
+from trainvitals.report.events import read_runs
+
+LR, MOMENTUM = 0.05, 0.9
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Without a logger the Trainer's folder is the working directory: skip_batches.json goes there."""
+    monkeypatch.chdir(tmp_path)
+
+
+class Net(pl.LightningModule):
+    """MLP regression under SGD with momentum; the loss is made NaN (``nan_at``, on ``nan_rank`` only if set)
+    or 1000× (``spike_at``) at those optimizer steps. ``seen[step]``: the weights, momentum buffers,
+    gradients and lr at each optimizer step, after the callbacks' ``on_before_optimizer_step`` (the
+    LightningModule's hook runs after theirs), i.e. what the optimizer is about to use."""
+
+    def __init__(self, nan_at=(), spike_at=(), nan_rank=None, inf_grad_at=(), d: int = 6) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.nan_at, self.spike_at, self.nan_rank = set(nan_at), set(spike_at), nan_rank
+        self.inf_grad_at = set(inf_grad_at)  # a finite loss whose gradient is inf (an fp16 overflow, in effect)
+        self.losses: dict[int, list[float]] = {}  # per optimizer step, its micro-batches' losses
+        self.seen: dict[int, dict] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        if self.global_step in self.inf_grad_at:
+            out.register_hook(lambda g: g * float("inf"))
+        loss = F.mse_loss(out.float(), y)
+        if self.global_step in self.nan_at and self.nan_rank in (None, self.global_rank):
+            loss = loss * float("nan")
+        if self.global_step in self.spike_at:
+            loss = loss * 1000.0
+        self.losses.setdefault(self.global_step, []).append(loss.item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        params = list(self.parameters())
+        self.seen[self.global_step] = {
+            "weights": [p.detach().clone() for p in params],
+            "momentum": [optimizer.state[p]["momentum_buffer"].clone() for p in params if p in optimizer.state],
+            "grads": [None if p.grad is None else p.grad.clone() for p in params],
+            "lr": optimizer.param_groups[0]["lr"],
+        }
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def _fit(model, guard, max_steps=12, callbacks=(), **kwargs):
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, callbacks=[guard, *callbacks], **kwargs))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(regression_data(64, 6), 8))
+    return trainer, [str(w.message) for w in caught if "TrainingGuard" in str(w.message)]
+
+
+def _equal(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_nan_loss_with_skip_leaves_the_weights_and_the_run_goes_on(tmp_path):
+    model, guard = Net(nan_at={5}), TrainingGuard(on_nonfinite="skip", spike_warmup_steps=3)
+    recording = RecordingLogger()
+    trainer, said = _fit(model, guard, logger=[CSVLogger(tmp_path, name="run"), recording])
+    assert trainer.global_step == 12  # to its end
+    assert _equal(model.seen[5]["weights"], model.seen[6]["weights"])  # step 5 not applied
+    assert _equal(model.seen[5]["momentum"], model.seen[6]["momentum"])
+    assert not _equal(model.seen[6]["weights"], model.seen[7]["weights"])  # the next one is
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert guard.skipped_steps == 1 and guard.rollbacks == 0
+    events = json.loads((Path(trainer.log_dir) / SKIP_BATCHES_FILE).read_text())
+    assert [(e["global_step"], e["epoch"], e["batch_idx"], e["kind"], e["action"]) for e in events] == [
+        (5, 0, 5, "nonfinite", "skip")
+    ]
+    assert events[0]["loss"] == "nan" and events[0]["grad_norm"] == "nan"
+    assert recording.series["guard/skipped_steps"] == [(5, 1.0), (12, 1.0)]
+    assert recording.series["guard/rollbacks"][-1] == (12, 0.0)
+    assert len(said) == 1 and "optimizer step 5" in said[0] and "skipped" in said[0]
+    # The NaN was made outside any module: the producer is the loss computation.
+    assert guard.producer.where == "loss" and "loss computation" in said[0]
+
+
+def test_a_spike_with_rollback_restores_the_snapshot_and_the_lr_factor_applies():
+    model = Net(spike_at={7})
+    guard = TrainingGuard(
+        on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, lr_factor=0.5, lr_factor_steps=2
+    )
+    trainer, said = _fit(model, guard)
+    seen = model.seen
+    assert guard.rollbacks == 1 and "rolled back to the snapshot of optimizer step 6" in said[0]  # of 0, 2, 4, 6
+    # The optimizer at step 7 sees the snapshot's weights and momentum, and no gradient: nothing applied.
+    assert _equal(seen[7]["weights"], seen[6]["weights"]) and _equal(seen[7]["momentum"], seen[6]["momentum"])
+    assert all(g is None for g in seen[7]["grads"])
+    assert _equal(seen[8]["weights"], seen[6]["weights"]) and _equal(seen[8]["momentum"], seen[6]["momentum"])
+    # The lr factor for the two steps after it, then the lr as it was.
+    assert [seen[s]["lr"] for s in (6, 7, 8, 9, 10)] == [LR, LR, LR * 0.5, LR * 0.5, LR]
+    # The step taken at 8 is SGD's with momentum at half the lr: buf = μ·buf + g, w -= (lr/2)·buf.
+    for w8, buf8, g8, w9 in zip(seen[8]["weights"], seen[8]["momentum"], seen[8]["grads"], seen[9]["weights"]):
+        torch.testing.assert_close(w9, w8 - 0.5 * LR * (MOMENTUM * buf8 + g8))
+    assert all(not opt._optimizer_step_post_hooks for opt in trainer.optimizers)  # nothing left installed
+
+
+def test_under_accumulation_an_event_reports_the_steps_mean_loss_and_its_gradient_norm():
+    class NormsBefore(pl.Callback):  # runs before the guard: the gradient it judged
+        def __init__(self) -> None:
+            self.norms: dict[int, float] = {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.norms[trainer.global_step] = flat_grad_norm(pl_module.parameters())
+
+    model, guard, before = Net(spike_at={4}), TrainingGuard(on_spike="skip", spike_warmup_steps=3), NormsBefore()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[before, guard], accumulate_grad_batches=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, loader(regression_data(64, 6), 8))
+    (event,) = guard.events
+    assert (event["global_step"], event["epoch"], event["batch_idx"]) == (4, 1, 1)  # the step's last micro-batch
+    assert event["loss"] == pytest.approx(sum(model.losses[4]) / 2)  # Lightning divides each by 2
+    assert event["grad_norm"] == pytest.approx(before.norms[4])
+
+
+def test_stop_writes_a_checkpoint_and_says_why(tmp_path):
+    model, guard = Net(nan_at={5}), TrainingGuard(on_nonfinite="stop")
+    trainer, said = _fit(model, guard, default_root_dir=tmp_path)
+    assert trainer.global_step == 6 and trainer.should_stop
+    assert "non-finite loss" in guard.stop_reason and "optimizer step 5" in guard.stop_reason
+    path = guard.stop_reason.split("checkpoint: ")[1]
+    checkpoint = torch.load(path, weights_only=False)
+    assert Path(path).parent.parent == tmp_path
+    weights = [checkpoint["state_dict"][n] for n, _ in model.named_parameters()]
+    assert _equal(weights, model.seen[5]["weights"])  # the bad step was not applied before the checkpoint
+    assert any("stopping the fit" in s and "non-finite loss" in s for s in said)
+
+
+def test_the_budget_escalates_a_run_of_skips_to_a_rollback():
+    model = Net(nan_at={4, 5, 6})
+    guard = TrainingGuard(on_nonfinite="skip", budget_events=2, budget_window=10, snapshot_every_n_steps=2)
+    _, said = _fit(model, guard)
+    assert [e["action"] for e in guard.events] == ["skip", "skip", "rollback"]
+    assert guard.skipped_steps == 2 and guard.rollbacks == 1 and "escalated" in said[2]
+
+
+class LogModel(pl.LightningModule):
+    """Linear(4→8) with positive weights → softplus → log → clamp → Linear(8→1): finite while the inputs are
+    positive; a batch of inputs of -1000 makes the softplus underflow to 0, so layer ``net.2`` (the log)
+    makes -inf, which the clamp hides from the loss, and the gradient is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Softplus(), Log(), Clamp(), nn.Linear(8, 1))
+        with torch.no_grad():
+            self.net[0].weight.abs_()
+            self.net[0].bias.fill_(1.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _log_data(bad_batch: int) -> DataLoader:
+    x, y = torch.rand(64, 4), torch.randn(64, 1)
+    x[8 * bad_batch : 8 * bad_batch + 8] = -1000.0
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def test_the_layer_that_made_the_nan_is_named_and_agrees_with_detect_anomaly():
+    model, guard = LogModel(), TrainingGuard(on_nonfinite="skip")
+    data = _log_data(bad_batch=3)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=8, callbacks=[guard]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data)
+    said = [str(w.message) for w in caught if "TrainingGuard" in str(w.message)]
+    assert [e["global_step"] for e in guard.events] == [3] and guard.skipped_steps == 1
+    assert "`net.2` (LogBackward0) in forward" in said[0] and "`net.3`" not in said[0] and "`net.4`" not in said[0]
+    assert "in [0, " in said[0]  # the log's input reached 0
+    x, y = next(b for i, b in enumerate(data) if i == 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.detect_anomaly(), pytest.raises(RuntimeError, match="returned nan values") as error:
+            F.mse_loss(model.net(x), y).backward()
+    assert str(error.value).split("'")[1] == guard.producer.op == "LogBackward0"
+    assert all(not m._forward_hooks for m in model.modules())  # the search left nothing installed
+
+
+class HalfEpsSGD(torch.optim.SGD):
+    """SGD whose update at optimizer step ``at`` divides by an eps kept in float16, where 1e-8 rounds to 0:
+    finite gradients, infinite parameters after the step."""
+
+    def __init__(self, params, at: int) -> None:
+        super().__init__(params, lr=0.01)
+        self.at, self.steps = at, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        if self.steps == self.at:
+            eps = torch.tensor(1e-8, dtype=torch.float16).float()
+            for p in self.param_groups[0]["params"]:
+                if p.grad is not None:
+                    p.sub_(0.01 * p.grad / eps)
+        self.steps += 1
+        return loss
+
+
+def test_the_optimizer_step_is_named_when_it_made_the_parameters_nonfinite():
+    class Model(Net):
+        def configure_optimizers(self):
+            return HalfEpsSGD(self.parameters(), at=4)
+
+    model, guard = Model(), TrainingGuard(on_nonfinite="warn")
+    _, said = _fit(model, guard, max_steps=7)
+    assert guard.events[0]["global_step"] == 5 and guard.producer.where == "optimizer"
+    assert "the optimizer step itself" in said[0] and "`net.0.weight`" in said[0]
+
+
+def test_the_guard_reads_the_shared_norm_and_reads_the_host_once_a_clean_step(monkeypatch):
+    monitor, guard = GradNormMonitor(log_every_n_steps=1000, histogram_every_n_steps=0), TrainingGuard()
+    host = HostReads(monkeypatch)
+    host.watch(guard, ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end"))
+    trainer, _ = _fit(Net(), guard, max_steps=6, callbacks=[monitor])
+    assert guard.vitals.grad_norms.passes == 6  # one fused pass a step, the monitor's and the guard's
+    assert sorted(host.reads) == [(s, "tolist") for s in range(6)]
+    total = monitor.last_total[0].item()
+    assert guard.norm_spikes.count == 6 and math.isfinite(total)
+
+
+def test_resume_after_a_rollback_continues_counters_and_budget(tmp_path):
+    def fit(spike_at, max_steps, ckpt_path=None):  # the guard and its warnings
+        guard = TrainingGuard(on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, budget_events=2)
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)
+        trainer = pl.Trainer(
+            **trainer_kwargs(max_steps=max_steps, callbacks=[guard, checkpoint], enable_checkpointing=True)
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(Net(spike_at=spike_at), loader(regression_data(64, 6), 8), ckpt_path=ckpt_path)
+        return guard, [str(w.message) for w in caught if "TrainingGuard" in str(w.message)]
+
+    first, _ = fit({6}, 8)
+    assert first.rollbacks == 1 and first.budget.spent == [(6, "rollback")]
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"][first.state_key]
+    assert saved["snapshot_step"] == 7 and "snapshot" not in saved  # the snapshot itself stays out
+    resumed, said = fit({10}, 12, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.rollbacks == 2 and [e["global_step"] for e in resumed.events] == [6, 10]
+    assert resumed.budget.spent == [(6, "rollback"), (10, "rollback")]
+    assert resumed.loss_spikes.count == 12  # the EMA went on: every step entered it (a spike winsorized)
+    assert "snapshot of optimizer step 8" in said[0]  # a fresh one at the first clean step after the resume
+
+
+def test_the_snapshot_goes_into_checkpoints_when_asked():
+    guard = TrainingGuard(snapshot_in_checkpoint=True, snapshot_every_n_steps=2)
+    _fit(Net(), guard, max_steps=5)
+    state = guard.state_dict()
+    assert state["snapshot"]["step"] == 4 and state["snapshot_step"] == 4
+    again = TrainingGuard(snapshot_in_checkpoint=True)
+    again.load_state_dict(state)
+    assert again.snapshot.step == 4 and _equal(again.snapshot._module, guard.snapshot._module)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"on_nonfinite": "retry"}, ValueError, "on_nonfinite"),
+        ({"on_spike": 1}, TypeError, "on_spike"),
+        ({"spike_factor": 1.0}, ValueError, "spike_factor"),
+        ({"snapshot_on": "gpu"}, ValueError, "snapshot_on"),
+        ({"lr_factor": 0.0}, ValueError, "lr_factor"),
+        ({"budget_events": 0}, ValueError, "budget_events"),
+        ({"budget_window": 1.5}, ValueError, "budget_window"),
+        ({"name_producer": "yes"}, TypeError, "name_producer"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        TrainingGuard(**kwargs)
+
+
+class _RecordPerRank(pl.Callback):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        guard = next(cb for cb in trainer.callbacks if isinstance(cb, TrainingGuard))
+        seen = pl_module.seen
+        seen.setdefault(5, {"weights": [p.detach() for p in pl_module.parameters()]})  # a fit stopped after step 4
+        record = {
+            "events": [(e["global_step"], e["kind"], e["action"]) for e in guard.events],
+            "global_step": trainer.global_step,
+            "weights": [p.detach().reshape(-1).tolist() for p in pl_module.parameters()],
+            "unchanged": _equal(seen[4]["weights"], seen[5]["weights"]),
+            "producer": guard.producer.where if guard.producer else None,
+        }
+        Path(self.folder, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["skip", "stop"])
+def test_ddp_a_nan_on_rank_1_only_gets_the_same_action_on_both_ranks(tmp_path, action):
+    callbacks = [TrainingGuard(on_nonfinite=action), _RecordPerRank(str(tmp_path)), ReleaseProcessGroup()]
+    kwargs = trainer_kwargs(
+        strategy="ddp_spawn", devices=2, callbacks=callbacks, max_steps=8, default_root_dir=tmp_path
+    )
+    pl.Trainer(**kwargs).fit(Net(nan_at={4}, nan_rank=1), loader(regression_data(64, 6), 8))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["events"] == ranks[1]["events"] == [[4, "nonfinite", action]]
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == (8 if action == "skip" else 5)
+    assert (tmp_path / "checkpoints" / "guard-stop-step=4.ckpt").exists() == (action == "stop")
+    assert ranks[0]["unchanged"] and ranks[1]["unchanged"] and ranks[0]["weights"] == ranks[1]["weights"]
+    assert ranks[0]["producer"] == ranks[1]["producer"] == "loss"  # rank 1's finding, told to rank 0
+
+
+def test_the_events_reach_tensorboard_as_scalars_and_a_panel(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
+    guard = TrainingGuard(on_nonfinite="skip", on_spike="skip", spike_warmup_steps=3)
+    _fit(Net(nan_at={4}, spike_at={8}), guard, logger=logger)
+    run = read_runs(logger.log_dir)[0]
+    assert run.is_trainvitals and run.scalars["guard/skipped_steps"] == [(4, 1.0), (8, 2.0), (12, 2.0)]
+    panel = run.text("guard/event_log")
+    assert panel.count("| skip |") == 2 and "| nonfinite |" in panel and "| spike |" in panel
+    assert json.loads((Path(logger.log_dir) / SKIP_BATCHES_FILE).read_text())[1]["batch_idx"] == 0  # 8 of 8
+
+
+def _amp() -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+
+
+def test_under_a_grad_scaler_its_own_skip_is_respected_not_doubled():
+    # An inf gradient with a finite loss: the scaler's calibration, no event.
+    model, guard = Net(inf_grad_at={3}), TrainingGuard(on_nonfinite="skip")
+    trainer, said = _fit(model, guard, max_steps=6, plugins=[_amp()])
+    assert guard.events == [] and said == [] and trainer.precision_plugin.scaler.get_scale() == 2.0**7
+    assert _equal(model.seen[3]["weights"], model.seen[4]["weights"])  # the scaler skipped it
+    # A NaN loss: an event; the scaler skips the step, the guard leaves the gradients to it.
+    model, guard = Net(nan_at={3}), TrainingGuard(on_nonfinite="skip")
+    trainer, said = _fit(model, guard, max_steps=6, plugins=[_amp()])
+    assert [(e["global_step"], e["action"]) for e in guard.events] == [(3, "skip")] and guard.skipped_steps == 1
+    assert all(g is not None for g in model.seen[3]["grads"]) and "the GradScaler skips" in said[0]
+    assert _equal(model.seen[3]["weights"], model.seen[4]["weights"])
+    assert trainer.precision_plugin.scaler.get_scale() == 2.0**7  # backed off once
+
+
+def test_a_rollback_without_a_target_is_a_skip_not_a_crash():
+    class Unfreeze(pl.Callback):  # as BackboneFinetuning does: a parameter group added after the snapshot
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 5:
+                trainer.optimizers[0].add_param_group({"params": list(pl_module.extra.parameters())})
+
+    class WithFrozen(Net):
+        def __init__(self) -> None:
+            super().__init__(spike_at={6})
+            self.extra = nn.Linear(2, 2)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.net.parameters(), lr=LR, momentum=MOMENTUM)
+
+    model = WithFrozen()
+    guard = TrainingGuard(on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=4)
+    trainer, said = _fit(model, guard, max_steps=8, callbacks=[Unfreeze()])
+    assert trainer.global_step == 8 and [e["action"] for e in guard.events] == ["skip"] and guard.rollbacks == 0
+    assert _equal(model.seen[6]["weights"], model.seen[7]["weights"])
+    assert any("could not roll back" in s for s in said)
