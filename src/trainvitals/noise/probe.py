@@ -414,8 +414,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._log_norms(trainer, step, done.result)
         if done.failed:
             # The step's kept norms (histogram, outliers) lack the failed layers: said with their cause, once.
-            norms_lost = done.measured and bool(done.result.sq_norms) and bool(done.result.failed)
-            self._move_failed(trainer, pl_module, done.failed, done.aside, norms_lost)
+            lost = done.measured and bool(done.result.sq_norms) and bool(done.result.failed)
+            self._move_failed(trainer, pl_module, done.failed, done.aside, step.step if lost else None)
 
     def _move_failed(
         self,
@@ -423,19 +423,19 @@ class BatchVarianceProbe(TrainvitalsCallback):
         pl_module: "pl.LightningModule",
         failed: set[str],
         aside: set[str],
-        norms_lost: bool = False,
+        norms_lost_at: int | None = None,
     ) -> None:
         """Exclude the layers that failed per example, plan again, and say in one message why, what became of
-        the steps they failed in (``aside``: the layers this one was measured without; ``norms_lost``: this
-        step's per-example norms are not logged), where each goes and the coverage."""
+        the steps they failed in (``aside``: the layers this one was measured without; ``norms_lost_at``: the
+        optimizer step whose per-example norms are not logged), where each goes and the coverage."""
         reasons = {name: self._failed.pop(name, "it failed on another rank") for name in sorted(failed)}
         self._excluded.update(failed)
         self._make_plan(trainer, pl_module)
         assert self._sources is not None
         message = self._sources.moved(reasons, aside, trainer.world_size)
-        if norms_lost:
+        if norms_lost_at is not None:
             message += (
-                f" This step (optimizer step {trainer.global_step}) logs no per-example gradient norms (histogram, "
+                f" Optimizer step {norms_lost_at} logs no per-example gradient norms (histogram, "
                 "outliers panel): they would lack the failed layers; the next steps' cover the layers left."
             )
         self.cannot_measure(message)
