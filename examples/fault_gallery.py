@@ -28,6 +28,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 import trainvitals
+from trainvitals.activations.monitor import ActivationMonitor
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.guard.callback import TrainingGuard
 from trainvitals.integrity.callback import GraphIntegrityCallback
@@ -36,6 +37,7 @@ from trainvitals.memory.profiler import MemoryTopologyProfiler
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.report.command import RunReport, assess, read_runs
+from trainvitals.updates.monitor import UpdateMonitor
 
 TRAINVITALS_DIR = str(Path(trainvitals.__file__).parent)
 
@@ -126,6 +128,18 @@ class CharGRU(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=3e-3)
 
 
+class DeadReLU(DigitsMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        nn.init.constant_(self.body[1].bias, -100.0)  # the mistake: a gate's bias init on a ReLU layer
+
+
+class HeadAtLrZero(DigitsMLP):
+    def configure_optimizers(self):
+        groups = [{"params": self.body.parameters()}, {"params": self.head.parameters(), "lr": 0.0}]
+        return torch.optim.SGD(groups, lr=self.lr)  # the mistake: the head's group kept a warm-up's lr 0
+
+
 class BatchNormMLP(DigitsMLP):
     def __init__(self) -> None:
         super().__init__()
@@ -159,6 +173,8 @@ def default_callbacks() -> list[pl.Callback]:
         BatchVarianceProbe(log_every_n_steps=1, histogram_every_n_steps=0),
         GraphIntegrityCallback(check_every_n_steps=3, dead_after_steps=3),
         MemoryTopologyProfiler(measure_every_n_steps=1),
+        UpdateMonitor(log_every_n_steps=1),
+        ActivationMonitor(measure_every_n_steps=1),
         LRScalingAdvisor(verbose=False),
     ]
 
@@ -201,6 +217,8 @@ FAULTS = [
         lambda: CharGRU(len(_char_data().vocab)),
         data=_char_data,
     ),
+    Fault("dead_relu", "a ReLU layer's bias initialised to -100, so its input is always negative", DeadReLU),
+    Fault("head_at_lr_zero", "the head's param group has lr 0", HeadAtLrZero),
     Fault(
         "batchnorm_micro_batches",
         "BatchNorm with micro-batches of 2 under 32-step gradient accumulation",

@@ -36,6 +36,8 @@ def test_every_fault_is_in_the_gallery(outcomes: dict[str, Outcome]) -> None:
         "summed_loss_new_batch",
         "graph_kept_across_steps",
         "recurrent_state_not_detached",
+        "dead_relu",
+        "head_at_lr_zero",
         "batchnorm_micro_batches",
         "loss_spike",
         "nan_from_a_log",
@@ -95,6 +97,20 @@ def test_recurrent_state_not_detached(outcomes: dict[str, Outcome]) -> None:
     message = dict(out.findings)["second_backward"]
     assert "carried across steps in `hidden`" in message and "`self.hidden = hidden.detach()`" in message
     assert any(m.startswith("the run failed in backward") for m in critical(out))
+
+
+def test_dead_relu(outcomes: dict[str, Outcome]) -> None:
+    out = outcomes["dead_relu"]
+    (warning,) = [w for w in out.warnings if w.startswith("trainvitals ActivationMonitor: dead units")]
+    assert "`body.2` 100%" in warning
+    assert any("dead units above 50%: body.2 (100%)" in f.message for f in out.report.findings)
+
+
+def test_head_at_lr_zero(outcomes: dict[str, Outcome]) -> None:
+    out = outcomes["head_at_lr_zero"]
+    (warning,) = [w for w in out.warnings if w.startswith("trainvitals UpdateMonitor: layers that do not move")]
+    assert "head" in warning and "body" not in warning
+    assert any("never moved" in f.message and "head" in f.message for f in out.report.findings)
 
 
 def test_batchnorm_with_micro_batches_of_two(outcomes: dict[str, Outcome]) -> None:

@@ -8,6 +8,7 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
+    "ActivationMonitor": "trainvitals.activations.monitor",
     "BatchVarianceProbe": "trainvitals.noise.probe",
     "GradNormEarlyStopping": "trainvitals.noise.stopper",
     "GradNormMonitor": "trainvitals.norms.monitor",
@@ -16,6 +17,7 @@ _EXPORTS = {
     "MemoryTopologyProfiler": "trainvitals.memory.profiler",
     "TrainingGuard": "trainvitals.guard.callback",
     "TrainvitalsDashboard": "trainvitals.tensorboard.dashboard",
+    "UpdateMonitor": "trainvitals.updates.monitor",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -20,7 +20,18 @@ from __future__ import annotations
 import functools
 import re
 
-TRAINVITALS_ROOTS = ("grad_norm", "grad_noise", "lr_scaling", "graph", "memory", "guard", "trainvitals", "diagnosis")
+TRAINVITALS_ROOTS = (
+    "grad_norm",
+    "grad_noise",
+    "lr_scaling",
+    "graph",
+    "memory",
+    "guard",
+    "update",
+    "activation",
+    "trainvitals",
+    "diagnosis",
+)
 """The first component of every tag a trainvitals callback writes (``diagnosis``: TrainvitalsDashboard's
 end-of-fit panels, :data:`DIAGNOSIS_TAG`)."""
 
@@ -60,6 +71,17 @@ def grad_norm(name: str) -> str:
 
 PER_LAYER_GRAD_NORM = rf"grad_norm/{OPTIMIZER_INFIX}(?!(?:{'|'.join(GRAD_NORM_SUMMARIES)})$)(?!hist/)[^/]+$"
 """Regex of the per-layer norms ``grad_norm/<module path>``: every ``grad_norm/`` scalar but the summaries."""
+
+
+def update(name: str) -> str:
+    """Regex of UpdateMonitor's ``update/<name>`` scalars for any optimizer (``name`` is a regex: ``ratio/.+``)."""
+    return rf"update/{OPTIMIZER_INFIX}{name}$"
+
+
+def activation(stat: str) -> str:
+    """Regex of ActivationMonitor's ``activation/<stat>/<module>`` scalars (``rms``, ``dead_fraction``, ...)."""
+    return rf"activation/{re.escape(stat)}/.+"
+
 
 MEMORY_BYTES = r"memory/[^/]+_bytes$"
 """MemoryTopologyProfiler's byte counts by category, logged as ``memory/<key>_bytes``: one for each bytes row of

@@ -136,6 +136,22 @@ SPECS: dict[str, dict[str, Spec]] = {
         "verbose": Bool(),
     },
     "TrainvitalsDashboard": {"progress_bar": Bool(), "diagnosis": Bool()},
+    "UpdateMonitor": {
+        "grouping": Choice("parameter", "module", "block"),
+        "log_every_n_steps": Int(1, none_ok=True),
+        "usual_ratio": Float(0.0, low_open=True),
+        "ratio_factor": Float(1.0, low_open=True),
+        "spike_factor": Float(1.0, low_open=True),
+        "ema_beta": Float(0.0, 1.0, high_open=True),
+        "spike_warmup_steps": Int(0),
+    },
+    "ActivationMonitor": {
+        "measure_every_n_steps": Int(1, none_ok=True),
+        "modules": Spec("callable", none_ok=True),
+        "dead_share": Float(0.0, 1.0, high_open=True),
+        "growth_factor": Float(1.0, low_open=True),
+        "growth_steps": Int(1),
+    },
     "TrainingGuard": {
         "on_nonfinite": Choice("warn", "skip", "rollback", "stop"),
         "on_spike": Choice("warn", "skip", "rollback", "stop"),
@@ -466,15 +482,18 @@ def test_measure_and_log_cadences_have_one_name_each():
         "GradNormMonitor",
         "BatchVarianceProbe",
         "LRScalingAdvisor",
+        "UpdateMonitor",
     }
     assert {cls for cls, params in names.items() if "measure_every_n_steps" in params} == {
         "BatchVarianceProbe",
         "MemoryTopologyProfiler",
+        "ActivationMonitor",
     }
     assert {cls for cls, params in names.items() if "ema_beta" in params} == {
         "GradNormMonitor",
         "GradNormEarlyStopping",
         "BatchVarianceProbe",
+        "UpdateMonitor",
         "TrainingGuard",
     }
 

@@ -191,6 +191,14 @@ def test_every_gradient_tag_is_on_a_chart_and_no_chart_is_empty(tmp_path: Path) 
         "saved activations per module (bytes)",
         "learning rate and its suggestion",
         "steps and examples over their minimum",
+        "update/weight ratio ‖Δθ‖/‖θ‖ per layer (rule of thumb: ~1e-3 per step)",
+        "update norm ‖Δθ‖ per layer",
+        "cos(−Δθ, gradient) per layer (1: plain SGD)",
+        "Adam: step per unit lr ‖m̂/(√v̂+ε)‖ per layer",
+        "activation rms per module",
+        "activation max |x| per module",
+        "activation kurtosis per module (3: Gaussian)",
+        "dead units per activation (share)",
     }
 
 

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from trainvitals.activations.monitor import ActivationMonitor
 from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
 from trainvitals.integrity.callback import GraphIntegrityCallback
@@ -26,6 +27,7 @@ from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, diagnoses
 from trainvitals.text.terminal import markdown_to_text
+from trainvitals.updates.monitor import UpdateMonitor
 
 
 @dataclass
@@ -62,6 +64,8 @@ def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
         GradNormEarlyStopping(mode="noise_band", min_steps=args.min_steps),
         LRScalingAdvisor(verbose=False),
         MemoryTopologyProfiler(memory_budget_bytes=256 * 2**20, verbose=False),
+        UpdateMonitor(),
+        ActivationMonitor(measure_every_n_steps=50),
         TrainvitalsDashboard(),
     ]
 
@@ -113,7 +117,7 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
         log_dir=str(Path(logger.log_dir)),
         seconds=seconds,
         threads=torch.get_num_threads(),
-        diagnoses=diagnoses(trainer),
+        diagnoses=diagnoses(stopper.vitals),
     )
 
 

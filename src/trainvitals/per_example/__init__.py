@@ -17,13 +17,14 @@ inside its forward (:class:`Capture`), and :func:`per_example_sq_norms` / :func:
 - :mod:`.plan`: which source measures each parameter (per example, micro-batches/ranks, ``torch.func``);
 - :mod:`.fallback`: ``torch.func`` per-example gradients of any module (:func:`vmap_per_example_grads`);
 - :mod:`.batch_dim`: which dimension holds the examples where T = B; :mod:`.tied`: modules sharing a
-  parameter; :mod:`.checkpointing`: hooks under ``torch.utils.checkpoint``; :mod:`.sums_check`: per-example
+  parameter; :mod:`.checkpoint_hooks`: hooks under ``torch.utils.checkpoint``; :mod:`.sums_check`: per-example
   gradients that must add up to ``.grad``; :mod:`.loss_reduction`: a mean or a sum over the examples, read
   from the loss's graph (:func:`detect_loss_reduction`); :mod:`.tensor_ops`: shared buffers and dtypes.
 
 Everything here stays on the device but for the host reads :mod:`.hooks` names. No Lightning import.
 """
 
+from trainvitals.per_example import rules  # noqa: F401 - each of its files registers its rules
 from trainvitals.per_example.batch_dim import Layouts
 from trainvitals.per_example.fallback import vmap_per_example_grads
 from trainvitals.per_example.hooks import PerExampleGradients, PerExampleStep
@@ -42,17 +43,9 @@ from trainvitals.per_example.registry import (
     unregister_per_example_rule,
     unsupported_reason,
 )
-from trainvitals.per_example.rules import (  # noqa: F401 - register their rules
-    attention,
-    conv,
-    embedding,
-    linear,
-    normalization,
-    recurrent,
-)
 from trainvitals.per_example.tensor_ops import Workspace
 
-#: The torch layers with a built-in rule, as the family files above registered them.
+#: The torch layers with a built-in rule, as the family files of :mod:`.rules` registered them.
 PER_EXAMPLE_LAYERS = tuple(t for t in registered_types() if t.__module__.startswith("torch."))
 
 __all__ = [

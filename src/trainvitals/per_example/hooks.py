@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from trainvitals.per_example.batch_dim import ONE_EXAMPLE, Layouts
-from trainvitals.per_example.checkpointing import (
+from trainvitals.per_example.checkpoint_hooks import (
     _recomputing,
     _recomputing_task,
     _reentrant_recomputation,

@@ -75,7 +75,7 @@ class PerExampleRule:
 
     Subclasses implement :meth:`grads`, and may override :meth:`sq_norms` and :meth:`sums` with forms that
     form no per-example gradient (ghost norms). :meth:`grads` and :meth:`sq_norms` return float32 (float64
-    for float64 operands), :meth:`sums` float64 (:func:`~._common._moments`: the per-example values, formed
+    for float64 operands), :meth:`sums` float64 (:func:`~trainvitals.per_example.tensor_ops._moments`: the per-example values, formed
     in float32, summed and squared exactly), all in the units of the output gradients.
 
     Attributes:

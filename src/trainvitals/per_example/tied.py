@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from trainvitals.per_example import tensor_ops as _common
+from trainvitals.per_example import tensor_ops
 from trainvitals.per_example.registry import PerExampleRule, Use
 from trainvitals.per_example.rules.embedding import EmbeddingRule
 from trainvitals.per_example.rules.linear import LinearRule
@@ -95,7 +95,7 @@ def _embedding_and_linear(
     # Σ_i E_i ⊙ L_i, the products exact in float64 (as the members' sums), in chunks of rows.
     cross, at = e_sq.new_zeros(emb.weight.shape), tokens.reshape(-1)
     gamma, rows = gamma.flatten(0, 1), rows.flatten(0, 1)
-    chunk = max(1, _common._SCRATCH_BYTES // (8 * emb.embedding_dim))
+    chunk = max(1, tensor_ops._SCRATCH_BYTES // (8 * emb.embedding_dim))
     for start in range(0, len(at), chunk):
         part = slice(start, start + chunk)
         cross.index_add_(0, at[part], gamma[part].double() * rows[part])

@@ -35,7 +35,16 @@ def reduce_shard_norms(trainer: "pl.Trainer", norms: Tensor, norm_type: float = 
         return norms
     if math.isinf(norm_type):
         return trainer.strategy.reduce(norms, reduce_op="max")
-    total = trainer.strategy.reduce(norms.pow(norm_type), reduce_op="sum")
+    return reduce_shard_sums(trainer, norms.pow(norm_type)).pow(1.0 / norm_type)
+
+
+def reduce_shard_sums(trainer: "pl.Trainer", sums: Tensor) -> Tensor:
+    """Sums over whole tensors (Σ of squares, dot products) from this rank's sums over its shards: added
+    over all ranks, divided by the number of nodes under hybrid sharding (each shard exists once per
+    node); ``sums`` itself when the gradients are not shards."""
+    if not holds_shards(trainer):
+        return sums
+    total = trainer.strategy.reduce(sums, reduce_op="sum")
     if "HYBRID" in trainer.strategy.sharding_strategy.name:  # type: ignore[attr-defined]
         total = total / trainer.num_nodes
-    return total.pow(1.0 / norm_type)
+    return total

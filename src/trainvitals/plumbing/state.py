@@ -7,6 +7,7 @@ Torch only: the integrity checks hold their state this way and are imported with
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -144,3 +145,26 @@ def _loaded(current: Any, saved: Any) -> Any:
     if isinstance(current, (bool, int, float)) and saved is not None:
         return type(current)(saved)
     return saved
+
+
+class IndexedStates:
+    """A :class:`DeclaredState` per index (an optimizer's), made by ``make`` on first use: one declared state of
+    a callback whose parts are built later (at an optimizer's first step), so that a state loaded from a
+    checkpoint is kept, and saved again, by a fit that builds none of them (a requeued job that runs no step)."""
+
+    def __init__(self, make: Callable[[], DeclaredState]) -> None:
+        self._make = make
+        self.by_index: dict[int, DeclaredState] = {}
+
+    def get(self, index: int) -> DeclaredState:
+        """Index ``index``'s state, restored or fresh."""
+        if index not in self.by_index:
+            self.by_index[index] = self._make()
+        return self.by_index[index]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {str(i): state.state_dict() for i, state in self.by_index.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for index, state in state_dict.items():
+            self.get(int(index)).load_state_dict(state)

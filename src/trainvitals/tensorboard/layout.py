@@ -25,7 +25,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainvitals.norms.fused import group_name
-from trainvitals.tags import MEMORY_BYTES, OPTIMIZER_INFIX, PER_LAYER_GRAD_NORM, grad_norm, with_prefix
+from trainvitals.tags import (
+    MEMORY_BYTES,
+    OPTIMIZER_INFIX,
+    PER_LAYER_GRAD_NORM,
+    activation,
+    grad_norm,
+    update,
+    with_prefix,
+)
 
 CATEGORY = "trainvitals"
 BAND_CATEGORY = "trainvitals: the gradient norm in its noise band"
@@ -109,6 +117,17 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
             ],
             "learning rate and its suggestion": ["Multiline", [r"lr-.+", r"lr_scaling/(?:lr|suggested_lr_[^/]+)/.+"]],
             "steps and examples over their minimum": ["Multiline", [r"lr_scaling/(?:steps|examples)_over_min$"]],
+            "update/weight ratio ‖Δθ‖/‖θ‖ per layer (rule of thumb: ~1e-3 per step)": [
+                "Multiline",
+                [update("ratio/.+"), update("total_ratio")],
+            ],
+            "update norm ‖Δθ‖ per layer": ["Multiline", [update("norm/.+"), update("total_norm")]],
+            "cos(−Δθ, gradient) per layer (1: plain SGD)": ["Multiline", [update("grad_cosine/.+")]],
+            "Adam: step per unit lr ‖m̂/(√v̂+ε)‖ per layer": ["Multiline", [update("unit_step_norm/.+")]],
+            "activation rms per module": ["Multiline", [activation("rms")]],
+            "activation max |x| per module": ["Multiline", [activation("abs_max")]],
+            "activation kurtosis per module (3: Gaussian)": ["Multiline", [activation("kurtosis")]],
+            "dead units per activation (share)": ["Multiline", [activation("dead_fraction")]],
         }
     )
     return charts

@@ -208,7 +208,10 @@ def register_category(category: MemoryCategory, before: str | None = None) -> Me
 
         register_category(
             MemoryCategory(
-                "kv_cache", "KV cache", lambda m: unique_storage_bytes(getattr(m.model, "kv_cache", ())), "batch"
+                "kv_cache",
+                "KV cache",
+                lambda m: unique_storage_bytes(m.model.kv_cache) if hasattr(m.model, "kv_cache") else None,
+                "batch",
             ),
             before="held_saved",
         )

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from trainvitals.per_example import tensor_ops as _common
+from trainvitals.per_example import tensor_ops
 from trainvitals.per_example.registry import PerExampleRule, Use, register_per_example_rule
 from trainvitals.per_example.tensor_ops import (
     Workspace,
@@ -95,7 +95,7 @@ class OuterProductRule(PerExampleRule):
         largest = (
             max(positions * fan_in if copied else 0, fan_out * fan_in, positions * positions) if positions > 1 else 1
         )
-        chunk = max(1, _common._SCRATCH_BYTES // (largest * dtype.itemsize))
+        chunk = max(1, tensor_ops._SCRATCH_BYTES // (largest * dtype.itemsize))
         # A single use takes the workspace's patch buffer; several are concatenated into a new tensor.
         space = workspace if len(uses) == 1 else None
         for start in range(0, max(batch, 1), chunk):  # an empty batch is one empty chunk

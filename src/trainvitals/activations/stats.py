@@ -1,0 +1,123 @@
+"""Statistics of one layer output, reduced on its device: scale, extremes, tails, dead units, non-finite entries.
+
+Torch only. :func:`output_moments` turns an output tensor into a ``(len(MOMENTS),)`` float64 row of
+sufficient statistics (count, mean and central sums about it, max |x|) and a ``(units,)`` mask of the
+units that were positive for some example, without reading anything on the host; rows of several ranks
+combine exactly (:func:`combine_moments`, Pébay 2008, eqs. 3.1–3.3, the pairwise update of central
+sums); :func:`finish` turns rows into the logged :data:`STATS`. Transient memory: two float32 copies of
+the output (the centred values and their squares).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+MOMENTS = ("count", "mean", "m2", "m3", "m4", "abs_max", "nonfinite")
+"""A row of :func:`output_moments`: n, μ, Σ(x−μ)², Σ(x−μ)³, Σ(x−μ)⁴, max |x|, 1.0 if inf/NaN were found."""
+
+STATS = ("rms", "abs_max", "mean", "kurtosis", "dead_fraction")
+"""What :func:`finish` gives per output (``dead_fraction`` NaN where not an activation of :data:`DEAD_TYPES`)."""
+
+DEAD_TYPES: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.RReLU,
+    nn.ELU,
+    nn.CELU,
+    nn.SELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Hardswish,
+)
+"""Modules whose output is ≤ 0 exactly where their input is ≤ 0 (ReLU family, GELU, SiLU, ...): a unit
+whose output is ≤ 0 for every example of a batch gets no gradient through the positive branch: dead."""
+
+
+def output_moments(output: Tensor, dead: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``(7,)`` float64 row of :data:`MOMENTS` for ``output`` (any shape, dim 0 the batch), on its device,
+    and with ``dead`` (an output of at least 2 dims) the ``(output[0].numel(),)`` bool mask of the units
+    positive for at least one example; ``None`` otherwise.
+
+    One pass for the mean, one for the extremes (``aminmax``: max |x|, whose non-finiteness is the flag,
+    and the scale of the centred values), then the centred values scaled by their largest magnitude
+    and their squares, reduced by three dot products (Σc², Σc³, Σc⁴): the fourth powers of float32 (or
+    float16) values neither overflow nor underflow; the sums are scaled back in float64.
+    """
+    x = output.detach()
+    x = x.float() if x.dtype not in (torch.float32, torch.float64) else x
+    mean = x.mean()
+    low, high = torch.aminmax(x)
+    abs_max = torch.maximum(high, -low)  # NaN when any entry is NaN, inf when one is infinite
+    scale = torch.maximum(high - mean, mean - low)
+    centred = (x - mean).div_(torch.where(scale > 0, scale, torch.ones_like(scale))).reshape(-1)
+    squares = centred.square()
+    s = scale.double()
+    row = torch.stack(
+        [
+            torch.full((), float(x.numel()), dtype=torch.float64, device=x.device),  # a fill: no host-to-device copy
+            mean.double(),
+            torch.dot(centred, centred).double() * s**2,
+            torch.dot(squares, centred).double() * s**3,
+            torch.dot(squares, squares).double() * s**4,
+            abs_max.double(),
+            (~torch.isfinite(abs_max)).double(),
+        ]
+    )
+    alive = x.flatten(1).amax(0) > 0 if dead and x.dim() >= 2 else None
+    return row, alive
+
+
+def combine_moments(rows: Tensor) -> Tensor:
+    """``(R, K, 7)`` rows of R parts (ranks) → ``(K, 7)``, as if each output's parts had been one tensor:
+    counts add, means are count-weighted, central sums combine by Pébay's pairwise update (exact), the
+    max |x| and the non-finite flag take the maximum. A part of count 0 changes nothing."""
+    out = rows[0].clone()
+    for part in rows[1:]:
+        na, nb = out[:, 0], part[:, 0]
+        n = na + nb
+        safe = torch.where(n > 0, n, torch.ones_like(n))
+        delta = part[:, 1] - out[:, 1]
+        m2a, m3a, m4a = out[:, 2], out[:, 3], out[:, 4]
+        m2b, m3b, m4b = part[:, 2], part[:, 3], part[:, 4]
+        m2 = m2a + m2b + delta**2 * na * nb / safe
+        m3 = m3a + m3b + delta**3 * na * nb * (na - nb) / safe**2 + 3 * delta * (na * m2b - nb * m2a) / safe
+        m4 = (
+            m4a
+            + m4b
+            + delta**4 * na * nb * (na**2 - na * nb + nb**2) / safe**3
+            + 6 * delta**2 * (na**2 * m2b + nb**2 * m2a) / safe**2
+            + 4 * delta * (na * m3b - nb * m3a) / safe
+        )
+        mean = out[:, 1] + delta * nb / safe
+        out = torch.stack(
+            [n, mean, m2, m3, m4, torch.maximum(out[:, 5], part[:, 5]), torch.maximum(out[:, 6], part[:, 6])], dim=1
+        )
+    return out
+
+
+def finish(rows: Tensor) -> Tensor:
+    """``(K, 7)`` rows of :data:`MOMENTS` → ``(K, 4)``: rms = √(m2/n + μ²), max |x|, μ, and Pearson's kurtosis
+    n·m4/m2² (3 for a Gaussian; NaN for a constant output). The dead fraction comes from the masks."""
+    n = rows[:, 0].clamp_min(1.0)
+    mean, m2, m4 = rows[:, 1], rows[:, 2], rows[:, 4]
+    rms = (m2 / n + mean**2).sqrt()
+    kurtosis = torch.where(m2 > 0, n * m4 / m2.square(), torch.full_like(m2, math.nan))
+    return torch.stack([rms, rows[:, 5], mean, kurtosis], dim=1)
+
+
+def output_tensors(output: object) -> list[Tensor]:
+    """The floating-point tensors of a module's output, in order: the tensor itself, or those of a
+    (nested) tuple, list or dict's values; integer and boolean tensors (indices, masks) left out."""
+    if isinstance(output, Tensor):
+        return [output] if output.is_floating_point() else []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in output_tensors(item)]
+    return []
