@@ -671,3 +671,11 @@ def test_verbose_false_keeps_the_table_off_the_console(caplog):
         fit(Classifier(body=_body()), profiler, max_steps=2)
     assert "### Saved for backward, by module" in profiler.summary_markdown()
     assert "Saved for backward" not in caplog.text
+
+
+def test_the_budget_line_says_where_the_budget_comes_from():
+    """A budget alone ("Budget 1.00 MiB") leaves a reader guessing: the line names the argument it came from."""
+    profiler = MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=2**20, verbose=False)
+    fit(Classifier(), profiler, max_steps=1)
+    (line,) = [ln for ln in profiler.summary_markdown().splitlines() if ln.startswith("Budget")]
+    assert "1.00 MiB" in line and "memory_budget_bytes" in line and str(profiler.last.largest_batch()) in line

@@ -278,7 +278,12 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 doubled = _loss_of(trainer.strategy.training_step(_doubled(batch), batch_idx))
             loss, loss_doubled = torch.stack([single.double(), doubled.double()]).cpu().tolist()
         except Exception as err:  # user code run speculatively must not break the run
-            self.warn(f"could not probe the loss reduction ({type(err).__name__}: {err}); skipping it.")
+            self.warn(
+                "could not tell whether the loss is a mean or a sum over the batch: the first training step, "
+                f"re-run on the batch twice over, failed ({type(err).__name__}: {err}), as a step that expects "
+                "its batch's shape (a recurrent hidden state carried over) does; the advice goes without the "
+                "reduction. LRScalingAdvisor(detect_loss_reduction=False) skips the re-run."
+            )
             return
         self.loss_reduction = classify_loss_reduction(loss, loss_doubled)
         self.loss_ratio = loss_doubled / loss if loss else math.nan

@@ -414,8 +414,13 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         if last.budget_bytes is None:
             budget = "No memory budget (pass `memory_budget_bytes` on CPU): no largest-batch advice."
         else:
+            origin = (
+                "memory_budget_bytes"
+                if self.memory_budget_bytes is not None
+                else f"the total memory of {self._device}, the default on CUDA; memory_budget_bytes sets another"
+            )
             budget = (
-                f"Budget {format_bytes(last.budget_bytes)}: the largest batch that fits is "
+                f"Budget {format_bytes(last.budget_bytes)} ({origin}): the largest batch that fits is "
                 f"{last.largest_batch()} (fixed {format_bytes(last.fixed_bytes)}, "
                 f"{format_bytes(last.scaling_bytes / max(last.batch_size, 1))} per example)."
             )

@@ -60,6 +60,8 @@ NOISE_PROBE = "noise_probe"
 """A per-example noise source is attached (BatchVarianceProbe)."""
 NOISE_BAND = "noise_band"
 """The noise band's margin (``margin``): GradNormEarlyStopping."""
+NAN_PRODUCER = "nan_producer"
+"""The module that made a fit's first inf/NaN (``producer``, a ``guard.producer.Producer`` or ``None``): TrainingGuard."""
 SUMMARY = "summary"
 """An end-of-fit markdown summary (``summary_markdown()``)."""
 
