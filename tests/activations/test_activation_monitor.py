@@ -100,7 +100,7 @@ def test_a_gelu_whose_input_is_always_negative_is_inactive_not_dead():
     inactive, never "no gradient flows"."""
     model = Net(relu_bias=-2.0)
     model.act = nn.GELU()
-    monitor = ActivationMonitor(measure_every_n_steps=1)
+    monitor = ActivationMonitor(measure_every_n_steps=1, dead_share=0.5)
     _, logger = fit(model, monitor, max_steps=2)
     assert logger.values("activation/dead_fraction/act")[0] > 0.5
     found = monitor.findings()

@@ -75,7 +75,8 @@ class ActivationMonitor(TrainvitalsCallback):
         modules: ``modules(name, module) -> bool`` chooses the measured modules by qualified name and
             type, e.g. ``lambda name, m: isinstance(m, nn.ReLU)``; ``None``: every leaf module (one without
             children). Under ``ddp_spawn`` it must be picklable (a module-level function).
-        dead_share: a dead fraction above this share is a finding, in [0, 1).
+        dead_share: a dead fraction above this share is a finding, in [0, 1). Dead is per batch (≤ 0 for every
+            example of it): a unit that fires rarely looks dead on a small batch, hence 0.9, not 0.5.
         growth_factor: growth across the last ``growth_steps`` measurements that is a finding, > 1.
         growth_steps: consecutive increases that make a growth finding, ≥ 1.
 
@@ -89,7 +90,7 @@ class ActivationMonitor(TrainvitalsCallback):
         self,
         measure_every_n_steps: int | None = None,
         modules: Callable[[str, nn.Module], bool] | None = None,
-        dead_share: float = 0.5,
+        dead_share: float = 0.9,
         growth_factor: float = 4.0,
         growth_steps: int = 3,
     ) -> None:

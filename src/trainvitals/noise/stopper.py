@@ -27,6 +27,7 @@ from typing_extensions import override
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.noise.estimate import (
     SOURCES_CHECK,
+    Z90,
     GradientNoise,
     NoiseSource,
     band_ratio,
@@ -618,11 +619,22 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             elif not summary["decisive"]:
                 why = f"the noise estimate cannot decide: {summary['why']}; " + why
             elif self.margin > 0 and summary["trace_cov"] > 0 and summary["batch_size"]:
-                ratio = band_ratio(summary["grad_sq_norm"], summary["trace_cov"], summary["batch_size"], self.margin)
+                grad, se = summary["grad_sq_norm"], summary["grad_sq_norm_se"]
+                ratio, low, high = (
+                    band_ratio(g, summary["trace_cov"], summary["batch_size"], self.margin)
+                    for g in (grad, grad - Z90 * se, grad + Z90 * se)
+                )
+                interval = (
+                    f"(90 % from ‖G‖²'s error: {max(low, 0.0):.2f}–{high:.2f}×)"
+                    if math.isfinite(high)
+                    else "(no error bar yet)"
+                )
+                reaches = "; that interval reaches the band: not shown to be outside it" if low <= 1.0 else ""
                 why += (
-                    f"; at the end the smoothed ‖G‖² is {ratio:.2f}× the band's edge {self.margin:g}·tr(Σ)/B"
+                    f"; at the end the smoothed ‖G‖² = {grad:.3g} ± {se:.2g} is {ratio:.2f}× the band's edge "
+                    f"{self.margin:g}·tr(Σ)/B {interval}{reaches}"
                     if ratio > 0
-                    else "; at the end the smoothed ‖G‖² is ≤ 0, inside the band"
+                    else f"; at the end the smoothed ‖G‖² = {grad:.3g} ± {se:.2g} is ≤ 0, inside the band"
                 )
         if self.steps < self.min_steps:
             why = f"the run ended after {self.steps} optimizer steps, before min_steps={self.min_steps}; " + why
