@@ -213,6 +213,31 @@ def test_the_layer_that_made_the_nan_is_named_and_agrees_with_detect_anomaly():
     assert all(not m._forward_hooks for m in model.modules())  # the search left nothing installed
 
 
+@pytest.mark.parametrize("guard_first", [True, False])
+def test_the_monitors_warning_quotes_the_guards_producer_in_either_order(guard_first):
+    """GradNormMonitor names the layers whose gradient held the NaN; beside a TrainingGuard it also says which one
+    made it, whichever of the two comes first in the list."""
+    guard, monitor = TrainingGuard(on_nonfinite="skip"), GradNormMonitor(log_every_n_steps=1)
+    callbacks = [guard, monitor] if guard_first else [monitor, guard]
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=callbacks))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(LogModel(), _log_data(bad_batch=3))
+    said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
+    assert len(said) == 1 and "optimizer step 3" in said[0]
+    assert "`net.2` (LogBackward0)" in said[0] and "divergence" not in said[0]
+
+
+def test_without_a_guard_the_monitors_warning_points_to_it():
+    monitor = GradNormMonitor(log_every_n_steps=1)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[monitor]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(LogModel(), _log_data(bad_batch=3))
+    said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
+    assert len(said) == 1 and "TrainingGuard()" in said[0]
+
+
 class HalfEpsSGD(torch.optim.SGD):
     """SGD whose update at optimizer step ``at`` divides by an eps kept in float16, where 1e-8 rounds to 0:
     finite gradients, infinite parameters after the step."""

@@ -35,7 +35,7 @@ from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.rerun import rerun_quietly
-from trainvitals.plumbing.sharing import GRAD_SQ_NORMS
+from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, NAN_PRODUCER
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 
@@ -94,6 +94,7 @@ class TrainingGuard(TrainvitalsCallback):
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
 
+    provides = (NAN_PRODUCER,)
     reads = (GRAD_SQ_NORMS,)
 
     def __init__(

@@ -227,6 +227,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
 
     def summary_line(self) -> str:
         """One line for the end of fit: the first optimizer's advice in words, then where the full table is."""
+        if not self._started:
+            return "no advice: this fit ran no batch."
         if not self._report:
             return "no advice: the per-device batch size is unknown (pass batch_size=)."
         named = [(name, adv) for name, adv in self.advices.items() if adv is not None]

@@ -344,6 +344,8 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         if self._snapshot_path is not None:
             self._dump_snapshot()
         self._release()
+        if self.last is None:  # this fit profiled no step (a relaunch with none left): the fit before's report stands
+            return
         table = self.summary_markdown()
         if self.verbose:
             self.info(f"memory at the last profiled step\n{markdown_to_text(table)}")

@@ -45,6 +45,7 @@ from trainvitals.plumbing.sharing import (
     NOISE_PROBE,
     NOISE_TAGS,
     NONFINITE_STEPS,
+    RESTORED_SUMMARY,
     SUMMARY,
 )
 from trainvitals.plumbing.state import reduce_packed
@@ -174,7 +175,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
 
-    provides = (GRADIENT_NOISE, NOISE_BAND, SUMMARY)
+    provides = (GRADIENT_NOISE, NOISE_BAND, SUMMARY, RESTORED_SUMMARY)
     reads = (GRAD_SQ_NORMS, NONFINITE_STEPS, NOISE_TAGS, NOISE_PROBE)
 
     def __init__(
