@@ -54,7 +54,7 @@ def test_demo_stops_in_the_noise_band_and_logs_the_dashboard(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--format", "json"]) == 0
     (run,) = json.loads(capsys.readouterr().out)["runs"]
     rows = {row["label"]: row["value"] for section in run["sections"].values() for row in section}
-    assert rows["noise floor sqrt(tr Σ/B), last"] == pytest.approx(floors[-1].value)
+    assert rows["noise level sqrt(tr Σ/B), last"] == pytest.approx(floors[-1].value)
     assert rows["B_simple = tr Σ / ‖G‖²"] == pytest.approx(events.Scalars("grad_noise/b_simple")[-1].value)
 
 

@@ -218,6 +218,20 @@ def test_the_readme_shows_what_the_demo_prints() -> None:
     assert look in shown and look in printed
 
 
+def test_the_snippets_shown_are_the_ones_test_recipes_runs() -> None:
+    """The Use snippet (README, docs/index.md) and the Lightning recipes (the noise band's page) are the text
+    that tests/test_recipes.py runs and checks: an edit to one side alone fails here."""
+    from test_recipes import RECIPES, USE
+
+    for page, snippet in [
+        ("README.md", USE),
+        ("docs/index.md", USE),
+        ("docs/callbacks/noise-band-stopping.md", RECIPES),
+    ]:
+        shown = [b.code for b in blocks(ROOT / page) if b.language == "python" and b.not_run is None]
+        assert snippet.lstrip("\n") in shown, page
+
+
 def test_the_demo_options_shown_are_its_defaults() -> None:
     import argparse
 

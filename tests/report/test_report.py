@@ -73,7 +73,7 @@ def test_healthy_run_reads_back_what_was_logged(tmp_path: Path, capsys: pytest.C
     assert run["run"] == "digits" and run["last_step"] == STEPS[-1]
     convergence = rows(run, "convergence")
     assert convergence["gradient norm, last"] == pytest.approx(HEALTHY["grad_norm/total"][-1])
-    assert convergence["norm / noise floor"] == pytest.approx(HEALTHY["grad_norm/total"][-1] / 0.1, rel=1e-6)
+    assert convergence["norm / noise level"] == pytest.approx(HEALTHY["grad_norm/total"][-1] / 0.1, rel=1e-6)
     # 6 of the last 10 logged steps (70..95) are flagged in band.
     assert convergence["fraction in the noise band, last 10 logged steps"] == pytest.approx(0.6)
     assert convergence["stop"] == "stopped at optimizer step 95: in band"
@@ -97,7 +97,7 @@ def test_the_band_verdict_is_one_sentence_with_the_floors_error(
     write_run(tmp_path / "a", run)
     _, doc = report_json(capsys, tmp_path)
     (verdict,) = [f["message"] for f in doc["runs"][0]["findings"] if "noise band" in f["message"]]
-    assert "noise floor ± 8.3%" in verdict and ") (" not in verdict
+    assert "noise level ± 8.3%" in verdict and ") (" not in verdict
     assert verdict.startswith(
         "not in its noise band yet: 0% of the last 10 logged steps were in it; the last norm is "
         if in_band is not None
@@ -114,7 +114,7 @@ def test_descending_run_and_runs_without_a_band(tmp_path: Path, capsys: pytest.C
     a, b, c = doc["runs"]
     assert any(f["message"].startswith("not in its noise band yet: 0% of the last 10") for f in a["findings"])
     assert any("no noise estimate" in f["message"] for f in b["findings"])
-    assert any(f["message"].startswith("the last gradient norm is 2.00× its noise floor") for f in c["findings"])
+    assert any(f["message"].startswith("the last gradient norm is 2.00× its noise level") for f in c["findings"])
 
 
 @pytest.mark.parametrize(
@@ -454,7 +454,7 @@ def test_a_norm_below_its_floor_never_stands_out_of_the_noise(
     write_run(tmp_path / "run", {**HEALTHY, "grad_norm/total": 0.05, "grad_norm/in_noise_band": 0.0})
     _, data = report_json(capsys, tmp_path)
     (verdict,) = [f["message"] for f in data["runs"][0]["findings"] if "noise band yet" in f["message"]]
-    assert "0.50× the noise floor" in verdict and "stands out" not in verdict
+    assert "0.50× the noise level" in verdict and "stands out" not in verdict
 
 
 def test_a_small_relative_error_keeps_two_significant_digits(
@@ -890,7 +890,7 @@ def test_several_runs_get_an_overview_first(tmp_path: Path, capsys: pytest.Captu
     for cells, run in zip(table[2:], doc["runs"]):
         convergence, noise = rows(run, "convergence"), rows(run, "noise scale and batch size")
         assert cells[1:3] == [run["status"], str(run["last_step"])]
-        assert f"{convergence['norm / noise floor']:.4g}" in cells and f"{noise['B_simple = tr Σ / ‖G‖²']:.4g}" in cells
+        assert f"{convergence['norm / noise level']:.4g}" in cells and f"{noise['B_simple = tr Σ / ‖G‖²']:.4g}" in cells
     assert "stopped at optimizer step 95 (after 96 steps)" in lines[3]
     _, markdown, _ = report(capsys, str(tmp_path), "--format", "markdown")
     assert markdown.startswith("## overview\n\n| run | status |")

@@ -120,8 +120,9 @@ def _rose_every_step(series: list[tuple[int, float]], since: int, least: int) ->
     return previous >= since and count - then >= max(least, step - previous)
 
 
-NORM_OVER_FLOOR = "norm / noise floor"
-"""The convergence section's row of the last gradient norm over its noise floor."""
+NORM_OVER_FLOOR = "norm / noise level"
+"""The convergence section's row of the last gradient norm over its noise level sqrt(tr Σ/B), the RMS norm of
+pure noise (single steps fall below it often)."""
 
 
 def convergence_section(run: Run, report: RunReport) -> None:
@@ -131,8 +132,8 @@ def convergence_section(run: Run, report: RunReport) -> None:
     step = as_of(run, report, title, norm, grad_norm("noise_floor"), grad_norm("in_noise_band"))
     rows = [
         row_at(run, step, "gradient norm, last", norm),
-        row_at(run, step, "noise floor sqrt(tr Σ/B), last", grad_norm("noise_floor")),  # the run's one floor
-        row_at(run, step, "noise floor standard error", grad_norm("noise_floor_se")),
+        row_at(run, step, "noise level sqrt(tr Σ/B), last", grad_norm("noise_floor")),  # the run's one floor
+        row_at(run, step, "noise level standard error", grad_norm("noise_floor_se")),
     ]
     total = rows[0].value
     ratio_row = ratio_row_at(
@@ -165,7 +166,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
     if caveat:
         report.findings.append(Finding("note", title, caveat))
     floor_error = (
-        f"noise floor ± {100 * error_row.value:.2g}%"
+        f"noise level ± {100 * error_row.value:.2g}%"
         if isinstance(error_row.value, float) and math.isfinite(error_row.value)
         else ""
     )
@@ -196,7 +197,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
                 why = "GradNormEarlyStopping would log whether the run is in its noise band"
             report.findings.append(
                 Finding(
-                    "note", title, f"the last gradient norm is {ratio:.2f}× its noise floor{said_at}{error}; {why}."
+                    "note", title, f"the last gradient norm is {ratio:.2f}× its noise level{said_at}{error}; {why}."
                 )
             )
         elif total is not None:
@@ -223,12 +224,12 @@ def convergence_section(run: Run, report: RunReport) -> None:
                 "note",
                 title,
                 f"in its noise band ({'; '.join(filter(None, [_share_in_band(recent, verb=False), floor_error]))}): "
-                "the gradient norm sits at its noise floor, further steps mostly move within noise."
+                "the gradient norm sits at its noise level, further steps mostly move within noise."
                 + _few_flags(recent),
             )
         )
     else:
-        said = f"; the last norm is {ratio:.2f}× the noise floor{said_at}" if ratio is not None else ""
+        said = f"; the last norm is {ratio:.2f}× the noise level{said_at}" if ratio is not None else ""
         why = (
             "the band is decided on the smoothed estimates, not on one norm"
             if ratio is not None and ratio <= 1

@@ -217,7 +217,7 @@ def _norm_in_band(run: Run) -> tuple[str, str] | None:
         if clipped:
             ax.plot(*_xy(clipped), color="#9467bd", lw=0.8, label="‖g‖ after clipping", **_marker(clipped))
         if floor:
-            ax.plot(*_xy(floor), color="#d62728", lw=1.2, label="noise floor sqrt(tr Σ/B)", **_marker(floor))
+            ax.plot(*_xy(floor), color="#d62728", lw=1.2, label="noise level sqrt(tr Σ/B)", **_marker(floor))
         if floor and edge:
             upper = _aligned(floor, edge)
             ax.fill_between(_xy(floor)[0], _xy(floor)[1], upper, color="#d62728", alpha=0.15, label="noise band")
@@ -228,7 +228,7 @@ def _norm_in_band(run: Run) -> tuple[str, str] | None:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3, which="both")
 
-    return _png(draw), "The gradient norm against its noise floor (log scale); shaded, the noise band up to its edge."
+    return _png(draw), "The gradient norm against its noise level (log scale); shaded, the noise band up to its edge."
 
 
 def _b_simple(run: Run) -> tuple[str, str] | None:

@@ -55,13 +55,13 @@ def render(reports: Sequence[RunReport], fmt: str, skipped: Sequence[str] = (), 
     return "\n".join(out).rstrip() + "\n"
 
 
-OVERVIEW = ("run", "status", "last step", "stop", "norm / noise floor", "B_simple", "findings")
+OVERVIEW = ("run", "status", "last step", "stop", NORM_OVER_FLOOR, "B_simple", "findings")
 """The overview's columns: a line per run, its sections' headline numbers (as the run's own report shows them)."""
 
 
 def overview_rows(reports: Sequence[RunReport]) -> list[list[str]]:
     """One row per run under :data:`OVERVIEW`: its status, last logged step, how it stopped (the stop row's
-    words before their first colon), the last norm over its noise floor, B_simple, and its findings by severity."""
+    words before their first colon), the last norm over its noise level, B_simple, and its findings by severity."""
 
     def cell(r: RunReport, section: str, label: str) -> str:
         found = next((row for row in r.sections.get(section, []) if row.label.startswith(label)), None)
