@@ -3,7 +3,7 @@
 E‖ḡ_B‖² = ‖G‖² + tr(Σ)/B (McCandlish et al. 2018, Eq. A.1; docs/science.md §3). The torch-only math:
 
 - :mod:`.estimators`: the two-batch-size estimators of ‖G‖² and tr(Σ), bias-corrected EMAs, B_simple, the
-  noise floor sqrt(tr(Σ)/B), and the hooks that read each micro-batch's gradient;
+  noise level sqrt(tr(Σ)/B), and the hooks that read each micro-batch's gradient;
 - :mod:`.estimate`: the run's one :class:`~trainvitals.noise.estimate.GradientNoise`, every source's EMAs
   and sampling variances combined by inverse-variance weighting, with standard errors;
 - :mod:`.gsnr`: per-module gradient signal-to-noise ratios and the EB criterion, within a coordinate budget;

@@ -19,7 +19,7 @@ Combining rule (:meth:`GradientNoise.estimate`):
    error of the combination is therefore Σ_k w_k·σ_k (errors add as standard deviations), an upper
    bound for any correlation between sources; with one source it is that source's own (exact to
    first order). B_simple's relative error follows by the delta method, per source with its own
-   covariance of (S̄, Ḡ), added the same way; the noise floor sqrt(tr Σ/B) has half tr(Σ)'s relative
+   covariance of (S̄, Ḡ), added the same way; the noise level sqrt(tr Σ/B) has half tr(Σ)'s relative
    error.
 4. The estimate is *decisive* (a noise-band stop, noise-aware lr advice) only when it covers at least
    ``min_coverage`` of ‖ḡ‖² (default 0.9) and the tr(Σ) it cannot see is bounded by a tenth of what it

@@ -1,4 +1,4 @@
-"""Gradient noise: ‖G‖², tr(Σ), the simple noise scale B_simple and the noise floor.
+"""Gradient noise: ‖G‖², tr(Σ), the simple noise scale B_simple and the noise level.
 
 Notation (docs/science.md §3): per-example gradient g_i, batch gradient ḡ_B = (1/B) Σ g_i, true gradient
 G = E[g], per-example covariance Σ. McCandlish et al. 2018 ("An Empirical Model of Large-Batch
@@ -306,7 +306,7 @@ class NoiseScaleEMA:
         return torch.sqrt(self.trace_cov.clamp_min(0.0) / batch_size)
 
     def in_noise_band(self, batch_size: int, margin: float) -> Tensor:
-        """True when ‖G‖² ≤ margin · tr(Σ)/B, i.e. ‖ḡ_B‖ ≤ sqrt(1 + margin) × noise floor (``()`` bool).
+        """True when ‖G‖² ≤ margin · tr(Σ)/B, i.e. E‖ḡ_B‖² ≤ (1 + margin) × the noise level² (``()`` bool).
 
         ``margin = 1`` is B ≤ B_simple. With Cockpit's norm test θ² = tr Σ/(B‖G‖² + tr Σ) the band is
         θ ≥ 1/sqrt(1 + margin): B ≤ B_simple is θ ≥ 1/√2, not θ ≥ 1 (which is ‖G‖² ≤ 0). False before the

@@ -47,7 +47,7 @@ COORDINATE_BUDGET = 2**20  # per-coordinate sums per logging step: 16 MiB of flo
 
 
 class BatchVarianceProbe(TrainvitalsCallback):
-    r"""Gradient noise of the mini-batch gradient: tr(Σ), ‖G‖², B_simple, noise floor, GSNR, EB criterion.
+    r"""Gradient noise of the mini-batch gradient: tr(Σ), ‖G‖², B_simple, the noise level, GSNR, EB criterion.
 
     Measures each example's own-loss gradient (a mean- and a sum-reduced loss give the same numbers) from,
     per parameter: per-example norms in the same backward (:mod:`trainvitals.per_example` rules), else the
