@@ -433,7 +433,7 @@ def test_a_token_sum_over_the_steps_tokens_is_told_its_measured_gradient_scale()
     assert advisor.loss_reduction == "sum"
     assert (advisor.summed_terms, advisor.loss_divided_by) == (10, 10)
     text = advisor.summary_markdown()
-    assert "**loss reduction** sum divided by 10" in text
+    assert "**loss reduction** sum, each micro-batch's divided by 10 (" in text
     assert "10 terms (4 examples × 2.5 each) and divided by 10" in text
     assert "Adam divides the 1× gradient scale out, except against ε: the effective ε is ε/1 = 1e-08" in text
     assert "ε/2 " not in text and "ε/10" not in text

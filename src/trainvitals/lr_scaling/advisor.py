@@ -462,7 +462,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 divisor=self.loss_divided_by,
             )
             notes.setdefault(note, []).append(name)
-        divided = f" divided by {self.loss_divided_by:.4g}" if self.loss_divided_by is not None else ""
+        divided = "" if self.loss_divided_by is None else f", each micro-batch's divided by {self.loss_divided_by:.4g}"
         head = (
             f"**loss reduction** {self.loss_reduction}{divided} (the first batch twice over gives "
             f"{self.loss_ratio:.3g}× its loss)"
