@@ -106,3 +106,37 @@ class HostReads:
                     self.watching = None
 
             setattr(callback, hook, wrapped)
+
+
+FAST_FILES = frozenset(
+    {
+        "test_fused.py",
+        "test_spikes.py",
+        "test_estimators.py",
+        "test_estimate.py",
+        "test_gsnr.py",
+        "test_outliers.py",
+        "test_rules.py",
+        "test_per_example_core.py",
+        "test_lr_rules.py",
+        "test_graph.py",
+        "test_diagnoses.py",
+        "test_checks.py",
+        "test_memory_core.py",
+        "test_terminal.py",
+        "test_decision.py",
+        "test_activation_stats.py",
+        "test_update_measure.py",
+        "test_base.py",
+        "test_sharing.py",
+        "test_docs.py",
+    }
+)
+"""The edit loop's subset, ``pytest -m fast`` (under a minute): the torch-only math of every feature against its
+brute force or closed form, plain tensors and no Trainer, plus the sharing hub and the docs' code blocks."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in FAST_FILES:
+            item.add_marker(pytest.mark.fast)

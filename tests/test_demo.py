@@ -38,8 +38,15 @@ def test_demo_stops_in_the_noise_band_and_logs_the_dashboard(tmp_path, capsys):
     assert not {"grad_noise/noise_floor", "grad_norm/b_simple"} & set(tags["scalars"])
     floors = events.Scalars("grad_norm/noise_floor")
     assert floors[-1].step == last_step and len({e.step for e in floors}) == len(floors)
-    printed_floor = float(re.search(r"vs noise floor ([0-9.]+)", out).group(1))
+    printed_floor = float(re.search(r"noise level sqrt\(tr Σ/B\) = ([0-9.]+)", out).group(1))
     assert floors[-1].value == pytest.approx(printed_floor, abs=1e-4)
+    # Beside the last norm, the norm a batch gradient is expected to have: sqrt(‖G‖² + tr Σ/B), as logged.
+    expected = events.Scalars("grad_noise/expected_batch_norm")
+    assert expected[-1].step == last_step
+    assert expected[-1].value == pytest.approx(float(re.search(r"vs expected ([0-9.]+)", out).group(1)), abs=1e-4)
+    # E‖ḡ‖² = ‖G‖² + f·tr Σ/B, f = (N − B)/(N − 1) ≈ 0.96 for a batch of 64 drawn from the ~1,400 training digits.
+    g2, level = events.Scalars("grad_noise/grad_sq_norm")[-1].value, floors[-1].value
+    assert g2 + 0.9 * level**2 <= expected[-1].value ** 2 <= (g2 + level**2) * (1 + 1e-6)
 
     assert main(["report", str(tmp_path)]) == 0
     report = capsys.readouterr().out
@@ -56,7 +63,7 @@ def test_report_of_a_missing_folder_exits_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_the_summary_comes_first_and_the_diagnoses_are_plain_text() -> None:
+def test_the_summary_comes_last_and_the_diagnoses_are_plain_text() -> None:
     from trainvitals.demo.run import DemoResult, format_summary
 
     result = DemoResult(
@@ -72,12 +79,19 @@ def test_the_summary_comes_first_and_the_diagnoses_are_plain_text() -> None:
         seconds=31.0,
         threads=1,
         diagnoses={"GradNormMonitor": "| optimizer | steps |\n|---|---:|\n| 0 | 910 |"},
+        expected_norm=0.41,
     )
     out = format_summary(result, "runs")
-    assert out.startswith("trainvitals demo — digits CNN\n  optimizer steps:   910 (40 epochs, 31 s on 1 torch thread")
+    short = format_summary(result, "runs", details=False)
+    assert out.endswith(short)  # where the eye is when the run is over, after ~150 lines of tables
+    assert short.startswith(
+        "trainvitals demo — digits CNN\n  optimizer steps:   910 (40 epochs, 31 s on 1 torch thread"
+    )
     assert "GradNormMonitor\n===============\noptimizer  steps\n---------  -----\n0            910" in out
+    assert out.index("GradNormMonitor") < out.index("trainvitals demo")
     assert "|" not in out and "**" not in out
-    assert format_summary(result, "runs", details=False).count("\n") == 7
+    assert "0.3600 at the last step vs expected 0.4100 (0.88× the expected)" in short
+    assert "1.09× the noise level sqrt(tr Σ/B) = 0.3900" in short and short.count("\n") == 7
 
 
 def test_version(capsys) -> None:

@@ -52,6 +52,7 @@ GRAD_NORM_SUMMARIES = (
     "band_norm",
     "band_floor",
     "band_edge",
+    "band_ratio",
     "in_noise_band",
     "band_streak",
     "nonfinite_steps",

@@ -91,8 +91,21 @@ def test_a_relu_whose_input_is_always_negative_is_all_dead_and_a_finding():
     _, logger = fit(Net(relu_bias=-100.0), monitor, max_steps=2)
     assert logger.values("activation/dead_fraction/act") == [1.0, 1.0]
     found = [f for f in monitor.findings() if "dead" in f]
-    assert len(found) == 1 and "`act` 100%" in found[0]
+    assert len(found) == 1 and "`act` 100%" in found[0] and "no gradient" in found[0]
     assert "act" in monitor.summary_markdown()
+
+
+def test_a_gelu_whose_input_is_always_negative_is_inactive_not_dead():
+    """GELU passes a gradient below 0 (GELU'(-100) ≈ 0, GELU'(-2) ≈ -0.09): ≤ 0 for every example is named
+    inactive, never "no gradient flows"."""
+    model = Net(relu_bias=-2.0)
+    model.act = nn.GELU()
+    monitor = ActivationMonitor(measure_every_n_steps=1)
+    _, logger = fit(model, monitor, max_steps=2)
+    assert logger.values("activation/dead_fraction/act")[0] > 0.5
+    found = monitor.findings()
+    assert any("inactive" in f and "`act`" in f for f in found)
+    assert not any("no gradient flows" in f for f in found)
 
 
 def test_a_healthy_relu_is_no_finding():

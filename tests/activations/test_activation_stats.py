@@ -81,5 +81,18 @@ def test_non_finite_output_is_flagged_and_a_constant_has_no_kurtosis():
 def test_output_tensors_flattens_tuples_and_dicts_and_skips_integer_tensors():
     a, b, c = torch.zeros(2), torch.ones(3), torch.full((1,), 2.0)
     found = output_tensors((a, {"h": b, "idx": torch.arange(3)}, [None, (c,)]))
-    assert len(found) == 3 and all(t is x for t, x in zip(found, (a, b, c)))
+    assert [place for place, _ in found] == ["[0]", "[1][h]", "[2][1][0]"]  # places in the output, not a count
+    assert all(t is x for (_, t), x in zip(found, (a, b, c)))
     assert output_tensors(torch.arange(3)) == [] and output_tensors("text") == []
+    assert [p for p, _ in output_tensors((a, None))] == ["[0]"]  # attention's (out, None) keeps out's name
+    assert [p for p, _ in output_tensors(a)] == [""]
+
+
+def test_a_constant_output_has_no_kurtosis_and_a_nan_unit_is_not_dead():
+    constant = torch.full((64, 5), 0.00668)  # a dead ReLU's successor puts out its bias: float32 rounding only
+    assert math.isnan(stats(constant)["kurtosis"])
+    x = torch.randn(16, 4)
+    x[:, 1] = -1.0  # dead: ≤ 0 for every example
+    x[:, 2] = float("nan")  # non-finite, not dead
+    _, alive = output_moments(x, dead=True)
+    assert alive.tolist() == [True, False, True, True]

@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 from _models import ReleaseProcessGroup, flat_grad_norm, loader, regression_data
 from conftest import HostReads, RecordingLogger, trainer_kwargs
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from test_producer import Clamp, Log
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainvitals import GradNormMonitor, TrainingGuard
+from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor, TrainingGuard
 from trainvitals.guard.callback import SKIP_BATCHES_FILE
 from trainvitals.report.events import read_runs
 
@@ -115,16 +115,77 @@ def test_a_spike_with_rollback_restores_the_snapshot_and_the_lr_factor_applies()
     trainer, said = _fit(model, guard)
     seen = model.seen
     assert guard.rollbacks == 1 and "rolled back to the snapshot of optimizer step 6" in said[0]  # of 0, 2, 4, 6
-    # The optimizer at step 7 sees the snapshot's weights and momentum, and no gradient: nothing applied.
-    assert _equal(seen[7]["weights"], seen[6]["weights"]) and _equal(seen[7]["momentum"], seen[6]["momentum"])
-    assert all(g is None for g in seen[7]["grads"])
+    # Every reader of step 7 sees its own weights and gradients; after it, the snapshot's weights and momentum.
+    assert not _equal(seen[7]["weights"], seen[6]["weights"]) and all(g is not None for g in seen[7]["grads"])
     assert _equal(seen[8]["weights"], seen[6]["weights"]) and _equal(seen[8]["momentum"], seen[6]["momentum"])
     # The lr factor for the two steps after it, then the lr as it was.
     assert [seen[s]["lr"] for s in (6, 7, 8, 9, 10)] == [LR, LR, LR * 0.5, LR * 0.5, LR]
     # The step taken at 8 is SGD's with momentum at half the lr: buf = μ·buf + g, w -= (lr/2)·buf.
     for w8, buf8, g8, w9 in zip(seen[8]["weights"], seen[8]["momentum"], seen[8]["grads"], seen[9]["weights"]):
         torch.testing.assert_close(w9, w8 - 0.5 * LR * (MOMENTUM * buf8 + g8))
-    assert all(not opt._optimizer_step_post_hooks for opt in trainer.optimizers)  # nothing left installed
+    assert all(not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks for opt in trainer.optimizers)
+
+
+@pytest.mark.parametrize("action", ["skip", "rollback"])
+def test_the_guard_acts_after_every_reader_of_the_step_first_or_last_in_the_list(action):
+    """GradNormMonitor, BatchVarianceProbe and GradNormEarlyStopping log the same numbers with the guard first
+    in the callbacks list as last: it drops the gradients and rolls back only after they read the step."""
+
+    def fit(first: bool):
+        guard = TrainingGuard(on_nonfinite=action, on_spike=action, spike_warmup_steps=3, snapshot_every_n_steps=2)
+        others = [
+            GradNormMonitor(log_every_n_steps=1),
+            BatchVarianceProbe(measure_every_n_steps=1),
+            GradNormEarlyStopping(min_steps=2, patience=50, check_every_n_steps=1),
+        ]
+        torch.manual_seed(0)
+        recording, model = RecordingLogger(), Net(nan_at={5}, spike_at={9})
+        callbacks = [guard, *others] if first else [*others, guard]
+        trainer = pl.Trainer(**trainer_kwargs(max_steps=12, callbacks=callbacks, logger=recording, log_every_n_steps=1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, loader(regression_data(64, 6), 8))
+        return model, guard, recording.series
+
+    (model_a, guard_a, a), (model_b, guard_b, b) = fit(first=True), fit(first=False)
+    assert {"grad_norm/total", "grad_noise/b_simple", "grad_noise/trace_cov", "grad_norm/noise_floor"} <= set(a)
+    assert {t: repr(v) for t, v in a.items()} == {t: repr(v) for t, v in b.items()}  # NaNs compared as text
+    assert a["grad_norm/nonfinite_steps"][-1] == (11, 1.0)  # GradNormMonitor saw the NaN step in both orders
+    assert [s for s, _ in a["grad_noise/trace_cov"]] == list(range(12))  # the probe measured every step
+    for model, guard in ((model_a, guard_a), (model_b, guard_b)):
+        assert [(e["global_step"], e["kind"]) for e in guard.events] == [(5, "nonfinite"), (9, "spike")]
+        target = {"skip": (5, 9), "rollback": (4, 8)}[action]  # the weights before the step, or the snapshot's
+        assert _equal(model.seen[6]["weights"], model.seen[target[0]]["weights"])
+        assert _equal(model.seen[10]["weights"], model.seen[target[1]]["weights"])
+    assert _equal(list(model_a.parameters()), list(model_b.parameters()))
+
+
+def test_the_lr_factor_shows_in_param_groups_and_the_lr_scheduler_keeps_shaping_the_lr():
+    class Scheduled(Net):  # the lr × 0.9 at every step (a chainable scheduler: it reads the group's lr)
+        def __init__(self) -> None:
+            super().__init__(spike_at={7})
+            self.in_step: dict[int, float] = {}
+
+        def configure_optimizers(self):
+            optimizer = super().configure_optimizers()
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            self.in_step[self.global_step] = optimizer.param_groups[0]["lr"]
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+    model, recording = Scheduled(), RecordingLogger()
+    guard = TrainingGuard(
+        on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, lr_factor=0.5, lr_factor_steps=2
+    )
+    _fit(model, guard, callbacks=[LearningRateMonitor()], logger=recording, log_every_n_steps=1)
+    factor = {8: 0.5, 9: 0.5}  # the two steps after the rollback at step 7
+    expected = [LR * 0.9**s * factor.get(s, 1.0) for s in range(12)]
+    assert [model.in_step[s] for s in range(12)] == pytest.approx(expected, rel=1e-12)
+    assert [lr for _, lr in recording.series["lr-SGD"]] == pytest.approx(expected, rel=1e-6)
+    assert recording.series["guard/lr_factor"] == [(8, 0.5), (9, 0.5), (10, 1.0)]
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.9**12, rel=1e-12)
 
 
 def test_under_accumulation_an_event_reports_the_steps_mean_loss_and_its_gradient_norm():
@@ -211,6 +272,64 @@ def test_the_layer_that_made_the_nan_is_named_and_agrees_with_detect_anomaly():
             F.mse_loss(model.net(x), y).backward()
     assert str(error.value).split("'")[1] == guard.producer.op == "LogBackward0"
     assert all(not m._forward_hooks for m in model.modules())  # the search left nothing installed
+
+
+def test_under_accumulation_a_nan_is_pinned_on_its_micro_batch_and_a_finite_rerun_is_said():
+    class NanInBatch(Net):  # the loss of one micro-batch (batch_idx 5: step 1's second of four) is NaN
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if batch_idx == 5 else loss
+
+    guard = TrainingGuard(on_nonfinite="skip")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[guard], accumulate_grad_batches=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(NanInBatch(), loader(regression_data(64, 6), 8))
+    said = [str(w.message) for w in caught if "TrainingGuard" in str(w.message)]
+    (event,) = guard.events
+    assert (event["global_step"], event["batch_idx"], event["batches"]) == (1, 5, [4, 5, 6, 7])
+    assert guard.producer.where == "loss"  # batch 5 was the one re-run, and its loss is where the NaN was made
+    assert "batch 5 of batches 4–7" in said[0]
+
+    # A finite loss with a NaN gradient in micro-batch 4: the last one (7) is re-run, and its finiteness said.
+    model, guard = LogModel(), TrainingGuard(on_nonfinite="skip")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[guard], accumulate_grad_batches=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _log_data(bad_batch=4))
+    said = [str(w.message) for w in caught if "TrainingGuard" in str(w.message)]
+    (event,) = guard.events
+    assert (event["global_step"], event["batch_idx"], event["batches"]) == (1, 7, [4, 5, 6, 7])
+    assert guard.producer is None and "re-run of batch 7 was finite" in event["detail"]
+    assert (
+        "The re-run of batch 7 was finite: the inf/NaN came from another micro-batch of the step (batches 4–7)"
+        in said[0]
+    )
+
+
+@pytest.mark.parametrize("guard_first", [True, False])
+def test_the_monitors_warning_quotes_the_guards_producer_in_either_order(guard_first):
+    """GradNormMonitor names the layers whose gradient held the NaN; beside a TrainingGuard it also says which one
+    made it, whichever of the two comes first in the list."""
+    guard, monitor = TrainingGuard(on_nonfinite="skip"), GradNormMonitor(log_every_n_steps=1)
+    callbacks = [guard, monitor] if guard_first else [monitor, guard]
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=callbacks))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(LogModel(), _log_data(bad_batch=3))
+    said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
+    assert len(said) == 1 and "optimizer step 3" in said[0]
+    assert "`net.2` (LogBackward0)" in said[0] and "divergence" not in said[0]
+
+
+def test_without_a_guard_the_monitors_warning_points_to_it():
+    monitor = GradNormMonitor(log_every_n_steps=1)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[monitor]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(LogModel(), _log_data(bad_batch=3))
+    said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
+    assert len(said) == 1 and "TrainingGuard()" in said[0]
 
 
 class HalfEpsSGD(torch.optim.SGD):
@@ -368,6 +487,19 @@ def test_under_a_grad_scaler_its_own_skip_is_respected_not_doubled():
     assert all(g is not None for g in model.seen[3]["grads"]) and "the GradScaler skips" in said[0]
     assert _equal(model.seen[3]["weights"], model.seen[4]["weights"])
     assert trainer.precision_plugin.scaler.get_scale() == 2.0**7  # backed off once
+    # A spike to skip: the scaler steps, the guard drops the gradients before the update (no closure then).
+    model, guard = Net(spike_at={5}), TrainingGuard(on_spike="skip", spike_warmup_steps=3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # the spike's gradient stays finite in float16
+    trainer, _ = _fit(model, guard, max_steps=7, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert [(e["global_step"], e["action"]) for e in guard.events] == [(5, "skip")]
+    assert _equal(model.seen[5]["weights"], model.seen[6]["weights"]) and all(
+        g is not None for g in model.seen[5]["grads"]
+    )
+    assert scaler.get_scale() == 1.0  # no skip of the scaler's own
+    # A NaN loss to roll back: the scaler skips the step, the guard restores the snapshot at the batch's end.
+    model, guard = Net(nan_at={5}), TrainingGuard(on_nonfinite="rollback", snapshot_every_n_steps=2)
+    trainer, _ = _fit(model, guard, max_steps=7, plugins=[_amp()])
+    assert guard.rollbacks == 1 and _equal(model.seen[6]["weights"], model.seen[4]["weights"])
 
 
 def test_a_rollback_without_a_target_is_a_skip_not_a_crash():

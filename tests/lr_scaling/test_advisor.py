@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -543,3 +544,31 @@ def test_a_reference_naming_no_group_is_said_once_at_fit_start() -> None:
     said = [w for w in caught if "none of the optimizers' parameter groups" in str(w.message)]
     assert len(said) == 1 and "'Adam'" in str(said[0].message)
     assert "none of the optimizers' parameter groups" in advisor.summary_markdown()
+
+
+class CarriedState(Model):
+    """A state of one row per example kept from batch to batch, as a recurrent hidden state is: the step
+    fails on any other batch size, the duplicated batch of the loss-reduction probe included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = torch.zeros(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x) + self.state
+        self.state = out.detach()
+        return F.mse_loss(out, y)
+
+
+@pytest.mark.parametrize("detect", [True, False])
+def test_a_step_that_cannot_be_rerun_on_a_doubled_batch_is_told_the_switch_that_skips_it(detect):
+    advisor = LRScalingAdvisor(detect_loss_reduction=detect)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(CarriedState(), [advisor], batch_size=8)
+    said = [str(w.message) for w in record if "LRScalingAdvisor" in str(w.message)]
+    assert len(said) == detect
+    if detect:
+        assert "RuntimeError" in said[0] and "detect_loss_reduction=False" in said[0]
+    assert advisor.loss_reduction is None  # nothing was learnt, nothing assumed

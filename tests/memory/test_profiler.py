@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import re
 import sys
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -292,6 +293,54 @@ def test_running_loss_as_a_float_stays_flat_and_reports_nothing():
     # The retained graph of each step has no holder left by the step's end: it is freed with the loss.
     assert logger.values("memory/held_saved_bytes") == [0.0] * 6
     assert profiler.findings == []
+
+
+def _all_callbacks(reverse: bool) -> list[Callback]:
+    """Every trainvitals callback, the profiler measuring each step, in one order or its reverse."""
+    from trainvitals import (
+        BatchVarianceProbe,
+        GradNormEarlyStopping,
+        GradNormMonitor,
+        GraphIntegrityCallback,
+        LRScalingAdvisor,
+        TrainingGuard,
+        TrainvitalsDashboard,
+    )
+
+    callbacks = [
+        GraphIntegrityCallback(check_every_n_steps=2, dead_after_steps=1),
+        GradNormMonitor(),
+        BatchVarianceProbe(measure_every_n_steps=1),
+        GradNormEarlyStopping(verbose=False),
+        LRScalingAdvisor(),
+        MemoryTopologyProfiler(measure_every_n_steps=1),
+        TrainvitalsDashboard(progress_bar=False),
+        TrainingGuard(),
+    ]
+    return callbacks[::-1] if reverse else callbacks
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
+def test_what_another_callback_reads_from_the_graph_is_not_held_in_either_order(reverse):
+    """Under accumulation, GraphIntegrityCallback's micro-batch check keeps the divisor cross-entropy saved
+    (nll_loss's 0-d total weight, B = 8) until its window closes: its own read of the graph, not the graph.
+    Nothing is held after any step, whichever the callbacks' order; the running-loss leak still is."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the stopper's min_steps outlasts the fit: meant
+        logger = RecordingLogger()
+        callbacks = _all_callbacks(reverse)
+        fit(Classifier(), callbacks[0], logger, extra_callbacks=callbacks[1:], max_steps=4, accumulate_grad_batches=2)
+    assert logger.values("memory/held_saved_bytes") == [0.0] * 4
+    assert logger.values("memory/activations_bytes") == [ACTIVATION_BYTES] * 4
+
+    callbacks = _all_callbacks(reverse)
+    profiler = next(cb for cb in callbacks if isinstance(cb, MemoryTopologyProfiler))
+    leaking = RecordingLogger()
+    with pytest.warns(UserWarning, match=r"kept alive across steps.*`self\.running_loss`"):
+        fit(RunningLoss(as_float=False), callbacks[0], leaking, extra_callbacks=callbacks[1:], max_steps=4)
+    held = leaking.values("memory/held_saved_bytes")
+    assert held[-1] == pytest.approx(4 * ACTIVATION_BYTES, rel=0.10) and all(b > a for a, b in zip(held, held[1:]))
+    assert profiler.findings[0].holders == ("self.running_loss",)
 
 
 class _OutputsMustDie(Callback):
@@ -671,3 +720,11 @@ def test_verbose_false_keeps_the_table_off_the_console(caplog):
         fit(Classifier(body=_body()), profiler, max_steps=2)
     assert "### Saved for backward, by module" in profiler.summary_markdown()
     assert "Saved for backward" not in caplog.text
+
+
+def test_the_budget_line_says_where_the_budget_comes_from():
+    """A budget alone ("Budget 1.00 MiB") leaves a reader guessing: the line names the argument it came from."""
+    profiler = MemoryTopologyProfiler(first_steps=1, memory_budget_bytes=2**20, verbose=False)
+    fit(Classifier(), profiler, max_steps=1)
+    (line,) = [ln for ln in profiler.summary_markdown().splitlines() if ln.startswith("Budget")]
+    assert "1.00 MiB" in line and "memory_budget_bytes" in line and str(profiler.last.largest_batch()) in line

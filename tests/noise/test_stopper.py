@@ -644,7 +644,8 @@ def test_a_batchnorm_cnn_with_accumulation_is_decided_by_the_micro_batches():
     assert not _caveats(record) and not probe.noise_source.invalid
     assert not probe._plan.per_example and "measured from micro-batches and ranks" in probe.sources
     summary = stopper.gradient_noise.host_summary()
-    assert summary["decisive"] and set(summary["sources"]) == {"micro_batch", "probe"}
+    # The probe's micro-batch estimator is the stopper's on the same gradients: counted once.
+    assert summary["decisive"] and summary["sources"] == ("micro_batch",)
     # A decisive estimate (from its 20th measurement, step 19) stops after its patience: every step is in the band.
     assert stopper.stopped_step == MIN_MEASUREMENTS - 1 + 4
     markdown = stopper.summary_markdown()  # one line of sources, the estimate's
@@ -792,3 +793,33 @@ def test_a_noise_band_stop_resumed_still_names_its_estimate(tmp_path):
     text = resumed.summary_markdown()
     assert resumed.stopped_again_step is not None and "no noise source" not in text
     assert "micro_batch" in text and "B_simple" in text
+
+
+def test_the_expected_batch_norm_is_the_smoothed_rms_of_the_observed_norm():
+    """E‖ḡ_B‖² = ‖G‖² + tr Σ/B (McCandlish Eq. A.1). The micro-batch estimators make it exact step by step,
+    ‖G‖²_est + S_est/B = ‖ḡ_B‖², and the finite-population correction leaves the sum as it is: the logged
+    grad_noise/expected_batch_norm² is the bias-corrected EMA (β = 0.9) of the monitor's ‖ḡ‖², and the noise
+    level sqrt(tr Σ/B) lies below it while ‖G‖² > 0."""
+    d, steps, accumulate, micro, beta = 6, 30, 4, 8, 0.9
+    logger = RecordingLogger()
+    _fit(
+        LinearRegression(torch.full((d,), 0.5)),
+        [GradNormMonitor(), GradNormEarlyStopping(ema_beta=beta)],
+        regression_stream(steps * accumulate, micro, d, torch.zeros(d), 1.0),
+        logger=logger,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        log_every_n_steps=1,
+    )
+    norms = logger.values("grad_norm/total")
+    assert len(norms) == steps
+    ema, smoothed = 0.0, []
+    for t, norm in enumerate(norms, 1):
+        ema = beta * ema + (1 - beta) * norm**2
+        smoothed.append(math.sqrt(ema / (1 - beta**t)))
+    logged = dict(logger.series["grad_noise/expected_batch_norm"])
+    assert len(logged) == steps
+    for step, value in logged.items():
+        assert value == pytest.approx(smoothed[step], rel=1e-4)
+    level = dict(logger.series["grad_norm/noise_floor"])
+    assert all(level[s] < logged[s] for s in logged if s >= 5)

@@ -22,7 +22,7 @@ from _models import Regressor, loader, regression_data  # noqa: E402
 from conftest import RecordingLogger  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
-from trainvitals import GradNormEarlyStopping, GradNormMonitor  # noqa: E402
+from trainvitals import GradNormEarlyStopping, GradNormMonitor, UpdateMonitor  # noqa: E402
 
 
 class ShardedRegressor(Regressor):
@@ -42,11 +42,23 @@ class ShardedRegressor(Regressor):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         flat = torch.cat([p.grad.full_tensor().reshape(-1).double() for p in self.parameters()])
         self.reference_norms.append(torch.linalg.vector_norm(flat, self.norm_type).item())
+        self._before = [p.full_tensor().detach().double().clone() for p in self.parameters()]
+
+    def on_train_batch_end(self, *_) -> None:
+        after = [p.full_tensor().detach().double() for p in self.parameters()]
+        delta = torch.cat([(a - b).reshape(-1) for a, b in zip(after, self._before)])
+        self.reference_updates.append(torch.linalg.vector_norm(delta).item())
+        self.reference_ratios.append(
+            self.reference_updates[-1]
+            / torch.linalg.vector_norm(torch.cat([b.reshape(-1) for b in self._before])).item()
+        )
 
 
 def main(out: str, norm_type: float) -> None:
     torch.manual_seed(0)
     model, logger = ShardedRegressor(norm_type, lr=0.05), RecordingLogger()
+    model.reference_updates, model.reference_ratios = [], []
+    updates = UpdateMonitor(log_every_n_steps=1)
     monitor = GradNormMonitor(norm_type=norm_type, log_every_n_steps=1, histogram_every_n_steps=0)
     stopper = GradNormEarlyStopping(mode="threshold", threshold=1e9, patience=3, min_steps=0, check_every_n_steps=1)
     trainer = pl.Trainer(
@@ -55,7 +67,7 @@ def main(out: str, norm_type: float) -> None:
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_steps=8,
         logger=logger,
-        callbacks=[monitor, stopper],
+        callbacks=[monitor, stopper, updates],
         log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -65,6 +77,8 @@ def main(out: str, norm_type: float) -> None:
     result = {
         "series": dict(logger.series),
         "reference": model.reference_norms,
+        "reference_updates": model.reference_updates,
+        "reference_ratios": model.reference_ratios,
         "global_step": trainer.global_step,
         "last_total": float(monitor.last_total[0]),
         "stopped_step": stopper.stopped_step,

@@ -1,4 +1,5 @@
-"""GradNormMonitor and GradNormEarlyStopping under FSDP2: gradients are DTensor shards on each rank."""
+"""GradNormMonitor, GradNormEarlyStopping and UpdateMonitor under FSDP2: parameters and gradients are DTensor
+shards on each rank."""
 
 from __future__ import annotations
 
@@ -43,3 +44,11 @@ def test_norms_are_those_of_the_full_gradient_not_of_a_shard(ranks):
 def test_the_stop_is_taken_on_every_rank_at_the_same_step(ranks):
     assert ranks[0]["stopped_step"] == ranks[1]["stopped_step"] is not None
     assert ranks[0]["global_step"] == ranks[1]["global_step"] < 8
+
+
+@pytest.mark.slow
+def test_update_norms_are_those_of_the_full_parameters(ranks):
+    """‖Δθ‖ and ‖Δθ‖/‖θ‖ over DTensor shards: those of the whole parameters, gathered with ``full_tensor()``."""
+    logged = ranks[0]["series"]
+    assert [v for _, v in logged["update/total_norm"]] == pytest.approx(ranks[0]["reference_updates"], rel=1e-5)
+    assert [v for _, v in logged["update/total_ratio"]] == pytest.approx(ranks[0]["reference_ratios"], rel=1e-5)

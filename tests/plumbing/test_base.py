@@ -137,3 +137,36 @@ def test_an_unknown_reduction_or_one_of_a_state_that_is_no_tensor_is_refused() -
         TrainvitalsCallback().add_state("x", torch.zeros(()), dist_reduce_fx="prod")
     with pytest.raises(ValueError, match="dist_reduce_fx.*`x`"):
         TrainvitalsCallback().add_state("x", 0, dist_reduce_fx="sum")
+
+
+def test_a_fit_prints_trainvitals_warnings_without_file_path_or_source_line() -> None:
+    """Python prints ``file:line: UserWarning: text`` and the source line; ours print as their text alone
+    (Lightning drops the source line of its own), in a real fit's stderr."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parents[1]
+    script = (
+        "import sys, warnings; sys.path.insert(0, sys.argv[1]); warnings.simplefilter('always')\n"
+        "import lightning.pytorch as pl\n"
+        "from _models import Regressor, loader, regression_data\n"
+        "from trainvitals import GradNormEarlyStopping\n"
+        "pl.Trainer(max_steps=3, accelerator='cpu', logger=False, enable_checkpointing=False,\n"
+        "    enable_progress_bar=False, enable_model_summary=False, callbacks=[GradNormEarlyStopping()]\n"
+        ").fit(Regressor(), loader(regression_data(), 16))\n"
+    )
+    src = str(Path(__file__).parents[2] / "src")
+    env = {**__import__("os").environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tests)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    ours = [i for i, line in enumerate(lines) if "trainvitals GradNormEarlyStopping" in line]
+    assert ours, done.stderr  # the fit ends before the stopper could stop: it says so
+    for i in ours:
+        assert lines[i].startswith("trainvitals GradNormEarlyStopping: "), lines[i]
+        assert i + 1 == len(lines) or "self.warn" not in lines[i + 1]  # no source line under it
+    assert any("min_steps 100" in lines[i] for i in ours)
+    assert "stopper.py" not in done.stderr and "UserWarning" not in "\n".join(lines[i] for i in ours)

@@ -12,6 +12,7 @@ import torch
 from _models import Regressor, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from trainvitals import (
     BatchVarianceProbe,
@@ -22,6 +23,9 @@ from trainvitals import (
     MemoryTopologyProfiler,
     TrainvitalsDashboard,
 )
+from trainvitals.report.assess import assess
+from trainvitals.report.events import read_runs
+from trainvitals.tags import DIAGNOSIS_TAG, FIT_END_TAG
 
 EPOCHS = 3  # of 4 optimizer steps: 8 batches of 8 examples, 2 micro-batches a step
 
@@ -38,7 +42,7 @@ def _callbacks() -> list[Any]:
     ]
 
 
-def _fit(max_epochs: int, path, ckpt_path=None) -> tuple[list[Any], dict[str, Any]]:
+def _fit(max_epochs: int, path, ckpt_path=None, logger=None) -> tuple[list[Any], dict[str, Any]]:
     """Fit to ``max_epochs`` (resuming from ``ckpt_path``), save to ``path``; returns the callbacks and the
     saved callback states."""
     torch.manual_seed(0)
@@ -46,7 +50,7 @@ def _fit(max_epochs: int, path, ckpt_path=None) -> tuple[list[Any], dict[str, An
     trainer = Trainer(
         **trainer_kwargs(
             callbacks=callbacks,
-            logger=RecordingLogger(),
+            logger=logger or RecordingLogger(),
             max_epochs=max_epochs,
             accumulate_grad_batches=2,
             log_every_n_steps=1,
@@ -118,3 +122,37 @@ def test_a_zero_step_fit_keeps_every_callbacks_state_and_the_next_resume_continu
     assert math.isfinite(b_simple(first)) and b_simple(relaunched) == pytest.approx(b_simple(first), rel=1e-12)
     line = next(cb for cb in first if isinstance(cb, BatchVarianceProbe)).summary_line()
     assert next(cb for cb in relaunched if isinstance(cb, BatchVarianceProbe)).summary_line() == line
+
+
+def test_a_zero_step_relaunch_into_the_same_log_folder_leaves_the_runs_diagnoses_standing(tmp_path):
+    """The requeued job logs into the folder of the fit it resumed: its panels land at the same step, and the
+    report reads each panel's latest. Only the diagnoses made from the restored state are written again (the
+    stopper's, the integrity findings), equal to the first fit's; the others (the monitor's "no step measured",
+    the profiler's "no step profiled", the advisor's empty table) are not written, and the report reads the run
+    as the first fit left it, exit status 0."""
+    logger = lambda: TensorBoardLogger(tmp_path / "logs", name="", version=0)  # noqa: E731
+    _fit(EPOCHS - 1, tmp_path / "first.ckpt", logger=logger())
+    (run,) = read_runs(tmp_path / "logs")
+    before = {tag: run.text(tag) for tag in run.texts if tag != FIT_END_TAG}
+    written = {tag: len(entries) for tag, entries in run.texts.items()}
+    expected_report = assess(run)
+    assert {f"{DIAGNOSIS_TAG}/MemoryTopologyProfiler", "memory/report", "lr_scaling/advice"} <= set(before)
+
+    relaunched, _ = _fit(EPOCHS - 1, tmp_path / "relaunched.ckpt", ckpt_path=tmp_path / "first.ckpt", logger=logger())
+    (run,) = read_runs(tmp_path / "logs")
+    assert {tag: run.text(tag) for tag in run.texts if tag != FIT_END_TAG} == before
+    rewritten = {tag for tag, entries in run.texts.items() if len(entries) > written[tag]}
+    assert rewritten == {
+        FIT_END_TAG,
+        f"{DIAGNOSIS_TAG}/GradNormEarlyStopping",
+        f"{DIAGNOSIS_TAG}/GraphIntegrityCallback",
+    }
+    assert [step for step, _ in run.texts[FIT_END_TAG]] == [8, 8]  # 8 optimizer steps, the relaunch none
+    report = assess(run)
+    assert (report.exit_status, report.status, report.last_step) == (0, "ok", expected_report.last_step)
+    assert report.panels == expected_report.panels and report.sections == expected_report.sections
+
+    dashboard = next(cb for cb in relaunched if isinstance(cb, TrainvitalsDashboard))
+    assert dashboard._panels == 2
+    advisor = next(cb for cb in relaunched if isinstance(cb, LRScalingAdvisor))
+    assert "batch_size" not in advisor.summary_line() and "batch size" not in advisor.summary_line()

@@ -97,14 +97,14 @@ def test_per_example_norms_that_fail_leave_the_layer_to_a_fallback(monkeypatch):
     """An exception inside the probe's backward hook would surface in the user's backward: it is recorded
     as that layer's failure instead, the step is measured over the other layers, and the layer is measured
     another way from then on."""
-    measure = per_example.linear.LinearRule.sq_norms
+    measure = per_example.rules.linear.LinearRule.sq_norms
 
     def fails_on_the_last_layer(self, module, *args, **kwargs):
         if module.out_features == 1:
             raise RuntimeError("an unforeseen layout")
         return measure(self, module, *args, **kwargs)
 
-    monkeypatch.setattr(per_example.linear.LinearRule, "sq_norms", fails_on_the_last_layer)
+    monkeypatch.setattr(per_example.rules.linear.LinearRule, "sq_norms", fails_on_the_last_layer)
     probe = BatchVarianceProbe()
     with pytest.warns(UserWarning, match="net.4: per-example norms failed: RuntimeError: an unforeseen layout"):
         trainer = Trainer(**trainer_kwargs(callbacks=[probe], logger=False, max_steps=4))

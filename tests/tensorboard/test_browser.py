@@ -25,7 +25,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_dashboard import chart_tags, read_layout
 
-from trainvitals.tensorboard.layout import BAND_CHART, GRAD_NORM_CHART
+from trainvitals.tensorboard.layout import BAND_CHART, GRAD_NORM_CHART, IN_BAND_CHART
 
 pytestmark = pytest.mark.browser
 
@@ -170,7 +170,7 @@ def test_custom_scalars_dashboard_renders_the_trainvitals_charts(
     for title in (
         GRAD_NORM_CHART,
         BAND_CHART,
-        "in the noise band (1 = yes)",
+        IN_BAND_CHART,
         "B_simple vs effective batch (examples)",
         "per-layer gradient norm: features",
         "per-layer gradient norm: head",

@@ -26,7 +26,14 @@ from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.plumbing.sharing import GRADIENT_NOISE, Vitals
 from trainvitals.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
 from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, progress_bar_values
-from trainvitals.tensorboard.layout import BAND_CATEGORY, BAND_CHART, CATEGORY, GRAD_NORM_CHART, trainvitals_layout
+from trainvitals.tensorboard.layout import (
+    BAND_CATEGORY,
+    BAND_CHART,
+    CATEGORY,
+    GRAD_NORM_CHART,
+    IN_BAND_CHART,
+    trainvitals_layout,
+)
 
 
 def fit(tmp_path: Path, *callbacks: pl.Callback, **overrides) -> tuple[pl.Trainer, EventAccumulator]:
@@ -98,12 +105,17 @@ def test_layout_is_written_once_as_tensorboards_custom_scalars(monitored) -> Non
 def test_charts_pick_up_what_the_callbacks_log(monitored) -> None:
     trainer, acc = monitored
     picked = chart_tags(read_layout(acc), acc)
-    assert picked[GRAD_NORM_CHART] == ["grad_norm/total", "grad_norm/noise_floor", "grad_norm/noise_floor_se"]
+    assert sorted(picked[GRAD_NORM_CHART]) == [
+        "grad_noise/expected_batch_norm",  # beside ‖ḡ‖, what it is expected to be: sqrt(‖G‖² + tr Σ/B)
+        "grad_norm/noise_floor",
+        "grad_norm/noise_floor_se",
+        "grad_norm/total",
+    ]
     assert picked[BAND_CHART] == ["grad_norm/band_norm", "grad_norm/band_floor", "grad_norm/band_edge"]
     # TensorBoard draws a margin chart only where its value, lower and upper series have the same steps.
     band_steps = [[e.step for e in acc.Scalars(tag)] for tag in picked[BAND_CHART]]
     assert band_steps[0] and band_steps[0] == band_steps[1] == band_steps[2]
-    assert picked["in the noise band (1 = yes)"] == ["grad_norm/in_noise_band"]
+    assert picked[IN_BAND_CHART] == ["grad_norm/in_noise_band"]
     assert picked["B_simple vs effective batch (examples)"] == ["grad_noise/b_simple"]  # the run's one B_simple
     layers = {name for name, m in trainer.lightning_module.named_modules() if list(m.parameters(recurse=False))}
     for group in ("features", "head"):
@@ -322,10 +334,11 @@ def test_the_layout_follows_the_loggers_prefix(tmp_path: Path) -> None:
     trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
     acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0}).Reload()
     picked = chart_tags(read_layout(acc), acc)
-    assert picked[GRAD_NORM_CHART] == [
-        "fold1-grad_norm/total",
+    assert sorted(picked[GRAD_NORM_CHART]) == [
+        "fold1-grad_noise/expected_batch_norm",
         "fold1-grad_norm/noise_floor",
         "fold1-grad_norm/noise_floor_se",
+        "fold1-grad_norm/total",
     ]
     assert picked[BAND_CHART] == [
         "fold1-grad_norm/band_norm",

@@ -21,7 +21,15 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from trainvitals._validation import check_callable, check_float, check_int
-from trainvitals.activations.stats import DEAD_TYPES, STATS, combine_moments, finish, output_moments, output_tensors
+from trainvitals.activations.stats import (
+    DEAD_TYPES,
+    STATS,
+    ZERO_GRADIENT_TYPES,
+    combine_moments,
+    finish,
+    output_moments,
+    output_tensors,
+)
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharing import SUMMARY
@@ -100,6 +108,8 @@ class ActivationMonitor(TrainvitalsCallback):
         self.add_state("_last", {}, key="last")
         self._last_step: int | None
         self.add_state("_last_step", None, key="last_step")
+        # Per ReLU-family/GELU output: whether ≤ 0 there means no gradient (ReLU) or a small one (GELU, SiLU, ...).
+        self.add_state("_zero_gradient", {}, key="zero_gradient")
         self._nonfinite: list[Any] | None  # [step, module] of the first non-finite output
         self.add_state("_nonfinite", None, key="nonfinite")
         self._modules: list[tuple[str, nn.Module]]
@@ -170,12 +180,20 @@ class ActivationMonitor(TrainvitalsCallback):
                 "(the first module in forward order whose output held them)"
             )
         dead = {k: v["dead_fraction"] for k, v in self._last.items() if v.get("dead_fraction", 0.0) > self.dead_share}
-        if dead:
+        zero = {k: v for k, v in dead.items() if self._zero_gradient.get(k, False)}
+        if zero:
             found.append(
                 f"dead units above {self.dead_share:.0%} at step {self._last_step}: "
-                + ", ".join(f"`{k}` {v:.0%}" for k, v in dead.items())
+                + ", ".join(f"`{k}` {v:.0%}" for k, v in zero.items())
                 + " — these units are ≤ 0 for every example, so no gradient flows through them: lower the lr, "
                 "check the initialisation and the biases, or use a leaky activation"
+            )
+        if inactive := {k: v for k, v in dead.items() if k not in zero}:
+            found.append(
+                f"inactive units above {self.dead_share:.0%} at step {self._last_step}: "
+                + ", ".join(f"`{k}` {v:.0%}" for k, v in inactive.items())
+                + " — their input is ≤ 0 for every example, where this activation passes only the small gradient "
+                "of its negative branch: check the initialisation and the biases before it"
             )
         growing = [k for k, rms in self._history.items() if _growing(rms, self.growth_steps, self.growth_factor)]
         if growing:
@@ -214,11 +232,12 @@ class ActivationMonitor(TrainvitalsCallback):
         return bool(self.modules(name, module))
 
     def _on_output(self, name: str, dead: bool, module: nn.Module, inputs: Any, output: Any) -> None:
-        tensors = output_tensors(output)
-        keys = [name] if len(tensors) == 1 else [f"{name}[{i}]" for i in range(len(tensors))]
-        for key, tensor in zip(keys, tensors):
+        for place, tensor in output_tensors(output):
+            key = name + place
             if key not in self._rows and tensor.numel():
                 self._rows[key] = output_moments(tensor, dead)
+                if dead:
+                    self._zero_gradient[key] = isinstance(module, ZERO_GRADIENT_TYPES)
 
     def _statistics(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", rows: list[tuple[Tensor, Tensor | None]]

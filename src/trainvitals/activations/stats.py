@@ -18,6 +18,8 @@ from torch import Tensor, nn
 MOMENTS = ("count", "mean", "m2", "m3", "m4", "abs_max", "nonfinite")
 """A row of :func:`output_moments`: n, μ, Σ(x−μ)², Σ(x−μ)³, Σ(x−μ)⁴, max |x|, 1.0 if inf/NaN were found."""
 
+_CONSTANT_REL = 1e-6  # a standard deviation below this share of max |x| is float32 rounding: a constant output
+
 STATS = ("rms", "abs_max", "mean", "kurtosis", "dead_fraction")
 """What :func:`finish` gives per output (``dead_fraction`` NaN where not an activation of :data:`DEAD_TYPES`)."""
 
@@ -36,7 +38,12 @@ DEAD_TYPES: tuple[type[nn.Module], ...] = (
     nn.Hardswish,
 )
 """Modules whose output is ≤ 0 exactly where their input is ≤ 0 (ReLU family, GELU, SiLU, ...): a unit
-whose output is ≤ 0 for every example of a batch gets no gradient through the positive branch: dead."""
+whose output is ≤ 0 for every example of a batch gets no gradient through the positive branch. For
+:data:`ZERO_GRADIENT_TYPES` that is no gradient at all (dead); the others pass the small gradient of their
+negative branch (inactive)."""
+
+ZERO_GRADIENT_TYPES: tuple[type[nn.Module], ...] = (nn.ReLU, nn.ReLU6)
+"""Of :data:`DEAD_TYPES`, those whose gradient is exactly 0 where their input is ≤ 0."""
 
 
 def output_moments(output: Tensor, dead: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -69,7 +76,8 @@ def output_moments(output: Tensor, dead: bool = False) -> tuple[Tensor, Tensor |
             (~torch.isfinite(abs_max)).double(),
         ]
     )
-    alive = x.flatten(1).amax(0) > 0 if dead and x.dim() >= 2 else None
+    # A unit is dead where it is ≤ 0 for every example; NaN is not ≤ 0, so a non-finite unit is not called dead.
+    alive = ~(x.flatten(1) <= 0).all(0) if dead and x.dim() >= 2 else None
     return row, alive
 
 
@@ -103,21 +111,24 @@ def combine_moments(rows: Tensor) -> Tensor:
 
 def finish(rows: Tensor) -> Tensor:
     """``(K, 7)`` rows of :data:`MOMENTS` → ``(K, 4)``: rms = √(m2/n + μ²), max |x|, μ, and Pearson's kurtosis
-    n·m4/m2² (3 for a Gaussian; NaN for a constant output). The dead fraction comes from the masks."""
+    n·m4/m2² (3 for a Gaussian; NaN for a constant output: a variance within float32 rounding of max |x|, since
+    the mean's own rounding leaves every deviation the same tiny value). The dead fraction comes from the masks."""
     n = rows[:, 0].clamp_min(1.0)
-    mean, m2, m4 = rows[:, 1], rows[:, 2], rows[:, 4]
+    mean, m2, m4, abs_max = rows[:, 1], rows[:, 2], rows[:, 4], rows[:, 5]
     rms = (m2 / n + mean**2).sqrt()
-    kurtosis = torch.where(m2 > 0, n * m4 / m2.square(), torch.full_like(m2, math.nan))
+    varies = m2 / n > (_CONSTANT_REL * abs_max) ** 2
+    kurtosis = torch.where(varies, n * m4 / m2.square(), torch.full_like(m2, math.nan))
     return torch.stack([rms, rows[:, 5], mean, kurtosis], dim=1)
 
 
-def output_tensors(output: object) -> list[Tensor]:
-    """The floating-point tensors of a module's output, in order: the tensor itself, or those of a
-    (nested) tuple, list or dict's values; integer and boolean tensors (indices, masks) left out."""
+def output_tensors(output: object, path: str = "") -> list[tuple[str, Tensor]]:
+    """The floating-point tensors of a module's output, in order, each with its place in the output: ``""`` for
+    the tensor itself, ``"[i]"`` for a tuple's or list's item, ``"[key]"`` for a dict's (nested: ``"[1][0]"``,
+    an LSTM's ``h_n``), so a tensor keeps its name when its neighbours change (attention's ``(out, None)`` with
+    ``need_weights=False``); integer and boolean tensors (indices, masks) left out."""
     if isinstance(output, Tensor):
-        return [output] if output.is_floating_point() else []
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in output_tensors(item)]
-    return []
+        return [(path, output)] if output.is_floating_point() else []
+    items = (
+        output.items() if isinstance(output, dict) else enumerate(output) if isinstance(output, (tuple, list)) else ()
+    )
+    return [found for key, item in items for found in output_tensors(item, f"{path}[{key}]")]

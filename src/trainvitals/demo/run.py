@@ -38,7 +38,7 @@ class DemoResult:
     epochs: int
     stop_reason: str
     grad_norm: float | None
-    noise_floor: float | None
+    noise_floor: float | None  # the noise level sqrt(tr Σ/B): the RMS norm of a batch gradient of pure noise
     smoothed_ratio: float | None  # sqrt(1 + EMA‖G‖² / (EMA tr Σ / B)): what the stop was decided on
     band_edge: float  # sqrt(1 + margin)
     val_acc: float | None
@@ -46,6 +46,7 @@ class DemoResult:
     seconds: float
     threads: int
     diagnoses: dict[str, str]
+    expected_norm: float | None = None  # sqrt(‖G‖² + tr Σ/B), the batch gradient's expected RMS norm; None: unmeasured
 
 
 def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
@@ -109,6 +110,7 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
         else f"reached max_epochs={args.max_epochs}",
         grad_norm=float(total) if total is not None else None,
         noise_floor=floor,
+        expected_norm=noise["expected_norm"] if floor else None,
         smoothed_ratio=smoothed,
         band_edge=math.sqrt(1.0 + stopper.margin),
         val_acc=float(metrics["val/acc"]) if "val/acc" in metrics else None,
@@ -120,14 +122,15 @@ def run_demo(args: argparse.Namespace) -> DemoResult:
 
 
 def format_summary(result: DemoResult, logdir: str, details: bool = True) -> str:
-    """The short summary; with ``details``, each callback's diagnosis after it, as aligned plain text."""
+    """The short summary; with ``details``, each callback's diagnosis before it, as aligned plain text: the
+    summary ends the output, where the eye is when the run is over."""
 
     def num(x: float | None, fmt: str) -> str:
         return "n/a" if x is None else format(x, fmt)
 
     ratio = (
-        f" ({result.grad_norm / result.noise_floor:.2f}× the floor)"
-        if result.grad_norm is not None and result.noise_floor
+        f" ({result.grad_norm / result.expected_norm:.2f}× the expected)"
+        if result.grad_norm is not None and result.expected_norm
         else ""
     )
     threads = f"{result.threads} torch thread{'s' if result.threads != 1 else ''}, --threads"
@@ -136,10 +139,11 @@ def format_summary(result: DemoResult, logdir: str, details: bool = True) -> str
             "trainvitals demo — digits CNN",
             f"  optimizer steps:   {result.steps} ({result.epochs} epochs, {result.seconds:.0f} s on {threads})",
             f"  why it stopped:    {result.stop_reason}",
-            f"  final grad norm:   {num(result.grad_norm, '.4f')} at the last step vs noise floor "
-            f"{num(result.noise_floor, '.4f')}{ratio}",
-            f"  smoothed:          E‖ḡ‖ ≈ {num(result.smoothed_ratio, '.2f')}× the floor (EMAs, what the stop is decided "
-            f"on; the band ends at {result.band_edge:.2f}×)",
+            f"  final grad norm:   {num(result.grad_norm, '.4f')} at the last step vs expected "
+            f"{num(result.expected_norm, '.4f')}{ratio}, the RMS sqrt(‖G‖² + tr Σ/B) single steps scatter about",
+            f"  smoothed:          E‖ḡ‖ ≈ {num(result.smoothed_ratio, '.2f')}× the noise level sqrt(tr Σ/B) = "
+            f"{num(result.noise_floor, '.4f')}, the RMS norm of pure noise (EMAs, what the stop is decided on; the band "
+            f"ends at {result.band_edge:.2f}×)",
             f"  val accuracy:      {num(result.val_acc, '.4f')}",
             f"  logs:              {result.log_dir}",
             f"  look at it:        tensorboard --logdir {logdir}   or   trainvitals report {logdir} --format html "
@@ -152,7 +156,7 @@ def format_summary(result: DemoResult, logdir: str, details: bool = True) -> str
         f"{name}\n{'=' * len(name)}\n{markdown_to_text(markdown)}" for name, markdown in result.diagnoses.items()
     ]
     return "\n\n".join(
-        [summary, "Diagnoses (also the first panels of TensorBoard's Text tab, diagnosis/...)", *sections]
+        ["Diagnoses (also the first panels of TensorBoard's Text tab, diagnosis/...)", *sections, summary]
     )
 
 

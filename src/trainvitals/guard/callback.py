@@ -5,9 +5,16 @@ The callback is a thin adapter over :mod:`trainvitals.guard.decision` (what a st
 module made the first inf/NaN). It reads the step's total gradient norm from the fit's shared
 measurements (:mod:`trainvitals.plumbing.sharing`): no pass of its own over the gradients.
 
+The guard decides in ``on_before_optimizer_step`` and acts only once every callback has read the step,
+whatever its place in the callbacks list: the gradients are dropped (``p.grad = None``, which SGD and
+Adam skip without touching their state) right before the update — after the optimizer's closure, through
+the optimizer's step pre-hook, installed at fit start — and a rollback restores the snapshot after the
+optimizer's step (its post-hook; or at the batch's end when a GradScaler skipped the step itself).
+
 Cost: a skip must be known before the optimizer steps, so each optimizer step reads its decision back
 to the host — one transfer of a ``(3 + world_size,)`` vector (after one all-reduce of it under DDP),
-as a GradScaler does for its own skip. Besides that: the loss kept on the device at each backward,
+as a GradScaler does for its own skip (one more on a non-finite step: which micro-batch's loss was).
+Besides that: the loss kept on the device at each backward,
 the spike rule in Python floats, and a snapshot every ``snapshot_every_n_steps``. The producer search
 (one extra forward and backward of the bad batch, hooks removed after) runs once, on the first
 non-finite step.
@@ -28,14 +35,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
-from trainvitals.guard.decision import ACTIONS, NONFINITE, SPIKE, Budget, Reading, choose, classify, pack, unpack
+from trainvitals.guard.decision import ACTIONS, NONFINITE, SPIKE, Budget, choose, classify, pack, unpack
 from trainvitals.guard.producer import Producer, find_producer, nonfinite_tensors, optimizer_state_tensors
 from trainvitals.guard.snapshot import WHERE, Snapshot
 from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.rerun import rerun_quietly
-from trainvitals.plumbing.sharing import GRAD_SQ_NORMS
+from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, NAN_PRODUCER
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 
@@ -60,19 +67,25 @@ class TrainingGuard(TrainvitalsCallback):
     with it is calibration and no event, and the scaler's skip is not repeated); ``"rollback"`` — weights
     and optimizer state restored from the in-memory snapshot of the last clean step (taken every
     ``snapshot_every_n_steps``; the batches since are not re-run, i.e. skipped, as PaLM does), the lr
-    multiplied by ``lr_factor`` for the ``lr_factor_steps`` steps after; ``"stop"`` — the step skipped, a
+    multiplied by ``lr_factor`` for the ``lr_factor_steps`` steps after (in ``param_groups`` from each such
+    step's first batch start to its optimizer step's end, so LearningRateMonitor and ``optimizer_step`` see
+    it, and put back before the LR scheduler steps, which keeps shaping the lr); ``"stop"`` — the step skipped, a
     checkpoint written through the Trainer, the fit stopped. After ``budget_events`` skips (or rollbacks)
     within ``budget_window`` steps, the next event gets the next action: skip → rollback → stop. Every
     rank takes the same decision, from numbers reduced over ranks.
     On each fit's first non-finite step the module that produced the inf/NaN is named (:attr:`producer`;
-    under gradient accumulation the step's last micro-batch is the one re-run).
+    under gradient accumulation the first micro-batch whose loss was non-finite is the one re-run, else the
+    step's last; a re-run that stays finite is said, with the step's batches).
 
     Logged at each event (step = ``trainer.global_step``), and once at the end of fit:
 
     - ``guard/skipped_steps``, ``guard/rollbacks``, ``guard/events``: counts since the run began;
+    - ``guard/lr_factor``: at each step the factor applies to, and 1 at the first step after;
     - ``guard/event_log`` (text panel): the latest events as a table;
     - ``skip_batches.json`` in the logger's folder: every event as ``{global_step, epoch, batch_idx,
-      loss, grad_norm, kind, action, detail}`` (non-finite numbers as strings), for a user to skip them.
+      batches, loss, grad_norm, kind, action, detail}`` (non-finite numbers as strings), for a user to skip
+      them: ``batches`` are the step's micro-batches, ``batch_idx`` the one whose loss was non-finite (else
+      the step's last).
 
     Args:
         on_nonfinite: action for an inf/NaN loss or gradient: one of ``"warn"``, ``"skip"``, ``"rollback"``, ``"stop"``.
@@ -94,6 +107,7 @@ class TrainingGuard(TrainvitalsCallback):
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
 
+    provides = (NAN_PRODUCER,)
     reads = (GRAD_SQ_NORMS,)
 
     def __init__(
@@ -160,10 +174,11 @@ class TrainingGuard(TrainvitalsCallback):
         self.add_state(
             "snapshot", functools.partial(Snapshot, self.snapshot_on), persistent=self.snapshot_in_checkpoint
         )
-        self._step: dict[str, Any]  # scratch: the loss, batch and RNG state of this step, the last decided, the params
+        self._step: dict[str, Any]  # scratch: this step's losses, batches, RNG states, decision; the params
         self.add_state("_step", dict, persistent=False)
-        self._lr: dict[str, Any]  # lrs scaled for this step, and the hook that puts them back after it
+        self._lr: dict[str, Any]  # the lrs scaled for this step, to put back after its optimizer step
         self.add_state("_lr", dict, persistent=False)
+        self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks, installed for one fit
         self._amp = False
         self._folder = ""
 
@@ -172,20 +187,27 @@ class TrainingGuard(TrainvitalsCallback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._amp = grad_scaler(trainer) is not None
         self._folder = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank, once
+        self._remove_hooks()
+        for optimizer in trainer.optimizers:
+            self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
+            self._hooks.append(optimizer.register_step_post_hook(self._after_step))
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
-        self._step["batch_idx"] = i
+        if self._step.get("window") != trainer.global_step:  # a new optimizer step's first micro-batch
+            self._step.update(window=trainer.global_step, batches=[], losses=[], runs={})
+            self._scale_lr(trainer)
+        self._step["batches"].append(i)
         if self.name_producer and not self.searched:  # references and the RNG state: no copy of the batch
-            self._step["batch"] = (batch, i, _rng_state(pl_module.device))
+            self._step["runs"][i] = (batch, i, _rng_state(pl_module.device))
+        self._step["batch_idx"] = i
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
         loss = loss.detach()
         scale = loss_scale(trainer)  # the GradScaler's scale is in the loss here
         loss = loss if scale is None else loss / scale.to(loss)
-        held = self._step.get("loss")
-        self._step["loss"] = loss if held is None else held + loss  # the micro-batches' (normalised) losses
+        self._step.setdefault("losses", []).append((self._step.get("batch_idx"), loss))  # normalised, on device
 
     @override
     def on_before_optimizer_step(
@@ -195,29 +217,37 @@ class TrainingGuard(TrainvitalsCallback):
         if self._step.get("decided") == step:
             return  # LBFGS evaluates its closure, and Lightning this hook, several times per step
         self._step["decided"] = step
-        self._put_back_lr()
         params = self._params_of(optimizer)
         sq_norm = self.vitals.grad_norms.sq_norm(trainer, optimizer, params)
-        loss = self._step.pop("loss", None)
+        losses = [held for _, held in self._step.get("losses", [])]
+        loss = torch.stack(losses).sum() if losses else None  # the micro-batches' sum, as Lightning normalises
         device = next((t.device for t in (sq_norm, loss) if t is not None), pl_module.device)
         row = pack(loss, sq_norm, trainer.global_rank, trainer.world_size, device)
         if trainer.world_size > 1:
             row = trainer.strategy.reduce(row, reduce_op="sum")
         reading = unpack(row.tolist())  # the step's one host read: a skip must be known before the step
         kind, seen = classify(reading, self.loss_spikes, self.norm_spikes)
-        if kind == NONFINITE and self._amp and math.isfinite(reading.loss):
-            return  # the GradScaler skips this step and lowers its scale: calibration
+        if kind == NONFINITE and self._amp:
+            self._put_back_lr()  # the GradScaler skips the step: no post-step hook puts them back
+            if math.isfinite(reading.loss):
+                return  # the GradScaler skips this step and lowers its scale: calibration
         if kind is None:
             self._take_snapshot(trainer, pl_module, step)
-            self._scale_lr(optimizer)
+            self._spend_lr_step()
         else:
-            self._act(trainer, pl_module, optimizer, params, step, kind, seen, reading)
+            action = choose(kind, self.actions, self.budget, step, self.snapshot.step is not None)
+            if action == "warn":
+                self._spend_lr_step()
+            # Acted on once every callback has read this step: see _before_step, _after_step.
+            self._step["pending"] = dict(
+                trainer=trainer, pl_module=pl_module, optimizer=optimizer, params=params, step=step,
+                kind=kind, seen=seen, reading=reading, action=action, prepared=False, before=self._step.get("last"),
+            )  # fmt: skip
         self._step["last"] = (step, kind)
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
-        if self.lr_steps_left == 0:
-            self._remove_lr_hook()
+        self._finish()  # a step the GradScaler skipped: the optimizer's hooks did not run
         stop = self._step.pop("stop", None)
         if stop is None:
             return
@@ -231,13 +261,18 @@ class TrainingGuard(TrainvitalsCallback):
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._put_back_lr()
-        self._remove_lr_hook()
+        self._remove_hooks()
         log_scalars(trainer, self._counters(), trainer.global_step)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._put_back_lr()
+        self._remove_hooks()
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._put_back_lr()
-        self._remove_lr_hook()
+        self._remove_hooks()
         self._step = {}
 
     @override
@@ -253,24 +288,57 @@ class TrainingGuard(TrainvitalsCallback):
         )
 
     # ------------------------------------------------------------------ actions
-    def _act(
-        self,
-        trainer: "pl.Trainer",
-        pl_module: "pl.LightningModule",
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
-        step: int,
-        kind: str,
-        seen: str,
-        reading: Reading,
-    ) -> None:
-        producer = None
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The optimizer's step pre-hook. A closure (Lightning's, which runs every callback's
+        ``on_before_optimizer_step``, the guard's decision included) is wrapped, so the guard acts after it
+        and before the update; without one (a GradScaler ran it already) the guard acts now."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: the optimizer
+        if closure is None:
+            self._prepare(optimizer)
+            return None
+
+        def then_prepare() -> Any:
+            result = closure()
+            self._prepare(optimizer)
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": then_prepare}
+        return (args[0], then_prepare, *args[2:]), kwargs
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """The optimizer's step post-hook: the lrs put back (the LR scheduler steps next), the rollback and the
+        event's record."""
+        self._put_back_lr()
+        pending = self._step.get("pending")
+        if pending is not None and pending["optimizer"] is optimizer:
+            self._finish()
+
+    def _prepare(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Before the update, after every reader of the step: name the producer, drop the gradients."""
+        pending = self._step.get("pending")
+        if pending is None or pending["prepared"] or optimizer not in (None, pending["optimizer"]):
+            return
+        pending["prepared"] = True
+        trainer, pl_module, kind = pending["trainer"], pending["pl_module"], pending["kind"]
+        pending["where"] = self._culprit(kind)
         if kind == NONFINITE and self.name_producer and not self.searched:
-            producer = self._search(trainer, pl_module, optimizer)  # before the weights change
-        action = choose(kind, self.actions, self.budget, step, self.snapshot.step is not None)
-        if action != "warn" and not (kind == NONFINITE and self._amp):  # the GradScaler skips a non-finite step
-            for p in params:
+            where = pending["optimizer"], pending["where"][0], pending["before"]
+            pending["producer"] = self._search(trainer, pl_module, *where)
+            pending["searched"] = True
+        if pending["action"] != "warn" and not (kind == NONFINITE and self._amp):  # the GradScaler skips it
+            for p in pending["params"]:
                 p.grad = None
+
+    def _finish(self) -> None:
+        """After the update (or the GradScaler's skip): the rollback, the counters, the event's record."""
+        self._prepare()
+        pending = self._step.pop("pending", None)
+        if pending is None:
+            return
+        trainer, pl_module, step, kind = pending["trainer"], pending["pl_module"], pending["step"], pending["kind"]
+        action, reading, seen = pending["action"], pending["reading"], pending["seen"]
+        producer = pending.get("producer")
         if action == "rollback":
             try:
                 self.snapshot.restore(pl_module, trainer.optimizers)
@@ -284,30 +352,50 @@ class TrainingGuard(TrainvitalsCallback):
             self.skipped_steps += 1
         elif action == "stop":
             self._step["stop"] = (step, f"{seen} at optimizer step {step}")
-        elif action == "warn":
-            self._scale_lr(optimizer)
         escalated = ACTIONS.index(action) > ACTIONS.index(self.actions[kind])
         doing = _DOING[action].format(snapshot=self.snapshot.step)
         if kind == NONFINITE and self._amp and action != "warn":
             doing += " (the GradScaler skips the optimizer step itself)"
+        batch_idx, batches = pending["where"]
+        found = f"; made by {producer.describe()}" if producer else ""
+        if pending.get("searched") and producer is None and self._step.get("rerun") is not None:
+            found = f"; the re-run of batch {self._step['rerun']} was finite" + (
+                f": the inf/NaN came from another micro-batch of the step (batches {batches[0]}–{batches[-1]})"
+                if len(batches) > 1
+                else ""
+            )
         event = {
             "global_step": step,
             "epoch": trainer.current_epoch,
-            "batch_idx": self._step.get("batch_idx"),
+            "batch_idx": batch_idx,
+            "batches": batches,
             "loss": _number(reading.loss),
             "grad_norm": _number(reading.grad_norm),
             "kind": kind,
             "action": action,
-            "detail": seen + (f"; made by {producer.describe()}" if producer else ""),
+            "detail": seen + found,
         }
         self.events.append(event)
         budget = f" ({self.budget.events} skips/rollbacks in {self.budget.window} steps spent: escalated)"
+        span = f"batch {batch_idx}" + (f" of batches {batches[0]}–{batches[-1]}" if len(batches) > 1 else "")
         self.warn(
-            f"{seen} at optimizer step {step} (epoch {event['epoch']}, batch {event['batch_idx']}); "
-            f"{doing}{budget if escalated else ''}."
+            f"{seen} at optimizer step {step} (epoch {event['epoch']}, {span}); {doing}"
+            f"{budget if escalated else ''}."
             + (f" The first inf/NaN was made by {producer.describe()}." if producer else "")
+            + (f" {found[2].upper()}{found[3:]}." if found and not producer else "")
         )
         self._record(trainer, step)
+
+    def _culprit(self, kind: str) -> tuple[int | None, list[int]]:
+        """The batch to name for this step's event and the step's micro-batches: the first micro-batch whose loss
+        was non-finite when the loss is (one more host read, on this step only), else the step's last."""
+        batches = list(self._step.get("batches", []))
+        last = batches[-1] if batches else self._step.get("batch_idx")
+        losses = self._step.get("losses", [])
+        if kind != NONFINITE or not losses:
+            return last, batches
+        finite = torch.stack([held.reshape(()) for _, held in losses]).isfinite().tolist()
+        return next((i for (i, _), ok in zip(losses, finite) if not ok), last), batches
 
     def _params_of(self, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
         """The optimizer's parameters, as the same list while they stay the same: the hub then serves this
@@ -329,39 +417,51 @@ class TrainingGuard(TrainvitalsCallback):
                 return
             self.snapshot_step = step
 
-    def _scale_lr(self, optimizer: torch.optim.Optimizer) -> None:
-        """For ``lr_factor_steps`` steps after a rollback: this step's lrs × ``lr_factor``, put back right after
-        the optimizer's step (a post-step hook, before any scheduler reads them)."""
+    def _scale_lr(self, trainer: "pl.Trainer") -> None:
+        """At an optimizer step's first batch, for ``lr_factor_steps`` applied steps after a rollback: each
+        group's lr × ``lr_factor`` in place, put back right after the optimizer's step (:meth:`_after_step`),
+        before the LR scheduler steps: LearningRateMonitor and ``optimizer_step`` see it, the scheduler
+        keeps shaping the lr. ``guard/lr_factor`` logged, and 1 at the first step after."""
         if self.lr_steps_left <= 0:
+            if self._lr.pop("logged", False):
+                log_scalars(trainer, {"guard/lr_factor": 1.0}, trainer.global_step)
             return
-        self.lr_steps_left -= 1
-        if self.lr_factor == 1.0:
+        self._lr["logged"] = True
+        log_scalars(trainer, {"guard/lr_factor": self.lr_factor}, trainer.global_step)
+        if self.lr_factor == 1.0 or "saved" in self._lr:
             return
-        self._lr["saved"] = [(g, g["lr"]) for g in optimizer.param_groups]
+        self._lr["saved"] = [(g, g["lr"]) for opt in trainer.optimizers for g in opt.param_groups]
         for group, lr in self._lr["saved"]:
             group["lr"] = lr * self.lr_factor
-        if "hook" not in self._lr:
-            self._lr["hook"] = optimizer.register_step_post_hook(lambda *_: self._put_back_lr())
+
+    def _spend_lr_step(self) -> None:
+        """An applied optimizer step: one fewer for the lr factor."""
+        self.lr_steps_left = max(self.lr_steps_left - 1, 0)
 
     def _put_back_lr(self) -> None:
-        for group, lr in self._lr.pop("saved", []):  # also a step the GradScaler skipped: no post-step hook ran
+        for group, lr in self._lr.pop("saved", []):
             group["lr"] = lr
 
-    def _remove_lr_hook(self) -> None:
-        hook = self._lr.pop("hook", None)
-        if hook is not None:
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
             hook.remove()
+        self._hooks = []
 
     # ------------------------------------------------------------------ the producer
     def _search(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        optimizer: torch.optim.Optimizer,
+        batch_idx: int | None,
+        before: tuple[int, str | None] | None,
     ) -> Producer | None:
         """The producer of this step's inf/NaN, agreed over ranks (the first rank that found one; every rank
         searches its own batch, then one gather)."""
         self.searched = True
         found = None
         try:
-            found = self._search_here(trainer, pl_module, optimizer)
+            found = self._search_here(trainer, pl_module, optimizer, batch_idx, before)
         except Exception as error:  # a diagnostic never ends the run
             self.cannot_measure(f"could not search for the producer of the inf/NaN: {type(error).__name__}: {error}")
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -372,21 +472,28 @@ class TrainingGuard(TrainvitalsCallback):
         return found
 
     def _search_here(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        optimizer: torch.optim.Optimizer,
+        batch_idx: int | None,
+        before: tuple[int, str | None] | None,
     ) -> Producer | None:
+        """Re-run micro-batch ``batch_idx`` of this step (kept by reference with its RNG state); ``before``:
+        the previous decided step and its kind of event."""
         names = dict((p, n) for n, p in pl_module.named_parameters())
-        last = self._step.get("last")
-        if last is not None and last[0] == trainer.global_step - 1 and last[1] is None:
+        if before is not None and before[0] == trainer.global_step - 1 and before[1] is None:
             # The previous step was clean and applied: non-finite weights now are that optimizer step's doing.
             bad = nonfinite_tensors(pl_module.named_parameters())
             bad += nonfinite_tensors(optimizer_state_tensors(optimizer, names))
             if bad:
                 shown = ", ".join(f"`{n}`" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
                 return Producer("optimizer", shown)
-        held = self._step.pop("batch", None)  # searched once: the batch is not kept any longer
+        held = self._step.pop("runs", {}).get(batch_idx)  # searched once: the batches are not kept any longer
         if held is None:
             return None
         batch, batch_idx, rng = held
+        self._step["rerun"] = batch_idx
 
         def run() -> Tensor | None:
             _set_rng_state(rng, pl_module.device)

@@ -61,11 +61,14 @@ class Snapshot:
         optimizers' current hyperparameters (lr, ...) are kept, so a schedule goes on where it is.
 
         Raises:
-            RuntimeError: no snapshot was taken, or the module's tensors changed shape since.
+            RuntimeError: no snapshot was taken, or the module's tensors or the optimizers' parameter groups
+                changed since (checked before anything is copied).
         """
         targets = _module_tensors(module)
         if self.step is None or not _same_layout(self._module, [t.detach() for t in targets]):
             raise RuntimeError("no snapshot of this module's current parameters to restore")
+        if not _same_groups(optimizers, self._optimizers):  # checked first: nothing is half restored
+            raise RuntimeError("the optimizers' parameter groups changed since the snapshot")
         with torch.no_grad():
             torch._foreach_copy_([t.detach() for t in targets], self._module)
         for opt, saved in zip(optimizers, self._optimizers):
@@ -111,6 +114,14 @@ def _module_tensors(module: nn.Module) -> list[Tensor]:
 
 def _same_layout(saved: list[Tensor], tensors: list[Tensor]) -> bool:
     return len(saved) == len(tensors) and all(s.shape == t.shape and s.dtype == t.dtype for s, t in zip(saved, tensors))
+
+
+def _same_groups(optimizers: list[torch.optim.Optimizer], saved: list[dict[str, Any]]) -> bool:
+    """Whether each optimizer has the snapshot's parameter groups, of the same sizes."""
+    return len(optimizers) == len(saved) and all(
+        [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in s["param_groups"]]
+        for opt, s in zip(optimizers, saved)
+    )
 
 
 def _tensors(tree: Any) -> list[Tensor]:

@@ -43,7 +43,7 @@ from trainvitals.integrity.checks.base import HOOKS, Checks, Fit, overriding
 from trainvitals.integrity.findings import NOTHING_CHECKED, Finding, FindingKind, GraphIntegrityError
 from trainvitals.integrity.graph import first_tensor, sequence_mark, walk_graph
 from trainvitals.plumbing.base import TrainvitalsCallback
-from trainvitals.plumbing.sharing import SUMMARY
+from trainvitals.plumbing.sharing import RESTORED_SUMMARY, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 from trainvitals.text.prose import listed
@@ -97,7 +97,7 @@ class GraphIntegrityCallback(TrainvitalsCallback):
         GraphIntegrityError: with ``strict=True``, during training, at the first finding.
     """
 
-    provides = (SUMMARY,)
+    provides = (SUMMARY, RESTORED_SUMMARY)
 
     def __init__(
         self,

@@ -251,6 +251,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
 
     def summary_line(self) -> str:
         """One line for the end of fit: the first optimizer's advice in words, then where the full table is."""
+        if not self._started:
+            return "no advice: this fit ran no batch."
         if not self._report:
             return "no advice: the per-device batch size is unknown (pass batch_size=)."
         named = [(name, adv) for name, adv in self.advices.items() if adv is not None]
@@ -302,7 +304,12 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 doubled = _loss_of(trainer.strategy.training_step(_doubled(batch), batch_idx))
             loss, loss_doubled = torch.stack([single.double(), doubled.double()]).cpu().tolist()
         except Exception as err:  # user code run speculatively must not break the run
-            self.warn(f"could not probe the loss reduction ({type(err).__name__}: {err}); skipping it.")
+            self.warn(
+                "could not tell whether the loss is a mean or a sum over the batch: the first training step, "
+                f"re-run on the batch twice over, failed ({type(err).__name__}: {err}), as a step that expects "
+                "its batch's shape (a recurrent hidden state carried over) does; the advice goes without the "
+                "reduction. LRScalingAdvisor(detect_loss_reduction=False) skips the re-run."
+            )
             return
         self.loss_reduction = classify_loss_reduction(loss, loss_doubled)
         self.loss_ratio = loss_doubled / loss if loss else math.nan

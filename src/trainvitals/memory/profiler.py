@@ -344,6 +344,8 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         if self._snapshot_path is not None:
             self._dump_snapshot()
         self._release()
+        if self.last is None:  # this fit profiled no step (a relaunch with none left): the fit before's report stands
+            return
         table = self.summary_markdown()
         if self.verbose:
             self.info(f"memory at the last profiled step\n{markdown_to_text(table)}")
@@ -414,8 +416,13 @@ class MemoryTopologyProfiler(TrainvitalsCallback):
         if last.budget_bytes is None:
             budget = "No memory budget (pass `memory_budget_bytes` on CPU): no largest-batch advice."
         else:
+            origin = (
+                "memory_budget_bytes"
+                if self.memory_budget_bytes is not None
+                else f"the total memory of {self._device}, the default on CUDA; memory_budget_bytes sets another"
+            )
             budget = (
-                f"Budget {format_bytes(last.budget_bytes)}: the largest batch that fits is "
+                f"Budget {format_bytes(last.budget_bytes)} ({origin}): the largest batch that fits is "
                 f"{last.largest_batch()} (fixed {format_bytes(last.fixed_bytes)}, "
                 f"{format_bytes(last.scaling_bytes / max(last.batch_size, 1))} per example)."
             )

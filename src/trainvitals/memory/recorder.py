@@ -103,7 +103,10 @@ _FINGERPRINT = 64  # elements compared to recognise a frozen parameter's cast
 
 
 def _unpack(packed: Tensor) -> Tensor:
-    return packed
+    # A new alias for each reader (backward, or code reading ``grad_fn._saved_*``): the recorder's weak
+    # reference follows the graph's own copy, so a reader that keeps what it read (an integrity check's
+    # loss divisor) keeps no graph alive in the count.
+    return packed.detach()
 
 
 class SavedTensorRecorder:

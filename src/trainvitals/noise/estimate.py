@@ -97,6 +97,8 @@ MIN_MEASUREMENTS = 20
 """Updates a source needs before its errors are trusted: to be found coupled, and to decide or advise."""
 INDEPENDENT = "micro_batch"
 """The source whose draws are independent by construction (micro-batches and ranks): it decides disagreements."""
+EXPECTED_BATCH_NORM = "grad_noise/expected_batch_norm"
+"""Tag of the RMS norm the batch gradient is expected to have, sqrt(‖G‖² + tr Σ/B) (:class:`NoiseEstimate`)."""
 SOURCES_CHECK = "grad_noise/sources_check"
 """Text tag of what :meth:`GradientNoise.disagreement` said (a source dropped, two that disagree), for the report."""
 COUPLING_CAUSES = (
@@ -121,6 +123,9 @@ class NoiseSource:
         population: N, the training examples each epoch draws without replacement (rule 6), once seen; ``None``
             otherwise. Saved with the source, so that a fit resumed with no step left corrects as the last did.
         invalid: why the source does not estimate sampling noise; ``""`` while valid.
+        same_as: the name of a source that is the same estimator on the same gradients (a probe measuring every
+            parameter from micro-batches, as the stopper's ``micro_batch`` source does): while that one is valid,
+            this one stays out of the estimate, which would otherwise count one measurement twice.
         version: changes with every update or restore (what :meth:`GradientNoise.estimate` caches on).
     """
 
@@ -135,6 +140,7 @@ class NoiseSource:
         self.effective_batch_size: int | None = None
         self.population: int | None = None
         self.invalid = ""
+        self.same_as: str | None = None
         self.version = next(_VERSIONS)
 
     def update(
@@ -206,7 +212,12 @@ class NoiseEstimate:
     ``unmeasured_trace_share`` bounds the unmeasured parameters' tr(Σ) as a share of the measured one
     (module docstring, rule 4; 0 when all are measured);
     ``measured_norm`` is ‖ḡ‖ over the measured parameters at the last measurement, the norm to set the
-    floor against when they are not all (``None`` when they are).
+    noise level against when they are not all (``None`` when they are).
+    ``noise_floor`` is the noise level sqrt(tr Σ/B): the RMS norm a batch gradient of pure noise (G = 0) would
+    have, not a lower bound of the observed norm; ``expected_norm`` is the RMS norm E‖ḡ_B‖² = ‖G‖² + tr Σ/B
+    (McCandlish et al. 2018, Eq. A.1; drawn without replacement from N, tr Σ/B shrinks by (N − B)/(N − 1)),
+    what the batch gradient's norm is expected to be: with one micro-batch source it is exactly the EMA of the
+    observed ‖ḡ‖² (the estimators' ‖G‖² + S/B is ‖ḡ_B‖² at every step).
     """
 
     grad_sq_norm: Tensor
@@ -217,6 +228,7 @@ class NoiseEstimate:
     b_simple_rel_err: Tensor
     noise_floor: Tensor
     noise_floor_se: Tensor
+    expected_norm: Tensor
     coverage: Tensor
     unmeasured_trace_share: Tensor
     count: Tensor
@@ -273,12 +285,17 @@ class GradientNoise:
         return next((s.population for s in self.sources.values() if s.population is not None), None)
 
     def valid_sources(self) -> list[NoiseSource]:
-        """The valid sources over the largest share of the parameters (host only, no sync)."""
-        valid = [s for s in self.sources.values() if not s.invalid]
+        """The valid sources over the largest share of the parameters, each estimator once (host only, no sync)."""
+        valid = [s for s in self.sources.values() if not s.invalid and not self.shadowed(s)]
         if not valid:
             return []
         widest = max(s.param_share for s in valid)
         return [s for s in valid if s.param_share >= widest - 1e-9]
+
+    def shadowed(self, source: NoiseSource) -> bool:
+        """Whether ``source`` repeats another valid source's estimator (:attr:`NoiseSource.same_as`)."""
+        same = self.sources.get(source.same_as) if source.same_as else None
+        return same is not None and same is not source and not same.invalid
 
     def invalid_reasons(self) -> list[str]:
         return [f"the {s.name} source is invalid: {s.invalid}" for s in self.sources.values() if s.invalid]
@@ -302,6 +319,7 @@ class GradientNoise:
                 inf,
                 zero,
                 inf,
+                zero,
                 zero,
                 inf,
                 torch.zeros((), dtype=torch.long, device=device),
@@ -361,6 +379,7 @@ class GradientNoise:
         # Rule 4: the unmeasured tr Σ ≤ B·u·‖ḡ‖²/f, over the measured tr Σ; B·‖G‖²/tr Σ = B/B_simple; f = (N − B)/(N − 1)
         # drawing B of N without replacement (rule 6), 1 with replacement (a full batch, f = 0, bounds nothing).
         kept = 1.0 if self.population is None or not batch else (self.population - batch) / max(self.population - 1, 1)
+        expected = torch.sqrt((grad + kept * trace.clamp_min(0.0) / (batch or 1)).clamp_min(0.0))
         signal = torch.where(
             (trace > 0) & (kept > 0),
             (batch or math.inf) * grad.clamp_min(0.0) / trace.clamp_min(1e-300) / max(kept, 1e-300),
@@ -383,6 +402,7 @@ class GradientNoise:
             rel_err,
             floor,
             floor_se,
+            expected,
             coverage,
             unmeasured,
             count.max(),
@@ -484,8 +504,10 @@ class GradientNoise:
         return self.band_decisive & (trace > 0) & uncoupled & (grad <= margin * trace / batch)
 
     def metrics(self, estimate: NoiseEstimate | None = None) -> dict[str, Tensor]:
-        """The run's one floor and one B_simple, with their errors and the coverage, as tags (device), and
-        for a partly measured model ``grad_norm/measured_total``, the norm of the parameters the floor covers,
+        """The run's one noise level (``grad_norm/noise_floor``), the batch-gradient norm it expects
+        (``grad_noise/expected_batch_norm``, beside ``grad_norm/total``) and one B_simple, with their errors and
+        the coverage, as tags (device), and for a partly measured model ``grad_norm/measured_total``, the norm of
+        the parameters they cover,
         and ``grad_noise/unmeasured_trace_share``, the bound on the tr(Σ) it cannot see (rule 4);
         ``grad_noise/b_simple_unreliable`` is 1 where no noise-aware advice follows (not decisive, ‖G‖² ≤ 0,
         or a relative error above ``max_rel_err``)."""
@@ -504,6 +526,7 @@ class GradientNoise:
             "grad_norm/noise_floor": est.noise_floor,
             "grad_noise/b_simple_unreliable": (~reliable).double(),
             "grad_norm/noise_floor_se": est.noise_floor_se,
+            EXPECTED_BATCH_NORM: est.expected_norm,
             "grad_noise/b_simple": est.b_simple,
             "grad_noise/b_simple_rel_err": est.b_simple_rel_err,
             "grad_noise/trace_cov": est.trace_cov,
@@ -535,6 +558,7 @@ class GradientNoise:
             "b_simple_rel_err",
             "noise_floor",
             "noise_floor_se",
+            "expected_norm",
             "coverage",
             "unmeasured_trace_share",
             "count",
@@ -659,7 +683,11 @@ class GradientNoise:
             ("‖G‖² (EMA, `.grad` units)", f"{h['grad_sq_norm']:.4g} ± {h['grad_sq_norm_se']:.2g}"),
             ("tr(Σ) (EMA, `.grad` units)", f"{h['trace_cov']:.4g} ± {h['trace_cov_se']:.2g}"),
             ("B_simple = tr(Σ)/‖G‖²", _b_simple_cell(h["b_simple"], h["b_simple_rel_err"])),
-            ("noise floor sqrt(tr(Σ)/B), in `.grad` units", f"{h['noise_floor']:.4g} ± {h['noise_floor_se']:.2g}"),
+            (
+                "noise level sqrt(tr(Σ)/B): the RMS norm of pure noise, in `.grad` units",
+                f"{h['noise_floor']:.4g} ± {h['noise_floor_se']:.2g}",
+            ),
+            ("expected batch-gradient norm sqrt(‖G‖² + tr(Σ)/B)", f"{h['expected_norm']:.4g}"),
             ("coverage", f"{h['coverage']:.1%} of ‖ḡ‖², {h['param_share']:.1%} of the parameters"),
         ]
         if h["why"]:

@@ -21,7 +21,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
-from trainvitals.noise.estimate import SOURCES_CHECK, GradientNoise, NoiseSource
+from trainvitals.noise.estimate import INDEPENDENT, SOURCES_CHECK, GradientNoise, NoiseSource
 from trainvitals.noise.estimators import NoiseScaleEMA, NoiseScaleError
 from trainvitals.noise.gsnr import EB_CRITERION, GSNR_TAG, ModuleCoordinates, StepCoordinates
 from trainvitals.noise.probe_sources import ProbeSources
@@ -144,6 +144,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("outlier_rows", False, persistent=False)
         self.add_state("outlier_coverage", "", persistent=False)  # which parameters their norms are over
         self.add_state("_enabled", False, persistent=False)
+        self.add_state("_disabled", "", persistent=False)  # why this fit measures nothing, if it does not
+        self.add_state("_left_out", "", persistent=False)  # why the last step left out was, for the end line
         self.add_state("_excluded", set(), persistent=False)
         self.add_state(
             "_failed", {}, persistent=False
@@ -217,7 +219,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         """One line for the end of fit: the run's noise scale (:attr:`gradient_noise`), or why there is none."""
         count = int(self.noise.count)
         if count == 0:
-            return f"no measurement: {self.noise_source.invalid or self.sources or 'not set up'}."
+            why = self._disabled or self.noise_source.invalid or self._left_out
+            return f"no measurement: {why}." if why else f"no step measured (planned sources: {self.sources})."
         summary = self.gradient_noise.host_summary()
         # The estimate's batch is its valid sources'; with none valid, the probe's own.
         batch = summary["batch_size"] or self.effective_batch_size
@@ -235,6 +238,14 @@ class BatchVarianceProbe(TrainvitalsCallback):
         rows = [("sources", self.sources or "not set up"), ("measurements", f"{int(self.noise.count)} optimizer steps")]
         if self.noise_source.invalid:
             rows.append(("probe's estimate", f"invalid: {self.noise_source.invalid}"))
+        elif self.gradient_noise.shadowed(self.noise_source):
+            rows.append(
+                (
+                    "probe's estimate",
+                    f"the same micro-batch estimator as the {INDEPENDENT} source (GradNormEarlyStopping's), "
+                    "counted once, as that source",
+                )
+            )
         rows += self.gradient_noise.summary_rows()
         if self.last_outliers:
             which = "dataset row" if self.outlier_rows else "position in batch"
@@ -247,9 +258,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.gradient_noise = self.vitals.shared(GRADIENT_NOISE, GradientNoise)
         self.gradient_noise.max_rel_err = self.max_rel_err
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
-            self._cannot_measure(
-                f"strategy {type(trainer.strategy).__name__} is not supported (single device and DDP are)"
-            )
+            self._disable(f"strategy {type(trainer.strategy).__name__} is not supported (single device and DDP are)")
             return
         self._enabled = True
         self.gradient_noise.attach(self.noise_source)
@@ -278,8 +287,12 @@ class BatchVarianceProbe(TrainvitalsCallback):
             self._excluded,
             self.fallback_sub_batch,
             self._layouts,
+            self._step.batch_size if self._step is not None else 0,  # once known, the micro-batch's examples
         )
         self.sources, self.noise_source.param_share = sources.description, sources.param_share
+        # Every parameter from micro-batches and ranks (BatchNorm under accumulation): the stopper's estimator.
+        only_micro = sources.plan.micro_batch and not (sources.plan.per_example or sources.plan.vmap)
+        self.noise_source.same_as = INDEPENDENT if only_micro else None
         self._coordinate_cursor, self._gsnr_partial = 0, {}
         self._coordinates = ModuleCoordinates(
             sources.plan.parameters("per_example"), sources.plan.parameters("vmap"), self.coordinate_budget
@@ -293,15 +306,20 @@ class BatchVarianceProbe(TrainvitalsCallback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Optimizers exist from here on, not in ``setup``.
         if self._enabled and len(trainer.optimizers) > 1:
-            self._enabled = False
             self.gradient_noise.detach(self.noise_source.name)
-            self._cannot_measure(
+            self._disable(
                 f"the run has {len(trainer.optimizers)} optimizers, and the probe measures the "
                 "gradient of one optimizer's step (a GAN's generator and discriminator step on "
                 "different losses)"
             )
 
+    def _disable(self, why: str) -> None:
+        """Measure nothing in this fit, and say why now and at its end."""
+        self._enabled, self._disabled = False, why
+        self.cannot_measure(f"cannot measure: {why}; it measures nothing in this fit.")
+
     def _cannot_measure(self, why: str) -> None:
+        self._left_out = why
         self.cannot_measure(f"cannot measure: {why}. Such steps are left out.")
 
     # ------------------------------------------------------------------ per micro-batch
@@ -355,7 +373,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
                     self.warn(
                         "could not tell from the loss's graph whether it is a mean or a sum over examples; "
                         "assuming a mean. Pass `loss_reduction=` to say which: B_simple does not depend on it, "
-                        "tr(Σ), ‖G‖² and the noise floor do.",
+                        "tr(Σ), ‖G‖² and the noise level sqrt(tr Σ/B) do.",
                         once=True,
                     )
                     self._stated_reduction = "mean"
@@ -396,18 +414,32 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if done.measured and done.result.sq_norms:
             self._log_norms(trainer, step, done.result)
         if done.failed:
-            self._move_failed(trainer, pl_module, done.failed, done.aside)
+            # The step's kept norms (histogram, outliers) lack the failed layers: said with their cause, once.
+            lost = done.measured and bool(done.result.sq_norms) and bool(done.result.failed)
+            self._move_failed(trainer, pl_module, done.failed, done.aside, step.step if lost else None)
 
     def _move_failed(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", failed: set[str], aside: set[str]
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        failed: set[str],
+        aside: set[str],
+        norms_lost_at: int | None = None,
     ) -> None:
-        """Exclude the layers that failed per example, plan again, and say why, what became of the steps they
-        failed in (``aside``: the layers this one was measured without), where each goes and the coverage."""
+        """Exclude the layers that failed per example, plan again, and say in one message why, what became of
+        the steps they failed in (``aside``: the layers this one was measured without; ``norms_lost_at``: the
+        optimizer step whose per-example norms are not logged), where each goes and the coverage."""
         reasons = {name: self._failed.pop(name, "it failed on another rank") for name in sorted(failed)}
         self._excluded.update(failed)
         self._make_plan(trainer, pl_module)
         assert self._sources is not None
-        self.cannot_measure(self._sources.moved(reasons, aside, trainer.world_size))
+        message = self._sources.moved(reasons, aside, trainer.world_size)
+        if norms_lost_at is not None:
+            message += (
+                f" Optimizer step {norms_lost_at} logs no per-example gradient norms (histogram, "
+                "outliers panel): they would lack the failed layers; the next steps' cover the layers left."
+            )
+        self.cannot_measure(message)
 
     # ------------------------------------------------------------------ logging
 
@@ -461,7 +493,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
     def _log_norms(self, trainer: "pl.Trainer", step: ProbeStep, result: PerExampleStep) -> None:
         """The step's per-example norm histogram and outliers panel, or why they are not the examples' norms."""
         sources = step.sources
-        if why := sources.norms_invalid(result):
+        if result.failed:
+            return  # said after its cause, where the failed layers are moved (`_move_failed`)
+        if why := sources.norms_invalid():
             self.warn(f"no per-example gradient norms (histogram, outliers panel) at steps where {why}.", once=True)
         elif outliers := log_per_example_norms(
             trainer, result.sq_norms, step.rows, self.top_k, sources.norm_coverage, step.step

@@ -18,7 +18,7 @@ from torch import Tensor
 from trainvitals.memory import ROOT, compiled_modules
 from trainvitals.noise.estimators import MicroBatchSquaredNorms
 from trainvitals.noise.outliers import norm_coverage
-from trainvitals.per_example import Layouts, PerExampleGradients, PerExampleStep, plan_sources
+from trainvitals.per_example import Layouts, PerExampleGradients, plan_sources
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
 COUPLED = "per-example gradients through BatchNorm in training mode are not independent draws"
@@ -36,6 +36,7 @@ class ProbeSources:
         excluded: layers measured another way (they failed per example).
         fallback_sub_batch: examples per step for source 3.
         layouts: the fit's evidence on which dimension holds the examples where T = B (kept over its plans).
+        batch: examples per micro-batch once known (0 before the first step): source 3 measures at most that many.
 
     Attributes:
         plan: the :class:`~trainvitals.per_example.SourcePlan`.
@@ -56,6 +57,7 @@ class ProbeSources:
         excluded: set[str],
         fallback_sub_batch: int,
         layouts: Layouts,
+        batch: int = 0,
     ) -> None:
         regions, hooked = compiled_modules(pl_module)
         compiled = ["" if c == ROOT else c for c in regions]
@@ -94,7 +96,9 @@ class ProbeSources:
             sum(p.numel() for p in trainable.values()), 1
         )
         self.norm_coverage = norm_coverage(pl_module, [*self.params["per_example"], *self.params["vmap"]])
-        self.description = plan.describe(pl_module, fallback_sub_batch)
+        # The sub-batch as it is measured: all of a smaller micro-batch; before the first step, an upper bound.
+        self.sub_batch_shown = min(fallback_sub_batch, batch) if batch else fallback_sub_batch
+        self.description = plan.describe(pl_module, self.sub_batch_shown, exact=bool(batch))
         if plan.coupled:
             layers = ", ".join(plan.coupled)  # the plan's coverage line gives the reason once, for its own tensors
             self.description += (
@@ -158,17 +162,13 @@ class ProbeSources:
         training = [*self.bn_values, *(n for n, m in self._compiled_batchnorms.items() if m.training)]
         return training if self.plan.per_example or self.plan.vmap else []
 
-    def norms_invalid(self, result: PerExampleStep) -> str:
-        """Why this step's kept ‖g_i‖ are not the examples' gradient norms over :attr:`norm_coverage`, or ""."""
+    def norms_invalid(self) -> str:
+        """Why this step's kept ‖g_i‖ are not the examples' gradient norms over :attr:`norm_coverage`, or "" (a
+        step a layer failed in is said with the failure: :meth:`moved`)."""
         if coupled := self.coupling():
             return (
                 f"BatchNorm is in training mode ({', '.join(coupled)}), which couples the examples: none has a "
                 "gradient of its own"
-            )
-        if result.failed:
-            return (
-                f"a layer failed per example ({', '.join(n or '(root)' for n in result.failed)}): the panel's "
-                "coverage is the plan's; the steps after the plan is remade have them, over the layers left"
             )
         return ""
 
@@ -202,7 +202,7 @@ class ProbeSources:
             f"per-example gradients through BatchNorm in training mode ({', '.join(batchnorms)}) are not "
             "independent draws: BatchNorm normalises each example with its micro-batch's statistics, which couples "
             "the examples, and their addends of the batch gradient cancel. The probe's estimate is invalid from "
-            "here on (no B_simple, noise floor, noise band, GSNR or EB criterion from it); accumulate_grad_batches "
+            "here on (no B_simple, noise level, noise band, GSNR or EB criterion from it); accumulate_grad_batches "
             ">= 2 or >= 2 devices measure the noise (micro-batches and ranks are independent draws whatever the "
             "layers), and so does GroupNorm or LayerNorm instead of BatchNorm"
         )
@@ -211,10 +211,11 @@ class ProbeSources:
         """What to say of layers that failed per example (``reasons``: why each) once this plan excludes them:
         why, what became of the steps they failed in (``aside``: those this one was measured without, on this
         rank of ``ranks``), where each is measured from the next step on, and what the sources now cover."""
+        sub_batch = self.sub_batch_shown
 
         def where(name: str) -> str:
             if name in self.plan.vmap:
-                return f"it is measured by torch.func on a sub-batch of {self.collector.sub_batch} examples"
+                return f"it is measured by torch.func on a sub-batch of {sub_batch} examples"
             if any(not name or p == name or p.startswith(f"{name}.") for p in self.plan.micro_batch):
                 return "it is measured from micro-batches and ranks"
             return (

@@ -165,7 +165,10 @@ class ProbeStep:
                 probe.warn(sources.coupling_warning(coupled) + ".", once=True)
             source.invalidate(COUPLED)
         problem, aside = self._problem(result)
-        if problem and set(result.failed) <= aside:  # failed layers are said where they are moved
+        # An epoch's ragged last window is left out without a word, as the stopper leaves it out: no fault of
+        # the run's. Failed layers are said where they are moved.
+        ragged_end = trainer.is_last_batch and problem == unequal_sizes(self.sizes)
+        if problem and set(result.failed) <= aside and not ragged_end:
             probe._cannot_measure(problem)
         probe._failed.update(result.failed)
         if not self.sizes:
@@ -301,7 +304,7 @@ class ProbeStep:
         if set(sources.layers) - aside and not result.seen:
             return "the backward reached none of the measured layers (a loss without a graph?)", aside
         if len(set(sizes)) > 1:
-            return f"micro-batches of unequal sizes {sizes}", aside
+            return unequal_sizes(sizes), aside
         return "", aside
 
     def _batch_sq_norms(
@@ -485,3 +488,8 @@ def log_per_example_norms(
     outliers = largest_examples(norms, rows, top_k, coverage)
     log_text(trainer, OUTLIERS, outliers.markdown(step), step)
     return outliers
+
+
+def unequal_sizes(sizes: list[int]) -> str:
+    """The problem of a step whose micro-batches differ in size (an epoch's ragged last window, most often)."""
+    return f"micro-batches of unequal sizes {sizes}"

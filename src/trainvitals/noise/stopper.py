@@ -1,9 +1,10 @@
 r"""GradNormEarlyStopping: stop when the gradient norm has entered its noise band.
 
 A mini-batch gradient never goes to zero: E‖ḡ_B‖² = ‖G‖² + tr(Σ)/B (McCandlish et al. 2018, Eq. A.1),
-so as the true gradient G vanishes, ‖ḡ_B‖ settles on the noise floor sqrt(tr(Σ)/B) and wanders in a
-band around it. A fixed threshold such as "‖g‖ < 1e-3" ignores that floor (and the loss reduction,
-loss scale and parametrisation that set the norm's size); the noise band does not.
+so as the true gradient G vanishes, the RMS of ‖ḡ_B‖ settles on the noise level sqrt(tr(Σ)/B) — the RMS
+norm of pure noise, not a lower bound: single steps fall below it often — and wanders in a band around
+it. A fixed threshold such as "‖g‖ < 1e-3" ignores that level (and the loss reduction, loss scale and
+parametrisation that set the norm's size); the noise band does not.
 
 This is its own callback rather than a mode of :class:`GradNormMonitor` because it needs what the
 monitor does not: a noise source (hooks on the parameters, or a BatchVarianceProbe) and the power to
@@ -44,14 +45,18 @@ from trainvitals.plumbing.sharing import (
     NOISE_PROBE,
     NOISE_TAGS,
     NONFINITE_STEPS,
+    RESTORED_SUMMARY,
     SUMMARY,
 )
 from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.stopping import can_stop_now
-from trainvitals.plumbing.writers import log_scalars, log_text
+from trainvitals.plumbing.writers import feed_callback_metrics, log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 
 MODES = ("noise_band", "threshold", "relative")
+BAND_RATIO = "grad_norm/band_ratio"
+"""The smoothed ‖G‖² over the band's edge margin·tr(Σ)/B (≤ 1: in the band); +inf in ``callback_metrics`` while
+the estimate cannot decide."""
 
 # Chosen from benchmarks/stopping_tasks.py (docs/benchmarks.md; 7 tasks, 28 runs):
 # margin 0.2 with a patience of 10 optimizer steps is within tolerance of the best epoch in 24 runs and
@@ -66,6 +71,10 @@ DEFAULT_PATIENCE = 10
 DEFAULT_MIN_STEPS = 100
 # The host reads the on-device streak every this many steps: one sync per 10 steps, a stop at most 9 late.
 DEFAULT_CHECK_EVERY_N_STEPS = 10
+MANUAL = (
+    "mode='noise_band' needs automatic optimization (this LightningModule steps its optimizers itself, "
+    "automatic_optimization=False)"
+)
 
 
 def measurable_by(module: Any, probe: bool, say_probe: bool = True) -> str:
@@ -102,7 +111,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     Modes:
 
     - ``"noise_band"`` (default): with smoothed estimates of ‖G‖² and tr(Σ), the run is in the band
-      when ‖G‖² ≤ ``margin`` · tr(Σ)/B, i.e. E‖ḡ_B‖ ≤ sqrt(1 + margin) × noise floor. ``margin = 1``
+      when ‖G‖² ≤ ``margin`` · tr(Σ)/B, i.e. the RMS sqrt(E‖ḡ_B‖²) ≤ sqrt(1 + margin) × the noise level
+      sqrt(tr Σ/B). ``margin = 1``
       is B ≤ B_simple (the gradient noise scale); with Cockpit's norm test θ² = tr Σ/(B‖G‖² + tr Σ)
       the band is θ ≥ 1/sqrt(1 + margin), so B ≤ B_simple is θ ≥ 1/√2. The estimate is the run's one
       :class:`~trainvitals.noise.estimate.GradientNoise` (:attr:`gradient_noise`), shared with a
@@ -116,8 +126,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
       later are followed); an epoch's ragged last accumulation window is left out of the estimate.
       A training step that also takes ``torch.autograd.grad`` with respect to the parameters
       (gradient penalties, SAM) biases the micro-batch estimate.
-    - ``"threshold"``: ‖ḡ‖ < ``threshold`` — the naive rule: the norm has a floor sqrt(tr Σ/B) that
-      may lie above any fixed threshold, and its scale changes with loss reduction (sum vs mean),
+    - ``"threshold"``: ‖ḡ‖ < ``threshold`` — the naive rule: the norm's RMS stays above the noise level
+      sqrt(tr Σ/B), which may lie above any fixed threshold, and its scale changes with loss reduction (sum vs mean),
       loss scaling and parametrisation.
     - ``"relative"``: ‖ḡ‖ < ``fraction`` × its EMA over the first ``reference_steps`` steps.
 
@@ -132,7 +142,12 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     Logged at the Trainer's logging cadence and at the stopping step (step = optimizer step):
     ``grad_norm/in_noise_band`` (0/1, while the estimate is decisive), ``grad_norm/band_streak`` (steps),
-    ``grad_norm/band_edge`` (sqrt(1 + margin) × the noise floor: where the band ends for the norm);
+    ``grad_norm/band_norm`` (the smoothed norm sqrt(‖G‖² + tr Σ/B) the band is judged on), ``grad_norm/band_floor``
+    (the noise level sqrt(tr Σ/B), the RMS norm of pure noise) and ``grad_norm/band_edge`` (sqrt(1 + margin) ×
+    the noise level: where the band ends); ``grad_norm/band_ratio`` (margin > 0), the smoothed ‖G‖² over the band's
+    edge margin·tr(Σ)/B, ≤ 1 in the band: it does not tie from save to save as the streak does outside the band,
+    so ``ModelCheckpoint(monitor="grad_norm/band_ratio", mode="min")`` keeps the checkpoint deepest into the band
+    (+inf in ``trainer.callback_metrics``, not logged, while the estimate cannot decide);
     without a GradNormMonitor, ``grad_norm/nonfinite_steps`` (``amp_skipped_steps`` under a GradScaler) as the
     monitor counts them (:class:`~trainvitals.norms.nonfinite.NonfiniteCounter`);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
@@ -160,7 +175,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
 
-    provides = (GRADIENT_NOISE, NOISE_BAND, SUMMARY)
+    provides = (GRADIENT_NOISE, NOISE_BAND, SUMMARY, RESTORED_SUMMARY)
     reads = (GRAD_SQ_NORMS, NONFINITE_STEPS, NOISE_TAGS, NOISE_PROBE)
 
     def __init__(
@@ -240,6 +255,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.add_state("effective_batch_size", None, persistent=False)
         # ``trainer.global_step`` at which a fit resumed from a checkpoint written after the stop was stopped.
         self.add_state("stopped_again_step", None, persistent=False)
+        self.add_state("_manual", False, persistent=False)  # noise_band under manual optimization: cannot stop
 
     @property
     def noise(self) -> BiasCorrectedEMA:
@@ -257,8 +273,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         # Chosen again at the first batch (an epoch-start hook may change the accumulation); chosen here too, so
         # that a fit that runs no step (a requeued job with nothing left) estimates with the sources it restored.
         self._choose_source(trainer, pl_module, say=False)
-        if self.mode == "noise_band" and not pl_module.automatic_optimization:
-            self.warn("mode='noise_band' needs automatic optimization; it will not stop this run.")
+        self._manual = self.mode == "noise_band" and not pl_module.automatic_optimization
+        if self._manual:
+            self.warn(MANUAL + "; it will not stop this run.")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -266,7 +283,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         # (same arguments: the state_key holds them). The run was over: it stops again before its first
         # step, as Lightning's EarlyStopping stops again at its first check.
         if not trainer.strategy.reduce_boolean_decision(self.stop_reason is not StopReason.NOT_STOPPED, all=False):
-            self._warn_if_it_cannot_fire(trainer)
+            if not self._manual:  # that it will not stop this run is said already, with its one cause
+                self._warn_if_it_cannot_fire(trainer)
             return
         trainer.should_stop = True
         self.stopped_again_step = trainer.global_step
@@ -357,11 +375,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.nonfinite.add(valid)
         self.steps += 1
         if logged:
-            self._log(trainer, step, total, in_condition)
+            self._log(trainer, step, in_condition)
         if self.steps % self.check_every_n_steps == 0 and self.mode == "noise_band" and self._source is not None:
             self._say_caveat(trainer, step)
         if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and every and not logged:
-            self._log(trainer, step, total, in_condition, final=True)  # the chart ends where the run stopped
+            self._log(trainer, step, in_condition, final=True)  # the chart ends where the run stopped
 
     # ------------------------------------------------------------------ helpers
     def _choose_source(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", say: bool = True) -> None:
@@ -482,11 +500,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         return self.gradient_noise.in_noise_band(self.margin, estimate, device=total.device).to(total.device)
 
     def noise_floor(self) -> Tensor:
-        """The noise floor sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of
+        """The noise level sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of
         GradNormMonitor's ``grad_norm/total``), ``()`` float64; 0 before the first estimate."""
         return self.gradient_noise.estimate().noise_floor
 
-    def _log(self, trainer: "pl.Trainer", step: int, total: Tensor, in_condition: Tensor, final: bool = False) -> None:
+    def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor, final: bool = False) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak, **self.nonfinite.metrics(trainer, self)}
         if self.mode == "noise_band" and self._source is not None:
             estimate = self.gradient_noise.estimate()
@@ -496,14 +514,25 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             decisive = self.gradient_noise.decisive(estimate).to(in_condition.device)
             metrics["grad_norm/in_noise_band"] = torch.where(decisive, in_condition.double(), float("nan"))
             # The margin chart's three series, logged together (TensorBoard draws it only where their steps
-            # agree): the norm judged, the floor and where the band ends for the norm, E‖ḡ‖² = ‖G‖² + tr Σ/B
-            # ≤ (1 + margin) tr Σ/B; all left out while the estimate cannot decide.
+            # agree): the smoothed norm the band is judged on, sqrt(‖G‖² + tr Σ/B), the noise level and where
+            # the band ends, ‖G‖² ≤ margin·tr Σ/B ⇔ sqrt(‖G‖² + tr Σ/B) ≤ sqrt(1 + margin)·sqrt(tr Σ/B): the
+            # line is inside the shade when the step is in the band. The step's own norm scatters
+            # about it (below the noise level often). All left out while the estimate cannot decide.
             floor = estimate.noise_floor.to(in_condition.device)
             nan = torch.full_like(floor, float("nan"))
-            metrics["grad_norm/band_norm"] = torch.where(decisive, total.to(floor), nan)
+            smoothed = (estimate.grad_sq_norm.to(floor) + floor.square()).clamp_min(0.0).sqrt()
+            metrics["grad_norm/band_norm"] = torch.where(decisive, smoothed, nan)
             metrics["grad_norm/band_floor"] = torch.where(decisive, floor, nan)
             metrics["grad_norm/band_edge"] = torch.where(decisive, floor * math.sqrt(1.0 + self.margin), nan)
-        log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
+            if self.margin > 0 and estimate.batch_size:  # how deep into the band: a checkpoint's monitor
+                edge = self.margin * estimate.trace_cov.to(floor) / estimate.batch_size
+                ratio = estimate.grad_sq_norm.to(floor) / edge.clamp_min(1e-300)
+                metrics[BAND_RATIO] = torch.where(decisive & (edge > 0), ratio, nan)
+        logged = log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
+        if self.mode == "noise_band" and self.margin > 0 and BAND_RATIO not in logged:
+            # Not measured yet, or not measurable: the worst value for ModelCheckpoint(mode="min"), which
+            # needs the key at every save (a missing one fails the fit once validation has run).
+            feed_callback_metrics(trainer, {BAND_RATIO: math.inf})
 
     def _say_caveat(self, trainer: "pl.Trainer", step: int) -> None:
         """Once per fit: why the estimate cannot stop the run (no valid source, partial coverage), and two
@@ -580,6 +609,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
         why = f"{int(self._streak)} step(s) in a row in the condition at the end, of the {self.patience} it needs"
+        if self._manual:  # the one cause: min_steps and the noise sources do not matter then
+            return f"did not stop the run: {MANUAL}."
         if self.mode == "noise_band":
             summary = self.gradient_noise.host_summary()
             if self._source is None:

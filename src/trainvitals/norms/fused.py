@@ -87,7 +87,7 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
         return torch.zeros(0, dtype=torch.float64)
     by_kind: dict[tuple[torch.dtype, object], list[int]] = {}
     for i, t in enumerate(tensors):
-        by_kind.setdefault((t.dtype, t.device_mesh if _is_dtensor(t) else None), []).append(i)
+        by_kind.setdefault((t.dtype, t.device_mesh if is_dtensor(t) else None), []).append(i)
     ordered: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     for (dtype, mesh), idx in by_kind.items():
         # Reduced-precision grads are reduced in fp32; wider ones in their own dtype.
@@ -108,7 +108,8 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
     return torch.stack(ordered).to(dtype=torch.float64)
 
 
-def _is_dtensor(t: Tensor) -> bool:
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (FSDP2's sharded parameters and gradients, tensor parallelism)."""
     return DTensor is not None and isinstance(t, DTensor)
 
 

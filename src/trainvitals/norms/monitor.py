@@ -36,7 +36,7 @@ from trainvitals.plumbing.amp import grad_scaler
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import reduce_shard_norms
-from trainvitals.plumbing.sharing import GRAD_NORM, GRAD_SQ_NORMS, NONFINITE_STEPS, SUMMARY
+from trainvitals.plumbing.sharing import GRAD_NORM, GRAD_SQ_NORMS, NAN_PRODUCER, NONFINITE_STEPS, SUMMARY
 from trainvitals.plumbing.state import DeclaredState
 from trainvitals.plumbing.stopping import stopped_early
 from trainvitals.plumbing.writers import log_histogram, log_scalars, log_text
@@ -247,6 +247,7 @@ class GradNormMonitor(TrainvitalsCallback):
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        self._warn_nonfinite()  # after every callback's optimizer-step hook: a TrainingGuard has searched by then
         if self._clip_pending is None:
             return
         index, step = self._clip_pending
@@ -281,6 +282,7 @@ class GradNormMonitor(TrainvitalsCallback):
                 self._log(trainer, index, track, step)
             elif track.counts != track.logged_counts:
                 self._log(trainer, index, track, step, norms=False)
+        self._warn_nonfinite()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -426,19 +428,33 @@ class GradNormMonitor(TrainvitalsCallback):
         # A non-finite step is counted and its layers named in a warning; a NaN point draws nothing in a chart.
         log_scalars(trainer, {**metrics, **(extra or {})}, step, finite_only=True)
         track.logged_counts = dict(track.counts)
-        if track.nonfinite is not None and not track.warned_nonfinite:
-            track.warned_nonfinite = True
-            at, layers = track.nonfinite
-            self.warn(
-                f"non-finite gradient (inf/NaN) at optimizer step {at}; first in: "
-                f"{', '.join(layers[:5]) or 'unknown'}. Without a GradScaler this is divergence: lower the lr, "
-                "check the loss for log(0)/division by zero, or enable gradient clipping."
-            )
         if track.spike is not None and track.counts["spike_steps"] > track.reported_spikes:
             track.reported_spikes = track.counts["spike_steps"]
             at, message = track.spike
             self.info(message)
             log_text(trainer, tag("spikes"), message, at)
+
+    def _warn_nonfinite(self) -> None:
+        """Once per track, the first non-finite step read back: the layers whose gradient held it (they carry the
+        inf/NaN; the one that made it may be earlier), and its producer where a TrainingGuard named it."""
+        for track in self._tracks.values():
+            if track.nonfinite is None or track.warned_nonfinite:
+                continue
+            track.warned_nonfinite = True
+            at, layers = track.nonfinite
+            producer = getattr(self.vitals.provider(NAN_PRODUCER), "producer", None)
+            cause = (
+                f"It was made by {producer.describe()}, as TrainingGuard's re-run of the batch found: fix that "
+                "operation (clamp its input, compute it in float32, add an epsilon) before the lr."
+                if producer is not None
+                else "Without a GradScaler this is divergence or an operation that made an inf/NaN: lower the lr, "
+                "check the loss for log(0)/division by zero, or enable gradient clipping; TrainingGuard() names "
+                "the layer that made it."
+            )
+            self.warn(
+                f"non-finite gradient (inf/NaN) at optimizer step {at}; first in: {', '.join(layers[:5]) or 'unknown'}"
+                f" (the layers whose gradient held it). {cause}"
+            )
 
     def _log_histograms(self, trainer: "pl.Trainer", index: int, track: _Track, step: int) -> None:
         by_group: dict[int, list[Tensor]] = {}

@@ -50,9 +50,10 @@ class SourcePlan:
                     out[m][f"{m}.{n}" if m else n] = p
         return out
 
-    def describe(self, model: nn.Module, sub_batch: int | None = None) -> str:
+    def describe(self, model: nn.Module, sub_batch: int | None = None, exact: bool = True) -> str:
         """One line naming each source, its layers and its share of the trainable parameters (with ``sub_batch``,
-        the examples per step of the torch.func source)."""
+        the examples per step of the torch.func source: ``exact``, or at most that many, before the batch is
+        known)."""
         total = sum(p.numel() for p in model.parameters() if p.requires_grad) or 1
 
         def share(params: Iterable[nn.Parameter]) -> str:
@@ -73,7 +74,7 @@ class SourcePlan:
         if self.micro_batch:
             parts.append(f"micro-batches/ranks: {len(self.micro_batch)} tensors ({share(self.micro_batch.values())})")
         if self.vmap:
-            of = f" of {sub_batch} examples" if sub_batch else ""
+            of = f" of {'' if exact else 'up to '}{sub_batch} examples" if sub_batch else ""
             parts.append(
                 f"torch.func vmap on a sub-batch{of}: {kinds(self.vmap)} ({share(self.parameters('vmap').values())})"
             )

@@ -15,12 +15,15 @@
 - What a callback shares with the others is declared in ``provides`` and ``reads`` and resolved at
   ``setup(stage="fit")`` into ``self.vitals`` (:mod:`trainvitals.plumbing.sharing`).
 - Messages carry the prefix ``trainvitals <Callback>:``; :meth:`TrainvitalsCallback.cannot_measure` warns
-  once and carries on, or raises under ``strict=True``.
+  once and carries on, or raises under ``strict=True``. A warning with that prefix prints as its text alone
+  (:func:`format_warning`), as Lightning prints its own rank-zero warnings without the source line: it
+  reads as a message, not as a traceback.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -31,6 +34,9 @@ from typing_extensions import override
 from trainvitals.plumbing.sharing import Vitals, connect
 from trainvitals.plumbing.state import DeclaredState
 from trainvitals.plumbing.writers import note_unrecorded
+
+PREFIX = "trainvitals "
+"""How every trainvitals message starts (:meth:`TrainvitalsCallback.message`)."""
 
 
 class TrainvitalsCallback(DeclaredState, Callback):
@@ -78,7 +84,7 @@ class TrainvitalsCallback(DeclaredState, Callback):
         named (also in a user's subclass of it); with ``tag`` (a finding's kind),
         ``trainvitals <Callback> [tag]: text``."""
         name = next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("trainvitals."))
-        return f"trainvitals {name}{f' [{tag}]' if tag else ''}: {text}"
+        return f"{PREFIX}{name}{f' [{tag}]' if tag else ''}: {text}"
 
     # The stack levels point a warning at the hook that gave it, past these helpers and Lightning's.
     def info(self, text: str, once: bool = False) -> None:
@@ -105,3 +111,22 @@ class TrainvitalsCallback(DeclaredState, Callback):
     @functools.cached_property
     def _warning_cache(self) -> WarningCache:
         return WarningCache()
+
+
+def format_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """``warnings.formatwarning`` for trainvitals' messages: the text alone, one line per message.
+
+    Python prints ``file:line: UserWarning: text`` and the source line under it, so a message looks like a
+    traceback; Lightning's ``_custom_format_warning`` drops the source line of its own warnings. A message
+    with trainvitals' prefix names its callback already: it prints as ``text``; every other warning as the
+    formatter installed before (Lightning's, which hands the rest to Python's).
+    """
+    if str(message).startswith(PREFIX):
+        return f"{message}\n"
+    return _previous_format_warning(message, category, filename, lineno, line)
+
+
+_previous_format_warning = warnings.formatwarning
+warnings.formatwarning = format_warning

@@ -60,8 +60,13 @@ NOISE_PROBE = "noise_probe"
 """A per-example noise source is attached (BatchVarianceProbe)."""
 NOISE_BAND = "noise_band"
 """The noise band's margin (``margin``): GradNormEarlyStopping."""
+NAN_PRODUCER = "nan_producer"
+"""The module that made a fit's first inf/NaN (``producer``, a ``guard.producer.Producer`` or ``None``): TrainingGuard."""
 SUMMARY = "summary"
 """An end-of-fit markdown summary (``summary_markdown()``)."""
+RESTORED_SUMMARY = "restored_summary"
+"""A :data:`SUMMARY` made from the checkpointed state alone, so as true after a fit that ran no step (a relaunch
+with none left) as after the fit that measured it: the dashboard writes only these again then."""
 
 _MAX_INDICES = 8  # index tensors kept for parameter subsets: a caller that rebuilds its list must not pile them up
 

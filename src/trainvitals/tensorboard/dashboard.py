@@ -12,7 +12,7 @@ from trainvitals._validation import check_bool
 from trainvitals.noise.estimate import band_ratio
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.plumbing.sharing import GRAD_NORM, GRADIENT_NOISE, NOISE_BAND, SUMMARY, Vitals
+from trainvitals.plumbing.sharing import GRAD_NORM, GRADIENT_NOISE, NOISE_BAND, RESTORED_SUMMARY, SUMMARY, Vitals
 from trainvitals.plumbing.writers import log_text, tensorboard_loggers
 from trainvitals.tags import DIAGNOSIS_TAG, FIT_END_TAG, FIT_ENDED, FIT_RAISED
 from trainvitals.tensorboard.layout import layer_groups, trainvitals_layout
@@ -25,7 +25,10 @@ class TrainvitalsDashboard(TrainvitalsCallback):
       :func:`~trainvitals.tensorboard.layout.trainvitals_layout`: one per-layer chart per top-level module, the
       tags behind the logger's ``prefix`` (``TensorBoardLogger(prefix="train")`` writes ``train-grad_norm/...``).
     - At fit end, each trainvitals callback gets a text panel ``diagnosis/<class name>`` (the Text tab's first group)
-      with its end-of-run markdown (its ``summary_markdown()``).
+      with its end-of-run markdown (its ``summary_markdown()``). A fit that ran no optimizer step (a relaunch
+      from a checkpoint with no step left) writes only those made from the restored state
+      (:data:`~trainvitals.plumbing.sharing.RESTORED_SUMMARY`): the others would describe this empty fit, and,
+      written into the same folder at the same step, would replace the run's diagnoses in ``trainvitals report``.
     - How the fit ended, in the text panel ``trainvitals/fit_end`` (:data:`~trainvitals.tags.FIT_END_TAG`): at fit
       end, or from ``on_exception`` with the exception's type. ``trainvitals report`` reads it to tell a finished
       fit from a crashed one, and one with the layout but neither line from one killed or still running.
@@ -46,7 +49,7 @@ class TrainvitalsDashboard(TrainvitalsCallback):
         TypeError: if an argument is not a bool, naming it.
     """
 
-    reads = (GRAD_NORM, NOISE_BAND, GRADIENT_NOISE, SUMMARY)
+    reads = (GRAD_NORM, NOISE_BAND, GRADIENT_NOISE, SUMMARY, RESTORED_SUMMARY)
 
     def __init__(self, progress_bar: bool = True, diagnosis: bool = True) -> None:
         super().__init__()
@@ -56,12 +59,18 @@ class TrainvitalsDashboard(TrainvitalsCallback):
         self._shown_at: int | None  # the optimizer step the progress bar last showed
         self.add_state("_shown_at", None, persistent=False)
         self.add_state("_panels", 0, persistent=False)
+        self._trained_from: int | None  # global_step at train start (restored by then); None: training never started
+        self.add_state("_trained_from", None, persistent=False)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         groups = layer_groups([name for name, _ in pl_module.named_parameters()])
         for logger in tensorboard_loggers(trainer, "the custom-scalars dashboard"):
             logger.experiment.add_custom_scalars(trainvitals_layout(logger._prefix, logger.LOGGER_JOIN_CHAR, groups))
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._trained_from = trainer.global_step
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
@@ -80,14 +89,23 @@ class TrainvitalsDashboard(TrainvitalsCallback):
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        stepped = self.ran_a_step(trainer)
         if self.diagnosis:
-            for name, markdown in diagnoses(self.vitals).items():
+            for name, markdown in diagnoses(self.vitals, restored_only=not stepped).items():
                 log_text(trainer, f"{DIAGNOSIS_TAG}/{name}", markdown, trainer.global_step)
                 self._panels += 1
+        none = "" if stepped else "; this fit ran none (resumed with no step left)"
         log_text(
-            trainer, FIT_END_TAG, f"{FIT_ENDED} after {trainer.global_step} optimizer step(s).", trainer.global_step
+            trainer,
+            FIT_END_TAG,
+            f"{FIT_ENDED} after {trainer.global_step} optimizer step(s){none}.",
+            trainer.global_step,
         )
         self.info(self.summary_line(trainer))
+
+    def ran_a_step(self, trainer: "pl.Trainer") -> bool:
+        """Whether this fit ran an optimizer step (``global_step`` moved since train start)."""
+        return self._trained_from is not None and trainer.global_step > self._trained_from
 
     @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
@@ -102,18 +120,26 @@ class TrainvitalsDashboard(TrainvitalsCallback):
         logdirs = [lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
         if not logdirs:
             return "no TensorBoardLogger, so no dashboard or diagnosis panels."
-        panels = (
-            f"{self._panels} diagnosis panel(s) first in the Text tab ({DIAGNOSIS_TAG}/...)"
-            if self.diagnosis
-            else "no diagnosis panels (diagnosis=False)"
-        )
+        if not self.diagnosis:
+            panels = "no diagnosis panels (diagnosis=False)"
+        elif not self.ran_a_step(trainer):
+            panels = (
+                f"this fit ran no optimizer step: {self._panels} diagnosis panel(s) from the restored state, the "
+                f"others those of the fit before, first in the Text tab ({DIAGNOSIS_TAG}/...)"
+            )
+        else:
+            panels = f"{self._panels} diagnosis panel(s) first in the Text tab ({DIAGNOSIS_TAG}/...)"
         return f"{panels}, the charts in Custom Scalars: tensorboard --logdir {logdirs[0]}"
 
 
-def diagnoses(vitals: Vitals) -> dict[str, str]:
+def diagnoses(vitals: Vitals, restored_only: bool = False) -> dict[str, str]:
     """{callback class name: its end-of-run markdown (``summary_markdown()``)} for the callbacks providing
-    :data:`~trainvitals.plumbing.sharing.SUMMARY`."""
-    return {type(cb).__name__: cb.summary_markdown() for cb in vitals.providers(SUMMARY)}
+    :data:`~trainvitals.plumbing.sharing.SUMMARY` (``restored_only``: those providing
+    :data:`~trainvitals.plumbing.sharing.RESTORED_SUMMARY`, for a fit that ran no step)."""
+    return {
+        type(cb).__name__: cb.summary_markdown()
+        for cb in vitals.providers(RESTORED_SUMMARY if restored_only else SUMMARY)
+    }
 
 
 def progress_bar_values(vitals: Vitals) -> dict[str, float]:

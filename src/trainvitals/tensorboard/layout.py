@@ -7,14 +7,15 @@ it: the story of a run on one page, whichever callbacks were attached — a char
 logged stays empty and harmless.
 
 Readable at a glance within what the plugin offers: every line of a chart takes the run's colour, so a
-chart holds one quantity (or lines of one scale that are told apart by the chart itself: the norm inside
-its band is a margin chart, the shaded band from the noise floor to the band's edge); quantities whose
+chart holds one quantity (or lines of one scale that are told apart by the chart itself: the smoothed norm
+inside its band is a margin chart, the shaded band from the noise level to the band's edge); quantities whose
 scales differ by orders of magnitude (tr(Σ) ~100, ‖G‖² ~0.01) get a chart each; the per-layer norms get
 one chart per top-level module (a parameter of the LightningModule itself is one), the per-layer GSNR one chart:
 which layers have a GSNR the probe's sources decide during the fit, not the module tree at its start.
 The layout proto has no y-scale field: the log scale is the chart's own
 "Toggle y-axis log scale" button, and TensorBoard's "Ignore outliers in chart scaling" (on by default, in
-the settings) clips a chart's extremes — docs/callbacks/dashboard.md says when to turn it off.
+the settings) clips a chart's extremes: the title of a chart it hides (a 0/1 flag, a streak of a few
+steps) says to turn it off; docs/callbacks/dashboard.md says when else.
 """
 
 from __future__ import annotations
@@ -41,11 +42,21 @@ the chart that says most comes first only in a category of its own."""
 MAX_LAYER_CHARTS = 8
 """Beyond this many top-level modules, the per-layer norms share one chart (the histograms tab shows them too)."""
 
-GRAD_NORM_CHART = "gradient norm vs noise floor"
-BAND_CHART = "gradient norm in its noise band (shaded: noise floor to band edge)"
+GRAD_NORM_CHART = (
+    "gradient norm ‖ḡ‖ per step, its expected RMS sqrt(‖G‖² + tr Σ/B), and the noise level sqrt(tr Σ/B) "
+    "(the RMS norm of pure noise: single steps fall below it often)"
+)
+BAND_CHART = (
+    "smoothed gradient norm sqrt(‖G‖² + tr Σ/B), what the stop decides on, and its noise band (shaded: the noise "
+    "level sqrt(tr Σ/B) to the band's edge; in the band below the edge; Toggle y-axis log scale to see it whole)"
+)
 BAND_TAGS = ("grad_norm/band_norm", "grad_norm/band_floor", "grad_norm/band_edge")
 """The margin chart's value, lower and upper series, which GradNormEarlyStopping logs at the same steps (a margin
 chart whose three series' steps differ is not drawn): exact tags (single optimizer), not regexes."""
+OUTLIERS_OFF = "turn off Ignore outliers in chart scaling (settings), on by default, or its few high points are cut"
+"""Said in the title of a chart that TensorBoard's default scaling hides (a 0/1 flag, a short streak)."""
+IN_BAND_CHART = f"in the noise band (1 = yes): {OUTLIERS_OFF}"
+STREAK_CHART = f"steps in a row in the noise band (the stop comes at its patience): {OUTLIERS_OFF}"
 
 
 def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
@@ -55,13 +66,18 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
             [
                 grad_norm("total"),
                 grad_norm("clipped_total"),
+                r"grad_noise/expected_batch_norm$",
                 grad_norm("noise_floor"),
                 grad_norm("noise_floor_se"),
                 grad_norm("measured_total"),
             ],
         ],
-        "in the noise band (1 = yes)": ["Multiline", [grad_norm("in_noise_band")]],
-        "steps in a row in the noise band (the stop comes at its patience)": ["Multiline", [grad_norm("band_streak")]],
+        IN_BAND_CHART: ["Multiline", [grad_norm("in_noise_band")]],
+        STREAK_CHART: ["Multiline", [grad_norm("band_streak")]],
+        "smoothed ‖G‖² over the band's edge margin·tr Σ/B (≤ 1: in the noise band; a checkpoint's monitor)": [
+            "Multiline",
+            [grad_norm("band_ratio")],
+        ],
         "B_simple vs effective batch (examples)": [
             "Multiline",
             [r"grad_noise/b_simple$", r"lr_scaling/(?:effective_batch|b_noise)$"],

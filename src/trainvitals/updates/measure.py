@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from trainvitals.norms.fused import per_tensor_norms
+from trainvitals.norms.fused import is_dtensor, per_tensor_norms
 
 
 def snapshot(params: Sequence[Tensor]) -> list[Tensor]:
@@ -35,15 +35,23 @@ def step_change(before: list[Tensor], params: Sequence[Tensor]) -> tuple[Tensor,
 
 def descent_dots(neg_delta: Sequence[Tensor], grads: Sequence[Tensor | None]) -> Tensor:
     """``(P,)`` float64 ⟨−Δθ, g⟩ of each parameter (0 without a gradient): the numerators of the cosine
-    between the step taken and the steepest-descent direction. One ``torch.dot`` per tensor, no temporary."""
+    between the step taken and the steepest-descent direction. One ``torch.dot`` per tensor, no temporary;
+    a ``DTensor`` (FSDP2, tensor parallelism) gets the dot of its whole tensor: its shards' dots summed over
+    the mesh, one collective per such parameter (on a logging step only)."""
     device = neg_delta[0].device if neg_delta else None
     dots = [
-        torch.zeros((), dtype=torch.float64, device=device)
+        torch.zeros((), dtype=torch.float64, device=getattr(d, "device", device))
         if g is None
-        else torch.dot(d.reshape(-1), g.detach().reshape(-1).to(d.dtype)).to(torch.float64)
+        else _whole_dot(d, g.detach())
         for d, g in zip(neg_delta, grads)
     ]
     return torch.stack(dots) if dots else torch.zeros(0, dtype=torch.float64)
+
+
+def _whole_dot(d: Tensor, g: Tensor) -> Tensor:
+    if is_dtensor(d):  # no dot over a sharded dim: the elementwise product's sum, reduced over the mesh
+        return (d * g.to(d.dtype)).sum().full_tensor().to(torch.float64)
+    return torch.dot(d.reshape(-1), g.reshape(-1).to(d.dtype)).to(torch.float64)
 
 
 def is_adam_like(optimizer: torch.optim.Optimizer) -> bool:
