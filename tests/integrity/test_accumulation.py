@@ -74,9 +74,12 @@ class GRULM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(model: GRULM, lengths: list[list[int]], accumulate: int = A, callbacks=None, steps: int = 2, said=None):
-    """Fit ``steps`` optimizer steps; ``said``: a list the warnings' messages are appended to."""
-    cb = GraphIntegrityCallback(check_every_n_steps=1, dead_after_steps=1)
+def fit(
+    model: GRULM, lengths: list[list[int]], accumulate: int = A, callbacks=None, steps: int = 2, said=None, window=1
+):
+    """Fit ``steps`` optimizer steps in check windows of ``window`` steps; ``said``: a list the warnings' messages
+    are appended to."""
+    cb = GraphIntegrityCallback(check_every_n_steps=window, dead_after_steps=window)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pl.Trainer(
@@ -93,11 +96,26 @@ def test_micro_batch_token_means_under_accumulation_are_named_with_their_counts_
     (found,) = [f for f in cb.findings if f.kind is UNEVEN_MICRO_BATCH_MEANS]
     counts = [sum(bucket) for bucket in LENGTH_BUCKETED[:A]]  # the hand count of each micro-batch's tokens
     assert counts == [10, 38, 19, 30]
-    assert f"({', '.join(map(str, counts))} in the step from optimizer step 0)" in found.message
+    assert f"({', '.join(map(str, counts))} in optimizer step 0)" in found.message
     assert f"the micro-batch with 10 weighs {38 / 10:.3g}× one of the micro-batch with 38" in found.message
     assert "divide by the total count across the accumulated micro-batches" in found.message
     assert "reduction='sum'" in found.message and "accumulate_grad_batches" in found.message
     assert cb.counts[UNEVEN_MICRO_BATCH_MEANS] == 2  # both steps' windows
+
+
+def test_the_counts_are_those_of_the_step_they_are_said_to_be_from():
+    """A window of three optimizer steps closes at step 2, but reads the counts at step 0: the finding names step 0
+    with step 0's counts, not step 2's (whose micro-batches hold other counts)."""
+    lengths = [[2, 2, 3, 3], [9, 9, 10, 10], [4, 5, 5, 5], [7, 7, 8, 8]]  # step 0: 10, 38, 19, 30 tokens
+    lengths += [[1, 1, 1, 1], [3, 3, 3, 3], [6, 6, 6, 6], [2, 2, 2, 2]] * 2  # steps 1 and 2: 4, 12, 24, 8
+    cb = fit(GRULM("masked_mean"), lengths, steps=3, window=3)
+    (found,) = [f for f in cb.findings if f.kind is UNEVEN_MICRO_BATCH_MEANS]
+    at_step = {step: [sum(bucket) for bucket in lengths[A * step : A * step + A]] for step in range(3)}
+    assert at_step[0] == [10, 38, 19, 30] and at_step[2] == [4, 12, 24, 8]  # the hand count of each micro-batch
+    assert found.step == 0
+    assert "(10, 38, 19, 30 in optimizer step 0)" in found.message
+    assert "step 2" not in found.message and "4, 12, 24, 8" not in found.message
+    assert cb.counts[UNEVEN_MICRO_BATCH_MEANS] == 1  # one window
 
 
 @pytest.mark.parametrize(

@@ -382,6 +382,64 @@ def test_a_loss_summed_over_tokens_scales_the_gradient_by_the_tokens():
     assert "40 × 0.01 = 0.4" in advisor.summary_markdown()
 
 
+class TokenSumOverTheStep(pl.LightningModule):
+    """A per-token LM whose micro-batches (4 sequences of different lengths, bucketed) sum their token losses and
+    divide by the optimizer step's tokens, times accumulate_grad_batches: transformers' ``num_items_in_batch``."""
+
+    PAD, A = -100, 4
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7))
+        kept = [int((y != self.PAD).sum()) for _, y in batches]
+        self.step_tokens = [sum(kept[k : k + self.A]) for k in range(0, len(kept), self.A)]
+        self.grads: list[torch.Tensor] = []
+
+    def token_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mask = y != self.PAD
+        return F.cross_entropy(self.net(x)[mask], y[mask], reduction="sum")
+
+    def training_step(self, batch, batch_idx):
+        return self.token_sum(*batch) / self.step_tokens[batch_idx // self.A] * self.A
+
+    def on_before_optimizer_step(self, optimizer):
+        self.grads.append(torch.cat([p.grad.flatten() for p in self.parameters()]).clone())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.0)
+
+
+def test_a_token_sum_over_the_steps_tokens_is_told_its_measured_gradient_scale():
+    """The reviewer's fix for uneven token means: each micro-batch's token sum over the step's 2 + 6 + 12 + 20 = 40
+    tokens, times 4. The duplicated batch says "sum" (the divisor is fixed); the graphs say each micro-batch's loss
+    divides by 40/4 = 10, over 10 terms on average: the step's gradient is 1× that of the mean of its 40 token
+    losses (checked against autograd), so Adam's ε is as it is, not ε/2 (the first micro-batch's 2 terms)."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for lengths in ([1, 1, 0, 0], [2, 2, 1, 1], [3, 3, 3, 3], [5, 5, 5, 5]) * 2:
+        x, y = torch.randint(0, 7, (4, 5), generator=g), torch.randint(0, 7, (4, 5), generator=g)
+        for i, n in enumerate(lengths):
+            y[i, n:] = TokenSumOverTheStep.PAD
+        batches.append((x, y))
+    model, advisor = TokenSumOverTheStep(batches), LRScalingAdvisor(verbose=False)
+    assert model.step_tokens == [40, 40]  # the hand count: 2, 6, 12 and 20 tokens
+    trainer = Trainer(**trainer_kwargs(callbacks=[advisor], logger=False, max_steps=2, accumulate_grad_batches=4))
+    trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
+    xs, ys = torch.cat([x for x, _ in batches[:4]]), torch.cat([y for _, y in batches[:4]])
+    model.zero_grad()
+    F.cross_entropy(model.net(xs).flatten(0, 1), ys.flatten(), ignore_index=TokenSumOverTheStep.PAD).backward()
+    mean = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert float((model.grads[0] - mean).norm() / mean.norm()) < 1e-5  # 1× the token mean's gradient
+    assert advisor.loss_reduction == "sum"
+    assert (advisor.summed_terms, advisor.loss_divided_by) == (10, 10)
+    text = advisor.summary_markdown()
+    assert "**loss reduction** sum, each micro-batch's divided by 10 (" in text
+    assert "10 terms (4 examples × 2.5 each) and divided by 10" in text
+    assert "Adam divides the 1× gradient scale out, except against ε: the effective ε is ε/1 = 1e-08" in text
+    assert "ε/2 " not in text and "ε/10" not in text
+
+
 def test_the_probe_changes_nothing_in_training():
     states = []
     for detect in (False, True):

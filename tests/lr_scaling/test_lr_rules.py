@@ -186,15 +186,25 @@ def test_classify_loss_reduction(loss, doubled, expected):
 
 
 def test_loss_reduction_notes_per_family():
-    sgd = loss_reduction_note("sum", "sgd", per_device_batch=16, lr=0.01)
+    sgd = loss_reduction_note("sum", "sgd", per_device_batch=16, lr=0.01, terms=16)
     assert "16 × 0.01 = 0.16" in sgd
-    adam = loss_reduction_note("sum", "adam", per_device_batch=16, lr=1e-3, eps=1e-8)
+    adam = loss_reduction_note("sum", "adam", per_device_batch=16, lr=1e-3, eps=1e-8, terms=16)
     assert "ε/16 = 6.25e-10" in adam
     assert "unknown" in loss_reduction_note("sum", "unsure", per_device_batch=16, lr=0.1)
     tokens = loss_reduction_note("sum", "adam", per_device_batch=16, lr=1e-3, eps=1e-8, terms=16 * 64)
     assert "1024 terms (16 examples × 64 each)" in tokens and "ε/1024 = 9.77e-12" in tokens
-    assert "times any tokens" in sgd  # b is a lower bound while the terms are not known
+    # Terms not known: no scale, no ε, no effective lr is said
+    for family in ("sgd", "adam"):
+        unknown = loss_reduction_note("sum", family, per_device_batch=16, lr=1e-3, eps=1e-8)
+        assert "unknown" in unknown and "ε/" not in unknown and " = " not in unknown, unknown
     assert "as they are" in loss_reduction_note("mean", "sgd", per_device_batch=16, lr=0.1)
+    # A micro-batch's 27 token losses summed and divided by 87.5 (the step's 350 tokens over its 4 micro-batches):
+    # the gradient is 27/87.5 = 0.309× that of their mean, so ε acts as ε/0.309, not ε/27
+    scaled = loss_reduction_note("sum", "adam", per_device_batch=8, lr=3e-3, eps=1e-8, terms=27, divisor=87.5)
+    assert "27 terms (8 examples × 3.38 each) and divided by 87.5" in scaled
+    assert f"ε/0.309 = {1e-8 / (27 / 87.5):.3g}" in scaled and "ε/27" not in scaled
+    scaled_sgd = loss_reduction_note("sum", "sgd", per_device_batch=8, lr=0.1, terms=87.5, divisor=87.5)
+    assert "the gradient is 1× that of their mean" in scaled_sgd and "1 × 0.1 = 0.1" in scaled_sgd
     with pytest.raises(ValueError, match="`reduction`"):
         loss_reduction_note("none", "sgd", 16, 0.1)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -319,6 +320,54 @@ def test_mean_and_sum_losses_give_the_same_statistics(told):
         fit(Classifier(network("mlp"), reduction), data, [probe], batch_size=8, steps=3)
         results.append((float(probe.noise.trace_cov), float(probe.noise.grad_sq_norm)))
     assert rel(results[1][0], results[0][0]) < 1e-9 and rel(results[1][1], results[0][1]) < 1e-9
+
+
+class TokenSumOverTheStep(pl.LightningModule):
+    """A per-token model whose loss is transformers' ``num_items_in_batch`` normalisation: each micro-batch's token
+    sum over a fixed 35, times the accumulate_grad_batches Lightning divides by."""
+
+    TOKENS = 35
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Embedding(13, 4), nn.Linear(4, 5)).double()
+
+    def token_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mask = y != -100
+        return F.cross_entropy(self.net(x)[mask], y[mask], reduction="sum")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.token_sum(*batch) / self.TOKENS * self.trainer.accumulate_grad_batches
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_token_sum_over_the_steps_tokens_is_measured_at_its_own_scale(caplog):
+    """Micro-batches of 4 sequences, 2 per step, their token sums divided by 35 (no multiple of the 8 examples):
+    neither a mean nor a sum over the examples. Each example's gradient is that of its token sum scaled by B/35
+    (B = 8): tr Σ and ‖G‖² against one backward per example, and they average to the step's .grad."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 13, (8, 6), generator=g), torch.randint(0, 5, (8, 6), generator=g)
+    for i, n in enumerate([2, 6, 3, 5, 1, 6, 4, 2]):  # 29 tokens kept
+        y[i, n:] = -100
+    module, probe, recorder = TokenSumOverTheStep(), BatchVarianceProbe(ema_beta=0.0), Recorder()
+    with caplog.at_level(logging.INFO):
+        fit(module, TensorDataset(x, y), [probe, recorder], batch_size=4, steps=1, accumulate=2)
+    per_example = []
+    for i in range(8):  # brute force: each example's token sum, scaled by B/35
+        module.zero_grad()
+        (module.token_sum(x[i : i + 1], y[i : i + 1]) * 8 / TokenSumOverTheStep.TOKENS).backward()
+        per_example.append(torch.cat([p.grad.flatten() for p in module.parameters()]))
+    flat = torch.stack(per_example)
+    trace = (flat - flat.mean(0)).square().sum() / 7
+    assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-6
+    assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-6
+    assert probe.grad_scale == 1.0 and float((flat.mean(0) - recorder.grads[0]).norm()) < 1e-9  # ḡ is the .grad
+    assert "a sum of its terms divided by 35 over the optimizer step" in caplog.text
+    assert "the loss is a sum over the examples" not in caplog.text
+    assert "the loss is a mean over the examples" not in caplog.text
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])

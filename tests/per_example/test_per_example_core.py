@@ -556,7 +556,10 @@ def test_ghost_norms_materialise_no_per_example_gradient():
         (lambda x, y: x.square().sum() / 8, "mean"),  # a sum divided by (examples × tokens)
         (lambda x, y: F.cross_entropy(x, y, reduction="none").sum() / 1, "sum"),  # Lightning's /1 without accumulation
         (lambda x, y: F.cross_entropy(x, y, reduction="none").sum() / 2, "sum"),  # Lightning's /A skipped
-        (lambda x, y: F.cross_entropy(x, y, reduction="none").sum() / 2 / 2, "sum"),  # then a ½ factor
+        (lambda x, y: F.cross_entropy(x, y, reduction="none").sum() / 2 / 2, "scaled"),  # then a ½ factor
+        (lambda x, y: F.cross_entropy(x, y, reduction="sum") / 2 / 6 * 3, "scaled"),  # a sum over 2: no mean of 4
+        (lambda x, y: F.cross_entropy(x, y, reduction="sum") / 2 / 8, "mean"),  # over 2 × 4 examples
+        (lambda x, y: F.cross_entropy(x, y, reduction="sum") / 2 * 0, None),  # nothing reduced
         (lambda x, y: torch.logsumexp(x, 0).sum(), None),
         (lambda x, y: F.cross_entropy(x, y) + x.square().sum(), None),
         # Parts that agree on the kind over different numbers of terms: an auxiliary loss
@@ -655,6 +658,35 @@ def test_a_mean_says_what_it_divides_by(make_loss, count):
     found = detect_loss_reduction(make_loss(x, y, y != -100) / 2, batch_size=4, accumulation=2)
     assert found is not None
     assert (None if found.count is None else float(found.count)) == count
+
+
+@pytest.mark.parametrize(
+    ("make_loss", "count"),
+    [
+        # transformers' num_items_in_batch: the micro-batch's token sum over the accumulation window's 35 tokens,
+        # times the accumulate_grad_batches (2) Lightning divides by
+        (lambda x, y, m: F.cross_entropy(x[m], y[m], reduction="sum") / 35 * 2, 35 / 2),
+        (lambda x, y, m: 2 * F.cross_entropy(x[m], y[m], reduction="sum") / torch.tensor(35), 35 / 2),
+        (lambda x, y, m: F.cross_entropy(x[m], y[m], reduction="sum") / 3, 3),
+        (lambda x, y, m: F.cross_entropy(x[m], y[m], reduction="sum") * 0.5, 2),
+    ],
+)
+def test_a_sum_divided_by_a_number_that_is_neither_1_nor_the_examples_is_scaled(make_loss, count):
+    """A sum over the 13 kept tokens divided by a number (over its multiplications) that is not a multiple of the 4
+    examples is neither a mean nor a sum over them: ``"scaled"``, with the number it divides by. Lightning's /A and
+    an AMP scale (a CPU scaler's) are not in it."""
+    x, y = _padded([2, 3, 6, 2])
+    m = y != -100
+    found = detect_loss_reduction(make_loss(x, y, m) / 2, batch_size=4, accumulation=2)
+    assert found is not None and (found.kind, found.terms) == ("scaled", 13)
+    assert found.count == pytest.approx(count)
+    amp = torch.tensor(1024.0)
+    scaled = detect_loss_reduction(make_loss(x, y, m) / 2 * amp, batch_size=4, accumulation=2, loss_scale=amp)
+    assert scaled == found and scaled.count == pytest.approx(count)
+    # The gradient is (terms / count)× that of the mean over the same terms, checked against autograd
+    mean = torch.autograd.grad(F.cross_entropy(x[m], y[m]), x)[0]
+    grad = torch.autograd.grad(make_loss(x, y, m), x)[0]
+    assert float(grad.norm() / mean.norm()) == pytest.approx(13 / count, rel=1e-5)
 
 
 def test_plan_sources():

@@ -377,17 +377,26 @@ def classify_loss_reduction(loss: float, loss_on_doubled_batch: float) -> str:
 
 
 def loss_reduction_note(
-    reduction: str, family: str, per_device_batch: int, lr: float, eps: float | None = None, terms: int | None = None
+    reduction: str,
+    family: str,
+    per_device_batch: int,
+    lr: float,
+    eps: float | None = None,
+    terms: float | None = None,
+    divisor: float | None = None,
 ) -> str:
     """What a loss reduction means for an optimizer family (docs/science.md §4, "Loss reduction").
 
     A loss summed over N terms has N× the gradient of their mean: N = b, the examples of a device's
-    micro-batch, for a per-example loss; b × tokens for a per-token one. SGD's step is then N × lr;
-    Adam divides the scale out except against ε.
+    micro-batch, for a per-example loss; b × tokens for a per-token one. One also divided by d (transformers'
+    ``num_items_in_batch``) has N/d×. SGD's step is then that scale × lr; Adam divides the scale out except
+    against ε, which it divides by the scale.
 
     Args:
-        terms: N when known (:func:`~trainvitals.per_example.detect_loss_reduction`); ``None``:
-            b, said to be a lower bound.
+        terms: N when known (:func:`~trainvitals.per_example.detect_loss_reduction`), a micro-batch's, on
+            average over the micro-batches of an optimizer step; ``None``: not known, and no scale is said.
+        divisor: d, what each micro-batch's loss divides its sum by (Lightning's division by
+            ``accumulate_grad_batches`` left out); ``None``: nothing.
 
     Raises:
         ValueError: for a ``reduction`` not in :data:`REDUCTIONS` or an unknown ``family``.
@@ -400,26 +409,42 @@ def loss_reduction_note(
     if reduction == "unsure":
         return "loss reduction unclear (neither mean nor sum over the batch): check how the loss scales with the batch"
     b = per_device_batch
-    n = terms or b
+    per_device = (
+        "the sum already scales the step with the per-device batch, so divide a suggested lr by b_new/b_old when "
+        "the per-device batch changes"
+    )
     if terms is None:
-        over = f"{b} examples (times any tokens or elements it also sums per example)"
-    elif terms == b:
-        over = f"{b} examples"
-    else:
-        over = f"{n} terms ({b} examples × {n / b:g} each)"
+        what = "loss summed over the batch (its graph does not say over how many terms, nor what it divides them by)"
+        if family == "sgd":
+            return f"{what}: SGD's effective lr is {lr:.3g} times that unknown gradient scale; {per_device}"
+        if family == "adam":
+            return (
+                f"{what}: Adam divides the gradient scale out, except against ε, which it divides by that unknown "
+                "scale; the suggestions apply as they are"
+            )
+        return f"{what}; how this optimizer reacts is unknown"
+    over = f"{b} examples" if terms == b else f"{_number(terms)} terms ({b} examples × {terms / b:.3g} each)"
+    if divisor is not None:
+        over += f" and divided by {_number(divisor)}"
+    n = terms / divisor if divisor is not None else terms
+    scale = _number(n)
     if family == "sgd":
         return (
-            f"loss summed over {over}: the gradient is {n}× that of their mean, so SGD steps with an effective "
-            f"lr of {n} × {lr:.3g} = {n * lr:.3g}; the sum already scales the step with the per-device batch, "
-            "so divide a suggested lr by b_new/b_old when the per-device batch changes"
+            f"loss summed over {over}: the gradient is {scale}× that of their mean, so SGD steps with an effective "
+            f"lr of {scale} × {lr:.3g} = {n * lr:.3g}; {per_device}"
         )
     if family == "adam":
         eps_part = f" = {eps / n:.3g}" if eps is not None else ""
         return (
-            f"loss summed over {over}: Adam divides the {n}× gradient scale out, except against ε: the "
-            f"effective ε is ε/{n}{eps_part}; the suggestions apply as they are"
+            f"loss summed over {over}: Adam divides the {scale}× gradient scale out, except against ε: the "
+            f"effective ε is ε/{scale}{eps_part}; the suggestions apply as they are"
         )
-    return f"loss summed over {over}: the gradient is {n}× that of their mean; how this optimizer reacts is unknown"
+    return f"loss summed over {over}: the gradient is {scale}× that of their mean; how this optimizer reacts is unknown"
+
+
+def _number(value: float) -> str:
+    """A count as it is (``40``), another number to three digits (``0.309``)."""
+    return f"{value:g}" if float(value).is_integer() else f"{value:.3g}"
 
 
 def param_group_labels(class_names: Sequence[str], group_names: Sequence[Sequence[str | None]]) -> list[list[str]]:

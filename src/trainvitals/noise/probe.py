@@ -28,6 +28,7 @@ from trainvitals.noise.probe_sources import ProbeSources
 from trainvitals.noise.probe_step import Finished, ProbeStep, coordinate_stats, log_per_example_norms
 from trainvitals.norms.nonfinite import NonfiniteCounter
 from trainvitals.per_example import Layouts, PerExampleStep, SourcePlan, detect_loss_reduction
+from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
@@ -361,9 +362,12 @@ class BatchVarianceProbe(TrainvitalsCallback):
             return
         reduction, how = self.loss_reduction, "as told"
         if reduction == "auto":
-            found = detect_loss_reduction(loss, step.batch_size, loss_divisor(trainer, pl_module))
+            divisor = loss_divisor(trainer, pl_module)
+            found = detect_loss_reduction(loss, step.batch_size, divisor, loss_scale(trainer))
             if found is not None:
                 reduction, how = found.kind, "read from the loss's graph"
+                if found.kind == "scaled":  # the window's loss: each micro-batch's over Lightning's divisor
+                    how = f"divided by {divisor * float(found.count):g} over the optimizer step, {how}"
             else:  # the same loss as the graphs this fit read, or said to be assumed a mean: said once, either way
                 if not self._stated_reduction:
                     self.warn(
@@ -376,10 +380,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
                 reduction = self._stated_reduction
         if reduction != self._stated_reduction:
             self._stated_reduction = reduction
-            self.info(
-                f"the loss is a {reduction} over the examples ({how}); per-example gradients are those of "
-                "each example's own loss" + (", B × its share of the batch mean" if reduction == "mean" else "")
-            )
+            self.info(_reduction_said(reduction, how))
         step.set_unit(trainer, pl_module, reduction)
 
     @override
@@ -513,3 +514,17 @@ class BatchVarianceProbe(TrainvitalsCallback):
         # Lightning does not call teardown after a failure: the hooks would stay on the model, and grow.
         self._detach_hooks()
         self._step = None
+
+
+def _reduction_said(reduction: str, how: str) -> str:
+    """What the probe takes each example's gradient to be, for a loss of kind ``reduction``
+    (:class:`~trainvitals.per_example.LossReduction`); ``how``: where that was read."""
+    if reduction == "scaled":
+        return (
+            f"the loss is a sum of its terms {how}: neither a mean nor a sum over the examples; per-example "
+            "gradients are B × each example's share of the step's loss, B its examples (the gradient of the sum "
+            "of the example's terms, scaled by B over that divisor)"
+        )
+    return f"the loss is a {reduction} over the examples ({how}); per-example gradients are those of " + (
+        "each example's own loss" + (", B × its share of the batch mean" if reduction == "mean" else "")
+    )

@@ -117,11 +117,12 @@ class ProbeStep:
 
     def set_unit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", reduction: str) -> None:
         """The micro-batch's loss is a ``reduction`` over its examples: per-example gradients are those of each
-        example's own loss, B × its share of a mean; Lightning's division by the accumulation and the AMP loss
-        scale undone."""
+        example's own loss, B × its share of a mean, or of a ``"scaled"`` sum (a sum over a count that is not B:
+        as a mean, so that they average to the step's gradient); Lightning's division by the accumulation and the
+        AMP loss scale undone."""
         self.reduction = reduction
         scale = loss_scale(trainer)
-        per_loss = self.batch_size if reduction == "mean" else 1
+        per_loss = 1 if reduction == "sum" else self.batch_size
         self.unit = loss_divisor(trainer, pl_module) * per_loss / (1.0 if scale is None else scale)
 
     def end_micro_batch(self) -> None:
@@ -215,8 +216,8 @@ class ProbeStep:
 
     def grad_units(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float:
         """The step's ``.grad`` over the mean of its per-example gradients: the accumulated, rank-averaged,
-        unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean loss and (n·b/A)·ḡ for a sum."""
-        per_loss = 1 if self.reduction == "mean" else self.size
+        unscaled ``.grad`` of n micro-batches of b is (n/A)·ḡ for a mean (or scaled) loss and (n·b/A)·ḡ for a sum."""
+        per_loss = self.size if self.reduction == "sum" else 1
         return len(self.sizes) * per_loss / loss_divisor(trainer, pl_module)
 
     def _check_sums(

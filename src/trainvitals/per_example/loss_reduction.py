@@ -1,4 +1,5 @@
-"""Whether a batch loss is a mean or a sum of the examples' own losses, read from its autograd graph."""
+"""Whether a batch loss is a mean or a sum of the examples' own losses, or a sum divided by a constant that makes
+it neither, read from its autograd graph."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ _MAX_SELECTION_DEPTH = 4
 
 @dataclass(frozen=True)
 class LossReduction:
-    """How a loss reduces its terms: ``kind`` ``"mean"`` or ``"sum"``, over ``terms`` values (the examples
+    """How a loss reduces its terms: ``kind`` ``"mean"``, ``"sum"`` or ``"scaled"`` (a sum divided by a host number
+    that is neither 1 nor a multiple of the examples: ``reduction="sum"`` over a micro-batch's tokens divided by the
+    effective batch's, transformers' ``num_items_in_batch``), over ``terms`` values (the examples
     of a micro-batch, times the tokens or elements of each for a per-token or per-element loss; the
     elements selected, for a loss over ``x[mask]``) where the graph says so, else ``None``. Targets an
     ``ignore_index`` leaves out (padding) are counted: read from shapes, not values, so with padding
@@ -47,8 +50,10 @@ class LossReduction:
 
     ``count``: what the loss divides the sum of its terms by, where the graph holds it: a mean's elements
     (``nll_loss``: the total weight of the targets it kept) times the divisions on the way, a sum's divisions
-    (``mask.sum()``); a number, or a 0-d tensor on the loss's device, not read here so as not to sync.
-    ``None``: a sum divided by nothing, or not known.
+    (``mask.sum()``), over its multiplications by numbers (``* accumulate_grad_batches``); a number, or a 0-d
+    tensor on the loss's device, not read here so as not to sync. ``None``: a sum divided by nothing, or not
+    known. A ``"scaled"`` loss's count is a number: each example's share of the gradient is that of the sum of
+    its terms over ``count``.
     """
 
     kind: str
@@ -92,6 +97,13 @@ def _selected_from_batch(node: Any, batch_size: int) -> bool:
     return False
 
 
+def _factor(node: Any) -> Tensor | None:
+    """The constant operand of a multiplication: the one of its two that autograd saved alone (it saves each
+    operand for the other's gradient, so that one needs none); ``None`` for a product of two graphs."""
+    operands = [t for t in (node._saved_self, node._saved_other) if t is not None]
+    return operands[0] if len(operands) == 1 and not operands[0].requires_grad else None
+
+
 def _times(count: float | Tensor | None, divisor: float | Tensor | None) -> float | Tensor | None:
     """A mean's count times the divisions on the path from the loss (device tensors stay on the device)."""
     if count is None or divisor is None:
@@ -99,18 +111,22 @@ def _times(count: float | Tensor | None, divisor: float | Tensor | None) -> floa
     return count * divisor
 
 
-def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) -> LossReduction | None:
-    """Whether ``loss`` is a mean or a sum of the examples' own losses, over how many terms, and what a mean
-    divides by.
+def detect_loss_reduction(
+    loss: Tensor, batch_size: int, accumulation: int = 1, loss_scale: float | Tensor | None = None
+) -> LossReduction | None:
+    """Whether ``loss`` is a mean or a sum of the examples' own losses, or a sum scaled to neither, over how many
+    terms, and what it divides by.
 
     Walks the autograd graph down from ``loss`` through scalar operations (multiplications, divisions,
     additions, casts) to the first reductions over a tensor whose leading dimension is a multiple of
     ``batch_size``, or over a selection of such a tensor's elements (``F.cross_entropy(logits[mask],
-    y[mask])``): ``mean()``, ``sum()``, and the loss functions' ``reduction=`` argument. A ``sum()``
-    divided on the way by a multiple of ``batch_size`` counts as a mean (cross-entropy with probability
-    targets). One division by ``accumulation`` is skipped (Lightning divides the loss by
-    ``accumulate_grad_batches``); a division by a tensor counts as one by a count of elements
-    (label smoothing). Reductions over parameters only (an L2 penalty) are ignored.
+    y[mask])``): ``mean()``, ``sum()``, and the loss functions' ``reduction=`` argument. A sum divided on the
+    way by a multiple of ``batch_size`` counts as a mean (cross-entropy with probability targets), one divided
+    by another number (over its multiplications) as ``"scaled"``. One division by ``accumulation`` is skipped
+    (Lightning divides the loss by ``accumulate_grad_batches``), and one multiplication by ``loss_scale`` (the
+    AMP scale, when a CPU scaler holds it on the host); a division by a device tensor counts as one by a count
+    of elements (label smoothing), a multiplication by one (a CUDA scaler's scale) as none. Reductions over
+    parameters only (an L2 penalty) are ignored.
 
     The number of terms is read from a loss function's input, or from a ``sum()``/``mean()`` of a 1-D
     tensor; of a wider one (``(B, C)`` soft-target cross-entropy terms, a ``(B, T)`` token grid) it is
@@ -121,15 +137,24 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
     out), times the divisions on the way (a ``sum()`` divided by ``mask.sum()``: that tensor).
 
     Returns:
-        The reduction, or ``None`` when the graph shows neither, or both (or the batch is empty).
+        The reduction, or ``None`` when the graph shows none, or several (or the batch is empty).
     """
     if batch_size < 1:
         return None
+
+    def sum_kind(divisor: float) -> str:
+        if math.isinf(divisor) or (divisor >= batch_size and divisor % batch_size == 0):
+            return "mean"
+        return "sum" if divisor == 1 else "scaled"
+
     found: list[LossReduction] = []
     # (node, the product of the divisions above it: inf once one is by a device tensor, and that product with
     # the device tensors kept as such, None when none)
     stack: list[tuple[Any, float, float | Tensor | None]] = [(loss.grad_fn, 1.0, None)]
     skip_division = accumulation
+    # A CPU scaler's scale is a number to skip; a CUDA one's is a device tensor, passed over as any such factor.
+    on_host = loss_scale is not None and not (isinstance(loss_scale, Tensor) and loss_scale.device.type != "cpu")
+    skip_scale = float(loss_scale) if on_host else None
     visited = 0
     while stack:
         node, divisor, by = stack.pop()
@@ -142,12 +167,10 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
         if name in _MEAN_OPS or name in _SUM_OPS:
             sizes = node._saved_self_sym_sizes
             if sizes and (sizes[0] % batch_size == 0 or _selected_from_batch(node, batch_size)):
-                is_mean = (
-                    name in _MEAN_OPS or math.isinf(divisor) or (divisor >= batch_size and divisor % batch_size == 0)
-                )
+                kind = "mean" if name in _MEAN_OPS else sum_kind(divisor)
                 count = _times(float(math.prod(sizes)), by) if name in _MEAN_OPS else by
                 terms = sizes[0] if len(sizes) == 1 else None
-                found.append(LossReduction("mean" if is_mean else "sum", terms, count))
+                found.append(LossReduction(kind, terms, count))
             continue
         code = getattr(node, "_saved_reduction", None)
         if code is not None:
@@ -158,12 +181,28 @@ def detect_loss_reduction(loss: Tensor, batch_size: int, accumulation: int = 1) 
                 counted = getattr(node, "_saved_total_weight", None) if type(node).__name__ in _NLL_OPS else None
                 if counted is None and kind == "mean":
                     counted = float(node._saved_self.numel())
-                found.append(LossReduction(kind, _loss_terms(node), _times(counted, by) if kind == "mean" else by))
+                count = _times(counted, by) if kind == "mean" else by
+                found.append(LossReduction(kind if kind == "mean" else sum_kind(divisor), _loss_terms(node), count))
             elif code not in _REDUCTION_CODES:
                 return None
             continue
         if name not in _SCALAR_OPS:
             return None
+        # A multiplication by a Python number (a CPU scalar in MulBackward0, a number in MulBackward1 before):
+        # its inverse is a division; reading it is no device sync.
+        factor = _factor(node) if name == "MulBackward0" else getattr(node, "_saved_other", None)
+        if (
+            name.startswith("Mul")
+            and factor is not None
+            and not (isinstance(factor, Tensor) and (factor.device.type != "cpu" or factor.numel() != 1))
+        ):
+            value = float(factor)
+            if value == 0.0:
+                return None  # a loss times 0 reduces nothing
+            if skip_scale is not None and value == skip_scale:
+                skip_scale = None
+            else:
+                divisor, by = divisor / value, 1.0 / value if by is None else by / value
         other = getattr(node, "_saved_other", None) if name in ("DivBackward0", "DivBackward1") else None
         if isinstance(other, Tensor) and (other.device.type != "cpu" or other.numel() != 1):
             # By a device tensor: a count of elements (F.cross_entropy's label smoothing); reading it would sync.

@@ -45,12 +45,13 @@ class MicroBatchMeanCheck(Check):
 
     def __init__(self) -> None:
         self._reading = False  # the window's first optimizer step is under way
+        self._step = 0  # that step: the one the counts are from, not the one the window closes at
         # Per micro-batch: its examples and what its loss divides by; None: a loss divided by no count (a sum)
         self._counts: list[tuple[int, float | Tensor] | None] = []
 
     def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
         self._reading = trainer.accumulate_grad_batches >= 2
-        self._counts = []
+        self._step, self._counts = fit.step, []
 
     def on_before_backward(
         self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor
@@ -82,7 +83,7 @@ class MicroBatchMeanCheck(Check):
             UNEVEN_MICRO_BATCH_MEANS,
             (),
             f"Under gradient accumulation ({accumulation} micro-batches per optimizer step), each micro-batch's loss "
-            f"is a mean over its own count of terms ({shown} in the step from optimizer step {fit.step}), and "
+            f"is a mean over its own count of terms ({shown} in optimizer step {self._step}), and "
             f"Lightning averages the micro-batch losses: a term of the micro-batch with {min(counts):g} weighs "
             f"{max(counts) / min(counts):.3g}× one of the micro-batch with {max(counts):g} (a token mean over a "
             "padding mask, `F.cross_entropy(logits[mask], y[mask])`: short sequences count as much as long "
@@ -90,6 +91,7 @@ class MicroBatchMeanCheck(Check):
             "the total count across the accumulated micro-batches (then multiply by accumulate_grad_batches, "
             "which Lightning divides each micro-batch's loss by), as transformers does with "
             "`num_items_in_batch`.",
+            step=self._step,
         )
         return {}
 

@@ -88,12 +88,15 @@ class Fit:
         self.last_loss: Tensor | None = None
         self.stepped: list[int] = []
 
-    def record(self, kind: FindingKind, names: tuple[str, ...], message: str, warn: bool = True) -> Finding:
-        """Count a finding of ``kind`` naming ``names``; keep it if new, warn once per kind; returns the kept one."""
+    def record(
+        self, kind: FindingKind, names: tuple[str, ...], message: str, warn: bool = True, step: int | None = None
+    ) -> Finding:
+        """Count a finding of ``kind`` naming ``names``; keep it if new, warn once per kind; returns the kept one.
+        ``step``: the optimizer step the finding is of, when not the current one (a window's earlier step)."""
         self.counts[kind] = self.counts.get(kind, 0) + 1
         finding = self._existing(kind, names)
         if finding is None:
-            finding = Finding(kind, names, message, self.step)
+            finding = Finding(kind, names, message, self.step if step is None else step)
             self.findings.append(finding)
         if warn and kind not in self.warned:
             self.warned.add(kind)
