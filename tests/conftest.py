@@ -110,7 +110,7 @@ class HostReads:
 
 FAST_FILES = frozenset(
     {
-        "test_fused.py",
+        "test_fused_norms.py",
         "test_spikes.py",
         "test_estimators.py",
         "test_estimate.py",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from _models import free_port
 from torch import nn
 
-from trainvitals.norms.fused import combine_norms, per_tensor_norms
+from trainvitals.fused_norms import combine_norms, per_tensor_norms
 from trainvitals.plumbing.sharding import reduce_shard_norms
 
 # Hybrid sharding: 2 "nodes" of 2 ranks; each node holds the model once, sharded over its 2 ranks.

@@ -23,7 +23,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from trainvitals._validation import check_choice, check_int
-from trainvitals.norms.fused import (
+from trainvitals.fused_norms import (
     GROUPINGS,
     NormGroups,
     combine_norms,

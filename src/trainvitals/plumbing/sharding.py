@@ -1,7 +1,7 @@
 """Gradient norms of the whole model when each rank holds only a shard of it as plain tensors (FSDP).
 
 FSDP2 and tensor parallelism hand out DTensor gradients, which
-:func:`~trainvitals.norms.fused.per_tensor_norms` reduces itself. ``FSDPStrategy`` (FSDP1) hands out
+:func:`~trainvitals.fused_norms.per_tensor_norms` reduces itself. ``FSDPStrategy`` (FSDP1) hands out
 plain tensors: a rank's slice of each parameter, or ``None`` where the parameter lies wholly in other
 ranks' shards. DeepSpeed's partitioned gradients are not handled.
 """

@@ -42,7 +42,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from trainvitals.norms.fused import per_tensor_norms
+from trainvitals.fused_norms import per_tensor_norms
 from trainvitals.plumbing.amp import scale_left_in_grads
 from trainvitals.plumbing.sharding import holds_shards, reduce_shard_norms
 
@@ -76,7 +76,7 @@ class StepGradNorms:
 
     Keyed by optimizer and ``trainer.global_step``: a request for parameters that a pass of this step
     already covers is served by indexing it (an index tensor cached per pair of lists: no host-to-device
-    copy per step); any other takes one fused norm over them (:func:`~trainvitals.norms.fused.per_tensor_norms`),
+    copy per step); any other takes one fused norm over them (:func:`~trainvitals.fused_norms.per_tensor_norms`),
     reduced over FSDP shards, the loss scale a fused optimizer leaves in ``.grad`` divided out. No host sync.
     """
 

@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from trainvitals.norms.fused import group_name
+from trainvitals.fused_norms import group_name
 from trainvitals.tags import (
     MEMORY_BYTES,
     OPTIMIZER_INFIX,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from trainvitals.norms.fused import is_dtensor, per_tensor_norms
+from trainvitals.fused_norms import is_dtensor, per_tensor_norms
 
 
 def snapshot(params: Sequence[Tensor]) -> list[Tensor]:

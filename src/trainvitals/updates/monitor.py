@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from trainvitals._validation import check_choice, check_float, check_int
-from trainvitals.norms.fused import GROUPINGS, NormGroups, combine_norms, grouped_norms
+from trainvitals.fused_norms import GROUPINGS, NormGroups, combine_norms, grouped_norms
 from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import scale_left_in_grads
 from trainvitals.plumbing.base import TrainvitalsCallback

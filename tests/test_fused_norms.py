@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainvitals.norms.fused import (
+from trainvitals.fused_norms import (
     NormGroups,
     combine_norms,
     group_name,
