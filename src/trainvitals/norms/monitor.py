@@ -37,7 +37,7 @@ from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import reduce_shard_norms
 from trainvitals.plumbing.sharing import GRAD_NORM, GRAD_SQ_NORMS, NAN_PRODUCER, NONFINITE_STEPS, SUMMARY
-from trainvitals.plumbing.state import DeclaredState
+from trainvitals.plumbing.state import DeclaredState, IndexedStates
 from trainvitals.plumbing.stopping import stopped_early
 from trainvitals.plumbing.writers import log_histogram, log_scalars, log_text
 from trainvitals.tags import GRAD_NORM_SUMMARIES
@@ -60,28 +60,6 @@ class TrackState(DeclaredState):
         self.add_state("spikes", spikes, key="ema")
         self.counts: dict[str, int]
         self.add_state("counts", dict.fromkeys(COUNTERS, 0))
-
-
-class TrackStates:
-    """The :class:`TrackState` of each optimizer index, one declared state of the monitor: a state loaded from
-    a checkpoint is the track's from then on, and saved again by a fit that runs no step."""
-
-    def __init__(self, spikes: Callable[[], SpikeDetector]) -> None:
-        self._spikes = spikes
-        self.by_index: dict[int, TrackState] = {}
-
-    def get(self, index: int) -> TrackState:
-        """Optimizer ``index``'s state, restored or fresh."""
-        if index not in self.by_index:
-            self.by_index[index] = TrackState(self._spikes)
-        return self.by_index[index]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {str(i): state.state_dict() for i, state in self.by_index.items()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for index, state in state_dict.items():
-            self.get(int(index)).load_state_dict(state)
 
 
 @dataclass
@@ -193,10 +171,13 @@ class GradNormMonitor(TrainvitalsCallback):
         )
         # Tracks are built at an optimizer's first step (they need its parameters); what a checkpoint keeps
         # of them is declared apart, so that a loaded state is kept by a fit that builds no track.
-        self._track_states: TrackStates
+        self._track_states: IndexedStates
         self.add_state(
             "_track_states",
-            partial(TrackStates, partial(SpikeDetector, self.spike_factor, self.ema_beta, self.spike_warmup_steps)),
+            partial(
+                IndexedStates,
+                partial(TrackState, partial(SpikeDetector, self.spike_factor, self.ema_beta, self.spike_warmup_steps)),
+            ),
             key="tracks",
         )
         self._tracks: dict[int, _Track]
