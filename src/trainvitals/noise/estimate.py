@@ -104,7 +104,7 @@ MIN_MEASUREMENTS = 20
 """Updates a source needs before its errors are trusted: to be found coupled, and to decide or advise."""
 FAST_BETA = 0.9
 """Decay per measurement of each source's fast EMAs (about 19 effective measurements; rule 7)."""
-DRIFT_Z = 2.0
+DRIFT_Z = 3.0
 """The slow EMAs lag when they differ from the fast ones by more than this many of the fast ones' standard errors
 (rule 7): then the fast ones are the estimate."""
 INDEPENDENT = "micro_batch"
@@ -193,21 +193,22 @@ class NoiseSource:
         gap = (self.fast.values - self.ema.values).abs()
         return (gap > DRIFT_Z * torch.stack([var_g, var_s]).sqrt()).any(0)
 
-    def smoothed(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def smoothed(self, lag: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``(‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff)`` of the EMA means the estimate uses, in the source's
-        units: the slow EMAs', or the fast ones' while the slow ones lag (rule 7); ``()`` float64 each, no sync."""
+        units: the slow EMAs', or the fast ones' where ``lag`` (default: :meth:`lagging`; rule 7); ``()`` float64
+        each, no sync."""
         slow = (*self.ema.values.unbind(), *self.error.mean_covariance(self.ema))
         fast = (*self.fast.values.unbind(), *self.fast_error.mean_covariance(self.fast))
-        lag = self.lagging()
+        lag = self.lagging() if lag is None else lag
         g, t, var_s, var_g, cov = (torch.where(lag, f, x) for x, f in zip(slow, fast))
         n_eff = torch.where(
             lag, effective_count(self.fast.beta, self.fast.count), effective_count(self.ema.beta, self.ema.count)
         )
         return g, t, var_g, var_s, cov, n_eff
 
-    def smoothed_values(self) -> Tensor:
-        """``(2,)`` (‖G‖², tr Σ) of :meth:`smoothed`, in a few kernels (the per-step band's)."""
-        return torch.where(self.lagging(), self.fast.values, self.ema.values)
+    def smoothed_values(self, lag: Tensor) -> Tensor:
+        """``(2,)`` (‖G‖², tr Σ) of :meth:`smoothed` at ``lag``, in a few kernels (the per-step band's)."""
+        return torch.where(lag, self.fast.values, self.ema.values)
 
     def invalidate(self, reason: str) -> None:
         """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
@@ -394,9 +395,10 @@ class GradientNoise:
 
     def _combine(self, chosen: list[NoiseSource]) -> NoiseEstimate:
         device = chosen[0].ema.count.device
+        lag = _lag(chosen, device)
         per = []
         for src in chosen:
-            per.append((*self._moments(src, device), src.ema.count.to(device), src.norm_share.to(device)))
+            per.append((*self._moments(src, device, lag), src.ema.count.to(device), src.norm_share.to(device)))
         g, s, var_g, var_s, cov, n_eff, count, share = (torch.stack(parts) for parts in zip(*per))
         seen = count > 0
         g_w, s_w = _weights(var_g, seen), _weights(var_s, seen)
@@ -477,11 +479,13 @@ class GradientNoise:
             measurements,
         )
 
-    def _moments(self, src: NoiseSource, device: torch.device) -> tuple[Tensor, ...]:
-        """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff) in ``.grad`` units (:meth:`NoiseSource.smoothed`),
-        with the finite-population correction (module docstring, rule 6) when :attr:`population` is known."""
+    def _moments(self, src: NoiseSource, device: torch.device, lag: Tensor | bool) -> tuple[Tensor, ...]:
+        """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff) in ``.grad`` units (:meth:`NoiseSource.smoothed`
+        at ``lag``), with the finite-population correction (module docstring, rule 6) when :attr:`population` is
+        known."""
         u2 = src.unit_scale**2
-        g, t, var_g, var_s, cov, n_eff = (v.to(device) for v in src.smoothed())
+        lag = torch.as_tensor(lag, device=src.ema.count.device)
+        g, t, var_g, var_s, cov, n_eff = (v.to(device) for v in src.smoothed(lag))
         g, t, var_g, var_s, cov = g * u2, t * u2, var_g * u2**2, var_s * u2**2, cov * u2**2
         if self.population is None:
             return g, t, var_g, var_s, cov, n_eff
@@ -541,7 +545,10 @@ class GradientNoise:
             )
         _, g_w, s_w, covers, grad_se = self._cached
         first = chosen[0].ema.count.device
-        pairs = torch.stack([src.smoothed_values().to(first) * src.unit_scale**2 for src in chosen])  # (k, 2): ‖G‖², S
+        lag = _lag(chosen, first)
+        pairs = torch.stack(
+            [src.smoothed_values(lag.to(src.ema.count.device)).to(first) * src.unit_scale**2 for src in chosen]
+        )
         if self.population is not None:  # rule 6, as in _moments
             pairs = torch.stack(
                 [pairs[:, 0] + pairs[:, 1] / self.population, pairs[:, 1] * (self.population - 1) / self.population], 1
@@ -705,7 +712,7 @@ class GradientNoise:
         device = chosen[0].ema.count.device
         parts = []
         for src in chosen:
-            g, t, var_g, var_s, _, _ = self._moments(src, device)
+            g, t, var_g, var_s, _, _ = self._moments(src, device, False)  # the slow EMAs: the same window for all
             parts.append(torch.stack([g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double()]))
         rows = torch.stack(parts).cpu().tolist()  # one transfer
         said = []
@@ -824,6 +831,12 @@ def _selected_lower_bound(grad: Tensor, se: Tensor, iterations: int = 40) -> Ten
         lo, hi = torch.where(above, lo, mid), torch.where(above, mid, hi)
     found = torch.special.log_ndtr(-x) - torch.special.log_ndtr(-torch.full_like(x, GATE_Z)) < target
     return torch.where(torch.isfinite(x) & (x >= GATE_Z) & found, hi * se, torch.zeros_like(grad))
+
+
+def _lag(chosen: list[NoiseSource], device: torch.device) -> Tensor:
+    """``()`` bool: whether any of the ``chosen`` sources' slow EMAs lag (rule 7): then all of them take their fast
+    ones, so that the sources combined, and checked against each other, span the same stretch of the run."""
+    return torch.stack([src.lagging().to(device) for src in chosen]).any()
 
 
 INTERVALS = ("grad_sq_norm", "trace_cov", "b_simple", "band_ratio")

@@ -564,8 +564,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.from_start = (
             f"in its noise band from the start (optimizer step {step}): the batch ({batch}) is below B_simple "
             f"({b_simple_interval(h)}), so every step is noise-dominated from step 0 — that is not convergence, and "
-            f"it does not stop on it. {suggest}, or a smaller learning rate does. It keeps watching: the band counts "
-            "once the run has been out of it."
+            f"it does not stop on it. {suggest[0].upper()}{suggest[1:]} — or a smaller learning rate. It keeps "
+            "watching: the band counts once the run has been out of it."
         )
         self.warn(self.from_start)
         log_text(trainer, "grad_norm/stop_reason", self.message(self.from_start), step)
