@@ -107,3 +107,27 @@ def test_fieller_matches_a_brute_force_search_over_theta():
             assert high == pytest.approx(float(found.max()), abs=2e-3)
         else:
             assert bool(inside[-1])  # unbounded: the grid's end is inside
+
+
+def test_the_estimate_follows_a_trace_that_halves_every_50_steps():
+    """Issue #24's BatchNorm digits run: tr Σ halving every ~50 steps, which the slow EMAs (memory ≈ 50 steps) put
+    at about twice its value. Per step S ~ tr Σ·(1 ± 0.8) (4 micro-batches); ‖G‖² stays put. The fast EMAs take
+    over where the slow ones lag beyond their error (rule 7): the interval then covers the moving truth, the slow
+    EMAs' would not."""
+    gen = torch.Generator().manual_seed(0)
+    src = NoiseSource("micro_batch", 0.98)
+    for ema in (src.ema._ema, src.error._moments, src.fast._ema, src.fast_error._moments):
+        ema._ema = torch.zeros(*ema._ema.shape, SEEDS, dtype=torch.float64)
+    trace = 1.0
+    for step in range(250):
+        trace = 8.0 * 2 ** (-step / 50)
+        noise = torch.randn(2, SEEDS, generator=gen, dtype=torch.float64)
+        src.update(0.05 + 0.02 * noise[0], trace * (1 + 0.8 * noise[1]))
+    low, high = _intervals(src)["trace_cov"]
+    covered = float(((low <= trace) & (trace <= high)).double().mean())
+    g, t, var_g, var_s, cov, n_eff = src.smoothed(torch.tensor(False))  # the slow EMAs alone
+    slow = noise_intervals(g, t, var_g.sqrt(), var_s.sqrt(), cov, n_eff, B)["trace_cov"]
+    slow_covered = float(((slow[0] <= trace) & (trace <= slow[1])).double().mean())
+    assert float(src.lagging().double().mean()) > 0.9
+    assert covered >= 0.8 and slow_covered < 0.2, (covered, slow_covered)
+    assert float(t.median()) > 1.6 * trace  # the slow EMA's lag: about twice the truth

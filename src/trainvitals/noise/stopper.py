@@ -137,6 +137,13 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     The condition must hold for ``patience`` consecutive optimizer steps, not before ``min_steps``;
     steps with non-finite gradients (including those a GradScaler skips) neither count nor reset.
+    In ``"noise_band"`` mode the band only counts once the run has been out of it (a decided step outside the
+    band after ``min_steps``): a batch far below B_simple makes every step noise from step 0, which calls for
+    a larger batch or a smaller lr, not a stop. Such a run is said once (a warning and the
+    ``grad_norm/stop_reason`` text), with the batch to use — B_simple's 90 % lower end — and watched on: it
+    stops if it leaves the band and comes back for ``patience`` steps. The band is judged on the estimate's
+    smoothed quantities (slow EMAs, or fast ones while the slow ones lag: estimate.py, rule 7), the same the
+    margin chart draws.
     The streak is kept on the device; the host looks at it every ``check_every_n_steps`` optimizer
     steps, so a stop lands at most ``check_every_n_steps - 1`` steps after the streak completes. The decision is reduced across ranks
     (``reduce_boolean_decision``): all ranks stop at the same step.
@@ -148,7 +155,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     the noise level: where the band ends); ``grad_norm/band_ratio`` (margin > 0), the smoothed ‖G‖² over the band's
     edge margin·tr(Σ)/B, ≤ 1 in the band: it does not tie from save to save as the streak does outside the band,
     so ``ModelCheckpoint(monitor="grad_norm/band_ratio", mode="min")`` keeps the checkpoint deepest into the band
-    (+inf in ``trainer.callback_metrics``, not logged, while the estimate cannot decide);
+    (+inf in ``trainer.callback_metrics``, not logged, while the estimate cannot decide), and its 90 % interval
+    ``grad_norm/band_ratio_low`` and ``_high`` (the high end left out where infinite);
     without a GradNormMonitor, ``grad_norm/nonfinite_steps`` (``amp_skipped_steps`` under a GradScaler) as the
     monitor counts them (:class:`~trainvitals.norms.nonfinite.NonfiniteCounter`);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
