@@ -234,7 +234,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
             else "no reliable B_simple"
         )
         why = "" if summary["reliable"] else ": " + summary["why"].removeprefix("B_simple unreliable: ")
-        return f"{scale}{at} from {count} measured optimizer steps{why}."
+        effective = (
+            f" ({summary['effective_measurements']:.3g} effective, as the EMAs weight them)" if summary["count"] else ""
+        )
+        return f"{scale}{at} from {count} measured optimizer steps{effective}{why}."
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""
