@@ -184,7 +184,7 @@ def tensorboard_loggers(trainer: "pl.Trainer", what: str) -> list[TensorBoardLog
         return []
     loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
     if trainer.loggers and not loggers:
-        _notices.info(f"trainvitals: for {what} you need a TensorBoardLogger; the loggers in use get scalars only.")
+        _notices.info(f"trainvitals: for {what} you need a TensorBoardLogger; the loggers in use go without.")
     return loggers
 
 
@@ -354,8 +354,8 @@ def _takers(trainer: "pl.Trainer", what: str, kinds: tuple[type[Logger], ...]) -
         return []
     loggers = [lg for lg in trainer.loggers if isinstance(lg, kinds)]
     if trainer.loggers and not loggers:
-        names = " or a ".join(kind.__name__ for kind in kinds)
-        _notices.info(f"trainvitals: for {what} you need a {names}; the loggers in use get scalars only.")
+        names = " or ".join(kind.__name__ for kind in kinds)
+        _notices.info(f"trainvitals: for {what} you need a {names}; the loggers in use go without.")
     return loggers
 
 
