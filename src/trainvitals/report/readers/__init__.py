@@ -10,8 +10,7 @@ cannot hold:
 - :mod:`.csv`: a CSVLogger's ``log_dir`` (``metrics.csv``);
 - :mod:`.mlflow`: a run of an MLflow file store (``mlruns/<experiment>/<run>/``: ``meta.yaml`` and ``metrics/``).
 
-A new format is a module with ``FORMAT`` (what the folder holds, for messages), ``finds`` and ``read``,
-added here.
+A new format is a module with ``finds`` and ``read``, added here.
 """
 
 from __future__ import annotations

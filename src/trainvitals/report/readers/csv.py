@@ -11,11 +11,10 @@ import io
 from pathlib import Path
 
 from trainvitals.report.events import Run
-from trainvitals.report.readers.text import cut_short
+from trainvitals.report.readers.text import last_read, read_lines
 from trainvitals.report.record import read_record
 from trainvitals.tags import REPORT_JSON
 
-FORMAT = "CSVLogger metrics.csv"
 METRICS = "metrics.csv"
 
 
@@ -27,11 +26,10 @@ def read(folder: Path, name: str) -> Run:
     """The run in ``folder``: every numeric cell of ``metrics.csv`` as ``(step, value)`` under its column, in row
     order; the text panels from :data:`~trainvitals.tags.REPORT_JSON` when present. A last line without its
     newline (a writer killed mid-line) is left out and is the run's damage."""
-    data = (folder / METRICS).read_bytes()
-    whole = data if data.endswith(b"\n") else data[: data.rfind(b"\n") + 1]
+    text, damage = read_lines(folder / METRICS, f"{name}/{METRICS}")
     scalars: dict[str, list[tuple[int, float]]] = {}
     last = None
-    for row in csv.DictReader(io.StringIO(whole.decode("utf-8", "replace"))):
+    for row in csv.DictReader(io.StringIO(text)):
         step = _number(row.pop("step", None))
         if step is None:
             continue
@@ -45,7 +43,7 @@ def read(folder: Path, name: str) -> Run:
         name=name,
         scalars=scalars,
         texts=texts,
-        damage=cut_short(f"{name}/{METRICS}", data, last),
+        damage=last_read(damage, last),
         layout=layout,
     )
 
@@ -56,5 +54,5 @@ def _number(cell: str | None) -> float | None:
         return None
     try:
         return float(cell)
-    except ValueError:
+    except (TypeError, ValueError):  # TypeError: the extra cells of a row longer than the header, as a list
         return None

@@ -12,11 +12,9 @@ import os
 from pathlib import Path
 
 from trainvitals.report.events import Run
-from trainvitals.report.readers.text import cut_short
+from trainvitals.report.readers.text import last_read, read_lines
 from trainvitals.report.record import read_record
 from trainvitals.tags import REPORT_JSON
-
-FORMAT = "MLflow run (meta.yaml, metrics/)"
 
 
 def finds(files: list[str], subfolders: list[str]) -> bool:
@@ -33,14 +31,14 @@ def read(folder: Path, name: str) -> Run:
         for file in sorted(files):
             path = Path(where, file)
             key = path.relative_to(metrics).as_posix()
-            data = path.read_bytes()
+            text, cut = read_lines(path, f"{name}/metrics/{key}")
             series = scalars[key] = []
-            for line in data.decode("utf-8", "replace").splitlines()[: None if data.endswith(b"\n") else -1]:
+            for line in text.splitlines():
                 parts = line.split()
                 try:
                     series.append((int(parts[2]), float(parts[1])))
                 except (IndexError, ValueError):
                     continue
-            damage += cut_short(f"{name}/metrics/{key}", data, series[-1][0] if series else None)
+            damage += last_read(cut, series[-1][0] if series else None)
     texts, layout = read_record(folder / "artifacts" / REPORT_JSON) or ({}, False)
     return Run(name=name, scalars=dict(sorted(scalars.items())), texts=texts, damage=damage, layout=layout)
