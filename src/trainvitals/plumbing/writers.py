@@ -31,7 +31,6 @@ import math
 import re
 import tempfile
 import weakref
-from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,27 +55,43 @@ _notices = WarningCache()
 class RunRecord:
     """What the callbacks wrote in one fit, on global rank zero, for the fit-end report.
 
-    ``texts``: ``{tag: [(step, markdown)]}``; the scalars as :meth:`series`. Every value is kept, its step (int32)
-    and value (float32, as an event file holds it) in two ``array`` s: 8 bytes a logged value (2,000 logging
-    steps of 1,000 per-layer values: 16 MB). ``TrainvitalsDashboard(report=False)`` keeps none.
+    ``texts``: ``{tag: [(step, markdown)]}``; the scalars as :meth:`series`. Memory is bounded: the scalars go,
+    as they come, to an unnamed temporary file (12 bytes a logged value: the tag's number, the step as int32,
+    the value as float32, as an event file holds it), read back once at fit end; memory keeps only the tags
+    and the text panels. :meth:`close` deletes the file. ``TrainvitalsDashboard(report=False)`` keeps none.
     """
 
+    _ROW = np.dtype([("tag", "<i4"), ("step", "<i4"), ("value", "<f4")])
+
     def __init__(self) -> None:
-        self._scalars: dict[str, tuple[array, array]] = {}
+        self._tags: dict[str, int] = {}
+        self._file = tempfile.TemporaryFile()
         self.texts: dict[str, list[tuple[int, str]]] = {}
 
     def add_scalars(self, values: Mapping[str, float], step: int) -> None:
-        for key, value in values.items():
-            steps, kept = self._scalars.setdefault(key, (array("i"), array("f")))
-            steps.append(step)
-            kept.append(value)
+        rows = np.empty(len(values), self._ROW)
+        rows["tag"] = [self._tags.setdefault(key, len(self._tags)) for key in values]
+        rows["step"] = step
+        rows["value"] = list(values.values())
+        self._file.write(rows.tobytes())
 
     def add_text(self, tag: str, markdown: str, step: int) -> None:
         self.texts.setdefault(tag, []).append((step, markdown))
 
     def series(self) -> dict[str, list[tuple[int, float]]]:
         """``{tag: [(step, value)]}`` in the order logged, as ``trainvitals report`` reads a run's scalars."""
-        return {key: list(zip(steps, values)) for key, (steps, values) in self._scalars.items()}
+        self._file.seek(0)
+        rows = np.frombuffer(self._file.read(), self._ROW)
+        self._file.seek(0, 2)  # later writes append
+        order = np.argsort(rows["tag"], kind="stable")
+        starts = np.searchsorted(rows["tag"][order], np.arange(len(self._tags)))
+        chunks = np.split(rows[order], starts[1:])
+        return {
+            key: list(zip(chunk["step"].tolist(), chunk["value"].tolist())) for key, chunk in zip(self._tags, chunks)
+        }
+
+    def close(self) -> None:
+        self._file.close()
 
 
 _records: weakref.WeakKeyDictionary[Any, RunRecord] = weakref.WeakKeyDictionary()
@@ -92,8 +107,10 @@ def keep_record(trainer: "pl.Trainer") -> RunRecord | None:
 
 
 def drop_record(trainer: "pl.Trainer") -> None:
-    """Stop keeping ``trainer``'s record (the fit is over)."""
-    _records.pop(trainer, None)
+    """Stop keeping ``trainer``'s record (the fit is over) and delete its file."""
+    record = _records.pop(trainer, None)
+    if record is not None:
+        record.close()
 
 
 def _record(trainer: "pl.Trainer") -> RunRecord | None:

@@ -38,7 +38,7 @@ class TrainvitalsDashboard(TrainvitalsCallback):
     - Then, on global rank zero, the run's report (``report=True``): the page ``trainvitals report --format html``
       writes (:data:`~trainvitals.tags.REPORT_HTML`, when matplotlib is installed) and its JSON
       (:data:`~trainvitals.tags.REPORT_JSON`, with the run's text panels), made from every trainvitals scalar and
-      text panel of this fit as the shared writer kept them (``RunRecord``: 8 bytes a logged value), into each
+      text panel of this fit as the shared writer kept them (``RunRecord``: on a temporary file, 12 bytes a logged value), into each
       logger's run folder — a TensorBoardLogger's or CSVLogger's ``log_dir``, a WandbLogger's run ``files/`` —, to
       W&B also as ``wandb.Html`` and a ``wandb.Table`` of the findings, to MLflow as artifacts of its run
       (:func:`~trainvitals.plumbing.writers.hand_report`). From ``on_exception`` too, so that a crashed fit's
