@@ -45,7 +45,7 @@ class LinearRegression(pl.LightningModule):
 def converging(d: int) -> LinearRegression:
     """A regression that starts outside its noise band (‖G‖² = 4‖δ‖² = 10 against tr Σ/B ≈ 0.7) and falls into it:
     a band held from the start is no stop (test_a_run_noise_dominated_from_step_0_is_not_stopped)."""
-    return LinearRegression(torch.full((d,), 0.5), lr=0.05)
+    return LinearRegression(torch.full((d,), 0.5), lr=0.02)
 
 
 def regression_stream(steps: int, batch: int, d: int, w_star: torch.Tensor, sigma: float, seed: int = 0):

@@ -137,13 +137,13 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     The condition must hold for ``patience`` consecutive optimizer steps, not before ``min_steps``;
     steps with non-finite gradients (including those a GradScaler skips) neither count nor reset.
-    In ``"noise_band"`` mode the band only counts once the run has been out of it (a decided step outside the
-    band after ``min_steps``): a batch far below B_simple makes every step noise from step 0, which calls for
-    a larger batch or a smaller lr, not a stop. Such a run is said once (a warning and the
-    ``grad_norm/stop_reason`` text), with the batch to use — B_simple's 90 % lower end — and watched on: it
-    stops if it leaves the band and comes back for ``patience`` steps. The band is judged on the estimate's
-    smoothed quantities (slow EMAs, or fast ones while the slow ones lag: estimate.py, rule 7), the same the
-    margin chart draws.
+    In ``"noise_band"`` mode the band only counts once the run has been out of it (after ``min_steps``, on a
+    logging or check step, the band ratio's 90 % interval above 1: out beyond the estimate's error): a batch
+    far below B_simple makes every step noise from step 0, which calls for a larger batch or a smaller lr,
+    not a stop. Such a run is said once (a warning and the ``grad_norm/stop_reason`` text), with the batch
+    to use — B_simple's 90 % lower end — and watched on: it stops if it leaves the band and comes back for
+    ``patience`` steps. The band is judged on the estimate's smoothed quantities (slow EMAs, or fast ones
+    while the slow ones lag: estimate.py, rule 7), the same the margin chart draws.
     The streak is kept on the device; the host looks at it every ``check_every_n_steps`` optimizer
     steps, so a stop lands at most ``check_every_n_steps - 1`` steps after the streak completes. The decision is reduced across ranks
     (``reduce_boolean_decision``): all ranks stop at the same step.
@@ -386,7 +386,12 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.mode == "noise_band":  # a band held from the start is noise from step 0, not convergence: no stop
             self._held = self._held.to(total.device) | (full & ~self._left.to(total.device))
             full = full & self._left.to(total.device)
-        self._left = self._left.to(total.device) | (decided & ~in_condition & ~self._done.to(total.device))
+        if self.mode == "noise_band":  # out of the band beyond the band ratio's error, on a check or logging step
+            shown = self._shown_out(logged or (self.steps + 1) % self.check_every_n_steps == 0)
+            out = decided & ~in_condition & shown.to(decided.device) if shown is not None else torch.zeros_like(decided)
+        else:
+            out = decided & ~in_condition
+        self._left = self._left.to(total.device) | (out.to(total.device) & ~self._done.to(total.device))
         self._done = self._done.to(total.device) | full
         self.nonfinite.add(valid)
         self.steps += 1
@@ -515,6 +520,15 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             return torch.zeros((), dtype=torch.bool, device=total.device)
         estimate = self.gradient_noise.estimate() if full else None
         return self.gradient_noise.in_noise_band(self.margin, estimate, device=total.device).to(total.device)
+
+    def _shown_out(self, now: bool) -> Tensor | None:
+        """``()`` bool on the device: the band ratio's 90% lower end is above 1 (estimate.py, rule 8) — the run is
+        out of its band beyond the estimate's error, not by a fluctuation; read from the full estimate, so only on
+        logging and check steps (``now``; else None)."""
+        if not now:
+            return None
+        est = self.gradient_noise.estimate()
+        return self.gradient_noise.decisive(est) & (est.intervals["band_ratio"][0] > self.margin)
 
     def noise_floor(self) -> Tensor:
         """The noise level sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of
