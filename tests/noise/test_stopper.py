@@ -98,7 +98,7 @@ def test_noise_band_stops_at_the_optimum_and_not_far_from_it(caplog):
         trainer = _fit(
             converging(d),
             [at_optimum],
-            regression_stream(400, 16, d, torch.zeros(d), 1.0),
+            regression_stream(1200, 16, d, torch.zeros(d), 1.0),
             logger=logger,
             max_epochs=1,
             accumulate_grad_batches=4,
@@ -131,7 +131,7 @@ def test_the_charts_end_at_the_stop_and_hold_no_infinite_value():
     _fit(
         converging(d),
         [GradNormMonitor(), stopper],
-        regression_stream(400, 16, d, torch.zeros(d), 1.0),
+        regression_stream(1200, 16, d, torch.zeros(d), 1.0),
         logger=logger,
         max_epochs=1,
         accumulate_grad_batches=4,
@@ -448,7 +448,7 @@ def test_ddp_ranks_agree_on_norms_and_stop_at_the_same_step(tmp_path):
     trainer = Trainer(
         **trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=1, log_every_n_steps=1)
     )
-    trainer.fit(converging(d), regression_stream(200, 16, d, torch.zeros(d), 1.0))
+    trainer.fit(converging(d), regression_stream(800, 16, d, torch.zeros(d), 1.0))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["totals"] == pytest.approx(ranks[1]["totals"], rel=1e-6)
     assert ranks[0]["stopped_step"] is not None
@@ -786,7 +786,7 @@ def test_a_noise_band_stop_resumed_still_names_its_estimate(tmp_path):
     trainer = _fit(
         converging(d),
         [first],
-        regression_stream(400, 16, d, torch.zeros(d), 1.0),
+        regression_stream(1200, 16, d, torch.zeros(d), 1.0),
         max_epochs=1,
         accumulate_grad_batches=4,
     )
@@ -795,7 +795,7 @@ def test_a_noise_band_stop_resumed_still_names_its_estimate(tmp_path):
     trainer.save_checkpoint(path)
     resumed = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1, verbose=False)
     Trainer(**trainer_kwargs(callbacks=[resumed], logger=False, max_epochs=3, accumulate_grad_batches=4)).fit(
-        converging(d), regression_stream(400, 16, d, torch.zeros(d), 1.0), ckpt_path=str(path)
+        converging(d), regression_stream(1200, 16, d, torch.zeros(d), 1.0), ckpt_path=str(path)
     )
     text = resumed.summary_markdown()
     assert resumed.stopped_again_step is not None and "no noise source" not in text

@@ -62,13 +62,17 @@ Combining rule (:meth:`GradientNoise.estimate`):
 
 7. Drift. Each source keeps two pairs of EMAs: slow ones (its ``beta``: ≈ 99 effective measurements at 0.98)
    and fast ones (:data:`FAST_BETA` per measurement: ≈ 19). The slow ones lag a quantity that moves: a tr Σ
-   that halves every 50 steps sits at about twice its value in an EMA of memory 50 steps. Where the slow
-   EMAs of ‖G‖² or tr Σ differ from the fast ones by more than :data:`DRIFT_Z` of the fast ones' standard
-   errors — the lag is then larger than the error it would buy — the estimate takes the fast ones, for every
-   source at once (the sources combined and compared then span the same stretch of the run); the fast ones'
-   own lag (mean age 9 measurements: 13 % on that tr Σ) is below their error (≈ 19 % a step from 4
-   micro-batches). The per-step band, the logged tags and the charts read the same choice.
-   ``effective_measurements`` is 1/Σ w_k² of the EMA used, weighted over the sources as tr Σ is.
+   that halves every 50 steps sits at about twice its value in an EMA of memory 50 steps, and so does the
+   noise level drawn against the norm. Where the slow EMA of tr Σ lies above the fast one by more than
+   :data:`DRIFT_Z` of the fast one's standard error — the lag is then larger than the error it would buy —
+   the estimate takes tr Σ from the fast EMAs, for every source at once (the sources combined and compared
+   then span the same stretch of the run); the fast ones' own lag (mean age 9 measurements: 13 % on that
+   tr Σ) is below their error (≈ 19 % a step from 4 micro-batches). Only a falling tr Σ, and only tr Σ: that
+   lag puts the band's edge too high, so following it can only delay a band stop, never advance one (on
+   stopping_tasks' digits MLP, following a rising tr Σ and ‖G‖² with the fast EMAs' noise stopped runs at
+   step 130, far from converged). ‖G‖² stays the slow EMA's; the pair then has no covariance term. The
+   per-step band, the logged tags and the charts read the same choice. ``effective_measurements`` is
+   1/Σ w_k² of the EMA tr Σ comes from, weighted over the sources as tr Σ is.
 
 8. Intervals. Every quantity carries a 90 % interval from its own error: ‖G‖² ± t·σ_G and tr Σ ± t·σ_S (t
    Student's quantile at n_eff − 1 degrees of freedom, so that few measurements widen it; the low ends
@@ -206,20 +210,22 @@ class NoiseSource:
         self.load_state_dict({k: fresh[k] for k in ("noise", "error", "fast_noise", "fast_error", "norms")})
 
     def lagging(self) -> Tensor:
-        """``()`` bool: the slow EMAs of (‖G‖², tr Σ) differ from the fast ones by more than :data:`DRIFT_Z` of
-        the fast ones' standard errors (rule 7): the slow ones lag a drift. No sync."""
-        var_s, var_g, _ = self.fast_error.mean_covariance(self.fast)
-        gap = (self.fast.values - self.ema.values).abs()
-        return (gap > DRIFT_Z * torch.stack([var_g, var_s]).sqrt()).any(0)
+        """``()`` bool: the slow EMA of tr Σ lies above the fast one by more than :data:`DRIFT_Z` of the fast one's
+        standard error (rule 7): it lags a falling tr Σ. No sync."""
+        var_s, _, _ = self.fast_error.mean_covariance(self.fast)
+        return self.fast.trace_cov < self.ema.trace_cov - DRIFT_Z * var_s.sqrt()
 
     def smoothed(self, lag: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``(‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff)`` of the EMA means the estimate uses, in the source's
         units: the slow EMAs', or the fast ones' where ``lag`` (default: :meth:`lagging`; rule 7); ``()`` float64
         each, no sync."""
-        slow = (*self.ema.values.unbind(), *self.error.mean_covariance(self.ema))
-        fast = (*self.fast.values.unbind(), *self.fast_error.mean_covariance(self.fast))
+        g, slow_t = self.ema.values.unbind()
+        var_s, var_g, cov = self.error.mean_covariance(self.ema)
+        fast_var_s = self.fast_error.mean_covariance(self.fast)[0]
         lag = self.lagging() if lag is None else lag
-        g, t, var_s, var_g, cov = (torch.where(lag, f, x) for x, f in zip(slow, fast))
+        # Lagging: tr Σ (and its variance) from the fast EMA, ‖G‖² from the slow one; two windows, no covariance.
+        t, var_s = torch.where(lag, self.fast.trace_cov, slow_t), torch.where(lag, fast_var_s, var_s)
+        cov = torch.where(lag, torch.zeros_like(cov), cov)
         n_eff = torch.where(
             lag, effective_count(self.fast.beta, self.fast.count), effective_count(self.ema.beta, self.ema.count)
         )
@@ -227,7 +233,7 @@ class NoiseSource:
 
     def smoothed_values(self, lag: Tensor) -> Tensor:
         """``(2,)`` (‖G‖², tr Σ) of :meth:`smoothed` at ``lag``, in a few kernels (the per-step band's)."""
-        return torch.where(lag, self.fast.values, self.ema.values)
+        return torch.where(torch.stack([torch.zeros_like(lag), lag]), self.fast.values, self.ema.values)
 
     def invalidate(self, reason: str) -> None:
         """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
