@@ -49,7 +49,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from trainvitals.guard.callback import TrainingGuard
-from trainvitals.guard.producer import find_producer
+from trainvitals.norms.producer import find_producer
 from trainvitals.guard.snapshot import Snapshot
 from trainvitals.norms.monitor import GradNormMonitor
 

@@ -11,14 +11,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import ReleaseProcessGroup, flat_grad_norm, loader, regression_data
+from _models import LogModel, ReleaseProcessGroup, flat_grad_norm, loader, log_data, regression_data
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from test_producer import Clamp, Log
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor, TrainingGuard
 from trainvitals.guard.callback import SKIP_BATCHES_FILE
@@ -228,35 +226,9 @@ def test_the_budget_escalates_a_run_of_skips_to_a_rollback():
     assert guard.skipped_steps == 2 and guard.rollbacks == 1 and "escalated" in said[2]
 
 
-class LogModel(pl.LightningModule):
-    """Linear(4→8) with positive weights → softplus → log → clamp → Linear(8→1): finite while the inputs are
-    positive; a batch of inputs of -1000 makes the softplus underflow to 0, so layer ``net.2`` (the log)
-    makes -inf, which the clamp hides from the loss, and the gradient is NaN."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Softplus(), Log(), Clamp(), nn.Linear(8, 1))
-        with torch.no_grad():
-            self.net[0].weight.abs_()
-            self.net[0].bias.fill_(1.0)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
-def _log_data(bad_batch: int) -> DataLoader:
-    x, y = torch.rand(64, 4), torch.randn(64, 1)
-    x[8 * bad_batch : 8 * bad_batch + 8] = -1000.0
-    return DataLoader(TensorDataset(x, y), batch_size=8)
-
-
 def test_the_layer_that_made_the_nan_is_named_and_agrees_with_detect_anomaly():
     model, guard = LogModel(), TrainingGuard(on_nonfinite="skip")
-    data = _log_data(bad_batch=3)
+    data = log_data(bad_batch=3)
     trainer = pl.Trainer(**trainer_kwargs(max_steps=8, callbacks=[guard]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -296,7 +268,7 @@ def test_under_accumulation_a_nan_is_pinned_on_its_micro_batch_and_a_finite_reru
     trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[guard], accumulate_grad_batches=4))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, _log_data(bad_batch=4))
+        trainer.fit(model, log_data(bad_batch=4))
     said = [str(w.message) for w in caught if "TrainingGuard" in str(w.message)]
     (event,) = guard.events
     assert (event["global_step"], event["batch_idx"], event["batches"]) == (1, 7, [4, 5, 6, 7])
@@ -316,7 +288,7 @@ def test_the_monitors_warning_quotes_the_guards_producer_in_either_order(guard_f
     trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=callbacks))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(LogModel(), _log_data(bad_batch=3))
+        trainer.fit(LogModel(), log_data(bad_batch=3))
     said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
     assert len(said) == 1 and "optimizer step 3" in said[0]
     assert "`net.2` (LogBackward0)" in said[0] and "divergence" not in said[0]
@@ -327,7 +299,7 @@ def test_without_a_guard_the_monitors_warning_points_to_it():
     trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[monitor]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(LogModel(), _log_data(bad_batch=3))
+        trainer.fit(LogModel(), log_data(bad_batch=3))
     said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
     assert len(said) == 1 and "TrainingGuard()" in said[0]
 

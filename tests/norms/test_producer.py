@@ -7,19 +7,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import Clamp, Log
 from torch import nn
 
-from trainvitals.guard.producer import Producer, find_producer, nonfinite_tensors, optimizer_state_tensors
-
-
-class Log(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log(x)
-
-
-class Clamp(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.clamp(min=-30.0)
+from trainvitals.norms.producer import Producer, find_producer, nonfinite_tensors, optimizer_state_tensors
 
 
 def five_layers(clamp: bool) -> nn.Sequential:

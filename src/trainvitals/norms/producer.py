@@ -12,11 +12,19 @@ at, at a fraction of its cost). The hooks are removed before it returns, whateve
 
 :func:`nonfinite_tensors` tells the other producer apart: the optimizer step itself, when the gradients
 were finite and the parameters (or the optimizer's state) are not after the step.
+
+:func:`find_producer_by_anomaly` is the other way to the same answer: the forward and backward run under
+``torch.autograd.detect_anomaly``, which stops at the first backward node that returns NaN and prints the
+forward traceback of that node; each node is tagged with the module whose forward made it, so its answer
+reads as a :class:`Producer` too. Anomaly mode checks gradients for NaN only: a forward inf/NaN that reaches
+the loss is met at the loss's own backward node, and an inf gradient is seen only where it turns NaN.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+SEARCHES = ("flags", "anomaly")
+"""How the producer is searched: finiteness flags on every module's output (:func:`find_producer`), or a re-run
+under ``torch.autograd.detect_anomaly`` (:func:`find_producer_by_anomaly`)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,7 @@ class Producer:
         op: the autograd operation that made the module's output, e.g. ``"LogBackward0"``, when known.
         input_range: ``(min, max)`` over the module's floating-point inputs, when there were any.
         value: what the output (forward) or the input's gradient (backward) held: ``"inf"``, ``"-inf"``, ``"nan"``.
+        found_by: the search that found it, one of :data:`SEARCHES`.
     """
 
     where: str
@@ -45,6 +58,7 @@ class Producer:
     op: str | None = None
     input_range: tuple[float, float] | None = None
     value: str | None = None
+    found_by: str = "flags"
 
     def describe(self) -> str:
         """One sentence for a message."""
@@ -53,6 +67,12 @@ class Producer:
                 f"the optimizer step itself: the gradients were finite, and after the step {self.module} were "
                 "not (e.g. an eps or a second moment that underflows in half precision; check the optimizer's "
                 "settings for this precision)"
+            )
+        if self.where == "loss" and self.found_by == "anomaly":
+            return (
+                f"the loss computation in training_step: detect_anomaly stopped at its node {self.op or ''}, made "
+                "outside every module (a forward inf/NaN that reaches the loss is met there; the flags search "
+                "names its module)"
             )
         if self.where == "loss":
             return "the loss computation in training_step: every module's output was finite, the loss was not"
@@ -114,6 +134,95 @@ def find_producer(model: nn.Module, run: Callable[[], Tensor | None]) -> Produce
     finally:
         for handle in handles:
             handle.remove()
+
+
+def find_producer_by_anomaly(model: nn.Module, run: Callable[[], Tensor | None]) -> Producer | None:
+    """Run ``run()`` (as for :func:`find_producer`) and its backward under ``torch.autograd.detect_anomaly`` and
+    name the backward node anomaly mode stopped at — the first to return NaN — as a :class:`Producer`: the
+    innermost module whose forward made that node (``"loss"`` for a node made outside every module), its
+    operation and the module's input range. ``None`` when no backward node returned NaN and the loss is finite.
+
+    Each module's forward is bracketed by autograd sequence numbers (forward hooks), and every node of the loss's
+    graph gets a line naming its module in the forward traceback anomaly mode keeps for it, so the traceback it
+    prints names the module. The backward is taken with ``torch.autograd.grad`` with respect to the modules' own
+    inputs and outputs: no ``.grad`` is touched. Costs one forward and one backward under anomaly mode (each
+    node records its Python stack: several times a plain step), once.
+    """
+    calls: list[_Call] = []
+    open_spans: list[list[int]] = []  # the forwards running, outermost first: [sequence number at start, -]
+    spans: list[list[int]] = []  # per call: the sequence numbers just before and just after its forward
+
+    def begin(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        open_spans.append([_sequence_number(), -1])
+
+    def end(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        span = open_spans.pop()  # calls finish innermost first
+        span[1] = _sequence_number()
+        calls.append(_Call(name, _floating([args, kwargs]), _floating(output)))
+        spans.append(span)
+
+    handles: list[RemovableHandle] = []
+    with warnings.catch_warnings(record=True) as said, torch.autograd.detect_anomaly(check_nan=True):
+        warnings.simplefilter("always")
+        try:
+            for name, module in model.named_modules():
+                handles.append(module.register_forward_pre_hook(begin, with_kwargs=True))
+                handles.append(module.register_forward_hook(_bind(end, name), with_kwargs=True))
+            loss = run()
+        finally:
+            for handle in handles:
+                handle.remove()
+        if loss is None or not loss.requires_grad:
+            return (
+                None if loss is None or bool(torch.isfinite(loss).all()) else Producer("loss", "", found_by="anomaly")
+            )
+        for node in _graph_nodes(loss.grad_fn):
+            inner = _innermost(node._sequence_nr(), spans)
+            if inner is not None and isinstance(node.metadata.get(_TRACEBACK), list):
+                node.metadata[_TRACEBACK] = [*node.metadata[_TRACEBACK], f"{_MARK}{inner}]\n"]
+        tracked = list({id(t): t for c in calls for t in (*c.inputs, *c.outputs) if t.requires_grad}.values())
+        try:
+            torch.autograd.grad(loss, tracked or [loss], allow_unused=True)
+        except RuntimeError as error:
+            stopped = re.search(r"Function '([^']+)' returned nan values", str(error))
+            if stopped is None:
+                raise
+            op = stopped.group(1)
+            printed = next((str(w.message) for w in said if f"Error detected in {op}." in str(w.message)), "")
+            mark = re.search(re.escape(_MARK) + r"(\d+)\]", printed.split("Previous calculation")[0])
+            if mark is None:
+                return Producer("loss", "", op=op, value="nan", found_by="anomaly")
+            call = calls[int(mark.group(1))]
+            return Producer("backward", call.name, op, _range(call.inputs), "nan", found_by="anomaly")
+    if not bool(torch.isfinite(loss.detach()).all()):
+        return Producer("loss", "", found_by="anomaly")
+    return None
+
+
+_TRACEBACK = "traceback_"  # where anomaly mode keeps a node's forward stack (torch/csrc/autograd/python_anomaly_mode)
+_MARK = "  [trainvitals: made in the forward of module call "
+
+
+def _sequence_number() -> int:
+    """The next autograd sequence number of this thread (a throwaway node's)."""
+    return torch.zeros((), requires_grad=True).add(0.0).grad_fn._sequence_nr()
+
+
+def _graph_nodes(root: Any) -> list[Any]:
+    """Every node of the autograd graph below ``root``."""
+    seen, nodes = {id(root)}, [root] if root is not None else []
+    for node in nodes:
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                nodes.append(child)
+    return nodes
+
+
+def _innermost(sequence: int, spans: list[list[int]]) -> int | None:
+    """The index of the narrowest span ``(start, end)`` holding ``sequence``, or ``None``."""
+    holding = [(end - start, i) for i, (start, end) in enumerate(spans) if start < sequence < end]
+    return min(holding)[1] if holding else None
 
 
 def _backward_producer(loss: Tensor, calls: list[_Call]) -> Producer | None:
