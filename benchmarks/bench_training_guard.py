@@ -49,9 +49,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from trainvitals.guard.callback import TrainingGuard
-from trainvitals.norms.producer import find_producer
 from trainvitals.guard.snapshot import Snapshot
 from trainvitals.norms.monitor import GradNormMonitor
+from trainvitals.norms.producer import find_producer
 
 VARIANTS = ("bare", "guard", "monitor", "monitor_guard", "guard_snapshot_cpu", "guard_snapshot_device")
 

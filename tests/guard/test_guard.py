@@ -294,14 +294,74 @@ def test_the_monitors_warning_quotes_the_guards_producer_in_either_order(guard_f
     assert "`net.2` (LogBackward0)" in said[0] and "divergence" not in said[0]
 
 
-def test_without_a_guard_the_monitors_warning_points_to_it():
-    monitor = GradNormMonitor(log_every_n_steps=1)
-    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[monitor]))
+def _monitor_fit(monitor: GradNormMonitor, bad_batch: int = 3, callbacks=(), **kwargs) -> tuple[LogModel, list[str]]:
+    """LogModel fitted with ``monitor``; the monitor's non-finite warnings."""
+    model = LogModel()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[monitor, *callbacks], **kwargs))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(LogModel(), log_data(bad_batch=3))
+        trainer.fit(model, log_data(bad_batch=bad_batch))
     said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
-    assert len(said) == 1 and "TrainingGuard()" in said[0]
+    return model, said
+
+
+@pytest.mark.parametrize("search", ["flags", "anomaly"])
+def test_without_a_guard_the_monitors_warning_names_the_producer(search):
+    """GradNormMonitor alone on the five-layer model whose third layer (``net.2``, a log) makes -inf: its one
+    warning names that layer, not the clamp or the linear layer after it, by either search."""
+    monitor = GradNormMonitor(log_every_n_steps=1, producer_search=search)
+    model, said = _monitor_fit(monitor)
+    assert len(said) == 1 and "optimizer step 3" in said[0]
+    assert "`net.2` (LogBackward0)" in said[0] and "`net.3`" not in said[0] and "`net.4`" not in said[0]
+    producer = monitor.search.producer
+    assert (producer.module, producer.op, producer.found_by) == ("net.2", "LogBackward0", search)
+    assert producer.input_range[0] == 0.0  # the log's input reached 0 (softplus underflowed)
+    assert monitor.search.rerun == [3]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())  # nothing left
+
+
+def test_the_monitors_producer_agrees_with_the_guards_and_detect_anomaly():
+    monitor = GradNormMonitor(log_every_n_steps=1)
+    _monitor_fit(monitor)
+    guard = TrainingGuard(on_nonfinite="skip", producer_search="anomaly")
+    model = LogModel()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[guard]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, log_data(bad_batch=3))
+    assert (guard.producer.module, guard.producer.op) == (monitor.search.producer.module, monitor.search.producer.op)
+    assert guard.producer.found_by == "anomaly" and guard.producer.where == "backward"
+    x, y = next(b for i, b in enumerate(log_data(bad_batch=3)) if i == 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.detect_anomaly(), pytest.raises(RuntimeError, match="returned nan values") as error:
+            F.mse_loss(model.net(x), y).backward()
+    assert str(error.value).split("'")[1] == guard.producer.op
+
+
+def test_the_monitor_says_why_it_cannot_name_a_producer_read_back_after_its_update():
+    # Logging every 2 steps: step 3 is read back at step 4, after its NaN gradient made the weights NaN.
+    monitor = GradNormMonitor(log_every_n_steps=2)
+    _, said = _monitor_fit(monitor)
+    assert len(said) == 1 and "optimizer step 3" in said[0] and "read back at step 4" in said[0]
+    assert monitor.search.producer is None and monitor.search.rerun == []  # no re-run with non-finite weights
+    # The same cadence, the NaN at a logging step: named.
+    monitor = GradNormMonitor(log_every_n_steps=2)
+    _, said = _monitor_fit(monitor, bad_batch=4)
+    assert "`net.2` (LogBackward0)" in said[0]
+
+
+def test_the_monitor_leaves_the_search_to_a_guard_unless_it_does_not_search():
+    monitor, guard = GradNormMonitor(log_every_n_steps=1), TrainingGuard(on_nonfinite="warn")
+    _, said = _monitor_fit(monitor, callbacks=[guard])
+    assert not monitor.search.searched and guard.producer.module == "net.2"
+    assert "as TrainingGuard's re-run" in said[0]
+    monitor, guard = GradNormMonitor(log_every_n_steps=1), TrainingGuard(on_nonfinite="warn", name_producer=False)
+    _, said = _monitor_fit(monitor, callbacks=[guard])
+    assert guard.producer is None and monitor.search.producer.module == "net.2" and "`net.2`" in said[0]
+    monitor = GradNormMonitor(log_every_n_steps=1, name_producer=False)
+    _, said = _monitor_fit(monitor)
+    assert not monitor.search.searched and "name_producer=True" in said[0]
 
 
 class HalfEpsSGD(torch.optim.SGD):
@@ -390,6 +450,7 @@ def test_the_snapshot_goes_into_checkpoints_when_asked():
         ({"budget_events": 0}, ValueError, "budget_events"),
         ({"budget_window": 1.5}, ValueError, "budget_window"),
         ({"name_producer": "yes"}, TypeError, "name_producer"),
+        ({"producer_search": "grad"}, ValueError, "producer_search"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(kwargs, error, name):

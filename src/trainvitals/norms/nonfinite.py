@@ -98,6 +98,11 @@ class ProducerSearch:
         """Drop the batches kept (a step that will not be searched)."""
         self._step, self._runs = None, {}
 
+    def give_up(self) -> None:
+        """No search in this fit: its first non-finite step can no longer be re-run (its update was applied)."""
+        self.searched = True
+        self.let_go()
+
     def search(
         self,
         trainer: "pl.Trainer",

@@ -82,8 +82,9 @@ class Producer:
         span = f" in [{self.input_range[0]:.4g}, {self.input_range[1]:.4g}]" if self.input_range else ""
         if self.where == "forward":
             return f"module {name}{op} in forward: its inputs were finite{span}, its output held{held}"
+        by = ", where detect_anomaly stopped" if self.found_by == "anomaly" else ""
         return (
-            f"module {name}{op} in backward: the gradient was finite with respect to its output and held{held} "
+            f"module {name}{op} in backward{by}: the gradient was finite with respect to its output and held{held} "
             f"with respect to its input (inputs in forward{span})"
         )
 
