@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from trainvitals.fused_norms import is_dtensor
 from trainvitals.norms.producer import (
     Producer,
     find_producer,
@@ -29,6 +30,7 @@ from trainvitals.norms.producer import (
 )
 from trainvitals.plumbing.amp import grad_scaler
 from trainvitals.plumbing.rerun import RngState, rerun_quietly, rng_state, training_step_loss
+from trainvitals.plumbing.sharding import holds_shards
 from trainvitals.plumbing.sharing import NONFINITE_STEPS
 
 
@@ -122,45 +124,83 @@ class ProducerSearch:
             owner: the callback searching: a failure is its ``cannot_measure`` (a diagnostic never ends the run).
         """
         self.searched = True
+        runs, self._runs = self._runs, {}  # searched once: the batches are not kept any longer
         found = None
-        try:
-            found = self._search_here(trainer, pl_module, optimizer, batches, after_applied_step)
-        except Exception as error:
-            owner.cannot_measure(f"could not search for the producer of the inf/NaN: {type(error).__name__}: {error}")
-        self._runs = {}  # searched once: the batches are not kept any longer
-        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            gathered: list[Any] = [None] * trainer.world_size
-            torch.distributed.all_gather_object(gathered, found)
-            found = next((f for f in gathered if f is not None), None)
+        # The optimizer first, agreed over ranks (sharded weights are checked shard by shard), so that every
+        # rank re-runs or none does: the re-run's forward takes the strategy's collectives (FSDP's all-gathers).
+        if after_applied_step:
+            found = self._agreed(trainer, self._guarded(owner, self._optimizer_made_it, pl_module, optimizer))
+        if found is None:
+            found = self._rerun(trainer, pl_module, runs, batches, owner)
         self.producer = found
         return found
 
-    def _search_here(
+    @staticmethod
+    def _guarded(owner: Any, search: Any, *args: Any) -> Producer | None:
+        """``search(*args)``; a failure is ``owner``'s ``cannot_measure`` and finds nothing."""
+        try:
+            return search(*args)
+        except Exception as error:
+            owner.cannot_measure(f"could not search for the producer of the inf/NaN: {type(error).__name__}: {error}")
+            return None
+
+    @staticmethod
+    def _agreed(trainer: "pl.Trainer", found: Producer | None) -> Producer | None:
+        """The first rank's finding, on every rank (one gather); ``found`` itself on a single process."""
+        if trainer.world_size == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return found
+        gathered: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(gathered, found)
+        return next((f for f in gathered if f is not None), None)
+
+    @staticmethod
+    def _optimizer_made_it(pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> Producer | None:
+        """The optimizer step, when the weights or the optimizer's state hold an inf/NaN (on this rank's shards)."""
+        names = {p: n for n, p in pl_module.named_parameters()}
+        bad = nonfinite_tensors(pl_module.named_parameters())
+        bad += nonfinite_tensors(optimizer_state_tensors(optimizer, names))
+        if not bad:
+            return None
+        shown = ", ".join(f"`{n}`" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        return Producer("optimizer", shown)
+
+    def _rerun(
         self,
         trainer: "pl.Trainer",
         pl_module: "pl.LightningModule",
-        optimizer: torch.optim.Optimizer,
+        runs: dict[int, tuple[Any, RngState]],
         batches: list[int],
-        after_applied_step: bool,
+        owner: Any,
     ) -> Producer | None:
-        if after_applied_step:
-            names = {p: n for n, p in pl_module.named_parameters()}
-            bad = nonfinite_tensors(pl_module.named_parameters())
-            bad += nonfinite_tensors(optimizer_state_tensors(optimizer, names))
-            if bad:
-                shown = ", ".join(f"`{n}`" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-                return Producer("optimizer", shown)
-        find = find_producer_by_anomaly if self.method == "anomaly" else find_producer
+        """Re-run ``batches`` in turn with :attr:`method`'s search until one names a producer on some rank.
+
+        When the model's forward and backward hold collectives (sharded by FSDP), every rank takes the same
+        path: the flags search with its backward always taken (detect_anomaly would stop each rank's backward
+        at a node of its own), and one agreement per batch."""
+        lockstep = trainer.world_size > 1 and (
+            holds_shards(trainer) or any(is_dtensor(p) for p in pl_module.parameters())
+        )
+        if lockstep and self.method == "anomaly":
+            owner.warn(
+                "the model is sharded: the producer is searched with finiteness flags, not detect_anomaly, which "
+                "would stop each rank's backward at a node of its own (the ranks' collectives would not match)",
+                once=True,
+            )
+        if self.method == "anomaly" and not lockstep:
+            find: Any = find_producer_by_anomaly
+        else:
+            find = functools.partial(find_producer, lockstep=lockstep)
+        found = None
         for batch_idx in batches:
-            held = self._runs.get(batch_idx)
-            if held is None:
+            if batch_idx not in runs:
                 continue
-            batch, rng = held
+            batch, rng = runs[batch_idx]
             self.rerun.append(batch_idx)
+            run = functools.partial(training_step_loss, trainer, pl_module, batch, batch_idx, rng)
             with rerun_quietly(pl_module):
-                found = find(
-                    pl_module, functools.partial(training_step_loss, trainer, pl_module, batch, batch_idx, rng)
-                )
+                found = self._guarded(owner, find, pl_module, run)
+            if lockstep:
+                found = self._agreed(trainer, found)
             if found is not None:
-                return found
-        return None
+                break
+        return found if lockstep else self._agreed(trainer, found)

@@ -33,6 +33,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from trainvitals.fused_norms import is_dtensor
+
 SEARCHES = ("flags", "anomaly")
 """How the producer is searched: finiteness flags on every module's output (:func:`find_producer`), or a re-run
 under ``torch.autograd.detect_anomaly`` (:func:`find_producer_by_anomaly`)."""
@@ -96,13 +98,15 @@ class _Call:
     outputs: list[Tensor]
 
 
-def find_producer(model: nn.Module, run: Callable[[], Tensor | None]) -> Producer | None:
+def find_producer(model: nn.Module, run: Callable[[], Tensor | None], lockstep: bool = False) -> Producer | None:
     """Run ``run()`` (one forward of ``model`` to the loss, in the step's context) with finiteness hooks on every
     module of ``model``, and name the :class:`Producer` of the first inf/NaN; ``None`` when forward and
     backward stayed finite (the value came from elsewhere: another micro-batch, a rank of its own).
 
     The backward is taken with ``torch.autograd.grad`` with respect to the modules' own outputs and inputs:
-    no parameter's ``.grad`` is touched. Costs one forward and one backward, once.
+    no parameter's ``.grad`` is touched. Costs one forward and one backward, once. ``lockstep``: take the
+    backward whatever the forward found, so that ranks whose forward and backward hold collectives (FSDP's
+    all-gathers) all run the same ones.
     """
     calls: list[_Call] = []
     flags: list[Tensor] = []  # per call: inputs finite, outputs finite
@@ -126,12 +130,16 @@ def find_producer(model: nn.Module, run: Callable[[], Tensor | None]) -> Produce
         loss_finite = torch.isfinite(loss.detach()).reshape(1)
         host = torch.cat([*(f.to(loss.device) for f in flags), loss_finite]).tolist()  # one transfer
         pairs, loss_finite = list(zip(host[:-1:2], host[1:-1:2])), host[-1]
-        for call, (inputs_ok, outputs_ok) in zip(calls, pairs):
-            if inputs_ok and not outputs_ok:
-                return Producer("forward", call.name, _op(call.outputs), _range(call.inputs), _held(call.outputs))
-        if not loss_finite:
-            return Producer("loss", "")
-        return _backward_producer(loss, calls)
+        made = next((call for call, (inputs_ok, outputs_ok) in zip(calls, pairs) if inputs_ok and not outputs_ok), None)
+        found = None
+        if made is not None:
+            found = Producer("forward", made.name, _op(made.outputs), _range(made.inputs), _held(made.outputs))
+        elif not loss_finite:
+            found = Producer("loss", "")
+        if found is not None and not lockstep:
+            return found
+        backward = _backward_producer(loss, calls)
+        return found or backward
     finally:
         for handle in handles:
             handle.remove()
@@ -258,12 +266,14 @@ def _backward_producer(loss: Tensor, calls: list[_Call]) -> Producer | None:
 
 
 def nonfinite_tensors(named: Iterable[tuple[str, Tensor]]) -> list[str]:
-    """The names of the tensors of ``named`` that hold an inf/NaN (one device-to-host transfer)."""
-    named = [(n, t) for n, t in named if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
-    if not named:
+    """The names of the tensors of ``named`` that hold an inf/NaN (one device-to-host transfer). Of a ``DTensor``
+    (FSDP2's sharded parameters) this rank's shard is looked at: combine the ranks' answers."""
+    local = [(n, t.to_local() if is_dtensor(t) else t) for n, t in named if isinstance(t, Tensor)]
+    local = [(n, t) for n, t in local if t.is_floating_point() and t.numel()]
+    if not local:
         return []
-    finite = torch.stack([torch.isfinite(t.detach()).all().to(named[0][1].device) for _, t in named]).tolist()
-    return [n for (n, _), ok in zip(named, finite) if not ok]
+    finite = torch.stack([torch.isfinite(t.detach()).all().to(local[0][1].device) for _, t in local]).tolist()
+    return [n for (n, _), ok in zip(local, finite) if not ok]
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, names: dict[Tensor, str]) -> list[tuple[str, Tensor]]:
