@@ -200,7 +200,7 @@ class TrainingGuard(TrainvitalsCallback):
             self._scale_lr(trainer)
         self._step["batches"].append(i)
         if self.name_producer:  # references and the RNG state: no copy of the batch
-            self.search.keep(trainer.global_step, pl_module.device, batch, i)
+            self.search.keep(trainer.global_step, pl_module, batch, i)
         self._step["batch_idx"] = i
 
     @override

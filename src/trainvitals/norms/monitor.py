@@ -228,7 +228,7 @@ class GradNormMonitor(TrainvitalsCallback):
             return
         every = logging_every(trainer, self.log_every_n_steps)
         if not self._tracks or any(is_logging_step(t.steps, every) for t in self._tracks.values()):
-            self.search.keep(trainer.global_step, pl_module.device, batch, i)  # by reference: no copy
+            self.search.keep(trainer.global_step, pl_module, batch, i)  # by reference: no copy
         else:
             self.search.let_go()
 

@@ -87,14 +87,15 @@ class ProducerSearch:
         """The batch indices kept for the step under watch, in the order they ran."""
         return list(self._runs)
 
-    def keep(self, step: int, device: torch.device, batch: Any, batch_idx: int) -> None:
+    def keep(self, step: int, pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         """At the start of a micro-batch of optimizer step ``step``: ``batch`` by reference and the random state
-        on ``device``. Nothing once the search has run."""
-        if self.searched:
+        on the module's device. Nothing once the search has run, nor under manual optimization, whose
+        ``training_step`` steps the optimizers itself and is not run again."""
+        if self.searched or not pl_module.automatic_optimization:
             return
         if step != self._step:
             self._step, self._runs = step, {}
-        self._runs[batch_idx] = (batch, rng_state(device))
+        self._runs[batch_idx] = (batch, rng_state(pl_module.device))
 
     def let_go(self) -> None:
         """Drop the batches kept (a step that will not be searched)."""
