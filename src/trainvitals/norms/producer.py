@@ -154,8 +154,9 @@ def find_producer_by_anomaly(model: nn.Module, run: Callable[[], Tensor | None])
     Each module's forward is bracketed by autograd sequence numbers (forward hooks), and every node of the loss's
     graph gets a line naming its module in the forward traceback anomaly mode keeps for it, so the traceback it
     prints names the module. The backward is taken with ``torch.autograd.grad`` with respect to the modules' own
-    inputs and outputs: no ``.grad`` is touched. Costs one forward and one backward under anomaly mode (each
-    node records its Python stack: several times a plain step), once.
+    inputs and outputs and the parameters (the nodes ``loss.backward()`` would run): no ``.grad`` is touched.
+    Costs one forward and one backward under anomaly mode (each node records its Python stack: about three
+    plain passes), once.
     """
     calls: list[_Call] = []
     open_spans: list[list[int]] = []  # the forwards running, outermost first: [sequence number at start, -]
@@ -189,7 +190,9 @@ def find_producer_by_anomaly(model: nn.Module, run: Callable[[], Tensor | None])
             inner = _innermost(node._sequence_nr(), spans)
             if inner is not None and isinstance(node.metadata.get(_TRACEBACK), list):
                 node.metadata[_TRACEBACK] = [*node.metadata[_TRACEBACK], f"{_MARK}{inner}]\n"]
-        tracked = list({id(t): t for c in calls for t in (*c.inputs, *c.outputs) if t.requires_grad}.values())
+        # The whole backward that loss.backward() would run (the parameters' gradients too), into no .grad.
+        every = (*(t for c in calls for t in (*c.inputs, *c.outputs)), *model.parameters())
+        tracked = list({id(t): t for t in every if t.requires_grad}.values())
         try:
             torch.autograd.grad(loss, tracked or [loss], allow_unused=True)
         except RuntimeError as error:
