@@ -393,6 +393,15 @@ def test_the_optimizer_step_is_named_when_it_made_the_parameters_nonfinite():
     _, said = _fit(model, guard, max_steps=7)
     assert guard.events[0]["global_step"] == 5 and guard.producer.where == "optimizer"
     assert "the optimizer step itself" in said[0] and "`net.0.weight`" in said[0]
+    # GradNormMonitor alone says the same, and re-runs nothing (the weights were the non-finite thing).
+    monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=7, callbacks=[monitor]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Model(), loader(regression_data(64, 6), 8))
+    said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
+    assert monitor.search.producer.where == "optimizer" and monitor.search.rerun == []
+    assert "optimizer step 5" in said[0] and "the optimizer step itself" in said[0] and "`net.0.weight`" in said[0]
 
 
 def test_the_guard_reads_the_shared_norm_and_reads_the_host_once_a_clean_step(monkeypatch):
