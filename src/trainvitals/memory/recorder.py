@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from trainvitals.compiled import ROOT, compiled_modules
 from trainvitals.integrity.graph import is_view_op
 from trainvitals.memory.storage import StorageKey, storage_key, storage_keys, storage_nbytes, tensors_in
+from trainvitals.plumbing.extra_forward import in_extra_forward
 
 OUTSIDE = "(outside)"
 """Label of tensors saved while no module's forward runs (a loss computed in ``training_step``)."""
@@ -31,12 +32,13 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
 def _module_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
     """A module hook that does nothing while Dynamo traces (a constant branch: no graph break, whatever
     is compiled, a helper method or a function calling submodules included) and otherwise runs eagerly:
-    a compiled region's saves then go to the hooked module around it."""
+    a compiled region's saves then go to the hooked module around it. Nothing either in trainvitals' own
+    forwards (:func:`~trainvitals.plumbing.extra_forward.extra_forward`), which are not the step's."""
     eager = _eager(hook)
 
     @functools.wraps(hook)
     def run(*args: Any, **kwargs: Any) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or in_extra_forward():
             return None
         return eager(*args, **kwargs)
 
@@ -276,6 +278,8 @@ class SavedTensorRecorder:
         # A detached alias, as the saved_tensors_hooks docs ask: what the graph keeps must not lead
         # back to a grad_fn, or graph and tensor could keep each other alive.
         packed = tensor.detach()
+        if in_extra_forward():
+            return packed  # trainvitals' own forward (the batch-independence check's), not the step's
         key = storage_key(tensor)
         if key is None:
             self._uncounted += 1
