@@ -30,6 +30,7 @@ from trainvitals.fused_norms import (
     NormGroups,
     combine_norms,
     grouped_norms,
+    is_dtensor,
     per_tensor_norms,
     validate_norm_type,
 )
@@ -515,9 +516,18 @@ class GradNormMonitor(TrainvitalsCallback):
 
     def _log_histograms(self, trainer: "pl.Trainer", index: int, track: _Track, step: int) -> None:
         by_group: dict[int, list[Tensor]] = {}
+        sharded = False
         for i, p in enumerate(track.params):
-            if p.grad is not None:
+            if p.grad is not None and is_dtensor(p.grad):
+                sharded = True  # rank zero holds a shard: a histogram of it would not be the layer's
+            elif p.grad is not None:
                 by_group.setdefault(int(track.groups.index[i]), []).append(p.grad.reshape(-1))
+        if sharded:
+            self.warn(
+                "the histograms of sharded (FSDP2, DTensor) gradients are not drawn: global rank zero holds only"
+                " its shard of them. Their norms and the histogram of the layers' norms are whole.",
+                once=True,
+            )
         for g, grads in by_group.items():
             log_histogram(trainer, self._tag(trainer, f"hist/{track.groups.names[g]}", index), grads, step)
         group_norms = grouped_norms(track.latest, track.groups, self.norm_type)
