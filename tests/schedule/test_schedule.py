@@ -249,3 +249,27 @@ def test_not_beside_a_noise_band_stopper():
 def test_bad_arguments_are_named(kwargs, error, name):
     with pytest.raises(error, match=name):
         BandSchedule(**kwargs)
+
+
+def test_every_cut_reaches_the_dashboard_and_the_report(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals import TrainvitalsDashboard
+    from trainvitals.report.assess import assess
+    from trainvitals.report.events import read_runs
+    from trainvitals.report.schedule import SCHEDULE
+    from trainvitals.tensorboard.layout import trainvitals_layout
+
+    schedule = BandSchedule(factor=0.5, max_cuts=2, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule, TrainvitalsDashboard(progress_bar=False)], 200, logger=logger)
+    assert len(schedule.cuts) == 2
+    (run,) = read_runs(tmp_path)
+    report = assess(run)
+    rows = {row.label: row.value for row in report.sections[SCHEDULE]}
+    assert rows["lr scale (× the lr the scheduler set)"] == pytest.approx(0.25) and rows["lr cuts"] == 2
+    assert [str(c["step"]) in rows[f"cut {i}"] for i, c in enumerate(schedule.cuts, 1)] == [True, True]
+    assert any(f.section == SCHEDULE and "2 time(s)" in f.message for f in report.findings)
+    assert "lr × 0.5" in report.panels["band-driven schedule at fit end"]
+    charts = trainvitals_layout()["trainvitals"]
+    assert any(tags == [r"schedule/lr_scale$"] for _, tags in charts.values())

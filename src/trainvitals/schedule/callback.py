@@ -66,7 +66,9 @@ class BandSchedule(GradNormEarlyStopping):
 
     Logged, besides the stopper's tags: ``schedule/lr_scale`` (s) and ``schedule/cuts`` (the number of cuts) at the
     logging cadence and at each cut; the text panel ``schedule/cut_record``, a line per cut: the step, the band
-    ratio ‖G‖²/(margin·s·tr Σ/B) and its 90 % interval from ‖G‖²'s error, the new scale.
+    ratio ‖G‖²/(margin·s·tr Σ/B) of the full estimate at that step and its 90 % interval from ‖G‖²'s error (the
+    streak may have completed up to ``check_every_n_steps − 1`` steps before, so the ratio can exceed 1), the new
+    scale.
 
     Not with a GradNormEarlyStopping in noise-band mode in the same fit (they would share one estimate and both
     act on it). A step a GradScaler skips keeps the scale in ``group["lr"]`` while the scheduler steps: that step's
@@ -259,7 +261,7 @@ class BandSchedule(GradNormEarlyStopping):
                 f"lr × {self.factor:g} at each band entry, up to {self.max_cuts} cut(s), min_lr {self.min_lr:g}, "
                 f"{'then stop' if self.stop else 'never stops'}; warm-up {self.warmup_steps or 0} steps",
             ),
-            ("cuts", self.cut_record()),
+            ("cuts", "; ".join(Cut(**c).line() for c in self.cuts) or "no cut"),
             ("lr scale", f"{self.lr_scale:g}"),
         ]
         return "\n".join(markdown_table(("quantity", "value"), rows)) + "\n\n" + super().summary_markdown()
