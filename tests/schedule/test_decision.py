@@ -67,3 +67,14 @@ def test_the_warmup_of_transformers_linear_schedule():
     assert scheduler_warmup(sched) == 40
     sched = transformers.get_cosine_schedule_with_warmup(opt, num_warmup_steps=15, num_training_steps=400)
     assert scheduler_warmup(sched) == 15
+
+
+def test_the_batch_growth_stops_at_b_simple_and_half_an_epoch():
+    from trainvitals.schedule.decision import batch_growth
+
+    assert batch_growth(0.1, 64, None, None) == 10  # as the lr cut: the stationary loss ∝ η/B
+    assert batch_growth(0.1, 64, 300.0, None) == 4  # 4·64 = 256 ≤ B_simple = 300 < 5·64
+    assert batch_growth(0.1, 64, None, 500) == 3  # 3·64 ≤ 250, half the epoch
+    assert batch_growth(0.5, 64, 100.0, None) == 1  # past B_simple already: cut the lr instead
+    assert batch_growth(0.1, None, None, None) == 1
+    assert batch_growth(0.3, 16, math.inf, None) == 3

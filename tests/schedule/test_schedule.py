@@ -118,6 +118,26 @@ def test_it_cuts_where_the_stopper_stops_and_the_loss_falls_by_the_predicted_fac
     assert abs(measured - predicted) <= 0.35 * predicted
 
 
+def test_grow_batch_doubles_the_accumulation_and_halves_the_excess_loss():
+    eta, steps = 0.05, 1500
+    schedule = BandSchedule(factor=0.5, max_cuts=1, stop=False, grow_batch=True, min_steps=50, verbose=False)
+    model, logger = NoisyQuadratic(eta), RecordingLogger()
+    trainer = fit(model, [schedule], steps, logger=logger)
+    (cut,) = schedule.cuts
+    step = cut["step"]
+    assert cut["batch"] == 2 * B and schedule.lr_scale == 1.0 and set(model.lrs) == {eta}
+    assert trainer.accumulate_grad_batches == schedule.accumulate == 2 * ACCUMULATE
+    assert dict(logger.series["schedule/accumulate_grad_batches"])[step] == 2 * ACCUMULATE
+    # From the first 8-aligned boundary on, every step takes 8 micro-batches: the epoch's 4·steps run out sooner.
+    first = (step + 1) * ACCUMULATE
+    aligned = -(-first // (2 * ACCUMULATE)) * 2 * ACCUMULATE
+    assert trainer.global_step == step + 1 + (aligned - first) // ACCUMULATE + (steps * ACCUMULATE - aligned) // 8
+    # The stationary excess loss ∝ η/B: halved (relaxation ~5 steps at this lr).
+    (m0, s0), (m1, s1) = block_mean(model.sq_norms[50:step], 5), block_mean(model.sq_norms[step + 100 :])
+    measured, error = m1 / m0, m1 / m0 * math.hypot(s0 / m0, s1 / m1)
+    assert abs(measured - 0.5) <= 3 * error and abs(measured - 0.5) <= 0.15, (measured, error)
+
+
 def test_no_cut_on_an_estimate_that_is_not_decisive():
     # At the minimum from the start, in the band at every step: the estimate decides only after MIN_MEASUREMENTS.
     schedule = BandSchedule(factor=0.9, max_cuts=None, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
@@ -242,6 +262,7 @@ def test_not_beside_a_noise_band_stopper():
         ({"max_cuts": "2"}, TypeError, "max_cuts"),
         ({"min_lr": -1e-3}, ValueError, "min_lr"),
         ({"stop": 1}, TypeError, "stop"),
+        ({"grow_batch": "yes"}, TypeError, "grow_batch"),
         ({"margin": 0.0}, ValueError, "margin"),
         ({"patience": 0}, ValueError, "patience"),
     ],

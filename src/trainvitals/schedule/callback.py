@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
@@ -31,7 +32,7 @@ from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import LR_FACTORS, NOISE_BAND
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import log_scalars, log_text
-from trainvitals.schedule.decision import Action, Cut, decide, scaled_margin
+from trainvitals.schedule.decision import Action, Cut, batch_growth, decide, scaled_margin
 from trainvitals.schedule.warmup import scheduler_warmup
 from trainvitals.text.markdown import markdown_table
 
@@ -39,6 +40,7 @@ DEFAULT_FACTOR = 0.1
 DEFAULT_MAX_CUTS = 2
 LR_SCALE = "schedule/lr_scale"
 CUTS = "schedule/cuts"
+ACCUMULATE = "schedule/accumulate_grad_batches"
 CUT_RECORD = "schedule/cut_record"
 """Text panel: a line per cut (step, band ratio and its 90 % interval, the lr scale after)."""
 
@@ -58,6 +60,14 @@ class BandSchedule(GradNormEarlyStopping):
     - the band's edge becomes margin·s·tr(Σ)/B (:mod:`trainvitals.schedule.decision`): the stationary ‖G‖² is
       proportional to the lr, so the next cut waits until the run has settled at the lower one.
 
+    With ``grow_batch=True`` a band entry grows the effective batch instead: ``accumulate_grad_batches`` × k,
+    k = round(1/``factor``) (the same stationary loss as the lr cut: ∝ η/B on a noisy quadratic), capped so the
+    batch stays within B_simple — the run's one estimate, which LRScalingAdvisor reads too — when that is reliable
+    (beyond it each unit of progress costs more examples: E/E_min = 1 + B/B_noise) and within half an epoch; a
+    growth below 2 cuts the lr instead. The new accumulation takes effect at the first step boundary where the
+    epoch's batch count is a multiple of it (no ragged window; at most k − 1 steps later), decided on rank 0 and
+    broadcast; the band's edge is not scaled for a growth (:mod:`trainvitals.schedule.decision`).
+
     The band entered after ``max_cuts`` cuts, or where a cut would take the smallest lr below ``min_lr``, stops the
     run (as the stopper would); with ``stop=False`` the run trains on at its last lr. No step counts toward the
     streak before ``min_steps`` nor before a user's scheduler has warmed up (read from LinearLR, ConstantLR,
@@ -65,20 +75,22 @@ class BandSchedule(GradNormEarlyStopping):
     ``get_linear_schedule_with_warmup``: :mod:`trainvitals.schedule.warmup`; another scheduler: ``min_steps``).
 
     Logged, besides the stopper's tags: ``schedule/lr_scale`` (s) and ``schedule/cuts`` (the number of cuts) at the
-    logging cadence and at each cut; the text panel ``schedule/cut_record``, a line per cut: the step, the band
-    ratio ‖G‖²/(margin·s·tr Σ/B) of the full estimate at that step and its 90 % interval from ‖G‖²'s error (the
-    streak may have completed up to ``check_every_n_steps − 1`` steps before, so the ratio can exceed 1), the new
-    scale.
+    logging cadence and at each cut (with ``grow_batch`` also ``schedule/accumulate_grad_batches``); the text panel
+    ``schedule/cut_record``, a line per cut: the step, the band ratio ‖G‖²/(margin·s·tr Σ/B) of the full estimate at
+    that step and its 90 % interval from ‖G‖²'s error (the streak may have completed up to
+    ``check_every_n_steps − 1`` steps before, so the ratio can exceed 1), the new scale or batch.
 
     Not with a GradNormEarlyStopping in noise-band mode in the same fit (they would share one estimate and both
     act on it). A step a GradScaler skips keeps the scale in ``group["lr"]`` while the scheduler steps: that step's
-    scheduler update is lost. Growing the batch instead of cutting the lr is not implemented.
+    scheduler update is lost.
 
     Args:
         factor: lr multiplier at each cut, in (0, 1).
         max_cuts: cuts before the band stops the run (or is ignored, ``stop=False``), ≥ 0; ``None``: no limit.
         min_lr: no cut that would take the smallest param group's lr below it (≥ 0); the band stops instead.
         stop: stop the run when no cut is left; ``False`` never stops.
+        grow_batch: grow ``accumulate_grad_batches`` at a band entry instead of cutting the lr (not beside a
+            GradientAccumulationScheduler).
         margin, patience, min_steps, ema_beta, check_every_n_steps, verbose: GradNormEarlyStopping's.
 
     Raises:
@@ -91,6 +103,7 @@ class BandSchedule(GradNormEarlyStopping):
         max_cuts: int | None = DEFAULT_MAX_CUTS,
         min_lr: float = 0.0,
         stop: bool = True,
+        grow_batch: bool = False,
         margin: float = DEFAULT_MARGIN,
         patience: int = DEFAULT_PATIENCE,
         min_steps: int = DEFAULT_MIN_STEPS,
@@ -112,6 +125,7 @@ class BandSchedule(GradNormEarlyStopping):
         self.max_cuts = check_int("max_cuts", max_cuts, 0, none_ok=True)
         self.min_lr = check_float("min_lr", min_lr, 0.0)
         self.stop = check_bool("stop", stop)
+        self.grow_batch = check_bool("grow_batch", grow_batch)
         self.base_margin = self.margin
         self.requested_min_steps = self.min_steps
         self.key_state_by(
@@ -123,6 +137,7 @@ class BandSchedule(GradNormEarlyStopping):
             max_cuts=self.max_cuts,
             min_lr=self.min_lr,
             stop=self.stop,
+            grow_batch=self.grow_batch,
         )
         self.lr_scale: float
         """The product of the cuts so far: every param group's lr is its scheduler's × this."""
@@ -130,6 +145,10 @@ class BandSchedule(GradNormEarlyStopping):
         self.cuts: list[dict[str, float]]
         """Every cut (:class:`~trainvitals.schedule.decision.Cut` as a dict), in order."""
         self.add_state("cuts", [])
+        self.accumulate: int | None
+        """The ``accumulate_grad_batches`` the batch growths set (``None``: the Trainer's own), applied at a step
+        boundary it divides."""
+        self.add_state("accumulate", None)
         self.warmup_steps: int | None
         """Optimizer steps the user's schedulers warm up for (``None``: unknown or none), read at train start."""
         self.add_state("warmup_steps", None, persistent=False)
@@ -146,6 +165,11 @@ class BandSchedule(GradNormEarlyStopping):
             raise MisconfigurationException(
                 f"BandSchedule cannot share a fit with {type(others[0]).__name__}(mode='noise_band'): both would act "
                 "on the one noise band (BandSchedule stops the run itself after its last cut)."
+            )
+        if self.grow_batch and any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise MisconfigurationException(
+                "BandSchedule(grow_batch=True) sets accumulate_grad_batches itself: it cannot share a fit with a "
+                "GradientAccumulationScheduler."
             )
 
     @override
@@ -169,10 +193,17 @@ class BandSchedule(GradNormEarlyStopping):
             self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "schedule", self.lr_scale)
 
     @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._set_accumulation(trainer)  # a resumed run's, or one decided in the last epoch's last steps
+
+    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
-        if self._pending is not None:  # a step's last micro-batch; one a GradScaler skipped ran no post-hook
+        stepped = self._pending is not None
+        if stepped:  # a step's last micro-batch; one a GradScaler skipped ran no post-hook
             self._put_back()
         super().on_train_batch_end(trainer, pl_module, *args)
+        if stepped:
+            self._set_accumulation(trainer)
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -212,15 +243,24 @@ class BandSchedule(GradNormEarlyStopping):
             if measured
             else (math.nan,) * 3
         )
-        self.lr_scale *= self.factor
-        cut = Cut(step, ratio, low, high, self.lr_scale)
+        growth = 1
+        if self.grow_batch:
+            b_simple = summary["b_simple"] if summary["reliable"] else None
+            growth = batch_growth(self.factor, batch, b_simple, self.gradient_noise.population)
+            growth = int(trainer.strategy.broadcast(growth, src=0))  # one decision for all ranks
+        if growth > 1:
+            self.accumulate = trainer.accumulate_grad_batches * growth
+            cut = Cut(step, ratio, low, high, self.lr_scale, batch * growth)
+        else:
+            self.lr_scale *= self.factor
+            self.margin = scaled_margin(self.base_margin, self.lr_scale)
+            cut = Cut(step, ratio, low, high, self.lr_scale)
         self.cuts.append(asdict(cut))
-        self.margin = scaled_margin(self.base_margin, self.lr_scale)
         self._streak = torch.zeros_like(self._streak)
         self._done = torch.zeros_like(self._done)
         for source in self.gradient_noise.sources.values():
             source.restart()
-        log_scalars(trainer, {LR_SCALE: self.lr_scale, CUTS: float(len(self.cuts))}, step)
+        log_scalars(trainer, self._scalars(), step)
         log_text(trainer, CUT_RECORD, self.cut_record(), step)
         if self.verbose:
             self.info(f"cut the lr at {cut.line()}.")
@@ -229,7 +269,13 @@ class BandSchedule(GradNormEarlyStopping):
     @override
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: torch.Tensor, final: bool = False) -> None:
         super()._log(trainer, step, in_condition, final)
-        log_scalars(trainer, {LR_SCALE: self.lr_scale, CUTS: float(len(self.cuts))}, step)
+        log_scalars(trainer, self._scalars(), step)
+
+    def _scalars(self) -> dict[str, float]:
+        scalars = {LR_SCALE: self.lr_scale, CUTS: float(len(self.cuts))}
+        if self.accumulate is not None:
+            scalars[ACCUMULATE] = float(self.accumulate)
+        return scalars
 
     def cut_record(self) -> str:
         """Markdown: a line per cut (:meth:`Cut.line <trainvitals.schedule.decision.Cut.line>`)."""
@@ -258,7 +304,8 @@ class BandSchedule(GradNormEarlyStopping):
         rows = [
             (
                 "schedule",
-                f"lr × {self.factor:g} at each band entry, up to {self.max_cuts} cut(s), min_lr {self.min_lr:g}, "
+                ("batch × round(1/factor), else " if self.grow_batch else "")
+                + f"lr × {self.factor:g} at each band entry, up to {self.max_cuts} cut(s), min_lr {self.min_lr:g}, "
                 f"{'then stop' if self.stop else 'never stops'}; warm-up {self.warmup_steps or 0} steps",
             ),
             ("cuts", "; ".join(Cut(**c).line() for c in self.cuts) or "no cut"),
@@ -284,6 +331,14 @@ class BandSchedule(GradNormEarlyStopping):
             every = config.frequency * (1 if config.interval == "step" else per_epoch)
             longest = max(longest or 0, warm * every) if math.isfinite(every) else longest
         return longest
+
+    def _set_accumulation(self, trainer: "pl.Trainer") -> None:
+        """The growths' ``accumulate_grad_batches``, from a step boundary that the epoch's batch count is a
+        multiple of: Lightning steps where that count divides by it, so no window is cut short."""
+        if self.accumulate is None or trainer.accumulate_grad_batches == self.accumulate:
+            return
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready % self.accumulate == 0:
+            trainer.accumulate_grad_batches = self.accumulate
 
     def _put_back(self, close: bool = False) -> None:
         factors = self.vitals.shared(LR_FACTORS)

@@ -83,6 +83,10 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
             [r"schedule/lr_scale$"],
         ],
         f"band-driven schedule: lr cuts so far: {OUTLIERS_OFF}": ["Multiline", [r"schedule/cuts$"]],
+        "band-driven schedule: accumulate_grad_batches set by its batch growths (grow_batch=True)": [
+            "Multiline",
+            [r"schedule/accumulate_grad_batches$"],
+        ],
         "B_simple vs effective batch (examples)": [
             "Multiline",
             [r"grad_noise/b_simple$", r"lr_scaling/(?:effective_batch|b_noise)$"],
