@@ -221,6 +221,28 @@ def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     assert model.lrs == pytest.approx([eta * 0.1] * 50)
 
 
+def test_a_resumed_run_keeps_its_grown_batch(tmp_path):
+    def schedule():
+        return BandSchedule(factor=0.5, max_cuts=1, stop=False, grow_batch=True, min_steps=0, patience=1,
+                            check_every_n_steps=1, verbose=False)  # fmt: skip
+
+    first = schedule()
+    trainer = Trainer(
+        **trainer_kwargs(
+            max_steps=60,
+            accumulate_grad_batches=ACCUMULATE,
+            callbacks=[first, ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)],
+            enable_checkpointing=True,
+        )
+    )
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200))
+    assert first.accumulate == 2 * ACCUMULATE and trainer.accumulate_grad_batches == 2 * ACCUMULATE
+    resumed = schedule()
+    trainer = Trainer(**trainer_kwargs(max_steps=70, accumulate_grad_batches=ACCUMULATE, callbacks=[resumed]))
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.cuts == first.cuts and trainer.accumulate_grad_batches == 2 * ACCUMULATE
+
+
 class _RecordPerRank(pl.Callback):
     def __init__(self, folder: str):
         self.folder = folder
