@@ -92,6 +92,19 @@ SPECS: dict[str, dict[str, Spec]] = {
         "check_every_n_steps": Int(1),
         "verbose": Bool(),
     },
+    "BandSchedule": {
+        "factor": Float(0.0, 1.0, low_open=True, high_open=True),
+        "max_cuts": Int(0, none_ok=True),
+        "min_lr": Float(0.0),
+        "stop": Bool(),
+        "grow_batch": Bool(),
+        "margin": Float(0.0, low_open=True),
+        "patience": Int(1),
+        "min_steps": Int(0),
+        "ema_beta": Float(0.0, 1.0, high_open=True),
+        "check_every_n_steps": Int(1),
+        "verbose": Bool(),
+    },
     "BatchVarianceProbe": {
         "measure_every_n_steps": Int(1),
         "log_every_n_steps": Int(1, none_ok=True),
@@ -492,6 +505,7 @@ def test_measure_and_log_cadences_have_one_name_each():
     assert {cls for cls, params in names.items() if "ema_beta" in params} == {
         "GradNormMonitor",
         "GradNormEarlyStopping",
+        "BandSchedule",
         "BatchVarianceProbe",
         "UpdateMonitor",
         "TrainingGuard",

@@ -111,6 +111,7 @@ class BandSchedule(GradNormEarlyStopping):
         check_every_n_steps: int = DEFAULT_CHECK_EVERY_N_STEPS,
         verbose: bool = True,
     ) -> None:
+        check_float("margin", margin, 0.0, low_open=True)  # the band's edge scales with the lr: no margin 0
         super().__init__(
             margin=margin,
             patience=patience,
@@ -119,8 +120,6 @@ class BandSchedule(GradNormEarlyStopping):
             check_every_n_steps=check_every_n_steps,
             verbose=verbose,
         )
-        if self.margin == 0:
-            raise ValueError("`margin` must be > 0 for a schedule (the band's edge scales with the lr), got 0")
         self.factor = check_float("factor", factor, 0.0, 1.0, low_open=True, high_open=True)
         self.max_cuts = check_int("max_cuts", max_cuts, 0, none_ok=True)
         self.min_lr = check_float("min_lr", min_lr, 0.0)
