@@ -10,11 +10,14 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.seed import isolate_rng
 
+from trainvitals.plumbing.extra_forward import extra_forward
+
 
 @contextmanager
 def rerun_quietly(pl_module: "pl.LightningModule") -> Iterator[None]:
     """Around an extra ``training_step`` (or forward) that a callback runs: inside, ``self.log`` and
-    ``self.log_dict`` do nothing; on the way out the random streams (Python's, NumPy's, torch's on the
+    ``self.log_dict`` do nothing, and the hooks that observe the user's steps and ``torch.compile`` do not see it
+    (:func:`~trainvitals.plumbing.extra_forward.extra_forward`); on the way out the random streams (Python's, NumPy's, torch's on the
     CPU and on the module's device: dropout, data augmentation), the buffers (BatchNorm's running
     statistics) and every module's train/eval mode are as they were.
     """
@@ -26,7 +29,7 @@ def rerun_quietly(pl_module: "pl.LightningModule") -> Iterator[None]:
     )
     pl_module.log = pl_module.log_dict = _ignore  # type: ignore[method-assign]
     try:
-        with isolate_rng(include_cuda=False), device_rng:
+        with isolate_rng(include_cuda=False), device_rng, extra_forward():
             yield
     finally:
         del pl_module.log, pl_module.log_dict
