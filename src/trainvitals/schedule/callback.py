@@ -36,6 +36,8 @@ from trainvitals.schedule.decision import Action, Cut, batch_growth, decide, sca
 from trainvitals.schedule.warmup import scheduler_warmup
 from trainvitals.text.markdown import markdown_table
 
+# benchmarks/schedule_comparison.py (docs/benchmarks.md): 0.1 beat 0.3 on the 4 diabetes runs by 0.3-1.1 points of
+# 100·R² and was within ±0.4 point on the logistic regression; on the other tasks the band or the metric moved little.
 DEFAULT_FACTOR = 0.1
 DEFAULT_MAX_CUTS = 2
 LR_SCALE = "schedule/lr_scale"
