@@ -42,7 +42,8 @@ from trainvitals.norms.producer import SEARCHES, Producer
 from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
-from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, NAN_PRODUCER
+from trainvitals.plumbing.lr_factors import LRFactors
+from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 
@@ -177,7 +178,7 @@ class TrainingGuard(TrainvitalsCallback):
         )
         self._step: dict[str, Any]  # scratch: this step's losses, batches, RNG states, decision; the params
         self.add_state("_step", dict, persistent=False)
-        self._lr: dict[str, Any]  # the lrs scaled for this step, to put back after its optimizer step
+        self._lr: dict[str, Any]  # whether guard/lr_factor was logged at the last step (the lrs: plumbing.lr_factors)
         self.add_state("_lr", dict, persistent=False)
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks, installed for one fit
         self._amp = False
@@ -425,33 +426,34 @@ class TrainingGuard(TrainvitalsCallback):
 
     def _scale_lr(self, trainer: "pl.Trainer") -> None:
         """At an optimizer step's first batch, for ``lr_factor_steps`` applied steps after a rollback: each
-        group's lr × ``lr_factor`` in place, put back right after the optimizer's step (:meth:`_after_step`),
-        before the LR scheduler steps: LearningRateMonitor and ``optimizer_step`` see it, the scheduler
-        keeps shaping the lr. ``guard/lr_factor`` logged, and 1 at the first step after."""
+        group's lr × ``lr_factor`` (:class:`~trainvitals.plumbing.lr_factors.LRFactors`), put back right after the
+        optimizer's step, before the LR scheduler steps: LearningRateMonitor and ``optimizer_step`` see it, the
+        scheduler keeps shaping the lr. ``guard/lr_factor`` logged, and 1 at the first step after."""
         if self.lr_steps_left <= 0:
             if self._lr.pop("logged", False):
                 log_scalars(trainer, {"guard/lr_factor": 1.0}, trainer.global_step)
             return
         self._lr["logged"] = True
         log_scalars(trainer, {"guard/lr_factor": self.lr_factor}, trainer.global_step)
-        if self.lr_factor == 1.0 or "saved" in self._lr:
-            return
-        self._lr["saved"] = [(g, g["lr"]) for opt in trainer.optimizers for g in opt.param_groups]
-        for group, lr in self._lr["saved"]:
-            group["lr"] = lr * self.lr_factor
+        if self.lr_factor != 1.0:
+            self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "guard", self.lr_factor)
 
     def _spend_lr_step(self) -> None:
         """An applied optimizer step: one fewer for the lr factor."""
         self.lr_steps_left = max(self.lr_steps_left - 1, 0)
 
     def _put_back_lr(self) -> None:
-        for group, lr in self._lr.pop("saved", []):
-            group["lr"] = lr
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:
+            factors.put_back()
 
     def _remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:
+            factors.close()
 
     # ------------------------------------------------------------------ the producer
     @property

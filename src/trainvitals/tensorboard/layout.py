@@ -78,6 +78,15 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
             "Multiline",
             [grad_norm("band_ratio")],
         ],
+        "band-driven schedule: lr scale × the scheduler's lr (BandSchedule; each cut multiplies it)": [
+            "Multiline",
+            [r"schedule/lr_scale$"],
+        ],
+        f"band-driven schedule: lr cuts so far: {OUTLIERS_OFF}": ["Multiline", [r"schedule/cuts$"]],
+        "band-driven schedule: accumulate_grad_batches set by its batch growths (grow_batch=True)": [
+            "Multiline",
+            [r"schedule/accumulate_grad_batches$"],
+        ],
         "B_simple vs effective batch (examples)": [
             "Multiline",
             [r"grad_noise/b_simple$", r"lr_scaling/(?:effective_batch|b_noise)$"],
