@@ -9,6 +9,16 @@ A transposed convolution y = Cᵀ_W x is the adjoint of the convolution C_W (sam
 padding, dilation) from y's channels to x's: ⟨δ, Cᵀ_W x⟩ = ⟨C_W δ, x⟩, so its weight gradient is that
 of C_W run on the output gradient δ with x as the gradient of C_W's output — the same outer products,
 with the receptive fields taken of δ and the input x in the role of the output gradient.
+
+The weight's squared norms come from the per-example blocks Σ_t δ_t a_tᵀ (B·T·I·O multiply-adds) or
+from the ghost Gram matrices ⟨A Aᵀ, Δ Δᵀ⟩ (B·T²·(I + O); the ghost clipping of Li et al. 2022, "Large
+Language Models Can Be Strong Differentially Private Learners", there for sequences), whichever costs
+fewer FLOPs for the layer's shapes (I and O per group): both need the patches A, so the FLOPs decide.
+Over 343 shapes (T 4–256, I 9–1152, O 8–512, one CPU thread) the form it picks is on average 3 % slower
+than the faster of the two, against 16 % for the Linear rule's smaller-temporaries choice (2T² ≤ I·O).
+The digits CNN's second convolution (T 64, I 144, O 32) takes the blocks (the Gram form has 2.4× their
+FLOPs); a late ResNet stage, few positions and wide channels (T 16, I 576, O 128), the Gram matrices
+(6.5× fewer).
 """
 
 from __future__ import annotations
@@ -123,9 +133,54 @@ def _conv_patches(
     return x.view(x.shape[0], math.prod(x.shape[1:split]), math.prod(x.shape[split:])).transpose(1, 2)
 
 
+FORMS = ("cost", "blocks", "gram")
+
+
+def gram_is_cheaper(positions: int, fan_in: int, fan_out: int) -> bool:
+    """The cost model: the ghost Gram matrices' T²·(I + O) multiply-adds per example against the
+    per-example block's T·I·O, for T output positions, I input and O output features of one group."""
+    return positions * (fan_in + fan_out) <= fan_in * fan_out
+
+
 @register_per_example_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvRule(OuterProductRule):
-    """nn.Conv1d/2d/3d, any padding mode and groups (depthwise too)."""
+    """nn.Conv1d/2d/3d, any padding mode and groups (depthwise too).
+
+    Args:
+        form: how the weight's squared norms are computed: ``"cost"`` (the default) the cheaper form by
+            :func:`gram_is_cheaper`, ``"blocks"`` always from the per-example blocks, ``"gram"`` always
+            from the ghost Gram matrices (register an instance to force one:
+            ``register_per_example_rule(nn.Conv2d)(ConvRule(form="gram"))``). Exact either way.
+
+    Raises:
+        ValueError: for another ``form``.
+    """
+
+    def __init__(self, form: str = "cost") -> None:
+        if form not in FORMS:
+            raise ValueError(f"`form` must be one of {FORMS}, got {form!r}")
+        self.form = form
+
+    def _gram(self, positions: int, fan_in: int, fan_out: int) -> bool:
+        # Two integer products: no cache needed to keep the step's Python cost at a dict lookup's.
+        return gram_is_cheaper(positions, fan_in, fan_out) if self.form == "cost" else self.form == "gram"
+
+    def _shapes(self, module: nn.Module, input_shape: Sequence[int]) -> tuple[int, int, int]:
+        """T, I and O of one group of ``module`` on an input of ``input_shape``, ``(B, C, *spatial)``."""
+        spatial, n, pad = input_shape[2:], len(input_shape) - 2, module._reversed_padding_repeated_twice
+        out = [
+            (s + pad[2 * (n - 1 - j)] + pad[2 * (n - 1 - j) + 1] - d * (k - 1) - 1) // st + 1
+            for j, (s, d, k, st) in enumerate(zip(spatial, module.dilation, module.kernel_size, module.stride))
+        ]
+        kernel = math.prod(module.kernel_size)
+        return math.prod(out), module.in_channels // module.groups * kernel, module.out_channels // module.groups
+
+    def form_for(self, module: nn.Module, input_shape: Sequence[int]) -> str:
+        """``"blocks"`` or ``"gram"``: the form :meth:`sq_norms` takes ``module``'s weight norms in for a
+        call on an input of ``input_shape`` (one call; several have the positions of all). One position
+        is ‖a‖²·‖δ‖², the 1×1 Gram matrices, in either form."""
+        positions, fan_in, fan_out = self._shapes(module, input_shape)
+        return "gram" if positions == 1 or self._gram(positions, fan_in, fan_out) else "blocks"
 
     def _gradients(self, module: nn.Module, use: Use) -> Tensor:
         return use.grad_output.flatten(2).transpose(1, 2)
@@ -159,6 +214,11 @@ class ConvTransposeRule(ConvRule):
 
     def _fan_in(self, module: nn.Module, use: Use) -> int:
         return module.out_channels * math.prod(module.kernel_size)
+
+    def _shapes(self, module: nn.Module, input_shape: Sequence[int]) -> tuple[int, int, int]:
+        kernel = math.prod(module.kernel_size)
+        fan_in, fan_out = module.out_channels // module.groups * kernel, module.in_channels // module.groups
+        return math.prod(input_shape[2:]), fan_in, fan_out
 
     def _bias_grads(self, module: nn.Module, uses: Sequence[Use]) -> Tensor:
         dtype = _accumulation_dtype(uses[0].grad_output)
