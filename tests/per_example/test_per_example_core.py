@@ -191,9 +191,10 @@ def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeyp
 
 
 CONV_FORMS = {
-    "conv1d": (lambda: nn.Conv1d(4, 3, 5, padding=2), (4, 13)),
+    "conv1d": (lambda: nn.Conv1d(8, 3, 5, padding=2), (8, 13)),
     "conv1d_stride_dilation": (lambda: nn.Conv1d(4, 3, 3, stride=2, dilation=2), (4, 11)),
     "conv2d_same": (lambda: nn.Conv2d(3, 5, 3, padding=1), (3, 6, 6)),
+    "conv2d_same_one_channel": (lambda: nn.Conv2d(1, 4, 3, padding=1), (1, 5, 5)),  # 3 columns: the patches
     "conv2d_stride_dilation_padding": (
         lambda: nn.Conv2d(3, 5, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(2, 1), bias=False),
         (3, 7, 6),
@@ -218,17 +219,26 @@ def conv_brute_force(conv: nn.Module, xs: list[torch.Tensor], grads: list[torch.
     return torch.stack(sq)
 
 
+class FormRoles(set):
+    """The workspace buffers the rules' batched matmuls took: {"blocks"} or {"gram_a", "gram_g"}."""
+
+    def form(self) -> str:
+        return {frozenset({"blocks"}): "blocks", frozenset({"gram_a", "gram_g"}): "gram"}.get(
+            frozenset(self & {"blocks", "gram_a", "gram_g"}), f"mixed: {sorted(self)}"
+        )
+
+
 @pytest.fixture
 def bmm_roles(monkeypatch):
-    """The workspace roles of the batched matmuls the rules run: {"blocks"} or {"gram_a", "gram_g"}."""
-    roles: set[str] = set()
-    bmm = per_example_module._bmm
+    """:class:`FormRoles` of every :class:`Workspace` from here on."""
+    roles = FormRoles()
+    take = Workspace.take
 
-    def recorded(x, y, workspace, role):
+    def recorded(self, role, shape, like):
         roles.add(role)
-        return bmm(x, y, workspace, role)
+        return take(self, role, shape, like)
 
-    monkeypatch.setattr(per_example_module, "_bmm", recorded)
+    monkeypatch.setattr(Workspace, "take", recorded)
     return roles
 
 
@@ -252,8 +262,11 @@ def test_each_conv_form_matches_brute_force(name, form, scratch_bytes, uses, bmm
         sq = rule.sq_norms(conv, [Use(x, g) for x, g in zip(xs, grads)], buffers)
         assert rel_close(sq, conv_brute_force(conv, xs, grads), 1e-10)
     if form != "cost" or uses == 1:
-        gram = form == "gram" or (form == "cost" and rule.form_for(conv, xs[0].shape) == "gram")
-        assert bmm_roles == ({"gram_a", "gram_g"} if gram else {"blocks"})
+        chosen = rule.form_for(conv, xs[0].shape) if form == "cost" else form
+        assert bmm_roles.form() == chosen
+    if uses == 1:  # an ungrouped zero-padded "same" convolution: the blocks from strided reads, no patches
+        rows = chosen == "blocks" and name in ("conv1d", "conv2d_same", "conv3d")  # C·K' ≥ 8 columns
+        assert ("patches" in bmm_roles) != rows
 
 
 @pytest.mark.parametrize(
@@ -285,7 +298,7 @@ def test_the_cost_model_picks_the_form_with_fewer_multiply_adds(conv, input_shap
     x = torch.randn(3, *input_shape[1:], dtype=torch.float64)
     grad = torch.randn_like(conv(x))
     sq = rule.sq_norms(conv, [Use(x, grad)], Workspace())
-    assert bmm_roles == ({"gram_a", "gram_g"} if form == "gram" else {"blocks"})
+    assert bmm_roles.form() == form
     assert rel_close(sq, conv_brute_force(conv, [x], [grad]), 1e-10)
 
 
