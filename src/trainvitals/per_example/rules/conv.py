@@ -13,10 +13,11 @@ with the receptive fields taken of δ and the input x in the role of the output 
 The weight's squared norms come from the per-example blocks Σ_t δ_t a_tᵀ (B·T·I·O multiply-adds) or
 from the ghost Gram matrices ⟨A Aᵀ, Δ Δᵀ⟩ (B·T²·(I + O); the ghost clipping of Li et al. 2022, "Large
 Language Models Can Be Strong Differentially Private Learners", there for sequences), whichever costs
-fewer FLOPs for the layer's shapes (I and O per group): both need the patches A, so the FLOPs decide.
-Over 343 shapes (T 4–256, I 9–1152, O 8–512, one CPU thread) the form it picks is on average 3 % slower
-than the faster of the two, against 16 % for the Linear rule's smaller-temporaries choice (2T² ≤ I·O).
-The digits CNN's second convolution (T 64, I 144, O 32) takes the blocks (the Gram form has 2.4× their
+less for the layer's shapes (I and O per group; both need the patches A): their FLOPs, the Gram
+matrices' counted at 1/1.2 (:func:`gram_is_cheaper`). Over 343 shapes (T 4–256, I 9–1152, O 8–512, in
+a convolution's layouts, one CPU thread) the form it picks is on average 1.7 % slower than the faster of
+the two (3.3 % with the FLOPs alone; 5.0 % for the Linear rule's smaller temporaries, 2T² ≤ I·O). The
+digits CNN's second convolution (T 64, I 144, O 32) takes the blocks (the Gram form has 2.4× their
 FLOPs); a late ResNet stage, few positions and wide channels (T 16, I 576, O 128), the Gram matrices
 (6.5× fewer). A zero-padded stride-1 "same" convolution (most of a CNN's) forms its blocks without the
 patches, from strided reads of a few shifted copies of its input (:func:`_shifted_block_sq_norms`).
@@ -194,10 +195,16 @@ FORMS = ("cost", "blocks", "gram")
 _ROW_COLUMNS = 8
 
 
+# The Gram matrices' multiply-adds run this much faster than the blocks' (inner dimensions I and O against
+# T, on a CPU): fitted on the 343 shapes of ``bench_per_example_rules.py --only forms``.
+_GRAM_SPEED = 1.2
+
+
 def gram_is_cheaper(positions: int, fan_in: int, fan_out: int) -> bool:
     """The cost model: the ghost Gram matrices' T²·(I + O) multiply-adds per example against the
-    per-example block's T·I·O, for T output positions, I input and O output features of one group."""
-    return positions * (fan_in + fan_out) <= fan_in * fan_out
+    per-example block's T·I·O (the former at ``_GRAM_SPEED``), for T output positions, I input and O
+    output features of one group."""
+    return positions * (fan_in + fan_out) <= _GRAM_SPEED * fan_in * fan_out
 
 
 @register_per_example_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
