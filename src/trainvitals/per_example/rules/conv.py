@@ -133,8 +133,10 @@ def _shifted_block_sq_norms(
     """‖Σ_t δ_t a_tᵀ‖²_F per example of an ungrouped convolution with a :func:`_shifted_source`, without the
     patches: the block's columns of offset o_0 of the first kernel dimension are δᵀ X_{o_0}, X_{o_0} the
     ``(T, C·K')`` strided read of the source, one batched matmul each (k_0 of them, same FLOPs as one over
-    the patches); ``None`` where there is no shifted source. In chunks of examples whose source and blocks
-    stay within ``_SCRATCH_BYTES``."""
+    the patches); ``None`` for a grouped convolution or where there is no shifted source. In chunks of
+    examples whose source and blocks stay within ``_SCRATCH_BYTES``."""
+    if module.groups != 1:
+        return None
     dtype = _accumulation_dtype(grad_output)
     batch, fan_out = grad_output.shape[:2]
     kernel = module.kernel_size
@@ -254,7 +256,8 @@ class ConvRule(OuterProductRule):
     def _rows(self, module: nn.Module, input_shape: torch.Size) -> bool:
         """Whether a call on ``input_shape`` may take the blocks form without patches
         (:func:`_shifted_block_sq_norms`), decided once per module and input shape (the step's Python cost
-        a dict lookup)."""
+        a dict lookup). An entry of a module whose id a new one took costs speed, not exactness: the path
+        checks what it needs (ungrouped, a shifted source) itself."""
         key = (id(module), input_shape)
         rows = self._decided.get(key)
         if rows is None:
