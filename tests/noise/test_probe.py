@@ -1616,6 +1616,54 @@ def test_a_real_recurrent_model_is_measured_per_example(name):
     assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-5
 
 
+class Logits(nn.Module):
+    """transformers' causal LM as a module of token ids to logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def test_hf_gpt2_is_measured_over_all_parameters_without_accumulation():
+    """transformers' GPT-2 from its config (dropout on, the head tied to wte, (1, T) position ids): its position
+    table per example where its add broadcasts it, its Conv1D layers by torch.func over the whole batch, nothing
+    left to micro-batches; the estimates those of each example's gradient through the fit's forward."""
+    transformers = pytest.importorskip("transformers")
+    from zoo import VOCAB, T, token_loss
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=2, n_head=2)
+    net = Logits(transformers.GPT2LMHeadModel(config)).double()
+    x = torch.randint(0, VOCAB, (8, T))
+    probe, rng = BatchVarianceProbe(ema_beta=0.0, fallback_sub_batch=8), RngAtBatchStart()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(TokenModel(net, token_loss), TensorDataset(x, x), [probe, rng], batch_size=8, steps=1)
+    assert _probe_warnings(record) == [] and not probe._excluded
+    assert "net.model.transformer.wpe" in probe._plan.per_example and "micro-batches" not in probe.sources
+    assert float(probe.noise_source.norm_share) == 1.0
+    params = [p for p in net.parameters() if p.requires_grad]  # lr 0: as in the fit's step
+    torch.set_rng_state(rng.state)
+    out = net(x)
+    flat = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.flatten()
+                    for g in torch.autograd.grad(token_loss(out[i : i + 1], x[i : i + 1]), params, retain_graph=True)
+                ]
+            )
+            for i in range(8)
+        ]
+    )
+    trace = (flat - flat.mean(0)).square().sum() / 7
+    assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-5
+    assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-5
+
+
 def test_a_batch_holding_a_list_of_examples_is_sized_by_the_list():
     """Variable-length sequences collated as a list beside their labels (for pack_sequence): B is the list's
     length where the other tensors agree; not told where nothing beside the list sizes it."""
