@@ -24,16 +24,15 @@ _ADD = "AddBackward0"
 
 
 @dataclass(frozen=True)
-class BroadcastAdd:
-    """An add that broadcasts a lookup's output against the batch.
+class Operand:
+    """The lookup's output as an operand of an add that broadcasts it against the batch (the add's node is kept
+    apart: a hook on that node holding it would keep the node alive).
 
     Attributes:
-        node: the add's autograd node (``AddBackward0``).
-        alpha: the factor of the operand the lookup's output is (``torch.add(x, pos, alpha=a)``: ``a``; else 1).
-        shape: that operand's shape (the lookup's output's, with a leading 1 per ``unsqueeze(0)``).
+        alpha: its factor (``torch.add(x, pos, alpha=a)``: ``a``; else 1).
+        shape: its shape (the lookup's output's, with a leading 1 per ``unsqueeze(0)``).
     """
 
-    node: Any
     alpha: float
     shape: tuple[int, ...]
 
@@ -60,10 +59,11 @@ def consumers(root: Any, targets: Iterable[Any]) -> dict[Any, list[tuple[Any, in
 
 def broadcast_adds(
     node: Any, output: int, shape: tuple[int, ...], readers: dict[Any, list[tuple[Any, int, int]]]
-) -> list[BroadcastAdd] | str:
-    """The adds that read output ``output`` of ``node`` (a lookup's, of ``shape``), directly or through
-    ``unsqueeze(0)``, from :func:`consumers`; or why another node reads it. None: the loss does not use it."""
-    adds = []
+) -> list[tuple[Any, Operand]] | str:
+    """The adds (their autograd nodes, ``AddBackward0``) that read output ``output`` of ``node`` (a lookup's, of
+    ``shape``), directly or through ``unsqueeze(0)``, from :func:`consumers`, with the lookup's output as their
+    operand; or why another node reads it. None: the loss does not use it."""
+    adds: list[tuple[Any, Operand]] = []
     for reader, k, nr in readers.get(node, []):
         if nr != output:
             continue
@@ -74,20 +74,21 @@ def broadcast_adds(
                 return found
             adds += found
         elif kind == _ADD:
-            adds.append(BroadcastAdd(reader, 1.0 if k == 0 else float(reader._saved_alpha), shape))
+            adds.append((reader, Operand(1.0 if k == 0 else float(reader._saved_alpha), shape)))
         else:
             return f"its output is read by {kind}, not only added to the batch's tensors"
     return adds
 
 
-def per_example_grad(grad: Tensor, add: BroadcastAdd, batch: int) -> Tensor | str:
+def per_example_grad(grad: Tensor, operand: Operand, batch: int) -> Tensor | str:
     """Each example's gradient of the lookup's output (``(B, *shape)``, a leading 1 of ``shape`` dropped): ``grad``,
-    the gradient of ``add``'s result, times its ``alpha``; or why it is not one: the output must be broadcast over
-    the result's first dimension, the ``batch`` examples, and only over it."""
-    rest = tuple(add.shape[1:] if len(add.shape) == grad.dim() and add.shape[0] == 1 else add.shape)
+    the gradient of the add's result, times ``operand.alpha``; or why it is not one: the output must be broadcast
+    over the result's first dimension, the ``batch`` examples, and only over it."""
+    shape = operand.shape
+    rest = tuple(shape[1:] if len(shape) == grad.dim() and shape[0] == 1 else shape)
     if grad.shape[0] != batch or tuple(grad.shape[1:]) != rest:
         return (
-            f"its output {add.shape} is added to a tensor {tuple(grad.shape)}: broadcast over another dimension "
+            f"its output {shape} is added to a tensor {tuple(grad.shape)}: broadcast over another dimension "
             f"than the first, the batch's {batch} examples"
         )
-    return grad * add.alpha if add.alpha != 1.0 else grad
+    return grad * operand.alpha if operand.alpha != 1.0 else grad

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from trainvitals.per_example.batch_dim import ONE_EXAMPLE, Layouts
-from trainvitals.per_example.broadcast import BroadcastAdd, broadcast_adds, consumers, per_example_grad
+from trainvitals.per_example.broadcast import Operand, broadcast_adds, consumers, per_example_grad
 from trainvitals.per_example.checkpoint_hooks import (
     _recomputing,
     _recomputing_task,
@@ -46,7 +46,8 @@ class _SharedCall:
 
     Attributes:
         name: the module.
-        node: its output's autograd node, and ``output`` which of that node's outputs it is.
+        output: which output of its output's autograd node it is (the node is kept apart, in
+            ``PerExampleGradients._shared``: a hook on it holding it would keep it alive).
         shape: the output's shape.
         why: what to report if the adds that broadcast it are not found.
         slot: its use's ``[ids expanded to the batch, per-example output gradient]``.
@@ -56,7 +57,6 @@ class _SharedCall:
     """
 
     name: str
-    node: Any
     output: int
     shape: tuple[int, ...]
     why: str
@@ -206,7 +206,8 @@ class PerExampleGradients:
         self._done: set[str] = set()  # modules whose uses were measured this micro-batch
         self._batch_size: int | None = None  # examples in this micro-batch: told, else the first layer's rows
         self._tasks: dict[int, set[str]] = {}  # per backward (graph task) reaching the hooks, the modules it reached
-        self._shared: list[_SharedCall] = []  # this forward's lookups with ids shared by the batch
+        self._shared: list[tuple[_SharedCall, Any]] = []  # this forward's lookups with ids shared by the batch, and
+        # their outputs' autograd nodes
         self._creating: set[int] = set()  # those run with create_graph=True
 
     @property
@@ -354,7 +355,7 @@ class PerExampleGradients:
                 if len(self._groups[name]) > 1 or output.grad_fn is None:
                     self._step.failed[name] = why
                     return
-                shared_call = _SharedCall(name, output.grad_fn, output.output_nr, tuple(output.shape), why)
+                shared_call = _SharedCall(name, output.output_nr, tuple(output.shape), why)
                 inputs, batch = inputs.reshape(1, -1).expand(self._batch_size, -1), self._batch_size
             features, moved = rule.feature_dims(module), False
             if (
@@ -391,7 +392,7 @@ class PerExampleGradients:
             register_all_grads_hook(tensors, hook)
         elif shared_call is not None:
             shared_call.slot, shared_call.task = slot, task
-            self._shared.append(shared_call)
+            self._shared.append((shared_call, output.grad_fn))
             output.register_hook(functools.partial(self._backward_summed, shared_call))
         else:
             output.register_hook(functools.partial(self._backward_output, name, slot, task, moved))
@@ -402,31 +403,31 @@ class PerExampleGradients:
         per-example one. A lookup whose output something else reads is reported in :attr:`PerExampleStep.failed`.
         Not called (a backward of another loss), those lookups are reported so at their gradient. Host-side only:
         one walk of the graph, in a forward that has such lookups."""
-        calls = [c for c in self._shared if c.pending < 0 and c.name not in self._step.failed]
+        calls = [(c, node) for c, node in self._shared if c.pending < 0 and c.name not in self._step.failed]
         if not calls or loss.grad_fn is None:
             return
-        readers = consumers(loss.grad_fn, [c.node for c in calls])
-        for call in calls:
-            adds = broadcast_adds(call.node, call.output, call.shape, readers)
+        readers = consumers(loss.grad_fn, [node for _, node in calls])
+        for call, node in calls:
+            adds = broadcast_adds(node, call.output, call.shape, readers)
             if isinstance(adds, str):
                 self._fail_shared(call, adds)
                 continue
             call.pending = len(adds)
-            for add in adds:
-                add.node.register_prehook(functools.partial(self._backward_shared, call, add))
+            for add, operand in adds:
+                add.register_prehook(functools.partial(self._backward_shared, call, operand))
 
     def _fail_shared(self, call: _SharedCall, why: str) -> None:
         self._step.failed[call.name] = f"{call.why}; {why}"
         self._uses.pop(call.name, None)
 
     @torch.no_grad()
-    def _backward_shared(self, call: _SharedCall, add: BroadcastAdd, grad_outputs: tuple[Tensor | None, ...]) -> None:
+    def _backward_shared(self, call: _SharedCall, operand: Operand, grad_outputs: tuple[Tensor | None, ...]) -> None:
         """An add's prehook: ``call``'s per-example gradient from the gradient of the add's result."""
         self._note_backward(call.name, call.task)
         if call.name in self._step.failed or call.name in self._done:
             return
         if grad_outputs[0] is not None:
-            per = per_example_grad(grad_outputs[0], add, self._batch_size or 0)
+            per = per_example_grad(grad_outputs[0], operand, self._batch_size or 0)
             if isinstance(per, str):
                 self._fail_shared(call, per)
                 return
