@@ -1379,7 +1379,7 @@ def test_a_gpt_with_tied_embeddings_is_measured_per_example_end_to_end():
 class PositionedGPT(nn.Module):
     """GPT-2 with its position table looked up as HF writes it (``position_ids = arange(T).unsqueeze(0)``,
     (1, T)) or as nanoGPT does (``wpe(arange(T))``, 1-D: with T = B told from per-example ids on the device), or
-    HF's (1, T) read through a view (``"view"``), which no rule reads."""
+    nanoGPT's read through a view (``"view"``), which no rule reads."""
 
     def __init__(self, style: str, t: int) -> None:
         super().__init__()
@@ -1394,22 +1394,23 @@ class PositionedGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
-        pos = self.wpe(positions if self.style == "nanogpt" else positions.unsqueeze(0))
-        x = self.wte(idx) + (pos.view(1, idx.shape[1], -1) if self.style == "view" else pos)
+        pos = self.wpe(positions.unsqueeze(0) if self.style == "hf" else positions)
+        x = self.wte(idx) + (pos.view(idx.shape[1], -1) if self.style == "view" else pos)
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
 
-@pytest.mark.parametrize(("style", "accumulate"), [("hf", 1), ("hf", 2), ("nanogpt", 1)])
+@pytest.mark.parametrize(("style", "accumulate"), [("hf", 1), ("hf", 2), ("nanogpt", 1), ("nanogpt T=B", 1)])
 def test_a_gpt_s_position_table_is_measured_per_example_from_the_first_step(style, accumulate):
-    """HF's (1, T) position ids and nanoGPT's arange(T): every parameter measured per example, no micro-batch
-    source, the first step's tr(Σ), ‖G‖² and per-example norms those of a per-example loop over ALL parameters."""
+    """HF's (1, T) position ids and nanoGPT's arange(T) (with T = B too: its ids told from the examples' own on the
+    device): every parameter measured per example, no micro-batch source, the first step's tr(Σ), ‖G‖² and
+    per-example norms those of a per-example loop over ALL parameters."""
     from zoo import VOCAB
 
     torch.manual_seed(0)
-    b, t = 8, 6
-    net = PositionedGPT(style, t).double()
+    b, t = 8, 8 if style == "nanogpt T=B" else 6
+    net = PositionedGPT(style.split()[0], t).double()
     tokens = torch.randint(0, VOCAB, (b * accumulate * 3, t))
     probe = BatchVarianceProbe(histogram_every_n_steps=1, top_k=b * accumulate)
     first, second = StepValues(0), StepValues(1)  # the second sees the first step's per-example norms
@@ -1444,17 +1445,17 @@ def test_a_gpt_s_position_table_is_measured_per_example_from_the_first_step(styl
     torch.testing.assert_close(torch.tensor(norms, dtype=flat.dtype), flat.norm(dim=1).sort().values, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize(("style", "accumulate"), [("view", 1), ("view", 2), ("nanogpt T=B", 1)])
+@pytest.mark.parametrize(("style", "accumulate"), [("view", 1), ("view", 2), ("view T=B", 1)])
 def test_the_step_that_finds_a_shared_position_table_is_measured_without_it(style, accumulate, monkeypatch):
-    """A position table shared by the batch that no rule can read (its output read through a view; 1-D ids
-    with T = B, compared on the device with arange(B) and decided at the logging step, with no host read between
+    """A position table shared by the batch that no rule can read (its output read through a view; with 1-D ids
+    and T = B, compared on the device with arange(B) and decided at the logging step, with no host read between
     logging steps) is found at the first step, which is measured over the other layers (its tr(Σ) and ‖G‖² those
     of a per-example loop over them, the coverage without wpe), not thrown away: every step of the fit enters
     the estimate."""
     from zoo import VOCAB
 
     torch.manual_seed(0)
-    b, t, steps = 8, 8 if style == "nanogpt T=B" else 6, 25
+    b, t, steps = 8, 8 if style == "view T=B" else 6, 25
     net = PositionedGPT(style.split()[0], t).double()
     tokens = torch.randint(0, VOCAB, (b * accumulate * steps, t))
     probe = BatchVarianceProbe(log_every_n_steps=5, histogram_every_n_steps=steps, top_k=b * accumulate)

@@ -188,3 +188,58 @@ def test_a_position_table_is_left_unmeasured_when_the_loss_is_not_shown():
     collector, step = measure(model, idx, y, told=False)
     assert set(step.failed) == {"wpe"} and "before_backward" in step.failed["wpe"]
     assert collector.set_aside(step) == {"wpe"}
+
+
+@pytest.mark.parametrize("use", ["(T,)", "nanoGPT"])
+def test_at_t_equal_b_arange_ids_broadcast_by_the_add_are_measured_without_a_host_read(use):
+    """1-D ids of B integers (T = B) are the examples' own ids or arange(T): where adds broadcast the lookup's output
+    over the batch, both readings are computed and the one the ids make true chosen on the device."""
+    torch.manual_seed(0)
+    model = PositionLM(use).double()
+    idx, y = torch.randint(0, V, (B, B)), torch.randint(0, V, (B, B))
+    truth = brute_force(model, idx, y)
+    with pytest.MonkeyPatch.context() as patch:
+        host = HostReads(patch)
+        host.watching = "collector"
+        collector, step = measure(model, idx, y)
+    assert host.reads == [] and not step.undecided
+    collector.decide(step)
+    assert step.failed == {} and "wpe" in step.seen
+    flat = torch.cat([g.flatten(1) for g in truth.values()], 1)
+    torch.testing.assert_close(step.sq_norms[0], flat.square().sum(1), rtol=1e-9, atol=0)
+    torch.testing.assert_close(step.sum_sq["wpe.weight"], truth["wpe.weight"].square().sum(0), rtol=1e-9, atol=1e-15)
+    assert collector.unbalanced(step, 1.0 / B) == {}
+
+
+class Recommender(nn.Module):
+    """One item id per example, ``(B,)``, its row added to the example's user row: an add that broadcasts nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items, self.users, self.head = nn.Embedding(9, 3), nn.Embedding(5, 3), nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.items(ids[:, 0]) + self.users(ids[:, 1])))
+
+
+def test_per_example_ids_read_by_an_add_that_broadcasts_nothing_stay_the_examples_own():
+    torch.manual_seed(0)
+    model = Recommender().double()
+    ids = torch.stack([torch.tensor([3, 7, 3, 1]), torch.tensor([0, 4, 2, 2])], 1)
+    plan = plan_sources(model, groups_available=False, fallback=False)
+    collector = PerExampleGradients(plan.per_example, {}, 2)
+    collector.attach(keep_norms=True)
+    collector.begin_micro_batch()
+    collector.expect_batch(B)
+    loss = model(ids).square().mean()
+    collector.before_backward(loss)
+    loss.backward()
+    collector.end_micro_batch(float(B))
+    step = collector.pop()
+    assert step.failed == {} and step.seen == {"items", "users", "head"}
+    truth = []
+    for i in range(B):  # each example's own loss out_i²
+        model.zero_grad()
+        model(ids[i : i + 1]).square().sum().backward()
+        truth.append(sum(p.grad.square().sum() for p in model.parameters()))
+    torch.testing.assert_close(step.sq_norms[0], torch.stack(truth), rtol=1e-9, atol=0)

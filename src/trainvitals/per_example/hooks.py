@@ -54,12 +54,16 @@ class _SharedCall:
         task: the backward that recomputes it (checkpointing), as :meth:`PerExampleGradients._note_backward` takes.
         pending: the adds whose gradient has yet to arrive; -1 before they are found.
         grad: the sum of the per-example gradients caught so far, ``(B, *shape[1:])``.
+        arange: for 1-D ids of B integers (T = B), a ``()`` bool on their device: whether they are ``arange(B)``.
+            Such a call is measured as the examples' own lookup, or, where adds broadcast its output over the
+            batch, as a position table when they are ``arange(B)`` (both computed, one chosen on the device).
     """
 
     name: str
     output: int
     shape: tuple[int, ...]
     why: str
+    arange: Tensor | None = None
     slot: list[Any] = field(default_factory=list)
     task: int | None = None
     pending: int = -1
@@ -206,6 +210,7 @@ class PerExampleGradients:
         self._done: set[str] = set()  # modules whose uses were measured this micro-batch
         self._batch_size: int | None = None  # examples in this micro-batch: told, else the first layer's rows
         self._tasks: dict[int, set[str]] = {}  # per backward (graph task) reaching the hooks, the modules it reached
+        self._either: dict[str, tuple[list[Any], Tensor]] = {}  # per module, the slot its adds gave, and when to use it
         self._shared: list[tuple[_SharedCall, Any]] = []  # this forward's lookups with ids shared by the batch, and
         # their outputs' autograd nodes
         self._creating: set[int] = set()  # those run with create_graph=True
@@ -339,8 +344,8 @@ class PerExampleGradients:
             if isinstance(shared, Tensor):
                 if len(self._groups[name]) > 1:
                     shared = bool(shared)  # a tied lookup's statistics are summed with its partners': one sync
-                else:
-                    self._undecided(name, shared)
+                else:  # ids arange(B) or the examples' own: which the adds reading its output may tell
+                    shared_call = _SharedCall(name, output.output_nr, tuple(output.shape), SHARED_LOOKUP, shared)
                     shared = False
             why = SHARED_LOOKUP if shared else None
             if (
@@ -390,6 +395,11 @@ class PerExampleGradients:
         if rule.whole_call:
             hook = functools.partial(self._backward_call, name, slot, task, [t is not None for t in leaves])
             register_all_grads_hook(tensors, hook)
+        elif shared_call is not None and shared_call.arange is not None:  # the use as it is, or the adds'
+            ids = inputs.reshape(1, -1).expand(batch, -1)
+            shared_call.slot, shared_call.task = [ids, None], task
+            self._shared.append((shared_call, output.grad_fn))
+            output.register_hook(functools.partial(self._backward_either, shared_call, slot))
         elif shared_call is not None:
             shared_call.slot, shared_call.task = slot, task
             self._shared.append((shared_call, output.grad_fn))
@@ -409,6 +419,10 @@ class PerExampleGradients:
         readers = consumers(loss.grad_fn, [node for _, node in calls])
         for call, node in calls:
             adds = broadcast_adds(node, call.output, call.shape, readers)
+            if call.arange is not None and (
+                isinstance(adds, str) or not adds or len(self._uses.get(call.name, [])) > 1
+            ):
+                continue  # the examples' own lookup, read as any other (or with other calls: as before)
             if isinstance(adds, str):
                 self._fail_shared(call, adds)
                 continue
@@ -424,17 +438,32 @@ class PerExampleGradients:
     def _backward_shared(self, call: _SharedCall, operand: Operand, grad_outputs: tuple[Tensor | None, ...]) -> None:
         """An add's prehook: ``call``'s per-example gradient from the gradient of the add's result."""
         self._note_backward(call.name, call.task)
-        if call.name in self._step.failed or call.name in self._done:
+        if call.name in self._step.failed or call.name in self._done or call.pending < 0:
             return
         if grad_outputs[0] is not None:
             per = per_example_grad(grad_outputs[0], operand, self._batch_size or 0)
             if isinstance(per, str):
-                self._fail_shared(call, per)
+                if call.arange is not None:  # not broadcast: the examples' own lookup
+                    call.pending = -1
+                else:
+                    self._fail_shared(call, per)
                 return
             call.grad = per if call.grad is None else call.grad + per
         call.pending -= 1
         if call.pending == 0 and call.grad is not None:
-            self._backward(call.name, call.slot, call.grad)
+            if call.arange is not None:
+                call.slot[1] = call.grad  # chosen from at its output's gradient (_backward_either)
+            else:
+                self._backward(call.name, call.slot, call.grad)
+
+    def _backward_either(self, call: _SharedCall, slot: list[Any], grad_output: Tensor) -> None:
+        """The output's gradient of a call of 1-D ids of B integers: measured as the examples' own lookup, or where
+        its adds broadcast it, from theirs when the ids are ``arange(B)`` (:meth:`_measure`)."""
+        if call.pending == 0 and call.slot[1] is not None:
+            self._either[call.name] = (call.slot, call.arange)
+        else:  # arange(B) but not broadcast by adds: shared, not measured (decide)
+            self._undecided(call.name, call.arange)
+        self._backward_output(call.name, slot, call.task, False, grad_output)
 
     def _backward_summed(self, call: _SharedCall, grad_output: Tensor) -> None:
         """The gradient at ``call``'s output, summed over the examples: measured from its adds' instead, if found."""
@@ -524,6 +553,16 @@ class PerExampleGradients:
                     self._qualified(name, local, module): value
                     for local, value in (rule.sums(module, module_uses, self._workspace, rows) if rows else {}).items()
                 }
+                either = self._either.pop(name, None)
+                if either is not None:  # ids arange(B), a position table: from its adds' gradients
+                    alt_slot, arange = either
+                    alt = [Use(*alt_slot)]
+                    sq = torch.where(arange, rule.sq_norms(module, alt, self._workspace), sq)
+                    alt_sums = rule.sums(module, alt, self._workspace, rows) if rows else {}
+                    sums = {
+                        q: (torch.where(arange, a, total), torch.where(arange, a_sq, total_sq))
+                        for (q, (total, total_sq)), (a, a_sq) in zip(sums.items(), alt_sums.values())
+                    }
                 shared = self._step.undecided.get(name)
                 if shared is not None:  # ids arange(B) in some call so far: nothing counts (see decide)
                     counted = self._step.undecided_counted.get(name)
