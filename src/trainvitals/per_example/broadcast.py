@@ -76,7 +76,10 @@ def broadcast_adds(
         elif kind == _ADD:
             adds.append((reader, Operand(1.0 if k == 0 else float(reader._saved_alpha), shape)))
         else:
-            return f"its output is read by {kind}, not only added to the batch's tensors"
+            return (
+                f"its output is read by {kind}: it is measured where it is only added to the examples' tensors "
+                "(tok + wpe(pos))"
+            )
     return adds
 
 

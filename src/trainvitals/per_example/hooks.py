@@ -410,9 +410,10 @@ class PerExampleGradients:
     def before_backward(self, loss: Tensor) -> None:
         """Before ``loss``'s backward: find where the outputs of this forward's lookups with ids shared by the batch
         are added to the examples' tensors (:mod:`.broadcast`), and hook those adds, whose output gradient is the
-        per-example one. A lookup whose output something else reads is reported in :attr:`PerExampleStep.failed`.
-        Not called (a backward of another loss), those lookups are reported so at their gradient. Host-side only:
-        one walk of the graph, in a forward that has such lookups."""
+        per-example one. A lookup whose output something else reads is reported in :attr:`PerExampleStep.failed`
+        (1-D ids of B integers: measured as the examples' own, or decided as shared in :meth:`decide`). Not called
+        (a backward of another loss), those lookups are reported so at their gradient. Host-side only: one walk of
+        the graph, in a forward that has such lookups."""
         calls = [(c, node) for c, node in self._shared if c.pending < 0 and c.name not in self._step.failed]
         if not calls or loss.grad_fn is None:
             return
