@@ -132,3 +132,8 @@ A fit that was killed (SIGKILL, out of memory, preempted) or is still running le
 written at fit start, is all there is."""
 
 FIT_ENDED, FIT_RAISED = "the fit ended", "the fit raised"
+
+REPORT_HTML, REPORT_JSON = "trainvitals_report.html", "trainvitals_report.json"
+"""TrainvitalsDashboard's fit-end report, written into each logger's run folder: the page ``trainvitals report
+--format html`` writes, and its JSON with the run's text panels (``"record"``), which ``trainvitals report``
+reads back beside a CSVLogger's ``metrics.csv`` or in an MLflow run's artifacts."""

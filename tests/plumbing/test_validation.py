@@ -135,7 +135,7 @@ SPECS: dict[str, dict[str, Spec]] = {
         "strict": Bool(),
         "verbose": Bool(),
     },
-    "TrainvitalsDashboard": {"progress_bar": Bool(), "diagnosis": Bool()},
+    "TrainvitalsDashboard": {"progress_bar": Bool(), "diagnosis": Bool(), "report": Bool()},
     "UpdateMonitor": {
         "grouping": Choice("parameter", "module", "block"),
         "log_every_n_steps": Int(1, none_ok=True),

@@ -1,30 +1,123 @@
-"""Writing to the Trainer's loggers: scalars to every logger, histograms, text and images to TensorBoard.
+"""Writing to the Trainer's loggers: scalars to every logger; histograms, text and the fit-end report each
+logger its own way.
 
 Callbacks measure on the device and call these only on a logging step; :func:`log_scalars` moves all
 values of one step to the host in a single transfer, gives a TensorBoardLogger all of them as one
 event, and puts them in ``trainer.callback_metrics`` so that Lightning's own callbacks
-(``ModelCheckpoint(monitor=...)``, ``EarlyStopping(monitor=...)``) can use them. Loggers that cannot
-take histograms, text or images (CSVLogger, ...) are skipped with one notice per kind, never an error.
+(``ModelCheckpoint(monitor=...)``, ``EarlyStopping(monitor=...)``) can use them.
+
+What each logger gets beyond scalars (wandb and mlflow are imported only when such a logger is in use):
+
+======================  ====================  ===================================  ================================
+logger                  histograms            text panels                          fit-end report (:func:`hand_report`)
+======================  ====================  ===================================  ================================
+TensorBoardLogger       histogram events      Text tab (``add_text``)              files in its ``log_dir``
+WandbLogger             ``wandb.Histogram``   ``wandb.Html``                       ``wandb.Html`` + ``wandb.Table``,
+                                                                                   files in its run's ``files/``
+MLFlowLogger            skipped               ``log_text``: ``<tag>/step_<n>.md``  artifacts (``log_artifact``)
+CSVLogger, others       skipped               skipped                              files in its ``log_dir`` (CSV)
+======================  ====================  ===================================  ================================
+
+A logger that cannot take a kind is skipped with one notice per kind when none of the loggers can, never an
+error. Keys keep their ``/`` sections (W&B's panels, MLflow's folders); for MLflow every character outside
+``A-Z a-z 0-9 _ - . / space`` becomes ``_`` (:func:`mlflow_key`): Lightning's MLFlowLogger would drop it, with a
+warning on every call. On global rank zero, a fit whose TrainvitalsDashboard asked for it (:func:`keep_record`)
+also keeps a :class:`RunRecord` of every scalar and text panel written here, for its fit-end report.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import tempfile
+import weakref
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.fabric.utilities.logger import _add_prefix  # what the logger itself uses
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import WarningCache
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.histogram.metadata import create_summary_metadata
 from torch import Tensor
 from torch.utils.tensorboard.summary import histogram_raw
 
+from trainvitals.tags import REPORT_HTML, REPORT_JSON
+from trainvitals.text.markdown import markdown_to_html
+
 _notices = WarningCache()
+
+
+class RunRecord:
+    """What the callbacks wrote in one fit, on global rank zero, for the fit-end report.
+
+    ``texts``: ``{tag: [(step, markdown)]}``; the scalars as :meth:`series`. Memory is bounded: the scalars go,
+    as they come, to an unnamed temporary file (12 bytes a logged value: the tag's number, the step as int32,
+    the value as float32, as an event file holds it), read back once at fit end; memory keeps only the tags
+    and the text panels. :meth:`close` deletes the file. ``TrainvitalsDashboard(report=False)`` keeps none.
+    """
+
+    _ROW = np.dtype([("tag", "<i4"), ("step", "<i4"), ("value", "<f4")])
+
+    def __init__(self) -> None:
+        self._tags: dict[str, int] = {}
+        self._file = tempfile.TemporaryFile()
+        self.texts: dict[str, list[tuple[int, str]]] = {}
+
+    def add_scalars(self, values: Mapping[str, float], step: int) -> None:
+        rows = np.empty(len(values), self._ROW)
+        rows["tag"] = [self._tags.setdefault(key, len(self._tags)) for key in values]
+        rows["step"] = step
+        rows["value"] = list(values.values())
+        self._file.write(rows.tobytes())
+
+    def add_text(self, tag: str, markdown: str, step: int) -> None:
+        self.texts.setdefault(tag, []).append((step, markdown))
+
+    def series(self) -> dict[str, list[tuple[int, float]]]:
+        """``{tag: [(step, value)]}`` in the order logged, as ``trainvitals report`` reads a run's scalars."""
+        self._file.seek(0)
+        rows = np.frombuffer(self._file.read(), self._ROW)
+        self._file.seek(0, 2)  # later writes append
+        order = np.argsort(rows["tag"], kind="stable")
+        starts = np.searchsorted(rows["tag"][order], np.arange(len(self._tags)))
+        chunks = np.split(rows[order], starts[1:])
+        return {
+            key: list(zip(chunk["step"].tolist(), chunk["value"].tolist())) for key, chunk in zip(self._tags, chunks)
+        }
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_records: weakref.WeakKeyDictionary[Any, RunRecord] = weakref.WeakKeyDictionary()
+
+
+def keep_record(trainer: "pl.Trainer") -> RunRecord | None:
+    """Start this fit's :class:`RunRecord` of ``trainer`` (a new one each call), on global rank zero; ``None``
+    on the other ranks, which keep none."""
+    if trainer.global_rank != 0:
+        return None
+    record = _records[trainer] = RunRecord()
+    return record
+
+
+def drop_record(trainer: "pl.Trainer") -> None:
+    """Stop keeping ``trainer``'s record (the fit is over) and delete its file."""
+    record = _records.pop(trainer, None)
+    if record is not None:
+        record.close()
+
+
+def _record(trainer: "pl.Trainer") -> RunRecord | None:
+    try:
+        return _records.get(trainer)
+    except TypeError:  # a stand-in trainer (a namespace) that takes no weak reference has none
+        return None
 
 
 def log_scalars(
@@ -46,10 +139,15 @@ def log_scalars(
     if finite_only:
         values = {k: v for k, v in values.items() if math.isfinite(v)}
     feed_callback_metrics(trainer, values)
+    record = _record(trainer)
+    if record is not None:
+        record.add_scalars(values, step)
     for logger in trainer.loggers:
         # A subclass that overrides log_metrics (to filter, rename, ...) keeps its own way.
         if isinstance(logger, TensorBoardLogger) and type(logger).log_metrics is TensorBoardLogger.log_metrics:
             _write_tensorboard_scalars(trainer, logger, values, step)
+        elif isinstance(logger, MLFlowLogger):
+            logger.log_metrics({mlflow_key(k): v for k, v in values.items()}, step=step)
         else:
             logger.log_metrics(values, step=step)
     return values
@@ -104,7 +202,7 @@ def tensorboard_loggers(trainer: "pl.Trainer", what: str) -> list[TensorBoardLog
         return []
     loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
     if trainer.loggers and not loggers:
-        _notices.info(f"trainvitals: for {what} you need a TensorBoardLogger; the loggers in use get scalars only.")
+        _notices.info(f"trainvitals: for {what} you need a TensorBoardLogger; the loggers in use go without.")
     return loggers
 
 
@@ -158,11 +256,11 @@ def histogram_summary(values: Sequence[Tensor], bins: int = HISTOGRAM_BINS) -> d
 def log_histogram(
     trainer: "pl.Trainer", tag: str, values: Tensor | Sequence[Tensor], step: int, description: str = ""
 ) -> None:
-    """A TensorBoard histogram of ``values`` (a tensor or several, any shapes; non-finite entries dropped),
-    in bounded memory (:func:`histogram_summary`); ``description``: markdown TensorBoard shows with the tag
-    (the first step's, as it keeps a tag's first metadata)."""
-    writers = tensorboard_writers(trainer, "histograms")
-    if not writers:
+    """A histogram of ``values`` (a tensor or several, any shapes; non-finite entries dropped), in bounded memory
+    (:func:`histogram_summary`), to each TensorBoardLogger and WandbLogger; ``description``: markdown TensorBoard
+    shows with the tag (the first step's, as it keeps a tag's first metadata)."""
+    loggers = _takers(trainer, "histograms", (TensorBoardLogger, WandbLogger))
+    if not loggers:
         return
     summary = histogram_summary([values] if isinstance(values, Tensor) else values)
     if summary is None:
@@ -170,17 +268,118 @@ def log_histogram(
     event = histogram_raw(tag, **summary)
     if description:  # with the plugin's name, which readers of the legacy format expect beside any metadata
         event.value[0].metadata.CopyFrom(create_summary_metadata(display_name=tag, description=description))
-    for w in writers:
-        w._get_file_writer().add_summary(event, step)
+    for logger in loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment._get_file_writer().add_summary(event, step)
+        else:
+            import wandb
+
+            edges = np.array([summary["min"], *summary["bucket_limits"]])
+            histogram = wandb.Histogram(np_histogram=(np.array(summary["bucket_counts"]), edges))
+            _wandb_log(logger, {tag: histogram}, step)
 
 
 def log_text(trainer: "pl.Trainer", tag: str, markdown: str, step: int) -> None:
-    """A TensorBoard text panel (markdown)."""
-    for w in tensorboard_writers(trainer, "text panels"):
-        w.add_text(tag, markdown, global_step=step)
+    """A text panel (markdown): TensorBoard's Text tab, a ``wandb.Html``, an MLflow text artifact
+    ``<tag>/step_<step>.md``; kept in the fit's :class:`RunRecord` if there is one."""
+    record = _record(trainer)
+    if record is not None:
+        record.add_text(tag, markdown, step)
+    for logger in _takers(trainer, "text panels", (TensorBoardLogger, WandbLogger, MLFlowLogger)):
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_text(tag, markdown, global_step=step)
+        elif isinstance(logger, WandbLogger):
+            import wandb
+
+            _wandb_log(logger, {tag: wandb.Html(markdown_to_html(markdown), inject=False)}, step)
+        else:
+            logger.experiment.log_text(logger.run_id, markdown, f"{mlflow_key(tag)}/step_{step}.md")
 
 
 def log_image(trainer: "pl.Trainer", tag: str, image: np.ndarray, step: int) -> None:
     """A TensorBoard image from an ``(H, W, 3)`` uint8 array."""
     for w in tensorboard_writers(trainer, "images"):
         w.add_image(tag, image, global_step=step, dataformats="HWC")
+
+
+def hand_report(
+    trainer: "pl.Trainer", html: str | None, json_text: str, findings: Sequence[tuple[str, str, str]]
+) -> list[Path]:
+    """The fit-end report to every logger, on global rank zero; returns the files written.
+
+    The page ``html`` (``None``: none) and ``json_text`` go as :data:`~trainvitals.tags.REPORT_HTML` and
+    :data:`~trainvitals.tags.REPORT_JSON` into each logger's run folder (:func:`report_folders`); a WandbLogger
+    also gets the page as ``wandb.Html`` and ``findings`` (severity, section, message) as a ``wandb.Table``, under
+    ``trainvitals/report`` and ``trainvitals/findings``; an MLFlowLogger the files as artifacts of its run
+    (``log_artifact``, copied from a temporary folder when no other logger has a folder).
+    """
+    if trainer.global_rank != 0 or not trainer.loggers:
+        return []
+    files = {REPORT_JSON: json_text} if html is None else {REPORT_HTML: html, REPORT_JSON: json_text}
+    written = []
+    for folder in report_folders(trainer):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (folder / name).write_text(text, encoding="utf-8")
+            written.append(folder / name)
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            import wandb
+
+            table = wandb.Table(columns=["severity", "section", "message"], data=[list(f) for f in findings])
+            shown = {"trainvitals/findings": table}
+            if html is not None:
+                shown["trainvitals/report"] = wandb.Html(html, inject=False)
+            _wandb_log(logger, shown, trainer.global_step)
+        elif isinstance(logger, MLFlowLogger):
+            if written:
+                for path in written[: len(files)]:
+                    logger.experiment.log_artifact(logger.run_id, str(path))
+                continue
+            with tempfile.TemporaryDirectory() as folder:
+                for name, text in files.items():
+                    (Path(folder) / name).write_text(text, encoding="utf-8")
+                    logger.experiment.log_artifact(logger.run_id, str(Path(folder) / name))
+    return written
+
+
+def report_folders(trainer: "pl.Trainer") -> list[Path]:
+    """Where the fit-end report goes, each folder once: every TensorBoardLogger's and CSVLogger's ``log_dir``,
+    every WandbLogger's run ``files/`` folder (``experiment.dir``: W&B uploads what is there with the run).
+    An MLFlowLogger's artifacts are its store's, written through its client (:func:`hand_report`)."""
+    folders: dict[Path, None] = {}
+    for logger in trainer.loggers:
+        if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+            folders[Path(logger.log_dir).resolve()] = None
+        elif isinstance(logger, WandbLogger):
+            folders[Path(logger.experiment.dir).resolve()] = None
+    return list(folders)
+
+
+def mlflow_key(key: str) -> str:
+    """``key`` as both MLflow and Lightning's MLFlowLogger take it: every character but ``A-Z a-z 0-9 _ - . /`` and
+    space as ``_`` (``grad_norm/blocks:0`` is ``grad_norm/blocks_0``), where Lightning would drop it with a warning."""
+    return _MLFLOW_OTHER.sub("_", key)
+
+
+_MLFLOW_OTHER = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def _takers(trainer: "pl.Trainer", what: str, kinds: tuple[type[Logger], ...]) -> list[Logger]:
+    """The loggers of ``kinds`` (those that take ``what``), on global rank zero only; when there are loggers but
+    none of them, says once that ``what`` is skipped."""
+    if trainer.global_rank != 0:
+        return []
+    loggers = [lg for lg in trainer.loggers if isinstance(lg, kinds)]
+    if trainer.loggers and not loggers:
+        names = " or ".join(kind.__name__ for kind in kinds)
+        _notices.info(f"trainvitals: for {what} you need a {names}; the loggers in use go without.")
+    return loggers
+
+
+def _wandb_log(logger: WandbLogger, values: Mapping[str, Any], step: int) -> None:
+    """``values`` (W&B media) at optimizer step ``step``, as WandbLogger's ``log_metrics`` puts its scalars:
+    the logger's prefix on each key, the step as ``trainer/global_step`` (its x axis)."""
+    logger.experiment.log(
+        {**_add_prefix(dict(values), logger._prefix, logger.LOGGER_JOIN_CHAR), "trainer/global_step": step}
+    )

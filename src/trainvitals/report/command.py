@@ -1,4 +1,6 @@
-"""``trainvitals report LOGDIR``: a health report per run, read from TensorBoard event files.
+"""``trainvitals report LOGDIR``: a health report per run, read from TensorBoard event files — or from a CSVLogger's
+``metrics.csv`` or an MLflow file store's run, with the text panels of TrainvitalsDashboard's fit-end JSON
+(:mod:`trainvitals.report.readers`).
 
 Every folder under LOGDIR that holds event files is a run (TensorBoard's own notion); loggers with different
 prefixes (``TensorBoardLogger(prefix="train")`` logs ``train-grad_norm/total``) that wrote into one folder
@@ -116,7 +118,8 @@ __all__ = [
 FORMATS = ("text", "markdown", "json", "html")
 
 DESCRIPTION = (
-    "Health report of the training runs under LOGDIR, read from their TensorBoard event files. "
+    "Health report of the training runs under LOGDIR, read from their TensorBoard event files, CSVLogger "
+    "metrics.csv or MLflow file store (mlruns). "
     "Exit status, the most severe over the runs: 1 a critical finding, 3 an event file read only in part, "
     "5 a fit that crashed (an exception, KeyboardInterrupt included), 6 a fit that did not end (killed, or still "
     "running; 5 and 6 need TrainvitalsDashboard, which records the fit's end), 2 nothing to report (or no run "
@@ -128,7 +131,9 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """LOGDIR, ``--format`` and ``--separator``, on ``parser`` (the ``trainvitals report`` subcommand's, or
     :func:`main`'s)."""
-    parser.add_argument("logdir", metavar="LOGDIR", help="the TensorBoard log folder")
+    parser.add_argument(
+        "logdir", metavar="LOGDIR", help="the log folder: TensorBoard's, a CSVLogger's, or an MLflow file store"
+    )
     parser.add_argument(
         "--format",
         choices=FORMATS,

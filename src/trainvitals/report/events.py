@@ -1,4 +1,5 @@
-"""Reading a run's TensorBoard event files for ``trainvitals report``: record by record, checksums checked.
+"""Reading a run's TensorBoard event files for ``trainvitals report``: record by record, checksums checked; and
+the walk of LOGDIR that finds every run, those of other loggers' folders too (:mod:`trainvitals.report.readers`).
 
 Every folder under LOGDIR that holds event files is a run (TensorBoard's own notion); loggers with different
 prefixes (``TensorBoardLogger(prefix="train")`` logs ``train-grad_norm/total``) that wrote into one folder
@@ -126,15 +127,19 @@ class Run:
 def read_runs(logdir: str | Path, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:
     """Every run under ``logdir``, in name order: one per folder holding event files, and one per logger
     prefix in a folder where loggers with different prefixes wrote (:func:`_by_prefix`); ``separator`` is
-    the loggers' ``LOGGER_JOIN_CHAR``, between their prefix and a tag.
+    the loggers' ``LOGGER_JOIN_CHAR``, between their prefix and a tag. A folder without event files is read by
+    the first of :data:`~trainvitals.report.readers.READERS` that finds a run in it (a CSVLogger's, an MLflow
+    run's), and is not walked further.
 
     Folders are found as TensorBoard's ``GetLogdirSubdirectories`` finds them, but with ``os.walk``, which
     takes any file name (TensorBoard's file layer fails on a name that is not UTF-8). A folder that cannot
     be listed is a run with one :class:`Damage`, so that what it may hold is not missed silently.
 
     Raises:
-        ReportError: when ``logdir`` is missing, not a folder or cannot be listed, or holds no event files.
+        ReportError: when ``logdir`` is missing, not a folder or cannot be listed, or holds no run.
     """
+    from trainvitals.report.readers import reader_for  # the readers build Runs of this module: not at its top
+
     root = Path(logdir)
     shown = printable(os.fspath(root))
     if not root.exists():
@@ -154,12 +159,19 @@ def read_runs(logdir: str | Path, separator: str = LOGGER_JOIN_CHAR) -> list[Run
             continue
         seen.add((info.st_dev, info.st_ino))
         events = sorted(os.path.join(folder, name) for name in files if io_wrapper.IsSummaryEventsFile(name))
-        if events:
-            folders.append((Path(folder), events))
+        reader = None if events else reader_for(files, subfolders)
+        if events or reader:
+            folders.append((Path(folder), events, reader))
+        if reader:  # its metrics and artifacts are its own, not runs
+            subfolders.clear()
     if unlisted and os.fspath(unlisted[0].filename) == os.fspath(root):
         raise ReportError(f"{shown} cannot be listed: {unlisted[0].strerror}.")
     runs = [
-        view for folder, events in sorted(folders) for view in _by_prefix(_read_run(root, folder, events), separator)
+        view
+        for folder, events, reader in sorted(folders, key=lambda found: found[0])
+        for view in _by_prefix(
+            reader.read(folder, _run_name(root, folder)) if reader else _read_run(root, folder, events), separator
+        )
     ]
     for err in unlisted:
         name = _run_name(root, Path(os.fsdecode(err.filename)))
@@ -182,7 +194,9 @@ def read_runs(logdir: str | Path, separator: str = LOGGER_JOIN_CHAR) -> list[Run
             )
         )
     if not runs:
-        raise ReportError(f"no TensorBoard event files (events.out.tfevents.*) under {shown}.")
+        raise ReportError(
+            f"no TensorBoard event files (events.out.tfevents.*), CSVLogger metrics.csv or MLflow run under {shown}."
+        )
     return runs
 
 

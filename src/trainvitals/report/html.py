@@ -22,7 +22,7 @@ from trainvitals.report.events import Run
 from trainvitals.report.model import EXIT_NO_DATA, EXIT_OK, RunReport, first_series
 from trainvitals.report.render import EMPTY_RUNS, format_value, heading, overview_markdown, status_line
 from trainvitals.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, SUGGESTED_LR, grad_norm
-from trainvitals.text.terminal import table_cells
+from trainvitals.text.markdown import markdown_to_html
 
 Series = list[tuple[int, float]]
 
@@ -100,65 +100,6 @@ def _run_html(run: Run, report: RunReport) -> list[str]:
             f"<details open><summary>{html.escape(heading(report, title))}</summary>{markdown_to_html(text)}</details>"
         )
     return out
-
-
-# ------------------------------------------------------------------------------------------- markdown
-_SEPARATOR = re.compile(r"^\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$")
-
-
-def markdown_to_html(markdown: str) -> str:
-    """The callbacks' markdown (pipe tables, headings, bullets, ``**bold**``, ```code```) as escaped HTML."""
-    out: list[str] = []
-    lines = markdown.splitlines()
-    i, in_list = 0, False
-    while i < len(lines):
-        line = lines[i].strip()
-        if in_list and not line.startswith("- "):
-            out.append("</ul>")
-            in_list = False
-        if line.startswith("|"):
-            j = i
-            while j < len(lines) and lines[j].strip().startswith("|"):
-                j += 1
-            out.append(_table_html([lines[k].strip() for k in range(i, j)]))
-            i = j
-            continue
-        heading = re.match(r"^(#{1,6})\s+(.*)$", line)
-        if heading:
-            level = min(6, len(heading.group(1)) + 2)
-            out.append(f"<h{level}>{_inline(heading.group(2))}</h{level}>")
-        elif line.startswith("- "):
-            if not in_list:
-                out.append("<ul>")
-                in_list = True
-            out.append(f"<li>{_inline(line[2:])}</li>")
-        elif line:
-            out.append(f"<p>{_inline(line)}</p>")
-        i += 1
-    if in_list:
-        out.append("</ul>")
-    return "\n".join(out)
-
-
-def _inline(text: str) -> str:
-    text = html.escape(text.replace("\\|", "|")).replace("&lt;br&gt;", "<br>")
-    text = re.sub(r"`([^`]*)`", r"<code>\1</code>", text)
-    return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
-
-
-def _table_html(lines: list[str]) -> str:
-    rows = [table_cells(line) for line in lines]
-    right: list[bool] = []
-    header = None
-    if len(lines) >= 2 and _SEPARATOR.match(lines[1]):
-        right = [c.endswith(":") and not c.startswith(":") for c in rows[1]]
-        header, rows = rows[0], rows[2:]
-    cls = lambda k: ' class="num"' if k < len(right) and right[k] else ""  # noqa: E731
-    out = ["<table>"]
-    if header and any(header):
-        out.append("<tr>" + "".join(f"<th>{_inline(c)}</th>" for c in header) + "</tr>")
-    out += ["<tr>" + "".join(f"<td{cls(k)}>{_inline(c)}</td>" for k, c in enumerate(r)) + "</tr>" for r in rows]
-    return "\n".join(out + ["</table>"])
 
 
 # ---------------------------------------------------------------------------------------------- plots

@@ -1,11 +1,13 @@
-"""TrainvitalsDashboard: the trainvitals layout in TensorBoard, the callbacks' diagnoses, the progress bar."""
+"""TrainvitalsDashboard: the trainvitals layout in TensorBoard, the callbacks' diagnoses, the fit-end report for
+every logger, the progress bar."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from typing_extensions import override
 
 from trainvitals._validation import check_bool
@@ -13,8 +15,9 @@ from trainvitals.noise.estimate import band_ratio
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharing import GRAD_NORM, GRADIENT_NOISE, NOISE_BAND, RESTORED_SUMMARY, SUMMARY, Vitals
-from trainvitals.plumbing.writers import log_text, tensorboard_loggers
-from trainvitals.tags import DIAGNOSIS_TAG, FIT_END_TAG, FIT_ENDED, FIT_RAISED
+from trainvitals.plumbing.writers import RunRecord, drop_record, hand_report, keep_record, log_text, tensorboard_loggers
+from trainvitals.report.record import fit_end_report
+from trainvitals.tags import DIAGNOSIS_TAG, FIT_END_TAG, FIT_ENDED, FIT_RAISED, REPORT_HTML, REPORT_JSON
 from trainvitals.tensorboard.layout import layer_groups, trainvitals_layout
 
 
@@ -32,6 +35,16 @@ class TrainvitalsDashboard(TrainvitalsCallback):
     - How the fit ended, in the text panel ``trainvitals/fit_end`` (:data:`~trainvitals.tags.FIT_END_TAG`): at fit
       end, or from ``on_exception`` with the exception's type. ``trainvitals report`` reads it to tell a finished
       fit from a crashed one, and one with the layout but neither line from one killed or still running.
+    - Then, on global rank zero, the run's report (``report=True``): the page ``trainvitals report --format html``
+      writes (:data:`~trainvitals.tags.REPORT_HTML`, when matplotlib is installed) and its JSON
+      (:data:`~trainvitals.tags.REPORT_JSON`, with the run's text panels), made from every trainvitals scalar and
+      text panel of this fit as the shared writer kept them (``RunRecord``: on a temporary file, 12 bytes a logged value), into each
+      logger's run folder — a TensorBoardLogger's or CSVLogger's ``log_dir``, a WandbLogger's run ``files/`` —, to
+      W&B also as ``wandb.Html`` and a ``wandb.Table`` of the findings, to MLflow as artifacts of its run
+      (:func:`~trainvitals.plumbing.writers.hand_report`). From ``on_exception`` too, so that a crashed fit's
+      folder says so without event files. Not after a fit that ran no optimizer step (its report would replace
+      the run's with an empty one), nor with ``logger=False``. A run without the dashboard gets none: the dashboard
+      is what records the fit's end, which the report's status needs.
     - On the Trainer's logging steps (``log_every_n_steps`` optimizer steps), the progress bar shows
       ``grad_norm`` (GradNormMonitor's latest total norm) and ``band_ratio``: the smoothed ‖G‖² over the
       noise band's edge margin · tr(Σ)/B, with GradNormEarlyStopping's margin and noise estimate (its own,
@@ -44,6 +57,7 @@ class TrainvitalsDashboard(TrainvitalsCallback):
     Args:
         progress_bar: show the two values in the progress bar.
         diagnosis: write the end-of-run text panels.
+        report: write the run's report at fit end.
 
     Raises:
         TypeError: if an argument is not a bool, naming it.
@@ -51,16 +65,34 @@ class TrainvitalsDashboard(TrainvitalsCallback):
 
     reads = (GRAD_NORM, NOISE_BAND, GRADIENT_NOISE, SUMMARY, RESTORED_SUMMARY)
 
-    def __init__(self, progress_bar: bool = True, diagnosis: bool = True) -> None:
+    def __init__(self, progress_bar: bool = True, diagnosis: bool = True, report: bool = True) -> None:
         super().__init__()
         self.progress_bar = check_bool("progress_bar", progress_bar)
         self.diagnosis = check_bool("diagnosis", diagnosis)
+        self.report = check_bool("report", report)
         # Nothing is saved: the panels and the progress bar are this fit's.
         self._shown_at: int | None  # the optimizer step the progress bar last showed
         self.add_state("_shown_at", None, persistent=False)
         self.add_state("_panels", 0, persistent=False)
         self._trained_from: int | None  # global_step at train start (restored by then); None: training never started
         self.add_state("_trained_from", None, persistent=False)
+        self._record: RunRecord | None  # this fit's scalars and text panels, on global rank zero (report=True)
+        self.add_state("_record", None, persistent=False)
+        self._report_files: list[Path]  # where this fit's report went
+        self.add_state("_report_files", list, persistent=False)
+
+    @override
+    def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.report:
+            self._record = keep_record(trainer)
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._forget_record(trainer)
+
+    def _forget_record(self, trainer: "pl.Trainer") -> None:
+        drop_record(trainer)
+        self._record = None
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -101,6 +133,9 @@ class TrainvitalsDashboard(TrainvitalsCallback):
             f"{FIT_ENDED} after {trainer.global_step} optimizer step(s){none}.",
             trainer.global_step,
         )
+        if stepped:
+            self._write_report(trainer)
+        self._forget_record(trainer)
         self.info(self.summary_line(trainer))
 
     def ran_a_step(self, trainer: "pl.Trainer") -> bool:
@@ -114,12 +149,30 @@ class TrainvitalsDashboard(TrainvitalsCallback):
         log_text(
             trainer, FIT_END_TAG, f"{FIT_RAISED} {what} (at optimizer step {trainer.global_step}).", trainer.global_step
         )
+        if self.ran_a_step(trainer):
+            self._write_report(trainer)
+        self._forget_record(trainer)
+
+    def _write_report(self, trainer: "pl.Trainer") -> None:
+        """The run's report from this fit's record, to every logger (class docstring); a failure is a warning."""
+        if self._record is None or not trainer.loggers:
+            return
+        try:
+            report, page, document = fit_end_report(_run_name(trainer), self._record.series(), self._record.texts)
+            findings = [(f.severity, f.section, f.message) for f in report.findings]
+            self._report_files = hand_report(trainer, page, document, findings)
+        except Exception as err:  # the fit is over: a report that cannot be written must not fail it
+            self.warn(f"the fit-end report could not be written ({type(err).__name__}: {err}).")
 
     def summary_line(self, trainer: "pl.Trainer") -> str:
-        """One line for the end of fit: where the dashboard and the diagnoses went."""
+        """One line for the end of fit: where the dashboard, the diagnoses and the report went."""
         logdirs = [lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        pages = [str(p) for p in self._report_files if p.name == REPORT_HTML] or [
+            str(p) for p in self._report_files if p.name == REPORT_JSON
+        ]
+        report = f"; the report: {pages[0]}" if pages else ""
         if not logdirs:
-            return "no TensorBoardLogger, so no dashboard or diagnosis panels."
+            return f"no TensorBoardLogger, so no custom-scalars dashboard{report}."
         if not self.diagnosis:
             panels = "no diagnosis panels (diagnosis=False)"
         elif not self.ran_a_step(trainer):
@@ -129,7 +182,14 @@ class TrainvitalsDashboard(TrainvitalsCallback):
             )
         else:
             panels = f"{self._panels} diagnosis panel(s) first in the Text tab ({DIAGNOSIS_TAG}/...)"
-        return f"{panels}, the charts in Custom Scalars: tensorboard --logdir {logdirs[0]}"
+        return f"{panels}, the charts in Custom Scalars: tensorboard --logdir {logdirs[0]}{report}"
+
+
+def _run_name(trainer: "pl.Trainer") -> str:
+    """The report's name of the run, as ``trainvitals report`` names it: its first TensorBoardLogger's or
+    CSVLogger's folder (``version_0``), else its first logger's version (a W&B or MLflow run id)."""
+    folders = [lg.log_dir for lg in trainer.loggers if isinstance(lg, (TensorBoardLogger, CSVLogger))]
+    return Path(folders[0]).name if folders else str(trainer.loggers[0].version)
 
 
 def diagnoses(vitals: Vitals, restored_only: bool = False) -> dict[str, str]:
