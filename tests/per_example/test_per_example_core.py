@@ -34,6 +34,7 @@ from trainvitals.per_example import (
 )
 from trainvitals.per_example import tensor_ops as per_example_module
 from trainvitals.per_example.rules import conv as conv_module
+from trainvitals.plumbing.extra_forward import extra_forward
 
 B = 6
 
@@ -268,6 +269,29 @@ def test_coordinate_sums_of_selected_rows_match_brute_force(kind):
         g = per_example[n][:, r]
         assert step.grad_sum[n].shape == g.shape[1:], n
         assert rel_close(step.grad_sum[n], g.sum(0)) and rel_close(step.sum_sq[n], g.square().sum(0)), n
+
+
+def test_an_extra_forward_is_neither_measured_nor_read_as_layout_evidence():
+    """T = B: trainvitals' own forward on the batch twice over, (2B, T), would show the examples on dimension 1
+    and add calls to the step's. Run inside ``extra_forward`` (with a backward, even), it is neither: the step's
+    per-example norms are brute force's."""
+    model, x, y = make_case("sequence")
+    assert x.shape[0] == x.shape[1] == B
+    per_example = brute_force(model, x, y)
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, PER_EXAMPLE_LAYERS)}
+    collector = PerExampleGradients(modules, {}, 2)
+    collector.attach(keep_norms=True)
+    collector.begin_micro_batch()
+    collector.expect_batch(B, (x, y))
+    with extra_forward():
+        F.cross_entropy(model(torch.cat([x, x])), torch.cat([y, y])).backward()
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    collector.end_micro_batch(float(B))
+    collector.detach()
+    step = collector.pop()
+    truth = sum(g.flatten(1).square().sum(1) for g in per_example.values())
+    assert not step.failed and rel_close(step.sq_norms[0], truth)
 
 
 @pytest.mark.parametrize("kind", ["cnn", "sequence"])

@@ -79,6 +79,8 @@ SPECS: dict[str, dict[str, Spec]] = {
         "spike_factor": Float(1.0, low_open=True),
         "ema_beta": Float(0.0, 1.0, high_open=True),
         "spike_warmup_steps": Int(0),
+        "name_producer": Bool(),
+        "producer_search": Choice("flags", "anomaly"),
     },
     "GradNormEarlyStopping": {
         "mode": Choice("noise_band", "threshold", "relative"),
@@ -165,6 +167,7 @@ SPECS: dict[str, dict[str, Spec]] = {
         "budget_events": Int(1),
         "budget_window": Int(1),
         "name_producer": Bool(),
+        "producer_search": Choice("flags", "anomaly"),
         "snapshot_in_checkpoint": Bool(),
     },
 }

@@ -38,6 +38,7 @@ from trainvitals.per_example.rules.embedding import POSITION_IDS, SHARED_LOOKUP,
 from trainvitals.per_example.sums_check import UNBALANCED, sum_errors, tolerance
 from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _add, _moments, _trainable
 from trainvitals.per_example.tied import measure_tied
+from trainvitals.plumbing.extra_forward import in_extra_forward
 
 
 @dataclass
@@ -127,6 +128,8 @@ class PerExampleGradients:
     module recomputed in backward by ``torch.utils.checkpoint`` is measured once: from its first run,
     or from the recomputation where the first run had no graph (reentrant checkpointing); one whose
     reentrant recomputation comes after it was measured (several segments) is reported as not measured.
+    A forward trainvitals runs for its own purpose (:func:`~trainvitals.plumbing.extra_forward.extra_forward`:
+    the lr advisor's probe of the loss, a diagnosis's re-run) is neither measured nor read as layout evidence.
 
     Modules of ``vmap`` keep the first ``sub_batch`` examples of their inputs and output gradients
     until :meth:`end_micro_batch`, which computes their per-example gradients with
@@ -265,7 +268,7 @@ class PerExampleGradients:
         return True
 
     def _check_call(self, name: str, output: Any, batch: int) -> bool:
-        if self._replaying or (_recomputing() and self._calls[name]):
+        if self._replaying or in_extra_forward() or (_recomputing() and self._calls[name]):
             return False
         if not isinstance(output, Tensor):
             if any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(output)):
@@ -290,6 +293,7 @@ class PerExampleGradients:
         capture = None
         if not (
             self._replaying
+            or in_extra_forward()
             or name in self._step.failed
             or not torch.is_grad_enabled()
             or (_recomputing() and not _reentrant_recomputation())
@@ -308,8 +312,8 @@ class PerExampleGradients:
         capture = self._captures[name].pop() if rule.whole_call and self._captures.get(name) else None
         if capture is not None:
             capture.__exit__(None, None, None)
-        if self._replaying or name in self._step.failed:
-            return
+        if self._replaying or in_extra_forward() or name in self._step.failed:
+            return  # a forward of trainvitals' own (the lr advisor's probe, a diagnosis) is not the step's
         if _recomputing() and not _reentrant_recomputation():
             return  # non-reentrant checkpointing's recomputation of a call measured from its first run
         shared_call = None
