@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import math
 import sys
 import time
@@ -58,8 +59,9 @@ from _common import machine_line, markdown_table, median, write_json
 from torch import Tensor, nn
 
 from trainvitals.per_example import PerExampleGradients, Use, Workspace, plan_sources, rule_for
-from trainvitals.per_example.rules.conv import _conv_patches
-from trainvitals.per_example.tensor_ops import _bmm, _sq_norms
+from trainvitals.per_example.rules.conv import _conv_patches, _shifted_source, gram_is_cheaper
+from trainvitals.per_example.rules.linear import OuterProductRule
+from trainvitals.per_example.tensor_ops import _bmm, _ghost_is_cheaper, _sq_norms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from zoo import ZOO  # noqa: E402 - the test zoo's architectures, end to end
@@ -121,8 +123,10 @@ class PackedOutputs(Outputs):
 
 
 #: name: (make the layer, input shape, integer inputs below this bound or None). Shapes of small real
-#: layers: the digits CNN's second convolution, a ResNet stage at 16×16, a decoder's upsampling, a
-#: transformer block's projections, attention and norms on 64 tokens, recurrent layers on 32 steps.
+#: layers: the digits CNN's second convolution, a ResNet stage at 16×16, a stride-2 one and a late one at
+#: 4×4 (the form of the conv rule's weight norms by cost: per-example blocks, ghost Gram matrices), a
+#: decoder's upsampling, a transformer block's projections, attention and norms on 64 tokens, recurrent
+#: layers on 32 steps.
 LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] = {
     "Linear 4→4, (64, 4): the per-step constant": (lambda: nn.Linear(4, 4), (64, 4), None),
     "Linear 256→256, (64, 256)": (lambda: nn.Linear(256, 256), (64, 256), None),
@@ -134,6 +138,12 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int | None]] =
         None,
     ),
     "Conv2d 32→64 k3, (32, 32, 16, 16)": (lambda: nn.Conv2d(32, 64, 3, padding=1), (32, 32, 16, 16), None),
+    "Conv2d 32→32 k3 s2, (32, 32, 16, 16): blocks": (
+        lambda: nn.Conv2d(32, 32, 3, stride=2, padding=1),
+        (32, 32, 16, 16),
+        None,
+    ),
+    "Conv2d 64→128 k3, (32, 64, 4, 4): Gram": (lambda: nn.Conv2d(64, 128, 3, padding=1), (32, 64, 4, 4), None),
     "Conv3d 8→16 k3, (16, 8, 8, 8, 8)": (lambda: nn.Conv3d(8, 16, 3, padding=1), (16, 8, 8, 8, 8), None),
     "ConvTranspose1d 32→16 k4 s2, (32, 32, 64)": (
         lambda: nn.ConvTranspose1d(32, 16, 4, stride=2, padding=1),
@@ -307,7 +317,7 @@ def labelled(shape: tuple[int, ...], vocab: int | None = None) -> Data:
 
 def zoo_model(name: str) -> Callable[[], nn.Module]:
     """The zoo's model, its position table frozen if it has one looked up with ids shared by the batch
-    (trainvitals names it as not measured; frozen, every tool measures the same parameters)."""
+    (the peers have no per-example rule for it; frozen, every tool measures the same parameters)."""
     entry = ZOO[name]
 
     def make() -> nn.Module:
@@ -662,6 +672,9 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
                 [(s - b) / (b - f) for s, b, f in zip(sec[name], bare, sec["forward"])]
             )
         out[name] = entry
+    if "trainvitals" in sec and "opacus_ghost" in sec:  # the same round's steps: the machine's load cancels
+        paired = [t / o for t, o in zip(sec["trainvitals"], sec["opacus_ghost"])]
+        out["trainvitals_per_opacus_ghost"] = {"ratio": median(paired), "range": (min(paired), max(paired))}
     return out
 
 
@@ -767,6 +780,7 @@ def conv_profile(repetitions: int, seconds: float) -> dict[str, float]:
     handle.remove()
     inputs, grad = captured["x"], captured["g"] * 64  # own-loss units, as the probe scales them later
     rule, ws = rule_for(conv), Workspace()
+    gram_rule = type(rule)(form="gram")
     use = [Use(inputs, grad)]
     patches = _conv_patches(conv, inputs, torch.float32, ws)
     g = grad.flatten(2).transpose(1, 2)
@@ -779,6 +793,9 @@ def conv_profile(repetitions: int, seconds: float) -> dict[str, float]:
     candidate = padded_width_sq_norms(conv, inputs, grad, wide_patches, wide_blocks)
     if not torch.allclose(candidate, exact, rtol=1e-5):
         raise RuntimeError("the padded-width form does not give the rule's norms")
+    for form, norms in (("Gram", gram_rule.sq_norms), ("patches'", lambda *a: OuterProductRule.sq_norms(rule, *a))):
+        if not torch.allclose(norms(conv, use, ws), exact, rtol=1e-5):
+            raise RuntimeError(f"the {form} form does not give the rule's norms")
     args = (conv.stride, conv.padding, conv.dilation, False, [0, 0], 1)
     parts: dict[str, Callable[[], Any]] = {
         "own backward (input + weight + bias grads)": lambda: torch.ops.aten.convolution_backward(
@@ -787,7 +804,13 @@ def conv_profile(repetitions: int, seconds: float) -> dict[str, float]:
         "own weight gradient (oneDNN, the FLOP floor)": lambda: torch.ops.aten.convolution_backward(
             grad, inputs, w, None, *args, [False, True, False]
         ),
-        "trainvitals rule: sq_norms (all of it)": lambda: rule.sq_norms(conv, use, ws),
+        "trainvitals rule: sq_norms (all of it), the blocks from strided reads, no patches": lambda: rule.sq_norms(
+            conv, use, ws
+        ),
+        "  the shifted source: K' = 3 copies of the input": lambda: _shifted_source(conv, inputs, torch.float32, ws),
+        "the blocks from the patches (OuterProductRule.sq_norms, all of it)": lambda: OuterProductRule.sq_norms(
+            rule, conv, use, ws
+        ),
         "  patches: shifted contiguous copies (T·I per example)": lambda: _conv_patches(
             conv, inputs, torch.float32, ws
         ),
@@ -799,7 +822,10 @@ def conv_profile(repetitions: int, seconds: float) -> dict[str, float]:
             conv, inputs, grad, wide_patches, wide_blocks
         ),
         "  its copy of the patches": lambda: wide_patches[: wide_runs.numel()].view(wide_runs.shape).copy_(wide_runs),
-        "ghost alternative: two Gram bmm + vecdot": lambda: torch.linalg.vecdot(
+        f"Gram form, forced (the cost model takes {rule.form_for(conv, inputs.shape)}): sq_norms (all of it)": (
+            lambda: gram_rule.sq_norms(conv, use, ws)
+        ),
+        "  its two Gram bmm + vecdot (the patches above not counted)": lambda: torch.linalg.vecdot(
             torch.bmm(patches, patches.transpose(1, 2)).flatten(1), torch.bmm(g, g.transpose(1, 2)).flatten(1)
         ),
     }
@@ -821,6 +847,61 @@ def conv_profile(repetitions: int, seconds: float) -> dict[str, float]:
     out = {name: 1e3 * median(t) for name, t in times.items()}
     b, t, i, o = inputs.shape[0], grad.shape[2] * grad.shape[3], patches.shape[2], grad.shape[1]
     out["weight-gradient MFLOP (2·B·T·I·O)"] = 2 * b * t * i * o / 1e6
+    return out
+
+
+def form_sweep(seconds: float, quick: bool) -> dict[str, Any]:
+    """The conv rule's cost model against both forms timed, over a grid of T positions, I input and O
+    output features, in a convolution's layouts: per shape the µs per example of the per-example blocks (one bmm, ‖·‖²) and of the
+    ghost Gram matrices (two bmm, one dot product; the patches, which both need, not timed); per criterion
+    (the conv rule's FLOPs, the Linear rule's 2T² ≤ I·O) the mean of chosen / faster − 1 and the shapes where
+    its choice is ≥ 5 % slower."""
+    grid = (
+        ((4, 16, 64), (9, 144, 576), (8, 32, 128))
+        if quick
+        else (
+            (4, 9, 16, 36, 64, 144, 256),
+            (9, 27, 72, 144, 288, 576, 1152),
+            (8, 16, 32, 64, 128, 256, 512),
+        )
+    )
+    criteria = {
+        "FLOPs, the Gram matrices' at 1/1.2: T·(I + O) ≤ 1.2·I·O (conv)": gram_is_cheaper,
+        "FLOPs alone: T·(I + O) ≤ I·O": lambda t, i, o: t * (i + o) <= i * o,
+        "temporaries, 2T² ≤ I·O (Linear)": _ghost_is_cheaper,
+    }
+    shapes = []
+    for t, i, o in itertools.product(*grid):
+        b = max(1, min(256, int(1e6 / (t * max(i, t) + o * i + t * t))))  # ~4 MB of operands
+        # in a convolution's layouts: transposed views of the patches (B, I, T) and the output gradient (B, O, T)
+        a, g, ws = torch.randn(b, i, t).transpose(1, 2), torch.randn(b, o, t).transpose(1, 2), Workspace()
+        forms = {
+            "blocks": lambda: _sq_norms(_bmm(g.transpose(1, 2), a, ws, "blocks")),
+            "gram": lambda: torch.linalg.vecdot(
+                _bmm(a, a.transpose(1, 2), ws, "gram_a").flatten(1), _bmm(g, g.transpose(1, 2), ws, "gram_g").flatten(1)
+            ),
+        }
+        us = {}
+        for name, fn in forms.items():
+            fn()
+            start = time.process_time()
+            fn()
+            n = max(3, math.ceil(seconds / max(time.process_time() - start, 1e-6)))
+            rounds = []
+            for _ in range(5):
+                start = time.process_time()
+                for _ in range(n):
+                    fn()
+                rounds.append((time.process_time() - start) / n / b * 1e6)
+            us[name] = median(rounds)
+        shapes.append({"T": t, "I": i, "O": o, **us})
+    out: dict[str, Any] = {"shapes": shapes}
+    for label, gram in criteria.items():
+        excess = [
+            (s["gram"] if gram(s["T"], s["I"], s["O"]) else s["blocks"]) / min(s["gram"], s["blocks"]) - 1
+            for s in shapes
+        ]
+        out[label] = {"mean excess": sum(excess) / len(excess), "≥ 5 % slower": sum(e >= 0.05 for e in excess)}
     return out
 
 
@@ -907,7 +988,8 @@ def main() -> None:
         action="append",
         default=[],
         help="only the layers and models whose label contains this (repeatable); "
-        "the conv-path sections run only with none or with 'digits'",
+        "the conv-path sections run only with none or with 'digits'; the conv rule's cost model against "
+        "both forms timed over shapes only with 'forms'",
     )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
@@ -942,6 +1024,14 @@ def main() -> None:
         print(f"  {label}: done", flush=True)
     print("\n## End to end: a plain loop's step (forward, mean loss, backward, Adam) / the bare step\n")
     print(table(model_results, per_backward=False))
+    for label, r in model_results.items():
+        paired = r["summary"].get("trainvitals_per_opacus_ghost")
+        if paired:
+            low, high = paired["range"]
+            print(
+                f"- {label}: trainvitals' step / Opacus ghost clipping's, per round: {paired['ratio']:.3f} "
+                f"[{low:.3f}–{high:.3f}]"
+            )
     print("\n" + reasons(model_results))
 
     profile, breakdown = {}, {}
@@ -952,6 +1042,12 @@ def main() -> None:
         breakdown = step_breakdown(args.repetitions, 10 if args.quick else 50)
         print("\n## The digits CNN's plain-loop step with trainvitals, by part: CPU ms per step\n")
         print(markdown_table(["", "ms"], [[k, f"{v:.3f}"] for k, v in breakdown.items()]))
+    sweep = {}
+    if "forms" in args.only:
+        sweep = form_sweep(args.seconds / 4, args.quick)
+        print(f"\n## The conv rule's weight-norm form over {len(sweep['shapes'])} shapes: the cost model's choice\n")
+        rows = [[k, f"{v['mean excess']:.1%}", str(v["≥ 5 % slower"])] for k, v in sweep.items() if k != "shapes"]
+        print(markdown_table(["criterion", "mean chosen / faster − 1", "shapes ≥ 5 % slower"], rows))
     write_json(
         args.out,
         {
@@ -961,6 +1057,7 @@ def main() -> None:
             "models": {k: {"exactness": v["exactness"], "summary": v["summary"]} for k, v in model_results.items()},
             "conv_profile": profile,
             "step_breakdown": breakdown,
+            "form_sweep": sweep,
         },
     )
 

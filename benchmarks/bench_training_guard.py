@@ -7,13 +7,18 @@ Variants, timed interleaved in one process, every one with the same TensorBoardL
 - ``guard``: + ``TrainingGuard(snapshot_every_n_steps=0)``: the loss kept at backward, the step's gradient
   norm (the hub's fused pass: the guard is its only reader here), the one host read of the decision, the
   spike rule;
+- ``norm``: + one fused ``torch._foreach_norm`` over the gradients per step and nothing else: the pass the
+  guard cannot do without (its ‖g‖ and its finiteness read every gradient element once);
 - ``monitor`` and ``monitor_guard``: GradNormMonitor alone, and with the guard reading its norm (the
   guard's cost when the norm is shared);
 - opt-in ``guard_snapshot_cpu`` / ``guard_snapshot_device``: + a snapshot every ``--snapshot-every`` steps.
 
 Then, on the same model, one-off costs timed directly (median of ``--repetitions``): a snapshot to the
 CPU and on the device (``Snapshot.take``), and the producer search (``find_producer``: one forward and
-backward with the finiteness hooks) against a plain forward and backward.
+backward with the finiteness hooks; ``find_producer_by_anomaly``: the same under ``detect_anomaly``) against
+a plain forward and backward. Last, the share of that one norm pass in a plain-torch step (forward,
+backward, SGD) at each of ``--norm-batch-sizes``: it reads each gradient once, while the step's work grows
+with the batch, so its share is that of a model with as many tokens (rows) per step.
 
     python benchmarks/bench_training_guard.py --repetitions 7 --out training_guard.json
 """
@@ -49,15 +54,26 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from trainvitals.guard.callback import TrainingGuard
-from trainvitals.guard.producer import find_producer
 from trainvitals.guard.snapshot import Snapshot
 from trainvitals.norms.monitor import GradNormMonitor
+from trainvitals.norms.producer import find_producer, find_producer_by_anomaly
 
-VARIANTS = ("bare", "guard", "monitor", "monitor_guard", "guard_snapshot_cpu", "guard_snapshot_device")
+VARIANTS = ("bare", "guard", "norm", "monitor", "monitor_guard", "guard_snapshot_cpu", "guard_snapshot_device")
+
+
+class OneNormPass(Callback):
+    """One fused 2-norm over the gradients per optimizer step, its square summed on the device: the guard's
+    irreducible pass, alone."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.sq_norm = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 
 def _callbacks(variant: str, snapshot_every: int) -> list[Callback]:
     callbacks: list[Callback] = []
+    if variant == "norm":
+        callbacks.append(OneNormPass())
     if variant.startswith("monitor"):
         callbacks.append(GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0))
     if "guard" in variant:
@@ -113,7 +129,13 @@ def one_off_costs(make_model: Callable[[], pl.LightningModule], args: argparse.N
 
     forward_backward()
     opt.step()  # momentum buffers exist: the snapshot copies them too
-    timings: dict[str, list[float]] = {"snapshot_cpu": [], "snapshot_device": [], "search": [], "forward_backward": []}
+    timings: dict[str, list[float]] = {
+        "snapshot_cpu": [],
+        "snapshot_device": [],
+        "search": [],
+        "search_anomaly": [],
+        "forward_backward": [],
+    }
     snapshots = {"snapshot_cpu": Snapshot("cpu"), "snapshot_device": Snapshot("device")}
     for rep in range(args.repetitions + 1):
         for name, snapshot in snapshots.items():
@@ -126,6 +148,9 @@ def one_off_costs(make_model: Callable[[], pl.LightningModule], args: argparse.N
         start = time.perf_counter()
         find_producer(model.net, lambda: F.mse_loss(model.net(x), y))
         timings["search"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        find_producer_by_anomaly(model.net, lambda: F.mse_loss(model.net(x), y))
+        timings["search_anomaly"].append(time.perf_counter() - start)
     # The first snapshot allocates its copies; later ones copy into them (what a run pays every N steps).
     costs = {name: median(values[1:]) for name, values in timings.items()}
     costs["snapshot_mib"] = snapshots["snapshot_cpu"].nbytes / 2**20
@@ -140,7 +165,37 @@ def bench_model(
     rows = [ratio_row(runs, v, key="{clock}_median_s") for v in args.variants]
     for row in rows:
         row["hook_cpu_ms"] = 1e3 * median([r["hook_cpu_median_s"] for r in runs[row["variant"]]])
-    return {"model": label, "runs": runs, "rows": rows, "one_off": one_off_costs(make_model, args)}
+    return {
+        "model": label,
+        "runs": runs,
+        "rows": rows,
+        "one_off": one_off_costs(make_model, args),
+        "norm_share": norm_share(make_model, args),
+    }
+
+
+def norm_share(make_model: Callable[[], pl.LightningModule], args: argparse.Namespace) -> list[dict[str, float]]:
+    """Per batch size of ``--norm-batch-sizes``: the median process CPU time of a plain-torch step (forward,
+    backward, SGD) and of one fused norm over its gradients, over ``--repetitions`` × 3 steps after 3 untimed."""
+    rows = []
+    for batch_size in args.norm_batch_sizes:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        x, y = torch.randn(batch_size, model.net[0].in_features), torch.randn(batch_size, model.net[-1].out_features)
+        steps, norms = [], []
+        for _ in range(3 + 3 * args.repetitions):
+            start = time.process_time()
+            opt.zero_grad()
+            F.mse_loss(model.net(x), y).backward()
+            opt.step()
+            steps.append(time.process_time() - start)
+            grads = [p.grad for p in model.parameters()]
+            start = time.process_time()
+            torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+            norms.append(time.process_time() - start)
+        step, norm = median(steps[3:]), median(norms[3:])
+        rows.append({"batch_size": batch_size, "step_s": step, "norm_s": norm, "share": norm / step})
+    return rows
 
 
 def format_rows(result: dict[str, Any]) -> str:
@@ -161,10 +216,18 @@ def format_rows(result: dict[str, Any]) -> str:
         ],
     )
     c = result["one_off"]
+    shares = markdown_table(
+        ["batch size", "plain step CPU ms", "one norm pass CPU ms", "its share"],
+        [
+            [r["batch_size"], f"{1e3 * r['step_s']:.2f}", f"{1e3 * r['norm_s']:.3f}", f"{100 * r['share']:.2f} %"]
+            for r in result["norm_share"]
+        ],
+    )
     return (
         f"{table}\n\none-off, wall ms (median): snapshot of {c['snapshot_mib']:.1f} MiB to the CPU "
         f"{1e3 * c['snapshot_cpu']:.2f}, on the device {1e3 * c['snapshot_device']:.2f}; producer search "
-        f"{1e3 * c['search']:.2f} against a plain forward + backward {1e3 * c['forward_backward']:.2f}"
+        f"{1e3 * c['search']:.2f} (flags), {1e3 * c['search_anomaly']:.2f} (detect_anomaly) against a plain "
+        f"forward + backward {1e3 * c['forward_backward']:.2f}\n\n{shares}"
     )
 
 
@@ -172,7 +235,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_timing_arguments(parser)
     parser.add_argument(
-        "--variants", nargs="+", choices=VARIANTS, default=["bare", "guard", "monitor", "monitor_guard"]
+        "--variants", nargs="+", choices=VARIANTS, default=["bare", "guard", "norm", "monitor", "monitor_guard"]
+    )
+    parser.add_argument(
+        "--norm-batch-sizes", nargs="+", type=int, default=[64, 512, 2048], help="batch sizes of the norm's share"
     )
     parser.add_argument("--snapshot-every", type=int, default=10, help="snapshot cadence of the snapshot variants")
     args = parser.parse_args()

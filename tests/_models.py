@@ -120,6 +120,43 @@ class Scale(nn.Module):
         return x * self.scale
 
 
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+class Clamp(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(min=-30.0)
+
+
+class LogModel(pl.LightningModule):
+    """Linear(4→8) with positive weights → softplus → log → clamp → Linear(8→1): finite while the inputs are
+    positive; a batch of inputs of -1000 makes the softplus underflow to 0, so layer ``net.2`` (the log)
+    makes -inf, which the clamp hides from the loss, and the gradient is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Softplus(), Log(), Clamp(), nn.Linear(8, 1))
+        with torch.no_grad():
+            self.net[0].weight.abs_()
+            self.net[0].bias.fill_(1.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def log_data(bad_batch: int, batch_size: int = 8) -> DataLoader:
+    """64 rows for :class:`LogModel`; batch ``bad_batch``'s inputs are -1000 (its log makes -inf)."""
+    x, y = torch.rand(64, 4), torch.randn(64, 1)
+    x[batch_size * bad_batch : batch_size * (bad_batch + 1)] = -1000.0
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
 class GAN(pl.LightningModule):
     """GAN-shaped manual optimization: a generator and a discriminator, each with its own optimizer.
 

@@ -5,10 +5,10 @@ testing the per-example rules on whole architectures.
 Each entry makes a model, a batch ``(x, y)`` of B examples and a loss whose ``reduction="mean"`` over
 the batch is the mean of the examples' own losses (token and pixel losses: each example has as many
 terms as every other). A position table is an ``nn.Embedding`` looked up with ``(1, T)`` ids as in HF
-GPT-2 and BERT (named as not measured: its gradient arrives summed over the examples); one stored as a
-bare ``nn.Parameter`` (timm's ``pos_embed``) has no per-example rule. An entry with dropout in training
-(``random``) has its brute force through one forward of the batch: each example's loss differentiated
-alone, so that it sees the masks the measured forward draws from the same seed.
+GPT-2 and BERT and added to the examples' embeddings: measured per example where the add broadcasts it
+(nanoGPT's ``arange(T)`` and dropout after the sum: tests/per_example/test_positions.py). An entry with
+dropout in training (``random``) has its brute force through one forward of the batch: each example's loss
+differentiated alone, so that it sees the masks the measured forward draws from the same seed.
 """
 
 from __future__ import annotations
@@ -324,7 +324,8 @@ class Entry:
     make: Callable[[], nn.Module]
     batch: Callable[[int], tuple[Tensor, Tensor]]
     loss: Callable[[Tensor, Tensor], Tensor]  # reduction="mean": the mean of the examples' own losses
-    shared_lookup: str | None = None  # the position table looked up with ids shared by the batch: not measured
+    shared_lookup: str | None = None  # the position table, looked up with ids shared by the batch (the benchmark
+    # freezes it: the peers have no rule for it)
     random: bool = False  # draws dropout masks in training: the truth is each example's loss in one forward
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 _EXPORTS = {
     "ActivationMonitor": "trainvitals.activations.monitor",
+    "BandSchedule": "trainvitals.schedule.callback",
     "BatchVarianceProbe": "trainvitals.noise.probe",
     "GradNormEarlyStopping": "trainvitals.noise.stopper",
     "GradNormMonitor": "trainvitals.norms.monitor",

@@ -29,6 +29,7 @@ TRAINVITALS_ROOTS = (
     "guard",
     "update",
     "activation",
+    "schedule",
     "trainvitals",
     "diagnosis",
 )

@@ -13,7 +13,7 @@ from _models import ReleaseProcessGroup, loader, regression_data
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from torch import nn
 
-from trainvitals import ActivationMonitor
+from trainvitals import ActivationMonitor, LRScalingAdvisor
 from trainvitals.activations import monitor as activation_monitor
 
 
@@ -131,6 +131,37 @@ def test_hooks_are_installed_for_the_measured_forward_only(monkeypatch):
     assert hooked == [1 if s in (0, 4, 8) else 0 for s in range(9)]  # our hook, during those forwards only
     assert len(calls) == 3 * 5  # body, act, split[0], split[1], head
     assert not model.body._forward_hooks
+
+
+class Dropped(Net):
+    """Net with dropout before its head: the step's outputs differ from an eval-mode forward's."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.head(self.drop(self.act(self.body(x)))[:, :3]), y)
+
+
+def test_the_lr_advisors_forwards_are_not_the_steps():
+    """LRScalingAdvisor runs the first batch in eval mode, then twice over, while the monitor's hooks are on:
+    trainvitals' own forwards, not recorded. The step's statistics are those of the fit without the advisor."""
+    model = Dropped()
+    torch.manual_seed(1)
+    _, alone = fit(copy.deepcopy(model), ActivationMonitor(), max_steps=2)
+    torch.manual_seed(1)  # the same dropout masks
+    logger = RecordingLogger()
+    trainer = pl.Trainer(
+        **trainer_kwargs(callbacks=[ActivationMonitor(), LRScalingAdvisor()], logger=logger, max_steps=2)
+    )
+    trainer.fit(model, loader(regression_data(64), 8))
+    tags = [t for t in alone.series if t.startswith("activation/")]
+    assert "activation/rms/head" in tags
+    for tag in tags:
+        assert [s for s, _ in logger.series[tag]] == [s for s, _ in alone.series[tag]], tag
+        assert logger.values(tag) == pytest.approx(alone.values(tag), rel=1e-6), tag
 
 
 def test_one_host_transfer_per_measured_step(monkeypatch):

@@ -11,14 +11,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import ReleaseProcessGroup, flat_grad_norm, loader, regression_data
+from _models import LogModel, ReleaseProcessGroup, flat_grad_norm, loader, log_data, regression_data
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from test_producer import Clamp, Log
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor, TrainingGuard
 from trainvitals.guard.callback import SKIP_BATCHES_FILE
@@ -228,35 +226,9 @@ def test_the_budget_escalates_a_run_of_skips_to_a_rollback():
     assert guard.skipped_steps == 2 and guard.rollbacks == 1 and "escalated" in said[2]
 
 
-class LogModel(pl.LightningModule):
-    """Linear(4→8) with positive weights → softplus → log → clamp → Linear(8→1): finite while the inputs are
-    positive; a batch of inputs of -1000 makes the softplus underflow to 0, so layer ``net.2`` (the log)
-    makes -inf, which the clamp hides from the loss, and the gradient is NaN."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Softplus(), Log(), Clamp(), nn.Linear(8, 1))
-        with torch.no_grad():
-            self.net[0].weight.abs_()
-            self.net[0].bias.fill_(1.0)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
-def _log_data(bad_batch: int) -> DataLoader:
-    x, y = torch.rand(64, 4), torch.randn(64, 1)
-    x[8 * bad_batch : 8 * bad_batch + 8] = -1000.0
-    return DataLoader(TensorDataset(x, y), batch_size=8)
-
-
 def test_the_layer_that_made_the_nan_is_named_and_agrees_with_detect_anomaly():
     model, guard = LogModel(), TrainingGuard(on_nonfinite="skip")
-    data = _log_data(bad_batch=3)
+    data = log_data(bad_batch=3)
     trainer = pl.Trainer(**trainer_kwargs(max_steps=8, callbacks=[guard]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -296,7 +268,7 @@ def test_under_accumulation_a_nan_is_pinned_on_its_micro_batch_and_a_finite_reru
     trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[guard], accumulate_grad_batches=4))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, _log_data(bad_batch=4))
+        trainer.fit(model, log_data(bad_batch=4))
     said = [str(w.message) for w in caught if "TrainingGuard" in str(w.message)]
     (event,) = guard.events
     assert (event["global_step"], event["batch_idx"], event["batches"]) == (1, 7, [4, 5, 6, 7])
@@ -316,20 +288,80 @@ def test_the_monitors_warning_quotes_the_guards_producer_in_either_order(guard_f
     trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=callbacks))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(LogModel(), _log_data(bad_batch=3))
+        trainer.fit(LogModel(), log_data(bad_batch=3))
     said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
     assert len(said) == 1 and "optimizer step 3" in said[0]
     assert "`net.2` (LogBackward0)" in said[0] and "divergence" not in said[0]
 
 
-def test_without_a_guard_the_monitors_warning_points_to_it():
-    monitor = GradNormMonitor(log_every_n_steps=1)
-    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[monitor]))
+def _monitor_fit(monitor: GradNormMonitor, bad_batch: int = 3, callbacks=(), **kwargs) -> tuple[LogModel, list[str]]:
+    """LogModel fitted with ``monitor``; the monitor's non-finite warnings."""
+    model = LogModel()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[monitor, *callbacks], **kwargs))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(LogModel(), _log_data(bad_batch=3))
+        trainer.fit(model, log_data(bad_batch=bad_batch))
     said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
-    assert len(said) == 1 and "TrainingGuard()" in said[0]
+    return model, said
+
+
+@pytest.mark.parametrize("search", ["flags", "anomaly"])
+def test_without_a_guard_the_monitors_warning_names_the_producer(search):
+    """GradNormMonitor alone on the five-layer model whose third layer (``net.2``, a log) makes -inf: its one
+    warning names that layer, not the clamp or the linear layer after it, by either search."""
+    monitor = GradNormMonitor(log_every_n_steps=1, producer_search=search)
+    model, said = _monitor_fit(monitor)
+    assert len(said) == 1 and "optimizer step 3" in said[0]
+    assert "`net.2` (LogBackward0)" in said[0] and "`net.3`" not in said[0] and "`net.4`" not in said[0]
+    producer = monitor.search.producer
+    assert (producer.module, producer.op, producer.found_by) == ("net.2", "LogBackward0", search)
+    assert producer.input_range[0] == 0.0  # the log's input reached 0 (softplus underflowed)
+    assert monitor.search.rerun == [3]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())  # nothing left
+
+
+def test_the_monitors_producer_agrees_with_the_guards_and_detect_anomaly():
+    monitor = GradNormMonitor(log_every_n_steps=1)
+    _monitor_fit(monitor)
+    guard = TrainingGuard(on_nonfinite="skip", producer_search="anomaly")
+    model = LogModel()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[guard]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, log_data(bad_batch=3))
+    assert (guard.producer.module, guard.producer.op) == (monitor.search.producer.module, monitor.search.producer.op)
+    assert guard.producer.found_by == "anomaly" and guard.producer.where == "backward"
+    x, y = next(b for i, b in enumerate(log_data(bad_batch=3)) if i == 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.detect_anomaly(), pytest.raises(RuntimeError, match="returned nan values") as error:
+            F.mse_loss(model.net(x), y).backward()
+    assert str(error.value).split("'")[1] == guard.producer.op
+
+
+def test_the_monitor_says_why_it_cannot_name_a_producer_read_back_after_its_update():
+    # Logging every 2 steps: step 3 is read back at step 4, after its NaN gradient made the weights NaN.
+    monitor = GradNormMonitor(log_every_n_steps=2)
+    _, said = _monitor_fit(monitor)
+    assert len(said) == 1 and "optimizer step 3" in said[0] and "read back at step 4" in said[0]
+    assert monitor.search.producer is None and monitor.search.rerun == []  # no re-run with non-finite weights
+    # The same cadence, the NaN at a logging step: named.
+    monitor = GradNormMonitor(log_every_n_steps=2)
+    _, said = _monitor_fit(monitor, bad_batch=4)
+    assert "`net.2` (LogBackward0)" in said[0]
+
+
+def test_the_monitor_leaves_the_search_to_a_guard_unless_it_does_not_search():
+    monitor, guard = GradNormMonitor(log_every_n_steps=1), TrainingGuard(on_nonfinite="warn")
+    _, said = _monitor_fit(monitor, callbacks=[guard])
+    assert not monitor.search.searched and guard.producer.module == "net.2"
+    assert "as TrainingGuard's re-run" in said[0]
+    monitor, guard = GradNormMonitor(log_every_n_steps=1), TrainingGuard(on_nonfinite="warn", name_producer=False)
+    _, said = _monitor_fit(monitor, callbacks=[guard])
+    assert guard.producer is None and monitor.search.producer.module == "net.2" and "`net.2`" in said[0]
+    monitor = GradNormMonitor(log_every_n_steps=1, name_producer=False)
+    _, said = _monitor_fit(monitor)
+    assert not monitor.search.searched and "name_producer=True" in said[0]
 
 
 class HalfEpsSGD(torch.optim.SGD):
@@ -361,6 +393,15 @@ def test_the_optimizer_step_is_named_when_it_made_the_parameters_nonfinite():
     _, said = _fit(model, guard, max_steps=7)
     assert guard.events[0]["global_step"] == 5 and guard.producer.where == "optimizer"
     assert "the optimizer step itself" in said[0] and "`net.0.weight`" in said[0]
+    # GradNormMonitor alone says the same, and re-runs nothing (the weights were the non-finite thing).
+    monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=7, callbacks=[monitor]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Model(), loader(regression_data(64, 6), 8))
+    said = [str(w.message) for w in caught if "GradNormMonitor" in str(w.message) and "non-finite" in str(w.message)]
+    assert monitor.search.producer.where == "optimizer" and monitor.search.rerun == []
+    assert "optimizer step 5" in said[0] and "the optimizer step itself" in said[0] and "`net.0.weight`" in said[0]
 
 
 def test_the_guard_reads_the_shared_norm_and_reads_the_host_once_a_clean_step(monkeypatch):
@@ -418,6 +459,7 @@ def test_the_snapshot_goes_into_checkpoints_when_asked():
         ({"budget_events": 0}, ValueError, "budget_events"),
         ({"budget_window": 1.5}, ValueError, "budget_window"),
         ({"name_producer": "yes"}, TypeError, "name_producer"),
+        ({"producer_search": "grad"}, ValueError, "producer_search"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(kwargs, error, name):

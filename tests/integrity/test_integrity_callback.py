@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -1209,6 +1210,61 @@ def test_compiled_module_is_walked(with_unused):
     assert set(finding(cb, K.UNREACHABLE_PARAMS).names) == spare
     assert "`body._orig_mod.spare`, inside a torch.compile'd module" in finding(cb, K.UNREACHABLE_PARAMS).message
     assert set(finding(cb, K.UNUSED_PARAMS).names) == spare
+
+
+def graphs_compiled(model: pl.LightningModule, callbacks: list) -> tuple[int, int]:
+    """(graphs compiled, graph breaks) by a fit of ``model`` with ``callbacks``."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=callbacks)).fit(model, data())
+    counters = torch._dynamo.utils.counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def test_a_compiled_training_step_compiles_no_graph_more_and_its_modules_are_said_compiled():
+    """A module hook inside the compiled step would fail a guard of its graph at each window's first batch (a
+    graph with it, one without); the batch-independence check's call of the model would compile another. Neither
+    is there: the same graphs as the bare fit, nothing left hooked, and the unreachable modules said compiled."""
+    plain = graphs_compiled(torch.compile(UnreachableBranches(), backend="aot_eager"), [])
+    cb = every_step(check_batch_independence=True)
+    model = UnreachableBranches()
+    assert graphs_compiled(torch.compile(model, backend="aot_eager"), [cb]) == plain == (1, 0)
+    f = finding(cb, K.UNREACHABLE_PARAMS)  # the compiled graph's node holds the detached branches' parameters
+    assert set(f.names) == {"unused.weight", "unused.bias"}
+    assert "`unused`, inside a torch.compile'd module, did not reach the loss" in f.message
+    assert K.BATCH_MIXING not in kinds(cb)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
+
+
+class CallsUnusedHead(pl.Callback):
+    """Calls the model's unused head at each batch start, as trainvitals does its own forwards, or not."""
+
+    def __init__(self, quietly: bool) -> None:
+        self.quietly = quietly
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from trainvitals.plumbing.rerun import rerun_quietly
+
+        with rerun_quietly(pl_module) if self.quietly else contextlib.nullcontext():
+            pl_module.unused(torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize("quietly", [True, False])
+def test_an_extra_forward_is_not_counted_as_the_steps(quietly):
+    """The reachability check notes which modules the step ran; a forward that trainvitals runs for itself (inside
+    rerun_quietly) is not the step's: ``unused`` still never ran. Called plainly, it did run."""
+    cb = every_step()
+    pl.Trainer(**trainer_kwargs(max_steps=1, callbacks=[cb, CallsUnusedHead(quietly)])).fit(
+        UnreachableBranches(), data()
+    )
+    said = finding(cb, K.UNREACHABLE_PARAMS).message
+    assert ("`unused` never ran in forward" in said) is quietly
+    assert ("`unused` ran, but its output was detached" in said) is not quietly
 
 
 # ------------------------------------------------------------------------------------------- DDP

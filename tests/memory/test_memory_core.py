@@ -41,6 +41,7 @@ from trainvitals.memory import (
 from trainvitals.memory.categories import AllocatorStats, MemoryCategory, category_markdown, category_metrics
 from trainvitals.memory.recorder import SavedTensorReport, compiled_modules
 from trainvitals.memory.remedies import Remedy
+from trainvitals.plumbing.extra_forward import extra_forward
 from trainvitals.tags import MEMORY_BYTES
 
 F32 = 4  # bytes per float32 element
@@ -74,6 +75,25 @@ def test_mlp_saved_bytes_per_module_match_the_hand_count():
     assert report.total_bytes == sum(report.by_module.values())
     log_probs = next(s for s in report.storages.values() if s.nbytes == F32 * B * C)
     assert log_probs.savers == (OUTSIDE, OUTSIDE)
+
+
+def test_a_forward_of_trainvitals_own_inside_a_recorded_step_is_not_recorded():
+    """The batch-independence check calls the model with grad, the lr advisor on the batch twice over, both
+    perhaps inside the profiled step: inside ``extra_forward`` their saves and modules are not the step's."""
+    B, D, H, C = 5, 3, 7, 4
+    mlp = nn.Sequential(nn.Linear(D, H), nn.LayerNorm(H), nn.Tanh(), nn.Linear(H, C))
+    x, y = torch.randn(B, D), torch.randint(0, C, (B,))
+    _, alone, _ = record(mlp, x, exclude=[x, y], loss_fn=lambda out: F.cross_entropy(out, y))
+    with SavedTensorRecorder(mlp, exclude=[x, y]) as rec:
+        with extra_forward():
+            F.cross_entropy(mlp(torch.cat([x, x])), torch.cat([y, y])).backward()
+        loss = F.cross_entropy(mlp(x), y)
+    report = rec.report()
+    del loss
+    assert report.by_module == alone.by_module and report.total_bytes == alone.total_bytes > 0
+    assert {m: len(keys) for m, keys in report.module_inputs.items()} == {
+        m: len(keys) for m, keys in alone.module_inputs.items()
+    }
 
 
 def test_buffers_parameters_and_tied_weights_are_not_activations():

@@ -12,6 +12,8 @@ import torch._dynamo
 from test_probe import Classifier, brute_force_estimates, classification_data, fit, network, rel
 from torch import nn
 
+from trainvitals.integrity.callback import GraphIntegrityCallback
+from trainvitals.lr_scaling.advisor import LRScalingAdvisor
 from trainvitals.memory import compiled_modules
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
@@ -86,6 +88,31 @@ def test_a_compiled_model_keeps_its_graphs_under_the_probe_and_the_stopper(patte
     assert compiled_modules(module)[0] and not hooks_left(module)
     fit(module, data, [], batch_size=4, steps=2, accumulate=2)
     assert graphs() == plain  # the compiled graphs cached are those without the callbacks
+
+
+@pytest.mark.parametrize("pattern", ["training_step", "submodule"])
+def test_the_advisors_and_the_integrity_callbacks_extra_forwards_compile_nothing(pattern):
+    """LRScalingAdvisor runs the first batch in eval mode under no_grad, then twice over; the integrity callback
+    calls the model for its batch-independence check and notes which modules each window's first batch ran.
+    Compiled, each would fail a guard (mode, grad mode, batch size, hooks) and compile a graph more (4 instead
+    of 1). They run eagerly and hook nothing compiled: the bare fit's graphs, and the advisor reads the same."""
+    data = classification_data("mlp", 32)
+    fresh()
+    fit(compiled(pattern, network("mlp")), data, [], batch_size=4, steps=4, accumulate=2)
+    plain = graphs()
+
+    fresh()
+    probe = BatchVarianceProbe(loss_reduction="mean", histogram_every_n_steps=0)
+    advisor = LRScalingAdvisor()
+    integrity = GraphIntegrityCallback(check_every_n_steps=1, dead_after_steps=1, check_batch_independence=True)
+    trainer = fit(
+        compiled(pattern, network("mlp")), data, [probe, advisor, integrity], batch_size=4, steps=4, accumulate=2
+    )
+    assert plain == (1, 0) and graphs() == plain
+    assert advisor.loss_reduction == "mean" and advisor.loss_ratio == pytest.approx(1.0, abs=1e-12)
+    assert int(probe.noise.count) == 4 and integrity.findings == []
+    assert not hooks_left(trainer.lightning_module)
+    assert not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
 
 
 @pytest.mark.parametrize("pattern", ["training_step", "submodule"])

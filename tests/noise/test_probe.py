@@ -1182,7 +1182,7 @@ def test_ddp_the_step_that_finds_a_shared_position_table_on_every_rank_is_measur
         enable_model_summary=False,
         use_distributed_sampler=False,
     ).fit(
-        LanguageModel(PositionedGPT("hf", 6)),
+        LanguageModel(PositionedGPT("view", 6)),
         datamodule=InterleavedRanks(TensorDataset(tokens, tokens.roll(-1, 1)), batch_size=8),
     )
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -1207,23 +1207,25 @@ def test_a_window_of_one_micro_batch_is_left_out_not_fatal():
 
 class PositionFirst(nn.Module):
     """A position embedding called with ``arange(T)`` before the token embedding: its input's first
-    dimension is T, not the batch."""
+    dimension is T, not the batch. ``scaled``: its output doubled before the add, which no rule reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, scaled: bool = False) -> None:
         super().__init__()
         self.pos = nn.Embedding(6, 4)
         self.tok = nn.Embedding(13, 4)
         self.head = nn.Linear(4, 3)
+        self.scaled = scaled
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.pos(torch.arange(tokens.shape[1])) + self.tok(tokens)
+        pos = self.pos(torch.arange(tokens.shape[1]))
+        h = (2.0 * pos if self.scaled else pos) + self.tok(tokens)
         return self.head(torch.tanh(h)).mean(1)
 
 
 def test_the_batch_is_sized_from_the_batch_not_from_the_first_layer_that_runs():
     """The first layer to run once set "the batch size" (here T = 6): every real layer was then reported as
-    "not the batch" and nothing was measured. The position embedding is the one reported, and the rest
-    matches brute force."""
+    "not the batch" and nothing was measured. Every layer is measured, the position embedding where its add
+    broadcasts it, and matches brute force."""
     torch.manual_seed(0)
     net = PositionFirst().double()
     data = classification_data("sequence", 24)
@@ -1231,12 +1233,11 @@ def test_the_batch_is_sized_from_the_batch_not_from_the_first_layer_that_runs():
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fit(Classifier(net), data, [probe], batch_size=8, steps=3)
-    (message,) = _probe_warnings(record)
-    assert "pos: it is looked up with 6 ids for a batch of 8" in message and "tok" not in message
-    assert "not measured: 1 tensor" in probe.sources
+    assert _probe_warnings(record) == [] and not probe._excluded
+    assert "(100.0% of parameters)" in probe.sources and "not measured" not in probe.sources
     x, y = data.tensors
     per_example = brute_force(net, x[16:24], y[16:24])  # the last step's batch; lr = 0 keeps the weights
-    flat = torch.cat([g.flatten(1) for n, g in per_example.items() if not n.startswith("pos.")], 1)
+    flat = torch.cat([g.flatten(1) for g in per_example.values()], 1)
     trace = (flat - flat.mean(0)).square().sum() / 7
     assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-6
     assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-6
@@ -1327,11 +1328,14 @@ def test_a_position_table_is_said_in_plain_words_with_where_it_goes_and_the_cove
     data = classification_data("sequence", 48)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(Classifier(PositionFirst().double()), data, [probe], batch_size=8, steps=3, accumulate=accumulate)
+        fit(
+            Classifier(PositionFirst(scaled=True).double()), data, [probe], batch_size=8, steps=3, accumulate=accumulate
+        )
     assert said[0].startswith("planned sources") and "Embedding×2" in said[0] and "(100.0% of parameters)" in said[0]
     (message,) = _probe_warnings(record)
     assert "net.pos: it is looked up with 6 ids for a batch of 8, not one per example" in message
     assert "shared by all examples in the batch" in message and "first dimension" not in message
+    assert "read by MulBackward0" in message
     if accumulate > 1:
         assert "From the next step on it is measured from micro-batches and ranks" in message
         assert "micro-batches/ranks: 1 tensors" in message
@@ -1364,19 +1368,18 @@ def test_a_gpt_with_tied_embeddings_is_measured_per_example_end_to_end():
             steps=3,
             logger=logger,
         )
-    # The position table, looked up with ids shared by the batch, is named once and left out; the rest is
-    # measured per example from the first step on, the GSNR of the tied table too, but no EB criterion at the
-    # first step, which lacks the position table's coordinates.
-    (message,) = _probe_warnings(record)
-    assert "net.wpe: a lookup shared by the batch's examples" in message and probe._excluded == {"net.wpe"}
-    assert probe.sources.startswith("per-example norms in backward") and "not measured: 1 tensor" in probe.sources
-    assert len(logger.values("grad_noise/trace_cov")) == 3 and len(logger.values("grad_noise/gsnr/net.wte")) == 3
-    assert [step for step, _ in logger.series["grad_noise/eb_criterion"]] == [1, 2]
+    # Every parameter measured per example from the first step on, the position table where its add broadcasts
+    # it, the GSNR of the tied table and the EB criterion too.
+    assert _probe_warnings(record) == [] and not probe._excluded
+    assert probe.sources == "per-example norms in backward: Embedding×2, LayerNorm×5, Linear×9 (100.0% of parameters)"
+    assert len(logger.values("grad_noise/trace_cov")) == 3 and len(logger.values("grad_noise/gsnr/net.wpe")) == 3
+    assert [step for step, _ in logger.series["grad_noise/eb_criterion"]] == [0, 1, 2]
 
 
 class PositionedGPT(nn.Module):
     """GPT-2 with its position table looked up as HF writes it (``position_ids = arange(T).unsqueeze(0)``,
-    (1, T)) or as nanoGPT does (``wpe(arange(T))``, 1-D: with T = B told from per-example ids on the device)."""
+    (1, T)) or as nanoGPT does (``wpe(arange(T))``, 1-D: with T = B told from per-example ids on the device), or
+    nanoGPT's read through a view (``"view"``), which no rule reads."""
 
     def __init__(self, style: str, t: int) -> None:
         super().__init__()
@@ -1391,22 +1394,68 @@ class PositionedGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(positions.unsqueeze(0) if self.style == "hf" else positions)
+        pos = self.wpe(positions.unsqueeze(0) if self.style == "hf" else positions)
+        x = self.wte(idx) + (pos.view(idx.shape[1], -1) if self.style == "view" else pos)
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
 
 @pytest.mark.parametrize(("style", "accumulate"), [("hf", 1), ("hf", 2), ("nanogpt", 1), ("nanogpt T=B", 1)])
-def test_the_step_that_finds_a_shared_position_table_is_measured_without_it(style, accumulate, monkeypatch):
-    """A position table shared by the batch is found at the first step, which is measured over the other
-    layers (its tr(Σ) and ‖G‖² those of a per-example loop over them, the coverage without wpe),
-    not thrown away: every step of the fit enters the estimate. With T = B its ids are compared on the
-    device and decided at the logging step, with no host read between logging steps."""
+def test_a_gpt_s_position_table_is_measured_per_example_from_the_first_step(style, accumulate):
+    """HF's (1, T) position ids and nanoGPT's arange(T) (with T = B too: its ids told from the examples' own on the
+    device): every parameter measured per example, no micro-batch source, the first step's tr(Σ), ‖G‖² and
+    per-example norms those of a per-example loop over ALL parameters."""
     from zoo import VOCAB
 
     torch.manual_seed(0)
-    b, t, steps = 8, 8 if style == "nanogpt T=B" else 6, 25
+    b, t = 8, 8 if style == "nanogpt T=B" else 6
+    net = PositionedGPT(style.split()[0], t).double()
+    tokens = torch.randint(0, VOCAB, (b * accumulate * 3, t))
+    probe = BatchVarianceProbe(histogram_every_n_steps=1, top_k=b * accumulate)
+    first, second = StepValues(0), StepValues(1)  # the second sees the first step's per-example norms
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(
+            LanguageModel(net),
+            TensorDataset(tokens, tokens.roll(-1, 1)),
+            [probe, first, second],
+            batch_size=b,
+            steps=3,
+            accumulate=accumulate,
+        )
+    assert _probe_warnings(record) == [] and not probe._excluded and "micro-batches" not in probe.sources
+    assert "(100.0% of parameters)" in probe.sources and int(probe.noise.count) == 3
+
+    n = b * accumulate  # the first step's examples; lr = 0 keeps the weights
+    x, y = tokens[:n], tokens[:n].roll(-1, 1)
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name, _ in net.named_parameters()}
+    for i in range(n):  # each example's own loss: the mean over its tokens
+        net.zero_grad()
+        F.cross_entropy(net(x[i : i + 1]).flatten(0, 1), y[i : i + 1].flatten()).backward()
+        for name, p in net.named_parameters():
+            grads[name].append(p.grad.clone())
+    flat = torch.cat([torch.stack(g).flatten(1) for g in grads.values()], 1)
+    trace = (flat - flat.mean(0)).square().sum() / (n - 1)
+    trace_cov, grad_sq_norm, coverage, _ = first.values
+    assert rel(trace_cov, float(trace)) < 1e-5
+    assert rel(grad_sq_norm, float(flat.mean(0).square().sum() - trace / n)) < 1e-5
+    assert coverage == 1.0
+    norms = second.values[3]
+    torch.testing.assert_close(torch.tensor(norms, dtype=flat.dtype), flat.norm(dim=1).sort().values, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("style", "accumulate"), [("view", 1), ("view", 2), ("view T=B", 1)])
+def test_the_step_that_finds_a_shared_position_table_is_measured_without_it(style, accumulate, monkeypatch):
+    """A position table shared by the batch that no rule can read (its output read through a view; with 1-D ids
+    and T = B, compared on the device with arange(B) and decided at the logging step, with no host read between
+    logging steps) is found at the first step, which is measured over the other layers (its tr(Σ) and ‖G‖² those
+    of a per-example loop over them, the coverage without wpe), not thrown away: every step of the fit enters
+    the estimate."""
+    from zoo import VOCAB
+
+    torch.manual_seed(0)
+    b, t, steps = 8, 8 if style == "view T=B" else 6, 25
     net = PositionedGPT(style.split()[0], t).double()
     tokens = torch.randint(0, VOCAB, (b * accumulate * steps, t))
     probe = BatchVarianceProbe(log_every_n_steps=5, histogram_every_n_steps=steps, top_k=b * accumulate)
@@ -1563,6 +1612,54 @@ def test_a_real_recurrent_model_is_measured_per_example(name):
         for i in range(8)
     ]
     flat = torch.stack(per_example)
+    trace = (flat - flat.mean(0)).square().sum() / 7
+    assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-5
+    assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-5
+
+
+class Logits(nn.Module):
+    """transformers' causal LM as a module of token ids to logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def test_hf_gpt2_is_measured_over_all_parameters_without_accumulation():
+    """transformers' GPT-2 from its config (dropout on, the head tied to wte, (1, T) position ids): its position
+    table per example where its add broadcasts it, its Conv1D layers by torch.func over the whole batch, nothing
+    left to micro-batches; the estimates those of each example's gradient through the fit's forward."""
+    transformers = pytest.importorskip("transformers")
+    from zoo import VOCAB, T, token_loss
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=2, n_head=2)
+    net = Logits(transformers.GPT2LMHeadModel(config)).double()
+    x = torch.randint(0, VOCAB, (8, T))
+    probe, rng = BatchVarianceProbe(ema_beta=0.0, fallback_sub_batch=8), RngAtBatchStart()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(TokenModel(net, token_loss), TensorDataset(x, x), [probe, rng], batch_size=8, steps=1)
+    assert _probe_warnings(record) == [] and not probe._excluded
+    assert "net.model.transformer.wpe" in probe._plan.per_example and "micro-batches" not in probe.sources
+    assert float(probe.noise_source.norm_share) == 1.0
+    params = [p for p in net.parameters() if p.requires_grad]  # lr 0: as in the fit's step
+    torch.set_rng_state(rng.state)
+    out = net(x)
+    flat = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.flatten()
+                    for g in torch.autograd.grad(token_loss(out[i : i + 1], x[i : i + 1]), params, retain_graph=True)
+                ]
+            )
+            for i in range(8)
+        ]
+    )
     trace = (flat - flat.mean(0)).square().sum() / 7
     assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-5
     assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 8)) < 1e-5

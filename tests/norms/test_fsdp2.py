@@ -52,3 +52,10 @@ def test_update_norms_are_those_of_the_full_parameters(ranks):
     logged = ranks[0]["series"]
     assert [v for _, v in logged["update/total_norm"]] == pytest.approx(ranks[0]["reference_updates"], rel=1e-5)
     assert [v for _, v in logged["update/total_ratio"]] == pytest.approx(ranks[0]["reference_ratios"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_histograms_of_sharded_gradients_are_left_out_with_one_notice(ranks):
+    # Histograms every 4 steps, from step 0: rank 0 holds only its shards, so it says so once and logs on.
+    assert ranks[0]["histogram_notices"] == 1
+    assert len(ranks[0]["series"]["grad_norm/total"]) == ranks[0]["global_step"] > 1

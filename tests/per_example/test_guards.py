@@ -434,10 +434,12 @@ def test_under_bf16_autocast_a_tied_layer_is_not_taken_for_one_that_does_not_add
     collector.expect_batch(B)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(tokens)
-    F.cross_entropy(logits.float().flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.roll(-1, 1).flatten())
+    collector.before_backward(loss)  # the position table too, where its add broadcasts it
+    loss.backward()
     collector.end_micro_batch(float(B))
     step = collector.pop()
-    assert set(step.failed) == {"wpe"} and collector.unbalanced(step, 1.0 / B) == {}
+    assert step.failed == {} and collector.unbalanced(step, 1.0 / B) == {}
 
 
 def test_the_check_compares_the_rows_summed_under_a_coordinate_budget():

@@ -25,15 +25,19 @@ from trainvitals.noise.estimators import (
 from trainvitals.per_example import (
     PER_EXAMPLE_LAYERS,
     PerExampleGradients,
+    Use,
     Workspace,
     detect_loss_reduction,
     per_example_sq_norms,
     per_example_sums,
     plan_sources,
+    register_per_example_rule,
+    rule_for,
     vmap_per_example_grads,
 )
 from trainvitals.per_example import tensor_ops as per_example_module
 from trainvitals.per_example.rules import conv as conv_module
+from trainvitals.plumbing.extra_forward import extra_forward
 
 B = 6
 
@@ -61,15 +65,15 @@ def mlp() -> nn.Module:
 
 
 def cnn() -> nn.Module:
-    """Conv 2→4 on 6×6 (T = 36: per-example blocks), then conv 4→8 with stride 2
-    and reflect padding (T = 9, 2T² ≤ I·O: ghost Gram matrices)."""
+    """Conv 2→4 on 6×6 (T = 36: per-example blocks), then conv 4→16 with stride 2
+    and reflect padding (T = 9, T·(I + O) ≤ I·O: ghost Gram matrices)."""
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1),
         nn.ReLU(),
-        nn.Conv2d(4, 8, 3, stride=2, padding=1, padding_mode="reflect"),
+        nn.Conv2d(4, 16, 3, stride=2, padding=1, padding_mode="reflect"),
         nn.ReLU(),
         nn.Flatten(),
-        nn.Linear(8 * 3 * 3, 3),
+        nn.Linear(16 * 3 * 3, 3),
     )
 
 
@@ -150,11 +154,11 @@ def test_per_example_statistics_match_brute_force(kind, scratch_bytes, monkeypat
 @pytest.mark.parametrize(
     "conv, shape",
     [
-        (nn.Conv2d(3, 5, 3, padding=1), (6, 6)),  # per-example blocks (2T² > I·O)
+        (nn.Conv2d(3, 5, 3, padding=1), (6, 6)),  # per-example blocks (T·(I + O) > I·O)
         (nn.Conv2d(3, 5, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(2, 1), bias=False), (7, 6)),
-        (nn.Conv2d(8, 16, 2, padding=1, padding_mode="circular"), (2, 2)),  # ghost (2T² ≤ I·O)
+        (nn.Conv2d(8, 16, 2, padding=1, padding_mode="circular"), (2, 2)),  # Gram (T·(I + O) ≤ I·O)
         (nn.Conv1d(4, 3, 5, padding="same", padding_mode="replicate"), (9,)),
-        (nn.Conv1d(4, 3, 3, stride=2, dilation=2), (11,)),  # ghost
+        (nn.Conv1d(4, 3, 3, stride=2, dilation=2), (11,)),
         # stride 1 with the trailing sizes kept: shifted patches (the first spatial size may change)
         (nn.Conv2d(3, 4, (3, 5), padding=(0, 2)), (6, 5)),
         (nn.Conv2d(2, 3, 4, padding="same", dilation=(1, 2)), (5, 3)),  # uneven padding, shifts past the row
@@ -185,6 +189,170 @@ def test_convolution_paths_match_brute_force(conv, shape, scratch_bytes, monkeyp
             sums = per_example_sums(conv, x, grad_output, buffers)
             for n, g in per_example.items():
                 assert rel_close(sums[n][0], g.sum(0), 1e-10) and rel_close(sums[n][1], g.square().sum(0), 1e-10), n
+
+
+CONV_FORMS = {
+    "conv1d": (lambda: nn.Conv1d(8, 3, 5, padding=2), (8, 13)),
+    "conv1d_stride_dilation": (lambda: nn.Conv1d(4, 3, 3, stride=2, dilation=2), (4, 11)),
+    "conv2d_same": (lambda: nn.Conv2d(3, 5, 3, padding=1), (3, 6, 6)),
+    "conv2d_same_one_channel": (lambda: nn.Conv2d(1, 4, 3, padding=1), (1, 5, 5)),  # 3 columns: the patches
+    "conv2d_stride_dilation_padding": (
+        lambda: nn.Conv2d(3, 5, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(2, 1), bias=False),
+        (3, 7, 6),
+    ),
+    "conv2d_groups": (lambda: nn.Conv2d(6, 4, 3, padding=1, groups=2), (6, 4, 4)),
+    "conv2d_depthwise_circular": (lambda: nn.Conv2d(4, 8, 3, padding=1, groups=4, padding_mode="circular"), (4, 5, 5)),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 3, padding=1), (2, 3, 4, 3)),
+    "conv_transpose1d": (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), (3, 5)),
+    "conv_transpose2d_groups": (lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2), (4, 3, 3)),
+}
+
+
+def conv_brute_force(conv: nn.Module, xs: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
+    """(B,): ‖g_i‖² over all of ``conv``'s parameters, g_i the gradient of Σ_u ⟨conv(x_u[i]), grads_u[i]⟩ (one
+    backward per example through every call)."""
+    sq = []
+    for i in range(xs[0].shape[0]):
+        conv.zero_grad()
+        sum((conv(x[i : i + 1]) * g[i : i + 1]).sum() for x, g in zip(xs, grads)).backward()
+        sq.append(sum(p.grad.square().sum() for p in conv.parameters()))
+    conv.zero_grad()
+    return torch.stack(sq)
+
+
+class FormRoles(set):
+    """The workspace buffers the rules' batched matmuls took: {"blocks"} or {"gram_a", "gram_g"}."""
+
+    def form(self) -> str:
+        return {frozenset({"blocks"}): "blocks", frozenset({"gram_a", "gram_g"}): "gram"}.get(
+            frozenset(self & {"blocks", "gram_a", "gram_g"}), f"mixed: {sorted(self)}"
+        )
+
+
+@pytest.fixture
+def bmm_roles(monkeypatch):
+    """:class:`FormRoles` of every :class:`Workspace` from here on."""
+    roles = FormRoles()
+    take = Workspace.take
+
+    def recorded(self, role, shape, like):
+        roles.add(role)
+        return take(self, role, shape, like)
+
+    monkeypatch.setattr(Workspace, "take", recorded)
+    return roles
+
+
+@pytest.mark.parametrize("uses", [1, 2], ids=["one-call", "two-calls"])
+@pytest.mark.parametrize("scratch_bytes", [None, 1], ids=["one-chunk", "chunks-of-one-example"])
+@pytest.mark.parametrize("form", ["blocks", "gram", "cost"])
+@pytest.mark.parametrize("name", list(CONV_FORMS))
+def test_each_conv_form_matches_brute_force(name, form, scratch_bytes, uses, bmm_roles, monkeypatch):
+    """Either form, forced or chosen by cost, on Conv1d/2d/3d and ConvTranspose with stride, padding,
+    dilation and groups, in chunks of examples and on a layer called twice: ‖g_i‖² of brute force."""
+    if scratch_bytes is not None:
+        monkeypatch.setattr(per_example_module, "_SCRATCH_BYTES", scratch_bytes)
+    make, shape = CONV_FORMS[name]
+    torch.manual_seed(3)
+    conv = make().double()
+    rule = type(rule_for(conv))(form=form)
+    xs = [torch.randn(B, *shape, dtype=torch.float64) for _ in range(uses)]
+    grads = [torch.randn_like(conv(x)) for x in xs]
+    workspace = Workspace()
+    for buffers in (None, workspace, workspace):
+        sq = rule.sq_norms(conv, [Use(x, g) for x, g in zip(xs, grads)], buffers)
+        assert rel_close(sq, conv_brute_force(conv, xs, grads), 1e-10)
+    if form != "cost" or uses == 1:
+        chosen = rule.form_for(conv, xs[0].shape) if form == "cost" else form
+        assert bmm_roles.form() == chosen
+    if uses == 1:  # an ungrouped zero-padded "same" convolution: the blocks from strided reads, no patches
+        rows = chosen == "blocks" and name in ("conv1d", "conv2d_same", "conv3d")  # C·K' ≥ 8 columns
+        assert ("patches" in bmm_roles) != rows
+
+
+@pytest.mark.parametrize(
+    "conv, input_shape, form",
+    [
+        # the digits CNN's conv 2: T 64, I 144, O 32; the Gram matrices 2.4× the blocks' multiply-adds
+        (nn.Conv2d(16, 32, 3, padding=1), (64, 16, 8, 8), "blocks"),
+        # a late ResNet stage: T 16, I 576, O 128; the Gram matrices 6.5× fewer
+        (nn.Conv2d(64, 128, 3, padding=1), (32, 64, 4, 4), "gram"),
+        # T 64, I 288, O 32: 2.2× the blocks' (the smaller temporaries, 2T² ≤ I·O, would take the Gram form)
+        (nn.Conv2d(32, 32, 3, stride=2, padding=1), (32, 32, 16, 16), "blocks"),
+        # T 64, I 576, O 64: 1.11× the blocks', within the Gram matmuls' 1.2× speed
+        (nn.Conv2d(64, 64, 3, stride=2, padding=1), (32, 64, 16, 16), "gram"),
+        # per group I 288, O 32 decide, not the layer's 1152 and 128 (without groups: Gram)
+        (nn.Conv2d(128, 128, 3, padding=1, groups=4), (8, 128, 8, 8), "blocks"),
+        (nn.Conv2d(128, 128, 3, padding=1), (8, 128, 8, 8), "gram"),
+        (nn.Conv1d(8, 8, 3, padding=1, groups=8), (8, 8, 32), "blocks"),  # depthwise: I 3, O 1
+        (nn.Conv1d(256, 256, 3, padding=1), (8, 256, 16), "gram"),
+        # transposed: T the input's 16 positions, I = 128·4 of the output gradient's patches, O 256
+        (nn.ConvTranspose2d(256, 128, 2, stride=2), (8, 256, 4, 4), "gram"),
+    ],
+    ids=[
+        "digits-conv2",
+        "late-stage",
+        "stride-2",
+        "near-even",
+        "groups",
+        "no-groups",
+        "depthwise",
+        "conv1d",
+        "transpose",
+    ],
+)
+def test_the_cost_model_picks_the_form_with_fewer_multiply_adds(conv, input_shape, form, bmm_roles):
+    """The decision from the layer's shapes, T·I·O against T²·(I + O)/1.2 per group, and the rule computes
+    in it, exactly (on 3 examples: the choice does not depend on the batch)."""
+    torch.manual_seed(0)
+    conv = conv.double()
+    rule = rule_for(conv)
+    assert rule.form_for(conv, input_shape) == form
+    x = torch.randn(3, *input_shape[1:], dtype=torch.float64)
+    grad = torch.randn_like(conv(x))
+    sq = rule.sq_norms(conv, [Use(x, grad)], Workspace())
+    assert bmm_roles.form() == form
+    assert rel_close(sq, conv_brute_force(conv, [x], [grad]), 1e-10)
+
+
+@pytest.fixture
+def conv2d_form(request):
+    """nn.Conv2d measured by a ConvRule forced into ``request.param``; the built-in rule back afterwards."""
+    built_in = rule_for(nn.Conv2d(1, 1, 1))
+    register_per_example_rule(nn.Conv2d)(conv_module.ConvRule(form=request.param))
+    yield request.param
+    register_per_example_rule(nn.Conv2d)(built_in)
+
+
+@pytest.mark.parametrize("conv2d_form", ["blocks", "gram"], indirect=True)
+def test_the_digits_cnn_is_measured_exactly_in_either_forced_form(conv2d_form, bmm_roles):
+    """The demo's CNN through the collector, both convolutions in the forced form: ‖g_i‖² and the
+    per-coordinate sums over all its parameters, as brute force gives them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(  # the demo's DigitsCNN, without Lightning
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    ).double()
+    x, y = torch.randn(B, 1, 8, 8, dtype=torch.float64), torch.randint(0, 10, (B,))
+    per_example = brute_force(model, x, y)
+    step = hooked(model, x, y)
+    assert not step.failed and set(step.grad_sum) == set(per_example)
+    assert rel_close(step.sq_norms[0], sum(g.flatten(1).square().sum(1) for g in per_example.values()))
+    for n, g in per_example.items():
+        assert rel_close(step.grad_sum[n], g.sum(0)) and rel_close(step.sum_sq[n], g.square().sum(0)), n
+    assert {"gram_a", "gram_g"} <= bmm_roles if conv2d_form == "gram" else "gram_a" not in bmm_roles
+
+
+def test_conv_rule_rejects_an_unknown_form():
+    with pytest.raises(ValueError, match="form"):
+        conv_module.ConvRule(form="ghost")
 
 
 @pytest.mark.parametrize(
@@ -268,6 +436,29 @@ def test_coordinate_sums_of_selected_rows_match_brute_force(kind):
         g = per_example[n][:, r]
         assert step.grad_sum[n].shape == g.shape[1:], n
         assert rel_close(step.grad_sum[n], g.sum(0)) and rel_close(step.sum_sq[n], g.square().sum(0)), n
+
+
+def test_an_extra_forward_is_neither_measured_nor_read_as_layout_evidence():
+    """T = B: trainvitals' own forward on the batch twice over, (2B, T), would show the examples on dimension 1
+    and add calls to the step's. Run inside ``extra_forward`` (with a backward, even), it is neither: the step's
+    per-example norms are brute force's."""
+    model, x, y = make_case("sequence")
+    assert x.shape[0] == x.shape[1] == B
+    per_example = brute_force(model, x, y)
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, PER_EXAMPLE_LAYERS)}
+    collector = PerExampleGradients(modules, {}, 2)
+    collector.attach(keep_norms=True)
+    collector.begin_micro_batch()
+    collector.expect_batch(B, (x, y))
+    with extra_forward():
+        F.cross_entropy(model(torch.cat([x, x])), torch.cat([y, y])).backward()
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    collector.end_micro_batch(float(B))
+    collector.detach()
+    step = collector.pop()
+    truth = sum(g.flatten(1).square().sum(1) for g in per_example.values())
+    assert not step.failed and rel_close(step.sq_norms[0], truth)
 
 
 @pytest.mark.parametrize("kind", ["cnn", "sequence"])

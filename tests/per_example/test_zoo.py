@@ -67,16 +67,13 @@ def test_zoo_statistics_match_brute_force_over_all_parameters(name):
     output = model(x)
     if entry.random:
         assert torch.equal(output, out)
-    entry.loss(output, y).backward()
+    loss = entry.loss(output, y)
+    collector.before_backward(loss)  # a position table: where the add broadcasts it
+    loss.backward()
     collector.end_micro_batch(float(B))
     collector.detach()
     step = collector.pop()
-    # A position table looked up with ids shared by the batch is named, not measured: the rest is.
-    shared = {n for n, why in step.failed.items() if why.startswith("a lookup shared by the batch's examples")}
-    assert set(step.failed) == shared and step.seen == set(plan.per_example) - shared
-    assert shared == ({entry.shared_lookup} if entry.shared_lookup else set())
-    params = {n: p for n, p in params.items() if n.rpartition(".")[0] not in shared}
-    g = {n: g[n] for n in params}
+    assert step.failed == {} and step.seen == set(plan.per_example)
     flat = torch.cat([v.flatten(1) for v in g.values()], 1)
 
     # ‖g_i‖² of each example over every measured parameter
@@ -104,3 +101,52 @@ def test_a_batchnorm_model_in_training_mode_is_named_as_coupling_the_examples():
     assert plan.coupled == ("bn1", "layer1.bn1", "layer1.bn2", "layer2.bn1", "layer2.bn2", "layer2.downsample.1")
     assert all(why.startswith("BatchNorm couples the examples") for why in plan.uncovered.values())
     assert {n.rpartition(".")[0] for n in plan.uncovered} == set(plan.coupled)
+
+
+def test_hf_gpt2_from_config_is_measured_over_all_parameters():
+    """transformers' GPT-2 (its Conv1D layers by torch.func, every example kept), dropout after the sum of the token
+    and position embeddings ((1, T) position ids) and in every block, the LM head tied to wte: each example's
+    ‖g_i‖² over every parameter, the position table's included, is that of its own loss through the same forward."""
+    transformers = pytest.importorskip("transformers")
+    from zoo import VOCAB, T, token_loss
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(config).double().train()
+    x = torch.randint(0, VOCAB, (B, T))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert model.lm_head.weight is model.transformer.wte.weight
+    torch.manual_seed(1)
+    out = model(input_ids=x).logits
+    flat = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.flatten()
+                    for g in torch.autograd.grad(
+                        token_loss(out[i : i + 1], x[i : i + 1]), list(params.values()), retain_graph=True
+                    )
+                ]
+            )
+            for i in range(B)
+        ]
+    )
+
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert not plan.uncovered and not plan.micro_batch and "transformer.wpe" in plan.per_example
+    collector = PerExampleGradients(plan.per_example, plan.vmap, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    collector.begin_micro_batch()
+    collector.expect_batch(B)
+    torch.manual_seed(1)
+    output = model(input_ids=x).logits
+    assert torch.equal(output, out)
+    loss = token_loss(output, x)
+    collector.before_backward(loss)
+    loss.backward()
+    collector.end_micro_batch(float(B))
+    collector.detach()
+    step = collector.pop()
+    assert step.failed == {} and step.seen == set(plan.per_example) | set(plan.vmap)
+    assert close(step.sq_norms[0], flat.square().sum(1))
+    assert collector.unbalanced(step, 1.0 / B) == {}

@@ -79,6 +79,8 @@ SPECS: dict[str, dict[str, Spec]] = {
         "spike_factor": Float(1.0, low_open=True),
         "ema_beta": Float(0.0, 1.0, high_open=True),
         "spike_warmup_steps": Int(0),
+        "name_producer": Bool(),
+        "producer_search": Choice("flags", "anomaly"),
     },
     "GradNormEarlyStopping": {
         "mode": Choice("noise_band", "threshold", "relative"),
@@ -88,6 +90,19 @@ SPECS: dict[str, dict[str, Spec]] = {
         "threshold": Float(0.0, low_open=True),
         "fraction": Float(0.0, 1.0, low_open=True, high_open=True),
         "reference_steps": Int(1),
+        "ema_beta": Float(0.0, 1.0, high_open=True),
+        "check_every_n_steps": Int(1),
+        "verbose": Bool(),
+    },
+    "BandSchedule": {
+        "factor": Float(0.0, 1.0, low_open=True, high_open=True),
+        "max_cuts": Int(0, none_ok=True),
+        "min_lr": Float(0.0),
+        "stop": Bool(),
+        "grow_batch": Bool(),
+        "margin": Float(0.0, low_open=True),
+        "patience": Int(1),
+        "min_steps": Int(0),
         "ema_beta": Float(0.0, 1.0, high_open=True),
         "check_every_n_steps": Int(1),
         "verbose": Bool(),
@@ -165,6 +180,7 @@ SPECS: dict[str, dict[str, Spec]] = {
         "budget_events": Int(1),
         "budget_window": Int(1),
         "name_producer": Bool(),
+        "producer_search": Choice("flags", "anomaly"),
         "snapshot_in_checkpoint": Bool(),
     },
 }
@@ -492,6 +508,7 @@ def test_measure_and_log_cadences_have_one_name_each():
     assert {cls for cls, params in names.items() if "ema_beta" in params} == {
         "GradNormMonitor",
         "GradNormEarlyStopping",
+        "BandSchedule",
         "BatchVarianceProbe",
         "UpdateMonitor",
         "TrainingGuard",
@@ -508,15 +525,18 @@ def test_without_a_logger_each_callback_says_once_that_nothing_is_recorded(caplo
 
     _writers._notices.clear()  # the notices are once per process; earlier tests may have said them
     names = sorted(trainvitals.__all__)
+    # BandSchedule acts on the noise band GradNormEarlyStopping stops on: not in one fit.
+    fits = [[name for name in names if name != "BandSchedule"], ["BandSchedule"]]
     for _ in range(2):
-        callbacks = [getattr(trainvitals, name)() for name in names]
-        for callback in callbacks:  # quiet end-of-run tables
-            if hasattr(callback, "verbose"):
-                callback.verbose = False
-        with caplog.at_level("INFO"):
-            Trainer(**trainer_kwargs(callbacks=callbacks, logger=False, max_steps=2)).fit(
-                Regressor(), loader(regression_data(), 8)
-            )
+        for group in fits:
+            callbacks = [getattr(trainvitals, name)() for name in group]
+            for callback in callbacks:  # quiet end-of-run tables
+                if hasattr(callback, "verbose"):
+                    callback.verbose = False
+            with caplog.at_level("INFO"):
+                Trainer(**trainer_kwargs(callbacks=callbacks, logger=False, max_steps=2)).fit(
+                    Regressor(), loader(regression_data(), 8)
+                )
     for name in names:
         said = [
             r.message for r in caplog.records if r.message.startswith(f"trainvitals {name}: the Trainer has no logger")

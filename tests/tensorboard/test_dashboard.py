@@ -32,6 +32,7 @@ from trainvitals.tensorboard.layout import (
     CATEGORY,
     GRAD_NORM_CHART,
     IN_BAND_CHART,
+    OUTLIERS_OFF,
     trainvitals_layout,
 )
 
@@ -193,6 +194,9 @@ def test_every_gradient_tag_is_on_a_chart_and_no_chart_is_empty(tmp_path: Path) 
         "memory by category (bytes)",
         "saved activations per module (bytes)",
         "learning rate and its suggestion",
+        "band-driven schedule: lr scale × the scheduler's lr (BandSchedule; each cut multiplies it)",
+        f"band-driven schedule: lr cuts so far: {OUTLIERS_OFF}",
+        "band-driven schedule: accumulate_grad_batches set by its batch growths (grow_batch=True)",
         "steps and examples over their minimum",
         "update/weight ratio ‖Δθ‖/‖θ‖ per layer (rule of thumb: ~1e-3 per step)",
         "update norm ‖Δθ‖ per layer",

@@ -32,6 +32,7 @@ from trainvitals.activations.stats import (
 )
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.extra_forward import in_extra_forward
 from trainvitals.plumbing.sharing import SUMMARY
 from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.writers import log_scalars
@@ -233,6 +234,8 @@ class ActivationMonitor(TrainvitalsCallback):
         return bool(self.modules(name, module))
 
     def _on_output(self, name: str, dead: bool, module: nn.Module, inputs: Any, output: Any) -> None:
+        if in_extra_forward():
+            return  # trainvitals' own forward (the lr advisor's, in eval mode), not the step's
         for place, tensor in output_tensors(output):
             key = name + place
             if key not in self._rows and tensor.numel():

@@ -15,6 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="Adam, or SGD with momentum 0.9")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     parser.add_argument("--min-steps", type=int, default=100, help="no stop before this many optimizer steps")
+    parser.add_argument(
+        "--schedule",
+        action="store_true",
+        help="cut the lr 10× at each noise-band entry (BandSchedule) instead of stopping there; stop after 2 cuts",
+    )
     parser.add_argument("--log-every-n-steps", type=int, default=5, help="logging cadence, in optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and shuffling (the split is fixed)")
     parser.add_argument(

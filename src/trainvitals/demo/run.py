@@ -25,6 +25,7 @@ from trainvitals.memory.profiler import MemoryTopologyProfiler
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
+from trainvitals.schedule.callback import BandSchedule
 from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, diagnoses
 from trainvitals.text.terminal import markdown_to_text
 from trainvitals.updates.monitor import UpdateMonitor
@@ -55,13 +56,16 @@ def build_callbacks(args: argparse.Namespace) -> list[pl.Callback]:
     The probe measures every 10th optimizer step: on this small CNN a per-example measurement costs
     about half a bare step on CPU (benchmarks/bench_batch_variance_probe.py). The stopper takes its
     noise from the micro-batches when ``--accumulate`` ≥ 2, else from the probe; the advisor reads
-    the noise scale of either. On CPU the memory budget for the largest-batch advice is an argument.
+    the noise scale of either. With ``--schedule`` a BandSchedule takes the stopper's place: it cuts the lr at
+    the band and stops after its last cut. On CPU the memory budget for the largest-batch advice is an argument.
     """
     return [
         GraphIntegrityCallback(check_batch_independence=True, detect_anomaly_steps=1, verbose=False),
         GradNormMonitor(histogram_every_n_steps=50),
         BatchVarianceProbe(measure_every_n_steps=10, histogram_every_n_steps=50),
-        GradNormEarlyStopping(mode="noise_band", min_steps=args.min_steps),
+        BandSchedule(min_steps=args.min_steps)
+        if args.schedule
+        else GradNormEarlyStopping(mode="noise_band", min_steps=args.min_steps),
         LRScalingAdvisor(verbose=False),
         MemoryTopologyProfiler(memory_budget_bytes=256 * 2**20, verbose=False),
         UpdateMonitor(),

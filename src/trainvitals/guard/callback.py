@@ -1,7 +1,7 @@
 """TrainingGuard: answer a loss or gradient-norm spike, or an inf/NaN, instead of only counting it.
 
 The callback is a thin adapter over :mod:`trainvitals.guard.decision` (what a step says, what to do),
-:mod:`trainvitals.guard.snapshot` (the rollback target) and :mod:`trainvitals.guard.producer` (which
+:mod:`trainvitals.guard.snapshot` (the rollback target) and :mod:`trainvitals.norms.producer` (which
 module made the first inf/NaN). It reads the step's total gradient norm from the fit's shared
 measurements (:mod:`trainvitals.plumbing.sharing`): no pass of its own over the gradients.
 
@@ -17,7 +17,7 @@ as a GradScaler does for its own skip (one more on a non-finite step: which micr
 Besides that: the loss kept on the device at each backward,
 the spike rule in Python floats, and a snapshot every ``snapshot_every_n_steps``. The producer search
 (one extra forward and backward of the bad batch, hooks removed after) runs once, on the first
-non-finite step.
+non-finite step (:class:`~trainvitals.norms.nonfinite.ProducerSearch`, which GradNormMonitor runs without a guard).
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.guard.decision import ACTIONS, NONFINITE, SPIKE, Budget, choose, classify, pack, unpack
-from trainvitals.guard.producer import Producer, find_producer, nonfinite_tensors, optimizer_state_tensors
 from trainvitals.guard.snapshot import WHERE, Snapshot
+from trainvitals.norms.nonfinite import ProducerSearch
+from trainvitals.norms.producer import SEARCHES, Producer
 from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
-from trainvitals.plumbing.rerun import rerun_quietly
-from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, NAN_PRODUCER
+from trainvitals.plumbing.lr_factors import LRFactors
+from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 
@@ -101,6 +102,8 @@ class TrainingGuard(TrainvitalsCallback):
         budget_events: skips (or rollbacks) allowed within ``budget_window`` before escalating; ≥ 1.
         budget_window: the budget's window in optimizer steps; ≥ 1.
         name_producer: on the first non-finite step, re-run the batch to name the module that made the inf/NaN.
+        producer_search: how: ``"flags"`` (finiteness flags on every module's output, the default) or
+            ``"anomaly"`` (the batch re-run under ``torch.autograd.detect_anomaly``; it sees NaN gradients only).
         snapshot_in_checkpoint: also save the snapshot itself in checkpoints (default: only its step).
 
     Raises:
@@ -124,6 +127,7 @@ class TrainingGuard(TrainvitalsCallback):
         budget_events: int = 3,
         budget_window: int = 1000,
         name_producer: bool = True,
+        producer_search: str = "flags",
         snapshot_in_checkpoint: bool = False,
     ) -> None:
         super().__init__()
@@ -141,6 +145,7 @@ class TrainingGuard(TrainvitalsCallback):
         self.budget_events = events = check_int("budget_events", budget_events, 1)
         self.budget_window = window = check_int("budget_window", budget_window, 1)
         self.name_producer = check_bool("name_producer", name_producer)
+        self.producer_search = check_choice("producer_search", producer_search, SEARCHES)
         self.snapshot_in_checkpoint = check_bool("snapshot_in_checkpoint", snapshot_in_checkpoint)
         self.key_state_by(on_nonfinite=self.on_nonfinite, on_spike=self.on_spike, spike_factor=factor)
 
@@ -162,11 +167,8 @@ class TrainingGuard(TrainvitalsCallback):
         self.add_state("snapshot_step", None)
         self.lr_steps_left: int
         self.add_state("lr_steps_left", 0)
-        self.searched: bool  # the producer is searched on each fit's first non-finite step
-        self.add_state("searched", False, persistent=False)
-        self.producer: Producer | None
-        """Where this fit's first inf/NaN was made, once found."""
-        self.add_state("producer", None, persistent=False)
+        self.search: ProducerSearch  # the producer, searched on each fit's first non-finite step
+        self.add_state("search", functools.partial(ProducerSearch, self.producer_search), persistent=False)
         self.stop_reason: str | None
         """Why the guard stopped the fit, and where its checkpoint is; ``None`` if it did not."""
         self.add_state("stop_reason", None)
@@ -176,7 +178,7 @@ class TrainingGuard(TrainvitalsCallback):
         )
         self._step: dict[str, Any]  # scratch: this step's losses, batches, RNG states, decision; the params
         self.add_state("_step", dict, persistent=False)
-        self._lr: dict[str, Any]  # the lrs scaled for this step, to put back after its optimizer step
+        self._lr: dict[str, Any]  # whether guard/lr_factor was logged at the last step (the lrs: plumbing.lr_factors)
         self.add_state("_lr", dict, persistent=False)
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks, installed for one fit
         self._amp = False
@@ -195,11 +197,11 @@ class TrainingGuard(TrainvitalsCallback):
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
         if self._step.get("window") != trainer.global_step:  # a new optimizer step's first micro-batch
-            self._step.update(window=trainer.global_step, batches=[], losses=[], runs={})
+            self._step.update(window=trainer.global_step, batches=[], losses=[])
             self._scale_lr(trainer)
         self._step["batches"].append(i)
-        if self.name_producer and not self.searched:  # references and the RNG state: no copy of the batch
-            self._step["runs"][i] = (batch, i, _rng_state(pl_module.device))
+        if self.name_producer:  # references and the RNG state: no copy of the batch
+            self.search.keep(trainer.global_step, pl_module, batch, i)
         self._step["batch_idx"] = i
 
     @override
@@ -322,9 +324,14 @@ class TrainingGuard(TrainvitalsCallback):
         pending["prepared"] = True
         trainer, pl_module, kind = pending["trainer"], pending["pl_module"], pending["kind"]
         pending["where"] = self._culprit(kind)
-        if kind == NONFINITE and self.name_producer and not self.searched:
-            where = pending["optimizer"], pending["where"][0], pending["before"]
-            pending["producer"] = self._search(trainer, pl_module, *where)
+        if kind == NONFINITE and self.name_producer and not self.search.searched:
+            # A clean previous step was applied: non-finite weights now are that optimizer step's doing.
+            before = pending["before"]
+            applied = before is not None and before[0] == trainer.global_step - 1 and before[1] is None
+            batch_idx = pending["where"][0]
+            pending["producer"] = self.search.search(
+                trainer, pl_module, pending["optimizer"], [] if batch_idx is None else [batch_idx], applied, self
+            )
             pending["searched"] = True
         if pending["action"] != "warn" and not (kind == NONFINITE and self._amp):  # the GradScaler skips it
             for p in pending["params"]:
@@ -358,8 +365,8 @@ class TrainingGuard(TrainvitalsCallback):
             doing += " (the GradScaler skips the optimizer step itself)"
         batch_idx, batches = pending["where"]
         found = f"; made by {producer.describe()}" if producer else ""
-        if pending.get("searched") and producer is None and self._step.get("rerun") is not None:
-            found = f"; the re-run of batch {self._step['rerun']} was finite" + (
+        if pending.get("searched") and producer is None and self.search.rerun:
+            found = f"; the re-run of batch {self.search.rerun[-1]} was finite" + (
                 f": the inf/NaN came from another micro-batch of the step (batches {batches[0]}–{batches[-1]})"
                 if len(batches) > 1
                 else ""
@@ -419,90 +426,44 @@ class TrainingGuard(TrainvitalsCallback):
 
     def _scale_lr(self, trainer: "pl.Trainer") -> None:
         """At an optimizer step's first batch, for ``lr_factor_steps`` applied steps after a rollback: each
-        group's lr × ``lr_factor`` in place, put back right after the optimizer's step (:meth:`_after_step`),
-        before the LR scheduler steps: LearningRateMonitor and ``optimizer_step`` see it, the scheduler
-        keeps shaping the lr. ``guard/lr_factor`` logged, and 1 at the first step after."""
+        group's lr × ``lr_factor`` (:class:`~trainvitals.plumbing.lr_factors.LRFactors`), put back right after the
+        optimizer's step, before the LR scheduler steps: LearningRateMonitor and ``optimizer_step`` see it, the
+        scheduler keeps shaping the lr. ``guard/lr_factor`` logged, and 1 at the first step after."""
         if self.lr_steps_left <= 0:
             if self._lr.pop("logged", False):
                 log_scalars(trainer, {"guard/lr_factor": 1.0}, trainer.global_step)
             return
         self._lr["logged"] = True
         log_scalars(trainer, {"guard/lr_factor": self.lr_factor}, trainer.global_step)
-        if self.lr_factor == 1.0 or "saved" in self._lr:
-            return
-        self._lr["saved"] = [(g, g["lr"]) for opt in trainer.optimizers for g in opt.param_groups]
-        for group, lr in self._lr["saved"]:
-            group["lr"] = lr * self.lr_factor
+        if self.lr_factor != 1.0:
+            self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "guard", self.lr_factor)
 
     def _spend_lr_step(self) -> None:
         """An applied optimizer step: one fewer for the lr factor."""
         self.lr_steps_left = max(self.lr_steps_left - 1, 0)
 
     def _put_back_lr(self) -> None:
-        for group, lr in self._lr.pop("saved", []):
-            group["lr"] = lr
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:
+            factors.put_back()
 
     def _remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:
+            factors.close()
 
     # ------------------------------------------------------------------ the producer
-    def _search(
-        self,
-        trainer: "pl.Trainer",
-        pl_module: "pl.LightningModule",
-        optimizer: torch.optim.Optimizer,
-        batch_idx: int | None,
-        before: tuple[int, str | None] | None,
-    ) -> Producer | None:
-        """The producer of this step's inf/NaN, agreed over ranks (the first rank that found one; every rank
-        searches its own batch, then one gather)."""
-        self.searched = True
-        found = None
-        try:
-            found = self._search_here(trainer, pl_module, optimizer, batch_idx, before)
-        except Exception as error:  # a diagnostic never ends the run
-            self.cannot_measure(f"could not search for the producer of the inf/NaN: {type(error).__name__}: {error}")
-        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            gathered: list[Any] = [None] * trainer.world_size
-            torch.distributed.all_gather_object(gathered, found)
-            found = next((f for f in gathered if f is not None), None)
-        self.producer = found
-        return found
+    @property
+    def producer(self) -> Producer | None:
+        """Where this fit's first inf/NaN was made, once found (the same on every rank)."""
+        return self.search.producer
 
-    def _search_here(
-        self,
-        trainer: "pl.Trainer",
-        pl_module: "pl.LightningModule",
-        optimizer: torch.optim.Optimizer,
-        batch_idx: int | None,
-        before: tuple[int, str | None] | None,
-    ) -> Producer | None:
-        """Re-run micro-batch ``batch_idx`` of this step (kept by reference with its RNG state); ``before``:
-        the previous decided step and its kind of event."""
-        names = dict((p, n) for n, p in pl_module.named_parameters())
-        if before is not None and before[0] == trainer.global_step - 1 and before[1] is None:
-            # The previous step was clean and applied: non-finite weights now are that optimizer step's doing.
-            bad = nonfinite_tensors(pl_module.named_parameters())
-            bad += nonfinite_tensors(optimizer_state_tensors(optimizer, names))
-            if bad:
-                shown = ", ".join(f"`{n}`" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-                return Producer("optimizer", shown)
-        held = self._step.pop("runs", {}).get(batch_idx)  # searched once: the batches are not kept any longer
-        if held is None:
-            return None
-        batch, batch_idx, rng = held
-        self._step["rerun"] = batch_idx
-
-        def run() -> Tensor | None:
-            _set_rng_state(rng, pl_module.device)
-            with trainer.precision_plugin.train_step_context():
-                out = pl_module.training_step(batch, batch_idx)
-            return out.get("loss") if isinstance(out, dict) else out
-
-        with rerun_quietly(pl_module):
-            return find_producer(pl_module, run)
+    def offers(self, name: str) -> bool:
+        """Whether the guard provides ``name`` in this configuration: the producer only when it searches."""
+        return name != NAN_PRODUCER or self.name_producer
 
     # ------------------------------------------------------------------ records
     def _counters(self) -> dict[str, float]:
@@ -530,13 +491,3 @@ class TrainingGuard(TrainvitalsCallback):
 def _number(x: float) -> float | str:
     """``x``, or its name when it is not finite (JSON has no inf/NaN)."""
     return x if math.isfinite(x) else str(x)
-
-
-def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)

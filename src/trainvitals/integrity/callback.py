@@ -55,8 +55,8 @@ class GraphIntegrityCallback(TrainvitalsCallback):
 
     Cost: every step, a few attribute reads and one ``loss.detach()`` kept for a finiteness check that
     runs, with one host sync, when a check window closes. Every ``check_every_n_steps`` optimizer
-    steps a window opens: its first batch walks the graph (O(graph nodes), Python only, with a global
-    module forward hook noting which modules ran); then, for ``dead_after_steps`` optimizer steps per
+    steps a window opens: its first batch walks the graph (O(graph nodes), Python only, with module forward
+    hooks noting which modules ran); then, for ``dead_after_steps`` optimizer steps per
     optimizer, gradients are checked: the first check reads every gradient once (a min/max per tensor,
     one host sync), later ones only the gradients that were zero so far. The window's close syncs once
     more and logs. Under manual optimization the leak check may read gradients left after a step (one
@@ -64,10 +64,12 @@ class GraphIntegrityCallback(TrainvitalsCallback):
 
     Works with manual optimization and several optimizers (gradients are checked per optimizer at its
     step), and with ``torch.compile``: a compiled region is one ``CompiledFunctionBackward`` node, so the
-    walk sees the parameters it uses and stale inputs fed to it, not the operations inside; module
-    forward hooks do not run inside it, so for an unreachable parameter there it cannot say whether its
-    module ran. Diagnoses that re-run the step (a loss without ``grad_fn``, an in-place error without an
-    optimizer step behind it) need automatic optimization on one process; elsewhere they say less.
+    walk sees the parameters it uses and stale inputs fed to it, not the operations inside; no module
+    hook is put inside it (one would fail a guard and compile its graphs again), so for an unreachable
+    parameter there it cannot say whether its module ran. Its own forwards (the batch-independence check,
+    a diagnosis's re-run) run eagerly and are not taken for the step's: they compile nothing. Diagnoses
+    that re-run the step (a loss without ``grad_fn``, an in-place error without an optimizer step behind
+    it) need automatic optimization on one process; elsewhere they say less.
     Stale-graph detection reads autograd's private sequence counter (``torch.autograd._get_sequence_nr``,
     present in torch 2.13); a torch without it skips that check.
 

@@ -15,13 +15,14 @@ step, and end with the fix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import Node
 
+from trainvitals.compiled import ROOT
 from trainvitals.integrity.graph import (
     AutogradError,
     InplaceInfo,
@@ -121,15 +122,19 @@ class GradientStreaks:
 # ------------------------------------------------------------------------- parameters and modules
 
 
-def unreached_reasons(root: nn.Module, unreached: Sequence[str], ran: Mapping[int, bool]) -> dict[str, str]:
+def unreached_reasons(
+    root: nn.Module, unreached: Sequence[str], ran: Mapping[int, bool], compiled: Collection[str] = ()
+) -> dict[str, str]:
     """Why each parameter the loss cannot reach is out of its reach, said of the module that owns it.
 
     Args:
         root: the model the names are relative to.
         unreached: names (``tensor_names``) of the trainable parameters the loss's graph does not reach.
         ran: ``id(module) -> whether it ran at least once with grad mode on``, for every module whose
-            forward ran (a global module forward hook); forward hooks do not run inside a
-            ``torch.compile``'d region, so its modules are judged by name.
+            forward ran (module forward hooks); no hook runs inside a ``torch.compile``'d region, so its
+            modules are judged by name.
+        compiled: the modules whose calls run compiled (qualified names, :data:`~trainvitals.compiled.ROOT` for
+            ``root``: :func:`~trainvitals.compiled.compiled_modules`), besides those under a ``_orig_mod``.
 
     Returns:
         name -> a clause (no final period), the same for every parameter of one module.
@@ -145,7 +150,9 @@ def unreached_reasons(root: nn.Module, unreached: Sequence[str], ran: Mapping[in
             module = None
         if module is None or module is root:
             why = f"{listed(names)} are not used by the loss"
-        elif "_orig_mod" in mod_name.split("."):
+        elif "_orig_mod" in mod_name.split(".") or any(
+            c == ROOT or mod_name == c or mod_name.startswith(f"{c}.") for c in compiled
+        ):
             why = f"module `{mod_name}`, inside a torch.compile'd module, did not reach the loss"
         elif id(module) not in ran:
             why = f"module `{mod_name}` never ran in forward (an unused head or branch?)"

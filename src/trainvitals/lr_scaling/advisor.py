@@ -299,7 +299,9 @@ class LRScalingAdvisor(TrainvitalsCallback):
         Eval mode makes every example's loss its own (dropout off, BatchNorm on running statistics),
         so the duplicated batch gives exactly the same mean or exactly twice the sum. The calls go
         through ``trainer.strategy.training_step`` so wrappers (DDP, FSDP) and the precision context
-        apply as in the real step; every rank runs it, so any collective inside matches.
+        apply as in the real step; every rank runs it, so any collective inside matches. Both are trainvitals'
+        own forwards (:func:`~trainvitals.plumbing.extra_forward.extra_forward`): no callback takes them for the
+        step's (the probe's layout evidence), and under ``torch.compile`` they run eagerly, compiling nothing.
         """
         try:
             with rerun_quietly(pl_module), torch.no_grad():

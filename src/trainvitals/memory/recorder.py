@@ -14,11 +14,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from trainvitals.compiled import ROOT, compiled_modules
 from trainvitals.integrity.graph import is_view_op
 from trainvitals.memory.storage import StorageKey, storage_key, storage_keys, storage_nbytes, tensors_in
+from trainvitals.plumbing.extra_forward import in_extra_forward
 
-ROOT = "(root)"
-"""Label of the root module's own forward (ops not inside any child module)."""
 OUTSIDE = "(outside)"
 """Label of tensors saved while no module's forward runs (a loss computed in ``training_step``)."""
 
@@ -32,12 +32,13 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
 def _module_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
     """A module hook that does nothing while Dynamo traces (a constant branch: no graph break, whatever
     is compiled, a helper method or a function calling submodules included) and otherwise runs eagerly:
-    a compiled region's saves then go to the hooked module around it."""
+    a compiled region's saves then go to the hooked module around it. Nothing either in trainvitals' own
+    forwards (:func:`~trainvitals.plumbing.extra_forward.extra_forward`), which are not the step's."""
     eager = _eager(hook)
 
     @functools.wraps(hook)
     def run(*args: Any, **kwargs: Any) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or in_extra_forward():
             return None
         return eager(*args, **kwargs)
 
@@ -277,6 +278,8 @@ class SavedTensorRecorder:
         # A detached alias, as the saved_tensors_hooks docs ask: what the graph keeps must not lead
         # back to a grad_fn, or graph and tensor could keep each other alive.
         packed = tensor.detach()
+        if in_extra_forward():
+            return packed  # trainvitals' own forward (the batch-independence check's), not the step's
         key = storage_key(tensor)
         if key is None:
             self._uncounted += 1
@@ -367,36 +370,6 @@ class SavedTensorRecorder:
         (``retain_graph=True``, or saved tensors of a branch that backward never reached).
         """
         return {key: (self._saved[key].nbytes, refs) for key, refs in self._refs.items() if any_alive(refs)}
-
-
-def _dynamo_compiled(fn: Any) -> bool:
-    """``fn`` is a function wrapped by ``torch.compile`` (its frame runs compiled)."""
-    return hasattr(fn, "_torchdynamo_orig_callable")
-
-
-def compiled_modules(module: nn.Module) -> tuple[list[str], list[nn.Module]]:
-    """The outermost modules of ``module`` whose calls run under ``torch.compile``, and the modules that
-    can be hooked without breaking a compiled graph (in ``named_modules`` order).
-
-    A module's forward is compiled (a ``torch.compile(m)`` wrapper, or what Lightning does to a compiled
-    LightningModule): its submodules run compiled, its own hooks do not. Its whole call is compiled
-    (``m.compile()``; the root whose ``training_step`` is compiled, as Lightning does): it too runs
-    compiled. Names are qualified names, :data:`ROOT` for ``module``.
-    """
-    compiled: list[str] = []
-    hooked: list[nn.Module] = []
-    for name, m in module.named_modules():
-        label = name or ROOT
-        if any(c == ROOT or label.startswith(c + ".") for c in compiled):
-            continue
-        whole = getattr(m, "_compiled_call_impl", None) is not None or (
-            m is module and _dynamo_compiled(getattr(m, "training_step", None))
-        )
-        if whole or _dynamo_compiled(getattr(m, "forward", None)):
-            compiled.append(label)
-        if not whole:
-            hooked.append(m)
-    return compiled, hooked
 
 
 def any_alive(refs: list[weakref.ref]) -> bool:

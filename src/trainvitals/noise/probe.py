@@ -366,6 +366,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         step = self._step
         if step is None or not step.batch_size or loss.grad_fn is None:
             return
+        step.sources.collector.before_backward(loss)  # where a position table's output meets the batch
         reduction, how = self.loss_reduction, "as told"
         if reduction == "auto":
             divisor = loss_divisor(trainer, pl_module)

@@ -6,5 +6,7 @@ The callback is :class:`~trainvitals.norms.monitor.GradNormMonitor` (:mod:`.moni
   per-tensor, per-group and total p-norms in one fused ``torch._foreach_norm`` per dtype, no host sync;
 - :mod:`.spikes`: a value far above its running EMA, found in host floats at a logging step;
 - :mod:`.nonfinite`: the count of optimizer steps whose gradient held inf/NaN, for the callbacks that see
-  the gradient without a GradNormMonitor.
+  the gradient without a GradNormMonitor, and the one re-run that names the module that produced the first;
+- :mod:`.producer`: that module (or backward node, or optimizer step), from finiteness flags on every
+  module's output or from ``torch.autograd.detect_anomaly`` (below TrainingGuard, which imports it).
 """

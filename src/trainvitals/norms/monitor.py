@@ -5,7 +5,9 @@ accumulated gradient, already unscaled by the AMP GradScaler and not yet clipped
 A step costs one fused norm over the gradients, shared with the other callbacks that read the step's
 norms (:class:`~trainvitals.plumbing.sharing.StepGradNorms`); the per-tensor norms stay on the device until a
 logging step, which groups the steps of its window in one batch, reads them back in one transfer and
-does the bookkeeping (non-finite steps, spikes) on the host.
+does the bookkeeping (non-finite steps, spikes) on the host. On the fit's first non-finite step, when a
+logging step reads it back before its update and no TrainingGuard is there to do it, the step's batch is
+re-run once to name the module that produced the inf/NaN (:class:`~trainvitals.norms.nonfinite.ProducerSearch`).
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from trainvitals._validation import check_choice, check_int
+from trainvitals._validation import check_bool, check_choice, check_int
 from trainvitals.fused_norms import (
     GROUPINGS,
     NormGroups,
     combine_norms,
     grouped_norms,
+    is_dtensor,
     per_tensor_norms,
     validate_norm_type,
 )
+from trainvitals.norms.nonfinite import ProducerSearch
+from trainvitals.norms.producer import SEARCHES, Producer
 from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import grad_scaler
 from trainvitals.plumbing.base import TrainvitalsCallback
@@ -83,6 +88,8 @@ class _Track:
     # first non-finite step as (step, non-finite groups), and the latest spike as (step, message).
     nonfinite: tuple[int, list[str]] | None = None
     spike: tuple[int, str] | None = None
+    # The first non-finite step read back at a later step, after its update: too late to re-run its batch.
+    read_late: int | None = None
     warned_nonfinite: bool = False
     reported_spikes: int = field(init=False)
 
@@ -121,8 +128,9 @@ class GradNormMonitor(TrainvitalsCallback):
       here, e.g. ``total``, is logged as ``grad_norm/total (layer)``);
     - ``grad_norm/clipped_total``: the norm after the Trainer's gradient clipping, when it clips;
     - ``grad_norm/nonfinite_steps``: steps whose gradient held inf/NaN (one warning names the layers
-      of the first); ``grad_norm/amp_skipped_steps``: such steps under a GradScaler, which skips them
-      and lowers its scale — calibration, not divergence. A non-finite norm is counted, not logged;
+      of the first, and the module that produced it: see ``name_producer``); ``grad_norm/amp_skipped_steps``:
+      such steps under a GradScaler, which skips them and lowers its scale — calibration, not divergence.
+      A non-finite norm is counted, not logged;
     - ``grad_norm/spike_steps``: steps with a total above ``spike_factor`` × its running EMA; the
       latest spike (step, ratio, three largest groups) goes to the text panel ``grad_norm/spikes``;
     - every ``histogram_every_n_steps``: histograms ``grad_norm/hist/<group>`` of gradient values and
@@ -137,6 +145,12 @@ class GradNormMonitor(TrainvitalsCallback):
         spike_factor: a total above ``spike_factor`` × EMA(total) is a spike; must be > 1.
         ema_beta: decay of that EMA per optimizer step, in [0, 1).
         spike_warmup_steps: steps before spikes are looked for (the EMA needs history).
+        name_producer: without a TrainingGuard (which names it itself), re-run the batch of the fit's first
+            non-finite step once to name the module that produced the inf/NaN. Only a logging step is read
+            before its update (every step with ``log_every_n_steps=1``): the batches of a logging step are
+            kept by reference until the next step, and a non-finite step read back later is too late (its
+            update has made the weights non-finite), which the warning says.
+        producer_search: how, as TrainingGuard's: ``"flags"`` or ``"anomaly"`` (``torch.autograd.detect_anomaly``).
 
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
@@ -154,6 +168,8 @@ class GradNormMonitor(TrainvitalsCallback):
         spike_factor: float = 5.0,
         ema_beta: float = 0.98,
         spike_warmup_steps: int = 20,
+        name_producer: bool = True,
+        producer_search: str = "flags",
     ) -> None:
         super().__init__()
         self.norm_type = validate_norm_type(norm_type)
@@ -163,6 +179,8 @@ class GradNormMonitor(TrainvitalsCallback):
         self.spike_factor, self.ema_beta, self.spike_warmup_steps = SpikeDetector.check_arguments(
             spike_factor, ema_beta, spike_warmup_steps, names=("spike_factor", "ema_beta", "spike_warmup_steps")
         )
+        self.name_producer = check_bool("name_producer", name_producer)
+        self.producer_search = check_choice("producer_search", producer_search, SEARCHES)
         self.key_state_by(
             norm_type=self.norm_type,
             grouping=self.grouping,
@@ -186,6 +204,10 @@ class GradNormMonitor(TrainvitalsCallback):
         self.add_state("_clip_pending", None, persistent=False)
         # A GradScaler skips non-finite steps: they are calibration, not divergence.
         self.add_state("_amp_scaler", False, persistent=False)
+        # This monitor names the producer itself: asked to, and no TrainingGuard does (set at fit start).
+        self.add_state("_searching", False, persistent=False)
+        self.search: ProducerSearch  # without a TrainingGuard: the producer of the fit's first inf/NaN
+        self.add_state("search", partial(ProducerSearch, self.producer_search), persistent=False)
 
     @property
     def last_total(self) -> dict[int, Tensor]:
@@ -199,6 +221,17 @@ class GradNormMonitor(TrainvitalsCallback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._amp_scaler = grad_scaler(trainer) is not None
+        self._searching = self.name_producer and self.vitals.provider(NAN_PRODUCER) is None
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
+        if not self._searching or self.search.searched:
+            return
+        every = logging_every(trainer, self.log_every_n_steps)
+        if not self._tracks or any(is_logging_step(t.steps, every) for t in self._tracks.values()):
+            self.search.keep(trainer.global_step, pl_module, batch, i)  # by reference: no copy
+        else:
+            self.search.let_go()
 
     @override
     def on_before_optimizer_step(
@@ -218,6 +251,7 @@ class GradNormMonitor(TrainvitalsCallback):
         logs = is_logging_step(track.steps, logging_every(trainer, self.log_every_n_steps))
         if logs or len(track.pending) >= MAX_PENDING_STEPS:
             self._read_back(track)
+            self._search_producer(trainer, pl_module, optimizer, track, step)
         if logs and _clips(trainer, pl_module):
             self._clip_pending = (index, step)  # logged with the clipped norm: one event, one CSV row
         elif logs:
@@ -415,33 +449,85 @@ class GradNormMonitor(TrainvitalsCallback):
             self.info(message)
             log_text(trainer, tag("spikes"), message, at)
 
+    def _search_producer(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        optimizer: torch.optim.Optimizer,
+        track: _Track,
+        step: int,
+    ) -> None:
+        """After a read-back that found the fit's first non-finite step: re-run its batches once to name the
+        producer, when that step is this one (not yet applied: the weights are those its batches ran with);
+        every rank reads back the same norms, so all of them search at the same step."""
+        if track.nonfinite is None or not self._searching or self.search.searched:
+            return
+        if track.nonfinite[0] != step or not self.search.batches:
+            track.read_late = step if track.nonfinite[0] != step else None
+            self.search.give_up()  # the weights have moved on: nothing left to re-run
+            return
+        # Every step before this first non-finite one had finite gradients and was applied.
+        self.search.search(trainer, pl_module, optimizer, self.search.batches, track.steps > 0, self)
+
     def _warn_nonfinite(self) -> None:
         """Once per track, the first non-finite step read back: the layers whose gradient held it (they carry the
-        inf/NaN; the one that made it may be earlier), and its producer where a TrainingGuard named it."""
+        inf/NaN; the one that made it may be earlier), and the producer, named by a TrainingGuard or by this
+        monitor's own re-run of the batch."""
         for track in self._tracks.values():
             if track.nonfinite is None or track.warned_nonfinite:
                 continue
             track.warned_nonfinite = True
             at, layers = track.nonfinite
-            producer = getattr(self.vitals.provider(NAN_PRODUCER), "producer", None)
-            cause = (
-                f"It was made by {producer.describe()}, as TrainingGuard's re-run of the batch found: fix that "
-                "operation (clamp its input, compute it in float32, add an epsilon) before the lr."
-                if producer is not None
-                else "Without a GradScaler this is divergence or an operation that made an inf/NaN: lower the lr, "
-                "check the loss for log(0)/division by zero, or enable gradient clipping; TrainingGuard() names "
-                "the layer that made it."
-            )
+            guard = self.vitals.provider(NAN_PRODUCER)
+            producer: Producer | None = getattr(guard, "producer", None) if guard is not None else self.search.producer
+            by = "TrainingGuard's" if guard is not None else "a"
+            if producer is not None:
+                cause = (
+                    f"It was made by {producer.describe()}, as {by} re-run of the batch found: fix that "
+                    "operation (clamp its input, compute it in float32, add an epsilon) before the lr."
+                )
+            else:
+                cause = (
+                    "Without a GradScaler this is divergence or an operation that made an inf/NaN: lower the lr, "
+                    "check the loss for log(0)/division by zero, or enable gradient clipping."
+                    + self._why_no_producer(track, guard is not None)
+                )
             self.warn(
                 f"non-finite gradient (inf/NaN) at optimizer step {at}; first in: {', '.join(layers[:5]) or 'unknown'}"
                 f" (the layers whose gradient held it). {cause}"
             )
 
+    def _why_no_producer(self, track: _Track, guarded: bool) -> str:
+        """Why the warning names no producer, in a sentence (empty beside a TrainingGuard, which says it)."""
+        if guarded:
+            return ""
+        if not self.name_producer:
+            return " name_producer=True (or TrainingGuard()) names the layer that made it."
+        if track.read_late is not None:
+            return (
+                f" Its producer cannot be named: the step was read back at step {track.read_late}, after its "
+                "update made the weights non-finite; log_every_n_steps=1 reads each step before its update, "
+                "and TrainingGuard() does at any cadence."
+            )
+        if self.search.rerun:
+            batches = ", ".join(map(str, self.search.rerun))
+            return f" A re-run of batch {batches} stayed finite: the inf/NaN did not come back from the same input."
+        return " TrainingGuard() names the layer that made it."
+
     def _log_histograms(self, trainer: "pl.Trainer", index: int, track: _Track, step: int) -> None:
         by_group: dict[int, list[Tensor]] = {}
+        sharded = False
         for i, p in enumerate(track.params):
-            if p.grad is not None:
+            if p.grad is not None and is_dtensor(p.grad):
+                sharded = True  # rank zero holds a shard: a histogram of it would not be the layer's
+            elif p.grad is not None:
                 by_group.setdefault(int(track.groups.index[i]), []).append(p.grad.reshape(-1))
+        if sharded:
+            self.warn(
+                "the histograms of sharded (FSDP2, DTensor) gradients are not drawn: global rank zero holds only"
+                " its shard of them. Their norms and the histogram of the layers' norms are whole.",
+                once=True,
+            )
         for g, grads in by_group.items():
             log_histogram(trainer, self._tag(trainer, f"hist/{track.groups.names[g]}", index), grads, step)
         group_norms = grouped_norms(track.latest, track.groups, self.norm_type)

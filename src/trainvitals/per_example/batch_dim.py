@@ -19,7 +19,9 @@ per-position norms with no error. The evidence, in this order (:meth:`Layouts.ex
    evidence (a batch-first embedding and head around a ``batch_first=False`` encoder) does not say which a layer
    outside the encoder gets: it fails.
 
-Evidence that disagrees fails the layer for the step, saying the shape and the fix; without any, the input
+Only the user's steps give evidence: a forward trainvitals runs for its own purpose (the lr advisor's on the batch
+twice over, :func:`~trainvitals.plumbing.extra_forward.extra_forward`) gives none. Evidence that disagrees fails the
+layer for the step, saying the shape and the fix; without any, the input
 is taken batch-first and the layer is listed in :attr:`Layouts.assumed`, to be said once. A layer taken by 5 or
 without evidence whose own input later shows the other layout is listed in :attr:`Layouts.refuted`: the steps
 measured so far measured per-position gradients (the probe restarts its estimate). A module that declares its
@@ -46,6 +48,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from trainvitals.batch_structure import batch_tensors, listed_examples
+from trainvitals.plumbing.extra_forward import in_extra_forward
 
 #: The modules whose layout is that of the attention layers inside them (they pass their input straight in).
 _TRANSFORMER_BLOCKS = (
@@ -228,7 +231,10 @@ class Layouts:
     def see_declared(self, name: str, inputs: Any) -> None:
         """A declaring module's batched input: with the batch size the probe read on the other dimension than the
         one it declares, and on its own a size that the batch's tensors have on their other dimension, the batch
-        was read on the wrong dimension (:meth:`misread`)."""
+        was read on the wrong dimension (:meth:`misread`). Not from a forward of trainvitals' own (the lr advisor's
+        on the batch twice over): :func:`~trainvitals.plumbing.extra_forward.in_extra_forward`."""
+        if in_extra_forward():
+            return
         dim = self.declaring.get(name)
         if (
             dim is not None

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from trainvitals.per_example.batch_dim import ONE_EXAMPLE, Layouts
+from trainvitals.per_example.broadcast import Operand, broadcast_adds, consumers, per_example_grad
 from trainvitals.per_example.checkpoint_hooks import (
     _recomputing,
     _recomputing_task,
@@ -37,6 +38,37 @@ from trainvitals.per_example.rules.embedding import POSITION_IDS, SHARED_LOOKUP,
 from trainvitals.per_example.sums_check import UNBALANCED, sum_errors, tolerance
 from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _add, _moments, _trainable
 from trainvitals.per_example.tied import measure_tied
+from trainvitals.plumbing.extra_forward import in_extra_forward
+
+
+@dataclass
+class _SharedCall:
+    """A lookup's call with ids shared by the batch (:mod:`.broadcast`), until its per-example gradient is caught.
+
+    Attributes:
+        name: the module.
+        output: which output of its output's autograd node it is (the node is kept apart, in
+            ``PerExampleGradients._shared``: a hook on it holding it would keep it alive).
+        shape: the output's shape.
+        why: what to report if the adds that broadcast it are not found.
+        slot: its use's ``[ids expanded to the batch, per-example output gradient]``.
+        task: the backward that recomputes it (checkpointing), as :meth:`PerExampleGradients._note_backward` takes.
+        pending: the adds whose gradient has yet to arrive; -1 before they are found.
+        grad: the sum of the per-example gradients caught so far, ``(B, *shape[1:])``.
+        arange: for 1-D ids of B integers (T = B), a ``()`` bool on their device: whether they are ``arange(B)``.
+            Such a call is measured as the examples' own lookup, or, where adds broadcast its output over the
+            batch, as a position table when they are ``arange(B)`` (both computed, one chosen on the device).
+    """
+
+    name: str
+    output: int
+    shape: tuple[int, ...]
+    why: str
+    arange: Tensor | None = None
+    slot: list[Any] = field(default_factory=list)
+    task: int | None = None
+    pending: int = -1
+    grad: Tensor | None = None
 
 
 @dataclass
@@ -96,13 +128,19 @@ class PerExampleGradients:
     module recomputed in backward by ``torch.utils.checkpoint`` is measured once: from its first run,
     or from the recomputation where the first run had no graph (reentrant checkpointing); one whose
     reentrant recomputation comes after it was measured (several segments) is reported as not measured.
+    A forward trainvitals runs for its own purpose (:func:`~trainvitals.plumbing.extra_forward.extra_forward`:
+    the lr advisor's probe of the loss, a diagnosis's re-run) is neither measured nor read as layout evidence.
 
     Modules of ``vmap`` keep the first ``sub_batch`` examples of their inputs and output gradients
     until :meth:`end_micro_batch`, which computes their per-example gradients with
     :func:`vmap_per_example_grads`.
 
-    Use: :meth:`attach`, then per micro-batch :meth:`begin_micro_batch`, forward + backward and
-    :meth:`end_micro_batch` with the factor that converts the back-propagated gradient to the examples'
+    A lookup with ids shared by the batch (a position table) is measured from the gradient of the adds that
+    broadcast its output against the examples, which :meth:`before_backward` finds in the loss's graph
+    (:mod:`.broadcast`).
+
+    Use: :meth:`attach`, then per micro-batch :meth:`begin_micro_batch`, forward, :meth:`before_backward`, backward
+    and :meth:`end_micro_batch` with the factor that converts the back-propagated gradient to the examples'
     own losses; :meth:`pop` at the optimizer step; :meth:`detach`. A ``vmap`` module that runs more than
     once in a forward, or a call whose examples' dimension :meth:`~.layout.Layouts.examples` cannot settle,
     is reported in :attr:`PerExampleStep.failed`.
@@ -175,6 +213,9 @@ class PerExampleGradients:
         self._done: set[str] = set()  # modules whose uses were measured this micro-batch
         self._batch_size: int | None = None  # examples in this micro-batch: told, else the first layer's rows
         self._tasks: dict[int, set[str]] = {}  # per backward (graph task) reaching the hooks, the modules it reached
+        self._either: dict[str, tuple[list[Any], Tensor]] = {}  # per module, the slot its adds gave, and when to use it
+        self._shared: list[tuple[_SharedCall, Any]] = []  # this forward's lookups with ids shared by the batch, and
+        # their outputs' autograd nodes
         self._creating: set[int] = set()  # those run with create_graph=True
 
     @property
@@ -227,7 +268,7 @@ class PerExampleGradients:
         return True
 
     def _check_call(self, name: str, output: Any, batch: int) -> bool:
-        if self._replaying or (_recomputing() and self._calls[name]):
+        if self._replaying or in_extra_forward() or (_recomputing() and self._calls[name]):
             return False
         if not isinstance(output, Tensor):
             if any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(output)):
@@ -252,6 +293,7 @@ class PerExampleGradients:
         capture = None
         if not (
             self._replaying
+            or in_extra_forward()
             or name in self._step.failed
             or not torch.is_grad_enabled()
             or (_recomputing() and not _reentrant_recomputation())
@@ -270,10 +312,11 @@ class PerExampleGradients:
         capture = self._captures[name].pop() if rule.whole_call and self._captures.get(name) else None
         if capture is not None:
             capture.__exit__(None, None, None)
-        if self._replaying or name in self._step.failed:
-            return
+        if self._replaying or in_extra_forward() or name in self._step.failed:
+            return  # a forward of trainvitals' own (the lr advisor's probe, a diagnosis) is not the step's
         if _recomputing() and not _reentrant_recomputation():
             return  # non-reentrant checkpointing's recomputation of a call measured from its first run
+        shared_call = None
         if rule.whole_call:
             leaves = [
                 t if isinstance(t, Tensor) and t.requires_grad else None
@@ -305,12 +348,10 @@ class PerExampleGradients:
             if isinstance(shared, Tensor):
                 if len(self._groups[name]) > 1:
                     shared = bool(shared)  # a tied lookup's statistics are summed with its partners': one sync
-                else:
-                    self._undecided(name, shared)
+                else:  # ids arange(B) or the examples' own: which the adds reading its output may tell
+                    shared_call = _SharedCall(name, output.output_nr, tuple(output.shape), SHARED_LOOKUP, shared)
                     shared = False
-            if shared:
-                self._step.failed[name] = SHARED_LOOKUP
-                return
+            why = SHARED_LOOKUP if shared else None
             if (
                 rule.broadcast_batch
                 and inputs.dim() == 1
@@ -318,10 +359,20 @@ class PerExampleGradients:
                 and self._batch_size is not None
                 and batch != self._batch_size
             ):
-                self._step.failed[name] = POSITION_IDS.format(ids=batch, batch=self._batch_size)
-                return
+                why = POSITION_IDS.format(ids=batch, batch=self._batch_size)
+            if why is not None:  # measured where its output meets the batch (before_backward), if it is found
+                if len(self._groups[name]) > 1 or output.grad_fn is None:
+                    self._step.failed[name] = why
+                    return
+                shared_call = _SharedCall(name, output.output_nr, tuple(output.shape), why)
+                inputs, batch = inputs.reshape(1, -1).expand(self._batch_size, -1), self._batch_size
             features, moved = rule.feature_dims(module), False
-            if features is not None and self._batch_size is not None and inputs.dim() - features >= 2:
+            if (
+                shared_call is None
+                and features is not None
+                and self._batch_size is not None
+                and inputs.dim() - features >= 2
+            ):
                 examples = self.layouts.examples(
                     name, inputs, features, self._batch_size, rule.broadcast_batch, tied=len(self._groups[name]) > 1
                 )
@@ -348,8 +399,82 @@ class PerExampleGradients:
         if rule.whole_call:
             hook = functools.partial(self._backward_call, name, slot, task, [t is not None for t in leaves])
             register_all_grads_hook(tensors, hook)
+        elif shared_call is not None and shared_call.arange is not None:  # the use as it is, or the adds'
+            ids = inputs.reshape(1, -1).expand(batch, -1)
+            shared_call.slot, shared_call.task = [ids, None], task
+            self._shared.append((shared_call, output.grad_fn))
+            output.register_hook(functools.partial(self._backward_either, shared_call, slot))
+        elif shared_call is not None:
+            shared_call.slot, shared_call.task = slot, task
+            self._shared.append((shared_call, output.grad_fn))
+            output.register_hook(functools.partial(self._backward_summed, shared_call))
         else:
             output.register_hook(functools.partial(self._backward_output, name, slot, task, moved))
+
+    def before_backward(self, loss: Tensor) -> None:
+        """Before ``loss``'s backward: find where the outputs of this forward's lookups with ids shared by the batch
+        are added to the examples' tensors (:mod:`.broadcast`), and hook those adds, whose output gradient is the
+        per-example one. A lookup whose output something else reads is reported in :attr:`PerExampleStep.failed`
+        (1-D ids of B integers: measured as the examples' own, or decided as shared in :meth:`decide`). Not called
+        (a backward of another loss), those lookups are reported so at their gradient. Host-side only: one walk of
+        the graph, in a forward that has such lookups."""
+        calls = [(c, node) for c, node in self._shared if c.pending < 0 and c.name not in self._step.failed]
+        if not calls or loss.grad_fn is None:
+            return
+        readers = consumers(loss.grad_fn, [node for _, node in calls])
+        for call, node in calls:
+            adds = broadcast_adds(node, call.output, call.shape, readers)
+            if call.arange is not None and (
+                isinstance(adds, str) or not adds or len(self._uses.get(call.name, [])) > 1
+            ):
+                continue  # the examples' own lookup, read as any other (or with other calls: as before)
+            if isinstance(adds, str):
+                self._fail_shared(call, adds)
+                continue
+            call.pending = len(adds)
+            for add, operand in adds:
+                add.register_prehook(functools.partial(self._backward_shared, call, operand))
+
+    def _fail_shared(self, call: _SharedCall, why: str) -> None:
+        self._step.failed[call.name] = f"{call.why}; {why}"
+        self._uses.pop(call.name, None)
+
+    @torch.no_grad()
+    def _backward_shared(self, call: _SharedCall, operand: Operand, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        """An add's prehook: ``call``'s per-example gradient from the gradient of the add's result."""
+        self._note_backward(call.name, call.task)
+        if call.name in self._step.failed or call.name in self._done or call.pending < 0:
+            return
+        if grad_outputs[0] is not None:
+            per = per_example_grad(grad_outputs[0], operand, self._batch_size or 0)
+            if isinstance(per, str):
+                if call.arange is not None:  # not broadcast: the examples' own lookup
+                    call.pending = -1
+                else:
+                    self._fail_shared(call, per)
+                return
+            call.grad = per if call.grad is None else call.grad + per
+        call.pending -= 1
+        if call.pending == 0 and call.grad is not None:
+            if call.arange is not None:
+                call.slot[1] = call.grad  # chosen from at its output's gradient (_backward_either)
+            else:
+                self._backward(call.name, call.slot, call.grad)
+
+    def _backward_either(self, call: _SharedCall, slot: list[Any], grad_output: Tensor) -> None:
+        """The output's gradient of a call of 1-D ids of B integers: measured as the examples' own lookup, or where
+        its adds broadcast it, from theirs when the ids are ``arange(B)`` (:meth:`_measure`)."""
+        if call.pending == 0 and call.slot[1] is not None:
+            self._either[call.name] = (call.slot, call.arange)
+        else:  # arange(B) but not broadcast by adds: shared, not measured (decide)
+            self._undecided(call.name, call.arange)
+        self._backward_output(call.name, slot, call.task, False, grad_output)
+
+    def _backward_summed(self, call: _SharedCall, grad_output: Tensor) -> None:
+        """The gradient at ``call``'s output, summed over the examples: measured from its adds' instead, if found."""
+        self._note_backward(call.name, call.task)
+        if call.pending < 0 and call.name not in self._step.failed:
+            self._fail_shared(call, "where its output meets the batch was not looked for (no before_backward)")
 
     def _undecided(self, name: str, shared: Tensor) -> None:
         """Whether ``name``'s ids are shared by the batch, compared on the device: read in :meth:`decide`."""
@@ -433,6 +558,16 @@ class PerExampleGradients:
                     self._qualified(name, local, module): value
                     for local, value in (rule.sums(module, module_uses, self._workspace, rows) if rows else {}).items()
                 }
+                either = self._either.pop(name, None)
+                if either is not None:  # ids arange(B), a position table: from its adds' gradients
+                    alt_slot, arange = either
+                    alt = [Use(*alt_slot)]
+                    sq = torch.where(arange, rule.sq_norms(module, alt, self._workspace), sq)
+                    alt_sums = rule.sums(module, alt, self._workspace, rows) if rows else {}
+                    sums = {
+                        q: (torch.where(arange, a, total), torch.where(arange, a_sq, total_sq))
+                        for (q, (total, total_sq)), (a, a_sq) in zip(sums.items(), alt_sums.values())
+                    }
                 shared = self._step.undecided.get(name)
                 if shared is not None:  # ids arange(B) in some call so far: nothing counts (see decide)
                     counted = self._step.undecided_counted.get(name)

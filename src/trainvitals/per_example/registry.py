@@ -83,7 +83,8 @@ class PerExampleRule:
             recurrent layers: tuple outputs), not the first input and the output's gradient.
         broadcast_batch: a call on indices shared by the batch's B > 1 examples (one row ``(1, *)`` of
             position ids, or ``arange(B)``) is a lookup whose output is broadcast against the examples:
-            its gradient arrives summed over them, and the hooks report it as not measured.
+            its gradient arrives summed over them, so the hooks measure it from the gradient of the add that
+            broadcasts it (:mod:`.broadcast`), or report it as not measured.
     """
 
     whole_call = False

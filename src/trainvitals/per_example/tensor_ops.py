@@ -77,14 +77,15 @@ def _by_position(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
 
-def _outer_sq_norms(a: Tensor, g: Tensor, workspace: Workspace | None = None) -> Tensor:
-    """‖Σ_t g_t a_tᵀ‖²_F per example, ``(B, T, I)``, ``(B, T, O)`` → ``(B,)``; ghost Gram when 2T² ≤ I·O."""
+def _outer_sq_norms(a: Tensor, g: Tensor, workspace: Workspace | None = None, gram: bool | None = None) -> Tensor:
+    """‖Σ_t g_t a_tᵀ‖²_F per example, ``(B, T, I)``, ``(B, T, O)`` → ``(B,)``: from the ghost Gram matrices
+    where ``gram`` (``None``: where 2T² ≤ I·O), else from the per-example blocks."""
     # Reductions straight from the operands (vecdot, vector_norm): no squared temporary of the size of
     # the Gram matrices or blocks, whose allocation per step costs more than the arithmetic on a CPU.
     t, i, o = a.shape[1], a.shape[2], g.shape[2]
     if t == 1:
         return _sq_norms(a) * _sq_norms(g)
-    if _ghost_is_cheaper(t, i, o):
+    if _ghost_is_cheaper(t, i, o) if gram is None else gram:
         return torch.linalg.vecdot(
             _bmm(a, a.transpose(1, 2), workspace, "gram_a").flatten(1),
             _bmm(g, g.transpose(1, 2), workspace, "gram_g").flatten(1),

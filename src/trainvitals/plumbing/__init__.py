@@ -12,5 +12,7 @@
 - :mod:`.amp`: what the GradScaler has done to the gradients; :mod:`.sharding`: norms of the whole model
   under FSDP;
 - :mod:`.batch`: a batch's size as Lightning counts it, and its dataset rows;
-- :mod:`.rerun`: an extra ``training_step`` or forward that logs nothing and restores RNG, buffers and modes.
+- :mod:`.rerun`: an extra ``training_step`` or forward that logs nothing and restores RNG, buffers and modes;
+  :mod:`.extra_forward`: the mark that keeps such a forward from the hooks observing the user's steps and from
+  ``torch.compile`` (torch only).
 """

@@ -37,6 +37,7 @@ from trainvitals.report.model import (
     series_row,
     value_at,
 )
+from trainvitals.report.schedule import schedule_section
 from trainvitals.report.updates import activation_section, update_section
 from trainvitals.tags import FIT_RAISED, MEMORY_BYTES, TRAINVITALS_PREFIXES, TRAINVITALS_ROOTS, grad_norm
 
@@ -101,7 +102,16 @@ def assess(run: Run) -> RunReport:
             )
         )
     for section in (
-        (convergence_section, noise_scale_section, _integrity, _memory, _spikes, update_section, activation_section)
+        (
+            convergence_section,
+            noise_scale_section,
+            schedule_section,
+            _integrity,
+            _memory,
+            _spikes,
+            update_section,
+            activation_section,
+        )
         if report.measured
         else (_integrity,)
     ):

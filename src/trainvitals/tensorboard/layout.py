@@ -79,6 +79,15 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
             "Multiline",
             [grad_norm("band_ratio"), grad_norm("band_ratio_low"), grad_norm("band_ratio_high")],
         ],
+        "band-driven schedule: lr scale × the scheduler's lr (BandSchedule; each cut multiplies it)": [
+            "Multiline",
+            [r"schedule/lr_scale$"],
+        ],
+        f"band-driven schedule: lr cuts so far: {OUTLIERS_OFF}": ["Multiline", [r"schedule/cuts$"]],
+        "band-driven schedule: accumulate_grad_batches set by its batch growths (grow_batch=True)": [
+            "Multiline",
+            [r"schedule/accumulate_grad_batches$"],
+        ],
         # Multiline, not Margin: a margin chart draws nothing at a step without its upper series, and B_simple's
         # high end is not logged where it is infinite (‖G‖² within its error of 0): the low end is then the news.
         "B_simple and its 90 % interval (no high end: unbounded above) vs effective batch (examples)": [

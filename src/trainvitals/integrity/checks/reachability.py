@@ -7,11 +7,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
+from trainvitals.compiled import compiled_modules
 from trainvitals.integrity.checks.base import Check, Fit, register_check
 from trainvitals.integrity.diagnoses import unreached_reasons
 from trainvitals.integrity.findings import FindingKind
 from trainvitals.integrity.graph import GraphWalk
+from trainvitals.plumbing.extra_forward import in_extra_forward
 from trainvitals.text.prose import counted, listed
 
 if TYPE_CHECKING:
@@ -46,7 +49,10 @@ def _ddp_without_unused_search(trainer: "pl.Trainer") -> bool:
 @register_check(order=20)
 class ReachabilityCheck(Check):
     """The walk of a window's first batch finds the trainable parameters the loss cannot reach, and why
-    (a global module forward hook notes which modules ran, and with grad mode on). One batch does not
+    (module forward hooks note which modules ran, and with grad mode on: during that batch only, on the modules
+    outside ``torch.compile``'d regions, where a hook would fail a guard of the compiled graphs and compile them
+    anew, and not in trainvitals' own forwards, :func:`~trainvitals.plumbing.extra_forward.extra_forward`). One
+    batch does not
     make them unused (an auxiliary head used every other step, an expert that got no tokens): a
     parameter of an optimizer is reported when the window closes if it also went the whole window
     without a gradient; one outside every optimizer, or any under DDP with
@@ -68,17 +74,23 @@ class ReachabilityCheck(Check):
         self.add_state("_compiled", False, persistent=False)
         self._reached: set[int] = set()
         self._ran: dict[int, bool] = {}
-        self._hook: Any = None
+        self._regions: list[str] = []  # the fit's torch.compile'd modules (compiled_modules' names)
+        self._hookable: list[nn.Module] = []  # the modules outside them
+        self._hooks: list[RemovableHandle] = []
+
+    def on_train_start(self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._regions, self._hookable = compiled_modules(pl_module)
 
     def on_window_open(self, fit: Fit, trainer: "pl.Trainer") -> None:
         fit.streaks.clear()
         self._walked = False
         self._reached.clear()
         self._ran.clear()
-        self._hook = nn.modules.module.register_module_forward_hook(self._note_forward)
+        self._hooks = [m.register_forward_hook(self._note_forward) for m in self._hookable]
 
     def _note_forward(self, module: nn.Module, *_: Any) -> None:
-        self._ran[id(module)] = self._ran.get(id(module), False) or torch.is_grad_enabled()
+        if not in_extra_forward():
+            self._ran[id(module)] = self._ran.get(id(module), False) or torch.is_grad_enabled()
 
     def on_walk(
         self, fit: Fit, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor, walk: GraphWalk
@@ -100,7 +112,7 @@ class ReachabilityCheck(Check):
         if not self._walked:  # no backward ran in this batch
             return
         unreached = [n for n, p in fit.tracked if p.requires_grad and id(p) not in self._reached]
-        reasons = unreached_reasons(pl_module, unreached, self._ran)
+        reasons = unreached_reasons(pl_module, unreached, self._ran, self._regions)
         ddp = _ddp_without_unused_search(trainer)
         if not ddp:
             self._unreached = {n: why for n, why in reasons.items() if id(fit.params_by_name[n]) in fit.opt_of}
@@ -187,6 +199,6 @@ class ReachabilityCheck(Check):
         self.teardown()  # before a diagnosis re-runs the step
 
     def teardown(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

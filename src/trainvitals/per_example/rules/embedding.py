@@ -33,8 +33,8 @@ def _shared_by_batch(indices: Tensor, batch: int | None) -> bool | Tensor:
     (nanoGPT's with T = B, or a recommender's per-example ids) is compared on the device: the answer is a
     ``()`` bool tensor, read when the step is decided.
 
-    Its output would have to be replaced by one expanded to the examples for per-example gradients; a
-    diagnostic never changes the model's outputs."""
+    Such a lookup is measured from the gradient of the add that broadcasts its output against the examples
+    (:mod:`trainvitals.per_example.broadcast`); a diagnostic never changes the model's outputs."""
     if batch in (None, 1) or indices.is_floating_point():
         return False
     if indices.dim() >= 2:
@@ -73,7 +73,8 @@ def _embedding_rows(module: nn.Embedding, uses: Sequence[Use]) -> tuple[Tensor, 
 @register_per_example_rule(nn.Embedding)
 class EmbeddingRule(PerExampleRule):
     """nn.Embedding (dense, without ``scale_grad_by_freq``, which couples the examples); a position table
-    looked up with ids shared by the batch (``(1, T)``, ``arange(T)``) is not measured here."""
+    looked up with ids shared by the batch (``(1, T)``, ``arange(T)``) is measured on those ids expanded to the
+    batch, with the gradient of the add that broadcasts it (:mod:`trainvitals.per_example.broadcast`)."""
 
     broadcast_batch = True
 

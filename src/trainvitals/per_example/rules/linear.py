@@ -8,9 +8,10 @@ case: Li et al. 2022, "ghost clipping"; Gray et al. 2023–2024 and CerebrasRese
     ‖Σ_t δ_t a_tᵀ‖²_F = Σ_{t,s} (a_t·a_s)(δ_t·δ_s) = ⟨A Aᵀ, Δ Δᵀ⟩_F            (the "ghost norm")
 
 which costs O(T²(I + O)) per example against O(T·I·O) for materialising the I×O block; the cheaper of
-the two is used per layer (ghost when 2T² ≤ I·O). A layer used several times in a forward has the
-positions of all its uses: its per-example gradient is the sum of theirs, one sum over the positions
-of all uses, so the ghost norm has the cross terms between uses.
+the two is used per layer (ghost when 2T² ≤ I·O; for a convolution, by the two forms' FLOPs: see
+:mod:`.conv`). A layer used several times in a forward has the positions of all its uses: its
+per-example gradient is the sum of theirs, one sum over the positions of all uses, so the ghost norm
+has the cross terms between uses.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class OuterProductRule(PerExampleRule):
     def _copies_activations(self, module: nn.Module) -> bool:
         """Whether :meth:`_activations` forms a new tensor (patches), not a view of the input."""
         return False
+
+    def _gram(self, positions: int, fan_in: int, fan_out: int) -> bool | None:
+        """Whether :meth:`sq_norms` takes the weight's norms from the ghost Gram matrices, for one group's T
+        positions, I input and O output features (``None``: where 2T² ≤ I·O, the smaller temporaries)."""
+        return None
 
     def _as_weight(self, module: nn.Module, block: Tensor) -> Tensor:
         """A ``(*, O, I)`` block in the shape of ``module.weight``, or of its first O rows."""
@@ -115,7 +121,11 @@ class OuterProductRule(PerExampleRule):
         if "weight" in trainable:
             parts = [
                 functools.reduce(
-                    torch.add, [_outer_sq_norms(a_j, g_j, workspace) for a_j, g_j in self._groups(module, a, g)]
+                    torch.add,
+                    [
+                        _outer_sq_norms(a_j, g_j, workspace, self._gram(a_j.shape[1], a_j.shape[2], g_j.shape[2]))
+                        for a_j, g_j in self._groups(module, a, g)
+                    ],
                 )
                 for a, g in self._chunks(module, uses, workspace)
             ]

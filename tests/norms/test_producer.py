@@ -7,19 +7,16 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _models import Clamp, Log
 from torch import nn
 
-from trainvitals.guard.producer import Producer, find_producer, nonfinite_tensors, optimizer_state_tensors
-
-
-class Log(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log(x)
-
-
-class Clamp(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.clamp(min=-30.0)
+from trainvitals.norms.producer import (
+    Producer,
+    find_producer,
+    find_producer_by_anomaly,
+    nonfinite_tensors,
+    optimizer_state_tensors,
+)
 
 
 def five_layers(clamp: bool) -> nn.Sequential:
@@ -107,6 +104,47 @@ def test_nothing_stays_installed_even_when_the_forward_fails():
         find_producer(model, fails)
     find_producer(model, lambda: _mse(model, torch.randn(2, 4)))
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_the_anomaly_search_agrees_with_the_flags_and_with_detect_anomaly_itself():
+    model = five_layers(clamp=True)
+    x = torch.randn(16, 4)
+    flags = find_producer(model, lambda: _mse(model, x))
+    anomaly = find_producer_by_anomaly(model, lambda: _mse(model, x))
+    assert all(p.grad is None for p in model.parameters())  # the search leaves .grad alone
+    node, traceback = _anomaly(model, x)
+    assert (anomaly.module, anomaly.op, anomaly.input_range) == (flags.module, flags.op, flags.input_range)
+    assert anomaly.where == "backward" and anomaly.value == "nan" and anomaly.found_by == "anomaly"
+    assert node == anomaly.op and "torch.log(x)" in traceback
+    assert "`2`" in anomaly.describe() and "detect_anomaly" in anomaly.describe()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_the_anomaly_search_tells_two_instances_of_one_layer_apart():
+    """Two identical log layers called from one line of Sequential.forward (the same forward traceback): the
+    second one's input reaches 0, and the search names it, not the first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Softplus(), Log(), nn.ReLU(), Log(), Clamp(), nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+    assert find_producer(model, lambda: _mse(model, x)).module == "4"
+    assert find_producer_by_anomaly(model, lambda: _mse(model, x)).module == "4"
+
+
+def test_the_anomaly_search_names_a_backward_nan_and_the_loss_and_sees_only_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Sequential(BadBackward()), nn.Linear(8, 8), nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+    found = find_producer_by_anomaly(model, lambda: _mse(model, x))
+    assert (found.where, found.module, found.op) == ("backward", "2.0", "NanBackwardBackward")
+    clean = nn.Sequential(nn.Linear(4, 1))
+    assert find_producer_by_anomaly(clean, lambda: _mse(clean, x)) is None
+    nan_loss = find_producer_by_anomaly(clean, lambda: _mse(clean, x) * float("nan"))
+    assert (nan_loss.where, nan_loss.op) == ("loss", "MulBackward0")
+    # A forward -inf that reaches the loss: anomaly mode checks gradients, so it stops at the loss's node,
+    # where the flags search names the log.
+    model = five_layers(clamp=False)
+    assert find_producer(model, lambda: _mse(model, x)).module == "2"
+    assert find_producer_by_anomaly(model, lambda: _mse(model, x)).where == "loss"
 
 
 def test_nonfinite_parameters_and_optimizer_state_are_named():

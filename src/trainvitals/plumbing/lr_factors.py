@@ -1,0 +1,57 @@
+"""Lr multipliers on top of the lr a user's scheduler sets, one optimizer step at a time.
+
+A callback that scales the lr (TrainingGuard after a rollback, BandSchedule after a cut) must not fight the
+scheduler: a chainable one (StepLR, ExponentialLR, ReduceLROnPlateau …) computes its next lr from
+``group["lr"]``, so a factor left in place would compound at every scheduler step, and one written over the
+scheduler's value would undo it. Each step's lrs are therefore saved at the step's first micro-batch, multiplied
+by every owner's factor (their product: two owners compose, whatever the order of their hooks), and put back by
+the optimizer's step post-hook, before Lightning steps the schedulers: LearningRateMonitor, ``optimizer_step``
+and the update see the scaled lr, the scheduler only its own.
+
+Shared per fit through the hub: ``vitals.shared(LR_FACTORS, LRFactors)`` (:mod:`trainvitals.plumbing.sharing`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+class LRFactors:
+    """The lr factors of this optimizer step, by owner, and the lrs they scaled (module docstring)."""
+
+    def __init__(self) -> None:
+        self._factors: dict[str, float] = {}
+        self._saved: list[tuple[dict[str, Any], Any]] | None = None
+        self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step post-hook's handle
+
+    def apply(self, optimizers: list[torch.optim.Optimizer], owner: str, factor: float) -> None:
+        """Every param group's lr of ``optimizers`` × ``factor`` for this step (× the other owners' factors), put
+        back after the optimizer's step (:meth:`put_back`). Calling it again in the step replaces ``owner``'s
+        factor; the lrs saved at the first call stay the scheduler's."""
+        self._factors[owner] = factor
+        if self._saved is None:
+            self._saved = [(g, g["lr"]) for opt in optimizers for g in opt.param_groups]
+            for opt in optimizers:
+                if id(opt) not in self._hooks:
+                    self._hooks[id(opt)] = opt.register_step_post_hook(lambda *_: self.put_back())
+        scale = math.prod(self._factors.values())
+        for group, lr in self._saved:
+            group["lr"] = lr * scale
+
+    def put_back(self) -> None:
+        """The scheduler's lrs back in place (a no-op when nothing is scaled): after each optimizer step, and
+        wherever a step ends without one (a GradScaler skips it, the fit fails)."""
+        for group, lr in self._saved or []:
+            group["lr"] = lr
+        self._saved = None
+        self._factors = {}
+
+    def close(self) -> None:
+        """:meth:`put_back`, and the optimizers' post-hooks removed (at the end of a fit)."""
+        self.put_back()
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks = {}

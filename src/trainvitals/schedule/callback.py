@@ -1,0 +1,347 @@
+"""BandSchedule: when the gradient norm enters its noise band, cut the learning rate; stop only at the end.
+
+GradNormEarlyStopping stops where the steps have become noise at this lr and batch. The practitioner's answer to
+"progress has stalled into noise" is usually a smaller lr (step schedules, ReduceLROnPlateau), and SASA (Lang,
+Xiao & Zhang 2019) cuts the lr when a statistical stationarity test fires. This callback is the stopper with that
+answer: the same band, estimate, streak and reduced decision (it is a GradNormEarlyStopping), acted on by a cut.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from trainvitals._validation import check_bool, check_float, check_int
+from trainvitals.noise.estimate import Z90, band_ratio
+from trainvitals.noise.stopper import (
+    DEFAULT_CHECK_EVERY_N_STEPS,
+    DEFAULT_MARGIN,
+    DEFAULT_MIN_STEPS,
+    DEFAULT_PATIENCE,
+    GradNormEarlyStopping,
+    StopReason,
+)
+from trainvitals.plumbing.lr_factors import LRFactors
+from trainvitals.plumbing.sharing import LR_FACTORS, NOISE_BAND
+from trainvitals.plumbing.stopping import can_stop_now
+from trainvitals.plumbing.writers import log_scalars, log_text
+from trainvitals.schedule.decision import Action, Cut, batch_growth, decide, scaled_margin
+from trainvitals.schedule.warmup import scheduler_warmup
+from trainvitals.text.markdown import markdown_table
+
+# benchmarks/schedule_comparison.py (docs/benchmarks.md): 0.1 beat 0.3 on the 4 diabetes runs by 0.3-1.1 points of
+# 100·R² and was within ±0.4 point on the logistic regression; on the other tasks the band or the metric moved little.
+DEFAULT_FACTOR = 0.1
+DEFAULT_MAX_CUTS = 2
+LR_SCALE = "schedule/lr_scale"
+CUTS = "schedule/cuts"
+ACCUMULATE = "schedule/accumulate_grad_batches"
+CUT_RECORD = "schedule/cut_record"
+"""Text panel: a line per cut (step, band ratio and its 90 % interval, the lr scale after)."""
+
+
+class BandSchedule(GradNormEarlyStopping):
+    r"""Cut every param group's lr by ``factor`` when the gradient norm enters its noise band; stop after the last.
+
+    The band test is GradNormEarlyStopping's (``mode="noise_band"``): a decisive estimate, ‖G‖² ≤ margin·tr(Σ)/B
+    for ``patience`` counted steps, read every ``check_every_n_steps`` steps and reduced over ranks
+    (``reduce_boolean_decision``), so every rank cuts at the same step. At a cut:
+
+    - the lr scale s (in this callback's state) is multiplied by ``factor``: at each optimizer step every param
+      group's lr is the lr a user's scheduler set × s, put back after the step so the scheduler keeps shaping it
+      (:class:`~trainvitals.plumbing.lr_factors.LRFactors`);
+    - the streak and the noise estimate's window restart (every source of the run's GradientNoise forgets its
+      updates): the next decision is on steps at the new lr;
+    - the band's edge becomes margin·s·tr(Σ)/B (:mod:`trainvitals.schedule.decision`): the stationary ‖G‖² is
+      proportional to the lr, so the next cut waits until the run has settled at the lower one.
+
+    With ``grow_batch=True`` a band entry grows the effective batch instead: ``accumulate_grad_batches`` × k,
+    k = round(1/``factor``) (the same stationary loss as the lr cut: ∝ η/B on a noisy quadratic), capped so the
+    batch stays within B_simple — the run's one estimate, which LRScalingAdvisor reads too — when that is reliable
+    (beyond it each unit of progress costs more examples: E/E_min = 1 + B/B_noise) and within half an epoch; a
+    growth below 2 cuts the lr instead. The new accumulation takes effect at the first step boundary where the
+    epoch's batch count is a multiple of it (no ragged window; at most k − 1 steps later), decided on rank 0 and
+    broadcast; the band's edge is not scaled for a growth (:mod:`trainvitals.schedule.decision`).
+
+    The band entered after ``max_cuts`` cuts, or where a cut would take the smallest lr below ``min_lr``, stops the
+    run (as the stopper would); with ``stop=False`` the run trains on at its last lr. No step counts toward the
+    streak before ``min_steps`` nor before a user's scheduler has warmed up (read from LinearLR, ConstantLR,
+    OneCycleLR, SequentialLR, ChainedScheduler and a LambdaLR such as transformers'
+    ``get_linear_schedule_with_warmup``: :mod:`trainvitals.schedule.warmup`; another scheduler: ``min_steps``).
+
+    Logged, besides the stopper's tags: ``schedule/lr_scale`` (s) and ``schedule/cuts`` (the number of cuts) at the
+    logging cadence and at each cut (with ``grow_batch`` also ``schedule/accumulate_grad_batches``); the text panel
+    ``schedule/cut_record``, a line per cut: the step, the band ratio ‖G‖²/(margin·s·tr Σ/B) of the full estimate at
+    that step and its 90 % interval from ‖G‖²'s error (the streak may have completed up to
+    ``check_every_n_steps − 1`` steps before, so the ratio can exceed 1), the new scale or batch.
+
+    Not with a GradNormEarlyStopping in noise-band mode in the same fit (they would share one estimate and both
+    act on it). A step a GradScaler skips keeps the scale in ``group["lr"]`` while the scheduler steps: that step's
+    scheduler update is lost.
+
+    Args:
+        factor: lr multiplier at each cut, in (0, 1).
+        max_cuts: cuts before the band stops the run (or is ignored, ``stop=False``), ≥ 0; ``None``: no limit.
+        min_lr: no cut that would take the smallest param group's lr below it (≥ 0); the band stops instead.
+        stop: stop the run when no cut is left; ``False`` never stops.
+        grow_batch: grow ``accumulate_grad_batches`` at a band entry instead of cutting the lr (not beside a
+            GradientAccumulationScheduler).
+        margin, patience, min_steps, ema_beta, check_every_n_steps, verbose: GradNormEarlyStopping's.
+
+    Raises:
+        TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        factor: float = DEFAULT_FACTOR,
+        max_cuts: int | None = DEFAULT_MAX_CUTS,
+        min_lr: float = 0.0,
+        stop: bool = True,
+        grow_batch: bool = False,
+        margin: float = DEFAULT_MARGIN,
+        patience: int = DEFAULT_PATIENCE,
+        min_steps: int = DEFAULT_MIN_STEPS,
+        ema_beta: float = 0.98,
+        check_every_n_steps: int = DEFAULT_CHECK_EVERY_N_STEPS,
+        verbose: bool = True,
+    ) -> None:
+        check_float("margin", margin, 0.0, low_open=True)  # the band's edge scales with the lr: no margin 0
+        super().__init__(
+            margin=margin,
+            patience=patience,
+            min_steps=min_steps,
+            ema_beta=ema_beta,
+            check_every_n_steps=check_every_n_steps,
+            verbose=verbose,
+        )
+        self.factor = check_float("factor", factor, 0.0, 1.0, low_open=True, high_open=True)
+        self.max_cuts = check_int("max_cuts", max_cuts, 0, none_ok=True)
+        self.min_lr = check_float("min_lr", min_lr, 0.0)
+        self.stop = check_bool("stop", stop)
+        self.grow_batch = check_bool("grow_batch", grow_batch)
+        self.base_margin = self.margin
+        self.requested_min_steps = self.min_steps
+        self.key_state_by(
+            margin=self.margin,
+            patience=self.patience,
+            min_steps=self.min_steps,
+            ema_beta=self.ema_beta,
+            factor=self.factor,
+            max_cuts=self.max_cuts,
+            min_lr=self.min_lr,
+            stop=self.stop,
+            grow_batch=self.grow_batch,
+        )
+        self.lr_scale: float
+        """The product of the cuts so far: every param group's lr is its scheduler's × this."""
+        self.add_state("lr_scale", 1.0)
+        self.cuts: list[dict[str, float]]
+        """Every cut (:class:`~trainvitals.schedule.decision.Cut` as a dict), in order."""
+        self.add_state("cuts", [])
+        self.accumulate: int | None
+        """The ``accumulate_grad_batches`` the batch growths set (``None``: the Trainer's own), applied at a step
+        boundary it divides."""
+        self.add_state("accumulate", None)
+        self.warmup_steps: int | None
+        """Optimizer steps the user's schedulers warm up for (``None``: unknown or none), read at train start."""
+        self.add_state("warmup_steps", None, persistent=False)
+        self.add_state("_scaled_step", None, persistent=False)  # the optimizer step the scale was applied to
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().setup_fit(trainer, pl_module)
+        others = [
+            cb for cb in self.vitals.providers(NOISE_BAND) if cb is not self and getattr(cb, "mode", "") == "noise_band"
+        ]
+        if others:
+            raise MisconfigurationException(
+                f"BandSchedule cannot share a fit with {type(others[0]).__name__}(mode='noise_band'): both would act "
+                "on the one noise band (BandSchedule stops the run itself after its last cut)."
+            )
+        if self.grow_batch and any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise MisconfigurationException(
+                "BandSchedule(grow_batch=True) sets accumulate_grad_batches itself: it cannot share a fit with a "
+                "GradientAccumulationScheduler."
+            )
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().on_fit_start(trainer, pl_module)
+        self.margin = scaled_margin(self.base_margin, self.lr_scale)  # a resumed run's scale came with its state
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.warmup_steps = self._read_warmup(trainer)
+        self.min_steps = max(self.requested_min_steps, self.warmup_steps or 0)
+        super().on_train_start(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, *_: Any
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.lr_scale != 1.0 and self._scaled_step != trainer.global_step:  # a step's first micro-batch
+            self._scaled_step = trainer.global_step
+            self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "schedule", self.lr_scale)
+
+    @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._set_accumulation(trainer)  # a resumed run's, or one decided in the last epoch's last steps
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
+        stepped = self._pending is not None
+        if stepped:  # a step's last micro-batch; one a GradScaler skipped ran no post-hook
+            self._put_back()
+        super().on_train_batch_end(trainer, pl_module, *args)
+        if stepped:
+            self._set_accumulation(trainer)
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._put_back(close=True)
+        super().on_train_end(trainer, pl_module)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._put_back(close=True)
+        super().on_exception(trainer, pl_module, exception)
+
+    # ------------------------------------------------------------------ the decision
+    @override
+    def _check(self, trainer: "pl.Trainer", step: int) -> bool:
+        """Cut, or stop (the stopper's own stop) when no cut is left; returns whether it stopped the run now."""
+        if self.stop_reason is not StopReason.NOT_STOPPED:
+            return False
+        if not trainer.strategy.reduce_boolean_decision(bool(self._done), all=False):
+            return False
+        lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups if g["lr"] > 0]
+        lr = self.lr_scale * float(min(lrs)) if lrs else 0.0
+        action = decide(True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop)
+        if action is Action.STOP:
+            return can_stop_now(trainer) and super()._check(trainer, step)
+        if action is Action.CUT:
+            self._cut(trainer, step)
+        return False
+
+    def _cut(self, trainer: "pl.Trainer", step: int) -> None:
+        """The lr scale × ``factor``, the band restarted at the new lr, the cut recorded (one host read)."""
+        summary = self.gradient_noise.host_summary()
+        grad, se = summary["grad_sq_norm"], summary["grad_sq_norm_se"]
+        trace, batch = summary["trace_cov"], summary["batch_size"]
+        measured = trace > 0 and bool(batch)
+        ratio, low, high = (
+            (float(band_ratio(g, trace, batch, self.margin)) for g in (grad, grad - Z90 * se, grad + Z90 * se))
+            if measured
+            else (math.nan,) * 3
+        )
+        growth = 1
+        if self.grow_batch:
+            b_simple = summary["b_simple"] if summary["reliable"] else None
+            growth = batch_growth(self.factor, batch, b_simple, self.gradient_noise.population)
+            growth = int(trainer.strategy.broadcast(growth, src=0))  # one decision for all ranks
+        if growth > 1:
+            self.accumulate = trainer.accumulate_grad_batches * growth
+            cut = Cut(step, ratio, low, high, self.lr_scale, batch * growth)
+        else:
+            self.lr_scale *= self.factor
+            self.margin = scaled_margin(self.base_margin, self.lr_scale)
+            cut = Cut(step, ratio, low, high, self.lr_scale)
+        self.cuts.append(asdict(cut))
+        self._streak = torch.zeros_like(self._streak)
+        self._done = torch.zeros_like(self._done)
+        for source in self.gradient_noise.sources.values():
+            source.restart()
+        log_scalars(trainer, self._scalars(), step)
+        log_text(trainer, CUT_RECORD, self.cut_record(), step)
+        if self.verbose:
+            self.info(f"cut the lr at {cut.line()}.")
+
+    # ------------------------------------------------------------------ logging and summaries
+    @override
+    def _log(self, trainer: "pl.Trainer", step: int, in_condition: torch.Tensor, final: bool = False) -> None:
+        super()._log(trainer, step, in_condition, final)
+        log_scalars(trainer, self._scalars(), step)
+
+    def _scalars(self) -> dict[str, float]:
+        scalars = {LR_SCALE: self.lr_scale, CUTS: float(len(self.cuts))}
+        if self.accumulate is not None:
+            scalars[ACCUMULATE] = float(self.accumulate)
+        return scalars
+
+    def cut_record(self) -> str:
+        """Markdown: a line per cut (:meth:`Cut.line <trainvitals.schedule.decision.Cut.line>`)."""
+        return "\n".join(f"- {Cut(**c).line()}" for c in self.cuts) or "no cut"
+
+    def _cuts_said(self) -> str:
+        return (
+            f"cut the lr {len(self.cuts)} time(s) (at step(s) {', '.join(str(c['step']) for c in self.cuts)}; "
+            f"lr × {self.lr_scale:g})"
+            if self.cuts
+            else "made no cut"
+        )
+
+    @override
+    def describe_stop(self) -> str:
+        return f"{self._cuts_said()}; {super().describe_stop()}"
+
+    @override
+    def summary_line(self) -> str:
+        if self.stop_reason is not StopReason.NOT_STOPPED:
+            return self.describe_stop()
+        return f"{self._cuts_said()}; {super().summary_line()}"
+
+    @override
+    def summary_markdown(self) -> str:
+        rows = [
+            (
+                "schedule",
+                ("batch × round(1/factor), else " if self.grow_batch else "")
+                + f"lr × {self.factor:g} at each band entry, up to {self.max_cuts} cut(s), min_lr {self.min_lr:g}, "
+                f"{'then stop' if self.stop else 'never stops'}; warm-up {self.warmup_steps or 0} steps",
+            ),
+            ("cuts", "; ".join(Cut(**c).line() for c in self.cuts) or "no cut"),
+            ("lr scale", f"{self.lr_scale:g}"),
+        ]
+        return "\n".join(markdown_table(("quantity", "value"), rows)) + "\n\n" + super().summary_markdown()
+
+    # ------------------------------------------------------------------ helpers
+    def _read_warmup(self, trainer: "pl.Trainer") -> int | None:
+        """The longest warm-up of the fit's lr schedulers, in optimizer steps (None: none known)."""
+        longest = None
+        batches = trainer.num_training_batches
+        per_epoch = math.ceil(batches / max(trainer.accumulate_grad_batches, 1)) if math.isfinite(batches) else math.inf
+        for config in trainer.lr_scheduler_configs:
+            warm = scheduler_warmup(config.scheduler)
+            if warm is None:
+                self.info(
+                    f"cannot tell how long {type(config.scheduler).__name__} warms up: no cut before min_steps "
+                    f"({self.requested_min_steps}) only.",
+                    once=True,
+                )
+                continue
+            every = config.frequency * (1 if config.interval == "step" else per_epoch)
+            longest = max(longest or 0, warm * every) if math.isfinite(every) else longest
+        return longest
+
+    def _set_accumulation(self, trainer: "pl.Trainer") -> None:
+        """The growths' ``accumulate_grad_batches``, from a step boundary that the epoch's batch count is a
+        multiple of: Lightning steps where that count divides by it, so no window is cut short."""
+        if self.accumulate is None or trainer.accumulate_grad_batches == self.accumulate:
+            return
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready % self.accumulate == 0:
+            trainer.accumulate_grad_batches = self.accumulate
+
+    def _put_back(self, close: bool = False) -> None:
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:
+            factors.close() if close else factors.put_back()

@@ -1,0 +1,88 @@
+r"""What a band-driven schedule does when the noise band is entered: cut the lr, stop, or nothing.
+
+Torch- and Lightning-free: plain numbers in, an :class:`Action` out (docs/science.md, "From stop to schedule").
+
+The band is ‖G‖² ≤ margin·tr(Σ)/B. Near a minimum, SGD at lr η settles where the loss's expected decrease per
+step, η‖G‖² − (η²/2)·tr(HΣ)/B, is zero (a noisy quadratic: McCandlish et al. 2018, App. A; Yaida 2019's
+fluctuation–dissipation relation is the same balance), so the stationary ‖G‖² ≈ (η/2)·tr(HΣ)/B: ‖G‖² over tr(Σ)/B
+is proportional to η there. After the lr is cut by a factor f, the run is still "in the band" at once (its ‖G‖²
+has not moved yet) although it has not relaxed to the new lr. The band's edge therefore follows the lr scale s
+(the product of the cuts): margin·s·tr(Σ)/B, so that the next cut waits for the ratio to fall by f as well — for
+the run to settle at the lower lr — instead of cutting again as soon as the restarted estimate can decide.
+
+Growing the batch B → kB instead lowers the stationary excess loss as a cut of the lr by 1/k does (∝ η/B), but
+leaves the band's stationary ratio ‖G‖²·B/tr(Σ) ≈ η·tr(HΣ)/(2 tr Σ) where it was: just after the growth the run
+is out of the band (its ‖G‖² is that of the smaller batch, the edge k× lower), and it comes back when it has
+settled at the larger batch. The edge is therefore not scaled for a growth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Action(Enum):
+    NONE = "none"
+    CUT = "cut"
+    STOP = "stop"
+
+
+def decide(
+    in_band: bool, cuts: int, lr: float, factor: float, max_cuts: int | None, min_lr: float, stop: bool
+) -> Action:
+    """The schedule's answer to the band, after ``cuts`` cuts, the smallest param group's lr now ``lr``.
+
+    Cut while fewer than ``max_cuts`` (``None``: no limit) were made and the cut lr ``lr·factor`` stays ≥
+    ``min_lr``; otherwise stop, or with ``stop=False`` do nothing (the run trains on at its last lr)."""
+    if not in_band:
+        return Action.NONE
+    if (max_cuts is None or cuts < max_cuts) and lr * factor >= min_lr:
+        return Action.CUT
+    return Action.STOP if stop else Action.NONE
+
+
+def scaled_margin(margin: float, lr_scale: float) -> float:
+    """The band's margin at lr scale ``lr_scale`` (module docstring): ``margin·lr_scale``."""
+    return margin * lr_scale
+
+
+def batch_growth(factor: float, batch: int | None, b_simple: float | None, population: int | None) -> int:
+    """By how much a band entry grows the effective batch instead of cutting the lr (1: cut the lr instead).
+
+    round(1/``factor``) — the same stationary loss as an lr cut by ``factor`` (on a noisy quadratic the stationary
+    excess loss is ∝ η/B) — but not beyond B_simple (``b_simple``: the run's estimate when it is reliable, else
+    ``None``): past the noise scale each step needs more examples for the same progress, E/E_min = 1 + B/B_noise
+    (McCandlish et al. 2018, Eq. 2.11), so a batch of B_simple spends at most twice the fewest examples; and not
+    beyond half the ``population`` (an epoch would hold less than two steps). Less than 2: no growth."""
+    if not batch:
+        return 1
+    growth = round(1 / factor)
+    if b_simple is not None and math.isfinite(b_simple):
+        growth = min(growth, int(b_simple // batch))
+    if population:
+        growth = min(growth, int(population // (2 * batch)))
+    return growth if growth >= 2 else 1
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One cut: the optimizer step it was made at, the band ratio ‖G‖²/(margin·tr Σ/B) that triggered it and
+    the ends of its 90 % interval from ‖G‖²'s standard error (``nan`` when not measured), the lr scale after, and
+    the effective batch after when the cut grew the batch instead (``None``: the lr was cut)."""
+
+    step: int
+    band_ratio: float
+    ratio_low: float
+    ratio_high: float
+    lr_scale: float
+    batch: int | None = None
+
+    def line(self) -> str:
+        """``step 420: band ratio 0.81 (90 %: 0.42–1.2) → lr × 0.1`` (or ``→ batch 640``)."""
+        interval = (
+            f" (90 %: {max(self.ratio_low, 0.0):.2g}–{self.ratio_high:.2g})" if math.isfinite(self.ratio_high) else ""
+        )
+        then = f"batch {self.batch}" if self.batch is not None else f"lr × {self.lr_scale:g}"
+        return f"step {self.step}: band ratio {self.band_ratio:.2g}{interval} → {then}"

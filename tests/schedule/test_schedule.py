@@ -1,0 +1,318 @@
+"""BandSchedule on a noisy quadratic (closed form), beside a user's scheduler, resumed, under DDP; its arguments."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from _models import ReleaseProcessGroup
+from conftest import RecordingLogger, trainer_kwargs
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainvitals import BandSchedule, GradNormEarlyStopping
+from trainvitals.noise.estimate import MIN_MEASUREMENTS
+from trainvitals.noise.stopper import StopReason
+
+D, MICRO, ACCUMULATE, SIGMA = 10, 16, 4, 1.0
+B = MICRO * ACCUMULATE
+
+
+class NoisyQuadratic(pl.LightningModule):
+    """y = ε ~ N(0, σ²), x ~ N(0, I_d), loss mean (x·w − y)²: H = 2I, and near w = 0 the per-example gradient's
+    covariance is 4σ²·I. SGD at lr η on batches of B settles at E‖w‖² = d·ησ²/(B(1 − η)) (per coordinate
+    v = (1 − 2η)²v + 4η²σ²/B), the expected loss σ² + ‖w‖²: the excess loss is ∝ η·tr Σ, and a cut η → fη
+    lowers it by f(1 − η)/(1 − fη). ``sq_norms`` records ‖w‖² after every optimizer step, ``lrs`` the lr used."""
+
+    def __init__(self, lr: float, w0: float = 0.5, scheduler=None):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((D,), w0))
+        self.lr, self.scheduler = lr, scheduler
+        self.sq_norms: list[float] = []
+        self.lrs: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(x @ self.w, y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        self.sq_norms.append(float(self.w.detach().square().sum()))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler(optimizer), "interval": "step"}}
+
+
+def stream(steps: int, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps * B, D, generator=g)
+    return DataLoader(TensorDataset(x, SIGMA * torch.randn(steps * B, generator=g)), batch_size=MICRO)
+
+
+def fit(model, callbacks, steps, logger=None, **kwargs):
+    trainer = Trainer(
+        **trainer_kwargs(
+            max_epochs=1,
+            accumulate_grad_batches=ACCUMULATE,
+            callbacks=callbacks,
+            logger=logger or False,
+            log_every_n_steps=10,
+            **kwargs,
+        )
+    )
+    trainer.fit(model, stream(steps))
+    return trainer
+
+
+def block_mean(values: list[float], blocks: int = 10) -> tuple[float, float]:
+    """Mean and its standard error from ``blocks`` batch means (the series is autocorrelated)."""
+    size = len(values) // blocks
+    means = torch.tensor([sum(values[i * size : (i + 1) * size]) / size for i in range(blocks)], dtype=torch.float64)
+    return float(means.mean()), float(means.std() / math.sqrt(blocks))
+
+
+def test_it_cuts_where_the_stopper_stops_and_the_loss_falls_by_the_predicted_factor():
+    eta, factor, steps = 0.05, 0.1, 1500
+    stopper = GradNormEarlyStopping(min_steps=50, verbose=False)
+    fit(NoisyQuadratic(eta), [stopper], steps)
+    assert stopper.stop_reason is StopReason.NOISE_BAND
+
+    schedule, logger = (
+        BandSchedule(factor=factor, max_cuts=1, stop=False, min_steps=50, verbose=False),
+        RecordingLogger(),
+    )
+    model = NoisyQuadratic(eta)
+    fit(model, [schedule], steps, logger=logger)
+    (cut,) = schedule.cuts
+    assert cut["step"] == stopper.stopped_step  # the same band test, the same step
+    assert schedule.lr_scale == pytest.approx(factor) and cut["lr_scale"] == pytest.approx(factor)
+    assert cut["ratio_low"] <= cut["band_ratio"] <= 1.0 <= cut["ratio_high"] or cut["band_ratio"] <= 1.0
+    # The optimizer steps at the scheduler's lr × the scale from the step after the cut; the scale is logged.
+    assert set(model.lrs[: cut["step"] + 1]) == {eta}
+    assert model.lrs[cut["step"] + 1 :] == pytest.approx([eta * factor] * (steps - cut["step"] - 1))
+    assert dict(logger.series["schedule/lr_scale"])[cut["step"]] == pytest.approx(factor)
+    assert dict(logger.series["schedule/cuts"])[cut["step"]] == 1
+    assert schedule.margin == pytest.approx(0.2 * factor)  # the band's edge follows the lr
+    # The stationary excess loss before the cut and long after it (relaxation time ~1/(4ηf) = 50 steps).
+    before = model.sq_norms[50 : cut["step"]]
+    after = model.sq_norms[cut["step"] + 300 :]
+    (m0, s0), (m1, s1) = block_mean(before, 5), block_mean(after)
+    assert m0 == pytest.approx(D * eta * SIGMA**2 / (B * (1 - eta)), rel=0.3)
+    predicted = factor * (1 - eta) / (1 - factor * eta)
+    measured = m1 / m0
+    error = measured * math.hypot(s0 / m0, s1 / m1)
+    assert abs(measured - predicted) <= 3 * error, (measured, predicted, error)
+    assert abs(measured - predicted) <= 0.35 * predicted
+
+
+def test_grow_batch_doubles_the_accumulation_and_halves_the_excess_loss():
+    eta, steps = 0.05, 1500
+    schedule = BandSchedule(factor=0.5, max_cuts=1, stop=False, grow_batch=True, min_steps=50, verbose=False)
+    model, logger = NoisyQuadratic(eta), RecordingLogger()
+    trainer = fit(model, [schedule], steps, logger=logger)
+    (cut,) = schedule.cuts
+    step = cut["step"]
+    assert cut["batch"] == 2 * B and schedule.lr_scale == 1.0 and set(model.lrs) == {eta}
+    assert trainer.accumulate_grad_batches == schedule.accumulate == 2 * ACCUMULATE
+    assert dict(logger.series["schedule/accumulate_grad_batches"])[step] == 2 * ACCUMULATE
+    # From the first 8-aligned boundary on, every step takes 8 micro-batches: the epoch's 4·steps run out sooner.
+    first = (step + 1) * ACCUMULATE
+    aligned = -(-first // (2 * ACCUMULATE)) * 2 * ACCUMULATE
+    assert trainer.global_step == step + 1 + (aligned - first) // ACCUMULATE + (steps * ACCUMULATE - aligned) // 8
+    # The stationary excess loss ∝ η/B: halved (relaxation ~5 steps at this lr).
+    (m0, s0), (m1, s1) = block_mean(model.sq_norms[50:step], 5), block_mean(model.sq_norms[step + 100 :])
+    measured, error = m1 / m0, m1 / m0 * math.hypot(s0 / m0, s1 / m1)
+    assert abs(measured - 0.5) <= 3 * error and abs(measured - 0.5) <= 0.15, (measured, error)
+
+
+def test_no_cut_on_an_estimate_that_is_not_decisive():
+    # At the minimum from the start, in the band at every step: the estimate decides only after MIN_MEASUREMENTS.
+    schedule = BandSchedule(factor=0.9, max_cuts=None, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 300)
+    steps = [c["step"] for c in schedule.cuts]
+    assert steps and steps[0] >= MIN_MEASUREMENTS - 1
+    # Each cut restarts the estimate: the next waits for MIN_MEASUREMENTS new updates.
+    assert all(b - a >= MIN_MEASUREMENTS for a, b in zip(steps, steps[1:]))
+    # No noise source at all (one micro-batch a step, one device): never a cut.
+    lonely = BandSchedule(min_steps=0, patience=1, check_every_n_steps=1, verbose=False)
+    trainer = Trainer(**trainer_kwargs(max_epochs=1, callbacks=[lonely]))
+    with pytest.warns(UserWarning, match="no noise source"):
+        trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(50))
+    assert lonely.cuts == [] and lonely.lr_scale == 1.0 and lonely.stop_reason is StopReason.NOT_STOPPED
+
+
+def test_it_stops_after_the_last_cut_or_below_min_lr():
+    schedule = BandSchedule(factor=0.9, max_cuts=2, min_steps=0, patience=1, check_every_n_steps=1, verbose=False)
+    trainer = fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 400)
+    assert len(schedule.cuts) == 2 and schedule.stop_reason is StopReason.NOISE_BAND
+    assert trainer.global_step == schedule.stopped_step + 1 < 400
+    assert "cut the lr 2 time(s)" in schedule.describe_stop()
+    floor = BandSchedule(factor=0.5, max_cuts=None, min_lr=0.02, min_steps=0, patience=1, check_every_n_steps=1)
+    fit(NoisyQuadratic(0.05, w0=0.0), [floor], 400)
+    assert len(floor.cuts) == 1 and floor.stop_reason is StopReason.NOISE_BAND  # 0.025 → 0.0125 < 0.02: stop
+
+
+def test_a_users_scheduler_still_shapes_the_lr_and_its_warmup_holds_the_cut():
+    eta, warmup = 0.05, 150
+    schedule = BandSchedule(factor=0.5, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+
+    def scheduler(optimizer):
+        warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=warmup)
+        return torch.optim.lr_scheduler.SequentialLR(
+            optimizer, [warm, torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.999)], milestones=[warmup]
+        )
+
+    model = NoisyQuadratic(eta, w0=0.0, scheduler=scheduler)
+    fit(model, [schedule], 400)
+    assert schedule.warmup_steps == warmup and schedule.min_steps == warmup
+    (cut,) = schedule.cuts
+    assert cut["step"] >= warmup  # in the band from the start, but no cut while the lr warms up
+    # The lrs the scheduler alone sets, replayed: the optimizer saw them × 0.5 after the cut, and no compounding.
+    replay = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=eta)
+    own = scheduler(replay)
+    expected = []
+    for step in range(400):
+        expected.append(replay.param_groups[0]["lr"] * (0.5 if step > cut["step"] else 1.0))
+        replay.step()
+        own.step()
+    assert model.lrs == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_resumed_run_keeps_its_multiplier(tmp_path):
+    eta = 0.05
+    first = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    trainer = Trainer(
+        **trainer_kwargs(
+            max_steps=100, accumulate_grad_batches=ACCUMULATE, callbacks=[first, checkpoint], enable_checkpointing=True
+        )
+    )
+    trainer.fit(NoisyQuadratic(eta, w0=0.0), stream(200))
+    assert first.cuts and first.lr_scale == pytest.approx(0.1)
+    last = str(tmp_path / "last.ckpt")
+
+    # A requeued job with no step left saves the multiplier again, untouched.
+    again = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    trainer = Trainer(**trainer_kwargs(max_steps=100, accumulate_grad_batches=ACCUMULATE, callbacks=[again]))
+    trainer.fit(NoisyQuadratic(eta, w0=0.0), stream(200), ckpt_path=last)
+    trainer.save_checkpoint(tmp_path / "requeued.ckpt")
+    state = torch.load(tmp_path / "requeued.ckpt", weights_only=False)["callbacks"][again.state_key]
+    assert state["lr_scale"] == pytest.approx(0.1) and state["cuts"] == first.cuts
+
+    # With steps left, every one of them is taken at the cut lr.
+    resumed = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    model = NoisyQuadratic(eta, w0=0.0)
+    trainer = Trainer(**trainer_kwargs(max_steps=150, accumulate_grad_batches=ACCUMULATE, callbacks=[resumed]))
+    trainer.fit(model, stream(200), ckpt_path=str(tmp_path / "requeued.ckpt"))
+    assert resumed.lr_scale == pytest.approx(0.1) and resumed.margin == pytest.approx(0.02)
+    assert model.lrs == pytest.approx([eta * 0.1] * 50)
+
+
+def test_a_resumed_run_keeps_its_grown_batch(tmp_path):
+    def schedule():
+        return BandSchedule(factor=0.5, max_cuts=1, stop=False, grow_batch=True, min_steps=0, patience=1,
+                            check_every_n_steps=1, verbose=False)  # fmt: skip
+
+    first = schedule()
+    trainer = Trainer(
+        **trainer_kwargs(
+            max_steps=60,
+            accumulate_grad_batches=ACCUMULATE,
+            callbacks=[first, ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)],
+            enable_checkpointing=True,
+        )
+    )
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200))
+    assert first.accumulate == 2 * ACCUMULATE and trainer.accumulate_grad_batches == 2 * ACCUMULATE
+    resumed = schedule()
+    trainer = Trainer(**trainer_kwargs(max_steps=70, accumulate_grad_batches=ACCUMULATE, callbacks=[resumed]))
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.cuts == first.cuts and trainer.accumulate_grad_batches == 2 * ACCUMULATE
+
+
+class _RecordPerRank(pl.Callback):
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        schedule = next(cb for cb in trainer.callbacks if isinstance(cb, BandSchedule))
+        with open(f"{self.folder}/rank{trainer.global_rank}.json", "w") as f:
+            json.dump({"cuts": schedule.cuts, "lr_scale": schedule.lr_scale, "lrs": pl_module.lrs}, f)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_cut_at_the_same_step(tmp_path):
+    callbacks = [
+        BandSchedule(factor=0.5, max_cuts=1, stop=False, min_steps=0, patience=3, check_every_n_steps=1),
+        _RecordPerRank(str(tmp_path)),
+        ReleaseProcessGroup(),
+    ]
+    trainer = Trainer(**trainer_kwargs(strategy="ddp_spawn", devices=2, callbacks=callbacks, max_epochs=1))
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(100))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["cuts"] and ranks[0]["cuts"] == ranks[1]["cuts"]
+    assert ranks[0]["lr_scale"] == ranks[1]["lr_scale"] == 0.5
+    assert ranks[0]["lrs"] == ranks[1]["lrs"]
+
+
+def test_not_beside_a_noise_band_stopper():
+    trainer = Trainer(**trainer_kwargs(max_epochs=1, callbacks=[BandSchedule(), GradNormEarlyStopping()]))
+    with pytest.raises(MisconfigurationException, match="GradNormEarlyStopping"):
+        trainer.fit(NoisyQuadratic(0.05), stream(4))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"factor": 1.0}, ValueError, "factor"),
+        ({"factor": 0.0}, ValueError, "factor"),
+        ({"factor": "0.1"}, TypeError, "factor"),
+        ({"max_cuts": -1}, ValueError, "max_cuts"),
+        ({"max_cuts": "2"}, TypeError, "max_cuts"),
+        ({"min_lr": -1e-3}, ValueError, "min_lr"),
+        ({"stop": 1}, TypeError, "stop"),
+        ({"grow_batch": "yes"}, TypeError, "grow_batch"),
+        ({"margin": 0.0}, ValueError, "margin"),
+        ({"patience": 0}, ValueError, "patience"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        BandSchedule(**kwargs)
+
+
+def test_every_cut_reaches_the_dashboard_and_the_report(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals import TrainvitalsDashboard
+    from trainvitals.report.assess import assess
+    from trainvitals.report.events import read_runs
+    from trainvitals.report.schedule import SCHEDULE
+    from trainvitals.tensorboard.layout import trainvitals_layout
+
+    schedule = BandSchedule(factor=0.5, max_cuts=2, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule, TrainvitalsDashboard(progress_bar=False)], 200, logger=logger)
+    assert len(schedule.cuts) == 2
+    (run,) = read_runs(tmp_path)
+    report = assess(run)
+    rows = {row.label: row.value for row in report.sections[SCHEDULE]}
+    assert rows["lr scale (× the lr the scheduler set)"] == pytest.approx(0.25) and rows["lr cuts"] == 2
+    assert [str(c["step"]) in rows[f"cut {i}"] for i, c in enumerate(schedule.cuts, 1)] == [True, True]
+    assert any(f.section == SCHEDULE and "2 time(s)" in f.message for f in report.findings)
+    assert "lr × 0.5" in report.panels["band-driven schedule at fit end"]
+    charts = trainvitals_layout()["trainvitals"]
+    assert any(tags == [r"schedule/lr_scale$"] for _, tags in charts.values())

@@ -1,0 +1,80 @@
+"""The schedule's pure parts: the decision, the band's margin at the lr scale, a cut's line, the warm-ups."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.optim import lr_scheduler
+
+from trainvitals.schedule.decision import Action, Cut, decide, scaled_margin
+from trainvitals.schedule.warmup import scheduler_warmup
+
+
+@pytest.mark.parametrize(
+    ("in_band", "cuts", "lr", "max_cuts", "min_lr", "stop", "action"),
+    [
+        (False, 0, 0.1, 2, 0.0, True, Action.NONE),
+        (True, 0, 0.1, 2, 0.0, True, Action.CUT),
+        (True, 1, 0.01, 2, 0.0, True, Action.CUT),
+        (True, 2, 0.001, 2, 0.0, True, Action.STOP),  # the band entered after the last cut
+        (True, 2, 0.001, 2, 0.0, False, Action.NONE),  # stop=False never stops
+        (True, 5, 0.1, None, 0.0, True, Action.CUT),  # no limit on the cuts
+        (True, 0, 0.1, 2, 0.02, True, Action.STOP),  # 0.1 × 0.1 = 0.01 < min_lr
+        (True, 0, 0.1, 2, 0.01, True, Action.CUT),  # exactly min_lr is allowed
+        (True, 0, 0.1, 0, 0.0, True, Action.STOP),  # max_cuts=0: the band stop
+    ],
+)
+def test_the_decision(in_band, cuts, lr, max_cuts, min_lr, stop, action):
+    assert decide(in_band, cuts, lr, 0.1, max_cuts, min_lr, stop) is action
+
+
+def test_the_band_edge_follows_the_lr_scale():
+    assert scaled_margin(0.2, 1.0) == 0.2
+    assert scaled_margin(0.2, 0.01) == pytest.approx(0.002)
+
+
+def test_a_cut_line_names_the_step_the_ratio_its_interval_and_the_scale():
+    line = Cut(420, 0.81, 0.42, 1.2, 0.1).line()
+    assert "420" in line and "0.81" in line and "0.42" in line and "1.2" in line and "0.1" in line
+    assert "90 %" not in Cut(7, 0.5, -math.inf, math.inf, 0.1).line()  # no interval without an error
+
+
+def _optimizer() -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+
+def test_warmups_read_from_the_schedulers():
+    opt = _optimizer()
+    assert scheduler_warmup(lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=50)) == 50
+    assert scheduler_warmup(lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.1, total_iters=50)) == 0
+    assert scheduler_warmup(lr_scheduler.ConstantLR(opt, factor=0.5, total_iters=30)) == 30
+    one_cycle = lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=1000, pct_start=0.3)
+    assert scheduler_warmup(one_cycle) == 300
+    warm, decay = lr_scheduler.LinearLR(opt, 0.01, total_iters=80), lr_scheduler.CosineAnnealingLR(opt, 900)
+    assert scheduler_warmup(lr_scheduler.SequentialLR(opt, [warm, decay], milestones=[100])) == 80
+    assert scheduler_warmup(lr_scheduler.StepLR(opt, 10)) == 0
+    assert scheduler_warmup(lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 25))) == 24
+    assert scheduler_warmup(lr_scheduler.LambdaLR(opt, lambda i: 0.99**i)) == 0
+    assert scheduler_warmup(object()) is None
+
+
+def test_the_warmup_of_transformers_linear_schedule():
+    transformers = pytest.importorskip("transformers")
+    opt = _optimizer()
+    sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=40, num_training_steps=400)
+    assert scheduler_warmup(sched) == 40
+    sched = transformers.get_cosine_schedule_with_warmup(opt, num_warmup_steps=15, num_training_steps=400)
+    assert scheduler_warmup(sched) == 15
+
+
+def test_the_batch_growth_stops_at_b_simple_and_half_an_epoch():
+    from trainvitals.schedule.decision import batch_growth
+
+    assert batch_growth(0.1, 64, None, None) == 10  # as the lr cut: the stationary loss ∝ η/B
+    assert batch_growth(0.1, 64, 300.0, None) == 4  # 4·64 = 256 ≤ B_simple = 300 < 5·64
+    assert batch_growth(0.1, 64, None, 500) == 3  # 3·64 ≤ 250, half the epoch
+    assert batch_growth(0.5, 64, 100.0, None) == 1  # past B_simple already: cut the lr instead
+    assert batch_growth(0.1, None, None, None) == 1
+    assert batch_growth(0.3, 16, math.inf, None) == 3
