@@ -186,6 +186,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     provides = (GRADIENT_NOISE, NOISE_BAND, SUMMARY, RESTORED_SUMMARY)
     reads = (GRAD_SQ_NORMS, NONFINITE_STEPS, NOISE_TAGS, NOISE_PROBE)
+    waits_out_the_start = True
+    """Whether a band held from the start acts only once the run has been out of it (a stop on noise from step 0
+    would not be convergence); a subclass whose action is the remedy for that noise (a smaller lr) sets False."""
 
     def __init__(
         self,
@@ -383,7 +386,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         decided = self.gradient_noise.band_decisive if self.mode == "noise_band" else None
         decided = counts if decided is None else counts & decided.to(total.device)
         full = self._streak >= self.patience
-        if self.mode == "noise_band":  # a band held from the start is noise from step 0, not convergence: no stop
+        if self.mode == "noise_band" and self.waits_out_the_start:  # noise from step 0 is not convergence: no stop
             self._held = self._held.to(total.device) | (full & ~self._left.to(total.device))
             full = full & self._left.to(total.device)
         if self.mode == "noise_band":  # out of the band beyond the band ratio's error, on a check or logging step
