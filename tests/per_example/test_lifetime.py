@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from conftest import RecordingLogger
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, TensorDataset
+from zoo import ZOO
 
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.per_example import PerExampleGradients
@@ -83,30 +85,38 @@ def live_tensors() -> int:
     return sum(issubclass(type(o), torch.Tensor) for o in gc.get_objects())
 
 
-def measured_steps(model: nn.Module, steps: int) -> tuple[list[weakref.ref], list[int]]:
+def measured_steps(
+    model: nn.Module, batch: Callable[[], tuple[Any, Any]], loss: Callable[[Any, Any], torch.Tensor], steps: int
+) -> tuple[list[weakref.ref], list[int]]:
     """``steps`` steps measured by a collector (every layer per example, sums too), gc disabled: weak references
-    to each step's ids, embedded ids and logits, and the live tensors after each step."""
+    to each step's inputs and every module's outputs (its activations), and the live tensors after each step."""
     plan = plan_sources(model, groups_available=False, fallback=False)
     assert not plan.uncovered
     collector = PerExampleGradients(plan.per_example, {}, 2)
     collector.attach(coordinates=True, keep_norms=True)
-    refs, counts = [], []
+    refs: list[weakref.ref] = []
+
+    def keep(module: nn.Module, args: Any, output: Any) -> None:
+        refs.extend(weakref.ref(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+
+    handles = [m.register_forward_hook(keep) for m in model.modules()]
+    counts = []
     with gc_disabled():
         for _ in range(steps):
+            x, y = batch()
             collector.begin_micro_batch()
-            collector.expect_batch(B)
-            ids = torch.randint(0, VOCAB, (B, T))
-            embedded = model.embed(ids)
-            logits = model.head(model.body(embedded).mean(1))
-            loss = logits.square().sum()
-            collector.before_backward(loss)
-            loss.backward()
+            collector.expect_batch(B, x)
+            value = loss(model(x), y)
+            collector.before_backward(value)
+            value.backward()
             collector.end_micro_batch(1.0)
             step = collector.pop()
             assert not step.failed and step.sq_norms[0].shape == (B,)
-            refs += [weakref.ref(ids), weakref.ref(embedded), weakref.ref(logits)]
-            del ids, embedded, logits, loss, step
+            refs.append(weakref.ref(x))
+            del x, y, value, step
             counts.append(live_tensors())
+    for handle in handles:
+        handle.remove()
     collector.detach()
     return refs, counts
 
@@ -115,9 +125,20 @@ def measured_steps(model: nn.Module, steps: int) -> tuple[list[weakref.ref], lis
 def test_measured_steps_keep_none_of_their_tensors_without_gc(name):
     """10 steps: none of their ids or activations outlive them, and the live tensors do not grow with the steps."""
     torch.manual_seed(0)
-    refs, counts = measured_steps(MODELS[name]().train(), steps=10)
+    batch = lambda: (torch.randint(0, VOCAB, (B, T)), None)  # noqa: E731
+    refs, counts = measured_steps(MODELS[name]().train(), batch, lambda out, _: out.square().sum(), steps=10)
     assert [r for r in refs if r() is not None] == []
     assert counts[-1] == counts[1], counts  # the first step creates the collector's lasting state (workspace)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_steps_keep_none_of_their_tensors_without_gc(name):
+    """Every path of the hooks: position tables, tied and packed layers, convolutions, dropout in training."""
+    torch.manual_seed(0)
+    entry = ZOO[name]
+    refs, counts = measured_steps(entry.make(), lambda: entry.batch(B), entry.loss, steps=5)
+    assert [r for r in refs if r() is not None] == []
+    assert counts[-1] == counts[1], counts
 
 
 def test_a_dropped_all_grads_hook_fires_no_more_and_the_graph_holds_nothing_of_it():
