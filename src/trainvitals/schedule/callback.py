@@ -219,23 +219,30 @@ class BandSchedule(GradNormEarlyStopping):
     # ------------------------------------------------------------------ the decision
     @override
     def _check(self, trainer: "pl.Trainer", step: int) -> bool:
-        """Cut, or stop (the stopper's own stop) when no cut is left; returns whether it stopped the run now."""
+        """Grow the batch, cut the lr, or stop (the stopper's own stop) when neither is left; returns whether it
+        stopped the run now. A growth is weighed first: ``min_lr`` bounds only a cut of the lr."""
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return False
         if not trainer.strategy.reduce_boolean_decision(bool(self._done), all=False):
             return False
+        summary = self.gradient_noise.host_summary()  # one host read, at a band entry only
+        growth = 1
+        if self.grow_batch:
+            b_simple = summary["b_simple"] if summary["reliable"] else None
+            growth = batch_growth(self.factor, summary["batch_size"], b_simple, self.gradient_noise.population)
+            growth = int(trainer.strategy.broadcast(growth, src=0))  # one decision for all ranks
         lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups if g["lr"] > 0]
         lr = self.lr_scale * float(min(lrs)) if lrs else 0.0
-        action = decide(True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop)
+        action = decide(True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop, growth)
         if action is Action.STOP:
             return can_stop_now(trainer) and super()._check(trainer, step)
-        if action is Action.CUT:
-            self._cut(trainer, step)
+        if action is not Action.NONE:
+            self._cut(trainer, step, summary, growth if action is Action.GROW else 1)
         return False
 
-    def _cut(self, trainer: "pl.Trainer", step: int) -> None:
-        """The lr scale × ``factor``, the band restarted at the new lr, the cut recorded (one host read)."""
-        summary = self.gradient_noise.host_summary()
+    def _cut(self, trainer: "pl.Trainer", step: int, summary: dict[str, Any], growth: int) -> None:
+        """The batch × ``growth`` (≥ 2), else the lr scale × ``factor``; the band restarted, the cut recorded from
+        the estimate's ``summary`` at this step."""
         grad, se = summary["grad_sq_norm"], summary["grad_sq_norm_se"]
         trace, batch = summary["trace_cov"], summary["batch_size"]
         measured = trace > 0 and bool(batch)
@@ -244,11 +251,6 @@ class BandSchedule(GradNormEarlyStopping):
             if measured
             else (math.nan,) * 3
         )
-        growth = 1
-        if self.grow_batch:
-            b_simple = summary["b_simple"] if summary["reliable"] else None
-            growth = batch_growth(self.factor, batch, b_simple, self.gradient_noise.population)
-            growth = int(trainer.strategy.broadcast(growth, src=0))  # one decision for all ranks
         if growth > 1:
             self.accumulate = trainer.accumulate_grad_batches * growth
             cut = Cut(step, ratio, low, high, self.lr_scale, batch * growth)
@@ -264,7 +266,7 @@ class BandSchedule(GradNormEarlyStopping):
         log_scalars(trainer, self._scalars(), step)
         log_text(trainer, CUT_RECORD, self.cut_record(), step)
         if self.verbose:
-            self.info(f"cut the lr at {cut.line()}.")
+            self.info(f"{'grew the batch' if cut.batch is not None else 'cut the lr'} at {cut.line()}.")
 
     # ------------------------------------------------------------------ logging and summaries
     @override
