@@ -191,6 +191,56 @@ def test_a_users_scheduler_still_shapes_the_lr_and_its_warmup_holds_the_cut():
     assert model.lrs == pytest.approx(expected, rel=1e-9)
 
 
+class SkippedStep(NoisyQuadratic):
+    """An inf in the gradient at optimizer step ``inf_at``: a GradScaler skips that step. ``used`` maps each step
+    the optimizer takes to the lr it takes it at (its step pre-hook: a skipped step runs none)."""
+
+    def __init__(self, lr: float, inf_at: int, scheduler):
+        super().__init__(lr, w0=0.0, scheduler=scheduler)
+        self.inf_at = inf_at
+        self.used: dict[int, float] = {}
+
+    def on_fit_start(self):
+        def record(optimizer, *_):
+            self.used[self.trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+        self.trainer.optimizers[0].register_step_pre_hook(record)
+
+    def on_after_backward(self):
+        if self.trainer.global_step == self.inf_at:
+            self.w.grad[0] = math.inf
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, 0.99),  # chainable: steps from group["lr"]
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 / (1 + 0.02 * i)),  # closed form
+    ],
+    ids=["chainable", "closed-form"],
+)
+def test_a_step_the_grad_scaler_skips_keeps_the_scheduler_update(scheduler):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    eta, steps, inf_at = 0.05, 50, 35
+    schedule = BandSchedule(factor=0.5, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    model, scaler = SkippedStep(eta, inf_at, scheduler), torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    precision = MixedPrecision("16-mixed", "cpu", scaler=scaler)  # fp16 autocast and a GradScaler, on the CPU
+    fit(model, [schedule], steps, plugins=[precision], max_steps=steps)
+    (cut,) = schedule.cuts
+    assert cut["step"] < inf_at - 1 and scaler.get_scale() == 2.0**7  # the scaler skipped the step, once
+    assert inf_at not in model.used and len(model.used) == steps - 1
+    # The scheduler alone, replayed (it steps at the skipped step too): every step taken at its lr × the scale.
+    replay = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=eta)
+    own, expected = scheduler(replay), {}
+    for step in range(steps):
+        expected[step] = replay.param_groups[0]["lr"] * (0.5 if step > cut["step"] else 1.0)
+        replay.step()
+        own.step()
+    del expected[inf_at]
+    assert model.used == pytest.approx(expected, rel=1e-9)
+
+
 def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     eta = 0.05
     first = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)

@@ -28,6 +28,7 @@ from trainvitals.noise.stopper import (
     GradNormEarlyStopping,
     StopReason,
 )
+from trainvitals.plumbing.amp import grad_scaler
 from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import LR_FACTORS, NOISE_BAND
 from trainvitals.plumbing.stopping import can_stop_now
@@ -83,8 +84,10 @@ class BandSchedule(GradNormEarlyStopping):
     ``check_every_n_steps − 1`` steps before, so the ratio can exceed 1), the new scale or batch.
 
     Not with a GradNormEarlyStopping in noise-band mode in the same fit (they would share one estimate and both
-    act on it). A step a GradScaler skips keeps the scale in ``group["lr"]`` while the scheduler steps: that step's
-    scheduler update is lost.
+    act on it). A step a GradScaler skips runs no optimizer post-hook: the lrs are put back at
+    ``on_before_optimizer_step`` then (:meth:`LRFactors.before_step
+    <trainvitals.plumbing.lr_factors.LRFactors.before_step>`), so the scheduler steps from its own lr and the next
+    step's lr is the scheduler's × the scale.
 
     Args:
         factor: lr multiplier at each cut, in (0, 1).
@@ -194,13 +197,22 @@ class BandSchedule(GradNormEarlyStopping):
             self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "schedule", self.lr_scale)
 
     @override
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:  # a step the GradScaler skips: the scheduler steps from its own lr
+            factors.before_step(optimizer, grad_scaler(trainer))
+
+    @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._set_accumulation(trainer)  # a resumed run's, or one decided in the last epoch's last steps
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
         stepped = self._pending is not None
-        if stepped:  # a step's last micro-batch; one a GradScaler skipped ran no post-hook
+        if stepped:  # a step's last micro-batch; one that ran no optimizer step has its lrs put back here
             self._put_back()
         super().on_train_batch_end(trainer, pl_module, *args)
         if stepped:
