@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -316,6 +317,73 @@ def test_ddp_ranks_cut_at_the_same_step(tmp_path):
     assert ranks[0]["cuts"] and ranks[0]["cuts"] == ranks[1]["cuts"]
     assert ranks[0]["lr_scale"] == ranks[1]["lr_scale"] == 0.5
     assert ranks[0]["lrs"] == ranks[1]["lrs"]
+
+
+class _ManualQuadratic(NoisyQuadratic):
+    def __init__(self):
+        super().__init__(0.05)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer, loss = self.optimizers(), super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+class _PartlyMeasured(pl.LightningModule):
+    """Attention with ``add_bias_kv`` has no per-example rule: a BatchVarianceProbe measures a part of the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(12, 16), nn.Linear(16, 3)
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True, add_bias_kv=True)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        h = self.embed(tokens)
+        return F.cross_entropy(self.head(self.attention(h, h, h, need_weights=False)[0].mean(1)), tokens[:, 0] % 3)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_every_message_names_the_schedule_and_its_cuts(caplog):
+    from trainvitals import BatchVarianceProbe
+
+    tokens = DataLoader(TensorDataset(torch.randint(0, 12, (16 * 30, 6), generator=torch.Generator().manual_seed(0))),
+                        batch_size=16)  # fmt: skip
+    fits = [  # the stopper's warning paths: manual optimization; too short a fit and no noise source; a partial model
+        (_ManualQuadratic(), [BandSchedule(grow_batch=True)], stream(3), {"max_steps": 3}),
+        (NoisyQuadratic(0.05), [BandSchedule(grow_batch=True)], stream(5), {"max_steps": 20}),
+        (
+            _PartlyMeasured(),
+            [BatchVarianceProbe(histogram_every_n_steps=0), BandSchedule(grow_batch=True, min_steps=0, patience=5)],
+            tokens,
+            {"max_epochs": 1},
+        ),
+    ]
+    said = []
+    for model, callbacks, data, kwargs in fits:
+        with warnings.catch_warnings(record=True) as record, caplog.at_level("INFO"):
+            warnings.simplefilter("always")
+            Trainer(**trainer_kwargs(callbacks=callbacks, **kwargs)).fit(model, data)
+        said.append([str(w.message) for w in record if str(w.message).startswith("trainvitals BandSchedule")])
+    (manual,), (short, lonely), (partial,) = said
+    assert "automatic optimization" in manual and "cannot" in short and "no noise source" in lonely
+    assert "cannot decide: partial" in partial
+    for message in [manual, short, lonely, partial]:  # what it will not do: grow the batch, cut the lr, stop
+        assert "grow the batch" in message and "cut the lr" in message and "stop the run" in message, message
+    ends = [
+        r.message for r in caplog.records if r.message.startswith("trainvitals BandSchedule") and "cut" in r.message
+    ]
+    assert len(ends) == 3 and all(e.count("made no cut") == 1 for e in ends)  # the end of each fit
+    for message in [manual, short, lonely, partial, *ends]:
+        assert "stopper" not in message and "mode=" not in message and "GradNormEarlyStopping" not in message
+    # Its end-of-fit diagnosis names it once, and only what it was asked to do.
+    assert BandSchedule().describe_stop().startswith("BandSchedule made no cut; did not")
+    acts = BandSchedule(stop=False)._band_acts()
+    assert "cut the lr" in acts[0] and "schedule" in acts[0] and "stop" not in acts[1] and "grow" not in acts[1]
 
 
 def test_not_beside_a_noise_band_stopper():

@@ -297,21 +297,39 @@ class BandSchedule(GradNormEarlyStopping):
         return "\n".join(f"- {Cut(**c).line()}" for c in self.cuts) or "no cut"
 
     def _cuts_said(self) -> str:
-        return (
-            f"cut the lr {len(self.cuts)} time(s) (at step(s) {', '.join(str(c['step']) for c in self.cuts)}; "
-            f"lr × {self.lr_scale:g})"
-            if self.cuts
-            else "made no cut"
-        )
+        """ "cut the lr 2 time(s) (at step(s) 420, 910; lr × 0.01)", its batch growths said as such; "made no cut"."""
+        said = []
+        for grew in (False, True):
+            cuts = [c for c in self.cuts if (c.get("batch") is not None) is grew]
+            if cuts:
+                after = f"batch {cuts[-1]['batch']}" if grew else f"lr × {self.lr_scale:g}"
+                said.append(
+                    f"{'grew the batch' if grew else 'cut the lr'} {len(cuts)} time(s) "
+                    f"(at step(s) {', '.join(str(c['step']) for c in cuts)}; {after})"
+                )
+        return " and ".join(said) or "made no cut"
 
     @override
     def describe_stop(self) -> str:
+        """The stop after the cuts, or (not stopped) "BandSchedule made no cut; did not stop the run: why"."""
+        if self.stop_reason is StopReason.NOT_STOPPED:
+            return f"BandSchedule {self.summary_line()}"
         return f"{self._cuts_said()}; {super().describe_stop()}"
 
     @override
     def summary_line(self) -> str:
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
+        if bool(self._done) and not self.stop:  # the band entered again with nothing left to do
+            left = (
+                f"its {self.max_cuts} cut(s) made"
+                if self.max_cuts is not None and len(self.cuts) >= self.max_cuts
+                else "a further cut below min_lr, or the fit over before its next check"
+            )
+            return (
+                f"{self._cuts_said()}; did not stop the run: stop=False, and in its noise band at the end with {left}; "
+                f"it trained on at lr × {self.lr_scale:g}."
+            )
         return f"{self._cuts_said()}; {super().summary_line()}"
 
     @override
@@ -327,6 +345,18 @@ class BandSchedule(GradNormEarlyStopping):
             ("lr scale", f"{self.lr_scale:g}"),
         ]
         return "\n".join(markdown_table(("quantity", "value"), rows)) + "\n\n" + super().summary_markdown()
+
+    @override
+    def _band_acts(self) -> tuple[str, str]:
+        """The stopper's messages in this callback's terms: "the schedule cannot cut the lr before …", "it will not
+        grow the batch, cut the lr or stop the run" (as configured)."""
+        first = "grow the batch or cut the lr" if self.grow_batch else "cut the lr"
+        acts = [
+            *(["grow the batch"] if self.grow_batch else []),
+            "cut the lr",
+            *(["stop the run"] if self.stop else []),
+        ]
+        return f"the schedule cannot {first}", ", ".join(acts[:-1]) + " or " + acts[-1] if len(acts) > 1 else acts[0]
 
     # ------------------------------------------------------------------ helpers
     def _read_warmup(self, trainer: "pl.Trainer") -> int | None:
