@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainvitals import BandSchedule, GradNormEarlyStopping
 from trainvitals.noise.estimate import MIN_MEASUREMENTS
 from trainvitals.noise.stopper import StopReason
+from trainvitals.schedule.decision import Cut
 
 D, MICRO, ACCUMULATE, SIGMA = 10, 16, 4, 1.0
 B = MICRO * ACCUMULATE
@@ -434,3 +435,39 @@ def test_every_cut_reaches_the_dashboard_and_the_report(tmp_path):
     assert "lr × 0.5" in report.panels["band-driven schedule at fit end"]
     charts = trainvitals_layout()["trainvitals"]
     assert any(tags == [r"schedule/lr_scale$"] for _, tags in charts.values())
+
+
+@pytest.mark.parametrize("grow", [False, True], ids=["cut-then-stop", "grow-despite-min-lr"])
+def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, capsys, grow):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals import TrainvitalsDashboard
+    from trainvitals.report.command import main
+
+    # Cut once, then stop at the next band entry; or (grow) two batch growths, which min_lr = 0.04 > 0.05 × 0.5
+    # does not refuse (it bounds an lr cut only), and no stop.
+    kwargs = {"max_cuts": 2, "stop": False, "grow_batch": True, "min_lr": 0.04} if grow else {"max_cuts": 1}
+    schedule = BandSchedule(factor=0.5, min_steps=0, patience=1, check_every_n_steps=1, verbose=False, **kwargs)
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule, TrainvitalsDashboard(progress_bar=False)], 200, logger=logger)
+    capsys.readouterr()
+    main([str(tmp_path), "--format", "json"])
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    rows = {row["label"]: row["value"] for row in run["sections"]["convergence"]}
+    said = [f["message"] for f in run["findings"] if f["section"] == "convergence"]
+    cuts = rows["cuts (band entries acted on)"]
+    assert len(schedule.cuts) == (2 if grow else 1)
+    for cut in schedule.cuts:  # each cut's step, band ratio and 90 % interval, as the cut record says them
+        line = Cut(**cut).line()
+        assert line in cuts and f"step {cut['step']}" in line and f"{cut['band_ratio']:.2g}" in line
+        assert f"{cut['ratio_high']:.2g}" in line
+    if grow:
+        assert [c["batch"] for c in schedule.cuts] == [2 * B, 4 * B] and schedule.lr_scale == 1.0
+        assert schedule.stop_reason is StopReason.NOT_STOPPED
+        assert rows["stop"].startswith("not stopped: grew the batch 2 time(s)") and "stop=False" in rows["stop"]
+        assert any("grew the batch 2 time(s)" in f["message"] for f in run["findings"])
+    else:
+        assert schedule.stop_reason is StopReason.NOISE_BAND
+        assert rows["stop"].startswith("cut the lr 1 time(s)") and f"step {schedule.stopped_step}" in rows["stop"]
+        assert any(s.startswith("in its noise band: BandSchedule stopped the run") for s in said)
+    assert not any("GradNormEarlyStopping" in s for s in said) and "GradNormEarlyStopping" not in rows["stop"]
