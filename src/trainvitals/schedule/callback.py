@@ -92,7 +92,8 @@ class BandSchedule(GradNormEarlyStopping):
     Args:
         factor: lr multiplier at each cut, in (0, 1).
         max_cuts: cuts before the band stops the run (or is ignored, ``stop=False``), ≥ 0; ``None``: no limit.
-        min_lr: no cut that would take the smallest param group's lr below it (≥ 0); the band stops instead.
+        min_lr: no lr cut that would take the smallest param group's lr below it (≥ 0; a batch growth leaves the
+            lr alone and is not bounded by it); the band stops instead.
         stop: stop the run when no cut is left; ``False`` never stops.
         grow_batch: grow ``accumulate_grad_batches`` at a band entry instead of cutting the lr (not beside a
             GradientAccumulationScheduler).
