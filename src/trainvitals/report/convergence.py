@@ -287,7 +287,7 @@ def _few_flags(flags: list[float], name: str = "GradNormEarlyStopping") -> str:
 STOPPERS = ("GradNormEarlyStopping", "BandSchedule")
 """The callbacks that act on the noise band (BandSchedule is a GradNormEarlyStopping that cuts the lr first)."""
 STOPPER_PANELS = tuple(f"{prefix}{name}" for name in STOPPERS for prefix in DIAGNOSIS_PREFIXES)
-NOT_STOPPED = re.compile(rf"({'|'.join(STOPPERS)})\b.*?did not stop the run")
+NOT_STOPPED = re.compile(rf"(?:{'|'.join(STOPPERS)})\b(?P<cuts>.*?)did not stop the run")
 """The stop row of a stopper's end-of-fit table when it did not stop: "GradNormEarlyStopping did not stop the run:
 why", "BandSchedule cut the lr 2 time(s) (…); did not stop the run: why"."""
 _STOPPERS_SAY = re.compile(rf"^trainvitals ({'|'.join(STOPPERS)}): ")
@@ -341,7 +341,7 @@ def _end_reason(end: dict[str, str], caveat: str = "") -> str:
     said = NOT_STOPPED.match(stop)
     if not said:
         return ""
-    cuts = stop[len(said[1]) : stop.index("did not stop the run", said.start())].strip(" ;")  # BandSchedule's
+    cuts = said["cuts"].strip(" ;")  # BandSchedule's, before the stopper's words
     why = stop[said.end() :].lstrip(":. ").rstrip(".")
     if cuts and why:
         return f"{cuts}; {why}"
@@ -369,7 +369,7 @@ def _end_verdict(
     why = _end_reason(end, caveat)
     streak = _STREAK.match(end.get("in-condition streak", ""))
     reached = _REACHED.match(end.get("in-condition streak", ""))
-    act = "to stop" if name == "GradNormEarlyStopping" else "to act on (a cut, or the stop)"
+    act = "to stop" if name == "GradNormEarlyStopping" else "to cut the lr (or stop)"
     if "before min_steps" in why:
         lead = "no noise-band verdict: the run ended before the stopper's min_steps, so it counted no step"
     elif streak and int(streak[1]) > 0:
