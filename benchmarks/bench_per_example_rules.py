@@ -317,7 +317,7 @@ def labelled(shape: tuple[int, ...], vocab: int | None = None) -> Data:
 
 def zoo_model(name: str) -> Callable[[], nn.Module]:
     """The zoo's model, its position table frozen if it has one looked up with ids shared by the batch
-    (trainvitals names it as not measured; frozen, every tool measures the same parameters)."""
+    (the peers have no per-example rule for it; frozen, every tool measures the same parameters)."""
     entry = ZOO[name]
 
     def make() -> nn.Module:
