@@ -302,6 +302,7 @@ class TaskRun:
     epochs: list[dict[str, float]] = field(default_factory=list)
     stops: dict[str, dict[str, float] | None] = field(default_factory=dict)
     seconds: float = 0.0
+    estimate: dict[str, float] = field(default_factory=dict)  # EstimateShares: what the default stopper's estimate said
 
     @property
     def best(self) -> dict[str, float]:
@@ -338,6 +339,40 @@ def make_stoppers(band_grid: list[tuple[float, int]]) -> dict[str, Callback]:
     return stoppers
 
 
+class EstimateShares(Callback):
+    """Every 10th optimizer step after the first tenth of the budget: whether the default stopper's noise estimate
+    has a B_simple lower bound > 0 (90 %) and a reliable point estimate (docs/benchmarks.md, issue #24)."""
+
+    def __init__(self, stopper: GradNormEarlyStopping, budget: int) -> None:
+        self.stopper, self.budget, self.seen = stopper, budget, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        step = trainer.global_step
+        if step % 10 or step < self.budget / 10 or (self.seen and self.seen[-1][0] == step):
+            return
+        h = self.stopper.gradient_noise.host_summary()
+        if h["count"]:
+            self.seen.append((step, h.get("b_simple_low", _fieller_low(h)) > 0, h["reliable"]))
+
+    def shares(self) -> dict[str, float]:
+        n = max(len(self.seen), 1)
+        return {
+            "checks": len(self.seen),
+            "lower_bound": sum(s[1] for s in self.seen) / n,
+            "reliable": sum(s[2] for s in self.seen) / n,
+        }
+
+
+def _fieller_low(h: dict[str, Any]) -> float:
+    """B_simple's 90 % lower end from a summary without one (an estimate before its intervals; covariance 0)."""
+    z = 1.6448536269514722
+    a = h["grad_sq_norm"] ** 2 - (z * h["grad_sq_norm_se"]) ** 2
+    b = h["trace_cov"] * h["grad_sq_norm"]
+    q = h["trace_cov"] ** 2 - (z * h["trace_cov_se"]) ** 2
+    upper = b + max(b * b - a * q, 0.0) ** 0.5
+    return q / upper if q > 0 and upper > 0 else 0.0
+
+
 def run_one(task: Task, optimizer: str, seed: int, max_epochs: int, band_grid: list[tuple[float, int]]) -> TaskRun:
     run = TaskRun(task.name, optimizer, seed)
     (xt, yt), val = task.data()
@@ -346,13 +381,14 @@ def run_one(task: Task, optimizer: str, seed: int, max_epochs: int, band_grid: l
     train = DataLoader(TensorDataset(xt, yt), batch_size=task.micro_batch, shuffle=True, drop_last=True)
     stoppers = make_stoppers(band_grid)
     shadow = ShadowStops(stoppers, lambda m: evaluate(m, val))
+    shares = EstimateShares(stoppers["noise_band"], max_epochs * (len(xt) // task.micro_batch // 4))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=max_epochs,
         accumulate_grad_batches=4,
         logger=False,
-        callbacks=[*stoppers.values(), shadow],
+        callbacks=[*stoppers.values(), shares, shadow],
         deterministic=True,
         num_sanity_val_steps=0,
         enable_checkpointing=False,
@@ -366,6 +402,7 @@ def run_one(task: Task, optimizer: str, seed: int, max_epochs: int, band_grid: l
         raise RuntimeError(f"the fixed run ended after {len(shadow.epochs)} epochs: a stop escaped ShadowStops")
     run.epochs = shadow.epochs
     run.stops = {name: shadow.stops.get(name) for name in stoppers}
+    run.estimate = shares.shares()
     return run
 
 
@@ -493,6 +530,22 @@ def main() -> None:
     )
     headers = ["runs", *(f"{m}: {h}" for m in METHODS for h in COUNT_HEADERS)]
     print(markdown_table(headers, [[g, *(c for m in METHODS for c in _counts(mine, m))] for g, mine in groups(runs)]))
+    print("\n## The default stopper's noise estimate, every 10th step after the first tenth of the budget\n")
+    print(
+        markdown_table(
+            ["runs", "checks", "B_simple lower bound > 0 (90 %)", "reliable point estimate"],
+            [
+                [
+                    g,
+                    sum(r.estimate["checks"] for r in mine),
+                    f"{median([r.estimate['lower_bound'] for r in mine]):.0%} (median), "
+                    f"{min(r.estimate['lower_bound'] for r in mine):.0%} (least)",
+                    f"{median([r.estimate['reliable'] for r in mine]):.0%} (median)",
+                ]
+                for g, mine in groups(runs)
+            ],
+        )
+    )
     if band_grid:
         names = {
             "noise_band (defaults)": "noise_band",

@@ -54,6 +54,8 @@ GRAD_NORM_SUMMARIES = (
     "band_floor",
     "band_edge",
     "band_ratio",
+    "band_ratio_low",
+    "band_ratio_high",
     "in_noise_band",
     "band_streak",
     "nonfinite_steps",

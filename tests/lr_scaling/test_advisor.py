@@ -572,3 +572,23 @@ def test_a_step_that_cannot_be_rerun_on_a_doubled_batch_is_told_the_switch_that_
     if detect:
         assert "RuntimeError" in said[0] and "detect_loss_reduction=False" in said[0]
     assert advisor.loss_reduction is None  # nothing was learnt, nothing assumed
+
+
+def test_an_unreliable_estimate_with_an_informative_interval_advises_from_its_bound():
+    """‖G‖² within its error of 0 (jitter 5×): no point estimate, but B_simple ≥ low (90 %) bounds what doubling the
+    batch costs (E = E_min(1 + B/B̂)) and saves (S = S_min(1 + B̂/B)), each at B̂ = low, the safe side."""
+    source = _NoiseSource(0.01, 10.0, jitter=5.0)
+    advisor = LRScalingAdvisor(log_every_n_steps=1, verbose=False)
+    fit(Model(groups=(0.1,)), [source, advisor], RecordingLogger(), batch_size=8)
+    h = source.gradient_noise.host_summary()
+    low = h["b_simple_low"]
+    assert not h["reliable"] and h["decisive"] and 0 < low < 1000 and math.isinf(h["b_simple_high"])
+    report = advisor.summary_markdown()
+    extra = (1 + 2 * 8 / low) / (1 + 8 / low) - 1
+    saved = 1 - (1 + low / 16) / (1 + low / 8)
+    assert f"B_simple ≥ {low:.3g} (90 %)" in report
+    assert (
+        f"at most {100 * extra:.3g}% more examples" in report
+        and f"at least {100 * saved:.3g}% of the optimizer" in report
+    )
+    assert f"B_simple ≥ {low:.3g} (90 %)" in advisor.summary_line()

@@ -283,3 +283,21 @@ def test_suggested_lr_recovers_the_baseline_at_four_times_the_batch(optimizer, a
     rescaled = _train(x, y, optimizer, batch=32, lr=suggested)
     assert unchanged > 1.5 * baseline
     assert rescaled == pytest.approx(baseline, rel=0.10)
+
+
+def test_doubling_bounds_are_the_worst_case_over_the_interval():
+    """Brute force over B̂ in [low, high]: the most extra examples and the least saved steps of doubling B."""
+    import numpy as np
+
+    from trainvitals.lr_scaling.rules import doubling_bounds
+
+    batch, low, high = 32.0, 180.0, 5000.0
+    b_hat = np.linspace(low, high, 100_001)
+    examples = (1 + 2 * batch / b_hat) / (1 + batch / b_hat) - 1
+    steps = 1 - (1 + b_hat / (2 * batch)) / (1 + b_hat / batch)
+    gain = (1 + b_hat / batch) / (1 + b_hat / (2 * batch))
+    extra, saved, least_gain = doubling_bounds(batch, low, high)
+    assert extra == pytest.approx(examples.max()) and saved == pytest.approx(steps.min())
+    assert least_gain == pytest.approx(gain.min()) and gain.max() < 2
+    with pytest.raises(ValueError, match="b_high"):
+        doubling_bounds(batch, low, low / 2)

@@ -117,7 +117,10 @@ def test_charts_pick_up_what_the_callbacks_log(monitored) -> None:
     band_steps = [[e.step for e in acc.Scalars(tag)] for tag in picked[BAND_CHART]]
     assert band_steps[0] and band_steps[0] == band_steps[1] == band_steps[2]
     assert picked[IN_BAND_CHART] == ["grad_norm/in_noise_band"]
-    assert picked["B_simple vs effective batch (examples)"] == ["grad_noise/b_simple"]  # the run's one B_simple
+    # The run's one B_simple, with its interval's ends (the high one only where finite).
+    b_simple = picked["B_simple and its 90 % interval (no high end: unbounded above) vs effective batch (examples)"]
+    assert "grad_noise/b_simple" in b_simple and "grad_noise/b_simple_low" in b_simple
+    assert set(b_simple) <= {"grad_noise/b_simple", "grad_noise/b_simple_low", "grad_noise/b_simple_high"}
     layers = {name for name, m in trainer.lightning_module.named_modules() if list(m.parameters(recurse=False))}
     for group in ("features", "head"):
         assert sorted(picked[f"per-layer gradient norm: {group}"]) == sorted(

@@ -28,6 +28,7 @@ from trainvitals.lr_scaling.rules import (
     check_positive,
     check_positive_int,
     classify_loss_reduction,
+    doubling_bounds,
     effective_batch_size,
     examples_over_min,
     loss_reduction_note,
@@ -39,7 +40,7 @@ from trainvitals.lr_scaling.rules import (
     validate_batch_sizes,
     validate_noise_scale,
 )
-from trainvitals.noise.estimate import Z90
+from trainvitals.noise.estimate import Z90, b_simple_interval
 from trainvitals.per_example import detect_loss_reduction
 from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
@@ -173,6 +174,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         """The latest advice per param group name; ``None`` for a group whose lr is 0 now."""
         self.add_state("advices", {}, persistent=False)
         self.add_state("_report", "", persistent=False)
+        self.add_state("_interval", None, persistent=False)  # the last summary whose B_simple interval advises
         self.add_state("_started", False, persistent=False)
         self.add_state("_graph_read", False, persistent=False)
         self.add_state("_logged_step", -1, persistent=False)  # the optimizer step the scalars were last logged at
@@ -262,7 +264,9 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 "parameter group (nothing to scale)."
             )
         name, adv = named[0]
-        if adv.noise_scale is None:
+        if adv.noise_scale is None and self._interval is not None:
+            scale = f"no reliable noise scale, {b_simple_interval(self._interval)}: classic rules, and the interval's advice"
+        elif adv.noise_scale is None:
             scale = "no usable noise scale: classic rules"
         else:
             side = "above it: more batch buys little" if adv.batch_size > adv.noise_scale else "below it"
@@ -325,6 +329,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
         if noise is None:
             return None, "not measured: no GradNormEarlyStopping or BatchVarianceProbe", None
         summary = noise.host_summary(noise.latest() if latest else None)  # reporting steps only: one transfer
+        # Decisive but not reliable: B_simple's 90% interval may still bound the trade-off (_interval_line).
+        self._interval = summary if summary["decisive"] and summary["b_simple_low"] > 0 else None
         if not summary["reliable"]:
             return None, summary["why"], None
         return summary["b_simple"], "measured: " + ", ".join(summary["sources"]), summary["b_simple_rel_err"]
@@ -372,6 +378,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
             lines.append(
                 f"**noise scale** not used ({source}): classic rules, linear for SGD-like and square root for Adam-like"
             )
+            if self._interval is not None and self.noise_scale is None:
+                lines.append(self._interval_line(batch, self._interval))
         else:
             steps, examples = steps_over_min(batch, noise_scale), examples_over_min(batch, noise_scale)
             # One B_simple per run: a measured B̂ is the estimate's own, logged as grad_noise/b_simple.
@@ -423,6 +431,26 @@ class LRScalingAdvisor(TrainvitalsCallback):
             self._logged_step = step
         table = advice_table({name: adv for name, adv in self.advices.items() if adv is not None})
         return "\n".join(f"- {line}" for line in lines) + "\n\n" + table
+
+    @staticmethod
+    def _interval_line(batch: int, summary: dict[str, Any]) -> str:
+        """Noise-aware advice from B_simple's 90% interval alone, each bound on its safe side
+        (:func:`~trainvitals.lr_scaling.rules.doubling_bounds`): what doubling the batch costs and saves at most
+        and at least, and the lr gain it allows at least."""
+        low, high = summary["b_simple_low"], summary["b_simple_high"]
+        extra, saved, gain = doubling_bounds(batch, low, high)
+        side = (
+            f"B = {batch} is below B_simple's lower end: steps are noise-dominated"
+            if batch < low
+            else f"B = {batch} is not shown to be below B_simple"
+        )
+        return (
+            f"**noise-aware, from the interval** {b_simple_interval(summary)}: {side}; doubling the batch to "
+            f"{2 * batch} costs at most {100 * extra:.3g}% more examples per unit of progress and saves at least "
+            f"{100 * saved:.3g}% of the optimizer steps (McCandlish et al. 2018, S = S_min(1 + B̂/B), "
+            f"E = E_min(1 + B/B̂), at B̂ = {low:.3g}); its lr: at least ×{gain:.3g} (SGD-like), "
+            f"×{math.sqrt(gain):.3g} (Adam-like), up to ×2 and ×{math.sqrt(2):.3g} as B̂ grows"
+        )
 
     def _range_line(
         self,

@@ -182,6 +182,27 @@ def examples_over_min(batch: float, noise_scale: float) -> float:
     return 1.0 + check_positive("batch", batch) / check_positive("noise_scale", noise_scale)
 
 
+def doubling_bounds(batch: float, b_low: float, b_high: float = math.inf) -> tuple[float, float, float]:
+    """What doubling the batch B → 2B costs and buys when only B̂ ∈ [b_low, b_high] is known (McCandlish et al.
+    2018, §2.3: S = S_min(1 + B̂/B), E = E_min(1 + B/B̂)), each end on the safe side of the interval.
+
+    Returns ``(extra_examples, saved_steps, sgd_gain)``: at most ``extra_examples`` more examples per unit of
+    progress, (1 + 2B/B̂)/(1 + B/B̂) − 1 at B̂ = b_low; at least ``saved_steps`` fewer optimizer steps,
+    1 − (1 + B̂/2B)/(1 + B̂/B) at B̂ = b_low; and the SGD lr gain (1 + B̂/B)/(1 + B̂/2B) at B̂ = b_low, the smaller
+    of the interval's (×2, the linear rule, as B̂ → ∞; Adam-like: its square root). Shares, not percent.
+
+    Raises:
+        ValueError: if ``batch`` or ``b_low`` is not positive, or ``b_high < b_low``.
+    """
+    ratio = check_positive("batch", batch) / check_positive("b_low", b_low)
+    if not b_high >= b_low:
+        raise ValueError(f"`b_high` must be >= `b_low` ({b_low}), got {b_high}")
+    extra = (1 + 2 * ratio) / (1 + ratio) - 1
+    saved = 1 - (1 + 1 / (2 * ratio)) / (1 + 1 / ratio)
+    gain = (1 + 1 / ratio) / (1 + 1 / (2 * ratio))
+    return extra, saved, gain
+
+
 def adam_square_root_adjustments(
     kappa: float, betas: tuple[float, float] | None, eps: float | None
 ) -> tuple[tuple[float, float] | None, float | None]:

@@ -65,7 +65,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
         log_every_n_steps: log every this many optimizer steps (rounded up to a multiple of
             ``measure_every_n_steps``); ``None``: the Trainer's.
         histogram_every_n_steps: per-example norm histograms and outliers every this many steps; 0: never.
-        ema_beta: EMA decay per optimizer step, in [0, 1), at any measuring cadence.
+        ema_beta: EMA decay per optimizer step, in [0, 1), at any measuring cadence (β^k per measurement every k
+            steps: the window stays in steps, as the micro-batch source's, so the two see the same stretch of the
+            run; measured every k steps it averages about (1 + β^k)/(1 − β^k) measurements, ≈ 99/k at 0.98:
+            ``grad_noise/effective_measurements``).
         loss_reduction: ``"auto"`` (read from the loss's graph), ``"mean"`` or ``"sum"`` over a micro-batch.
         per_coordinate: log GSNR and the EB criterion on logging steps.
         coordinate_budget: coordinates whose per-coordinate sums one logging step collects (≥ 1; 16 bytes
@@ -231,7 +234,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
             else "no reliable B_simple"
         )
         why = "" if summary["reliable"] else ": " + summary["why"].removeprefix("B_simple unreliable: ")
-        return f"{scale}{at} from {count} measured optimizer steps{why}."
+        effective = (
+            f" ({summary['effective_measurements']:.3g} effective, as the EMAs weight them)" if summary["count"] else ""
+        )
+        return f"{scale}{at} from {count} measured optimizer steps{effective}{why}."
 
     def summary_markdown(self) -> str:
         """End-of-run markdown: where the noise was measured and the smoothed estimates (McCandlish et al. 2018)."""

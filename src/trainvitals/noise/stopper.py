@@ -27,9 +27,9 @@ from typing_extensions import override
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.noise.estimate import (
     SOURCES_CHECK,
-    Z90,
     GradientNoise,
     NoiseSource,
+    b_simple_interval,
     band_ratio,
     population_of,
 )
@@ -137,6 +137,13 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     The condition must hold for ``patience`` consecutive optimizer steps, not before ``min_steps``;
     steps with non-finite gradients (including those a GradScaler skips) neither count nor reset.
+    In ``"noise_band"`` mode the band only counts once the run has been out of it (after ``min_steps``, on a
+    logging or check step, the band ratio's 90 % interval above 1: out beyond the estimate's error): a batch
+    far below B_simple makes every step noise from step 0, which calls for a larger batch or a smaller lr,
+    not a stop. Such a run is said once (a warning and the ``grad_norm/stop_reason`` text), with the batch
+    to use — B_simple's 90 % lower end — and watched on: it stops if it leaves the band and comes back for
+    ``patience`` steps. The band is judged on the estimate's smoothed quantities (slow EMAs, or fast ones
+    while the slow ones lag: estimate.py, rule 7), the same the margin chart draws.
     The streak is kept on the device; the host looks at it every ``check_every_n_steps`` optimizer
     steps, so a stop lands at most ``check_every_n_steps - 1`` steps after the streak completes. The decision is reduced across ranks
     (``reduce_boolean_decision``): all ranks stop at the same step.
@@ -148,7 +155,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     the noise level: where the band ends); ``grad_norm/band_ratio`` (margin > 0), the smoothed ‖G‖² over the band's
     edge margin·tr(Σ)/B, ≤ 1 in the band: it does not tie from save to save as the streak does outside the band,
     so ``ModelCheckpoint(monitor="grad_norm/band_ratio", mode="min")`` keeps the checkpoint deepest into the band
-    (+inf in ``trainer.callback_metrics``, not logged, while the estimate cannot decide);
+    (+inf in ``trainer.callback_metrics``, not logged, while the estimate cannot decide), and its 90 % interval
+    ``grad_norm/band_ratio_low`` and ``_high`` (the high end left out where infinite);
     without a GradNormMonitor, ``grad_norm/nonfinite_steps`` (``amp_skipped_steps`` under a GradScaler) as the
     monitor counts them (:class:`~trainvitals.norms.nonfinite.NonfiniteCounter`);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
@@ -178,6 +186,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     provides = (GRADIENT_NOISE, NOISE_BAND, SUMMARY, RESTORED_SUMMARY)
     reads = (GRAD_SQ_NORMS, NONFINITE_STEPS, NOISE_TAGS, NOISE_PROBE)
+    waits_out_the_start = True
+    """Whether a band held from the start acts only once the run has been out of it (a stop on noise from step 0
+    would not be convergence); a subclass whose action is the remedy for that noise (a smaller lr) sets False."""
 
     def __init__(
         self,
@@ -240,11 +251,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.add_state("nonfinite", NonfiniteCounter, key="nonfinite_steps")
         """Steps with non-finite gradients, which the streak skips: logged when no GradNormMonitor logs them."""
         self.add_state("_measurable_by", partial(measurable_by, None, False), persistent=False)
-        # Whether a counted step was out of the condition before the streak completed: a band that held from
-        # the first counted step says the batch is noise-dominated, not that the run converged.
+        # Whether a counted, decided step was out of the condition: a band that holds from the first counted step
+        # says the batch is noise-dominated, not that the run converged, and in noise_band mode the streak only
+        # stops the run once the run has been out of the band.
         self.add_state("_left", torch.zeros((), dtype=torch.bool), key="left")
+        # Whether a full streak was reached before the run had been out of the band (said once, at a check step).
+        self.add_state("_held", torch.zeros((), dtype=torch.bool), key="held_from_start")
         self.add_state("from_start", "")
-        """The sentence saying, at a stop, that the band held from the start; "" otherwise."""
+        """The sentence saying that the band held from the start (no stop on it); "" otherwise."""
         # Set once the streak has reached the patience: a streak that completes and breaks between two
         # host checks must still stop the run.
         self.add_state("_done", torch.zeros((), dtype=torch.bool), key="done")
@@ -376,14 +390,24 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
         decided = self.gradient_noise.band_decisive if self.mode == "noise_band" else None
         decided = counts if decided is None else counts & decided.to(total.device)
-        self._left = self._left.to(total.device) | (decided & ~in_condition & ~self._done.to(total.device))
-        self._done = self._done.to(total.device) | (self._streak >= self.patience)
+        full = self._streak >= self.patience
+        if self.mode == "noise_band" and self.waits_out_the_start:  # noise from step 0 is not convergence: no stop
+            self._held = self._held.to(total.device) | (full & ~self._left.to(total.device))
+            full = full & self._left.to(total.device)
+        if self.mode == "noise_band":  # out of the band beyond the band ratio's error, on a check or logging step
+            shown = self._shown_out(logged or (self.steps + 1) % self.check_every_n_steps == 0)
+            out = decided & ~in_condition & shown.to(decided.device) if shown is not None else torch.zeros_like(decided)
+        else:
+            out = decided & ~in_condition
+        self._left = self._left.to(total.device) | (out.to(total.device) & ~self._done.to(total.device))
+        self._done = self._done.to(total.device) | full
         self.nonfinite.add(valid)
         self.steps += 1
         if logged:
             self._log(trainer, step, in_condition)
         if self.steps % self.check_every_n_steps == 0 and self.mode == "noise_band" and self._source is not None:
             self._say_caveat(trainer, step)
+            self._say_from_start(trainer, step)
         if self.steps % self.check_every_n_steps == 0 and self._check(trainer, step) and every and not logged:
             self._log(trainer, step, in_condition, final=True)  # the chart ends where the run stopped
 
@@ -505,6 +529,15 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         estimate = self.gradient_noise.estimate() if full else None
         return self.gradient_noise.in_noise_band(self.margin, estimate, device=total.device).to(total.device)
 
+    def _shown_out(self, now: bool) -> Tensor | None:
+        """``()`` bool on the device: the band ratio's 90% lower end is above 1 (estimate.py, rule 8) — the run is
+        out of its band beyond the estimate's error, not by a fluctuation; read from the full estimate, so only on
+        logging and check steps (``now``; else None)."""
+        if not now:
+            return None
+        est = self.gradient_noise.estimate()
+        return self.gradient_noise.decisive(est) & (est.intervals["band_ratio"][0] > self.margin)
+
     def noise_floor(self) -> Tensor:
         """The noise level sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of
         GradNormMonitor's ``grad_norm/total``), ``()`` float64; 0 before the first estimate."""
@@ -534,11 +567,38 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 edge = self.margin * estimate.trace_cov.to(floor) / estimate.batch_size
                 ratio = estimate.grad_sq_norm.to(floor) / edge.clamp_min(1e-300)
                 metrics[BAND_RATIO] = torch.where(decisive & (edge > 0), ratio, nan)
+                # Its 90% interval (estimate.py, rule 8); an infinite high end is left out (finite_only).
+                for end, value in zip(("low", "high"), estimate.intervals["band_ratio"]):
+                    metrics[f"{BAND_RATIO}_{end}"] = torch.where(decisive, value.to(floor) / self.margin, nan)
         logged = log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
         if self.mode == "noise_band" and self.margin > 0 and BAND_RATIO not in logged:
             # Not measured yet, or not measurable: the worst value for ModelCheckpoint(mode="min"), which
             # needs the key at every save (a missing one fails the fit once validation has run).
             feed_callback_metrics(trainer, {BAND_RATIO: math.inf})
+
+    def _say_from_start(self, trainer: "pl.Trainer", step: int) -> None:
+        """Once per fit, when a full streak came before the run was ever out of the band: every step has been
+        noise-dominated from the start, which calls for a larger batch (named from B_simple's 90% interval) or a
+        smaller lr, not a stop. On check steps only; the decision itself stays on the device."""
+        if self.from_start or not bool(self._held):
+            return
+        h = self.gradient_noise.host_summary()
+        low, point = h["b_simple_low"], h["b_simple"]
+        batch = self.effective_batch_size or h["batch_size"]
+        target = low if low > 0 else point
+        suggest = (
+            f"a batch of at least {target:.0f} (B_simple's 90 % lower end) balances steps against examples"
+            if math.isfinite(target) and target > 0
+            else "a larger batch lowers the noise per step"
+        )
+        self.from_start = (
+            f"in its noise band from the start (optimizer step {step}): the batch ({batch}) is below B_simple "
+            f"({b_simple_interval(h)}), so every step is noise-dominated from step 0 — that is not convergence, and "
+            f"it does not stop on it. {suggest[0].upper()}{suggest[1:]} — or a smaller learning rate. It keeps "
+            "watching: the band counts once the run has been out of it."
+        )
+        self.warn(self.from_start)
+        log_text(trainer, "grad_norm/stop_reason", self.message(self.from_start), step)
 
     def _say_caveat(self, trainer: "pl.Trainer", step: int) -> None:
         """Once per fit: why the estimate cannot stop the run (no valid source, partial coverage), and two
@@ -575,13 +635,6 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             "threshold": StopReason.THRESHOLD,
             "relative": StopReason.RELATIVE,
         }[self.mode]
-        if self.mode == "noise_band" and not bool(self._left):
-            b_simple = self.gradient_noise.host_summary()["b_simple"]
-            self.from_start = (
-                f" It was in its noise band from the start: the batch ({self.effective_batch_size}) is far below "
-                f"B_simple ({b_simple:.3g}): every step is noise-dominated — a larger batch (near B_simple) or a "
-                "larger learning rate would show whether the model learns — this is not convergence."
-            )
         message = self.describe_stop()
         if self.verbose:
             self.info(message)
@@ -604,9 +657,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             else f" A fit resumed from a checkpoint written after that stop was stopped again at its start "
             f"(optimizer step {self.stopped_again_step})."
         )
+        after = ", after it had been out of the band" if self.stop_reason is StopReason.NOISE_BAND else ""
         return (
             f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
-            f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps.{self.from_start}{again}"
+            f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps{after}.{again}"
         )
 
     def summary_line(self) -> str:
@@ -625,13 +679,13 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 why = f"the noise estimate cannot decide: {summary['why']}; " + why
             elif self.margin > 0 and summary["trace_cov"] > 0 and summary["batch_size"]:
                 grad, se = summary["grad_sq_norm"], summary["grad_sq_norm_se"]
-                ratio, low, high = (
-                    band_ratio(g, summary["trace_cov"], summary["batch_size"], self.margin)
-                    for g in (grad, grad - Z90 * se, grad + Z90 * se)
-                )
+                ratio = band_ratio(grad, summary["trace_cov"], summary["batch_size"], self.margin)
+                low, high = (summary[f"band_ratio_{end}"] / self.margin for end in ("low", "high"))
                 interval = (
-                    f"(90 % from ‖G‖²'s error: {max(low, 0.0):.2f}–{high:.2f}×)"
+                    f"(90 %: {low:.2f}–{high:.2f}×, from ‖G‖²'s and tr(Σ)'s errors)"
                     if math.isfinite(high)
+                    else f"(90 %: ≥ {low:.2f}×, no upper end)"
+                    if low > 0
                     else "(no error bar yet)"
                 )
                 reaches = "; that interval reaches the band: not shown to be outside it" if low <= 1.0 else ""
@@ -641,6 +695,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                     if ratio > 0
                     else f"; at the end the smoothed ‖G‖² = {grad:.3g} ± {se:.2g} is ≤ 0, inside the band"
                 )
+        if self.from_start:
+            why = f"{self.from_start.removesuffix('.')}; " + why
         if self.steps < self.min_steps:
             why = f"the run ended after {self.steps} optimizer steps, before min_steps={self.min_steps}; " + why
         return f"did not stop the run: {why}."

@@ -27,10 +27,10 @@ from torch.utils.hooks import RemovableHandle
 from trainvitals.per_example.batch_dim import ONE_EXAMPLE, Layouts
 from trainvitals.per_example.broadcast import Operand, broadcast_adds, consumers, per_example_grad
 from trainvitals.per_example.checkpoint_hooks import (
+    AllGradsHook,
     _recomputing,
     _recomputing_task,
     _reentrant_recomputation,
-    register_all_grads_hook,
 )
 from trainvitals.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
 from trainvitals.per_example.registry import Call, Use, _output_grads, _rule
@@ -217,6 +217,7 @@ class PerExampleGradients:
         self._shared: list[tuple[_SharedCall, Any]] = []  # this forward's lookups with ids shared by the batch, and
         # their outputs' autograd nodes
         self._creating: set[int] = set()  # those run with create_graph=True
+        self._call_hooks: list[AllGradsHook] = []  # this micro-batch's whole calls' hooks, kept here, not by the graph
 
     @property
     def attached(self) -> bool:
@@ -398,7 +399,7 @@ class PerExampleGradients:
         task = _recomputing_task()
         if rule.whole_call:
             hook = functools.partial(self._backward_call, name, slot, task, [t is not None for t in leaves])
-            register_all_grads_hook(tensors, hook)
+            self._call_hooks.append(AllGradsHook(tensors, hook))
         elif shared_call is not None and shared_call.arange is not None:  # the use as it is, or the adds'
             ids = inputs.reshape(1, -1).expand(batch, -1)
             shared_call.slot, shared_call.task = [ids, None], task

@@ -13,7 +13,6 @@ from trainvitals.noise.estimate import (
     MAX_UNMEASURED_TRACE,
     MIN_MEASUREMENTS,
     SOURCES_CHECK,
-    Z90,
 )
 from trainvitals.report.events import Run
 from trainvitals.report.model import (
@@ -465,13 +464,17 @@ B_SIMPLE = "B_simple = tr Σ / ‖G‖²"
 B_SIMPLE_PARTIAL = f"{B_SIMPLE}, of the measured parameters only (partial estimate)"
 
 
-def b_simple_lower_bound(trace: float, trace_se: float, grad: float, grad_se: float) -> float | None:
-    """The 90% lower end of B_simple, (tr Σ − z·σ_S)⁺ / (‖G‖² + z·σ_G) with z = :data:`Z90`: the low end of the
-    estimator's range (:mod:`trainvitals.noise.estimate`, rule 4), finite even where ‖G‖² is within its error of
-    0 and B_simple has no upper end (docs/science.md §3c: "B_simple ≥ x"); None when ‖G‖² + z·σ_G ≤ 0 (‖G‖²
-    below zero beyond its error: no range at all)."""
-    high = grad + Z90 * grad_se
-    return max(trace - Z90 * trace_se, 0.0) / high if high > 0 else None
+def b_simple_interval_at(run: Run, step: int | None) -> str:
+    """B_simple's logged 90% interval (``grad_noise/b_simple_low``, ``_high``; :mod:`trainvitals.noise.estimate`,
+    rule 8) at ``step`` in words: "B_simple ≥ 180 (90 %)" where its high end was not logged (infinite: ‖G‖²
+    within its error of 0), "B_simple 120–340 (90 %)" otherwise; "" when no lower end > 0 was logged there."""
+    low, own = value_at(first_series(run, r"grad_noise/b_simple_low$"), step)
+    if low is None or own is not None or not low > 0:
+        return ""
+    high, high_own = value_at(first_series(run, r"grad_noise/b_simple_high$"), step)
+    if high is None or high_own is not None:
+        return f"B_simple ≥ {low:.3g} (90 %)"
+    return f"B_simple {low:.3g}–{high:.3g} (90 %)"
 
 
 def _partial_rows(run: Run, step: int | None) -> list[Row]:
@@ -487,15 +490,9 @@ def _partial_rows(run: Run, step: int | None) -> list[Row]:
         if value is not None:
             shown = f"{value:.4g} ± {se:.2g} (standard error)" if se is not None and se_own == own else f"{value:.4g}"
             rows.append(Row(f"{label} of the measured parameters", shown, step=own))
-    (trace, own), (trace_se, _), (grad, _), (grad_se, _) = (
-        values[k] for k in ("trace_cov", "trace_cov_se", "grad_sq_norm", "grad_sq_norm_se")
-    )
-    if None not in (trace, trace_se, grad, grad_se) and all(
-        values[k][1] == own for k in ("trace_cov_se", "grad_sq_norm", "grad_sq_norm_se")
-    ):
-        low = b_simple_lower_bound(trace, trace_se, grad, grad_se)
-        if low is not None:
-            rows.append(Row("B_simple of the measured parameters, 90% lower end", low, "examples", own))
+    low, own = value_at(first_series(run, r"grad_noise/b_simple_low$"), step)
+    if low is not None and low > 0:
+        rows.append(Row("B_simple of the measured parameters, 90% lower end", low, "examples", own))
     share, own = values["unmeasured_trace_share"]
     if share is not None:
         rows.append(Row("tr Σ of the unmeasured parameters, at most", f"{share:.3g}× the measured tr Σ", step=own))
@@ -509,10 +506,12 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     rows = [
         row_at(run, step, B_SIMPLE_PARTIAL if partial else B_SIMPLE, r"grad_noise/b_simple$", unit="examples"),
         row_at(run, step, "B_simple relative error", r"grad_noise/b_simple_rel_err$"),
+        Row("B_simple, 90 % interval", b_simple_interval_at(run, step).removeprefix("B_simple ") or None),
         row_at(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$", unit="share"),
         row_at(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples"),
     ]
-    b_simple_row, error_row, _, batch_row = rows
+    b_simple_row, error_row, interval_row, _, batch_row = rows
+    interval = b_simple_interval_at(run, step)
     # The verdict's numbers are of the section's step, B_simple's last: an error of another step is not its.
     b_simple = b_simple_row.value if b_simple_row.step is None else None
     rel_err = error_row.value if error_row.step is None else None
@@ -523,14 +522,16 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     unreliable = value_at(first_series(run, r"grad_noise/b_simple_unreliable$"), step)
     at = f" at optimizer step {step}"
     if partial:
-        rows[3:3] = _partial_rows(run, step)
+        rows[4:4] = _partial_rows(run, step)
     rows += [
         series_row(_lr_label(tag.removeprefix("lr_scaling/"), batch_row.value), series, step)
         for tag, series in sorted(run.matching(r"lr_scaling/(?!effective_batch$).+").items())
     ]
     # A B_simple error or a ratio of another step was computed from a B̂ not shown here: left out, not dated.
     stale = {error_row.label} | {_LR_LABELS[k] for k in _FROM_B_HAT}
-    report.sections[title] = [r for r in rows if r.step is None or r.label not in stale]
+    report.sections[title] = [
+        r for r in rows if (r.step is None or r.label not in stale) and (r is not interval_row or r.value is not None)
+    ]
     panel(run, report, "lr scaling advice", "lr_scaling/advice", dated=True)
     advice_step = report.steps.get("lr scaling advice")
     classic = (
@@ -564,7 +565,9 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
             Finding(
                 "note",
                 title,
-                f"B_simple = {b_simple:.3g} is unreliable ({what}){at}: no batch-size verdict; {classic}.",
+                f"B_simple = {b_simple:.3g} is unreliable ({what}){at}"
+                + (f"; {interval}" if interval else "")
+                + f": no batch-size verdict from the point estimate; {classic}.",
             )
         )
     elif b_simple is not None and batch and math.isfinite(b_simple):

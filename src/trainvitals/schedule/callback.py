@@ -103,6 +103,8 @@ class BandSchedule(GradNormEarlyStopping):
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
 
+    waits_out_the_start = False  # a cut (a smaller lr) is the remedy for a band held from step 0, not a false stop
+
     def __init__(
         self,
         factor: float = DEFAULT_FACTOR,

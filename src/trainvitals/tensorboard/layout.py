@@ -74,9 +74,10 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
         ],
         IN_BAND_CHART: ["Multiline", [grad_norm("in_noise_band")]],
         STREAK_CHART: ["Multiline", [grad_norm("band_streak")]],
-        "smoothed ‖G‖² over the band's edge margin·tr Σ/B (≤ 1: in the noise band; a checkpoint's monitor)": [
+        "smoothed ‖G‖² over the band's edge margin·tr Σ/B (≤ 1: in the noise band; a checkpoint's monitor), and its "
+        "90 % interval": [
             "Multiline",
-            [grad_norm("band_ratio")],
+            [grad_norm("band_ratio"), grad_norm("band_ratio_low"), grad_norm("band_ratio_high")],
         ],
         "band-driven schedule: lr scale × the scheduler's lr (BandSchedule; each cut multiplies it)": [
             "Multiline",
@@ -87,14 +88,23 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
             "Multiline",
             [r"schedule/accumulate_grad_batches$"],
         ],
-        "B_simple vs effective batch (examples)": [
+        # Multiline, not Margin: a margin chart draws nothing at a step without its upper series, and B_simple's
+        # high end is not logged where it is infinite (‖G‖² within its error of 0): the low end is then the news.
+        "B_simple and its 90 % interval (no high end: unbounded above) vs effective batch (examples)": [
             "Multiline",
-            [r"grad_noise/b_simple$", r"lr_scaling/(?:effective_batch|b_noise)$"],
+            [r"grad_noise/b_simple(?:_low|_high)?$", r"lr_scaling/(?:effective_batch|b_noise)$"],
         ],
-        "gradient noise: tr(Σ) per example, and its standard error": ["Multiline", [r"grad_noise/trace_cov(?:_se)?$"]],
-        "gradient noise: ‖G‖², the true gradient's squared norm, and its standard error": [
+        "gradient noise: tr(Σ) per example, its standard error and 90 % interval": [
             "Multiline",
-            [r"grad_noise/grad_sq_norm(?:_se)?$"],
+            [r"grad_noise/trace_cov(?:_se|_low|_high)?$"],
+        ],
+        "gradient noise: ‖G‖², the true gradient's squared norm, its standard error and 90 % interval": [
+            "Multiline",
+            [r"grad_noise/grad_sq_norm(?:_se|_low|_high)?$"],
+        ],
+        "noise estimate: effective number of measurements behind it": [
+            "Multiline",
+            [r"grad_noise/effective_measurements$"],
         ],
         "batch-gradient variance at the micro-batch and the full batch (Var ∝ 1/B)": [
             "Multiline",
