@@ -28,3 +28,25 @@ def test_two_owners_compose_and_the_scheduler_sees_only_its_own_lr():
     factors.close()
     factors.put_back()  # nothing saved: a no-op
     assert not opt._optimizer_step_post_hooks
+
+
+def test_a_step_the_grad_scaler_skips_puts_the_scheduler_lr_back_before_the_scheduler_steps():
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    scaler, factors = torch.amp.GradScaler("cpu", init_scale=4.0), LRFactors()
+    for step, grad in enumerate((1.0, float("inf"), 1.0)):
+        factors.apply([opt], "schedule", 0.1)
+        scaler.scale((w * grad).sum()).backward()
+        scaler.unscale_(opt)  # as Lightning does before on_before_optimizer_step
+        factors.before_step(opt, scaler)
+        # A finite step keeps the scaled lr for the update; the skipped one has the scheduler's back already.
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.9**step * (1.0 if step == 1 else 0.1))
+        scaler.step(opt)
+        scaler.update()
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.9**step)  # put back by the post-hook or before_step
+        sched.step()
+        opt.zero_grad()
+    assert scaler.get_scale() == 2.0 and w.detach().tolist() == pytest.approx([1 - 0.1 - 0.081] * 2)
+    factors.before_step(opt, None)  # nothing applied, no scaler: a no-op
+    factors.close()

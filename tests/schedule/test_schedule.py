@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainvitals import BandSchedule, GradNormEarlyStopping
 from trainvitals.noise.estimate import MIN_MEASUREMENTS
 from trainvitals.noise.stopper import StopReason
+from trainvitals.schedule.decision import Cut
 
 D, MICRO, ACCUMULATE, SIGMA = 10, 16, 4, 1.0
 B = MICRO * ACCUMULATE
@@ -191,6 +193,56 @@ def test_a_users_scheduler_still_shapes_the_lr_and_its_warmup_holds_the_cut():
     assert model.lrs == pytest.approx(expected, rel=1e-9)
 
 
+class SkippedStep(NoisyQuadratic):
+    """An inf in the gradient at optimizer step ``inf_at``: a GradScaler skips that step. ``used`` maps each step
+    the optimizer takes to the lr it takes it at (its step pre-hook: a skipped step runs none)."""
+
+    def __init__(self, lr: float, inf_at: int, scheduler):
+        super().__init__(lr, w0=0.0, scheduler=scheduler)
+        self.inf_at = inf_at
+        self.used: dict[int, float] = {}
+
+    def on_fit_start(self):
+        def record(optimizer, *_):
+            self.used[self.trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+        self.trainer.optimizers[0].register_step_pre_hook(record)
+
+    def on_after_backward(self):
+        if self.trainer.global_step == self.inf_at:
+            self.w.grad[0] = math.inf
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, 0.99),  # chainable: steps from group["lr"]
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 / (1 + 0.02 * i)),  # closed form
+    ],
+    ids=["chainable", "closed-form"],
+)
+def test_a_step_the_grad_scaler_skips_keeps_the_scheduler_update(scheduler):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    eta, steps, inf_at = 0.05, 50, 35
+    schedule = BandSchedule(factor=0.5, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    model, scaler = SkippedStep(eta, inf_at, scheduler), torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    precision = MixedPrecision("16-mixed", "cpu", scaler=scaler)  # fp16 autocast and a GradScaler, on the CPU
+    fit(model, [schedule], steps, plugins=[precision], max_steps=steps)
+    (cut,) = schedule.cuts
+    assert cut["step"] < inf_at - 1 and scaler.get_scale() == 2.0**7  # the scaler skipped the step, once
+    assert inf_at not in model.used and len(model.used) == steps - 1
+    # The scheduler alone, replayed (it steps at the skipped step too): every step taken at its lr × the scale.
+    replay = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=eta)
+    own, expected = scheduler(replay), {}
+    for step in range(steps):
+        expected[step] = replay.param_groups[0]["lr"] * (0.5 if step > cut["step"] else 1.0)
+        replay.step()
+        own.step()
+    del expected[inf_at]
+    assert model.used == pytest.approx(expected, rel=1e-9)
+
+
 def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     eta = 0.05
     first = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
@@ -268,6 +320,73 @@ def test_ddp_ranks_cut_at_the_same_step(tmp_path):
     assert ranks[0]["lrs"] == ranks[1]["lrs"]
 
 
+class _ManualQuadratic(NoisyQuadratic):
+    def __init__(self):
+        super().__init__(0.05)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer, loss = self.optimizers(), super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+class _PartlyMeasured(pl.LightningModule):
+    """Attention with ``add_bias_kv`` has no per-example rule: a BatchVarianceProbe measures a part of the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(12, 16), nn.Linear(16, 3)
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True, add_bias_kv=True)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        h = self.embed(tokens)
+        return F.cross_entropy(self.head(self.attention(h, h, h, need_weights=False)[0].mean(1)), tokens[:, 0] % 3)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_every_message_names_the_schedule_and_its_cuts(caplog):
+    from trainvitals import BatchVarianceProbe
+
+    tokens = DataLoader(TensorDataset(torch.randint(0, 12, (16 * 30, 6), generator=torch.Generator().manual_seed(0))),
+                        batch_size=16)  # fmt: skip
+    fits = [  # the stopper's warning paths: manual optimization; too short a fit and no noise source; a partial model
+        (_ManualQuadratic(), [BandSchedule(grow_batch=True)], stream(3), {"max_steps": 3}),
+        (NoisyQuadratic(0.05), [BandSchedule(grow_batch=True)], stream(5), {"max_steps": 20}),
+        (
+            _PartlyMeasured(),
+            [BatchVarianceProbe(histogram_every_n_steps=0), BandSchedule(grow_batch=True, min_steps=0, patience=5)],
+            tokens,
+            {"max_epochs": 1},
+        ),
+    ]
+    said = []
+    for model, callbacks, data, kwargs in fits:
+        with warnings.catch_warnings(record=True) as record, caplog.at_level("INFO"):
+            warnings.simplefilter("always")
+            Trainer(**trainer_kwargs(callbacks=callbacks, **kwargs)).fit(model, data)
+        said.append([str(w.message) for w in record if str(w.message).startswith("trainvitals BandSchedule")])
+    (manual,), (short, lonely), (partial,) = said
+    assert "automatic optimization" in manual and "cannot" in short and "no noise source" in lonely
+    assert "cannot decide: partial" in partial
+    for message in [manual, short, lonely, partial]:  # what it will not do: grow the batch, cut the lr, stop
+        assert "grow the batch" in message and "cut the lr" in message and "stop the run" in message, message
+    ends = [
+        r.message for r in caplog.records if r.message.startswith("trainvitals BandSchedule") and "cut" in r.message
+    ]
+    assert len(ends) == 3 and all(e.count("made no cut") == 1 for e in ends)  # the end of each fit
+    for message in [manual, short, lonely, partial, *ends]:
+        assert "stopper" not in message and "mode=" not in message and "GradNormEarlyStopping" not in message
+    # Its end-of-fit diagnosis names it once, and only what it was asked to do.
+    assert BandSchedule().describe_stop().startswith("BandSchedule made no cut; did not")
+    acts = BandSchedule(stop=False)._band_acts()
+    assert "cut the lr" in acts[0] and "schedule" in acts[0] and "stop" not in acts[1] and "grow" not in acts[1]
+
+
 def test_not_beside_a_noise_band_stopper():
     trainer = Trainer(**trainer_kwargs(max_epochs=1, callbacks=[BandSchedule(), GradNormEarlyStopping()]))
     with pytest.raises(MisconfigurationException, match="GradNormEarlyStopping"):
@@ -316,3 +435,39 @@ def test_every_cut_reaches_the_dashboard_and_the_report(tmp_path):
     assert "lr × 0.5" in report.panels["band-driven schedule at fit end"]
     charts = trainvitals_layout()["trainvitals"]
     assert any(tags == [r"schedule/lr_scale$"] for _, tags in charts.values())
+
+
+@pytest.mark.parametrize("grow", [False, True], ids=["cut-then-stop", "grow-despite-min-lr"])
+def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, capsys, grow):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals import TrainvitalsDashboard
+    from trainvitals.report.command import main
+
+    # Cut once, then stop at the next band entry; or (grow) two batch growths, which min_lr = 0.04 > 0.05 × 0.5
+    # does not refuse (it bounds an lr cut only), and no stop.
+    kwargs = {"max_cuts": 2, "stop": False, "grow_batch": True, "min_lr": 0.04} if grow else {"max_cuts": 1}
+    schedule = BandSchedule(factor=0.5, min_steps=0, patience=1, check_every_n_steps=1, verbose=False, **kwargs)
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule, TrainvitalsDashboard(progress_bar=False)], 200, logger=logger)
+    capsys.readouterr()
+    main([str(tmp_path), "--format", "json"])
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    rows = {row["label"]: row["value"] for row in run["sections"]["convergence"]}
+    said = [f["message"] for f in run["findings"] if f["section"] == "convergence"]
+    cuts = rows["cuts (band entries acted on)"]
+    assert len(schedule.cuts) == (2 if grow else 1)
+    for cut in schedule.cuts:  # each cut's step, band ratio and 90 % interval, as the cut record says them
+        line = Cut(**cut).line()
+        assert line in cuts and f"step {cut['step']}" in line and f"{cut['band_ratio']:.2g}" in line
+        assert f"{cut['ratio_high']:.2g}" in line
+    if grow:
+        assert [c["batch"] for c in schedule.cuts] == [2 * B, 4 * B] and schedule.lr_scale == 1.0
+        assert schedule.stop_reason is StopReason.NOT_STOPPED
+        assert rows["stop"].startswith("not stopped: grew the batch 2 time(s)") and "stop=False" in rows["stop"]
+        assert any("grew the batch 2 time(s)" in f["message"] for f in run["findings"])
+    else:
+        assert schedule.stop_reason is StopReason.NOISE_BAND
+        assert rows["stop"].startswith("cut the lr 1 time(s)") and f"step {schedule.stopped_step}" in rows["stop"]
+        assert any(s.startswith("in its noise band: BandSchedule stopped the run") for s in said)
+    assert not any("GradNormEarlyStopping" in s for s in said) and "GradNormEarlyStopping" not in rows["stop"]

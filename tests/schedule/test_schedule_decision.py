@@ -30,6 +30,16 @@ def test_the_decision(in_band, cuts, lr, max_cuts, min_lr, stop, action):
     assert decide(in_band, cuts, lr, 0.1, max_cuts, min_lr, stop) is action
 
 
+def test_a_batch_growth_comes_first_and_min_lr_bounds_only_an_lr_cut():
+    # 0.1 × 0.1 = 0.01 < min_lr 0.02: an lr cut is refused, a growth (which leaves the lr alone) is not.
+    assert decide(True, 0, 0.1, 0.1, 2, 0.02, True, growth=10) is Action.GROW
+    assert decide(True, 0, 0.1, 0.1, 2, 0.02, True, growth=1) is Action.STOP
+    assert decide(True, 0, 0.1, 0.1, 2, 0.02, False, growth=1) is Action.NONE
+    assert decide(True, 1, 0.1, 0.1, 2, 0.0, True, growth=4) is Action.GROW  # before a cut the lr allows
+    assert decide(True, 2, 0.1, 0.1, 2, 0.0, True, growth=4) is Action.STOP  # growths count toward max_cuts
+    assert decide(False, 0, 0.1, 0.1, 2, 0.02, True, growth=4) is Action.NONE
+
+
 def test_the_band_edge_follows_the_lr_scale():
     assert scaled_margin(0.2, 1.0) == 0.2
     assert scaled_margin(0.2, 0.01) == pytest.approx(0.002)

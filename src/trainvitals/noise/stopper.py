@@ -73,7 +73,7 @@ DEFAULT_MIN_STEPS = 100
 # The host reads the on-device streak every this many steps: one sync per 10 steps, a stop at most 9 late.
 DEFAULT_CHECK_EVERY_N_STEPS = 10
 MANUAL = (
-    "mode='noise_band' needs automatic optimization (this LightningModule steps its optimizers itself, "
+    "the noise band needs automatic optimization (this LightningModule steps its optimizers itself, "
     "automatic_optimization=False)"
 )
 
@@ -272,6 +272,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.add_state("stopped_again_step", None, persistent=False)
         self.add_state("_manual", False, persistent=False)  # noise_band under manual optimization: cannot stop
 
+    def _band_acts(self) -> tuple[str, str]:
+        """How this callback's messages name what the noise band makes it do: (its first act, as in "the stopper
+        cannot stop before step 110"; all it does, as in "it will not stop the run"). BandSchedule names its cuts."""
+        return "the stopper cannot stop", "stop the run"
+
     @property
     def noise(self) -> BiasCorrectedEMA:
         """Smoothed ‖G‖² and tr(Σ) of the micro-batches and ranks alone, in ``.grad`` units."""
@@ -290,7 +295,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self._choose_source(trainer, pl_module, say=False)
         self._manual = self.mode == "noise_band" and not pl_module.automatic_optimization
         if self._manual:
-            self.warn(MANUAL + "; it will not stop this run.")
+            self.warn(f"{MANUAL}; it will not {self._band_acts()[1]}.")
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -319,11 +324,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         total = trainer.estimated_stepping_batches  # max_steps, or max_epochs × steps per epoch
         if total < earliest:
             self.warn(
-                f"this fit ends after {total:g} optimizer steps, but the stopper cannot stop before {earliest} "
+                f"this fit ends after {total:g} optimizer steps, but {self._band_acts()[0]} before {earliest} "
                 f"(min_steps {self.min_steps}"
                 + (f", reference_steps {self.reference_steps}" if self.mode == "relative" else "")
                 + f", then patience {self.patience}, read every {self.check_every_n_steps} steps): it "
-                "will not stop this run. Lower min_steps or patience, or train longer."
+                f"will not {self._band_acts()[1]} in this fit. Lower min_steps or patience, or train longer."
             )
 
     @override
@@ -436,8 +441,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self._source is None and say and not self._warned_no_source:
             self._warned_no_source = True
             self.warn(
-                f"mode='noise_band' has no noise source: {self._measurable_by}. It will not stop on the noise "
-                "band while that lasts."
+                f"no noise source for the noise band: {self._measurable_by}. It will not {self._band_acts()[1]} on "
+                "the band while that lasts."
             )
 
     def _what_measures(self, trainer: "pl.Trainer", say_probe: bool = True) -> str:
@@ -602,8 +607,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if why and not why.startswith(("not measured", "B_simple unreliable")):
             self._said_caveat = True
             caveat = (
-                f"the noise estimate cannot decide: {why}. It will not stop on the noise band while that "
-                f"lasts; {self._what_measures(trainer, say_probe=False)}."
+                f"the noise estimate cannot decide: {why}. It will not {self._band_acts()[1]} on the noise band "
+                f"while that lasts; {self._what_measures(trainer, say_probe=False)}."
             )
             self.warn(caveat)
             log_text(trainer, "grad_noise/caveat", self.message(caveat), step)

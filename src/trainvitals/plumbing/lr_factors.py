@@ -6,7 +6,9 @@ scheduler: a chainable one (StepLR, ExponentialLR, ReduceLROnPlateau …) comput
 scheduler's value would undo it. Each step's lrs are therefore saved at the step's first micro-batch, multiplied
 by every owner's factor (their product: two owners compose, whatever the order of their hooks), and put back by
 the optimizer's step post-hook, before Lightning steps the schedulers: LearningRateMonitor, ``optimizer_step``
-and the update see the scaled lr, the scheduler only its own.
+and the update see the scaled lr, the scheduler only its own. A step a GradScaler skips runs no post-hook, and
+Lightning steps the schedulers before any later hook: :meth:`LRFactors.before_step` puts the lrs back at
+``on_before_optimizer_step`` when the scaler has found an inf, so the scheduler steps from its own lr then too.
 
 Shared per fit through the hub: ``vitals.shared(LR_FACTORS, LRFactors)`` (:mod:`trainvitals.plumbing.sharing`).
 """
@@ -40,6 +42,19 @@ class LRFactors:
         scale = math.prod(self._factors.values())
         for group, lr in self._saved:
             group["lr"] = lr * scale
+
+    def before_step(self, optimizer: torch.optim.Optimizer, scaler: "torch.amp.GradScaler | None") -> None:
+        """At ``on_before_optimizer_step``: when ``scaler`` will skip ``optimizer``'s step (the infs its
+        ``unscale_`` found, which Lightning calls before that hook), the scheduler's lrs put back now — the skipped
+        step runs no post-hook, and the scheduler steps next, from the lr in place. Reads the found-inf flags only
+        while a factor is applied and the scaler has unscaled: the host read GradScaler.step makes next anyway. An
+        optimizer that unscales in its own ``step`` (a fused one) has none here, and runs its post-hook."""
+        if self._saved is None or scaler is None:
+            return
+        state = scaler._per_optimizer_states.get(id(optimizer))  # the per-optimizer record unscale_ fills
+        found = state["found_inf_per_device"].values() if state else ()
+        if sum(float(v.item()) for v in found):
+            self.put_back()
 
     def put_back(self) -> None:
         """The scheduler's lrs back in place (a no-op when nothing is scaled): after each optimizer step, and

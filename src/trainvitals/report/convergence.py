@@ -1,5 +1,6 @@
 """The report's convergence and noise-scale sections: the band verdict, read from the stopper's own end-of-fit
-table where it wrote one, and B_simple against the batch — each of one step, and only from a valid estimate."""
+table where it wrote one (GradNormEarlyStopping's, or BandSchedule's with its cuts), and B_simple against the
+batch — each of one step, and only from a valid estimate."""
 
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ def convergence_section(run: Run, report: RunReport) -> None:
     recent = flags[-BAND_WINDOW:]
     in_band = sum(recent) / len(recent) if recent else None
     end = _stopper_end(run)
-    caveat = (run.text("grad_noise/caveat") or "").removeprefix("trainvitals GradNormEarlyStopping: ")
+    name = stopper_name(run)
+    caveat = _STOPPERS_SAY.sub("", run.text("grad_noise/caveat") or "")
     stop = stopper_stop(run)
     report.sections[title] = [
         *rows,
@@ -160,6 +162,10 @@ def convergence_section(run: Run, report: RunReport) -> None:
         if end
         else Row("stop", _not_stopped(run, partial, caveat)),
     ]
+    if end.get("cuts"):  # BandSchedule's: a cut's step, the band ratio and its 90 % interval, the lr scale after
+        report.sections[title].append(
+            Row("cuts (band entries acted on)", end["cuts"], step=_stopper_end_step(run, step))
+        )
     if stop:
         report.findings.append(Finding("note", title, stop))
     if caveat:
@@ -182,14 +188,14 @@ def convergence_section(run: Run, report: RunReport) -> None:
     elif partial:
         report.findings.append(Finding("note", title, f"{partial}: no noise-band verdict on the whole model."))
     elif end and not stop and end.get("rule", "").startswith("noise band"):
-        report.findings.append(Finding("note", title, _end_verdict(end, flags, error, caveat)))
+        report.findings.append(Finding("note", title, _end_verdict(end, flags, error, caveat, name)))
     elif in_band is None:
         if ratio is not None:
             if ended_early(run):
                 why = f"no noise-band flag was logged: the fit ended {logged_steps(run)}, without its end-of-fit diagnosis"
             elif run.matching(grad_norm("band_streak")):  # the stopper was there
                 why = (
-                    f"GradNormEarlyStopping logged no noise-band flag: its estimate had fewer than {MIN_MEASUREMENTS} "
+                    f"{name} logged no noise-band flag: its estimate had fewer than {MIN_MEASUREMENTS} "
                     "measurements, or its rule is a threshold or relative one"
                 )
             else:
@@ -213,7 +219,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
             Finding(
                 "note",
                 title,
-                f"in its noise band: GradNormEarlyStopping stopped the run on it{error}; the band flags "
+                f"in its noise band: {name} stopped the run on it{error}; the band flags "
                 f"logged meanwhile ({_share_in_band(recent)} in it) sample single steps.",
             )
         )
@@ -224,7 +230,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
                 title,
                 f"in its noise band ({'; '.join(filter(None, [_share_in_band(recent, verb=False), floor_error]))}): "
                 "the gradient norm sits at its noise level, further steps mostly move within noise."
-                + _few_flags(recent),
+                + _few_flags(recent, name),
             )
         )
     else:
@@ -238,7 +244,8 @@ def convergence_section(run: Run, report: RunReport) -> None:
             Finding(
                 "note",
                 title,
-                f"not in its noise band yet: {_share_in_band(recent)} in it{said}{error}; {why}." + _few_flags(recent),
+                f"not in its noise band yet: {_share_in_band(recent)} in it{said}{error}; {why}."
+                + _few_flags(recent, name),
             )
         )
 
@@ -266,22 +273,35 @@ def _share_in_band(flags: list[float], verb: bool = True) -> str:
     return f"{sum(flags) / len(flags):.0%} of the last {len(flags)} logged steps{were}"
 
 
-def _few_flags(flags: list[float]) -> str:
+def _few_flags(flags: list[float], name: str = "GradNormEarlyStopping") -> str:
     """A caveat when fewer than :data:`BAND_WINDOW` band flags were logged: each samples one step."""
     if len(flags) >= BAND_WINDOW:
         return ""
     return (
         f" Only {len(flags)} band flag(s) were logged, each of one step, and no end-of-fit table of "
-        "GradNormEarlyStopping, which counts every step: too few to say for how long."
+        f"{name}, which counts every step: too few to say for how long."
     )
 
 
-STOPPER_PANELS = tuple(f"{prefix}GradNormEarlyStopping" for prefix in DIAGNOSIS_PREFIXES)
-NOT_STOPPED = "GradNormEarlyStopping did not stop the run"
+STOPPERS = ("GradNormEarlyStopping", "BandSchedule")
+"""The callbacks that act on the noise band (BandSchedule is a GradNormEarlyStopping that cuts the lr first)."""
+STOPPER_PANELS = tuple(f"{prefix}{name}" for name in STOPPERS for prefix in DIAGNOSIS_PREFIXES)
+NOT_STOPPED = re.compile(rf"(?:{'|'.join(STOPPERS)})\b(?P<cuts>.*?)did not stop the run")
+"""The stop row of a stopper's end-of-fit table when it did not stop: "GradNormEarlyStopping did not stop the run:
+why", "BandSchedule cut the lr 2 time(s) (…); did not stop the run: why"."""
+_STOPPERS_SAY = re.compile(rf"^trainvitals ({'|'.join(STOPPERS)}): ")
+
+
+def stopper_name(run: Run) -> str:
+    """The band's callback in ``run``: BandSchedule where its panel or its lr scale was logged, else
+    GradNormEarlyStopping."""
+    schedule = any(run.texts.get(f"{prefix}BandSchedule") for prefix in DIAGNOSIS_PREFIXES)
+    return "BandSchedule" if schedule or run.matching(r"schedule/lr_scale$") else "GradNormEarlyStopping"
 
 
 def _stopper_panel(run: Run) -> tuple[int, str] | None:
-    """GradNormEarlyStopping's end-of-fit table (its diagnosis panel) as (step written at, markdown), if logged."""
+    """The stopper's end-of-fit table (GradNormEarlyStopping's or BandSchedule's diagnosis panel) as (step written
+    at, markdown), if logged."""
     tag = next((tag for tag in STOPPER_PANELS if run.texts.get(tag)), None)
     return None if tag is None else run.texts[tag][-1]
 
@@ -294,11 +314,16 @@ def stopper_stop(run: Run) -> str | None:
 
 
 def _stopper_end(run: Run) -> dict[str, str]:
-    """GradNormEarlyStopping's end-of-fit table, ``quantity -> value``; ``{}`` when it was not logged (no
-    stopper, or a fit that did not end). It counts every step, the logged flags sample a few."""
+    """The stopper's end-of-fit table, ``quantity -> value`` (BandSchedule's two tables in one: its schedule, cuts
+    and lr scale, then the stopper's rows); ``{}`` when it was not logged (no stopper, or a fit that did not end).
+    It counts every step, the logged flags sample a few."""
     text = (_stopper_panel(run) or (0, ""))[1]
-    rows = [table_cells(line) for line in text.splitlines()[2:] if line.lstrip().startswith("|")]
-    return {inline(row[0]): inline(row[1]) for row in rows if len(row) == 2}
+    rows = [table_cells(line) for line in text.splitlines() if line.lstrip().startswith("|")]
+    return {
+        inline(row[0]): inline(row[1])
+        for row in rows
+        if len(row) == 2 and row[0] != "quantity" and not set(row[0]) <= set("-: ")  # no header, no rule
+    }
 
 
 def _stopper_end_step(run: Run, step: int | None) -> int | None:
@@ -312,9 +337,13 @@ def _end_reason(end: dict[str, str], caveat: str = "") -> str:
     table says only that it did not: the reason is then a run shorter than its min_steps, or with no streak its
     ``caveat`` (why its estimate cannot decide), else its streak."""
     stop = end.get("stop", "")
-    if not stop.startswith(NOT_STOPPED):
+    said = NOT_STOPPED.match(stop)
+    if not said:
         return ""
-    why = stop.removeprefix(NOT_STOPPED).lstrip(":. ").rstrip(".")
+    cuts = said["cuts"].strip(" ;")  # BandSchedule's, before the stopper's words
+    why = stop[said.end() :].lstrip(":. ").rstrip(".")
+    if cuts and why:
+        return f"{cuts}; {why}"
     if why:
         return why
     streak, seen = end.get("in-condition streak", "?"), end.get("optimizer steps seen", "")
@@ -327,20 +356,27 @@ def _end_reason(end: dict[str, str], caveat: str = "") -> str:
 
 
 _STREAK = re.compile(r"(\d+) of (\d+) steps")
+_REACHED = re.compile(r"reached (\d+) \((\d+) steps in a row\)")
 
 
-def _end_verdict(end: dict[str, str], flags: list[float], error: str, caveat: str) -> str:
-    """The noise-band verdict at the end of a fit the stopper did not stop, from its streak (every step
+def _end_verdict(
+    end: dict[str, str], flags: list[float], error: str, caveat: str, name: str = "GradNormEarlyStopping"
+) -> str:
+    """The noise-band verdict at the end of a fit the stopper (``name``) did not stop, from its streak (every step
     counted), with its reason; the logged band flags are named with how many there were; ``error``: the
     floor's, said after the verdict; ``caveat``: why the estimate could not decide, if it said so."""
     why = _end_reason(end, caveat)
     streak = _STREAK.match(end.get("in-condition streak", ""))
+    reached = _REACHED.match(end.get("in-condition streak", ""))
+    act = "to stop" if name == "GradNormEarlyStopping" else "to cut the lr (or stop)"
     if "before min_steps" in why:
         lead = "no noise-band verdict: the run ended before the stopper's min_steps, so it counted no step"
     elif streak and int(streak[1]) > 0:
         lead = (
-            f"in its noise band at the end, for {streak[1]} step(s) in a row, short of the {streak[2]} it takes to stop"
+            f"in its noise band at the end, for {streak[1]} step(s) in a row, short of the {streak[2]} it takes {act}"
         )
+    elif reached:  # a full streak with nothing done: BandSchedule with no cut left and stop=False, or min_steps
+        lead = f"in its noise band at the end, for {reached[2]} step(s) in a row (its patience is {reached[1]})"
     elif caveat or "cannot decide" in why or "no noise estimate" in why:
         lead = "no noise-band verdict: the noise estimate could not decide"
         error = ""
@@ -355,7 +391,7 @@ def _end_verdict(end: dict[str, str], flags: list[float], error: str, caveat: st
         if flags and seen
         else ""
     )
-    return f"{lead}{error}. GradNormEarlyStopping at fit end: {why}{sampled}."
+    return f"{lead}{error}. {name} at fit end: {why}{sampled}."
 
 
 def _not_stopped(run: Run, partial: str, caveat: str) -> str:

@@ -28,6 +28,7 @@ from trainvitals.noise.stopper import (
     GradNormEarlyStopping,
     StopReason,
 )
+from trainvitals.plumbing.amp import grad_scaler
 from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import LR_FACTORS, NOISE_BAND
 from trainvitals.plumbing.stopping import can_stop_now
@@ -83,13 +84,16 @@ class BandSchedule(GradNormEarlyStopping):
     ``check_every_n_steps − 1`` steps before, so the ratio can exceed 1), the new scale or batch.
 
     Not with a GradNormEarlyStopping in noise-band mode in the same fit (they would share one estimate and both
-    act on it). A step a GradScaler skips keeps the scale in ``group["lr"]`` while the scheduler steps: that step's
-    scheduler update is lost.
+    act on it). A step a GradScaler skips runs no optimizer post-hook: the lrs are put back at
+    ``on_before_optimizer_step`` then (:meth:`LRFactors.before_step
+    <trainvitals.plumbing.lr_factors.LRFactors.before_step>`), so the scheduler steps from its own lr and the next
+    step's lr is the scheduler's × the scale.
 
     Args:
         factor: lr multiplier at each cut, in (0, 1).
         max_cuts: cuts before the band stops the run (or is ignored, ``stop=False``), ≥ 0; ``None``: no limit.
-        min_lr: no cut that would take the smallest param group's lr below it (≥ 0); the band stops instead.
+        min_lr: no lr cut that would take the smallest param group's lr below it (≥ 0; a batch growth leaves the
+            lr alone and is not bounded by it); the band stops instead.
         stop: stop the run when no cut is left; ``False`` never stops.
         grow_batch: grow ``accumulate_grad_batches`` at a band entry instead of cutting the lr (not beside a
             GradientAccumulationScheduler).
@@ -196,13 +200,22 @@ class BandSchedule(GradNormEarlyStopping):
             self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "schedule", self.lr_scale)
 
     @override
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:  # a step the GradScaler skips: the scheduler steps from its own lr
+            factors.before_step(optimizer, grad_scaler(trainer))
+
+    @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._set_accumulation(trainer)  # a resumed run's, or one decided in the last epoch's last steps
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
         stepped = self._pending is not None
-        if stepped:  # a step's last micro-batch; one a GradScaler skipped ran no post-hook
+        if stepped:  # a step's last micro-batch; one that ran no optimizer step has its lrs put back here
             self._put_back()
         super().on_train_batch_end(trainer, pl_module, *args)
         if stepped:
@@ -221,23 +234,30 @@ class BandSchedule(GradNormEarlyStopping):
     # ------------------------------------------------------------------ the decision
     @override
     def _check(self, trainer: "pl.Trainer", step: int) -> bool:
-        """Cut, or stop (the stopper's own stop) when no cut is left; returns whether it stopped the run now."""
+        """Grow the batch, cut the lr, or stop (the stopper's own stop) when neither is left; returns whether it
+        stopped the run now. A growth is weighed first: ``min_lr`` bounds only a cut of the lr."""
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return False
         if not trainer.strategy.reduce_boolean_decision(bool(self._done), all=False):
             return False
+        summary = self.gradient_noise.host_summary()  # one host read, at a band entry only
+        growth = 1
+        if self.grow_batch:
+            b_simple = summary["b_simple"] if summary["reliable"] else None
+            growth = batch_growth(self.factor, summary["batch_size"], b_simple, self.gradient_noise.population)
+            growth = int(trainer.strategy.broadcast(growth, src=0))  # one decision for all ranks
         lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups if g["lr"] > 0]
         lr = self.lr_scale * float(min(lrs)) if lrs else 0.0
-        action = decide(True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop)
+        action = decide(True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop, growth)
         if action is Action.STOP:
             return can_stop_now(trainer) and super()._check(trainer, step)
-        if action is Action.CUT:
-            self._cut(trainer, step)
+        if action is not Action.NONE:
+            self._cut(trainer, step, summary, growth if action is Action.GROW else 1)
         return False
 
-    def _cut(self, trainer: "pl.Trainer", step: int) -> None:
-        """The lr scale × ``factor``, the band restarted at the new lr, the cut recorded (one host read)."""
-        summary = self.gradient_noise.host_summary()
+    def _cut(self, trainer: "pl.Trainer", step: int, summary: dict[str, Any], growth: int) -> None:
+        """The batch × ``growth`` (≥ 2), else the lr scale × ``factor``; the band restarted, the cut recorded from
+        the estimate's ``summary`` at this step."""
         grad, se = summary["grad_sq_norm"], summary["grad_sq_norm_se"]
         trace, batch = summary["trace_cov"], summary["batch_size"]
         measured = trace > 0 and bool(batch)
@@ -246,11 +266,6 @@ class BandSchedule(GradNormEarlyStopping):
             if measured
             else (math.nan,) * 3
         )
-        growth = 1
-        if self.grow_batch:
-            b_simple = summary["b_simple"] if summary["reliable"] else None
-            growth = batch_growth(self.factor, batch, b_simple, self.gradient_noise.population)
-            growth = int(trainer.strategy.broadcast(growth, src=0))  # one decision for all ranks
         if growth > 1:
             self.accumulate = trainer.accumulate_grad_batches * growth
             cut = Cut(step, ratio, low, high, self.lr_scale, batch * growth)
@@ -266,7 +281,7 @@ class BandSchedule(GradNormEarlyStopping):
         log_scalars(trainer, self._scalars(), step)
         log_text(trainer, CUT_RECORD, self.cut_record(), step)
         if self.verbose:
-            self.info(f"cut the lr at {cut.line()}.")
+            self.info(f"{'grew the batch' if cut.batch is not None else 'cut the lr'} at {cut.line()}.")
 
     # ------------------------------------------------------------------ logging and summaries
     @override
@@ -285,21 +300,39 @@ class BandSchedule(GradNormEarlyStopping):
         return "\n".join(f"- {Cut(**c).line()}" for c in self.cuts) or "no cut"
 
     def _cuts_said(self) -> str:
-        return (
-            f"cut the lr {len(self.cuts)} time(s) (at step(s) {', '.join(str(c['step']) for c in self.cuts)}; "
-            f"lr × {self.lr_scale:g})"
-            if self.cuts
-            else "made no cut"
-        )
+        """ "cut the lr 2 time(s) (at step(s) 420, 910; lr × 0.01)", its batch growths said as such; "made no cut"."""
+        said = []
+        for grew in (False, True):
+            cuts = [c for c in self.cuts if (c.get("batch") is not None) is grew]
+            if cuts:
+                after = f"batch {cuts[-1]['batch']}" if grew else f"lr × {self.lr_scale:g}"
+                said.append(
+                    f"{'grew the batch' if grew else 'cut the lr'} {len(cuts)} time(s) "
+                    f"(at step(s) {', '.join(str(c['step']) for c in cuts)}; {after})"
+                )
+        return " and ".join(said) or "made no cut"
 
     @override
     def describe_stop(self) -> str:
+        """The stop after the cuts, or (not stopped) "BandSchedule made no cut; did not stop the run: why"."""
+        if self.stop_reason is StopReason.NOT_STOPPED:
+            return f"BandSchedule {self.summary_line()}"
         return f"{self._cuts_said()}; {super().describe_stop()}"
 
     @override
     def summary_line(self) -> str:
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
+        if bool(self._done) and not self.stop:  # the band entered again with nothing left to do
+            left = (
+                f"its {self.max_cuts} cut(s) made"
+                if self.max_cuts is not None and len(self.cuts) >= self.max_cuts
+                else "a further cut below min_lr, or the fit over before its next check"
+            )
+            return (
+                f"{self._cuts_said()}; did not stop the run: stop=False, and in its noise band at the end with {left}; "
+                f"it trained on at lr × {self.lr_scale:g}."
+            )
         return f"{self._cuts_said()}; {super().summary_line()}"
 
     @override
@@ -315,6 +348,18 @@ class BandSchedule(GradNormEarlyStopping):
             ("lr scale", f"{self.lr_scale:g}"),
         ]
         return "\n".join(markdown_table(("quantity", "value"), rows)) + "\n\n" + super().summary_markdown()
+
+    @override
+    def _band_acts(self) -> tuple[str, str]:
+        """The stopper's messages in this callback's terms: "the schedule cannot cut the lr before …", "it will not
+        grow the batch, cut the lr or stop the run" (as configured)."""
+        first = "grow the batch or cut the lr" if self.grow_batch else "cut the lr"
+        acts = [
+            *(["grow the batch"] if self.grow_batch else []),
+            "cut the lr",
+            *(["stop the run"] if self.stop else []),
+        ]
+        return f"the schedule cannot {first}", ", ".join(acts[:-1]) + " or " + acts[-1] if len(acts) > 1 else acts[0]
 
     # ------------------------------------------------------------------ helpers
     def _read_warmup(self, trainer: "pl.Trainer") -> int | None:

@@ -26,20 +26,33 @@ from enum import Enum
 class Action(Enum):
     NONE = "none"
     CUT = "cut"
+    GROW = "grow"
     STOP = "stop"
 
 
 def decide(
-    in_band: bool, cuts: int, lr: float, factor: float, max_cuts: int | None, min_lr: float, stop: bool
+    in_band: bool,
+    cuts: int,
+    lr: float,
+    factor: float,
+    max_cuts: int | None,
+    min_lr: float,
+    stop: bool,
+    growth: int = 1,
 ) -> Action:
-    """The schedule's answer to the band, after ``cuts`` cuts, the smallest param group's lr now ``lr``.
+    """The schedule's answer to the band, after ``cuts`` cuts (batch growths included), the smallest param
+    group's lr now ``lr``, and a batch growth of ``growth`` on offer (:func:`batch_growth`; 1: none).
 
-    Cut while fewer than ``max_cuts`` (``None``: no limit) were made and the cut lr ``lr·factor`` stays ≥
-    ``min_lr``; otherwise stop, or with ``stop=False`` do nothing (the run trains on at its last lr)."""
+    While fewer than ``max_cuts`` (``None``: no limit) were made: grow the batch when a growth ≥ 2 is on offer —
+    it leaves the lr alone, so ``min_lr`` does not bound it — else cut while the cut lr ``lr·factor`` stays ≥
+    ``min_lr``. Otherwise stop, or with ``stop=False`` do nothing (the run trains on at its last lr)."""
     if not in_band:
         return Action.NONE
-    if (max_cuts is None or cuts < max_cuts) and lr * factor >= min_lr:
-        return Action.CUT
+    if max_cuts is None or cuts < max_cuts:
+        if growth >= 2:
+            return Action.GROW
+        if lr * factor >= min_lr:
+            return Action.CUT
     return Action.STOP if stop else Action.NONE
 
 
