@@ -16,10 +16,11 @@ from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch import nn
+from torch import Tensor, nn
 
 from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor, TrainingGuard
 from trainvitals.guard.callback import SKIP_BATCHES_FILE
+from trainvitals.guard.snapshot import BufferCopy
 from trainvitals.report.events import read_runs
 
 LR, MOMENTUM = 0.05, 0.9
@@ -564,3 +565,91 @@ def test_a_rollback_without_a_target_is_a_skip_not_a_crash():
     assert trainer.global_step == 8 and [e["action"] for e in guard.events] == ["skip"] and guard.rollbacks == 0
     assert _equal(model.seen[6]["weights"], model.seen[7]["weights"])
     assert any("could not roll back" in s for s in said)
+
+
+class BatchNormNet(Net):
+    """Linear → BatchNorm1d → Tanh → Linear; the first Linear's output made NaN at the optimizer steps
+    ``nan_at`` (on the micro-batch ``nan_micro`` of the step only, if set), so BatchNorm's forward updates its
+    running statistics with NaN before any decision. ``buffers[step]``: the buffers at the step's first
+    micro-batch, before its forward."""
+
+    def __init__(self, nan_at=(), nan_micro=None) -> None:
+        super().__init__(nan_at=())
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+        self.bad_at, self.nan_micro = set(nan_at), nan_micro
+        self.buffers_at: dict[int, list[Tensor]] = {}
+        self.micro = 0
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step not in self.buffers_at:
+            self.buffers_at[self.global_step] = [b.clone() for b in self.net[1].buffers()]
+            self.micro = 0
+        else:
+            self.micro += 1
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[0](x)
+        if self.global_step in self.bad_at and self.nan_micro in (None, self.micro):
+            h = h * float("nan")
+        loss = F.mse_loss(self.net[1:](h), y)
+        self.losses.setdefault(self.global_step, []).append(loss.item())
+        return loss
+
+
+@pytest.mark.parametrize(("action", "accumulate"), [("skip", 1), ("skip", 2), ("stop", 1)])
+def test_a_skipped_step_puts_back_the_batchnorm_buffers_its_forward_changed(action, accumulate):
+    """The weights alone do not undo a step: BatchNorm's forward updated its running statistics (and
+    num_batches_tracked) with the NaN batch. After the skip they are bit-identical to the step's start."""
+    model = BatchNormNet(nan_at={5}, nan_micro=1 if accumulate > 1 else None)
+    guard = TrainingGuard(on_nonfinite=action, spike_warmup_steps=3)
+    trainer, said = _fit(model, guard, max_steps=9, accumulate_grad_batches=accumulate)
+    assert [(e["global_step"], e["action"]) for e in guard.events] == [(5, action)]
+    assert guard.producer is not None  # the producer search re-ran the bad batch through BatchNorm
+    bn = model.net[1]
+    seen = model.buffers_at
+    names = [n for n, _ in bn.named_buffers()]
+    assert names == ["running_mean", "running_var", "num_batches_tracked"]
+    assert not _equal(seen[4], seen[5])  # a clean step moves them
+    if action == "stop":
+        assert trainer.global_step == 6 and guard.stop_reason
+        after = [b.clone() for b in bn.buffers()]
+        saved = torch.load(guard.stop_reason.split("checkpoint: ")[1], weights_only=False)["state_dict"]
+        assert _equal([saved[f"net.1.{n}"] for n in names], seen[5])  # the checkpoint carries no NaN
+    else:
+        assert trainer.global_step == 9
+        after = seen[6]
+        assert not _equal(seen[6], seen[7])  # the clean steps after it update them again
+    assert _equal(after, seen[5])  # the skipped step's forward undone, bit for bit
+    assert int(after[2]) == int(seen[4][2]) + accumulate  # num_batches_tracked: the clean steps' batches only
+    assert all(torch.isfinite(b).all() for b in model.buffers() if b.is_floating_point())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_buffer_copy_restores_in_place_and_refuses_a_changed_layout():
+    module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    module[2].register_buffer("scratch", torch.ones(5), persistent=False)  # not in the state_dict: not copied
+    copy = BufferCopy()
+    with pytest.raises(RuntimeError):
+        copy.restore(module)
+    copy.take(module)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    assert copy.nbytes == 2 * (4 * 4 + 4 * 4 + 8)  # two running means and vars (fp32), two int64 counters
+    module.train()(torch.randn(6, 3))
+    module[1].running_var.fill_(1e30)  # finite but polluted: restored all the same
+    module[2].scratch.fill_(2.0)
+    copy.restore(module)
+    after = module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(module[2].scratch, torch.full((5,), 2.0))
+    module[1].register_buffer("extra", torch.zeros(2))
+    with pytest.raises(RuntimeError):
+        copy.restore(module)
+    lazy = nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d())  # not materialized: only num_batches_tracked
+    copy.take(lazy)
+    assert copy.nbytes == 8
+    lazy(torch.randn(3, 5))
+    with pytest.raises(RuntimeError):  # materialized since: no copy of these buffers
+        copy.restore(lazy)
+    copy.take(lazy)
+    assert copy.nbytes == 4 * 4 + 4 * 4 + 8

@@ -15,9 +15,12 @@ Cost: a skip must be known before the optimizer steps, so each optimizer step re
 to the host — one transfer of a ``(3 + world_size,)`` vector (after one all-reduce of it under DDP),
 as a GradScaler does for its own skip (one more on a non-finite step: which micro-batch's loss was).
 Besides that: the loss kept on the device at each backward,
-the spike rule in Python floats, and a snapshot every ``snapshot_every_n_steps``. The producer search
-(one extra forward and backward of the bad batch, hooks removed after) runs once, on the first
-non-finite step (:class:`~trainvitals.norms.nonfinite.ProducerSearch`, which GradNormMonitor runs without a guard).
+the spike rule in Python floats, a snapshot every ``snapshot_every_n_steps``, and at each step's first
+micro-batch a device-side copy of the module's persistent buffers (BatchNorm's running statistics: what a
+skipped step's forward changed), one ``torch._foreach_copy_`` into tensors kept from the first step (the
+buffers' size in memory; none when both actions are ``"warn"``). The producer search (one extra forward
+and backward of the bad batch, hooks removed after) runs once, on the first non-finite step
+(:class:`~trainvitals.norms.nonfinite.ProducerSearch`, which GradNormMonitor runs without a guard).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.guard.decision import ACTIONS, NONFINITE, SPIKE, Budget, choose, classify, pack, unpack
-from trainvitals.guard.snapshot import WHERE, Snapshot
+from trainvitals.guard.snapshot import WHERE, BufferCopy, Snapshot
 from trainvitals.norms.nonfinite import ProducerSearch
 from trainvitals.norms.producer import SEARCHES, Producer
 from trainvitals.norms.spikes import SpikeDetector
@@ -52,7 +55,7 @@ _PANEL_ROWS = 20  # events shown in the text panel, newest last
 
 _DOING = {
     "warn": "the step is applied (action warn)",
-    "skip": "this optimizer step is skipped, its gradients dropped",
+    "skip": "this optimizer step is skipped, its gradients dropped and the buffers its forward changed put back",
     "rollback": "weights and optimizer state are rolled back to the snapshot of optimizer step {snapshot}",
     "stop": "the step is skipped and the fit stops after a checkpoint",
 }
@@ -64,8 +67,10 @@ class TrainingGuard(TrainvitalsCallback):
     An event is a non-finite loss or gradient (``"nonfinite"``) or a value above ``spike_factor`` × its
     winsorized EMA (``"spike"``, :class:`~trainvitals.norms.spikes.SpikeDetector`; a loss spike needs a
     positive loss). Its action, per kind: ``"warn"``; ``"skip"`` — the optimizer step is not applied, the
-    gradients dropped (under a GradScaler a non-finite gradient is the scaler's own skip: a finite loss
-    with it is calibration and no event, and the scaler's skip is not repeated); ``"rollback"`` — weights
+    gradients dropped, and the module's persistent buffers (BatchNorm's running statistics, which the step's
+    forward already updated) put back as they were at the step's first micro-batch (under a GradScaler a
+    non-finite gradient is the scaler's own skip: a finite loss with it is calibration and no event, and the
+    scaler's skip is not repeated); ``"rollback"`` — weights
     and optimizer state restored from the in-memory snapshot of the last clean step (taken every
     ``snapshot_every_n_steps``; the batches since are not re-run, i.e. skipped, as PaLM does), the lr
     multiplied by ``lr_factor`` for the ``lr_factor_steps`` steps after (in ``param_groups`` from each such
@@ -181,6 +186,8 @@ class TrainingGuard(TrainvitalsCallback):
         self._lr: dict[str, Any]  # whether guard/lr_factor was logged at the last step (the lrs: plumbing.lr_factors)
         self.add_state("_lr", dict, persistent=False)
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks, installed for one fit
+        self._buffers = BufferCopy()  # the persistent buffers at this step's start: what a skip puts back
+        self._skips = any(action != "warn" for action in self.actions.values())  # else no step is ever skipped
         self._amp = False
         self._folder = ""
 
@@ -199,6 +206,8 @@ class TrainingGuard(TrainvitalsCallback):
         if self._step.get("window") != trainer.global_step:  # a new optimizer step's first micro-batch
             self._step.update(window=trainer.global_step, batches=[], losses=[])
             self._scale_lr(trainer)
+            if self._skips:
+                self._buffers.take(pl_module)
         self._step["batches"].append(i)
         if self.name_producer:  # references and the RNG state: no copy of the batch
             self.search.keep(trainer.global_step, pl_module, batch, i)
@@ -355,6 +364,8 @@ class TrainingGuard(TrainvitalsCallback):
             else:
                 self.rollbacks += 1
                 self.lr_steps_left = self.lr_factor_steps
+        if action in ("skip", "stop"):
+            self._put_back_buffers(pl_module)
         if action == "skip":
             self.skipped_steps += 1
         elif action == "stop":
@@ -392,6 +403,14 @@ class TrainingGuard(TrainvitalsCallback):
             + (f" {found[2].upper()}{found[3:]}." if found and not producer else "")
         )
         self._record(trainer, step)
+
+    def _put_back_buffers(self, pl_module: "pl.LightningModule") -> None:
+        """A skipped step's buffers as they were at its first micro-batch: its forward (and the producer search's
+        re-run, which restores its own) updated BatchNorm's running statistics with the bad batch."""
+        try:
+            self._buffers.restore(pl_module)
+        except RuntimeError as error:  # a buffer registered or replaced during the step
+            self.cannot_measure(f"could not put the skipped step's buffers back ({error})")
 
     def _culprit(self, kind: str) -> tuple[int | None, list[int]]:
         """The batch to name for this step's event and the step's micro-batches: the first micro-batch whose loss

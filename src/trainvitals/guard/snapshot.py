@@ -4,6 +4,9 @@ Taken every N optimizer steps by TrainingGuard and restored by a rollback. The c
 or on the parameters' device (``where``); after the first, a snapshot copies into the tensors of the
 previous one (one ``torch._foreach_copy_`` for the module, a copy per optimizer-state tensor), so it
 allocates once and holds one model-plus-optimizer state's worth of memory (:attr:`Snapshot.nbytes`).
+
+:class:`BufferCopy` is the skip's target: the module's persistent buffers (BatchNorm's running statistics
+and ``num_batches_tracked``), which a step's forward changes before any decision, copied at each step's start.
 """
 
 from __future__ import annotations
@@ -106,6 +109,60 @@ class Snapshot:
             old = old if isinstance(old, (list, tuple)) and len(old) == len(new) else [None] * len(new)
             return type(new)(self._into(v, o) for v, o in zip(new, old))
         return copy.deepcopy(new)
+
+
+class BufferCopy:
+    """The persistent buffers of a module (those in its ``state_dict``) as of an optimizer step's start, on
+    their own devices, for a skipped step to put back what its forward changed (BatchNorm's running mean and
+    variance, ``num_batches_tracked``): the weights alone do not undo a forward.
+
+    One ``torch._foreach_copy_`` into tensors allocated at the first :meth:`take` (again only when the
+    buffers' shapes or dtypes change): no host sync, and :attr:`nbytes` of memory, the buffers' own size.
+    """
+
+    def __init__(self) -> None:
+        self._copies: list[Tensor] = []
+        self.taken = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the copies."""
+        return sum(t.numel() * t.element_size() for t in self._copies)
+
+    def take(self, module: nn.Module) -> None:
+        """Copy ``module``'s persistent buffers now (before the step's first forward)."""
+        buffers = _persistent_buffers(module)
+        with torch.no_grad():
+            if not _same_layout(self._copies, buffers):
+                self._copies = [b.detach().clone() for b in buffers]
+            elif buffers:
+                torch._foreach_copy_(self._copies, buffers)
+        self.taken = True
+
+    def restore(self, module: nn.Module) -> None:
+        """Put the copies back into ``module``'s buffers, in place.
+
+        Raises:
+            RuntimeError: nothing taken, or the module's persistent buffers changed since (nothing copied then).
+        """
+        buffers = _persistent_buffers(module)
+        if not self.taken or not _same_layout(self._copies, buffers):
+            raise RuntimeError("no copy of this module's current buffers to restore")
+        if buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(buffers, self._copies)
+
+
+def _persistent_buffers(module: nn.Module) -> list[Tensor]:
+    """The buffers in ``module.state_dict()``, each once (a shared module's are not repeated), but a lazy
+    module's not yet materialized (its first forward gives them a shape: the layout then changes)."""
+    found: dict[int, Tensor] = {}
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            lazy = isinstance(b, nn.parameter.UninitializedBuffer)
+            if b is not None and not lazy and name not in m._non_persistent_buffers_set:
+                found.setdefault(id(b), b.detach())
+    return list(found.values())
 
 
 def _module_tensors(module: nn.Module) -> list[Tensor]:
