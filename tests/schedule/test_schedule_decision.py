@@ -88,3 +88,12 @@ def test_the_batch_growth_stops_at_b_simple_and_half_an_epoch():
     assert batch_growth(0.5, 64, 100.0, None) == 1  # past B_simple already: cut the lr instead
     assert batch_growth(0.1, None, None, None) == 1
     assert batch_growth(0.3, 16, math.inf, None) == 3
+
+
+def test_a_cut_line_states_what_its_interval_shows():
+    # ‖G‖² within its error of 0: the interval's low end is 0 and the point may be negative; the line gives the
+    # upper bound alone, never a point outside its own interval.
+    near_zero = Cut(step=439, band_ratio=-0.33, ratio_low=0.0, ratio_high=2.9, lr_scale=0.01).line()
+    assert "≤ 2.9" in near_zero and "-0.33" not in near_zero and "lr × 0.01" in near_zero
+    clear = Cut(step=420, band_ratio=0.81, ratio_low=0.42, ratio_high=1.2, lr_scale=0.1).line()
+    assert "0.81" in clear and "0.42" in clear and "1.2" in clear

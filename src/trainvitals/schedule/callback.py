@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_float, check_int
-from trainvitals.noise.estimate import Z90, band_ratio
+from trainvitals.noise.estimate import band_ratio
 from trainvitals.noise.stopper import (
     DEFAULT_CHECK_EVERY_N_STEPS,
     DEFAULT_MARGIN,
@@ -258,14 +258,11 @@ class BandSchedule(GradNormEarlyStopping):
     def _cut(self, trainer: "pl.Trainer", step: int, summary: dict[str, Any], growth: int) -> None:
         """The batch × ``growth`` (≥ 2), else the lr scale × ``factor``; the band restarted, the cut recorded from
         the estimate's ``summary`` at this step."""
-        grad, se = summary["grad_sq_norm"], summary["grad_sq_norm_se"]
-        trace, batch = summary["trace_cov"], summary["batch_size"]
+        grad, trace, batch = summary["grad_sq_norm"], summary["trace_cov"], summary["batch_size"]
         measured = trace > 0 and bool(batch)
-        ratio, low, high = (
-            (float(band_ratio(g, trace, batch, self.margin)) for g in (grad, grad - Z90 * se, grad + Z90 * se))
-            if measured
-            else (math.nan,) * 3
-        )
+        ratio = float(band_ratio(grad, trace, batch, self.margin)) if measured else math.nan
+        # The estimate's own 90 % interval of the ratio (at margin 1), the one the stopper's summary quotes.
+        low, high = (summary.get(f"band_ratio_{end}", math.nan) / self.margin for end in ("low", "high"))
         if growth > 1:
             self.accumulate = trainer.accumulate_grad_batches * growth
             cut = Cut(step, ratio, low, high, self.lr_scale, batch * growth)

@@ -82,7 +82,7 @@ def batch_growth(factor: float, batch: int | None, b_simple: float | None, popul
 @dataclass(frozen=True)
 class Cut:
     """One cut: the optimizer step it was made at, the band ratio ‖G‖²/(margin·tr Σ/B) that triggered it and
-    the ends of its 90 % interval from ‖G‖²'s standard error (``nan`` when not measured), the lr scale after, and
+    the ends of the estimate's 90 % interval of it (Fieller's; ``nan`` when not measured), the lr scale after, and
     the effective batch after when the cut grew the batch instead (``None``: the lr was cut)."""
 
     step: int
@@ -94,8 +94,10 @@ class Cut:
 
     def line(self) -> str:
         """``step 420: band ratio 0.81 (90 %: 0.42–1.2) → lr × 0.1`` (or ``→ batch 640``)."""
-        interval = (
-            f" (90 %: {max(self.ratio_low, 0.0):.2g}–{self.ratio_high:.2g})" if math.isfinite(self.ratio_high) else ""
-        )
         then = f"batch {self.batch}" if self.batch is not None else f"lr × {self.lr_scale:g}"
-        return f"step {self.step}: band ratio {self.band_ratio:.2g}{interval} → {then}"
+        if not math.isfinite(self.ratio_high):
+            return f"step {self.step}: band ratio {self.band_ratio:.2g} → {then}"
+        low = max(self.ratio_low, 0.0)
+        if self.band_ratio < low:  # a negative ‖G‖² estimate, within its error of 0: the upper end is what is known
+            return f"step {self.step}: band ratio ≤ {self.ratio_high:.2g} (90 %; ‖G‖² within its error of 0) → {then}"
+        return f"step {self.step}: band ratio {self.band_ratio:.2g} (90 %: {low:.2g}–{self.ratio_high:.2g}) → {then}"
