@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 
-from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor, TrainingGuard
+from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor, TrainingGuard, TrainvitalsDashboard
 from trainvitals.guard.callback import SKIP_BATCHES_FILE
 from trainvitals.guard.snapshot import BufferCopy
 from trainvitals.report.events import read_runs
@@ -511,6 +511,14 @@ def test_the_events_reach_tensorboard_as_scalars_and_a_panel(tmp_path):
     panel = run.text("guard/event_log")
     assert panel.count("| skip |") == 2 and "| nonfinite |" in panel and "| spike |" in panel
     assert json.loads((Path(logger.log_dir) / SKIP_BATCHES_FILE).read_text())[1]["batch_idx"] == 0  # 8 of 8
+
+
+def test_the_dashboard_shows_the_guards_diagnosis_panel(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
+    guard = TrainingGuard(on_nonfinite="skip", spike_warmup_steps=3)
+    _fit(Net(nan_at={4}), guard, logger=logger, callbacks=[TrainvitalsDashboard(progress_bar=False, report=False)])
+    panel = read_runs(logger.log_dir)[0].text("diagnosis/TrainingGuard")
+    assert "1 step(s) skipped" in panel and "| nonfinite |" in panel and "| skip |" in panel
 
 
 def _amp() -> MixedPrecision:

@@ -46,7 +46,7 @@ from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.lr_factors import LRFactors
-from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER
+from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 
@@ -115,7 +115,7 @@ class TrainingGuard(TrainvitalsCallback):
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
     """
 
-    provides = (NAN_PRODUCER,)
+    provides = (NAN_PRODUCER, SUMMARY)
     reads = (GRAD_SQ_NORMS,)
 
     def __init__(
@@ -297,6 +297,20 @@ class TrainingGuard(TrainvitalsCallback):
             f"{len(self.events)} event(s): {self.skipped_steps} step(s) skipped, {self.rollbacks} rollback(s)"
             f"{'; stopped: ' + self.stop_reason if self.stop_reason else ''}{producer}"
         )
+
+    def summary_markdown(self) -> str:
+        """End-of-run markdown (the dashboard's ``diagnosis/TrainingGuard`` panel): the summary line, then the
+        last events as the event-log panel has them."""
+        lines = [self.summary_line()]
+        if self.events:
+            lines += ["", *self._event_table()]
+        return "\n".join(lines)
+
+    def _event_table(self) -> list[str]:
+        """The last ``_PANEL_ROWS`` events as a markdown table, newest last."""
+        columns = ("global_step", "epoch", "batch_idx", "kind", "action", "loss", "grad_norm")
+        rows = [[e[c] for c in columns] for e in self.events[-_PANEL_ROWS:]]
+        return markdown_table(columns, rows, align="rrrllrr")
 
     # ------------------------------------------------------------------ actions
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -495,9 +509,7 @@ class TrainingGuard(TrainvitalsCallback):
     def _record(self, trainer: "pl.Trainer", step: int) -> None:
         """The counters to the loggers, the events to the text panel and to ``skip_batches.json`` (rank zero)."""
         log_scalars(trainer, self._counters(), step)
-        columns = ("global_step", "epoch", "batch_idx", "kind", "action", "loss", "grad_norm")
-        rows = [[e[c] for c in columns] for e in self.events[-_PANEL_ROWS:]]
-        log_text(trainer, "guard/event_log", "\n".join(markdown_table(columns, rows, align="rrrllrr")), step)
+        log_text(trainer, "guard/event_log", "\n".join(self._event_table()), step)
         if trainer.is_global_zero and self._folder:
             try:
                 os.makedirs(self._folder, exist_ok=True)
