@@ -486,10 +486,37 @@ def test_band_ratio_is_grad_sq_norm_over_the_band_edge():
         band_ratio(0.5, 40.0, 64, 0.0)
 
 
+def test_a_bounded_but_wide_b_simple_is_unreliable_by_its_own_interval():
+    """Fieller's interval bounded on both sides but wider than ``max_rel_err`` allows: the flag, the relative error
+    and the reason are all that interval's (no "no upper bound" next to an upper bound; issue #24)."""
+    gen = torch.Generator().manual_seed(1)
+    noise, src = GradientNoise(max_rel_err=0.05), NoiseSource("probe", 0.98)
+    src.effective_batch_size = 16
+    noise.attach(src)
+    for _ in range(60):
+        src.update(
+            1.0 + torch.randn((), generator=gen, dtype=torch.float64),
+            10.0 + torch.randn((), generator=gen, dtype=torch.float64),
+        )
+    h = noise.host_summary()
+    low, high, b = h["b_simple_low"], h["b_simple_high"], h["b_simple"]
+    t = float(t_quantile(Z90, torch.tensor(h["effective_measurements"], dtype=torch.float64) - 1))
+    assert h["decisive"] and not h["reliable"] and 0 < low < b < high < math.inf
+    assert h["b_simple_rel_err"] == pytest.approx(max(high / b - 1, 1 - low / b) / t, rel=1e-9)
+    assert 0.05 < h["b_simple_rel_err"] < math.inf
+    quoted = re.search(r"B_simple ([0-9.]+)–([0-9.]+) \(90 %\)", h["why"])
+    assert (float(quoted.group(1)), float(quoted.group(2))) == pytest.approx((low, high), rel=0.01)
+    assert f"{h['b_simple_rel_err']:.2g}" in h["why"] and "no upper bound" not in h["why"]
+    # Within the bound, the same interval makes it reliable.
+    wide = GradientNoise(max_rel_err=h["b_simple_rel_err"] * 1.01)
+    wide.attach(src)
+    assert wide.host_summary()["reliable"]
+
+
 @pytest.mark.parametrize(("seed", "said"), [(0, "no upper bound"), (3, "≤ 0")])
 def test_an_unresolved_b_simple_is_said_in_words_not_internal_numbers(seed, said):
-    """Below the gate (seed 0: ‖G‖² within its error of zero) or at ‖G‖² ≤ 0 (seed 3), B_simple's relative error
-    is the marker ``inf``: the caveat and the table say why in words, never ``inf`` nor the gate's constant."""
+    """With no upper end to B_simple's interval (seed 0: ‖G‖² within its error of zero) or at ‖G‖² ≤ 0 (seed 3),
+    B_simple's relative error is the marker ``inf``: the caveat and the table say why in words, never ``inf``."""
     gen = torch.Generator().manual_seed(seed)
     noise, src = GradientNoise(), NoiseSource("probe", 0.98)
     src.effective_batch_size = 16

@@ -700,6 +700,8 @@ class GradientNoise:
                 if summary["grad_sq_norm"] <= 0
                 else "the smoothed ‖G‖², the gradient's signal, is within its error of zero, so B_simple has no "
                 "upper bound"
+                if not math.isfinite(summary["b_simple_high"])
+                else "the smoothed tr(Σ) is ≤ 0: no noise measured"
             )
             return f"B_simple unreliable: {what}; {b_simple_interval(summary)}"
         return ""
