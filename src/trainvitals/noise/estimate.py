@@ -68,7 +68,8 @@ Combining rule (:meth:`GradientNoise.estimate`):
    stopping_tasks' digits MLP, following a rising tr Σ and ‖G‖² with the fast EMAs' noise stopped runs at
    step 130, far from converged). ‖G‖² stays the slow EMA's; the pair then has no covariance term. The
    per-step band, the logged tags and the charts read the same choice. ``effective_measurements`` is
-   1/Σ w_k² of the EMA tr Σ comes from, weighted over the sources as tr Σ is.
+   1/Σ w_k² of the EMA tr Σ comes from, weighted over the sources as tr Σ is: at most the most-measured
+   source's count (:attr:`NoiseEstimate.count`), which may exceed another source's (issue #24).
 
 8. Intervals. Every quantity carries a 90 % interval from its own error: ‖G‖² ± t·σ_G and tr Σ ± t·σ_S (t
    Student's quantile at n_eff − 1 degrees of freedom, so that few measurements widen it; the low ends
