@@ -273,7 +273,7 @@ class NoiseEstimate:
     """The run's combined estimate, ``()`` float64 tensors on the device, in ``.grad`` units.
 
     ``*_se`` are standard errors (``inf`` before two updates); ``b_simple`` is ``inf`` while ‖G‖² ≤ 0, and its
-    relative error (module docstring, rule 4) ``inf`` while ‖G‖² is below the gate.
+    relative error (module docstring, rule 4) ``inf`` while its Fieller interval has no upper end.
     ``coverage`` is the share of ‖ḡ‖² measured, ``param_share`` that of the parameters (host float);
     ``unmeasured_trace_share`` bounds the unmeasured parameters' tr(Σ) as a share of the measured one
     (module docstring, rule 4; 0 when all are measured);
