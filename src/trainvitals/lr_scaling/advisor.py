@@ -83,9 +83,10 @@ class LRScalingAdvisor(TrainvitalsCallback):
     B̂ is ``noise_scale`` if given, else B_simple of the run's one noise estimate
     (:class:`~trainvitals.noise.estimate.GradientNoise`, attribute ``gradient_noise`` of
     GradNormEarlyStopping and BatchVarianceProbe), used only when it is decisive (it covers ≥ 90% of
-    ‖ḡ‖²) and reliable (relative standard error ≤ the estimate's ``max_rel_err``, BatchVarianceProbe's
-    argument, 0.5 by default). Otherwise the classic rules, with the reason. A measured B̂ comes with its
-    90% range B̂·(1 ± 1.645·r) and the range of each suggested lr over it.
+    ‖ḡ‖²) and reliable (its Fieller interval's relative error ≤ the estimate's ``max_rel_err``,
+    BatchVarianceProbe's argument, 0.5 by default). Otherwise the classic rules, with the reason. A measured B̂
+    comes with the estimate's own 90% interval (Fieller's, as the probe quotes it) and the range of each
+    suggested lr over it.
 
     With ``reference=(batch, lr)``, the effective batch and lr the lr was tuned at, a run whose
     effective batch differs and whose lr is not within 5% of the suggested one gets one warning at
