@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -243,15 +244,16 @@ def test_a_reliable_estimate_comes_with_its_range():
     logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1, verbose=False)
     source = _NoiseSource(0.01, 10.0, steps=40, jitter=0.2)
     fit(Model(groups=(0.1,)), [source, advisor], logger, batch_size=8)
-    rel_err = float(source.gradient_noise.estimate().b_simple_rel_err)
+    est = source.gradient_noise.estimate()
+    rel_err, (low, high) = float(est.b_simple_rel_err), (float(v) for v in est.intervals["b_simple"])
     assert (
         0 < rel_err < 0.5 and logger.values("lr_scaling/steps_over_min") and "lr_scaling/b_noise" not in logger.series
     )
     report = advisor.summary_markdown()
-    assert (
-        f"± {100 * rel_err:.2g}%, 90% range" in report
-        and "over B̂'s 90% range the suggested lr spans ×0.5 (4)" in report
-    )
+    # The estimate's own (Fieller) interval, not a symmetric point ± z·se of its own (issue #24): one per quantity.
+    quoted = re.search(r"90% range ([0-9.]+)–([0-9.]+)", report)
+    assert (float(quoted.group(1)), float(quoted.group(2))) == pytest.approx((low, high), rel=1e-3)
+    assert "over B̂'s 90% range the suggested lr spans ×0.5 (4)" in report
 
 
 def test_given_noise_scale_and_listed_targets():

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from trainvitals.noise.estimate import COUPLING_Z, GATE_Z, Z90, GradientNoise, NoiseSource, band_ratio
-from trainvitals.noise.estimators import per_example_estimates, two_batch_size_estimates
+from trainvitals.noise.estimate import COUPLING_Z, Z90, GradientNoise, NoiseSource, band_ratio
+from trainvitals.noise.estimators import per_example_estimates, t_quantile, two_batch_size_estimates
 
 D, SIGMA, B, MICRO = 8, 0.5, 64, 16
 
@@ -78,20 +78,7 @@ def test_the_combined_90_percent_interval_covers_the_truth_and_the_sources_agree
     assert sorted(errors)[len(errors) // 2] > 0.2
 
 
-def truncated_lower_bound(x: float, k: float) -> float:
-    """The μ at which P(X ≥ x | X ≥ k) = 5% for X ~ N(μ, 1), by bisection on the normal tail."""
-
-    def tail(t: float) -> float:
-        return 0.5 * math.erfc(t / math.sqrt(2))
-
-    lo, hi = 0.0, x
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if tail(x - mid) / tail(k - mid) > 0.05 else (mid, hi)
-    return hi
-
-
-def test_one_source_states_its_own_error_and_b_simple_by_the_delta_method():
+def test_one_source_states_its_own_error_and_b_simple_by_fieller():
     gen = torch.Generator().manual_seed(3)
     d = torch.full((D,), 0.2, dtype=torch.float64)
     noise, src = GradientNoise(), NoiseSource("per_example", 0.9)
@@ -105,18 +92,18 @@ def test_one_source_states_its_own_error_and_b_simple_by_the_delta_method():
     assert float(est.trace_cov) == pytest.approx(float(src.ema.trace_cov))
     assert float(est.trace_cov_se) == pytest.approx(math.sqrt(float(var_s)))
     assert float(est.grad_sq_norm_se) == pytest.approx(math.sqrt(float(var_g)))
-    # The delta method's, or wider: the range's ends, ‖G‖²'s lower one given that it passed the gate.
-    delta = float(src.error.relative_error(src.ema))
-    g, g_se, s, s_se = (
-        float(est.grad_sq_norm),
-        float(est.grad_sq_norm_se),
-        float(est.trace_cov),
-        float(est.trace_cov_se),
+    # B_simple's error is its own Fieller interval's, by the quadratic's closed-form roots (Fieller 1954):
+    # (S − θG)² ≤ t²(σ_S² − 2θ·Cov + θ²σ_G²), t Student's 95% quantile at n_eff − 1 degrees of freedom.
+    g, s, cov = float(est.grad_sq_norm), float(est.trace_cov), float(src.error.mean_covariance(src.ema)[2])
+    t = float(t_quantile(Z90, est.effective_measurements - 1))
+    a, half_b, c = g * g - t * t * float(var_g), s * g - t * t * cov, s * s - t * t * float(var_s)
+    root = math.sqrt(half_b * half_b - a * c)
+    low, high = (half_b - root) / a, (half_b + root) / a
+    assert a > 0 and (float(est.intervals["b_simple"][0]), float(est.intervals["b_simple"][1])) == pytest.approx(
+        (low, high), rel=1e-6
     )
-    g_low = truncated_lower_bound(g / g_se, GATE_Z) * g_se
     b = s / g
-    ends = max((s + Z90 * s_se) / g_low / b - 1, 1 - (s - Z90 * s_se) / (g + Z90 * g_se) / b) / Z90
-    assert float(est.b_simple_rel_err) == pytest.approx(max(delta, ends), rel=1e-6) and ends > delta
+    assert float(est.b_simple_rel_err) == pytest.approx(max(high / b - 1, 1 - low / b) / t, rel=1e-6)
     assert float(est.noise_floor) == pytest.approx(math.sqrt(float(src.ema.trace_cov) / B))
     assert float(est.noise_floor_se) == pytest.approx(
         float(est.noise_floor) * float(est.trace_cov_se) / (2 * float(est.trace_cov))
@@ -499,10 +486,37 @@ def test_band_ratio_is_grad_sq_norm_over_the_band_edge():
         band_ratio(0.5, 40.0, 64, 0.0)
 
 
+def test_a_bounded_but_wide_b_simple_is_unreliable_by_its_own_interval():
+    """Fieller's interval bounded on both sides but wider than ``max_rel_err`` allows: the flag, the relative error
+    and the reason are all that interval's (no "no upper bound" next to an upper bound; issue #24)."""
+    gen = torch.Generator().manual_seed(1)
+    noise, src = GradientNoise(max_rel_err=0.05), NoiseSource("probe", 0.98)
+    src.effective_batch_size = 16
+    noise.attach(src)
+    for _ in range(60):
+        src.update(
+            1.0 + torch.randn((), generator=gen, dtype=torch.float64),
+            10.0 + torch.randn((), generator=gen, dtype=torch.float64),
+        )
+    h = noise.host_summary()
+    low, high, b = h["b_simple_low"], h["b_simple_high"], h["b_simple"]
+    t = float(t_quantile(Z90, torch.tensor(h["effective_measurements"], dtype=torch.float64) - 1))
+    assert h["decisive"] and not h["reliable"] and 0 < low < b < high < math.inf
+    assert h["b_simple_rel_err"] == pytest.approx(max(high / b - 1, 1 - low / b) / t, rel=1e-9)
+    assert 0.05 < h["b_simple_rel_err"] < math.inf
+    quoted = re.search(r"B_simple ([0-9.]+)–([0-9.]+) \(90 %\)", h["why"])
+    assert (float(quoted.group(1)), float(quoted.group(2))) == pytest.approx((low, high), rel=0.01)
+    assert f"{h['b_simple_rel_err']:.2g}" in h["why"] and "no upper bound" not in h["why"]
+    # Within the bound, the same interval makes it reliable.
+    wide = GradientNoise(max_rel_err=h["b_simple_rel_err"] * 1.01)
+    wide.attach(src)
+    assert wide.host_summary()["reliable"]
+
+
 @pytest.mark.parametrize(("seed", "said"), [(0, "no upper bound"), (3, "≤ 0")])
 def test_an_unresolved_b_simple_is_said_in_words_not_internal_numbers(seed, said):
-    """Below the gate (seed 0: ‖G‖² within its error of zero) or at ‖G‖² ≤ 0 (seed 3), B_simple's relative error
-    is the marker ``inf``: the caveat and the table say why in words, never ``inf`` nor the gate's constant."""
+    """With no upper end to B_simple's interval (seed 0: ‖G‖² within its error of zero) or at ‖G‖² ≤ 0 (seed 3),
+    B_simple's relative error is the marker ``inf``: the caveat and the table say why in words, never ``inf``."""
     gen = torch.Generator().manual_seed(seed)
     noise, src = GradientNoise(), NoiseSource("probe", 0.98)
     src.effective_batch_size = 16
@@ -519,4 +533,4 @@ def test_an_unresolved_b_simple_is_said_in_words_not_internal_numbers(seed, said
     # The interval is said instead: B_simple's 90% lower bound (its calibration: test_intervals.py).
     low = float(re.search(r"B_simple ≥ ([0-9.]+) \(90 %\)", h["why"]).group(1))
     assert low > 0 and low == pytest.approx(h["b_simple_low"], rel=0.01)
-    assert f"{GATE_Z:.3g}" not in text and "inf" not in text.replace("B_simple", "")
+    assert "inf" not in text.replace("B_simple", "")

@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainvitals import GradNormMonitor
+from trainvitals.noise.estimate import NoiseSource
 from trainvitals.noise.estimators import NoiseScaleEMA, gradient_snr
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
@@ -1758,3 +1760,32 @@ def test_a_list_of_sequences_is_measured_with_the_embedding_called_per_example_n
     trace = (flat - flat.mean(0)).square().sum() / 3
     assert rel(float(probe.noise.trace_cov), float(trace)) < 1e-6
     assert rel(float(probe.noise.grad_sq_norm), float(flat.mean(0).square().sum() - trace / 4)) < 1e-6
+
+
+def test_the_end_line_never_counts_more_effective_than_measured_measurements():
+    """With a micro-batch source measuring every step and the probe every 5th, the estimate's effective
+    measurements (1/Σw² per source, weighted over the sources) exceed the probe's own count: the end line states
+    them against the most-measured source's count, which bounds them (issue #24)."""
+    gen = torch.Generator().manual_seed(0)
+    probe, micro = BatchVarianceProbe(), NoiseSource("micro_batch", 0.98)
+    micro.effective_batch_size = probe.noise_source.effective_batch_size = 8
+    probe.gradient_noise.attach(micro)
+    for step in range(300):
+        pair = (
+            1.0 + 0.1 * torch.randn((), generator=gen, dtype=torch.float64),
+            10.0 + torch.randn((), generator=gen, dtype=torch.float64),
+        )
+        micro.update(*pair)
+        if step % 5 == 0:
+            probe.noise_source.update(*pair)
+    summary = probe.gradient_noise.host_summary()
+    n_eff, probe_count = summary["effective_measurements"], int(probe.noise.count)
+    assert probe_count == 60 and summary["count"] == 300 and probe_count < n_eff <= summary["count"]
+    line = probe.summary_line()
+    stated = re.search(r"from (\d+) measured optimizer steps \(the estimate: ([0-9.]+) effective of the (\d+) ", line)
+    assert (int(stated.group(1)), float(stated.group(2)), int(stated.group(3))) == (
+        60,
+        pytest.approx(n_eff, rel=1e-2),
+        300,
+    )
+    assert float(stated.group(2)) <= int(stated.group(3))

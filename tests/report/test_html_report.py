@@ -20,6 +20,8 @@ RUN = {
     "grad_norm/band_edge": 0.1 * 1.2**0.5,
     "grad_noise/b_simple": [150.0 + s for s in STEPS],
     "grad_noise/b_simple_rel_err": 0.2,
+    "grad_noise/b_simple_low": [120.0 + s for s in STEPS],
+    "grad_noise/b_simple_high": [190.0 + s for s in STEPS],
     "grad_norm/head.1": [0.05 * (1 + s) for s in STEPS],
     "lr_scaling/lr/Adam": 1e-3,
     "lr_scaling/suggested_lr_x2/Adam": 1.4e-3,
@@ -83,6 +85,7 @@ def test_a_run_of_one_logged_step_plots_without_warnings_and_marks_a_bare_b_simp
         "grad_norm/head.1": 0.5,
         "grad_noise/b_simple": 74.0,
         "grad_noise/b_simple_rel_err": math.inf,
+        "grad_noise/b_simple_low": 40.0,  # no high end logged: one-sided
         "lr_scaling/effective_batch": 64.0,
     }.items():
         writer.add_scalar(tag, value, 0)
@@ -93,9 +96,20 @@ def test_a_run_of_one_logged_step_plots_without_warnings_and_marks_a_bare_b_simp
     assert not [w for w in recwarn if "xlims" in str(w.message) or "matplotlib" in w.filename], list(recwarn)
     captions = re.findall(r"<figcaption>([^<]*)</figcaption>", page)
     assert len(captions) == 3  # norm in its band, B_simple, per-layer heatmap
-    assert "Hollow points (1 of 1 logged steps): no error bar, B_simple not yet reliable there." in captions[1]
+    assert "Hollow points (1 of 1 logged steps)" in captions[1]
 
 
 def test_b_simple_with_an_error_bar_everywhere_has_no_hollow_points(tmp_path: Path) -> None:
     _, page = write_report(tmp_path)
     assert "Hollow points" not in page
+
+
+def test_b_simple_s_band_is_its_own_interval_not_its_relative_error(tmp_path: Path) -> None:
+    """The shaded band is the logged Fieller interval: with a finite relative error but no high end logged, every
+    point is hollow (one interval per quantity, issue #24)."""
+    run = {k: v for k, v in RUN.items() if k != "grad_noise/b_simple_high"}
+    write_run(tmp_path / "logs" / "run", run)
+    out = tmp_path / "report.html"
+    main([str(tmp_path / "logs"), "--format", "html", "--output", str(out)])
+    captions = re.findall(r"<figcaption>([^<]*)</figcaption>", out.read_text(encoding="utf-8"))
+    assert any(f"Hollow points ({len(STEPS)} of {len(STEPS)} logged steps)" in c for c in captions)

@@ -384,6 +384,21 @@ def test_noise_verdicts_carry_the_estimates_caveat(
         assert not any("in its noise band" in m for m in messages)
 
 
+@pytest.mark.parametrize(("high", "bounded"), [(260.0, True), (None, False)])
+def test_an_unreliable_b_simple_says_no_upper_bound_only_without_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], high, bounded
+) -> None:
+    """Flagged unreliable with no relative error logged (an infinite one is not): the reason follows the interval
+    quoted, "no finite error bar" only where that interval has no upper end (issue #24)."""
+    tags = {k: v for k, v in HEALTHY.items() if k != "grad_noise/b_simple_rel_err"}
+    ends = {"grad_noise/b_simple_low": 150.0} | ({} if high is None else {"grad_noise/b_simple_high": high})
+    write_run(tmp_path / "run", {**tags, "grad_noise/b_simple_unreliable": 1.0, **ends})
+    status, doc = report_json(capsys, tmp_path)
+    message = next(f["message"] for f in doc["runs"][0]["findings"] if "is unreliable" in f["message"])
+    assert status == EXIT_OK and ("150–260 (90 %)" in message) == bounded and ("≥ 150 (90 %)" in message) != bounded
+    assert ("no finite error bar" in message) != bounded
+
+
 class _DivergesAt(Regressor):
     """Every loss from optimizer step ``at`` on is NaN: the run diverged for good."""
 

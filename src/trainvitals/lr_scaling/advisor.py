@@ -40,7 +40,7 @@ from trainvitals.lr_scaling.rules import (
     validate_batch_sizes,
     validate_noise_scale,
 )
-from trainvitals.noise.estimate import Z90, b_simple_interval
+from trainvitals.noise.estimate import b_simple_interval
 from trainvitals.per_example import detect_loss_reduction
 from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
@@ -83,9 +83,10 @@ class LRScalingAdvisor(TrainvitalsCallback):
     B̂ is ``noise_scale`` if given, else B_simple of the run's one noise estimate
     (:class:`~trainvitals.noise.estimate.GradientNoise`, attribute ``gradient_noise`` of
     GradNormEarlyStopping and BatchVarianceProbe), used only when it is decisive (it covers ≥ 90% of
-    ‖ḡ‖²) and reliable (relative standard error ≤ the estimate's ``max_rel_err``, BatchVarianceProbe's
-    argument, 0.5 by default). Otherwise the classic rules, with the reason. A measured B̂ comes with its
-    90% range B̂·(1 ± 1.645·r) and the range of each suggested lr over it.
+    ‖ḡ‖²) and reliable (its Fieller interval's relative error ≤ the estimate's ``max_rel_err``,
+    BatchVarianceProbe's argument, 0.5 by default). Otherwise the classic rules, with the reason. A measured B̂
+    comes with the estimate's own 90% interval (Fieller's, as the probe quotes it) and the range of each
+    suggested lr over it.
 
     With ``reference=(batch, lr)``, the effective batch and lr the lr was tuned at, a run whose
     effective batch differs and whose lr is not within 5% of the suggested one gets one warning at
@@ -320,8 +321,9 @@ class LRScalingAdvisor(TrainvitalsCallback):
         self.loss_reduction = classify_loss_reduction(loss, loss_doubled)
         self.loss_ratio = loss_doubled / loss if loss else math.nan
 
-    def _measured_noise_scale(self, latest: bool) -> tuple[float | None, str, float | None]:
-        """(B̂ in examples, where it came from or why there is none, its relative standard error); ``latest``:
+    def _measured_noise_scale(self, latest: bool) -> tuple[float | None, str, tuple[float, float] | None]:
+        """(B̂ in examples, where it came from or why there is none, its 90% interval: the estimate's own, Fieller's,
+        so that the advice and the probe quote one interval; None for a given B̂); ``latest``:
         from the estimate the others logged at their last logging step (a reporting step), else a fresh one."""
         if self.noise_scale is not None:
             return self.noise_scale, "given", None
@@ -333,7 +335,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
         self._interval = summary if summary["decisive"] and summary["b_simple_low"] > 0 else None
         if not summary["reliable"]:
             return None, summary["why"], None
-        return summary["b_simple"], "measured: " + ", ".join(summary["sources"]), summary["b_simple_rel_err"]
+        interval = (summary["b_simple_low"], summary["b_simple_high"])
+        return summary["b_simple"], "measured: " + ", ".join(summary["sources"]), interval
 
     def _batch_breakdown(self, trainer: "pl.Trainer") -> tuple[int, str]:
         """(effective batch, how it is made up) for the strategy in use."""
@@ -370,7 +373,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         report text."""
         batch, how = self._batch_breakdown(trainer)
         self.effective_batch = batch
-        noise_scale, source, rel_err = self._measured_noise_scale(latest=step is not None)
+        noise_scale, source, interval = self._measured_noise_scale(latest=step is not None)
         groups = self._param_groups(trainer)
         metrics: dict[str, float] = {"lr_scaling/effective_batch": float(batch)}
         lines = [f"**effective batch** {batch} = {how}"]
@@ -385,14 +388,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
             # One B_simple per run: a measured B̂ is the estimate's own, logged as grad_noise/b_simple.
             given = {"lr_scaling/b_noise": noise_scale} if source == "given" else {}
             metrics.update({**given, "lr_scaling/steps_over_min": steps, "lr_scaling/examples_over_min": examples})
-            spread = (
-                ""
-                if rel_err is None
-                else (
-                    f" ± {100 * rel_err:.2g}%, 90% range {noise_scale * max(1 - Z90 * rel_err, 0.0):.4g}–"
-                    f"{noise_scale * (1 + Z90 * rel_err):.4g}"
-                )
-            )
+            spread = "" if interval is None else f", 90% range {interval[0]:.4g}–{interval[1]:.4g}"
             lines.append(
                 f"**noise scale** B̂ = {noise_scale:.4g} examples{spread} ({source}): balanced batch ≈ "
                 f"{noise_scale:.4g}; now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}"
@@ -415,8 +411,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 eps=_eps(group) if adam else None,
             )
             self.advices[name] = adv
-            if noise_scale is not None and rel_err:
-                lines.append(self._range_line(name, adv, batch, lr, family, group, noise_scale, rel_err))
+            if noise_scale is not None and interval is not None:
+                lines.append(self._range_line(name, adv, batch, lr, family, group, interval))
             metrics[f"lr_scaling/lr/{name}"] = lr
             metrics.update(
                 {f"lr_scaling/suggested_lr_{s.key}/{name}": s.lr for s in adv.suggestions if s.lr is not None}
@@ -460,22 +456,21 @@ class LRScalingAdvisor(TrainvitalsCallback):
         lr: float,
         family: str,
         group: dict[str, Any],
-        noise_scale: float,
-        rel_err: float,
+        interval: tuple[float, float],
     ) -> str:
-        """Each suggested lr of ``name`` over B̂'s 90% range."""
+        """Each suggested lr of ``name`` over B̂'s 90% interval (the estimate's own, ``(low, high)``)."""
         adam = family == "adam"
         ends = [
             advise(
                 batch,
                 lr,
                 family,
-                noise_scale * f,
+                max(end, 1e-9),
                 self.target_batch_sizes,
                 betas=_betas(group) if adam else None,
                 eps=_eps(group) if adam else None,
             )
-            for f in (max(1 - Z90 * rel_err, 1e-9), 1 + Z90 * rel_err)
+            for end in interval
         ]
         spans = [
             f"{s.label} {min(a.lr, b.lr):.3g}–{max(a.lr, b.lr):.3g}"

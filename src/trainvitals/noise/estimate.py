@@ -33,15 +33,11 @@ Combining rule (:meth:`GradientNoise.estimate`):
    updates: the errors come from the spread of the updates, and with a few of them they are themselves
    too uncertain (90% intervals covered the truth in 71–86% of trials with 3–10). Noise-aware advice also
    needs B_simple's relative error ≤ ``max_rel_err`` (default 0.5: the lr suggestions then stay within
-   about ×1.5 either way), judged conservatively: when noise dominates, the runs whose ‖G‖² came out
-   high are those that look precise, so B_simple's error is taken from the ends of the intervals,
-   B_simple ∈ [(tr Σ − z·σ_S)/(‖G‖² + z·σ_G), (tr Σ + z·σ_S)/G_low] (z = :data:`Z90`). ‖G‖² must pass a gate,
-   ‖G‖² ≥ :data:`GATE_Z`·σ_G, and G_low is its 95% lower bound *given* that it passed (a truncated normal:
-   P(X ≥ ‖G‖² | X ≥ GATE_Z·σ_G) = 5%), so the runs that pass because their ‖G‖² came out high get a wide
-   range; ``b_simple_rel_err`` is the larger of the delta method's and of that range's ends' distances from
-   B_simple, in units of z (B_simple·(1 ± z·rel_err) contains the range), ``inf`` below the gate. On the
-   noisy linear regression (B = 16, B_simple 370) no run passes; where runs pass, ≥ 85% of the ranges hold
-   the truth (tests/test_core_estimate.py).
+   about ×1.5 either way), read off the interval B_simple is quoted with (rule 8), so that the flag and the
+   interval cannot disagree: ``b_simple_rel_err`` is the larger distance of a Fieller end from B_simple in
+   units of z·B_simple (B_simple·(1 ± z·rel_err) contains the interval; :func:`fieller_rel_err`), ``inf``
+   where the interval has no upper end (‖G‖² within its error of zero). Reliable: decisive, ‖G‖² > 0 and that
+   relative error ≤ ``max_rel_err``; an asymmetric interval is judged by its farther end.
 
 5. Coupled examples. A per-example source assumes independent examples; batch statistics (BatchNorm, or
    ``F.batch_norm(training=True)`` in a custom module) or a loss coupling the examples (in-batch negatives,
@@ -72,7 +68,8 @@ Combining rule (:meth:`GradientNoise.estimate`):
    stopping_tasks' digits MLP, following a rising tr Σ and ‖G‖² with the fast EMAs' noise stopped runs at
    step 130, far from converged). ‖G‖² stays the slow EMA's; the pair then has no covariance term. The
    per-step band, the logged tags and the charts read the same choice. ``effective_measurements`` is
-   1/Σ w_k² of the EMA tr Σ comes from, weighted over the sources as tr Σ is.
+   1/Σ w_k² of the EMA tr Σ comes from, weighted over the sources as tr Σ is: at most the most-measured
+   source's count (:attr:`NoiseEstimate.count`), which may exceed another source's (issue #24).
 
 8. Intervals. Every quantity carries a 90 % interval from its own error: ‖G‖² ± t·σ_G and tr Σ ± t·σ_S (t
    Student's quantile at n_eff − 1 degrees of freedom, so that few measurements widen it; the low ends
@@ -114,8 +111,6 @@ DEFAULT_MIN_COVERAGE = 0.9
 DEFAULT_MAX_REL_ERR = 0.5
 MAX_UNMEASURED_TRACE = 0.1
 """Bound on the unmeasured parameters' tr(Σ), as a share of the measured tr(Σ), for a decisive estimate."""
-GATE_Z = Z90 + 2.0
-"""‖G‖² must stand this many standard errors above zero before B_simple's error is judged at all."""
 WEIGHTS_REFRESH = 50
 """The per-step band reuses the inverse-variance weights of a full estimate at most this many calls old."""
 AGREEMENT_Z = 3.0
@@ -278,7 +273,7 @@ class NoiseEstimate:
     """The run's combined estimate, ``()`` float64 tensors on the device, in ``.grad`` units.
 
     ``*_se`` are standard errors (``inf`` before two updates); ``b_simple`` is ``inf`` while ‖G‖² ≤ 0, and its
-    relative error (module docstring, rule 4) ``inf`` while ‖G‖² is below the gate.
+    relative error (module docstring, rule 4) ``inf`` while its Fieller interval has no upper end.
     ``coverage`` is the share of ‖ḡ‖² measured, ``param_share`` that of the parameters (host float);
     ``unmeasured_trace_share`` bounds the unmeasured parameters' tr(Σ) as a share of the measured one
     (module docstring, rule 4; 0 when all are measured);
@@ -432,24 +427,7 @@ class GradientNoise:
         sd_g, sd_s = var_g.sqrt(), var_s.sqrt()
         grad_se = _bound(g_w, sd_g)
         trace_se = _bound(s_w, sd_s)
-        positive = (grad > 0) & (trace > 0)
         b_simple = torch.where(grad > 0, trace / grad.clamp_min(1e-300), torch.full_like(grad, float("inf")))
-        # δB/B = δS/S − δG/G, source by source: each part's variance from its own covariance of (S̄, Ḡ).
-        part_var = (
-            s_w.square() * var_s / trace.square().clamp_min(1e-300)
-            + g_w.square() * var_g / grad.square().clamp_min(1e-300)
-            - 2 * s_w * g_w * cov / (trace * grad).clamp_min(1e-300)
-        )
-        rel_err = _bound(torch.ones_like(part_var), part_var.clamp_min(0.0).sqrt(), mask=(s_w > 0) | (g_w > 0))
-        # Conservatively (rule 4): the range from the ends of tr Σ's interval and of ‖G‖²'s, its lower end
-        # given that ‖G‖² passed the gate (the runs that pass when noise dominates are those that came out high).
-        grad_low = _selected_lower_bound(grad, grad_se)
-        high = (trace + Z90 * trace_se) / grad_low.clamp_min(1e-300)
-        low = (trace - Z90 * trace_se).clamp_min(0.0) / (grad + Z90 * grad_se).clamp_min(1e-300)
-        ends = torch.maximum(high / b_simple.clamp_min(1e-300) - 1.0, 1.0 - low / b_simple.clamp_min(1e-300)) / Z90
-        rel_err = torch.where(
-            positive & (grad_low > 0), torch.maximum(rel_err, ends), torch.full_like(rel_err, float("inf"))
-        )
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
         measurements = (s_w * n_eff).sum()
         intervals = noise_intervals(
@@ -461,6 +439,7 @@ class GradientNoise:
             measurements,
             batch,
         )
+        rel_err = fieller_rel_err(b_simple, *intervals["b_simple"], measurements)
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(
             trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf"))
@@ -722,6 +701,8 @@ class GradientNoise:
                 if summary["grad_sq_norm"] <= 0
                 else "the smoothed ‖G‖², the gradient's signal, is within its error of zero, so B_simple has no "
                 "upper bound"
+                if not math.isfinite(summary["b_simple_high"])
+                else "the smoothed tr(Σ) is ≤ 0: no noise measured"
             )
             return f"B_simple unreliable: {what}; {b_simple_interval(summary)}"
         return ""
@@ -843,19 +824,15 @@ def band_ratio(grad_sq_norm: Any, trace_cov: Any, batch_size: int, margin: float
     return grad_sq_norm * batch_size / (margin * trace_cov)
 
 
-def _selected_lower_bound(grad: Tensor, se: Tensor, iterations: int = 40) -> Tensor:
-    """``()`` 95% lower bound on ‖G‖² from ``grad`` ± ``se`` given that it passed the gate grad ≥ k·se
-    (k = :data:`GATE_Z`): the μ with P(X ≥ grad | X ≥ k·se; X ~ N(μ, se²)) = 5% (a truncated normal, by
-    bisection on the device); 0 (no bound) below the gate or when no μ > 0 gives that."""
-    x = grad / se.clamp_min(1e-300)
-    target = math.log(0.05)
-    lo, hi = torch.zeros_like(x), x.clamp_min(0.0)
-    for _ in range(iterations):  # log P(X ≥ x | X ≥ k) rises with μ
-        mid = (lo + hi) / 2
-        above = torch.special.log_ndtr(mid - x) - torch.special.log_ndtr(mid - GATE_Z) > target
-        lo, hi = torch.where(above, lo, mid), torch.where(above, mid, hi)
-    found = torch.special.log_ndtr(-x) - torch.special.log_ndtr(-torch.full_like(x, GATE_Z)) < target
-    return torch.where(torch.isfinite(x) & (x >= GATE_Z) & found, hi * se, torch.zeros_like(grad))
+def fieller_rel_err(b_simple: Tensor, low: Tensor, high: Tensor, measurements: Tensor) -> Tensor:
+    """B_simple's relative error from its own 90% (Fieller) interval ``[low, high]`` (rule 4): the larger distance of
+    an end from B_simple, over z·B_simple (z the interval's Student quantile), so that B_simple·(1 ± z·rel_err)
+    contains the interval; ``inf`` where the interval has no upper end or B_simple is not positive and finite."""
+    z = t_quantile(Z90, measurements - 1)
+    point = b_simple.clamp_min(1e-300)
+    spread = torch.maximum(high / point - 1.0, 1.0 - low / point) / z.clamp_min(1e-300)
+    usable = torch.isfinite(b_simple) & (b_simple > 0) & torch.isfinite(high) & torch.isfinite(z)
+    return torch.where(usable, spread, torch.full_like(spread, float("inf")))
 
 
 def _lag(chosen: list[NoiseSource], device: torch.device) -> Tensor:

@@ -234,8 +234,16 @@ class BatchVarianceProbe(TrainvitalsCallback):
             else "no reliable B_simple"
         )
         why = "" if summary["reliable"] else ": " + summary["why"].removeprefix("B_simple unreliable: ")
+        # n_eff is an EMA-weighted mean over the sources of each one's 1/Σw² ≤ its count: it is stated against the
+        # most-measured source's count, which may exceed the probe's own (a micro-batch source measures every step).
+        n_eff, most = summary["effective_measurements"], int(summary["count"])
         effective = (
-            f" ({summary['effective_measurements']:.3g} effective, as the EMAs weight them)" if summary["count"] else ""
+            ""
+            if not most
+            else f" ({n_eff:.3g} effective, as the EMAs weight them)"
+            if most == count
+            else f" (the estimate: {n_eff:.3g} effective of the {most} measurements its most-measured source made, "
+            "as the EMAs weight them)"
         )
         return f"{scale}{at} from {count} measured optimizer steps{effective}{why}."
 

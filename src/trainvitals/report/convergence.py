@@ -556,10 +556,13 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     elif b_simple is not None and (
         unreliable == (1, None) or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR
     ):
+        # The reason agrees with the interval quoted: "no upper bound" only where that interval has none.
         what = (
             f"relative error {rel_err:.2g}"
             if rel_err is not None and math.isfinite(rel_err)
-            else ("no finite error bar: too few measurements, or ‖G‖² not resolved from zero")
+            else "flagged at this step; its relative error not logged here"
+            if "–" in interval
+            else "no finite error bar: too few measurements, or ‖G‖² not resolved from zero"
         )
         report.findings.append(
             Finding(

@@ -176,24 +176,28 @@ def _b_simple(run: Run) -> tuple[str, str] | None:
     b_simple = _first(run, r"grad_noise/b_simple$", grad_norm("b_simple"))
     if not b_simple:
         return None
-    rel_err = _first(run, r"grad_noise/b_simple_rel_err$")
     batch = _first(run, r"lr_scaling/effective_batch$")
     steps, values = _xy(b_simple)
-    errors = _aligned(b_simple, rel_err) or [math.nan] * len(values)  # logged only while finite
-    bare = [(s, v) for s, v, e in zip(steps, values, errors) if not math.isfinite(e)]
+    # The estimate's own 90% (Fieller) interval, as every message quotes it; its high end logged only while finite.
+    nothing = [math.nan] * len(values)
+    lower = _aligned(b_simple, _first(run, r"grad_noise/b_simple_low$")) or nothing
+    upper = _aligned(b_simple, _first(run, r"grad_noise/b_simple_high$")) or nothing
+    bare = [(s, v) for s, v, lo, hi in zip(steps, values, lower, upper) if not math.isfinite(lo + hi)]
 
     def draw(ax: Any) -> None:
         ax.plot(steps, values, color="#2ca02c", lw=1.2, label="B_simple = tr Σ / ‖G‖²", **_marker(b_simple))
         if len(bare) < len(values):
-            lower = [v * (1 - e) if math.isfinite(e) else math.nan for v, e in zip(values, errors)]
-            upper = [v * (1 + e) if math.isfinite(e) else math.nan for v, e in zip(values, errors)]
+            bounded = [math.isfinite(lo + hi) for lo, hi in zip(lower, upper)]
             ax.fill_between(
-                steps, [max(x, 1e-12) for x in lower], upper, color="#2ca02c", alpha=0.2, label="± one standard error"
+                steps,
+                [max(lo, 1e-12) if ok else math.nan for lo, ok in zip(lower, bounded)],
+                [hi if ok else math.nan for hi, ok in zip(upper, bounded)],
+                color="#2ca02c",
+                alpha=0.2,
+                label="90 % interval (Fieller)",
             )
         if bare:
-            ax.plot(
-                *_xy(bare), ls="none", marker="o", mfc="none", color="#2ca02c", label="no error bar: not yet reliable"
-            )
+            ax.plot(*_xy(bare), ls="none", marker="o", mfc="none", color="#2ca02c", label="no upper bound yet")
         if batch:
             ax.plot(*_xy(batch), color="black", lw=1, ls="--", label="effective batch B", **_marker(batch))
         _one_step(ax, b_simple, batch)
@@ -208,8 +212,8 @@ def _b_simple(run: Run) -> tuple[str, str] | None:
     caption = "The gradient noise scale B_simple against the effective batch: below it, steps are noise-dominated."
     if bare:
         caption += (
-            f" Hollow points ({len(bare)} of {len(values)} logged steps): no error bar, B_simple not yet "
-            "reliable there."
+            f" Hollow points ({len(bare)} of {len(values)} logged steps): no two-sided 90 % interval, B_simple "
+            "not yet bounded above there."
         )
     return _png(draw), caption
 
