@@ -23,7 +23,8 @@ def test_walkthrough_executes_and_checks_the_claims(tmp_path: Path) -> None:
     stdout = "".join(o.text for o in outputs if o.output_type == "stream" and o.name == "stdout")
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) == 4  # norm vs floor, per-layer norms, noise scale and GSNR, memory
-    assert "stopped at optimizer step" in stdout and "noise band" in stdout
+    # margin=1 at a batch of 64: in the band from the start, which is not convergence — said, with a batch, no stop.
+    assert "did not stop the run" in stdout and "noise band from the start" in stdout and "batch of at least" in stdout
     assert "‖∇ sum-loss‖ / ‖∇ mean-loss‖ over a batch of 64: 64.00" in stdout
     assert "steps below 1e-3: 0 of" in stdout
     findings = [o for o in outputs if "text/markdown" in o.get("data", {})]
