@@ -100,9 +100,9 @@ from trainvitals.noise.estimators import (
     BiasCorrectedEMA,
     NoiseScaleEMA,
     NoiseScaleError,
-    effective_count,
     fieller_interval,
     t_quantile,
+    window_overlap,
 )
 
 Z90 = 1.6448536269514722
@@ -120,11 +120,13 @@ COUPLING_Z = 3.0
 """A per-example source's EMA ‖G‖² this many standard errors below zero shows coupled examples."""
 MIN_MEASUREMENTS = 20
 """Updates a source needs before its errors are trusted: to be found coupled, and to decide or advise."""
-FAST_BETA = 0.9
-"""Decay per measurement of each source's fast EMAs (about 19 effective measurements; rule 7)."""
-DRIFT_Z = 3.0
-"""The slow EMAs lag when they differ from the fast ones by more than this many of the fast ones' standard errors
-(rule 7): then the fast ones are the estimate."""
+LADDER = (0.95, 0.8)
+"""Decays per measurement of each source's shorter windows, below its own ``beta`` (about 39 and 9 effective
+measurements; rule 7)."""
+LAG_NOISE = 0.15
+"""Share of a window difference's own sampling variance taken off its square before the rest counts as lag (rule 7):
+at 0 a stationary run's intervals over-cover (95.5 % for a 90 % B_simple interval), at 1 the lag estimate's noise
+lets a falling ‖G‖² escape its interval (≈ 70 %); 0.15 keeps both within bounds (tests/noise/test_intervals.py)."""
 INDEPENDENT = "micro_batch"
 """The source whose draws are independent by construction (micro-batches and ranks): it decides disagreements."""
 EXPECTED_BATCH_NORM = "grad_noise/expected_batch_norm"
@@ -149,8 +151,8 @@ class NoiseSource:
     Attributes:
         ema, error: the EMAs of the estimates and of their second moments, in the source's own units (decay
             ``beta`` per measurement).
-        fast, fast_error: the same at decay min(``beta``, :data:`FAST_BETA`): what :meth:`smoothed` gives
-            while the slow ones lag a drifting tr(Σ) or ‖G‖² (module docstring, rule 7).
+        ladder: the same at the shorter decays of :data:`LADDER` below ``beta``, longest first: the windows
+            :meth:`smoothed` chooses from, per quantity, where the slow ones lag a moving ‖G‖² or tr(Σ) (rule 7).
         unit_scale: the factor from the source's gradient units to those of ``.grad`` (host float).
         effective_batch_size: examples per optimizer step, once seen.
         population: N, the training examples each epoch draws without replacement (rule 6), once seen; ``None``
@@ -166,8 +168,7 @@ class NoiseSource:
         self.name = name
         self.ema = NoiseScaleEMA(beta)
         self.error = NoiseScaleError(beta)
-        self.fast = NoiseScaleEMA(min(beta, FAST_BETA))
-        self.fast_error = NoiseScaleError(min(beta, FAST_BETA))
+        self.ladder = [(NoiseScaleEMA(b), NoiseScaleError(b)) for b in LADDER if b < beta]
         self._norms = BiasCorrectedEMA(beta, (2,))  # of (‖ḡ_covered‖², ‖ḡ‖²)
         self.last_covered_sq_norm: Tensor | None = None  # ‖ḡ‖² of the measured parameters at the last update
         self.param_share = param_share
@@ -189,7 +190,7 @@ class NoiseSource:
         """One step's ``(‖G‖²_est, S_est)``; with ``covered_sq_norm`` and ``total_sq_norm`` (‖ḡ‖² over the
         measured parameters and over all, any common units) also the share of ‖ḡ‖² it covers. No sync."""
         self.version = next(_VERSIONS)
-        for ema, error in ((self.ema, self.error), (self.fast, self.fast_error)):
+        for ema, error in self.windows:
             ema.update(grad_sq_norm, trace_cov, valid)
             error.update(grad_sq_norm, trace_cov, valid)
         if covered_sq_norm is not None and total_sq_norm is not None:
@@ -202,33 +203,74 @@ class NoiseSource:
     def restart(self) -> None:
         """Forget the updates so far (they measured the wrong thing); validity, units and batch size kept."""
         fresh = NoiseSource(self.name, self.ema.beta).state_dict()
-        self.load_state_dict({k: fresh[k] for k in ("noise", "error", "fast_noise", "fast_error", "norms")})
+        self.load_state_dict({k: fresh[k] for k in ("noise", "error", "ladder", "norms")})
 
-    def lagging(self) -> Tensor:
-        """``()`` bool: the slow EMA of tr Σ lies above the fast one by more than :data:`DRIFT_Z` of the fast one's
-        standard error (rule 7): it lags a falling tr Σ. No sync."""
-        var_s, _, _ = self.fast_error.mean_covariance(self.fast)
-        return self.fast.trace_cov < self.ema.trace_cov - DRIFT_Z * var_s.sqrt()
+    @property
+    def windows(self) -> list[tuple[NoiseScaleEMA, NoiseScaleError]]:
+        """The slow EMAs and the :attr:`ladder`'s, longest first."""
+        return [(self.ema, self.error), *self.ladder]
 
-    def smoothed(self, lag: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def choice(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The window of each quantity (rule 7) and what its errors need, no sync: ``(values, per_step, cross, lag_sq,
+        chosen, overlap)`` — the L windows' EMA means ``(L, 2, ...)`` of (‖G‖², tr Σ), longest first; the per-step
+        variances ``(L, 2, ...)`` and covariance ``(L, ...)`` each window's spread gives; each window's squared lag
+        ``(L, 2, ...)``; the chosen window per quantity ``(2, ...)`` (an index); and K_ab = Σ_k w_a,k·w_b,k ``(L, L)``
+        of each pair of windows' weights (:func:`~trainvitals.noise.estimators.window_overlap`, 1/n_eff on the
+        diagonal).
+
+        The lag: on a linear trend of slope r per measurement an EMA whose weights have mean age A lags by r·A, so a
+        window and the next shorter one differ by r·(A_a − A_b), and the window's lag is that difference times
+        A_a/(A_a − A_b) (the shortest: none). Each quantity takes the window of the least variance + lag²."""
+        windows = self.windows
+        values = torch.stack([ema.values for ema, _ in windows])
+        moments = torch.stack([error.moments for _, error in windows])  # (L, 3, ...) of (S², ‖G‖²², S·‖G‖²)
+        count = self.ema.count
+        betas = torch.tensor([ema.beta for ema, _ in windows], dtype=torch.float64, device=count.device)
+        overlap = window_overlap(betas, count)
+        n_eff = 1.0 / overlap.diagonal().clamp_min(1e-300)
+        ones = [1] * (values.dim() - 2)
+        bessel = (n_eff / (n_eff - 1).clamp_min(1e-300)).reshape(-1, *ones).to(values.device)
+        second = torch.stack([moments[:, 1], moments[:, 0]], 1)
+        per_step = (second - values.square()).clamp_min(0.0) * bessel.unsqueeze(1)
+        per_step = torch.where(count.to(values.device) >= 2, per_step, math.inf)
+        cross = (moments[:, 2] - values[:, 0] * values[:, 1]) * bessel
+        age = mean_age(betas, count)
+        step = age[:-1] - age[1:]
+        scale = torch.where(step > 0, age[:-1] / step.clamp_min(1e-300), 0.0).reshape(-1, 1, *ones).to(values.device)
+        # The difference's own sampling variance v_b·(K_aa + K_bb − 2K_ab) (b the shorter window), in part taken off.
+        diag = overlap.diagonal()
+        spread = (diag[:-1] + diag[1:] - 2 * overlap.diagonal(1)).clamp_min(0.0).reshape(-1, 1, *ones).to(values.device)
+        excess = ((values[:-1] - values[1:]).square() - LAG_NOISE * per_step[1:] * spread).clamp_min(0.0)
+        lag_sq = torch.cat([excess * scale.square(), torch.zeros_like(values[:1])])
+        var = per_step * overlap.diagonal().reshape(-1, 1, *ones).to(values.device)
+        chosen = (var + lag_sq).argmin(0)  # all infinite (fewer than two updates): the first, the slowest
+        return values, per_step, cross, lag_sq, chosen, overlap.to(values.device)
+
+    def smoothed(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``(‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff)`` of the EMA means the estimate uses, in the source's
-        units: the slow EMAs', or the fast ones' where ``lag`` (default: :meth:`lagging`; rule 7); ``()`` float64
-        each, no sync."""
-        g, slow_t = self.ema.values.unbind()
-        var_s, var_g, cov = self.error.mean_covariance(self.ema)
-        fast_var_s = self.fast_error.mean_covariance(self.fast)[0]
-        lag = self.lagging() if lag is None else lag
-        # Lagging: tr Σ (and its variance) from the fast EMA, ‖G‖² from the slow one; two windows, no covariance.
-        t, var_s = torch.where(lag, self.fast.trace_cov, slow_t), torch.where(lag, fast_var_s, var_s)
-        cov = torch.where(lag, torch.zeros_like(cov), cov)
-        n_eff = torch.where(
-            lag, effective_count(self.fast.beta, self.fast.count), effective_count(self.ema.beta, self.ema.count)
-        )
-        return g, t, var_g, var_s, cov, n_eff
+        units, each from the window :meth:`choice` takes for it (rule 7): its variance the window's sampling variance
+        plus its squared lag; n_eff that of the shorter of the two windows. ``()`` float64 each (or the shape the
+        EMAs hold), no sync."""
+        values, per_step, cross, lag_sq, chosen, overlap = self.choice()
+        g_i, s_i = chosen.unbind()
+        g, t = _pick(values[:, 0], g_i), _pick(values[:, 1], s_i)
+        var_g = _pick(per_step[:, 0], g_i) * overlap[g_i, g_i] + _pick(lag_sq[:, 0], g_i)
+        var_s = _pick(per_step[:, 1], s_i) * overlap[s_i, s_i] + _pick(lag_sq[:, 1], s_i)
+        # Cov of two windows' means: the per-step covariance (the shorter window's) times their weights' overlap.
+        cross = _pick(cross, torch.maximum(g_i, s_i)) * overlap[g_i, s_i]
+        cov = torch.where(torch.isfinite(var_g * var_s), cross, 0.0)
+        n_eff = 1.0 / torch.maximum(overlap[g_i, g_i], overlap[s_i, s_i]).clamp_min(1e-300)
+        return g, t, var_g, var_s, cov, torch.where(self.ema.count.to(n_eff.device) > 0, n_eff, 0.0)
 
-    def smoothed_values(self, lag: Tensor) -> Tensor:
-        """``(2,)`` (‖G‖², tr Σ) of :meth:`smoothed` at ``lag``, in a few kernels (the per-step band's)."""
-        return torch.where(torch.stack([torch.zeros_like(lag), lag]), self.fast.values, self.ema.values)
+    def band_values(self) -> Tensor:
+        """``(3,)`` (‖G‖², tr Σ, the ‖G‖² the band is judged on) of :meth:`smoothed`, in fewer kernels (the per-step
+        band's). The band's ‖G‖² is the larger of the chosen window's and the next longer one's (rule 7): a
+        short window's dip into the band alone never puts the run in it."""
+        values, _, _, _, chosen, _ = self.choice()
+        g_i, s_i = chosen.unbind()
+        longer = _pick(values[:, 0], (g_i - 1).clamp_min(0))
+        g = _pick(values[:, 0], g_i)
+        return torch.stack([g, _pick(values[:, 1], s_i), torch.maximum(g, longer)])
 
     def invalidate(self, reason: str) -> None:
         """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
@@ -245,8 +287,7 @@ class NoiseSource:
         return {
             "noise": self.ema.state_dict(),
             "error": self.error.state_dict(),
-            "fast_noise": self.fast.state_dict(),
-            "fast_error": self.fast_error.state_dict(),
+            "ladder": [{"noise": ema.state_dict(), "error": error.state_dict()} for ema, error in self.ladder],
             "norms": self._norms.state_dict(),
             "effective_batch_size": self.effective_batch_size,
             "unit_scale": self.unit_scale,
@@ -258,8 +299,9 @@ class NoiseSource:
         self.version = next(_VERSIONS)
         self.ema.load_state_dict(state.get("noise", {}))
         self.error.load_state_dict(state.get("error", {}))
-        self.fast.load_state_dict(state.get("fast_noise", {}))
-        self.fast_error.load_state_dict(state.get("fast_error", {}))
+        for (ema, error), saved in zip(self.ladder, state.get("ladder", [])):
+            ema.load_state_dict(saved.get("noise", {}))
+            error.load_state_dict(saved.get("error", {}))
         if "norms" in state:
             self._norms.load_state_dict(state["norms"])
         self.effective_batch_size = state.get("effective_batch_size", self.effective_batch_size)
@@ -308,6 +350,9 @@ class NoiseEstimate:
     margin), each ``(low, high)``."""
     effective_measurements: Tensor
     """The effective number of measurements 1/Σ w_k² behind the estimate (rule 7), ``()`` float64."""
+    band_grad_sq_norm: Tensor
+    """The ‖G‖² the noise band is judged on (rule 7): each source's larger of its chosen window's and the next longer
+    one's, combined as ``grad_sq_norm`` is; what the stopper's band charts draw."""
 
 
 class GradientNoise:
@@ -401,6 +446,7 @@ class GradientNoise:
                 (),
                 {k: (zero, inf) for k in INTERVALS},
                 zero,
+                zero,
             )
         key = (
             tuple((src.version, src.unit_scale, src.effective_batch_size, src.param_share) for src in chosen),
@@ -415,13 +461,13 @@ class GradientNoise:
 
     def _combine(self, chosen: list[NoiseSource]) -> NoiseEstimate:
         device = chosen[0].ema.count.device
-        lag = _lag(chosen, device)
         per = []
         for src in chosen:
-            per.append((*self._moments(src, device, lag), src.ema.count.to(device), src.norm_share.to(device)))
+            per.append((*self._moments(src, device), src.ema.count.to(device), src.norm_share.to(device)))
         g, s, var_g, var_s, cov, n_eff, count, share = (torch.stack(parts) for parts in zip(*per))
         seen = count > 0
         g_w, s_w = _weights(var_g, seen), _weights(var_s, seen)
+        band_grad = (g_w * torch.stack([self._band_pair(src, device)[0] for src in chosen])).sum()
         grad = (g_w * g).sum()
         trace = (s_w * s).sum()
         sd_g, sd_s = var_g.sqrt(), var_s.sqrt()
@@ -481,20 +527,28 @@ class GradientNoise:
             tuple(src.name for src in chosen),
             intervals,
             measurements,
+            band_grad,
         )
 
-    def _moments(self, src: NoiseSource, device: torch.device, lag: Tensor | bool) -> tuple[Tensor, ...]:
-        """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff) in ``.grad`` units (:meth:`NoiseSource.smoothed`
-        at ``lag``), with the finite-population correction (module docstring, rule 6) when :attr:`population` is
+    def _moments(self, src: NoiseSource, device: torch.device) -> tuple[Tensor, ...]:
+        """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff) in ``.grad`` units (:meth:`NoiseSource.smoothed`,
+        its own windows), with the finite-population correction (module docstring, rule 6) when :attr:`population` is
         known."""
         u2 = src.unit_scale**2
-        lag = torch.as_tensor(lag, device=src.ema.count.device)
-        g, t, var_g, var_s, cov, n_eff = (v.to(device) for v in src.smoothed(lag))
+        g, t, var_g, var_s, cov, n_eff = (v.to(device) for v in src.smoothed())
         g, t, var_g, var_s, cov = g * u2, t * u2, var_g * u2**2, var_s * u2**2, cov * u2**2
         if self.population is None:
             return g, t, var_g, var_s, cov, n_eff
         n, c = self.population, (self.population - 1) / self.population
         return (g + t / n, t * c, var_g + 2 * cov / n + var_s / n**2, var_s * c**2, c * (cov + var_s / n), n_eff)
+
+    def _band_pair(self, src: NoiseSource, device: torch.device) -> Tensor:
+        """``(2,)`` (the band's ‖G‖², tr Σ) of ``src`` (:meth:`NoiseSource.band_values`) in ``.grad`` units, corrected
+        for a known population as :meth:`_moments` corrects (rule 6)."""
+        _, t, g = (src.band_values().to(device) * src.unit_scale**2).unbind()
+        if self.population is not None:
+            g, t = g + t / self.population, t * (self.population - 1) / self.population
+        return torch.stack([g, t])
 
     def decisive(self, estimate: NoiseEstimate | None = None) -> Tensor:
         """``()`` bool: a measured estimate covering enough of the model (module docstring, rule 4; no sync)."""
@@ -525,7 +579,7 @@ class GradientNoise:
             est = estimate
             return self._band(
                 margin,
-                est.grad_sq_norm,
+                est.band_grad_sq_norm,
                 est.trace_cov,
                 est.count,
                 self._covers(est),
@@ -540,7 +594,7 @@ class GradientNoise:
             est = self.estimate()
             return self._band(
                 margin,
-                est.grad_sq_norm,
+                est.band_grad_sq_norm,
                 est.trace_cov,
                 est.count,
                 self._covers(est),
@@ -549,14 +603,7 @@ class GradientNoise:
             )
         _, g_w, s_w, covers, grad_se = self._cached
         first = chosen[0].ema.count.device
-        lag = _lag(chosen, first)
-        pairs = torch.stack(
-            [src.smoothed_values(lag.to(src.ema.count.device)).to(first) * src.unit_scale**2 for src in chosen]
-        )
-        if self.population is not None:  # rule 6, as in _moments
-            pairs = torch.stack(
-                [pairs[:, 0] + pairs[:, 1] / self.population, pairs[:, 1] * (self.population - 1) / self.population], 1
-            )
+        pairs = torch.stack([self._band_pair(src, first) for src in chosen])
         counts = torch.stack([src.ema.count.to(first) for src in chosen])
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
         return self._band(
@@ -718,7 +765,7 @@ class GradientNoise:
         device = chosen[0].ema.count.device
         parts = []
         for src in chosen:
-            g, t, var_g, var_s, _, _ = self._moments(src, device, False)  # the slow EMAs: the same window for all
+            g, t, var_g, var_s, _, _ = self._moments(src, device)  # each its drift-free window (rule 7)
             parts.append(torch.stack([g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double()]))
         rows = torch.stack(parts).cpu().tolist()  # one transfer
         said = []
@@ -835,10 +882,17 @@ def fieller_rel_err(b_simple: Tensor, low: Tensor, high: Tensor, measurements: T
     return torch.where(usable, spread, torch.full_like(spread, float("inf")))
 
 
-def _lag(chosen: list[NoiseSource], device: torch.device) -> Tensor:
-    """``()`` bool: whether any of the ``chosen`` sources' slow EMAs lag (rule 7): then all of them take their fast
-    ones, so that the sources combined, and checked against each other, span the same stretch of the run."""
-    return torch.stack([src.lagging().to(device) for src in chosen]).any()
+def mean_age(betas: Tensor, count: Tensor) -> Tensor:
+    """Mean age Σ_k w_k·(t − k) ``(L,)`` float64, in updates, of bias-corrected EMAs of decays ``betas`` after
+    ``count`` = t updates: β/(1 − β) − t·βᵗ/(1 − βᵗ) (→ β/(1 − β); 0 after one)."""
+    t = count.to(torch.float64)
+    b = betas.to(t.device)
+    return b / (1 - b) - t * b**t / (1 - b**t).clamp_min(1e-300)
+
+
+def _pick(values: Tensor, index: Tensor) -> Tensor:
+    """``values[index[...], ...]``: per element of ``index`` (the shape of ``values[0]``), the window it names."""
+    return values.gather(0, index.unsqueeze(0)).squeeze(0)
 
 
 INTERVALS = ("grad_sq_norm", "trace_cov", "b_simple", "band_ratio")
