@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from trainvitals.noise.estimate import GradientNoise, NoiseSource, noise_intervals
-from trainvitals.noise.estimators import effective_count, fieller_interval, per_example_estimates
+from trainvitals.noise.estimators import (
+    effective_count,
+    fieller_interval,
+    per_example_estimates,
+    two_batch_size_estimates,
+)
 
 SEEDS, STEPS, B, D = 600, 150, 16, 4
 
@@ -155,3 +160,45 @@ def test_the_intervals_cover_a_falling_truth(grad_half_life, trace_half_life):
         assert sum(shares) / len(shares) >= 0.8 and min(shares) >= 0.7, (name, shares)
     assert sum(slow_covered) / len(slow_covered) < 0.5, slow_covered  # the failure this replaces
     assert float(src.ema.grad_sq_norm.median()) > 2 * grad_sq_norm  # the slow EMA's lag
+
+
+def test_a_short_windows_dip_alone_never_enters_the_band():
+    """Issue #24's step-130 failure: the short windows' noise dipping into the band. 4 micro-batches of 8 a step
+    (the stopper's source), ‖G‖² held at 1.5× the band's edge 0.2·tr Σ/B: no run stays in the band for the
+    stopper's patience (10 steps) after its min_steps (100) on what the band is judged on (rule 7), as none does on
+    the slow EMAs, while on the chosen window alone some would."""
+    gen = torch.Generator().manual_seed(0)
+    src = _vectorised(NoiseSource("micro_batch", 0.98))
+    groups, size, dims, trace, margin, patience = 4, 8, 64, 16.0, 0.2, 10
+    batch = groups * size
+    grad_sq_norm = 1.5 * margin * trace / batch
+    mean = torch.zeros(dims, dtype=torch.float64)
+    mean[0] = math.sqrt(grad_sq_norm)
+    streak, chosen_streak, slow_streak = torch.zeros(SEEDS), torch.zeros(SEEDS), torch.zeros(SEEDS)
+    slow_stopped = torch.zeros(SEEDS, dtype=torch.bool)
+    stopped, chosen_stopped = torch.zeros(SEEDS, dtype=torch.bool), torch.zeros(SEEDS, dtype=torch.bool)
+    for step in range(600):
+        means = mean + math.sqrt(trace / dims / size) * torch.randn(
+            SEEDS, groups, dims, generator=gen, dtype=torch.float64
+        )
+        src.update(
+            *two_batch_size_estimates(means.square().sum(2).mean(1), means.mean(1).square().sum(1), groups, size)
+        )
+        if step < 100:  # the stopper's min_steps
+            continue
+        g, t, band_g = src.band_values()
+        edge = margin * t / batch
+        streak = torch.where(band_g <= edge, streak + 1, 0)
+        chosen_streak = torch.where(g <= edge, chosen_streak + 1, 0)
+        stopped |= streak >= patience
+        slow_streak = torch.where(src.ema.grad_sq_norm <= margin * src.ema.trace_cov / batch, slow_streak + 1, 0)
+        slow_stopped |= slow_streak >= patience
+        chosen_stopped |= chosen_streak >= patience
+    shares = [float(x.double().mean()) for x in (stopped, slow_stopped, chosen_stopped)]
+    print(
+        "stopped: judged as the band is {:.1%}, on the slow window {:.1%}, on the chosen one alone {:.1%}".format(
+            *shares
+        )
+    )
+    assert shares[0] <= 0.005 and shares[1] <= 0.005  # no earlier than the slow EMAs alone (main's ‖G‖²)
+    assert shares[2] >= 0.03  # the chosen window alone would: the longer window's check is what holds it
