@@ -535,3 +535,31 @@ def test_an_unresolved_b_simple_is_said_in_words_not_internal_numbers(seed, said
     assert (found is not None) == (h["b_simple_low"] > 0) and (seed == 3 or found is not None)
     assert found is None or float(found.group(1)) == pytest.approx(h["b_simple_low"], rel=0.01)
     assert "inf" not in text.replace("B_simple", "")
+
+
+def test_attaching_the_micro_batch_source_leaves_the_estimate_within_its_interval():
+    """Issue #24: probe alone vs probe + stopper (its micro-batch source) on the same run moved B_simple 2.4×, since
+    one lagging source switched every source's window. Now each source takes its own windows (rule 7) and the
+    sources are weighted by variance: on a falling ‖G‖² (halving every 50 steps) the estimate with both sources lies
+    inside the probe-alone estimate's 90 % intervals (‖G‖², tr Σ, B_simple) in ≥ 90 % of runs."""
+    inside = 0
+    for seed in range(30):
+        gen = torch.Generator().manual_seed(seed)
+        alone, both = GradientNoise(), GradientNoise()
+        probe, twin, micro = (NoiseSource(n, 0.98) for n in ("probe", "probe", "micro_batch"))
+        for noise, sources in ((alone, (probe,)), (both, (twin, micro))):
+            for src in sources:
+                src.effective_batch_size = 32
+                noise.attach(src)
+        for step in range(150):  # to ‖G‖² = 0.5 against tr Σ ≈ 18: a resolved B_simple
+            g = torch.zeros(D, dtype=torch.float64)
+            g[0] = 2 * 2 ** (-step / 100)  # ‖G‖² halves every 50 steps
+            per = g + SIGMA * 3 * torch.randn(32, D, generator=gen, dtype=torch.float64)
+            batch_sq = per.mean(0).square().sum()
+            probe.update(*per_example_estimates(per.square().sum(), batch_sq, 32))
+            twin.update(*per_example_estimates(per.square().sum(), batch_sq, 32))
+            means = per.view(4, 8, D).mean(1)
+            micro.update(*two_batch_size_estimates(means.square().sum(1).mean(), batch_sq, 4, 8))
+        a, b = alone.host_summary(), both.host_summary()
+        inside += all(a[f"{k}_low"] <= b[k] <= a[f"{k}_high"] for k in ("grad_sq_norm", "trace_cov", "b_simple"))
+    assert inside >= 27, inside
