@@ -56,20 +56,25 @@ Combining rule (:meth:`GradientNoise.estimate`):
    Techniques*, §2.5). With N known (:attr:`GradientNoise.population`) each source is corrected:
    ‖G‖² = ‖G‖²_est + S_est/N, tr Σ = S_est·(N − 1)/N, their variances carried along.
 
-7. Drift. Each source keeps two pairs of EMAs: slow ones (its ``beta``: ≈ 99 effective measurements at 0.98)
-   and fast ones (:data:`FAST_BETA` per measurement: ≈ 19). The slow ones lag a quantity that moves: a tr Σ
-   that halves every 50 steps sits at about twice its value in an EMA of memory 50 steps, and so does the
-   noise level drawn against the norm. Where the slow EMA of tr Σ lies above the fast one by more than
-   :data:`DRIFT_Z` of the fast one's standard error — the lag is then larger than the error it would buy —
-   the estimate takes tr Σ from the fast EMAs, for every source at once (the sources combined and compared
-   then span the same stretch of the run); the fast ones' own lag (mean age 9 measurements: 13 % on that
-   tr Σ) is below their error (≈ 19 % a step from 4 micro-batches). Only a falling tr Σ, and only tr Σ: that
-   lag puts the band's edge too high, so following it can only delay a band stop, never advance one (on
-   stopping_tasks' digits MLP, following a rising tr Σ and ‖G‖² with the fast EMAs' noise stopped runs at
-   step 130, far from converged). ‖G‖² stays the slow EMA's; the pair then has no covariance term. The
-   per-step band, the logged tags and the charts read the same choice. ``effective_measurements`` is
-   1/Σ w_k² of the EMA tr Σ comes from, weighted over the sources as tr Σ is: at most the most-measured
-   source's count (:attr:`NoiseEstimate.count`), which may exceed another source's (issue #24).
+7. Drift. Each source keeps a ladder of EMAs: its ``beta`` (≈ 99 effective measurements at 0.98, decaying per
+   measurement, whatever the cadence) and the shorter :data:`LADDER` (0.95, 0.8: ≈ 39 and 9). A long window lags
+   a quantity that moves: ‖G‖² halving every 50 measurements sits at about 3× its value in an EMA of decay
+   0.98, outside the window's own sampling interval (issue #24: 2× on an LM, 10–24× on a LayerNorm MLP). Each
+   window's lag is estimated from its difference with the next shorter one: on a linear trend of slope r an EMA
+   whose weights have mean age A lags by r·A, so the lag is (x_a − x_b)·A_a/(A_a − A_b) (:func:`mean_age`), the
+   difference first lessened by :data:`LAG_NOISE` of its own sampling variance. Each quantity, ‖G‖² and tr Σ
+   alike, takes the window of least variance + lag², and that sum is its stated variance: the lag is part of
+   the error, so the interval covers the truth also while it moves (tests/noise/test_intervals.py: ≥ 80 % of
+   runs with ‖G‖² halving every 50 steps, 85–95 % stationary). The covariance of two windows' means is the
+   per-step covariance times Σ_k w_a,k·w_b,k (:func:`~trainvitals.noise.estimators.window_overlap`). Each
+   source chooses for itself: attaching a source (the stopper's micro-batches) changes the estimate only by its
+   weight (rule 2), and sources measured at different cadences are compared (rule 5) each on a window whose lag
+   is within its error. The noise band's ‖G‖² is the larger of the chosen window's and the next longer one's
+   (``NoiseEstimate.band_grad_sq_norm``): a dip of a short window alone never enters the band (on
+   stopping_tasks' digits MLP, following ‖G‖² with a short window's noise stopped runs at step 130, far from
+   converged). The per-step band, the logged tags and the charts read the same choice.
+   ``effective_measurements`` is 1/Σ w_k² of the shorter of the two windows, weighted over the sources as tr Σ
+   is: at most the most-measured source's count (:attr:`NoiseEstimate.count`).
 
 8. Intervals. Every quantity carries a 90 % interval from its own error: ‖G‖² ± t·σ_G and tr Σ ± t·σ_S (t
    Student's quantile at n_eff − 1 degrees of freedom, so that few measurements widen it; the low ends
@@ -80,8 +85,8 @@ Combining rule (:meth:`GradientNoise.estimate`):
    ratio's interval is B/B_simple's, the same set inverted. Calibrated on a closed form over 600 seeds
    (tests/noise/test_intervals.py): each covers the truth in 85–95 % of runs, with ‖G‖² near 0 too.
 
-Consecutive steps are treated as independent, so while the run moves the errors also contain the
-drift of the true values (they are not smaller than the sampling error). Everything stays on the
+Consecutive steps are treated as independent; while the run moves, each error holds the chosen window's estimated
+lag beside its sampling error (rule 7). Everything stays on the
 device; the host reads values only through :meth:`GradientNoise.host_summary` and
 :meth:`GradientNoise.disagreement` (one transfer each), on logging steps.
 """
