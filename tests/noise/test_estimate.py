@@ -8,7 +8,15 @@ import re
 import pytest
 import torch
 
-from trainvitals.noise.estimate import COUPLING_Z, Z90, GradientNoise, NoiseSource, b_simple_interval, band_ratio
+from trainvitals.noise.estimate import (
+    AGREEMENT_Z,
+    COUPLING_Z,
+    Z90,
+    GradientNoise,
+    NoiseSource,
+    b_simple_interval,
+    band_ratio,
+)
 from trainvitals.noise.estimators import per_example_estimates, t_quantile, two_batch_size_estimates
 
 D, SIGMA, B, MICRO = 8, 0.5, 64, 16
@@ -563,3 +571,34 @@ def test_attaching_the_micro_batch_source_leaves_the_estimate_within_its_interva
         a, b = alone.host_summary(), both.host_summary()
         inside += all(a[f"{k}_low"] <= b[k] <= a[f"{k}_high"] for k in ("grad_sq_norm", "trace_cov", "b_simple"))
     assert inside >= 27, inside
+
+
+def test_a_probe_every_10_steps_agrees_with_the_micro_batches_while_the_gradient_falls():
+    """Issue #24: decaying per measurement, a probe every 10 steps keeps ≈ 99 measurements, a window of ≈ 500 steps
+    whose slow EMA lags a falling ‖G‖² far behind the micro-batch source's 50-step one; compared on the slow EMAs
+    the two disagree beyond AGREEMENT_Z and the probe was dropped. Each source's error now holds its lag (rule 7):
+    the check stays quiet, and the probe stays in the estimate."""
+    quiet = slow_apart = 0
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(seed)
+        noise, probe, micro = GradientNoise(), NoiseSource("probe", 0.98), NoiseSource("micro_batch", 0.98)
+        for src in (probe, micro):
+            src.effective_batch_size = 64
+            noise.attach(src)
+        said = []
+        for step in range(600):
+            d = torch.full((D,), 0.6 * 2 ** (-step / 300), dtype=torch.float64)  # ‖G‖² halves every 150 steps
+            per_example, micro_batch, _ = step_estimates(d, gen)
+            micro.update(*micro_batch)
+            if step % 10 == 0:
+                probe.update(*per_example)
+            if step % 50 == 49 and step >= 200:
+                said.append(noise.disagreement())
+        quiet += not any(said) and not probe.invalid
+        (g_p, se_p), (g_m, se_m) = (
+            (float(v), float(e.sqrt()))
+            for v, e in ((s.ema.grad_sq_norm, s.error.mean_covariance(s.ema)[1]) for s in (probe, micro))
+        )
+        slow_apart += abs(g_p - g_m) > AGREEMENT_Z * math.hypot(se_p, se_m)
+    assert quiet >= 11, quiet
+    assert slow_apart >= 6, slow_apart  # the slow EMAs alone would have dropped the probe

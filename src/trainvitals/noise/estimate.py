@@ -45,7 +45,9 @@ Combining rule (:meth:`GradientNoise.estimate`):
    on logging steps (:meth:`GradientNoise.disagreement`) once a source has :data:`MIN_MEASUREMENTS`: its EMA
    ‖G‖² is below zero by more than :data:`COUPLING_Z` standard errors (independent examples give
    E[‖G‖²_est] = ‖G‖² ≥ 0; a negative value within its error is a legitimate "G ≈ 0"), or it disagrees with
-   the micro-batch/rank source beyond :data:`AGREEMENT_Z` standard errors. The micro-batches are independent
+   the micro-batch/rank source beyond :data:`AGREEMENT_Z` standard errors (Student-widened at the fewer effective
+   measurements of the two; each source on its own windows, whose errors hold their lag: sources measured at
+   different cadences span different stretches of the run, rule 7). The micro-batches are independent
    by construction, so that source decides: the other is marked invalid, dropped, and said once. Between
    logging steps the band never holds on a ‖G‖² below zero beyond its error.
 
@@ -119,8 +121,9 @@ MAX_UNMEASURED_TRACE = 0.1
 WEIGHTS_REFRESH = 50
 """The per-step band reuses the inverse-variance weights of a full estimate at most this many calls old."""
 AGREEMENT_Z = 3.0
-"""Two sources disagree when their estimates differ by more than this many combined standard errors: the
-check runs at every logging step, so a single test's 2 would raise false alarms over a long run."""
+"""Two sources disagree when their estimates differ by more than this many combined standard errors (as a normal
+quantile: Student's t at the fewer effective measurements of the two, rule 8): the check runs at every logging
+step, so a single test's 2 would raise false alarms over a long run."""
 COUPLING_Z = 3.0
 """A per-example source's EMA ‖G‖² this many standard errors below zero shows coupled examples."""
 MIN_MEASUREMENTS = 20
@@ -770,11 +773,11 @@ class GradientNoise:
         device = chosen[0].ema.count.device
         parts = []
         for src in chosen:
-            g, t, var_g, var_s, _, _ = self._moments(src, device)  # each its drift-free window (rule 7)
-            parts.append(torch.stack([g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double()]))
+            g, t, var_g, var_s, _, n_eff = self._moments(src, device)  # each its own windows, lag in the error (rule 7)
+            parts.append(torch.stack([g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double(), n_eff]))
         rows = torch.stack(parts).cpu().tolist()  # one transfer
         said = []
-        for src, (g, g_se, _, _, count) in zip(chosen, rows):
+        for src, (g, g_se, _, _, count, _) in zip(chosen, rows):
             if src.name != INDEPENDENT and count >= MIN_MEASUREMENTS and g < -COUPLING_Z * g_se:
                 src.invalidate(
                     f"its ‖G‖² {g:.3g} ± {g_se:.2g} is below zero by more than {COUPLING_Z:g} standard "
@@ -787,16 +790,18 @@ class GradientNoise:
                 first, second, a, b = chosen[i], chosen[j], rows[i], rows[j]
                 if first.invalid or second.invalid:
                     continue
+                # The errors come from few effective measurements on a short window: Student's widening (rule 8).
+                z = float(t_quantile(AGREEMENT_Z, torch.tensor(min(a[5], b[5]) - 1)))
                 for what, k in (("‖G‖²", 0), ("tr(Σ)", 2)):
                     se = math.hypot(a[k + 1], b[k + 1])
-                    if not (math.isfinite(se) and abs(a[k] - b[k]) > AGREEMENT_Z * se):
+                    if not (math.isfinite(se) and math.isfinite(z) and abs(a[k] - b[k]) > z * se):
                         continue
                     values = f"{a[k]:.4g} ± {a[k + 1]:.2g} vs {b[k]:.4g} ± {b[k + 1]:.2g}"
                     if INDEPENDENT in (first.name, second.name) and min(a[4], b[4]) >= MIN_MEASUREMENTS:
                         other = second if first.name == INDEPENDENT else first
                         other.invalidate(
                             f"it disagrees with the micro-batch/rank source on {what} ({first.name} vs "
-                            f"{second.name}: {values}, beyond {AGREEMENT_Z:g} standard errors); the "
+                            f"{second.name}: {values}, beyond {z:.2g} standard errors); the "
                             f"micro-batches are independent by construction, so the examples are likely "
                             f"coupled by {COUPLING_CAUSES}"
                         )
@@ -806,7 +811,7 @@ class GradientNoise:
                         self._said_disagreement = True
                         said.append(
                             f"the sources {first.name} and {second.name} disagree on {what}: {values} (beyond "
-                            f"{AGREEMENT_Z:g} standard errors); the combined estimate weights them by their "
+                            f"{z:.2g} standard errors); the combined estimate weights them by their "
                             "variances"
                         )
                         break
