@@ -177,6 +177,7 @@ class NoiseSource:
         self.ema = NoiseScaleEMA(beta)
         self.error = NoiseScaleError(beta)
         self.ladder = [(NoiseScaleEMA(b), NoiseScaleError(b)) for b in LADDER if b < beta]
+        self._betas = torch.tensor([ema.beta for ema, _ in self.windows], dtype=torch.float64)
         self._norms = BiasCorrectedEMA(beta, (2,))  # of (‖ḡ_covered‖², ‖ḡ‖²)
         self.last_covered_sq_norm: Tensor | None = None  # ‖ḡ‖² of the measured parameters at the last update
         self.param_share = param_share
@@ -233,7 +234,9 @@ class NoiseSource:
         values = torch.stack([ema.values for ema, _ in windows])
         moments = torch.stack([error.moments for _, error in windows])  # (L, 3, ...) of (S², ‖G‖²², S·‖G‖²)
         count = self.ema.count
-        betas = torch.tensor([ema.beta for ema, _ in windows], dtype=torch.float64, device=count.device)
+        if self._betas.device != count.device:  # copied once per device, not at every step
+            self._betas = self._betas.to(count.device)
+        betas = self._betas
         overlap = window_overlap(betas, count)
         n_eff = 1.0 / overlap.diagonal().clamp_min(1e-300)
         ones = [1] * (values.dim() - 2)
