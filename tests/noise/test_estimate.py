@@ -602,3 +602,17 @@ def test_a_probe_every_10_steps_agrees_with_the_micro_batches_while_the_gradient
         slow_apart += abs(g_p - g_m) > AGREEMENT_Z * math.hypot(se_p, se_m)
     assert quiet >= 11, quiet
     assert slow_apart >= 6, slow_apart  # the slow EMAs alone would have dropped the probe
+
+
+def test_every_window_round_trips_through_the_state_dict():
+    """The ladder's windows (rule 7) are saved and restored: a restored source chooses and states as the saved one."""
+    gen = torch.Generator().manual_seed(0)
+    src = NoiseSource("probe", 0.98)
+    for step in range(120):
+        src.update(2 ** (-step / 30) + torch.randn((), generator=gen, dtype=torch.float64), torch.tensor(4.0 + step))
+    restored = NoiseSource("probe", 0.98)
+    restored.load_state_dict(src.state_dict())
+    assert [float(v) for v in restored.smoothed()] == pytest.approx([float(v) for v in src.smoothed()], rel=1e-12)
+    assert restored.choice()[4].tolist() == src.choice()[4].tolist() != [0, 0]  # a falling ‖G‖²: a shorter window
+    restored.restart()
+    assert int(restored.ema.count) == 0 and all(int(ema.count) == 0 for ema, _ in restored.windows)
