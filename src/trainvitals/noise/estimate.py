@@ -69,13 +69,17 @@ Combining rule (:meth:`GradientNoise.estimate`):
    the error, so the interval covers the truth also while it moves (tests/noise/test_intervals.py: ‖G‖² halving
    every 50 steps, covered in ≥ 80 % of runs over steps 100–300, ≥ 70 % at each; 85–95 % stationary). The
    covariance of two windows' means is the per-step covariance times Σ_k w_a,k·w_b,k
-   (:func:`~trainvitals.noise.estimators.window_overlap`). Each
-   source chooses for itself: attaching a source (the stopper's micro-batches) changes the estimate only by its
-   weight (rule 2), and sources measured at different cadences are compared (rule 5) each on a window whose lag
-   is within its error. The noise band's ‖G‖² is the larger of the chosen window's and the next longer one's
-   (``NoiseEstimate.band_grad_sq_norm``): a dip of a short window alone never enters the band (on
-   stopping_tasks' digits MLP, following ‖G‖² with a short window's noise stopped runs at step 130, far from
-   converged). The per-step band, the logged tags and the charts read the same choice.
+   (:func:`~trainvitals.noise.estimators.window_overlap`). Each source chooses for itself: attaching a source
+   (the stopper's micro-batches) changes the estimate only by its weight (rule 2), and sources measured at
+   different cadences are compared (rule 5) each on windows whose lag is in their error. The noise band's ‖G‖² is
+   the largest of the chosen window's and every longer one's (``NoiseEstimate.band_grad_sq_norm``): neither a
+   short window's dip nor its lead on a falling ‖G‖² enters the band before the slow EMA would (on
+   stopping_tasks' digits MLP, following ‖G‖² with short windows stopped runs at steps 130–210, far from
+   converged); a lag can only delay a band stop, never advance one. The per-step band, the logged tags and the
+   charts read the same choice. That the run *was* out of the band is read from the slowest windows with their
+   sampling errors alone (``NoiseEstimate.window_band_ratio_low``): a lagging EMA is an unbiased mean of the
+   stretch it spans, so a mean beyond the band's edge shows a step of that stretch out of it, where the current
+   value's lag-widened interval could not yet tell.
    ``effective_measurements`` is 1/Σ w_k² of the shorter of the two windows, weighted over the sources as tr Σ
    is: at most the most-measured source's count (:attr:`NoiseEstimate.count`).
 
@@ -108,6 +112,7 @@ from trainvitals.noise.estimators import (
     BiasCorrectedEMA,
     NoiseScaleEMA,
     NoiseScaleError,
+    effective_count,
     fieller_interval,
     t_quantile,
     window_overlap,
@@ -274,15 +279,23 @@ class NoiseSource:
         n_eff = 1.0 / torch.maximum(overlap[g_i, g_i], overlap[s_i, s_i]).clamp_min(1e-300)
         return g, t, var_g, var_s, cov, torch.where(self.ema.count.to(n_eff.device) > 0, n_eff, 0.0)
 
+    def slow_moments(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`smoothed`'s tuple for the slowest window alone, with its sampling error only (no lag): an unbiased
+        estimate of the run's weighted mean over that window, what it says of the past (rule 7)."""
+        var_s, var_g, cov = self.error.mean_covariance(self.ema)
+        g, t = self.ema.values.unbind()
+        return g, t, var_g, var_s, cov, effective_count(self.ema.beta, self.ema.count)
+
     def band_values(self) -> Tensor:
         """``(3,)`` (‖G‖², tr Σ, the ‖G‖² the band is judged on) of :meth:`smoothed`, in fewer kernels (the per-step
-        band's). The band's ‖G‖² is the larger of the chosen window's and the next longer one's (rule 7): a
-        short window's dip into the band alone never puts the run in it."""
+        band's). The band's ‖G‖² is the largest of the chosen window's and every longer one's (rule 7): neither a
+        short window's dip nor its lead on a falling ‖G‖² enters the band before the slow EMA would."""
         values, _, _, _, chosen, _ = self.choice()
         g_i, s_i = chosen.unbind()
-        longer = _pick(values[:, 0], (g_i - 1).clamp_min(0))
-        g = _pick(values[:, 0], g_i)
-        return torch.stack([g, _pick(values[:, 1], s_i), torch.maximum(g, longer)])
+        grads = values[:, 0]
+        rank = torch.arange(len(grads), device=grads.device).reshape(-1, *([1] * (grads.dim() - 1)))
+        longest = torch.where(rank <= g_i, grads, -math.inf).amax(0)
+        return torch.stack([_pick(grads, g_i), _pick(values[:, 1], s_i), longest])
 
     def invalidate(self, reason: str) -> None:
         """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
@@ -363,8 +376,11 @@ class NoiseEstimate:
     effective_measurements: Tensor
     """The effective number of measurements 1/Σ w_k² behind the estimate (rule 7), ``()`` float64."""
     band_grad_sq_norm: Tensor
-    """The ‖G‖² the noise band is judged on (rule 7): each source's larger of its chosen window's and the next longer
+    """The ‖G‖² the noise band is judged on (rule 7): each source's largest of its chosen window's and every longer
     one's, combined as ``grad_sq_norm`` is; what the stopper's band charts draw."""
+    window_band_ratio_low: Tensor
+    """The 90 % lower end of B/B_simple over the slowest windows with their sampling errors alone (rule 7): the
+    run's weighted mean over them; above the margin, the run was out of the band at some step of that stretch."""
 
 
 class GradientNoise:
@@ -459,6 +475,7 @@ class GradientNoise:
                 {k: (zero, inf) for k in INTERVALS},
                 zero,
                 zero,
+                zero,
             )
         key = (
             tuple((src.version, src.unit_scale, src.effective_batch_size, src.param_share) for src in chosen),
@@ -498,6 +515,20 @@ class GradientNoise:
             batch,
         )
         rel_err = fieller_rel_err(b_simple, *intervals["b_simple"], measurements)
+        # The slow windows with their sampling errors alone: the run's weighted mean over them, for "was out" (rule 7).
+        past = [self._moments(src, device, slow=True) for src in chosen]
+        pg, ps, pvg, pvs, pcov, pn = (torch.stack(parts) for parts in zip(*past))
+        pg_w, ps_w = _weights(pvg, seen), _weights(pvs, seen)
+        pg_se, ps_se = _bound(pg_w, pvg.sqrt()), _bound(ps_w, pvs.sqrt())
+        window_band_low = noise_intervals(
+            (pg_w * pg).sum(),
+            (ps_w * ps).sum(),
+            pg_se,
+            ps_se,
+            _combined_cov(ps_w, pg_w, pcov, pvs.sqrt(), pvg.sqrt(), ps_se, pg_se),
+            (ps_w * pn).sum(),
+            batch,
+        )["band_ratio"][0]
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(
             trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf"))
@@ -540,14 +571,15 @@ class GradientNoise:
             intervals,
             measurements,
             band_grad,
+            window_band_low,
         )
 
-    def _moments(self, src: NoiseSource, device: torch.device) -> tuple[Tensor, ...]:
+    def _moments(self, src: NoiseSource, device: torch.device, slow: bool = False) -> tuple[Tensor, ...]:
         """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff) in ``.grad`` units (:meth:`NoiseSource.smoothed`,
-        its own windows), with the finite-population correction (module docstring, rule 6) when :attr:`population` is
-        known."""
+        its own windows; with ``slow`` :meth:`NoiseSource.slow_moments`), with the finite-population correction
+        (module docstring, rule 6) when :attr:`population` is known."""
         u2 = src.unit_scale**2
-        g, t, var_g, var_s, cov, n_eff = (v.to(device) for v in src.smoothed())
+        g, t, var_g, var_s, cov, n_eff = (v.to(device) for v in (src.slow_moments() if slow else src.smoothed()))
         g, t, var_g, var_s, cov = g * u2, t * u2, var_g * u2**2, var_s * u2**2, cov * u2**2
         if self.population is None:
             return g, t, var_g, var_s, cov, n_eff

@@ -143,7 +143,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     not a stop. Such a run is said once (a warning and the ``grad_norm/stop_reason`` text), with the batch
     to use — B_simple's 90 % lower end — and watched on: it stops if it leaves the band and comes back for
     ``patience`` steps. The band is judged on the estimate's smoothed quantities (each from the window of least
-    variance + lag², ‖G‖² also no lower than the next longer window's: estimate.py, rule 7), the same the margin
+    variance + lag², ‖G‖² also no lower than any longer window's: estimate.py, rule 7), the same the margin
     chart draws.
     The streak is kept on the device; the host looks at it every ``check_every_n_steps`` optimizer
     steps, so a stop lands at most ``check_every_n_steps - 1`` steps after the streak completes. The decision is reduced across ranks
@@ -531,13 +531,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         return self.gradient_noise.in_noise_band(self.margin, estimate, device=total.device).to(total.device)
 
     def _shown_out(self, now: bool) -> Tensor | None:
-        """``()`` bool on the device: the band ratio's 90% lower end is above 1 (estimate.py, rule 8) — the run is
-        out of its band beyond the estimate's error, not by a fluctuation; read from the full estimate, so only on
-        logging and check steps (``now``; else None)."""
+        """``()`` bool on the device: the band ratio's 90% lower end over the slowest windows is above 1 (estimate.py,
+        rules 7–8) — the run has been out of its band beyond the estimate's error, not by a fluctuation, at some step
+        of the stretch they span; read from the full estimate, so only on logging and check steps (``now``; else
+        None)."""
         if not now:
             return None
         est = self.gradient_noise.estimate()
-        return self.gradient_noise.decisive(est) & (est.intervals["band_ratio"][0] > self.margin)
+        return self.gradient_noise.decisive(est) & (est.window_band_ratio_low > self.margin)
 
     def noise_floor(self) -> Tensor:
         """The noise level sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of
