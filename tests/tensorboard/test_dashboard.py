@@ -279,7 +279,7 @@ def test_noise_band_uses_the_stoppers_margin(margin: float | None, ratio: float)
     probe.effective_batch_size = 64
     # ‖G‖² = 0.5 · tr(Σ)/B: in the band with margin 1 (B <= B_simple), not with margin 0.2.
     for _ in range(20):  # a decision needs 20 measurements
-        probe.noise.update(torch.tensor(0.5 * 6.4 / 64), torch.tensor(6.4))
+        probe.noise_source.update(torch.tensor(0.5 * 6.4 / 64), torch.tensor(6.4))
     callbacks = [probe] + ([GradNormEarlyStopping(margin=margin)] if margin is not None else [])
     vitals = Vitals(*callbacks)
     vitals.shared(GRADIENT_NOISE, GradientNoise).attach(probe.noise_source)
