@@ -72,8 +72,8 @@ Combining rule (:meth:`GradientNoise.estimate`):
    (:func:`~trainvitals.noise.estimators.window_overlap`). Each source chooses for itself: attaching a source
    (the stopper's micro-batches) changes the estimate only by its weight (rule 2), and sources measured at
    different cadences are compared (rule 5) each on windows whose lag is in their error. The noise band's ‖G‖² is
-   the largest of the chosen window's and every longer one's (``NoiseEstimate.band_grad_sq_norm``): neither a
-   short window's dip nor its lead on a falling ‖G‖² enters the band before the slow EMA would (on
+   the slowest window's (``NoiseEstimate.band_grad_sq_norm``), its tr Σ the chosen one: neither a short
+   window's dip nor its lead on a falling ‖G‖² enters the band before the slow EMA would (on
    stopping_tasks' digits MLP, following ‖G‖² with short windows stopped runs at steps 130–210, far from
    converged); a lag can only delay a band stop, never advance one. The per-step band, the logged tags and the
    charts read the same choice. That the run *was* out of the band is read from the slowest windows with their
@@ -288,14 +288,12 @@ class NoiseSource:
 
     def band_values(self) -> Tensor:
         """``(3,)`` (‖G‖², tr Σ, the ‖G‖² the band is judged on) of :meth:`smoothed`, in fewer kernels (the per-step
-        band's). The band's ‖G‖² is the largest of the chosen window's and every longer one's (rule 7): neither a
-        short window's dip nor its lead on a falling ‖G‖² enters the band before the slow EMA would."""
+        band's). The band's ‖G‖² is the slowest window's (rule 7): neither a short window's dip nor its lead on a
+        falling ‖G‖² enters the band before the slow EMA would (a maximum over windows would be biased up where
+        they only scatter)."""
         values, _, _, _, chosen, _ = self.choice()
         g_i, s_i = chosen.unbind()
-        grads = values[:, 0]
-        rank = torch.arange(len(grads), device=grads.device).reshape(-1, *([1] * (grads.dim() - 1)))
-        longest = torch.where(rank <= g_i, grads, -math.inf).amax(0)
-        return torch.stack([_pick(grads, g_i), _pick(values[:, 1], s_i), longest])
+        return torch.stack([_pick(values[:, 0], g_i), _pick(values[:, 1], s_i), values[0, 0]])
 
     def invalidate(self, reason: str) -> None:
         """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
@@ -376,8 +374,8 @@ class NoiseEstimate:
     effective_measurements: Tensor
     """The effective number of measurements 1/Σ w_k² behind the estimate (rule 7), ``()`` float64."""
     band_grad_sq_norm: Tensor
-    """The ‖G‖² the noise band is judged on (rule 7): each source's largest of its chosen window's and every longer
-    one's, combined as ``grad_sq_norm`` is; what the stopper's band charts draw."""
+    """The ‖G‖² the noise band is judged on (rule 7): each source's slowest window's, combined as ``grad_sq_norm``
+    is; what the stopper's band charts draw."""
     window_band_ratio_low: Tensor
     """The 90 % lower end of B/B_simple over the slowest windows with their sampling errors alone (rule 7): the
     run's weighted mean over them; above the margin, the run was out of the band at some step of that stretch."""

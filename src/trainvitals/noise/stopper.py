@@ -143,7 +143,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     not a stop. Such a run is said once (a warning and the ``grad_norm/stop_reason`` text), with the batch
     to use — B_simple's 90 % lower end — and watched on: it stops if it leaves the band and comes back for
     ``patience`` steps. The band is judged on the estimate's smoothed quantities (each from the window of least
-    variance + lag², ‖G‖² also no lower than any longer window's: estimate.py, rule 7), the same the margin
+    variance + lag², ‖G‖² the slow EMA's: estimate.py, rule 7), the same the margin
     chart draws.
     The streak is kept on the device; the host looks at it every ``check_every_n_steps`` optimizer
     steps, so a stop lands at most ``check_every_n_steps - 1`` steps after the streak completes. The decision is reduced across ranks
