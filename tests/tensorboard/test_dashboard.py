@@ -245,15 +245,15 @@ def test_progress_bar_shows_the_latest_norm_and_band(monitored) -> None:
 
 
 def assert_band_ratio(shown: float, acc: EventAccumulator, step: int, margin: float) -> None:
-    """The bar's ratio is the logged smoothed ‖G‖² over margin · tr(Σ)/B = margin · floor², and ≤ 1 exactly when
-    the stopper logged the step in its band."""
+    """The bar's ratio is the band's smoothed ‖G‖² (the slow EMA's, estimate.py rule 7) over margin · tr(Σ)/B =
+    margin · floor², the stopper's logged band ratio, and ≤ 1 exactly when the stopper logged the step in its band."""
     logged = {
         tag: {e.step: e.value for e in acc.Scalars(tag)}[step]
-        for tag in ("grad_noise/grad_sq_norm", "grad_norm/noise_floor", "grad_norm/in_noise_band")
+        for tag in ("grad_norm/band_ratio", "grad_norm/band_norm", "grad_norm/noise_floor", "grad_norm/in_noise_band")
     }
-    assert shown == pytest.approx(
-        logged["grad_noise/grad_sq_norm"] / (margin * logged["grad_norm/noise_floor"] ** 2), rel=1e-5
-    )
+    floor_sq = logged["grad_norm/noise_floor"] ** 2
+    assert shown == pytest.approx(logged["grad_norm/band_ratio"], rel=1e-5)
+    assert shown == pytest.approx((logged["grad_norm/band_norm"] ** 2 - floor_sq) / (margin * floor_sq), rel=1e-3)
     assert (shown <= 1) == bool(logged["grad_norm/in_noise_band"])
 
 
