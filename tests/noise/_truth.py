@@ -129,18 +129,18 @@ def truth_of(
 ) -> Truth:
     """The :class:`Truth` of per-example gradients ``rows`` ``(N, D)``; ``draws`` batches of ``batch_size`` drawn
     without replacement for the per-step estimates' spread (McCandlish et al. 2018, Eq. A.2 at b = 1, then rule 6)."""
-    n = len(rows)
-    mean = rows.double().mean(0)
-    sq = torch.cat([(chunk.double() - mean).square().sum(1) for chunk in rows.split(256)])
+    n = len(rows)  # sums in float64 of the float32 rows, without a float64 copy of them
+    mean = rows.sum(0, dtype=torch.float64) / n
+    sq = (rows - mean.float()).square().sum(1, dtype=torch.float64)
     grad_sq_norm, trace = float(mean.square().sum()), float(sq.mean())
     if draws <= 0:
         return Truth(step, grad_sq_norm, trace, batch_size, n)
-    norms = rows.double().square().sum(1)
+    norms = rows.square().sum(1, dtype=torch.float64)
     b = batch_size
     estimates = []
     for _ in range(draws):
         pick = torch.randperm(n, generator=generator)[:b]
-        batch_sq = float(rows[pick].double().mean(0).square().sum())
+        batch_sq = float((rows[pick].sum(0, dtype=torch.float64) / b).square().sum())
         m = float(norms[pick].mean())
         g_est, s_est = (b * batch_sq - m) / (b - 1), b * (m - batch_sq) / (b - 1)
         estimates.append((g_est + s_est / n, s_est * (n - 1) / n))

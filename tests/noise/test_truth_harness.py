@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from _truth import (
     CharGPT,
     Classifier,
+    Row,
     Truth,
     TruthCallback,
     char_windows,
@@ -67,7 +68,7 @@ def test_the_truth_is_the_definitions_and_the_draws_are_unbiased_as_rule_6_says(
     truth = truth_of(rows, 3, 8, draws=4000, generator=gen)
     g = rows.double()
     assert truth.grad_sq_norm == pytest.approx(float(g.mean(0).square().sum()), rel=1e-12)
-    assert truth.trace_cov == pytest.approx(float((g - g.mean(0)).square().sum(1).mean()), rel=1e-12)
+    assert truth.trace_cov == pytest.approx(float((g - g.mean(0)).square().sum(1).mean()), rel=1e-6)  # float32 rows
     assert truth.b_simple == pytest.approx(truth.trace_cov / truth.grad_sq_norm)
     assert (truth.step, truth.batch_size, truth.population) == (3, 8, 40)
     for mean, value, var in zip(
@@ -134,3 +135,40 @@ def test_the_harness_leaves_the_fit_as_it_was_and_meets_the_logged_steps():
     assert [row.truth.step for row in rows] == [s for s, _ in series["grad_noise/grad_sq_norm"]]
     got = shares(rows, skip=0.0)
     assert got["steps"] == 3 and 0 <= got["grad_sq_norm_covered"] <= 1 and got["grad_sq_norm_ratio"] > 0
+
+
+def test_shares_count_the_steps_after_the_first_tenth_as_logged():
+    """Hand-made rows: 10 logged steps, the first (step 0 < a tenth of 90) left out; B_simple's high end left out of
+    the log where infinite counts as unbounded; reachable from the truth's own error at the logged measurements."""
+
+    def row(step: int, b_simple_low: float, b_simple_high: float | None, reliable: bool, n: float) -> Row:
+        truth = Truth(step, 1.0, 10.0, 16, 100, var_grad=1.0, var_trace=4.0, cov=0.0)  # B_simple 10, band ratio 8
+        logged = {
+            "grad_sq_norm": 2.0,
+            "grad_sq_norm_low": 1.5,
+            "grad_sq_norm_high": 2.5,  # never covers 1
+            "trace_cov": 10.0,
+            "trace_cov_low": 9.0,
+            "trace_cov_high": 11.0,
+            "b_simple": 5.0,
+            "b_simple_low": b_simple_low,
+            "effective_measurements": n,
+            "b_simple_unreliable": 0.0 if reliable else 1.0,
+        }
+        if b_simple_high is not None:
+            logged["b_simple_high"] = b_simple_high
+        return Row(truth, logged, margin=0.2)
+
+    rows = [row(0, 20.0, 30.0, True, 1.0)]  # left out: it would cover nothing
+    rows += [row(10 * k, 4.0, 12.0, True, 400.0) for k in range(1, 6)]  # covered, reliable, reachable
+    rows += [row(10 * k, 11.0, None, False, 4.0) for k in range(6, 10)]  # unbounded above, not covering 10
+    got = shares(rows)
+    assert got["steps"] == 9
+    assert got["grad_sq_norm_covered"] == 0 and got["grad_sq_norm_ratio"] == 2.0
+    assert got["trace_cov_covered"] == 1 and got["trace_cov_ratio"] == 1.0
+    assert got["b_simple_covered"] == pytest.approx(5 / 9) and got["b_simple_ratio"] == 0.5
+    assert "band_ratio_covered" not in got  # no stopper logged it
+    assert got["b_simple_bounded"] == 1 and got["reliable"] == pytest.approx(5 / 9) and got["reliable_covered"] == 1
+    # rel_err at n = 400: sqrt((4/100 + 1/1) / 400) ≈ 0.05; at n = 4 ‖G‖² = 1 < 1.645·sqrt(1/4): unbounded.
+    assert got["reachable"] == pytest.approx(5 / 9)
+    assert rows[1].true("band_ratio") == pytest.approx(16 * 1.0 / (0.2 * 10.0))
