@@ -156,6 +156,26 @@ def test_no_cut_on_an_estimate_that_is_not_decisive():
     assert lonely.cuts == [] and lonely.lr_scale == 1.0 and lonely.stop_reason is StopReason.NOT_STOPPED
 
 
+def test_no_second_cut_on_a_young_estimate():
+    # At the minimum from the start: after the first cut the band's edge is 10× lower while the estimate's error
+    # (set by tr Σ/B) is not, and the restarted estimate is young. The stopper's rule completes again and again
+    # (a full streak on the point estimate) while the band ratio's 90 % interval reaches past the edge: no cut
+    # then; a later cut only where the whole interval is inside the band.
+    schedule = BandSchedule(factor=0.1, max_cuts=None, stop=False, min_steps=0, patience=5, check_every_n_steps=1)
+    logger = RecordingLogger()
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 400, logger=logger)
+    first, *later = schedule.cuts
+    assert all(c["ratio_high"] <= 1.0 for c in later)
+    high = dict(logger.series.get("grad_norm/band_ratio_high", []))  # left out where infinite
+    then = later[0]["step"] if later else 400
+    waited = [
+        step
+        for step, streak in logger.series["grad_norm/band_streak"]
+        if first["step"] < step < then and streak >= 5 and high.get(step, math.inf) > 1.0
+    ]
+    assert waited, "the stopper's rule never completed between the cuts: nothing was held back"
+
+
 def test_it_stops_after_the_last_cut_or_below_min_lr():
     schedule = BandSchedule(factor=0.9, max_cuts=2, min_steps=0, patience=1, check_every_n_steps=1, verbose=False)
     trainer = fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 400)

@@ -53,7 +53,11 @@ class BandSchedule(GradNormEarlyStopping):
 
     The band test is GradNormEarlyStopping's (``mode="noise_band"``): a decisive estimate, ‖G‖² ≤ margin·tr(Σ)/B
     for ``patience`` counted steps, read every ``check_every_n_steps`` steps and reduced over ranks
-    (``reduce_boolean_decision``), so every rank cuts at the same step. At a cut:
+    (``reduce_boolean_decision``), so every rank cuts at the same step. After a cut, the next act (cut, growth or
+    stop) needs more: on a check step with the streak complete, the band ratio's 90 % upper end ≤ 1 — the whole
+    interval inside the band, rank 0's estimate broadcast — else it waits, checking again every
+    ``check_every_n_steps`` steps: a young estimate whose interval spans the edge does not act
+    (:mod:`trainvitals.schedule.decision`). At a cut:
 
     - the lr scale s (in this callback's state) is multiplied by ``factor``: at each optimizer step every param
       group's lr is the lr a user's scheduler set × s, put back after the step so the scheduler keeps shaping it
@@ -240,15 +244,18 @@ class BandSchedule(GradNormEarlyStopping):
             return False
         if not trainer.strategy.reduce_boolean_decision(bool(self._done), all=False):
             return False
-        summary = self.gradient_noise.host_summary()  # one host read, at a band entry only
+        summary = self.gradient_noise.host_summary()  # one host read, on a check step in the band only
         growth = 1
         if self.grow_batch:
             b_simple = summary["b_simple"] if summary["reliable"] else None
             growth = batch_growth(self.factor, summary["batch_size"], b_simple, self.gradient_noise.population)
-            growth = int(trainer.strategy.broadcast(growth, src=0))  # one decision for all ranks
+        # After a cut an act waits for the band ratio's 90 % upper end inside the band (decision.py); rank 0's, with
+        # its growth: one decision for all ranks.
+        high = summary.get("band_ratio_high", math.nan) / self.margin
+        growth, high = trainer.strategy.broadcast((int(growth), float(high)), src=0)
         lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups if g["lr"] > 0]
         lr = self.lr_scale * float(min(lrs)) if lrs else 0.0
-        action = decide(True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop, growth)
+        action = decide(True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop, high, growth)
         if action is Action.STOP:
             return can_stop_now(trainer) and super()._check(trainer, step)
         if action is not Action.NONE:
