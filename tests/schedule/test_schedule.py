@@ -491,3 +491,36 @@ def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, caps
         assert rows["stop"].startswith("cut the lr 1 time(s)") and f"step {schedule.stopped_step}" in rows["stop"]
         assert any(s.startswith("in its noise band: BandSchedule stopped the run") for s in said)
     assert not any("GradNormEarlyStopping" in s for s in said) and "GradNormEarlyStopping" not in rows["stop"]
+
+
+def test_the_reports_stop_row_says_the_streaks_cut_without_the_end_of_fit_table(tmp_path, capsys):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals.report.command import main
+
+    # No dashboard: no end-of-fit table, so the stop row is read from the logged streaks and the cut record. The
+    # streaks that reached their patience cut the lr: the row says so, not that they fell short of it.
+    schedule = BandSchedule(factor=0.5, max_cuts=2, stop=False, min_steps=0, patience=5, check_every_n_steps=1)
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 200, logger=logger)
+    assert len(schedule.cuts) == 2
+    capsys.readouterr()
+    main([str(tmp_path), "--format", "json"])
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    stop = {row["label"]: row["value"] for row in run["sections"]["convergence"]}["stop"]
+    assert stop.startswith("not stopped") and "cut the lr 2 time(s)" in stop
+    assert all(str(c["step"]) in stop for c in schedule.cuts)
+    assert "short of its patience" not in stop
+
+
+def test_a_full_streak_held_back_after_a_cut_is_said_with_its_interval():
+    # Three cuts at 0.1, the edge 1000× lower: the streak completes, the interval reaches past the edge, no stop.
+    schedule = BandSchedule(factor=0.1, max_cuts=3, min_steps=0, patience=5, check_every_n_steps=1, verbose=False)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 200)
+    assert len(schedule.cuts) == 3 and schedule.stop_reason is StopReason.NOT_STOPPED
+    act, low, high = schedule._held_back
+    assert act.value == "stop" and not high <= 1.0
+    said = schedule.summary_line()
+    assert "cut the lr 3 time(s)" in said and f"{int(schedule._streak)} step(s)" in said and "stop" in said
+    assert (f"{high:.2g}" if math.isfinite(high) else "no upper end") in said
+    assert "it needs" not in said  # the stopper's "N of the P it needs": the streak did reach its patience

@@ -164,6 +164,10 @@ class BandSchedule(GradNormEarlyStopping):
         """Optimizer steps the user's schedulers warm up for (``None``: unknown or none), read at train start."""
         self.add_state("warmup_steps", None, persistent=False)
         self.add_state("_scaled_step", None, persistent=False)  # the optimizer step the scale was applied to
+        self._held_back: tuple[Action, float, float] | None
+        """At the last check: the act a full streak after a cut waits to make, and the band ratio's 90 % interval
+        that reaches past the edge (``None``: none waiting)."""
+        self.add_state("_held_back", None, persistent=False)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -255,7 +259,10 @@ class BandSchedule(GradNormEarlyStopping):
         growth, high = trainer.strategy.broadcast((int(growth), float(high)), src=0)
         lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups if g["lr"] > 0]
         lr = self.lr_scale * float(min(lrs)) if lrs else 0.0
-        action = decide(True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop, high, growth)
+        args = (True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop)
+        action, wanted = decide(*args, high, growth), decide(*args, 0.0, growth)
+        low = summary.get("band_ratio_low", math.nan) / self.margin
+        self._held_back = (wanted, low, high) if action is Action.NONE and wanted is not Action.NONE else None
         if action is Action.STOP:
             return can_stop_now(trainer) and super()._check(trainer, step)
         if action is not Action.NONE:
@@ -327,6 +334,18 @@ class BandSchedule(GradNormEarlyStopping):
     def summary_line(self) -> str:
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
+        if bool(self._done) and self._held_back is not None:  # a full streak after a cut, its interval too wide
+            act, low, high = self._held_back
+            said = {Action.CUT: "next cut", Action.GROW: "next batch growth", Action.STOP: "stop"}[act]
+            interval = (
+                f"{max(low, 0.0):.2g}–{high:.2g}" if math.isfinite(high) else f"≥ {max(low, 0.0):.2g}, no upper end"
+            )
+            return (
+                f"{self._cuts_said()}; did not stop the run: in its noise band at the end for {int(self._streak)} "
+                f"step(s) in a row (its patience is {self.patience}), but after a cut it acts only once the band "
+                f"ratio's 90 % interval is inside the band, and at its last check that interval was {interval}× the "
+                f"edge {self.margin:g}·tr(Σ)/B: its {said} waited for it."
+            )
         if bool(self._done) and not self.stop:  # the band entered again with nothing left to do
             left = (
                 f"its {self.max_cuts} cut(s) made"
