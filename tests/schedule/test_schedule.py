@@ -293,26 +293,55 @@ def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     assert model.lrs == pytest.approx([eta * 0.1] * 50)
 
 
-def test_a_resumed_run_keeps_its_grown_batch(tmp_path):
+class _MicroBatchesPerStep(pl.Callback):
+    """The micro-batches each optimizer step took, counted at their start."""
+
+    def __init__(self):
+        self.seen, self.per_step = 0, []
+
+    def on_train_batch_start(self, *_):
+        self.seen += 1
+
+    def on_before_optimizer_step(self, *_):
+        self.per_step.append(self.seen)
+        self.seen = 0
+
+
+@pytest.mark.parametrize("where", ["mid-epoch", "epoch end"])
+def test_a_resumed_run_takes_its_grown_batch_from_its_first_step(tmp_path, where):
     def schedule():
-        return BandSchedule(factor=0.5, max_cuts=1, stop=False, grow_batch=True, min_steps=0, patience=1,
+        return BandSchedule(factor=0.1, max_cuts=1, stop=False, grow_batch=True, min_steps=0, patience=1,
                             check_every_n_steps=1, verbose=False)  # fmt: skip
 
+    # 51 steps of 4 micro-batches an epoch (204); a growth × 10 to 40 micro-batches a step, at a boundary both
+    # divide (step 19's 80 batches). Saved mid-epoch (step 22: 160 batches) or at the epoch's end (its 204th).
+    grown = 10 * ACCUMULATE
+    length = {"max_steps": 22} if where == "mid-epoch" else {"max_epochs": 1}
     first = schedule()
-    trainer = Trainer(
-        **trainer_kwargs(
-            max_steps=60,
-            accumulate_grad_batches=ACCUMULATE,
-            callbacks=[first, ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)],
-            enable_checkpointing=True,
-        )
-    )
-    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200))
-    assert first.accumulate == 2 * ACCUMULATE and trainer.accumulate_grad_batches == 2 * ACCUMULATE
-    resumed = schedule()
-    trainer = Trainer(**trainer_kwargs(max_steps=70, accumulate_grad_batches=ACCUMULATE, callbacks=[resumed]))
-    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200), ckpt_path=str(tmp_path / "last.ckpt"))
-    assert resumed.cuts == first.cuts and trainer.accumulate_grad_batches == 2 * ACCUMULATE
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    trainer = Trainer(**trainer_kwargs(**length, accumulate_grad_batches=ACCUMULATE, callbacks=[first, checkpoint],
+                                       enable_checkpointing=True))  # fmt: skip
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(51))
+    assert first.accumulate == trainer.accumulate_grad_batches == grown
+    # A requeued job with no step left keeps the grown accumulation in its state, at the Trainer's own meanwhile.
+    again, counted = schedule(), _MicroBatchesPerStep()
+    trainer = Trainer(**trainer_kwargs(**length, accumulate_grad_batches=ACCUMULATE, callbacks=[again, counted]))
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(51), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert counted.per_step == [] and again.accumulate == grown
+    trainer.save_checkpoint(tmp_path / "requeued.ckpt")
+    # Resumed with steps left: every step takes the grown batch from the first (but an epoch's ragged last one).
+    resumed, counted = schedule(), _MicroBatchesPerStep()
+    more = {"max_steps": 25} if where == "mid-epoch" else {"max_epochs": 2}
+    trainer = Trainer(**trainer_kwargs(**more, accumulate_grad_batches=ACCUMULATE, callbacks=[resumed, counted]))
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(51), ckpt_path=str(tmp_path / "requeued.ckpt"))
+    assert resumed.cuts == first.cuts
+    # Windows of 40 from where the checkpoint left the epoch (160 of its 204 batches, or 0), each epoch's last one
+    # ragged (Lightning steps on an epoch's last batch); the old accumulation would take 4 a step until aligned.
+    epoch, done, expected = 51 * ACCUMULATE, (160 if where == "mid-epoch" else 0), []
+    while len(expected) < len(counted.per_step):
+        expected.append(min(grown, epoch - done))
+        done = (done + expected[-1]) % epoch
+    assert counted.per_step == expected and len(expected) >= 3 and expected[0] == grown
 
 
 class _RecordPerRank(pl.Callback):

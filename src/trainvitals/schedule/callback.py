@@ -72,8 +72,8 @@ class BandSchedule(GradNormEarlyStopping):
     batch stays within B_simple — the run's one estimate, which LRScalingAdvisor reads too — when that is reliable
     (beyond it each unit of progress costs more examples: E/E_min = 1 + B/B_noise) and within half an epoch; a
     growth below 2 cuts the lr instead. The new accumulation takes effect at the first step boundary where the
-    epoch's batch count is a multiple of it (no ragged window; at most k − 1 steps later), decided on rank 0 and
-    broadcast; the band's edge is not scaled for a growth (:mod:`trainvitals.schedule.decision`).
+    epoch's batch count is a multiple of it (no ragged window; at most k − 1 steps later; a resumed run's from its
+    first step), decided on rank 0 and broadcast; the band's edge is not scaled for a growth (:mod:`trainvitals.schedule.decision`).
 
     The band entered after ``max_cuts`` cuts, or where a cut would take the smallest lr below ``min_lr``, stops the
     run (as the stopper would); with ``stop=False`` the run trains on at its last lr. No step counts toward the
@@ -202,6 +202,7 @@ class BandSchedule(GradNormEarlyStopping):
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, *_: Any
     ) -> None:
+        self._set_accumulation(trainer)  # before the stopper picks its source: it reads the accumulation
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self.lr_scale != 1.0 and self._scaled_step != trainer.global_step:  # a step's first micro-batch
             self._scaled_step = trainer.global_step
@@ -217,17 +218,11 @@ class BandSchedule(GradNormEarlyStopping):
             factors.before_step(optimizer, grad_scaler(trainer))
 
     @override
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._set_accumulation(trainer)  # a resumed run's, or one decided in the last epoch's last steps
-
-    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
         stepped = self._pending is not None
         if stepped:  # a step's last micro-batch; one that ran no optimizer step has its lrs put back here
             self._put_back()
         super().on_train_batch_end(trainer, pl_module, *args)
-        if stepped:
-            self._set_accumulation(trainer)
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -404,11 +399,15 @@ class BandSchedule(GradNormEarlyStopping):
         return longest
 
     def _set_accumulation(self, trainer: "pl.Trainer") -> None:
-        """The growths' ``accumulate_grad_batches``, from a step boundary that the epoch's batch count is a
-        multiple of: Lightning steps where that count divides by it, so no window is cut short."""
+        """The growths' ``accumulate_grad_batches``, from the first micro-batch that opens a window under the old
+        count and the new one (the epoch's batches before it a multiple of each): Lightning steps where the epoch's
+        batch count divides by the accumulation, so no window is cut short. Read at every micro-batch's start, so a
+        resumed run's applies from its first step (a new epoch's count starts at 0; a mid-epoch checkpoint's
+        stands at a step boundary of the accumulation it was saved under)."""
         if self.accumulate is None or trainer.accumulate_grad_batches == self.accumulate:
             return
-        if trainer.fit_loop.epoch_loop.batch_progress.current.ready % self.accumulate == 0:
+        before = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # this micro-batch is counted already
+        if before % self.accumulate == 0 and before % trainer.accumulate_grad_batches == 0:
             trainer.accumulate_grad_batches = self.accumulate
 
     def _put_back(self, close: bool = False) -> None:
