@@ -81,8 +81,10 @@ class BandSchedule(GradNormEarlyStopping):
     OneCycleLR, SequentialLR, ChainedScheduler and a LambdaLR such as transformers'
     ``get_linear_schedule_with_warmup``: :mod:`trainvitals.schedule.warmup`; another scheduler: ``min_steps``).
 
-    Logged, besides the stopper's tags: ``schedule/lr_scale`` (s) and ``schedule/cuts`` (the number of cuts) at the
-    logging cadence and at each cut (with ``grow_batch`` also ``schedule/accumulate_grad_batches``); the text panel
+    Logged, besides the stopper's tags: ``schedule/lr_scale`` (the s the logged optimizer step took: a cut's s
+    applies from the next step) and ``schedule/cuts`` (the number of cuts by that step's end) at the logging cadence,
+    at each cut and at the first step at a cut's scale (with ``grow_batch`` also ``schedule/accumulate_grad_batches``,
+    the accumulation the step took, logged too at the first step it takes effect); the text panel
     ``schedule/cut_record``, a line per cut: the step, the band ratio ‖G‖²/(margin·s·tr Σ/B) of the full estimate at
     that step and its 90 % interval from ‖G‖²'s error (the streak may have completed up to
     ``check_every_n_steps − 1`` steps before, so the ratio can exceed 1), the new scale or batch.
@@ -164,6 +166,13 @@ class BandSchedule(GradNormEarlyStopping):
         """Optimizer steps the user's schedulers warm up for (``None``: unknown or none), read at train start."""
         self.add_state("warmup_steps", None, persistent=False)
         self.add_state("_scaled_step", None, persistent=False)  # the optimizer step the scale was applied to
+        self._step_scale: float
+        """The lr scale the current optimizer step takes (a cut applies from the next): what ``schedule/lr_scale``
+        logs."""
+        self.add_state("_step_scale", 1.0, persistent=False)
+        self._announce_at: int | None
+        """The optimizer step that is the first at a new lr scale or accumulation: logged then, on any step."""
+        self.add_state("_announce_at", None, persistent=False)
         self._held_back: tuple[Action, float, float] | None
         """At the last check: the act a full streak after a cut waits to make, and the band ratio's 90 % interval
         that reaches past the edge (``None``: none waiting)."""
@@ -191,6 +200,7 @@ class BandSchedule(GradNormEarlyStopping):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_fit_start(trainer, pl_module)
         self.margin = scaled_margin(self.base_margin, self.lr_scale)  # a resumed run's scale came with its state
+        self._step_scale = self.lr_scale
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -204,9 +214,10 @@ class BandSchedule(GradNormEarlyStopping):
     ) -> None:
         self._set_accumulation(trainer)  # before the stopper picks its source: it reads the accumulation
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self.lr_scale != 1.0 and self._scaled_step != trainer.global_step:  # a step's first micro-batch
-            self._scaled_step = trainer.global_step
-            self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "schedule", self.lr_scale)
+        if self._scaled_step != trainer.global_step:  # a step's first micro-batch: the scale it steps at
+            self._scaled_step, self._step_scale = trainer.global_step, self.lr_scale
+            if self.lr_scale != 1.0:
+                self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "schedule", self.lr_scale)
 
     @override
     def on_before_optimizer_step(
@@ -219,10 +230,13 @@ class BandSchedule(GradNormEarlyStopping):
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
-        stepped = self._pending is not None
-        if stepped:  # a step's last micro-batch; one that ran no optimizer step has its lrs put back here
+        step = self._pending[0] if self._pending is not None else None
+        if step is not None:  # a step's last micro-batch; one that ran no optimizer step has its lrs put back here
             self._put_back()
         super().on_train_batch_end(trainer, pl_module, *args)
+        if step is not None and step == self._announce_at:  # the first step at a cut's scale, unless _log logged it
+            self._announce_at = None
+            log_scalars(trainer, self._scalars(trainer), step)
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -278,13 +292,14 @@ class BandSchedule(GradNormEarlyStopping):
         else:
             self.lr_scale *= self.factor
             self.margin = scaled_margin(self.base_margin, self.lr_scale)
+            self._announce_at = step + 1
             cut = Cut(step, ratio, low, high, self.lr_scale)
         self.cuts.append(asdict(cut))
         self._streak = torch.zeros_like(self._streak)
         self._done = torch.zeros_like(self._done)
         for source in self.gradient_noise.sources.values():
             source.restart()
-        log_scalars(trainer, self._scalars(), step)
+        log_scalars(trainer, self._scalars(trainer), step)  # the cut counted; this step's scale and batch
         log_text(trainer, CUT_RECORD, self.cut_record(), step)
         if self.verbose:
             self.info(f"{'grew the batch' if cut.batch is not None else 'cut the lr'} at {cut.line()}.")
@@ -293,12 +308,16 @@ class BandSchedule(GradNormEarlyStopping):
     @override
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: torch.Tensor, final: bool = False) -> None:
         super()._log(trainer, step, in_condition, final)
-        log_scalars(trainer, self._scalars(), step)
+        log_scalars(trainer, self._scalars(trainer), step)
+        if step == self._announce_at:
+            self._announce_at = None
 
-    def _scalars(self) -> dict[str, float]:
-        scalars = {LR_SCALE: self.lr_scale, CUTS: float(len(self.cuts))}
+    def _scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
+        """What the optimizer step being logged took: its lr scale and (after a growth) its accumulation; the cuts
+        made by its end."""
+        scalars = {LR_SCALE: self._step_scale, CUTS: float(len(self.cuts))}
         if self.accumulate is not None:
-            scalars[ACCUMULATE] = float(self.accumulate)
+            scalars[ACCUMULATE] = float(trainer.accumulate_grad_batches)
         return scalars
 
     def cut_record(self) -> str:
@@ -409,6 +428,7 @@ class BandSchedule(GradNormEarlyStopping):
         before = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # this micro-batch is counted already
         if before % self.accumulate == 0 and before % trainer.accumulate_grad_batches == 0:
             trainer.accumulate_grad_batches = self.accumulate
+            self._announce_at = trainer.global_step
 
     def _put_back(self, close: bool = False) -> None:
         factors = self.vitals.shared(LR_FACTORS)
