@@ -26,7 +26,7 @@ band" (the lower end > 1). That test covers the young estimate (a Student-t inte
 (no upper end) alike; a minimum count of measurements since the cut would not (those second cuts came 100–200
 steps after the first). The first cut stays on the stopper's rule, at the stopper's edge: the point estimate
 with patience that its benchmark chose (docs/benchmarks.md). Requiring the interval there too delayed the first
-cut on the diabetes MLP from steps 139–179 to 269–299 and lost 0.7–4.2 points of 100·R² on all four runs.
+cut on the diabetes MLP from steps 139–179 to 269–299 and lost 0.5–3.7 points of 100·R² on all four runs.
 """
 
 from __future__ import annotations
