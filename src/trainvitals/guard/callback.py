@@ -48,9 +48,9 @@ from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
+from trainvitals.tags import GUARD_EVENT_LOG, SKIP_BATCHES_FILE
 from trainvitals.text.markdown import markdown_table
 
-SKIP_BATCHES_FILE = "skip_batches.json"
 _PANEL_ROWS = 20  # events shown in the text panel, newest last
 
 _DOING = {
@@ -87,11 +87,11 @@ class TrainingGuard(TrainvitalsCallback):
 
     - ``guard/skipped_steps``, ``guard/rollbacks``, ``guard/events``: counts since the run began;
     - ``guard/lr_factor``: at each step the factor applies to, and 1 at the first step after;
-    - ``guard/event_log`` (text panel): the latest events as a table;
+    - ``guard/event_log`` (text panel): the summary line (:meth:`summary_line`), then the latest events as a table;
     - ``skip_batches.json`` in the logger's folder: every event as ``{global_step, epoch, batch_idx,
-      batches, loss, grad_norm, kind, action, detail}`` (non-finite numbers as strings), for a user to skip
-      them: ``batches`` are the step's micro-batches, ``batch_idx`` the one whose loss was non-finite (else
-      the step's last).
+      batches, loss, grad_norm, kind, action, detail, producer}`` (non-finite numbers as strings), for a user to
+      skip them: ``batches`` are the step's micro-batches, ``batch_idx`` the one whose loss was non-finite (else
+      the step's last), ``producer`` the module that made the first inf/NaN when this event's search named it.
 
     Args:
         on_nonfinite: action for an inf/NaN loss or gradient: one of ``"warn"``, ``"skip"``, ``"rollback"``, ``"stop"``.
@@ -268,6 +268,7 @@ class TrainingGuard(TrainvitalsCallback):
         self.stop_reason = f"{reason}; checkpoint: {path}"
         trainer.should_stop = True
         self.warn(f"stopping the fit: {self.stop_reason}")
+        log_text(trainer, GUARD_EVENT_LOG, self.summary_markdown(), step)  # the panel's summary says the stop
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -406,6 +407,7 @@ class TrainingGuard(TrainvitalsCallback):
             "kind": kind,
             "action": action,
             "detail": seen + found,
+            "producer": producer.describe() if producer else None,
         }
         self.events.append(event)
         budget = f" ({self.budget.events} skips/rollbacks in {self.budget.window} steps spent: escalated)"
@@ -509,7 +511,7 @@ class TrainingGuard(TrainvitalsCallback):
     def _record(self, trainer: "pl.Trainer", step: int) -> None:
         """The counters to the loggers, the events to the text panel and to ``skip_batches.json`` (rank zero)."""
         log_scalars(trainer, self._counters(), step)
-        log_text(trainer, "guard/event_log", "\n".join(self._event_table()), step)
+        log_text(trainer, GUARD_EVENT_LOG, self.summary_markdown(), step)
         if trainer.is_global_zero and self._folder:
             try:
                 os.makedirs(self._folder, exist_ok=True)
