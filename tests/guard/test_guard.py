@@ -187,6 +187,38 @@ def test_the_lr_factor_shows_in_param_groups_and_the_lr_scheduler_keeps_shaping_
     assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.9**12, rel=1e-12)
 
 
+def test_a_step_the_grad_scaler_skips_during_the_lr_factor_leaves_the_scheduler_its_own_lr():
+    """The GradScaler skips step 8 (an inf gradient, a finite loss: no event) inside the lr factor's steps: the
+    scheduler steps from its own lr all the same (LRFactors.before_step, as under BandSchedule), and the factor
+    applies to the two steps the optimizer took after the rollback."""
+
+    class Scheduled(Net):
+        def __init__(self) -> None:
+            super().__init__(spike_at={7}, inf_grad_at={8})
+            self.in_step: dict[int, float] = {}
+
+        def configure_optimizers(self):
+            optimizer = super().configure_optimizers()
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            self.in_step[self.global_step] = optimizer.param_groups[0]["lr"]
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+    model, recording = Scheduled(), RecordingLogger()
+    guard = TrainingGuard(
+        on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, lr_factor=0.5, lr_factor_steps=2
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # the spike's gradient stays finite in float16
+    _fit(model, guard, logger=recording, log_every_n_steps=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    assert [(e["global_step"], e["action"]) for e in guard.events] == [(7, "rollback")] and scaler.get_scale() == 0.5
+    factor = {8: 0.5, 9: 0.5, 10: 0.5}  # 8 skipped by the scaler, 9 and 10 taken
+    assert [model.in_step[s] for s in range(12)] == pytest.approx([LR * 0.9**s * factor.get(s, 1.0) for s in range(12)])
+    assert recording.series["guard/lr_factor"] == [(8, 0.5), (9, 0.5), (10, 0.5), (11, 1.0)]
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.9**12, rel=1e-12)
+
+
 def test_under_accumulation_an_event_reports_the_steps_mean_loss_and_its_gradient_norm():
     class NormsBefore(pl.Callback):  # runs before the guard: the gradient it judged
         def __init__(self) -> None:

@@ -238,10 +238,11 @@ class TrainingGuard(TrainvitalsCallback):
             row = trainer.strategy.reduce(row, reduce_op="sum")
         reading = unpack(row.tolist())  # the step's one host read: a skip must be known before the step
         kind, seen = classify(reading, self.loss_spikes, self.norm_spikes)
-        if kind == NONFINITE and self._amp:
-            self._put_back_lr()  # the GradScaler skips the step: no post-step hook puts them back
-            if math.isfinite(reading.loss):
-                return  # the GradScaler skips this step and lowers its scale: calibration
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:  # a step the GradScaler skips runs no post-hook: the scheduler's lrs back now
+            factors.before_step(optimizer, grad_scaler(trainer))
+        if kind == NONFINITE and self._amp and math.isfinite(reading.loss):
+            return  # the GradScaler skips this step and lowers its scale: calibration
         if kind is None:
             self._take_snapshot(trainer, pl_module, step)
             self._spend_lr_step()
