@@ -693,3 +693,49 @@ def test_the_buffer_copy_restores_in_place_and_refuses_a_changed_layout():
         copy.restore(lazy)
     copy.take(lazy)
     assert copy.nbytes == 4 * 4 + 4 * 4 + 8
+
+
+def test_the_buffer_copy_keeps_its_list_until_the_modules_buffers_change():
+    """One walk while nothing changes; a new one after a ``.to()``, a swapped submodule, a new buffer, a lazy
+    module's first forward; and what is copied is always the module's current buffers."""
+    registered = len(nn.modules.module._global_buffer_registration_hooks)
+    module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    copy = BufferCopy()
+
+    def round_trip() -> None:  # take, pollute, restore: the state_dict comes back bit for bit
+        copy.take(module)
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        for b in module.buffers():
+            b.add_(1)
+        copy.restore(module)
+        assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+    for _ in range(3):
+        round_trip()
+    assert copy.walks == 1 and len(nn.modules.module._global_buffer_registration_hooks) == registered + 1
+    module.to(torch.float64)  # every buffer replaced by a new tensor
+    round_trip()
+    assert copy.walks == 2 and copy._copies[0].dtype == torch.float64
+    module[2] = nn.BatchNorm1d(4, dtype=torch.float64)  # the same layout, other tensors
+    round_trip()
+    assert copy.walks == 3 and any(b is module[2].running_mean for b in copy._held.buffers)
+    module[1].register_buffer("extra", torch.zeros(2, dtype=torch.float64))
+    round_trip()
+    assert copy.walks == 4 and copy.nbytes == 2 * (2 * 4 * 8 + 8) + 2 * 8
+    round_trip()
+    assert copy.walks == 4
+    lazy = nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d())
+    copy.take(lazy)
+    lazy(torch.randn(3, 5))  # materialized in place: the same tensors, now with a shape
+    copy.take(lazy)
+    assert copy.walks == 6 and copy.nbytes == 4 * 4 + 4 * 4 + 8
+    copy.close()
+    assert len(nn.modules.module._global_buffer_registration_hooks) == registered
+
+
+def test_a_fit_walks_the_module_for_its_buffers_once_and_leaves_no_hook():
+    registered = len(nn.modules.module._global_module_registration_hooks)
+    model, guard = BatchNormNet(nan_at={4}), TrainingGuard(on_nonfinite="skip")
+    _fit(model, guard, max_steps=8)
+    assert [e["action"] for e in guard.events] == ["skip"] and guard._buffers.walks == 1
+    assert len(nn.modules.module._global_module_registration_hooks) == registered

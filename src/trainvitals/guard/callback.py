@@ -487,6 +487,7 @@ class TrainingGuard(TrainvitalsCallback):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._buffers.close()
         factors = self.vitals.shared(LR_FACTORS)
         if factors is not None:
             factors.close()
