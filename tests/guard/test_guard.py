@@ -386,7 +386,7 @@ def test_the_monitor_says_why_it_cannot_name_a_producer_read_back_after_its_upda
 
 def test_the_monitor_leaves_the_search_to_a_guard_unless_it_does_not_search():
     monitor, guard = GradNormMonitor(log_every_n_steps=1), TrainingGuard(on_nonfinite="warn")
-    _, said = _monitor_fit(monitor, callbacks=[guard])
+    _, said = _monitor_fit(monitor, callbacks=[guard], log_every_n_steps=1)  # an all-warn guard reads at the Trainer's
     assert not monitor.search.searched and guard.producer.module == "net.2"
     assert "as TrainingGuard's re-run" in said[0]
     monitor, guard = GradNormMonitor(log_every_n_steps=1), TrainingGuard(on_nonfinite="warn", name_producer=False)
@@ -423,7 +423,7 @@ def test_the_optimizer_step_is_named_when_it_made_the_parameters_nonfinite():
             return HalfEpsSGD(self.parameters(), at=4)
 
     model, guard = Model(), TrainingGuard(on_nonfinite="warn")
-    _, said = _fit(model, guard, max_steps=7)
+    _, said = _fit(model, guard, max_steps=7, log_every_n_steps=1)  # all-warn: read at every logging step
     assert guard.events[0]["global_step"] == 5 and guard.producer.where == "optimizer"
     assert "the optimizer step itself" in said[0] and "`net.0.weight`" in said[0]
     # GradNormMonitor alone says the same, and re-runs nothing (the weights were the non-finite thing).
@@ -446,6 +446,28 @@ def test_the_guard_reads_the_shared_norm_and_reads_the_host_once_a_clean_step(mo
     assert sorted(host.reads) == [(s, "tolist") for s in range(6)]
     total = monitor.last_total[0].item()
     assert guard.norm_spikes.count == 6 and math.isfinite(total)
+
+
+def test_with_every_action_warn_the_guard_reads_the_host_at_logging_steps_only(monkeypatch):
+    """No action needs the step's numbers before its update: they wait on the device and are read at the Trainer's
+    logging steps (0, 4, 8) and at the end, one transfer each; the events keep their own steps, and the producer is
+    named when the first non-finite step is a logging step (read before its update)."""
+    guard = TrainingGuard(on_nonfinite="warn", on_spike="warn", spike_warmup_steps=3)
+    host = HostReads(monkeypatch)
+    host.watch(guard, ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_end"))
+    _, said = _fit(Net(spike_at={6}, nan_at={8}), guard, max_steps=12, log_every_n_steps=4)
+    kinds = {kind: [e["global_step"] for e in guard.events if e["kind"] == kind] for kind in ("spike", "nonfinite")}
+    assert {e["action"] for e in guard.events} == {"warn"} and len(said) == len(guard.events)
+    assert kinds["spike"][0] == 6 and max(kinds["spike"]) < 8  # the applied spike may make the next step one too
+    assert kinds["nonfinite"] == [8, 9, 10, 11]  # the NaN step is applied: the weights are NaN after it
+    reads = [step for step, _ in host.reads]
+    assert reads[:3] == [0, 4, 8] and set(reads[3:]) == {12}  # at the end: the steps' rows, then each NaN's losses
+    assert guard.producer is not None and guard.producer.where == "loss" and "made by" in guard.events[-4]["detail"]
+    # A first non-finite step between logging steps is read after its update: said, not searched.
+    guard = TrainingGuard(on_nonfinite="warn")
+    _fit(Net(nan_at={5}), guard, max_steps=8, log_every_n_steps=4)
+    assert guard.producer is None and guard.search.searched and guard.events[0]["global_step"] == 5
+    assert "too late to re-run its batch" in guard.events[0]["detail"]
 
 
 def test_resume_after_a_rollback_continues_counters_and_budget(tmp_path):
