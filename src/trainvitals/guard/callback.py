@@ -23,8 +23,8 @@ device at each backward, the spike rule in Python floats, a snapshot every ``sna
 an action can lead to a rollback: ``"skip"`` or ``"rollback"``), and at each step's first micro-batch a
 device-side copy of the module's persistent buffers (BatchNorm's running statistics: what a skipped step's
 forward changed), one ``torch._foreach_copy_`` into tensors kept from the first step, over a list of buffers
-kept too (the buffers' size in memory; none when both actions are ``"warn"``). The producer search (one extra forward
-and backward of the bad batch, hooks removed after) runs once, on the first non-finite step
+kept too (the buffers' size in memory; none when both actions are ``"warn"``). The producer search (one extra
+forward and backward of the bad batch, hooks removed after) runs once, on the first non-finite step
 (:class:`~trainvitals.norms.nonfinite.ProducerSearch`, which GradNormMonitor runs without a guard).
 """
 
@@ -245,7 +245,8 @@ class TrainingGuard(TrainvitalsCallback):
         params = self._params_of(optimizer)
         sq_norm = self.vitals.grad_norms.sq_norm(trainer, optimizer, params)
         losses = [held for _, held in self._step.get("losses", [])]
-        loss = torch.stack(losses).sum() if losses else None  # the micro-batches' sum, as Lightning normalises
+        # The micro-batches' sum, as Lightning normalises them (one micro-batch: its own loss, no device op).
+        loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) if losses else None
         device = next((t.device for t in (sq_norm, loss) if t is not None), pl_module.device)
         row = pack(loss, sq_norm, trainer.global_rank, trainer.world_size, device)
         if trainer.world_size > 1:
@@ -255,7 +256,7 @@ class TrainingGuard(TrainvitalsCallback):
             factors.before_step(optimizer, grad_scaler(trainer))
         held = (step, trainer.current_epoch, list(self._step.get("batches", [])), self._step.get("losses", []), row)
         if self._skips:  # the step's one host read: a skip must be known before the step
-            self._decide(trainer, pl_module, optimizer, params, held, unpack(row.tolist()), late=False)
+            self._decide(trainer, pl_module, optimizer, params, held, unpack(row.tolist(), bool(held[3])), False)
             return
         # Every action "warn": the rows wait on the device for a logging step, read then in one transfer.
         self._waiting.append(held)
@@ -278,7 +279,7 @@ class TrainingGuard(TrainvitalsCallback):
         values = torch.stack([held[-1] for held in waiting]).tolist()
         for held, row in zip(waiting, values):
             late = optimizer is None or held[0] != trainer.global_step
-            self._decide(trainer, pl_module, optimizer, params, held, unpack(row), late)
+            self._decide(trainer, pl_module, optimizer, params, held, unpack(row, bool(held[3])), late)
 
     def _decide(
         self,

@@ -142,13 +142,16 @@ class BufferCopy:
         """Copy ``module``'s persistent buffers now (before the step's first forward)."""
         kept = self._held
         buffers = self._buffers_of(module)
+        self.taken = True
+        if not buffers:  # nothing a forward changes (an MLP): no copy, no grad-mode switch
+            self._copies = []
+            return
         with torch.no_grad():
             # The copies were made from this very list: the layout is theirs (a restore checks it again).
             if self._held is not kept and not _same_layout(self._copies, buffers):
                 self._copies = [b.detach().clone() for b in buffers]
-            elif buffers:
+            else:
                 torch._foreach_copy_(self._copies, buffers)
-        self.taken = True
 
     def close(self) -> None:
         """Forget the kept list of buffers and stop watching registrations (at the end of a fit); the copies stay."""
