@@ -122,7 +122,8 @@ class BufferCopy:
     The list of buffers is found by a walk of the module at the first :meth:`take` and kept: a later one checks
     that each is still its module's (a ``.to()`` or an assignment replaces it) and that no buffer or submodule
     was registered into one of its modules since (torch's global registration hooks, installed from the first
-    :meth:`take` to :meth:`close`), else walks again — a few µs a step instead of a walk (0.8 ms on a ResNet-50's modules).
+    :meth:`take` to :meth:`close`), else walks again: on a CPU 0.09–0.12 ms a step for a ResNet-50's 53 BatchNorm
+    layers, against 0.40–0.52 ms with the walk (``benchmarks/bench_training_guard.py``).
     """
 
     def __init__(self) -> None:
