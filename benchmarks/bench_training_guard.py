@@ -32,7 +32,6 @@ gradient once, while the step's work grows with the batch, so its share is that 
 from __future__ import annotations
 
 import argparse
-import gc
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,6 +46,7 @@ from _common import (
     WideMLP,
     add_timing_arguments,
     apply_timing_arguments,
+    fit_once,
     interleaved,
     machine_line,
     markdown_table,
@@ -59,7 +59,6 @@ from _common import (
     write_json,
 )
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -182,22 +181,7 @@ def timed_fit(
     guards = [cb for cb in extra if isinstance(cb, TrainingGuard)]
     hook_seconds = [time_hook(guards[0], hook) for hook in GUARD_HOOKS] if guards else []
     with tempfile.TemporaryDirectory() as logdir:
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=args.warmup + args.steps["mlp"] + 1,
-            logger=TensorBoardLogger(logdir, name=variant, default_hp_metric=False),
-            callbacks=[timer, *extra],
-            log_every_n_steps=1,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        model, data = make_model(), make_data()
-        gc.collect()
-        trainer.fit(model, train_dataloaders=data)
+        fit_once(make_model(), make_data(), [timer, *extra], args.warmup + args.steps["mlp"] + 1, logdir, name=variant)
     return {
         "wall_median_s": median(timer.seconds),
         "cpu_median_s": median(timer.cpu_seconds),
