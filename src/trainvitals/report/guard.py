@@ -39,7 +39,7 @@ def guard_section(run: Run, report: RunReport) -> None:
     if not total:
         report.sections[GUARD] = [Row("events", 0.0)]
         return
-    summary = (text or "").splitlines()[0] if text else ""
+    summary = text.splitlines()[0] if text else ""
     producer = next((e["producer"] for e in events if e.get("producer")), None) or _after(summary, _MADE_BY)
     stop = next((e for e in events if e["action"] == "stop"), None)
     stopped = _after(summary, _STOPPED, until=_MADE_BY)
