@@ -1,7 +1,8 @@
 """The verdicts of ``trainvitals report``: a run's sections, findings and exit status, from what it logged.
 
 Each run that holds trainvitals metrics gets five sections — convergence, noise scale and batch size
-(:mod:`.convergence`), integrity, memory, spikes and non-finite steps — and a list of findings (a damaged
+(:mod:`.convergence`), integrity, memory, spikes and non-finite steps — and those of the callbacks it ran
+(:mod:`.schedule`, :mod:`.guard`, :mod:`.updates`), and a list of findings (a damaged
 event file is one of them). Never a verdict on what was not measured: a section without a valid estimate
 says so, and why. The report's record types are in :mod:`.report_model`.
 """
@@ -15,6 +16,7 @@ from trainvitals.integrity.findings import INTEGRITY, NOTHING_CHECKED, warning_c
 from trainvitals.memory import MEMORY_CATEGORIES, format_bytes
 from trainvitals.report.convergence import convergence_section, noise_scale_section, stopper_stop, uncounted_since
 from trainvitals.report.events import Run
+from trainvitals.report.guard import guard_section
 from trainvitals.report.model import (
     CRASHED,
     CRITICAL_COUNTERS,
@@ -109,6 +111,7 @@ def assess(run: Run) -> RunReport:
             _integrity,
             _memory,
             _spikes,
+            guard_section,
             update_section,
             activation_section,
         )
