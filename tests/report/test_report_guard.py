@@ -14,8 +14,10 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from test_report import report, report_json, rows
 
 from trainvitals.guard.callback import TrainingGuard
+from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.report.command import EXIT_CRITICAL, EXIT_OK, main
 from trainvitals.report.guard import GUARD
+from trainvitals.report.model import SPIKES
 from trainvitals.tags import SKIP_BATCHES_FILE
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -127,3 +129,27 @@ def test_the_html_report_plots_the_guards_actions(tmp_path: Path, capsys) -> Non
     html = page.read_text()
     assert "TrainingGuard&#x27;s actions" in html and "<h3>training guard</h3>" in html
     assert "event at optimizer step 9" in html
+
+
+@pytest.mark.parametrize(("action", "expected"), [("skip", EXIT_OK), ("warn", EXIT_CRITICAL)])
+def test_the_monitors_nonfinite_steps_are_a_warning_when_the_guard_answered_them(
+    tmp_path: Path, capsys, action: str, expected: int
+) -> None:
+    """GradNormMonitor counts the steps the guard skipped too: answered, they are no divergence (the same run
+    exits alike with the monitor and without it); applied, they stay critical."""
+    guard = TrainingGuard(on_nonfinite=action)
+    trainer = pl.Trainer(
+        **trainer_kwargs(
+            max_steps=12,
+            logger=TensorBoardLogger(tmp_path, name="run"),
+            callbacks=[guard, GradNormMonitor()],
+            log_every_n_steps=1,
+        )
+    )
+    trainer.fit(Faulty(nan_at={4, 6}), loader(regression_data(128), 8))
+    status, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    (spikes,) = [f for f in run["findings"] if f["section"] == SPIKES and "non-finite" in f["message"]]
+    assert status == expected and rows(run, SPIKES)["steps with non-finite gradients"] >= 2
+    assert spikes["severity"] == ("warning" if action == "skip" else "critical")
+    assert ("answered by TrainingGuard" in spikes["message"]) == (action == "skip")

@@ -16,7 +16,7 @@ from trainvitals.integrity.findings import INTEGRITY, NOTHING_CHECKED, warning_c
 from trainvitals.memory import MEMORY_CATEGORIES, format_bytes
 from trainvitals.report.convergence import convergence_section, noise_scale_section, stopper_stop, uncounted_since
 from trainvitals.report.events import Run
-from trainvitals.report.guard import guard_section
+from trainvitals.report.guard import ANSWERED_NONFINITE, answered_nonfinite_steps, guard_section
 from trainvitals.report.model import (
     CRASHED,
     CRITICAL_COUNTERS,
@@ -26,6 +26,7 @@ from trainvitals.report.model import (
     EXIT_UNFINISHED,
     FIT,
     LAST_WINDOW,
+    NONFINITE_STEPS,
     SPIKES,
     UNFINISHED,
     Finding,
@@ -119,9 +120,12 @@ def assess(run: Run) -> RunReport:
         else (_integrity,)
     ):
         section(run, report)
+    answered = answered_nonfinite_steps(run) if report.measured else 0
     for title, pattern, message in CRITICAL_COUNTERS:
         n = counter(run, pattern, last=pattern in LAST_WINDOW)
-        if n > 0:
+        if n > 0 and pattern == NONFINITE_STEPS and n <= answered:
+            report.findings.append(Finding("warning", title, ANSWERED_NONFINITE.format(n=f"{n:g}")))
+        elif n > 0:
             report.findings.append(Finding("critical", title, message.format(n=f"{n:g}")))
     for title, pattern, message in warning_counters(finding_kinds()):
         n = counter(run, pattern)

@@ -99,6 +99,22 @@ def guard_section(run: Run, report: RunReport) -> None:
         panel(run, report, "training guard events", GUARD_EVENT_LOG)
 
 
+ANSWERED_NONFINITE = (
+    "non-finite (inf/NaN) gradients on {n} optimizer step(s), each answered by TrainingGuard (skipped or rolled "
+    "back): the weights took none of them; the training guard section says which batches and what made them"
+)
+"""GradNormMonitor's non-finite steps when the guard answered every one: a warning, as the guard's skips are."""
+
+
+def answered_nonfinite_steps(run: Run) -> int:
+    """How many of the guard's recorded non-finite events it answered by not applying the step (a skip or a
+    rollback; a stop ends the fit and is the guard section's own critical finding): GradNormMonitor counts those
+    steps too. Events read from the text panel (its latest 20) may undercount, which keeps the monitor's count
+    critical: never more lenient than the events show."""
+    events, _ = guard_events(run)
+    return sum(e["kind"] == "nonfinite" and e["action"] in ("skip", "rollback") for e in events)
+
+
 def guard_events(run: Run) -> tuple[list[dict[str, Any]], Path | None]:
     """The guard's events, oldest first, and the file they were read from: ``skip_batches.json`` in the run's
     folder when it is there and readable (every event), else the rows of its text panel (the latest 20, without
