@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: a 6M-parameter MLP, a per-step timer, shadow stops, statistics and tables.
+"""Shared pieces of the benchmarks: a 6M-parameter MLP, a quiet Trainer and a fit, a per-step timer, shadow
+stops, statistics and tables.
 
 Benchmarks are scripts, never timed tests: they print markdown tables and can write JSON. Run them as
 ``python benchmarks/<script>.py``; the script's folder is then on ``sys.path`` and ``import _common``
@@ -9,6 +10,7 @@ report medians of per-repetition ratios to the bare run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
@@ -22,6 +24,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, EarlyStopping
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
@@ -331,6 +334,52 @@ def run_overhead(
         if after is not None:
             after(result)
     return results
+
+
+def quiet_trainer(**kwargs: Any) -> pl.Trainer:
+    """A one-CPU Trainer with no logger, checkpoint, progress bar, model summary or sanity validation;
+    ``kwargs`` add to those (``max_steps``, ``callbacks``, ...) or replace them."""
+    quiet = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "num_sanity_val_steps": 0,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(**{**quiet, **kwargs})
+
+
+def fit_once(
+    model: pl.LightningModule,
+    data: pl.LightningDataModule | DataLoader,
+    callbacks: Sequence[Callback],
+    max_steps: int,
+    logdir: str | None = None,
+    name: str = "",
+    log_every_n_steps: int = 1,
+) -> None:
+    """Fit ``model`` on ``data`` (a DataModule or a training loader) for ``max_steps`` optimizer steps,
+    no validation, in a :func:`quiet_trainer`: an overhead benchmark's timed fit.
+
+    With ``logdir``, to a ``TensorBoardLogger`` at ``logdir/name`` (the logger writes of a logging step are
+    part of its cost); without, to no logger. Garbage is collected just before, so that an earlier fit's
+    objects are not collected inside this one's timed steps.
+    """
+    logger = TensorBoardLogger(logdir, name=name, default_hp_metric=False) if logdir is not None else False
+    trainer = quiet_trainer(
+        max_steps=max_steps,
+        logger=logger,
+        callbacks=list(callbacks),
+        log_every_n_steps=log_every_n_steps,
+        limit_val_batches=0,
+    )
+    gc.collect()
+    if isinstance(data, pl.LightningDataModule):
+        trainer.fit(model, datamodule=data)
+    else:
+        trainer.fit(model, train_dataloaders=data)
 
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:

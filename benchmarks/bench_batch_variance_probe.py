@@ -26,7 +26,6 @@ its other steps (median of each), and the thread CPU time of the probe's hooks o
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +35,7 @@ import torch
 from _common import (
     StepTimer,
     WideMLP,
+    fit_once,
     interleaved,
     machine_line,
     markdown_table,
@@ -91,25 +91,7 @@ def timed_fit(
     timer = StepTimer(warmup)
     probe = [BatchVarianceProbe(measure_every_n_steps=every, histogram_every_n_steps=0)] if every else []
     hooks = hook_seconds_by_step(probe[0], PROBE_HOOKS) if probe else {}
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=warmup + steps + 1,
-        logger=False,
-        callbacks=[timer, *probe],
-        log_every_n_steps=50,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    data = make_data()
-    gc.collect()
-    if isinstance(data, pl.LightningDataModule):
-        trainer.fit(make_model(), datamodule=data)
-    else:
-        trainer.fit(make_model(), train_dataloaders=data)
+    fit_once(make_model(), make_data(), [timer, *probe], warmup + steps + 1, log_every_n_steps=50)
     if probe and int(probe[0].noise.count) == 0:
         raise RuntimeError("the probe measured nothing: the benchmark would time an idle callback")
     result = {"wall_s": window_mean(timer.seconds), "cpu_s": window_mean(timer.cpu_seconds), "n": len(timer.seconds)}

@@ -28,7 +28,6 @@ Lightning does after the hook for ``log_dict``).
 from __future__ import annotations
 
 import argparse
-import gc
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +37,7 @@ from _common import (
     StepTimer,
     add_timing_arguments,
     apply_timing_arguments,
+    fit_once,
     interleaved,
     machine_line,
     markdown_table,
@@ -50,7 +50,6 @@ from _common import (
     write_json,
 )
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.grads import grad_norm
 from torch import Tensor
 from typing_extensions import override
@@ -122,26 +121,8 @@ def timed_fit(
     timer = StepTimer(warmup)
     extra = _callback(variant)
     hook_seconds = time_hook(extra, "on_before_optimizer_step") if extra is not None else []
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=warmup + steps + 1,
-        logger=TensorBoardLogger(logdir, name=variant, default_hp_metric=False),
-        callbacks=[timer] + ([extra] if extra is not None else []),
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    model = make_model()
-    data = make_data()
-    gc.collect()
-    if isinstance(data, pl.LightningDataModule):
-        trainer.fit(model, datamodule=data)
-    else:
-        trainer.fit(model, train_dataloaders=data)
+    callbacks = [timer] + ([extra] if extra is not None else [])
+    fit_once(make_model(), make_data(), callbacks, warmup + steps + 1, logdir, name=variant)
     total = getattr(extra, "last_total", None)
     if isinstance(total, dict):  # GradNormMonitor keeps one total per optimizer
         total = total.get(0)

@@ -32,7 +32,6 @@ The walk alone is timed on one loss of each model: microseconds per walk and per
 from __future__ import annotations
 
 import argparse
-import gc
 import tempfile
 import time
 import warnings
@@ -44,6 +43,7 @@ import torch
 from _common import (
     StepTimer,
     WideMLP,
+    fit_once,
     interleaved,
     machine_line,
     markdown_table,
@@ -54,7 +54,6 @@ from _common import (
     write_json,
 )
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from trainvitals.demo.data import DigitsDataModule, load_digits_tensors
@@ -141,25 +140,8 @@ def timed_fit(
     timer, clock = StepTimer(warmup), ThreadClock(warmup)
     extra = _callback(variant)
     spent = time_hooks(extra) if extra is not None else {}
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=warmup + steps + 1,
-        logger=TensorBoardLogger(logdir, name=variant, default_hp_metric=False),
-        callbacks=[timer, clock] + ([extra] if extra is not None else []),
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    model, data = make_model(), make_data()
-    gc.collect()
-    if isinstance(data, pl.LightningDataModule):
-        trainer.fit(model, datamodule=data)
-    else:
-        trainer.fit(model, train_dataloaders=data)
+    callbacks = [timer, clock] + ([extra] if extra is not None else [])
+    fit_once(make_model(), make_data(), callbacks, warmup + steps + 1, logdir, name=variant)
     if extra is not None and extra.findings:
         raise RuntimeError(f"the benchmark models must be clean, got {extra.summary_markdown()}")
     return {

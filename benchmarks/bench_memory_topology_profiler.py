@@ -28,7 +28,6 @@ ratios are per repetition, summarised by the median over repetitions and the ran
 from __future__ import annotations
 
 import argparse
-import gc
 import tempfile
 import time
 import warnings
@@ -41,6 +40,7 @@ import torch
 from _common import (
     StepTimer,
     WideMLP,
+    fit_once,
     interleaved,
     machine_line,
     markdown_table,
@@ -49,7 +49,6 @@ from _common import (
     random_regression_loader,
     write_json,
 )
-from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals.demo.data import load_digits_tensors
@@ -77,21 +76,7 @@ def step_times(
 ) -> list[float]:
     """Per-iteration seconds of one fit of ``warmup + steps`` optimizer steps with ``variant``'s callbacks."""
     timer = StepTimer(warmup)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=warmup + steps + 1,
-        callbacks=[timer, *PROFILERS[variant]()],
-        logger=TensorBoardLogger(logdir, name=variant, default_hp_metric=False),
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    gc.collect()
-    trainer.fit(model, train_dataloaders=data)
+    fit_once(model, data, [timer, *PROFILERS[variant]()], warmup + steps + 1, logdir, name=variant)
     return timer.seconds
 
 

@@ -59,9 +59,9 @@ from _common import machine_line, markdown_table, median, write_json
 from torch import Tensor, nn
 
 from trainvitals.per_example import PerExampleGradients, Use, Workspace, plan_sources, rule_for
-from trainvitals.per_example.rules.conv import _conv_patches, _shifted_source, gram_is_cheaper
+from trainvitals.per_example.rules.conv import _GRAM_SPEED, _conv_patches, _shifted_source
 from trainvitals.per_example.rules.linear import OuterProductRule
-from trainvitals.per_example.tensor_ops import _bmm, _ghost_is_cheaper, _sq_norms
+from trainvitals.per_example.tensor_ops import _bmm, _sq_norms, gram_is_cheaper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from zoo import ZOO  # noqa: E402 - the test zoo's architectures, end to end
@@ -850,31 +850,42 @@ def conv_profile(repetitions: int, seconds: float) -> dict[str, float]:
     return out
 
 
-def form_sweep(seconds: float, quick: bool) -> dict[str, Any]:
-    """The conv rule's cost model against both forms timed, over a grid of T positions, I input and O
-    output features, in a convolution's layouts: per shape the µs per example of the per-example blocks (one bmm, ‖·‖²) and of the
-    ghost Gram matrices (two bmm, one dot product; the patches, which both need, not timed); per criterion
-    (the conv rule's FLOPs, the Linear rule's 2T² ≤ I·O) the mean of chosen / faster − 1 and the shapes where
-    its choice is ≥ 5 % slower."""
-    grid = (
-        ((4, 16, 64), (9, 144, 576), (8, 32, 128))
-        if quick
-        else (
-            (4, 9, 16, 36, 64, 144, 256),
-            (9, 27, 72, 144, 288, 576, 1152),
-            (8, 16, 32, 64, 128, 256, 512),
-        )
-    )
+#: T positions × I input × O output features of :func:`form_sweep`, per layout: a convolution's (per group),
+#: and a Linear layer's on sequences up to GPT-2's (T 1024; I, O 768 and 3072); ``quick``: a few of them.
+FORM_GRIDS = {
+    "conv": (
+        ((4, 9, 16, 36, 64, 144, 256), (9, 27, 72, 144, 288, 576, 1152), (8, 16, 32, 64, 128, 256, 512)),
+        ((4, 16, 64), (9, 144, 576), (8, 32, 128)),
+    ),
+    "linear": (
+        ((4, 16, 64, 256, 1024), (16, 64, 256, 768), (16, 64, 256, 768, 3072)),
+        ((4, 64, 1024), (64, 768), (64, 3072)),
+    ),
+}
+
+
+def form_sweep(seconds: float, quick: bool, layout: str = "conv") -> dict[str, Any]:
+    """The rules' cost model against both forms timed, over a grid of T positions, I input and O output
+    features (:data:`FORM_GRIDS`), in a convolution's layouts (``layout="conv"``: transposed views of the
+    patches and of the output gradient) or a Linear layer's (contiguous ``(B, T, I)`` and ``(B, T, O)``):
+    per shape the µs per example of the per-example blocks (one bmm, ‖·‖²) and of the ghost Gram matrices
+    (two bmm, one dot product; the patches, which both need, not timed); per criterion (the conv rule's
+    FLOPs with the Gram matrices' at 1/1.2, the Linear rule's FLOPs, the earlier Linear rule 2T² ≤ I·O)
+    the mean of chosen / faster − 1 and the shapes where its choice is ≥ 5 % slower."""
+    grid = FORM_GRIDS[layout][quick]
     criteria = {
-        "FLOPs, the Gram matrices' at 1/1.2: T·(I + O) ≤ 1.2·I·O (conv)": gram_is_cheaper,
-        "FLOPs alone: T·(I + O) ≤ I·O": lambda t, i, o: t * (i + o) <= i * o,
-        "temporaries, 2T² ≤ I·O (Linear)": _ghost_is_cheaper,
+        "FLOPs, the Gram matrices' at 1/1.2 (conv)": lambda t, i, o: gram_is_cheaper(t, i, o, _GRAM_SPEED),
+        "FLOPs (Linear)": gram_is_cheaper,
+        "the earlier Linear rule, the smaller temporaries: 2T² ≤ I·O": lambda t, i, o: 2 * t * t <= i * o,
     }
     shapes = []
     for t, i, o in itertools.product(*grid):
         b = max(1, min(256, int(1e6 / (t * max(i, t) + o * i + t * t))))  # ~4 MB of operands
-        # in a convolution's layouts: transposed views of the patches (B, I, T) and the output gradient (B, O, T)
-        a, g, ws = torch.randn(b, i, t).transpose(1, 2), torch.randn(b, o, t).transpose(1, 2), Workspace()
+        if layout == "conv":  # transposed views of the patches (B, I, T) and the output gradient (B, O, T)
+            a, g = torch.randn(b, i, t).transpose(1, 2), torch.randn(b, o, t).transpose(1, 2)
+        else:
+            a, g = torch.randn(b, t, i), torch.randn(b, t, o)
+        ws = Workspace()
         forms = {
             "blocks": lambda: _sq_norms(_bmm(g.transpose(1, 2), a, ws, "blocks")),
             "gram": lambda: torch.linalg.vecdot(
@@ -988,8 +999,8 @@ def main() -> None:
         action="append",
         default=[],
         help="only the layers and models whose label contains this (repeatable); "
-        "the conv-path sections run only with none or with 'digits'; the conv rule's cost model against "
-        "both forms timed over shapes only with 'forms'",
+        "the conv-path sections run only with none or with 'digits'; the rules' cost model against "
+        "both forms timed over shapes only with 'forms' (a convolution's layouts) or 'linear-forms' (a Linear's)",
     )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
@@ -1042,10 +1053,12 @@ def main() -> None:
         breakdown = step_breakdown(args.repetitions, 10 if args.quick else 50)
         print("\n## The digits CNN's plain-loop step with trainvitals, by part: CPU ms per step\n")
         print(markdown_table(["", "ms"], [[k, f"{v:.3f}"] for k, v in breakdown.items()]))
-    sweep = {}
-    if "forms" in args.only:
-        sweep = form_sweep(args.seconds / 4, args.quick)
-        print(f"\n## The conv rule's weight-norm form over {len(sweep['shapes'])} shapes: the cost model's choice\n")
+    sweeps = {}
+    for layout, only in (("conv", "forms"), ("linear", "linear-forms")):
+        if only not in args.only:
+            continue
+        sweep = sweeps[layout] = form_sweep(args.seconds / 4, args.quick, layout)
+        print(f"\n## The weight-norm form over {len(sweep['shapes'])} shapes in a {layout} layout: the choice\n")
         rows = [[k, f"{v['mean excess']:.1%}", str(v["≥ 5 % slower"])] for k, v in sweep.items() if k != "shapes"]
         print(markdown_table(["criterion", "mean chosen / faster − 1", "shapes ≥ 5 % slower"], rows))
     write_json(
@@ -1057,7 +1070,7 @@ def main() -> None:
             "models": {k: {"exactness": v["exactness"], "summary": v["summary"]} for k, v in model_results.items()},
             "conv_profile": profile,
             "step_breakdown": breakdown,
-            "form_sweep": sweep,
+            "form_sweeps": sweeps,
         },
     )
 

@@ -27,7 +27,6 @@ it) and counted: the bytes of the tensors the callback holds at once, from their
 from __future__ import annotations
 
 import argparse
-import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +35,7 @@ from _common import (
     StepTimer,
     add_timing_arguments,
     apply_timing_arguments,
+    fit_once,
     interleaved,
     machine_line,
     markdown_table,
@@ -82,25 +82,9 @@ def timed_fit(
     timer = StepTimer(warmup)
     extra = _callback(variant)
     hooks = [time_hook(extra, hook) for hook in HOOKS if extra is not None and hook in type(extra).__dict__]
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=warmup + steps + 1,
-        logger=False,
-        callbacks=[timer] + ([extra] if extra is not None else []),
-        log_every_n_steps=50,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    model, data = make_model(), make_data()
-    gc.collect()
-    if isinstance(data, pl.LightningDataModule):
-        trainer.fit(model, datamodule=data)
-    else:
-        trainer.fit(model, train_dataloaders=data)
+    callbacks = [timer] + ([extra] if extra is not None else [])
+    model = make_model()
+    fit_once(model, make_data(), callbacks, warmup + steps + 1, log_every_n_steps=50)
     result = {
         "wall_median_s": median(timer.seconds),
         "cpu_median_s": median(timer.cpu_seconds),

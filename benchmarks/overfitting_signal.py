@@ -24,7 +24,7 @@ import lightning.pytorch as pl
 import torch
 from _common import ShadowStops, quiet_lightning
 from lightning.pytorch.callbacks import Callback
-from stopping_tasks import LOSS_TOLERANCE, METRIC_TOLERANCE, TASKS, TaskModule, evaluate, make_stoppers
+from stopping_tasks import LOSS_TOLERANCE, METRIC_TOLERANCE, TASKS, TaskModule, evaluate, fit_task, make_stoppers
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -109,20 +109,7 @@ def run(task, optimizer, seed, epochs=None):
     stoppers = make_stoppers([])
     shadow = ShadowStops(stoppers, lambda m: evaluate(m, val))
     probe = DisparityRecorder(stoppers["noise_band"], (xt, yt))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs or task.max_epochs,
-        accumulate_grad_batches=4,
-        logger=False,
-        callbacks=[*stoppers.values(), shadow, probe],
-        deterministic=True,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, train_dataloaders=train, val_dataloaders=DataLoader(TensorDataset(*val), batch_size=len(val[1])))
+    fit_task(model, train, val, epochs or task.max_epochs, [*stoppers.values(), shadow, probe])
     return {
         "task": task.name,
         "optimizer": optimizer,

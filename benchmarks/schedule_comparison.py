@@ -37,7 +37,7 @@ import torch
 from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, write_json
 from lightning.pytorch.callbacks import Callback
 from scipy import stats
-from stopping_tasks import TASKS, Task, TaskModule, evaluate
+from stopping_tasks import TASKS, Task, TaskModule, evaluate, fit_task
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -208,22 +208,8 @@ def fit(task: Task, optimizer: str, seed: int, epochs: int, method: str, schedul
     elif method == "SASA":
         extra.append(SASACut(factor=FACTOR))
     shadow = ShadowStops(stoppers, lambda m: evaluate(m, val))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        accumulate_grad_batches=4,
-        logger=False,
-        callbacks=[*stoppers.values(), *extra, shadow],
-        deterministic=True,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    start = time.perf_counter()
-    trainer.fit(model, train_dataloaders=train, val_dataloaders=DataLoader(TensorDataset(*val), batch_size=len(val[1])))
-    run = MethodRun(method, shadow.epochs, next(iter(shadow.stops.values()), None), seconds=time.perf_counter() - start)
+    seconds = fit_task(model, train, val, epochs, [*stoppers.values(), *extra, shadow])
+    run = MethodRun(method, shadow.epochs, next(iter(shadow.stops.values()), None), seconds=seconds)
     if method == "band schedule":
         run.cuts = [int(c["step"]) for c in stoppers["band schedule"].cuts]
     elif method == "SASA":

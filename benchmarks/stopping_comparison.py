@@ -38,7 +38,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, write_json
+from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, quiet_trainer, write_json
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 
 from trainvitals.demo.data import DigitsDataModule
@@ -116,18 +116,8 @@ def fit(
     pl.seed_everything(seed, workers=True, verbose=False)
     data = DigitsDataModule(batch_size=args.batch_size)
     model = DigitsCNN(lr=args.lr[optimizer], optimizer=optimizer)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=args.max_epochs,
-        accumulate_grad_batches=args.accumulate,
-        logger=False,
-        callbacks=callbacks,
-        deterministic=True,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_trainer(
+        max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate, callbacks=callbacks, deterministic=True
     )
     trainer.fit(model, datamodule=data)
     return trainer, model, data

@@ -37,7 +37,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, write_json
+from _common import ShadowStops, machine_line, markdown_table, median, quiet_lightning, quiet_trainer, write_json
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -373,6 +373,21 @@ def _fieller_low(h: dict[str, Any]) -> float:
     return q / upper if q > 0 and upper > 0 else 0.0
 
 
+def fit_task(
+    model: pl.LightningModule,
+    train: DataLoader,
+    val: tuple[Tensor, Tensor],
+    max_epochs: int,
+    callbacks: list[Callback],
+) -> float:
+    """Fit ``model`` for ``max_epochs`` epochs of ``train``'s micro-batches, 4 to an optimizer step,
+    validating on ``val`` in one batch after each epoch, deterministically; the fit's wall seconds."""
+    trainer = quiet_trainer(max_epochs=max_epochs, accumulate_grad_batches=4, callbacks=callbacks, deterministic=True)
+    start = time.perf_counter()
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=DataLoader(TensorDataset(*val), batch_size=len(val[1])))
+    return time.perf_counter() - start
+
+
 def run_one(task: Task, optimizer: str, seed: int, max_epochs: int, band_grid: list[tuple[float, int]]) -> TaskRun:
     run = TaskRun(task.name, optimizer, seed)
     (xt, yt), val = task.data()
@@ -382,22 +397,7 @@ def run_one(task: Task, optimizer: str, seed: int, max_epochs: int, band_grid: l
     stoppers = make_stoppers(band_grid)
     shadow = ShadowStops(stoppers, lambda m: evaluate(m, val))
     shares = EstimateShares(stoppers["noise_band"], max_epochs * (len(xt) // task.micro_batch // 4))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=max_epochs,
-        accumulate_grad_batches=4,
-        logger=False,
-        callbacks=[*stoppers.values(), shares, shadow],
-        deterministic=True,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    start = time.perf_counter()
-    trainer.fit(model, train_dataloaders=train, val_dataloaders=DataLoader(TensorDataset(*val), batch_size=len(val[1])))
-    run.seconds = time.perf_counter() - start
+    run.seconds = fit_task(model, train, val, max_epochs, [*stoppers.values(), shares, shadow])
     if len(shadow.epochs) != max_epochs:
         raise RuntimeError(f"the fixed run ended after {len(shadow.epochs)} epochs: a stop escaped ShadowStops")
     run.epochs = shadow.epochs

@@ -26,6 +26,7 @@ from _common import example_parser
 from char_transformer import CharData
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import trainvitals
 from trainvitals.activations.monitor import ActivationMonitor
@@ -37,6 +38,8 @@ from trainvitals.memory.profiler import MemoryTopologyProfiler
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.report.command import RunReport, assess, read_runs
+from trainvitals.report.schedule import SCHEDULE
+from trainvitals.schedule.callback import BandSchedule
 from trainvitals.updates.monitor import UpdateMonitor
 
 TRAINVITALS_DIR = str(Path(trainvitals.__file__).parent)
@@ -165,6 +168,38 @@ class LogOfRelu(DigitsMLP):
         self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), Log())
 
 
+class NoisyRegression(pl.LightningModule):
+    """A linear model on y = x·w* + ε (16 features, ε of s.d. 1), started at w = 0, at a constant SGD lr."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.lr = lr
+        self.linear = nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.linear(x).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)  # the mistake: the lr held where steps are noise
+
+
+class NoisyRegressionData(pl.LightningDataModule):
+    """4,096 draws of y = x·w* + ε, x ~ N(0, I), ‖w*‖ = 0.5, ε ~ N(0, 1): at a batch of 8, noise dominates the
+    gradient within a few steps."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4096, 16, generator=g)
+        w = torch.randn(16, generator=g)
+        y = x @ (0.5 * w / w.norm()) + torch.randn(4096, generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+
 # ------------------------------------------------------------------------------------------ the gallery
 def default_callbacks() -> list[pl.Callback]:
     """All trainvitals callbacks, checking at every step: the runs are a few steps long."""
@@ -189,6 +224,9 @@ class Fault:
     data: Callable[[], pl.LightningDataModule] = lambda: DigitsDataModule(batch_size=32)
     callbacks: Callable[[], list[pl.Callback]] = default_callbacks
     trainer: dict[str, Any] = field(default_factory=dict)
+    max_steps: int = 6
+    notes: tuple[str, ...] = ()
+    """Report sections whose notes the gallery prints beside its critical findings (what a callback did)."""
 
 
 def _char_data() -> CharData:
@@ -241,6 +279,18 @@ FAULTS = [
         LogOfRelu,
         callbacks=lambda: [*default_callbacks(), TrainingGuard(on_nonfinite="skip", budget_events=2)],
     ),
+    Fault(
+        "lr_held_in_the_noise_band",
+        "a constant SGD lr held after the steps have become noise (a noisy regression at a batch of 8)",
+        NoisyRegression,
+        data=NoisyRegressionData,
+        callbacks=lambda: [
+            *default_callbacks(),
+            BandSchedule(max_cuts=1, stop=False, min_steps=0, patience=3, check_every_n_steps=1, verbose=False),
+        ],
+        max_steps=60,
+        notes=(SCHEDULE,),
+    ),
 ]
 
 
@@ -261,13 +311,13 @@ class Outcome:
     """``trainvitals report`` on the run's event files."""
 
 
-def run_fault(fault: Fault, logdir: str, max_steps: int = 6) -> Outcome:
-    """Train ``fault`` for ``max_steps`` optimizer steps and collect what trainvitals reports."""
+def run_fault(fault: Fault, logdir: str) -> Outcome:
+    """Train ``fault`` for its ``max_steps`` optimizer steps and collect what trainvitals reports."""
     pl.seed_everything(0, verbose=False)
     logger = TensorBoardLogger(logdir, name=fault.name, default_hp_metric=False)
     callbacks = fault.callbacks()
     trainer = pl.Trainer(
-        max_steps=max_steps,
+        max_steps=fault.max_steps,
         accelerator="cpu",
         devices=1,
         logger=logger,
@@ -312,6 +362,8 @@ def describe(outcome: Outcome) -> str:
     lines += [f"  trainvitals report, critical: {message}" for message in critical]
     if not critical:
         lines.append("  trainvitals report: nothing critical")
+    notes = [f for f in outcome.report.findings if f.section in outcome.fault.notes and f.severity != "critical"]
+    lines += [f"  trainvitals report, {f.section}: {f.message}" for f in notes]
     return "\n".join(lines)
 
 

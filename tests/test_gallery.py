@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
+
+from trainvitals.noise.estimate import MIN_MEASUREMENTS
+from trainvitals.report.schedule import SCHEDULE
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -41,6 +45,7 @@ def test_every_fault_is_in_the_gallery(outcomes: dict[str, Outcome]) -> None:
         "batchnorm_micro_batches",
         "loss_spike",
         "nan_from_a_log",
+        "lr_held_in_the_noise_band",
     ]
 
 
@@ -134,6 +139,19 @@ def test_nan_from_a_log(outcomes: dict[str, Outcome]) -> None:
     assert "module `body.3` (LogBackward0) in forward" in guard[0] and "in [0, " in guard[0]
     assert ["skipped" in w for w in guard[:2]] == [True, True] and "escalated" in guard[2]
     assert "stopping the fit" in guard[3] and "guard-stop-step=2.ckpt" in guard[3]
+
+
+def test_lr_held_in_the_noise_band(outcomes: dict[str, Outcome]) -> None:
+    out = outcomes["lr_held_in_the_noise_band"]
+    assert out.error is None and critical(out) == []
+    # BandSchedule cut the lr once, as soon as the estimate could decide (the run is in its band from the start),
+    # and the report says where, on what band ratio and interval, and to what scale.
+    rows = {row.label: row.value for row in out.report.sections[SCHEDULE]}
+    assert rows["lr cuts"] == 1 and rows["lr scale (× the lr the scheduler set)"] == pytest.approx(0.1)
+    (note,) = [f.message for f in out.report.findings if f.section == SCHEDULE]
+    step = int(re.search(r"step (\d+): band ratio", note)[1])
+    assert MIN_MEASUREMENTS - 1 <= step < out.fault.max_steps and "90 %" in note and "lr × 0.1" in note
+    assert f"trainvitals report, {SCHEDULE}: BandSchedule cut the lr 1 time(s)" in fault_gallery.describe(out)
 
 
 def test_the_healthy_base_model_is_not_accused(tmp_path: Path) -> None:

@@ -140,3 +140,10 @@ REPORT_HTML, REPORT_JSON = "trainvitals_report.html", "trainvitals_report.json"
 """TrainvitalsDashboard's fit-end report, written into each logger's run folder: the page ``trainvitals report
 --format html`` writes, and its JSON with the run's text panels (``"record"``), which ``trainvitals report``
 reads back beside a CSVLogger's ``metrics.csv`` or in an MLflow run's artifacts."""
+
+SKIP_BATCHES_FILE = "skip_batches.json"
+"""TrainingGuard's record of every event, in the Trainer's ``log_dir`` (the folder of a TensorBoardLogger's event
+files, of a CSVLogger's ``metrics.csv``): ``trainvitals report`` reads it beside the run's scalars."""
+
+GUARD_EVENT_LOG = "guard/event_log"
+"""TrainingGuard's text panel: its summary line (skips, rollbacks, a stop, the producer), then its latest events."""

@@ -37,8 +37,11 @@ def test_a_rank_without_loss_or_gradient_leaves_the_others_numbers():
     row = pack(torch.tensor(4.0), torch.tensor(16.0), 0, 2, cpu) + pack(None, torch.tensor(16.0), 1, 2, cpu)
     reading = unpack(row.tolist())
     assert reading.loss == 4.0 and reading.grad_norm == pytest.approx(4.0)
-    nothing = unpack(pack(None, None, 0, 1, cpu).tolist())
-    assert not nothing.has_loss and nothing.grad_norm == 0.0
+    nothing = unpack(pack(None, None, 0, 1, cpu).tolist(), has_loss=False)
+    assert not nothing.has_loss and nothing.grad_norm == 0.0 and math.isnan(nothing.loss)
+    # A single process's row: the loss and ‖g‖² alone, the rest known on the host.
+    bad = unpack(pack(torch.tensor(float("inf")), torch.tensor(4.0), 0, 1, cpu).tolist())
+    assert bad.nonfinite_ranks == (0,) and bad.has_loss and bad.grad_norm == 2.0 and bad.world_size == 1
 
 
 def test_nonfinite_comes_first_and_stays_out_of_the_averages():

@@ -187,6 +187,38 @@ def test_the_lr_factor_shows_in_param_groups_and_the_lr_scheduler_keeps_shaping_
     assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.9**12, rel=1e-12)
 
 
+def test_a_step_the_grad_scaler_skips_during_the_lr_factor_leaves_the_scheduler_its_own_lr():
+    """The GradScaler skips step 8 (an inf gradient, a finite loss: no event) inside the lr factor's steps: the
+    scheduler steps from its own lr all the same (LRFactors.before_step, as under BandSchedule), and the factor
+    applies to the two steps the optimizer took after the rollback."""
+
+    class Scheduled(Net):
+        def __init__(self) -> None:
+            super().__init__(spike_at={7}, inf_grad_at={8})
+            self.in_step: dict[int, float] = {}
+
+        def configure_optimizers(self):
+            optimizer = super().configure_optimizers()
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            self.in_step[self.global_step] = optimizer.param_groups[0]["lr"]
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+    model, recording = Scheduled(), RecordingLogger()
+    guard = TrainingGuard(
+        on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, lr_factor=0.5, lr_factor_steps=2
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # the spike's gradient stays finite in float16
+    _fit(model, guard, logger=recording, log_every_n_steps=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    assert [(e["global_step"], e["action"]) for e in guard.events] == [(7, "rollback")] and scaler.get_scale() == 0.5
+    factor = {8: 0.5, 9: 0.5, 10: 0.5}  # 8 skipped by the scaler, 9 and 10 taken
+    assert [model.in_step[s] for s in range(12)] == pytest.approx([LR * 0.9**s * factor.get(s, 1.0) for s in range(12)])
+    assert recording.series["guard/lr_factor"] == [(8, 0.5), (9, 0.5), (10, 0.5), (11, 1.0)]
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.9**12, rel=1e-12)
+
+
 def test_under_accumulation_an_event_reports_the_steps_mean_loss_and_its_gradient_norm():
     class NormsBefore(pl.Callback):  # runs before the guard: the gradient it judged
         def __init__(self) -> None:
@@ -354,7 +386,7 @@ def test_the_monitor_says_why_it_cannot_name_a_producer_read_back_after_its_upda
 
 def test_the_monitor_leaves_the_search_to_a_guard_unless_it_does_not_search():
     monitor, guard = GradNormMonitor(log_every_n_steps=1), TrainingGuard(on_nonfinite="warn")
-    _, said = _monitor_fit(monitor, callbacks=[guard])
+    _, said = _monitor_fit(monitor, callbacks=[guard], log_every_n_steps=1)  # an all-warn guard reads at the Trainer's
     assert not monitor.search.searched and guard.producer.module == "net.2"
     assert "as TrainingGuard's re-run" in said[0]
     monitor, guard = GradNormMonitor(log_every_n_steps=1), TrainingGuard(on_nonfinite="warn", name_producer=False)
@@ -391,7 +423,7 @@ def test_the_optimizer_step_is_named_when_it_made_the_parameters_nonfinite():
             return HalfEpsSGD(self.parameters(), at=4)
 
     model, guard = Model(), TrainingGuard(on_nonfinite="warn")
-    _, said = _fit(model, guard, max_steps=7)
+    _, said = _fit(model, guard, max_steps=7, log_every_n_steps=1)  # all-warn: read at every logging step
     assert guard.events[0]["global_step"] == 5 and guard.producer.where == "optimizer"
     assert "the optimizer step itself" in said[0] and "`net.0.weight`" in said[0]
     # GradNormMonitor alone says the same, and re-runs nothing (the weights were the non-finite thing).
@@ -414,6 +446,28 @@ def test_the_guard_reads_the_shared_norm_and_reads_the_host_once_a_clean_step(mo
     assert sorted(host.reads) == [(s, "tolist") for s in range(6)]
     total = monitor.last_total[0].item()
     assert guard.norm_spikes.count == 6 and math.isfinite(total)
+
+
+def test_with_every_action_warn_the_guard_reads_the_host_at_logging_steps_only(monkeypatch):
+    """No action needs the step's numbers before its update: they wait on the device and are read at the Trainer's
+    logging steps (0, 4, 8) and at the end, one transfer each; the events keep their own steps, and the producer is
+    named when the first non-finite step is a logging step (read before its update)."""
+    guard = TrainingGuard(on_nonfinite="warn", on_spike="warn", spike_warmup_steps=3)
+    host = HostReads(monkeypatch)
+    host.watch(guard, ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_end"))
+    _, said = _fit(Net(spike_at={6}, nan_at={8}), guard, max_steps=12, log_every_n_steps=4)
+    kinds = {kind: [e["global_step"] for e in guard.events if e["kind"] == kind] for kind in ("spike", "nonfinite")}
+    assert {e["action"] for e in guard.events} == {"warn"} and len(said) == len(guard.events)
+    assert kinds["spike"][0] == 6 and max(kinds["spike"]) < 8  # the applied spike may make the next step one too
+    assert kinds["nonfinite"] == [8, 9, 10, 11]  # the NaN step is applied: the weights are NaN after it
+    reads = [step for step, _ in host.reads]
+    assert reads[:3] == [0, 4, 8] and set(reads[3:]) == {12}  # at the end: the steps' rows, then each NaN's losses
+    assert guard.producer is not None and guard.producer.where == "loss" and "made by" in guard.events[-4]["detail"]
+    # A first non-finite step between logging steps is read after its update: said, not searched.
+    guard = TrainingGuard(on_nonfinite="warn")
+    _fit(Net(nan_at={5}), guard, max_steps=8, log_every_n_steps=4)
+    assert guard.producer is None and guard.search.searched and guard.events[0]["global_step"] == 5
+    assert "too late to re-run its batch" in guard.events[0]["detail"]
 
 
 def test_resume_after_a_rollback_continues_counters_and_budget(tmp_path):
@@ -661,3 +715,49 @@ def test_the_buffer_copy_restores_in_place_and_refuses_a_changed_layout():
         copy.restore(lazy)
     copy.take(lazy)
     assert copy.nbytes == 4 * 4 + 4 * 4 + 8
+
+
+def test_the_buffer_copy_keeps_its_list_until_the_modules_buffers_change():
+    """One walk while nothing changes; a new one after a ``.to()``, a swapped submodule, a new buffer, a lazy
+    module's first forward; and what is copied is always the module's current buffers."""
+    registered = len(nn.modules.module._global_buffer_registration_hooks)
+    module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    copy = BufferCopy()
+
+    def round_trip() -> None:  # take, pollute, restore: the state_dict comes back bit for bit
+        copy.take(module)
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        for b in module.buffers():
+            b.add_(1)
+        copy.restore(module)
+        assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+    for _ in range(3):
+        round_trip()
+    assert copy.walks == 1 and len(nn.modules.module._global_buffer_registration_hooks) == registered + 1
+    module.to(torch.float64)  # every buffer replaced by a new tensor
+    round_trip()
+    assert copy.walks == 2 and copy._copies[0].dtype == torch.float64
+    module[2] = nn.BatchNorm1d(4, dtype=torch.float64)  # the same layout, other tensors
+    round_trip()
+    assert copy.walks == 3 and any(b is module[2].running_mean for b in copy._held.buffers)
+    module[1].register_buffer("extra", torch.zeros(2, dtype=torch.float64))
+    round_trip()
+    assert copy.walks == 4 and copy.nbytes == 2 * (2 * 4 * 8 + 8) + 2 * 8
+    round_trip()
+    assert copy.walks == 4
+    lazy = nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d())
+    copy.take(lazy)
+    lazy(torch.randn(3, 5))  # materialized in place: the same tensors, now with a shape
+    copy.take(lazy)
+    assert copy.walks == 6 and copy.nbytes == 4 * 4 + 4 * 4 + 8
+    copy.close()
+    assert len(nn.modules.module._global_buffer_registration_hooks) == registered
+
+
+def test_a_fit_walks_the_module_for_its_buffers_once_and_leaves_no_hook():
+    registered = len(nn.modules.module._global_module_registration_hooks)
+    model, guard = BatchNormNet(nan_at={4}), TrainingGuard(on_nonfinite="skip")
+    _fit(model, guard, max_steps=8)
+    assert [e["action"] for e in guard.events] == ["skip"] and guard._buffers.walks == 1
+    assert len(nn.modules.module._global_module_registration_hooks) == registered

@@ -15,6 +15,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_spikes import _reference
 from torch import nn
 
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
@@ -397,6 +398,27 @@ def test_a_lasting_level_shift_is_followed_not_counted_as_spikes_forever():
     spikes = logger.values("grad_norm/spike_steps")
     assert spikes[3] >= 1  # the shift is a spike at first
     assert spikes[-1] == spikes[-10] < 40  # then the running average has caught up
+
+
+def test_a_run_of_consecutive_spikes_is_said_once_and_counted(caplog):
+    """A 10× level shift at step 30 is a spike at every step until the EMA catches up: the console says the
+    first, once; the counter and the fit-end line count them all, as the rule does on the logged totals."""
+
+    class Shifts(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * 10.0 if self.global_step >= 30 else loss
+
+    logger = RecordingLogger()
+    monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0, spike_factor=3.0, spike_warmup_steps=10)
+    with caplog.at_level("INFO"):
+        fit(Shifts(lr=0.0), monitor, logger, max_steps=80)
+    flags = [f is not None for f in _reference(logger.values("grad_norm/total"), 3.0, monitor.ema_beta, 10)]
+    assert not any(flags[:30]) and all(flags[30:40])  # a run of consecutive spikes from the shift on
+    assert logger.values("grad_norm/spike_steps")[-1] == sum(flags)
+    said = [r.getMessage() for r in caplog.records if "spike at optimizer step" in r.getMessage()]
+    assert len(said) == 1 and "spike at optimizer step 30: " in said[0] and "grad_norm/spike_steps" in said[0]
+    assert f"spikes {sum(flags)}" in monitor.summary_line()
 
 
 def _counting_transfers(monitor, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 
@@ -12,6 +13,7 @@ from _models import Scale
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
 
 from trainvitals.noise.estimators import (
     NoiseScaleEMA,
@@ -44,7 +46,7 @@ B = 6
 
 class SequenceModel(nn.Module):
     """Embedding → LayerNorm → Linear on (B, T, 16) (ghost Gram) → Conv1d over T → Linear on (B, T, 4)
-    (2T² > I·O: per-example block) → mean over T."""
+    (more multiply-adds in the Gram form: per-example block) → mean over T."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -703,6 +705,43 @@ class AllocatedBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.total += sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
+
+
+def _form_multiply_adds(positions: int, fan_in: int, fan_out: int) -> dict[str, int]:
+    """Each form's multiply-adds for one example's ‖Σ_t δ_t a_tᵀ‖²_F, brute force: its matmuls as torch's
+    FlopCounterMode counts them (2 FLOPs a multiply-add), run on meta tensors, and one multiply-add per
+    element its last reduction reads (the block's I·O entries, the Gram matrices' T²)."""
+    a = torch.empty(1, positions, fan_in, device="meta")
+    g = torch.empty(1, positions, fan_out, device="meta")
+    counted = {}
+    for form in ("blocks", "gram"):
+        with FlopCounterMode(display=False) as flops:
+            if form == "blocks":
+                reduced = torch.bmm(g.transpose(1, 2), a).numel()
+            else:
+                torch.bmm(g, g.transpose(1, 2))
+                reduced = torch.bmm(a, a.transpose(1, 2)).numel()
+        counted[form] = flops.get_total_flops() // 2 + reduced
+    return counted
+
+
+@pytest.mark.parametrize("positions", [2, 3, 8, 16, 64, 256, 1024])
+def test_the_linear_rule_picks_the_form_with_fewer_multiply_adds(positions, bmm_roles):
+    """On sequences (T positions), over a grid of I and O: the form LinearRule computes in (its workspace
+    buffers, the rule run on meta tensors) is the one with fewer multiply-adds by brute force."""
+    for fan_in, fan_out in itertools.product((4, 16, 64, 768, 3072), repeat=2):
+        counted = _form_multiply_adds(positions, fan_in, fan_out)
+        linear = nn.Linear(fan_in, fan_out, device="meta")
+        x = torch.empty(2, positions, fan_in, device="meta")
+        bmm_roles.clear()
+        rule_for(linear).sq_norms(linear, [Use(x, torch.empty(2, positions, fan_out, device="meta"))], Workspace())
+        chosen = bmm_roles.form()
+        if counted["gram"] != counted["blocks"]:
+            assert chosen == min(counted, key=counted.get), (positions, fan_in, fan_out, counted)
+    # GPT-2's MLP on 1024 tokens: the Gram matrices' 1.7× the block's (the earlier rule, 2T² ≤ I·O, took them)
+    if positions == 1024:
+        counted = _form_multiply_adds(1024, 768, 3072)
+        assert counted["gram"] > 1.6 * counted["blocks"]
 
 
 def test_ghost_norms_materialise_no_per_example_gradient():

@@ -105,7 +105,11 @@ def test_it_cuts_where_the_stopper_stops_and_the_loss_falls_by_the_predicted_fac
     # The optimizer steps at the scheduler's lr × the scale from the step after the cut; the scale is logged.
     assert set(model.lrs[: cut["step"] + 1]) == {eta}
     assert model.lrs[cut["step"] + 1 :] == pytest.approx([eta * factor] * (steps - cut["step"] - 1))
-    assert dict(logger.series["schedule/lr_scale"])[cut["step"]] == pytest.approx(factor)
+    # schedule/lr_scale is the scale the optimizer took at the logged step: the cut step's is still 1, the next's
+    # the cut's (logged off the cadence too); the cut is counted at the cut step.
+    scales = dict(logger.series["schedule/lr_scale"])
+    assert {cut["step"], cut["step"] + 1} <= set(scales)
+    assert all(scale == pytest.approx(model.lrs[step] / eta) for step, scale in scales.items()), scales
     assert dict(logger.series["schedule/cuts"])[cut["step"]] == 1
     assert schedule.margin == pytest.approx(0.2 * factor)  # the band's edge follows the lr
     # The stationary excess loss before the cut and long after it (relaxation time ~1/(4ηf) = 50 steps).
@@ -129,10 +133,14 @@ def test_grow_batch_doubles_the_accumulation_and_halves_the_excess_loss():
     step = cut["step"]
     assert cut["batch"] == 2 * B and schedule.lr_scale == 1.0 and set(model.lrs) == {eta}
     assert trainer.accumulate_grad_batches == schedule.accumulate == 2 * ACCUMULATE
-    assert dict(logger.series["schedule/accumulate_grad_batches"])[step] == 2 * ACCUMULATE
     # From the first 8-aligned boundary on, every step takes 8 micro-batches: the epoch's 4·steps run out sooner.
     first = (step + 1) * ACCUMULATE
     aligned = -(-first // (2 * ACCUMULATE)) * 2 * ACCUMULATE
+    # The logged accumulation is the one each step took: 4 up to that boundary, 8 from the step it opens (logged).
+    opens = step + 1 + (aligned - first) // ACCUMULATE
+    logged = dict(logger.series["schedule/accumulate_grad_batches"])
+    assert logged[step] == ACCUMULATE and logged[opens] == 2 * ACCUMULATE
+    assert all(n == (2 if s >= opens else 1) * ACCUMULATE for s, n in logged.items()), logged
     assert trainer.global_step == step + 1 + (aligned - first) // ACCUMULATE + (steps * ACCUMULATE - aligned) // 8
     # The stationary excess loss ∝ η/B: halved (relaxation ~5 steps at this lr).
     (m0, s0), (m1, s1) = block_mean(model.sq_norms[50:step], 5), block_mean(model.sq_norms[step + 100 :])
@@ -154,6 +162,26 @@ def test_no_cut_on_an_estimate_that_is_not_decisive():
     with pytest.warns(UserWarning, match="no noise source"):
         trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(50))
     assert lonely.cuts == [] and lonely.lr_scale == 1.0 and lonely.stop_reason is StopReason.NOT_STOPPED
+
+
+def test_no_second_cut_on_a_young_estimate():
+    # At the minimum from the start: after the first cut the band's edge is 10× lower while the estimate's error
+    # (set by tr Σ/B) is not, and the restarted estimate is young. The stopper's rule completes again and again
+    # (a full streak on the point estimate) while the band ratio's 90 % interval reaches past the edge: no cut
+    # then; a later cut only where the whole interval is inside the band.
+    schedule = BandSchedule(factor=0.1, max_cuts=None, stop=False, min_steps=0, patience=5, check_every_n_steps=1)
+    logger = RecordingLogger()
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 400, logger=logger)
+    first, *later = schedule.cuts
+    assert all(c["ratio_high"] <= 1.0 for c in later)
+    high = dict(logger.series.get("grad_norm/band_ratio_high", []))  # left out where infinite
+    then = later[0]["step"] if later else 400
+    waited = [
+        step
+        for step, streak in logger.series["grad_norm/band_streak"]
+        if first["step"] < step < then and streak >= 5 and high.get(step, math.inf) > 1.0
+    ]
+    assert waited, "the stopper's rule never completed between the cuts: nothing was held back"
 
 
 def test_it_stops_after_the_last_cut_or_below_min_lr():
@@ -273,26 +301,55 @@ def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     assert model.lrs == pytest.approx([eta * 0.1] * 50)
 
 
-def test_a_resumed_run_keeps_its_grown_batch(tmp_path):
+class _MicroBatchesPerStep(pl.Callback):
+    """The micro-batches each optimizer step took, counted at their start."""
+
+    def __init__(self):
+        self.seen, self.per_step = 0, []
+
+    def on_train_batch_start(self, *_):
+        self.seen += 1
+
+    def on_before_optimizer_step(self, *_):
+        self.per_step.append(self.seen)
+        self.seen = 0
+
+
+@pytest.mark.parametrize("where", ["mid-epoch", "epoch end"])
+def test_a_resumed_run_takes_its_grown_batch_from_its_first_step(tmp_path, where):
     def schedule():
-        return BandSchedule(factor=0.5, max_cuts=1, stop=False, grow_batch=True, min_steps=0, patience=1,
+        return BandSchedule(factor=0.1, max_cuts=1, stop=False, grow_batch=True, min_steps=0, patience=1,
                             check_every_n_steps=1, verbose=False)  # fmt: skip
 
+    # 51 steps of 4 micro-batches an epoch (204); a growth × 10 to 40 micro-batches a step, at a boundary both
+    # divide (step 19's 80 batches). Saved mid-epoch (step 22: 160 batches) or at the epoch's end (its 204th).
+    grown = 10 * ACCUMULATE
+    length = {"max_steps": 22} if where == "mid-epoch" else {"max_epochs": 1}
     first = schedule()
-    trainer = Trainer(
-        **trainer_kwargs(
-            max_steps=60,
-            accumulate_grad_batches=ACCUMULATE,
-            callbacks=[first, ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)],
-            enable_checkpointing=True,
-        )
-    )
-    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200))
-    assert first.accumulate == 2 * ACCUMULATE and trainer.accumulate_grad_batches == 2 * ACCUMULATE
-    resumed = schedule()
-    trainer = Trainer(**trainer_kwargs(max_steps=70, accumulate_grad_batches=ACCUMULATE, callbacks=[resumed]))
-    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200), ckpt_path=str(tmp_path / "last.ckpt"))
-    assert resumed.cuts == first.cuts and trainer.accumulate_grad_batches == 2 * ACCUMULATE
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    trainer = Trainer(**trainer_kwargs(**length, accumulate_grad_batches=ACCUMULATE, callbacks=[first, checkpoint],
+                                       enable_checkpointing=True))  # fmt: skip
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(51))
+    assert first.accumulate == trainer.accumulate_grad_batches == grown
+    # A requeued job with no step left keeps the grown accumulation in its state, at the Trainer's own meanwhile.
+    again, counted = schedule(), _MicroBatchesPerStep()
+    trainer = Trainer(**trainer_kwargs(**length, accumulate_grad_batches=ACCUMULATE, callbacks=[again, counted]))
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(51), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert counted.per_step == [] and again.accumulate == grown
+    trainer.save_checkpoint(tmp_path / "requeued.ckpt")
+    # Resumed with steps left: every step takes the grown batch from the first (but an epoch's ragged last one).
+    resumed, counted = schedule(), _MicroBatchesPerStep()
+    more = {"max_steps": 25} if where == "mid-epoch" else {"max_epochs": 2}
+    trainer = Trainer(**trainer_kwargs(**more, accumulate_grad_batches=ACCUMULATE, callbacks=[resumed, counted]))
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(51), ckpt_path=str(tmp_path / "requeued.ckpt"))
+    assert resumed.cuts == first.cuts
+    # Windows of 40 from where the checkpoint left the epoch (160 of its 204 batches, or 0), each epoch's last one
+    # ragged (Lightning steps on an epoch's last batch); the old accumulation would take 4 a step until aligned.
+    epoch, done, expected = 51 * ACCUMULATE, (160 if where == "mid-epoch" else 0), []
+    while len(expected) < len(counted.per_step):
+        expected.append(min(grown, epoch - done))
+        done = (done + expected[-1]) % epoch
+    assert counted.per_step == expected and len(expected) >= 3 and expected[0] == grown
 
 
 class _RecordPerRank(pl.Callback):
@@ -472,3 +529,36 @@ def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, caps
         assert rows["stop"].startswith("cut the lr 1 time(s)") and f"step {schedule.stopped_step}" in rows["stop"]
         assert any(s.startswith("in its noise band: BandSchedule stopped the run") for s in said)
     assert not any("GradNormEarlyStopping" in s for s in said) and "GradNormEarlyStopping" not in rows["stop"]
+
+
+def test_the_reports_stop_row_says_the_streaks_cut_without_the_end_of_fit_table(tmp_path, capsys):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals.report.command import main
+
+    # No dashboard: no end-of-fit table, so the stop row is read from the logged streaks and the cut record. The
+    # streaks that reached their patience cut the lr: the row says so, not that they fell short of it.
+    schedule = BandSchedule(factor=0.5, max_cuts=2, stop=False, min_steps=0, patience=5, check_every_n_steps=1)
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 200, logger=logger)
+    assert len(schedule.cuts) == 2
+    capsys.readouterr()
+    main([str(tmp_path), "--format", "json"])
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    stop = {row["label"]: row["value"] for row in run["sections"]["convergence"]}["stop"]
+    assert stop.startswith("not stopped") and "cut the lr 2 time(s)" in stop
+    assert all(str(c["step"]) in stop for c in schedule.cuts)
+    assert "short of its patience" not in stop
+
+
+def test_a_full_streak_held_back_after_a_cut_is_said_with_its_interval():
+    # Three cuts at 0.1, the edge 1000× lower: the streak completes, the interval reaches past the edge, no stop.
+    schedule = BandSchedule(factor=0.1, max_cuts=3, min_steps=0, patience=5, check_every_n_steps=1, verbose=False)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 200)
+    assert len(schedule.cuts) == 3 and schedule.stop_reason is StopReason.NOT_STOPPED
+    act, low, high = schedule._held_back
+    assert act.value == "stop" and not high <= 1.0
+    said = schedule.summary_line()
+    assert "cut the lr 3 time(s)" in said and f"{int(schedule._streak)} step(s)" in said and "stop" in said
+    assert (f"{high:.2g}" if math.isfinite(high) else "no upper end") in said
+    assert "it needs" not in said  # the stopper's "N of the P it needs": the streak did reach its patience

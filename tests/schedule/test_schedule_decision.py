@@ -27,17 +27,32 @@ from trainvitals.schedule.warmup import scheduler_warmup
     ],
 )
 def test_the_decision(in_band, cuts, lr, max_cuts, min_lr, stop, action):
-    assert decide(in_band, cuts, lr, 0.1, max_cuts, min_lr, stop) is action
+    assert decide(in_band, cuts, lr, 0.1, max_cuts, min_lr, stop, ratio_high=0.5) is action
+
+
+@pytest.mark.parametrize("cuts", [1, 2])
+@pytest.mark.parametrize("high", [1.01, 2.9, math.inf, math.nan])
+def test_after_a_cut_no_act_until_the_whole_interval_is_in_the_band(cuts, high):
+    # The band ratio's 90 % interval reaching past the (scaled) edge: after a cut the completed streak does not
+    # cut, grow or stop; the first cut rests on the streak alone, as the stopper's stop does.
+    for growth, stop in ((1, True), (4, True), (1, False)):
+        assert decide(True, cuts, 0.01, 0.1, 3, 0.0, stop, high, growth) is Action.NONE
+    assert decide(True, 2, 0.01, 0.1, 2, 0.0, True, high) is Action.NONE  # the stop after the last cut waits too
+    assert decide(True, 0, 0.1, 0.1, 2, 0.0, True, high) is Action.CUT
+    assert decide(True, 0, 0.1, 0.1, 0, 0.0, True, high) is Action.STOP  # max_cuts=0 is the band stop, unchanged
+    assert decide(True, cuts, 0.01, 0.1, 3, 0.0, True, 1.0) is Action.CUT  # the upper end at the edge: in the band
+    assert decide(True, cuts, 0.01, 0.1, 3, 0.0, True, 0.3, growth=4) is Action.GROW
+    assert decide(True, 3, 0.01, 0.1, 3, 0.0, True, 0.3) is Action.STOP
 
 
 def test_a_batch_growth_comes_first_and_min_lr_bounds_only_an_lr_cut():
     # 0.1 × 0.1 = 0.01 < min_lr 0.02: an lr cut is refused, a growth (which leaves the lr alone) is not.
-    assert decide(True, 0, 0.1, 0.1, 2, 0.02, True, growth=10) is Action.GROW
-    assert decide(True, 0, 0.1, 0.1, 2, 0.02, True, growth=1) is Action.STOP
-    assert decide(True, 0, 0.1, 0.1, 2, 0.02, False, growth=1) is Action.NONE
-    assert decide(True, 1, 0.1, 0.1, 2, 0.0, True, growth=4) is Action.GROW  # before a cut the lr allows
-    assert decide(True, 2, 0.1, 0.1, 2, 0.0, True, growth=4) is Action.STOP  # growths count toward max_cuts
-    assert decide(False, 0, 0.1, 0.1, 2, 0.02, True, growth=4) is Action.NONE
+    assert decide(True, 0, 0.1, 0.1, 2, 0.02, True, 0.5, growth=10) is Action.GROW
+    assert decide(True, 0, 0.1, 0.1, 2, 0.02, True, 0.5, growth=1) is Action.STOP
+    assert decide(True, 0, 0.1, 0.1, 2, 0.02, False, 0.5, growth=1) is Action.NONE
+    assert decide(True, 1, 0.1, 0.1, 2, 0.0, True, 0.5, growth=4) is Action.GROW  # before a cut the lr allows
+    assert decide(True, 2, 0.1, 0.1, 2, 0.0, True, 0.5, growth=4) is Action.STOP  # growths count toward max_cuts
+    assert decide(False, 0, 0.1, 0.1, 2, 0.02, True, 0.5, growth=4) is Action.NONE
 
 
 def test_the_band_edge_follows_the_lr_scale():

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import trainer_kwargs
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 from tensorboard.util import tensor_util
@@ -24,7 +24,7 @@ from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.plumbing.sharing import GRADIENT_NOISE, Vitals
-from trainvitals.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM
+from trainvitals.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM, REPORT_HTML, REPORT_JSON
 from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, progress_bar_values
 from trainvitals.tensorboard.layout import (
     BAND_CATEGORY,
@@ -388,3 +388,20 @@ def test_every_callback_says_one_line_at_fit_end(tmp_path: Path, caplog: pytest.
     )
     assert "6 steps measured" in said["GradNormMonitor"][0]
     assert "from 6 measured optimizer steps" in said["BatchVarianceProbe"][0]
+
+
+def test_the_fit_end_line_names_the_report_in_every_logger_s_folder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TensorBoardLogger and a CSVLogger each get the report in their folder; the line names both copies."""
+    loggers = [TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False), CSVLogger(tmp_path, name="csv")]
+    callbacks = [GradNormMonitor(), TrainvitalsDashboard(progress_bar=False)]
+    trainer = pl.Trainer(**trainer_kwargs(logger=loggers, max_steps=4, limit_val_batches=0, callbacks=callbacks))
+    with caplog.at_level("INFO"):
+        trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trainvitals TrainvitalsDashboard:")]
+    folders = [Path(lg.log_dir) for lg in loggers]
+    pages = [f / REPORT_HTML if (f / REPORT_HTML).exists() else f / REPORT_JSON for f in folders]
+    assert len(set(folders)) == 2 and all(page.is_file() for page in pages)
+    named = line.split("the report: ", 1)[1].split(", ")
+    assert named == [str(page.resolve()) for page in pages]

@@ -251,6 +251,22 @@ def test_an_update_norm_spike_is_found():
     assert any("spike at optimizer step 7" in f for f in monitor.findings())
 
 
+def test_repeated_update_norm_spikes_are_said_once_and_counted(caplog):
+    class Kicks(Linear):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * (1e3 if self.global_step in (7, 9) else 1.0)
+
+    monitor = UpdateMonitor(log_every_n_steps=1, spike_warmup_steps=3)
+    with caplog.at_level("INFO"):
+        fit(Kicks(optimizer=lambda p: torch.optim.SGD(p, lr=1e-3)), [monitor], max_steps=10)
+    assert monitor._tracks[0].state.spike_steps == 2
+    said = [r.getMessage() for r in caplog.records if "spike at optimizer step" in r.getMessage()]
+    assert len(said) == 1 and "spike at optimizer step 7: " in said[0]
+    assert "update-norm spikes 2" in monitor.summary_line()
+    assert any("spike at optimizer step 9" in f for f in monitor.findings())  # the latest, in the findings
+
+
 def test_state_survives_a_requeued_fit_and_the_resumed_fit_continues_the_cadence(tmp_path):
     def optimizer(params):
         model_params = list(params)

@@ -13,13 +13,18 @@ optimizer's step (its post-hook; or at the batch's end when a GradScaler skipped
 
 Cost: a skip must be known before the optimizer steps, so each optimizer step reads its decision back
 to the host — one transfer of a ``(3 + world_size,)`` vector (after one all-reduce of it under DDP),
-as a GradScaler does for its own skip (one more on a non-finite step: which micro-batch's loss was).
-Besides that: the loss kept on the device at each backward,
-the spike rule in Python floats, a snapshot every ``snapshot_every_n_steps``, and at each step's first
-micro-batch a device-side copy of the module's persistent buffers (BatchNorm's running statistics: what a
-skipped step's forward changed), one ``torch._foreach_copy_`` into tensors kept from the first step (the
-buffers' size in memory; none when both actions are ``"warn"``). The producer search (one extra forward
-and backward of the bad batch, hooks removed after) runs once, on the first non-finite step
+as a GradScaler does for its own skip (one more on a non-finite step: which micro-batch's loss was); on
+CUDA that read waits for the step's backward, as GradScaler's ``found_inf`` read does. When both actions
+are ``"warn"`` nothing must be known before the update: the vectors wait on the device and are read at the
+Trainer's logging steps (``log_every_n_steps``; at most 256 steps apart, and at the end of training, before
+a checkpoint is written), one transfer for all of them — the first non-finite step's producer is then
+named only when that step is a logging step, as GradNormMonitor's is. Besides that: the loss kept on the
+device at each backward, the spike rule in Python floats, a snapshot every ``snapshot_every_n_steps`` (when
+an action can lead to a rollback: ``"skip"`` or ``"rollback"``), and at each step's first micro-batch a
+device-side copy of the module's persistent buffers (BatchNorm's running statistics: what a skipped step's
+forward changed), one ``torch._foreach_copy_`` into tensors kept from the first step, over a list of buffers
+kept too (the buffers' size in memory; none when both actions are ``"warn"``). The producer search (one extra
+forward and backward of the bad batch, hooks removed after) runs once, on the first non-finite step
 (:class:`~trainvitals.norms.nonfinite.ProducerSearch`, which GradNormMonitor runs without a guard).
 """
 
@@ -38,19 +43,21 @@ from torch import Tensor
 from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
-from trainvitals.guard.decision import ACTIONS, NONFINITE, SPIKE, Budget, choose, classify, pack, unpack
+from trainvitals.guard.decision import ACTIONS, NONFINITE, SPIKE, Budget, Reading, choose, classify, pack, unpack
 from trainvitals.guard.snapshot import WHERE, BufferCopy, Snapshot
+from trainvitals.norms.monitor import MAX_PENDING_STEPS
 from trainvitals.norms.nonfinite import ProducerSearch
 from trainvitals.norms.producer import SEARCHES, Producer
 from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
+from trainvitals.tags import GUARD_EVENT_LOG, SKIP_BATCHES_FILE
 from trainvitals.text.markdown import markdown_table
 
-SKIP_BATCHES_FILE = "skip_batches.json"
 _PANEL_ROWS = 20  # events shown in the text panel, newest last
 
 _DOING = {
@@ -79,6 +86,8 @@ class TrainingGuard(TrainvitalsCallback):
     checkpoint written through the Trainer, the fit stopped. After ``budget_events`` skips (or rollbacks)
     within ``budget_window`` steps, the next event gets the next action: skip → rollback → stop. Every
     rank takes the same decision, from numbers reduced over ranks.
+    With both actions ``"warn"`` the steps are read back at the Trainer's logging steps only (no host read on
+    the others; module docstring), and their events recorded then, each at its own step.
     On each fit's first non-finite step the module that produced the inf/NaN is named (:attr:`producer`;
     under gradient accumulation the first micro-batch whose loss was non-finite is the one re-run, else the
     step's last; a re-run that stays finite is said, with the step's batches).
@@ -87,11 +96,11 @@ class TrainingGuard(TrainvitalsCallback):
 
     - ``guard/skipped_steps``, ``guard/rollbacks``, ``guard/events``: counts since the run began;
     - ``guard/lr_factor``: at each step the factor applies to, and 1 at the first step after;
-    - ``guard/event_log`` (text panel): the latest events as a table;
+    - ``guard/event_log`` (text panel): the summary line (:meth:`summary_line`), then the latest events as a table;
     - ``skip_batches.json`` in the logger's folder: every event as ``{global_step, epoch, batch_idx,
-      batches, loss, grad_norm, kind, action, detail}`` (non-finite numbers as strings), for a user to skip
-      them: ``batches`` are the step's micro-batches, ``batch_idx`` the one whose loss was non-finite (else
-      the step's last).
+      batches, loss, grad_norm, kind, action, detail, producer}`` (non-finite numbers as strings), for a user to
+      skip them: ``batches`` are the step's micro-batches, ``batch_idx`` the one whose loss was non-finite (else
+      the step's last), ``producer`` the module that made the first inf/NaN when this event's search named it.
 
     Args:
         on_nonfinite: action for an inf/NaN loss or gradient: one of ``"warn"``, ``"skip"``, ``"rollback"``, ``"stop"``.
@@ -99,8 +108,9 @@ class TrainingGuard(TrainvitalsCallback):
         spike_factor: a value above ``spike_factor`` × its EMA is a spike; > 1.
         ema_beta: decay of the EMAs per optimizer step, in [0, 1).
         spike_warmup_steps: steps before spikes are looked for.
-        snapshot_every_n_steps: optimizer steps between snapshots (at a clean step); 0: none (a rollback is then
-            a skip, or a stop when the budget escalated to it).
+        snapshot_every_n_steps: optimizer steps between snapshots (at a clean step; taken only when an action is
+            ``"skip"`` or ``"rollback"``, which can lead to a rollback); 0: none (a rollback is then a skip, or a
+            stop when the budget escalated to it).
         snapshot_on: ``"cpu"`` or ``"device"`` (the parameters'): where the snapshot is kept.
         lr_factor: lr multiplier after a rollback, in (0, 1].
         lr_factor_steps: optimizer steps the factor applies for after a rollback.
@@ -183,11 +193,14 @@ class TrainingGuard(TrainvitalsCallback):
         )
         self._step: dict[str, Any]  # scratch: this step's losses, batches, RNG states, decision; the params
         self.add_state("_step", dict, persistent=False)
+        self._waiting: list[tuple[Any, ...]]  # all actions "warn": the steps not read back yet, rows on the device
+        self.add_state("_waiting", list, persistent=False)
         self._lr: dict[str, Any]  # whether guard/lr_factor was logged at the last step (the lrs: plumbing.lr_factors)
         self.add_state("_lr", dict, persistent=False)
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks, installed for one fit
         self._buffers = BufferCopy()  # the persistent buffers at this step's start: what a skip puts back
         self._skips = any(action != "warn" for action in self.actions.values())  # else no step is ever skipped
+        self._rolls_back = any(action in ("skip", "rollback") for action in self.actions.values())  # or escalated to
         self._amp = False
         self._folder = ""
 
@@ -196,6 +209,7 @@ class TrainingGuard(TrainvitalsCallback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._amp = grad_scaler(trainer) is not None
         self._folder = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank, once
+        self._step["fit"] = (trainer, pl_module)
         self._remove_hooks()
         for optimizer in trainer.optimizers:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
@@ -231,17 +245,59 @@ class TrainingGuard(TrainvitalsCallback):
         params = self._params_of(optimizer)
         sq_norm = self.vitals.grad_norms.sq_norm(trainer, optimizer, params)
         losses = [held for _, held in self._step.get("losses", [])]
-        loss = torch.stack(losses).sum() if losses else None  # the micro-batches' sum, as Lightning normalises
+        # The micro-batches' sum, as Lightning normalises them (one micro-batch: its own loss, no device op).
+        loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) if losses else None
         device = next((t.device for t in (sq_norm, loss) if t is not None), pl_module.device)
         row = pack(loss, sq_norm, trainer.global_rank, trainer.world_size, device)
         if trainer.world_size > 1:
             row = trainer.strategy.reduce(row, reduce_op="sum")
-        reading = unpack(row.tolist())  # the step's one host read: a skip must be known before the step
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:  # a step the GradScaler skips runs no post-hook: the scheduler's lrs back now
+            factors.before_step(optimizer, grad_scaler(trainer))
+        held = (step, trainer.current_epoch, list(self._step.get("batches", [])), self._step.get("losses", []), row)
+        if self._skips:  # the step's one host read: a skip must be known before the step
+            self._decide(trainer, pl_module, optimizer, params, held, unpack(row.tolist(), bool(held[3])), False)
+            return
+        # Every action "warn": the rows wait on the device for a logging step, read then in one transfer.
+        self._waiting.append(held)
+        if is_logging_step(step, logging_every(trainer)) or len(self._waiting) >= MAX_PENDING_STEPS:
+            self._read_waiting(trainer, pl_module, optimizer, params)
+
+    def _read_waiting(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        optimizer: torch.optim.Optimizer | None = None,
+        params: list[torch.nn.Parameter] | None = None,
+    ) -> None:
+        """The rows waiting on the device read back in one transfer and decided in order (all actions "warn"): the
+        current step's event is acted on as usual (its producer searched before its update), an earlier one's
+        recorded now, too late for a search (its update made the weights what they are)."""
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
+            return
+        values = torch.stack([held[-1] for held in waiting]).tolist()
+        for held, row in zip(waiting, values):
+            late = optimizer is None or held[0] != trainer.global_step
+            self._decide(trainer, pl_module, optimizer, params, held, unpack(row, bool(held[3])), late)
+
+    def _decide(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        optimizer: torch.optim.Optimizer | None,
+        params: list[torch.nn.Parameter] | None,
+        held: tuple[int, int, list[int], list[tuple[int | None, Tensor]], Tensor],
+        reading: Reading,
+        late: bool,
+    ) -> None:
+        """What the step ``held`` (its step, epoch, micro-batches, losses and row) says, and the action: acted on
+        once every callback has read the step (:meth:`_before_step`, :meth:`_after_step`), or at once when
+        ``late`` (read back after its update)."""
+        step, epoch, batches, losses, _ = held
         kind, seen = classify(reading, self.loss_spikes, self.norm_spikes)
-        if kind == NONFINITE and self._amp:
-            self._put_back_lr()  # the GradScaler skips the step: no post-step hook puts them back
-            if math.isfinite(reading.loss):
-                return  # the GradScaler skips this step and lowers its scale: calibration
+        if kind == NONFINITE and self._amp and math.isfinite(reading.loss):
+            return  # the GradScaler skips this step and lowers its scale: calibration
         if kind is None:
             self._take_snapshot(trainer, pl_module, step)
             self._spend_lr_step()
@@ -249,11 +305,19 @@ class TrainingGuard(TrainvitalsCallback):
             action = choose(kind, self.actions, self.budget, step, self.snapshot.step is not None)
             if action == "warn":
                 self._spend_lr_step()
-            # Acted on once every callback has read this step: see _before_step, _after_step.
-            self._step["pending"] = dict(
-                trainer=trainer, pl_module=pl_module, optimizer=optimizer, params=params, step=step,
-                kind=kind, seen=seen, reading=reading, action=action, prepared=False, before=self._step.get("last"),
+            pending = dict(
+                trainer=trainer, pl_module=pl_module, optimizer=optimizer, params=params, step=step, epoch=epoch,
+                batches=batches, losses=losses, kind=kind, seen=seen, reading=reading, action=action, prepared=late,
+                before=self._step.get("last"),
             )  # fmt: skip
+            if late:
+                pending["where"] = self._culprit(kind, batches, losses)
+                if kind == NONFINITE and self.name_producer and not self.search.searched:
+                    self.search.give_up()
+                    pending["late"] = trainer.global_step
+                self._conclude(pending)
+            else:
+                self._step["pending"] = pending
         self._step["last"] = (step, kind)
 
     @override
@@ -268,9 +332,11 @@ class TrainingGuard(TrainvitalsCallback):
         self.stop_reason = f"{reason}; checkpoint: {path}"
         trainer.should_stop = True
         self.warn(f"stopping the fit: {self.stop_reason}")
+        log_text(trainer, GUARD_EVENT_LOG, self.summary_markdown(), step)  # the panel's summary says the stop
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._read_waiting(trainer, pl_module)
         self._put_back_lr()
         self._remove_hooks()
         log_scalars(trainer, self._counters(), trainer.global_step)
@@ -284,7 +350,13 @@ class TrainingGuard(TrainvitalsCallback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._put_back_lr()
         self._remove_hooks()
-        self._step = {}
+        self._step, self._waiting = {}, []
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self._waiting:  # the steps still on the device enter the counters and the spike averages first
+            self._read_waiting(*self._step["fit"])
+        return super().state_dict()
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -346,7 +418,7 @@ class TrainingGuard(TrainvitalsCallback):
             return
         pending["prepared"] = True
         trainer, pl_module, kind = pending["trainer"], pending["pl_module"], pending["kind"]
-        pending["where"] = self._culprit(kind)
+        pending["where"] = self._culprit(kind, pending["batches"], pending["losses"])
         if kind == NONFINITE and self.name_producer and not self.search.searched:
             # A clean previous step was applied: non-finite weights now are that optimizer step's doing.
             before = pending["before"]
@@ -364,8 +436,11 @@ class TrainingGuard(TrainvitalsCallback):
         """After the update (or the GradScaler's skip): the rollback, the counters, the event's record."""
         self._prepare()
         pending = self._step.pop("pending", None)
-        if pending is None:
-            return
+        if pending is not None:
+            self._conclude(pending)
+
+    def _conclude(self, pending: dict[str, Any]) -> None:
+        """The event ``pending`` acted on and recorded: the rollback, the counters, the warning, the record."""
         trainer, pl_module, step, kind = pending["trainer"], pending["pl_module"], pending["step"], pending["kind"]
         action, reading, seen = pending["action"], pending["reading"], pending["seen"]
         producer = pending.get("producer")
@@ -390,6 +465,11 @@ class TrainingGuard(TrainvitalsCallback):
             doing += " (the GradScaler skips the optimizer step itself)"
         batch_idx, batches = pending["where"]
         found = f"; made by {producer.describe()}" if producer else ""
+        if "late" in pending:
+            found = (
+                f"; read back at optimizer step {pending['late']}, after its update: too late to re-run its batch and "
+                "name the module that made the inf/NaN (every action is warn: the guard reads at logging steps only)"
+            )
         if pending.get("searched") and producer is None and self.search.rerun:
             found = f"; the re-run of batch {self.search.rerun[-1]} was finite" + (
                 f": the inf/NaN came from another micro-batch of the step (batches {batches[0]}–{batches[-1]})"
@@ -398,7 +478,7 @@ class TrainingGuard(TrainvitalsCallback):
             )
         event = {
             "global_step": step,
-            "epoch": trainer.current_epoch,
+            "epoch": pending["epoch"],
             "batch_idx": batch_idx,
             "batches": batches,
             "loss": _number(reading.loss),
@@ -406,6 +486,7 @@ class TrainingGuard(TrainvitalsCallback):
             "kind": kind,
             "action": action,
             "detail": seen + found,
+            "producer": producer.describe() if producer else None,
         }
         self.events.append(event)
         budget = f" ({self.budget.events} skips/rollbacks in {self.budget.window} steps spent: escalated)"
@@ -426,12 +507,12 @@ class TrainingGuard(TrainvitalsCallback):
         except RuntimeError as error:  # a buffer registered or replaced during the step
             self.cannot_measure(f"could not put the skipped step's buffers back ({error})")
 
-    def _culprit(self, kind: str) -> tuple[int | None, list[int]]:
-        """The batch to name for this step's event and the step's micro-batches: the first micro-batch whose loss
-        was non-finite when the loss is (one more host read, on this step only), else the step's last."""
-        batches = list(self._step.get("batches", []))
+    def _culprit(
+        self, kind: str, batches: list[int], losses: list[tuple[int | None, Tensor]]
+    ) -> tuple[int | None, list[int]]:
+        """The batch to name for a step's event and the step's micro-batches: the first micro-batch whose loss was
+        non-finite when the loss is (one more host read, on this step only), else the step's last."""
         last = batches[-1] if batches else self._step.get("batch_idx")
-        losses = self._step.get("losses", [])
         if kind != NONFINITE or not losses:
             return last, batches
         finite = torch.stack([held.reshape(()) for _, held in losses]).isfinite().tolist()
@@ -448,7 +529,7 @@ class TrainingGuard(TrainvitalsCallback):
         return params
 
     def _take_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int) -> None:
-        every = self.snapshot_every_n_steps
+        every = self.snapshot_every_n_steps if self._rolls_back else 0  # warn and stop never roll back
         if every and (self.snapshot.step is None or step - self.snapshot.step >= every):
             try:
                 self.snapshot.take(step, pl_module, trainer.optimizers)
@@ -484,6 +565,7 @@ class TrainingGuard(TrainvitalsCallback):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._buffers.close()
         factors = self.vitals.shared(LR_FACTORS)
         if factors is not None:
             factors.close()
@@ -509,7 +591,7 @@ class TrainingGuard(TrainvitalsCallback):
     def _record(self, trainer: "pl.Trainer", step: int) -> None:
         """The counters to the loggers, the events to the text panel and to ``skip_batches.json`` (rank zero)."""
         log_scalars(trainer, self._counters(), step)
-        log_text(trainer, "guard/event_log", "\n".join(self._event_table()), step)
+        log_text(trainer, GUARD_EVENT_LOG, self.summary_markdown(), step)
         if trainer.is_global_zero and self._folder:
             try:
                 os.makedirs(self._folder, exist_ok=True)

@@ -3,7 +3,9 @@
 One optimizer step is read as a ``(3 + world_size,)`` float64 vector that every rank fills with its own
 numbers and that one all-reduce (sum) makes identical on all ranks (:func:`pack`, :func:`unpack`): the
 loss summed over micro-batches, the total ‖g‖₂² (already the ranks' common gradient), a count of ranks
-that had a loss, and one slot per rank set when that rank's own loss was non-finite. Everything after
+that had a loss, and one slot per rank set when that rank's own loss was non-finite. A single process
+reads ``(loss, ‖g‖₂²)`` alone: whether it had a loss it knows, and whether the loss was finite it reads
+from the number (fewer device operations on the step that every step pays). Everything after
 runs on the host over those identical numbers — :func:`classify` with the winsorized EMA spike rule of
 :class:`~trainvitals.norms.spikes.SpikeDetector`, :func:`choose` with a :class:`Budget` — so every
 rank takes the same decision without a second collective.
@@ -48,24 +50,34 @@ class Reading:
 
 
 def pack(loss: Tensor | None, sq_norm: Tensor | None, rank: int, world_size: int, device: torch.device) -> Tensor:
-    """This rank's ``(3 + world_size,)`` float64 row (module docstring): sum it over ranks, then :func:`unpack`.
+    """This rank's ``(3 + world_size,)`` float64 row (module docstring): sum it over ranks, then :func:`unpack`;
+    ``(2,)`` for a single process.
 
     ``loss``: the rank's ``()`` loss or ``None`` (no backward this step); ``sq_norm``: ``()`` ‖g‖₂² or
     ``None`` (no gradient). Built on ``device`` without a host sync.
     """
-    row = torch.zeros(3 + world_size, dtype=torch.float64, device=device)
-    if loss is not None:
-        loss = loss.detach().reshape(()).to(row)
-        row[0] = loss
-        row[2] = 1.0
-        row[3 + rank] = (~torch.isfinite(loss)).to(row)
-    if sq_norm is not None:
-        row[1] = sq_norm.detach().reshape(()).to(row) / world_size  # the same on every rank: the sum is it
-    return row
+    f64 = torch.float64
+    zero = torch.zeros((), dtype=f64, device=device) if loss is None or sq_norm is None else None
+    if world_size == 1:
+        return torch.stack([zero if t is None else t.detach().reshape(()).to(f64) for t in (loss, sq_norm)])
+    if loss is None:
+        loss = has = bad = zero
+    else:
+        loss = loss.detach().reshape(()).to(f64)
+        has, bad = torch.ones_like(loss), torch.isfinite(loss).logical_not_().to(f64)
+    # ‖g‖² is the same on every rank: the sum of the shares is it.
+    sq = zero if sq_norm is None else sq_norm.detach().reshape(()).to(f64) / world_size
+    flags = torch.zeros(world_size, dtype=f64, device=device)
+    flags[rank] = bad
+    return torch.cat([torch.stack([loss, sq, has]), flags])
 
 
-def unpack(summed: list[float]) -> Reading:
-    """The :class:`Reading` of a summed :func:`pack` row, read back to the host."""
+def unpack(summed: list[float], has_loss: bool = True) -> Reading:
+    """The :class:`Reading` of a summed :func:`pack` row, read back to the host; ``has_loss``: whether a single
+    process's ``(2,)`` row holds a loss (a longer row counts its ranks' own)."""
+    if len(summed) == 2:
+        loss, sq_norm = summed
+        summed = [loss if has_loss else 0.0, sq_norm, float(has_loss), float(has_loss and not math.isfinite(loss))]
     loss_sum, sq_norm, with_loss, *flags = summed
     return Reading(
         loss=loss_sum / with_loss if with_loss else math.nan,

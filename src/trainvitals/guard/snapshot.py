@@ -12,6 +12,7 @@ and ``num_batches_tracked``), which a step's forward changes before any decision
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 import torch
@@ -118,11 +119,20 @@ class BufferCopy:
 
     One ``torch._foreach_copy_`` into tensors allocated at the first :meth:`take` (again only when the
     buffers' shapes or dtypes change): no host sync, and :attr:`nbytes` of memory, the buffers' own size.
+    The list of buffers is found by a walk of the module at the first :meth:`take` and kept: a later one checks
+    that each is still its module's (a ``.to()`` or an assignment replaces it) and that no buffer or submodule
+    was registered into one of its modules since (torch's global registration hooks, installed from the first
+    :meth:`take` to :meth:`close`), else walks again: on a CPU 0.09–0.12 ms a step for a ResNet-50's 53 BatchNorm
+    layers, against 0.40–0.52 ms with the walk (``benchmarks/bench_training_guard.py``).
     """
 
     def __init__(self) -> None:
         self._copies: list[Tensor] = []
         self.taken = False
+        self.walks = 0
+        """Walks of the module for its buffers (what the tests count)."""
+        self._held: _HeldBuffers | None = None
+        self._watching: weakref.finalize | None = None
 
     @property
     def nbytes(self) -> int:
@@ -131,13 +141,37 @@ class BufferCopy:
 
     def take(self, module: nn.Module) -> None:
         """Copy ``module``'s persistent buffers now (before the step's first forward)."""
-        buffers = _persistent_buffers(module)
-        with torch.no_grad():
-            if not _same_layout(self._copies, buffers):
-                self._copies = [b.detach().clone() for b in buffers]
-            elif buffers:
-                torch._foreach_copy_(self._copies, buffers)
+        kept = self._held
+        buffers = self._buffers_of(module)
         self.taken = True
+        if not buffers:  # nothing a forward changes (an MLP): no copy, no grad-mode switch
+            self._copies = []
+            return
+        with torch.no_grad():
+            # The copies were made from this very list: the layout is theirs (a restore checks it again).
+            if self._held is not kept and not _same_layout(self._copies, buffers):
+                self._copies = [b.detach().clone() for b in buffers]
+            else:
+                torch._foreach_copy_(self._copies, buffers)
+
+    def close(self) -> None:
+        """Forget the kept list of buffers and stop watching registrations (at the end of a fit); the copies stay."""
+        self._held = None
+        if self._watching is not None:
+            self._watching()  # once: a copy collected without a close stops watching too
+            self._watching = None
+
+    def _buffers_of(self, module: nn.Module) -> list[Tensor]:
+        """``module``'s persistent buffers: the kept list while it holds (class docstring), else a new walk."""
+        held = self._held
+        if held is not None and held.holds(module):
+            return held.buffers
+        if self._watching is None:
+            _Registrations.watch()
+            self._watching = weakref.finalize(self, _Registrations.unwatch)
+        self.walks += 1
+        self._held = _HeldBuffers(module)
+        return self._held.buffers
 
     def restore(self, module: nn.Module) -> None:
         """Put the copies back into ``module``'s buffers, in place.
@@ -145,7 +179,7 @@ class BufferCopy:
         Raises:
             RuntimeError: nothing taken, or the module's persistent buffers changed since (nothing copied then).
         """
-        buffers = _persistent_buffers(module)
+        buffers = _HeldBuffers(module).buffers  # walked afresh: a change the kept list missed is refused here
         if not self.taken or not _same_layout(self._copies, buffers):
             raise RuntimeError("no copy of this module's current buffers to restore")
         if buffers:
@@ -153,16 +187,71 @@ class BufferCopy:
                 torch._foreach_copy_(buffers, self._copies)
 
 
-def _persistent_buffers(module: nn.Module) -> list[Tensor]:
-    """The buffers in ``module.state_dict()``, each once (a shared module's are not repeated), but a lazy
-    module's not yet materialized (its first forward gives them a shape: the layout then changes)."""
-    found: dict[int, Tensor] = {}
-    for m in module.modules():
-        for name, b in m._buffers.items():
-            lazy = isinstance(b, nn.parameter.UninitializedBuffer)
-            if b is not None and not lazy and name not in m._non_persistent_buffers_set:
-                found.setdefault(id(b), b.detach())
-    return list(found.values())
+class _Registrations:
+    """Tells every live :class:`_HeldBuffers` of a buffer or submodule registered into one of its modules: torch's
+    global registration hooks, installed while at least one :class:`BufferCopy` watches. A module made elsewhere
+    (a ``Sequential`` sliced in a forward) is no change."""
+
+    _watchers = 0
+    _handles: list[Any] = []
+    _held: weakref.WeakSet[_HeldBuffers] = weakref.WeakSet()
+
+    @classmethod
+    def watch(cls) -> None:
+        if cls._watchers == 0:
+            cls._handles = [
+                nn.modules.module.register_module_buffer_registration_hook(cls._registered),
+                nn.modules.module.register_module_module_registration_hook(cls._registered),
+            ]
+        cls._watchers += 1
+
+    @classmethod
+    def unwatch(cls) -> None:
+        cls._watchers = max(cls._watchers - 1, 0)
+        if cls._watchers == 0:
+            for handle in cls._handles:
+                handle.remove()
+            cls._handles = []
+
+    @classmethod
+    def _registered(cls, parent: nn.Module, *_: Any) -> None:
+        for held in cls._held:
+            if id(parent) in held.modules:
+                held.changed = True
+
+
+class _HeldBuffers:
+    """A module's persistent buffers (those in its ``state_dict``) as one walk found them, each once (a shared
+    module's are not repeated), a lazy module's not yet materialized left out; and what says they still are."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
+        self.changed = False  # a buffer or submodule registered into one of its modules since
+        found: dict[int, tuple[nn.Module, str, Tensor]] = {}
+        self.modules: set[int] = set()
+        self.lazy: list[Tensor] = []
+        for m in module.modules():
+            self.modules.add(id(m))
+            for name, b in m._buffers.items():
+                if b is None or name in m._non_persistent_buffers_set:
+                    continue
+                if isinstance(b, nn.parameter.UninitializedBuffer):
+                    self.lazy.append(b)  # its first forward gives it a shape, in place: walked again then
+                else:
+                    found.setdefault(id(b), (m, name, b))
+        self.entries = list(found.values())
+        self.buffers = [b for _, _, b in self.entries]
+        _Registrations._held.add(self)
+
+    def holds(self, module: nn.Module) -> bool:
+        """Whether these are still ``module``'s buffers: the same module, nothing registered into it since, each
+        buffer still its owner's, every lazy one still unmaterialized."""
+        return (
+            self.module() is module
+            and not self.changed
+            and all(owner._buffers.get(name) is b for owner, name, b in self.entries)
+            and all(isinstance(b, nn.parameter.UninitializedBuffer) for b in self.lazy)
+        )
 
 
 def _module_tensors(module: nn.Module) -> list[Tensor]:

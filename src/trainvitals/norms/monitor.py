@@ -36,7 +36,7 @@ from trainvitals.fused_norms import (
 )
 from trainvitals.norms.nonfinite import ProducerSearch
 from trainvitals.norms.producer import SEARCHES, Producer
-from trainvitals.norms.spikes import SpikeDetector
+from trainvitals.norms.spikes import SpikeDetector, first_spike_note
 from trainvitals.plumbing.amp import grad_scaler
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
@@ -92,6 +92,7 @@ class _Track:
     read_late: int | None = None
     warned_nonfinite: bool = False
     reported_spikes: int = field(init=False)
+    said_spike: bool = False  # this fit's first spike went to the console; the later ones are counted
 
     def __post_init__(self) -> None:
         # What the checkpoint's counters held was logged and reported by the fit that wrote it.
@@ -132,7 +133,8 @@ class GradNormMonitor(TrainvitalsCallback):
       such steps under a GradScaler, which skips them and lowers its scale — calibration, not divergence.
       A non-finite norm is counted, not logged;
     - ``grad_norm/spike_steps``: steps with a total above ``spike_factor`` × its running EMA; the
-      latest spike (step, ratio, three largest groups) goes to the text panel ``grad_norm/spikes``;
+      latest spike (step, ratio, three largest groups) goes to the text panel ``grad_norm/spikes``, the
+      fit's first to the console too (the later ones are counted there at fit end);
     - every ``histogram_every_n_steps``: histograms ``grad_norm/hist/<group>`` of gradient values and
       ``grad_norm/hist/group_norms`` of the group norms (TensorBoard, global rank zero only).
 
@@ -446,7 +448,9 @@ class GradNormMonitor(TrainvitalsCallback):
         if track.spike is not None and track.counts["spike_steps"] > track.reported_spikes:
             track.reported_spikes = track.counts["spike_steps"]
             at, message = track.spike
-            self.info(message)
+            if not track.said_spike:
+                track.said_spike = True
+                self.info(message + first_spike_note(f"{tag('spike_steps')} and the fit-end line"))
             log_text(trainer, tag("spikes"), message, at)
 
     def _search_producer(

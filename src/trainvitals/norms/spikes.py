@@ -12,6 +12,16 @@ from typing import Any
 from trainvitals._validation import check_float, check_int
 
 
+def first_spike_note(counted_in: str) -> str:
+    """What a monitor's console line on the fit's first spike adds: that the later ones are counted, not said.
+
+    A noisy run (small batches late in training) spikes every few dozen steps; a line for each would bury
+    the console, so a monitor says the first, in Lightning's manner of one warning, and the count
+    (``counted_in``: a scalar tag, the fit-end line) tells the rest; each spike still goes to its text panel.
+    """
+    return f" (this fit's first; later spikes are counted in {counted_in}, not said)"
+
+
 class SpikeDetector:
     """Flags a value above ``factor`` × the bias-corrected EMA of the values before it.
 

@@ -56,9 +56,13 @@ class Workspace:
         return view
 
 
-def _ghost_is_cheaper(positions: int, fan_in: int, fan_out: int) -> bool:
-    """Ghost Gram matrices, O(T²(I + O)), against the per-example I×O block, O(T·I·O): 2T² ≤ I·O."""
-    return 2 * positions * positions <= fan_in * fan_out
+def gram_is_cheaper(positions: int, fan_in: int, fan_out: int, gram_speed: float = 1.0) -> bool:
+    """Whether ‖Σ_t δ_t a_tᵀ‖²_F costs fewer multiply-adds per example from the ghost Gram matrices, T²·(I + O)
+    for A Aᵀ and Δ Δᵀ and T² for their dot product, than from the per-example block, T·I·O and I·O for its
+    squared norm (T positions, I input and O output features); the Gram side's counted at 1/``gram_speed``,
+    how much faster its matmuls run per multiply-add in the caller's layouts."""
+    t, i, o = positions, fan_in, fan_out
+    return t * t * (i + o + 1) <= gram_speed * (t + 1) * i * o
 
 
 def _bmm(x: Tensor, y: Tensor, workspace: Workspace | None, role: str) -> Tensor:
@@ -79,13 +83,14 @@ def _by_position(t: Tensor) -> Tensor:
 
 def _outer_sq_norms(a: Tensor, g: Tensor, workspace: Workspace | None = None, gram: bool | None = None) -> Tensor:
     """‖Σ_t g_t a_tᵀ‖²_F per example, ``(B, T, I)``, ``(B, T, O)`` → ``(B,)``: from the ghost Gram matrices
-    where ``gram`` (``None``: where 2T² ≤ I·O), else from the per-example blocks."""
+    where ``gram`` (``None``: where they cost fewer multiply-adds, :func:`gram_is_cheaper`), else from the
+    per-example blocks."""
     # Reductions straight from the operands (vecdot, vector_norm): no squared temporary of the size of
     # the Gram matrices or blocks, whose allocation per step costs more than the arithmetic on a CPU.
     t, i, o = a.shape[1], a.shape[2], g.shape[2]
     if t == 1:
         return _sq_norms(a) * _sq_norms(g)
-    if _ghost_is_cheaper(t, i, o) if gram is None else gram:
+    if gram_is_cheaper(t, i, o) if gram is None else gram:
         return torch.linalg.vecdot(
             _bmm(a, a.transpose(1, 2), workspace, "gram_a").flatten(1),
             _bmm(g, g.transpose(1, 2), workspace, "gram_g").flatten(1),

@@ -7,6 +7,7 @@ quickly:
 - :mod:`.events`: event files read record by record, checksums checked, the damage found and named;
 - :mod:`.model`: a run's rows, findings, sections' steps and exit status;
 - :mod:`.convergence`: the noise-band verdict and the noise-scale section; :mod:`.assess`: the other sections
-  (batch and lr, integrity, memory, spikes) and the findings;
+  (batch and lr, integrity, memory, spikes) and the findings; :mod:`.schedule`, :mod:`.guard`, :mod:`.updates`:
+  the sections of BandSchedule, TrainingGuard, UpdateMonitor and ActivationMonitor;
 - :mod:`.render`: text, markdown and JSON; :mod:`.html`: one self-contained HTML page with plots.
 """

@@ -1,7 +1,8 @@
 """The verdicts of ``trainvitals report``: a run's sections, findings and exit status, from what it logged.
 
 Each run that holds trainvitals metrics gets five sections — convergence, noise scale and batch size
-(:mod:`.convergence`), integrity, memory, spikes and non-finite steps — and a list of findings (a damaged
+(:mod:`.convergence`), integrity, memory, spikes and non-finite steps — and those of the callbacks it ran
+(:mod:`.schedule`, :mod:`.guard`, :mod:`.updates`), and a list of findings (a damaged
 event file is one of them). Never a verdict on what was not measured: a section without a valid estimate
 says so, and why. The report's record types are in :mod:`.report_model`.
 """
@@ -15,6 +16,7 @@ from trainvitals.integrity.findings import INTEGRITY, NOTHING_CHECKED, warning_c
 from trainvitals.memory import MEMORY_CATEGORIES, format_bytes
 from trainvitals.report.convergence import convergence_section, noise_scale_section, stopper_stop, uncounted_since
 from trainvitals.report.events import Run
+from trainvitals.report.guard import ANSWERED_NONFINITE, answered_nonfinite_steps, guard_section
 from trainvitals.report.model import (
     CRASHED,
     CRITICAL_COUNTERS,
@@ -24,6 +26,7 @@ from trainvitals.report.model import (
     EXIT_UNFINISHED,
     FIT,
     LAST_WINDOW,
+    NONFINITE_STEPS,
     SPIKES,
     UNFINISHED,
     Finding,
@@ -109,6 +112,7 @@ def assess(run: Run) -> RunReport:
             _integrity,
             _memory,
             _spikes,
+            guard_section,
             update_section,
             activation_section,
         )
@@ -116,9 +120,12 @@ def assess(run: Run) -> RunReport:
         else (_integrity,)
     ):
         section(run, report)
+    answered = answered_nonfinite_steps(run) if report.measured else 0
     for title, pattern, message in CRITICAL_COUNTERS:
         n = counter(run, pattern, last=pattern in LAST_WINDOW)
-        if n > 0:
+        if n > 0 and pattern == NONFINITE_STEPS and n <= answered:
+            report.findings.append(Finding("warning", title, ANSWERED_NONFINITE.format(n=f"{n:g}")))
+        elif n > 0:
             report.findings.append(Finding("critical", title, message.format(n=f"{n:g}")))
     for title, pattern, message in warning_counters(finding_kinds()):
         n = counter(run, pattern)

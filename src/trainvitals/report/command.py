@@ -19,7 +19,9 @@ nothing counts only when no run did):
   reaches no parameter, an optimizer stepping before the backward of its gradients, a parameter still
   unused in the last check window, a parameter outside every optimizer (unregistered: layers in a Python
   list), a computation graph kept alive across steps (GraphIntegrityCallback's counter, or
-  MemoryTopologyProfiler's saved bytes still held after backward and growing);
+  MemoryTopologyProfiler's saved bytes still held after backward and growing), a fit TrainingGuard stopped (an
+  abort on a divergence, not a convergence stop) or a non-finite step it only warned about (applied as it was) —
+  its skips and rollbacks are a warning, which leaves the status alone;
 - 3: a run read only in part, and nothing critical in what was read: an event file cut short (a run killed
   or still writing), with a record that fails its checksum or is no event, or unreadable, or a folder that
   cannot be listed; what was logged in the unread part may hold anything;

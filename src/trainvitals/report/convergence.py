@@ -32,6 +32,7 @@ from trainvitals.report.model import (
     series_row,
     value_at,
 )
+from trainvitals.report.schedule import acts_said, cut_record
 from trainvitals.tags import DIAGNOSIS_PREFIXES, SUGGESTED_LR, grad_norm
 from trainvitals.text.terminal import inline, table_cells
 
@@ -411,6 +412,15 @@ def _not_stopped(run: Run, partial: str, caveat: str) -> str:
         )
     if _diverged(run):
         return "not stopped: the run diverged, and the stopper counts no step with non-finite gradients"
+    record = cut_record(run)
+    if record and stopper_name(run) == "BandSchedule":  # its streaks reached their patience: it cut on them
+        last = int(re.match(r"step (\d+)", record[-1])[1])
+        after = [v for series in run.matching(grad_norm("band_streak")).values() for s, v in series if s > last]
+        since = f"; after the last, the logged streak reached {max(after):g} step(s) in a row" if after else ""
+        return (
+            f"not stopped: BandSchedule {acts_said(record)}, each where its streak in the noise band reached its "
+            f"patience{since} (its end-of-fit table, which says why it did not act again, was not logged)"
+        )
     streak = f"the logged streak in its condition reached {max(streaks):g} step(s) in a row"
     flags = [v for series in run.matching(grad_norm("in_noise_band")).values() for _, v in series]
     if flags and not any(flags):

@@ -87,7 +87,9 @@ class Run:
     ``damage`` lists the event files read only in part; ``prefix`` is the logger's prefix taken off the
     scalar tags (``TensorBoardLogger(prefix="train")``), empty when it had none; ``layout`` whether the files
     hold a custom-scalars layout (TrainvitalsDashboard writes it at fit start, its diagnoses at fit end);
-    ``empty`` names its event files of 0 bytes (a writer that has not flushed yet, or a run that died at once).
+    ``empty`` names its event files of 0 bytes (a writer that has not flushed yet, or a run that died at once);
+    ``folder`` is the run's folder when it was read from one (the Trainer's ``log_dir``, where TrainingGuard's
+    ``skip_batches.json`` is), ``None`` for a run made at fit end from what it logged.
     """
 
     name: str
@@ -97,6 +99,7 @@ class Run:
     prefix: str = ""
     layout: bool = False
     empty: list[str] = field(default_factory=list)
+    folder: Path | None = None
 
     def matching(self, pattern: str) -> dict[str, list[tuple[int, float]]]:
         """The scalar series whose tag matches ``pattern`` (``re.match``, as TensorBoard matches)."""
@@ -166,13 +169,11 @@ def read_runs(logdir: str | Path, separator: str = LOGGER_JOIN_CHAR) -> list[Run
             subfolders.clear()
     if unlisted and os.fspath(unlisted[0].filename) == os.fspath(root):
         raise ReportError(f"{shown} cannot be listed: {unlisted[0].strerror}.")
-    runs = [
-        view
-        for folder, events, reader in sorted(folders, key=lambda found: found[0])
-        for view in _by_prefix(
-            reader.read(folder, _run_name(root, folder)) if reader else _read_run(root, folder, events), separator
-        )
-    ]
+    runs = []
+    for folder, events, reader in sorted(folders, key=lambda found: found[0]):
+        read = reader.read(folder, _run_name(root, folder)) if reader else _read_run(root, folder, events)
+        read.folder = folder
+        runs += _by_prefix(read, separator)
     for err in unlisted:
         name = _run_name(root, Path(os.fsdecode(err.filename)))
         runs.append(
@@ -378,6 +379,7 @@ def _by_prefix(run: Run, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:
                 prefix=prefix,
                 layout=run.layout,
                 empty=run.empty,
+                folder=run.folder,
             )
         )
     return views

@@ -19,6 +19,7 @@ from typing import Any
 
 from trainvitals.report.assess import memory_label
 from trainvitals.report.events import Run
+from trainvitals.report.guard import guard_events
 from trainvitals.report.model import EXIT_NO_DATA, EXIT_OK, RunReport, first_series
 from trainvitals.report.render import EMPTY_RUNS, format_value, heading, overview_markdown, status_line
 from trainvitals.tags import MEMORY_BYTES, PER_LAYER_GRAD_NORM, SUGGESTED_LR, grad_norm
@@ -306,8 +307,33 @@ def _lr_suggestions(run: Run) -> tuple[str, str] | None:
     return _png(draw), "The lr LRScalingAdvisor suggests for each batch size (★: the current batch and lr)."
 
 
+def _guard_actions(run: Run) -> tuple[str, str] | None:
+    skipped, rollbacks = _first(run, r"guard/skipped_steps$"), _first(run, r"guard/rollbacks$")
+    events, _ = guard_events(run)
+    if not events:
+        return None
+    style = {"skip": ("o", "#ff7f0e"), "rollback": ("s", "#d62728"), "stop": ("X", "black"), "warn": ("^", "#7f7f7f")}
+
+    def draw(ax: Any) -> None:
+        for series, label, color in ((skipped, "steps skipped", "#ff7f0e"), (rollbacks, "rollbacks", "#d62728")):
+            if series:
+                ax.step(*_xy(series), where="post", color=color, lw=1.2, label=label)
+        for action, (marker, color) in style.items():
+            at = [e["global_step"] for e in events if e["action"] == action]
+            if at:
+                ax.plot(at, [0] * len(at), ls="none", marker=marker, color=color, label=f"event: {action}")
+        _one_step(ax, skipped, rollbacks, [(e["global_step"], 0.0) for e in events])
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("count since the run began")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+
+    return _png(draw), "TrainingGuard's actions: each event at its optimizer step, and its counters over the run."
+
+
 PLOTS: tuple[Callable[[Run], tuple[str, str] | None], ...] = (
     _norm_in_band,
+    _guard_actions,
     _b_simple,
     _layer_heatmap,
     _memory,

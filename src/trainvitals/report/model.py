@@ -28,10 +28,12 @@ BAND_STOP = "gradient norm in its noise band"
 
 SPIKES, EVENT_FILES, FIT = "spikes and non-finite steps", "event files", "fit"
 
+NONFINITE_STEPS = grad_norm("nonfinite_steps")
+"""GradNormMonitor's count of optimizer steps with inf/NaN gradients outside a GradScaler."""
 CRITICAL_COUNTERS = (
     (
         SPIKES,
-        grad_norm("nonfinite_steps"),
+        NONFINITE_STEPS,
         "non-finite (inf/NaN) gradients on {n} optimizer step(s), outside any GradScaler",
     ),
     *critical_counters(finding_kinds()),

@@ -3,6 +3,8 @@ batch growth said as one). The convergence section reads its end-of-fit table fo
 
 from __future__ import annotations
 
+import re
+
 from trainvitals.report.events import Run
 from trainvitals.report.model import Finding, Row, RunReport, as_of, counter, first_series, panel, series_row
 from trainvitals.tags import DIAGNOSIS_PREFIXES
@@ -28,14 +30,29 @@ def schedule_section(run: Run, report: RunReport) -> None:
     ]
     if run.matching(ACCUMULATE):
         rows.append(series_row("accumulate_grad_batches set", first_series(run, ACCUMULATE), step))
-    record = [line.removeprefix("- ") for line in (run.text(CUT_RECORD) or "").splitlines() if line.startswith("- ")]
+    record = cut_record(run)
     rows += [Row(f"cut {i}", line) for i, line in enumerate(record, 1)]
     report.sections[SCHEDULE] = rows
     if record:
-        grew = sum("→ batch" in line for line in record)
-        done = " and ".join(
-            f"{verb} {n} time(s)" for verb, n in (("cut the lr", len(record) - grew), ("grew the batch", grew)) if n
+        report.findings.append(
+            Finding("note", SCHEDULE, f"BandSchedule {acts_said(record, at=False)}: {'; '.join(record)}")
         )
-        report.findings.append(Finding("note", SCHEDULE, f"BandSchedule {done}: {'; '.join(record)}"))
     for prefix in DIAGNOSIS_PREFIXES:
         panel(run, report, "band-driven schedule at fit end", f"{prefix}BandSchedule")
+
+
+def cut_record(run: Run) -> list[str]:
+    """BandSchedule's cut record, a line per cut (``step 420: band ratio 0.81 (90 %: 0.42–1.2) → lr × 0.1``, a
+    batch growth ``→ batch 640``), as its last ``schedule/cut_record`` panel holds it; ``[]`` without one."""
+    return [line.removeprefix("- ") for line in (run.text(CUT_RECORD) or "").splitlines() if line.startswith("- ")]
+
+
+def acts_said(record: list[str], at: bool = True) -> str:
+    """ "cut the lr 2 time(s) (at step(s) 52, 103)" from a :func:`cut_record` (``at=False``: without the steps),
+    its batch growths said as "grew the batch …" beside it; "" for no cut."""
+    said = []
+    for verb, grew in (("cut the lr", False), ("grew the batch", True)):
+        steps = [m[1] for line in record if ("→ batch" in line) is grew and (m := re.match(r"step (\d+)", line))]
+        if steps:
+            said.append(f"{verb} {len(steps)} time(s)" + (f" (at step(s) {', '.join(steps)})" if at else ""))
+    return " and ".join(said)

@@ -53,7 +53,11 @@ class BandSchedule(GradNormEarlyStopping):
 
     The band test is GradNormEarlyStopping's (``mode="noise_band"``): a decisive estimate, ‖G‖² ≤ margin·tr(Σ)/B
     for ``patience`` counted steps, read every ``check_every_n_steps`` steps and reduced over ranks
-    (``reduce_boolean_decision``), so every rank cuts at the same step. At a cut:
+    (``reduce_boolean_decision``), so every rank cuts at the same step. After a cut, the next act (cut, growth or
+    stop) needs more: on a check step with the streak complete, the band ratio's 90 % upper end ≤ 1 — the whole
+    interval inside the band, rank 0's estimate broadcast — else it waits, checking again every
+    ``check_every_n_steps`` steps: a young estimate whose interval spans the edge does not act
+    (:mod:`trainvitals.schedule.decision`). At a cut:
 
     - the lr scale s (in this callback's state) is multiplied by ``factor``: at each optimizer step every param
       group's lr is the lr a user's scheduler set × s, put back after the step so the scheduler keeps shaping it
@@ -68,8 +72,8 @@ class BandSchedule(GradNormEarlyStopping):
     batch stays within B_simple — the run's one estimate, which LRScalingAdvisor reads too — when that is reliable
     (beyond it each unit of progress costs more examples: E/E_min = 1 + B/B_noise) and within half an epoch; a
     growth below 2 cuts the lr instead. The new accumulation takes effect at the first step boundary where the
-    epoch's batch count is a multiple of it (no ragged window; at most k − 1 steps later), decided on rank 0 and
-    broadcast; the band's edge is not scaled for a growth (:mod:`trainvitals.schedule.decision`).
+    epoch's batch count is a multiple of it (no ragged window; at most k − 1 steps later; a resumed run's from its
+    first step), decided on rank 0 and broadcast; the band's edge is not scaled for a growth (:mod:`trainvitals.schedule.decision`).
 
     The band entered after ``max_cuts`` cuts, or where a cut would take the smallest lr below ``min_lr``, stops the
     run (as the stopper would); with ``stop=False`` the run trains on at its last lr. No step counts toward the
@@ -77,8 +81,10 @@ class BandSchedule(GradNormEarlyStopping):
     OneCycleLR, SequentialLR, ChainedScheduler and a LambdaLR such as transformers'
     ``get_linear_schedule_with_warmup``: :mod:`trainvitals.schedule.warmup`; another scheduler: ``min_steps``).
 
-    Logged, besides the stopper's tags: ``schedule/lr_scale`` (s) and ``schedule/cuts`` (the number of cuts) at the
-    logging cadence and at each cut (with ``grow_batch`` also ``schedule/accumulate_grad_batches``); the text panel
+    Logged, besides the stopper's tags: ``schedule/lr_scale`` (the s the logged optimizer step took: a cut's s
+    applies from the next step) and ``schedule/cuts`` (the number of cuts by that step's end) at the logging cadence,
+    at each cut and at the first step at a cut's scale (with ``grow_batch`` also ``schedule/accumulate_grad_batches``,
+    the accumulation the step took, logged too at the first step it takes effect); the text panel
     ``schedule/cut_record``, a line per cut: the step, the band ratio ‖G‖²/(margin·s·tr Σ/B) of the full estimate at
     that step and its 90 % interval from ‖G‖²'s error (the streak may have completed up to
     ``check_every_n_steps − 1`` steps before, so the ratio can exceed 1), the new scale or batch.
@@ -160,6 +166,17 @@ class BandSchedule(GradNormEarlyStopping):
         """Optimizer steps the user's schedulers warm up for (``None``: unknown or none), read at train start."""
         self.add_state("warmup_steps", None, persistent=False)
         self.add_state("_scaled_step", None, persistent=False)  # the optimizer step the scale was applied to
+        self._step_scale: float
+        """The lr scale the current optimizer step takes (a cut applies from the next): what ``schedule/lr_scale``
+        logs."""
+        self.add_state("_step_scale", 1.0, persistent=False)
+        self._announce_at: int | None
+        """The optimizer step that is the first at a new lr scale or accumulation: logged then, on any step."""
+        self.add_state("_announce_at", None, persistent=False)
+        self._held_back: tuple[Action, float, float] | None
+        """At the last check: the act a full streak after a cut waits to make, and the band ratio's 90 % interval
+        that reaches past the edge (``None``: none waiting)."""
+        self.add_state("_held_back", None, persistent=False)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -183,6 +200,7 @@ class BandSchedule(GradNormEarlyStopping):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_fit_start(trainer, pl_module)
         self.margin = scaled_margin(self.base_margin, self.lr_scale)  # a resumed run's scale came with its state
+        self._step_scale = self.lr_scale
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -194,10 +212,12 @@ class BandSchedule(GradNormEarlyStopping):
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, *_: Any
     ) -> None:
+        self._set_accumulation(trainer)  # before the stopper picks its source: it reads the accumulation
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self.lr_scale != 1.0 and self._scaled_step != trainer.global_step:  # a step's first micro-batch
-            self._scaled_step = trainer.global_step
-            self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "schedule", self.lr_scale)
+        if self._scaled_step != trainer.global_step:  # a step's first micro-batch: the scale it steps at
+            self._scaled_step, self._step_scale = trainer.global_step, self.lr_scale
+            if self.lr_scale != 1.0:
+                self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "schedule", self.lr_scale)
 
     @override
     def on_before_optimizer_step(
@@ -209,17 +229,14 @@ class BandSchedule(GradNormEarlyStopping):
             factors.before_step(optimizer, grad_scaler(trainer))
 
     @override
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._set_accumulation(trainer)  # a resumed run's, or one decided in the last epoch's last steps
-
-    @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
-        stepped = self._pending is not None
-        if stepped:  # a step's last micro-batch; one that ran no optimizer step has its lrs put back here
+        step = self._pending[0] if self._pending is not None else None
+        if step is not None:  # a step's last micro-batch; one that ran no optimizer step has its lrs put back here
             self._put_back()
         super().on_train_batch_end(trainer, pl_module, *args)
-        if stepped:
-            self._set_accumulation(trainer)
+        if step is not None and step == self._announce_at:  # the first step at a cut's scale, unless _log logged it
+            self._announce_at = None
+            log_scalars(trainer, self._scalars(trainer), step)
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -240,15 +257,21 @@ class BandSchedule(GradNormEarlyStopping):
             return False
         if not trainer.strategy.reduce_boolean_decision(bool(self._done), all=False):
             return False
-        summary = self.gradient_noise.host_summary()  # one host read, at a band entry only
+        summary = self.gradient_noise.host_summary()  # one host read, on a check step in the band only
         growth = 1
         if self.grow_batch:
             b_simple = summary["b_simple"] if summary["reliable"] else None
             growth = batch_growth(self.factor, summary["batch_size"], b_simple, self.gradient_noise.population)
-            growth = int(trainer.strategy.broadcast(growth, src=0))  # one decision for all ranks
+        # After a cut an act waits for the band ratio's 90 % upper end inside the band (decision.py); rank 0's, with
+        # its growth: one decision for all ranks.
+        high = summary.get("band_ratio_high", math.nan) / self.margin
+        growth, high = trainer.strategy.broadcast((int(growth), float(high)), src=0)
         lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups if g["lr"] > 0]
         lr = self.lr_scale * float(min(lrs)) if lrs else 0.0
-        action = decide(True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop, growth)
+        args = (True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop)
+        action, wanted = decide(*args, high, growth), decide(*args, 0.0, growth)
+        low = summary.get("band_ratio_low", math.nan) / self.margin
+        self._held_back = (wanted, low, high) if action is Action.NONE and wanted is not Action.NONE else None
         if action is Action.STOP:
             return can_stop_now(trainer) and super()._check(trainer, step)
         if action is not Action.NONE:
@@ -269,13 +292,14 @@ class BandSchedule(GradNormEarlyStopping):
         else:
             self.lr_scale *= self.factor
             self.margin = scaled_margin(self.base_margin, self.lr_scale)
+            self._announce_at = step + 1
             cut = Cut(step, ratio, low, high, self.lr_scale)
         self.cuts.append(asdict(cut))
         self._streak = torch.zeros_like(self._streak)
         self._done = torch.zeros_like(self._done)
         for source in self.gradient_noise.sources.values():
             source.restart()
-        log_scalars(trainer, self._scalars(), step)
+        log_scalars(trainer, self._scalars(trainer), step)  # the cut counted; this step's scale and batch
         log_text(trainer, CUT_RECORD, self.cut_record(), step)
         if self.verbose:
             self.info(f"{'grew the batch' if cut.batch is not None else 'cut the lr'} at {cut.line()}.")
@@ -284,12 +308,16 @@ class BandSchedule(GradNormEarlyStopping):
     @override
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: torch.Tensor, final: bool = False) -> None:
         super()._log(trainer, step, in_condition, final)
-        log_scalars(trainer, self._scalars(), step)
+        log_scalars(trainer, self._scalars(trainer), step)
+        if step == self._announce_at:
+            self._announce_at = None
 
-    def _scalars(self) -> dict[str, float]:
-        scalars = {LR_SCALE: self.lr_scale, CUTS: float(len(self.cuts))}
+    def _scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
+        """What the optimizer step being logged took: its lr scale and (after a growth) its accumulation; the cuts
+        made by its end."""
+        scalars = {LR_SCALE: self._step_scale, CUTS: float(len(self.cuts))}
         if self.accumulate is not None:
-            scalars[ACCUMULATE] = float(self.accumulate)
+            scalars[ACCUMULATE] = float(trainer.accumulate_grad_batches)
         return scalars
 
     def cut_record(self) -> str:
@@ -320,6 +348,18 @@ class BandSchedule(GradNormEarlyStopping):
     def summary_line(self) -> str:
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
+        if bool(self._done) and self._held_back is not None:  # a full streak after a cut, its interval too wide
+            act, low, high = self._held_back
+            said = {Action.CUT: "next cut", Action.GROW: "next batch growth", Action.STOP: "stop"}[act]
+            interval = (
+                f"{max(low, 0.0):.2g}–{high:.2g}" if math.isfinite(high) else f"≥ {max(low, 0.0):.2g}, no upper end"
+            )
+            return (
+                f"{self._cuts_said()}; did not stop the run: in its noise band at the end for {int(self._streak)} "
+                f"step(s) in a row (its patience is {self.patience}), but after a cut it acts only once the band "
+                f"ratio's 90 % interval is inside the band, and at its last check that interval was {interval}× the "
+                f"edge {self.margin:g}·tr(Σ)/B: its {said} waited for it."
+            )
         if bool(self._done) and not self.stop:  # the band entered again with nothing left to do
             left = (
                 f"its {self.max_cuts} cut(s) made"
@@ -378,12 +418,17 @@ class BandSchedule(GradNormEarlyStopping):
         return longest
 
     def _set_accumulation(self, trainer: "pl.Trainer") -> None:
-        """The growths' ``accumulate_grad_batches``, from a step boundary that the epoch's batch count is a
-        multiple of: Lightning steps where that count divides by it, so no window is cut short."""
+        """The growths' ``accumulate_grad_batches``, from the first micro-batch that opens a window under the old
+        count and the new one (the epoch's batches before it a multiple of each): Lightning steps where the epoch's
+        batch count divides by the accumulation, so no window is cut short. Read at every micro-batch's start, so a
+        resumed run's applies from its first step (a new epoch's count starts at 0; a mid-epoch checkpoint's
+        stands at a step boundary of the accumulation it was saved under)."""
         if self.accumulate is None or trainer.accumulate_grad_batches == self.accumulate:
             return
-        if trainer.fit_loop.epoch_loop.batch_progress.current.ready % self.accumulate == 0:
+        before = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # this micro-batch is counted already
+        if before % self.accumulate == 0 and before % trainer.accumulate_grad_batches == 0:
             trainer.accumulate_grad_batches = self.accumulate
+            self._announce_at = trainer.global_step
 
     def _put_back(self, close: bool = False) -> None:
         factors = self.vitals.shared(LR_FACTORS)

@@ -165,12 +165,13 @@ class TrainvitalsDashboard(TrainvitalsCallback):
             self.warn(f"the fit-end report could not be written ({type(err).__name__}: {err}).")
 
     def summary_line(self, trainer: "pl.Trainer") -> str:
-        """One line for the end of fit: where the dashboard, the diagnoses and the report went."""
+        """One line for the end of fit: where the dashboard, the diagnoses and the report went (every run folder's
+        copy: the page, or its JSON where there is no page)."""
         logdirs = [lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
         pages = [str(p) for p in self._report_files if p.name == REPORT_HTML] or [
             str(p) for p in self._report_files if p.name == REPORT_JSON
         ]
-        report = f"; the report: {pages[0]}" if pages else ""
+        report = f"; the report: {', '.join(pages)}" if pages else ""
         if not logdirs:
             return f"no TensorBoardLogger, so no custom-scalars dashboard{report}."
         if not self.diagnosis:

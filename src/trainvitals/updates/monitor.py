@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from trainvitals._validation import check_choice, check_float, check_int
 from trainvitals.fused_norms import GROUPINGS, NormGroups, combine_norms, grouped_norms
-from trainvitals.norms.spikes import SpikeDetector
+from trainvitals.norms.spikes import SpikeDetector, first_spike_note
 from trainvitals.plumbing.amp import scale_left_in_grads
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
@@ -85,6 +85,7 @@ class _Track:
     clip: float | None = None  # the Trainer's norm clipping of this step (NaN: by value)
     last: dict[str, dict[str, float]] = field(default_factory=dict)  # each group's values at the last logged step
     spike: tuple[int, str] | None = None
+    said_spike: bool = False  # this fit's first spike went to the console; the later ones are counted
     last_total_ratio: float = math.nan
 
 
@@ -372,7 +373,9 @@ class UpdateMonitor(TrainvitalsCallback):
                 f"update-norm spike at optimizer step {step}: ‖Δθ‖ {factor:.1f}× its running average; "
                 f"largest layers: {', '.join(largest)}",
             )
-            self.info(track.spike[1])
+            if not track.said_spike:
+                track.said_spike = True
+                self.info(track.spike[1] + first_spike_note("the fit-end line"))
             log_text(trainer, tag("spikes"), track.spike[1], step)
 
     def _skip(self, trainer: "pl.Trainer", index: int, track: _Track) -> None:

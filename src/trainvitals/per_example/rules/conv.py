@@ -13,13 +13,14 @@ with the receptive fields taken of δ and the input x in the role of the output 
 The weight's squared norms come from the per-example blocks Σ_t δ_t a_tᵀ (B·T·I·O multiply-adds) or
 from the ghost Gram matrices ⟨A Aᵀ, Δ Δᵀ⟩ (B·T²·(I + O); the ghost clipping of Li et al. 2022, "Large
 Language Models Can Be Strong Differentially Private Learners", there for sequences), whichever costs
-less for the layer's shapes (I and O per group; both need the patches A): their FLOPs, the Gram
-matrices' counted at 1/1.2 (:func:`gram_is_cheaper`). Over 343 shapes (T 4–256, I 9–1152, O 8–512, in
-a convolution's layouts, one CPU thread) the form it picks is on average 1.7 % slower than the faster of
-the two (3.3 % with the FLOPs alone; 5.0 % for the Linear rule's smaller temporaries, 2T² ≤ I·O). The
-digits CNN's second convolution (T 64, I 144, O 32) takes the blocks (the Gram form has 2.4× their
-FLOPs); a late ResNet stage, few positions and wide channels (T 16, I 576, O 128), the Gram matrices
-(6.5× fewer). A zero-padded stride-1 "same" convolution (most of a CNN's) forms its blocks without the
+less for the layer's shapes (I and O per group; both need the patches A): their multiply-adds, the Gram
+matrices' counted at 1/1.2 (:func:`~trainvitals.per_example.tensor_ops.gram_is_cheaper` with
+``_GRAM_SPEED``). Over 343 shapes (T 4–256, I 9–1152, O 8–512, in a convolution's layouts, one CPU
+thread) the form it picks is on average 2.0 % slower than the faster of the two (2.5 % with the
+multiply-adds alone, as the Linear rule counts them; 6.0 % for 2T² ≤ I·O, the Linear rule's choice before:
+2026-12-02, a loaded machine). The digits CNN's second convolution (T 64, I 144, O 32) takes the blocks
+(the Gram form has 2.4× their FLOPs); a late ResNet stage, few positions and wide channels (T 16, I 576,
+O 128), the Gram matrices (6.5× fewer). A zero-padded stride-1 "same" convolution (most of a CNN's) forms its blocks without the
 patches, from strided reads of a few shifted copies of its input (:func:`_shifted_block_sq_norms`).
 """
 
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from trainvitals.per_example import tensor_ops
 from trainvitals.per_example.registry import Use, register_per_example_rule
 from trainvitals.per_example.rules.linear import OuterProductRule
-from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _trainable
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _trainable, gram_is_cheaper
 
 
 class _Shifted(NamedTuple):
@@ -197,16 +198,10 @@ FORMS = ("cost", "blocks", "gram")
 _ROW_COLUMNS = 8
 
 
-# The Gram matrices' multiply-adds run this much faster than the blocks' (inner dimensions I and O against
-# T, on a CPU): fitted on the 343 shapes of ``bench_per_example_rules.py --only forms``.
+# In a convolution's layouts (transposed views of the patches and the output gradient) the Gram matrices'
+# multiply-adds run this much faster than the blocks' (inner dimensions I and O against T, on a CPU):
+# fitted on the 343 shapes of ``bench_per_example_rules.py --only forms`` (1.1–1.2 equally good there).
 _GRAM_SPEED = 1.2
-
-
-def gram_is_cheaper(positions: int, fan_in: int, fan_out: int) -> bool:
-    """The cost model: the ghost Gram matrices' T²·(I + O) multiply-adds per example against the
-    per-example block's T·I·O (the former at ``_GRAM_SPEED``), for T output positions, I input and O
-    output features of one group."""
-    return positions * (fan_in + fan_out) <= _GRAM_SPEED * fan_in * fan_out
 
 
 @register_per_example_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -215,7 +210,7 @@ class ConvRule(OuterProductRule):
 
     Args:
         form: how the weight's squared norms are computed: ``"cost"`` (the default) the cheaper form by
-            :func:`gram_is_cheaper`, ``"blocks"`` always from the per-example blocks, ``"gram"`` always
+            :func:`~trainvitals.per_example.tensor_ops.gram_is_cheaper`, ``"blocks"`` always from the per-example blocks, ``"gram"`` always
             from the ghost Gram matrices (register an instance to force one:
             ``register_per_example_rule(nn.Conv2d)(ConvRule(form="gram"))``). Exact either way.
 
@@ -231,7 +226,7 @@ class ConvRule(OuterProductRule):
 
     def _gram(self, positions: int, fan_in: int, fan_out: int) -> bool:
         # Two integer products: no cache needed to keep the step's Python cost at a dict lookup's.
-        return gram_is_cheaper(positions, fan_in, fan_out) if self.form == "cost" else self.form == "gram"
+        return gram_is_cheaper(positions, fan_in, fan_out, _GRAM_SPEED) if self.form == "cost" else self.form == "gram"
 
     def _shapes(self, module: nn.Module, input_shape: Sequence[int]) -> tuple[int, int, int]:
         """T, I and O of one group of ``module`` on an input of ``input_shape``, ``(B, C, *spatial)``."""

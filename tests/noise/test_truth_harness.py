@@ -1,0 +1,174 @@
+"""The truth harness itself (tests/noise/_truth.py) against independent computations: one backward per example, the
+definitions of ‖G‖² and tr Σ written out, rule 6's expectations, and a fit the harness leaves exactly as it was."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from _truth import (
+    CharGPT,
+    Classifier,
+    Row,
+    Truth,
+    TruthCallback,
+    char_windows,
+    compare,
+    digits_train,
+    layernorm_mlp,
+    per_example_gradients,
+    shares,
+    truth_of,
+)
+from conftest import RecordingLogger, trainer_kwargs
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def _loop_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One backward per example of its own loss (a mean over its terms), through ``.grad``: ``(N, D)`` float64."""
+    rows = []
+    for i in range(len(x)):
+        model.zero_grad()
+        out = model(x[i : i + 1])
+        F.cross_entropy(out.reshape(-1, out.shape[-1]), y[i : i + 1].reshape(-1)).backward()
+        rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
+    model.zero_grad()
+    return torch.stack(rows)
+
+
+def _lm_data(n: int = 12) -> tuple[torch.Tensor, torch.Tensor, int]:
+    x, y, vocab = char_windows(context=8)
+    return x[:n], y[:n], vocab
+
+
+@pytest.mark.parametrize("which", ["layernorm_mlp", "tied_char_gpt"])
+def test_per_example_gradients_are_each_examples_own_backward(which):
+    torch.manual_seed(0)
+    if which == "layernorm_mlp":
+        x, y = digits_train()
+        x, y, model = x[:20], y[:20], Classifier(layernorm_mlp(16))
+    else:
+        x, y, vocab = _lm_data()
+        model = Classifier(CharGPT(vocab, context=8, dim=16))
+    rows = per_example_gradients(model, x, y, chunk=7)  # chunks that do not divide N
+    expected = _loop_gradients(model, x, y)
+    assert rows.shape == expected.shape
+    torch.testing.assert_close(rows.double(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_the_truth_is_the_definitions_and_the_draws_are_unbiased_as_rule_6_says():
+    """‖G‖² = ‖mean g_i‖², tr Σ = mean ‖g_i − G‖² (the population's, rule 6); per-example estimates of batches drawn
+    without replacement, corrected by rule 6, have exactly those means: 4000 draws agree within 4 standard errors."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(40, 5, generator=gen) + torch.tensor([0.5, 0.0, 0.0, 0.0, 0.0])
+    truth = truth_of(rows, 3, 8, draws=4000, generator=gen)
+    g = rows.double()
+    assert truth.grad_sq_norm == pytest.approx(float(g.mean(0).square().sum()), rel=1e-12)
+    assert truth.trace_cov == pytest.approx(float((g - g.mean(0)).square().sum(1).mean()), rel=1e-6)  # float32 rows
+    assert truth.b_simple == pytest.approx(truth.trace_cov / truth.grad_sq_norm)
+    assert (truth.step, truth.batch_size, truth.population) == (3, 8, 40)
+    for mean, value, var in zip(
+        truth.draw_means, (truth.grad_sq_norm, truth.trace_cov), (truth.var_grad, truth.var_trace)
+    ):
+        assert abs(mean - value) < 4 * math.sqrt(var / 4000)
+
+
+def test_rel_err_is_the_delta_method_and_infinite_near_a_zero_gradient():
+    truth = Truth(0, 2.0, 10.0, 16, 100, var_grad=0.4, var_trace=4.0, cov=0.5)
+    expected = math.sqrt((4.0 / 100 + 0.4 / 4 - 2 * 0.5 / 20) / 10)
+    assert truth.rel_err(10) == pytest.approx(expected)
+    assert truth.band_ratio(0.2) == pytest.approx(16 * 2.0 / (0.2 * 10.0))
+    near_zero = Truth(0, 0.1, 10.0, 16, 100, var_grad=0.4, var_trace=4.0, cov=0.0)
+    assert near_zero.rel_err(10) == math.inf  # 0.1 < 1.645·sqrt(0.04): no upper end
+    assert Truth(0, 1.0, 1.0, 16, 100).rel_err(10) == math.inf  # no draws, no error
+
+
+@pytest.mark.parametrize(
+    ("layer", "said"), [(nn.BatchNorm1d(8), "BatchNorm in training mode"), (nn.Dropout(0.1), "dropout")]
+)
+def test_a_layer_without_a_per_example_truth_is_refused_by_name(layer, said):
+    model = nn.Sequential(nn.Linear(4, 8), layer, nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=f"'1'.*{said}"):
+        per_example_gradients(model, torch.randn(6, 4), torch.randint(0, 3, (6,)))
+    per_example_gradients(model.eval(), torch.randn(6, 4), torch.randint(0, 3, (6,)))  # eval: deterministic, allowed
+
+
+def _fit(with_truth: bool) -> tuple[list[torch.Tensor], dict, TruthCallback | None]:
+    from trainvitals import BatchVarianceProbe
+
+    torch.manual_seed(0)
+    x, y = digits_train()
+    x, y = x[:256], y[:256]
+    model = Classifier(nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 10)))
+    truth = TruthCallback(x, y, every_n_steps=4, draws=10) if with_truth else None
+    logger = RecordingLogger()
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, per_coordinate=False)
+    trainer = pl.Trainer(
+        **trainer_kwargs(
+            logger=logger,
+            callbacks=[probe, truth] if truth else [probe],
+            max_steps=12,
+            accumulate_grad_batches=2,
+            log_every_n_steps=4,
+        )
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+    return [p.detach().clone() for p in model.parameters()], logger.series, truth
+
+
+def test_the_harness_leaves_the_fit_as_it_was_and_meets_the_logged_steps():
+    """Same seed with and without the harness: the same weights and the same logged estimate (no RNG drawn, no
+    `.grad` or buffer touched), and a truth at every logged step, with the step's effective batch."""
+    bare, bare_series, _ = _fit(False)
+    params, series, truth = _fit(True)
+    for a, b in zip(bare, params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert series["grad_noise/trace_cov"] == bare_series["grad_noise/trace_cov"]
+    assert set(truth.truths) == {0, 4, 8} and all(
+        t.batch_size == 32 and t.population == 256 for t in truth.truths.values()
+    )
+    rows = compare(truth.truths, series)
+    assert [row.truth.step for row in rows] == [s for s, _ in series["grad_noise/grad_sq_norm"]]
+    got = shares(rows, skip=0.0)
+    assert got["steps"] == 3 and 0 <= got["grad_sq_norm_covered"] <= 1 and got["grad_sq_norm_ratio"] > 0
+
+
+def test_shares_count_the_steps_after_the_first_tenth_as_logged():
+    """Hand-made rows: 10 logged steps, the first (step 0 < a tenth of 90) left out; B_simple's high end left out of
+    the log where infinite counts as unbounded; reachable from the truth's own error at the logged measurements."""
+
+    def row(step: int, b_simple_low: float, b_simple_high: float | None, reliable: bool, n: float) -> Row:
+        truth = Truth(step, 1.0, 10.0, 16, 100, var_grad=1.0, var_trace=4.0, cov=0.0)  # B_simple 10, band ratio 8
+        logged = {
+            "grad_sq_norm": 2.0,
+            "grad_sq_norm_low": 1.5,
+            "grad_sq_norm_high": 2.5,  # never covers 1
+            "trace_cov": 10.0,
+            "trace_cov_low": 9.0,
+            "trace_cov_high": 11.0,
+            "b_simple": 5.0,
+            "b_simple_low": b_simple_low,
+            "effective_measurements": n,
+            "b_simple_unreliable": 0.0 if reliable else 1.0,
+        }
+        if b_simple_high is not None:
+            logged["b_simple_high"] = b_simple_high
+        return Row(truth, logged, margin=0.2)
+
+    rows = [row(0, 20.0, 30.0, True, 1.0)]  # left out: it would cover nothing
+    rows += [row(10 * k, 4.0, 12.0, True, 400.0) for k in range(1, 6)]  # covered, reliable, reachable
+    rows += [row(10 * k, 11.0, None, False, 4.0) for k in range(6, 10)]  # unbounded above, not covering 10
+    got = shares(rows)
+    assert got["steps"] == 9
+    assert got["grad_sq_norm_covered"] == 0 and got["grad_sq_norm_ratio"] == 2.0
+    assert got["trace_cov_covered"] == 1 and got["trace_cov_ratio"] == 1.0
+    assert got["b_simple_covered"] == pytest.approx(5 / 9) and got["b_simple_ratio"] == 0.5
+    assert "band_ratio_covered" not in got  # no stopper logged it
+    assert got["b_simple_bounded"] == 1 and got["reliable"] == pytest.approx(5 / 9) and got["reliable_covered"] == 1
+    # rel_err at n = 400: sqrt((4/100 + 1/1) / 400) ≈ 0.05; at n = 4 ‖G‖² = 1 < 1.645·sqrt(1/4): unbounded.
+    assert got["reachable"] == pytest.approx(5 / 9)
+    assert rows[1].true("band_ratio") == pytest.approx(16 * 1.0 / (0.2 * 10.0))
