@@ -17,7 +17,7 @@ from trainvitals.noise.estimate import (
     b_simple_interval,
     band_ratio,
 )
-from trainvitals.noise.estimators import per_example_estimates, t_quantile, two_batch_size_estimates
+from trainvitals.noise.estimators import effective_count, per_example_estimates, t_quantile, two_batch_size_estimates
 
 D, SIGMA, B, MICRO = 8, 0.5, 64, 16
 
@@ -616,3 +616,16 @@ def test_every_window_round_trips_through_the_state_dict():
     assert restored.choice()[4].tolist() == src.choice()[4].tolist() != [0, 0]  # a falling ‖G‖²: a shorter window
     restored.restart()
     assert int(restored.ema.count) == 0 and all(int(ema.count) == 0 for ema, _ in restored.windows)
+
+
+@pytest.mark.parametrize(("every", "expected"), [(1, 0.98), (2, 0.95), (10, 0.8), (50, 0.8)])
+def test_the_band_window_spans_no_more_steps_than_the_slow_decay_at_one_update_a_step(every, expected) -> None:
+    """A probe every 10 steps reads the band on its 0.8 rung (memory 5 updates = 50 steps, as 0.98's at one update a
+    step), so its sparser cadence does not make the band's memory 500 steps; none short enough: the shortest."""
+    source = NoiseSource("probe", 0.98, steps_per_update=every)
+    assert source.windows[source.band_window][0].beta == expected
+    for _ in range(40):
+        source.update(torch.tensor(2.0), torch.tensor(3.0))
+    ema = source.windows[source.band_window][0]
+    assert source.band_values()[2] == ema.values[0]
+    assert source.slow_moments()[5] == effective_count(ema.beta, ema.count)

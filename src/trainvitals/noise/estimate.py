@@ -72,11 +72,13 @@ Combining rule (:meth:`GradientNoise.estimate`):
    (:func:`~trainvitals.noise.estimators.window_overlap`). Each source chooses for itself: attaching a source
    (the stopper's micro-batches) changes the estimate only by its weight (rule 2), and sources measured at
    different cadences are compared (rule 5) each on windows whose lag is in their error. The noise band's ‖G‖² is
-   the slowest window's (``NoiseEstimate.band_grad_sq_norm``), its tr Σ the chosen one: neither a short
-   window's dip nor its lead on a falling ‖G‖² enters the band before the slow EMA would (on
+   the band window's (``NoiseEstimate.band_grad_sq_norm``; :func:`band_window`: the longest spanning no more
+   optimizer steps than the slow decay does at one update a step — the slow window itself for a source measured
+   every step, the 0.8 rung for a probe every 10 steps), its tr Σ the chosen one: neither a short
+   window's dip nor its lead on a falling ‖G‖² enters the band before that window would (on
    stopping_tasks' digits MLP, following ‖G‖² with short windows stopped runs at steps 130–210, far from
    converged); a lag can only delay a band stop, never advance one. The per-step band, the logged tags and the
-   charts read the same choice. That the run *was* out of the band is read from the slowest windows with their
+   charts read the same choice. That the run *was* out of the band is read from the band windows with their
    sampling errors alone (``NoiseEstimate.window_band_ratio_low``): a lagging EMA is an unbiased mean of the
    stretch it spans, so a mean beyond the band's edge shows a step of that stretch out of it, where the current
    value's lag-widened interval could not yet tell.
@@ -161,12 +163,15 @@ class NoiseSource:
         name: ``"micro_batch"`` (micro-batches and ranks), ``"probe"`` (BatchVarianceProbe's sources) …
         beta: EMA decay per update, in [0, 1).
         param_share: share of the trainable parameters (by count) it measures, in [0, 1].
+        steps_per_update: optimizer steps between two updates (a probe's ``measure_every_n_steps``): what sets
+            :attr:`band_window`.
 
     Attributes:
         ema, error: the EMAs of the estimates and of their second moments, in the source's own units (decay
             ``beta`` per measurement).
         ladder: the same at the shorter decays of :data:`LADDER` below ``beta``, longest first: the windows
             :meth:`smoothed` chooses from, per quantity, where the slow ones lag a moving ‖G‖² or tr(Σ) (rule 7).
+        band_window: the index, in :attr:`windows`, of the window the noise band reads (:func:`band_window`).
         unit_scale: the factor from the source's gradient units to those of ``.grad`` (host float).
         effective_batch_size: examples per optimizer step, once seen.
         population: N, the training examples each epoch draws without replacement (rule 6), once seen; ``None``
@@ -178,11 +183,13 @@ class NoiseSource:
         version: changes with every update or restore (what :meth:`GradientNoise.estimate` caches on).
     """
 
-    def __init__(self, name: str, beta: float, param_share: float = 1.0) -> None:
+    def __init__(self, name: str, beta: float, param_share: float = 1.0, steps_per_update: int = 1) -> None:
         self.name = name
         self.ema = NoiseScaleEMA(beta)
         self.error = NoiseScaleError(beta)
         self.ladder = [(NoiseScaleEMA(b), NoiseScaleError(b)) for b in LADDER if b < beta]
+        self.steps_per_update = steps_per_update
+        self.band_window = band_window([ema.beta for ema, _ in self.windows], steps_per_update)
         self._betas = torch.tensor([ema.beta for ema, _ in self.windows], dtype=torch.float64)
         self._norms = BiasCorrectedEMA(beta, (2,))  # of (‖ḡ_covered‖², ‖ḡ‖²)
         self.last_covered_sq_norm: Tensor | None = None  # ‖ḡ‖² of the measured parameters at the last update
@@ -217,7 +224,7 @@ class NoiseSource:
 
     def restart(self) -> None:
         """Forget the updates so far (they measured the wrong thing); validity, units and batch size kept."""
-        fresh = NoiseSource(self.name, self.ema.beta).state_dict()
+        fresh = NoiseSource(self.name, self.ema.beta, steps_per_update=self.steps_per_update).state_dict()
         self.load_state_dict({k: fresh[k] for k in ("noise", "error", "ladder", "norms")})
 
     @property
@@ -280,20 +287,21 @@ class NoiseSource:
         return g, t, var_g, var_s, cov, torch.where(self.ema.count.to(n_eff.device) > 0, n_eff, 0.0)
 
     def slow_moments(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """:meth:`smoothed`'s tuple for the slowest window alone, with its sampling error only (no lag): an unbiased
-        estimate of the run's weighted mean over that window, what it says of the past (rule 7)."""
-        var_s, var_g, cov = self.error.mean_covariance(self.ema)
-        g, t = self.ema.values.unbind()
-        return g, t, var_g, var_s, cov, effective_count(self.ema.beta, self.ema.count)
+        """:meth:`smoothed`'s tuple for the :attr:`band_window` alone, with its sampling error only (no lag): an
+        unbiased estimate of the run's weighted mean over that window, what it says of the past (rule 7)."""
+        ema, error = self.windows[self.band_window]
+        var_s, var_g, cov = error.mean_covariance(ema)
+        g, t = ema.values.unbind()
+        return g, t, var_g, var_s, cov, effective_count(ema.beta, ema.count)
 
     def band_values(self) -> Tensor:
         """``(3,)`` (‖G‖², tr Σ, the ‖G‖² the band is judged on) of :meth:`smoothed`, in fewer kernels (the per-step
-        band's). The band's ‖G‖² is the slowest window's (rule 7): neither a short window's dip nor its lead on a
-        falling ‖G‖² enters the band before the slow EMA would (a maximum over windows would be biased up where
+        band's). The band's ‖G‖² is the :attr:`band_window`'s (rule 7): neither a short window's dip nor its lead on
+        a falling ‖G‖² enters the band before that window would (a maximum over windows would be biased up where
         they only scatter)."""
         values, _, _, _, chosen, _ = self.choice()
         g_i, s_i = chosen.unbind()
-        return torch.stack([_pick(values[:, 0], g_i), _pick(values[:, 1], s_i), values[0, 0]])
+        return torch.stack([_pick(values[:, 0], g_i), _pick(values[:, 1], s_i), values[self.band_window, 0]])
 
     def invalidate(self, reason: str) -> None:
         """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
@@ -374,10 +382,10 @@ class NoiseEstimate:
     effective_measurements: Tensor
     """The effective number of measurements 1/Σ w_k² behind the estimate (rule 7), ``()`` float64."""
     band_grad_sq_norm: Tensor
-    """The ‖G‖² the noise band is judged on (rule 7): each source's slowest window's, combined as ``grad_sq_norm``
+    """The ‖G‖² the noise band is judged on (rule 7): each source's band window's, combined as ``grad_sq_norm``
     is; what the stopper's band charts draw."""
     window_band_ratio_low: Tensor
-    """The 90 % lower end of B/B_simple over the slowest windows with their sampling errors alone (rule 7): the
+    """The 90 % lower end of B/B_simple over the band windows with their sampling errors alone (rule 7): the
     run's weighted mean over them; above the margin, the run was out of the band at some step of that stretch."""
 
 
@@ -924,6 +932,17 @@ def fieller_rel_err(b_simple: Tensor, low: Tensor, high: Tensor, measurements: T
     spread = torch.maximum(high / point - 1.0, 1.0 - low / point) / z.clamp_min(1e-300)
     usable = torch.isfinite(b_simple) & (b_simple > 0) & torch.isfinite(high) & torch.isfinite(z)
     return torch.where(usable, spread, torch.full_like(spread, float("inf")))
+
+
+def band_window(betas: list[float], steps_per_update: int) -> int:
+    """The index, in ``betas`` (longest window first), of the window the band is judged on (rule 7): the longest
+    whose memory in optimizer steps, ``steps_per_update``/(1 − β), is at most the slowest decay's at one update a
+    step, 1/(1 − β₀); the shortest if none is. A probe every 10 steps then spans the stretch of the run a source
+    measured at every step does (its 0.8 rung: 50 steps, as 0.98's at one a step), so a sparser cadence does not
+    lengthen the band's memory — per-measurement decay made it 500 steps, and the demo's band was never entered."""
+    memory = 1.0 / (1.0 - betas[0])
+    fits = [i for i, beta in enumerate(betas) if steps_per_update / (1.0 - beta) <= memory * (1 + 1e-9)]
+    return fits[0] if fits else len(betas) - 1
 
 
 def mean_age(betas: Tensor, count: Tensor) -> Tensor:

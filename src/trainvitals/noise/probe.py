@@ -136,7 +136,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("_batch_size", 0, persistent=False)  # the micro-batch's examples
         self.add_state("_unit", 1.0, persistent=False)  # its per-example gradient units
         self.add_state("_reduction", "mean", persistent=False)
-        self.add_state("noise_source", functools.partial(NoiseSource, "probe", self.ema_beta), key="source")
+        source = functools.partial(NoiseSource, "probe", self.ema_beta, steps_per_update=self.measure_every_n_steps)
+        self.add_state("noise_source", source, key="source")
         """This probe's source of :attr:`gradient_noise`, in the units of each example's own loss."""
         self.add_state("nonfinite", NonfiniteCounter, key="nonfinite_steps")
         """Measured steps whose gradient was non-finite: logged when no GradNormMonitor logs such steps."""
