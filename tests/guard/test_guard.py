@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor, TrainingGuard, TrainvitalsDashboard
 from trainvitals.guard.callback import SKIP_BATCHES_FILE
@@ -310,6 +311,80 @@ def test_under_accumulation_a_nan_is_pinned_on_its_micro_batch_and_a_finite_reru
         "The re-run of batch 7 was finite: the inf/NaN came from another micro-batch of the step (batches 4–7)"
         in said[0]
     )
+
+
+class RMS(nn.Module):
+    """sqrt(mean(h²)) per row: finite in forward at h = 0, where its backward is inf (d√m/dm = 1/(2√m)), then NaN."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        return torch.sqrt(h.pow(2).mean(dim=1, keepdim=True))
+
+
+class Tapped(pl.LightningModule):
+    """``h = net.stem(x)`` (no bias) feeds both ``net.rms`` and ``net.norm``, in the order ``rms_first`` says: a zero
+    row of ``x`` makes a finite forward and a NaN gradient made in ``net.rms``'s backward only."""
+
+    def __init__(self, rms_first: bool) -> None:
+        super().__init__()
+        self.rms_first = rms_first
+        self.net = nn.ModuleDict(
+            {"stem": nn.Linear(4, 8, bias=False), "rms": RMS(), "norm": nn.LayerNorm(8), "head": nn.Linear(9, 1)}
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.net["stem"](x)
+        if self.rms_first:
+            e, n = self.net["rms"](h), self.net["norm"](h)
+        else:
+            n, e = self.net["norm"](h), self.net["rms"](h)
+        return self.net["head"](torch.cat([n, e], 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("rms_first", [True, False])
+def test_a_nan_made_in_backward_is_pinned_on_its_module_when_the_input_has_two_consumers(rms_first):
+    """The gradient reaching ``h`` is the sum of both consumers' shares: only ``net.rms``'s share is NaN, whichever
+    ran last in forward. Checked against each module's own share (full backward hooks) on the same batch, and the
+    node against the closed form: ``SqrtBackward0`` returns 1/(2√0) = inf."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    x[26] = 0.0  # in batch 3
+    data = DataLoader(TensorDataset(x, y), batch_size=8)
+    model, guard = Tapped(rms_first), TrainingGuard(on_nonfinite="skip")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[guard]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data)
+    said = [str(w.message) for w in caught if "TrainingGuard" in str(w.message)]
+    assert [e["global_step"] for e in guard.events] == [3]
+    producer = guard.producer
+    assert (producer.where, producer.module, producer.op, producer.value) == (
+        "backward",
+        "net.rms",
+        "SqrtBackward0",
+        "inf",
+    )
+    assert "`net.rms` (SqrtBackward0) in backward" in said[0] and "`net.norm`" not in said[0]
+
+    turned = []  # the modules whose own gradient was finite at their output and not at their input
+    for name in ("rms", "norm", "head"):  # the stem's input needs no gradient
+        model.net[name].register_full_backward_hook(
+            lambda m, g_in, g_out, name=name: (
+                turned.append(name)
+                if all(torch.isfinite(g).all() for g in g_out if g is not None)
+                and not all(torch.isfinite(g).all() for g in g_in if g is not None)
+                else None
+            )
+        )
+    bad_x, bad_y = x[24:32], y[24:32]
+    F.mse_loss(model(bad_x), bad_y).backward()
+    assert turned == ["rms"]
 
 
 @pytest.mark.parametrize("guard_first", [True, False])
