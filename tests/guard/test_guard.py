@@ -597,6 +597,30 @@ def test_bad_arguments_are_refused_by_name(kwargs, error, name):
         TrainingGuard(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "blocker"),
+    [
+        ({"lr_factor_steps": 0}, "lr_factor_steps"),
+        ({"snapshot_every_n_steps": 0}, "snapshot_every_n_steps"),
+        ({"on_nonfinite": "warn", "on_spike": "stop"}, "on_nonfinite"),
+    ],
+)
+def test_an_lr_factor_that_cannot_take_effect_is_refused_naming_why(kwargs, blocker):
+    with pytest.raises(ValueError, match="lr_factor") as error:
+        TrainingGuard(lr_factor=0.5, **kwargs)
+    assert f"`{blocker}" in str(error.value)
+    TrainingGuard(lr_factor=1.0, **kwargs)  # no factor: nothing to refuse
+
+
+def test_an_lr_factor_alone_applies_for_the_default_steps():
+    """``lr_factor`` without ``lr_factor_steps`` applies for 100 steps: here every step after the rollback."""
+    model = Net(spike_at={7})
+    guard = TrainingGuard(on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, lr_factor=0.5)
+    _fit(model, guard)
+    assert guard.rollbacks == 1 and guard.lr_steps_left == 100 - 4  # steps 8–11 applied
+    assert [model.seen[s]["lr"] for s in range(6, 12)] == [LR, LR, *[LR * 0.5] * 4]
+
+
 class _RecordPerRank(pl.Callback):
     def __init__(self, folder: str) -> None:
         self.folder = folder

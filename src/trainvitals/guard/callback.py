@@ -113,7 +113,8 @@ class TrainingGuard(TrainvitalsCallback):
             stop when the budget escalated to it).
         snapshot_on: ``"cpu"`` or ``"device"`` (the parameters'): where the snapshot is kept.
         lr_factor: lr multiplier after a rollback, in (0, 1].
-        lr_factor_steps: optimizer steps the factor applies for after a rollback.
+        lr_factor_steps: optimizer steps the factor applies for after a rollback (default 100, the default snapshot
+            interval: about the steps a rollback takes back).
         budget_events: skips (or rollbacks) allowed within ``budget_window`` before escalating; ≥ 1.
         budget_window: the budget's window in optimizer steps; ≥ 1.
         name_producer: on the first non-finite step, re-run the batch to name the module that made the inf/NaN.
@@ -123,6 +124,9 @@ class TrainingGuard(TrainvitalsCallback):
 
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
+        ValueError: on an ``lr_factor`` < 1 that cannot take effect, naming the argument that prevents it:
+            ``lr_factor_steps=0``, ``snapshot_every_n_steps=0`` (no snapshot, no rollback), or no action
+            (``on_nonfinite``, ``on_spike``) that can lead to a rollback (``"skip"``, escalated, or ``"rollback"``).
     """
 
     provides = (NAN_PRODUCER, SUMMARY)
@@ -138,7 +142,7 @@ class TrainingGuard(TrainvitalsCallback):
         snapshot_every_n_steps: int = 100,
         snapshot_on: str = "cpu",
         lr_factor: float = 1.0,
-        lr_factor_steps: int = 0,
+        lr_factor_steps: int = 100,
         budget_events: int = 3,
         budget_window: int = 1000,
         name_producer: bool = True,
@@ -162,6 +166,8 @@ class TrainingGuard(TrainvitalsCallback):
         self.name_producer = check_bool("name_producer", name_producer)
         self.producer_search = check_choice("producer_search", producer_search, SEARCHES)
         self.snapshot_in_checkpoint = check_bool("snapshot_in_checkpoint", snapshot_in_checkpoint)
+        self._rolls_back = any(action in ("skip", "rollback") for action in self.actions.values())  # or escalated to
+        self._check_lr_factor()
         self.key_state_by(on_nonfinite=self.on_nonfinite, on_spike=self.on_spike, spike_factor=factor)
 
         self.skipped_steps: int
@@ -200,9 +206,25 @@ class TrainingGuard(TrainvitalsCallback):
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks, installed for one fit
         self._buffers = BufferCopy()  # the persistent buffers at this step's start: what a skip puts back
         self._skips = any(action != "warn" for action in self.actions.values())  # else no step is ever skipped
-        self._rolls_back = any(action in ("skip", "rollback") for action in self.actions.values())  # or escalated to
         self._amp = False
         self._folder = ""
+
+    def _check_lr_factor(self) -> None:
+        """An ``lr_factor`` < 1 that no rollback can ever apply is refused, naming what prevents it."""
+        if self.lr_factor == 1.0:
+            return
+        why = None
+        if self.lr_factor_steps == 0:
+            why = "`lr_factor_steps=0` applies it for no step after a rollback"
+        elif self.snapshot_every_n_steps == 0:
+            why = "`snapshot_every_n_steps=0` takes no snapshot, so no rollback happens"
+        elif not self._rolls_back:
+            why = (
+                f"neither `on_nonfinite={self.on_nonfinite!r}` nor `on_spike={self.on_spike!r}` can lead to a rollback "
+                '("skip", escalated by the budget, or "rollback")'
+            )
+        if why is not None:
+            raise ValueError(f"`lr_factor={self.lr_factor:g}` cannot take effect: {why}")
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -452,7 +474,7 @@ class TrainingGuard(TrainvitalsCallback):
                 action = "skip"
             else:
                 self.rollbacks += 1
-                self.lr_steps_left = self.lr_factor_steps
+                self.lr_steps_left = self.lr_factor_steps if self.lr_factor != 1.0 else 0
         if action in ("skip", "stop"):
             self._put_back_buffers(pl_module)
         if action == "skip":
