@@ -532,7 +532,7 @@ def test_with_every_action_warn_the_guard_reads_the_host_at_logging_steps_only(m
     host.watch(guard, ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_end"))
     _, said = _fit(Net(spike_at={6}, nan_at={8}), guard, max_steps=12, log_every_n_steps=4)
     kinds = {kind: [e["global_step"] for e in guard.events if e["kind"] == kind] for kind in ("spike", "nonfinite")}
-    assert {e["action"] for e in guard.events} == {"warn"} and len(said) == len(guard.events)
+    assert {e["action"] for e in guard.events} == {"warn"} and len(said) == 2  # the first of each kind
     assert kinds["spike"][0] == 6 and max(kinds["spike"]) < 8  # the applied spike may make the next step one too
     assert kinds["nonfinite"] == [8, 9, 10, 11]  # the NaN step is applied: the weights are NaN after it
     reads = [step for step, _ in host.reads]
@@ -595,6 +595,23 @@ def test_the_snapshot_goes_into_checkpoints_when_asked():
 def test_bad_arguments_are_refused_by_name(kwargs, error, name):
     with pytest.raises(error, match=name):
         TrainingGuard(**kwargs)
+
+
+def test_a_run_that_diverged_under_warn_says_its_first_event_and_counts_the_rest():
+    """A NaN applied under ``"warn"`` makes every later step non-finite: one warning, not one a step; every event is
+    still recorded, and the fit-end line says how many were not said."""
+    model, guard = Net(nan_at={3}), TrainingGuard(on_nonfinite="warn", name_producer=False)
+    _, said = _fit(model, guard, max_steps=12)
+    assert [e["global_step"] for e in guard.events] == list(range(3, 12))
+    assert len(said) == 1 and "optimizer step 3" in said[0] and "first" in said[0]
+    assert "9 event(s)" in guard.summary_line() and "8 later warn-only event(s)" in guard.summary_line()
+    # A spike is a kind of its own: its first is said too.
+    model, guard = Net(spike_at={7}, nan_at={9}), TrainingGuard(on_nonfinite="warn", spike_warmup_steps=3)
+    _, said = _fit(model, guard, max_steps=12)
+    kinds = [e["kind"] for e in guard.events]
+    assert kinds[0] == "spike" and "nonfinite" in kinds and len(kinds) > 2
+    assert len(said) == 2 and said[0].split(": ")[1] == "spike" and "non-finite" in said[1].split(": ")[1]
+    assert f"{len(kinds) - 2} later warn-only event(s)" in guard.summary_line()
 
 
 @pytest.mark.parametrize(

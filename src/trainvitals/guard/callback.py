@@ -201,6 +201,8 @@ class TrainingGuard(TrainvitalsCallback):
         self.add_state("_step", dict, persistent=False)
         self._waiting: list[tuple[Any, ...]]  # all actions "warn": the steps not read back yet, rows on the device
         self.add_state("_waiting", list, persistent=False)
+        self._unsaid: dict[str, int]  # per kind whose first "warn" event this fit was said: the later ones, counted
+        self.add_state("_unsaid", dict, persistent=False)
         self._lr: dict[str, Any]  # whether guard/lr_factor was logged at the last step (the lrs: plumbing.lr_factors)
         self.add_state("_lr", dict, persistent=False)
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks, installed for one fit
@@ -231,6 +233,7 @@ class TrainingGuard(TrainvitalsCallback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._amp = grad_scaler(trainer) is not None
         self._folder = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank, once
+        self._unsaid = {}
         self._step["fit"] = (trainer, pl_module)
         self._remove_hooks()
         for optimizer in trainer.optimizers:
@@ -387,9 +390,13 @@ class TrainingGuard(TrainvitalsCallback):
     def summary_line(self) -> str:
         """One line for the end of fit: events, skips, rollbacks, the producer of the first inf/NaN."""
         producer = f"; first inf/NaN made by {self.producer.describe()}" if self.producer else ""
+        unsaid = sum(self._unsaid.values())
+        quiet = (
+            f"; {unsaid} later warn-only event(s) this fit not said (each is in {SKIP_BATCHES_FILE})" if unsaid else ""
+        )
         return (
             f"{len(self.events)} event(s): {self.skipped_steps} step(s) skipped, {self.rollbacks} rollback(s)"
-            f"{'; stopped: ' + self.stop_reason if self.stop_reason else ''}{producer}"
+            f"{'; stopped: ' + self.stop_reason if self.stop_reason else ''}{producer}{quiet}"
         )
 
     def summary_markdown(self) -> str:
@@ -511,15 +518,30 @@ class TrainingGuard(TrainvitalsCallback):
             "producer": producer.describe() if producer else None,
         }
         self.events.append(event)
+        if action == "warn" and kind in self._unsaid:  # a run that diverged under "warn": one line, not one a step
+            self._unsaid[kind] += 1
+        else:
+            self._say(event, pending, doing, escalated, found)
+        self._record(trainer, step)
+
+    def _say(self, event: dict[str, Any], pending: dict[str, Any], doing: str, escalated: bool, found: str) -> None:
+        """The event's warning; under ``"warn"`` the fit's first of its kind says that the later ones are counted."""
+        first = ""
+        if event["action"] == "warn":
+            self._unsaid[event["kind"]] = 0
+            first = (
+                f" (this fit's first {event['kind']} event under warn; later ones are counted in the fit-end line, "
+                "not said)"
+            )
+        producer, (batch_idx, batches) = pending.get("producer"), pending["where"]
         budget = f" ({self.budget.events} skips/rollbacks in {self.budget.window} steps spent: escalated)"
         span = f"batch {batch_idx}" + (f" of batches {batches[0]}–{batches[-1]}" if len(batches) > 1 else "")
         self.warn(
-            f"{seen} at optimizer step {step} (epoch {event['epoch']}, {span}); {doing}"
-            f"{budget if escalated else ''}."
+            f"{pending['seen']} at optimizer step {event['global_step']} (epoch {event['epoch']}, {span}); {doing}"
+            f"{budget if escalated else ''}{first}."
             + (f" The first inf/NaN was made by {producer.describe()}." if producer else "")
             + (f" {found[2].upper()}{found[3:]}." if found and not producer else "")
         )
-        self._record(trainer, step)
 
     def _put_back_buffers(self, pl_module: "pl.LightningModule") -> None:
         """A skipped step's buffers as they were at its first micro-batch: its forward (and the producer search's
