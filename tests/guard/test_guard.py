@@ -249,6 +249,9 @@ def test_stop_writes_a_checkpoint_and_says_why(tmp_path):
     assert Path(path).parent.parent == tmp_path
     weights = [checkpoint["state_dict"][n] for n, _ in model.named_parameters()]
     assert _equal(weights, model.seen[5]["weights"])  # the bad step was not applied before the checkpoint
+    # Its name says the global step it holds (6: step 5 counted, not applied), its guard state the stop.
+    assert Path(path).name == f"guard-stop-step={checkpoint['global_step']}.ckpt" == "guard-stop-step=6.ckpt"
+    assert checkpoint["callbacks"][guard.state_key]["stop_reason"] == guard.stop_reason
     assert any("stopping the fit" in s and "non-finite loss" in s for s in said)
 
 
@@ -667,7 +670,7 @@ def test_ddp_a_nan_on_rank_1_only_gets_the_same_action_on_both_ranks(tmp_path, a
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["events"] == ranks[1]["events"] == [[4, "nonfinite", action]]
     assert ranks[0]["global_step"] == ranks[1]["global_step"] == (8 if action == "skip" else 5)
-    assert (tmp_path / "checkpoints" / "guard-stop-step=4.ckpt").exists() == (action == "stop")
+    assert (tmp_path / "checkpoints" / "guard-stop-step=5.ckpt").exists() == (action == "stop")
     assert ranks[0]["unchanged"] and ranks[1]["unchanged"] and ranks[0]["weights"] == ranks[1]["weights"]
     assert ranks[0]["producer"] == ranks[1]["producer"] == "loss"  # rank 1's finding, told to rank 0
 

@@ -352,9 +352,11 @@ class TrainingGuard(TrainvitalsCallback):
         if stop is None:
             return
         step, reason = stop
-        path = os.path.join(self._folder, "checkpoints", f"guard-stop-step={step}.ckpt")
-        trainer.save_checkpoint(path)
+        # Named by the global step it holds (the bad step's, counted though not applied), as ModelCheckpoint's are;
+        # the reason set first, so that the checkpoint's guard state says the stop too.
+        path = os.path.join(self._folder, "checkpoints", f"guard-stop-step={trainer.global_step}.ckpt")
         self.stop_reason = f"{reason}; checkpoint: {path}"
+        trainer.save_checkpoint(path)
         trainer.should_stop = True
         self.warn(f"stopping the fit: {self.stop_reason}")
         log_text(trainer, GUARD_EVENT_LOG, self.summary_markdown(), step)  # the panel's summary says the stop
