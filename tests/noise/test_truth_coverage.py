@@ -55,8 +55,12 @@ def test_with_the_weights_frozen_the_estimate_converges_to_the_truth(case):
 
 
 def _case(case: str, quantity: str, main: float | None = None):
-    """A (case, quantity) parameter; ``main``: the share main covers, below :data:`BAR` (an expected failure)."""
-    marks = () if main is None else pytest.mark.xfail(strict=True, reason=f"main covers {main:.0%} of the steps")
+    """A (case, quantity) parameter; ``main``: the share covered before the drift-aware windows (rule 7), where it
+    is still below :data:`BAR` (an expected failure)."""
+    if main is None:
+        return pytest.param(case, quantity, id=f"{case}-{quantity}")
+    reason = f"{main:.0%} of the steps before the drift-aware windows; still below the bar"
+    marks = pytest.mark.xfail(strict=True, reason=reason)
     return pytest.param(case, quantity, marks=marks, id=f"{case}-{quantity}")
 
 
@@ -64,19 +68,19 @@ def _case(case: str, quantity: str, main: float | None = None):
 @pytest.mark.parametrize(
     ("case", "quantity"),
     [
-        _case("mlp-1", "grad_sq_norm", 0.222),
+        _case("mlp-1", "grad_sq_norm"),
         _case("mlp-1", "trace_cov", 0.056),
-        _case("mlp-1", "b_simple", 0.167),
-        _case("mlp-1", "band_ratio", 0.167),
-        _case("mlp-4", "grad_sq_norm", 0.19),
+        _case("mlp-1", "b_simple"),
+        _case("mlp-1", "band_ratio"),
+        _case("mlp-4", "grad_sq_norm"),
         _case("mlp-4", "trace_cov", 0.19),
-        _case("mlp-4", "b_simple", 0.143),
-        _case("mlp-4", "band_ratio", 0.1),
+        _case("mlp-4", "b_simple"),
+        _case("mlp-4", "band_ratio"),
         _case("mlp-4-probe", "grad_sq_norm", 0.19),
         _case("mlp-4-probe", "trace_cov", 0.19),
         _case("mlp-4-probe", "b_simple", 0.143),
         _case("lm", "grad_sq_norm", 0.037),
-        _case("lm", "trace_cov", 0.593),
+        _case("lm", "trace_cov"),
         _case("lm", "b_simple", 0.037),
         _case("lm", "band_ratio", 0.038),
     ],
@@ -92,9 +96,12 @@ def test_the_90_percent_interval_covers_the_brute_force_truth(case, quantity):
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(case, marks=pytest.mark.xfail(strict=True, reason=f"main covers {main:.0%} of them"), id=case)
-        for case, main in (("mlp-1", 0.167), ("mlp-4", 0.1), ("lm", 0.038))
-    ],
+        pytest.param(
+            case, marks=pytest.mark.xfail(strict=True, reason=f"{main:.0%} before the drift-aware windows"), id=case
+        )
+        for case, main in (("mlp-1", 0.167), ("lm", 0.038))
+    ]
+    + [pytest.param("mlp-4", id="mlp-4")],
 )
 def test_a_b_simple_called_reliable_is_covered_by_its_interval(case):
     """Issue #24's aim is a reliable point estimate wherever one can be had; one called reliable must also be right:

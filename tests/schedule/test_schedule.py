@@ -516,7 +516,8 @@ def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, caps
     assert len(schedule.cuts) == (2 if grow else 1)
     for cut in schedule.cuts:  # each cut's step, band ratio and 90 % interval, as the cut record says them
         line = Cut(**cut).line()
-        assert line in cuts and f"step {cut['step']}" in line and f"{cut['band_ratio']:.2g}" in line
+        assert line in cuts and f"step {cut['step']}" in line
+        assert f"{cut['band_ratio']:.2g}" in line or cut["band_ratio"] < 0  # ‖G‖² < 0 within its error: the upper end
         assert f"{cut['ratio_high']:.2g}" in line
     if grow:
         assert [c["batch"] for c in schedule.cuts] == [2 * B, 4 * B] and schedule.lr_scale == 1.0

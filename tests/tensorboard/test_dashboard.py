@@ -245,15 +245,15 @@ def test_progress_bar_shows_the_latest_norm_and_band(monitored) -> None:
 
 
 def assert_band_ratio(shown: float, acc: EventAccumulator, step: int, margin: float) -> None:
-    """The bar's ratio is the logged smoothed ‖G‖² over margin · tr(Σ)/B = margin · floor², and ≤ 1 exactly when
-    the stopper logged the step in its band."""
+    """The bar's ratio is the band's smoothed ‖G‖² (the slow EMA's, estimate.py rule 7) over margin · tr(Σ)/B =
+    margin · floor², the stopper's logged band ratio, and ≤ 1 exactly when the stopper logged the step in its band."""
     logged = {
         tag: {e.step: e.value for e in acc.Scalars(tag)}[step]
-        for tag in ("grad_noise/grad_sq_norm", "grad_norm/noise_floor", "grad_norm/in_noise_band")
+        for tag in ("grad_norm/band_ratio", "grad_norm/band_norm", "grad_norm/noise_floor", "grad_norm/in_noise_band")
     }
-    assert shown == pytest.approx(
-        logged["grad_noise/grad_sq_norm"] / (margin * logged["grad_norm/noise_floor"] ** 2), rel=1e-5
-    )
+    floor_sq = logged["grad_norm/noise_floor"] ** 2
+    assert shown == pytest.approx(logged["grad_norm/band_ratio"], rel=1e-5)
+    assert shown == pytest.approx((logged["grad_norm/band_norm"] ** 2 - floor_sq) / (margin * floor_sq), rel=1e-3)
     assert (shown <= 1) == bool(logged["grad_norm/in_noise_band"])
 
 
@@ -279,7 +279,7 @@ def test_noise_band_uses_the_stoppers_margin(margin: float | None, ratio: float)
     probe.effective_batch_size = 64
     # ‖G‖² = 0.5 · tr(Σ)/B: in the band with margin 1 (B <= B_simple), not with margin 0.2.
     for _ in range(20):  # a decision needs 20 measurements
-        probe.noise.update(torch.tensor(0.5 * 6.4 / 64), torch.tensor(6.4))
+        probe.noise_source.update(torch.tensor(0.5 * 6.4 / 64), torch.tensor(6.4))
     callbacks = [probe] + ([GradNormEarlyStopping(margin=margin)] if margin is not None else [])
     vitals = Vitals(*callbacks)
     vitals.shared(GRADIENT_NOISE, GradientNoise).attach(probe.noise_source)

@@ -45,7 +45,9 @@ Combining rule (:meth:`GradientNoise.estimate`):
    on logging steps (:meth:`GradientNoise.disagreement`) once a source has :data:`MIN_MEASUREMENTS`: its EMA
    ‖G‖² is below zero by more than :data:`COUPLING_Z` standard errors (independent examples give
    E[‖G‖²_est] = ‖G‖² ≥ 0; a negative value within its error is a legitimate "G ≈ 0"), or it disagrees with
-   the micro-batch/rank source beyond :data:`AGREEMENT_Z` standard errors. The micro-batches are independent
+   the micro-batch/rank source beyond :data:`AGREEMENT_Z` standard errors (Student-widened at the fewer effective
+   measurements of the two; each source on its own windows, whose errors hold their lag: sources measured at
+   different cadences span different stretches of the run, rule 7). The micro-batches are independent
    by construction, so that source decides: the other is marked invalid, dropped, and said once. Between
    logging steps the band never holds on a ‖G‖² below zero beyond its error.
 
@@ -56,20 +58,32 @@ Combining rule (:meth:`GradientNoise.estimate`):
    Techniques*, §2.5). With N known (:attr:`GradientNoise.population`) each source is corrected:
    ‖G‖² = ‖G‖²_est + S_est/N, tr Σ = S_est·(N − 1)/N, their variances carried along.
 
-7. Drift. Each source keeps two pairs of EMAs: slow ones (its ``beta``: ≈ 99 effective measurements at 0.98)
-   and fast ones (:data:`FAST_BETA` per measurement: ≈ 19). The slow ones lag a quantity that moves: a tr Σ
-   that halves every 50 steps sits at about twice its value in an EMA of memory 50 steps, and so does the
-   noise level drawn against the norm. Where the slow EMA of tr Σ lies above the fast one by more than
-   :data:`DRIFT_Z` of the fast one's standard error — the lag is then larger than the error it would buy —
-   the estimate takes tr Σ from the fast EMAs, for every source at once (the sources combined and compared
-   then span the same stretch of the run); the fast ones' own lag (mean age 9 measurements: 13 % on that
-   tr Σ) is below their error (≈ 19 % a step from 4 micro-batches). Only a falling tr Σ, and only tr Σ: that
-   lag puts the band's edge too high, so following it can only delay a band stop, never advance one (on
-   stopping_tasks' digits MLP, following a rising tr Σ and ‖G‖² with the fast EMAs' noise stopped runs at
-   step 130, far from converged). ‖G‖² stays the slow EMA's; the pair then has no covariance term. The
-   per-step band, the logged tags and the charts read the same choice. ``effective_measurements`` is
-   1/Σ w_k² of the EMA tr Σ comes from, weighted over the sources as tr Σ is: at most the most-measured
-   source's count (:attr:`NoiseEstimate.count`), which may exceed another source's (issue #24).
+7. Drift. Each source keeps a ladder of EMAs: its ``beta`` (≈ 99 effective measurements at 0.98, decaying per
+   measurement, whatever the cadence) and the shorter :data:`LADDER` (0.95, 0.8: ≈ 39 and 9). A long window lags
+   a quantity that moves: ‖G‖² halving every 50 measurements sits at about 3× its value in an EMA of decay
+   0.98, outside the window's own sampling interval (issue #24: 2× on an LM, 10–24× on a LayerNorm MLP). Each
+   window's lag is estimated from its difference with the next shorter one: on a linear trend of slope r an EMA
+   whose weights have mean age A lags by r·A, so the lag is (x_a − x_b)·A_a/(A_a − A_b) (:func:`mean_age`), the
+   difference first lessened by :data:`LAG_NOISE` of its own sampling variance. Each quantity, ‖G‖² and tr Σ
+   alike, takes the window of least variance + lag², and that sum is its stated variance: the lag is part of
+   the error, so the interval covers the truth also while it moves (tests/noise/test_intervals.py: ‖G‖² halving
+   every 50 steps, covered in ≥ 80 % of runs over steps 100–300, ≥ 70 % at each; 85–95 % stationary). The
+   covariance of two windows' means is the per-step covariance times Σ_k w_a,k·w_b,k
+   (:func:`~trainvitals.noise.estimators.window_overlap`). Each source chooses for itself: attaching a source
+   (the stopper's micro-batches) changes the estimate only by its weight (rule 2), and sources measured at
+   different cadences are compared (rule 5) each on windows whose lag is in their error. The noise band's ‖G‖² is
+   the band window's (``NoiseEstimate.band_grad_sq_norm``; :func:`band_window`: the longest spanning no more
+   optimizer steps than the slow decay does at one update a step — the slow window itself for a source measured
+   every step, the 0.8 rung for a probe every 10 steps), its tr Σ the chosen one: neither a short
+   window's dip nor its lead on a falling ‖G‖² enters the band before that window would (on
+   stopping_tasks' digits MLP, following ‖G‖² with short windows stopped runs at steps 130–210, far from
+   converged); a lag can only delay a band stop, never advance one. The per-step band, the logged tags and the
+   charts read the same choice. That the run *was* out of the band is read from the band windows with their
+   sampling errors alone (``NoiseEstimate.window_band_ratio_low``): a lagging EMA is an unbiased mean of the
+   stretch it spans, so a mean beyond the band's edge shows a step of that stretch out of it, where the current
+   value's lag-widened interval could not yet tell.
+   ``effective_measurements`` is 1/Σ w_k² of the shorter of the two windows, weighted over the sources as tr Σ
+   is: at most the most-measured source's count (:attr:`NoiseEstimate.count`).
 
 8. Intervals. Every quantity carries a 90 % interval from its own error: ‖G‖² ± t·σ_G and tr Σ ± t·σ_S (t
    Student's quantile at n_eff − 1 degrees of freedom, so that few measurements widen it; the low ends
@@ -80,8 +94,8 @@ Combining rule (:meth:`GradientNoise.estimate`):
    ratio's interval is B/B_simple's, the same set inverted. Calibrated on a closed form over 600 seeds
    (tests/noise/test_intervals.py): each covers the truth in 85–95 % of runs, with ‖G‖² near 0 too.
 
-Consecutive steps are treated as independent, so while the run moves the errors also contain the
-drift of the true values (they are not smaller than the sampling error). Everything stays on the
+Consecutive steps are treated as independent; while the run moves, each error holds the chosen window's estimated
+lag beside its sampling error (rule 7). Everything stays on the
 device; the host reads values only through :meth:`GradientNoise.host_summary` and
 :meth:`GradientNoise.disagreement` (one transfer each), on logging steps.
 """
@@ -103,6 +117,7 @@ from trainvitals.noise.estimators import (
     effective_count,
     fieller_interval,
     t_quantile,
+    window_overlap,
 )
 
 Z90 = 1.6448536269514722
@@ -114,17 +129,20 @@ MAX_UNMEASURED_TRACE = 0.1
 WEIGHTS_REFRESH = 50
 """The per-step band reuses the inverse-variance weights of a full estimate at most this many calls old."""
 AGREEMENT_Z = 3.0
-"""Two sources disagree when their estimates differ by more than this many combined standard errors: the
-check runs at every logging step, so a single test's 2 would raise false alarms over a long run."""
+"""Two sources disagree when their estimates differ by more than this many combined standard errors (as a normal
+quantile: Student's t at the fewer effective measurements of the two, rule 8): the check runs at every logging
+step, so a single test's 2 would raise false alarms over a long run."""
 COUPLING_Z = 3.0
 """A per-example source's EMA ‖G‖² this many standard errors below zero shows coupled examples."""
 MIN_MEASUREMENTS = 20
 """Updates a source needs before its errors are trusted: to be found coupled, and to decide or advise."""
-FAST_BETA = 0.9
-"""Decay per measurement of each source's fast EMAs (about 19 effective measurements; rule 7)."""
-DRIFT_Z = 3.0
-"""The slow EMAs lag when they differ from the fast ones by more than this many of the fast ones' standard errors
-(rule 7): then the fast ones are the estimate."""
+LADDER = (0.95, 0.8)
+"""Decays per measurement of each source's shorter windows, below its own ``beta`` (about 39 and 9 effective
+measurements; rule 7)."""
+LAG_NOISE = 0.15
+"""Share of a window difference's own sampling variance taken off its square before the rest counts as lag (rule 7):
+at 0 a stationary run's intervals over-cover (95.5 % for a 90 % B_simple interval), at 1 the lag estimate's noise
+lets a falling ‖G‖² escape its interval (≈ 70 %); 0.15 keeps both within bounds (tests/noise/test_intervals.py)."""
 INDEPENDENT = "micro_batch"
 """The source whose draws are independent by construction (micro-batches and ranks): it decides disagreements."""
 EXPECTED_BATCH_NORM = "grad_noise/expected_batch_norm"
@@ -145,12 +163,15 @@ class NoiseSource:
         name: ``"micro_batch"`` (micro-batches and ranks), ``"probe"`` (BatchVarianceProbe's sources) …
         beta: EMA decay per update, in [0, 1).
         param_share: share of the trainable parameters (by count) it measures, in [0, 1].
+        steps_per_update: optimizer steps between two updates (a probe's ``measure_every_n_steps``): what sets
+            :attr:`band_window`.
 
     Attributes:
         ema, error: the EMAs of the estimates and of their second moments, in the source's own units (decay
             ``beta`` per measurement).
-        fast, fast_error: the same at decay min(``beta``, :data:`FAST_BETA`): what :meth:`smoothed` gives
-            while the slow ones lag a drifting tr(Σ) or ‖G‖² (module docstring, rule 7).
+        ladder: the same at the shorter decays of :data:`LADDER` below ``beta``, longest first: the windows
+            :meth:`smoothed` chooses from, per quantity, where the slow ones lag a moving ‖G‖² or tr(Σ) (rule 7).
+        band_window: the index, in :attr:`windows`, of the window the noise band reads (:func:`band_window`).
         unit_scale: the factor from the source's gradient units to those of ``.grad`` (host float).
         effective_batch_size: examples per optimizer step, once seen.
         population: N, the training examples each epoch draws without replacement (rule 6), once seen; ``None``
@@ -162,12 +183,14 @@ class NoiseSource:
         version: changes with every update or restore (what :meth:`GradientNoise.estimate` caches on).
     """
 
-    def __init__(self, name: str, beta: float, param_share: float = 1.0) -> None:
+    def __init__(self, name: str, beta: float, param_share: float = 1.0, steps_per_update: int = 1) -> None:
         self.name = name
         self.ema = NoiseScaleEMA(beta)
         self.error = NoiseScaleError(beta)
-        self.fast = NoiseScaleEMA(min(beta, FAST_BETA))
-        self.fast_error = NoiseScaleError(min(beta, FAST_BETA))
+        self.ladder = [(NoiseScaleEMA(b), NoiseScaleError(b)) for b in LADDER if b < beta]
+        self.steps_per_update = steps_per_update
+        self.band_window = band_window([ema.beta for ema, _ in self.windows], steps_per_update)
+        self._betas = torch.tensor([ema.beta for ema, _ in self.windows], dtype=torch.float64)
         self._norms = BiasCorrectedEMA(beta, (2,))  # of (‖ḡ_covered‖², ‖ḡ‖²)
         self.last_covered_sq_norm: Tensor | None = None  # ‖ḡ‖² of the measured parameters at the last update
         self.param_share = param_share
@@ -189,7 +212,7 @@ class NoiseSource:
         """One step's ``(‖G‖²_est, S_est)``; with ``covered_sq_norm`` and ``total_sq_norm`` (‖ḡ‖² over the
         measured parameters and over all, any common units) also the share of ‖ḡ‖² it covers. No sync."""
         self.version = next(_VERSIONS)
-        for ema, error in ((self.ema, self.error), (self.fast, self.fast_error)):
+        for ema, error in self.windows:
             ema.update(grad_sq_norm, trace_cov, valid)
             error.update(grad_sq_norm, trace_cov, valid)
         if covered_sq_norm is not None and total_sq_norm is not None:
@@ -201,34 +224,84 @@ class NoiseSource:
 
     def restart(self) -> None:
         """Forget the updates so far (they measured the wrong thing); validity, units and batch size kept."""
-        fresh = NoiseSource(self.name, self.ema.beta).state_dict()
-        self.load_state_dict({k: fresh[k] for k in ("noise", "error", "fast_noise", "fast_error", "norms")})
+        fresh = NoiseSource(self.name, self.ema.beta, steps_per_update=self.steps_per_update).state_dict()
+        self.load_state_dict({k: fresh[k] for k in ("noise", "error", "ladder", "norms")})
 
-    def lagging(self) -> Tensor:
-        """``()`` bool: the slow EMA of tr Σ lies above the fast one by more than :data:`DRIFT_Z` of the fast one's
-        standard error (rule 7): it lags a falling tr Σ. No sync."""
-        var_s, _, _ = self.fast_error.mean_covariance(self.fast)
-        return self.fast.trace_cov < self.ema.trace_cov - DRIFT_Z * var_s.sqrt()
+    @property
+    def windows(self) -> list[tuple[NoiseScaleEMA, NoiseScaleError]]:
+        """The slow EMAs and the :attr:`ladder`'s, longest first."""
+        return [(self.ema, self.error), *self.ladder]
 
-    def smoothed(self, lag: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def choice(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The window of each quantity (rule 7) and what its errors need, no sync: ``(values, per_step, cross, lag_sq,
+        chosen, overlap)`` — the L windows' EMA means ``(L, 2, ...)`` of (‖G‖², tr Σ), longest first; the per-step
+        variances ``(L, 2, ...)`` and covariance ``(L, ...)`` each window's spread gives; each window's squared lag
+        ``(L, 2, ...)``; the chosen window per quantity ``(2, ...)`` (an index); and K_ab = Σ_k w_a,k·w_b,k ``(L, L)``
+        of each pair of windows' weights (:func:`~trainvitals.noise.estimators.window_overlap`, 1/n_eff on the
+        diagonal).
+
+        The lag: on a linear trend of slope r per measurement an EMA whose weights have mean age A lags by r·A, so a
+        window and the next shorter one differ by r·(A_a − A_b), and the window's lag is that difference times
+        A_a/(A_a − A_b) (the shortest: none). Each quantity takes the window of the least variance + lag²."""
+        windows = self.windows
+        values = torch.stack([ema.values for ema, _ in windows])
+        moments = torch.stack([error.moments for _, error in windows])  # (L, 3, ...) of (S², ‖G‖²², S·‖G‖²)
+        count = self.ema.count
+        if self._betas.device != count.device:  # copied once per device, not at every step
+            self._betas = self._betas.to(count.device)
+        betas = self._betas
+        overlap = window_overlap(betas, count)
+        n_eff = 1.0 / overlap.diagonal().clamp_min(1e-300)
+        ones = [1] * (values.dim() - 2)
+        bessel = (n_eff / (n_eff - 1).clamp_min(1e-300)).reshape(-1, *ones).to(values.device)
+        second = torch.stack([moments[:, 1], moments[:, 0]], 1)
+        per_step = (second - values.square()).clamp_min(0.0) * bessel.unsqueeze(1)
+        per_step = torch.where(count.to(values.device) >= 2, per_step, math.inf)
+        cross = (moments[:, 2] - values[:, 0] * values[:, 1]) * bessel
+        age = mean_age(betas, count)
+        step = age[:-1] - age[1:]
+        scale = torch.where(step > 0, age[:-1] / step.clamp_min(1e-300), 0.0).reshape(-1, 1, *ones).to(values.device)
+        # The difference's own sampling variance v_b·(K_aa + K_bb − 2K_ab) (b the shorter window), in part taken off.
+        diag = overlap.diagonal()
+        spread = (diag[:-1] + diag[1:] - 2 * overlap.diagonal(1)).clamp_min(0.0).reshape(-1, 1, *ones).to(values.device)
+        excess = ((values[:-1] - values[1:]).square() - LAG_NOISE * per_step[1:] * spread).clamp_min(0.0)
+        lag_sq = torch.cat([excess * scale.square(), torch.zeros_like(values[:1])])
+        var = per_step * overlap.diagonal().reshape(-1, 1, *ones).to(values.device)
+        chosen = (var + lag_sq).argmin(0)  # all infinite (fewer than two updates): the first, the slowest
+        return values, per_step, cross, lag_sq, chosen, overlap.to(values.device)
+
+    def smoothed(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``(‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff)`` of the EMA means the estimate uses, in the source's
-        units: the slow EMAs', or the fast ones' where ``lag`` (default: :meth:`lagging`; rule 7); ``()`` float64
-        each, no sync."""
-        g, slow_t = self.ema.values.unbind()
-        var_s, var_g, cov = self.error.mean_covariance(self.ema)
-        fast_var_s = self.fast_error.mean_covariance(self.fast)[0]
-        lag = self.lagging() if lag is None else lag
-        # Lagging: tr Σ (and its variance) from the fast EMA, ‖G‖² from the slow one; two windows, no covariance.
-        t, var_s = torch.where(lag, self.fast.trace_cov, slow_t), torch.where(lag, fast_var_s, var_s)
-        cov = torch.where(lag, torch.zeros_like(cov), cov)
-        n_eff = torch.where(
-            lag, effective_count(self.fast.beta, self.fast.count), effective_count(self.ema.beta, self.ema.count)
-        )
-        return g, t, var_g, var_s, cov, n_eff
+        units, each from the window :meth:`choice` takes for it (rule 7): its variance the window's sampling variance
+        plus its squared lag; n_eff that of the shorter of the two windows. ``()`` float64 each (or the shape the
+        EMAs hold), no sync."""
+        values, per_step, cross, lag_sq, chosen, overlap = self.choice()
+        g_i, s_i = chosen.unbind()
+        g, t = _pick(values[:, 0], g_i), _pick(values[:, 1], s_i)
+        var_g = _pick(per_step[:, 0], g_i) * overlap[g_i, g_i] + _pick(lag_sq[:, 0], g_i)
+        var_s = _pick(per_step[:, 1], s_i) * overlap[s_i, s_i] + _pick(lag_sq[:, 1], s_i)
+        # Cov of two windows' means: the per-step covariance (the shorter window's) times their weights' overlap.
+        cross = _pick(cross, torch.maximum(g_i, s_i)) * overlap[g_i, s_i]
+        cov = torch.where(torch.isfinite(var_g * var_s), cross, 0.0)
+        n_eff = 1.0 / torch.maximum(overlap[g_i, g_i], overlap[s_i, s_i]).clamp_min(1e-300)
+        return g, t, var_g, var_s, cov, torch.where(self.ema.count.to(n_eff.device) > 0, n_eff, 0.0)
 
-    def smoothed_values(self, lag: Tensor) -> Tensor:
-        """``(2,)`` (‖G‖², tr Σ) of :meth:`smoothed` at ``lag``, in a few kernels (the per-step band's)."""
-        return torch.where(torch.stack([torch.zeros_like(lag), lag]), self.fast.values, self.ema.values)
+    def slow_moments(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`smoothed`'s tuple for the :attr:`band_window` alone, with its sampling error only (no lag): an
+        unbiased estimate of the run's weighted mean over that window, what it says of the past (rule 7)."""
+        ema, error = self.windows[self.band_window]
+        var_s, var_g, cov = error.mean_covariance(ema)
+        g, t = ema.values.unbind()
+        return g, t, var_g, var_s, cov, effective_count(ema.beta, ema.count)
+
+    def band_values(self) -> Tensor:
+        """``(3,)`` (‖G‖², tr Σ, the ‖G‖² the band is judged on) of :meth:`smoothed`, in fewer kernels (the per-step
+        band's). The band's ‖G‖² is the :attr:`band_window`'s (rule 7): neither a short window's dip nor its lead on
+        a falling ‖G‖² enters the band before that window would (a maximum over windows would be biased up where
+        they only scatter)."""
+        values, _, _, _, chosen, _ = self.choice()
+        g_i, s_i = chosen.unbind()
+        return torch.stack([_pick(values[:, 0], g_i), _pick(values[:, 1], s_i), values[self.band_window, 0]])
 
     def invalidate(self, reason: str) -> None:
         """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
@@ -245,8 +318,7 @@ class NoiseSource:
         return {
             "noise": self.ema.state_dict(),
             "error": self.error.state_dict(),
-            "fast_noise": self.fast.state_dict(),
-            "fast_error": self.fast_error.state_dict(),
+            "ladder": [{"noise": ema.state_dict(), "error": error.state_dict()} for ema, error in self.ladder],
             "norms": self._norms.state_dict(),
             "effective_batch_size": self.effective_batch_size,
             "unit_scale": self.unit_scale,
@@ -258,8 +330,9 @@ class NoiseSource:
         self.version = next(_VERSIONS)
         self.ema.load_state_dict(state.get("noise", {}))
         self.error.load_state_dict(state.get("error", {}))
-        self.fast.load_state_dict(state.get("fast_noise", {}))
-        self.fast_error.load_state_dict(state.get("fast_error", {}))
+        for (ema, error), saved in zip(self.ladder, state.get("ladder", [])):
+            ema.load_state_dict(saved.get("noise", {}))
+            error.load_state_dict(saved.get("error", {}))
         if "norms" in state:
             self._norms.load_state_dict(state["norms"])
         self.effective_batch_size = state.get("effective_batch_size", self.effective_batch_size)
@@ -308,6 +381,12 @@ class NoiseEstimate:
     margin), each ``(low, high)``."""
     effective_measurements: Tensor
     """The effective number of measurements 1/Σ w_k² behind the estimate (rule 7), ``()`` float64."""
+    band_grad_sq_norm: Tensor
+    """The ‖G‖² the noise band is judged on (rule 7): each source's band window's, combined as ``grad_sq_norm``
+    is; what the stopper's band charts draw."""
+    window_band_ratio_low: Tensor
+    """The 90 % lower end of B/B_simple over the band windows with their sampling errors alone (rule 7): the
+    run's weighted mean over them; above the margin, the run was out of the band at some step of that stretch."""
 
 
 class GradientNoise:
@@ -401,6 +480,8 @@ class GradientNoise:
                 (),
                 {k: (zero, inf) for k in INTERVALS},
                 zero,
+                zero,
+                zero,
             )
         key = (
             tuple((src.version, src.unit_scale, src.effective_batch_size, src.param_share) for src in chosen),
@@ -415,13 +496,13 @@ class GradientNoise:
 
     def _combine(self, chosen: list[NoiseSource]) -> NoiseEstimate:
         device = chosen[0].ema.count.device
-        lag = _lag(chosen, device)
         per = []
         for src in chosen:
-            per.append((*self._moments(src, device, lag), src.ema.count.to(device), src.norm_share.to(device)))
+            per.append((*self._moments(src, device), src.ema.count.to(device), src.norm_share.to(device)))
         g, s, var_g, var_s, cov, n_eff, count, share = (torch.stack(parts) for parts in zip(*per))
         seen = count > 0
         g_w, s_w = _weights(var_g, seen), _weights(var_s, seen)
+        band_grad = (g_w * torch.stack([self._band_pair(src, device)[0] for src in chosen])).sum()
         grad = (g_w * g).sum()
         trace = (s_w * s).sum()
         sd_g, sd_s = var_g.sqrt(), var_s.sqrt()
@@ -440,6 +521,20 @@ class GradientNoise:
             batch,
         )
         rel_err = fieller_rel_err(b_simple, *intervals["b_simple"], measurements)
+        # The slow windows with their sampling errors alone: the run's weighted mean over them, for "was out" (rule 7).
+        past = [self._moments(src, device, slow=True) for src in chosen]
+        pg, ps, pvg, pvs, pcov, pn = (torch.stack(parts) for parts in zip(*past))
+        pg_w, ps_w = _weights(pvg, seen), _weights(pvs, seen)
+        pg_se, ps_se = _bound(pg_w, pvg.sqrt()), _bound(ps_w, pvs.sqrt())
+        window_band_low = noise_intervals(
+            (pg_w * pg).sum(),
+            (ps_w * ps).sum(),
+            pg_se,
+            ps_se,
+            _combined_cov(ps_w, pg_w, pcov, pvs.sqrt(), pvg.sqrt(), ps_se, pg_se),
+            (ps_w * pn).sum(),
+            batch,
+        )["band_ratio"][0]
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(
             trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf"))
@@ -481,20 +576,29 @@ class GradientNoise:
             tuple(src.name for src in chosen),
             intervals,
             measurements,
+            band_grad,
+            window_band_low,
         )
 
-    def _moments(self, src: NoiseSource, device: torch.device, lag: Tensor | bool) -> tuple[Tensor, ...]:
-        """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff) in ``.grad`` units (:meth:`NoiseSource.smoothed`
-        at ``lag``), with the finite-population correction (module docstring, rule 6) when :attr:`population` is
-        known."""
+    def _moments(self, src: NoiseSource, device: torch.device, slow: bool = False) -> tuple[Tensor, ...]:
+        """``src``'s (‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff) in ``.grad`` units (:meth:`NoiseSource.smoothed`,
+        its own windows; with ``slow`` :meth:`NoiseSource.slow_moments`), with the finite-population correction
+        (module docstring, rule 6) when :attr:`population` is known."""
         u2 = src.unit_scale**2
-        lag = torch.as_tensor(lag, device=src.ema.count.device)
-        g, t, var_g, var_s, cov, n_eff = (v.to(device) for v in src.smoothed(lag))
+        g, t, var_g, var_s, cov, n_eff = (v.to(device) for v in (src.slow_moments() if slow else src.smoothed()))
         g, t, var_g, var_s, cov = g * u2, t * u2, var_g * u2**2, var_s * u2**2, cov * u2**2
         if self.population is None:
             return g, t, var_g, var_s, cov, n_eff
         n, c = self.population, (self.population - 1) / self.population
         return (g + t / n, t * c, var_g + 2 * cov / n + var_s / n**2, var_s * c**2, c * (cov + var_s / n), n_eff)
+
+    def _band_pair(self, src: NoiseSource, device: torch.device) -> Tensor:
+        """``(2,)`` (the band's ‖G‖², tr Σ) of ``src`` (:meth:`NoiseSource.band_values`) in ``.grad`` units, corrected
+        for a known population as :meth:`_moments` corrects (rule 6)."""
+        _, t, g = (src.band_values().to(device) * src.unit_scale**2).unbind()
+        if self.population is not None:
+            g, t = g + t / self.population, t * (self.population - 1) / self.population
+        return torch.stack([g, t])
 
     def decisive(self, estimate: NoiseEstimate | None = None) -> Tensor:
         """``()`` bool: a measured estimate covering enough of the model (module docstring, rule 4; no sync)."""
@@ -525,7 +629,7 @@ class GradientNoise:
             est = estimate
             return self._band(
                 margin,
-                est.grad_sq_norm,
+                est.band_grad_sq_norm,
                 est.trace_cov,
                 est.count,
                 self._covers(est),
@@ -540,7 +644,7 @@ class GradientNoise:
             est = self.estimate()
             return self._band(
                 margin,
-                est.grad_sq_norm,
+                est.band_grad_sq_norm,
                 est.trace_cov,
                 est.count,
                 self._covers(est),
@@ -549,14 +653,7 @@ class GradientNoise:
             )
         _, g_w, s_w, covers, grad_se = self._cached
         first = chosen[0].ema.count.device
-        lag = _lag(chosen, first)
-        pairs = torch.stack(
-            [src.smoothed_values(lag.to(src.ema.count.device)).to(first) * src.unit_scale**2 for src in chosen]
-        )
-        if self.population is not None:  # rule 6, as in _moments
-            pairs = torch.stack(
-                [pairs[:, 0] + pairs[:, 1] / self.population, pairs[:, 1] * (self.population - 1) / self.population], 1
-            )
+        pairs = torch.stack([self._band_pair(src, first) for src in chosen])
         counts = torch.stack([src.ema.count.to(first) for src in chosen])
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
         return self._band(
@@ -718,11 +815,11 @@ class GradientNoise:
         device = chosen[0].ema.count.device
         parts = []
         for src in chosen:
-            g, t, var_g, var_s, _, _ = self._moments(src, device, False)  # the slow EMAs: the same window for all
-            parts.append(torch.stack([g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double()]))
+            g, t, var_g, var_s, _, n_eff = self._moments(src, device)  # each its own windows, lag in the error (rule 7)
+            parts.append(torch.stack([g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double(), n_eff]))
         rows = torch.stack(parts).cpu().tolist()  # one transfer
         said = []
-        for src, (g, g_se, _, _, count) in zip(chosen, rows):
+        for src, (g, g_se, _, _, count, _) in zip(chosen, rows):
             if src.name != INDEPENDENT and count >= MIN_MEASUREMENTS and g < -COUPLING_Z * g_se:
                 src.invalidate(
                     f"its ‖G‖² {g:.3g} ± {g_se:.2g} is below zero by more than {COUPLING_Z:g} standard "
@@ -735,16 +832,18 @@ class GradientNoise:
                 first, second, a, b = chosen[i], chosen[j], rows[i], rows[j]
                 if first.invalid or second.invalid:
                     continue
+                # The errors come from few effective measurements on a short window: Student's widening (rule 8).
+                z = float(t_quantile(AGREEMENT_Z, torch.tensor(min(a[5], b[5]) - 1)))
                 for what, k in (("‖G‖²", 0), ("tr(Σ)", 2)):
                     se = math.hypot(a[k + 1], b[k + 1])
-                    if not (math.isfinite(se) and abs(a[k] - b[k]) > AGREEMENT_Z * se):
+                    if not (math.isfinite(se) and math.isfinite(z) and abs(a[k] - b[k]) > z * se):
                         continue
                     values = f"{a[k]:.4g} ± {a[k + 1]:.2g} vs {b[k]:.4g} ± {b[k + 1]:.2g}"
                     if INDEPENDENT in (first.name, second.name) and min(a[4], b[4]) >= MIN_MEASUREMENTS:
                         other = second if first.name == INDEPENDENT else first
                         other.invalidate(
                             f"it disagrees with the micro-batch/rank source on {what} ({first.name} vs "
-                            f"{second.name}: {values}, beyond {AGREEMENT_Z:g} standard errors); the "
+                            f"{second.name}: {values}, beyond {z:.2g} standard errors); the "
                             f"micro-batches are independent by construction, so the examples are likely "
                             f"coupled by {COUPLING_CAUSES}"
                         )
@@ -754,7 +853,7 @@ class GradientNoise:
                         self._said_disagreement = True
                         said.append(
                             f"the sources {first.name} and {second.name} disagree on {what}: {values} (beyond "
-                            f"{AGREEMENT_Z:g} standard errors); the combined estimate weights them by their "
+                            f"{z:.2g} standard errors); the combined estimate weights them by their "
                             "variances"
                         )
                         break
@@ -835,10 +934,28 @@ def fieller_rel_err(b_simple: Tensor, low: Tensor, high: Tensor, measurements: T
     return torch.where(usable, spread, torch.full_like(spread, float("inf")))
 
 
-def _lag(chosen: list[NoiseSource], device: torch.device) -> Tensor:
-    """``()`` bool: whether any of the ``chosen`` sources' slow EMAs lag (rule 7): then all of them take their fast
-    ones, so that the sources combined, and checked against each other, span the same stretch of the run."""
-    return torch.stack([src.lagging().to(device) for src in chosen]).any()
+def band_window(betas: list[float], steps_per_update: int) -> int:
+    """The index, in ``betas`` (longest window first), of the window the band is judged on (rule 7): the longest
+    whose memory in optimizer steps, ``steps_per_update``/(1 − β), is at most the slowest decay's at one update a
+    step, 1/(1 − β₀); the shortest if none is. A probe every 10 steps then spans the stretch of the run a source
+    measured at every step does (its 0.8 rung: 50 steps, as 0.98's at one a step), so a sparser cadence does not
+    lengthen the band's memory — per-measurement decay made it 500 steps, and the demo's band was never entered."""
+    memory = 1.0 / (1.0 - betas[0])
+    fits = [i for i, beta in enumerate(betas) if steps_per_update / (1.0 - beta) <= memory * (1 + 1e-9)]
+    return fits[0] if fits else len(betas) - 1
+
+
+def mean_age(betas: Tensor, count: Tensor) -> Tensor:
+    """Mean age Σ_k w_k·(t − k) ``(L,)`` float64, in updates, of bias-corrected EMAs of decays ``betas`` after
+    ``count`` = t updates: β/(1 − β) − t·βᵗ/(1 − βᵗ) (→ β/(1 − β); 0 after one)."""
+    t = count.to(torch.float64)
+    b = betas.to(t.device)
+    return b / (1 - b) - t * b**t / (1 - b**t).clamp_min(1e-300)
+
+
+def _pick(values: Tensor, index: Tensor) -> Tensor:
+    """``values[index[...], ...]``: per element of ``index`` (the shape of ``values[0]``), the window it names."""
+    return values.gather(0, index.unsqueeze(0)).squeeze(0)
 
 
 INTERVALS = ("grad_sq_norm", "trace_cov", "b_simple", "band_ratio")

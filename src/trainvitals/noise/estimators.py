@@ -437,6 +437,17 @@ def effective_count(beta: float, count: Tensor) -> Tensor:
     return (1 - b**t).square() * (1 + b) / ((1 - b) * (1 - b ** (2 * t))).clamp_min(1e-300)
 
 
+def window_overlap(betas: Tensor, count: Tensor) -> Tensor:
+    """K_ab = Σ_k w_a,k·w_b,k ``(L, L)`` float64 for bias-corrected EMAs of decays ``betas`` ``(L,)`` over the same
+    ``count`` updates, w_a,k = (1 − a)·a^(t−k)/(1 − aᵗ): (1 − a)(1 − b)(1 − (ab)ᵗ)/((1 − aᵗ)(1 − bᵗ)(1 − ab)).
+    For one stream of per-step variance v, Cov(EMA_a, EMA_b) = v·K_ab; K_aa = 1/n_eff (:func:`effective_count`)."""
+    t = count.to(torch.float64)
+    a, b = betas.to(t.device)[:, None], betas.to(t.device)[None, :]
+    ab = a * b
+    num = (1 - a) * (1 - b) * (1 - ab**t)
+    return num / ((1 - a**t) * (1 - b**t) * (1 - ab)).clamp_min(1e-300)
+
+
 class NoiseScaleError:
     """Relative standard error of B_simple = EMA(S)/EMA(‖G‖²) from the spread of the per-step estimates.
 
@@ -459,6 +470,11 @@ class NoiseScaleError:
         g = grad_sq_norm.detach().double()
         s = trace_cov.detach().to(g.device, torch.float64)
         self._moments.update(torch.stack([s * s, g * g, s * g]), valid)
+
+    @property
+    def moments(self) -> Tensor:
+        """``(3,)`` float64: the EMAs of (S², ‖G‖²², S·‖G‖²), bias-corrected."""
+        return self._moments.value
 
     def mean_covariance(self, noise: NoiseScaleEMA) -> tuple[Tensor, Tensor, Tensor]:
         """``(Var S̄, Var Ḡ, Cov(S̄, Ḡ))`` of the two EMA means of ``noise``, each ``()`` float64; ``inf``

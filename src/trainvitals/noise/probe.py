@@ -65,9 +65,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         log_every_n_steps: log every this many optimizer steps (rounded up to a multiple of
             ``measure_every_n_steps``); ``None``: the Trainer's.
         histogram_every_n_steps: per-example norm histograms and outliers every this many steps; 0: never.
-        ema_beta: EMA decay per optimizer step, in [0, 1), at any measuring cadence (β^k per measurement every k
-            steps: the window stays in steps, as the micro-batch source's, so the two see the same stretch of the
-            run; measured every k steps it averages about (1 + β^k)/(1 − β^k) measurements, ≈ 99/k at 0.98:
+        ema_beta: EMA decay per measurement, in [0, 1): about (1 + β)/(1 − β) measurements (≈ 99 at 0.98) at
+            any cadence, fewer while the quantities move (shorter windows then take over: estimate.py, rule 7;
             ``grad_noise/effective_measurements``).
         loss_reduction: ``"auto"`` (read from the loss's graph), ``"mean"`` or ``"sum"`` over a micro-batch.
         per_coordinate: log GSNR and the EB criterion on logging steps.
@@ -137,8 +136,8 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("_batch_size", 0, persistent=False)  # the micro-batch's examples
         self.add_state("_unit", 1.0, persistent=False)  # its per-example gradient units
         self.add_state("_reduction", "mean", persistent=False)
-        beta = self.ema_beta**self.measure_every_n_steps
-        self.add_state("noise_source", functools.partial(NoiseSource, "probe", beta), key="source")
+        source = functools.partial(NoiseSource, "probe", self.ema_beta, steps_per_update=self.measure_every_n_steps)
+        self.add_state("noise_source", source, key="source")
         """This probe's source of :attr:`gradient_noise`, in the units of each example's own loss."""
         self.add_state("nonfinite", NonfiniteCounter, key="nonfinite_steps")
         """Measured steps whose gradient was non-finite: logged when no GradNormMonitor logs such steps."""

@@ -142,8 +142,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     far below B_simple makes every step noise from step 0, which calls for a larger batch or a smaller lr,
     not a stop. Such a run is said once (a warning and the ``grad_norm/stop_reason`` text), with the batch
     to use — B_simple's 90 % lower end — and watched on: it stops if it leaves the band and comes back for
-    ``patience`` steps. The band is judged on the estimate's smoothed quantities (slow EMAs, or fast ones
-    while the slow ones lag: estimate.py, rule 7), the same the margin chart draws.
+    ``patience`` steps. The band is judged on the estimate's smoothed quantities (each from the window of least
+    variance + lag², ‖G‖² the slow EMA's: estimate.py, rule 7), the same the margin
+    chart draws.
     The streak is kept on the device; the host looks at it every ``check_every_n_steps`` optimizer
     steps, so a stop lands at most ``check_every_n_steps - 1`` steps after the streak completes. The decision is reduced across ranks
     (``reduce_boolean_decision``): all ranks stop at the same step.
@@ -530,13 +531,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         return self.gradient_noise.in_noise_band(self.margin, estimate, device=total.device).to(total.device)
 
     def _shown_out(self, now: bool) -> Tensor | None:
-        """``()`` bool on the device: the band ratio's 90% lower end is above 1 (estimate.py, rule 8) — the run is
-        out of its band beyond the estimate's error, not by a fluctuation; read from the full estimate, so only on
-        logging and check steps (``now``; else None)."""
+        """``()`` bool on the device: the band ratio's 90% lower end over the slowest windows is above 1 (estimate.py,
+        rules 7–8) — the run has been out of its band beyond the estimate's error, not by a fluctuation, at some step
+        of the stretch they span; read from the full estimate, so only on logging and check steps (``now``; else
+        None)."""
         if not now:
             return None
         est = self.gradient_noise.estimate()
-        return self.gradient_noise.decisive(est) & (est.intervals["band_ratio"][0] > self.margin)
+        return self.gradient_noise.decisive(est) & (est.window_band_ratio_low > self.margin)
 
     def noise_floor(self) -> Tensor:
         """The noise level sqrt(tr Σ / B) of :attr:`gradient_noise` in the units of ``.grad`` (those of
@@ -559,13 +561,13 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             # about it (below the noise level often). All left out while the estimate cannot decide.
             floor = estimate.noise_floor.to(in_condition.device)
             nan = torch.full_like(floor, float("nan"))
-            smoothed = (estimate.grad_sq_norm.to(floor) + floor.square()).clamp_min(0.0).sqrt()
+            smoothed = (estimate.band_grad_sq_norm.to(floor) + floor.square()).clamp_min(0.0).sqrt()
             metrics["grad_norm/band_norm"] = torch.where(decisive, smoothed, nan)
             metrics["grad_norm/band_floor"] = torch.where(decisive, floor, nan)
             metrics["grad_norm/band_edge"] = torch.where(decisive, floor * math.sqrt(1.0 + self.margin), nan)
             if self.margin > 0 and estimate.batch_size:  # how deep into the band: a checkpoint's monitor
                 edge = self.margin * estimate.trace_cov.to(floor) / estimate.batch_size
-                ratio = estimate.grad_sq_norm.to(floor) / edge.clamp_min(1e-300)
+                ratio = estimate.band_grad_sq_norm.to(floor) / edge.clamp_min(1e-300)
                 metrics[BAND_RATIO] = torch.where(decisive & (edge > 0), ratio, nan)
                 # Its 90% interval (estimate.py, rule 8); an infinite high end is left out (finite_only).
                 for end, value in zip(("low", "high"), estimate.intervals["band_ratio"]):

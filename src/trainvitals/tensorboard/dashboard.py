@@ -217,6 +217,6 @@ def progress_bar_values(vitals: Vitals) -> dict[str, float]:
         estimate = noise.estimate()
         if estimate.batch_size and bool(noise.decisive(estimate) & (estimate.trace_cov > 0)):
             values["band_ratio"] = float(
-                band_ratio(estimate.grad_sq_norm, estimate.trace_cov, estimate.batch_size, margin)
+                band_ratio(estimate.band_grad_sq_norm, estimate.trace_cov, estimate.batch_size, margin)
             )
     return values
