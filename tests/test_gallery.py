@@ -138,7 +138,7 @@ def test_nan_from_a_log(outcomes: dict[str, Outcome]) -> None:
     # The layer that made the -inf is named, not the head it went through; two skips, then a stop.
     assert "module `body.3` (LogBackward0) in forward" in guard[0] and "in [0, " in guard[0]
     assert ["skipped" in w for w in guard[:2]] == [True, True] and "escalated" in guard[2]
-    assert "stopping the fit" in guard[3] and "guard-stop-step=2.ckpt" in guard[3]
+    assert "stopping the fit" in guard[3] and "guard-stop-step=3.ckpt" in guard[3]
 
 
 def test_lr_held_in_the_noise_band(outcomes: dict[str, Outcome]) -> None:

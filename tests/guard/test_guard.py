@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor, TrainingGuard, TrainvitalsDashboard
 from trainvitals.guard.callback import SKIP_BATCHES_FILE
@@ -248,6 +249,9 @@ def test_stop_writes_a_checkpoint_and_says_why(tmp_path):
     assert Path(path).parent.parent == tmp_path
     weights = [checkpoint["state_dict"][n] for n, _ in model.named_parameters()]
     assert _equal(weights, model.seen[5]["weights"])  # the bad step was not applied before the checkpoint
+    # Its name says the global step it holds (6: step 5 counted, not applied), its guard state the stop.
+    assert Path(path).name == f"guard-stop-step={checkpoint['global_step']}.ckpt" == "guard-stop-step=6.ckpt"
+    assert checkpoint["callbacks"][guard.state_key]["stop_reason"] == guard.stop_reason
     assert any("stopping the fit" in s and "non-finite loss" in s for s in said)
 
 
@@ -310,6 +314,80 @@ def test_under_accumulation_a_nan_is_pinned_on_its_micro_batch_and_a_finite_reru
         "The re-run of batch 7 was finite: the inf/NaN came from another micro-batch of the step (batches 4–7)"
         in said[0]
     )
+
+
+class RMS(nn.Module):
+    """sqrt(mean(h²)) per row: finite in forward at h = 0, where its backward is inf (d√m/dm = 1/(2√m)), then NaN."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        return torch.sqrt(h.pow(2).mean(dim=1, keepdim=True))
+
+
+class Tapped(pl.LightningModule):
+    """``h = net.stem(x)`` (no bias) feeds both ``net.rms`` and ``net.norm``, in the order ``rms_first`` says: a zero
+    row of ``x`` makes a finite forward and a NaN gradient made in ``net.rms``'s backward only."""
+
+    def __init__(self, rms_first: bool) -> None:
+        super().__init__()
+        self.rms_first = rms_first
+        self.net = nn.ModuleDict(
+            {"stem": nn.Linear(4, 8, bias=False), "rms": RMS(), "norm": nn.LayerNorm(8), "head": nn.Linear(9, 1)}
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.net["stem"](x)
+        if self.rms_first:
+            e, n = self.net["rms"](h), self.net["norm"](h)
+        else:
+            n, e = self.net["norm"](h), self.net["rms"](h)
+        return self.net["head"](torch.cat([n, e], 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("rms_first", [True, False])
+def test_a_nan_made_in_backward_is_pinned_on_its_module_when_the_input_has_two_consumers(rms_first):
+    """The gradient reaching ``h`` is the sum of both consumers' shares: only ``net.rms``'s share is NaN, whichever
+    ran last in forward. Checked against each module's own share (full backward hooks) on the same batch, and the
+    node against the closed form: ``SqrtBackward0`` returns 1/(2√0) = inf."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    x[26] = 0.0  # in batch 3
+    data = DataLoader(TensorDataset(x, y), batch_size=8)
+    model, guard = Tapped(rms_first), TrainingGuard(on_nonfinite="skip")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[guard]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data)
+    said = [str(w.message) for w in caught if "TrainingGuard" in str(w.message)]
+    assert [e["global_step"] for e in guard.events] == [3]
+    producer = guard.producer
+    assert (producer.where, producer.module, producer.op, producer.value) == (
+        "backward",
+        "net.rms",
+        "SqrtBackward0",
+        "inf",
+    )
+    assert "`net.rms` (SqrtBackward0) in backward" in said[0] and "`net.norm`" not in said[0]
+
+    turned = []  # the modules whose own gradient was finite at their output and not at their input
+    for name in ("rms", "norm", "head"):  # the stem's input needs no gradient
+        model.net[name].register_full_backward_hook(
+            lambda m, g_in, g_out, name=name: (
+                turned.append(name)
+                if all(torch.isfinite(g).all() for g in g_out if g is not None)
+                and not all(torch.isfinite(g).all() for g in g_in if g is not None)
+                else None
+            )
+        )
+    bad_x, bad_y = x[24:32], y[24:32]
+    F.mse_loss(model(bad_x), bad_y).backward()
+    assert turned == ["rms"]
 
 
 @pytest.mark.parametrize("guard_first", [True, False])
@@ -457,7 +535,7 @@ def test_with_every_action_warn_the_guard_reads_the_host_at_logging_steps_only(m
     host.watch(guard, ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_end"))
     _, said = _fit(Net(spike_at={6}, nan_at={8}), guard, max_steps=12, log_every_n_steps=4)
     kinds = {kind: [e["global_step"] for e in guard.events if e["kind"] == kind] for kind in ("spike", "nonfinite")}
-    assert {e["action"] for e in guard.events} == {"warn"} and len(said) == len(guard.events)
+    assert {e["action"] for e in guard.events} == {"warn"} and len(said) == 2  # the first of each kind
     assert kinds["spike"][0] == 6 and max(kinds["spike"]) < 8  # the applied spike may make the next step one too
     assert kinds["nonfinite"] == [8, 9, 10, 11]  # the NaN step is applied: the weights are NaN after it
     reads = [step for step, _ in host.reads]
@@ -522,6 +600,47 @@ def test_bad_arguments_are_refused_by_name(kwargs, error, name):
         TrainingGuard(**kwargs)
 
 
+def test_a_run_that_diverged_under_warn_says_its_first_event_and_counts_the_rest():
+    """A NaN applied under ``"warn"`` makes every later step non-finite: one warning, not one a step; every event is
+    still recorded, and the fit-end line says how many were not said."""
+    model, guard = Net(nan_at={3}), TrainingGuard(on_nonfinite="warn", name_producer=False)
+    _, said = _fit(model, guard, max_steps=12)
+    assert [e["global_step"] for e in guard.events] == list(range(3, 12))
+    assert len(said) == 1 and "optimizer step 3" in said[0] and "first" in said[0]
+    assert "9 event(s)" in guard.summary_line() and "8 later warn-only event(s)" in guard.summary_line()
+    # A spike is a kind of its own: its first is said too.
+    model, guard = Net(spike_at={7}, nan_at={9}), TrainingGuard(on_nonfinite="warn", spike_warmup_steps=3)
+    _, said = _fit(model, guard, max_steps=12)
+    kinds = [e["kind"] for e in guard.events]
+    assert kinds[0] == "spike" and "nonfinite" in kinds and len(kinds) > 2
+    assert len(said) == 2 and said[0].split(": ")[1] == "spike" and "non-finite" in said[1].split(": ")[1]
+    assert f"{len(kinds) - 2} later warn-only event(s)" in guard.summary_line()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "blocker"),
+    [
+        ({"lr_factor_steps": 0}, "lr_factor_steps"),
+        ({"snapshot_every_n_steps": 0}, "snapshot_every_n_steps"),
+        ({"on_nonfinite": "warn", "on_spike": "stop"}, "on_nonfinite"),
+    ],
+)
+def test_an_lr_factor_that_cannot_take_effect_is_refused_naming_why(kwargs, blocker):
+    with pytest.raises(ValueError, match="lr_factor") as error:
+        TrainingGuard(lr_factor=0.5, **kwargs)
+    assert f"`{blocker}" in str(error.value)
+    TrainingGuard(lr_factor=1.0, **kwargs)  # no factor: nothing to refuse
+
+
+def test_an_lr_factor_alone_applies_for_the_default_steps():
+    """``lr_factor`` without ``lr_factor_steps`` applies for 100 steps: here every step after the rollback."""
+    model = Net(spike_at={7})
+    guard = TrainingGuard(on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, lr_factor=0.5)
+    _fit(model, guard)
+    assert guard.rollbacks == 1 and guard.lr_steps_left == 100 - 4  # steps 8–11 applied
+    assert [model.seen[s]["lr"] for s in range(6, 12)] == [LR, LR, *[LR * 0.5] * 4]
+
+
 class _RecordPerRank(pl.Callback):
     def __init__(self, folder: str) -> None:
         self.folder = folder
@@ -551,7 +670,7 @@ def test_ddp_a_nan_on_rank_1_only_gets_the_same_action_on_both_ranks(tmp_path, a
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["events"] == ranks[1]["events"] == [[4, "nonfinite", action]]
     assert ranks[0]["global_step"] == ranks[1]["global_step"] == (8 if action == "skip" else 5)
-    assert (tmp_path / "checkpoints" / "guard-stop-step=4.ckpt").exists() == (action == "stop")
+    assert (tmp_path / "checkpoints" / "guard-stop-step=5.ckpt").exists() == (action == "stop")
     assert ranks[0]["unchanged"] and ranks[1]["unchanged"] and ranks[0]["weights"] == ranks[1]["weights"]
     assert ranks[0]["producer"] == ranks[1]["producer"] == "loss"  # rank 1's finding, told to rank 0
 

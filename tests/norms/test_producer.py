@@ -91,6 +91,29 @@ def test_a_loss_that_turns_alone_and_a_clean_step():
     x = torch.randn(8, 4)
     assert find_producer(model, lambda: torch.log(model(x).sum() * 0.0)) == Producer("loss", "")
     assert find_producer(model, lambda: _mse(model, x)) is None
+    # A finite loss whose own backward turns: sqrt(0) is 0, its derivative 1/(2√0) inf, made outside every module.
+    made = find_producer(model, lambda: torch.sqrt((model(x) * 0.0).pow(2).sum()))
+    assert (made.where, made.op, made.value) == ("loss", "SqrtBackward0", "inf") and "SqrtBackward0" in made.describe()
+
+
+def test_a_module_run_under_no_grad_does_not_stop_the_search():
+    """A frozen module called under ``torch.no_grad`` (a teacher, a target network): its call is bracketed too."""
+
+    class WithTeacher(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.teacher = nn.Linear(4, 4)
+            self.student = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Sequential(BadBackward()), nn.Linear(8, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                target = self.teacher(x)
+            return self.student(x) + target.sum(1, keepdim=True) * 0.0
+
+    model = WithTeacher()
+    x = torch.randn(16, 4)
+    producer = find_producer(model, lambda: _mse(model, x))
+    assert (producer.where, producer.module, producer.op) == ("backward", "student.2.0", "NanBackwardBackward")
 
 
 def test_nothing_stays_installed_even_when_the_forward_fails():

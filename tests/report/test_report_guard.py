@@ -89,7 +89,7 @@ def test_a_stop_or_an_applied_nan_is_critical_and_the_producer_is_named(
     if action == "stop":
         assert trainer.global_step == 4 and "optimizer step 3" in section["stopped"]
         assert (
-            section["stopped"].endswith("guard-stop-step=3.ckpt") and Path(section["stopped"].split(": ")[-1]).exists()
+            section["stopped"].endswith("guard-stop-step=4.ckpt") and Path(section["stopped"].split(": ")[-1]).exists()
         )
     if action == "warn":  # the NaN weights make every later step non-finite too
         assert section["non-finite steps"] == len(guard.events) == 3 and "applied as they were" in finding["message"]

@@ -113,7 +113,8 @@ class TrainingGuard(TrainvitalsCallback):
             stop when the budget escalated to it).
         snapshot_on: ``"cpu"`` or ``"device"`` (the parameters'): where the snapshot is kept.
         lr_factor: lr multiplier after a rollback, in (0, 1].
-        lr_factor_steps: optimizer steps the factor applies for after a rollback.
+        lr_factor_steps: optimizer steps the factor applies for after a rollback (default 100, the default snapshot
+            interval: about the steps a rollback takes back).
         budget_events: skips (or rollbacks) allowed within ``budget_window`` before escalating; ≥ 1.
         budget_window: the budget's window in optimizer steps; ≥ 1.
         name_producer: on the first non-finite step, re-run the batch to name the module that made the inf/NaN.
@@ -123,6 +124,9 @@ class TrainingGuard(TrainvitalsCallback):
 
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
+        ValueError: on an ``lr_factor`` < 1 that cannot take effect, naming the argument that prevents it:
+            ``lr_factor_steps=0``, ``snapshot_every_n_steps=0`` (no snapshot, no rollback), or no action
+            (``on_nonfinite``, ``on_spike``) that can lead to a rollback (``"skip"``, escalated, or ``"rollback"``).
     """
 
     provides = (NAN_PRODUCER, SUMMARY)
@@ -138,7 +142,7 @@ class TrainingGuard(TrainvitalsCallback):
         snapshot_every_n_steps: int = 100,
         snapshot_on: str = "cpu",
         lr_factor: float = 1.0,
-        lr_factor_steps: int = 0,
+        lr_factor_steps: int = 100,
         budget_events: int = 3,
         budget_window: int = 1000,
         name_producer: bool = True,
@@ -162,6 +166,8 @@ class TrainingGuard(TrainvitalsCallback):
         self.name_producer = check_bool("name_producer", name_producer)
         self.producer_search = check_choice("producer_search", producer_search, SEARCHES)
         self.snapshot_in_checkpoint = check_bool("snapshot_in_checkpoint", snapshot_in_checkpoint)
+        self._rolls_back = any(action in ("skip", "rollback") for action in self.actions.values())  # or escalated to
+        self._check_lr_factor()
         self.key_state_by(on_nonfinite=self.on_nonfinite, on_spike=self.on_spike, spike_factor=factor)
 
         self.skipped_steps: int
@@ -195,20 +201,39 @@ class TrainingGuard(TrainvitalsCallback):
         self.add_state("_step", dict, persistent=False)
         self._waiting: list[tuple[Any, ...]]  # all actions "warn": the steps not read back yet, rows on the device
         self.add_state("_waiting", list, persistent=False)
+        self._unsaid: dict[str, int]  # per kind whose first "warn" event this fit was said: the later ones, counted
+        self.add_state("_unsaid", dict, persistent=False)
         self._lr: dict[str, Any]  # whether guard/lr_factor was logged at the last step (the lrs: plumbing.lr_factors)
         self.add_state("_lr", dict, persistent=False)
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks, installed for one fit
         self._buffers = BufferCopy()  # the persistent buffers at this step's start: what a skip puts back
         self._skips = any(action != "warn" for action in self.actions.values())  # else no step is ever skipped
-        self._rolls_back = any(action in ("skip", "rollback") for action in self.actions.values())  # or escalated to
         self._amp = False
         self._folder = ""
+
+    def _check_lr_factor(self) -> None:
+        """An ``lr_factor`` < 1 that no rollback can ever apply is refused, naming what prevents it."""
+        if self.lr_factor == 1.0:
+            return
+        why = None
+        if self.lr_factor_steps == 0:
+            why = "`lr_factor_steps=0` applies it for no step after a rollback"
+        elif self.snapshot_every_n_steps == 0:
+            why = "`snapshot_every_n_steps=0` takes no snapshot, so no rollback happens"
+        elif not self._rolls_back:
+            why = (
+                f"neither `on_nonfinite={self.on_nonfinite!r}` nor `on_spike={self.on_spike!r}` can lead to a rollback "
+                '("skip", escalated by the budget, or "rollback")'
+            )
+        if why is not None:
+            raise ValueError(f"`lr_factor={self.lr_factor:g}` cannot take effect: {why}")
 
     # ------------------------------------------------------------------ hooks
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._amp = grad_scaler(trainer) is not None
         self._folder = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank, once
+        self._unsaid = {}
         self._step["fit"] = (trainer, pl_module)
         self._remove_hooks()
         for optimizer in trainer.optimizers:
@@ -327,9 +352,11 @@ class TrainingGuard(TrainvitalsCallback):
         if stop is None:
             return
         step, reason = stop
-        path = os.path.join(self._folder, "checkpoints", f"guard-stop-step={step}.ckpt")
-        trainer.save_checkpoint(path)
+        # Named by the global step it holds (the bad step's, counted though not applied), as ModelCheckpoint's are;
+        # the reason set first, so that the checkpoint's guard state says the stop too.
+        path = os.path.join(self._folder, "checkpoints", f"guard-stop-step={trainer.global_step}.ckpt")
         self.stop_reason = f"{reason}; checkpoint: {path}"
+        trainer.save_checkpoint(path)
         trainer.should_stop = True
         self.warn(f"stopping the fit: {self.stop_reason}")
         log_text(trainer, GUARD_EVENT_LOG, self.summary_markdown(), step)  # the panel's summary says the stop
@@ -365,9 +392,13 @@ class TrainingGuard(TrainvitalsCallback):
     def summary_line(self) -> str:
         """One line for the end of fit: events, skips, rollbacks, the producer of the first inf/NaN."""
         producer = f"; first inf/NaN made by {self.producer.describe()}" if self.producer else ""
+        unsaid = sum(self._unsaid.values())
+        quiet = (
+            f"; {unsaid} later warn-only event(s) this fit not said (each is in {SKIP_BATCHES_FILE})" if unsaid else ""
+        )
         return (
             f"{len(self.events)} event(s): {self.skipped_steps} step(s) skipped, {self.rollbacks} rollback(s)"
-            f"{'; stopped: ' + self.stop_reason if self.stop_reason else ''}{producer}"
+            f"{'; stopped: ' + self.stop_reason if self.stop_reason else ''}{producer}{quiet}"
         )
 
     def summary_markdown(self) -> str:
@@ -452,7 +483,7 @@ class TrainingGuard(TrainvitalsCallback):
                 action = "skip"
             else:
                 self.rollbacks += 1
-                self.lr_steps_left = self.lr_factor_steps
+                self.lr_steps_left = self.lr_factor_steps if self.lr_factor != 1.0 else 0
         if action in ("skip", "stop"):
             self._put_back_buffers(pl_module)
         if action == "skip":
@@ -489,15 +520,30 @@ class TrainingGuard(TrainvitalsCallback):
             "producer": producer.describe() if producer else None,
         }
         self.events.append(event)
+        if action == "warn" and kind in self._unsaid:  # a run that diverged under "warn": one line, not one a step
+            self._unsaid[kind] += 1
+        else:
+            self._say(event, pending, doing, escalated, found)
+        self._record(trainer, step)
+
+    def _say(self, event: dict[str, Any], pending: dict[str, Any], doing: str, escalated: bool, found: str) -> None:
+        """The event's warning; under ``"warn"`` the fit's first of its kind says that the later ones are counted."""
+        first = ""
+        if event["action"] == "warn":
+            self._unsaid[event["kind"]] = 0
+            first = (
+                f" (this fit's first {event['kind']} event under warn; later ones are counted in the fit-end line, "
+                "not said)"
+            )
+        producer, (batch_idx, batches) = pending.get("producer"), pending["where"]
         budget = f" ({self.budget.events} skips/rollbacks in {self.budget.window} steps spent: escalated)"
         span = f"batch {batch_idx}" + (f" of batches {batches[0]}–{batches[-1]}" if len(batches) > 1 else "")
         self.warn(
-            f"{seen} at optimizer step {step} (epoch {event['epoch']}, {span}); {doing}"
-            f"{budget if escalated else ''}."
+            f"{pending['seen']} at optimizer step {event['global_step']} (epoch {event['epoch']}, {span}); {doing}"
+            f"{budget if escalated else ''}{first}."
             + (f" The first inf/NaN was made by {producer.describe()}." if producer else "")
             + (f" {found[2].upper()}{found[3:]}." if found and not producer else "")
         )
-        self._record(trainer, step)
 
     def _put_back_buffers(self, pl_module: "pl.LightningModule") -> None:
         """A skipped step's buffers as they were at its first micro-batch: its forward (and the producer search's
