@@ -244,6 +244,27 @@ class SkippedStep(NoisyQuadratic):
             self.w.grad[0] = math.inf
 
 
+def test_an_asymptotic_warmup_is_read_where_it_has_risen_and_the_warning_names_it():
+    # 1 − 0.9·exp(−k/2000) rises until float saturation (~60,000 steps); it has made 95 % of its rise at
+    # 2000·ln 20 ≈ 5991. A 30-step fit cannot cut: the warning names the warm-up, where it was read, and the override.
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - 0.9 * math.exp(-k / 2000))
+
+    schedule = BandSchedule(min_steps=100, verbose=False)
+    with pytest.warns(UserWarning, match="warm-up") as said:
+        fit(NoisyQuadratic(0.05, w0=0.0, scheduler=scheduler), [schedule], 30)
+    assert schedule.warmup_steps == math.ceil(2000 * math.log(20)) and schedule.min_steps == schedule.warmup_steps
+    warning = next(str(w.message) for w in said if "warm-up" in str(w.message))
+    assert "5992" in warning and "LambdaLR" in warning and "warmup_steps" in warning and "min_steps 100" in warning
+    assert "Lower min_steps" not in warning
+    # The override: the warm-up given, min_steps the user's again, and no warning.
+    given = BandSchedule(min_steps=20, warmup_steps=0, patience=5, verbose=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*this fit ends after.*")
+        fit(NoisyQuadratic(0.05, w0=0.0, scheduler=scheduler), [given], 30)
+    assert given.warmup_steps == 0 and given.min_steps == 20
+
+
 @pytest.mark.parametrize(
     "scheduler",
     [
@@ -466,6 +487,8 @@ def test_not_beside_a_noise_band_stopper():
         ({"grow_batch": "yes"}, TypeError, "grow_batch"),
         ({"margin": 0.0}, ValueError, "margin"),
         ({"patience": 0}, ValueError, "patience"),
+        ({"warmup_steps": -1}, ValueError, "warmup_steps"),
+        ({"warmup_steps": "5"}, TypeError, "warmup_steps"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, name):

@@ -146,6 +146,10 @@ def test_warmups_read_from_the_schedulers():
     assert scheduler_warmup(lr_scheduler.StepLR(opt, 10)) == 0
     assert scheduler_warmup(lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 25))) == 24
     assert scheduler_warmup(lr_scheduler.LambdaLR(opt, lambda i: 0.99**i)) == 0
+    half_cosine = lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 - math.cos(math.pi * min(i, 300) / 300)))
+    assert scheduler_warmup(half_cosine) == 300  # its last 5 % take 15 % of the steps: where it stops rising
+    # 1 − 0.9·exp(−k/140) rises until float saturation (step 4,453): it ends at 95 % of its rise, 140·ln 20 ≈ 419.4.
+    assert scheduler_warmup(lr_scheduler.LambdaLR(opt, lambda k: 1 - 0.9 * math.exp(-k / 140))) == 420
     assert scheduler_warmup(object()) is None
 
 

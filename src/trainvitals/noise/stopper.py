@@ -324,13 +324,19 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         earliest = -(-(uncounted + self.patience) // self.check_every_n_steps) * self.check_every_n_steps
         total = trainer.estimated_stepping_batches  # max_steps, or max_epochs × steps per epoch
         if total < earliest:
+            held, fix = self._held_by()
             self.warn(
                 f"this fit ends after {total:g} optimizer steps, but {self._band_acts()[0]} before {earliest} "
-                f"(min_steps {self.min_steps}"
+                f"({held}"
                 + (f", reference_steps {self.reference_steps}" if self.mode == "relative" else "")
                 + f", then patience {self.patience}, read every {self.check_every_n_steps} steps): it "
-                f"will not {self._band_acts()[1]} in this fit. Lower min_steps or patience, or train longer."
+                f"will not {self._band_acts()[1]} in this fit. {fix}, or train longer."
             )
+
+    def _held_by(self) -> tuple[str, str]:
+        """What keeps the first steps from counting, and how to shorten it, as the fit-too-short warning says them:
+        ("min_steps 100", "Lower min_steps or patience"). BandSchedule names a scheduler's warm-up."""
+        return f"min_steps {self.min_steps}", "Lower min_steps or patience"
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -103,6 +103,8 @@ class BandSchedule(GradNormEarlyStopping):
         stop: stop the run when no cut is left; ``False`` never stops.
         grow_batch: grow ``accumulate_grad_batches`` at a band entry instead of cutting the lr (not beside a
             GradientAccumulationScheduler).
+        warmup_steps: optimizer steps the lr warms up for, no cut before them; ``None``: read from the fit's
+            schedulers (:mod:`trainvitals.schedule.warmup`).
         margin, patience, min_steps, ema_beta, check_every_n_steps, verbose: GradNormEarlyStopping's.
 
     Raises:
@@ -118,6 +120,7 @@ class BandSchedule(GradNormEarlyStopping):
         min_lr: float = 0.0,
         stop: bool = True,
         grow_batch: bool = False,
+        warmup_steps: int | None = None,
         margin: float = DEFAULT_MARGIN,
         patience: int = DEFAULT_PATIENCE,
         min_steps: int = DEFAULT_MIN_STEPS,
@@ -139,6 +142,7 @@ class BandSchedule(GradNormEarlyStopping):
         self.min_lr = check_float("min_lr", min_lr, 0.0)
         self.stop = check_bool("stop", stop)
         self.grow_batch = check_bool("grow_batch", grow_batch)
+        self.requested_warmup = check_int("warmup_steps", warmup_steps, 0, none_ok=True)
         self.base_margin = self.margin
         self.requested_min_steps = self.min_steps
         self.key_state_by(
@@ -151,6 +155,7 @@ class BandSchedule(GradNormEarlyStopping):
             min_lr=self.min_lr,
             stop=self.stop,
             grow_batch=self.grow_batch,
+            warmup_steps=self.requested_warmup,
         )
         self.lr_scale: float
         """The product of the cuts so far: every param group's lr is its scheduler's × this."""
@@ -165,6 +170,9 @@ class BandSchedule(GradNormEarlyStopping):
         self.warmup_steps: int | None
         """Optimizer steps the user's schedulers warm up for (``None``: unknown or none), read at train start."""
         self.add_state("warmup_steps", None, persistent=False)
+        self._warmup_from: str
+        """Where :attr:`warmup_steps` came from: "read from LambdaLR", or "given as warmup_steps" (the argument)."""
+        self.add_state("_warmup_from", "", persistent=False)
         self.add_state("_scaled_step", None, persistent=False)  # the optimizer step the scale was applied to
         self._step_scale: float
         """The lr scale the current optimizer step takes (a cut applies from the next): what ``schedule/lr_scale``
@@ -209,7 +217,10 @@ class BandSchedule(GradNormEarlyStopping):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.warmup_steps = self._read_warmup(trainer)
+        if self.requested_warmup is None:
+            self.warmup_steps = self._read_warmup(trainer)
+        else:
+            self.warmup_steps, self._warmup_from = self.requested_warmup, "given as warmup_steps"
         self.min_steps = max(self.requested_min_steps, self.warmup_steps or 0)
         super().on_train_start(trainer, pl_module)
 
@@ -449,8 +460,20 @@ class BandSchedule(GradNormEarlyStopping):
                 )
                 continue
             every = config.frequency * (1 if config.interval == "step" else per_epoch)
-            longest = max(longest or 0, warm * every) if math.isfinite(every) else longest
+            if math.isfinite(every) and (longest is None or warm * every > longest):
+                longest, self._warmup_from = warm * every, f"read from {type(config.scheduler).__name__}"
         return longest
+
+    @override
+    def _held_by(self) -> tuple[str, str]:
+        """The scheduler's warm-up where it holds the first cut back longer than ``min_steps``."""
+        if not self.warmup_steps or self.warmup_steps <= self.requested_min_steps:
+            return super()._held_by()
+        return (
+            f"the lr scheduler's warm-up of {self.warmup_steps} steps ({self._warmup_from}; min_steps "
+            f"{self.requested_min_steps})",
+            "Pass BandSchedule(warmup_steps=N) where the warm-up is shorter than that, lower patience",
+        )
 
     def _set_accumulation(self, trainer: "pl.Trainer") -> None:
         """The growths' ``accumulate_grad_batches``, from the first micro-batch that opens a window under the old
