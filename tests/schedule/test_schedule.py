@@ -196,6 +196,7 @@ def test_it_stops_after_the_last_cut_or_below_min_lr():
     floor = BandSchedule(factor=0.5, max_cuts=None, min_lr=0.02, min_steps=0, patience=1, check_every_n_steps=1)
     fit(NoisyQuadratic(0.05, w0=0.0), [floor], 400)
     assert len(floor.cuts) == 1 and floor.stop_reason is StopReason.NOISE_BAND  # 0.025 → 0.0125 < 0.02: stop
+    assert "min_lr 0.02" in floor.describe_stop() and "min_lr" not in schedule.describe_stop()  # what refused it
 
 
 def test_a_users_scheduler_still_shapes_the_lr_and_its_warmup_holds_the_cut():
@@ -517,6 +518,7 @@ def test_every_cut_reaches_the_dashboard_and_the_report(tmp_path):
     assert [str(c["step"]) in rows[f"cut {i}"] for i, c in enumerate(schedule.cuts, 1)] == [True, True]
     assert any(f.section == SCHEDULE and "2 time(s)" in f.message for f in report.findings)
     assert "lr × 0.81" in report.panels["band-driven schedule at fit end"]
+    assert "margin 0.2 (× lr scale 0.81: 0.162)" in report.panels["band-driven schedule at fit end"]
     charts = trainvitals_layout()["trainvitals"]
     assert any(tags == [r"schedule/lr_scale$"] for _, tags in charts.values())
 
@@ -557,6 +559,8 @@ def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, caps
         assert schedule.stop_reason is StopReason.NOT_STOPPED
         assert rows["stop"].startswith("not stopped: grew the batch 2 time(s)") and "stop=False" in rows["stop"]
         assert any("grew the batch 2 time(s)" in f["message"] for f in run["findings"])
+        labels = {row["label"] for row in run["sections"]["band-driven schedule"]}
+        assert {"batch growth 1", "batch growth 2"} <= labels and "cut 1" not in labels  # a growth said as one
     else:
         assert schedule.stop_reason is StopReason.NOISE_BAND
         assert rows["stop"].startswith("cut the lr 1 time(s)") and f"step {schedule.stopped_step}" in rows["stop"]

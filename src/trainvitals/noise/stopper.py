@@ -709,6 +709,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             why = f"the run ended after {self.steps} optimizer steps, before min_steps={self.min_steps}; " + why
         return f"did not stop the run: {why}."
 
+    def _margin_said(self) -> str:
+        """The margin as the end-of-run rule row says it; BandSchedule says the one passed and its scaled edge."""
+        return f"{self.margin:g}"
+
     def summary_markdown(self) -> str:
         """End-of-run markdown: the rule, the stop, and the noise estimates it decided on."""
         streak = int(self._streak)
@@ -716,7 +720,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             (
                 "rule",
                 {
-                    "noise_band": f"noise band, margin {self.margin:g}",
+                    "noise_band": f"noise band, margin {self._margin_said()}",
                     "threshold": f"‖g‖ < {self.threshold:g}",
                     "relative": f"‖g‖ < {self.fraction:g} × early value",
                 }[self.mode]

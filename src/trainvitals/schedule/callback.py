@@ -380,7 +380,11 @@ class BandSchedule(GradNormEarlyStopping):
         """The stop after the cuts, or (not stopped) "BandSchedule made no cut; did not stop the run: why"."""
         if self.stop_reason is StopReason.NOT_STOPPED:
             return f"BandSchedule {self.summary_line()}"
-        return f"{self._cuts_said()}; {super().describe_stop()}"
+        if self.max_cuts is None or len(self.cuts) < self.max_cuts:  # decide() stops short of max_cuts on min_lr only
+            left = f"; a further cut would take the lr below min_lr {self.min_lr:g}"
+        else:
+            left = f" (max_cuts {self.max_cuts})" if self.max_cuts else ""
+        return f"{self._cuts_said()}{left}; {super().describe_stop()}"
 
     @override
     def summary_line(self) -> str:
@@ -431,6 +435,12 @@ class BandSchedule(GradNormEarlyStopping):
             ("lr scale", f"{self.lr_scale:g}"),
         ]
         return "\n".join(markdown_table(("quantity", "value"), rows)) + "\n\n" + super().summary_markdown()
+
+    @override
+    def _margin_said(self) -> str:
+        """The margin passed, and after a cut the edge's margin at the lr scale: "0.2 (× lr scale 0.01: 0.002)"."""
+        scaled = f" (× lr scale {self.lr_scale:g}: {self.margin:g})" if self.lr_scale != 1.0 else ""
+        return f"{self.base_margin:g}{scaled}"
 
     @override
     def _band_acts(self) -> tuple[str, str]:
