@@ -154,6 +154,9 @@ def test_no_cut_on_an_estimate_that_is_not_decisive():
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 300)
     steps = [c["step"] for c in schedule.cuts]
     assert steps and steps[0] >= MIN_MEASUREMENTS - 1
+    # Every cut on an estimate that bounds the ratio, and its record quotes that interval (issue #25).
+    assert all(math.isfinite(c["ratio_high"]) for c in schedule.cuts)
+    assert all("90 %" in line for line in schedule.cut_record().splitlines())
     # Each cut restarts the estimate: the next waits for MIN_MEASUREMENTS new updates.
     assert all(b - a >= MIN_MEASUREMENTS for a, b in zip(steps, steps[1:]))
     # No noise source at all (one micro-batch a step, one device): never a cut.
@@ -193,6 +196,7 @@ def test_it_stops_after_the_last_cut_or_below_min_lr():
     floor = BandSchedule(factor=0.5, max_cuts=None, min_lr=0.02, min_steps=0, patience=1, check_every_n_steps=1)
     fit(NoisyQuadratic(0.05, w0=0.0), [floor], 400)
     assert len(floor.cuts) == 1 and floor.stop_reason is StopReason.NOISE_BAND  # 0.025 → 0.0125 < 0.02: stop
+    assert "min_lr 0.02" in floor.describe_stop() and "min_lr" not in schedule.describe_stop()  # what refused it
 
 
 def test_a_users_scheduler_still_shapes_the_lr_and_its_warmup_holds_the_cut():
@@ -239,6 +243,27 @@ class SkippedStep(NoisyQuadratic):
     def on_after_backward(self):
         if self.trainer.global_step == self.inf_at:
             self.w.grad[0] = math.inf
+
+
+def test_an_asymptotic_warmup_is_read_where_it_has_risen_and_the_warning_names_it():
+    # 1 − 0.9·exp(−k/2000) rises until float saturation (~60,000 steps); it has made 95 % of its rise at
+    # 2000·ln 20 ≈ 5991. A 30-step fit cannot cut: the warning names the warm-up, where it was read, and the override.
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - 0.9 * math.exp(-k / 2000))
+
+    schedule = BandSchedule(min_steps=100, verbose=False)
+    with pytest.warns(UserWarning, match="warm-up") as said:
+        fit(NoisyQuadratic(0.05, w0=0.0, scheduler=scheduler), [schedule], 30)
+    assert schedule.warmup_steps == math.ceil(2000 * math.log(20)) and schedule.min_steps == schedule.warmup_steps
+    warning = next(str(w.message) for w in said if "warm-up" in str(w.message))
+    assert "5992" in warning and "LambdaLR" in warning and "warmup_steps" in warning and "min_steps 100" in warning
+    assert "Lower min_steps" not in warning
+    # The override: the warm-up given, min_steps the user's again, and no warning.
+    given = BandSchedule(min_steps=20, warmup_steps=0, patience=5, verbose=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*this fit ends after.*")
+        fit(NoisyQuadratic(0.05, w0=0.0, scheduler=scheduler), [given], 30)
+    assert given.warmup_steps == 0 and given.min_steps == 20
 
 
 @pytest.mark.parametrize(
@@ -463,6 +488,8 @@ def test_not_beside_a_noise_band_stopper():
         ({"grow_batch": "yes"}, TypeError, "grow_batch"),
         ({"margin": 0.0}, ValueError, "margin"),
         ({"patience": 0}, ValueError, "patience"),
+        ({"warmup_steps": -1}, ValueError, "warmup_steps"),
+        ({"warmup_steps": "5"}, TypeError, "warmup_steps"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, name):
@@ -479,17 +506,19 @@ def test_every_cut_reaches_the_dashboard_and_the_report(tmp_path):
     from trainvitals.report.schedule import SCHEDULE
     from trainvitals.tensorboard.layout import trainvitals_layout
 
-    schedule = BandSchedule(factor=0.5, max_cuts=2, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    # factor 0.9: the scaled edge barely moves, so the second cut comes soon (shown inside the band at 2 checks).
+    schedule = BandSchedule(factor=0.9, max_cuts=2, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule, TrainvitalsDashboard(progress_bar=False)], 200, logger=logger)
     assert len(schedule.cuts) == 2
     (run,) = read_runs(tmp_path)
     report = assess(run)
     rows = {row.label: row.value for row in report.sections[SCHEDULE]}
-    assert rows["lr scale (× the lr the scheduler set)"] == pytest.approx(0.25) and rows["lr cuts"] == 2
+    assert rows["lr scale (× the lr the scheduler set)"] == pytest.approx(0.81) and rows["lr cuts"] == 2
     assert [str(c["step"]) in rows[f"cut {i}"] for i, c in enumerate(schedule.cuts, 1)] == [True, True]
     assert any(f.section == SCHEDULE and "2 time(s)" in f.message for f in report.findings)
-    assert "lr × 0.5" in report.panels["band-driven schedule at fit end"]
+    assert "lr × 0.81" in report.panels["band-driven schedule at fit end"]
+    assert "margin 0.2 (× lr scale 0.81: 0.162)" in report.panels["band-driven schedule at fit end"]
     charts = trainvitals_layout()["trainvitals"]
     assert any(tags == [r"schedule/lr_scale$"] for _, tags in charts.values())
 
@@ -501,10 +530,16 @@ def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, caps
     from trainvitals import TrainvitalsDashboard
     from trainvitals.report.command import main
 
-    # Cut once, then stop at the next band entry; or (grow) two batch growths, which min_lr = 0.04 > 0.05 × 0.5
-    # does not refuse (it bounds an lr cut only), and no stop.
-    kwargs = {"max_cuts": 2, "stop": False, "grow_batch": True, "min_lr": 0.04} if grow else {"max_cuts": 1}
-    schedule = BandSchedule(factor=0.5, min_steps=0, patience=1, check_every_n_steps=1, verbose=False, **kwargs)
+    # Cut once (by 0.9: the stop after it comes soon), then stop at the next band entry; or (grow) two batch
+    # growths, which min_lr = 0.04 > 0.05 × 0.5 does not refuse (it bounds an lr cut only), and no stop.
+    kwargs = {"max_cuts": 2, "stop": False, "grow_batch": True, "min_lr": 0.04, "factor": 0.5}
+    schedule = BandSchedule(
+        min_steps=0,
+        patience=1,
+        check_every_n_steps=1,
+        verbose=False,
+        **(kwargs if grow else {"max_cuts": 1, "factor": 0.9}),
+    )
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule, TrainvitalsDashboard(progress_bar=False)], 200, logger=logger)
     capsys.readouterr()
@@ -524,6 +559,8 @@ def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, caps
         assert schedule.stop_reason is StopReason.NOT_STOPPED
         assert rows["stop"].startswith("not stopped: grew the batch 2 time(s)") and "stop=False" in rows["stop"]
         assert any("grew the batch 2 time(s)" in f["message"] for f in run["findings"])
+        labels = {row["label"] for row in run["sections"]["band-driven schedule"]}
+        assert {"batch growth 1", "batch growth 2"} <= labels and "cut 1" not in labels  # a growth said as one
     else:
         assert schedule.stop_reason is StopReason.NOISE_BAND
         assert rows["stop"].startswith("cut the lr 1 time(s)") and f"step {schedule.stopped_step}" in rows["stop"]
@@ -538,9 +575,9 @@ def test_the_reports_stop_row_says_the_streaks_cut_without_the_end_of_fit_table(
 
     # No dashboard: no end-of-fit table, so the stop row is read from the logged streaks and the cut record. The
     # streaks that reached their patience cut the lr: the row says so, not that they fell short of it.
-    schedule = BandSchedule(factor=0.5, max_cuts=2, stop=False, min_steps=0, patience=5, check_every_n_steps=1)
+    schedule = BandSchedule(factor=0.9, max_cuts=2, stop=False, min_steps=0, patience=5, check_every_n_steps=1)
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
-    fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 200, logger=logger)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 400, logger=logger)
     assert len(schedule.cuts) == 2
     capsys.readouterr()
     main([str(tmp_path), "--format", "json"])
@@ -552,13 +589,14 @@ def test_the_reports_stop_row_says_the_streaks_cut_without_the_end_of_fit_table(
 
 
 def test_a_full_streak_held_back_after_a_cut_is_said_with_its_interval():
-    # Three cuts at 0.1, the edge 1000× lower: the streak completes, the interval reaches past the edge, no stop.
-    schedule = BandSchedule(factor=0.1, max_cuts=3, min_steps=0, patience=5, check_every_n_steps=1, verbose=False)
+    # One cut at 0.1, the edge 10× lower and the run not yet settled at the lower lr (~100 steps): the streak
+    # completes, but the run is not shown inside the band, so no stop (issue #25's false second cuts came here).
+    schedule = BandSchedule(factor=0.1, max_cuts=1, min_steps=0, patience=5, check_every_n_steps=1, verbose=False)
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 200)
-    assert len(schedule.cuts) == 3 and schedule.stop_reason is StopReason.NOT_STOPPED
+    assert len(schedule.cuts) == 1 and schedule.stop_reason is StopReason.NOT_STOPPED
     act, low, high = schedule._held_back
-    assert act.value == "stop" and not high <= 1.0
+    assert act.value == "stop" and low <= 1.0 and not (high <= 1.0 and schedule._shown >= 6)
     said = schedule.summary_line()
-    assert "cut the lr 3 time(s)" in said and f"{int(schedule._streak)} step(s)" in said and "stop" in said
+    assert "cut the lr 1 time(s)" in said and f"{int(schedule._streak)} step(s)" in said and "stop" in said
     assert (f"{high:.2g}" if math.isfinite(high) else "no upper end") in said
     assert "it needs" not in said  # the stopper's "N of the P it needs": the streak did reach its patience

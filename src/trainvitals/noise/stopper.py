@@ -324,13 +324,19 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         earliest = -(-(uncounted + self.patience) // self.check_every_n_steps) * self.check_every_n_steps
         total = trainer.estimated_stepping_batches  # max_steps, or max_epochs × steps per epoch
         if total < earliest:
+            held, fix = self._held_by()
             self.warn(
                 f"this fit ends after {total:g} optimizer steps, but {self._band_acts()[0]} before {earliest} "
-                f"(min_steps {self.min_steps}"
+                f"({held}"
                 + (f", reference_steps {self.reference_steps}" if self.mode == "relative" else "")
                 + f", then patience {self.patience}, read every {self.check_every_n_steps} steps): it "
-                f"will not {self._band_acts()[1]} in this fit. Lower min_steps or patience, or train longer."
+                f"will not {self._band_acts()[1]} in this fit. {fix}, or train longer."
             )
+
+    def _held_by(self) -> tuple[str, str]:
+        """What keeps the first steps from counting, and how to shorten it, as the fit-too-short warning says them:
+        ("min_steps 100", "Lower min_steps or patience"). BandSchedule names a scheduler's warm-up."""
+        return f"min_steps {self.min_steps}", "Lower min_steps or patience"
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -703,6 +709,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             why = f"the run ended after {self.steps} optimizer steps, before min_steps={self.min_steps}; " + why
         return f"did not stop the run: {why}."
 
+    def _margin_said(self) -> str:
+        """The margin as the end-of-run rule row says it; BandSchedule says the one passed and its scaled edge."""
+        return f"{self.margin:g}"
+
     def summary_markdown(self) -> str:
         """End-of-run markdown: the rule, the stop, and the noise estimates it decided on."""
         streak = int(self._streak)
@@ -710,7 +720,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             (
                 "rule",
                 {
-                    "noise_band": f"noise band, margin {self.margin:g}",
+                    "noise_band": f"noise band, margin {self._margin_said()}",
                     "threshold": f"‖g‖ < {self.threshold:g}",
                     "relative": f"‖g‖ < {self.fraction:g} × early value",
                 }[self.mode]

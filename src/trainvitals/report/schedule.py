@@ -31,7 +31,8 @@ def schedule_section(run: Run, report: RunReport) -> None:
     if run.matching(ACCUMULATE):
         rows.append(series_row("accumulate_grad_batches set", first_series(run, ACCUMULATE), step))
     record = cut_record(run)
-    rows += [Row(f"cut {i}", line) for i, line in enumerate(record, 1)]
+    for label, grew in (("cut", False), ("batch growth", True)):  # a growth is recorded as "→ batch N"
+        rows += [Row(f"{label} {i}", line) for i, line in enumerate((c for c in record if ("→ batch" in c) is grew), 1)]
     report.sections[SCHEDULE] = rows
     if record:
         report.findings.append(

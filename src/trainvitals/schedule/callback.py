@@ -33,7 +33,7 @@ from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import LR_FACTORS, NOISE_BAND
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import log_scalars, log_text
-from trainvitals.schedule.decision import Action, Cut, batch_growth, decide, scaled_margin
+from trainvitals.schedule.decision import Action, Cut, batch_growth, checks_needed, decide, scaled_margin, shown_in
 from trainvitals.schedule.warmup import scheduler_warmup
 from trainvitals.text.markdown import markdown_table
 
@@ -103,6 +103,8 @@ class BandSchedule(GradNormEarlyStopping):
         stop: stop the run when no cut is left; ``False`` never stops.
         grow_batch: grow ``accumulate_grad_batches`` at a band entry instead of cutting the lr (not beside a
             GradientAccumulationScheduler).
+        warmup_steps: optimizer steps the lr warms up for, no cut before them; ``None``: read from the fit's
+            schedulers (:mod:`trainvitals.schedule.warmup`).
         margin, patience, min_steps, ema_beta, check_every_n_steps, verbose: GradNormEarlyStopping's.
 
     Raises:
@@ -118,6 +120,7 @@ class BandSchedule(GradNormEarlyStopping):
         min_lr: float = 0.0,
         stop: bool = True,
         grow_batch: bool = False,
+        warmup_steps: int | None = None,
         margin: float = DEFAULT_MARGIN,
         patience: int = DEFAULT_PATIENCE,
         min_steps: int = DEFAULT_MIN_STEPS,
@@ -139,6 +142,7 @@ class BandSchedule(GradNormEarlyStopping):
         self.min_lr = check_float("min_lr", min_lr, 0.0)
         self.stop = check_bool("stop", stop)
         self.grow_batch = check_bool("grow_batch", grow_batch)
+        self.requested_warmup = check_int("warmup_steps", warmup_steps, 0, none_ok=True)
         self.base_margin = self.margin
         self.requested_min_steps = self.min_steps
         self.key_state_by(
@@ -151,6 +155,7 @@ class BandSchedule(GradNormEarlyStopping):
             min_lr=self.min_lr,
             stop=self.stop,
             grow_batch=self.grow_batch,
+            warmup_steps=self.requested_warmup,
         )
         self.lr_scale: float
         """The product of the cuts so far: every param group's lr is its scheduler's × this."""
@@ -165,6 +170,9 @@ class BandSchedule(GradNormEarlyStopping):
         self.warmup_steps: int | None
         """Optimizer steps the user's schedulers warm up for (``None``: unknown or none), read at train start."""
         self.add_state("warmup_steps", None, persistent=False)
+        self._warmup_from: str
+        """Where :attr:`warmup_steps` came from: "read from LambdaLR", or "given as warmup_steps" (the argument)."""
+        self.add_state("_warmup_from", "", persistent=False)
         self.add_state("_scaled_step", None, persistent=False)  # the optimizer step the scale was applied to
         self._step_scale: float
         """The lr scale the current optimizer step takes (a cut applies from the next): what ``schedule/lr_scale``
@@ -177,6 +185,11 @@ class BandSchedule(GradNormEarlyStopping):
         """At the last check: the act a full streak after a cut waits to make, and the band ratio's 90 % interval
         that reaches past the edge (``None``: none waiting)."""
         self.add_state("_held_back", None, persistent=False)
+        self._shown: int
+        """Consecutive checks, with the streak complete, that showed the run inside the band (decision.py's
+        :func:`~trainvitals.schedule.decision.shown_in`); restarted at a cut."""
+        self.add_state("_shown", 0)
+        self.add_state("_said_unbounded", False, persistent=False)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -204,7 +217,10 @@ class BandSchedule(GradNormEarlyStopping):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.warmup_steps = self._read_warmup(trainer)
+        if self.requested_warmup is None:
+            self.warmup_steps = self._read_warmup(trainer)
+        else:
+            self.warmup_steps, self._warmup_from = self.requested_warmup, "given as warmup_steps"
         self.min_steps = max(self.requested_min_steps, self.warmup_steps or 0)
         super().on_train_start(trainer, pl_module)
 
@@ -256,22 +272,32 @@ class BandSchedule(GradNormEarlyStopping):
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return False
         if not trainer.strategy.reduce_boolean_decision(bool(self._done), all=False):
+            self._shown = 0  # no full streak: the checks showing the run inside the band start again
             return False
         summary = self.gradient_noise.host_summary()  # one host read, on a check step in the band only
         growth = 1
         if self.grow_batch:
             b_simple = summary["b_simple"] if summary["reliable"] else None
             growth = batch_growth(self.factor, summary["batch_size"], b_simple, self.gradient_noise.population)
-        # After a cut an act waits for the band ratio's 90 % upper end inside the band (decision.py); rank 0's, with
-        # its growth: one decision for all ranks.
-        high = summary.get("band_ratio_high", math.nan) / self.margin
-        growth, high = trainer.strategy.broadcast((int(growth), float(high)), src=0)
+        # After a cut an act waits for the run shown inside the band at checks_needed checks in a row; the first cut
+        # for an estimate that bounds the ratio (decision.py). Rank 0's, with its growth: one decision for all ranks.
+        grad, trace, batch = summary["grad_sq_norm"], summary["trace_cov"], summary["batch_size"]
+        ratio = float(band_ratio(grad, trace, batch, self.margin)) if trace > 0 and batch else math.nan
+        low, high = (summary.get(f"band_ratio_{end}", math.nan) / self.margin for end in ("low", "high"))
+        bounded = math.isfinite(high) and summary.get("trace_cov_low", 0.0) > 0
+        growth, ratio, high, bounded = trainer.strategy.broadcast(
+            (int(growth), float(ratio), float(high), bool(bounded)), src=0
+        )
+        self._shown = self._shown + 1 if shown_in(ratio, high) else 0
+        shown = self._shown >= checks_needed(self.patience, self.check_every_n_steps)
         lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups if g["lr"] > 0]
         lr = self.lr_scale * float(min(lrs)) if lrs else 0.0
         args = (True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop)
-        action, wanted = decide(*args, high, growth), decide(*args, 0.0, growth)
-        low = summary.get("band_ratio_low", math.nan) / self.margin
+        action, wanted = decide(*args, shown, bounded, growth), decide(*args, True, True, growth)
         self._held_back = (wanted, low, high) if action is Action.NONE and wanted is not Action.NONE else None
+        if self._held_back is not None and not self.cuts and not self._said_unbounded:
+            self._said_unbounded = True
+            self._say_unbounded(summary)
         if action is Action.STOP:
             return can_stop_now(trainer) and super()._check(trainer, step)
         if action is not Action.NONE:
@@ -297,12 +323,24 @@ class BandSchedule(GradNormEarlyStopping):
         self.cuts.append(asdict(cut))
         self._streak = torch.zeros_like(self._streak)
         self._done = torch.zeros_like(self._done)
+        self._shown = 0
         for source in self.gradient_noise.sources.values():
             source.restart()
         log_scalars(trainer, self._scalars(trainer), step)  # the cut counted; this step's scale and batch
         log_text(trainer, CUT_RECORD, self.cut_record(), step)
         if self.verbose:
             self.info(f"{'grew the batch' if cut.batch is not None else 'cut the lr'} at {cut.line()}.")
+
+    def _say_unbounded(self, summary: dict[str, Any]) -> None:
+        """Once per fit: the first cut (or growth) waits, its full streak resting on an estimate that does not
+        bound the band ratio (no finite 90 % upper end, or tr(Σ) not resolved from 0)."""
+        self.info(
+            f"holds its first {'batch growth' if self._held_back[0] is Action.GROW else 'lr cut'}: the run is in its "
+            f"noise band on the point estimate, but the estimate does not bound the band ratio (tr(Σ) = "
+            f"{summary['trace_cov']:.3g} ± {summary['trace_cov_se']:.2g}, ‖G‖² = {summary['grad_sq_norm']:.3g} ± "
+            f"{summary['grad_sq_norm_se']:.2g}: its 90 % interval has no upper end, or tr(Σ) is within its error "
+            "of 0). It cuts once the interval is bounded."
+        )
 
     # ------------------------------------------------------------------ logging and summaries
     @override
@@ -342,23 +380,35 @@ class BandSchedule(GradNormEarlyStopping):
         """The stop after the cuts, or (not stopped) "BandSchedule made no cut; did not stop the run: why"."""
         if self.stop_reason is StopReason.NOT_STOPPED:
             return f"BandSchedule {self.summary_line()}"
-        return f"{self._cuts_said()}; {super().describe_stop()}"
+        if self.max_cuts is None or len(self.cuts) < self.max_cuts:  # decide() stops short of max_cuts on min_lr only
+            left = f"; a further cut would take the lr below min_lr {self.min_lr:g}"
+        else:
+            left = f" (max_cuts {self.max_cuts})" if self.max_cuts else ""
+        return f"{self._cuts_said()}{left}; {super().describe_stop()}"
 
     @override
     def summary_line(self) -> str:
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
-        if bool(self._done) and self._held_back is not None:  # a full streak after a cut, its interval too wide
+        if bool(self._done) and self._held_back is not None and self._held_back[1] <= 1.0:  # a wait, not out of band
             act, low, high = self._held_back
             said = {Action.CUT: "next cut", Action.GROW: "next batch growth", Action.STOP: "stop"}[act]
+            if not self.cuts:
+                said = "first cut" if act is Action.CUT else "first batch growth"
             interval = (
                 f"{max(low, 0.0):.2g}–{high:.2g}" if math.isfinite(high) else f"≥ {max(low, 0.0):.2g}, no upper end"
             )
+            need = (
+                f"after a cut it acts only once the band ratio is ≥ 0 and its 90 % interval inside the band at "
+                f"{checks_needed(self.patience, self.check_every_n_steps)} checks in a row (it had {self._shown})"
+                if self.cuts
+                else "its first cut needs an estimate that bounds the band ratio (a finite 90 % upper end, tr(Σ) "
+                "resolved from 0)"
+            )
             return (
-                f"{self._cuts_said()}; did not stop the run: in its noise band at the end for {int(self._streak)} "
-                f"step(s) in a row (its patience is {self.patience}), but after a cut it acts only once the band "
-                f"ratio's 90 % interval is inside the band, and at its last check that interval was {interval}× the "
-                f"edge {self.margin:g}·tr(Σ)/B: its {said} waited for it."
+                f"{self._cuts_said()}; did not stop the run: its streak reached its patience ({self.patience}) and it "
+                f"is in its noise band at the end for {int(self._streak)} step(s) in a row, but {need}; at its last "
+                f"check that interval was {interval}× the edge {self.margin:g}·tr(Σ)/B: its {said} waited for it."
             )
         if bool(self._done) and not self.stop:  # the band entered again with nothing left to do
             left = (
@@ -385,6 +435,12 @@ class BandSchedule(GradNormEarlyStopping):
             ("lr scale", f"{self.lr_scale:g}"),
         ]
         return "\n".join(markdown_table(("quantity", "value"), rows)) + "\n\n" + super().summary_markdown()
+
+    @override
+    def _margin_said(self) -> str:
+        """The margin passed, and after a cut the edge's margin at the lr scale: "0.2 (× lr scale 0.01: 0.002)"."""
+        scaled = f" (× lr scale {self.lr_scale:g}: {self.margin:g})" if self.lr_scale != 1.0 else ""
+        return f"{self.base_margin:g}{scaled}"
 
     @override
     def _band_acts(self) -> tuple[str, str]:
@@ -414,8 +470,20 @@ class BandSchedule(GradNormEarlyStopping):
                 )
                 continue
             every = config.frequency * (1 if config.interval == "step" else per_epoch)
-            longest = max(longest or 0, warm * every) if math.isfinite(every) else longest
+            if math.isfinite(every) and (longest is None or warm * every > longest):
+                longest, self._warmup_from = warm * every, f"read from {type(config.scheduler).__name__}"
         return longest
+
+    @override
+    def _held_by(self) -> tuple[str, str]:
+        """The scheduler's warm-up where it holds the first cut back longer than ``min_steps``."""
+        if not self.warmup_steps or self.warmup_steps <= self.requested_min_steps:
+            return super()._held_by()
+        return (
+            f"the lr scheduler's warm-up of {self.warmup_steps} steps ({self._warmup_from}; min_steps "
+            f"{self.requested_min_steps})",
+            "Pass BandSchedule(warmup_steps=N) where the warm-up is shorter than that, lower patience",
+        )
 
     def _set_accumulation(self, trainer: "pl.Trainer") -> None:
         """The growths' ``accumulate_grad_batches``, from the first micro-batch that opens a window under the old

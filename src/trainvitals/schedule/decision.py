@@ -20,13 +20,29 @@ point estimate held for ``patience`` steps, and the estimate's error is set by t
 the edge scaled by s = 0.1 is ten times closer to zero in units of that error, so ‖G‖² within its error of zero
 dips under it by chance (on benchmarks/schedule_comparison.py's diabetes MLP the second cuts came on intervals
 of 0–3.4 to 0–9.6 times the edge; the window restarted at the cut makes the estimate young, its interval wider
-still). So after a cut an act waits, on the completed streak, until the band ratio's 90 % upper end is ≤ 1 —
-the whole interval inside the band: in it beyond the estimate's error, the mirror of the stopper's "out of the
-band" (the lower end > 1). That test covers the young estimate (a Student-t interval) and the ‖G‖² near zero
-(no upper end) alike; a minimum count of measurements since the cut would not (those second cuts came 100–200
-steps after the first). The first cut stays on the stopper's rule, at the stopper's edge: the point estimate
-with patience that its benchmark chose (docs/benchmarks.md). Requiring the interval there too delayed the first
-cut on the diabetes MLP from steps 139–179 to 269–299 and lost 0.5–3.7 points of 100·R² on all four runs.
+still). So after a cut an act waits until the run is shown inside the band (:func:`shown_in`): the band ratio's
+90 % upper end ≤ 1 and its point estimate ≥ 0, at :func:`checks_needed` consecutive checks — the first and the
+last ``patience`` steps apart, every check between them passing.
+
+Why both, a multiple-testing argument. The upper end alone is a 95 % one-sided bound, tested at every check for
+as long as the run trains: with the truth at the edge it is passed by chance with probability 0.05 at each check,
+so over m checks the chance of a false act grows toward m·0.05 (Bonferroni) — and at twice the edge it is not
+small either when the error is about two edge-units (as just after a cut: the upper end ≤ 1 then needs a draw of
+‖G‖² near −2.3 edges, which a fresh window makes at ~5 % of its first checks; issue #25 saw 2 in 33 restarted
+runs, both at the first check allowed). A negative point estimate is a ‖G‖² within its error of zero: it says the
+error is large, not that the run is inside the band. With the point ≥ 0 as well, a pass needs the error below
+1/t edge-units, so at a true ratio of 2 it is a draw of at least 1/σ + t ≥ 2t ≈ 3.3 standard errors below the
+truth (p ≲ 5·10⁻⁴ per check), and it must hold again ``patience`` steps later, on an estimate that has taken in
+``patience`` more measurements; tests/schedule/test_schedule_decision.py counts the false acts over 2,000
+simulated windows × 30 checks. A minimum count of measurements since the cut would not do (the diabetes MLP's
+second cuts came 100–200 steps after the first).
+
+The first cut stays on the stopper's rule, at the stopper's edge: the point estimate with patience that its
+benchmark chose (docs/benchmarks.md; requiring the interval inside the band there too delayed the first cut on the
+diabetes MLP from steps 139–179 to 269–299 and lost 0.5–3.7 points of 100·R² on all four runs) — but only on an
+estimate that bounds the ratio (``bounded``: the band ratio's 90 % interval has a finite upper end and tr(Σ)'s
+lower end is above 0). One whose tr(Σ) is not resolved from 0 has no edge to be inside of, and its ratio is noise
+(issue #25: tr(Σ)'s error 40× tr(Σ) at the cut); the cut waits for it.
 """
 
 from __future__ import annotations
@@ -34,6 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class Action(Enum):
@@ -51,26 +68,41 @@ def decide(
     max_cuts: int | None,
     min_lr: float,
     stop: bool,
-    ratio_high: float,
+    shown: bool,
+    bounded: bool = True,
     growth: int = 1,
 ) -> Action:
     """The schedule's answer to the band, after ``cuts`` cuts (batch growths included), the smallest param
-    group's lr now ``lr``, the band ratio's 90 % upper end ``ratio_high`` (over the band's edge at the current lr
-    scale; ``inf`` or ``nan`` where unbounded or not measured) and a batch growth of ``growth`` on offer
-    (:func:`batch_growth`; 1: none).
+    group's lr now ``lr``, a batch growth of ``growth`` on offer (:func:`batch_growth`; 1: none), ``shown``
+    whether the run has been shown inside the band (:func:`shown_in` at :func:`checks_needed` checks in a row) and
+    ``bounded`` whether the estimate bounds the band ratio (a finite upper end, tr(Σ) resolved from 0).
 
     While fewer than ``max_cuts`` (``None``: no limit) were made: grow the batch when a growth ≥ 2 is on offer —
     it leaves the lr alone, so ``min_lr`` does not bound it — else cut while the cut lr ``lr·factor`` stays ≥
     ``min_lr``. Otherwise stop, or with ``stop=False`` do nothing (the run trains on at its last lr). After a cut
-    (``cuts`` > 0) each of these waits for ``ratio_high`` ≤ 1 (module docstring): until then nothing."""
-    if not in_band or (cuts and not ratio_high <= 1.0):  # after a cut: the interval (nan: not measured, no act)
+    (``cuts`` > 0) each of these waits for ``shown``; the first cut or growth waits for ``bounded``, the first stop
+    (no cut allowed) is the stopper's own and does not (module docstring)."""
+    if not in_band or (cuts and not shown):
         return Action.NONE
     if max_cuts is None or cuts < max_cuts:
         if growth >= 2:
-            return Action.GROW
+            return Action.GROW if cuts or bounded else Action.NONE
         if lr * factor >= min_lr:
-            return Action.CUT
+            return Action.CUT if cuts or bounded else Action.NONE
     return Action.STOP if stop else Action.NONE
+
+
+def shown_in(ratio: Any, ratio_high: Any) -> Any:
+    """Whether one check shows the run inside the band beyond the estimate's error (module docstring): the band
+    ratio's point estimate ``ratio`` ≥ 0 and its 90 % upper end ``ratio_high`` ≤ 1 (``nan``: not measured, no).
+    Floats, numpy arrays or tensors alike."""
+    return (ratio >= 0.0) & (ratio_high <= 1.0)
+
+
+def checks_needed(patience: int, check_every_n_steps: int) -> int:
+    """Consecutive checks :func:`shown_in` must pass after a cut: enough that the first and the last lie at least
+    ``patience`` steps apart, checks ``check_every_n_steps`` steps apart — at least 2."""
+    return -(-patience // check_every_n_steps) + 1
 
 
 def scaled_margin(margin: float, lr_scale: float) -> float:
@@ -112,9 +144,10 @@ class Cut:
     def line(self) -> str:
         """``step 420: band ratio 0.81 (90 %: 0.42–1.2) → lr × 0.1`` (or ``→ batch 640``)."""
         then = f"batch {self.batch}" if self.batch is not None else f"lr × {self.lr_scale:g}"
-        if not math.isfinite(self.ratio_high):
-            return f"step {self.step}: band ratio {self.band_ratio:.2g} → {then}"
         low = max(self.ratio_low, 0.0)
+        if not math.isfinite(self.ratio_high):  # the schedule cuts on no such estimate; a record says what it had
+            said = "no interval" if math.isnan(self.ratio_high) else f"90 %: ≥ {low:.2g}, no upper end"
+            return f"step {self.step}: band ratio {self.band_ratio:.2g} ({said}) → {then}"
         if self.band_ratio < low:  # a negative ‖G‖² estimate, within its error of 0: the upper end is what is known
             return f"step {self.step}: band ratio ≤ {self.ratio_high:.2g} (90 %; ‖G‖² within its error of 0) → {then}"
         return f"step {self.step}: band ratio {self.band_ratio:.2g} (90 %: {low:.2g}–{self.ratio_high:.2g}) → {then}"
