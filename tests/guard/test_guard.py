@@ -160,22 +160,26 @@ def test_the_guard_acts_after_every_reader_of_the_step_first_or_last_in_the_list
     assert _equal(list(model_a.parameters()), list(model_b.parameters()))
 
 
+class Scheduled(Net):
+    """The net with the lr × 0.9 at every step (a chainable scheduler: it reads the group's lr), recording the lr
+    each optimizer step took."""
+
+    def __init__(self, **faults) -> None:
+        super().__init__(**faults)
+        self.in_step: dict[int, float] = {}
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        self.in_step[self.global_step] = optimizer.param_groups[0]["lr"]
+        return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+
 def test_the_lr_factor_shows_in_param_groups_and_the_lr_scheduler_keeps_shaping_the_lr():
-    class Scheduled(Net):  # the lr × 0.9 at every step (a chainable scheduler: it reads the group's lr)
-        def __init__(self) -> None:
-            super().__init__(spike_at={7})
-            self.in_step: dict[int, float] = {}
-
-        def configure_optimizers(self):
-            optimizer = super().configure_optimizers()
-            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
-            self.in_step[self.global_step] = optimizer.param_groups[0]["lr"]
-            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-
-    model, recording = Scheduled(), RecordingLogger()
+    model, recording = Scheduled(spike_at={7}), RecordingLogger()
     guard = TrainingGuard(
         on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, lr_factor=0.5, lr_factor_steps=2
     )
@@ -193,21 +197,7 @@ def test_a_step_the_grad_scaler_skips_during_the_lr_factor_leaves_the_scheduler_
     scheduler steps from its own lr all the same (LRFactors.before_step, as under BandSchedule), and the factor
     applies to the two steps the optimizer took after the rollback."""
 
-    class Scheduled(Net):
-        def __init__(self) -> None:
-            super().__init__(spike_at={7}, inf_grad_at={8})
-            self.in_step: dict[int, float] = {}
-
-        def configure_optimizers(self):
-            optimizer = super().configure_optimizers()
-            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
-            self.in_step[self.global_step] = optimizer.param_groups[0]["lr"]
-            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-
-    model, recording = Scheduled(), RecordingLogger()
+    model, recording = Scheduled(spike_at={7}, inf_grad_at={8}), RecordingLogger()
     guard = TrainingGuard(
         on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, lr_factor=0.5, lr_factor_steps=2
     )
