@@ -493,18 +493,25 @@ def test_band_ratio_is_grad_sq_norm_over_the_band_edge():
         band_ratio(0.5, 40.0, 64, 0.0)
 
 
+def _noisy_probe(seed: int, grad_sq_norm: float, steps: int, **kw) -> tuple[GradientNoise, NoiseSource]:
+    """A probe source at batch 16 fed ``steps`` per-step estimates (‖G‖², tr Σ) = (grad_sq_norm, 10) plus unit normal
+    noise, attached to a fresh estimate (``kw``: its arguments)."""
+    gen = torch.Generator().manual_seed(seed)
+    noise, src = GradientNoise(**kw), NoiseSource("probe", 0.98)
+    src.effective_batch_size = 16
+    noise.attach(src)
+    for _ in range(steps):
+        src.update(
+            grad_sq_norm + torch.randn((), generator=gen, dtype=torch.float64),
+            10.0 + torch.randn((), generator=gen, dtype=torch.float64),
+        )
+    return noise, src
+
+
 def test_a_bounded_but_wide_b_simple_is_unreliable_by_its_own_interval():
     """Fieller's interval bounded on both sides but wider than ``max_rel_err`` allows: the flag, the relative error
     and the reason are all that interval's (no "no upper bound" next to an upper bound; issue #24)."""
-    gen = torch.Generator().manual_seed(1)
-    noise, src = GradientNoise(max_rel_err=0.05), NoiseSource("probe", 0.98)
-    src.effective_batch_size = 16
-    noise.attach(src)
-    for _ in range(60):
-        src.update(
-            1.0 + torch.randn((), generator=gen, dtype=torch.float64),
-            10.0 + torch.randn((), generator=gen, dtype=torch.float64),
-        )
+    noise, src = _noisy_probe(seed=1, grad_sq_norm=1.0, steps=60, max_rel_err=0.05)
     h = noise.host_summary()
     low, high, b = h["b_simple_low"], h["b_simple_high"], h["b_simple"]
     t = float(t_quantile(Z90, torch.tensor(h["effective_measurements"], dtype=torch.float64) - 1))
@@ -524,15 +531,7 @@ def test_a_bounded_but_wide_b_simple_is_unreliable_by_its_own_interval():
 def test_an_unresolved_b_simple_is_said_in_words_not_internal_numbers(seed, said):
     """With no upper end to B_simple's interval (seed 0: ‖G‖² within its error of zero) or at ‖G‖² ≤ 0 (seed 3),
     B_simple's relative error is the marker ``inf``: the caveat and the table say why in words, never ``inf``."""
-    gen = torch.Generator().manual_seed(seed)
-    noise, src = GradientNoise(), NoiseSource("probe", 0.98)
-    src.effective_batch_size = 16
-    noise.attach(src)
-    for _ in range(30):
-        src.update(
-            0.2 + torch.randn((), generator=gen, dtype=torch.float64),
-            10.0 + torch.randn((), generator=gen, dtype=torch.float64),
-        )
+    noise, _ = _noisy_probe(seed=seed, grad_sq_norm=0.2, steps=30)
     h = noise.host_summary()
     assert h["decisive"] and math.isinf(h["b_simple_rel_err"]) and (h["grad_sq_norm"] > 0) == (seed == 0)
     text = " ".join(f"{k} {v}" for k, v in noise.summary_rows())
