@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import RecordingLogger
+from conftest import RecordingLogger, trainer_kwargs
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, TensorDataset
@@ -190,17 +190,7 @@ def test_the_probe_measuring_every_step_holds_no_more_tensors_as_the_steps_go(na
     torch.manual_seed(0)
     data = TensorDataset(torch.randint(0, VOCAB, (96, T)), torch.randint(0, 3, (96,)))
     probe, counter, logger = BatchVarianceProbe(measure_every_n_steps=1), LiveTensors(), RecordingLogger()
-    trainer = pl.Trainer(
-        max_steps=12,
-        callbacks=[probe, counter],
-        logger=logger,
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-    )
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=12, callbacks=[probe, counter], logger=logger, log_every_n_steps=1))
     trainer.fit(Classifier(MODELS[name]()), DataLoader(data, batch_size=8))
     assert len(logger.values("grad_noise/trace_cov")) == 12 and not probe._excluded
     assert len(set(counter.counts[-4:])) == 1, counter.counts  # before the fix: 7 to 10 tensors more a step
