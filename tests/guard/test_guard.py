@@ -797,6 +797,23 @@ def test_a_skipped_step_puts_back_the_batchnorm_buffers_its_forward_changed(acti
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_rollback_puts_back_the_batchnorm_buffers_as_the_snapshot_step_started(accumulate):
+    """The snapshot of step 6 is taken at its optimizer step, after its forward moved BatchNorm's running statistics:
+    a rollback puts back those before that forward (the test's own copy, at the step's first micro-batch), with
+    the weights of that step, so that the step after starts from step 6's own starting state."""
+    model = BatchNormNet(nan_at={7})
+    guard = TrainingGuard(on_nonfinite="rollback", snapshot_every_n_steps=2, spike_warmup_steps=3)
+    trainer, said = _fit(model, guard, max_steps=9, accumulate_grad_batches=accumulate)
+    assert [(e["global_step"], e["action"]) for e in guard.events] == [(7, "rollback")]
+    assert "rolled back to the snapshot of optimizer step 6" in said[0]
+    seen = model.buffers_at
+    assert not _equal(seen[6], seen[7])  # step 6's forward moved them: the snapshot must not take those
+    assert _equal(seen[8], seen[6])  # running_mean, running_var and num_batches_tracked, bit for bit
+    assert int(seen[8][2]) == 6 * accumulate  # the batches of steps 0-5 only
+    assert _equal(model.seen[8]["weights"], model.seen[6]["weights"])
+
+
 def test_the_buffer_copy_restores_in_place_and_refuses_a_changed_layout():
     module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
     module[2].register_buffer("scratch", torch.ones(5), persistent=False)  # not in the state_dict: not copied

@@ -22,10 +22,11 @@ named only when that step is a logging step, as GradNormMonitor's is. Besides th
 device at each backward, the spike rule in Python floats, a snapshot every ``snapshot_every_n_steps`` (when
 an action can lead to a rollback: ``"skip"`` or ``"rollback"``), and at each step's first micro-batch a
 device-side copy of the module's persistent buffers (BatchNorm's running statistics: what a skipped step's
-forward changed), one ``torch._foreach_copy_`` into tensors kept from the first step, over a list of buffers
-kept too (the buffers' size in memory; none when both actions are ``"warn"``). The producer search (one extra
-forward and backward of the bad batch, hooks removed after) runs once, on the first non-finite step
-(:class:`~trainvitals.norms.nonfinite.ProducerSearch`, which GradNormMonitor runs without a guard).
+forward changed, and what a snapshot takes of them), one ``torch._foreach_copy_`` into tensors kept from the
+first step, over a list of buffers kept too (the buffers' size in memory; none when both actions are
+``"warn"``). The producer search (one extra forward and backward of the bad batch, hooks removed after) runs
+once, on the first non-finite step (:class:`~trainvitals.norms.nonfinite.ProducerSearch`, which GradNormMonitor
+runs without a guard).
 """
 
 from __future__ import annotations
@@ -77,10 +78,10 @@ class TrainingGuard(TrainvitalsCallback):
     gradients dropped, and the module's persistent buffers (BatchNorm's running statistics, which the step's
     forward already updated) put back as they were at the step's first micro-batch (under a GradScaler a
     non-finite gradient is the scaler's own skip: a finite loss with it is calibration and no event, and the
-    scaler's skip is not repeated); ``"rollback"`` — weights
-    and optimizer state restored from the in-memory snapshot of the last clean step (taken every
-    ``snapshot_every_n_steps``; the batches since are not re-run, i.e. skipped, as PaLM does), the lr
-    multiplied by ``lr_factor`` for the ``lr_factor_steps`` steps after (in ``param_groups`` from each such
+    scaler's skip is not repeated); ``"rollback"`` — weights, buffers and optimizer state restored from the
+    in-memory snapshot of the last clean step as it started (taken every ``snapshot_every_n_steps``, the buffers
+    as of before its forward; the batches since are not re-run, i.e. skipped, as PaLM does), the lr multiplied
+    by ``lr_factor`` for the ``lr_factor_steps`` steps after (in ``param_groups`` from each such
     step's first batch start to its optimizer step's end, so LearningRateMonitor and ``optimizer_step`` see
     it, and put back before the LR scheduler steps, which keeps shaping the lr); ``"stop"`` — the step skipped, a
     checkpoint written through the Trainer, the fit stopped. After ``budget_events`` skips (or rollbacks)
@@ -578,7 +579,8 @@ class TrainingGuard(TrainvitalsCallback):
         every = self.snapshot_every_n_steps if self._rolls_back else 0  # warn and stop never roll back
         if every and (self.snapshot.step is None or step - self.snapshot.step >= every):
             try:
-                self.snapshot.take(step, pl_module, trainer.optimizers)
+                # The buffers as the step's first micro-batch found them: its forward moved them since.
+                self.snapshot.take(step, pl_module, trainer.optimizers, self._buffers.copies())
             except torch.OutOfMemoryError:  # on the device: the run goes on, with the older snapshot
                 self.cannot_measure("no memory for a snapshot on the device; snapshot_on='cpu' keeps it in host memory")
                 return
