@@ -229,6 +229,81 @@ def test_under_accumulation_an_event_reports_the_steps_mean_loss_and_its_gradien
     assert event["grad_norm"] == pytest.approx(before.norms[4])
 
 
+class NoiseOnly(pl.LightningModule):
+    """loss = 10 + mean over the batch of w · x, x ~ N(0, I₃₂): the gradient is the batch's mean x, pure noise with
+    E‖g‖² = tr Σ / b = 32 / b whatever w, and the loss stays near 10 (w starts at 0, the lr is small). The gradient
+    of the optimizer step ``spike_at`` is × ``spike``. ``sizes[step]``, ``norms[step]``: each step's micro-batches'
+    rows and its brute-force ‖g‖."""
+
+    def __init__(self, spike_at: int | None = None, spike: float = 1.0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 1, bias=False)
+        nn.init.zeros_(self.lin.weight)
+        self.spike_at, self.spike = spike_at, spike
+        self.sizes: dict[int, list[int]] = {}
+        self.norms: dict[int, float] = {}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.sizes.setdefault(self.global_step, []).append(len(batch[0]))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return 10.0 + (self.spike if self.global_step == self.spike_at else 1.0) * self.lin(x).mean()
+
+    def on_before_optimizer_step(self, optimizer):
+        self.norms[self.global_step] = flat_grad_norm(self.parameters())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _replay(norms: list[float], allowances: list[float], factor: float, beta: float, warmup: int) -> list[int]:
+    """The steps the spike rule flags, by hand: the bias-corrected EMA of the norms before, each value above
+    allowance × factor × it flagged and entered clipped to that threshold."""
+    ema, flagged = 0.0, []
+    for count, (norm, allowance) in enumerate(zip(norms, allowances)):
+        average = ema / (1.0 - beta**count) if count else 0.0
+        threshold = allowance * factor * average
+        spike = count >= max(1, warmup) and average > 0.0 and norm > threshold
+        ema += (1.0 - beta) * ((threshold if spike else norm) - ema)
+        flagged += [count] if spike else []
+    return flagged
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_an_epochs_short_last_batch_is_no_spike_and_a_real_spike_in_it_still_is(accumulate):
+    """drop_last=False, 16-row batches and a last one of 1 row each epoch: that step's norm is about √(B / b) times
+    the usual from noise alone — √16 = 4, or √8 under accumulation of 2, where the last step is that row alone,
+    divided by 2 (b = 2² · 1 = 4 against B = 32) — above the factor 2 the plain rule flags. Judged with its
+    threshold × √(B / b) it is no event; the same step's gradient × 20 is one. Both as the rule replayed by hand
+    over each step's brute-force norm and its effective batch from its micro-batches' sizes."""
+    factor, warmup, rows = 2.0, 3, 8 * 16 + 1
+    data = DataLoader(TensorDataset(torch.randn(rows, 32)), batch_size=16, shuffle=False, drop_last=False)
+    epochs, per_epoch = 4, -(-9 // accumulate)  # the 9 batches, in windows of `accumulate`
+    spike_at = 2 * per_epoch - 1  # the second epoch's last, short step
+    for spike, expected in ((1.0, []), (20.0, [spike_at])):
+        model = NoiseOnly(spike_at=spike_at, spike=spike)
+        guard = TrainingGuard(spike_factor=factor, spike_warmup_steps=warmup)
+        trainer = pl.Trainer(**trainer_kwargs(max_epochs=epochs, callbacks=[guard], accumulate_grad_batches=accumulate))
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            trainer.fit(model, data)
+        steps = sorted(model.norms)
+        assert len(steps) == epochs * per_epoch and model.sizes[spike_at] == [1]
+        batches = [1.0 / sum(1.0 / (accumulate**2 * b) for b in model.sizes[s]) for s in steps]
+        usual = 16.0 * accumulate
+        assert batches[spike_at] == accumulate**2  # the short step's effective batch: 1 row, or 1 row halved
+        norms = [model.norms[s] for s in steps]
+        short = [s for s in steps if batches[s] < usual]
+        plain = _replay(norms, [1.0] * len(steps), factor, guard.ema_beta, warmup)
+        allowed = _replay(norms, [math.sqrt(usual / b) for b in batches], factor, guard.ema_beta, warmup)
+        assert plain and set(plain) <= set(short)  # the plain rule flags short steps: what the allowance is for
+        assert allowed == expected
+        assert [(e["global_step"], e["kind"]) for e in guard.events] == [(s, "spike") for s in expected]
+        if expected:
+            assert f"a batch of {accumulate**2} examples against the usual {usual:g}" in guard.events[0]["detail"]
+
+
 def test_stop_writes_a_checkpoint_and_says_why(tmp_path):
     model, guard = Net(nan_at={5}), TrainingGuard(on_nonfinite="stop")
     trainer, said = _fit(model, guard, default_root_dir=tmp_path)
@@ -795,6 +870,23 @@ def test_a_skipped_step_puts_back_the_batchnorm_buffers_its_forward_changed(acti
     assert int(after[2]) == int(seen[4][2]) + accumulate  # num_batches_tracked: the clean steps' batches only
     assert all(torch.isfinite(b).all() for b in model.buffers() if b.is_floating_point())
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_rollback_puts_back_the_batchnorm_buffers_as_the_snapshot_step_started(accumulate):
+    """The snapshot of step 6 is taken at its optimizer step, after its forward moved BatchNorm's running statistics:
+    a rollback puts back those before that forward (the test's own copy, at the step's first micro-batch), with
+    the weights of that step, so that the step after starts from step 6's own starting state."""
+    model = BatchNormNet(nan_at={7})
+    guard = TrainingGuard(on_nonfinite="rollback", snapshot_every_n_steps=2, spike_warmup_steps=3)
+    trainer, said = _fit(model, guard, max_steps=9, accumulate_grad_batches=accumulate)
+    assert [(e["global_step"], e["action"]) for e in guard.events] == [(7, "rollback")]
+    assert "rolled back to the snapshot of optimizer step 6" in said[0]
+    seen = model.buffers_at
+    assert not _equal(seen[6], seen[7])  # step 6's forward moved them: the snapshot must not take those
+    assert _equal(seen[8], seen[6])  # running_mean, running_var and num_batches_tracked, bit for bit
+    assert int(seen[8][2]) == 6 * accumulate  # the batches of steps 0-5 only
+    assert _equal(model.seen[8]["weights"], model.seen[6]["weights"])
 
 
 def test_the_buffer_copy_restores_in_place_and_refuses_a_changed_layout():

@@ -131,6 +131,42 @@ def test_the_html_report_plots_the_guards_actions(tmp_path: Path, capsys) -> Non
     assert "event at optimizer step 9" in html
 
 
+def test_a_report_reads_skip_batches_json_once(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard section, the monitor's answered non-finite steps and the HTML plot share one read of the file; the
+    report is the same as one read with every open of it counted (the JSON's rows, the page's)."""
+    guard = TrainingGuard(on_nonfinite="skip", on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2)
+    callbacks = [guard, GradNormMonitor()]
+    trainer = pl.Trainer(
+        **trainer_kwargs(
+            max_steps=12, logger=TensorBoardLogger(tmp_path, name="run"), callbacks=callbacks, log_every_n_steps=1
+        )
+    )
+    trainer.fit(Faulty(nan_at={4, 6}, spike_at={9}), loader(regression_data(128), 8))
+    before = report_json(capsys, tmp_path)
+    assert main([str(tmp_path), "--format", "html", "-o", str(tmp_path / "before.html")]) == EXIT_OK
+    opened: list[str] = []
+    real_open = Path.open
+
+    def counting_open(self: Path, *args, **kwargs):
+        if self.name == SKIP_BATCHES_FILE:
+            opened.append(str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", counting_open)
+    after = report_json(capsys, tmp_path)
+    assert len(opened) == 1  # Path.read_text opens through Path.open
+    assert main([str(tmp_path), "--format", "html", "-o", str(tmp_path / "after.html")]) == EXIT_OK
+    assert len(opened) == 2  # one more report, one more read
+    capsys.readouterr()
+    assert after == before
+    (run,) = after[1]["runs"]
+    assert rows(run, GUARD)["events"] == len(guard.events) == 3
+    (spikes,) = [f for f in run["findings"] if f["section"] == SPIKES and "non-finite" in f["message"]]
+    assert "answered by TrainingGuard" in spikes["message"]  # the monitor's 2 steps, both skipped per the file
+    pages = [(tmp_path / name).read_text().replace(name, "") for name in ("before.html", "after.html")]
+    assert pages[0] == pages[1]
+
+
 @pytest.mark.parametrize(("action", "expected"), [("skip", EXIT_OK), ("warn", EXIT_CRITICAL)])
 def test_the_monitors_nonfinite_steps_are_a_warning_when_the_guard_answered_them(
     tmp_path: Path, capsys, action: str, expected: int

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import trainer_kwargs
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing import data_ingester, io_wrapper
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 from tensorboard.util import tensor_util
@@ -25,7 +26,7 @@ from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
 from trainvitals.plumbing.sharing import GRADIENT_NOISE, Vitals
 from trainvitals.tags import DIAGNOSIS_TAG, PER_LAYER_GRAD_NORM, REPORT_HTML, REPORT_JSON
-from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, progress_bar_values
+from trainvitals.tensorboard.dashboard import TrainvitalsDashboard, progress_bar_values, tensorboard_command
 from trainvitals.tensorboard.layout import (
     BAND_CATEGORY,
     BAND_CHART,
@@ -405,3 +406,46 @@ def test_the_fit_end_line_names_the_report_in_every_logger_s_folder(
     assert len(set(folders)) == 2 and all(page.is_file() for page in pages)
     named = line.split("the report: ", 1)[1].split(", ")
     assert named == [str(page.resolve()) for page in pages]
+
+
+def _opened_runs(command: str) -> set[Path]:
+    """The run folders TensorBoard reads for ``command``: its own walk of ``--logdir`` for folders with event files,
+    or the folders its own parser takes from ``--logdir_spec``."""
+    flag, value = command.removeprefix("tensorboard ").split(" ", 1)
+    if flag == "--logdir_spec":
+        return {Path(path) for path in data_ingester._parse_event_files_spec(value)}
+    return {Path(folder).resolve() for folder in io_wrapper.GetLogdirSubdirectories(value)}
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_the_fit_end_line_opens_every_tensorboard_loggers_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, apart: bool
+) -> None:
+    """Two TensorBoardLoggers in folders of their own (or one folder under two prefixes): the command the fit-end
+    line shows opens the runs of both, as TensorBoard itself finds runs under its --logdir."""
+    roots = (tmp_path / "a", tmp_path / "deep" / "b") if apart else (tmp_path, tmp_path)
+    loggers = [
+        TensorBoardLogger(roots[0], name="tb", version=0, default_hp_metric=False),
+        TensorBoardLogger(roots[1], name="tb", version=0, prefix="" if apart else "other", default_hp_metric=False),
+    ]
+    callbacks = [GradNormMonitor(), TrainvitalsDashboard(progress_bar=False, report=False)]
+    trainer = pl.Trainer(**trainer_kwargs(logger=loggers, max_steps=2, limit_val_batches=0, callbacks=callbacks))
+    with caplog.at_level("INFO"):
+        trainer.fit(DigitsCNN(), datamodule=DigitsDataModule(batch_size=16))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trainvitals TrainvitalsDashboard:")]
+    command = line.split("Custom Scalars: ", 1)[1].rstrip(".")
+    folders = {Path(lg.log_dir).resolve() for lg in loggers}
+    assert len(folders) == (2 if apart else 1)
+    assert folders <= _opened_runs(command)
+    if not apart:  # one folder: named itself, as before
+        assert command == f"tensorboard --logdir {loggers[0].log_dir}"
+
+
+def test_the_tensorboard_command_names_each_folder_without_a_common_parent_but_the_root(tmp_path: Path) -> None:
+    """Walking the filesystem's root is no answer: each folder is named, as TensorBoard's parser reads them back; one
+    folder named twice is named once."""
+    apart = [str(tmp_path / "a"), "/" + "b-elsewhere"]  # their common parent is the root: walking it is no answer
+    command = tensorboard_command(apart)
+    assert command.startswith("tensorboard --logdir_spec ") and _opened_runs(command) == {Path(f) for f in apart}
+    same = [str(tmp_path / "x"), str(tmp_path / "x" / ".." / "x")]
+    assert tensorboard_command(same) == f"tensorboard --logdir {same[0]}"

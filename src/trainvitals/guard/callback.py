@@ -12,7 +12,7 @@ the optimizer's step pre-hook, installed at fit start — and a rollback restore
 optimizer's step (its post-hook; or at the batch's end when a GradScaler skipped the step itself).
 
 Cost: a skip must be known before the optimizer steps, so each optimizer step reads its decision back
-to the host — one transfer of a ``(3 + world_size,)`` vector (after one all-reduce of it under DDP),
+to the host — one transfer of a ``(4 + world_size,)`` vector (after one all-reduce of it under DDP),
 as a GradScaler does for its own skip (one more on a non-finite step: which micro-batch's loss was); on
 CUDA that read waits for the step's backward, as GradScaler's ``found_inf`` read does. When both actions
 are ``"warn"`` nothing must be known before the update: the vectors wait on the device and are read at the
@@ -22,10 +22,11 @@ named only when that step is a logging step, as GradNormMonitor's is. Besides th
 device at each backward, the spike rule in Python floats, a snapshot every ``snapshot_every_n_steps`` (when
 an action can lead to a rollback: ``"skip"`` or ``"rollback"``), and at each step's first micro-batch a
 device-side copy of the module's persistent buffers (BatchNorm's running statistics: what a skipped step's
-forward changed), one ``torch._foreach_copy_`` into tensors kept from the first step, over a list of buffers
-kept too (the buffers' size in memory; none when both actions are ``"warn"``). The producer search (one extra
-forward and backward of the bad batch, hooks removed after) runs once, on the first non-finite step
-(:class:`~trainvitals.norms.nonfinite.ProducerSearch`, which GradNormMonitor runs without a guard).
+forward changed, and what a snapshot takes of them), one ``torch._foreach_copy_`` into tensors kept from the
+first step, over a list of buffers kept too (the buffers' size in memory; none when both actions are
+``"warn"``). The producer search (one extra forward and backward of the bad batch, hooks removed after) runs
+once, on the first non-finite step (:class:`~trainvitals.norms.nonfinite.ProducerSearch`, which GradNormMonitor
+runs without a guard).
 """
 
 from __future__ import annotations
@@ -43,7 +44,19 @@ from torch import Tensor
 from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
-from trainvitals.guard.decision import ACTIONS, NONFINITE, SPIKE, Budget, Reading, choose, classify, pack, unpack
+from trainvitals.guard.decision import (
+    ACTIONS,
+    NONFINITE,
+    SPIKE,
+    Budget,
+    Reading,
+    UsualBatch,
+    choose,
+    classify,
+    noise_weight,
+    pack,
+    unpack,
+)
 from trainvitals.guard.snapshot import WHERE, BufferCopy, Snapshot
 from trainvitals.norms.monitor import MAX_PENDING_STEPS
 from trainvitals.norms.nonfinite import ProducerSearch
@@ -51,6 +64,7 @@ from trainvitals.norms.producer import SEARCHES, Producer
 from trainvitals.norms.spikes import SpikeDetector
 from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.batch import batch_size, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER, SUMMARY
@@ -71,21 +85,22 @@ _DOING = {
 class TrainingGuard(TrainvitalsCallback):
     r"""Watch each optimizer step's loss and total gradient norm and act on an inf/NaN or a spike.
 
-    An event is a non-finite loss or gradient (``"nonfinite"``) or a value above ``spike_factor`` × its
-    winsorized EMA (``"spike"``, :class:`~trainvitals.norms.spikes.SpikeDetector`; a loss spike needs a
-    positive loss). Its action, per kind: ``"warn"``; ``"skip"`` — the optimizer step is not applied, the
-    gradients dropped, and the module's persistent buffers (BatchNorm's running statistics, which the step's
-    forward already updated) put back as they were at the step's first micro-batch (under a GradScaler a
-    non-finite gradient is the scaler's own skip: a finite loss with it is calibration and no event, and the
-    scaler's skip is not repeated); ``"rollback"`` — weights
-    and optimizer state restored from the in-memory snapshot of the last clean step (taken every
-    ``snapshot_every_n_steps``; the batches since are not re-run, i.e. skipped, as PaLM does), the lr
-    multiplied by ``lr_factor`` for the ``lr_factor_steps`` steps after (in ``param_groups`` from each such
-    step's first batch start to its optimizer step's end, so LearningRateMonitor and ``optimizer_step`` see
-    it, and put back before the LR scheduler steps, which keeps shaping the lr); ``"stop"`` — the step skipped, a
-    checkpoint written through the Trainer, the fit stopped. After ``budget_events`` skips (or rollbacks)
-    within ``budget_window`` steps, the next event gets the next action: skip → rollback → stop. Every
-    rank takes the same decision, from numbers reduced over ranks.
+    An event is a non-finite loss or gradient (``"nonfinite"``) or a value above ``spike_factor`` × its winsorized
+    EMA (``"spike"``, :class:`~trainvitals.norms.spikes.SpikeDetector`; a loss spike needs a positive loss; a norm
+    from a batch of b examples below the usual B, an epoch's short last one, is allowed √(B/b) times more:
+    :class:`~trainvitals.guard.decision.UsualBatch`). Its action, per kind: ``"warn"``; ``"skip"`` — the optimizer
+    step is not applied, the gradients dropped, and the module's persistent buffers (BatchNorm's running statistics,
+    which the step's forward already updated) put back as they were at the step's first micro-batch (under a
+    GradScaler a non-finite gradient is the scaler's own skip: a finite loss with it is calibration and no event,
+    and the scaler's skip is not repeated); ``"rollback"`` — weights, buffers and optimizer state restored from the
+    in-memory snapshot of the last clean step as it started (taken every ``snapshot_every_n_steps``, the buffers as
+    of before its forward; the batches since are not re-run, i.e. skipped, as PaLM does), the lr multiplied by
+    ``lr_factor`` for the ``lr_factor_steps`` steps after (in ``param_groups`` from each such step's first batch
+    start to its optimizer step's end, so LearningRateMonitor and ``optimizer_step`` see it, and put back before the
+    LR scheduler steps, which keeps shaping the lr); ``"stop"`` — the step skipped, a checkpoint written through the
+    Trainer, the fit stopped. After ``budget_events`` skips (or rollbacks) within ``budget_window`` steps, the next
+    event gets the next action: skip → rollback → stop. Every rank takes the same decision, from numbers reduced
+    over ranks.
     With both actions ``"warn"`` the steps are read back at the Trainer's logging steps only (no host read on
     the others; module docstring), and their events recorded then, each at its own step.
     On each fit's first non-finite step the module that produced the inf/NaN is named (:attr:`producer`;
@@ -183,6 +198,8 @@ class TrainingGuard(TrainvitalsCallback):
         self.add_state("loss_spikes", functools.partial(SpikeDetector, factor, beta, warmup))
         self.norm_spikes: SpikeDetector
         self.add_state("norm_spikes", functools.partial(SpikeDetector, factor, beta, warmup))
+        self.usual_batch: UsualBatch  # over the spike EMA's horizon: what a short batch's norm is judged against
+        self.add_state("usual_batch", functools.partial(UsualBatch, round(1.0 / (1.0 - beta))))
         self.snapshot_step: int | None
         """The optimizer step of the latest snapshot (kept across a resume; the snapshot only when asked)."""
         self.add_state("snapshot_step", None)
@@ -243,11 +260,12 @@ class TrainingGuard(TrainvitalsCallback):
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
         if self._step.get("window") != trainer.global_step:  # a new optimizer step's first micro-batch
-            self._step.update(window=trainer.global_step, batches=[], losses=[])
+            self._step.update(window=trainer.global_step, batches=[], losses=[], sizes={})
             self._scale_lr(trainer)
             if self._skips:
                 self._buffers.take(pl_module)
         self._step["batches"].append(i)
+        self._step["sizes"][i] = batch_size(batch)  # its tensors' shapes, on the host: no sync
         if self.name_producer:  # references and the RNG state: no copy of the batch
             self.search.keep(trainer.global_step, pl_module, batch, i)
         self._step["batch_idx"] = i
@@ -273,15 +291,18 @@ class TrainingGuard(TrainvitalsCallback):
         # The micro-batches' sum, as Lightning normalises them (one micro-batch: its own loss, no device op).
         loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) if losses else None
         device = next((t.device for t in (sq_norm, loss) if t is not None), pl_module.device)
-        row = pack(loss, sq_norm, trainer.global_rank, trainer.world_size, device)
+        sizes = self._step.get("sizes", {})
+        noise = noise_weight([sizes.get(i) for i, _ in self._step.get("losses", [])], loss_divisor(trainer, pl_module))
+        row = pack(loss, sq_norm, trainer.global_rank, trainer.world_size, device, noise)
         if trainer.world_size > 1:
             row = trainer.strategy.reduce(row, reduce_op="sum")
         factors = self.vitals.shared(LR_FACTORS)
         if factors is not None:  # a step the GradScaler skips runs no post-hook: the scheduler's lrs back now
             factors.before_step(optimizer, grad_scaler(trainer))
-        held = (step, trainer.current_epoch, list(self._step.get("batches", [])), self._step.get("losses", []), row)
+        batches = list(self._step.get("batches", []))
+        held = (step, trainer.current_epoch, batches, self._step.get("losses", []), noise, row)
         if self._skips:  # the step's one host read: a skip must be known before the step
-            self._decide(trainer, pl_module, optimizer, params, held, unpack(row.tolist(), bool(held[3])), False)
+            self._decide(trainer, pl_module, optimizer, params, held, unpack(row.tolist(), bool(held[3]), noise), False)
             return
         # Every action "warn": the rows wait on the device for a logging step, read then in one transfer.
         self._waiting.append(held)
@@ -304,7 +325,7 @@ class TrainingGuard(TrainvitalsCallback):
         values = torch.stack([held[-1] for held in waiting]).tolist()
         for held, row in zip(waiting, values):
             late = optimizer is None or held[0] != trainer.global_step
-            self._decide(trainer, pl_module, optimizer, params, held, unpack(row, bool(held[3])), late)
+            self._decide(trainer, pl_module, optimizer, params, held, unpack(row, bool(held[3]), held[4]), late)
 
     def _decide(
         self,
@@ -312,15 +333,15 @@ class TrainingGuard(TrainvitalsCallback):
         pl_module: "pl.LightningModule",
         optimizer: torch.optim.Optimizer | None,
         params: list[torch.nn.Parameter] | None,
-        held: tuple[int, int, list[int], list[tuple[int | None, Tensor]], Tensor],
+        held: tuple[int, int, list[int], list[tuple[int | None, Tensor]], float, Tensor],
         reading: Reading,
         late: bool,
     ) -> None:
-        """What the step ``held`` (its step, epoch, micro-batches, losses and row) says, and the action: acted on
+        """What the step ``held`` (its step, epoch, micro-batches, losses, noise weight, row) says, and the action: acted on
         once every callback has read the step (:meth:`_before_step`, :meth:`_after_step`), or at once when
         ``late`` (read back after its update)."""
-        step, epoch, batches, losses, _ = held
-        kind, seen = classify(reading, self.loss_spikes, self.norm_spikes)
+        step, epoch, batches, losses, _, _ = held
+        kind, seen = classify(reading, self.loss_spikes, self.norm_spikes, self.usual_batch)
         if kind == NONFINITE and self._amp and math.isfinite(reading.loss):
             return  # the GradScaler skips this step and lowers its scale: calibration
         if kind is None:
@@ -578,7 +599,8 @@ class TrainingGuard(TrainvitalsCallback):
         every = self.snapshot_every_n_steps if self._rolls_back else 0  # warn and stop never roll back
         if every and (self.snapshot.step is None or step - self.snapshot.step >= every):
             try:
-                self.snapshot.take(step, pl_module, trainer.optimizers)
+                # The buffers as the step's first micro-batch found them: its forward moved them since.
+                self.snapshot.take(step, pl_module, trainer.optimizers, self._buffers.copies())
             except torch.OutOfMemoryError:  # on the device: the run goes on, with the older snapshot
                 self.cannot_measure("no memory for a snapshot on the device; snapshot_on='cpu' keeps it in host memory")
                 return

@@ -44,9 +44,20 @@ class Snapshot:
         tensors = self._module + [t for s in self._optimizers for t in _tensors(s)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def take(self, step: int, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Copy ``module``'s parameters and buffers and each optimizer's ``state_dict()`` as of ``step``."""
-        sources = [t.detach() for t in _module_tensors(module)]
+    def take(
+        self,
+        step: int,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        before: dict[int, Tensor] | None = None,
+    ) -> None:
+        """Copy ``module``'s parameters and buffers and each optimizer's ``state_dict()`` as of ``step``.
+
+        ``before``: tensors to copy instead of some buffers, by the buffer's ``id`` (:meth:`BufferCopy.copies`: the
+        buffers as they were at the step's first micro-batch). Taken before the update, the parameters are the
+        step's starting state, but its forward has already moved BatchNorm's running statistics: those copies are."""
+        before = before or {}
+        sources = [before.get(id(t), t).detach() for t in _module_tensors(module)]
         with torch.no_grad():
             if _same_layout(self._module, sources):
                 torch._foreach_copy_(self._module, sources)
@@ -153,6 +164,11 @@ class BufferCopy:
                 self._copies = [b.detach().clone() for b in buffers]
             else:
                 torch._foreach_copy_(self._copies, buffers)
+
+    def copies(self) -> dict[int, Tensor]:
+        """The copies of the last :meth:`take`, by the ``id`` of the buffer each was copied from."""
+        held = self._held.buffers if self._held is not None and self._copies else []
+        return {id(b): c for b, c in zip(held, self._copies)}
 
     def close(self) -> None:
         """Forget the kept list of buffers and stop watching registrations (at the end of a fit); the copies stay."""

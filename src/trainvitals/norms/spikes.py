@@ -60,12 +60,15 @@ class SpikeDetector:
         """The bias-corrected EMA (Adam's correction); 0.0 before the first value."""
         return self._ema / (1.0 - self.beta**self.count) if self.count else 0.0
 
-    def update(self, value: float) -> float | None:
-        """Take one finite value; returns its ratio to the average when it is a spike, else None."""
+    def update(self, value: float, allowance: float = 1.0) -> float | None:
+        """Take one finite value; returns its ratio to the average when it is a spike, else None. ``allowance`` (≥ 1)
+        raises this value's threshold to ``allowance`` × ``factor`` × the average (and its winsorization with it):
+        what its measurement's own noise allows (a gradient norm from a short batch)."""
         average = self.average
+        threshold = allowance * self.factor * average
         # An average of 0 (a loss weighted 0 so far) has no scale to exceed: the value enters the EMA.
-        spike = self.count >= max(1, self.warmup_steps) and average > 0.0 and value > self.factor * average
-        self._ema += (1.0 - self.beta) * ((self.factor * average if spike else value) - self._ema)
+        spike = self.count >= max(1, self.warmup_steps) and average > 0.0 and value > threshold
+        self._ema += (1.0 - self.beta) * ((threshold if spike else value) - self._ema)
         self.count += 1
         return value / average if spike else None
 

@@ -89,7 +89,9 @@ class Run:
     hold a custom-scalars layout (TrainvitalsDashboard writes it at fit start, its diagnoses at fit end);
     ``empty`` names its event files of 0 bytes (a writer that has not flushed yet, or a run that died at once);
     ``folder`` is the run's folder when it was read from one (the Trainer's ``log_dir``, where TrainingGuard's
-    ``skip_batches.json`` is), ``None`` for a run made at fit end from what it logged.
+    ``skip_batches.json`` is), ``None`` for a run made at fit end from what it logged; ``side_files`` what was read
+    from the files beside the event files, by file name, so that a report reads each once (``skip_batches.json``:
+    the guard section, the monitor's findings and the HTML plot all need its events).
     """
 
     name: str
@@ -100,6 +102,7 @@ class Run:
     layout: bool = False
     empty: list[str] = field(default_factory=list)
     folder: Path | None = None
+    side_files: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def matching(self, pattern: str) -> dict[str, list[tuple[int, float]]]:
         """The scalar series whose tag matches ``pattern`` (``re.match``, as TensorBoard matches)."""

@@ -118,7 +118,15 @@ def answered_nonfinite_steps(run: Run) -> int:
 def guard_events(run: Run) -> tuple[list[dict[str, Any]], Path | None]:
     """The guard's events, oldest first, and the file they were read from: ``skip_batches.json`` in the run's
     folder when it is there and readable (every event), else the rows of its text panel (the latest 20, without
-    ``detail``; ``None`` then). Each event a dict with at least ``global_step``, ``kind`` and ``action``."""
+    ``detail``; ``None`` then). Each event a dict with at least ``global_step``, ``kind`` and ``action``. Read once
+    per run (kept in ``run.side_files``): the guard section, the monitor's findings and the HTML plot share it."""
+    if SKIP_BATCHES_FILE not in run.side_files:
+        run.side_files[SKIP_BATCHES_FILE] = _read_events(run)
+    return run.side_files[SKIP_BATCHES_FILE]
+
+
+def _read_events(run: Run) -> tuple[list[dict[str, Any]], Path | None]:
+    """:func:`guard_events`, read from the run's folder or its panel."""
     path = run.folder / SKIP_BATCHES_FILE if run.folder is not None else None
     if path is not None and path.is_file():
         try:

@@ -3,6 +3,7 @@ every logger, the progress bar."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -183,7 +184,23 @@ class TrainvitalsDashboard(TrainvitalsCallback):
             )
         else:
             panels = f"{self._panels} diagnosis panel(s) first in the Text tab ({DIAGNOSIS_TAG}/...)"
-        return f"{panels}, the charts in Custom Scalars: tensorboard --logdir {logdirs[0]}{report}"
+        return f"{panels}, the charts in Custom Scalars: {tensorboard_command(logdirs)}{report}"
+
+
+def tensorboard_command(folders: list[str]) -> str:
+    """The ``tensorboard`` command that opens every folder of ``folders`` (the TensorBoardLoggers' ``log_dir``):
+    ``--logdir`` the one folder, or the folders' common parent, which TensorBoard walks for runs; where that is
+    the filesystem's root (or there is none: other drives), each folder named by ``--logdir_spec``."""
+    unique = {os.path.abspath(f): f for f in folders}
+    if len(unique) == 1:
+        return f"tensorboard --logdir {folders[0]}"
+    try:
+        parent = os.path.commonpath(list(unique))
+    except ValueError:  # on different drives
+        parent = ""
+    if parent and os.path.dirname(parent) != parent:
+        return f"tensorboard --logdir {parent}"
+    return f"tensorboard --logdir_spec {','.join(unique)}"
 
 
 def _run_name(trainer: "pl.Trainer") -> str:
