@@ -878,3 +878,43 @@ def test_a_layernorm_mlp_noise_dominated_from_its_start_is_not_stopped_at_step_1
     batch = int(re.search(r"(?i)a batch of at least (\d+)", said[0]).group(1))
     summary = stopper.gradient_noise.host_summary()  # at the end; the message's interval is of its step
     assert 32 < batch < summary["b_simple_high"] and "noise band from the start" in stopper.summary_line()
+
+
+class _LinearRegression(pl.LightningModule):
+    """``nn.Linear`` on a mean squared error; at every 10th optimizer step the brute-force band ratio over the whole
+    training set, B·‖G‖²/(margin·tr Σ) at batch 64 and margin 0.2, from every example's own gradient 2(x·w − y)(x, 1)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        super().__init__()
+        self.net, self.data, self.band_ratios = nn.Linear(data.tensors[0].shape[1], 1), data, {}
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.trainer.global_step % 10:
+            return
+        x, y = self.data.tensors
+        residual = self.net(x).detach() - y
+        rows = torch.cat([2 * residual * x, 2 * residual], 1)
+        mean = rows.mean(0)
+        trace = (rows - mean).square().sum(1).mean()
+        self.band_ratios[self.trainer.global_step] = float(64 * mean.square().sum() / (0.2 * trace))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_run_that_enters_its_band_before_min_steps_was_out_of_it_and_is_stopped():
+    """A run far from its band at step 0 that enters it before ``min_steps`` (100) was out of it: seen from the first
+    decisive step, not from ``min_steps`` on, it is stopped, not called noise-dominated from the start. The
+    brute-force band ratio: 29× the edge at step 0, inside the band from step 40 (stopping_tasks' diabetes MLP: 14×
+    at step 0, in the band from step 40, called "from the start" before)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 8, generator=g)
+    data = TensorDataset(x, x @ torch.randn(8, 1, generator=g) + torch.randn(2048, 1, generator=g))
+    torch.manual_seed(0)
+    model, stopper = _LinearRegression(data), GradNormEarlyStopping()
+    _fit(model, [stopper], DataLoader(data, batch_size=16, shuffle=True), max_epochs=8, accumulate_grad_batches=4)
+    assert model.band_ratios[0] > 10 and max(r for step, r in model.band_ratios.items() if step >= 40) < 1
+    assert stopper.from_start == "" and stopper.stopped_step is not None and stopper.stopped_step >= 100

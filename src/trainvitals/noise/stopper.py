@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_choice, check_float, check_int
 from trainvitals.noise.estimate import (
+    MIN_MEASUREMENTS,
     SOURCES_CHECK,
     GradientNoise,
     NoiseSource,
@@ -137,8 +138,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     The condition must hold for ``patience`` consecutive optimizer steps, not before ``min_steps``;
     steps with non-finite gradients (including those a GradScaler skips) neither count nor reset.
-    In ``"noise_band"`` mode the band only counts once the run has been out of it (after ``min_steps``, on a
-    logging or check step, the band ratio's 90 % interval above 1: out beyond the estimate's error): a batch
+    In ``"noise_band"`` mode the band only counts once the run has been out of it (from the estimate's first
+    decisive step, ``min_steps`` or not, on a logging or check step, the band ratio's 90 % interval above 1: out
+    beyond the estimate's error): a batch
     far below B_simple makes every step noise from step 0, which calls for a larger batch or a smaller lr,
     not a stop. Such a run is said once (a warning and the ``grad_norm/stop_reason`` text), with the batch
     to use — B_simple's 90 % lower end — and watched on: it stops if it leaves the band and comes back for
@@ -395,15 +397,22 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         counts = valid if self.steps >= self.min_steps else torch.zeros_like(valid)
         self._streak = self._streak.to(total.device)
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
-        decided = self.gradient_noise.band_decisive if self.mode == "noise_band" else None
-        decided = counts if decided is None else counts & decided.to(total.device)
+        decisive = self.gradient_noise.band_decisive if self.mode == "noise_band" else None
+        measured = valid if decisive is None else valid & decisive.to(total.device)
+        decided = counts & measured
         full = self._streak >= self.patience
         if self.mode == "noise_band" and self.waits_out_the_start:  # noise from step 0 is not convergence: no stop
             self._held = self._held.to(total.device) | (full & ~self._left.to(total.device))
             full = full & self._left.to(total.device)
         if self.mode == "noise_band":  # out of the band beyond the band ratio's error, on a check or logging step
             shown = self._shown_out(logged or (self.steps + 1) % self.check_every_n_steps == 0)
-            out = decided & ~in_condition & shown.to(decided.device) if shown is not None else torch.zeros_like(decided)
+            # Seen out from the first decisive step: min_steps holds back a stop, not the sight of a run that starts
+            # far from its band and enters it before min_steps.
+            out = (
+                measured & ~in_condition & shown.to(measured.device)
+                if shown is not None
+                else torch.zeros_like(measured)
+            )
         else:
             out = decided & ~in_condition
         self._left = self._left.to(total.device) | (out.to(total.device) & ~self._done.to(total.device))
@@ -601,7 +610,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         )
         self.from_start = (
             f"in its noise band from the start (optimizer step {step}): the batch ({batch}) is below B_simple "
-            f"({b_simple_interval(h)}), so every step is noise-dominated from step 0 — that is not convergence, and "
+            f"({b_simple_interval(h)}), and it was never shown out of the band from its {MIN_MEASUREMENTS}th measurement, "
+            "when the estimate could first judge it: every step it judged was noise-dominated — that is not "
+            "convergence, and "
             f"it does not stop on it. {suggest[0].upper()}{suggest[1:]} — or a smaller learning rate. It keeps "
             "watching: the band counts once the run has been out of it."
         )
