@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections import defaultdict
 from typing import Any
 
@@ -48,9 +49,15 @@ def recording_logger() -> RecordingLogger:
     return RecordingLogger()
 
 
+_ROOT = tempfile.mkdtemp(prefix="trainvitals-tests-")
+"""The Trainers' ``default_root_dir``: what a run without a logger writes (``skip_batches.json``) stays out of the
+checkout."""
+
+
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     """Quiet, fast, CPU Trainer settings for tests."""
     kwargs: dict[str, Any] = dict(
+        default_root_dir=_ROOT,
         accelerator="cpu",
         devices=1,
         enable_progress_bar=False,
