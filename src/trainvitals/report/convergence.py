@@ -320,7 +320,11 @@ def _stopper_end(run: Run) -> dict[str, str]:
     """The stopper's end-of-fit table, ``quantity -> value`` (BandSchedule's two tables in one: its schedule, cuts
     and lr scale, then the stopper's rows); ``{}`` when it was not logged (no stopper, or a fit that did not end).
     It counts every step, the logged flags sample a few."""
-    text = (_stopper_panel(run) or (0, ""))[1]
+    return _two_column_table((_stopper_panel(run) or (0, ""))[1])
+
+
+def _two_column_table(text: str) -> dict[str, str]:
+    """A markdown table of two columns, ``first -> second`` cell, its header and rule left out."""
     rows = [table_cells(line) for line in text.splitlines() if line.lstrip().startswith("|")]
     return {
         inline(row[0]): inline(row[1])
@@ -511,6 +515,24 @@ def _partial_rows(run: Run, step: int | None) -> list[Row]:
     return rows
 
 
+ESTIMATE_PANELS = tuple(
+    f"{prefix}{name}" for name in (*STOPPERS, "BatchVarianceProbe") for prefix in DIAGNOSIS_PREFIXES
+)
+"""The end-of-fit tables that quote the noise estimate's rows (``GradientNoise.summary_rows``), its effective batch
+among them."""
+
+
+def _fit_end_batch(run: Run, step: int | None) -> Row:
+    """The "effective batch B" row from the first end-of-fit table of :data:`ESTIMATE_PANELS` that says it (only
+    LRScalingAdvisor logs the batch as a series), with the table's step when it is not the section's ``step``."""
+    for tag in ESTIMATE_PANELS:
+        for at, text in reversed(run.texts.get(tag, [])):
+            said = re.fullmatch(r"(\d+) examples", _two_column_table(text).get("effective batch B", ""))
+            if said:
+                return Row("effective batch B", float(said[1]), "examples", None if at == step else at)
+    return Row("effective batch B", None, "examples")
+
+
 def noise_scale_section(run: Run, report: RunReport) -> None:
     title = "noise scale and batch size"
     step = as_of(run, report, title, r"grad_noise/b_simple$", r"lr_scaling/effective_batch$", r"lr_scaling/")
@@ -522,6 +544,8 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
         row_at(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$", unit="share"),
         row_at(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples"),
     ]
+    if rows[4].value is None:  # no LRScalingAdvisor: the batch its estimate's readers wrote at fit end
+        rows[4] = _fit_end_batch(run, step)
     b_simple_row, error_row, interval_row, _, batch_row = rows
     interval = b_simple_interval_at(run, step)
     # The verdict's numbers are of the section's step, B_simple's last: an error of another step is not its.
