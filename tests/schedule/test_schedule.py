@@ -529,6 +529,7 @@ def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, caps
 
     from trainvitals import TrainvitalsDashboard
     from trainvitals.report.command import main
+    from trainvitals.report.convergence import CUTS_ROW
 
     # Cut once (by 0.9: the stop after it comes soon), then stop at the next band entry; or (grow) two batch
     # growths, which min_lr = 0.04 > 0.05 × 0.5 does not refuse (it bounds an lr cut only), and no stop.
@@ -541,13 +542,21 @@ def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, caps
         **(kwargs if grow else {"max_cuts": 1, "factor": 0.9}),
     )
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
-    fit(NoisyQuadratic(0.05, w0=0.0), [schedule, TrainvitalsDashboard(progress_bar=False)], 200, logger=logger)
+    callbacks = [schedule, TrainvitalsDashboard(progress_bar=False)]
+    trainer = fit(NoisyQuadratic(0.05, w0=0.0), callbacks, 200, logger=logger)
     capsys.readouterr()
     main([str(tmp_path), "--format", "json"])
     (run,) = json.loads(capsys.readouterr().out)["runs"]
     rows = {row["label"]: row["value"] for row in run["sections"]["convergence"]}
     said = [f["message"] for f in run["findings"] if f["section"] == "convergence"]
-    cuts = rows["cuts (band entries acted on)"]
+    cuts = rows[CUTS_ROW]
+    (cuts_row,) = [row for row in run["sections"]["convergence"] if row["label"] == CUTS_ROW]
+    assert cuts_row["step"] is None  # each cut says its own step; the end-of-fit table's would read as one
+    # No LRScalingAdvisor: the effective batch is the end-of-fit table's, dated when not the section's step.
+    noise = {row["label"]: row for row in run["sections"]["noise scale and batch size"]}
+    assert noise["effective batch B"]["value"] == (4 * B if grow else B)
+    at_end = None if run["steps"]["noise scale and batch size"] == trainer.global_step else trainer.global_step
+    assert noise["effective batch B"]["step"] == at_end
     assert len(schedule.cuts) == (2 if grow else 1)
     for cut in schedule.cuts:  # each cut's step, band ratio and 90 % interval, as the cut record says them
         line = Cut(**cut).line()

@@ -121,6 +121,9 @@ def _rose_every_step(series: list[tuple[int, float]], since: int, least: int) ->
     return previous >= since and count - then >= max(least, step - previous)
 
 
+CUTS_ROW = "cuts made by the fit's end (band entries acted on)"
+"""The convergence section's row of BandSchedule's cuts, each said with the optimizer step it was made at."""
+
 NORM_OVER_FLOOR = "norm / noise level"
 """The convergence section's row of the last gradient norm over its noise level sqrt(tr Σ/B), the RMS norm of
 pure noise (single steps fall below it often)."""
@@ -164,9 +167,8 @@ def convergence_section(run: Run, report: RunReport) -> None:
         else Row("stop", _not_stopped(run, partial, caveat)),
     ]
     if end.get("cuts"):  # BandSchedule's: a cut's step, the band ratio and its 90 % interval, the lr scale after
-        report.sections[title].append(
-            Row("cuts (band entries acted on)", end["cuts"], step=_stopper_end_step(run, step))
-        )
+        # Every cut by the fit's end, each with its own step; undated: the table's step would read as a cut's.
+        report.sections[title].append(Row(CUTS_ROW, end["cuts"]))
     if stop:
         report.findings.append(Finding("note", title, stop))
     if caveat:
@@ -318,7 +320,11 @@ def _stopper_end(run: Run) -> dict[str, str]:
     """The stopper's end-of-fit table, ``quantity -> value`` (BandSchedule's two tables in one: its schedule, cuts
     and lr scale, then the stopper's rows); ``{}`` when it was not logged (no stopper, or a fit that did not end).
     It counts every step, the logged flags sample a few."""
-    text = (_stopper_panel(run) or (0, ""))[1]
+    return _two_column_table((_stopper_panel(run) or (0, ""))[1])
+
+
+def _two_column_table(text: str) -> dict[str, str]:
+    """A markdown table of two columns, ``first -> second`` cell, its header and rule left out."""
     rows = [table_cells(line) for line in text.splitlines() if line.lstrip().startswith("|")]
     return {
         inline(row[0]): inline(row[1])
@@ -509,6 +515,24 @@ def _partial_rows(run: Run, step: int | None) -> list[Row]:
     return rows
 
 
+ESTIMATE_PANELS = tuple(
+    f"{prefix}{name}" for name in (*STOPPERS, "BatchVarianceProbe") for prefix in DIAGNOSIS_PREFIXES
+)
+"""The end-of-fit tables that quote the noise estimate's rows (``GradientNoise.summary_rows``), its effective batch
+among them."""
+
+
+def _fit_end_batch(run: Run, step: int | None) -> Row:
+    """The "effective batch B" row from the first end-of-fit table of :data:`ESTIMATE_PANELS` that says it (only
+    LRScalingAdvisor logs the batch as a series), with the table's step when it is not the section's ``step``."""
+    for tag in ESTIMATE_PANELS:
+        for at, text in reversed(run.texts.get(tag, [])):
+            said = re.fullmatch(r"(\d+) examples", _two_column_table(text).get("effective batch B", ""))
+            if said:
+                return Row("effective batch B", float(said[1]), "examples", None if at == step else at)
+    return Row("effective batch B", None, "examples")
+
+
 def noise_scale_section(run: Run, report: RunReport) -> None:
     title = "noise scale and batch size"
     step = as_of(run, report, title, r"grad_noise/b_simple$", r"lr_scaling/effective_batch$", r"lr_scaling/")
@@ -520,6 +544,8 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
         row_at(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$", unit="share"),
         row_at(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples"),
     ]
+    if rows[4].value is None:  # no LRScalingAdvisor: the batch its estimate's readers wrote at fit end
+        rows[4] = _fit_end_batch(run, step)
     b_simple_row, error_row, interval_row, _, batch_row = rows
     interval = b_simple_interval_at(run, step)
     # The verdict's numbers are of the section's step, B_simple's last: an error of another step is not its.
