@@ -22,6 +22,7 @@ number: ``reliable`` should reach ``reachable``, and ``reliable & covered`` shou
 
     nice python benchmarks/noise_truth.py --out noise_truth.json
     nice python benchmarks/noise_truth.py --only mlp-4 lm --draws 50
+    nice python benchmarks/noise_truth.py --only mlp-1 mlp-4 lm --replacement   # batches drawn with replacement
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def demo_rows(draws: int) -> list[Row]:
     return compare(truth.truths, recorder.series, margin)
 
 
-def model_rows(run: str, draws: int) -> list[Row]:
+def model_rows(run: str, draws: int, replacement: bool = False) -> list[Row]:
     torch.manual_seed(0)
     callbacks = [
         BatchVarianceProbe(histogram_every_n_steps=0, per_coordinate=False),
@@ -102,10 +103,15 @@ def model_rows(run: str, draws: int) -> list[Row]:
     ]
     if run == "lm":
         x, y, vocab = char_windows(context=16)
-        return fit_with_truth(Classifier(CharGPT(vocab, context=16)), (x, y), callbacks, 16, 1, 300, draws=draws)
+        return fit_with_truth(
+            Classifier(CharGPT(vocab, context=16)), (x, y), callbacks, 16, 1, 300, draws=draws, replacement=replacement
+        )
     accumulate = int(run.split("-")[1])
     steps = 400 if accumulate == 1 else 200
-    return fit_with_truth(Classifier(layernorm_mlp()), digits_train(), callbacks, 32, accumulate, steps, draws=draws)
+    data = digits_train()
+    return fit_with_truth(
+        Classifier(layernorm_mlp()), data, callbacks, 32, accumulate, steps, draws=draws, replacement=replacement
+    )
 
 
 def _pct(x: float) -> str:
@@ -146,6 +152,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS))
     parser.add_argument("--draws", type=int, default=100, help="batches drawn per logged step for reachability")
+    parser.add_argument(
+        "--replacement",
+        action="store_true",
+        help="the model runs draw each batch with replacement (no epoch order; the demo keeps its own loader)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", help="JSON file for the results")
     args = parser.parse_args()
@@ -155,7 +166,7 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for run in args.only:
         start = time.perf_counter()
-        rows = demo_rows(args.draws) if run == "demo" else model_rows(run, args.draws)
+        rows = demo_rows(args.draws) if run == "demo" else model_rows(run, args.draws, args.replacement)
         results[run] = {**shares(rows), "last_step": rows[-1].truth.step, "seconds": time.perf_counter() - start}
         print(
             f"{run}: {len(rows)} logged steps to step {rows[-1].truth.step}, {results[run]['seconds']:.0f} s",

@@ -365,12 +365,15 @@ def fit_with_truth(
     max_steps: int = 200,
     log_every_n_steps: int = 5,
     draws: int = 0,
+    replacement: bool = False,
 ) -> list[Row]:
     """Fit ``model`` on ``data`` (shuffled, every batch of ``batch_size``) for ``max_steps`` optimizer steps with
     ``callbacks`` and a :class:`TruthCallback` at the logging cadence on CPU; the rows of :func:`compare` (the band
-    ratio at the margin of a callback that has one, the stopper's)."""
+    ratio at the margin of a callback that has one, the stopper's). With ``replacement`` each batch is drawn with
+    replacement from all of ``data`` instead of from the epoch's examples not drawn yet: the estimate's batches are
+    then uniform draws at every step, as the truth assumes (issue #24's diagnosis of the epoch-order bias)."""
     from conftest import RecordingLogger, trainer_kwargs
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
     truth = TruthCallback(*data, every_n_steps=log_every_n_steps, draws=draws)
     logger = RecordingLogger()
@@ -384,7 +387,9 @@ def fit_with_truth(
             log_every_n_steps=log_every_n_steps,
         )
     )
-    loader = DataLoader(TensorDataset(*data), batch_size=batch_size, shuffle=True, drop_last=True)
+    dataset = TensorDataset(*data)
+    sampler = RandomSampler(dataset, replacement=replacement)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     trainer.fit(model, loader)
     margin = next((cb.margin for cb in callbacks if hasattr(cb, "margin")), 1.0)
     return compare(truth.truths, logger.series, margin)

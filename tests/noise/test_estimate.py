@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from trainvitals.noise import estimate
 from trainvitals.noise.estimate import (
     AGREEMENT_Z,
     COUPLING_Z,
@@ -628,3 +629,52 @@ def test_the_band_window_spans_no_more_steps_than_the_slow_decay_at_one_update_a
     ema = source.windows[source.band_window][0]
     assert source.band_values()[2] == ema.values[0]
     assert source.slow_moments()[5] == effective_count(ema.beta, ema.count)
+
+
+def _weights(beta: float, count: int) -> torch.Tensor:
+    """The bias-corrected EMA's weights ``(count,)`` on the updates, oldest first: (1 − β)·β^(t−k)/(1 − βᵗ)."""
+    ages = torch.arange(count - 1, -1, -1, dtype=torch.float64)
+    return (1 - beta) * beta**ages / (1 - beta**count)
+
+
+@pytest.mark.parametrize("count", [2, 5, 40, 300, 2664, 2665, 9000])
+def test_the_count_terms_looked_up_match_the_explicit_weights(count):
+    """choice()'s per-count terms (rule 7), read from the table by count (past its end: its last row), against the
+    windows' explicit weights w: K = w·wᵀ, n_eff = 1/Σw², the mean ages A = w·(t − k) and from them the lag scales
+    A_a/(A_a − A_b)."""
+    src = NoiseSource("probe", 0.98)
+    src.ema._ema.count = torch.tensor(count)
+    overlap, bessel, scale, spread = src._count_terms(src.ema.count, torch.device("cpu"))
+    rows = torch.stack([_weights(b, count) for b in (0.98, 0.95, 0.8)])
+    ages = rows @ torch.arange(count - 1, -1, -1, dtype=torch.float64)
+    assert overlap == pytest.approx(rows @ rows.T, rel=1e-9, abs=1e-15)
+    assert scale.tolist() == pytest.approx((ages[:2] / (ages[:2] - ages[1:])).tolist(), rel=1e-9)
+    n_eff = 1 / (rows**2).sum(1)
+    assert bessel == pytest.approx(n_eff / (n_eff - 1), rel=1e-9)
+    assert spread == pytest.approx(((rows[:2] - rows[1:]) ** 2).sum(1), rel=1e-9, abs=1e-15)
+
+
+def test_the_table_follows_a_restore_and_a_restart(monkeypatch):
+    """The table is by count, not a memo of the last call: a source restored to another count, or restarted, states
+    what the same state gives computed without a table."""
+    gen = torch.Generator().manual_seed(1)
+    src, early = NoiseSource("probe", 0.98), NoiseSource("probe", 0.98)
+    for step in range(300):
+        src.update(2 ** (-step / 40) + 0.3 * torch.randn((), generator=gen, dtype=torch.float64), torch.tensor(4.0))
+        if step == 49:
+            early.load_state_dict(src.state_dict())
+    late, restarted = src.state_dict(), NoiseSource("probe", 0.98)
+    restarted.load_state_dict(late)
+    src.choice(), early.choice(), restarted.choice()  # each builds its table at its own count
+    src.load_state_dict(early.state_dict())
+    early.load_state_dict(late)
+    restarted.restart()
+    got = [[v.clone() for v in s.choice()] for s in (src, early, restarted)]
+    monkeypatch.setattr(estimate, "table_rows", lambda beta: None)  # computed at each call
+    for state, values in zip((src.state_dict(), late, restarted.state_dict()), got):
+        untabled = NoiseSource("probe", 0.98)
+        untabled.load_state_dict(state)
+        for have, want in zip(values, untabled.choice()):
+            torch.testing.assert_close(have, want, rtol=1e-12, atol=0.0, equal_nan=True)  # NaN lags at count 0
+        assert untabled._count_table is None
+    assert not torch.equal(got[0][0], got[1][0])

@@ -56,7 +56,10 @@ Combining rule (:meth:`GradientNoise.estimate`):
    then give E[‖G‖²_est] = ‖G‖² − S/N and E[S_est] = S = N·tr Σ/(N − 1), for per-example and micro-batch
    sources alike (the finite-population correction of survey sampling, Cochran 1977, *Sampling
    Techniques*, §2.5). With N known (:attr:`GradientNoise.population`) each source is corrected:
-   ‖G‖² = ‖G‖²_est + S_est/N, tr Σ = S_est·(N − 1)/N, their variances carried along.
+   ‖G‖² = ‖G‖²_est + S_est/N, tr Σ = S_est·(N − 1)/N, their variances carried along. Not corrected: a shuffled
+   epoch draws each batch from the examples not yet drawn this epoch, and once training has fitted the others,
+   their mean gradient exceeds the whole set's (‖G‖² read 1.19–1.21× the brute-force truth on a LayerNorm MLP,
+   1.0–1.09× with batches drawn with replacement; docs/benchmarks.md): a bias no window choice removes.
 
 7. Drift. Each source keeps a ladder of EMAs: its ``beta`` (≈ 99 effective measurements at 0.98, decaying per
    measurement, whatever the cadence) and the shorter :data:`LADDER` (0.95, 0.8: ≈ 39 and 9). A long window lags
@@ -191,6 +194,7 @@ class NoiseSource:
         self.steps_per_update = steps_per_update
         self.band_window = band_window([ema.beta for ema, _ in self.windows], steps_per_update)
         self._betas = torch.tensor([ema.beta for ema, _ in self.windows], dtype=torch.float64)
+        self._count_table: Tensor | None = None  # count_terms by update count (_count_terms)
         self._norms = BiasCorrectedEMA(beta, (2,))  # of (‖ḡ_covered‖², ‖ḡ‖²)
         self.last_covered_sq_norm: Tensor | None = None  # ‖ḡ‖² of the measured parameters at the last update
         self.param_share = param_share
@@ -247,28 +251,37 @@ class NoiseSource:
         values = torch.stack([ema.values for ema, _ in windows])
         moments = torch.stack([error.moments for _, error in windows])  # (L, 3, ...) of (S², ‖G‖²², S·‖G‖²)
         count = self.ema.count
-        if self._betas.device != count.device:  # copied once per device, not at every step
-            self._betas = self._betas.to(count.device)
-        betas = self._betas
-        overlap = window_overlap(betas, count)
-        n_eff = 1.0 / overlap.diagonal().clamp_min(1e-300)
+        overlap, bessel, scale, spread = self._count_terms(count, values.device)
         ones = [1] * (values.dim() - 2)
-        bessel = (n_eff / (n_eff - 1).clamp_min(1e-300)).reshape(-1, *ones).to(values.device)
+        bessel = bessel.reshape(-1, *ones)
         second = torch.stack([moments[:, 1], moments[:, 0]], 1)
         per_step = (second - values.square()).clamp_min(0.0) * bessel.unsqueeze(1)
         per_step = torch.where(count.to(values.device) >= 2, per_step, math.inf)
         cross = (moments[:, 2] - values[:, 0] * values[:, 1]) * bessel
-        age = mean_age(betas, count)
-        step = age[:-1] - age[1:]
-        scale = torch.where(step > 0, age[:-1] / step.clamp_min(1e-300), 0.0).reshape(-1, 1, *ones).to(values.device)
         # The difference's own sampling variance v_b·(K_aa + K_bb − 2K_ab) (b the shorter window), in part taken off.
-        diag = overlap.diagonal()
-        spread = (diag[:-1] + diag[1:] - 2 * overlap.diagonal(1)).clamp_min(0.0).reshape(-1, 1, *ones).to(values.device)
+        spread, scale = spread.reshape(-1, 1, *ones), scale.reshape(-1, 1, *ones)
         excess = ((values[:-1] - values[1:]).square() - LAG_NOISE * per_step[1:] * spread).clamp_min(0.0)
         lag_sq = torch.cat([excess * scale.square(), torch.zeros_like(values[:1])])
-        var = per_step * overlap.diagonal().reshape(-1, 1, *ones).to(values.device)
+        var = per_step * overlap.diagonal().reshape(-1, 1, *ones)
         chosen = (var + lag_sq).argmin(0)  # all infinite (fewer than two updates): the first, the slowest
-        return values, per_step, cross, lag_sq, chosen, overlap.to(values.device)
+        return values, per_step, cross, lag_sq, chosen, overlap
+
+    def _count_terms(self, count: Tensor, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What :meth:`choice` needs that depends on the update count alone (:func:`count_terms`), on ``device``.
+
+        Looked up by ``count`` in a table over 0 … T − 1 (one gather, no sync), T the count from which the slowest
+        decay's t·βᵗ is below float64's resolution, so that every later count's terms are the last row's; built once
+        per device. At most :data:`COUNT_TABLE_ROWS` rows (the default windows: 2,665 rows of 16 numbers, 0.34 MB); a
+        slower decay, whose table would be longer, computes them at each call instead."""
+        if self._count_table is None or self._count_table.device != device:
+            rows = table_rows(float(self._betas.max()))
+            self._count_table = None if rows is None else count_terms(self._betas, torch.arange(rows)).to(device)
+        table = self._count_table
+        if table is None:
+            row = count_terms(self._betas.to(count.device), count.reshape(1))[0]
+        else:
+            row = table.index_select(0, count.reshape(1).to(device).clamp_max(len(table) - 1))[0]
+        return unpack_count_terms(row.to(device), len(self._betas))
 
     def smoothed(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``(‖G‖², tr Σ, Var ‖G‖², Var tr Σ, Cov, n_eff)`` of the EMA means the estimate uses, in the source's
@@ -943,6 +956,47 @@ def band_window(betas: list[float], steps_per_update: int) -> int:
     memory = 1.0 / (1.0 - betas[0])
     fits = [i for i, beta in enumerate(betas) if steps_per_update / (1.0 - beta) <= memory * (1 + 1e-9)]
     return fits[0] if fits else len(betas) - 1
+
+
+COUNT_TABLE_ROWS = 4096
+"""Longest table of :func:`count_terms` a source keeps (:meth:`NoiseSource._count_terms`): decays up to about 0.99."""
+
+
+def table_rows(beta: float) -> int | None:
+    """Rows of a :func:`count_terms` table for a slowest decay ``beta``: the first count t with t·βᵗ below
+    2⁻⁵³/10⁴, from which every term equals its limit to float64's resolution; ``None`` beyond
+    :data:`COUNT_TABLE_ROWS`."""
+    if beta <= 0:
+        return 2
+    rows = math.ceil((53 * math.log(2) + math.log(1e4)) / -math.log(beta)) + 1
+    rows = next(t for t in itertools.count(rows) if t * beta**t < 2**-53 * 1e-4)
+    return rows if rows <= COUNT_TABLE_ROWS else None
+
+
+def count_terms(betas: Tensor, counts: Tensor) -> Tensor:
+    """``(T, P)`` float64: per update count in ``counts`` ``(T,)``, what :meth:`NoiseSource.choice` needs of windows
+    of decays ``betas`` ``(L,)`` (longest first) that depends on the count alone, packed (:func:`unpack_count_terms`):
+    their overlap K ``(L, L)`` (:func:`~trainvitals.noise.estimators.window_overlap`), Bessel factors
+    n_eff/(n_eff − 1) ``(L,)``, and per window but the shortest the lag scale A_a/(A_a − A_b) against the next shorter
+    window b (mean ages A, :func:`mean_age`) and the spread K_aa + K_bb − 2K_ab of their difference ``(L − 1,)``
+    each (rule 7)."""
+    t = counts.to(torch.float64)
+    b = betas.to(t.device, torch.float64)
+    overlap = window_overlap(b, t[:, None, None])
+    diag = overlap.diagonal(dim1=1, dim2=2)
+    n_eff = 1.0 / diag.clamp_min(1e-300)
+    age = mean_age(b, t[:, None])
+    step = age[:, :-1] - age[:, 1:]
+    scale = torch.where(step > 0, age[:, :-1] / step.clamp_min(1e-300), 0.0)
+    spread = (diag[:, :-1] + diag[:, 1:] - 2 * overlap.diagonal(1, dim1=1, dim2=2)).clamp_min(0.0)
+    bessel = n_eff / (n_eff - 1).clamp_min(1e-300)
+    return torch.cat([overlap.flatten(1), bessel, scale, spread], 1)
+
+
+def unpack_count_terms(row: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One row of :func:`count_terms` for ``size`` windows as ``(overlap, bessel, scale, spread)``."""
+    overlap, bessel, scale, spread = row.split([size * size, size, size - 1, size - 1])
+    return overlap.view(size, size), bessel, scale, spread
 
 
 def mean_age(betas: Tensor, count: Tensor) -> Tensor:
