@@ -42,9 +42,13 @@ Combining rule (:meth:`GradientNoise.estimate`):
 5. Coupled examples. A per-example source assumes independent examples; batch statistics (BatchNorm, or
    ``F.batch_norm(training=True)`` in a custom module) or a loss coupling the examples (in-batch negatives,
    as in a contrastive InfoNCE loss) break that without any module saying so. Two signs give it away, checked
-   on logging steps (:meth:`GradientNoise.disagreement`) once a source has :data:`MIN_MEASUREMENTS`: its EMA
-   ‖G‖² is below zero by more than :data:`COUPLING_Z` standard errors (independent examples give
-   E[‖G‖²_est] = ‖G‖² ≥ 0; a negative value within its error is a legitimate "G ≈ 0"), or it disagrees with
+   on logging steps (:meth:`GradientNoise.disagreement`) once a source has :data:`MIN_MEASUREMENTS`: its
+   ‖G‖² on its band window, with that window's sampling error alone, is below zero by more than
+   :data:`COUPLING_Z` standard errors, Student-widened at the window's effective measurements
+   (:func:`coupling_shown`: independent examples give E[‖G‖²_est] = ‖G‖² ≥ 0 at every step, so any window's
+   mean has a non-negative expectation, lag or none; a negative value within its error is a legitimate
+   "G ≈ 0"; issue #25: a normal 3σ on the chosen, often 9-measurement window dropped a plain MLP's probe), or it
+   disagrees with
    the micro-batch/rank source beyond :data:`AGREEMENT_Z` standard errors (Student-widened at the fewer effective
    measurements of the two; each source on its own windows, whose errors hold their lag: sources measured at
    different cadences span different stretches of the run, rule 7). The micro-batches are independent
@@ -135,8 +139,12 @@ AGREEMENT_Z = 3.0
 """Two sources disagree when their estimates differ by more than this many combined standard errors (as a normal
 quantile: Student's t at the fewer effective measurements of the two, rule 8): the check runs at every logging
 step, so a single test's 2 would raise false alarms over a long run."""
-COUPLING_Z = 3.0
-"""A per-example source's EMA ‖G‖² this many standard errors below zero shows coupled examples."""
+COUPLING_Z = 5.5
+"""A per-example source's ‖G‖² on its band window this many standard errors below zero (as a normal quantile:
+Student's t at the window's effective measurements) shows coupled examples (rule 5). The test runs at every logging
+step and a skewed per-step estimate has a heavy lower tail: at ‖G‖² = 0 with one-dimensional noise, checked at
+every step, 3 dropped 47 % of runs in 1000 steps; 5.5 drops 0.7 % in 3000 (0 % with ten-dimensional noise;
+tests/noise/test_coupling.py)."""
 MIN_MEASUREMENTS = 20
 """Updates a source needs before its errors are trusted: to be found coupled, and to decide or advise."""
 LADDER = (0.95, 0.8)
@@ -829,15 +837,18 @@ class GradientNoise:
         parts = []
         for src in chosen:
             g, t, var_g, var_s, _, n_eff = self._moments(src, device)  # each its own windows, lag in the error (rule 7)
-            parts.append(torch.stack([g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double(), n_eff]))
+            slow_g, _, slow_var, _, _, slow_n = self._moments(src, device, slow=True)  # sampling error alone
+            z = t_quantile(COUPLING_Z, slow_n - 1)
+            row = [g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double(), n_eff, slow_g, slow_var.sqrt()]
+            parts.append(torch.stack([*row, slow_n, z, coupling_shown(slow_g, slow_var, slow_n).double()]))
         rows = torch.stack(parts).cpu().tolist()  # one transfer
         said = []
-        for src, (g, g_se, _, _, count, _) in zip(chosen, rows):
-            if src.name != INDEPENDENT and count >= MIN_MEASUREMENTS and g < -COUPLING_Z * g_se:
+        for src, (*_, count, _, g, g_se, n_eff, z, shown) in zip(chosen, rows):
+            if src.name != INDEPENDENT and count >= MIN_MEASUREMENTS and shown:
                 src.invalidate(
-                    f"its ‖G‖² {g:.3g} ± {g_se:.2g} is below zero by more than {COUPLING_Z:g} standard "
-                    f"errors, which independent examples cannot give: the examples are coupled, likely by "
-                    f"{COUPLING_CAUSES}"
+                    f"its ‖G‖² over its last ≈ {n_eff:.0f} measurements, {g:.3g} ± {g_se:.2g}, is below zero by "
+                    f"more than {z:.2g} standard errors, which independent examples cannot give: the examples are "
+                    f"coupled, likely by {COUPLING_CAUSES}"
                 )
                 said.append(f"the noise source {src.name} is dropped from the estimate: {src.invalid}")
         for i in range(len(chosen)):
@@ -934,6 +945,14 @@ def band_ratio(grad_sq_norm: Any, trace_cov: Any, batch_size: int, margin: float
     if not (margin > 0 and batch_size > 0):
         raise ValueError(f"band_ratio needs margin > 0 and batch_size > 0, got {margin!r} and {batch_size!r}")
     return grad_sq_norm * batch_size / (margin * trace_cov)
+
+
+def coupling_shown(grad_sq_norm: Tensor, var: Tensor, measurements: Tensor) -> Tensor:
+    """Where a per-example source's ‖G‖² (a window's EMA mean, any shape) is below zero beyond :data:`COUPLING_Z`
+    standard errors, Student-widened at ``measurements`` − 1 degrees of freedom (rule 5): independent examples give
+    E[‖G‖²_est] = ‖G‖² ≥ 0 at every step, so a window's mean, lagging or not, has a non-negative expectation too.
+    ``var`` is its sampling variance alone (the lag is no error of that claim)."""
+    return grad_sq_norm < -t_quantile(COUPLING_Z, measurements - 1) * var.sqrt()
 
 
 def fieller_rel_err(b_simple: Tensor, low: Tensor, high: Tensor, measurements: Tensor) -> Tensor:
