@@ -85,10 +85,11 @@ Combining rule (:meth:`GradientNoise.estimate`):
    window's dip nor its lead on a falling ‖G‖² enters the band before that window would (on
    stopping_tasks' digits MLP, following ‖G‖² with short windows stopped runs at steps 130–210, far from
    converged); a lag can only delay a band stop, never advance one. The per-step band, the logged tags and the
-   charts read the same choice. That the run *was* out of the band is read from the band windows with their
-   sampling errors alone (``NoiseEstimate.window_band_ratio_low``): a lagging EMA is an unbiased mean of the
-   stretch it spans, so a mean beyond the band's edge shows a step of that stretch out of it, where the current
-   value's lag-widened interval could not yet tell.
+   charts read the same choice. That the run *was* out of the band is read from the band windows' ‖G‖² with
+   their sampling errors alone, over the edge of the chosen tr Σ with its error (``NoiseEstimate.window_band_ratio_low``
+   and ``_high``, the interval the band ratio is logged with: it holds the decision's point): a lagging EMA is
+   an unbiased mean of the stretch it spans, so a mean beyond the band's edge shows a step of that stretch out
+   of it, where the current value's lag-widened interval could not yet tell.
    ``effective_measurements`` is 1/Σ w_k² of the shorter of the two windows, weighted over the sources as tr Σ
    is: at most the most-measured source's count (:attr:`NoiseEstimate.count`).
 
@@ -408,6 +409,9 @@ class NoiseEstimate:
     window_band_ratio_low: Tensor
     """The 90 % lower end of B/B_simple over the band windows with their sampling errors alone (rule 7): the
     run's weighted mean over them; above the margin, the run was out of the band at some step of that stretch."""
+    window_band_ratio_high: Tensor
+    """Its 90 % upper end (``inf`` where the band windows' ‖G‖² is within its error of 0): with the low end, the
+    interval of the ratio the band is judged on (``band_grad_sq_norm``), as the stopper logs it."""
 
 
 class GradientNoise:
@@ -503,6 +507,7 @@ class GradientNoise:
                 zero,
                 zero,
                 zero,
+                inf,
             )
         key = (
             tuple((src.version, src.unit_scale, src.effective_batch_size, src.param_share) for src in chosen),
@@ -542,20 +547,21 @@ class GradientNoise:
             batch,
         )
         rel_err = fieller_rel_err(b_simple, *intervals["b_simple"], measurements)
-        # The slow windows with their sampling errors alone: the run's weighted mean over them, for "was out" (rule 7).
+        # The band's ‖G‖² (the band windows', weighted as grad is) with those windows' sampling errors alone: the
+        # run's weighted mean over them, for "was out" (rule 7), over the band's edge of the chosen tr Σ, as the
+        # decision reads it, so that the ratio the stopper logs lies in this interval (Fieller's set holds its point).
         past = [self._moments(src, device, slow=True) for src in chosen]
-        pg, ps, pvg, pvs, pcov, pn = (torch.stack(parts) for parts in zip(*past))
-        pg_w, ps_w = _weights(pvg, seen), _weights(pvs, seen)
-        pg_se, ps_se = _bound(pg_w, pvg.sqrt()), _bound(ps_w, pvs.sqrt())
-        window_band_low = noise_intervals(
-            (pg_w * pg).sum(),
-            (ps_w * ps).sum(),
-            pg_se,
-            ps_se,
-            _combined_cov(ps_w, pg_w, pcov, pvs.sqrt(), pvg.sqrt(), ps_se, pg_se),
-            (ps_w * pn).sum(),
+        _, _, pvg, _, pcov, pn = (torch.stack(parts) for parts in zip(*past))
+        band_se = _bound(g_w, pvg.sqrt())
+        window_band_low, window_band_high = noise_intervals(
+            band_grad,
+            trace,
+            band_se,
+            trace_se,
+            _combined_cov(s_w, g_w, pcov, sd_s, pvg.sqrt(), trace_se, band_se),
+            torch.minimum(measurements, (g_w * pn).sum()),
             batch,
-        )["band_ratio"][0]
+        )["band_ratio"]
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(
             trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf"))
@@ -599,6 +605,7 @@ class GradientNoise:
             measurements,
             band_grad,
             window_band_low,
+            window_band_high,
         )
 
     def _moments(self, src: NoiseSource, device: torch.device, slow: bool = False) -> tuple[Tensor, ...]:
