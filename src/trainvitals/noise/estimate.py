@@ -1076,7 +1076,10 @@ def noise_intervals(
     )
     low, high = torch.where(finite, low, zero), torch.where(finite, high, inf)
     b = float(batch or 1)
-    band = (b / high, torch.where(low > 0, b / low.clamp_min(1e-300), inf))  # B/B_simple: 1/inf = 0
+    # B/B_simple: 1/inf = 0. Where ‖G‖²'s whole interval is below 0 with tr Σ resolved, Fieller's set for θ ≥ 0 is
+    # empty (B_simple: no information), but the ratio's is {0}: ‖G‖² ≤ its upper end < 0 inside the band.
+    below = finite & (grad + z * grad_se <= 0) & (trace_iv[0] > 0)
+    band = (b / high, torch.where(low > 0, b / low.clamp_min(1e-300), torch.where(below, zero, inf)))
     return {"grad_sq_norm": grad_iv, "trace_cov": trace_iv, "b_simple": (low, high), "band_ratio": band}
 
 
