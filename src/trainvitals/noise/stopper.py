@@ -338,6 +338,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 f"will not {self._band_acts()[1]} in this fit. {fix}, or train longer."
             )
 
+    def _min_steps_said(self) -> str:
+        """``min_steps`` as the fit-end line names it: "min_steps=100"; BandSchedule labels a warm-up that set it."""
+        return f"min_steps={self.min_steps}"
+
     def _held_by(self) -> tuple[str, str]:
         """What keeps the first steps from counting, and how to shorten it, as the fit-too-short warning says them:
         ("min_steps 100", "Lower min_steps or patience"). BandSchedule names a scheduler's warm-up."""
@@ -726,7 +730,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.from_start:
             why = f"{self.from_start.removesuffix('.')}; " + why
         if self.steps < self.min_steps:
-            why = f"the run ended after {self.steps} optimizer steps, before min_steps={self.min_steps}; " + why
+            why = f"the run ended after {self.steps} optimizer steps, before {self._min_steps_said()}; " + why
         return f"did not stop the run: {why}."
 
     def _margin_said(self) -> str:
