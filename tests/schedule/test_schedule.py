@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainvitals import BandSchedule, GradNormEarlyStopping
 from trainvitals.noise.estimate import MIN_MEASUREMENTS
 from trainvitals.noise.stopper import StopReason
-from trainvitals.schedule.decision import Action, Cut
+from trainvitals.schedule.decision import Action, Cut, measurements_to_show
 
 D, MICRO, ACCUMULATE, SIGMA = 10, 16, 4, 1.0
 B = MICRO * ACCUMULATE
@@ -131,7 +131,7 @@ def test_grow_batch_doubles_the_accumulation_and_halves_the_excess_loss():
     trainer = fit(model, [schedule], steps, logger=logger)
     (cut,) = schedule.cuts
     # Had a next act waited on this growth, the line names the growth, not a cut (issue #25 said "after a cut").
-    schedule._done, schedule._held_back = torch.ones_like(schedule._done), (Action.STOP, 0.3, 0.0, 0.8)
+    schedule._done, schedule._held_back = torch.ones_like(schedule._done), (Action.STOP, 0.3, 0.0, 0.8, 50.0)
     said = schedule.summary_line()
     assert "grew the batch 1 time(s)" in said and "after a batch growth it acts" in said and "a cut" not in said
     step = cut["step"]
@@ -612,7 +612,7 @@ def test_a_full_streak_held_back_after_a_cut_is_said_with_its_interval():
     schedule = BandSchedule(factor=0.1, max_cuts=1, min_steps=0, patience=5, check_every_n_steps=1, verbose=False)
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 200)
     assert len(schedule.cuts) == 1 and schedule.stop_reason is StopReason.NOT_STOPPED
-    act, ratio, low, high = schedule._held_back
+    act, ratio, low, high, measured = schedule._held_back
     assert act.value == "stop" and low <= 1.0 and not (high <= 1.0 and schedule._shown >= 6)
     said = schedule.summary_line()
     streak = int(schedule._streak)
@@ -622,6 +622,9 @@ def test_a_full_streak_held_back_after_a_cut_is_said_with_its_interval():
     assert f"band ratio was {ratio:.2g} (90 %: " in said and "× the edge" in said
     assert (f"–{high:.2g})" if math.isfinite(high) else ", with no upper end)") in said
     assert (ratio < 0 and high <= 1) == ("its point below 0" in said) and (high > 1) == ("upper end above" in said)
+    # Held by the upper end: what showing the run inside would take (decision.py's measurements_to_show).
+    need = f"needs at least ≈ {measurements_to_show(ratio, high, measured):.2g} effective measurements"
+    assert (need in said and "100× those of the unscaled one" in said) == (high > 1)
     assert "it needs" not in said  # the stopper's "N of the P it needs": the streak did reach its patience
 
 

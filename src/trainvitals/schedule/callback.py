@@ -33,7 +33,16 @@ from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import LR_FACTORS, NOISE_BAND
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import log_scalars, log_text
-from trainvitals.schedule.decision import Action, Cut, batch_growth, checks_needed, decide, scaled_margin, shown_in
+from trainvitals.schedule.decision import (
+    Action,
+    Cut,
+    batch_growth,
+    checks_needed,
+    decide,
+    measurements_to_show,
+    scaled_margin,
+    shown_in,
+)
 from trainvitals.schedule.warmup import scheduler_warmup
 from trainvitals.text.markdown import markdown_table
 
@@ -181,9 +190,9 @@ class BandSchedule(GradNormEarlyStopping):
         self._announce_at: int | None
         """The optimizer step that is the first at a new lr scale or accumulation: logged then, on any step."""
         self.add_state("_announce_at", None, persistent=False)
-        self._held_back: tuple[Action, float, float, float] | None
+        self._held_back: tuple[Action, float, float, float, float] | None
         """At the last check: the act a full streak after a cut waits to make, the band ratio and its 90 % interval
-        (point, low, high) that kept it (``None``: none waiting)."""
+        (point, low, high) that kept it and the estimate's effective measurements (``None``: none waiting)."""
         self.add_state("_held_back", None, persistent=False)
         self._shown: int
         """Consecutive checks, with the streak complete, that showed the run inside the band (decision.py's
@@ -296,7 +305,8 @@ class BandSchedule(GradNormEarlyStopping):
         lr = self.lr_scale * float(min(lrs)) if lrs else 0.0
         args = (True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop)
         action, wanted = decide(*args, shown, bounded, growth), decide(*args, True, True, growth)
-        self._held_back = (wanted, ratio, low, high) if action is Action.NONE and wanted is not Action.NONE else None
+        waiting = action is Action.NONE and wanted is not Action.NONE
+        self._held_back = (wanted, ratio, low, high, summary["effective_measurements"]) if waiting else None
         if self._held_back is not None and not self.cuts and not self._said_unbounded:
             self._said_unbounded = True
             self._say_unbounded(summary)
@@ -398,7 +408,7 @@ class BandSchedule(GradNormEarlyStopping):
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
         if bool(self._done) and self._held_back is not None and self._held_back[2] <= 1.0:  # a wait, not out of band
-            act, ratio, low, high = self._held_back
+            act, ratio, low, high, measured = self._held_back
             said = {Action.CUT: "next cut", Action.GROW: "next batch growth", Action.STOP: "stop"}[act]
             if not self.cuts:
                 said = "first cut" if act is Action.CUT else "first batch growth"
@@ -429,7 +439,7 @@ class BandSchedule(GradNormEarlyStopping):
             return (
                 f"{self._cuts_said()}; did not stop the run: its streak reached its patience ({self.patience}) at a "
                 f"check ({at_end}), but {need}; at its last check the band ratio was {ratio:.2g} ({interval}) × the "
-                f"edge {self.margin:g}·tr(Σ)/B{blocked}: its {said} waited for it."
+                f"edge {self.margin:g}·tr(Σ)/B{blocked}: its {said} waited for it{self._resolution_said(ratio, high, measured)}."
             )
         if bool(self._done) and not self.stop:  # the band entered again with nothing left to do
             left = (
@@ -456,6 +466,24 @@ class BandSchedule(GradNormEarlyStopping):
             ("lr scale", f"{self.lr_scale:g}"),
         ]
         return "\n".join(markdown_table(("quantity", "value"), rows)) + "\n\n" + super().summary_markdown()
+
+    def _resolution_said(self, ratio: float, high: float, measured: float) -> str:
+        """What showing the run inside the scaled edge would take, where the upper end kept a wait after a cut
+        (decision.py's :func:`measurements_to_show`): "; at that error, showing it inside needs at least ≈ 2.8e+03
+        effective measurements of ‖G‖² (72× the 39 it had; its window holds at most 99): the edge at lr scale 0.1
+        needs 100× those of the unscaled one"; "" otherwise."""
+        if not self.cuts or self.lr_scale >= 1.0 or high <= 1.0 or not measured > 0:
+            return ""
+        need = measurements_to_show(ratio, high, measured)
+        if not math.isfinite(need):
+            return ""
+        windows = [(1 + src.ema.beta) / (1 - src.ema.beta) for src in self.gradient_noise.valid_sources()]
+        cap = f"; its window holds at most {max(windows):.0f}" if windows else ""
+        return (
+            f"; at that error, showing it inside needs at least ≈ {need:.2g} effective measurements of ‖G‖² ({need / measured:.2g}× "
+            f"the {measured:.0f} it had{cap}): the edge at lr scale {self.lr_scale:g} needs {1 / self.lr_scale**2:.3g}× "
+            "those of the unscaled one"
+        )
 
     @override
     def _margin_said(self) -> str:

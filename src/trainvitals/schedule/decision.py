@@ -99,6 +99,18 @@ def shown_in(ratio: Any, ratio_high: Any) -> Any:
     return (ratio >= 0.0) & (ratio_high <= 1.0)
 
 
+def measurements_to_show(ratio: float, ratio_high: float, measurements: float) -> float:
+    """At least how many effective measurements of ‖G‖² the band ratio's 90 % interval needs for :func:`shown_in`
+    to pass as often as not, whatever the true ratio, at the error per measurement the interval shows
+    (docs/callbacks/band-schedule.md, "What a second act needs"). The half-width h = ``ratio_high`` − ``ratio``
+    shrinks as 1/√n; a pass needs the point ≥ 0 and the point + h ≤ 1, at best (a true ratio of ½) h ≤ ½, so
+    n ≥ ``measurements``·(2h)². After a cut by a factor s the edge is s× nearer 0 in units of that error: 1/s² of
+    the unscaled edge's n. ``inf`` where the interval has no upper end."""
+    if not math.isfinite(ratio_high):
+        return math.inf
+    return measurements * max(2.0 * (ratio_high - ratio), 1.0) ** 2
+
+
 def checks_needed(patience: int, check_every_n_steps: int) -> int:
     """Consecutive checks :func:`shown_in` must pass after a cut: enough that the first and the last lie at least
     ``patience`` steps apart, checks ``check_every_n_steps`` steps apart — at least 2."""
