@@ -136,6 +136,9 @@ def test_a_cut_line_names_the_step_the_ratio_its_interval_and_the_scale():
     # A record always says what interval it had: none, or one with no upper end (the schedule cuts on neither).
     assert "no upper end" in Cut(7, 0.5, 0.2, math.inf, 0.1).line() and "0.2" in Cut(7, 0.5, 0.2, math.inf, 0.1).line()
     assert "no interval" in Cut(7, 0.5, math.nan, math.nan, 0.1).line()
+    # A negative point: the upper end is what is known, and where it is 0 the whole ‖G‖² interval was below 0.
+    assert "≤ 0.91 (90 %; ‖G‖² within its error of 0)" in Cut(7, -0.3, 0.0, 0.91, 0.1).line()
+    assert "≤ 0 (90 %; ‖G‖² below 0 beyond its error)" in Cut(7, -0.3, 0.0, 0.0, 0.1).line()
 
 
 def _optimizer() -> torch.optim.Optimizer:

@@ -160,6 +160,7 @@ class Cut:
         if not math.isfinite(self.ratio_high):  # the schedule cuts on no such estimate; a record says what it had
             said = "no interval" if math.isnan(self.ratio_high) else f"90 %: ≥ {low:.2g}, no upper end"
             return f"step {self.step}: band ratio {self.band_ratio:.2g} ({said}) → {then}"
-        if self.band_ratio < low:  # a negative ‖G‖² estimate, within its error of 0: the upper end is what is known
-            return f"step {self.step}: band ratio ≤ {self.ratio_high:.2g} (90 %; ‖G‖² within its error of 0) → {then}"
+        if self.band_ratio < low:  # a negative ‖G‖² estimate: the upper end is what is known
+            why = "within its error of 0" if self.ratio_high > 0 else "below 0 beyond its error"
+            return f"step {self.step}: band ratio ≤ {self.ratio_high:.2g} (90 %; ‖G‖² {why}) → {then}"
         return f"step {self.step}: band ratio {self.band_ratio:.2g} (90 %: {low:.2g}–{self.ratio_high:.2g}) → {then}"
