@@ -20,9 +20,10 @@ gradient): both are refused (ValueError naming the layer); vmap's ``randomness="
 op. The truth touches no ``.grad``, no buffer (passed to ``functional_call`` as they are, and only read) and no RNG
 (the draws have their own generator; the global state is forked around the computation anyway).
 
-:func:`compare` joins the truth with the estimate's logged tags (``grad_noise/*``, ``grad_norm/band_ratio*``) as a
-logger recorded them, :func:`shares` turns the joined rows into the shares the tests and
-``benchmarks/noise_truth.py`` report. The models and data sets of those runs are here too.
+:func:`compare` joins the truth with the estimate's logged tags (``grad_noise/*``; the band ratio's is the current
+estimate's, the one that claims to cover the truth at its step, not the band window's) as a logger recorded them,
+:func:`shares` turns the joined rows into the shares the tests and ``benchmarks/noise_truth.py`` report. The models and data sets
+of those runs are here too.
 """
 
 from __future__ import annotations
@@ -218,10 +219,6 @@ class Row:
         return self.logged.get(quantity, math.inf) / self.true(quantity)
 
 
-def _tag(quantity: str) -> str:
-    return f"grad_norm/{quantity}" if quantity == "band_ratio" else f"grad_noise/{quantity}"
-
-
 def compare(
     truths: Mapping[int, Truth], series: Mapping[str, Sequence[tuple[int, float]]], margin: float = 1.0
 ) -> list[Row]:
@@ -236,7 +233,7 @@ def compare(
         logged = {}
         for quantity in QUANTITIES:
             for suffix in ("", "_low", "_high"):
-                value = by_tag.get(_tag(quantity) + suffix, {}).get(step)
+                value = by_tag.get(f"grad_noise/{quantity}{suffix}", {}).get(step)
                 if value is not None:
                     logged[quantity + suffix] = value
         for extra in ("effective_measurements", "b_simple_unreliable"):

@@ -17,6 +17,7 @@ from trainvitals.noise.estimate import (
     NoiseSource,
     b_simple_interval,
     band_ratio,
+    noise_intervals,
 )
 from trainvitals.noise.estimators import effective_count, per_example_estimates, t_quantile, two_batch_size_estimates
 
@@ -678,3 +679,18 @@ def test_the_table_follows_a_restore_and_a_restart(monkeypatch):
             torch.testing.assert_close(have, want, rtol=1e-12, atol=0.0, equal_nan=True)  # NaN lags at count 0
         assert untabled._count_table is None
     assert not torch.equal(got[0][0], got[1][0])
+
+
+def test_a_grad_sq_norm_below_zero_beyond_its_error_bounds_the_band_ratio_at_zero():
+    """Issue #25's diabetes MLP: ‖G‖² = −0.231 ± 0.12 (39 measurements), tr Σ = 23.8 ± 0.96 at B = 32. Fieller's set for
+    θ ≥ 0 is empty, so B_simple has no information ([0, ∞)); the band ratio is bounded all the same: ‖G‖² ≤ its
+    upper end −0.231 + t·0.12 < 0 over tr Σ ≥ its lower end > 0, so the ratio's interval is {0}, not [0, ∞)."""
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    iv = noise_intervals(t(-0.231), t(23.8), t(0.12), t(0.96), t(0.0), t(39.0), 32)
+    z = float(t_quantile(Z90, t(38.0)))
+    assert -0.231 + z * 0.12 < 0 and 23.8 - z * 0.96 > 0
+    assert [float(v) for v in iv["band_ratio"]] == [0.0, 0.0]
+    assert float(iv["b_simple"][0]) == 0.0 and math.isinf(float(iv["b_simple"][1]))
+    # Within its error of zero the ratio keeps its finite upper end B·(‖G‖² + t·σ)/tr Σ-ish (Fieller's), not 0.
+    near = noise_intervals(t(-0.1), t(23.8), t(0.12), t(0.96), t(0.0), t(39.0), 32)["band_ratio"]
+    assert float(near[0]) == 0.0 and 0 < float(near[1]) < 32 * (-0.1 + z * 0.12) / (23.8 - z * 0.96) * 1.01

@@ -918,3 +918,33 @@ def test_a_run_that_enters_its_band_before_min_steps_was_out_of_it_and_is_stoppe
     _fit(model, [stopper], DataLoader(data, batch_size=16, shuffle=True), max_epochs=8, accumulate_grad_batches=4)
     assert model.band_ratios[0] > 10 and max(r for step, r in model.band_ratios.items() if step >= 40) < 1
     assert stopper.from_start == "" and stopper.stopped_step is not None and stopper.stopped_step >= 100
+
+
+def test_each_logged_band_ratio_lies_in_its_own_interval():
+    """Issue #25: ``grad_norm/band_ratio`` (the band window's, what the decision reads) was logged with the current
+    estimate's interval, and on a falling ‖G‖² sat above its high end at most steps. Each ratio now has its own:
+    the band windows' sampling interval, and ``grad_noise/band_ratio`` with the chosen windows' (lag in the error)."""
+    d, logger = 10, RecordingLogger()
+    stopper = GradNormEarlyStopping(patience=5, min_steps=10**6, margin=0.2, check_every_n_steps=1)
+    _fit(
+        converging(d),
+        [stopper],
+        regression_stream(1600, 16, d, torch.zeros(d), 1.0),
+        logger=logger,
+        max_epochs=1,
+        accumulate_grad_batches=4,
+        log_every_n_steps=1,
+    )
+    series = {tag: dict(values) for tag, values in logger.series.items()}
+    band, current = series["grad_norm/band_ratio"], series["grad_noise/band_ratio"]
+    assert len(band) >= 300 and set(band) == set(current)
+    apart = 0
+    for tag, values in (("grad_norm/band_ratio", band), ("grad_noise/band_ratio", current)):
+        for step, ratio in values.items():
+            assert series[f"{tag}_low"][step] <= max(ratio, 0.0) * (1 + 1e-9), (tag, step)  # low ends clamped at 0
+            high = series.get(f"{tag}_high", {}).get(step, math.inf)
+            assert ratio <= high * (1 + 1e-9), (tag, step)
+    for step, ratio in band.items():
+        apart += ratio > series.get("grad_noise/band_ratio_high", {}).get(step, math.inf)
+    print(f"steps where the band window's ratio is above the current estimate's interval: {apart} of {len(band)}")
+    assert apart > 0  # the two quantities do differ: one interval could not serve both

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainvitals import BandSchedule, GradNormEarlyStopping
 from trainvitals.noise.estimate import MIN_MEASUREMENTS
 from trainvitals.noise.stopper import StopReason
-from trainvitals.schedule.decision import Cut
+from trainvitals.schedule.decision import Action, Cut, measurements_to_show
 
 D, MICRO, ACCUMULATE, SIGMA = 10, 16, 4, 1.0
 B = MICRO * ACCUMULATE
@@ -130,6 +130,10 @@ def test_grow_batch_doubles_the_accumulation_and_halves_the_excess_loss():
     model, logger = NoisyQuadratic(eta), RecordingLogger()
     trainer = fit(model, [schedule], steps, logger=logger)
     (cut,) = schedule.cuts
+    # Had a next act waited on this growth, the line names the growth, not a cut (issue #25 said "after a cut").
+    schedule._done, schedule._held_back = torch.ones_like(schedule._done), (Action.STOP, 0.3, 0.0, 0.8, 50.0)
+    said = schedule.summary_line()
+    assert "grew the batch 1 time(s)" in said and "after a batch growth it acts" in said and "a cut" not in said
     step = cut["step"]
     assert cut["batch"] == 2 * B and schedule.lr_scale == 1.0 and set(model.lrs) == {eta}
     assert trainer.accumulate_grad_batches == schedule.accumulate == 2 * ACCUMULATE
@@ -258,6 +262,11 @@ def test_an_asymptotic_warmup_is_read_where_it_has_risen_and_the_warning_names_i
     warning = next(str(w.message) for w in said if "warm-up" in str(w.message))
     assert "5992" in warning and "LambdaLR" in warning and "warmup_steps" in warning and "min_steps 100" in warning
     assert "Lower min_steps" not in warning
+    # The fit-end line labels the warm-up as such (issue #25 said "before min_steps=400" with min_steps=100).
+    assert (
+        "the run ended after 30 optimizer steps, before min_steps=5992 (the lr scheduler's warm-up, read from "
+        "LambdaLR; min_steps passed: 100)" in schedule.summary_line()
+    )
     # The override: the warm-up given, min_steps the user's again, and no warning.
     given = BandSchedule(min_steps=20, warmup_steps=0, patience=5, verbose=False)
     with warnings.catch_warnings():
@@ -603,9 +612,44 @@ def test_a_full_streak_held_back_after_a_cut_is_said_with_its_interval():
     schedule = BandSchedule(factor=0.1, max_cuts=1, min_steps=0, patience=5, check_every_n_steps=1, verbose=False)
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 200)
     assert len(schedule.cuts) == 1 and schedule.stop_reason is StopReason.NOT_STOPPED
-    act, low, high = schedule._held_back
+    act, ratio, low, high, measured = schedule._held_back
     assert act.value == "stop" and low <= 1.0 and not (high <= 1.0 and schedule._shown >= 6)
     said = schedule.summary_line()
-    assert "cut the lr 1 time(s)" in said and f"{int(schedule._streak)} step(s)" in said and "stop" in said
-    assert (f"{high:.2g}" if math.isfinite(high) else "no upper end") in said
+    streak = int(schedule._streak)
+    at_end = f"for {streak} step(s) in a row at the end" if streak else "out of it at the end"
+    assert "cut the lr 1 time(s)" in said and at_end in said and "stop" in said and "after a cut it acts" in said
+    # The point that kept the act beside its interval (issue #25: the interval alone, garbled where unbounded).
+    assert f"band ratio was {ratio:.2g} (90 %: " in said and "× the edge" in said
+    assert (f"–{high:.2g})" if math.isfinite(high) else ", with no upper end)") in said
+    assert (ratio < 0 and high <= 1) == ("its point below 0" in said) and (high > 1) == ("upper end above" in said)
+    # Held by the upper end: what showing the run inside would take (decision.py's measurements_to_show).
+    need = f"needs at least ≈ {measurements_to_show(ratio, high, measured):.2g} effective measurements"
+    assert (need in said and "100× those of the unscaled one" in said) == (high > 1)
     assert "it needs" not in said  # the stopper's "N of the P it needs": the streak did reach its patience
+
+
+def test_a_resumed_run_logs_its_cut_record_again(tmp_path):
+    """Issue #25: a resumed run's log had no ``schedule/cut_record``, so its report said "lr cuts 1" with no row."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    trainer = Trainer(
+        **trainer_kwargs(
+            max_steps=100, accumulate_grad_batches=ACCUMULATE, callbacks=[first, checkpoint], enable_checkpointing=True
+        )
+    )
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200))
+    assert first.cuts
+    resumed = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    logger = TensorBoardLogger(str(tmp_path), name="resumed", version=0)
+    trainer = Trainer(
+        **trainer_kwargs(max_steps=110, accumulate_grad_batches=ACCUMULATE, callbacks=[resumed], logger=logger)
+    )
+    trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200), ckpt_path=str(tmp_path / "last.ckpt"))
+    logger.experiment.flush()
+    acc = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = acc.Tensors("schedule/cut_record/text_summary")
+    assert event.step == 100 and event.tensor_proto.string_val[0].decode() == first.cut_record()

@@ -10,7 +10,15 @@ from torch.optim import lr_scheduler
 
 from trainvitals.noise.estimate import MIN_MEASUREMENTS, Z90
 from trainvitals.noise.estimators import t_quantile
-from trainvitals.schedule.decision import Action, Cut, checks_needed, decide, scaled_margin, shown_in
+from trainvitals.schedule.decision import (
+    Action,
+    Cut,
+    checks_needed,
+    decide,
+    measurements_to_show,
+    scaled_margin,
+    shown_in,
+)
 from trainvitals.schedule.warmup import scheduler_warmup
 
 
@@ -128,6 +136,9 @@ def test_a_cut_line_names_the_step_the_ratio_its_interval_and_the_scale():
     # A record always says what interval it had: none, or one with no upper end (the schedule cuts on neither).
     assert "no upper end" in Cut(7, 0.5, 0.2, math.inf, 0.1).line() and "0.2" in Cut(7, 0.5, 0.2, math.inf, 0.1).line()
     assert "no interval" in Cut(7, 0.5, math.nan, math.nan, 0.1).line()
+    # A negative point: the upper end is what is known, and where it is 0 the whole ‖G‖² interval was below 0.
+    assert "≤ 0.91 (90 %; ‖G‖² within its error of 0)" in Cut(7, -0.3, 0.0, 0.91, 0.1).line()
+    assert "≤ 0 (90 %; ‖G‖² below 0 beyond its error)" in Cut(7, -0.3, 0.0, 0.0, 0.1).line()
 
 
 def _optimizer() -> torch.optim.Optimizer:
@@ -180,3 +191,28 @@ def test_a_cut_line_states_what_its_interval_shows():
     assert "≤ 2.9" in near_zero and "-0.33" not in near_zero and "lr × 0.01" in near_zero
     clear = Cut(step=420, band_ratio=0.81, ratio_low=0.42, ratio_high=1.2, lr_scale=0.1).line()
     assert "0.81" in clear and "0.42" in clear and "1.2" in clear
+
+
+def test_the_measurements_a_shown_inside_needs_bound_the_passes_at_any_truth():
+    """measurements_to_show against simulated windows: per-measurement estimates of the ratio (edge units) with
+    sd 5 (the tester's diabetes MLP after a cut at 0.1: upper ends 2–12) and a flat window of n0 = 39 give an
+    interval; with n below the bound the function names, the mean of n measurements passes shown_in in fewer
+    than half the windows at every true ratio; at the bound, half at a true ratio of ½; at n0, none."""
+    gen = torch.Generator().manual_seed(0)
+    sd, n0, runs = 5.0, 39, 20000
+
+    def passes(truth: float, n: int) -> float:
+        mean = truth + sd / math.sqrt(n) * torch.randn(runs, generator=gen, dtype=torch.float64)
+        high = mean + float(t_quantile(Z90, torch.tensor(n - 1.0))) * sd / math.sqrt(n)
+        return float(shown_in(mean, high).double().mean())
+
+    half = float(t_quantile(Z90, torch.tensor(n0 - 1.0))) * sd / math.sqrt(n0)
+    need = measurements_to_show(0.15, 0.15 + half, n0)
+    assert need == pytest.approx(n0 * (2 * half) ** 2)  # ≈ 2,800: 72× the 39 measurements
+    for truth in (0.05, 0.15, 0.3, 0.5, 0.7, 0.9):
+        assert passes(truth, n0) < 1e-3 and passes(truth, round(0.8 * need)) < 0.5
+    assert 0.45 <= passes(0.5, round(need)) <= 0.55
+    # After a cut by s the edge is s× nearer 0 in units of the error: 1/s² the measurements (0.1: 100×, 0.3: ≈ 11×).
+    for s in (0.1, 0.3):
+        assert measurements_to_show(0.2, 0.2 + 0.5 / s, n0) == pytest.approx(n0 / s**2)
+    assert math.isinf(measurements_to_show(0.2, math.inf, n0)) and measurements_to_show(0.2, 0.5, n0) == n0

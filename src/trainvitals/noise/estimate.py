@@ -42,9 +42,13 @@ Combining rule (:meth:`GradientNoise.estimate`):
 5. Coupled examples. A per-example source assumes independent examples; batch statistics (BatchNorm, or
    ``F.batch_norm(training=True)`` in a custom module) or a loss coupling the examples (in-batch negatives,
    as in a contrastive InfoNCE loss) break that without any module saying so. Two signs give it away, checked
-   on logging steps (:meth:`GradientNoise.disagreement`) once a source has :data:`MIN_MEASUREMENTS`: its EMA
-   ‖G‖² is below zero by more than :data:`COUPLING_Z` standard errors (independent examples give
-   E[‖G‖²_est] = ‖G‖² ≥ 0; a negative value within its error is a legitimate "G ≈ 0"), or it disagrees with
+   on logging steps (:meth:`GradientNoise.disagreement`) once a source has :data:`MIN_MEASUREMENTS`: its
+   ‖G‖² on its band window, with that window's sampling error alone, is below zero by more than
+   :data:`COUPLING_Z` standard errors, Student-widened at the window's effective measurements
+   (:func:`coupling_shown`: independent examples give E[‖G‖²_est] = ‖G‖² ≥ 0 at every step, so any window's
+   mean has a non-negative expectation, lag or none; a negative value within its error is a legitimate
+   "G ≈ 0"; issue #25: a normal 3σ on the chosen, often 9-measurement window dropped a plain MLP's probe), or it
+   disagrees with
    the micro-batch/rank source beyond :data:`AGREEMENT_Z` standard errors (Student-widened at the fewer effective
    measurements of the two; each source on its own windows, whose errors hold their lag: sources measured at
    different cadences span different stretches of the run, rule 7). The micro-batches are independent
@@ -81,10 +85,11 @@ Combining rule (:meth:`GradientNoise.estimate`):
    window's dip nor its lead on a falling ‖G‖² enters the band before that window would (on
    stopping_tasks' digits MLP, following ‖G‖² with short windows stopped runs at steps 130–210, far from
    converged); a lag can only delay a band stop, never advance one. The per-step band, the logged tags and the
-   charts read the same choice. That the run *was* out of the band is read from the band windows with their
-   sampling errors alone (``NoiseEstimate.window_band_ratio_low``): a lagging EMA is an unbiased mean of the
-   stretch it spans, so a mean beyond the band's edge shows a step of that stretch out of it, where the current
-   value's lag-widened interval could not yet tell.
+   charts read the same choice. That the run *was* out of the band is read from the band windows' ‖G‖² with
+   their sampling errors alone, over the edge of the chosen tr Σ with its error (``NoiseEstimate.window_band_ratio_low``
+   and ``_high``, the interval the band ratio is logged with: it holds the decision's point): a lagging EMA is
+   an unbiased mean of the stretch it spans, so a mean beyond the band's edge shows a step of that stretch out
+   of it, where the current value's lag-widened interval could not yet tell.
    ``effective_measurements`` is 1/Σ w_k² of the shorter of the two windows, weighted over the sources as tr Σ
    is: at most the most-measured source's count (:attr:`NoiseEstimate.count`).
 
@@ -135,8 +140,12 @@ AGREEMENT_Z = 3.0
 """Two sources disagree when their estimates differ by more than this many combined standard errors (as a normal
 quantile: Student's t at the fewer effective measurements of the two, rule 8): the check runs at every logging
 step, so a single test's 2 would raise false alarms over a long run."""
-COUPLING_Z = 3.0
-"""A per-example source's EMA ‖G‖² this many standard errors below zero shows coupled examples."""
+COUPLING_Z = 5.5
+"""A per-example source's ‖G‖² on its band window this many standard errors below zero (as a normal quantile:
+Student's t at the window's effective measurements) shows coupled examples (rule 5). The test runs at every logging
+step and a skewed per-step estimate has a heavy lower tail: at ‖G‖² = 0 with one-dimensional noise, checked at
+every step, 3 dropped 47 % of runs in 1000 steps; 5.5 drops 0.7 % in 3000 (0 % with ten-dimensional noise;
+tests/noise/test_coupling.py)."""
 MIN_MEASUREMENTS = 20
 """Updates a source needs before its errors are trusted: to be found coupled, and to decide or advise."""
 LADDER = (0.95, 0.8)
@@ -400,6 +409,9 @@ class NoiseEstimate:
     window_band_ratio_low: Tensor
     """The 90 % lower end of B/B_simple over the band windows with their sampling errors alone (rule 7): the
     run's weighted mean over them; above the margin, the run was out of the band at some step of that stretch."""
+    window_band_ratio_high: Tensor
+    """Its 90 % upper end (``inf`` where the band windows' ‖G‖² is within its error of 0): with the low end, the
+    interval of the ratio the band is judged on (``band_grad_sq_norm``), as the stopper logs it."""
 
 
 class GradientNoise:
@@ -495,6 +507,7 @@ class GradientNoise:
                 zero,
                 zero,
                 zero,
+                inf,
             )
         key = (
             tuple((src.version, src.unit_scale, src.effective_batch_size, src.param_share) for src in chosen),
@@ -534,20 +547,21 @@ class GradientNoise:
             batch,
         )
         rel_err = fieller_rel_err(b_simple, *intervals["b_simple"], measurements)
-        # The slow windows with their sampling errors alone: the run's weighted mean over them, for "was out" (rule 7).
+        # The band's ‖G‖² (the band windows', weighted as grad is) with those windows' sampling errors alone: the
+        # run's weighted mean over them, for "was out" (rule 7), over the band's edge of the chosen tr Σ, as the
+        # decision reads it, so that the ratio the stopper logs lies in this interval (Fieller's set holds its point).
         past = [self._moments(src, device, slow=True) for src in chosen]
-        pg, ps, pvg, pvs, pcov, pn = (torch.stack(parts) for parts in zip(*past))
-        pg_w, ps_w = _weights(pvg, seen), _weights(pvs, seen)
-        pg_se, ps_se = _bound(pg_w, pvg.sqrt()), _bound(ps_w, pvs.sqrt())
-        window_band_low = noise_intervals(
-            (pg_w * pg).sum(),
-            (ps_w * ps).sum(),
-            pg_se,
-            ps_se,
-            _combined_cov(ps_w, pg_w, pcov, pvs.sqrt(), pvg.sqrt(), ps_se, pg_se),
-            (ps_w * pn).sum(),
+        _, _, pvg, _, pcov, pn = (torch.stack(parts) for parts in zip(*past))
+        band_se = _bound(g_w, pvg.sqrt())
+        window_band_low, window_band_high = noise_intervals(
+            band_grad,
+            trace,
+            band_se,
+            trace_se,
+            _combined_cov(s_w, g_w, pcov, sd_s, pvg.sqrt(), trace_se, band_se),
+            torch.minimum(measurements, (g_w * pn).sum()),
             batch,
-        )["band_ratio"][0]
+        )["band_ratio"]
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(
             trace > 0, floor * trace_se / (2 * trace.clamp_min(1e-300)), torch.full_like(floor, float("inf"))
@@ -591,6 +605,7 @@ class GradientNoise:
             measurements,
             band_grad,
             window_band_low,
+            window_band_high,
         )
 
     def _moments(self, src: NoiseSource, device: torch.device, slow: bool = False) -> tuple[Tensor, ...]:
@@ -829,15 +844,18 @@ class GradientNoise:
         parts = []
         for src in chosen:
             g, t, var_g, var_s, _, n_eff = self._moments(src, device)  # each its own windows, lag in the error (rule 7)
-            parts.append(torch.stack([g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double(), n_eff]))
+            slow_g, _, slow_var, _, _, slow_n = self._moments(src, device, slow=True)  # sampling error alone
+            z = t_quantile(COUPLING_Z, slow_n - 1)
+            row = [g, var_g.sqrt(), t, var_s.sqrt(), src.ema.count.to(device).double(), n_eff, slow_g, slow_var.sqrt()]
+            parts.append(torch.stack([*row, slow_n, z, coupling_shown(slow_g, slow_var, slow_n).double()]))
         rows = torch.stack(parts).cpu().tolist()  # one transfer
         said = []
-        for src, (g, g_se, _, _, count, _) in zip(chosen, rows):
-            if src.name != INDEPENDENT and count >= MIN_MEASUREMENTS and g < -COUPLING_Z * g_se:
+        for src, (*_, count, _, g, g_se, n_eff, z, shown) in zip(chosen, rows):
+            if src.name != INDEPENDENT and count >= MIN_MEASUREMENTS and shown:
                 src.invalidate(
-                    f"its ‖G‖² {g:.3g} ± {g_se:.2g} is below zero by more than {COUPLING_Z:g} standard "
-                    f"errors, which independent examples cannot give: the examples are coupled, likely by "
-                    f"{COUPLING_CAUSES}"
+                    f"its ‖G‖² over its last ≈ {n_eff:.0f} measurements, {g:.3g} ± {g_se:.2g}, is below zero by "
+                    f"more than {z:.2g} standard errors, which independent examples cannot give: the examples are "
+                    f"coupled, likely by {COUPLING_CAUSES}"
                 )
                 said.append(f"the noise source {src.name} is dropped from the estimate: {src.invalid}")
         for i in range(len(chosen)):
@@ -934,6 +952,14 @@ def band_ratio(grad_sq_norm: Any, trace_cov: Any, batch_size: int, margin: float
     if not (margin > 0 and batch_size > 0):
         raise ValueError(f"band_ratio needs margin > 0 and batch_size > 0, got {margin!r} and {batch_size!r}")
     return grad_sq_norm * batch_size / (margin * trace_cov)
+
+
+def coupling_shown(grad_sq_norm: Tensor, var: Tensor, measurements: Tensor) -> Tensor:
+    """Where a per-example source's ‖G‖² (a window's EMA mean, any shape) is below zero beyond :data:`COUPLING_Z`
+    standard errors, Student-widened at ``measurements`` − 1 degrees of freedom (rule 5): independent examples give
+    E[‖G‖²_est] = ‖G‖² ≥ 0 at every step, so a window's mean, lagging or not, has a non-negative expectation too.
+    ``var`` is its sampling variance alone (the lag is no error of that claim)."""
+    return grad_sq_norm < -t_quantile(COUPLING_Z, measurements - 1) * var.sqrt()
 
 
 def fieller_rel_err(b_simple: Tensor, low: Tensor, high: Tensor, measurements: Tensor) -> Tensor:
@@ -1050,7 +1076,10 @@ def noise_intervals(
     )
     low, high = torch.where(finite, low, zero), torch.where(finite, high, inf)
     b = float(batch or 1)
-    band = (b / high, torch.where(low > 0, b / low.clamp_min(1e-300), inf))  # B/B_simple: 1/inf = 0
+    # B/B_simple: 1/inf = 0. Where ‖G‖²'s whole interval is below 0 with tr Σ resolved, Fieller's set for θ ≥ 0 is
+    # empty (B_simple: no information), but the ratio's is {0}: ‖G‖² ≤ its upper end < 0 inside the band.
+    below = finite & (grad + z * grad_se <= 0) & (trace_iv[0] > 0)
+    band = (b / high, torch.where(low > 0, b / low.clamp_min(1e-300), torch.where(below, zero, inf)))
     return {"grad_sq_norm": grad_iv, "trace_cov": trace_iv, "b_simple": (low, high), "band_ratio": band}
 
 

@@ -57,6 +57,7 @@ from trainvitals.text.markdown import markdown_table
 
 MODES = ("noise_band", "threshold", "relative")
 BAND_RATIO = "grad_norm/band_ratio"
+CURRENT_BAND_RATIO = "grad_noise/band_ratio"
 """The smoothed ‖G‖² over the band's edge margin·tr(Σ)/B (≤ 1: in the band); +inf in ``callback_metrics`` while
 the estimate cannot decide."""
 
@@ -159,7 +160,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     edge margin·tr(Σ)/B, ≤ 1 in the band: it does not tie from save to save as the streak does outside the band,
     so ``ModelCheckpoint(monitor="grad_norm/band_ratio", mode="min")`` keeps the checkpoint deepest into the band
     (+inf in ``trainer.callback_metrics``, not logged, while the estimate cannot decide), and its 90 % interval
-    ``grad_norm/band_ratio_low`` and ``_high`` (the high end left out where infinite);
+    ``grad_norm/band_ratio_low`` and ``_high`` from the band windows' sampling errors (the high end left out where
+    infinite); ``grad_noise/band_ratio`` and its ``_low``/``_high``, the current estimate's ratio (each quantity's
+    chosen window, the lag in its error: what covers the ratio at this step, and what the cut records quote);
     without a GradNormMonitor, ``grad_norm/nonfinite_steps`` (``amp_skipped_steps`` under a GradScaler) as the
     monitor counts them (:class:`~trainvitals.norms.nonfinite.NonfiniteCounter`);
     without a BatchVarianceProbe also the estimate's own tags (:meth:`GradientNoise.metrics
@@ -334,6 +337,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 + f", then patience {self.patience}, read every {self.check_every_n_steps} steps): it "
                 f"will not {self._band_acts()[1]} in this fit. {fix}, or train longer."
             )
+
+    def _min_steps_said(self) -> str:
+        """``min_steps`` as the fit-end line names it: "min_steps=100"; BandSchedule labels a warm-up that set it."""
+        return f"min_steps={self.min_steps}"
 
     def _held_by(self) -> tuple[str, str]:
         """What keeps the first steps from counting, and how to shorten it, as the fit-too-short warning says them:
@@ -584,9 +591,15 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 edge = self.margin * estimate.trace_cov.to(floor) / estimate.batch_size
                 ratio = estimate.band_grad_sq_norm.to(floor) / edge.clamp_min(1e-300)
                 metrics[BAND_RATIO] = torch.where(decisive & (edge > 0), ratio, nan)
-                # Its 90% interval (estimate.py, rule 8); an infinite high end is left out (finite_only).
-                for end, value in zip(("low", "high"), estimate.intervals["band_ratio"]):
-                    metrics[f"{BAND_RATIO}_{end}"] = torch.where(decisive, value.to(floor) / self.margin, nan)
+                # The decision's ratio with its band windows' sampling interval (estimate.py, rule 7); the current
+                # estimate's ratio (chosen windows, lag in the error: rule 8's interval) apart, under grad_noise/.
+                # An infinite high end is left out (finite_only).
+                current = estimate.grad_sq_norm.to(floor) / edge.clamp_min(1e-300)
+                metrics[CURRENT_BAND_RATIO] = torch.where(decisive & (edge > 0), current, nan)
+                ends = (estimate.window_band_ratio_low, estimate.window_band_ratio_high)
+                for tag, pair in ((BAND_RATIO, ends), (CURRENT_BAND_RATIO, estimate.intervals["band_ratio"])):
+                    for end, value in zip(("low", "high"), pair):
+                        metrics[f"{tag}_{end}"] = torch.where(decisive, value.to(floor) / self.margin, nan)
         logged = log_scalars(trainer, metrics, step, finite_only=True)  # B_simple is inf while EMA(‖G‖²) ≤ 0
         if self.mode == "noise_band" and self.margin > 0 and BAND_RATIO not in logged:
             # Not measured yet, or not measurable: the worst value for ModelCheckpoint(mode="min"), which
@@ -717,7 +730,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.from_start:
             why = f"{self.from_start.removesuffix('.')}; " + why
         if self.steps < self.min_steps:
-            why = f"the run ended after {self.steps} optimizer steps, before min_steps={self.min_steps}; " + why
+            why = f"the run ended after {self.steps} optimizer steps, before {self._min_steps_said()}; " + why
         return f"did not stop the run: {why}."
 
     def _margin_said(self) -> str:

@@ -33,7 +33,16 @@ from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import LR_FACTORS, NOISE_BAND
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import log_scalars, log_text
-from trainvitals.schedule.decision import Action, Cut, batch_growth, checks_needed, decide, scaled_margin, shown_in
+from trainvitals.schedule.decision import (
+    Action,
+    Cut,
+    batch_growth,
+    checks_needed,
+    decide,
+    measurements_to_show,
+    scaled_margin,
+    shown_in,
+)
 from trainvitals.schedule.warmup import scheduler_warmup
 from trainvitals.text.markdown import markdown_table
 
@@ -181,9 +190,9 @@ class BandSchedule(GradNormEarlyStopping):
         self._announce_at: int | None
         """The optimizer step that is the first at a new lr scale or accumulation: logged then, on any step."""
         self.add_state("_announce_at", None, persistent=False)
-        self._held_back: tuple[Action, float, float] | None
-        """At the last check: the act a full streak after a cut waits to make, and the band ratio's 90 % interval
-        that reaches past the edge (``None``: none waiting)."""
+        self._held_back: tuple[Action, float, float, float, float] | None
+        """At the last check: the act a full streak after a cut waits to make, the band ratio and its 90 % interval
+        (point, low, high) that kept it and the estimate's effective measurements (``None``: none waiting)."""
         self.add_state("_held_back", None, persistent=False)
         self._shown: int
         """Consecutive checks, with the streak complete, that showed the run inside the band (decision.py's
@@ -223,6 +232,8 @@ class BandSchedule(GradNormEarlyStopping):
             self.warmup_steps, self._warmup_from = self.requested_warmup, "given as warmup_steps"
         self.min_steps = max(self.requested_min_steps, self.warmup_steps or 0)
         super().on_train_start(trainer, pl_module)
+        if self.cuts:  # a resumed run's cuts, in its own log too: its report has a row per cut
+            log_text(trainer, CUT_RECORD, self.cut_record(), trainer.global_step)
 
     @override
     def on_train_batch_start(
@@ -294,7 +305,8 @@ class BandSchedule(GradNormEarlyStopping):
         lr = self.lr_scale * float(min(lrs)) if lrs else 0.0
         args = (True, len(self.cuts), lr, self.factor, self.max_cuts, self.min_lr, self.stop)
         action, wanted = decide(*args, shown, bounded, growth), decide(*args, True, True, growth)
-        self._held_back = (wanted, low, high) if action is Action.NONE and wanted is not Action.NONE else None
+        waiting = action is Action.NONE and wanted is not Action.NONE
+        self._held_back = (wanted, ratio, low, high, summary["effective_measurements"]) if waiting else None
         if self._held_back is not None and not self.cuts and not self._said_unbounded:
             self._said_unbounded = True
             self._say_unbounded(summary)
@@ -333,13 +345,18 @@ class BandSchedule(GradNormEarlyStopping):
 
     def _say_unbounded(self, summary: dict[str, Any]) -> None:
         """Once per fit: the first cut (or growth) waits, its full streak resting on an estimate that does not
-        bound the band ratio (no finite 90 % upper end, or tr(Σ) not resolved from 0)."""
+        bound the band ratio (no finite 90 % upper end, or tr(Σ) not resolved from 0), said as the one it is."""
+        trace = f"tr(Σ) = {summary['trace_cov']:.3g} ± {summary['trace_cov_se']:.2g}"
+        grad = f"‖G‖² = {summary['grad_sq_norm']:.3g} ± {summary['grad_sq_norm_se']:.2g}"
+        why = (
+            f"{trace}: within its error of 0, so the band's edge is not known"
+            if not summary.get("trace_cov_low", 0.0) > 0
+            else f"{grad} over {trace}: the ratio's 90 % interval has no upper end"
+        )
         self.info(
             f"holds its first {'batch growth' if self._held_back[0] is Action.GROW else 'lr cut'}: the run is in its "
-            f"noise band on the point estimate, but the estimate does not bound the band ratio (tr(Σ) = "
-            f"{summary['trace_cov']:.3g} ± {summary['trace_cov_se']:.2g}, ‖G‖² = {summary['grad_sq_norm']:.3g} ± "
-            f"{summary['grad_sq_norm_se']:.2g}: its 90 % interval has no upper end, or tr(Σ) is within its error "
-            "of 0). It cuts once the interval is bounded."
+            f"noise band on the point estimate, but the estimate does not bound the band ratio ({why}). It cuts once "
+            "the interval is bounded."
         )
 
     # ------------------------------------------------------------------ logging and summaries
@@ -390,25 +407,39 @@ class BandSchedule(GradNormEarlyStopping):
     def summary_line(self) -> str:
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
-        if bool(self._done) and self._held_back is not None and self._held_back[1] <= 1.0:  # a wait, not out of band
-            act, low, high = self._held_back
+        if bool(self._done) and self._held_back is not None and self._held_back[2] <= 1.0:  # a wait, not out of band
+            act, ratio, low, high, measured = self._held_back
             said = {Action.CUT: "next cut", Action.GROW: "next batch growth", Action.STOP: "stop"}[act]
             if not self.cuts:
                 said = "first cut" if act is Action.CUT else "first batch growth"
             interval = (
-                f"{max(low, 0.0):.2g}–{high:.2g}" if math.isfinite(high) else f"≥ {max(low, 0.0):.2g}, no upper end"
+                f"90 %: {max(low, 0.0):.2g}–{high:.2g}"
+                if math.isfinite(high)
+                else f"90 %: ≥ {max(low, 0.0):.2g}, with no upper end"
             )
+            last = ("a batch growth" if self.cuts[-1].get("batch") is not None else "a cut") if self.cuts else ""
             need = (
-                f"after a cut it acts only once the band ratio is ≥ 0 and its 90 % interval inside the band at "
-                f"{checks_needed(self.patience, self.check_every_n_steps)} checks in a row (it had {self._shown})"
+                f"after {last} it acts only once the band ratio is ≥ 0 and its 90 % interval inside the band at "
+                f"{checks_needed(self.patience, self.check_every_n_steps)} checks in a row (it had {self._shown} such check(s))"
                 if self.cuts
                 else "its first cut needs an estimate that bounds the band ratio (a finite 90 % upper end, tr(Σ) "
                 "resolved from 0)"
             )
+            streak = int(self._streak)
+            at_end = f"in its noise band for {streak} step(s) in a row at the end" if streak else "out of it at the end"
+            blocked = (
+                ""
+                if not self.cuts
+                else "; its upper end above the edge kept it"
+                if not high <= 1.0
+                else "; its point below 0 (‖G‖² within its error of zero) kept it"
+                if ratio < 0
+                else ""
+            )
             return (
-                f"{self._cuts_said()}; did not stop the run: its streak reached its patience ({self.patience}) and it "
-                f"is in its noise band at the end for {int(self._streak)} step(s) in a row, but {need}; at its last "
-                f"check that interval was {interval}× the edge {self.margin:g}·tr(Σ)/B: its {said} waited for it."
+                f"{self._cuts_said()}; did not stop the run: its streak reached its patience ({self.patience}) at a "
+                f"check ({at_end}), but {need}; at its last check the band ratio was {ratio:.2g} ({interval}) × the "
+                f"edge {self.margin:g}·tr(Σ)/B{blocked}: its {said} waited for it{self._resolution_said(ratio, high, measured)}."
             )
         if bool(self._done) and not self.stop:  # the band entered again with nothing left to do
             left = (
@@ -435,6 +466,24 @@ class BandSchedule(GradNormEarlyStopping):
             ("lr scale", f"{self.lr_scale:g}"),
         ]
         return "\n".join(markdown_table(("quantity", "value"), rows)) + "\n\n" + super().summary_markdown()
+
+    def _resolution_said(self, ratio: float, high: float, measured: float) -> str:
+        """What showing the run inside the scaled edge would take, where the upper end kept a wait after a cut
+        (decision.py's :func:`measurements_to_show`): "; at that error, showing it inside needs at least ≈ 2.8e+03
+        effective measurements of ‖G‖² (72× the 39 it had; its window holds at most 99): the edge at lr scale 0.1
+        needs 100× those of the unscaled one"; "" otherwise."""
+        if not self.cuts or self.lr_scale >= 1.0 or high <= 1.0 or not measured > 0:
+            return ""
+        need = measurements_to_show(ratio, high, measured)
+        if not math.isfinite(need):
+            return ""
+        windows = [(1 + src.ema.beta) / (1 - src.ema.beta) for src in self.gradient_noise.valid_sources()]
+        cap = f"; its window holds at most {max(windows):.0f}" if windows else ""
+        return (
+            f"; at that error, showing it inside needs at least ≈ {need:.2g} effective measurements of ‖G‖² ({need / measured:.2g}× "
+            f"the {measured:.0f} it had{cap}): the edge at lr scale {self.lr_scale:g} needs {1 / self.lr_scale**2:.3g}× "
+            "those of the unscaled one"
+        )
 
     @override
     def _margin_said(self) -> str:
@@ -473,6 +522,17 @@ class BandSchedule(GradNormEarlyStopping):
             if math.isfinite(every) and (longest is None or warm * every > longest):
                 longest, self._warmup_from = warm * every, f"read from {type(config.scheduler).__name__}"
         return longest
+
+    @override
+    def _min_steps_said(self) -> str:
+        """ "min_steps=400 (the lr scheduler's warm-up, read from LambdaLR; min_steps passed: 100)" where the
+        warm-up set it."""
+        if not self.warmup_steps or self.warmup_steps <= self.requested_min_steps:
+            return super()._min_steps_said()
+        return (
+            f"{super()._min_steps_said()} (the lr scheduler's warm-up, {self._warmup_from}; min_steps passed: "
+            f"{self.requested_min_steps})"
+        )
 
     @override
     def _held_by(self) -> tuple[str, str]:

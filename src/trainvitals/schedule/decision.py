@@ -99,6 +99,18 @@ def shown_in(ratio: Any, ratio_high: Any) -> Any:
     return (ratio >= 0.0) & (ratio_high <= 1.0)
 
 
+def measurements_to_show(ratio: float, ratio_high: float, measurements: float) -> float:
+    """At least how many effective measurements of ‖G‖² the band ratio's 90 % interval needs for :func:`shown_in`
+    to pass as often as not, whatever the true ratio, at the error per measurement the interval shows
+    (docs/callbacks/band-schedule.md, "What a second act needs"). The half-width h = ``ratio_high`` − ``ratio``
+    shrinks as 1/√n; a pass needs the point ≥ 0 and the point + h ≤ 1, at best (a true ratio of ½) h ≤ ½, so
+    n ≥ ``measurements``·(2h)². After a cut by a factor s the edge is s× nearer 0 in units of that error: 1/s² of
+    the unscaled edge's n. ``inf`` where the interval has no upper end."""
+    if not math.isfinite(ratio_high):
+        return math.inf
+    return measurements * max(2.0 * (ratio_high - ratio), 1.0) ** 2
+
+
 def checks_needed(patience: int, check_every_n_steps: int) -> int:
     """Consecutive checks :func:`shown_in` must pass after a cut: enough that the first and the last lie at least
     ``patience`` steps apart, checks ``check_every_n_steps`` steps apart — at least 2."""
@@ -148,6 +160,7 @@ class Cut:
         if not math.isfinite(self.ratio_high):  # the schedule cuts on no such estimate; a record says what it had
             said = "no interval" if math.isnan(self.ratio_high) else f"90 %: ≥ {low:.2g}, no upper end"
             return f"step {self.step}: band ratio {self.band_ratio:.2g} ({said}) → {then}"
-        if self.band_ratio < low:  # a negative ‖G‖² estimate, within its error of 0: the upper end is what is known
-            return f"step {self.step}: band ratio ≤ {self.ratio_high:.2g} (90 %; ‖G‖² within its error of 0) → {then}"
+        if self.band_ratio < low:  # a negative ‖G‖² estimate: the upper end is what is known
+            why = "within its error of 0" if self.ratio_high > 0 else "below 0 beyond its error"
+            return f"step {self.step}: band ratio ≤ {self.ratio_high:.2g} (90 %; ‖G‖² {why}) → {then}"
         return f"step {self.step}: band ratio {self.band_ratio:.2g} (90 %: {low:.2g}–{self.ratio_high:.2g}) → {then}"

@@ -79,6 +79,8 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
             "Multiline",
             [grad_norm("band_ratio"), grad_norm("band_ratio_low"), grad_norm("band_ratio_high")],
         ],
+        "current ‖G‖² over the band's edge (each quantity's chosen window, its lag in the error; what the lr cuts "
+        "quote), and its 90 % interval": ["Multiline", [r"grad_noise/band_ratio(?:_low|_high)?$"]],
         "band-driven schedule: lr scale × the scheduler's lr (BandSchedule; each cut multiplies it)": [
             "Multiline",
             [r"schedule/lr_scale$"],
