@@ -590,14 +590,20 @@ class GradientNoise:
         if self.population is None:
             return g, t, var_g, var_s, cov, n_eff
         n, c = self.population, (self.population - 1) / self.population
-        return (g + t / n, t * c, var_g + 2 * cov / n + var_s / n**2, var_s * c**2, c * (cov + var_s / n), n_eff)
+        return (
+            *finite_population(g, t, n),
+            var_g + 2 * cov / n + var_s / n**2,
+            var_s * c**2,
+            c * (cov + var_s / n),
+            n_eff,
+        )
 
     def _band_pair(self, src: NoiseSource, device: torch.device) -> Tensor:
         """``(2,)`` (the band's ‖G‖², tr Σ) of ``src`` (:meth:`NoiseSource.band_values`) in ``.grad`` units, corrected
         for a known population as :meth:`_moments` corrects (rule 6)."""
         _, t, g = (src.band_values().to(device) * src.unit_scale**2).unbind()
         if self.population is not None:
-            g, t = g + t / self.population, t * (self.population - 1) / self.population
+            g, t = finite_population(g, t, self.population)
         return torch.stack([g, t])
 
     def decisive(self, estimate: NoiseEstimate | None = None) -> Tensor:
@@ -911,6 +917,13 @@ def _b_simple_cell(b_simple: float, rel_err: float) -> str:
         return "none yet: the smoothed ‖G‖² is ≤ 0"
     error = f"relative error {rel_err:.2g}" if math.isfinite(rel_err) else "its error not yet measurable"
     return f"{b_simple:.4g} examples ({error})"
+
+
+def finite_population(grad_sq_norm: Any, trace_cov: Any, population: int) -> tuple[Any, Any]:
+    """Rule 6: (‖G‖², tr Σ) of a batch drawn without replacement from ``population`` = N examples, from the
+    estimators' (‖G‖²_est, S_est), made for independent draws: ‖G‖²_est + S_est/N and S_est·(N − 1)/N.
+    Tensors of any matching shapes, or floats."""
+    return grad_sq_norm + trace_cov / population, trace_cov * (population - 1) / population
 
 
 def band_ratio(grad_sq_norm: Any, trace_cov: Any, batch_size: int, margin: float) -> Any:
