@@ -57,6 +57,13 @@ Combining rule (:meth:`GradientNoise.estimate`):
    sources alike (the finite-population correction of survey sampling, Cochran 1977, *Sampling
    Techniques*, §2.5). With N known (:attr:`GradientNoise.population`) each source is corrected:
    ‖G‖² = ‖G‖²_est + S_est/N, tr Σ = S_est·(N − 1)/N, their variances carried along.
+   While training on a shuffled epoch the step's batch is drawn from the examples R the epoch has left, and θ
+   has moved on those it drew: the estimate is then unbiased for ‖G‖² + 2·G·(G_R − G), not the full-data ‖G‖²
+   (G_R the mean gradient over R; the excess is 0 at an epoch's first step, with replacement or θ frozen, and
+   positive on average while training: for SGD on a quadratic with η·h ≤ 1 below 2·tr Σ/N, the band ratio at
+   most 2B/(margin·N) high; 2.0–2.9× the full-data ‖G‖² on two Adam fits). A band stop stays conservative;
+   B_simple reads low, the noise scale of the gradient the epoch's steps follow (docs/science.md, "Under random
+   reshuffling"; tests/noise/test_reshuffling.py).
 
 7. Drift. Each source keeps a ladder of EMAs: its ``beta`` (≈ 99 effective measurements at 0.98, decaying per
    measurement, whatever the cadence) and the shorter :data:`LADDER` (0.95, 0.8: ≈ 39 and 9). A long window lags
