@@ -12,7 +12,11 @@ training set (``torch.func.vmap(grad)``, in chunks), at the parameters the step'
 - with ``draws`` > 0, the variances and covariance of one step's per-example estimates (‖G‖²_est, S_est) at batch
   B, corrected as rule 6 does: the spread of ``draws`` batches of B drawn without replacement from the N true
   g_i. With the effective number of measurements n the probe's EMA had, they give the relative error the truth's own
-  B_simple would have from n such measurements: whether a reliable estimate (relative error ≤ 0.5) is *reachable*.
+  B_simple would have from n such measurements: whether a reliable estimate (relative error ≤ 0.5) is *reachable*;
+- with the loader's sampler a :class:`RecordingSampler` (a shuffled epoch whose permutation it keeps), the
+  remaining-set truth: ‖G_R‖² over the n_R examples R the epoch has not yet drawn before this step (the step's own
+  batch among them), the mean the step's batch is drawn from, and ‖G_R − G‖² (docs/science.md, "Under random
+  reshuffling").
 
 What it computes is the training-mode gradient of a deterministic network. Dropout (p > 0) makes g_i random and
 BatchNorm in training mode makes it depend on the other examples of the batch (eval mode would be another network's
@@ -41,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.utils.data import RandomSampler
 
 QUANTITIES = ("grad_sq_norm", "trace_cov", "b_simple", "band_ratio")
 MAX_REL_ERR = 0.5
@@ -63,6 +68,9 @@ class Truth:
     var_trace: float = math.nan
     cov: float = math.nan
     draw_means: tuple[float, float] = (math.nan, math.nan)  # the draws' mean (‖G‖², tr Σ): unbiased for the truth
+    remaining: int = 0  # n_R, the examples of the epoch not drawn before this step (0: not recorded)
+    remaining_grad_sq_norm: float = math.nan  # ‖G_R‖², G_R the mean gradient of those n_R examples
+    remaining_excess: float = math.nan  # ‖G_R − G‖²
 
     @property
     def b_simple(self) -> float:
@@ -70,6 +78,12 @@ class Truth:
 
     def band_ratio(self, margin: float) -> float:
         return self.batch_size * self.grad_sq_norm / (margin * self.trace_cov)
+
+    @property
+    def cross_grad_sq_norm(self) -> float:
+        """‖G_R‖² − ‖G_R − G‖² = ‖G‖² + 2·G·(G_R − G): what the reshuffled estimate is unbiased for, less a term
+        of mean zero (docs/science.md, "Under random reshuffling")."""
+        return self.remaining_grad_sq_norm - self.remaining_excess
 
     def rel_err(self, measurements: float) -> float:
         """B_simple's relative standard error (delta method) from ``measurements`` independent estimates: ``inf``
@@ -126,16 +140,30 @@ def per_example_gradients(
 
 
 def truth_of(
-    rows: Tensor, step: int, batch_size: int, draws: int = 0, generator: torch.Generator | None = None
+    rows: Tensor,
+    step: int,
+    batch_size: int,
+    draws: int = 0,
+    generator: torch.Generator | None = None,
+    remaining: Tensor | None = None,
 ) -> Truth:
     """The :class:`Truth` of per-example gradients ``rows`` ``(N, D)``; ``draws`` batches of ``batch_size`` drawn
-    without replacement for the per-step estimates' spread (McCandlish et al. 2018, Eq. A.2 at b = 1, then rule 6)."""
+    without replacement for the per-step estimates' spread (McCandlish et al. 2018, Eq. A.2 at b = 1, then rule 6);
+    ``remaining``: the indices of the examples the epoch has not drawn before this step, for the remaining-set truth."""
     n = len(rows)  # sums in float64 of the float32 rows, without a float64 copy of them
     mean = rows.sum(0, dtype=torch.float64) / n
     sq = (rows - mean.float()).square().sum(1, dtype=torch.float64)
     grad_sq_norm, trace = float(mean.square().sum()), float(sq.mean())
+    left: dict[str, Any] = {}
+    if remaining is not None and len(remaining):
+        mean_r = rows[remaining].sum(0, dtype=torch.float64) / len(remaining)
+        left = {
+            "remaining": len(remaining),
+            "remaining_grad_sq_norm": float(mean_r.square().sum()),
+            "remaining_excess": float((mean_r - mean).square().sum()),
+        }
     if draws <= 0:
-        return Truth(step, grad_sq_norm, trace, batch_size, n)
+        return Truth(step, grad_sq_norm, trace, batch_size, n, **left)
     norms = rows.square().sum(1, dtype=torch.float64)
     b = batch_size
     estimates = []
@@ -148,12 +176,31 @@ def truth_of(
     e = torch.tensor(estimates, dtype=torch.float64)
     c = torch.cov(e.T)
     means = e.mean(0).tolist()
-    return Truth(step, grad_sq_norm, trace, b, n, float(c[0, 0]), float(c[1, 1]), float(c[0, 1]), (means[0], means[1]))
+    return Truth(
+        step, grad_sq_norm, trace, b, n, float(c[0, 0]), float(c[1, 1]), float(c[0, 1]), (means[0], means[1]), **left
+    )
+
+
+class RecordingSampler(RandomSampler):
+    """A shuffled epoch (``RandomSampler`` without replacement, so rule 6 applies) that keeps each epoch's
+    permutation in :attr:`orders`, for :class:`TruthCallback`'s remaining-set truth."""
+
+    def __init__(self, data_source: Any, seed: int = 0) -> None:
+        super().__init__(data_source, generator=torch.Generator().manual_seed(seed))
+        self.orders: list[Tensor] = []
+
+    def __iter__(self):  # type: ignore[override]
+        order = torch.randperm(len(self.data_source), generator=self.generator)
+        self.orders.append(order)
+        yield from order.tolist()
 
 
 class TruthCallback(pl.Callback):
     """Brute-force :class:`Truth` every ``every_n_steps`` optimizer steps of a fit, over ``inputs``/``targets``
     (the whole training set), in :attr:`truths` by step.
+
+    With the train loader's sampler a :class:`RecordingSampler`, each truth also holds the remaining-set truth of
+    the step (the examples from the step's first one to the epoch's end, counted from the micro-batches seen).
 
     Args:
         inputs, targets: the training set, ``(N, ...)`` each, as the model's forward and ``loss`` take them.
@@ -183,17 +230,26 @@ class TruthCallback(pl.Callback):
         self.draws, self.batch_size = draws, batch_size
         self.generator = torch.Generator().manual_seed(seed)
         self.truths: dict[int, Truth] = {}
+        self._drawn = self._step_start = 0  # examples of this epoch drawn so far, and before this step
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._drawn = self._step_start = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
+        self._drawn += len(batch[0])
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
-        step = trainer.global_step
+        step, start, self._step_start = trainer.global_step, self._step_start, self._drawn
         if step % self.every_n_steps or step in self.truths:
             return
+        sampler = trainer.train_dataloader.sampler
+        remaining = sampler.orders[-1][start:] if isinstance(sampler, RecordingSampler) else None
         module = self.module(pl_module)
         device = next(module.parameters()).device
         batch = self.batch_size or trainer.train_dataloader.batch_size * trainer.accumulate_grad_batches
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             rows = per_example_gradients(module, self.inputs.to(device), self.targets.to(device), self.loss)
-        self.truths[step] = truth_of(rows, step, batch, self.draws, self.generator)
+        self.truths[step] = truth_of(rows, step, batch, self.draws, self.generator, remaining)
 
 
 @dataclass

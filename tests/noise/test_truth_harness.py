@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from _truth import (
     CharGPT,
     Classifier,
+    RecordingSampler,
     Row,
     Truth,
     TruthCallback,
@@ -172,3 +173,37 @@ def test_shares_count_the_steps_after_the_first_tenth_as_logged():
     # rel_err at n = 400: sqrt((4/100 + 1/1) / 400) ≈ 0.05; at n = 4 ‖G‖² = 1 < 1.645·sqrt(1/4): unbounded.
     assert got["reachable"] == pytest.approx(5 / 9)
     assert rows[1].true("band_ratio") == pytest.approx(16 * 1.0 / (0.2 * 10.0))
+
+
+class _StepGradient(pl.Callback):
+    """‖.grad‖² at each optimizer step, before the update: the step's batch mean gradient."""
+
+    def __init__(self) -> None:
+        self.sq_norms: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_) -> None:
+        self.sq_norms[trainer.global_step] = float(sum(p.grad.double().square().sum() for p in pl_module.parameters()))
+
+
+def test_the_remaining_set_is_what_the_epoch_has_left_from_the_steps_first_example():
+    """8 examples, 2 optimizer steps of 2 micro-batches of 2 an epoch: at an epoch's first step the remaining set is
+    the whole set (G_R = G), at its last the step's own batch (G_R = the step's ``.grad``): the sampler's recorded
+    permutation and the callback's count of the micro-batches meet the batches the fit drew."""
+    torch.manual_seed(0)
+    x, y = digits_train()
+    x, y = x[:8], y[:8]
+    model = Classifier(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)))
+    truth, grads = TruthCallback(x, y, every_n_steps=1), _StepGradient()
+    trainer = pl.Trainer(**trainer_kwargs(callbacks=[grads, truth], max_steps=6, accumulate_grad_batches=2))
+    data = TensorDataset(x, y)
+    sampler = RecordingSampler(data, seed=3)
+    trainer.fit(model, DataLoader(data, batch_size=2, sampler=sampler))
+    assert len(sampler.orders) == 3 and sorted(truth.truths) == list(range(6))
+    for step, t in truth.truths.items():
+        if step % 2 == 0:
+            assert t.remaining == 8 and t.remaining_grad_sq_norm == pytest.approx(t.grad_sq_norm, rel=1e-6)
+            assert t.remaining_excess == pytest.approx(0.0, abs=1e-9 * t.grad_sq_norm)
+            assert t.cross_grad_sq_norm == pytest.approx(t.grad_sq_norm, rel=1e-6)
+        else:
+            assert t.remaining == 4 and t.remaining_grad_sq_norm == pytest.approx(grads.sq_norms[step], rel=1e-5)
+            assert t.remaining_grad_sq_norm != pytest.approx(t.grad_sq_norm, rel=1e-3)

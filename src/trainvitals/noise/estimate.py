@@ -60,10 +60,15 @@ Combining rule (:meth:`GradientNoise.estimate`):
    then give E[‖G‖²_est] = ‖G‖² − S/N and E[S_est] = S = N·tr Σ/(N − 1), for per-example and micro-batch
    sources alike (the finite-population correction of survey sampling, Cochran 1977, *Sampling
    Techniques*, §2.5). With N known (:attr:`GradientNoise.population`) each source is corrected:
-   ‖G‖² = ‖G‖²_est + S_est/N, tr Σ = S_est·(N − 1)/N, their variances carried along. Not corrected: a shuffled
-   epoch draws each batch from the examples not yet drawn this epoch, and once training has fitted the others,
-   their mean gradient exceeds the whole set's (‖G‖² read 1.19–1.21× the brute-force truth on a LayerNorm MLP,
-   1.0–1.09× with batches drawn with replacement; docs/benchmarks.md): a bias no window choice removes.
+   ‖G‖² = ‖G‖²_est + S_est/N, tr Σ = S_est·(N − 1)/N, their variances carried along.
+   While training on a shuffled epoch the step's batch is drawn from the examples R the epoch has left, and θ
+   has moved on those it drew: the estimate is then unbiased for ‖G‖² + 2·G·(G_R − G), not the full-data ‖G‖²
+   (G_R the mean gradient over R; the excess is 0 at an epoch's first step, with replacement or θ frozen, and
+   positive on average while training: for SGD on a quadratic with η·h ≤ 1 below 2·tr Σ/N, the band ratio at
+   most 2B/(margin·N) high; 2.0–2.9× the full-data ‖G‖² on two Adam fits). A band stop stays conservative;
+   B_simple reads low, the noise scale of the gradient the epoch's steps follow (docs/science.md, "Under random
+   reshuffling"; tests/noise/test_reshuffling.py). On a LayerNorm MLP ‖G‖² read 1.19–1.21× the
+   full-data truth, 1.0–1.09× with batches drawn with replacement (docs/benchmarks.md).
 
 7. Drift. Each source keeps a ladder of EMAs: its ``beta`` (≈ 99 effective measurements at 0.98, decaying per
    measurement, whatever the cadence) and the shorter :data:`LADDER` (0.95, 0.8: ≈ 39 and 9). A long window lags
@@ -618,14 +623,20 @@ class GradientNoise:
         if self.population is None:
             return g, t, var_g, var_s, cov, n_eff
         n, c = self.population, (self.population - 1) / self.population
-        return (g + t / n, t * c, var_g + 2 * cov / n + var_s / n**2, var_s * c**2, c * (cov + var_s / n), n_eff)
+        return (
+            *finite_population(g, t, n),
+            var_g + 2 * cov / n + var_s / n**2,
+            var_s * c**2,
+            c * (cov + var_s / n),
+            n_eff,
+        )
 
     def _band_pair(self, src: NoiseSource, device: torch.device) -> Tensor:
         """``(2,)`` (the band's ‖G‖², tr Σ) of ``src`` (:meth:`NoiseSource.band_values`) in ``.grad`` units, corrected
         for a known population as :meth:`_moments` corrects (rule 6)."""
         _, t, g = (src.band_values().to(device) * src.unit_scale**2).unbind()
         if self.population is not None:
-            g, t = g + t / self.population, t * (self.population - 1) / self.population
+            g, t = finite_population(g, t, self.population)
         return torch.stack([g, t])
 
     def decisive(self, estimate: NoiseEstimate | None = None) -> Tensor:
@@ -942,6 +953,13 @@ def _b_simple_cell(b_simple: float, rel_err: float) -> str:
         return "none yet: the smoothed ‖G‖² is ≤ 0"
     error = f"relative error {rel_err:.2g}" if math.isfinite(rel_err) else "its error not yet measurable"
     return f"{b_simple:.4g} examples ({error})"
+
+
+def finite_population(grad_sq_norm: Any, trace_cov: Any, population: int) -> tuple[Any, Any]:
+    """Rule 6: (‖G‖², tr Σ) of a batch drawn without replacement from ``population`` = N examples, from the
+    estimators' (‖G‖²_est, S_est), made for independent draws: ‖G‖²_est + S_est/N and S_est·(N − 1)/N.
+    Tensors of any matching shapes, or floats."""
+    return grad_sq_norm + trace_cov / population, trace_cov * (population - 1) / population
 
 
 def band_ratio(grad_sq_norm: Any, trace_cov: Any, batch_size: int, margin: float) -> Any:
