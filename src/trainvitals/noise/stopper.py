@@ -720,12 +720,20 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                     if low > 0
                     else "(no error bar yet)"
                 )
-                reaches = "; that interval reaches the band: not shown to be outside it" if low <= 1.0 else ""
+                reaches = (
+                    "; that interval lies inside the band"
+                    if high <= 1.0
+                    else "; that interval reaches into the band: not shown to be outside it"
+                    if low <= 1.0
+                    else ""
+                )
+                # The current estimate (grad_noise/band_ratio, its lag in its error); the decision's own ratio is
+                # the band window's (grad_norm/band_ratio), which lags it.
                 why += (
-                    f"; at the end the smoothed ‖G‖² = {grad:.3g} ± {se:.2g} is {ratio:.2f}× the band's edge "
+                    f"; at the end the current estimate ‖G‖² = {grad:.3g} ± {se:.2g} is {ratio:.2f}× the band's edge "
                     f"{self.margin:g}·tr(Σ)/B {interval}{reaches}"
                     if ratio > 0
-                    else f"; at the end the smoothed ‖G‖² = {grad:.3g} ± {se:.2g} is ≤ 0, inside the band"
+                    else f"; at the end the current estimate ‖G‖² = {grad:.3g} ± {se:.2g} is ≤ 0, inside the band"
                 )
         if self.from_start:
             why = f"{self.from_start.removesuffix('.')}; " + why
