@@ -47,7 +47,7 @@ Combining rule (:meth:`GradientNoise.estimate`):
    :data:`COUPLING_Z` standard errors, Student-widened at the window's effective measurements
    (:func:`coupling_shown`: independent examples give E[‖G‖²_est] = ‖G‖² ≥ 0 at every step, so any window's
    mean has a non-negative expectation, lag or none; a negative value within its error is a legitimate
-   "G ≈ 0"; issue #25: a normal 3σ on the chosen, often 9-measurement window dropped a plain MLP's probe), or it
+   "G ≈ 0"; a normal 3σ on a short window, checked at every logging step, is a false alarm), or it
    disagrees with
    the micro-batch/rank source beyond :data:`AGREEMENT_Z` standard errors (Student-widened at the fewer effective
    measurements of the two; each source on its own windows, whose errors hold their lag: sources measured at
