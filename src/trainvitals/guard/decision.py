@@ -62,7 +62,7 @@ def noise_weight(sizes: list[int | None], divisor: int) -> float:
     NaN when a size is unknown (``None``) or there is none."""
     if not sizes or not all(sizes):
         return math.nan
-    return sum(1.0 / (divisor * divisor * b) for b in sizes if b)
+    return sum(1.0 / (divisor * divisor * b) for b in sizes)
 
 
 def pack(
