@@ -284,7 +284,7 @@ class GradNormMonitor(TrainvitalsCallback):
 
         logs = is_logging_step(track.steps, logging_every(trainer, self.log_every_n_steps))
         if logs or len(track.pending) >= MAX_PENDING_STEPS:
-            self._read_back(track, self._ranks)
+            self._read_back(track, together=True)
             self._search_producer(trainer, pl_module, optimizer, track, step)
         if logs and _clips(trainer, pl_module):
             self._clip_pending = (index, step)  # logged with the clipped norm: one event, one CSV row
@@ -323,7 +323,7 @@ class GradNormMonitor(TrainvitalsCallback):
         # step is still reported: the counters (only they) are logged at the last measured step when
         # they changed since they were logged.
         for index, track in self._tracks.items():
-            self._read_back(track, self._ranks)
+            self._read_back(track, together=True)
             if track.last_read is None:
                 continue
             step = track.last_read[0]
@@ -336,7 +336,7 @@ class GradNormMonitor(TrainvitalsCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         for track in self._tracks.values():  # the steps still on the device enter the counters first
-            self._read_back(track, self._ranks)  # every rank writes its checkpoint's state: Trainer.save_checkpoint
+            self._read_back(track, together=True)  # every rank writes its checkpoint's state: Trainer.save_checkpoint
         return super().state_dict()
 
     @override
@@ -400,7 +400,7 @@ class GradNormMonitor(TrainvitalsCallback):
         param_names = [names.get(p, f"unregistered.{i}") for i, p in enumerate(params)]
         groups = NormGroups.from_names(param_names, self.grouping)
         if track is not None:
-            self._read_back(track, self._ranks)  # its rows have the old parameters' columns
+            self._read_back(track, together=True)  # its rows have the old parameters' columns
             track.params, track.groups = params, groups
             return track
         track = _Track(params, groups, self._track_states.get(index))
@@ -412,15 +412,15 @@ class GradNormMonitor(TrainvitalsCallback):
             return f"grad_norm/optimizer_{index}/{name}"
         return f"grad_norm/{name}"
 
-    def _read_back(self, track: _Track, ranks: tuple[int, Callable[[Tensor], Tensor]] | None = None) -> None:
+    def _read_back(self, track: _Track, together: bool = False) -> None:
         """Group the pending steps' norms in one batch, read them back in one transfer, and count.
 
         A non-finite total is a non-finite step, or under a GradScaler (which skips such steps and
         lowers its scale: calibration, not divergence) an AMP-skipped one; finite totals go through
-        the spike rule (:func:`~trainvitals.norms.spikes.norm_spike`), each at its step's effective batch. With
-        ``ranks`` (their number and a sum over them; every rank reads back at this step) the steps' noise weights
-        are summed over the ranks in one collective first, so that every rank judges each step at the same batch;
-        without (one process, or an end-of-fit summary) each at its own.
+        the spike rule (:func:`~trainvitals.norms.spikes.norm_spike`), each at its step's effective batch. Under
+        several ranks, ``together`` (every rank reads back at this step, in a hook) sums the steps' noise weights
+        over the ranks in one collective first, so that every rank judges each step at the same batch; otherwise
+        (a summary, which may run on one rank) this rank's batches stand for every rank's.
         """
         if not track.pending:
             return
@@ -431,11 +431,13 @@ class GradNormMonitor(TrainvitalsCallback):
         totals = combine_norms(group_norms, self.norm_type)
         n = len(steps)
         parts = [totals, group_norms[-1]]
-        if ranks is not None:  # the window's weights summed over the ranks (their gradients averaged): one collective
-            parts.append(ranks[1](torch.tensor(weights, dtype=torch.float64, device=totals.device)))
+        world, reduce = self._ranks or (1, None)
+        reduced = together and reduce is not None
+        if reduced:  # the window's weights summed over the ranks: one collective
+            parts.append(reduce(torch.tensor(weights, dtype=torch.float64, device=totals.device)))
         host = torch.cat(parts).tolist()  # one transfer: the totals, the last step's groups (the ranks' weights)
         totals_host, last_groups = host[:n], host[n : n + len(track.groups.names)]
-        world, summed = (1, weights) if ranks is None else (ranks[0], host[-n:])
+        summed = host[-n:] if reduced else [world * w for w in weights]
         batches = [effective_batch(w, world) for w in summed]
         track.last_read = (steps[-1], totals_host[-1], dict(zip(track.groups.names, last_groups)))
         nonfinite_row = spike_row = None
