@@ -44,32 +44,37 @@ def _counts_at(logger: RecordingLogger, flagged: list[int]) -> tuple[list[float]
     return [count for _, count in series], [sum(s <= step for s in flagged) for step, _ in series]
 
 
-def test_an_epochs_one_row_batch_is_no_spike_and_a_20x_spike_on_it_still_is(caplog):
+@pytest.mark.parametrize(("accumulate", "epochs"), [(1, 12), (2, 40)])
+def test_an_epochs_one_row_batch_is_no_spike_and_a_20x_spike_on_it_still_is(caplog, accumulate, epochs):
     """321 rows at batch 16, shuffled: 20 full batches and a last one of 1 row each epoch (``drop_last=False``),
-    read back every 7 steps. The plain rule (allowance 1, the monitor's before) flags epoch ends and nothing else; the rule with
-    the 1-row steps' thresholds × √16 flags none of them, nor does the monitor; the last step of epoch 5 × 20 is
-    flagged, said with its batch."""
+    read back every 7 steps; under accumulation of 2 the last step is that row alone, halved (b = 2² · 1 = 4 against
+    B = 32, whose √8 the plain rule's 5× exceeds more rarely: more epochs). The plain rule (allowance 1, the monitor's
+    before) flags epoch ends and nothing else; the rule with the short steps' thresholds × √(B / b) flags none of
+    them, nor does the monitor; the last step of epoch 5 × 20 is flagged, said with its batch."""
     data = DataLoader(TensorDataset(torch.randn(20 * BATCH + 1, D)), batch_size=BATCH, shuffle=True)
-    epochs, spike_at = 12, 6 * 21 - 1
+    per_epoch = -(-21 // accumulate)
+    spike_at, usual = 6 * per_epoch - 1, BATCH * accumulate
     for spike, expected in ((1.0, []), (20.0, [spike_at])):
         model = NoiseOnly(spike_at=spike_at, spike=spike, d=D)
         monitor = GradNormMonitor(log_every_n_steps=7, histogram_every_n_steps=0)
         with caplog.at_level("INFO"):
-            logger = _fit(model, monitor, data, max_epochs=epochs)
+            logger = _fit(model, monitor, data, max_epochs=epochs, accumulate_grad_batches=accumulate)
         steps = sorted(model.norms)
-        assert len(steps) == 21 * epochs and model.sizes[spike_at] == [1]
-        norms, batches = [model.norms[s] for s in steps], [float(sum(model.sizes[s])) for s in steps]
-        ends = [s for s in steps if batches[s] == 1.0]
+        assert len(steps) == per_epoch * epochs and model.sizes[spike_at] == [1]
+        norms = [model.norms[s] for s in steps]
+        batches = [1.0 / sum(1.0 / (accumulate**2 * b) for b in model.sizes[s]) for s in steps]  # A² / Σ 1/b_k
+        ends = [s for s in steps if batches[s] < usual]
         plain = _flagged(norms)
         assert plain and set(plain) <= set(ends)
-        assert _flagged(norms, _allowances(batches, BATCH)) == expected
+        assert _flagged(norms, _allowances(batches, usual)) == expected
         logged, replayed = _counts_at(logger, expected)
         assert logged == replayed and logged[-1] == len(expected)
         said = [r.message for r in caplog.records if "spike at optimizer step" in r.message]
         caplog.clear()
         assert len(said) == len(expected)
         if expected:
-            assert f"step {spike_at}: " in said[0] and "(a batch of 1 examples against the usual 16: " in said[0]
+            short = f"(a batch of {accumulate**2} examples against the usual {usual}: "
+            assert f"step {spike_at}: " in said[0] and short in said[0]
 
 
 def _short_first() -> DataLoader:
