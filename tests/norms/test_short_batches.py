@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from _models import NoiseOnly, ReleaseProcessGroup
-from conftest import RecordingLogger, trainer_kwargs
+from conftest import HostReads, RecordingLogger, trainer_kwargs
 from test_spikes import _reference
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -75,6 +75,17 @@ def test_an_epochs_one_row_batch_is_no_spike_and_a_20x_spike_on_it_still_is(capl
         if expected:
             short = f"(a batch of {accumulate**2} examples against the usual {usual}: "
             assert f"step {spike_at}: " in said[0] and short in said[0]
+
+
+def test_the_batch_sizes_cost_no_host_read_between_logging_steps(monkeypatch):
+    """The micro-batches are sized from their tensors' shapes and their weights kept as host floats: the monitor's
+    hooks read the host at its logging steps only (every 3rd, one transfer each): none at the epoch's short step 20."""
+    monitor = GradNormMonitor(log_every_n_steps=3, histogram_every_n_steps=0)
+    host = HostReads(monkeypatch)
+    host.watch(monitor, ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step"))
+    data = DataLoader(TensorDataset(torch.randn(20 * BATCH + 1, D)), batch_size=BATCH)
+    pl.Trainer(**trainer_kwargs(callbacks=[monitor], max_steps=23)).fit(NoiseOnly(d=D), data)
+    assert host.reads == [(s, "tolist") for s in range(0, 23, 3)]
 
 
 def _short_first() -> DataLoader:
