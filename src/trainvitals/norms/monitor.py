@@ -336,7 +336,10 @@ class GradNormMonitor(TrainvitalsCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         for track in self._tracks.values():  # the steps still on the device enter the counters first
-            self._read_back(track, together=True)  # every rank writes its checkpoint's state: Trainer.save_checkpoint
+            # No collective here: a user may save a checkpoint on one rank alone. The pending steps are judged at this
+            # rank's batches, the same on every rank wherever the sampler gives the ranks batches of one size
+            # (Lightning's DistributedSampler pads them so).
+            self._read_back(track)
         return super().state_dict()
 
     @override
@@ -420,7 +423,7 @@ class GradNormMonitor(TrainvitalsCallback):
         the spike rule (:func:`~trainvitals.norms.spikes.norm_spike`), each at its step's effective batch. Under
         several ranks, ``together`` (every rank reads back at this step, in a hook) sums the steps' noise weights
         over the ranks in one collective first, so that every rank judges each step at the same batch; otherwise
-        (a summary, which may run on one rank) this rank's batches stand for every rank's.
+        (a summary or a checkpoint, which may run on one rank) this rank's batches stand for every rank's.
         """
         if not track.pending:
             return
