@@ -81,6 +81,34 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class NoiseOnly(pl.LightningModule):
+    """loss = 10 + mean over the batch of w · x, x ~ N(0, I_d) (``d`` = 32 by default): the gradient is the batch's
+    mean x, pure noise with E‖g‖² = tr Σ / b = d / b whatever w, and the loss stays near 10 (w starts at 0, the lr is
+    small). The gradient of the optimizer step ``spike_at`` is × ``spike``. ``sizes[step]``, ``norms[step]``: each
+    step's micro-batches' rows and its brute-force ‖g‖."""
+
+    def __init__(self, spike_at: int | None = None, spike: float = 1.0, d: int = 32) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, 1, bias=False)
+        nn.init.zeros_(self.lin.weight)
+        self.spike_at, self.spike = spike_at, spike
+        self.sizes: dict[int, list[int]] = {}
+        self.norms: dict[int, float] = {}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.sizes.setdefault(self.global_step, []).append(len(batch[0]))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return 10.0 + (self.spike if self.global_step == self.spike_at else 1.0) * self.lin(x).mean()
+
+    def on_before_optimizer_step(self, optimizer):
+        self.norms[self.global_step] = flat_grad_norm(self.parameters())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
 class ReleaseProcessGroup(pl.Callback):
     """Destroys the process group when a ``ddp_spawn`` fit is done, before the worker process exits.
 

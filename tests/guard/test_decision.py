@@ -13,15 +13,13 @@ from trainvitals.guard.decision import (
     SPIKE,
     Budget,
     Reading,
-    UsualBatch,
     choose,
     classify,
-    noise_weight,
     pack,
     unpack,
 )
 from trainvitals.guard.snapshot import Snapshot
-from trainvitals.norms.spikes import SpikeDetector
+from trainvitals.norms.spikes import SpikeDetector, UsualBatch, noise_weight
 
 
 def _detectors(warmup: int = 2) -> tuple[SpikeDetector, SpikeDetector]:
@@ -85,39 +83,6 @@ def test_a_step_without_loss_is_judged_by_its_gradient_alone():
     assert classify(reading, loss_spikes, norm_spikes) == (None, "") and loss_spikes.count == 0
 
 
-@pytest.mark.parametrize(("sizes", "divisor"), [([8], 1), ([2], 1), ([8, 8], 2), ([8, 2], 2), ([8], 2), ([3, 5, 1], 4)])
-def test_the_noise_weight_is_the_variance_of_the_steps_gradient_by_monte_carlo(sizes, divisor):
-    """Per-example gradients G + ξ (ξ ~ N(0, diag σ²)), micro-batches of ``sizes`` rows, each mean divided by
-    ``divisor`` and summed, as Lightning accumulates: E‖g‖² over 100,000 draws against c²‖G‖² + weight · tr Σ,
-    c = len(sizes) / divisor; and the step's norm against the usual one's (``divisor`` full micro-batches of 8)
-    within the allowance √(B / b) that UsualBatch gives its effective batch b = 1 / weight."""
-    g = torch.Generator().manual_seed(1)
-    mean, sigma = torch.tensor([0.3, -0.2, 0.1, 0.0]), torch.tensor([1.0, 2.0, 0.5, 1.5])
-
-    def mean_sq_norm(micro: list[int]) -> float:
-        grad = sum(
-            (mean + sigma * torch.randn(100_000, b, 4, generator=g, dtype=torch.float64)).mean(1) / divisor
-            for b in micro
-        )
-        return grad.square().sum(1).mean().item()
-
-    weight = noise_weight(sizes, divisor)
-    c = len(sizes) / divisor
-    expected = c**2 * mean.square().sum().item() + weight * sigma.square().sum().item()
-    assert mean_sq_norm(sizes) == pytest.approx(expected, rel=0.02)
-    usual = UsualBatch(span=10)
-    usual.allowance(1.0 / noise_weight([8] * divisor, divisor))  # the usual step: B = 8 · divisor
-    allowance, batch = usual.allowance(1.0 / weight)
-    assert batch == 8 * divisor
-    assert mean_sq_norm(sizes) <= allowance**2 * mean_sq_norm([8] * divisor) * 1.02
-
-
-def test_the_noise_weight_is_unknown_without_every_size():
-    assert (
-        math.isnan(noise_weight([8, None], 1)) and math.isnan(noise_weight([], 1)) and math.isnan(noise_weight([0], 1))
-    )
-
-
 def test_rows_summed_over_ranks_give_the_steps_effective_batch():
     """Two ranks' means averaged: Var = (σ²/b₀ + σ²/b₁) / 4, the variance of one mean over 4 / (1/b₀ + 1/b₁) rows."""
     cpu, sq_norm = torch.device("cpu"), torch.tensor(1.0)
@@ -127,18 +92,6 @@ def test_rows_summed_over_ranks_give_the_steps_effective_batch():
     unknown = pack(torch.tensor(1.0), sq_norm, 0, 2, cpu, noise_weight([8], 1)) + pack(None, sq_norm, 1, 2, cpu)
     assert math.isnan(unpack(unknown.tolist()).batch)  # a rank that could not size its batch: none known
     assert unpack(pack(torch.tensor(1.0), sq_norm, 0, 1, cpu).tolist(), noise=1 / 8).batch == 8.0  # one process
-
-
-def test_the_usual_batch_is_the_largest_of_the_last_one_to_two_spans():
-    usual = UsualBatch(span=3)
-    assert usual.allowance(16.0) == (1.0, 0.0)  # nothing usual yet
-    assert usual.allowance(4.0) == (2.0, 16.0)  # √(16 / 4)
-    assert usual.allowance(math.nan) == (1.0, 16.0)  # an unsized batch is allowed nothing and counts for nothing
-    assert usual.allowance(16.0)[0] == 1.0 and usual.allowance(32.0) == (1.0, 16.0)  # a larger one: 1
-    copy = UsualBatch(span=3)
-    copy.load_state_dict(usual.state_dict())
-    for u in (usual, copy):
-        assert [u.allowance(4.0) for _ in range(6)][-1] == (1.0, 4.0)  # after 2 spans of 4s, 4 is usual
 
 
 def test_a_short_batch_is_judged_with_its_threshold_raised_by_its_allowance():

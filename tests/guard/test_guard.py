@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import LogModel, ReleaseProcessGroup, flat_grad_norm, loader, log_data, regression_data
+from _models import LogModel, NoiseOnly, ReleaseProcessGroup, flat_grad_norm, loader, log_data, regression_data
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -227,34 +227,6 @@ def test_under_accumulation_an_event_reports_the_steps_mean_loss_and_its_gradien
     assert (event["global_step"], event["epoch"], event["batch_idx"]) == (4, 1, 1)  # the step's last micro-batch
     assert event["loss"] == pytest.approx(sum(model.losses[4]) / 2)  # Lightning divides each by 2
     assert event["grad_norm"] == pytest.approx(before.norms[4])
-
-
-class NoiseOnly(pl.LightningModule):
-    """loss = 10 + mean over the batch of w · x, x ~ N(0, I₃₂): the gradient is the batch's mean x, pure noise with
-    E‖g‖² = tr Σ / b = 32 / b whatever w, and the loss stays near 10 (w starts at 0, the lr is small). The gradient
-    of the optimizer step ``spike_at`` is × ``spike``. ``sizes[step]``, ``norms[step]``: each step's micro-batches'
-    rows and its brute-force ‖g‖."""
-
-    def __init__(self, spike_at: int | None = None, spike: float = 1.0) -> None:
-        super().__init__()
-        self.lin = nn.Linear(32, 1, bias=False)
-        nn.init.zeros_(self.lin.weight)
-        self.spike_at, self.spike = spike_at, spike
-        self.sizes: dict[int, list[int]] = {}
-        self.norms: dict[int, float] = {}
-
-    def on_train_batch_start(self, batch, batch_idx):
-        self.sizes.setdefault(self.global_step, []).append(len(batch[0]))
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        return 10.0 + (self.spike if self.global_step == self.spike_at else 1.0) * self.lin(x).mean()
-
-    def on_before_optimizer_step(self, optimizer):
-        self.norms[self.global_step] = flat_grad_norm(self.parameters())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
 def _replay(norms: list[float], allowances: list[float], factor: float, beta: float, warmup: int) -> list[int]:

@@ -1,20 +1,26 @@
-"""core.spikes.SpikeDetector against a direct computation of the winsorized, bias-corrected EMA."""
+"""The spike rule against direct computations: SpikeDetector's winsorized, bias-corrected EMA; a step's noise weight
+by Monte Carlo; the usual batch and its allowance."""
+
+import math
 
 import pytest
+import torch
 
-from trainvitals.norms.spikes import SpikeDetector
+from trainvitals.norms.spikes import SpikeDetector, UsualBatch, effective_batch, noise_weight, norm_spike
 
 
-def _reference(values, factor, beta, warmup):
-    """Weighted average of the (clipped) earlier values with weights β^(t-1-j), normalised to sum 1."""
+def _reference(values, factor, beta, warmup, allowances=None):
+    """Weighted average of the (clipped) earlier values with weights β^(t-1-j), normalised to sum 1; each value's
+    threshold factor × that × its allowance (1 by default)."""
     kept, flags = [], []
-    for value in values:
+    for value, allowance in zip(values, allowances or [1.0] * len(values)):
         t = len(kept)
         weights = [beta ** (t - 1 - j) for j in range(t)]
         average = sum(w * x for w, x in zip(weights, kept)) / sum(weights) if t else 0.0
-        spike = t >= max(1, warmup) and value > factor * average
+        threshold = allowance * factor * average
+        spike = t >= max(1, warmup) and value > threshold
         flags.append(value / average if spike else None)
-        kept.append(factor * average if spike else value)
+        kept.append(threshold if spike else value)
     return flags
 
 
@@ -52,3 +58,70 @@ def test_an_average_of_zero_flags_nothing_and_is_left_behind():
     assert detector.update(1.0) is None  # no scale to exceed: it enters the average
     flags = [detector.update(1.0) for _ in range(200)]
     assert detector.average > 0.5 and flags[-1] is None
+
+
+@pytest.mark.parametrize(("sizes", "divisor"), [([8], 1), ([2], 1), ([8, 8], 2), ([8, 2], 2), ([8], 2), ([3, 5, 1], 4)])
+def test_the_noise_weight_is_the_variance_of_the_steps_gradient_by_monte_carlo(sizes, divisor):
+    """Per-example gradients G + ξ (ξ ~ N(0, diag σ²)), micro-batches of ``sizes`` rows, each mean divided by
+    ``divisor`` and summed, as Lightning accumulates: E‖g‖² over 100,000 draws against c²‖G‖² + weight · tr Σ,
+    c = len(sizes) / divisor; and the step's norm against the usual one's (``divisor`` full micro-batches of 8)
+    within the allowance √(B / b) that UsualBatch gives its effective batch b = 1 / weight."""
+    g = torch.Generator().manual_seed(1)
+    mean, sigma = torch.tensor([0.3, -0.2, 0.1, 0.0]), torch.tensor([1.0, 2.0, 0.5, 1.5])
+
+    def mean_sq_norm(micro: list[int]) -> float:
+        grad = sum(
+            (mean + sigma * torch.randn(100_000, b, 4, generator=g, dtype=torch.float64)).mean(1) / divisor
+            for b in micro
+        )
+        return grad.square().sum(1).mean().item()
+
+    weight = noise_weight(sizes, divisor)
+    c = len(sizes) / divisor
+    expected = c**2 * mean.square().sum().item() + weight * sigma.square().sum().item()
+    assert mean_sq_norm(sizes) == pytest.approx(expected, rel=0.02)
+    usual = UsualBatch(span=10)
+    usual.allowance(1.0 / noise_weight([8] * divisor, divisor))  # the usual step: B = 8 · divisor
+    allowance, batch = usual.allowance(1.0 / weight)
+    assert batch == 8 * divisor
+    assert mean_sq_norm(sizes) <= allowance**2 * mean_sq_norm([8] * divisor) * 1.02
+
+
+def test_the_noise_weight_is_unknown_without_every_size():
+    assert (
+        math.isnan(noise_weight([8, None], 1)) and math.isnan(noise_weight([], 1)) and math.isnan(noise_weight([0], 1))
+    )
+
+
+def test_the_usual_batch_is_the_largest_of_the_last_one_to_two_spans():
+    usual = UsualBatch(span=3)
+    assert usual.allowance(16.0) == (1.0, 0.0)  # nothing usual yet
+    assert usual.allowance(4.0) == (2.0, 16.0)  # √(16 / 4)
+    assert usual.allowance(math.nan) == (1.0, 16.0)  # an unsized batch is allowed nothing and counts for nothing
+    assert usual.allowance(16.0)[0] == 1.0 and usual.allowance(32.0) == (1.0, 16.0)  # a larger one: 1
+    copy = UsualBatch(span=3)
+    copy.load_state_dict(usual.state_dict())
+    for u in (usual, copy):
+        assert [u.allowance(4.0) for _ in range(6)][-1] == (1.0, 4.0)  # after 2 spans of 4s, 4 is usual
+
+
+def test_a_short_batchs_norm_is_judged_at_its_allowance_and_said():
+    """Batches of 16 with one of 1 every 10th: norm_spike flags what the direct computation does with the short
+    batches' thresholds × √(16 / 1) = 4 (what UsualBatch allows them), not what the plain rule does (it flags the
+    first 6), and says why it allowed the 80 more."""
+    values, batches = [], []
+    for i in range(60):
+        short = i % 10 == 9
+        values.append((80.0 if i == 39 else 6.0) if short else 1.0 + 0.1 * (i % 3))
+        batches.append(effective_batch(noise_weight([1 if short else 16], 1)))
+    spikes, usual = SpikeDetector(5.0, 0.9, 3), UsualBatch(span=10)
+    found = [norm_spike(v, b, spikes, usual) for v, b in zip(values, batches)]
+    allowed = _reference(values, 5.0, 0.9, 3, [4.0 if b == 1.0 else 1.0 for b in batches])
+    assert [f is None for f in found] == [a is None for a in allowed]
+    assert [i for i, a in enumerate(allowed) if a] == [39]
+    assert [i for i, p in enumerate(_reference(values, 5.0, 0.9, 3)) if p] == [9, 39]  # the plain rule: a 6 too
+    ratio, said = found[39]
+    assert ratio == pytest.approx(allowed[39], rel=1e-12)
+    assert said == " (a batch of 1 examples against the usual 16: beyond the 20× its noise allows)"
+    average = spikes.average
+    assert norm_spike(100.0, math.nan, spikes, None) == (pytest.approx(100.0 / average, rel=1e-12), "")  # allowed 1

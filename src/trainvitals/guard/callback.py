@@ -50,10 +50,8 @@ from trainvitals.guard.decision import (
     SPIKE,
     Budget,
     Reading,
-    UsualBatch,
     choose,
     classify,
-    noise_weight,
     pack,
     unpack,
 )
@@ -61,10 +59,10 @@ from trainvitals.guard.snapshot import WHERE, BufferCopy, Snapshot
 from trainvitals.norms.monitor import MAX_PENDING_STEPS
 from trainvitals.norms.nonfinite import ProducerSearch
 from trainvitals.norms.producer import SEARCHES, Producer
-from trainvitals.norms.spikes import SpikeDetector
+from trainvitals.norms.spikes import SpikeDetector, UsualBatch, noise_weight
 from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
-from trainvitals.plumbing.batch import batch_size, loss_divisor
+from trainvitals.plumbing.batch import StepBatches, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER, SUMMARY
@@ -88,7 +86,7 @@ class TrainingGuard(TrainvitalsCallback):
     An event is a non-finite loss or gradient (``"nonfinite"``) or a value above ``spike_factor`` × its winsorized
     EMA (``"spike"``, :class:`~trainvitals.norms.spikes.SpikeDetector`; a loss spike needs a positive loss; a norm
     from a batch of b examples below the usual B, an epoch's short last one, is allowed √(B/b) times more:
-    :class:`~trainvitals.guard.decision.UsualBatch`). Its action, per kind: ``"warn"``; ``"skip"`` — the optimizer
+    :class:`~trainvitals.norms.spikes.UsualBatch`). Its action, per kind: ``"warn"``; ``"skip"`` — the optimizer
     step is not applied, the gradients dropped, and the module's persistent buffers (BatchNorm's running statistics,
     which the step's forward already updated) put back as they were at the step's first micro-batch (under a
     GradScaler a non-finite gradient is the scaler's own skip: a finite loss with it is calibration and no event,
@@ -216,6 +214,8 @@ class TrainingGuard(TrainvitalsCallback):
         )
         self._step: dict[str, Any]  # scratch: this step's losses, batches, RNG states, decision; the params
         self.add_state("_step", dict, persistent=False)
+        self._batches: StepBatches  # this step's micro-batches and their sizes: its gradient's noise weight
+        self.add_state("_batches", StepBatches, persistent=False)
         self._waiting: list[tuple[Any, ...]]  # all actions "warn": the steps not read back yet, rows on the device
         self.add_state("_waiting", list, persistent=False)
         self._unsaid: dict[str, int]  # per kind whose first "warn" event this fit was said: the later ones, counted
@@ -259,13 +259,12 @@ class TrainingGuard(TrainvitalsCallback):
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
-        if self._step.get("window") != trainer.global_step:  # a new optimizer step's first micro-batch
-            self._step.update(window=trainer.global_step, batches=[], losses=[], sizes={})
+        if self._batches.start(trainer, batch, i):  # a new optimizer step's first micro-batch
+            self._step.update(batches=[], losses=[])
             self._scale_lr(trainer)
             if self._skips:
                 self._buffers.take(pl_module)
         self._step["batches"].append(i)
-        self._step["sizes"][i] = batch_size(batch)  # its tensors' shapes, on the host: no sync
         if self.name_producer:  # references and the RNG state: no copy of the batch
             self.search.keep(trainer.global_step, pl_module, batch, i)
         self._step["batch_idx"] = i
@@ -276,6 +275,7 @@ class TrainingGuard(TrainvitalsCallback):
         scale = loss_scale(trainer)  # the GradScaler's scale is in the loss here
         loss = loss if scale is None else loss / scale.to(loss)
         self._step.setdefault("losses", []).append((self._step.get("batch_idx"), loss))  # normalised, on device
+        self._batches.backward()
 
     @override
     def on_before_optimizer_step(
@@ -291,8 +291,7 @@ class TrainingGuard(TrainvitalsCallback):
         # The micro-batches' sum, as Lightning normalises them (one micro-batch: its own loss, no device op).
         loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) if losses else None
         device = next((t.device for t in (sq_norm, loss) if t is not None), pl_module.device)
-        sizes = self._step.get("sizes", {})
-        noise = noise_weight([sizes.get(i) for i, _ in self._step.get("losses", [])], loss_divisor(trainer, pl_module))
+        noise = noise_weight(self._batches.backward_sizes(), loss_divisor(trainer, pl_module))
         row = pack(loss, sq_norm, trainer.global_rank, trainer.world_size, device, noise)
         if trainer.world_size > 1:
             row = trainer.strategy.reduce(row, reduce_op="sum")

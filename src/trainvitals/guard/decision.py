@@ -3,13 +3,14 @@
 One optimizer step is read as a ``(4 + world_size,)`` float64 vector that every rank fills with its own
 numbers and that one all-reduce (sum) makes identical on all ranks (:func:`pack`, :func:`unpack`): the
 loss summed over micro-batches, the total ‖g‖₂² (already the ranks' common gradient), a count of ranks
-that had a loss, the rank's gradient noise weight (:func:`noise_weight`, from its batches' sizes: what the
-spike rule allows a short batch), and one slot per rank set when that rank's own loss was non-finite. A single
-process reads ``(loss, ‖g‖₂²)`` alone: whether it had a loss and its batches' sizes it knows, and whether the
-loss was finite it reads from the number (fewer device operations on the step that every step pays). Everything
-after runs on the host over those identical numbers — :func:`classify` with the winsorized EMA spike rule of
-:class:`~trainvitals.norms.spikes.SpikeDetector` and the allowance of :class:`UsualBatch`, :func:`choose` with a
-:class:`Budget` — so every rank takes the same decision without a second collective.
+that had a loss, the rank's gradient noise weight (:func:`~trainvitals.norms.spikes.noise_weight`, from its
+batches' sizes: what the spike rule allows a short batch), and one slot per rank set when that rank's own loss was
+non-finite. A single process reads ``(loss, ‖g‖₂²)`` alone: whether it had a loss and its batches' sizes it knows,
+and whether the loss was finite it reads from the number (fewer device operations on the step that every step
+pays). Everything after runs on the host over those identical numbers — :func:`classify` with the spike rule of
+:mod:`trainvitals.norms.spikes` (the winsorized EMA of :class:`~trainvitals.norms.spikes.SpikeDetector`, a short
+batch's allowance), :func:`choose` with a :class:`Budget` — so every rank takes the same decision without a second
+collective.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainvitals.norms.spikes import SpikeDetector
+from trainvitals.norms.spikes import SpikeDetector, UsualBatch, effective_batch, norm_spike
 
 ACTIONS = ("warn", "skip", "rollback", "stop")
 """What the guard can do about an event, mildest first: the budget escalates along this ladder."""
@@ -42,8 +43,8 @@ class Reading:
         has_loss: whether any rank had a loss this step (a ``training_step`` may return ``None``).
         world_size: the number of ranks.
         batch: the step's effective batch, in examples: the size of one batch whose mean gradient is as noisy as
-            the step's (:func:`noise_weight`; its examples when its micro-batches are of one size); NaN where a
-            batch could not be sized.
+            the step's (:func:`~trainvitals.norms.spikes.effective_batch`; its examples when its micro-batches are of
+            one size); NaN where a batch could not be sized.
     """
 
     loss: float
@@ -52,17 +53,6 @@ class Reading:
     has_loss: bool = True
     world_size: int = 1
     batch: float = math.nan
-
-
-def noise_weight(sizes: list[int | None], divisor: int) -> float:
-    """The noise of one rank's step gradient in units of tr Σ: Σ_k 1 / (divisor² · b_k) over its micro-batches of
-    ``sizes`` b_k examples, each loss divided by ``divisor`` (Lightning's ``accumulate_grad_batches``), so that
-    E‖g‖² = c²‖G‖² + weight · tr Σ (c ≤ 1: the share of the step's micro-batches that ran). Under DDP the ranks'
-    gradients are averaged: the step's weight is the ranks' sum over world_size², its effective batch 1 / that.
-    NaN when a size is unknown (``None``) or there is none."""
-    if not sizes or not all(sizes):
-        return math.nan
-    return sum(1.0 / (divisor * divisor * b) for b in sizes)
 
 
 def pack(
@@ -77,8 +67,8 @@ def pack(
     ``(2,)`` for a single process (whose ``noise`` :func:`unpack` takes from the host).
 
     ``loss``: the rank's ``()`` loss or ``None`` (no backward this step); ``sq_norm``: ``()`` ‖g‖₂² or
-    ``None`` (no gradient); ``noise``: its :func:`noise_weight`. Built on ``device`` without a host sync (the
-    weight is a fill, not a copy).
+    ``None`` (no gradient); ``noise``: its :func:`~trainvitals.norms.spikes.noise_weight`. Built on ``device``
+    without a host sync (the weight is a fill, not a copy).
     """
     f64 = torch.float64
     zero = torch.zeros((), dtype=f64, device=device) if loss is None or sq_norm is None else None
@@ -111,44 +101,8 @@ def unpack(summed: list[float], has_loss: bool = True, noise: float = math.nan) 
         nonfinite_ranks=tuple(r for r, flag in enumerate(flags) if flag),
         has_loss=bool(with_loss),
         world_size=len(flags),
-        batch=len(flags) ** 2 / weight if weight > 0 else math.nan,  # NaN > 0 is False
+        batch=effective_batch(weight, len(flags)),
     )
-
-
-class UsualBatch:
-    """The usual effective batch of the recent optimizer steps, and the spike rule's allowance to a smaller one.
-
-    A step of b < B examples has E‖ḡ_b‖² = ‖G‖² + tr Σ / b ≤ (B / b) · (‖G‖² + tr Σ / B): its gradient norm may be
-    up to √(B / b) times the usual one from noise alone (exactly so when noise dominates), as on an epoch's short
-    last batch (``drop_last=False``). B is the largest effective batch (:attr:`Reading.batch`) of the last
-    ``span`` to 2 · ``span`` steps (two spans' maxima kept: bounded memory; a batch size lowered for good stops
-    counting as short within 2 · ``span`` steps). The guard's span is its spike EMA's horizon, 1 / (1 − β).
-    """
-
-    def __init__(self, span: int) -> None:
-        self.span = max(int(span), 1)
-        self.current = self.previous = 0.0  # the largest batch of this span, of the one before
-        self.steps = 0
-
-    def allowance(self, batch: float) -> tuple[float, float]:
-        """(√(B / b), B) for a step of effective batch ``batch`` = b below the usual B, else (1, B); then b counts
-        towards B. An unknown b (NaN) is allowed nothing and counts for nothing."""
-        usual = max(self.current, self.previous)
-        sized = math.isfinite(batch) and batch > 0
-        ratio = usual / batch if sized and usual > batch else 1.0
-        if sized:
-            self.current = max(self.current, batch)
-        self.steps += 1
-        if self.steps % self.span == 0:
-            self.previous, self.current = self.current, 0.0
-        return math.sqrt(ratio), usual
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"current": self.current, "previous": self.previous, "steps": self.steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.current, self.previous = float(state.get("current", 0.0)), float(state.get("previous", 0.0))
-        self.steps = int(state.get("steps", 0))
 
 
 def classify(
@@ -171,14 +125,8 @@ def classify(
     spikes = []
     if has_loss and (ratio := loss_spikes.update(reading.loss)) is not None:
         spikes.append(f"loss {reading.loss:.4g} is {ratio:.1f}× its running average")
-    allowance, batch = usual.allowance(reading.batch) if usual is not None else (1.0, math.nan)
-    if (ratio := norm_spikes.update(reading.grad_norm, allowance)) is not None:
-        short = (
-            f" (a batch of {reading.batch:.4g} examples against the usual {batch:.4g}: beyond the "
-            f"{norm_spikes.factor * allowance:.3g}× its noise allows)"
-            if allowance > 1.0
-            else ""
-        )
+    if (found := norm_spike(reading.grad_norm, reading.batch, norm_spikes, usual)) is not None:
+        ratio, short = found
         spikes.append(f"‖g‖ {reading.grad_norm:.4g} is {ratio:.1f}× its running average{short}")
     return (SPIKE, "spike: " + "; ".join(spikes)) if spikes else (None, "")
 

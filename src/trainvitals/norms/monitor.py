@@ -5,9 +5,12 @@ accumulated gradient, already unscaled by the AMP GradScaler and not yet clipped
 A step costs one fused norm over the gradients, shared with the other callbacks that read the step's
 norms (:class:`~trainvitals.plumbing.sharing.StepGradNorms`); the per-tensor norms stay on the device until a
 logging step, which groups the steps of its window in one batch, reads them back in one transfer and
-does the bookkeeping (non-finite steps, spikes) on the host. On the fit's first non-finite step, when a
-logging step reads it back before its update and no TrainingGuard is there to do it, the step's batch is
-re-run once to name the module that produced the inf/NaN (:class:`~trainvitals.norms.nonfinite.ProducerSearch`).
+does the bookkeeping (non-finite steps, spikes) on the host: each step's norm against the spike rule, allowed
+√(B / b) for a batch of b examples below the usual B (:mod:`~trainvitals.norms.spikes`; b from the sizes of the
+step's micro-batches, host ints, under several ranks summed over them in the same read-back). On the fit's first
+non-finite step, when a logging step reads it back before its update and no TrainingGuard is there to do it, the
+step's batch is re-run once to name the module that produced the inf/NaN
+(:class:`~trainvitals.norms.nonfinite.ProducerSearch`).
 """
 
 from __future__ import annotations
@@ -36,9 +39,17 @@ from trainvitals.fused_norms import (
 )
 from trainvitals.norms.nonfinite import ProducerSearch
 from trainvitals.norms.producer import SEARCHES, Producer
-from trainvitals.norms.spikes import SpikeDetector, first_spike_note
+from trainvitals.norms.spikes import (
+    SpikeDetector,
+    UsualBatch,
+    effective_batch,
+    first_spike_note,
+    noise_weight,
+    norm_spike,
+)
 from trainvitals.plumbing.amp import grad_scaler
 from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.batch import StepBatches, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import reduce_shard_norms
 from trainvitals.plumbing.sharing import GRAD_NORM, GRAD_SQ_NORMS, NAN_PRODUCER, NONFINITE_STEPS, SUMMARY
@@ -55,14 +66,16 @@ MAX_PENDING_STEPS = 256
 
 
 class TrackState(DeclaredState):
-    """What one optimizer's track carries over a resume: its optimizer steps measured, the spike EMA, the
-    counters (:data:`COUNTERS`)."""
+    """What one optimizer's track carries over a resume: its optimizer steps measured, the spike EMA, the usual
+    batch its short batches are judged against, the counters (:data:`COUNTERS`)."""
 
-    def __init__(self, spikes: Callable[[], SpikeDetector]) -> None:
+    def __init__(self, spikes: Callable[[], SpikeDetector], usual: Callable[[], UsualBatch]) -> None:
         self.steps: int
         self.add_state("steps", 0)
         self.spikes: SpikeDetector
         self.add_state("spikes", spikes, key="ema")
+        self.usual: UsualBatch
+        self.add_state("usual", usual, key="usual_batch")
         self.counts: dict[str, int]
         self.add_state("counts", dict.fromkeys(COUNTERS, 0))
 
@@ -77,8 +90,8 @@ class _Track:
     state: TrackState
     logged_counts: dict[str, int] = field(init=False)  # news: counts ≠ these
     # Measured, not yet read back: (global step, (P,) per-tensor norms, 0 for a parameter without a
-    # gradient). ``latest`` is the newest row, read back or not.
-    pending: list[tuple[int, Tensor]] = field(default_factory=list)
+    # gradient, this rank's noise weight). ``latest`` is the newest row, read back or not.
+    pending: list[tuple[int, Tensor, float]] = field(default_factory=list)
     latest: Tensor | None = None
     latest_step: int | None = None
     # The last step read back: (global step, total, {group: norm}); the last step whose norms were logged.
@@ -132,7 +145,9 @@ class GradNormMonitor(TrainvitalsCallback):
       of the first, and the module that produced it: see ``name_producer``); ``grad_norm/amp_skipped_steps``:
       such steps under a GradScaler, which skips them and lowers its scale — calibration, not divergence.
       A non-finite norm is counted, not logged;
-    - ``grad_norm/spike_steps``: steps with a total above ``spike_factor`` × its running EMA; the
+    - ``grad_norm/spike_steps``: steps with a total above ``spike_factor`` × its running EMA, or
+      √(B / b) × that for a step of b examples below the usual B (an epoch's short last batch, whose norm noise
+      alone makes up to √(B / b) times larger: :class:`~trainvitals.norms.spikes.UsualBatch`); the
       latest spike (step, ratio, three largest groups) goes to the text panel ``grad_norm/spikes``, the
       fit's first to the console too (the later ones are counted there at fit end);
     - every ``histogram_every_n_steps``: histograms ``grad_norm/hist/<group>`` of gradient values and
@@ -196,12 +211,21 @@ class GradNormMonitor(TrainvitalsCallback):
             "_track_states",
             partial(
                 IndexedStates,
-                partial(TrackState, partial(SpikeDetector, self.spike_factor, self.ema_beta, self.spike_warmup_steps)),
+                partial(
+                    TrackState,
+                    partial(SpikeDetector, self.spike_factor, self.ema_beta, self.spike_warmup_steps),
+                    partial(UsualBatch, round(1.0 / (1.0 - self.ema_beta))),  # over the spike EMA's horizon
+                ),
             ),
             key="tracks",
         )
         self._tracks: dict[int, _Track]
         self.add_state("_tracks", {}, persistent=False)
+        self._batches: StepBatches  # this step's micro-batches and their sizes: its gradient's noise weight
+        self.add_state("_batches", StepBatches, persistent=False)
+        # Under several ranks: their number, and the sum over them of a read-back's noise weights (each rank's own).
+        self._ranks: tuple[int, Callable[[Tensor], Tensor]] | None
+        self.add_state("_ranks", None, persistent=False)
         self._clip_pending: tuple[int, int] | None  # (optimizer index, step) to measure after clipping
         self.add_state("_clip_pending", None, persistent=False)
         # A GradScaler skips non-finite steps: they are calibration, not divergence.
@@ -224,9 +248,12 @@ class GradNormMonitor(TrainvitalsCallback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._amp_scaler = grad_scaler(trainer) is not None
         self._searching = self.name_producer and self.vitals.provider(NAN_PRODUCER) is None
+        world = trainer.world_size
+        self._ranks = (world, partial(trainer.strategy.reduce, reduce_op="sum")) if world > 1 else None
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
+        self._batches.start(trainer, batch, i)
         if not self._searching or self.search.searched:
             return
         every = logging_every(trainer, self.log_every_n_steps)
@@ -234,6 +261,10 @@ class GradNormMonitor(TrainvitalsCallback):
             self.search.keep(trainer.global_step, pl_module, batch, i)  # by reference: no copy
         else:
             self.search.let_go()
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        self._batches.backward()
 
     @override
     def on_before_optimizer_step(
@@ -248,11 +279,12 @@ class GradNormMonitor(TrainvitalsCallback):
             return
         step = trainer.global_step
         track.latest, track.latest_step = norms, step
-        track.pending.append((step, norms))
+        weight = noise_weight(self._batches.backward_sizes(), loss_divisor(trainer, pl_module))  # host floats
+        track.pending.append((step, norms, weight))
 
         logs = is_logging_step(track.steps, logging_every(trainer, self.log_every_n_steps))
         if logs or len(track.pending) >= MAX_PENDING_STEPS:
-            self._read_back(track)
+            self._read_back(track, together=True)
             self._search_producer(trainer, pl_module, optimizer, track, step)
         if logs and _clips(trainer, pl_module):
             self._clip_pending = (index, step)  # logged with the clipped norm: one event, one CSV row
@@ -291,7 +323,7 @@ class GradNormMonitor(TrainvitalsCallback):
         # step is still reported: the counters (only they) are logged at the last measured step when
         # they changed since they were logged.
         for index, track in self._tracks.items():
-            self._read_back(track)
+            self._read_back(track, together=True)
             if track.last_read is None:
                 continue
             step = track.last_read[0]
@@ -304,6 +336,9 @@ class GradNormMonitor(TrainvitalsCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         for track in self._tracks.values():  # the steps still on the device enter the counters first
+            # No collective here: a user may save a checkpoint on one rank alone. The pending steps are judged at this
+            # rank's batches, the same on every rank wherever the sampler gives the ranks batches of one size
+            # (Lightning's DistributedSampler pads them so).
             self._read_back(track)
         return super().state_dict()
 
@@ -368,7 +403,7 @@ class GradNormMonitor(TrainvitalsCallback):
         param_names = [names.get(p, f"unregistered.{i}") for i, p in enumerate(params)]
         groups = NormGroups.from_names(param_names, self.grouping)
         if track is not None:
-            self._read_back(track)  # its rows have the old parameters' columns
+            self._read_back(track, together=True)  # its rows have the old parameters' columns
             track.params, track.groups = params, groups
             return track
         track = _Track(params, groups, self._track_states.get(index))
@@ -380,32 +415,44 @@ class GradNormMonitor(TrainvitalsCallback):
             return f"grad_norm/optimizer_{index}/{name}"
         return f"grad_norm/{name}"
 
-    def _read_back(self, track: _Track) -> None:
+    def _read_back(self, track: _Track, together: bool = False) -> None:
         """Group the pending steps' norms in one batch, read them back in one transfer, and count.
 
         A non-finite total is a non-finite step, or under a GradScaler (which skips such steps and
         lowers its scale: calibration, not divergence) an AMP-skipped one; finite totals go through
-        the spike detector.
+        the spike rule (:func:`~trainvitals.norms.spikes.norm_spike`), each at its step's effective batch. Under
+        several ranks, ``together`` (every rank reads back at this step, in a hook) sums the steps' noise weights
+        over the ranks in one collective first, so that every rank judges each step at the same batch; otherwise
+        (a summary or a checkpoint, which may run on one rank) this rank's batches stand for every rank's.
         """
         if not track.pending:
             return
-        steps = [step for step, _ in track.pending]
-        group_norms = grouped_norms(torch.stack([norms for _, norms in track.pending]), track.groups, self.norm_type)
+        steps = [step for step, _, _ in track.pending]
+        weights = [weight for _, _, weight in track.pending]
+        group_norms = grouped_norms(torch.stack([norms for _, norms, _ in track.pending]), track.groups, self.norm_type)
         track.pending = []
         totals = combine_norms(group_norms, self.norm_type)
-        host = torch.cat([totals, group_norms[-1]]).tolist()  # one transfer: the totals, the last step's groups
-        totals_host, last_groups = host[: len(steps)], host[len(steps) :]
+        n = len(steps)
+        parts = [totals, group_norms[-1]]
+        world, reduce = self._ranks or (1, None)
+        reduced = together and reduce is not None
+        if reduced:  # the window's weights summed over the ranks: one collective
+            parts.append(reduce(torch.tensor(weights, dtype=torch.float64, device=totals.device)))
+        host = torch.cat(parts).tolist()  # one transfer: the totals, the last step's groups (the ranks' weights)
+        totals_host, last_groups = host[:n], host[n : n + len(track.groups.names)]
+        summed = host[-n:] if reduced else [world * w for w in weights]
+        batches = [effective_batch(w, world) for w in summed]
         track.last_read = (steps[-1], totals_host[-1], dict(zip(track.groups.names, last_groups)))
         nonfinite_row = spike_row = None
-        for row, total in enumerate(totals_host):
+        for row, (total, batch) in enumerate(zip(totals_host, batches)):
             if not math.isfinite(total):
                 counter = "amp_skipped_steps" if self._amp_scaler else "nonfinite_steps"
                 track.counts[counter] += 1
                 if counter == "nonfinite_steps" and track.nonfinite is None and nonfinite_row is None:
                     nonfinite_row = row
-            elif (ratio := track.spikes.update(total)) is not None:
+            elif (spike := norm_spike(total, batch, track.spikes, track.state.usual)) is not None:
                 track.counts["spike_steps"] += 1
-                spike_row, spike_ratio = row, ratio
+                spike_row, (spike_ratio, spike_short) = row, spike
         rows = [r for r in (nonfinite_row, spike_row) if r is not None]
         if not rows:
             return
@@ -421,7 +468,7 @@ class GradNormMonitor(TrainvitalsCallback):
             layers = ", ".join(name for name, _ in _largest(found[spike_row]))
             track.spike = (
                 at,
-                f"gradient-norm spike at optimizer step {at}: {spike_ratio:.1f}× its running average; "
+                f"gradient-norm spike at optimizer step {at}: {spike_ratio:.1f}× its running average{spike_short}; "
                 f"largest layers: {layers}",
             )
 

@@ -3,10 +3,15 @@
 The detector runs in plain Python floats over the totals of a logging window, read back in one
 transfer: a float operation costs nanoseconds, a device operation microseconds (and a kernel launch
 on an accelerator), so a recurrence over a few dozen steps is cheapest on the host.
+
+A gradient norm from a batch smaller than the usual one (an epoch's short last batch) is noisier: the rule
+allows it √(B / b) (:class:`UsualBatch`, from the step's :func:`noise_weight`; :func:`norm_spike` applies it), the
+one spike rule of GradNormMonitor and TrainingGuard.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from trainvitals._validation import check_float, check_int
@@ -77,3 +82,73 @@ class SpikeDetector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._ema, self.count = float(state.get("ema", 0.0)), int(state.get("count", 0))
+
+
+def noise_weight(sizes: list[int | None], divisor: int) -> float:
+    """The noise of one rank's step gradient in units of tr Σ: Σ_k 1 / (divisor² · b_k) over its micro-batches of
+    ``sizes`` b_k examples, each loss divided by ``divisor`` (Lightning's ``accumulate_grad_batches``), so that
+    E‖g‖² = c²‖G‖² + weight · tr Σ (c ≤ 1: the share of the step's micro-batches that ran). Under DDP the ranks'
+    gradients are averaged: the step's weight is the ranks' sum over world_size², its effective batch 1 / that
+    (:func:`effective_batch`). NaN when a size is unknown (``None``) or there is none."""
+    if not sizes or not all(sizes):
+        return math.nan
+    return sum(1.0 / (divisor * divisor * b) for b in sizes)
+
+
+def effective_batch(weight: float, world_size: int = 1) -> float:
+    """The examples of one batch whose mean gradient is as noisy as a step of :func:`noise_weight` ``weight`` summed
+    over ``world_size`` ranks whose gradients are averaged: world_size² / weight; NaN where a weight is unknown."""
+    return world_size**2 / weight if weight > 0 else math.nan  # NaN > 0 is False
+
+
+class UsualBatch:
+    """The usual effective batch of the recent optimizer steps, and the spike rule's allowance to a smaller one.
+
+    A step of b < B examples has E‖ḡ_b‖² = ‖G‖² + tr Σ / b ≤ (B / b) · (‖G‖² + tr Σ / B): its gradient norm may be
+    up to √(B / b) times the usual one from noise alone (exactly so when noise dominates), as on an epoch's short
+    last batch (``drop_last=False``). B is the largest effective batch (:func:`effective_batch`) of the last
+    ``span`` to 2 · ``span`` steps (two spans' maxima kept: bounded memory; a batch size lowered for good stops
+    counting as short within 2 · ``span`` steps). The callbacks' span is their spike EMA's horizon, 1 / (1 − β).
+    """
+
+    def __init__(self, span: int) -> None:
+        self.span = max(int(span), 1)
+        self.current = self.previous = 0.0  # the largest batch of this span, of the one before
+        self.steps = 0
+
+    def allowance(self, batch: float) -> tuple[float, float]:
+        """(√(B / b), B) for a step of effective batch ``batch`` = b below the usual B, else (1, B); then b counts
+        towards B. An unknown b (NaN) is allowed nothing and counts for nothing."""
+        usual = max(self.current, self.previous)
+        sized = math.isfinite(batch) and batch > 0
+        ratio = usual / batch if sized and usual > batch else 1.0
+        if sized:
+            self.current = max(self.current, batch)
+        self.steps += 1
+        if self.steps % self.span == 0:
+            self.previous, self.current = self.current, 0.0
+        return math.sqrt(ratio), usual
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"current": self.current, "previous": self.previous, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.current, self.previous = float(state.get("current", 0.0)), float(state.get("previous", 0.0))
+        self.steps = int(state.get("steps", 0))
+
+
+def norm_spike(norm: float, batch: float, spikes: SpikeDetector, usual: UsualBatch | None) -> tuple[float, str] | None:
+    """One step's finite gradient norm ``norm``, of effective batch ``batch``, through ``spikes`` with the threshold
+    raised by ``usual``'s allowance (none without it): (its ratio to the average, what the allowance was in words —
+    empty for a usual batch) when it is a spike, else None."""
+    allowance, usual_batch = usual.allowance(batch) if usual is not None else (1.0, math.nan)
+    ratio = spikes.update(norm, allowance)
+    if ratio is None:
+        return None
+    short = (
+        f" (a batch of {batch:.4g} examples against the usual {usual_batch:.4g}: beyond the "
+        f"{spikes.factor * allowance:.3g}× its noise allows)"
+        if allowance > 1.0
+        else ""
+    )
+    return ratio, short

@@ -1,5 +1,5 @@
 """How many examples a batch holds, as Lightning counts them (a list of examples: its length), without failing
-where Lightning cannot tell;
+where Lightning cannot tell, and those of the micro-batches of the optimizer step under way;
 what Lightning divides a micro-batch's loss by; which dataset rows a batch holds, where that is known."""
 
 from __future__ import annotations
@@ -34,6 +34,40 @@ def batch_size(batch: Any, sequence_first: bool | None = False) -> int | None:
         return extract_batch_size(batch)
     except Exception:  # a diagnostic must not end the run over a batch it cannot size
         return None
+
+
+class StepBatches:
+    """The micro-batches of the optimizer step under way and their examples (:func:`batch_size`: the tensors'
+    shapes, on the host, no sync), for the noise weight of its gradient
+    (:func:`~trainvitals.norms.spikes.noise_weight`).
+
+    A step's window opens at the first micro-batch that starts at a new ``trainer.global_step``; a micro-batch
+    counts once per backward it runs (:meth:`backward`: none for a ``training_step`` that returned ``None``; each
+    of an LBFGS closure's evaluations; each loss of a manual optimization).
+    """
+
+    def __init__(self) -> None:
+        self.step: int | None = None  # the global step the window opened at
+        self.sizes: dict[int, int | None] = {}  # micro-batch index → its examples
+        self.ran: list[int | None] = []  # the micro-batch of each backward
+        self.current: int | None = None
+
+    def start(self, trainer: "pl.Trainer", batch: Any, batch_idx: int) -> bool:
+        """Size the micro-batch ``batch_idx`` that starts; True when it is its optimizer step's first."""
+        opens = self.step != trainer.global_step
+        if opens:
+            self.step, self.sizes, self.ran = trainer.global_step, {}, []
+        self.sizes[batch_idx] = batch_size(batch)
+        self.current = batch_idx
+        return opens
+
+    def backward(self) -> None:
+        """The micro-batch under way runs a backward."""
+        self.ran.append(self.current)
+
+    def backward_sizes(self) -> list[int | None]:
+        """The examples of the micro-batch of each backward of this step (``None`` where unsized)."""
+        return [self.sizes.get(i) for i in self.ran]
 
 
 def loss_divisor(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> int:
