@@ -16,7 +16,14 @@ training set (``torch.func.vmap(grad)``, in chunks), at the parameters the step'
 - with the loader's sampler a :class:`RecordingSampler` (a shuffled epoch whose permutation it keeps), the
   remaining-set truth: ‖G_R‖² over the n_R examples R the epoch has not yet drawn before this step (the step's own
   batch among them), the mean the step's batch is drawn from, and ‖G_R − G‖² (docs/science.md, "Under random
-  reshuffling").
+  reshuffling");
+- the step's own estimate (:func:`batch_estimate`): the per-step (‖G‖²_est, S_est) of the step's batch from its
+  examples' true gradients, rule 6 corrected where the loader draws without replacement from N
+  (:func:`~trainvitals.noise.estimate.population_of`): what a per-example source adds to its EMAs at that step. It is
+  unbiased for the step's ‖G‖² and tr Σ where the batch does not depend on θ (drawn with replacement, or θ frozen),
+  so the mean of step estimate − truth over the steps, with its standard error (the differences are uncorrelated
+  from step to step), tells an estimator's bias from the smoothing's lag (:func:`shares`; docs/benchmarks.md, "Why
+  the char LM reads high").
 
 What it computes is the training-mode gradient of a deterministic network. Dropout (p > 0) makes g_i random and
 BatchNorm in training mode makes it depend on the other examples of the batch (eval mode would be another network's
@@ -32,6 +39,7 @@ of those runs are here too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sysconfig
@@ -46,6 +54,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import RandomSampler
+
+from trainvitals.noise.estimate import finite_population, population_of
 
 QUANTITIES = ("grad_sq_norm", "trace_cov", "b_simple", "band_ratio")
 MAX_REL_ERR = 0.5
@@ -71,6 +81,7 @@ class Truth:
     remaining: int = 0  # n_R, the examples of the epoch not drawn before this step (0: not recorded)
     remaining_grad_sq_norm: float = math.nan  # ‖G_R‖², G_R the mean gradient of those n_R examples
     remaining_excess: float = math.nan  # ‖G_R − G‖²
+    step_estimate: tuple[float, float] = (math.nan, math.nan)  # the step's batch's own (‖G‖²_est, tr Σ_est)
 
     @property
     def b_simple(self) -> float:
@@ -139,6 +150,17 @@ def per_example_gradients(
     return torch.cat(rows)
 
 
+def batch_estimate(rows: Tensor, population: int | None = None) -> tuple[float, float]:
+    """The per-example estimators' (‖G‖²_est, S_est) of one step's batch from its ``(B, D)`` per-example gradients
+    ``rows`` (McCandlish et al. 2018, Eq. A.2 at b = 1), rule 6 corrected with ``population`` N when the batch was
+    drawn without replacement from N (:func:`~trainvitals.noise.estimate.finite_population`)."""
+    b = len(rows)
+    batch_sq = float((rows.sum(0, dtype=torch.float64) / b).square().sum())
+    m = float(rows.square().sum(1, dtype=torch.float64).mean())
+    g_est, s_est = (b * batch_sq - m) / (b - 1), b * (m - batch_sq) / (b - 1)
+    return finite_population(g_est, s_est, population) if population else (g_est, s_est)
+
+
 def truth_of(
     rows: Tensor,
     step: int,
@@ -164,15 +186,8 @@ def truth_of(
         }
     if draws <= 0:
         return Truth(step, grad_sq_norm, trace, batch_size, n, **left)
-    norms = rows.square().sum(1, dtype=torch.float64)
     b = batch_size
-    estimates = []
-    for _ in range(draws):
-        pick = torch.randperm(n, generator=generator)[:b]
-        batch_sq = float((rows[pick].sum(0, dtype=torch.float64) / b).square().sum())
-        m = float(norms[pick].mean())
-        g_est, s_est = (b * batch_sq - m) / (b - 1), b * (m - batch_sq) / (b - 1)
-        estimates.append((g_est + s_est / n, s_est * (n - 1) / n))
+    estimates = [batch_estimate(rows[torch.randperm(n, generator=generator)[:b]], n) for _ in range(draws)]
     e = torch.tensor(estimates, dtype=torch.float64)
     c = torch.cov(e.T)
     means = e.mean(0).tolist()
@@ -200,7 +215,8 @@ class TruthCallback(pl.Callback):
     (the whole training set), in :attr:`truths` by step.
 
     With the train loader's sampler a :class:`RecordingSampler`, each truth also holds the remaining-set truth of
-    the step (the examples from the step's first one to the epoch's end, counted from the micro-batches seen).
+    the step (the examples from the step's first one to the epoch's end, counted from the micro-batches seen). Each
+    also holds the step's own estimate (:func:`batch_estimate`) from the micro-batches the step trained on.
 
     Args:
         inputs, targets: the training set, ``(N, ...)`` each, as the model's forward and ``loss`` take them.
@@ -231,15 +247,18 @@ class TruthCallback(pl.Callback):
         self.generator = torch.Generator().manual_seed(seed)
         self.truths: dict[int, Truth] = {}
         self._drawn = self._step_start = 0  # examples of this epoch drawn so far, and before this step
+        self._batches: list[tuple[Tensor, Tensor]] = []  # the micro-batches of this step
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._drawn = self._step_start = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
         self._drawn += len(batch[0])
+        self._batches.append((batch[0], batch[1]))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
         step, start, self._step_start = trainer.global_step, self._step_start, self._drawn
+        batches, self._batches = self._batches, []
         if step % self.every_n_steps or step in self.truths:
             return
         sampler = trainer.train_dataloader.sampler
@@ -249,7 +268,10 @@ class TruthCallback(pl.Callback):
         batch = self.batch_size or trainer.train_dataloader.batch_size * trainer.accumulate_grad_batches
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             rows = per_example_gradients(module, self.inputs.to(device), self.targets.to(device), self.loss)
-        self.truths[step] = truth_of(rows, step, batch, self.draws, self.generator, remaining)
+            own = per_example_gradients(module, *(torch.cat(parts).to(device) for parts in zip(*batches)), self.loss)
+        truth = truth_of(rows, step, batch, self.draws, self.generator, remaining)
+        own_estimate = batch_estimate(own, population_of(trainer.train_dataloader))
+        self.truths[step] = dataclasses.replace(truth, step_estimate=own_estimate)
 
 
 @dataclass
@@ -303,7 +325,10 @@ def shares(rows: Sequence[Row], skip: float = 0.1) -> dict[str, Any]:
     the truth and the median estimate/truth; the shares with a finite lower bound on B_simple (> 0), with a
     reliable point estimate (``reliable_covered``: of those, the share whose B_simple interval covers the truth; NaN
     with none), and where one is reachable (the truth's own relative error at the logged effective
-    measurements ≤ 0.5, :meth:`Truth.rel_err`; NaN without draws); ``steps``: the rows counted."""
+    measurements ≤ 0.5, :meth:`Truth.rel_err`; NaN without draws); ``steps``: the rows counted. Per quantity
+    (``grad_sq_norm``, ``trace_cov``) ``step_{q}_ratio``: the steps' own estimates (:attr:`Truth.step_estimate`)
+    summed over the truths summed, and ``step_{q}_ratio_se`` its standard error (the differences estimate − truth
+    taken as uncorrelated from step to step, as they are where the batch does not depend on θ); NaN without them."""
     last = max(row.truth.step for row in rows)
     kept = [row for row in rows if row.truth.step >= skip * last]
     out: dict[str, Any] = {"steps": len(kept)}
@@ -312,6 +337,13 @@ def shares(rows: Sequence[Row], skip: float = 0.1) -> dict[str, Any]:
         if have:
             out[f"{quantity}_covered"] = sum(row.covered(quantity) for row in have) / len(have)
             out[f"{quantity}_ratio"] = statistics.median(row.ratio(quantity) for row in have)
+    for k, quantity in enumerate(("grad_sq_norm", "trace_cov")):
+        pairs = [(row.truth.step_estimate[k], getattr(row.truth, quantity)) for row in kept]
+        pairs = [(est, true) for est, true in pairs if not math.isnan(est)]
+        total = sum(true for _, true in pairs)
+        spread = statistics.stdev(est - true for est, true in pairs) if len(pairs) > 1 else math.nan
+        out[f"step_{quantity}_ratio"] = sum(est for est, _ in pairs) / total if pairs else math.nan
+        out[f"step_{quantity}_ratio_se"] = spread * math.sqrt(len(pairs)) / total if pairs else math.nan
     out["b_simple_bounded"] = sum(row.logged["b_simple_low"] > 0 for row in kept) / len(kept)
     reliable = [row for row in kept if row.logged["b_simple_unreliable"] == 0]
     out["reliable"] = len(reliable) / len(kept)

@@ -162,6 +162,19 @@ def test_the_intervals_cover_a_falling_truth(grad_half_life, trace_half_life):
     assert float(src.ema.grad_sq_norm.median()) > 2 * grad_sq_norm  # the slow EMA's lag
 
 
+@pytest.mark.parametrize("half_life", [9, 50])
+def test_on_a_fast_fall_the_shortest_window_reads_its_closed_form_lag(half_life):
+    """Rule 7 takes the shortest window (β = 0.8) as unlagged: on a noiseless ‖G‖² = x₀qᵗ it is chosen and reads
+    (1 − β)/(1 − β/q) of the value — 1.47× at a half-life of 9 measurements (the char LM's fall,
+    docs/benchmarks.md), 1.06× at 50 — while the slower windows, whose lag is measured, are not chosen."""
+    src, q = NoiseSource("probe", 0.98), 2 ** (-1 / half_life)
+    for step in range(400):
+        src.update(torch.tensor(100.0 * q**step, dtype=torch.float64), torch.tensor(10.0, dtype=torch.float64))
+    grad_sq_norm = src.smoothed()[0]
+    assert int(src.choice()[4][0]) == len(src.windows) - 1 and src.windows[-1][0].beta == 0.8
+    assert float(grad_sq_norm) / (100.0 * q**399) == pytest.approx(0.2 / (1 - 0.8 / q), rel=1e-9)
+
+
 def test_a_short_windows_dip_alone_never_enters_the_band():
     """Issue #24's step-130 failure: the short windows' noise dipping into the band. 4 micro-batches of 8 a step
     (the stopper's source), ‖G‖² held at 1.5× the band's edge 0.2·tr Σ/B: no run stays in the band for the

@@ -207,3 +207,73 @@ def test_the_remaining_set_is_what_the_epoch_has_left_from_the_steps_first_examp
         else:
             assert t.remaining == 4 and t.remaining_grad_sq_norm == pytest.approx(grads.sq_norms[step], rel=1e-5)
             assert t.remaining_grad_sq_norm != pytest.approx(t.grad_sq_norm, rel=1e-3)
+
+
+class _StepEstimate(pl.Callback):
+    """Each optimizer step's per-example estimates, from the micro-batches it trained on: one ``autograd.grad`` per
+    example of its own loss (``.grad`` untouched), then the estimators written out, rule 6 with ``population``."""
+
+    def __init__(self, population: int | None) -> None:
+        self.population, self.parts = population, []
+        self.estimates: dict[int, tuple[float, float]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, *_) -> None:
+        self.parts.append(batch)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_) -> None:
+        x, y = (torch.cat(part) for part in zip(*self.parts))
+        self.parts = []
+        params = list(pl_module.parameters())
+        rows = []
+        for i in range(len(x)):
+            loss = F.cross_entropy(pl_module(x[i : i + 1]), y[i : i + 1])
+            rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]).double())
+        g = torch.stack(rows)
+        b, mean_sq, batch_sq = len(g), float(g.square().sum(1).mean()), float(g.mean(0).square().sum())
+        grad, trace = (b * batch_sq - mean_sq) / (b - 1), b * (mean_sq - batch_sq) / (b - 1)
+        if self.population:
+            n = self.population
+            grad, trace = grad + trace / n, trace * (n - 1) / n
+        self.estimates[trainer.global_step] = (grad, trace)
+
+
+@pytest.mark.parametrize("replacement", [True, False])
+def test_each_truth_holds_its_steps_own_estimate_from_the_batch_it_trained_on(replacement):
+    """2 micro-batches of 3 a step: the step estimate is the per-example estimators' value on the examples the step
+    trained on, rule 6 corrected where they were drawn without replacement from N = 12."""
+    torch.manual_seed(0)
+    x, y = digits_train()
+    x, y = x[:12], y[:12]
+    model = Classifier(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), lr=0.05)
+    truth, expected = TruthCallback(x, y, every_n_steps=1), _StepEstimate(None if replacement else 12)
+    trainer = pl.Trainer(**trainer_kwargs(callbacks=[expected, truth], max_steps=5, accumulate_grad_batches=2))
+    data = TensorDataset(x, y)
+    trainer.fit(model, DataLoader(data, batch_size=3, sampler=torch.utils.data.RandomSampler(data, replacement)))
+    assert sorted(truth.truths) == sorted(expected.estimates) == list(range(5))
+    for step, t in truth.truths.items():
+        assert t.step_estimate == pytest.approx(expected.estimates[step], rel=1e-5, abs=1e-9)
+
+
+def test_with_replacement_the_steps_own_estimates_are_unbiased_for_the_moving_truth():
+    """Batches drawn with replacement do not depend on θ, so at every step E[estimate | θ] is the step's truth, while
+    Adam moves θ and ‖G‖² falls: over 300 steps the mean of estimate − truth is 0 within 4 standard errors (they are
+    uncorrelated from step to step), for ‖G‖² and tr Σ; :func:`shares` reports the same ratio with that error."""
+    torch.manual_seed(0)
+    x, y = digits_train()
+    x, y = x[:64], y[:64]
+    model = Classifier(nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10)), lr=0.01)
+    truth = TruthCallback(x, y, every_n_steps=1)
+    trainer = pl.Trainer(**trainer_kwargs(callbacks=[truth], max_steps=300))
+    data = TensorDataset(x, y)
+    trainer.fit(model, DataLoader(data, batch_size=8, sampler=torch.utils.data.RandomSampler(data, True)))
+    truths = [truth.truths[step] for step in sorted(truth.truths)]
+    assert truths[-1].grad_sq_norm < 0.2 * truths[0].grad_sq_norm  # it moved
+    for k, quantity in enumerate(("grad_sq_norm", "trace_cov")):
+        diff = torch.tensor([t.step_estimate[k] - getattr(t, quantity) for t in truths], dtype=torch.float64)
+        assert abs(float(diff.mean())) < 4 * float(diff.std()) / math.sqrt(len(diff)), quantity
+    rows = [Row(t, {"b_simple_low": 0.0, "b_simple_unreliable": 1.0, "effective_measurements": 1.0}) for t in truths]
+    got = shares(rows, skip=0.0)
+    diff = [t.step_estimate[0] - t.grad_sq_norm for t in truths]
+    total = sum(t.grad_sq_norm for t in truths)
+    assert got["step_grad_sq_norm_ratio"] == pytest.approx(1 + sum(diff) / total)
+    assert got["step_grad_sq_norm_ratio_se"] == pytest.approx(float(torch.tensor(diff).std()) * math.sqrt(300) / total)
