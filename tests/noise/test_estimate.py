@@ -718,8 +718,8 @@ def _reshuffled_pair(seed: int, grad_sq_norm: float, population: int) -> tuple[G
 
 
 def test_under_reshuffling_the_full_data_intervals_allow_the_epoch_order_excess():
-    """Rule 6: reshuffled, ‖G‖²'s low end is lowered by δ (tr Σ at its high end), B_simple's high end is Fieller's at
-    ‖G‖² − δ and the current band ratio's low end B over it; the points, tr Σ, B_simple's low end and everything the
+    """Rule 6: reshuffled, ‖G‖²'s low end is lowered by δ_R (tr Σ at its high end), B_simple's high end is Fieller's at
+    ‖G‖² − δ_R and the current band ratio's low end B over it; the points, tr Σ, B_simple's low end and everything the
     band decides on (its window's ratio and interval, the per-step band) are the fixed order's."""
     population = 200
     fixed, shuffled = _reshuffled_pair(seed=2, grad_sq_norm=1.5, population=population)
@@ -745,13 +745,13 @@ def test_under_reshuffling_the_full_data_intervals_allow_the_epoch_order_excess(
     # Reliability is read off the widened interval: farther from the point, a larger relative error.
     assert float(b.b_simple_rel_err) > float(a.b_simple_rel_err)
     said = dict(shuffled.summary_rows())["epoch order (reshuffled)"]
-    assert f"δ = {delta:.3g}" in said and "replacement=True" in said
+    assert f"allow {delta:.3g} for" in said and "replacement=True" in said
     assert "epoch order (reshuffled)" not in dict(fixed.summary_rows())
 
 
 def test_the_widened_b_simple_end_is_fiellers_at_the_lowered_grad_sq_norm():
-    """noise_intervals with ``reshuffled`` = N: B_simple's high end equals Fieller's interval of (tr Σ, ‖G‖² − δ)
-    with the same errors, δ at tr Σ's high end; where ‖G‖² − δ is within its error of 0 the end is infinite."""
+    """noise_intervals with ``reshuffled`` = N: B_simple's high end equals Fieller's interval of (tr Σ, ‖G‖² − δ_R)
+    with the same errors, δ_R at tr Σ's high end; where ‖G‖² − δ_R is within its error of 0 the end is infinite."""
     t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
     grad, trace, grad_se, trace_se, cov, n = t(0.9), t(20.0), t(0.1), t(1.0), t(0.02), t(60.0)
     z = t_quantile(Z90, n - 1)
@@ -760,7 +760,7 @@ def test_the_widened_b_simple_end_is_fiellers_at_the_lowered_grad_sq_norm():
     expected = fieller_interval(trace, grad - delta, trace_se.square(), grad_se.square(), cov, z)[1]
     assert float(iv["b_simple"][1]) == pytest.approx(float(expected), rel=1e-12)
     assert float(iv["grad_sq_norm"][0]) == pytest.approx(float(grad - z * grad_se) - delta, rel=1e-12)
-    few = noise_intervals(grad, trace, grad_se, trace_se, cov, n, 32, reshuffled=40)  # δ ≈ 2.2 > ‖G‖²
+    few = noise_intervals(grad, trace, grad_se, trace_se, cov, n, 32, reshuffled=40)  # δ_R ≈ 2.2 > ‖G‖²
     assert math.isinf(float(few["b_simple"][1])) and float(few["grad_sq_norm"][0]) == 0.0
     assert float(few["b_simple"][0]) == float(iv["b_simple"][0])
 

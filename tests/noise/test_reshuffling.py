@@ -11,7 +11,7 @@ its prediction, within 4.5 standard errors of the chains' spread:
 - ‖G(θ)‖², reshuffled, at the k-th step of an epoch (k = 0 its first): 2·E[G·ξ̄_R] = (2/N)·Σ_d S_d·(1 − (1 − ηh_d)^k),
   ξ̄_R the noise's mean over the n_R = N − kB examples not yet drawn, S_d the Bessel variance of coordinate d of ξ;
 - ‖G_R(θ)‖² = ‖G + ξ̄_R‖², the remaining set's: −tr S·(1/n_R − 1/N); corrected with n_R in place of N: 0;
-- the excess the full-data intervals allow, :func:`~trainvitals.noise.estimate.reshuffle_excess`'s δ: above that
+- the excess the full-data intervals allow, :func:`~trainvitals.noise.estimate.reshuffle_excess`'s δ_R: above that
   bias at every step, for SGD by the closed form and with heavy-ball momentum as measured.
 """
 
@@ -113,7 +113,7 @@ def test_reshuffled_while_training_the_estimate_reads_the_remaining_set(group):
 
 @pytest.mark.fast
 def test_the_allowed_excess_bounds_sgds_closed_form_and_is_reached():
-    """δ/RESHUFFLE_OVERSHOOT = 2·tr Σ/(N − 1) = 2·tr S/N (tr Σ the population's, S = N·tr Σ/(N − 1)) is the supremum
+    """δ_R/RESHUFFLE_OVERSHOOT = 2·tr Σ/(N − 1) = 2·tr S/N (tr Σ the population's, S = N·tr Σ/(N − 1)) is the supremum
     of SGD's (2/N)·Σ_d S_d·(1 − (1 − ηh_d)^k) over 0 < ηh_d ≤ 1 and every step k of an epoch: reached at ηh = 1."""
     s = torch.tensor([0.3, 1.0, 4.0], dtype=torch.float64)
     n = 50
@@ -130,9 +130,9 @@ def test_the_allowed_excess_bounds_sgds_closed_form_and_is_reached():
 @pytest.mark.fast
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_the_allowed_excess_bounds_the_measured_bias(momentum):
-    """On the chains, the estimate's bias against the full-data ‖G‖² stays below δ = reshuffle_excess at tr Σ at every
+    """On the chains, the estimate's bias against the full-data ‖G‖² stays below δ_R = reshuffle_excess at tr Σ at every
     step of an epoch. With heavy-ball momentum 0.9 (six epochs, stationary) it goes beyond SGD's bound — 1.6× at the
-    epoch's last step —, which is why δ carries :data:`RESHUFFLE_OVERSHOOT`."""
+    epoch's last step —, which is why δ_R carries :data:`RESHUFFLE_OVERSHOOT`."""
     got = _chains(0.4, "shuffle", 1, momentum=momentum, epochs=6 if momentum else 2)
     delta = reshuffle_excess(float(got["S"].sum()) * (N - 1) / N, N)
     mean, se = _mean_and_error(got["n"] - got["full"])

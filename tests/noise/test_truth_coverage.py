@@ -121,9 +121,9 @@ def test_a_b_simple_called_reliable_is_covered_by_its_interval(case):
 
 @pytest.mark.slow
 def test_under_reshuffling_the_allowed_excess_is_what_lets_the_intervals_cover():
-    """The MLP's sampler reshuffles every epoch: with the epoch order's excess δ allowed (estimate.py, rule 6) a
+    """The MLP's sampler reshuffles every epoch: with the epoch order's excess δ_R allowed (estimate.py, rule 6) a
     B_simple called reliable is covered at :data:`BAR` of its steps; the same fit without it (the same trajectory:
-    δ changes no decision) is not, and ‖G‖²'s interval covers less often."""
+    δ_R changes no decision) is not, and ‖G‖²'s interval covers less often."""
     allowed, not_allowed = shares(_rows("mlp-1")), shares(_rows("mlp-1-no-excess"))
     assert allowed["steps"] == not_allowed["steps"] >= 20
     assert allowed["reliable_covered"] >= BAR > not_allowed["reliable_covered"]

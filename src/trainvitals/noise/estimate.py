@@ -68,8 +68,8 @@ Combining rule (:meth:`GradientNoise.estimate`):
    band ratio at most 2B/(margin·N) high; 2.0–2.9× the full-data ‖G‖² on two Adam fits; docs/science.md, "Under
    random reshuffling"; tests/noise/test_reshuffling.py). Where each epoch reshuffles (``RandomSampler`` without
    replacement, a shuffling ``DistributedSampler``: :attr:`NoiseSource.reshuffled`) the full-data intervals
-   allow that excess: δ = :data:`RESHUFFLE_OVERSHOOT`·2·tr Σ/(N − 1), tr Σ at its interval's high end
-   (:func:`reshuffle_excess`), lowers ‖G‖²'s low end, and B_simple's high end is Fieller's at ‖G‖² − δ (rule 8),
+   allow that excess: δ_R = :data:`RESHUFFLE_OVERSHOOT`·2·tr Σ/(N − 1), tr Σ at its interval's high end
+   (:func:`reshuffle_excess`), lowers ‖G‖²'s low end, and B_simple's high end is Fieller's at ‖G‖² − δ_R (rule 8),
    so that B_simple, its reliability and the advice read from it are the full data's. The band's decisions
    (in the band, shown out of it: rule 7's band windows) stay on the gradient the epoch's steps follow, which the
    estimate measures without bias: whether those steps are mostly noise is a question about them.
@@ -108,7 +108,7 @@ Combining rule (:meth:`GradientNoise.estimate`):
    (tr Σ, ‖G‖²) with their covariance (rule 3's combination, the sources' correlation weighted as their errors):
    the θ ≥ 0 with (S − θG)² ≤ t²(σ_S² − 2θ·Cov + θ²σ_G²). Where ‖G‖² is within its error of 0, the set is
    unbounded above, and the interval one-sided: B_simple ≥ low, still news (docs/science.md §3c). The band
-   ratio's interval is B/B_simple's, the same set inverted. Under reshuffling the three carry rule 6's δ; the band
+   ratio's interval is B/B_simple's, the same set inverted. Under reshuffling the three carry rule 6's δ_R; the band
    windows' interval (the decision's) does not. Calibrated on a closed form over 600 seeds
    (tests/noise/test_intervals.py): each covers the truth in 85–95 % of runs, with ‖G‖² near 0 too.
 
@@ -953,11 +953,11 @@ class GradientNoise:
             ("expected batch-gradient norm sqrt(‖G‖² + tr(Σ)/B)", f"{h['expected_norm']:.4g}"),
             ("coverage", f"{h['coverage']:.1%} of ‖ḡ‖², {h['param_share']:.1%} of the parameters"),
         ]
-        if self.reshuffled and math.isfinite(h["trace_cov_high"]):  # rule 6's δ, as noise_intervals allows it
+        if self.reshuffled and math.isfinite(h["trace_cov_high"]):  # rule 6's δ_R, as noise_intervals allows it
             delta = reshuffle_excess(h["trace_cov_high"], self.population)
             said = (
-                f"δ = {delta:.3g} in the ‖G‖² and B_simple intervals, what a reshuffled epoch can add to the estimated "
-                "‖G‖² (the band is judged without it; RandomSampler(replacement=True) has none)"
+                f"the ‖G‖² and B_simple intervals allow {delta:.3g} for what a reshuffled epoch can add to the "
+                "estimated ‖G‖² (the band is judged without it; RandomSampler(replacement=True) has none)"
             )
             rows.append(("epoch order (reshuffled)", said))
         if h["why"]:
@@ -1105,7 +1105,7 @@ def _combined_cov(
 
 
 def reshuffle_excess(trace_cov: Any, population: int) -> Any:
-    """δ, how far above the full-data ‖G‖² the estimate may read on average where each epoch reshuffles
+    """δ_R, how far above the full-data ‖G‖² the estimate may read on average where each epoch reshuffles
     ``population`` = N examples (module docstring, rule 6): :data:`RESHUFFLE_OVERSHOOT` × SGD's bound 2·tr S/N =
     2·tr Σ/(N − 1) on a quadratic (docs/science.md, "Under random reshuffling"); ``trace_cov`` the tr Σ to read it
     at (the estimate's high end). Floats or tensors."""
@@ -1126,8 +1126,8 @@ def noise_intervals(
     ‖G‖² and tr Σ, their standard errors, covariance and effective number of measurements; elementwise (any
     shape), on the device. z is Student's t quantile at ``measurements − 1`` degrees of freedom. ``reshuffled``:
     N where each epoch reshuffles N examples; the intervals are then the full data's, allowing the epoch order's
-    excess δ (:func:`reshuffle_excess` at tr Σ's high end): ‖G‖²'s low end less δ, B_simple's high end (the band
-    ratio's low end) Fieller's at ‖G‖² − δ."""
+    excess δ_R (:func:`reshuffle_excess` at tr Σ's high end): ‖G‖²'s low end less δ_R, B_simple's high end (the band
+    ratio's low end) Fieller's at ‖G‖² − δ_R."""
     z = t_quantile(Z90, measurements - 1)
     inf, zero = torch.full_like(grad, float("inf")), torch.zeros_like(grad)
     finite = torch.isfinite(z * grad_se * trace_se)

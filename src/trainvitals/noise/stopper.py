@@ -712,7 +712,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 grad, se = summary["grad_sq_norm"], summary["grad_sq_norm_se"]
                 ratio = band_ratio(grad, summary["trace_cov"], summary["batch_size"], self.margin)
                 low, high = (summary[f"band_ratio_{end}"] / self.margin for end in ("low", "high"))
-                excess = " and a reshuffled epoch's excess δ" if self.gradient_noise.reshuffled else ""
+                excess = " and a reshuffled epoch's excess" if self.gradient_noise.reshuffled else ""
                 interval = (
                     f"(90 %: {low:.2f}–{high:.2f}×, from ‖G‖²'s and tr(Σ)'s errors{excess})"
                     if math.isfinite(high)
