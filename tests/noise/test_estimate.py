@@ -18,8 +18,15 @@ from trainvitals.noise.estimate import (
     b_simple_interval,
     band_ratio,
     noise_intervals,
+    reshuffle_excess,
 )
-from trainvitals.noise.estimators import effective_count, per_example_estimates, t_quantile, two_batch_size_estimates
+from trainvitals.noise.estimators import (
+    effective_count,
+    fieller_interval,
+    per_example_estimates,
+    t_quantile,
+    two_batch_size_estimates,
+)
 
 D, SIGMA, B, MICRO = 8, 0.5, 64, 16
 
@@ -227,9 +234,11 @@ def test_state_round_trips():
             total_sq_norm=torch.tensor(1.0),
         )
     src.invalidate("coupled")
+    src.population, src.reshuffled = 100, True
     copy = NoiseSource("probe", 0.9, 0.5)
     copy.load_state_dict(src.state_dict())
     assert (copy.invalid, copy.unit_scale, copy.effective_batch_size) == ("coupled", 2.0, 32)
+    assert (copy.population, copy.reshuffled) == (100, True)
     assert float(copy.norm_share) == pytest.approx(0.5)
     assert float(copy.error.relative_error(copy.ema)) == pytest.approx(float(src.error.relative_error(src.ema)))
     fresh = NoiseSource("probe", 0.9)
@@ -694,3 +703,91 @@ def test_a_grad_sq_norm_below_zero_beyond_its_error_bounds_the_band_ratio_at_zer
     # Within its error of zero the ratio keeps its finite upper end B·(‖G‖² + t·σ)/tr Σ-ish (Fieller's), not 0.
     near = noise_intervals(t(-0.1), t(23.8), t(0.12), t(0.96), t(0.0), t(39.0), 32)["band_ratio"]
     assert float(near[0]) == 0.0 and 0 < float(near[1]) < 32 * (-0.1 + z * 0.12) / (23.8 - z * 0.96) * 1.01
+
+
+def _reshuffled_pair(seed: int, grad_sq_norm: float, population: int) -> tuple[GradientNoise, GradientNoise]:
+    """The same probe stream (:func:`_noisy_probe`, batch 16) read as drawn from ``population`` examples in a fixed
+    order and as reshuffled each epoch (rule 6)."""
+    fixed, src = _noisy_probe(seed, grad_sq_norm, steps=120)
+    src.population = population
+    shuffled, copy = GradientNoise(), NoiseSource("probe", 0.98)
+    copy.load_state_dict(src.state_dict())
+    copy.reshuffled = True
+    shuffled.attach(copy)
+    return fixed, shuffled
+
+
+def test_under_reshuffling_the_full_data_intervals_allow_the_epoch_order_excess():
+    """Rule 6: reshuffled, ‖G‖²'s low end is lowered by δ_R (tr Σ at its high end), B_simple's high end is Fieller's at
+    ‖G‖² − δ_R and the current band ratio's low end B over it; the points, tr Σ, B_simple's low end and everything the
+    band decides on (its window's ratio and interval, the per-step band) are the fixed order's."""
+    population = 200
+    fixed, shuffled = _reshuffled_pair(seed=2, grad_sq_norm=1.5, population=population)
+    assert shuffled.reshuffled and not fixed.reshuffled
+    a, b = fixed.estimate(), shuffled.estimate()
+    delta = reshuffle_excess(float(a.intervals["trace_cov"][1]), population)
+    assert delta == pytest.approx(4 * float(a.intervals["trace_cov"][1]) / (population - 1))
+    assert 0 < delta < float(a.intervals["grad_sq_norm"][0])  # an excess the test can see at both ends
+    for name in ("grad_sq_norm", "trace_cov", "b_simple", "band_grad_sq_norm"):
+        assert float(getattr(b, name)) == float(getattr(a, name)), name
+    assert float(b.intervals["grad_sq_norm"][0]) == pytest.approx(float(a.intervals["grad_sq_norm"][0]) - delta)
+    assert float(b.intervals["grad_sq_norm"][1]) == float(a.intervals["grad_sq_norm"][1])
+    assert [float(v) for v in b.intervals["trace_cov"]] == [float(v) for v in a.intervals["trace_cov"]]
+    low, high = (float(v) for v in b.intervals["b_simple"])
+    assert low == float(a.intervals["b_simple"][0]) and high > float(a.intervals["b_simple"][1])
+    assert float(b.intervals["band_ratio"][0]) == pytest.approx(16 / high)
+    assert float(b.intervals["band_ratio"][1]) == float(a.intervals["band_ratio"][1])
+    # The decision's quantities: unchanged.
+    assert float(b.window_band_ratio_low) == float(a.window_band_ratio_low)
+    assert float(b.window_band_ratio_high) == float(a.window_band_ratio_high)
+    for margin in (0.5, 2.0, 8.0):
+        assert bool(shuffled.in_noise_band(margin, b)) == bool(fixed.in_noise_band(margin, a))
+    # Reliability is read off the widened interval: farther from the point, a larger relative error.
+    assert float(b.b_simple_rel_err) > float(a.b_simple_rel_err)
+    said = dict(shuffled.summary_rows())["epoch order (reshuffled)"]
+    assert f"allow {delta:.3g} for" in said and "replacement=True" in said
+    assert "epoch order (reshuffled)" not in dict(fixed.summary_rows())
+
+
+def test_the_widened_b_simple_end_is_fiellers_at_the_lowered_grad_sq_norm():
+    """noise_intervals with ``reshuffled`` = N: B_simple's high end equals Fieller's interval of (tr Σ, ‖G‖² − δ_R)
+    with the same errors, δ_R at tr Σ's high end; where ‖G‖² − δ_R is within its error of 0 the end is infinite."""
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    grad, trace, grad_se, trace_se, cov, n = t(0.9), t(20.0), t(0.1), t(1.0), t(0.02), t(60.0)
+    z = t_quantile(Z90, n - 1)
+    delta = reshuffle_excess(float(trace + z * trace_se), 400)
+    iv = noise_intervals(grad, trace, grad_se, trace_se, cov, n, 32, reshuffled=400)
+    expected = fieller_interval(trace, grad - delta, trace_se.square(), grad_se.square(), cov, z)[1]
+    assert float(iv["b_simple"][1]) == pytest.approx(float(expected), rel=1e-12)
+    assert float(iv["grad_sq_norm"][0]) == pytest.approx(float(grad - z * grad_se) - delta, rel=1e-12)
+    few = noise_intervals(grad, trace, grad_se, trace_se, cov, n, 32, reshuffled=40)  # δ_R ≈ 2.2 > ‖G‖²
+    assert math.isinf(float(few["b_simple"][1])) and float(few["grad_sq_norm"][0]) == 0.0
+    assert float(few["b_simple"][0]) == float(iv["b_simple"][0])
+
+
+@pytest.mark.parametrize(
+    ("sampler", "population", "reshuffled"),
+    [
+        ("shuffle", 50, True),
+        ("sequential", 50, False),
+        ("replacement", None, False),
+        ("ddp", 50, True),
+        ("ddp-fixed", 50, False),
+    ],
+)
+def test_the_sampler_says_whether_each_epoch_reshuffles(sampler, population, reshuffled):
+    """Rule 6's excess arises where each epoch draws a new permutation: ``RandomSampler`` without replacement, a
+    ``DistributedSampler`` with ``shuffle``; not in a fixed order, and not with replacement (no population then)."""
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler, TensorDataset
+
+    data = TensorDataset(torch.zeros(50, 2))
+    samplers = {
+        "shuffle": RandomSampler(data),
+        "sequential": SequentialSampler(data),
+        "replacement": RandomSampler(data, replacement=True),
+        "ddp": DistributedSampler(data, num_replicas=2, rank=0, shuffle=True),
+        "ddp-fixed": DistributedSampler(data, num_replicas=2, rank=0, shuffle=False),
+    }
+    src = NoiseSource("probe", 0.98)
+    src.read_sampler(DataLoader(data, batch_size=5, sampler=samplers[sampler]))
+    assert (src.population, src.reshuffled) == (population, reshuffled)

@@ -10,7 +10,9 @@ its prediction, within 4.5 standard errors of the chains' spread:
 - ‖G(θ)‖², drawn with replacement (no correction), or reshuffled with θ frozen: 0;
 - ‖G(θ)‖², reshuffled, at the k-th step of an epoch (k = 0 its first): 2·E[G·ξ̄_R] = (2/N)·Σ_d S_d·(1 − (1 − ηh_d)^k),
   ξ̄_R the noise's mean over the n_R = N − kB examples not yet drawn, S_d the Bessel variance of coordinate d of ξ;
-- ‖G_R(θ)‖² = ‖G + ξ̄_R‖², the remaining set's: −tr S·(1/n_R − 1/N); corrected with n_R in place of N: 0.
+- ‖G_R(θ)‖² = ‖G + ξ̄_R‖², the remaining set's: −tr S·(1/n_R − 1/N); corrected with n_R in place of N: 0;
+- the excess the full-data intervals allow, :func:`~trainvitals.noise.estimate.reshuffle_excess`'s δ_R: above that
+  bias at every step, for SGD by the closed form and with heavy-ball momentum as measured.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainvitals.noise.estimate import finite_population
+from trainvitals.noise.estimate import RESHUFFLE_OVERSHOOT, finite_population, reshuffle_excess
 from trainvitals.noise.estimators import two_batch_size_estimates
 
 N, B, D = 32, 8, 3
@@ -28,15 +30,16 @@ H = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
 Z = 4.5
 
 
-def _chains(lr: float, sampler: str, group: int) -> dict[str, torch.Tensor]:
-    """Two epochs of SGD at ``lr`` over :data:`CHAINS` chains, ``sampler`` ``"shuffle"`` or ``"replace"``; per
-    quantity ``(K, CHAINS)`` over the second epoch's steps: the estimates (corrected with N and with n_R, and not at
-    all) and the truths ‖G‖², ‖G_R‖²."""
+def _chains(lr: float, sampler: str, group: int, momentum: float = 0.0, epochs: int = 2) -> dict[str, torch.Tensor]:
+    """``epochs`` epochs of SGD at ``lr`` (heavy-ball ``momentum``, as ``torch.optim.SGD``'s) over :data:`CHAINS`
+    chains, ``sampler`` ``"shuffle"`` or ``"replace"``; per quantity ``(K, CHAINS)`` over the last epoch's steps: the
+    estimates (corrected with N and with n_R, and not at all) and the truths ‖G‖², ‖G_R‖²."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(N, D, generator=gen, dtype=torch.float64) * torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
     theta = torch.full((CHAINS, D), 1.0, dtype=torch.float64)
+    velocity = torch.zeros_like(theta)
     out: dict[str, list[torch.Tensor]] = {k: [] for k in ("raw", "n", "n_r", "full", "remaining")}
-    for epoch in range(2):
+    for epoch in range(epochs):
         if sampler == "shuffle":
             order = torch.rand(CHAINS, N, generator=gen).argsort(1)
         else:
@@ -48,7 +51,7 @@ def _chains(lr: float, sampler: str, group: int) -> dict[str, torch.Tensor]:
             est, trace = two_batch_size_estimates(
                 groups.square().sum(-1).mean(1), mean.square().sum(-1), B // group, group
             )
-            if epoch == 1:
+            if epoch == epochs - 1:
                 n_r = N - k * B
                 remaining = H * (theta - x[order[:, k * B :]].mean(1))
                 for key, value in (
@@ -59,7 +62,8 @@ def _chains(lr: float, sampler: str, group: int) -> dict[str, torch.Tensor]:
                     ("remaining", remaining.square().sum(-1)),
                 ):
                     out[key].append(value)
-            theta = theta - lr * mean
+            velocity = momentum * velocity + mean
+            theta = theta - lr * velocity
     s = (H * x).var(0)  # S_d: the Bessel variance of ξ's coordinate d
     return {k: torch.stack(v) for k, v in out.items()} | {"S": s}
 
@@ -105,3 +109,33 @@ def test_reshuffled_while_training_the_estimate_reads_the_remaining_set(group):
     n_r = N - B * k
     _assert_near(got["n"] - got["remaining"], -got["S"].sum() * (1 / n_r - 1 / N))
     _assert_near(got["n_r"] - got["remaining"], torch.zeros(K, dtype=torch.float64))
+
+
+@pytest.mark.fast
+def test_the_allowed_excess_bounds_sgds_closed_form_and_is_reached():
+    """δ_R/RESHUFFLE_OVERSHOOT = 2·tr Σ/(N − 1) = 2·tr S/N (tr Σ the population's, S = N·tr Σ/(N − 1)) is the supremum
+    of SGD's (2/N)·Σ_d S_d·(1 − (1 − ηh_d)^k) over 0 < ηh_d ≤ 1 and every step k of an epoch: reached at ηh = 1."""
+    s = torch.tensor([0.3, 1.0, 4.0], dtype=torch.float64)
+    n = 50
+    trace = float(s.sum()) * (n - 1) / n
+    sgd_bound = reshuffle_excess(trace, n) / RESHUFFLE_OVERSHOOT
+    assert sgd_bound == pytest.approx(2 * float(s.sum()) / n, rel=1e-12)
+    eta_h = torch.linspace(0.01, 1.0, 100, dtype=torch.float64)
+    k = torch.arange(n, dtype=torch.float64)  # up to an epoch of single examples
+    excess = 2 / n * (s * (1 - (1 - eta_h[:, None, None]) ** k[None, :, None])).sum(-1)
+    assert float(excess.max()) <= sgd_bound * (1 + 1e-12)
+    assert float(excess[-1, 1:].min()) == pytest.approx(sgd_bound, rel=1e-12)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_allowed_excess_bounds_the_measured_bias(momentum):
+    """On the chains, the estimate's bias against the full-data ‖G‖² stays below δ_R = reshuffle_excess at tr Σ at every
+    step of an epoch. With heavy-ball momentum 0.9 (six epochs, stationary) it goes beyond SGD's bound — 1.6× at the
+    epoch's last step —, which is why δ_R carries :data:`RESHUFFLE_OVERSHOOT`."""
+    got = _chains(0.4, "shuffle", 1, momentum=momentum, epochs=6 if momentum else 2)
+    delta = reshuffle_excess(float(got["S"].sum()) * (N - 1) / N, N)
+    mean, se = _mean_and_error(got["n"] - got["full"])
+    assert torch.all(mean + Z * se <= delta), (mean.tolist(), delta)
+    if momentum:
+        assert float(mean[-1] - Z * se[-1]) > delta / RESHUFFLE_OVERSHOOT

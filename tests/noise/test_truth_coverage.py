@@ -9,13 +9,16 @@ with the share it measured, so that the fix flips it (strict).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from unittest import mock
 
 import pytest
 import torch
 from _truth import CharGPT, Classifier, Row, char_windows, digits_train, fit_with_truth, layernorm_mlp, shares
 
 from trainvitals import BatchVarianceProbe, GradNormEarlyStopping
+from trainvitals.noise import estimate
 
 BAR = 0.7
 """Share of logged steps, after the first tenth, whose interval must cover the truth."""
@@ -25,7 +28,10 @@ BAR = 0.7
 def _rows(case: str) -> tuple[Row, ...]:
     """One fit per case, shared by its quantities: ``mlp-1``/``mlp-4``: the LayerNorm MLP on digits at batch 32,
     accumulating 1 or 4, probe and stopper (``-probe``: the probe alone); ``lm``: the character GPT at batch 16;
-    ``-frozen``: at lr 0, where the truth stays what it was at step 0 (80 steps)."""
+    ``-frozen``: at lr 0, where the truth stays what it was at step 0 (80 steps); ``-no-excess``: the sampler taken for
+    one that does not reshuffle, so that the intervals leave out the epoch order's excess (estimate.py, rule 6)."""
+    no_excess = case.endswith("-no-excess")
+    case = case.removesuffix("-no-excess")
     torch.manual_seed(0)
     callbacks = [BatchVarianceProbe(histogram_every_n_steps=0, per_coordinate=False)]
     if "-probe" not in case:
@@ -38,7 +44,9 @@ def _rows(case: str) -> tuple[Row, ...]:
         accumulate = int(case.split("-")[1])
         model, data, batch, steps = Classifier(layernorm_mlp(), lr), digits_train(), 32, 200 if accumulate == 1 else 120
     steps = 80 if lr == 0 else steps
-    return tuple(fit_with_truth(model, data, callbacks, batch, accumulate, steps, log_every_n_steps=5))
+    sampler = mock.patch.object(estimate, "reshuffles", lambda loader: False) if no_excess else contextlib.nullcontext()
+    with sampler:
+        return tuple(fit_with_truth(model, data, callbacks, batch, accumulate, steps, log_every_n_steps=5))
 
 
 @pytest.mark.slow
@@ -76,13 +84,13 @@ def _case(case: str, quantity: str, main: float | None = None):
         _case("mlp-4", "trace_cov", 0.19),
         _case("mlp-4", "b_simple"),
         _case("mlp-4", "band_ratio"),
-        _case("mlp-4-probe", "grad_sq_norm", 0.19),
+        _case("mlp-4-probe", "grad_sq_norm"),
         _case("mlp-4-probe", "trace_cov", 0.19),
-        _case("mlp-4-probe", "b_simple", 0.143),
+        _case("mlp-4-probe", "b_simple"),
         _case("lm", "grad_sq_norm", 0.037),
         _case("lm", "trace_cov"),
-        _case("lm", "b_simple", 0.037),
-        _case("lm", "band_ratio", 0.038),
+        _case("lm", "b_simple"),
+        _case("lm", "band_ratio"),
     ],
 )
 def test_the_90_percent_interval_covers_the_brute_force_truth(case, quantity):
@@ -99,9 +107,9 @@ def test_the_90_percent_interval_covers_the_brute_force_truth(case, quantity):
         pytest.param(
             case, marks=pytest.mark.xfail(strict=True, reason=f"{main:.0%} before the drift-aware windows"), id=case
         )
-        for case, main in (("mlp-1", 0.167), ("lm", 0.038))
+        for case, main in (("lm", 0.038),)
     ]
-    + [pytest.param("mlp-4", id="mlp-4")],
+    + [pytest.param(case, id=case) for case in ("mlp-1", "mlp-4")],
 )
 def test_a_b_simple_called_reliable_is_covered_by_its_interval(case):
     """Issue #24's aim is a reliable point estimate wherever one can be had; one called reliable must also be right:
@@ -109,3 +117,15 @@ def test_a_b_simple_called_reliable_is_covered_by_its_interval(case):
     got = shares(_rows(case))
     assert got["reliable"] > 0, "never called reliable"
     assert got["reliable_covered"] >= BAR, f"covered at {got['reliable_covered']:.0%} of the reliable steps"
+
+
+@pytest.mark.slow
+def test_under_reshuffling_the_allowed_excess_is_what_lets_the_intervals_cover():
+    """The MLP's sampler reshuffles every epoch: with the epoch order's excess δ_R allowed (estimate.py, rule 6) a
+    B_simple called reliable is covered at :data:`BAR` of its steps; the same fit without it (the same trajectory:
+    δ_R changes no decision) is not, and ‖G‖²'s interval covers less often."""
+    allowed, not_allowed = shares(_rows("mlp-1")), shares(_rows("mlp-1-no-excess"))
+    assert allowed["steps"] == not_allowed["steps"] >= 20
+    assert allowed["reliable_covered"] >= BAR > not_allowed["reliable_covered"]
+    assert allowed["grad_sq_norm_covered"] > not_allowed["grad_sq_norm_covered"]
+    assert allowed["grad_sq_norm_ratio"] == not_allowed["grad_sq_norm_ratio"]  # the points are the same

@@ -64,11 +64,15 @@ Combining rule (:meth:`GradientNoise.estimate`):
    While training on a shuffled epoch the step's batch is drawn from the examples R the epoch has left, and θ
    has moved on those it drew: the estimate is then unbiased for ‖G‖² + 2·G·(G_R − G), not the full-data ‖G‖²
    (G_R the mean gradient over R; the excess is 0 at an epoch's first step, with replacement or θ frozen, and
-   positive on average while training: for SGD on a quadratic with η·h ≤ 1 below 2·tr Σ/N, the band ratio at
-   most 2B/(margin·N) high; 2.0–2.9× the full-data ‖G‖² on two Adam fits). A band stop stays conservative;
-   B_simple reads low, the noise scale of the gradient the epoch's steps follow (docs/science.md, "Under random
-   reshuffling"; tests/noise/test_reshuffling.py). On a LayerNorm MLP ‖G‖² read 1.19–1.21× the
-   full-data truth, 1.0–1.09× with batches drawn with replacement (docs/benchmarks.md).
+   positive on average while training: for SGD on a quadratic with η·h ≤ 1 below 2·tr S/N = 2·tr Σ/(N − 1), the
+   band ratio at most 2B/(margin·N) high; 2.0–2.9× the full-data ‖G‖² on two Adam fits; docs/science.md, "Under
+   random reshuffling"; tests/noise/test_reshuffling.py). Where each epoch reshuffles (``RandomSampler`` without
+   replacement, a shuffling ``DistributedSampler``: :attr:`NoiseSource.reshuffled`) the full-data intervals
+   allow that excess: δ_R = :data:`RESHUFFLE_OVERSHOOT`·2·tr Σ/(N − 1), tr Σ at its interval's high end
+   (:func:`reshuffle_excess`), lowers ‖G‖²'s low end, and B_simple's high end is Fieller's at ‖G‖² − δ_R (rule 8),
+   so that B_simple, its reliability and the advice read from it are the full data's. The band's decisions
+   (in the band, shown out of it: rule 7's band windows) stay on the gradient the epoch's steps follow, which the
+   estimate measures without bias: whether those steps are mostly noise is a question about them.
 
 7. Drift. Each source keeps a ladder of EMAs: its ``beta`` (≈ 99 effective measurements at 0.98, decaying per
    measurement, whatever the cadence) and the shorter :data:`LADDER` (0.95, 0.8: ≈ 39 and 9). A long window lags
@@ -104,7 +108,8 @@ Combining rule (:meth:`GradientNoise.estimate`):
    (tr Σ, ‖G‖²) with their covariance (rule 3's combination, the sources' correlation weighted as their errors):
    the θ ≥ 0 with (S − θG)² ≤ t²(σ_S² − 2θ·Cov + θ²σ_G²). Where ‖G‖² is within its error of 0, the set is
    unbounded above, and the interval one-sided: B_simple ≥ low, still news (docs/science.md §3c). The band
-   ratio's interval is B/B_simple's, the same set inverted. Calibrated on a closed form over 600 seeds
+   ratio's interval is B/B_simple's, the same set inverted. Under reshuffling the three carry rule 6's δ_R; the band
+   windows' interval (the decision's) does not. Calibrated on a closed form over 600 seeds
    (tests/noise/test_intervals.py): each covers the truth in 85–95 % of runs, with ‖G‖² near 0 too.
 
 Consecutive steps are treated as independent; while the run moves, each error holds the chosen window's estimated
@@ -160,6 +165,11 @@ LAG_NOISE = 0.15
 """Share of a window difference's own sampling variance taken off its square before the rest counts as lag (rule 7):
 at 0 a stationary run's intervals over-cover (95.5 % for a 90 % B_simple interval), at 1 the lag estimate's noise
 lets a falling ‖G‖² escape its interval (≈ 70 %); 0.15 keeps both within bounds (tests/noise/test_intervals.py)."""
+RESHUFFLE_OVERSHOOT = 2.0
+"""Factor on SGD's bound 2·tr Σ/(N − 1) of the epoch-order excess (rule 6): heavy-ball momentum μ answers the
+epoch's noise with up to 1/(1 − μ) times the step and overshoots plain SGD's saturation (1.6× at μ = 0.9 on
+tests/noise/test_reshuffling.py's quadratic); Adam's measured excess lay within SGD's bound (docs/science.md, "Under
+random reshuffling")."""
 INDEPENDENT = "micro_batch"
 """The source whose draws are independent by construction (micro-batches and ranks): it decides disagreements."""
 EXPECTED_BATCH_NORM = "grad_noise/expected_batch_norm"
@@ -193,6 +203,7 @@ class NoiseSource:
         effective_batch_size: examples per optimizer step, once seen.
         population: N, the training examples each epoch draws without replacement (rule 6), once seen; ``None``
             otherwise. Saved with the source, so that a fit resumed with no step left corrects as the last did.
+        reshuffled: whether each epoch draws a new permutation of those N (rule 6's epoch-order excess); saved too.
         invalid: why the source does not estimate sampling noise; ``""`` while valid.
         same_as: the name of a source that is the same estimator on the same gradients (a probe measuring every
             parameter from micro-batches, as the stopper's ``micro_batch`` source does): while that one is valid,
@@ -215,6 +226,7 @@ class NoiseSource:
         self.unit_scale = 1.0
         self.effective_batch_size: int | None = None
         self.population: int | None = None
+        self.reshuffled = False
         self.invalid = ""
         self.same_as: str | None = None
         self.version = next(_VERSIONS)
@@ -239,6 +251,11 @@ class NoiseSource:
             )
             self._norms.update(pair, valid)
             self.last_covered_sq_norm = pair[0]
+
+    def read_sampler(self, loader: Any) -> None:
+        """:attr:`population` and :attr:`reshuffled` from the train loader (rule 6)."""
+        self.population = population_of(loader)
+        self.reshuffled = self.population is not None and reshuffles(loader)
 
     def restart(self) -> None:
         """Forget the updates so far (they measured the wrong thing); validity, units and batch size kept."""
@@ -350,6 +367,7 @@ class NoiseSource:
             "effective_batch_size": self.effective_batch_size,
             "unit_scale": self.unit_scale,
             "population": self.population,
+            "reshuffled": self.reshuffled,
             "invalid": self.invalid,
         }
 
@@ -365,6 +383,7 @@ class NoiseSource:
         self.effective_batch_size = state.get("effective_batch_size", self.effective_batch_size)
         self.unit_scale = float(state.get("unit_scale", self.unit_scale))
         self.population = state.get("population", self.population)
+        self.reshuffled = bool(state.get("reshuffled", self.reshuffled))
         self.invalid = str(state.get("invalid", self.invalid))
 
 
@@ -465,6 +484,11 @@ class GradientNoise:
         """N, when the examples are drawn without replacement (rule 6): the sources' (they see the same data)."""
         return next((s.population for s in self.sources.values() if s.population is not None), None)
 
+    @property
+    def reshuffled(self) -> bool:
+        """Whether each epoch reshuffles the :attr:`population` (rule 6's epoch-order excess): the sources'."""
+        return self.population is not None and any(s.reshuffled for s in self.sources.values())
+
     def valid_sources(self) -> list[NoiseSource]:
         """The valid sources over the largest share of the parameters, each estimator once (host only, no sync)."""
         valid = [s for s in self.sources.values() if not s.invalid and not self.shadowed(s)]
@@ -517,6 +541,7 @@ class GradientNoise:
         key = (
             tuple((src.version, src.unit_scale, src.effective_batch_size, src.param_share) for src in chosen),
             self.population,
+            self.reshuffled,
             self.min_coverage,
         )
         if self._last is not None and self._last[0] == key:
@@ -550,6 +575,7 @@ class GradientNoise:
             _combined_cov(s_w, g_w, cov, sd_s, sd_g, trace_se, grad_se),
             measurements,
             batch,
+            self.population if self.reshuffled else None,
         )
         rel_err = fieller_rel_err(b_simple, *intervals["b_simple"], measurements)
         # The band's ‖G‖² (the band windows', weighted as grad is) with those windows' sampling errors alone: the
@@ -927,6 +953,13 @@ class GradientNoise:
             ("expected batch-gradient norm sqrt(‖G‖² + tr(Σ)/B)", f"{h['expected_norm']:.4g}"),
             ("coverage", f"{h['coverage']:.1%} of ‖ḡ‖², {h['param_share']:.1%} of the parameters"),
         ]
+        if self.reshuffled and math.isfinite(h["trace_cov_high"]):  # rule 6's δ_R, as noise_intervals allows it
+            delta = reshuffle_excess(h["trace_cov_high"], self.population)
+            said = (
+                f"the ‖G‖² and B_simple intervals allow {delta:.3g} for what a reshuffled epoch can add to the "
+                "estimated ‖G‖² (the band is judged without it; RandomSampler(replacement=True) has none)"
+            )
+            rows.append(("epoch order (reshuffled)", said))
         if h["why"]:
             rows.append(("caveat", h["why"]))
         return rows
@@ -1071,12 +1104,30 @@ def _combined_cov(
     return torch.where(scale > 0, rho.clamp(-1.0, 1.0) * trace_se * grad_se, torch.zeros_like(scale))
 
 
+def reshuffle_excess(trace_cov: Any, population: int) -> Any:
+    """δ_R, how far above the full-data ‖G‖² the estimate may read on average where each epoch reshuffles
+    ``population`` = N examples (module docstring, rule 6): :data:`RESHUFFLE_OVERSHOOT` × SGD's bound 2·tr S/N =
+    2·tr Σ/(N − 1) on a quadratic (docs/science.md, "Under random reshuffling"); ``trace_cov`` the tr Σ to read it
+    at (the estimate's high end). Floats or tensors."""
+    return RESHUFFLE_OVERSHOOT * 2 * trace_cov / (population - 1)
+
+
 def noise_intervals(
-    grad: Tensor, trace: Tensor, grad_se: Tensor, trace_se: Tensor, cov: Tensor, measurements: Tensor, batch: int | None
+    grad: Tensor,
+    trace: Tensor,
+    grad_se: Tensor,
+    trace_se: Tensor,
+    cov: Tensor,
+    measurements: Tensor,
+    batch: int | None,
+    reshuffled: int | None = None,
 ) -> dict[str, tuple[Tensor, Tensor]]:
     """The 90% intervals of :attr:`NoiseEstimate.intervals` (module docstring, rule 8) from the EMA means of
     ‖G‖² and tr Σ, their standard errors, covariance and effective number of measurements; elementwise (any
-    shape), on the device. z is Student's t quantile at ``measurements − 1`` degrees of freedom."""
+    shape), on the device. z is Student's t quantile at ``measurements − 1`` degrees of freedom. ``reshuffled``:
+    N where each epoch reshuffles N examples; the intervals are then the full data's, allowing the epoch order's
+    excess δ_R (:func:`reshuffle_excess` at tr Σ's high end): ‖G‖²'s low end less δ_R, B_simple's high end (the band
+    ratio's low end) Fieller's at ‖G‖² − δ_R."""
     z = t_quantile(Z90, measurements - 1)
     inf, zero = torch.full_like(grad, float("inf")), torch.zeros_like(grad)
     finite = torch.isfinite(z * grad_se * trace_se)
@@ -1089,9 +1140,12 @@ def noise_intervals(
         torch.where(finite, trace + z * trace_se, inf),
     )
     var_s, var_g = torch.where(finite, trace_se.square(), zero), torch.where(finite, grad_se.square(), zero)
-    low, high = fieller_interval(
-        trace, grad, var_s, var_g, torch.where(finite, cov, zero), torch.where(finite, z, zero)
-    )
+    cov, z = torch.where(finite, cov, zero), torch.where(finite, z, zero)
+    low, high = fieller_interval(trace, grad, var_s, var_g, cov, z)
+    if reshuffled is not None:
+        excess = torch.where(finite, reshuffle_excess(trace_iv[1], reshuffled), zero)
+        grad_iv = ((grad_iv[0] - excess).clamp_min(0.0), grad_iv[1])
+        high = torch.maximum(high, fieller_interval(trace, grad - excess, var_s, var_g, cov, z)[1])
     low, high = torch.where(finite, low, zero), torch.where(finite, high, inf)
     b = float(batch or 1)
     # B/B_simple: 1/inf = 0. Where ‖G‖²'s whole interval is below 0 with tr Σ resolved, Fieller's set for θ ≥ 0 is
@@ -1114,6 +1168,19 @@ def _bound(weights: Tensor, sd: Tensor, mask: Tensor | None = None) -> Tensor:
     """Σ_k w_k σ_k over the sources with weight (an upper bound on the standard error for any correlation)."""
     use = weights > 0 if mask is None else mask
     return torch.where(use, weights * sd, 0.0).sum()
+
+
+def reshuffles(loader: Any) -> bool:
+    """Whether ``loader`` draws a new permutation of its examples each epoch (``RandomSampler`` without replacement,
+    a ``DistributedSampler`` with ``shuffle``): where rule 6's epoch-order excess arises."""
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+    if not isinstance(loader, DataLoader):
+        return False
+    sampler = loader.sampler
+    if isinstance(sampler, RandomSampler):
+        return not sampler.replacement and sampler._num_samples is None
+    return isinstance(sampler, DistributedSampler) and bool(sampler.shuffle)
 
 
 def population_of(loader: Any) -> int | None:

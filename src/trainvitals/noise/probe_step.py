@@ -17,7 +17,6 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from trainvitals.noise.estimate import population_of
 from trainvitals.noise.estimators import (
     per_example_estimates,
     sub_batch_estimates,
@@ -204,7 +203,7 @@ class ProbeStep:
         )
         source.update(grad_sq_norm, trace_cov, valid, covered, total)
         probe.nonfinite.add(torch.isfinite(total))
-        source.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
+        source.read_sampler(trainer.train_dataloader)  # estimate.py, rule 6
         whole = not pl_module.automatic_optimization or len(self.sizes) == trainer.accumulate_grad_batches
         # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
         batch = source.effective_batch_size

@@ -32,7 +32,6 @@ from trainvitals.noise.estimate import (
     NoiseSource,
     b_simple_interval,
     band_ratio,
-    population_of,
 )
 from trainvitals.noise.estimators import BiasCorrectedEMA, MicroBatchSquaredNorms, two_batch_size_estimates
 from trainvitals.norms.nonfinite import NonfiniteCounter
@@ -524,7 +523,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         n = n_local * world
         grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, micro_batch_size)
         self.noise_source.update(grad_sq, trace, valid)
-        self.noise_source.population = population_of(trainer.train_dataloader)  # estimate.py, rule 6
+        self.noise_source.read_sampler(trainer.train_dataloader)  # estimate.py, rule 6
         # The band is judged at a whole step's batch: an epoch's short last window does not change it.
         if n_local == accumulate or self.effective_batch_size is None:
             self.effective_batch_size = self.noise_source.effective_batch_size = n * micro_batch_size
@@ -713,8 +712,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 grad, se = summary["grad_sq_norm"], summary["grad_sq_norm_se"]
                 ratio = band_ratio(grad, summary["trace_cov"], summary["batch_size"], self.margin)
                 low, high = (summary[f"band_ratio_{end}"] / self.margin for end in ("low", "high"))
+                excess = " and a reshuffled epoch's excess" if self.gradient_noise.reshuffled else ""
                 interval = (
-                    f"(90 %: {low:.2f}–{high:.2f}×, from ‖G‖²'s and tr(Σ)'s errors)"
+                    f"(90 %: {low:.2f}–{high:.2f}×, from ‖G‖²'s and tr(Σ)'s errors{excess})"
                     if math.isfinite(high)
                     else f"(90 %: ≥ {low:.2f}×, no upper end)"
                     if low > 0
