@@ -245,8 +245,9 @@ def _replay(norms: list[float], allowances: list[float], factor: float, beta: fl
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_an_epochs_short_last_batch_is_no_spike_and_a_real_spike_in_it_still_is(accumulate):
     """drop_last=False, 16-row batches and a last one of 1 row each epoch: that step's norm is about √(B / b) times
-    the usual from noise alone — √16 = 4, or √8 under accumulation of 2, where the last step is that row alone,
-    divided by 2 (b = 2² · 1 = 4 against B = 32) — above the factor 2 the plain rule flags. Judged with its
+    the usual from noise alone — √16 = 4; under accumulation of 2 the last step is that row alone, divided by 2,
+    signal and noise alike, so weighted as that row's mean (b = 1 against B = 32, :func:`relative_noise_weight`) —
+    above the factor 2 the plain rule flags. Judged with its
     threshold × √(B / b) it is no event; the same step's gradient × 20 is one. Both as the rule replayed by hand
     over each step's brute-force norm and its effective batch from its micro-batches' sizes."""
     factor, warmup, rows = 2.0, 3, 8 * 16 + 1
@@ -262,9 +263,10 @@ def test_an_epochs_short_last_batch_is_no_spike_and_a_real_spike_in_it_still_is(
             trainer.fit(model, data)
         steps = sorted(model.norms)
         assert len(steps) == epochs * per_epoch and model.sizes[spike_at] == [1]
-        batches = [1.0 / sum(1.0 / (accumulate**2 * b) for b in model.sizes[s]) for s in steps]
+        # The mean of the micro-batches that ran: n² / Σ 1/b_k over its n.
+        batches = [1.0 / sum(1.0 / (len(model.sizes[s]) ** 2 * b) for b in model.sizes[s]) for s in steps]
         usual = 16.0 * accumulate
-        assert batches[spike_at] == accumulate**2  # the short step's effective batch: 1 row, or 1 row halved
+        assert batches[spike_at] == 1  # the short step's effective batch: 1 row, alone or halved
         norms = [model.norms[s] for s in steps]
         short = [s for s in steps if batches[s] < usual]
         plain = _replay(norms, [1.0] * len(steps), factor, guard.ema_beta, warmup)
@@ -273,7 +275,7 @@ def test_an_epochs_short_last_batch_is_no_spike_and_a_real_spike_in_it_still_is(
         assert allowed == expected
         assert [(e["global_step"], e["kind"]) for e in guard.events] == [(s, "spike") for s in expected]
         if expected:
-            assert f"a batch of {accumulate**2} examples against the usual {usual:g}" in guard.events[0]["detail"]
+            assert f"a batch of 1 examples against the usual {usual:g}" in guard.events[0]["detail"]
 
 
 def test_stop_writes_a_checkpoint_and_says_why(tmp_path):

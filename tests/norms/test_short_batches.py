@@ -47,10 +47,10 @@ def _counts_at(logger: RecordingLogger, flagged: list[int]) -> tuple[list[float]
 @pytest.mark.parametrize(("accumulate", "epochs"), [(1, 12), (2, 40)])
 def test_an_epochs_one_row_batch_is_no_spike_and_a_20x_spike_on_it_still_is(caplog, accumulate, epochs):
     """321 rows at batch 16, shuffled: 20 full batches and a last one of 1 row each epoch (``drop_last=False``),
-    read back every 7 steps; under accumulation of 2 the last step is that row alone, halved (b = 2² · 1 = 4 against
-    B = 32, whose √8 the plain rule's 5× exceeds more rarely: more epochs). The plain rule (allowance 1, the monitor's
-    before) flags epoch ends and nothing else; the rule with the short steps' thresholds × √(B / b) flags none of
-    them, nor does the monitor; the last step of epoch 5 × 20 is flagged, said with its batch."""
+    read back every 7 steps; under accumulation of 2 the last step is that row alone, halved, signal and noise alike
+    (weighted as that row: b = 1 against B = 32; more epochs, for the plain rule to show). The plain rule (allowance
+    1, the monitor's before) flags epoch ends and nothing else; the rule with the short steps' thresholds × √(B / b)
+    flags none of them, nor does the monitor; the last step of epoch 5 × 20 is flagged, said with its batch."""
     data = DataLoader(TensorDataset(torch.randn(20 * BATCH + 1, D)), batch_size=BATCH, shuffle=True)
     per_epoch = -(-21 // accumulate)
     spike_at, usual = 6 * per_epoch - 1, BATCH * accumulate
@@ -62,7 +62,8 @@ def test_an_epochs_one_row_batch_is_no_spike_and_a_20x_spike_on_it_still_is(capl
         steps = sorted(model.norms)
         assert len(steps) == per_epoch * epochs and model.sizes[spike_at] == [1]
         norms = [model.norms[s] for s in steps]
-        batches = [1.0 / sum(1.0 / (accumulate**2 * b) for b in model.sizes[s]) for s in steps]  # A² / Σ 1/b_k
+        # The mean of the n micro-batches that ran: n² / Σ 1/b_k.
+        batches = [1.0 / sum(1.0 / (len(model.sizes[s]) ** 2 * b) for b in model.sizes[s]) for s in steps]
         ends = [s for s in steps if batches[s] < usual]
         plain = _flagged(norms)
         assert plain and set(plain) <= set(ends)
@@ -73,7 +74,7 @@ def test_an_epochs_one_row_batch_is_no_spike_and_a_20x_spike_on_it_still_is(capl
         caplog.clear()
         assert len(said) == len(expected)
         if expected:
-            short = f"(a batch of {accumulate**2} examples against the usual {usual}: "
+            short = f"(a batch of 1 examples against the usual {usual}: "
             assert f"step {spike_at}: " in said[0] and short in said[0]
 
 

@@ -6,7 +6,14 @@ import math
 import pytest
 import torch
 
-from trainvitals.norms.spikes import SpikeDetector, UsualBatch, effective_batch, noise_weight, norm_spike
+from trainvitals.norms.spikes import (
+    SpikeDetector,
+    UsualBatch,
+    effective_batch,
+    noise_weight,
+    norm_spike,
+    relative_noise_weight,
+)
 
 
 def _reference(values, factor, beta, warmup, allowances=None):
@@ -85,6 +92,27 @@ def test_the_noise_weight_is_the_variance_of_the_steps_gradient_by_monte_carlo(s
     allowance, batch = usual.allowance(1.0 / weight)
     assert batch == 8 * divisor
     assert mean_sq_norm(sizes) <= allowance**2 * mean_sq_norm([8] * divisor) * 1.02
+
+
+def test_a_short_accumulation_is_weighted_as_the_mean_of_what_ran_and_does_not_raise_the_usual_batch():
+    """325 rows at batch 16 under accumulation of 4 end each epoch with one 5-row micro-batch, divided by 4: its noise
+    weight is that of 80 examples, but its signal is scaled by 1/4 too. Weighted relative to its signal (the 5 rows'
+    mean), its norm is within √(B / b) of a full step's by Monte Carlo (100,000 draws), and the full step after it is
+    judged against the usual 64, not 80 (a fresh user's fit: every full step had been allowed √(80 / 64))."""
+    g = torch.Generator().manual_seed(2)
+    mean, sigma = torch.tensor([0.3, -0.2, 0.1, 0.0]), torch.tensor([1.0, 2.0, 0.5, 1.5])
+
+    def mean_sq_norm(micro: list[int]) -> float:
+        draws = [(mean + sigma * torch.randn(100_000, b, 4, generator=g, dtype=torch.float64)).mean(1) for b in micro]
+        return (sum(draws) / 4).square().sum(1).mean().item()
+
+    assert effective_batch(noise_weight([5], 4)) == 80.0  # its noise alone
+    usual = UsualBatch(span=10)
+    assert usual.allowance(effective_batch(relative_noise_weight([16] * 4, 4))) == (1.0, 0.0)
+    allowance, batch = usual.allowance(effective_batch(relative_noise_weight([5], 4)))
+    assert batch == 64.0 and allowance == pytest.approx(math.sqrt(64 / 5))
+    assert mean_sq_norm([5]) <= allowance**2 * mean_sq_norm([16] * 4)
+    assert usual.allowance(64.0) == (1.0, 64.0)  # the next full step: no allowance
 
 
 def test_the_noise_weight_is_unknown_without_every_size():

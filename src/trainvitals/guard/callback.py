@@ -59,7 +59,7 @@ from trainvitals.guard.snapshot import WHERE, BufferCopy, Snapshot
 from trainvitals.norms.monitor import MAX_PENDING_STEPS
 from trainvitals.norms.nonfinite import ProducerSearch
 from trainvitals.norms.producer import SEARCHES, Producer
-from trainvitals.norms.spikes import SpikeDetector, UsualBatch, noise_weight
+from trainvitals.norms.spikes import SpikeDetector, UsualBatch, relative_noise_weight
 from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import StepBatches, loss_divisor
@@ -291,7 +291,7 @@ class TrainingGuard(TrainvitalsCallback):
         # The micro-batches' sum, as Lightning normalises them (one micro-batch: its own loss, no device op).
         loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) if losses else None
         device = next((t.device for t in (sq_norm, loss) if t is not None), pl_module.device)
-        noise = noise_weight(self._batches.backward_sizes(), loss_divisor(trainer, pl_module))
+        noise = relative_noise_weight(self._batches.backward_sizes(), loss_divisor(trainer, pl_module))
         row = pack(loss, sq_norm, trainer.global_rank, trainer.world_size, device, noise)
         if trainer.world_size > 1:
             row = trainer.strategy.reduce(row, reduce_op="sum")

@@ -3,7 +3,7 @@
 One optimizer step is read as a ``(4 + world_size,)`` float64 vector that every rank fills with its own
 numbers and that one all-reduce (sum) makes identical on all ranks (:func:`pack`, :func:`unpack`): the
 loss summed over micro-batches, the total ‖g‖₂² (already the ranks' common gradient), a count of ranks
-that had a loss, the rank's gradient noise weight (:func:`~trainvitals.norms.spikes.noise_weight`, from its
+that had a loss, the rank's gradient noise weight (:func:`~trainvitals.norms.spikes.relative_noise_weight`, from its
 batches' sizes: what the spike rule allows a short batch), and one slot per rank set when that rank's own loss was
 non-finite. A single process reads ``(loss, ‖g‖₂²)`` alone: whether it had a loss and its batches' sizes it knows,
 and whether the loss was finite it reads from the number (fewer device operations on the step that every step
@@ -67,7 +67,7 @@ def pack(
     ``(2,)`` for a single process (whose ``noise`` :func:`unpack` takes from the host).
 
     ``loss``: the rank's ``()`` loss or ``None`` (no backward this step); ``sq_norm``: ``()`` ‖g‖₂² or
-    ``None`` (no gradient); ``noise``: its :func:`~trainvitals.norms.spikes.noise_weight`. Built on ``device``
+    ``None`` (no gradient); ``noise``: its :func:`~trainvitals.norms.spikes.relative_noise_weight`. Built on ``device``
     without a host sync (the weight is a fill, not a copy).
     """
     f64 = torch.float64

@@ -44,8 +44,8 @@ from trainvitals.norms.spikes import (
     UsualBatch,
     effective_batch,
     first_spike_note,
-    noise_weight,
     norm_spike,
+    relative_noise_weight,
 )
 from trainvitals.plumbing.amp import grad_scaler
 from trainvitals.plumbing.base import TrainvitalsCallback
@@ -279,7 +279,7 @@ class GradNormMonitor(TrainvitalsCallback):
             return
         step = trainer.global_step
         track.latest, track.latest_step = norms, step
-        weight = noise_weight(self._batches.backward_sizes(), loss_divisor(trainer, pl_module))  # host floats
+        weight = relative_noise_weight(self._batches.backward_sizes(), loss_divisor(trainer, pl_module))  # host floats
         track.pending.append((step, norms, weight))
 
         logs = is_logging_step(track.steps, logging_every(trainer, self.log_every_n_steps))

@@ -95,6 +95,16 @@ def noise_weight(sizes: list[int | None], divisor: int) -> float:
     return sum(1.0 / (divisor * divisor * b) for b in sizes)
 
 
+def relative_noise_weight(sizes: list[int | None], divisor: int) -> float:
+    """:func:`noise_weight` over c², c = n / ``divisor`` the share of the step's micro-batches that ran (n = len(sizes)):
+    the step's noise relative to its signal, what the spike rule compares. A step whose accumulation ran short (an
+    epoch's last, n < divisor) has its gradient scaled by c, signal and noise alike, so that its norm against a full
+    step's is at most that of the mean of its n micro-batches; weighted as that mean, it is allowed what its noise
+    needs and does not count as a larger batch towards the usual one (a lone 5-row micro-batch of 4 is 5 examples,
+    not the 80 of its noise weight)."""
+    return noise_weight(sizes, min(len(sizes), divisor) if sizes else divisor)
+
+
 def effective_batch(weight: float, world_size: int = 1) -> float:
     """The examples of one batch whose mean gradient is as noisy as a step of :func:`noise_weight` ``weight`` summed
     over ``world_size`` ranks whose gradients are averaged: world_size² / weight; NaN where a weight is unknown."""
