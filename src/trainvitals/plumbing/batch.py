@@ -39,7 +39,7 @@ def batch_size(batch: Any, sequence_first: bool | None = False) -> int | None:
 class StepBatches:
     """The micro-batches of the optimizer step under way and their examples (:func:`batch_size`: the tensors'
     shapes, on the host, no sync), for the noise weight of its gradient
-    (:func:`~trainvitals.norms.spikes.noise_weight`).
+    (:func:`~trainvitals.norms.spikes.relative_noise_weight`).
 
     A step's window opens at the first micro-batch that starts at a new ``trainer.global_step``; a micro-batch
     counts once per backward it runs (:meth:`backward`: none for a ``training_step`` that returned ``None``; each
