@@ -20,7 +20,10 @@ of its per-iteration times after ``--warmup`` iterations, in wall-clock and in p
 steadier one on a shared machine). The ratio is taken per repetition against that repetition's bare
 fit; the table gives the median over repetitions and the range. "hook CPU" is the thread CPU time of
 the variant's ``on_before_optimizer_step`` alone (for ``reference`` it leaves out the logging that
-Lightning does after the hook for ``log_dict``).
+Lightning does after the hook for ``log_dict``). "micro-batch hooks CPU" is the thread CPU time of the
+monitor's hooks that run on every micro-batch, step or not (``on_train_batch_start``: the batch's size on the
+host, and on a logging step the producer search's reference to the batch; ``on_before_backward``), summed:
+neither the hook column nor the paired reading holds them.
 
     python benchmarks/bench_grad_norm_monitor.py --repetitions 7 --out grad_norm_monitor.json
 """
@@ -58,6 +61,7 @@ from trainvitals.norms.monitor import GradNormMonitor
 
 VARIANTS = ("bare", "monitor", "reference", "monitor_unlogged", "reference_logger", "monitor_even_steps")
 NEVER = 10**9  # a logging cadence that a benchmark never reaches after step 0
+BATCH_HOOKS = ("on_train_batch_start", "on_before_backward")  # GradNormMonitor's hooks of every micro-batch
 
 
 class GradNormReference(Callback):
@@ -121,6 +125,7 @@ def timed_fit(
     timer = StepTimer(warmup)
     extra = _callback(variant)
     hook_seconds = time_hook(extra, "on_before_optimizer_step") if extra is not None else []
+    batch_hooks = [time_hook(extra, h) for h in BATCH_HOOKS] if isinstance(extra, GradNormMonitor) else []
     callbacks = [timer] + ([extra] if extra is not None else [])
     fit_once(make_model(), make_data(), callbacks, warmup + steps + 1, logdir, name=variant)
     total = getattr(extra, "last_total", None)
@@ -139,6 +144,8 @@ def timed_fit(
         )
         if hook_seconds
         else 0.0,
+        # the monitor's hooks of every micro-batch (its size on the host, the backward it runs), this thread
+        "batch_hooks_cpu_median_s": sum(median(seconds[warmup:]) for seconds in batch_hooks),
         "n": len(timer.seconds),
         **({"paired_ratio": _even_over_odd(timer)} if variant == "monitor_even_steps" else {}),
     }
@@ -164,6 +171,7 @@ def bench_model(
     rows = [ratio_row(runs, v, key="{clock}_median_s") for v in args.variants]
     for row in rows:
         row["hook_cpu_ms"] = 1e3 * median([r["hook_cpu_median_s"] for r in runs[row["variant"]]])
+        row["batch_hooks_cpu_us"] = 1e6 * median([r["batch_hooks_cpu_median_s"] for r in runs[row["variant"]]])
     return {"model": label, "runs": runs, "rows": rows, "last_total_norm": last_totals}
 
 
@@ -178,10 +186,18 @@ def format_rows(result: dict[str, Any]) -> str:
             "CPU ratio",
             "CPU ratio range",
             "hook CPU ms/step",
+            "micro-batch hooks CPU µs/micro-batch",
             "steps timed/fit",
         ],
         [
-            [r["variant"], *ratio_cells(r, "wall"), *ratio_cells(r, "cpu"), f"{r['hook_cpu_ms']:.3f}", r["steps_timed"]]
+            [
+                r["variant"],
+                *ratio_cells(r, "wall"),
+                *ratio_cells(r, "cpu"),
+                f"{r['hook_cpu_ms']:.3f}",
+                f"{r['batch_hooks_cpu_us']:.1f}",
+                r["steps_timed"],
+            ]
             for r in result["rows"]
         ],
     )
