@@ -9,10 +9,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import GAN, Regressor, ReleaseProcessGroup, loader, regression_data
+from _models import GAN, NoiseOnly, Regressor, ReleaseProcessGroup, loader, regression_data
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals import GradNormMonitor, UpdateMonitor
 from trainvitals.updates import monitor as update_monitor
@@ -265,6 +266,61 @@ def test_repeated_update_norm_spikes_are_said_once_and_counted(caplog):
     assert len(said) == 1 and "spike at optimizer step 7: " in said[0]
     assert "update-norm spikes 2" in monitor.summary_line()
     assert any("spike at optimizer step 9" in f for f in monitor.findings())  # the latest, in the findings
+
+
+class _UpdateNorms(NoiseOnly):
+    """NoiseOnly (d = 2, plain SGD at lr 1e-3: Δθ = −lr · g) recording each step's brute-force ‖Δθ‖ in float64."""
+
+    def __init__(self, spike_at: int, spike: float) -> None:
+        super().__init__(spike_at=spike_at, spike=spike, d=2)
+        self.updates: dict[int, float] = {}
+        self._before = torch.zeros(0)
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        self._before = self.lin.weight.detach().double().clone()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.updates[self.global_step - 1] = (self.lin.weight.detach().double() - self._before).norm().item()
+
+
+def _flagged(values: list[float], allowances: list[float], factor: float, beta: float, warmup: int) -> list[int]:
+    """The steps the spike rule flags, replayed by hand: above allowance × factor × the bias-corrected EMA of the
+    values before, a flagged one entering the EMA clipped to its threshold."""
+    ema, flagged = 0.0, []
+    for count, (value, allowance) in enumerate(zip(values, allowances)):
+        average = ema / (1.0 - beta**count) if count else 0.0
+        threshold = allowance * factor * average
+        spike = count >= max(1, warmup) and average > 0.0 and value > threshold
+        ema += (1.0 - beta) * ((threshold if spike else value) - ema)
+        flagged += [count] if spike else []
+    return flagged
+
+
+def test_an_sgd_update_from_an_epochs_one_row_batch_is_no_spike_and_a_20x_one_still_is(caplog):
+    """321 rows at batch 16, shuffled, 12 epochs: each epoch ends in a 1-row batch, whose SGD update (lr × its
+    gradient) is about √16 = 4× the usual from noise alone. The plain rule (5×, β 0.9, 5 warm-up steps) replayed over
+    the brute-force ‖Δθ‖ flags epoch ends and nothing else; with each short step's threshold × √(B / b) it flags
+    none, nor does the monitor; the last update of epoch 5 × 20 is flagged by both, said with its batch."""
+    data = DataLoader(TensorDataset(torch.randn(20 * 16 + 1, 2)), batch_size=16, shuffle=True)
+    spike_at = 6 * 21 - 1
+    for spike, expected in ((1.0, []), (20.0, [spike_at])):
+        model, monitor = _UpdateNorms(spike_at, spike), UpdateMonitor(log_every_n_steps=1)
+        with caplog.at_level("INFO"):
+            pl.Trainer(**trainer_kwargs(callbacks=[monitor], max_epochs=12)).fit(model, data)
+        steps = sorted(model.updates)
+        assert len(steps) == 21 * 12 and model.sizes[spike_at] == [1]
+        updates, batches = [model.updates[s] for s in steps], [model.sizes[s][0] for s in steps]
+        plain = _flagged(updates, [1.0] * len(steps), 5.0, 0.9, 5)
+        assert plain and all(batches[s] == 1 for s in plain)  # what the allowance is for
+        allowed = [math.sqrt(16 / b) for b in batches]
+        assert _flagged(updates, allowed, 5.0, 0.9, 5) == expected
+        assert monitor._tracks[0].state.spike_steps == len(expected)
+        said = [r.getMessage() for r in caplog.records if "spike at optimizer step" in r.getMessage()]
+        caplog.clear()
+        assert len(said) == len(expected)
+        if expected:
+            assert f"step {spike_at}: " in said[0] and "(a batch of 1 examples against the usual 16: " in said[0]
 
 
 def test_state_survives_a_requeued_fit_and_the_resumed_fit_continues_the_cadence(tmp_path):

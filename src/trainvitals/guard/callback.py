@@ -65,7 +65,7 @@ from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import StepBatches, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.lr_factors import LRFactors
-from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER, SUMMARY
+from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER, STEP_BATCHES, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.tags import GUARD_EVENT_LOG, SKIP_BATCHES_FILE
 from trainvitals.text.markdown import markdown_table
@@ -143,7 +143,7 @@ class TrainingGuard(TrainvitalsCallback):
     """
 
     provides = (NAN_PRODUCER, SUMMARY)
-    reads = (GRAD_SQ_NORMS,)
+    reads = (GRAD_SQ_NORMS, STEP_BATCHES)
 
     def __init__(
         self,
@@ -214,8 +214,6 @@ class TrainingGuard(TrainvitalsCallback):
         )
         self._step: dict[str, Any]  # scratch: this step's losses, batches, RNG states, decision; the params
         self.add_state("_step", dict, persistent=False)
-        self._batches: StepBatches  # this step's micro-batches and their sizes: its gradient's noise weight
-        self.add_state("_batches", StepBatches, persistent=False)
         self._waiting: list[tuple[Any, ...]]  # all actions "warn": the steps not read back yet, rows on the device
         self.add_state("_waiting", list, persistent=False)
         self._unsaid: dict[str, int]  # per kind whose first "warn" event this fit was said: the later ones, counted
@@ -259,7 +257,7 @@ class TrainingGuard(TrainvitalsCallback):
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
-        if self._batches.start(trainer, batch, i):  # a new optimizer step's first micro-batch
+        if StepBatches.of(self.vitals).start(self, trainer, batch, i):  # a new optimizer step's first micro-batch
             self._step.update(batches=[], losses=[])
             self._scale_lr(trainer)
             if self._skips:
@@ -275,7 +273,7 @@ class TrainingGuard(TrainvitalsCallback):
         scale = loss_scale(trainer)  # the GradScaler's scale is in the loss here
         loss = loss if scale is None else loss / scale.to(loss)
         self._step.setdefault("losses", []).append((self._step.get("batch_idx"), loss))  # normalised, on device
-        self._batches.backward()
+        StepBatches.of(self.vitals).backward(self, trainer)
 
     @override
     def on_before_optimizer_step(
@@ -291,7 +289,9 @@ class TrainingGuard(TrainvitalsCallback):
         # The micro-batches' sum, as Lightning normalises them (one micro-batch: its own loss, no device op).
         loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) if losses else None
         device = next((t.device for t in (sq_norm, loss) if t is not None), pl_module.device)
-        noise = relative_noise_weight(self._batches.backward_sizes(), loss_divisor(trainer, pl_module))
+        noise = relative_noise_weight(
+            StepBatches.of(self.vitals).backward_sizes(trainer), loss_divisor(trainer, pl_module)
+        )
         row = pack(loss, sq_norm, trainer.global_rank, trainer.world_size, device, noise)
         if trainer.world_size > 1:
             row = trainer.strategy.reduce(row, reduce_op="sum")

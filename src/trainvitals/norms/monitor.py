@@ -52,7 +52,14 @@ from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import StepBatches, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import reduce_shard_norms
-from trainvitals.plumbing.sharing import GRAD_NORM, GRAD_SQ_NORMS, NAN_PRODUCER, NONFINITE_STEPS, SUMMARY
+from trainvitals.plumbing.sharing import (
+    GRAD_NORM,
+    GRAD_SQ_NORMS,
+    NAN_PRODUCER,
+    NONFINITE_STEPS,
+    STEP_BATCHES,
+    SUMMARY,
+)
 from trainvitals.plumbing.state import DeclaredState, IndexedStates
 from trainvitals.plumbing.stopping import stopped_early
 from trainvitals.plumbing.writers import log_histogram, log_scalars, log_text
@@ -174,7 +181,7 @@ class GradNormMonitor(TrainvitalsCallback):
     """
 
     provides = (GRAD_NORM, NONFINITE_STEPS, SUMMARY)
-    reads = (GRAD_SQ_NORMS,)
+    reads = (GRAD_SQ_NORMS, STEP_BATCHES)
 
     def __init__(
         self,
@@ -221,8 +228,6 @@ class GradNormMonitor(TrainvitalsCallback):
         )
         self._tracks: dict[int, _Track]
         self.add_state("_tracks", {}, persistent=False)
-        self._batches: StepBatches  # this step's micro-batches and their sizes: its gradient's noise weight
-        self.add_state("_batches", StepBatches, persistent=False)
         # Under several ranks: their number, and the sum over them of a read-back's noise weights (each rank's own).
         self._ranks: tuple[int, Callable[[Tensor], Tensor]] | None
         self.add_state("_ranks", None, persistent=False)
@@ -253,7 +258,7 @@ class GradNormMonitor(TrainvitalsCallback):
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
-        self._batches.start(trainer, batch, i)
+        StepBatches.of(self.vitals).start(self, trainer, batch, i)  # the step's micro-batches: its noise weight
         if not self._searching or self.search.searched:
             return
         every = logging_every(trainer, self.log_every_n_steps)
@@ -264,7 +269,7 @@ class GradNormMonitor(TrainvitalsCallback):
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
-        self._batches.backward()
+        StepBatches.of(self.vitals).backward(self, trainer)
 
     @override
     def on_before_optimizer_step(
@@ -279,7 +284,8 @@ class GradNormMonitor(TrainvitalsCallback):
             return
         step = trainer.global_step
         track.latest, track.latest_step = norms, step
-        weight = relative_noise_weight(self._batches.backward_sizes(), loss_divisor(trainer, pl_module))  # host floats
+        sizes = StepBatches.of(self.vitals).backward_sizes(trainer)
+        weight = relative_noise_weight(sizes, loss_divisor(trainer, pl_module))  # host floats
         track.pending.append((step, norms, weight))
 
         logs = is_logging_step(track.steps, logging_every(trainer, self.log_every_n_steps))

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, SequentialSampler
 
 from trainvitals.batch_structure import batch_tensors, listed_examples
+from trainvitals.plumbing.sharing import STEP_BATCHES
 
 
 def batch_size(batch: Any, sequence_first: bool | None = False) -> int | None:
@@ -39,35 +40,62 @@ def batch_size(batch: Any, sequence_first: bool | None = False) -> int | None:
 class StepBatches:
     """The micro-batches of the optimizer step under way and their examples (:func:`batch_size`: the tensors'
     shapes, on the host, no sync), for the noise weight of its gradient
-    (:func:`~trainvitals.norms.spikes.relative_noise_weight`).
+    (:func:`~trainvitals.norms.spikes.relative_noise_weight`): one a fit, shared by the callbacks that judge a step
+    by it (:meth:`of`).
 
-    A step's window opens at the first micro-batch that starts at a new ``trainer.global_step``; a micro-batch
-    counts once per backward it runs (:meth:`backward`: none for a ``training_step`` that returned ``None``; each
-    of an LBFGS closure's evaluations; each loss of a manual optimization).
+    Each of them reports every micro-batch that starts (:meth:`start`) and every backward (:meth:`backward`) from its
+    own hooks; the first report of each is recorded, the others find it recorded (each reporter's count of its reports
+    in this window tells which), so that a micro-batch is sized once whichever callback runs first, and one alone
+    still feeds it all. A window opens at the first micro-batch that starts at a new ``trainer.global_step``. A
+    backward counts towards the optimizer step at whose ``global_step`` it ran: under manual optimization an
+    optimizer's step moves ``global_step`` on, so a GAN's generator step counts its own backward, not the
+    discriminator's before it. Read at a step's first ``on_before_optimizer_step``: under automatic optimization
+    after the window's backwards (none for a ``training_step`` that returned ``None``), and for LBFGS after its
+    closure's first evaluation only — the gradient measured then, zeroed by Lightning before it.
     """
 
     def __init__(self) -> None:
         self.step: int | None = None  # the global step the window opened at
         self.sizes: dict[int, int | None] = {}  # micro-batch index → its examples
-        self.ran: list[int | None] = []  # the micro-batch of each backward
+        self.ran: list[tuple[int, int | None]] = []  # each backward's global step and micro-batch
         self.current: int | None = None
+        self._reported = [0, 0]  # micro-batches and backwards recorded in this window
+        self._by: dict[int, list[int]] = {}  # per reporter (by id): those it reported
 
-    def start(self, trainer: "pl.Trainer", batch: Any, batch_idx: int) -> bool:
-        """Size the micro-batch ``batch_idx`` that starts; True when it is its optimizer step's first."""
-        opens = self.step != trainer.global_step
-        if opens:
-            self.step, self.sizes, self.ran = trainer.global_step, {}, []
-        self.sizes[batch_idx] = batch_size(batch)
-        self.current = batch_idx
-        return opens
+    @classmethod
+    def of(cls, vitals: Any) -> "StepBatches":
+        """The fit's one StepBatches of the hub ``vitals`` (:data:`~trainvitals.plumbing.sharing.STEP_BATCHES`)."""
+        return vitals.shared(STEP_BATCHES, cls)
 
-    def backward(self) -> None:
-        """The micro-batch under way runs a backward."""
-        self.ran.append(self.current)
+    def _first(self, reporter: object, kind: int) -> bool:
+        """Count a report of ``reporter``'s (0: a micro-batch, 1: a backward); True when no one reported it before."""
+        counts = self._by.setdefault(id(reporter), [0, 0])
+        counts[kind] += 1
+        if counts[kind] <= self._reported[kind]:
+            return False
+        self._reported[kind] += 1
+        return True
 
-    def backward_sizes(self) -> list[int | None]:
-        """The examples of the micro-batch of each backward of this step (``None`` where unsized)."""
-        return [self.sizes.get(i) for i in self.ran]
+    def start(self, reporter: object, trainer: "pl.Trainer", batch: Any, batch_idx: int) -> bool:
+        """``reporter`` saw the micro-batch ``batch_idx`` start: sized if no one did; True when it is its optimizer
+        step's first."""
+        if self.step != trainer.global_step:
+            self.step, self.sizes, self.ran, self._reported, self._by = trainer.global_step, {}, [], [0, 0], {}
+        if self._first(reporter, 0):
+            self.sizes[batch_idx] = batch_size(batch)
+            self.current = batch_idx
+        return self._by[id(reporter)][0] == 1
+
+    def backward(self, reporter: object, trainer: "pl.Trainer") -> None:
+        """``reporter`` saw the micro-batch under way run a backward."""
+        if self._first(reporter, 1):
+            self.ran.append((trainer.global_step, self.current))
+
+    def backward_sizes(self, trainer: "pl.Trainer") -> list[int | None]:
+        """The examples of the micro-batch of each backward of this optimizer step, those that ran at this
+        ``global_step`` (``None`` where unsized)."""
+        step = trainer.global_step
+        return [self.sizes.get(i) for at, i in self.ran if at == step]
 
 
 def loss_divisor(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> int:

@@ -10,8 +10,8 @@ it as ``callback.vitals``. Callbacks then ask the hub, never each other's module
   step's gradient (accumulated, averaged over ranks, AMP scale undone, before clipping), taken by one
   fused pass on the first request of the step — whichever callback asks first — and indexed for the
   others (:class:`StepGradNorms`);
-- ``vitals.shared(name, factory)``: the fit's one object of a name (the run's ``GradientNoise``),
-  made on first request;
+- ``vitals.shared(name, factory)``: the fit's one object of a name (the run's ``GradientNoise``, the step's
+  micro-batches and their sizes), made on first request;
 - ``vitals.provider(name)`` / ``vitals.providers(name)``: the callback(s) declaring ``name``;
   ``vitals.speaker(name)``: the one that logs a tag family several could log (its provider, else its
   first reader).
@@ -65,6 +65,10 @@ NAN_PRODUCER = "nan_producer"
 LR_FACTORS = "lr_factors"
 """The step's lr multipliers on top of a user's scheduler (:class:`~trainvitals.plumbing.lr_factors.LRFactors`, a
 :meth:`Vitals.shared` object): TrainingGuard after a rollback, BandSchedule after a cut."""
+STEP_BATCHES = "step_batches"
+"""The micro-batches of the step under way and their sizes (:class:`~trainvitals.plumbing.batch.StepBatches`, a
+:meth:`Vitals.shared` object): fed by whichever of its readers sees a micro-batch or a backward first; read by
+GradNormMonitor, TrainingGuard and UpdateMonitor for a step's noise weight."""
 SUMMARY = "summary"
 """An end-of-fit markdown summary (``summary_markdown()``)."""
 RESTORED_SUMMARY = "restored_summary"

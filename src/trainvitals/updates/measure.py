@@ -54,6 +54,15 @@ def _whole_dot(d: Tensor, g: Tensor) -> Tensor:
     return torch.dot(d.reshape(-1), g.reshape(-1).to(d.dtype)).to(torch.float64)
 
 
+def is_noise_scaled(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s update is lr × an affine function of this step's gradient, its past fixed:
+    ``torch.optim.SGD`` (momentum, Nesterov, dampening, weight decay: Δθ = −lr · (a + c · g)), so that a batch of b
+    examples below the usual B raises E‖Δθ‖² by at most B / b, as it does E‖g‖², and the spike rule's √(B / b) holds
+    for ‖Δθ‖ (docs/callbacks/update-monitor.md). Adam's update is divided by √v̂, which a noisier gradient raises too:
+    no such bound."""
+    return type(getattr(optimizer, "optimizer", optimizer)) is torch.optim.SGD
+
+
 def is_adam_like(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` keeps Adam's moments: ``betas``/``eps`` in its groups, ``exp_avg``/``exp_avg_sq``
     in its state (Adam, AdamW, NAdam, RAdam, and their fused and foreach forms)."""

@@ -28,16 +28,31 @@ from typing_extensions import override
 
 from trainvitals._validation import check_choice, check_float, check_int
 from trainvitals.fused_norms import GROUPINGS, NormGroups, combine_norms, grouped_norms
-from trainvitals.norms.spikes import SpikeDetector, first_spike_note
+from trainvitals.norms.spikes import (
+    SpikeDetector,
+    UsualBatch,
+    effective_batch,
+    first_spike_note,
+    norm_spike,
+    relative_noise_weight,
+)
 from trainvitals.plumbing.amp import scale_left_in_grads
 from trainvitals.plumbing.base import TrainvitalsCallback
+from trainvitals.plumbing.batch import StepBatches, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import reduce_shard_norms, reduce_shard_sums
-from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, SUMMARY
+from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, STEP_BATCHES, SUMMARY
 from trainvitals.plumbing.state import DeclaredState, IndexedStates
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
-from trainvitals.updates.measure import adam_unit_step_norms, descent_dots, is_adam_like, snapshot, step_change
+from trainvitals.updates.measure import (
+    adam_unit_step_norms,
+    descent_dots,
+    is_adam_like,
+    is_noise_scaled,
+    snapshot,
+    step_change,
+)
 
 USUAL_RATIO = 1e-3
 """``usual_ratio``'s default: the rule of thumb of ~1e-3 per step."""
@@ -50,9 +65,10 @@ non-zero gradient, and of those the steps where Δθ was exactly 0."""
 
 class UpdateTrackState(DeclaredState):
     """What one optimizer's track carries over a resume: its steps (skipped ones included), the skipped
-    steps, the update-norm spikes and their EMA, and each group's counts (:data:`RECORD`)."""
+    steps, the update-norm spikes and their EMA, the usual batch a short one is judged against, and each group's
+    counts (:data:`RECORD`)."""
 
-    def __init__(self, spikes: Callable[[], SpikeDetector]) -> None:
+    def __init__(self, spikes: Callable[[], SpikeDetector], usual: Callable[[], UsualBatch]) -> None:
         self.steps: int
         self.add_state("steps", 0)
         self.skipped: int
@@ -61,6 +77,8 @@ class UpdateTrackState(DeclaredState):
         self.add_state("spike_steps", 0)
         self.spikes: SpikeDetector
         self.add_state("spikes", spikes, key="ema")
+        self.usual: UsualBatch
+        self.add_state("usual", usual, key="usual_batch")
         self.records: dict[str, dict[str, int]]
         self.add_state("records", dict)
 
@@ -82,6 +100,7 @@ class _Track:
     before: list[Tensor] | None = None  # θ before a measured step (its copy), then −Δθ
     grad_norms: Tensor | None = None
     grad_scale: Tensor | None = None
+    weight: float | None = None  # the measured step's noise weight (this rank's), where its update scales with g
     clip: float | None = None  # the Trainer's norm clipping of this step (NaN: by value)
     last: dict[str, dict[str, float]] = field(default_factory=dict)  # each group's values at the last logged step
     spike: tuple[int, str] | None = None
@@ -138,7 +157,7 @@ class UpdateMonitor(TrainvitalsCallback):
     """
 
     provides = (SUMMARY,)
-    reads = (GRAD_SQ_NORMS,)
+    reads = (GRAD_SQ_NORMS, STEP_BATCHES)
 
     def __init__(
         self,
@@ -163,15 +182,31 @@ class UpdateMonitor(TrainvitalsCallback):
         # of them is declared apart, so that a loaded state is kept by a fit that builds no track.
         self._track_states: IndexedStates
         spikes = partial(SpikeDetector, self.spike_factor, self.ema_beta, self.spike_warmup_steps)
-        self.add_state("_track_states", partial(IndexedStates, partial(UpdateTrackState, spikes)), key="tracks")
+        usual = partial(UsualBatch, round(1.0 / (1.0 - self.ema_beta)))  # over the spike EMA's horizon
+        self.add_state("_track_states", partial(IndexedStates, partial(UpdateTrackState, spikes, usual)), key="tracks")
         self._tracks: dict[int, _Track]
         self.add_state("_tracks", {}, persistent=False)
         self._trainer: pl.Trainer | None = None
+        self._sizes = False  # an optimizer's update scales with its gradient: the micro-batches are sized
 
     # ------------------------------------------------------------------ hooks
     @override
     def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._trainer = trainer
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._sizes = any(is_noise_scaled(optimizer) for optimizer in trainer.optimizers)
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
+        if self._sizes:
+            StepBatches.of(self.vitals).start(self, trainer, batch, i)
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *_: Any) -> None:
+        if self._sizes:
+            StepBatches.of(self.vitals).backward(self, trainer)
 
     @override
     def on_before_optimizer_step(
@@ -190,6 +225,10 @@ class UpdateMonitor(TrainvitalsCallback):
         track.grad_norms = self.vitals.grad_norms.norms(trainer, optimizer, track.params)
         track.grad_scale = scale_left_in_grads(trainer, optimizer)
         track.clip = _clip(trainer, pl_module)
+        track.weight = None
+        if self._sizes and is_noise_scaled(optimizer):  # host floats
+            sizes = StepBatches.of(self.vitals).backward_sizes(trainer)
+            track.weight = relative_noise_weight(sizes, loss_divisor(trainer, pl_module))
         track.before = snapshot(track.params)
 
     @override
@@ -326,13 +365,21 @@ class UpdateMonitor(TrainvitalsCallback):
         rows.append(grouped_norms(grads.to(weight), track.groups))
         rows.append(dots.new_zeros(len(track.groups.names)).index_add_(0, track.groups.index.to(dots.device), dots))
         totals = torch.stack([combine_norms(rows[0]), combine_norms(rows[1])])
-        host = torch.cat([totals, *rows]).tolist()  # one transfer
-        self._record(trainer, index, track, step, adam, host)
+        parts, world = [totals, *rows], trainer.world_size
+        if track.weight is not None and world > 1:  # the ranks' noise weights summed: every rank judges one batch
+            weights = torch.tensor([track.weight], dtype=torch.float64, device=totals.device)
+            parts.append(trainer.strategy.reduce(weights, reduce_op="sum"))
+        host = torch.cat(parts).tolist()  # one transfer
+        batch = math.nan
+        if track.weight is not None:
+            batch = effective_batch(host.pop() if world > 1 else world * track.weight, world)
+        self._record(trainer, index, track, step, adam, host, batch)
 
     def _record(
-        self, trainer: "pl.Trainer", index: int, track: _Track, step: int, adam: bool, host: list[float]
+        self, trainer: "pl.Trainer", index: int, track: _Track, step: int, adam: bool, host: list[float], batch: float
     ) -> None:
-        """Log one measured step's values (host floats) and update the findings' bookkeeping."""
+        """Log one measured step's values (host floats) and update the findings' bookkeeping; ``batch``: the step's
+        effective batch where its update scales with its gradient (the spike rule's allowance), else NaN."""
         n = len(track.groups.names)
         total_weight, total_update, values = host[0], host[1], host[2:]
         weight, update, *rest = (values[k * n : (k + 1) * n] for k in range(len(values) // n))
@@ -365,12 +412,13 @@ class UpdateMonitor(TrainvitalsCallback):
                 record["still"] += update[g] == 0.0
         track.last_step = step
         log_scalars(trainer, metrics, step, finite_only=True)
-        if math.isfinite(total_update) and (factor := track.state.spikes.update(total_update)) is not None:
+        usual = track.state.usual if track.weight is not None else None
+        if math.isfinite(total_update) and (found := norm_spike(total_update, batch, track.state.spikes, usual)):
             track.state.spike_steps += 1
             largest = sorted(track.groups.names, key=lambda name: -update[track.groups.names.index(name)])[:3]
             track.spike = (
                 step,
-                f"update-norm spike at optimizer step {step}: ‖Δθ‖ {factor:.1f}× its running average; "
+                f"update-norm spike at optimizer step {step}: ‖Δθ‖ {found[0]:.1f}× its running average{found[1]}; "
                 f"largest layers: {', '.join(largest)}",
             )
             if not track.said_spike:
