@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _models import LogModel, NoiseOnly, ReleaseProcessGroup, flat_grad_norm, loader, log_data, regression_data
+from _spike_rule import flagged_steps
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -229,19 +230,6 @@ def test_under_accumulation_an_event_reports_the_steps_mean_loss_and_its_gradien
     assert event["grad_norm"] == pytest.approx(before.norms[4])
 
 
-def _replay(norms: list[float], allowances: list[float], factor: float, beta: float, warmup: int) -> list[int]:
-    """The steps the spike rule flags, by hand: the bias-corrected EMA of the norms before, each value above
-    allowance × factor × it flagged and entered clipped to that threshold."""
-    ema, flagged = 0.0, []
-    for count, (norm, allowance) in enumerate(zip(norms, allowances)):
-        average = ema / (1.0 - beta**count) if count else 0.0
-        threshold = allowance * factor * average
-        spike = count >= max(1, warmup) and average > 0.0 and norm > threshold
-        ema += (1.0 - beta) * ((threshold if spike else norm) - ema)
-        flagged += [count] if spike else []
-    return flagged
-
-
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_an_epochs_short_last_batch_is_no_spike_and_a_real_spike_in_it_still_is(accumulate):
     """drop_last=False, 16-row batches and a last one of 1 row each epoch: that step's norm is about √(B / b) times
@@ -269,8 +257,8 @@ def test_an_epochs_short_last_batch_is_no_spike_and_a_real_spike_in_it_still_is(
         assert batches[spike_at] == 1  # the short step's effective batch: 1 row, alone or halved
         norms = [model.norms[s] for s in steps]
         short = [s for s in steps if batches[s] < usual]
-        plain = _replay(norms, [1.0] * len(steps), factor, guard.ema_beta, warmup)
-        allowed = _replay(norms, [math.sqrt(usual / b) for b in batches], factor, guard.ema_beta, warmup)
+        plain = flagged_steps(norms, [1.0] * len(steps), factor, guard.ema_beta, warmup)
+        allowed = flagged_steps(norms, [math.sqrt(usual / b) for b in batches], factor, guard.ema_beta, warmup)
         assert plain and set(plain) <= set(short)  # the plain rule flags short steps: what the allowance is for
         assert allowed == expected
         assert [(e["global_step"], e["kind"]) for e in guard.events] == [(s, "spike") for s in expected]

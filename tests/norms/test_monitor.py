@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _models import GAN, Regressor, flat_grad_norm, loader, regression_data
+from _spike_rule import spike_ratios
 from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_spikes import _reference
 from torch import nn
 
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
@@ -413,7 +413,7 @@ def test_a_run_of_consecutive_spikes_is_said_once_and_counted(caplog):
     monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0, spike_factor=3.0, spike_warmup_steps=10)
     with caplog.at_level("INFO"):
         fit(Shifts(lr=0.0), monitor, logger, max_steps=80)
-    flags = [f is not None for f in _reference(logger.values("grad_norm/total"), 3.0, monitor.ema_beta, 10)]
+    flags = [f is not None for f in spike_ratios(logger.values("grad_norm/total"), 3.0, monitor.ema_beta, 10)]
     assert not any(flags[:30]) and all(flags[30:40])  # a run of consecutive spikes from the shift on
     assert logger.values("grad_norm/spike_steps")[-1] == sum(flags)
     said = [r.getMessage() for r in caplog.records if "spike at optimizer step" in r.getMessage()]

@@ -11,8 +11,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from _models import NoiseOnly, ReleaseProcessGroup
+from _spike_rule import spike_ratios
 from conftest import HostReads, RecordingLogger, trainer_kwargs
-from test_spikes import _reference
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals import GradNormMonitor
@@ -24,7 +24,7 @@ the default 5× rule often enough to fire at some epoch ends, and below 4 × 5 =
 
 def _flagged(norms: list[float], allowances: list[float] | None = None) -> list[int]:
     """The steps the monitor's default rule (5×, β 0.98, 20 warm-up steps) flags, each threshold × its allowance."""
-    return [s for s, ratio in enumerate(_reference(norms, 5.0, 0.98, 20, allowances)) if ratio is not None]
+    return [s for s, ratio in enumerate(spike_ratios(norms, 5.0, 0.98, 20, allowances)) if ratio is not None]
 
 
 def _allowances(batches: list[float], usual: float) -> list[float]:

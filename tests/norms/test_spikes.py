@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from _spike_rule import spike_ratios
 
 from trainvitals.norms.spikes import (
     SpikeDetector,
@@ -16,26 +17,11 @@ from trainvitals.norms.spikes import (
 )
 
 
-def _reference(values, factor, beta, warmup, allowances=None):
-    """Weighted average of the (clipped) earlier values with weights β^(t-1-j), normalised to sum 1; each value's
-    threshold factor × that × its allowance (1 by default)."""
-    kept, flags = [], []
-    for value, allowance in zip(values, allowances or [1.0] * len(values)):
-        t = len(kept)
-        weights = [beta ** (t - 1 - j) for j in range(t)]
-        average = sum(w * x for w, x in zip(weights, kept)) / sum(weights) if t else 0.0
-        threshold = allowance * factor * average
-        spike = t >= max(1, warmup) and value > threshold
-        flags.append(value / average if spike else None)
-        kept.append(threshold if spike else value)
-    return flags
-
-
 def test_flags_and_ratios_equal_the_direct_computation():
     values = [1.0, 1.2, 0.9, 9.0, 1.1, 30.0, 30.0, 30.0, 1.0] + [40.0] * 40
     detector = SpikeDetector(factor=3.0, beta=0.9, warmup_steps=3)
     flags = [detector.update(v) for v in values]
-    expected = _reference(values, 3.0, 0.9, 3)
+    expected = spike_ratios(values, 3.0, 0.9, 3)
     assert [f is None for f in flags] == [e is None for e in expected]
     assert [f for f in flags if f] == pytest.approx([e for e in expected if e], rel=1e-12)
     assert flags[3] == pytest.approx(9.0 / ((1.0 * 0.81 + 1.2 * 0.9 + 0.9) / (0.81 + 0.9 + 1.0)))
@@ -144,10 +130,10 @@ def test_a_short_batchs_norm_is_judged_at_its_allowance_and_said():
         batches.append(effective_batch(noise_weight([1 if short else 16], 1)))
     spikes, usual = SpikeDetector(5.0, 0.9, 3), UsualBatch(span=10)
     found = [norm_spike(v, b, spikes, usual) for v, b in zip(values, batches)]
-    allowed = _reference(values, 5.0, 0.9, 3, [4.0 if b == 1.0 else 1.0 for b in batches])
+    allowed = spike_ratios(values, 5.0, 0.9, 3, [4.0 if b == 1.0 else 1.0 for b in batches])
     assert [f is None for f in found] == [a is None for a in allowed]
     assert [i for i, a in enumerate(allowed) if a] == [39]
-    assert [i for i, p in enumerate(_reference(values, 5.0, 0.9, 3)) if p] == [9, 39]  # the plain rule: a 6 too
+    assert [i for i, p in enumerate(spike_ratios(values, 5.0, 0.9, 3)) if p] == [9, 39]  # the plain rule: a 6 too
     ratio, said = found[39]
     assert ratio == pytest.approx(allowed[39], rel=1e-12)
     assert said == " (a batch of 1 examples against the usual 16: beyond the 20× its noise allows)"

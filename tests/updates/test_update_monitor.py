@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _models import GAN, NoiseOnly, Regressor, ReleaseProcessGroup, loader, regression_data
+from _spike_rule import flagged_steps
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -284,19 +285,6 @@ class _UpdateNorms(NoiseOnly):
         self.updates[self.global_step - 1] = (self.lin.weight.detach().double() - self._before).norm().item()
 
 
-def _flagged(values: list[float], allowances: list[float], factor: float, beta: float, warmup: int) -> list[int]:
-    """The steps the spike rule flags, replayed by hand: above allowance × factor × the bias-corrected EMA of the
-    values before, a flagged one entering the EMA clipped to its threshold."""
-    ema, flagged = 0.0, []
-    for count, (value, allowance) in enumerate(zip(values, allowances)):
-        average = ema / (1.0 - beta**count) if count else 0.0
-        threshold = allowance * factor * average
-        spike = count >= max(1, warmup) and average > 0.0 and value > threshold
-        ema += (1.0 - beta) * ((threshold if spike else value) - ema)
-        flagged += [count] if spike else []
-    return flagged
-
-
 def test_an_sgd_update_from_an_epochs_one_row_batch_is_no_spike_and_a_20x_one_still_is(caplog):
     """321 rows at batch 16, shuffled, 12 epochs: each epoch ends in a 1-row batch, whose SGD update (lr × its
     gradient) is about √16 = 4× the usual from noise alone. The plain rule (5×, β 0.9, 5 warm-up steps) replayed over
@@ -311,10 +299,10 @@ def test_an_sgd_update_from_an_epochs_one_row_batch_is_no_spike_and_a_20x_one_st
         steps = sorted(model.updates)
         assert len(steps) == 21 * 12 and model.sizes[spike_at] == [1]
         updates, batches = [model.updates[s] for s in steps], [model.sizes[s][0] for s in steps]
-        plain = _flagged(updates, [1.0] * len(steps), 5.0, 0.9, 5)
+        plain = flagged_steps(updates, [1.0] * len(steps), 5.0, 0.9, 5)
         assert plain and all(batches[s] == 1 for s in plain)  # what the allowance is for
         allowed = [math.sqrt(16 / b) for b in batches]
-        assert _flagged(updates, allowed, 5.0, 0.9, 5) == expected
+        assert flagged_steps(updates, allowed, 5.0, 0.9, 5) == expected
         assert monitor._tracks[0].state.spike_steps == len(expected)
         said = [r.getMessage() for r in caplog.records if "spike at optimizer step" in r.getMessage()]
         caplog.clear()
