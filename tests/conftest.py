@@ -140,10 +140,12 @@ FAST_FILES = frozenset(
     }
 )
 """The edit loop's subset, ``pytest -m fast`` (under a minute): the torch-only math of every feature against its
-brute force or closed form, plain tensors and no Trainer, plus the sharing hub and the docs' code blocks."""
+brute force or closed form, plain tensors and no Trainer, plus the sharing hub and the docs' code blocks. A test
+of these files marked ``slow`` (a fit, a subprocess, a Monte Carlo over hundreds of seeds) runs in the whole suite
+only."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.path.name in FAST_FILES:
+        if item.path.name in FAST_FILES and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.fast)

@@ -198,6 +198,7 @@ def test_an_unregistered_check_leaves_the_tables():
         finding_kind("constant_loss")
 
 
+@pytest.mark.slow
 def test_the_report_reads_every_registered_kind_without_importing_lightning():
     """`trainvitals report` imports the checks to read their kinds: none of them imports Lightning on import."""
     import subprocess

@@ -72,6 +72,7 @@ def run_trial(seed: int, steps: int = 250) -> GradientNoise:
     return noise
 
 
+@pytest.mark.slow
 def test_the_combined_90_percent_interval_covers_the_truth_and_the_sources_agree():
     trials = [run_trial(seed) for seed in range(40)]
     covered_g = covered_s = agree = 0
@@ -450,6 +451,7 @@ def test_few_measurements_never_decide():
     assert _sampled_summary(g, 20, 16, torch.Generator().manual_seed(1))["decisive"]
 
 
+@pytest.mark.slow
 def test_the_reliability_gate_does_not_select_underestimates_when_noise_dominates():
     """B = 16 at a true B_simple of 370: no run may pass as reliable on a lucky ‖G‖²; where runs pass (a true
     B_simple of 39), the stated 90% range B_simple·(1 ± z·rel_err) holds the truth in ≥ 85% of them."""
@@ -555,6 +557,7 @@ def test_an_unresolved_b_simple_is_said_in_words_not_internal_numbers(seed, said
     assert "inf" not in text.replace("B_simple", "")
 
 
+@pytest.mark.slow
 def test_attaching_the_micro_batch_source_leaves_the_estimate_within_its_interval():
     """Issue #24: probe alone vs probe + stopper (its micro-batch source) on the same run moved B_simple 2.4×, since
     one lagging source switched every source's window. Now each source takes its own windows (rule 7) and the

@@ -139,6 +139,7 @@ def test_an_unknown_reduction_or_one_of_a_state_that_is_no_tensor_is_refused() -
         TrainvitalsCallback().add_state("x", 0, dist_reduce_fx="sum")
 
 
+@pytest.mark.slow
 def test_a_fit_prints_trainvitals_warnings_without_file_path_or_source_line() -> None:
     """Python prints ``file:line: UserWarning: text`` and the source line; ours print as their text alone
     (Lightning drops the source line of its own), in a real fit's stderr."""

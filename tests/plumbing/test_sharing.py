@@ -136,6 +136,7 @@ class _PerStep(Callback):
         self.seen = len(self.calls)
 
 
+@pytest.mark.slow
 def test_callbacks_in_any_order_log_the_same_values(monkeypatch):
     """Micro-batches (accumulation) and per-example norms both feed the estimate: whatever the order, every
     tag gets the same values at the same steps, one gradient pass a step and one estimate per logging step."""
