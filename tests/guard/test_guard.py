@@ -266,6 +266,73 @@ def test_an_epochs_short_last_batch_is_no_spike_and_a_real_spike_in_it_still_is(
             assert f"a batch of 1 examples against the usual {usual:g}" in guard.events[0]["detail"]
 
 
+class TwoPlayers(pl.LightningModule):
+    """A GAN's manual loop: the discriminator's step, then the generator's on the same batch, with losses and
+    gradient norms about 100× apart; the discriminator's loss (so its gradient) is × ``spike`` at ``spike_at``.
+    ``norms[step]``, ``losses[step]``: each optimizer step's brute-force ‖g‖ over its own parameters, and the loss
+    it backpropagated."""
+
+    def __init__(self, spike_at: int, spike: float) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.disc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.spike_at, self.spike = spike_at, spike
+        self.norms: dict[int, float] = {}
+        self.losses: dict[int, float] = {}
+
+    def _step(self, optimizer, loss: Tensor, params) -> None:
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.losses[self.global_step] = loss.item()
+        self.norms[self.global_step] = flat_grad_norm(params)
+        optimizer.step()
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        disc_opt, gen_opt = self.optimizers()
+        fake = self.gen(torch.randn(len(x), 4))
+        disc_loss = F.softplus(-self.disc(x)).mean() + F.softplus(self.disc(fake.detach())).mean()
+        scale = self.spike if self.global_step == self.spike_at else 1.0
+        self._step(disc_opt, scale * disc_loss, self.disc.parameters())
+        self._step(gen_opt, 100.0 * F.softplus(-self.disc(fake)).mean(), self.gen.parameters())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.disc.parameters(), 1e-3), torch.optim.Adam(self.gen.parameters(), 1e-3)
+
+
+def test_each_optimizer_of_a_gan_is_judged_against_its_own_averages():
+    """A 30× spike of the discriminator's loss and gradient, at its 61st step: one EMA over both players' alternating
+    steps averages about half the generator's norm, 50× the discriminator's, and would hide it. Judged per optimizer,
+    as the rule replayed by hand over each one's brute-force norms and own losses, it is the fit's one event, with
+    the discriminator's own loss (not the step's two losses summed)."""
+    torch.manual_seed(0)
+    factor, warmup, spike_at = 5.0, 20, 120  # global steps alternate: even the discriminator's, odd the generator's
+    model, guard = TwoPlayers(spike_at, 30.0), TrainingGuard(spike_factor=factor, spike_warmup_steps=warmup)
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=4, callbacks=[guard]))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(TensorDataset(torch.randn(1600, 8) * 0.5 + 1.0), batch_size=32))
+    steps = sorted(model.norms)
+    assert len(steps) == 400
+    beta = guard.ema_beta
+
+    def replay(values: list[float]) -> list[int]:
+        return flagged_steps(values, [1.0] * len(values), factor, beta, warmup)
+
+    per_player = set()
+    for player in (0, 1):
+        own = steps[player::2]
+        per_player |= {own[i] for i in replay([model.norms[s] for s in own])}
+        per_player |= {own[i] for i in replay([model.losses[s] for s in own])}
+    assert per_player == {spike_at}
+    assert replay([model.norms[s] for s in steps]) == []  # one EMA over both: the spike is hidden
+    assert [(e["global_step"], e["kind"]) for e in guard.events] == [(spike_at, "spike")]
+    assert guard.events[0]["loss"] == pytest.approx(model.losses[spike_at])
+    assert guard.events[0]["grad_norm"] == pytest.approx(model.norms[spike_at])
+    assert sorted(guard.state_dict()["tracks"]) == ["0", "1"]
+
+
 def test_stop_writes_a_checkpoint_and_says_why(tmp_path):
     model, guard = Net(nan_at={5}), TrainingGuard(on_nonfinite="stop")
     trainer, said = _fit(model, guard, default_root_dir=tmp_path)
@@ -550,7 +617,7 @@ def test_the_guard_reads_the_shared_norm_and_reads_the_host_once_a_clean_step(mo
     assert guard.vitals.grad_norms.passes == 6  # one fused pass a step, the monitor's and the guard's
     assert sorted(host.reads) == [(s, "tolist") for s in range(6)]
     total = monitor.last_total[0].item()
-    assert guard.norm_spikes.count == 6 and math.isfinite(total)
+    assert guard.tracks.get(0).norm_spikes.count == 6 and math.isfinite(total)
 
 
 def test_with_every_action_warn_the_guard_reads_the_host_at_logging_steps_only(monkeypatch):
@@ -594,7 +661,7 @@ def test_resume_after_a_rollback_continues_counters_and_budget(tmp_path):
     resumed, said = fit({10}, 12, ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.rollbacks == 2 and [e["global_step"] for e in resumed.events] == [6, 10]
     assert resumed.budget.spent == [(6, "rollback"), (10, "rollback")]
-    assert resumed.loss_spikes.count == 12  # the EMA went on: every step entered it (a spike winsorized)
+    assert resumed.tracks.get(0).loss_spikes.count == 12  # the EMA went on: every step entered it (a spike winsorized)
     assert "snapshot of optimizer step 8" in said[0]  # a fresh one at the first clean step after the resume
 
 

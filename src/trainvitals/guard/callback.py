@@ -66,6 +66,7 @@ from trainvitals.plumbing.batch import StepBatches, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.lr_factors import LRFactors
 from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER, STEP_BATCHES, SUMMARY
+from trainvitals.plumbing.state import DeclaredState, IndexedStates, optimizer_index
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.tags import GUARD_EVENT_LOG, SKIP_BATCHES_FILE
 from trainvitals.text.markdown import markdown_table
@@ -80,11 +81,26 @@ _DOING = {
 }
 
 
+class SpikeTrack(DeclaredState):
+    """One optimizer's spike EMAs of the loss and of the gradient norm, and the usual batch its short batches are
+    judged against: a GAN's discriminator and generator differ in both by orders of magnitude, so one EMA over
+    their alternating steps would hide a spike of the smaller one."""
+
+    def __init__(self, factor: float, beta: float, warmup: int) -> None:
+        self.loss_spikes: SpikeDetector
+        self.add_state("loss_spikes", functools.partial(SpikeDetector, factor, beta, warmup))
+        self.norm_spikes: SpikeDetector
+        self.add_state("norm_spikes", functools.partial(SpikeDetector, factor, beta, warmup))
+        self.usual_batch: UsualBatch  # over the spike EMA's horizon
+        self.add_state("usual_batch", functools.partial(UsualBatch, round(1.0 / (1.0 - beta))))
+
+
 class TrainingGuard(TrainvitalsCallback):
     r"""Watch each optimizer step's loss and total gradient norm and act on an inf/NaN or a spike.
 
     An event is a non-finite loss or gradient (``"nonfinite"``) or a value above ``spike_factor`` × its winsorized
-    EMA (``"spike"``, :class:`~trainvitals.norms.spikes.SpikeDetector`; a loss spike needs a positive loss; a norm
+    EMA (``"spike"``, :class:`~trainvitals.norms.spikes.SpikeDetector`, one per optimizer: :class:`SpikeTrack`; the
+    loss is what the optimizer's own step backpropagated; a loss spike needs a positive loss; a norm
     from a batch of b examples below the usual B, an epoch's short last one, is allowed √(B/b) times more:
     :class:`~trainvitals.norms.spikes.UsualBatch`). Its action, per kind: ``"warn"``; ``"skip"`` — the optimizer
     step is not applied, the gradients dropped, and the module's persistent buffers (BatchNorm's running statistics,
@@ -192,12 +208,8 @@ class TrainingGuard(TrainvitalsCallback):
         self.add_state("events", [])
         self.budget: Budget
         self.add_state("budget", functools.partial(Budget, events, window))
-        self.loss_spikes: SpikeDetector
-        self.add_state("loss_spikes", functools.partial(SpikeDetector, factor, beta, warmup))
-        self.norm_spikes: SpikeDetector
-        self.add_state("norm_spikes", functools.partial(SpikeDetector, factor, beta, warmup))
-        self.usual_batch: UsualBatch  # over the spike EMA's horizon: what a short batch's norm is judged against
-        self.add_state("usual_batch", functools.partial(UsualBatch, round(1.0 / (1.0 - beta))))
+        self.tracks: IndexedStates  # a SpikeTrack per optimizer index, built at its first step
+        self.add_state("tracks", functools.partial(IndexedStates, functools.partial(SpikeTrack, factor, beta, warmup)))
         self.snapshot_step: int | None
         """The optimizer step of the latest snapshot (kept across a resume; the snapshot only when asked)."""
         self.add_state("snapshot_step", None)
@@ -272,7 +284,9 @@ class TrainingGuard(TrainvitalsCallback):
         loss = loss.detach()
         scale = loss_scale(trainer)  # the GradScaler's scale is in the loss here
         loss = loss if scale is None else loss / scale.to(loss)
-        self._step.setdefault("losses", []).append((self._step.get("batch_idx"), loss))  # normalised, on device
+        # Normalised, on the device, tagged with the step it is backpropagated for: a manual GAN's generator
+        # step after the discriminator's, on the same batch, is judged on its own loss.
+        self._step.setdefault("losses", []).append((self._step.get("batch_idx"), loss, trainer.global_step))
         StepBatches.of(self.vitals).backward(self, trainer)
 
     @override
@@ -285,7 +299,8 @@ class TrainingGuard(TrainvitalsCallback):
         self._step["decided"] = step
         params = self._params_of(optimizer)
         sq_norm = self.vitals.grad_norms.sq_norm(trainer, optimizer, params)
-        losses = [held for _, held in self._step.get("losses", [])]
+        own = [(i, held) for i, held, at in self._step.get("losses", []) if at == step]
+        losses = [held for _, held in own]
         # The micro-batches' sum, as Lightning normalises them (one micro-batch: its own loss, no device op).
         loss = (losses[0] if len(losses) == 1 else torch.stack(losses).sum()) if losses else None
         device = next((t.device for t in (sq_norm, loss) if t is not None), pl_module.device)
@@ -299,9 +314,9 @@ class TrainingGuard(TrainvitalsCallback):
         if factors is not None:  # a step the GradScaler skips runs no post-hook: the scheduler's lrs back now
             factors.before_step(optimizer, grad_scaler(trainer))
         batches = list(self._step.get("batches", []))
-        held = (step, trainer.current_epoch, batches, self._step.get("losses", []), noise, row)
+        held = (step, trainer.current_epoch, batches, own, noise, optimizer_index(trainer, optimizer), row)
         if self._skips:  # the step's one host read: a skip must be known before the step
-            self._decide(trainer, pl_module, optimizer, params, held, unpack(row.tolist(), bool(held[3]), noise), False)
+            self._decide(trainer, pl_module, optimizer, params, held, unpack(row.tolist(), bool(own), noise), False)
             return
         # Every action "warn": the rows wait on the device for a logging step, read then in one transfer.
         self._waiting.append(held)
@@ -332,15 +347,17 @@ class TrainingGuard(TrainvitalsCallback):
         pl_module: "pl.LightningModule",
         optimizer: torch.optim.Optimizer | None,
         params: list[torch.nn.Parameter] | None,
-        held: tuple[int, int, list[int], list[tuple[int | None, Tensor]], float, Tensor],
+        held: tuple[int, int, list[int], list[tuple[int | None, Tensor]], float, int, Tensor],
         reading: Reading,
         late: bool,
     ) -> None:
-        """What the step ``held`` (its step, epoch, micro-batches, losses, noise weight, row) says, and the action: acted on
+        """What the step ``held`` (its step, epoch, micro-batches, losses, noise weight, optimizer index, row) says,
+        judged against that optimizer's :class:`SpikeTrack`, and the action: acted on
         once every callback has read the step (:meth:`_before_step`, :meth:`_after_step`), or at once when
         ``late`` (read back after its update)."""
-        step, epoch, batches, losses, _, _ = held
-        kind, seen = classify(reading, self.loss_spikes, self.norm_spikes, self.usual_batch)
+        step, epoch, batches, losses, _, index, _ = held
+        track: SpikeTrack = self.tracks.get(index)  # type: ignore[assignment]
+        kind, seen = classify(reading, track.loss_spikes, track.norm_spikes, track.usual_batch)
         if kind == NONFINITE and self._amp and math.isfinite(reading.loss):
             return  # the GradScaler skips this step and lowers its scale: calibration
         if kind is None:

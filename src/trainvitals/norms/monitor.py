@@ -60,7 +60,7 @@ from trainvitals.plumbing.sharing import (
     STEP_BATCHES,
     SUMMARY,
 )
-from trainvitals.plumbing.state import DeclaredState, IndexedStates
+from trainvitals.plumbing.state import DeclaredState, IndexedStates, optimizer_index
 from trainvitals.plumbing.stopping import stopped_early
 from trainvitals.plumbing.writers import log_histogram, log_scalars, log_text
 from trainvitals.tags import GRAD_NORM_SUMMARIES
@@ -275,7 +275,7 @@ class GradNormMonitor(TrainvitalsCallback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
-        index = _optimizer_index(trainer, optimizer)
+        index = optimizer_index(trainer, optimizer)
         track = self._track(index, pl_module, optimizer)
         if track.latest_step == trainer.global_step:
             return  # LBFGS evaluates its closure, and Lightning this hook, several times per step: the first counts
@@ -599,13 +599,6 @@ def _layer_tag(group: str) -> str:
 def _largest(group_norms: dict[str, float], k: int = 3) -> list[tuple[str, float]]:
     """The ``k`` largest groups, largest first; a NaN norm counts as 0."""
     return sorted(group_norms.items(), key=lambda item: 0.0 if math.isnan(item[1]) else item[1], reverse=True)[:k]
-
-
-def _optimizer_index(trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> int:
-    for i, opt in enumerate(trainer.optimizers):
-        if opt is optimizer:
-            return i
-    return 0
 
 
 def _clips(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:

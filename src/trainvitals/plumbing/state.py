@@ -147,6 +147,12 @@ def _loaded(current: Any, saved: Any) -> Any:
     return saved
 
 
+def optimizer_index(trainer: "pl.Trainer", optimizer: Any) -> int:
+    """``optimizer``'s place in ``trainer.optimizers``, the index an :class:`IndexedStates` is keyed by (0 for
+    one the Trainer does not hold)."""
+    return next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
+
+
 class IndexedStates:
     """A :class:`DeclaredState` per index (an optimizer's), made by ``make`` on first use: one declared state of
     a callback whose parts are built later (at an optimizer's first step), so that a state loaded from a

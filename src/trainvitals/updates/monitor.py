@@ -42,7 +42,7 @@ from trainvitals.plumbing.batch import StepBatches, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.sharding import reduce_shard_norms, reduce_shard_sums
 from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, STEP_BATCHES, SUMMARY
-from trainvitals.plumbing.state import DeclaredState, IndexedStates
+from trainvitals.plumbing.state import DeclaredState, IndexedStates, optimizer_index
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.markdown import markdown_table
 from trainvitals.updates.measure import (
@@ -212,7 +212,7 @@ class UpdateMonitor(TrainvitalsCallback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
-        index = next((i for i, opt in enumerate(trainer.optimizers) if opt is optimizer), 0)
+        index = optimizer_index(trainer, optimizer)
         track = self._track(index, pl_module, optimizer)
         step = trainer.global_step
         if track.begun == step:
