@@ -333,6 +333,62 @@ def test_each_optimizer_of_a_gan_is_judged_against_its_own_averages():
     assert sorted(guard.state_dict()["tracks"]) == ["0", "1"]
 
 
+class Residuals(pl.LightningModule):
+    """loss = mean over the batch of (w·x − y)², w from 0 under a tiny lr, x small: each example's loss stays about
+    y². The loss of the optimizer step ``spike_at`` is × ``spike``. ``losses[step]``: each step's loss."""
+
+    def __init__(self, spike_at: int, spike: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1, bias=False)
+        nn.init.zeros_(self.lin.weight)
+        self.spike_at, self.spike = spike_at, spike
+        self.losses: dict[int, float] = {}
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = (self.lin(x).squeeze(1) - y).square().mean()
+        loss = loss * (self.spike if self.global_step == self.spike_at else 1.0)
+        self.losses[self.global_step] = loss.item()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+def test_an_epochs_one_row_batch_with_a_hard_example_is_no_loss_spike_and_a_real_spike_still_is():
+    """Batches of 16 and a last one of 1 row each epoch, that row's loss 15× the others' (a hard example, nothing
+    wrong): above the factor 5 the plain rule flags at every epoch's end. A mean of b non-negative losses is at most
+    B/b times that of a usual batch holding them, so the loss's threshold × B/b (16) lets it be; the same step's loss
+    × 100 is still an event. Both as the rule replayed by hand over the steps' own losses and batch sizes."""
+    factor, warmup, rows, epochs = 5.0, 3, 8 * 16 + 1, 4
+    x = 0.01 * torch.randn(rows, 8, generator=torch.Generator().manual_seed(0))
+    y = torch.ones(rows)
+    x[-1], y[-1] = 0.1 * x[-1], math.sqrt(15.0)  # its gradient stays within the norm's allowance
+    data = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
+    for spike, expected in ((1.0, []), (100.0, [17])):  # 17: the second epoch's last, 1-row step
+        model, guard = (
+            Residuals(17, spike),
+            TrainingGuard(on_spike="skip", spike_factor=factor, spike_warmup_steps=warmup),
+        )
+        trainer = pl.Trainer(**trainer_kwargs(max_epochs=epochs, callbacks=[guard]))
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            trainer.fit(model, data)
+        steps = sorted(model.losses)
+        losses = [model.losses[s] for s in steps]
+        batches = [1.0 if s % 9 == 8 else 16.0 for s in steps]
+        plain = flagged_steps(losses, [1.0] * len(steps), factor, guard.ema_beta, warmup)
+        allowed = flagged_steps(losses, [16.0 / b for b in batches], factor, guard.ema_beta, warmup)
+        assert len(plain) >= epochs - 1 and all(batches[s] == 1.0 for s in plain)  # the epochs' ends
+        assert allowed == expected
+        assert [(e["global_step"], e["kind"]) for e in guard.events] == [(s, "spike") for s in expected]
+        if expected:
+            assert (
+                "loss" in guard.events[0]["detail"]
+                and "a batch of 1 examples against the usual 16" in (guard.events[0]["detail"])
+            )
+
+
 def test_stop_writes_a_checkpoint_and_says_why(tmp_path):
     model, guard = Net(nan_at={5}), TrainingGuard(on_nonfinite="stop")
     trainer, said = _fit(model, guard, default_root_dir=tmp_path)

@@ -112,8 +112,10 @@ def classify(
 
     Non-finite first: an inf/NaN loss (when the step had one) or gradient norm; such a
     value does not enter the detectors. Otherwise both values go through their spike detectors (a loss
-    spike needs a positive loss: the rule is a ratio to its average) and a spike in either is one; the
-    norm's threshold is raised by ``usual``'s allowance for a batch smaller than the usual one.
+    spike needs a positive loss: the rule is a ratio to its average) and a spike in either is one. For a
+    batch of b below ``usual``'s B the norm's threshold is raised √(B/b) and the loss's B/b: a mean of b
+    non-negative losses is at most B/b times that of any batch of B holding them, so a short batch's loss is a
+    spike only where every usual batch it could have been part of would be one.
     """
     has_loss = reading.has_loss
     loss_ok = math.isfinite(reading.loss) or not has_loss
@@ -123,8 +125,15 @@ def classify(
         ranks = f" (on rank(s) {', '.join(map(str, reading.nonfinite_ranks))})" if shown else ""
         return NONFINITE, f"non-finite {what}{ranks}: loss {reading.loss:.4g}, ‖g‖ {reading.grad_norm:.4g}"
     spikes = []
-    if has_loss and (ratio := loss_spikes.update(reading.loss)) is not None:
-        spikes.append(f"loss {reading.loss:.4g} is {ratio:.1f}× its running average")
+    shorter = usual.ratio(reading.batch) if usual is not None else 1.0  # before the norm counts the batch
+    if has_loss and (ratio := loss_spikes.update(reading.loss, shorter)) is not None:
+        allowed = (
+            f" (a batch of {reading.batch:.4g} examples against the usual {reading.batch * shorter:.4g}: beyond "
+            f"the {loss_spikes.factor * shorter:.3g}× its examples allow)"
+            if shorter > 1.0
+            else ""
+        )
+        spikes.append(f"loss {reading.loss:.4g} is {ratio:.1f}× its running average{allowed}")
     if (found := norm_spike(reading.grad_norm, reading.batch, norm_spikes, usual)) is not None:
         ratio, short = found
         spikes.append(f"‖g‖ {reading.grad_norm:.4g} is {ratio:.1f}× its running average{short}")

@@ -126,12 +126,16 @@ class UsualBatch:
         self.current = self.previous = 0.0  # the largest batch of this span, of the one before
         self.steps = 0
 
+    def ratio(self, batch: float) -> float:
+        """B / b for a step of effective batch ``batch`` = b below the usual B, else 1 (an unknown b: 1); no count."""
+        usual = max(self.current, self.previous)
+        return usual / batch if math.isfinite(batch) and 0 < batch < usual else 1.0
+
     def allowance(self, batch: float) -> tuple[float, float]:
         """(√(B / b), B) for a step of effective batch ``batch`` = b below the usual B, else (1, B); then b counts
         towards B. An unknown b (NaN) is allowed nothing and counts for nothing."""
-        usual = max(self.current, self.previous)
+        usual, ratio = max(self.current, self.previous), self.ratio(batch)
         sized = math.isfinite(batch) and batch > 0
-        ratio = usual / batch if sized and usual > batch else 1.0
         if sized:
             self.current = max(self.current, batch)
         self.steps += 1
