@@ -8,6 +8,7 @@ import torch
 from _spike_rule import spike_ratios
 
 from trainvitals.norms.spikes import (
+    SHORT_BATCH_HINT,
     SpikeDetector,
     UsualBatch,
     effective_batch,
@@ -136,6 +137,6 @@ def test_a_short_batchs_norm_is_judged_at_its_allowance_and_said():
     assert [i for i, p in enumerate(spike_ratios(values, 5.0, 0.9, 3)) if p] == [9, 39]  # the plain rule: a 6 too
     ratio, said = found[39]
     assert ratio == pytest.approx(allowed[39], rel=1e-12)
-    assert said == " (a batch of 1 examples against the usual 16: beyond the 20× its noise allows)"
+    assert said == f" (a batch of 1 examples against the usual 16: beyond the 20× its noise allows; {SHORT_BATCH_HINT})"
     average = spikes.average
     assert norm_spike(100.0, math.nan, spikes, None) == (pytest.approx(100.0 / average, rel=1e-12), "")  # allowed 1

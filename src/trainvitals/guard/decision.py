@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainvitals.norms.spikes import SpikeDetector, UsualBatch, effective_batch, norm_spike
+from trainvitals.norms.spikes import SHORT_BATCH_HINT, SpikeDetector, UsualBatch, effective_batch, norm_spike
 
 ACTIONS = ("warn", "skip", "rollback", "stop")
 """What the guard can do about an event, mildest first: the budget escalates along this ladder."""
@@ -129,7 +129,7 @@ def classify(
     if has_loss and (ratio := loss_spikes.update(reading.loss, shorter)) is not None:
         allowed = (
             f" (a batch of {reading.batch:.4g} examples against the usual {reading.batch * shorter:.4g}: beyond "
-            f"the {loss_spikes.factor * shorter:.3g}× its examples allow)"
+            f"the {loss_spikes.factor * shorter:.3g}× its examples allow; {SHORT_BATCH_HINT})"
             if shorter > 1.0
             else ""
         )

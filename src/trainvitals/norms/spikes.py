@@ -151,6 +151,10 @@ class UsualBatch:
         self.steps = int(state.get("steps", 0))
 
 
+SHORT_BATCH_HINT = "the DataLoader's drop_last=True leaves an epoch's short last batch out"
+"""Said with a spike on a short batch: such a step takes the full lr on a few examples' gradient."""
+
+
 def norm_spike(norm: float, batch: float, spikes: SpikeDetector, usual: UsualBatch | None) -> tuple[float, str] | None:
     """One step's finite gradient norm ``norm``, of effective batch ``batch``, through ``spikes`` with the threshold
     raised by ``usual``'s allowance (none without it): (its ratio to the average, what the allowance was in words —
@@ -161,7 +165,7 @@ def norm_spike(norm: float, batch: float, spikes: SpikeDetector, usual: UsualBat
         return None
     short = (
         f" (a batch of {batch:.4g} examples against the usual {usual_batch:.4g}: beyond the "
-        f"{spikes.factor * allowance:.3g}× its noise allows)"
+        f"{spikes.factor * allowance:.3g}× its noise allows; {SHORT_BATCH_HINT})"
         if allowance > 1.0
         else ""
     )
