@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,6 +76,35 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def _root_entries() -> set[str]:
+    """The names in the checkout's root, less the dot-names: a tool's cache (``.pytest_cache``, ``.ruff_cache``),
+    made by whatever else runs there meanwhile."""
+    return {name for name in os.listdir(CHECKOUT) if not name.startswith(".")}
+
+
+@pytest.fixture(scope="session")
+def _checkout_entries() -> set[str]:
+    """What the checkout's root holds before the first test."""
+    return _root_entries()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_in_the_checkout(_checkout_entries: set[str]) -> Iterator[None]:
+    """A test that leaves a file in the checkout's root (a Trainer's ``skip_batches.json`` or ``lightning_logs``
+    from a fit outside :func:`trainer_kwargs`, or a subprocess run in the working directory) errors at its teardown,
+    named; one listing of the root per test. The file stays for a look, blamed on that test alone."""
+    yield
+    if left := _root_entries() - _checkout_entries:
+        _checkout_entries |= left
+        pytest.fail(
+            f"left {', '.join(sorted(left))} in the checkout's root {CHECKOUT}: write under tmp_path, or give a "
+            "Trainer trainer_kwargs()'s default_root_dir (a subprocess's Trainer its own)"
+        )
 
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu")

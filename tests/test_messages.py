@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _models import GAN, Classifier, loader, regression_data
+from _models import GAN, Classifier, Regressor, loader, regression_data
 from conftest import RecordingLogger, trainer_kwargs
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -22,6 +22,8 @@ from trainvitals import (
     GraphIntegrityCallback,
     LRScalingAdvisor,
     MemoryTopologyProfiler,
+    TrainingGuard,
+    UpdateMonitor,
 )
 from trainvitals.noise.estimate import GradientNoise
 from trainvitals.plumbing.base import TrainvitalsCallback
@@ -121,3 +123,33 @@ def test_a_probe_that_measured_no_step_ends_on_the_cause_it_warned_of(said):
         and end.startswith("trainvitals BatchVarianceProbe: no measurement")
         and "1 example" in end
     )
+
+
+class _Kicked(Regressor):
+    """The loss × 1000 at optimizer step 7, the last of 8: a spike of the loss, the gradient norm and the update."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * (1e3 if self.global_step == 7 else 1.0)
+
+
+def test_one_spike_is_said_once_by_each_callback_that_flags_it(caplog, recwarn):
+    """Every console line and warning of the fit, as Lightning gives them (log records, warnings): GradNormMonitor,
+    UpdateMonitor and TrainingGuard each say the spike of step 7 once, when they flag it, and count it in their
+    fit-end line."""
+    callbacks = [
+        GradNormMonitor(log_every_n_steps=1, spike_warmup_steps=3),
+        UpdateMonitor(log_every_n_steps=1, spike_warmup_steps=3),
+        TrainingGuard(spike_warmup_steps=3),
+    ]
+    with caplog.at_level("INFO"):
+        pl.Trainer(**trainer_kwargs(max_steps=8, callbacks=callbacks)).fit(_Kicked(), loader(regression_data(), 8))
+    lines = [r.getMessage() for r in caplog.records] + [str(w.message) for w in recwarn]
+    counted_as = {
+        "GradNormMonitor": ", spikes 1",
+        "UpdateMonitor": ", update-norm spikes 1",
+        "TrainingGuard": ": 1 event",
+    }
+    for name, counted in counted_as.items():
+        mine = [line for line in lines if line.startswith(f"trainvitals {name}")]
+        assert len([line for line in mine if "spike" in line and "optimizer step 7" in line]) == 1, mine
+        assert len([line for line in mine if counted in line]) == 1, mine

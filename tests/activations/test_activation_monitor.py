@@ -173,14 +173,18 @@ def test_one_host_transfer_per_measured_step(monkeypatch):
     assert reads.reads == [(1, "tolist"), (3, "tolist"), (5, "tolist")]
 
 
-def test_the_first_module_with_a_non_finite_output_is_named(recwarn):
+def test_the_first_module_with_a_non_finite_output_is_named_and_said_once(caplog, recwarn):
     monitor = ActivationMonitor(measure_every_n_steps=1)
-    _, logger = fit(Net(inf_at_step=1), monitor, max_steps=3)
+    with caplog.at_level("INFO"):
+        _, logger = fit(Net(inf_at_step=1), monitor, max_steps=3)
     found = [f for f in monitor.findings() if "non-finite" in f]
     # The model multiplies body's output by inf after the module: act (next in forward order) is the first.
     assert len(found) == 1 and "step 1" in found[0] and "`act`" in found[0]
     assert 1 not in dict(logger.series["activation/rms/act"])  # not drawn
-    assert [w for w in recwarn if "non-finite" in str(w.message)]
+    # Warned at its step, not again at the fit's end (log records and warnings alike); listed in the summary.
+    said = [r.getMessage() for r in caplog.records] + [str(w.message) for w in recwarn]
+    assert [line for line in said if "non-finite" in line] == [monitor.message(found[0])]
+    assert "1 findings" in monitor.summary_line() and f"- {found[0]}" in monitor.summary_markdown()
 
 
 def test_growing_activations_are_a_finding():

@@ -62,6 +62,7 @@ def main(out: str, which: str) -> None:
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_steps=6,
         logger=False,
+        default_root_dir=str(Path(out).parent),  # skip_batches.json beside OUT, not in the working directory
         callbacks=[callback],
         enable_progress_bar=False,
         enable_model_summary=False,

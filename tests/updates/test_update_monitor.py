@@ -241,19 +241,33 @@ def test_a_large_lr_is_a_ratio_above_the_range_and_a_tiny_one_below():
     assert any("below" in f and "head" in f and "body" not in f for f in findings)
 
 
-def test_an_update_norm_spike_is_found():
+def said(caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder, text: str) -> list[str]:
+    """Every console line (a log record) and every warning of the test that holds ``text``."""
+    lines = [r.getMessage() for r in caplog.records] + [str(w.message) for w in recwarn]
+    return [line for line in lines if text in line]
+
+
+def test_an_update_norm_spike_is_found_and_said_once(caplog, recwarn):
+    """Said when flagged (a console line), counted in the fit-end line, listed in the summary, not warned again at
+    the fit's end."""
+
     class Kick(Linear):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
             return loss * (1e3 if self.global_step == 7 else 1.0)
 
     monitor = UpdateMonitor(log_every_n_steps=1, spike_warmup_steps=3)
-    fit(Kick(optimizer=lambda p: torch.optim.SGD(p, lr=1e-3)), [monitor], max_steps=8)
+    with caplog.at_level("INFO"):
+        fit(Kick(optimizer=lambda p: torch.optim.SGD(p, lr=1e-3)), [monitor], max_steps=8)
     assert monitor._tracks[0].state.spike_steps == 1
+    (line,) = said(caplog, recwarn, "spike at optimizer step")
+    assert line.startswith("trainvitals UpdateMonitor: update-norm spike at optimizer step 7: ")
+    assert "update-norm spikes 1" in said(caplog, recwarn, "UpdateMonitor: 8 steps")[0]  # the fit-end line
     assert any("spike at optimizer step 7" in f for f in monitor.findings())
+    assert "- update-norm spike at optimizer step 7: " in monitor.summary_markdown()
 
 
-def test_repeated_update_norm_spikes_are_said_once_and_counted(caplog):
+def test_repeated_update_norm_spikes_are_said_once_and_counted(caplog, recwarn):
     class Kicks(Linear):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
@@ -263,8 +277,8 @@ def test_repeated_update_norm_spikes_are_said_once_and_counted(caplog):
     with caplog.at_level("INFO"):
         fit(Kicks(optimizer=lambda p: torch.optim.SGD(p, lr=1e-3)), [monitor], max_steps=10)
     assert monitor._tracks[0].state.spike_steps == 2
-    said = [r.getMessage() for r in caplog.records if "spike at optimizer step" in r.getMessage()]
-    assert len(said) == 1 and "spike at optimizer step 7: " in said[0]
+    (line,) = said(caplog, recwarn, "spike at optimizer step")
+    assert "spike at optimizer step 7: " in line
     assert "update-norm spikes 2" in monitor.summary_line()
     assert any("spike at optimizer step 9" in f for f in monitor.findings())  # the latest, in the findings
 

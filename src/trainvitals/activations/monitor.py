@@ -168,19 +168,16 @@ class ActivationMonitor(TrainvitalsCallback):
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.info(self.summary_line())
-        for finding in self.findings():
+        for finding in self.findings(nonfinite=False):  # the non-finite output was said at its step
             self.warn(finding)
 
     # ------------------------------------------------------------------ results
-    def findings(self) -> list[str]:
-        """Dead units, growing activations and the first non-finite output, one sentence each (class docstring)."""
+    def findings(self, nonfinite: bool = True) -> list[str]:
+        """Dead units, growing activations and, with ``nonfinite``, the first non-finite output, one sentence each
+        (class docstring; the summary and the report list that one, the fit's end does not say it again)."""
         found = []
-        if self._nonfinite is not None:
-            step, module = self._nonfinite
-            found.append(
-                f"non-finite activations (inf/NaN) at optimizer step {step}, first produced by `{module}` "
-                "(the first module in forward order whose output held them)"
-            )
+        if nonfinite and self._nonfinite is not None:
+            found.append(_nonfinite_finding(*self._nonfinite))
         dead = {k: v["dead_fraction"] for k, v in self._last.items() if v.get("dead_fraction", 0.0) > self.dead_share}
         zero = {k: v for k, v in dead.items() if self._zero_gradient.get(k, False)}
         if zero:
@@ -276,7 +273,7 @@ class ActivationMonitor(TrainvitalsCallback):
             stats = dict(zip((*STATS, "nonfinite"), row))
             if stats.pop("nonfinite") and self._nonfinite is None:
                 self._nonfinite = [step, key]
-                self.warn(f"non-finite activations (inf/NaN) at optimizer step {step}, first produced by `{key}`")
+                self.warn(_nonfinite_finding(step, key))
             metrics.update({f"activation/{stat}/{key}": value for stat, value in stats.items()})
             self._last[key] = stats
             history = self._history.setdefault(key, [])
@@ -289,6 +286,14 @@ class ActivationMonitor(TrainvitalsCallback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _nonfinite_finding(step: int, module: str) -> str:
+    """The first non-finite output's sentence: warned at its step, listed in the findings."""
+    return (
+        f"non-finite activations (inf/NaN) at optimizer step {step}, first produced by `{module}` "
+        "(the first module in forward order whose output held them)"
+    )
 
 
 def _growing(rms: list[float], steps: int, factor: float) -> bool:

@@ -255,13 +255,14 @@ class UpdateMonitor(TrainvitalsCallback):
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.info(self.summary_line())
-        for finding in self.findings():
+        for finding in self.findings(spikes=False):  # the first spike was said when flagged, the rest are counted
             self.warn(finding)
 
     # ------------------------------------------------------------------ results
-    def findings(self) -> list[str]:
-        """What the logged steps say, one sentence each: ratios out of range, groups that do not move,
-        update-norm spikes (class docstring)."""
+    def findings(self, spikes: bool = True) -> list[str]:
+        """What the logged steps say, one sentence each: ratios out of range, groups that do not move and, with
+        ``spikes``, the latest update-norm spike (class docstring; the summary and the report list it, the fit's
+        end does not say it again)."""
         low, high = self.usual_ratio / self.ratio_factor, self.usual_ratio * self.ratio_factor
         found = []
         states = self._track_states.by_index
@@ -287,7 +288,7 @@ class UpdateMonitor(TrainvitalsCallback):
                     "the layer barely learns: its lr is too small for its weights' scale"
                 )
             track = self._tracks.get(index)
-            if track is not None and track.spike is not None:
+            if spikes and track is not None and track.spike is not None:
                 found.append(track.spike[1] + where)
         return found
 
