@@ -143,7 +143,8 @@ class GradNormMonitor(TrainvitalsCallback):
     gets an ``optimizer_<i>/`` infix after ``grad_norm/``):
 
     - ``grad_norm/total``: ‖g‖_p over every parameter of the optimizer that has a gradient — the
-      accumulated, AMP-unscaled gradient, before clipping;
+      accumulated, AMP-unscaled gradient, before the Trainer's clipping (under manual optimization, after any
+      ``clip_gradients`` the training step ran before ``opt.step()``);
     - ``grad_norm/<group>``: the norm of each group (``grouping``: ``"parameter"``, ``"module"`` or
       ``"block"``, the top-level child); total^p = Σ group^p (a module named like one of the tags
       here, e.g. ``total``, is logged as ``grad_norm/total (layer)``);
