@@ -4,6 +4,7 @@ the same values in ``trainer.callback_metrics`` for Lightning's own callbacks.""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -46,6 +47,23 @@ def test_one_event_per_step_with_every_value_and_the_logger_prefix(tmp_path: Pat
     }
     # Other loggers get the same values through their own log_metrics.
     assert recording.series["grad_norm/total"] == [(7, 3.5), (8, 1.0)]
+
+
+def test_a_value_left_out_of_the_charts_is_not_left_stale_in_callback_metrics() -> None:
+    """An interval's end that becomes unbounded (inf) or a point that becomes undefined (NaN) is left out of the
+    loggers but reaches ``trainer.callback_metrics`` as such: a ModelCheckpoint reading it never gets the last
+    finite value of an earlier step."""
+    recording = RecordingLogger()
+    trainer = SimpleNamespace(
+        loggers=[recording], global_rank=0, _logger_connector=SimpleNamespace(_callback_metrics={})
+    )
+    log_scalars(trainer, {"b_simple": torch.tensor(120.0), "b_simple_high": 900.0}, step=0, finite_only=True)
+    returned = log_scalars(
+        trainer, {"b_simple": torch.tensor(float("nan")), "b_simple_high": math.inf}, step=1, finite_only=True
+    )
+    metrics = {k: float(v) for k, v in trainer._logger_connector._callback_metrics.items()}
+    assert returned == {} and math.isnan(metrics["b_simple"]) and metrics["b_simple_high"] == math.inf
+    assert recording.series == {"b_simple": [(0, 120.0)], "b_simple_high": [(0, 900.0)]}
 
 
 def test_other_ranks_write_no_tensorboard_event(tmp_path: Path) -> None:

@@ -126,19 +126,20 @@ def log_scalars(
     """Write ``metrics`` to every logger at ``step`` (optimizer steps); returns them as floats.
 
     Tensors are stacked and copied to the host in one transfer, whatever their number.
-    ``finite_only`` leaves out NaN and ±inf: estimates that are not defined yet (a ratio over an
-    estimate that is still ≤ 0), which would otherwise stretch a chart's axis to infinity.
-    The values also go to ``trainer.callback_metrics`` under the same names (no logger prefix), on
-    every rank, with or without loggers: :func:`feed_callback_metrics`.
+    ``finite_only`` leaves out NaN and ±inf from the loggers: estimates that are not defined yet (a ratio over
+    an estimate that is still ≤ 0) or unbounded (an interval's open end), which would otherwise stretch a chart's
+    axis to infinity. Every value, finite or not, also goes to ``trainer.callback_metrics`` under the same name
+    (no logger prefix), on every rank, with or without loggers (:func:`feed_callback_metrics`): a tag left out
+    of a chart at a step is NaN or inf there, never the last finite value logged.
     """
     tensor_keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
     values = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
     if tensor_keys:
         stacked = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in tensor_keys])  # type: ignore[union-attr]
         values.update(zip(tensor_keys, stacked.cpu().tolist()))
+    feed_callback_metrics(trainer, values)
     if finite_only:
         values = {k: v for k, v in values.items() if math.isfinite(v)}
-    feed_callback_metrics(trainer, values)
     record = _record(trainer)
     if record is not None:
         record.add_scalars(values, step)
