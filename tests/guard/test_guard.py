@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainvitals import BatchVarianceProbe, GradNormEarlyStopping, GradNormMonitor, TrainingGuard, TrainvitalsDashboard
 from trainvitals.guard.callback import SKIP_BATCHES_FILE
 from trainvitals.guard.snapshot import BufferCopy
+from trainvitals.norms.spikes import SPREAD_Z
 from trainvitals.report.events import read_runs
 
 LR, MOMENTUM = 0.05, 0.9
@@ -257,8 +258,10 @@ def test_an_epochs_short_last_batch_is_no_spike_and_a_real_spike_in_it_still_is(
         assert batches[spike_at] == 1  # the short step's effective batch: 1 row, alone or halved
         norms = [model.norms[s] for s in steps]
         short = [s for s in steps if batches[s] < usual]
-        plain = flagged_steps(norms, [1.0] * len(steps), factor, guard.ema_beta, warmup)
-        allowed = flagged_steps(norms, [math.sqrt(usual / b) for b in batches], factor, guard.ema_beta, warmup)
+        plain = flagged_steps(norms, [1.0] * len(steps), factor, guard.ema_beta, warmup, SPREAD_Z)
+        allowed = flagged_steps(
+            norms, [math.sqrt(usual / b) for b in batches], factor, guard.ema_beta, warmup, SPREAD_Z
+        )
         assert plain and set(plain) <= set(short)  # the plain rule flags short steps: what the allowance is for
         assert allowed == expected
         assert [(e["global_step"], e["kind"]) for e in guard.events] == [(s, "spike") for s in expected]
@@ -318,7 +321,7 @@ def test_each_optimizer_of_a_gan_is_judged_against_its_own_averages():
     beta = guard.ema_beta
 
     def replay(values: list[float]) -> list[int]:
-        return flagged_steps(values, [1.0] * len(values), factor, beta, warmup)
+        return flagged_steps(values, [1.0] * len(values), factor, beta, warmup, SPREAD_Z)
 
     per_player = set()
     for player in (0, 1):
@@ -377,8 +380,8 @@ def test_an_epochs_one_row_batch_with_a_hard_example_is_no_loss_spike_and_a_real
         steps = sorted(model.losses)
         losses = [model.losses[s] for s in steps]
         batches = [1.0 if s % 9 == 8 else 16.0 for s in steps]
-        plain = flagged_steps(losses, [1.0] * len(steps), factor, guard.ema_beta, warmup)
-        allowed = flagged_steps(losses, [16.0 / b for b in batches], factor, guard.ema_beta, warmup)
+        plain = flagged_steps(losses, [1.0] * len(steps), factor, guard.ema_beta, warmup, SPREAD_Z)
+        allowed = flagged_steps(losses, [16.0 / b for b in batches], factor, guard.ema_beta, warmup, SPREAD_Z)
         assert len(plain) >= epochs - 1 and all(batches[s] == 1.0 for s in plain)  # the epochs' ends
         assert allowed == expected
         assert [(e["global_step"], e["kind"]) for e in guard.events] == [(s, "spike") for s in expected]

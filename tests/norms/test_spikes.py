@@ -9,6 +9,7 @@ from _spike_rule import spike_ratios
 
 from trainvitals.norms.spikes import (
     SHORT_BATCH_HINT,
+    SPREAD_Z,
     SpikeDetector,
     UsualBatch,
     effective_batch,
@@ -27,6 +28,38 @@ def test_flags_and_ratios_equal_the_direct_computation():
     assert [f for f in flags if f] == pytest.approx([e for e in expected if e], rel=1e-12)
     assert flags[3] == pytest.approx(9.0 / ((1.0 * 0.81 + 1.2 * 0.9 + 0.9) / (0.81 + 0.9 + 1.0)))
     assert flags[-1] is None  # a lasting level shift is followed
+
+
+def _heavy_tailed_batch_losses(steps: int, seed: int = 0) -> list[float]:
+    """A classifier's batch losses near convergence: batches of 32 examples, each a hard one (loss 3) with
+    probability 0.01, else 0.005: mean 0.035, standard deviation 0.053, 4 % of batches (two hard examples or more)
+    above 5× the mean from sampling alone."""
+    hard = torch.distributions.Binomial(32, torch.tensor(0.01)).sample((steps,))
+    return ((3.0 * hard + 0.005 * (32 - hard)) / 32).tolist()
+
+
+def test_the_spread_term_equals_the_direct_computation_and_lets_a_noisy_loss_be():
+    """With ``spread_z`` a value is a spike only above mean + z s.d. of the values before it as well (the weighted
+    mean and variance over the clipped earlier values, computed directly). On batch losses that spread as widely
+    as their mean, the plain 5× rule flags 3–5 % of 4,000 steps from sampling alone, the spread's bound (z = 8) at
+    most 0.1 %, and still flags a 30× spike; on a steady series the two rules flag the same steps."""
+    torch.manual_seed(0)
+    values = _heavy_tailed_batch_losses(4000)
+    plain, spread = SpikeDetector(5.0, 0.98, 20), SpikeDetector(5.0, 0.98, 20, spread_z=SPREAD_Z)
+    flags = [(plain.update(v), spread.update(v)) for v in values]
+    expected = spike_ratios(values[:600], 5.0, 0.98, 20, z=SPREAD_Z)
+    assert [f is None for _, f in flags[:600]] == [e is None for e in expected]
+    assert [f for _, f in flags[:600] if f] == pytest.approx([e for e in expected if e], rel=1e-9)
+    assert 0.03 < sum(p is not None for p, _ in flags) / 4000 < 0.05
+    assert sum(f is not None for _, f in flags) / 4000 <= 0.001
+    assert spread.spread == pytest.approx(0.053, rel=0.3)
+    assert spread.update(30.0 * spread.average) is not None and spread.by_spread
+    assert " mean + 8 s.d." in spread.spread_words()
+    steady = [1.0 + 0.1 * math.sin(i) for i in range(200)] + [6.0] + [1.0] * 50 + [4.9, 5.5]
+    assert spike_ratios(steady, 5.0, 0.9, 3, z=SPREAD_Z) == spike_ratios(steady, 5.0, 0.9, 3)
+    restored = SpikeDetector(5.0, 0.98, 20, spread_z=SPREAD_Z)
+    restored.load_state_dict(spread.state_dict())
+    assert (restored.average, restored.spread) == (spread.average, spread.spread)
 
 
 def test_no_spike_during_warmup_and_state_round_trips():

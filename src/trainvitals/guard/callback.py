@@ -59,7 +59,7 @@ from trainvitals.guard.snapshot import WHERE, BufferCopy, Snapshot
 from trainvitals.norms.monitor import MAX_PENDING_STEPS
 from trainvitals.norms.nonfinite import ProducerSearch
 from trainvitals.norms.producer import SEARCHES, Producer
-from trainvitals.norms.spikes import SpikeDetector, UsualBatch, relative_noise_weight
+from trainvitals.norms.spikes import SPREAD_Z, SpikeDetector, UsualBatch, relative_noise_weight
 from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import StepBatches, loss_divisor
@@ -88,9 +88,9 @@ class SpikeTrack(DeclaredState):
 
     def __init__(self, factor: float, beta: float, warmup: int) -> None:
         self.loss_spikes: SpikeDetector
-        self.add_state("loss_spikes", functools.partial(SpikeDetector, factor, beta, warmup))
+        self.add_state("loss_spikes", functools.partial(SpikeDetector, factor, beta, warmup, SPREAD_Z))
         self.norm_spikes: SpikeDetector
-        self.add_state("norm_spikes", functools.partial(SpikeDetector, factor, beta, warmup))
+        self.add_state("norm_spikes", functools.partial(SpikeDetector, factor, beta, warmup, SPREAD_Z))
         self.usual_batch: UsualBatch  # over the spike EMA's horizon
         self.add_state("usual_batch", functools.partial(UsualBatch, round(1.0 / (1.0 - beta))))
 
@@ -99,7 +99,8 @@ class TrainingGuard(TrainvitalsCallback):
     r"""Watch each optimizer step's loss and total gradient norm and act on an inf/NaN or a spike.
 
     An event is a non-finite loss or gradient (``"nonfinite"``) or a value above ``spike_factor`` × its winsorized
-    EMA (``"spike"``, :class:`~trainvitals.norms.spikes.SpikeDetector`, one per optimizer: :class:`SpikeTrack`; the
+    EMA and above that mean + :data:`~trainvitals.norms.spikes.SPREAD_Z` standard deviations of the values before it
+    (``"spike"``, :class:`~trainvitals.norms.spikes.SpikeDetector`, one per optimizer: :class:`SpikeTrack`; the
     loss is what the optimizer's own step backpropagated; a loss spike needs a positive loss; a norm
     from a batch of b examples below the usual B, an epoch's short last one, is allowed √(B/b) times more:
     :class:`~trainvitals.norms.spikes.UsualBatch`). Its action, per kind: ``"warn"``; ``"skip"`` — the optimizer
@@ -134,7 +135,7 @@ class TrainingGuard(TrainvitalsCallback):
     Args:
         on_nonfinite: action for an inf/NaN loss or gradient: one of ``"warn"``, ``"skip"``, ``"rollback"``, ``"stop"``.
         on_spike: action for a spike, same choices.
-        spike_factor: a value above ``spike_factor`` × its EMA is a spike; > 1.
+        spike_factor: a value above ``spike_factor`` × its EMA (and above the spread term) is a spike; > 1.
         ema_beta: decay of the EMAs per optimizer step, in [0, 1).
         spike_warmup_steps: steps before spikes are looked for.
         snapshot_every_n_steps: optimizer steps between snapshots (at a clean step; taken only when an action is

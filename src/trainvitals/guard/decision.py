@@ -126,17 +126,23 @@ def classify(
         return NONFINITE, f"non-finite {what}{ranks}: loss {reading.loss:.4g}, ‖g‖ {reading.grad_norm:.4g}"
     spikes = []
     shorter = usual.ratio(reading.batch) if usual is not None else 1.0  # before the norm counts the batch
+    average = loss_spikes.average
+    limit = loss_spikes.threshold(shorter) / average if average > 0.0 else math.inf
     if has_loss and (ratio := loss_spikes.update(reading.loss, shorter)) is not None:
         allowed = (
             f" (a batch of {reading.batch:.4g} examples against the usual {reading.batch * shorter:.4g}: beyond "
-            f"the {loss_spikes.factor * shorter:.3g}× its examples allow; {SHORT_BATCH_HINT})"
+            f"the {limit:.3g}× its examples allow; {SHORT_BATCH_HINT})"
             if shorter > 1.0
             else ""
         )
-        spikes.append(f"loss {reading.loss:.4g} is {ratio:.1f}× its running average{allowed}")
+        spikes.append(
+            f"loss {reading.loss:.4g} is {ratio:.1f}× its running average{loss_spikes.spread_words()}{allowed}"
+        )
     if (found := norm_spike(reading.grad_norm, reading.batch, norm_spikes, usual)) is not None:
         ratio, short = found
-        spikes.append(f"‖g‖ {reading.grad_norm:.4g} is {ratio:.1f}× its running average{short}")
+        spikes.append(
+            f"‖g‖ {reading.grad_norm:.4g} is {ratio:.1f}× its running average{norm_spikes.spread_words()}{short}"
+        )
     return (SPIKE, "spike: " + "; ".join(spikes)) if spikes else (None, "")
 
 

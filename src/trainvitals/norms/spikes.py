@@ -27,10 +27,19 @@ def first_spike_note(counted_in: str) -> str:
     return f" (this fit's first; later spikes are counted in {counted_in}, not said)"
 
 
-class SpikeDetector:
-    """Flags a value above ``factor`` × the bias-corrected EMA of the values before it.
+SPREAD_Z = 8.0
+"""TrainingGuard's spread term: a value is a spike only above mean + this many standard deviations of the values
+before it as well. A classifier's batch loss near convergence spreads as widely as its mean (a digits MLP at mean
+loss 0.007, batches of 32: 0.75 in 1,000 random batches above 5× the mean, 0.05 above the spread's bound; 30×
+injected spikes found in 97–100 of 100, docs/callbacks/training-guard.md); a steady loss (a spread under half its
+mean) keeps the plain ``factor`` × mean."""
 
-    A spike enters the EMA clipped to the threshold (winsorized): one spike barely moves the
+
+class SpikeDetector:
+    """Flags a value above ``factor`` × the bias-corrected EMA of the values before it and, with ``spread_z``,
+    above that mean + ``spread_z`` × their standard deviation (bias-corrected EMAs of the value and its square).
+
+    A spike enters the EMAs clipped to the threshold (winsorized): one spike barely moves the
     average, while a lasting level shift is followed within ~1/(1 − β) steps instead of being
     flagged forever.
 
@@ -38,15 +47,18 @@ class SpikeDetector:
         factor: the threshold as a multiple of the average, > 1.
         beta: EMA decay per value, in [0, 1).
         warmup_steps: no spike is flagged before this many values (at least one) entered the EMA.
+        spread_z: the spread term's standard deviations (:data:`SPREAD_Z` for TrainingGuard); ``None``: none.
 
     Raises:
         ValueError: on an invalid argument, naming it.
     """
 
-    def __init__(self, factor: float, beta: float, warmup_steps: int) -> None:
+    def __init__(self, factor: float, beta: float, warmup_steps: int, spread_z: float | None = None) -> None:
         self.factor, self.beta, self.warmup_steps = self.check_arguments(factor, beta, warmup_steps)
-        self._ema = 0.0
+        self.spread_z = spread_z
+        self._ema = self._sq_ema = 0.0
         self.count = 0
+        self.by_spread = False  # whether the last spike's threshold was the spread term's
 
     @staticmethod
     def check_arguments(
@@ -65,23 +77,50 @@ class SpikeDetector:
         """The bias-corrected EMA (Adam's correction); 0.0 before the first value."""
         return self._ema / (1.0 - self.beta**self.count) if self.count else 0.0
 
+    @property
+    def spread(self) -> float:
+        """The bias-corrected standard deviation of the values so far, from the EMAs of the value and its square;
+        0.0 before the first value."""
+        if not self.count:
+            return 0.0
+        mean_sq = self._sq_ema / (1.0 - self.beta**self.count)
+        return math.sqrt(max(mean_sq - self.average**2, 0.0))
+
+    def threshold(self, allowance: float = 1.0) -> float:
+        """What the next value must exceed to be a spike: ``allowance`` × the larger of ``factor`` × the average and,
+        with ``spread_z``, the average + ``spread_z`` × :attr:`spread`."""
+        average = self.average
+        spread = average + self.spread_z * self.spread if self.spread_z is not None else 0.0
+        return allowance * max(self.factor * average, spread)
+
     def update(self, value: float, allowance: float = 1.0) -> float | None:
         """Take one finite value; returns its ratio to the average when it is a spike, else None. ``allowance`` (≥ 1)
-        raises this value's threshold to ``allowance`` × ``factor`` × the average (and its winsorization with it):
-        what its measurement's own noise allows (a gradient norm from a short batch)."""
+        raises this value's threshold :meth:`threshold` (and its winsorization with it): what its measurement's own
+        noise allows (a gradient norm from a short batch)."""
         average = self.average
-        threshold = allowance * self.factor * average
+        threshold = self.threshold(allowance)
         # An average of 0 (a loss weighted 0 so far) has no scale to exceed: the value enters the EMA.
         spike = self.count >= max(1, self.warmup_steps) and average > 0.0 and value > threshold
-        self._ema += (1.0 - self.beta) * ((threshold if spike else value) - self._ema)
+        if spike:
+            self.by_spread = threshold > allowance * self.factor * average
+        kept = threshold if spike else value
+        self._ema += (1.0 - self.beta) * (kept - self._ema)
+        self._sq_ema += (1.0 - self.beta) * (kept * kept - self._sq_ema)
         self.count += 1
         return value / average if spike else None
 
+    def spread_words(self) -> str:
+        """After a spike whose threshold was the spread term's: what it was, in words (else empty)."""
+        if not self.by_spread:
+            return ""
+        return f" (and above its steps' own spread, mean + {self.spread_z:g} s.d.)"
+
     def state_dict(self) -> dict[str, Any]:
-        return {"ema": self._ema, "count": self.count}
+        return {"ema": self._ema, "sq_ema": self._sq_ema, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._ema, self.count = float(state.get("ema", 0.0)), int(state.get("count", 0))
+        self._sq_ema = float(state.get("sq_ema", self._ema * self._ema))  # an older state: no spread yet
 
 
 def noise_weight(sizes: list[int | None], divisor: int) -> float:
@@ -160,12 +199,13 @@ def norm_spike(norm: float, batch: float, spikes: SpikeDetector, usual: UsualBat
     raised by ``usual``'s allowance (none without it): (its ratio to the average, what the allowance was in words —
     empty for a usual batch) when it is a spike, else None."""
     allowance, usual_batch = usual.allowance(batch) if usual is not None else (1.0, math.nan)
+    limit = spikes.threshold(allowance) / spikes.average if spikes.average > 0.0 else math.inf
     ratio = spikes.update(norm, allowance)
     if ratio is None:
         return None
     short = (
         f" (a batch of {batch:.4g} examples against the usual {usual_batch:.4g}: beyond the "
-        f"{spikes.factor * allowance:.3g}× its noise allows; {SHORT_BATCH_HINT})"
+        f"{limit:.3g}× its noise allows; {SHORT_BATCH_HINT})"
         if allowance > 1.0
         else ""
     )
