@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import GAN, ReleaseProcessGroup
+from _models import GAN, NoiseOnly, ReleaseProcessGroup
 from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins import MixedPrecision
@@ -1790,3 +1790,40 @@ def test_the_end_line_never_counts_more_effective_than_measured_measurements():
         300,
     )
     assert float(stated.group(2)) <= int(stated.group(3))
+
+
+class _MetricsAtLogSteps(pl.Callback):
+    """``trainer.callback_metrics``' ``grad_noise/*`` values at each training batch's end."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, dict[str, float]] = {}
+
+    def on_train_batch_end(self, trainer, *_: Any) -> None:
+        held = trainer.callback_metrics
+        self.seen[trainer.global_step - 1] = {k: float(v) for k, v in held.items() if k.startswith("grad_noise/")}
+
+
+def test_an_unbounded_or_undefined_value_reaches_callback_metrics_as_such():
+    """A pure-noise gradient (‖G‖² = 0): B_simple's interval is unbounded above at every logged step and its point
+    often undefined. The logger gets the finite values only; ``callback_metrics`` holds, after each logging step,
+    exactly what that step measured — the logged value, or inf/NaN where the chart skipped it — never an earlier
+    step's."""
+    recording, seen = RecordingLogger(), _MetricsAtLogSteps()
+    probe = BatchVarianceProbe(log_every_n_steps=5)
+    trainer = pl.Trainer(**trainer_kwargs(logger=recording, max_steps=60, callbacks=[probe, seen]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(NoiseOnly(), DataLoader(TensorDataset(torch.randn(256, 32)), batch_size=16, shuffle=True))
+    logged_steps = sorted({s for series in recording.series.values() for s, _ in series if s % 5 == 0})
+    assert len(logged_steps) >= 8
+    skipped = 0
+    for step in logged_steps:
+        logged = {k: v for k, series in recording.series.items() for s, v in series if s == step}
+        for tag in ("grad_noise/b_simple_high", "grad_noise/b_simple_low", "grad_noise/b_simple"):
+            held = seen.seen[step][tag]
+            if tag in logged:
+                assert held == pytest.approx(logged[tag], rel=1e-6)
+            else:
+                skipped += 1
+                assert not math.isfinite(held)
+    assert skipped >= len(logged_steps)  # b_simple_high at least: unbounded wherever ‖G‖² may be 0

@@ -492,13 +492,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if count == 0:
             return
         valid_now = valid_now and not self.noise_source.invalid  # GSNR and EB are per-example statistics
-        values = {
-            k: v
-            for k, v in values.items()
-            if math.isfinite(v) and (valid_now or not k.startswith((GSNR_TAG, EB_CRITERION)))
-        }
+        values = {k: v for k, v in values.items() if valid_now or not k.startswith((GSNR_TAG, EB_CRITERION))}
         values, self._gsnr_partial = self._coordinates.complete_passes(values, coordinates, self._gsnr_partial)
-        log_scalars(trainer, values, step.step)
+        # The charts skip an undefined or unbounded value; callback_metrics get it as such (log_scalars).
+        log_scalars(trainer, values, step.step, finite_only=True)
         disagreement = self.gradient_noise.disagreement()
         if disagreement:
             self.warn(f"{disagreement}.")
