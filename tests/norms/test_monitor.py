@@ -268,6 +268,37 @@ def test_spike_is_reported_with_step_and_largest_layers(caplog):
     assert "largest layers: net." in reports[0]
 
 
+def test_two_spikes_in_one_logging_window_say_the_first_and_panel_both(caplog, monkeypatch):
+    """Spikes at steps 32 and 35, read back together at the logging step 40: the console's one line is the fit's
+    first spike, step 32 (not the window's latest), and the text panel gets each at its own step."""
+
+    class Spiky(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * {32: 1000.0, 35: 300.0}.get(self.global_step, 1.0)
+
+    panels: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        "trainvitals.norms.monitor.log_text", lambda trainer, tag, text, step: panels.append((text, step))
+    )
+    logger = RecordingLogger()
+    with caplog.at_level("INFO"):
+        fit(
+            Spiky(lr=0.0),
+            GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0, spike_warmup_steps=10),
+            logger,
+            max_steps=41,
+        )
+    assert logger.values("grad_norm/spike_steps") == [0, 0, 0, 0, 2]
+    said = [r.getMessage() for r in caplog.records if "spike at optimizer step" in r.getMessage()]
+    assert len(said) == 1 and "spike at optimizer step 32: " in said[0]
+    spikes = [(text.split(":")[0], step) for text, step in panels if "spike at optimizer step" in text]
+    assert spikes == [
+        ("gradient-norm spike at optimizer step 32", 32),
+        ("gradient-norm spike at optimizer step 35", 35),
+    ]
+
+
 def test_tensorboard_scalars_and_histograms(tmp_path):
     tb = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
     fit(Regressor(), GradNormMonitor(log_every_n_steps=2, histogram_every_n_steps=4), tb, max_steps=8)

@@ -108,6 +108,7 @@ class _Track:
     # first non-finite step as (step, non-finite groups), and the latest spike as (step, message).
     nonfinite: tuple[int, list[str]] | None = None
     spike: tuple[int, str] | None = None
+    unreported: list[tuple[int, str]] = field(default_factory=list)  # the spikes read back, not yet logged
     # The first non-finite step read back at a later step, after its update: too late to re-run its batch.
     read_late: int | None = None
     warned_nonfinite: bool = False
@@ -450,7 +451,7 @@ class GradNormMonitor(TrainvitalsCallback):
         summed = host[-n:] if reduced else [world * w for w in weights]
         batches = [effective_batch(w, world) for w in summed]
         track.last_read = (steps[-1], totals_host[-1], dict(zip(track.groups.names, last_groups)))
-        nonfinite_row = spike_row = None
+        nonfinite_row, spike_rows = None, []
         for row, (total, batch) in enumerate(zip(totals_host, batches)):
             if not math.isfinite(total):
                 counter = "amp_skipped_steps" if self._amp_scaler else "nonfinite_steps"
@@ -459,8 +460,8 @@ class GradNormMonitor(TrainvitalsCallback):
                     nonfinite_row = row
             elif (spike := norm_spike(total, batch, track.spikes, track.state.usual)) is not None:
                 track.counts["spike_steps"] += 1
-                spike_row, (spike_ratio, spike_short) = row, spike
-        rows = [r for r in (nonfinite_row, spike_row) if r is not None]
+                spike_rows.append((row, *spike))
+        rows = [r for r in (nonfinite_row, *(r for r, _, _ in spike_rows)) if r is not None]
         if not rows:
             return
         # Rare: a second transfer, for those steps' group norms only.
@@ -470,14 +471,15 @@ class GradNormMonitor(TrainvitalsCallback):
                 steps[nonfinite_row],
                 [n for n, v in found[nonfinite_row].items() if not math.isfinite(v)],
             )
-        if spike_row is not None:
-            at = steps[spike_row]
-            layers = ", ".join(name for name, _ in _largest(found[spike_row]))
+        for row, ratio, short in spike_rows:  # each to the panel; the fit's first also to the console
+            at = steps[row]
+            layers = ", ".join(name for name, _ in _largest(found[row]))
             track.spike = (
                 at,
-                f"gradient-norm spike at optimizer step {at}: {spike_ratio:.1f}× its running average{spike_short}; "
+                f"gradient-norm spike at optimizer step {at}: {ratio:.1f}× its running average{short}; "
                 f"largest layers: {layers}",
             )
+            track.unreported.append(track.spike)
 
     def _log(
         self,
@@ -499,13 +501,14 @@ class GradNormMonitor(TrainvitalsCallback):
         # A non-finite step is counted and its layers named in a warning; a NaN point draws nothing in a chart.
         log_scalars(trainer, {**metrics, **(extra or {})}, step, finite_only=True)
         track.logged_counts = dict(track.counts)
-        if track.spike is not None and track.counts["spike_steps"] > track.reported_spikes:
+        if track.unreported and track.counts["spike_steps"] > track.reported_spikes:
             track.reported_spikes = track.counts["spike_steps"]
-            at, message = track.spike
-            if not track.said_spike:
-                track.said_spike = True
-                self.info(message + first_spike_note(f"{tag('spike_steps')} and the fit-end line"))
-            log_text(trainer, tag("spikes"), message, at)
+            for at, message in track.unreported:
+                if not track.said_spike:
+                    track.said_spike = True
+                    self.info(message + first_spike_note(f"{tag('spike_steps')} and the fit-end line"))
+                log_text(trainer, tag("spikes"), message, at)
+            track.unreported = []
 
     def _search_producer(
         self,
