@@ -392,6 +392,20 @@ def test_an_epochs_one_row_batch_with_a_hard_example_is_no_loss_spike_and_a_real
             )
 
 
+@pytest.mark.parametrize("action", ["warn", "skip"])
+def test_under_manual_optimization_a_nan_says_its_producer_is_not_searched(action):
+    """A training_step that steps its optimizers itself cannot be re-run: the event says so, not that its read-back
+    came too late (which a logging cadence or another action would not change)."""
+    model, guard = TwoPlayers(20, float("nan")), TrainingGuard(on_nonfinite=action, spike_warmup_steps=3)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=30, callbacks=[guard]))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(TensorDataset(torch.randn(640, 8)), batch_size=32))
+    event = guard.events[0]  # under "warn" the NaN weights make every later step one too
+    assert (event["global_step"], event["kind"], event["producer"]) == (20, "nonfinite", None)
+    assert "not searched under manual optimization" in event["detail"] and "too late" not in event["detail"]
+
+
 def test_stop_writes_a_checkpoint_and_says_why(tmp_path):
     model, guard = Net(nan_at={5}), TrainingGuard(on_nonfinite="stop")
     trainer, said = _fit(model, guard, default_root_dir=tmp_path)

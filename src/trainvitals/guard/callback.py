@@ -545,6 +545,12 @@ class TrainingGuard(TrainvitalsCallback):
                 if len(batches) > 1
                 else ""
             )
+        searched = "late" in pending or pending.get("searched")
+        if searched and producer is None and not pending["pl_module"].automatic_optimization:
+            found = (
+                "; the module that made the inf/NaN is not searched under manual optimization (a training_step "
+                "that steps its optimizers itself cannot be re-run)"
+            )
         event = {
             "global_step": step,
             "epoch": pending["epoch"],
