@@ -6,7 +6,8 @@ on an accelerator), so a recurrence over a few dozen steps is cheapest on the ho
 
 A gradient norm from a batch smaller than the usual one (an epoch's short last batch) is noisier: the rule
 allows it √(B / b) (:class:`UsualBatch`, from the step's :func:`noise_weight`; :func:`norm_spike` applies it), the
-one spike rule of GradNormMonitor and TrainingGuard.
+one spike rule of GradNormMonitor, UpdateMonitor and TrainingGuard; the guard, which acts on a spike, also asks a
+value to clear its values' own spread (:data:`SPREAD_Z`).
 """
 
 from __future__ import annotations
