@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -12,11 +13,13 @@ import torch.nn.functional as F
 from _models import GAN, Regressor, flat_grad_norm, loader, regression_data
 from _spike_rule import spike_ratios
 from conftest import RecordingLogger, trainer_kwargs
+from guard.test_guard import TwoPlayers
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals import GradNormEarlyStopping, GradNormMonitor
 from trainvitals.norms.monitor import MAX_PENDING_STEPS
@@ -638,3 +641,17 @@ def test_lbfgs_closure_evaluations_are_one_step():
     assert [s for s, _ in logger.series["grad_norm/total"]] == [0, 1, 2]
     assert logger.values("grad_norm/total") == pytest.approx([first.norms[s] for s in range(3)], rel=1e-6)
     assert monitor._tracks[0].steps == 3 and stopper.steps == 3
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_under_manual_optimization_the_nan_warning_says_no_producer_is_searched(every):
+    """A training_step that steps its optimizers itself is never re-run: the warning says so, whatever the logging
+    cadence, instead of a cadence or a TrainingGuard that would not help."""
+    monitor = GradNormMonitor(log_every_n_steps=every, histogram_every_n_steps=0)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=30, callbacks=[monitor]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TwoPlayers(20, float("nan")), DataLoader(TensorDataset(torch.randn(640, 8)), batch_size=32))
+    said = [str(w.message) for w in caught if "non-finite gradient (inf/NaN)" in str(w.message)]
+    assert said and all("not searched under manual optimization" in text for text in said)  # one per optimizer
+    assert not any("log_every_n_steps=1" in text or "TrainingGuard()" in text for text in said)

@@ -239,6 +239,8 @@ class GradNormMonitor(TrainvitalsCallback):
         self.add_state("_amp_scaler", False, persistent=False)
         # This monitor names the producer itself: asked to, and no TrainingGuard does (set at fit start).
         self.add_state("_searching", False, persistent=False)
+        self._manual: bool
+        self.add_state("_manual", False, persistent=False)
         self.search: ProducerSearch  # without a TrainingGuard: the producer of the fit's first inf/NaN
         self.add_state("search", partial(ProducerSearch, self.producer_search), persistent=False)
 
@@ -255,6 +257,7 @@ class GradNormMonitor(TrainvitalsCallback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._amp_scaler = grad_scaler(trainer) is not None
         self._searching = self.name_producer and self.vitals.provider(NAN_PRODUCER) is None
+        self._manual = not pl_module.automatic_optimization  # a training_step that is never re-run
         world = trainer.world_size
         self._ranks = (world, partial(trainer.strategy.reduce, reduce_op="sum")) if world > 1 else None
 
@@ -562,6 +565,11 @@ class GradNormMonitor(TrainvitalsCallback):
         """Why the warning names no producer, in a sentence (empty beside a TrainingGuard, which says it)."""
         if guarded:
             return ""
+        if self._manual:
+            return (
+                " Its producer is not searched under manual optimization: a training_step that steps its "
+                "optimizers itself cannot be re-run."
+            )
         if not self.name_producer:
             return " name_producer=True (or TrainingGuard()) names the layer that made it."
         if track.read_late is not None:
