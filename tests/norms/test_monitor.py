@@ -250,11 +250,13 @@ def test_a_compiled_submodule_keeps_its_layer_names():
     }
 
 
-def test_spike_is_reported_with_step_and_largest_layers(caplog):
+def _fit_with_spikes(caplog, factors: dict[int, float]) -> RecordingLogger:
+    """41 steps of a frozen Regressor whose loss is × ``factors[step]`` at those steps, under a monitor logging every
+    10th step (warm-up 10), with INFO records captured."""
+
     class Spiky(Regressor):
         def training_step(self, batch, batch_idx):
-            loss = super().training_step(batch, batch_idx)
-            return loss * 1000.0 if self.global_step == 30 else loss
+            return super().training_step(batch, batch_idx) * factors.get(self.global_step, 1.0)
 
     logger = RecordingLogger()
     with caplog.at_level("INFO"):
@@ -264,6 +266,11 @@ def test_spike_is_reported_with_step_and_largest_layers(caplog):
             logger,
             max_steps=41,
         )
+    return logger
+
+
+def test_spike_is_reported_with_step_and_largest_layers(caplog):
+    logger = _fit_with_spikes(caplog, {30: 1000.0})
     assert logger.values("grad_norm/spike_steps") == [0, 0, 0, 1, 1]
     reports = [r.message for r in caplog.records if "spike at optimizer step" in r.message]
     assert len(reports) == 1
@@ -274,24 +281,11 @@ def test_spike_is_reported_with_step_and_largest_layers(caplog):
 def test_two_spikes_in_one_logging_window_say_the_first_and_panel_both(caplog, monkeypatch):
     """Spikes at steps 32 and 35, read back together at the logging step 40: the console's one line is the fit's
     first spike, step 32 (not the window's latest), and the text panel gets each at its own step."""
-
-    class Spiky(Regressor):
-        def training_step(self, batch, batch_idx):
-            loss = super().training_step(batch, batch_idx)
-            return loss * {32: 1000.0, 35: 300.0}.get(self.global_step, 1.0)
-
     panels: list[tuple[str, int]] = []
     monkeypatch.setattr(
         "trainvitals.norms.monitor.log_text", lambda trainer, tag, text, step: panels.append((text, step))
     )
-    logger = RecordingLogger()
-    with caplog.at_level("INFO"):
-        fit(
-            Spiky(lr=0.0),
-            GradNormMonitor(log_every_n_steps=10, histogram_every_n_steps=0, spike_warmup_steps=10),
-            logger,
-            max_steps=41,
-        )
+    logger = _fit_with_spikes(caplog, {32: 1000.0, 35: 300.0})
     assert logger.values("grad_norm/spike_steps") == [0, 0, 0, 0, 2]
     said = [r.getMessage() for r in caplog.records if "spike at optimizer step" in r.getMessage()]
     assert len(said) == 1 and "spike at optimizer step 32: " in said[0]
