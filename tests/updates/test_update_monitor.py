@@ -241,6 +241,26 @@ def test_a_large_lr_is_a_ratio_above_the_range_and_a_tiny_one_below():
     assert any("below" in f and "head" in f and "body" not in f for f in findings)
 
 
+def test_a_decayed_lr_makes_no_finding_that_the_lr_is_too_small():
+    """SGD at lr 0.1, a schedule that cuts it 10⁶× from step 3 on: the ratios fall below the usual range at the 9
+    steps after the cut, most of the logged steps, on purpose. Only steps at ≥ 1/10 of the peak lr are judged for
+    that finding, so there is none; the ratios are as logged (below the range after the cut)."""
+
+    class Decayed(Linear):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            cut = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step < 3 else 1e-6)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cut, "interval": "step"}}
+
+    monitor = UpdateMonitor(log_every_n_steps=1)
+    _, logger = fit(Decayed(), [monitor], max_steps=12)
+    low = monitor.usual_ratio / monitor.ratio_factor
+    ratios = logger.values("update/ratio/head")
+    assert all(r > low for r in ratios[:3]) and all(0.0 < r < low for r in ratios[3:])
+    assert not any("below" in f for f in monitor.findings())
+    assert monitor._track_states.get(0).peak_lr == pytest.approx(0.1)
+
+
 def said(caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder, text: str) -> list[str]:
     """Every console line (a log record) and every warning of the test that holds ``text``."""
     lines = [r.getMessage() for r in caplog.records] + [str(w.message) for w in recwarn]

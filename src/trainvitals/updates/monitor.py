@@ -58,9 +58,14 @@ USUAL_RATIO = 1e-3
 """``usual_ratio``'s default: the rule of thumb of ~1e-3 per step."""
 
 
-RECORD = ("measured", "above", "below", "with_grad", "still")
+RECORD = ("measured", "above", "below", "with_grad", "still", "full_lr")
 """A group's counts over its logged steps: ratios defined, above and below the usual range; steps with a
-non-zero gradient, and of those the steps where Δθ was exactly 0."""
+non-zero gradient, and of those the steps where Δθ was exactly 0; ratios defined at a full lr
+(:data:`FULL_LR_SHARE`), of which ``below`` counts the low ones."""
+FULL_LR_SHARE = 0.1
+"""A step's lr is full at this share or more of the fit's peak lr so far (the largest of the optimizer's param
+groups): only then does a low ratio say that the lr is too small for the layer. A schedule's decay or BandSchedule's
+cut makes small steps on purpose."""
 
 
 class UpdateTrackState(DeclaredState):
@@ -81,9 +86,13 @@ class UpdateTrackState(DeclaredState):
         self.add_state("usual", usual, key="usual_batch")
         self.records: dict[str, dict[str, int]]
         self.add_state("records", dict)
+        self.peak_lr: float
+        self.add_state("peak_lr", 0.0)
 
     def record(self, group: str) -> dict[str, int]:
-        return self.records.setdefault(group, dict.fromkeys(RECORD, 0))
+        record = self.records.setdefault(group, dict.fromkeys(RECORD, 0))
+        record.setdefault("full_lr", record["measured"])  # a checkpoint from before the count: every step full
+        return record
 
 
 @dataclass
@@ -97,6 +106,7 @@ class _Track:
     optimizer: torch.optim.Optimizer | None = None
     handle: RemovableHandle | None = None
     begun: int | None = None  # global step of the step begun at on_before_optimizer_step, not yet taken
+    lr: float = math.nan  # the measured step's lr, the largest of its param groups (every owner's factor in)
     before: list[Tensor] | None = None  # θ before a measured step (its copy), then −Δθ
     grad_norms: Tensor | None = None
     grad_scale: Tensor | None = None
@@ -139,7 +149,8 @@ class UpdateMonitor(TrainvitalsCallback):
     norms do; every rank computes the same values and findings.
 
     Findings (the summary, the report): groups whose ratio was more than ``ratio_factor`` times above or
-    below ``usual_ratio`` in more than half of their logged steps; groups that did not move (Δθ = 0 at
+    below ``usual_ratio`` in more than half of their logged steps (below: of those at a full lr, :data:`FULL_LR_SHARE`);
+    groups that did not move (Δθ = 0 at
     every logged step where their gradient was not zero: lr 0 in their param group, or frozen by the
     optimizer); spikes of the total update norm (``spike_factor`` × its running average over logged steps).
 
@@ -229,6 +240,7 @@ class UpdateMonitor(TrainvitalsCallback):
         if self._sizes and is_noise_scaled(optimizer):  # host floats
             sizes = StepBatches.of(self.vitals).backward_sizes(trainer)
             track.weight = relative_noise_weight(sizes, loss_divisor(trainer, pl_module))
+        track.lr = max(float(group["lr"]) for group in optimizer.param_groups)  # as the step will use it
         track.before = snapshot(track.params)
 
     @override
@@ -276,7 +288,9 @@ class UpdateMonitor(TrainvitalsCallback):
                     "their gradient is not zero: lr 0 in their param group, or frozen by the optimizer"
                 )
             above = [n for n, r in records.items() if r["measured"] and r["above"] * 2 > r["measured"]]
-            below = [n for n, r in records.items() if n not in still and r["below"] * 2 > r["measured"] > 0]
+            below = [
+                n for n, r in records.items() if n not in still and r["below"] * 2 > r.get("full_lr", r["measured"]) > 0
+            ]
             if above:
                 found.append(
                     f"update/weight ratio above {high:g} in most logged steps{where}: {_listed(above)} — "
@@ -376,6 +390,15 @@ class UpdateMonitor(TrainvitalsCallback):
             batch = effective_batch(host.pop() if world > 1 else world * track.weight, world)
         self._record(trainer, index, track, step, adam, host, batch)
 
+    @staticmethod
+    def _at_full_lr(track: _Track) -> bool:
+        """Whether the measured step's lr (:attr:`_Track.lr`) is at least :data:`FULL_LR_SHARE` of the fit's peak so
+        far, which it raises; an unknown lr counts as full."""
+        if not math.isfinite(track.lr):
+            return True
+        track.state.peak_lr = max(track.state.peak_lr, track.lr)
+        return track.lr >= FULL_LR_SHARE * track.state.peak_lr
+
     def _record(
         self, trainer: "pl.Trainer", index: int, track: _Track, step: int, adam: bool, host: list[float], batch: float
     ) -> None:
@@ -391,6 +414,7 @@ class UpdateMonitor(TrainvitalsCallback):
         track.last_total_ratio = _ratio(total_update, total_weight)
         metrics[tag("total_ratio")] = track.last_total_ratio
         low, high = self.usual_ratio / self.ratio_factor, self.usual_ratio * self.ratio_factor
+        full = self._at_full_lr(track)
         for g, name in enumerate(track.groups.names):
             values_g = {
                 "weight_norm": weight[g],
@@ -407,7 +431,8 @@ class UpdateMonitor(TrainvitalsCallback):
             if math.isfinite(ratio):
                 record["measured"] += 1
                 record["above"] += ratio > high
-                record["below"] += 0.0 < ratio < low  # 0: not moving at all, a finding of its own
+                record["full_lr"] += full
+                record["below"] += full and 0.0 < ratio < low  # 0: not moving at all, a finding of its own
             if grad[g] > 0.0 and math.isfinite(grad[g]):
                 record["with_grad"] += 1
                 record["still"] += update[g] == 0.0
