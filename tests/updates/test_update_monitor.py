@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -259,6 +260,16 @@ def test_a_decayed_lr_makes_no_finding_that_the_lr_is_too_small():
     assert all(r > low for r in ratios[:3]) and all(0.0 < r < low for r in ratios[3:])
     assert not any("below" in f for f in monitor.findings())
     assert monitor._track_states.get(0).peak_lr == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(("lr", "full"), [(0.05, True), (0.03, True), (0.025, False), (0.005, False), (0.0, False)])
+def test_a_step_is_at_full_lr_above_half_the_peak_and_a_cut_to_the_share_is_not(lr, full):
+    """Peak 0.05: a cut to half (StepLR's gamma=0.5, 0.05 × 0.5 in floating point) or to a tenth (BandSchedule's
+    default, StepLR's gamma=0.1) is not full; a rising lr (a warm-up) raises the peak and is full."""
+    track = SimpleNamespace(lr=lr, state=SimpleNamespace(peak_lr=0.05))
+    assert UpdateMonitor._at_full_lr(track) is full
+    rising = SimpleNamespace(lr=0.08, state=SimpleNamespace(peak_lr=0.05))
+    assert UpdateMonitor._at_full_lr(rising) and rising.state.peak_lr == 0.08
 
 
 def said(caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder, text: str) -> list[str]:

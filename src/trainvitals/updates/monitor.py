@@ -62,10 +62,11 @@ RECORD = ("measured", "above", "below", "with_grad", "still", "full_lr")
 """A group's counts over its logged steps: ratios defined, above and below the usual range; steps with a
 non-zero gradient, and of those the steps where Δθ was exactly 0; ratios defined at a full lr
 (:data:`FULL_LR_SHARE`), of which ``below`` counts the low ones."""
-FULL_LR_SHARE = 0.1
-"""A step's lr is full at this share or more of the fit's peak lr so far (the largest of the optimizer's param
-groups): only then does a low ratio say that the lr is too small for the layer. A schedule's decay or BandSchedule's
-cut makes small steps on purpose."""
+FULL_LR_SHARE = 0.5
+"""A step's lr is full above this share of the fit's peak lr so far (the largest of the optimizer's param groups;
+a cut to the share itself, StepLR's ``gamma=0.5``, is not): only then does a low ratio say that the lr is too small
+for the layer. A schedule's decay or BandSchedule's cut (× 0.1) makes small steps on purpose. A schedule that decays
+one param group alone is not seen: the largest group's lr stays full."""
 
 
 class UpdateTrackState(DeclaredState):
@@ -392,12 +393,12 @@ class UpdateMonitor(TrainvitalsCallback):
 
     @staticmethod
     def _at_full_lr(track: _Track) -> bool:
-        """Whether the measured step's lr (:attr:`_Track.lr`) is at least :data:`FULL_LR_SHARE` of the fit's peak so
-        far, which it raises; an unknown lr counts as full."""
+        """Whether the measured step's lr (:attr:`_Track.lr`) is above :data:`FULL_LR_SHARE` of the fit's peak so far,
+        which it raises, by more than rounding (a cut to exactly the share is not full); an unknown lr is full."""
         if not math.isfinite(track.lr):
             return True
         track.state.peak_lr = max(track.state.peak_lr, track.lr)
-        return track.lr >= FULL_LR_SHARE * track.state.peak_lr
+        return track.lr > FULL_LR_SHARE * track.state.peak_lr * (1.0 + 1e-9)
 
     def _record(
         self, trainer: "pl.Trainer", index: int, track: _Track, step: int, adam: bool, host: list[float], batch: float
