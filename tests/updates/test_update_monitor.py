@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -18,7 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainvitals import GradNormMonitor, UpdateMonitor
+from trainvitals.fused_norms import NormGroups
 from trainvitals.updates import monitor as update_monitor
+from trainvitals.updates.monitor import at_full_lr, group_lrs
 
 
 class Weights(pl.Callback):
@@ -244,7 +245,7 @@ def test_a_large_lr_is_a_ratio_above_the_range_and_a_tiny_one_below():
 
 def test_a_decayed_lr_makes_no_finding_that_the_lr_is_too_small():
     """SGD at lr 0.1, a schedule that cuts it 10⁶× from step 3 on: the ratios fall below the usual range at the 9
-    steps after the cut, most of the logged steps, on purpose. Only steps at ≥ 1/10 of the peak lr are judged for
+    steps after the cut, most of the logged steps, on purpose. Only steps above half the peak lr are judged for
     that finding, so there is none; the ratios are as logged (below the range after the cut)."""
 
     class Decayed(Linear):
@@ -259,17 +260,46 @@ def test_a_decayed_lr_makes_no_finding_that_the_lr_is_too_small():
     ratios = logger.values("update/ratio/head")
     assert all(r > low for r in ratios[:3]) and all(0.0 < r < low for r in ratios[3:])
     assert not any("below" in f for f in monitor.findings())
-    assert monitor._track_states.get(0).peak_lr == pytest.approx(0.1)
+    assert monitor._track_states.get(0).peak_lrs == pytest.approx({"body": 0.1, "head": 0.1})
+
+
+def test_a_schedule_decaying_one_param_group_alone_makes_no_finding_for_it():
+    """Two param groups at lr 0.1; from step 3 on a schedule cuts the head's 10⁶× and keeps the body's: the head's
+    ratios fall below the range on purpose. Each layer is judged against its own group's peak, so no finding — with
+    the largest group's peak (the body's, still full), the head was named."""
+
+    class OneDecayed(Linear):
+        def configure_optimizers(self):
+            params = list(self.parameters())
+            optimizer = torch.optim.SGD([{"params": params[:2], "lr": 0.1}, {"params": params[2:], "lr": 0.1}])
+            lambdas = [lambda step: 1.0, lambda step: 1.0 if step < 3 else 1e-6]
+            cut = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cut, "interval": "step"}}
+
+    monitor = UpdateMonitor(log_every_n_steps=1)
+    _, logger = fit(OneDecayed(), [monitor], max_steps=12)
+    low = monitor.usual_ratio / monitor.ratio_factor
+    assert all(r < low for r in logger.values("update/ratio/head")[3:])  # 0 where float32 rounds the step away
+    assert not any("below" in f for f in monitor.findings())
+    assert monitor._track_states.get(0).records["head"]["full_lr"] == 3
 
 
 @pytest.mark.parametrize(("lr", "full"), [(0.05, True), (0.03, True), (0.025, False), (0.005, False), (0.0, False)])
 def test_a_step_is_at_full_lr_above_half_the_peak_and_a_cut_to_the_share_is_not(lr, full):
     """Peak 0.05: a cut to half (StepLR's gamma=0.5, 0.05 × 0.5 in floating point) or to a tenth (BandSchedule's
     default, StepLR's gamma=0.1) is not full; a rising lr (a warm-up) raises the peak and is full."""
-    track = SimpleNamespace(lr=lr, state=SimpleNamespace(peak_lr=0.05))
-    assert UpdateMonitor._at_full_lr(track) is full
-    rising = SimpleNamespace(lr=0.08, state=SimpleNamespace(peak_lr=0.05))
-    assert UpdateMonitor._at_full_lr(rising) and rising.state.peak_lr == 0.08
+    assert at_full_lr(lr, 0.05) == (full, 0.05)
+    assert at_full_lr(0.08, 0.05) == (True, 0.08)
+    assert at_full_lr(math.nan, 0.05) == (True, 0.05)
+
+
+def test_each_group_takes_the_largest_lr_of_the_param_groups_holding_it():
+    weight, bias, other = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    optimizer = torch.optim.SGD([{"params": [weight], "lr": 0.1}, {"params": [bias, other], "lr": 0.3}])
+    groups = NormGroups.from_names(["layer.weight", "layer.bias", "other.weight"])
+    assert group_lrs(optimizer, groups) == [0.3, 0.3]
+    optimizer.param_groups[1]["lr"] = torch.tensor(0.01)  # a tensor lr, as capturable optimizers hold it
+    assert group_lrs(optimizer, groups) == pytest.approx([0.1, 0.01])
 
 
 def said(caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder, text: str) -> list[str]:

@@ -63,10 +63,10 @@ RECORD = ("measured", "above", "below", "with_grad", "still", "full_lr")
 non-zero gradient, and of those the steps where Δθ was exactly 0; ratios defined at a full lr
 (:data:`FULL_LR_SHARE`), of which ``below`` counts the low ones."""
 FULL_LR_SHARE = 0.5
-"""A step's lr is full above this share of the fit's peak lr so far (the largest of the optimizer's param groups;
-a cut to the share itself, StepLR's ``gamma=0.5``, is not): only then does a low ratio say that the lr is too small
-for the layer. A schedule's decay or BandSchedule's cut (× 0.1) makes small steps on purpose. A schedule that decays
-one param group alone is not seen: the largest group's lr stays full."""
+"""A layer's step is at a full lr above this share of the peak lr its param group has had in the fit so far (a cut
+to the share itself, StepLR's ``gamma=0.5``, is not): only then does a low ratio say that the lr is too small for the
+layer. A schedule's decay or BandSchedule's cut (× 0.1) makes small steps on purpose, also where it decays one param
+group alone."""
 
 
 class UpdateTrackState(DeclaredState):
@@ -87,8 +87,8 @@ class UpdateTrackState(DeclaredState):
         self.add_state("usual", usual, key="usual_batch")
         self.records: dict[str, dict[str, int]]
         self.add_state("records", dict)
-        self.peak_lr: float
-        self.add_state("peak_lr", 0.0)
+        self.peak_lrs: dict[str, float]
+        self.add_state("peak_lrs", dict)
 
     def record(self, group: str) -> dict[str, int]:
         record = self.records.setdefault(group, dict.fromkeys(RECORD, 0))
@@ -107,7 +107,7 @@ class _Track:
     optimizer: torch.optim.Optimizer | None = None
     handle: RemovableHandle | None = None
     begun: int | None = None  # global step of the step begun at on_before_optimizer_step, not yet taken
-    lr: float = math.nan  # the measured step's lr, the largest of its param groups (every owner's factor in)
+    lrs: list[float] = field(default_factory=list)  # the measured step's lr of each group (every owner's factor in)
     before: list[Tensor] | None = None  # θ before a measured step (its copy), then −Δθ
     grad_norms: Tensor | None = None
     grad_scale: Tensor | None = None
@@ -241,7 +241,7 @@ class UpdateMonitor(TrainvitalsCallback):
         if self._sizes and is_noise_scaled(optimizer):  # host floats
             sizes = StepBatches.of(self.vitals).backward_sizes(trainer)
             track.weight = relative_noise_weight(sizes, loss_divisor(trainer, pl_module))
-        track.lr = max(float(group["lr"]) for group in optimizer.param_groups)  # as the step will use it
+        track.lrs = group_lrs(optimizer, track.groups)  # as the step will use them
         track.before = snapshot(track.params)
 
     @override
@@ -391,15 +391,6 @@ class UpdateMonitor(TrainvitalsCallback):
             batch = effective_batch(host.pop() if world > 1 else world * track.weight, world)
         self._record(trainer, index, track, step, adam, host, batch)
 
-    @staticmethod
-    def _at_full_lr(track: _Track) -> bool:
-        """Whether the measured step's lr (:attr:`_Track.lr`) is above :data:`FULL_LR_SHARE` of the fit's peak so far,
-        which it raises, by more than rounding (a cut to exactly the share is not full); an unknown lr is full."""
-        if not math.isfinite(track.lr):
-            return True
-        track.state.peak_lr = max(track.state.peak_lr, track.lr)
-        return track.lr > FULL_LR_SHARE * track.state.peak_lr * (1.0 + 1e-9)
-
     def _record(
         self, trainer: "pl.Trainer", index: int, track: _Track, step: int, adam: bool, host: list[float], batch: float
     ) -> None:
@@ -415,7 +406,6 @@ class UpdateMonitor(TrainvitalsCallback):
         track.last_total_ratio = _ratio(total_update, total_weight)
         metrics[tag("total_ratio")] = track.last_total_ratio
         low, high = self.usual_ratio / self.ratio_factor, self.usual_ratio * self.ratio_factor
-        full = self._at_full_lr(track)
         for g, name in enumerate(track.groups.names):
             values_g = {
                 "weight_norm": weight[g],
@@ -430,6 +420,7 @@ class UpdateMonitor(TrainvitalsCallback):
             track.last[name] = values_g
             ratio = values_g["ratio"]
             if math.isfinite(ratio):
+                full, track.state.peak_lrs[name] = at_full_lr(track.lrs[g], track.state.peak_lrs.get(name, 0.0))
                 record["measured"] += 1
                 record["above"] += ratio > high
                 record["full_lr"] += full
@@ -525,3 +516,22 @@ def _ratio(numerator: float, denominator: float) -> float:
     if denominator == 0.0 or not math.isfinite(denominator) or not math.isfinite(numerator):
         return math.nan
     return numerator / denominator
+
+
+def group_lrs(optimizer: torch.optim.Optimizer, groups: NormGroups) -> list[float]:
+    """Each of ``groups``' lr, the largest of the param groups holding its tensors (``groups`` over the optimizer's
+    parameters in param-group order, as :meth:`UpdateMonitor._track` builds them)."""
+    lrs = [-math.inf] * len(groups.names)
+    per_tensor = (float(group["lr"]) for group in optimizer.param_groups for _ in group["params"])
+    for g, lr in zip(groups.index.tolist(), per_tensor, strict=True):
+        lrs[g] = max(lrs[g], lr)
+    return lrs
+
+
+def at_full_lr(lr: float, peak: float) -> tuple[bool, float]:
+    """Whether a step at ``lr`` is above :data:`FULL_LR_SHARE` of ``peak``, the fit's peak so far, by more than
+    rounding (a cut to exactly the share is not full), and the peak it raises; an unknown lr is full."""
+    if not math.isfinite(lr):
+        return True, peak
+    peak = max(peak, lr)
+    return lr > FULL_LR_SHARE * peak * (1.0 + 1e-9), peak
