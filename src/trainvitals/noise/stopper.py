@@ -403,6 +403,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         counts = valid if self.steps >= self.min_steps else torch.zeros_like(valid)
         self._streak = self._streak.to(total.device)
         self._streak = torch.where(counts, torch.where(in_condition, self._streak + 1, 0), self._streak)
+        judged = logged or (self.steps + 1) % self.check_every_n_steps == 0  # a full estimate is read: log or check
+        if self.mode == "noise_band" and judged:
+            self._streak = torch.where(self._reads_out().to(self._streak.device), 0, self._streak)
         decisive = self.gradient_noise.band_decisive if self.mode == "noise_band" else None
         measured = valid if decisive is None else valid & decisive.to(total.device)
         decided = counts & measured
@@ -411,7 +414,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             self._held = self._held.to(total.device) | (full & ~self._left.to(total.device))
             full = full & self._left.to(total.device)
         if self.mode == "noise_band":  # out of the band beyond the band ratio's error, on a check or logging step
-            shown = self._shown_out(logged or (self.steps + 1) % self.check_every_n_steps == 0)
+            shown = self._shown_out(judged)
             # Seen out from the first decisive step: min_steps holds back a stop, not the sight of a run that starts
             # far from its band and enters it before min_steps.
             out = (
@@ -550,6 +553,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             return torch.zeros((), dtype=torch.bool, device=total.device)
         estimate = self.gradient_noise.estimate() if full else None
         return self.gradient_noise.in_noise_band(self.margin, estimate, device=total.device).to(total.device)
+
+    def _reads_out(self) -> Tensor:
+        """``()`` bool on the device: the current estimate's ‖G‖² (its chosen windows, lag in the error: rule 7) is
+        beyond the band's edge. Leaving a plateau the band window lags the rise and can read inside the band while
+        the steps are not; a streak then does not count (read from the full estimate: logging and check steps)."""
+        est = self.gradient_noise.estimate()
+        edge = self.margin * est.trace_cov / est.batch_size if est.batch_size else est.trace_cov * math.inf
+        return self.gradient_noise.decisive(est) & (est.grad_sq_norm > edge)
 
     def _shown_out(self, now: bool) -> Tensor | None:
         """``()`` bool on the device: the band ratio's 90% lower end over the slowest windows is above 1 (estimate.py,
