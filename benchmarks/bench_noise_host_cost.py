@@ -2,11 +2,12 @@
 
 A breast-cancer MLP (scikit-learn's ``load_breast_cancer``, standardised: 30 → 64 → 64 → 2, the first layer
 frozen, two lr param groups, Adam), micro-batches of 16 under ``accumulate_grad_batches=3``, a fixed number of
-optimizer steps, ``log_every_n_steps=5`` to a TensorBoardLogger in a temporary folder. Variants, timed interleaved
-(bare, stopper, probe_1, probe_5, bare, ...):
+optimizer steps, ``log_every_n_steps=5`` (``--log-every``) to a TensorBoardLogger in a temporary folder.
+Variants, timed interleaved (bare, stopper, probe_1, probe_5, bare, ...):
 
 - ``bare``: the module alone;
-- ``stopper``: + ``GradNormEarlyStopping()`` (the micro-batch source; ``min_steps`` past the fit: no stop);
+- ``stopper``: + ``GradNormEarlyStopping(min_steps=0, patience=10**9)`` (the micro-batch source; the band judged
+  from the first step, never a stop: the steady state of a long run);
 - ``probe_1``: + ``BatchVarianceProbe()`` (per-example norms at every step);
 - ``probe_5``: + ``BatchVarianceProbe(measure_every_n_steps=5)``.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -101,24 +103,24 @@ class FitClock(Callback):
         }
 
 
-def make_callback(name: str, steps: int) -> list[Callback]:
+def make_callback(name: str) -> list[Callback]:
     if name == "stopper":
-        return [GradNormEarlyStopping(min_steps=steps + 1, verbose=False)]
+        return [GradNormEarlyStopping(min_steps=0, patience=10**9, verbose=False)]
     if name.startswith("probe_"):
         return [BatchVarianceProbe(measure_every_n_steps=int(name.split("_")[1]), histogram_every_n_steps=0)]
     return []
 
 
-def timed_fit(name: str, steps: int, warmup: int) -> dict[str, float]:
+def timed_fit(name: str, steps: int, warmup: int, log_every: int = 5) -> dict[str, float]:
     pl.seed_everything(0, verbose=False)
     clock = FitClock(warmup)
     with tempfile.TemporaryDirectory() as logdir:
         trainer = quiet_trainer(
             max_steps=warmup + steps,
             logger=TensorBoardLogger(logdir, name=name, default_hp_metric=False),
-            callbacks=[clock, *make_callback(name, warmup + steps)],
+            callbacks=[clock, *make_callback(name)],
             accumulate_grad_batches=3,
-            log_every_n_steps=5,
+            log_every_n_steps=log_every,
             limit_val_batches=0,
         )
         trainer.fit(BreastCancerMLP(), train_dataloaders=breast_cancer_loader())
@@ -133,14 +135,17 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400, help="timed optimizer steps per fit")
     parser.add_argument("--warmup", type=int, default=20, help="optimizer steps of each fit not timed")
+    parser.add_argument("--log-every", type=int, default=5, help="the Trainer's log_every_n_steps")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quiet_lightning()
+    warnings.filterwarnings("ignore", message=".*will not stop the run in this fit.*")
     variants: dict[str, Callable[[], Any]] = {
-        name: (lambda name=name: timed_fit(name, args.steps, args.warmup)) for name in ["bare", *args.variants]
+        name: (lambda name=name: timed_fit(name, args.steps, args.warmup, args.log_every))
+        for name in ["bare", *args.variants]
     }
     runs = interleaved(variants, args.repetitions)
     rows = []
