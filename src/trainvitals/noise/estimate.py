@@ -620,13 +620,14 @@ class GradientNoise:
         # decision reads it, so that the ratio the stopper logs lies in this interval (Fieller's set holds its point).
         past = [self._moments(src, device, slow=True) for src in chosen]
         _, _, pvg, _, pcov, pn = (torch.stack(parts) for parts in zip(*past))
-        band_se = _bound(g_w, pvg.sqrt())
+        band_sd = pvg.sqrt()
+        band_se = _bound(g_w, band_sd)
         window_band_low, window_band_high = noise_intervals(
             band_grad,
             trace,
             band_se,
             trace_se,
-            _combined_cov(s_w, g_w, pcov, sd_s, pvg.sqrt(), trace_se, band_se),
+            _combined_cov(s_w, g_w, pcov, sd_s, band_sd, trace_se, band_se),
             torch.minimum(measurements, (g_w * pn).sum()),
             batch,
         )["band_ratio"]

@@ -202,8 +202,9 @@ def per_example_estimates(sq_norm_sum: Tensor, batch_sq_norm: Tensor, num_exampl
 
 
 def _as_mask(valid: Tensor | bool, x: Tensor) -> Tensor:
-    """``valid & isfinite(x)`` on x's device; a Python bool never becomes a host-to-device copy."""
-    finite = torch.isfinite(x)
+    """``valid & isfinite(x)`` on x's device; a Python bool never becomes a host-to-device copy. ``x − x == 0`` is
+    isfinite's answer for a floating ``x`` in two kernels, not its four."""
+    finite = (x - x) == 0 if x.is_floating_point() else torch.isfinite(x)
     if isinstance(valid, Tensor):
         return finite & valid.to(x.device)
     return finite if valid else torch.zeros_like(finite)
