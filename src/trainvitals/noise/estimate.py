@@ -141,7 +141,10 @@ from trainvitals.noise.estimators import (
     NoiseScaleError,
     effective_count,
     fieller_interval,
+    mean_covariance,
+    stacked_values,
     t_quantile,
+    update_together,
     window_overlap,
 )
 
@@ -226,7 +229,10 @@ class NoiseSource:
         self.steps_per_update = steps_per_update
         self.band_window = band_window([ema.beta for ema, _ in self.windows], steps_per_update)
         self._betas = torch.tensor([ema.beta for ema, _ in self.windows], dtype=torch.float64)
+        self._betas_on = self._betas  # on the windows' device (choice)
         self._count_table: Tensor | None = None  # count_terms by update count (_count_terms)
+        # (version, choice(), the windows' second moments (L, 3, ...) it read): computed once per update.
+        self._choice: tuple[int, tuple[Tensor, ...], Tensor] | None = None
         self._norms = BiasCorrectedEMA(beta, (2,))  # of (‖ḡ_covered‖², ‖ḡ‖²)
         self.last_covered_sq_norm: Tensor | None = None  # ‖ḡ‖² of the measured parameters at the last update
         self.param_share = param_share
@@ -249,9 +255,12 @@ class NoiseSource:
         """One step's ``(‖G‖²_est, S_est)``; with ``covered_sq_norm`` and ``total_sq_norm`` (‖ḡ‖² over the
         measured parameters and over all, any common units) also the share of ‖ḡ‖² it covers. No sync."""
         self.version = next(_VERSIONS)
-        for ema, error in self.windows:
-            ema.update(grad_sq_norm, trace_cov, valid)
-            error.update(grad_sq_norm, trace_cov, valid)
+        g = grad_sq_norm.detach().double()
+        s = trace_cov.detach().to(g.device, torch.float64)
+        # NoiseScaleEMA.update and NoiseScaleError.update of every window, in one fused update of them all.
+        windows = self.windows
+        pair, moments = torch.stack([g, s]), torch.stack([s * s, g * g, s * g])
+        update_together([(pair, [ema._ema for ema, _ in windows]), (moments, [e._moments for _, e in windows])], valid)
         if covered_sq_norm is not None and total_sq_norm is not None:
             pair = torch.stack(
                 [covered_sq_norm.detach().double(), total_sq_norm.detach().to(covered_sq_norm.device).double()]
@@ -284,10 +293,18 @@ class NoiseSource:
 
         The lag: on a linear trend of slope r per measurement an EMA whose weights have mean age A lags by r·A, so a
         window and the next shorter one differ by r·(A_a − A_b), and the window's lag is that difference times
-        A_a/(A_a − A_b) (the shortest: none). Each quantity takes the window of the least variance + lag²."""
+        A_a/(A_a − A_b) (the shortest: none). Each quantity takes the window of the least variance + lag².
+
+        Computed once per update (:attr:`version`) and shared by its readers that step (the per-step band, the full
+        estimate, the drift): treat the tensors as read-only."""
+        if self._choice is not None and self._choice[0] == self.version:
+            return self._choice[1]
         windows = self.windows
-        values = torch.stack([ema.values for ema, _ in windows])
-        moments = torch.stack([error.moments for _, error in windows])  # (L, 3, ...) of (S², ‖G‖²², S·‖G‖²)
+        device = self.ema.count.device
+        if self._betas_on.device != device:
+            self._betas_on = self._betas.to(device)
+        values = stacked_values([ema._ema for ema, _ in windows], self._betas_on)  # (L, 2, ...)
+        moments = stacked_values([e._moments for _, e in windows], self._betas_on)  # (L, 3, ...) of (S², ‖G‖²², S·‖G‖²)
         count = self.ema.count
         overlap, bessel, scale, spread = self._count_terms(count, values.device)
         ones = [1] * (values.dim() - 2)
@@ -302,7 +319,8 @@ class NoiseSource:
         lag_sq = torch.cat([excess * scale.square(), torch.zeros_like(values[:1])])
         var = per_step * overlap.diagonal().reshape(-1, 1, *ones)
         chosen = (var + lag_sq).argmin(0)  # all infinite (fewer than two updates): the first, the slowest
-        return values, per_step, cross, lag_sq, chosen, overlap
+        self._choice = (self.version, (values, per_step, cross, lag_sq, chosen, overlap), moments)
+        return self._choice[1]
 
     def _count_terms(self, count: Tensor, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What :meth:`choice` needs that depends on the update count alone (:func:`count_terms`), on ``device``.
@@ -327,23 +345,28 @@ class NoiseSource:
         plus its squared lag; n_eff that of the shorter of the two windows. ``()`` float64 each (or the shape the
         EMAs hold), no sync."""
         values, per_step, cross, lag_sq, chosen, overlap = self.choice()
+        g, t = _pick(values, chosen).unbind()  # both quantities in one gather, each from its window
+        own = overlap.diagonal()[chosen]  # K_aa = 1/n_eff of each one's window
+        var_g, var_s = (_pick(per_step, chosen) * own + _pick(lag_sq, chosen)).unbind()
         g_i, s_i = chosen.unbind()
-        g, t = _pick(values[:, 0], g_i), _pick(values[:, 1], s_i)
-        var_g = _pick(per_step[:, 0], g_i) * overlap[g_i, g_i] + _pick(lag_sq[:, 0], g_i)
-        var_s = _pick(per_step[:, 1], s_i) * overlap[s_i, s_i] + _pick(lag_sq[:, 1], s_i)
         # Cov of two windows' means: the per-step covariance (the shorter window's) times their weights' overlap.
         cross = _pick(cross, torch.maximum(g_i, s_i)) * overlap[g_i, s_i]
         cov = torch.where(torch.isfinite(var_g * var_s), cross, 0.0)
-        n_eff = 1.0 / torch.maximum(overlap[g_i, g_i], overlap[s_i, s_i]).clamp_min(1e-300)
+        n_eff = 1.0 / torch.maximum(*own.unbind()).clamp_min(1e-300)
         return g, t, var_g, var_s, cov, torch.where(self.ema.count.to(n_eff.device) > 0, n_eff, 0.0)
 
     def slow_moments(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """:meth:`smoothed`'s tuple for the :attr:`band_window` alone, with its sampling error only (no lag): an
         unbiased estimate of the run's weighted mean over that window, what it says of the past (rule 7)."""
+        values = self.choice()[0][self.band_window]
+        moments = self._choice[2][self.band_window]  # type: ignore[index]  # set by choice()
         ema, error = self.windows[self.band_window]
-        var_s, var_g, cov = error.mean_covariance(ema)
-        g, t = ema.values.unbind()
-        return g, t, var_g, var_s, cov, effective_count(ema.beta, ema.count)
+        # NoiseScaleError.mean_covariance on the EMAs choice() has read; n_eff of the error's count and of the EMA's.
+        counts = torch.stack([error._moments.count, ema.count])
+        n_eff = effective_count(ema.beta, counts)
+        var_s, var_g, cov = mean_covariance(values, moments, n_eff[0], counts[0])
+        g, t = values.unbind()
+        return g, t, var_g, var_s, cov, n_eff[1]
 
     def band_drift(self) -> Tensor:
         """``(3, ...)``: the :attr:`band_window`'s mean age in optimizer steps (:func:`mean_age` times
@@ -362,8 +385,7 @@ class NoiseSource:
         a falling ‖G‖² enters the band before that window would (a maximum over windows would be biased up where
         they only scatter)."""
         values, _, _, _, chosen, _ = self.choice()
-        g_i, s_i = chosen.unbind()
-        return torch.stack([_pick(values[:, 0], g_i), _pick(values[:, 1], s_i), values[self.band_window, 0]])
+        return torch.cat([_pick(values, chosen), values[self.band_window, :1]])
 
     def invalidate(self, reason: str) -> None:
         """Mark the source as not estimating sampling noise (kept for the rest of the fit)."""
@@ -601,13 +623,14 @@ class GradientNoise:
         # decision reads it, so that the ratio the stopper logs lies in this interval (Fieller's set holds its point).
         past = [self._moments(src, device, slow=True) for src in chosen]
         _, _, pvg, _, pcov, pn = (torch.stack(parts) for parts in zip(*past))
-        band_se = _bound(g_w, pvg.sqrt())
+        band_sd = pvg.sqrt()
+        band_se = _bound(g_w, band_sd)
         window_band_low, window_band_high = noise_intervals(
             band_grad,
             trace,
             band_se,
             trace_se,
-            _combined_cov(s_w, g_w, pcov, sd_s, pvg.sqrt(), trace_se, band_se),
+            _combined_cov(s_w, g_w, pcov, sd_s, band_sd, trace_se, band_se),
             torch.minimum(measurements, (g_w * pn).sum()),
             batch,
             self.population if self.reshuffled else None,  # "was out" enables a stop: the epoch order's excess allowed
@@ -664,7 +687,8 @@ class GradientNoise:
         (module docstring, rule 6) when :attr:`population` is known."""
         u2 = src.unit_scale**2
         g, t, var_g, var_s, cov, n_eff = (v.to(device) for v in (src.slow_moments() if slow else src.smoothed()))
-        g, t, var_g, var_s, cov = g * u2, t * u2, var_g * u2**2, var_s * u2**2, cov * u2**2
+        if u2 != 1.0:  # (the micro-batches' are in .grad units already)
+            g, t, var_g, var_s, cov = g * u2, t * u2, var_g * u2**2, var_s * u2**2, cov * u2**2
         if self.population is None:
             return g, t, var_g, var_s, cov, n_eff
         n, c = self.population, (self.population - 1) / self.population
@@ -679,7 +703,9 @@ class GradientNoise:
     def _band_pair(self, src: NoiseSource, device: torch.device) -> Tensor:
         """``(2,)`` (the band's ‖G‖², tr Σ) of ``src`` (:meth:`NoiseSource.band_values`) in ``.grad`` units, corrected
         for a known population as :meth:`_moments` corrects (rule 6)."""
-        _, t, g = (src.band_values().to(device) * src.unit_scale**2).unbind()
+        u2 = src.unit_scale**2
+        values = src.band_values().to(device)
+        _, t, g = (values if u2 == 1.0 else values * u2).unbind()
         if self.population is not None:
             g, t = finite_population(g, t, self.population)
         return torch.stack([g, t])
@@ -894,7 +920,7 @@ class GradientNoise:
         coupled, or disagreeing with the micro-batch/rank source, is invalidated and named once; two other
         sources that disagree are named once per run and stay weighted by their variances."""
         chosen = self.valid_sources()
-        if not chosen:
+        if not chosen or [src.name for src in chosen] == [INDEPENDENT]:  # nothing to check: no transfer
             return ""
         device = chosen[0].ema.count.device
         parts = []

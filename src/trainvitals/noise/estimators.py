@@ -25,6 +25,7 @@ Everything here stays on the device; nothing syncs with the host.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -201,8 +202,9 @@ def per_example_estimates(sq_norm_sum: Tensor, batch_sq_norm: Tensor, num_exampl
 
 
 def _as_mask(valid: Tensor | bool, x: Tensor) -> Tensor:
-    """``valid & isfinite(x)`` on x's device; a Python bool never becomes a host-to-device copy."""
-    finite = torch.isfinite(x)
+    """``valid & isfinite(x)`` on x's device; a Python bool never becomes a host-to-device copy. ``x − x == 0`` is
+    isfinite's answer for a floating ``x`` in two kernels, not its four."""
+    finite = (x - x) == 0 if x.is_floating_point() else torch.isfinite(x)
     if isinstance(valid, Tensor):
         return finite & valid.to(x.device)
     return finite if valid else torch.zeros_like(finite)
@@ -250,6 +252,41 @@ class BiasCorrectedEMA:
         device = self._ema.device
         self._ema = torch.tensor(state.get("ema", 0.0), dtype=torch.float64, device=device)
         self.count = torch.tensor(int(state.get("count", 0)), dtype=torch.long, device=device)
+
+
+def update_together(feeds: list[tuple[Tensor, list[BiasCorrectedEMA]]], valid: Tensor | bool = True) -> None:
+    """:meth:`BiasCorrectedEMA.update` of each EMA of ``feeds`` (each value with the EMAs it feeds, of its shape), in
+    a few fused kernels for all of them: the same numbers, a fixed number of kernels however many EMAs (a
+    :class:`~trainvitals.noise.estimate.NoiseSource`'s windows are fed at every step). No sync.
+
+    An invalid step lerps towards 0 with weight 0 (not towards the EMA itself with weight 1 − β): the EMA is left
+    exactly as it was all the same."""
+    emas: list[BiasCorrectedEMA] = []
+    targets, oks, masks = [], [], []
+    for x, fed in feeds:
+        x = x.detach().to(torch.float64)
+        ok = _as_mask(valid, x).all()
+        safe, mask = torch.where(ok, x, 0.0), ok.to(torch.float64)
+        for ema in fed:
+            if ema._ema.device != x.device:
+                ema._ema, ema.count = ema._ema.to(x.device), ema.count.to(x.device)
+            emas.append(ema)
+            targets.append(safe)
+            oks.append(ok)
+            masks.append(mask)
+    weights = torch._foreach_mul(masks, [1.0 - ema.beta for ema in emas])
+    values = torch._foreach_lerp([ema._ema for ema in emas], targets, weights)
+    for ema, value, count in zip(emas, values, torch._foreach_add([e.count for e in emas], oks)):
+        ema._ema, ema.count = value, count
+
+
+def stacked_values(emas: list[BiasCorrectedEMA], betas: Tensor) -> Tensor:
+    """``(L, *shape)``: the :attr:`BiasCorrectedEMA.value` of L EMAs of one shape, their decays ``betas`` ``(L,)`` on
+    their device, in one bias correction (the same numbers as each one's)."""
+    raw = torch.stack([ema._ema for ema in emas])
+    count = torch.stack([ema.count for ema in emas]).reshape(-1, *[1] * (raw.dim() - 1))
+    correction = 1.0 - torch.pow(betas.reshape(count.shape), count.to(raw.dtype))
+    return torch.where(count > 0, raw / correction, 0.0)
 
 
 class NoiseScaleEMA:
@@ -395,10 +432,15 @@ def t_quantile(z: Tensor | float, dof: Tensor) -> Tensor:
     terms: Abramowitz & Stegun 26.7.5; within 1% of the exact value for dof ≥ 3 at z = 1.645): an interval from
     a variance estimated over few effective measurements widens as it should. ``inf`` for dof ≤ 0."""
     dof = torch.as_tensor(dof, dtype=torch.float64)
-    z = torch.as_tensor(z, dtype=torch.float64, device=dof.device)
     nu = dof.clamp_min(1e-300)
-    z3, z5 = z**3, z**5
-    t = z + (z3 + z) / (4 * nu) + (5 * z5 + 16 * z3 + 3 * z) / (96 * nu**2)
+    if isinstance(z, Tensor):
+        z = z.to(dof.device, torch.float64)
+        z3, z5 = z**3, z**5
+        t = z + (z3 + z) / (4 * nu) + (5 * z5 + 16 * z3 + 3 * z) / (96 * nu**2)
+    else:  # a constant quantile: its terms on the host (as torch takes them: z·z·z, pow(z, 5)), no copy to the device
+        z3, z5 = z * z * z, math.pow(z, 5)
+        first, second = torch.full_like(nu, z3 + z), torch.full_like(nu, 5 * z5 + 16 * z3 + 3 * z)
+        t = z + first / (4 * nu) + second / (96 * nu**2)  # tensor by tensor: a float over a tensor rounds otherwise
     return torch.where(dof > 0, t, torch.full_like(t, float("inf")))
 
 
@@ -448,6 +490,22 @@ def window_overlap(betas: Tensor, count: Tensor) -> Tensor:
     return num / ((1 - a**t) * (1 - b**t) * (1 - ab)).clamp_min(1e-300)
 
 
+def mean_covariance(values: Tensor, moments: Tensor, n_eff: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(Var S̄, Var Ḡ, Cov(S̄, Ḡ))`` of two EMA means ``values`` = (Ḡ, S̄) ``(2, ...)``, from the EMAs ``moments`` of
+    (S², ‖G‖²², S·‖G‖²) ``(3, ...)`` over ``count`` updates of ``n_eff`` effective measurements
+    (:class:`NoiseScaleError`): the weighted sample (co)variances over n_eff − 1; ``inf`` variances (and a 0
+    covariance) with fewer than two updates."""
+    g, s = values.unbind()
+    trace_sq, grad_sq, cross = moments.unbind()
+    denom = (n_eff - 1).clamp_min(1e-300)
+    ok = count >= 2
+    inf = torch.full_like(s, float("inf"))
+    var_s = torch.where(ok, (trace_sq - s * s).clamp_min(0.0) / denom, inf)
+    var_g = torch.where(ok, (grad_sq - g * g).clamp_min(0.0) / denom, inf)
+    cov = torch.where(ok, (cross - s * g) / denom, torch.zeros_like(s))
+    return var_s, var_g, cov
+
+
 class NoiseScaleError:
     """Relative standard error of B_simple = EMA(S)/EMA(‖G‖²) from the spread of the per-step estimates.
 
@@ -478,16 +536,9 @@ class NoiseScaleError:
 
     def mean_covariance(self, noise: NoiseScaleEMA) -> tuple[Tensor, Tensor, Tensor]:
         """``(Var S̄, Var Ḡ, Cov(S̄, Ḡ))`` of the two EMA means of ``noise``, each ``()`` float64; ``inf``
-        variances (and a 0 covariance) with fewer than two updates."""
-        s, g = noise.trace_cov, noise.grad_sq_norm
-        trace_sq, grad_sq, cross = self._moments.value.unbind()
-        denom = (effective_count(self.beta, self._moments.count) - 1).clamp_min(1e-300)
-        ok = self._moments.count >= 2
-        inf = torch.full_like(s, float("inf"))
-        var_s = torch.where(ok, (trace_sq - s * s).clamp_min(0.0) / denom, inf)
-        var_g = torch.where(ok, (grad_sq - g * g).clamp_min(0.0) / denom, inf)
-        cov = torch.where(ok, (cross - s * g) / denom, torch.zeros_like(s))
-        return var_s, var_g, cov
+        variances (and a 0 covariance) with fewer than two updates (:func:`mean_covariance`)."""
+        count = self._moments.count
+        return mean_covariance(noise.values, self.moments, effective_count(self.beta, count), count)
 
     def relative_error(self, noise: NoiseScaleEMA) -> Tensor:
         """``()`` relative standard error of ``noise.b_simple``; ``inf`` with fewer than two updates or ‖G‖² ≤ 0."""

@@ -406,9 +406,6 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         judged = logged or (self.steps + 1) % self.check_every_n_steps == 0  # a full estimate is read: log or check
         if self.mode == "noise_band" and judged:
             self._streak = torch.where(self._reads_out().to(self._streak.device), 0, self._streak)
-        decisive = self.gradient_noise.band_decisive if self.mode == "noise_band" else None
-        measured = valid if decisive is None else valid & decisive.to(total.device)
-        decided = counts & measured
         full = self._streak >= self.patience
         if self.mode == "noise_band" and self.waits_out_the_start:  # noise from step 0 is not convergence: no stop
             self._held = self._held.to(total.device) | (full & ~self._left.to(total.device))
@@ -416,15 +413,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.mode == "noise_band":  # out of the band beyond the band ratio's error, on a check or logging step
             shown = self._shown_out(judged)
             # Seen out from the first decisive step: min_steps holds back a stop, not the sight of a run that starts
-            # far from its band and enters it before min_steps.
-            out = (
-                measured & ~in_condition & shown.to(measured.device)
-                if shown is not None
-                else torch.zeros_like(measured)
-            )
+            # far from its band and enters it before min_steps. Between those steps nothing is seen out: no kernel.
+            decisive = self.gradient_noise.band_decisive
+            measured = valid if decisive is None else valid & decisive.to(total.device)
+            out = None if shown is None else measured & ~in_condition & shown.to(measured.device)
         else:
-            out = decided & ~in_condition
-        self._left = self._left.to(total.device) | (out.to(total.device) & ~self._done.to(total.device))
+            out = counts & valid & ~in_condition
+        if out is not None:
+            self._left = self._left.to(total.device) | (out.to(total.device) & ~self._done.to(total.device))
         self._done = self._done.to(total.device) | full
         self.nonfinite.add(valid)
         self.steps += 1

@@ -28,6 +28,10 @@ def batch_size(batch: Any, sequence_first: bool | None = False) -> int | None:
     (``MisconfigurationException``), one that contains itself (``RecursionError``)."""
     if sequence_first and (size := next((t.shape[1] for t in batch_tensors(batch) if t.dim() >= 2), None)):
         return size
+    if not sequence_first and isinstance(batch, (list, tuple)) and batch:  # (x, y): what Lightning says, read at once
+        rows = {t.shape[0] if isinstance(t, Tensor) and t.dim() else None for t in batch}
+        if len(rows) == 1 and None not in rows:
+            return rows.pop()
     listed = listed_examples(batch)
     if listed is not None:
         return listed[0]

@@ -135,7 +135,7 @@ def log_scalars(
     tensor_keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
     values = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
     if tensor_keys:
-        stacked = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in tensor_keys])  # type: ignore[union-attr]
+        stacked = torch.stack([_scalar(metrics[k]) for k in tensor_keys])  # type: ignore[arg-type]
         values.update(zip(tensor_keys, stacked.cpu().tolist()))
     feed_callback_metrics(trainer, values)
     if finite_only:
@@ -154,6 +154,13 @@ def log_scalars(
     return values
 
 
+def _scalar(value: Tensor) -> Tensor:
+    """``value`` as a ``()`` float64 tensor, with no kernel for what it already is (a logging step stacks dozens)."""
+    value = value.detach() if value.requires_grad else value
+    value = value if value.dim() == 0 else value.reshape(())
+    return value if value.dtype == torch.float64 else value.to(torch.float64)
+
+
 def feed_callback_metrics(trainer: "pl.Trainer", values: Mapping[str, float]) -> None:
     """Put ``values`` into ``trainer.callback_metrics`` as CPU float32 tensors, as ``self.log`` would.
 
@@ -163,8 +170,9 @@ def feed_callback_metrics(trainer: "pl.Trainer", values: Mapping[str, float]) ->
     recomputes the module's own logged results (a collective for ``sync_dist`` values).
     """
     connector = getattr(trainer, "_logger_connector", None)
-    if connector is not None:
-        connector._callback_metrics.update({k: torch.tensor(v, dtype=torch.float32) for k, v in values.items()})
+    if connector is not None and values:  # one tensor for all, one view each
+        tensors = torch.tensor(list(values.values()), dtype=torch.float32).unbind()
+        connector._callback_metrics.update(zip(values, tensors))
 
 
 def _write_tensorboard_scalars(
