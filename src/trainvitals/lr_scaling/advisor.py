@@ -538,7 +538,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
             suggested, rule = tuned_lr * ratio, rule_for(family, noise_scale)
             lines.append(
                 f"**reference** {name}: tuned at batch {ref_batch} with lr {tuned_lr:.3g}; at batch {batch} "
-                f"the {rule} rule suggests {suggested:.3g} (lr now {lr:.3g})"
+                f"the {rule} rule suggests {suggested:.3g} (configured lr {lr:.3g}, before any schedule or cut)"
             )
             if batch != ref_batch and abs(lr / suggested - 1.0) > REFERENCE_TOLERANCE:
                 state = "was not rescaled" if math.isclose(lr, tuned_lr, rel_tol=1e-9) else f"is {lr:.3g}"
