@@ -58,6 +58,7 @@ GRAD_NORM_SUMMARIES = (
     "band_ratio_high",
     "in_noise_band",
     "band_streak",
+    "held_from_start",
     "nonfinite_steps",
     "amp_skipped_steps",
     "spike_steps",

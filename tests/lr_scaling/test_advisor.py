@@ -528,7 +528,7 @@ def test_reference_is_compared_with_the_configured_lr_not_the_scheduled_one(recw
     advisor = LRScalingAdvisor(reference=(4, 0.01), verbose=False)
     fit(Model(groups=(0.04,), **{schedule: True}), [advisor], batch_size=16, max_steps=3)
     assert _reference_warnings(recwarn) == []
-    assert "(lr now 0.04)" in advisor.summary_markdown()
+    assert "(configured lr 0.04, before any schedule or cut)" in advisor.summary_markdown()
 
 
 def test_a_reference_naming_no_group_is_said_once_at_fit_start() -> None:

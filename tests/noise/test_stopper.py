@@ -110,6 +110,7 @@ def test_noise_band_stops_at_the_optimum_and_not_far_from_it(caplog):
     floors = logger.values("grad_norm/noise_floor")
     assert floors and all(math.isfinite(v) for v in floors)
     assert floors[-1] == pytest.approx(math.sqrt(4 * d / 64), rel=0.15)  # tr Σ = 4dσ² at δ = 0
+    assert set(logger.values("grad_norm/held_from_start")) == {0.0}  # out of the band first: no hold
 
     far = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=1)
     trainer = _fit(
@@ -996,3 +997,42 @@ def test_each_logged_band_ratio_lies_in_its_own_interval():
         apart += ratio > series.get("grad_noise/band_ratio_high", {}).get(step, math.inf)
     print(f"steps where the band window's ratio is above the current estimate's interval: {apart} of {len(band)}")
     assert apart > 0  # the two quantities do differ: one interval could not serve both
+
+
+def test_a_run_held_from_its_start_reads_so_in_the_report_of_a_tensorboard_and_a_csv_log(tmp_path):
+    """A fresh user's CSV report said "the logged streak … reached 11 step(s) in a row, short of its patience or before
+    min_steps" (patience 10, min_steps 50) and "in its noise band … further steps mostly move within noise" for a run
+    the stopper held as noise-dominated from its start, a reason only its text panel says, which CSV does not keep.
+    At the optimum from step 0 (w = w* = 0: ‖G‖² = 0, in the band at every step) the stopper holds its full streak;
+    ``grad_norm/held_from_start`` says so to every logger, and the report of either log says it was held."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from trainvitals.report.assess import assess
+    from trainvitals.report.events import read_runs
+
+    d, stopper = 10, GradNormEarlyStopping(min_steps=50, patience=10, verbose=False)
+    loggers = [TensorBoardLogger(str(tmp_path / "tb"), name="run"), CSVLogger(str(tmp_path / "csv"), name="run")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the from-start warning, and CSV's "no text panels"
+        _fit(
+            LinearRegression(torch.zeros(d), lr=0.02),
+            [stopper],
+            regression_stream(300 * 4, 16, d, torch.zeros(d), 1.0),
+            logger=loggers,
+            max_epochs=1,
+            accumulate_grad_batches=4,
+            log_every_n_steps=25,
+        )
+    assert stopper.stopped_step is None and "noise band from the start" in stopper.from_start
+    for kind, own_words in (("tb", True), ("csv", False)):
+        (run,) = read_runs(tmp_path / kind)
+        assert run.last(r"grad_norm/held_from_start$") == 1.0
+        report = assess(run)
+        stop = {row.label: row.value for row in report.sections["convergence"]}["stop"]
+        said = [f.message for f in report.findings if f.section == "convergence"]
+        assert stop.startswith("not stopped: ") and "from the start" in stop and "not convergence" in stop, stop
+        assert "short of its patience" not in stop
+        assert ("A batch of at least" in stop) is own_words  # its own words where the logger kept its panel
+        assert own_words or "this logger keeps no text" in stop
+        assert not any("further steps mostly move within noise" in s for s in said), said
+        assert [s for s in said if s.startswith("noise-dominated from the start") and "not convergence" in s], said

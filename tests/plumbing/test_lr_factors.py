@@ -14,12 +14,14 @@ def test_two_owners_compose_and_the_scheduler_sees_only_its_own_lr():
     opt = torch.optim.SGD([{"params": [w]}, {"params": [nn.Parameter(torch.ones(1))], "lr": 0.5}], lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)  # chainable: reads group["lr"]
     factors = LRFactors()
+    factors.own("guard", lambda: 0.5)
+    factors.own("schedule", lambda: 0.1)
     seen = []
     for step in range(3):
-        factors.apply([opt], "guard", 0.5)
-        factors.apply([opt], "schedule", 0.1)
-        factors.apply([opt], "schedule", 0.1)  # again in the same step: replaced, not compounded
+        factors.apply([opt])
+        factors.apply([opt])  # again in the same step: applied anew, not compounded
         seen.append([g["lr"] for g in opt.param_groups])
+        assert [factors.lr(g) for g in opt.param_groups] == pytest.approx(seen[-1])
         w.grad = torch.ones(2)
         opt.step()  # the post-hook puts the scheduler's lrs back
         assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.9**step, 0.5 * 0.9**step])
@@ -28,6 +30,8 @@ def test_two_owners_compose_and_the_scheduler_sees_only_its_own_lr():
     factors.close()
     factors.put_back()  # nothing saved: a no-op
     assert not opt._optimizer_step_post_hooks
+    # Between steps the scheduler's lr is in place, and lr() is the one the next step takes.
+    assert [factors.lr(g) for g in opt.param_groups] == pytest.approx([0.05 * 0.9**3, 0.025 * 0.9**3])
 
 
 def test_a_step_the_grad_scaler_skips_puts_the_scheduler_lr_back_before_the_scheduler_steps():
@@ -35,8 +39,9 @@ def test_a_step_the_grad_scaler_skips_puts_the_scheduler_lr_back_before_the_sche
     opt = torch.optim.SGD([w], lr=1.0)
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
     scaler, factors = torch.amp.GradScaler("cpu", init_scale=4.0), LRFactors()
+    factors.own("schedule", lambda: 0.1)
     for step, grad in enumerate((1.0, float("inf"), 1.0)):
-        factors.apply([opt], "schedule", 0.1)
+        factors.apply([opt])
         scaler.scale((w * grad).sum()).backward()
         scaler.unscale_(opt)  # as Lightning does before on_before_optimizer_step
         factors.before_step(opt, scaler)

@@ -520,6 +520,10 @@ def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pyt
     assert not re.search(r"\b(b_noise|steps_over_min|suggested_lr|unoptimized_params|dead_params)\b", text)
 
 
+FROM_START = (
+    "in its noise band from the start (optimizer step 80): the batch (64) is below B_simple (B_simple ≥ 192 (90 %)), "
+    "and it was never shown out of the band from its 20th measurement, when the estimate could first judge it."
+)
 CAVEAT = (
     "trainvitals GradNormEarlyStopping: the noise estimate cannot decide: no valid noise source (micro_batch: "
     "fewer than 2 micro-batches). It will not stop on the noise band while that lasts."
@@ -534,6 +538,17 @@ CAVEAT = (
             {},
             "not stopped: in the noise band on 6 of 20 logged steps; the logged streak in its condition reached 26 "
             "step(s) in a row, short of its patience or before min_steps",
+        ),
+        (  # a full streak the stopper held (never out of the band), and no text panel: what the scalars show
+            {"grad_norm/held_from_start": [float(s >= 80) for s in STEPS]},
+            {},
+            "not stopped: held: in its noise band from the start, its streak reached its patience (the logged streak "
+            "reached 26 step(s) in a row) but the run was never shown out of the band",
+        ),
+        (  # the same with its panel: its own words, not read as a stop
+            {"grad_norm/held_from_start": [float(s >= 80) for s in STEPS]},
+            {"grad_norm/stop_reason": f"trainvitals GradNormEarlyStopping: {FROM_START}."},
+            f"not stopped: {FROM_START.removesuffix('.')}",
         ),
         ({"grad_norm/in_noise_band": 0.0}, {}, "not stopped: never in the noise band, on any of the 20 logged steps"),
         (

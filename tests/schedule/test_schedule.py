@@ -653,3 +653,41 @@ def test_a_resumed_run_logs_its_cut_record_again(tmp_path):
     acc.Reload()
     (event,) = acc.Tensors("schedule/cut_record/text_summary")
     assert event.step == 100 and event.tensor_proto.string_val[0].decode() == first.cut_record()
+
+
+@pytest.mark.parametrize("advisor_first", [False, True], ids=["advisor-after", "advisor-before"])
+def test_the_lr_advisor_quotes_the_cut_lr_in_its_scalars_at_fit_end_and_in_the_report(tmp_path, advisor_first):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals import LRScalingAdvisor, TrainvitalsDashboard
+    from trainvitals.report.assess import assess
+    from trainvitals.report.events import read_runs
+
+    # A cut by 0.1 beside a user's chainable scheduler: every lr the advisor quotes is the one the steps ran at (the
+    # scheduler's × the scale), whatever the order of the callbacks, also at fit end when BandSchedule has put the
+    # scheduler's lr back in param_groups. The expected lrs: the scheduler alone, replayed in closed form.
+    eta, gamma, factor = 0.05, 0.999, 0.1
+    schedule = BandSchedule(factor=factor, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    advisor = LRScalingAdvisor(detect_loss_reduction=False)
+    model = NoisyQuadratic(eta, w0=0.0, scheduler=lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma))
+    callbacks = [advisor, schedule] if advisor_first else [schedule, advisor]
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    trainer = fit(model, [*callbacks, TrainvitalsDashboard(progress_bar=False)], 200, logger=logger)
+    (cut,) = schedule.cuts
+    steps = trainer.global_step
+    expected = [eta * gamma**s * (factor if s > cut["step"] else 1.0) for s in range(steps + 1)]
+    assert model.lrs == pytest.approx(expected[:steps], rel=1e-9)
+    (run,) = read_runs(tmp_path)
+    logged = run.matching(r"lr_scaling/lr/SGD$")["lr_scaling/lr/SGD"]
+    assert any(step > cut["step"] for step, _ in logged)
+    assert all(lr == pytest.approx(expected[step], rel=1e-6) for step, lr in logged), logged
+    # Fit end: the lr the next step would take, the cut's (the scheduler's lr in place is 10× that).
+    now = expected[steps]
+    assert advisor.advices["SGD"].lr == pytest.approx(now, rel=1e-9)
+    assert f"SGD lr {now:.3g} →" in advisor.summary_line()
+    report = assess(run)
+    advice = report.panels["lr scaling advice"]
+    assert f"| {now:.3g} |" in advice and f"| {now / factor:.3g} |" not in advice, advice
+    (row,) = [row for row in report.sections["noise scale and batch size"] if row.label == "lr now, SGD"]
+    at = report.steps["noise scale and batch size"] if row.step is None else row.step
+    assert at > cut["step"] and row.value == pytest.approx(expected[at], rel=1e-6)

@@ -264,6 +264,10 @@ class TrainingGuard(TrainvitalsCallback):
         self._unsaid = {}
         self._step["fit"] = (trainer, pl_module)
         self._remove_hooks()
+        if self.lr_factor != 1.0:  # declared for the fit: the factor while steps are left (LRScalingAdvisor reads it)
+            self.vitals.shared(LR_FACTORS, LRFactors).own(
+                "guard", lambda: self.lr_factor if self.lr_steps_left > 0 else 1.0
+            )
         for optimizer in trainer.optimizers:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
             self._hooks.append(optimizer.register_step_post_hook(self._after_step))
@@ -641,7 +645,7 @@ class TrainingGuard(TrainvitalsCallback):
         self._lr["logged"] = True
         log_scalars(trainer, {"guard/lr_factor": self.lr_factor}, trainer.global_step)
         if self.lr_factor != 1.0:
-            self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "guard", self.lr_factor)
+            self.vitals.shared(LR_FACTORS).apply(trainer.optimizers)
 
     def _spend_lr_step(self) -> None:
         """An applied optimizer step: one fewer for the lr factor."""

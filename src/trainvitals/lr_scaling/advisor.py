@@ -47,7 +47,7 @@ from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.rerun import rerun_quietly
-from trainvitals.plumbing.sharing import GRADIENT_NOISE, SUMMARY
+from trainvitals.plumbing.sharing import GRADIENT_NOISE, LR_FACTORS, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.terminal import markdown_to_text
 
@@ -63,7 +63,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
     - the effective batch = per-device batch × devices × nodes × ``accumulate_grad_batches``
       (data-parallel replicas as the strategy shards the data: 1 on a single device, all processes
       under DDP/FSDP/DeepSpeed);
-    - for each optimizer and param group: its lr as scheduled now and its family (SGD-like,
+    - for each optimizer and param group: the lr its step runs at (the scheduler's, × BandSchedule's cuts and
+      TrainingGuard's factor, :class:`~trainvitals.plumbing.lr_factors.LRFactors`) and its family (SGD-like,
       Adam-like, or ``unsure`` for a class no rule is known for);
     - with a noise scale B̂ (examples): S/S_min = 1 + B̂/B, E/E_min = 1 + B/B̂, the balanced batch
       ≈ B̂, and the suggested lr at ×½, ×2, ×4, ×8 the batch and at ``target_batch_sizes`` by the
@@ -127,7 +128,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
     """
 
     provides = (SUMMARY,)
-    reads = (GRADIENT_NOISE,)
+    reads = (GRADIENT_NOISE, LR_FACTORS)
 
     def __init__(
         self,
@@ -354,6 +355,13 @@ class LRScalingAdvisor(TrainvitalsCallback):
         )
         return batch, how
 
+    def _lr(self, group: dict[str, Any]) -> float:
+        """The lr ``group``'s step runs at: BandSchedule's cut and TrainingGuard's factor included, whatever the
+        order of the hooks and at the end of the fit too, when they have put the scheduler's lr back
+        (:meth:`LRFactors.lr <trainvitals.plumbing.lr_factors.LRFactors.lr>`)."""
+        factors = self.vitals.shared(LR_FACTORS)
+        return float(group["lr"]) if factors is None else factors.lr(group)
+
     def _param_groups(self, trainer: "pl.Trainer") -> list[tuple[str, str, dict[str, Any]]]:
         """(name, family, param group) for every param group of every optimizer."""
         optimizers = [getattr(opt, "optimizer", opt) for opt in trainer.optimizers]  # DeepSpeed wraps the optimizer
@@ -396,7 +404,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
 
         self.advices = {}
         for name, family, group in groups:
-            lr = float(group["lr"])
+            lr = self._lr(group)
             if not lr > 0:
                 self.advices[name] = None  # e.g. a warmup that starts at 0: nothing to scale yet
                 continue
@@ -488,7 +496,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 self.loss_reduction,
                 family,
                 self.per_device_batch,
-                float(group["lr"]),
+                self._lr(group),
                 _eps(group),
                 terms=self.summed_terms,
                 divisor=self.loss_divided_by,
@@ -530,7 +538,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
             suggested, rule = tuned_lr * ratio, rule_for(family, noise_scale)
             lines.append(
                 f"**reference** {name}: tuned at batch {ref_batch} with lr {tuned_lr:.3g}; at batch {batch} "
-                f"the {rule} rule suggests {suggested:.3g} (lr now {lr:.3g})"
+                f"the {rule} rule suggests {suggested:.3g} (configured lr {lr:.3g}, before any schedule or cut)"
             )
             if batch != ref_batch and abs(lr / suggested - 1.0) > REFERENCE_TOLERANCE:
                 state = "was not rescaled" if math.isclose(lr, tuned_lr, rel_tol=1e-9) else f"is {lr:.3g}"

@@ -59,6 +59,8 @@ BAND_RATIO = "grad_norm/band_ratio"
 CURRENT_BAND_RATIO = "grad_noise/band_ratio"
 """The smoothed ‖G‖² over the band's edge margin·tr(Σ)/B (≤ 1: in the band); +inf in ``callback_metrics`` while
 the estimate cannot decide."""
+HELD_FROM_START = "grad_norm/held_from_start"
+"""1 while a full streak is held: the run was never out of its band (noise from the start, no stop); else 0."""
 
 # Chosen from benchmarks/stopping_tasks.py (docs/benchmarks.md; 7 tasks, 28 runs):
 # margin 0.2 with a patience of 10 optimizer steps is within tolerance of the best epoch in 24 runs and
@@ -153,6 +155,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     Logged at the Trainer's logging cadence and at the stopping step (step = optimizer step):
     ``grad_norm/in_noise_band`` (0/1, while the estimate is decisive), ``grad_norm/band_streak`` (steps),
+    ``grad_norm/held_from_start`` (noise-band mode, 1 while a full streak is held: never out of the band),
     ``grad_norm/band_norm`` (the smoothed norm sqrt(‖G‖² + tr Σ/B) the band is judged on), ``grad_norm/band_floor``
     (the noise level sqrt(tr Σ/B), the RMS norm of pure noise) and ``grad_norm/band_edge`` (sqrt(1 + margin) ×
     the noise level: where the band ends); ``grad_norm/band_ratio`` (margin > 0), the smoothed ‖G‖² over the band's
@@ -575,6 +578,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor, final: bool = False) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak, **self.nonfinite.metrics(trainer, self)}
+        if self.mode == "noise_band" and self.waits_out_the_start:  # a scalar: a logger that keeps no text shows it
+            metrics[HELD_FROM_START] = (self._held & ~self._left.to(self._held.device)).double()
         if self.mode == "noise_band" and self._source is not None:
             estimate = self.gradient_noise.estimate()
             if self._logs_estimate or final:  # at the stop, whoever logs it otherwise has not logged this step

@@ -10,12 +10,17 @@ and the update see the scaled lr, the scheduler only its own. A step a GradScale
 Lightning steps the schedulers before any later hook: :meth:`LRFactors.before_step` puts the lrs back at
 ``on_before_optimizer_step`` when the scaler has found an inf, so the scheduler steps from its own lr then too.
 
+Each owner declares its factor once per fit (:meth:`LRFactors.own`, a function read when asked), so a reader
+(LRScalingAdvisor) gets the lr a step runs at from :meth:`LRFactors.lr` whatever the order of the hooks, between
+steps too (at the end of a fit, when the scheduler's lrs are back in ``param_groups``).
+
 Shared per fit through the hub: ``vitals.shared(LR_FACTORS, LRFactors)`` (:mod:`trainvitals.plumbing.sharing`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,23 +30,38 @@ class LRFactors:
     """The lr factors of this optimizer step, by owner, and the lrs they scaled (module docstring)."""
 
     def __init__(self) -> None:
-        self._factors: dict[str, float] = {}
+        self._owners: dict[str, Callable[[], float]] = {}
         self._saved: list[tuple[dict[str, Any], Any]] | None = None
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step post-hook's handle
 
-    def apply(self, optimizers: list[torch.optim.Optimizer], owner: str, factor: float) -> None:
-        """Every param group's lr of ``optimizers`` × ``factor`` for this step (× the other owners' factors), put
-        back after the optimizer's step (:meth:`put_back`). Calling it again in the step replaces ``owner``'s
-        factor; the lrs saved at the first call stay the scheduler's."""
-        self._factors[owner] = factor
+    def own(self, owner: str, factor: Callable[[], float]) -> None:
+        """Declare ``owner``'s factor: ``factor()`` is the multiplier of the step under way (between steps: of the
+        next one), 1 where it scales nothing; read at each :meth:`apply` and :meth:`lr`. Declared again: replaced."""
+        self._owners[owner] = factor
+
+    def scale(self) -> float:
+        """The product of the owners' factors now: the multiplier on the scheduler's lr."""
+        return math.prod(factor() for factor in self._owners.values())
+
+    def apply(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Every param group's lr of ``optimizers`` × :meth:`scale` for this step, put back after the optimizer's
+        step (:meth:`put_back`). Calling it again in the step applies the factors anew to the lrs saved at the
+        first call, which stay the scheduler's."""
         if self._saved is None:
             self._saved = [(g, g["lr"]) for opt in optimizers for g in opt.param_groups]
             for opt in optimizers:
                 if id(opt) not in self._hooks:
                     self._hooks[id(opt)] = opt.register_step_post_hook(lambda *_: self.put_back())
-        scale = math.prod(self._factors.values())
+        scale = self.scale()
         for group, lr in self._saved:
             group["lr"] = lr * scale
+
+    def lr(self, group: dict[str, Any]) -> float:
+        """The lr ``group`` steps at: its scheduler's lr (saved while a step's factors are applied, else the one in
+        place) × :meth:`scale`. Right before the owners' hooks have applied this step's factors, after them, and
+        between steps (the next step's lr: at the end of a fit, the lr the cuts left)."""
+        saved = next((lr for held, lr in self._saved or [] if held is group), group["lr"])
+        return float(saved) * self.scale()
 
     def before_step(self, optimizer: torch.optim.Optimizer, scaler: "torch.amp.GradScaler | None") -> None:
         """At ``on_before_optimizer_step``: when ``scaler`` will skip ``optimizer``'s step (the infs its
@@ -62,10 +82,10 @@ class LRFactors:
         for group, lr in self._saved or []:
             group["lr"] = lr
         self._saved = None
-        self._factors = {}
 
     def close(self) -> None:
-        """:meth:`put_back`, and the optimizers' post-hooks removed (at the end of a fit)."""
+        """:meth:`put_back`, and the optimizers' post-hooks removed (at the end of a fit); the owners stay declared,
+        so :meth:`lr` still reads the lr the fit ended at."""
         self.put_back()
         for handle in self._hooks.values():
             handle.remove()

@@ -156,6 +156,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
     name = stopper_name(run)
     caveat = _STOPPERS_SAY.sub("", run.text("grad_noise/caveat") or "")
     stop = stopper_stop(run)
+    held = _held_said(run)
     report.sections[title] = [
         *rows,
         ratio_row,
@@ -192,6 +193,18 @@ def convergence_section(run: Run, report: RunReport) -> None:
         report.findings.append(Finding("note", title, f"{partial}: no noise-band verdict on the whole model."))
     elif end and not stop and end.get("rule", "").startswith("noise band"):
         report.findings.append(Finding("note", title, _end_verdict(end, flags, error, caveat, name)))
+    elif held:  # in the band, but noise from the start: not the convergence the band says otherwise
+        share = "; ".join(filter(None, [_share_in_band(recent, verb=False) if recent else "", floor_error]))
+        report.findings.append(
+            Finding(
+                "note",
+                title,
+                f"noise-dominated from the start{f' ({share})' if share else ''}: in its noise band, and never shown "
+                f"out of it since the estimate could first judge it (grad_norm/held_from_start): the steps are mostly noise "
+                f"at this batch and lr, which is not convergence, and {name} does not stop on it; a larger batch "
+                "(B_simple's, below) or a smaller lr makes the steps count.",
+            )
+        )
     elif in_band is None:
         if ratio is not None:
             if ended_early(run):
@@ -293,6 +306,8 @@ NOT_STOPPED = re.compile(rf"(?:{'|'.join(STOPPERS)})\b(?P<cuts>.*?)did not stop 
 """The stop row of a stopper's end-of-fit table when it did not stop: "GradNormEarlyStopping did not stop the run:
 why", "BandSchedule cut the lr 2 time(s) (…); did not stop the run: why"."""
 _STOPPERS_SAY = re.compile(rf"^trainvitals ({'|'.join(STOPPERS)}): ")
+FROM_START = "in its noise band from the start"
+"""How the stopper's panel begins where a full streak came before the run was ever out of its band: no stop."""
 
 
 def stopper_name(run: Run) -> str:
@@ -311,9 +326,37 @@ def _stopper_panel(run: Run) -> tuple[int, str] | None:
 
 def stopper_stop(run: Run) -> str | None:
     """GradNormEarlyStopping's sentence for its stop (its stop panel, else the stop row of its end-of-fit table),
-    or None when it did not stop the run."""
+    or None when it did not stop the run (its panel then says at most that the band held from the start)."""
     end = _stopper_end(run)
-    return run.text("grad_norm/stop_reason") or (end.get("stop") if end and not _end_reason(end) else None)
+    panel = run.text("grad_norm/stop_reason")
+    if panel and not _from_start(panel):
+        return panel
+    return end.get("stop") if end and not _end_reason(end) else None
+
+
+def _from_start(text: str) -> bool:
+    """Whether a stopper's panel ``text`` is its sentence for a band held from the start (no stop), not a stop."""
+    return _STOPPERS_SAY.sub("", text).startswith(FROM_START)
+
+
+def _held_said(run: Run) -> str:
+    """Why the stopper did not stop a run in its band, where its last ``grad_norm/held_from_start`` is 1: a full
+    streak held, the run never shown out of the band (noise from the start). Its own words (the batch to use) where
+    the log kept its text panel, else what the scalars show and where the words are; "" when not held."""
+    series = first_series(run, grad_norm("held_from_start"))
+    if not series or series[-1][1] != 1.0:
+        return ""
+    panel = run.text("grad_norm/stop_reason") or ""
+    if _from_start(panel):
+        return _STOPPERS_SAY.sub("", panel).rstrip(".")
+    streaks = [v for _, v in first_series(run, grad_norm("band_streak")) or [] if math.isfinite(v)]
+    logged = f" (the logged streak reached {max(streaks):g} step(s) in a row)" if streaks else ""
+    kept = "this logger keeps no text" if not run.texts else "it is not in this log"
+    return (
+        f"held: in its noise band from the start, its streak reached its patience{logged} but the run was never "
+        f"shown out of the band (grad_norm/held_from_start): noise from step 0 is not convergence, and the stopper does "
+        f"not stop on it; its own words, with the batch to use, are its text panel grad_norm/stop_reason ({kept})"
+    )
 
 
 def _stopper_end(run: Run) -> dict[str, str]:
@@ -418,6 +461,9 @@ def _not_stopped(run: Run, partial: str, caveat: str) -> str:
         )
     if _diverged(run):
         return "not stopped: the run diverged, and the stopper counts no step with non-finite gradients"
+    held = _held_said(run)
+    if held:
+        return f"not stopped: {held}"
     record = cut_record(run)
     if record and stopper_name(run) == "BandSchedule":  # its streaks reached their patience: it cut on them
         last = int(re.match(r"step (\d+)", record[-1])[1])

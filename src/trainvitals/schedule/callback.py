@@ -223,6 +223,8 @@ class BandSchedule(GradNormEarlyStopping):
         super().on_fit_start(trainer, pl_module)
         self.margin = scaled_margin(self.base_margin, self.lr_scale)  # a resumed run's scale came with its state
         self._step_scale = self.lr_scale
+        # Declared for the fit: the lr a step runs at is its scheduler's × the scale (LRScalingAdvisor reads it).
+        self.vitals.shared(LR_FACTORS, LRFactors).own("schedule", lambda: self.lr_scale)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -244,7 +246,7 @@ class BandSchedule(GradNormEarlyStopping):
         if self._scaled_step != trainer.global_step:  # a step's first micro-batch: the scale it steps at
             self._scaled_step, self._step_scale = trainer.global_step, self.lr_scale
             if self.lr_scale != 1.0:
-                self.vitals.shared(LR_FACTORS, LRFactors).apply(trainer.optimizers, "schedule", self.lr_scale)
+                self.vitals.shared(LR_FACTORS).apply(trainer.optimizers)
 
     @override
     def on_before_optimizer_step(

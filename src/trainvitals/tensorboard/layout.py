@@ -55,7 +55,9 @@ BAND_TAGS = ("grad_norm/band_norm", "grad_norm/band_floor", "grad_norm/band_edge
 chart whose three series' steps differ is not drawn): exact tags (single optimizer), not regexes."""
 OUTLIERS_OFF = "turn off Ignore outliers in chart scaling (settings), on by default, or its few high points are cut"
 """Said in the title of a chart that TensorBoard's default scaling hides (a 0/1 flag, a short streak)."""
-IN_BAND_CHART = f"in the noise band (1 = yes): {OUTLIERS_OFF}"
+IN_BAND_CHART = (
+    f"in the noise band (1 = yes), and held from the start (1: a full streak not stopped on): {OUTLIERS_OFF}"
+)
 STREAK_CHART = f"steps in a row in the noise band (the stop comes at its patience): {OUTLIERS_OFF}"
 
 
@@ -72,7 +74,7 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
                 grad_norm("measured_total"),
             ],
         ],
-        IN_BAND_CHART: ["Multiline", [grad_norm("in_noise_band")]],
+        IN_BAND_CHART: ["Multiline", [grad_norm("in_noise_band"), grad_norm("held_from_start")]],
         STREAK_CHART: ["Multiline", [grad_norm("band_streak")]],
         "smoothed ‖G‖² over the band's edge margin·tr Σ/B (≤ 1: in the noise band; a checkpoint's monitor), and its "
         "90 % interval": [
