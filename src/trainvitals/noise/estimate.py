@@ -74,12 +74,9 @@ Combining rule (:meth:`GradientNoise.estimate`):
    replacement, a shuffling ``DistributedSampler``: :attr:`NoiseSource.reshuffled`) the full-data intervals
    allow that excess: δ_R = :data:`RESHUFFLE_OVERSHOOT`·2·tr Σ/(N − 1), tr Σ at its interval's high end
    (:func:`reshuffle_excess`), lowers ‖G‖²'s low end, and B_simple's high end is Fieller's at ‖G‖² − δ_R (rule 8),
-   so that B_simple, its reliability and the advice read from it are the full data's. The band's per-step test
-   (rule 7's band windows) stays on the gradient the epoch's steps follow, which the estimate measures without
-   bias: whether those steps are mostly noise is a question about them. That the run was out of the band, which lets
-   a stop count, allows the excess: the band windows' low end is Fieller's at ‖G‖² − δ_R too (a fresh user's
-   ConvNeXt at chance accuracy, SGD at batch 16, was "shown out" at a low end of 1.06 against a full-data ratio of
-   0.09, and then stopped as if it had converged).
+   so that B_simple, its reliability and the advice read from it are the full data's. The band's decisions
+   (in the band, shown out of it: rule 7's band windows) stay on the gradient the epoch's steps follow, which the
+   estimate measures without bias: whether those steps are mostly noise is a question about them.
 
 7. Drift. Each source keeps a ladder of EMAs: its ``beta`` (≈ 99 effective measurements at 0.98, decaying per
    measurement, whatever the cadence) and the shorter :data:`LADDER` (0.95, 0.8: ≈ 39 and 9). A long window lags
@@ -115,8 +112,8 @@ Combining rule (:meth:`GradientNoise.estimate`):
    (tr Σ, ‖G‖²) with their covariance (rule 3's combination, the sources' correlation weighted as their errors):
    the θ ≥ 0 with (S − θG)² ≤ t²(σ_S² − 2θ·Cov + θ²σ_G²). Where ‖G‖² is within its error of 0, the set is
    unbounded above, and the interval one-sided: B_simple ≥ low, still news (docs/science.md §3c). The band
-   ratio's interval is B/B_simple's, the same set inverted. Under reshuffling the three carry rule 6's δ_R, and so
-   does the band windows' low end (that the run was out); their high end does not. Calibrated on a closed form over 600 seeds
+   ratio's interval is B/B_simple's, the same set inverted. Under reshuffling the three carry rule 6's δ_R; the band
+   windows' interval (the decision's) does not. Calibrated on a closed form over 600 seeds
    (tests/noise/test_intervals.py): each covers the truth in 85–95 % of runs, with ‖G‖² near 0 too.
 
 Consecutive steps are treated as independent; while the run moves, each error holds the chosen window's estimated
@@ -633,7 +630,6 @@ class GradientNoise:
             _combined_cov(s_w, g_w, pcov, sd_s, band_sd, trace_se, band_se),
             torch.minimum(measurements, (g_w * pn).sum()),
             batch,
-            self.population if self.reshuffled else None,  # "was out" enables a stop: the epoch order's excess allowed
         )["band_ratio"]
         floor = torch.sqrt(trace.clamp_min(0.0) / (batch or 1))
         floor_se = torch.where(
