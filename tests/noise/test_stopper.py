@@ -1036,3 +1036,29 @@ def test_a_run_held_from_its_start_reads_so_in_the_report_of_a_tensorboard_and_a
         assert own_words or "this logger keeps no text" in stop
         assert not any("further steps mostly move within noise" in s for s in said), said
         assert [s for s in said if s.startswith("noise-dominated from the start") and "not convergence" in s], said
+
+
+@pytest.mark.parametrize(("band", "current", "said"), [(4.99, 0.03, "lags a falling"), (0.5, 1.8, "lags a rising")])
+def test_the_fit_end_line_says_when_the_band_window_and_the_current_estimate_disagree(monkeypatch, band, current, said):
+    """A fresh user's ViT ended with "0 step(s) in a row … the current estimate is 0.03× the band's edge … inside the
+    band" while the band window, which the streak counts on, read 4.99×: the line now says which one the streak reads
+    and why they differ; where both read one side, it says nothing more."""
+    stopper = GradNormEarlyStopping(margin=0.2)
+    stopper._source, stopper.steps = "hooks", 500
+    edge = 0.2 * 8.0 / 64  # margin·tr Σ/B
+    summary = {
+        "decisive": True,
+        "trace_cov": 8.0,
+        "batch_size": 64,
+        "grad_sq_norm": current * edge,
+        "grad_sq_norm_se": 0.01,
+        "band_grad_sq_norm": band * edge,
+        "band_ratio_low": 0.0,
+        "band_ratio_high": 0.2 * 2 * max(current, 1.0),
+    }
+    monkeypatch.setattr(stopper.gradient_noise, "host_summary", lambda *_: summary)
+    line = stopper.summary_line()
+    assert f"{current:.2f}× the band's edge" in line and f"{band:.2f}× the edge" in line and said in line, line
+    summary["band_grad_sq_norm"] = current * edge
+    assert "band window" not in stopper.summary_line()
+

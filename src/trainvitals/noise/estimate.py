@@ -851,6 +851,7 @@ class GradientNoise:
             "unmeasured_trace_share",
             "count",
             "effective_measurements",
+            "band_grad_sq_norm",
         )
         ends = [f"{name}_{end}" for name in INTERVALS for end in ("low", "high")]
         device = est.count.device

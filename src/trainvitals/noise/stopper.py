@@ -747,6 +747,17 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                     if ratio > 0
                     else f"; at the end the current estimate ‖G‖² = {grad:.3g} ± {se:.2g} is ≤ 0, inside the band"
                 )
+                band = band_ratio(
+                    summary["band_grad_sq_norm"], summary["trace_cov"], summary["batch_size"], self.margin
+                )
+                if (band > 1.0) != (ratio > 1.0):  # the two read the run on either side of the edge
+                    why += (
+                        f"; the streak counts on the band window's ‖G‖², {band:.2f}× the edge, a mean over the last "
+                        "stretch that lags a falling ‖G‖²"
+                        if band > 1.0
+                        else f"; the band window's ‖G‖² reads {band:.2f}× the edge, but it lags a rising ‖G‖²: no "
+                        "streak counts while the current estimate reads out of the band"
+                    )
         if self.from_start:
             why = f"{self.from_start.removesuffix('.')}; " + why
         if self.steps < self.min_steps:
