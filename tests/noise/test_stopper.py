@@ -1062,3 +1062,15 @@ def test_the_fit_end_line_says_when_the_band_window_and_the_current_estimate_dis
     summary["band_grad_sq_norm"] = current * edge
     assert "band window" not in stopper.summary_line()
 
+
+def test_a_run_held_from_its_start_and_then_shown_out_is_not_said_to_be_held_at_the_end(monkeypatch):
+    """A fresh user's tanh net was held as noise-dominated from its start, then left its band (brute force 20× the
+    edge); its fit-end line still said "never shown out of the band … every step it judged was noise-dominated"."""
+    stopper = GradNormEarlyStopping(margin=0.2)
+    stopper._source, stopper.steps = "hooks", 500
+    stopper.from_start = "in its noise band from the start (optimizer step 109): … it does not stop on it."
+    summary = {"decisive": False, "why": "not measured yet"}
+    monkeypatch.setattr(stopper.gradient_noise, "host_summary", lambda *_: summary)
+    assert "from the start" in stopper.summary_line()
+    stopper._left = torch.ones((), dtype=torch.bool)
+    assert "from the start" not in stopper.summary_line()

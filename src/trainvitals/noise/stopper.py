@@ -758,7 +758,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                         else f"; the band window's ‖G‖² reads {band:.2f}× the edge, but it lags a rising ‖G‖²: no "
                         "streak counts while the current estimate reads out of the band"
                     )
-        if self.from_start:
+        if self.from_start and not bool(self._left):  # held, and still: once shown out, the band counts
             why = f"{self.from_start.removesuffix('.')}; " + why
         if self.steps < self.min_steps:
             why = f"the run ended after {self.steps} optimizer steps, before {self._min_steps_said()}; " + why
