@@ -384,6 +384,23 @@ def test_noise_verdicts_carry_the_estimates_caveat(
         assert not any("in its noise band" in m for m in messages)
 
 
+def test_a_partial_estimate_names_what_the_probe_does_not_measure(tmp_path: Path, capsys) -> None:
+    """A fresh user's ViT: its report said "partial" without naming the tensors left out (a bare `pos_embed` and
+    `cls_token`, 3 % of the parameters, two thirds of ‖ḡ‖²); it quotes them from the probe's diagnosis panel, and
+    says as before where the log keeps no panel."""
+    said = (
+        "not measured: 2 tensors (3.2% of parameters), `model.cls_token`, `model.pos_embed`: a parameter of a module "
+        "whose forward also runs layers with weight matrices; accumulate_grad_batches >= 2 or >= 2 devices measure it"
+    )
+    panel = f"| | |\n|---|---|\n| sources | per-example norms in backward: Linear×5 (96.8% of parameters); {said} |\n"
+    for texts, named in ((None, False), ({"diagnosis/BatchVarianceProbe": panel}, True)):
+        folder = tmp_path / str(named)
+        write_run(folder / "run", {**HEALTHY, "grad_noise/coverage": 0.43}, texts)
+        _, doc = report_json(capsys, folder)
+        partial = [f["message"] for f in doc["runs"][0]["findings"] if "partial:" in f["message"]]
+        assert partial and all((said in m) is named for m in partial), partial
+
+
 @pytest.mark.parametrize(("high", "bounded"), [(260.0, True), (None, False)])
 def test_an_unreliable_b_simple_says_no_upper_bound_only_without_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], high, bounded

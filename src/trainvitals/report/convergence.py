@@ -506,18 +506,33 @@ def _not_stopped(run: Run, partial: str, caveat: str) -> str:
 
 
 def _partial(run: Run) -> str:
-    """ "partial: …" when the run's noise estimate covered too little of ‖ḡ‖² to decide; else ""."""
+    """ "partial: …" when the run's noise estimate covered too little of ‖ḡ‖² to decide, with what the probe said it
+    does not measure and why (:func:`_unmeasured`); else ""."""
     coverage = run.last(r"grad_noise/coverage$")
     unmeasured = run.last(r"grad_noise/unmeasured_trace_share$")
+    which = f"; {said}" if (said := _unmeasured(run)) else ""
     if coverage is not None and coverage < DEFAULT_MIN_COVERAGE:
         return (
-            f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖² (a decision needs {DEFAULT_MIN_COVERAGE:.0%})"
+            f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖² (a decision needs {DEFAULT_MIN_COVERAGE:.0%}"
+            f"{which})"
         )
     if coverage is not None and unmeasured is not None and not unmeasured <= MAX_UNMEASURED_TRACE:
         return (
             f"partial: the noise estimate covers {coverage:.0%} of ‖ḡ‖², but the unmeasured parameters may hold up "
-            f"to {unmeasured:.2g}× the measured tr Σ (a decision needs ≤ {MAX_UNMEASURED_TRACE:g})"
+            f"to {unmeasured:.2g}× the measured tr Σ (a decision needs ≤ {MAX_UNMEASURED_TRACE:g}{which})"
         )
+    return ""
+
+
+def _unmeasured(run: Run) -> str:
+    """The probe's "not measured: …" words, from the sources row of its diagnosis panel: the tensors no source
+    measures, and what would measure them; "" where the log has no such panel (a logger without text)."""
+    for prefix in DIAGNOSIS_PREFIXES:
+        found = re.search(
+            r"^\| sources \|.*?(not measured: [^|\n]*?) *\|", run.text(f"{prefix}BatchVarianceProbe") or "", re.M
+        )
+        if found:
+            return found.group(1)
     return ""
 
 
