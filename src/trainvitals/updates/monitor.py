@@ -529,8 +529,9 @@ def group_lrs(optimizer: torch.optim.Optimizer, groups: NormGroups) -> list[floa
 
 
 def at_full_lr(lr: float, peak: float) -> tuple[bool, float]:
-    """Whether a step at ``lr`` is above :data:`FULL_LR_SHARE` of ``peak``, the fit's peak so far, by more than
-    rounding (a cut to exactly the share is not full), and the peak it raises; an unknown lr is full."""
+    """Whether a layer's step at ``lr`` is above :data:`FULL_LR_SHARE` of ``peak``, the layer's peak lr in the fit so
+    far, by more than rounding (a cut to exactly the share is not full), and the peak it raises; an unknown lr is
+    full."""
     if not math.isfinite(lr):
         return True, peak
     peak = max(peak, lr)
