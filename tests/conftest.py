@@ -151,6 +151,7 @@ FAST_FILES = frozenset(
     {
         "test_fused_norms.py",
         "test_spikes.py",
+        "test_clipping.py",
         "test_estimators.py",
         "test_estimate.py",
         "test_gsnr.py",

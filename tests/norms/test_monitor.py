@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
+import statistics
 import warnings
 
 import lightning.pytorch as pl
@@ -153,6 +155,48 @@ def test_total_is_the_pre_clip_norm_and_clipped_total_the_post_clip_norm():
     # one call per logging step with both (a CSVLogger writes one row per call)
     monitor_calls = [c for c in logger.calls if "grad_norm/total" in c or "grad_norm/clipped_total" in c]
     assert len(monitor_calls) == 4 and all({"grad_norm/total", "grad_norm/clipped_total"} <= c for c in monitor_calls)
+
+
+def _clipped_fit(tmp_path, clip, **monitor_kwargs):
+    """20 steps at lr 0 (the norms do not depend on the clipping, the batches on the seed), logged every 5th."""
+    torch.manual_seed(0)
+    model = Regressor(lr=0.0)
+    monitor = GradNormMonitor(log_every_n_steps=5, histogram_every_n_steps=0, **monitor_kwargs)
+    logger = TensorBoardLogger(str(tmp_path), name="clip", version=0)
+    fit(model, monitor, logger, max_steps=20, gradient_clip_val=clip, n=160)
+    return model.reference_norms, monitor.summary_line()
+
+
+def test_the_fit_end_line_says_when_clipping_by_norm_shrank_most_steps(tmp_path, capsys):
+    norms, line = _clipped_fit(tmp_path / "free", None)
+    assert len(norms) == 20 and "clipping" not in line
+    threshold = sum(sorted(norms)[6:8]) / 2  # 13 of the 20 steps above it, most of them off the logging steps
+    norms, line = _clipped_fit(tmp_path / "clip", threshold)
+    shrunk = [threshold / (n + 1e-6) for n in norms if n > threshold]
+    assert len(shrunk) == 13
+    assert (
+        f"gradient clipping at {threshold:g} (by norm) clipped 13 of 20 steps (65%), each to "
+        f"×{sum(shrunk) / 13:.2g} in mean (threshold / pre-clip norm)"
+    ) in line
+    # The report reads the 4 logged steps: clipped where the clipped norm is the threshold.
+    logged = norms[::5]
+    from trainvitals.report.command import main
+
+    main([str(tmp_path / "clip"), "--format", "json"])
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    section = {row["label"]: row["value"] for row in run["sections"]["gradient clipping"]}
+    assert section["logged steps clipped, of 4"] == sum(n > threshold for n in logged) / 4
+    assert section["pre-clip norm, median"] == pytest.approx(statistics.median(logged), rel=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [{"gradient_clip_val": 1e-6}, {"norm_type": 1.0}])
+def test_no_clipping_line_for_clipping_by_value_or_another_norm(tmp_path, kwargs):
+    clip = kwargs.pop("gradient_clip_val", 1e-6)
+    model = Regressor(lr=0.0)
+    monitor = GradNormMonitor(log_every_n_steps=5, histogram_every_n_steps=0, **kwargs)
+    algorithm = "value" if not kwargs else "norm"
+    fit(model, monitor, None, max_steps=20, gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    assert "clipping" not in monitor.summary_line()
 
 
 class FailsAtStep(Regressor):

@@ -37,6 +37,7 @@ from trainvitals.fused_norms import (
     per_tensor_norms,
     validate_norm_type,
 )
+from trainvitals.norms.clipping import clip_coef, clips_most, trainer_clip
 from trainvitals.norms.nonfinite import ProducerSearch
 from trainvitals.norms.producer import SEARCHES, Producer
 from trainvitals.norms.spikes import (
@@ -85,6 +86,9 @@ class TrackState(DeclaredState):
         self.add_state("usual", usual, key="usual_batch")
         self.counts: dict[str, int]
         self.add_state("counts", dict.fromkeys(COUNTERS, 0))
+        # Clipping by norm, judged at each step read back: steps, those clipped, the sum of their factors, the norm.
+        self.clipping: dict[str, float]
+        self.add_state("clipping", {"steps": 0, "clipped": 0, "shrink": 0.0, "max_norm": math.nan})
 
 
 @dataclass
@@ -149,7 +153,9 @@ class GradNormMonitor(TrainvitalsCallback):
     - ``grad_norm/<group>``: the norm of each group (``grouping``: ``"parameter"``, ``"module"`` or
       ``"block"``, the top-level child); total^p = Σ group^p (a module named like one of the tags
       here, e.g. ``total``, is logged as ``grad_norm/total (layer)``);
-    - ``grad_norm/clipped_total``: the norm after the Trainer's gradient clipping, when it clips;
+    - ``grad_norm/clipped_total``: the norm after the Trainer's gradient clipping, when it clips; where it clips by
+      L2 norm and shrinks at least half the steps, the fit-end line says so, with their mean factor (every step
+      judged, from the totals read back: :mod:`~trainvitals.norms.clipping`);
     - ``grad_norm/nonfinite_steps``: steps whose gradient held inf/NaN (one warning names the layers
       of the first, and the module that produced it: see ``name_producer``); ``grad_norm/amp_skipped_steps``:
       such steps under a GradScaler, which skips them and lowers its scale — calibration, not divergence.
@@ -234,6 +240,8 @@ class GradNormMonitor(TrainvitalsCallback):
         self._ranks: tuple[int, Callable[[Tensor], Tensor]] | None
         self.add_state("_ranks", None, persistent=False)
         self._clip_pending: tuple[int, int] | None  # (optimizer index, step) to measure after clipping
+        self._clip_norm: float | None  # the Trainer's clipping by L2 norm: its threshold (set at fit start)
+        self.add_state("_clip_norm", None, persistent=False)
         self.add_state("_clip_pending", None, persistent=False)
         # A GradScaler skips non-finite steps: they are calibration, not divergence.
         self.add_state("_amp_scaler", False, persistent=False)
@@ -258,6 +266,8 @@ class GradNormMonitor(TrainvitalsCallback):
         self._amp_scaler = grad_scaler(trainer) is not None
         self._searching = self.name_producer and self.vitals.provider(NAN_PRODUCER) is None
         self._manual = not pl_module.automatic_optimization  # a training_step that is never re-run
+        clip = trainer_clip(trainer, pl_module)
+        self._clip_norm = clip if clip is not None and not math.isnan(clip) and self.norm_type == 2.0 else None
         world = trainer.world_size
         self._ranks = (world, partial(trainer.strategy.reduce, reduce_op="sum")) if world > 1 else None
 
@@ -297,7 +307,7 @@ class GradNormMonitor(TrainvitalsCallback):
         if logs or len(track.pending) >= MAX_PENDING_STEPS:
             self._read_back(track, together=True)
             self._search_producer(trainer, pl_module, optimizer, track, step)
-        if logs and _clips(trainer, pl_module):
+        if logs and trainer_clip(trainer, pl_module) is not None:
             self._clip_pending = (index, step)  # logged with the clipped norm: one event, one CSV row
         elif logs:
             self._log(trainer, index, track, step)
@@ -367,7 +377,7 @@ class GradNormMonitor(TrainvitalsCallback):
                 parts.append(
                     f"{'optimizer ' + str(index) + ': ' if len(self._tracks) > 1 else ''}{track.steps} steps "
                     f"measured, last ‖g‖ {track.last_read[1]:.4g}, non-finite {c['nonfinite_steps']}, "
-                    f"AMP-skipped {c['amp_skipped_steps']}, spikes {c['spike_steps']}"
+                    f"AMP-skipped {c['amp_skipped_steps']}, spikes {c['spike_steps']}" + _clipped_most(track)
                 )
         return "; ".join(parts) or "no optimizer step was measured."
 
@@ -454,6 +464,8 @@ class GradNormMonitor(TrainvitalsCallback):
         summed = host[-n:] if reduced else [world * w for w in weights]
         batches = [effective_batch(w, world) for w in summed]
         track.last_read = (steps[-1], totals_host[-1], dict(zip(track.groups.names, last_groups)))
+        if self._clip_norm is not None:  # every step read back, against the threshold: host floats only
+            self._count_clipped(track, totals_host)
         nonfinite_row, spike_rows = None, []
         for row, (total, batch) in enumerate(zip(totals_host, batches)):
             if not math.isfinite(total):
@@ -483,6 +495,17 @@ class GradNormMonitor(TrainvitalsCallback):
                 f"largest layers: {layers}",
             )
             track.unreported.append(track.spike)
+
+    def _count_clipped(self, track: _Track, totals: list[float]) -> None:
+        """Count the finite ``totals`` that clipping by norm shrank, and the sum of their factors
+        (:func:`~trainvitals.norms.clipping.clip_coef`, threshold / norm): the mean shrink of a clipped step."""
+        factors = [clip_coef(total, self._clip_norm) for total in totals if math.isfinite(total)]
+        shrunk = [f for f in factors if f < 1.0]
+        clipping = track.state.clipping
+        clipping["steps"] += len(factors)
+        clipping["clipped"] += len(shrunk)
+        clipping["shrink"] += sum(shrunk)
+        clipping["max_norm"] = self._clip_norm
 
     def _log(
         self,
@@ -603,6 +626,21 @@ class GradNormMonitor(TrainvitalsCallback):
         log_histogram(trainer, self._tag(trainer, "hist/group_norms", index), group_norms, step)
 
 
+def _clipped_most(track: _Track) -> str:
+    """The fit-end line's sentence when clipping by norm shrank most steps (:func:`~trainvitals.norms.clipping.
+    clips_most`): their share and mean factor, which is an lr cut under SGD; "" otherwise."""
+    clipping = track.state.clipping
+    steps, clipped = int(clipping["steps"]), int(clipping["clipped"])
+    if not clips_most(clipped, steps):
+        return ""
+    return (
+        f"; gradient clipping at {clipping['max_norm']:g} (by norm) clipped {clipped} of {steps} steps "
+        f"({clipped / steps:.0%}), each to ×{clipping['shrink'] / clipped:.2g} in mean (threshold / pre-clip norm): it "
+        "rescales the typical step, not the outliers it is for (under SGD, an lr cut); `trainvitals report` sets "
+        "the threshold against the noise level"
+    )
+
+
 def _layer_tag(group: str) -> str:
     """The tag name of a group's norm: its name, unless a module is named like a summary (``total``, ...)."""
     return f"{group} (layer)" if group in GRAD_NORM_SUMMARIES else group
@@ -611,7 +649,3 @@ def _layer_tag(group: str) -> str:
 def _largest(group_norms: dict[str, float], k: int = 3) -> list[tuple[str, float]]:
     """The ``k`` largest groups, largest first; a NaN norm counts as 0."""
     return sorted(group_norms.items(), key=lambda item: 0.0 if math.isnan(item[1]) else item[1], reverse=True)[:k]
-
-
-def _clips(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
-    return pl_module.automatic_optimization and bool(trainer.gradient_clip_val)

@@ -2,8 +2,8 @@
 
 Each run that holds trainvitals metrics gets five sections — convergence, noise scale and batch size
 (:mod:`.convergence`), integrity, memory, spikes and non-finite steps — and those of the callbacks it ran
-(:mod:`.schedule`, :mod:`.guard`, :mod:`.updates`), and a list of findings (a damaged
-event file is one of them). Never a verdict on what was not measured: a section without a valid estimate
+(:mod:`.schedule`, :mod:`.guard`, :mod:`.updates`) and of the Trainer's gradient clipping (:mod:`.clipping`), and
+a list of findings (a damaged event file is one of them). Never a verdict on what was not measured: a section without a valid estimate
 says so, and why. The report's record types are in :mod:`.report_model`.
 """
 
@@ -14,6 +14,7 @@ import re
 from trainvitals.integrity.checks import finding_kinds, window_labels
 from trainvitals.integrity.findings import INTEGRITY, NOTHING_CHECKED, warning_counters
 from trainvitals.memory import MEMORY_CATEGORIES, format_bytes
+from trainvitals.report.clipping import clipping_section
 from trainvitals.report.convergence import convergence_section, noise_scale_section, stopper_stop, uncounted_since
 from trainvitals.report.events import Run
 from trainvitals.report.guard import ANSWERED_NONFINITE, answered_nonfinite_steps, guard_section
@@ -112,6 +113,7 @@ def assess(run: Run) -> RunReport:
             _integrity,
             _memory,
             _spikes,
+            clipping_section,
             guard_section,
             update_section,
             activation_section,

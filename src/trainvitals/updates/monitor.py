@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from trainvitals._validation import check_choice, check_float, check_int
 from trainvitals.fused_norms import GROUPINGS, NormGroups, combine_norms, grouped_norms
+from trainvitals.norms.clipping import CLIP_EPS, trainer_clip
 from trainvitals.norms.spikes import (
     SpikeDetector,
     UsualBatch,
@@ -236,7 +237,7 @@ class UpdateMonitor(TrainvitalsCallback):
             return
         track.grad_norms = self.vitals.grad_norms.norms(trainer, optimizer, track.params)
         track.grad_scale = scale_left_in_grads(trainer, optimizer)
-        track.clip = _clip(trainer, pl_module)
+        track.clip = trainer_clip(trainer, pl_module)  # NaN by value: the cosine is then not defined from the norms
         track.weight = None
         if self._sizes and is_noise_scaled(optimizer):  # host floats
             sizes = StepBatches.of(self.vitals).backward_sizes(trainer)
@@ -369,7 +370,7 @@ class UpdateMonitor(TrainvitalsCallback):
             # ``.grad`` is the clipped gradient now: by norm, c·g with c = min(1, clip / (‖g‖ + 1e-6))
             # (torch's clip_grad_norm_), the same direction, so ⟨−Δθ, g⟩ = ⟨−Δθ, c·g⟩ / c; by value, another
             # direction, whose norm is not known here: no cosine.
-            coef = (track.clip / (combine_norms(track.grad_norms) + 1e-6)).clamp(max=1.0)
+            coef = (track.clip / (combine_norms(track.grad_norms) + CLIP_EPS)).clamp(max=1.0)
             dots = dots / coef.to(dots)
         rows = [weight, update]
         adam = is_adam_like(optimizer)
@@ -500,15 +501,6 @@ def _listed(names: list[str], most: int = 8) -> str:
 def _cell(value: float) -> str:
     """A table cell: 3 significant digits, ``n/a`` for a value not defined (a cosine with a zero step)."""
     return f"{value:.3g}" if math.isfinite(value) else "n/a"
-
-
-def _clip(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float | None:
-    """The Trainer's gradient clipping of an automatic step: the norm clipped to, NaN when it clips by value
-    (the cosine is then not defined from the shared norms), ``None`` when it does not clip."""
-    if not pl_module.automatic_optimization or not trainer.gradient_clip_val:
-        return None
-    by_value = str(trainer.gradient_clip_algorithm or "norm").lower().endswith("value")
-    return math.nan if by_value else float(trainer.gradient_clip_val)
 
 
 def _ratio(numerator: float, denominator: float) -> float:
