@@ -1,5 +1,8 @@
-"""A table looked up with ids shared by the batch (a position table: ``wpe(arange(T))``, HF's ``(1, T)``
-position ids) and added to the examples' tensors: its per-example gradient, caught where the broadcast sums it.
+"""A tensor shared by the batch's examples and broadcast over them: its per-example gradient, caught where the
+broadcast sums it. Two kinds: a table looked up with ids shared by the batch (a position table: ``wpe(arange(T))``,
+HF's ``(1, T)`` position ids) and added to the examples' tensors, and a module's own bare parameter (a ViT's
+``pos_embed`` and ``cls_token``, a ConvNeXt block's layer-scale ``gamma``) added to, multiplied with or expanded over
+them.
 
 With h_{i,t} = tok_{i,t} + pos_t, example i's gradient of the table is Σ_t e_{id_t} ⊗ ∂ℓ_i/∂h_{i,t}: the rule of
 the lookup applied to the ids expanded to the batch and the gradient at the sum, ``(B, T, D)``, before autograd's
@@ -7,16 +10,26 @@ broadcast reduction (the add's backward) sums it over the examples. The add is f
 (:func:`broadcast_adds`: every node that reads the lookup's output, through ``unsqueeze(0)``); a prehook on it
 gets that gradient (:func:`per_example_grad`). A lookup whose output anything else reads (a view, a product, a
 repeat, an in-place op, a compiled region) has no exact per-example gradient here, and is reported so.
+
+A bare parameter p of shape S reaches the loss through the nodes that read its ``AccumulateGrad``: an add or a
+subtraction (``x + p``: example i's gradient is the result's gradient at i, summed over the dimensions p is
+broadcast over), a product (``x * p``: the same of the gradient times x) or an expansion (``p.expand(B, ...)``:
+the gradient at i). :class:`BroadcastParameters` is the rule of such a module's parameters; the hooks catch the
+gradients at those nodes (:func:`parameter_reader`, :func:`parameter_grad`).
+
 Host-side only (the graph's nodes and shapes). No Lightning import.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
+
+from trainvitals.per_example.registry import PerExampleRule, Use
+from trainvitals.per_example.tensor_ops import _accumulation_dtype
 
 #: The nodes through which a lookup's output may reach the add that broadcasts it (``wpe(pos)[None]``).
 _UNSQUEEZE = "UnsqueezeBackward0"
@@ -95,3 +108,66 @@ def per_example_grad(grad: Tensor, operand: Operand, batch: int) -> Tensor | str
             f"than the first, the batch's {batch} examples"
         )
     return grad * operand.alpha if operand.alpha != 1.0 else grad
+
+
+@dataclass(frozen=True)
+class Reader:
+    """How a node that reads a bare parameter gives its per-example gradient: the gradient of the node's result
+    times ``factor`` (an add's ``alpha``; −alpha for the subtracted operand), and for a product times its other
+    operand, the node's saved attribute ``other``."""
+
+    factor: float
+    other: str | None = None
+
+
+def parameter_reader(node: Any, k: int) -> Reader | str:
+    """How ``node`` (an autograd node whose input ``k`` is a bare parameter) gives the parameter's per-example
+    gradient, or why it gives none."""
+    kind = type(node).__name__
+    if kind == "AddBackward0":
+        return Reader(1.0 if k == 0 else float(node._saved_alpha))
+    if kind == "SubBackward0":
+        return Reader(1.0 if k == 0 else -float(node._saved_alpha))
+    if kind == "MulBackward0":
+        return Reader(1.0, "_saved_other" if k == 0 else "_saved_self")
+    if kind == "ExpandBackward0":
+        return Reader(1.0)
+    return (
+        f"is read by {kind}: a module's own parameter is measured where it is added to, multiplied with or expanded "
+        "over the examples (x + p, x * p, p.expand(B, ...))"
+    )
+
+
+def parameter_grad(
+    grad: Tensor, shape: tuple[int, ...], batch: int, reader: Reader, other: Tensor | None
+) -> Tensor | str:
+    """Each example's gradient ``(batch, *shape)`` of a parameter of ``shape`` read by a node whose result has the
+    gradient ``grad`` (times ``other``, the product's other operand): summed over the dimensions the parameter is
+    broadcast over, but the first, which must hold the ``batch`` examples; or why it is not one."""
+    grad = grad.to(_accumulation_dtype(grad))
+    if other is not None:
+        grad = grad * other
+    padded = (1,) * (grad.dim() - len(shape)) + tuple(shape)
+    if len(padded) != grad.dim() or grad.shape[0] != batch or padded[0] != 1:
+        return (
+            f"is broadcast to {tuple(grad.shape)} from {tuple(shape)}: not over the first dimension alone of the "
+            f"batch's {batch} examples"
+        )
+    per = grad.sum_to_size((batch, *padded[1:])).reshape(batch, *shape)
+    return per * reader.factor if reader.factor != 1.0 else per
+
+
+class BroadcastParameters(PerExampleRule):
+    """The rule of a module's own parameters that its forward broadcasts over the batch (a ViT's ``pos_embed`` and
+    ``cls_token``): each use's :attr:`~.registry.Use.grad_output` is the tuple of their per-example gradients
+    ``(B, *shape)``, in :meth:`parameters`' order, which the hooks catch in the loss's graph."""
+
+    def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
+        total: dict[str, Tensor] = {}
+        for use in uses:
+            for name, g in zip(self.parameters(module), use.grad_output):
+                total[name] = g if name not in total else total[name] + g
+        return total
+
+
+BROADCAST_PARAMETERS = BroadcastParameters()
