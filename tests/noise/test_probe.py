@@ -1042,6 +1042,43 @@ def test_ddp_uses_rank_and_global_gradients_and_agrees_with_one_process(tmp_path
         assert abs(measured - expected) < 1e-4 * abs(ranks[0][key]), key
 
 
+def _vit() -> nn.Module:
+    from zoo import ViTClassToken
+
+    torch.manual_seed(0)
+    net = ViTClassToken()
+    net.pos_drop.p = 0.0  # the same forward on the ranks as on one process
+    return net
+
+
+@pytest.mark.slow
+def test_ddp_a_vit_s_bare_parameters_are_measured_per_example_on_every_rank(tmp_path):
+    """Under DDP the class token and the position table are caught per example on each rank, as on one process:
+    no micro-batch source, every rank the same estimate, that of one process over the same 16 examples."""
+    torch.manual_seed(3)
+    steps = 3
+    data = TensorDataset(torch.randn(16 * steps, 3, 8, 8), torch.randint(0, 4, (16 * steps,)))
+    pl.Trainer(
+        strategy="ddp_spawn",
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        callbacks=[BatchVarianceProbe(), RankReport(str(tmp_path)), ReleaseProcessGroup()],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    ).fit(Classifier(_vit()), datamodule=InterleavedRanks(data, batch_size=8))
+    ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["count"] == steps
+    assert "micro-batches" not in ranks[0]["sources"] and "(100.0% of parameters)" in ranks[0]["sources"]
+    single = BatchVarianceProbe()
+    fit(Classifier(_vit()), data, [single], batch_size=16, steps=steps, precision="32-true")
+    for key in ("trace_cov", "grad_sq_norm"):
+        assert rel(ranks[0][key], float(getattr(single.noise, key))) < 1e-4, key
+
+
 def test_demo_cnn_runs_with_the_probe():
     pytest.importorskip("sklearn")
     from trainvitals.demo.data import DigitsDataModule
