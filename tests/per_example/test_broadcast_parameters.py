@@ -42,7 +42,7 @@ class ViT(nn.Module):
         self.use = use
         self.patch_embed = nn.Linear(P, D)
         self.cls_token = nn.Parameter(0.1 * torch.randn(1, 1, D))
-        shape = (N + 1, D) if use == "(N, D)" else (1, N + 1, D)
+        shape = (N + 1, D) if use in ("(N, D)", "[None]") else (1, N + 3 if use in ("longer", "tail") else N + 1, D)
         self.pos_embed = nn.Parameter(0.1 * torch.randn(*shape))
         self.pos_drop = nn.Dropout(0.2)
         self.blocks = nn.Sequential(Block(), Block())
@@ -59,14 +59,25 @@ class ViT(nn.Module):
             x = torch.add(torch.cat([cls, x], 1), self.pos_embed, alpha=0.5)
         elif use == "subtracted":
             x = torch.cat([cls, x], 1) - self.pos_embed
+        elif use == "sliced":  # MAE's: the patches' rows of the table, the class token's own position apart
+            x = torch.cat([cls + self.pos_embed[:, :1], x + self.pos_embed[:, 1:]], 1)
+        elif use == "longer":  # lucidrains' vit-pytorch: a table longer than the sequence, cut to it, added in place
+            x = torch.cat([cls, x], 1)
+            x += self.pos_embed[:, : N + 1]
+        elif use == "tail":  # the last rows, counted from the end
+            x = torch.cat([cls, x], 1) + self.pos_embed[:, -(N + 1) :][:, ::1]
+        elif use == "aliased":  # a slice as long as the table: an alias
+            x = torch.cat([cls, x], 1) + self.pos_embed[:, : N + 1]
+        elif use == "[None]":
+            x = torch.cat([cls, x], 1) + self.pos_embed[None]
         elif use == "every block":  # added again before each block: the nodes' gradients summed
             x = torch.cat([cls, x], 1)
             for block in self.blocks:
                 x = block(x + self.pos_embed)
             return self.head(self.norm(x)[:, 0])
         # what no exact rule reads here
-        elif use == "sliced":  # the patches' rows of the table, the class token's own position apart
-            x = torch.cat([cls + self.pos_embed[:, :1], x + self.pos_embed[:, 1:]], 1)
+        elif use == "reshaped":
+            x = torch.cat([cls, x], 1) + self.pos_embed.view(N + 1, D)
         elif use == "squashed":
             x = torch.cat([cls, x], 1) + self.pos_embed.tanh()
         elif use == "unused":
@@ -120,7 +131,22 @@ def data(use: str = "timm") -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 BARE = ("pos_embed", "cls_token", "blocks.0.gamma_1", "blocks.0.gamma_2", "blocks.1.gamma_1", "blocks.1.gamma_2")
 
 
-@pytest.mark.parametrize("use", ["timm", "(N, D)", "pos first", "alpha", "subtracted", "every block"])
+@pytest.mark.parametrize(
+    "use",
+    [
+        "timm",
+        "(N, D)",
+        "pos first",
+        "alpha",
+        "subtracted",
+        "sliced",
+        "longer",
+        "tail",
+        "aliased",
+        "[None]",
+        "every block",
+    ],
+)
 def test_bare_parameters_broadcast_over_the_batch_are_measured_per_example_exactly(use):
     model, x, y = data(use)
     truth = brute_force(model, x, y)
@@ -159,7 +185,7 @@ def test_catching_the_bare_parameters_reads_nothing_on_the_host():
 @pytest.mark.parametrize(
     ("use", "why"),
     [
-        ("sliced", "`pos_embed` is read by SliceBackward0"),
+        ("reshaped", "`pos_embed` is read by ViewBackward0"),
         ("squashed", "`pos_embed` is read by TanhBackward0"),
         ("unused", "`pos_embed` is not reached from the loss's graph"),
     ],

@@ -34,6 +34,9 @@ from trainvitals.per_example.tensor_ops import _accumulation_dtype
 #: The nodes through which a lookup's output may reach the add that broadcasts it (``wpe(pos)[None]``).
 _UNSQUEEZE = "UnsqueezeBackward0"
 _ADD = "AddBackward0"
+#: The views a bare parameter may pass through before the node that broadcasts it (``p[:, 1:]``, ``p[None]``).
+_SLICE, _ALIAS = "SliceBackward0", "AliasBackward0"
+_FOLLOWED = (_UNSQUEEZE, _SLICE, _ALIAS)
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class Operand:
 
 
 def consumers(root: Any, targets: Iterable[Any]) -> dict[Any, list[tuple[Any, int, int]]]:
-    """For each of ``targets`` (autograd nodes) and each ``unsqueeze`` node, the nodes of ``root``'s graph that
+    """For each of ``targets`` (autograd nodes) and each view node (``unsqueeze``, a slice), the nodes of ``root``'s graph that
     read one of its outputs: ``(consumer, the consumer's input index, the output's index)``. One walk of the graph
     (each node once; ~1 ms for a 12-layer GPT-2)."""
     wanted = set(targets)
@@ -62,7 +65,7 @@ def consumers(root: Any, targets: Iterable[Any]) -> dict[Any, list[tuple[Any, in
         for k, (child, output) in enumerate(node.next_functions):
             if child is None:
                 continue
-            if child in wanted or type(child).__name__ == _UNSQUEEZE:
+            if child in wanted or type(child).__name__ in _FOLLOWED:
                 found.setdefault(child, []).append((node, k, output))
             if child not in seen:
                 seen.add(child)
@@ -111,49 +114,113 @@ def per_example_grad(grad: Tensor, operand: Operand, batch: int) -> Tensor | str
 
 
 @dataclass(frozen=True)
+class View:
+    """A view between a bare parameter and the node that broadcasts it: a slice of dimension ``dim``
+    (``start:end:step``) or an ``unsqueeze(dim)`` (``step`` 0)."""
+
+    dim: int
+    start: int = 0
+    end: int = 0
+    step: int = 0
+
+    def shape(self, of: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the view of a tensor of shape ``of``."""
+        dim = self.dim if self.dim >= 0 else self.dim + len(of) + (0 if self.step else 1)
+        if not self.step:
+            return (*of[:dim], 1, *of[dim:])
+        return (*of[:dim], len(range(*slice(self.start, self.end, self.step).indices(of[dim]))), *of[dim + 1 :])
+
+    def undo(self, per: Tensor, of: tuple[int, ...]) -> Tensor:
+        """Per-example gradients ``(B, *view's shape)`` as those of the viewed tensor, ``(B, *of)``."""
+        if not self.step:
+            return per.reshape(per.shape[0], *of)
+        dim = self.dim if self.dim >= 0 else self.dim + len(of)
+        return per.new_zeros(per.shape[0], *of).slice_scatter(per, dim + 1, self.start, self.end, self.step)
+
+
+def _view(node: Any) -> View | None:
+    """The view ``node`` (a slice, an alias or an unsqueeze) takes; ``None`` for an alias (the tensor itself)."""
+    kind = type(node).__name__
+    if kind == _ALIAS:
+        return None
+    if kind == _UNSQUEEZE:
+        return View(int(node._saved_dim))
+    start, end = (_int64(node._saved_start, 0), _int64(node._saved_end, 2**62))
+    return View(int(node._saved_dim), start, end, int(node._saved_step))
+
+
+def _int64(saved: Any, default: int) -> int:
+    """A slice's saved bound as a signed int (autograd shows a negative one as its unsigned 64-bit value)."""
+    if saved is None:
+        return default
+    value = int(saved)
+    return value - 2**64 if value >= 2**63 else value
+
+
+@dataclass(frozen=True)
 class Reader:
     """How a node that reads a bare parameter gives its per-example gradient: the gradient of the node's result
-    times ``factor`` (an add's ``alpha``; −alpha for the subtracted operand), and for a product times its other
-    operand, the node's saved attribute ``other``."""
+    times ``factor`` (an add's ``alpha``; −alpha for the subtracted operand), for a product times its other
+    operand, the node's saved attribute ``other``; the parameter reaching it through ``views``, in order."""
 
     factor: float
     other: str | None = None
+    views: tuple[View, ...] = ()
 
 
-def parameter_reader(node: Any, k: int) -> Reader | str:
-    """How ``node`` (an autograd node whose input ``k`` is a bare parameter) gives the parameter's per-example
-    gradient, or why it gives none."""
-    kind = type(node).__name__
-    if kind == "AddBackward0":
-        return Reader(1.0 if k == 0 else float(node._saved_alpha))
-    if kind == "SubBackward0":
-        return Reader(1.0 if k == 0 else -float(node._saved_alpha))
-    if kind == "MulBackward0":
-        return Reader(1.0, "_saved_other" if k == 0 else "_saved_self")
-    if kind == "ExpandBackward0":
-        return Reader(1.0)
-    return (
-        f"is read by {kind}: a module's own parameter is measured where it is added to, multiplied with or expanded "
-        "over the examples (x + p, x * p, p.expand(B, ...))"
-    )
+def parameter_readers(
+    node: Any, readers: dict[Any, list[tuple[Any, int, int]]], views: tuple[View, ...] = ()
+) -> list[tuple[Any, Reader]] | str:
+    """The nodes that broadcast a bare parameter over the batch (``node``: its ``AccumulateGrad``, or a view of it),
+    from :func:`consumers`, each with how it gives the per-example gradient; or why one gives none."""
+    found: list[tuple[Any, Reader]] = []
+    for reader, k, _ in readers.get(node, []):
+        kind = type(reader).__name__
+        if kind in _FOLLOWED:
+            view = _view(reader)
+            further = parameter_readers(reader, readers, views if view is None else (*views, view))
+            if isinstance(further, str):
+                return further
+            found += further
+        elif kind == "AddBackward0":
+            found.append((reader, Reader(1.0 if k == 0 else float(reader._saved_alpha), views=views)))
+        elif kind == "SubBackward0":
+            found.append((reader, Reader(1.0 if k == 0 else -float(reader._saved_alpha), views=views)))
+        elif kind == "MulBackward0":
+            found.append((reader, Reader(1.0, "_saved_other" if k == 0 else "_saved_self", views)))
+        elif kind == "ExpandBackward0":
+            found.append((reader, Reader(1.0, views=views)))
+        else:
+            return (
+                f"is read by {kind}: a module's own parameter is measured where it is added to, multiplied with or "
+                "expanded over the examples (x + p, x * p, p.expand(B, ...)), through slices"
+            )
+    return found
 
 
 def parameter_grad(
     grad: Tensor, shape: tuple[int, ...], batch: int, reader: Reader, other: Tensor | None
 ) -> Tensor | str:
     """Each example's gradient ``(batch, *shape)`` of a parameter of ``shape`` read by a node whose result has the
-    gradient ``grad`` (times ``other``, the product's other operand): summed over the dimensions the parameter is
-    broadcast over, but the first, which must hold the ``batch`` examples; or why it is not one."""
+    gradient ``grad`` (times ``other``, the product's other operand): summed over the dimensions the parameter's
+    view is broadcast over, but the first, which must hold the ``batch`` examples, and put back through the views;
+    or why it is not one."""
     grad = grad.to(_accumulation_dtype(grad))
     if other is not None:
         grad = grad * other
-    padded = (1,) * (grad.dim() - len(shape)) + tuple(shape)
+    shapes = [tuple(shape)]  # the parameter's, then each view's
+    for view in reader.views:
+        shapes.append(view.shape(shapes[-1]))
+    operand = shapes[-1]
+    padded = (1,) * (grad.dim() - len(operand)) + operand
     if len(padded) != grad.dim() or grad.shape[0] != batch or padded[0] != 1:
         return (
-            f"is broadcast to {tuple(grad.shape)} from {tuple(shape)}: not over the first dimension alone of the "
+            f"is broadcast to {tuple(grad.shape)} from {operand}: not over the first dimension alone of the "
             f"batch's {batch} examples"
         )
-    per = grad.sum_to_size((batch, *padded[1:])).reshape(batch, *shape)
+    per = grad.sum_to_size((batch, *padded[1:])).reshape(batch, *operand)
+    for view, of in zip(reversed(reader.views), reversed(shapes[:-1])):
+        per = view.undo(per, of)
     return per * reader.factor if reader.factor != 1.0 else per
 
 

@@ -33,7 +33,7 @@ from trainvitals.per_example.broadcast import (
     broadcast_adds,
     consumers,
     parameter_grad,
-    parameter_reader,
+    parameter_readers,
     per_example_grad,
 )
 from trainvitals.per_example.checkpoint_hooks import (
@@ -495,12 +495,11 @@ class PerExampleGradients:
                     "checkpointing)"
                 )
                 return
-            for reader, k, _ in readers[node]:
-                how = parameter_reader(reader, k)
-                if isinstance(how, str):
-                    self._step.failed[name] = f"`{local}` {how}"
-                    return
-                found.append((reader, local, how))
+            hows = parameter_readers(node, readers)
+            if isinstance(hows, str):
+                self._step.failed[name] = f"`{local}` {hows}"
+                return
+            found += [(reader, local, how) for reader, how in hows]
         shapes = {local: tuple(p.shape) for local, p in _trainable(self.per_example[name]).items()}
         call = _ParameterCall(name, shapes, [None, None], len(found))
         self._uses[name], self._calls[name] = [call.slot], self._calls[name] + 1
