@@ -1029,7 +1029,9 @@ def test_the_coverage_line_nests_no_parentheses():
     for char in line:
         depth += {"(": 1, ")": -1}.get(char, 0)
         deepest = max(deepest, depth)
-    assert "not measured: 1 tensor (" in line and "otherwise than added to" in line and deepest == 1, line
+    assert (
+        "not measured: 1 tensor (" in line and "not measurable where the graph broadcasts it" in line and deepest == 1
+    ), line
 
 
 class Attention(nn.Module):

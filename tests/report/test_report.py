@@ -390,8 +390,9 @@ def test_a_partial_estimate_names_what_the_probe_does_not_measure(tmp_path: Path
     probe's diagnosis panel, and says as before where the log keeps no panel."""
     said = (
         "not measured: 2 tensors (3.2% of parameters), `model.cls_token`, `model.pos_embed`: a parameter of a module "
-        "whose forward also runs layers with weight matrices, used otherwise than added to, multiplied with or "
-        "expanded over the examples; accumulate_grad_batches >= 2 or >= 2 devices measure it"
+        "whose forward also runs layers with weight matrices, which a step found not measurable where the graph "
+        "broadcasts it over the examples (that step's warning says why); accumulate_grad_batches >= 2 or >= 2 "
+        "devices measure it"
     )
     panel = f"| | |\n|---|---|\n| sources | per-example norms in backward: Linear×5 (96.8% of parameters); {said} |\n"
     for texts, named in ((None, False), ({"diagnosis/BatchVarianceProbe": panel}, True)):

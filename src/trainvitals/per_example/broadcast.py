@@ -22,7 +22,8 @@ Host-side only (the graph's nodes and shapes). No Lightning import.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +35,6 @@ from trainvitals.per_example.tensor_ops import _accumulation_dtype
 #: The nodes through which a lookup's output may reach the add that broadcasts it (``wpe(pos)[None]``).
 _UNSQUEEZE = "UnsqueezeBackward0"
 _ADD = "AddBackward0"
-#: The views a bare parameter may pass through before the node that broadcasts it (``p[:, 1:]``, ``p[None]``).
-_SLICE, _ALIAS = "SliceBackward0", "AliasBackward0"
-_FOLLOWED = (_UNSQUEEZE, _SLICE, _ALIAS)
 
 
 @dataclass(frozen=True)
@@ -53,11 +51,9 @@ class Operand:
     shape: tuple[int, ...]
 
 
-def consumers(root: Any, targets: Iterable[Any]) -> dict[Any, list[tuple[Any, int, int]]]:
-    """For each of ``targets`` (autograd nodes) and each view node (``unsqueeze``, a slice), the nodes of ``root``'s graph that
-    read one of its outputs: ``(consumer, the consumer's input index, the output's index)``. One walk of the graph
-    (each node once; ~1 ms for a 12-layer GPT-2)."""
-    wanted = set(targets)
+def consumers(root: Any) -> dict[Any, list[tuple[Any, int, int]]]:
+    """For each node of ``root``'s graph, the nodes that read one of its outputs: ``(consumer, the consumer's input
+    index, the output's index)``. One walk of the graph (each node once; ~1 ms for a 12-layer GPT-2)."""
     found: dict[Any, list[tuple[Any, int, int]]] = {}
     seen, stack = {root}, [root]
     while stack:
@@ -65,8 +61,7 @@ def consumers(root: Any, targets: Iterable[Any]) -> dict[Any, list[tuple[Any, in
         for k, (child, output) in enumerate(node.next_functions):
             if child is None:
                 continue
-            if child in wanted or type(child).__name__ in _FOLLOWED:
-                found.setdefault(child, []).append((node, k, output))
+            found.setdefault(child, []).append((node, k, output))
             if child not in seen:
                 seen.add(child)
                 stack.append(child)
@@ -113,40 +108,59 @@ def per_example_grad(grad: Tensor, operand: Operand, batch: int) -> Tensor | str
     return grad * operand.alpha if operand.alpha != 1.0 else grad
 
 
-@dataclass(frozen=True)
-class View:
-    """A view between a bare parameter and the node that broadcasts it: a slice of dimension ``dim``
-    (``start:end:step``) or an ``unsqueeze(dim)`` (``step`` 0)."""
+#: Nodes that give a bare parameter a new shape on its way to the batch: their gradient goes back by a reshape
+#: (``p[None]``, ``p.view(1, -1, 1, 1)``), a slice's scatter (``p[:, 1:]``) or a sum over what was expanded.
+_RESHAPES = ("AliasBackward0", "UnsqueezeBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+#: Arithmetic with a number: the gradient times a factor (``alpha * p``, ``p / 2``, ``-p``).
+_SCALED = {
+    "MulBackward1": lambda node, k: float(node._saved_other),
+    "DivBackward1": lambda node, k: 1.0 / float(node._saved_other),
+    "NegBackward0": lambda node, k: -1.0,
+    "AddBackward1": lambda node, k: 1.0,
+    "SubBackward1": lambda node, k: 1.0,
+    "RsubBackward1": lambda node, k: -float(node._saved_alpha),
+}
+#: Arithmetic with another tensor: the gradient times a factor, for a product times the other operand (its saved
+#: attribute); where the other operand holds the batch, this is the node that broadcasts the parameter over it.
+_TENSOR_OPS = {
+    "AddBackward0": lambda node, k: (1.0 if k == 0 else float(node._saved_alpha), None),
+    "SubBackward0": lambda node, k: (1.0 if k == 0 else -float(node._saved_alpha), None),
+    "MulBackward0": lambda node, k: (1.0, "_saved_other" if k == 0 else "_saved_self"),
+    "ExpandBackward0": lambda node, k: (1.0, None),
+}
+CHECKPOINTED = "CheckpointFunctionBackward"  # reentrant checkpointing: what it computes is not in the graph
 
-    dim: int
+
+@dataclass(frozen=True)
+class Step:
+    """One node between a bare parameter and the node that broadcasts it over the batch, as the per-example
+    gradient goes back through it: from the node's result, of ``shape``, to its operand, of ``of``. A slice of
+    dimension ``dim`` (``start:end:step``, ``step`` > 0) scatters it into zeros; else it is multiplied by
+    ``factor`` and by ``other`` (a product's other operand, free of the batch too) and summed or reshaped to ``of``."""
+
+    shape: tuple[int, ...]
+    of: tuple[int, ...]
+    factor: float = 1.0
+    other: Tensor | None = None
+    dim: int = 0
     start: int = 0
     end: int = 0
     step: int = 0
 
-    def shape(self, of: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of the view of a tensor of shape ``of``."""
-        dim = self.dim if self.dim >= 0 else self.dim + len(of) + (0 if self.step else 1)
-        if not self.step:
-            return (*of[:dim], 1, *of[dim:])
-        return (*of[:dim], len(range(*slice(self.start, self.end, self.step).indices(of[dim]))), *of[dim + 1 :])
-
-    def undo(self, per: Tensor, of: tuple[int, ...]) -> Tensor:
-        """Per-example gradients ``(B, *view's shape)`` as those of the viewed tensor, ``(B, *of)``."""
-        if not self.step:
-            return per.reshape(per.shape[0], *of)
-        dim = self.dim if self.dim >= 0 else self.dim + len(of)
-        return per.new_zeros(per.shape[0], *of).slice_scatter(per, dim + 1, self.start, self.end, self.step)
-
-
-def _view(node: Any) -> View | None:
-    """The view ``node`` (a slice, an alias or an unsqueeze) takes; ``None`` for an alias (the tensor itself)."""
-    kind = type(node).__name__
-    if kind == _ALIAS:
-        return None
-    if kind == _UNSQUEEZE:
-        return View(int(node._saved_dim))
-    start, end = (_int64(node._saved_start, 0), _int64(node._saved_end, 2**62))
-    return View(int(node._saved_dim), start, end, int(node._saved_step))
+    def undo(self, per: Tensor) -> Tensor:
+        """Per-example gradients ``(B, *shape)`` as those of the operand, ``(B, *of)``."""
+        b = per.shape[0]
+        if self.step:
+            dim = self.dim if self.dim >= 0 else self.dim + len(self.of)
+            return per.new_zeros(b, *self.of).slice_scatter(per, dim + 1, self.start, self.end, self.step)
+        if self.other is not None:
+            per = per * self.other
+        if self.factor != 1.0:
+            per = per * self.factor
+        if math.prod(self.shape) == math.prod(self.of):
+            return per.reshape(b, *self.of)
+        padded = (1,) * (len(self.shape) - len(self.of)) + self.of
+        return per.sum_to_size((b, *padded)).reshape(b, *self.of)
 
 
 def _int64(saved: Any, default: int) -> int:
@@ -159,42 +173,62 @@ def _int64(saved: Any, default: int) -> int:
 
 @dataclass(frozen=True)
 class Reader:
-    """How a node that reads a bare parameter gives its per-example gradient: the gradient of the node's result
-    times ``factor`` (an add's ``alpha``; −alpha for the subtracted operand), for a product times its other
-    operand, the node's saved attribute ``other``; the parameter reaching it through ``views``, in order."""
+    """How a node that broadcasts a bare parameter over the batch gives its per-example gradient: the gradient of
+    the node's result times ``factor`` (an add's ``alpha``; −alpha for the subtracted operand), for a product times
+    its other operand, the node's saved attribute ``other``, summed to the operand's shape; then back through
+    ``steps`` (the nodes between the parameter and this one, in the forward's order)."""
 
     factor: float
     other: str | None = None
-    views: tuple[View, ...] = ()
+    steps: tuple[Step, ...] = ()
 
 
 def parameter_readers(
-    node: Any, readers: dict[Any, list[tuple[Any, int, int]]], views: tuple[View, ...] = ()
+    node: Any,
+    readers: dict[Any, list[tuple[Any, int, int]]],
+    shape: tuple[int, ...],
+    batch: int,
+    steps: tuple[Step, ...] = (),
 ) -> list[tuple[Any, Reader]] | str:
-    """The nodes that broadcast a bare parameter over the batch (``node``: its ``AccumulateGrad``, or a view of it),
-    from :func:`consumers`, each with how it gives the per-example gradient; or why one gives none."""
+    """The nodes that broadcast a bare parameter of ``shape`` over the ``batch`` examples (``node``: its
+    ``AccumulateGrad``), from :func:`consumers`, each with how it gives the per-example gradient; or why one gives
+    none. The nodes between them — views, slices, expansions and arithmetic free of the batch (``cls_token +
+    pos_embed[:, :1]``, ``alpha * pos``) — are followed: a node broadcasts the parameter where its result's first
+    dimension holds the batch and the parameter's operand, aligned to it, has 1 there."""
     found: list[tuple[Any, Reader]] = []
+    operand = steps[-1].shape if steps else tuple(shape)
     for reader, k, _ in readers.get(node, []):
         kind = type(reader).__name__
-        if kind in _FOLLOWED:
-            view = _view(reader)
-            further = parameter_readers(reader, readers, views if view is None else (*views, view))
-            if isinstance(further, str):
-                return further
-            found += further
-        elif kind == "AddBackward0":
-            found.append((reader, Reader(1.0 if k == 0 else float(reader._saved_alpha), views=views)))
-        elif kind == "SubBackward0":
-            found.append((reader, Reader(1.0 if k == 0 else -float(reader._saved_alpha), views=views)))
-        elif kind == "MulBackward0":
-            found.append((reader, Reader(1.0, "_saved_other" if k == 0 else "_saved_self", views)))
-        elif kind == "ExpandBackward0":
-            found.append((reader, Reader(1.0, views=views)))
+        out = tuple(reader._input_metadata[0].shape)
+        padded = (1,) * (len(out) - len(operand)) + operand
+        broadcast = len(out) == len(padded) and bool(out) and out[0] == batch and padded[0] == 1
+        if kind in _TENSOR_OPS and broadcast:
+            found.append((reader, Reader(*_TENSOR_OPS[kind](reader, k), steps)))
+            continue
+        if kind in _TENSOR_OPS:
+            factor, other = _TENSOR_OPS[kind](reader, k)
+            step = Step(out, operand, factor, getattr(reader, other) if other else None)
+        elif kind == "DivBackward0" and k == 0:  # p / t, t free of the batch
+            step = Step(out, operand, other=1.0 / reader._saved_other)
+        elif kind in _SCALED:
+            step = Step(out, operand, _SCALED[kind](reader, k))
+        elif kind in _RESHAPES:
+            step = Step(out, operand)
+        elif kind == "SliceBackward0":
+            bounds = _int64(reader._saved_start, 0), _int64(reader._saved_end, 2**62)
+            step = Step(
+                out, operand, dim=int(reader._saved_dim), start=bounds[0], end=bounds[1], step=int(reader._saved_step)
+            )
         else:
             return (
                 f"is read by {kind}: a module's own parameter is measured where it is added to, multiplied with or "
-                "expanded over the examples (x + p, x * p, p.expand(B, ...)), through slices"
+                "expanded over the examples (x + p, x * p, p.expand(B, ...)), through views, slices and arithmetic "
+                "free of the batch"
             )
+        further = parameter_readers(reader, readers, shape, batch, (*steps, step))
+        if isinstance(further, str):
+            return further
+        found += further
     return found
 
 
@@ -203,15 +237,12 @@ def parameter_grad(
 ) -> Tensor | str:
     """Each example's gradient ``(batch, *shape)`` of a parameter of ``shape`` read by a node whose result has the
     gradient ``grad`` (times ``other``, the product's other operand): summed over the dimensions the parameter's
-    view is broadcast over, but the first, which must hold the ``batch`` examples, and put back through the views;
-    or why it is not one."""
+    operand is broadcast over, but the first, which must hold the ``batch`` examples, and put back through the
+    reader's steps; or why it is not one."""
     grad = grad.to(_accumulation_dtype(grad))
     if other is not None:
         grad = grad * other
-    shapes = [tuple(shape)]  # the parameter's, then each view's
-    for view in reader.views:
-        shapes.append(view.shape(shapes[-1]))
-    operand = shapes[-1]
+    operand = reader.steps[-1].shape if reader.steps else tuple(shape)
     padded = (1,) * (grad.dim() - len(operand)) + operand
     if len(padded) != grad.dim() or grad.shape[0] != batch or padded[0] != 1:
         return (
@@ -219,9 +250,11 @@ def parameter_grad(
             f"batch's {batch} examples"
         )
     per = grad.sum_to_size((batch, *padded[1:])).reshape(batch, *operand)
-    for view, of in zip(reversed(reader.views), reversed(shapes[:-1])):
-        per = view.undo(per, of)
-    return per * reader.factor if reader.factor != 1.0 else per
+    if reader.factor != 1.0:
+        per = per * reader.factor
+    for step in reversed(reader.steps):
+        per = step.undo(per)
+    return per
 
 
 class BroadcastParameters(PerExampleRule):

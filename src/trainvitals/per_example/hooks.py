@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from trainvitals.per_example.batch_dim import ONE_EXAMPLE, Layouts
 from trainvitals.per_example.broadcast import (
     BROADCAST_PARAMETERS,
+    CHECKPOINTED,
     Operand,
     Reader,
     broadcast_adds,
@@ -467,10 +468,10 @@ class PerExampleGradients:
         }
         if not (calls or accumulators) or loss.grad_fn is None:
             return
-        nodes = [node for _, node in calls] + [node for nodes in accumulators.values() for node in nodes.values()]
-        readers = consumers(loss.grad_fn, nodes)
+        readers = consumers(loss.grad_fn)
+        checkpointed = any(type(node).__name__ == CHECKPOINTED for node in readers)
         for name, nodes in accumulators.items():
-            self._hook_parameters(name, nodes, readers)
+            self._hook_parameters(name, nodes, readers, checkpointed)
         for call, node in calls:
             adds = broadcast_adds(node, call.output, call.shape, readers)
             if call.arange is not None and (
@@ -484,23 +485,28 @@ class PerExampleGradients:
             for add, operand in adds:
                 add.register_prehook(functools.partial(self._backward_shared, call, operand))
 
-    def _hook_parameters(self, name: str, accumulators: dict[str, Any], readers: dict[Any, list[Any]]) -> None:
-        """Hook the nodes of the loss's graph that read ``name``'s own parameters (``accumulators``: their
-        ``AccumulateGrad`` nodes, by local name), or fail it: a parameter read by another node, or not reached."""
+    def _hook_parameters(
+        self, name: str, accumulators: dict[str, Any], readers: dict[Any, list[Any]], checkpointed: bool
+    ) -> None:
+        """Hook the nodes of the loss's graph that broadcast ``name``'s own parameters over the batch
+        (``accumulators``: their ``AccumulateGrad`` nodes, by local name), or fail it: a parameter read otherwise.
+        One the graph does not reach is unused (its gradient 0), but where reentrant checkpointing
+        (``checkpointed``) hides what it computes."""
+        shapes = {local: tuple(p.shape) for local, p in _trainable(self.per_example[name]).items()}
         found: list[tuple[Any, str, Reader]] = []
         for local, node in accumulators.items():
-            if not readers.get(node):
+            if not readers.get(node) and checkpointed:
                 self._step.failed[name] = (
-                    f"`{local}` is not reached from the loss's graph (unused in this forward, or inside reentrant "
-                    "checkpointing)"
+                    f"`{local}` is not reached from the loss's graph: inside reentrant checkpointing?"
                 )
                 return
-            hows = parameter_readers(node, readers)
+            hows = parameter_readers(node, readers, shapes[local], self._batch_size or 0)
             if isinstance(hows, str):
                 self._step.failed[name] = f"`{local}` {hows}"
                 return
             found += [(reader, local, how) for reader, how in hows]
-        shapes = {local: tuple(p.shape) for local, p in _trainable(self.per_example[name]).items()}
+        if not found:
+            return  # the loss uses none of them: no contribution
         call = _ParameterCall(name, shapes, [None, None], len(found))
         self._uses[name], self._calls[name] = [call.slot], self._calls[name] + 1
         self._parameter_calls.append(call)

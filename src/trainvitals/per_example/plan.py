@@ -102,8 +102,9 @@ _CONTAINER_REASON = (
     "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it"
 )
 _NOT_BROADCAST_REASON = (
-    "a parameter of a module whose forward also runs layers with weight matrices, used otherwise than added to, "
-    "multiplied with or expanded over the examples; accumulate_grad_batches >= 2 or >= 2 devices measure it"
+    "a parameter of a module whose forward also runs layers with weight matrices, which a step found not "
+    "measurable where the graph broadcasts it over the examples (that step's warning says why); "
+    "accumulate_grad_batches >= 2 or >= 2 devices measure it"
 )
 
 
