@@ -11,13 +11,15 @@ broadcast reduction (the add's backward) sums it over the examples. The add is f
 gets that gradient (:func:`per_example_grad`). A lookup whose output anything else reads (a view, a product, a
 repeat, an in-place op, a compiled region) has no exact per-example gradient here, and is reported so.
 
-A bare parameter p of shape S reaches the loss through the nodes that read its ``AccumulateGrad``: an add or a
+A bare parameter p of shape S meets the batch at a node that broadcasts it over the examples: an add or a
 subtraction (``x + p``: example i's gradient is the result's gradient at i, summed over the dimensions p is
 broadcast over), a product (``x * p``: the same of the gradient times x) or an expansion (``p.expand(B, ...)``:
-the gradient at i). :class:`BroadcastParameters` is the rule of such a module's parameters; the hooks catch the
-gradients at those nodes (:func:`parameter_reader`, :func:`parameter_grad`).
+the gradient at i). Between its ``AccumulateGrad`` and that node it may pass through views, slices and
+arithmetic free of the batch (:class:`Step`), back through which the gradient goes. :class:`BroadcastParameters`
+is the rule of such a module's parameters; the hooks catch the gradients at those nodes
+(:func:`parameter_readers`, :func:`parameter_grad`).
 
-Host-side only (the graph's nodes and shapes). No Lightning import.
+Host-side only (the graph's nodes and shapes; a batch-free product's small operand). No Lightning import.
 """
 
 from __future__ import annotations
