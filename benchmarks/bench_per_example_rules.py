@@ -316,14 +316,19 @@ def labelled(shape: tuple[int, ...], vocab: int | None = None) -> Data:
 
 
 def zoo_model(name: str) -> Callable[[], nn.Module]:
-    """The zoo's model, its position table frozen if it has one looked up with ids shared by the batch
-    (the peers have no per-example rule for it; frozen, every tool measures the same parameters)."""
+    """The zoo's model, its position table frozen if it has one looked up with ids shared by the batch, and the
+    bare parameters of modules without a layer rule (a ViT's ``pos_embed``, a layer-scale ``gamma``): the peers
+    have no per-example rule for them; frozen, every tool measures the same parameters."""
     entry = ZOO[name]
 
     def make() -> nn.Module:
         model = entry.make()
         if entry.shared_lookup:
             model.get_submodule(entry.shared_lookup).requires_grad_(False)
+        for module in model.modules():
+            if rule_for(module) is None:
+                for p in module.parameters(recurse=False):
+                    p.requires_grad_(False)
         return model
 
     return make

@@ -263,6 +263,54 @@ class ViT(nn.Module):
         return self.head(self.norm(x).mean(1))
 
 
+class ViTClassToken(nn.Module):
+    """timm's and torchvision's VisionTransformer as written there: a bare class token expanded over the batch and
+    concatenated, a bare position table ``(1, N + 1, D)`` added, dropout, the head on the class token."""
+
+    def __init__(self, image: int = 8, patch: int = 4) -> None:
+        super().__init__()
+        patches = (image // patch) ** 2
+        self.patch_embed = nn.Conv2d(3, D, patch, patch)
+        self.cls_token = nn.Parameter(0.02 * torch.randn(1, 1, D))
+        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, patches + 1, D))
+        self.pos_drop = nn.Dropout(0.1)
+        self.blocks = nn.Sequential(*(PreLNBlock(D, 2, causal=False) for _ in range(2)))
+        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)  # (B, N, D)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.blocks(self.pos_drop(x + self.pos_embed))
+        return self.head(self.norm(x)[:, 0])
+
+
+class ConvNeXtBlock(nn.Module):
+    """The official ConvNeXt block: a depthwise 7×7 conv, a channels-last LayerNorm and MLP, the residual scaled
+    by a bare layer-scale ``gamma`` beside those children."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm, self.pwconv1, self.pwconv2 = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(1e-1 * torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(self.dwconv(x).permute(0, 2, 3, 1))  # (B, H, W, C)
+        h = self.gamma * self.pwconv2(F.gelu(self.pwconv1(h)))
+        return x + h.permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, D, 2, 2)
+        self.blocks = nn.Sequential(ConvNeXtBlock(D), ConvNeXtBlock(D))
+        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.blocks(self.stem(x)).mean((2, 3))))
+
+
 class MixerBlock(nn.Module):
     def __init__(self, tokens: int, dim: int) -> None:
         super().__init__()
@@ -359,6 +407,8 @@ ZOO: dict[str, Entry] = {
     "lstm_classifier_packed": Entry(PackedLSTMClassifier, _padded_tokens, F.cross_entropy),
     "transformer_dropout": Entry(TransformerLanguageModel, _tokens, token_loss, random=True),
     "vit": Entry(ViT, _images, F.cross_entropy, "pos_embed"),
+    "vit_class_token": Entry(ViTClassToken, _images, F.cross_entropy, random=True),
+    "convnext_layer_scale": Entry(ConvNeXt, _images, F.cross_entropy),
     "mixer_rmsnorm": Entry(Mixer, _images, F.cross_entropy),
     "unet_conv_transpose": Entry(UNet, lambda b: (torch.randn(b, 2, 8, 8), torch.randn(b, 1, 8, 8)), F.mse_loss),
 }

@@ -1042,6 +1042,43 @@ def test_ddp_uses_rank_and_global_gradients_and_agrees_with_one_process(tmp_path
         assert abs(measured - expected) < 1e-4 * abs(ranks[0][key]), key
 
 
+def _vit() -> nn.Module:
+    from zoo import ViTClassToken
+
+    torch.manual_seed(0)
+    net = ViTClassToken()
+    net.pos_drop.p = 0.0  # the same forward on the ranks as on one process
+    return net
+
+
+@pytest.mark.slow
+def test_ddp_a_vit_s_bare_parameters_are_measured_per_example_on_every_rank(tmp_path):
+    """Under DDP the class token and the position table are caught per example on each rank, as on one process:
+    no micro-batch source, every rank the same estimate, that of one process over the same 16 examples."""
+    torch.manual_seed(3)
+    steps = 3
+    data = TensorDataset(torch.randn(16 * steps, 3, 8, 8), torch.randint(0, 4, (16 * steps,)))
+    pl.Trainer(
+        strategy="ddp_spawn",
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        callbacks=[BatchVarianceProbe(), RankReport(str(tmp_path)), ReleaseProcessGroup()],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    ).fit(Classifier(_vit()), datamodule=InterleavedRanks(data, batch_size=8))
+    ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["count"] == steps
+    assert "micro-batches" not in ranks[0]["sources"] and "(100.0% of parameters)" in ranks[0]["sources"]
+    single = BatchVarianceProbe()
+    fit(Classifier(_vit()), data, [single], batch_size=16, steps=steps, precision="32-true")
+    for key in ("trace_cov", "grad_sq_norm"):
+        assert rel(ranks[0][key], float(getattr(single.noise, key))) < 1e-4, key
+
+
 def test_demo_cnn_runs_with_the_probe():
     pytest.importorskip("sklearn")
     from trainvitals.demo.data import DigitsDataModule
@@ -1446,6 +1483,39 @@ def test_a_gpt_s_position_table_is_measured_per_example_from_the_first_step(styl
     assert coverage == 1.0
     norms = second.values[3]
     torch.testing.assert_close(torch.tensor(norms, dtype=flat.dtype), flat.norm(dim=1).sort().values, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_vit_s_bare_class_token_and_position_table_are_measured_per_example(accumulate):
+    """timm's and torchvision's ViT keep ``cls_token`` and ``pos_embed`` as bare parameters of the model beside its
+    layers (a fresh user's: 3 % of the parameters, two thirds of ‖ḡ‖², unmeasured without accumulation): measured
+    where the graph broadcasts them over the batch, every parameter per example, no micro-batch source, the first
+    step's tr(Σ) and ‖G‖² those of a per-example loop over ALL parameters."""
+    from zoo import ViTClassToken
+
+    torch.manual_seed(0)
+    b, net = 8, ViTClassToken().double()
+    net.pos_drop.p = 0.0  # the loop below draws no masks
+    x, y = torch.randn(b * accumulate * 3, 3, 8, 8, dtype=torch.float64), torch.randint(0, 4, (b * accumulate * 3,))
+    probe, first = BatchVarianceProbe(), StepValues(0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(net), TensorDataset(x, y), [probe, first], batch_size=b, steps=3, accumulate=accumulate)
+    assert _probe_warnings(record) == [] and not probe._excluded and "micro-batches" not in probe.sources
+    assert "parameters broadcast over the batch×1" in probe.sources and "(100.0% of parameters)" in probe.sources
+    n = b * accumulate  # the first step's examples; lr = 0 keeps the weights
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name, _ in net.named_parameters()}
+    for i in range(n):
+        net.zero_grad()
+        F.cross_entropy(net(x[i : i + 1]), y[i : i + 1]).backward()
+        for name, p in net.named_parameters():
+            grads[name].append(p.grad.clone())
+    flat = torch.cat([torch.stack(g).flatten(1) for g in grads.values()], 1)
+    trace = (flat - flat.mean(0)).square().sum() / (n - 1)
+    trace_cov, grad_sq_norm, coverage, _ = first.values
+    assert rel(trace_cov, float(trace)) < 1e-5
+    assert rel(grad_sq_norm, float(flat.mean(0).square().sum() - trace / n)) < 1e-5
+    assert coverage == 1.0
 
 
 @pytest.mark.parametrize(("style", "accumulate"), [("view", 1), ("view", 2), ("view T=B", 1)])

@@ -36,8 +36,9 @@ class Head(nn.Module):
 
 
 class Net(pl.LightningModule):
-    """Linear → [BatchNorm1d] → Tanh → Head, and with ``pos`` a bare position offset of the model itself, which
-    neither the rules nor torch.func measure (its forward runs the layers with weight matrices)."""
+    """Linear → [BatchNorm1d] → Tanh → Head, and with ``pos`` a bare position offset of the model itself, read
+    through a flip: neither its graph (at the first step), nor the rules, nor torch.func measure it (its forward runs
+    the layers with weight matrices)."""
 
     def __init__(self, batchnorm: bool = False, pos: bool = False) -> None:
         super().__init__()
@@ -47,7 +48,7 @@ class Net(pl.LightningModule):
         self.pos = nn.Parameter(0.1 * torch.randn(3)) if pos else None
 
     def per_example(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x = x + self.pos if self.pos is not None else x
+        x = x + self.pos.flip(0) if self.pos is not None else x
         return F.cross_entropy(self.h(torch.tanh(self.n(self.a(x)))), y, reduction="none")
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -144,13 +145,13 @@ def test_a_parameter_nothing_measures_is_named_with_the_share_covered(tmp_path):
     torch.manual_seed(0)
     module, (x, y) = Net(pos=True).double(), data(1)
     truth = brute_force_norms(module, x, y, skip=("pos",))
-    probe, _ = fit_probe(module, x, y, str(tmp_path))
+    probe, _ = fit_probe(module, x, y, str(tmp_path), steps=2)  # the first finds the flip, the second goes without
     assert "`pos`" in probe.sources  # not measured: the plan says so too
     total = sum(p.numel() for p in module.parameters())
     label = f"over {1 - 3 / total:.1%} of parameters (not: `pos`)"
     heading, rows = panel_rows(logged(str(tmp_path))["grad_noise/outliers/text_summary"][-1])
     assert (
-        heading == f"**Largest per-example gradient norms at optimizer step 0, {label}.** Look at these examples "
+        heading == f"**Largest per-example gradient norms at optimizer step 1, {label}.** Look at these examples "
         "first: a mislabelled, corrupt or duplicated example has a gradient far larger than the others'."
     )
     order = torch.argsort(truth, descending=True).tolist()

@@ -955,19 +955,23 @@ class WithPositions(nn.Module):
 
 def test_torch_func_never_re_runs_a_subtree():
     """torch.func re-runs the module that owns a parameter: for the root's position table, the whole model
-    on every measured step. Such a parameter is left to micro-batches/ranks, or reported unmeasured."""
+    on every measured step. Such a parameter is measured where the graph broadcasts it over the batch; excluded
+    (its graph showed another use), it is left to micro-batches/ranks, or reported unmeasured."""
     model = WithPositions()
     plan = plan_sources(model, groups_available=False, fallback=True)
-    assert list(plan.per_example) == ["body.0"] and list(plan.vmap) == ["body.1"]  # a leaf module: re-run alone
-    assert plan.uncovered["positions"].startswith("a parameter of a module whose forward also runs layers with weight")
-    grouped = plan_sources(model, groups_available=True, fallback=True)
+    assert list(plan.per_example) == ["", "body.0"] and list(plan.vmap) == ["body.1"]  # a leaf module: re-run alone
+    assert not plan.uncovered and "parameters broadcast over the batch×1" in plan.describe(model)
+    excluded = plan_sources(model, groups_available=False, fallback=True, exclude=[""])
+    assert list(excluded.per_example) == ["body.0"]
+    assert excluded.uncovered["positions"].startswith("a parameter of a module whose forward also runs layers with")
+    grouped = plan_sources(model, groups_available=True, fallback=True, exclude=[""])
     assert set(grouped.micro_batch) == {"positions", "body.1.scale"} and not grouped.uncovered
     norm_child = nn.Sequential(Scale(4))  # a child without a weight matrix is cheap to re-run
     norm_child.weight = nn.Parameter(torch.ones(4, 4))
     assert list(plan_sources(norm_child, groups_available=False, fallback=True).vmap) == ["", "0"]
     big_table = nn.Sequential(nn.Linear(4, 4))  # a large table of its own does not make the child cheap
     big_table.table = nn.Parameter(torch.ones(1000, 4))
-    assert "table" in plan_sources(big_table, groups_available=False, fallback=True).uncovered
+    assert "table" in plan_sources(big_table, groups_available=False, fallback=True, exclude=[""]).uncovered
 
 
 def test_noise_scale_error_shrinks_with_steps_and_flags_one_update():
@@ -1006,7 +1010,8 @@ def test_a_tied_parameter_counts_once_in_the_coverage_line():
 
 
 class OwnTable(nn.Module):
-    """A model's own position table beside a Linear child: torch.func would re-run the child, so it is not measured."""
+    """A model's own position table beside a Linear child: torch.func would re-run the child, so excluded (as after
+    its graph showed a use other than broadcast), it is not measured."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1019,12 +1024,14 @@ class OwnTable(nn.Module):
 def test_the_coverage_line_nests_no_parentheses():
     """The unmeasured parameters' reasons hold parentheses of their own: they follow the share, not inside it."""
     model = OwnTable()
-    line = plan_sources(model, groups_available=False, fallback=True).describe(model)
+    line = plan_sources(model, groups_available=False, fallback=True, exclude=[""]).describe(model)
     depth = deepest = 0
     for char in line:
         depth += {"(": 1, ")": -1}.get(char, 0)
         deepest = max(deepest, depth)
-    assert "not measured: 1 tensor (" in line and "torch.func would" in line and deepest == 1, line
+    assert (
+        "not measured: 1 tensor (" in line and "not measurable where the graph broadcasts it" in line and deepest == 1
+    ), line
 
 
 class Attention(nn.Module):
@@ -1050,7 +1057,7 @@ def test_multihead_attention_is_planned_for_per_example_norms(groups_available):
 def test_the_coverage_line_names_the_tensors_it_leaves_out():
     """Each reason with the tensors it keeps out, by name: a position table and BatchNorm's affine pair."""
     model = nn.Sequential(OwnTable(), nn.BatchNorm1d(4))
-    line = plan_sources(model, groups_available=False, fallback=True).describe(model)
+    line = plan_sources(model, groups_available=False, fallback=True, exclude=["0"]).describe(model)
     assert "not measured: 3 tensors" in line, line
     assert "`0.table`: " in line and "`1.weight`, `1.bias`: BatchNorm couples the examples" in line, line
     assert line.count("BatchNorm couples the examples") == 1, line

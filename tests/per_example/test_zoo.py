@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from zoo import ZOO, ResNet
 
@@ -142,6 +143,58 @@ def test_hf_gpt2_from_config_is_measured_over_all_parameters():
     output = model(input_ids=x).logits
     assert torch.equal(output, out)
     loss = token_loss(output, x)
+    collector.before_backward(loss)
+    loss.backward()
+    collector.end_micro_batch(float(B))
+    collector.detach()
+    step = collector.pop()
+    assert step.failed == {} and step.seen == set(plan.per_example) | set(plan.vmap)
+    assert close(step.sq_norms[0], flat.square().sum(1))
+    assert collector.unbalanced(step, 1.0 / B) == {}
+
+
+@pytest.mark.parametrize("kind", ["vit", "convnext"])
+def test_hf_vit_and_convnext_from_config_are_measured_over_all_parameters(kind):
+    """transformers' ViT (its embeddings module's bare ``cls_token`` expanded and concatenated, its bare
+    ``position_embeddings`` added, dropout after) and ConvNeXt (each layer's bare ``layer_scale_parameter``
+    multiplying the residual branch): each example's ‖g_i‖² over every parameter is that of its own loss through
+    the same forward, with no micro-batches."""
+    transformers = pytest.importorskip("transformers")
+
+    torch.manual_seed(0)
+    if kind == "vit":
+        config = transformers.ViTConfig(
+            image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=32, num_labels=4, hidden_dropout_prob=0.1,
+        )  # fmt: skip
+        model = transformers.ViTForImageClassification(config)
+    else:
+        config = transformers.ConvNextConfig(
+            num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, patch_size=2, num_labels=4, image_size=8
+        )
+        model = transformers.ConvNextForImageClassification(config)
+    model = model.double().train()
+    x, y = torch.randn(B, 3, 8, 8, dtype=torch.float64), torch.randint(0, 4, (B,))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    torch.manual_seed(1)
+    out = model(pixel_values=x).logits
+    grads = [
+        torch.autograd.grad(F.cross_entropy(out[i : i + 1], y[i : i + 1]), list(params.values()), retain_graph=True)
+        for i in range(B)
+    ]
+    flat = torch.stack([torch.cat([g.flatten() for g in per]) for per in grads])
+
+    plan = plan_sources(model, groups_available=False, fallback=True)
+    assert not plan.uncovered and not plan.micro_batch, plan.describe(model)
+    assert "parameters broadcast over the batch" in plan.describe(model)
+    collector = PerExampleGradients(plan.per_example, plan.vmap, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    collector.begin_micro_batch()
+    collector.expect_batch(B)
+    torch.manual_seed(1)
+    output = model(pixel_values=x).logits
+    assert torch.equal(output, out)
+    loss = F.cross_entropy(output, y)
     collector.before_backward(loss)
     loss.backward()
     collector.end_micro_batch(float(B))

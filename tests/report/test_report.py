@@ -386,11 +386,13 @@ def test_noise_verdicts_carry_the_estimates_caveat(
 
 def test_a_partial_estimate_names_what_the_probe_does_not_measure(tmp_path: Path, capsys) -> None:
     """A fresh user's ViT: its report said "partial" without naming the tensors left out (a bare `pos_embed` and
-    `cls_token`, 3 % of the parameters, two thirds of ‖ḡ‖²); it quotes them from the probe's diagnosis panel, and
-    says as before where the log keeps no panel."""
+    `cls_token`, 3 % of the parameters, two thirds of ‖ḡ‖²; read through a slice here); it quotes them from the
+    probe's diagnosis panel, and says as before where the log keeps no panel."""
     said = (
         "not measured: 2 tensors (3.2% of parameters), `model.cls_token`, `model.pos_embed`: a parameter of a module "
-        "whose forward also runs layers with weight matrices; accumulate_grad_batches >= 2 or >= 2 devices measure it"
+        "whose forward also runs layers with weight matrices, which a step found not measurable where the graph "
+        "broadcasts it over the examples (that step's warning says why); accumulate_grad_batches >= 2 or >= 2 "
+        "devices measure it"
     )
     panel = f"| | |\n|---|---|\n| sources | per-example norms in backward: Linear×5 (96.8% of parameters); {said} |\n"
     for texts, named in ((None, False), ({"diagnosis/BatchVarianceProbe": panel}, True)):

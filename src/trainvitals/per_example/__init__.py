@@ -18,7 +18,8 @@ inside its forward (:class:`Capture`), and :func:`per_example_sq_norms` / :func:
 - :mod:`.fallback`: ``torch.func`` per-example gradients of any module (:func:`vmap_per_example_grads`);
 - :mod:`.batch_dim`: which dimension holds the examples where T = B; :mod:`.tied`: modules sharing a
   parameter; :mod:`.broadcast`: a position table shared by the batch, measured at the add that broadcasts
-  it; :mod:`.checkpoint_hooks`: hooks under ``torch.utils.checkpoint``; :mod:`.sums_check`: per-example
+  it, and a module's own bare parameters, at the nodes that broadcast them over the batch;
+  :mod:`.checkpoint_hooks`: hooks under ``torch.utils.checkpoint``; :mod:`.sums_check`: per-example
   gradients that must add up to ``.grad``; :mod:`.loss_reduction`: a mean or a sum over the examples, read
   from the loss's graph (:func:`detect_loss_reduction`); :mod:`.tensor_ops`: shared buffers and dtypes.
 

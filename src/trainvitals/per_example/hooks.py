@@ -21,11 +21,22 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from trainvitals.per_example.batch_dim import ONE_EXAMPLE, Layouts
-from trainvitals.per_example.broadcast import Operand, broadcast_adds, consumers, per_example_grad
+from trainvitals.per_example.broadcast import (
+    BROADCAST_PARAMETERS,
+    CHECKPOINTED,
+    Operand,
+    Reader,
+    broadcast_adds,
+    consumers,
+    parameter_grad,
+    parameter_readers,
+    per_example_grad,
+)
 from trainvitals.per_example.checkpoint_hooks import (
     AllGradsHook,
     _recomputing,
@@ -33,7 +44,7 @@ from trainvitals.per_example.checkpoint_hooks import (
     _reentrant_recomputation,
 )
 from trainvitals.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
-from trainvitals.per_example.registry import Call, Use, _output_grads, _rule
+from trainvitals.per_example.registry import Call, Use, _output_grads, rule_for
 from trainvitals.per_example.rules.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.per_example.sums_check import UNBALANCED, sum_errors, tolerance
 from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _add, _moments, _trainable
@@ -69,6 +80,26 @@ class _SharedCall:
     task: int | None = None
     pending: int = -1
     grad: Tensor | None = None
+
+
+@dataclass
+class _ParameterCall:
+    """A module's own parameters broadcast over the batch (:class:`~.broadcast.BroadcastParameters`) in one
+    backward, until the gradients of the nodes that read them arrive.
+
+    Attributes:
+        name: the module.
+        shapes: its parameters' shapes, by local name.
+        slot: its use's ``[None, per-example gradients]``.
+        pending: the reading nodes whose gradient has yet to arrive.
+        grads: the sum of each parameter's per-example gradients caught so far, ``(B, *shape)``.
+    """
+
+    name: str
+    shapes: dict[str, tuple[int, ...]]
+    slot: list[Any]
+    pending: int
+    grads: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,7 +168,8 @@ class PerExampleGradients:
 
     A lookup with ids shared by the batch (a position table) is measured from the gradient of the adds that
     broadcast its output against the examples, which :meth:`before_backward` finds in the loss's graph
-    (:mod:`.broadcast`).
+    (:mod:`.broadcast`); so is a module without a rule, whose own parameters its forward broadcasts over the
+    batch (a ViT's ``pos_embed``), from the nodes that read them.
 
     Use: :meth:`attach`, then per micro-batch :meth:`begin_micro_batch`, forward, :meth:`before_backward`, backward
     and :meth:`end_micro_batch` with the factor that converts the back-propagated gradient to the examples'
@@ -164,7 +196,7 @@ class PerExampleGradients:
             raise ValueError(f"`sub_batch` must be >= 2, got {sub_batch}")
         self.per_example, self.vmap, self.sub_batch = dict(per_example), dict(vmap), sub_batch
         self.layouts = Layouts() if layouts is None else layouts
-        self._rules = {name: _rule(module) for name, module in self.per_example.items()}
+        self._rules = {name: rule_for(module) or BROADCAST_PARAMETERS for name, module in self.per_example.items()}
         self._names, self._groups = self._parameter_names()
         self._handles: list[RemovableHandle] = []
         self._captures: dict[str, list[Any]] = {}  # per module, the captures of its calls still running
@@ -218,6 +250,8 @@ class PerExampleGradients:
         # their outputs' autograd nodes
         self._creating: set[int] = set()  # those run with create_graph=True
         self._call_hooks: list[AllGradsHook] = []  # this micro-batch's whole calls' hooks, kept here, not by the graph
+        self._parameter_calls: list[_ParameterCall] = []  # this backward's broadcast parameters, by module
+        self._looked = False  # whether before_backward looked for them
 
     @property
     def attached(self) -> bool:
@@ -232,6 +266,8 @@ class PerExampleGradients:
             coordinates = dict.fromkeys(self._names.values(), slice(None))
         self._coordinates, self._keep_norms = dict(coordinates or {}), keep_norms
         for name, module in self.per_example.items():
+            if self._rules[name] is BROADCAST_PARAMETERS:
+                continue  # measured from the loss's graph (before_backward), not from its calls
             whole_call = self._rules[name].whole_call  # a capture is left also when the forward raises
             if whole_call:
                 pre_hook = functools.partial(self._enter_capture, name)
@@ -417,12 +453,25 @@ class PerExampleGradients:
         are added to the examples' tensors (:mod:`.broadcast`), and hook those adds, whose output gradient is the
         per-example one. A lookup whose output something else reads is reported in :attr:`PerExampleStep.failed`
         (1-D ids of B integers: measured as the examples' own, or decided as shared in :meth:`decide`). Not called
-        (a backward of another loss), those lookups are reported so at their gradient. Host-side only: one walk of
-        the graph, in a forward that has such lookups."""
+        (a backward of another loss), those lookups are reported so at their gradient. The modules measured from
+        their broadcast parameters are hooked at the nodes that read those (:meth:`_hook_parameters`). Host-side
+        only: one walk of the graph, in a forward that has such lookups or modules."""
+        self._looked = True
         calls = [(c, node) for c, node in self._shared if c.pending < 0 and c.name not in self._step.failed]
-        if not calls or loss.grad_fn is None:
+        accumulators = {
+            name: {local: get_gradient_edge(p).node for local, p in _trainable(module).items()}
+            for name, module in self.per_example.items()
+            if self._rules[name] is BROADCAST_PARAMETERS
+            and name not in self._step.failed
+            and name not in self._done
+            and name not in self._uses
+        }
+        if not (calls or accumulators) or loss.grad_fn is None:
             return
-        readers = consumers(loss.grad_fn, [node for _, node in calls])
+        readers = consumers(loss.grad_fn)
+        checkpointed = any(type(node).__name__ == CHECKPOINTED for node in readers)
+        for name, nodes in accumulators.items():
+            self._hook_parameters(name, nodes, readers, checkpointed)
         for call, node in calls:
             adds = broadcast_adds(node, call.output, call.shape, readers)
             if call.arange is not None and (
@@ -435,6 +484,71 @@ class PerExampleGradients:
             call.pending = len(adds)
             for add, operand in adds:
                 add.register_prehook(functools.partial(self._backward_shared, call, operand))
+
+    def _hook_parameters(
+        self, name: str, accumulators: dict[str, Any], readers: dict[Any, list[Any]], checkpointed: bool
+    ) -> None:
+        """Hook the nodes of the loss's graph that broadcast ``name``'s own parameters over the batch
+        (``accumulators``: their ``AccumulateGrad`` nodes, by local name), or fail it: a parameter read otherwise.
+        One the graph does not reach is unused (its gradient 0), but where reentrant checkpointing
+        (``checkpointed``) hides what it computes."""
+        shapes = {local: tuple(p.shape) for local, p in _trainable(self.per_example[name]).items()}
+        found: list[tuple[Any, str, Reader]] = []
+        for local, node in accumulators.items():
+            if not readers.get(node) and checkpointed:
+                self._step.failed[name] = (
+                    f"`{local}` is not reached from the loss's graph: inside reentrant checkpointing?"
+                )
+                return
+            hows = parameter_readers(node, readers, shapes[local], self._batch_size or 0)
+            if isinstance(hows, str):
+                self._step.failed[name] = f"`{local}` {hows}"
+                return
+            found += [(reader, local, how) for reader, how in hows]
+        if not found:
+            return  # the loss uses none of them: no contribution
+        call = _ParameterCall(name, shapes, [None, None], len(found))
+        self._uses[name], self._calls[name] = [call.slot], self._calls[name] + 1
+        self._parameter_calls.append(call)
+        for reader, local, how in found:
+            other = [getattr(reader, how.other)] if how.other else []  # let go when the hook has used it
+            reader.register_prehook(functools.partial(self._backward_parameter, call, local, how, other))
+
+    @torch.no_grad()
+    def _backward_parameter(
+        self, call: _ParameterCall, local: str, reader: Reader, other: list[Tensor], grad_outputs: tuple[Any, ...]
+    ) -> None:
+        """A reading node's prehook: its part of ``call``'s per-example gradient of ``local``."""
+        self._note_backward(call.name, None)
+        saved = other.pop() if other else None
+        if call.name in self._step.failed or call.name in self._done or call.pending <= 0:
+            return
+        if grad_outputs[0] is not None:
+            try:
+                per = parameter_grad(grad_outputs[0], call.shapes[local], self._batch_size or 0, reader, saved)
+            except Exception as err:  # noqa: BLE001 - raised into the user's backward, it would end the run
+                per = f"failed per example: {type(err).__name__}: {err}"
+            if isinstance(per, str):
+                self._step.failed[call.name] = f"`{local}` {per}"
+                self._uses.pop(call.name, None)
+                return
+            call.grads[local] = per if local not in call.grads else call.grads[local] + per
+        call.pending -= 1
+        if call.pending == 0:
+            self._finish_parameters(call)
+
+    def _finish_parameters(self, call: _ParameterCall) -> None:
+        """Measure ``call`` from the gradients caught (a parameter none reached: 0)."""
+        call.pending = 0
+        if not call.grads:  # the loss reached none of the reading nodes: no contribution
+            self._uses.pop(call.name, None)
+            return
+        like = next(iter(call.grads.values()))
+        grads = tuple(
+            call.grads[local] if local in call.grads else like.new_zeros(like.shape[0], *shape)
+            for local, shape in call.shapes.items()
+        )
+        self._backward(call.name, call.slot, grads)
 
     def _fail_shared(self, call: _SharedCall, why: str) -> None:
         self._step.failed[call.name] = f"{call.why}; {why}"
@@ -520,7 +634,17 @@ class PerExampleGradients:
 
     def _flush(self) -> None:
         """Measure the groups with uses left at the end of a backward: calls whose outputs the loss did
-        not use (their gradient is 0), a tied module this forward did not call."""
+        not use (their gradient is 0), a tied module this forward did not call, broadcast parameters some of whose
+        reading nodes the backward did not reach."""
+        for call in self._parameter_calls:
+            if call.pending > 0 and call.name not in self._step.failed and call.name not in self._done:
+                self._finish_parameters(call)
+        if self._tasks and not self._looked:  # a backward ran, its graph not shown: their gradients went unseen
+            for name, rule in self._rules.items():
+                if rule is BROADCAST_PARAMETERS:
+                    self._step.failed.setdefault(
+                        name, "where its parameters meet the batch was not looked for (no before_backward)"
+                    )
         for name in list(self._uses):
             if name in self._uses and any(s[1] is not None for s in self._uses[name]):
                 self._measure(self._groups[name])

@@ -19,7 +19,9 @@ class SourcePlan:
     """Which source measures the per-example spread of each trainable parameter.
 
     Attributes:
-        per_example: modules (by qualified name) whose parameters get per-example norms in backward (1).
+        per_example: modules (by qualified name) whose parameters get per-example norms in backward (1); one
+            without a rule, where its forward broadcasts its own parameters over the batch
+            (:class:`~.broadcast.BroadcastParameters`).
         micro_batch: parameters (qualified names) measured from micro-batches and DDP ranks (2).
         vmap: modules whose parameters get ``torch.func`` per-example gradients on a sub-batch (3).
         uncovered: parameters measured by nothing, with the reason.
@@ -60,15 +62,18 @@ class SourcePlan:
             unique = {id(p): p for p in params}  # a tied parameter appears under several names
             return f"{sum(p.numel() for p in unique.values()) / total:.1%} of parameters"
 
-        def kinds(modules: Mapping[str, nn.Module]) -> str:
-            counts = Counter(type(m).__name__ for m in modules.values())
+        def kinds(modules: Mapping[str, nn.Module], graph: str | None = None) -> str:
+            """Each type's count; a module without a rule counted as ``graph`` where one is given."""
+            counts = Counter(
+                type(m).__name__ if graph is None or rule_for(m) is not None else graph for m in modules.values()
+            )
             return ", ".join(f"{k}×{v}" for k, v in counts.items())
 
         named = dict(model.named_parameters(remove_duplicate=False))
         parts = []
         if self.per_example:
             parts.append(
-                f"per-example norms in backward: {kinds(self.per_example)} "
+                f"per-example norms in backward: {kinds(self.per_example, 'parameters broadcast over the batch')} "
                 f"({share(self.parameters('per_example').values())})"
             )
         if self.micro_batch:
@@ -95,6 +100,11 @@ COMPILED_REASON = (
 _CONTAINER_REASON = (
     "a parameter of a module whose forward also runs layers with weight matrices (torch.func would "
     "re-run them all); accumulate_grad_batches >= 2 or >= 2 devices measure it"
+)
+_NOT_BROADCAST_REASON = (
+    "a parameter of a module whose forward also runs layers with weight matrices, which a step found not "
+    "measurable where the graph broadcasts it over the examples (that step's warning says why); "
+    "accumulate_grad_batches >= 2 or >= 2 devices measure it"
 )
 
 
@@ -123,11 +133,22 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, nn.Paramete
     return units
 
 
+def _runs_weight_layers(module: nn.Module) -> bool:
+    """Whether ``module``'s forward also runs layers with weight matrices (a Linear, a convolution): re-running
+    it (torch.func) would re-run them all."""
+    return any(p.dim() >= 2 for child in module.children() for p in child.parameters())
+
+
 def plan_sources(
     model: nn.Module, groups_available: bool, fallback: bool, exclude: Iterable[str] = (), compiled: Iterable[str] = ()
 ) -> SourcePlan:
     """Assign each trainable parameter to a source: (1) per-example norms, else (2) micro-batches/ranks
     when there are at least two gradient groups per step, else (3) ``torch.func`` when ``fallback``.
+
+    A module without a rule whose forward also runs layers with weight matrices (a ViT with its ``pos_embed``)
+    has its own parameters measured by (1) where the loss's graph broadcasts them over the batch
+    (:class:`~.broadcast.BroadcastParameters`); one whose graph shows another use fails its step, and is then
+    excluded.
 
     Modules that share a parameter (an embedding tied to the output layer) are measured together by (1)
     when every one of them has a rule, else none of them by (1) or (3).
@@ -158,7 +179,7 @@ def plan_sources(
         rule = rule_for(module)
         whole = rule is not None and (rule.whole_call or set(params) != set(_qualified(name, _trainable(module))))
         barred[name] = (
-            "excluded after a failed step"
+            (_NOT_BROADCAST_REASON if rule is None and _runs_weight_layers(module) else "excluded after a failed step")
             if name in excluded
             else COMPILED_REASON
             if inside(name)
@@ -183,7 +204,7 @@ def plan_sources(
     per_example, vmap, micro, uncovered = {}, {}, {}, {}
     for name, module, qualified in units:
         reason = reasons[name]
-        if reason is None:
+        if reason is None or (barred[name] is None and rule_for(module) is None and _runs_weight_layers(module)):
             per_example[name] = module
         elif groups_available:
             known = {id(p) for p in micro.values()}
@@ -194,7 +215,7 @@ def plan_sources(
             # A model's own position table, a block's layer-scale: torch.func would re-run the whole
             # subtree (the whole model, for the root) on every measured step. Weight matrices stand for
             # its compute: a LayerNorm child is cheap to re-run, a Linear or a convolution is not.
-            if any(p.dim() >= 2 for child in module.children() for p in child.parameters()):
+            if _runs_weight_layers(module):
                 uncovered.update(dict.fromkeys(qualified, _CONTAINER_REASON))
             else:
                 vmap[name] = module

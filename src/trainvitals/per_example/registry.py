@@ -145,7 +145,7 @@ class PerExampleRule:
         for name, g in self.grads(module, uses).items():
             if rows is not None and name not in rows:
                 continue
-            out[name] = _moments(g[:, slice(None) if rows is None else rows[name]])
+            out[name] = _moments(g if g.dim() == 1 else g[:, slice(None) if rows is None else rows[name]])  # 0-d: g
         return out
 
 

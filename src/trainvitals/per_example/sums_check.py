@@ -27,10 +27,8 @@ def sum_errors(
     """Per parameter (by qualified name), ‖Σ_i g_i · ``to_grad`` − .grad‖ over its ``rows`` (all where not given;
     Σ_i g_i is 0 for a parameter absent from ``grad_sum``), and the larger of the two norms: one host sync."""
     names = list(params)
-    actual = [
-        (params[q].grad if params[q].grad is not None else torch.zeros_like(params[q]))[rows.get(q, slice(None))]
-        for q in names
-    ]
+    grads = [params[q].grad if params[q].grad is not None else torch.zeros_like(params[q]) for q in names]
+    actual = [g if g.dim() == 0 else g[rows.get(q, slice(None))] for q, g in zip(names, grads)]  # 0-d: all of it
     # Compared in the gradients' precision, at least float32: the float64 sums' would double the temporaries.
     dtypes = [torch.promote_types(a.dtype, torch.float32) for a in actual]
     expected = [

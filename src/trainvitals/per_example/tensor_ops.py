@@ -73,7 +73,7 @@ def _bmm(x: Tensor, y: Tensor, workspace: Workspace | None, role: str) -> Tensor
 
 def _sq_norms(x: Tensor) -> Tensor:
     """Squared norm of each example's slice, ``(B, *)`` → ``(B,)``."""
-    return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
+    return torch.linalg.vector_norm(x.flatten(1) if x.dim() > 1 else x[:, None], dim=1).square()  # (B,): a 0-d's
 
 
 def _by_position(t: Tensor) -> Tensor:
