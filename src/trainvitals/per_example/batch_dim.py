@@ -67,6 +67,15 @@ AMBIGUOUS = (
     "begin with a step whose sequence length differs from the batch size (its shape shows the layout)"
 )
 
+#: Why a call whose second dimension is the batch and whose first a multiple of it is not measured, where nothing
+#: else shows the layout.
+FOLDED = (
+    "its input {shape} has the batch ({batch}) on dimension 1 and a multiple of it on dimension 0 ({first} = "
+    "{folds}×{batch}): the examples may be folded into dimension 0 (window attention's windows, heads) as well as "
+    "be on dimension 1 (a (T, B) sequence), and nothing in the model shows which. If it is sequence-first, say "
+    "BatchVarianceProbe(sequence_first=True)"
+)
+
 #: Why a lookup with no dimension of the batch is not measured.
 NO_BATCH = (
     "its ids {shape} have no dimension of the batch ({batch}): not one lookup per example but one shared by "
@@ -291,6 +300,11 @@ class Layouts:
         its trailing feature dimensions (at least 2 before them); ``lookup``: an embedding's ids; ``tied``: it
         shares its parameter."""
         first, second = inputs.shape[0] == batch, inputs.shape[1] == batch
+        if second and not first and inputs.shape[0] % batch == 0 and not self._shows_sequences(name, inputs):
+            folds = inputs.shape[0] // batch
+            return Examples(
+                failed=FOLDED.format(shape=tuple(inputs.shape), batch=batch, first=inputs.shape[0], folds=folds)
+            )
         if first != second:
             return self._show(name, int(second), tuple(inputs.shape))
         if not first:
@@ -299,6 +313,20 @@ class Layouts:
         if lookup and not found.shown and not tied and inputs.dim() == 2 and not found.failed:
             return Examples(found.dim, relative=_relative_positions(inputs))
         return found
+
+    def _shows_sequences(self, name: str, inputs: Tensor) -> bool:
+        """Whether anything but the shape shows layer ``name``'s examples on dimension 1: the user's
+        ``sequence_first``, a module around it or in the model declaring it, a view of the batch, or this or another
+        layer's own evidence this fit (a (B·k, B, ·) input is otherwise as much a fold of the examples into
+        dimension 0: Swin's windows at B = the window's tokens)."""
+        inside = self._inside(name)
+        return bool(
+            self.sequence_first
+            or (inside is not None and inside[1] == 1)
+            or 1 in self.declaring.values()
+            or _view_dim(inputs, self._batch) == 1
+            or 1 in self._showing
+        )
 
     def _ambiguous(self, name: str, inputs: Tensor, batch: int, sequence: bool) -> Examples:
         """Examples for an input with the batch on both of its first two dimensions: the evidence in order
