@@ -224,7 +224,7 @@ class BandSchedule(GradNormEarlyStopping):
         self.margin = scaled_margin(self.base_margin, self.lr_scale)  # a resumed run's scale came with its state
         self._step_scale = self.lr_scale
         # Declared for the fit: the lr a step runs at is its scheduler's × the scale (LRScalingAdvisor reads it).
-        self.vitals.shared(LR_FACTORS, LRFactors).own("schedule", lambda: self.lr_scale)
+        self.vitals.shared(LR_FACTORS, LRFactors).own("BandSchedule", lambda: self.lr_scale)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
