@@ -685,16 +685,23 @@ def test_the_lr_advisor_advises_on_the_base_lr_and_quotes_the_cut_lr_as_the_lr_n
     base = run.matching(r"lr_scaling/base_lr/SGD$")["lr_scaling/base_lr/SGD"]
     assert [lr for _, lr in base] == pytest.approx([eta] * len(logged), rel=1e-6)  # float32 in the event file
     # Fit end: the lr the next step would take, the cut's (the scheduler's lr in place is 10× that), as context.
-    now = expected[steps]
+    now, batch = expected[steps], B
     assert advisor.advices["SGD"].lr == pytest.approx(eta, rel=1e-12)
     assert (
         f"SGD base lr {eta:.3g} → " in advisor.summary_line()
         and f"ExponentialLR scales it: now {now / factor:.3g} × 0.1 (BandSchedule) = {now:.3g})"
         in advisor.summary_line()
     )
+    # The band was entered and cut on: the batch advice squared with it, B_simple ≥ B/δ there.
+    band = (
+        f"the run entered its noise band at optimizer step {cut['step']}, where BandSchedule cut the lr (‖G‖² ≤ "
+        f"{schedule.base_margin:g}·tr(Σ)/B there, so B_simple ≥ B/{schedule.base_margin:g} = "
+        f"{batch / schedule.base_margin:.4g}): a batch below B_simple is what the band means"
+    )
+    assert band in advisor.summary_markdown() and band[0].upper() + band[1:] in advisor.summary_line()
     report = assess(run)
     advice = report.panels["lr scaling advice"]
-    assert f"| {eta:.3g} |" in advice, advice
+    assert f"| {eta:.3g} |" in advice and band in advice, advice
     noise = {row.label: row for row in report.sections["noise scale and batch size"]}
     row = noise["lr now, SGD"]
     at = report.steps["noise scale and batch size"] if row.step is None else row.step

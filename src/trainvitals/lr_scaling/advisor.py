@@ -48,7 +48,7 @@ from trainvitals.plumbing.batch import batch_size, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
 from trainvitals.plumbing.lr_factors import base_lr
 from trainvitals.plumbing.rerun import rerun_quietly
-from trainvitals.plumbing.sharing import GRADIENT_NOISE, LR_FACTORS, SUMMARY
+from trainvitals.plumbing.sharing import GRADIENT_NOISE, LR_FACTORS, NOISE_BAND, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.terminal import markdown_to_text
 
@@ -120,7 +120,9 @@ class LRScalingAdvisor(TrainvitalsCallback):
     ``x4``, ``x8`` or ``b<size>`` for a listed size (not for an unsure family). TensorBoard text
     ``lr_scaling/advice`` at fit start and at the end (at the last step that ran, with the latest B̂; no scalars
     there), kept as :meth:`summary_markdown`; the terminal gets one line at fit end, and the report too with
-    ``verbose=True``.
+    ``verbose=True``. Where the run stopped in its noise band, or BandSchedule acted on it, the end report and
+    line say what the batch advice then means (:meth:`GradNormEarlyStopping.band_entries
+    <trainvitals.noise.stopper.GradNormEarlyStopping.band_entries>`).
 
     The host reads B̂ and the lrs on reporting steps only; other steps cost one integer comparison.
 
@@ -144,7 +146,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
     """
 
     provides = (SUMMARY,)
-    reads = (GRADIENT_NOISE, LR_FACTORS)
+    reads = (GRADIENT_NOISE, LR_FACTORS, NOISE_BAND)
 
     def __init__(
         self,
@@ -192,6 +194,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         """The latest advice per param group name, on its base lr; ``None`` for a group whose base lr is 0."""
         self.add_state("advices", {}, persistent=False)
         self.add_state("_links", {}, persistent=False)  # per advised group: its base lr against its lr now ("": same)
+        self.add_state("_band_said", "", persistent=False)  # at fit end: what a stop on the noise band means for it
         self.add_state("_report", "", persistent=False)
         self.add_state("_interval", None, persistent=False)  # the last summary whose B_simple interval advises
         self.add_state("_started", False, persistent=False)
@@ -291,10 +294,11 @@ class LRScalingAdvisor(TrainvitalsCallback):
             side = "above it: more batch buys little" if adv.batch_size > adv.noise_scale else "below it"
             scale = f"noise scale B̂ = {adv.noise_scale:.4g}, {side}"
         more = f" (and {len(named) - 1} more group(s))" if len(named) > 1 else ""
+        band = f" {self._band_said[0].upper()}{self._band_said[1:]}." if self._band_said else ""
         return (
             f"at an effective batch of {self.effective_batch} ({scale}): {name}{more} "
             f"{_headline(adv, self._links.get(name, ''))}; the full table is the Text tab's lr_scaling/advice, or "
-            "trainvitals report."
+            f"trainvitals report.{band}"
         )
 
     def summary_markdown(self) -> str:
@@ -464,6 +468,9 @@ class LRScalingAdvisor(TrainvitalsCallback):
         idle = [name for name, adv in self.advices.items() if adv is None]
         if idle:
             lines.append(f"base lr is 0 for {', '.join(idle)}: nothing to scale")
+        if step is None:  # fit end: the stop is known
+            self._band_said = self._band_line(batch)
+            lines += [f"**batch advice and the band**: {self._band_said}"] if self._band_said else []
         lines += self._reduction_lines(groups)
         lines += self._reference_lines(groups, batch, noise_scale)
         if step is not None:
@@ -503,6 +510,31 @@ class LRScalingAdvisor(TrainvitalsCallback):
             self.target_batch_sizes,
             betas=_betas(group.group) if adam else None,
             eps=_eps(group.group) if adam else None,
+        )
+
+    def _band_line(self, batch: int) -> str:
+        """What a batch below B_simple means once the run stopped in its noise band or BandSchedule acted on it (the
+        last such act; ``""`` for none). In the band ‖G‖² ≤ δ·tr(Σ)/B, i.e. B_simple ≥ B/δ: near a minimum ‖G‖² → 0
+        and B_simple grows without bound, so the batch advice says what a larger batch would buy, not that this one
+        should have trained on (docs/science.md §3, §7: the stationary ‖G‖² ∝ η/B)."""
+        entries = [entry for cb in self.vitals.providers(NOISE_BAND) for entry in cb.band_entries()]
+        if not entries:
+            return ""
+        step, act, margin = max(entries)
+        where = {
+            "stop": f"the run stopped in its noise band at optimizer step {step}",
+            "cut": f"the run entered its noise band at optimizer step {step}, where BandSchedule cut the lr",
+            "growth": f"the run entered its noise band at optimizer step {step}, where BandSchedule grew the batch",
+        }[act]
+        at = "" if act == "growth" else f" = {batch / margin:.4g}"  # a growth's B is the one before it
+        bound = (
+            f"‖G‖² ≤ {margin:g}·tr(Σ)/B there, so B_simple ≥ B/{margin:g}{at}"
+            if margin > 0
+            else "‖G‖² ≤ 0 there, so B_simple has no upper bound"
+        )
+        return (
+            f"{where} ({bound}): a batch below B_simple is what the band means, not a sign the run should have gone "
+            "on at this batch; to go further, take a larger batch at this lr, or a lower lr"
         )
 
     def _range_line(

@@ -488,6 +488,17 @@ class BandSchedule(GradNormEarlyStopping):
         )
 
     @override
+    def band_entries(self) -> list[tuple[int, str, float]]:
+        """Each cut (``"cut"``, or ``"growth"`` for a batch growth) at the margin of the lr scale before it, then the
+        stop (:meth:`GradNormEarlyStopping.band_entries`)."""
+        before = [1.0] + [c["lr_scale"] for c in self.cuts]
+        cuts = [
+            (int(c["step"]), "cut" if c.get("batch") is None else "growth", scaled_margin(self.base_margin, scale))
+            for c, scale in zip(self.cuts, before)
+        ]
+        return cuts + super().band_entries()
+
+    @override
     def _margin_said(self) -> str:
         """The margin passed, and after a cut the edge's margin at the lr scale: "0.2 (× lr scale 0.01: 0.002)"."""
         scaled = f" (× lr scale {self.lr_scale:g}: {self.margin:g})" if self.lr_scale != 1.0 else ""
