@@ -33,8 +33,9 @@ class Model(pl.LightningModule):
 
     ``groups``: lrs of the optimizer's param groups (weight, bias), one lr for one group.
     ``gamma``: a per-step StepLR factor; ``warmup_from_zero``: a linear warmup from 0; ``one_cycle``:
-    OneCycleLR peaking at the groups' lrs. ``jitter``: input noise drawn in ``training_step`` itself,
-    which eval mode does not turn off. The buffer ``seen`` counts the examples trained on.
+    OneCycleLR peaking at the groups' lrs; ``scheduler``: any other, made from the optimizer. ``jitter``: input
+    noise drawn in ``training_step`` itself, which eval mode does not turn off. The buffer ``seen`` counts the
+    examples trained on.
     """
 
     def __init__(
@@ -46,12 +47,14 @@ class Model(pl.LightningModule):
         warmup_from_zero: bool = False,
         one_cycle: bool = False,
         jitter: float = 0.0,
+        scheduler=None,
     ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.BatchNorm1d(D), nn.Dropout(0.2), nn.Linear(D, 1))
         self.register_buffer("seen", torch.zeros((), dtype=torch.long))
         self.optimizer, self.groups, self.reduction = optimizer, groups, reduction
         self.gamma, self.warmup_from_zero, self.one_cycle, self.jitter = gamma, warmup_from_zero, one_cycle, jitter
+        self.scheduler = scheduler
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -72,7 +75,9 @@ class Model(pl.LightningModule):
                     {"params": [linear.bias, *self.net[0].parameters()], "lr": self.groups[1]},
                 ]
             )
-        if self.gamma is not None:
+        if self.scheduler is not None:
+            scheduler = self.scheduler(opt)
+        elif self.gamma is not None:
             scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=self.gamma)
         elif self.warmup_from_zero:
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 2))
@@ -142,16 +147,60 @@ def test_effective_batch_under_ddp_spawn_with_accumulation(tmp_path):
 
 
 # ---------------------------------------------------------------- lrs, families, B̂
-def test_reports_follow_the_scheduled_lr_every_n_steps():
+def test_reports_follow_the_scheduled_lr_every_n_steps_and_advise_on_its_base_lr():
     logger = RecordingLogger()
     fit(Model(groups=(0.1,), gamma=0.5), [LRScalingAdvisor(log_every_n_steps=2, verbose=False)], logger, max_steps=6)
     steps = [s for s, _ in logger.series["lr_scaling/effective_batch"]]
     assert steps == [0, 2, 4]  # fit start, then before every 2nd optimizer step; steps 0–5 ran
-    expected = [0.1 * 0.5**s for s in steps]
-    assert logger.values("lr_scaling/lr/SGD") == pytest.approx(expected)
-    assert logger.values("lr_scaling/suggested_lr_x2/SGD") == pytest.approx([2 * lr for lr in expected])  # linear
-    assert logger.values("lr_scaling/suggested_lr_x0.5/SGD") == pytest.approx([lr / 2 for lr in expected])
+    assert logger.values("lr_scaling/lr/SGD") == pytest.approx([0.1 * 0.5**s for s in steps])
+    # The advice is on the lr set, StepLR's base lr: the suggestions are base lrs, which StepLR scales in turn.
+    assert logger.values("lr_scaling/base_lr/SGD") == pytest.approx([0.1] * 3)
+    assert logger.values("lr_scaling/suggested_lr_x2/SGD") == pytest.approx([0.2] * 3)  # linear
+    assert logger.values("lr_scaling/suggested_lr_x0.5/SGD") == pytest.approx([0.05] * 3)
     assert "lr_scaling/b_noise" not in logger.series  # nothing measured: classic rules, no NaN
+
+
+def _warmup_cosine(warmup: int, total: int):
+    """A linear warmup over ``warmup`` steps, then a cosine down to 0 at step ``total`` (a LambdaLR's factor)."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+
+    return factor
+
+
+def test_a_warmup_and_cosine_to_0_is_advised_on_its_base_lr_at_every_step_and_at_fit_end():
+    """A fresh user's run: AdamW set at 1e-3 under a warmup + cosine LambdaLR that ends at 0. The advice scales
+    1e-3 (×2 the batch: ×√2, the square-root rule), at the steps where the lr is 0.0005 and at fit end, where it is 0;
+    the lr now is LearningRateMonitor's, the schedule replayed in closed form."""
+    factor = _warmup_cosine(2, 6)
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1, verbose=False)
+    model = Model(
+        optimizer=torch.optim.AdamW,
+        groups=(1e-3,),
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
+    )
+    monitor = LearningRateMonitor(logging_interval="step")
+    fit(model, [monitor, advisor], logger, max_steps=6, accumulate_grad_batches=2, log_every_n_steps=1)
+    assert [s for s, _ in logger.series["lr_scaling/lr/AdamW"]] == list(range(6))
+    assert logger.values("lr_scaling/lr/AdamW") == pytest.approx([1e-3 * factor(s) for s in range(6)])
+    assert dict(logger.series["lr-AdamW"]) == pytest.approx(dict(logger.series["lr_scaling/lr/AdamW"]))
+    assert logger.values("lr_scaling/base_lr/AdamW") == pytest.approx([1e-3] * 6)
+    assert logger.values("lr_scaling/suggested_lr_x2/AdamW") == pytest.approx([1e-3 * math.sqrt(2)] * 6)
+    assert factor(6) == 0.0 and advisor.advices["AdamW"].lr == pytest.approx(1e-3)
+    assert advisor.summary_line() == (
+        f"at an effective batch of 16 (no usable noise scale: classic rules): AdamW base lr 0.001 → "
+        f"{1e-3 * math.sqrt(2):.3g} at batch 32 (square-root rule; LambdaLR scales it: now 0); the full table is the "
+        "Text tab's lr_scaling/advice, or trainvitals report."
+    )
+    report = advisor.summary_markdown()
+    assert "- **base lr** AdamW: 0.001; LambdaLR scales it: now 0\n" in report
+    assert (
+        f"| AdamW | Adam-like | 0.001 | square-root | {1e-3 / math.sqrt(2):.3g} | {1e-3 * math.sqrt(2):.3g} |" in report
+    )
+    assert "**the suggestions are base lrs**" in report
 
 
 @pytest.mark.parametrize("accumulate", [1, 3])
@@ -277,8 +326,14 @@ def test_param_groups_unknown_optimizers_and_zero_lr():
 
     logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1, verbose=False)
     fit(Model(warmup_from_zero=True), [advisor], logger, max_steps=3)
-    assert [s for s, _ in logger.series["lr_scaling/lr/SGD"]][0] == 1  # nothing at step 0, where the lr is 0
+    # A warmup from 0: the lr set is 0.01 from step 0 on, where the lr now is 0.
+    assert logger.series["lr_scaling/lr/SGD"][0] == (0, 0.0) and logger.series["lr_scaling/base_lr/SGD"][0] == (0, 0.01)
     assert advisor.advices["SGD"] is not None
+
+    logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1, verbose=False)
+    fit(Model(groups=(0.0,)), [advisor], logger, max_steps=2)
+    assert advisor.advices == {"SGD": None} and "lr_scaling/lr/SGD" not in logger.series  # set to 0: nothing to scale
+    assert "base lr is 0 for every parameter group" in advisor.summary_line()
 
 
 def test_the_fit_end_line_states_the_advice():
@@ -528,7 +583,8 @@ def test_reference_is_compared_with_the_configured_lr_not_the_scheduled_one(recw
     advisor = LRScalingAdvisor(reference=(4, 0.01), verbose=False)
     fit(Model(groups=(0.04,), **{schedule: True}), [advisor], batch_size=16, max_steps=3)
     assert _reference_warnings(recwarn) == []
-    assert "(configured lr 0.04, before any schedule or cut)" in advisor.summary_markdown()
+    assert "(base lr 0.04, before any schedule or cut)" in advisor.summary_markdown()
+    assert "SGD base lr 0.04 → 0.08 at batch 32 (linear rule; " in advisor.summary_line()  # OneCycleLR: its max_lr
 
 
 def test_a_reference_naming_no_group_is_said_once_at_fit_start() -> None:

@@ -223,7 +223,7 @@ def test_advice_table():
         }
     )
     lines = table.splitlines()
-    assert lines[0].startswith("| optimizer | family | lr now | rule | ×0.5 (32) | ×2 (128)")
+    assert lines[0].startswith("| optimizer | family | base lr | rule | ×0.5 (32) | ×2 (128)")
     assert "| SGD | SGD-like | 0.1 | noise-aware | 0.0556 | 0.167 | 0.25 | 0.333 |" in lines  # 0.1 × 5/(1 + 256/B)
     assert "| Adagrad | unsure | 0.01 | none | – | – | – | – |" in lines
     assert any(line.startswith("| steps S/S_min | 5 | 9 |") for line in lines)

@@ -123,6 +123,31 @@ def test_noise_band_stops_at_the_optimum_and_not_far_from_it(caplog):
     assert far.stopped_step is None and trainer.global_step == 100
 
 
+def test_the_lr_advice_after_a_stop_on_the_band_says_what_its_batch_advice_means():
+    """The stop and the advice at one step: in the band ‖G‖² ≤ δ·tr(Σ)/B, i.e. B_simple ≥ B/δ, so "below B_simple" is
+    what the stop means; the advisor's end report and fit-end line say so once, with the stop's step and B/δ."""
+    from trainvitals import LRScalingAdvisor
+
+    d, margin = 10, 0.2
+    stopper = GradNormEarlyStopping(patience=5, min_steps=20, margin=margin, check_every_n_steps=1)
+    advisor = LRScalingAdvisor(detect_loss_reduction=False, verbose=False)
+    _fit(
+        converging(d),
+        [stopper, advisor],
+        regression_stream(1200, 16, d, torch.zeros(d), 1.0),
+        max_epochs=1,
+        accumulate_grad_batches=4,
+    )
+    assert stopper.stopped_step is not None and stopper.band_entries() == [(stopper.stopped_step, "stop", margin)]
+    said = (
+        f"the run stopped in its noise band at optimizer step {stopper.stopped_step} (‖G‖² ≤ 0.2·tr(Σ)/B there, so "
+        f"B_simple ≥ B/0.2 = {64 / margin:.4g}): a batch below B_simple is what the band means, not a sign the run "
+        "should have gone on at this batch; to go further, take a larger batch at this lr, or a lower lr"
+    )
+    assert f"- **batch advice and the band**: {said}\n" in advisor.summary_markdown()
+    assert advisor.summary_line().endswith(f"or trainvitals report. {said[0].upper()}{said[1:]}.")
+
+
 def test_the_charts_end_at_the_stop_and_hold_no_infinite_value():
     """Logging every 50 steps, a stop between two logging steps is still on the charts — the streak at
     its patience, the monitor's last norm — and B_simple is left out while EMA(‖G‖²) ≤ 0 (at the

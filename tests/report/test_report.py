@@ -514,7 +514,8 @@ def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pyt
         "lr_scaling/b_noise": 400.0,
         "lr_scaling/steps_over_min": 1 + 400 / 64,
         "lr_scaling/examples_over_min": 1 + 64 / 400,
-        "lr_scaling/lr/SGD": 0.1,
+        "lr_scaling/lr/SGD": 0.01,
+        "lr_scaling/base_lr/SGD": 0.1,
         "lr_scaling/suggested_lr_x2/SGD": 0.2,
         "lr_scaling/suggested_lr_b100/SGD": 0.15,
         "graph/unoptimized_params": 3.0,
@@ -527,9 +528,10 @@ def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pyt
     assert noise["noise scale B̂ (given)"] == 400
     assert noise["steps over the fewest, S/S_min = 1 + B̂/B"] == pytest.approx(1 + 400 / 64)
     assert noise["examples over the fewest, E/E_min = 1 + B/B̂"] == pytest.approx(1 + 64 / 400)
-    assert noise["lr now, SGD"] == pytest.approx(0.1)
-    assert noise["suggested lr at ×2 (B = 128), SGD"] == pytest.approx(0.2)  # the effective batch is 64
-    assert noise["suggested lr at B = 100, SGD"] == pytest.approx(0.15)
+    assert noise["lr now, SGD"] == pytest.approx(0.01)  # the step's, a schedule's at a tenth of its base lr
+    assert noise["base lr, SGD"] == pytest.approx(0.1)
+    assert noise["suggested base lr at ×2 (B = 128), SGD"] == pytest.approx(0.2)  # the effective batch is 64
+    assert noise["suggested base lr at B = 100, SGD"] == pytest.approx(0.15)
     assert list(rows(doc["runs"][0], "integrity").items()) == [
         ("parameters with an exactly zero gradient", 0),
         ("tensors with a gradient in no optimizer", 3),

@@ -656,16 +656,17 @@ def test_a_resumed_run_logs_its_cut_record_again(tmp_path):
 
 
 @pytest.mark.parametrize("advisor_first", [False, True], ids=["advisor-after", "advisor-before"])
-def test_the_lr_advisor_quotes_the_cut_lr_in_its_scalars_at_fit_end_and_in_the_report(tmp_path, advisor_first):
+def test_the_lr_advisor_advises_on_the_base_lr_and_quotes_the_cut_lr_as_the_lr_now(tmp_path, advisor_first):
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from trainvitals import LRScalingAdvisor, TrainvitalsDashboard
     from trainvitals.report.assess import assess
     from trainvitals.report.events import read_runs
 
-    # A cut by 0.1 beside a user's chainable scheduler: every lr the advisor quotes is the one the steps ran at (the
+    # A cut by 0.1 beside a user's chainable scheduler: the lr now the advisor quotes is the one the steps ran at (the
     # scheduler's × the scale), whatever the order of the callbacks, also at fit end when BandSchedule has put the
-    # scheduler's lr back in param_groups. The expected lrs: the scheduler alone, replayed in closed form.
+    # scheduler's lr back in param_groups; the lr it advises on is the one set, ExponentialLR's base lr, which a run
+    # at another batch sets and BandSchedule cuts again. The expected lrs: the scheduler alone, in closed form.
     eta, gamma, factor = 0.05, 0.999, 0.1
     schedule = BandSchedule(factor=factor, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
     advisor = LRScalingAdvisor(detect_loss_reduction=False)
@@ -681,13 +682,28 @@ def test_the_lr_advisor_quotes_the_cut_lr_in_its_scalars_at_fit_end_and_in_the_r
     logged = run.matching(r"lr_scaling/lr/SGD$")["lr_scaling/lr/SGD"]
     assert any(step > cut["step"] for step, _ in logged)
     assert all(lr == pytest.approx(expected[step], rel=1e-6) for step, lr in logged), logged
-    # Fit end: the lr the next step would take, the cut's (the scheduler's lr in place is 10× that).
-    now = expected[steps]
-    assert advisor.advices["SGD"].lr == pytest.approx(now, rel=1e-9)
-    assert f"SGD lr {now:.3g} →" in advisor.summary_line()
+    base = run.matching(r"lr_scaling/base_lr/SGD$")["lr_scaling/base_lr/SGD"]
+    assert [lr for _, lr in base] == pytest.approx([eta] * len(logged), rel=1e-6)  # float32 in the event file
+    # Fit end: the lr the next step would take, the cut's (the scheduler's lr in place is 10× that), as context.
+    now, batch = expected[steps], B
+    assert advisor.advices["SGD"].lr == pytest.approx(eta, rel=1e-12)
+    assert (
+        f"SGD base lr {eta:.3g} → " in advisor.summary_line()
+        and f"ExponentialLR scales it: now {now / factor:.3g} × 0.1 (BandSchedule) = {now:.3g})"
+        in advisor.summary_line()
+    )
+    # The band was entered and cut on: the batch advice squared with it, B_simple ≥ B/δ there.
+    band = (
+        f"the run entered its noise band at optimizer step {cut['step']}, where BandSchedule cut the lr (‖G‖² ≤ "
+        f"{schedule.base_margin:g}·tr(Σ)/B there, so B_simple ≥ B/{schedule.base_margin:g} = "
+        f"{batch / schedule.base_margin:.4g}): a batch below B_simple is what the band means"
+    )
+    assert band in advisor.summary_markdown() and band[0].upper() + band[1:] in advisor.summary_line()
     report = assess(run)
     advice = report.panels["lr scaling advice"]
-    assert f"| {now:.3g} |" in advice and f"| {now / factor:.3g} |" not in advice, advice
-    (row,) = [row for row in report.sections["noise scale and batch size"] if row.label == "lr now, SGD"]
+    assert f"| {eta:.3g} |" in advice and band in advice, advice
+    noise = {row.label: row for row in report.sections["noise scale and batch size"]}
+    row = noise["lr now, SGD"]
     at = report.steps["noise scale and batch size"] if row.step is None else row.step
     assert at > cut["step"] and row.value == pytest.approx(expected[at], rel=1e-6)
+    assert noise["base lr, SGD"].value == pytest.approx(eta)

@@ -303,7 +303,7 @@ def test_diagnosis_text_panels_at_fit_end(tmp_path: Path) -> None:
         assert event.step == trainer.global_step == 6
         assert tensor_util.make_ndarray(event.tensor_proto).item().decode() == markdown
     assert (
-        "| lr now |" in expected["LRScalingAdvisor"] and "### Saved for backward" in expected["MemoryTopologyProfiler"]
+        "| base lr |" in expected["LRScalingAdvisor"] and "### Saved for backward" in expected["MemoryTopologyProfiler"]
     )
     assert "did not stop the run" in expected["GradNormEarlyStopping"]
     assert expected["GradNormMonitor"].startswith("| optimizer | steps | last ‖g‖ |")

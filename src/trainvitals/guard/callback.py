@@ -266,7 +266,7 @@ class TrainingGuard(TrainvitalsCallback):
         self._remove_hooks()
         if self.lr_factor != 1.0:  # declared for the fit: the factor while steps are left (LRScalingAdvisor reads it)
             self.vitals.shared(LR_FACTORS, LRFactors).own(
-                "guard", lambda: self.lr_factor if self.lr_steps_left > 0 else 1.0
+                "TrainingGuard", lambda: self.lr_factor if self.lr_steps_left > 0 else 1.0
             )
         for optimizer in trainer.optimizers:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -46,12 +46,23 @@ from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
+from trainvitals.plumbing.lr_factors import base_lr
 from trainvitals.plumbing.rerun import rerun_quietly
-from trainvitals.plumbing.sharing import GRADIENT_NOISE, LR_FACTORS, SUMMARY
+from trainvitals.plumbing.sharing import GRADIENT_NOISE, LR_FACTORS, NOISE_BAND, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.terminal import markdown_to_text
 
 REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescaled
+
+
+class _Group(NamedTuple):
+    """A param group as the advice names it, with its optimizer's family and the lr scheduler that drives it."""
+
+    name: str
+    family: str
+    group: dict[str, Any]
+    index: int  # in its optimizer's param_groups
+    scheduler: Any | None  # the first of trainer.lr_scheduler_configs stepping its optimizer
 
 
 class LRScalingAdvisor(TrainvitalsCallback):
@@ -63,9 +74,13 @@ class LRScalingAdvisor(TrainvitalsCallback):
     - the effective batch = per-device batch × devices × nodes × ``accumulate_grad_batches``
       (data-parallel replicas as the strategy shards the data: 1 on a single device, all processes
       under DDP/FSDP/DeepSpeed);
-    - for each optimizer and param group: the lr its step runs at (the scheduler's, × BandSchedule's cuts and
-      TrainingGuard's factor, :class:`~trainvitals.plumbing.lr_factors.LRFactors`) and its family (SGD-like,
-      Adam-like, or ``unsure`` for a class no rule is known for);
+    - for each optimizer and param group: its base lr, the one you set and the advice scales — where an lr
+      scheduler drives it (``trainer.lr_scheduler_configs``), the scheduler's base lr (OneCycleLR's ``max_lr``,
+      :func:`~trainvitals.plumbing.lr_factors.base_lr`), so a decayed or warming-up lr (a cosine down to 0) still
+      gets its advice; the lr its step runs at now as context (the scheduler's, × BandSchedule's cuts and
+      TrainingGuard's factor, :class:`~trainvitals.plumbing.lr_factors.LRFactors`, which stay out of the base lr:
+      in a run at another batch they act on top of it again); and its family (SGD-like, Adam-like, or ``unsure``
+      for a class no rule is known for);
     - with a noise scale B̂ (examples): S/S_min = 1 + B̂/B, E/E_min = 1 + B/B̂, the balanced batch
       ≈ B̂, and the suggested lr at ×½, ×2, ×4, ×8 the batch and at ``target_batch_sizes`` by the
       noise-aware rule η_new/η_old = (1 + B̂/B_old)/(1 + B̂/B_new) (SGD-like; McCandlish et al. 2018,
@@ -100,11 +115,14 @@ class LRScalingAdvisor(TrainvitalsCallback):
     B̂, ``lr_scaling/b_noise`` (examples; only a given ``noise_scale``: a measured B̂ is the run's
     ``grad_noise/b_simple``), ``lr_scaling/steps_over_min``,
     ``lr_scaling/examples_over_min``; per param group ``<name>`` (``SGD``, ``Adam/pg2``, named as by
-    ``LearningRateMonitor``), ``lr_scaling/lr/<name>`` and ``lr_scaling/suggested_lr_<key>/<name>``
-    with key ``x0.5``, ``x2``, ``x4``, ``x8`` or ``b<size>`` for a listed size (not for an unsure
-    family). TensorBoard text ``lr_scaling/advice`` at fit start and at the end (at the last step that
-    ran, with the latest B̂; no scalars there), kept as :meth:`summary_markdown`; the terminal gets one
-    line at fit end, and the report too with ``verbose=True``.
+    ``LearningRateMonitor``), ``lr_scaling/lr/<name>`` (the lr the step runs at), ``lr_scaling/base_lr/<name>``
+    (the one advised on) and ``lr_scaling/suggested_lr_<key>/<name>`` (a base lr) with key ``x0.5``, ``x2``,
+    ``x4``, ``x8`` or ``b<size>`` for a listed size (not for an unsure family). TensorBoard text
+    ``lr_scaling/advice`` at fit start and at the end (at the last step that ran, with the latest B̂; no scalars
+    there), kept as :meth:`summary_markdown`; the terminal gets one line at fit end, and the report too with
+    ``verbose=True``. Where the run stopped in its noise band, or BandSchedule acted on it, the end report and
+    line say what the batch advice then means (:meth:`GradNormEarlyStopping.band_entries
+    <trainvitals.noise.stopper.GradNormEarlyStopping.band_entries>`).
 
     The host reads B̂ and the lrs on reporting steps only; other steps cost one integer comparison.
 
@@ -128,7 +146,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
     """
 
     provides = (SUMMARY,)
-    reads = (GRADIENT_NOISE, LR_FACTORS)
+    reads = (GRADIENT_NOISE, LR_FACTORS, NOISE_BAND)
 
     def __init__(
         self,
@@ -173,8 +191,10 @@ class LRScalingAdvisor(TrainvitalsCallback):
         self.add_state("loss_divided_by", None, persistent=False)
         self.add_state("_graph_reads", [], persistent=False)  # (terms, divisor) per backward of the first step
         self.advices: dict[str, LRAdvice | None]
-        """The latest advice per param group name; ``None`` for a group whose lr is 0 now."""
+        """The latest advice per param group name, on its base lr; ``None`` for a group whose base lr is 0."""
         self.add_state("advices", {}, persistent=False)
+        self.add_state("_links", {}, persistent=False)  # per advised group: its base lr against its lr now ("": same)
+        self.add_state("_band_said", "", persistent=False)  # at fit end: what a stop on the noise band means for it
         self.add_state("_report", "", persistent=False)
         self.add_state("_interval", None, persistent=False)  # the last summary whose B_simple interval advises
         self.add_state("_started", False, persistent=False)
@@ -262,7 +282,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         named = [(name, adv) for name, adv in self.advices.items() if adv is not None]
         if not named:
             return (
-                f"no lr advice at an effective batch of {self.effective_batch}: the lr is 0 for every "
+                f"no lr advice at an effective batch of {self.effective_batch}: the base lr is 0 for every "
                 "parameter group (nothing to scale)."
             )
         name, adv = named[0]
@@ -274,9 +294,11 @@ class LRScalingAdvisor(TrainvitalsCallback):
             side = "above it: more batch buys little" if adv.batch_size > adv.noise_scale else "below it"
             scale = f"noise scale B̂ = {adv.noise_scale:.4g}, {side}"
         more = f" (and {len(named) - 1} more group(s))" if len(named) > 1 else ""
+        band = f" {self._band_said[0].upper()}{self._band_said[1:]}." if self._band_said else ""
         return (
-            f"at an effective batch of {self.effective_batch} ({scale}): {name}{more} {_headline(adv)}; "
-            "the full table is the Text tab's lr_scaling/advice, or trainvitals report."
+            f"at an effective batch of {self.effective_batch} ({scale}): {name}{more} "
+            f"{_headline(adv, self._links.get(name, ''))}; the full table is the Text tab's lr_scaling/advice, or "
+            f"trainvitals report.{band}"
         )
 
     def summary_markdown(self) -> str:
@@ -355,24 +377,43 @@ class LRScalingAdvisor(TrainvitalsCallback):
         )
         return batch, how
 
-    def _lr(self, group: dict[str, Any]) -> float:
-        """The lr ``group``'s step runs at: BandSchedule's cut and TrainingGuard's factor included, whatever the
-        order of the hooks and at the end of the fit too, when they have put the scheduler's lr back
-        (:meth:`LRFactors.lr <trainvitals.plumbing.lr_factors.LRFactors.lr>`)."""
+    def _lrs(self, group: _Group) -> tuple[float, float, str]:
+        """(base lr, lr now, what links them) of ``group``. The base lr is the one a user sets and the advice scales
+        (:func:`~trainvitals.plumbing.lr_factors.base_lr`: a scheduler's base lr, else the optimizer's lr); the lr
+        now is the one the step runs at: the scheduler's × BandSchedule's cuts and TrainingGuard's factor, whatever
+        the order of the hooks and at the end of the fit too, when they have put the scheduler's lr back
+        (:class:`~trainvitals.plumbing.lr_factors.LRFactors`). The factors stay out of the base lr: in a run at
+        another batch they act on top of it again, as in this one."""
         factors = self.vitals.shared(LR_FACTORS)
-        return float(group["lr"]) if factors is None else factors.lr(group)
+        scheduled = float(group.group["lr"]) if factors is None else factors.scheduled(group.group)
+        owners = {} if factors is None else factors.factors()
+        now = scheduled * math.prod(owners.values())
+        cut = "".join(f" × {value:.3g} ({owner})" for owner, value in owners.items()) + f" = {now:.3g}"
+        base = base_lr(group.group, group.index, group.scheduler)
+        name = "a scheduler" if group.scheduler is None else type(group.scheduler).__name__
+        if base is not None:
+            return base, now, f"{name} scales it: now {scheduled:.3g}" + (cut if owners else "")
+        runs = f"the steps run at {scheduled:.3g}{cut}" if owners else ""
+        if group.scheduler is None:
+            return scheduled, now, runs
+        return scheduled, now, f"{name} keeps no base lr: the advice scales its lr now" + (f"; {runs}" if runs else "")
 
-    def _param_groups(self, trainer: "pl.Trainer") -> list[tuple[str, str, dict[str, Any]]]:
-        """(name, family, param group) for every param group of every optimizer."""
+    def _param_groups(self, trainer: "pl.Trainer") -> list[_Group]:
+        """Every param group of every optimizer, with the lr scheduler Lightning steps for its optimizer (the first
+        of ``trainer.lr_scheduler_configs`` that drives it)."""
         optimizers = [getattr(opt, "optimizer", opt) for opt in trainer.optimizers]  # DeepSpeed wraps the optimizer
+        schedulers: dict[int, Any] = {}
+        for config in trainer.lr_scheduler_configs:
+            driven = getattr(config.scheduler, "optimizer", None)
+            schedulers.setdefault(id(getattr(driven, "optimizer", driven)), config.scheduler)
         names = param_group_labels(
             [type(opt).__name__ for opt in optimizers],
             [[group.get("name") for group in opt.param_groups] for opt in optimizers],
         )
         return [
-            (name, optimizer_family(type(opt)), group)
+            _Group(name, optimizer_family(type(opt)), group, index, schedulers.get(id(opt)))
             for opt, group_names in zip(optimizers, names)
-            for name, group in zip(group_names, opt.param_groups)
+            for index, (name, group) in enumerate(zip(group_names, opt.param_groups))
         ]
 
     # ------------------------------------------------------------------ reporting
@@ -402,32 +443,34 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 f"{noise_scale:.4g}; now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}"
             )
 
-        self.advices = {}
-        for name, family, group in groups:
-            lr = self._lr(group)
+        self.advices, self._links = {}, {}
+        for group in groups:
+            name = group.name
+            lr, now, link = self._lrs(group)
             if not lr > 0:
-                self.advices[name] = None  # e.g. a warmup that starts at 0: nothing to scale yet
+                self.advices[name] = None  # a group set to lr 0 (frozen), or no scheduler and a warmup at 0
                 continue
-            adam = family == "adam"
-            adv = advise(
-                batch,
-                lr,
-                family,
-                noise_scale,
-                self.target_batch_sizes,
-                betas=_betas(group) if adam else None,
-                eps=_eps(group) if adam else None,
-            )
-            self.advices[name] = adv
+            adv = self._advice(batch, lr, group, noise_scale)
+            self.advices[name], self._links[name] = adv, link
+            if link:
+                lines.append(f"**base lr** {name}: {lr:.3g}; {link}")
             if noise_scale is not None and interval is not None:
-                lines.append(self._range_line(name, adv, batch, lr, family, group, interval))
-            metrics[f"lr_scaling/lr/{name}"] = lr
+                lines.append(self._range_line(name, adv, batch, lr, group, interval))
+            metrics.update({f"lr_scaling/lr/{name}": now, f"lr_scaling/base_lr/{name}": lr})
             metrics.update(
                 {f"lr_scaling/suggested_lr_{s.key}/{name}": s.lr for s in adv.suggestions if s.lr is not None}
             )
+        if any(self._links.values()):
+            lines.append(
+                "**the suggestions are base lrs**: set one where you set this run's lr; the scheduler, BandSchedule's "
+                "cuts and TrainingGuard's factor act on top of it there as they did here"
+            )
         idle = [name for name, adv in self.advices.items() if adv is None]
         if idle:
-            lines.append(f"lr is 0 now for {', '.join(idle)}: nothing to scale")
+            lines.append(f"base lr is 0 for {', '.join(idle)}: nothing to scale")
+        if step is None:  # fit end: the stop is known
+            self._band_said = self._band_line(batch)
+            lines += [f"**batch advice and the band**: {self._band_said}"] if self._band_said else []
         lines += self._reduction_lines(groups)
         lines += self._reference_lines(groups, batch, noise_scale)
         if step is not None:
@@ -456,30 +499,49 @@ class LRScalingAdvisor(TrainvitalsCallback):
             f"×{math.sqrt(gain):.3g} (Adam-like), up to ×2 and ×{math.sqrt(2):.3g} as B̂ grows"
         )
 
+    def _advice(self, batch: int, lr: float, group: _Group, noise_scale: float | None) -> LRAdvice:
+        """:func:`~trainvitals.lr_scaling.rules.advise` for ``group`` at base lr ``lr``, with Adam's β and ε."""
+        adam = group.family == "adam"
+        return advise(
+            batch,
+            lr,
+            group.family,
+            noise_scale,
+            self.target_batch_sizes,
+            betas=_betas(group.group) if adam else None,
+            eps=_eps(group.group) if adam else None,
+        )
+
+    def _band_line(self, batch: int) -> str:
+        """What a batch below B_simple means once the run stopped in its noise band or BandSchedule acted on it (the
+        last such act; ``""`` for none). In the band ‖G‖² ≤ δ·tr(Σ)/B, i.e. B_simple ≥ B/δ: near a minimum ‖G‖² → 0
+        and B_simple grows without bound, so the batch advice says what a larger batch would buy, not that this one
+        should have trained on (docs/science.md §3, §7: the stationary ‖G‖² ∝ η/B)."""
+        entries = [entry for cb in self.vitals.providers(NOISE_BAND) for entry in cb.band_entries()]
+        if not entries:
+            return ""
+        step, act, margin = max(entries)
+        where = {
+            "stop": f"the run stopped in its noise band at optimizer step {step}",
+            "cut": f"the run entered its noise band at optimizer step {step}, where BandSchedule cut the lr",
+            "growth": f"the run entered its noise band at optimizer step {step}, where BandSchedule grew the batch",
+        }[act]
+        at = "" if act == "growth" else f" = {batch / margin:.4g}"  # a growth's B is the one before it
+        bound = (
+            f"‖G‖² ≤ {margin:g}·tr(Σ)/B there, so B_simple ≥ B/{margin:g}{at}"
+            if margin > 0
+            else "‖G‖² ≤ 0 there, so B_simple has no upper bound"
+        )
+        return (
+            f"{where} ({bound}): a batch below B_simple is what the band means, not a sign the run should have gone "
+            "on at this batch; to go further, take a larger batch at this lr, or a lower lr"
+        )
+
     def _range_line(
-        self,
-        name: str,
-        adv: LRAdvice,
-        batch: int,
-        lr: float,
-        family: str,
-        group: dict[str, Any],
-        interval: tuple[float, float],
+        self, name: str, adv: LRAdvice, batch: int, lr: float, group: _Group, interval: tuple[float, float]
     ) -> str:
         """Each suggested lr of ``name`` over B̂'s 90% interval (the estimate's own, ``(low, high)``)."""
-        adam = family == "adam"
-        ends = [
-            advise(
-                batch,
-                lr,
-                family,
-                max(end, 1e-9),
-                self.target_batch_sizes,
-                betas=_betas(group) if adam else None,
-                eps=_eps(group) if adam else None,
-            )
-            for end in interval
-        ]
+        ends = [self._advice(batch, lr, group, max(end, 1e-9)) for end in interval]
         spans = [
             f"{s.label} {min(a.lr, b.lr):.3g}–{max(a.lr, b.lr):.3g}"
             for s, a, b in zip(adv.suggestions, ends[0].suggestions, ends[1].suggestions)
@@ -487,21 +549,21 @@ class LRScalingAdvisor(TrainvitalsCallback):
         ]
         return f"{name}: over B̂'s 90% range the suggested lr spans " + (", ".join(spans) or "nothing")
 
-    def _reduction_lines(self, groups: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    def _reduction_lines(self, groups: list[_Group]) -> list[str]:
         if self.loss_reduction is None or self.per_device_batch is None:
             return []
         notes: dict[str, list[str]] = {}
-        for name, family, group in groups:
+        for group in groups:
             note = loss_reduction_note(
                 self.loss_reduction,
-                family,
+                group.family,
                 self.per_device_batch,
-                self._lr(group),
-                _eps(group),
+                self._lrs(group)[0],
+                _eps(group.group),
                 terms=self.summed_terms,
                 divisor=self.loss_divided_by,
             )
-            notes.setdefault(note, []).append(name)
+            notes.setdefault(note, []).append(group.name)
         divided = "" if self.loss_divided_by is None else f", each micro-batch's divided by {self.loss_divided_by:.4g}"
         head = (
             f"**loss reduction** {self.loss_reduction}{divided} (the first batch twice over gives "
@@ -509,16 +571,14 @@ class LRScalingAdvisor(TrainvitalsCallback):
         )
         return [head] + [f"{', '.join(names)}: {note}" for note, names in notes.items()]
 
-    def _reference_lines(
-        self, groups: list[tuple[str, str, dict[str, Any]]], batch: int, noise_scale: float | None
-    ) -> list[str]:
+    def _reference_lines(self, groups: list[_Group], batch: int, noise_scale: float | None) -> list[str]:
         """Each group's lr against the one suggested from ``reference``; the mismatches go to
         ``_reference_problems`` for the fit-start warning, a mapping naming no group to ``_reference_unmatched``."""
         self._reference_problems = []
         if self.reference is None:
             return []
         ref_batch, ref_lr = self.reference
-        names = [name for name, _, _ in groups]
+        names = [group.name for group in groups]
         if isinstance(ref_lr, Mapping) and not set(ref_lr) & set(names):
             self._reference_unmatched = (
                 f"`reference` gives the lr of {', '.join(map(repr, ref_lr))}, none of the "
@@ -527,18 +587,17 @@ class LRScalingAdvisor(TrainvitalsCallback):
             )
             return [f"**reference**: {self._reference_unmatched}."]
         lines = []
-        for name, family, group in groups:
+        for group in groups:
+            name, family = group.name, group.family
             tuned_lr = ref_lr.get(name) if isinstance(ref_lr, Mapping) else ref_lr
             ratio = lr_ratio(ref_batch, batch, family, noise_scale)
             if tuned_lr is None or ratio is None:
                 continue
-            # The lr the run was configured with: OneCycleLR's peak (its `initial_lr` is a fraction of
-            # it), else the lr before a scheduler (a warmup) changed it.
-            lr = float(group.get("max_lr", group.get("initial_lr", group["lr"])))
+            lr = self._lrs(group)[0]  # the lr the run was configured with: its scheduler's base lr
             suggested, rule = tuned_lr * ratio, rule_for(family, noise_scale)
             lines.append(
                 f"**reference** {name}: tuned at batch {ref_batch} with lr {tuned_lr:.3g}; at batch {batch} "
-                f"the {rule} rule suggests {suggested:.3g} (configured lr {lr:.3g}, before any schedule or cut)"
+                f"the {rule} rule suggests {suggested:.3g} (base lr {lr:.3g}, before any schedule or cut)"
             )
             if batch != ref_batch and abs(lr / suggested - 1.0) > REFERENCE_TOLERANCE:
                 state = "was not rescaled" if math.isclose(lr, tuned_lr, rel_tol=1e-9) else f"is {lr:.3g}"
@@ -595,12 +654,15 @@ def _doubled(batch: Any) -> Any:
     return apply_to_collection(batch, Tensor, lambda t: torch.cat([t, t]) if t.dim() > 0 else t)
 
 
-def _headline(adv: LRAdvice) -> str:
-    """An optimizer's advice in a few words: its rule and the lr it suggests at the first larger batch."""
+def _headline(adv: LRAdvice, link: str) -> str:
+    """An optimizer's advice in a few words: its rule and the lr it suggests at the first larger batch; ``link``:
+    how its base lr and the lr now relate (``""``: the same), said after the rule."""
+    lr = f"base lr {adv.lr:.3g}" if link else f"lr {adv.lr:.3g}"
+    then = f"; {link}" if link else ""
     if adv.rule == "none":
-        return f"lr {adv.lr:.3g}: no scaling rule for its family (unsure); keep the lr and sweep it"
+        return f"{lr}: no scaling rule for its family (unsure){then}; keep the lr and sweep it"
     larger = [s for s in adv.suggestions if s.lr is not None and s.batch_size > adv.batch_size]
     pick = (larger or [s for s in adv.suggestions if s.lr is not None])[:1]
     if not pick:
-        return f"lr {adv.lr:.3g}, {adv.rule} rule"
-    return f"lr {adv.lr:.3g} → {pick[0].lr:.3g} at batch {pick[0].batch_size:.4g} ({adv.rule} rule)"
+        return f"{lr}, {adv.rule} rule{then}"
+    return f"{lr} → {pick[0].lr:.3g} at batch {pick[0].batch_size:.4g} ({adv.rule} rule{then})"

@@ -319,7 +319,8 @@ def advise(
 
     Args:
         batch_size: current effective batch B, examples per optimizer step (> 0).
-        lr: current lr η (> 0), as scheduled now.
+        lr: the lr η (> 0) to scale: the one you set, a scheduler's base lr (the suggestions are base lrs too: the
+            rules are ratios, so a schedule scales them as it scales this one).
         family: ``"sgd"``, ``"adam"`` or ``"unsure"`` (see :func:`optimizer_family`).
         noise_scale: measured B̂ (B_simple) in examples; ``None`` for the classic rules.
         target_batch_sizes: further effective batches to advise on, examples.
@@ -494,7 +495,7 @@ def _fmt(x: float | None) -> str:
 def advice_table(advices: Mapping[str, LRAdvice]) -> str:
     """A markdown report of :func:`advise` results keyed by optimizer / param group name.
 
-    One row per group with its family, lr now, rule and the suggested lr at each target; a table of
+    One row per group with its family, base lr (the lr advised on), rule and the suggested lr at each target; a table of
     S/S_min and E/E_min per batch when B̂ is known; then the notes. Readable as plain text too.
     All advices should share the batch and B̂ (they come from one run).
     """
@@ -508,7 +509,7 @@ def advice_table(advices: Mapping[str, LRAdvice]) -> str:
         rows.append(
             [name, FAMILY_LABELS[adv.family], f"{adv.lr:.3g}", adv.rule, *(_fmt(lr_at.get(label)) for label in labels)]
         )
-    lines = markdown_table(["optimizer", "family", "lr now", "rule", *labels], rows)
+    lines = markdown_table(["optimizer", "family", "base lr", "rule", *labels], rows)
     if first.noise_scale is not None:
         steps = [first.steps_over_min] + [s.steps_over_min for s in first.suggestions]
         examples = [first.examples_over_min] + [s.examples_over_min for s in first.suggestions]

@@ -706,6 +706,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps{after}.{again}"
         )
 
+    def band_entries(self) -> list[tuple[int, str, float]]:
+        """Each act on the noise band, in order: (optimizer step, ``"stop"``, the margin δ it was judged at) for a
+        stop on the band; BandSchedule adds its cuts (``"cut"``, ``"growth"``). In the band ‖G‖² ≤ δ·tr(Σ)/B, i.e.
+        B_simple ≥ B/δ: what LRScalingAdvisor's fit-end advice squares its batch advice with."""
+        if self.stop_reason is not StopReason.NOISE_BAND or self.stopped_step is None:
+            return []
+        return [(self.stopped_step, "stop", self.margin)]
+
     def summary_line(self) -> str:
         """One line for the end of fit: the stop, or why there was none (no noise source, an estimate that
         cannot decide, too few steps, or how far from the band's edge the run ended)."""

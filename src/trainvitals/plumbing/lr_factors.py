@@ -12,7 +12,8 @@ Lightning steps the schedulers before any later hook: :meth:`LRFactors.before_st
 
 Each owner declares its factor once per fit (:meth:`LRFactors.own`, a function read when asked), so a reader
 (LRScalingAdvisor) gets the lr a step runs at from :meth:`LRFactors.lr` whatever the order of the hooks, between
-steps too (at the end of a fit, when the scheduler's lrs are back in ``param_groups``).
+steps too (at the end of a fit, when the scheduler's lrs are back in ``param_groups``), the scheduler's own from
+:meth:`LRFactors.scheduled`, and what a user set under both from :func:`base_lr`.
 
 Shared per fit through the hub: ``vitals.shared(LR_FACTORS, LRFactors)`` (:mod:`trainvitals.plumbing.sharing`).
 """
@@ -35,13 +36,19 @@ class LRFactors:
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step post-hook's handle
 
     def own(self, owner: str, factor: Callable[[], float]) -> None:
-        """Declare ``owner``'s factor: ``factor()`` is the multiplier of the step under way (between steps: of the
-        next one), 1 where it scales nothing; read at each :meth:`apply` and :meth:`lr`. Declared again: replaced."""
+        """Declare ``owner``'s factor (``owner``: the callback's class name, as messages name it): ``factor()`` is the
+        multiplier of the step under way (between steps: of the next one), 1 where it scales nothing; read at each
+        :meth:`apply` and :meth:`lr`. Declared again: replaced."""
         self._owners[owner] = factor
 
     def scale(self) -> float:
         """The product of the owners' factors now: the multiplier on the scheduler's lr."""
         return math.prod(factor() for factor in self._owners.values())
+
+    def factors(self) -> dict[str, float]:
+        """The owners whose factor scales the lr now (≠ 1), and their factors: what a message names."""
+        now = {owner: float(factor()) for owner, factor in self._owners.items()}
+        return {owner: value for owner, value in now.items() if value != 1.0}
 
     def apply(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Every param group's lr of ``optimizers`` × :meth:`scale` for this step, put back after the optimizer's
@@ -56,12 +63,16 @@ class LRFactors:
         for group, lr in self._saved:
             group["lr"] = lr * scale
 
+    def scheduled(self, group: dict[str, Any]) -> float:
+        """``group``'s lr as its scheduler set it, without the factors: saved while a step's factors are applied, else
+        the one in place."""
+        return float(next((lr for held, lr in self._saved or [] if held is group), group["lr"]))
+
     def lr(self, group: dict[str, Any]) -> float:
-        """The lr ``group`` steps at: its scheduler's lr (saved while a step's factors are applied, else the one in
-        place) × :meth:`scale`. Right before the owners' hooks have applied this step's factors, after them, and
-        between steps (the next step's lr: at the end of a fit, the lr the cuts left)."""
-        saved = next((lr for held, lr in self._saved or [] if held is group), group["lr"])
-        return float(saved) * self.scale()
+        """The lr ``group`` steps at: :meth:`scheduled` × :meth:`scale`. Right before the owners' hooks have applied
+        this step's factors, after them, and between steps (the next step's lr: at the end of a fit, the lr the cuts
+        left)."""
+        return self.scheduled(group) * self.scale()
 
     def before_step(self, optimizer: torch.optim.Optimizer, scaler: "torch.amp.GradScaler | None") -> None:
         """At ``on_before_optimizer_step``: when ``scaler`` will skip ``optimizer``'s step (the infs its
@@ -90,3 +101,19 @@ class LRFactors:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks = {}
+
+
+def base_lr(group: dict[str, Any], index: int, scheduler: Any | None) -> float | None:
+    """The lr a user sets for param group ``group`` (number ``index`` of its optimizer), which its lr scheduler
+    scales: OneCycleLR's peak ``max_lr``; else ``scheduler``'s ``base_lrs`` (what LambdaLR, StepLR,
+    CosineAnnealingLR … multiply: the optimizer's lr at construction); else the ``initial_lr`` torch's schedulers
+    write in the group (SequentialLR and ChainedScheduler keep no ``base_lrs``; a scheduler stepped by hand is not
+    ``scheduler``). ``None`` for none of these: no scheduler (the lr in place is the one set), or one that keeps no
+    base lr (ReduceLROnPlateau decays the lr in place). Neither BandSchedule's cuts nor TrainingGuard's factor are
+    in it: they act on top of the scheduler's lr (module docstring)."""
+    if "max_lr" in group:
+        return float(group["max_lr"])
+    base = getattr(scheduler, "base_lrs", None)
+    if base is not None and index < len(base):
+        return float(base[index])
+    return float(group["initial_lr"]) if "initial_lr" in group else None

@@ -46,18 +46,20 @@ _FROM_B_HAT = ("steps_over_min", "examples_over_min")
 
 
 def _lr_label(key: str, batch: float | None) -> str:
-    """The label of ``lr_scaling/<key>`` (LRScalingAdvisor's tags): ``lr/SGD`` is "lr now, SGD",
-    ``suggested_lr_x2/SGD`` "suggested lr at ×2 (B = 128), SGD" at an effective batch of 64."""
+    """The label of ``lr_scaling/<key>`` (LRScalingAdvisor's tags): ``lr/SGD`` is "lr now, SGD" (the step's),
+    ``base_lr/SGD`` "base lr, SGD" (the one set, which the advice scales), ``suggested_lr_x2/SGD`` "suggested base lr
+    at ×2 (B = 128), SGD" at an effective batch of 64."""
     if key in _LR_LABELS:
         return _LR_LABELS[key]
-    if key.startswith("lr/"):
-        return f"lr now, {key.removeprefix('lr/')}"
+    for prefix, said in (("lr/", "lr now"), ("base_lr/", "base lr")):
+        if key.startswith(prefix):
+            return f"{said}, {key.removeprefix(prefix)}"
     if match := SUGGESTED_LR.match(key):
         factor, size, group = match["factor"], match["size"], match["group"]
         if size is not None:
-            return f"suggested lr at B = {size}, {group}"
+            return f"suggested base lr at B = {size}, {group}"
         at = f" (B = {float(factor) * batch:g})" if batch else ""
-        return f"suggested lr at ×{factor}{at}, {group}"
+        return f"suggested base lr at ×{factor}{at}, {group}"
     return key.replace("_", " ")
 
 

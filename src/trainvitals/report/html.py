@@ -291,7 +291,7 @@ def _lr_suggestions(run: Run) -> tuple[str, str] | None:
 
     def draw(ax: Any) -> None:
         for optimizer, by_factor in sorted(suggested.items()):
-            now = run.last(rf"lr_scaling/lr/{re.escape(optimizer)}$")
+            now = run.last(rf"lr_scaling/base_lr/{re.escape(optimizer)}$")  # the lr the suggestions scale
             points = sorted({**by_factor, **({1.0: now} if now is not None else {})}.items())
             xs = [f * batch if batch else f for f, _ in points]
             line = ax.plot(xs, [lr for _, lr in points], marker="o", label=optimizer)[0]
@@ -301,10 +301,12 @@ def _lr_suggestions(run: Run) -> tuple[str, str] | None:
         ax.set_yscale("log")
         ax.set_xlabel("effective batch (examples)" if batch else "batch multiple")
         ax.set_ylabel("learning rate")
-        ax.legend(fontsize=8, title="★ now")
+        ax.legend(fontsize=8, title="★ base lr now")
         ax.grid(alpha=0.3, which="both")
 
-    return _png(draw), "The lr LRScalingAdvisor suggests for each batch size (★: the current batch and lr)."
+    return _png(draw), (
+        "The base lr LRScalingAdvisor suggests for each batch size (★: the current batch and base lr, the one set)."
+    )
 
 
 def _guard_actions(run: Run) -> tuple[str, str] | None:

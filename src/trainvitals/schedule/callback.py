@@ -224,7 +224,7 @@ class BandSchedule(GradNormEarlyStopping):
         self.margin = scaled_margin(self.base_margin, self.lr_scale)  # a resumed run's scale came with its state
         self._step_scale = self.lr_scale
         # Declared for the fit: the lr a step runs at is its scheduler's × the scale (LRScalingAdvisor reads it).
-        self.vitals.shared(LR_FACTORS, LRFactors).own("schedule", lambda: self.lr_scale)
+        self.vitals.shared(LR_FACTORS, LRFactors).own("BandSchedule", lambda: self.lr_scale)
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -486,6 +486,17 @@ class BandSchedule(GradNormEarlyStopping):
             f"the {measured:.0f} it had{cap}): the edge at lr scale {self.lr_scale:g} needs {1 / self.lr_scale**2:.3g}× "
             "those of the unscaled one"
         )
+
+    @override
+    def band_entries(self) -> list[tuple[int, str, float]]:
+        """Each cut (``"cut"``, or ``"growth"`` for a batch growth) at the margin of the lr scale before it, then the
+        stop (:meth:`GradNormEarlyStopping.band_entries`)."""
+        before = [1.0] + [c["lr_scale"] for c in self.cuts]
+        cuts = [
+            (int(c["step"]), "cut" if c.get("batch") is None else "growth", scaled_margin(self.base_margin, scale))
+            for c, scale in zip(self.cuts, before)
+        ]
+        return cuts + super().band_entries()
 
     @override
     def _margin_said(self) -> str:

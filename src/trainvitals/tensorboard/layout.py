@@ -138,7 +138,10 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
                 "Multiline",
                 [grad_norm("nonfinite_steps"), grad_norm("amp_skipped_steps"), grad_norm("spike_steps"), r"graph/.+"],
             ],
-            "learning rate and its suggestion": ["Multiline", [r"lr-.+", r"lr_scaling/(?:lr|suggested_lr_[^/]+)/.+"]],
+            "learning rate and its suggestion": [
+                "Multiline",
+                [r"lr-.+", r"lr_scaling/(?:lr|base_lr|suggested_lr_[^/]+)/.+"],
+            ],
             "steps and examples over their minimum": ["Multiline", [r"lr_scaling/(?:steps|examples)_over_min$"]],
             "update/weight ratio ‖Δθ‖/‖θ‖ per layer (rule of thumb: ~1e-3 per step)": [
                 "Multiline",
