@@ -79,7 +79,7 @@ DEFAULT_PATIENCE = 10
 DEFAULT_MIN_STEPS = 100
 # The host reads the on-device streak every this many steps: one sync per 10 steps, a stop at most 9 late.
 DEFAULT_CHECK_EVERY_N_STEPS = 10
-# A sigmoid MLP on the digits sits at chance on a plateau in its band, its loss within 1 % of its start; the stops of
+# A sigmoid MLP on the digits sits at chance on a plateau in its band, its loss 2-4 % below its start; the stops of
 # the demo and of benchmarks/stopping_tasks.py came with the loss 22-99.9 % below its start (noise-band-stopping.md).
 DEFAULT_MIN_LOSS_DROP = 0.1
 MANUAL = (
