@@ -1196,3 +1196,20 @@ def test_a_sigmoid_mlp_on_its_plateau_is_neither_stopped_nor_cut(kind):
     progress = callback.loss_progress.summary()
     assert progress["drop"] < 0.1 and progress["start"] == pytest.approx(math.log(10), rel=0.05)
     assert "a plateau the run has not left" in callback.summary_line()
+
+
+def test_a_run_held_on_its_plateau_reads_not_stopped_in_the_report(tmp_path):
+    """The plateau's panel (grad_norm/stop_reason) is no stop: the report's stop row says "not stopped" in its words."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals.report.assess import assess
+    from trainvitals.report.events import read_runs
+
+    stopper = GradNormEarlyStopping(patience=5, min_steps=20, check_every_n_steps=1, verbose=False)
+    data = regression_stream(4 * 300, 16, 10, torch.zeros(10), 1.0)
+    logger = TensorBoardLogger(str(tmp_path), name="run")
+    _fit(_HeldLoss(lambda step: 2.0), [stopper], data, logger=logger, max_epochs=1, accumulate_grad_batches=4)
+    (run,) = read_runs(tmp_path)
+    stop = {row.label: row.value for row in assess(run).sections["convergence"]}["stop"]
+    assert stopper.stopped_step is None and stop.startswith("not stopped: in its noise band for a full streak"), stop
+    assert "a plateau the run has not left" in stop
