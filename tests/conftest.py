@@ -170,6 +170,7 @@ FAST_FILES = frozenset(
         "test_base.py",
         "test_sharing.py",
         "test_docs.py",
+        "test_loss_progress.py",
     }
 )
 """The edit loop's subset, ``pytest -m fast`` (under a minute): the torch-only math of every feature against its

@@ -59,6 +59,7 @@ GRAD_NORM_SUMMARIES = (
     "in_noise_band",
     "band_streak",
     "held_from_start",
+    "loss_drop",
     "nonfinite_steps",
     "amp_skipped_steps",
     "spike_steps",

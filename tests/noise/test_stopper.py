@@ -1099,3 +1099,142 @@ def test_a_run_held_from_its_start_and_then_shown_out_is_not_said_to_be_held_at_
     assert "from the start" in stopper.summary_line()
     stopper._left = torch.ones((), dtype=torch.bool)
     assert "from the start" not in stopper.summary_line()
+
+
+class _HeldLoss(LinearRegression):
+    """:func:`converging`'s regression (out of its band, then in it) whose loss *value* is ``level(step)``, its
+    gradient the mean squared error's: ``mse − mse.detach() + level``. A closed form for the loss rule: the
+    gradient's statistics of a run that settles in its band, the loss of a plateau held where it started."""
+
+    def __init__(self, level):
+        super().__init__(torch.full((10,), 0.5), lr=0.02)
+        self.level = level
+
+    def training_step(self, batch, batch_idx):
+        mse = super().training_step(batch, batch_idx)
+        return mse - mse.detach() + self.level(self.trainer.global_step)
+
+
+def _held_fit(level, steps=400, **kwargs):
+    stopper = GradNormEarlyStopping(patience=5, min_steps=20, check_every_n_steps=1, **kwargs)
+    logger = RecordingLogger()
+    data = regression_stream(4 * steps, 16, 10, torch.zeros(10), 1.0)
+    _fit(_HeldLoss(level), [stopper], data, logger=logger, max_epochs=1, accumulate_grad_batches=4, log_every_n_steps=1)
+    return stopper, logger
+
+
+def test_no_stop_while_the_loss_has_not_fallen_from_its_start(caplog):
+    """In its band (a full streak at step 171) as at a minimum, but the loss flat at its start: a plateau the run never left.
+    Without the rule it stops there; with it, it never does, and says why once and at the end."""
+    without, _ = _held_fit(lambda step: 2.0, min_loss_drop=None)
+    assert without.stopped_step is not None and without.stopped_step < 250
+    with caplog.at_level("INFO"):
+        held, logger = _held_fit(lambda step: 2.0)
+    assert held.stopped_step is None and held.plateau_step == without.stopped_step
+    assert set(logger.values("grad_norm/loss_drop")) == {0.0}  # (2 − 2)/2, from the start's 10th step on
+    said = [
+        r.message for r in caplog.records if "a plateau the run has not left" in r.message and "watching" in r.message
+    ]
+    assert len(said) == 1 and f"at optimizer step {without.stopped_step}" in said[0]
+    line = held.summary_line()
+    assert line.startswith(
+        f"did not stop the run: in its noise band for a full streak at optimizer step {without.stopped_step}"
+    )
+    assert "the training loss fell 0% since the start (2 → 2), below min_loss_drop 10%" in line
+
+
+def test_a_stop_once_the_loss_has_fallen_by_min_loss_drop():
+    """The loss held at 2 for 250 steps, then 1: the stop comes at the first step whose smoothed loss (the stopper's
+    EMA, β = ema_beta) is 10 % below the start, computed by hand."""
+    held, _ = _held_fit(lambda step: 2.0 if step < 250 else 1.0)
+    beta, ema, weight, expected = 0.98, 0.0, 0.0, None
+    for step in range(400):
+        ema, weight = beta * ema + (1 - beta) * (2.0 if step < 250 else 1.0), beta * weight + (1 - beta)
+        if expected is None and (2.0 - ema / weight) / 2.0 >= 0.1:
+            expected = step
+    assert held.plateau_step is not None and held.stopped_step == expected > 250
+
+
+def test_a_non_positive_start_loss_is_said_once_and_the_band_decides_alone():
+    without, _ = _held_fit(lambda step: -1.0, min_loss_drop=None)
+    with pytest.warns(UserWarning, match="first 10 steps is -1, not positive: min_loss_drop") as seen:
+        alone, _ = _held_fit(lambda step: -1.0)
+    assert sum("not positive" in str(w.message) for w in seen) == 1
+    assert alone.stopped_step == without.stopped_step is not None
+
+
+def test_a_resumed_run_keeps_its_start_loss(tmp_path):
+    """Saved on a plateau at loss 2 (no stop), resumed where the loss is 1: the start stays the first run's 2, so the
+    resumed run has fallen by 50 % and stops; re-measured, its start would be 1 and it would not."""
+    first = GradNormEarlyStopping(patience=5, min_steps=20, check_every_n_steps=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    data = regression_stream(4 * 250, 16, 10, torch.zeros(10), 1.0)
+    _fit(
+        _HeldLoss(lambda step: 2.0),
+        [first, checkpoint],
+        data,
+        max_epochs=1,
+        accumulate_grad_batches=4,
+        enable_checkpointing=True,
+    )
+    assert first.stopped_step is None and first.plateau_step is not None
+    resumed = GradNormEarlyStopping(patience=5, min_steps=20, check_every_n_steps=1)
+    trainer = Trainer(**trainer_kwargs(callbacks=[resumed], max_epochs=2, accumulate_grad_batches=4))
+    trainer.fit(_HeldLoss(lambda step: 1.0), data, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.loss_progress.start.item() == pytest.approx(2.0)
+    assert resumed.stopped_step is not None and resumed.stopped_step > 250
+
+
+class _SigmoidMLP(pl.LightningModule):
+    """A fresh user's digits model: 64 → 64 → 64 → 64 sigmoid → 10, SGD lr 0.2 momentum 0.9. From seed 0 it sits at
+    chance on a plateau in its noise band until about step 600, then learns (0.90 at step 1,380)."""
+
+    def __init__(self):
+        super().__init__()
+        layers = [nn.Flatten()]
+        for width_in in (64, 64, 64):
+            layers += [nn.Linear(width_in, 64), nn.Sigmoid()]
+        self.net = nn.Sequential(*layers, nn.Linear(64, 10))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["stopper", "schedule"])
+def test_a_sigmoid_mlp_on_its_plateau_is_neither_stopped_nor_cut(kind):
+    """Without the loss rule the stopper stopped it at step 249 at chance (0.11), and BandSchedule cut its lr there
+    (0.10 at step 1,380 against 0.90 uncut): its loss had not fallen from its start."""
+    pytest.importorskip("sklearn")
+    from trainvitals.demo.data import DigitsDataModule
+    from trainvitals.schedule.callback import BandSchedule
+
+    pl.seed_everything(0, verbose=False)
+    callback = GradNormEarlyStopping(verbose=False) if kind == "stopper" else BandSchedule(verbose=False)
+    trainer = Trainer(**trainer_kwargs(callbacks=[callback], max_epochs=14, accumulate_grad_batches=4))
+    trainer.fit(_SigmoidMLP(), DigitsDataModule(batch_size=16))
+    assert trainer.global_step == 14 * 23 and callback.stopped_step is None  # 89 micro-batches an epoch
+    assert getattr(callback, "cuts", []) == [] and callback.plateau_step is not None
+    progress = callback.loss_progress.summary()
+    assert progress["drop"] < 0.1 and progress["start"] == pytest.approx(math.log(10), rel=0.05)
+    assert "a plateau the run has not left" in callback.summary_line()
+
+
+def test_a_run_held_on_its_plateau_reads_not_stopped_in_the_report(tmp_path):
+    """The plateau's panel (grad_norm/stop_reason) is no stop: the report's stop row says "not stopped" in its words."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals.report.assess import assess
+    from trainvitals.report.events import read_runs
+
+    stopper = GradNormEarlyStopping(patience=5, min_steps=20, check_every_n_steps=1, verbose=False)
+    data = regression_stream(4 * 300, 16, 10, torch.zeros(10), 1.0)
+    logger = TensorBoardLogger(str(tmp_path), name="run")
+    _fit(_HeldLoss(lambda step: 2.0), [stopper], data, logger=logger, max_epochs=1, accumulate_grad_batches=4)
+    (run,) = read_runs(tmp_path)
+    stop = {row.label: row.value for row in assess(run).sections["convergence"]}["stop"]
+    assert stopper.stopped_step is None and stop.startswith("not stopped: in its noise band for a full streak"), stop
+    assert "a plateau the run has not left" in stop

@@ -93,6 +93,7 @@ SPECS: dict[str, dict[str, Spec]] = {
         "ema_beta": Float(0.0, 1.0, high_open=True),
         "check_every_n_steps": Int(1),
         "verbose": Bool(),
+        "min_loss_drop": Float(0.0, 1.0, high_open=True, none_ok=True),
     },
     "BandSchedule": {
         "factor": Float(0.0, 1.0, low_open=True, high_open=True),
@@ -107,6 +108,7 @@ SPECS: dict[str, dict[str, Spec]] = {
         "ema_beta": Float(0.0, 1.0, high_open=True),
         "check_every_n_steps": Int(1),
         "verbose": Bool(),
+        "min_loss_drop": Float(0.0, 1.0, high_open=True, none_ok=True),
     },
     "BatchVarianceProbe": {
         "measure_every_n_steps": Int(1),

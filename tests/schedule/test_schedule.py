@@ -58,6 +58,11 @@ class NoisyQuadratic(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler(optimizer), "interval": "step"}}
 
 
+AT_MINIMUM = {"min_loss_drop": None}
+"""What the schedule's mechanics are tested with on NoisyQuadratic(w0=0.0): it starts at its minimum, where the loss
+never falls (its start is its floor), and the loss rule would hold every cut (test_no_cut_on_a_loss_that_never_fell)."""
+
+
 def stream(steps: int, seed: int = 0) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(steps * B, D, generator=g)
@@ -154,7 +159,9 @@ def test_grow_batch_doubles_the_accumulation_and_halves_the_excess_loss():
 
 def test_no_cut_on_an_estimate_that_is_not_decisive():
     # At the minimum from the start, in the band at every step: the estimate decides only after MIN_MEASUREMENTS.
-    schedule = BandSchedule(factor=0.9, max_cuts=None, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=0.9, max_cuts=None, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 300)
     steps = [c["step"] for c in schedule.cuts]
     assert steps and steps[0] >= MIN_MEASUREMENTS - 1
@@ -171,12 +178,26 @@ def test_no_cut_on_an_estimate_that_is_not_decisive():
     assert lonely.cuts == [] and lonely.lr_scale == 1.0 and lonely.stop_reason is StopReason.NOT_STOPPED
 
 
+def test_no_cut_on_a_loss_that_never_fell():
+    """At its minimum from the start, in the band at every step as on a plateau: its loss never falls from where it
+    started, so the default min_loss_drop holds every cut (with it off the same run cuts: the test above)."""
+    schedule = BandSchedule(factor=0.9, max_cuts=None, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 300)
+    assert schedule.cuts == [] and schedule.plateau_step is not None
+    assert abs(schedule.loss_progress.drop.item()) < 0.1
+    line = schedule.summary_line()
+    assert line.startswith("made no cut; did not stop the run: in its noise band for a full streak at optimizer step")
+    assert "a plateau the run has not left" in line
+
+
 def test_no_second_cut_on_a_young_estimate():
     # At the minimum from the start: after the first cut the band's edge is 10× lower while the estimate's error
     # (set by tr Σ/B) is not, and the restarted estimate is young. The stopper's rule completes again and again
     # (a full streak on the point estimate) while the band ratio's 90 % interval reaches past the edge: no cut
     # then; a later cut only where the whole interval is inside the band.
-    schedule = BandSchedule(factor=0.1, max_cuts=None, stop=False, min_steps=0, patience=5, check_every_n_steps=1)
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=0.1, max_cuts=None, stop=False, min_steps=0, patience=5, check_every_n_steps=1
+    )
     logger = RecordingLogger()
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 400, logger=logger)
     first, *later = schedule.cuts
@@ -192,12 +213,16 @@ def test_no_second_cut_on_a_young_estimate():
 
 
 def test_it_stops_after_the_last_cut_or_below_min_lr():
-    schedule = BandSchedule(factor=0.9, max_cuts=2, min_steps=0, patience=1, check_every_n_steps=1, verbose=False)
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=0.9, max_cuts=2, min_steps=0, patience=1, check_every_n_steps=1, verbose=False
+    )
     trainer = fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 400)
     assert len(schedule.cuts) == 2 and schedule.stop_reason is StopReason.NOISE_BAND
     assert trainer.global_step == schedule.stopped_step + 1 < 400
     assert "cut the lr 2 time(s)" in schedule.describe_stop()
-    floor = BandSchedule(factor=0.5, max_cuts=None, min_lr=0.02, min_steps=0, patience=1, check_every_n_steps=1)
+    floor = BandSchedule(
+        **AT_MINIMUM, factor=0.5, max_cuts=None, min_lr=0.02, min_steps=0, patience=1, check_every_n_steps=1
+    )
     fit(NoisyQuadratic(0.05, w0=0.0), [floor], 400)
     assert len(floor.cuts) == 1 and floor.stop_reason is StopReason.NOISE_BAND  # 0.025 → 0.0125 < 0.02: stop
     assert "min_lr 0.02" in floor.describe_stop() and "min_lr" not in schedule.describe_stop()  # what refused it
@@ -205,7 +230,9 @@ def test_it_stops_after_the_last_cut_or_below_min_lr():
 
 def test_a_users_scheduler_still_shapes_the_lr_and_its_warmup_holds_the_cut():
     eta, warmup = 0.05, 150
-    schedule = BandSchedule(factor=0.5, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=0.5, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
 
     def scheduler(optimizer):
         warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=warmup)
@@ -287,7 +314,9 @@ def test_a_step_the_grad_scaler_skips_keeps_the_scheduler_update(scheduler):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     eta, steps, inf_at = 0.05, 50, 35
-    schedule = BandSchedule(factor=0.5, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=0.5, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
     model, scaler = SkippedStep(eta, inf_at, scheduler), torch.amp.GradScaler("cpu", init_scale=2.0**8)
     precision = MixedPrecision("16-mixed", "cpu", scaler=scaler)  # fp16 autocast and a GradScaler, on the CPU
     fit(model, [schedule], steps, plugins=[precision], max_steps=steps)
@@ -307,7 +336,9 @@ def test_a_step_the_grad_scaler_skips_keeps_the_scheduler_update(scheduler):
 
 def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     eta = 0.05
-    first = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    first = BandSchedule(
+        **AT_MINIMUM, factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
     trainer = Trainer(
         **trainer_kwargs(
@@ -319,7 +350,9 @@ def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     last = str(tmp_path / "last.ckpt")
 
     # A requeued job with no step left saves the multiplier again, untouched.
-    again = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    again = BandSchedule(
+        **AT_MINIMUM, factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
     trainer = Trainer(**trainer_kwargs(max_steps=100, accumulate_grad_batches=ACCUMULATE, callbacks=[again]))
     trainer.fit(NoisyQuadratic(eta, w0=0.0), stream(200), ckpt_path=last)
     trainer.save_checkpoint(tmp_path / "requeued.ckpt")
@@ -327,7 +360,9 @@ def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     assert state["lr_scale"] == pytest.approx(0.1) and state["cuts"] == first.cuts
 
     # With steps left, every one of them is taken at the cut lr.
-    resumed = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    resumed = BandSchedule(
+        **AT_MINIMUM, factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
     model = NoisyQuadratic(eta, w0=0.0)
     trainer = Trainer(**trainer_kwargs(max_steps=150, accumulate_grad_batches=ACCUMULATE, callbacks=[resumed]))
     trainer.fit(model, stream(200), ckpt_path=str(tmp_path / "requeued.ckpt"))
@@ -352,7 +387,7 @@ class _MicroBatchesPerStep(pl.Callback):
 @pytest.mark.parametrize("where", ["mid-epoch", "epoch end"])
 def test_a_resumed_run_takes_its_grown_batch_from_its_first_step(tmp_path, where):
     def schedule():
-        return BandSchedule(factor=0.1, max_cuts=1, stop=False, grow_batch=True, min_steps=0, patience=1,
+        return BandSchedule(**AT_MINIMUM, factor=0.1, max_cuts=1, stop=False, grow_batch=True, min_steps=0, patience=1,
                             check_every_n_steps=1, verbose=False)  # fmt: skip
 
     # 51 steps of 4 micro-batches an epoch (204); a growth × 10 to 40 micro-batches a step, at a boundary both
@@ -399,7 +434,7 @@ class _RecordPerRank(pl.Callback):
 @pytest.mark.slow
 def test_ddp_ranks_cut_at_the_same_step(tmp_path):
     callbacks = [
-        BandSchedule(factor=0.5, max_cuts=1, stop=False, min_steps=0, patience=3, check_every_n_steps=1),
+        BandSchedule(**AT_MINIMUM, factor=0.5, max_cuts=1, stop=False, min_steps=0, patience=3, check_every_n_steps=1),
         _RecordPerRank(str(tmp_path)),
         ReleaseProcessGroup(),
     ]
@@ -516,7 +551,9 @@ def test_every_cut_reaches_the_dashboard_and_the_report(tmp_path):
     from trainvitals.tensorboard.layout import trainvitals_layout
 
     # factor 0.9: the scaled edge barely moves, so the second cut comes soon (shown inside the band at 2 checks).
-    schedule = BandSchedule(factor=0.9, max_cuts=2, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=0.9, max_cuts=2, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule, TrainvitalsDashboard(progress_bar=False)], 200, logger=logger)
     assert len(schedule.cuts) == 2
@@ -544,6 +581,7 @@ def test_trainvitals_report_reads_the_schedules_cuts_and_its_stop(tmp_path, caps
     # growths, which min_lr = 0.04 > 0.05 × 0.5 does not refuse (it bounds an lr cut only), and no stop.
     kwargs = {"max_cuts": 2, "stop": False, "grow_batch": True, "min_lr": 0.04, "factor": 0.5}
     schedule = BandSchedule(
+        **AT_MINIMUM,
         min_steps=0,
         patience=1,
         check_every_n_steps=1,
@@ -593,7 +631,9 @@ def test_the_reports_stop_row_says_the_streaks_cut_without_the_end_of_fit_table(
 
     # No dashboard: no end-of-fit table, so the stop row is read from the logged streaks and the cut record. The
     # streaks that reached their patience cut the lr: the row says so, not that they fell short of it.
-    schedule = BandSchedule(factor=0.9, max_cuts=2, stop=False, min_steps=0, patience=5, check_every_n_steps=1)
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=0.9, max_cuts=2, stop=False, min_steps=0, patience=5, check_every_n_steps=1
+    )
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 400, logger=logger)
     assert len(schedule.cuts) == 2
@@ -609,7 +649,9 @@ def test_the_reports_stop_row_says_the_streaks_cut_without_the_end_of_fit_table(
 def test_a_full_streak_held_back_after_a_cut_is_said_with_its_interval():
     # One cut at 0.1, the edge 10× lower and the run not yet settled at the lower lr (~100 steps): the streak
     # completes, but the run is not shown inside the band, so no stop (issue #25's false second cuts came here).
-    schedule = BandSchedule(factor=0.1, max_cuts=1, min_steps=0, patience=5, check_every_n_steps=1, verbose=False)
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=0.1, max_cuts=1, min_steps=0, patience=5, check_every_n_steps=1, verbose=False
+    )
     fit(NoisyQuadratic(0.05, w0=0.0), [schedule], 200)
     assert len(schedule.cuts) == 1 and schedule.stop_reason is StopReason.NOT_STOPPED
     act, ratio, low, high, measured = schedule._held_back
@@ -633,7 +675,9 @@ def test_a_resumed_run_logs_its_cut_record_again(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    first = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    first = BandSchedule(
+        **AT_MINIMUM, factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
     trainer = Trainer(
         **trainer_kwargs(
@@ -642,7 +686,9 @@ def test_a_resumed_run_logs_its_cut_record_again(tmp_path):
     )
     trainer.fit(NoisyQuadratic(0.05, w0=0.0), stream(200))
     assert first.cuts
-    resumed = BandSchedule(factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    resumed = BandSchedule(
+        **AT_MINIMUM, factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
     logger = TensorBoardLogger(str(tmp_path), name="resumed", version=0)
     trainer = Trainer(
         **trainer_kwargs(max_steps=110, accumulate_grad_batches=ACCUMULATE, callbacks=[resumed], logger=logger)
@@ -668,7 +714,9 @@ def test_the_lr_advisor_advises_on_the_base_lr_and_quotes_the_cut_lr_as_the_lr_n
     # scheduler's lr back in param_groups; the lr it advises on is the one set, ExponentialLR's base lr, which a run
     # at another batch sets and BandSchedule cuts again. The expected lrs: the scheduler alone, in closed form.
     eta, gamma, factor = 0.05, 0.999, 0.1
-    schedule = BandSchedule(factor=factor, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1)
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=factor, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
     advisor = LRScalingAdvisor(detect_loss_reduction=False)
     model = NoisyQuadratic(eta, w0=0.0, scheduler=lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma))
     callbacks = [advisor, schedule] if advisor_first else [schedule, advisor]

@@ -310,6 +310,9 @@ why", "BandSchedule cut the lr 2 time(s) (…); did not stop the run: why"."""
 _STOPPERS_SAY = re.compile(rf"^trainvitals ({'|'.join(STOPPERS)}): ")
 FROM_START = "in its noise band from the start"
 """How the stopper's panel begins where a full streak came before the run was ever out of its band: no stop."""
+ON_PLATEAU = "in its noise band for a full streak at optimizer step"
+"""How the stopper's panel begins where its ``min_loss_drop`` held a full streak, the training loss not fallen from
+its start (a plateau the run has not left): no stop."""
 
 
 def stopper_name(run: Run) -> str:
@@ -331,7 +334,7 @@ def stopper_stop(run: Run) -> str | None:
     or None when it did not stop the run (its panel then says at most that the band held from the start)."""
     end = _stopper_end(run)
     panel = run.text("grad_norm/stop_reason")
-    if panel and not _from_start(panel):
+    if panel and not _from_start(panel) and not _on_plateau(panel):
         return panel
     return end.get("stop") if end and not _end_reason(end) else None
 
@@ -339,6 +342,11 @@ def stopper_stop(run: Run) -> str | None:
 def _from_start(text: str) -> bool:
     """Whether a stopper's panel ``text`` is its sentence for a band held from the start (no stop), not a stop."""
     return _STOPPERS_SAY.sub("", text).startswith(FROM_START)
+
+
+def _on_plateau(text: str) -> bool:
+    """Whether a stopper's panel ``text`` is its sentence for a full streak held on a plateau (no stop)."""
+    return _STOPPERS_SAY.sub("", text).startswith(ON_PLATEAU)
 
 
 def _held_said(run: Run) -> str:
@@ -466,6 +474,9 @@ def _not_stopped(run: Run, partial: str, caveat: str) -> str:
     held = _held_said(run)
     if held:
         return f"not stopped: {held}"
+    panel = run.text("grad_norm/stop_reason") or ""
+    if _on_plateau(panel):  # its own words: the loss's fall against min_loss_drop
+        return f"not stopped: {_STOPPERS_SAY.sub('', panel).rstrip('.')}"
     record = cut_record(run)
     if record and stopper_name(run) == "BandSchedule":  # its streaks reached their patience: it cut on them
         last = int(re.match(r"step (\d+)", record[-1])[1])

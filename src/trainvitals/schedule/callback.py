@@ -23,6 +23,7 @@ from trainvitals.noise.estimate import band_ratio
 from trainvitals.noise.stopper import (
     DEFAULT_CHECK_EVERY_N_STEPS,
     DEFAULT_MARGIN,
+    DEFAULT_MIN_LOSS_DROP,
     DEFAULT_MIN_STEPS,
     DEFAULT_PATIENCE,
     GradNormEarlyStopping,
@@ -114,7 +115,9 @@ class BandSchedule(GradNormEarlyStopping):
             GradientAccumulationScheduler).
         warmup_steps: optimizer steps the lr warms up for, no cut before them; ``None``: read from the fit's
             schedulers (:mod:`trainvitals.schedule.warmup`).
-        margin, patience, min_steps, ema_beta, check_every_n_steps, verbose: GradNormEarlyStopping's.
+        margin, patience, min_steps, ema_beta, check_every_n_steps, verbose, min_loss_drop: GradNormEarlyStopping's
+            (``min_loss_drop``: no cut, no stop, while the training loss has fallen by less than this fraction of
+            its start: a plateau the run has not left).
 
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
@@ -136,6 +139,7 @@ class BandSchedule(GradNormEarlyStopping):
         ema_beta: float = 0.98,
         check_every_n_steps: int = DEFAULT_CHECK_EVERY_N_STEPS,
         verbose: bool = True,
+        min_loss_drop: float | None = DEFAULT_MIN_LOSS_DROP,
     ) -> None:
         check_float("margin", margin, 0.0, low_open=True)  # the band's edge scales with the lr: no margin 0
         super().__init__(
@@ -145,6 +149,7 @@ class BandSchedule(GradNormEarlyStopping):
             ema_beta=ema_beta,
             check_every_n_steps=check_every_n_steps,
             verbose=verbose,
+            min_loss_drop=min_loss_drop,
         )
         self.factor = check_float("factor", factor, 0.0, 1.0, low_open=True, high_open=True)
         self.max_cuts = check_int("max_cuts", max_cuts, 0, none_ok=True)

@@ -76,6 +76,8 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
         ],
         IN_BAND_CHART: ["Multiline", [grad_norm("in_noise_band"), grad_norm("held_from_start")]],
         STREAK_CHART: ["Multiline", [grad_norm("band_streak")]],
+        "training loss's fall since its first 10 steps, a fraction of its start (below min_loss_drop no stop and no "
+        "cut: a plateau the run has not left)": ["Multiline", [grad_norm("loss_drop")]],
         "smoothed ‖G‖² over the band's edge margin·tr Σ/B (≤ 1: in the noise band; a checkpoint's monitor), and its "
         "90 % interval": [
             "Multiline",

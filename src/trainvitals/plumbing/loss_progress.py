@@ -1,0 +1,103 @@
+"""How far the training loss has fallen since the start of the run: what tells a plateau the run never left from a
+minimum, where the gradient's statistics cannot.
+
+On a saddle G ≈ 0 as at a minimum, and the steps are mostly noise: the noise band holds on both. A stop or an lr
+cut means "converged at this lr", which is false while the training loss still sits where it started.
+:class:`LossProgress` keeps the mean training loss of the run's first :data:`START_STEPS` optimizer steps and a
+bias-corrected EMA of it, on the loss's device (no sync); the stopper and BandSchedule read it on the steps
+that read the host anyway. Torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainvitals.plumbing.state import DeclaredState
+
+START_STEPS = 10
+"""Optimizer steps (with a finite loss) whose mean loss is the start: the stopper's default check period."""
+
+
+class LossProgress(DeclaredState):
+    """The training loss's progress: its mean over the first ``start_steps`` optimizer steps, a smoothed current
+    mean, and the fraction it has fallen by (:attr:`drop`), all ``()`` float64 tensors on the loss's device.
+
+    :meth:`add` takes each micro-batch's loss as its backward sees it; :meth:`step` closes the optimizer step, whose
+    loss is the mean of its micro-batches. A step whose loss is not finite is left out of both. Every state is a
+    sum or an EMA, so the mean over ranks (``reduce_states``, ``"mean"``) is the progress of the ranks' mean loss.
+
+    Args:
+        beta: decay of the current loss's EMA per step, in [0, 1): the stopper's ``ema_beta`` (0.98, a memory of
+            about 50 steps, as the band's own EMAs: a mini-batch loss's noise averaged over some 100 steps).
+        start_steps: steps whose mean is the start, ≥ 1.
+    """
+
+    def __init__(self, beta: float, start_steps: int = START_STEPS) -> None:
+        self.start_steps = start_steps
+        self.beta = beta
+        self._micro: list[Tensor]
+        self.add_state("_micro", [], persistent=False)  # this step's micro-batch losses
+        zero = torch.zeros((), dtype=torch.float64)
+        self.add_state("start_sum", zero, dist_reduce_fx="mean")
+        self.add_state("start_count", zero, dist_reduce_fx="mean")
+        self.add_state("ema", zero, dist_reduce_fx="mean")
+        self.add_state("weight", zero, dist_reduce_fx="mean")  # 1 − β^t: the EMA's bias correction
+
+    def add(self, loss: Tensor, divisor: float = 1.0) -> None:
+        """One micro-batch's ``loss`` (any shape with one element) as backpropagated, times ``divisor`` (what
+        Lightning divided it by, and a GradScaler's scale undone by the caller): kept on its device."""
+        self._micro.append(loss.detach().reshape(()).to(torch.float64) * divisor)
+
+    def step(self) -> None:
+        """Close an optimizer step: its loss, the mean of its micro-batches, feeds the start while fewer than
+        ``start_steps`` finite steps were seen, and the EMA. A step with no loss (no backward) changes nothing."""
+        if not self._micro:
+            return
+        loss = self._micro[0] if len(self._micro) == 1 else torch.stack(self._micro).mean()
+        self._micro = []
+        names = ("start_sum", "start_count", "ema", "weight")
+        if self.ema.device != loss.device:  # a restored state comes on the CPU
+            for name in names:
+                setattr(self, name, getattr(self, name).to(loss.device))
+        finite = torch.isfinite(loss)
+        value = torch.where(finite, loss, 0.0)
+        early = finite & (self.start_count < self.start_steps)
+        self.start_sum = self.start_sum + torch.where(early, value, 0.0)
+        self.start_count = self.start_count + early
+        keep = torch.where(finite, self.beta, 1.0)  # an invalid step leaves the EMA as it was
+        self.ema = keep * self.ema + (1.0 - keep) * value
+        self.weight = keep * self.weight + (1.0 - keep)
+
+    @property
+    def start(self) -> Tensor:
+        """The mean loss of the first ``start_steps`` finite steps; NaN until they are seen."""
+        known = self.start_count >= self.start_steps - 1e-9  # a mean over ranks of integer counts
+        return torch.where(known, self.start_sum / self.start_count.clamp_min(1.0), torch.nan)
+
+    @property
+    def current(self) -> Tensor:
+        """The bias-corrected EMA of the step losses; NaN before the first finite one."""
+        return torch.where(self.weight > 0, self.ema / self.weight.clamp_min(1e-300), torch.nan)
+
+    @property
+    def drop(self) -> Tensor:
+        """(start − current)/start: the fraction the loss has fallen by since the start (negative: risen); NaN
+        while the start is unknown or not positive (a fraction of it means nothing then)."""
+        start = self.start
+        return torch.where(start > 0, (start - self.current) / start, torch.nan)
+
+    def allows(self, min_drop: float) -> Tensor:
+        """``()`` bool: a decision may be taken — the start is known and the loss has fallen by at least
+        ``min_drop`` of it, or the start is not positive (the rule cannot apply)."""
+        start = self.start
+        return (start <= 0) | (self.drop >= min_drop)
+
+    def summary(self) -> dict[str, Any]:
+        """``start``, ``current``, ``drop`` (NaN where unknown) and ``known`` (the start is), as floats: one
+        transfer from the device."""
+        start, current, drop = torch.stack([self.start, self.current, self.drop]).tolist()
+        return {"start": start, "current": current, "drop": drop, "known": not math.isnan(start)}

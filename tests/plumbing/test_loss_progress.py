@@ -1,0 +1,91 @@
+"""LossProgress: the training loss's start and smoothed current mean against a hand computation, plain tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainvitals.plumbing.loss_progress import START_STEPS, LossProgress
+
+BETA = 0.98
+
+
+def feed(progress: LossProgress, steps: list[list[float]], divisor: float = 1.0) -> None:
+    """Each optimizer step's micro-batch losses, as backward sees them (already divided by ``divisor``)."""
+    for losses in steps:
+        for loss in losses:
+            progress.add(torch.tensor(loss / divisor, dtype=torch.float32), divisor)
+        progress.step()
+
+
+def by_hand(step_losses: list[float], beta: float = BETA) -> tuple[float, float]:
+    """The start (mean of the first START_STEPS finite step losses) and the bias-corrected EMA, written out:
+    Σ (1 − β) β^(t − i) x_i / (1 − β^t) over the t finite steps."""
+    finite = [x for x in step_losses if math.isfinite(x)]
+    start = sum(finite[:START_STEPS]) / START_STEPS if len(finite) >= START_STEPS else math.nan
+    t = len(finite)
+    ema = sum((1 - beta) * beta ** (t - 1 - i) * x for i, x in enumerate(finite)) / (1 - beta**t)
+    return start, ema
+
+
+def test_start_current_and_drop_match_the_hand_computation():
+    g = torch.Generator().manual_seed(0)
+    micro = (2.3 - 0.01 * torch.arange(40.0).unsqueeze(1) + 0.1 * torch.rand(40, 4, generator=g)).tolist()
+    micro[3][1] = math.inf  # a non-finite micro-batch: its step is left out of both
+    micro[25][0] = math.nan
+    progress = LossProgress(BETA)
+    feed(progress, micro, divisor=4.0)  # Lightning divided each by accumulate_grad_batches: undone
+    step_losses = [sum(m) / 4 for m in micro]
+    start, ema = by_hand(step_losses)
+    assert progress.start.item() == pytest.approx(start, rel=1e-6)
+    assert progress.current.item() == pytest.approx(ema, rel=1e-6)
+    assert progress.drop.item() == pytest.approx((start - ema) / start, rel=1e-5)
+    assert bool(progress.allows(0.05)) is ((start - ema) / start >= 0.05)
+    assert progress.summary() == pytest.approx(
+        {"start": start, "current": ema, "drop": (start - ema) / start, "known": True}, rel=1e-5
+    )
+
+
+def test_the_start_is_unknown_until_its_steps_are_seen_and_nothing_is_allowed_before():
+    progress = LossProgress(BETA)
+    progress.step()  # a step with no backward: nothing
+    assert math.isnan(progress.current.item())
+    feed(progress, [[1.0]] * (START_STEPS - 1))
+    assert math.isnan(progress.start.item()) and math.isnan(progress.drop.item())
+    assert not bool(progress.allows(0.1)) and progress.summary()["known"] is False
+    feed(progress, [[1.0]])
+    assert progress.start.item() == 1.0 and progress.drop.item() == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize(("later", "min_drop", "allowed"), [(1.0, 0.1, False), (0.5, 0.1, True), (0.95, 0.1, False)])
+def test_a_decision_needs_the_loss_to_have_fallen_by_min_drop(later, min_drop, allowed):
+    progress = LossProgress(0.0)  # β = 0: the current loss is the last step's
+    feed(progress, [[1.0]] * START_STEPS + [[later]])
+    assert progress.drop.item() == pytest.approx(1.0 - later)
+    assert bool(progress.allows(min_drop)) is allowed
+
+
+def test_a_non_positive_start_leaves_the_rule_out():
+    progress = LossProgress(BETA)
+    feed(progress, [[-2.0]] * START_STEPS + [[-2.0]] * 30)  # a loss flat at -2: no fraction of its start applies
+    assert math.isnan(progress.drop.item()) and bool(progress.allows(0.1))
+
+
+def test_the_mean_over_ranks_is_the_progress_of_the_ranks_mean_loss():
+    """Every state is a sum or an EMA: averaging two ranks' states gives the progress of their mean loss."""
+    a, b, mean = LossProgress(BETA), LossProgress(BETA), LossProgress(BETA)
+    la, lb = [[2.0 - 0.03 * i] for i in range(30)], [[2.4 - 0.01 * i] for i in range(30)]
+    feed(a, la), feed(b, lb), feed(mean, [[(x[0] + y[0]) / 2] for x, y in zip(la, lb)])
+    for name in ("start_sum", "start_count", "ema", "weight"):
+        setattr(a, name, (getattr(a, name) + getattr(b, name)) / 2)
+    assert a.start.item() == pytest.approx(mean.start.item()) and a.current.item() == pytest.approx(mean.current.item())
+
+
+def test_the_state_round_trips():
+    progress, restored = LossProgress(BETA), LossProgress(BETA)
+    feed(progress, [[2.0 - 0.05 * i] for i in range(15)])
+    restored.load_state_dict(progress.state_dict())
+    feed(progress, [[1.0]]), feed(restored, [[1.0]])
+    assert restored.summary() == pytest.approx(progress.summary())
