@@ -528,9 +528,9 @@ class LRScalingAdvisor(TrainvitalsCallback):
         }[act]
         at = "" if act == "growth" else f" = {batch / margin:.4g}"  # a growth's B is the one before it
         bound = (
-            f"‖G‖² ≤ {margin:g}·tr(Σ)/B there, so B_simple ≥ B/{margin:g}{at}"
+            f"where its point estimate read ‖G‖² ≤ {margin:g}·tr(Σ)/B, B_simple ≥ B/{margin:g}{at}"
             if margin > 0
-            else "‖G‖² ≤ 0 there, so B_simple has no upper bound"
+            else "where its point estimate read ‖G‖² ≤ 0, B_simple without an upper bound"
         )
         return (
             f"{where} ({bound}): a batch below B_simple is what the band means, not a sign the run should have gone "
