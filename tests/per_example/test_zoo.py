@@ -104,6 +104,28 @@ def test_a_batchnorm_model_in_training_mode_is_named_as_coupling_the_examples():
     assert {n.rpartition(".")[0] for n in plan.uncovered} == set(plan.coupled)
 
 
+def assert_one_step_exact(model, plan, forward, loss_of, out: torch.Tensor, flat: torch.Tensor) -> None:
+    """One micro-batch with ``plan``'s layers hooked: ``forward()``, seeded as the truth's forward was, gives ``out``
+    again, ``loss_of`` its loss; every planned module is seen, each example's ‖g_i‖² is that of ``flat`` (``(B, P)``,
+    the brute force over every parameter), and the per-example gradients add up to ``.grad``."""
+    collector = PerExampleGradients(plan.per_example, plan.vmap, 2)
+    collector.attach(coordinates=True, keep_norms=True)
+    collector.begin_micro_batch()
+    collector.expect_batch(B)
+    torch.manual_seed(1)
+    output = forward()
+    assert torch.equal(output, out)
+    loss = loss_of(output)
+    collector.before_backward(loss)
+    loss.backward()
+    collector.end_micro_batch(float(B))
+    collector.detach()
+    step = collector.pop()
+    assert step.failed == {} and step.seen == set(plan.per_example) | set(plan.vmap)
+    assert close(step.sq_norms[0], flat.square().sum(1))
+    assert collector.unbalanced(step, 1.0 / B) == {}
+
+
 def test_hf_gpt2_from_config_is_measured_over_all_parameters():
     """transformers' GPT-2 (its Conv1D layers by torch.func, every example kept), dropout after the sum of the token
     and position embeddings ((1, T) position ids) and in every block, the LM head tied to wte: each example's
@@ -135,22 +157,7 @@ def test_hf_gpt2_from_config_is_measured_over_all_parameters():
 
     plan = plan_sources(model, groups_available=False, fallback=True)
     assert not plan.uncovered and not plan.micro_batch and "transformer.wpe" in plan.per_example
-    collector = PerExampleGradients(plan.per_example, plan.vmap, 2)
-    collector.attach(coordinates=True, keep_norms=True)
-    collector.begin_micro_batch()
-    collector.expect_batch(B)
-    torch.manual_seed(1)
-    output = model(input_ids=x).logits
-    assert torch.equal(output, out)
-    loss = token_loss(output, x)
-    collector.before_backward(loss)
-    loss.backward()
-    collector.end_micro_batch(float(B))
-    collector.detach()
-    step = collector.pop()
-    assert step.failed == {} and step.seen == set(plan.per_example) | set(plan.vmap)
-    assert close(step.sq_norms[0], flat.square().sum(1))
-    assert collector.unbalanced(step, 1.0 / B) == {}
+    assert_one_step_exact(model, plan, lambda: model(input_ids=x).logits, lambda o: token_loss(o, x), out, flat)
 
 
 @pytest.mark.parametrize("kind", ["vit", "convnext"])
@@ -187,19 +194,4 @@ def test_hf_vit_and_convnext_from_config_are_measured_over_all_parameters(kind):
     plan = plan_sources(model, groups_available=False, fallback=True)
     assert not plan.uncovered and not plan.micro_batch, plan.describe(model)
     assert "parameters broadcast over the batch" in plan.describe(model)
-    collector = PerExampleGradients(plan.per_example, plan.vmap, 2)
-    collector.attach(coordinates=True, keep_norms=True)
-    collector.begin_micro_batch()
-    collector.expect_batch(B)
-    torch.manual_seed(1)
-    output = model(pixel_values=x).logits
-    assert torch.equal(output, out)
-    loss = F.cross_entropy(output, y)
-    collector.before_backward(loss)
-    loss.backward()
-    collector.end_micro_batch(float(B))
-    collector.detach()
-    step = collector.pop()
-    assert step.failed == {} and step.seen == set(plan.per_example) | set(plan.vmap)
-    assert close(step.sq_norms[0], flat.square().sum(1))
-    assert collector.unbalanced(step, 1.0 / B) == {}
+    assert_one_step_exact(model, plan, lambda: model(pixel_values=x).logits, lambda o: F.cross_entropy(o, y), out, flat)
