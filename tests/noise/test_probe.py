@@ -1441,6 +1441,25 @@ class PositionedGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+def assert_first_step_exact(net: nn.Module, loss_of, n: int, first: StepValues) -> torch.Tensor:
+    """The first step's tr(Σ), ‖G‖² and coverage (``first``'s values) against a loop over its ``n`` examples'
+    own losses (``loss_of(i)``) and ALL parameters, the weights unchanged (lr = 0); returns their ``(n, P)``
+    gradients."""
+    grads: dict[str, list[torch.Tensor]] = {name: [] for name, _ in net.named_parameters()}
+    for i in range(n):
+        net.zero_grad()
+        loss_of(i).backward()
+        for name, p in net.named_parameters():
+            grads[name].append(p.grad.clone())
+    flat = torch.cat([torch.stack(g).flatten(1) for g in grads.values()], 1)
+    trace = (flat - flat.mean(0)).square().sum() / (n - 1)
+    trace_cov, grad_sq_norm, coverage, _ = first.values
+    assert rel(trace_cov, float(trace)) < 1e-5
+    assert rel(grad_sq_norm, float(flat.mean(0).square().sum() - trace / n)) < 1e-5
+    assert coverage == 1.0
+    return flat
+
+
 @pytest.mark.parametrize(("style", "accumulate"), [("hf", 1), ("hf", 2), ("nanogpt", 1), ("nanogpt T=B", 1)])
 def test_a_gpt_s_position_table_is_measured_per_example_from_the_first_step(style, accumulate):
     """HF's (1, T) position ids and nanoGPT's arange(T) (with T = B too: its ids told from the examples' own on the
@@ -1469,18 +1488,9 @@ def test_a_gpt_s_position_table_is_measured_per_example_from_the_first_step(styl
 
     n = b * accumulate  # the first step's examples; lr = 0 keeps the weights
     x, y = tokens[:n], tokens[:n].roll(-1, 1)
-    grads: dict[str, list[torch.Tensor]] = {name: [] for name, _ in net.named_parameters()}
-    for i in range(n):  # each example's own loss: the mean over its tokens
-        net.zero_grad()
-        F.cross_entropy(net(x[i : i + 1]).flatten(0, 1), y[i : i + 1].flatten()).backward()
-        for name, p in net.named_parameters():
-            grads[name].append(p.grad.clone())
-    flat = torch.cat([torch.stack(g).flatten(1) for g in grads.values()], 1)
-    trace = (flat - flat.mean(0)).square().sum() / (n - 1)
-    trace_cov, grad_sq_norm, coverage, _ = first.values
-    assert rel(trace_cov, float(trace)) < 1e-5
-    assert rel(grad_sq_norm, float(flat.mean(0).square().sum() - trace / n)) < 1e-5
-    assert coverage == 1.0
+    flat = assert_first_step_exact(  # each example's own loss: the mean over its tokens
+        net, lambda i: F.cross_entropy(net(x[i : i + 1]).flatten(0, 1), y[i : i + 1].flatten()), n, first
+    )
     norms = second.values[3]
     torch.testing.assert_close(torch.tensor(norms, dtype=flat.dtype), flat.norm(dim=1).sort().values, rtol=1e-5, atol=0)
 
@@ -1503,19 +1513,7 @@ def test_a_vit_s_bare_class_token_and_position_table_are_measured_per_example(ac
         fit(Classifier(net), TensorDataset(x, y), [probe, first], batch_size=b, steps=3, accumulate=accumulate)
     assert _probe_warnings(record) == [] and not probe._excluded and "micro-batches" not in probe.sources
     assert "parameters broadcast over the batch×1" in probe.sources and "(100.0% of parameters)" in probe.sources
-    n = b * accumulate  # the first step's examples; lr = 0 keeps the weights
-    grads: dict[str, list[torch.Tensor]] = {name: [] for name, _ in net.named_parameters()}
-    for i in range(n):
-        net.zero_grad()
-        F.cross_entropy(net(x[i : i + 1]), y[i : i + 1]).backward()
-        for name, p in net.named_parameters():
-            grads[name].append(p.grad.clone())
-    flat = torch.cat([torch.stack(g).flatten(1) for g in grads.values()], 1)
-    trace = (flat - flat.mean(0)).square().sum() / (n - 1)
-    trace_cov, grad_sq_norm, coverage, _ = first.values
-    assert rel(trace_cov, float(trace)) < 1e-5
-    assert rel(grad_sq_norm, float(flat.mean(0).square().sum() - trace / n)) < 1e-5
-    assert coverage == 1.0
+    assert_first_step_exact(net, lambda i: F.cross_entropy(net(x[i : i + 1]), y[i : i + 1]), b * accumulate, first)
 
 
 @pytest.mark.parametrize(("style", "accumulate"), [("view", 1), ("view", 2), ("view T=B", 1)])
