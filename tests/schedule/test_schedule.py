@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -368,6 +368,35 @@ def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     trainer.fit(model, stream(200), ckpt_path=str(tmp_path / "requeued.ckpt"))
     assert resumed.lr_scale == pytest.approx(0.1) and resumed.margin == pytest.approx(0.02)
     assert model.lrs == pytest.approx([eta * 0.1] * 50)
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_learning_rate_monitor_ahead_of_it_logs_the_lr_each_step_took(interval):
+    """LearningRateMonitor listed first, 4 micro-batches a step: it read the scheduler's lr at a step's first
+    micro-batch and the lr × the scale at the others (a fresh user's lr chart zigzagged ×10 after a cut), and at an
+    epoch's start the scheduler's (``logging_interval="epoch"``). Every lr it logs is the one the optimizer took at
+    that step, the scheduler's × the scale; the optimizer's own lrs are untouched."""
+    eta, steps, epochs = 0.05, 20, 4
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
+    monitor, logger = LearningRateMonitor(logging_interval=interval), RecordingLogger()
+    scheduler = (lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, 0.99)) if interval == "step" else None
+    model = NoisyQuadratic(eta, w0=0.0, scheduler=scheduler)
+    kwargs = dict(max_epochs=epochs, accumulate_grad_batches=ACCUMULATE, log_every_n_steps=1)
+    trainer = Trainer(**trainer_kwargs(callbacks=[monitor, schedule], logger=logger, **kwargs))
+    trainer.fit(model, stream(steps))
+    (cut,) = schedule.cuts
+    assert cut["step"] < steps * (epochs - 1)  # epochs start after the cut
+    logged = logger.series["lr-SGD"]
+    per_step = ACCUMULATE if interval == "step" else 1  # every micro-batch's start, or every epoch's
+    assert [step for step, _ in logged] == [
+        s for s in range(0, steps * epochs, 1 if per_step > 1 else steps) for _ in range(per_step)
+    ]
+    assert [lr for _, lr in logged] == pytest.approx([model.lrs[step] for step, _ in logged], rel=1e-6)
+    assert any(step > cut["step"] for step, _ in logged)
+    if interval == "step":  # the scheduler kept its own lr: 0.99 per step, no compounding of the scale
+        assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(eta * 0.99 ** (steps * epochs))
 
 
 class _MicroBatchesPerStep(pl.Callback):

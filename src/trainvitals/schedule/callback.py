@@ -30,7 +30,7 @@ from trainvitals.noise.stopper import (
     StopReason,
 )
 from trainvitals.plumbing.amp import grad_scaler
-from trainvitals.plumbing.lr_factors import LRFactors
+from trainvitals.plumbing.lr_factors import LRFactors, monitors_after
 from trainvitals.plumbing.sharing import LR_FACTORS, NOISE_BAND
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import log_scalars, log_text
@@ -222,6 +222,7 @@ class BandSchedule(GradNormEarlyStopping):
                 "BandSchedule(grow_batch=True) sets accumulate_grad_batches itself: it cannot share a fit with a "
                 "GradientAccumulationScheduler."
             )
+        monitors_after(trainer, self)  # LearningRateMonitor reads the lr after this callback has scaled it
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -241,6 +242,10 @@ class BandSchedule(GradNormEarlyStopping):
         super().on_train_start(trainer, pl_module)
         if self.cuts:  # a resumed run's cuts, in its own log too: its report has a row per cut
             log_text(trainer, CUT_RECORD, self.cut_record(), trainer.global_step)
+
+    @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.vitals.shared(LR_FACTORS).epoch_start(trainer)  # the epoch's first lr, as LearningRateMonitor logs it
 
     @override
     def on_train_batch_start(
