@@ -1084,7 +1084,8 @@ def test_the_fit_end_line_says_when_the_band_window_and_the_current_estimate_dis
     }
     monkeypatch.setattr(stopper.gradient_noise, "host_summary", lambda *_: summary)
     line = stopper.summary_line()
-    assert f"{current:.2f}× the band's edge" in line and f"{band:.2f}× the edge" in line and said in line, line
+    assert f"band's edge 0.2·tr(Σ)/B, its interval from ‖G‖²'s and tr(Σ)'s errors) at {current:.2g} (90 %: " in line
+    assert f"{band:.2f}× the edge" in line and said in line, line
     summary["band_grad_sq_norm"] = current * edge
     assert "band window" not in stopper.summary_line()
 

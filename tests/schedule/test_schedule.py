@@ -22,6 +22,7 @@ from trainvitals import BandSchedule, GradNormEarlyStopping
 from trainvitals.noise.estimate import MIN_MEASUREMENTS
 from trainvitals.noise.stopper import StopReason
 from trainvitals.schedule.decision import Action, Cut, measurements_to_show
+from trainvitals.text.intervals import band_ratio_said
 
 D, MICRO, ACCUMULATE, SIGMA = 10, 16, 4, 1.0
 B = MICRO * ACCUMULATE
@@ -690,8 +691,11 @@ def test_a_full_streak_held_back_after_a_cut_is_said_with_its_interval():
     at_end = f"for {streak} step(s) in a row at the end" if streak else "out of it at the end"
     assert "cut the lr 1 time(s)" in said and at_end in said and "stop" in said and "after a cut it acts" in said
     # The point that kept the act beside its interval (issue #25: the interval alone, garbled where unbounded).
-    assert f"band ratio was {ratio:.2g} (90 %: " in said and "× the edge" in said
-    assert (f"–{high:.2g})" if math.isfinite(high) else ", with no upper end)") in said
+    # In the one wording of a band ratio: a negative point is not quoted beside an interval of a ratio ≥ 0.
+    assert (
+        f"band ratio (‖G‖² over the edge {schedule.margin:g}·tr(Σ)/B) was {band_ratio_said(ratio, low, high)}" in said
+    )
+    assert said.endswith("; the band did not end the fit: bound it by steps or by a validation-loss EarlyStopping.")
     assert (ratio < 0 and high <= 1) == ("its point below 0" in said) and (high > 1) == ("upper end above" in said)
     # Held by the upper end: what showing the run inside would take (decision.py's measurements_to_show).
     need = f"needs at least ≈ {measurements_to_show(ratio, high, measured):.2g} effective measurements"

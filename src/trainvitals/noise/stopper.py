@@ -53,6 +53,7 @@ from trainvitals.plumbing.sharing import (
 from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import feed_callback_metrics, log_scalars, log_text
+from trainvitals.text.intervals import band_ratio_said
 from trainvitals.text.markdown import markdown_table
 
 MODES = ("noise_band", "threshold", "relative")
@@ -819,13 +820,6 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 ratio = band_ratio(grad, summary["trace_cov"], summary["batch_size"], self.margin)
                 low, high = (summary[f"band_ratio_{end}"] / self.margin for end in ("low", "high"))
                 excess = " and a reshuffled epoch's excess" if self.gradient_noise.reshuffled else ""
-                interval = (
-                    f"(90 %: {low:.2f}–{high:.2f}×, from ‖G‖²'s and tr(Σ)'s errors{excess})"
-                    if math.isfinite(high)
-                    else f"(90 %: ≥ {low:.2f}×, no upper end)"
-                    if low > 0
-                    else "(no error bar yet)"
-                )
                 reaches = (
                     "; that interval lies inside the band"
                     if high <= 1.0
@@ -836,10 +830,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 # The current estimate (grad_noise/band_ratio, its lag in its error); the decision's own ratio is
                 # the band window's (grad_norm/band_ratio), which lags it.
                 why += (
-                    f"; at the end the current estimate ‖G‖² = {grad:.3g} ± {se:.2g} is {ratio:.2f}× the band's edge "
-                    f"{self.margin:g}·tr(Σ)/B {interval}{reaches}"
-                    if ratio > 0
-                    else f"; at the end the current estimate ‖G‖² = {grad:.3g} ± {se:.2g} is ≤ 0, inside the band"
+                    f"; at the end the current estimate ‖G‖² = {grad:.3g} ± {se:.2g} puts the band ratio (‖G‖² over "
+                    f"the band's edge {self.margin:g}·tr(Σ)/B, its interval from ‖G‖²'s and tr(Σ)'s errors{excess}) "
+                    f"at {band_ratio_said(ratio, low, high)}{reaches}"
                 )
                 band = band_ratio(
                     summary["band_grad_sq_norm"], summary["trace_cov"], summary["batch_size"], self.margin
