@@ -464,7 +464,9 @@ def test_a_diverged_run_watched_by_the_stopper_or_the_probe_alone_is_critical(
 
 def test_a_stop_on_the_band_is_the_band_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The stopper stopped on the band (every step of its patience in it) while the few logged flags were
-    mostly out: the verdict is the stop's, not "not in its noise band yet"."""
+    mostly out: the verdict is the stop's, not "not in its noise band yet". It says the streak the stop came on
+    (a fresh user read "40% of the last 10 logged steps were in it" beside a stop on 19 steps in a row): the flags
+    logged within it were set, and the last 10 reach back before it."""
     from trainvitals.noise.stopper import StopReason
     from trainvitals.report.command import BAND_STOP
 
@@ -472,13 +474,22 @@ def test_a_stop_on_the_band_is_the_band_verdict(tmp_path: Path, capsys: pytest.C
     stop = f"stopped at optimizer step 95 (after 96 steps): {BAND_STOP} (‖G‖² ≤ 0.2·tr(Σ)/B) for 10 consecutive steps."
     write_run(
         tmp_path / "run",
-        {**HEALTHY, "grad_norm/in_noise_band": [float(s >= 85) for s in STEPS]},
+        {
+            **HEALTHY,
+            "grad_norm/in_noise_band": [float(s >= 85) for s in STEPS],
+            "grad_norm/band_streak": [float(max(s - 82, 0)) for s in STEPS],  # 13 at the stop: steps 83–95
+        },
         {"grad_norm/stop_reason": stop},
     )
     _, data = report_json(capsys, tmp_path)
     verdicts = [f["message"] for f in data["runs"][0]["findings"] if f["section"] == "convergence"]
     assert verdicts[0] == stop
     assert verdicts[1].startswith("in its noise band: GradNormEarlyStopping stopped the run on it")
+    assert verdicts[1].endswith(
+        ", on grad_norm/band_streak 13 at its stop (optimizer steps 83–95 in a row in the band): 3 of the 3 band "
+        "flag(s) logged in them set; 30% of the last 10 logged steps were in the band, back to step 50, before the "
+        "streak began."
+    ), verdicts[1]
     assert not any("not in its noise band" in v for v in verdicts)
 
 

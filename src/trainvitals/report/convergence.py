@@ -234,12 +234,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
             )
     elif stop and BAND_STOP in stop:  # every step of its patience was in the band; the logged flags sample a few
         report.findings.append(
-            Finding(
-                "note",
-                title,
-                f"in its noise band: {name} stopped the run on it{error}; the band flags "
-                f"logged meanwhile ({_share_in_band(recent)} in it) sample single steps.",
-            )
+            Finding("note", title, f"in its noise band: {name} stopped the run on it{error}{_stop_streak_said(run)}.")
         )
     elif in_band >= 0.5:
         report.findings.append(
@@ -266,6 +261,29 @@ def convergence_section(run: Run, report: RunReport) -> None:
                 + _few_flags(recent, name),
             )
         )
+
+
+def _stop_streak_said(run: Run) -> str:
+    """The streak a band stop came on, beside the logged band flags: ``grad_norm/band_streak`` at the stop counts
+    the optimizer steps in a row in the band up to it, and the flags logged within those steps were set; the last
+    :data:`BAND_WINDOW` flags (the convergence row's share) may reach back before the streak, and say so."""
+    streaks = first_series(run, grad_norm("band_streak"))
+    if not streaks or not streaks[-1][1] >= 1:
+        return ""
+    stop, streak = streaks[-1]
+    start = stop - int(streak) + 1
+    flags = first_series(run, grad_norm("in_noise_band")) or []
+    within = [v for s, v in flags if start <= s <= stop]
+    said = f", on grad_norm/band_streak {streak:g} at its stop (optimizer steps {start}–{stop} in a row in the band)"
+    if within:
+        said += f": {sum(within):g} of the {len(within)} band flag(s) logged in them set"
+    recent = flags[-BAND_WINDOW:]
+    if len(recent) > len(within) and recent[0][0] < start:
+        said += (
+            f"; {_share_in_band([v for _, v in recent])} in the band, back to step {recent[0][0]}, before the "
+            "streak began"
+        )
+    return said
 
 
 def _band_row(flags: list[float]) -> Row:
