@@ -960,6 +960,26 @@ def test_several_runs_get_an_overview_first(tmp_path: Path, capsys: pytest.Captu
     assert text.startswith("run a: ok")  # one run: its own report is the overview
 
 
+def test_runs_with_the_same_logs_are_one_entry_naming_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fresh user's TensorBoardLogger and CSVLogger made every run appear twice with identical findings. Runs
+    whose trainvitals tags hold the same values at the same steps are one entry named with each folder, saying
+    why; another tool's tag (``hp_metric``) is not compared; one value apart, they are two runs."""
+    write_run(tmp_path / "stop", {**HEALTHY, "hp_metric": -1.0})
+    write_run(tmp_path / "stop_csv", HEALTHY)
+    write_run(tmp_path / "other", {**HEALTHY, "grad_noise/b_simple": [200.0] * (len(STEPS) - 1) + [201.0]})
+    _, doc = report_json(capsys, tmp_path)
+    assert [(r["run"], r["same_logs"]) for r in doc["runs"]] == [("other", []), ("stop", ["stop_csv"])]
+    _, text, _ = report(capsys, str(tmp_path))
+    lines = text.splitlines()
+    assert [line.split()[0] for line in lines[3:5]] == ["other", "stop"] and "stop = stop_csv" in lines[4]
+    heading = lines.index("run stop = stop_csv: ok, last logged optimizer step 95")
+    assert lines[heading + 1] == (
+        "  the same logs as stop_csv: every trainvitals tag at the same steps with the same values (one fit written "
+        "by two loggers, or an exact rerun), reported once."
+    )
+    assert sum(line.startswith("run ") for line in lines) == 2
+
+
 def test_the_last_logged_step_is_the_callbacks_last_optimizer_step(tmp_path: Path, capsys) -> None:
     """40 optimizer steps (0–39), an integrity window closing at the last one, and a metric of the model's own
     logged at Lightning's count of steps taken (40): the last logged optimizer step is 39."""

@@ -60,8 +60,9 @@ OVERVIEW = ("run", "status", "last step", "stop", NORM_OVER_FLOOR, "B_simple", "
 
 
 def overview_rows(reports: Sequence[RunReport]) -> list[list[str]]:
-    """One row per run under :data:`OVERVIEW`: its status, last logged step, how it stopped (the stop row's
-    words before their first colon), the last norm over its noise level, B_simple, and its findings by severity."""
+    """One row per run under :data:`OVERVIEW` (named with the runs of the same logs): its status, last logged
+    step, how it stopped (the stop row's words before their first colon), the last norm over its noise level,
+    B_simple, and its findings by severity."""
 
     def cell(r: RunReport, section: str, label: str) -> str:
         found = next((row for row in r.sections.get(section, []) if row.label.startswith(label)), None)
@@ -76,7 +77,7 @@ def overview_rows(reports: Sequence[RunReport]) -> list[list[str]]:
 
     return [
         [
-            r.run,
+            r.names,
             r.status,
             "-" if r.last_step is None else str(r.last_step),
             cell(r, "convergence", "stop").split(":", 1)[0],
@@ -114,7 +115,7 @@ def heading(r: RunReport, title: str) -> str:
 
 def _markdown_run(r: RunReport) -> list[str]:
     """One run in markdown: the findings first, a table per section, the callbacks' panels as they wrote them."""
-    out = [f"## run `{r.run}`: {status_line(r)}"]
+    out = [f"## run `{r.names}`: {status_line(r)}"] + (["", f"{r.same_logs_said}."] if r.same_logs else [])
     if r.findings:
         out += ["", "### findings", ""] + [f"- **{f.severity}** ({f.section}): {f.message}" for f in r.findings]
     for title, rows in r.sections.items():
@@ -132,7 +133,7 @@ def _markdown_run(r: RunReport) -> list[str]:
 
 def _text_run(r: RunReport) -> list[str]:
     """One run for a terminal: the findings first, then aligned sections, then the panels as plain text."""
-    out = [f"run {r.run}: {status_line(r)}"]
+    out = [f"run {r.names}: {status_line(r)}"] + ([f"  {r.same_logs_said}."] if r.same_logs else [])
     if r.findings:
         out += ["", "  findings"] + [f"    [{f.severity}] {f.section}: {f.message}" for f in r.findings]
     for title, rows in r.sections.items():
