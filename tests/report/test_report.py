@@ -980,6 +980,23 @@ def test_runs_with_the_same_logs_are_one_entry_naming_each(tmp_path: Path, capsy
     assert sum(line.startswith("run ") for line in lines) == 2
 
 
+def test_the_overview_gives_b_simples_bound_where_its_point_is_unreliable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The overview showed a fresh user's B_simple point (3370) unmarked while the run's section said it had no
+    upper bound: where its 90 % interval has no upper end the overview gives that bound, as the section does; a
+    two-sided one leaves the point."""
+    unbounded = {**HEALTHY, "grad_noise/b_simple_unreliable": 1.0, "grad_noise/b_simple_low": 290.4}
+    write_run(tmp_path / "a", unbounded)
+    write_run(tmp_path / "b", {**HEALTHY, "grad_noise/b_simple_low": 150.0, "grad_noise/b_simple_high": 260.0})
+    _, doc = report_json(capsys, tmp_path)
+    assert rows(doc["runs"][0], "noise scale and batch size")["B_simple, 90 % interval"] == "≥ 290 (90 %)"
+    _, text, _ = report(capsys, str(tmp_path))
+    a, b = text.splitlines()[3:5]
+    assert "≥ 290 (90 %)" in a and "200 examples" not in a
+    assert "200 examples" in b and "(90 %)" not in b
+
+
 def test_the_last_logged_step_is_the_callbacks_last_optimizer_step(tmp_path: Path, capsys) -> None:
     """40 optimizer steps (0–39), an integrity window closing at the last one, and a metric of the model's own
     logged at Lightning's count of steps taken (40): the last logged optimizer step is 39."""

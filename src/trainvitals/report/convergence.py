@@ -570,6 +570,8 @@ def _unmeasured(run: Run) -> str:
 B_SIMPLE = "B_simple = tr Σ / ‖G‖²"
 """The noise section's B_simple row; of a partial estimate, :data:`B_SIMPLE_PARTIAL`."""
 B_SIMPLE_PARTIAL = f"{B_SIMPLE}, of the measured parameters only (partial estimate)"
+B_SIMPLE_INTERVAL = "B_simple, 90 % interval"
+"""The noise section's row of B_simple's 90 % interval: "≥ 550 (90 %)" where it has no upper end."""
 
 
 def b_simple_interval_at(run: Run, step: int | None) -> str:
@@ -632,7 +634,7 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     rows = [
         row_at(run, step, B_SIMPLE_PARTIAL if partial else B_SIMPLE, r"grad_noise/b_simple$", unit="examples"),
         row_at(run, step, "B_simple relative error", r"grad_noise/b_simple_rel_err$"),
-        Row("B_simple, 90 % interval", b_simple_interval_at(run, step).removeprefix("B_simple ") or None),
+        Row(B_SIMPLE_INTERVAL, b_simple_interval_at(run, step).removeprefix("B_simple ") or None),
         row_at(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$", unit="share"),
         row_at(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples"),
     ]

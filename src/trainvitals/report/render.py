@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from trainvitals.memory import format_bytes
-from trainvitals.report.convergence import B_SIMPLE, B_SIMPLE_PARTIAL, NORM_OVER_FLOOR
+from trainvitals.report.convergence import B_SIMPLE, B_SIMPLE_INTERVAL, B_SIMPLE_PARTIAL, NORM_OVER_FLOOR
 from trainvitals.report.model import Row, RunReport, exit_status
 from trainvitals.text.markdown import markdown_table
 from trainvitals.text.terminal import WIDTH, format_table, inline, markdown_to_text, table_cells
@@ -62,7 +62,7 @@ OVERVIEW = ("run", "status", "last step", "stop", NORM_OVER_FLOOR, "B_simple", "
 def overview_rows(reports: Sequence[RunReport]) -> list[list[str]]:
     """One row per run under :data:`OVERVIEW` (named with the runs of the same logs): its status, last logged
     step, how it stopped (the stop row's words before their first colon), the last norm over its noise level,
-    B_simple, and its findings by severity."""
+    B_simple (its 90 % bound where the point is unreliable), and its findings by severity."""
 
     def cell(r: RunReport, section: str, label: str) -> str:
         found = next((row for row in r.sections.get(section, []) if row.label.startswith(label)), None)
@@ -70,6 +70,14 @@ def overview_rows(reports: Sequence[RunReport]) -> list[list[str]]:
             return "-"
         shown = format_value(found)
         return shown + " (partial)" if found.label == B_SIMPLE_PARTIAL else shown
+
+    def b_simple(r: RunReport) -> str:
+        """B_simple's point, or where its interval has no upper end (‖G‖² within its error of 0: the point is
+        unreliable, as the run's section says) that interval, "≥ 550 (90 %)"."""
+        point, bound = (cell(r, "noise scale and batch size", label) for label in (B_SIMPLE, B_SIMPLE_INTERVAL))
+        if not bound.startswith("≥"):
+            return point
+        return bound + (" (partial)" if point.endswith("(partial)") else "")
 
     def counts(r: RunReport) -> str:
         n = {s: sum(f.severity == s for f in r.findings) for s in ("critical", "warning", "note")}
@@ -82,7 +90,7 @@ def overview_rows(reports: Sequence[RunReport]) -> list[list[str]]:
             "-" if r.last_step is None else str(r.last_step),
             cell(r, "convergence", "stop").split(":", 1)[0],
             cell(r, "convergence", NORM_OVER_FLOOR),
-            cell(r, "noise scale and batch size", B_SIMPLE),
+            b_simple(r),
             counts(r),
         ]
         for r in reports
