@@ -234,7 +234,9 @@ def convergence_section(run: Run, report: RunReport) -> None:
             )
     elif stop and BAND_STOP in stop:  # every step of its patience was in the band; the logged flags sample a few
         report.findings.append(
-            Finding("note", title, f"in its noise band: {name} stopped the run on it{error}{_stop_streak_said(run)}.")
+            Finding(
+                "note", title, f"in its noise band: {name} stopped the run on it{error}{_stop_streak_said(run, stop)}."
+            )
         )
     elif in_band >= 0.5:
         report.findings.append(
@@ -263,12 +265,13 @@ def convergence_section(run: Run, report: RunReport) -> None:
         )
 
 
-def _stop_streak_said(run: Run) -> str:
-    """The streak a band stop came on, beside the logged band flags: ``grad_norm/band_streak`` at the stop counts
-    the optimizer steps in a row in the band up to it, and the flags logged within those steps were set; the last
-    :data:`BAND_WINDOW` flags (the convergence row's share) may reach back before the streak, and say so."""
+def _stop_streak_said(run: Run, said: str) -> str:
+    """The streak a band stop (its sentence ``said``) came on, beside the logged band flags: ``grad_norm/band_streak``
+    logged at the stop counts the optimizer steps in a row in the band up to it, and the flags logged within those
+    steps were set; the last :data:`BAND_WINDOW` flags (the convergence row's share) may reach back before the
+    streak, and say so. "" where the streak was not logged at the stop."""
     streaks = first_series(run, grad_norm("band_streak"))
-    if not streaks or not streaks[-1][1] >= 1:
+    if not streaks or not streaks[-1][1] >= 1 or f"stopped at optimizer step {streaks[-1][0]} " not in said:
         return ""
     stop, streak = streaks[-1]
     start = stop - int(streak) + 1
