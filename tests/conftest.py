@@ -164,6 +164,7 @@ FAST_FILES = frozenset(
         "test_checks.py",
         "test_memory_core.py",
         "test_terminal.py",
+        "test_interval_words.py",
         "test_decision.py",
         "test_activation_stats.py",
         "test_update_measure.py",

@@ -149,3 +149,12 @@ files, of a CSVLogger's ``metrics.csv``): ``trainvitals report`` reads it beside
 
 GUARD_EVENT_LOG = "guard/event_log"
 """TrainingGuard's text panel: its summary line (skips, rollbacks, a stop, the producer), then its latest events."""
+
+
+def mlflow_key(key: str) -> str:
+    """``key`` as both MLflow and Lightning's MLFlowLogger take it: every character but ``A-Z a-z 0-9 _ - . /`` and
+    space as ``_`` (``grad_norm/blocks:0`` is ``grad_norm/blocks_0``), where Lightning would drop it with a warning."""
+    return _MLFLOW_OTHER.sub("_", key)
+
+
+_MLFLOW_OTHER = re.compile(r"[^A-Za-z0-9_\-. /]")

@@ -75,8 +75,8 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-def _fit(model, guard, max_steps=12, callbacks=(), **kwargs):
-    trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, callbacks=[guard, *callbacks], **kwargs))
+def _fit(model, guard, max_steps=12, callbacks=(), before=(), **kwargs):
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=max_steps, callbacks=[*before, guard, *callbacks], **kwargs))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, loader(regression_data(64, 6), 8))
@@ -180,12 +180,17 @@ class Scheduled(Net):
         return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
 
-def test_the_lr_factor_shows_in_param_groups_and_the_lr_scheduler_keeps_shaping_the_lr():
+@pytest.mark.parametrize("monitor_first", [False, True], ids=["monitor-after", "monitor-first"])
+def test_the_lr_factor_shows_in_param_groups_and_the_lr_scheduler_keeps_shaping_the_lr(monitor_first):
+    """LearningRateMonitor logs the lr each step took wherever it is listed: ahead of the guard it is moved after
+    it (LRFactors' monitors_after), else it logged the scheduler's lr at the two scaled steps."""
     model, recording = Scheduled(spike_at={7}), RecordingLogger()
     guard = TrainingGuard(
         on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, lr_factor=0.5, lr_factor_steps=2
     )
-    _fit(model, guard, callbacks=[LearningRateMonitor()], logger=recording, log_every_n_steps=1)
+    monitor = [LearningRateMonitor()]
+    where = {"before": monitor} if monitor_first else {"callbacks": monitor}
+    _fit(model, guard, logger=recording, log_every_n_steps=1, **where)
     factor = {8: 0.5, 9: 0.5}  # the two steps after the rollback at step 7
     expected = [LR * 0.9**s * factor.get(s, 1.0) for s in range(12)]
     assert [model.in_step[s] for s in range(12)] == pytest.approx(expected, rel=1e-12)

@@ -794,3 +794,19 @@ def test_the_sampler_says_whether_each_epoch_reshuffles(sampler, population, res
     src = NoiseSource("probe", 0.98)
     src.read_sampler(DataLoader(data, batch_size=5, sampler=samplers[sampler]))
     assert (src.population, src.reshuffled) == (population, reshuffled)
+
+
+def test_an_estimate_below_0_beyond_its_error_is_not_an_interval_ending_below_its_start():
+    """A fresh user's fit-end table read "‖G‖² −0.3977 ± 0.19, 90 %: 0–-0.0555": the low end held at 0 (‖G‖² ≥ 0)
+    above the upper end g + t·se < 0. Such an estimate is said as below 0 beyond its error, with its upper end; an
+    interval that straddles 0 keeps its two ends."""
+    from trainvitals.noise.estimate import _ends
+
+    grad, se = torch.tensor(-0.3977, dtype=torch.float64), torch.tensor(0.19, dtype=torch.float64)
+    trace, trace_se = torch.tensor(146.6, dtype=torch.float64), torch.tensor(5.8, dtype=torch.float64)
+    n = torch.tensor(12.9, dtype=torch.float64)
+    low, high = noise_intervals(grad, trace, se, trace_se, torch.zeros((), dtype=torch.float64), n, 64)["grad_sq_norm"]
+    assert float(low) == 0.0 and float(high) == pytest.approx(-0.3977 + float(t_quantile(Z90, n - 1)) * 0.19)
+    said = _ends({"grad_sq_norm_low": float(low), "grad_sq_norm_high": float(high)}, "grad_sq_norm")
+    assert said == f", 90 %: below 0 beyond its error (upper end {float(high):.3g})" and "0–-" not in said
+    assert _ends({"grad_sq_norm_low": 0.0, "grad_sq_norm_high": 0.31}, "grad_sq_norm") == ", 90 %: 0–0.31"

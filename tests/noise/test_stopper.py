@@ -171,6 +171,36 @@ def test_the_charts_end_at_the_stop_and_hold_no_infinite_value():
     assert all(math.isfinite(v) for values in logger.series.values() for _, v in values)
 
 
+def test_the_stop_says_the_streak_grad_norm_band_streak_logs():
+    """A fresh user's stop said "for 10 consecutive steps" while ``grad_norm/band_streak`` read 19 at the stop: the
+    host reads the streak every ``check_every_n_steps``, so it runs past its patience before the stop. The stop
+    says the logged streak, what it counts and how often it is read; a streak broken between two checks (the stop
+    is still due) says its patience and the streak at the stop."""
+    d, logger = 10, RecordingLogger()
+    stopper = GradNormEarlyStopping(patience=5, min_steps=20, margin=0.2, check_every_n_steps=10, verbose=False)
+    _fit(
+        converging(d),
+        [stopper],
+        regression_stream(1200, 16, d, torch.zeros(d), 1.0),
+        logger=logger,
+        max_epochs=1,
+        accumulate_grad_batches=4,
+        log_every_n_steps=50,
+    )
+    step, streak = logger.series["grad_norm/band_streak"][-1]
+    assert step == stopper.stopped_step and streak == stopper.stopped_streak > 5  # 13: past its patience
+    said = stopper.describe_stop()
+    assert (
+        f"for its last {streak:.0f} counted optimizer steps in a row (grad_norm/band_streak; its patience 5, " in said
+    )
+    assert "the streak read every 10 steps), after it had been out of the band." in said, said
+    stopper.stopped_streak = 3
+    assert (
+        "for its patience of 5 counted optimizer steps in a row, a streak broken before the check that stopped it "
+        "(grad_norm/band_streak 3 at the stop; the streak read every 10 steps)" in stopper.describe_stop()
+    )
+
+
 def test_without_a_noise_source_it_says_so_once_logs_no_nan_and_never_stops():
     logger = RecordingLogger()
     stopper = GradNormEarlyStopping(patience=1, margin=1e9, min_steps=0)
@@ -1084,7 +1114,8 @@ def test_the_fit_end_line_says_when_the_band_window_and_the_current_estimate_dis
     }
     monkeypatch.setattr(stopper.gradient_noise, "host_summary", lambda *_: summary)
     line = stopper.summary_line()
-    assert f"{current:.2f}× the band's edge" in line and f"{band:.2f}× the edge" in line and said in line, line
+    assert f"band's edge 0.2·tr(Σ)/B, its interval from ‖G‖²'s and tr(Σ)'s errors) at {current:.2g} (90 %: " in line
+    assert f"{band:.2f}× the edge" in line and said in line, line
     summary["band_grad_sq_norm"] = current * edge
     assert "band window" not in stopper.summary_line()
 

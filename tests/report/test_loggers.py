@@ -29,9 +29,9 @@ from trainvitals.memory.profiler import MemoryTopologyProfiler
 from trainvitals.noise.probe import BatchVarianceProbe
 from trainvitals.noise.stopper import GradNormEarlyStopping
 from trainvitals.norms.monitor import GradNormMonitor
-from trainvitals.plumbing.writers import RunRecord, log_scalars, mlflow_key
+from trainvitals.plumbing.writers import RunRecord, log_scalars
 from trainvitals.report.command import EXIT_CRASHED, EXIT_DAMAGED, EXIT_OK, main
-from trainvitals.tags import REPORT_HTML, REPORT_JSON
+from trainvitals.tags import REPORT_HTML, REPORT_JSON, mlflow_key
 from trainvitals.tensorboard.dashboard import TrainvitalsDashboard
 from trainvitals.updates.monitor import UpdateMonitor
 
@@ -178,6 +178,17 @@ def test_the_report_on_the_csv_and_mlflow_folders_is_the_tensorboard_folder_s(
         for mine, theirs in zip(run["sections"][title], rows):
             if isinstance(theirs["value"], float):
                 assert mine["value"] == pytest.approx(theirs["value"], rel=1e-5, abs=1e-9), (title, theirs["label"])
+
+
+def test_the_fits_loggers_under_one_folder_are_one_run_in_its_report(
+    fit: SimpleNamespace, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The TensorBoard, CSV and MLflow logs of the one fit, read from the folder above them: one entry, named with
+    each of them (values to float32's precision, tags as MLflow keeps them), not three with the same findings."""
+    status, doc = _report(capsys, fit.root)
+    (run,) = doc["runs"]
+    assert status == EXIT_OK and run["run"] == "csv/version_0"  # in name order, the first kept
+    assert run["same_logs"][0].startswith("mlruns/") and run["same_logs"][1:] == ["tb/version_0"]
 
 
 def test_wandb_got_the_page_the_findings_histograms_and_text_panels(fit: SimpleNamespace) -> None:

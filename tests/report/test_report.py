@@ -464,7 +464,9 @@ def test_a_diverged_run_watched_by_the_stopper_or_the_probe_alone_is_critical(
 
 def test_a_stop_on_the_band_is_the_band_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The stopper stopped on the band (every step of its patience in it) while the few logged flags were
-    mostly out: the verdict is the stop's, not "not in its noise band yet"."""
+    mostly out: the verdict is the stop's, not "not in its noise band yet". It says the streak the stop came on
+    (a fresh user read "40% of the last 10 logged steps were in it" beside a stop on 19 steps in a row): the flags
+    logged within it were set, and the last 10 reach back before it."""
     from trainvitals.noise.stopper import StopReason
     from trainvitals.report.command import BAND_STOP
 
@@ -472,13 +474,22 @@ def test_a_stop_on_the_band_is_the_band_verdict(tmp_path: Path, capsys: pytest.C
     stop = f"stopped at optimizer step 95 (after 96 steps): {BAND_STOP} (‖G‖² ≤ 0.2·tr(Σ)/B) for 10 consecutive steps."
     write_run(
         tmp_path / "run",
-        {**HEALTHY, "grad_norm/in_noise_band": [float(s >= 85) for s in STEPS]},
+        {
+            **HEALTHY,
+            "grad_norm/in_noise_band": [float(s >= 85) for s in STEPS],
+            "grad_norm/band_streak": [float(max(s - 82, 0)) for s in STEPS],  # 13 at the stop: steps 83–95
+        },
         {"grad_norm/stop_reason": stop},
     )
     _, data = report_json(capsys, tmp_path)
     verdicts = [f["message"] for f in data["runs"][0]["findings"] if f["section"] == "convergence"]
     assert verdicts[0] == stop
     assert verdicts[1].startswith("in its noise band: GradNormEarlyStopping stopped the run on it")
+    assert verdicts[1].endswith(
+        ", on grad_norm/band_streak 13 at its stop (optimizer steps 83–95 in a row in the band): 3 of the 3 band "
+        "flag(s) logged in them set; 30% of the last 10 logged steps were in the band, back to step 50, before the "
+        "streak began."
+    ), verdicts[1]
     assert not any("not in its noise band" in v for v in verdicts)
 
 
@@ -947,6 +958,43 @@ def test_several_runs_get_an_overview_first(tmp_path: Path, capsys: pytest.Captu
     assert markdown.startswith("## overview\n\n| run | status |")
     _, text, _ = report(capsys, str(tmp_path / "a"))
     assert text.startswith("run a: ok")  # one run: its own report is the overview
+
+
+def test_runs_with_the_same_logs_are_one_entry_naming_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fresh user's TensorBoardLogger and CSVLogger made every run appear twice with identical findings. Runs
+    whose trainvitals tags hold the same values at the same steps are one entry named with each folder, saying
+    why; another tool's tag (``hp_metric``) is not compared; one value apart, they are two runs."""
+    write_run(tmp_path / "stop", {**HEALTHY, "hp_metric": -1.0})
+    write_run(tmp_path / "stop_csv", HEALTHY)
+    write_run(tmp_path / "other", {**HEALTHY, "grad_noise/b_simple": [200.0] * (len(STEPS) - 1) + [201.0]})
+    _, doc = report_json(capsys, tmp_path)
+    assert [(r["run"], r["same_logs"]) for r in doc["runs"]] == [("other", []), ("stop", ["stop_csv"])]
+    _, text, _ = report(capsys, str(tmp_path))
+    lines = text.splitlines()
+    assert [line.split()[0] for line in lines[3:5]] == ["other", "stop"] and "stop = stop_csv" in lines[4]
+    heading = lines.index("run stop = stop_csv: ok, last logged optimizer step 95")
+    assert lines[heading + 1] == (
+        "  the same logs as stop_csv: every trainvitals tag at the same steps with the same values (one fit written "
+        "by two loggers, or an exact rerun), reported once."
+    )
+    assert sum(line.startswith("run ") for line in lines) == 2
+
+
+def test_the_overview_gives_b_simples_bound_where_its_point_is_unreliable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The overview showed a fresh user's B_simple point (3370) unmarked while the run's section said it had no
+    upper bound: where its 90 % interval has no upper end the overview gives that bound, as the section does; a
+    two-sided one leaves the point."""
+    unbounded = {**HEALTHY, "grad_noise/b_simple_unreliable": 1.0, "grad_noise/b_simple_low": 290.4}
+    write_run(tmp_path / "a", unbounded)
+    write_run(tmp_path / "b", {**HEALTHY, "grad_noise/b_simple_low": 150.0, "grad_noise/b_simple_high": 260.0})
+    _, doc = report_json(capsys, tmp_path)
+    assert rows(doc["runs"][0], "noise scale and batch size")["B_simple, 90 % interval"] == "≥ 290 (90 %)"
+    _, text, _ = report(capsys, str(tmp_path))
+    a, b = text.splitlines()[3:5]
+    assert "≥ 290 (90 %)" in a and "200 examples" not in a
+    assert "200 examples" in b and "(90 %)" not in b
 
 
 def test_the_last_logged_step_is_the_callbacks_last_optimizer_step(tmp_path: Path, capsys) -> None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -22,6 +22,7 @@ from trainvitals import BandSchedule, GradNormEarlyStopping
 from trainvitals.noise.estimate import MIN_MEASUREMENTS
 from trainvitals.noise.stopper import StopReason
 from trainvitals.schedule.decision import Action, Cut, measurements_to_show
+from trainvitals.text.intervals import band_ratio_said
 
 D, MICRO, ACCUMULATE, SIGMA = 10, 16, 4, 1.0
 B = MICRO * ACCUMULATE
@@ -370,6 +371,35 @@ def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     assert model.lrs == pytest.approx([eta * 0.1] * 50)
 
 
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_learning_rate_monitor_ahead_of_it_logs_the_lr_each_step_took(interval):
+    """LearningRateMonitor listed first, 4 micro-batches a step: it read the scheduler's lr at a step's first
+    micro-batch and the lr × the scale at the others (a fresh user's lr chart zigzagged ×10 after a cut), and at an
+    epoch's start the scheduler's (``logging_interval="epoch"``). Every lr it logs is the one the optimizer took at
+    that step, the scheduler's × the scale; the optimizer's own lrs are untouched."""
+    eta, steps, epochs = 0.05, 20, 4
+    schedule = BandSchedule(
+        **AT_MINIMUM, factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1, check_every_n_steps=1
+    )
+    monitor, logger = LearningRateMonitor(logging_interval=interval), RecordingLogger()
+    scheduler = (lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, 0.99)) if interval == "step" else None
+    model = NoisyQuadratic(eta, w0=0.0, scheduler=scheduler)
+    kwargs = dict(max_epochs=epochs, accumulate_grad_batches=ACCUMULATE, log_every_n_steps=1)
+    trainer = Trainer(**trainer_kwargs(callbacks=[monitor, schedule], logger=logger, **kwargs))
+    trainer.fit(model, stream(steps))
+    (cut,) = schedule.cuts
+    assert cut["step"] < steps * (epochs - 1)  # epochs start after the cut
+    logged = logger.series["lr-SGD"]
+    per_step = ACCUMULATE if interval == "step" else 1  # every micro-batch's start, or every epoch's
+    assert [step for step, _ in logged] == [
+        s for s in range(0, steps * epochs, 1 if per_step > 1 else steps) for _ in range(per_step)
+    ]
+    assert [lr for _, lr in logged] == pytest.approx([model.lrs[step] for step, _ in logged], rel=1e-6)
+    assert any(step > cut["step"] for step, _ in logged)
+    if interval == "step":  # the scheduler kept its own lr: 0.99 per step, no compounding of the scale
+        assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(eta * 0.99 ** (steps * epochs))
+
+
 class _MicroBatchesPerStep(pl.Callback):
     """The micro-batches each optimizer step took, counted at their start."""
 
@@ -661,8 +691,11 @@ def test_a_full_streak_held_back_after_a_cut_is_said_with_its_interval():
     at_end = f"for {streak} step(s) in a row at the end" if streak else "out of it at the end"
     assert "cut the lr 1 time(s)" in said and at_end in said and "stop" in said and "after a cut it acts" in said
     # The point that kept the act beside its interval (issue #25: the interval alone, garbled where unbounded).
-    assert f"band ratio was {ratio:.2g} (90 %: " in said and "× the edge" in said
-    assert (f"–{high:.2g})" if math.isfinite(high) else ", with no upper end)") in said
+    # In the one wording of a band ratio: a negative point is not quoted beside an interval of a ratio ≥ 0.
+    assert (
+        f"band ratio (‖G‖² over the edge {schedule.margin:g}·tr(Σ)/B) was {band_ratio_said(ratio, low, high)}" in said
+    )
+    assert said.endswith("; the band did not end the fit: bound it by steps or by a validation-loss EarlyStopping.")
     assert (ratio < 0 and high <= 1) == ("its point below 0" in said) and (high > 1) == ("upper end above" in said)
     # Held by the upper end: what showing the run inside would take (decision.py's measurements_to_show).
     need = f"needs at least ≈ {measurements_to_show(ratio, high, measured):.2g} effective measurements"

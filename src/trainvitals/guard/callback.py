@@ -64,7 +64,7 @@ from trainvitals.plumbing.amp import grad_scaler, loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import StepBatches, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.plumbing.lr_factors import LRFactors
+from trainvitals.plumbing.lr_factors import LRFactors, monitors_after
 from trainvitals.plumbing.sharing import GRAD_SQ_NORMS, LR_FACTORS, NAN_PRODUCER, STEP_BATCHES, SUMMARY
 from trainvitals.plumbing.state import DeclaredState, IndexedStates, optimizer_index
 from trainvitals.plumbing.writers import log_scalars, log_text
@@ -258,6 +258,11 @@ class TrainingGuard(TrainvitalsCallback):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def setup_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.lr_factor != 1.0:  # LearningRateMonitor reads the lr after this callback has scaled it
+            monitors_after(trainer, self)
+
+    @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._amp = grad_scaler(trainer) is not None
         self._folder = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank, once
@@ -271,6 +276,12 @@ class TrainingGuard(TrainvitalsCallback):
         for optimizer in trainer.optimizers:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
             self._hooks.append(optimizer.register_step_post_hook(self._after_step))
+
+    @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:  # the epoch's first lr, as LearningRateMonitor logs it
+            factors.epoch_start(trainer)
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:

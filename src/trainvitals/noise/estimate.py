@@ -1021,9 +1021,15 @@ def b_simple_interval(summary: dict[str, Any]) -> str:
 
 
 def _ends(summary: dict[str, Any], name: str) -> str:
-    """ ", 90 %: low–high" of ``name``'s interval in a :meth:`GradientNoise.host_summary`."""
+    """ ", 90 %: low–high" of ``name``'s interval in a :meth:`GradientNoise.host_summary`; its low end is held at 0
+    (the quantity is ≥ 0), so an upper end below it is an estimate below 0 beyond its error, said as such rather
+    than as an interval that ends below where it starts ("0–-0.0555")."""
     low, high = summary[f"{name}_low"], summary[f"{name}_high"]
-    return f", 90 %: {low:.3g}–{high:.3g}" if math.isfinite(high) else ""
+    if not math.isfinite(high):
+        return ""
+    if high < low:
+        return f", 90 %: below 0 beyond its error (upper end {high:.3g})"
+    return f", 90 %: {low:.3g}–{high:.3g}"
 
 
 def _b_simple_cell(b_simple: float, rel_err: float) -> str:

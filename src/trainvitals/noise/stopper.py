@@ -53,6 +53,7 @@ from trainvitals.plumbing.sharing import (
 from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import feed_callback_metrics, log_scalars, log_text
+from trainvitals.text.intervals import band_ratio_said
 from trainvitals.text.markdown import markdown_table
 
 MODES = ("noise_band", "threshold", "relative")
@@ -289,6 +290,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.add_state("steps", 0)
         self.add_state("stop_reason", StopReason.NOT_STOPPED)
         self.add_state("stopped_step", None)
+        self.stopped_streak: int | None
+        """The streak at the stop: the counted optimizer steps in a row in the condition, ≥ ``patience`` (read
+        every ``check_every_n_steps``), what ``grad_norm/band_streak`` logs at the stopping step."""
+        self.add_state("stopped_streak", None)
         self.add_state("_said_caveat", False, persistent=False)
         # Examples per optimizer step over all ranks, once seen.
         self.add_state("effective_batch_size", None, persistent=False)
@@ -758,7 +763,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if not stop:
             return False
         trainer.should_stop = True
-        self.stopped_step = step
+        self.stopped_step, self.stopped_streak = step, int(self._streak)  # a host read at the stop alone
         self.stop_reason = {
             "noise_band": StopReason.NOISE_BAND,
             "threshold": StopReason.THRESHOLD,
@@ -789,7 +794,24 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         after = ", after it had been out of the band" if self.stop_reason is StopReason.NOISE_BAND else ""
         return (
             f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
-            f"{self.stop_reason.value} ({detail}) for {self.patience} consecutive steps{after}.{again}"
+            f"{self.stop_reason.value} ({detail}) {self._streak_said()}{after}.{again}"
+        )
+
+    def _streak_said(self) -> str:
+        """The stop's streak as ``grad_norm/band_streak`` logs it: counted optimizer steps in a row in the condition,
+        read every ``check_every_n_steps``, so at the stop it may be past ``patience``, or (a streak completed and
+        broken between two checks) below it. An older checkpoint's stop has no streak: its patience is said."""
+        streak, read = self.stopped_streak, f"the streak read every {self.check_every_n_steps} steps"
+        if streak is None:
+            return f"for {self.patience} consecutive optimizer steps"
+        if streak >= self.patience:
+            return (
+                f"for its last {streak} counted optimizer steps in a row (grad_norm/band_streak; its patience "
+                f"{self.patience}, {read})"
+            )
+        return (
+            f"for its patience of {self.patience} counted optimizer steps in a row, a streak broken before the check "
+            f"that stopped it (grad_norm/band_streak {streak} at the stop; {read})"
         )
 
     def band_entries(self) -> list[tuple[int, str, float]]:
@@ -819,13 +841,6 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 ratio = band_ratio(grad, summary["trace_cov"], summary["batch_size"], self.margin)
                 low, high = (summary[f"band_ratio_{end}"] / self.margin for end in ("low", "high"))
                 excess = " and a reshuffled epoch's excess" if self.gradient_noise.reshuffled else ""
-                interval = (
-                    f"(90 %: {low:.2f}–{high:.2f}×, from ‖G‖²'s and tr(Σ)'s errors{excess})"
-                    if math.isfinite(high)
-                    else f"(90 %: ≥ {low:.2f}×, no upper end)"
-                    if low > 0
-                    else "(no error bar yet)"
-                )
                 reaches = (
                     "; that interval lies inside the band"
                     if high <= 1.0
@@ -836,10 +851,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                 # The current estimate (grad_noise/band_ratio, its lag in its error); the decision's own ratio is
                 # the band window's (grad_norm/band_ratio), which lags it.
                 why += (
-                    f"; at the end the current estimate ‖G‖² = {grad:.3g} ± {se:.2g} is {ratio:.2f}× the band's edge "
-                    f"{self.margin:g}·tr(Σ)/B {interval}{reaches}"
-                    if ratio > 0
-                    else f"; at the end the current estimate ‖G‖² = {grad:.3g} ± {se:.2g} is ≤ 0, inside the band"
+                    f"; at the end the current estimate ‖G‖² = {grad:.3g} ± {se:.2g} puts the band ratio (‖G‖² over "
+                    f"the band's edge {self.margin:g}·tr(Σ)/B, its interval from ‖G‖²'s and tr(Σ)'s errors{excess}) "
+                    f"at {band_ratio_said(ratio, low, high)}{reaches}"
                 )
                 band = band_ratio(
                     summary["band_grad_sq_norm"], summary["trace_cov"], summary["batch_size"], self.margin

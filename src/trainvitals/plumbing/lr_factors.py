@@ -5,10 +5,14 @@ scheduler: a chainable one (StepLR, ExponentialLR, ReduceLROnPlateau …) comput
 ``group["lr"]``, so a factor left in place would compound at every scheduler step, and one written over the
 scheduler's value would undo it. Each step's lrs are therefore saved at the step's first micro-batch, multiplied
 by every owner's factor (their product: two owners compose, whatever the order of their hooks), and put back by
-the optimizer's step post-hook, before Lightning steps the schedulers: LearningRateMonitor, ``optimizer_step``
-and the update see the scaled lr, the scheduler only its own. A step a GradScaler skips runs no post-hook, and
-Lightning steps the schedulers before any later hook: :meth:`LRFactors.before_step` puts the lrs back at
-``on_before_optimizer_step`` when the scaler has found an inf, so the scheduler steps from its own lr then too.
+the optimizer's step post-hook, before Lightning steps the schedulers: ``optimizer_step`` and the update see the
+scaled lr, the scheduler only its own. LearningRateMonitor reads ``group["lr"]`` in its own ``on_train_batch_start``
+at every micro-batch (and in ``on_train_epoch_start``), and Lightning calls the callbacks in list order, so each
+owner moves the monitors listed before it to right after it (:func:`monitors_after`, at setup) and applies the
+factors at an epoch's start too: every lr the monitor logs is the one the step takes, whatever the order given.
+A step a GradScaler skips runs no post-hook, and Lightning steps the schedulers before any later hook:
+:meth:`LRFactors.before_step` puts the lrs back at ``on_before_optimizer_step`` when the scaler has found an inf,
+so the scheduler steps from its own lr then too.
 
 Each owner declares its factor once per fit (:meth:`LRFactors.own`, a function read when asked), so a reader
 (LRScalingAdvisor) gets the lr a step runs at from :meth:`LRFactors.lr` whatever the order of the hooks, between
@@ -24,7 +28,21 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
+
+
+def monitors_after(trainer: "pl.Trainer", owner: pl.Callback) -> None:
+    """Every LearningRateMonitor listed before ``owner`` in ``trainer.callbacks`` moved to right after it, in their
+    order (module docstring): ahead of the owner's hook the monitor would log the scheduler's lr at a step's first
+    micro-batch and the scaled one at the next. A new list, so a hook Lightning is calling goes on over the old."""
+    callbacks = list(trainer.callbacks)
+    ahead = [cb for cb in callbacks[: callbacks.index(owner)] if isinstance(cb, LearningRateMonitor)]
+    if ahead:
+        rest = [cb for cb in callbacks if all(cb is not monitor for monitor in ahead)]
+        at = rest.index(owner) + 1
+        trainer.callbacks = rest[:at] + ahead + rest[at:]
 
 
 class LRFactors:
@@ -67,6 +85,12 @@ class LRFactors:
         """``group``'s lr as its scheduler set it, without the factors: saved while a step's factors are applied, else
         the one in place."""
         return float(next((lr for held, lr in self._saved or [] if held is group), group["lr"]))
+
+    def epoch_start(self, trainer: "pl.Trainer") -> None:
+        """At ``on_train_epoch_start``: the factors of the epoch's first step applied now where any scales, for the
+        LearningRateMonitor that logs there (module docstring); no scheduler steps before that step's post-hook."""
+        if self.scale() != 1.0:
+            self.apply(trainer.optimizers)
 
     def lr(self, group: dict[str, Any]) -> float:
         """The lr ``group`` steps at: :meth:`scheduled` × :meth:`scale`. Right before the owners' hooks have applied

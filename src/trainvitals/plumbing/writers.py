@@ -28,7 +28,6 @@ also keeps a :class:`RunRecord` of every scalar and text panel written here, for
 from __future__ import annotations
 
 import math
-import re
 import tempfile
 import weakref
 from collections.abc import Mapping, Sequence
@@ -46,7 +45,7 @@ from tensorboard.plugins.histogram.metadata import create_summary_metadata
 from torch import Tensor
 from torch.utils.tensorboard.summary import histogram_raw
 
-from trainvitals.tags import REPORT_HTML, REPORT_JSON
+from trainvitals.tags import REPORT_HTML, REPORT_JSON, mlflow_key
 from trainvitals.text.markdown import markdown_to_html
 
 _notices = WarningCache()
@@ -363,15 +362,6 @@ def report_folders(trainer: "pl.Trainer") -> list[Path]:
         elif isinstance(logger, WandbLogger):
             folders[Path(logger.experiment.dir).resolve()] = None
     return list(folders)
-
-
-def mlflow_key(key: str) -> str:
-    """``key`` as both MLflow and Lightning's MLFlowLogger take it: every character but ``A-Z a-z 0-9 _ - . /`` and
-    space as ``_`` (``grad_norm/blocks:0`` is ``grad_norm/blocks_0``), where Lightning would drop it with a warning."""
-    return _MLFLOW_OTHER.sub("_", key)
-
-
-_MLFLOW_OTHER = re.compile(r"[^A-Za-z0-9_\-. /]")
 
 
 def _takers(trainer: "pl.Trainer", what: str, kinds: tuple[type[Logger], ...]) -> list[Logger]:

@@ -65,7 +65,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainvitals.report.assess import assess
-from trainvitals.report.events import Damage, ReportError, Run, printable, read_runs
+from trainvitals.report.events import Damage, ReportError, Run, printable, read_runs, same_logs
 from trainvitals.report.model import (
     BAND_STOP,
     CRITICAL_COUNTERS,
@@ -172,11 +172,19 @@ def run(args: argparse.Namespace) -> int:
     skipped = [r.name for r in runs if not (r.is_trainvitals or r.damage or r.is_empty)]
     if not ours:
         return _fail(args, _nothing_to_report(printable(args.logdir), empty, skipped), EXIT_NO_DATA)
-    reports = [assess(r) for r in ours]
+    kept: list[Run] = []
+    reports = []
+    for r in ours:  # a run with the same logs as one kept is named with it, not reported again
+        first = next((i for i, k in enumerate(kept) if same_logs(k, r)), None)
+        if first is None:
+            kept.append(r)
+            reports.append(assess(r))
+        else:
+            reports[first].same_logs.append(r.name)
     if args.format == "html":
         from trainvitals.report.html import render_html  # matplotlib: imported for this format only
 
-        text = render_html(list(zip(ours, reports)), skipped, empty)
+        text = render_html(list(zip(kept, reports)), skipped, empty)
     else:
         text = render(reports, args.format, skipped=skipped, empty=empty)
     try:

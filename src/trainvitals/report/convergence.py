@@ -235,10 +235,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
     elif stop and BAND_STOP in stop:  # every step of its patience was in the band; the logged flags sample a few
         report.findings.append(
             Finding(
-                "note",
-                title,
-                f"in its noise band: {name} stopped the run on it{error}; the band flags "
-                f"logged meanwhile ({_share_in_band(recent)} in it) sample single steps.",
+                "note", title, f"in its noise band: {name} stopped the run on it{error}{_stop_streak_said(run, stop)}."
             )
         )
     elif in_band >= 0.5:
@@ -266,6 +263,30 @@ def convergence_section(run: Run, report: RunReport) -> None:
                 + _few_flags(recent, name),
             )
         )
+
+
+def _stop_streak_said(run: Run, said: str) -> str:
+    """The streak a band stop (its sentence ``said``) came on, beside the logged band flags: ``grad_norm/band_streak``
+    logged at the stop counts the optimizer steps in a row in the band up to it, and the flags logged within those
+    steps were set; the last :data:`BAND_WINDOW` flags (the convergence row's share) may reach back before the
+    streak, and say so. "" where the streak was not logged at the stop."""
+    streaks = first_series(run, grad_norm("band_streak"))
+    if not streaks or not streaks[-1][1] >= 1 or f"stopped at optimizer step {streaks[-1][0]} " not in said:
+        return ""
+    stop, streak = streaks[-1]
+    start = stop - int(streak) + 1
+    flags = first_series(run, grad_norm("in_noise_band")) or []
+    within = [v for s, v in flags if start <= s <= stop]
+    said = f", on grad_norm/band_streak {streak:g} at its stop (optimizer steps {start}–{stop} in a row in the band)"
+    if within:
+        said += f": {sum(within):g} of the {len(within)} band flag(s) logged in them set"
+    recent = flags[-BAND_WINDOW:]
+    if len(recent) > len(within) and recent[0][0] < start:
+        said += (
+            f"; {_share_in_band([v for _, v in recent])} in the band, back to step {recent[0][0]}, before the "
+            "streak began"
+        )
+    return said
 
 
 def _band_row(flags: list[float]) -> Row:
@@ -552,6 +573,8 @@ def _unmeasured(run: Run) -> str:
 B_SIMPLE = "B_simple = tr Σ / ‖G‖²"
 """The noise section's B_simple row; of a partial estimate, :data:`B_SIMPLE_PARTIAL`."""
 B_SIMPLE_PARTIAL = f"{B_SIMPLE}, of the measured parameters only (partial estimate)"
+B_SIMPLE_INTERVAL = "B_simple, 90 % interval"
+"""The noise section's row of B_simple's 90 % interval: "≥ 550 (90 %)" where it has no upper end."""
 
 
 def b_simple_interval_at(run: Run, step: int | None) -> str:
@@ -614,7 +637,7 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     rows = [
         row_at(run, step, B_SIMPLE_PARTIAL if partial else B_SIMPLE, r"grad_noise/b_simple$", unit="examples"),
         row_at(run, step, "B_simple relative error", r"grad_noise/b_simple_rel_err$"),
-        Row("B_simple, 90 % interval", b_simple_interval_at(run, step).removeprefix("B_simple ") or None),
+        Row(B_SIMPLE_INTERVAL, b_simple_interval_at(run, step).removeprefix("B_simple ") or None),
         row_at(run, step, "share of ‖ḡ‖² measured", r"grad_noise/coverage$", unit="share"),
         row_at(run, step, "effective batch B", r"lr_scaling/effective_batch$", unit="examples"),
     ]

@@ -28,7 +28,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
-from trainvitals.tags import LOGGER_JOIN_CHAR, TEXT_SUFFIX, TRAINVITALS_PREFIXES, split_prefix
+from trainvitals.tags import LOGGER_JOIN_CHAR, TEXT_SUFFIX, TRAINVITALS_PREFIXES, mlflow_key, split_prefix
 
 
 class ReportError(Exception):
@@ -128,6 +128,34 @@ class Run:
     def is_trainvitals(self) -> bool:
         """Whether any tag is a trainvitals callback's (else the files are another tool's)."""
         return any(t.startswith(TRAINVITALS_PREFIXES) for t in [*self.scalars, *self.texts])
+
+
+def same_logs(a: Run, b: Run) -> bool:
+    """Whether ``a`` and ``b`` hold the same trainvitals scalars, neither damaged: the same tags, each at the same
+    steps with the same values to float32's precision (TensorBoard keeps float32; a CSVLogger writes float64 as
+    text) — one fit that a TensorBoardLogger and a CSVLogger both wrote, or a rerun that repeated it exactly.
+    The text panels too (the same panels, each with the same texts at the same steps: how the fit ended among
+    them). Tags are compared as MLflow keeps them (:func:`~trainvitals.tags.mlflow_key`: its copy of
+    ``(outside)`` is ``_outside_``); another tool's tags (TensorBoardLogger's ``hp_metric``) are not compared."""
+    if a.damage or b.damage or a.prefix != b.prefix or a.layout != b.layout:
+        return False
+    if {mlflow_key(t): v for t, v in a.texts.items()} != {mlflow_key(t): v for t, v in b.texts.items()}:
+        return False
+    ours, others = ({mlflow_key(t): t for t in r.scalars if t.startswith(TRAINVITALS_PREFIXES)} for r in (a, b))
+    if not ours or ours.keys() != others.keys():
+        return False
+    for key, tag in ours.items():
+        mine, theirs = a.scalars[tag], b.scalars[others[key]]
+        if len(mine) != len(theirs):
+            return False
+        for (step, x), (at, y) in zip(mine, theirs):
+            if step != at or not (x == y or abs(x - y) <= FLOAT32_EPS * max(abs(x), abs(y)) or x != x and y != y):
+                return False
+    return True
+
+
+FLOAT32_EPS = 2.0**-23
+"""float32's relative spacing: how far one value written by two loggers can differ."""
 
 
 def read_runs(logdir: str | Path, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:

@@ -68,8 +68,8 @@ def render_html(runs: Sequence[tuple[Run, RunReport]], skipped: Sequence[str] = 
 def _run_html(run: Run, report: RunReport) -> list[str]:
     state = "ok" if report.exit_status in (EXIT_OK, EXIT_NO_DATA) else "critical"  # a crash too, in red
     out = [
-        f'<h2>run <code>{html.escape(report.run)}</code>: <span class="{state}">{html.escape(status_line(report))}</span></h2>'
-    ]
+        f'<h2>run <code>{html.escape(report.names)}</code>: <span class="{state}">{html.escape(status_line(report))}</span></h2>'
+    ] + ([f"<p>{html.escape(report.same_logs_said)}.</p>"] if report.same_logs else [])
     if report.findings:
         out.append('<h3>findings</h3><ul class="findings">')
         out += [

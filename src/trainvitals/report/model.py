@@ -96,6 +96,24 @@ class RunReport:
     stopped_again: bool = False
     """The fit took no step: it resumed from a checkpoint written after GradNormEarlyStopping's stop, and stopped
     again at its start (a requeued job that was over)."""
+    same_logs: list[str] = field(default_factory=list)
+    """The other runs whose logs are this one's (:func:`~trainvitals.report.events.same_logs`: one fit written by a
+    TensorBoardLogger and a CSVLogger, or an exact rerun), reported once, here."""
+
+    @property
+    def names(self) -> str:
+        """The run's name, and those of the runs with the same logs: ``stop/version_0 = stop_csv/version_0``."""
+        return " = ".join([self.run, *self.same_logs])
+
+    @property
+    def same_logs_said(self) -> str:
+        """The line under the run's heading that says why it names several runs; "" when it names one."""
+        if not self.same_logs:
+            return ""
+        return (
+            f"the same logs as {', '.join(self.same_logs)}: every trainvitals tag at the same steps with the same "
+            "values (one fit written by two loggers, or an exact rerun), reported once"
+        )
 
     @property
     def critical(self) -> bool:

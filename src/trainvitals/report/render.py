@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from trainvitals.memory import format_bytes
-from trainvitals.report.convergence import B_SIMPLE, B_SIMPLE_PARTIAL, NORM_OVER_FLOOR
+from trainvitals.report.convergence import B_SIMPLE, B_SIMPLE_INTERVAL, B_SIMPLE_PARTIAL, NORM_OVER_FLOOR
 from trainvitals.report.model import Row, RunReport, exit_status
 from trainvitals.text.markdown import markdown_table
 from trainvitals.text.terminal import WIDTH, format_table, inline, markdown_to_text, table_cells
@@ -60,8 +60,9 @@ OVERVIEW = ("run", "status", "last step", "stop", NORM_OVER_FLOOR, "B_simple", "
 
 
 def overview_rows(reports: Sequence[RunReport]) -> list[list[str]]:
-    """One row per run under :data:`OVERVIEW`: its status, last logged step, how it stopped (the stop row's
-    words before their first colon), the last norm over its noise level, B_simple, and its findings by severity."""
+    """One row per run under :data:`OVERVIEW` (named with the runs of the same logs): its status, last logged
+    step, how it stopped (the stop row's words before their first colon), the last norm over its noise level,
+    B_simple (its 90 % bound where the point is unreliable), and its findings by severity."""
 
     def cell(r: RunReport, section: str, label: str) -> str:
         found = next((row for row in r.sections.get(section, []) if row.label.startswith(label)), None)
@@ -70,18 +71,26 @@ def overview_rows(reports: Sequence[RunReport]) -> list[list[str]]:
         shown = format_value(found)
         return shown + " (partial)" if found.label == B_SIMPLE_PARTIAL else shown
 
+    def b_simple(r: RunReport) -> str:
+        """B_simple's point, or where its interval has no upper end (‖G‖² within its error of 0: the point is
+        unreliable, as the run's section says) that interval, "≥ 550 (90 %)"."""
+        point, bound = (cell(r, "noise scale and batch size", label) for label in (B_SIMPLE, B_SIMPLE_INTERVAL))
+        if not bound.startswith("≥"):
+            return point
+        return bound + (" (partial)" if point.endswith("(partial)") else "")
+
     def counts(r: RunReport) -> str:
         n = {s: sum(f.severity == s for f in r.findings) for s in ("critical", "warning", "note")}
         return ", ".join(f"{k} {s}" + ("s" if k > 1 and s != "critical" else "") for s, k in n.items() if k) or "none"
 
     return [
         [
-            r.run,
+            r.names,
             r.status,
             "-" if r.last_step is None else str(r.last_step),
             cell(r, "convergence", "stop").split(":", 1)[0],
             cell(r, "convergence", NORM_OVER_FLOOR),
-            cell(r, "noise scale and batch size", B_SIMPLE),
+            b_simple(r),
             counts(r),
         ]
         for r in reports
@@ -114,7 +123,7 @@ def heading(r: RunReport, title: str) -> str:
 
 def _markdown_run(r: RunReport) -> list[str]:
     """One run in markdown: the findings first, a table per section, the callbacks' panels as they wrote them."""
-    out = [f"## run `{r.run}`: {status_line(r)}"]
+    out = [f"## run `{r.names}`: {status_line(r)}"] + (["", f"{r.same_logs_said}."] if r.same_logs else [])
     if r.findings:
         out += ["", "### findings", ""] + [f"- **{f.severity}** ({f.section}): {f.message}" for f in r.findings]
     for title, rows in r.sections.items():
@@ -132,7 +141,7 @@ def _markdown_run(r: RunReport) -> list[str]:
 
 def _text_run(r: RunReport) -> list[str]:
     """One run for a terminal: the findings first, then aligned sections, then the panels as plain text."""
-    out = [f"run {r.run}: {status_line(r)}"]
+    out = [f"run {r.names}: {status_line(r)}"] + ([f"  {r.same_logs_said}."] if r.same_logs else [])
     if r.findings:
         out += ["", "  findings"] + [f"    [{f.severity}] {f.section}: {f.message}" for f in r.findings]
     for title, rows in r.sections.items():

@@ -30,7 +30,7 @@ from trainvitals.noise.stopper import (
     StopReason,
 )
 from trainvitals.plumbing.amp import grad_scaler
-from trainvitals.plumbing.lr_factors import LRFactors
+from trainvitals.plumbing.lr_factors import LRFactors, monitors_after
 from trainvitals.plumbing.sharing import LR_FACTORS, NOISE_BAND
 from trainvitals.plumbing.stopping import can_stop_now
 from trainvitals.plumbing.writers import log_scalars, log_text
@@ -45,6 +45,7 @@ from trainvitals.schedule.decision import (
     shown_in,
 )
 from trainvitals.schedule.warmup import scheduler_warmup
+from trainvitals.text.intervals import band_ratio_said
 from trainvitals.text.markdown import markdown_table
 
 # benchmarks/schedule_comparison.py (docs/benchmarks.md): 0.1 beat 0.3 on the 4 diabetes runs by 0.3-1.1 points of
@@ -222,6 +223,7 @@ class BandSchedule(GradNormEarlyStopping):
                 "BandSchedule(grow_batch=True) sets accumulate_grad_batches itself: it cannot share a fit with a "
                 "GradientAccumulationScheduler."
             )
+        monitors_after(trainer, self)  # LearningRateMonitor reads the lr after this callback has scaled it
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -241,6 +243,10 @@ class BandSchedule(GradNormEarlyStopping):
         super().on_train_start(trainer, pl_module)
         if self.cuts:  # a resumed run's cuts, in its own log too: its report has a row per cut
             log_text(trainer, CUT_RECORD, self.cut_record(), trainer.global_step)
+
+    @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.vitals.shared(LR_FACTORS).epoch_start(trainer)  # the epoch's first lr, as LearningRateMonitor logs it
 
     @override
     def on_train_batch_start(
@@ -419,11 +425,6 @@ class BandSchedule(GradNormEarlyStopping):
             said = {Action.CUT: "next cut", Action.GROW: "next batch growth", Action.STOP: "stop"}[act]
             if not self.cuts:
                 said = "first cut" if act is Action.CUT else "first batch growth"
-            interval = (
-                f"90 %: {max(low, 0.0):.2g}–{high:.2g}"
-                if math.isfinite(high)
-                else f"90 %: ≥ {max(low, 0.0):.2g}, with no upper end"
-            )
             last = ("a batch growth" if self.cuts[-1].get("batch") is not None else "a cut") if self.cuts else ""
             need = (
                 f"after {last} it acts only once the band ratio is ≥ 0 and its 90 % interval inside the band at "
@@ -439,14 +440,15 @@ class BandSchedule(GradNormEarlyStopping):
                 if not self.cuts
                 else "; its upper end above the edge kept it"
                 if not high <= 1.0
-                else "; its point below 0 (‖G‖² within its error of zero) kept it"
+                else "; its point below 0 kept it"
                 if ratio < 0
                 else ""
             )
             return (
                 f"{self._cuts_said()}; did not stop the run: its streak reached its patience ({self.patience}) at a "
-                f"check ({at_end}), but {need}; at its last check the band ratio was {ratio:.2g} ({interval}) × the "
-                f"edge {self.margin:g}·tr(Σ)/B{blocked}: its {said} waited for it{self._resolution_said(ratio, high, measured)}."
+                f"check ({at_end}), but {need}; at its last check the band ratio (‖G‖² over the edge "
+                f"{self.margin:g}·tr(Σ)/B) was {band_ratio_said(ratio, low, high)}{blocked}: its {said} waited for "
+                f"it{self._resolution_said(ratio, high, measured)}{self._next_step()}."
             )
         if bool(self._done) and not self.stop:  # the band entered again with nothing left to do
             left = (
@@ -458,7 +460,12 @@ class BandSchedule(GradNormEarlyStopping):
                 f"{self._cuts_said()}; did not stop the run: stop=False, and in its noise band at the end with {left}; "
                 f"it trained on at lr × {self.lr_scale:g}."
             )
-        return f"{self._cuts_said()}; {super().summary_line()}"
+        return f"{self._cuts_said()}; {super().summary_line().removesuffix('.')}{self._next_step()}."
+
+    @staticmethod
+    def _next_step() -> str:
+        """What to do where the band ended no fit (docs/callbacks/band-schedule.md, "What a second act needs")."""
+        return "; the band did not end the fit: bound it by steps or by a validation-loss EarlyStopping"
 
     @override
     def summary_markdown(self) -> str:

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from trainvitals.text.intervals import band_ratio_said
+
 
 class Action(Enum):
     NONE = "none"
@@ -154,13 +156,9 @@ class Cut:
     batch: int | None = None
 
     def line(self) -> str:
-        """``step 420: band ratio 0.81 (90 %: 0.42–1.2) → lr × 0.1`` (or ``→ batch 640``)."""
+        """``step 420: band ratio 0.81 (90 %: 0.42–1.2) → lr × 0.1`` (or ``→ batch 640``; the ratio in
+        :func:`~trainvitals.text.intervals.band_ratio_said`'s words)."""
         then = f"batch {self.batch}" if self.batch is not None else f"lr × {self.lr_scale:g}"
-        low = max(self.ratio_low, 0.0)
-        if not math.isfinite(self.ratio_high):  # the schedule cuts on no such estimate; a record says what it had
-            said = "no interval" if math.isnan(self.ratio_high) else f"90 %: ≥ {low:.2g}, no upper end"
-            return f"step {self.step}: band ratio {self.band_ratio:.2g} ({said}) → {then}"
-        if self.band_ratio < low:  # a negative ‖G‖² estimate: the upper end is what is known
-            why = "within its error of 0" if self.ratio_high > 0 else "below 0 beyond its error"
-            return f"step {self.step}: band ratio ≤ {self.ratio_high:.2g} (90 %; ‖G‖² {why}) → {then}"
-        return f"step {self.step}: band ratio {self.band_ratio:.2g} (90 %: {low:.2g}–{self.ratio_high:.2g}) → {then}"
+        return (
+            f"step {self.step}: band ratio {band_ratio_said(self.band_ratio, self.ratio_low, self.ratio_high)} → {then}"
+        )

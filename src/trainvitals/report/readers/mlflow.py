@@ -3,7 +3,7 @@
 Each metric is a file under ``metrics/``, its key the file's path there (``metrics/grad_norm/total``), one line
 ``<timestamp ms> <value> <step>`` per value logged; the fit-end JSON is one of the run's artifacts
 (``artifacts/trainvitals_report.json``). MLFlowLogger's keys are the trainvitals tags with the characters MLflow
-refuses mapped to ``_`` (``trainvitals.plumbing.writers.mlflow_key``).
+refuses mapped to ``_`` (``trainvitals.tags.mlflow_key``).
 """
 
 from __future__ import annotations
