@@ -418,6 +418,21 @@ def test_an_unreliable_b_simple_says_no_upper_bound_only_without_one(
     assert ("no finite error bar" in message) != bounded
 
 
+def test_the_noise_section_quotes_the_latest_interval_where_no_point_is_logged(tmp_path: Path, capsys) -> None:
+    """A fresh user's CNN: after step 440 ‖G‖² ≤ 0 logged no B_simple point but its lower end went on (265, 496, 330),
+    and the section, anchored at the last point, quoted the interval of step 440 beside later, larger bounds."""
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in STEPS:
+        if step <= 50:
+            writer.add_scalar("grad_noise/b_simple", 254.0, step)
+        writer.add_scalar("grad_noise/b_simple_low", 118.0 if step <= 50 else 330.0, step)
+        writer.add_scalar("lr_scaling/effective_batch", 64.0, step)
+    writer.close()
+    _, doc = report_json(capsys, tmp_path)
+    section = rows(doc["runs"][0], "noise scale and batch size")
+    assert section["B_simple, 90 % interval"] == "≥ 330 (90 %)", section
+
+
 class _DivergesAt(Regressor):
     """Every loss from optimizer step ``at`` on is NaN: the run diverged for good."""
 

@@ -632,7 +632,8 @@ def _fit_end_batch(run: Run, step: int | None) -> Row:
 
 def noise_scale_section(run: Run, report: RunReport) -> None:
     title = "noise scale and batch size"
-    step = as_of(run, report, title, r"grad_noise/b_simple$", r"lr_scaling/effective_batch$", r"lr_scaling/")
+    # The interval's steps too: where ‖G‖² ≤ 0 no point is logged, but its lower end is the latest news.
+    step = as_of(run, report, title, r"grad_noise/b_simple(_low)?$", r"lr_scaling/effective_batch$", r"lr_scaling/")
     partial = _partial(run)
     rows = [
         row_at(run, step, B_SIMPLE_PARTIAL if partial else B_SIMPLE, r"grad_noise/b_simple$", unit="examples"),
