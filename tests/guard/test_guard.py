@@ -199,6 +199,41 @@ def test_the_lr_factor_shows_in_param_groups_and_the_lr_scheduler_keeps_shaping_
     assert model.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.9**12, rel=1e-12)
 
 
+class _ScheduledValidated(Scheduled):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y))
+
+
+def test_a_checkpoint_between_micro_batches_during_the_lr_factor_resumes_at_the_uninterrupted_lrs(tmp_path):
+    """2 micro-batches a step, a validation (and a checkpoint on its metric) after every epoch's 3rd batch: inside
+    step 9's window, one of the 4 steps the lr factor applies to after the rollback at step 7, its lr × 0.5 in
+    ``param_groups``. The checkpoint holds the scheduler's lr: resumed, every step takes the uninterrupted run's lr
+    (saved scaled, the factor applied again to it, and StepLR went on from it: × 0.5 for good)."""
+    warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended before the epoch ended.*")
+
+    def fit(ckpt_path=None, callbacks=()):
+        guard = TrainingGuard(
+            on_spike="rollback", spike_warmup_steps=3, snapshot_every_n_steps=2, lr_factor=0.5, lr_factor_steps=4
+        )
+        model = _ScheduledValidated(spike_at={7})
+        kwargs = dict(max_steps=14, accumulate_grad_batches=2, val_check_interval=3)
+        trainer = pl.Trainer(**trainer_kwargs(**kwargs, callbacks=[guard, *callbacks], enable_checkpointing=True))
+        data = loader(regression_data(64, 6), 8)
+        trainer.fit(model, data, loader(regression_data(16, 6, seed=1), 8), ckpt_path=ckpt_path)
+        return guard, model
+
+    checkpoint = ModelCheckpoint(tmp_path, "{step}", "val_loss", save_top_k=-1, save_on_train_epoch_end=False)
+    guard, model = fit(callbacks=[checkpoint])
+    assert guard.rollbacks == 1 and [e["global_step"] for e in guard.events] == [7]
+    factor = {8: 0.5, 9: 0.5, 10: 0.5, 11: 0.5}
+    assert model.in_step == pytest.approx({s: LR * 0.9**s * factor.get(s, 1.0) for s in range(14)}, rel=1e-12)
+    resumed, again = fit(ckpt_path=str(tmp_path / "step=9.ckpt"))
+    assert resumed.lr_steps_left == 0 and again.in_step == pytest.approx(
+        {s: lr for s, lr in model.in_step.items() if s >= 9}, rel=1e-12
+    )
+
+
 def test_a_step_the_grad_scaler_skips_during_the_lr_factor_leaves_the_scheduler_its_own_lr():
     """The GradScaler skips step 8 (an inf gradient, a finite loss: no event) inside the lr factor's steps: the
     scheduler steps from its own lr all the same (LRFactors.before_step, as under BandSchedule), and the factor

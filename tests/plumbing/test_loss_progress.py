@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
+from trainvitals.plumbing import loss_progress
 from trainvitals.plumbing.loss_progress import START_STEPS, LossProgress
+from trainvitals.plumbing.wide import wide_dtype
 
 BETA = 0.98
 
@@ -89,3 +91,26 @@ def test_the_state_round_trips():
     restored.load_state_dict(progress.state_dict())
     feed(progress, [[1.0]]), feed(restored, [[1.0]])
     assert restored.summary() == pytest.approx(progress.summary())
+
+
+def test_on_a_device_without_float64_the_float32_sums_keep_the_drop_within_float32s_error(monkeypatch):
+    """MPS has no float64: the sums are float32 there (wide_dtype, forced here on the CPU). Over 5 000 steps (100
+    times the EMA's memory) of a falling, noisy loss, the float32 start, EMA and drop stay within float32's error of
+    the float64 closed form (measured: 1e-7, 1.5e-6 and 1e-7): the EMA's rounding is forgotten as the losses are,
+    it does not grow with the run."""
+    assert wide_dtype(torch.device("mps")) is torch.float32 and wide_dtype("cpu") is torch.float64
+    monkeypatch.setattr(loss_progress, "wide_dtype", lambda device: torch.float32)
+    g = torch.Generator().manual_seed(1)
+    steps = 5_000
+    losses = 3.0 * torch.exp(-torch.arange(steps, dtype=torch.float64) / 1000) + 0.3 * torch.rand(steps, generator=g)
+    progress = LossProgress(BETA)
+    feed(progress, [[x] for x in losses.float().tolist()])
+    assert {getattr(progress, n).dtype for n in ("start_sum", "start_count", "ema", "weight")} == {torch.float32}
+    exact = losses.float().double()  # the float32 losses the sums were given, summed exactly
+    start = float(exact[:START_STEPS].mean())
+    weights = (1 - BETA) * BETA ** torch.arange(steps - 1, -1, -1, dtype=torch.float64)
+    ema = float((weights * exact).sum() / (1 - BETA**steps))
+    assert progress.start.item() == pytest.approx(start, rel=1e-6)
+    assert progress.current.item() == pytest.approx(ema, rel=1e-5)
+    assert progress.drop.item() == pytest.approx((start - ema) / start, abs=1e-5)
+    assert progress.drop.dtype is torch.float32 and 0.9 < progress.drop.item() < 1.0

@@ -6,6 +6,7 @@ TensorBoardLogger uses, so the report is tested against the exact records a run 
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -975,24 +976,46 @@ def test_several_runs_get_an_overview_first(tmp_path: Path, capsys: pytest.Captu
     assert text.startswith("run a: ok")  # one run: its own report is the overview
 
 
-def test_runs_with_the_same_logs_are_one_entry_naming_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A fresh user's TensorBoardLogger and CSVLogger made every run appear twice with identical findings. Runs
-    whose trainvitals tags hold the same values at the same steps are one entry named with each folder, saying
-    why; another tool's tag (``hp_metric``) is not compared; one value apart, they are two runs."""
+def write_csv_run(folder: Path, scalars: dict[str, float | list[float]]) -> None:
+    """:func:`write_run`'s run as a CSVLogger writes it: ``metrics.csv``, a row per step of STEPS."""
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", *scalars])
+        for i, step in enumerate(STEPS):
+            writer.writerow([step, *(v[i] if isinstance(v, list) else v for v in scalars.values())])
+
+
+def test_one_fits_logs_by_two_kinds_of_logger_are_one_entry_and_an_exact_rerun_is_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh user's TensorBoardLogger and CSVLogger made every run appear twice with identical findings: runs
+    whose trainvitals tags hold the same values at the same steps, written by different kinds of logger, are one
+    entry named with each folder, saying why; another tool's tag (``hp_metric``) is not compared; one value apart,
+    they are two runs. An exact rerun in a second TensorBoard folder is a second fit, reported as its own (it was
+    merged too, and said to be one fit)."""
     write_run(tmp_path / "stop", {**HEALTHY, "hp_metric": -1.0})
-    write_run(tmp_path / "stop_csv", HEALTHY)
+    write_csv_run(tmp_path / "stop_csv", HEALTHY)
+    write_run(tmp_path / "stop_rerun", HEALTHY)
     write_run(tmp_path / "other", {**HEALTHY, "grad_noise/b_simple": [200.0] * (len(STEPS) - 1) + [201.0]})
     _, doc = report_json(capsys, tmp_path)
-    assert [(r["run"], r["same_logs"]) for r in doc["runs"]] == [("other", []), ("stop", ["stop_csv"])]
+    assert [(r["run"], r["same_logs"]) for r in doc["runs"]] == [
+        ("other", []),
+        ("stop", ["stop_csv"]),
+        ("stop_rerun", []),
+    ]
+    assert [r["loggers"] for r in doc["runs"]] == [[], ["TensorBoard", "CSV"], []]
+    assert doc["runs"][1]["sections"] == doc["runs"][2]["sections"]  # the rerun's values are the fit's
     _, text, _ = report(capsys, str(tmp_path))
     lines = text.splitlines()
-    assert [line.split()[0] for line in lines[3:5]] == ["other", "stop"] and "stop = stop_csv" in lines[4]
+    assert [line.split()[0] for line in lines[3:6]] == ["other", "stop", "stop_rerun"] and "stop = stop_csv" in lines[4]
     heading = lines.index("run stop = stop_csv: ok, last logged optimizer step 95")
     assert lines[heading + 1] == (
-        "  the same logs as stop_csv: every trainvitals tag at the same steps with the same values (one fit written "
-        "by two loggers, or an exact rerun), reported once."
+        "  the same logs as stop_csv: every trainvitals tag at the same steps with the same values, written by its "
+        "TensorBoard and CSV loggers: one fit, reported once."
     )
-    assert sum(line.startswith("run ") for line in lines) == 2
+    rerun = lines.index("run stop_rerun: ok, last logged optimizer step 95")
+    assert "same logs" not in lines[rerun + 1] and sum(line.startswith("run ") for line in lines) == 3
 
 
 def test_the_overview_gives_b_simples_bound_where_its_point_is_unreliable(

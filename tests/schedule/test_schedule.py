@@ -371,6 +371,69 @@ def test_a_resumed_run_keeps_its_multiplier(tmp_path):
     assert model.lrs == pytest.approx([eta * 0.1] * 50)
 
 
+class _Validated(NoisyQuadratic):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(x @ self.w, y))
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        None,
+        lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5),  # chainable: reads group["lr"]
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.01 * s)),
+    ],
+    ids=["no scheduler", "StepLR", "LambdaLR"],
+)
+def test_a_run_resumed_from_any_checkpoint_takes_the_lrs_of_the_uninterrupted_one(tmp_path, scheduler):
+    """Checkpoints at every validation (every 10 micro-batches of 4-batch steps: between a step's micro-batches,
+    while the cut lr is in ``param_groups``, or at a step's end) and every epoch's end, before and after the cut;
+    the run resumed from each takes, step for step, the lrs of the run never interrupted. A checkpoint saved between
+    micro-batches after the cut held the cut lr: resumed, the cut applied to it again (× 0.01 with no scheduler,
+    compounded by StepLR, the first step × 0.01 with LambdaLR)."""
+    warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended before the epoch ended.*")
+
+    def fit(ckpt_path=None, callbacks=()):
+        schedule = BandSchedule(**AT_MINIMUM, factor=0.1, max_cuts=1, stop=False, min_steps=0, patience=1,
+                                check_every_n_steps=1, verbose=False)  # fmt: skip
+        model, val = _Validated(0.05, w0=0.0, scheduler=scheduler), stream(1, seed=1)
+        kwargs = dict(max_epochs=4, accumulate_grad_batches=ACCUMULATE, val_check_interval=10)
+        trainer = Trainer(
+            **trainer_kwargs(**kwargs, callbacks=[schedule, *callbacks], enable_checkpointing=bool(callbacks))
+        )
+        trainer.fit(model, stream(8), val, ckpt_path=ckpt_path)
+        return schedule, model
+
+    on_val = ModelCheckpoint(
+        tmp_path / "val", "{step}-{val_loss:.5f}", "val_loss", save_top_k=-1, save_on_train_epoch_end=False
+    )
+    on_epoch = ModelCheckpoint(tmp_path / "epoch", "{step}", save_top_k=-1, save_on_train_epoch_end=True)
+    schedule, model = fit(callbacks=[on_val, on_epoch])
+    (cut,) = schedule.cuts
+    total, steps = len(model.lrs), []
+    # The uninterrupted run, checkpoints written all along: the scheduler's lr (replayed) × 0.1 after the cut's step.
+    replay = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
+    own, expected = scheduler(replay) if scheduler else None, []
+    for step in range(total):
+        expected.append(replay.param_groups[0]["lr"] * (0.1 if step > cut["step"] else 1.0))
+        replay.step()
+        if own is not None:
+            own.step()
+    assert model.lrs == pytest.approx(expected, rel=1e-12)
+    for path in sorted((tmp_path / "val").glob("*.ckpt")) + sorted((tmp_path / "epoch").glob("*.ckpt")):
+        step = torch.load(path, weights_only=False)["global_step"]
+        if step >= total:
+            continue
+        steps.append(step)
+        resumed, again = fit(ckpt_path=str(path))
+        # Resumed mid-epoch, the loader starts its epoch again: other batches, the cut at the same step all the same.
+        assert [(c["step"], c["lr_scale"]) for c in resumed.cuts] == [(cut["step"], 0.1)], path.name
+        assert again.lrs == pytest.approx(model.lrs[step:], rel=1e-12), path.name
+    epoch = 8  # optimizer steps an epoch; validations 2 or 0 micro-batches into a step: 10 batches apart
+    assert {s % epoch for s in steps} >= {2, 5, 7, 0} and min(steps) < cut["step"] < max(steps) and len(steps) >= 12
+
+
 @pytest.mark.parametrize("interval", ["step", "epoch"])
 def test_learning_rate_monitor_ahead_of_it_logs_the_lr_each_step_took(interval):
     """LearningRateMonitor listed first, 4 micro-batches a step: it read the scheduler's lr at a step's first

@@ -284,6 +284,14 @@ class TrainingGuard(TrainvitalsCallback):
             factors.epoch_start(trainer)
 
     @override
+    def on_save_checkpoint(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:  # saved between a step's micro-batches: the scheduler's lrs, not the scaled ones
+            factors.unscaled_checkpoint(trainer, checkpoint)
+
+    @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
         if StepBatches.of(self.vitals).start(self, trainer, batch, i):  # a new optimizer step's first micro-batch
             self._step.update(batches=[], losses=[])

@@ -12,6 +12,8 @@
 - :mod:`.amp`: what the GradScaler has done to the gradients; :mod:`.sharding`: norms of the whole model
   under FSDP;
 - :mod:`.batch`: a batch's size as Lightning counts it, and its dataset rows;
+- :mod:`.loss_progress`: how far the training loss has fallen since the start (torch only); :mod:`.wide`: the
+  float a state on the device accumulates in (float64, float32 on MPS);
 - :mod:`.rerun`: an extra ``training_step`` or forward that logs nothing and restores RNG, buffers and modes;
   :mod:`.extra_forward`: the mark that keeps such a forward from the hooks observing the user's steps and from
   ``torch.compile`` (torch only).

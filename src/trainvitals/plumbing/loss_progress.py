@@ -6,6 +6,13 @@ cut means "converged at this lr", which is false while the training loss still s
 :class:`LossProgress` keeps the mean training loss of the run's first :data:`START_STEPS` optimizer steps and a
 bias-corrected EMA of it, on the loss's device (no sync); the stopper and BandSchedule read it on the steps
 that read the host anyway. Torch only.
+
+The sums are float64 where the device has it, float32 on one without (Apple's MPS:
+:func:`~trainvitals.plumbing.wide.wide_dtype`). float32 is exact enough for the one thing decided on them, a drop
+compared with ``min_loss_drop`` (0.1 by default): the start sums at most :data:`START_STEPS` losses (a relative error
+below 1e-6), and the EMA forgets its rounding (~1e-7 a step) as it forgets the losses, at β a step, so its relative
+error stays below 1/(1 − β) steps' worth (≤ 1e-5 at β = 0.98) over any length of run instead of growing with it:
+the drop is off by ~1e-5 at most, 3 orders below any ``min_loss_drop`` worth setting.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 from torch import Tensor
 
 from trainvitals.plumbing.state import DeclaredState
+from trainvitals.plumbing.wide import wide_dtype
 
 START_STEPS = 10
 """Optimizer steps (with a finite loss) whose mean loss is the start: the stopper's default check period."""
@@ -24,7 +32,8 @@ START_STEPS = 10
 
 class LossProgress(DeclaredState):
     """The training loss's progress: its mean over the first ``start_steps`` optimizer steps, a smoothed current
-    mean, and the fraction it has fallen by (:attr:`drop`), all ``()`` float64 tensors on the loss's device.
+    mean, and the fraction it has fallen by (:attr:`drop`), all ``()`` tensors on the loss's device (float64, or
+    float32 where the device has no float64: module docstring).
 
     :meth:`add` takes each micro-batch's loss as its backward sees it; :meth:`step` closes the optimizer step, whose
     loss is the mean of its micro-batches. A step whose loss is not finite is left out of both. Every state is a
@@ -50,7 +59,7 @@ class LossProgress(DeclaredState):
     def add(self, loss: Tensor, divisor: float = 1.0) -> None:
         """One micro-batch's ``loss`` (any shape with one element) as backpropagated, times ``divisor`` (what
         Lightning divided it by, and a GradScaler's scale undone by the caller): kept on its device."""
-        self._micro.append(loss.detach().reshape(()).to(torch.float64) * divisor)
+        self._micro.append(loss.detach().reshape(()).to(wide_dtype(loss.device)) * divisor)
 
     def step(self) -> None:
         """Close an optimizer step: its loss, the mean of its micro-batches, feeds the start while fewer than
@@ -60,9 +69,9 @@ class LossProgress(DeclaredState):
         loss = self._micro[0] if len(self._micro) == 1 else torch.stack(self._micro).mean()
         self._micro = []
         names = ("start_sum", "start_count", "ema", "weight")
-        if self.ema.device != loss.device:  # a restored state comes on the CPU
-            for name in names:
-                setattr(self, name, getattr(self, name).to(loss.device))
+        if self.ema.device != loss.device or self.ema.dtype != loss.dtype:  # a new or restored state: on the CPU
+            for name in names:  # cast there first: MPS takes no float64 tensor, not even to cast it
+                setattr(self, name, getattr(self, name).to(loss.dtype).to(loss.device))
         finite = torch.isfinite(loss)
         value = torch.where(finite, loss, 0.0)
         early = finite & (self.start_count < self.start_steps)
@@ -81,7 +90,9 @@ class LossProgress(DeclaredState):
     @property
     def current(self) -> Tensor:
         """The bias-corrected EMA of the step losses; NaN before the first finite one."""
-        return torch.where(self.weight > 0, self.ema / self.weight.clamp_min(1e-300), torch.nan)
+        return torch.where(
+            self.weight > 0, self.ema / self.weight.clamp_min(torch.finfo(self.weight.dtype).tiny), torch.nan
+        )
 
     @property
     def drop(self) -> Tensor:

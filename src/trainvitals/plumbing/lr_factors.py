@@ -12,7 +12,10 @@ owner moves the monitors listed before it to right after it (:func:`monitors_aft
 factors at an epoch's start too: every lr the monitor logs is the one the step takes, whatever the order given.
 A step a GradScaler skips runs no post-hook, and Lightning steps the schedulers before any later hook:
 :meth:`LRFactors.before_step` puts the lrs back at ``on_before_optimizer_step`` when the scaler has found an inf,
-so the scheduler steps from its own lr then too.
+so the scheduler steps from its own lr then too. A checkpoint written while the factors are applied (a validation
+between a step's micro-batches, at ``val_check_interval``, with ModelCheckpoint on its metric) stores the
+scheduler's lrs all the same (:meth:`LRFactors.unscaled_checkpoint`, from each owner's ``on_save_checkpoint``): a
+resumed run applies its factors once, and a chainable scheduler goes on from its own lr.
 
 Each owner declares its factor once per fit (:meth:`LRFactors.own`, a function read when asked), so a reader
 (LRScalingAdvisor) gets the lr a step runs at from :meth:`LRFactors.lr` whatever the order of the hooks, between
@@ -110,6 +113,21 @@ class LRFactors:
         found = state["found_inf_per_device"].values() if state else ()
         if sum(float(v.item()) for v in found):
             self.put_back()
+
+    def unscaled_checkpoint(self, trainer: "pl.Trainer", checkpoint: dict[str, Any]) -> None:
+        """At ``on_save_checkpoint``: the lrs ``checkpoint`` holds for the param groups the factors scale now, written
+        back to the scheduler's (a copy of the optimizers' state, dumped before this hook; the fit's own lrs stay
+        scaled until the step). Else a resumed run scaled the scaled lr (× s²) and put it back as the scheduler's.
+        Idempotent (every owner calls it); a state with no ``param_groups`` of the optimizer's (a strategy that saves
+        the optimizers itself) is left as it is."""
+        states = checkpoint.get("optimizer_states") or []
+        held = {id(group): lr for group, lr in self._saved or []}
+        for optimizer, state in zip(trainer.optimizers, states):
+            groups = state.get("param_groups") if isinstance(state, dict) else None
+            if groups is not None and len(groups) == len(optimizer.param_groups):
+                for group, saved in zip(optimizer.param_groups, groups):
+                    if id(group) in held:
+                        saved["lr"] = held[id(group)]
 
     def put_back(self) -> None:
         """The scheduler's lrs back in place (a no-op when nothing is scaled): after each optimizer step, and

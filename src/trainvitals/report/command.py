@@ -173,14 +173,18 @@ def run(args: argparse.Namespace) -> int:
     if not ours:
         return _fail(args, _nothing_to_report(printable(args.logdir), empty, skipped), EXIT_NO_DATA)
     kept: list[Run] = []
+    kinds: list[list[str]] = []  # each kept entry's kinds of logger
     reports = []
-    for r in ours:  # a run with the same logs as one kept is named with it, not reported again
-        first = next((i for i, k in enumerate(kept) if same_logs(k, r)), None)
+    for r in ours:  # the same logs as a run kept, by another kind of logger: the same fit, named with it
+        first = next((i for i, k in enumerate(kept) if r.logger not in kinds[i] and same_logs(k, r)), None)
         if first is None:
             kept.append(r)
+            kinds.append([r.logger])
             reports.append(assess(r))
         else:
+            kinds[first].append(r.logger)
             reports[first].same_logs.append(r.name)
+            reports[first].loggers = kinds[first]
     if args.format == "html":
         from trainvitals.report.html import render_html  # matplotlib: imported for this format only
 

@@ -91,7 +91,9 @@ class Run:
     ``folder`` is the run's folder when it was read from one (the Trainer's ``log_dir``, where TrainingGuard's
     ``skip_batches.json`` is), ``None`` for a run made at fit end from what it logged; ``side_files`` what was read
     from the files beside the event files, by file name, so that a report reads each once (``skip_batches.json``:
-    the guard section, the monitor's findings and the HTML plot all need its events).
+    the guard section, the monitor's findings and the HTML plot all need its events); ``logger`` the kind of logger
+    whose files it was read from (``"TensorBoard"``, ``"CSV"``, ``"MLflow"``; ``""`` for a run not read from files):
+    runs with the same logs are one fit only where different kinds wrote them (:func:`same_logs`).
     """
 
     name: str
@@ -103,6 +105,7 @@ class Run:
     empty: list[str] = field(default_factory=list)
     folder: Path | None = None
     side_files: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    logger: str = ""
 
     def matching(self, pattern: str) -> dict[str, list[tuple[int, float]]]:
         """The scalar series whose tag matches ``pattern`` (``re.match``, as TensorBoard matches)."""
@@ -133,10 +136,12 @@ class Run:
 def same_logs(a: Run, b: Run) -> bool:
     """Whether ``a`` and ``b`` hold the same trainvitals scalars, neither damaged: the same tags, each at the same
     steps with the same values to float32's precision (TensorBoard keeps float32; a CSVLogger writes float64 as
-    text) — one fit that a TensorBoardLogger and a CSVLogger both wrote, or a rerun that repeated it exactly.
-    The text panels too (the same panels, each with the same texts at the same steps: how the fit ended among
-    them). Tags are compared as MLflow keeps them (:func:`~trainvitals.tags.mlflow_key`: its copy of
-    ``(outside)`` is ``_outside_``); another tool's tags (TensorBoardLogger's ``hp_metric``) are not compared."""
+    text) — one fit that a TensorBoardLogger and a CSVLogger both wrote, or a rerun that repeated it exactly (the
+    report merges them only where different kinds of logger wrote them, :attr:`Run.logger`: two folders of one kind
+    are two fits, whatever their values). The text panels too (the same panels, each with the same texts at the same
+    steps: how the fit ended among them). Tags are compared as MLflow keeps them (:func:`~trainvitals.tags.mlflow_key`:
+    its copy of ``(outside)`` is ``_outside_``); another tool's tags (TensorBoardLogger's ``hp_metric``) are not
+    compared."""
     if a.damage or b.damage or a.prefix != b.prefix or a.layout != b.layout:
         return False
     if {mlflow_key(t): v for t, v in a.texts.items()} != {mlflow_key(t): v for t, v in b.texts.items()}:
@@ -256,6 +261,7 @@ def _read_run(root: Path, folder: Path, files: list[str]) -> Run:
         damage=damage,
         layout="custom_scalars" in plugins.values(),
         empty=[_run_name(root, Path(path)) for path in files if _is_empty(path)],
+        logger="TensorBoard",
     )
 
 
@@ -411,6 +417,7 @@ def _by_prefix(run: Run, separator: str = LOGGER_JOIN_CHAR) -> list[Run]:
                 layout=run.layout,
                 empty=run.empty,
                 folder=run.folder,
+                logger=run.logger,
             )
         )
     return views

@@ -97,8 +97,13 @@ class RunReport:
     """The fit took no step: it resumed from a checkpoint written after GradNormEarlyStopping's stop, and stopped
     again at its start (a requeued job that was over)."""
     same_logs: list[str] = field(default_factory=list)
-    """The other runs whose logs are this one's (:func:`~trainvitals.report.events.same_logs`: one fit written by a
-    TensorBoardLogger and a CSVLogger, or an exact rerun), reported once, here."""
+    """The other runs whose logs are this one's, each written by another kind of logger
+    (:func:`~trainvitals.report.events.same_logs`: one fit written by a TensorBoardLogger and a CSVLogger), reported
+    once, here. Two folders of one kind with the same logs (an exact rerun) are two runs, each reported."""
+    loggers: list[str] = field(default_factory=list)
+    """Where the entry names several runs: the kind of logger that wrote the run and each of :attr:`same_logs`, in
+    that order (``"TensorBoard"``, ``"CSV"``, ``"MLflow"``); empty where it names one (the fit-end report, written
+    the same into every logger's folder, is the report of its TensorBoard folder)."""
 
     @property
     def names(self) -> str:
@@ -110,9 +115,10 @@ class RunReport:
         """The line under the run's heading that says why it names several runs; "" when it names one."""
         if not self.same_logs:
             return ""
+        kinds = self.loggers
         return (
             f"the same logs as {', '.join(self.same_logs)}: every trainvitals tag at the same steps with the same "
-            "values (one fit written by two loggers, or an exact rerun), reported once"
+            f"values, written by its {', '.join(kinds[:-1])} and {kinds[-1]} loggers: one fit, reported once"
         )
 
     @property

@@ -284,6 +284,15 @@ class BandSchedule(GradNormEarlyStopping):
         super().on_train_end(trainer, pl_module)
 
     @override
+    def on_save_checkpoint(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        factors = self.vitals.shared(LR_FACTORS)
+        if factors is not None:  # saved between a step's micro-batches: the scheduler's lrs, not the cut ones
+            factors.unscaled_checkpoint(trainer, checkpoint)
+
+    @override
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._put_back(close=True)
         super().on_exception(trainer, pl_module, exception)

@@ -45,6 +45,7 @@ def read(folder: Path, name: str) -> Run:
         texts=texts,
         damage=last_read(damage, last),
         layout=layout,
+        logger="CSV",
     )
 
 

@@ -41,4 +41,6 @@ def read(folder: Path, name: str) -> Run:
                     continue
             damage += last_read(cut, series[-1][0] if series else None)
     texts, layout = read_record(folder / "artifacts" / REPORT_JSON) or ({}, False)
-    return Run(name=name, scalars=dict(sorted(scalars.items())), texts=texts, damage=damage, layout=layout)
+    return Run(
+        name=name, scalars=dict(sorted(scalars.items())), texts=texts, damage=damage, layout=layout, logger="MLflow"
+    )
