@@ -42,6 +42,7 @@ from trainvitals.per_example.checkpoint_hooks import (
     _recomputing,
     _recomputing_task,
     _reentrant_recomputation,
+    register_grad_hook,
 )
 from trainvitals.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
 from trainvitals.per_example.registry import Call, Use, _output_grads, rule_for
@@ -440,13 +441,13 @@ class PerExampleGradients:
             ids = inputs.reshape(1, -1).expand(batch, -1)
             shared_call.slot, shared_call.task = [ids, None], task
             self._shared.append((shared_call, output.grad_fn))
-            output.register_hook(functools.partial(self._backward_either, shared_call, slot))
+            register_grad_hook(output, functools.partial(self._backward_either, shared_call, slot))
         elif shared_call is not None:
             shared_call.slot, shared_call.task = slot, task
             self._shared.append((shared_call, output.grad_fn))
-            output.register_hook(functools.partial(self._backward_summed, shared_call))
+            register_grad_hook(output, functools.partial(self._backward_summed, shared_call))
         else:
-            output.register_hook(functools.partial(self._backward_output, name, slot, task, moved))
+            register_grad_hook(output, functools.partial(self._backward_output, name, slot, task, moved))
 
     def before_backward(self, loss: Tensor) -> None:
         """Before ``loss``'s backward: find where the outputs of this forward's lookups with ids shared by the batch
@@ -795,7 +796,7 @@ class PerExampleGradients:
         sub = min(self.sub_batch, batch)
         kept = args if self._keep_norms else batch_slice(args, batch, 0, sub)
         task = _recomputing_task()
-        output.register_hook(functools.partial(self._backward_vmap, name, module, kept, kwargs, sub, task))
+        register_grad_hook(output, functools.partial(self._backward_vmap, name, module, kept, kwargs, sub, task))
 
     def _backward_vmap(
         self,
