@@ -204,3 +204,27 @@ def test_timm_layer_scale_in_place_leaves_the_layers_before_it_exact(inplace):
     assert {"blocks.0.attn.proj", "blocks.1.mlp.2"} <= step.seen
     assert_exact(step, truth, [n for n in truth if n not in gammas])
     assert collector.unbalanced(step, 1.0 / B) == {}
+
+
+def test_timm_layer_scale_in_place_is_named_for_the_fallback_and_measured_out_of_place():
+    """torch.func re-runs a layer-scale's forward on its input, which ``x.mul_(gamma)`` changed: named, with the fix,
+    and set aside, the rest exact; with ``inplace=False`` every parameter, each ``gamma`` too, is exact."""
+    gammas = [f"blocks.{b}.ls{k}.gamma" for b in (0, 1) for k in (1, 2)]
+    torch.manual_seed(0)
+    model, x, y = data(ViT(inplace=True))
+    truth = brute_force(model, x, y)
+    plan, collector, step = measure(model, x, y, fallback=True)
+    scales = {n.rpartition(".")[0] for n in gammas}
+    assert set(plan.vmap) == scales and set(step.failed) == scales
+    assert all(why.startswith("its forward changes its input in place") for why in step.failed.values())
+    assert all("with inplace=False (timm's LayerScale default) it is measured" in why for why in step.failed.values())
+    assert collector.set_aside(step) == scales
+    assert_exact(step, truth, [n for n in truth if n not in gammas])
+
+    torch.manual_seed(0)
+    model, x, y = data(ViT(inplace=False))
+    truth = brute_force(model, x, y)
+    _, collector, step = measure(model, x, y, fallback=True)
+    assert step.failed == {}
+    assert_exact(step, truth, list(truth))
+    assert collector.unbalanced(step, 1.0 / B) == {}
