@@ -190,6 +190,29 @@ def test_an_in_place_op_on_a_batch_first_lstms_output_leaves_it_measured_exactly
     assert collector.unbalanced(step, 1.0 / B) == {}
 
 
+def test_a_bare_parameter_applied_in_place_to_a_plain_tensor_is_measured_exactly():
+    """``c.mul_(gamma)`` on a convolution's output: the product's node saves ``c`` as it was, read as ``c * gamma``."""
+    torch.manual_seed(0)
+    model, x, y = data(ConvScale())
+    truth = brute_force(model, x, y)
+    plan, collector, step = measure(model, x, y)
+    assert not plan.uncovered and step.failed == {} and step.seen == {"", "conv", "head"}
+    assert_exact(step, truth, list(truth))
+    assert collector.unbalanced(step, 1.0 / B) == {}
+
+
+def test_a_bare_parameter_applied_in_place_to_a_view_is_named_and_the_rest_is_exact():
+    """``h.mul_(gamma)`` on a Linear's ``(B, N, D)`` output: autograd hides the product in a CopySlices node, so the
+    root's ``gamma`` is named, with the fix; the Linears stay exact."""
+    torch.manual_seed(0)
+    model, x, y = data(Tokens("mul_ by a parameter"))
+    truth = brute_force(model, x, y)
+    _, collector, step = measure(model, x, y)
+    assert set(step.failed) == {""} and step.failed[""].startswith("`gamma` is applied in place to a view")
+    assert "out of place (`x * p`) it is measured" in step.failed[""] and collector.set_aside(step) == {""}
+    assert_exact(step, truth, [n for n in truth if n != "gamma"])
+
+
 @pytest.mark.parametrize("inplace", [True, False])
 def test_timm_layer_scale_in_place_leaves_the_layers_before_it_exact(inplace):
     """Without the fallback the layer-scales are not measured (no rule), in place or not; every other layer is exact,
