@@ -117,12 +117,14 @@ class Bert(nn.Module):
 
 
 class BasicBlock(nn.Module):
-    """torchvision's ResNet block: conv-norm-relu-conv-norm, a 1×1 projection when the shape changes."""
+    """torchvision's ResNet block: conv-norm-relu-conv-norm, a 1×1 projection when the shape changes; as there, the
+    ReLUs and the residual add change the norms' outputs in place."""
 
     def __init__(self, cin: int, cout: int, stride: int, norm: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), norm(cout)
         self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), norm(cout)
+        self.relu = nn.ReLU(inplace=True)
         self.downsample = (
             nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
             if stride != 1 or cin != cout
@@ -131,8 +133,10 @@ class BasicBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        out = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(out)) + identity)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
 
 
 class ResNet(nn.Module):
@@ -143,7 +147,7 @@ class ResNet(nn.Module):
         self.fc = nn.Linear(16, 4)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.layer2(self.layer1(F.relu(self.bn1(self.conv1(x)))))
+        x = self.layer2(self.layer1(F.relu(self.bn1(self.conv1(x)), inplace=True)))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 

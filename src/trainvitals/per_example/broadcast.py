@@ -15,7 +15,9 @@ A bare parameter p of shape S meets the batch at a node that broadcasts it over 
 subtraction (``x + p``: example i's gradient is the result's gradient at i, summed over the dimensions p is
 broadcast over), a product (``x * p``: the same of the gradient times x) or an expansion (``p.expand(B, ...)``:
 the gradient at i). Between its ``AccumulateGrad`` and that node it may pass through views, slices and
-arithmetic free of the batch (:class:`Step`), back through which the gradient goes. :class:`BroadcastParameters`
+arithmetic free of the batch (:class:`Step`), back through which the gradient goes. A product in place on a plain
+tensor (``x.mul_(p)``) is read as one out of place, its node saving ``x`` as it was; on a view, autograd hides it in
+a ``CopySlices`` node, and the parameter is named. :class:`BroadcastParameters`
 is the rule of such a module's parameters; the hooks catch the gradients at those nodes
 (:func:`parameter_readers`, :func:`parameter_grad`).
 
@@ -130,6 +132,8 @@ _TENSOR_OPS = {
     "MulBackward0": lambda node, k: (1.0, "_saved_other" if k == 0 else "_saved_self"),
     "ExpandBackward0": lambda node, k: (1.0, None),
 }
+#: An in-place op on a view: autograd wraps the op's node, and its saved operands, in this one.
+_IN_PLACE_ON_VIEW = "CopySlices"
 CHECKPOINTED = "CheckpointFunctionBackward"  # reentrant checkpointing: what it computes is not in the graph
 
 
@@ -220,6 +224,11 @@ def parameter_readers(
             bounds = _int64(reader._saved_start, 0), _int64(reader._saved_end, 2**62)
             step = Step(
                 out, operand, dim=int(reader._saved_dim), start=bounds[0], end=bounds[1], step=int(reader._saved_step)
+            )
+        elif kind == _IN_PLACE_ON_VIEW:
+            return (
+                "is applied in place to a view (CopySlices: `x.mul_(p)` on a Linear's (B, T, D) output, a view of "
+                "its (B·T, D) result), whose node autograd hides; out of place (`x * p`) it is measured"
             )
         else:
             return (

@@ -16,6 +16,24 @@ RANDOM_FORWARD = (
     "as the batch's forward drew them; dropout as an nn.Dropout module outside it would leave it exact"
 )
 
+#: Why a module whose forward changes its input in place has no torch.func per-example gradients ({node}: the op's
+#: autograd node, where the input is no view that hides it).
+CHANGED_INPUT = (
+    "its forward changes its input in place{node}, as `x.mul_(gamma)` or an `inplace=True` op does: torch.func would "
+    "re-run it on the changed values, not the ones it read; with inplace=False (timm's LayerScale default) it is "
+    "measured"
+)
+
+
+def changed_input(args: tuple[Any, ...], versions: list[int | None]) -> str | None:
+    """:data:`CHANGED_INPUT` where a tensor of ``args`` was changed in place since its version was ``versions``
+    (read before the forward); else ``None``."""
+    for a, before in zip(args, versions):
+        if isinstance(a, Tensor) and before is not None and a._version != before:
+            node = type(a.grad_fn).__name__ if a.grad_fn is not None and a._base is None else None
+            return CHANGED_INPUT.format(node=f" ({node})" if node else "")
+    return None
+
 
 def vmap_per_example_grads(
     module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], grad_output: Tensor

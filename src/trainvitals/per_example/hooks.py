@@ -42,8 +42,9 @@ from trainvitals.per_example.checkpoint_hooks import (
     _recomputing,
     _recomputing_task,
     _reentrant_recomputation,
+    register_grad_hook,
 )
-from trainvitals.per_example.fallback import batch_slice, vmap_per_example_grads, vmap_sq_norms
+from trainvitals.per_example.fallback import batch_slice, changed_input, vmap_per_example_grads, vmap_sq_norms
 from trainvitals.per_example.registry import Call, Use, _output_grads, rule_for
 from trainvitals.per_example.rules.embedding import POSITION_IDS, SHARED_LOOKUP, _shared_by_batch
 from trainvitals.per_example.sums_check import UNBALANCED, sum_errors, tolerance
@@ -200,6 +201,7 @@ class PerExampleGradients:
         self._names, self._groups = self._parameter_names()
         self._handles: list[RemovableHandle] = []
         self._captures: dict[str, list[Any]] = {}  # per module, the captures of its calls still running
+        self._versions: dict[str, list[int | None]] = {}  # per vmap module, its running call's inputs' versions
         self._workspace = Workspace()  # the conv patches and blocks of every layer and step
         self._coordinates: dict[str, slice] = {}  # qualified parameter name: its rows to sum
         self._keep_norms = False
@@ -275,6 +277,8 @@ class PerExampleGradients:
             hook = functools.partial(self._forward, name)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True, always_call=whole_call))
         for name, module in self.vmap.items():
+            pre_hook = functools.partial(self._enter_vmap, name)
+            self._handles.append(module.register_forward_pre_hook(pre_hook))
             hook = functools.partial(self._forward_vmap, name)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
 
@@ -440,13 +444,13 @@ class PerExampleGradients:
             ids = inputs.reshape(1, -1).expand(batch, -1)
             shared_call.slot, shared_call.task = [ids, None], task
             self._shared.append((shared_call, output.grad_fn))
-            output.register_hook(functools.partial(self._backward_either, shared_call, slot))
+            register_grad_hook(output, functools.partial(self._backward_either, shared_call, slot))
         elif shared_call is not None:
             shared_call.slot, shared_call.task = slot, task
             self._shared.append((shared_call, output.grad_fn))
-            output.register_hook(functools.partial(self._backward_summed, shared_call))
+            register_grad_hook(output, functools.partial(self._backward_summed, shared_call))
         else:
-            output.register_hook(functools.partial(self._backward_output, name, slot, task, moved))
+            register_grad_hook(output, functools.partial(self._backward_output, name, slot, task, moved))
 
     def before_backward(self, loss: Tensor) -> None:
         """Before ``loss``'s backward: find where the outputs of this forward's lookups with ids shared by the batch
@@ -784,18 +788,28 @@ class PerExampleGradients:
     def _qualified(self, name: str, local: str, module: nn.Module) -> str:
         return self._names[id(self._rules[name].parameters(module)[local])]
 
+    def _enter_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """The versions of a ``vmap`` call's inputs before its forward: one that changes them in place cannot be
+        re-run on them (:data:`~.fallback.CHANGED_INPUT`)."""
+        if not torch.compiler.is_compiling():
+            self._versions[name] = [a._version if isinstance(a, Tensor) else None for a in args]
+
     def _forward_vmap(
         self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
         if torch.compiler.is_compiling():
             return
+        versions = self._versions.pop(name, [])
         batch = next((a.shape[0] for a in args if isinstance(a, Tensor) and a.dim()), -1)
         if not self._check_call(name, output, batch):
+            return
+        if why := changed_input(args, versions):
+            self._step.failed[name] = why
             return
         sub = min(self.sub_batch, batch)
         kept = args if self._keep_norms else batch_slice(args, batch, 0, sub)
         task = _recomputing_task()
-        output.register_hook(functools.partial(self._backward_vmap, name, module, kept, kwargs, sub, task))
+        register_grad_hook(output, functools.partial(self._backward_vmap, name, module, kept, kwargs, sub, task))
 
     def _backward_vmap(
         self,
