@@ -84,21 +84,23 @@ def test_healthy_run_reads_back_what_was_logged(tmp_path: Path, capsys: pytest.C
     assert rows(run, "noise scale and batch size")["effective batch B"] == 64
     messages = " ".join(f["message"] for f in run["findings"])
     assert "in its noise band (60%" in messages
-    assert "B = 64 < B_simple = 200 (± 10%)" in messages
+    assert "B = 64 < B_simple = 200 (± 10 %)" in messages
 
 
 @pytest.mark.parametrize("in_band", [0.0, None])
+@pytest.mark.parametrize(("error", "said"), [(0.083, "8.3 %"), (0.04028 / 0.03964, "102 %"), (0.005, "0.5 %")])
 def test_the_band_verdict_is_one_sentence_with_the_floors_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], in_band: float | None
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], in_band: float | None, error: float, said: str
 ) -> None:
-    """The norm's ratio to the floor and the floor's error read as one sentence, not "(…) (…)" side by side."""
-    run = {**HEALTHY, "grad_norm/noise_floor_se": 0.1 * 0.083}
+    """The norm's ratio to the floor and the floor's error read as one sentence, not "(…) (…)" side by side; the
+    error as a percent a user reads (a fresh user's fine-tune read "noise level ± 1e+02%")."""
+    run = {**HEALTHY, "grad_norm/noise_floor_se": 0.1 * error}
     if in_band is not None:
         run["grad_norm/in_noise_band"] = in_band
     write_run(tmp_path / "a", run)
     _, doc = report_json(capsys, tmp_path)
     (verdict,) = [f["message"] for f in doc["runs"][0]["findings"] if "noise band" in f["message"]]
-    assert "noise level ± 8.3%" in verdict and ") (" not in verdict
+    assert f"noise level ± {said}" in verdict and ") (" not in verdict
     assert verdict.startswith(
         "not in its noise band yet: 0% of the last 10 logged steps were in it; the last norm is "
         if in_band is not None
@@ -524,7 +526,7 @@ def test_a_small_relative_error_keeps_two_significant_digits(
     write_run(tmp_path / "run", {**HEALTHY, "grad_noise/b_simple_rel_err": 0.0041})
     _, doc = report_json(capsys, tmp_path)
     messages = " ".join(f["message"] for f in doc["runs"][0]["findings"])
-    assert "B_simple = 200 (± 0.41%)" in messages and "± 0%" not in messages
+    assert "B_simple = 200 (± 0.41 %)" in messages and "± 0 %" not in messages
 
 
 def test_a_dropped_noise_source_reaches_the_report_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -932,7 +934,7 @@ def test_the_lr_advice_says_its_step_when_b_simple_is_of_another(
     writer.close()
     _, text, _ = report(capsys, str(tmp_path))
     assert "\n  lr scaling advice, as of optimizer step 95\n" in text
-    assert "B = 64 < B_simple = 200 (± 10%) at optimizer step 90" in text
+    assert "B = 64 < B_simple = 200 (± 10 %) at optimizer step 90" in text
 
 
 def test_an_unreliable_b_simple_does_not_speak_for_lr_advice_of_another_step(

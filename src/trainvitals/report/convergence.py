@@ -34,6 +34,7 @@ from trainvitals.report.model import (
 )
 from trainvitals.report.schedule import acts_said, cut_record
 from trainvitals.tags import DIAGNOSIS_PREFIXES, SUGGESTED_LR, grad_norm
+from trainvitals.text.prose import percent
 from trainvitals.text.terminal import inline, table_cells
 
 _LR_LABELS = {
@@ -177,7 +178,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
     if caveat:
         report.findings.append(Finding("note", title, caveat))
     floor_error = (
-        f"noise level ± {100 * error_row.value:.2g}%"
+        f"noise level ± {percent(error_row.value)}"
         if isinstance(error_row.value, float) and math.isfinite(error_row.value)
         else ""
     )
@@ -708,7 +709,7 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
             )
         )
     elif b_simple is not None and batch and math.isfinite(b_simple):
-        spread = (f" (± {100 * rel_err:.2g}%)" if rel_err is not None else " (its error was not logged with it)") + at
+        spread = (f" (± {percent(rel_err)})" if rel_err is not None else " (its error was not logged with it)") + at
         if batch < b_simple:
             message = (
                 f"B = {batch:g} < B_simple = {b_simple:.3g}{spread}: each step is noise-dominated; a batch near "
