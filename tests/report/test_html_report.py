@@ -114,3 +114,25 @@ def test_b_simple_s_band_is_its_own_interval_not_its_relative_error(tmp_path: Pa
     main([str(tmp_path / "logs"), "--format", "html", "--output", str(out)])
     captions = re.findall(r"<figcaption>([^<]*)</figcaption>", out.read_text(encoding="utf-8"))
     assert any(f"Hollow points ({len(STEPS)} of {len(STEPS)} logged steps)" in c for c in captions)
+
+
+@pytest.mark.parametrize("points", [True, False])
+def test_a_lower_end_logged_without_a_point_is_plotted(tmp_path: Path, points: bool) -> None:
+    """A fresh user's BatchNorm run ended with ‖G‖² ≤ 0: its last steps logged B_simple's lower end (165, 281) and
+    no point, and the plot ended at the last point (step 300), the section's interval nowhere on it. Those ends
+    are drawn and said; a run with no point at all still gets the plot."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "logs" / "run"))
+    for step in STEPS:
+        if points and step < 90:
+            writer.add_scalar("grad_noise/b_simple", 200.0 + step, step)
+        writer.add_scalar("grad_noise/b_simple_low", 165.0 if step < 95 else 281.0, step)
+        writer.add_scalar("lr_scaling/effective_batch", 32.0, step)
+    writer.close()
+    out = tmp_path / "report.html"
+    main([str(tmp_path / "logs"), "--format", "html", "--output", str(out)])
+    captions = re.findall(r"<figcaption>([^<]*)</figcaption>", out.read_text(encoding="utf-8"))
+    (caption,) = [c for c in captions if c.startswith("The gradient noise scale")]
+    ends = 2 if points else len(STEPS)
+    assert f"Triangles ({ends} logged steps, the last at optimizer step 95): no point estimate there" in caption

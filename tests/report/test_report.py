@@ -84,21 +84,23 @@ def test_healthy_run_reads_back_what_was_logged(tmp_path: Path, capsys: pytest.C
     assert rows(run, "noise scale and batch size")["effective batch B"] == 64
     messages = " ".join(f["message"] for f in run["findings"])
     assert "in its noise band (60%" in messages
-    assert "B = 64 < B_simple = 200 (± 10%)" in messages
+    assert "B = 64 < B_simple = 200 (± 10 %)" in messages
 
 
 @pytest.mark.parametrize("in_band", [0.0, None])
+@pytest.mark.parametrize(("error", "said"), [(0.083, "8.3 %"), (0.04028 / 0.03964, "102 %"), (0.005, "0.5 %")])
 def test_the_band_verdict_is_one_sentence_with_the_floors_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], in_band: float | None
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], in_band: float | None, error: float, said: str
 ) -> None:
-    """The norm's ratio to the floor and the floor's error read as one sentence, not "(…) (…)" side by side."""
-    run = {**HEALTHY, "grad_norm/noise_floor_se": 0.1 * 0.083}
+    """The norm's ratio to the floor and the floor's error read as one sentence, not "(…) (…)" side by side; the
+    error as a percent a user reads (a fresh user's fine-tune read "noise level ± 1e+02%")."""
+    run = {**HEALTHY, "grad_norm/noise_floor_se": 0.1 * error}
     if in_band is not None:
         run["grad_norm/in_noise_band"] = in_band
     write_run(tmp_path / "a", run)
     _, doc = report_json(capsys, tmp_path)
     (verdict,) = [f["message"] for f in doc["runs"][0]["findings"] if "noise band" in f["message"]]
-    assert "noise level ± 8.3%" in verdict and ") (" not in verdict
+    assert f"noise level ± {said}" in verdict and ") (" not in verdict
     assert verdict.startswith(
         "not in its noise band yet: 0% of the last 10 logged steps were in it; the last norm is "
         if in_band is not None
@@ -434,6 +436,66 @@ def test_the_noise_section_quotes_the_latest_interval_where_no_point_is_logged(t
     assert section["B_simple, 90 % interval"] == "≥ 330 (90 %)", section
 
 
+def _no_point_at_the_end(folder: Path, point_at_end: bool = False, low_at_end: float = 281.0) -> None:
+    """A fresh user's BatchNorm run: B_simple flagged unreliable throughout, its last point 554.5 (step 85), then
+    ‖G‖² ≤ 0 (-0.0116) at the last two steps, which logged B_simple's lower end and no point (it is infinite);
+    ``point_at_end``: its LayerNorm twin, a point at every step."""
+    writer = SummaryWriter(str(folder))
+    for step in STEPS:
+        end = step >= 90
+        if point_at_end or not end:
+            writer.add_scalar("grad_noise/b_simple", 554.5, step)
+        writer.add_scalar("grad_noise/b_simple_low", low_at_end if end else 142.0, step)
+        writer.add_scalar("grad_noise/grad_sq_norm", 0.0095 if point_at_end or not end else -0.0116, step)
+        writer.add_scalar("grad_noise/b_simple_unreliable", 1.0, step)
+        writer.add_scalar("lr_scaling/effective_batch", 32.0, step)
+    writer.close()
+
+
+def test_an_interval_of_a_step_with_no_point_is_not_read_beside_an_older_point(tmp_path: Path, capsys) -> None:
+    """The section gave "554.5 examples (at optimizer step 300)" beside the interval "≥ 281 (90 %)" of step 309, as
+    one reading: the row says there is no point at the section's step and why, and the older point is its own
+    row, dated and called older; no relative error of a point not shown."""
+    _no_point_at_the_end(tmp_path / "run")
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    assert run["steps"]["noise scale and batch size"] == 95
+    section = {row["label"]: row for row in run["sections"]["noise scale and batch size"]}
+    assert section["B_simple = tr Σ / ‖G‖²"]["value"] == "none: the smoothed ‖G‖² is -0.0116 ≤ 0"
+    assert section["B_simple = tr Σ / ‖G‖²"]["step"] is None
+    older = section["B_simple's last point estimate (older)"]
+    assert (older["value"], older["step"]) == (554.5, 85)
+    assert section["B_simple, 90 % interval"]["value"] == "≥ 281 (90 %)" and "B_simple relative error" not in section
+    _, text, _ = report(capsys, str(tmp_path))
+    assert re.search(r"\n    B_simple's last point estimate \(older\) +554.5 examples \(at optimizer step 85\)\n", text)
+
+
+@pytest.mark.parametrize("point_at_end", [False, True])
+def test_an_unreliable_b_simple_gets_its_note_with_a_point_or_without(
+    tmp_path: Path, capsys, point_at_end: bool
+) -> None:
+    """The LayerNorm run, a point at its last step, got "B_simple = 179 is unreliable …; B_simple ≥ 64.5 (90 %)";
+    the BatchNorm run, no point there (‖G‖² ≤ 0), got no note: the note was read off the point. Both get it, of
+    the last step, with that step's interval, and no number of an older step."""
+    _no_point_at_the_end(tmp_path / "run", point_at_end)
+    _, doc = report_json(capsys, tmp_path)
+    (note,) = [f["message"] for f in doc["runs"][0]["findings"] if f["section"] == "noise scale and batch size"]
+    assert "is unreliable" in note and "at optimizer step 95; B_simple ≥ 281 (90 %): no batch-size verdict" in note
+    assert ("B_simple = 554" in note) == point_at_end
+    assert ("no point estimate: the smoothed ‖G‖² is -0.0116 ≤ 0" in note) != point_at_end
+
+
+def test_the_overview_gives_no_older_point_for_a_step_without_one(tmp_path: Path, capsys) -> None:
+    """The overview's B_simple is of the section's step: the bound where that step has one, "none (‖G‖² ≤ 0)"
+    where it has neither a point nor a lower end > 0 — never the point of an earlier step."""
+    _no_point_at_the_end(tmp_path / "a")
+    _no_point_at_the_end(tmp_path / "b", low_at_end=0.0)
+    _, text, _ = report(capsys, str(tmp_path))
+    a, b = text.splitlines()[3:5]
+    assert "≥ 281 (90 %)" in a and "none (‖G‖² ≤ 0)" in b
+    assert "554" not in a + b
+
+
 class _DivergesAt(Regressor):
     """Every loss from optimizer step ``at`` on is NaN: the run diverged for good."""
 
@@ -524,7 +586,7 @@ def test_a_small_relative_error_keeps_two_significant_digits(
     write_run(tmp_path / "run", {**HEALTHY, "grad_noise/b_simple_rel_err": 0.0041})
     _, doc = report_json(capsys, tmp_path)
     messages = " ".join(f["message"] for f in doc["runs"][0]["findings"])
-    assert "B_simple = 200 (± 0.41%)" in messages and "± 0%" not in messages
+    assert "B_simple = 200 (± 0.41 %)" in messages and "± 0 %" not in messages
 
 
 def test_a_dropped_noise_source_reaches_the_report_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -932,7 +994,7 @@ def test_the_lr_advice_says_its_step_when_b_simple_is_of_another(
     writer.close()
     _, text, _ = report(capsys, str(tmp_path))
     assert "\n  lr scaling advice, as of optimizer step 95\n" in text
-    assert "B = 64 < B_simple = 200 (± 10%) at optimizer step 90" in text
+    assert "B = 64 < B_simple = 200 (± 10 %) at optimizer step 90" in text
 
 
 def test_an_unreliable_b_simple_does_not_speak_for_lr_advice_of_another_step(

@@ -34,6 +34,7 @@ from trainvitals.report.model import (
 )
 from trainvitals.report.schedule import acts_said, cut_record
 from trainvitals.tags import DIAGNOSIS_PREFIXES, SUGGESTED_LR, grad_norm
+from trainvitals.text.prose import percent
 from trainvitals.text.terminal import inline, table_cells
 
 _LR_LABELS = {
@@ -177,7 +178,7 @@ def convergence_section(run: Run, report: RunReport) -> None:
     if caveat:
         report.findings.append(Finding("note", title, caveat))
     floor_error = (
-        f"noise level ± {100 * error_row.value:.2g}%"
+        f"noise level ± {percent(error_row.value)}"
         if isinstance(error_row.value, float) and math.isfinite(error_row.value)
         else ""
     )
@@ -575,6 +576,10 @@ B_SIMPLE = "B_simple = tr Σ / ‖G‖²"
 B_SIMPLE_PARTIAL = f"{B_SIMPLE}, of the measured parameters only (partial estimate)"
 B_SIMPLE_INTERVAL = "B_simple, 90 % interval"
 """The noise section's row of B_simple's 90 % interval: "≥ 550 (90 %)" where it has no upper end."""
+NO_POINT = "none: "
+"""How the B_simple row begins where the section's step logged an interval but no point (:func:`_no_point`)."""
+OLDER_POINT = "B_simple's last point estimate (older)"
+"""The row of the last point logged before such a step, dated: never read as the interval's."""
 
 
 def b_simple_interval_at(run: Run, step: int | None) -> str:
@@ -588,6 +593,18 @@ def b_simple_interval_at(run: Run, step: int | None) -> str:
     if high is None or high_own is not None:
         return f"B_simple ≥ {low:.3g} (90 %)"
     return f"B_simple {low:.3g}–{high:.3g} (90 %)"
+
+
+def _no_point(run: Run, step: int | None, point: Row) -> str:
+    """Why B_simple has no point at ``step`` where its estimate logged its interval there: B_simple = tr Σ/‖G‖² is
+    infinite where the smoothed ‖G‖² is ≤ 0, and the writers leave an infinite value out. ``""`` where the point is
+    of ``step``, or nothing of the estimate was logged there."""
+    if step is None or point.value is not None and point.step is None:
+        return ""
+    if not any(s == step for s, _ in first_series(run, r"grad_noise/b_simple_low$") or []):
+        return ""
+    grad, own = value_at(first_series(run, r"grad_noise/grad_sq_norm$"), step)
+    return f"the smoothed ‖G‖² is {grad:.3g} ≤ 0" if grad is not None and own is None else "the smoothed ‖G‖² is ≤ 0"
 
 
 def _partial_rows(run: Run, step: int | None) -> list[Row]:
@@ -649,14 +666,19 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     # The verdict's numbers are of the section's step, B_simple's last: an error of another step is not its.
     b_simple = b_simple_row.value if b_simple_row.step is None else None
     rel_err = error_row.value if error_row.step is None else None
-    if error_row.value is None and b_simple_row.value is not None:  # an infinite one is not logged
+    if error_row.value is None and b_simple is not None:  # an infinite one is not logged
         error_row.value = "none finite: too few measurements, or ‖G‖² not resolved from zero"
+    no_point = _no_point(run, step, b_simple_row)
     batches = {v for _, v in first_series(run, r"lr_scaling/effective_batch$") or []}
     batch = batch_row.value if batch_row.step is None or len(batches) == 1 else None  # one batch all along: its own
     unreliable = value_at(first_series(run, r"grad_noise/b_simple_unreliable$"), step)
     at = f" at optimizer step {step}"
     if partial:
         rows[4:4] = _partial_rows(run, step)
+    if no_point:  # this step's interval beside no point, not beside an older one read as its own
+        rows[0:2] = [Row(b_simple_row.label, NO_POINT + no_point)]
+        if b_simple_row.value is not None:
+            rows.insert(1, Row(OLDER_POINT, b_simple_row.value, "examples", b_simple_row.step))
     rows += [
         series_row(_lr_label(tag.removeprefix("lr_scaling/"), batch_row.value), series, step)
         for tag, series in sorted(run.matching(r"lr_scaling/(?!effective_batch$).+").items())
@@ -687,6 +709,16 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
                 "no batch-size verdict, and no noise-aware lr advice.",
             )
         )
+    elif no_point:
+        report.findings.append(
+            Finding(
+                "note",
+                title,
+                f"B_simple is unreliable (no point estimate: {no_point}, the gradient's signal lost in its noise){at}"
+                + (f"; {interval}" if interval else "")
+                + f": no batch-size verdict from a point estimate; {classic}.",
+            )
+        )
     elif b_simple is not None and (
         unreliable == (1, None) or rel_err is not None and not rel_err <= DEFAULT_MAX_REL_ERR
     ):
@@ -708,7 +740,7 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
             )
         )
     elif b_simple is not None and batch and math.isfinite(b_simple):
-        spread = (f" (± {100 * rel_err:.2g}%)" if rel_err is not None else " (its error was not logged with it)") + at
+        spread = (f" (± {percent(rel_err)})" if rel_err is not None else " (its error was not logged with it)") + at
         if batch < b_simple:
             message = (
                 f"B = {batch:g} < B_simple = {b_simple:.3g}{spread}: each step is noise-dominated; a batch near "

@@ -174,8 +174,12 @@ def _norm_in_band(run: Run) -> tuple[str, str] | None:
 
 
 def _b_simple(run: Run) -> tuple[str, str] | None:
-    b_simple = _first(run, r"grad_noise/b_simple$", grad_norm("b_simple"))
-    if not b_simple:
+    b_simple = _first(run, r"grad_noise/b_simple$", grad_norm("b_simple")) or []
+    # Where ‖G‖² ≤ 0 the point is infinite and not written, but its lower end is: drawn alone, the latest news
+    # where the run ends so (the report's section is of that step too).
+    points = {s for s, _ in b_simple}
+    ends_only = [(s, v) for s, v in _first(run, r"grad_noise/b_simple_low$") or [] if s not in points and v > 0]
+    if not b_simple and not ends_only:
         return None
     batch = _first(run, r"lr_scaling/effective_batch$")
     steps, values = _xy(b_simple)
@@ -199,10 +203,14 @@ def _b_simple(run: Run) -> tuple[str, str] | None:
             )
         if bare:
             ax.plot(*_xy(bare), ls="none", marker="o", mfc="none", color="#2ca02c", label="no upper bound yet")
+        if ends_only:
+            ax.plot(
+                *_xy(ends_only), ls="none", marker="^", color="#2ca02c", label="no point (‖G‖² ≤ 0): 90 % lower end"
+            )
         if batch:
             ax.plot(*_xy(batch), color="black", lw=1, ls="--", label="effective batch B", **_marker(batch))
-        _one_step(ax, b_simple, batch)
-        positive = [v for v in values if v > 0]
+        _one_step(ax, b_simple, batch, ends_only)
+        positive = [v for v in values + [v for _, v in ends_only] if v > 0]
         if positive and max(positive) / min(positive) > 30:
             ax.set_yscale("log")
         ax.set_xlabel("optimizer step")
@@ -215,6 +223,11 @@ def _b_simple(run: Run) -> tuple[str, str] | None:
         caption += (
             f" Hollow points ({len(bare)} of {len(values)} logged steps): no two-sided 90 % interval, B_simple "
             "not yet bounded above there."
+        )
+    if ends_only:
+        caption += (
+            f" Triangles ({len(ends_only)} logged steps, the last at optimizer step {ends_only[-1][0]}): no point "
+            "estimate there (the smoothed ‖G‖² ≤ 0), its 90 % lower end alone."
         )
     return _png(draw), caption
 

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from trainvitals.memory import format_bytes
-from trainvitals.report.convergence import B_SIMPLE, B_SIMPLE_INTERVAL, B_SIMPLE_PARTIAL, NORM_OVER_FLOOR
+from trainvitals.report.convergence import B_SIMPLE, B_SIMPLE_INTERVAL, B_SIMPLE_PARTIAL, NO_POINT, NORM_OVER_FLOOR
 from trainvitals.report.model import Row, RunReport, exit_status
 from trainvitals.text.markdown import markdown_table
 from trainvitals.text.terminal import WIDTH, format_table, inline, markdown_to_text, table_cells
@@ -73,11 +73,13 @@ def overview_rows(reports: Sequence[RunReport]) -> list[list[str]]:
 
     def b_simple(r: RunReport) -> str:
         """B_simple's point, or where its interval has no upper end (‖G‖² within its error of 0: the point is
-        unreliable, as the run's section says) that interval, "≥ 550 (90 %)"."""
+        unreliable, as the run's section says) that interval, "≥ 550 (90 %)"; "none (‖G‖² ≤ 0)" where the
+        section's step has neither — each of the section's step, as its rows are."""
         point, bound = (cell(r, "noise scale and batch size", label) for label in (B_SIMPLE, B_SIMPLE_INTERVAL))
-        if not bound.startswith("≥"):
-            return point
-        return bound + (" (partial)" if point.endswith("(partial)") else "")
+        partial = " (partial)" if point.endswith("(partial)") else ""
+        if bound.startswith("≥"):
+            return bound + partial
+        return "none (‖G‖² ≤ 0)" + partial if point.startswith(NO_POINT) else point
 
     def counts(r: RunReport) -> str:
         n = {s: sum(f.severity == s for f in r.findings) for s in ("critical", "warning", "note")}
