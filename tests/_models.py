@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import socket
 
@@ -27,6 +28,67 @@ def regression_data(n: int = 64, d: int = 6, seed: int = 0) -> TensorDataset:
 
 def loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+def digits_loader(batch_size: int) -> DataLoader:
+    """The demo's digits training split (1,437 8×8 images), shuffled, in full batches of ``batch_size``."""
+    from trainvitals.demo.data import DigitsDataModule
+
+    data = DigitsDataModule(batch_size=batch_size)
+    data.setup()
+    return data.train_dataloader()
+
+
+def warmup_cosine(warmup: int, total: int):
+    """A linear warmup over ``warmup`` steps, then a cosine down to 0 at step ``total`` (a LambdaLR's factor)."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+
+    return factor
+
+
+def one_cycle_lr(max_lr: float, total: int, step: int) -> float:
+    """OneCycleLR's lr at ``step`` in closed form, torch's defaults: a cosine up from max_lr/25 over 30 % of
+    ``total``, then down to max_lr/25/1e4 at its last step."""
+    low, peak, end = max_lr / 25, 0.3 * total - 1, max_lr / 25 / 1e4
+    start, stop, pct = (low, max_lr, step / peak) if step <= peak else (max_lr, end, (step - peak) / (total - 1 - peak))
+    return stop + (start - stop) * (1 + math.cos(math.pi * pct)) / 2
+
+
+class DigitsMLP(pl.LightningModule):
+    """An MLP on the 8×8 digits (64 → 32 → 10) under the mean cross-entropy, ``optimizer`` set at ``lr`` and
+    stepped every optimizer step by ``schedule``: ``None``, ``"one_cycle"`` (OneCycleLR, ``max_lr=lr``, over
+    ``total_steps``) or ``"warmup_cosine"`` (LambdaLR: :func:`warmup_cosine` over a tenth, then to 0 at
+    ``total_steps``). Records each step's brute-force pre-clip gradient norm, as :class:`Regressor`."""
+
+    def __init__(
+        self, optimizer: type = torch.optim.SGD, lr: float = 0.1, schedule: str | None = None, total_steps: int = 200
+    ) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.optimizer, self.lr, self.schedule, self.total_steps = optimizer, lr, schedule, total_steps
+        self.reference_norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.reference_norms.append(flat_grad_norm(self.parameters()))
+
+    def configure_optimizers(self):
+        opt = self.optimizer(self.parameters(), lr=self.lr)
+        if self.schedule is None:
+            return opt
+        if self.schedule == "one_cycle":
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=self.total_steps)
+        else:
+            factor = warmup_cosine(self.total_steps // 10, self.total_steps)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class Regressor(pl.LightningModule):

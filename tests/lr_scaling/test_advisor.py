@@ -7,12 +7,21 @@ import json
 import math
 import re
 import warnings
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import ReleaseProcessGroup, loader, regression_data
+from _models import (
+    DigitsMLP,
+    ReleaseProcessGroup,
+    digits_loader,
+    loader,
+    one_cycle_lr,
+    regression_data,
+    warmup_cosine,
+)
 from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
@@ -160,22 +169,11 @@ def test_reports_follow_the_scheduled_lr_every_n_steps_and_advise_on_its_base_lr
     assert "lr_scaling/b_noise" not in logger.series  # nothing measured: classic rules, no NaN
 
 
-def _warmup_cosine(warmup: int, total: int):
-    """A linear warmup over ``warmup`` steps, then a cosine down to 0 at step ``total`` (a LambdaLR's factor)."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
-
-    return factor
-
-
 def test_a_warmup_and_cosine_to_0_is_advised_on_its_base_lr_at_every_step_and_at_fit_end():
     """A fresh user's run: AdamW set at 1e-3 under a warmup + cosine LambdaLR that ends at 0. The advice scales
     1e-3 (×2 the batch: ×√2, the square-root rule), at the steps where the lr is 0.0005 and at fit end, where it is 0;
     the lr now is LearningRateMonitor's, the schedule replayed in closed form."""
-    factor = _warmup_cosine(2, 6)
+    factor = warmup_cosine(2, 6)
     logger, advisor = RecordingLogger(), LRScalingAdvisor(log_every_n_steps=1, verbose=False)
     model = Model(
         optimizer=torch.optim.AdamW,
@@ -191,16 +189,83 @@ def test_a_warmup_and_cosine_to_0_is_advised_on_its_base_lr_at_every_step_and_at
     assert logger.values("lr_scaling/suggested_lr_x2/AdamW") == pytest.approx([1e-3 * math.sqrt(2)] * 6)
     assert factor(6) == 0.0 and advisor.advices["AdamW"].lr == pytest.approx(1e-3)
     assert advisor.summary_line() == (
-        f"at an effective batch of 16 (no usable noise scale: classic rules): AdamW base lr 0.001 → "
-        f"{1e-3 * math.sqrt(2):.3g} at batch 32 (square-root rule; LambdaLR scales it: now 0); the full table is the "
+        "at an effective batch of 16 (no usable noise scale: classic rules): AdamW base lr 0.001 (the optimizer's lr "
+        f"under LambdaLR; now 0) → {1e-3 * math.sqrt(2):.3g} at batch 32 (square-root rule); the full table is the "
         "Text tab's lr_scaling/advice, or trainvitals report."
     )
     report = advisor.summary_markdown()
-    assert "- **base lr** AdamW: 0.001; LambdaLR scales it: now 0\n" in report
+    assert "- **base lr** AdamW: 0.001 (the optimizer's lr under LambdaLR; now 0)\n" in report
     assert (
         f"| AdamW | Adam-like | 0.001 | square-root | {1e-3 / math.sqrt(2):.3g} | {1e-3 * math.sqrt(2):.3g} |" in report
     )
     assert "**the suggestions are base lrs**" in report
+
+
+def _digits_fit(band: TrainvitalsCallback, max_steps: int, **model: Any) -> LRScalingAdvisor:
+    """A :class:`DigitsMLP` (``model``: its arguments) on the digits, batch 32 × 4 accumulated (the band's noise
+    measured across the micro-batches), with ``band`` (a stopper or BandSchedule, read every step) and an advisor;
+    seeded, whatever ran before."""
+    torch.manual_seed(0)
+    model = DigitsMLP(**model)
+    advisor = LRScalingAdvisor(detect_loss_reduction=False, verbose=False)
+    trainer = Trainer(**trainer_kwargs(callbacks=[band, advisor], max_steps=max_steps, accumulate_grad_batches=4))
+    trainer.fit(model, digits_loader(32))
+    return advisor
+
+
+def test_after_a_band_stop_under_one_cycle_the_advice_names_max_lr_and_the_lr_now_as_now():
+    """A fresh user's run: SGD under OneCycleLR(max_lr=0.1) stops in its band at step 141, where the schedule's lr
+    is 0.0356. "take a larger batch at this lr" named neither; the advice says the value set, what it is, and the
+    lr now (OneCycleLR's closed form) only as "now"."""
+    from trainvitals import GradNormEarlyStopping
+
+    stopper = GradNormEarlyStopping(patience=3, min_steps=30, margin=1.0, check_every_n_steps=1)
+    advisor = _digits_fit(stopper, 200, lr=0.1, schedule="one_cycle", total_steps=200)
+    assert stopper.stopped_step is not None and stopper.stopped_step < 199  # stopped before the schedule's end
+    now = one_cycle_lr(0.1, 200, stopper.stopped_step + 1)  # the lr of the step that would have come next
+    said = f"0.1 (OneCycleLR's max_lr; now {now:.3g})"
+    line = advisor.summary_line()
+    assert f"SGD base lr {said} → 0.2 at batch 256 (linear rule);" in line
+    assert line.endswith(f"to go further, take a larger batch at the same base lr, SGD's {said}, or a lower base lr.")
+    assert "this lr" not in line and f"- **base lr** SGD: {said}\n" in advisor.summary_markdown()
+
+
+def test_after_a_cut_under_warmup_and_cosine_the_advice_names_the_lr_set_and_the_cut_lr_now():
+    """AdamW set at 0.01 under a warmup + cosine LambdaLR; BandSchedule cuts ×0.1 at step 38. At fit end (step
+    100 of the schedule's 200) the lr now is 0.01 × the LambdaLR factor × 0.1, said as "now", the base lr 0.01 as
+    the optimizer's lr."""
+    from trainvitals import BandSchedule
+
+    schedule = BandSchedule(margin=1.0, patience=3, min_steps=30, check_every_n_steps=1, max_cuts=1, stop=False)
+    advisor = _digits_fit(
+        schedule, 100, optimizer=torch.optim.AdamW, lr=0.01, schedule="warmup_cosine", total_steps=200
+    )
+    assert [c["lr_scale"] for c in schedule.cuts] == [0.1]
+    scheduled = 0.01 * warmup_cosine(20, 200)(100)
+    said = f"0.01 (the optimizer's lr under LambdaLR; now {scheduled:.3g} × 0.1 (BandSchedule) = {scheduled / 10:.3g})"
+    line = advisor.summary_line()
+    assert f"AdamW base lr {said} → {0.01 * math.sqrt(2):.3g} at batch 256 (square-root rule);" in line
+    assert "where BandSchedule cut the lr (" in line
+    assert line.endswith(f"take a larger batch at the same base lr, AdamW's {said}, or a lower base lr.")
+
+
+class _Plateau(Model):
+    """SGD at 0.1 under ReduceLROnPlateau on the training loss, stepped every step: it halves the lr in place."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "monitor": "train/loss"}}
+
+
+def test_under_reduce_on_plateau_the_lr_now_is_advised_on_and_called_no_base_lr():
+    advisor = LRScalingAdvisor(verbose=False)
+    trainer = fit(_Plateau(), [advisor], batch_size=8, max_steps=8, log_every_n_steps=1)
+    now = trainer.optimizers[0].param_groups[0]["lr"]
+    assert now < 0.1  # it decayed
+    said = f"lr {now:.3g} (ReduceLROnPlateau's lr now: it keeps no base lr)"
+    assert f"SGD {said} → {2 * now:.3g} at batch 16 (linear rule);" in advisor.summary_line()
+    assert f"- **lr** SGD: {now:.3g} (ReduceLROnPlateau's lr now" in advisor.summary_markdown()
 
 
 @pytest.mark.parametrize("accumulate", [1, 3])
@@ -576,15 +641,20 @@ def test_a_reference_that_is_not_a_pair_is_a_type_error():
         LRScalingAdvisor(reference=64)
 
 
-@pytest.mark.parametrize("schedule", ["warmup_from_zero", "one_cycle"])
-def test_reference_is_compared_with_the_configured_lr_not_the_scheduled_one(recwarn, schedule):
+@pytest.mark.parametrize(
+    ("schedule", "set_as"),
+    [("warmup_from_zero", "the optimizer's lr under LambdaLR"), ("one_cycle", "OneCycleLR's max_lr")],
+)
+def test_reference_is_compared_with_the_configured_lr_not_the_scheduled_one(recwarn, schedule, set_as):
     # Tuned at batch 4 with lr 0.01, configured at 0.04 for batch 16 (linear rule): correct, though a
     # warmup starts it at 0 and OneCycleLR at 0.04 / 25 (its `initial_lr`).
     advisor = LRScalingAdvisor(reference=(4, 0.01), verbose=False)
     fit(Model(groups=(0.04,), **{schedule: True}), [advisor], batch_size=16, max_steps=3)
     assert _reference_warnings(recwarn) == []
-    assert "(base lr 0.04, before any schedule or cut)" in advisor.summary_markdown()
-    assert "SGD base lr 0.04 → 0.08 at batch 32 (linear rule; " in advisor.summary_line()  # OneCycleLR: its max_lr
+    # The warmup is over at fit end (its lr now is the base lr, not said twice); OneCycleLR is past its peak.
+    assert f"the linear rule suggests 0.04 (this run's base lr 0.04 ({set_as}" in advisor.summary_markdown()
+    assert f"SGD base lr 0.04 ({set_as}" in advisor.summary_line()
+    assert ") → 0.08 at batch 32 (linear rule);" in advisor.summary_line()
 
 
 def test_a_reference_naming_no_group_is_said_once_at_fit_start() -> None:

@@ -142,8 +142,8 @@ def test_the_lr_advice_after_a_stop_on_the_band_says_what_its_batch_advice_means
     said = (
         f"the run stopped in its noise band at optimizer step {stopper.stopped_step} (where its point estimate "
         f"read ‖G‖² ≤ 0.2·tr(Σ)/B, B_simple ≥ B/0.2 = {64 / margin:.4g}): a batch below B_simple is what the band "
-        "means, not a sign the run should have gone on at this batch; to go further, take a larger batch at this lr, "
-        "or a lower lr"
+        "means, not a sign the run should have gone on at this batch; to go further, take a larger batch at the same "
+        "lr, SGD's 0.02, or a lower lr"
     )
     assert f"- **batch advice and the band**: {said}\n" in advisor.summary_markdown()
     assert advisor.summary_line().endswith(f"or trainvitals report. {said[0].upper()}{said[1:]}.")

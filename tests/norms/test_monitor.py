@@ -12,7 +12,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import GAN, Regressor, flat_grad_norm, loader, regression_data
+from _models import (
+    GAN,
+    DigitsMLP,
+    Regressor,
+    digits_loader,
+    flat_grad_norm,
+    loader,
+    one_cycle_lr,
+    regression_data,
+    warmup_cosine,
+)
 from _spike_rule import spike_ratios
 from conftest import RecordingLogger, trainer_kwargs
 from guard.test_guard import TwoPlayers
@@ -23,7 +33,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainvitals import GradNormEarlyStopping, GradNormMonitor
+from trainvitals import GradNormEarlyStopping, GradNormMonitor, LRScalingAdvisor
 from trainvitals.norms.monitor import MAX_PENDING_STEPS
 from trainvitals.plumbing import writers as _writers
 
@@ -187,6 +197,44 @@ def test_the_fit_end_line_says_when_clipping_by_norm_shrank_most_steps(tmp_path,
     section = {row["label"]: row["value"] for row in run["sections"]["gradient clipping"]}
     assert section["logged steps clipped, of 4"] == sum(n > threshold for n in logged) / 4
     assert section["pre-clip norm, median"] == pytest.approx(statistics.median(logged), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "set_as"),
+    [(None, ""), ("one_cycle", "OneCycleLR's max_lr"), ("warmup_cosine", "the optimizer's lr under LambdaLR")],
+)
+def test_the_lr_cut_of_clipping_under_sgd_is_said_on_the_lr_set(tmp_path, capsys, schedule, set_as):
+    """SGD set at 0.1 on the digits, clipped at 0.2 on (nearly) every step: the mean factor over the steps is an lr
+    cut, said on the lr a user sets (under a scheduler its base lr: OneCycleLR's max_lr, the optimizer's lr under
+    LambdaLR), the lr now (the schedule's closed form) beside it only as "now"; the report the same from the logs."""
+    torch.manual_seed(0)
+    model = DigitsMLP(lr=0.1, schedule=schedule, total_steps=120)
+    monitor = GradNormMonitor(log_every_n_steps=1, histogram_every_n_steps=0)
+    logger = TensorBoardLogger(str(tmp_path), name="clip", version=0)
+    callbacks = [monitor, LRScalingAdvisor(detect_loss_reduction=False, log_every_n_steps=1)]
+    trainer = Trainer(**trainer_kwargs(callbacks=callbacks, logger=logger, max_steps=60, gradient_clip_val=0.2))
+    trainer.fit(model, digits_loader(32))
+    scale = statistics.fmean(min(1.0, 0.2 / (n + 1e-6)) for n in model.reference_norms)  # torch's clip factor
+    assert len(model.reference_norms) == 60 and scale < 0.9
+    lr_at = {
+        None: lambda step: 0.1,
+        "one_cycle": lambda step: one_cycle_lr(0.1, 120, step),
+        "warmup_cosine": lambda step: 0.1 * warmup_cosine(12, 120)(step),
+    }[schedule]
+    cut = f"×{scale:.2g} to {0.1 * scale:.2g} instead"
+    line = monitor.summary_line()
+    assert f"; under SGD, whose step is lr × gradient, it is an lr cut of ×{scale:.2g} over the 60 steps: " in line
+    said = f"base lr 0.1 ({set_as}; now {lr_at(60):.3g})" if schedule else "lr 0.1"  # the next step's lr now
+    assert line.endswith(f"or lower the {said} {cut}")
+
+    from trainvitals.report.command import main
+
+    main([str(tmp_path / "clip"), "--format", "json"])
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    (finding,) = [f for f in run["findings"] if f["section"] == "gradient clipping"]
+    logged = f"(the lr set, which a schedule or cut scales; now {lr_at(59):.3g} at the last logged step)"
+    said = f"base lr 0.1 {logged}" if schedule else "lr 0.1"
+    assert finding["message"].endswith(f"or lower the {said} {cut}.")
 
 
 @pytest.mark.parametrize("kwargs", [{"gradient_clip_val": 1e-6}, {"norm_type": 1.0}])

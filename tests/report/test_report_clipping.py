@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from test_report import STEPS, report_json, rows, write_run
 
+from trainvitals.norms.clipping import UNKNOWN_LR
+
 SECTION = "gradient clipping"
 # The pre-clip norms of the 20 logged steps: 16 above a threshold of 1, 4 below.
 TOTALS = [5.2, 4.5, 3.4, 2.0, 1.6, 0.7, 1.4, 1.3, 1.5, 0.9, 1.45, 1.35, 1.6, 0.8, 1.5, 1.4, 1.55, 0.95, 1.5, 1.45]
@@ -77,7 +79,8 @@ def test_under_sgd_the_mean_factor_is_the_lr_cut(tmp_path: Path, capsys: pytest.
     scale = statistics.fmean(min(1.0, 1.0 / t) for t in TOTALS)
     assert finding["severity"] == "warning"
     assert f"an lr cut of ~×{scale:.2g}" in finding["message"] and "the logs do not say" not in finding["message"]
-    assert finding["message"].endswith(f"or lower the lr ×{scale:.2g} instead.")
+    # No LRScalingAdvisor's base lr logged: which lr the cut is on, said without a value.
+    assert finding["message"].endswith(f"or lower {UNKNOWN_LR} ×{scale:.2g} instead.")
 
 
 def test_a_threshold_above_the_noise_level_caps_signal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

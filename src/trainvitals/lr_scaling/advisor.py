@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -21,6 +21,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from trainvitals._validation import check_bool, check_int
+from trainvitals.lr_scaling.groups import GroupLR, group_lrs
 from trainvitals.lr_scaling.rules import (
     LRAdvice,
     advice_table,
@@ -33,8 +34,6 @@ from trainvitals.lr_scaling.rules import (
     examples_over_min,
     loss_reduction_note,
     lr_ratio,
-    optimizer_family,
-    param_group_labels,
     rule_for,
     steps_over_min,
     validate_batch_sizes,
@@ -46,23 +45,12 @@ from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.plumbing.lr_factors import base_lr
 from trainvitals.plumbing.rerun import rerun_quietly
 from trainvitals.plumbing.sharing import GRADIENT_NOISE, LR_FACTORS, NOISE_BAND, SUMMARY
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.text.terminal import markdown_to_text
 
 REFERENCE_TOLERANCE = 0.05  # an lr within 5% of the suggestion counts as rescaled
-
-
-class _Group(NamedTuple):
-    """A param group as the advice names it, with its optimizer's family and the lr scheduler that drives it."""
-
-    name: str
-    family: str
-    group: dict[str, Any]
-    index: int  # in its optimizer's param_groups
-    scheduler: Any | None  # the first of trainer.lr_scheduler_configs stepping its optimizer
 
 
 class LRScalingAdvisor(TrainvitalsCallback):
@@ -193,7 +181,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
         self.advices: dict[str, LRAdvice | None]
         """The latest advice per param group name, on its base lr; ``None`` for a group whose base lr is 0."""
         self.add_state("advices", {}, persistent=False)
-        self.add_state("_links", {}, persistent=False)  # per advised group: its base lr against its lr now ("": same)
+        self._lrs: dict[str, GroupLR]  # per advised group: its lrs, as the advice says them
+        self.add_state("_lrs", {}, persistent=False)
         self.add_state("_band_said", "", persistent=False)  # at fit end: what a stop on the noise band means for it
         self.add_state("_report", "", persistent=False)
         self.add_state("_interval", None, persistent=False)  # the last summary whose B_simple interval advises
@@ -297,7 +286,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         band = f" {self._band_said[0].upper()}{self._band_said[1:]}." if self._band_said else ""
         return (
             f"at an effective batch of {self.effective_batch} ({scale}): {name}{more} "
-            f"{_headline(adv, self._links.get(name, ''))}; the full table is the Text tab's lr_scaling/advice, or "
+            f"{_headline(adv, self._lrs[name])}; the full table is the Text tab's lr_scaling/advice, or "
             f"trainvitals report.{band}"
         )
 
@@ -377,45 +366,6 @@ class LRScalingAdvisor(TrainvitalsCallback):
         )
         return batch, how
 
-    def _lrs(self, group: _Group) -> tuple[float, float, str]:
-        """(base lr, lr now, what links them) of ``group``. The base lr is the one a user sets and the advice scales
-        (:func:`~trainvitals.plumbing.lr_factors.base_lr`: a scheduler's base lr, else the optimizer's lr); the lr
-        now is the one the step runs at: the scheduler's × BandSchedule's cuts and TrainingGuard's factor, whatever
-        the order of the hooks and at the end of the fit too, when they have put the scheduler's lr back
-        (:class:`~trainvitals.plumbing.lr_factors.LRFactors`). The factors stay out of the base lr: in a run at
-        another batch they act on top of it again, as in this one."""
-        factors = self.vitals.shared(LR_FACTORS)
-        scheduled = float(group.group["lr"]) if factors is None else factors.scheduled(group.group)
-        owners = {} if factors is None else factors.factors()
-        now = scheduled * math.prod(owners.values())
-        cut = "".join(f" × {value:.3g} ({owner})" for owner, value in owners.items()) + f" = {now:.3g}"
-        base = base_lr(group.group, group.index, group.scheduler)
-        name = "a scheduler" if group.scheduler is None else type(group.scheduler).__name__
-        if base is not None:
-            return base, now, f"{name} scales it: now {scheduled:.3g}" + (cut if owners else "")
-        runs = f"the steps run at {scheduled:.3g}{cut}" if owners else ""
-        if group.scheduler is None:
-            return scheduled, now, runs
-        return scheduled, now, f"{name} keeps no base lr: the advice scales its lr now" + (f"; {runs}" if runs else "")
-
-    def _param_groups(self, trainer: "pl.Trainer") -> list[_Group]:
-        """Every param group of every optimizer, with the lr scheduler Lightning steps for its optimizer (the first
-        of ``trainer.lr_scheduler_configs`` that drives it)."""
-        optimizers = [getattr(opt, "optimizer", opt) for opt in trainer.optimizers]  # DeepSpeed wraps the optimizer
-        schedulers: dict[int, Any] = {}
-        for config in trainer.lr_scheduler_configs:
-            driven = getattr(config.scheduler, "optimizer", None)
-            schedulers.setdefault(id(getattr(driven, "optimizer", driven)), config.scheduler)
-        names = param_group_labels(
-            [type(opt).__name__ for opt in optimizers],
-            [[group.get("name") for group in opt.param_groups] for opt in optimizers],
-        )
-        return [
-            _Group(name, optimizer_family(type(opt)), group, index, schedulers.get(id(opt)))
-            for opt, group_names in zip(optimizers, names)
-            for index, (name, group) in enumerate(zip(group_names, opt.param_groups))
-        ]
-
     # ------------------------------------------------------------------ reporting
     def _advise(self, trainer: "pl.Trainer", step: int | None) -> str:
         """Recompute the advice, log its scalars at optimizer step ``step`` (``None``: none), and return the
@@ -423,7 +373,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         batch, how = self._batch_breakdown(trainer)
         self.effective_batch = batch
         noise_scale, source, interval = self._measured_noise_scale(latest=step is not None)
-        groups = self._param_groups(trainer)
+        groups = group_lrs(trainer, self.vitals.shared(LR_FACTORS))
         metrics: dict[str, float] = {"lr_scaling/effective_batch": float(batch)}
         lines = [f"**effective batch** {batch} = {how}"]
         if noise_scale is None:
@@ -431,7 +381,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 f"**noise scale** not used ({source}): classic rules, linear for SGD-like and square root for Adam-like"
             )
             if self._interval is not None and self.noise_scale is None:
-                lines.append(self._interval_line(batch, self._interval))
+                base = any(group.term == "base lr" for group in groups)
+                lines.append(self._interval_line(batch, self._interval, base))
         else:
             steps, examples = steps_over_min(batch, noise_scale), examples_over_min(batch, noise_scale)
             # One B_simple per run: a measured B̂ is the estimate's own, logged as grad_noise/b_simple.
@@ -443,24 +394,23 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 f"{noise_scale:.4g}; now steps S/S_min = {steps:.3g}, examples E/E_min = {examples:.3g}"
             )
 
-        self.advices, self._links = {}, {}
+        self.advices, self._lrs = {}, {}
         for group in groups:
-            name = group.name
-            lr, now, link = self._lrs(group)
+            name, lr = group.name, group.base
             if not lr > 0:
                 self.advices[name] = None  # a group set to lr 0 (frozen), or no scheduler and a warmup at 0
                 continue
             adv = self._advice(batch, lr, group, noise_scale)
-            self.advices[name], self._links[name] = adv, link
-            if link:
-                lines.append(f"**base lr** {name}: {lr:.3g}; {link}")
+            self.advices[name], self._lrs[name] = adv, group
+            if group.moves:
+                lines.append(f"**{group.term}** {name}: {group.base_said()}")
             if noise_scale is not None and interval is not None:
                 lines.append(self._range_line(name, adv, batch, lr, group, interval))
-            metrics.update({f"lr_scaling/lr/{name}": now, f"lr_scaling/base_lr/{name}": lr})
+            metrics.update({f"lr_scaling/lr/{name}": group.now, f"lr_scaling/base_lr/{name}": lr})
             metrics.update(
                 {f"lr_scaling/suggested_lr_{s.key}/{name}": s.lr for s in adv.suggestions if s.lr is not None}
             )
-        if any(self._links.values()):
+        if any(group.moves for group in self._lrs.values()):
             lines.append(
                 "**the suggestions are base lrs**: set one where you set this run's lr; the scheduler, BandSchedule's "
                 "cuts and TrainingGuard's factor act on top of it there as they did here"
@@ -480,10 +430,11 @@ class LRScalingAdvisor(TrainvitalsCallback):
         return "\n".join(f"- {line}" for line in lines) + "\n\n" + table
 
     @staticmethod
-    def _interval_line(batch: int, summary: dict[str, Any]) -> str:
+    def _interval_line(batch: int, summary: dict[str, Any], base: bool) -> str:
         """Noise-aware advice from B_simple's 90% interval alone, each bound on its safe side
         (:func:`~trainvitals.lr_scaling.rules.doubling_bounds`): what doubling the batch costs and saves at most
-        and at least, and the lr gain it allows at least."""
+        and at least, and the lr gain it allows at least (``base``: on the base lr, which a scheduler or a factor
+        moves from)."""
         low, high = summary["b_simple_low"], summary["b_simple_high"]
         extra, saved, gain = doubling_bounds(batch, low, high)
         side = (
@@ -495,11 +446,11 @@ class LRScalingAdvisor(TrainvitalsCallback):
             f"**noise-aware, from the interval** {b_simple_interval(summary)}: {side}; doubling the batch to "
             f"{2 * batch} costs at most {100 * extra:.3g}% more examples per unit of progress and saves at least "
             f"{100 * saved:.3g}% of the optimizer steps (McCandlish et al. 2018, S = S_min(1 + B̂/B), "
-            f"E = E_min(1 + B/B̂), at B̂ = {low:.3g}); its lr: at least ×{gain:.3g} (SGD-like), "
-            f"×{math.sqrt(gain):.3g} (Adam-like), up to ×2 and ×{math.sqrt(2):.3g} as B̂ grows"
+            f"E = E_min(1 + B/B̂), at B̂ = {low:.3g}); its {'base lr' if base else 'lr'}: at least ×{gain:.3g} "
+            f"(SGD-like), ×{math.sqrt(gain):.3g} (Adam-like), up to ×2 and ×{math.sqrt(2):.3g} as B̂ grows"
         )
 
-    def _advice(self, batch: int, lr: float, group: _Group, noise_scale: float | None) -> LRAdvice:
+    def _advice(self, batch: int, lr: float, group: GroupLR, noise_scale: float | None) -> LRAdvice:
         """:func:`~trainvitals.lr_scaling.rules.advise` for ``group`` at base lr ``lr``, with Adam's β and ε."""
         adam = group.family == "adam"
         return advise(
@@ -532,13 +483,16 @@ class LRScalingAdvisor(TrainvitalsCallback):
             if margin > 0
             else "where its point estimate read ‖G‖² ≤ 0, B_simple without an upper bound"
         )
+        lr = next(iter(self._lrs.values()), None)  # the first advised group's, as the fit-end line names it
+        what = "lr" if lr is None else lr.term
+        same = f"the same {what}" if lr is None else f"the same {what}, {lr.name}'s {lr.base_said()}"
         return (
             f"{where} ({bound}): a batch below B_simple is what the band means, not a sign the run should have gone "
-            "on at this batch; to go further, take a larger batch at this lr, or a lower lr"
+            f"on at this batch; to go further, take a larger batch at {same}, or a lower {what}"
         )
 
     def _range_line(
-        self, name: str, adv: LRAdvice, batch: int, lr: float, group: _Group, interval: tuple[float, float]
+        self, name: str, adv: LRAdvice, batch: int, lr: float, group: GroupLR, interval: tuple[float, float]
     ) -> str:
         """Each suggested lr of ``name`` over B̂'s 90% interval (the estimate's own, ``(low, high)``)."""
         ends = [self._advice(batch, lr, group, max(end, 1e-9)) for end in interval]
@@ -547,9 +501,9 @@ class LRScalingAdvisor(TrainvitalsCallback):
             for s, a, b in zip(adv.suggestions, ends[0].suggestions, ends[1].suggestions)
             if s.lr is not None and a.lr is not None and b.lr is not None
         ]
-        return f"{name}: over B̂'s 90% range the suggested lr spans " + (", ".join(spans) or "nothing")
+        return f"{name}: over B̂'s 90% range the suggested {group.term} spans " + (", ".join(spans) or "nothing")
 
-    def _reduction_lines(self, groups: list[_Group]) -> list[str]:
+    def _reduction_lines(self, groups: list[GroupLR]) -> list[str]:
         if self.loss_reduction is None or self.per_device_batch is None:
             return []
         notes: dict[str, list[str]] = {}
@@ -558,10 +512,11 @@ class LRScalingAdvisor(TrainvitalsCallback):
                 self.loss_reduction,
                 group.family,
                 self.per_device_batch,
-                self._lrs(group)[0],
+                group.base,
                 _eps(group.group),
                 terms=self.summed_terms,
                 divisor=self.loss_divided_by,
+                lr_said=group.term,
             )
             notes.setdefault(note, []).append(group.name)
         divided = "" if self.loss_divided_by is None else f", each micro-batch's divided by {self.loss_divided_by:.4g}"
@@ -571,7 +526,7 @@ class LRScalingAdvisor(TrainvitalsCallback):
         )
         return [head] + [f"{', '.join(names)}: {note}" for note, names in notes.items()]
 
-    def _reference_lines(self, groups: list[_Group], batch: int, noise_scale: float | None) -> list[str]:
+    def _reference_lines(self, groups: list[GroupLR], batch: int, noise_scale: float | None) -> list[str]:
         """Each group's lr against the one suggested from ``reference``; the mismatches go to
         ``_reference_problems`` for the fit-start warning, a mapping naming no group to ``_reference_unmatched``."""
         self._reference_problems = []
@@ -593,15 +548,16 @@ class LRScalingAdvisor(TrainvitalsCallback):
             ratio = lr_ratio(ref_batch, batch, family, noise_scale)
             if tuned_lr is None or ratio is None:
                 continue
-            lr = self._lrs(group)[0]  # the lr the run was configured with: its scheduler's base lr
+            lr = group.base  # the lr the run was configured with: its scheduler's base lr
             suggested, rule = tuned_lr * ratio, rule_for(family, noise_scale)
             lines.append(
                 f"**reference** {name}: tuned at batch {ref_batch} with lr {tuned_lr:.3g}; at batch {batch} "
-                f"the {rule} rule suggests {suggested:.3g} (base lr {lr:.3g}, before any schedule or cut)"
+                f"the {rule} rule suggests {suggested:.3g} (this run's {group.term} {group.base_said()})"
             )
             if batch != ref_batch and abs(lr / suggested - 1.0) > REFERENCE_TOLERANCE:
                 state = "was not rescaled" if math.isclose(lr, tuned_lr, rel_tol=1e-9) else f"is {lr:.3g}"
-                self._reference_problems.append(f"{name}'s lr {state}: the {rule} rule suggests {suggested:.3g}")
+                what = f"{group.term} ({group.set_as})" if group.moves else group.term
+                self._reference_problems.append(f"{name}'s {what} {state}: the {rule} rule suggests {suggested:.3g}")
         return lines
 
 
@@ -654,15 +610,14 @@ def _doubled(batch: Any) -> Any:
     return apply_to_collection(batch, Tensor, lambda t: torch.cat([t, t]) if t.dim() > 0 else t)
 
 
-def _headline(adv: LRAdvice, link: str) -> str:
-    """An optimizer's advice in a few words: its rule and the lr it suggests at the first larger batch; ``link``:
-    how its base lr and the lr now relate (``""``: the same), said after the rule."""
-    lr = f"base lr {adv.lr:.3g}" if link else f"lr {adv.lr:.3g}"
-    then = f"; {link}" if link else ""
+def _headline(adv: LRAdvice, group: GroupLR) -> str:
+    """An optimizer's advice in a few words: its rule and the lr it suggests at the first larger batch, for the
+    lr ``group`` is set at; under a scheduler or a factor its base lr, what that is and the lr now beside it."""
+    lr = f"{group.term} {group.base_said()}"
     if adv.rule == "none":
-        return f"{lr}: no scaling rule for its family (unsure){then}; keep the lr and sweep it"
+        return f"{lr}: no scaling rule for its family (unsure); keep the {group.term} and sweep it"
     larger = [s for s in adv.suggestions if s.lr is not None and s.batch_size > adv.batch_size]
     pick = (larger or [s for s in adv.suggestions if s.lr is not None])[:1]
     if not pick:
-        return f"{lr}, {adv.rule} rule{then}"
-    return f"{lr} → {pick[0].lr:.3g} at batch {pick[0].batch_size:.4g} ({adv.rule} rule{then})"
+        return f"{lr}, {adv.rule} rule"
+    return f"{lr} → {pick[0].lr:.3g} at batch {pick[0].batch_size:.4g} ({adv.rule} rule)"

@@ -406,6 +406,7 @@ def loss_reduction_note(
     eps: float | None = None,
     terms: float | None = None,
     divisor: float | None = None,
+    lr_said: str = "lr",
 ) -> str:
     """What a loss reduction means for an optimizer family (docs/science.md §4, "Loss reduction").
 
@@ -419,6 +420,7 @@ def loss_reduction_note(
             average over the micro-batches of an optimizer step; ``None``: not known, and no scale is said.
         divisor: d, what each micro-batch's loss divides its sum by (Lightning's division by
             ``accumulate_grad_batches`` left out); ``None``: nothing.
+        lr_said: what ``lr`` is, as the note names it: ``"base lr"`` for a scheduler's, which the lr now is not.
 
     Raises:
         ValueError: for a ``reduction`` not in :data:`REDUCTIONS` or an unknown ``family``.
@@ -438,7 +440,7 @@ def loss_reduction_note(
     if terms is None:
         what = "loss summed over the batch (its graph does not say over how many terms, nor what it divides them by)"
         if family == "sgd":
-            return f"{what}: SGD's effective lr is {lr:.3g} times that unknown gradient scale; {per_device}"
+            return f"{what}: SGD's effective {lr_said} is {lr:.3g} times that unknown gradient scale; {per_device}"
         if family == "adam":
             return (
                 f"{what}: Adam divides the gradient scale out, except against ε, which it divides by that unknown "
@@ -453,7 +455,7 @@ def loss_reduction_note(
     if family == "sgd":
         return (
             f"loss summed over {over}: the gradient is {scale}× that of their mean, so SGD steps with an effective "
-            f"lr of {scale} × {lr:.3g} = {n * lr:.3g}; {per_device}"
+            f"{lr_said} of {scale} × {lr:.3g} = {n * lr:.3g}; {per_device}"
         )
     if family == "adam":
         eps_part = f" = {eps / n:.3g}" if eps is not None else ""

@@ -11,7 +11,8 @@ step's norm set to the threshold's. Torch- and Lightning-free: the report reads 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,6 +40,34 @@ def clip_coef(total: float, max_norm: float) -> float:
 def clips_most(clipped: int, steps: int) -> bool:
     """Whether ``clipped`` of ``steps`` is a share worth saying (:data:`MOST_STEPS`, over :data:`MIN_STEPS` steps)."""
     return steps >= MIN_STEPS and clipped >= MOST_STEPS * steps
+
+
+class SetLR(NamedTuple):
+    """A param group's lr as a user sets it, for :func:`lower_lr`: its name, the value, that value in words (with
+    what it is and the lr now under a scheduler: ``0.1 (OneCycleLR's max_lr; now 0.0356)``, from
+    :class:`~trainvitals.lr_scaling.groups.GroupLR` or the logs), and what to call it: ``"base lr"`` where a
+    scheduler or a factor moves the lr now from it, else ``"lr"``."""
+
+    name: str
+    value: float
+    said: str
+    term: str
+
+
+UNKNOWN_LR = "the lr you set (under a scheduler its base lr: OneCycleLR's max_lr, the optimizer's lr under LambdaLR)"
+"""The lr :func:`lower_lr` names where none was read."""
+
+
+def lower_lr(scale: float, lrs: Sequence[SetLR]) -> str:
+    """The lr cut to make instead of clipping that scales every step ×``scale`` in mean (SGD's step is lr ×
+    gradient), on the lr a user sets: under a scheduler its base lr, the whole schedule scaled, the lr now only
+    beside it. ``lower the base lr 0.1 (OneCycleLR's max_lr; now 0.0356) ×0.32 to 0.032``."""
+    if not lrs:
+        return f"lower {UNKNOWN_LR} ×{scale:.2g}"
+    if len(lrs) == 1:
+        return f"lower the {lrs[0].term} {lrs[0].said} ×{scale:.2g} to {lrs[0].value * scale:.2g}"
+    each = ", ".join(f"{lr.name}'s {lr.term} {lr.said} to {lr.value * scale:.2g}" for lr in lrs)
+    return f"lower each param group's lr ×{scale:.2g} ({each})"
 
 
 def trainer_clip(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> float | None:

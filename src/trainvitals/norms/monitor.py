@@ -37,7 +37,8 @@ from trainvitals.fused_norms import (
     per_tensor_norms,
     validate_norm_type,
 )
-from trainvitals.norms.clipping import clip_coef, clips_most, trainer_clip
+from trainvitals.lr_scaling.groups import group_lrs
+from trainvitals.norms.clipping import SetLR, clip_coef, clips_most, lower_lr, trainer_clip
 from trainvitals.norms.nonfinite import ProducerSearch
 from trainvitals.norms.producer import SEARCHES, Producer
 from trainvitals.norms.spikes import (
@@ -56,6 +57,7 @@ from trainvitals.plumbing.sharding import reduce_shard_norms
 from trainvitals.plumbing.sharing import (
     GRAD_NORM,
     GRAD_SQ_NORMS,
+    LR_FACTORS,
     NAN_PRODUCER,
     NONFINITE_STEPS,
     STEP_BATCHES,
@@ -189,7 +191,7 @@ class GradNormMonitor(TrainvitalsCallback):
     """
 
     provides = (GRAD_NORM, NONFINITE_STEPS, SUMMARY)
-    reads = (GRAD_SQ_NORMS, STEP_BATCHES)
+    reads = (GRAD_SQ_NORMS, LR_FACTORS, STEP_BATCHES)
 
     def __init__(
         self,
@@ -243,6 +245,9 @@ class GradNormMonitor(TrainvitalsCallback):
         self._clip_norm: float | None  # the Trainer's clipping by L2 norm: its threshold (set at fit start)
         self.add_state("_clip_norm", None, persistent=False)
         self.add_state("_clip_pending", None, persistent=False)
+        # Per optimizer index, read at the end of training for the clipping advice: its class, family and lrs set.
+        self._set_lrs: dict[int, tuple[str, str, list[SetLR]]]
+        self.add_state("_set_lrs", {}, persistent=False)
         # A GradScaler skips non-finite steps: they are calibration, not divergence.
         self.add_state("_amp_scaler", False, persistent=False)
         # This monitor names the producer itself: asked to, and no TrainingGuard does (set at fit start).
@@ -270,6 +275,7 @@ class GradNormMonitor(TrainvitalsCallback):
         self._clip_norm = clip if clip is not None and not math.isnan(clip) and self.norm_type == 2.0 else None
         world = trainer.world_size
         self._ranks = (world, partial(trainer.strategy.reduce, reduce_op="sum")) if world > 1 else None
+        self._read_lrs(trainer)
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, i: int) -> None:
@@ -353,6 +359,7 @@ class GradNormMonitor(TrainvitalsCallback):
             elif track.counts != track.logged_counts:
                 self._log(trainer, index, track, step, norms=False)
         self._warn_nonfinite()
+        self._read_lrs(trainer)  # the lrs the fit ended at: its clipping advice's
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -377,7 +384,8 @@ class GradNormMonitor(TrainvitalsCallback):
                 parts.append(
                     f"{'optimizer ' + str(index) + ': ' if len(self._tracks) > 1 else ''}{track.steps} steps "
                     f"measured, last ‖g‖ {track.last_read[1]:.4g}, non-finite {c['nonfinite_steps']}, "
-                    f"AMP-skipped {c['amp_skipped_steps']}, spikes {c['spike_steps']}" + _clipped_most(track)
+                    f"AMP-skipped {c['amp_skipped_steps']}, spikes {c['spike_steps']}"
+                    + _clipped_most(track, *self._set_lrs.get(index, ("", "unsure", [])))
                 )
         return "; ".join(parts) or "no optimizer step was measured."
 
@@ -413,6 +421,20 @@ class GradNormMonitor(TrainvitalsCallback):
         )
 
     # ------------------------------------------------------------------ helpers
+    def _read_lrs(self, trainer: "pl.Trainer") -> None:
+        """Each optimizer's class, family and the lrs set on its groups (under a scheduler their base lrs,
+        :func:`~trainvitals.lr_scaling.groups.group_lrs`), for the clipping advice; host floats, no sync."""
+        if self._clip_norm is None:
+            return
+        self._set_lrs = {}
+        for lr in group_lrs(trainer, self.vitals.shared(LR_FACTORS)):
+            opt = trainer.optimizers[lr.optimizer]
+            read = self._set_lrs.setdefault(
+                lr.optimizer, (type(getattr(opt, "optimizer", opt)).__name__, lr.family, [])
+            )
+            if lr.base > 0:  # a frozen group has no lr to lower
+                read[2].append(SetLR(lr.name, lr.base, lr.base_said(), lr.term))
+
     def _track(self, index: int, pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> _Track:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         track = self._tracks.get(index)
@@ -626,18 +648,29 @@ class GradNormMonitor(TrainvitalsCallback):
         log_histogram(trainer, self._tag(trainer, "hist/group_norms", index), group_norms, step)
 
 
-def _clipped_most(track: _Track) -> str:
+def _clipped_most(track: _Track, optimizer: str, family: str, lrs: list[SetLR]) -> str:
     """The fit-end line's sentence when clipping by norm shrank most steps (:func:`~trainvitals.norms.clipping.
-    clips_most`): their share and mean factor, which is an lr cut under SGD; "" otherwise."""
+    clips_most`): their share and mean factor; under SGD (``family``, of the class ``optimizer``) the mean factor
+    over every step is an lr cut, said as one on the lr set (``lrs``: under a scheduler its base lr,
+    :func:`~trainvitals.norms.clipping.lower_lr`); under Adam-like optimizers it cancels. "" otherwise."""
     clipping = track.state.clipping
     steps, clipped = int(clipping["steps"]), int(clipping["clipped"])
     if not clips_most(clipped, steps):
         return ""
-    return (
+    said = (
         f"; gradient clipping at {clipping['max_norm']:g} (by norm) clipped {clipped} of {steps} steps "
         f"({clipped / steps:.0%}), each to ×{clipping['shrink'] / clipped:.2g} in mean (threshold / pre-clip norm): it "
-        "rescales the typical step, not the outliers it is for (under SGD, an lr cut); `trainvitals report` sets "
-        "the threshold against the noise level"
+        "rescales the typical step, not the outliers it is for"
+    )
+    report = "`trainvitals report` sets the threshold against the noise level"
+    if family == "adam":
+        return f"{said} (under {optimizer} a factor common to the steps cancels: no lr cut); {report}"
+    scale = (clipping["shrink"] + steps - clipped) / steps  # over every step, an unclipped one ×1
+    unknown = "" if family == "sgd" else f" (how {optimizer or 'this optimizer'} responds is unknown)"
+    return (
+        f"{said}; under {optimizer if family == 'sgd' else 'SGD'}, whose step is lr × gradient{unknown}, it is an lr "
+        f"cut of ×{scale:.2g} over the {steps} steps: raise gradient_clip_val ({report}), or {lower_lr(scale, lrs)} "
+        "instead"
     )
 
 

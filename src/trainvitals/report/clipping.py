@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass
 
 from trainvitals.lr_scaling.rules import optimizer_family
-from trainvitals.norms.clipping import NOISE_MARGIN, clips_most
+from trainvitals.norms.clipping import NOISE_MARGIN, SetLR, clips_most, lower_lr
 from trainvitals.report.events import Run
 from trainvitals.report.model import Finding, Row, RunReport, as_of, first_series
 from trainvitals.tags import grad_norm
@@ -92,19 +92,20 @@ def clipping_section(run: Run, report: RunReport) -> None:
     if clips_most(clipped.clipped, clipped.steps):
         family, name = _optimizer(run)
         severity = "note" if family == "adam" else "warning"
-        report.findings.append(Finding(severity, CLIPPING, clipping_message(clipped, noise, family, name)))
+        message = clipping_message(clipped, noise, family, name, _set_lrs(run, name))
+        report.findings.append(Finding(severity, CLIPPING, message))
 
 
-def clipping_message(clipped: Clipped, noise: float | None, family: str, name: str) -> str:
+def clipping_message(clipped: Clipped, noise: float | None, family: str, name: str, lrs: list[SetLR]) -> str:
     """The finding: the share clipped, the threshold against the median norm and the noise level, what the shrink
     does under the optimizer's ``family`` (``"sgd"``, ``"adam"``, ``"unsure"``: :func:`~trainvitals.lr_scaling.rules.
-    optimizer_family`), and the threshold to use instead."""
+    optimizer_family`), and the threshold to use instead, or the lr cut on the lr set (``lrs``, :func:`_set_lrs`)."""
     share = f"{clipped.clipped / clipped.steps:.0%} of the {clipped.steps} logged steps"
     if clipped.threshold is None:
         return (
             f"gradient clipping shrank {share}, not by norm (the clipped norms differ: clipping by value, or the "
             f"module's own): the steps' norm is ×{clipped.scale:.2g} in mean over the logged steps, which under SGD "
-            "cuts the lr as much; clip by norm above the usual norms, or lower the lr instead."
+            f"cuts the lr as much; clip by norm above the usual norms, or {lower_lr(clipped.scale, lrs)} instead."
         )
     threshold, median = clipped.threshold, clipped.median_norm
     said = [f"gradient clipping at {threshold:.3g} clipped {share} (pre-clip norm {median:.3g} in median)"]
@@ -144,7 +145,7 @@ def clipping_message(clipped: Clipped, noise: float | None, family: str, name: s
         aim = f"~{NOISE_MARGIN:g}× the noise level ({NOISE_MARGIN * noise:.2g})"
     else:
         aim = f"~{NOISE_MARGIN:g}× the median norm ({NOISE_MARGIN * median:.2g})"
-    lower = f", or lower the lr ×{clipped.scale:.2g} instead" if family != "adam" else ""
+    lower = f", or {lower_lr(clipped.scale, lrs)} instead" if family != "adam" else ""
     return "; ".join(said) + f"; raise gradient_clip_val above {aim} so that it catches outliers only{lower}."
 
 
@@ -154,3 +155,20 @@ def _optimizer(run: Run) -> tuple[str, str]:
         if match := _OPTIMIZER.match(tag):
             return optimizer_family(match["name"]), match["name"]
     return "unsure", ""
+
+
+def _set_lrs(run: Run, optimizer: str) -> list[SetLR]:
+    """The lrs set on ``optimizer``'s param groups, from LRScalingAdvisor's ``lr_scaling/base_lr/<group>`` (the lr a
+    user sets: under a scheduler its base lr) at its last logged step, and whether the lr its steps ran at
+    (``lr_scaling/lr/<group>``) moved from it; none without them."""
+    lrs = []
+    for tag, series in sorted(run.matching(rf"lr_scaling/base_lr/{re.escape(optimizer)}(/[^/]+)?$").items()):
+        group = tag.removeprefix("lr_scaling/base_lr/")
+        base = series[-1][1]
+        if not base > 0:
+            continue  # a frozen group: no lr to lower
+        now = run.scalars.get(f"lr_scaling/lr/{group}") or []
+        moves = any(not math.isclose(v, base, rel_tol=1e-6) for _, v in now)
+        said = f"{base:.3g} (the lr set, which a schedule or cut scales; now {now[-1][1]:.3g} at the last logged step)"
+        lrs.append(SetLR(group, base, said, "base lr") if moves else SetLR(group, base, f"{base:.3g}", "lr"))
+    return lrs

@@ -314,7 +314,7 @@ def _lr_suggestions(run: Run) -> tuple[str, str] | None:
         ax.set_yscale("log")
         ax.set_xlabel("effective batch (examples)" if batch else "batch multiple")
         ax.set_ylabel("learning rate")
-        ax.legend(fontsize=8, title="★ base lr now")
+        ax.legend(fontsize=8, title="★ this run's base lr")
         ax.grid(alpha=0.3, which="both")
 
     return _png(draw), (
