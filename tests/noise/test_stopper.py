@@ -1237,22 +1237,45 @@ class _SigmoidMLP(pl.LightningModule):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["stopper", "schedule"])
-def test_a_sigmoid_mlp_on_its_plateau_is_neither_stopped_nor_cut(kind):
+def test_a_sigmoid_mlp_on_its_plateau_is_neither_stopped_nor_cut(kind, tmp_path):
     """Without the loss rule the stopper stopped it at step 249 at chance (0.11), and BandSchedule cut its lr there
-    (0.10 at step 1,380 against 0.90 uncut): its loss had not fallen from its start."""
+    (0.10 at step 1,380 against 0.90 uncut): its loss had not fallen from its start. Ended on that plateau, its
+    fit-end line says the streak is full and held, and what gets a run off a plateau; the report warns of it."""
     pytest.importorskip("sklearn")
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from trainvitals import TrainvitalsDashboard
     from trainvitals.demo.data import DigitsDataModule
+    from trainvitals.report.assess import assess
+    from trainvitals.report.events import read_runs
     from trainvitals.schedule.callback import BandSchedule
 
     pl.seed_everything(0, verbose=False)
     callback = GradNormEarlyStopping(verbose=False) if kind == "stopper" else BandSchedule(verbose=False)
-    trainer = Trainer(**trainer_kwargs(callbacks=[callback], max_epochs=14, accumulate_grad_batches=4))
-    trainer.fit(_SigmoidMLP(), DigitsDataModule(batch_size=16))
+    logger = TensorBoardLogger(str(tmp_path), name="run")
+    trainer = Trainer(
+        **trainer_kwargs(
+            callbacks=[callback, TrainvitalsDashboard()], logger=logger, max_epochs=14, accumulate_grad_batches=4
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_SigmoidMLP(), DigitsDataModule(batch_size=16))
     assert trainer.global_step == 14 * 23 and callback.stopped_step is None  # 89 micro-batches an epoch
     assert getattr(callback, "cuts", []) == [] and callback.plateau_step is not None
     progress = callback.loss_progress.summary()
     assert progress["drop"] < 0.1 and progress["start"] == pytest.approx(math.log(10), rel=0.05)
-    assert "a plateau the run has not left" in callback.summary_line()
+    line = callback.summary_line()
+    streak = int(callback._streak)
+    assert "a plateau the run has not left" in line and streak >= callback.patience
+    assert (
+        f"its streak full at the end ({streak} step(s) in a row, of the 10 it needs) and held by min_loss_drop" in line
+    )
+    assert "a higher learning rate or with a warm-up" in line and "min_loss_drop=None lets the band" in line, line
+    (run,) = read_runs(tmp_path)
+    (verdict,) = [f for f in assess(run).findings if f.section == "convergence" and "noise band" in f.message]
+    assert verdict.severity == "warning" and verdict.message.startswith("ended on a plateau"), verdict
+    assert "a higher learning rate" in verdict.message
 
 
 def test_a_run_held_on_its_plateau_reads_not_stopped_in_the_report(tmp_path):
@@ -1270,3 +1293,21 @@ def test_a_run_held_on_its_plateau_reads_not_stopped_in_the_report(tmp_path):
     stop = {row.label: row.value for row in assess(run).sections["convergence"]}["stop"]
     assert stopper.stopped_step is None and stop.startswith("not stopped: in its noise band for a full streak"), stop
     assert "a plateau the run has not left" in stop
+
+
+def test_a_plateau_held_to_the_end_says_its_streak_full_and_what_to_do():
+    """A fresh user read "… a plateau the run has not left …; 429 step(s) in a row in the condition at the end, of the
+    10 it needs" as a contradiction, with no advice: the line says the streak is full and held by min_loss_drop (the
+    streak the logger saw at the last step), and what gets a run off a plateau, or frees a run at its minimum."""
+    held, logger = _held_fit(lambda step: 2.0)
+    streak = int(logger.values("grad_norm/band_streak")[-1])
+    line = held.summary_line()
+    assert held.stopped_step is None and streak >= held.patience
+    assert (
+        f"its streak full at the end ({streak} step(s) in a row, of the 5 it needs) and held by min_loss_drop" in line
+    )
+    assert "in the condition at the end, of the" not in line, line
+    assert "a higher learning rate or with a warm-up" in line and "initialisation" in line, line
+    assert "fine-tuning a converged model" in line and "min_loss_drop=None lets the band stop the run" in line, line
+    released, _ = _held_fit(lambda step: 2.0 if step < 250 else 1.0)  # left the plateau: stopped, no plateau advice
+    assert released.stopped_step is not None and "plateau" not in released.summary_line()

@@ -39,7 +39,7 @@ from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.plumbing.loss_progress import START_STEPS, LossProgress
+from trainvitals.plumbing.loss_progress import START_STEPS, LossProgress, plateau_advice
 from trainvitals.plumbing.sharing import (
     GRAD_SQ_NORMS,
     GRADIENT_NOISE,
@@ -725,13 +725,24 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         """What held the decision back (a host read): "in its noise band for a full streak at optimizer step 249, but
         the training loss fell 2% since the start (2.35 → 2.30), below min_loss_drop 10%: a plateau the run has not
         left, not a minimum …"."""
-        progress = self.loss_progress.summary()
-        fell = f"fell {progress['drop']:.0%}" if progress["drop"] >= 0 else f"rose {-progress['drop']:.0%}"
         return (
-            f"in its noise band for a full streak at optimizer step {self.plateau_step}, but the training loss {fell} "
-            f"since the start ({progress['start']:.4g} → {progress['current']:.4g}), below min_loss_drop "
-            f"{self.min_loss_drop:.0%}: a plateau the run has not left, not a minimum (the gradient's statistics "
-            "cannot tell the two apart)"
+            f"in its noise band for a full streak at optimizer step {self.plateau_step}, but {self._loss_said()}: a "
+            "plateau the run has not left, not a minimum it reached (the gradient's statistics cannot tell the two apart)"
+        )
+
+    def _loss_said(self) -> str:
+        """The loss's progress (a host read): "the training loss fell 2% since the start (2.35 → 2.30), below
+        min_loss_drop 10%"; without the loss rule, that it is not tracked."""
+        if not self._loss_rule:
+            return "the training loss's fall is not tracked (min_loss_drop off)"
+        progress = self.loss_progress.summary()
+        if not progress["known"]:
+            return f"the training loss's start (its first {START_STEPS} steps' mean) is not known yet"
+        fell = progress["drop"] >= 0
+        moved = f"fell {progress['drop']:.0%}" if fell else f"rose {-progress['drop']:.0%}"
+        return (
+            f"the training loss {moved} since the start ({progress['start']:.4g} → {progress['current']:.4g}), "
+            f"{'below' if fell else 'not the fall of'} min_loss_drop {self.min_loss_drop:.0%}"
         )
 
     def _say_caveat(self, trainer: "pl.Trainer", step: int) -> None:
@@ -827,7 +838,21 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         cannot decide, too few steps, or how far from the band's edge the run ended)."""
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
-        why = f"{int(self._streak)} step(s) in a row in the condition at the end, of the {self.patience} it needs"
+        streak = int(self._streak)
+        why = f"{streak} step(s) in a row in the condition at the end, of the {self.patience} it needs"
+        # Held at the end by the loss rule (the loss not fallen) or the from-start rule (never out of the band).
+        on_plateau = (
+            self._loss_rule
+            and self.plateau_step is not None
+            and not bool(self.loss_progress.allows(self.min_loss_drop))
+        )
+        from_start = bool(self.from_start) and not bool(self._left)  # once shown out, the band counts
+        if streak >= self.patience and (on_plateau or from_start):
+            rule = "min_loss_drop" if on_plateau else "the from-start rule"
+            why = (
+                f"its streak full at the end ({streak} step(s) in a row, of the {self.patience} it needs) and held "
+                f"by {rule}"
+            )
         if self._manual:  # the one cause: min_steps and the noise sources do not matter then
             return f"did not stop the run: {MANUAL}."
         if self.mode == "noise_band":
@@ -866,10 +891,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                         else f"; the band window's ‖G‖² reads {band:.2f}× the edge, but it lags a rising ‖G‖²: no "
                         "streak counts while the current estimate reads out of the band"
                     )
-        held = self._loss_rule and self.plateau_step is not None  # and on its plateau still: the loss not fallen
-        if held and not bool(self.loss_progress.allows(self.min_loss_drop)):
-            why = f"{self._plateau_said()}; " + why
-        if self.from_start and not bool(self._left):  # held, and still: once shown out, the band counts
+        if on_plateau:  # ended on it: what gets a run off a plateau, and the switch for a start at its minimum
+            why = f"{self._plateau_said()}; {why}; {plateau_advice(self._band_acts()[1])}"
+        if from_start:
             why = f"{self.from_start.removesuffix('.')}; " + why
         if self.steps < self.min_steps:
             why = f"the run ended after {self.steps} optimizer steps, before {self._min_steps_said()}; " + why

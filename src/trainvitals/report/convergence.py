@@ -14,6 +14,7 @@ from trainvitals.noise.estimate import (
     MIN_MEASUREMENTS,
     SOURCES_CHECK,
 )
+from trainvitals.plumbing.loss_progress import plateau_advice
 from trainvitals.report.events import Run
 from trainvitals.report.model import (
     BAND_STOP,
@@ -194,7 +195,9 @@ def convergence_section(run: Run, report: RunReport) -> None:
     elif partial:
         report.findings.append(Finding("note", title, f"{partial}: no noise-band verdict on the whole model."))
     elif end and not stop and end.get("rule", "").startswith("noise band"):
-        report.findings.append(Finding("note", title, _end_verdict(end, flags, error, caveat, name)))
+        # A run that ended on a plateau its loss never left wants a change; one the loss rule released, a note.
+        severity = "warning" if ON_PLATEAU in _end_reason(end, caveat) else "note"
+        report.findings.append(Finding(severity, title, _end_verdict(end, flags, error, caveat, name)))
     elif held:  # in the band, but noise from the start: not the convergence the band says otherwise
         share = "; ".join(filter(None, [_share_in_band(recent, verb=False) if recent else "", floor_error]))
         report.findings.append(
@@ -450,7 +453,14 @@ def _end_verdict(
     streak = _STREAK.match(end.get("in-condition streak", ""))
     reached = _REACHED.match(end.get("in-condition streak", ""))
     act = "to stop" if name == "GradNormEarlyStopping" else "to cut the lr (or stop)"
-    if "before min_steps" in why:
+    if ON_PLATEAU in why and reached:  # its words say why, and what to do: the lead says it ended held
+        lead = (
+            f"ended on a plateau its training loss never left: in its noise band for {reached[2]} step(s) in a row "
+            f"(its patience is {reached[1]}), held there by min_loss_drop (the band reads a plateau as a minimum)"
+        )
+        if "higher learning rate" not in why:  # an older table's words give no advice
+            why += f"; {plateau_advice('stop the run' if name == 'GradNormEarlyStopping' else 'cut the lr or stop the run')}"
+    elif "before min_steps" in why:
         lead = "no noise-band verdict: the run ended before the stopper's min_steps, so it counted no step"
     elif streak and int(streak[1]) > 0:
         lead = (
