@@ -154,8 +154,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     far below B_simple makes every step noise from step 0, which calls for a larger batch or a smaller lr,
     not a stop. Such a run is said once (a warning and the ``grad_norm/stop_reason`` text), with the batch
     to use — B_simple's 90 % lower end — and watched on: it stops if it leaves the band and comes back for
-    ``patience`` steps. The band is judged on the estimate's smoothed quantities (each from the window of least
-    variance + lag², ‖G‖² the slow EMA's: estimate.py, rule 7), the same the margin
+    ``patience`` steps. Where the training loss has not fallen by ``min_loss_drop`` either, the run may as well have
+    started at its minimum (fine-tuning a converged model), which the gradient's statistics cannot tell apart: both
+    readings are said, each with what to do; ``hold_from_start=False`` lets the band stop such a run. The band is
+    judged on the estimate's smoothed quantities (each from the window of least variance + lag², ‖G‖² the slow
+    EMA's: estimate.py, rule 7), the same the margin
     chart draws. A plateau is in its band as a minimum is (G ≈ 0 on a saddle too): in noise-band mode a full
     streak stops the run only once the training loss has fallen by ``min_loss_drop`` of its start
     (:class:`~trainvitals.plumbing.loss_progress.LossProgress`: the mean of the first 10 steps against an EMA,
@@ -202,6 +205,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         min_loss_drop: noise-band mode: no stop while the training loss has fallen by less than this fraction of
             its start, in [0, 1) (a plateau the run has not left); ``None`` or 0: off (a run that starts at its
             minimum, a fine-tuning). A start loss ≤ 0 leaves it out, said once.
+        hold_from_start: noise-band mode: no stop on a band the run was in from the start, never shown out of it
+            (noise from step 0, or a run that starts at its minimum); ``False``: the band stops it as any other
+            (fine-tuning a converged model: with ``min_loss_drop=None``), the stop saying it was in its band from
+            the start.
 
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
@@ -226,6 +233,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         check_every_n_steps: int = DEFAULT_CHECK_EVERY_N_STEPS,
         verbose: bool = True,
         min_loss_drop: float | None = DEFAULT_MIN_LOSS_DROP,
+        hold_from_start: bool = True,
     ) -> None:
         super().__init__()
         self.mode = check_choice("mode", mode, MODES)
@@ -239,7 +247,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
         self.verbose = check_bool("verbose", verbose)
         self.min_loss_drop = check_float("min_loss_drop", min_loss_drop, 0.0, 1.0, high_open=True, none_ok=True)
-        self.key_state_by(  # not by min_loss_drop: the loss's progress means the same under any of them
+        self.hold_from_start = check_bool("hold_from_start", hold_from_start)
+        self.key_state_by(  # not by min_loss_drop nor hold_from_start: the state means the same under any of them
             mode=self.mode,
             margin=self.margin,
             patience=self.patience,
@@ -450,7 +459,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.mode == "noise_band" and judged:
             self._streak = torch.where(self._reads_out().to(self._streak.device), 0, self._streak)
         full = self._streak >= self.patience
-        if self.mode == "noise_band" and self.waits_out_the_start:  # noise from step 0 is not convergence: no stop
+        if self._holds_from_start:  # noise from step 0 is not convergence: no stop
             self._held = self._held.to(total.device) | (full & ~self._left.to(total.device))
             full = full & self._left.to(total.device)
         if self._loss_rule:  # a plateau the loss never left is in its band as a minimum is: no decision on it
@@ -485,6 +494,12 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             self._log(trainer, step, in_condition, final=True)  # the chart ends where the run stopped
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def _holds_from_start(self) -> bool:
+        """Whether a band held from the start stops nothing until the run has been out of it (noise-band mode,
+        :attr:`waits_out_the_start`, ``hold_from_start``)."""
+        return self.mode == "noise_band" and self.waits_out_the_start and self.hold_from_start
+
     @property
     def _loss_rule(self) -> bool:
         """Whether ``min_loss_drop`` holds the noise band's decisions back (noise-band mode, not 0 or None)."""
@@ -632,7 +647,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor, final: bool = False) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak, **self.nonfinite.metrics(trainer, self)}
-        if self.mode == "noise_band" and self.waits_out_the_start:  # a scalar: a logger that keeps no text shows it
+        if self._holds_from_start:  # a scalar: a logger that keeps no text shows it
             metrics[HELD_FROM_START] = (self._held & ~self._left.to(self._held.device)).double()
         if self._loss_rule:  # NaN, left out, until the start is known
             metrics[LOSS_DROP] = self.loss_progress.drop.to(self._streak.device)
@@ -676,7 +691,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     def _say_from_start(self, trainer: "pl.Trainer", step: int) -> None:
         """Once per fit, when a full streak came before the run was ever out of the band: every step has been
         noise-dominated from the start, which calls for a larger batch (named from B_simple's 90% interval) or a
-        smaller lr, not a stop. On check steps only; the decision itself stays on the device."""
+        smaller lr, not a stop. Where the loss has not fallen by ``min_loss_drop`` (or is not tracked), a run that
+        started at its minimum reads the same: both readings are said. On check steps only; the decision itself
+        stays on the device."""
         if self.from_start or not bool(self._held):
             return
         h = self.gradient_noise.host_summary()
@@ -688,14 +705,30 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             if math.isfinite(target) and target > 0
             else "a larger batch lowers the noise per step"
         )
-        self.from_start = (
-            f"in its noise band from the start (optimizer step {step}): the batch ({batch}) is below B_simple "
-            f"({b_simple_interval(h)}), and it was never shown out of the band from its {MIN_MEASUREMENTS}th measurement, "
-            "when the estimate could first judge it: every step it judged was noise-dominated — that is not "
-            "convergence, and "
-            f"it does not stop on it. {suggest[0].upper()}{suggest[1:]} — or a smaller learning rate. It keeps "
-            "watching: the band counts once the run has been out of it."
+        never_out = (
+            f"it was never shown out of the band from its {MIN_MEASUREMENTS}th measurement, when the estimate could "
+            "first judge it"
         )
+        watching = "It keeps watching: the band counts once the run has been out of it."
+        if self._loss_rule and bool(self._loss_allows):  # the loss fell: not a run that started at its minimum
+            self.from_start = (
+                f"in its noise band from the start (optimizer step {step}): the batch ({batch}) is below B_simple "
+                f"({b_simple_interval(h)}), and {never_out}: every step it judged was noise-dominated — that is not "
+                f"convergence, and it does not stop on it. {suggest[0].upper()}{suggest[1:]} — or a smaller learning "
+                f"rate. {watching}"
+            )
+        else:
+            switches = (
+                "hold_from_start=False and min_loss_drop=None let" if self._loss_rule else "hold_from_start=False lets"
+            )
+            self.from_start = (
+                f"in its noise band from the start (optimizer step {step}): {never_out}, and {self._loss_said()}. "
+                "The gradient's statistics cannot tell two readings apart, and it does not stop on either: either the "
+                f"batch ({batch}) is far below B_simple ({b_simple_interval(h)}) and every step is noise, not "
+                f"convergence — {suggest}, or a smaller learning rate makes the steps count; or the run started at "
+                f"its minimum (e.g. fine-tuning a converged model) — then {switches} the band "
+                f"{self._band_acts()[1]}. {watching}"
+            )
         self.warn(self.from_start)
         log_text(trainer, "grad_norm/stop_reason", self.message(self.from_start), step)
 
@@ -802,7 +835,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             else f" A fit resumed from a checkpoint written after that stop was stopped again at its start "
             f"(optimizer step {self.stopped_again_step})."
         )
-        after = ", after it had been out of the band" if self.stop_reason is StopReason.NOISE_BAND else ""
+        after = ""
+        if self.stop_reason is StopReason.NOISE_BAND:
+            after = (
+                ", after it had been out of the band"
+                if bool(self._left)
+                else ", in its band from the start (never shown out of it"
+                + ("; hold_from_start=False lets it stop there)" if self.waits_out_the_start else ")")
+            )
         return (
             f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
             f"{self.stop_reason.value} ({detail}) {self._streak_said()}{after}.{again}"

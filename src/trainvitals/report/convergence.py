@@ -200,16 +200,21 @@ def convergence_section(run: Run, report: RunReport) -> None:
         report.findings.append(Finding(severity, title, _end_verdict(end, flags, error, caveat, name)))
     elif held:  # in the band, but noise from the start: not the convergence the band says otherwise
         share = "; ".join(filter(None, [_share_in_band(recent, verb=False) if recent else "", floor_error]))
-        report.findings.append(
-            Finding(
-                "note",
-                title,
-                f"noise-dominated from the start{f' ({share})' if share else ''}: in its noise band, and never shown "
-                f"out of it since the estimate could first judge it (grad_norm/held_from_start): the steps are mostly noise "
-                f"at this batch and lr, which is not convergence, and {name} does not stop on it; a larger batch "
-                "(B_simple's, below) or a smaller lr makes the steps count.",
-            )
+        never_out = (
+            f"in its noise band{f' ({share})' if share else ''}, and never shown out of it since the estimate could "
+            "first judge it (grad_norm/held_from_start)"
         )
+        message = (
+            f"held from the start: {never_out}, and its training loss not shown to have fallen: either the steps are "
+            "mostly noise at this batch and lr, not convergence — a larger batch (B_simple's, below) or a smaller lr "
+            "makes them count — or the run started at its minimum (fine-tuning a converged model), where "
+            f"hold_from_start=False lets {name} stop it; {name} does not stop on either."
+            if STARTED_AT_MINIMUM in held
+            else f"noise-dominated from the start: {never_out}: the steps are mostly noise at this batch and lr, "
+            f"which is not convergence, and {name} does not stop on it; a larger batch (B_simple's, below) or a "
+            "smaller lr makes the steps count."
+        )
+        report.findings.append(Finding("note", title, message))
     elif in_band is None:
         if ratio is not None:
             if ended_early(run):
@@ -334,6 +339,8 @@ why", "BandSchedule cut the lr 2 time(s) (…); did not stop the run: why"."""
 _STOPPERS_SAY = re.compile(rf"^trainvitals ({'|'.join(STOPPERS)}): ")
 FROM_START = "in its noise band from the start"
 """How the stopper's panel begins where a full streak came before the run was ever out of its band: no stop."""
+STARTED_AT_MINIMUM = "or the run started at its minimum"
+"""How the stopper's from-start sentence names its second reading, where the loss has not fallen either."""
 ON_PLATEAU = "in its noise band for a full streak at optimizer step"
 """How the stopper's panel begins where its ``min_loss_drop`` held a full streak, the training loss not fallen from
 its start (a plateau the run has not left): no stop."""
