@@ -94,6 +94,7 @@ SPECS: dict[str, dict[str, Spec]] = {
         "check_every_n_steps": Int(1),
         "verbose": Bool(),
         "min_loss_drop": Float(0.0, 1.0, high_open=True, none_ok=True),
+        "hold_from_start": Bool(),
     },
     "BandSchedule": {
         "factor": Float(0.0, 1.0, low_open=True, high_open=True),

@@ -767,6 +767,84 @@ def test_the_stop_verdict_is_the_stoppers_own_at_fit_end(
     assert not any("never in the noise band" in m or "not in its noise band yet" in m for m in notes)
 
 
+PLATEAU = (
+    "in its noise band for a full streak at optimizer step 249, but the training loss fell 2% since the start "
+    "(2.35 → 2.30), below min_loss_drop 10%: a plateau the run has not left, not a minimum it reached (the gradient's "
+    "statistics cannot tell the two apart)"
+)
+ADVICE = (
+    "to leave a plateau, train at a higher learning rate or with a warm-up, or change the initialisation or add "
+    "normalisation layers; a run that started at its minimum (fine-tuning a converged model) is no plateau: "
+    "min_loss_drop=None lets the band {acts} there"
+)
+
+
+@pytest.mark.parametrize(
+    ("tag", "stop", "severity", "acts"),
+    [
+        (  # held on its plateau to the end, in the stopper's words with their advice
+            "GradNormEarlyStopping",
+            f"GradNormEarlyStopping did not stop the run: {PLATEAU}; its streak full at the end (429 step(s) in a row, "
+            f"of the 30 it needs) and held by min_loss_drop; {ADVICE.format(acts='stop the run')}.",
+            "warning",
+            "stop the run",
+        ),
+        (  # an older table, without the advice: the report gives it
+            "GradNormEarlyStopping",
+            f"GradNormEarlyStopping did not stop the run: {PLATEAU}; 429 step(s) in a row in the condition at the end, "
+            "of the 30 it needs.",
+            "warning",
+            "stop the run",
+        ),
+        (
+            "BandSchedule",
+            f"BandSchedule made no cut; did not stop the run: {PLATEAU}; its streak full at the end (429 step(s) in a "
+            f"row, of the 30 it needs) and held by min_loss_drop; {ADVICE.format(acts='cut the lr or stop the run')}; "
+            "the band did not end the fit: bound it by steps or by a validation-loss EarlyStopping.",
+            "warning",
+            "cut the lr or stop the run",
+        ),
+        (  # held on its plateau once (its panel), then left it: the rule released it, a note as before
+            "GradNormEarlyStopping",
+            "GradNormEarlyStopping did not stop the run: 3 step(s) in a row in the condition at the end, of the 30 it "
+            "needs.",
+            "note",
+            None,
+        ),
+    ],
+)
+def test_a_run_that_ended_on_its_plateau_is_a_warning_with_what_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tag, stop, severity, acts
+) -> None:
+    """A fresh user's report gave only a note for a run held on its plateau to the end, and no advice: it is a
+    warning that says the run ended held there, with what gets a run off a plateau (once); a run the loss rule
+    released later keeps its note."""
+    streak = "reached 30 (429 steps in a row)" if severity == "warning" else "3 of 30 steps"
+    write_run(
+        tmp_path / "run",
+        {**HEALTHY, "grad_norm/band_streak": 0.0},
+        {
+            f"diagnosis/{tag}": stopper_panel(stop, streak, 678),
+            "grad_norm/stop_reason": f"trainvitals {tag}: {PLATEAU}.",
+        },
+    )
+    _, doc = report_json(capsys, tmp_path)
+    (run,) = doc["runs"]
+    (verdict,) = [f for f in run["findings"] if f["section"] == "convergence" and "noise band" in f["message"]]
+    assert verdict["severity"] == severity, verdict
+    if acts is None:
+        assert "plateau" not in verdict["message"] and "not stopped: 3 step(s)" in rows(run, "convergence")["stop"]
+        return
+    assert verdict["message"].startswith(
+        "ended on a plateau its training loss never left: in its noise band for 429 step(s) in a row (its patience is "
+        "30), held there by min_loss_drop"
+    ), verdict
+    assert verdict["message"].count(ADVICE.format(acts=acts)) == 1, verdict
+    assert rows(run, "convergence")["stop"].startswith(
+        f"not stopped: {'made no cut; ' if tag == 'BandSchedule' else ''}{PLATEAU}"
+    )
+
+
 def test_an_estimate_that_cannot_decide_is_no_verdict_at_fit_end(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

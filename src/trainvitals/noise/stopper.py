@@ -39,7 +39,7 @@ from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.plumbing.loss_progress import START_STEPS, LossProgress
+from trainvitals.plumbing.loss_progress import START_STEPS, LossProgress, plateau_advice
 from trainvitals.plumbing.sharing import (
     GRAD_SQ_NORMS,
     GRADIENT_NOISE,
@@ -154,8 +154,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     far below B_simple makes every step noise from step 0, which calls for a larger batch or a smaller lr,
     not a stop. Such a run is said once (a warning and the ``grad_norm/stop_reason`` text), with the batch
     to use — B_simple's 90 % lower end — and watched on: it stops if it leaves the band and comes back for
-    ``patience`` steps. The band is judged on the estimate's smoothed quantities (each from the window of least
-    variance + lag², ‖G‖² the slow EMA's: estimate.py, rule 7), the same the margin
+    ``patience`` steps. Where the training loss has not fallen by ``min_loss_drop`` either, the run may as well have
+    started at its minimum (fine-tuning a converged model), which the gradient's statistics cannot tell apart: both
+    readings are said, each with what to do; ``hold_from_start=False`` lets the band stop such a run. The band is
+    judged on the estimate's smoothed quantities (each from the window of least variance + lag², ‖G‖² the slow
+    EMA's: estimate.py, rule 7), the same the margin
     chart draws. A plateau is in its band as a minimum is (G ≈ 0 on a saddle too): in noise-band mode a full
     streak stops the run only once the training loss has fallen by ``min_loss_drop`` of its start
     (:class:`~trainvitals.plumbing.loss_progress.LossProgress`: the mean of the first 10 steps against an EMA,
@@ -202,6 +205,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         min_loss_drop: noise-band mode: no stop while the training loss has fallen by less than this fraction of
             its start, in [0, 1) (a plateau the run has not left); ``None`` or 0: off (a run that starts at its
             minimum, a fine-tuning). A start loss ≤ 0 leaves it out, said once.
+        hold_from_start: noise-band mode: no stop on a band the run was in from the start, never shown out of it
+            (noise from step 0, or a run that starts at its minimum); ``False``: the band stops it as any other
+            (fine-tuning a converged model: with ``min_loss_drop=None``), the stop saying it was in its band from
+            the start.
 
     Raises:
         TypeError: on an argument of the wrong type, ValueError on one out of range, naming it.
@@ -226,6 +233,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         check_every_n_steps: int = DEFAULT_CHECK_EVERY_N_STEPS,
         verbose: bool = True,
         min_loss_drop: float | None = DEFAULT_MIN_LOSS_DROP,
+        hold_from_start: bool = True,
     ) -> None:
         super().__init__()
         self.mode = check_choice("mode", mode, MODES)
@@ -239,7 +247,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         self.check_every_n_steps = check_int("check_every_n_steps", check_every_n_steps, 1)
         self.verbose = check_bool("verbose", verbose)
         self.min_loss_drop = check_float("min_loss_drop", min_loss_drop, 0.0, 1.0, high_open=True, none_ok=True)
-        self.key_state_by(  # not by min_loss_drop: the loss's progress means the same under any of them
+        self.hold_from_start = check_bool("hold_from_start", hold_from_start)
+        self.key_state_by(  # not by min_loss_drop nor hold_from_start: the state means the same under any of them
             mode=self.mode,
             margin=self.margin,
             patience=self.patience,
@@ -450,7 +459,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.mode == "noise_band" and judged:
             self._streak = torch.where(self._reads_out().to(self._streak.device), 0, self._streak)
         full = self._streak >= self.patience
-        if self.mode == "noise_band" and self.waits_out_the_start:  # noise from step 0 is not convergence: no stop
+        if self._holds_from_start:  # noise from step 0 is not convergence: no stop
             self._held = self._held.to(total.device) | (full & ~self._left.to(total.device))
             full = full & self._left.to(total.device)
         if self._loss_rule:  # a plateau the loss never left is in its band as a minimum is: no decision on it
@@ -485,6 +494,12 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             self._log(trainer, step, in_condition, final=True)  # the chart ends where the run stopped
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def _holds_from_start(self) -> bool:
+        """Whether a band held from the start stops nothing until the run has been out of it (noise-band mode,
+        :attr:`waits_out_the_start`, ``hold_from_start``)."""
+        return self.mode == "noise_band" and self.waits_out_the_start and self.hold_from_start
+
     @property
     def _loss_rule(self) -> bool:
         """Whether ``min_loss_drop`` holds the noise band's decisions back (noise-band mode, not 0 or None)."""
@@ -632,7 +647,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
 
     def _log(self, trainer: "pl.Trainer", step: int, in_condition: Tensor, final: bool = False) -> None:
         metrics: dict[str, Tensor] = {"grad_norm/band_streak": self._streak, **self.nonfinite.metrics(trainer, self)}
-        if self.mode == "noise_band" and self.waits_out_the_start:  # a scalar: a logger that keeps no text shows it
+        if self._holds_from_start:  # a scalar: a logger that keeps no text shows it
             metrics[HELD_FROM_START] = (self._held & ~self._left.to(self._held.device)).double()
         if self._loss_rule:  # NaN, left out, until the start is known
             metrics[LOSS_DROP] = self.loss_progress.drop.to(self._streak.device)
@@ -676,7 +691,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     def _say_from_start(self, trainer: "pl.Trainer", step: int) -> None:
         """Once per fit, when a full streak came before the run was ever out of the band: every step has been
         noise-dominated from the start, which calls for a larger batch (named from B_simple's 90% interval) or a
-        smaller lr, not a stop. On check steps only; the decision itself stays on the device."""
+        smaller lr, not a stop. Where the loss has not fallen by ``min_loss_drop`` (or is not tracked), a run that
+        started at its minimum reads the same: both readings are said. On check steps only; the decision itself
+        stays on the device."""
         if self.from_start or not bool(self._held):
             return
         h = self.gradient_noise.host_summary()
@@ -688,14 +705,30 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             if math.isfinite(target) and target > 0
             else "a larger batch lowers the noise per step"
         )
-        self.from_start = (
-            f"in its noise band from the start (optimizer step {step}): the batch ({batch}) is below B_simple "
-            f"({b_simple_interval(h)}), and it was never shown out of the band from its {MIN_MEASUREMENTS}th measurement, "
-            "when the estimate could first judge it: every step it judged was noise-dominated — that is not "
-            "convergence, and "
-            f"it does not stop on it. {suggest[0].upper()}{suggest[1:]} — or a smaller learning rate. It keeps "
-            "watching: the band counts once the run has been out of it."
+        never_out = (
+            f"it was never shown out of the band from its {MIN_MEASUREMENTS}th measurement, when the estimate could "
+            "first judge it"
         )
+        watching = "It keeps watching: the band counts once the run has been out of it."
+        if self._loss_rule and bool(self._loss_allows):  # the loss fell: not a run that started at its minimum
+            self.from_start = (
+                f"in its noise band from the start (optimizer step {step}): the batch ({batch}) is below B_simple "
+                f"({b_simple_interval(h)}), and {never_out}: every step it judged was noise-dominated — that is not "
+                f"convergence, and it does not stop on it. {suggest[0].upper()}{suggest[1:]} — or a smaller learning "
+                f"rate. {watching}"
+            )
+        else:
+            switches = (
+                "hold_from_start=False and min_loss_drop=None let" if self._loss_rule else "hold_from_start=False lets"
+            )
+            self.from_start = (
+                f"in its noise band from the start (optimizer step {step}): {never_out}, and {self._loss_said()}. "
+                "The gradient's statistics cannot tell two readings apart, and it does not stop on either: either the "
+                f"batch ({batch}) is far below B_simple ({b_simple_interval(h)}) and every step is noise, not "
+                f"convergence — {suggest}, or a smaller learning rate makes the steps count; or the run started at "
+                f"its minimum (e.g. fine-tuning a converged model) — then {switches} the band "
+                f"{self._band_acts()[1]}. {watching}"
+            )
         self.warn(self.from_start)
         log_text(trainer, "grad_norm/stop_reason", self.message(self.from_start), step)
 
@@ -725,13 +758,24 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         """What held the decision back (a host read): "in its noise band for a full streak at optimizer step 249, but
         the training loss fell 2% since the start (2.35 → 2.30), below min_loss_drop 10%: a plateau the run has not
         left, not a minimum …"."""
-        progress = self.loss_progress.summary()
-        fell = f"fell {progress['drop']:.0%}" if progress["drop"] >= 0 else f"rose {-progress['drop']:.0%}"
         return (
-            f"in its noise band for a full streak at optimizer step {self.plateau_step}, but the training loss {fell} "
-            f"since the start ({progress['start']:.4g} → {progress['current']:.4g}), below min_loss_drop "
-            f"{self.min_loss_drop:.0%}: a plateau the run has not left, not a minimum (the gradient's statistics "
-            "cannot tell the two apart)"
+            f"in its noise band for a full streak at optimizer step {self.plateau_step}, but {self._loss_said()}: a "
+            "plateau the run has not left, not a minimum it reached (the gradient's statistics cannot tell the two apart)"
+        )
+
+    def _loss_said(self) -> str:
+        """The loss's progress (a host read): "the training loss fell 2% since the start (2.35 → 2.30), below
+        min_loss_drop 10%"; without the loss rule, that it is not tracked."""
+        if not self._loss_rule:
+            return "the training loss's fall is not tracked (min_loss_drop off)"
+        progress = self.loss_progress.summary()
+        if not progress["known"]:
+            return f"the training loss's start (its first {START_STEPS} steps' mean) is not known yet"
+        fell = progress["drop"] >= 0
+        moved = f"fell {progress['drop']:.0%}" if fell else f"rose {-progress['drop']:.0%}"
+        return (
+            f"the training loss {moved} since the start ({progress['start']:.4g} → {progress['current']:.4g}), "
+            f"{'below' if fell else 'not the fall of'} min_loss_drop {self.min_loss_drop:.0%}"
         )
 
     def _say_caveat(self, trainer: "pl.Trainer", step: int) -> None:
@@ -791,7 +835,14 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             else f" A fit resumed from a checkpoint written after that stop was stopped again at its start "
             f"(optimizer step {self.stopped_again_step})."
         )
-        after = ", after it had been out of the band" if self.stop_reason is StopReason.NOISE_BAND else ""
+        after = ""
+        if self.stop_reason is StopReason.NOISE_BAND:
+            after = (
+                ", after it had been out of the band"
+                if bool(self._left)
+                else ", in its band from the start (never shown out of it"
+                + ("; hold_from_start=False lets it stop there)" if self.waits_out_the_start else ")")
+            )
         return (
             f"stopped at optimizer step {self.stopped_step} (after {self.stopped_step + 1} steps): "
             f"{self.stop_reason.value} ({detail}) {self._streak_said()}{after}.{again}"
@@ -827,7 +878,21 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         cannot decide, too few steps, or how far from the band's edge the run ended)."""
         if self.stop_reason is not StopReason.NOT_STOPPED:
             return self.describe_stop()
-        why = f"{int(self._streak)} step(s) in a row in the condition at the end, of the {self.patience} it needs"
+        streak = int(self._streak)
+        why = f"{streak} step(s) in a row in the condition at the end, of the {self.patience} it needs"
+        # Held at the end by the loss rule (the loss not fallen) or the from-start rule (never out of the band).
+        on_plateau = (
+            self._loss_rule
+            and self.plateau_step is not None
+            and not bool(self.loss_progress.allows(self.min_loss_drop))
+        )
+        from_start = bool(self.from_start) and not bool(self._left)  # once shown out, the band counts
+        if streak >= self.patience and (on_plateau or from_start):
+            rule = "min_loss_drop" if on_plateau else "the from-start rule"
+            why = (
+                f"its streak full at the end ({streak} step(s) in a row, of the {self.patience} it needs) and held "
+                f"by {rule}"
+            )
         if self._manual:  # the one cause: min_steps and the noise sources do not matter then
             return f"did not stop the run: {MANUAL}."
         if self.mode == "noise_band":
@@ -866,10 +931,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
                         else f"; the band window's ‖G‖² reads {band:.2f}× the edge, but it lags a rising ‖G‖²: no "
                         "streak counts while the current estimate reads out of the band"
                     )
-        held = self._loss_rule and self.plateau_step is not None  # and on its plateau still: the loss not fallen
-        if held and not bool(self.loss_progress.allows(self.min_loss_drop)):
-            why = f"{self._plateau_said()}; " + why
-        if self.from_start and not bool(self._left):  # held, and still: once shown out, the band counts
+        if on_plateau:  # ended on it: what gets a run off a plateau, and the switch for a start at its minimum
+            why = f"{self._plateau_said()}; {why}; {plateau_advice(self._band_acts()[1])}"
+        if from_start:
             why = f"{self.from_start.removesuffix('.')}; " + why
         if self.steps < self.min_steps:
             why = f"the run ended after {self.steps} optimizer steps, before {self._min_steps_said()}; " + why

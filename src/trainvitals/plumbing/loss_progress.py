@@ -30,6 +30,16 @@ START_STEPS = 10
 """Optimizer steps (with a finite loss) whose mean loss is the start: the stopper's default check period."""
 
 
+def plateau_advice(acts: str = "stop the run") -> str:
+    """What to do about a run that ended on a plateau it never left, for the fit-end line and the report: what gets a
+    run off a plateau, and the switch for a run that started at its minimum, where the band may ``acts``."""
+    return (
+        "to leave a plateau, train at a higher learning rate or with a warm-up, or change the initialisation or add "
+        "normalisation layers; a run that started at its minimum (fine-tuning a converged model) is no plateau: "
+        f"min_loss_drop=None lets the band {acts} there"
+    )
+
+
 class LossProgress(DeclaredState):
     """The training loss's progress: its mean over the first ``start_steps`` optimizer steps, a smoothed current
     mean, and the fraction it has fallen by (:attr:`drop`), all ``()`` tensors on the loss's device (float64, or

@@ -14,6 +14,7 @@ from trainvitals.noise.estimate import (
     MIN_MEASUREMENTS,
     SOURCES_CHECK,
 )
+from trainvitals.plumbing.loss_progress import plateau_advice
 from trainvitals.report.events import Run
 from trainvitals.report.model import (
     BAND_STOP,
@@ -195,19 +196,26 @@ def convergence_section(run: Run, report: RunReport) -> None:
     elif partial:
         report.findings.append(Finding("note", title, f"{partial}: no noise-band verdict on the whole model."))
     elif end and not stop and end.get("rule", "").startswith("noise band"):
-        report.findings.append(Finding("note", title, _end_verdict(end, flags, error, caveat, name)))
+        # A run that ended on a plateau its loss never left wants a change; one the loss rule released, a note.
+        severity = "warning" if ON_PLATEAU in _end_reason(end, caveat) else "note"
+        report.findings.append(Finding(severity, title, _end_verdict(end, flags, error, caveat, name)))
     elif held:  # in the band, but noise from the start: not the convergence the band says otherwise
         share = "; ".join(filter(None, [_share_in_band(recent, verb=False) if recent else "", floor_error]))
-        report.findings.append(
-            Finding(
-                "note",
-                title,
-                f"noise-dominated from the start{f' ({share})' if share else ''}: in its noise band, and never shown "
-                f"out of it since the estimate could first judge it (grad_norm/held_from_start): the steps are mostly noise "
-                f"at this batch and lr, which is not convergence, and {name} does not stop on it; a larger batch "
-                "(B_simple's, below) or a smaller lr makes the steps count.",
-            )
+        never_out = (
+            f"in its noise band{f' ({share})' if share else ''}, and never shown out of it since the estimate could "
+            "first judge it (grad_norm/held_from_start)"
         )
+        message = (
+            f"held from the start: {never_out}, and its training loss not shown to have fallen: either the steps are "
+            "mostly noise at this batch and lr, not convergence — a larger batch (B_simple's, below) or a smaller lr "
+            "makes them count — or the run started at its minimum (fine-tuning a converged model), where "
+            f"hold_from_start=False lets {name} stop it; {name} does not stop on either."
+            if STARTED_AT_MINIMUM in held
+            else f"noise-dominated from the start: {never_out}: the steps are mostly noise at this batch and lr, "
+            f"which is not convergence, and {name} does not stop on it; a larger batch (B_simple's, below) or a "
+            "smaller lr makes the steps count."
+        )
+        report.findings.append(Finding("note", title, message))
     elif in_band is None:
         if ratio is not None:
             if ended_early(run):
@@ -332,6 +340,8 @@ why", "BandSchedule cut the lr 2 time(s) (…); did not stop the run: why"."""
 _STOPPERS_SAY = re.compile(rf"^trainvitals ({'|'.join(STOPPERS)}): ")
 FROM_START = "in its noise band from the start"
 """How the stopper's panel begins where a full streak came before the run was ever out of its band: no stop."""
+STARTED_AT_MINIMUM = "or the run started at its minimum"
+"""How the stopper's from-start sentence names its second reading, where the loss has not fallen either."""
 ON_PLATEAU = "in its noise band for a full streak at optimizer step"
 """How the stopper's panel begins where its ``min_loss_drop`` held a full streak, the training loss not fallen from
 its start (a plateau the run has not left): no stop."""
@@ -451,7 +461,14 @@ def _end_verdict(
     streak = _STREAK.match(end.get("in-condition streak", ""))
     reached = _REACHED.match(end.get("in-condition streak", ""))
     act = "to stop" if name == "GradNormEarlyStopping" else "to cut the lr (or stop)"
-    if "before min_steps" in why:
+    if ON_PLATEAU in why and reached:  # its words say why, and what to do: the lead says it ended held
+        lead = (
+            f"ended on a plateau its training loss never left: in its noise band for {reached[2]} step(s) in a row "
+            f"(its patience is {reached[1]}), held there by min_loss_drop (the band reads a plateau as a minimum)"
+        )
+        if "higher learning rate" not in why:  # an older table's words give no advice
+            why += f"; {plateau_advice('stop the run' if name == 'GradNormEarlyStopping' else 'cut the lr or stop the run')}"
+    elif "before min_steps" in why:
         lead = "no noise-band verdict: the run ended before the stopper's min_steps, so it counted no step"
     elif streak and int(streak[1]) > 0:
         lead = (
