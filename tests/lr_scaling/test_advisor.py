@@ -245,7 +245,7 @@ def test_after_a_cut_under_warmup_and_cosine_the_advice_names_the_lr_set_and_the
     said = f"0.01 (the optimizer's lr under LambdaLR; now {scheduled:.3g} × 0.1 (BandSchedule) = {scheduled / 10:.3g})"
     line = advisor.summary_line()
     assert f"AdamW base lr {said} → {0.01 * math.sqrt(2):.3g} at batch 256 (square-root rule);" in line
-    assert "where BandSchedule cut the lr (" in line
+    assert "BandSchedule cut the lr in its noise band at optimizer step " in line
     assert line.endswith(f"take a larger batch at the same base lr, AdamW's {said}, or a lower base lr.")
 
 

@@ -1377,3 +1377,70 @@ def test_hold_from_start_round_trips_as_an_argument_not_as_state():
     assert not any("hold_from_start" in str(key) for key in state)
     off.load_state_dict(state)
     assert off.hold_from_start is False and on.state_key == off.state_key
+
+
+class _LinearLayerRegression(pl.LightningModule):
+    """:func:`converging`'s regression through an ``nn.Linear`` (no bias), which the probe measures per example."""
+
+    def __init__(self, d: int = 10):
+        super().__init__()
+        self.lin = nn.Linear(d, 1, bias=False)
+        nn.init.constant_(self.lin.weight, 0.5)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.lin(x).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.02)
+
+
+@pytest.mark.parametrize("every", [1, 5])
+def test_a_band_first_judged_late_says_the_steps_before_it_were_not_seen(every):
+    """A fresh user's FT-Transformer, probed every 5 steps, was held "in its noise band from the start" although the
+    truth put it out of its band until step ~40: the estimate first judges at its 20th measurement, step ~100 there.
+    The regression starts out of its band (‖G‖² = 10 against tr Σ/B ≈ 0.7) and falls into it: measured every step
+    it is seen out and stopped; every 5 steps it is held, and the line says when it could first judge and how to
+    see the start."""
+    from trainvitals import BatchVarianceProbe
+
+    probe = BatchVarianceProbe(measure_every_n_steps=every, histogram_every_n_steps=0, per_coordinate=False)
+    stopper = GradNormEarlyStopping(verbose=False)
+    data = regression_stream(300, 16, 10, torch.zeros(10), 1.0, seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(**trainer_kwargs(callbacks=[probe, stopper], max_epochs=1)).fit(_LinearLayerRegression(), data)
+    if every == 1:
+        assert stopper.stopped_step is not None and stopper.from_start == ""
+        return
+    assert stopper.stopped_step is None
+    assert (
+        "when the estimate could first judge it (at about optimizer step 100, measuring every 5 steps: the steps "
+        "before were not seen, and the run may have been out of the band then; measure_every_n_steps=1 on "
+        "BatchVarianceProbe lets it judge from step 20)"
+    ) in stopper.from_start, stopper.from_start
+
+
+@pytest.mark.parametrize(
+    ("low", "point", "population", "said"),
+    [
+        (33.5, 60.0, 455, "a batch of at least 34 (B_simple's 90 % lower end) balances steps against examples"),
+        (0.0, 60.0, None, "a batch of at least 60 (B_simple's point estimate; its interval has no lower end yet)"),
+        (
+            0.0,
+            885.0,
+            455,
+            "a batch of 885 (B_simple's point estimate; its interval has no lower end yet) is beyond the training "
+            "set's 455 examples: full-batch steps (455) have no sampling noise",
+        ),
+        (0.0, math.inf, None, "a larger batch lowers the noise per step"),
+    ],
+)
+def test_the_batch_a_run_noisy_from_its_start_is_told_is_what_its_interval_shows(
+    low, point, population, said, monkeypatch
+):
+    """A fresh user was told "a batch of at least 885 (B_simple's 90 % lower end)" where the interval had no lower
+    end (885 was the point estimate) and the training set held 455 examples."""
+    stopper = GradNormEarlyStopping()
+    monkeypatch.setattr(type(stopper.gradient_noise), "population", property(lambda self: population))
+    assert stopper._batch_suggested({"b_simple_low": low, "b_simple": point}).startswith(said)

@@ -837,7 +837,7 @@ def test_the_lr_advisor_advises_on_the_base_lr_and_quotes_the_cut_lr_as_the_lr_n
     )
     # The band was entered and cut on: the batch advice squared with it, B_simple ≥ B/δ there.
     band = (
-        f"the run entered its noise band at optimizer step {cut['step']}, where BandSchedule cut the lr (where its point "
+        f"BandSchedule cut the lr in its noise band at optimizer step {cut['step']} (where its point "
         f"estimate read ‖G‖² ≤ {schedule.base_margin:g}·tr(Σ)/B, B_simple ≥ B/{schedule.base_margin:g} = "
         f"{batch / schedule.base_margin:.4g}): a batch below B_simple is what the band means"
     )

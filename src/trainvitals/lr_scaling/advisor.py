@@ -474,8 +474,8 @@ class LRScalingAdvisor(TrainvitalsCallback):
         step, act, margin = max(entries)
         where = {
             "stop": f"the run stopped in its noise band at optimizer step {step}",
-            "cut": f"the run entered its noise band at optimizer step {step}, where BandSchedule cut the lr",
-            "growth": f"the run entered its noise band at optimizer step {step}, where BandSchedule grew the batch",
+            "cut": f"BandSchedule cut the lr in its noise band at optimizer step {step}",
+            "growth": f"BandSchedule grew the batch in its noise band at optimizer step {step}",
         }[act]
         at = "" if act == "growth" else f" = {batch / margin:.4g}"  # a growth's B is the one before it
         bound = (

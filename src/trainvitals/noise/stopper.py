@@ -697,17 +697,11 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         if self.from_start or not bool(self._held):
             return
         h = self.gradient_noise.host_summary()
-        low, point = h["b_simple_low"], h["b_simple"]
         batch = self.effective_batch_size or h["batch_size"]
-        target = low if low > 0 else point
-        suggest = (
-            f"a batch of at least {target:.0f} (B_simple's 90 % lower end) balances steps against examples"
-            if math.isfinite(target) and target > 0
-            else "a larger batch lowers the noise per step"
-        )
+        suggest = self._batch_suggested(h)
         never_out = (
             f"it was never shown out of the band from its {MIN_MEASUREMENTS}th measurement, when the estimate could "
-            "first judge it"
+            f"first judge it{self._first_judged(h)}"
         )
         watching = "It keeps watching: the band counts once the run has been out of it."
         if self._loss_rule and bool(self._loss_allows):  # the loss fell: not a run that started at its minimum
@@ -731,6 +725,37 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             )
         self.warn(self.from_start)
         log_text(trainer, "grad_norm/stop_reason", self.message(self.from_start), step)
+
+    def _batch_suggested(self, h: dict[str, Any]) -> str:
+        """The batch a run noise-dominated from its start is told to take: B_simple's 90 % lower end, else its point
+        estimate said as one (no lower end yet), and where that is beyond the training set, full-batch steps."""
+        low, point = h["b_simple_low"], h["b_simple"]
+        if low > 0 and math.isfinite(low):
+            target, said = low, "B_simple's 90 % lower end"
+        elif point > 0 and math.isfinite(point):
+            target, said = point, "B_simple's point estimate; its interval has no lower end yet"
+        else:
+            return "a larger batch lowers the noise per step"
+        population = self.gradient_noise.population
+        if population is not None and target >= population:
+            return (
+                f"a batch of {target:.0f} ({said}) is beyond the training set's {population} examples: full-batch "
+                f"steps ({population}) have no sampling noise"
+            )
+        return f"a batch of at least {target:.0f} ({said}) balances steps against examples"
+
+    def _first_judged(self, h: dict[str, Any]) -> str:
+        """Where the estimate measures less often than every step (a probe's ``measure_every_n_steps``), when it
+        could first judge and that the steps before were not seen: "from the start" is as far as it saw."""
+        measured = h["count"]
+        every = round(self.steps / measured) if measured > 0 else 0
+        if every <= 1:
+            return ""
+        return (
+            f" (at about optimizer step {MIN_MEASUREMENTS * every}, measuring every {every} steps: the steps before "
+            "were not seen, and the run may have been out of the band then; measure_every_n_steps=1 on "
+            f"BatchVarianceProbe lets it judge from step {MIN_MEASUREMENTS})"
+        )
 
     def _say_plateau(self, trainer: "pl.Trainer", step: int) -> None:
         """On check steps: once the start loss is known, that a non-positive one leaves the rule out (said once);
