@@ -114,7 +114,8 @@ Combining rule (:meth:`GradientNoise.estimate`):
    unbounded above, and the interval one-sided: B_simple ≥ low, still news (docs/science.md §3c). The band
    ratio's interval is B/B_simple's, the same set inverted. Under reshuffling the three carry rule 6's δ_R; the band
    windows' interval (the decision's) does not. Calibrated on a closed form over 600 seeds
-   (tests/noise/test_intervals.py): each covers the truth in 85–95 % of runs, with ‖G‖² near 0 too.
+   (tests/noise/test_intervals.py): each covers the truth in 85–95 % of runs, with ‖G‖² near 0 too. Where rule 6's
+   δ_R, not ‖G‖²'s own error, takes B_simple's upper end away, the words say so (:func:`epoch_order_cause`).
 
 9. A fixed epoch order. Where every epoch draws the same K batches in the same order (``shuffle=False``:
    :attr:`NoiseSource.distinct_batches`, K/gcd(K, m) for a source measuring every m of an epoch's K optimizer
@@ -193,6 +194,9 @@ INDEPENDENT = "micro_batch"
 """The source whose draws are independent by construction (micro-batches and ranks): it decides disagreements."""
 EXPECTED_BATCH_NORM = "grad_noise/expected_batch_norm"
 """Tag of the RMS norm the batch gradient is expected to have, sqrt(‖G‖² + tr Σ/B) (:class:`NoiseEstimate`)."""
+RESHUFFLE_EXCESS = "grad_noise/reshuffle_excess"
+"""Tag of rule 6's δ_R where each epoch reshuffles: what the report needs to name it as the cause of an unbounded
+B_simple (:func:`epoch_order_cause`)."""
 SOURCES_CHECK = "grad_noise/sources_check"
 """Text tag of what :meth:`GradientNoise.disagreement` said (a source dropped, two that disagree), for the report."""
 COUPLING_CAUSES = (
@@ -847,7 +851,8 @@ class GradientNoise:
         ``grad_noise/b_simple_unreliable`` is 1 where no noise-aware advice follows (not decisive, ‖G‖² ≤ 0,
         or a relative error above ``max_rel_err``); the 90% intervals ``grad_noise/<quantity>_low`` and ``_high``
         of ``b_simple``, ``grad_sq_norm`` and ``trace_cov`` (rule 8; an infinite high end is left out by the
-        writers: TensorBoard would scale the chart to it) and ``grad_noise/effective_measurements`` (rule 7)."""
+        writers: TensorBoard would scale the chart to it), ``grad_noise/effective_measurements`` (rule 7) and, where
+        each epoch reshuffles, ``grad_noise/reshuffle_excess``, the δ_R the full-data intervals allow (rule 6)."""
         est = estimate or self.estimate()
         reliable = self.reliable(est)
         intervals = {
@@ -863,8 +868,15 @@ class GradientNoise:
                 "grad_noise/unmeasured_trace_share": est.unmeasured_trace_share,
             }
         )
+        population = self.population
+        excess = (
+            {RESHUFFLE_EXCESS: reshuffle_excess(est.intervals["trace_cov"][1], population)}
+            if self.reshuffled and population is not None
+            else {}
+        )
         return {
             **measured,
+            **excess,
             "grad_norm/noise_floor": est.noise_floor,
             "grad_noise/b_simple_unreliable": (~reliable).double(),
             "grad_norm/noise_floor_se": est.noise_floor_se,
@@ -954,18 +966,38 @@ class GradientNoise:
             )
         rel = summary["b_simple_rel_err"]
         if not rel <= self.max_rel_err:
-            what = (
-                f"its relative error {rel:.2g} is above the bound {self.max_rel_err:g}"
-                if math.isfinite(rel)
-                else "the smoothed ‖G‖² is ≤ 0: the gradient's signal is lost in its noise"
-                if summary["grad_sq_norm"] <= 0
-                else "the smoothed ‖G‖², the gradient's signal, is within its error of zero, so B_simple has no "
-                "upper bound"
-                if not math.isfinite(summary["b_simple_high"])
-                else "the smoothed tr(Σ) is ≤ 0: no noise measured"
-            )
-            return f"B_simple unreliable: {what}; {b_simple_interval(summary)}"
+            interval = b_simple_interval(summary)
+            if math.isfinite(rel):
+                what = f"its relative error {rel:.2g} is above the bound {self.max_rel_err:g}"
+            elif summary["grad_sq_norm"] <= 0:
+                what = "the smoothed ‖G‖² is ≤ 0: the gradient's signal is lost in its noise"
+            elif math.isfinite(summary["b_simple_high"]):
+                what = "the smoothed tr(Σ) is ≤ 0: no noise measured"
+            elif not summary["b_simple_low"] > 0:  # Fieller's set holds 0 too: tr(Σ) is within its error of zero
+                return (
+                    "B_simple unreliable: the smoothed ‖G‖² and tr(Σ) are both within their errors of zero, so "
+                    "B_simple has no bound yet"
+                )
+            else:
+                what = self._epoch_order_cause(summary) or (
+                    "the smoothed ‖G‖², the gradient's signal, is within its error of zero, so B_simple has no upper "
+                    "bound"
+                )
+            return f"B_simple unreliable: {what}; {interval}"
         return ""
+
+    def _epoch_order_cause(self, summary: dict[str, Any]) -> str:
+        """:func:`epoch_order_cause` of a :meth:`host_summary`: ``""`` where the epochs do not reshuffle."""
+        if not self.reshuffled or self.population is None or not math.isfinite(summary["trace_cov_high"]):
+            return ""
+        return epoch_order_cause(
+            summary["grad_sq_norm"],
+            summary["grad_sq_norm_se"],
+            summary["trace_cov"],
+            summary["trace_cov_high"],
+            reshuffle_excess(summary["trace_cov_high"], self.population),
+            summary["effective_measurements"],
+        )
 
     def disagreement(self) -> str:
         """Check the valid sources for coupled examples and against each other (module docstring, rule 5), on
@@ -1235,6 +1267,30 @@ def reshuffle_excess(trace_cov: Any, population: int) -> Any:
     2·tr Σ/(N − 1) on a quadratic (docs/science.md, "Under random reshuffling"); ``trace_cov`` the tr Σ to read it
     at (the estimate's high end). Floats or tensors."""
     return RESHUFFLE_OVERSHOOT * 2 * trace_cov / (population - 1)
+
+
+def epoch_order_cause(
+    grad_sq_norm: float, grad_se: float, trace_cov: float, trace_high: float, excess: float, measurements: float
+) -> str:
+    """Why B_simple's interval has no upper end where rule 6's δ_R (``excess``), not ‖G‖²'s error, takes it away:
+    ‖G‖² stands clear of zero by its error (t·σ, t Student's at ``measurements``) but not of δ_R, in words with
+    what it needs and what would help; ``""`` where that is not the cause. Host floats (a host summary's, or the
+    logged tags': the report's). The upper end needs ‖G‖² > δ_R + t·σ, i.e. B_simple < tr Σ/(δ_R + t·σ); δ_R =
+    4·tr Σ_high/(N − 1) ≥ 4·tr Σ/N, so ≈ N/4 at best however long the run, and N is read back from δ_R."""
+    z = float(t_quantile(Z90, torch.tensor(float(measurements) - 1.0, dtype=torch.float64)))
+    if not (
+        excess > 0 and math.isfinite(excess) and math.isfinite(z) and z * grad_se < grad_sq_norm <= excess + z * grad_se
+    ):
+        return ""
+    population = RESHUFFLE_OVERSHOOT * 2 * trace_high / excess + 1
+    return (
+        f"the smoothed ‖G‖², {grad_sq_norm:.3g} ± {grad_se:.2g}, stands clear of zero but not of the {excess:.3g} a "
+        f"reshuffled epoch can add to it (δ_R = 4·tr(Σ)/(N − 1) at tr(Σ)'s 90 % high end, N = {population:.0f}), "
+        f"so B_simple has no upper bound: on {population:.0f} examples one needs B_simple below "
+        f"tr(Σ)/(δ_R + {z:.2g}σ) ≈ {trace_cov / (excess + z * grad_se):.3g} for one (≈ N/4 = {population / 4:.0f} "
+        "at best, however long the run); RandomSampler(replacement=True), which has no epoch-order excess, or more "
+        "data would give one"
+    )
 
 
 def left_out_variance(grad_sq_norm: Tensor, trace_cov: Tensor, population: int, left_out: int) -> Tensor:
