@@ -557,6 +557,60 @@ def test_an_unresolved_b_simple_is_said_in_words_not_internal_numbers(seed, said
     assert "inf" not in text.replace("B_simple", "")
 
 
+def _reshuffled_probe(grad_sq_norm: float, trace: float, grad_sd: float, trace_sd: float) -> GradientNoise:
+    """A probe source at batch 32 over N = 455 reshuffled examples (rule 6), fed 300 per-step estimates of mean
+    (grad_sq_norm, trace) after rule 6's correction and normal noise of those spreads (seed 0)."""
+    gen = torch.Generator().manual_seed(0)
+    noise, src = GradientNoise(), NoiseSource("probe", 0.98)
+    src.effective_batch_size, src.population, src.reshuffled = 32, 455, True
+    noise.attach(src)
+    for _ in range(300):
+        s = trace * 455 / 454 + trace_sd * torch.randn((), generator=gen, dtype=torch.float64)
+        g = grad_sq_norm - trace / 454 + grad_sd * torch.randn((), generator=gen, dtype=torch.float64)
+        src.update(g, s)
+    return noise
+
+
+def test_an_upper_end_taken_by_the_reshuffled_epoch_s_excess_names_it():
+    """A fresh user's shuffled fit (N = 455, B = 32, lr 0): ‖G‖² 0.0117 ± 0.0021, 5.6 standard errors from zero, and
+    the fit-end line said it "is within its error of zero, so B_simple has no upper bound". The cause was rule 6's
+    δ_R ≈ 0.0164 > ‖G‖²: said so, with the numbers, the B_simple an upper end needs and what would help."""
+    noise = _reshuffled_probe(0.0117, 1.46, 0.021, 2.4)
+    h = noise.host_summary()
+    t = float(t_quantile(Z90, torch.tensor(h["effective_measurements"] - 1, dtype=torch.float64)))
+    delta = reshuffle_excess(h["trace_cov_high"], 455)
+    assert h["grad_sq_norm"] > t * h["grad_sq_norm_se"] and h["grad_sq_norm"] < delta  # resolved, yet below δ_R
+    assert math.isinf(h["b_simple_high"]) and h["b_simple_low"] > 0
+    why = h["why"]
+    assert "within its error of zero" not in why, why
+    assert f"not of the {delta:.3g} a reshuffled epoch can add" in why and "N = 455" in why and "N/4 = 114" in why
+    needs = h["trace_cov"] / (delta + t * h["grad_sq_norm_se"])
+    assert f"≈ {needs:.3g} for one" in why and "RandomSampler(replacement=True)" in why
+    assert why.endswith(b_simple_interval(h)) and why.count(";") == 2, why
+    tags = noise.metrics()
+    assert float(tags["grad_noise/reshuffle_excess"]) == pytest.approx(delta, rel=1e-9)
+    # Where ‖G‖² is within its own error of zero, that is still the cause said.
+    weak = _reshuffled_probe(0.002, 1.46, 0.021, 2.4).host_summary()
+    assert "within its error of zero, so B_simple has no upper bound" in weak["why"], weak["why"]
+
+
+def test_a_b_simple_with_no_bound_at_all_is_said_in_one_sentence():
+    """Where tr(Σ) is within its error of zero too, B_simple's interval has no end at all: one sentence, not "…so
+    B_simple has no upper bound; B_simple has no bound yet.\""""
+    gen = torch.Generator().manual_seed(5)
+    noise, src = GradientNoise(), NoiseSource("probe", 0.98)
+    src.effective_batch_size = 16
+    noise.attach(src)
+    for _ in range(40):
+        src.update(0.3 + torch.randn((), generator=gen, dtype=torch.float64), 0.3 + 5 * torch.randn((), generator=gen))
+    h = noise.host_summary()
+    assert h["grad_sq_norm"] > 0 and not h["b_simple_low"] > 0 and math.isinf(h["b_simple_high"]), h
+    assert h["why"] == (
+        "B_simple unreliable: the smoothed ‖G‖² and tr(Σ) are both within their errors of zero, so B_simple has no "
+        "bound yet"
+    )
+
+
 @pytest.mark.slow
 def test_attaching_the_micro_batch_source_leaves_the_estimate_within_its_interval():
     """Issue #24: probe alone vs probe + stopper (its micro-batch source) on the same run moved B_simple 2.4×, since

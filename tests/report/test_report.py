@@ -421,6 +421,34 @@ def test_an_unreliable_b_simple_says_no_upper_bound_only_without_one(
     assert ("no finite error bar" in message) != bounded
 
 
+def test_an_upper_end_taken_by_the_reshuffled_epoch_s_excess_is_named_in_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh user's shuffled fit (N = 455): the report said "no finite error bar: too few measurements, or ‖G‖² not
+    resolved from zero" after 98.5 effective measurements, ‖G‖² 5.6 standard errors from zero. The logged δ_R
+    (``grad_noise/reshuffle_excess``) was the cause: named, with its numbers; without it the old reason stays."""
+    tags = {k: v for k, v in HEALTHY.items() if k != "grad_noise/b_simple_rel_err"}
+    tags |= {
+        "grad_noise/b_simple": 124.3,
+        "grad_noise/b_simple_low": 81.8,
+        "grad_noise/b_simple_unreliable": 1.0,
+        "grad_noise/grad_sq_norm": 0.0117,
+        "grad_noise/grad_sq_norm_se": 0.0021,
+        "grad_noise/trace_cov": 1.457,
+        "grad_noise/trace_cov_high": 1.861,
+        "grad_noise/effective_measurements": 98.5,
+    }
+    for excess, named in ((0.0164, True), (None, False)):
+        folder = tmp_path / str(named)
+        write_run(folder / "run", tags | ({} if excess is None else {"grad_noise/reshuffle_excess": excess}))
+        _, doc = report_json(capsys, folder)
+        message = next(f["message"] for f in doc["runs"][0]["findings"] if "is unreliable" in f["message"])
+        assert ("not of the 0.0164 a reshuffled epoch can add" in message and "N = 455" in message) == named, message
+        assert ("too few measurements" in message) != named and "≥ 81.8 (90 %)" in message
+        section = rows(doc["runs"][0], "noise scale and batch size")
+        assert ("δ_R" in str(section["B_simple relative error"])) == named, section
+
+
 def test_the_noise_section_quotes_the_latest_interval_where_no_point_is_logged(tmp_path: Path, capsys) -> None:
     """A fresh user's CNN: after step 440 ‖G‖² ≤ 0 logged no B_simple point but its lower end went on (265, 496, 330),
     and the section, anchored at the last point, quoted the interval of step 440 beside later, larger bounds."""

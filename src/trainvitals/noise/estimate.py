@@ -114,7 +114,20 @@ Combining rule (:meth:`GradientNoise.estimate`):
    unbounded above, and the interval one-sided: B_simple ≥ low, still news (docs/science.md §3c). The band
    ratio's interval is B/B_simple's, the same set inverted. Under reshuffling the three carry rule 6's δ_R; the band
    windows' interval (the decision's) does not. Calibrated on a closed form over 600 seeds
-   (tests/noise/test_intervals.py): each covers the truth in 85–95 % of runs, with ‖G‖² near 0 too.
+   (tests/noise/test_intervals.py): each covers the truth in 85–95 % of runs, with ‖G‖² near 0 too. Where rule 6's
+   δ_R, not ‖G‖²'s own error, takes B_simple's upper end away, the words say so (:func:`epoch_order_cause`).
+
+9. A fixed epoch order. Where every epoch draws the same K batches in the same order (``shuffle=False``:
+   :attr:`NoiseSource.distinct_batches`, K/gcd(K, m) for a source measuring every m of an epoch's K optimizer
+   steps), a window of ≈ 99 measurements revisits each batch, whose deviation from the full data repeats: over a
+   whole partition the per-step estimates average to ‖G‖² + (N − 1)/N·(S − W) exactly (W the batches' mean S_est),
+   an error that no number of epochs shrinks. Each window's sampling variance is taken over min(n_eff, K)
+   measurements (spread/(min(n_eff, K) − 1)), and n_eff and Student's t follow. The examples such an epoch never
+   draws (:attr:`NoiseSource.left_out`: ``drop_last``'s remainder) move the drawn mean off the full data's; as a
+   random r of the N they add at most 4‖G‖²·tr Σ·r/((N − r)(N − 1)) to ‖G‖²'s variance (:func:`left_out_variance`),
+   the band windows excepted, as they take no δ_R. Calibrated on a closed form over 400 seeds
+   (tests/noise/test_fixed_order.py): 91–97 % coverage, tr Σ's 100 % (the cap is conservative), against 58–62 %
+   uncapped; docs/science.md, "In a fixed order".
 
 Consecutive steps are treated as independent; while the run moves, each error holds the chosen window's estimated
 lag beside its sampling error (rule 7). Everything stays on the
@@ -181,6 +194,9 @@ INDEPENDENT = "micro_batch"
 """The source whose draws are independent by construction (micro-batches and ranks): it decides disagreements."""
 EXPECTED_BATCH_NORM = "grad_noise/expected_batch_norm"
 """Tag of the RMS norm the batch gradient is expected to have, sqrt(‖G‖² + tr Σ/B) (:class:`NoiseEstimate`)."""
+RESHUFFLE_EXCESS = "grad_noise/reshuffle_excess"
+"""Tag of rule 6's δ_R where each epoch reshuffles: what the report needs to name it as the cause of an unbounded
+B_simple (:func:`epoch_order_cause`)."""
 SOURCES_CHECK = "grad_noise/sources_check"
 """Text tag of what :meth:`GradientNoise.disagreement` said (a source dropped, two that disagree), for the report."""
 COUPLING_CAUSES = (
@@ -211,6 +227,11 @@ class NoiseSource:
         population: N, the training examples each epoch draws without replacement (rule 6), once seen; ``None``
             otherwise. Saved with the source, so that a fit resumed with no step left corrects as the last did.
         reshuffled: whether each epoch draws a new permutation of those N (rule 6's epoch-order excess); saved too.
+        distinct_batches: K, the distinct batches the source's measurements revisit where every epoch draws the
+            same batches in the same order (``shuffle=False``): at most K of its measurements carry independent
+            errors (rule 9); ``None`` otherwise. Saved too.
+        left_out: the examples of N that such an epoch never draws (``drop_last``'s remainder, a
+            ``limit_train_batches``): the full data's ‖G‖² differs from the drawn examples' by their share (rule 9).
         invalid: why the source does not estimate sampling noise; ``""`` while valid.
         same_as: the name of a source that is the same estimator on the same gradients (a probe measuring every
             parameter from micro-batches, as the stopper's ``micro_batch`` source does): while that one is valid,
@@ -237,6 +258,8 @@ class NoiseSource:
         self.effective_batch_size: int | None = None
         self.population: int | None = None
         self.reshuffled = False
+        self.distinct_batches: int | None = None
+        self.left_out = 0
         self.invalid = ""
         self.same_as: str | None = None
         self.version = next(_VERSIONS)
@@ -265,10 +288,20 @@ class NoiseSource:
             self._norms.update(pair, valid)
             self.last_covered_sq_norm = pair[0]
 
-    def read_sampler(self, loader: Any) -> None:
-        """:attr:`population` and :attr:`reshuffled` from the train loader (rule 6)."""
+    def read_sampler(self, loader: Any, batches: float | None = None, accumulate: int = 1, world: int = 1) -> None:
+        """:attr:`population` and :attr:`reshuffled` from the train loader (rule 6); with ``batches`` (the loader's
+        batches an epoch draws, on each of ``world`` ranks, ``accumulate`` to an optimizer step) also
+        :attr:`distinct_batches` and :attr:`left_out` (rule 9)."""
         self.population = population_of(loader)
         self.reshuffled = self.population is not None and reshuffles(loader)
+        self.distinct_batches, self.left_out = None, 0
+        size = getattr(loader, "batch_size", None)
+        if self.population is None or self.reshuffled or batches is None or not math.isfinite(batches) or not size:
+            return
+        steps = math.ceil(batches / accumulate)
+        if steps >= 1:
+            self.distinct_batches = steps // math.gcd(steps, self.steps_per_update)
+            self.left_out = max(0, self.population - int(batches) * size * world)
 
     def restart(self) -> None:
         """Forget the updates so far (they measured the wrong thing); validity, units and batch size kept."""
@@ -344,13 +377,26 @@ class NoiseSource:
         values, per_step, cross, lag_sq, chosen, overlap = self.choice()
         g, t = _pick(values, chosen).unbind()  # both quantities in one gather, each from its window
         own = overlap.diagonal()[chosen]  # K_aa = 1/n_eff of each one's window
-        var_g, var_s = (_pick(per_step, chosen) * own + _pick(lag_sq, chosen)).unbind()
+        widen = self._revisits(1.0 / own.clamp_min(1e-300))
+        var_g, var_s = (_pick(per_step, chosen) * own * widen + _pick(lag_sq, chosen)).unbind()
         g_i, s_i = chosen.unbind()
         # Cov of two windows' means: the per-step covariance (the shorter window's) times their weights' overlap.
-        cross = _pick(cross, torch.maximum(g_i, s_i)) * overlap[g_i, s_i]
+        cross = _pick(cross, torch.maximum(g_i, s_i)) * overlap[g_i, s_i] * widen.prod(0).sqrt()
         cov = torch.where(torch.isfinite(var_g * var_s), cross, 0.0)
-        n_eff = 1.0 / torch.maximum(*own.unbind()).clamp_min(1e-300)
+        n_eff = self._distinct(1.0 / torch.maximum(*own.unbind()).clamp_min(1e-300))
         return g, t, var_g, var_s, cov, torch.where(self.ema.count.to(n_eff.device) > 0, n_eff, 0.0)
+
+    def _distinct(self, n_eff: Tensor) -> Tensor:
+        """``n_eff`` capped at :attr:`distinct_batches` (rule 9): a fixed epoch order repeats its K batches, and
+        their errors with them."""
+        return n_eff if self.distinct_batches is None else n_eff.clamp_max(float(self.distinct_batches))
+
+    def _revisits(self, n_eff: Tensor) -> Tensor:
+        """(n − 1)/(n_K − 1), n_K = min(n, K), per window of ``n_eff`` = n measurements (rule 9): the factor from a
+        window mean's variance over n independent measurements, spread/(n − 1), to that over the K distinct batches
+        a fixed epoch order revisits, spread/(n_K − 1); 1 where the order is not fixed or n ≤ K."""
+        capped = self._distinct(n_eff)
+        return torch.where(capped < n_eff, (n_eff - 1) / (capped - 1).clamp_min(1e-300), torch.ones_like(n_eff))
 
     def slow_moments(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """:meth:`smoothed`'s tuple for the :attr:`band_window` alone, with its sampling error only (no lag): an
@@ -360,7 +406,7 @@ class NoiseSource:
         ema, error = self.windows[self.band_window]
         # NoiseScaleError.mean_covariance on the EMAs choice() has read; n_eff of the error's count and of the EMA's.
         counts = torch.stack([error._moments.count, ema.count])
-        n_eff = effective_count(ema.beta, counts)
+        n_eff = self._distinct(effective_count(ema.beta, counts))  # rule 9: a fixed order's K batches at most
         var_s, var_g, cov = mean_covariance(values, moments, n_eff[0], counts[0])
         g, t = values.unbind()
         return g, t, var_g, var_s, cov, n_eff[1]
@@ -405,6 +451,8 @@ class NoiseSource:
             "unit_scale": self.unit_scale,
             "population": self.population,
             "reshuffled": self.reshuffled,
+            "distinct_batches": self.distinct_batches,
+            "left_out": self.left_out,
             "invalid": self.invalid,
         }
 
@@ -421,6 +469,8 @@ class NoiseSource:
         self.unit_scale = float(state.get("unit_scale", self.unit_scale))
         self.population = state.get("population", self.population)
         self.reshuffled = bool(state.get("reshuffled", self.reshuffled))
+        self.distinct_batches = state.get("distinct_batches", self.distinct_batches)
+        self.left_out = int(state.get("left_out", self.left_out))
         self.invalid = str(state.get("invalid", self.invalid))
 
 
@@ -526,6 +576,11 @@ class GradientNoise:
         """Whether each epoch reshuffles the :attr:`population` (rule 6's epoch-order excess): the sources'."""
         return self.population is not None and any(s.reshuffled for s in self.sources.values())
 
+    @property
+    def left_out(self) -> int:
+        """The examples of :attr:`population` a fixed epoch order never draws (rule 9): the sources' largest."""
+        return max((s.left_out for s in self.sources.values() if s.population is not None), default=0)
+
     def valid_sources(self) -> list[NoiseSource]:
         """The valid sources over the largest share of the parameters, each estimator once (host only, no sync)."""
         valid = [s for s in self.sources.values() if not s.invalid and not self.shadowed(s)]
@@ -579,6 +634,8 @@ class GradientNoise:
             tuple((src.version, src.unit_scale, src.effective_batch_size, src.param_share) for src in chosen),
             self.population,
             self.reshuffled,
+            tuple(src.distinct_batches for src in chosen),
+            self.left_out,
             self.min_coverage,
         )
         if self._last is not None and self._last[0] == key:
@@ -601,6 +658,9 @@ class GradientNoise:
         sd_g, sd_s = var_g.sqrt(), var_s.sqrt()
         grad_se = _bound(g_w, sd_g)
         trace_se = _bound(s_w, sd_s)
+        sampling_cov = _combined_cov(s_w, g_w, cov, sd_s, sd_g, trace_se, grad_se)
+        if self.population is not None and self.left_out:  # rule 9: the examples a fixed order never draws
+            grad_se = (grad_se.square() + left_out_variance(grad, trace, self.population, self.left_out)).sqrt()
         b_simple = torch.where(grad > 0, trace / grad.clamp_min(1e-300), torch.full_like(grad, float("inf")))
         batch = next((src.effective_batch_size for src in chosen if src.effective_batch_size), None)
         measurements = (s_w * n_eff).sum()
@@ -609,7 +669,7 @@ class GradientNoise:
             trace,
             grad_se,
             trace_se,
-            _combined_cov(s_w, g_w, cov, sd_s, sd_g, trace_se, grad_se),
+            sampling_cov,
             measurements,
             batch,
             self.population if self.reshuffled else None,
@@ -791,7 +851,8 @@ class GradientNoise:
         ``grad_noise/b_simple_unreliable`` is 1 where no noise-aware advice follows (not decisive, ‖G‖² ≤ 0,
         or a relative error above ``max_rel_err``); the 90% intervals ``grad_noise/<quantity>_low`` and ``_high``
         of ``b_simple``, ``grad_sq_norm`` and ``trace_cov`` (rule 8; an infinite high end is left out by the
-        writers: TensorBoard would scale the chart to it) and ``grad_noise/effective_measurements`` (rule 7)."""
+        writers: TensorBoard would scale the chart to it), ``grad_noise/effective_measurements`` (rule 7) and, where
+        each epoch reshuffles, ``grad_noise/reshuffle_excess``, the δ_R the full-data intervals allow (rule 6)."""
         est = estimate or self.estimate()
         reliable = self.reliable(est)
         intervals = {
@@ -807,8 +868,15 @@ class GradientNoise:
                 "grad_noise/unmeasured_trace_share": est.unmeasured_trace_share,
             }
         )
+        population = self.population
+        excess = (
+            {RESHUFFLE_EXCESS: reshuffle_excess(est.intervals["trace_cov"][1], population)}
+            if self.reshuffled and population is not None
+            else {}
+        )
         return {
             **measured,
+            **excess,
             "grad_norm/noise_floor": est.noise_floor,
             "grad_noise/b_simple_unreliable": (~reliable).double(),
             "grad_norm/noise_floor_se": est.noise_floor_se,
@@ -898,18 +966,38 @@ class GradientNoise:
             )
         rel = summary["b_simple_rel_err"]
         if not rel <= self.max_rel_err:
-            what = (
-                f"its relative error {rel:.2g} is above the bound {self.max_rel_err:g}"
-                if math.isfinite(rel)
-                else "the smoothed ‖G‖² is ≤ 0: the gradient's signal is lost in its noise"
-                if summary["grad_sq_norm"] <= 0
-                else "the smoothed ‖G‖², the gradient's signal, is within its error of zero, so B_simple has no "
-                "upper bound"
-                if not math.isfinite(summary["b_simple_high"])
-                else "the smoothed tr(Σ) is ≤ 0: no noise measured"
-            )
-            return f"B_simple unreliable: {what}; {b_simple_interval(summary)}"
+            interval = b_simple_interval(summary)
+            if math.isfinite(rel):
+                what = f"its relative error {rel:.2g} is above the bound {self.max_rel_err:g}"
+            elif summary["grad_sq_norm"] <= 0:
+                what = "the smoothed ‖G‖² is ≤ 0: the gradient's signal is lost in its noise"
+            elif math.isfinite(summary["b_simple_high"]):
+                what = "the smoothed tr(Σ) is ≤ 0: no noise measured"
+            elif not summary["b_simple_low"] > 0:  # Fieller's set holds 0 too: tr(Σ) is within its error of zero
+                return (
+                    "B_simple unreliable: the smoothed ‖G‖² and tr(Σ) are both within their errors of zero, so "
+                    "B_simple has no bound yet"
+                )
+            else:
+                what = self._epoch_order_cause(summary) or (
+                    "the smoothed ‖G‖², the gradient's signal, is within its error of zero, so B_simple has no upper "
+                    "bound"
+                )
+            return f"B_simple unreliable: {what}; {interval}"
         return ""
+
+    def _epoch_order_cause(self, summary: dict[str, Any]) -> str:
+        """:func:`epoch_order_cause` of a :meth:`host_summary`: ``""`` where the epochs do not reshuffle."""
+        if not self.reshuffled or self.population is None or not math.isfinite(summary["trace_cov_high"]):
+            return ""
+        return epoch_order_cause(
+            summary["grad_sq_norm"],
+            summary["grad_sq_norm_se"],
+            summary["trace_cov"],
+            summary["trace_cov_high"],
+            reshuffle_excess(summary["trace_cov_high"], self.population),
+            summary["effective_measurements"],
+        )
 
     def disagreement(self) -> str:
         """Check the valid sources for coupled examples and against each other (module docstring, rule 5), on
@@ -1006,6 +1094,14 @@ class GradientNoise:
                 "estimated ‖G‖² (the band is judged without it; RandomSampler(replacement=True) has none)"
             )
             rows.append(("epoch order (reshuffled)", said))
+        distinct = [s.distinct_batches for s in self.valid_sources() if s.distinct_batches is not None]
+        if distinct:  # rule 9
+            left = f"; they allow for the {self.left_out} examples it never draws" if self.left_out else ""
+            said = (
+                f"the same batches every epoch: the intervals count at most {max(distinct)} effective measurements, "
+                f"the distinct batches measured{left} (shuffle=True measures more of them)"
+            )
+            rows.append(("epoch order (fixed)", said))
         if h["why"]:
             rows.append(("caveat", h["why"]))
         return rows
@@ -1171,6 +1267,41 @@ def reshuffle_excess(trace_cov: Any, population: int) -> Any:
     2·tr Σ/(N − 1) on a quadratic (docs/science.md, "Under random reshuffling"); ``trace_cov`` the tr Σ to read it
     at (the estimate's high end). Floats or tensors."""
     return RESHUFFLE_OVERSHOOT * 2 * trace_cov / (population - 1)
+
+
+def epoch_order_cause(
+    grad_sq_norm: float, grad_se: float, trace_cov: float, trace_high: float, excess: float, measurements: float
+) -> str:
+    """Why B_simple's interval has no upper end where rule 6's δ_R (``excess``), not ‖G‖²'s error, takes it away:
+    ‖G‖² stands clear of zero by its error (t·σ, t Student's at ``measurements``) but not of δ_R, in words with
+    what it needs and what would help; ``""`` where that is not the cause. Host floats (a host summary's, or the
+    logged tags': the report's). The upper end needs ‖G‖² > δ_R + t·σ, i.e. B_simple < tr Σ/(δ_R + t·σ); δ_R =
+    4·tr Σ_high/(N − 1) ≥ 4·tr Σ/N, so ≈ N/4 at best however long the run, and N is read back from δ_R."""
+    z = float(t_quantile(Z90, torch.tensor(float(measurements) - 1.0, dtype=torch.float64)))
+    if not (
+        excess > 0 and math.isfinite(excess) and math.isfinite(z) and z * grad_se < grad_sq_norm <= excess + z * grad_se
+    ):
+        return ""
+    population = RESHUFFLE_OVERSHOOT * 2 * trace_high / excess + 1
+    return (
+        f"the smoothed ‖G‖², {grad_sq_norm:.3g} ± {grad_se:.2g}, stands clear of zero but not of the {excess:.3g} a "
+        f"reshuffled epoch can add to it (δ_R = 4·tr(Σ)/(N − 1) at tr(Σ)'s 90 % high end, N = {population:.0f}), "
+        f"so B_simple has no upper bound: on {population:.0f} examples one needs B_simple below "
+        f"tr(Σ)/(δ_R + {z:.2g}σ) ≈ {trace_cov / (excess + z * grad_se):.3g} for one (≈ N/4 = {population / 4:.0f} "
+        "at best, however long the run); RandomSampler(replacement=True), which has no epoch-order excess, or more "
+        "data would give one"
+    )
+
+
+def left_out_variance(grad_sq_norm: Tensor, trace_cov: Tensor, population: int, left_out: int) -> Tensor:
+    """What the ``left_out`` = r examples of ``population`` = N that a fixed epoch order never draws add to ‖G‖²'s
+    variance against the full data (rule 9): the drawn examples' mean G' = G + r·(G − ḡ_r)/(N − r), with ḡ_r the
+    left-out ones' mean as if they were a random r of the N, has Cov(G') = r·Σ/((N − r)(N − 1)), so
+    ‖G'‖² − ‖G‖² = 2G·(G' − G) + ‖G' − G‖² has variance 4·GᵀΣG·c ≤ 4·‖G‖²·tr Σ·c (c = r/((N − r)(N − 1))) and mean
+    tr Σ·c, here added as a square. Tensors of any matching shapes; a value below 0 counts as 0."""
+    share = left_out / ((population - left_out) * (population - 1))
+    trace = trace_cov.clamp_min(0.0) * share
+    return 4 * grad_sq_norm.clamp_min(0.0) * trace + trace.square()
 
 
 def noise_intervals(

@@ -236,9 +236,12 @@ class BatchVarianceProbe(TrainvitalsCallback):
         # n_eff is an EMA-weighted mean over the sources of each one's 1/Σw² ≤ its count: it is stated against the
         # most-measured source's count, which may exceed the probe's own (a micro-batch source measures every step).
         n_eff, most = summary["effective_measurements"], int(summary["count"])
+        distinct = self.noise_source.distinct_batches
         effective = (
             ""
             if not most
+            else f" ({n_eff:.3g} effective: a fixed epoch order revisits the same {distinct} batches, and their errors)"
+            if most == count and distinct is not None and n_eff >= distinct - 1e-6
             else f" ({n_eff:.3g} effective, as the EMAs weight them)"
             if most == count
             else f" (the estimate: {n_eff:.3g} effective of the {most} measurements its most-measured source made, "

@@ -203,7 +203,9 @@ class ProbeStep:
         )
         source.update(grad_sq_norm, trace_cov, valid, covered, total)
         probe.nonfinite.add(torch.isfinite(total))
-        source.read_sampler(trainer.train_dataloader)  # estimate.py, rule 6
+        source.read_sampler(  # estimate.py, rules 6 and 9
+            trainer.train_dataloader, trainer.num_training_batches, trainer.accumulate_grad_batches, trainer.world_size
+        )
         whole = not pl_module.automatic_optimization or len(self.sizes) == trainer.accumulate_grad_batches
         # Judged at the run's regular batch, as the stopper: an epoch's short last batch does not change it.
         batch = source.effective_batch_size

@@ -594,7 +594,9 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         n = n_local * world
         grad_sq, trace = two_batch_size_estimates(mean_sq, batch_sq, n, micro_batch_size)
         self.noise_source.update(grad_sq, trace, valid)
-        self.noise_source.read_sampler(trainer.train_dataloader)  # estimate.py, rule 6
+        self.noise_source.read_sampler(  # estimate.py, rules 6 and 9
+            trainer.train_dataloader, trainer.num_training_batches, trainer.accumulate_grad_batches, trainer.world_size
+        )
         # The band is judged at a whole step's batch: an epoch's short last window does not change it.
         if n_local == accumulate or self.effective_batch_size is None:
             self.effective_batch_size = self.noise_source.effective_batch_size = n * micro_batch_size

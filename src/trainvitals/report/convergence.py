@@ -12,7 +12,9 @@ from trainvitals.noise.estimate import (
     DEFAULT_MIN_COVERAGE,
     MAX_UNMEASURED_TRACE,
     MIN_MEASUREMENTS,
+    RESHUFFLE_EXCESS,
     SOURCES_CHECK,
+    epoch_order_cause,
 )
 from trainvitals.plumbing.loss_progress import plateau_advice
 from trainvitals.report.events import Run
@@ -624,6 +626,22 @@ def _no_point(run: Run, step: int | None, point: Row) -> str:
     return f"the smoothed ‖G‖² is {grad:.3g} ≤ 0" if grad is not None and own is None else "the smoothed ‖G‖² is ≤ 0"
 
 
+NO_ERROR_BAR = "too few measurements, or ‖G‖² not resolved from zero"
+"""Why B_simple has no finite error bar, where the logged tags do not name the epoch order (:func:`no_upper_end`)."""
+
+
+def no_upper_end(run: Run, step: int | None) -> str:
+    """Why B_simple's interval has no upper end at ``step``, from the logged tags: the reshuffled epoch's δ_R where
+    that takes it away from a ‖G‖² clear of zero (:func:`~trainvitals.noise.estimate.epoch_order_cause`), else
+    :data:`NO_ERROR_BAR`."""
+    keys = ("grad_sq_norm", "grad_sq_norm_se", "trace_cov", "trace_cov_high", "effective_measurements")
+    values = [value_at(first_series(run, rf"grad_noise/{key}$"), step) for key in keys]
+    excess, own = value_at(first_series(run, re.escape(RESHUFFLE_EXCESS) + "$"), step)
+    if excess is None or own is not None or any(v is None or at is not None for v, at in values):
+        return NO_ERROR_BAR
+    return epoch_order_cause(*(v for v, _ in values[:4]), excess, values[4][0]) or NO_ERROR_BAR
+
+
 def _partial_rows(run: Run, step: int | None) -> list[Row]:
     """What a partial estimate's data show, of the measured parameters: tr Σ and ‖G‖² with their standard errors,
     B_simple's 90% lower end, and the bound on the tr Σ of the parameters it does not see; each row only if logged."""
@@ -684,7 +702,10 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
     b_simple = b_simple_row.value if b_simple_row.step is None else None
     rel_err = error_row.value if error_row.step is None else None
     if error_row.value is None and b_simple is not None:  # an infinite one is not logged
-        error_row.value = "none finite: too few measurements, or ‖G‖² not resolved from zero"
+        why = no_upper_end(run, step)
+        error_row.value = "none finite: " + (
+            why if why == NO_ERROR_BAR else "‖G‖² is clear of zero, not of a reshuffled epoch's excess δ_R (see below)"
+        )
     no_point = _no_point(run, step, b_simple_row)
     batches = {v for _, v in first_series(run, r"lr_scaling/effective_batch$") or []}
     batch = batch_row.value if batch_row.step is None or len(batches) == 1 else None  # one batch all along: its own
@@ -745,7 +766,7 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
             if rel_err is not None and math.isfinite(rel_err)
             else "flagged at this step; its relative error not logged here"
             if "–" in interval
-            else "no finite error bar: too few measurements, or ‖G‖² not resolved from zero"
+            else f"no finite error bar: {no_upper_end(run, step)}"
         )
         report.findings.append(
             Finding(

@@ -106,7 +106,8 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
         ],
         "gradient noise: ‖G‖², the true gradient's squared norm, its standard error and 90 % interval": [
             "Multiline",
-            [r"grad_noise/grad_sq_norm(?:_se|_low|_high)?$"],
+            # with δ_R, what a reshuffled epoch can add to it, which the interval's low end allows for (rule 6)
+            [r"grad_noise/grad_sq_norm(?:_se|_low|_high)?$", r"grad_noise/reshuffle_excess$"],
         ],
         "noise estimate: effective number of measurements behind it": [
             "Multiline",
