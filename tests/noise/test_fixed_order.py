@@ -157,3 +157,32 @@ def test_a_fit_with_shuffle_false_counts_its_distinct_batches_and_covers_the_tru
         assert last[f"grad_noise/{name}_low"] <= value <= last[f"grad_noise/{name}_high"], name
     b_simple = truth.trace_cov / truth.grad_sq_norm
     assert last["grad_noise/b_simple_low"] <= b_simple <= last.get("grad_noise/b_simple_high", math.inf)
+
+
+def test_the_fixed_order_s_words_say_what_it_assumes_and_a_window_of_one_has_no_error():
+    """A fresh user's digits rows in their stored order (classes cycling) gave batches each holding every class: not
+    random draws, and ‖G‖² read 3.3× low with no word of it; the fit-end line now says what the estimate takes a
+    batch for and what makes it one. A training set of one batch (1 effective measurement) was said to have ‖G‖² and
+    tr(Σ) "both within their errors of zero": one measurement has no error estimate."""
+    import lightning.pytorch as pl
+    from _truth import Classifier
+    from conftest import trainer_kwargs
+
+    from trainvitals import BatchVarianceProbe
+
+    torch.manual_seed(0)
+    said = {}
+    for n in (96, 32):  # 3 batches, then one
+        x, y = torch.randn(n, 6), torch.arange(n) % 2
+        probe = BatchVarianceProbe(measure_every_n_steps=1, histogram_every_n_steps=0)
+        loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
+        pl.Trainer(**trainer_kwargs(callbacks=[probe], max_steps=60)).fit(
+            Classifier(torch.nn.Linear(6, 2), 0.0), loader
+        )
+        said[n] = probe.summary_line()
+    assert (
+        "a fixed epoch order revisits the same 3 batches, and their errors; it takes each for a random draw, which "
+        "batches of sorted or grouped rows are not, and ‖G‖² is then biased either way: shuffle=True makes them one)"
+    ) in said[96], said[96]
+    assert "1 effective measurement, which gives no error estimate" in said[32], said[32]
+    assert "within their errors of zero" not in said[32]

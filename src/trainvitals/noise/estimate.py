@@ -964,6 +964,12 @@ class GradientNoise:
                 f"not measured enough yet: {summary['count']:.0f} of the {MIN_MEASUREMENTS} measurements its errors "
                 "need to be trusted"
             )
+        if summary["effective_measurements"] < 2:  # a window of one (a fixed epoch order of one batch): no spread
+            return (
+                f"B_simple unreliable: {summary['effective_measurements']:.3g} effective measurement, which gives no "
+                "error estimate (a fixed epoch order of one batch repeats the same one); "
+                f"{b_simple_interval(summary)}"
+            )
         rel = summary["b_simple_rel_err"]
         if not rel <= self.max_rel_err:
             interval = b_simple_interval(summary)

@@ -240,7 +240,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
         effective = (
             ""
             if not most
-            else f" ({n_eff:.3g} effective: a fixed epoch order revisits the same {distinct} batches, and their errors)"
+            else f" ({n_eff:.3g} effective: a fixed epoch order revisits the same {distinct} batches, and their errors;"
+            " it takes each for a random draw, which batches of sorted or grouped rows are not, and ‖G‖² is then biased"
+            " either way: shuffle=True makes them one)"
             if most == count and distinct is not None and n_eff >= distinct - 1e-6
             else f" ({n_eff:.3g} effective, as the EMAs weight them)"
             if most == count
