@@ -450,6 +450,9 @@ def _end_reason(end: dict[str, str], caveat: str = "") -> str:
 
 
 _STREAK = re.compile(r"(\d+) of (\d+) steps")
+_RATIO = re.compile(r"puts the band ratio .*?\) at (?P<said>.+?)(?P<then>; that interval [^;]*|)(?=; th|$)")
+"""The stopper's fit-end band ratio: "… puts the band ratio (‖G‖² over …) at 1.3 (90 %: 0–3.4); that interval reaches
+into the band: not shown to be outside it" (``noise.stopper``); an interval wholly outside the band adds nothing."""
 _REACHED = re.compile(r"reached (\d+) \((\d+) steps in a row\)")
 
 
@@ -481,6 +484,19 @@ def _end_verdict(
     elif caveat or "cannot decide" in why or "no noise estimate" in why:
         lead = "no noise-band verdict: the noise estimate could not decide"
         error = ""
+    elif streak and (ratio := _RATIO.search(why)):  # the interval decides the words, as in the stopper's line
+        said = ratio["said"].replace(" (", ", ", 1).removesuffix(")")
+        lead = (
+            f"not shown inside or outside its noise band at the end (band ratio {said})"
+            if "reaches into the band" in ratio["then"]
+            else f"inside its noise band at the end, its streak not yet begun (band ratio {said})"
+            if "lies inside the band" in ratio["then"]
+            else f"not in its noise band at the end (band ratio {said})"  # the whole interval above the edge
+            if "90 %" in said
+            else f"no noise-band verdict at the end (band ratio {said})"  # no interval
+        )
+        if error:  # one parenthesis: "(band ratio 1.3, 90 %: 0–3.4; noise level ± 7%)"
+            lead, error = f"{lead[:-1]}; {error.strip().removeprefix('(')}", ""
     elif streak:
         lead = "not in its noise band at the end (the last step the stopper counted was outside it)"
     else:
