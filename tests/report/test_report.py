@@ -626,6 +626,18 @@ def test_a_dropped_noise_source_reaches_the_report_once(tmp_path: Path, capsys: 
     assert len(found) == 1 and found[0]["severity"] == "warning"
 
 
+def test_the_last_norm_and_the_lr_say_their_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fresh user's report read "gradient norm, last 0.2587" and "lr now, AdamW 9.518e-07" (step 395) beside
+    GradNormMonitor's "last ‖g‖ 0.2279" (step 399) and the advisor's "now 0" (step 400): the rows say their step."""
+    write_run(tmp_path / "run", {**HEALTHY, "lr_scaling/lr/SGD": 0.01, "lr_scaling/base_lr/SGD": 0.1})
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == 0 and "  convergence\n" in text  # the section's own step is the run's last: no heading date
+    norm = HEALTHY["grad_norm/total"][-1]
+    assert re.search(rf"\n    gradient norm, last +{norm:.4g} \(at optimizer step 95\)\n", text), text
+    assert re.search(r"\n    lr, SGD +0\.01 \(at optimizer step 95\)\n", text), text
+    assert re.search(r"\n    base lr, SGD +0\.1\n", text), text  # the lr set: one for the whole run
+
+
 def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """LRScalingAdvisor's and GraphIntegrityCallback's tags read as words; each value is the one logged."""
     logged = {
@@ -646,7 +658,7 @@ def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pyt
     assert noise["noise scale B̂ (given)"] == 400
     assert noise["steps over the fewest, S/S_min = 1 + B̂/B"] == pytest.approx(1 + 400 / 64)
     assert noise["examples over the fewest, E/E_min = 1 + B/B̂"] == pytest.approx(1 + 64 / 400)
-    assert noise["lr now, SGD"] == pytest.approx(0.01)  # the step's, a schedule's at a tenth of its base lr
+    assert noise["lr, SGD"] == pytest.approx(0.01)  # the step's, a schedule's at a tenth of its base lr
     assert noise["base lr, SGD"] == pytest.approx(0.1)
     assert noise["suggested base lr at ×2 (B = 128), SGD"] == pytest.approx(0.2)  # the effective batch is 64
     assert noise["suggested base lr at B = 100, SGD"] == pytest.approx(0.15)

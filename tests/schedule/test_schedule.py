@@ -864,7 +864,7 @@ def test_the_lr_advisor_advises_on_the_base_lr_and_quotes_the_cut_lr_as_the_lr_n
     assert advisor.advices["SGD"].lr == pytest.approx(eta, rel=1e-12)
     assert (
         f"SGD base lr {eta:.3g} (the optimizer's lr under ExponentialLR; now {now / factor:.3g} × 0.1 (BandSchedule) "
-        f"= {now:.3g}) → " in advisor.summary_line()
+        f"= {now:.3g} at optimizer step {steps}) → " in advisor.summary_line()
     )
     # The band was entered and cut on: the batch advice squared with it, B_simple ≥ B/δ there.
     band = (
@@ -877,7 +877,7 @@ def test_the_lr_advisor_advises_on_the_base_lr_and_quotes_the_cut_lr_as_the_lr_n
     advice = report.panels["lr scaling advice"]
     assert f"| {eta:.3g} |" in advice and band in advice, advice
     noise = {row.label: row for row in report.sections["noise scale and batch size"]}
-    row = noise["lr now, SGD"]
+    row = noise["lr, SGD"]
     at = report.steps["noise scale and batch size"] if row.step is None else row.step
     assert at > cut["step"] and row.value == pytest.approx(expected[at], rel=1e-6)
     assert noise["base lr, SGD"].value == pytest.approx(eta)
