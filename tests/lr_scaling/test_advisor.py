@@ -190,11 +190,11 @@ def test_a_warmup_and_cosine_to_0_is_advised_on_its_base_lr_at_every_step_and_at
     assert factor(6) == 0.0 and advisor.advices["AdamW"].lr == pytest.approx(1e-3)
     assert advisor.summary_line() == (
         "at an effective batch of 16 (no usable noise scale: classic rules): AdamW base lr 0.001 (the optimizer's lr "
-        f"under LambdaLR; now 0) → {1e-3 * math.sqrt(2):.3g} at batch 32 (square-root rule); the full table is the "
+        f"under LambdaLR; now 0 at optimizer step 6) → {1e-3 * math.sqrt(2):.3g} at batch 32 (square-root rule); the full table is the "
         "Text tab's lr_scaling/advice, or trainvitals report."
     )
     report = advisor.summary_markdown()
-    assert "- **base lr** AdamW: 0.001 (the optimizer's lr under LambdaLR; now 0)\n" in report
+    assert "- **base lr** AdamW: 0.001 (the optimizer's lr under LambdaLR; now 0 at optimizer step 6)\n" in report
     assert (
         f"| AdamW | Adam-like | 0.001 | square-root | {1e-3 / math.sqrt(2):.3g} | {1e-3 * math.sqrt(2):.3g} |" in report
     )
@@ -223,7 +223,7 @@ def test_after_a_band_stop_under_one_cycle_the_advice_names_max_lr_and_the_lr_no
     advisor = _digits_fit(stopper, 200, lr=0.1, schedule="one_cycle", total_steps=200)
     assert stopper.stopped_step is not None and stopper.stopped_step < 199  # stopped before the schedule's end
     now = one_cycle_lr(0.1, 200, stopper.stopped_step + 1)  # the lr of the step that would have come next
-    said = f"0.1 (OneCycleLR's max_lr; now {now:.3g})"
+    said = f"0.1 (OneCycleLR's max_lr; now {now:.3g} at optimizer step {stopper.stopped_step + 1})"
     line = advisor.summary_line()
     assert f"SGD base lr {said} → 0.2 at batch 256 (linear rule);" in line
     assert line.endswith(f"to go further, take a larger batch at the same base lr, SGD's {said}, or a lower base lr.")
@@ -242,7 +242,8 @@ def test_after_a_cut_under_warmup_and_cosine_the_advice_names_the_lr_set_and_the
     )
     assert [c["lr_scale"] for c in schedule.cuts] == [0.1]
     scheduled = 0.01 * warmup_cosine(20, 200)(100)
-    said = f"0.01 (the optimizer's lr under LambdaLR; now {scheduled:.3g} × 0.1 (BandSchedule) = {scheduled / 10:.3g})"
+    now = f"now {scheduled:.3g} × 0.1 (BandSchedule) = {scheduled / 10:.3g} at optimizer step 100"
+    said = f"0.01 (the optimizer's lr under LambdaLR; {now})"
     line = advisor.summary_line()
     assert f"AdamW base lr {said} → {0.01 * math.sqrt(2):.3g} at batch 256 (square-root rule);" in line
     assert "BandSchedule cut the lr in its noise band at optimizer step " in line

@@ -160,6 +160,8 @@ def test_a_parameter_nothing_measures_is_named_with_the_share_covered(tmp_path):
         torch.tensor([v for _, v in probe.last_outliers], dtype=torch.float64), truth[order], rtol=1e-9
     )
     assert probe.outlier_coverage == label and f"({label})" in probe.summary_markdown()
+    # Dated: the fit-end table is of the fit's end, the outliers of their histogram's step.
+    assert f" at optimizer step 1 ({label}) |" in probe.summary_markdown()
     histogram = logged(str(tmp_path))["grad_noise/per_example_grad_norm"][-1]
     assert histogram.metadata.summary_description == f"Each example's gradient norm ‖g_i‖, {label}."
     legacy = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})  # as `trainvitals report` reads

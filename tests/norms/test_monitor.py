@@ -223,8 +223,12 @@ def test_the_lr_cut_of_clipping_under_sgd_is_said_on_the_lr_set(tmp_path, capsys
     }[schedule]
     cut = f"×{scale:.2g} to {0.1 * scale:.2g} instead"
     line = monitor.summary_line()
+    assert f"last ‖g‖ {model.reference_norms[-1]:.4g} (optimizer step 59)," in line  # dated: the report's is 55
+    assert f"| {model.reference_norms[-1]:.4g} (step 59) |" in monitor.summary_markdown()
     assert f"; under SGD, whose step is lr × gradient, it is an lr cut of ×{scale:.2g} over the 60 steps: " in line
-    said = f"base lr 0.1 ({set_as}; now {lr_at(60):.3g})" if schedule else "lr 0.1"  # the next step's lr now
+    said = (
+        f"base lr 0.1 ({set_as}; now {lr_at(60):.3g} at optimizer step 60)" if schedule else "lr 0.1"
+    )  # the next step's lr now
     assert line.endswith(f"or lower the {said} {cut}")
 
     from trainvitals.report.command import main

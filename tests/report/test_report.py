@@ -17,6 +17,7 @@ from _models import Regressor, loader, regression_data
 from torch.utils.tensorboard import SummaryWriter
 
 from trainvitals.report.command import EXIT_CRITICAL, EXIT_NO_DATA, EXIT_OK, main
+from trainvitals.text.intervals import band_ratio_said
 
 STEPS = range(0, 100, 5)
 
@@ -625,6 +626,18 @@ def test_a_dropped_noise_source_reaches_the_report_once(tmp_path: Path, capsys: 
     assert len(found) == 1 and found[0]["severity"] == "warning"
 
 
+def test_the_last_norm_and_the_lr_say_their_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fresh user's report read "gradient norm, last 0.2587" and "lr now, AdamW 9.518e-07" (step 395) beside
+    GradNormMonitor's "last ‖g‖ 0.2279" (step 399) and the advisor's "now 0" (step 400): the rows say their step."""
+    write_run(tmp_path / "run", {**HEALTHY, "lr_scaling/lr/SGD": 0.01, "lr_scaling/base_lr/SGD": 0.1})
+    status, text, _ = report(capsys, str(tmp_path))
+    assert status == 0 and "  convergence\n" in text  # the section's own step is the run's last: no heading date
+    norm = HEALTHY["grad_norm/total"][-1]
+    assert re.search(rf"\n    gradient norm, last +{norm:.4g} \(at optimizer step 95\)\n", text), text
+    assert re.search(r"\n    lr, SGD +0\.01 \(at optimizer step 95\)\n", text), text
+    assert re.search(r"\n    base lr, SGD +0\.1\n", text), text  # the lr set: one for the whole run
+
+
 def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """LRScalingAdvisor's and GraphIntegrityCallback's tags read as words; each value is the one logged."""
     logged = {
@@ -645,7 +658,7 @@ def test_section_rows_are_labelled_in_words_not_tags(tmp_path: Path, capsys: pyt
     assert noise["noise scale B̂ (given)"] == 400
     assert noise["steps over the fewest, S/S_min = 1 + B̂/B"] == pytest.approx(1 + 400 / 64)
     assert noise["examples over the fewest, E/E_min = 1 + B/B̂"] == pytest.approx(1 + 64 / 400)
-    assert noise["lr now, SGD"] == pytest.approx(0.01)  # the step's, a schedule's at a tenth of its base lr
+    assert noise["lr, SGD"] == pytest.approx(0.01)  # the step's, a schedule's at a tenth of its base lr
     assert noise["base lr, SGD"] == pytest.approx(0.1)
     assert noise["suggested base lr at ×2 (B = 128), SGD"] == pytest.approx(0.2)  # the effective batch is 64
     assert noise["suggested base lr at B = 100, SGD"] == pytest.approx(0.15)
@@ -871,6 +884,55 @@ def test_a_run_that_ended_on_its_plateau_is_a_warning_with_what_to_do(
     assert rows(run, "convergence")["stop"].startswith(
         f"not stopped: {'made no cut; ' if tag == 'BandSchedule' else ''}{PLATEAU}"
     )
+
+
+def _ratio_line(name: str, said: str, then: str) -> str:
+    """The stop row of a stopper that did not stop, as ``noise.stopper`` words its band ratio at the end."""
+    cuts = " made no cut;" if name == "BandSchedule" else ""
+    return (
+        f"{name}{cuts} did not stop the run: 0 step(s) in a row in the condition at the end, of the 30 it needs; at "
+        "the end the current estimate ‖G‖² = 0.00804 ± 0.0074 puts the band ratio (‖G‖² over the band's edge "
+        f"0.2·tr(Σ)/B, its interval from ‖G‖²'s and tr(Σ)'s errors) at {said}{then}."
+    )
+
+
+@pytest.mark.parametrize("name", ["GradNormEarlyStopping", "BandSchedule"])
+@pytest.mark.parametrize(
+    ("ratio", "then", "verdict"),
+    [
+        (
+            (1.3, 0.0, 3.4),
+            "; that interval reaches into the band: not shown to be outside it",
+            "not shown inside or outside its noise band at the end (band ratio 1.3, 90 %: 0–3.4)",
+        ),
+        (
+            (-0.4, 0.0, 1.2),
+            "; that interval reaches into the band: not shown to be outside it",
+            "not shown inside or outside its noise band at the end (band ratio ≤ 1.2, 90 %; ‖G‖² within its error of 0)",
+        ),
+        (
+            (0.5, 0.2, 0.8),
+            "; that interval lies inside the band",
+            "inside its noise band at the end, its streak not yet begun (band ratio 0.5, 90 %: 0.2–0.8)",
+        ),
+        ((3.0, 1.5, 4.5), "", "not in its noise band at the end (band ratio 3, 90 %: 1.5–4.5)"),
+    ],
+)
+def test_the_end_verdict_is_the_band_ratio_s_interval_as_the_stopper_says_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name, ratio, then, verdict
+) -> None:
+    """A fresh user's UNet: the stopper ended "at 1.3 (90 %: 0–3.4); that interval reaches into the band: not shown
+    to be outside it" (the full-data ratio 0.12: inside), and the report's verdict read "not in its noise band at the
+    end (the last step the stopper counted was outside it)". The interval decides the verdict's words too."""
+    write_run(
+        tmp_path / "run",
+        {**HEALTHY, "grad_norm/in_noise_band": 0.0, "grad_norm/band_streak": 0.0},
+        {f"diagnosis/{name}": stopper_panel(_ratio_line(name, band_ratio_said(*ratio), then), "0 of 30 steps", 400)},
+    )
+    _, doc = report_json(capsys, tmp_path)
+    notes = [f["message"] for f in doc["runs"][0]["findings"] if f["section"] == "convergence"]
+    assert any(m.startswith(f"{verdict}. {name} at fit end: ") for m in notes), notes
+    assert ("not in its noise band" in " ".join(notes)) == (ratio[1] > 1)
 
 
 def test_an_estimate_that_cannot_decide_is_no_verdict_at_fit_end(

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from _models import ReleaseProcessGroup
 from conftest import RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -758,12 +758,43 @@ def test_a_full_streak_held_back_after_a_cut_is_said_with_its_interval():
     assert (
         f"band ratio (‖G‖² over the edge {schedule.margin:g}·tr(Σ)/B) was {band_ratio_said(ratio, low, high)}" in said
     )
-    assert said.endswith("; the band did not end the fit: bound it by steps or by a validation-loss EarlyStopping.")
+    assert said.endswith("; the band did not end the fit: max_epochs=1 did.")  # the fit's one epoch ended it
     assert (ratio < 0 and high <= 1) == ("its point below 0" in said) and (high > 1) == ("upper end above" in said)
     # Held by the upper end: what showing the run inside would take (decision.py's measurements_to_show).
     need = f"needs at least ≈ {measurements_to_show(ratio, high, measured):.2g} effective measurements"
     assert (need in said and "100× those of the unscaled one" in said) == (high > 1)
     assert "it needs" not in said  # the stopper's "N of the P it needs": the streak did reach its patience
+
+
+class LoggedQuadratic(NoisyQuadratic):
+    """NoisyQuadratic logging its epoch's mean loss, for a Lightning EarlyStopping to watch."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("fit_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_the_fit_end_line_names_what_ended_a_fit_the_band_did_not_end():
+    """A fresh user's BandSchedule under max_steps=400 ended its line with "bound it by steps or by a validation-loss
+    EarlyStopping", which was set: that advice is for a fit nothing bounds; a bounded one names what ended it."""
+    ended = {}
+    for bound in ("max_steps", "max_epochs", "max_time", "EarlyStopping"):
+        schedule = BandSchedule(verbose=False)
+        watch = EarlyStopping("fit_loss", min_delta=1e9, patience=1, check_on_train_epoch_end=True)
+        limits = {"max_steps": {"max_steps": 12}, "max_epochs": {"max_epochs": 2}}
+        limits = limits.get(bound, {"max_time": {"milliseconds": 300}} if bound == "max_time" else {"max_epochs": 9})
+        callbacks = [schedule, watch] if bound == "EarlyStopping" else [schedule]
+        trainer = Trainer(**trainer_kwargs(accumulate_grad_batches=ACCUMULATE, callbacks=callbacks, **limits))
+        trainer.fit(LoggedQuadratic(0.05), stream(8))  # the time limit's epochs go on until it is over
+        assert schedule.stop_reason is StopReason.NOT_STOPPED
+        ended[bound] = schedule.summary_line().rsplit("; ", 1)[1]
+    assert ended == {
+        "max_steps": "the band did not end the fit: max_steps=12 did.",
+        "max_epochs": "the band did not end the fit: max_epochs=2 did.",
+        "max_time": "the band did not end the fit: max_time (Timer) did.",
+        "EarlyStopping": "the band did not end the fit: EarlyStopping on fit_loss did.",
+    }
 
 
 def test_a_resumed_run_logs_its_cut_record_again(tmp_path):
@@ -833,7 +864,7 @@ def test_the_lr_advisor_advises_on_the_base_lr_and_quotes_the_cut_lr_as_the_lr_n
     assert advisor.advices["SGD"].lr == pytest.approx(eta, rel=1e-12)
     assert (
         f"SGD base lr {eta:.3g} (the optimizer's lr under ExponentialLR; now {now / factor:.3g} × 0.1 (BandSchedule) "
-        f"= {now:.3g}) → " in advisor.summary_line()
+        f"= {now:.3g} at optimizer step {steps}) → " in advisor.summary_line()
     )
     # The band was entered and cut on: the batch advice squared with it, B_simple ≥ B/δ there.
     band = (
@@ -846,7 +877,7 @@ def test_the_lr_advisor_advises_on_the_base_lr_and_quotes_the_cut_lr_as_the_lr_n
     advice = report.panels["lr scaling advice"]
     assert f"| {eta:.3g} |" in advice and band in advice, advice
     noise = {row.label: row for row in report.sections["noise scale and batch size"]}
-    row = noise["lr now, SGD"]
+    row = noise["lr, SGD"]
     at = report.steps["noise scale and batch size"] if row.step is None else row.step
     assert at > cut["step"] and row.value == pytest.approx(expected[at], rel=1e-6)
     assert noise["base lr, SGD"].value == pytest.approx(eta)

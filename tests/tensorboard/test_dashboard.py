@@ -206,7 +206,8 @@ def test_every_gradient_tag_is_on_a_chart_and_no_chart_is_empty(tmp_path: Path) 
         "activation rms per module",
         "activation max |x| per module",
         "activation kurtosis per module (3: Gaussian)",
-        "dead units per activation (share)",
+        "dead units per ReLU (share)",
+        "inactive units per GELU, SiLU, ... (share)",
     }
 
 

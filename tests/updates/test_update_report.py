@@ -65,6 +65,7 @@ def test_every_logged_tag_has_a_chart_in_the_layout():
         "activation/abs_max/act",
         "activation/kurtosis/body",
         "activation/dead_fraction/act",
+        "activation/inactive_fraction/act",
     ]
     assert all(any(re.match(regex, tag) for regex in charts) for tag in logged)
 
@@ -84,3 +85,33 @@ def test_the_report_names_the_frozen_layer_and_the_dead_relu(logdir, capsys):
         main([str(logdir), "--format", fmt])
         out = capsys.readouterr().out
         assert "never moved" in out and "dead units" in out, fmt
+
+
+class InactiveSiLU(DeadAndFrozen):
+    """DeadAndFrozen with a SiLU, which passes a gradient below 0: its units ≤ 0 are inactive, not dead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.SiLU()
+
+
+def test_the_report_calls_units_of_a_silu_inactive_as_the_monitor_does(tmp_path, capsys):
+    """A fresh user's UNet: the report listed "dead units in net.time_mlp.1 3.1%" for an nn.SiLU, which
+    ActivationMonitor calls inactive (it passes gradient). Its row, finding and panel use the monitor's word."""
+    monitor = ActivationMonitor(measure_every_n_steps=2)
+    callbacks = [monitor, TrainvitalsDashboard()]
+    trainer = pl.Trainer(
+        **trainer_kwargs(callbacks=callbacks, logger=TensorBoardLogger(str(tmp_path), name="silu"), max_steps=4)
+    )
+    trainer.fit(InactiveSiLU(), loader(regression_data(64), 8))
+    assert main([str(tmp_path), "--format", "json"]) == 0
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    activations = {row["label"]: row["value"] for row in run["sections"]["activations"]}
+    assert activations["inactive units in act"] == monitor._last["act"]["dead_fraction"] == 1.0
+    assert not any(label.startswith("dead units") for label in activations)
+    messages = [f["message"] for f in run["findings"] if f["section"] == "activations"]
+    assert any(m.startswith("inactive units above 50%: act (100%)") for m in messages), messages
+    assert not any("dead" in m or "no gradient flows" in m for m in messages)
+    panel = run["panels"]["activation findings"].splitlines()
+    (row,) = [line for line in panel if line.startswith("| act |")]
+    assert panel[2].endswith("| dead | inactive |") and row.endswith("| | 1 |"), panel

@@ -49,8 +49,11 @@ class ActivationMonitor(TrainvitalsCallback):
     ``activation/abs_max/<module>``         max |x|
     ``activation/mean/<module>``            mean x
     ``activation/kurtosis/<module>``        E[(x − μ)⁴]/σ⁴: 3 for a Gaussian, large for heavy-tailed outliers
-    ``activation/dead_fraction/<module>``   ReLU-family and GELU outputs (:data:`~trainvitals.activations.stats.
-                                            DEAD_TYPES`): share of units ≤ 0 for every example of the batch
+    ``activation/dead_fraction/<module>``   ReLU and ReLU6 outputs: share of units ≤ 0 for every example of the
+                                            batch (dead: no gradient flows through them)
+    ``activation/inactive_fraction/<m>``    the same of the other :data:`~trainvitals.activations.stats.DEAD_TYPES`
+                                            (GELU, SiLU, ELU, ...): inactive, they pass their negative branch's
+                                            small gradient
     ======================================  ===================================================================
 
     A module whose output is a tuple, list or dict logs each floating tensor in it as ``<module>[i]``.
@@ -184,15 +187,13 @@ class ActivationMonitor(TrainvitalsCallback):
             found.append(
                 f"dead units above {self.dead_share:.0%} at step {self._last_step}: "
                 + ", ".join(f"`{k}` {v:.0%}" for k, v in zero.items())
-                + " — these units are ≤ 0 for every example, so no gradient flows through them: lower the lr, "
-                "check the initialisation and the biases, or use a leaky activation"
+                + f" — {DEAD_WHY}"
             )
         if inactive := {k: v for k, v in dead.items() if k not in zero}:
             found.append(
                 f"inactive units above {self.dead_share:.0%} at step {self._last_step}: "
                 + ", ".join(f"`{k}` {v:.0%}" for k, v in inactive.items())
-                + " — their input is ≤ 0 for every example, where this activation passes only the small gradient "
-                "of its negative branch: check the initialisation and the biases before it"
+                + f" — {INACTIVE_WHY}"
             )
         growing = [k for k, rms in self._history.items() if _growing(rms, self.growth_steps, self.growth_factor)]
         if growing:
@@ -216,12 +217,24 @@ class ActivationMonitor(TrainvitalsCallback):
         """End-of-run markdown: the last measured step's statistics per output, then the findings."""
         if not self._last:
             return "No step was measured."
-        rows = [(name, *(f"{stats[k]:.3g}" for k in STATS)) for name, stats in self._last.items()]
-        lines = markdown_table(("output", "rms", "max |x|", "mean", "kurtosis", "dead"), rows, align="lrrrrr")
+        rows = [
+            (name, *(f"{stats[k]:.3g}" for k in STATS[:-1]), *self._units_cells(name, stats["dead_fraction"]))
+            for name, stats in self._last.items()
+        ]
+        header = ("output", "rms", "max |x|", "mean", "kurtosis", "dead", "inactive")
+        lines = markdown_table(header, rows, align="lrrrrrr")
         found = self.findings()
         return "\n".join([f"Step {self._last_step}:", "", *lines, *(["", *(f"- {f}" for f in found)] if found else [])])
 
     # ------------------------------------------------------------------ helpers
+    def _units_cells(self, key: str, share: float) -> tuple[str, str]:
+        """The summary's "dead" and "inactive" cells of output ``key``: its share of units ≤ 0 in the one its
+        activation's word names (:func:`units_word`), the other empty; both empty where it is no activation."""
+        if math.isnan(share) or key not in self._zero_gradient:
+            return "", ""
+        cell = f"{share:.3g}"
+        return (cell, "") if self._zero_gradient[key] else ("", cell)
+
     def _chosen(self, name: str, module: nn.Module) -> bool:
         """Whether ``module`` (not the root) is measured: ``modules``' choice, by default a leaf."""
         if not name:
@@ -274,7 +287,13 @@ class ActivationMonitor(TrainvitalsCallback):
             if stats.pop("nonfinite") and self._nonfinite is None:
                 self._nonfinite = [step, key]
                 self.warn(_nonfinite_finding(step, key))
-            metrics.update({f"activation/{stat}/{key}": value for stat, value in stats.items()})
+            units = f"{units_word(self._zero_gradient.get(key, True))}_fraction"  # its activation's word
+            metrics.update(
+                {
+                    f"activation/{units if stat == 'dead_fraction' else stat}/{key}": value
+                    for stat, value in stats.items()
+                }
+            )
             self._last[key] = stats
             history = self._history.setdefault(key, [])
             history.append(stats["rms"])
@@ -286,6 +305,23 @@ class ActivationMonitor(TrainvitalsCallback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+DEAD_WHY = (
+    "these units are ≤ 0 for every example, so no gradient flows through them: lower the lr, check the "
+    "initialisation and the biases, or use a leaky activation"
+)
+INACTIVE_WHY = (
+    "their input is ≤ 0 for every example, where this activation passes only the small gradient of its negative "
+    "branch: check the initialisation and the biases before it"
+)
+"""What a share of units ≤ 0 for every example means, by the activation's word (:func:`units_word`)."""
+
+
+def units_word(zero_gradient: bool) -> str:
+    """What units ≤ 0 for every example are called: "dead" under an activation with no gradient there (ReLU,
+    ReLU6: :data:`~trainvitals.activations.stats.ZERO_GRADIENT_TYPES`), else "inactive" (GELU, SiLU, ELU, ...)."""
+    return "dead" if zero_gradient else "inactive"
 
 
 def _nonfinite_finding(step: int, module: str) -> str:

@@ -31,6 +31,7 @@ class GroupLR(NamedTuple):
     scheduler: str | None  # the class name of the lr scheduler stepping its optimizer
     kept: bool  # whether a base lr is kept apart from the lr now (not under ReduceLROnPlateau, which decays in place)
     set_as: str  # what the base lr is, in words ("OneCycleLR's max_lr")
+    step: int  # the optimizer step the lr now is for (trainer.global_step: the next to run), which "now" is dated by
 
     @property
     def moves(self) -> bool:
@@ -45,9 +46,12 @@ class GroupLR(NamedTuple):
         return "base lr" if self.moves and self.kept else "lr"
 
     def now_said(self) -> str:
-        """The lr now in words: ``now 0.0356``, with the factors ``now 0.0356 × 0.1 (BandSchedule) = 0.00356``."""
+        """The lr now in words, dated: ``now 0.0356 at optimizer step 60``, with the factors ``now 0.0356 × 0.1
+        (BandSchedule) = 0.00356 at optimizer step 60``; the report's lr of a logged step differs by its date."""
         cut = "".join(f" × {value:.3g} ({owner})" for owner, value in self.factors.items())
-        return f"now {self.scheduled:.3g}" + (f"{cut} = {self.now:.3g}" if cut else "")
+        return (
+            f"now {self.scheduled:.3g}" + (f"{cut} = {self.now:.3g}" if cut else "") + f" at optimizer step {self.step}"
+        )
 
     def base_said(self) -> str:
         """The base lr, what it is and the lr now where that differs: ``0.1 (OneCycleLR's max_lr; now 0.0356)``;
@@ -95,6 +99,19 @@ def group_lrs(trainer: "pl.Trainer", factors: LRFactors | None) -> list[GroupLR]
             kept = base is not None or by is None
             base = scheduled if base is None else base
             read.append(
-                GroupLR(name, family, group, number, base, scheduled, scheduled * scale, owners, by, kept, set_as)
+                GroupLR(
+                    name,
+                    family,
+                    group,
+                    number,
+                    base,
+                    scheduled,
+                    scheduled * scale,
+                    owners,
+                    by,
+                    kept,
+                    set_as,
+                    trainer.global_step,
+                )
             )
     return read

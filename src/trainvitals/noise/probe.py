@@ -145,6 +145,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         """(dataset row, or position in the batch without :attr:`outlier_rows`, and ‖g_i‖) of the last outliers."""
         self.add_state("outlier_rows", False, persistent=False)
         self.add_state("outlier_coverage", "", persistent=False)  # which parameters their norms are over
+        self.add_state("outlier_step", None, persistent=False)  # the optimizer step of their histogram
         self.add_state("_enabled", False, persistent=False)
         self.add_state("_disabled", "", persistent=False)  # why this fit measures nothing, if it does not
         self.add_state("_left_out", "", persistent=False)  # why the last step left out was, for the end line
@@ -268,7 +269,10 @@ class BatchVarianceProbe(TrainvitalsCallback):
         if self.last_outliers:
             which = "dataset row" if self.outlier_rows else "position in batch"
             largest = ", ".join(f"{i}: {v:.3g}" for i, v in self.last_outliers[:3])
-            rows.append((f"largest per-example gradients ({which}: ‖g_i‖)", f"{largest} ({self.outlier_coverage})"))
+            at = f"at optimizer step {self.outlier_step}"  # their histogram's step, not the table's
+            rows.append(
+                (f"largest per-example gradients ({which}: ‖g_i‖)", f"{largest} {at} ({self.outlier_coverage})")
+            )
         return "\n".join(markdown_table(("", ""), rows))
 
     @override
@@ -517,7 +521,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
             trainer, result.sq_norms, step.rows, self.top_k, sources.norm_coverage, step.step
         ):
             self.outlier_rows, self.outlier_coverage = outliers.by_row, outliers.coverage
-            self.last_outliers = list(zip(outliers.ids, outliers.norms))
+            self.last_outliers, self.outlier_step = list(zip(outliers.ids, outliers.norms)), step.step
 
     # ------------------------------------------------------------------ teardown and state
 

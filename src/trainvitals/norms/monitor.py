@@ -383,7 +383,8 @@ class GradNormMonitor(TrainvitalsCallback):
                 c = track.counts
                 parts.append(
                     f"{'optimizer ' + str(index) + ': ' if len(self._tracks) > 1 else ''}{track.steps} steps "
-                    f"measured, last ‖g‖ {track.last_read[1]:.4g}, non-finite {c['nonfinite_steps']}, "
+                    f"measured, last ‖g‖ {track.last_read[1]:.4g} (optimizer step {track.last_read[0]}), "
+                    f"non-finite {c['nonfinite_steps']}, "
                     f"AMP-skipped {c['amp_skipped_steps']}, spikes {c['spike_steps']}"
                     + _clipped_most(track, *self._set_lrs.get(index, ("", "unsure", [])))
                 )
@@ -396,14 +397,14 @@ class GradNormMonitor(TrainvitalsCallback):
             self._read_back(track)
             if track.last_read is None:
                 continue
-            _, total, group_norms = track.last_read
+            last, total, group_norms = track.last_read
             largest = ", ".join(f"`{name}` {value:.3g}" for name, value in _largest(group_norms))
             counts = track.counts
             rows.append(
                 (
                     index,
                     track.steps,
-                    f"{total:.4g}",
+                    f"{total:.4g} (step {last})",
                     largest,
                     counts["nonfinite_steps"],
                     counts["amp_skipped_steps"],

@@ -9,6 +9,8 @@ conditions (``FitLoop.done`` in ``lightning/pytorch/loops/fit_loop.py``).
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import EarlyStopping, Timer
+from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 
 
 def can_stop_now(trainer: "pl.Trainer") -> bool:
@@ -26,3 +28,22 @@ def stopped_early(trainer: "pl.Trainer") -> bool:
     at_max_steps = loop.max_steps != -1 and trainer.global_step >= loop.max_steps
     at_max_epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
     return trainer.should_stop and can_stop_now(trainer) and not at_max_steps and not (at_max_epochs and epoch_done)
+
+
+def ended_by(trainer: "pl.Trainer") -> str:
+    """What ended a fit that ran to its end, as a fit-end line names it: "max_steps=400", "max_epochs=3",
+    "max_time (Timer)", "EarlyStopping on val_loss"; "" where none of these (another callback's stop request):
+    the bounds a band that ends no fit leaves the fit to. Meaningful in ``on_train_end``."""
+    loop = trainer.fit_loop
+    if loop.max_steps != -1 and trainer.global_step >= loop.max_steps:
+        return f"max_steps={loop.max_steps}"
+    if not stopped_early(trainer):
+        at_max_epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
+        return f"max_epochs={loop.max_epochs}" if at_max_epochs else ""
+    for callback in trainer.callbacks:
+        remaining = callback.time_remaining() if isinstance(callback, Timer) else None  # None: no duration set
+        if remaining is not None and remaining <= 0:
+            return "max_time (Timer)"
+        if isinstance(callback, EarlyStopping) and callback.stopping_reason is not EarlyStoppingReason.NOT_STOPPED:
+            return f"EarlyStopping on {callback.monitor}"
+    return ""

@@ -49,13 +49,26 @@ _FROM_B_HAT = ("steps_over_min", "examples_over_min")
 """LRScalingAdvisor's ratios computed from its B̂: shown only beside the B_simple of their own step."""
 
 
+LR_AT = "lr"
+"""The noise section's label of the lr a logged step ran at; its row is always dated (:func:`dated`): the advisor's
+fit-end "now" is of a later step."""
+
+
+def dated(row: Row, step: int | None) -> Row:
+    """``row`` with the section's ``step`` said beside its value where it has none of its own: a "last" or lr value
+    that a callback's fit-end line quotes at a later step (GradNormMonitor's last ‖g‖, the advisor's lr now)."""
+    if row.step is None and row.value is not None:
+        row.step = step
+    return row
+
+
 def _lr_label(key: str, batch: float | None) -> str:
-    """The label of ``lr_scaling/<key>`` (LRScalingAdvisor's tags): ``lr/SGD`` is "lr now, SGD" (the step's),
+    """The label of ``lr_scaling/<key>`` (LRScalingAdvisor's tags): ``lr/SGD`` is "lr, SGD" (the step's, dated),
     ``base_lr/SGD`` "base lr, SGD" (the one set, which the advice scales), ``suggested_lr_x2/SGD`` "suggested base lr
     at ×2 (B = 128), SGD" at an effective batch of 64."""
     if key in _LR_LABELS:
         return _LR_LABELS[key]
-    for prefix, said in (("lr/", "lr now"), ("base_lr/", "base lr")):
+    for prefix, said in (("lr/", LR_AT), ("base_lr/", "base lr")):
         if key.startswith(prefix):
             return f"{said}, {key.removeprefix(prefix)}"
     if match := SUGGESTED_LR.match(key):
@@ -141,8 +154,8 @@ def convergence_section(run: Run, report: RunReport) -> None:
     norm = grad_norm("measured_total") if run.matching(grad_norm("measured_total")) else grad_norm("total")
     step = as_of(run, report, title, norm, grad_norm("noise_floor"), grad_norm("in_noise_band"))
     rows = [
-        row_at(run, step, "gradient norm, last", norm),
-        row_at(run, step, "noise level sqrt(tr Σ/B), last", grad_norm("noise_floor")),  # the run's one floor
+        dated(row_at(run, step, "gradient norm, last", norm), step),
+        dated(row_at(run, step, "noise level sqrt(tr Σ/B), last", grad_norm("noise_floor")), step),  # the one floor
         row_at(run, step, "noise level standard error", grad_norm("noise_floor_se")),
     ]
     total = rows[0].value
@@ -450,6 +463,9 @@ def _end_reason(end: dict[str, str], caveat: str = "") -> str:
 
 
 _STREAK = re.compile(r"(\d+) of (\d+) steps")
+_RATIO = re.compile(r"puts the band ratio .*?\) at (?P<said>.+?)(?P<then>; that interval [^;]*|)(?=; th|$)")
+"""The stopper's fit-end band ratio: "… puts the band ratio (‖G‖² over …) at 1.3 (90 %: 0–3.4); that interval reaches
+into the band: not shown to be outside it" (``noise.stopper``); an interval wholly outside the band adds nothing."""
 _REACHED = re.compile(r"reached (\d+) \((\d+) steps in a row\)")
 
 
@@ -481,6 +497,19 @@ def _end_verdict(
     elif caveat or "cannot decide" in why or "no noise estimate" in why:
         lead = "no noise-band verdict: the noise estimate could not decide"
         error = ""
+    elif streak and (ratio := _RATIO.search(why)):  # the interval decides the words, as in the stopper's line
+        said = ratio["said"].replace(" (", ", ", 1).removesuffix(")")
+        lead = (
+            f"not shown inside or outside its noise band at the end (band ratio {said})"
+            if "reaches into the band" in ratio["then"]
+            else f"inside its noise band at the end, its streak not yet begun (band ratio {said})"
+            if "lies inside the band" in ratio["then"]
+            else f"not in its noise band at the end (band ratio {said})"  # the whole interval above the edge
+            if "90 %" in said
+            else f"no noise-band verdict at the end (band ratio {said})"  # no interval
+        )
+        if error:  # one parenthesis: "(band ratio 1.3, 90 %: 0–3.4; noise level ± 7%)"
+            lead, error = f"{lead[:-1]}; {error.strip().removeprefix('(')}", ""
     elif streak:
         lead = "not in its noise band at the end (the last step the stopper counted was outside it)"
     else:
@@ -721,6 +750,7 @@ def noise_scale_section(run: Run, report: RunReport) -> None:
         series_row(_lr_label(tag.removeprefix("lr_scaling/"), batch_row.value), series, step)
         for tag, series in sorted(run.matching(r"lr_scaling/(?!effective_batch$).+").items())
     ]
+    rows = [dated(r, step) if r.label.startswith(f"{LR_AT}, ") else r for r in rows]
     # A B_simple error or a ratio of another step was computed from a B̂ not shown here: left out, not dated.
     stale = {error_row.label} | {_LR_LABELS[k] for k in _FROM_B_HAT}
     report.sections[title] = [

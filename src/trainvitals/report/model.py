@@ -55,7 +55,9 @@ class Row:
     fraction shown as a percent, or empty).
 
     A section's rows are of one step, its own (:attr:`RunReport.steps`); ``step`` is the step of a value not
-    logged at it (a callback with another cadence, a value logged only while it was valid), shown with it.
+    logged at it (a callback with another cadence, a value logged only while it was valid), shown with it, or of a
+    "last" value or lr that a callback's fit-end line quotes at a later step
+    (:func:`~trainvitals.report.convergence.dated`).
     """
 
     label: str

@@ -7,6 +7,7 @@ import math
 import re
 import statistics
 
+from trainvitals.activations.monitor import DEAD_WHY, INACTIVE_WHY, units_word
 from trainvitals.report.events import Run
 from trainvitals.report.model import Finding, Row, RunReport, as_of, counter, panel, value_at
 from trainvitals.tags import DIAGNOSIS_PREFIXES, activation, update
@@ -67,32 +68,33 @@ def update_section(run: Run, report: RunReport) -> None:
 
 
 def activation_section(run: Run, report: RunReport) -> None:
-    """Per module, the rms and the dead fraction at the section's step (largest first); dead units above
-    :data:`DEAD_SHARE`."""
+    """Per module, the rms and the share of dead (ReLU) or inactive (GELU, SiLU, ...) units at the section's step
+    (largest first); those above :data:`DEAD_SHARE`."""
     rms = run.matching(activation("rms"))
     if not rms:
         return
     step = as_of(run, report, ACTIVATIONS, activation("rms"))
     largest = sorted((*value_at(series, step), tag.split("/", 2)[2]) for tag, series in rms.items())
     rows = [Row(f"rms of {name}", value, step=own) for value, own, name in largest[-MAX_ROWS:][::-1]]
-    dead = {
-        tag.split("/", 2)[2]: value_at(series, step)
-        for tag, series in run.matching(activation("dead_fraction")).items()
+    # The monitor's own word per activation: dead under ReLU (no gradient), inactive under GELU, SiLU, ...
+    shares = {
+        word: {
+            tag.split("/", 2)[2]: value_at(series, step)
+            for tag, series in run.matching(activation(f"{word}_fraction")).items()
+        }
+        for word in (units_word(True), units_word(False))
     }
-    rows += [Row(f"dead units in {name}", value, "share", own) for name, (value, own) in sorted(dead.items())]
+    for word, found in shares.items():
+        rows += [Row(f"{word} units in {name}", value, "share", own) for name, (value, own) in sorted(found.items())]
     report.sections[ACTIVATIONS] = rows
-    high = sorted(
-        f"{name} ({value:.0%})" for name, (value, _) in dead.items() if value is not None and value > DEAD_SHARE
-    )
-    if high:
-        report.findings.append(
-            Finding(
-                "warning",
-                ACTIVATIONS,
-                f"dead units above {DEAD_SHARE:.0%}: {', '.join(high)} — no gradient flows through a unit that is ≤ 0 "
-                "for every example: lower the lr, check the initialisation and biases, or use a leaky activation",
-            )
+    for (word, found), why in zip(shares.items(), (DEAD_WHY, INACTIVE_WHY)):
+        high = sorted(
+            f"{name} ({value:.0%})" for name, (value, _) in found.items() if value is not None and value > DEAD_SHARE
         )
+        if high:
+            report.findings.append(
+                Finding("warning", ACTIVATIONS, f"{word} units above {DEAD_SHARE:.0%}: {', '.join(high)} — {why}")
+            )
     for prefix in DIAGNOSIS_PREFIXES:
         panel(run, report, "activation findings", f"{prefix}ActivationMonitor")
 

@@ -32,7 +32,7 @@ from trainvitals.noise.stopper import (
 from trainvitals.plumbing.amp import grad_scaler
 from trainvitals.plumbing.lr_factors import LRFactors, monitors_after
 from trainvitals.plumbing.sharing import LR_FACTORS, NOISE_BAND
-from trainvitals.plumbing.stopping import can_stop_now
+from trainvitals.plumbing.stopping import can_stop_now, ended_by
 from trainvitals.plumbing.writers import log_scalars, log_text
 from trainvitals.schedule.decision import (
     Action,
@@ -196,6 +196,10 @@ class BandSchedule(GradNormEarlyStopping):
         self._announce_at: int | None
         """The optimizer step that is the first at a new lr scale or accumulation: logged then, on any step."""
         self.add_state("_announce_at", None, persistent=False)
+        self._ended_by: str
+        """What ended the fit where the band did not (:func:`~trainvitals.plumbing.stopping.ended_by`), read at
+        train end: what its fit-end line names."""
+        self.add_state("_ended_by", "", persistent=False)
         self._held_back: tuple[Action, float, float, float, float] | None
         """At the last check: the act a full streak after a cut waits to make, the band ratio and its 90 % interval
         (point, low, high) that kept it and the estimate's effective measurements (``None``: none waiting)."""
@@ -281,6 +285,7 @@ class BandSchedule(GradNormEarlyStopping):
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._put_back(close=True)
+        self._ended_by = ended_by(trainer)
         super().on_train_end(trainer, pl_module)
 
     @override
@@ -471,9 +476,11 @@ class BandSchedule(GradNormEarlyStopping):
             )
         return f"{self._cuts_said()}; {super().summary_line().removesuffix('.')}{self._next_step()}."
 
-    @staticmethod
-    def _next_step() -> str:
-        """What to do where the band ended no fit (docs/callbacks/band-schedule.md, "What a second act needs")."""
+    def _next_step(self) -> str:
+        """What ended a fit the band did not end, or, where nothing else did either, what to do
+        (docs/callbacks/band-schedule.md, "What a second act needs")."""
+        if self._ended_by:
+            return f"; the band did not end the fit: {self._ended_by} did"
         return "; the band did not end the fit: bound it by steps or by a validation-loss EarlyStopping"
 
     @override

@@ -156,7 +156,8 @@ def _charts(groups: Sequence[str]) -> dict[str, list[Any]]:
             "activation rms per module": ["Multiline", [activation("rms")]],
             "activation max |x| per module": ["Multiline", [activation("abs_max")]],
             "activation kurtosis per module (3: Gaussian)": ["Multiline", [activation("kurtosis")]],
-            "dead units per activation (share)": ["Multiline", [activation("dead_fraction")]],
+            "dead units per ReLU (share)": ["Multiline", [activation("dead_fraction")]],
+            "inactive units per GELU, SiLU, ... (share)": ["Multiline", [activation("inactive_fraction")]],
         }
     )
     return charts
