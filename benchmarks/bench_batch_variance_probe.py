@@ -1,13 +1,15 @@
 """Training-step overhead of BatchVarianceProbe against a bare run, in one process.
 
-Variants, timed interleaved (bare, every_1, every_10, bare, ...):
+Variants, timed interleaved (bare, every_1, every_10, log_10, bare, ...):
 
 - ``bare``: the module alone;
 - ``every_1``: + ``BatchVarianceProbe()``: per-example norms in every backward (targets ≤ 1.15);
-- ``every_10``: + ``BatchVarianceProbe(measure_every_n_steps=10)`` (target ≤ 1.03).
+- ``every_10``: + ``BatchVarianceProbe(measure_every_n_steps=10)`` (target ≤ 1.03);
+- ``log_10``: + ``BatchVarianceProbe(log_every_n_steps=10)`` to a TensorBoardLogger: measured every step,
+  logged every 10th (GSNR and the EB criterion from the per-coordinate sums, the estimate's tags).
 
-The probe logs at the Trainer's cadence (every 50 steps: GSNR and the EB criterion are computed then)
-and draws no histograms (no TensorBoardLogger). Models: (a) the 6M-parameter MLP of ``_common`` in 98
+The first three log at the Trainer's cadence (every 50 steps: GSNR and the EB criterion are computed then)
+to no logger; none draws histograms. Models: (a) the 6M-parameter MLP of ``_common`` in 98
 tensors, batch 64; (b) the demo CNN on the digits, batch 64. A fit's time per step is the median over
 windows of 10 consecutive iterations of their mean (each window holds exactly one measured step of
 ``every_10``), after ``--warmup`` iterations, in wall-clock and in process CPU time (the steadier one
@@ -18,7 +20,8 @@ Between fits this machine's speed drifts by ±10–30%, more than a measured ste
 ``every_10`` fits are also read paired, within the fit: the CPU time of its measured steps against
 its other steps (median of each), and the thread CPU time of the probe's hooks on the other steps
 (what an unmeasured step costs it) against the bare step. Amortised over 10 steps:
-1 + (paired − 1)/10 + idle hooks/bare step.
+1 + (paired − 1)/10 + idle hooks/bare step. The ``log_10`` fits are read the same way: a logging step
+(measured) against the fit's other, measured steps — what logging adds to a measured step (target ≤ 1.15).
 
     python benchmarks/bench_batch_variance_probe.py --repetitions 5 --out batch_variance_probe.json
 """
@@ -26,6 +29,7 @@ its other steps (median of each), and the thread CPU time of the probe's hooks o
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +54,8 @@ from trainvitals.demo.data import DigitsDataModule
 from trainvitals.demo.model import DigitsCNN
 from trainvitals.noise.probe import BatchVarianceProbe
 
-VARIANTS = {"bare": None, "every_1": 1, "every_10": 10}
+VARIANTS = {"bare": None, "every_1": 1, "every_10": 10, "log_10": 1}
+LOGGING = {"log_10": 10}  # the variants that log at their own cadence, to a TensorBoardLogger
 WINDOW = 10
 # The probe's hooks in a step without accumulation (its tensor hooks run only in measured steps).
 PROBE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
@@ -86,15 +91,32 @@ def timed_fit(
     make_data: Callable[[], Any],
     steps: int,
     warmup: int,
+    log_every: int | None = None,
 ) -> dict[str, float]:
     pl.seed_everything(0, verbose=False)
     timer = StepTimer(warmup)
-    probe = [BatchVarianceProbe(measure_every_n_steps=every, histogram_every_n_steps=0)] if every else []
+    probe = (
+        [BatchVarianceProbe(measure_every_n_steps=every, log_every_n_steps=log_every, histogram_every_n_steps=0)]
+        if every
+        else []
+    )
     hooks = hook_seconds_by_step(probe[0], PROBE_HOOKS) if probe else {}
-    fit_once(make_model(), make_data(), [timer, *probe], warmup + steps + 1, log_every_n_steps=50)
+    with tempfile.TemporaryDirectory() as logdir:
+        fit_once(
+            make_model(),
+            make_data(),
+            [timer, *probe],
+            warmup + steps + 1,
+            logdir=logdir if log_every else None,
+            log_every_n_steps=50,
+        )
     if probe and int(probe[0].noise.count) == 0:
         raise RuntimeError("the probe measured nothing: the benchmark would time an idle callback")
     result = {"wall_s": window_mean(timer.seconds), "cpu_s": window_mean(timer.cpu_seconds), "n": len(timer.seconds)}
+    if log_every:
+        logged = [t for step, t in zip(timer.steps, timer.cpu_seconds) if step % log_every == 0]
+        others = [t for step, t in zip(timer.steps, timer.cpu_seconds) if step % log_every]
+        result["logging_ratio"] = median(logged) / median(others)
     if every and every > 1:
         measured = [t for step, t in zip(timer.steps, timer.cpu_seconds) if step % every == 0]
         others = [t for step, t in zip(timer.steps, timer.cpu_seconds) if step % every]
@@ -111,7 +133,11 @@ def bench_model(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     variants = {
-        name: (lambda every=every: timed_fit(every, make_model, make_data, steps, args.warmup))
+        name: (
+            lambda every=every, name=name: timed_fit(
+                every, make_model, make_data, steps, args.warmup, LOGGING.get(name)
+            )
+        )
         for name, every in VARIANTS.items()
     }
     runs = interleaved(variants, args.repetitions)
@@ -136,7 +162,11 @@ def bench_model(
                 "idle_hooks_fraction": idle,
                 "amortised": 1 + (median(ratios) - 1) / every + idle,
             }
-    return {"model": label, "runs": runs, "rows": rows, "paired": paired}
+    logging = {}
+    for name in LOGGING:
+        ratios = [r["logging_ratio"] for r in runs[name]]
+        logging[name] = {"logging_step_ratio": median(ratios), "range": (min(ratios), max(ratios))}
+    return {"model": label, "runs": runs, "rows": rows, "paired": paired, "logging": logging}
 
 
 def format_rows(result: dict[str, Any]) -> str:
@@ -153,6 +183,11 @@ def format_rows(result: dict[str, Any]) -> str:
         f"[{p['range'][0]:.3f}–{p['range'][1]:.3f}], the probe's hooks on the other steps "
         f"{p['idle_hooks_fraction']:.2%} of a bare step; amortised {p['amortised']:.3f}"
         for name, p in result["paired"].items()
+    ]
+    lines += [
+        f"\n{name}, paired within each fit: a logging step / the other measured steps {p['logging_step_ratio']:.3f} "
+        f"[{p['range'][0]:.3f}–{p['range'][1]:.3f}]"
+        for name, p in result["logging"].items()
     ]
     return table + "".join(lines)
 

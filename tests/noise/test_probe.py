@@ -1895,3 +1895,28 @@ def test_an_unbounded_or_undefined_value_reaches_callback_metrics_as_such():
                 skipped += 1
                 assert not math.isfinite(held)
     assert skipped >= len(logged_steps)  # b_simple_high at least: unbounded wherever ‖G‖² may be 0
+
+
+@pytest.mark.parametrize("per_coordinate", [True, False])
+def test_the_sums_check_runs_at_the_first_and_every_tenth_logging_step(per_coordinate, monkeypatch):
+    """Its own schedule (probe.SUMS_CHECK_EVERY): without GSNR, a logging step forms no per-coordinate sums but for
+    the check's; with GSNR, every logging step forms them and the check reads them at its steps only."""
+    checked: list[int] = []
+    unbalanced = PerExampleGradients.unbalanced
+
+    def counted(self: PerExampleGradients, step: Any, to_grad: Any) -> dict[str, str]:
+        checked.append(probe._step.step)
+        return unbalanced(self, step, to_grad)
+
+    monkeypatch.setattr(PerExampleGradients, "unbalanced", counted)
+    probe = BatchVarianceProbe(log_every_n_steps=2, per_coordinate=per_coordinate)
+    formed: list[bool] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, *_: Any) -> None:  # after the probe's, which selects the step's sums
+            formed.append(probe._step is not None and bool(probe._step.selection))
+
+    fit(Classifier(network("mlp")), classification_data("mlp", 8 * 22), [probe, Record()], batch_size=8, steps=22)
+    assert checked == [0, 20]
+    logging = [step % 2 == 0 for step in range(22)]
+    assert formed == (logging if per_coordinate else [step in (0, 20) for step in range(22)])

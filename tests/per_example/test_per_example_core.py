@@ -352,6 +352,91 @@ def test_the_digits_cnn_is_measured_exactly_in_either_forced_form(conv2d_form, b
     assert {"gram_a", "gram_g"} <= bmm_roles if conv2d_form == "gram" else "gram_a" not in bmm_roles
 
 
+class MatmulFlops(TorchDispatchMode):
+    """Multiply-adds of every batched matmul run (``bmm``, into a buffer or not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.bmm:
+            (b, n, k), m = args[0].shape, args[1].shape[2]
+            self.total += b * n * k * m
+        return func(*args, **(kwargs or {}))
+
+
+def _unet_like() -> nn.Sequential:
+    """ "Same" convolutions (shifted reads), a strided and a transposed one, a 1×1 and a Linear over positions."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.Conv2d(16, 16, 3, stride=2, padding=1),
+        nn.ConvTranspose2d(16, 8, 4, stride=2, padding=1),
+        nn.Conv2d(8, 8, 1),
+        nn.Flatten(2),  # (B, 8, 64): a Linear at 8 positions
+        nn.Linear(64, 10),
+        nn.Flatten(),
+        nn.Linear(80, 10),
+    ).double()
+
+
+def test_a_step_with_per_coordinate_sums_forms_each_block_once():
+    """A logging step's norms come from the per-example blocks its sums form: no more matmul work than a step
+    without the sums, the norms and sums as brute force gives them."""
+    torch.manual_seed(0)
+    model = _unet_like()
+    x, y = torch.randn(B, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (B,))
+    counted = {}
+    for coordinates in (False, True):
+        with MatmulFlops() as flops:
+            step = hooked(model, x, y, coordinates=coordinates)
+        counted[coordinates] = flops.total
+    assert counted[True] <= counted[False]
+    per_example = brute_force(model, x, y)
+    assert not step.failed and set(step.grad_sum) == set(per_example)
+    assert rel_close(step.sq_norms[0], sum(g.flatten(1).square().sum(1) for g in per_example.values()), 1e-10)
+    for n, g in per_example.items():
+        assert rel_close(step.grad_sum[n], g.sum(0), 1e-10) and rel_close(step.sum_sq[n], g.square().sum(0), 1e-10), n
+
+
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (nn.Conv2d(4, 6, 3, padding=1), (B, 4, 5, 7)),
+        (nn.Conv1d(4, 6, 5, padding=2), (B, 4, 9)),
+        (nn.Conv3d(2, 3, 3, padding=1), (B, 2, 3, 4, 5)),
+        (nn.Conv2d(4, 6, 3, stride=2, padding=1), (B, 4, 6, 6)),
+        (nn.ConvTranspose2d(4, 3, 4, stride=2, padding=1), (B, 4, 3, 3)),
+        (nn.Linear(5, 7), (B, 4, 5)),
+    ],
+    ids=["same-2d", "same-1d", "same-3d", "strided", "transposed", "linear-positions"],
+)
+@pytest.mark.parametrize("rows", [None, slice(1, 4)], ids=["all-rows", "rows-1-4"])
+def test_measure_gives_the_norms_and_the_rows_sums_of_brute_force(layer, shape, rows):
+    """:meth:`PerExampleRule.measure` (a logging step's norms and sums from one pass) against each example's
+    gradient, over all rows or a slice of the weight's and the bias's."""
+    torch.manual_seed(0)
+    layer = layer.double()
+    x = torch.randn(shape, dtype=torch.float64)
+    g = torch.randn_like(layer(x))
+    params = dict(layer.named_parameters())
+    per_example = {n: [] for n in params}
+    for i in range(B):
+        for n, grad in zip(
+            params, torch.autograd.grad((layer(x[i : i + 1]) * g[i : i + 1]).sum(), list(params.values()))
+        ):
+            per_example[n].append(grad)
+    truth = {n: torch.stack(v) for n, v in per_example.items()}
+    selected = {n: slice(None) if rows is None else rows for n in params}
+    sq, sums = rule_for(layer).measure(layer, [Use(x, g)], Workspace(), selected)
+    assert rel_close(sq, sum(t.flatten(1).square().sum(1) for t in truth.values()), 1e-10)
+    assert set(sums) == set(params)
+    for n, t in truth.items():
+        t = t[:, selected[n]]
+        assert rel_close(sums[n][0], t.sum(0), 1e-10) and rel_close(sums[n][1], t.square().sum(0), 1e-10), n
+
+
 def test_conv_rule_rejects_an_unknown_form():
     with pytest.raises(ValueError, match="form"):
         conv_module.ConvRule(form="ghost")

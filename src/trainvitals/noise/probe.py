@@ -45,6 +45,7 @@ from trainvitals.text.markdown import markdown_table
 
 LOSS_REDUCTIONS = ("auto", "mean", "sum")
 COORDINATE_BUDGET = 2**20  # per-coordinate sums per logging step: 16 MiB of float64 Σg and Σg²
+SUMS_CHECK_EVERY = 10  # the sums check: at the first measured step, then every this many logging steps
 
 
 class BatchVarianceProbe(TrainvitalsCallback):
@@ -158,7 +159,7 @@ class BatchVarianceProbe(TrainvitalsCallback):
         self.add_state("_finalized_step", -1, persistent=False)
         self.add_state("_finished", None, persistent=False)  # what that step left for on_train_batch_end
         self.add_state("_coordinate_cursor", 0, key="coordinate_cursor")  # the next logging step's first coordinate
-        self.add_state("_sums_checked", False, persistent=False)  # this fit's first measured step formed the sums
+        self.add_state("_logging_steps", 0, persistent=False)  # measured logging steps so far, for the sums check's
         self.add_state("_gsnr_partial", {}, key="gsnr_partial")  # per GSNR key: Σ GSNR and coordinates of the pass
         self.add_state("_stated_reduction", "", persistent=False)
         # Which dimension holds the examples where T = B: what the fit's calls showed, kept over its plans.
@@ -369,11 +370,21 @@ class BatchVarianceProbe(TrainvitalsCallback):
             return
         selection: dict[str, slice] = {}
         logging = is_logging_step(step, self._log_every)
-        if logging or not self._sums_checked:  # GSNR's sums, and the sums check's (also a fit's first step)
+        # The sums check at the fit's first measured step, then every SUMS_CHECK_EVERY-th logging step (which
+        # reads on the host anyway); GSNR's sums at every logging step with per_coordinate.
+        first = self._logging_steps == 0
+        check = (logging or first) and self._logging_steps % SUMS_CHECK_EVERY == 0
+        if logging or first:
+            self._logging_steps += 1
+        coordinates = logging and self.per_coordinate
+        if coordinates or check:
             selection, cursor = self._coordinates.select(self._coordinate_cursor)
-            self._coordinate_cursor, self._sums_checked = cursor if logging else self._coordinate_cursor, True
+            if coordinates or not self.per_coordinate:  # GSNR's passes advance on logging steps only
+                self._coordinate_cursor = cursor
         keep_norms = self._histogram_every is not None and step % self._histogram_every == 0
-        self._step = ProbeStep(step, sources, selection, keep_norms, logging, logging or self._log_every is None)
+        self._step = ProbeStep(
+            step, sources, selection, keep_norms, logging, logging or self._log_every is None, check_sums=check
+        )
 
     @override
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:

@@ -76,6 +76,7 @@ class ProbeStep:
         keep_norms: keep each example's ‖g_i‖² (a histogram step), and the micro-batches' dataset rows.
         logging: a logging step.
         decide: decide 1-D ids on the host at this step (a step that syncs anyway).
+        check_sums: check that the per-example gradients of the ``selection`` add up to ``.grad``.
     """
 
     def __init__(
@@ -86,9 +87,10 @@ class ProbeStep:
         keep_norms: bool,
         logging: bool,
         decide: bool,
+        check_sums: bool = False,
     ) -> None:
         self.step, self.sources, self.selection = step, sources, selection
-        self.keep_norms, self.logging, self.decide = keep_norms, logging, decide
+        self.keep_norms, self.logging, self.decide, self.check_sums = keep_norms, logging, decide, check_sums
         self.sizes: list[int] = []  # the examples of each micro-batch that ran backward
         self.unsized = False  # one of them Lightning cannot size
         self.rows: list[Tensor | None] = []  # their dataset rows, on the steps that keep norms
@@ -228,9 +230,9 @@ class ProbeStep:
         result: PerExampleStep,
         optimizer: torch.optim.Optimizer,
     ) -> None:
-        """On a step with per-coordinate sums, fail the layers whose per-example gradients do not add up to their
-        ``.grad``: on one device (ranks average ``.grad``), with all micro-batches measured and of one size."""
-        if not result.grad_sum or not self._whole_window(trainer, pl_module):
+        """On a step that checks its per-coordinate sums, fail the layers whose per-example gradients do not add up
+        to their ``.grad``: on one device (ranks average ``.grad``), with all micro-batches measured and of one size."""
+        if not self.check_sums or not result.grad_sum or not self._whole_window(trainer, pl_module):
             return
         to_grad: Tensor | float = self.grad_units(trainer, pl_module) / sum(self.sizes)
         scale = scale_left_in_grads(trainer, optimizer)

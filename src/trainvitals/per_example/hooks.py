@@ -199,6 +199,11 @@ class PerExampleGradients:
         self.layouts = Layouts() if layouts is None else layouts
         self._rules = {name: rule_for(module) or BROADCAST_PARAMETERS for name, module in self.per_example.items()}
         self._names, self._groups = self._parameter_names()
+        # Each module's measured parameters, local name: qualified name (a step's lookups without a rebuilt dict).
+        self._locals = {
+            name: {local: self._names[id(p)] for local, p in self._rules[name].parameters(module).items()}
+            for name, module in self.per_example.items()
+        }
         self._handles: list[RemovableHandle] = []
         self._captures: dict[str, list[Any]] = {}  # per module, the captures of its calls still running
         self._versions: dict[str, list[int | None]] = {}  # per vmap module, its running call's inputs' versions
@@ -675,18 +680,13 @@ class PerExampleGradients:
             if len(group) == 1:
                 ((name, module_uses),) = uses.items()
                 module, rule = self.per_example[name], self._rules[name]
-                sq = rule.sq_norms(module, module_uses, self._workspace)
                 rows = {}  # the rows to sum of each parameter: none without coordinates (no name lookups)
                 if self._coordinates:
                     rows = {
-                        local: self._coordinates[q]
-                        for local in rule.parameters(module)
-                        if (q := self._qualified(name, local, module)) in self._coordinates
+                        local: self._coordinates[q] for local, q in self._locals[name].items() if q in self._coordinates
                     }
-                sums = {
-                    self._qualified(name, local, module): value
-                    for local, value in (rule.sums(module, module_uses, self._workspace, rows) if rows else {}).items()
-                }
+                sq, local_sums = rule.measure(module, module_uses, self._workspace, rows)
+                sums = {self._locals[name][local]: value for local, value in local_sums.items()}
                 either = self._either.pop(name, None)
                 if either is not None:  # ids arange(B), a position table: from its adds' gradients
                     alt_slot, arange = either
@@ -707,11 +707,7 @@ class PerExampleGradients:
                         for q, (total, total_sq) in sums.items()
                     }
             else:
-                wanted = any(
-                    self._qualified(m, local, self.per_example[m]) in self._coordinates
-                    for m in uses
-                    for local in self._rules[m].parameters(self.per_example[m])
-                )
+                wanted = any(q in self._coordinates for m in uses for q in self._locals[m].values())
                 sq, sums = measure_tied(
                     {m: (self.per_example[m], self._rules[m], u) for m, u in uses.items()},
                     self._names,
@@ -784,9 +780,6 @@ class PerExampleGradients:
             if id(p) not in self._names:
                 out[f"{name}.{local}" if name else local] = p
         return out
-
-    def _qualified(self, name: str, local: str, module: nn.Module) -> str:
-        return self._names[id(self._rules[name].parameters(module)[local])]
 
     def _enter_vmap(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         """The versions of a ``vmap`` call's inputs before its forward: one that changes them in place cannot be

@@ -131,6 +131,13 @@ class PerExampleRule:
             return _batch_zeros(uses)
         return sum(_sq_norms(g.to(_accumulation_dtype(g))) for g in grads.values())  # type: ignore[return-value]
 
+    def measure(
+        self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None, rows: Mapping[str, slice]
+    ) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
+        """:meth:`sq_norms` and, with ``rows``, :meth:`sums` of the same uses (a logging step's pair): a rule
+        that forms per-example blocks for the sums may take the norms from them (one batched matmul, not two)."""
+        return self.sq_norms(module, uses, workspace), self.sums(module, uses, workspace, rows) if rows else {}
+
     def sums(
         self,
         module: nn.Module,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from trainvitals.per_example import tensor_ops
 from trainvitals.per_example.registry import Use, register_per_example_rule
 from trainvitals.per_example.rules.linear import OuterProductRule
-from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _trainable, gram_is_cheaper
+from trainvitals.per_example.tensor_ops import Workspace, _accumulation_dtype, _moments, _trainable, gram_is_cheaper
 
 
 class _Shifted(NamedTuple):
@@ -128,14 +128,15 @@ def _shifted_patches(
     return view.contiguous() if workspace is None else workspace.take("patches", view.shape, view).copy_(view)
 
 
-def _shifted_block_sq_norms(
+def _shifted_blocks(
     module: nn.modules.conv._ConvNd, inputs: Tensor, grad_output: Tensor, workspace: Workspace | None
-) -> Tensor | None:
-    """‖Σ_t δ_t a_tᵀ‖²_F per example of an ungrouped convolution with a :func:`_shifted_source`, without the
-    patches: the block's columns of offset o_0 of the first kernel dimension are δᵀ X_{o_0}, X_{o_0} the
+) -> Iterator[Tensor] | None:
+    """The per-example blocks Σ_t δ_t a_tᵀ of an ungrouped convolution with a :func:`_shifted_source`, without
+    the patches: the block's columns of offset o_0 of the first kernel dimension are δᵀ X_{o_0}, X_{o_0} the
     ``(T, C·K')`` strided read of the source, one batched matmul each (k_0 of them, same FLOPs as one over
     the patches); ``None`` for a grouped convolution or where there is no shifted source. In chunks of
-    examples whose source and blocks stay within ``_SCRATCH_BYTES``."""
+    examples whose source and blocks stay within ``_SCRATCH_BYTES``, each ``(k_0, b, O, C·K')`` (valid until
+    the next is taken)."""
     if module.groups != 1:
         return None
     dtype = _accumulation_dtype(grad_output)
@@ -144,22 +145,41 @@ def _shifted_block_sq_norms(
     source = 2 * math.prod(inputs.shape[1:]) * math.prod(kernel[1:])  # K' copies, their margins within 2×
     blocks = fan_out * inputs.shape[1] * math.prod(kernel)
     chunk = max(1, tensor_ops._SCRATCH_BYTES // ((source + blocks) * dtype.itemsize))
-    parts = []
-    for start in range(0, max(batch, 1), chunk):
-        whole = start == 0 and chunk >= batch
-        shifted = _shifted_source(module, inputs if whole else inputs[start : start + chunk], dtype, workspace)
-        if shifted is None:
-            return None
-        b, c, copies, length = shifted.source.shape
-        g = (grad_output if whole else grad_output[start : start + chunk]).to(dtype).flatten(2)  # (b, O, T)
-        shape = (kernel[0], b, fan_out, c * copies)
-        out = shifted.source.new_empty(shape) if workspace is None else workspace.take("blocks", shape, g)
-        for o, shift in enumerate(shifted.leading):
-            rows = shifted.source.as_strided(
-                (b, shifted.positions, c * copies), (c * copies * length, 1, length), shifted.base + shift
-            )
-            torch.bmm(g, rows, out=out[o])
-        parts.append(torch.linalg.vector_norm(out, dim=(0, 2, 3)).square())
+    whole = chunk >= batch
+
+    def shifted_at(start: int) -> _Shifted | None:
+        return _shifted_source(module, inputs if whole else inputs[start : start + chunk], dtype, workspace)
+
+    first = shifted_at(0)
+    if first is None:
+        return None
+
+    def each_chunk() -> Iterator[Tensor]:
+        for start in range(0, max(batch, 1), chunk):
+            shifted = first if start == 0 else shifted_at(start)
+            assert shifted is not None, "a chunk of the same convolution and input sizes"
+            b, c, copies, length = shifted.source.shape
+            g = (grad_output if whole else grad_output[start : start + chunk]).to(dtype).flatten(2)  # (b, O, T)
+            shape = (kernel[0], b, fan_out, c * copies)
+            out = shifted.source.new_empty(shape) if workspace is None else workspace.take("blocks", shape, g)
+            for o, shift in enumerate(shifted.leading):
+                rows = shifted.source.as_strided(
+                    (b, shifted.positions, c * copies), (c * copies * length, 1, length), shifted.base + shift
+                )
+                torch.bmm(g, rows, out=out[o])
+            yield out
+
+    return each_chunk()
+
+
+def _shifted_block_sq_norms(
+    module: nn.modules.conv._ConvNd, inputs: Tensor, grad_output: Tensor, workspace: Workspace | None
+) -> Tensor | None:
+    """‖Σ_t δ_t a_tᵀ‖²_F per example from :func:`_shifted_blocks`; ``None`` where there are none."""
+    blocks = _shifted_blocks(module, inputs, grad_output, workspace)
+    if blocks is None:
+        return None
+    parts = [torch.linalg.vector_norm(out, dim=(0, 2, 3)).square() for out in blocks]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -247,6 +267,33 @@ class ConvRule(OuterProductRule):
             if sq is not None:
                 return sq + self._bias_grads(module, uses).square().sum(1) if "bias" in trainable else sq
         return super().sq_norms(module, uses, workspace)
+
+    def measure(
+        self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None, rows: Mapping[str, slice]
+    ) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
+        """A call that :meth:`sq_norms` measures from shifted reads: the weight's norms and sums of the blocks
+        formed once, from those reads (no patches); other calls as :class:`OuterProductRule` measures them."""
+        trainable = _trainable(module)
+        if "weight" in rows and len(uses) == 1 and "weight" in trainable and self._rows(module, uses[0].inputs.shape):
+            inputs, grad_output = uses[0]
+            blocks = _shifted_blocks(module, inputs, grad_output, workspace)
+            if blocks is not None:
+                r, parts, total = rows["weight"], [], None
+                for out in blocks:  # (k_0, b, O, C·K'): the weight's (O, C, k_0, *K') with k_0 first
+                    parts.append(torch.linalg.vector_norm(out, dim=(0, 2, 3)).square())
+                    part = _moments(out[:, :, r].transpose(0, 1))
+                    total = part if total is None else (total[0].add_(part[0]), total[1].add_(part[1]))
+                assert total is not None, "an empty batch is one empty chunk"
+                k0, channels = module.kernel_size[0], inputs.shape[1]
+                weight = tuple(
+                    t.view(k0, t.shape[1], channels, *module.kernel_size[1:]).movedim(0, 2).contiguous() for t in total
+                )
+                sq = parts[0] if len(parts) == 1 else torch.cat(parts)
+                return self._with_bias(module, uses, rows, sq, {"weight": weight})  # type: ignore[dict-item]
+        return super().measure(module, uses, workspace, rows)
+
+    def _norms_from_blocks(self) -> bool:
+        return self.form != "gram"
 
     def _rows(self, module: nn.Module, input_shape: torch.Size) -> bool:
         """Whether a call on ``input_shape`` may take the blocks form without patches

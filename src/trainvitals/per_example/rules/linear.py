@@ -39,6 +39,7 @@ from trainvitals.per_example.tensor_ops import (
     _moments,
     _outer_sq_norms,
     _outer_sums,
+    _sq_norms,
     _trainable,
 )
 
@@ -166,6 +167,53 @@ class OuterProductRule(PerExampleRule):
         if "bias" in trainable and "bias" in rows:
             out["bias"] = _moments(self._bias_grads(module, uses)[:, rows["bias"]])
         return out  # type: ignore[return-value]
+
+    def measure(
+        self, module: nn.Module, uses: Sequence[Use], workspace: Workspace | None, rows: Mapping[str, slice]
+    ) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
+        """An ungrouped layer at several positions whose weight is summed: the norms from the per-example blocks
+        the sums form, whichever form :meth:`sq_norms` would take (their squared norm reads them once)."""
+        trainable = _trainable(module)
+        positions = sum(self._gradients(module, u).shape[1] for u in uses)
+        if (
+            "weight" not in rows
+            or "weight" not in trainable
+            or getattr(module, "groups", 1) != 1
+            or positions < 2
+            or not self._norms_from_blocks()
+        ):
+            return super().measure(module, uses, workspace, rows)
+        r, parts, total = rows["weight"], [], None
+        for a, g in self._chunks(module, uses, workspace):
+            blocks = _bmm(g.transpose(1, 2), a, workspace, "blocks")
+            parts.append(_sq_norms(blocks))
+            part = _moments(blocks[:, r])
+            total = part if total is None else (total[0].add_(part[0]), total[1].add_(part[1]))
+        assert total is not None, "an empty batch is one empty chunk"
+        sq = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._with_bias(
+            module, uses, rows, sq, {"weight": (self._as_weight(module, total[0]), self._as_weight(module, total[1]))}
+        )
+
+    def _norms_from_blocks(self) -> bool:
+        """Whether :meth:`measure` may take the weight's norms from the blocks (not where a form is forced)."""
+        return True
+
+    def _with_bias(
+        self,
+        module: nn.Module,
+        uses: Sequence[Use],
+        rows: Mapping[str, slice],
+        sq: Tensor,
+        sums: dict[str, tuple[Tensor, Tensor]],
+    ) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
+        """The weight's ``sq`` and ``sums`` with the bias's, from its per-example gradients formed once."""
+        if "bias" in _trainable(module):
+            bias = self._bias_grads(module, uses)
+            sq = sq + bias.square().sum(1)
+            if "bias" in rows:
+                sums["bias"] = _moments(bias[:, rows["bias"]])
+        return sq, sums
 
     def grads(self, module: nn.Module, uses: Sequence[Use]) -> dict[str, Tensor]:
         trainable, out = _trainable(module), {}
