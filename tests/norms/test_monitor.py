@@ -771,3 +771,11 @@ def test_under_manual_optimization_the_nan_warning_says_no_producer_is_searched(
     said = [str(w.message) for w in caught if "non-finite gradient (inf/NaN)" in str(w.message)]
     assert said and all("not searched under manual optimization" in text for text in said)  # one per optimizer
     assert not any("log_every_n_steps=1" in text or "TrainingGuard()" in text for text in said)
+
+
+def test_clipping_totals_of_a_checkpoint_without_lr_sums_still_give_a_cut():
+    """A checkpoint written before the lr-weighted cut holds no lr sums: the cut is then the plain mean, no KeyError."""
+    from trainvitals.norms.monitor import _lr_cut
+
+    old = {"steps": 4, "clipped": 2, "shrink": 1.0, "max_norm": 0.5}
+    assert _lr_cut(old) == pytest.approx((1.0 + 4 - 2) / 4)

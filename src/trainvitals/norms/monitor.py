@@ -549,8 +549,9 @@ class GradNormMonitor(TrainvitalsCallback):
         clipping["steps"] += len(steps)
         clipping["clipped"] += len(shrunk)
         clipping["shrink"] += sum(shrunk)
-        clipping["lr"] += sum(lr for _, lr in steps)
-        clipping["lr_factor"] += sum(f * lr for f, lr in steps)
+        # .get: a checkpoint of before the lr sums has none (its weighted cut then covers the steps since)
+        clipping["lr"] = clipping.get("lr", 0.0) + sum(lr for _, lr in steps)
+        clipping["lr_factor"] = clipping.get("lr_factor", 0.0) + sum(f * lr for f, lr in steps)
         clipping["max_norm"] = self._clip_norm
 
     def _log(
@@ -716,7 +717,8 @@ def _lr_cut(clipping: dict[str, float]) -> float:
     factors' mean weighted by the lr each step ran at. Lowering the base lr by it scales the schedule and moves the
     weights as far in sum (Σ lr_t · f_t · g_t against Σ lr_t · s · g_t); at a constant lr the plain mean
     (:func:`_plain_cut`), which it falls back to where every step ran at lr 0."""
-    return clipping["lr_factor"] / clipping["lr"] if clipping["lr"] > 0 else _plain_cut(clipping)
+    lr = clipping.get("lr", 0.0)
+    return clipping.get("lr_factor", 0.0) / lr if lr > 0 else _plain_cut(clipping)
 
 
 def _layer_tag(group: str) -> str:
