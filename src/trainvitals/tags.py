@@ -47,6 +47,7 @@ OPTIMIZER_INFIX = r"(?:optimizer_\d+/)?"
 GRAD_NORM_SUMMARIES = (
     "total",
     "clipped_total",
+    "clip_lr_cut",
     "noise_floor",
     "noise_floor_se",
     "measured_total",

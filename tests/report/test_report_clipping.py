@@ -23,12 +23,19 @@ def _norm_clipped(totals: list[float], threshold: float) -> list[float]:
 
 
 def _run(
-    capsys, tmp_path: Path, optimizer: str = "AdamW", noise: float | None = 1.5, clipped=None, totals=TOTALS
+    capsys,
+    tmp_path: Path,
+    optimizer: str = "AdamW",
+    noise: float | None = 1.5,
+    clipped=None,
+    totals=TOTALS,
+    extra: dict | None = None,
 ) -> dict:
     scalars = {
         "grad_norm/total": TOTALS,
         "grad_norm/clipped_total": clipped or _norm_clipped(TOTALS, 1.0),
         f"lr_scaling/lr/{optimizer}": 1e-3,
+        **(extra or {}),
     }
     if noise is not None:
         scalars["grad_norm/noise_floor"] = noise
@@ -81,6 +88,20 @@ def test_under_sgd_the_mean_factor_is_the_lr_cut(tmp_path: Path, capsys: pytest.
     assert f"an lr cut of ~×{scale:.2g}" in finding["message"] and "the logs do not say" not in finding["message"]
     # No LRScalingAdvisor's base lr logged: which lr the cut is on, said without a value.
     assert finding["message"].endswith(f"or lower {UNKNOWN_LR} ×{scale:.2g} instead.")
+
+
+def test_under_sgd_the_logged_lr_weighted_cut_is_the_lr_cut(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GradNormMonitor's grad_norm/clip_lr_cut (over every step so far, the clip factor's mean weighted by the lr
+    each step ran at): its last value is the lr cut, and said apart from the logged steps' plain mean."""
+    cuts = [0.6 - 0.004 * i for i in range(20)]
+    run = _run(capsys, tmp_path, optimizer="SGD", extra={"grad_norm/clip_lr_cut": cuts})
+    (finding,) = _findings(run)
+    assert rows(run, SECTION)["lr cut over every step (factor's lr-weighted mean)"] == pytest.approx(cuts[-1])
+    assert rows(run, SECTION)["factor on a logged step, mean"] == pytest.approx(
+        statistics.fmean(min(1.0, 1.0 / t) for t in TOTALS), rel=1e-5
+    )
+    assert f"an lr cut of ~×{cuts[-1]:.2g} over every step (the factor's mean weighted by the lr" in finding["message"]
+    assert finding["message"].endswith(f"or lower {UNKNOWN_LR} ×{cuts[-1]:.2g} instead.")
 
 
 def test_a_threshold_above_the_noise_level_caps_signal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -88,9 +88,12 @@ class TrackState(DeclaredState):
         self.add_state("usual", usual, key="usual_batch")
         self.counts: dict[str, int]
         self.add_state("counts", dict.fromkeys(COUNTERS, 0))
-        # Clipping by norm, judged at each step read back: steps, those clipped, the sum of their factors, the norm.
+        # Clipping by norm, judged at each step read back: steps, those clipped, the sum of their factors, the norm;
+        # over every step the sum of the lrs it ran at and of lr × factor (the lr-weighted mean: :func:`_lr_cut`).
         self.clipping: dict[str, float]
-        self.add_state("clipping", {"steps": 0, "clipped": 0, "shrink": 0.0, "max_norm": math.nan})
+        self.add_state(
+            "clipping", {"steps": 0, "clipped": 0, "shrink": 0.0, "max_norm": math.nan, "lr": 0.0, "lr_factor": 0.0}
+        )
 
 
 @dataclass
@@ -103,8 +106,9 @@ class _Track:
     state: TrackState
     logged_counts: dict[str, int] = field(init=False)  # news: counts ≠ these
     # Measured, not yet read back: (global step, (P,) per-tensor norms, 0 for a parameter without a
-    # gradient, this rank's noise weight). ``latest`` is the newest row, read back or not.
-    pending: list[tuple[int, Tensor, float]] = field(default_factory=list)
+    # gradient, this rank's noise weight, the lr the step ran at under clipping by norm). ``latest`` is the newest
+    # row, read back or not.
+    pending: list[tuple[int, Tensor, float, float]] = field(default_factory=list)
     latest: Tensor | None = None
     latest_step: int | None = None
     # The last step read back: (global step, total, {group: norm}); the last step whose norms were logged.
@@ -307,7 +311,7 @@ class GradNormMonitor(TrainvitalsCallback):
         track.latest, track.latest_step = norms, step
         sizes = StepBatches.of(self.vitals).backward_sizes(trainer)
         weight = relative_noise_weight(sizes, loss_divisor(trainer, pl_module))  # host floats
-        track.pending.append((step, norms, weight))
+        track.pending.append((step, norms, weight, self._step_lr(optimizer)))
 
         logs = is_logging_step(track.steps, logging_every(trainer, self.log_every_n_steps))
         if logs or len(track.pending) >= MAX_PENDING_STEPS:
@@ -436,6 +440,18 @@ class GradNormMonitor(TrainvitalsCallback):
             if lr.base > 0:  # a frozen group has no lr to lower
                 read[2].append(SetLR(lr.name, lr.base, lr.base_said(), lr.term))
 
+    def _step_lr(self, optimizer: torch.optim.Optimizer) -> float:
+        """Under clipping by norm, the lr ``optimizer``'s step runs at, summed over its param groups (the weight of
+        its clip factor, :func:`_lr_cut`): the scheduler's × BandSchedule's and TrainingGuard's factors whatever the
+        order of the hooks (:meth:`~trainvitals.plumbing.lr_factors.LRFactors.lr`); a host float, no sync. The sum
+        weights the steps as each group's lr does where one schedule scales the groups alike (their lrs keep their
+        ratios). 0 without clipping by norm."""
+        if self._clip_norm is None:
+            return 0.0
+        factors = self.vitals.shared(LR_FACTORS)
+        groups = getattr(optimizer, "optimizer", optimizer).param_groups
+        return sum(float(group["lr"]) if factors is None else factors.lr(group) for group in groups)
+
     def _track(self, index: int, pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> _Track:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         track = self._tracks.get(index)
@@ -471,9 +487,12 @@ class GradNormMonitor(TrainvitalsCallback):
         """
         if not track.pending:
             return
-        steps = [step for step, _, _ in track.pending]
-        weights = [weight for _, _, weight in track.pending]
-        group_norms = grouped_norms(torch.stack([norms for _, norms, _ in track.pending]), track.groups, self.norm_type)
+        steps = [step for step, _, _, _ in track.pending]
+        weights = [weight for _, _, weight, _ in track.pending]
+        lrs = [lr for _, _, _, lr in track.pending]
+        group_norms = grouped_norms(
+            torch.stack([norms for _, norms, _, _ in track.pending]), track.groups, self.norm_type
+        )
         track.pending = []
         totals = combine_norms(group_norms, self.norm_type)
         n = len(steps)
@@ -488,7 +507,7 @@ class GradNormMonitor(TrainvitalsCallback):
         batches = [effective_batch(w, world) for w in summed]
         track.last_read = (steps[-1], totals_host[-1], dict(zip(track.groups.names, last_groups)))
         if self._clip_norm is not None:  # every step read back, against the threshold: host floats only
-            self._count_clipped(track, totals_host)
+            self._count_clipped(track, totals_host, lrs)
         nonfinite_row, spike_rows = None, []
         for row, (total, batch) in enumerate(zip(totals_host, batches)):
             if not math.isfinite(total):
@@ -519,15 +538,20 @@ class GradNormMonitor(TrainvitalsCallback):
             )
             track.unreported.append(track.spike)
 
-    def _count_clipped(self, track: _Track, totals: list[float]) -> None:
+    def _count_clipped(self, track: _Track, totals: list[float], lrs: list[float]) -> None:
         """Count the finite ``totals`` that clipping by norm shrank, and the sum of their factors
-        (:func:`~trainvitals.norms.clipping.clip_coef`, threshold / norm): the mean shrink of a clipped step."""
-        factors = [clip_coef(total, self._clip_norm) for total in totals if math.isfinite(total)]
-        shrunk = [f for f in factors if f < 1.0]
+        (:func:`~trainvitals.norms.clipping.clip_coef`, threshold / norm): the mean shrink of a clipped step; and
+        over those steps the sums of the lrs they ran at (``lrs``) and of lr × factor, whose ratio is the base-lr
+        cut that moves the weights as far as the clipping did under a schedule (:func:`_lr_cut`)."""
+        steps = [(clip_coef(total, self._clip_norm), lr) for total, lr in zip(totals, lrs) if math.isfinite(total)]
+        shrunk = [f for f, _ in steps if f < 1.0]
         clipping = track.state.clipping
-        clipping["steps"] += len(factors)
+        clipping["steps"] += len(steps)
         clipping["clipped"] += len(shrunk)
         clipping["shrink"] += sum(shrunk)
+        # .get: a checkpoint of before the lr sums has none (its weighted cut then covers the steps since)
+        clipping["lr"] = clipping.get("lr", 0.0) + sum(lr for _, lr in steps)
+        clipping["lr_factor"] = clipping.get("lr_factor", 0.0) + sum(f * lr for f, lr in steps)
         clipping["max_norm"] = self._clip_norm
 
     def _log(
@@ -543,6 +567,8 @@ class GradNormMonitor(TrainvitalsCallback):
         in one call to the loggers; report news once."""
         tag = lambda name: self._tag(trainer, name, index)  # noqa: E731
         metrics: dict[str, float | Tensor] = {tag(name): count for name, count in track.counts.items()}
+        if self._clip_norm is not None and track.state.clipping["steps"]:  # the report's lr cut, over every step
+            metrics[tag("clip_lr_cut")] = _lr_cut(track.state.clipping)
         if norms and track.last_read is not None:
             track.logged_step, total, group_norms = track.last_read
             metrics[tag("total")] = total
@@ -666,13 +692,33 @@ def _clipped_most(track: _Track, optimizer: str, family: str, lrs: list[SetLR]) 
     report = "`trainvitals report` sets the threshold against the noise level"
     if family == "adam":
         return f"{said} (under {optimizer} a factor common to the steps cancels: no lr cut); {report}"
-    scale = (clipping["shrink"] + steps - clipped) / steps  # over every step, an unclipped one ×1
+    scale, plain = _lr_cut(clipping), _plain_cut(clipping)
     unknown = "" if family == "sgd" else f" (how {optimizer or 'this optimizer'} responds is unknown)"
+    weighted = (
+        f" (the steps' factors in mean weighted by the lr each ran at, Σ lr·f / Σ lr, the base-lr cut that moves the "
+        f"weights as far; ×{plain:.2g} unweighted)"
+        if f"{scale:.2g}" != f"{plain:.2g}"
+        else ""
+    )
     return (
         f"{said}; under {optimizer if family == 'sgd' else 'SGD'}, whose step is lr × gradient{unknown}, it is an lr "
-        f"cut of ×{scale:.2g} over the {steps} steps: raise gradient_clip_val ({report}), or {lower_lr(scale, lrs)} "
-        "instead"
+        f"cut of ×{scale:.2g} over the {steps} steps{weighted}: raise gradient_clip_val ({report}), or "
+        f"{lower_lr(scale, lrs)} instead"
     )
+
+
+def _plain_cut(clipping: dict[str, float]) -> float:
+    """The mean clip factor over every step counted, an unclipped one ×1: the lr cut at a constant lr."""
+    return (clipping["shrink"] + clipping["steps"] - clipping["clipped"]) / clipping["steps"]
+
+
+def _lr_cut(clipping: dict[str, float]) -> float:
+    """The lr cut clipping by norm amounts to under SGD over every step counted: Σ lr_t f_t / Σ lr_t, the clip
+    factors' mean weighted by the lr each step ran at. Lowering the base lr by it scales the schedule and moves the
+    weights as far in sum (Σ lr_t · f_t · g_t against Σ lr_t · s · g_t); at a constant lr the plain mean
+    (:func:`_plain_cut`), which it falls back to where every step ran at lr 0."""
+    lr = clipping.get("lr", 0.0)
+    return clipping.get("lr_factor", 0.0) / lr if lr > 0 else _plain_cut(clipping)
 
 
 def _layer_tag(group: str) -> str:

@@ -6,7 +6,9 @@ together at each logging step. A step is clipped where the second is below the f
 :data:`SHRINK_TOL`; clipping by norm sets every clipped step's norm to the threshold (``max_norm · ‖g‖ / (‖g‖ +
 1e-6)``), so the clipped norms agree to :data:`NORM_SPREAD` and their median is the threshold; clipped norms that
 differ more come from clipping by value (or a ``configure_gradient_clipping`` of the module's own), whose
-threshold no norm says.
+threshold no norm says. The lr cut under SGD is GradNormMonitor's ``grad_norm/clip_lr_cut`` where it was logged:
+the clip factor over every step, not the logged ones only, in mean weighted by the lr each ran at (under a schedule
+the base-lr cut that moves the weights as far); else the mean factor over the logged steps.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ _OPTIMIZER = re.compile(r"lr_scaling/lr/(?P<name>[^/-]+)")
 class Clipped:
     """What clipping did to the logged steps: their number, how many it shrank, the threshold (None where the
     clipped norms disagree: not by norm), the median pre-clip norm, and the mean factor ``clipped / total`` over
-    the clipped steps and over every logged step (an unclipped one counts as 1)."""
+    the clipped steps and over every logged step (an unclipped one counts as 1); the lr cut (``cut``: the logged
+    ``grad_norm/clip_lr_cut``, else ``scale``)."""
 
     steps: int
     clipped: int
@@ -44,10 +47,12 @@ class Clipped:
     median_norm: float
     shrink: float
     scale: float
+    cut: float
 
     @classmethod
-    def of(cls, pairs: list[tuple[float, float]]) -> Clipped | None:
-        """From (pre-clip, clipped) norms of the logged steps, finite, pre-clip > 0; None without any."""
+    def of(cls, pairs: list[tuple[float, float]], cut: float | None = None) -> Clipped | None:
+        """From (pre-clip, clipped) norms of the logged steps, finite, pre-clip > 0, and the logged lr cut (``None``
+        where none was: the mean factor over the logged steps stands for it); None without any pair."""
         if not pairs:
             return None
         factors = [min(1.0, after / before) for before, after in pairs]
@@ -62,6 +67,7 @@ class Clipped:
             median_norm=statistics.median(before for before, _ in pairs),
             shrink=statistics.fmean(f for _, f in shrunk) if shrunk else 1.0,
             scale=statistics.fmean(factors),
+            cut=statistics.fmean(factors) if cut is None else cut,
         )
 
 
@@ -76,7 +82,8 @@ def clipping_section(run: Run, report: RunReport) -> None:
     pairs = [
         (before[s], v) for s, v in after if s in before and math.isfinite(v) and math.isfinite(before[s]) and before[s]
     ]
-    clipped = Clipped.of(pairs)
+    cuts = [v for _, v in first_series(run, grad_norm("clip_lr_cut")) or [] if math.isfinite(v)]
+    clipped = Clipped.of(pairs, cuts[-1] if cuts else None)
     if clipped is None:
         return
     floors = [v for _, v in first_series(run, grad_norm("noise_floor")) or [] if math.isfinite(v)]
@@ -87,6 +94,7 @@ def clipping_section(run: Run, report: RunReport) -> None:
         Row("pre-clip norm, median", clipped.median_norm),
         Row("factor on a clipped step, mean", clipped.shrink if clipped.clipped else None),
         Row("factor on a logged step, mean", clipped.scale),
+        Row("lr cut over every step (factor's lr-weighted mean)", clipped.cut if cuts else None),
         Row("noise level sqrt(tr Σ/B), median", noise),
     ]
     if clips_most(clipped.clipped, clipped.steps):
@@ -99,7 +107,8 @@ def clipping_section(run: Run, report: RunReport) -> None:
 def clipping_message(clipped: Clipped, noise: float | None, family: str, name: str, lrs: list[SetLR]) -> str:
     """The finding: the share clipped, the threshold against the median norm and the noise level, what the shrink
     does under the optimizer's ``family`` (``"sgd"``, ``"adam"``, ``"unsure"``: :func:`~trainvitals.lr_scaling.rules.
-    optimizer_family`), and the threshold to use instead, or the lr cut on the lr set (``lrs``, :func:`_set_lrs`)."""
+    optimizer_family`), and the threshold to use instead, or the lr cut (:attr:`Clipped.cut`) on the lr set (``lrs``,
+    :func:`_set_lrs`)."""
     share = f"{clipped.clipped / clipped.steps:.0%} of the {clipped.steps} logged steps"
     if clipped.threshold is None:
         return (
@@ -136,7 +145,13 @@ def clipping_message(clipped: Clipped, noise: float | None, family: str, name: s
         )
     else:
         said.append(
-            f"{cut}: for SGD, whose step is lr × gradient, an lr cut of ~×{clipped.scale:.2g}"
+            f"{cut}: for SGD, whose step is lr × gradient, an lr cut of ~×{clipped.cut:.2g}"
+            + (
+                " over every step (the factor's mean weighted by the lr each step ran at: the base-lr cut that moves "
+                "the weights as far under the schedule)"
+                if f"{clipped.cut:.2g}" != f"{clipped.scale:.2g}"
+                else ""
+            )
             + ("" if family == "sgd" else " (the logs do not say the optimizer; Adam-like ones cancel most of it)")
         )
     # Above 2× the noise level a norm is mostly signal (NOISE_MARGIN); where the median norm is above that too, the
@@ -145,7 +160,7 @@ def clipping_message(clipped: Clipped, noise: float | None, family: str, name: s
         aim = f"~{NOISE_MARGIN:g}× the noise level ({NOISE_MARGIN * noise:.2g})"
     else:
         aim = f"~{NOISE_MARGIN:g}× the median norm ({NOISE_MARGIN * median:.2g})"
-    lower = f", or {lower_lr(clipped.scale, lrs)} instead" if family != "adam" else ""
+    lower = f", or {lower_lr(clipped.cut, lrs)} instead" if family != "adam" else ""
     return "; ".join(said) + f"; raise gradient_clip_val above {aim} so that it catches outliers only{lower}."
 
 
