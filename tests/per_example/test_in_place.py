@@ -8,6 +8,8 @@ view's autograd node, and the hook on it, from the graph: the layer's gradient u
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,6 +163,18 @@ def assert_exact(step, truth: dict[str, torch.Tensor], names: list[str]) -> None
         torch.testing.assert_close(sum_sq, truth[n].square().sum(0), rtol=1e-9, atol=1e-15)
 
 
+def assert_measured_exactly(make: Callable[[], nn.Module], seen: set[str] | None = None) -> None:
+    """Every parameter of ``make()``'s model measured, exact against the brute force, its sums balanced; ``seen``:
+    the modules measured (default: all the plan gives the per-example source)."""
+    torch.manual_seed(0)
+    model, x, y = data(make())
+    truth = brute_force(model, x, y)
+    plan, collector, step = measure(model, x, y)
+    assert not plan.uncovered and step.failed == {} and step.seen == (set(plan.per_example) if seen is None else seen)
+    assert_exact(step, truth, list(truth))
+    assert collector.unbalanced(step, 1.0 / B) == {}
+
+
 def data(model: nn.Module) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model.double(), torch.randn(B, N, P, dtype=torch.float64), torch.randint(0, C, (B,))
 
@@ -170,35 +184,17 @@ def data(model: nn.Module) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     ["F.relu(inplace=True)", "nn.ReLU(inplace=True)", "clamp_", "add_", "mul_ by a buffer", "out of place"],
 )
 def test_an_in_place_op_on_a_linears_output_leaves_it_measured_exactly(op):
-    torch.manual_seed(0)
-    model, x, y = data(Tokens(op))
-    truth = brute_force(model, x, y)
-    plan, collector, step = measure(model, x, y)
-    assert not plan.uncovered and step.failed == {} and step.seen == set(plan.per_example)
-    assert_exact(step, truth, list(truth))
-    assert collector.unbalanced(step, 1.0 / B) == {}
+    assert_measured_exactly(lambda: Tokens(op))
 
 
 def test_an_in_place_op_on_a_batch_first_lstms_output_leaves_it_measured_exactly():
     """The LSTM's rule takes its whole call, hooked on all of its outputs: a transposed one changed in place too."""
-    torch.manual_seed(0)
-    model, x, y = data(Recurrent())
-    truth = brute_force(model, x, y)
-    plan, collector, step = measure(model, x, y)
-    assert not plan.uncovered and step.failed == {} and step.seen == {"rnn", "head"}
-    assert_exact(step, truth, list(truth))
-    assert collector.unbalanced(step, 1.0 / B) == {}
+    assert_measured_exactly(Recurrent, {"rnn", "head"})
 
 
 def test_a_bare_parameter_applied_in_place_to_a_plain_tensor_is_measured_exactly():
     """``c.mul_(gamma)`` on a convolution's output: the product's node saves ``c`` as it was, read as ``c * gamma``."""
-    torch.manual_seed(0)
-    model, x, y = data(ConvScale())
-    truth = brute_force(model, x, y)
-    plan, collector, step = measure(model, x, y)
-    assert not plan.uncovered and step.failed == {} and step.seen == {"", "conv", "head"}
-    assert_exact(step, truth, list(truth))
-    assert collector.unbalanced(step, 1.0 / B) == {}
+    assert_measured_exactly(ConvScale, {"", "conv", "head"})
 
 
 def test_a_bare_parameter_applied_in_place_to_a_view_is_named_and_the_rest_is_exact():
