@@ -20,6 +20,7 @@ from conftest import HostReads, RecordingLogger, trainer_kwargs
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins import MixedPrecision
 from per_example.test_guards import Lookup
+from per_example.test_in_place import Block, ViT
 from per_example.test_per_example_core import Scale, SequenceModel, brute_force, cnn, mlp
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -28,8 +29,9 @@ from trainvitals import GradNormMonitor
 from trainvitals.noise.estimate import NoiseSource
 from trainvitals.noise.estimators import NoiseScaleEMA, gradient_snr
 from trainvitals.noise.probe import BatchVarianceProbe
+from trainvitals.noise.probe_sources import ProbeSources
 from trainvitals.noise.stopper import GradNormEarlyStopping
-from trainvitals.per_example import PerExampleGradients
+from trainvitals.per_example import Layouts, PerExampleGradients
 from trainvitals.plumbing.sharing import StepGradNorms
 
 
@@ -1118,7 +1120,7 @@ def test_a_layer_called_with_a_keyword_input_is_skipped_not_fatal():
     probe = BatchVarianceProbe()
     x = torch.randn(32, 4)
     trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[probe]))
-    with pytest.warns(UserWarning, match=r"a: its input was not passed positionally"):
+    with pytest.warns(UserWarning, match=r"`a`: its input was not passed positionally"):
         trainer.fit(KeywordCall(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
     assert trainer.global_step == 3
 
@@ -1373,7 +1375,7 @@ def test_a_position_table_is_said_in_plain_words_with_where_it_goes_and_the_cove
         )
     assert said[0].startswith("planned sources") and "Embedding×2" in said[0] and "(100.0% of parameters)" in said[0]
     (message,) = _probe_warnings(record)
-    assert "net.pos: it is looked up with 6 ids for a batch of 8, not one per example" in message
+    assert "`net.pos`: it is looked up with 6 ids for a batch of 8, not one per example" in message
     assert "shared by all examples in the batch" in message and "first dimension" not in message
     assert "read by MulBackward0" in message
     if accumulate > 1:
@@ -1384,6 +1386,56 @@ def test_a_position_table_is_said_in_plain_words_with_where_it_goes_and_the_cove
         assert "not measured: 1 tensor" in message
     assert "the sources now are per-example norms in backward: Embedding×1, Linear×1 (" in message
     assert probe._excluded == {"net.pos"} and "Embedding×1" in probe.sources
+
+
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_layers_that_fail_for_one_reason_are_said_together_with_the_reason_once(blocks):
+    """A timm-style ViT's in-place layer-scales (``x.mul_(gamma)``, 2 a block) fail torch.func for one reason: the
+    warning names them in one group, the first few and a count of the rest, and gives the reason, what became of
+    the step and where they go once, not once per layer (24 times over for a 12-block ViT)."""
+    torch.manual_seed(0)
+    vit = ViT(inplace=True)
+    vit.blocks = nn.Sequential(*[Block(inplace=True) for _ in range(blocks)])
+    data = TensorDataset(torch.randn(32, 5, 6, dtype=torch.float64), torch.randint(0, 3, (32,)))
+    probe = BatchVarianceProbe()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Classifier(vit.double()), data, [probe], batch_size=8, steps=2)
+    scales = [f"net.blocks.{b}.ls{k}" for b in range(blocks) for k in (1, 2)]
+    assert probe._excluded == set(scales)
+    (message,) = _probe_warnings(record)
+    shown = ", ".join(f"`{n}`" for n in scales[:5])
+    rest = f" and {len(scales) - 5} more" if len(scales) > 5 else ""
+    assert f"cannot measure per example: {shown}{rest} ({len(scales)} modules), each: its forward changes" in message
+    assert not any(n in message for n in scales[5:])
+    for words in (
+        "its forward changes its input in place",
+        "with inplace=False (timm's LayerScale default) it is measured",
+        "the steps they failed in are measured over the other layers, their parameters counted as not measured",
+        "From the next step on they are left to micro-batches and ranks, which this run does not have",
+    ):
+        assert message.count(words) == 1, words
+
+
+def test_layers_said_together_share_their_reason_and_their_fate():
+    """Two layers of one reason, one measured without at its step and one whose step is left out, are said apart;
+    a layer of another reason on its own, in the words of one."""
+    scales = ["net.blocks.0.ls1", "net.blocks.0.ls2", "net.blocks.1.ls1", "net.blocks.1.ls2"]
+    sources = ProbeSources(Classifier(ViT(inplace=True)), False, True, set(scales[:3]), 8, Layouts())
+    message = sources.moved(dict.fromkeys(scales[:3], "R") | {scales[3]: "Q"}, set(scales[:2]), 1)
+    said = message.removeprefix("cannot measure per example: ").split("; the sources now are")[0].split("; ")
+    assert said == [
+        "`net.blocks.0.ls1`, `net.blocks.0.ls2` (2 modules), each: R",
+        "the steps they failed in are measured over the other layers, their parameters counted as not measured. "
+        "From the next step on they are left to micro-batches and ranks, which this run does not have "
+        "(accumulate_grad_batches >= 2 or >= 2 devices)",
+        "`net.blocks.1.ls1`: R",
+        "the steps it failed in are left out. From the next step on it is left to micro-batches and ranks, which "
+        "this run does not have (accumulate_grad_batches >= 2 or >= 2 devices)",
+        "`net.blocks.1.ls2`: Q",
+        "the steps it failed in are left out. From the next step on it is measured by torch.func on a sub-batch of "
+        "8 examples",
+    ]
 
 
 class LanguageModel(Classifier):
@@ -1546,7 +1598,7 @@ def test_the_step_that_finds_a_shared_position_table_is_measured_without_it(styl
     monkeypatch.undo()
     assert {step for step, _ in host.reads} <= set(range(0, steps, 5))
     (message,) = _probe_warnings(record)
-    assert message.startswith("trainvitals BatchVarianceProbe: cannot measure per example: net.wpe: ")
+    assert message.startswith("trainvitals BatchVarianceProbe: cannot measure per example: `net.wpe`: ")
     assert (
         "the steps it failed in are measured over the other layers, its parameters counted as not measured" in message
     )
@@ -1624,7 +1676,7 @@ def test_a_layer_whose_per_example_gradients_do_not_add_up_is_measured_from_micr
             steps=2,
             accumulate=2,
         )
-    assert [m for m in _probe_warnings(record) if "net.proj: its per-example gradients do not add up" in m]
+    assert [m for m in _probe_warnings(record) if "`net.proj`: its per-example gradients do not add up" in m]
     assert probe._excluded == {"net.proj"} and set(probe._plan.micro_batch) == {"net.proj.weight", "net.proj.bias"}
 
 
@@ -1807,7 +1859,7 @@ def test_a_list_of_sequences_is_measured_with_the_embedding_called_per_example_n
             module, DataLoader(rows, batch_size=4, collate_fn=functools.partial(collate_list, split=split))
         )
     said = " ".join(str(w.message) for w in caught)
-    assert probe.effective_batch_size == 4 and "net.emb: it is called on one example at a time" in said
+    assert probe.effective_batch_size == 4 and "`net.emb`: it is called on one example at a time" in said
     assert "position table" not in said and probe._excluded == {"net.emb"}
     sequences, labels = [s for s, _ in rows], torch.stack([y for _, y in rows])
     params = [p for n, p in module.net.named_parameters() if not n.startswith("emb.")]

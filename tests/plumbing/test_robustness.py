@@ -106,7 +106,7 @@ def test_per_example_norms_that_fail_leave_the_layer_to_a_fallback(monkeypatch):
 
     monkeypatch.setattr(per_example.rules.linear.LinearRule, "sq_norms", fails_on_the_last_layer)
     probe = BatchVarianceProbe()
-    with pytest.warns(UserWarning, match="net.4: per-example norms failed: RuntimeError: an unforeseen layout"):
+    with pytest.warns(UserWarning, match="`net.4`: per-example norms failed: RuntimeError: an unforeseen layout"):
         trainer = Trainer(**trainer_kwargs(callbacks=[probe], logger=False, max_steps=4))
         trainer.fit(Regressor(), loader(regression_data(), 8))
     assert trainer.global_step == 4

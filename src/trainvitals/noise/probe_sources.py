@@ -19,6 +19,7 @@ from trainvitals.memory import ROOT, compiled_modules
 from trainvitals.noise.estimators import MicroBatchSquaredNorms
 from trainvitals.noise.outliers import norm_coverage
 from trainvitals.per_example import Layouts, PerExampleGradients, plan_sources
+from trainvitals.text.prose import by_reason, grouped
 
 SOURCES = ("per_example", "micro_batch", "vmap")  # the plan's, in the order of BatchVarianceProbe's docstring
 COUPLED = "per-example gradients through BatchNorm in training mode are not independent draws"
@@ -210,30 +211,37 @@ class ProbeSources:
     def moved(self, reasons: dict[str, str], aside: set[str], ranks: int) -> str:
         """What to say of layers that failed per example (``reasons``: why each) once this plan excludes them:
         why, what became of the steps they failed in (``aside``: those this one was measured without, on this
-        rank of ``ranks``), where each is measured from the next step on, and what the sources now cover."""
+        rank of ``ranks``), where each is measured from the next step on, and what the sources now cover; the
+        layers that share all three are said together, each reason once (a ViT's 24 in-place layer-scales)."""
         sub_batch = self.sub_batch_shown
 
-        def where(name: str) -> str:
-            if name in self.plan.vmap:
-                return f"it is measured by torch.func on a sub-batch of {sub_batch} examples"
-            if any(not name or p == name or p.startswith(f"{name}.") for p in self.plan.micro_batch):
-                return "it is measured from micro-batches and ranks"
-            return (
-                "it is left to micro-batches and ranks, which this run does not have (accumulate_grad_batches "
-                ">= 2 or >= 2 devices)"
-            )
-
-        def then(name: str) -> str:
+        def fate(name: str, one: bool) -> str:
+            """What became of the steps ``name`` failed in, and where it is measured from the next step on (``one``:
+            in the words of one layer, else of several)."""
+            it, its, is_ = ("it", "its", "it is") if one else ("they", "their", "they are")
             if name not in aside:
-                return "the steps it failed in are left out"
-            return (
-                "the steps it failed in are measured over the other layers, its parameters counted as not "
-                "measured" + (", where it failed so on every rank (else left out)" if ranks > 1 else "")
-            )
+                then = f"the steps {it} failed in are left out"
+            else:
+                then = (
+                    f"the steps {it} failed in are measured over the other layers, {its} parameters counted as not "
+                    "measured" + (f", where {it} failed so on every rank (else left out)" if ranks > 1 else "")
+                )
+            if name in self.plan.vmap:
+                where = f"{is_} measured by torch.func on a sub-batch of {sub_batch} examples"
+            elif any(not name or p == name or p.startswith(f"{name}.") for p in self.plan.micro_batch):
+                where = f"{is_} measured from micro-batches and ranks"
+            else:
+                where = (
+                    f"{is_} left to micro-batches and ranks, which this run does not have (accumulate_grad_batches "
+                    ">= 2 or >= 2 devices)"
+                )
+            return f"{then}. From the next step on {where}"
 
+        groups = by_reason({name: (why, fate(name, True)) for name, why in reasons.items()})
         said = "; ".join(
-            f"{name or '(root)'}: {why}; {then(name)}. From the next step on {where(name)}"
-            for name, why in reasons.items()
+            f"{grouped([n or '(root)' for n in names], 'module')}{'' if len(names) == 1 else ', each'}: "
+            f"{why}; {fate(names[0], len(names) == 1)}"
+            for (why, _), names in groups.items()
         )
         return f"cannot measure per example: {said}; the sources now are {self.description}."
 

@@ -32,6 +32,7 @@ from trainvitals.plumbing.batch import batch_size, dataset_rows, loss_divisor
 from trainvitals.plumbing.sharing import StepGradNorms
 from trainvitals.plumbing.state import reduce_packed
 from trainvitals.plumbing.writers import log_histogram, log_text
+from trainvitals.text.prose import by_reason, grouped
 
 if TYPE_CHECKING:
     from trainvitals.noise.probe import BatchVarianceProbe
@@ -295,7 +296,8 @@ class ProbeStep:
             aside = set()  # no layer left to measure the step
         failed = {n: why for n, why in result.failed.items() if n not in aside}
         if failed:
-            return "; ".join(f"{n or '(root)'}: {why}" for n, why in failed.items()), aside
+            named = {n or "(root)": why for n, why in failed.items()}
+            return "; ".join(f"{grouped(ns, 'module')}: {why}" for why, ns in by_reason(named).items()), aside
         if self.unsized:
             return (
                 "Lightning cannot tell how many examples a batch holds (extract_batch_size fails on it), or the "

@@ -11,7 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from trainvitals.per_example.registry import rule_for, unsupported_reason
 from trainvitals.per_example.tensor_ops import _trainable
-from trainvitals.text.prose import counted, listed
+from trainvitals.text.prose import by_reason, counted, listed
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,7 @@ class SourcePlan:
                 f"torch.func vmap on a sub-batch{of}: {kinds(self.vmap)} ({share(self.parameters('vmap').values())})"
             )
         if self.uncovered:  # each reason with the tensors it keeps out, by name (the first few)
-            by_reason: dict[str, list[str]] = {}
-            for name, why in self.uncovered.items():
-                by_reason.setdefault(why, []).append(name)
-            reasons = "; ".join(f"{listed(names)}: {why}" for why, names in sorted(by_reason.items()))
+            reasons = "; ".join(f"{listed(names)}: {why}" for why, names in sorted(by_reason(self.uncovered).items()))
             tensors = counted(len(self.uncovered), "tensor")
             parts.append(f"not measured: {tensors} ({share(named[n] for n in self.uncovered)}), {reasons}")
         return "; ".join(parts) if parts else "no trainable parameters"
