@@ -1972,3 +1972,65 @@ def test_the_sums_check_runs_at_the_first_and_every_tenth_logging_step(per_coord
     assert checked == [0, 20]
     logging = [step % 2 == 0 for step in range(22)]
     assert formed == (logging if per_coordinate else [step in (0, 20) for step in range(22)])
+
+
+class _GraphNet(pl.LightningModule):
+    """A PyG-style graph classifier written by hand: the nodes of a batch's graphs concatenated, a ``batch`` vector
+    mapping nodes to graphs, one message-free node layer, a mean pool per graph (``index_add_``), a head; the loss a
+    mean over graphs. ``targets_first``: the batch is ``(y, x, batch)`` rather than ``(x, batch, y)``."""
+
+    def __init__(self, targets_first: bool):
+        super().__init__()
+        self.targets_first = targets_first
+        self.node = torch.nn.Linear(4, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def training_step(self, batch, batch_idx):
+        y, x, graph = batch if self.targets_first else (batch[2], batch[0], batch[1])
+        h = torch.relu(self.node(x))
+        graphs = y.shape[0]
+        pooled = h.new_zeros(graphs, h.shape[1]).index_add_(0, graph, h)
+        pooled = pooled / torch.bincount(graph, minlength=graphs).clamp_min(1).unsqueeze(1)
+        return F.cross_entropy(self.head(pooled), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _graph_batches(targets_first: bool, steps: int = 24, graphs: int = 8):
+    """Batches of ``graphs`` graphs of 3–9 nodes each (never a multiple of the graph count in all)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        sizes = torch.randint(3, 10, (graphs,), generator=g)
+        if int(sizes.sum()) % graphs == 0:
+            sizes[0] += 1
+        x = torch.randn(int(sizes.sum()), 4, generator=g)
+        graph = torch.repeat_interleave(torch.arange(graphs), sizes)
+        y = torch.randint(0, 2, (graphs,), generator=g)
+        out.append((y, x, graph) if targets_first else (x, graph, y))
+    return out
+
+
+@pytest.mark.parametrize("targets_first", [False, True])
+def test_a_graph_batch_led_by_its_nodes_is_not_measured_with_nodes_for_examples(targets_first):
+    """A fresh user's GNN with its batch ``(x, edge_index, batch, y)``: Lightning counts a batch's examples by its
+    first tensor, the nodes, so every node layer was measured per node — its per-node gradients add up to ``.grad``,
+    the sums check passed, and tr Σ, ‖G‖², B_simple were silently wrong (‖G‖² 15× too high). The loss's graph shows
+    the mean is over the graphs: such steps are left out, said with the fix; with the targets first the node
+    layers are excluded by their own first dimension and the head is measured."""
+    logger = RecordingLogger()
+    probe = BatchVarianceProbe(histogram_every_n_steps=0, per_coordinate=False)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        Trainer(**trainer_kwargs(logger=logger, callbacks=[probe], max_steps=24, log_every_n_steps=4)).fit(
+            _GraphNet(targets_first), torch.utils.data.DataLoader(_graph_batches(targets_first), batch_size=None)
+        )
+    said = " ".join(str(w.message) for w in record)
+    fix = "Put a tensor with one row per example first in the batch (the targets: `(y, x, ...)`"
+    if targets_first:
+        assert fix not in said and "`node`: first dimension" in said and "is not the batch (8)" in said
+        assert any(values for tag, values in logger.series.items() if tag == "grad_noise/trace_cov")
+    else:
+        assert said.count(fix) == 1, said
+        assert not any(values for tag, values in logger.series.items() if tag.startswith("grad_noise/trace_cov"))

@@ -28,6 +28,7 @@ from trainvitals.noise.probe_sources import ProbeSources
 from trainvitals.noise.probe_step import Finished, ProbeStep, coordinate_stats, log_per_example_norms
 from trainvitals.norms.nonfinite import NonfiniteCounter
 from trainvitals.per_example import Layouts, PerExampleStep, SourcePlan, detect_loss_reduction
+from trainvitals.per_example.loss_reduction import reduced_rows
 from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import loss_divisor
@@ -402,6 +403,9 @@ class BatchVarianceProbe(TrainvitalsCallback):
                 reduction, how = found.kind, "read from the loss's graph"
                 if found.kind == "scaled":  # the window's loss: each micro-batch's over Lightning's divisor
                     how = f"divided by {divisor * float(found.count):g} over the optimizer step, {how}"
+            elif (rows := reduced_rows(loss, step.batch_size)) is not None and rows % step.batch_size:
+                step.misbatched = True  # the loss's rows are not the batch's examples: no per-example number holds
+                return
             else:  # the same loss as the graphs this fit read, or said to be assumed a mean: said once, either way
                 if not self._stated_reduction:
                     self.warn(

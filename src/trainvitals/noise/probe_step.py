@@ -94,6 +94,7 @@ class ProbeStep:
         self.keep_norms, self.logging, self.decide, self.check_sums = keep_norms, logging, decide, check_sums
         self.sizes: list[int] = []  # the examples of each micro-batch that ran backward
         self.unsized = False  # one of them Lightning cannot size
+        self.misbatched = False  # one whose loss reduces rows that are not its examples as Lightning counts them
         self.rows: list[Tensor | None] = []  # their dataset rows, on the steps that keep norms
         self.batch_size = 0  # the current micro-batch's examples (0: unsized or empty)
         self.unit: Tensor | float = 1.0  # its back-propagated gradient over the mean of its examples' own-loss ones
@@ -281,6 +282,14 @@ class ProbeStep:
         if misread := sources.collector.layouts.misread():  # every layer failing so is the batch's fault
             result.failed.clear()
             return misread, set()
+        if self.misbatched:  # every layer failing so is the batch's fault, as a misread one
+            result.failed.clear()
+            return (
+                "the loss reduces a number of rows that is not a multiple of the batch's examples as Lightning counts "
+                "them (the first dimension of the batch's first tensor): the examples are not that tensor's rows (a "
+                "graph batch led by its nodes?), and no per-example number would be right. Put a tensor with one row "
+                "per example first in the batch (the targets: `(y, x, ...)`, or first in a dict)"
+            ), set()
         for name, module in {**sources.plan.per_example, **sources.plan.vmap}.items():
             if (
                 name not in result.seen

@@ -222,3 +222,36 @@ def detect_loss_reduction(
     # The count of one reduction only: the parts of a loss that adds several reduce over counts of their own.
     count = found[0].count if len(found) == 1 else None
     return LossReduction(kinds.pop(), terms.pop() if len(terms) == 1 else None, count)
+
+
+def reduced_rows(loss: Tensor, batch_size: int) -> int | None:
+    """The leading size of the reductions ``loss`` is made of (``mean()``/``sum()``, a loss function's
+    ``reduction=``), reached through scalar operations as :func:`detect_loss_reduction` walks; ``None`` where the graph
+    shows none, several sizes, a selection of a ``batch_size``-row tensor (``logits[mask]``), or anything else on the
+    way. A batch whose examples are not its first tensor's rows (a
+    graph batch led by its nodes) shows here as a size that is not a multiple of the batch Lightning counts."""
+    rows: set[int] = set()
+    stack, visited = [loss.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        visited += 1
+        if node is None:
+            continue
+        if visited > _MAX_GRAPH_NODES:
+            return None
+        name = type(node).__name__
+        if name in _MEAN_OPS or name in _SUM_OPS:
+            sizes = node._saved_self_sym_sizes
+            if not sizes or _selected_from_batch(node, batch_size):
+                return None
+            rows.add(int(sizes[0]))
+            continue
+        if getattr(node, "_saved_reduction", None) is not None:
+            if not node._saved_self.dim() or _selected_from_batch(node, batch_size):
+                return None
+            rows.add(int(node._saved_self.shape[0]))
+            continue
+        if name not in _SCALAR_OPS:
+            return None
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return rows.pop() if len(rows) == 1 else None
