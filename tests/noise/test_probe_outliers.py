@@ -249,7 +249,7 @@ def test_a_lookup_shared_by_the_batch_at_a_histogram_step_leaves_that_step_out_t
     # norms are not logged, and from the next step on the norms cover the layers left.
     ours = [str(w.message) for w in record if "BatchVarianceProbe" in str(w.message)]
     (said,) = [m for m in ours if "items" in m]
-    assert said.index("items:") < said.index("Optimizer step 1 ") < said.index("histogram")
+    assert said.index("`items`:") < said.index("Optimizer step 1 ") < said.index("histogram")
     heading, rows = panel_rows(panels[-1])
     assert f"over {4 / 31:.1%} of parameters (not: `items`)" in heading
     truth = brute_force_norms(module, ids[16:], y[16:], skip=("items.weight",))

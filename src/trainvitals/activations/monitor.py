@@ -23,12 +23,15 @@ from typing_extensions import override
 from trainvitals._validation import check_callable, check_float, check_int
 from trainvitals.activations.stats import (
     DEAD_TYPES,
+    DEAD_WHY,
+    INACTIVE_WHY,
     STATS,
     ZERO_GRADIENT_TYPES,
     combine_moments,
     finish,
     output_moments,
     output_tensors,
+    units_word,
 )
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
@@ -305,23 +308,6 @@ class ActivationMonitor(TrainvitalsCallback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-DEAD_WHY = (
-    "these units are ≤ 0 for every example, so no gradient flows through them: lower the lr, check the "
-    "initialisation and the biases, or use a leaky activation"
-)
-INACTIVE_WHY = (
-    "their input is ≤ 0 for every example, where this activation passes only the small gradient of its negative "
-    "branch: check the initialisation and the biases before it"
-)
-"""What a share of units ≤ 0 for every example means, by the activation's word (:func:`units_word`)."""
-
-
-def units_word(zero_gradient: bool) -> str:
-    """What units ≤ 0 for every example are called: "dead" under an activation with no gradient there (ReLU,
-    ReLU6: :data:`~trainvitals.activations.stats.ZERO_GRADIENT_TYPES`), else "inactive" (GELU, SiLU, ELU, ...)."""
-    return "dead" if zero_gradient else "inactive"
 
 
 def _nonfinite_finding(step: int, module: str) -> str:

@@ -132,3 +132,20 @@ def output_tensors(output: object, path: str = "") -> list[tuple[str, Tensor]]:
         output.items() if isinstance(output, dict) else enumerate(output) if isinstance(output, (tuple, list)) else ()
     )
     return [found for key, item in items for found in output_tensors(item, f"{path}[{key}]")]
+
+
+DEAD_WHY = (
+    "these units are ≤ 0 for every example, so no gradient flows through them: lower the lr, check the "
+    "initialisation and the biases, or use a leaky activation"
+)
+INACTIVE_WHY = (
+    "their input is ≤ 0 for every example, where this activation passes only the small gradient of its negative "
+    "branch: check the initialisation and the biases before it"
+)
+"""What a share of units ≤ 0 for every example means, by the activation's word (:func:`units_word`)."""
+
+
+def units_word(zero_gradient: bool) -> str:
+    """What units ≤ 0 for every example are called: "dead" under an activation with no gradient there (ReLU,
+    ReLU6: :data:`ZERO_GRADIENT_TYPES`), else "inactive" (GELU, SiLU, ELU, ...)."""
+    return "dead" if zero_gradient else "inactive"

@@ -7,7 +7,7 @@ import math
 import re
 import statistics
 
-from trainvitals.activations.monitor import DEAD_WHY, INACTIVE_WHY, units_word
+from trainvitals.activations.stats import DEAD_WHY, INACTIVE_WHY, units_word
 from trainvitals.report.events import Run
 from trainvitals.report.model import Finding, Row, RunReport, as_of, counter, panel, value_at
 from trainvitals.tags import DIAGNOSIS_PREFIXES, activation, update
