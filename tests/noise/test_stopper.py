@@ -1369,6 +1369,34 @@ def test_fine_tuning_a_converged_model_says_both_readings_and_stops_with_hold_fr
     assert "min_loss_drop=None lets the band stop the run there" in loss_rule.summary_line()
 
 
+class AdamRegression(LinearRegression):
+    """LinearRegression trained with Adam, as a fresh user fine-tunes."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def test_fine_tuning_a_tiny_noisy_loss_says_both_readings_its_fall_within_noise():
+    """A fresh user fine-tuning a converged model (train loss ~5e-4, Adam) was told only "the batch is below
+    B_simple": its 10-step start mean and EMA differed by 38 % by noise alone, read as "fallen". Here w = w* from the
+    start, loss σ² = 4e-4 over batches of 2 × 4 (a step's loss ~50 % noise), Adam 1e-3: at step 109 the loss read 10 %+
+    below its start, within its noise; the message gives both readings and says the fall is within the noise."""
+    d, micro, steps = 10, 2, 300
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(steps * 4 * micro, d, generator=g)
+    y = 0.02 * torch.randn(steps * 4 * micro, generator=g)
+    stopper = GradNormEarlyStopping(verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(**trainer_kwargs(callbacks=[stopper], max_epochs=1, accumulate_grad_batches=4)).fit(
+            AdamRegression(torch.zeros(d), lr=1e-3), DataLoader(TensorDataset(x, y), batch_size=micro)
+        )
+    said = stopper.from_start
+    assert stopper.stopped_step is None and said.startswith("in its noise band from the start"), said
+    assert "or the run started at its minimum (e.g. fine-tuning a converged model)" in said, said
+    assert re.search(r"fell \d+% since the start \([\d.e-]+ → [\d.e-]+\), within its own noise: a fall", said), said
+
+
 def test_hold_from_start_round_trips_as_an_argument_not_as_state():
     """Not in the state key (a run's band history means the same under either): a checkpoint saved under one
     resumes under the other, and an older state (no such key) loads."""

@@ -39,7 +39,7 @@ from trainvitals.plumbing.amp import loss_scale
 from trainvitals.plumbing.base import TrainvitalsCallback
 from trainvitals.plumbing.batch import batch_size, loss_divisor
 from trainvitals.plumbing.cadence import is_logging_step, logging_every
-from trainvitals.plumbing.loss_progress import START_STEPS, LossProgress, plateau_advice
+from trainvitals.plumbing.loss_progress import NOISE_Z, START_STEPS, LossProgress, plateau_advice
 from trainvitals.plumbing.sharing import (
     GRAD_SQ_NORMS,
     GRADIENT_NOISE,
@@ -160,9 +160,10 @@ class GradNormEarlyStopping(TrainvitalsCallback):
     judged on the estimate's smoothed quantities (each from the window of least variance + lag², ‖G‖² the slow
     EMA's: estimate.py, rule 7), the same the margin
     chart draws. A plateau is in its band as a minimum is (G ≈ 0 on a saddle too): in noise-band mode a full
-    streak stops the run only once the training loss has fallen by ``min_loss_drop`` of its start
-    (:class:`~trainvitals.plumbing.loss_progress.LossProgress`: the mean of the first 10 steps against an EMA,
-    β = ``ema_beta``, the ranks' mean under DDP), judged on logging and check steps; held back, it says so once.
+    streak stops the run only once the training loss has fallen by ``min_loss_drop`` of its start and beyond its
+    own noise (:class:`~trainvitals.plumbing.loss_progress.LossProgress`: the mean of the first 10 steps against an
+    EMA, β = ``ema_beta``, the ranks' mean under DDP, their difference past 1.645 standard errors), judged on
+    logging and check steps; held back, it says so once.
     The streak is kept on the device; the host looks at it every ``check_every_n_steps`` optimizer
     steps, so a stop lands at most ``check_every_n_steps - 1`` steps after the streak completes. The decision is reduced across ranks
     (``reduce_boolean_decision``): all ranks stop at the same step.
@@ -203,8 +204,8 @@ class GradNormEarlyStopping(TrainvitalsCallback):
         check_every_n_steps: how often the host reads the streak, in optimizer steps, ≥ 1.
         verbose: print the stop reason.
         min_loss_drop: noise-band mode: no stop while the training loss has fallen by less than this fraction of
-            its start, in [0, 1) (a plateau the run has not left); ``None`` or 0: off (a run that starts at its
-            minimum, a fine-tuning). A start loss ≤ 0 leaves it out, said once.
+            its start, or by no more than its noise, in [0, 1) (a plateau the run has not left); ``None`` or 0: off
+            (a run that starts at its minimum, a fine-tuning). A start loss ≤ 0 leaves it out, said once.
         hold_from_start: noise-band mode: no stop on a band the run was in from the start, never shown out of it
             (noise from step 0, or a run that starts at its minimum); ``False``: the band stops it as any other
             (fine-tuning a converged model: with ``min_loss_drop=None``), the stop saying it was in its band from
@@ -776,7 +777,7 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             self.plateau_step = step
             said = (
                 f"{self._plateau_said()}. It will not {self._band_acts()[1]} on the band until the loss has fallen "
-                f"by {self.min_loss_drop:.0%} of its start (min_loss_drop), and keeps watching."
+                f"by {self.min_loss_drop:.0%} of its start (min_loss_drop) and beyond its noise, and keeps watching."
             )
             self.info(said)
             log_text(trainer, "grad_norm/stop_reason", self.message(said), step)
@@ -800,10 +801,13 @@ class GradNormEarlyStopping(TrainvitalsCallback):
             return f"the training loss's start (its first {START_STEPS} steps' mean) is not known yet"
         fell = progress["drop"] >= 0
         moved = f"fell {progress['drop']:.0%}" if fell else f"rose {-progress['drop']:.0%}"
-        return (
-            f"the training loss {moved} since the start ({progress['start']:.4g} → {progress['current']:.4g}), "
-            f"{'below' if fell else 'not the fall of'} min_loss_drop {self.min_loss_drop:.0%}"
-        )
+        said = f"the training loss {moved} since the start ({progress['start']:.4g} → {progress['current']:.4g}), "
+        if fell and progress["drop"] >= self.min_loss_drop:  # held by its noise, not by min_loss_drop
+            return (
+                f"{said}within its own noise: a fall below {progress['noise']:.0%} ({NOISE_Z} standard errors of "
+                "its first steps' mean and its EMA) is not told from chance"
+            )
+        return f"{said}{'below' if fell else 'not the fall of'} min_loss_drop {self.min_loss_drop:.0%}"
 
     def _say_caveat(self, trainer: "pl.Trainer", step: int) -> None:
         """Once per fit: why the estimate cannot stop the run (no valid source, partial coverage), and two
