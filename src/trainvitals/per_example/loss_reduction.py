@@ -139,8 +139,24 @@ def detect_loss_reduction(
     Returns:
         The reduction, or ``None`` when the graph shows none, or several (or the batch is empty).
     """
-    if batch_size < 1:
+    walked = _reductions(loss, batch_size, accumulation, loss_scale) if batch_size >= 1 else None
+    if not walked:
         return None
+    found = walked[0]
+    kinds, terms = {f.kind for f in found}, {f.terms for f in found}
+    if len(kinds) != 1:
+        return None
+    # The count of one reduction only: the parts of a loss that adds several reduce over counts of their own.
+    count = found[0].count if len(found) == 1 else None
+    return LossReduction(kinds.pop(), terms.pop() if len(terms) == 1 else None, count)
+
+
+def _reductions(
+    loss: Tensor, batch_size: int, accumulation: int = 1, loss_scale: float | Tensor | None = None
+) -> tuple[list[LossReduction], set[int]] | None:
+    """The walk :func:`detect_loss_reduction` describes: the reductions found over the batch's rows, and the leading
+    sizes of those over other rows (parameters' L2 penalties, a graph batch's graphs); ``None`` where the graph holds
+    anything but scalar operations above its reductions, or is too large to walk."""
 
     def sum_kind(divisor: float) -> str:
         if math.isinf(divisor) or (divisor >= batch_size and divisor % batch_size == 0):
@@ -148,6 +164,7 @@ def detect_loss_reduction(
         return "sum" if divisor == 1 else "scaled"
 
     found: list[LossReduction] = []
+    others: set[int] = set()
     # (node, the product of the divisions above it: inf once one is by a device tensor, and that product with
     # the device tensors kept as such, None when none)
     stack: list[tuple[Any, float, float | Tensor | None]] = [(loss.grad_fn, 1.0, None)]
@@ -171,6 +188,8 @@ def detect_loss_reduction(
                 count = _times(float(math.prod(sizes)), by) if name in _MEAN_OPS else by
                 terms = sizes[0] if len(sizes) == 1 else None
                 found.append(LossReduction(kind, terms, count))
+            elif sizes:
+                others.add(int(sizes[0]))
             continue
         code = getattr(node, "_saved_reduction", None)
         if code is not None:
@@ -185,6 +204,8 @@ def detect_loss_reduction(
                 found.append(LossReduction(kind if kind == "mean" else sum_kind(divisor), _loss_terms(node), count))
             elif code not in _REDUCTION_CODES:
                 return None
+            elif leading:
+                others.add(int(leading))
             continue
         if name not in _SCALAR_OPS:
             return None
@@ -216,42 +237,15 @@ def detect_loss_reduction(
             else:
                 divisor, by = divisor * value, value if by is None else by * value
         stack.extend((nxt, divisor, by) for nxt, _ in node.next_functions)
-    kinds, terms = {f.kind for f in found}, {f.terms for f in found}
-    if len(kinds) != 1:
-        return None
-    # The count of one reduction only: the parts of a loss that adds several reduce over counts of their own.
-    count = found[0].count if len(found) == 1 else None
-    return LossReduction(kinds.pop(), terms.pop() if len(terms) == 1 else None, count)
+    return found, others
 
 
 def reduced_rows(loss: Tensor, batch_size: int) -> int | None:
-    """The leading size of the reductions ``loss`` is made of (``mean()``/``sum()``, a loss function's
-    ``reduction=``), reached through scalar operations as :func:`detect_loss_reduction` walks; ``None`` where the graph
-    shows none, several sizes, a selection of a ``batch_size``-row tensor (``logits[mask]``), or anything else on the
-    way. A batch whose examples are not its first tensor's rows (a
-    graph batch led by its nodes) shows here as a size that is not a multiple of the batch Lightning counts."""
-    rows: set[int] = set()
-    stack, visited = [loss.grad_fn], 0
-    while stack:
-        node = stack.pop()
-        visited += 1
-        if node is None:
-            continue
-        if visited > _MAX_GRAPH_NODES:
-            return None
-        name = type(node).__name__
-        if name in _MEAN_OPS or name in _SUM_OPS:
-            sizes = node._saved_self_sym_sizes
-            if not sizes or _selected_from_batch(node, batch_size):
-                return None
-            rows.add(int(sizes[0]))
-            continue
-        if getattr(node, "_saved_reduction", None) is not None:
-            if not node._saved_self.dim() or _selected_from_batch(node, batch_size):
-                return None
-            rows.add(int(node._saved_self.shape[0]))
-            continue
-        if name not in _SCALAR_OPS:
-            return None
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return rows.pop() if len(rows) == 1 else None
+    """The one number of rows ``loss``'s reductions are over where none is over the batch's ``batch_size`` rows (or a
+    selection of them), in :func:`detect_loss_reduction`'s walk; ``None`` otherwise. A batch whose examples are not
+    its first tensor's rows (a graph batch led by its nodes) shows here as rows that are not a multiple of the batch
+    Lightning counts."""
+    walked = _reductions(loss, batch_size) if batch_size >= 1 else None
+    if not walked or walked[0] or len(walked[1]) != 1:
+        return None
+    return next(iter(walked[1]))
