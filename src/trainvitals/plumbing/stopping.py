@@ -25,9 +25,18 @@ def stopped_early(trainer: "pl.Trainer") -> bool:
     batches = loop.epoch_loop.batch_progress
     # An epoch cut short still counts as processed: the last one must also have run out of batches.
     epoch_done = batches.is_last_batch or batches.current.ready >= trainer.num_training_batches
-    at_max_steps = loop.max_steps != -1 and trainer.global_step >= loop.max_steps
-    at_max_epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
-    return trainer.should_stop and can_stop_now(trainer) and not at_max_steps and not (at_max_epochs and epoch_done)
+    ran_out = _at_max_steps(trainer) or (_at_max_epochs(trainer) and epoch_done)
+    return trainer.should_stop and can_stop_now(trainer) and not ran_out
+
+
+def _at_max_steps(trainer: "pl.Trainer") -> bool:
+    loop = trainer.fit_loop
+    return loop.max_steps != -1 and trainer.global_step >= loop.max_steps
+
+
+def _at_max_epochs(trainer: "pl.Trainer") -> bool:
+    loop = trainer.fit_loop
+    return loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
 
 
 def ended_by(trainer: "pl.Trainer") -> str:
@@ -35,11 +44,10 @@ def ended_by(trainer: "pl.Trainer") -> str:
     "max_time (Timer)", "EarlyStopping on val_loss"; "" where none of these (another callback's stop request):
     the bounds a band that ends no fit leaves the fit to. Meaningful in ``on_train_end``."""
     loop = trainer.fit_loop
-    if loop.max_steps != -1 and trainer.global_step >= loop.max_steps:
+    if _at_max_steps(trainer):
         return f"max_steps={loop.max_steps}"
     if not stopped_early(trainer):
-        at_max_epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
-        return f"max_epochs={loop.max_epochs}" if at_max_epochs else ""
+        return f"max_epochs={loop.max_epochs}" if _at_max_epochs(trainer) else ""
     for callback in trainer.callbacks:
         remaining = callback.time_remaining() if isinstance(callback, Timer) else None  # None: no duration set
         if remaining is not None and remaining <= 0:
